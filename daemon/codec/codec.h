@@ -1,0 +1,84 @@
+// Sparse delta codec: encodes the change between two versions of a tensor as a patch (wire
+// format in format.h and docs/ARCHITECTURE.md) and applies a patch to the old bytes.
+//
+// Blocks are independent: encode and apply run them in parallel on CPU threads, and the CUDA
+// kernels in cuda/ produce byte-identical patches (this file is their CPU twin and test oracle).
+#ifndef REFIT_DAEMON_CODEC_CODEC_H_
+#define REFIT_DAEMON_CODEC_CODEC_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/codec/dtype.h"
+#include "daemon/codec/format.h"
+
+namespace refit {
+
+struct EncodeOptions {
+  int block_log2 = format::kDefaultBlockLog2;  // elements per block = 2^block_log2
+  int threads = 0;                             // 0 = one per hardware thread
+};
+
+// Counts about one patch, filled by EncodePatch and InspectPatch.
+struct PatchStats {
+  uint64_t num_elements = 0;
+  uint64_t changed_elements = 0;  // SPARSE counts + all elements of DENSE blocks
+  uint64_t blocks_unchanged = 0;
+  uint64_t blocks_sparse = 0;
+  uint64_t blocks_dense = 0;
+  uint64_t patch_bytes = 0;
+};
+
+// One block as described by the patch's table, with its payload located.
+struct BlockDesc {
+  uint8_t mode = format::kUnchanged;
+  uint8_t kg = 0, kr = 0, ke = 0;
+  uint32_t count = 0;  // changed elements (SPARSE only)
+  uint32_t checksum = 0;
+  uint64_t first_element = 0;
+  uint32_t num_elements = 0;
+  uint64_t payload_offset = 0;  // from the start of the patch
+  uint64_t payload_bytes = 0;
+};
+
+// A parsed and structurally validated patch header and block table.
+struct PatchLayout {
+  DType dtype = DType::kBF16;
+  int block_log2 = format::kDefaultBlockLog2;
+  uint64_t num_elements = 0;
+  std::vector<BlockDesc> blocks;
+};
+
+// Encodes base -> target. Both spans hold num_elements elements of `dtype` (equal sizes, a
+// multiple of the element size). Output is deterministic: independent of thread count, and equal
+// byte for byte to the CUDA encoder's.
+absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const uint8_t> base,
+                                                 std::span<const uint8_t> target,
+                                                 const EncodeOptions& options = {},
+                                                 PatchStats* stats = nullptr);
+
+// Parses and validates the header and block table (magic, version, dtype, sizes, varints,
+// header checksum, payload bounds). Does not read payloads.
+absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch);
+
+// Applies `patch` to `base`, writing the target into `out` (same size as base). `out` may be the
+// same memory as `base` (in place); otherwise base is never written. The patch must be for
+// `dtype` and base's element count. Every block checksum is verified before anything is written;
+// each block is decoded completely and validated before any of its bytes are written, so a bad
+// patch never leaves a partly applied block. On error out-of-place output is unspecified and the
+// base untouched; in place, blocks before the failing one may have been applied (callers that
+// need all-or-nothing stage into a separate buffer, as the daemons do).
+absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype,
+                        std::span<const uint8_t> base, std::span<uint8_t> out, int threads = 0);
+
+// Validates the whole patch (table and every payload) without a base tensor where possible:
+// checksums and bitstream structure. Fills stats.
+absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_CODEC_CODEC_H_
