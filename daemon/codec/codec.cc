@@ -661,6 +661,7 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
       if (head != 0) return bad("unchanged block with nonzero count");
     } else if (d.mode == kDense) {
       if (head != kDense) return bad("dense block with nonzero count");
+      d.checksum_offset = format::kHeaderBytes + tr.offset();
       if (!tr.U32(&d.checksum)) return bad("truncated checksum");
       d.payload_bytes = dense_bytes;
     } else if (d.mode == kSparse) {
@@ -686,6 +687,7 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
         return bad(absl::StrCat("sparse payload of ", d.payload_bytes,
                                 " bytes is not smaller than the dense form (", dense_bytes, ")"));
       }
+      d.checksum_offset = format::kHeaderBytes + tr.offset();
       if (!tr.U32(&d.checksum)) return bad("truncated checksum");
     } else {
       return bad("unknown block mode 3");

@@ -43,6 +43,7 @@ struct BlockDesc {
   uint32_t num_elements = 0;
   uint64_t payload_offset = 0;  // from the start of the patch
   uint64_t payload_bytes = 0;
+  uint64_t checksum_offset = 0;  // where the table stores `checksum` (from the patch start)
 };
 
 // A parsed and structurally validated patch header and block table.

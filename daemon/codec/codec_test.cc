@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
 #include "gtest/gtest.h"
 
 namespace refit {
@@ -342,22 +343,7 @@ TEST_F(HostilePatch, ValidChecksumsButHostileStreamsAreRejected) {
     for (int rep = 0; rep < 50; ++rep) {
       Bytes bad = patch_;
       for (uint64_t k = 0; k < d.payload_bytes; ++k) bad[d.payload_offset + k] = static_cast<uint8_t>(rng());
-      // Re-sign: find the checksum in the table by re-encoding the table is complex; instead
-      // recompute via the public definition: payload checksum = low 32 bits of Hash64(payload, i).
-      uint32_t sum = static_cast<uint32_t>(
-          Hash64(std::span<const uint8_t>(bad).subspan(d.payload_offset, d.payload_bytes), bi));
-      uint32_t old = d.checksum;
-      // Locate the old checksum bytes inside the table (unique with overwhelming probability).
-      auto it = std::search(bad.begin() + 32, bad.begin() + static_cast<long>(layout_.blocks[0].payload_offset),
-                            reinterpret_cast<uint8_t*>(&old), reinterpret_cast<uint8_t*>(&old) + 4);
-      ASSERT_NE(it, bad.begin() + static_cast<long>(layout_.blocks[0].payload_offset));
-      std::memcpy(&*it, &sum, 4);
-      uint64_t table_bytes;
-      std::memcpy(&table_bytes, bad.data() + 16, 8);
-      Bytes hdr(bad.begin(), bad.begin() + 24);
-      hdr.insert(hdr.end(), bad.begin() + 32, bad.begin() + 32 + static_cast<long>(table_bytes));
-      uint32_t hsum = static_cast<uint32_t>(Hash64(hdr, format::kHeaderSeed));
-      std::memcpy(bad.data() + 24, &hsum, 4);
+      ASSERT_TRUE(testing::ResignPatch(bad).ok());
       ASSERT_TRUE(ParsePatch(bad).ok());
       Bytes out(base_.size());
       absl::Status st = ApplyPatch(bad, DType::kBF16, base_, out);

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything refitd needs to build and test, from Debian 12's packages.
+# Safe to re-run. Needs root (or sudo). The CUDA toolkit is optional: with nvcc on PATH (or in
+# /usr/local/cuda) the kernels are built too.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config git ca-certificates
+  clang libclang-rt-14-dev            # libFuzzer target and sanitizers
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3 python3-numpy python3-grpcio
+  openssl iproute2
+)
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds refitd and runs the whole test suite (the README's test command).
+#   scripts/test.sh            install deps, build (build/), run ctest
+# Environment: BUILD_DIR (default build), REFIT_CUDA (default AUTO), JOBS (default nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREFIT_CUDA="${REFIT_CUDA:-AUTO}" \
+  -DREFIT_WERROR=ON
+cmake --build "$BUILD_DIR" -j "$JOBS"
+ctest --test-dir "$BUILD_DIR" -j "$JOBS" --output-on-failure --timeout 600
