@@ -38,9 +38,26 @@ class BitWriter {
   }
   // Rice(k) of x, k <= 32.
   inline void PutRice(uint64_t x, int k) {
-    PutZeros(x >> k);
+    const uint64_t q = x >> k;
+    if (q + static_cast<uint64_t>(k) < 63) {  // one write: q zeros, a one, k low bits
+      const uint64_t low = x & ((1ull << k) - 1);
+      Put((1ull << q) | (low << (q + 1)), static_cast<int>(q) + 1 + k);
+      return;
+    }
+    PutZeros(q);
     Put(1, 1);
     if (k) Put(x & ((1ull << k) - 1), k);
+  }
+  // Rice(k) of x followed by one bit.
+  inline void PutRiceThenBit(uint64_t x, int k, uint64_t bit) {
+    const uint64_t q = x >> k;
+    if (q + static_cast<uint64_t>(k) < 62) {
+      const uint64_t low = x & ((1ull << k) - 1);
+      Put((1ull << q) | (low << (q + 1)) | (bit << (q + 1 + k)), static_cast<int>(q) + 2 + k);
+      return;
+    }
+    PutRice(x, k);
+    Put(bit, 1);
   }
   // Exp-Golomb(k) of x, k <= 31, x + 2^k must not overflow.
   inline void PutEg(uint64_t x, int k) {
@@ -66,6 +83,62 @@ class BitWriter {
     acc_ = 0;
     fill_ = 0;
     return static_cast<size_t>(out_ - start);
+  }
+
+ private:
+  uint8_t* out_;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+};
+
+// Branch-free writer for the encoder's hot loop: every Put stores the whole 64-bit accumulator
+// and advances by the completed bytes, so it needs 8 writable bytes of slack past the end of the
+// stream. Each Put takes at most 56 bits; Put(0, 0) is a no-op, which lets callers drop optional
+// codes by zeroing their length instead of branching.
+class FastBitWriter {
+ public:
+  explicit FastBitWriter(uint8_t* out) : out_(out) {}
+  inline void Put(uint64_t v, int nbits) {  // nbits <= 56, v < 2^nbits
+    acc_ |= v << fill_;
+    fill_ += nbits;
+    std::memcpy(out_, &acc_, 8);
+    const int bytes = fill_ >> 3;
+    out_ += bytes;
+    acc_ >>= 8 * bytes;  // bytes <= 7
+    fill_ &= 7;
+  }
+  // Arbitrary-length writes for the rare long codes.
+  inline void PutLong(uint64_t v, int nbits) {  // nbits <= 64
+    if (nbits > 32) {
+      Put(v & 0xffffffffull, 32);
+      Put(v >> 32, nbits - 32);
+    } else {
+      Put(v, nbits);
+    }
+  }
+  inline void PutZeros(uint64_t n) {
+    while (n > 32) {
+      Put(0, 32);
+      n -= 32;
+    }
+    Put(0, static_cast<int>(n));
+  }
+  inline void PutRice(uint64_t x, int k) {
+    PutZeros(x >> k);
+    Put(1, 1);
+    PutLong(x & ((1ull << k) - 1), k);
+  }
+  inline void PutEg(uint64_t x, int k) {
+    const uint64_t y = x + (1ull << k);
+    const int L = 64 - __builtin_clzll(y);
+    PutZeros(static_cast<uint64_t>(L - 1 - k));
+    Put(1, 1);
+    const int low = L - 1;
+    PutLong(low == 64 ? y : (y & ((1ull << low) - 1)), low);
+  }
+  // Bytes written so far, counting a partial last byte.
+  size_t Finish(const uint8_t* start) const {
+    return static_cast<size_t>(out_ - start) + (fill_ ? 1 : 0);
   }
 
  private:

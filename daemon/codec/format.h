@@ -50,6 +50,7 @@
 #ifndef REFIT_DAEMON_CODEC_FORMAT_H_
 #define REFIT_DAEMON_CODEC_FORMAT_H_
 
+#include <bit>
 #include <cstdint>
 
 namespace refit::format {
@@ -79,14 +80,7 @@ constexpr uint64_t OrderedInverse(uint64_t o, int bits) {
 }
 
 // ---- Rice / Exp-Golomb code lengths -------------------------------------------------------------
-constexpr int BitLength(uint64_t y) {
-  int n = 0;
-  while (y) {
-    ++n;
-    y >>= 1;
-  }
-  return n;
-}
+constexpr int BitLength(uint64_t y) { return static_cast<int>(std::bit_width(y)); }
 constexpr uint64_t RiceBits(uint64_t x, int k) { return (x >> k) + 1 + static_cast<uint64_t>(k); }
 constexpr uint64_t EgBits(uint64_t x, int k) {
   const int L = BitLength(x + (1ull << k));
