@@ -32,6 +32,7 @@ struct TransformerShape {
   int heads = 16;
   int kv_heads = 16;
   bool tie_embeddings = false;
+  bool qkv_bias = true;  // zero-initialised q/k/v projection biases (as in Qwen)
   uint64_t num_parameters() const;
 };
 
@@ -50,6 +51,12 @@ struct TrajectoryOptions {
   double eps = 1e-8;
   double weight_decay = 0.01;
   int threads = 0;           // 0 = all hardware threads
+  // Synthetic gradient model (trajectory.cc explains it): element i of a tensor at optimizer step
+  // t gets scale * (r_i cos(theta_i - 2 pi t / drift_period) + grad_noise * n_{i,t}), a slowly
+  // rotating persistent component plus fresh N(0, 1) noise. The defaults are calibrated so that
+  // lr = 1e-6 reproduces the change statistics of BRIEF.md section 5.
+  double grad_noise = 2.5;
+  double drift_period = 500.0;  // steps per full rotation of the persistent component
 };
 
 class Trajectory {
@@ -65,10 +72,29 @@ class Trajectory {
   // One AdamW step on the fp32 master weights at options.lr; refreshes the BF16 copies.
   virtual void Step() = 0;
   uint64_t total_elements() const;
+  // Parameter tensors are all published as BF16; this many bytes in all.
+  uint64_t total_bytes() const { return 2 * total_elements(); }
 
  protected:
   std::vector<TensorSpec> specs_;
 };
+
+// Round-to-nearest-even BF16 bit pattern of an fp32 value (what the trajectory publishes). NaNs
+// stay NaN (quietened, sign kept); values past the largest finite BF16 round to infinity.
+uint16_t RoundToBF16(float f);
+
+// How a BF16 tensor changed between two versions: the share of changed elements and how far each
+// moved in ordered-integer steps (refit::format::OrderedImage), i.e. in ULPs.
+struct BF16ChangeStats {
+  uint64_t elements = 0;
+  uint64_t changed = 0;
+  uint64_t by_ulps[4] = {0, 0, 0, 0};  // moved by 1, 2, 3, and more than 3 ULPs
+  double change_rate() const;          // changed / elements (0 when empty)
+  double share(int k) const;           // by_ulps[k] / changed (0 when nothing changed)
+  BF16ChangeStats& operator+=(const BF16ChangeStats& o);
+};
+// Compares two little-endian BF16 buffers of equal, even size.
+BF16ChangeStats CompareBF16(std::span<const uint8_t> before, std::span<const uint8_t> after);
 
 }  // namespace refit::model
 
