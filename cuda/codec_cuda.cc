@@ -1,0 +1,685 @@
+// Host side of the GPU codec: argument checks, device scratch, kernel sequencing, the block table
+// and header (identical to codec.cc's writer), and error messages (identical to codec.cc's). The
+// kernels are in kernels.cuh; every CUDA runtime call goes through runtime.h.
+#include "cuda/codec_cuda.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/kernels.h"
+#include "cuda/runtime.h"
+#include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/status_macros.h"
+
+namespace refit::cuda {
+namespace {
+
+using format::kDense;
+using format::kSparse;
+using format::kUnchanged;
+
+static_assert(static_cast<int>(ValueCoding::kOrderedDiff) == kern::kCodingOrdered);
+static_assert(static_cast<int>(ValueCoding::kIntDiff) == kern::kCodingInt);
+static_assert(static_cast<int>(ValueCoding::kRaw) == kern::kCodingRaw);
+
+constexpr size_t kDefaultDecodeScratch = size_t{512} << 20;
+constexpr uint64_t kDecodedChangeBytes = sizeof(uint32_t) + sizeof(uint64_t);
+
+// ---- table writer: the same bytes as codec.cc's PutU16 / PutU32 / PutVarint -----------------------
+
+void PutU16(std::vector<uint8_t>& out, uint16_t v) {
+  out.push_back(static_cast<uint8_t>(v));
+  out.push_back(static_cast<uint8_t>(v >> 8));
+}
+void PutU32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void PutVarint(std::vector<uint8_t>& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<uint8_t>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<uint8_t>(v));
+}
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+void StoreU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+void StoreU64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+uint64_t RoundUp8(uint64_t x) { return (x + 7) & ~uint64_t{7}; }
+
+// codec.cc's BlockWhere.
+std::string BlockWhere(uint64_t i, const BlockDesc& d) {
+  return absl::StrCat("block ", i, " (elements [", d.first_element, ", ",
+                      d.first_element + d.num_elements, "))");
+}
+
+absl::Status CheckDevice() {
+  static const absl::Status* const status = [] {
+    absl::StatusOr<int> n = rt::DeviceCount();
+    if (!n.ok()) {
+      return new absl::Status(absl::UnavailableError(
+          absl::StrCat("no usable CUDA device: ", n.status().message())));
+    }
+    if (*n <= 0) return new absl::Status(absl::UnavailableError("no CUDA device"));
+    return new absl::Status();
+  }();
+  return *status;
+}
+
+bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Grows `buf` to at least `bytes` (contents are not preserved).
+absl::Status Reserve(DeviceBuffer& buf, size_t bytes) {
+  if (buf.size() >= bytes) return absl::OkStatus();
+  buf = DeviceBuffer();  // free first: lower peak memory
+  ASSIGN_OR_RETURN(buf, DeviceBuffer::Allocate(bytes));
+  return absl::OkStatus();
+}
+
+template <typename T>
+T* Ptr(DeviceBuffer& b) {
+  return static_cast<T*>(b.data());
+}
+
+const char* DecodeErrorText(uint32_t code) {
+  switch (code) {
+    case kern::kErrRunTruncated: return "truncated or oversized run length";
+    case kern::kErrRunPastCount: return "run length runs past the block's change count";
+    case kern::kErrGapTruncated: return "truncated or oversized position gap";
+    case kern::kErrPosPastEnd: return "position beyond the end of the block";
+    case kern::kErrValueTruncated: return "truncated value";
+    case kern::kErrRawEqualsBase: return "raw value equals the base value (not a change)";
+    case kern::kErrExcPrefix: return "truncated or oversized exception prefix";
+    case kern::kErrExcTooLarge: return "exception magnitude too large for the dtype";
+    case kern::kErrExcTruncated: return "truncated exception magnitude";
+    case kern::kErrDiffRange: return "difference out of range for the dtype";
+    default: return "unknown decoder error";
+  }
+}
+
+// Records device stage times when asked to.
+class StageClock {
+ public:
+  StageClock(DeviceTimings* out, void* stream) : out_(out), stream_(stream) {
+    if (out_ != nullptr) out_->stages.clear();
+  }
+  absl::Status Begin(const char* name) {
+    if (out_ == nullptr) return absl::OkStatus();
+    timers_.emplace_back(name, std::make_unique<rt::Timer>());
+    return timers_.back().second->Start(stream_);
+  }
+  absl::Status End() {
+    if (out_ == nullptr) return absl::OkStatus();
+    return timers_.back().second->Stop(stream_);
+  }
+  // After the stream is synchronised: collects the times.
+  absl::Status Finish() {
+    if (out_ == nullptr) return absl::OkStatus();
+    for (auto& [name, timer] : timers_) {
+      ASSIGN_OR_RETURN(double ms, timer->ElapsedMs());
+      bool merged = false;
+      for (auto& s : out_->stages) {
+        if (s.name == name) {
+          s.ms += ms;
+          merged = true;
+        }
+      }
+      if (!merged) out_->stages.push_back({name, ms});
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  DeviceTimings* out_;
+  void* stream_;
+  std::vector<std::pair<std::string, std::unique_ptr<rt::Timer>>> timers_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Free functions, DeviceBuffer, DeviceTimings
+// ---------------------------------------------------------------------------------------------
+
+bool DeviceAvailable() { return CheckDevice().ok(); }
+
+absl::StatusOr<std::string> DeviceDescription() {
+  RETURN_IF_ERROR(CheckDevice());
+  return rt::Describe();
+}
+
+DeviceBuffer::~DeviceBuffer() { rt::Free(ptr_); }
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    rt::Free(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
+  RETURN_IF_ERROR(CheckDevice());
+  DeviceBuffer b;
+  if (bytes == 0) return b;
+  void* p = nullptr;
+  absl::Status st = rt::Malloc(&p, bytes);
+  if (!st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("allocating ", bytes, " bytes of device memory: ",
+                                                 st.message()));
+  }
+  b.ptr_ = p;
+  b.size_ = bytes;
+  return b;
+}
+
+absl::Status DeviceBuffer::Upload(std::span<const uint8_t> host) {
+  if (host.size() > size_) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceBuffer::Upload: ", host.size(),
+                                                   " bytes into a buffer of ", size_));
+  }
+  return rt::CopyToDevice(ptr_, host.data(), host.size());
+}
+
+absl::Status DeviceBuffer::Download(std::span<uint8_t> host) const {
+  if (host.size() > size_) {
+    return absl::InvalidArgumentError(absl::StrCat("DeviceBuffer::Download: ", host.size(),
+                                                   " bytes from a buffer of ", size_));
+  }
+  return rt::CopyToHost(host.data(), ptr_, host.size());
+}
+
+double DeviceTimings::TotalMs() const {
+  double t = 0;
+  for (const auto& s : stages) t += s.ms;
+  return t;
+}
+
+double DeviceTimings::StageMs(const std::string& name) const {
+  for (const auto& s : stages) {
+    if (s.name == name) return s.ms;
+  }
+  return 0;
+}
+
+absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType dtype, const void* d_base,
+                                                       const void* d_target, uint64_t bytes,
+                                                       const EncodeOptions& options,
+                                                       PatchStats* stats) {
+  DeviceCodec codec;
+  return codec.Encode(dtype, d_base, d_target, bytes, options, stats);
+}
+
+absl::Status ApplyPatchDevice(std::span<const uint8_t> patch, DType dtype, const void* d_base,
+                              void* d_out, uint64_t bytes) {
+  DeviceCodec codec;
+  return codec.Apply(patch, dtype, d_base, d_out, bytes);
+}
+
+absl::StatusOr<uint64_t> TensorDigestDevice(const void* d_data, uint64_t bytes) {
+  DeviceCodec codec;
+  return codec.Digest(d_data, bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceCodec
+// ---------------------------------------------------------------------------------------------
+
+struct DeviceCodec::Impl {
+  void* stream = nullptr;
+  size_t decode_limit = kDefaultDecodeScratch;
+  // Encoder.
+  DeviceBuffer enc_blocks, enc_tiles, enc_offsets, enc_stage, enc_out;
+  std::vector<kern::EncBlock> host_blocks;
+  std::vector<uint64_t> host_offsets;
+  // Digest.
+  DeviceBuffer digest_hashes;
+  // Apply.
+  DeviceBuffer ap_patch, ap_descs, ap_stage, ap_computed, ap_first_bad, ap_errors, ap_pos, ap_val;
+
+  size_t ScratchBytes() const {
+    size_t n = 0;
+    for (const DeviceBuffer* b : {&enc_blocks, &enc_tiles, &enc_offsets, &enc_stage, &enc_out,
+                                  &digest_hashes, &ap_patch, &ap_descs, &ap_stage, &ap_computed,
+                                  &ap_first_bad, &ap_errors, &ap_pos, &ap_val}) {
+      n += b->size();
+    }
+    return n;
+  }
+
+  absl::StatusOr<std::vector<uint8_t>> Encode(DType dtype, const void* d_base,
+                                              const void* d_target, uint64_t bytes,
+                                              const EncodeOptions& options, PatchStats* stats,
+                                              DeviceTimings* timings);
+  absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
+                     uint64_t bytes, DeviceTimings* timings);
+  absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
+};
+
+DeviceCodec::DeviceCodec(void* stream) : impl_(std::make_unique<Impl>()) { impl_->stream = stream; }
+DeviceCodec::~DeviceCodec() = default;
+DeviceCodec::DeviceCodec(DeviceCodec&&) noexcept = default;
+DeviceCodec& DeviceCodec::operator=(DeviceCodec&&) noexcept = default;
+
+absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Encode(DType dtype, const void* d_base,
+                                                         const void* d_target, uint64_t bytes,
+                                                         const EncodeOptions& options,
+                                                         PatchStats* stats,
+                                                         DeviceTimings* timings) {
+  return impl_->Encode(dtype, d_base, d_target, bytes, options, stats, timings);
+}
+absl::Status DeviceCodec::Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base,
+                                void* d_out, uint64_t bytes, DeviceTimings* timings) {
+  return impl_->Apply(patch, dtype, d_base, d_out, bytes, timings);
+}
+absl::StatusOr<uint64_t> DeviceCodec::Digest(const void* d_data, uint64_t bytes) {
+  return impl_->Digest(d_data, bytes);
+}
+absl::StatusOr<double> DeviceCodec::DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes) {
+  RETURN_IF_ERROR(CheckDevice());
+  if (bytes > 0 && (d_dst == nullptr || d_src == nullptr)) {
+    return absl::InvalidArgumentError("DeviceCopy: null device pointer");
+  }
+  rt::Timer timer;
+  RETURN_IF_ERROR(timer.Start(impl_->stream));
+  RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_dst, d_src, bytes, impl_->stream));
+  RETURN_IF_ERROR(timer.Stop(impl_->stream));
+  RETURN_IF_ERROR(rt::StreamSynchronize(impl_->stream));
+  return timer.ElapsedMs();
+}
+void DeviceCodec::set_decode_scratch_limit(size_t bytes) { impl_->decode_limit = bytes; }
+size_t DeviceCodec::scratch_bytes() const { return impl_->ScratchBytes(); }
+void DeviceCodec::ReleaseScratch() {
+  void* stream = impl_->stream;
+  const size_t limit = impl_->decode_limit;
+  impl_ = std::make_unique<Impl>();
+  impl_->stream = stream;
+  impl_->decode_limit = limit;
+}
+
+// ---- encode ---------------------------------------------------------------------------------------
+
+absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
+    DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
+    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings) {
+  RETURN_IF_ERROR(CheckDevice());
+  // The same argument checks, in the same order, as EncodePatch.
+  if (!IsValidDType(static_cast<uint8_t>(dtype))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EncodePatchDevice: invalid dtype code ", static_cast<int>(dtype)));
+  }
+  const int log2 = options.block_log2;
+  if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
+    return absl::InvalidArgumentError(absl::StrCat("EncodePatchDevice: block_log2 ", log2,
+                                                   " outside [", format::kMinBlockLog2, ", ",
+                                                   format::kMaxBlockLog2, "]"));
+  }
+  const int w = DTypeSize(dtype);
+  if (bytes % w != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("EncodePatchDevice: ", bytes,
+                                                   " bytes is not a whole number of ",
+                                                   DTypeName(dtype), " elements"));
+  }
+  if (bytes > 0 && (d_base == nullptr || d_target == nullptr)) {
+    return absl::InvalidArgumentError("EncodePatchDevice: null device pointer");
+  }
+  if (!Aligned(d_base, w) || !Aligned(d_target, w)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EncodePatchDevice: device pointers must be aligned to the element size (", w, " bytes)"));
+  }
+  const uint64_t n = bytes / w;
+  const uint64_t block = uint64_t{1} << log2;
+  const uint64_t num_blocks = (n + block - 1) / block;
+  if (num_blocks > kern::kMaxGrid) {
+    return absl::InvalidArgumentError(absl::StrCat("EncodePatchDevice: ", num_blocks,
+                                                   " blocks exceed the launch limit; use a "
+                                                   "larger block_log2"));
+  }
+  const ValueCoding coding = DTypeValueCoding(dtype);
+  StageClock clock(timings, stream);
+
+  kern::EncodeArgs a;
+  a.base = d_base;
+  a.target = d_target;
+  a.num_elements = n;
+  a.num_blocks = num_blocks;
+  a.width = w;
+  a.coding = static_cast<int>(coding);
+  a.block_log2 = log2;
+  a.tiles_per_block = static_cast<uint32_t>((block + kern::kTile - 1) / kern::kTile);
+  a.vector_loads = Aligned(d_base, 16) && Aligned(d_target, 16);
+
+  host_blocks.resize(num_blocks);
+  if (num_blocks > 0) {
+    RETURN_IF_ERROR(Reserve(enc_blocks, num_blocks * sizeof(kern::EncBlock)));
+    RETURN_IF_ERROR(Reserve(enc_tiles, num_blocks * a.tiles_per_block * sizeof(kern::TileCarry)));
+    RETURN_IF_ERROR(Reserve(enc_offsets, 2 * num_blocks * sizeof(uint64_t)));
+    a.blocks = Ptr<kern::EncBlock>(enc_blocks);
+    a.tiles = Ptr<kern::TileCarry>(enc_tiles);
+    RETURN_IF_ERROR(clock.Begin("analyze"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeAnalyze(a, stream), "EncodeAnalyzeKernel"));
+    RETURN_IF_ERROR(clock.End());
+    RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
+                                        num_blocks * sizeof(kern::EncBlock), stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  }
+
+  // Plan: payload offsets in the compacted output and, for SPARSE blocks, 8-aligned slots in the
+  // staging buffer; the table's size (its contents wait for the checksums).
+  host_offsets.resize(2 * num_blocks);
+  uint64_t* stage_off = host_offsets.data();
+  uint64_t* out_off = host_offsets.data() + num_blocks;
+  uint64_t stage_total = 0, payload_total = 0, table_bytes = 0;
+  for (uint64_t i = 0; i < num_blocks; ++i) {
+    const kern::EncBlock& m = host_blocks[i];
+    stage_off[i] = stage_total;
+    out_off[i] = payload_total;
+    switch (m.mode) {
+      case kUnchanged:
+        table_bytes += 1;
+        break;
+      case kSparse:
+        stage_total += RoundUp8(m.payload_bytes);
+        table_bytes += VarintSize((static_cast<uint64_t>(m.count) << 2) | kSparse) + 2 +
+                       VarintSize(m.payload_bytes) + 4;
+        break;
+      case kDense:
+        table_bytes += 1 + 4;
+        break;
+      default:
+        return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
+                                                int{m.mode}, " (kernel bug)"));
+    }
+    payload_total += m.payload_bytes;
+  }
+
+  std::vector<uint8_t> patch(format::kHeaderBytes + table_bytes + payload_total);
+  if (num_blocks > 0) {
+    RETURN_IF_ERROR(Reserve(enc_stage, std::max<uint64_t>(stage_total, 8)));
+    RETURN_IF_ERROR(Reserve(enc_out, std::max<uint64_t>(payload_total, 8)));
+    a.stage_off = Ptr<uint64_t>(enc_offsets);
+    a.out_off = Ptr<uint64_t>(enc_offsets) + num_blocks;
+    a.stage = Ptr<uint8_t>(enc_stage);
+    a.out = Ptr<uint8_t>(enc_out);
+    RETURN_IF_ERROR(rt::CopyToDeviceAsync(enc_offsets.data(), host_offsets.data(),
+                                          2 * num_blocks * sizeof(uint64_t), stream));
+    RETURN_IF_ERROR(clock.Begin("emit"));
+    RETURN_IF_ERROR(rt::MemsetAsync(a.stage, 0, stage_total, stream));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeWrite(a, stream), "EncodeWriteKernel"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeChecksum(a, stream), "EncodeChecksumKernel"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeCompact(a, stream), "EncodeCompactKernel"));
+    RETURN_IF_ERROR(clock.End());
+    RETURN_IF_ERROR(clock.Begin("d2h"));
+    RETURN_IF_ERROR(rt::CopyToHostAsync(patch.data() + format::kHeaderBytes + table_bytes, a.out,
+                                        payload_total, stream));
+    RETURN_IF_ERROR(clock.End());
+    RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
+                                        num_blocks * sizeof(kern::EncBlock), stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    RETURN_IF_ERROR(clock.Finish());
+  }
+
+  // Table, as EncodeTyped writes it.
+  std::vector<uint8_t> table;
+  table.reserve(table_bytes);
+  PatchStats st;
+  st.num_elements = n;
+  for (uint64_t i = 0; i < num_blocks; ++i) {
+    const kern::EncBlock& m = host_blocks[i];
+    if (m.error != 0) {
+      return absl::InternalError(absl::StrCat(
+          "EncodePatchDevice: block ", i, ": the GPU encoder's bit layout is inconsistent (bug)"));
+    }
+    switch (m.mode) {
+      case kUnchanged:
+        PutVarint(table, 0);
+        ++st.blocks_unchanged;
+        break;
+      case kSparse:
+        PutVarint(table, (static_cast<uint64_t>(m.count) << 2) | kSparse);
+        PutU16(table, static_cast<uint16_t>(m.kg | (m.kr << 5) | (m.ke << 10)));
+        PutVarint(table, m.payload_bytes);
+        PutU32(table, m.checksum);
+        ++st.blocks_sparse;
+        st.changed_elements += m.count;
+        break;
+      default:  // kDense (checked above)
+        PutVarint(table, kDense);
+        PutU32(table, m.checksum);
+        ++st.blocks_dense;
+        st.changed_elements += std::min<uint64_t>(block, n - i * block);
+        break;
+    }
+  }
+  if (table.size() != table_bytes) {
+    return absl::InternalError("EncodePatchDevice: table size mismatch (bug)");
+  }
+
+  uint8_t* h = patch.data();
+  StoreU32(h + 0, format::kMagic);
+  h[4] = format::kVersion;
+  h[5] = static_cast<uint8_t>(dtype);
+  h[6] = static_cast<uint8_t>(log2);
+  h[7] = 0;
+  StoreU64(h + 8, n);
+  StoreU64(h + 16, table.size());
+  if (!table.empty()) std::memcpy(h + format::kHeaderBytes, table.data(), table.size());
+  {
+    std::vector<uint8_t> tmp(24 + table.size());
+    std::memcpy(tmp.data(), h, 24);
+    if (!table.empty()) std::memcpy(tmp.data() + 24, table.data(), table.size());
+    StoreU32(h + 24, static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed)));
+  }
+  StoreU32(h + 28, 0);
+  st.patch_bytes = patch.size();
+  if (stats != nullptr) *stats = st;
+  return patch;
+}
+
+// ---- apply ----------------------------------------------------------------------------------------
+
+absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
+                                      const void* d_base, void* d_out, uint64_t bytes,
+                                      DeviceTimings* timings) {
+  RETURN_IF_ERROR(CheckDevice());
+  // The same checks, in the same order and with the same messages, as ApplyPatch.
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
+  if (layout.dtype != dtype) {
+    return absl::FailedPreconditionError(absl::StrCat("patch is for dtype ",
+                                                      DTypeName(layout.dtype), " but the tensor is ",
+                                                      DTypeName(dtype)));
+  }
+  const int w = DTypeSize(dtype);
+  if (bytes % w != 0 || bytes / w != layout.num_elements) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is for ", layout.num_elements, " elements but the base tensor has ", bytes,
+        " bytes (", bytes / w, " ", DTypeName(dtype), " elements)"));
+  }
+  if (bytes > 0 && (d_base == nullptr || d_out == nullptr)) {
+    return absl::InvalidArgumentError("ApplyPatchDevice: null device pointer");
+  }
+  if (!Aligned(d_base, w) || !Aligned(d_out, w)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ApplyPatchDevice: device pointers must be aligned to the element size (", w, " bytes)"));
+  }
+  const uintptr_t ob = reinterpret_cast<uintptr_t>(d_out), bb = reinterpret_cast<uintptr_t>(d_base);
+  if (ob != bb && ob < bb + bytes && bb < ob + bytes) {
+    return absl::InvalidArgumentError("ApplyPatchDevice: output partially overlaps the base");
+  }
+  const bool in_place = ob == bb;
+  StageClock clock(timings, stream);
+
+  // Descriptors of the changed blocks; decode waves over them.
+  std::vector<kern::ApplyDesc> descs;
+  std::vector<std::pair<uint64_t, uint64_t>> waves;  // [lo, hi) descriptor ranges
+  const uint64_t wave_changes = std::max<uint64_t>(1, decode_limit / kDecodedChangeBytes);
+  uint64_t stage_total = 0, wave_lo = 0, wave_used = 0, max_wave_changes = 0;
+  for (size_t i = 0; i < layout.blocks.size(); ++i) {
+    const BlockDesc& b = layout.blocks[i];
+    if (b.mode == kUnchanged) continue;
+    kern::ApplyDesc d{};
+    d.block_index = i;
+    d.first_element = b.first_element;
+    d.src_off = b.payload_offset;
+    d.stage_off = stage_total;
+    d.payload_bytes = b.payload_bytes;
+    d.num_elements = b.num_elements;
+    d.count = b.count;
+    d.checksum = b.checksum;
+    d.mode = b.mode;
+    d.kg = b.kg;
+    d.kr = b.kr;
+    d.ke = b.ke;
+    stage_total += RoundUp8(b.payload_bytes) + 8;
+    if (b.mode == kSparse) {
+      if (wave_used > 0 && wave_used + b.count > wave_changes) {
+        waves.emplace_back(wave_lo, descs.size());
+        wave_lo = descs.size();
+        wave_used = 0;
+      }
+      d.scratch_off = wave_used;
+      wave_used += b.count;
+      max_wave_changes = std::max(max_wave_changes, wave_used);
+    }
+    descs.push_back(d);
+  }
+  if (wave_lo < descs.size()) waves.emplace_back(wave_lo, descs.size());
+
+  if (descs.empty()) {
+    if (!in_place && bytes > 0) {
+      RETURN_IF_ERROR(clock.Begin("copy"));
+      RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
+      RETURN_IF_ERROR(clock.End());
+    }
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    return clock.Finish();
+  }
+  const uint64_t nd = descs.size();
+  if (nd > kern::kMaxGrid) {
+    return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
+  }
+
+  RETURN_IF_ERROR(Reserve(ap_patch, patch.size()));
+  RETURN_IF_ERROR(Reserve(ap_descs, nd * sizeof(kern::ApplyDesc)));
+  RETURN_IF_ERROR(Reserve(ap_stage, stage_total));
+  RETURN_IF_ERROR(Reserve(ap_computed, nd * sizeof(uint32_t)));
+  RETURN_IF_ERROR(Reserve(ap_first_bad, sizeof(unsigned long long)));
+  RETURN_IF_ERROR(Reserve(ap_errors, nd * sizeof(kern::ApplyError)));
+  RETURN_IF_ERROR(Reserve(ap_pos, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint32_t)));
+  RETURN_IF_ERROR(Reserve(ap_val, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint64_t)));
+
+  kern::ApplyArgs a;
+  a.patch = Ptr<uint8_t>(ap_patch);
+  a.descs = Ptr<kern::ApplyDesc>(ap_descs);
+  a.num_descs = nd;
+  a.stage = Ptr<uint8_t>(ap_stage);
+  a.computed = Ptr<uint32_t>(ap_computed);
+  a.first_bad = Ptr<unsigned long long>(ap_first_bad);
+  a.errors = Ptr<kern::ApplyError>(ap_errors);
+  a.scratch_pos = Ptr<uint32_t>(ap_pos);
+  a.scratch_val = Ptr<uint64_t>(ap_val);
+  a.base = d_base;
+  a.out = d_out;
+  a.width = w;
+  a.coding = static_cast<int>(DTypeValueCoding(dtype));
+
+  unsigned long long first_bad = 0;
+  // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
+  RETURN_IF_ERROR(clock.Begin("h2d"));
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_patch.data(), patch.data(), patch.size(), stream));
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_descs.data(), descs.data(), nd * sizeof(kern::ApplyDesc), stream));
+  RETURN_IF_ERROR(clock.End());
+  RETURN_IF_ERROR(clock.Begin("verify"));
+  RETURN_IF_ERROR(rt::MemsetAsync(a.first_bad, 0xff, sizeof(unsigned long long), stream));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyStage(a, stream), "ApplyStageKernel"));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyVerify(a, stream), "ApplyVerifyKernel"));
+  RETURN_IF_ERROR(clock.End());
+  RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
+  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  if (first_bad != ~0ull) {
+    if (first_bad >= nd) return absl::InternalError("ApplyPatchDevice: bad checksum index (bug)");
+    uint32_t computed = 0;
+    RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
+    const kern::ApplyDesc& d = descs[first_bad];
+    return absl::DataLossError(absl::StrCat("patch ", BlockWhere(d.block_index, layout.blocks[d.block_index]),
+                                            ": payload checksum mismatch (table says ", d.checksum,
+                                            ", payload hashes to ", computed, ")"));
+  }
+
+  // Phase 2: out of place, out = base; then per wave: decode and validate, and only if the whole
+  // wave is valid, write it.
+  if (!in_place) {
+    RETURN_IF_ERROR(clock.Begin("copy"));
+    RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
+    RETURN_IF_ERROR(clock.End());
+  }
+  for (const auto& [lo, hi] : waves) {
+    RETURN_IF_ERROR(clock.Begin("decode"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDecode(a, lo, hi, stream), "ApplyDecodeKernel"));
+    RETURN_IF_ERROR(clock.End());
+    RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    if (first_bad != ~0ull) {
+      if (first_bad < lo || first_bad >= hi) {
+        return absl::InternalError("ApplyPatchDevice: bad decoder error index (bug)");
+      }
+      kern::ApplyError e{};
+      RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
+      const kern::ApplyDesc& d = descs[first_bad];
+      const std::string where = BlockWhere(d.block_index, layout.blocks[d.block_index]);
+      if (e.code == kern::kErrBadSize) {
+        return absl::DataLossError(absl::StrCat("patch ", where, ": payload has ", d.payload_bytes,
+                                                " bytes but its ", d.count, " changes use ",
+                                                (e.used + 7) / 8));
+      }
+      if (e.code == kern::kErrPadding) {
+        return absl::DataLossError(absl::StrCat("patch ", where, ": nonzero padding bits"));
+      }
+      return absl::DataLossError(absl::StrCat("patch ", where, ", change ", e.change, " of ", d.count,
+                                              " (bit ", e.bit, "): ", DecodeErrorText(e.code)));
+    }
+    RETURN_IF_ERROR(clock.Begin("write"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
+    RETURN_IF_ERROR(clock.End());
+  }
+  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  return clock.Finish();
+}
+
+// ---- digest ---------------------------------------------------------------------------------------
+
+absl::StatusOr<uint64_t> DeviceCodec::Impl::Digest(const void* d_data, uint64_t bytes) {
+  RETURN_IF_ERROR(CheckDevice());
+  if (bytes > 0 && d_data == nullptr) {
+    return absl::InvalidArgumentError("TensorDigestDevice: null device pointer");
+  }
+  const uint64_t chunks = (bytes + format::kDigestChunkBytes - 1) / format::kDigestChunkBytes;
+  if (chunks > kern::kMaxGrid) return absl::InvalidArgumentError("TensorDigestDevice: tensor too large");
+  std::vector<uint64_t> hashes(chunks);
+  if (chunks > 0) {
+    RETURN_IF_ERROR(Reserve(digest_hashes, chunks * sizeof(uint64_t)));
+    RETURN_IF_ERROR(rt::CheckLaunch(
+        kern::LaunchDigestChunks(d_data, bytes, chunks, Ptr<uint64_t>(digest_hashes), stream),
+        "DigestChunksKernel"));
+    RETURN_IF_ERROR(rt::CopyToHostAsync(hashes.data(), digest_hashes.data(), chunks * sizeof(uint64_t), stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  }
+  return CombineChunkHashes(hashes, bytes);
+}
+
+}  // namespace refit::cuda

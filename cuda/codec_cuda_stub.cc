@@ -1,0 +1,70 @@
+// refit_cuda for builds without CUDA (REFIT_CUDA=OFF, or AUTO without nvcc): every entry point
+// reports that the GPU codec is unavailable.
+#include <utility>
+
+#include "cuda/codec_cuda.h"
+
+namespace refit::cuda {
+namespace {
+absl::Status Unavailable() {
+  return absl::UnavailableError("refitd was built without CUDA (REFIT_CUDA=OFF or no nvcc)");
+}
+}  // namespace
+
+bool DeviceAvailable() { return false; }
+absl::StatusOr<std::string> DeviceDescription() { return Unavailable(); }
+
+DeviceBuffer::~DeviceBuffer() = default;
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  ptr_ = std::exchange(other.ptr_, nullptr);
+  size_ = std::exchange(other.size_, 0);
+  return *this;
+}
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return Unavailable(); }
+absl::Status DeviceBuffer::Upload(std::span<const uint8_t>) { return Unavailable(); }
+absl::Status DeviceBuffer::Download(std::span<uint8_t>) const { return Unavailable(); }
+
+double DeviceTimings::TotalMs() const {
+  double t = 0;
+  for (const auto& s : stages) t += s.ms;
+  return t;
+}
+double DeviceTimings::StageMs(const std::string& name) const {
+  for (const auto& s : stages) {
+    if (s.name == name) return s.ms;
+  }
+  return 0;
+}
+
+struct DeviceCodec::Impl {};
+DeviceCodec::DeviceCodec(void*) {}
+DeviceCodec::~DeviceCodec() = default;
+DeviceCodec::DeviceCodec(DeviceCodec&&) noexcept = default;
+DeviceCodec& DeviceCodec::operator=(DeviceCodec&&) noexcept = default;
+absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Encode(DType, const void*, const void*, uint64_t,
+                                                         const EncodeOptions&, PatchStats*,
+                                                         DeviceTimings*) {
+  return Unavailable();
+}
+absl::Status DeviceCodec::Apply(std::span<const uint8_t>, DType, const void*, void*, uint64_t,
+                                DeviceTimings*) {
+  return Unavailable();
+}
+absl::StatusOr<uint64_t> DeviceCodec::Digest(const void*, uint64_t) { return Unavailable(); }
+absl::StatusOr<double> DeviceCodec::DeviceCopy(void*, const void*, uint64_t) { return Unavailable(); }
+void DeviceCodec::set_decode_scratch_limit(size_t) {}
+size_t DeviceCodec::scratch_bytes() const { return 0; }
+void DeviceCodec::ReleaseScratch() {}
+
+absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType, const void*, const void*, uint64_t,
+                                                       const EncodeOptions&, PatchStats*) {
+  return Unavailable();
+}
+absl::Status ApplyPatchDevice(std::span<const uint8_t>, DType, const void*, void*, uint64_t) {
+  return Unavailable();
+}
+absl::StatusOr<uint64_t> TensorDigestDevice(const void*, uint64_t) { return Unavailable(); }
+
+}  // namespace refit::cuda

@@ -1,0 +1,673 @@
+// GPU codec tests: the CPU codec is the oracle. Built twice: against refit_cuda (label gpu; skips
+// without a device) and against the CPU emulator of the kernels (refit_cuda_emu, label emu;
+// REFIT_CUDA_EMULATE), which runs the same tests at smaller sizes.
+#include "cuda/codec_cuda.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "daemon/codec/codec.h"
+#include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/parallel.h"
+#include "gtest/gtest.h"
+
+namespace refit::cuda {
+namespace {
+
+#if defined(REFIT_CUDA_EMULATE)
+// The emulator runs the tests at reduced sizes unless REFIT_EMU_FULL=1 (the GPU's sizes, minutes).
+const bool kEmulated = [] {
+  const char* full = std::getenv("REFIT_EMU_FULL");
+  return full == nullptr || std::string(full) != "1";
+}();
+constexpr bool kEmulator = true;
+#else
+constexpr bool kEmulated = false;
+constexpr bool kEmulator = false;
+#endif
+
+#define REQUIRE_DEVICE()  \
+  if (!DeviceAvailable()) \
+  GTEST_SKIP() << "no CUDA device (" << DeviceDescription().status().message() << ")"
+
+using Bytes = std::vector<uint8_t>;
+
+const DType kAll[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
+                      DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
+                      DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
+
+Bytes RandomBytes(size_t n, std::mt19937_64& rng) {
+  Bytes v(n);
+  for (size_t i = 0; i < n; i += 8) {
+    const uint64_t r = rng();
+    std::memcpy(v.data() + i, &r, std::min<size_t>(8, n - i));
+  }
+  return v;
+}
+
+Bytes RandomTensor(DType t, size_t n, std::mt19937_64& rng) {
+  Bytes v = RandomBytes(n * DTypeSize(t), rng);
+  if (t == DType::kBool) {
+    for (auto& x : v) x &= 1;
+  }
+  return v;
+}
+
+// Changes a fraction p of the elements (codec_test.cc's mix): mostly small steps (ordered image or
+// integer +-1..3), sometimes any value.
+Bytes Mutate(const Bytes& base, DType t, double p, std::mt19937_64& rng) {
+  const int w = DTypeSize(t);
+  const size_t n = base.size() / w;
+  Bytes out = base;
+  std::bernoulli_distribution change(p);
+  for (size_t i = 0; i < n; ++i) {
+    if (!change(rng)) continue;
+    uint64_t v = 0;
+    std::memcpy(&v, out.data() + i * w, w);
+    const uint64_t mask = format::WidthMask(8 * w);
+    uint64_t nv;
+    if (rng() % 100 < 85) {
+      int64_t step = 1 + static_cast<int64_t>(rng() % 3);
+      if (rng() & 1) step = -step;
+      if (DTypeValueCoding(t) == ValueCoding::kOrderedDiff) {
+        nv = format::OrderedInverse((format::OrderedImage(v, 8 * w) + step) & mask, 8 * w);
+      } else {
+        nv = (v + step) & mask;
+      }
+    } else {
+      nv = rng() & mask;
+    }
+    if (t == DType::kBool) nv = (v ^ 1) & 1;
+    if (nv == v) nv = (v ^ 1) & mask;
+    std::memcpy(out.data() + i * w, &nv, w);
+  }
+  return out;
+}
+
+DeviceBuffer Upload(const Bytes& host, size_t extra = 0) {
+  auto buf = DeviceBuffer::Allocate(host.size() + extra);
+  EXPECT_TRUE(buf.ok()) << buf.status();
+  if (!buf.ok()) return DeviceBuffer();
+  if (!host.empty()) {
+    absl::Status st = buf->Upload(host);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  return std::move(*buf);
+}
+
+Bytes Download(const DeviceBuffer& buf, size_t n) {
+  Bytes out(n);
+  if (n > 0) {
+    absl::Status st = buf.Download(out);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  return out;
+}
+
+void ExpectSameStats(const PatchStats& a, const PatchStats& b) {
+  EXPECT_EQ(a.num_elements, b.num_elements);
+  EXPECT_EQ(a.changed_elements, b.changed_elements);
+  EXPECT_EQ(a.blocks_unchanged, b.blocks_unchanged);
+  EXPECT_EQ(a.blocks_sparse, b.blocks_sparse);
+  EXPECT_EQ(a.blocks_dense, b.blocks_dense);
+  EXPECT_EQ(a.patch_bytes, b.patch_bytes);
+}
+
+// Index of the first differing byte, or -1.
+int64_t FirstDiff(const Bytes& a, const Bytes& b) {
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return a.size() == b.size() ? -1 : static_cast<int64_t>(n);
+}
+
+// GPU encode == CPU encode; GPU apply (out of place, in place) == target; GPU digest == CPU digest.
+void CheckAll(DType t, const Bytes& a, const Bytes& b, int block_log2, const std::string& what,
+              DeviceCodec& codec) {
+  SCOPED_TRACE(::testing::Message() << what << " dtype=" << DTypeName(t) << " bytes=" << a.size()
+                                    << " block_log2=" << block_log2);
+  EncodeOptions opt;
+  opt.block_log2 = block_log2;
+  PatchStats cpu_stats, gpu_stats;
+  auto cpu = EncodePatch(t, a, b, opt, &cpu_stats);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  DeviceBuffer da = Upload(a), db = Upload(b);
+  auto gpu = codec.Encode(t, da.data(), db.data(), a.size(), opt, &gpu_stats);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_EQ(gpu->size(), cpu->size());
+  ASSERT_EQ(FirstDiff(*gpu, *cpu), -1) << "GPU patch differs from the CPU patch";
+  ExpectSameStats(gpu_stats, cpu_stats);
+
+  // Apply the (identical) patch on the device, out of place and in place.
+  DeviceBuffer out = Upload(Bytes(a.size(), 0xAB));
+  absl::Status st = codec.Apply(*cpu, t, da.data(), out.data(), a.size());
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1) << "out-of-place apply";
+  EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1) << "out-of-place apply wrote the base";
+  st = codec.Apply(*cpu, t, da.data(), da.data(), a.size());
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(FirstDiff(Download(da, a.size()), b), -1) << "in-place apply";
+
+  auto digest = codec.Digest(da.data(), a.size());
+  ASSERT_TRUE(digest.ok()) << digest.status();
+  EXPECT_EQ(*digest, TensorDigest(b));
+}
+
+// ---- without a device ---------------------------------------------------------------------------
+
+TEST(CudaCodecNoDevice, EveryEntryPointFailsCleanly) {
+  if (DeviceAvailable()) GTEST_SKIP() << "a CUDA device is present";
+  EXPECT_FALSE(DeviceDescription().ok());
+  auto buf = DeviceBuffer::Allocate(1024);
+  ASSERT_FALSE(buf.ok());
+  EXPECT_FALSE(buf.status().message().empty());
+  Bytes a(64, 1), b(64, 2);
+  auto patch = EncodePatchDevice(DType::kU8, a.data(), b.data(), a.size());
+  ASSERT_FALSE(patch.ok());
+  EXPECT_FALSE(patch.status().message().empty());
+  auto cpu = EncodePatch(DType::kU8, a, b);
+  ASSERT_TRUE(cpu.ok());
+  absl::Status st = ApplyPatchDevice(*cpu, DType::kU8, a.data(), a.data(), a.size());
+  ASSERT_FALSE(st.ok());
+  EXPECT_FALSE(st.message().empty());
+  auto digest = TensorDigestDevice(a.data(), a.size());
+  ASSERT_FALSE(digest.ok());
+  EXPECT_FALSE(digest.status().message().empty());
+  DeviceCodec codec;
+  EXPECT_FALSE(codec.Digest(nullptr, 0).ok());
+}
+
+// ---- encode / apply equivalence -----------------------------------------------------------------
+
+TEST(CudaCodec, DeviceDescription) {
+  REQUIRE_DEVICE();
+  auto d = DeviceDescription();
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->empty());
+  std::printf("device: %s\n", d->c_str());
+}
+
+TEST(CudaCodec, AllDTypesSizesAndRates) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(1234);
+  DeviceCodec codec;
+  const std::vector<size_t> sizes =
+      kEmulated ? std::vector<size_t>{0, 1, 255, 256, 257, 3 * 256 + 17}
+                : std::vector<size_t>{0, 1, 2, 255, 256, 257, 1000, 4097, 70000};
+  for (DType t : kAll) {
+    for (size_t n : sizes) {
+      const Bytes a = RandomTensor(t, n, rng);
+      for (double p : {0.0, 0.001, 0.01, 0.03, 0.3, 1.0}) {
+        CheckAll(t, a, Mutate(a, t, p, rng), 8, "random", codec);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(CudaCodec, BlockSizes) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(99);
+  DeviceCodec codec;
+  const std::vector<DType> types =
+      kEmulated ? std::vector<DType>{DType::kBF16, DType::kI64, DType::kBool}
+                : std::vector<DType>(std::begin(kAll), std::end(kAll));
+  for (DType t : types) {
+    // block_log2 12: several blocks and a partial last block (the last tile partial too).
+    {
+      const Bytes a = RandomTensor(t, 2 * 4096 + 1234, rng);
+      for (double p : {0.001, 0.01, 0.3, 1.0}) {
+        CheckAll(t, a, Mutate(a, t, p, rng), 12, "log2=12", codec);
+        if (HasFatalFailure()) return;
+      }
+    }
+    // block_log2 18 (the default): one full block plus a partial one.
+    {
+      const size_t n = kEmulated ? (size_t{1} << 18) + 3000 : 3 * (size_t{1} << 18) + 77777;
+      const Bytes a = RandomTensor(t, n, rng);
+      for (double p : kEmulated ? std::vector<double>{0.01} : std::vector<double>{0.001, 0.03, 1.0}) {
+        CheckAll(t, a, Mutate(a, t, p, rng), 18, "log2=18", codec);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Long runs: one element changed by a large step every so often; the rest by +-1. Exercises long
+// gaps (big Rice quotients), runs that span tiles, and exceptions with big EG parameters.
+TEST(CudaCodec, LongGapsAndRunsAcrossTiles) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(7);
+  DeviceCodec codec;
+  for (DType t : {DType::kBF16, DType::kF32, DType::kI64, DType::kU8}) {
+    const int w = DTypeSize(t);
+    const size_t n = kEmulated ? 20000 : 200000;
+    const Bytes a = RandomTensor(t, n, rng);
+    for (int pattern = 0; pattern < 4; ++pattern) {
+      Bytes b = a;
+      for (size_t i = 0; i < n; ++i) {
+        bool change = false;
+        uint64_t step = 1;
+        switch (pattern) {
+          case 0: change = i % 5000 == 4999; step = 1; break;            // long gaps
+          case 1: change = true; step = (i % 3000 == 0) ? 1000 : 1; break;  // long runs
+          case 2: change = i % 2 == 0; step = (i % 4000 == 0) ? (uint64_t{1} << (8 * w - 2)) : 1; break;
+          default: change = i >= n / 2; step = 2 + i % 7; break;       // a dense half
+        }
+        if (!change) continue;
+        uint64_t v = 0;
+        std::memcpy(&v, b.data() + i * w, w);
+        const uint64_t mask = format::WidthMask(8 * w);
+        uint64_t nv = DTypeValueCoding(t) == ValueCoding::kOrderedDiff
+                          ? format::OrderedInverse((format::OrderedImage(v, 8 * w) + step) & mask, 8 * w)
+                          : (v + step) & mask;
+        std::memcpy(b.data() + i * w, &nv, w);
+      }
+      for (int log2 : {8, 12, 16}) {
+        CheckAll(t, a, b, log2, "pattern " + std::to_string(pattern), codec);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Float specials and integer extremes: NaN payloads, -0.0, infinities, denormals, the largest
+// differences (the most negative difference has magnitude 2^(bits-1) with sign 1).
+TEST(CudaCodec, SpecialValues) {
+  REQUIRE_DEVICE();
+  DeviceCodec codec;
+  std::mt19937_64 rng(3);
+  for (DType t : kAll) {
+    const int w = DTypeSize(t);
+    const int bits = 8 * w;
+    const uint64_t mask = format::WidthMask(bits);
+    const uint64_t sign = uint64_t{1} << (bits - 1);
+    // Interesting bit patterns for this width.
+    std::vector<uint64_t> pats = {0, sign, mask, mask >> 1, sign | 1, 1, 2, mask - 1, sign - 1};
+    if (DTypeValueCoding(t) == ValueCoding::kOrderedDiff) {
+      // Exponent all ones with payloads (inf, NaNs) and denormals, generically by width.
+      const int exp_bits = w == 8 ? 11 : w == 4 ? 8 : t == DType::kF16 ? 5 : t == DType::kBF16 ? 8
+                                                    : t == DType::kF8E5M2 ? 5 : 4;
+      const int man_bits = bits - 1 - exp_bits;
+      const uint64_t exp_all = ((uint64_t{1} << exp_bits) - 1) << man_bits;
+      for (uint64_t s : {uint64_t{0}, sign}) {
+        pats.push_back(s | exp_all);              // inf
+        pats.push_back(s | exp_all | 1);          // NaN, smallest payload
+        pats.push_back(s | exp_all | (uint64_t{1} << (man_bits - 1)));  // quiet NaN
+        pats.push_back(s | 1);                    // smallest denormal
+        pats.push_back(s | ((uint64_t{1} << man_bits) - 1));  // largest denormal
+      }
+    }
+    if (t == DType::kBool) pats = {0, 1};
+    // All ordered pairs, each repeated in different positions.
+    Bytes a, b;
+    for (uint64_t x : pats) {
+      for (uint64_t y : pats) {
+        for (int rep = 0; rep < 3; ++rep) {
+          const uint64_t xa = x & mask, yb = y & mask;
+          a.resize(a.size() + w);
+          b.resize(b.size() + w);
+          std::memcpy(a.data() + a.size() - w, &xa, w);
+          std::memcpy(b.data() + b.size() - w, &yb, w);
+        }
+      }
+    }
+    // Pad with unchanged random elements so blocks are mostly sparse.
+    const Bytes filler = RandomTensor(t, kEmulated ? 500 : 3000, rng);
+    a.insert(a.end(), filler.begin(), filler.end());
+    b.insert(b.end(), filler.begin(), filler.end());
+    CheckAll(t, a, b, 8, "specials", codec);
+    if (HasFatalFailure()) return;
+    CheckAll(t, a, b, 12, "specials", codec);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Unaligned (but element-aligned) device pointers take the scalar load path.
+TEST(CudaCodec, ElementAlignedPointers) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(11);
+  DeviceCodec codec;
+  for (DType t : {DType::kBF16, DType::kF32, DType::kU8, DType::kF64}) {
+    const int w = DTypeSize(t);
+    const size_t n = kEmulated ? 5000 : 100000;
+    const Bytes a = RandomTensor(t, n, rng);
+    const Bytes b = Mutate(a, t, 0.02, rng);
+    auto cpu = EncodePatch(t, a, b);
+    ASSERT_TRUE(cpu.ok());
+    Bytes pa(w), pb(w);  // shift by one element
+    pa.insert(pa.end(), a.begin(), a.end());
+    pb.insert(pb.end(), b.begin(), b.end());
+    DeviceBuffer da = Upload(pa), db = Upload(pb);
+    const void* ua = static_cast<const uint8_t*>(da.data()) + w;
+    const void* ub = static_cast<const uint8_t*>(db.data()) + w;
+    auto gpu = codec.Encode(t, ua, ub, a.size());
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(FirstDiff(*gpu, *cpu), -1) << DTypeName(t);
+    void* uo = static_cast<uint8_t*>(da.data()) + w;
+    ASSERT_TRUE(codec.Apply(*cpu, t, uo, uo, a.size()).ok());
+    EXPECT_EQ(FirstDiff(Download(da, pa.size()), pb), -1);
+  }
+}
+
+TEST(CudaCodec, ManyWavesOfDecodeScratch) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(5);
+  DeviceCodec codec;
+  codec.set_decode_scratch_limit(12 * 300);  // about one 1%-block of 2^14 per wave
+  for (DType t : {DType::kBF16, DType::kBool, DType::kI32}) {
+    const Bytes a = RandomTensor(t, kEmulated ? 40000 : 400000, rng);
+    const Bytes b = Mutate(a, t, 0.01, rng);
+    CheckAll(t, a, b, 14, "waves", codec);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaCodec, Timings) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(8);
+  const Bytes a = RandomTensor(DType::kBF16, 10000, rng);
+  const Bytes b = Mutate(a, DType::kBF16, 0.01, rng);
+  DeviceBuffer da = Upload(a), db = Upload(b), out = Upload(a);
+  DeviceCodec codec;
+  DeviceTimings tm;
+  auto patch = codec.Encode(DType::kBF16, da.data(), db.data(), a.size(), {}, nullptr, &tm);
+  ASSERT_TRUE(patch.ok()) << patch.status();
+  std::vector<std::string> names;
+  for (const auto& s : tm.stages) names.push_back(s.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"analyze", "emit", "d2h"}));
+  for (const auto& s : tm.stages) EXPECT_GE(s.ms, 0);
+  ASSERT_TRUE(codec.Apply(*patch, DType::kBF16, da.data(), out.data(), a.size(), &tm).ok());
+  EXPECT_GT(tm.stages.size(), 0u);
+  EXPECT_GT(codec.scratch_bytes(), 0u);
+  codec.ReleaseScratch();
+  EXPECT_EQ(codec.scratch_bytes(), 0u);
+}
+
+// ---- argument checks ----------------------------------------------------------------------------
+
+TEST(CudaCodec, ArgumentErrors) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(1);
+  const Bytes a = RandomTensor(DType::kF32, 1000, rng);
+  const Bytes b = Mutate(a, DType::kF32, 0.1, rng);
+  DeviceBuffer da = Upload(a, 64), db = Upload(b, 64);
+  EncodeOptions bad;
+  bad.block_log2 = 7;
+  EXPECT_EQ(EncodePatchDevice(DType::kF32, da.data(), db.data(), a.size(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EncodePatchDevice(DType::kF32, da.data(), db.data(), a.size() - 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EncodePatchDevice(static_cast<DType>(0), da.data(), db.data(), a.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const void* misaligned = static_cast<const uint8_t*>(da.data()) + 2;
+  EXPECT_EQ(EncodePatchDevice(DType::kF32, misaligned, db.data(), a.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto patch = EncodePatch(DType::kF32, a, b);
+  ASSERT_TRUE(patch.ok());
+  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kI32, da.data(), da.data(), a.size()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kF32, da.data(), da.data(), a.size() - 4).code(),
+            absl::StatusCode::kFailedPrecondition);
+  void* overlapping = static_cast<uint8_t*>(da.data()) + 16;
+  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kF32, da.data(), overlapping, a.size()).code(),
+            absl::StatusCode::kInvalidArgument);
+  Bytes truncated(patch->begin(), patch->end() - 1);
+  EXPECT_EQ(ApplyPatchDevice(truncated, DType::kF32, da.data(), da.data(), a.size()).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1);
+}
+
+// ---- digest -------------------------------------------------------------------------------------
+
+TEST(CudaCodec, DigestMatchesCpu) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(21);
+  const uint64_t mib = format::kDigestChunkBytes;
+  std::vector<uint64_t> sizes = {0, 1, 7, 8, 9, 2047, 2048, 2049, mib - 1, mib, mib + 1, 3 * mib + mib / 2};
+  if (kEmulated) sizes = {0, 1, 7, 8, 9, 2047, 2048, 2049, mib - 1, mib + 1};
+  DeviceCodec codec;
+  for (uint64_t n : sizes) {
+    const Bytes data = RandomBytes(n, rng);
+    // Aligned, and at an odd address (the unaligned load path).
+    DeviceBuffer d = Upload(data);
+    auto got = codec.Digest(d.data(), n);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, TensorDigest(data)) << n << " bytes";
+    Bytes shifted(3, 0xEE);
+    shifted.insert(shifted.end(), data.begin(), data.end());
+    DeviceBuffer s = Upload(shifted);
+    auto got2 = TensorDigestDevice(static_cast<const uint8_t*>(s.data()) + 3, n);
+    ASSERT_TRUE(got2.ok()) << got2.status();
+    EXPECT_EQ(*got2, TensorDigest(data)) << n << " bytes at an odd address";
+  }
+}
+
+// ---- corrupt patches ----------------------------------------------------------------------------
+
+// Rewrites the header and table of `patch` (checksums included) so that it is well-formed again
+// after payload bytes changed: the CPU format's writer, from ParsePatch's layout.
+Bytes Resign(const Bytes& patch) {
+  auto layout = ParsePatch(patch);
+  EXPECT_TRUE(layout.ok()) << layout.status();
+  Bytes table;
+  auto varint = [&](uint64_t v) {
+    while (v >= 0x80) {
+      table.push_back(static_cast<uint8_t>(v | 0x80));
+      v >>= 7;
+    }
+    table.push_back(static_cast<uint8_t>(v));
+  };
+  auto u32 = [&](uint32_t v) {
+    for (int i = 0; i < 4; ++i) table.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  };
+  for (size_t i = 0; i < layout->blocks.size(); ++i) {
+    const BlockDesc& d = layout->blocks[i];
+    const uint32_t sum = static_cast<uint32_t>(
+        Hash64(std::span<const uint8_t>(patch.data() + d.payload_offset, d.payload_bytes), i));
+    if (d.mode == format::kUnchanged) {
+      varint(0);
+    } else if (d.mode == format::kDense) {
+      varint(format::kDense);
+      u32(sum);
+    } else {
+      varint((uint64_t{d.count} << 2) | format::kSparse);
+      const uint16_t params = static_cast<uint16_t>(d.kg | (d.kr << 5) | (d.ke << 10));
+      table.push_back(static_cast<uint8_t>(params));
+      table.push_back(static_cast<uint8_t>(params >> 8));
+      varint(d.payload_bytes);
+      u32(sum);
+    }
+  }
+  uint64_t old_table = 0;
+  std::memcpy(&old_table, patch.data() + 16, 8);
+  EXPECT_EQ(table.size(), old_table);  // same entries, same sizes
+  Bytes out(patch.begin(), patch.begin() + format::kHeaderBytes);
+  out.insert(out.end(), table.begin(), table.end());
+  out.insert(out.end(), patch.begin() + format::kHeaderBytes + old_table, patch.end());
+  Bytes tmp(out.begin(), out.begin() + 24);
+  tmp.insert(tmp.end(), table.begin(), table.end());
+  const uint32_t h = static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed));
+  std::memcpy(out.data() + 24, &h, 4);
+  return out;
+}
+
+TEST(CudaCodec, FlippedPayloadBitIsDataLossAndWritesNothing) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(17);
+  DeviceCodec codec;
+  for (DType t : {DType::kBF16, DType::kBool, DType::kU32}) {
+    const Bytes a = RandomTensor(t, 5000, rng);
+    const Bytes b = Mutate(a, t, 0.05, rng);
+    auto patch = EncodePatch(t, a, b, EncodeOptions{8, 1});
+    ASSERT_TRUE(patch.ok());
+    uint64_t table_bytes = 0;
+    std::memcpy(&table_bytes, patch->data() + 16, 8);
+    const size_t lo = format::kHeaderBytes + table_bytes;  // payloads start here
+    ASSERT_LT(lo, patch->size());
+    for (int trial = 0; trial < 5; ++trial) {
+      Bytes bad = *patch;
+      bad[lo + rng() % (bad.size() - lo)] ^= static_cast<uint8_t>(1u << (rng() % 8));
+      Bytes cpu_out(a.size());
+      const absl::Status cpu = ApplyPatch(bad, t, a, cpu_out, 1);
+      // In place: nothing written.
+      DeviceBuffer d = Upload(a);
+      absl::Status st = codec.Apply(bad, t, d.data(), d.data(), a.size());
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+      EXPECT_EQ(st.message(), cpu.message());
+      EXPECT_NE(st.message().find("checksum mismatch"), std::string::npos) << st;
+      EXPECT_EQ(FirstDiff(Download(d, a.size()), a), -1) << "in-place apply wrote before failing";
+      // Out of place: base untouched, output untouched too (checksums come first).
+      DeviceBuffer o = Upload(Bytes(a.size(), 0x5c));
+      st = codec.Apply(bad, t, d.data(), o.data(), a.size());
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+      EXPECT_EQ(FirstDiff(Download(d, a.size()), a), -1);
+      EXPECT_EQ(FirstDiff(Download(o, a.size()), Bytes(a.size(), 0x5c)), -1);
+    }
+  }
+}
+
+// Corrupted payloads with valid checksums: the GPU decoder must reject exactly what the CPU decoder
+// rejects, with the same message, and never leave a block partly applied.
+TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(23);
+  DeviceCodec codec;
+  int rejected = 0, accepted = 0;
+  for (DType t : {DType::kBF16, DType::kBool, DType::kI64, DType::kF8E4M3}) {
+    const int w = DTypeSize(t);
+    const Bytes a = RandomTensor(t, 4 * 256, rng);
+    const Bytes b = Mutate(a, t, 0.05, rng);
+    auto patch = EncodePatch(t, a, b, EncodeOptions{8, 1});
+    ASSERT_TRUE(patch.ok());
+    auto layout = ParsePatch(*patch);
+    ASSERT_TRUE(layout.ok());
+    std::vector<size_t> sparse;
+    for (size_t i = 0; i < layout->blocks.size(); ++i) {
+      if (layout->blocks[i].mode == format::kSparse) sparse.push_back(i);
+    }
+    ASSERT_FALSE(sparse.empty());
+    const int trials = kEmulated ? 25 : 150;
+    for (int trial = 0; trial < trials; ++trial) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(t) << " trial " << trial);
+      Bytes bad = *patch;
+      const BlockDesc& d = layout->blocks[sparse[rng() % sparse.size()]];
+      uint8_t* p = bad.data() + d.payload_offset;
+      switch (trial % 4) {
+        case 0:  // one flipped bit
+          p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(1u << (rng() % 8));
+          break;
+        case 1:  // a random tail
+          for (uint64_t k = rng() % d.payload_bytes; k < d.payload_bytes; ++k) p[k] = static_cast<uint8_t>(rng());
+          break;
+        case 2:  // all zeros or all ones
+          std::memset(p, (trial & 4) ? 0xff : 0x00, d.payload_bytes);
+          break;
+        default:  // a few flipped bytes
+          for (int k = 0; k < 3; ++k) p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(rng() | 1);
+          break;
+      }
+      bad = Resign(bad);
+      Bytes cpu_out(a.size(), 0);
+      const absl::Status cpu = ApplyPatch(bad, t, a, cpu_out, 1);
+      DeviceBuffer dbase = Upload(a), dout = Upload(Bytes(a.size(), 0));
+      const absl::Status gpu = codec.Apply(bad, t, dbase.data(), dout.data(), a.size());
+      EXPECT_EQ(gpu.code(), cpu.code()) << "gpu: " << gpu << "\ncpu: " << cpu;
+      EXPECT_EQ(gpu.message(), cpu.message());
+      EXPECT_EQ(FirstDiff(Download(dbase, a.size()), a), -1) << "out-of-place apply wrote the base";
+      if (cpu.ok()) {
+        ++accepted;
+        EXPECT_EQ(FirstDiff(Download(dout, a.size()), cpu_out), -1);
+      } else {
+        ++rejected;
+      }
+      // In place: every block is either the base's or the target's (cpu_out on success).
+      DeviceBuffer dip = Upload(a);
+      const absl::Status gip = codec.Apply(bad, t, dip.data(), dip.data(), a.size());
+      EXPECT_EQ(gip.code(), cpu.code());
+      const Bytes got = Download(dip, a.size());
+      // On success the whole output is cpu_out; on failure the blocks other than the corrupted
+      // one decode to b, and the corrupted one must be left as the base.
+      const Bytes& want_target = cpu.ok() ? cpu_out : b;
+      for (size_t blk = 0; blk < layout->blocks.size(); ++blk) {
+        const size_t off = blk * 256 * w, len = 256 * w;
+        const bool is_base = std::memcmp(got.data() + off, a.data() + off, len) == 0;
+        const bool is_target = std::memcmp(got.data() + off, want_target.data() + off, len) == 0;
+        EXPECT_TRUE(is_base || is_target) << "block " << blk << " partly applied";
+      }
+    }
+  }
+  std::printf("corruptions rejected: %d, still valid: %d\n", rejected, accepted);
+  EXPECT_GT(rejected, 0);
+}
+
+// ---- sizes only a real device handles ------------------------------------------------------------
+
+// More than 2^16 blocks.
+TEST(CudaCodec, ManyBlocks) {
+  REQUIRE_DEVICE();
+  if (kEmulated) GTEST_SKIP() << "too slow on the emulator (REFIT_EMU_FULL=1 runs it)";
+  std::mt19937_64 rng(31);
+  const size_t n = ((size_t{1} << 16) + 5) * 256 + 100;
+  const Bytes a = RandomTensor(DType::kU8, n, rng);
+  const Bytes b = Mutate(a, DType::kU8, 0.01, rng);
+  DeviceCodec codec;
+  CheckAll(DType::kU8, a, b, 8, "many blocks", codec);
+}
+
+// More than 2^32 elements (64-bit element, byte and bit offsets). About 9 GiB of host memory and
+// 13 GiB of device memory; set REFIT_GPU_TEST_HUGE=0 to skip.
+TEST(CudaCodec, MoreThanFourGiElements) {
+  REQUIRE_DEVICE();
+  if (kEmulator) GTEST_SKIP() << "too large for the emulator";
+  if (const char* e = std::getenv("REFIT_GPU_TEST_HUGE"); e != nullptr && std::string(e) == "0") {
+    GTEST_SKIP() << "REFIT_GPU_TEST_HUGE=0";
+  }
+  const uint64_t n = (uint64_t{1} << 32) + (uint64_t{1} << 20) + 3;  // u8 elements
+  Bytes a(n);
+  ParallelFor(n / 8 + 1, 0, 1 << 16, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull;
+      x ^= x >> 31;
+      x *= 0xBF58476D1CE4E5B9ull;
+      x ^= x >> 29;
+      const size_t off = i * 8;
+      if (off < n) std::memcpy(a.data() + off, &x, std::min<size_t>(8, n - off));
+    }
+  });
+  Bytes b = a;
+  std::mt19937_64 rng(41);
+  std::geometric_distribution<uint64_t> gap(0.001);
+  uint64_t changes = 0;
+  for (uint64_t i = gap(rng); i < n; i += 1 + gap(rng)) {
+    b[i] = static_cast<uint8_t>(b[i] + 1 + rng() % 200);
+    ++changes;
+  }
+  b[n - 1] ^= 0x5a;  // the very last element, past 2^32
+  EncodeOptions opt;
+  PatchStats cpu_stats, gpu_stats;
+  auto cpu = EncodePatch(DType::kU8, a, b, opt, &cpu_stats);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  DeviceBuffer da = Upload(a), db = Upload(b);
+  DeviceCodec codec;
+  auto gpu = codec.Encode(DType::kU8, da.data(), db.data(), n, opt, &gpu_stats);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_EQ(FirstDiff(*gpu, *cpu), -1);
+  ExpectSameStats(gpu_stats, cpu_stats);
+  db = DeviceBuffer();  // make room
+  ASSERT_TRUE(codec.Apply(*cpu, DType::kU8, da.data(), da.data(), n).ok());
+  auto digest = codec.Digest(da.data(), n);
+  ASSERT_TRUE(digest.ok()) << digest.status();
+  EXPECT_EQ(*digest, TensorDigest(b));
+  std::printf("%llu elements, %llu changes, patch %zu bytes\n", static_cast<unsigned long long>(n),
+              static_cast<unsigned long long>(changes), cpu->size());
+}
+
+}  // namespace
+}  // namespace refit::cuda

@@ -1,0 +1,960 @@
+// The codec's kernels (interface in kernels.h). Included by kernels.cu (nvcc) and by
+// emu/kernels_emu.cc (host compiler, REFIT_CUDA_EMULATE); uses only cuda/device.cuh primitives.
+//
+// Every bit-level rule comes from daemon/codec/format.h (its constexpr functions are called from
+// device code), and the encoder reproduces daemon/codec/codec.cc's EncodeBlock exactly; comments
+// marked [codec.cc] name the CPU code a step mirrors.
+//
+// Encoder, per codec block (one thread block of kThreads threads each):
+//   analyze: walks the block in tiles of kTile elements (thread t owns kItems consecutive elements
+//     of each tile). A forward block scan gives every change its change index j, the position of
+//     the previous change (-> gap) and the index of the previous exception (-> run lengths); each
+//     thread accumulates, for every candidate k, the Rice cost sums of gaps and runs and the
+//     Exp-Golomb cost sums of exception magnitudes; block reductions and thread 0 then choose
+//     kg/kr/ke and the mode exactly as ChooseRiceK/ChooseEgK/EncodeBlock do. The scan state at
+//     each tile start is saved (tiles[]).
+//   write: walks the tiles backwards. The saved forward state gives each change its gap, a
+//     backward min-scan gives the next exception at or after it (-> the run length a run-start
+//     change carries), a backward sum-scan of code lengths gives the bits that follow it, so its
+//     codes start at total_bits - (bits from it to the end). Codes are OR-ed into a zeroed buffer
+//     with 32-bit atomics. The final sum must equal the analyzed total_bits, and no code may leave
+//     [0, total_bits): otherwise the block is flagged (error) and the host reports a bug.
+//   checksum, compact: one thread block per codec block.
+#ifndef REFIT_CUDA_KERNELS_CUH_
+#define REFIT_CUDA_KERNELS_CUH_
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/device.cuh"
+#include "cuda/kernels.h"
+#include "daemon/codec/format.h"
+
+namespace refit::cuda::kern {
+
+namespace f = ::refit::format;
+using dev::SyncThreads;
+using dev::ThreadIndex;
+
+static_assert(kThreads == f::kHashLanes, "a hashing thread block must have one thread per lane");
+static_assert(kThreads % 32 == 0 && kItems <= 32, "items are tracked in 32-bit masks");
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kNumK = f::kMaxBlockLog2 + 1;  // Rice parameters 0 .. 24
+inline constexpr int kNumKe = f::kMaxKe + 1;        // Exp-Golomb parameters 0 .. 31
+// Analyze's block sums: gap sums [0, kNumK), run sums [kNumK, 2 kNumK), EG sums, exception count.
+inline constexpr int kSumRun = kNumK;
+inline constexpr int kSumEg = 2 * kNumK;
+inline constexpr int kSumExc = 2 * kNumK + kNumKe;
+inline constexpr int kNumSums = kSumExc + 1;
+static_assert(kNumSums <= kThreads, "sums are zeroed one per thread");
+
+REFIT_DEV uint64_t Min64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+REFIT_DEV uint64_t RoundUp8(uint64_t x) { return (x + 7) & ~uint64_t{7}; }
+
+// Exp-Golomb code length, equal to format::EgBits (which loops over bits) for k <= 31 and
+// x + 2^k < 2^64.
+REFIT_DEV uint64_t EgBitsFast(uint64_t x, int k) {
+  const uint64_t y = x + (uint64_t{1} << k);
+  return static_cast<uint64_t>(2 * dev::BitLength64(y) - 1 - k);
+}
+
+// 8 bytes from an 8-byte aligned address, as the little-endian u64 (the device is little-endian).
+REFIT_DEV uint64_t LoadU64Aligned(const uint8_t* p) {
+  uint64_t v;
+  memcpy(&v, __builtin_assume_aligned(p, 8), 8);
+  return v;
+}
+// n <= 8 bytes from any address, zero-extended little-endian.
+REFIT_DEV uint64_t LoadBytesLE(const uint8_t* p, uint64_t n) {
+  uint64_t v = 0;
+  for (uint64_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// ---- block-wide scans ---------------------------------------------------------------------------
+// All threads of the block must call these together. Each ends with a barrier, so its shared
+// `warp_totals` (kWarps entries) may be reused right away.
+
+// Exclusive scan in thread order, seeded: returns carry + x_0 + ... + x_{t-1} ("+" = op, applied
+// left to right; op must be associative, identity its identity). *aggregate = x_0 + ... + x_last.
+template <typename T, typename Op>
+REFIT_DEV T BlockScanForward(T x, T carry, T identity, Op op, T* warp_totals, T* aggregate) {
+  const uint32_t tid = ThreadIndex();
+  const uint32_t lane = tid & 31, warp = tid >> 5;
+  T inc = x;
+  REFIT_UNROLL
+  for (int d = 1; d < 32; d <<= 1) {
+    const T y = dev::ShflUp(inc, d);
+    if (lane >= static_cast<uint32_t>(d)) inc = op(y, inc);
+  }
+  T exc = dev::ShflUp(inc, 1);
+  if (lane == 0) exc = identity;
+  if (lane == 31) warp_totals[warp] = inc;
+  SyncThreads();
+  T before = carry, agg = identity;
+  for (uint32_t w = 0; w < static_cast<uint32_t>(kWarps); ++w) {
+    if (w < warp) before = op(before, warp_totals[w]);
+    agg = op(agg, warp_totals[w]);
+  }
+  SyncThreads();
+  *aggregate = agg;
+  return op(before, exc);
+}
+
+// Exclusive scan against thread order, seeded at the far end: returns
+// x_{t+1} + ... + x_last + carry. *aggregate = x_0 + ... + x_last.
+template <typename T, typename Op>
+REFIT_DEV T BlockScanBackward(T x, T carry, T identity, Op op, T* warp_totals, T* aggregate) {
+  const uint32_t tid = ThreadIndex();
+  const uint32_t lane = tid & 31, warp = tid >> 5;
+  T inc = x;
+  REFIT_UNROLL
+  for (int d = 1; d < 32; d <<= 1) {
+    const T y = dev::ShflDown(inc, d);
+    if (lane + static_cast<uint32_t>(d) < 32) inc = op(inc, y);
+  }
+  T exc = dev::ShflDown(inc, 1);
+  if (lane == 31) exc = identity;
+  if (lane == 0) warp_totals[warp] = inc;
+  SyncThreads();
+  T after = identity, agg = identity;
+  for (uint32_t w = 0; w < static_cast<uint32_t>(kWarps); ++w) {
+    if (w > warp) after = op(after, warp_totals[w]);
+    agg = op(agg, warp_totals[w]);
+  }
+  SyncThreads();
+  *aggregate = agg;
+  return op(exc, op(after, carry));
+}
+
+struct AddOp {
+  REFIT_DEV uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; }
+};
+struct MinOp {
+  REFIT_DEV uint32_t operator()(uint32_t a, uint32_t b) const { return a < b ? a : b; }
+};
+
+// Forward scan state of a run of elements: cnt changes; lp1 = 1 + block-relative position of the
+// last change (0 = none); le1 = 1 + index of the last exception counted from the run's first
+// change (0 = none). Combining shifts the right side's exception index by the left side's count.
+// A seed (tile carry) is the state of the block's prefix, so its le1 is absolute.
+struct Fwd {
+  uint32_t cnt, lp1, le1;
+};
+struct FwdOp {
+  REFIT_DEV Fwd operator()(const Fwd& a, const Fwd& b) const {
+    return Fwd{a.cnt + b.cnt, b.lp1 != 0 ? b.lp1 : a.lp1, b.le1 != 0 ? a.cnt + b.le1 : a.le1};
+  }
+};
+
+// ---- the elements a thread owns in a tile ---------------------------------------------------------
+
+// [codec.cc ComputeValues] sign and magnitude of a change (raw: the target's bits, sign 0).
+template <typename T, int kCoding>
+REFIT_DEV void ChangeValue(T base_value, T target_value, uint64_t* mag, uint32_t* negative) {
+  constexpr int kBits = 8 * static_cast<int>(sizeof(T));
+  constexpr uint64_t kMask = f::WidthMask(kBits);
+  constexpr uint64_t kSign = uint64_t{1} << (kBits - 1);
+  const uint64_t o = static_cast<uint64_t>(base_value);
+  const uint64_t t = static_cast<uint64_t>(target_value);
+  if constexpr (kCoding == kCodingRaw) {
+    *mag = t;
+    *negative = 0;
+  } else {
+    uint64_t d;
+    if constexpr (kCoding == kCodingOrdered) {
+      d = (f::OrderedImage(t, kBits) - f::OrderedImage(o, kBits)) & kMask;
+    } else {
+      d = (t - o) & kMask;
+    }
+    if (d & kSign) {
+      *negative = 1;
+      *mag = (0 - d) & kMask;
+    } else {
+      *negative = 0;
+      *mag = d;
+    }
+  }
+}
+
+// Loads elements [first, first + kItems) of a block of `len` elements (zeros past len).
+template <typename T>
+REFIT_DEV void LoadItems(const T* block, uint32_t first, uint32_t len, bool vector_loads,
+                         T (&v)[kItems]) {
+  const uint32_t avail = first < len ? len - first : 0;
+  if (vector_loads && avail >= static_cast<uint32_t>(kItems)) {
+    // The address is a multiple of kItems * sizeof(T) (>= 8) from a 16-byte aligned base.
+    constexpr size_t kBytes = sizeof(T) * kItems;
+    constexpr size_t kAlign = kBytes >= 16 ? 16 : kBytes;
+    memcpy(v, __builtin_assume_aligned(block + first, kAlign), kBytes);
+  } else {
+    REFIT_UNROLL
+    for (int i = 0; i < kItems; ++i) {
+      v[i] = static_cast<uint32_t>(i) < avail ? block[first + i] : T{0};
+    }
+  }
+}
+
+template <typename T, int kCoding>
+struct Items {
+  uint32_t first = 0;    // block-relative position of item 0
+  uint32_t changed = 0;  // bit i: item i changed
+  uint32_t exc = 0;      // bit i: item i is an exception (|difference| >= 2, diff codings)
+  uint32_t neg = 0;      // bit i: item i's difference is negative
+  uint64_t mag[kItems];  // |difference| (diff codings) or target bits (raw coding)
+
+  REFIT_DEV void Load(const T* base, const T* target, uint32_t first_pos, uint32_t len,
+                      bool vector_loads) {
+    first = first_pos;
+    T a[kItems], b[kItems];
+    LoadItems(base, first_pos, len, vector_loads, a);
+    LoadItems(target, first_pos, len, vector_loads, b);
+    REFIT_UNROLL
+    for (int i = 0; i < kItems; ++i) {
+      mag[i] = 0;
+      // Past len both loads gave zeros, so nothing there counts as changed.
+      if (a[i] != b[i]) {
+        uint32_t negative = 0;
+        ChangeValue<T, kCoding>(a[i], b[i], &mag[i], &negative);
+        changed |= 1u << i;
+        neg |= negative << i;
+        if (kCoding != kCodingRaw && mag[i] >= 2) exc |= 1u << i;
+      }
+    }
+  }
+  // This thread's own scan contribution.
+  REFIT_DEV Fwd Local() const {
+    Fwd s{0, 0, 0};
+    s.cnt = static_cast<uint32_t>(dev::Popc32(changed));
+    if (changed != 0) s.lp1 = first + static_cast<uint32_t>(31 - dev::Clz32(changed)) + 1;
+    if (exc != 0) {
+      const int last = 31 - dev::Clz32(exc);  // item index of the last exception
+      const uint32_t upto = last == 31 ? ~0u : ((2u << last) - 1);
+      s.le1 = static_cast<uint32_t>(dev::Popc32(changed & upto));
+    }
+    return s;
+  }
+};
+
+// ---- analyze --------------------------------------------------------------------------------------
+
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a) {
+  REFIT_SHARED Fwd s_fwd[kWarps];
+  REFIT_SHARED unsigned long long s_sum[kNumSums];
+  const uint32_t tid = ThreadIndex();
+  const uint64_t b = dev::BlockIndex();
+  const uint64_t first_element = b << a.block_log2;
+  const uint32_t len =
+      static_cast<uint32_t>(Min64(uint64_t{1} << a.block_log2, a.num_elements - first_element));
+  const T* base = static_cast<const T*>(a.base) + first_element;
+  const T* target = static_cast<const T*>(a.target) + first_element;
+  TileCarry* tiles = a.tiles + b * a.tiles_per_block;
+
+  if (tid < static_cast<uint32_t>(kNumSums)) s_sum[tid] = 0;
+  SyncThreads();
+
+  // Per-thread cost sums. Bounds: the gaps of a block sum to < len <= 2^24, the runs to <= count
+  // <= 2^24, and an EG code is < 128 bits, so even block totals fit 32 bits.
+  uint32_t g[kNumK], r[kNumK], e[kNumKe];
+  REFIT_UNROLL
+  for (int k = 0; k < kNumK; ++k) g[k] = r[k] = 0;
+  REFIT_UNROLL
+  for (int k = 0; k < kNumKe; ++k) e[k] = 0;
+  uint32_t exceptions = 0;
+
+  Fwd carry{0, 0, 0};
+  const uint32_t ntiles = (len + kTile - 1) / kTile;
+  for (uint32_t tile = 0; tile < ntiles; ++tile) {
+    if (tid == 0) tiles[tile] = TileCarry{carry.cnt, carry.lp1, carry.le1, 0};
+    Items<T, kCoding> it;
+    it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads);
+    if (!dev::SyncThreadsOr(it.changed != 0)) continue;  // uniform: nothing changed in the tile
+    Fwd agg;
+    const Fwd pre = BlockScanForward(it.Local(), carry, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &agg);
+    carry = FwdOp{}(carry, agg);
+    uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
+    REFIT_UNROLL
+    for (int i = 0; i < kItems; ++i) {
+      if (!((it.changed >> i) & 1)) continue;
+      const uint32_t pos = it.first + static_cast<uint32_t>(i);
+      const uint32_t gap = pos - lp1;  // [codec.cc] pos_j - pos_{j-1} - 1, pos_{-1} = -1
+      REFIT_UNROLL
+      for (int k = 0; k < kNumK; ++k) g[k] += gap >> k;
+      if ((it.exc >> i) & 1) {
+        // [codec.cc] the run ending at this exception: j - run_start.
+        const uint32_t run = j - le1;
+        REFIT_UNROLL
+        for (int k = 0; k < kNumK; ++k) r[k] += run >> k;
+        const uint64_t x = it.mag[i] - 2;
+        REFIT_UNROLL
+        for (int k = 0; k < kNumKe; ++k) e[k] += static_cast<uint32_t>(EgBitsFast(x, k));
+        ++exceptions;
+        le1 = j + 1;
+      }
+      lp1 = pos + 1;
+      ++j;
+    }
+  }
+
+  // Fully unrolled so that g/r/e stay in registers.
+  const bool lane0 = (tid & 31) == 0;
+  REFIT_UNROLL
+  for (int k = 0; k < kNumK; ++k) {
+    const uint32_t vg = dev::WarpReduceAdd(g[k]);
+    const uint32_t vr = dev::WarpReduceAdd(r[k]);
+    if (lane0 && vg != 0) dev::AtomicAdd64(&s_sum[k], vg);
+    if (lane0 && vr != 0) dev::AtomicAdd64(&s_sum[kSumRun + k], vr);
+  }
+  REFIT_UNROLL
+  for (int k = 0; k < kNumKe; ++k) {
+    const uint32_t ve = dev::WarpReduceAdd(e[k]);
+    if (lane0 && ve != 0) dev::AtomicAdd64(&s_sum[kSumEg + k], ve);
+  }
+  {
+    const uint32_t vx = dev::WarpReduceAdd(exceptions);
+    if (lane0 && vx != 0) dev::AtomicAdd64(&s_sum[kSumExc], vx);
+  }
+  SyncThreads();
+  if (tid != 0) return;
+
+  EncBlock out{};
+  const uint64_t n = carry.cnt;
+  out.count = carry.cnt;
+  if (n == 0) {
+    out.mode = f::kUnchanged;
+    a.blocks[b] = out;
+    return;
+  }
+  const int kmax = a.block_log2;
+  // [codec.cc ChooseRiceK] minimum of sum(x >> k) + n (k + 1) over k in [0, kmax], ties to the
+  // smaller k. ChooseRiceK stops early once sum(x >> k) == 0, but every larger k then costs
+  // strictly more (n >= 1), so the exhaustive minimum is the same k.
+  uint64_t gap_bits = ~uint64_t{0};
+  int kg = 0;
+  for (int k = 0; k <= kmax; ++k) {
+    const uint64_t c = s_sum[k] + n * static_cast<uint64_t>(k + 1);
+    if (c < gap_bits) {
+      gap_bits = c;
+      kg = k;
+    }
+  }
+  uint64_t value_bits;
+  int kr = 0, ke = 0;
+  if constexpr (kCoding == kCodingRaw) {
+    value_bits = n * 8 * sizeof(T);
+  } else {
+    // [codec.cc EncodeBlock] runs: one per exception (counted above) plus the trailing run of
+    // non-exceptions after the last exception when it is not empty.
+    const uint64_t num_exc = s_sum[kSumExc];
+    const uint32_t trailing = carry.cnt - carry.le1;
+    const uint64_t num_runs = num_exc + (trailing > 0 ? 1 : 0);
+    uint64_t run_bits = ~uint64_t{0};
+    for (int k = 0; k <= kmax; ++k) {
+      const uint64_t c = s_sum[kSumRun + k] + (trailing >> k) + num_runs * static_cast<uint64_t>(k + 1);
+      if (c < run_bits) {
+        run_bits = c;
+        kr = k;
+      }
+    }
+    // [codec.cc ChooseEgK] minimum over [0, kMaxKe], ties to the smaller k; 0 (cost 0) when there
+    // are no exceptions.
+    uint64_t exc_bits = 0;
+    if (num_exc > 0) {
+      exc_bits = ~uint64_t{0};
+      for (int k = 0; k < kNumKe; ++k) {
+        const uint64_t c = s_sum[kSumEg + k];
+        if (c < exc_bits) {
+          exc_bits = c;
+          ke = k;
+        }
+      }
+    }
+    value_bits = run_bits + n + exc_bits;
+  }
+  const uint64_t total_bits = gap_bits + value_bits;
+  const uint64_t sparse_bytes = (total_bits + 7) / 8;
+  const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
+  out.kg = static_cast<uint8_t>(kg);
+  out.kr = static_cast<uint8_t>(kr);
+  out.ke = static_cast<uint8_t>(ke);
+  if (sparse_bytes >= dense_bytes) {
+    out.mode = f::kDense;
+    out.payload_bytes = dense_bytes;
+    out.total_bits = 0;
+  } else {
+    out.mode = f::kSparse;
+    out.payload_bytes = sparse_bytes;
+    out.total_bits = total_bits;
+  }
+  a.blocks[b] = out;
+}
+
+// ---- write ----------------------------------------------------------------------------------------
+
+// OR-s codes into a zeroed little-endian bit buffer of `limit` bits (LSB first, format.h).
+struct BitSink {
+  uint32_t* words;
+  uint64_t limit;
+  bool bad;
+
+  // Bits [pos, pos + nbits) |= v, where v < 2^nbits, 1 <= nbits <= 64. Only words that receive a
+  // one bit are touched, and none at all if the code would leave [0, limit).
+  REFIT_DEV void Or(uint64_t pos, uint64_t v, int nbits) {
+    if (pos > limit || static_cast<uint64_t>(nbits) > limit - pos) {
+      bad = true;
+      return;
+    }
+    const uint64_t w = pos >> 5;
+    const int sh = static_cast<int>(pos & 31);
+    const uint64_t lo = v << sh;
+    const uint32_t hi = sh != 0 ? static_cast<uint32_t>(v >> (64 - sh)) : 0;
+    if (static_cast<uint32_t>(lo) != 0) dev::AtomicOr32(words + w, static_cast<uint32_t>(lo));
+    if (static_cast<uint32_t>(lo >> 32) != 0) dev::AtomicOr32(words + w + 1, static_cast<uint32_t>(lo >> 32));
+    if (hi != 0) dev::AtomicOr32(words + w + 2, hi);
+  }
+  // Rice(k) of x at pos (k <= 24): x >> k zeros, a one, the k low bits. Returns the end.
+  REFIT_DEV uint64_t Rice(uint64_t pos, uint64_t x, int k) {
+    const uint64_t q = x >> k;
+    const uint64_t low = x & ((uint64_t{1} << k) - 1);
+    Or(pos + q, 1 | (low << 1), k + 1);
+    return pos + q + 1 + static_cast<uint64_t>(k);
+  }
+  // Exp-Golomb(k) of x at pos (k <= 31): y = x + 2^k, L = bit length of y; L - 1 - k zeros, a
+  // one, the L - 1 low bits of y. Returns the end.
+  REFIT_DEV uint64_t Eg(uint64_t pos, uint64_t x, int k) {
+    const uint64_t y = x + (uint64_t{1} << k);
+    const int L = dev::BitLength64(y);  // k + 1 .. 64
+    const uint64_t low = y & ((uint64_t{1} << (L - 1)) - 1);
+    const uint64_t zeros = static_cast<uint64_t>(L - 1 - k);
+    Or(pos + zeros, 1 | (low << 1), L);
+    return pos + zeros + static_cast<uint64_t>(L);
+  }
+};
+
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeWriteKernel(EncodeArgs a) {
+  REFIT_SHARED Fwd s_fwd[kWarps];
+  REFIT_SHARED uint32_t s_min[kWarps];
+  REFIT_SHARED uint64_t s_add[kWarps];
+  constexpr int kValueBits = 8 * static_cast<int>(sizeof(T));
+  const uint32_t tid = ThreadIndex();
+  const uint64_t b = dev::BlockIndex();
+  const EncBlock m = a.blocks[b];
+  if (m.mode != f::kSparse) return;  // uniform over the block
+  const uint64_t first_element = b << a.block_log2;
+  const uint32_t len =
+      static_cast<uint32_t>(Min64(uint64_t{1} << a.block_log2, a.num_elements - first_element));
+  const T* base = static_cast<const T*>(a.base) + first_element;
+  const T* target = static_cast<const T*>(a.target) + first_element;
+  const TileCarry* tiles = a.tiles + b * a.tiles_per_block;
+  const uint32_t n = m.count;
+  const uint64_t total = m.total_bits;
+  const int kg = m.kg, kr = m.kr, ke = m.ke;
+  BitSink sink{reinterpret_cast<uint32_t*>(a.stage + a.stage_off[b]), total, false};
+
+  // Backward carries: bits of all codes after the tile, and the first exception at or after the
+  // tile's end (n if none).
+  uint64_t carry_bits = 0;
+  uint32_t carry_next_exc = n;
+  const uint32_t ntiles = (len + kTile - 1) / kTile;
+  for (uint32_t tile = ntiles; tile-- > 0;) {
+    const TileCarry tc = tiles[tile];
+    const uint32_t next_cnt = tile + 1 < ntiles ? tiles[tile + 1].cnt : n;
+    if (tc.cnt == next_cnt) continue;  // uniform: no change in this tile
+    Items<T, kCoding> it;
+    it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads);
+    Fwd fagg;
+    const Fwd pre =
+        BlockScanForward(it.Local(), Fwd{tc.cnt, tc.lp1, tc.le1}, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &fagg);
+
+    // Forward over own items: change index, gap, run start (first change, or the previous change
+    // was an exception: le1 == j covers both), first own exception.
+    uint32_t jj[kItems], gap[kItems];
+    uint32_t run_start = 0, first_exc = ~0u;
+    {
+      uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
+      REFIT_UNROLL
+      for (int i = 0; i < kItems; ++i) {
+        jj[i] = 0;
+        gap[i] = 0;
+        if (!((it.changed >> i) & 1)) continue;
+        const uint32_t pos = it.first + static_cast<uint32_t>(i);
+        jj[i] = j;
+        gap[i] = pos - lp1;
+        if (kCoding != kCodingRaw && le1 == j) run_start |= 1u << i;
+        if ((it.exc >> i) & 1) {
+          if (first_exc == ~0u) first_exc = j;
+          le1 = j + 1;
+        }
+        lp1 = pos + 1;
+        ++j;
+      }
+    }
+    uint32_t min_agg;
+    const uint32_t next_exc_after = BlockScanBackward(first_exc, carry_next_exc, ~0u, MinOp{}, s_min, &min_agg);
+
+    // Code lengths, backwards so that each run start knows the next exception at or after it.
+    uint64_t bits[kItems];
+    uint64_t own_bits = 0;
+    {
+      uint32_t next_exc = next_exc_after;
+      REFIT_UNROLL
+      for (int i = kItems - 1; i >= 0; --i) {
+        bits[i] = 0;
+        if (!((it.changed >> i) & 1)) continue;
+        const bool is_exc = (it.exc >> i) & 1;
+        if (is_exc) next_exc = jj[i];
+        uint64_t l = f::RiceBits(gap[i], kg);
+        if ((run_start >> i) & 1) l += f::RiceBits(next_exc - jj[i], kr);
+        if constexpr (kCoding == kCodingRaw) {
+          l += kValueBits;
+        } else {
+          l += 1;
+          if (is_exc) l += EgBitsFast(it.mag[i] - 2, ke);
+        }
+        bits[i] = l;
+        own_bits += l;
+      }
+    }
+    uint64_t bits_agg;
+    const uint64_t bits_after = BlockScanBackward(own_bits, carry_bits, uint64_t{0}, AddOp{}, s_add, &bits_agg);
+
+    // Emit. Change j's codes occupy [total - S_j, total - S_j + bits_j) where S_j is the length
+    // of all codes from change j to the end.
+    {
+      uint64_t suffix = bits_after;
+      uint32_t next_exc = next_exc_after;
+      REFIT_UNROLL
+      for (int i = kItems - 1; i >= 0; --i) {
+        if (!((it.changed >> i) & 1)) continue;
+        const bool is_exc = (it.exc >> i) & 1;
+        if (is_exc) next_exc = jj[i];
+        suffix += bits[i];
+        if (suffix > total) {
+          sink.bad = true;
+          continue;
+        }
+        uint64_t p = total - suffix;
+        const uint64_t end = p + bits[i];
+        // [codec.cc EncodeBlock] run (if due), gap, then the value.
+        if ((run_start >> i) & 1) p = sink.Rice(p, next_exc - jj[i], kr);
+        p = sink.Rice(p, gap[i], kg);
+        if constexpr (kCoding == kCodingRaw) {
+          if (it.mag[i] != 0) sink.Or(p, it.mag[i], kValueBits);
+          p += kValueBits;
+        } else {
+          if ((it.neg >> i) & 1) sink.Or(p, 1, 1);
+          p += 1;
+          if (is_exc) p = sink.Eg(p, it.mag[i] - 2, ke);
+        }
+        if (p != end) sink.bad = true;
+      }
+    }
+    carry_bits += bits_agg;
+    carry_next_exc = MinOp{}(carry_next_exc, min_agg);
+  }
+  if (carry_bits != total) sink.bad = true;  // same on every thread
+  if (dev::SyncThreadsOr(sink.bad) && tid == 0) a.blocks[b].error = 1;
+}
+
+// ---- hashing --------------------------------------------------------------------------------------
+
+// Hash64(p[0, n), seed) (format.h), computed by the whole block: thread t is lane t and folds
+// words t, t + 256, ... in order, then thread 0 merges the lanes. Valid on thread 0 only. Reads
+// exactly the bytes [p, p + n).
+REFIT_DEV uint64_t BlockHash64(const uint8_t* p, uint64_t n, uint64_t seed, uint64_t* s_lanes) {
+  const uint32_t lane = ThreadIndex();
+  uint64_t acc = f::HashLaneInit(seed, static_cast<int>(lane));
+  const uint64_t full = n / 8;
+  if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+    REFIT_UNROLL_N(4)
+    for (uint64_t i = lane; i < full; i += kThreads) acc = f::HashRound(acc, LoadU64Aligned(p + 8 * i));
+  } else {
+    for (uint64_t i = lane; i < full; i += kThreads) acc = f::HashRound(acc, LoadBytesLE(p + 8 * i, 8));
+  }
+  if ((n & 7) != 0 && full % kThreads == lane) {
+    acc = f::HashRound(acc, LoadBytesLE(p + 8 * full, n & 7));  // zero-padded last word
+  }
+  s_lanes[lane] = acc;
+  SyncThreads();
+  uint64_t h = 0;
+  if (lane == 0) {
+    h = seed ^ (n * f::kP5);
+    for (int l = 0; l < f::kHashLanes; ++l) h = f::HashMerge(h, s_lanes[l]);
+    h = f::Avalanche(h);
+  }
+  SyncThreads();
+  return h;
+}
+
+REFIT_DEV const uint8_t* EncPayloadSource(const EncodeArgs& a, uint64_t b, const EncBlock& m) {
+  if (m.mode == f::kSparse) return a.stage + a.stage_off[b];
+  return static_cast<const uint8_t*>(a.target) + (b << a.block_log2) * static_cast<uint64_t>(a.width);
+}
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeChecksumKernel(EncodeArgs a) {
+  REFIT_SHARED uint64_t s_lanes[kThreads];
+  const uint64_t b = dev::BlockIndex();
+  const EncBlock m = a.blocks[b];
+  if (m.mode == f::kUnchanged) return;  // uniform
+  const uint64_t h = BlockHash64(EncPayloadSource(a, b, m), m.payload_bytes, b, s_lanes);
+  if (ThreadIndex() == 0) a.blocks[b].checksum = static_cast<uint32_t>(h);
+}
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeCompactKernel(EncodeArgs a) {
+  const uint64_t b = dev::BlockIndex();
+  const EncBlock m = a.blocks[b];
+  if (m.mode == f::kUnchanged) return;
+  const uint8_t* src = EncPayloadSource(a, b, m);
+  uint8_t* dst = a.out + a.out_off[b];
+  for (uint64_t k = ThreadIndex(); k < m.payload_bytes; k += kThreads) dst[k] = src[k];
+}
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads)
+    DigestChunksKernel(const uint8_t* data, uint64_t bytes, uint64_t* chunk_hashes) {
+  REFIT_SHARED uint64_t s_lanes[kThreads];
+  const uint64_t c = dev::BlockIndex();
+  const uint64_t off = c * f::kDigestChunkBytes;
+  const uint64_t n = Min64(f::kDigestChunkBytes, bytes - off);
+  const uint64_t h = BlockHash64(data + off, n, c, s_lanes);
+  if (ThreadIndex() == 0) chunk_hashes[c] = h;
+}
+
+// ---- apply ----------------------------------------------------------------------------------------
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyStageKernel(ApplyArgs a) {
+  const ApplyDesc d = a.descs[dev::BlockIndex()];
+  const uint8_t* src = a.patch + d.src_off;
+  uint8_t* dst = a.stage + d.stage_off;
+  const uint64_t padded = RoundUp8(d.payload_bytes) + 8;
+  for (uint64_t k = ThreadIndex(); k < padded; k += kThreads) dst[k] = k < d.payload_bytes ? src[k] : 0;
+}
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyVerifyKernel(ApplyArgs a) {
+  REFIT_SHARED uint64_t s_lanes[kThreads];
+  const uint64_t i = dev::BlockIndex();
+  const ApplyDesc d = a.descs[i];
+  const uint64_t h = BlockHash64(a.stage + d.stage_off, d.payload_bytes, d.block_index, s_lanes);
+  if (ThreadIndex() == 0) {
+    a.computed[i] = static_cast<uint32_t>(h);
+    if (static_cast<uint32_t>(h) != d.checksum) dev::AtomicMin64(a.first_bad, i);
+  }
+}
+
+// [bitstream.h BitReader] over a staged payload: 8-byte aligned, nbytes long, followed by zero
+// bytes up to RoundUp8(nbytes) + 8. Peek57 returns the same bits as the CPU reader's (the stream's
+// bits from pos on, zero at and past nbytes * 8), so every other method behaves identically.
+struct DevBitReader {
+  const uint8_t* data;
+  uint64_t nbytes;
+  uint64_t nbits;
+  uint64_t pos;
+  bool overrun;
+
+  REFIT_DEV uint64_t Peek57() const {
+    if ((pos >> 3) >= nbytes) return 0;
+    // pos < nbits, so word pos / 64 + 1 <= ceil(nbytes / 8) lies inside the padded stage slot.
+    const uint64_t w = pos >> 6;
+    const int sh = static_cast<int>(pos & 63);
+    uint64_t v = LoadU64Aligned(data + 8 * w) >> sh;
+    if (sh != 0) v |= LoadU64Aligned(data + 8 * (w + 1)) << (64 - sh);
+    return v & ((uint64_t{1} << 57) - 1);
+  }
+  REFIT_DEV void Skip(uint64_t n) {
+    pos += n;
+    if (pos > nbits) overrun = true;
+  }
+  REFIT_DEV uint64_t GetSmall(int n) {  // 0 <= n <= 56
+    if (n == 0) return 0;
+    const uint64_t v = Peek57() & ((uint64_t{1} << n) - 1);
+    Skip(static_cast<uint64_t>(n));
+    return v;
+  }
+  REFIT_DEV uint64_t Get(int n) {  // 0 <= n <= 64
+    if (n > 56) {
+      const uint64_t lo = GetSmall(32);
+      return lo | (GetSmall(n - 32) << 32);
+    }
+    return GetSmall(n);
+  }
+  REFIT_DEV uint64_t GetUnary(uint64_t max_zeros) {
+    uint64_t zeros = 0;
+    for (;;) {
+      if (pos >= nbits) {
+        overrun = true;
+        return 0;
+      }
+      const uint64_t w = Peek57();
+      if (w != 0) {
+        const int tz = dev::Ctz64(w);
+        zeros += static_cast<uint64_t>(tz);
+        Skip(static_cast<uint64_t>(tz) + 1);
+        if (zeros > max_zeros) overrun = true;
+        return zeros;
+      }
+      zeros += 57;
+      Skip(57);
+      if (zeros > max_zeros) {
+        overrun = true;
+        return 0;
+      }
+    }
+  }
+};
+
+// [codec.cc DecodeSparse] with the base present, step for step and check for check. Writes the
+// decoded positions and differences (raw coding: target values) for changes [0, count); returns
+// an ApplyErrorCode and fills *err on failure.
+template <typename T, int kCoding>
+REFIT_DEV uint32_t DecodeSparseDevice(const ApplyDesc& d, const uint8_t* payload, const T* base,
+                                      uint32_t* pos_out, uint64_t* val_out, ApplyError* err) {
+  constexpr int kBits = 8 * static_cast<int>(sizeof(T));
+  constexpr uint64_t kMask = f::WidthMask(kBits);
+  constexpr uint64_t kSignBit = uint64_t{1} << (kBits - 1);
+  const uint32_t len = d.num_elements;
+  const uint32_t n = d.count;
+  DevBitReader r{payload, d.payload_bytes, d.payload_bytes * 8, 0, false};
+  const uint64_t max_gap_q = static_cast<uint64_t>(len) >> d.kg;
+  const uint64_t max_run_q = static_cast<uint64_t>(n) >> d.kr;
+  int64_t pos = -1;
+  bool run_due = kCoding != kCodingRaw;
+  uint64_t next_exception = n;
+  auto fail = [&](uint32_t j, uint32_t code) {
+    err->code = code;
+    err->change = j;
+    err->bit = r.pos;
+    err->used = 0;
+    return code;
+  };
+  for (uint32_t j = 0; j < n; ++j) {
+    if (run_due) {
+      const uint64_t q = r.GetUnary(max_run_q);
+      const uint64_t run = (q << d.kr) | r.Get(d.kr);
+      if (r.overrun) return fail(j, kErrRunTruncated);
+      if (run > n - j) return fail(j, kErrRunPastCount);
+      next_exception = j + run;
+      run_due = false;
+    }
+    const uint64_t q = r.GetUnary(max_gap_q);
+    const uint64_t gap = (q << d.kg) | r.Get(d.kg);
+    if (r.overrun) return fail(j, kErrGapTruncated);
+    pos += static_cast<int64_t>(gap) + 1;
+    if (pos >= static_cast<int64_t>(len)) return fail(j, kErrPosPastEnd);
+    pos_out[j] = static_cast<uint32_t>(pos);
+    if constexpr (kCoding == kCodingRaw) {
+      const uint64_t v = r.Get(kBits);
+      if (r.overrun) return fail(j, kErrValueTruncated);
+      if (static_cast<uint64_t>(base[pos]) == v) return fail(j, kErrRawEqualsBase);
+      val_out[j] = v;
+    } else {
+      const uint64_t sign = r.Get(1);
+      uint64_t m = 1;
+      if (j == next_exception) {
+        const uint64_t zeros = r.GetUnary(static_cast<uint64_t>(kBits));
+        if (r.overrun) return fail(j, kErrExcPrefix);
+        const int nbits = static_cast<int>(zeros) + d.ke;
+        if (nbits > 63) return fail(j, kErrExcTooLarge);
+        const uint64_t y = (uint64_t{1} << nbits) | r.Get(nbits);
+        if (r.overrun) return fail(j, kErrExcTruncated);
+        const uint64_t x = y - (uint64_t{1} << d.ke);
+        if (x > kMask - 1) return fail(j, kErrExcTooLarge);
+        m = x + 2;
+        run_due = true;
+      }
+      if (m > kSignBit || (m == kSignBit && sign == 0) || m > kMask) return fail(j, kErrDiffRange);
+      val_out[j] = sign ? ((0 - m) & kMask) : m;
+    }
+  }
+  const uint64_t used = r.pos;
+  if ((used + 7) / 8 != d.payload_bytes) {
+    err->code = kErrBadSize;
+    err->change = n;
+    err->bit = used;
+    err->used = used;
+    return kErrBadSize;
+  }
+  if (used % 8 != 0 && (payload[used / 8] >> (used % 8)) != 0) {
+    err->code = kErrPadding;
+    err->change = n;
+    err->bit = used;
+    err->used = used;
+    return kErrPadding;
+  }
+  return kErrNone;
+}
+
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kDecodeThreads) ApplyDecodeKernel(ApplyArgs a, uint64_t lo, uint64_t hi) {
+  const uint64_t i = lo + dev::BlockIndex() * kDecodeThreads + ThreadIndex();
+  if (i >= hi) return;
+  const ApplyDesc d = a.descs[i];
+  if (d.mode != f::kSparse) return;
+  const T* base = static_cast<const T*>(a.base) + d.first_element;
+  ApplyError err{};
+  const uint32_t code = DecodeSparseDevice<T, kCoding>(d, a.stage + d.stage_off, base, a.scratch_pos + d.scratch_off,
+                                                       a.scratch_val + d.scratch_off, &err);
+  if (code != kErrNone) {
+    a.errors[i] = err;
+    dev::AtomicMin64(a.first_bad, i);
+  }
+}
+
+// [codec.cc DecodeSparse] the target element from the base element and the decoded value.
+template <typename T, int kCoding>
+REFIT_DEV T TargetValue(T base_value, uint64_t v) {
+  constexpr int kBits = 8 * static_cast<int>(sizeof(T));
+  constexpr uint64_t kMask = f::WidthMask(kBits);
+  const uint64_t o = static_cast<uint64_t>(base_value);
+  if constexpr (kCoding == kCodingRaw) {
+    return static_cast<T>(v);
+  } else if constexpr (kCoding == kCodingOrdered) {
+    return static_cast<T>(f::OrderedInverse((f::OrderedImage(o, kBits) + v) & kMask, kBits));
+  } else {
+    return static_cast<T>((o + v) & kMask);
+  }
+}
+
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyWriteKernel(ApplyArgs a, uint64_t lo) {
+  const ApplyDesc d = a.descs[lo + dev::BlockIndex()];
+  T* out = static_cast<T*>(a.out) + d.first_element;
+  const uint32_t tid = ThreadIndex();
+  if (d.mode == f::kDense) {
+    // payload_bytes == num_elements * sizeof(T) (ParsePatch). The stage slot is 8-byte aligned.
+    uint8_t* dst = reinterpret_cast<uint8_t*>(out);
+    const uint8_t* src = a.stage + d.stage_off;
+    const uint64_t n = d.payload_bytes;
+    uint64_t done = 0;
+    if ((reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+      const uint64_t words = n / 8;
+      for (uint64_t k = tid; k < words; k += kThreads) {
+        const uint64_t v = LoadU64Aligned(src + 8 * k);
+        memcpy(__builtin_assume_aligned(dst + 8 * k, 8), &v, 8);
+      }
+      done = words * 8;
+    }
+    for (uint64_t k = done + tid; k < n; k += kThreads) dst[k] = src[k];
+    return;
+  }
+  const T* base = static_cast<const T*>(a.base) + d.first_element;
+  const uint32_t* pos = a.scratch_pos + d.scratch_off;
+  const uint64_t* val = a.scratch_val + d.scratch_off;
+  // Positions are distinct, so each element is read (base) and written (out) by one thread only,
+  // also in place.
+  for (uint32_t j = tid; j < d.count; j += kThreads) {
+    const uint32_t p = pos[j];
+    out[p] = TargetValue<T, kCoding>(base[p], val[j]);
+  }
+}
+
+// ---- launch wrappers ------------------------------------------------------------------------------
+
+template <typename... Params, typename... Args>
+int Launch(void (*kernel)(Params...), uint64_t grid, uint32_t threads, void* stream, Args&&... args) {
+  if (grid == 0) return 0;
+#if defined(REFIT_CUDA_EMULATE)
+  (void)stream;
+  emu::Launch(grid, threads, [&] { kernel(args...); });
+  return 0;
+#else
+  if (grid > kMaxGrid) return static_cast<int>(cudaErrorInvalidConfiguration);
+  kernel<<<static_cast<unsigned int>(grid), threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      std::forward<Args>(args)...);
+  return static_cast<int>(cudaGetLastError());
+#endif
+}
+
+// Calls fn.template operator()<T, kCoding>() for the element type of `width` bytes. Returns
+// cudaErrorInvalidValue's code for combinations no dtype has.
+template <typename Fn>
+int DispatchType(int width, int coding, Fn&& fn) {
+  switch (coding) {
+    case kCodingOrdered:
+      switch (width) {
+        case 1: return fn.template operator()<uint8_t, kCodingOrdered>();
+        case 2: return fn.template operator()<uint16_t, kCodingOrdered>();
+        case 4: return fn.template operator()<uint32_t, kCodingOrdered>();
+        case 8: return fn.template operator()<uint64_t, kCodingOrdered>();
+        default: break;
+      }
+      break;
+    case kCodingInt:
+      switch (width) {
+        case 1: return fn.template operator()<uint8_t, kCodingInt>();
+        case 2: return fn.template operator()<uint16_t, kCodingInt>();
+        case 4: return fn.template operator()<uint32_t, kCodingInt>();
+        case 8: return fn.template operator()<uint64_t, kCodingInt>();
+        default: break;
+      }
+      break;
+    case kCodingRaw:
+      if (width == 1) return fn.template operator()<uint8_t, kCodingRaw>();
+      break;
+    default:
+      break;
+  }
+  return 1;  // cudaErrorInvalidValue
+}
+
+// ---- kernels.h entry points ------------------------------------------------------------------------
+// Defined only in the one translation unit of each build that defines REFIT_CUDA_DEFINE_LAUNCHERS
+// (kernels.cu, emu/kernels_emu.cc); tests may include this header for the device helpers.
+#if defined(REFIT_CUDA_DEFINE_LAUNCHERS)
+
+int LaunchEncodeAnalyze(const EncodeArgs& a, void* stream) {
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&EncodeAnalyzeKernel<T, C>, a.num_blocks, kThreads, stream, a);
+  });
+}
+
+int LaunchEncodeWrite(const EncodeArgs& a, void* stream) {
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&EncodeWriteKernel<T, C>, a.num_blocks, kThreads, stream, a);
+  });
+}
+
+int LaunchEncodeChecksum(const EncodeArgs& a, void* stream) {
+  return Launch(&EncodeChecksumKernel, a.num_blocks, kThreads, stream, a);
+}
+
+int LaunchEncodeCompact(const EncodeArgs& a, void* stream) {
+  return Launch(&EncodeCompactKernel, a.num_blocks, kThreads, stream, a);
+}
+
+int LaunchDigestChunks(const void* data, uint64_t bytes, uint64_t num_chunks, uint64_t* chunk_hashes,
+                       void* stream) {
+  return Launch(&DigestChunksKernel, num_chunks, kThreads, stream, static_cast<const uint8_t*>(data), bytes,
+                chunk_hashes);
+}
+
+int LaunchApplyStage(const ApplyArgs& a, void* stream) {
+  return Launch(&ApplyStageKernel, a.num_descs, kThreads, stream, a);
+}
+
+int LaunchApplyVerify(const ApplyArgs& a, void* stream) {
+  return Launch(&ApplyVerifyKernel, a.num_descs, kThreads, stream, a);
+}
+
+int LaunchApplyDecode(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream) {
+  if (hi <= lo) return 0;
+  const uint64_t grid = (hi - lo + kDecodeThreads - 1) / kDecodeThreads;
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&ApplyDecodeKernel<T, C>, grid, kDecodeThreads, stream, a, lo, hi);
+  });
+}
+
+int LaunchApplyWrite(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream) {
+  if (hi <= lo) return 0;
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&ApplyWriteKernel<T, C>, hi - lo, kThreads, stream, a, lo);
+  });
+}
+
+#endif  // REFIT_CUDA_DEFINE_LAUNCHERS
+
+}  // namespace refit::cuda::kern
+
+#endif  // REFIT_CUDA_KERNELS_CUH_

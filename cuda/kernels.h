@@ -1,0 +1,158 @@
+// Internal interface between the host orchestration (codec_cuda.cc) and the kernels
+// (kernels.cuh, compiled by nvcc in kernels.cu or, for the CPU emulator, by the host compiler in
+// emu/kernels_emu.cc). Plain C++: no CUDA types, no abseil. Every Launch* function enqueues its
+// kernel(s) on `stream` (a cudaStream_t passed as void*, nullptr = the legacy default stream) and
+// returns the CUDA error code of the launch as an int (0 = cudaSuccess); rt::CheckLaunch turns it
+// into an absl::Status. Grid sizes are validated by the caller (see kMaxGrid).
+#ifndef REFIT_CUDA_KERNELS_H_
+#define REFIT_CUDA_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace refit::cuda::kern {
+
+// Threads per thread block of every block-level kernel. Equal to format::kHashLanes: thread t of a
+// hashing block is hash lane t.
+inline constexpr int kThreads = 256;
+// Elements per thread per tile, and the tile (elements a thread block processes per step).
+inline constexpr int kItems = 8;
+inline constexpr uint32_t kTile = static_cast<uint32_t>(kThreads) * kItems;
+// Threads per thread block of the sequential sparse decoder (one thread per codec block; one warp
+// per thread block spreads the decoders over all SMs).
+inline constexpr int kDecodeThreads = 32;
+// Largest grid.x the launch wrappers accept.
+inline constexpr uint64_t kMaxGrid = 0x7fffffffull;
+
+// Value codings, numerically equal to refit::ValueCoding (static_assert in codec_cuda.cc).
+inline constexpr int kCodingOrdered = 0;
+inline constexpr int kCodingInt = 1;
+inline constexpr int kCodingRaw = 2;
+
+// ---- encoder ------------------------------------------------------------------------------------
+
+// Per codec block, written by the analyze kernel (all but checksum/error), the checksum kernel
+// (checksum) and the write kernel (error).
+struct EncBlock {
+  uint64_t total_bits;     // SPARSE: exact bit length of the payload; otherwise 0
+  uint64_t payload_bytes;  // UNCHANGED 0, SPARSE ceil(total_bits / 8), DENSE len * width
+  uint32_t count;          // changed elements
+  uint32_t checksum;       // low 32 bits of Hash64(payload, block index)
+  uint8_t mode, kg, kr, ke;
+  uint32_t error;  // nonzero: the write kernel found its bit layout inconsistent (a bug)
+};
+static_assert(sizeof(EncBlock) == 32, "EncBlock layout");
+
+// Running scan state at the start of a tile (forward, in position order): changes before the tile,
+// 1 + block-relative position of the last change before it (0 = none), 1 + change index of the
+// last exception before it (0 = none).
+struct TileCarry {
+  uint32_t cnt, lp1, le1, pad;
+};
+static_assert(sizeof(TileCarry) == 16, "TileCarry layout");
+
+struct EncodeArgs {
+  const void* base = nullptr;    // device, num_elements * width bytes, aligned to width
+  const void* target = nullptr;  // device, same
+  uint64_t num_elements = 0;
+  uint64_t num_blocks = 0;  // ceil(num_elements / 2^block_log2), 1 .. kMaxGrid
+  int width = 0;            // 1, 2, 4, 8
+  int coding = 0;           // kCoding*
+  int block_log2 = 0;
+  uint32_t tiles_per_block = 0;  // ceil(2^block_log2 / kTile)
+  bool vector_loads = false;     // base and target are 16-byte aligned
+  EncBlock* blocks = nullptr;    // num_blocks
+  TileCarry* tiles = nullptr;    // num_blocks * tiles_per_block
+  // Filled by the host between analyze and write, num_blocks each:
+  const uint64_t* stage_off = nullptr;  // SPARSE: byte offset into stage (multiple of 8)
+  const uint64_t* out_off = nullptr;    // byte offset of the block's payload in out
+  uint8_t* stage = nullptr;             // zeroed before the write kernel
+  uint8_t* out = nullptr;               // all payloads, concatenated in block order
+};
+
+// Finds each block's changes, chooses kg/kr/ke and the mode, fills blocks[] and tiles[].
+int LaunchEncodeAnalyze(const EncodeArgs& a, void* stream);
+// Writes every SPARSE block's bit stream into stage (atomicOr into zeroed memory).
+int LaunchEncodeWrite(const EncodeArgs& a, void* stream);
+// Checksums every SPARSE (from stage) and DENSE (from target) payload into blocks[].checksum.
+int LaunchEncodeChecksum(const EncodeArgs& a, void* stream);
+// Copies every payload to out + out_off[block].
+int LaunchEncodeCompact(const EncodeArgs& a, void* stream);
+
+// ---- digest -------------------------------------------------------------------------------------
+
+// chunk_hashes[c] = Hash64(data[c * kDigestChunkBytes, ...), seed c) for c < num_chunks.
+int LaunchDigestChunks(const void* data, uint64_t bytes, uint64_t num_chunks,
+                       uint64_t* chunk_hashes, void* stream);
+
+// ---- apply --------------------------------------------------------------------------------------
+
+// One SPARSE or DENSE block of the patch (UNCHANGED blocks have no descriptor).
+struct ApplyDesc {
+  uint64_t block_index;
+  uint64_t first_element;
+  uint64_t src_off;        // payload offset in the patch
+  uint64_t stage_off;      // payload offset in stage (multiple of 8)
+  uint64_t payload_bytes;
+  uint64_t scratch_off;    // SPARSE: first decoded change's slot in the wave's scratch
+  uint32_t num_elements;
+  uint32_t count;          // SPARSE: changes
+  uint32_t checksum;       // from the table
+  uint8_t mode, kg, kr, ke;
+};
+static_assert(sizeof(ApplyDesc) == 64, "ApplyDesc layout");
+
+// Decoder failure of one block, mirroring DecodeSparse's messages (codec_cuda.cc maps codes).
+struct ApplyError {
+  uint32_t code;    // ApplyErrorCode
+  uint32_t change;  // j
+  uint64_t bit;     // reader bit position at the failure
+  uint64_t used;    // kBadSize: bits the changes used
+};
+static_assert(sizeof(ApplyError) == 24, "ApplyError layout");
+
+enum ApplyErrorCode : uint32_t {
+  kErrNone = 0,
+  kErrRunTruncated = 1,      // "truncated or oversized run length"
+  kErrRunPastCount = 2,      // "run length runs past the block's change count"
+  kErrGapTruncated = 3,      // "truncated or oversized position gap"
+  kErrPosPastEnd = 4,        // "position beyond the end of the block"
+  kErrValueTruncated = 5,    // "truncated value"
+  kErrRawEqualsBase = 6,     // "raw value equals the base value (not a change)"
+  kErrExcPrefix = 7,         // "truncated or oversized exception prefix"
+  kErrExcTooLarge = 8,       // "exception magnitude too large for the dtype"
+  kErrExcTruncated = 9,      // "truncated exception magnitude"
+  kErrDiffRange = 10,        // "difference out of range for the dtype"
+  kErrBadSize = 11,          // payload size != bits used
+  kErrPadding = 12,          // nonzero padding bits
+};
+
+struct ApplyArgs {
+  const uint8_t* patch = nullptr;  // device copy of the whole patch
+  const ApplyDesc* descs = nullptr;
+  uint64_t num_descs = 0;
+  uint8_t* stage = nullptr;         // every payload at its stage_off, zero padded (+8 bytes)
+  uint32_t* computed = nullptr;     // num_descs: checksum the payload hashes to
+  unsigned long long* first_bad = nullptr;  // atomicMin of failing descriptor indices
+  ApplyError* errors = nullptr;     // num_descs
+  uint32_t* scratch_pos = nullptr;  // decoded positions of the current wave
+  uint64_t* scratch_val = nullptr;  // decoded differences (or raw values) of the current wave
+  const void* base = nullptr;
+  void* out = nullptr;  // may equal base; otherwise holds a copy of base already
+  int width = 0;
+  int coding = 0;
+};
+
+// Copies each payload to its 8-aligned stage slot and zero-pads it.
+int LaunchApplyStage(const ApplyArgs& a, void* stream);
+// Checksums every staged payload; mismatches lower *first_bad.
+int LaunchApplyVerify(const ApplyArgs& a, void* stream);
+// Decodes and validates the SPARSE descriptors in [lo, hi) into the scratch arrays; failures fill
+// errors[d] and lower *first_bad. Writes nothing else.
+int LaunchApplyDecode(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
+// Writes descriptors [lo, hi) into out (DENSE: payload; SPARSE: the decoded changes).
+int LaunchApplyWrite(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
+
+}  // namespace refit::cuda::kern
+
+#endif  // REFIT_CUDA_KERNELS_H_
