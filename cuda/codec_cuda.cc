@@ -14,6 +14,7 @@
 #include "cuda/runtime.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_writer.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::cuda {
@@ -30,39 +31,8 @@ static_assert(static_cast<int>(ValueCoding::kRaw) == kern::kCodingRaw);
 constexpr size_t kDefaultDecodeScratch = size_t{512} << 20;
 constexpr uint64_t kDecodedChangeBytes = sizeof(uint32_t) + sizeof(uint64_t);
 
-// ---- table writer: the same bytes as codec.cc's PutU16 / PutU32 / PutVarint -----------------------
-
-void PutU16(std::vector<uint8_t>& out, uint16_t v) {
-  out.push_back(static_cast<uint8_t>(v));
-  out.push_back(static_cast<uint8_t>(v >> 8));
-}
-void PutU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-void PutVarint(std::vector<uint8_t>& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<uint8_t>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<uint8_t>(v));
-}
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
-void StoreU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
-void StoreU64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 uint64_t RoundUp8(uint64_t x) { return (x + 7) & ~uint64_t{7}; }
 
-// codec.cc's BlockWhere.
-std::string BlockWhere(uint64_t i, const BlockDesc& d) {
-  return absl::StrCat("block ", i, " (elements [", d.first_element, ", ",
-                      d.first_element + d.num_elements, "))");
-}
 
 absl::Status CheckDevice() {
   static const absl::Status* const status = [] {
@@ -384,29 +354,21 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
   host_offsets.resize(2 * num_blocks);
   uint64_t* stage_off = host_offsets.data();
   uint64_t* out_off = host_offsets.data() + num_blocks;
-  uint64_t stage_total = 0, payload_total = 0, table_bytes = 0;
+  uint64_t stage_total = 0, payload_total = 0;
+  std::vector<BlockRecord> records(num_blocks);
   for (uint64_t i = 0; i < num_blocks; ++i) {
     const kern::EncBlock& m = host_blocks[i];
     stage_off[i] = stage_total;
     out_off[i] = payload_total;
-    switch (m.mode) {
-      case kUnchanged:
-        table_bytes += 1;
-        break;
-      case kSparse:
-        stage_total += RoundUp8(m.payload_bytes);
-        table_bytes += VarintSize((static_cast<uint64_t>(m.count) << 2) | kSparse) + 2 +
-                       VarintSize(m.payload_bytes) + 4;
-        break;
-      case kDense:
-        table_bytes += 1 + 4;
-        break;
-      default:
-        return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
-                                                int{m.mode}, " (kernel bug)"));
+    if (m.mode != kUnchanged && m.mode != kSparse && m.mode != kDense) {
+      return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
+                                              int{m.mode}, " (kernel bug)"));
     }
+    if (m.mode == kSparse) stage_total += RoundUp8(m.payload_bytes);
+    records[i] = BlockRecord{m.mode, m.kg, m.kr, m.ke, m.count, 0, m.payload_bytes};
     payload_total += m.payload_bytes;
   }
+  const uint64_t table_bytes = BlockTableBytes(records);
 
   std::vector<uint8_t> patch(format::kHeaderBytes + table_bytes + payload_total);
   if (num_blocks > 0) {
@@ -434,59 +396,17 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     RETURN_IF_ERROR(clock.Finish());
   }
 
-  // Table, as EncodeTyped writes it.
-  std::vector<uint8_t> table;
-  table.reserve(table_bytes);
-  PatchStats st;
-  st.num_elements = n;
+  // Header and table: the checksums arrived with the second copy of the block records.
   for (uint64_t i = 0; i < num_blocks; ++i) {
     const kern::EncBlock& m = host_blocks[i];
     if (m.error != 0) {
       return absl::InternalError(absl::StrCat(
           "EncodePatchDevice: block ", i, ": the GPU encoder's bit layout is inconsistent (bug)"));
     }
-    switch (m.mode) {
-      case kUnchanged:
-        PutVarint(table, 0);
-        ++st.blocks_unchanged;
-        break;
-      case kSparse:
-        PutVarint(table, (static_cast<uint64_t>(m.count) << 2) | kSparse);
-        PutU16(table, static_cast<uint16_t>(m.kg | (m.kr << 5) | (m.ke << 10)));
-        PutVarint(table, m.payload_bytes);
-        PutU32(table, m.checksum);
-        ++st.blocks_sparse;
-        st.changed_elements += m.count;
-        break;
-      default:  // kDense (checked above)
-        PutVarint(table, kDense);
-        PutU32(table, m.checksum);
-        ++st.blocks_dense;
-        st.changed_elements += std::min<uint64_t>(block, n - i * block);
-        break;
-    }
+    records[i].checksum = m.checksum;
   }
-  if (table.size() != table_bytes) {
-    return absl::InternalError("EncodePatchDevice: table size mismatch (bug)");
-  }
-
-  uint8_t* h = patch.data();
-  StoreU32(h + 0, format::kMagic);
-  h[4] = format::kVersion;
-  h[5] = static_cast<uint8_t>(dtype);
-  h[6] = static_cast<uint8_t>(log2);
-  h[7] = 0;
-  StoreU64(h + 8, n);
-  StoreU64(h + 16, table.size());
-  if (!table.empty()) std::memcpy(h + format::kHeaderBytes, table.data(), table.size());
-  {
-    std::vector<uint8_t> tmp(24 + table.size());
-    std::memcpy(tmp.data(), h, 24);
-    if (!table.empty()) std::memcpy(tmp.data() + 24, table.data(), table.size());
-    StoreU32(h + 24, static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed)));
-  }
-  StoreU32(h + 28, 0);
-  st.patch_bytes = patch.size();
+  PatchStats st;
+  WritePatchHead(dtype, log2, n, records, patch, &st);
   if (stats != nullptr) *stats = st;
   return patch;
 }
@@ -616,7 +536,7 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
     uint32_t computed = 0;
     RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
     const kern::ApplyDesc& d = descs[first_bad];
-    return absl::DataLossError(absl::StrCat("patch ", BlockWhere(d.block_index, layout.blocks[d.block_index]),
+    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index]),
                                             ": payload checksum mismatch (table says ", d.checksum,
                                             ", payload hashes to ", computed, ")"));
   }
@@ -641,7 +561,7 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
       kern::ApplyError e{};
       RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
       const kern::ApplyDesc& d = descs[first_bad];
-      const std::string where = BlockWhere(d.block_index, layout.blocks[d.block_index]);
+      const std::string where = DescribeBlock(d.block_index, layout.blocks[d.block_index]);
       if (e.code == kern::kErrBadSize) {
         return absl::DataLossError(absl::StrCat("patch ", where, ": payload has ", d.payload_bytes,
                                                 " bytes but its ", d.count, " changes use ",

@@ -1,6 +1,7 @@
 #include "daemon/codec/codec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <bit>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/codec/bitstream.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_writer.h"
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 
@@ -30,22 +32,6 @@ using format::kUnchanged;
 // Little helpers
 // ---------------------------------------------------------------------------------------------
 
-void PutU16(std::vector<uint8_t>& out, uint16_t v) {
-  out.push_back(static_cast<uint8_t>(v));
-  out.push_back(static_cast<uint8_t>(v >> 8));
-}
-void PutU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-void PutVarint(std::vector<uint8_t>& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<uint8_t>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<uint8_t>(v));
-}
-void StoreU32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
-void StoreU64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
 uint32_t LoadU32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -85,6 +71,31 @@ class Buffer {
   size_t cap_ = 0;
 };
 
+// A growable byte buffer that never zero-fills (the encoder overwrites every byte it claims).
+class ByteSink {
+ public:
+  size_t size() const { return size_; }
+  uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  void clear() { size_ = 0; }
+  void resize(size_t n) {
+    if (n > cap_) {
+      const size_t cap = std::max({n, 2 * cap_, size_t{1} << 16});
+      auto grown = std::make_unique_for_overwrite<uint8_t[]>(cap);
+      if (size_) std::memcpy(grown.get(), data_.get(), size_);
+      data_ = std::move(grown);
+      cap_ = cap;
+    }
+    size_ = n;
+  }
+  size_t capacity() const { return cap_; }
+
+ private:
+  std::unique_ptr<uint8_t[]> data_;
+  size_t size_ = 0;
+  size_t cap_ = 0;
+};
+
 // Encoder scratch, per thread, reused across blocks.
 struct EncodeScratch {
   Buffer<uint32_t> pos;  // block-relative positions of changed elements (+ slack)
@@ -92,7 +103,37 @@ struct EncodeScratch {
   Buffer<uint64_t> vs;   // diff codings: magnitude << 1 | sign; raw coding: target bits
   Buffer<uint32_t> run;  // run lengths of non-exceptions (+ one sentinel)
   Buffer<uint64_t> exc;  // exception magnitudes minus two
+  Buffer<int32_t> dv;    // 16-bit dtypes on AVX-512: each change's signed difference
+  ByteSink out;          // payloads of this worker's blocks, back to back
 };
+
+// Workers' scratch outlives a call: encoding a model version every RL step would otherwise
+// fault in fresh pages for every buffer every time (a measurable share of encode time).
+class ScratchPool {
+ public:
+  std::unique_ptr<EncodeScratch> Acquire() {
+    absl::MutexLock lock(&mu_);
+    if (free_.empty()) return std::make_unique<EncodeScratch>();
+    auto s = std::move(free_.back());
+    free_.pop_back();
+    return s;
+  }
+  void Release(std::unique_ptr<EncodeScratch> s) {
+    s->out.clear();
+    absl::MutexLock lock(&mu_);
+    if (free_.size() < kMaxKept) free_.push_back(std::move(s));
+  }
+
+ private:
+  static constexpr size_t kMaxKept = 16;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<EncodeScratch>> free_ ABSL_GUARDED_BY(mu_);
+};
+
+ScratchPool& EncodeScratchPool() {
+  static ScratchPool* const pool = new ScratchPool();
+  return *pool;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Encoder
@@ -137,14 +178,18 @@ uint32_t FindChangesScalar(const T* a, const T* b, uint32_t begin, uint32_t len,
 // out-of-group value that is overwritten later) and the count advances by the popcount; only a
 // group with more than four changes takes the loop. `pos` needs 4 entries of slack.
 template <typename T>
-__attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(const T* a, const T* b,
-                                                                     uint32_t len, uint32_t* pos) {
+__attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(
+    const T* a, const T* b, uint32_t begin, uint32_t len, uint32_t* pos, uint32_t n) {
   constexpr uint32_t kGroup = 64 / sizeof(T);
   constexpr uint32_t kShift = sizeof(T) == 1 ? 0 : sizeof(T) == 2 ? 1 : sizeof(T) == 4 ? 2 : 3;
-  uint32_t n = 0, i = 0;
+  uint32_t i = begin;
   for (; i + kGroup <= len; i += kGroup) {
     const auto* pa = reinterpret_cast<const __m256i*>(a + i);
     const auto* pb = reinterpret_cast<const __m256i*>(b + i);
+    // The per-group mask work leaves few loads in flight: prefetch 2 KiB ahead (past the block
+    // end it only touches the next block's start, or is dropped).
+    _mm_prefetch(reinterpret_cast<const char*>(pa) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb) + 2048, _MM_HINT_T0);
     __m256i e0, e1;
     if constexpr (sizeof(T) == 1) {
       e0 = _mm256_cmpeq_epi8(_mm256_loadu_si256(pa), _mm256_loadu_si256(pb));
@@ -181,9 +226,47 @@ __attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(const T* a, 
 }
 #endif
 
+#if defined(__x86_64__)
+// AVX-512 (F + BW): one compare yields a mask with one bit per differing element, and
+// vpcompressd packs those elements' positions into a vector stored unconditionally (16 entries;
+// `pos` needs 64 entries of slack); the count advances by the mask's popcount. No branch and
+// about a dozen instructions per 64-byte group.
 template <typename T>
-uint32_t FindChangesSse2(const T* a, const T* b, uint32_t len, uint32_t* pos) {
-  uint32_t n = 0, i = 0;
+__attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAvx512(
+    const T* a, const T* b, uint32_t begin, uint32_t end, uint32_t* pos, uint32_t n) {
+  constexpr uint32_t kGroup = 64 / sizeof(T);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  uint32_t i = begin;
+  for (; i + kGroup <= end; i += kGroup) {
+    _mm_prefetch(reinterpret_cast<const char*>(a + i) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + i) + 2048, _MM_HINT_T0);
+    const __m512i x = _mm512_loadu_si512(a + i);
+    const __m512i y = _mm512_loadu_si512(b + i);
+    uint64_t mask;
+    if constexpr (sizeof(T) == 1) {
+      mask = _mm512_cmpneq_epi8_mask(x, y);
+    } else if constexpr (sizeof(T) == 2) {
+      mask = _mm512_cmpneq_epi16_mask(x, y);
+    } else if constexpr (sizeof(T) == 4) {
+      mask = _mm512_cmpneq_epi32_mask(x, y);
+    } else {
+      mask = _mm512_cmpneq_epi64_mask(x, y);
+    }
+    for (uint32_t q = 0; q < kGroup; q += 16) {  // 16 positions per compress
+      const __mmask16 m = static_cast<__mmask16>(mask >> q);
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i + q)), iota);
+      _mm512_storeu_si512(pos + n, _mm512_maskz_compress_epi32(m, idx));
+      n += static_cast<uint32_t>(_mm_popcnt_u32(m));
+    }
+  }
+  return FindChangesScalar(a, b, i, end, pos, n);
+}
+#endif
+
+template <typename T>
+uint32_t FindChangesSse2(const T* a, const T* b, uint32_t begin, uint32_t len, uint32_t* pos,
+                         uint32_t n) {
+  uint32_t i = begin;
 #if defined(__SSE2__)
   constexpr uint32_t kGroup = 64 / sizeof(T);
   for (; i + kGroup <= len; i += kGroup) {
@@ -212,43 +295,117 @@ uint32_t FindChangesSse2(const T* a, const T* b, uint32_t len, uint32_t* pos) {
   return FindChangesScalar(a, b, i, len, pos, n);
 }
 
-template <typename T>
-uint32_t FindChanges(const T* a, const T* b, uint32_t len, uint32_t* pos) {
+// The scan variant to use: the best the CPU supports, or lower when a test asks for it.
+enum ScanIsa : int { kIsaPortable = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+int BestScanIsa() {
 #if defined(__x86_64__)
-  static const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-                            __builtin_cpu_supports("popcnt");
-  if (kAvx2) return FindChangesAvx2(a, b, len, pos);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("popcnt")) {
+    return kIsaAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+      __builtin_cpu_supports("popcnt")) {
+    return kIsaAvx2;
+  }
 #endif
-  return FindChangesSse2(a, b, len, pos);
+  return kIsaPortable;
 }
 
+std::atomic<int> g_scan_isa{BestScanIsa()};
+
+// Appends the positions in [begin, end) of elements that differ to pos[n..]; returns the new n.
+template <typename T>
+uint32_t FindChanges(int isa, const T* a, const T* b, uint32_t begin, uint32_t end, uint32_t* pos,
+                     uint32_t n) {
+#if defined(__x86_64__)
+  if (isa == kIsaAvx512) return FindChangesAvx512(a, b, begin, end, pos, n);
+  if (isa == kIsaAvx2) return FindChangesAvx2(a, b, begin, end, pos, n);
+#endif
+  return FindChangesSse2(a, b, begin, end, pos, n);
+}
+
+#if defined(__x86_64__)
+// 16-bit dtypes on AVX-512, the common case (bf16/f16 weights): the scan also computes every
+// lane's difference d (of ordered images for floats, plain for ints) while the 64 bytes are in
+// registers, and compresses the changed lanes' d, sign-extended to 32 bits, next to their
+// positions, so the value pass needs no second look at the tensors.
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* values.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <bool kOrdered>
+__attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs16(
+    const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end, uint32_t* pos,
+    int32_t* dv, uint32_t n) {
+  constexpr uint32_t kGroup = 32;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i low15 = _mm512_set1_epi16(0x7fff);
+  const __m512i sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
+  uint32_t i = begin;
+  for (; i + kGroup <= end; i += kGroup) {
+    _mm_prefetch(reinterpret_cast<const char*>(a + i) + 2048, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + i) + 2048, _MM_HINT_T0);
+    __m512i x = _mm512_loadu_si512(a + i);
+    __m512i y = _mm512_loadu_si512(b + i);
+    const uint32_t mask = _mm512_cmpneq_epi16_mask(x, y);
+    if constexpr (kOrdered) {  // format::OrderedImage: x ^ ((x >> 15 arithmetic) & 0x7fff) ^ 0x8000
+      x = _mm512_xor_si512(_mm512_xor_si512(x, _mm512_and_si512(_mm512_srai_epi16(x, 15), low15)), sign);
+      y = _mm512_xor_si512(_mm512_xor_si512(y, _mm512_and_si512(_mm512_srai_epi16(y, 15), low15)), sign);
+    }
+    const __m512i d = _mm512_sub_epi16(y, x);  // modulo 2^16
+    const __m512i d_lo = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(d));
+    const __m512i d_hi = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(d, 1));
+    const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
+    _mm512_storeu_si512(pos + n, _mm512_maskz_compress_epi32(
+                                     m0, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), iota)));
+    _mm512_storeu_si512(dv + n, _mm512_maskz_compress_epi32(m0, d_lo));
+    n += static_cast<uint32_t>(_mm_popcnt_u32(m0));
+    _mm512_storeu_si512(pos + n, _mm512_maskz_compress_epi32(
+                                     m1, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i + 16)), iota)));
+    _mm512_storeu_si512(dv + n, _mm512_maskz_compress_epi32(m1, d_hi));
+    n += static_cast<uint32_t>(_mm_popcnt_u32(m1));
+  }
+  for (; i < end; ++i) {
+    if (a[i] == b[i]) continue;
+    const uint64_t d = kOrdered ? format::OrderedImage(b[i], 16) - format::OrderedImage(a[i], 16)
+                                : static_cast<uint64_t>(b[i]) - a[i];
+    pos[n] = i;
+    dv[n++] = static_cast<int16_t>(static_cast<uint16_t>(d));
+  }
+  return n;
+}
+#pragma GCC diagnostic pop
+#endif
+
 // From the changed positions, computes each change's gap and value, the run lengths between
-// exceptions and the exceptions' magnitudes minus two, in one branch-free pass.
-struct ValueCounts {
+// exceptions and the exceptions' magnitudes minus two, branch-free. Resumable: the encoder calls
+// it for the changes of each chunk right after scanning that chunk, while its bytes are in L1.
+struct ValueState {
+  uint32_t prev_plus_one = 0;  // 1 + position of the previous change
+  size_t run_start = 0;        // index of the first change of the current run
   size_t exceptions = 0;
-  size_t runs = 0;
 };
 
 template <typename T>
-ValueCounts ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t n,
-                          ValueCoding coding, uint32_t* gap, uint64_t* vs, uint32_t* run,
-                          uint64_t* exc) {
+void ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t j0, size_t j1,
+                   ValueCoding coding, uint32_t* gap, uint64_t* vs, uint32_t* run, uint64_t* exc,
+                   ValueState& st) {
   constexpr int kBits = 8 * sizeof(T);
   constexpr uint64_t kMask = format::WidthMask(kBits);
   constexpr uint64_t kSign = 1ull << (kBits - 1);
-  ValueCounts c;
-  uint32_t prev_plus_one = 0;
+  uint32_t prev_plus_one = st.prev_plus_one;
   if (coding == ValueCoding::kRaw) {
-    for (size_t j = 0; j < n; ++j) {
+    for (size_t j = j0; j < j1; ++j) {
       gap[j] = pos[j] - prev_plus_one;
       prev_plus_one = pos[j] + 1;
       vs[j] = static_cast<uint64_t>(b[pos[j]]);
     }
-    return c;
+    st.prev_plus_one = prev_plus_one;
+    return;
   }
   const bool ordered = coding == ValueCoding::kOrderedDiff;
-  size_t run_start = 0, num_exc = 0;
-  for (size_t j = 0; j < n; ++j) {
+  size_t run_start = st.run_start, num_exc = st.exceptions;
+  for (size_t j = j0; j < j1; ++j) {
     const uint32_t p = pos[j];
     gap[j] = p - prev_plus_one;
     prev_plus_one = p + 1;
@@ -266,10 +423,47 @@ ValueCounts ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t n,
     num_exc += exception;
     run_start = exception ? j + 1 : run_start;
   }
-  c.exceptions = num_exc;
-  c.runs = num_exc;
-  if (run_start < n) run[c.runs++] = static_cast<uint32_t>(n - run_start);
-  return c;
+  st.prev_plus_one = prev_plus_one;
+  st.run_start = run_start;
+  st.exceptions = num_exc;
+}
+
+// ComputeValues for changes whose signed difference the scan already produced.
+inline void ComputeValuesFromDiffs(const uint32_t* pos, const int32_t* dv, size_t j0, size_t j1,
+                                   uint32_t* gap, uint64_t* vs, uint32_t* run, uint64_t* exc,
+                                   ValueState& st) {
+  uint32_t prev_plus_one = st.prev_plus_one;
+  size_t run_start = st.run_start, num_exc = st.exceptions;
+  for (size_t j = j0; j < j1; ++j) {
+    const uint32_t p = pos[j];
+    gap[j] = p - prev_plus_one;
+    prev_plus_one = p + 1;
+    const int32_t d = dv[j];
+    const uint64_t neg = d < 0;
+    const uint64_t m = static_cast<uint64_t>(d < 0 ? -static_cast<int64_t>(d) : d);
+    vs[j] = (m << 1) | neg;
+    const bool exception = m >= 2;
+    exc[num_exc] = m - 2;
+    run[num_exc] = static_cast<uint32_t>(j - run_start);
+    num_exc += exception;
+    run_start = exception ? j + 1 : run_start;
+  }
+  st.prev_plus_one = prev_plus_one;
+  st.run_start = run_start;
+  st.exceptions = num_exc;
+}
+
+struct ValueCounts {
+  size_t exceptions = 0;
+  size_t runs = 0;
+};
+
+// Closes the last run; returns the number of runs.
+inline size_t FinishRuns(size_t n, ValueCoding coding, uint32_t* run, const ValueState& st) {
+  if (coding == ValueCoding::kRaw) return 0;
+  size_t runs = st.exceptions;
+  if (st.run_start < n) run[runs++] = static_cast<uint32_t>(n - st.run_start);
+  return runs;
 }
 
 // Smallest total Rice cost over k in [0, kmax]; ties go to the smaller k.
@@ -340,27 +534,54 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
   return best_k;
 }
 
-struct EncodedBlock {
-  uint8_t mode = kUnchanged;
-  uint8_t kg = 0, kr = 0, ke = 0;
-  uint32_t count = 0;
-  uint32_t checksum = 0;
-  uint64_t payload_bytes = 0;
-};
 
 // Encodes one block, appending its payload (if any) to `out`.
 template <typename T>
-EncodedBlock EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
-                         uint64_t block_index, EncodeScratch& s, std::vector<uint8_t>& out) {
-  EncodedBlock eb;
-  uint32_t* pos = s.pos.Get(static_cast<size_t>(len) + 8);
-  const size_t n = FindChanges(a, b, len, pos);
+BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
+                         uint64_t block_index, EncodeScratch& s, ByteSink& out) {
+  BlockRecord eb;
+  // Scan a chunk of 16 KiB per buffer, then turn its changes into values while those bytes are
+  // still in L1; the per-change arrays are sized for the worst case (every element changed).
+  constexpr uint32_t kChunk = 16384 / sizeof(T);
+  const size_t cap = static_cast<size_t>(len) + 64;  // scan slack
+  uint32_t* pos = s.pos.Get(cap);
+  uint32_t* gap = s.gap.Get(cap);
+  uint64_t* vs = s.vs.Get(cap);
+  uint32_t* run = s.run.Get(cap + 2);
+  uint64_t* exc = s.exc.Get(cap + 1);
+  ValueState vstate;
+  uint32_t n32 = 0;
+  const int isa = g_scan_isa.load(std::memory_order_relaxed);
+  bool fused = false;
+#if defined(__x86_64__)
+  if constexpr (sizeof(T) == 2) {
+    if (isa == kIsaAvx512 && coding != ValueCoding::kRaw) {
+      fused = true;
+      int32_t* dv = s.dv.Get(cap);
+      for (uint32_t begin = 0; begin < len; begin += kChunk) {
+        const uint32_t end = std::min(len, begin + kChunk);
+        const uint32_t before = n32;
+        n32 = coding == ValueCoding::kOrderedDiff
+                  ? FindChangesAndDiffs16<true>(a, b, begin, end, pos, dv, n32)
+                  : FindChangesAndDiffs16<false>(a, b, begin, end, pos, dv, n32);
+        ComputeValuesFromDiffs(pos, dv, before, n32, gap, vs, run, exc, vstate);
+      }
+    }
+  }
+#endif
+  if (!fused) {
+    for (uint32_t begin = 0; begin < len; begin += kChunk) {
+      const uint32_t end = std::min(len, begin + kChunk);
+      const uint32_t before = n32;
+      n32 = FindChanges(isa, a, b, begin, end, pos, n32);
+      ComputeValues(a, b, pos, before, n32, coding, gap, vs, run, exc, vstate);
+    }
+  }
+  const size_t n = n32;
   if (n == 0) return eb;
-  uint32_t* gap = s.gap.Get(n);
-  uint64_t* vs = s.vs.Get(n);
-  uint32_t* run = s.run.Get(n + 2);
-  uint64_t* exc = s.exc.Get(n + 1);
-  const ValueCounts vc = ComputeValues(a, b, pos, n, coding, gap, vs, run, exc);
+  ValueCounts vc;
+  vc.exceptions = vstate.exceptions;
+  vc.runs = FinishRuns(n, coding, run, vstate);
   uint64_t gap_bits = 0;
   eb.kg = static_cast<uint8_t>(ChooseRiceK({gap, n}, block_log2, &gap_bits));
   uint64_t value_bits = 0;
@@ -395,28 +616,50 @@ EncodedBlock EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, V
         w.PutLong(vs[j], 8 * sizeof(T));
       }
     } else {
-      // Per change: [gap Rice(kg)][sign], written as one code when it fits in 56 bits (almost
-      // always); an exception adds [EG(ke) of m-2] and, if another change follows, the next
-      // run's Rice(kr).
-      w.PutRice(run[0], kr);
-      size_t ri = 1;
-      for (size_t j = 0; j < n; ++j) {
-        const uint64_t g = gap[j];
+      // Per change: [gap Rice(kg)][sign]; an exception adds [EG(ke) of m-2] and, if another
+      // change follows, the next run's Rice(kr). The run lengths say exactly where exceptions
+      // are, so the changes between them go through a tight loop with no per-change test:
+      // Rice(kg) of g then the sign s is the single code ((low | s << kg) * 2 + 1) << (g >> kg).
+      auto put_gap_sign = [&](uint64_t g, uint64_t sign) {
         const uint64_t qg = g >> kg;
-        const uint64_t v = vs[j];
         if (qg + kg <= 54) {
-          w.Put((1ull << qg) | ((g & mask_g) << (qg + 1)) | ((v & 1) << (qg + 1 + kg)),
-                static_cast<int>(qg) + kg + 2);
+          w.Put((((g & mask_g) | (sign << kg)) * 2 + 1) << qg, static_cast<int>(qg) + kg + 2);
         } else {
           w.PutRice(g, kg);
-          w.Put(v & 1, 1);
+          w.Put(sign, 1);
         }
-        // Magnitude: v >> 1, except for 64-bit types whose magnitude 2^63 lost its top bit.
+      };
+      size_t j = 0;
+      for (size_t ri = 0;; ++ri) {
+        const uint32_t r = run[ri];
+        w.PutRice(r, kr);
+        const size_t stop = j + r;
+        // Four changes per write when their codes fit in 56 bits together (the usual case at
+        // RL change rates): the writer's serial accumulator chain is paid once per four.
+        for (; j + 4 <= stop; j += 4) {
+          const uint64_t g0 = gap[j], g1 = gap[j + 1], g2 = gap[j + 2], g3 = gap[j + 3];
+          const uint64_t q0 = g0 >> kg, q1 = g1 >> kg, q2 = g2 >> kg, q3 = g3 >> kg;
+          if (q0 + q1 + q2 + q3 + 4 * static_cast<uint64_t>(kg) + 8 > 56) {
+            for (size_t k = j; k < j + 4; ++k) put_gap_sign(gap[k], vs[k] & 1);
+            continue;
+          }
+          const uint64_t c0 = (((g0 & mask_g) | ((vs[j] & 1) << kg)) * 2 + 1) << q0;
+          const uint64_t c1 = (((g1 & mask_g) | ((vs[j + 1] & 1) << kg)) * 2 + 1) << q1;
+          const uint64_t c2 = (((g2 & mask_g) | ((vs[j + 2] & 1) << kg)) * 2 + 1) << q2;
+          const uint64_t c3 = (((g3 & mask_g) | ((vs[j + 3] & 1) << kg)) * 2 + 1) << q3;
+          const int l0 = static_cast<int>(q0) + kg + 2, l1 = static_cast<int>(q1) + kg + 2;
+          const int l2 = static_cast<int>(q2) + kg + 2, l3 = static_cast<int>(q3) + kg + 2;
+          w.Put(c0 | (c1 << l0) | (c2 << (l0 + l1)) | (c3 << (l0 + l1 + l2)), l0 + l1 + l2 + l3);
+        }
+        for (; j < stop; ++j) put_gap_sign(gap[j], vs[j] & 1);
+        if (j == n) break;
+        // Change j is an exception. Its magnitude is vs >> 1, except for 64-bit types whose
+        // magnitude 2^63 lost its top bit in vs.
+        const uint64_t v = vs[j];
         const uint64_t m = (v >> 1) | (sizeof(T) == 8 && (v >> 1) == 0 ? (1ull << 63) : 0);
-        if (m >= 2) {
-          w.PutEg(m - 2, ke);
-          if (j + 1 < n) w.PutRice(run[ri++], kr);
-        }
+        put_gap_sign(gap[j], v & 1);
+        w.PutEg(m - 2, ke);
+        if (++j == n) break;
       }
     }
     const size_t written = w.Finish(p);
@@ -425,7 +668,7 @@ EncodedBlock EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, V
     if (written != sparse_bytes) {
       // The cost model and the writer disagree: a bug, never valid output. Fall back to the
       // always-correct dense form rather than emit a corrupt block.
-      eb = EncodedBlock{};
+      eb = BlockRecord{};
       eb.mode = kDense;
       out.resize(start + dense_bytes);
       std::memcpy(out.data() + start, b, dense_bytes);
@@ -439,95 +682,58 @@ EncodedBlock EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, V
   return eb;
 }
 
-template <typename T>
-absl::StatusOr<std::vector<uint8_t>> EncodeTyped(DType dtype, std::span<const uint8_t> base,
-                                                 std::span<const uint8_t> target,
-                                                 const EncodeOptions& options, PatchStats* stats) {
-  const uint64_t n = base.size() / sizeof(T);
-  const int log2 = options.block_log2;
-  const uint64_t block = 1ull << log2;
-  const uint64_t num_blocks = (n + block - 1) / block;
-  const ValueCoding coding = DTypeValueCoding(dtype);
-  const T* a = reinterpret_cast<const T*>(base.data());
-  const T* b = reinterpret_cast<const T*>(target.data());
-
-  std::vector<EncodedBlock> blocks(num_blocks);
-  const int threads = ResolveThreads(options.threads);
-  // Each worker handles a contiguous range of blocks and appends payloads to its own buffer, so
-  // concatenating the buffers in worker order yields the payloads in block order.
-  const size_t parts = std::max<size_t>(1, std::min<size_t>(threads, num_blocks));
-  std::vector<std::vector<uint8_t>> buffers(parts);
-  std::vector<size_t> part_begin(parts + 1, 0);
-  for (size_t p = 0; p <= parts; ++p) part_begin[p] = num_blocks * p / parts;
-  ParallelFor(parts, static_cast<int>(parts), 1, [&](size_t pb, size_t pe) {
-    EncodeScratch s;
-    for (size_t p = pb; p < pe; ++p) {
-      for (size_t i = part_begin[p]; i < part_begin[p + 1]; ++i) {
-        const uint64_t first = i * block;
-        const uint32_t len = static_cast<uint32_t>(std::min<uint64_t>(block, n - first));
-        blocks[i] = EncodeBlock<T>(a + first, b + first, len, log2, coding, i, s, buffers[p]);
-      }
-    }
-  });
-
-  // Table.
-  std::vector<uint8_t> table;
-  table.reserve(num_blocks * 4 + 16);
-  uint64_t payload_total = 0;
-  PatchStats st;
-  st.num_elements = n;
-  for (uint64_t i = 0; i < num_blocks; ++i) {
-    const EncodedBlock& eb = blocks[i];
-    switch (eb.mode) {
-      case kUnchanged:
-        PutVarint(table, 0);
-        ++st.blocks_unchanged;
-        break;
-      case kSparse:
-        PutVarint(table, (static_cast<uint64_t>(eb.count) << 2) | kSparse);
-        PutU16(table, static_cast<uint16_t>(eb.kg | (eb.kr << 5) | (eb.ke << 10)));
-        PutVarint(table, eb.payload_bytes);
-        PutU32(table, eb.checksum);
-        ++st.blocks_sparse;
-        st.changed_elements += eb.count;
-        break;
-      case kDense: {
-        PutVarint(table, kDense);
-        PutU32(table, eb.checksum);
-        ++st.blocks_dense;
-        st.changed_elements += std::min<uint64_t>(block, n - i * block);
-        break;
-      }
-    }
-    payload_total += eb.payload_bytes;
+BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2,
+                           EncodeScratch& s, ByteSink& out) {
+  const int w = DTypeSize(in.dtype);
+  const uint64_t n = in.base.size() / w;
+  const uint64_t first = block_index << log2;
+  const uint32_t len = static_cast<uint32_t>(std::min<uint64_t>(1ull << log2, n - first));
+  const ValueCoding coding = DTypeValueCoding(in.dtype);
+  const uint8_t* a = in.base.data() + first * w;
+  const uint8_t* b = in.target.data() + first * w;
+  switch (w) {
+    case 1:
+      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out);
+    case 2:
+      return EncodeBlock<uint16_t>(reinterpret_cast<const uint16_t*>(a),
+                                   reinterpret_cast<const uint16_t*>(b), len, log2, coding,
+                                   block_index, s, out);
+    case 4:
+      return EncodeBlock<uint32_t>(reinterpret_cast<const uint32_t*>(a),
+                                   reinterpret_cast<const uint32_t*>(b), len, log2, coding,
+                                   block_index, s, out);
+    default:
+      return EncodeBlock<uint64_t>(reinterpret_cast<const uint64_t*>(a),
+                                   reinterpret_cast<const uint64_t*>(b), len, log2, coding,
+                                   block_index, s, out);
   }
+}
 
-  std::vector<uint8_t> patch(format::kHeaderBytes + table.size() + payload_total);
-  uint8_t* h = patch.data();
-  StoreU32(h + 0, format::kMagic);
-  h[4] = format::kVersion;
-  h[5] = static_cast<uint8_t>(dtype);
-  h[6] = static_cast<uint8_t>(log2);
-  h[7] = 0;
-  StoreU64(h + 8, n);
-  StoreU64(h + 16, table.size());
-  std::memcpy(h + format::kHeaderBytes, table.data(), table.size());
-  // Header checksum over bytes [0, 24) followed by the table.
-  {
-    std::vector<uint8_t> tmp(24 + table.size());
-    std::memcpy(tmp.data(), h, 24);
-    std::memcpy(tmp.data() + 24, table.data(), table.size());
-    StoreU32(h + 24, static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed)));
+absl::Status CheckEncodeInput(const EncodeInput& in, size_t index, size_t count) {
+  const std::string where = count > 1 ? absl::StrCat("EncodePatches: tensor ", index, ": ")
+                                      : std::string("EncodePatch: ");
+  if (!IsValidDType(static_cast<uint8_t>(in.dtype))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "invalid dtype code ", static_cast<int>(in.dtype)));
   }
-  StoreU32(h + 28, 0);
-  size_t off = format::kHeaderBytes + table.size();
-  for (auto& buf : buffers) {
-    if (!buf.empty()) std::memcpy(patch.data() + off, buf.data(), buf.size());
-    off += buf.size();
+  if (in.base.size() != in.target.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "base has ", in.base.size(),
+                                                   " bytes but target has ", in.target.size()));
   }
-  st.patch_bytes = patch.size();
-  if (stats) *stats = st;
-  return patch;
+  const int w = DTypeSize(in.dtype);
+  if (in.base.size() % w != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, in.base.size(),
+                                                   " bytes is not a whole number of ",
+                                                   DTypeName(in.dtype), " elements"));
+  }
+  const uintptr_t misalign =
+      (reinterpret_cast<uintptr_t>(in.base.data()) | reinterpret_cast<uintptr_t>(in.target.data())) %
+      static_cast<uintptr_t>(w);
+  if (misalign != 0 && !in.base.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "buffers must be aligned to the element size (", w, " bytes)"));
+  }
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,10 +778,6 @@ class TableReader {
   size_t off_ = 0;
 };
 
-std::string BlockWhere(uint64_t i, const BlockDesc& d) {
-  return absl::StrCat("block ", i, " (elements [", d.first_element, ", ",
-                      d.first_element + d.num_elements, "))");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Decoder
@@ -595,7 +797,7 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
   s.val.resize(n);
   BitReader r(payload, d.payload_bytes);
   auto fail = [&](uint32_t j, const char* what) {
-    return absl::DataLossError(absl::StrCat("patch ", BlockWhere(block_index, d), ", change ", j,
+    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ", change ", j,
                                             " of ", n, " (bit ", r.bit_position(), "): ", what));
   };
   const uint64_t max_gap_q = (static_cast<uint64_t>(len) >> d.kg);
@@ -658,13 +860,13 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
   }
   const uint64_t used = r.bit_position();
   if ((used + 7) / 8 != d.payload_bytes) {
-    return absl::DataLossError(absl::StrCat("patch ", BlockWhere(block_index, d), ": payload has ",
+    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ": payload has ",
                                             d.payload_bytes, " bytes but its ", n, " changes use ",
                                             (used + 7) / 8));
   }
   if (used % 8 != 0 && (payload[used / 8] >> (used % 8)) != 0) {
     return absl::DataLossError(
-        absl::StrCat("patch ", BlockWhere(block_index, d), ": nonzero padding bits"));
+        absl::StrCat("patch ", DescribeBlock(block_index, d), ": nonzero padding bits"));
   }
   return absl::OkStatus();
 }
@@ -712,7 +914,7 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
       const uint32_t sum =
           BlockChecksum(patch.subspan(d.payload_offset, d.payload_bytes), i);
       if (sum != d.checksum) {
-        record(absl::DataLossError(absl::StrCat("patch ", BlockWhere(i, d),
+        record(absl::DataLossError(absl::StrCat("patch ", DescribeBlock(i, d),
                                                 ": payload checksum mismatch (table says ",
                                                 d.checksum, ", payload hashes to ", sum, ")")));
         return;
@@ -736,38 +938,105 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
 
 }  // namespace
 
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats) {
+  const int log2 = options.block_log2;
+  if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        inputs.size() == 1 ? "EncodePatch" : "EncodePatches", ": block_log2 ", log2,
+        " outside [", format::kMinBlockLog2, ", ", format::kMaxBlockLog2, "]"));
+  }
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
+  }
+  // All blocks of all tensors form one list (tensor-major), cut into one contiguous range per
+  // worker with about equal bytes, so small tensors and large ones share the threads evenly.
+  const uint64_t block = 1ull << log2;
+  std::vector<uint64_t> first_block(inputs.size() + 1, 0);
+  uint64_t total_bytes = 0;
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    const uint64_t n = inputs[t].base.size() / DTypeSize(inputs[t].dtype);
+    first_block[t + 1] = first_block[t] + (n + block - 1) / block;
+    total_bytes += inputs[t].base.size();
+  }
+  const uint64_t total_blocks = first_block.back();
+  const size_t parts = static_cast<size_t>(
+      std::max<uint64_t>(1, std::min<uint64_t>(ResolveThreads(options.threads), total_blocks)));
+  std::vector<uint64_t> part_begin(parts + 1, total_blocks);
+  part_begin[0] = 0;
+  {
+    size_t part = 1;
+    uint64_t acc = 0;
+    for (size_t t = 0; t < inputs.size() && part < parts; ++t) {
+      const uint64_t bytes_per_block = block * DTypeSize(inputs[t].dtype);
+      for (uint64_t g = first_block[t]; g < first_block[t + 1] && part < parts; ++g) {
+        acc += std::min<uint64_t>(bytes_per_block, inputs[t].base.size() -
+                                                       (g - first_block[t]) * bytes_per_block);
+        while (part < parts && acc * parts >= total_bytes * part) part_begin[part++] = g + 1;
+      }
+    }
+  }
+  struct Where {
+    uint32_t part;
+    uint64_t offset;
+  };
+  std::vector<BlockRecord> records(total_blocks);
+  std::vector<Where> where(total_blocks);
+  std::vector<std::unique_ptr<EncodeScratch>> scratch(parts);
+  for (auto& sc : scratch) sc = EncodeScratchPool().Acquire();
+  ParallelFor(parts, static_cast<int>(parts), 1, [&](size_t pb, size_t pe) {
+    for (size_t p = pb; p < pe; ++p) {
+      EncodeScratch& s = *scratch[p];
+      uint64_t g = part_begin[p];
+      size_t t = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
+      for (; g < part_begin[p + 1]; ++g) {
+        while (g >= first_block[t + 1]) ++t;
+        where[g] = {static_cast<uint32_t>(p), s.out.size()};
+        records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out);
+      }
+    }
+  });
+  // Assemble each tensor's patch: header, table, payloads in block order.
+  std::vector<std::vector<uint8_t>> patches(inputs.size());
+  if (stats != nullptr) stats->assign(inputs.size(), PatchStats{});
+  ParallelFor(inputs.size(), options.threads, 1, [&](size_t tb, size_t te) {
+    for (size_t t = tb; t < te; ++t) {
+      const uint64_t n = inputs[t].base.size() / DTypeSize(inputs[t].dtype);
+      std::span<const BlockRecord> recs(records.data() + first_block[t],
+                                        first_block[t + 1] - first_block[t]);
+      const uint64_t head = format::kHeaderBytes + BlockTableBytes(recs);
+      std::vector<uint8_t>& patch = patches[t];
+      patch.resize(head + PayloadBytes(recs));
+      WritePatchHead(inputs[t].dtype, log2, n, recs, patch,
+                     stats != nullptr ? &(*stats)[t] : nullptr);
+      uint64_t off = head;
+      for (uint64_t g = first_block[t]; g < first_block[t + 1]; ++g) {
+        const uint64_t len = records[g].payload_bytes;
+        if (len) {
+          std::memcpy(patch.data() + off, scratch[where[g].part]->out.data() + where[g].offset, len);
+        }
+        off += len;
+      }
+    }
+  });
+  for (auto& sc : scratch) EncodeScratchPool().Release(std::move(sc));
+  return patches;
+}
+
 absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const uint8_t> base,
                                                  std::span<const uint8_t> target,
                                                  const EncodeOptions& options, PatchStats* stats) {
-  if (!IsValidDType(static_cast<uint8_t>(dtype))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("EncodePatch: invalid dtype code ", static_cast<int>(dtype)));
-  }
-  if (options.block_log2 < format::kMinBlockLog2 || options.block_log2 > format::kMaxBlockLog2) {
-    return absl::InvalidArgumentError(absl::StrCat("EncodePatch: block_log2 ", options.block_log2,
-                                                   " outside [", format::kMinBlockLog2, ", ",
-                                                   format::kMaxBlockLog2, "]"));
-  }
-  if (base.size() != target.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("EncodePatch: base has ", base.size(),
-                                                   " bytes but target has ", target.size()));
-  }
-  const int w = DTypeSize(dtype);
-  if (base.size() % w != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("EncodePatch: ", base.size(),
-                                                   " bytes is not a whole number of ",
-                                                   DTypeName(dtype), " elements"));
-  }
-  switch (w) {
-    case 1:
-      return EncodeTyped<uint8_t>(dtype, base, target, options, stats);
-    case 2:
-      return EncodeTyped<uint16_t>(dtype, base, target, options, stats);
-    case 4:
-      return EncodeTyped<uint32_t>(dtype, base, target, options, stats);
-    default:
-      return EncodeTyped<uint64_t>(dtype, base, target, options, stats);
-  }
+  const EncodeInput input{dtype, base, target};
+  std::vector<PatchStats> st;
+  ASSIGN_OR_RETURN(auto patches, EncodePatches({&input, 1}, options, stats ? &st : nullptr));
+  if (stats != nullptr) *stats = st[0];
+  return std::move(patches[0]);
+}
+
+std::string DescribeBlock(uint64_t index, const BlockDesc& d) {
+  return absl::StrCat("block ", index, " (elements [", d.first_element, ", ",
+                      d.first_element + d.num_elements, "))");
 }
 
 absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
@@ -837,7 +1106,7 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
     const uint64_t dense_bytes = static_cast<uint64_t>(d.num_elements) * w;
     const size_t entry_off = format::kHeaderBytes + tr.offset();
     auto bad = [&](const std::string& what) {
-      return absl::DataLossError(absl::StrCat("patch: table entry for ", BlockWhere(i, d),
+      return absl::DataLossError(absl::StrCat("patch: table entry for ", DescribeBlock(i, d),
                                               " at offset ", entry_off, ": ", what));
     };
     uint64_t head;
@@ -915,6 +1184,12 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<c
     return absl::InvalidArgumentError(absl::StrCat("ApplyPatch: output has ", out.size(),
                                                    " bytes, base has ", base.size()));
   }
+  if ((reinterpret_cast<uintptr_t>(base.data()) | reinterpret_cast<uintptr_t>(out.data())) %
+          static_cast<uintptr_t>(w) != 0 &&
+      !base.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ApplyPatch: base and output must be aligned to the element size (", w, " bytes)"));
+  }
   if (out.data() != base.data() && out.data() < base.data() + base.size() &&
       base.data() < out.data() + out.size()) {
     return absl::InvalidArgumentError("ApplyPatch: output partially overlaps the base");
@@ -948,7 +1223,7 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
     const uint32_t sum = BlockChecksum(patch.subspan(d.payload_offset, d.payload_bytes), i);
     if (sum != d.checksum) {
       return absl::DataLossError(
-          absl::StrCat("patch ", BlockWhere(i, d), ": payload checksum mismatch"));
+          absl::StrCat("patch ", DescribeBlock(i, d), ": payload checksum mismatch"));
     }
     if (d.mode == kDense) {
       ++st.blocks_dense;
@@ -978,4 +1253,13 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
   return st;
 }
 
+namespace testing {
+
+int EncoderScanLevels() { return BestScanIsa() + 1; }
+
+void SetEncoderScanLevel(int level) {
+  g_scan_isa.store(level < 0 ? BestScanIsa() : std::min(level, BestScanIsa()));
+}
+
+}  // namespace testing
 }  // namespace refit

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,6 +47,9 @@ struct BlockDesc {
   uint64_t checksum_offset = 0;  // where the table stores `checksum` (from the patch start)
 };
 
+// "block 3 (elements [786432, 1048576))": how errors name a block.
+std::string DescribeBlock(uint64_t index, const BlockDesc& block);
+
 // A parsed and structurally validated patch header and block table.
 struct PatchLayout {
   DType dtype = DType::kBF16;
@@ -61,6 +65,21 @@ absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const ui
                                                  std::span<const uint8_t> target,
                                                  const EncodeOptions& options = {},
                                                  PatchStats* stats = nullptr);
+
+// One tensor to encode: base (version v-1) and target (version v) bytes of the same size.
+struct EncodeInput {
+  DType dtype = DType::kBF16;
+  std::span<const uint8_t> base;
+  std::span<const uint8_t> target;
+};
+
+// Encodes many tensors at once (one patch each, in order), spreading all their blocks over the
+// threads: the way to encode a model version, whose tensors are often smaller than a block
+// range per thread. Each patch equals EncodePatch's for that tensor. Buffers must be aligned to
+// the element size.
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options = {},
+    std::vector<PatchStats>* stats = nullptr);
 
 // Parses and validates the header and block table (magic, version, dtype, sizes, varints,
 // header checksum, payload bounds). Does not read payloads.

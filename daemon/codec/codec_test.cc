@@ -359,3 +359,111 @@ TEST_F(HostilePatch, ValidChecksumsButHostileStreamsAreRejected) {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST(EncodePatches, EachPatchEqualsEncodePatchAcrossMixedTensorsAndThreads) {
+  std::mt19937_64 rng(99);
+  std::vector<Bytes> bases, targets;
+  std::vector<DType> types;
+  const DType kinds[] = {DType::kBF16, DType::kF32, DType::kI8, DType::kBool, DType::kF64};
+  for (int t = 0; t < 23; ++t) {
+    const DType d = kinds[t % 5];
+    const size_t n = (t % 4 == 0) ? 3000 + rng() % 5000 : rng() % 900;  // many below one block
+    Bytes a = RandomBytes(n * DTypeSize(d), rng);
+    if (d == DType::kBool) for (auto& x : a) x &= 1;
+    bases.push_back(a);
+    targets.push_back(Mutate(a, d, 0.02 + 0.2 * (t % 3 == 0), rng));
+    types.push_back(d);
+  }
+  std::vector<EncodeInput> inputs;
+  for (size_t t = 0; t < bases.size(); ++t) inputs.push_back({types[t], bases[t], targets[t]});
+  for (int threads : {1, 2, 3, 7}) {
+    EncodeOptions opt;
+    opt.block_log2 = 9;
+    opt.threads = threads;
+    std::vector<PatchStats> stats;
+    auto patches = EncodePatches(inputs, opt, &stats);
+    ASSERT_TRUE(patches.ok()) << patches.status();
+    ASSERT_EQ(patches->size(), inputs.size());
+    for (size_t t = 0; t < inputs.size(); ++t) {
+      PatchStats one;
+      auto single = EncodePatch(types[t], bases[t], targets[t], opt, &one);
+      ASSERT_TRUE(single.ok());
+      ASSERT_EQ((*patches)[t], *single) << "tensor " << t << " threads " << threads;
+      EXPECT_EQ(stats[t].changed_elements, one.changed_elements);
+      EXPECT_EQ(stats[t].patch_bytes, (*patches)[t].size());
+      Bytes out(bases[t].size());
+      ASSERT_TRUE(ApplyPatch((*patches)[t], types[t], bases[t], out).ok());
+      ASSERT_EQ(out, targets[t]);
+    }
+  }
+}
+
+TEST(EncodePatches, ErrorsNameTheTensor) {
+  Bytes a(10), b(12);
+  std::vector<EncodeInput> inputs = {{DType::kU8, a, a}, {DType::kU8, a, b}};
+  auto r = EncodePatches(inputs);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("tensor 1"), absl::string_view::npos) << r.status();
+  EXPECT_TRUE(EncodePatches({}).ok());
+}
+
+TEST(EncodePatches, MisalignedBuffersAreRejected) {
+  Bytes a(102, 1), b(102, 2);
+  std::span<const uint8_t> ma(a.data() + 1, 100), mb(b.data() + 1, 100);
+  auto r = EncodePatch(DType::kBF16, ma, mb);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  auto ok = EncodePatch(DType::kU8, ma, mb);
+  ASSERT_TRUE(ok.ok());
+  Bytes out(101);
+  std::span<uint8_t> mo(out.data() + 1, 100);
+  EXPECT_EQ(ApplyPatch(*EncodePatch(DType::kBF16, std::span<const uint8_t>(a.data(), 100),
+                                    std::span<const uint8_t>(b.data(), 100)),
+                       DType::kBF16, ma, mo)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// Every scan implementation this CPU can run (portable, AVX2, AVX-512) gives the same patch.
+TEST(Codec, EveryScanImplementationGivesTheSamePatch) {
+  std::mt19937_64 rng(4242);
+  const int levels = testing::EncoderScanLevels();
+  ASSERT_GE(levels, 1);
+  for (DType t : kAll) {
+    const int w = DTypeSize(t);
+    for (size_t n : {1u, 31u, 33u, 4095u, 70001u}) {
+      Bytes a = RandomBytes(n * w, rng);
+      if (t == DType::kBool) for (auto& x : a) x &= 1;
+      for (double p : {0.003, 0.03, 0.6}) {
+        Bytes b = Mutate(a, t, p, rng);
+        EncodeOptions opt;
+        opt.block_log2 = 12;
+        testing::SetEncoderScanLevel(0);
+        auto want = EncodePatch(t, a, b, opt);
+        ASSERT_TRUE(want.ok());
+        for (int level = 1; level < levels; ++level) {
+          testing::SetEncoderScanLevel(level);
+          auto got = EncodePatch(t, a, b, opt);
+          ASSERT_TRUE(got.ok());
+          ASSERT_EQ(*got, *want) << DTypeName(t) << " n=" << n << " p=" << p << " level=" << level;
+        }
+        testing::SetEncoderScanLevel(-1);
+        Bytes out(a.size());
+        ASSERT_TRUE(ApplyPatch(*want, t, a, out).ok());
+        ASSERT_EQ(out, b);
+      }
+    }
+  }
+  testing::SetEncoderScanLevel(-1);
+}
+
+}  // namespace
+}  // namespace refit

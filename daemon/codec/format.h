@@ -71,12 +71,16 @@ enum BlockMode : uint8_t { kUnchanged = 0, kSparse = 1, kDense = 2 };
 // order (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN). Bijective on all 2^bits patterns.
 constexpr uint64_t WidthMask(int bits) { return bits == 64 ? ~0ull : ((1ull << bits) - 1); }
 constexpr uint64_t OrderedImage(uint64_t x, int bits) {
+  // Branch-free (weight signs are random): negative patterns flip every bit, positive ones only
+  // the sign bit.
   const uint64_t sign = 1ull << (bits - 1);
-  return (x & sign) ? (~x & WidthMask(bits)) : (x | sign);
+  const uint64_t flip = (0 - ((x >> (bits - 1)) & 1)) & (WidthMask(bits) >> 1);
+  return x ^ flip ^ sign;
 }
 constexpr uint64_t OrderedInverse(uint64_t o, int bits) {
   const uint64_t sign = 1ull << (bits - 1);
-  return (o & sign) ? (o & ~sign) : (~o & WidthMask(bits));
+  const uint64_t flip = (((o >> (bits - 1)) & 1) - 1) & (WidthMask(bits) >> 1);
+  return o ^ flip ^ sign;
 }
 
 // ---- Rice / Exp-Golomb code lengths -------------------------------------------------------------

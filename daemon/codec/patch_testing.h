@@ -14,6 +14,13 @@ namespace refit::testing {
 // validation behind them. Fails if the header or table is too malformed to locate the checksums.
 absl::Status ResignPatch(std::span<uint8_t> patch);
 
+// The encoder's scan has several implementations (portable, AVX2, AVX-512) chosen by CPU
+// features; they must give identical patches. EncoderScanLevels() is how many this CPU can run;
+// SetEncoderScanLevel(l) makes later encodes use level l (0 = portable) until reset with -1.
+// Not thread-safe with concurrent encodes; for tests.
+int EncoderScanLevels();
+void SetEncoderScanLevel(int level);
+
 }  // namespace refit::testing
 
 #endif  // REFIT_DAEMON_CODEC_PATCH_TESTING_H_

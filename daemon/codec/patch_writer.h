@@ -1,0 +1,39 @@
+// Writes a patch's header and block table from per-block records: the one place that lays out
+// those bytes, shared by the CPU encoder (codec.cc) and the GPU encoder (cuda/).
+#ifndef REFIT_DAEMON_CODEC_PATCH_WRITER_H_
+#define REFIT_DAEMON_CODEC_PATCH_WRITER_H_
+
+#include <cstdint>
+#include <span>
+
+#include "daemon/codec/codec.h"
+#include "daemon/codec/dtype.h"
+#include "daemon/codec/format.h"
+
+namespace refit {
+
+// One block's table entry as an encoder produced it.
+struct BlockRecord {
+  uint8_t mode = format::kUnchanged;
+  uint8_t kg = 0, kr = 0, ke = 0;  // SPARSE only
+  uint32_t count = 0;              // SPARSE only: changed elements
+  uint32_t checksum = 0;           // SPARSE and DENSE: low 32 bits of Hash64(payload, block index)
+  uint64_t payload_bytes = 0;      // 0 for UNCHANGED, the block's bytes for DENSE
+};
+
+// Size in bytes of the block table for `blocks`.
+uint64_t BlockTableBytes(std::span<const BlockRecord> blocks);
+
+// Sum of the blocks' payload sizes.
+uint64_t PayloadBytes(std::span<const BlockRecord> blocks);
+
+// Writes the 32-byte header and the block table to out[0, kHeaderBytes + BlockTableBytes(blocks)).
+// The payloads, in block order, follow in the caller's buffer. Fills `stats` if not null (its
+// patch_bytes counts the payloads too).
+void WritePatchHead(DType dtype, int block_log2, uint64_t num_elements,
+                    std::span<const BlockRecord> blocks, std::span<uint8_t> out,
+                    PatchStats* stats);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_CODEC_PATCH_WRITER_H_
