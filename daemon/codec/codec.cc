@@ -332,7 +332,9 @@ uint32_t FindChanges(int isa, const T* a, const T* b, uint32_t begin, uint32_t e
 // positions, so the value pass needs no second look at the tensors.
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* values.
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 template <bool kOrdered>
 __attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs16(
     const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end, uint32_t* pos,
