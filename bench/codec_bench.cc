@@ -27,12 +27,8 @@
 #include "daemon/codec/hash.h"
 #include "daemon/common/parallel.h"
 
-#if REFIT_BENCH_HAVE_MODEL
 #include "daemon/model/trajectory.h"
-#endif
-#if REFIT_BENCH_HAVE_SAFETENSORS
 #include "daemon/model/safetensors.h"
-#endif
 
 namespace refit::bench {
 namespace {
@@ -641,7 +637,6 @@ Result RunUniform(const Options& o, int threads, size_t which) {
   return r;
 }
 
-#if REFIT_BENCH_HAVE_MODEL
 Result RunRealistic(const Options& o, int threads) {
   Result r;
   r.dataset = "realistic";
@@ -681,9 +676,7 @@ Result RunRealistic(const Options& o, int threads) {
   }
   return r;
 }
-#endif
 
-#if REFIT_BENCH_HAVE_SAFETENSORS
 // Every BF16 tensor present in both files with the same shape forms a pair; one unit.
 Result RunSafetensors(const Options& o, int threads) {
   Result r;
@@ -722,7 +715,6 @@ Result RunSafetensors(const Options& o, int threads) {
   MeasureUnit(r.dataset, pairs, threads, o.reps, &r.tot);
   return r;
 }
-#endif
 
 int Main(int argc, char** argv) {
   Options o;
@@ -740,28 +732,13 @@ int Main(int argc, char** argv) {
   };
 
   if (want("realistic")) {
-#if REFIT_BENCH_HAVE_MODEL
     emit(RunRealistic(o, threads));
-#else
-    if (!o.dataset.empty()) {
-      std::fprintf(stderr, "codec_bench: dataset 'realistic' needs refit_model, which this build "
-                           "does not have\n");
-      return 2;
-    }
-    Progress(o, "skipping 'realistic': this build has no refit_model");
-#endif
   }
   for (size_t k = 0; k < std::size(kUniformNames); ++k) {
     if (want(kUniformNames[k])) emit(RunUniform(o, threads, k));
   }
   if (!o.safetensors_a.empty() && want("safetensors")) {
-#if REFIT_BENCH_HAVE_SAFETENSORS
     emit(RunSafetensors(o, threads));
-#else
-    std::fprintf(stderr, "codec_bench: --safetensors needs refit_model's SafetensorsFile, which "
-                         "this build does not have\n");
-    return 2;
-#endif
   }
   if (!o.json) PrintHumanTable(results);
   if (g_sink.load() == 0x5eed) std::fprintf(stderr, " \n");  // keeps the read pass observable
