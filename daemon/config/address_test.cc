@@ -1,0 +1,144 @@
+#include "daemon/config/address.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace refit::config {
+namespace {
+
+struct Case {
+  const char* text;
+  bool loopback;
+};
+
+TEST(AddressTest, LoopbackAddresses) {
+  for (const Case& c :
+       {Case{"127.0.0.1:7000", true}, Case{"127.1.2.3:7000", true}, Case{"127.255.255.255:1", true},
+        Case{"[::1]:7000", true}, Case{"[::ffff:127.0.0.1]:7000", true},
+        Case{"localhost:7000", true}, Case{"LocalHost:7000", true}, Case{"localhost.:7000", true},
+        Case{"unix:/run/refitd.sock", true}, Case{"unix:rel.sock", true},
+        Case{"unix:///run/refitd.sock", true}, Case{"unix-abstract:refitd", true}}) {
+    for (AddressUse use : {AddressUse::kListen, AddressUse::kConnect}) {
+      auto a = ParseAddress(c.text, use);
+      ASSERT_TRUE(a.ok()) << c.text << ": " << a.status();
+      EXPECT_EQ(a->loopback, c.loopback) << c.text;
+    }
+  }
+}
+
+TEST(AddressTest, NonLoopbackAddresses) {
+  for (const char* text :
+       {"0.0.0.0:7000", "[::]:7000", "10.0.0.7:7000", "128.0.0.1:7000", "126.255.255.255:7000",
+        "[2001:db8::1]:7000", "[::ffff:10.0.0.1]:7000", "pub.example.com:7000",
+        "localhost.example.com:7000", "mylocalhost:7000", "127.0.0.1.nip.io:7000"}) {
+    auto a = ParseAddress(text, AddressUse::kListen);
+    ASSERT_TRUE(a.ok()) << text << ": " << a.status();
+    EXPECT_FALSE(a->loopback) << text;
+    EXPECT_EQ(a->kind, AddressKind::kTcp);
+  }
+}
+
+TEST(AddressTest, ConnectSchemes) {
+  auto dns = ParseAddress("dns:///pub.example.com:7000", AddressUse::kConnect);
+  ASSERT_TRUE(dns.ok()) << dns.status();
+  EXPECT_EQ(dns->host, "pub.example.com");
+  EXPECT_EQ(dns->port, 7000);
+  EXPECT_EQ(dns->grpc_target, "dns:///pub.example.com:7000");
+  EXPECT_FALSE(dns->loopback);
+
+  auto dns_local = ParseAddress("dns:localhost:7000", AddressUse::kConnect);
+  ASSERT_TRUE(dns_local.ok()) << dns_local.status();
+  EXPECT_TRUE(dns_local->loopback);
+
+  auto v4 = ParseAddress("ipv4:127.0.0.1:9", AddressUse::kConnect);
+  ASSERT_TRUE(v4.ok()) << v4.status();
+  EXPECT_TRUE(v4->loopback);
+  EXPECT_EQ(v4->port, 9);
+
+  auto v6 = ParseAddress("ipv6:[::1]:9", AddressUse::kConnect);
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_TRUE(v6->loopback);
+  EXPECT_EQ(v6->host, "::1");
+
+  // Scheme forms are for connections only.
+  EXPECT_FALSE(ParseAddress("dns:///pub:7000", AddressUse::kListen).ok());
+}
+
+TEST(AddressTest, UnixForms) {
+  auto a = ParseAddress("unix:///run/x.sock", AddressUse::kListen);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->kind, AddressKind::kUnix);
+  EXPECT_EQ(a->path, "/run/x.sock");
+  EXPECT_EQ(a->grpc_target, "unix:/run/x.sock");
+  auto b = ParseAddress("unix-abstract:refit", AddressUse::kConnect);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->kind, AddressKind::kUnixAbstract);
+  EXPECT_EQ(b->grpc_target, "unix-abstract:refit");
+  // Longest accepted path, then one byte more.
+  EXPECT_TRUE(
+      ParseAddress("unix:/" + std::string(kMaxUnixPathBytes - 1, 'a'), AddressUse::kListen).ok());
+  auto too_long = ParseAddress("unix:/" + std::string(kMaxUnixPathBytes, 'a'), AddressUse::kListen);
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_NE(too_long.status().message().find("the limit is 107"), std::string::npos);
+}
+
+TEST(AddressTest, Ports) {
+  EXPECT_TRUE(ParseAddress("127.0.0.1:0", AddressUse::kListen).ok());
+  EXPECT_TRUE(ParseAddress("127.0.0.1:65535", AddressUse::kConnect).ok());
+  auto zero = ParseAddress("127.0.0.1:0", AddressUse::kConnect);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_NE(zero.status().message().find("port 0 is out of range (1..65535"), std::string::npos)
+      << zero.status();
+  auto big = ParseAddress("127.0.0.1:65536", AddressUse::kListen);
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(big.status().message().find("65536"), std::string::npos);
+}
+
+TEST(AddressTest, Errors) {
+  struct Bad {
+    const char* text;
+    const char* message;
+  };
+  for (const Bad& b : {Bad{"", "empty address"},
+                       Bad{"127.0.0.1", "missing ':port'"},
+                       Bad{"127.0.0.1:", "missing port"},
+                       Bad{"127.0.0.1:http", "is not a number"},
+                       Bad{"127.0.0.1:123456", "is not a number"},
+                       Bad{":7000", "missing host"},
+                       Bad{"::1:7000", "needs brackets"},
+                       Bad{"[::1:7000", "missing ']'"},
+                       Bad{"[::1]7000", "expected ':port'"},
+                       Bad{"[10.0.0.1]:7000", "is not an IPv6 address"},
+                       Bad{"bad_host!:7000", "is not an IP address or host name"},
+                       Bad{"-bad.example:7000", "is not an IP address or host name"},
+                       Bad{"a b:7000", "whitespace"},
+                       Bad{"unix:", "missing socket path"},
+                       Bad{"unix://host/x.sock", "absolute path"},
+                       Bad{"unix-abstract:", "missing name"},
+                       Bad{"ipv4:pub.example:7000", "is not an IPv4 address"},
+                       Bad{"ipv4:127.0.0.1:1,127.0.0.2:1", "no comma"},
+                       Bad{"dns://8.8.8.8/pub:7000", "authority"},
+                       Bad{"http://pub:7000", "unexpected '/'"}}) {
+    auto a = ParseAddress(b.text, AddressUse::kConnect);
+    ASSERT_FALSE(a.ok()) << b.text;
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(a.status().message().find(b.message), std::string::npos)
+        << b.text << " -> " << a.status();
+    EXPECT_EQ(a.status().message().find('\n'), std::string::npos);
+  }
+}
+
+TEST(AddressTest, IsLoopbackHost) {
+  EXPECT_TRUE(IsLoopbackHost("127.0.0.1"));
+  EXPECT_TRUE(IsLoopbackHost("127.9.9.9"));
+  EXPECT_TRUE(IsLoopbackHost("::1"));
+  EXPECT_TRUE(IsLoopbackHost("localhost"));
+  EXPECT_FALSE(IsLoopbackHost("0.0.0.0"));
+  EXPECT_FALSE(IsLoopbackHost("::"));
+  EXPECT_FALSE(IsLoopbackHost("example.com"));
+  EXPECT_FALSE(IsLoopbackHost(""));
+}
+
+}  // namespace
+}  // namespace refit::config

@@ -1,0 +1,442 @@
+#include "daemon/config/config.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/config/address.h"
+
+namespace refit::config {
+namespace {
+
+std::string Quote(const std::string& s) { return absl::StrCat("\"", s, "\""); }
+
+// Builds one-line errors "<file>:<line>:<col>: <path>: <problem>".
+class Checker {
+ public:
+  explicit Checker(const SourceMap* map) : map_(map) {}
+
+  absl::Status Fail(const std::string& path, absl::string_view what) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(map_ != nullptr ? map_->Prefix(path) : "", path, ": ", what));
+  }
+
+ private:
+  const SourceMap* map_;
+};
+
+bool Configured(const v1::ServerTls& tls) {
+  return !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty() ||
+         tls.allowed_identities_size() > 0 || tls.insecure();
+}
+
+// Validates a listener address and its TLS block; returns the parsed address.
+absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_path,
+                                      const std::string& addr_text, const std::string& tls_path,
+                                      const v1::ServerTls& tls) {
+  auto addr = ParseAddress(addr_text, AddressUse::kListen);
+  if (!addr.ok())
+    return c.Fail(addr_path, absl::StrCat(Quote(addr_text), ": ", addr.status().message()));
+  const bool any_file = !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty();
+  if (tls.insecure()) {
+    if (any_file || tls.allowed_identities_size() > 0) {
+      return c.Fail(absl::StrCat(tls_path, ".insecure"),
+                    "true cannot be combined with cert, key, ca or allowed_identities: choose TLS "
+                    "or plaintext");
+    }
+    return addr;
+  }
+  if (any_file) {
+    std::vector<std::string> present, missing;
+    for (const auto& [name, value] : {std::pair<std::string, std::string>{"cert", tls.cert()},
+                                      {"key", tls.key()},
+                                      {"ca", tls.ca()}}) {
+      (value.empty() ? missing : present).push_back(name);
+    }
+    if (!missing.empty()) {
+      return c.Fail(absl::StrCat(tls_path, ".", missing[0]),
+                    absl::StrCat("required together with ", absl::StrJoin(present, " and "),
+                                 " (TLS listeners are mTLS: cert, key and ca go together)"));
+    }
+  } else {
+    if (tls.allowed_identities_size() > 0) {
+      return c.Fail(absl::StrCat(tls_path, ".allowed_identities"),
+                    "needs TLS: set cert, key and ca too");
+    }
+    if (!addr->loopback) {
+      return c.Fail(addr_path, absl::StrCat(Quote(addr_text), " is not a loopback address, so ",
+                                            tls_path, " needs cert, key and ca (mTLS), or set ",
+                                            tls_path, ".insecure: true explicitly"));
+    }
+  }
+  for (int i = 0; i < tls.allowed_identities_size(); ++i) {
+    if (tls.allowed_identities(i).empty()) {
+      return c.Fail(absl::StrCat(tls_path, ".allowed_identities[", i, "]"), "must not be empty");
+    }
+  }
+  return addr;
+}
+
+// A TLS block whose address is not set must be empty.
+absl::Status CheckUnusedTls(const Checker& c, const std::string& tls_path, const v1::ServerTls& tls,
+                            const std::string& why) {
+  if (Configured(tls)) return c.Fail(tls_path, absl::StrCat("is set, but ", why));
+  return absl::OkStatus();
+}
+
+absl::Status CheckLocalSocket(const Checker& c, const std::string& path,
+                              const std::string& socket) {
+  if (socket.empty()) return absl::OkStatus();
+  if (absl::StartsWith(socket, "unix:")) {
+    return c.Fail(path, absl::StrCat(Quote(socket),
+                                     ": give a filesystem path, not a gRPC address (drop "
+                                     "\"unix:\")"));
+  }
+  if (socket.size() > kMaxUnixPathBytes) {
+    return c.Fail(path, absl::StrCat("unix socket path is ", socket.size(), " bytes; the limit is ",
+                                     kMaxUnixPathBytes));
+  }
+  return absl::OkStatus();
+}
+
+// Two endpoints of one daemon must not collide.
+struct Endpoint {
+  std::string path;  // field path
+  std::string key;   // "tcp:host:port" or "unix:/path"; "" = none or port 0
+};
+
+Endpoint EndpointOf(const std::string& path, const Address& a) {
+  switch (a.kind) {
+    case AddressKind::kTcp:
+      return {path, a.port == 0 ? "" : absl::StrCat("tcp:", a.host, ":", a.port)};
+    case AddressKind::kUnix: return {path, absl::StrCat("unix:", a.path)};
+    case AddressKind::kUnixAbstract: return {path, absl::StrCat("abstract:", a.path)};
+  }
+  return {path, ""};
+}
+
+absl::Status CheckDistinct(const Checker& c, const std::vector<Endpoint>& endpoints) {
+  for (size_t i = 0; i < endpoints.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (!endpoints[i].key.empty() && endpoints[i].key == endpoints[j].key) {
+        return c.Fail(endpoints[i].path,
+                      absl::StrCat("uses the same address as ", endpoints[j].path));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const v1::ClientTls& tls,
+                            const std::vector<std::pair<std::string, std::string>>& addresses) {
+  const bool any =
+      !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty() || !tls.server_name().empty();
+  if (tls.insecure()) {
+    if (any) {
+      return c.Fail(absl::StrCat(tls_path, ".insecure"),
+                    "true cannot be combined with cert, key, ca or server_name: choose TLS or "
+                    "plaintext");
+    }
+    return absl::OkStatus();
+  }
+  if (any) {
+    std::vector<std::string> present, missing;
+    for (const auto& [name, value] : {std::pair<std::string, std::string>{"cert", tls.cert()},
+                                      {"key", tls.key()},
+                                      {"ca", tls.ca()}}) {
+      (value.empty() ? missing : present).push_back(name);
+    }
+    if (!missing.empty()) {
+      return c.Fail(absl::StrCat(tls_path, ".", missing[0]),
+                    absl::StrCat("required for TLS connections", present.empty() ? "" : " with ",
+                                 absl::StrJoin(present, " and "),
+                                 " (subscribers present a client certificate: cert, key and ca "
+                                 "go together)"));
+    }
+    return absl::OkStatus();
+  }
+  for (const auto& [path, text] : addresses) {
+    auto addr = ParseAddress(text, AddressUse::kConnect);
+    if (addr.ok() && !addr->loopback) {
+      return c.Fail(path, absl::StrCat(Quote(text), " is not a loopback address, so ", tls_path,
+                                       " needs cert, key and ca (mTLS), or set ", tls_path,
+                                       ".insecure: true explicitly"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPem(const std::string& field, const std::string& path, bool private_key) {
+  if (path.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::string pem, ReadSmallFile(path, field));
+  if (private_key) {
+    if (pem.find("-----BEGIN ") == std::string::npos ||
+        pem.find("PRIVATE KEY-----") == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", Quote(path),
+                       " holds no PEM private key (\"-----BEGIN ... PRIVATE KEY-----\")"));
+    }
+  } else if (pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", Quote(path), " holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckServerTlsFiles(const std::string& tls_path, const v1::ServerTls& tls) {
+  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".cert"), tls.cert(), false));
+  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".key"), tls.key(), true));
+  return CheckPem(absl::StrCat(tls_path, ".ca"), tls.ca(), false);
+}
+
+absl::Status CheckClientTlsFiles(const std::string& tls_path, const v1::ClientTls& tls) {
+  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".cert"), tls.cert(), false));
+  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".key"), tls.key(), true));
+  return CheckPem(absl::StrCat(tls_path, ".ca"), tls.ca(), false);
+}
+
+// Parses `text` into a ConfigFile with defaults filled in the sections present.
+absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMap* map) {
+  v1::ConfigFile file;
+  RETURN_IF_ERROR(ParseYamlInto(text, &file, map));
+  if (!file.has_publisher() && !file.has_subscriber()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(map->source_name(), ": expected a 'publisher:' or 'subscriber:' section"));
+  }
+  if (file.has_publisher()) RETURN_IF_ERROR(ApplyDefaults(file.mutable_publisher()));
+  if (file.has_subscriber()) RETURN_IF_ERROR(ApplyDefaults(file.mutable_subscriber()));
+  return file;
+}
+
+absl::Status MissingSection(const SourceMap& map, const v1::ConfigFile& file, const char* role) {
+  const char* other = file.has_publisher() ? "publisher" : "subscriber";
+  return absl::InvalidArgumentError(absl::StrCat(map.source_name(), ": no '", role,
+                                                 ":' section (the file configures a ", other, ")"));
+}
+
+}  // namespace
+
+absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceMap* map) {
+  const Checker c(map);
+  std::vector<Endpoint> endpoints;
+  ASSIGN_OR_RETURN(const Address listen,
+                   CheckListener(c, "publisher.listen", p.listen(), "publisher.tls", p.tls()));
+  endpoints.push_back(EndpointOf("publisher.listen", listen));
+  if (!p.control_listen().empty()) {
+    ASSIGN_OR_RETURN(const Address control,
+                     CheckListener(c, "publisher.control_listen", p.control_listen(),
+                                   "publisher.control_tls", p.control_tls()));
+    endpoints.push_back(EndpointOf("publisher.control_listen", control));
+  } else {
+    RETURN_IF_ERROR(CheckUnusedTls(c, "publisher.control_tls", p.control_tls(),
+                                   "control_listen is empty (Control is served on listen, with "
+                                   "tls)"));
+  }
+  RETURN_IF_ERROR(CheckLocalSocket(c, "publisher.local_socket", p.local_socket()));
+  if (!p.local_socket().empty()) {
+    endpoints.push_back({"publisher.local_socket", absl::StrCat("unix:", p.local_socket())});
+  }
+  RETURN_IF_ERROR(CheckDistinct(c, endpoints));
+  if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
+    return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
+  const Checker c(map);
+  const v1::UpstreamConfig& up = s.upstream();
+  std::vector<std::pair<std::string, std::string>> upstream_addresses;
+  if (up.addresses_size() == 0) {
+    return c.Fail("subscriber.upstream.addresses", "at least one address is required");
+  }
+  for (int i = 0; i < up.addresses_size(); ++i) {
+    upstream_addresses.emplace_back(absl::StrCat("subscriber.upstream.addresses[", i, "]"),
+                                    up.addresses(i));
+  }
+  for (int i = 0; i < up.bootstrap_peers_size(); ++i) {
+    upstream_addresses.emplace_back(absl::StrCat("subscriber.upstream.bootstrap_peers[", i, "]"),
+                                    up.bootstrap_peers(i));
+  }
+  for (size_t i = 0; i < upstream_addresses.size(); ++i) {
+    const auto& [path, text] = upstream_addresses[i];
+    auto addr = ParseAddress(text, AddressUse::kConnect);
+    if (!addr.ok()) return c.Fail(path, absl::StrCat(Quote(text), ": ", addr.status().message()));
+    for (size_t j = 0; j < i; ++j) {
+      if (upstream_addresses[j].second == text) {
+        return c.Fail(path, absl::StrCat(Quote(text), " is listed twice (also ",
+                                         upstream_addresses[j].first, ")"));
+      }
+    }
+  }
+  RETURN_IF_ERROR(CheckClientTls(c, "subscriber.upstream.tls", up.tls(), upstream_addresses));
+  if (up.backoff().initial_ms() > up.backoff().max_ms()) {
+    return c.Fail("subscriber.upstream.backoff.initial_ms",
+                  absl::StrCat(up.backoff().initial_ms(), " exceeds backoff.max_ms (",
+                               up.backoff().max_ms(), ")"));
+  }
+
+  std::vector<Endpoint> endpoints;
+  if (s.listen().empty() && s.control_listen().empty()) {
+    return c.Fail("subscriber.listen",
+                  "set listen or control_listen: refitctl needs an address to reach the "
+                  "subscriber");
+  }
+  if (!s.listen().empty()) {
+    ASSIGN_OR_RETURN(const Address listen,
+                     CheckListener(c, "subscriber.listen", s.listen(), "subscriber.tls", s.tls()));
+    endpoints.push_back(EndpointOf("subscriber.listen", listen));
+  } else {
+    RETURN_IF_ERROR(CheckUnusedTls(c, "subscriber.tls", s.tls(), "listen is empty"));
+    if (s.serve_peers()) {
+      return c.Fail("subscriber.serve_peers", "true needs a listen address to serve peers on");
+    }
+  }
+  if (!s.control_listen().empty()) {
+    ASSIGN_OR_RETURN(const Address control,
+                     CheckListener(c, "subscriber.control_listen", s.control_listen(),
+                                   "subscriber.control_tls", s.control_tls()));
+    endpoints.push_back(EndpointOf("subscriber.control_listen", control));
+  } else {
+    RETURN_IF_ERROR(CheckUnusedTls(c, "subscriber.control_tls", s.control_tls(),
+                                   "control_listen is empty (Control is served on listen, with "
+                                   "tls)"));
+  }
+  RETURN_IF_ERROR(CheckLocalSocket(c, "subscriber.local_socket", s.local_socket()));
+  if (!s.local_socket().empty()) {
+    endpoints.push_back({"subscriber.local_socket", absl::StrCat("unix:", s.local_socket())});
+  }
+  RETURN_IF_ERROR(CheckDistinct(c, endpoints));
+
+  const v1::StoreConfig& store = s.store();
+  const std::string& prefix = store.shm_prefix();
+  if (prefix.size() < 2 || prefix[0] != '/' || prefix.find('/', 1) != std::string::npos ||
+      prefix.size() > 200) {
+    return c.Fail("subscriber.store.shm_prefix",
+                  absl::StrCat(Quote(prefix),
+                               ": a POSIX shm name prefix starts with '/', has no other '/' and "
+                               "is 2..200 bytes"));
+  }
+  if (store.has_cuda_device() && store.kind() != v1::STORE_KIND_CUDA) {
+    return c.Fail("subscriber.store.cuda_device", "is set, but store.kind is not cuda");
+  }
+  if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
+    return c.Fail("subscriber.leases.default_ttl_ms",
+                  absl::StrCat(s.leases().default_ttl_ms(), " exceeds leases.max_ttl_ms (",
+                               s.leases().max_ttl_ms(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, const std::string& what,
+                                          size_t max_bytes) {
+  const std::string where = absl::StrCat("cannot read ", what, " ", Quote(path));
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty path"));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, where);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::ErrnoToStatus(err, where);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(where, ": not a regular file"));
+  }
+  std::string data;
+  char buf[65536];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return absl::ErrnoToStatus(err, where);
+    }
+    if (n == 0) break;
+    if (data.size() + static_cast<size_t>(n) > max_bytes) {
+      ::close(fd);
+      return absl::InvalidArgumentError(absl::StrCat(where, ": larger than ", max_bytes, " bytes"));
+    }
+    data.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return data;
+}
+
+absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(const std::string& yaml_text,
+                                                        const std::string& source_name) {
+  SourceMap map(source_name);
+  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  if (file.has_publisher()) RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
+  if (file.has_subscriber()) RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
+  return file;
+}
+
+absl::StatusOr<v1::PublisherConfig> LoadPublisherConfigFromString(const std::string& yaml_text,
+                                                                  const std::string& source_name) {
+  SourceMap map(source_name);
+  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  if (!file.has_publisher()) return MissingSection(map, file, "publisher");
+  RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
+  return std::move(*file.mutable_publisher());
+}
+
+absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfigFromString(
+    const std::string& yaml_text, const std::string& source_name) {
+  SourceMap map(source_name);
+  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  if (!file.has_subscriber()) return MissingSection(map, file, "subscriber");
+  RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
+  return std::move(*file.mutable_subscriber());
+}
+
+absl::StatusOr<v1::ConfigFile> LoadConfigFile(const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  return LoadConfigFileFromString(text, path);
+}
+
+absl::StatusOr<v1::PublisherConfig> LoadPublisherConfig(const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  return LoadPublisherConfigFromString(text, path);
+}
+
+absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfig(const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  return LoadSubscriberConfigFromString(text, path);
+}
+
+absl::Status CheckConfigFiles(const v1::PublisherConfig& config) {
+  RETURN_IF_ERROR(CheckServerTlsFiles("publisher.tls", config.tls()));
+  return CheckServerTlsFiles("publisher.control_tls", config.control_tls());
+}
+
+absl::Status CheckConfigFiles(const v1::SubscriberConfig& config) {
+  RETURN_IF_ERROR(CheckClientTlsFiles("subscriber.upstream.tls", config.upstream().tls()));
+  RETURN_IF_ERROR(CheckServerTlsFiles("subscriber.tls", config.tls()));
+  return CheckServerTlsFiles("subscriber.control_tls", config.control_tls());
+}
+
+std::string ConfigToYaml(const v1::PublisherConfig& config) {
+  v1::ConfigFile file;
+  *file.mutable_publisher() = config;
+  return MessageToYaml(file);
+}
+
+std::string ConfigToYaml(const v1::SubscriberConfig& config) {
+  v1::ConfigFile file;
+  *file.mutable_subscriber() = config;
+  return MessageToYaml(file);
+}
+
+}  // namespace refit::config

@@ -1,0 +1,70 @@
+// Loading and validating daemon configs (schema: proto/refit/v1/config.proto; examples: config/).
+//
+// A config file is YAML whose top level has a `publisher:` and/or a `subscriber:` section. Loading
+// is strict (yaml_proto.h: unknown keys, duplicates, wrong types, out-of-range numbers are errors),
+// fills every default, then checks the rules that span fields, e.g.
+//   publisher.yaml:3:11: publisher.listen: "0.0.0.0:7000" is not a loopback address, so
+//   publisher.tls needs cert, key and ca (mTLS), or set publisher.tls.insecure: true explicitly
+// Every error is one line naming the file, line, field and problem; code InvalidArgument (NotFound
+// / PermissionDenied / ... when the file itself cannot be read). No exception escapes.
+//
+// Loading does not touch the files a config names (TLS PEM files, directories): CheckConfigFiles
+// does, so a config can be validated on a machine other than the one it runs on. Daemons call
+// both at start; `refitd ... --validate` should too.
+#ifndef REFIT_DAEMON_CONFIG_CONFIG_H_
+#define REFIT_DAEMON_CONFIG_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/config/yaml_proto.h"
+#include "refit/v1/config.pb.h"
+
+namespace refit::config {
+
+// Reads `path` and returns its `publisher:` (resp. `subscriber:`) section with defaults filled
+// and every rule checked. The other role's section, if present, is checked against the schema
+// only.
+absl::StatusOr<v1::PublisherConfig> LoadPublisherConfig(const std::string& path);
+absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfig(const std::string& path);
+
+// The same from text; `source_name` stands for the file name in messages.
+absl::StatusOr<v1::PublisherConfig> LoadPublisherConfigFromString(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfigFromString(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+
+// Reads a file with either or both sections and fully validates each section present (at least
+// one is required). For tools and tests that check every example.
+absl::StatusOr<v1::ConfigFile> LoadConfigFile(const std::string& path);
+absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+
+// Cross-field rules of a section whose defaults are filled (ApplyDefaults). Errors name fields
+// by path ("publisher.listen"); with a source map they also carry the file and line. For code
+// that builds configs in C++: ApplyDefaults, then Validate.
+absl::Status ValidatePublisherConfig(const v1::PublisherConfig& config,
+                                     const SourceMap* source_map = nullptr);
+absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& config,
+                                      const SourceMap* source_map = nullptr);
+
+// Checks the files a validated config names: every configured TLS PEM file is readable and holds
+// what it should (certificates / a private key). NotFound / PermissionDenied / InvalidArgument
+// naming the field and the path.
+absl::Status CheckConfigFiles(const v1::PublisherConfig& config);
+absl::Status CheckConfigFiles(const v1::SubscriberConfig& config);
+
+// The effective config as a loadable YAML file ("publisher:\n  name: ..."), e.g. for --validate
+// to print, or for tests to write a config they built in C++.
+std::string ConfigToYaml(const v1::PublisherConfig& config);
+std::string ConfigToYaml(const v1::SubscriberConfig& config);
+
+// Reads a whole (small) file: the config itself, PEM files. Errors name `what` and the path
+// ("cannot read tls.cert \"/x.pem\": No such file or directory"), with the errno's code.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, const std::string& what,
+                                          size_t max_bytes = kMaxConfigBytes);
+
+}  // namespace refit::config
+
+#endif  // REFIT_DAEMON_CONFIG_CONFIG_H_

@@ -1,0 +1,460 @@
+#include "daemon/config/config.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace refit::config {
+namespace {
+
+using google::protobuf::util::MessageDifferencer;
+
+#define EXPECT_CONTAINS(haystack, needle)                          \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+      << "expected to find [" << (needle) << "] in [" << (haystack) << "]"
+
+std::string PublisherError(const std::string& yaml) {
+  auto c = LoadPublisherConfigFromString(yaml, "pub.yaml");
+  if (c.ok()) return "";
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_EQ(c.status().message().find('\n'), std::string::npos) << c.status();
+  return std::string(c.status().message());
+}
+
+std::string SubscriberError(const std::string& yaml) {
+  auto c = LoadSubscriberConfigFromString(yaml, "sub.yaml");
+  if (c.ok()) return "";
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_EQ(c.status().message().find('\n'), std::string::npos) << c.status();
+  return std::string(c.status().message());
+}
+
+std::string WriteFile(const std::string& name, const std::string& text) {
+  const std::string path =
+      testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// A subscriber section around `extra` (indented two spaces) with a loopback upstream.
+std::string Sub(const std::string& extra, const std::string& listen = "\"127.0.0.1:0\"") {
+  return "subscriber:\n  upstream:\n    addresses: [\"127.0.0.1:7400\"]\n  listen: " + listen +
+         "\n" + extra;
+}
+
+constexpr char kTlsServer[] =
+    "    cert: /etc/r/s.crt\n    key: /etc/r/s.key\n    ca: /etc/r/ca.crt\n";
+
+// ---- valid configs ---------------------------------------------------------------------------
+
+TEST(ConfigTest, MinimalPublisherGetsDefaults) {
+  auto c = LoadPublisherConfigFromString("publisher:\n  listen: \"127.0.0.1:0\"\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen(), "127.0.0.1:0");
+  EXPECT_EQ(c->name(), "");
+  EXPECT_EQ(c->log_level(), v1::LOG_LEVEL_INFO);
+  EXPECT_EQ(c->control_listen(), "");
+  EXPECT_EQ(c->transport().frame_bytes(), 4u << 20);
+  EXPECT_EQ(c->transport().max_streams_per_subscriber(), 8u);
+  EXPECT_EQ(c->transport().keepalive_time_ms(), 10000u);
+  EXPECT_EQ(c->history().memory_budget_bytes(), 4ull << 30);
+  EXPECT_EQ(c->history().max_versions(), 64u);
+  EXPECT_EQ(c->baseline().persist_dir(), "");
+  EXPECT_TRUE(c->baseline().fsync());
+  EXPECT_EQ(c->codec().block_log2(), 18u);
+  EXPECT_EQ(c->codec().device(), v1::DEVICE_CPU);
+  EXPECT_FALSE(c->tls().insecure());
+}
+
+TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
+  auto c = LoadSubscriberConfigFromString(Sub(""));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->upstream().connections(), 4u);
+  EXPECT_EQ(c->upstream().max_frame_bytes(), 16u << 20);
+  EXPECT_EQ(c->upstream().backoff().initial_ms(), 100u);
+  EXPECT_EQ(c->upstream().backoff().max_ms(), 10000u);
+  EXPECT_DOUBLE_EQ(c->upstream().backoff().multiplier(), 2.0);
+  EXPECT_DOUBLE_EQ(c->upstream().backoff().jitter(), 0.2);
+  EXPECT_FALSE(c->serve_peers());
+  EXPECT_EQ(c->store().kind(), v1::STORE_KIND_SHM);
+  EXPECT_EQ(c->store().shm_prefix(), "/refitd-");
+  EXPECT_EQ(c->store().slots(), 2u);
+  EXPECT_EQ(c->staging().max_bytes(), 0u);
+  EXPECT_EQ(c->leases().default_ttl_ms(), 60000u);
+  EXPECT_EQ(c->leases().max_ttl_ms(), 600000u);
+}
+
+constexpr char kFullPublisher[] = R"(# a full publisher
+publisher:
+  name: trainer-a
+  log_level: debug
+  listen: "0.0.0.0:7400"
+  tls:
+    cert: /etc/r/p.crt
+    key: /etc/r/p.key
+    ca: /etc/r/ca.crt
+    allowed_identities: [sub-0, "spiffe://cluster/sub"]
+  control_listen: "127.0.0.1:7401"
+  local_socket: /run/refitd/p.sock
+  ready_file: /run/refitd/p.ready
+  transport:
+    frame_bytes: 1048576
+    max_streams_per_subscriber: 16
+    max_subscribers: 10
+    stripe_join_timeout_ms: 500
+    keepalive_time_ms: 2000
+    keepalive_timeout_ms: 4000
+  history: {memory_budget_bytes: 0, max_versions: 0}
+  baseline: {persist_dir: /var/lib/refitd, fsync: false}
+  codec: {block_log2: 16, threads: 2, device: cuda, cuda_device: 1}
+)";
+
+constexpr char kFullSubscriber[] = R"(subscriber:
+  name: rollout-0
+  log_level: warn
+  upstream:
+    addresses: ["pub.example.com:7400", "dns:///pub2.example.com:7400"]
+    bootstrap_peers: ["10.0.0.8:7410"]
+    tls: {cert: /c.crt, key: /c.key, ca: /ca.crt, server_name: pub.example.com}
+    connections: 8
+    max_frame_bytes: 8388608
+    connect_timeout_ms: 3000
+    keepalive_time_ms: 5000
+    keepalive_timeout_ms: 5000
+    backoff: {initial_ms: 10, max_ms: 1000, multiplier: 1.5, jitter: 0.1}
+  listen: "[::]:7410"
+  tls: {cert: /s.crt, key: /s.key, ca: /ca.crt}
+  serve_peers: true
+  control_listen: "unix:///run/refitd/s-control.sock"
+  local_socket: /run/refitd/s.sock
+  ready_file: /tmp/s.ready
+  store: {kind: cuda, shm_prefix: /rf-, slots: 4, cuda_device: 0}
+  staging: {max_bytes: 1000000, threads: 3}
+  leases: {default_ttl_ms: 1000, max_ttl_ms: 2000, max_leases: 5}
+)";
+
+TEST(ConfigTest, FullConfigsLoadAndRoundTrip) {
+  auto p = LoadPublisherConfigFromString(kFullPublisher);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->tls().allowed_identities_size(), 2);
+  EXPECT_EQ(p->codec().cuda_device(), 1u);
+  EXPECT_EQ(p->history().memory_budget_bytes(), 0u);
+  auto p2 = LoadPublisherConfigFromString(ConfigToYaml(*p));
+  ASSERT_TRUE(p2.ok()) << p2.status() << "\n" << ConfigToYaml(*p);
+  EXPECT_TRUE(MessageDifferencer::Equals(*p, *p2));
+
+  auto s = LoadSubscriberConfigFromString(kFullSubscriber);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->store().kind(), v1::STORE_KIND_CUDA);
+  EXPECT_EQ(s->upstream().tls().server_name(), "pub.example.com");
+  auto s2 = LoadSubscriberConfigFromString(ConfigToYaml(*s));
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(*s, *s2));
+}
+
+TEST(ConfigTest, OneFileForBothRoles) {
+  const std::string both = std::string(kFullPublisher) + kFullSubscriber;
+  EXPECT_TRUE(LoadPublisherConfigFromString(both).ok());
+  EXPECT_TRUE(LoadSubscriberConfigFromString(both).ok());
+  auto file = LoadConfigFileFromString(both);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(file->has_publisher() && file->has_subscriber());
+  // The other role's section is still schema-checked...
+  EXPECT_CONTAINS(PublisherError(std::string(kFullPublisher) + "subscriber: {bogus: 1}\n"),
+                  "subscriber.bogus: unknown key");
+  // ...but not semantically: a publisher starts even if the subscriber section is inconsistent.
+  const std::string bad_sub = Sub("", "\"0.0.0.0:1\"");
+  EXPECT_TRUE(LoadPublisherConfigFromString(std::string(kFullPublisher) + bad_sub).ok());
+  EXPECT_FALSE(LoadConfigFileFromString(std::string(kFullPublisher) + bad_sub).ok());
+}
+
+TEST(ConfigTest, WrongOrMissingSection) {
+  EXPECT_CONTAINS(PublisherError(Sub("")),
+                  "pub.yaml: no 'publisher:' section (the file configures a subscriber)");
+  EXPECT_CONTAINS(SubscriberError("publisher: {listen: \"127.0.0.1:1\"}\n"),
+                  "sub.yaml: no 'subscriber:' section (the file configures a publisher)");
+  EXPECT_CONTAINS(PublisherError("listen: \"127.0.0.1:1\"\n"),
+                  "pub.yaml:1:1: listen: unknown key; expected one of: publisher, subscriber");
+  EXPECT_CONTAINS(PublisherError("publisher:\n"), "publisher: expected a mapping, got null");
+}
+
+// ---- addresses and TLS rules -----------------------------------------------------------------
+
+TEST(ConfigTest, NonLoopbackListenNeedsTls) {
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"0.0.0.0:7000\"\n"),
+            "pub.yaml:2:11: publisher.listen: \"0.0.0.0:7000\" is not a loopback address, so "
+            "publisher.tls needs cert, key and ca (mTLS), or set publisher.tls.insecure: true "
+            "explicitly");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"pub.example.com:7000\"\n"),
+                  "is not a loopback address");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"[::]:7000\"\n"),
+                  "is not a loopback address");
+  // Explicit plaintext.
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls: {insecure: true}\n"),
+            "");
+  // TLS.
+  EXPECT_EQ(
+      PublisherError(std::string("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n") + kTlsServer),
+      "");
+  // Loopback needs nothing, in every form.
+  for (const char* addr : {"127.0.0.1:7000", "127.3.2.1:7000", "[::1]:7000", "localhost:7000",
+                           "unix:/tmp/x.sock", "unix:///tmp/x.sock", "unix-abstract:x"}) {
+    EXPECT_EQ(PublisherError(std::string("publisher:\n  listen: \"") + addr + "\"\n"), "") << addr;
+  }
+}
+
+TEST(ConfigTest, TlsBlocksMustBeConsistent) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n"
+                                 "    insecure: true\n    cert: /a.crt\n"),
+                  "pub.yaml:4:15: publisher.tls.insecure: true cannot be combined with cert, key, "
+                  "ca or allowed_identities");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n"
+                                 "    cert: /a.crt\n    key: /a.key\n"),
+                  "pub.yaml:4:5: publisher.tls.ca: required together with cert and key (TLS "
+                  "listeners are mTLS");
+  // Partial TLS is an error on loopback too.
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7000\"\n  tls: {ca: /ca}\n"),
+                  "publisher.tls.cert: required together with ca");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7000\"\n"
+                                 "  tls: {allowed_identities: [x]}\n"),
+                  "publisher.tls.allowed_identities: needs TLS");
+  EXPECT_CONTAINS(PublisherError(std::string("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n") +
+                                 kTlsServer + "    allowed_identities: [\"\"]\n"),
+                  "publisher.tls.allowed_identities[0]: must not be empty");
+}
+
+TEST(ConfigTest, ControlListener) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  control_listen: \"0.0.0.0:2\"\n"),
+                  "pub.yaml:3:19: publisher.control_listen: \"0.0.0.0:2\" is not a loopback "
+                  "address, so publisher.control_tls needs cert");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  control_tls: {insecure: true}\n"),
+                  "publisher.control_tls: is set, but control_listen is empty");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7\"\n"
+                                 "  control_listen: \"127.0.0.1:7\"\n"),
+                  "publisher.control_listen: uses the same address as publisher.listen");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"unix:/tmp/a.sock\"\n"
+                                 "  local_socket: /tmp/a.sock\n"),
+                  "publisher.local_socket: uses the same address as publisher.listen");
+  // Port 0 twice is fine: the OS picks two ports.
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:0\"\n"
+                           "  control_listen: \"127.0.0.1:0\"\n"),
+            "");
+}
+
+TEST(ConfigTest, AddressSyntaxErrorsNameTheField) {
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"0.0.0.0\"\n"),
+            "pub.yaml:2:11: publisher.listen: \"0.0.0.0\": missing ':port' (write host:port, "
+            "[ipv6]:port or unix:/path)");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:99999\"\n"),
+                  "publisher.listen: \"127.0.0.1:99999\": port 99999 is out of range (0..65535)");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                                  "    addresses: [\"127.0.0.1:1\", \"127.0.0.1:0\"]\n"),
+                  "sub.yaml:4:32: subscriber.upstream.addresses[1]: \"127.0.0.1:0\": port 0 is "
+                  "out of range (1..65535; 0 is only for listening)");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"dns:///x:1\"\n"),
+                  "scheme prefixes (dns:, ipv4:, ipv6:) are for connections");
+}
+
+TEST(ConfigTest, SubscriberUpstreamNeedsMutualTls) {
+  const std::string upstream =
+      "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+      "    addresses: [\"127.0.0.1:7400\", \"pub.example.com:7400\"]\n";
+  EXPECT_EQ(SubscriberError(upstream),
+            "sub.yaml:4:35: subscriber.upstream.addresses[1]: \"pub.example.com:7400\" is not a "
+            "loopback address, so subscriber.upstream.tls needs cert, key and ca (mTLS), or set "
+            "subscriber.upstream.tls.insecure: true explicitly");
+  EXPECT_EQ(SubscriberError(upstream + "    tls: {insecure: true}\n"), "");
+  EXPECT_EQ(SubscriberError(upstream + "    tls: {cert: /c, key: /k, ca: /ca}\n"), "");
+  // A client certificate is mandatory with TLS.
+  EXPECT_CONTAINS(SubscriberError(upstream + "    tls: {ca: /ca}\n"),
+                  "subscriber.upstream.tls.cert: required for TLS connections with ca "
+                  "(subscribers present a client certificate");
+  EXPECT_CONTAINS(SubscriberError(upstream + "    tls: {server_name: pub}\n"),
+                  "subscriber.upstream.tls.cert: required for TLS connections (");
+  EXPECT_CONTAINS(SubscriberError(upstream + "    tls: {insecure: true, server_name: x}\n"),
+                  "subscriber.upstream.tls.insecure: true cannot be combined");
+  // Bootstrap peers are connections too.
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  upstream:\n    addresses: [\"127.0.0.1:1\"]\n"),
+                  "duplicate key");
+  EXPECT_CONTAINS(
+      SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                      "    addresses: [\"127.0.0.1:1\"]\n    bootstrap_peers: [\"10.1.1.1:2\"]\n"),
+      "subscriber.upstream.bootstrap_peers[0]: \"10.1.1.1:2\" is not a loopback address");
+  EXPECT_CONTAINS(
+      SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                      "    addresses: [\"127.0.0.1:1\"]\n    bootstrap_peers: [\"127.0.0.1:1\"]\n"),
+      "subscriber.upstream.bootstrap_peers[0]: \"127.0.0.1:1\" is listed twice (also "
+      "subscriber.upstream.addresses[0])");
+}
+
+TEST(ConfigTest, SubscriberListeners) {
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"),
+                  "subscriber.listen: set listen or control_listen");
+  EXPECT_EQ(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"
+                            "  control_listen: \"unix:/tmp/c.sock\"\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"
+                                  "  control_listen: \"unix:/tmp/c.sock\"\n  serve_peers: true\n"),
+                  "subscriber.serve_peers: true needs a listen address");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"
+                                  "  control_listen: \"unix:/tmp/c.sock\"\n"
+                                  "  tls: {insecure: true}\n"),
+                  "subscriber.tls: is set, but listen is empty");
+  EXPECT_CONTAINS(SubscriberError(Sub("", "\"0.0.0.0:7410\"")),
+                  "subscriber.listen: \"0.0.0.0:7410\" is not a loopback address, so "
+                  "subscriber.tls needs cert, key and ca (mTLS)");
+  EXPECT_EQ(SubscriberError(Sub(std::string("  tls:\n") + kTlsServer, "\"0.0.0.0:7410\"")), "");
+}
+
+TEST(ConfigTest, LocalSocket) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  local_socket: \"unix:/tmp/x.sock\"\n"),
+                  "publisher.local_socket: \"unix:/tmp/x.sock\": give a filesystem path, not a "
+                  "gRPC address");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n  local_socket: /" +
+                                 std::string(120, 'a') + "\n"),
+                  "publisher.local_socket: unix socket path is 121 bytes; the limit is 107");
+}
+
+// ---- other cross-field rules -----------------------------------------------------------------
+
+TEST(ConfigTest, SubscriberRules) {
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {shm_prefix: refit}\n"),
+                  "subscriber.store.shm_prefix: \"refit\": a POSIX shm name prefix starts with "
+                  "'/'");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {shm_prefix: /a/b}\n"), "no other '/'");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {cuda_device: 0}\n"),
+                  "subscriber.store.cuda_device: is set, but store.kind is not cuda");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
+                  "subscriber.store.slots: 1 is out of range [2, 16]");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  leases: {default_ttl_ms: 5000, max_ttl_ms: 10}\n"),
+                  "subscriber.leases.default_ttl_ms: 5000 exceeds leases.max_ttl_ms (10)");
+  EXPECT_CONTAINS(
+      SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                      "    addresses: [\"127.0.0.1:1\"]\n    backoff: {initial_ms: 20000}\n"),
+      "sub.yaml:5:27: subscriber.upstream.backoff.initial_ms: 20000 exceeds backoff.max_ms "
+      "(10000)");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                                  "    addresses: [\"127.0.0.1:1\"]\n    connections: 0\n"),
+                  "subscriber.upstream.connections: 0 is out of range [1, 64]");
+}
+
+TEST(ConfigTest, PublisherRules) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {cuda_device: 1}\n"),
+                  "publisher.codec.cuda_device: is set, but codec.device is cpu");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                           "  codec: {device: auto, cuda_device: 1}\n"),
+            "");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  transport: {frame_bytes: 100}\n"),
+                  "pub.yaml:3:28: publisher.transport.frame_bytes: 100 is out of range [65536, "
+                  "67108864]");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  history: {memory_budget_bytes: -1}\n"),
+                  "publisher.history.memory_budget_bytes: -1 is out of range for an unsigned "
+                  "64-bit integer");
+}
+
+// ---- files -----------------------------------------------------------------------------------
+
+TEST(ConfigTest, LoadsFromFiles) {
+  const std::string path = WriteFile("pub.yaml", kFullPublisher);
+  auto p = LoadPublisherConfig(path);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->name(), "trainer-a");
+  const std::string bad = WriteFile("bad.yaml", "publisher:\n  listen: \"0.0.0.0:1\"\n");
+  auto b = LoadPublisherConfig(bad);
+  ASSERT_FALSE(b.ok());
+  EXPECT_CONTAINS(b.status().message(), bad + ":2:11: publisher.listen:");
+  auto f = LoadConfigFile(path);
+  EXPECT_TRUE(f.ok()) << f.status();
+  unlink(path.c_str());
+  unlink(bad.c_str());
+}
+
+TEST(ConfigTest, MissingAndUnreadableFiles) {
+  auto missing = LoadPublisherConfig("/nonexistent/dir/publisher.yaml");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_CONTAINS(missing.status().message(),
+                  "cannot read config \"/nonexistent/dir/publisher.yaml\": No such file or "
+                  "directory");
+  auto dir = LoadSubscriberConfig(testing::TempDir());
+  ASSERT_FALSE(dir.ok());
+  EXPECT_EQ(dir.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(dir.status().message(), "not a regular file");
+  auto empty = LoadPublisherConfig("");
+  ASSERT_FALSE(empty.ok());
+  EXPECT_CONTAINS(empty.status().message(), "empty path");
+  if (geteuid() != 0) {  // root reads anything
+    const std::string locked = WriteFile("locked.yaml", kFullPublisher);
+    ASSERT_EQ(chmod(locked.c_str(), 0), 0);
+    auto denied = LoadPublisherConfig(locked);
+    ASSERT_FALSE(denied.ok());
+    EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
+    unlink(locked.c_str());
+  }
+}
+
+constexpr char kPemCert[] = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+constexpr char kPemKey[] = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+
+TEST(ConfigTest, CheckConfigFiles) {
+  const std::string cert = WriteFile("c.crt", kPemCert);
+  const std::string key = WriteFile("c.key", kPemKey);
+  const std::string yaml = "publisher:\n  listen: \"0.0.0.0:0\"\n  tls: {cert: " + cert +
+                           ", key: " + key + ", ca: " + cert + "}\n";
+  auto p = LoadPublisherConfigFromString(yaml);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(CheckConfigFiles(*p).ok()) << CheckConfigFiles(*p);
+
+  v1::PublisherConfig swapped = *p;
+  swapped.mutable_tls()->set_cert(key);
+  swapped.mutable_tls()->set_key(cert);
+  absl::Status s = CheckConfigFiles(swapped);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(s.message(), "publisher.tls.cert: \"" + key + "\" holds no PEM certificate");
+
+  v1::PublisherConfig gone = *p;
+  gone.mutable_tls()->set_ca("/nonexistent/ca.crt");
+  s = CheckConfigFiles(gone);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_CONTAINS(s.message(), "cannot read publisher.tls.ca \"/nonexistent/ca.crt\"");
+
+  auto sub = LoadSubscriberConfigFromString(
+      "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n    addresses: [\"10.0.0.1:1\"]\n"
+      "    tls: {cert: " +
+      cert + ", key: /nonexistent/k.key, ca: " + cert + "}\n");
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  s = CheckConfigFiles(*sub);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_CONTAINS(s.message(), "subscriber.upstream.tls.key");
+  // No TLS: nothing to check.
+  auto plain = LoadSubscriberConfigFromString(Sub(""));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(CheckConfigFiles(*plain).ok());
+  unlink(cert.c_str());
+  unlink(key.c_str());
+}
+
+TEST(ConfigTest, ValidateDirectlyWithoutSourceMap) {
+  v1::PublisherConfig p;
+  p.set_listen("10.0.0.1:7000");
+  ASSERT_TRUE(ApplyDefaults(&p).ok());
+  absl::Status s = ValidatePublisherConfig(p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().substr(0, 17), "publisher.listen:");
+  p.mutable_tls()->set_insecure(true);
+  EXPECT_TRUE(ValidatePublisherConfig(p).ok());
+}
+
+}  // namespace
+}  // namespace refit::config
