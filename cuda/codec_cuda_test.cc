@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "daemon/codec/codec.h"
+#include "daemon/codec/patch_testing.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/parallel.h"
@@ -41,14 +42,7 @@ const DType kAll[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DTyp
                       DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
                       DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
 
-Bytes RandomBytes(size_t n, std::mt19937_64& rng) {
-  Bytes v(n);
-  for (size_t i = 0; i < n; i += 8) {
-    const uint64_t r = rng();
-    std::memcpy(v.data() + i, &r, std::min<size_t>(8, n - i));
-  }
-  return v;
-}
+using refit::testing::RandomBytes;
 
 Bytes RandomTensor(DType t, size_t n, std::mt19937_64& rng) {
   Bytes v = RandomBytes(n * DTypeSize(t), rng);
@@ -58,35 +52,9 @@ Bytes RandomTensor(DType t, size_t n, std::mt19937_64& rng) {
   return v;
 }
 
-// Changes a fraction p of the elements (codec_test.cc's mix): mostly small steps (ordered image or
-// integer +-1..3), sometimes any value.
+// Changes a fraction p of the elements: mostly small steps, sometimes any value.
 Bytes Mutate(const Bytes& base, DType t, double p, std::mt19937_64& rng) {
-  const int w = DTypeSize(t);
-  const size_t n = base.size() / w;
-  Bytes out = base;
-  std::bernoulli_distribution change(p);
-  for (size_t i = 0; i < n; ++i) {
-    if (!change(rng)) continue;
-    uint64_t v = 0;
-    std::memcpy(&v, out.data() + i * w, w);
-    const uint64_t mask = format::WidthMask(8 * w);
-    uint64_t nv;
-    if (rng() % 100 < 85) {
-      int64_t step = 1 + static_cast<int64_t>(rng() % 3);
-      if (rng() & 1) step = -step;
-      if (DTypeValueCoding(t) == ValueCoding::kOrderedDiff) {
-        nv = format::OrderedInverse((format::OrderedImage(v, 8 * w) + step) & mask, 8 * w);
-      } else {
-        nv = (v + step) & mask;
-      }
-    } else {
-      nv = rng() & mask;
-    }
-    if (t == DType::kBool) nv = (v ^ 1) & 1;
-    if (nv == v) nv = (v ^ 1) & mask;
-    std::memcpy(out.data() + i * w, &nv, w);
-  }
-  return out;
+  return refit::testing::MutateElements(base, t, p, rng);
 }
 
 DeviceBuffer Upload(const Bytes& host, size_t extra = 0) {

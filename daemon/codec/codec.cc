@@ -388,6 +388,32 @@ struct ValueState {
   size_t exceptions = 0;
 };
 
+// Records change j at position p with sign `neg` and magnitude m: its gap, its packed value and,
+// branch-free (always store, advance only for an exception), the run/exception bookkeeping.
+class ValueRecorder {
+ public:
+  ValueRecorder(uint32_t* gap, uint64_t* vs, uint32_t* run, uint64_t* exc, const ValueState& st)
+      : gap_(gap), vs_(vs), run_(run), exc_(exc), st_(st) {}
+  inline void Add(size_t j, uint32_t p, uint64_t neg, uint64_t m) {
+    gap_[j] = p - st_.prev_plus_one;
+    st_.prev_plus_one = p + 1;
+    vs_[j] = (m << 1) | neg;  // m <= 2^63: for 64-bit types the top bit is shifted out
+    const bool exception = m >= 2;
+    exc_[st_.exceptions] = m - 2;
+    run_[st_.exceptions] = static_cast<uint32_t>(j - st_.run_start);
+    st_.exceptions += exception;
+    st_.run_start = exception ? j + 1 : st_.run_start;
+  }
+  const ValueState& state() const { return st_; }
+
+ private:
+  uint32_t* gap_;
+  uint64_t* vs_;
+  uint32_t* run_;
+  uint64_t* exc_;
+  ValueState st_;
+};
+
 template <typename T>
 void ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t j0, size_t j1,
                    ValueCoding coding, uint32_t* gap, uint64_t* vs, uint32_t* run, uint64_t* exc,
@@ -395,64 +421,38 @@ void ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t j0, size_
   constexpr int kBits = 8 * sizeof(T);
   constexpr uint64_t kMask = format::WidthMask(kBits);
   constexpr uint64_t kSign = 1ull << (kBits - 1);
-  uint32_t prev_plus_one = st.prev_plus_one;
   if (coding == ValueCoding::kRaw) {
     for (size_t j = j0; j < j1; ++j) {
-      gap[j] = pos[j] - prev_plus_one;
-      prev_plus_one = pos[j] + 1;
+      gap[j] = pos[j] - st.prev_plus_one;
+      st.prev_plus_one = pos[j] + 1;
       vs[j] = static_cast<uint64_t>(b[pos[j]]);
     }
-    st.prev_plus_one = prev_plus_one;
     return;
   }
   const bool ordered = coding == ValueCoding::kOrderedDiff;
-  size_t run_start = st.run_start, num_exc = st.exceptions;
+  ValueRecorder rec(gap, vs, run, exc, st);
   for (size_t j = j0; j < j1; ++j) {
     const uint32_t p = pos[j];
-    gap[j] = p - prev_plus_one;
-    prev_plus_one = p + 1;
     const uint64_t o = static_cast<uint64_t>(a[p]);
     const uint64_t t = static_cast<uint64_t>(b[p]);
     const uint64_t d = ordered ? (format::OrderedImage(t, kBits) - format::OrderedImage(o, kBits)) & kMask
                                : (t - o) & kMask;
     const uint64_t neg = (d & kSign) ? 1 : 0;
-    const uint64_t m = neg ? (0 - d) & kMask : d;  // == kSign for the most negative difference
-    vs[j] = (m << 1) | neg;  // m <= 2^63: for 64-bit types the top bit is shifted out, see below
-    // Always store, advance only for an exception.
-    const bool exception = m >= 2;
-    exc[num_exc] = m - 2;
-    run[num_exc] = static_cast<uint32_t>(j - run_start);
-    num_exc += exception;
-    run_start = exception ? j + 1 : run_start;
+    rec.Add(j, p, neg, neg ? (0 - d) & kMask : d);  // m == kSign for the most negative d
   }
-  st.prev_plus_one = prev_plus_one;
-  st.run_start = run_start;
-  st.exceptions = num_exc;
+  st = rec.state();
 }
 
 // ComputeValues for changes whose signed difference the scan already produced.
 inline void ComputeValuesFromDiffs(const uint32_t* pos, const int32_t* dv, size_t j0, size_t j1,
                                    uint32_t* gap, uint64_t* vs, uint32_t* run, uint64_t* exc,
                                    ValueState& st) {
-  uint32_t prev_plus_one = st.prev_plus_one;
-  size_t run_start = st.run_start, num_exc = st.exceptions;
+  ValueRecorder rec(gap, vs, run, exc, st);
   for (size_t j = j0; j < j1; ++j) {
-    const uint32_t p = pos[j];
-    gap[j] = p - prev_plus_one;
-    prev_plus_one = p + 1;
     const int32_t d = dv[j];
-    const uint64_t neg = d < 0;
-    const uint64_t m = static_cast<uint64_t>(d < 0 ? -static_cast<int64_t>(d) : d);
-    vs[j] = (m << 1) | neg;
-    const bool exception = m >= 2;
-    exc[num_exc] = m - 2;
-    run[num_exc] = static_cast<uint32_t>(j - run_start);
-    num_exc += exception;
-    run_start = exception ? j + 1 : run_start;
+    rec.Add(j, pos[j], d < 0, static_cast<uint64_t>(d < 0 ? -static_cast<int64_t>(d) : d));
   }
-  st.prev_plus_one = prev_plus_one;
-  st.run_start = run_start;
-  st.exceptions = num_exc;
+  st = rec.state();
 }
 
 struct ValueCounts {

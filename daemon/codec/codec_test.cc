@@ -14,46 +14,11 @@ namespace {
 
 using Bytes = std::vector<uint8_t>;
 
-Bytes RandomBytes(size_t n, std::mt19937_64& rng) {
-  Bytes v(n);
-  for (size_t i = 0; i < n; i += 8) {
-    uint64_t r = rng();
-    std::memcpy(v.data() + i, &r, std::min<size_t>(8, n - i));
-  }
-  return v;
-}
+using testing::MutateElements;
+using testing::RandomBytes;
 
-// Changes a fraction p of elements of `base`. Float types mostly move by a few ULPs (ordered
-// image +-1..3), sometimes jump anywhere; ints by small deltas or anything.
 Bytes Mutate(const Bytes& base, DType t, double p, std::mt19937_64& rng) {
-  const int w = DTypeSize(t);
-  const size_t n = base.size() / w;
-  Bytes out = base;
-  std::bernoulli_distribution change(p);
-  std::uniform_int_distribution<int> kind(0, 99);
-  for (size_t i = 0; i < n; ++i) {
-    if (!change(rng)) continue;
-    uint64_t v = 0;
-    std::memcpy(&v, out.data() + i * w, w);
-    const uint64_t mask = format::WidthMask(8 * w);
-    const int k = kind(rng);
-    uint64_t nv;
-    if (k < 85) {
-      int64_t step = 1 + static_cast<int>(rng() % 3);
-      if (rng() & 1) step = -step;
-      if (DTypeValueCoding(t) == ValueCoding::kOrderedDiff) {
-        nv = format::OrderedInverse((format::OrderedImage(v, 8 * w) + step) & mask, 8 * w);
-      } else {
-        nv = (v + step) & mask;
-      }
-    } else {
-      nv = rng() & mask;
-    }
-    if (t == DType::kBool) nv = (v ^ 1) & 1;
-    if (nv == v) nv = (v ^ 1) & mask;
-    std::memcpy(out.data() + i * w, &nv, w);
-  }
-  return out;
+  return MutateElements(base, t, p, rng);
 }
 
 void ExpectRoundTrip(DType t, const Bytes& a, const Bytes& b, int block_log2, int threads,

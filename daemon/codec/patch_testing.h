@@ -3,11 +3,23 @@
 #define REFIT_DAEMON_CODEC_PATCH_TESTING_H_
 
 #include <cstdint>
+#include <random>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "daemon/codec/dtype.h"
 
 namespace refit::testing {
+
+// n random bytes.
+std::vector<uint8_t> RandomBytes(size_t n, std::mt19937_64& rng);
+
+// Changes each element of `base` (elements of `t`) with probability p: 85% of changes are small
+// steps (+-1..3 of the ordered image for floats, of the value for integers), the rest any value;
+// bool flips 0/1. Every chosen element really changes.
+std::vector<uint8_t> MutateElements(const std::vector<uint8_t>& base, DType t, double p,
+                                    std::mt19937_64& rng);
 
 // Recomputes the header checksum and every block checksum of `patch` in place, so that a
 // deliberately corrupted table or payload passes the checksums and reaches the structural

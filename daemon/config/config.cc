@@ -136,6 +136,30 @@ absl::Status CheckDistinct(const Checker& c, const std::vector<Endpoint>& endpoi
   return absl::OkStatus();
 }
 
+// The control listener (or, when it is empty, the absence of its TLS block) and the local API
+// socket of a daemon section, then that no two of the section's endpoints coincide.
+absl::Status CheckControlAndLocal(const Checker& c, const std::string& role,
+                                  const std::string& control_listen,
+                                  const v1::ServerTls& control_tls,
+                                  const std::string& local_socket,
+                                  std::vector<Endpoint>& endpoints) {
+  if (!control_listen.empty()) {
+    ASSIGN_OR_RETURN(const Address control,
+                     CheckListener(c, role + ".control_listen", control_listen,
+                                   role + ".control_tls", control_tls));
+    endpoints.push_back(EndpointOf(role + ".control_listen", control));
+  } else {
+    RETURN_IF_ERROR(CheckUnusedTls(c, role + ".control_tls", control_tls,
+                                   "control_listen is empty (Control is served on listen, with "
+                                   "tls)"));
+  }
+  RETURN_IF_ERROR(CheckLocalSocket(c, role + ".local_socket", local_socket));
+  if (!local_socket.empty()) {
+    endpoints.push_back({role + ".local_socket", absl::StrCat("unix:", local_socket)});
+  }
+  return CheckDistinct(c, endpoints);
+}
+
 absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const v1::ClientTls& tls,
                             const std::vector<std::pair<std::string, std::string>>& addresses) {
   const bool any =
@@ -231,21 +255,8 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
   ASSIGN_OR_RETURN(const Address listen,
                    CheckListener(c, "publisher.listen", p.listen(), "publisher.tls", p.tls()));
   endpoints.push_back(EndpointOf("publisher.listen", listen));
-  if (!p.control_listen().empty()) {
-    ASSIGN_OR_RETURN(const Address control,
-                     CheckListener(c, "publisher.control_listen", p.control_listen(),
-                                   "publisher.control_tls", p.control_tls()));
-    endpoints.push_back(EndpointOf("publisher.control_listen", control));
-  } else {
-    RETURN_IF_ERROR(CheckUnusedTls(c, "publisher.control_tls", p.control_tls(),
-                                   "control_listen is empty (Control is served on listen, with "
-                                   "tls)"));
-  }
-  RETURN_IF_ERROR(CheckLocalSocket(c, "publisher.local_socket", p.local_socket()));
-  if (!p.local_socket().empty()) {
-    endpoints.push_back({"publisher.local_socket", absl::StrCat("unix:", p.local_socket())});
-  }
-  RETURN_IF_ERROR(CheckDistinct(c, endpoints));
+  RETURN_IF_ERROR(CheckControlAndLocal(c, "publisher", p.control_listen(), p.control_tls(),
+                                       p.local_socket(), endpoints));
   if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
     return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
   }
@@ -301,21 +312,8 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
       return c.Fail("subscriber.serve_peers", "true needs a listen address to serve peers on");
     }
   }
-  if (!s.control_listen().empty()) {
-    ASSIGN_OR_RETURN(const Address control,
-                     CheckListener(c, "subscriber.control_listen", s.control_listen(),
-                                   "subscriber.control_tls", s.control_tls()));
-    endpoints.push_back(EndpointOf("subscriber.control_listen", control));
-  } else {
-    RETURN_IF_ERROR(CheckUnusedTls(c, "subscriber.control_tls", s.control_tls(),
-                                   "control_listen is empty (Control is served on listen, with "
-                                   "tls)"));
-  }
-  RETURN_IF_ERROR(CheckLocalSocket(c, "subscriber.local_socket", s.local_socket()));
-  if (!s.local_socket().empty()) {
-    endpoints.push_back({"subscriber.local_socket", absl::StrCat("unix:", s.local_socket())});
-  }
-  RETURN_IF_ERROR(CheckDistinct(c, endpoints));
+  RETURN_IF_ERROR(CheckControlAndLocal(c, "subscriber", s.control_listen(), s.control_tls(),
+                                       s.local_socket(), endpoints));
 
   const v1::StoreConfig& store = s.store();
   const std::string& prefix = store.shm_prefix();
