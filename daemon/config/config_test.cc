@@ -43,7 +43,7 @@ std::string WriteFile(const std::string& name, const std::string& text) {
 
 // A subscriber section around `extra` (indented two spaces) with a loopback upstream.
 std::string Sub(const std::string& extra, const std::string& listen = "\"127.0.0.1:0\"") {
-  return "subscriber:\n  upstream:\n    addresses: [\"127.0.0.1:7400\"]\n  listen: " + listen +
+  return "subscriber:\n  upstream:\n    addresses: [\"127.0.0.2:7400\"]\n  listen: " + listen +
          "\n" + extra;
 }
 
@@ -99,7 +99,7 @@ publisher:
     key: /etc/r/p.key
     ca: /etc/r/ca.crt
     allowed_identities: [sub-0, "spiffe://cluster/sub"]
-  control_listen: "127.0.0.1:7401"
+  control_listen: "127.0.0.2:7401"
   local_socket: /run/refitd/p.sock
   ready_file: /run/refitd/p.ready
   transport:
@@ -202,7 +202,7 @@ TEST(ConfigTest, NonLoopbackListenNeedsTls) {
       PublisherError(std::string("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n") + kTlsServer),
       "");
   // Loopback needs nothing, in every form.
-  for (const char* addr : {"127.0.0.1:7000", "127.3.2.1:7000", "[::1]:7000", "localhost:7000",
+  for (const char* addr : {"127.0.0.2:7000", "127.3.2.1:7000", "[::1]:7000", "localhost:700",
                            "unix:/tmp/x.sock", "unix:///tmp/x.sock", "unix-abstract:x"}) {
     EXPECT_EQ(PublisherError(std::string("publisher:\n  listen: \"") + addr + "\"\n"), "") << addr;
   }
@@ -218,9 +218,9 @@ TEST(ConfigTest, TlsBlocksMustBeConsistent) {
                   "pub.yaml:4:5: publisher.tls.ca: required together with cert and key (TLS "
                   "listeners are mTLS");
   // Partial TLS is an error on loopback too.
-  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7000\"\n  tls: {ca: /ca}\n"),
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.2:7000\"\n  tls: {ca: /ca}\n"),
                   "publisher.tls.cert: required together with ca");
-  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7000\"\n"
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.2:7000\"\n"
                                  "  tls: {allowed_identities: [x]}\n"),
                   "publisher.tls.allowed_identities: needs TLS");
   EXPECT_CONTAINS(PublisherError(std::string("publisher:\n  listen: \"0.0.0.0:7000\"\n  tls:\n") +
@@ -252,8 +252,8 @@ TEST(ConfigTest, AddressSyntaxErrorsNameTheField) {
   EXPECT_EQ(PublisherError("publisher:\n  listen: \"0.0.0.0\"\n"),
             "pub.yaml:2:11: publisher.listen: \"0.0.0.0\": missing ':port' (write host:port, "
             "[ipv6]:port or unix:/path)");
-  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:99999\"\n"),
-                  "publisher.listen: \"127.0.0.1:99999\": port 99999 is out of range (0..65535)");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.2:99999\"\n"),
+                  "publisher.listen: \"127.0.0.2:99999\": port 99999 is out of range (0..65535)");
   EXPECT_CONTAINS(SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
                                   "    addresses: [\"127.0.0.1:1\", \"127.0.0.1:0\"]\n"),
                   "sub.yaml:4:32: subscriber.upstream.addresses[1]: \"127.0.0.1:0\": port 0 is "
@@ -265,7 +265,7 @@ TEST(ConfigTest, AddressSyntaxErrorsNameTheField) {
 TEST(ConfigTest, SubscriberUpstreamNeedsMutualTls) {
   const std::string upstream =
       "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
-      "    addresses: [\"127.0.0.1:7400\", \"pub.example.com:7400\"]\n";
+      "    addresses: [\"127.0.0.2:7400\", \"pub.example.com:7400\"]\n";
   EXPECT_EQ(SubscriberError(upstream),
             "sub.yaml:4:35: subscriber.upstream.addresses[1]: \"pub.example.com:7400\" is not a "
             "loopback address, so subscriber.upstream.tls needs cert, key and ca (mTLS), or set "

@@ -45,7 +45,7 @@ subscriber:
   name: rollout-0
   log_level: debug
   upstream:
-    addresses: ["127.0.0.1:7000", "localhost:7001"]
+    addresses: ["127.0.0.2:7000", "localhost:701"]
     connections: 4
     backoff: {initial_ms: 5, multiplier: 1.5, jitter: 0}
   serve_peers: true
@@ -58,7 +58,7 @@ subscriber:
   EXPECT_EQ(s.name(), "rollout-0");
   EXPECT_EQ(s.log_level(), v1::LOG_LEVEL_DEBUG);
   ASSERT_EQ(s.upstream().addresses_size(), 2);
-  EXPECT_EQ(s.upstream().addresses(1), "localhost:7001");
+  EXPECT_EQ(s.upstream().addresses(1), "localhost:701");
   EXPECT_EQ(s.upstream().connections(), 4u);
   EXPECT_EQ(s.upstream().backoff().initial_ms(), 5u);
   EXPECT_DOUBLE_EQ(s.upstream().backoff().multiplier(), 1.5);
