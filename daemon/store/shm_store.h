@@ -1,0 +1,83 @@
+// ShmStore: a TensorStore in POSIX shared memory, for subscribers without a GPU (config store.kind
+// shm). One memory object per store of num_slots * slot_bytes bytes, mapped MAP_SHARED:
+//
+//   [ slot 0: tensor a | pad | tensor b | pad ... ][ slot 1: same placement ] ...
+//
+// Slot s starts at SlotOffset(s) = s * slot_bytes; tensor i of slot s at
+// SlotOffset(s) + layout().tensor(i).offset. Every offset is a multiple of the layout's alignment
+// (256 by default, cudaMalloc's, so a consumer can cudaHostRegister/cudaMemcpy the mapping and the
+// CUDA store of issue 4 shares the same Layout); mmap bases are page aligned.
+//
+// The object is a memfd (memfd_create, MFD_CLOEXEC); where memfd_create is unavailable the store
+// falls back to shm_open("<shm_prefix><pid>-<counter>"), unlinked immediately after ftruncate so
+// it never outlives the daemon. Either way the only handle is fd(); a consumer process reaches it
+//   (a) by SCM_RIGHTS over the ConsumerApi unix socket (the robust way: no /proc access needed), or
+//   (b) by opening ProcPath() = "/proc/<daemon pid>/fd/<fd>" read-only (what ShmRegion.path in
+//       local.proto carries: needs the same uid/ptrace access, i.e. a shared PID namespace in a
+//       k8s pod — shareProcessNamespace: true — otherwise use (a)),
+// then mmap(PROT_READ, MAP_SHARED) of the whole object or of the leased slot (slot offsets are
+// multiples of slot_bytes, which is not page aligned in general: map from the page below and add
+// the remainder, or map the whole object once).
+//
+// A layout never changes within a store: a manifest change (tensor added, removed, resized, dtype
+// changed) is a new store generation. The daemon creates a new ShmStore with the new layout,
+// stages the new version there (unchanged tensors' bases come from a lease on the old store, by
+// name: Layout::Find), commits it, switches ConsumerApi to the new store (layout_changed = true in
+// the VersionEvent), and destroys the old store once its last lease is released or expired
+// (consumers that still map the old fd keep their mapping valid regardless: the pages live until
+// the last munmap/close).
+#ifndef REFIT_DAEMON_STORE_SHM_STORE_H_
+#define REFIT_DAEMON_STORE_SHM_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/store/slotted_store.h"
+
+namespace refit::store {
+
+struct ShmStoreOptions : StoreOptions {
+  // Prefix of the shm_open fallback's object name (config store.shm_prefix): starts with "/",
+  // no other "/".
+  std::string shm_prefix = "/refitd-";
+  // Testing: skip memfd_create and use the shm_open fallback.
+  bool force_shm_open = false;
+};
+
+class ShmStore final : public SlottedStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmStore>> Create(Layout layout,
+                                                          const ShmStoreOptions& options = {});
+  ~ShmStore() override;
+  ShmStore(const ShmStore&) = delete;
+  ShmStore& operator=(const ShmStore&) = delete;
+
+  // The memory object (owned by the store; closed by the destructor).
+  int fd() const { return fd_; }
+  // "/proc/<pid>/fd/<fd>": a path another process of the same user may open to map the store.
+  std::string ProcPath() const;
+  // Bytes of the object: num_slots() * layout().slot_bytes().
+  uint64_t total_bytes() const { return total_bytes_; }
+  uint64_t SlotOffset(int slot) const { return static_cast<uint64_t>(slot) * layout().slot_bytes(); }
+  // Offset of tensor `index` of `slot` within the object.
+  uint64_t TensorOffset(int slot, size_t index) const {
+    return SlotOffset(slot) + layout().tensor(index).offset;
+  }
+  // "memfd" or "shm_open".
+  const char* backing() const { return backing_; }
+
+ private:
+  ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
+           uint8_t* map, uint64_t total_bytes, const char* backing);
+
+  const int fd_;
+  uint8_t* const map_;
+  const uint64_t total_bytes_;
+  const char* const backing_;
+};
+
+}  // namespace refit::store
+
+#endif  // REFIT_DAEMON_STORE_SHM_STORE_H_

@@ -1,0 +1,340 @@
+#include "daemon/store/slotted_store.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace refit::store {
+
+// ---- clocks --------------------------------------------------------------------------------
+
+namespace {
+class RealClock : public Clock {
+ public:
+  absl::Time Now() const override { return absl::Now(); }
+};
+}  // namespace
+
+Clock* Clock::Real() {
+  static RealClock* clock = new RealClock();
+  return clock;
+}
+
+FakeClock::FakeClock(absl::Time start) : now_ns_(absl::ToUnixNanos(start)) {}
+absl::Time FakeClock::Now() const { return absl::FromUnixNanos(now_ns_.load()); }
+void FakeClock::Advance(absl::Duration d) { now_ns_.fetch_add(absl::ToInt64Nanoseconds(d)); }
+
+// ---- layout --------------------------------------------------------------------------------
+
+absl::StatusOr<Layout> Layout::Build(std::vector<TensorDesc> tensors, uint64_t alignment) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout alignment must be a power of two, got ", alignment));
+  }
+  if (tensors.empty()) return absl::InvalidArgumentError("layout has no tensors");
+  std::sort(tensors.begin(), tensors.end(),
+            [](const TensorDesc& a, const TensorDesc& b) { return a.name < b.name; });
+  Layout layout;
+  layout.alignment_ = alignment;
+  constexpr uint64_t kMax = uint64_t{1} << 62;  // keeps every sum below overflow
+  uint64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TensorDesc& t = tensors[i];
+    if (t.name.empty()) return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
+    if (i > 0 && t.name == layout.tensors_.back().name) {  // sorted: duplicates are adjacent
+      return absl::InvalidArgumentError(absl::StrCat("layout: duplicate tensor name '", t.name, "'"));
+    }
+    if (!IsValidDType(static_cast<uint8_t>(t.dtype))) {
+      return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' has invalid dtype code ",
+                                                     static_cast<int>(t.dtype)));
+    }
+    uint64_t elements = 1;
+    for (uint64_t d : t.shape) {
+      if (d != 0 && elements > kMax / d) {
+        return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' shape [",
+                                                       absl::StrJoin(t.shape, ","),
+                                                       "] has too many elements"));
+      }
+      elements *= d;
+    }
+    const uint64_t esize = static_cast<uint64_t>(DTypeSize(t.dtype));
+    if (elements > kMax / esize) {
+      return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' is too large"));
+    }
+    TensorInfo info;
+    info.size_bytes = elements * esize;
+    info.offset = offset;
+    if (info.size_bytes > kMax - offset) {
+      return absl::InvalidArgumentError("layout: total size too large");
+    }
+    offset = (offset + info.size_bytes + alignment - 1) & ~(alignment - 1);
+    info.name = std::move(t.name);
+    info.dtype = t.dtype;
+    info.shape = std::move(t.shape);
+    layout.tensors_.push_back(std::move(info));
+  }
+  layout.slot_bytes_ = std::max(offset, alignment);
+  return layout;
+}
+
+std::optional<size_t> Layout::Find(absl::string_view name) const {
+  auto it = std::lower_bound(tensors_.begin(), tensors_.end(), name,
+                             [](const TensorInfo& t, absl::string_view n) { return t.name < n; });
+  if (it == tensors_.end() || it->name != name) return std::nullopt;
+  return static_cast<size_t>(it - tensors_.begin());
+}
+
+bool Layout::SameManifest(const Layout& other) const {
+  if (tensors_.size() != other.tensors_.size()) return false;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorInfo& a = tensors_[i];
+    const TensorInfo& b = other.tensors_[i];
+    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) return false;
+  }
+  return true;
+}
+
+// ---- slotted store -------------------------------------------------------------------------
+
+absl::Status SlottedStore::CheckOptions(const StoreOptions& o) {
+  if (o.slots < 2 || o.slots > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("store.slots must be in [2, 16], got ", o.slots));
+  }
+  if (o.default_ttl <= absl::ZeroDuration() || o.max_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease ttls must be positive");
+  }
+  if (o.max_leases < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_leases must be >= 1, got ", o.max_leases));
+  }
+  return absl::OkStatus();
+}
+
+SlottedStore::SlottedStore(Layout layout, std::vector<uint8_t*> slot_base,
+                           const StoreOptions& options)
+    : layout_(std::move(layout)),
+      slot_base_(std::move(slot_base)),
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()),
+      default_ttl_(std::min(options.default_ttl, options.max_ttl)),
+      max_ttl_(options.max_ttl),
+      max_leases_(options.max_leases),
+      slots_(slot_base_.size()) {}
+
+void SlottedStore::ExpireLocked(absl::Time now) {
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.expires <= now) {
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+int SlottedStore::LeasesOnLocked(int slot) const {
+  int n = 0;
+  for (const auto& [id, rec] : leases_) n += rec.slot == slot ? 1 : 0;
+  return n;
+}
+
+std::string SlottedStore::DescribeSlotsLocked() const {
+  std::vector<std::string> parts;
+  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+    const Slot& slot = slots_[s];
+    std::string d = absl::StrCat("slot ", s, ": ");
+    switch (slot.state) {
+      case SlotStatus::State::kEmpty: absl::StrAppend(&d, "empty"); break;
+      case SlotStatus::State::kStaging: absl::StrAppend(&d, "staging v", slot.version); break;
+      case SlotStatus::State::kHeld:
+        absl::StrAppend(&d, "v", slot.version, s == current_slot_ ? " (current)" : "");
+        break;
+    }
+    std::vector<std::string> holders;
+    for (const auto& [id, rec] : leases_) {
+      if (rec.slot == s) holders.push_back(absl::StrFormat("%s (lease %016x)", rec.consumer, id));
+    }
+    if (!holders.empty()) absl::StrAppend(&d, " leased by ", absl::StrJoin(holders, ", "));
+    parts.push_back(std::move(d));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+std::vector<std::span<const uint8_t>> SlottedStore::ReadSpans(int slot) const {
+  std::vector<std::span<const uint8_t>> spans;
+  spans.reserve(layout_.size());
+  for (const TensorInfo& t : layout_.tensors()) {
+    spans.emplace_back(slot_base_[slot] + t.offset, t.size_bytes);
+  }
+  return spans;
+}
+
+absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (version == 0) return absl::InvalidArgumentError("cannot stage version 0");
+  if (open_stage_id_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot stage v", version, ": v", slots_[open_stage_slot_].version,
+        " is being staged in slot ", open_stage_slot_, " (Commit or Abort it first)"));
+  }
+  if (version <= newest_committed_) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot stage v", version,
+                                                      ": v", newest_committed_,
+                                                      " is already committed (versions only grow)"));
+  }
+  ExpireLocked(clock_->Now());
+  int pick = -1;
+  for (int s = 0; s < static_cast<int>(slots_.size()) && pick < 0; ++s) {
+    if (slots_[s].state == SlotStatus::State::kEmpty) pick = s;
+  }
+  if (pick < 0) {  // oldest held, non-current, unleased version
+    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+      if (slots_[s].state != SlotStatus::State::kHeld || s == current_slot_ || LeasesOnLocked(s) > 0) {
+        continue;
+      }
+      if (pick < 0 || slots_[s].version < slots_[pick].version) pick = s;
+    }
+  }
+  if (pick < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot stage v", version, ": all ",
+                                                     slots_.size(), " slots are busy (",
+                                                     DescribeSlotsLocked(), ")"));
+  }
+  slots_[pick] = Slot{SlotStatus::State::kStaging, version};
+  open_stage_id_ = next_stage_id_++;
+  open_stage_slot_ = pick;
+
+  StagingHandle h;
+  h.stage_id = open_stage_id_;
+  h.version = version;
+  h.slot = pick;
+  h.out.reserve(layout_.size());
+  for (const TensorInfo& t : layout_.tensors()) {
+    h.out.emplace_back(slot_base_[pick] + t.offset, t.size_bytes);
+  }
+  if (current_slot_ >= 0) {
+    h.base_version = slots_[current_slot_].version;
+    h.base = ReadSpans(current_slot_);
+  }
+  return h;
+}
+
+absl::Status SlottedStore::Commit(const StagingHandle& handle) {
+  absl::MutexLock lock(&mu_);
+  if (handle.stage_id == 0 || handle.stage_id != open_stage_id_ || handle.slot != open_stage_slot_) {
+    return absl::NotFoundError(absl::StrCat("commit of v", handle.version, ": staging ",
+                                            handle.stage_id, " is not open"));
+  }
+  Slot& slot = slots_[open_stage_slot_];
+  slot.state = SlotStatus::State::kHeld;
+  current_slot_ = open_stage_slot_;
+  newest_committed_ = slot.version;
+  open_stage_id_ = 0;
+  open_stage_slot_ = -1;
+  return absl::OkStatus();
+}
+
+absl::Status SlottedStore::Abort(const StagingHandle& handle) {
+  absl::MutexLock lock(&mu_);
+  if (handle.stage_id == 0 || handle.stage_id != open_stage_id_ || handle.slot != open_stage_slot_) {
+    return absl::NotFoundError(absl::StrCat("abort of v", handle.version, ": staging ",
+                                            handle.stage_id, " is not open"));
+  }
+  slots_[open_stage_slot_] = Slot{};
+  open_stage_id_ = 0;
+  open_stage_slot_ = -1;
+  return absl::OkStatus();
+}
+
+uint64_t SlottedStore::current_version() const {
+  absl::MutexLock lock(&mu_);
+  return current_slot_ >= 0 ? slots_[current_slot_].version : 0;
+}
+
+absl::Duration SlottedStore::EffectiveTtl(absl::Duration ttl) const {
+  if (ttl <= absl::ZeroDuration()) return default_ttl_;
+  return std::min(ttl, max_ttl_);
+}
+
+Lease SlottedStore::MakeLease(uint64_t id, const LeaseRec& rec) const {
+  Lease lease;
+  lease.lease_id = id;
+  lease.version = rec.version;
+  lease.slot = rec.slot;
+  lease.expires = rec.expires;
+  lease.spans = ReadSpans(rec.slot);
+  return lease;
+}
+
+absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
+                                                 std::optional<uint64_t> version,
+                                                 absl::Duration ttl) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLocked(now);
+  if (current_slot_ < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("lease for '", consumer, "': no version has been committed yet"));
+  }
+  int slot = current_slot_;
+  if (version.has_value()) {
+    slot = -1;
+    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+      if (slots_[s].state == SlotStatus::State::kHeld && slots_[s].version == *version) slot = s;
+    }
+    if (slot < 0) {
+      return absl::FailedPreconditionError(absl::StrCat("lease for '", consumer, "': v", *version,
+                                                        " is not held (current is v",
+                                                        slots_[current_slot_].version, ")"));
+    }
+  }
+  if (static_cast<int>(leases_.size()) >= max_leases_) {
+    return absl::ResourceExhaustedError(absl::StrCat("lease for '", consumer, "': ", leases_.size(),
+                                                     " leases held, the maximum"));
+  }
+  uint64_t id = 0;
+  while (id == 0 || leases_.count(id) != 0) id = absl::Uniform<uint64_t>(bitgen_);
+  LeaseRec rec{std::string(consumer), slots_[slot].version, slot, now + EffectiveTtl(ttl)};
+  Lease lease = MakeLease(id, rec);
+  leases_.emplace(id, std::move(rec));
+  return lease;
+}
+
+absl::StatusOr<Lease> SlottedStore::RenewLease(uint64_t lease_id, absl::Duration ttl) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLocked(now);
+  auto it = leases_.find(lease_id);
+  if (it == leases_.end()) {
+    return absl::NotFoundError(absl::StrFormat("lease %016x is unknown, released or expired", lease_id));
+  }
+  it->second.expires = now + EffectiveTtl(ttl);
+  return MakeLease(it->first, it->second);
+}
+
+absl::Status SlottedStore::ReleaseLease(uint64_t lease_id) {
+  absl::MutexLock lock(&mu_);
+  ExpireLocked(clock_->Now());
+  if (leases_.erase(lease_id) == 0) {
+    return absl::NotFoundError(absl::StrFormat("lease %016x is unknown, released or expired", lease_id));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<SlotStatus> SlottedStore::Slots() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  std::vector<SlotStatus> out;
+  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+    SlotStatus st;
+    st.slot = s;
+    st.state = slots_[s].state;
+    st.version = slots_[s].version;
+    st.current = s == current_slot_;
+    for (const auto& [id, rec] : leases_) st.leases += (rec.slot == s && rec.expires > now) ? 1 : 0;
+    out.push_back(st);
+  }
+  return out;
+}
+
+}  // namespace refit::store

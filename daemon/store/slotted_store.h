@@ -1,0 +1,93 @@
+// SlottedStore: the memory-kind-independent half of a TensorStore (slot states, staging, leases,
+// expiry). A concrete store (ShmStore; the CUDA store of issue 4) owns the memory and hands the
+// base address of each slot to the constructor.
+#ifndef REFIT_DAEMON_STORE_SLOTTED_STORE_H_
+#define REFIT_DAEMON_STORE_SLOTTED_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/store/tensor_store.h"
+
+namespace refit::store {
+
+struct StoreOptions {
+  int slots = 2;  // >= 2 (config store.slots)
+  Clock* clock = nullptr;  // nullptr: Clock::Real(); must outlive the store
+  absl::Duration default_ttl = absl::Seconds(60);  // config leases.default_ttl_ms
+  absl::Duration max_ttl = absl::Seconds(600);     // config leases.max_ttl_ms
+  int max_leases = 1024;                           // config leases.max_leases
+};
+
+class SlottedStore : public TensorStore {
+ public:
+  // Default arguments repeat TensorStore's (same values), so calls through either type agree.
+  const Layout& layout() const override { return layout_; }
+  int num_slots() const override { return static_cast<int>(slot_base_.size()); }
+
+  absl::StatusOr<StagingHandle> BeginStage(uint64_t version) override;
+  absl::Status Commit(const StagingHandle& handle) override;
+  absl::Status Abort(const StagingHandle& handle) override;
+  uint64_t current_version() const override;
+  absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
+                                     std::optional<uint64_t> version = std::nullopt,
+                                     absl::Duration ttl = absl::ZeroDuration()) override;
+  absl::StatusOr<Lease> RenewLease(uint64_t lease_id,
+                                   absl::Duration ttl = absl::ZeroDuration()) override;
+  absl::Status ReleaseLease(uint64_t lease_id) override;
+  std::vector<SlotStatus> Slots() const override;
+
+ protected:
+  // Validates options (InvalidArgument) without constructing.
+  static absl::Status CheckOptions(const StoreOptions& options);
+  // slot_base[i] points at slot i's slot_bytes() bytes; owned by the subclass, which must keep
+  // them valid for the store's life.
+  SlottedStore(Layout layout, std::vector<uint8_t*> slot_base, const StoreOptions& options);
+
+ private:
+  struct Slot {
+    SlotStatus::State state = SlotStatus::State::kEmpty;
+    uint64_t version = 0;
+  };
+  struct LeaseRec {
+    std::string consumer;
+    uint64_t version = 0;
+    int slot = -1;
+    absl::Time expires;
+  };
+
+  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int LeasesOnLocked(int slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string DescribeSlotsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Duration EffectiveTtl(absl::Duration ttl) const;
+  Lease MakeLease(uint64_t id, const LeaseRec& rec) const;
+  std::vector<std::span<const uint8_t>> ReadSpans(int slot) const;
+
+  const Layout layout_;
+  const std::vector<uint8_t*> slot_base_;
+  Clock* const clock_;
+  const absl::Duration default_ttl_;
+  const absl::Duration max_ttl_;
+  const int max_leases_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  int current_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  uint64_t newest_committed_ ABSL_GUARDED_BY(mu_) = 0;
+  // The open staging: its id (0 = none) and slot.
+  uint64_t open_stage_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int open_stage_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  uint64_t next_stage_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, LeaseRec> leases_ ABSL_GUARDED_BY(mu_);
+  absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace refit::store
+
+#endif  // REFIT_DAEMON_STORE_SLOTTED_STORE_H_

@@ -1,0 +1,502 @@
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/store/shm_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::store {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<TensorDesc> SmallManifest() {
+  return {{"b.weight", DType::kF32, {100}},   // 400 bytes
+          {"a.weight", DType::kBF16, {3, 5}},  // 30 bytes
+          {"c.flag", DType::kBool, {}}};       // 1 byte (scalar)
+}
+
+Layout SmallLayout() {
+  absl::StatusOr<Layout> l = Layout::Build(SmallManifest());
+  EXPECT_TRUE(l.ok()) << l.status();
+  return *l;
+}
+
+std::unique_ptr<ShmStore> MakeStore(int slots, Clock* clock = nullptr, int max_leases = 1024) {
+  ShmStoreOptions o;
+  o.slots = slots;
+  o.clock = clock;
+  o.default_ttl = absl::Seconds(10);
+  o.max_ttl = absl::Seconds(100);
+  o.max_leases = max_leases;
+  absl::StatusOr<std::unique_ptr<ShmStore>> s = ShmStore::Create(SmallLayout(), o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+uint8_t Stamp(uint64_t version) { return static_cast<uint8_t>(version * 37 + 11); }
+
+void Fill(const StagingHandle& h, uint8_t byte) {
+  for (std::span<uint8_t> s : h.out) std::memset(s.data(), byte, s.size());
+}
+
+bool Uniform(const std::vector<std::span<const uint8_t>>& spans, uint8_t byte) {
+  for (std::span<const uint8_t> s : spans) {
+    for (uint8_t b : s) {
+      if (b != byte) return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::vector<uint8_t>> Snapshot(const std::vector<std::span<const uint8_t>>& spans) {
+  std::vector<std::vector<uint8_t>> out;
+  for (std::span<const uint8_t> s : spans) out.emplace_back(s.begin(), s.end());
+  return out;
+}
+
+bool Equal(const std::vector<std::span<const uint8_t>>& spans,
+           const std::vector<std::vector<uint8_t>>& snap) {
+  if (spans.size() != snap.size()) return false;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (spans[i].size() != snap[i].size() ||
+        std::memcmp(spans[i].data(), snap[i].data(), snap[i].size()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Stages `version` filled with its stamp and commits it; returns the slot used.
+int StageAndCommit(TensorStore& store, uint64_t version) {
+  absl::StatusOr<StagingHandle> h = store.BeginStage(version);
+  EXPECT_TRUE(h.ok()) << h.status();
+  if (!h.ok()) return -1;
+  Fill(*h, Stamp(version));
+  EXPECT_TRUE(store.Commit(*h).ok());
+  return h->slot;
+}
+
+// ---- layout --------------------------------------------------------------------------------
+
+TEST(LayoutTest, SortsAlignsAndSizes) {
+  Layout l = SmallLayout();
+  ASSERT_EQ(l.size(), 3u);
+  EXPECT_EQ(l.tensor(0).name, "a.weight");
+  EXPECT_EQ(l.tensor(0).size_bytes, 30u);
+  EXPECT_EQ(l.tensor(0).offset, 0u);
+  EXPECT_EQ(l.tensor(1).name, "b.weight");
+  EXPECT_EQ(l.tensor(1).size_bytes, 400u);
+  EXPECT_EQ(l.tensor(1).offset, 256u);
+  EXPECT_EQ(l.tensor(2).name, "c.flag");
+  EXPECT_EQ(l.tensor(2).size_bytes, 1u);
+  EXPECT_EQ(l.tensor(2).offset, 768u);
+  EXPECT_EQ(l.slot_bytes(), 1024u);
+  EXPECT_EQ(l.Find("b.weight"), std::optional<size_t>(1));
+  EXPECT_EQ(l.Find("nope"), std::nullopt);
+  EXPECT_TRUE(l.SameManifest(SmallLayout()));
+
+  absl::StatusOr<Layout> l64 = Layout::Build(SmallManifest(), 64);
+  ASSERT_TRUE(l64.ok());
+  EXPECT_EQ(l64->tensor(1).offset, 64u);
+  EXPECT_EQ(l64->tensor(2).offset, 512u);
+  EXPECT_EQ(l64->slot_bytes(), 576u);
+}
+
+TEST(LayoutTest, RejectsBadManifests) {
+  EXPECT_THAT(Layout::Build({}).status().message(), HasSubstr("no tensors"));
+  EXPECT_THAT(Layout::Build({{"x", DType::kF32, {1}}, {"x", DType::kF32, {2}}}).status().message(),
+              HasSubstr("duplicate tensor name 'x'"));
+  EXPECT_THAT(Layout::Build({{"", DType::kF32, {1}}}).status().message(), HasSubstr("empty name"));
+  EXPECT_THAT(Layout::Build({{"x", static_cast<DType>(0), {1}}}).status().message(),
+              HasSubstr("invalid dtype"));
+  EXPECT_THAT(Layout::Build({{"x", DType::kF32, {uint64_t{1} << 40, uint64_t{1} << 40}}})
+                  .status()
+                  .message(),
+              HasSubstr("too many elements"));
+  EXPECT_THAT(Layout::Build(SmallManifest(), 48).status().message(), HasSubstr("power of two"));
+  absl::StatusOr<Layout> changed = Layout::Build({{"a.weight", DType::kBF16, {3, 6}}});
+  ASSERT_TRUE(changed.ok());
+  EXPECT_FALSE(SmallLayout().SameManifest(*changed));
+}
+
+TEST(ShmStoreTest, RejectsBadOptions) {
+  ShmStoreOptions o;
+  o.slots = 1;
+  EXPECT_THAT(ShmStore::Create(SmallLayout(), o).status().message(), HasSubstr("store.slots"));
+  o.slots = 2;
+  o.force_shm_open = true;
+  o.shm_prefix = "no-slash";
+  EXPECT_THAT(ShmStore::Create(SmallLayout(), o).status().message(), HasSubstr("shm_prefix"));
+}
+
+// ---- staging / commit / abort --------------------------------------------------------------
+
+TEST(ShmStoreTest, CommitSwitchesCurrentAndBaseIsPreviousVersion) {
+  auto store = MakeStore(2);
+  EXPECT_EQ(store->current_version(), 0u);
+  EXPECT_EQ(store->AcquireLease("c").status().code(), absl::StatusCode::kFailedPrecondition);
+
+  absl::StatusOr<StagingHandle> h1 = store->BeginStage(1);
+  ASSERT_TRUE(h1.ok()) << h1.status();
+  EXPECT_EQ(h1->base_version, 0u);
+  EXPECT_TRUE(h1->base.empty());
+  ASSERT_EQ(h1->out.size(), 3u);
+  EXPECT_EQ(h1->out[1].size(), 400u);
+  Fill(*h1, 5);
+  EXPECT_EQ(store->current_version(), 0u);  // not visible before Commit
+  ASSERT_TRUE(store->Commit(*h1).ok());
+  EXPECT_EQ(store->current_version(), 1u);
+
+  // v2 out of place from v1: out = base + 1.
+  absl::StatusOr<StagingHandle> h2 = store->BeginStage(2);
+  ASSERT_TRUE(h2.ok()) << h2.status();
+  EXPECT_NE(h2->slot, h1->slot);
+  EXPECT_EQ(h2->base_version, 1u);
+  ASSERT_EQ(h2->base.size(), 3u);
+  EXPECT_TRUE(Uniform(h2->base, 5));
+  for (size_t i = 0; i < h2->out.size(); ++i) {
+    for (size_t j = 0; j < h2->out[i].size(); ++j) h2->out[i][j] = h2->base[i][j] + 1;
+  }
+  ASSERT_TRUE(store->Commit(*h2).ok());
+  EXPECT_EQ(store->current_version(), 2u);
+  absl::StatusOr<Lease> lease = store->AcquireLease("c");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->version, 2u);
+  EXPECT_EQ(lease->slot, h2->slot);
+  EXPECT_TRUE(Uniform(lease->spans, 6));
+}
+
+TEST(ShmStoreTest, AbortLeavesCurrentIntact) {
+  auto store = MakeStore(2);
+  const int s1 = StageAndCommit(*store, 1);
+  absl::StatusOr<StagingHandle> h = store->BeginStage(2);
+  ASSERT_TRUE(h.ok());
+  EXPECT_NE(h->slot, s1);
+  Fill(*h, 0xEE);
+  ASSERT_TRUE(store->Abort(*h).ok());
+  EXPECT_EQ(store->current_version(), 1u);
+  absl::StatusOr<Lease> lease = store->AcquireLease("c");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->version, 1u);
+  EXPECT_TRUE(Uniform(lease->spans, Stamp(1)));
+  std::vector<SlotStatus> slots = store->Slots();
+  EXPECT_EQ(slots[h->slot].state, SlotStatus::State::kEmpty);
+  EXPECT_TRUE(slots[s1].current);
+  // The handle is spent; the version can be staged again.
+  EXPECT_EQ(store->Commit(*h).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Abort(*h).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+  EXPECT_NE(StageAndCommit(*store, 2), -1);
+  EXPECT_EQ(store->current_version(), 2u);
+}
+
+TEST(ShmStoreTest, VersionsOnlyGrowAndOneStagingAtATime) {
+  auto store = MakeStore(3);
+  EXPECT_EQ(store->BeginStage(0).status().code(), absl::StatusCode::kInvalidArgument);
+  StageAndCommit(*store, 5);
+  absl::Status dup = store->BeginStage(5).status();
+  EXPECT_EQ(dup.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(dup.message(), HasSubstr("v5 is already committed"));
+  EXPECT_EQ(store->BeginStage(4).status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<StagingHandle> h = store->BeginStage(6);
+  ASSERT_TRUE(h.ok());
+  absl::Status second = store->BeginStage(7).status();
+  EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.message(), HasSubstr("v6 is being staged"));
+  StagingHandle forged = *h;
+  forged.stage_id += 100;
+  EXPECT_EQ(store->Commit(forged).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->Commit(*h).ok());
+  EXPECT_EQ(store->Commit(*h).code(), absl::StatusCode::kNotFound);  // never twice
+}
+
+TEST(ShmStoreTest, StagingNeverTouchesCurrentOrLeasedSlots) {
+  auto store = MakeStore(3);
+  const int s1 = StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> l1 = store->AcquireLease("reader");
+  ASSERT_TRUE(l1.ok());
+  const int s2 = StageAndCommit(*store, 2);
+  EXPECT_NE(s2, s1);
+  // v1 leased, v2 current: only the third slot is free, and stays the only choice.
+  absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
+  ASSERT_TRUE(h3.ok());
+  EXPECT_NE(h3->slot, s1);
+  EXPECT_NE(h3->slot, s2);
+  Fill(*h3, Stamp(3));
+  ASSERT_TRUE(store->Commit(*h3).ok());
+  // v4: v3 current, v1 leased -> v2's slot (oldest unleased non-current).
+  absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
+  ASSERT_TRUE(h4.ok());
+  EXPECT_EQ(h4->slot, s2);
+  EXPECT_EQ(h4->base_version, 3u);
+  EXPECT_TRUE(Uniform(h4->base, Stamp(3)));
+  EXPECT_TRUE(Uniform(l1->spans, Stamp(1)));
+  ASSERT_TRUE(store->Abort(*h4).ok());
+}
+
+TEST(ShmStoreTest, LeaseKeepsItsVersionWhileLaterVersionsCommit) {
+  auto store = MakeStore(3);
+  StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> lease = store->AcquireLease("vllm-0");
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->version, 1u);
+  const auto snap = Snapshot(lease->spans);
+  for (uint64_t v = 2; v <= 4; ++v) {
+    const int slot = StageAndCommit(*store, v);
+    EXPECT_NE(slot, lease->slot) << "v" << v << " staged into the leased slot";
+    EXPECT_EQ(store->current_version(), v);
+    EXPECT_TRUE(Equal(lease->spans, snap)) << "leased v1 changed while v" << v << " committed";
+  }
+  // The leased version is still held and can be leased by version.
+  absl::StatusOr<Lease> again = store->AcquireLease("vllm-1", 1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->slot, lease->slot);
+  ASSERT_TRUE(store->ReleaseLease(again->lease_id).ok());
+  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+  EXPECT_EQ(store->ReleaseLease(lease->lease_id).code(), absl::StatusCode::kNotFound);
+  // Released: v1 (oldest, unleased, non-current) is the slot reused now.
+  EXPECT_EQ(StageAndCommit(*store, 5), lease->slot);
+  EXPECT_EQ(store->AcquireLease("c", 1).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ShmStoreTest, AllSlotsBusyNamesHolders) {
+  FakeClock clock;
+  auto store = MakeStore(2, &clock);
+  StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> lease = store->AcquireLease("vllm-worker-3");
+  ASSERT_TRUE(lease.ok());
+  StageAndCommit(*store, 2);
+  absl::Status busy = store->BeginStage(3).status();
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(busy.message(), HasSubstr("all 2 slots are busy"));
+  EXPECT_THAT(busy.message(), HasSubstr("v1 leased by vllm-worker-3"));
+  EXPECT_THAT(busy.message(), HasSubstr("v2 (current)"));
+  EXPECT_TRUE(Uniform(lease->spans, Stamp(1)));
+  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+  EXPECT_EQ(StageAndCommit(*store, 3), lease->slot);
+}
+
+TEST(ShmStoreTest, LeasesExpireByClockAndRenew) {
+  FakeClock clock;
+  auto store = MakeStore(2, &clock);  // default ttl 10 s, max 100 s
+  StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> lease = store->AcquireLease("c");  // ttl 0 -> default
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->expires, clock.Now() + absl::Seconds(10));
+  absl::StatusOr<Lease> capped = store->AcquireLease("d", std::nullopt, absl::Hours(5));
+  ASSERT_TRUE(capped.ok());
+  EXPECT_EQ(capped->expires, clock.Now() + absl::Seconds(100));
+  ASSERT_TRUE(store->ReleaseLease(capped->lease_id).ok());
+  StageAndCommit(*store, 2);
+
+  clock.Advance(absl::Seconds(8));
+  EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<Lease> renewed = store->RenewLease(lease->lease_id, absl::Seconds(10));
+  ASSERT_TRUE(renewed.ok());
+  EXPECT_EQ(renewed->version, 1u);
+  clock.Advance(absl::Seconds(8));  // 16 s after acquire, 8 s after renew: still held
+  EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Slots()[lease->slot].leases, 1);
+  clock.Advance(absl::Seconds(2));  // exactly at expiry: expired
+  EXPECT_EQ(store->Slots()[lease->slot].leases, 0);
+  absl::StatusOr<StagingHandle> h = store->BeginStage(3);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->slot, lease->slot);
+  EXPECT_EQ(store->RenewLease(lease->lease_id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->ReleaseLease(lease->lease_id).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->Abort(*h).ok());
+}
+
+TEST(ShmStoreTest, MaxLeases) {
+  auto store = MakeStore(2, nullptr, /*max_leases=*/2);
+  StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> a = store->AcquireLease("a");
+  absl::StatusOr<Lease> b = store->AcquireLease("b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(a->lease_id, b->lease_id);
+  EXPECT_EQ(store->AcquireLease("c").status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(store->ReleaseLease(a->lease_id).ok());
+  EXPECT_TRUE(store->AcquireLease("c").ok());
+}
+
+// ---- concurrency ---------------------------------------------------------------------------
+
+// One stager commits versions while readers lease, read and release. Each version fills its slot
+// with its stamp; a reader must see a uniform slot with the stamp of the leased version, and the
+// stager's per-slot "writing" flag must never be up on a leased slot.
+TEST(ShmStoreTest, ConcurrentStagerAndReadersNeverSeeATornVersion) {
+  constexpr int kSlots = 3;
+  constexpr uint64_t kVersions = 300;
+  constexpr int kReaders = 4;
+  auto store = MakeStore(kSlots);
+  std::atomic<int> writing[kSlots] = {};
+  std::atomic<bool> done{false};
+  std::atomic<int> torn{0}, overlapped{0}, reads{0}, busy{0};
+
+  std::thread stager([&] {
+    for (uint64_t v = 1; v <= kVersions; ++v) {
+      absl::StatusOr<StagingHandle> h;
+      for (int attempt = 0; attempt < 10'000'000; ++attempt) {
+        h = store->BeginStage(v);
+        if (h.ok() || h.status().code() != absl::StatusCode::kResourceExhausted) break;
+        busy.fetch_add(1);
+        std::this_thread::yield();
+      }
+      ASSERT_TRUE(h.ok()) << h.status();
+      writing[h->slot].store(1);
+      Fill(*h, Stamp(v));
+      writing[h->slot].store(0);
+      ASSERT_TRUE(store->Commit(*h).ok());
+      // Let the readers in before the next version (bounded; on a busy machine the stager could
+      // otherwise finish before any reader runs).
+      const int seen = reads.load();
+      for (int spin = 0; spin < 1'000'000 && reads.load() == seen; ++spin) std::this_thread::yield();
+    }
+    done.store(true);
+  });
+  std::vector<std::thread> readers;
+  for (int r = 0; r < kReaders; ++r) {
+    readers.emplace_back([&, r] {
+      for (int i = 0; i < 2'000'000 && !done.load(); ++i) {
+        absl::StatusOr<Lease> lease = store->AcquireLease(absl::StrCat("reader-", r));
+        if (!lease.ok()) continue;  // nothing committed yet
+        if (writing[lease->slot].load() != 0) overlapped.fetch_add(1);
+        if (!Uniform(lease->spans, Stamp(lease->version))) torn.fetch_add(1);
+        if (writing[lease->slot].load() != 0) overlapped.fetch_add(1);
+        reads.fetch_add(1);
+        EXPECT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+      }
+    });
+  }
+  stager.join();
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(store->current_version(), kVersions);
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_EQ(overlapped.load(), 0);
+  EXPECT_GT(reads.load(), static_cast<int>(kVersions / 2));
+}
+
+// ---- another process -----------------------------------------------------------------------
+
+class ShmStoreProcessTest : public ::testing::TestWithParam<bool> {};
+
+// A forked child maps the store (through /proc/<pid>/fd/<fd>, and through the inherited fd as a
+// process receiving it by SCM_RIGHTS would) and reads the committed version's bytes.
+TEST_P(ShmStoreProcessTest, SecondProcessMapsCommittedBytes) {
+  ShmStoreOptions o;
+  o.slots = 2;
+  o.force_shm_open = GetParam();
+  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ShmStore& store = **created;
+  EXPECT_STREQ(store.backing(), GetParam() ? "shm_open" : "memfd");
+  StageAndCommit(store, 1);
+  absl::StatusOr<StagingHandle> h = store.BeginStage(2);
+  ASSERT_TRUE(h.ok());
+  for (size_t i = 0; i < h->out.size(); ++i) {
+    for (size_t j = 0; j < h->out[i].size(); ++j) h->out[i][j] = static_cast<uint8_t>(i * 31 + j);
+  }
+  ASSERT_TRUE(store.Commit(*h).ok());
+  absl::StatusOr<Lease> lease = store.AcquireLease("child");
+  ASSERT_TRUE(lease.ok());
+  const std::string path = store.ProcPath();
+  std::vector<uint64_t> offsets;
+  for (size_t i = 0; i < store.layout().size(); ++i) offsets.push_back(store.TensorOffset(lease->slot, i));
+  EXPECT_EQ(store.total_bytes(), 2 * store.layout().slot_bytes());
+
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Child: no gtest assertions; exit code says what failed.
+    auto check = [&](int fd) -> int {
+      void* m = mmap(nullptr, store.total_bytes(), PROT_READ, MAP_SHARED, fd, 0);
+      if (m == MAP_FAILED) return 10;
+      const auto* base = static_cast<const uint8_t*>(m);
+      for (size_t i = 0; i < offsets.size(); ++i) {
+        const std::span<const uint8_t> want = lease->spans[i];
+        if (std::memcmp(base + offsets[i], want.data(), want.size()) != 0) return 11;
+        for (size_t j = 0; j < want.size(); ++j) {
+          if (base[offsets[i] + j] != static_cast<uint8_t>(i * 31 + j)) return 12;
+        }
+      }
+      munmap(m, store.total_bytes());
+      return 0;
+    };
+    int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) _exit(20);
+    int rc = check(fd);
+    close(fd);
+    if (rc == 0) rc = check(store.fd()) == 0 ? 0 : 30;
+    _exit(rc);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "child failed reading " << path;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backings, ShmStoreProcessTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "ShmOpen" : "Memfd";
+                         });
+
+// ---- manifest change: new store generation -------------------------------------------------
+
+// A manifest change is a new store: unchanged tensors are staged from a lease on the old store
+// (by name), changed and new ones from the transfer; the old store's lease stays readable until
+// released, then the old store is dropped.
+TEST(ShmStoreTest, ManifestChangeMigratesToNewStore) {
+  auto old_store = MakeStore(2);
+  StageAndCommit(*old_store, 1);
+  absl::StatusOr<Lease> old_lease = old_store->AcquireLease("daemon-migrate");
+  ASSERT_TRUE(old_lease.ok());
+  absl::StatusOr<Layout> next = Layout::Build({{"a.weight", DType::kBF16, {3, 5}},  // frozen
+                                               {"b.weight", DType::kF32, {200}},    // resized
+                                               {"d.new", DType::kU8, {7}}});        // added
+  ASSERT_TRUE(next.ok());                                                           // c removed
+  ASSERT_FALSE(old_store->layout().SameManifest(*next));
+
+  ShmStoreOptions o;
+  o.slots = 2;
+  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(*next, o);
+  ASSERT_TRUE(created.ok());
+  ShmStore& store = **created;
+  absl::StatusOr<StagingHandle> h = store.BeginStage(2);
+  ASSERT_TRUE(h.ok());
+  EXPECT_TRUE(h->base.empty());  // a new store has no base: the daemon takes it from the old one
+  const Layout& ol = old_store->layout();
+  for (size_t i = 0; i < next->size(); ++i) {
+    const TensorInfo& t = next->tensor(i);
+    std::optional<size_t> j = ol.Find(t.name);
+    if (j && ol.tensor(*j).dtype == t.dtype && ol.tensor(*j).shape == t.shape) {
+      std::memcpy(h->out[i].data(), old_lease->spans[*j].data(), t.size_bytes);
+    } else {
+      std::memset(h->out[i].data(), 0x42, t.size_bytes);
+    }
+  }
+  ASSERT_TRUE(store.Commit(*h).ok());
+  absl::StatusOr<Lease> lease = store.AcquireLease("vllm");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->version, 2u);
+  EXPECT_TRUE(Uniform({lease->spans[0]}, Stamp(1)));
+  EXPECT_EQ(lease->spans[1].size(), 800u);
+  EXPECT_TRUE(Uniform({lease->spans[1], lease->spans[2]}, 0x42));
+  EXPECT_TRUE(Uniform(old_lease->spans, Stamp(1)));  // the old generation is intact
+  ASSERT_TRUE(old_store->ReleaseLease(old_lease->lease_id).ok());
+  old_store.reset();
+  EXPECT_TRUE(Uniform({lease->spans[0]}, Stamp(1)));
+}
+
+}  // namespace
+}  // namespace refit::store

@@ -1,0 +1,180 @@
+// The subscriber's tensor store: N version slots of one fixed tensor layout, shared with local
+// consumers (inference processes) that read under leases.
+//
+// This header is the interface the subscriber daemon programs against. It names no memory kind:
+// spans point at host memory for the shm store (shm_store.h) and, in issue 4, at device memory
+// for the CUDA store (the daemon then must use device copies / kernels on them, never memcpy).
+//
+// Life of a version (see docs in daemon/store/README.md):
+//   BeginStage(v)  -> a free slot (never the current one, one being staged, or one any unexpired
+//                     lease holds); writable spans for v, read-only spans of the current version
+//                     (the base for ApplyPatch out of place).
+//   ...apply patches into handle.out, verify digests...
+//   Commit(handle) -> the slot atomically becomes current; or Abort(handle) -> slot is free again
+//                     and the current version is untouched.
+//   AcquireLease   -> a consumer pins a held version (default: current); its slot is never staged
+//                     into until ReleaseLease or expiry (clock injectable: see Clock).
+#ifndef REFIT_DAEMON_STORE_TENSOR_STORE_H_
+#define REFIT_DAEMON_STORE_TENSOR_STORE_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "daemon/codec/dtype.h"
+
+namespace refit::store {
+
+// Time source for lease expiry. Tests inject FakeClock; no sleeps needed.
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  virtual absl::Time Now() const = 0;
+  // The process-wide real clock (absl::Now()).
+  static Clock* Real();
+};
+
+// A manually advanced clock for tests. Thread-safe.
+class FakeClock : public Clock {
+ public:
+  explicit FakeClock(absl::Time start = absl::UnixEpoch() + absl::Hours(1));
+  absl::Time Now() const override;
+  void Advance(absl::Duration d);
+
+ private:
+  mutable std::atomic<int64_t> now_ns_;
+};
+
+// What a tensor is (the manifest entry), before placement.
+struct TensorDesc {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;  // outermost first; {} = scalar
+};
+
+// A tensor placed in a slot.
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  uint64_t size_bytes = 0;  // DTypeSize(dtype) * product(shape)
+  uint64_t offset = 0;      // from the start of a slot; a multiple of Layout::alignment()
+};
+
+// The placement of a manifest in a slot. Immutable once built. Tensors are sorted by name (the
+// order ConsumerApi.Layout lists them in); every index below is into that order.
+class Layout {
+ public:
+  // 256 bytes: cudaMalloc alignment, so the CUDA store (issue 4) can use the same layout and
+  // consumers can hand any tensor to CUDA/vectorised kernels. Also a multiple of the cache line.
+  static constexpr uint64_t kDefaultAlignment = 256;
+
+  // Validates (names non-empty and unique, dtypes valid, element counts < 2^63, sizes without
+  // overflow) and places tensors back to back, each at a multiple of `alignment` (a power of two
+  // >= 1). At least one tensor.
+  static absl::StatusOr<Layout> Build(std::vector<TensorDesc> tensors,
+                                      uint64_t alignment = kDefaultAlignment);
+
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  size_t size() const { return tensors_.size(); }
+  const TensorInfo& tensor(size_t i) const { return tensors_[i]; }
+  // Bytes of one slot: end of the last tensor rounded up to the alignment (>= alignment).
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint64_t alignment() const { return alignment_; }
+  // Index of the tensor named `name`, or nullopt.
+  std::optional<size_t> Find(absl::string_view name) const;
+  // Same manifest (names, dtypes, shapes): versions of one can be staged in a store of the other
+  // without a relayout. Placement is a function of the manifest and alignment, so equal manifests
+  // with equal alignment have equal offsets too.
+  bool SameManifest(const Layout& other) const;
+
+ private:
+  std::vector<TensorInfo> tensors_;
+  uint64_t slot_bytes_ = 0;
+  uint64_t alignment_ = kDefaultAlignment;
+};
+
+// A version being written. Valid until Commit or Abort (or the store's destruction).
+struct StagingHandle {
+  uint64_t stage_id = 0;    // names this staging to Commit/Abort
+  uint64_t version = 0;     // version being staged
+  int slot = -1;            // slot written
+  // Writable span of each tensor in the staged slot, in Layout order. Contents on entry are
+  // unspecified (an old version's bytes, or zeros): every byte must be written before Commit.
+  std::vector<std::span<uint8_t>> out;
+  // The current version at BeginStage (0 = none, then `base` is empty) and its read-only spans,
+  // in Layout order: the base for ApplyPatch(patch, dtype, base[i], out[i]). Stable until
+  // Commit/Abort: the current slot cannot change while a staging is open.
+  uint64_t base_version = 0;
+  std::vector<std::span<const uint8_t>> base;
+};
+
+// A read lease on a held version.
+struct Lease {
+  uint64_t lease_id = 0;  // random, non-zero
+  uint64_t version = 0;
+  int slot = -1;
+  absl::Time expires;
+  // Read-only span of each tensor, in Layout order; valid until release or expiry.
+  std::vector<std::span<const uint8_t>> spans;
+};
+
+// A slot's state, for status and tests.
+struct SlotStatus {
+  enum class State { kEmpty, kStaging, kHeld };
+  int slot = 0;
+  State state = State::kEmpty;
+  uint64_t version = 0;  // staged or held version (0 when kEmpty)
+  bool current = false;
+  int leases = 0;        // unexpired leases on this slot
+};
+
+class TensorStore {
+ public:
+  virtual ~TensorStore() = default;
+
+  virtual const Layout& layout() const = 0;
+  virtual int num_slots() const = 0;
+
+  // Opens a staging of `version` (must exceed every version committed so far and be non-zero;
+  // FAILED_PRECONDITION otherwise, so a patch is never applied twice). One staging at a time
+  // (FAILED_PRECONDITION while another is open). Picks an empty slot, else the one holding the
+  // oldest unleased non-current version. RESOURCE_EXHAUSTED naming every slot's holder when
+  // none is free.
+  virtual absl::StatusOr<StagingHandle> BeginStage(uint64_t version) = 0;
+  // Makes the staged slot current. The daemon calls it after verifying every digest.
+  // NOT_FOUND if the handle is not the open staging.
+  virtual absl::Status Commit(const StagingHandle& handle) = 0;
+  // Abandons the staging: its slot becomes empty; the current version is untouched.
+  virtual absl::Status Abort(const StagingHandle& handle) = 0;
+
+  // Current (committed) version, 0 if none yet.
+  virtual uint64_t current_version() const = 0;
+
+  // Leases `version` (nullopt: the current one) for `consumer` for `ttl` (zero: the store's
+  // default; capped at its maximum). FAILED_PRECONDITION when no version is held yet or the
+  // requested one is no longer held; RESOURCE_EXHAUSTED past the store's max_leases.
+  virtual absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
+                                             std::optional<uint64_t> version = std::nullopt,
+                                             absl::Duration ttl = absl::ZeroDuration()) = 0;
+  // Extends a lease to now + ttl (as above). NOT_FOUND if unknown, released or expired.
+  virtual absl::StatusOr<Lease> RenewLease(uint64_t lease_id,
+                                           absl::Duration ttl = absl::ZeroDuration()) = 0;
+  // NOT_FOUND if unknown, released or expired.
+  virtual absl::Status ReleaseLease(uint64_t lease_id) = 0;
+
+  virtual std::vector<SlotStatus> Slots() const = 0;
+};
+
+}  // namespace refit::store
+
+#endif  // REFIT_DAEMON_STORE_TENSOR_STORE_H_

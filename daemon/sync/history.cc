@@ -1,0 +1,275 @@
+#include "daemon/sync/history.h"
+
+#include <algorithm>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/codec.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::sync {
+
+v1::VersionHeader TransferPlan::Header() const {
+  v1::VersionHeader h;
+  h.set_version(version);
+  h.set_base_version(base_version);
+  h.set_reason(reason);
+  for (const TensorDelivery& t : tensors) *h.add_tensors() = t.plan;
+  return h;
+}
+
+v1::VersionEnd TransferPlan::End() const {
+  v1::VersionEnd e;
+  e.set_version(version);
+  e.set_version_digest(version_digest);
+  uint64_t dense = 0;
+  for (const TensorDelivery& t : tensors) {
+    e.add_digests(t.digest);
+    auto bytes = TensorByteSize(t.plan.spec());
+    if (bytes.ok()) dense += *bytes;
+  }
+  e.set_dense_bytes(dense);
+  return e;
+}
+
+const PatchHistory::TensorEntry* PatchHistory::Record::Find(const std::string& name) const {
+  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
+                             [](const TensorEntry& e, const std::string& n) { return e.spec.name() < n; });
+  return it != tensors.end() && it->spec.name() == name ? &*it : nullptr;
+}
+
+PatchHistory::PatchHistory(uint64_t budget_bytes) : budget_(budget_bytes) {}
+
+uint64_t PatchHistory::RecordBytes(const Record& r) {
+  uint64_t bytes = 128;
+  for (const TensorEntry& e : r.tensors) {
+    bytes += 64 + e.spec.name().size() + 8 * static_cast<uint64_t>(e.spec.shape_size());
+    if (e.patch) bytes += e.patch->size();
+  }
+  return bytes;
+}
+
+void PatchHistory::StripPatches(Record& r) {
+  for (TensorEntry& e : r.tensors) {
+    if (e.kind == TensorEntry::kPatch) e.kind = TensorEntry::kKeyframe;
+    e.patch.reset();
+  }
+  r.bytes = RecordBytes(r);
+}
+
+void PatchHistory::Evict() {
+  while (bytes_ > budget_ && records_.size() > 1) {
+    bytes_ -= records_.front().bytes;
+    records_.pop_front();
+  }
+  // The oldest version's patches start from a version no longer held: never usable.
+  Record& front = records_.front();
+  bytes_ -= front.bytes;
+  StripPatches(front);
+  bytes_ += front.bytes;
+}
+
+absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorUpdate> tensors) {
+  if (version == 0) return absl::InvalidArgumentError("version 0 cannot be recorded");
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return tensors[a].spec.name() < tensors[b].spec.name();
+  });
+  for (size_t i : order) {
+    manifest.push_back(tensors[i].spec);
+    digests.push_back(tensors[i].digest);
+  }
+  auto vdigest = VersionDigest(manifest, digests);
+  if (!vdigest.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version ", version, ": ", vdigest.status().message()));
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (!records_.empty() && version <= records_.back().version) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", version,
+                                                   " is not above the newest recorded version ",
+                                                   records_.back().version));
+  }
+  const Record* prev = records_.empty() ? nullptr : &records_.back();
+  Record rec;
+  rec.version = version;
+  rec.base_version = prev != nullptr ? prev->version : 0;
+  rec.version_digest = *vdigest;
+  for (size_t k = 0; k < order.size(); ++k) {
+    TensorUpdate& u = tensors[order[k]];
+    TensorEntry e;
+    e.spec = std::move(u.spec);
+    e.digest = u.digest;
+    e.tensor_bytes = *TensorByteSize(e.spec);  // validated above
+    const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
+    const bool same = p != nullptr && SameSpec(p->spec, e.spec);
+    const std::string where =
+        absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
+    if (same && p->digest == e.digest) {
+      e.kind = TensorEntry::kUnchanged;
+    } else if (u.patch) {
+      if (!same) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": patch given but the previous version ",
+            p == nullptr ? "does not have this tensor" : "has another dtype/shape"));
+      }
+      auto layout = ParsePatch(std::span<const uint8_t>(*u.patch));
+      if (!layout.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": bad patch: ", layout.status().message()));
+      }
+      const uint64_t elems = *ElementCount(e.spec);
+      if (ToProtoDType(layout->dtype) != e.spec.dtype() || layout->num_elements != elems) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": patch is for ", layout->num_elements, " elements of dtype ",
+            static_cast<int>(layout->dtype), ", tensor has ", elems, " of dtype ",
+            static_cast<int>(e.spec.dtype())));
+      }
+      e.kind = TensorEntry::kPatch;
+      e.patch = std::move(u.patch);
+    } else {
+      e.kind = TensorEntry::kKeyframe;
+    }
+    rec.tensors.push_back(std::move(e));
+  }
+  rec.bytes = RecordBytes(rec);
+  bytes_ += rec.bytes;
+  records_.push_back(std::move(rec));
+  Evict();
+  return *vdigest;
+}
+
+const PatchHistory::Record* PatchHistory::FindRecord(uint64_t version) const {
+  auto it = std::lower_bound(records_.begin(), records_.end(), version,
+                             [](const Record& r, uint64_t v) { return r.version < v; });
+  return it != records_.end() && it->version == version ? &*it : nullptr;
+}
+
+absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t sub_digest,
+                                                uint64_t target_version,
+                                                const PlanOptions& options) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const Record* target = FindRecord(target_version);
+  if (target == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("version ", target_version, " is not in the history"));
+  }
+  if (sub_version > target_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "subscriber version ", sub_version, " is ahead of target version ", target_version));
+  }
+  TransferPlan plan;
+  plan.version = target_version;
+  plan.version_digest = target->version_digest;
+
+  // A usable base: recorded, and the subscriber's digest matches ours.
+  const Record* base = sub_version == 0 ? nullptr : FindRecord(sub_version);
+  if (sub_version == 0) {
+    plan.reason = v1::TRANSFER_REASON_BOOTSTRAP;
+  } else if (base == nullptr) {
+    plan.reason = sub_version < records_.front().version ? v1::TRANSFER_REASON_BEHIND_HISTORY
+                                                         : v1::TRANSFER_REASON_DIVERGED;
+  } else if (base->version_digest != sub_digest) {
+    plan.reason = v1::TRANSFER_REASON_DIVERGED;
+    base = nullptr;
+  } else if (options.all_keyframes || !options.keyframe_tensors.empty()) {
+    plan.reason = v1::TRANSFER_REASON_REQUESTED;
+  } else if (sub_version == target_version) {
+    plan.reason = v1::TRANSFER_REASON_UNSPECIFIED;
+    plan.up_to_date = true;
+  } else {
+    plan.reason = target->base_version == sub_version ? v1::TRANSFER_REASON_NEXT_VERSION
+                                                      : v1::TRANSFER_REASON_CATCH_UP;
+  }
+  plan.base_version = base != nullptr ? sub_version : 0;
+
+  // Records strictly after the base up to the target (contiguous: only the oldest is evicted).
+  std::vector<const Record*> span;
+  if (base != nullptr) {
+    for (const Record& r : records_) {
+      if (r.version > sub_version && r.version <= target_version) span.push_back(&r);
+    }
+  }
+
+  for (const TensorEntry& t : target->tensors) {
+    TensorDelivery d;
+    *d.plan.mutable_spec() = t.spec;
+    d.digest = t.digest;
+    bool keyframe = base == nullptr || options.all_keyframes ||
+                    std::find(options.keyframe_tensors.begin(), options.keyframe_tensors.end(),
+                              t.spec.name()) != options.keyframe_tensors.end();
+    std::vector<const Record*> patch_records;
+    std::vector<PatchBytes> patches;
+    if (!keyframe) {
+      const TensorEntry* b = base->Find(t.spec.name());
+      keyframe = b == nullptr || !SameSpec(b->spec, t.spec);
+      uint64_t chain_bytes = 0;
+      for (const Record* r : span) {
+        if (keyframe) break;
+        const TensorEntry* e = r->Find(t.spec.name());
+        if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe) {
+          keyframe = true;
+        } else if (e->kind == TensorEntry::kPatch) {
+          patch_records.push_back(r);
+          patches.push_back(e->patch);
+          chain_bytes += e->patch->size();
+        }
+      }
+      if (!keyframe && options.keyframe_when_chain_larger && chain_bytes > t.tensor_bytes) {
+        keyframe = true;
+      }
+    }
+    if (keyframe) {
+      d.plan.set_delivery(v1::DELIVERY_KEYFRAME);
+    } else if (patches.empty()) {
+      d.plan.set_delivery(v1::DELIVERY_UNCHANGED);
+    } else {
+      d.plan.set_delivery(v1::DELIVERY_PATCH);
+      // Unchanged versions between patches are absorbed into the steps (same bytes), so the
+      // chain runs exactly from the base to the target.
+      uint64_t from = sub_version;
+      for (size_t i = 0; i < patch_records.size(); ++i) {
+        v1::PatchStep* s = d.plan.add_steps();
+        s->set_base_version(from);
+        const uint64_t to =
+            i + 1 == patch_records.size() ? target_version : patch_records[i]->version;
+        s->set_target_version(to);
+        from = to;
+      }
+      d.patches = std::move(patches);
+    }
+    plan.tensors.push_back(std::move(d));
+  }
+  return plan;
+}
+
+absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const Record* r = FindRecord(version);
+  if (r == nullptr) {
+    return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history"));
+  }
+  return r->version_digest;
+}
+
+bool PatchHistory::Contains(uint64_t version) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return FindRecord(version) != nullptr;
+}
+
+HistoryStats PatchHistory::Stats() const {
+  absl::ReaderMutexLock lock(&mu_);
+  HistoryStats s;
+  s.versions = records_.size();
+  s.bytes = bytes_;
+  if (!records_.empty()) {
+    s.oldest_version = records_.front().version;
+    s.newest_version = records_.back().version;
+  }
+  return s;
+}
+
+}  // namespace refit::sync

@@ -1,0 +1,132 @@
+// The publisher's bounded history of recent versions and per-tensor patches, and transfer
+// planning for a subscriber at some version (proto/refit/v1/data.proto: VersionHeader,
+// TensorPlan, PatchStep).
+#ifndef REFIT_DAEMON_SYNC_HISTORY_H_
+#define REFIT_DAEMON_SYNC_HISTORY_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "refit/v1/data.pb.h"
+
+namespace refit::sync {
+
+using PatchBytes = std::shared_ptr<const std::vector<uint8_t>>;
+
+// One tensor of a newly published version.
+struct TensorUpdate {
+  v1::TensorSpec spec;
+  uint64_t digest = 0;  // full-tensor digest (daemon/codec/hash.h TensorDigest)
+  // Codec patch from this tensor's bytes at the previous published version (same spec) to its
+  // bytes now. Null when the tensor is new, changed dtype/shape, or was not encoded: anyone
+  // crossing this version then gets a keyframe of it. Ignored (dropped) when the digest equals
+  // the previous version's (unchanged tensor).
+  PatchBytes patch;
+};
+
+// Per-tensor delivery in a plan.
+struct TensorDelivery {
+  v1::TensorPlan plan;  // spec, delivery, steps (DELIVERY_PATCH)
+  uint64_t digest = 0;  // target digest (VersionEnd.digests)
+  // DELIVERY_PATCH: the patch of each step (parallel to plan.steps()); shared with the history,
+  // so they stay valid while being sent even if the history evicts their version.
+  std::vector<PatchBytes> patches;
+};
+
+struct TransferPlan {
+  uint64_t base_version = 0;  // the subscriber's version (0 when every tensor is a keyframe
+                              // because there is no usable base)
+  uint64_t version = 0;       // target
+  v1::TransferReason reason = v1::TRANSFER_REASON_UNSPECIFIED;
+  // True when the subscriber already holds the target (nothing to send).
+  bool up_to_date = false;
+  std::vector<TensorDelivery> tensors;  // target manifest order
+  uint64_t version_digest = 0;          // of the target
+
+  v1::VersionHeader Header() const;
+  // VersionEnd with version, digests, version_digest and dense_bytes filled.
+  v1::VersionEnd End() const;
+};
+
+struct PlanOptions {
+  // Keyframe every tensor (Hello.want_keyframe, KeyframeRequest.all_tensors).
+  bool all_keyframes = false;
+  // Keyframe these tensors (KeyframeRequest.tensors).
+  std::vector<std::string> keyframe_tensors;
+  // Send a keyframe instead of a chain whose patches add up to more than the tensor's bytes.
+  bool keyframe_when_chain_larger = true;
+};
+
+struct HistoryStats {
+  size_t versions = 0;
+  uint64_t oldest_version = 0;
+  uint64_t newest_version = 0;
+  uint64_t bytes = 0;  // accounted bytes (patches + manifest overhead)
+};
+
+// Recent versions of a publisher: each version's manifest, tensor digests, version digest, and
+// per tensor the patch from the previous version. Oldest versions are evicted first to stay
+// within `budget_bytes`; the newest version is always kept (even above budget). The oldest
+// retained version keeps its manifest (subscribers at it can still chain) but not its patches
+// (their base is gone). Thread-safe.
+class PatchHistory {
+ public:
+  explicit PatchHistory(uint64_t budget_bytes);
+
+  // Records version `version` (above every recorded version). `tensors` in any order; names
+  // unique, specs valid; patches must be codec patches for the tensor's dtype and element count
+  // (checked by parsing their header and table). InvalidArgument otherwise, with nothing changed.
+  // Returns the version digest.
+  absl::StatusOr<uint64_t> Add(uint64_t version, std::vector<TensorUpdate> tensors);
+
+  // Plans the transfer of `target_version` (must be in the history: NotFound otherwise) to a
+  // subscriber holding `subscriber_version` (0 = nothing) whose version digest is
+  // `subscriber_digest`. FailedPrecondition if the subscriber is ahead of the target.
+  absl::StatusOr<TransferPlan> Plan(uint64_t subscriber_version, uint64_t subscriber_digest,
+                                    uint64_t target_version, const PlanOptions& options = {}) const;
+
+  // Version digest of a recorded version (NotFound if not retained).
+  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const;
+  bool Contains(uint64_t version) const;
+  HistoryStats Stats() const;
+
+ private:
+  struct TensorEntry {
+    v1::TensorSpec spec;
+    uint64_t digest = 0;
+    uint64_t tensor_bytes = 0;
+    // The tensor's bytes at the previous version relate to now as: unchanged (same spec and
+    // digest), patch, or nothing usable (keyframe).
+    enum Kind { kUnchanged, kPatch, kKeyframe } kind = kKeyframe;
+    PatchBytes patch;
+  };
+  struct Record {
+    uint64_t version = 0;
+    uint64_t base_version = 0;  // previous recorded version (0 for the first)
+    uint64_t version_digest = 0;
+    std::vector<TensorEntry> tensors;  // sorted by name
+    uint64_t bytes = 0;
+    const TensorEntry* Find(const std::string& name) const;
+  };
+  static uint64_t RecordBytes(const Record& r);
+  void StripPatches(Record& r);
+  void Evict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Record* FindRecord(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const uint64_t budget_;
+  mutable absl::Mutex mu_;
+  std::deque<Record> records_ ABSL_GUARDED_BY(mu_);  // ascending versions
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace refit::sync
+
+#endif  // REFIT_DAEMON_SYNC_HISTORY_H_

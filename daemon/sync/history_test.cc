@@ -1,0 +1,455 @@
+#include "daemon/sync/history.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/sync/frames.h"
+#include "daemon/sync/version_digest.h"
+#include "gtest/gtest.h"
+
+namespace refit::sync {
+namespace {
+
+struct Tensor {
+  v1::TensorSpec spec;
+  std::vector<uint8_t> bytes;
+};
+using Model = std::map<std::string, Tensor>;  // sorted by name = manifest order
+
+v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
+  v1::TensorSpec s;
+  s.set_name(name);
+  s.set_dtype(v1::DTYPE_BF16);
+  for (uint64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {
+  Tensor t{spec, std::vector<uint8_t>(*TensorByteSize(spec))};
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    // BF16 around N(0, 0.02): exponent ~ 2^-6 .. 2^-9, random sign and mantissa.
+    const uint16_t v = static_cast<uint16_t>(((rng() & 1) << 15) | ((0x76 + rng() % 4) << 7) | (rng() & 0x7F));
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+  return t;
+}
+
+// Changes about `rate` of the elements by +-1 ULP.
+void Perturb(Tensor& t, double rate, std::mt19937& rng) {
+  const size_t n = t.bytes.size() / 2;
+  std::bernoulli_distribution pick(rate);
+  for (size_t i = 0; i < n; ++i) {
+    if (!pick(rng)) continue;
+    uint16_t v;
+    std::memcpy(&v, &t.bytes[2 * i], 2);
+    v = static_cast<uint16_t>((v & 0x7F) == 0 ? v + 1 : ((rng() & 1) ? v + 1 : v - 1));
+    std::memcpy(&t.bytes[2 * i], &v, 2);
+  }
+}
+
+uint64_t Digest(const std::vector<uint8_t>& b) { return TensorDigest(b, 1); }
+
+// What a publisher records for `next` given the previous model.
+std::vector<TensorUpdate> Updates(const Model* prev, const Model& next) {
+  std::vector<TensorUpdate> out;
+  for (const auto& [name, t] : next) {
+    TensorUpdate u;
+    u.spec = t.spec;
+    u.digest = Digest(t.bytes);
+    if (prev != nullptr) {
+      auto it = prev->find(name);
+      if (it != prev->end() && SameSpec(it->second.spec, t.spec)) {
+        auto p = EncodePatch(DType::kBF16, it->second.bytes, t.bytes, {.block_log2 = 12, .threads = 1});
+        EXPECT_TRUE(p.ok()) << p.status();
+        u.patch = std::make_shared<const std::vector<uint8_t>>(std::move(*p));
+      }
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+uint64_t ModelDigest(const Model& m) {
+  std::vector<v1::TensorSpec> specs;
+  std::vector<uint64_t> d;
+  for (const auto& [name, t] : m) {
+    specs.push_back(t.spec);
+    d.push_back(Digest(t.bytes));
+  }
+  return *VersionDigest(specs, d);
+}
+
+// A subscriber applying a plan the way the daemon does: frames (shuffled) -> assembler ->
+// patch chains / keyframes staged into a new model -> digest checks.
+absl::StatusOr<Model> Receive(const Model& held, const TransferPlan& plan, const Model& target,
+                              std::mt19937& rng, uint64_t* wire_bytes = nullptr) {
+  const v1::VersionHeader h = plan.Header();
+  const v1::VersionEnd end = plan.End();
+  constexpr uint32_t kFrame = 4096;
+  FrameAssembler a(h.version(), kFrame);
+  std::vector<v1::DataFrame> frames;
+  for (int i = 0; i < h.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = h.tensors(i);
+    const uint64_t bytes = *TensorByteSize(tp.spec());
+    const uint32_t ti = static_cast<uint32_t>(i);
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
+      ObjectSpec s{ti, 0, tp.spec().name(), bytes, true, true, {}};
+      if (auto st = a.Expect(s); !st.ok()) return st;
+      auto fr = SplitObject(target.at(tp.spec().name()).bytes, {h.version(), ti, 0}, {kFrame, true});
+      if (!fr.ok()) return fr.status();
+      frames.insert(frames.end(), fr->begin(), fr->end());
+    } else if (tp.delivery() == v1::DELIVERY_PATCH) {
+      EXPECT_EQ(static_cast<size_t>(tp.steps_size()), plan.tensors[i].patches.size());
+      for (int p = 0; p < tp.steps_size(); ++p) {
+        ObjectSpec s{ti, static_cast<uint32_t>(p), tp.spec().name(),
+                     MaxPatchBytes(*ElementCount(tp.spec()), bytes), false, false, {}};
+        if (auto st = a.Expect(s); !st.ok()) return st;
+        auto fr = SplitObject(*plan.tensors[i].patches[p], {h.version(), ti, static_cast<uint32_t>(p)},
+                              {kFrame, false});
+        if (!fr.ok()) return fr.status();
+        frames.insert(frames.end(), fr->begin(), fr->end());
+      }
+    }
+  }
+  std::shuffle(frames.begin(), frames.end(), rng);
+  for (const auto& f : frames) {
+    auto r = a.Add(f);
+    if (!r.ok()) return r.status();
+  }
+  if (auto st = a.CheckAllComplete(); !st.ok()) return st;
+  if (wire_bytes != nullptr) *wire_bytes = a.payload_bytes();
+
+  Model staged;
+  for (int i = 0; i < h.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = h.tensors(i);
+    const std::string& name = tp.spec().name();
+    Tensor t{tp.spec(), {}};
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
+      auto obj = a.Object(i, 0);
+      t.bytes.assign(obj->begin(), obj->end());
+    } else {
+      auto it = held.find(name);
+      if (it == held.end() || !SameSpec(it->second.spec, tp.spec())) {
+        return absl::FailedPreconditionError("no base for " + name);
+      }
+      t.bytes = it->second.bytes;
+      if (tp.delivery() == v1::DELIVERY_PATCH) {
+        if (tp.steps(0).base_version() != h.base_version() ||
+            tp.steps(tp.steps_size() - 1).target_version() != h.version()) {
+          return absl::InternalError("chain does not span the transfer for " + name);
+        }
+        for (int p = 0; p < tp.steps_size(); ++p) {
+          if (p > 0 && tp.steps(p).base_version() != tp.steps(p - 1).target_version()) {
+            return absl::InternalError("chain not contiguous for " + name);
+          }
+          auto patch = a.Object(i, p);
+          if (auto st = ApplyPatch(*patch, DType::kBF16, t.bytes, t.bytes, 1); !st.ok()) return st;
+        }
+      }
+    }
+    if (Digest(t.bytes) != end.digests(i)) return absl::DataLossError("digest mismatch on " + name);
+    staged.emplace(name, std::move(t));
+  }
+  if (ModelDigest(staged) != end.version_digest()) return absl::DataLossError("version digest");
+  return staged;
+}
+
+std::map<std::string, v1::Delivery> Deliveries(const TransferPlan& p) {
+  std::map<std::string, v1::Delivery> m;
+  for (const auto& t : p.tensors) m[t.plan.spec().name()] = t.plan.delivery();
+  return m;
+}
+
+class HistoryTest : public ::testing::Test {
+ protected:
+  // Publishes `m` as `version` into history_.
+  void Publish(uint64_t version, const Model& m) {
+    const Model* prev = models_.empty() ? nullptr : &models_.rbegin()->second;
+    auto d = history_.Add(version, Updates(prev, m));
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(*d, ModelDigest(m));
+    models_[version] = m;
+  }
+  std::mt19937 rng_{42};
+  PatchHistory history_{1ull << 30};
+  std::map<uint64_t, Model> models_;
+};
+
+TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
+  Model m;
+  for (auto [name, n] : {std::pair{"a", 20000}, std::pair{"b", 5000}, std::pair{"frozen", 3000}}) {
+    m[name] = RandomTensor(BF16(name, {static_cast<uint64_t>(n)}), rng_);
+  }
+  Publish(1, m);
+  for (uint64_t v = 2; v <= 5; ++v) {
+    Perturb(m["a"], 0.01, rng_);
+    if (v != 3) Perturb(m["b"], 0.01, rng_);  // b frozen at v3
+    Publish(v, m);
+  }
+  const uint64_t d5 = ModelDigest(models_[5]);
+  // Up to date.
+  auto p = history_.Plan(5, d5, 5);
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->up_to_date);
+  for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_UNCHANGED) << n;
+  // One behind.
+  p = history_.Plan(4, ModelDigest(models_[4]), 5);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->reason, v1::TRANSFER_REASON_NEXT_VERSION);
+  EXPECT_EQ(p->base_version, 4u);
+  EXPECT_EQ(Deliveries(*p), (std::map<std::string, v1::Delivery>{
+                                {"a", v1::DELIVERY_PATCH}, {"b", v1::DELIVERY_PATCH},
+                                {"frozen", v1::DELIVERY_UNCHANGED}}));
+  EXPECT_EQ(p->tensors[0].plan.steps_size(), 1);
+  // Four behind: a chains 4 patches, b chains 3 (v3 absorbed), frozen unchanged.
+  p = history_.Plan(1, ModelDigest(models_[1]), 5);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->reason, v1::TRANSFER_REASON_CATCH_UP);
+  EXPECT_EQ(p->tensors[0].plan.steps_size(), 4);
+  const auto& b = p->tensors[1].plan;
+  ASSERT_EQ(b.steps_size(), 3);
+  EXPECT_EQ(b.steps(0).base_version(), 1u);
+  EXPECT_EQ(b.steps(0).target_version(), 2u);
+  EXPECT_EQ(b.steps(1).base_version(), 2u);
+  EXPECT_EQ(b.steps(1).target_version(), 4u);  // patch 3->4 applies to v2's bytes (= v3's)
+  EXPECT_EQ(b.steps(2).target_version(), 5u);
+  EXPECT_EQ(p->tensors[2].plan.delivery(), v1::DELIVERY_UNCHANGED);
+  // Chains reproduce the newest version bit for bit, from every retained version.
+  for (uint64_t v = 1; v <= 5; ++v) {
+    auto plan = history_.Plan(v, ModelDigest(models_[v]), 5);
+    ASSERT_TRUE(plan.ok());
+    auto got = Receive(models_[v], *plan, models_[5], rng_);
+    ASSERT_TRUE(got.ok()) << "from v" << v << ": " << got.status();
+    EXPECT_EQ(ModelDigest(*got), d5);
+    for (const auto& [n, t] : models_[5]) EXPECT_EQ(got->at(n).bytes, t.bytes) << n;
+  }
+  // Unknown digest, version 0, unknown version: keyframes with no base.
+  for (auto [ver, dig, reason] : {std::tuple{3ull, 12345ull, v1::TRANSFER_REASON_DIVERGED},
+                                  std::tuple{0ull, 0ull, v1::TRANSFER_REASON_BOOTSTRAP}}) {
+    p = history_.Plan(ver, dig, 5);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->reason, reason);
+    EXPECT_EQ(p->base_version, 0u);
+    for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_KEYFRAME) << n;
+    auto got = Receive({}, *p, models_[5], rng_);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(ModelDigest(*got), d5);
+  }
+  // Errors.
+  EXPECT_EQ(history_.Plan(6, 0, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(history_.Plan(1, 0, 9).status().code(), absl::StatusCode::kNotFound);
+  // Requested keyframes.
+  PlanOptions opt;
+  opt.keyframe_tensors = {"b"};
+  p = history_.Plan(4, ModelDigest(models_[4]), 5, opt);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->reason, v1::TRANSFER_REASON_REQUESTED);
+  EXPECT_EQ(Deliveries(*p)["b"], v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(Deliveries(*p)["a"], v1::DELIVERY_PATCH);
+  opt = {};
+  opt.all_keyframes = true;
+  p = history_.Plan(4, ModelDigest(models_[4]), 5, opt);
+  for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_KEYFRAME) << n;
+}
+
+TEST_F(HistoryTest, ManifestChanges) {
+  Model m;
+  m["keep"] = RandomTensor(BF16("keep", {4000}), rng_);
+  m["gone"] = RandomTensor(BF16("gone", {100}), rng_);
+  m["frozen"] = RandomTensor(BF16("frozen", {100}), rng_);
+  m["reshaped"] = RandomTensor(BF16("reshaped", {10, 10}), rng_);
+  Publish(1, m);
+  Perturb(m["keep"], 0.01, rng_);
+  m.erase("gone");
+  m["added"] = RandomTensor(BF16("added", {50}), rng_);
+  m["reshaped"].spec = BF16("reshaped", {100});
+  Publish(2, m);
+  auto p = history_.Plan(1, ModelDigest(models_[1]), 2);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(Deliveries(*p), (std::map<std::string, v1::Delivery>{
+                                {"added", v1::DELIVERY_KEYFRAME},
+                                {"frozen", v1::DELIVERY_UNCHANGED},
+                                {"keep", v1::DELIVERY_PATCH},
+                                {"reshaped", v1::DELIVERY_KEYFRAME}}));
+  auto got = Receive(models_[1], *p, models_[2], rng_);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->count("gone"), 0u);
+  EXPECT_EQ(ModelDigest(*got), ModelDigest(models_[2]));
+  // A tensor removed and re-added with the same spec is a keyframe across that span.
+  Perturb(m["keep"], 0.01, rng_);
+  m["gone"] = models_[1]["gone"];
+  Publish(3, m);
+  p = history_.Plan(1, ModelDigest(models_[1]), 3);
+  EXPECT_EQ(Deliveries(*p)["gone"], v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(Deliveries(*p)["keep"], v1::DELIVERY_PATCH);
+}
+
+TEST_F(HistoryTest, ChainLargerThanTensorBecomesKeyframe) {
+  Model m;
+  m["x"] = RandomTensor(BF16("x", {1000}), rng_);
+  Publish(1, m);
+  for (uint64_t v = 2; v <= 3; ++v) {
+    m["x"] = RandomTensor(m["x"].spec, rng_);  // everything changes: dense patches
+    Publish(v, m);
+  }
+  auto p = history_.Plan(1, ModelDigest(models_[1]), 3);
+  EXPECT_EQ(Deliveries(*p)["x"], v1::DELIVERY_KEYFRAME);
+  PlanOptions opt;
+  opt.keyframe_when_chain_larger = false;
+  p = history_.Plan(1, ModelDigest(models_[1]), 3, opt);
+  EXPECT_EQ(Deliveries(*p)["x"], v1::DELIVERY_PATCH);
+  auto got = Receive(models_[1], *p, models_[3], rng_);
+  ASSERT_TRUE(got.ok()) << got.status();
+}
+
+TEST_F(HistoryTest, AddRejectsBadInputWithoutChangingAnything) {
+  Model m;
+  m["x"] = RandomTensor(BF16("x", {1000}), rng_);
+  Publish(1, m);
+  auto upd = Updates(nullptr, m);
+  EXPECT_EQ(history_.Add(1, upd).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(history_.Add(0, upd).status().code(), absl::StatusCode::kInvalidArgument);
+  auto dup = upd;
+  dup.push_back(upd[0]);
+  auto st = history_.Add(2, dup).status();
+  EXPECT_NE(st.message().find("duplicate"), absl::string_view::npos) << st;
+  // A patch for a tensor the previous version lacks.
+  Model n = m;
+  n["y"] = RandomTensor(BF16("y", {10}), rng_);
+  auto withy = Updates(&m, n);
+  withy[1].patch = withy[0].patch;
+  withy[0].digest ^= 1;
+  st = history_.Add(2, withy).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("'y'"), absl::string_view::npos) << st;
+  // A patch of the wrong size / garbage.
+  Model z = m;
+  Perturb(z["x"], 0.05, rng_);
+  auto bad = Updates(&m, z);
+  auto other = RandomTensor(BF16("o", {999}), rng_);
+  bad[0].patch = std::make_shared<const std::vector<uint8_t>>(
+      *EncodePatch(DType::kBF16, other.bytes, other.bytes));
+  st = history_.Add(2, bad).status();
+  EXPECT_NE(st.message().find("999 elements"), absl::string_view::npos) << st;
+  bad[0].patch = std::make_shared<const std::vector<uint8_t>>(10, 0);
+  st = history_.Add(2, bad).status();
+  EXPECT_NE(st.message().find("bad patch"), absl::string_view::npos) << st;
+  EXPECT_EQ(history_.Stats().versions, 1u);
+  EXPECT_EQ(history_.Stats().newest_version, 1u);
+}
+
+TEST(PatchHistory, EvictsOldestWithinBudget) {
+  std::mt19937 rng(7);
+  Model m;
+  m["w"] = RandomTensor(BF16("w", {50000}), rng);
+  const uint64_t budget = 40000;  // a 1% patch of 50k BF16 elements is ~600 bytes: a few
+  PatchHistory h(budget);
+  std::map<uint64_t, Model> models;
+  Model prev;
+  for (uint64_t v = 1; v <= 30; ++v) {
+    if (v > 1) Perturb(m["w"], 0.05, rng);
+    ASSERT_TRUE(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)).ok());
+    models[v] = prev = m;
+    const HistoryStats s = h.Stats();
+    EXPECT_TRUE(s.bytes <= budget || s.versions == 1) << s.bytes;
+    EXPECT_EQ(s.newest_version, v);
+  }
+  const HistoryStats s = h.Stats();
+  EXPECT_GT(s.oldest_version, 1u);
+  EXPECT_LT(s.versions, 30u);
+  EXPECT_GT(s.versions, 2u);
+  // The oldest retained version can still chain; one below it is behind the history.
+  auto p = h.Plan(s.oldest_version, ModelDigest(models[s.oldest_version]), 30);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
+  EXPECT_EQ(p->tensors[0].plan.steps_size(), static_cast<int>(30 - s.oldest_version));
+  auto got = Receive(models[s.oldest_version], *p, models[30], rng);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->at("w").bytes, models[30].at("w").bytes);
+  p = h.Plan(s.oldest_version - 1, ModelDigest(models[s.oldest_version - 1]), 30);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
+  EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_KEYFRAME);
+  EXPECT_FALSE(h.Contains(1));
+  // A single version above budget is still kept.
+  PatchHistory tiny(1);
+  ASSERT_TRUE(tiny.Add(1, Updates(nullptr, m)).ok());
+  EXPECT_TRUE(tiny.Contains(1));
+}
+
+// End to end: a trajectory of versions with ~1% changes and manifest changes; subscribers at
+// every position (and one following step by step) converge bit-exactly.
+TEST(EndToEnd, SubscribersConvergeFromEveryVersion) {
+  std::mt19937 rng(2026);
+  PatchHistory history(16 << 10);  // 16 KiB: keeps several (~3 KiB each) but not all versions
+  std::map<uint64_t, Model> models;
+  Model m;
+  m["embed"] = RandomTensor(BF16("embed", {256, 512}), rng);
+  m["layer.0.w"] = RandomTensor(BF16("layer.0.w", {300, 200}), rng);
+  m["layer.0.norm"] = RandomTensor(BF16("layer.0.norm", {512}), rng);
+  m["frozen.scale"] = RandomTensor(BF16("frozen.scale", {7}), rng);
+  m["empty"] = RandomTensor(BF16("empty", {0, 4}), rng);
+  const Model* prev = nullptr;
+  Model follower;  // a subscriber that applies every version as it comes
+  uint64_t follower_version = 0;
+  for (uint64_t v = 1; v <= 16; ++v) {
+    if (v > 1) {
+      for (auto& [name, t] : m) {
+        if (name != "frozen.scale") Perturb(t, 0.01, rng);
+      }
+    }
+    if (v == 6) m["lora.extra"] = RandomTensor(BF16("lora.extra", {64, 8}), rng);
+    if (v == 9) m.erase("layer.0.norm");
+    if (v == 12) {
+      m["lora.extra"] = RandomTensor(BF16("lora.extra", {128, 8}), rng);  // resized
+    }
+    auto d = history.Add(v, Updates(prev, m));
+    ASSERT_TRUE(d.ok()) << d.status();
+    models[v] = m;
+    prev = &models[v];
+
+    auto plan = history.Plan(follower_version, follower_version ? ModelDigest(follower) : 0, v);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    uint64_t wire = 0;
+    auto got = Receive(follower, *plan, m, rng, &wire);
+    ASSERT_TRUE(got.ok()) << "v" << v << ": " << got.status();
+    follower = std::move(*got);
+    follower_version = v;
+    EXPECT_EQ(ModelDigest(follower), *d);
+    if (v > 1 && v != 6 && v != 12) {
+      EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_NEXT_VERSION);
+      EXPECT_LT(wire, plan->End().dense_bytes() / 5) << "v" << v;
+    }
+  }
+  const HistoryStats s = history.Stats();
+  EXPECT_GT(s.oldest_version, 1u) << "budget should have evicted something";
+  EXPECT_LT(s.oldest_version, 14u) << "budget should keep several versions";
+  const Model& newest = models[16];
+  const uint64_t newest_digest = ModelDigest(newest);
+  for (uint64_t v = 0; v <= 16; ++v) {
+    const Model held = v == 0 ? Model{} : models[v];
+    auto plan = history.Plan(v, v == 0 ? 0 : ModelDigest(held), 16);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    if (v != 0 && v < s.oldest_version) {
+      EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_BEHIND_HISTORY) << v;
+    }
+    auto got = Receive(held, *plan, newest, rng);
+    ASSERT_TRUE(got.ok()) << "from v" << v << ": " << got.status();
+    ASSERT_EQ(got->size(), newest.size());
+    for (const auto& [name, t] : newest) {
+      ASSERT_EQ(got->count(name), 1u) << name;
+      EXPECT_TRUE(SameSpec(got->at(name).spec, t.spec)) << name;
+      EXPECT_EQ(got->at(name).bytes, t.bytes) << "from v" << v << " " << name;
+    }
+    EXPECT_EQ(ModelDigest(*got), newest_digest);
+  }
+}
+
+}  // namespace
+}  // namespace refit::sync
