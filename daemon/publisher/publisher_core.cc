@@ -1,0 +1,578 @@
+#include "daemon/publisher/publisher_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::publisher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t MicrosSince(Clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
+}
+
+uint64_t UnixNanosNow() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+constexpr char kBaselineFile[] = "baseline.safetensors";
+constexpr char kMetaFormat[] = "refit.format";
+constexpr char kMetaVersion[] = "refit.version";
+constexpr char kMetaVersionDigest[] = "refit.version_digest";
+constexpr char kMetaDigests[] = "refit.digests";
+constexpr char kMetaSnapshot[] = "refit.snapshot_unix_nanos";
+constexpr char kFormatValue[] = "1";
+
+std::string Hex64(uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); }
+
+bool ParseHex64(const std::string& s, uint64_t* out) {
+  if (s.size() != 16) return false;
+  return absl::SimpleHexAtoi(s, out);
+}
+
+const BaselineTensor* FindByName(const std::vector<BaselineTensor>& v, const std::string& name) {
+  auto it = std::lower_bound(v.begin(), v.end(), name,
+                             [](const BaselineTensor& t, const std::string& n) {
+                               return t.spec.name() < n;
+                             });
+  return it != v.end() && it->spec.name() == name ? &*it : nullptr;
+}
+
+uint64_t ElementsOf(const v1::TensorSpec& spec) {
+  auto n = sync::ElementCount(spec);
+  return n.ok() ? *n : 0;
+}
+
+}  // namespace
+
+// ---- Transfer -------------------------------------------------------------------------------
+
+v1::VersionHeader Transfer::Header() const {
+  v1::VersionHeader h = plan_.Header();
+  h.set_snapshot_unix_nanos(snapshot_unix_nanos_);
+  return h;
+}
+
+v1::VersionEnd Transfer::End(uint64_t wire_bytes) const {
+  v1::VersionEnd e = plan_.End();
+  e.set_frames(total_frames_);
+  e.set_wire_bytes(wire_bytes);
+  e.set_changed_elements(changed_elements_);
+  e.set_total_elements(total_elements_);
+  e.set_encode_micros(encode_micros_);
+  return e;
+}
+
+absl::StatusOr<v1::DataFrame> Transfer::Frame(uint64_t i) const {
+  if (i >= total_frames_) {
+    return absl::OutOfRangeError(absl::StrCat("frame ", i, " of version ", plan_.version,
+                                              ": the transfer has ", total_frames_, " frames"));
+  }
+  auto it = std::upper_bound(objects_.begin(), objects_.end(), i,
+                             [](uint64_t f, const Object& o) { return f < o.first_frame; });
+  const Object& o = *(it - 1);
+  sync::FrameTarget target;
+  target.version = plan_.version;
+  target.tensor_index = o.tensor_index;
+  target.part = o.part;
+  sync::SplitOptions split;
+  split.frame_bytes = frame_bytes_;
+  split.lz4 = o.lz4;
+  return sync::MakeFrame(o.bytes, target, split, static_cast<uint32_t>(i - o.first_frame));
+}
+
+// ---- PublisherCore --------------------------------------------------------------------------
+
+PublisherCore::PublisherCore(const PublisherOptions& options)
+    : options_(options), history_(options.history_budget_bytes) {}
+
+std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
+  return (std::filesystem::path(persist_dir) / kBaselineFile).string();
+}
+
+absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
+    const PublisherOptions& options) {
+  std::unique_ptr<PublisherCore> core(new PublisherCore(options));
+  if (!options.persist_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.persist_dir, ec);
+    if (ec || !std::filesystem::is_directory(options.persist_dir)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("persist_dir '", options.persist_dir, "': cannot create directory",
+                       ec ? absl::StrCat(": ", ec.message()) : std::string(" (not a directory)")));
+    }
+    RETURN_IF_ERROR(core->LoadPersisted());
+  }
+  return core;
+}
+
+absl::Status PublisherCore::LoadPersisted() {
+  const std::string path = BaselinePath(options_.persist_dir);
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    if (ec) return absl::FailedPreconditionError(absl::StrCat(path, ": ", ec.message()));
+    return absl::OkStatus();  // nothing persisted yet: start empty
+  }
+  const std::string where = absl::StrCat("persisted baseline ", path);
+  auto file = model::SafetensorsFile::Open(path);
+  if (!file.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
+  }
+  const auto& meta = file->metadata();
+  auto get = [&](const char* key) -> absl::StatusOr<std::string> {
+    auto it = meta.find(key);
+    if (it == meta.end()) {
+      return absl::DataLossError(absl::StrCat(where, ": metadata key '", key, "' missing"));
+    }
+    return it->second;
+  };
+  ASSIGN_OR_RETURN(std::string format, get(kMetaFormat));
+  if (format != kFormatValue) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": unsupported format '", format, "' (expected ", kFormatValue, ")"));
+  }
+  ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
+  ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
+  ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
+  uint64_t version = 0, vdigest = 0, snapshot = 0;
+  if (!absl::SimpleAtoi(version_s, &version) || version == 0) {
+    return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " '", version_s, "'"));
+  }
+  if (!ParseHex64(vdigest_s, &vdigest)) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": bad ", kMetaVersionDigest, " '", vdigest_s, "'"));
+  }
+  if (auto it = meta.find(kMetaSnapshot); it != meta.end()) {
+    if (!absl::SimpleAtoi(it->second, &snapshot)) snapshot = 0;
+  }
+  std::vector<std::string> digest_strs =
+      digests_s.empty() ? std::vector<std::string>{} : absl::StrSplit(digests_s, ',');
+  const auto& entries = file->tensors();
+  if (digest_strs.size() != entries.size()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaDigests, " has ",
+                                            digest_strs.size(), " entries for ", entries.size(),
+                                            " tensors"));
+  }
+  if (entries.empty()) return absl::DataLossError(absl::StrCat(where, ": no tensors"));
+
+  std::vector<BaselineTensor> tensors;
+  tensors.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const model::SafetensorsEntry& e = entries[i];
+    const std::string what =
+        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), e.name));
+    uint64_t want = 0;
+    if (!ParseHex64(digest_strs[i], &want)) {
+      return absl::DataLossError(absl::StrCat(what, ": bad digest '", digest_strs[i], "'"));
+    }
+    BaselineTensor t;
+    t.spec.set_name(e.name);
+    t.spec.set_dtype(sync::ToProtoDType(e.dtype));
+    for (int64_t d : e.shape) t.spec.add_shape(static_cast<uint64_t>(d));
+    t.dtype = e.dtype;
+    std::span<const uint8_t> data = file->data(i);
+    auto bytes = std::make_shared<std::vector<uint8_t>>(data.begin(), data.end());
+    t.digest = TensorDigest(*bytes, options_.digest_threads);
+    if (t.digest != want) {
+      return absl::DataLossError(absl::StrCat(what, ": digest ", Hex64(t.digest),
+                                              " does not match the recorded ", Hex64(want),
+                                              " (corrupt file)"));
+    }
+    t.bytes = std::move(bytes);
+    tensors.push_back(std::move(t));
+  }
+  std::sort(tensors.begin(), tensors.end(), [](const BaselineTensor& a, const BaselineTensor& b) {
+    return a.spec.name() < b.spec.name();
+  });
+  std::vector<sync::TensorUpdate> updates;
+  for (const BaselineTensor& t : tensors) {
+    sync::TensorUpdate u;
+    u.spec = t.spec;
+    u.digest = t.digest;
+    updates.push_back(std::move(u));
+  }
+  auto added = history_.Add(version, std::move(updates));
+  if (!added.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", added.status().message()));
+  }
+  if (*added != vdigest) {
+    return absl::DataLossError(absl::StrCat(where, ": version digest ", Hex64(*added),
+                                            " does not match the recorded ", Hex64(vdigest)));
+  }
+  absl::MutexLock lock(&mu_);
+  newest_version_ = version;
+  newest_digest_ = vdigest;
+  snapshot_unix_nanos_ = snapshot;
+  baseline_ = std::move(tensors);
+  return absl::OkStatus();
+}
+
+absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
+                                    const std::vector<BaselineTensor>& tensors) const {
+  std::vector<model::SafetensorsTensorRef> refs;
+  std::vector<std::string> digests;
+  refs.reserve(tensors.size());
+  for (const BaselineTensor& t : tensors) {
+    model::SafetensorsTensorRef r;
+    r.name = t.spec.name();
+    r.dtype = t.dtype;
+    for (uint64_t d : t.spec.shape()) r.shape.push_back(static_cast<int64_t>(d));
+    r.data = *t.bytes;
+    refs.push_back(std::move(r));
+    digests.push_back(Hex64(t.digest));
+  }
+  std::map<std::string, std::string> meta;
+  meta[kMetaFormat] = std::string(kFormatValue);
+  meta[kMetaVersion] = absl::StrCat(version);
+  meta[kMetaVersionDigest] = Hex64(version_digest);
+  meta[kMetaDigests] = absl::StrJoin(digests, ",");
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
+  }
+  absl::Status st = model::WriteSafetensors(BaselinePath(options_.persist_dir), refs, meta);
+  if (!st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
+                                                ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
+                                                      std::span<const TensorInput> inputs) {
+  const auto start = Clock::now();
+  absl::MutexLock publish_lock(&publish_mu_);
+  PublishSummary sum;
+  sum.version = version;
+  sum.tensors = inputs.size();
+
+  std::vector<BaselineTensor> prev;
+  uint64_t prev_version = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    prev = baseline_;
+    prev_version = newest_version_;
+  }
+  const std::string where = absl::StrCat("publish version ", version);
+  if (version == 0) return absl::InvalidArgumentError(absl::StrCat(where, ": version 0 is reserved"));
+  if (version <= prev_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": not above the newest published version ", prev_version));
+  }
+  if (inputs.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
+
+  // Validate: specs, sizes, unique names.
+  std::vector<v1::TensorSpec> specs(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const TensorInput& in = inputs[i];
+    const std::string what =
+        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), in.name));
+    if (!IsValidDType(static_cast<uint8_t>(in.dtype))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": invalid dtype code ", static_cast<int>(in.dtype)));
+    }
+    v1::TensorSpec& s = specs[i];
+    s.set_name(in.name);
+    s.set_dtype(sync::ToProtoDType(in.dtype));
+    for (uint64_t d : in.shape) s.add_shape(d);
+    absl::Status st = sync::ValidateTensorSpec(s);
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.message()));
+    const uint64_t bytes = *sync::TensorByteSize(s);
+    if (in.data.size() != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", in.data.size(), " bytes given, dtype ", DTypeName(in.dtype), " and shape [",
+          absl::StrJoin(in.shape, ","), "] need ", bytes));
+    }
+    if (in.data.data() == nullptr && bytes != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
+    }
+  }
+  std::vector<size_t> order(inputs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return inputs[a].name < inputs[b].name; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (inputs[order[k]].name == inputs[order[k - 1]].name) {
+      const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), inputs[b].name),
+                       " has the same name as tensor ", a));
+    }
+  }
+
+  // Snapshot: copy changed bytes; reuse the previous buffer of tensors whose bytes are equal.
+  sum.snapshot_unix_nanos = UnixNanosNow();
+  std::vector<BaselineTensor> next(order.size());
+  std::vector<const BaselineTensor*> bases(order.size(), nullptr);  // same spec, bytes differ
+  std::vector<bool> unchanged(order.size(), false);
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorInput& in = inputs[order[k]];
+    BaselineTensor& t = next[k];
+    t.spec = specs[order[k]];
+    t.dtype = in.dtype;
+    const BaselineTensor* p = FindByName(prev, in.name);
+    const bool same_spec = p != nullptr && sync::SameSpec(p->spec, t.spec);
+    if (same_spec && (in.data.empty() ||
+                      std::memcmp(p->bytes->data(), in.data.data(), in.data.size()) == 0)) {
+      t.bytes = p->bytes;
+      t.digest = p->digest;
+      unchanged[k] = true;
+      continue;
+    }
+    t.bytes = std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+    if (same_spec) bases[k] = p;
+  }
+  // From here on only our own copies are read: the caller's buffers are free.
+
+  const auto digest_start = Clock::now();
+  for (size_t k = 0; k < next.size(); ++k) {
+    if (!unchanged[k]) next[k].digest = TensorDigest(*next[k].bytes, options_.digest_threads);
+  }
+  sum.digest_micros = MicrosSince(digest_start);
+
+  // Encode every changed tensor with a usable base in one call.
+  std::vector<EncodeInput> enc;
+  std::vector<size_t> enc_index;
+  for (size_t k = 0; k < next.size(); ++k) {
+    if (bases[k] == nullptr) continue;
+    EncodeInput e;
+    e.dtype = next[k].dtype;
+    e.base = *bases[k]->bytes;
+    e.target = *next[k].bytes;
+    enc.push_back(e);
+    enc_index.push_back(k);
+  }
+  std::vector<sync::PatchBytes> patches(next.size());
+  std::vector<uint64_t> changed(next.size(), 0);
+  if (!enc.empty()) {
+    const auto encode_start = Clock::now();
+    EncodeOptions eo;
+    eo.threads = options_.encode_threads;
+    std::vector<PatchStats> stats;
+    auto encoded = EncodePatches(enc, eo, &stats);
+    if (!encoded.ok()) {
+      return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
+                                              encoded.status().message()));
+    }
+    sum.encode_micros = MicrosSince(encode_start);
+    for (size_t j = 0; j < enc_index.size(); ++j) {
+      const size_t k = enc_index[j];
+      patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
+      changed[k] = j < stats.size() ? stats[j].changed_elements : ElementsOf(next[k].spec);
+    }
+  }
+
+  std::vector<sync::TensorUpdate> updates;
+  VersionCounts counts;
+  counts.version = version;
+  for (size_t k = 0; k < next.size(); ++k) {
+    const uint64_t elems = ElementsOf(next[k].spec);
+    const uint64_t bytes = next[k].bytes->size();
+    sum.total_elements += elems;
+    sum.dense_bytes += bytes;
+    if (unchanged[k]) {
+      ++sum.unchanged_tensors;
+    } else if (patches[k]) {
+      ++sum.patched_tensors;
+      sum.changed_elements += changed[k];
+      sum.wire_bytes += patches[k]->size();
+    } else {
+      ++sum.keyframe_tensors;
+      changed[k] = elems;
+      sum.changed_elements += elems;
+      sum.wire_bytes += bytes;
+    }
+    counts.changed.emplace_back(next[k].spec.name(), changed[k]);
+    sync::TensorUpdate u;
+    u.spec = next[k].spec;
+    u.digest = next[k].digest;
+    u.patch = patches[k];
+    updates.push_back(std::move(u));
+  }
+  for (const BaselineTensor& p : prev) {
+    if (FindByName(next, p.spec.name()) == nullptr) ++sum.removed_tensors;
+  }
+
+  {
+    absl::MutexLock lock(&mu_);
+    auto vdigest = history_.Add(version, std::move(updates));
+    if (!vdigest.ok()) {
+      return absl::Status(vdigest.status().code(),
+                          absl::StrCat(where, ": ", vdigest.status().message()));
+    }
+    sum.version_digest = *vdigest;
+    newest_version_ = version;
+    newest_digest_ = *vdigest;
+    snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
+    encode_micros_ = sum.encode_micros;
+    baseline_ = next;
+    counts_.push_back(std::move(counts));
+    counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
+                                 [&](const VersionCounts& c) {
+                                   return !history_.Contains(c.version);
+                                 }),
+                  counts_.end());
+  }
+
+  if (!options_.persist_dir.empty()) {
+    // After the commit: subscribers need not wait for the disk. A failure leaves the previous
+    // baseline file in place (atomic rename) and is reported in the summary.
+    const auto persist_start = Clock::now();
+    sum.persist_status = Persist(version, sum.version_digest, next);
+    sum.persist_micros = MicrosSince(persist_start);
+  }
+  sum.total_micros = MicrosSince(start);
+  return sum;
+}
+
+absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
+    uint64_t version, std::span<const std::string> paths) {
+  if (paths.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("publish version ", version, ": no safetensors files given"));
+  }
+  std::vector<model::SafetensorsFile> files;
+  files.reserve(paths.size());
+  for (const std::string& p : paths) {
+    auto f = model::SafetensorsFile::Open(p);
+    if (!f.ok()) {
+      return absl::Status(f.status().code(), absl::StrCat("publish version ", version, ": ",
+                                                          f.status().message()));
+    }
+    files.push_back(std::move(*f));
+  }
+  std::vector<TensorInput> inputs;
+  for (const model::SafetensorsFile& f : files) {
+    for (size_t i = 0; i < f.tensors().size(); ++i) {
+      const model::SafetensorsEntry& e = f.tensors()[i];
+      TensorInput in;
+      in.name = e.name;
+      in.dtype = e.dtype;
+      for (int64_t d : e.shape) in.shape.push_back(static_cast<uint64_t>(d));
+      in.data = f.data(i);
+      inputs.push_back(std::move(in));
+    }
+  }
+  return Publish(version, inputs);
+}
+
+absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
+    uint64_t subscriber_version, uint64_t subscriber_version_digest,
+    const TransferOptions& options) const {
+  auto chunks_ok = sync::ChunkCount(0, options.frame_bytes);
+  if (!chunks_ok.ok()) return chunks_ok.status();
+
+  auto t = std::make_shared<Transfer>();
+  std::vector<BaselineTensor> baseline;
+  std::vector<VersionCounts> counts;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (newest_version_ == 0) {
+      return absl::FailedPreconditionError("no version has been published yet");
+    }
+    ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
+                                             newest_version_, options.plan));
+    baseline = baseline_;
+    counts = counts_;
+    t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
+    if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) t->encode_micros_ = encode_micros_;
+  }
+  t->frame_bytes_ = options.frame_bytes;
+  if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
+
+  const sync::TransferPlan& plan = t->plan_;
+  if (baseline.size() != plan.tensors.size()) {
+    return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
+                                            plan.tensors.size(), " tensors, baseline ",
+                                            baseline.size()));
+  }
+  uint64_t frame = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const sync::TensorDelivery& d = plan.tensors[i];
+    const BaselineTensor& b = baseline[i];
+    const uint32_t index = static_cast<uint32_t>(i);
+    if (b.spec.name() != d.plan.spec().name() || b.digest != d.digest) {
+      return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
+                                              sync::DescribeTensor(index, d.plan.spec().name()),
+                                              " of the plan does not match the baseline"));
+    }
+    const uint64_t elems = ElementsOf(d.plan.spec());
+    t->total_elements_ += elems;
+    auto add = [&](uint32_t part, std::span<const uint8_t> bytes, bool lz4) -> absl::Status {
+      Transfer::Object o;
+      o.tensor_index = index;
+      o.part = part;
+      o.bytes = bytes;
+      o.lz4 = lz4;
+      o.first_frame = frame;
+      ASSIGN_OR_RETURN(o.chunks, sync::ChunkCount(bytes.size(), options.frame_bytes));
+      frame += o.chunks;
+      t->object_bytes_ += bytes.size();
+      t->objects_.push_back(o);
+      return absl::OkStatus();
+    };
+    switch (d.plan.delivery()) {
+      case v1::DELIVERY_KEYFRAME:
+        t->keep_.push_back(b.bytes);
+        RETURN_IF_ERROR(add(0, *b.bytes, options.lz4));
+        t->changed_elements_ += elems;
+        break;
+      case v1::DELIVERY_PATCH:
+        for (size_t s = 0; s < d.patches.size(); ++s) {
+          RETURN_IF_ERROR(add(static_cast<uint32_t>(s), *d.patches[s], false));
+        }
+        for (const VersionCounts& c : counts) {
+          if (c.version <= plan.base_version || c.version > plan.version) continue;
+          auto it = std::lower_bound(
+              c.changed.begin(), c.changed.end(), d.plan.spec().name(),
+              [](const std::pair<std::string, uint64_t>& e, const std::string& n) {
+                return e.first < n;
+              });
+          if (it != c.changed.end() && it->first == d.plan.spec().name()) {
+            t->changed_elements_ += it->second;
+          }
+        }
+        break;
+      default:
+        break;  // unchanged: no frames
+    }
+  }
+  t->total_frames_ = frame;
+  return std::shared_ptr<const Transfer>(std::move(t));
+}
+
+uint64_t PublisherCore::newest_version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return newest_version_;
+}
+
+uint64_t PublisherCore::newest_version_digest() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return newest_digest_;
+}
+
+std::vector<BaselineTensor> PublisherCore::Baseline() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return baseline_;
+}
+
+}  // namespace refit::publisher

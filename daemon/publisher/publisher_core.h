@@ -1,0 +1,204 @@
+// The publisher's core, without any RPC: takes snapshots of new versions, encodes them against
+// the previous baseline, keeps a bounded history of patches (sync::PatchHistory), produces the
+// frames of a transfer to a subscriber at any version, and optionally persists its baseline so a
+// restarted publisher can still serve deltas. The DataPlane gRPC server wraps this class.
+#ifndef REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
+#define REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/codec/dtype.h"
+#include "daemon/sync/frames.h"
+#include "daemon/sync/history.h"
+#include "refit/v1/data.pb.h"
+
+namespace refit::publisher {
+
+// One tensor of a version to publish. `data` must hold product(shape) * DTypeSize(dtype) bytes
+// (little-endian elements); it is copied by Publish, so the caller may modify it afterwards.
+struct TensorInput {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;  // empty for a scalar
+  std::span<const uint8_t> data;
+};
+
+struct PublisherOptions {
+  // Memory budget of the patch history (sync::PatchHistory); the newest version is always kept.
+  uint64_t history_budget_bytes = 1ull << 30;
+  // Encoder threads (0 = one per hardware thread) and block size.
+  int encode_threads = 0;
+  // Threads for tensor digests (0 = all hardware threads).
+  int digest_threads = 0;
+  // Directory for the persisted baseline ("" = no persistence). Created if missing.
+  std::string persist_dir;
+};
+
+// What Publish did (one log line per refit).
+struct PublishSummary {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  size_t tensors = 0;
+  size_t unchanged_tensors = 0;  // same spec and bytes as the previous version
+  size_t patched_tensors = 0;    // encoded against the previous version
+  size_t keyframe_tensors = 0;   // added, or dtype/shape changed (or the first version)
+  size_t removed_tensors = 0;    // in the previous version, not in this one
+  uint64_t changed_elements = 0;  // encoder counts + every element of keyframe tensors
+  uint64_t total_elements = 0;
+  // What a subscriber at the previous version receives: patch bytes + dense bytes of the
+  // keyframe tensors (before LZ4); and the dense size of the whole version.
+  uint64_t wire_bytes = 0;
+  uint64_t dense_bytes = 0;
+  uint64_t encode_micros = 0;   // EncodePatches
+  uint64_t digest_micros = 0;   // tensor digests
+  uint64_t persist_micros = 0;  // baseline written (0 without persistence)
+  // Outcome of persisting the baseline (OK without persistence). The version is published
+  // (served from memory) even when this is an error; the file then still holds the previous
+  // version, so log it loudly.
+  absl::Status persist_status;
+  uint64_t total_micros = 0;    // whole Publish
+  uint64_t snapshot_unix_nanos = 0;
+};
+
+// A tensor of the baseline (the newest published version): immutable once published, shared
+// with transfers in flight.
+struct BaselineTensor {
+  v1::TensorSpec spec;
+  DType dtype = DType::kBF16;
+  uint64_t digest = 0;
+  std::shared_ptr<const std::vector<uint8_t>> bytes;
+};
+
+struct TransferOptions {
+  sync::PlanOptions plan;
+  // Welcome.frame_bytes: payload / chunk size of every frame (1 .. sync::kMaxFrameBytes).
+  uint32_t frame_bytes = 4u << 20;
+  // LZ4 for keyframe chunks (Hello.compressions contains COMPRESSION_LZ4).
+  bool lz4 = true;
+};
+
+// The transfer of the newest version to one subscriber: the plan and its frames, produced
+// lazily. Self-contained (holds shared references to the patches and the baseline bytes it
+// needs), so it stays valid while the publisher publishes newer versions. Frame() is const and
+// may be called from several threads (e.g. one per stripe).
+class Transfer {
+ public:
+  const sync::TransferPlan& plan() const { return plan_; }
+  uint64_t version() const { return plan_.version; }
+  uint64_t base_version() const { return plan_.base_version; }
+  // The subscriber already holds the newest version: nothing to send (frame_count() == 0).
+  bool up_to_date() const { return plan_.up_to_date; }
+
+  // VersionHeader (with snapshot_unix_nanos of the target version).
+  v1::VersionHeader Header() const;
+  // VersionEnd: version, digests, version digest, frames (= frame_count()), dense bytes,
+  // changed/total elements (patch chains count the encoder's changed elements of every step,
+  // so a multi-step chain over-counts elements changed twice; keyframes count all elements),
+  // encode_micros (of the target version when this is a NEXT_VERSION transfer, else 0) and
+  // `wire_bytes`, which the sender passes (the sum of the payloads it sent).
+  v1::VersionEnd End(uint64_t wire_bytes) const;
+
+  // Frames in order: every object (tensor in header order; a patch chain's steps in order, or
+  // the keyframe) cut into chunks of frame_bytes. Frame(i) for i < frame_count().
+  uint64_t frame_count() const { return total_frames_; }
+  absl::StatusOr<v1::DataFrame> Frame(uint64_t i) const;
+  // Sum of the objects' sizes (patch bytes + keyframe bytes before compression).
+  uint64_t object_bytes() const { return object_bytes_; }
+
+ private:
+  friend class PublisherCore;
+  struct Object {
+    uint32_t tensor_index = 0;
+    uint32_t part = 0;
+    std::span<const uint8_t> bytes;  // into patches / baseline held below
+    bool lz4 = false;
+    uint64_t first_frame = 0;
+    uint32_t chunks = 0;
+  };
+  sync::TransferPlan plan_;
+  std::vector<std::shared_ptr<const std::vector<uint8_t>>> keep_;  // keyframe bytes
+  std::vector<Object> objects_;
+  uint64_t total_frames_ = 0;
+  uint64_t object_bytes_ = 0;
+  uint32_t frame_bytes_ = 0;
+  uint64_t snapshot_unix_nanos_ = 0;
+  uint64_t changed_elements_ = 0;
+  uint64_t total_elements_ = 0;
+  uint64_t encode_micros_ = 0;
+};
+
+// Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
+// concurrently with a Publish (they see the version before or after it, never a mix).
+class PublisherCore {
+ public:
+  // Creates a core. With options.persist_dir: creates the directory if missing; if it holds a
+  // persisted baseline, reloads it (verifying every tensor digest and the version digest) and
+  // records that version in the history (without patches), so subscribers at it get deltas of
+  // the next version. A corrupt or inconsistent baseline is an error (DataLoss /
+  // FailedPrecondition naming file and tensor); only a missing baseline file starts empty.
+  static absl::StatusOr<std::unique_ptr<PublisherCore>> Open(const PublisherOptions& options);
+
+  PublisherCore(const PublisherCore&) = delete;
+  PublisherCore& operator=(const PublisherCore&) = delete;
+
+  // Publishes `version` (> every published version, > 0) made of `tensors` (names unique,
+  // non-empty list, sizes matching dtype and shape). Returns once the snapshot is taken, the
+  // patches encoded, the history updated and (with persistence) the baseline written. On error
+  // nothing changes. A failed persist is not an error of Publish: see
+  // PublishSummary::persist_status.
+  absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors);
+
+  // Loads every tensor of the safetensors files (names unique across files) and publishes them.
+  absl::StatusOr<PublishSummary> PublishSafetensors(uint64_t version,
+                                                    std::span<const std::string> paths);
+
+  // The transfer of the newest version to a subscriber holding `subscriber_version` (0 = none)
+  // with version digest `subscriber_version_digest`. FailedPrecondition when nothing is
+  // published yet or the subscriber is ahead of the newest version.
+  absl::StatusOr<std::shared_ptr<const Transfer>> MakeTransfer(
+      uint64_t subscriber_version, uint64_t subscriber_version_digest,
+      const TransferOptions& options = {}) const;
+
+  uint64_t newest_version() const;         // 0 when nothing is published
+  uint64_t newest_version_digest() const;  // 0 when nothing is published
+  // The newest version's tensors, name order.
+  std::vector<BaselineTensor> Baseline() const;
+  sync::HistoryStats HistoryStats() const { return history_.Stats(); }
+
+  // Where the baseline is persisted (persist_dir/baseline.safetensors).
+  static std::string BaselinePath(const std::string& persist_dir);
+
+ private:
+  explicit PublisherCore(const PublisherOptions& options);
+  absl::Status Persist(uint64_t version, uint64_t version_digest,
+                       const std::vector<BaselineTensor>& tensors) const;
+  absl::Status LoadPersisted();
+
+  const PublisherOptions options_;
+  sync::PatchHistory history_;
+  absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serialises Publish
+  mutable absl::Mutex mu_;
+  uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t newest_digest_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t snapshot_unix_nanos_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t encode_micros_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // name order
+  // Encoder changed-element counts per retained version and tensor (for VersionEnd).
+  struct VersionCounts {
+    uint64_t version = 0;
+    std::vector<std::pair<std::string, uint64_t>> changed;  // name order
+  };
+  std::vector<VersionCounts> counts_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace refit::publisher
+
+#endif  // REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_

@@ -1,0 +1,664 @@
+#include "daemon/publisher/publisher_core.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/sync/frames.h"
+#include "daemon/sync/version_digest.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::publisher {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Tensor {
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+using Model = std::map<std::string, Tensor>;
+
+uint64_t Elements(const std::vector<uint64_t>& shape) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) n *= d;
+  return n;
+}
+
+Tensor RandomTensor(DType dtype, std::vector<uint64_t> shape, std::mt19937_64& rng) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  const uint64_t n = Elements(t.shape);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  if (dtype == DType::kBF16) {
+    t.bytes.resize(n * 2);
+    for (uint64_t i = 0; i < n; ++i) {
+      float f = dist(rng);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      const uint16_t b = static_cast<uint16_t>(u >> 16);
+      std::memcpy(&t.bytes[i * 2], &b, 2);
+    }
+  } else {
+    t.bytes.resize(n * static_cast<uint64_t>(DTypeSize(dtype)));
+    for (auto& b : t.bytes) b = static_cast<uint8_t>(rng());
+  }
+  return t;
+}
+
+// Changes about `fraction` of the elements slightly (low mantissa bits of BF16 elements).
+void Mutate(Tensor& t, double fraction, std::mt19937_64& rng) {
+  const size_t esize = static_cast<size_t>(DTypeSize(t.dtype));
+  const uint64_t n = t.bytes.size() / esize;
+  std::bernoulli_distribution pick(fraction);
+  bool any = false;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (!pick(rng)) continue;
+    t.bytes[i * esize] ^= static_cast<uint8_t>(1 + rng() % 7);
+    any = true;
+  }
+  if (!any && n > 0) t.bytes[0] ^= 1;
+}
+
+std::vector<TensorInput> Inputs(const Model& m) {
+  std::vector<TensorInput> in;
+  for (const auto& [name, t] : m) {
+    TensorInput x;
+    x.name = name;
+    x.dtype = t.dtype;
+    x.shape = t.shape;
+    x.data = t.bytes;
+    in.push_back(std::move(x));
+  }
+  return in;
+}
+
+// A subscriber as the daemon will implement it: reassemble, stage, verify, commit.
+struct Subscriber {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  Model state;
+
+  absl::Status Apply(const Transfer& t, uint32_t frame_bytes, uint64_t seed = 1) {
+    if (t.up_to_date()) return absl::OkStatus();
+    const v1::VersionHeader h = t.Header();
+    EXPECT_EQ(h.base_version(), h.reason() == v1::TRANSFER_REASON_NEXT_VERSION ||
+                                        h.reason() == v1::TRANSFER_REASON_CATCH_UP
+                                    ? version
+                                    : 0u);
+    sync::FrameAssembler assembler(h.version(), frame_bytes);
+    for (int i = 0; i < h.tensors_size(); ++i) {
+      const v1::TensorPlan& p = h.tensors(i);
+      const uint64_t bytes = *sync::TensorByteSize(p.spec());
+      sync::ObjectSpec o;
+      o.tensor_index = static_cast<uint32_t>(i);
+      o.tensor_name = p.spec().name();
+      if (p.delivery() == v1::DELIVERY_KEYFRAME) {
+        o.bytes = bytes;
+        o.exact_size = true;
+        o.allow_lz4 = true;
+        if (absl::Status s = assembler.Expect(o); !s.ok()) return s;
+      } else if (p.delivery() == v1::DELIVERY_PATCH) {
+        for (int s = 0; s < p.steps_size(); ++s) {
+          o.part = static_cast<uint32_t>(s);
+          o.bytes = sync::MaxPatchBytes(*sync::ElementCount(p.spec()), bytes);
+          if (absl::Status st = assembler.Expect(o); !st.ok()) return st;
+        }
+      }
+    }
+    std::vector<v1::DataFrame> frames;
+    uint64_t wire = 0;
+    for (uint64_t i = 0; i < t.frame_count(); ++i) {
+      auto f = t.Frame(i);
+      if (!f.ok()) return f.status();
+      wire += f->payload().size();
+      frames.push_back(std::move(*f));
+    }
+    std::mt19937_64 rng(seed);
+    std::shuffle(frames.begin(), frames.end(), rng);
+    for (const v1::DataFrame& f : frames) {
+      auto r = assembler.Add(f);
+      if (!r.ok()) return r.status();
+    }
+    if (absl::Status s = assembler.CheckAllComplete(); !s.ok()) return s;
+    const v1::VersionEnd end = t.End(wire);
+    EXPECT_EQ(end.frames(), t.frame_count());
+    EXPECT_EQ(end.wire_bytes(), wire);
+
+    Model staged;
+    std::vector<v1::TensorSpec> manifest;
+    std::vector<uint64_t> digests;
+    for (int i = 0; i < h.tensors_size(); ++i) {
+      const v1::TensorPlan& p = h.tensors(i);
+      const uint32_t idx = static_cast<uint32_t>(i);
+      Tensor n;
+      n.dtype = *sync::FromProtoDType(p.spec().dtype());
+      n.shape.assign(p.spec().shape().begin(), p.spec().shape().end());
+      if (p.delivery() == v1::DELIVERY_KEYFRAME) {
+        auto obj = assembler.Object(idx, 0);
+        if (!obj.ok()) return obj.status();
+        n.bytes.assign(obj->begin(), obj->end());
+      } else {
+        auto it = state.find(p.spec().name());
+        if (it == state.end()) return absl::InternalError("base lacks " + p.spec().name());
+        n.bytes = it->second.bytes;
+        for (int s = 0; s < p.steps_size(); ++s) {
+          auto obj = assembler.Object(idx, static_cast<uint32_t>(s));
+          if (!obj.ok()) return obj.status();
+          std::vector<uint8_t> out(n.bytes.size());
+          absl::Status st = ApplyPatch(*obj, n.dtype, n.bytes, out);
+          if (!st.ok()) return st;
+          n.bytes = std::move(out);
+        }
+      }
+      const uint64_t d = TensorDigest(n.bytes);
+      if (d != end.digests(i)) {
+        return absl::DataLossError(absl::StrCat("digest mismatch on ", p.spec().name()));
+      }
+      manifest.push_back(p.spec());
+      digests.push_back(d);
+      staged[p.spec().name()] = std::move(n);
+    }
+    auto vd = sync::VersionDigest(manifest, digests);
+    if (!vd.ok()) return vd.status();
+    if (*vd != end.version_digest()) return absl::DataLossError("version digest mismatch");
+    state = std::move(staged);
+    version = h.version();
+    version_digest = *vd;
+    return absl::OkStatus();
+  }
+};
+
+void ExpectSameModel(const Model& got, const Model& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, t] : want) {
+    auto it = got.find(name);
+    ASSERT_NE(it, got.end()) << name;
+    EXPECT_EQ(it->second.dtype, t.dtype) << name;
+    EXPECT_EQ(it->second.shape, t.shape) << name;
+    EXPECT_TRUE(it->second.bytes == t.bytes) << name << " differs";
+  }
+}
+
+std::map<v1::Delivery, int> Deliveries(const Transfer& t) {
+  std::map<v1::Delivery, int> m;
+  for (const auto& d : t.plan().tensors) ++m[d.plan.delivery()];
+  return m;
+}
+
+v1::Delivery DeliveryOf(const Transfer& t, const std::string& name) {
+  for (const auto& d : t.plan().tensors) {
+    if (d.plan.spec().name() == name) return d.plan.delivery();
+  }
+  return v1::DELIVERY_UNSPECIFIED;
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string d = absl::StrCat(::testing::TempDir(), "/refit_pub_", getpid(), "_", name);
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+constexpr uint32_t kFrameBytes = 8192;
+
+TransferOptions SmallFrames() {
+  TransferOptions o;
+  o.frame_bytes = kFrameBytes;
+  return o;
+}
+
+// The model at version v of the test trajectory (deterministic per version from v-1).
+void Step(Model& m, uint64_t v, std::mt19937_64& rng) {
+  if (v == 1) {
+    m["layers.0.weight"] = RandomTensor(DType::kBF16, {256, 512}, rng);
+    m["layers.1.weight"] = RandomTensor(DType::kBF16, {128, 256}, rng);
+    m["embed.frozen"] = RandomTensor(DType::kBF16, {500, 64}, rng);
+    m["norm.scale"] = RandomTensor(DType::kF32, {512}, rng);
+    m["old.removed"] = RandomTensor(DType::kBF16, {64, 64}, rng);
+    m["resized"] = RandomTensor(DType::kBF16, {100}, rng);
+    return;
+  }
+  Mutate(m["layers.0.weight"], 0.01, rng);
+  Mutate(m["layers.1.weight"], 0.01, rng);
+  Mutate(m["norm.scale"], 0.01, rng);
+  if (m.count("new.added")) Mutate(m["new.added"], 0.01, rng);
+  if (v == 3) m["new.added"] = RandomTensor(DType::kBF16, {32, 128}, rng);
+  if (v == 5) m.erase("old.removed");
+  if (v == 6) m["resized"] = RandomTensor(DType::kBF16, {120}, rng);
+}
+
+TEST(PublisherCoreTest, SequenceServesEverySubscriberBitExact) {
+  PublisherOptions po;
+  po.encode_threads = 2;
+  po.digest_threads = 2;
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_FALSE((*core)->MakeTransfer(0, 0).ok());
+
+  std::mt19937_64 rng(42);
+  Model model;
+  std::map<uint64_t, Model> published;
+  std::map<uint64_t, Model> sub_states;
+  Subscriber live;
+  constexpr uint64_t kLatest = 8;
+  for (uint64_t v = 1; v <= kLatest; ++v) {
+    Step(model, v, rng);
+    auto inputs = Inputs(model);
+    auto sum = (*core)->Publish(v, inputs);
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    published[v] = model;
+    EXPECT_EQ(sum->version, v);
+    EXPECT_EQ(sum->version_digest, (*core)->newest_version_digest());
+    EXPECT_EQ(sum->tensors, model.size());
+    if (v == 1) {
+      EXPECT_EQ(sum->keyframe_tensors, model.size());
+    } else {
+      EXPECT_GE(sum->unchanged_tensors, 1u);  // embed.frozen
+      EXPECT_GE(sum->patched_tensors, 3u);
+      EXPECT_LT(sum->changed_elements, sum->total_elements / 10);
+      EXPECT_LT(sum->wire_bytes, sum->dense_bytes / 3);
+    }
+    EXPECT_EQ(sum->removed_tensors, v == 5 ? 1u : 0u);
+    EXPECT_EQ(sum->keyframe_tensors, v == 1 ? model.size() : (v == 3 || v == 6) ? 1u : 0u);
+
+    // The live subscriber follows every version with a delta.
+    auto t = (*core)->MakeTransfer(live.version, live.version_digest, SmallFrames());
+    ASSERT_TRUE(t.ok()) << t.status();
+    if (v > 1) {
+      EXPECT_EQ((*t)->plan().reason, v1::TRANSFER_REASON_NEXT_VERSION);
+      EXPECT_EQ(DeliveryOf(**t, "embed.frozen"), v1::DELIVERY_UNCHANGED);
+      EXPECT_EQ(DeliveryOf(**t, "layers.0.weight"), v1::DELIVERY_PATCH);
+      const auto end = (*t)->End(0);
+      EXPECT_GT(end.changed_elements(), 0u);
+      EXPECT_LT(end.changed_elements(), end.total_elements() / 10);
+    }
+    ASSERT_TRUE(live.Apply(**t, kFrameBytes, v).ok());
+    ExpectSameModel(live.state, model);
+    EXPECT_EQ(live.version_digest, sum->version_digest);
+    sub_states[v] = live.state;
+  }
+
+  struct Case {
+    const char* what;
+    uint64_t version;
+    bool wrong_digest;
+    v1::TransferReason reason;
+  };
+  const Case cases[] = {
+      {"fresh", 0, false, v1::TRANSFER_REASON_BOOTSTRAP},
+      {"latest-1", kLatest - 1, false, v1::TRANSFER_REASON_NEXT_VERSION},
+      {"latest-3", kLatest - 3, false, v1::TRANSFER_REASON_CATCH_UP},
+      {"unknown digest", kLatest - 1, true, v1::TRANSFER_REASON_DIVERGED},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Subscriber s;
+    if (c.version != 0) {
+      s.version = c.version;
+      s.state = sub_states[c.version];
+      // Recompute the subscriber's digest from its own tensors.
+      std::vector<v1::TensorSpec> manifest;
+      std::vector<uint64_t> digests;
+      for (const auto& [name, t] : s.state) {
+        v1::TensorSpec spec;
+        spec.set_name(name);
+        spec.set_dtype(sync::ToProtoDType(t.dtype));
+        for (uint64_t d : t.shape) spec.add_shape(d);
+        manifest.push_back(spec);
+        digests.push_back(TensorDigest(t.bytes));
+      }
+      s.version_digest = *sync::VersionDigest(manifest, digests);
+      if (c.wrong_digest) s.version_digest ^= 0x1234;
+    }
+    auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ((*t)->plan().reason, c.reason);
+    auto counts = Deliveries(**t);
+    if (c.reason == v1::TRANSFER_REASON_BOOTSTRAP || c.reason == v1::TRANSFER_REASON_DIVERGED) {
+      EXPECT_EQ(counts[v1::DELIVERY_KEYFRAME], static_cast<int>(model.size()));
+      EXPECT_EQ((*t)->base_version(), 0u);
+    } else {
+      EXPECT_EQ(DeliveryOf(**t, "embed.frozen"), v1::DELIVERY_UNCHANGED);
+      EXPECT_EQ(DeliveryOf(**t, "layers.0.weight"), v1::DELIVERY_PATCH);
+      EXPECT_EQ(counts[v1::DELIVERY_KEYFRAME], c.version < 6 ? 1 : 0);  // resized at 6
+    }
+    if (c.reason == v1::TRANSFER_REASON_BOOTSTRAP) {
+      // Keyframes are cut into several frame_bytes chunks (layers.0.weight: 256 KiB).
+      EXPECT_GT((*t)->frame_count(), 2 * model.size());
+      EXPECT_GT((*t)->object_bytes(), 256u * 1024);
+    }
+    if (c.version == kLatest - 3) {
+      for (const auto& d : (*t)->plan().tensors) {
+        if (d.plan.spec().name() == "layers.0.weight") {
+          EXPECT_EQ(d.plan.steps_size(), 3);
+        }
+      }
+    }
+    absl::Status st = s.Apply(**t, kFrameBytes, c.version + 7);
+    ASSERT_TRUE(st.ok()) << st;
+    ExpectSameModel(s.state, published[kLatest]);
+    EXPECT_EQ(s.version, kLatest);
+    EXPECT_EQ(s.version_digest, (*core)->newest_version_digest());
+    EXPECT_FALSE(s.state.count("old.removed"));
+  }
+
+  // Up to date: nothing to send. Ahead: an error.
+  auto t = (*core)->MakeTransfer(kLatest, live.version_digest);
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE((*t)->up_to_date());
+  EXPECT_EQ((*t)->frame_count(), 0u);
+  EXPECT_FALSE((*core)->MakeTransfer(kLatest + 1, 1).ok());
+  // Bad frame size.
+  TransferOptions bad;
+  bad.frame_bytes = 0;
+  EXPECT_FALSE((*core)->MakeTransfer(0, 0, bad).ok());
+}
+
+TEST(PublisherCoreTest, TransfersRunConcurrentlyWithPublish) {
+  PublisherOptions po;
+  po.encode_threads = 1;
+  po.digest_threads = 1;
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok());
+  std::mt19937_64 rng(13);
+  std::vector<Model> models(7);  // versions 1..6
+  Model m;
+  for (uint64_t v = 1; v <= 6; ++v) {
+    Step(m, v, rng);
+    models[v] = m;
+  }
+  ASSERT_TRUE((*core)->Publish(1, Inputs(models[1])).ok());
+  std::thread publisher([&] {
+    for (uint64_t v = 2; v <= 6; ++v) ASSERT_TRUE((*core)->Publish(v, Inputs(models[v])).ok());
+  });
+  Subscriber follower;
+  for (int i = 0; i < 20 && follower.version < 6; ++i) {
+    Subscriber fresh;
+    auto t = (*core)->MakeTransfer(0, 0, SmallFrames());
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE(fresh.Apply(**t, kFrameBytes).ok());
+    ExpectSameModel(fresh.state, models[fresh.version]);
+    auto d = (*core)->MakeTransfer(follower.version, follower.version_digest, SmallFrames());
+    ASSERT_TRUE(d.ok());
+    ASSERT_TRUE(follower.Apply(**d, kFrameBytes).ok());
+    ExpectSameModel(follower.state, models[follower.version]);
+  }
+  publisher.join();
+  auto d = (*core)->MakeTransfer(follower.version, follower.version_digest, SmallFrames());
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(follower.Apply(**d, kFrameBytes).ok());
+  ExpectSameModel(follower.state, models[6]);
+}
+
+TEST(PublisherCoreTest, SmallHistoryFallsBackToKeyframes) {
+  PublisherOptions po;
+  po.history_budget_bytes = 1;  // only the newest version is kept
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok());
+  std::mt19937_64 rng(7);
+  Model model;
+  Subscriber s;
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Step(model, v, rng);
+    ASSERT_TRUE((*core)->Publish(v, Inputs(model)).ok());
+    if (v == 1) {
+      auto t = (*core)->MakeTransfer(0, 0, SmallFrames());
+      ASSERT_TRUE(t.ok());
+      ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+    }
+  }
+  auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->plan().reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
+  ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+  ExpectSameModel(s.state, model);
+}
+
+TEST(PublisherCoreTest, PublishTakesASnapshot) {
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  std::mt19937_64 rng(3);
+  Model model;
+  model["w"] = RandomTensor(DType::kBF16, {64, 64}, rng);
+  const Model original = model;
+  ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
+  // The caller keeps training in the same buffer.
+  Mutate(model["w"], 0.5, rng);
+  auto base = (*core)->Baseline();
+  ASSERT_EQ(base.size(), 1u);
+  EXPECT_TRUE(*base[0].bytes == original.at("w").bytes);
+  EXPECT_EQ(base[0].digest, TensorDigest(original.at("w").bytes));
+  Subscriber s;
+  auto t = (*core)->MakeTransfer(0, 0, SmallFrames());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+  ExpectSameModel(s.state, original);
+
+  // A transfer taken before the next Publish stays valid (and of its version) after it.
+  auto t1 = (*core)->MakeTransfer(0, 0, SmallFrames());
+  ASSERT_TRUE(t1.ok());
+  ASSERT_TRUE((*core)->Publish(2, Inputs(model)).ok());
+  Subscriber s1;
+  ASSERT_TRUE(s1.Apply(**t1, kFrameBytes).ok());
+  EXPECT_EQ(s1.version, 1u);
+  ExpectSameModel(s1.state, original);
+  auto t2 = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+  ASSERT_TRUE(t2.ok());
+  EXPECT_EQ(DeliveryOf(**t2, "w"), v1::DELIVERY_PATCH);
+  ASSERT_TRUE(s.Apply(**t2, kFrameBytes).ok());
+  ExpectSameModel(s.state, model);
+}
+
+TEST(PublisherCoreTest, BadInputIsRejectedWithoutChange) {
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  std::vector<uint8_t> buf(200);
+  auto in = [&](std::string name, std::vector<uint64_t> shape, size_t bytes,
+                DType dt = DType::kBF16) {
+    TensorInput x;
+    x.name = std::move(name);
+    x.dtype = dt;
+    x.shape = std::move(shape);
+    x.data = std::span<const uint8_t>(buf.data(), bytes);
+    return x;
+  };
+  std::vector<TensorInput> ok = {in("a", {10, 10}, 200)};
+  ASSERT_TRUE((*core)->Publish(5, ok).ok());
+  const uint64_t digest = (*core)->newest_version_digest();
+
+  auto expect_error = [&](uint64_t v, std::vector<TensorInput> inputs, const std::string& text) {
+    auto r = (*core)->Publish(v, inputs);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(text));
+    EXPECT_EQ((*core)->newest_version(), 5u);
+    EXPECT_EQ((*core)->newest_version_digest(), digest);
+  };
+  expect_error(0, ok, "version 0");
+  expect_error(5, ok, "not above the newest published version 5");
+  expect_error(4, ok, "not above");
+  expect_error(6, {}, "no tensors");
+  expect_error(6, {in("a", {10, 10}, 200), in("b", {4}, 8), in("a", {2}, 4)},
+               "tensor 2 'a' has the same name as tensor 0");
+  expect_error(6, {in("a", {10, 10}, 200), in("bad.size", {10, 11}, 200)}, "bad.size");
+  expect_error(6, {in("bad.size", {10, 11}, 200)}, "200 bytes given");
+  expect_error(6, {in("", {2}, 4)}, "tensor 0");
+  expect_error(6, {in("f32", {10}, 20, DType::kF32)}, "need 40");
+  expect_error(6, {in("dt", {2}, 4, static_cast<DType>(200))}, "invalid dtype");
+  EXPECT_TRUE((*core)->Publish(6, ok).ok());
+}
+
+TEST(PublisherCoreTest, PublishSafetensors) {
+  const std::string dir = TempDir("st");
+  std::filesystem::create_directories(dir);
+  std::mt19937_64 rng(11);
+  Model model;
+  model["x.weight"] = RandomTensor(DType::kBF16, {32, 16}, rng);
+  model["y.bias"] = RandomTensor(DType::kF32, {16}, rng);
+  std::vector<model::SafetensorsTensorRef> refs;
+  for (const auto& [name, t] : model) {
+    model::SafetensorsTensorRef r;
+    r.name = name;
+    r.dtype = t.dtype;
+    for (uint64_t d : t.shape) r.shape.push_back(static_cast<int64_t>(d));
+    r.data = t.bytes;
+    refs.push_back(r);
+  }
+  const std::string a = dir + "/a.safetensors", b = dir + "/b.safetensors";
+  ASSERT_TRUE(model::WriteSafetensors(a, std::span(refs).subspan(0, 1)).ok());
+  ASSERT_TRUE(model::WriteSafetensors(b, std::span(refs).subspan(1, 1)).ok());
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  std::vector<std::string> paths = {a, b};
+  auto sum = (*core)->PublishSafetensors(3, paths);
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  Subscriber s;
+  auto t = (*core)->MakeTransfer(0, 0, SmallFrames());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+  ExpectSameModel(s.state, model);
+  // The same file twice: duplicate names.
+  std::vector<std::string> twice = {a, a};
+  auto dup = (*core)->PublishSafetensors(4, twice);
+  ASSERT_FALSE(dup.ok());
+  EXPECT_THAT(std::string(dup.status().message()), HasSubstr("x.weight"));
+  std::vector<std::string> missing = {dir + "/nope.safetensors"};
+  EXPECT_FALSE((*core)->PublishSafetensors(4, missing).ok());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PublisherCoreTest, RestartWithPersistedBaselineServesDeltas) {
+  const std::string dir = TempDir("persist");
+  PublisherOptions po;
+  po.persist_dir = dir;
+  std::mt19937_64 rng(5);
+  Model model;
+  Subscriber s;       // up to date before the restart
+  Subscriber behind;  // one version behind
+  uint64_t digest2 = 0;
+  {
+    auto core = PublisherCore::Open(po);
+    ASSERT_TRUE(core.ok()) << core.status();
+    EXPECT_EQ((*core)->newest_version(), 0u);  // empty dir: starts empty
+    for (uint64_t v = 1; v <= 2; ++v) {
+      Step(model, v, rng);
+      auto sum = (*core)->Publish(v, Inputs(model));
+      ASSERT_TRUE(sum.ok()) << sum.status();
+      EXPECT_TRUE(sum->persist_status.ok()) << sum->persist_status;
+      auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+      ASSERT_TRUE(t.ok());
+      ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+      if (v == 1) behind = s;
+    }
+    digest2 = (*core)->newest_version_digest();
+  }
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ((*core)->newest_version(), 2u);
+  EXPECT_EQ((*core)->newest_version_digest(), digest2);
+  // A subscriber at the persisted version is up to date.
+  auto same = (*core)->MakeTransfer(s.version, s.version_digest);
+  ASSERT_TRUE(same.ok());
+  EXPECT_TRUE((*same)->up_to_date());
+  // Publishing the same version again is refused.
+  EXPECT_FALSE((*core)->Publish(2, Inputs(model)).ok());
+
+  Step(model, 3, rng);
+  auto sum = (*core)->Publish(3, Inputs(model));
+  ASSERT_TRUE(sum.ok()) << sum.status();
+  EXPECT_GE(sum->patched_tensors, 3u);
+  EXPECT_EQ(sum->keyframe_tensors, 1u);  // new.added
+  auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->plan().reason, v1::TRANSFER_REASON_NEXT_VERSION);
+  for (const auto& d : (*t)->plan().tensors) {
+    if (d.plan.spec().name() == "new.added") {
+      EXPECT_EQ(d.plan.delivery(), v1::DELIVERY_KEYFRAME);
+    } else {
+      EXPECT_NE(d.plan.delivery(), v1::DELIVERY_KEYFRAME) << d.plan.spec().name();
+    }
+  }
+  EXPECT_EQ(DeliveryOf(**t, "layers.0.weight"), v1::DELIVERY_PATCH);
+  EXPECT_EQ(DeliveryOf(**t, "embed.frozen"), v1::DELIVERY_UNCHANGED);
+  ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+  ExpectSameModel(s.state, model);
+  // Older than the persisted version: the history does not reach back, keyframes.
+  auto tb = (*core)->MakeTransfer(behind.version, behind.version_digest, SmallFrames());
+  ASSERT_TRUE(tb.ok());
+  EXPECT_EQ((*tb)->plan().reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
+  ASSERT_TRUE(behind.Apply(**tb, kFrameBytes).ok());
+  ExpectSameModel(behind.state, model);
+
+  // The persisted file now holds version 3.
+  core->reset();
+  auto again = PublisherCore::Open(po);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->newest_version(), 3u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PublisherCoreTest, CorruptPersistedBaselineIsAnError) {
+  const std::string dir = TempDir("corrupt");
+  PublisherOptions po;
+  po.persist_dir = dir;
+  std::mt19937_64 rng(9);
+  Model model;
+  Step(model, 1, rng);
+  {
+    auto core = PublisherCore::Open(po);
+    ASSERT_TRUE(core.ok());
+    ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
+  }
+  const std::string path = PublisherCore::BaselinePath(dir);
+  const auto size = std::filesystem::file_size(path);
+  {
+    // Flip a byte near the end of the data region (inside the last tensor).
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(size - 3));
+    char c;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(static_cast<std::streamoff>(size - 3));
+    f.write(&c, 1);
+  }
+  auto bad = PublisherCore::Open(po);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("digest"));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr(path));
+
+  // Truncated / garbage file.
+  std::filesystem::resize_file(path, 10);
+  auto garbage = PublisherCore::Open(po);
+  ASSERT_FALSE(garbage.ok());
+  EXPECT_THAT(std::string(garbage.status().message()), HasSubstr("persisted baseline"));
+
+  // A valid safetensors file without refit metadata.
+  std::vector<model::SafetensorsTensorRef> refs(1);
+  refs[0].name = "w";
+  refs[0].shape = {4};
+  std::vector<uint8_t> data(8);
+  refs[0].data = data;
+  ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
+  auto nometa = PublisherCore::Open(po);
+  ASSERT_FALSE(nometa.ok());
+  EXPECT_THAT(std::string(nometa.status().message()), HasSubstr("refit.format"));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace refit::publisher

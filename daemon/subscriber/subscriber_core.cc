@@ -1,0 +1,590 @@
+#include "daemon/subscriber/subscriber_core.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::subscriber {
+
+struct SubscriberCore::Transfer {
+  v1::VersionHeader header;
+  absl::Time start;
+  std::vector<DType> dtypes;         // by header index
+  std::vector<uint64_t> bytes;       // by header index
+  std::vector<size_t> layout_index;  // header index -> index in target->layout()
+  std::shared_ptr<store::ShmStore> target;  // the store staged into
+  bool new_generation = false;
+  // New generation with bases: a lease on the old store's applied version, and for each header
+  // index the old layout index of its base (UNCHANGED / PATCH only).
+  std::shared_ptr<store::ShmStore> old_store;
+  std::optional<store::Lease> old_lease;
+  std::vector<size_t> old_index;
+  std::optional<store::StagingHandle> handle;
+  std::unique_ptr<sync::FrameAssembler> assembler;
+  std::vector<bool> in_slot;  // keyframe reassembled straight into handle->out
+  absl::Status failed;        // first error of the transfer
+  uint64_t wire_bytes = 0;    // payload bytes of accepted frames
+  uint64_t dropped_frames = 0;
+
+  // Aborts the staging and releases the base lease; the transfer stays (failed) for OnEnd.
+  void Release() {
+    assembler.reset();  // may point into the staged slot
+    if (handle.has_value()) {
+      (void)target->Abort(*handle);
+      handle.reset();
+    }
+    if (old_lease.has_value()) {
+      (void)old_store->ReleaseLease(old_lease->lease_id);
+      old_lease.reset();
+    }
+  }
+
+  std::span<const uint8_t> Base(size_t i) const {
+    if (new_generation) return old_lease->spans[old_index[i]];
+    return handle->base[layout_index[i]];
+  }
+};
+
+namespace {
+
+uint64_t Micros(absl::Duration d) {
+  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(d)));
+}
+
+bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedField<uint64_t>& b) {
+  return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
+}
+
+}  // namespace
+
+SubscriberCore::SubscriberCore(SubscriberOptions options)
+    : options_(std::move(options)), max_frame_bytes_(options_.max_frame_bytes) {}
+
+void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
+  absl::MutexLock lock(&mu_);
+  max_frame_bytes_ = frame_bytes;
+}
+
+SubscriberCore::~SubscriberCore() {
+  absl::MutexLock lock(&mu_);
+  DropTransferLocked();
+}
+
+void SubscriberCore::DropTransferLocked() {
+  if (transfer_ != nullptr) transfer_->Release();
+  transfer_.reset();
+}
+
+void SubscriberCore::CollectRetiredLocked() {
+  std::erase_if(retired_, [](const Retired& r) {
+    for (const store::SlotStatus& s : r.store->Slots()) {
+      if (s.leases > 0) return false;
+    }
+    return true;
+  });
+}
+
+bool SubscriberCore::transfer_open() const {
+  absl::MutexLock lock(&mu_);
+  return transfer_ != nullptr;
+}
+
+absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
+  auto handle = t.target->BeginStage(t.header.version());
+  if (!handle.ok()) return handle.status();
+  t.handle = std::move(*handle);
+  return absl::OkStatus();
+}
+
+absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t v = header.version();
+  const uint64_t base = header.base_version();
+  const uint64_t applied = applied_version();
+  if (transfer_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, ": the transfer of version ",
+                     transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
+  }
+  if (v == 0) return absl::InvalidArgumentError("header: version 0 is not a valid target");
+  if (v <= applied) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, " is not above the applied version ", applied,
+                     " (a version is never applied twice)"));
+  }
+  if (header.tensors_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, " lists no tensors"));
+  }
+  bool all_keyframes = true;
+  for (const v1::TensorPlan& tp : header.tensors()) {
+    all_keyframes = all_keyframes && tp.delivery() == v1::DELIVERY_KEYFRAME;
+  }
+  if (base != applied && !(base == 0 && all_keyframes)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, " has base version ", base, " but the applied version is ",
+        applied, base == 0 ? " (base 0 requires every tensor to be a keyframe)" : ""));
+  }
+
+  auto t = std::make_unique<Transfer>();
+  t->header = header;
+  t->start = absl::Now();
+  const size_t n = static_cast<size_t>(header.tensors_size());
+  std::vector<v1::TensorSpec> specs;
+  specs.reserve(n);
+  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
+  if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, ": ", st.message()));
+  }
+  std::vector<store::TensorDesc> descs;
+  bool needs_base = false;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
+    const std::string where = absl::StrCat("header for version ", v, ", ",
+                                           sync::DescribeTensor(static_cast<uint32_t>(i),
+                                                                tp.spec().name()));
+    auto dtype = sync::FromProtoDType(tp.spec().dtype());
+    auto bytes = sync::TensorByteSize(tp.spec());
+    if (!dtype.ok() || !bytes.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": invalid spec"));
+    }
+    t->dtypes.push_back(*dtype);
+    t->bytes.push_back(*bytes);
+    descs.push_back({tp.spec().name(), *dtype,
+                     std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
+    switch (tp.delivery()) {
+      case v1::DELIVERY_KEYFRAME:
+      case v1::DELIVERY_UNCHANGED:
+        if (tp.steps_size() != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": steps given for a ",
+                                                         v1::Delivery_Name(tp.delivery())));
+        }
+        break;
+      case v1::DELIVERY_PATCH: {
+        if (tp.steps_size() == 0) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": DELIVERY_PATCH without steps"));
+        }
+        uint64_t at = base;
+        for (int s = 0; s < tp.steps_size(); ++s) {
+          const v1::PatchStep& step = tp.steps(s);
+          if (step.base_version() != at || step.target_version() <= step.base_version()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ": patch step ", s, " goes ", step.base_version(), " -> ",
+                             step.target_version(), ", expected a step from ", at));
+          }
+          at = step.target_version();
+        }
+        if (at != v) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": patch chain ends at version ", at, ", not ", v));
+        }
+        break;
+      }
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": invalid delivery ", static_cast<int>(tp.delivery())));
+    }
+    if (tp.delivery() != v1::DELIVERY_KEYFRAME) {
+      needs_base = true;
+      if (base == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": ", v1::Delivery_Name(tp.delivery()), " needs a base version"));
+      }
+    }
+  }
+  auto layout = store::Layout::Build(std::move(descs));
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header for version ", v, ": ", layout.status().message()));
+  }
+  if (layout->slot_bytes() > options_.max_slot_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("header for version ", v, ": the version needs ", layout->slot_bytes(),
+                     " bytes per slot, above the limit of ", options_.max_slot_bytes));
+  }
+
+  // Target store: the current one when the manifest is unchanged, else a new generation.
+  if (store_ != nullptr && store_->layout().SameManifest(*layout)) {
+    t->target = store_;
+  } else {
+    auto created = store::ShmStore::Create(*layout, options_.store);
+    if (!created.ok()) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("header for version ", v, ": cannot create a store: ",
+                                       created.status().message()));
+    }
+    t->target = std::move(*created);
+    t->new_generation = true;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    t->layout_index.push_back(*t->target->layout().Find(specs[i].name()));
+  }
+
+  // Bases across generations: by name, under a lease on the old store's applied version.
+  if (t->new_generation && needs_base) {
+    if (store_ == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
+    }
+    const store::Layout& old = store_->layout();
+    t->old_index.assign(n, 0);
+    for (size_t i = 0; i < n; ++i) {
+      if (header.tensors(static_cast<int>(i)).delivery() == v1::DELIVERY_KEYFRAME) continue;
+      auto idx = old.Find(specs[i].name());
+      if (!idx.has_value() || old.tensor(*idx).dtype != t->dtypes[i] ||
+          !SameShape(old.tensor(*idx).shape, specs[i].shape())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "header for version ", v, ", ", sync::DescribeTensor(static_cast<uint32_t>(i),
+                                                                  specs[i].name()),
+            ": no tensor of that name, dtype and shape in the applied version ", applied,
+            " to use as base"));
+      }
+      t->old_index[i] = *idx;
+    }
+    t->old_store = store_;
+    auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
+    if (!lease.ok()) {
+      return absl::Status(lease.status().code(),
+                          absl::StrCat("header for version ", v,
+                                       ": cannot lease the base version: ", lease.status().message()));
+    }
+    t->old_lease = std::move(*lease);
+  }
+
+  // Staging. With every slot held (consumer leases), frames are reassembled in host memory and
+  // the staging is retried at VersionEnd.
+  if (absl::Status st = BeginStageLocked(*t); !st.ok()) {
+    if (st.code() != absl::StatusCode::kResourceExhausted || t->new_generation) {
+      t->Release();
+      return absl::Status(st.code(), absl::StrCat("header for version ", v, ": ", st.message()));
+    }
+  }
+
+  t->assembler = std::make_unique<sync::FrameAssembler>(v, max_frame_bytes_);
+  t->in_slot.assign(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
+    const uint32_t ti = static_cast<uint32_t>(i);
+    absl::Status st;
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
+      sync::ObjectSpec spec{ti, 0, tp.spec().name(), t->bytes[i], true, true, {}};
+      if (t->handle.has_value()) {
+        spec.buffer = t->handle->out[t->layout_index[i]];
+        t->in_slot[i] = true;
+      }
+      st = t->assembler->Expect(std::move(spec));
+    } else if (tp.delivery() == v1::DELIVERY_PATCH) {
+      const uint64_t elements = *sync::ElementCount(tp.spec());
+      for (int p = 0; p < tp.steps_size() && st.ok(); ++p) {
+        st = t->assembler->Expect({ti, static_cast<uint32_t>(p), tp.spec().name(),
+                                   sync::MaxPatchBytes(elements, t->bytes[i]), false, false, {}});
+      }
+    }
+    if (!st.ok()) {
+      t->Release();
+      return st;
+    }
+  }
+  transfer_ = std::move(t);
+  return absl::OkStatus();
+}
+
+absl::Status SubscriberCore::OnFrame(const v1::DataFrame& frame) {
+  absl::MutexLock lock(&mu_);
+  if (transfer_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "frame of version ", frame.version(), " (tensor ", frame.tensor_index(), ", part ",
+        frame.part(), ", chunk ", frame.chunk_index(), ") without an open transfer"));
+  }
+  Transfer& t = *transfer_;
+  if (!t.failed.ok()) {
+    ++t.dropped_frames;
+    return absl::OkStatus();
+  }
+  auto added = t.assembler->Add(frame);
+  if (!added.ok()) {
+    t.failed = added.status();
+    t.Release();
+    return added.status();
+  }
+  t.wire_bytes += frame.payload().size();
+  return absl::OkStatus();
+}
+
+v1::Ack SubscriberCore::Reject(uint64_t version, std::string error,
+                               std::vector<std::string> mismatched, uint64_t wire_bytes) {
+  DropTransferLocked();
+  v1::Ack ack;
+  ack.set_version(version);
+  ack.set_result(v1::ACK_RESULT_REJECTED);
+  ack.set_error(std::move(error));
+  ack.set_applied_version(applied_version());
+  ack.set_applied_version_digest(applied_digest());
+  for (std::string& m : mismatched) ack.add_mismatched_tensors(std::move(m));
+  ack.set_wire_bytes(wire_bytes);
+  return ack;
+}
+
+v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time received = absl::Now();
+  if (transfer_ == nullptr) {
+    return Reject(end.version(),
+                  absl::StrCat("VersionEnd of version ", end.version(), " without an open transfer"),
+                  {}, 0);
+  }
+  Transfer& t = *transfer_;
+  const uint64_t v = t.header.version();
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  const std::string what = absl::StrCat("version ", v, ": ");
+  if (end.version() != v) {
+    return Reject(v, absl::StrCat(what, "VersionEnd names version ", end.version()), {},
+                  t.wire_bytes);
+  }
+  if (!t.failed.ok()) {
+    return Reject(v, absl::StrCat(what, t.failed.message(),
+                                  t.dropped_frames > 0
+                                      ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)")
+                                      : ""),
+                  {}, t.wire_bytes);
+  }
+  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
+    return Reject(v, absl::StrCat(what, st.message()), {}, t.wire_bytes);
+  }
+  if (static_cast<size_t>(end.digests_size()) != n) {
+    return Reject(v, absl::StrCat(what, "VersionEnd has ", end.digests_size(),
+                                  " digests for ", n, " tensors"),
+                  {}, t.wire_bytes);
+  }
+  if (!t.handle.has_value()) {
+    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
+      return Reject(v, absl::StrCat(what, "cannot stage: ", st.message()), {}, t.wire_bytes);
+    }
+  }
+
+  // Stage: every byte of every tensor of the slot is written here.
+  std::vector<std::string> failed_tensors;
+  std::vector<std::string> errors;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    const uint32_t ti = static_cast<uint32_t>(i);
+    std::span<uint8_t> out = t.handle->out[t.layout_index[i]];
+    absl::Status st;
+    switch (tp.delivery()) {
+      case v1::DELIVERY_UNCHANGED: {
+        std::span<const uint8_t> b = t.Base(i);
+        if (b.size() != out.size()) {
+          st = absl::InternalError("base size differs");
+        } else if (!out.empty()) {
+          std::memmove(out.data(), b.data(), out.size());
+        }
+        break;
+      }
+      case v1::DELIVERY_KEYFRAME:
+        if (!t.in_slot[i]) {
+          auto obj = t.assembler->Object(ti, 0);
+          if (!obj.ok()) {
+            st = obj.status();
+          } else if (!out.empty()) {
+            std::memcpy(out.data(), obj->data(), out.size());
+          }
+        }
+        break;
+      case v1::DELIVERY_PATCH:
+        // Step 0 out of place from the base, later steps in place in the staging slot (a failed
+        // step only spoils the staging, which is then aborted).
+        for (int p = 0; p < tp.steps_size() && st.ok(); ++p) {
+          auto patch = t.assembler->Object(ti, static_cast<uint32_t>(p));
+          if (!patch.ok()) {
+            st = patch.status();
+            break;
+          }
+          st = ApplyPatch(*patch, t.dtypes[i], p == 0 ? t.Base(i) : std::span<const uint8_t>(out),
+                          out, options_.threads);
+          if (!st.ok()) {
+            st = absl::Status(st.code(), absl::StrCat("patch step ", p, " (", tp.steps(p).base_version(),
+                                                      " -> ", tp.steps(p).target_version(),
+                                                      "): ", st.message()));
+          }
+        }
+        break;
+      default:
+        st = absl::InternalError("invalid delivery");
+    }
+    if (!st.ok()) {
+      failed_tensors.push_back(tp.spec().name());
+      errors.push_back(absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ", st.message()));
+    }
+  }
+  const absl::Time staged = absl::Now();
+  if (!failed_tensors.empty()) {
+    return Reject(v, absl::StrCat(what, "apply failed on ", failed_tensors.size(), " tensor(s): ",
+                                  absl::StrJoin(errors, "; ")),
+                  std::move(failed_tensors), t.wire_bytes);
+  }
+
+  // Verify every tensor digest, then the version digest.
+  std::vector<uint64_t> digests(n);
+  std::vector<std::string> mismatched;
+  std::vector<std::string> mismatch_desc;
+  for (size_t i = 0; i < n; ++i) {
+    digests[i] = TensorDigest(t.handle->out[t.layout_index[i]], options_.threads);
+    if (digests[i] != end.digests(static_cast<int>(i))) {
+      const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
+      mismatched.push_back(name);
+      mismatch_desc.push_back(absl::StrCat(
+          sync::DescribeTensor(static_cast<uint32_t>(i), name), " (",
+          v1::Delivery_Name(t.header.tensors(static_cast<int>(i)).delivery()), ")"));
+    }
+  }
+  if (!mismatched.empty()) {
+    return Reject(v, absl::StrCat(what, "digest mismatch on ", mismatched.size(), " tensor(s): ",
+                                  absl::StrJoin(mismatch_desc, ", ")),
+                  std::move(mismatched), t.wire_bytes);
+  }
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
+  auto vdigest = sync::VersionDigest(specs, digests);
+  if (!vdigest.ok() || *vdigest != end.version_digest()) {
+    return Reject(v,
+                  absl::StrCat(what, "version digest mismatch: staged ",
+                               vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
+                               ", VersionEnd says ", absl::Hex(end.version_digest())),
+                  {}, t.wire_bytes);
+  }
+  const absl::Time verified = absl::Now();
+
+  // Apply: commit, then switch generations.
+  if (absl::Status st = t.target->Commit(*t.handle); !st.ok()) {
+    return Reject(v, absl::StrCat(what, "commit failed: ", st.message()), {}, t.wire_bytes);
+  }
+  t.handle.reset();
+  if (t.new_generation) {
+    if (store_ != nullptr) retired_.push_back({generation_, store_});
+    store_ = t.target;
+    ++generation_;
+  }
+  applied_tensors_.clear();
+  for (size_t i = 0; i < n; ++i) {
+    v1::TensorDigest d;
+    d.set_name(specs[i].name());
+    d.set_digest(digests[i]);
+    applied_tensors_.push_back(std::move(d));
+  }
+  applied_digest_.store(*vdigest, std::memory_order_release);
+  applied_version_.store(v, std::memory_order_release);
+  const uint64_t wire = t.wire_bytes;
+  const absl::Time start = t.start;
+  DropTransferLocked();  // releases the migration lease
+  CollectRetiredLocked();
+  const absl::Time applied = absl::Now();
+
+  v1::Ack ack;
+  ack.set_version(v);
+  ack.set_result(v1::ACK_RESULT_APPLIED);
+  ack.set_applied_version(v);
+  ack.set_applied_version_digest(*vdigest);
+  ack.set_wire_bytes(wire);
+  v1::TransferTimings* tm = ack.mutable_timings();
+  tm->set_receive_micros(Micros(received - start));
+  tm->set_stage_micros(Micros(staged - received));
+  tm->set_verify_micros(Micros(verified - staged));
+  tm->set_apply_micros(Micros(applied - verified));
+  tm->set_total_micros(Micros(applied - start));
+  return ack;
+}
+
+void SubscriberCore::Abort() {
+  absl::MutexLock lock(&mu_);
+  DropTransferLocked();
+}
+
+std::vector<v1::TensorDigest> SubscriberCore::applied_tensor_digests() const {
+  absl::MutexLock lock(&mu_);
+  return applied_tensors_;
+}
+
+std::shared_ptr<store::ShmStore> SubscriberCore::store() const {
+  absl::MutexLock lock(&mu_);
+  return store_;
+}
+
+uint64_t SubscriberCore::generation() const {
+  absl::MutexLock lock(&mu_);
+  return generation_;
+}
+
+size_t SubscriberCore::retired_stores() const {
+  absl::MutexLock lock(&mu_);
+  return retired_.size();
+}
+
+absl::Status SubscriberCore::Export(const std::string& path) {
+  std::shared_ptr<store::ShmStore> st = store();
+  if (st == nullptr) return absl::FailedPreconditionError("export: no version applied yet");
+  auto lease = st->AcquireLease(absl::StrCat(options_.self_consumer, "/export"), std::nullopt,
+                                absl::InfiniteDuration());  // capped at the store's max TTL
+  if (!lease.ok()) return lease.status();
+  const store::Layout& layout = st->layout();
+  std::vector<model::SafetensorsTensorRef> refs;
+  refs.reserve(layout.size());
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const store::TensorInfo& ti = layout.tensor(i);
+    refs.push_back({ti.name, ti.dtype, std::vector<int64_t>(ti.shape.begin(), ti.shape.end()),
+                    lease->spans[i]});
+  }
+  absl::Status written = model::WriteSafetensors(path, refs);
+  (void)st->ReleaseLease(lease->lease_id);
+  {
+    absl::MutexLock lock(&mu_);
+    CollectRetiredLocked();
+  }
+  if (!written.ok()) {
+    return absl::Status(written.code(), absl::StrCat("export of version ", lease->version, " to ",
+                                                     path, ": ", written.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SubscriberLease> SubscriberCore::AcquireLease(absl::string_view consumer,
+                                                             std::optional<uint64_t> version,
+                                                             absl::Duration ttl) {
+  absl::MutexLock lock(&mu_);
+  if (store_ == nullptr) return absl::FailedPreconditionError("no version applied yet");
+  auto lease = store_->AcquireLease(consumer, version, ttl);
+  if (!lease.ok()) return lease.status();
+  return SubscriberLease{generation_, store_, std::move(*lease)};
+}
+
+absl::Status SubscriberCore::ReleaseLease(uint64_t lease_id) {
+  absl::MutexLock lock(&mu_);
+  absl::Status st = absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id), " not found"));
+  if (store_ != nullptr) st = store_->ReleaseLease(lease_id);
+  for (size_t i = 0; !st.ok() && i < retired_.size(); ++i) {
+    st = retired_[i].store->ReleaseLease(lease_id);
+  }
+  CollectRetiredLocked();
+  return st;
+}
+
+absl::StatusOr<SubscriberLease> SubscriberCore::RenewLease(uint64_t lease_id, absl::Duration ttl) {
+  absl::MutexLock lock(&mu_);
+  if (store_ != nullptr) {
+    auto lease = store_->RenewLease(lease_id, ttl);
+    if (lease.ok()) return SubscriberLease{generation_, store_, std::move(*lease)};
+  }
+  for (const Retired& r : retired_) {
+    auto lease = r.store->RenewLease(lease_id, ttl);
+    if (lease.ok()) return SubscriberLease{r.generation, r.store, std::move(*lease)};
+  }
+  return absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id), " not found or expired"));
+}
+
+}  // namespace refit::subscriber

@@ -1,0 +1,155 @@
+// SubscriberCore: the transport-independent heart of `refitd subscriber`. It receives one
+// transfer at a time (VersionHeader, DataFrames in any order from any stream, VersionEnd), stages
+// the target version in a tensor store slot, verifies every tensor digest and the version digest,
+// and only then commits (proto/refit/v1/data.proto, session steps 3-4). No gRPC here: the gRPC
+// client feeds it and sends the Ack it returns.
+//
+// Invariants it keeps (docs: /work/shared/BRIEF.md section 3):
+//   - never double-apply: OnHeader refuses a base other than the applied version (base 0 is
+//     accepted only when every tensor is a keyframe) and a target not above the applied version.
+//   - no torn version: all work goes to a staging slot; the store's Commit is the only thing that
+//     makes a version visible, after every digest matched. Any failure (bad frame, incomplete
+//     object, patch that does not apply, digest mismatch, Abort) aborts the staging: the previous
+//     version stays current and readable.
+//   - manifest changes: a header whose manifest differs from the store's layout stages into a new
+//     ShmStore (a new "generation"); bases of UNCHANGED/PATCH tensors are read, by name, under a
+//     lease the core holds on the old store. The old store is retired on commit and destroyed once
+//     no consumer lease remains on it.
+//
+// Thread safety: every method may be called from any thread; they serialise on one mutex
+// (OnEnd holds it while applying and verifying). applied_version()/applied_digest() are lock-free.
+#ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
+#define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/store/shm_store.h"
+#include "daemon/sync/frames.h"
+#include "refit/v1/data.pb.h"
+
+namespace refit::subscriber {
+
+struct SubscriberOptions {
+  // Options of every ShmStore generation the core creates (slots, clock, lease TTLs).
+  store::ShmStoreOptions store;
+  // Welcome.frame_bytes: largest DataFrame payload / raw chunk accepted.
+  uint32_t max_frame_bytes = 4u << 20;
+  // Threads for ApplyPatch and TensorDigest (0 = all hardware threads).
+  int threads = 0;
+  // Largest slot (sum of the aligned tensor sizes of one version) a header may ask for; a
+  // bigger manifest is refused with RESOURCE_EXHAUSTED before any memory is reserved.
+  uint64_t max_slot_bytes = 64ull << 30;
+  // Consumer name of the leases the core itself takes (migration bases, Export).
+  std::string self_consumer = "refitd-subscriber";
+};
+
+// A consumer's lease together with the store generation it refers to (offsets and the fd are
+// those of `store`; a manifest change switches generations).
+struct SubscriberLease {
+  uint64_t generation = 0;
+  std::shared_ptr<store::ShmStore> store;
+  store::Lease lease;
+};
+
+class SubscriberCore {
+ public:
+  explicit SubscriberCore(SubscriberOptions options = {});
+  ~SubscriberCore();
+  SubscriberCore(const SubscriberCore&) = delete;
+  SubscriberCore& operator=(const SubscriberCore&) = delete;
+
+  // Starts a transfer. FAILED_PRECONDITION: a transfer is already open (call Abort first), the
+  // target is not above the applied version, or the base is neither the applied version nor 0
+  // (keyframe-only) -- the double-apply guard; a tensor delivered UNCHANGED/PATCH has no base
+  // of the same name, dtype and shape. INVALID_ARGUMENT: malformed header (manifest, delivery,
+  // patch chain). RESOURCE_EXHAUSTED: manifest above max_slot_bytes, or the store cannot be
+  // created. On error nothing changes (no transfer open).
+  absl::Status OnHeader(const v1::VersionHeader& header);
+
+  // One frame of the open transfer, any order, any stream. FAILED_PRECONDITION without an open
+  // transfer. An invalid frame (INVALID_ARGUMENT, DATA_LOSS: checksum) is returned once and
+  // fails the transfer: its staging is aborted at once, later frames of it are dropped (OK), and
+  // OnEnd answers REJECTED with the first error.
+  absl::Status OnFrame(const v1::DataFrame& frame);
+
+  // Ends the open transfer: checks completeness, applies (UNCHANGED copy, PATCH chain, KEYFRAME),
+  // verifies every tensor digest and the version digest against `end`, commits. Always returns an
+  // Ack (APPLIED, or REJECTED with `error` and `mismatched_tensors`); the transfer is closed
+  // either way. REJECTED leaves the previous version current.
+  v1::Ack OnEnd(const v1::VersionEnd& end);
+
+  // Discards the open transfer (dropped connection, VersionAbort). No-op without one.
+  void Abort();
+
+  // Welcome.frame_bytes of a new session: the frame limit of transfers started after this call
+  // (initially SubscriberOptions::max_frame_bytes). The core outlives sessions; call it on each
+  // Welcome.
+  void SetMaxFrameBytes(uint32_t frame_bytes);
+
+  bool transfer_open() const;
+  // Applied (committed) version and its version digest; 0/0 before the first commit.
+  uint64_t applied_version() const { return applied_version_.load(std::memory_order_acquire); }
+  uint64_t applied_digest() const { return applied_digest_.load(std::memory_order_acquire); }
+  // Digests of the applied version's tensors, manifest order (Hello.tensors).
+  std::vector<v1::TensorDigest> applied_tensor_digests() const;
+
+  // Writes the applied version as a safetensors file: tensors in name order, no metadata
+  // (WriteSafetensors: atomic). FAILED_PRECONDITION before the first commit. Reads under a lease,
+  // so it may run concurrently with a transfer.
+  absl::Status Export(const std::string& path);
+
+  // Consumer leases on the current store generation (see store::TensorStore::AcquireLease).
+  absl::StatusOr<SubscriberLease> AcquireLease(absl::string_view consumer,
+                                               std::optional<uint64_t> version = std::nullopt,
+                                               absl::Duration ttl = absl::ZeroDuration());
+  // Finds the lease in the current or a retired generation. NOT_FOUND if unknown/expired.
+  absl::Status ReleaseLease(uint64_t lease_id);
+  absl::StatusOr<SubscriberLease> RenewLease(uint64_t lease_id,
+                                             absl::Duration ttl = absl::ZeroDuration());
+
+  // The current store (null before the first commit) and its generation (1, 2, ...).
+  std::shared_ptr<store::ShmStore> store() const;
+  uint64_t generation() const;
+  // Retired generations still alive because consumers hold leases on them.
+  size_t retired_stores() const;
+
+ private:
+  struct Transfer;
+
+  void DropTransferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Ack Reject(uint64_t version, std::string error, std::vector<std::string> mismatched,
+                 uint64_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SubscriberOptions options_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<store::ShmStore> store_ ABSL_GUARDED_BY(mu_);
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Retired {
+    uint64_t generation = 0;
+    std::shared_ptr<store::ShmStore> store;
+  };
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Transfer> transfer_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::TensorDigest> applied_tensors_ ABSL_GUARDED_BY(mu_);
+  uint32_t max_frame_bytes_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> applied_version_{0};
+  std::atomic<uint64_t> applied_digest_{0};
+};
+
+}  // namespace refit::subscriber
+
+#endif  // REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_

@@ -1,0 +1,583 @@
+#include "daemon/subscriber/subscriber_core.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/sync/frames.h"
+#include "daemon/sync/history.h"
+#include "daemon/sync/version_digest.h"
+#include "gtest/gtest.h"
+
+namespace refit::subscriber {
+namespace {
+
+using sync::PatchHistory;
+using sync::PlanOptions;
+using sync::TransferPlan;
+
+struct Tensor {
+  v1::TensorSpec spec;
+  std::vector<uint8_t> bytes;
+};
+using Model = std::map<std::string, Tensor>;  // name order = manifest order
+
+v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
+  v1::TensorSpec s;
+  s.set_name(name);
+  s.set_dtype(v1::DTYPE_BF16);
+  for (uint64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {
+  Tensor t{spec, std::vector<uint8_t>(*sync::TensorByteSize(spec))};
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    const uint16_t v = static_cast<uint16_t>(((rng() & 1) << 15) | ((0x76 + rng() % 4) << 7) |
+                                             (rng() & 0x7F));
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+  return t;
+}
+
+// Changes about `rate` of the elements by +-1 ULP.
+void Perturb(Tensor& t, double rate, std::mt19937& rng) {
+  std::bernoulli_distribution pick(rate);
+  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
+    if (!pick(rng)) continue;
+    uint16_t v;
+    std::memcpy(&v, &t.bytes[i], 2);
+    v = static_cast<uint16_t>((v & 0x7F) == 0 ? v + 1 : ((rng() & 1) ? v + 1 : v - 1));
+    std::memcpy(&t.bytes[i], &v, 2);
+  }
+}
+
+// What travels for one transfer.
+struct Wire {
+  v1::VersionHeader header;
+  std::vector<v1::DataFrame> frames;
+  v1::VersionEnd end;
+};
+
+// A publisher: a PatchHistory fed with EncodePatches, and transfers cut into shuffled frames.
+class FakePublisher {
+ public:
+  explicit FakePublisher(uint32_t frame_bytes = 4096) : frame_bytes_(frame_bytes) {}
+
+  void Publish(uint64_t version, const Model& m) {
+    const Model* prev = models_.empty() ? nullptr : &models_.rbegin()->second;
+    std::vector<sync::TensorUpdate> updates;
+    std::vector<EncodeInput> inputs;
+    std::vector<size_t> which;
+    for (const auto& [name, t] : m) {
+      sync::TensorUpdate u;
+      u.spec = t.spec;
+      u.digest = TensorDigest(t.bytes, 1);
+      if (prev != nullptr) {
+        auto it = prev->find(name);
+        if (it != prev->end() && sync::SameSpec(it->second.spec, t.spec)) {
+          inputs.push_back({DType::kBF16, it->second.bytes, t.bytes});
+          which.push_back(updates.size());
+        }
+      }
+      updates.push_back(std::move(u));
+    }
+    auto patches = EncodePatches(inputs, {.block_log2 = 12, .threads = 2});
+    ASSERT_TRUE(patches.ok()) << patches.status();
+    for (size_t k = 0; k < which.size(); ++k) {
+      updates[which[k]].patch =
+          std::make_shared<const std::vector<uint8_t>>(std::move((*patches)[k]));
+    }
+    auto d = history_.Add(version, std::move(updates));
+    ASSERT_TRUE(d.ok()) << d.status();
+    models_[version] = m;
+  }
+
+  const Model& model(uint64_t v) const { return models_.at(v); }
+  uint64_t digest(uint64_t v) const { return *history_.VersionDigestOf(v); }
+
+  Wire Transfer(uint64_t sub_version, uint64_t sub_digest, uint64_t target,
+                const PlanOptions& options = {}) {
+    auto plan = history_.Plan(sub_version, sub_digest, target, options);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    last_plan_ = *plan;
+    Wire w{plan->Header(), {}, plan->End()};
+    const Model& m = models_.at(target);
+    for (size_t i = 0; i < plan->tensors.size(); ++i) {
+      const auto& td = plan->tensors[i];
+      const uint32_t ti = static_cast<uint32_t>(i);
+      if (td.plan.delivery() == v1::DELIVERY_KEYFRAME) {
+        auto fr = sync::SplitObject(m.at(td.plan.spec().name()).bytes, {target, ti, 0},
+                                    {frame_bytes_, true});
+        EXPECT_TRUE(fr.ok()) << fr.status();
+        w.frames.insert(w.frames.end(), fr->begin(), fr->end());
+      } else if (td.plan.delivery() == v1::DELIVERY_PATCH) {
+        for (size_t p = 0; p < td.patches.size(); ++p) {
+          auto fr = sync::SplitObject(*td.patches[p], {target, ti, static_cast<uint32_t>(p)},
+                                      {frame_bytes_, false});
+          EXPECT_TRUE(fr.ok()) << fr.status();
+          w.frames.insert(w.frames.end(), fr->begin(), fr->end());
+        }
+      }
+    }
+    std::shuffle(w.frames.begin(), w.frames.end(), rng_);
+    return w;
+  }
+
+  const TransferPlan& last_plan() const { return last_plan_; }
+
+ private:
+  uint32_t frame_bytes_;
+  PatchHistory history_{1ull << 30};
+  std::map<uint64_t, Model> models_;
+  TransferPlan last_plan_;
+  std::mt19937 rng_{7};
+};
+
+v1::Ack Feed(SubscriberCore& core, const Wire& w) {
+  absl::Status st = core.OnHeader(w.header);
+  EXPECT_TRUE(st.ok()) << st;
+  for (const auto& f : w.frames) {
+    absl::Status fs = core.OnFrame(f);
+    EXPECT_TRUE(fs.ok()) << fs;
+  }
+  return core.OnEnd(w.end);
+}
+
+// The current version's tensors, read under a lease.
+std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  auto lease = core.AcquireLease("test-reader");
+  EXPECT_TRUE(lease.ok()) << lease.status();
+  if (!lease.ok()) return out;
+  const store::Layout& layout = lease->store->layout();
+  for (size_t i = 0; i < layout.size(); ++i) {
+    out[layout.tensor(i).name].assign(lease->lease.spans[i].begin(), lease->lease.spans[i].end());
+  }
+  EXPECT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  return out;
+}
+
+void ExpectHolds(SubscriberCore& core, const FakePublisher& pub, uint64_t v) {
+  EXPECT_EQ(core.applied_version(), v);
+  EXPECT_EQ(core.applied_digest(), pub.digest(v));
+  auto got = Read(core);
+  const Model& m = pub.model(v);
+  ASSERT_EQ(got.size(), m.size());
+  for (const auto& [name, t] : m) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_TRUE(got[name] == t.bytes) << "tensor " << name << " differs at version " << v;
+  }
+}
+
+std::vector<uint8_t> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+class SubscriberCoreTest : public ::testing::Test {
+ protected:
+  SubscriberCoreTest() {
+    opts_.store.slots = 2;
+    opts_.store.clock = &clock_;
+    opts_.max_frame_bytes = 4096;
+    opts_.threads = 2;
+  }
+
+  // a, b, c change ~1% per version; "frozen" never changes.
+  Model Initial() {
+    Model m;
+    for (auto [name, n] : {std::pair{"a.weight", 40000}, std::pair{"b.weight", 12000},
+                           std::pair{"c.bias", 3000}, std::pair{"frozen", 5000}}) {
+      m[name] = RandomTensor(BF16(name, {static_cast<uint64_t>(n / 100), 100}), rng_);
+    }
+    return m;
+  }
+  Model Next(Model m) {
+    for (auto& [name, t] : m) {
+      if (name != "frozen") Perturb(t, 0.01, rng_);
+    }
+    return m;
+  }
+  // Publishes versions first..last, each ~1% from the previous.
+  void PublishRun(uint64_t first, uint64_t last) {
+    for (uint64_t v = first; v <= last; ++v) {
+      current_ = v == 1 ? Initial() : Next(current_);
+      pub_.Publish(v, current_);
+    }
+  }
+  // Moves `core` from what it holds to `target` and expects APPLIED.
+  void Sync(SubscriberCore& core, uint64_t target, const PlanOptions& options = {}) {
+    Wire w = pub_.Transfer(core.applied_version(), core.applied_digest(), target, options);
+    v1::Ack ack = Feed(core, w);
+    ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+    EXPECT_EQ(ack.version(), target);
+    EXPECT_EQ(ack.applied_version(), target);
+    EXPECT_EQ(ack.applied_version_digest(), pub_.digest(target));
+    EXPECT_GT(ack.wire_bytes(), 0u);
+    EXPECT_GE(ack.timings().total_micros(), ack.timings().stage_micros());
+    ExpectHolds(core, pub_, target);
+  }
+
+  std::mt19937 rng_{1234};
+  store::FakeClock clock_;
+  SubscriberOptions opts_;
+  FakePublisher pub_;
+  Model current_;
+};
+
+TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
+  PublishRun(1, 6);
+  SubscriberCore core(opts_);
+  EXPECT_EQ(core.applied_version(), 0u);
+  Sync(core, 1);  // keyframes
+  EXPECT_EQ(pub_.last_plan().reason, v1::TRANSFER_REASON_BOOTSTRAP);
+  EXPECT_EQ(core.generation(), 1u);
+  for (uint64_t v = 2; v <= 6; ++v) {
+    Sync(core, v);
+    EXPECT_EQ(pub_.last_plan().reason, v1::TRANSFER_REASON_NEXT_VERSION);
+    std::map<std::string, v1::Delivery> d;
+    for (const auto& t : pub_.last_plan().tensors) d[t.plan.spec().name()] = t.plan.delivery();
+    EXPECT_EQ(d["frozen"], v1::DELIVERY_UNCHANGED);
+    EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);
+  }
+  EXPECT_EQ(core.generation(), 1u);  // same manifest: same store throughout
+  auto td = core.applied_tensor_digests();
+  ASSERT_EQ(td.size(), 4u);
+  EXPECT_EQ(td[0].name(), "a.weight");
+  EXPECT_EQ(td[0].digest(), TensorDigest(pub_.model(6).at("a.weight").bytes, 1));
+}
+
+TEST_F(SubscriberCoreTest, LateJoinerBootstrapsWithKeyframesAndResyncFromBaseZero) {
+  PublishRun(1, 5);
+  SubscriberCore core(opts_);
+  Sync(core, 5);
+  for (const auto& t : pub_.last_plan().tensors) {
+    EXPECT_EQ(t.plan.delivery(), v1::DELIVERY_KEYFRAME);
+  }
+  PublishRun(6, 6);
+  // Resync: every tensor a keyframe, sent with base 0 although the subscriber holds 5.
+  PlanOptions all;
+  all.all_keyframes = true;
+  Wire w = pub_.Transfer(5, core.applied_digest(), 6, all);
+  w.header.set_base_version(0);
+  v1::Ack ack = Feed(core, w);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  ExpectHolds(core, pub_, 6);
+  // Base 0 with a patch in it is refused.
+  PublishRun(7, 7);
+  w = pub_.Transfer(6, core.applied_digest(), 7);
+  w.header.set_base_version(0);
+  EXPECT_EQ(core.OnHeader(w.header).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(SubscriberCoreTest, ThreeVersionsBehindAppliesChains) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  PublishRun(3, 5);
+  Wire w = pub_.Transfer(2, core.applied_digest(), 5);
+  EXPECT_EQ(pub_.last_plan().reason, v1::TRANSFER_REASON_CATCH_UP);
+  int chained = 0;
+  for (const auto& t : w.header.tensors()) chained += t.steps_size() == 3;
+  EXPECT_GE(chained, 1);
+  v1::Ack ack = Feed(core, w);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  ExpectHolds(core, pub_, 5);
+}
+
+TEST_F(SubscriberCoreTest, ManyTinyFramesInReverseOrder) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  core.SetMaxFrameBytes(512);
+  FakePublisher pub(512);
+  pub.Publish(1, pub_.model(1));
+  pub.Publish(2, pub_.model(2));
+  for (uint64_t v = 1; v <= 2; ++v) {
+    Wire w = pub.Transfer(core.applied_version(), core.applied_digest(), v);
+    std::reverse(w.frames.begin(), w.frames.end());
+    if (v == 1) {
+      EXPECT_GT(w.frames.size(), 100u);
+    }
+    v1::Ack ack = Feed(core, w);
+    ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+    ExpectHolds(core, pub, v);
+  }
+}
+
+TEST_F(SubscriberCoreTest, FramesFromSeveralStreamsConcurrently) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    Wire w = pub_.Transfer(core.applied_version(), core.applied_digest(), v);
+    ASSERT_TRUE(core.OnHeader(w.header).ok());
+    std::vector<std::thread> streams;
+    for (size_t s = 0; s < 3; ++s) {
+      streams.emplace_back([&, s] {
+        for (size_t i = s; i < w.frames.size(); i += 3) EXPECT_TRUE(core.OnFrame(w.frames[i]).ok());
+      });
+    }
+    for (auto& t : streams) t.join();
+    v1::Ack ack = core.OnEnd(w.end);
+    ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+    ExpectHolds(core, pub_, v);
+  }
+}
+
+TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  auto gen1 = core.store();
+  // A consumer holds version 2 on generation 1 across the change.
+  auto lease = core.AcquireLease("vllm-0");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->generation, 1u);
+
+  Model m = Next(current_);
+  m.erase("c.bias");                                          // removed
+  m["d.new"] = RandomTensor(BF16("d.new", {700, 10}), rng_);  // added
+  current_ = m;
+  pub_.Publish(3, m);
+  Sync(core, 3);
+  std::map<std::string, v1::Delivery> d;
+  for (const auto& t : pub_.last_plan().tensors) d[t.plan.spec().name()] = t.plan.delivery();
+  EXPECT_EQ(d.count("c.bias"), 0u);
+  EXPECT_EQ(d["d.new"], v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);    // base read from generation 1
+  EXPECT_EQ(d["frozen"], v1::DELIVERY_UNCHANGED);  // copied from generation 1
+  EXPECT_EQ(core.generation(), 2u);
+  EXPECT_NE(core.store(), gen1);
+  EXPECT_EQ(core.store()->layout().size(), 4u);
+
+  // The old generation lives on for its consumer, with version 2's bytes.
+  EXPECT_EQ(core.retired_stores(), 1u);
+  const store::Layout& old = lease->store->layout();
+  for (size_t i = 0; i < old.size(); ++i) {
+    const auto& want = pub_.model(2).at(old.tensor(i).name).bytes;
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), lease->lease.spans[i].begin()))
+        << old.tensor(i).name;
+  }
+  gen1.reset();
+  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  EXPECT_EQ(core.retired_stores(), 0u);
+
+  // Deltas continue on the new generation.
+  PublishRun(4, 4);
+  Sync(core, 4);
+  EXPECT_EQ(core.generation(), 2u);
+}
+
+TEST_F(SubscriberCoreTest, CorruptFrameRejectsAndKeepsThePreviousVersion) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Wire w = pub_.Transfer(1, core.applied_digest(), 2);
+  ASSERT_TRUE(core.OnHeader(w.header).ok());
+  size_t bad = 0;
+  while (w.frames[bad].payload().empty()) ++bad;
+  v1::DataFrame corrupt = w.frames[bad];
+  (*corrupt.mutable_payload())[0] ^= 0x40;
+  for (size_t i = 0; i < w.frames.size(); ++i) {
+    absl::Status st = core.OnFrame(i == bad ? corrupt : w.frames[i]);
+    if (i == bad) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+      EXPECT_NE(st.message().find("checksum"), std::string::npos) << st;
+    } else {
+      EXPECT_TRUE(st.ok()) << st;
+    }
+  }
+  // Previous version readable while the failed transfer is still open.
+  ExpectHolds(core, pub_, 1);
+  v1::Ack ack = core.OnEnd(w.end);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_EQ(ack.applied_version(), 1u);
+  EXPECT_EQ(ack.applied_version_digest(), pub_.digest(1));
+  EXPECT_NE(ack.error().find("checksum"), std::string::npos) << ack.error();
+  EXPECT_FALSE(core.transfer_open());
+  ExpectHolds(core, pub_, 1);
+  for (const auto& s : core.store()->Slots()) EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
+  // The retry succeeds.
+  Sync(core, 2);
+}
+
+TEST_F(SubscriberCoreTest, DigestMismatchRejectsNamingTheTensorThenKeyframeFixes) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Wire w = pub_.Transfer(1, core.applied_digest(), 2);
+  int idx = -1;
+  for (int i = 0; i < w.header.tensors_size(); ++i) {
+    if (w.header.tensors(i).spec().name() == "b.weight") idx = i;
+  }
+  ASSERT_GE(idx, 0);
+  ASSERT_EQ(w.header.tensors(idx).delivery(), v1::DELIVERY_PATCH);
+  w.end.set_digests(idx, w.end.digests(idx) ^ 1);
+  v1::Ack ack = Feed(core, w);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
+  EXPECT_NE(ack.error().find("b.weight"), std::string::npos) << ack.error();
+  EXPECT_EQ(ack.applied_version(), 1u);
+  ExpectHolds(core, pub_, 1);
+  // What the daemon does next: KeyframeRequest for the named tensors.
+  PlanOptions opt;
+  opt.keyframe_tensors.assign(ack.mismatched_tensors().begin(), ack.mismatched_tensors().end());
+  Sync(core, 2, opt);
+}
+
+TEST_F(SubscriberCoreTest, VersionDigestMismatchRejects) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Wire w = pub_.Transfer(1, core.applied_digest(), 2);
+  w.end.set_version_digest(w.end.version_digest() + 1);
+  v1::Ack ack = Feed(core, w);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_NE(ack.error().find("version digest"), std::string::npos) << ack.error();
+  ExpectHolds(core, pub_, 1);
+}
+
+TEST_F(SubscriberCoreTest, WrongBaseOrOldTargetIsFailedPrecondition) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Wire w12 = pub_.Transfer(1, pub_.digest(1), 2);
+  Sync(core, 2);
+  // Replaying the transfer 1 -> 2: the double-apply guard.
+  absl::Status st = core.OnHeader(w12.header);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  // A delta from 1 to 3 while holding 2.
+  Wire w13 = pub_.Transfer(1, pub_.digest(1), 3);
+  st = core.OnHeader(w13.header);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("base version 1"), std::string::npos) << st;
+  EXPECT_FALSE(core.transfer_open());
+  // Frames and ends without a header.
+  EXPECT_EQ(core.OnFrame(w13.frames[0]).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core.OnEnd(w13.end).result(), v1::ACK_RESULT_REJECTED);
+  // A malformed chain.
+  Wire w23 = pub_.Transfer(2, pub_.digest(2), 3);
+  v1::VersionHeader bad = w23.header;
+  for (auto& t : *bad.mutable_tensors()) {
+    if (t.delivery() == v1::DELIVERY_PATCH) t.mutable_steps(0)->set_base_version(1);
+  }
+  st = core.OnHeader(bad);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  ExpectHolds(core, pub_, 2);
+  EXPECT_EQ(Feed(core, w23).result(), v1::ACK_RESULT_APPLIED);
+  ExpectHolds(core, pub_, 3);
+  // A second header while one is open.
+  PublishRun(4, 4);
+  Wire w34 = pub_.Transfer(3, pub_.digest(3), 4);
+  ASSERT_TRUE(core.OnHeader(w34.header).ok());
+  EXPECT_EQ(core.OnHeader(w34.header).code(), absl::StatusCode::kFailedPrecondition);
+  core.Abort();
+  EXPECT_EQ(Feed(core, w34).result(), v1::ACK_RESULT_APPLIED);
+}
+
+TEST_F(SubscriberCoreTest, AbortMidTransferChangesNothing) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Wire w = pub_.Transfer(1, pub_.digest(1), 2);
+  ASSERT_TRUE(core.OnHeader(w.header).ok());
+  for (size_t i = 0; i < w.frames.size() / 2; ++i) ASSERT_TRUE(core.OnFrame(w.frames[i]).ok());
+  core.Abort();
+  EXPECT_FALSE(core.transfer_open());
+  ExpectHolds(core, pub_, 1);
+  // Missing frames at VersionEnd: rejected, naming what is incomplete.
+  ASSERT_TRUE(core.OnHeader(w.header).ok());
+  for (size_t i = 1; i < w.frames.size(); ++i) ASSERT_TRUE(core.OnFrame(w.frames[i]).ok());
+  v1::Ack ack = core.OnEnd(w.end);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_FALSE(ack.error().empty());
+  ExpectHolds(core, pub_, 1);
+  EXPECT_EQ(Feed(core, w).result(), v1::ACK_RESULT_APPLIED);
+  ExpectHolds(core, pub_, 2);
+}
+
+TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
+  PublishRun(1, 4);
+  SubscriberCore core(opts_);  // 2 slots
+  Sync(core, 1);
+  auto lease = core.AcquireLease("vllm-0");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->lease.version, 1u);
+  auto snapshot = [&] {
+    std::vector<std::vector<uint8_t>> s;
+    for (auto sp : lease->lease.spans) s.emplace_back(sp.begin(), sp.end());
+    return s;
+  };
+  const auto before = snapshot();
+  Sync(core, 2);
+  EXPECT_EQ(snapshot(), before);  // still version 1's bytes
+  const store::Layout& layout = lease->store->layout();
+  for (size_t i = 0; i < layout.size(); ++i) {
+    EXPECT_EQ(before[i], pub_.model(1).at(layout.tensor(i).name).bytes);
+  }
+  // With v1 leased and v2 current, no slot is free for v3: frames are held in memory and the
+  // staging is retried at VersionEnd, which still finds none -> REJECTED, nothing changes.
+  PlanOptions kf;
+  kf.keyframe_tensors = {"c.bias"};  // one keyframe reassembled in host memory, then copied
+  Wire w = pub_.Transfer(2, pub_.digest(2), 3, kf);
+  v1::Ack ack = Feed(core, w);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_NE(ack.error().find("vllm-0"), std::string::npos) << ack.error();
+  EXPECT_EQ(snapshot(), before);
+  ExpectHolds(core, pub_, 2);
+  // Released between header and end: the deferred staging succeeds.
+  ASSERT_TRUE(core.OnHeader(w.header).ok());
+  for (const auto& f : w.frames) ASSERT_TRUE(core.OnFrame(f).ok());
+  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  ack = core.OnEnd(w.end);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  ExpectHolds(core, pub_, 3);
+  Sync(core, 4);
+}
+
+TEST_F(SubscriberCoreTest, ExportEqualsThePublishedSafetensors) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  const std::string dir = ::testing::TempDir();
+  const std::string got = dir + "/sub_export_" + std::to_string(getpid()) + ".safetensors";
+  const std::string want = dir + "/pub_input_" + std::to_string(getpid()) + ".safetensors";
+  EXPECT_EQ(core.Export(got).code(), absl::StatusCode::kFailedPrecondition);
+  Sync(core, 1);
+  Sync(core, 3);
+  ASSERT_TRUE(core.Export(got).ok());
+  // The publisher's input file: the model in name order.
+  std::vector<model::SafetensorsTensorRef> refs;
+  for (const auto& [name, t] : pub_.model(3)) {
+    refs.push_back({name, DType::kBF16,
+                    std::vector<int64_t>(t.spec.shape().begin(), t.spec.shape().end()), t.bytes});
+  }
+  ASSERT_TRUE(model::WriteSafetensors(want, refs).ok());
+  EXPECT_EQ(ReadFile(got), ReadFile(want));
+  auto f = model::SafetensorsFile::Open(got);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(f->tensors().size(), pub_.model(3).size());
+  for (size_t i = 0; i < f->tensors().size(); ++i) {
+    const auto& want_bytes = pub_.model(3).at(f->tensors()[i].name).bytes;
+    auto data = f->data(i);
+    EXPECT_TRUE(std::equal(data.begin(), data.end(), want_bytes.begin(), want_bytes.end()));
+  }
+  std::remove(got.c_str());
+  std::remove(want.c_str());
+}
+
+}  // namespace
+}  // namespace refit::subscriber
