@@ -18,6 +18,7 @@
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/version_digest.h"
+#include "daemon/sync/sync_testing.h"
 #include "gtest/gtest.h"
 
 namespace refit::subscriber {
@@ -27,41 +28,11 @@ using sync::PatchHistory;
 using sync::PlanOptions;
 using sync::TransferPlan;
 
-struct Tensor {
-  v1::TensorSpec spec;
-  std::vector<uint8_t> bytes;
-};
-using Model = std::map<std::string, Tensor>;  // name order = manifest order
-
-v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
-  v1::TensorSpec s;
-  s.set_name(name);
-  s.set_dtype(v1::DTYPE_BF16);
-  for (uint64_t d : shape) s.add_shape(d);
-  return s;
-}
-
-Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {
-  Tensor t{spec, std::vector<uint8_t>(*sync::TensorByteSize(spec))};
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    const uint16_t v = static_cast<uint16_t>(((rng() & 1) << 15) | ((0x76 + rng() % 4) << 7) |
-                                             (rng() & 0x7F));
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
-}
-
-// Changes about `rate` of the elements by +-1 ULP.
-void Perturb(Tensor& t, double rate, std::mt19937& rng) {
-  std::bernoulli_distribution pick(rate);
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    if (!pick(rng)) continue;
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[i], 2);
-    v = static_cast<uint16_t>((v & 0x7F) == 0 ? v + 1 : ((rng() & 1) ? v + 1 : v - 1));
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-}
+using sync::testing::BF16;
+using sync::testing::Model;
+using sync::testing::Perturb;
+using sync::testing::RandomTensor;
+using sync::testing::Tensor;
 
 // What travels for one transfer.
 struct Wire {

@@ -11,47 +11,17 @@
 #include "daemon/codec/hash.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
+#include "daemon/sync/sync_testing.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
 
-struct Tensor {
-  v1::TensorSpec spec;
-  std::vector<uint8_t> bytes;
-};
-using Model = std::map<std::string, Tensor>;  // sorted by name = manifest order
-
-v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
-  v1::TensorSpec s;
-  s.set_name(name);
-  s.set_dtype(v1::DTYPE_BF16);
-  for (uint64_t d : shape) s.add_shape(d);
-  return s;
-}
-
-Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {
-  Tensor t{spec, std::vector<uint8_t>(*TensorByteSize(spec))};
-  for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {
-    // BF16 around N(0, 0.02): exponent ~ 2^-6 .. 2^-9, random sign and mantissa.
-    const uint16_t v = static_cast<uint16_t>(((rng() & 1) << 15) | ((0x76 + rng() % 4) << 7) | (rng() & 0x7F));
-    std::memcpy(&t.bytes[i], &v, 2);
-  }
-  return t;
-}
-
-// Changes about `rate` of the elements by +-1 ULP.
-void Perturb(Tensor& t, double rate, std::mt19937& rng) {
-  const size_t n = t.bytes.size() / 2;
-  std::bernoulli_distribution pick(rate);
-  for (size_t i = 0; i < n; ++i) {
-    if (!pick(rng)) continue;
-    uint16_t v;
-    std::memcpy(&v, &t.bytes[2 * i], 2);
-    v = static_cast<uint16_t>((v & 0x7F) == 0 ? v + 1 : ((rng() & 1) ? v + 1 : v - 1));
-    std::memcpy(&t.bytes[2 * i], &v, 2);
-  }
-}
+using testing::BF16;
+using testing::Model;
+using testing::Perturb;
+using testing::RandomTensor;
+using testing::Tensor;
 
 uint64_t Digest(const std::vector<uint8_t>& b) { return TensorDigest(b, 1); }
 
