@@ -155,8 +155,7 @@ TEST(CudaEmulator, BitSinkAndReaderMatchBitstream) {
     for (const Code& c : codes) {
       if (c.kind == 0) w.PutRice(c.x, c.k);
       else if (c.kind == 1) w.PutEg(c.x, c.k);
-      else if (c.k > 32) { w.Put(c.x & 0xffffffffu, 32); w.Put(c.x >> 32, c.k - 32); }
-      else w.Put(c.x, c.k);
+      else w.PutLong(c.x, c.k);
     }
     ASSERT_EQ(w.Finish(cpu.data()), nbytes);
     std::vector<uint32_t> words((nbytes + 3) / 4 + 1, 0);

@@ -8,96 +8,13 @@
 
 namespace refit {
 
-// Writes into a caller-sized buffer. The caller computes the exact bit count beforehand
-// (the encoder knows every code length), so the writer never needs to check capacity: it stores
-// whole 64-bit words only once 64 bits are pending and the final partial word byte by byte.
-class BitWriter {
- public:
-  explicit BitWriter(uint8_t* out) : out_(out) {}
-
-  // Appends the low `nbits` bits of v (0 <= nbits <= 64); bits of v above nbits must be zero.
-  inline void Put(uint64_t v, int nbits) {
-    if (nbits == 0) return;
-    acc_ |= v << fill_;  // fill_ < 64 always
-    const int total = fill_ + nbits;
-    if (total >= 64) {
-      std::memcpy(out_, &acc_, 8);
-      out_ += 8;
-      acc_ = fill_ == 0 ? 0 : v >> (64 - fill_);
-      fill_ = total - 64;
-    } else {
-      fill_ = total;
-    }
-  }
-  inline void PutZeros(uint64_t n) {
-    while (n >= 64) {
-      Put(0, 64);
-      n -= 64;
-    }
-    Put(0, static_cast<int>(n));
-  }
-  // Rice(k) of x, k <= 32.
-  inline void PutRice(uint64_t x, int k) {
-    const uint64_t q = x >> k;
-    if (q + static_cast<uint64_t>(k) < 63) {  // one write: q zeros, a one, k low bits
-      const uint64_t low = x & ((1ull << k) - 1);
-      Put((1ull << q) | (low << (q + 1)), static_cast<int>(q) + 1 + k);
-      return;
-    }
-    PutZeros(q);
-    Put(1, 1);
-    if (k) Put(x & ((1ull << k) - 1), k);
-  }
-  // Rice(k) of x followed by one bit.
-  inline void PutRiceThenBit(uint64_t x, int k, uint64_t bit) {
-    const uint64_t q = x >> k;
-    if (q + static_cast<uint64_t>(k) < 62) {
-      const uint64_t low = x & ((1ull << k) - 1);
-      Put((1ull << q) | (low << (q + 1)) | (bit << (q + 1 + k)), static_cast<int>(q) + 2 + k);
-      return;
-    }
-    PutRice(x, k);
-    Put(bit, 1);
-  }
-  // Exp-Golomb(k) of x, k <= 31, x + 2^k must not overflow.
-  inline void PutEg(uint64_t x, int k) {
-    const uint64_t y = x + (1ull << k);
-    const int L = 64 - __builtin_clzll(y);
-    PutZeros(static_cast<uint64_t>(L - 1 - k));
-    Put(1, 1);
-    const int low = L - 1;
-    if (low > 0) {
-      const uint64_t bits = low == 64 ? y : (y & ((1ull << low) - 1));
-      if (low > 32) {
-        Put(bits & 0xffffffffull, 32);
-        Put(bits >> 32, low - 32);
-      } else {
-        Put(bits, low);
-      }
-    }
-  }
-  // Flushes the pending partial word; returns the number of bytes written in total.
-  size_t Finish(const uint8_t* start) {
-    const int bytes = (fill_ + 7) / 8;
-    for (int i = 0; i < bytes; ++i) *out_++ = static_cast<uint8_t>(acc_ >> (8 * i));
-    acc_ = 0;
-    fill_ = 0;
-    return static_cast<size_t>(out_ - start);
-  }
-
- private:
-  uint8_t* out_;
-  uint64_t acc_ = 0;
-  int fill_ = 0;
-};
-
 // Branch-free writer for the encoder's hot loop: every Put stores the whole 64-bit accumulator
 // and advances by the completed bytes, so it needs 8 writable bytes of slack past the end of the
 // stream. Each Put takes at most 56 bits; Put(0, 0) is a no-op, which lets callers drop optional
 // codes by zeroing their length instead of branching.
-class FastBitWriter {
+class BitWriter {
  public:
-  explicit FastBitWriter(uint8_t* out) : out_(out) {}
+  explicit BitWriter(uint8_t* out) : out_(out) {}
   inline void Put(uint64_t v, int nbits) {  // nbits <= 56, v < 2^nbits
     acc_ |= v << fill_;
     fill_ += nbits;

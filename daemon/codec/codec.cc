@@ -607,9 +607,9 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
   } else {
     eb.mode = kSparse;
     eb.count = static_cast<uint32_t>(n);
-    out.resize(start + sparse_bytes + 8);  // FastBitWriter slack
+    out.resize(start + sparse_bytes + 8);  // BitWriter slack
     uint8_t* p = out.data() + start;
-    FastBitWriter w(p);
+    BitWriter w(p);
     const int kg = eb.kg, kr = eb.kr, ke = eb.ke;
     const uint64_t mask_g = (1ull << kg) - 1;
     if (coding == ValueCoding::kRaw) {
