@@ -174,19 +174,6 @@ absl::Status DeviceBuffer::Download(std::span<uint8_t> host) const {
   return rt::CopyToHost(host.data(), ptr_, host.size());
 }
 
-double DeviceTimings::TotalMs() const {
-  double t = 0;
-  for (const auto& s : stages) t += s.ms;
-  return t;
-}
-
-double DeviceTimings::StageMs(const std::string& name) const {
-  for (const auto& s : stages) {
-    if (s.name == name) return s.ms;
-  }
-  return 0;
-}
-
 absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType dtype, const void* d_base,
                                                        const void* d_target, uint64_t bytes,
                                                        const EncodeOptions& options,
@@ -418,18 +405,8 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
                                       DeviceTimings* timings) {
   RETURN_IF_ERROR(CheckDevice());
   // The same checks, in the same order and with the same messages, as ApplyPatch.
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
-  if (layout.dtype != dtype) {
-    return absl::FailedPreconditionError(absl::StrCat("patch is for dtype ",
-                                                      DTypeName(layout.dtype), " but the tensor is ",
-                                                      DTypeName(dtype)));
-  }
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
   const int w = DTypeSize(dtype);
-  if (bytes % w != 0 || bytes / w != layout.num_elements) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "patch is for ", layout.num_elements, " elements but the base tensor has ", bytes,
-        " bytes (", bytes / w, " ", DTypeName(dtype), " elements)"));
-  }
   if (bytes > 0 && (d_base == nullptr || d_out == nullptr)) {
     return absl::InvalidArgumentError("ApplyPatchDevice: null device pointer");
   }

@@ -69,8 +69,17 @@ struct DeviceTimings {
     double ms = 0;
   };
   std::vector<Stage> stages;
-  double TotalMs() const;
-  double StageMs(const std::string& name) const;  // 0 if absent
+  double TotalMs() const {
+    double t = 0;
+    for (const auto& s : stages) t += s.ms;
+    return t;
+  }
+  double StageMs(const std::string& name) const {  // 0 if absent
+    for (const auto& s : stages) {
+      if (s.name == name) return s.ms;
+    }
+    return 0;
+  }
 };
 
 // The codec with its device scratch memory kept between calls (the free functions below create

@@ -26,17 +26,6 @@ absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t) { return Unavailable
 absl::Status DeviceBuffer::Upload(std::span<const uint8_t>) { return Unavailable(); }
 absl::Status DeviceBuffer::Download(std::span<uint8_t>) const { return Unavailable(); }
 
-double DeviceTimings::TotalMs() const {
-  double t = 0;
-  for (const auto& s : stages) t += s.ms;
-  return t;
-}
-double DeviceTimings::StageMs(const std::string& name) const {
-  for (const auto& s : stages) {
-    if (s.name == name) return s.ms;
-  }
-  return 0;
-}
 
 struct DeviceCodec::Impl {};
 DeviceCodec::DeviceCodec(void*) {}

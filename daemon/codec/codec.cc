@@ -599,11 +599,15 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
   const uint64_t sparse_bytes = (total_bits + 7) / 8;
   const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
   const size_t start = out.size();
-  if (sparse_bytes >= dense_bytes) {
+  auto emit_dense = [&] {
+    eb = BlockRecord{};
     eb.mode = kDense;
     out.resize(start + dense_bytes);
     std::memcpy(out.data() + start, b, dense_bytes);
     eb.payload_bytes = dense_bytes;
+  };
+  if (sparse_bytes >= dense_bytes) {
+    emit_dense();
   } else {
     eb.mode = kSparse;
     eb.count = static_cast<uint32_t>(n);
@@ -670,11 +674,7 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
     if (written != sparse_bytes) {
       // The cost model and the writer disagree: a bug, never valid output. Fall back to the
       // always-correct dense form rather than emit a corrupt block.
-      eb = BlockRecord{};
-      eb.mode = kDense;
-      out.resize(start + dense_bytes);
-      std::memcpy(out.data() + start, b, dense_bytes);
-      eb.payload_bytes = dense_bytes;
+      emit_dense();
     } else {
       eb.payload_bytes = sparse_bytes;
     }
@@ -1168,8 +1168,8 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
   return layout;
 }
 
-absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
-                        std::span<uint8_t> out, int threads) {
+absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType dtype,
+                                          uint64_t tensor_bytes) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   if (layout.dtype != dtype) {
     return absl::FailedPreconditionError(absl::StrCat("patch is for dtype ",
@@ -1177,11 +1177,18 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<c
                                                       DTypeName(dtype)));
   }
   const int w = DTypeSize(dtype);
-  if (base.size() % w != 0 || base.size() / w != layout.num_elements) {
+  if (tensor_bytes % w != 0 || tensor_bytes / w != layout.num_elements) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "patch is for ", layout.num_elements, " elements but the base tensor has ", base.size(),
-        " bytes (", base.size() / w, " ", DTypeName(dtype), " elements)"));
+        "patch is for ", layout.num_elements, " elements but the base tensor has ", tensor_bytes,
+        " bytes (", tensor_bytes / w, " ", DTypeName(dtype), " elements)"));
   }
+  return layout;
+}
+
+absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
+                        std::span<uint8_t> out, int threads) {
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  const int w = DTypeSize(dtype);
   if (out.size() != base.size()) {
     return absl::InvalidArgumentError(absl::StrCat("ApplyPatch: output has ", out.size(),
                                                    " bytes, base has ", base.size()));

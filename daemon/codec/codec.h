@@ -85,6 +85,11 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
 // header checksum, payload bounds). Does not read payloads.
 absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch);
 
+// ParsePatch, then checks that the patch is for `dtype` and a tensor of `tensor_bytes` bytes
+// (FailedPrecondition otherwise). The checks every apply path (CPU, GPU) starts with.
+absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType dtype,
+                                          uint64_t tensor_bytes);
+
 // Applies `patch` to `base`, writing the target into `out` (same size as base). `out` may be the
 // same memory as `base` (in place); otherwise base is never written. The patch must be for
 // `dtype` and base's element count. Every block checksum is verified before anything is written;

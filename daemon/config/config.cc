@@ -40,6 +40,15 @@ bool Configured(const v1::ServerTls& tls) {
 }
 
 // Validates a listener address and its TLS block; returns the parsed address.
+// Sorts the names of a TLS block's cert, key and ca into those set and those missing.
+void SplitTlsFiles(const std::string& cert, const std::string& key, const std::string& ca,
+                   std::vector<std::string>& present, std::vector<std::string>& missing) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, const std::string*>{"cert", &cert}, {"key", &key}, {"ca", &ca}}) {
+    (value->empty() ? missing : present).push_back(name);
+  }
+}
+
 absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_path,
                                       const std::string& addr_text, const std::string& tls_path,
                                       const v1::ServerTls& tls) {
@@ -57,11 +66,7 @@ absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_
   }
   if (any_file) {
     std::vector<std::string> present, missing;
-    for (const auto& [name, value] : {std::pair<std::string, std::string>{"cert", tls.cert()},
-                                      {"key", tls.key()},
-                                      {"ca", tls.ca()}}) {
-      (value.empty() ? missing : present).push_back(name);
-    }
+    SplitTlsFiles(tls.cert(), tls.key(), tls.ca(), present, missing);
     if (!missing.empty()) {
       return c.Fail(absl::StrCat(tls_path, ".", missing[0]),
                     absl::StrCat("required together with ", absl::StrJoin(present, " and "),
@@ -174,11 +179,7 @@ absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const
   }
   if (any) {
     std::vector<std::string> present, missing;
-    for (const auto& [name, value] : {std::pair<std::string, std::string>{"cert", tls.cert()},
-                                      {"key", tls.key()},
-                                      {"ca", tls.ca()}}) {
-      (value.empty() ? missing : present).push_back(name);
-    }
+    SplitTlsFiles(tls.cert(), tls.key(), tls.ca(), present, missing);
     if (!missing.empty()) {
       return c.Fail(absl::StrCat(tls_path, ".", missing[0]),
                     absl::StrCat("required for TLS connections", present.empty() ? "" : " with ",
