@@ -1,0 +1,38 @@
+// Logging: spdlog with one named logger per component, all writing to stderr through one sink
+// (systemd's journal and kubectl logs both read stderr). The level comes from the config's
+// log_level (refitd --log-level overrides) and applies to every component.
+//
+//   auto log = refit::Logger("dataplane");
+//   log->info("session {} from {}: hello version {}", id, peer, version);
+//
+// Components in use: refitd, publisher, dataplane, upstream, subscriber, control, trainer-api,
+// consumer-api, peers. Format: "2026-11-30T00:41:12.345678Z I dataplane: message".
+#ifndef REFIT_DAEMON_COMMON_LOGGING_H_
+#define REFIT_DAEMON_COMMON_LOGGING_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "spdlog/spdlog.h"
+
+namespace refit {
+
+// The logger named `component`, created on first use with the shared sink and the current
+// level. Thread-safe; cheap after the first call for a name (keep the shared_ptr around).
+std::shared_ptr<spdlog::logger> Logger(const std::string& component);
+
+// Sets the level of every existing and future logger.
+void SetLogLevel(spdlog::level::level_enum level);
+
+// Parses "trace|debug|info|warn|error|critical|off" (case-insensitive). InvalidArgument naming
+// the accepted values otherwise.
+absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text);
+
+// Maps a config LogLevel enum value (refit.v1.LogLevel, 1..7) to spdlog's; unknown -> info.
+spdlog::level::level_enum LogLevelFromConfig(int config_log_level);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_COMMON_LOGGING_H_

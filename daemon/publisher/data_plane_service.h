@@ -1,0 +1,130 @@
+// DataPlaneService: the publisher side of the data plane (proto/refit/v1/data.proto DataPlane:
+// Sync + Stripe) around a PublisherCore. Also used by a subscriber that serves its peers
+// (serve_peers): it then feeds its own PublisherCore with every version it applies.
+//
+// One Sync call = one session. The handler thread reads Hello, answers Welcome, waits for the
+// granted stripes, then runs transfers one at a time: MakeTransfer(acked version, digest) ->
+// VersionHeader on Sync, DataFrames pulled from one shared counter by every stream of the session
+// (Sync and its stripes, so a slow connection simply sends fewer frames), VersionEnd on Sync once
+// every stream has written its share, then waits for the Ack (read by a second thread of the
+// session). A rejected transfer is retried (keyframes for the tensors the Ack names, all
+// keyframes after a rejection that names none) after a delay that grows per consecutive
+// rejection.
+//
+// Thread-safe. The gRPC server's sync thread pool runs the handlers; NotifyPublished() wakes the
+// idle sessions after PublisherCore::Publish. Shutdown() ends every session (handlers return
+// UNAVAILABLE "publisher shutting down") so that grpc::Server::Shutdown does not wait for them.
+#ifndef REFIT_DAEMON_PUBLISHER_DATA_PLANE_SERVICE_H_
+#define REFIT_DAEMON_PUBLISHER_DATA_PLANE_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/publisher/publisher_core.h"
+#include "spdlog/spdlog.h"
+#include "refit/v1/control.pb.h"
+#include "refit/v1/data.grpc.pb.h"
+
+namespace refit::publisher {
+
+struct DataPlaneOptions {
+  // Welcome.name.
+  std::string name;
+  // config transport.frame_bytes: Welcome.frame_bytes = min(this, Hello.max_frame_bytes).
+  uint32_t frame_bytes = 4u << 20;
+  // config transport.max_streams_per_subscriber: stripes granted <= this - 1.
+  uint32_t max_streams_per_subscriber = 8;
+  // config transport.max_subscribers: concurrent sessions; more get RESOURCE_EXHAUSTED.
+  uint32_t max_subscribers = 1024;
+  // config transport.stripe_join_timeout_ms.
+  absl::Duration stripe_join_timeout = absl::Seconds(10);
+  // LZ4 for keyframe chunks when the subscriber accepts it.
+  bool lz4 = true;
+  // Delay before re-sending after a rejected transfer: initial, doubled per consecutive
+  // rejection, capped.
+  absl::Duration retry_initial = absl::Milliseconds(100);
+  absl::Duration retry_max = absl::Seconds(5);
+  // Logger component name ("dataplane"; "peers" on a subscriber serving peers).
+  std::string logger = "dataplane";
+};
+
+class DataPlaneService final : public v1::DataPlane::Service {
+ public:
+  // `core` must outlive the service.
+  DataPlaneService(PublisherCore* core, DataPlaneOptions options);
+  ~DataPlaneService() override;
+
+  grpc::Status Sync(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream)
+      override;
+  grpc::Status Stripe(grpc::ServerContext* context, const v1::StripeRequest* request,
+                      grpc::ServerWriter<v1::DataFrame>* writer) override;
+
+  // Call after every successful PublisherCore::Publish: idle sessions start the transfer of the
+  // new newest version.
+  void NotifyPublished();
+
+  // Ends every session and refuses new ones (UNAVAILABLE). Idempotent.
+  void Shutdown();
+
+  // One entry per live session (Control Status: sessions), ordered by subscriber name.
+  std::vector<v1::SessionStatus> Sessions() const;
+
+  // Control Resync: the sessions of subscriber `name` ("" = all) send `tensors` (empty = all) as
+  // keyframes with their next transfer; a session that is up to date gets that transfer as soon
+  // as a newer version is published. Returns the number of sessions marked.
+  uint32_t RequestResync(const std::string& name, const std::vector<std::string>& tensors);
+
+  // Control WaitVersion(all_subscribers): OK once every live session has acked >= version (and
+  // at least the ones live now). DeadlineExceeded at `deadline` with a message naming the
+  // sessions behind ("subscriber sub-2 at version 5"); Unavailable on Shutdown.
+  absl::Status WaitAllAcked(uint64_t version, absl::Time deadline);
+
+  // Largest Hello.version seen from any subscriber (0 if none). A publisher that restarted
+  // without its baseline numbers its next version above max(newest, this).
+  uint64_t max_subscriber_version() const;
+
+  // Payload bytes of DataFrames written on all sessions since start.
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+
+  // The last version for which every session that was live when it was published has acked it
+  // (or ended): version, wire bytes (sum over sessions), latency = snapshot -> last ack.
+  // Empty RefitStats (version 0) until then.
+  v1::RefitStats LastFullyAcked() const;
+
+ private:
+  struct Session;
+  struct Work;
+
+  grpc::Status RunSession(grpc::ServerContext* context,
+                          grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream,
+                          const std::shared_ptr<Session>& session);
+  void ReaderLoop(grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream,
+                  const std::shared_ptr<Session>& session);
+  void NoteAcked(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  PublisherCore* const core_;
+  const DataPlaneOptions options_;
+  std::shared_ptr<spdlog::logger> log_;
+
+  mutable absl::Mutex mu_;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  // Incremented by NotifyPublished / Shutdown / Resync; sessions wait on mu_ for a change.
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t max_subscriber_version_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::RefitStats last_fully_acked_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> bytes_sent_{0};
+};
+
+}  // namespace refit::publisher
+
+#endif  // REFIT_DAEMON_PUBLISHER_DATA_PLANE_SERVICE_H_

@@ -1,0 +1,126 @@
+// Upstream: the subscriber side of the data plane (proto/refit/v1/data.proto). One background
+// thread keeps a session with a publisher (or a peer subscriber serving DataPlane) and feeds
+// every transfer to the SubscriberCore:
+//
+//   connect (bootstrap_peers first while nothing is applied, then addresses, in order, wrapping
+//   around) -> Hello{applied version, digests} -> Welcome -> open Welcome.stripes Stripe streams
+//   (each on its own channel: distinct channel arg "refit.stripe") -> for each transfer:
+//   VersionHeader -> OnHeader; DataFrames from every stream -> OnFrame (a stripe frame that
+//   overtakes its header waits for it); VersionEnd -> wait until VersionEnd.frames frames arrived
+//   -> OnEnd -> Ack (+ KeyframeRequest for mismatched tensors) -> on APPLIED the callback.
+//
+// Any error (connect timeout, broken stream, protocol violation, OnHeader refusal) ends the
+// session: the open transfer is aborted (the applied version stays), the error is kept for
+// status, and the thread reconnects after a backoff delay (initial, x multiplier per failure up
+// to max, +-jitter; reset after a Welcome). Protocol violations by the upstream end the call
+// with the status that names them, so the publisher logs them too.
+#ifndef REFIT_DAEMON_SUBSCRIBER_UPSTREAM_H_
+#define REFIT_DAEMON_SUBSCRIBER_UPSTREAM_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "refit/v1/control.pb.h"
+#include "refit/v1/data.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace refit::subscriber {
+
+struct UpstreamOptions {
+  // Hello.name.
+  std::string name;
+  // gRPC targets (config::Address::grpc_target) of upstream.addresses and bootstrap_peers.
+  std::vector<std::string> addresses;
+  std::vector<std::string> bootstrap_peers;
+  // Credentials of every connection and extra channel args (TLS server name override).
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  grpc::ChannelArguments channel_args;
+  // upstream.connections: Sync + (connections - 1) stripes asked for.
+  uint32_t connections = 4;
+  // upstream.max_frame_bytes (Hello.max_frame_bytes; max receive message = this + 1 MiB).
+  uint32_t max_frame_bytes = 16u << 20;
+  absl::Duration connect_timeout = absl::Seconds(10);
+  absl::Duration keepalive_time = absl::Seconds(10);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+  // upstream.backoff.
+  absl::Duration backoff_initial = absl::Milliseconds(100);
+  absl::Duration backoff_max = absl::Seconds(10);
+  double backoff_multiplier = 2.0;
+  double backoff_jitter = 0.2;
+};
+
+// What a successful transfer did (the daemon announces the version to consumers, logs it,
+// and feeds peers).
+struct AppliedEvent {
+  v1::RefitStats stats;        // version, base, change rate, wire/dense bytes, latency, ...
+  v1::Ack ack;                 // as sent (timings)
+  bool layout_changed = false;  // the store generation changed with this version
+  std::string upstream;        // address it came from
+};
+
+class Upstream {
+ public:
+  using AppliedCallback = std::function<void(const AppliedEvent&)>;
+
+  // `core` must outlive the Upstream. `on_applied` runs on the session thread after each APPLIED
+  // Ack was sent; keep it short (it delays the next transfer).
+  Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied);
+  ~Upstream();  // Stop()
+  Upstream(const Upstream&) = delete;
+  Upstream& operator=(const Upstream&) = delete;
+
+  // Starts the session thread. Call once.
+  void Start();
+  // Ends the session (cancels its calls), aborts an open transfer, joins the thread. Idempotent.
+  void Stop();
+
+  // The upstream session for Control Status (state, address, publisher name, acked version =
+  // applied version, bytes received, last refit, last error while in BACKOFF).
+  v1::SessionStatus Status() const;
+  // The last applied transfer (version 0 before the first).
+  v1::RefitStats last_refit() const;
+  // Payload bytes of DataFrames received since start, over all sessions.
+  uint64_t bytes_received() const;
+
+  // Control Resync on a subscriber: asks the upstream for keyframes of `tensors` (empty = all)
+  // with its next transfer: sent at once as a KeyframeRequest when a session is up, else with
+  // the next Hello (want_keyframe / a KeyframeRequest after Welcome). Returns 1.
+  uint32_t RequestResync(const std::vector<std::string>& tensors);
+
+ private:
+  struct Session;
+  void Run();
+  absl::Status RunSession(const std::string& target);
+
+  SubscriberCore* const core_;
+  const UpstreamOptions options_;
+  const AppliedCallback on_applied_;
+  std::shared_ptr<spdlog::logger> log_;
+  std::thread thread_;
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  std::shared_ptr<Session> session_ ABSL_GUARDED_BY(mu_);  // live session, if any
+  v1::SessionStatus status_ ABSL_GUARDED_BY(mu_);
+  v1::RefitStats last_refit_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_received_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pending resync (sent with the next session / transfer).
+  bool resync_pending_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> resync_tensors_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace refit::subscriber
+
+#endif  // REFIT_DAEMON_SUBSCRIBER_UPSTREAM_H_
