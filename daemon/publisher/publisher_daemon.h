@@ -1,0 +1,41 @@
+// `refitd publisher`: the publisher daemon assembled from its parts. Start() builds everything
+// from a validated config (config::LoadPublisherConfig + CheckConfigFiles already passed):
+//   PublisherCore (history budget, threads, persisted baseline), DataPlaneService, the Control
+//   service (Status, Publish from safetensors, Export, WaitVersion, Verify, Resync), the
+//   TrainerApi on local_socket (shared-memory tensors of trainer processes), gRPC health, the
+//   servers on listen / control_listen / local_socket, and finally the ready file.
+// A codec.device of cuda is refused with Unimplemented until the GPU path lands (issue 4); auto
+// runs on the CPU.
+#ifndef REFIT_DAEMON_PUBLISHER_PUBLISHER_DAEMON_H_
+#define REFIT_DAEMON_PUBLISHER_PUBLISHER_DAEMON_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "refit/v1/config.pb.h"
+
+namespace refit::publisher {
+
+class PublisherDaemon {
+ public:
+  // Starts serving. Errors: InvalidArgument / Unimplemented for unusable settings, Unavailable
+  // when an address cannot be bound, DataLoss / FailedPrecondition for a corrupt persisted
+  // baseline; each one line naming the config field.
+  static absl::StatusOr<std::unique_ptr<PublisherDaemon>> Start(const v1::PublisherConfig& config);
+  virtual ~PublisherDaemon() = default;
+
+  // Stops accepting, ends sessions, shuts the servers down (bounded wait). Idempotent; the
+  // destructor calls it.
+  virtual void Shutdown() = 0;
+
+  // Bound addresses (port 0 resolved): data plane, control ("" when served on listen), local
+  // socket ("" when none).
+  virtual std::string listen_address() const = 0;
+  virtual std::string control_address() const = 0;
+  virtual std::string local_address() const = 0;
+};
+
+}  // namespace refit::publisher
+
+#endif  // REFIT_DAEMON_PUBLISHER_PUBLISHER_DAEMON_H_

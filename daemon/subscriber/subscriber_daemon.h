@@ -1,0 +1,38 @@
+// `refitd subscriber`: the subscriber daemon assembled from its parts. Start() builds everything
+// from a validated config (config::LoadSubscriberConfig + CheckConfigFiles already passed):
+//   SubscriberCore (ShmStore slots, lease TTLs, staging threads/limit), Upstream (sessions with
+//   the publisher or bootstrap peers), the Control service (Status, Export, WaitVersion, Verify,
+//   Resync; Publish is FAILED_PRECONDITION), the ConsumerApi on local_socket (layout, version
+//   announcements, leases), with serve_peers a DataPlaneService fed with every applied version,
+//   gRPC health, the servers, and finally the ready file.
+// store.kind cuda is refused with Unimplemented until the GPU path lands (issue 4).
+#ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_DAEMON_H_
+#define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_DAEMON_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "refit/v1/config.pb.h"
+
+namespace refit::subscriber {
+
+class SubscriberDaemon {
+ public:
+  static absl::StatusOr<std::unique_ptr<SubscriberDaemon>> Start(
+      const v1::SubscriberConfig& config);
+  virtual ~SubscriberDaemon() = default;
+
+  // Stops the upstream session, ends peer sessions, shuts the servers down. Idempotent; the
+  // destructor calls it.
+  virtual void Shutdown() = 0;
+
+  // Bound addresses ("" when not configured).
+  virtual std::string listen_address() const = 0;
+  virtual std::string control_address() const = 0;
+  virtual std::string local_address() const = 0;
+};
+
+}  // namespace refit::subscriber
+
+#endif  // REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_DAEMON_H_
