@@ -5,6 +5,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"
 
 namespace refit {
@@ -20,7 +21,8 @@ Registry& GetRegistry() {
   static Registry* r = [] {
     auto* reg = new Registry;
     reg->sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
-    reg->sink->set_pattern("%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v", spdlog::pattern_time_type::utc);
+    reg->sink->set_formatter(std::make_unique<spdlog::pattern_formatter>(
+        "%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v", spdlog::pattern_time_type::utc));
     return reg;
   }();
   return *r;

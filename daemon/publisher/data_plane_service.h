@@ -19,8 +19,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -103,13 +106,25 @@ class DataPlaneService final : public v1::DataPlane::Service {
  private:
   struct Session;
   struct Work;
+  // A published version waiting for the sessions live at publish time to ack it.
+  struct PendingVersion {
+    uint64_t version = 0;
+    uint64_t snapshot_unix_nanos = 0;
+    std::set<uint64_t> waiting;  // session ids
+    uint64_t wire_bytes = 0;
+  };
+  using SyncStream = grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>;
 
-  grpc::Status RunSession(grpc::ServerContext* context,
-                          grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream,
+  grpc::Status RunSession(grpc::ServerContext* context, SyncStream* stream,
                           const std::shared_ptr<Session>& session);
-  void ReaderLoop(grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream,
-                  const std::shared_ptr<Session>& session);
-  void NoteAcked(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads Acks and KeyframeRequests until the stream ends or a message is invalid.
+  void ReaderLoop(SyncStream* stream, const std::shared_ptr<Session>& session);
+  // Runs transfers until the session ends; returns why it ended.
+  absl::Status TransferLoop(SyncStream* stream, const std::shared_ptr<Session>& session);
+  // Writes frames of `work` pulled from its shared counter until none is left.
+  absl::Status SendShare(const std::shared_ptr<Session>& session, const std::shared_ptr<Work>& work,
+                         const std::function<bool(const v1::DataFrame&)>& write);
+  void NoteAckedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   PublisherCore* const core_;
   const DataPlaneOptions options_;
@@ -122,6 +137,7 @@ class DataPlaneService final : public v1::DataPlane::Service {
   std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t max_subscriber_version_ ABSL_GUARDED_BY(mu_) = 0;
   v1::RefitStats last_fully_acked_ ABSL_GUARDED_BY(mu_);
+  std::deque<PendingVersion> pending_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_sent_{0};
 };
 

@@ -570,6 +570,11 @@ uint64_t PublisherCore::newest_version_digest() const {
   return newest_digest_;
 }
 
+uint64_t PublisherCore::newest_snapshot_unix_nanos() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return snapshot_unix_nanos_;
+}
+
 std::vector<BaselineTensor> PublisherCore::Baseline() const {
   absl::ReaderMutexLock lock(&mu_);
   return baseline_;

@@ -169,6 +169,8 @@ class PublisherCore {
 
   uint64_t newest_version() const;         // 0 when nothing is published
   uint64_t newest_version_digest() const;  // 0 when nothing is published
+  // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
+  uint64_t newest_snapshot_unix_nanos() const;
   // The newest version's tensors, name order.
   std::vector<BaselineTensor> Baseline() const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }

@@ -1,0 +1,759 @@
+#include "daemon/publisher/data_plane_service.h"
+
+#include <algorithm>
+#include <deque>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/common/logging.h"
+#include "daemon/config/credentials.h"
+
+namespace refit::publisher {
+namespace {
+
+uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
+
+const char* MessageKind(const v1::SubscriberMessage& m) {
+  switch (m.msg_case()) {
+    case v1::SubscriberMessage::kHello: return "Hello";
+    case v1::SubscriberMessage::kAck: return "Ack";
+    case v1::SubscriberMessage::kKeyframeRequest: return "KeyframeRequest";
+    default: return "an empty SubscriberMessage";
+  }
+}
+
+// Smallest frame size a subscriber may ask for (Hello.max_frame_bytes): the config minimum.
+constexpr uint32_t kMinFrameBytes = 64 * 1024;
+
+}  // namespace
+
+// The frames of one transfer, pulled by every stream of the session.
+struct DataPlaneService::Work {
+  std::shared_ptr<const Transfer> transfer;
+  std::atomic<uint64_t> next{0};
+  std::atomic<uint64_t> frames{0};
+  std::atomic<uint64_t> bytes{0};
+  int active_streams = 0;  // guarded by the service's mu_
+  absl::Status error;      // guarded by the service's mu_: first stream failure
+};
+
+struct DataPlaneService::Session {
+  uint64_t id = 0;
+  std::string name;
+  std::string identity;
+  std::string address;
+  uint64_t connected_unix_nanos = 0;
+  grpc::ServerContext* context = nullptr;
+  bool lz4 = false;
+  uint32_t frame_bytes = 0;
+  uint32_t granted_stripes = 0;
+  // Everything below is guarded by the service's mu_.
+  std::vector<bool> stripe_joined;  // index 1..granted
+  uint32_t joined_stripes = 0;
+  v1::SessionState state = v1::SESSION_STATE_CONNECTING;
+  uint64_t acked_version = 0;
+  uint64_t acked_digest = 0;
+  bool ended = false;
+  bool reader_done = false;
+  absl::Status end_status;  // why it ended (reader error, stripe failure, shutdown)
+  // Work of the transfer in flight (stripes pick it up by sequence number).
+  std::shared_ptr<Work> work;
+  uint64_t work_seq = 0;
+  // Transfer awaiting an Ack (0 = none) and the Ack once read.
+  uint64_t awaiting_ack = 0;
+  std::optional<v1::Ack> ack;
+  // Keyframes for the next transfer.
+  bool all_keyframes = false;
+  std::set<std::string> keyframe_tensors;
+  std::string keyframe_reason;
+  uint64_t bytes_sent = 0;
+  v1::RefitStats last_refit;
+};
+
+DataPlaneService::DataPlaneService(PublisherCore* core, DataPlaneOptions options)
+    : core_(core), options_(std::move(options)), log_(Logger(options_.logger)) {}
+
+DataPlaneService::~DataPlaneService() { Shutdown(); }
+
+void DataPlaneService::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return;
+  shutdown_ = true;
+  ++epoch_;
+  for (auto& [id, s] : sessions_) {
+    if (!s->ended) {
+      s->ended = true;
+      s->end_status = absl::UnavailableError("publisher shutting down");
+    }
+    if (s->context != nullptr) s->context->TryCancel();
+  }
+}
+
+void DataPlaneService::NotifyPublished() {
+  const uint64_t version = core_->newest_version();
+  const uint64_t snapshot = core_->newest_snapshot_unix_nanos();
+  absl::MutexLock lock(&mu_);
+  ++epoch_;
+  if (version == 0) return;
+  PendingVersion p;
+  p.version = version;
+  p.snapshot_unix_nanos = snapshot;
+  for (const auto& [id, s] : sessions_) {
+    if (!s->ended && s->acked_version < version) p.waiting.insert(id);
+  }
+  pending_.push_back(std::move(p));
+  while (pending_.size() > 64) pending_.pop_front();
+  NoteAckedLocked();
+}
+
+void DataPlaneService::NoteAckedLocked() {
+  // Drop sessions that acked or ended from every pending version; a version whose waiting set
+  // empties is fully acked (they complete in order because sessions ack in version order).
+  while (!pending_.empty()) {
+    PendingVersion& p = pending_.front();
+    for (auto it = p.waiting.begin(); it != p.waiting.end();) {
+      auto s = sessions_.find(*it);
+      if (s == sessions_.end() || s->second->ended || s->second->acked_version >= p.version) {
+        it = p.waiting.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (!p.waiting.empty()) break;
+    v1::RefitStats stats;
+    stats.set_version(p.version);
+    stats.set_wire_bytes(p.wire_bytes);
+    const uint64_t now = NowUnixNanos();
+    stats.set_latency_micros(now > p.snapshot_unix_nanos ? (now - p.snapshot_unix_nanos) / 1000
+                                                         : 0);
+    stats.set_digests_verified(true);
+    stats.set_finished_unix_nanos(now);
+    last_fully_acked_ = stats;
+    pending_.pop_front();
+  }
+}
+
+std::vector<v1::SessionStatus> DataPlaneService::Sessions() const {
+  const uint64_t newest = core_->newest_version();
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::SessionStatus> out;
+  for (const auto& [id, s] : sessions_) {
+    if (s->ended) continue;
+    v1::SessionStatus st;
+    st.set_name(s->name);
+    st.set_identity(s->identity);
+    st.set_address(s->address);
+    st.set_state(s->state);
+    st.set_acked_version(s->acked_version);
+    st.set_lag_versions(newest > s->acked_version ? newest - s->acked_version : 0);
+    st.set_streams(1 + s->joined_stripes);
+    st.set_bytes_sent(s->bytes_sent);
+    st.set_connected_unix_nanos(s->connected_unix_nanos);
+    *st.mutable_last_refit() = s->last_refit;
+    out.push_back(std::move(st));
+  }
+  std::sort(out.begin(), out.end(), [](const v1::SessionStatus& a, const v1::SessionStatus& b) {
+    return a.name() < b.name();
+  });
+  return out;
+}
+
+uint32_t DataPlaneService::RequestResync(const std::string& name,
+                                         const std::vector<std::string>& tensors) {
+  absl::MutexLock lock(&mu_);
+  uint32_t n = 0;
+  for (auto& [id, s] : sessions_) {
+    if (s->ended || (!name.empty() && s->name != name)) continue;
+    if (tensors.empty()) {
+      s->all_keyframes = true;
+    } else {
+      s->keyframe_tensors.insert(tensors.begin(), tensors.end());
+    }
+    s->keyframe_reason = "resync requested through Control";
+    ++n;
+  }
+  ++epoch_;
+  return n;
+}
+
+absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (shutdown_) return true;
+    for (const auto& [id, s] : sessions_) {
+      if (!s->ended && s->acked_version < version) return false;
+    }
+    return true;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  if (shutdown_) return absl::UnavailableError("publisher shutting down");
+  std::vector<std::string> behind;
+  for (const auto& [id, s] : sessions_) {
+    if (!s->ended && s->acked_version < version) {
+      behind.push_back(absl::StrCat("subscriber ", s->name, " at version ", s->acked_version));
+    }
+  }
+  if (behind.empty()) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat("not every subscriber reached version ",
+                                                  version, ": ", absl::StrJoin(behind, ", ")));
+}
+
+uint64_t DataPlaneService::max_subscriber_version() const {
+  absl::MutexLock lock(&mu_);
+  return max_subscriber_version_;
+}
+
+v1::RefitStats DataPlaneService::LastFullyAcked() const {
+  absl::MutexLock lock(&mu_);
+  return last_fully_acked_;
+}
+
+// ---- Sync -------------------------------------------------------------------------------------
+
+grpc::Status DataPlaneService::Sync(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream) {
+  v1::SubscriberMessage first;
+  if (!stream->Read(&first)) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "stream closed before Hello");
+  }
+  if (first.msg_case() != v1::SubscriberMessage::kHello) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "the first message of a Sync stream must be Hello, got ", MessageKind(first))));
+  }
+  const v1::Hello& hello = first.hello();
+  if (hello.protocol() != v1::PROTOCOL_VERSION_1) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("Hello.protocol ", static_cast<int>(hello.protocol()),
+                     " is not supported: this publisher speaks protocol 1")));
+  }
+  if (std::find(hello.patch_formats().begin(), hello.patch_formats().end(), 1u) ==
+      hello.patch_formats().end()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        "Hello.patch_formats does not include format 1, the only one this publisher writes"));
+  }
+  if (hello.max_frame_bytes() < kMinFrameBytes) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("Hello.max_frame_bytes ", hello.max_frame_bytes(), " is below the minimum ",
+                     kMinFrameBytes)));
+  }
+  if (hello.version() == 0 && hello.version_digest() != 0) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("Hello.version is 0 but Hello.version_digest is not"));
+  }
+
+  auto session = std::make_shared<Session>();
+  {
+    absl::BitGen gen;
+    session->id = absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
+  }
+  session->name = hello.name().empty() ? context->peer() : hello.name();
+  if (auto auth = context->auth_context(); auth != nullptr) {
+    session->identity = config::PeerIdentity(*auth);
+  }
+  session->address = context->peer();
+  session->connected_unix_nanos = NowUnixNanos();
+  session->context = context;
+  session->lz4 = options_.lz4 &&
+                 std::find(hello.compressions().begin(), hello.compressions().end(),
+                           v1::COMPRESSION_LZ4) != hello.compressions().end();
+  session->frame_bytes = std::min(options_.frame_bytes, hello.max_frame_bytes());
+  session->granted_stripes =
+      std::min(hello.stripes(), options_.max_streams_per_subscriber > 0
+                                    ? options_.max_streams_per_subscriber - 1
+                                    : 0u);
+  session->stripe_joined.assign(session->granted_stripes + 1, false);
+  session->acked_version = hello.version();
+  session->acked_digest = hello.version_digest();
+  if (hello.want_keyframe()) {
+    session->all_keyframes = true;
+    session->keyframe_reason = "Hello.want_keyframe";
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "publisher shutting down");
+    }
+    size_t live = 0;
+    for (const auto& [id, s] : sessions_) live += s->ended ? 0 : 1;
+    if (live >= options_.max_subscribers) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat("publisher ", options_.name, " already serves ", live,
+                       " subscribers (transport.max_subscribers)")));
+    }
+    max_subscriber_version_ = std::max(max_subscriber_version_, hello.version());
+    sessions_[session->id] = session;
+  }
+  log_->info("session {:016x}: subscriber {} ({}{}) hello at version {}, {} stripes granted, "
+             "frames of {} bytes{}",
+             session->id, session->name, session->address,
+             session->identity.empty() ? "" : ", identity " + session->identity, hello.version(),
+             session->granted_stripes, session->frame_bytes, session->lz4 ? ", lz4" : "");
+
+  grpc::Status status = RunSession(context, stream, session);
+
+  {
+    absl::MutexLock lock(&mu_);
+    session->ended = true;
+    session->context = nullptr;
+    sessions_.erase(session->id);
+    ++epoch_;
+    NoteAckedLocked();
+  }
+  if (status.ok() || status.error_code() == grpc::StatusCode::CANCELLED) {
+    log_->info("session {:016x}: subscriber {} left at version {}: {}", session->id,
+               session->name, session->acked_version,
+               status.ok() ? "ok" : status.error_message());
+  } else {
+    log_->warn("session {:016x}: subscriber {} ended: {}: {}", session->id, session->name,
+               absl::StatusCodeToString(FromGrpcCode(status.error_code())),
+               status.error_message());
+  }
+  return status;
+}
+
+grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStream* stream,
+                                          const std::shared_ptr<Session>& session) {
+  {
+    v1::PublisherMessage m;
+    v1::Welcome* w = m.mutable_welcome();
+    w->set_protocol(v1::PROTOCOL_VERSION_1);
+    w->set_session_id(session->id);
+    w->set_name(options_.name);
+    w->set_newest_version(core_->newest_version());
+    w->set_stripes(session->granted_stripes);
+    w->set_frame_bytes(session->frame_bytes);
+    w->set_peer_identity(session->identity);
+    if (!stream->Write(m)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
+    }
+  }
+  // Wait for the stripes.
+  {
+    absl::MutexLock lock(&mu_);
+    auto joined = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return session->ended || session->joined_stripes == session->granted_stripes;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&joined), options_.stripe_join_timeout);
+    if (session->ended) return ToGrpcStatus(session->end_status);
+    if (session->joined_stripes != session->granted_stripes) {
+      return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
+          "only ", session->joined_stripes, " of ", session->granted_stripes,
+          " granted stripes joined session ", absl::Hex(session->id), " within ",
+          absl::FormatDuration(options_.stripe_join_timeout))));
+    }
+    session->state = v1::SESSION_STATE_IDLE;
+  }
+
+  std::thread reader([this, stream, session] { ReaderLoop(stream, session); });
+  absl::Status result = TransferLoop(stream, session);
+  bool reader_done;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!session->ended) {
+      session->ended = true;
+      session->end_status = result;
+    }
+    reader_done = session->reader_done;
+    ++epoch_;
+  }
+  // The reader may be blocked in Read while the subscriber is still connected: cancel the call
+  // when the session ends from this side (the subscriber then sees CANCELLED; the reason is in
+  // this side's log).
+  if (!reader_done) context->TryCancel();
+  reader.join();
+  absl::MutexLock lock(&mu_);
+  return ToGrpcStatus(session->end_status);
+}
+
+void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Session>& session) {
+  v1::SubscriberMessage m;
+  absl::Status error;
+  while (stream->Read(&m)) {
+    if (m.has_ack()) {
+      const v1::Ack& ack = m.ack();
+      absl::MutexLock lock(&mu_);
+      if (session->awaiting_ack == 0 || session->ack.has_value()) {
+        error = absl::FailedPreconditionError(
+            absl::StrCat("Ack for version ", ack.version(), " but no transfer awaits an Ack"));
+      } else if (ack.version() != session->awaiting_ack) {
+        error = absl::FailedPreconditionError(
+            absl::StrCat("Ack for version ", ack.version(), " but the transfer in flight is ",
+                         "version ", session->awaiting_ack));
+      } else if (ack.result() != v1::ACK_RESULT_APPLIED &&
+                 ack.result() != v1::ACK_RESULT_REJECTED) {
+        error = absl::InvalidArgumentError(absl::StrCat(
+            "Ack for version ", ack.version(), " has result ", static_cast<int>(ack.result()),
+            " (expected APPLIED or REJECTED)"));
+      } else {
+        session->ack = ack;
+        continue;
+      }
+    } else if (m.has_keyframe_request()) {
+      const v1::KeyframeRequest& req = m.keyframe_request();
+      if (req.tensors().empty() && !req.all_tensors()) {
+        error = absl::InvalidArgumentError(
+            "KeyframeRequest names no tensor and all_tensors is false");
+      } else {
+        std::set<std::string> known;
+        for (const BaselineTensor& t : core_->Baseline()) known.insert(t.spec.name());
+        for (const std::string& name : req.tensors()) {
+          if (known.count(name) == 0) {
+            error = absl::InvalidArgumentError(absl::StrCat(
+                "KeyframeRequest names tensor \"", name, "\", which version ",
+                core_->newest_version(), " does not contain"));
+            break;
+          }
+        }
+        if (error.ok()) {
+          absl::MutexLock lock(&mu_);
+          if (req.all_tensors()) {
+            session->all_keyframes = true;
+          } else {
+            session->keyframe_tensors.insert(req.tensors().begin(), req.tensors().end());
+          }
+          session->keyframe_reason =
+              req.reason().empty() ? "KeyframeRequest" : "KeyframeRequest: " + req.reason();
+          ++epoch_;
+          log_->info("session {:016x}: subscriber {} asks for keyframes of {}: {}", session->id,
+                     session->name,
+                     req.all_tensors() ? std::string("all tensors")
+                                       : absl::StrCat(req.tensors_size(), " tensors"),
+                     req.reason());
+          continue;
+        }
+      }
+    } else {
+      error = absl::InvalidArgumentError(
+          absl::StrCat("unexpected ", MessageKind(m), " on an established Sync stream",
+                       m.has_hello() ? " (Hello is sent once)" : ""));
+    }
+    break;
+  }
+  absl::MutexLock lock(&mu_);
+  if (!session->ended) {
+    session->ended = true;
+    session->end_status =
+        error.ok() ? absl::CancelledError("subscriber closed the Sync stream") : error;
+  }
+  session->reader_done = true;
+  ++epoch_;
+}
+
+absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session,
+                                         const std::shared_ptr<Work>& work,
+                                         const std::function<bool(const v1::DataFrame&)>& write) {
+  const Transfer& t = *work->transfer;
+  absl::Status status;
+  uint64_t sent_bytes = 0;
+  for (;;) {
+    const uint64_t i = work->next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= t.frame_count()) break;
+    {
+      absl::MutexLock lock(&mu_);
+      if (session->ended || !work->error.ok()) break;
+    }
+    absl::StatusOr<v1::DataFrame> frame = t.Frame(i);
+    if (!frame.ok()) {
+      status = frame.status();
+      break;
+    }
+    const uint64_t n = frame->payload().size();
+    if (!write(*frame)) {
+      status = absl::UnavailableError(
+          absl::StrCat("writing frame ", i, " of version ", t.version(), " failed (stream broken)"));
+      break;
+    }
+    sent_bytes += n;
+    work->bytes.fetch_add(n, std::memory_order_relaxed);
+    work->frames.fetch_add(1, std::memory_order_relaxed);
+  }
+  bytes_sent_.fetch_add(sent_bytes, std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  session->bytes_sent += sent_bytes;
+  if (!status.ok() && work->error.ok()) work->error = status;
+  --work->active_streams;
+  return status;
+}
+
+absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
+                                           const std::shared_ptr<Session>& session) {
+  uint32_t rejections = 0;
+  absl::Time retry_at = absl::InfinitePast();
+  uint64_t idle_epoch = 0;  // epoch at which the last "nothing to send" was decided
+  bool idle = false;
+  for (;;) {
+    TransferOptions topts;
+    uint64_t base_version = 0;
+    uint64_t base_digest = 0;
+    std::string keyframe_reason;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (session->ended || shutdown_) return true;
+        if (idle && epoch_ == idle_epoch) return false;
+        return absl::Now() >= retry_at;
+      };
+      while (!ready()) {
+        const absl::Time wake = retry_at > absl::Now() && !(idle && epoch_ == idle_epoch)
+                                    ? retry_at
+                                    : absl::Now() + absl::Seconds(1);
+        mu_.AwaitWithDeadline(absl::Condition(&ready), wake);
+      }
+      if (session->ended) return session->end_status;
+      if (shutdown_) return absl::UnavailableError("publisher shutting down");
+      idle = false;
+      idle_epoch = epoch_;
+      base_version = session->acked_version;
+      base_digest = session->acked_digest;
+      topts.plan.all_keyframes = session->all_keyframes;
+      topts.plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
+                                         session->keyframe_tensors.end());
+      keyframe_reason = session->keyframe_reason;
+    }
+    const uint64_t newest = core_->newest_version();
+    if (newest <= base_version) {
+      // Nothing newer (or the subscriber is ahead of a restarted publisher): wait for a publish.
+      idle = true;
+      continue;
+    }
+    topts.frame_bytes = session->frame_bytes;
+    topts.lz4 = session->lz4;
+    absl::StatusOr<std::shared_ptr<const Transfer>> made =
+        core_->MakeTransfer(base_version, base_digest, topts);
+    if (!made.ok()) {
+      if (absl::IsFailedPrecondition(made.status())) {  // raced with nothing published / ahead
+        idle = true;
+        continue;
+      }
+      return made.status();
+    }
+    std::shared_ptr<const Transfer> t = *std::move(made);
+    if (t->up_to_date()) {
+      idle = true;
+      continue;
+    }
+    v1::PublisherMessage header_msg;
+    *header_msg.mutable_header() = t->Header();
+    if (rejections > 0 && header_msg.header().reason() == v1::TRANSFER_REASON_NEXT_VERSION) {
+      header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_RETRY);
+    }
+    if ((!topts.plan.keyframe_tensors.empty() || topts.plan.all_keyframes) &&
+        header_msg.header().reason() != v1::TRANSFER_REASON_BOOTSTRAP) {
+      header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
+    }
+    const v1::VersionHeader& header = header_msg.header();
+    uint32_t keyframes = 0;
+    for (const v1::TensorPlan& tp : header.tensors()) {
+      keyframes += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
+    }
+    auto work = std::make_shared<Work>();
+    work->transfer = t;
+    {
+      absl::MutexLock lock(&mu_);
+      if (session->ended) return session->end_status;
+      session->state = v1::SESSION_STATE_TRANSFERRING;
+      session->all_keyframes = false;
+      session->keyframe_tensors.clear();
+      session->keyframe_reason.clear();
+      session->awaiting_ack = t->version();
+      session->ack.reset();
+    }
+    const absl::Time start = absl::Now();
+    if (!stream->Write(header_msg)) {
+      return absl::UnavailableError(absl::StrCat("writing the header of version ", t->version(),
+                                                 " failed (stream broken)"));
+    }
+    log_->debug("session {:016x}: version {} (base {}, {}) to {}: {} frames, {} object bytes",
+                session->id, t->version(), header.base_version(),
+                v1::TransferReason_Name(header.reason()), session->name, t->frame_count(),
+                t->object_bytes());
+    {
+      absl::MutexLock lock(&mu_);
+      work->active_streams = 1 + static_cast<int>(session->granted_stripes);
+      session->work = work;
+      ++session->work_seq;
+    }
+    SendShare(session, work, [stream](const v1::DataFrame& f) {
+      v1::PublisherMessage m;
+      *m.mutable_frame() = f;
+      return stream->Write(m);
+    }).IgnoreError();  // recorded in work->error
+    {
+      absl::MutexLock lock(&mu_);
+      auto streams_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return session->ended || work->active_streams == 0;
+      };
+      mu_.Await(absl::Condition(&streams_done));
+      if (session->ended) return session->end_status;
+      if (!work->error.ok()) return work->error;
+    }
+    v1::PublisherMessage end_msg;
+    *end_msg.mutable_end() = t->End(work->bytes.load());
+    if (!stream->Write(end_msg)) {
+      return absl::UnavailableError(absl::StrCat("writing the end of version ", t->version(),
+                                                 " failed (stream broken)"));
+    }
+    v1::Ack ack;
+    {
+      absl::MutexLock lock(&mu_);
+      auto acked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return session->ended || session->ack.has_value();
+      };
+      mu_.Await(absl::Condition(&acked));
+      if (session->ended) return session->end_status;
+      ack = *session->ack;
+      session->ack.reset();
+      session->awaiting_ack = 0;
+    }
+    const absl::Duration took = absl::Now() - start;
+    if (ack.result() == v1::ACK_RESULT_APPLIED) {
+      if (ack.applied_version() != t->version() ||
+          ack.applied_version_digest() != t->plan().version_digest) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "subscriber acked version ", t->version(), " as applied with applied_version ",
+            ack.applied_version(), " and digest ", absl::Hex(ack.applied_version_digest()),
+            "; expected version ", t->version(), " with digest ",
+            absl::Hex(t->plan().version_digest)));
+      }
+      const v1::VersionEnd end = end_msg.end();
+      v1::RefitStats stats;
+      stats.set_version(t->version());
+      stats.set_base_version(header.base_version());
+      stats.set_changed_elements(end.changed_elements());
+      stats.set_total_elements(end.total_elements());
+      stats.set_change_rate(end.total_elements() == 0
+                                ? 0.0
+                                : static_cast<double>(end.changed_elements()) /
+                                      static_cast<double>(end.total_elements()));
+      stats.set_wire_bytes(end.wire_bytes());
+      stats.set_dense_bytes(end.dense_bytes());
+      stats.set_keyframe_tensors(keyframes);
+      stats.set_latency_micros(static_cast<uint64_t>(absl::ToInt64Microseconds(took)));
+      stats.set_digests_verified(true);
+      stats.set_finished_unix_nanos(NowUnixNanos());
+      rejections = 0;
+      retry_at = absl::InfinitePast();
+      log_->info("session {:016x}: {} applied version {} (base {}, {}): wire {} of dense {} "
+                 "bytes, {} keyframe tensors, {} ms",
+                 session->id, session->name, t->version(), header.base_version(),
+                 v1::TransferReason_Name(header.reason()), end.wire_bytes(), end.dense_bytes(),
+                 keyframes, absl::ToInt64Milliseconds(took));
+      absl::MutexLock lock(&mu_);
+      session->acked_version = ack.applied_version();
+      session->acked_digest = ack.applied_version_digest();
+      session->last_refit = stats;
+      session->state = v1::SESSION_STATE_IDLE;
+      for (PendingVersion& p : pending_) {
+        if (p.version == t->version()) p.wire_bytes += end.wire_bytes();
+      }
+      NoteAckedLocked();
+    } else {
+      if (ack.applied_version() != base_version) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "subscriber rejected version ", t->version(), " but reports applied_version ",
+            ack.applied_version(), " instead of its base ", base_version));
+      }
+      ++rejections;
+      const absl::Duration delay =
+          std::min(options_.retry_max, options_.retry_initial * (1 << std::min(rejections - 1, 16u)));
+      retry_at = absl::Now() + delay;
+      log_->warn("session {:016x}: {} rejected version {} (base {}): {}{}; retry {} in {}",
+                 session->id, session->name, t->version(), base_version, ack.error(),
+                 ack.mismatched_tensors().empty()
+                     ? std::string()
+                     : absl::StrCat(" (", ack.mismatched_tensors_size(),
+                                    " tensors mismatched: keyframes next)"),
+                 rejections, absl::FormatDuration(delay));
+      absl::MutexLock lock(&mu_);
+      session->keyframe_tensors.insert(ack.mismatched_tensors().begin(),
+                                       ack.mismatched_tensors().end());
+      if (!ack.mismatched_tensors().empty()) session->keyframe_reason = "digest mismatch";
+      session->state = v1::SESSION_STATE_IDLE;
+    }
+  }
+}
+
+// ---- Stripe -----------------------------------------------------------------------------------
+
+grpc::Status DataPlaneService::Stripe(grpc::ServerContext* context,
+                                      const v1::StripeRequest* request,
+                                      grpc::ServerWriter<v1::DataFrame>* writer) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "publisher shutting down");
+    auto it = sessions_.find(request->session_id());
+    if (it == sessions_.end() || it->second->ended) {
+      return ToGrpcStatus(absl::NotFoundError(
+          absl::StrCat("no live Sync session ", absl::Hex(request->session_id()))));
+    }
+    session = it->second;
+    std::string identity;
+    if (auto auth = context->auth_context(); auth != nullptr) {
+      identity = config::PeerIdentity(*auth);
+    }
+    if (identity != session->identity) {
+      return ToGrpcStatus(absl::PermissionDeniedError(absl::StrCat(
+          "stripe identity \"", identity, "\" differs from the session's \"", session->identity,
+          "\"")));
+    }
+    const uint32_t index = request->stripe_index();
+    if (index == 0 || index > session->granted_stripes) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("stripe_index ", index, " is outside 1..", session->granted_stripes,
+                       " (stripes granted to session ", absl::Hex(session->id), ")")));
+    }
+    if (session->stripe_joined[index]) {
+      return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat(
+          "stripe ", index, " of session ", absl::Hex(session->id), " already joined")));
+    }
+    session->stripe_joined[index] = true;
+    ++session->joined_stripes;
+  }
+  uint64_t seen_seq = 0;
+  absl::Status status;
+  for (;;) {
+    std::shared_ptr<Work> work;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return session->ended || shutdown_ || session->work_seq != seen_seq;
+      };
+      while (!has_work()) {
+        mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Milliseconds(200));
+        if (!has_work() && context->IsCancelled()) {
+          // The subscriber dropped this stripe: the session cannot complete transfers.
+          session->ended = true;
+          session->end_status = absl::UnavailableError(absl::StrCat(
+              "stripe ", request->stripe_index(), " was cancelled by the subscriber"));
+          ++epoch_;
+          break;
+        }
+      }
+      if (session->ended || shutdown_) break;
+      seen_seq = session->work_seq;
+      work = session->work;
+    }
+    status = SendShare(session, work, [writer](const v1::DataFrame& f) {
+      return writer->Write(f);
+    });
+    if (!status.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (!session->ended) {
+        session->ended = true;
+        session->end_status = status;
+        ++epoch_;
+      }
+      break;
+    }
+  }
+  return ToGrpcStatus(status);
+}
+
+}  // namespace refit::publisher
