@@ -337,4 +337,15 @@ std::vector<SlotStatus> SlottedStore::Slots() const {
   return out;
 }
 
+std::vector<LeaseInfo> SlottedStore::Leases() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  std::vector<LeaseInfo> out;
+  for (const auto& [id, rec] : leases_) {
+    if (rec.expires <= now) continue;
+    out.push_back({id, rec.consumer, rec.version, rec.slot, rec.expires - now});
+  }
+  return out;
+}
+
 }  // namespace refit::store

@@ -17,6 +17,15 @@
 
 namespace refit::store {
 
+// An unexpired lease, for status (Control Status: leases).
+struct LeaseInfo {
+  uint64_t lease_id = 0;
+  std::string consumer;
+  uint64_t version = 0;
+  int slot = -1;
+  absl::Duration remaining;  // until expiry, by the store's clock (> 0)
+};
+
 struct StoreOptions {
   int slots = 2;  // >= 2 (config store.slots)
   Clock* clock = nullptr;  // nullptr: Clock::Real(); must outlive the store
@@ -42,6 +51,8 @@ class SlottedStore : public TensorStore {
                                    absl::Duration ttl = absl::ZeroDuration()) override;
   absl::Status ReleaseLease(uint64_t lease_id) override;
   std::vector<SlotStatus> Slots() const override;
+  // Every unexpired lease, ordered by lease id.
+  std::vector<LeaseInfo> Leases() const;
 
  protected:
   // Validates options (InvalidArgument) without constructing.

@@ -318,6 +318,35 @@ TEST(ShmStoreTest, LeasesExpireByClockAndRenew) {
   ASSERT_TRUE(store->Abort(*h).ok());
 }
 
+TEST(ShmStoreTest, LeasesListsUnexpiredLeases) {
+  FakeClock clock;
+  auto store = MakeStore(2, &clock);  // default ttl 10 s
+  EXPECT_TRUE(store->Leases().empty());
+  StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> a = store->AcquireLease("worker-a");
+  absl::StatusOr<Lease> b = store->AcquireLease("worker-b", 1, absl::Seconds(30));
+  ASSERT_TRUE(a.ok() && b.ok());
+  clock.Advance(absl::Seconds(4));
+  std::vector<LeaseInfo> leases = store->Leases();
+  ASSERT_EQ(leases.size(), 2u);
+  for (const LeaseInfo& l : leases) {
+    EXPECT_EQ(l.version, 1u);
+    EXPECT_EQ(l.slot, a->slot);
+    if (l.lease_id == a->lease_id) {
+      EXPECT_EQ(l.consumer, "worker-a");
+      EXPECT_EQ(l.remaining, absl::Seconds(6));
+    } else {
+      EXPECT_EQ(l.lease_id, b->lease_id);
+      EXPECT_EQ(l.consumer, "worker-b");
+      EXPECT_EQ(l.remaining, absl::Seconds(26));
+    }
+  }
+  clock.Advance(absl::Seconds(6));  // a expired
+  leases = store->Leases();
+  ASSERT_EQ(leases.size(), 1u);
+  EXPECT_EQ(leases[0].lease_id, b->lease_id);
+}
+
 TEST(ShmStoreTest, MaxLeases) {
   auto store = MakeStore(2, nullptr, /*max_leases=*/2);
   StageAndCommit(*store, 1);

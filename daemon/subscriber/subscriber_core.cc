@@ -478,12 +478,14 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
     d.set_digest(digests[i]);
     applied_tensors_.push_back(std::move(d));
   }
+  records_.push_back({v, *vdigest, applied_tensors_});
   applied_digest_.store(*vdigest, std::memory_order_release);
   applied_version_.store(v, std::memory_order_release);
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;
   DropTransferLocked();  // releases the migration lease
   CollectRetiredLocked();
+  PruneRecordsLocked();
   const absl::Time applied = absl::Now();
 
   v1::Ack ack;
@@ -527,11 +529,43 @@ size_t SubscriberCore::retired_stores() const {
 }
 
 absl::Status SubscriberCore::Export(const std::string& path) {
-  std::shared_ptr<store::ShmStore> st = store();
-  if (st == nullptr) return absl::FailedPreconditionError("export: no version applied yet");
-  auto lease = st->AcquireLease(absl::StrCat(options_.self_consumer, "/export"), std::nullopt,
-                                absl::InfiniteDuration());  // capped at the store's max TTL
-  if (!lease.ok()) return lease.status();
+  return ExportVersion(path).status();
+}
+
+absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& path,
+                                                            std::optional<uint64_t> version) {
+  // The stores that may hold the version: the current one first, then retired generations.
+  std::vector<std::shared_ptr<store::ShmStore>> stores;
+  {
+    absl::MutexLock lock(&mu_);
+    if (store_ != nullptr) stores.push_back(store_);
+    for (const Retired& r : retired_) stores.push_back(r.store);
+  }
+  if (stores.empty()) return absl::FailedPreconditionError("export: no version applied yet");
+  const std::string consumer = absl::StrCat(options_.self_consumer, "/export");
+  std::shared_ptr<store::ShmStore> st;
+  absl::StatusOr<store::Lease> lease = absl::FailedPreconditionError("export: no store");
+  for (const auto& candidate : stores) {
+    // ttl: capped at the store's max TTL.
+    lease = candidate->AcquireLease(consumer, version, absl::InfiniteDuration());
+    if (lease.ok()) {
+      st = candidate;
+      break;
+    }
+    if (!version.has_value() || lease.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return lease.status();
+    }
+  }
+  if (!lease.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("export: version ", *version, " is not held any more (applied version ",
+                     applied_version(), ")"));
+  }
+  ExportSummary summary;
+  summary.version = lease->version;
+  if (std::optional<VersionRecord> rec = record(lease->version); rec.has_value()) {
+    summary.version_digest = rec->version_digest;
+  }
   const store::Layout& layout = st->layout();
   std::vector<model::SafetensorsTensorRef> refs;
   refs.reserve(layout.size());
@@ -539,7 +573,9 @@ absl::Status SubscriberCore::Export(const std::string& path) {
     const store::TensorInfo& ti = layout.tensor(i);
     refs.push_back({ti.name, ti.dtype, std::vector<int64_t>(ti.shape.begin(), ti.shape.end()),
                     lease->spans[i]});
+    summary.bytes += ti.size_bytes;
   }
+  summary.tensors = static_cast<uint32_t>(layout.size());
   absl::Status written = model::WriteSafetensors(path, refs);
   (void)st->ReleaseLease(lease->lease_id);
   {
@@ -550,7 +586,53 @@ absl::Status SubscriberCore::Export(const std::string& path) {
     return absl::Status(written.code(), absl::StrCat("export of version ", lease->version, " to ",
                                                      path, ": ", written.message()));
   }
-  return absl::OkStatus();
+  return summary;
+}
+
+VersionRecord SubscriberCore::applied_record() const {
+  absl::MutexLock lock(&mu_);
+  const uint64_t v = applied_version_.load(std::memory_order_acquire);
+  for (const VersionRecord& r : records_) {
+    if (r.version == v) return r;
+  }
+  return VersionRecord{};
+}
+
+std::optional<VersionRecord> SubscriberCore::record(uint64_t version) const {
+  absl::MutexLock lock(&mu_);
+  for (const VersionRecord& r : records_) {
+    if (r.version == version) return r;
+  }
+  return std::nullopt;
+}
+
+void SubscriberCore::PruneRecordsLocked() {
+  const uint64_t applied = applied_version_.load(std::memory_order_acquire);
+  std::vector<uint64_t> held;
+  auto note = [&held](const std::shared_ptr<store::ShmStore>& st) {
+    for (const store::SlotStatus& s : st->Slots()) {
+      if (s.state == store::SlotStatus::State::kHeld) held.push_back(s.version);
+    }
+  };
+  if (store_ != nullptr) note(store_);
+  for (const Retired& r : retired_) note(r.store);
+  std::erase_if(records_, [&](const VersionRecord& r) {
+    return r.version != applied && std::find(held.begin(), held.end(), r.version) == held.end();
+  });
+}
+
+std::vector<LeaseEntry> SubscriberCore::Leases() const {
+  std::vector<std::pair<uint64_t, std::shared_ptr<store::ShmStore>>> stores;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Retired& r : retired_) stores.emplace_back(r.generation, r.store);
+    if (store_ != nullptr) stores.emplace_back(generation_, store_);
+  }
+  std::vector<LeaseEntry> out;
+  for (const auto& [generation, st] : stores) {
+    for (store::LeaseInfo& l : st->Leases()) out.push_back({generation, std::move(l)});
+  }
+  return out;
 }
 
 absl::StatusOr<SubscriberLease> SubscriberCore::AcquireLease(absl::string_view consumer,

@@ -63,6 +63,28 @@ struct SubscriberLease {
   store::Lease lease;
 };
 
+// What the core recorded about a committed version it still holds: the publisher's digests
+// (VersionEnd), verified at commit. Tensors in manifest (header) order.
+struct VersionRecord {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  std::vector<v1::TensorDigest> tensors;
+};
+
+// What Export wrote.
+struct ExportSummary {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  uint32_t tensors = 0;
+  uint64_t bytes = 0;  // sum of the tensors' sizes
+};
+
+// A lease of any live generation, for status.
+struct LeaseEntry {
+  uint64_t generation = 0;
+  store::LeaseInfo lease;
+};
+
 class SubscriberCore {
  public:
   explicit SubscriberCore(SubscriberOptions options = {});
@@ -109,6 +131,21 @@ class SubscriberCore {
   // (WriteSafetensors: atomic). FAILED_PRECONDITION before the first commit. Reads under a lease,
   // so it may run concurrently with a transfer.
   absl::Status Export(const std::string& path);
+  // Export of `version` (nullopt: the applied one), found in the current generation or a retired
+  // one still alive, held under a lease while writing. FAILED_PRECONDITION when nothing is
+  // applied or `version` is not held any more.
+  absl::StatusOr<ExportSummary> ExportVersion(const std::string& path,
+                                              std::optional<uint64_t> version = std::nullopt);
+
+  // The applied version's record (version 0 before the first commit), consistent with
+  // applied_version() at the time of the call.
+  VersionRecord applied_record() const;
+  // The record of a committed version whose slot still holds it (current or older, any live
+  // generation); nullopt once its slot was reused.
+  std::optional<VersionRecord> record(uint64_t version) const;
+  // Every unexpired lease of every live generation (the core's own included: their consumer
+  // starts with SubscriberOptions::self_consumer), by generation then lease id.
+  std::vector<LeaseEntry> Leases() const;
 
   // Consumer leases on the current store generation (see store::TensorStore::AcquireLease).
   absl::StatusOr<SubscriberLease> AcquireLease(absl::string_view consumer,
@@ -130,6 +167,7 @@ class SubscriberCore {
 
   void DropTransferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Ack Reject(uint64_t version, std::string error, std::vector<std::string> mismatched,
                  uint64_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -145,6 +183,8 @@ class SubscriberCore {
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Transfer> transfer_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::TensorDigest> applied_tensors_ ABSL_GUARDED_BY(mu_);
+  // Records of committed versions still held by some slot (pruned at each commit).
+  std::vector<VersionRecord> records_ ABSL_GUARDED_BY(mu_);
   uint32_t max_frame_bytes_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> applied_version_{0};
   std::atomic<uint64_t> applied_digest_{0};
