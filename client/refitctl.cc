@@ -1,0 +1,810 @@
+#include "client/refitctl.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/config/address.h"
+#include "daemon/config/config.h"
+#include "daemon/config/credentials.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "refit/v1/control.grpc.pb.h"
+
+namespace refit::client {
+namespace {
+
+constexpr char kMainUsage[] =
+    R"(usage: refitctl --target ADDR [connection options] VERB [verb options]
+
+Talks to a refitd daemon's Control service (publisher or subscriber).
+
+connection options:
+  --target ADDR          daemon address: host:port, [ipv6]:port, unix:/path/to.sock,
+                         unix-abstract:NAME, dns:///host:port (required)
+  --tls-cert FILE        PEM client certificate (mTLS); with --tls-key and --tls-ca
+  --tls-key FILE         PEM private key of --tls-cert
+  --tls-ca FILE          PEM CA bundle the daemon's certificate must chain to
+  --tls-server-name N    name the daemon's certificate must carry (default: the target's host)
+  --insecure             plaintext to a non-loopback target (loopback and unix sockets are
+                         plaintext without it)
+  --timeout S            RPC deadline in seconds (default 30; publish, export, verify: 600)
+
+verbs:
+  status      versions, sessions, traffic and the last refit (--json for JSON)
+  publish     publish safetensors files as a new version (publisher)
+  export      write the held version to a safetensors file on the daemon's host
+  wait        block until the daemon holds a version
+  verify      recompute every tensor's digest and compare with the publisher's
+  resync      force keyframes for some or all tensors
+
+'refitctl VERB --help' describes a verb. Exit codes: 0 ok, 1 RPC failed / verify mismatch /
+wait timed out, 2 usage error.
+)";
+
+constexpr char kStatusUsage[] =
+    R"(usage: refitctl --target ADDR status [--json]
+
+Prints the daemon's role, version and digest, model size, traffic, its sessions (publisher:
+subscribers; subscriber: upstream and peers) with state, acknowledged version, lag and the
+last refit, the publisher's patch history and the subscriber's read leases.
+  --json    print the StatusResponse as JSON (proto field names)
+)";
+
+constexpr char kPublishUsage[] =
+    R"(usage: refitctl --target ADDR publish --safetensors PATH... [--version N]
+
+Publishes safetensors files (shards of one model) as a new version (publisher only). The files
+are read by the daemon: paths are on its host; relative paths are made absolute against
+refitctl's working directory.
+  --safetensors PATH...  one or more files (the flag may also be repeated)
+  --version N            version number (default: newest + 1)
+)";
+
+constexpr char kExportUsage[] =
+    R"(usage: refitctl --target ADDR export --safetensors PATH [--version N]
+
+Writes the daemon's current version (or version N, if it still holds it) to a safetensors file
+on the daemon's host, atomically. A relative PATH is made absolute against refitctl's working
+directory.
+  --safetensors PATH  output file
+  --version N         version to export (default: the current one)
+)";
+
+constexpr char kWaitUsage[] =
+    R"(usage: refitctl --target ADDR wait --version N [--timeout S] [--all-subscribers]
+
+Blocks until the daemon holds version N or newer (subscriber: applied; publisher: published).
+Exits 1 with DEADLINE_EXCEEDED when it does not within the timeout.
+  --version N          version to wait for (>= 1)
+  --timeout S          give up after S seconds (default: the connection --timeout, 30 s)
+  --all-subscribers    publisher: also wait until every connected subscriber acknowledged N
+)";
+
+constexpr char kVerifyUsage[] =
+    R"(usage: refitctl --target ADDR verify
+
+Recomputes the digest of every tensor of the held version and compares it with the publisher's.
+Prints the version, its digest and any mismatching tensors; exits 1 when a tensor differs.
+)";
+
+constexpr char kResyncUsage[] =
+    R"(usage: refitctl --target ADDR resync [--tensor NAME]... [--subscriber NAME]
+
+Forces dense keyframes with the next transfer: for the named tensors (repeatable) or all.
+  --tensor NAME       tensor to resend dense (default: every tensor)
+  --subscriber NAME   publisher: only this subscriber (default: every subscriber)
+)";
+
+// ---- argument cursor --------------------------------------------------------------------------
+
+class ArgCursor {
+ public:
+  ArgCursor(int argc, const char* const* argv) {
+    for (int i = 1; i < argc; ++i) args_.emplace_back(argv[i]);
+  }
+  bool Done() const { return i_ >= args_.size(); }
+  const std::string& Cur() const { return args_[i_]; }
+  void Next() { ++i_; }
+
+  // Matches "--name VALUE" or "--name=VALUE" at the cursor: true (value set, cursor advanced),
+  // false (no match), or InvalidArgument when the value is missing.
+  absl::StatusOr<bool> Value(const std::string& name, std::string* value) {
+    if (Done()) return false;
+    const std::string& a = Cur();
+    if (a == name) {
+      if (i_ + 1 >= args_.size() || absl::StartsWith(args_[i_ + 1], "--")) {
+        return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
+      }
+      *value = args_[i_ + 1];
+      i_ += 2;
+      return true;
+    }
+    if (absl::StartsWith(a, name + "=")) {
+      *value = a.substr(name.size() + 1);
+      if (value->empty()) return absl::InvalidArgumentError(absl::StrCat(name, " needs a value"));
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+
+  // Matches the switch "--name" at the cursor.
+  bool Switch(const std::string& name) {
+    if (Done() || Cur() != name) return false;
+    ++i_;
+    return true;
+  }
+
+  // Values following the cursor up to the next option ("--..."): for `--safetensors A B C`.
+  std::vector<std::string> TakeOperands() {
+    std::vector<std::string> out;
+    while (!Done() && !absl::StartsWith(Cur(), "--")) out.push_back(args_[i_++]);
+    return out;
+  }
+
+ private:
+  std::vector<std::string> args_;
+  size_t i_ = 0;
+};
+
+absl::Status UnknownOption(const std::string& arg, const std::string& where) {
+  if (absl::StartsWith(arg, "-")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown option ", arg, " for ", where, " (see ", where, " --help)"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unexpected argument \"", arg, "\" for ", where, " (see ", where, " --help)"));
+}
+
+absl::StatusOr<uint64_t> ParseVersionFlag(const std::string& flag, const std::string& text) {
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(text, &v) || v == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " \"", text, "\" is not a version number (an integer >= 1)"));
+  }
+  return v;
+}
+
+absl::StatusOr<absl::Duration> ParseSeconds(const std::string& flag, const std::string& text) {
+  double s = 0;
+  if (!absl::SimpleAtod(text, &s) || !(s > 0) || s > 1e7) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " \"", text, "\" is not a number of seconds (> 0)"));
+  }
+  return absl::Seconds(s);
+}
+
+std::string AbsolutePath(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path abs = std::filesystem::absolute(path, ec);
+  if (ec) return path;
+  return abs.lexically_normal().string();
+}
+
+// ---- formatting -------------------------------------------------------------------------------
+
+std::string RoleName(v1::Role role) {
+  switch (role) {
+    case v1::ROLE_PUBLISHER: return "publisher";
+    case v1::ROLE_SUBSCRIBER: return "subscriber";
+    default: return "unknown";
+  }
+}
+
+std::string StateName(v1::SessionState state) {
+  switch (state) {
+    case v1::SESSION_STATE_CONNECTING: return "connecting";
+    case v1::SESSION_STATE_IDLE: return "idle";
+    case v1::SESSION_STATE_TRANSFERRING: return "transferring";
+    case v1::SESSION_STATE_BACKOFF: return "backoff";
+    default: return "-";
+  }
+}
+
+std::string Percent(double rate) { return absl::StrFormat("%.3f%%", 100.0 * rate); }
+
+std::string FormatUptime(uint64_t ms) {
+  const uint64_t s = ms / 1000;
+  if (s < 60) return absl::StrFormat("%.1fs", ms / 1000.0);
+  if (s < 3600) return absl::StrFormat("%um%02us", s / 60, s % 60);
+  if (s < 86400) return absl::StrFormat("%uh%02um%02us", s / 3600, (s / 60) % 60, s % 60);
+  return absl::StrFormat("%ud%02uh%02um", s / 86400, (s / 3600) % 24, (s / 60) % 60);
+}
+
+std::string FormatUnixNanos(uint64_t nanos) {
+  if (nanos == 0) return "-";
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::FromUnixNanos(static_cast<int64_t>(nanos)),
+                          absl::UTCTimeZone());
+}
+
+std::string FormatRefit(const v1::RefitStats& r) {
+  if (r.version() == 0) return "none";
+  std::string s = absl::StrCat("version ", r.version());
+  if (r.base_version() != 0) {
+    absl::StrAppend(&s, " from ", r.base_version());
+  } else {
+    absl::StrAppend(&s, " (keyframe)");
+  }
+  absl::StrAppend(&s, ", change ", Percent(r.change_rate()), ", wire ", FormatBytes(r.wire_bytes()),
+                  " of ", FormatBytes(r.dense_bytes()), " dense");
+  if (r.dense_bytes() > 0) {
+    absl::StrAppend(&s, absl::StrFormat(" (%.2f%%)", 100.0 * r.wire_bytes() / r.dense_bytes()));
+  }
+  absl::StrAppend(&s, ", ", r.keyframe_tensors(), " keyframe tensors, latency ",
+                  FormatMicros(r.latency_micros()), ", digests ",
+                  r.digests_verified() ? "verified" : "not verified", ", finished ",
+                  FormatUnixNanos(r.finished_unix_nanos()));
+  return s;
+}
+
+// Columns padded to their widest cell, two spaces apart, indented by two.
+std::string RenderTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    std::string line = "  ";
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::vector<std::string> SessionHeader() {
+  return {"NAME", "STATE", "ACKED", "LAG", "STREAMS", "SENT", "RECEIVED", "LAST REFIT",
+          "LATENCY", "CHANGE", "ADDRESS"};
+}
+
+std::vector<std::string> SessionRow(const v1::SessionStatus& s) {
+  std::string name = s.name().empty() ? "-" : s.name();
+  if (!s.identity().empty() && s.identity() != s.name()) absl::StrAppend(&name, " (", s.identity(), ")");
+  const v1::RefitStats& r = s.last_refit();
+  return {name,
+          StateName(s.state()),
+          absl::StrCat(s.acked_version()),
+          absl::StrCat(s.lag_versions()),
+          absl::StrCat(s.streams()),
+          FormatBytes(s.bytes_sent()),
+          FormatBytes(s.bytes_received()),
+          r.version() == 0 ? "-" : absl::StrCat(r.version()),
+          r.version() == 0 ? "-" : FormatMicros(r.latency_micros()),
+          r.version() == 0 ? "-" : Percent(r.change_rate()),
+          s.address().empty() ? "-" : s.address()};
+}
+
+std::string SessionErrors(const std::vector<const v1::SessionStatus*>& sessions) {
+  std::string out;
+  for (const v1::SessionStatus* s : sessions) {
+    if (!s->last_error().empty()) {
+      absl::StrAppend(&out, "  ", s->name().empty() ? "-" : s->name(), ": last error: ",
+                      s->last_error(), "\n");
+    }
+  }
+  return out;
+}
+
+// ---- verbs ------------------------------------------------------------------------------------
+
+struct Session {
+  v1::Control::Stub* stub;
+  absl::Duration timeout;
+  std::ostream& out;
+  std::ostream& err;
+};
+
+// Runs the verb against the daemon: an RPC error (printed by the caller, exit 1) or the exit code.
+using Runner = std::function<absl::StatusOr<int>(Session&)>;
+
+struct Parsed {
+  bool help = false;
+  Runner run;
+  // Deadline when --timeout is not given.
+  absl::Duration default_timeout = absl::Seconds(30);
+  // Added to the RPC deadline (wait: its own --timeout).
+  absl::Duration extra_deadline = absl::ZeroDuration();
+};
+
+std::unique_ptr<grpc::ClientContext> MakeContext(const Session& s) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + s.timeout));
+  return ctx;
+}
+
+absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
+  Parsed p;
+  bool json = false;
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    if (args.Switch("--json")) {
+      json = true;
+      continue;
+    }
+    return UnknownOption(args.Cur(), "refitctl status");
+  }
+  p.run = [json](Session& s) -> absl::StatusOr<int> {
+    v1::StatusResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Status(ctx.get(), v1::StatusRequest(), &resp)));
+    if (json) {
+      ASSIGN_OR_RETURN(std::string text, FormatStatusJson(resp));
+      s.out << text;
+    } else {
+      s.out << FormatStatusTable(resp);
+    }
+    return 0;
+  };
+  return p;
+}
+
+absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
+  Parsed p;
+  p.default_timeout = absl::Seconds(600);
+  v1::PublishRequest req;
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    std::string v;
+    ASSIGN_OR_RETURN(bool files, args.Value("--safetensors", &v));
+    if (files) {
+      req.add_safetensors(AbsolutePath(v));
+      for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
+      continue;
+    }
+    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
+    if (version) {
+      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
+      req.set_version(n);
+      continue;
+    }
+    return UnknownOption(args.Cur(), "refitctl publish");
+  }
+  if (req.safetensors_size() == 0) {
+    return absl::InvalidArgumentError(
+        "refitctl publish needs --safetensors PATH... (the files of the version)");
+  }
+  p.run = [req](Session& s) -> absl::StatusOr<int> {
+    v1::PublishResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Publish(ctx.get(), req, &resp)));
+    s.out << absl::StrFormat(
+        "published version %u digest %s: %u tensors, %s, change rate %s, publish time %s\n",
+        resp.version(), FormatDigest(resp.version_digest()), resp.tensors(),
+        FormatBytes(resp.bytes()), Percent(resp.change_rate()),
+        FormatMicros(resp.publish_micros()));
+    return 0;
+  };
+  return p;
+}
+
+absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
+  Parsed p;
+  p.default_timeout = absl::Seconds(600);
+  v1::ExportRequest req;
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    std::string v;
+    ASSIGN_OR_RETURN(bool file, args.Value("--safetensors", &v));
+    if (file) {
+      if (!req.safetensors().empty()) {
+        return absl::InvalidArgumentError("refitctl export takes one --safetensors PATH");
+      }
+      req.set_safetensors(AbsolutePath(v));
+      continue;
+    }
+    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
+    if (version) {
+      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
+      req.set_version(n);
+      continue;
+    }
+    return UnknownOption(args.Cur(), "refitctl export");
+  }
+  if (req.safetensors().empty()) {
+    return absl::InvalidArgumentError("refitctl export needs --safetensors PATH (the output file)");
+  }
+  p.run = [req](Session& s) -> absl::StatusOr<int> {
+    v1::ExportResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Export(ctx.get(), req, &resp)));
+    s.out << absl::StrFormat("exported version %u digest %s to %s: %u tensors, %s\n",
+                             resp.version(), FormatDigest(resp.version_digest()), req.safetensors(),
+                             resp.tensors(), FormatBytes(resp.bytes()));
+    return 0;
+  };
+  return p;
+}
+
+absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
+  Parsed p;
+  v1::WaitVersionRequest req;
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    if (args.Switch("--all-subscribers")) {
+      req.set_all_subscribers(true);
+      continue;
+    }
+    std::string v;
+    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
+    if (version) {
+      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
+      req.set_version(n);
+      continue;
+    }
+    ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
+    if (timeout) {
+      ASSIGN_OR_RETURN(absl::Duration d, ParseSeconds("wait --timeout", v));
+      req.set_timeout_ms(std::max<uint64_t>(1, absl::ToInt64Milliseconds(d)));
+      p.extra_deadline = d;
+      continue;
+    }
+    return UnknownOption(args.Cur(), "refitctl wait");
+  }
+  if (req.version() == 0) {
+    return absl::InvalidArgumentError("refitctl wait needs --version N (the version to wait for)");
+  }
+  p.run = [req](Session& s) -> absl::StatusOr<int> {
+    v1::WaitVersionResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->WaitVersion(ctx.get(), req, &resp)));
+    s.out << absl::StrFormat("version %u digest %s%s\n", resp.version(),
+                             FormatDigest(resp.version_digest()),
+                             req.all_subscribers() ? " (acknowledged by every subscriber)" : "");
+    return 0;
+  };
+  return p;
+}
+
+absl::StatusOr<Parsed> ParseVerify(ArgCursor& args) {
+  Parsed p;
+  p.default_timeout = absl::Seconds(600);
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    return UnknownOption(args.Cur(), "refitctl verify");
+  }
+  p.run = [](Session& s) -> absl::StatusOr<int> {
+    v1::VerifyResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Verify(ctx.get(), v1::VerifyRequest(), &resp)));
+    int bad = 0;
+    for (const v1::TensorVerification& t : resp.tensors()) {
+      if (t.expected() != t.actual()) {
+        ++bad;
+        s.out << absl::StrFormat("MISMATCH %s: expected %s, actual %s\n", t.name(),
+                                 FormatDigest(t.expected()), FormatDigest(t.actual()));
+      }
+    }
+    s.out << absl::StrFormat("version %u digest %s: %d tensors, %s\n", resp.version(),
+                             FormatDigest(resp.version_digest()), resp.tensors_size(),
+                             resp.ok() && bad == 0 ? "ok" : absl::StrCat(bad, " mismatched"));
+    if (resp.ok() && bad == 0) return 0;
+    s.err << absl::StrFormat(
+        "refitctl: verify: DATA_LOSS: version %u: %d of %d tensors differ from the publisher's "
+        "digests\n",
+        resp.version(), bad, resp.tensors_size());
+    return 1;
+  };
+  return p;
+}
+
+absl::StatusOr<Parsed> ParseResync(ArgCursor& args) {
+  Parsed p;
+  v1::ResyncRequest req;
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p.help = true;
+      return p;
+    }
+    std::string v;
+    ASSIGN_OR_RETURN(bool tensor, args.Value("--tensor", &v));
+    if (tensor) {
+      req.add_tensors(v);
+      continue;
+    }
+    ASSIGN_OR_RETURN(bool sub, args.Value("--subscriber", &v));
+    if (sub) {
+      req.set_subscriber(v);
+      continue;
+    }
+    return UnknownOption(args.Cur(), "refitctl resync");
+  }
+  p.run = [req](Session& s) -> absl::StatusOr<int> {
+    v1::ResyncResponse resp;
+    auto ctx = MakeContext(s);
+    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Resync(ctx.get(), req, &resp)));
+    s.out << absl::StrFormat("resync: %u session(s) will receive keyframes for %s\n",
+                             resp.sessions(),
+                             req.tensors_size() == 0
+                                 ? std::string("every tensor")
+                                 : absl::StrCat(req.tensors_size(), " tensor(s)"));
+    return 0;
+  };
+  return p;
+}
+
+struct Verb {
+  const char* name;
+  const char* usage;
+  absl::StatusOr<Parsed> (*parse)(ArgCursor&);
+};
+
+constexpr Verb kVerbs[] = {
+    {"status", kStatusUsage, ParseStatus},   {"publish", kPublishUsage, ParsePublish},
+    {"export", kExportUsage, ParseExport},   {"wait", kWaitUsage, ParseWait},
+    {"verify", kVerifyUsage, ParseVerify},   {"resync", kResyncUsage, ParseResync},
+};
+
+int UsageError(std::ostream& err, const absl::Status& status) {
+  err << "refitctl: error: " << status.message() << "\n";
+  return 2;
+}
+
+}  // namespace
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes < 1000) return absl::StrCat(bytes, " B");
+  const char* units[] = {"kB", "MB", "GB", "TB", "PB"};
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while (v >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  return absl::StrFormat("%.2f %s", v, units[u]);
+}
+
+std::string FormatDigest(uint64_t digest) { return absl::StrFormat("0x%016x", digest); }
+
+std::string FormatMicros(uint64_t micros) {
+  if (micros < 1000) return absl::StrCat(micros, " us");
+  if (micros < 1000000) return absl::StrFormat("%.1f ms", micros / 1e3);
+  return absl::StrFormat("%.2f s", micros / 1e6);
+}
+
+std::string FormatStatusTable(const v1::StatusResponse& st) {
+  std::string out;
+  auto line = [&out](const std::string& key, const std::string& value) {
+    absl::StrAppend(&out, absl::StrFormat("%-12s%s\n", key + ":", value));
+  };
+  line("role", RoleName(st.role()));
+  line("name", st.name().empty() ? "-" : st.name());
+  line("build", st.build_version().empty() ? "-" : st.build_version());
+  line("uptime", FormatUptime(st.uptime_ms()));
+  line("version", st.version() == 0
+                      ? std::string("none")
+                      : absl::StrCat(st.version(), " (digest ", FormatDigest(st.version_digest()),
+                                     ")"));
+  line("model", absl::StrCat(st.tensors(), " tensors, ", FormatBytes(st.model_bytes())));
+  line("traffic", absl::StrCat("sent ", FormatBytes(st.bytes_sent()), ", received ",
+                               FormatBytes(st.bytes_received())));
+  if (st.role() == v1::ROLE_PUBLISHER && st.has_history()) {
+    const v1::HistoryStatus& h = st.history();
+    line("history", h.versions() == 0
+                        ? absl::StrCat("empty, budget ", FormatBytes(h.budget_bytes()))
+                        : absl::StrCat("versions ", h.oldest_version(), "..", h.newest_version(),
+                                       " (", h.versions(), " held), ", FormatBytes(h.bytes()),
+                                       " of ", FormatBytes(h.budget_bytes()), " budget"));
+  }
+  line("last refit", FormatRefit(st.last_refit()));
+
+  if (st.role() == v1::ROLE_SUBSCRIBER || st.has_upstream()) {
+    out += "\nupstream:\n";
+    if (st.has_upstream()) {
+      out += RenderTable({SessionHeader(), SessionRow(st.upstream())});
+      out += SessionErrors({&st.upstream()});
+    } else {
+      out += "  none\n";
+    }
+  }
+
+  absl::StrAppend(&out, "\n",
+                  st.role() == v1::ROLE_SUBSCRIBER ? "peer sessions" : "subscriber sessions", " (",
+                  st.sessions_size(), "):\n");
+  if (st.sessions_size() > 0) {
+    std::vector<std::vector<std::string>> rows = {SessionHeader()};
+    std::vector<const v1::SessionStatus*> all;
+    for (const v1::SessionStatus& s : st.sessions()) {
+      rows.push_back(SessionRow(s));
+      all.push_back(&s);
+    }
+    out += RenderTable(rows);
+    out += SessionErrors(all);
+  }
+
+  if (st.role() == v1::ROLE_SUBSCRIBER || st.leases_size() > 0) {
+    absl::StrAppend(&out, "\nleases (", st.leases_size(), "):\n");
+    if (st.leases_size() > 0) {
+      std::vector<std::vector<std::string>> rows = {{"ID", "CONSUMER", "VERSION", "REMAINING"}};
+      for (const v1::LeaseStatus& l : st.leases()) {
+        rows.push_back({absl::StrFormat("%016x", l.lease_id()),
+                        l.consumer().empty() ? "-" : l.consumer(), absl::StrCat(l.version()),
+                        absl::StrFormat("%.1f s", l.remaining_ms() / 1000.0)});
+      }
+      out += RenderTable(rows);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> FormatStatusJson(const v1::StatusResponse& status) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  options.add_whitespace = true;
+  std::string json;
+  auto s = google::protobuf::util::MessageToJsonString(status, &json, options);
+  if (!s.ok()) {
+    return absl::InternalError(absl::StrCat("cannot render StatusResponse as JSON: ", s.ToString()));
+  }
+  if (json.empty() || json.back() != '\n') json += "\n";
+  return json;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlTarget& target,
+                                                                  const std::string& flag) {
+  absl::StatusOr<config::Address> addr =
+      config::ParseAddress(target.address, config::AddressUse::kConnect);
+  if (!addr.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " \"", target.address, "\": ", addr.status().message()));
+  }
+  const v1::ClientTls& tls = target.tls;
+  const bool any_file = !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty();
+  if (tls.insecure() && (any_file || !tls.server_name().empty())) {
+    return absl::InvalidArgumentError(
+        "--insecure cannot be combined with --tls-cert, --tls-key, --tls-ca or --tls-server-name");
+  }
+  if (any_file && !config::UsesTls(tls)) {
+    return absl::InvalidArgumentError(
+        "--tls-cert, --tls-key and --tls-ca go together (mTLS): give all three");
+  }
+  if (!tls.server_name().empty() && !config::UsesTls(tls)) {
+    return absl::InvalidArgumentError(
+        "--tls-server-name needs --tls-cert, --tls-key and --tls-ca");
+  }
+  if (!addr->loopback && !config::UsesTls(tls) && !tls.insecure()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " \"", target.address,
+        "\" is not a loopback address: give --tls-cert, --tls-key and --tls-ca (mTLS), or "
+        "--insecure to connect in plaintext"));
+  }
+  if (config::UsesTls(tls)) {
+    // Read here too so that errors name the flags.
+    RETURN_IF_ERROR(config::ReadSmallFile(tls.cert(), "--tls-cert").status());
+    RETURN_IF_ERROR(config::ReadSmallFile(tls.key(), "--tls-key").status());
+    RETURN_IF_ERROR(config::ReadSmallFile(tls.ca(), "--tls-ca").status());
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
+                   config::MakeChannelCredentials(tls, "tls"));
+  grpc::ChannelArguments args;
+  config::ApplyClientTlsArgs(tls, &args);
+  args.SetMaxReceiveMessageSize(-1);
+  return grpc::CreateCustomChannel(addr->grpc_target, creds, args);
+}
+
+int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  ArgCursor args(argc, argv);
+  ControlTarget target;
+  std::optional<absl::Duration> timeout;
+  bool have_target = false;
+  while (!args.Done() && absl::StartsWith(args.Cur(), "-")) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      out << kMainUsage;
+      return 0;
+    }
+    if (args.Switch("--insecure")) {
+      target.tls.set_insecure(true);
+      continue;
+    }
+    std::string v;
+    struct StringFlag {
+      const char* name;
+      std::function<void(const std::string&)> set;
+    };
+    const StringFlag flags[] = {
+        {"--target", [&](const std::string& s) { target.address = s; have_target = true; }},
+        {"--tls-cert", [&](const std::string& s) { target.tls.set_cert(s); }},
+        {"--tls-key", [&](const std::string& s) { target.tls.set_key(s); }},
+        {"--tls-ca", [&](const std::string& s) { target.tls.set_ca(s); }},
+        {"--tls-server-name", [&](const std::string& s) { target.tls.set_server_name(s); }},
+    };
+    bool matched = false;
+    for (const StringFlag& f : flags) {
+      absl::StatusOr<bool> m = args.Value(f.name, &v);
+      if (!m.ok()) return UsageError(err, m.status());
+      if (*m) {
+        f.set(v);
+        matched = true;
+        break;
+      }
+    }
+    if (matched) continue;
+    absl::StatusOr<bool> m = args.Value("--timeout", &v);
+    if (!m.ok()) return UsageError(err, m.status());
+    if (*m) {
+      absl::StatusOr<absl::Duration> d = ParseSeconds("--timeout", v);
+      if (!d.ok()) return UsageError(err, d.status());
+      timeout = *d;
+      continue;
+    }
+    return UsageError(err, UnknownOption(args.Cur(), "refitctl"));
+  }
+  if (args.Done()) {
+    return UsageError(err, absl::InvalidArgumentError(
+                               "missing verb: status, publish, export, wait, verify or resync "
+                               "(see refitctl --help)"));
+  }
+  const std::string verb_name = args.Cur();
+  args.Next();
+  const Verb* verb = nullptr;
+  for (const Verb& v : kVerbs) {
+    if (verb_name == v.name) verb = &v;
+  }
+  if (verb == nullptr) {
+    return UsageError(err, absl::InvalidArgumentError(absl::StrCat(
+                               "unknown verb \"", verb_name,
+                               "\": expected status, publish, export, wait, verify or resync")));
+  }
+  absl::StatusOr<Parsed> parsed = verb->parse(args);
+  if (!parsed.ok()) return UsageError(err, parsed.status());
+  if (parsed->help) {
+    out << verb->usage;
+    return 0;
+  }
+  if (!have_target) {
+    return UsageError(err, absl::InvalidArgumentError(absl::StrCat(
+                               "refitctl ", verb_name,
+                               " needs --target ADDR before the verb (the daemon's Control "
+                               "address, e.g. 127.0.0.1:7400 or unix:/run/refitd/control.sock)")));
+  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeControlChannel(target);
+  if (!channel.ok()) return UsageError(err, channel.status());
+  std::unique_ptr<v1::Control::Stub> stub = v1::Control::NewStub(*channel);
+  Session session{stub.get(), timeout.value_or(parsed->default_timeout) + parsed->extra_deadline,
+                  out, err};
+  absl::StatusOr<int> rc = parsed->run(session);
+  if (!rc.ok()) {
+    err << "refitctl: " << verb_name << ": " << absl::StatusCodeToString(rc.status().code())
+        << ": " << rc.status().message() << "\n";
+    return 1;
+  }
+  return *rc;
+}
+
+}  // namespace refit::client

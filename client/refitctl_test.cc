@@ -1,0 +1,256 @@
+// refitctl without a daemon: usage errors (exit 2), an unreachable daemon (exit 1, UNAVAILABLE),
+// and the status table / JSON of a StatusResponse built here.
+#include "client/refitctl.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::client {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+struct Result {
+  int rc;
+  std::string out;
+  std::string err;
+};
+
+Result RunCtl(std::vector<std::string> args) {
+  args.insert(args.begin(), "refitctl");
+  std::vector<const char*> argv;
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int rc = RunRefitctl(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {rc, out.str(), err.str()};
+}
+
+// A loopback TCP port with nothing listening: bound by the OS (port 0), then closed.
+int ClosedPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(RefitctlUsage, HelpExitsZeroOnEveryVerb) {
+  Result r = RunCtl({"--help"});
+  EXPECT_EQ(r.rc, 0);
+  EXPECT_THAT(r.out, HasSubstr("usage: refitctl --target ADDR"));
+  EXPECT_EQ(r.err, "");
+  for (const char* verb : {"status", "publish", "export", "wait", "verify", "resync"}) {
+    Result v = RunCtl({verb, "--help"});
+    EXPECT_EQ(v.rc, 0) << verb;
+    EXPECT_THAT(v.out, HasSubstr(absl::StrCat("refitctl --target ADDR ", verb))) << verb;
+    // --help works with a target too, without connecting.
+    Result t = RunCtl({"--target", "127.0.0.1:1", verb, "--help"});
+    EXPECT_EQ(t.rc, 0) << verb;
+  }
+}
+
+TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{}, "missing verb"},
+      {{"--target", "127.0.0.1:7400"}, "missing verb"},
+      {{"--target"}, "--target needs a value"},
+      {{"--target", "--insecure", "status"}, "--target needs a value"},
+      {{"--bogus", "status"}, "unknown option --bogus for refitctl"},
+      {{"--target", "127.0.0.1:7400", "frobnicate"}, "unknown verb \"frobnicate\""},
+      {{"status"}, "refitctl status needs --target ADDR"},
+      {{"--target", "127.0.0.1:7400", "status", "--yaml"},
+       "unknown option --yaml for refitctl status"},
+      {{"--target", "127.0.0.1:7400", "publish"}, "refitctl publish needs --safetensors"},
+      {{"--target", "127.0.0.1:7400", "publish", "--safetensors", "a", "--version", "x"},
+       "--version \"x\" is not a version number"},
+      {{"--target", "127.0.0.1:7400", "export"}, "refitctl export needs --safetensors PATH"},
+      {{"--target", "127.0.0.1:7400", "export", "--safetensors", "a", "b"},
+       "unexpected argument \"b\" for refitctl export"},
+      {{"--target", "127.0.0.1:7400", "wait"}, "refitctl wait needs --version N"},
+      {{"--target", "127.0.0.1:7400", "wait", "--version", "0"},
+       "--version \"0\" is not a version number"},
+      {{"--target", "127.0.0.1:7400", "wait", "--version", "3", "--timeout", "-1"},
+       "wait --timeout \"-1\" is not a number of seconds"},
+      {{"--target", "127.0.0.1:7400", "--timeout", "soon", "status"},
+       "--timeout \"soon\" is not a number of seconds"},
+      {{"--target", "127.0.0.1:7400", "verify", "--all"}, "unknown option --all for refitctl verify"},
+      {{"--target", "127.0.0.1:7400", "resync", "--tensor"}, "--tensor needs a value"},
+      {{"--target", "127.0.0.1:99999", "status"}, "--target \"127.0.0.1:99999\": "},
+      {{"--target", "10.1.2.3:7400", "status"},
+       "--target \"10.1.2.3:7400\" is not a loopback address: give --tls-cert, --tls-key and "
+       "--tls-ca (mTLS), or --insecure"},
+      {{"--target", "10.1.2.3:7400", "--tls-cert", "c.pem", "status"},
+       "--tls-cert, --tls-key and --tls-ca go together"},
+      {{"--target", "10.1.2.3:7400", "--insecure", "--tls-ca", "ca.pem", "status"},
+       "--insecure cannot be combined"},
+      {{"--target", "10.1.2.3:7400", "--tls-cert", "/nonexistent/c.pem", "--tls-key",
+        "/nonexistent/k.pem", "--tls-ca", "/nonexistent/ca.pem", "status"},
+       "--tls-cert \"/nonexistent/c.pem\""},
+  };
+  for (const Case& c : cases) {
+    Result r = RunCtl(c.args);
+    const std::string what = absl::StrCat("args: ", absl::StrJoin(c.args, " "));
+    EXPECT_EQ(r.rc, 2) << what << "\nstderr: " << r.err;
+    EXPECT_THAT(r.err, AllOf(StartsWith("refitctl: error: "), HasSubstr(c.message))) << what;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << what << "\n" << r.err;
+    EXPECT_EQ(r.out, "") << what;
+  }
+}
+
+TEST(RefitctlRpc, ClosedPortIsUnavailableExitOne) {
+  const std::string target = absl::StrCat("127.0.0.1:", ClosedPort());
+  for (const std::vector<std::string>& verb :
+       std::vector<std::vector<std::string>>{{"status"},
+                                             {"verify"},
+                                             {"wait", "--version", "2", "--timeout", "5"},
+                                             {"publish", "--safetensors", "x.safetensors"}}) {
+    std::vector<std::string> args = {"--target", target, "--timeout", "10"};
+    args.insert(args.end(), verb.begin(), verb.end());
+    Result r = RunCtl(args);
+    EXPECT_EQ(r.rc, 1) << verb[0] << ": " << r.err;
+    EXPECT_THAT(r.err, StartsWith(absl::StrCat("refitctl: ", verb[0], ": UNAVAILABLE: ")));
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+TEST(RefitctlRpc, UnixSocketTargetWithoutDaemonIsUnavailable) {
+  Result r = RunCtl({"--target", "unix:/nonexistent-dir/refitd.sock", "--timeout", "10", "status"});
+  EXPECT_EQ(r.rc, 1) << r.err;
+  EXPECT_THAT(r.err, StartsWith("refitctl: status: UNAVAILABLE: "));
+}
+
+v1::StatusResponse SampleSubscriberStatus() {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_SUBSCRIBER);
+  st.set_name("rollout-b-0");
+  st.set_build_version("0.1.0");
+  st.set_version(12);
+  st.set_version_digest(0x0123456789abcdefull);
+  st.set_tensors(291);
+  st.set_model_bytes(1'020'000'000);
+  st.set_bytes_received(45'600'000);
+  st.set_uptime_ms(3'723'000);
+  v1::RefitStats* r = st.mutable_last_refit();
+  r->set_version(12);
+  r->set_base_version(11);
+  r->set_change_rate(0.01623);
+  r->set_wire_bytes(12'300'000);
+  r->set_dense_bytes(1'020'000'000);
+  r->set_latency_micros(123'400);
+  r->set_digests_verified(true);
+  r->set_finished_unix_nanos(1'796'000'000'000'000'000ull);
+  v1::SessionStatus* up = st.mutable_upstream();
+  up->set_name("trainer-a");
+  up->set_identity("publisher.region-a");
+  up->set_address("ipv4:10.0.0.7:7400");
+  up->set_state(v1::SESSION_STATE_IDLE);
+  up->set_acked_version(12);
+  up->set_streams(8);
+  up->set_bytes_received(45'600'000);
+  *up->mutable_last_refit() = *r;
+  v1::LeaseStatus* l = st.add_leases();
+  l->set_lease_id(0xfeedull);
+  l->set_consumer("vllm-worker-3");
+  l->set_version(12);
+  l->set_remaining_ms(29'500);
+  return st;
+}
+
+TEST(RefitctlFormat, SubscriberTable) {
+  const std::string t = FormatStatusTable(SampleSubscriberStatus());
+  EXPECT_THAT(t, HasSubstr("role:       subscriber\n"));
+  EXPECT_THAT(t, HasSubstr("name:       rollout-b-0\n"));
+  EXPECT_THAT(t, HasSubstr("version:    12 (digest 0x0123456789abcdef)\n"));
+  EXPECT_THAT(t, HasSubstr("model:      291 tensors, 1.02 GB\n"));
+  EXPECT_THAT(t, HasSubstr("uptime:     1h02m03s\n"));
+  EXPECT_THAT(t, HasSubstr("last refit: version 12 from 11, change 1.623%, wire 12.30 MB of "
+                           "1.02 GB dense (1.21%), 0 keyframe tensors, latency 123.4 ms, "
+                           "digests verified, finished 2026-"));
+  EXPECT_THAT(t, HasSubstr("upstream:\n  NAME"));
+  EXPECT_THAT(t, HasSubstr("trainer-a (publisher.region-a)  idle"));
+  EXPECT_THAT(t, HasSubstr("ipv4:10.0.0.7:7400"));
+  EXPECT_THAT(t, HasSubstr("peer sessions (0):\n"));
+  EXPECT_THAT(t, HasSubstr("leases (1):\n"));
+  EXPECT_THAT(t, HasSubstr("000000000000feed  vllm-worker-3  12       29.5 s"));
+  EXPECT_THAT(t, testing::Not(HasSubstr("history:")));
+}
+
+TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_PUBLISHER);
+  st.set_name("trainer-a");
+  st.set_version(5);
+  st.mutable_history()->set_oldest_version(3);
+  st.mutable_history()->set_newest_version(5);
+  st.mutable_history()->set_versions(3);
+  st.mutable_history()->set_bytes(2'000'000);
+  st.mutable_history()->set_budget_bytes(4'000'000'000);
+  for (int i = 0; i < 2; ++i) {
+    v1::SessionStatus* s = st.add_sessions();
+    s->set_name(absl::StrCat("sub-", i));
+    s->set_state(i == 0 ? v1::SESSION_STATE_TRANSFERRING : v1::SESSION_STATE_CONNECTING);
+    s->set_acked_version(4 - i);
+    s->set_lag_versions(1 + i);
+    s->set_bytes_sent(1500);
+    if (i == 1) s->set_last_error("connection reset");
+  }
+  const std::string t = FormatStatusTable(st);
+  EXPECT_THAT(t, HasSubstr("role:       publisher\n"));
+  EXPECT_THAT(t, HasSubstr("history:    versions 3..5 (3 held), 2.00 MB of 4.00 GB budget\n"));
+  EXPECT_THAT(t, HasSubstr("last refit: none\n"));
+  EXPECT_THAT(t, HasSubstr("subscriber sessions (2):\n"));
+  EXPECT_THAT(t, HasSubstr("sub-0  transferring  4      1    0        1.50 kB"));
+  EXPECT_THAT(t, HasSubstr("sub-1  connecting    3      2"));
+  EXPECT_THAT(t, HasSubstr("  sub-1: last error: connection reset\n"));
+  EXPECT_THAT(t, testing::Not(HasSubstr("upstream:")));
+  EXPECT_THAT(t, testing::Not(HasSubstr("leases")));
+}
+
+TEST(RefitctlFormat, JsonUsesProtoFieldNames) {
+  absl::StatusOr<std::string> json = FormatStatusJson(SampleSubscriberStatus());
+  ASSERT_TRUE(json.ok()) << json.status();
+  EXPECT_THAT(*json, HasSubstr("\"role\": \"ROLE_SUBSCRIBER\""));
+  EXPECT_THAT(*json, HasSubstr("\"build_version\": \"0.1.0\""));
+  EXPECT_THAT(*json, HasSubstr("\"latency_micros\": \"123400\""));
+  EXPECT_THAT(*json, HasSubstr("\"acked_version\": \"12\""));
+  EXPECT_THAT(*json, HasSubstr("\"consumer\": \"vllm-worker-3\""));
+  // Zero-valued fields are printed too, for scripts.
+  EXPECT_THAT(*json, HasSubstr("\"bytes_sent\": \"0\""));
+  EXPECT_EQ(json->back(), '\n');
+}
+
+TEST(RefitctlFormat, Units) {
+  EXPECT_EQ(FormatBytes(999), "999 B");
+  EXPECT_EQ(FormatBytes(1500), "1.50 kB");
+  EXPECT_EQ(FormatBytes(1'020'000'000), "1.02 GB");
+  EXPECT_EQ(FormatDigest(0xabc), "0x0000000000000abc");
+  EXPECT_EQ(FormatMicros(999), "999 us");
+  EXPECT_EQ(FormatMicros(123'400), "123.4 ms");
+  EXPECT_EQ(FormatMicros(2'500'000), "2.50 s");
+}
+
+}  // namespace
+}  // namespace refit::client
