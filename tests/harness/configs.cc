@@ -1,0 +1,115 @@
+#include "tests/harness/configs.h"
+
+#include <unistd.h>
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit::e2e {
+namespace {
+
+std::string Q(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out.push_back('\\');
+    out.push_back(c);
+  }
+  out.push_back('"');
+  return out;
+}
+
+std::string ServerTlsYaml(const char* key, const ServerTlsSpec& tls) {
+  if (tls.cert.empty() && tls.key.empty() && tls.ca.empty()) return "";
+  std::string y = absl::StrCat("  ", key, ":\n");
+  if (!tls.cert.empty()) absl::StrAppend(&y, "    cert: ", Q(tls.cert), "\n");
+  if (!tls.key.empty()) absl::StrAppend(&y, "    key: ", Q(tls.key), "\n");
+  if (!tls.ca.empty()) absl::StrAppend(&y, "    ca: ", Q(tls.ca), "\n");
+  if (!tls.allowed_identities.empty()) {
+    absl::StrAppend(&y, "    allowed_identities: [");
+    for (size_t i = 0; i < tls.allowed_identities.size(); ++i) {
+      absl::StrAppend(&y, i ? ", " : "", Q(tls.allowed_identities[i]));
+    }
+    absl::StrAppend(&y, "]\n");
+  }
+  return y;
+}
+
+}  // namespace
+
+std::string UniqueShmPrefix(const std::string& name) {
+  static std::atomic<int> counter{0};
+  return absl::StrCat("/refit-e2e-", getpid(), "-", counter.fetch_add(1), "-", name, "-");
+}
+
+std::string PublisherYaml(const PublisherSpec& s, const std::string& dir,
+                          const std::string& ready_file) {
+  std::string y = "publisher:\n";
+  absl::StrAppend(&y, "  name: ", Q(s.name), "\n");
+  absl::StrAppend(&y, "  log_level: ", s.log_level, "\n");
+  absl::StrAppend(&y, "  listen: ", Q(s.listen), "\n");
+  absl::StrAppend(&y, ServerTlsYaml("tls", s.tls));
+  if (!s.control_listen.empty()) absl::StrAppend(&y, "  control_listen: ", Q(s.control_listen), "\n");
+  if (s.local_socket) {
+    absl::StrAppend(&y, "  local_socket: ", Q(absl::StrCat(dir, "/", s.name, "-local.sock")), "\n");
+  }
+  absl::StrAppend(&y, "  ready_file: ", Q(ready_file), "\n");
+  if (s.frame_bytes != 0 || s.max_streams != 0) {
+    absl::StrAppend(&y, "  transport:\n");
+    if (s.frame_bytes != 0) absl::StrAppend(&y, "    frame_bytes: ", s.frame_bytes, "\n");
+    if (s.max_streams != 0) absl::StrAppend(&y, "    max_streams_per_subscriber: ", s.max_streams, "\n");
+  }
+  if (s.history_budget_bytes || s.history_max_versions) {
+    absl::StrAppend(&y, "  history:\n");
+    if (s.history_budget_bytes) {
+      absl::StrAppend(&y, "    memory_budget_bytes: ", *s.history_budget_bytes, "\n");
+    }
+    if (s.history_max_versions) absl::StrAppend(&y, "    max_versions: ", *s.history_max_versions, "\n");
+  }
+  if (!s.persist_dir.empty()) {
+    absl::StrAppend(&y, "  baseline:\n    persist_dir: ", Q(s.persist_dir), "\n    fsync: false\n");
+  }
+  absl::StrAppend(&y, "  codec:\n    device: cpu\n    threads: ", s.codec_threads, "\n");
+  absl::StrAppend(&y, s.extra);
+  return y;
+}
+
+std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
+                           const std::string& ready_file) {
+  std::string y = "subscriber:\n";
+  absl::StrAppend(&y, "  name: ", Q(s.name), "\n");
+  absl::StrAppend(&y, "  log_level: ", s.log_level, "\n");
+  absl::StrAppend(&y, "  upstream:\n    addresses: [");
+  for (size_t i = 0; i < s.upstream.size(); ++i) absl::StrAppend(&y, i ? ", " : "", Q(s.upstream[i]));
+  absl::StrAppend(&y, "]\n");
+  const ClientTlsSpec& t = s.tls;
+  if (!t.cert.empty() || !t.key.empty() || !t.ca.empty() || !t.server_name.empty()) {
+    absl::StrAppend(&y, "    tls:\n");
+    if (!t.cert.empty()) absl::StrAppend(&y, "      cert: ", Q(t.cert), "\n");
+    if (!t.key.empty()) absl::StrAppend(&y, "      key: ", Q(t.key), "\n");
+    if (!t.ca.empty()) absl::StrAppend(&y, "      ca: ", Q(t.ca), "\n");
+    if (!t.server_name.empty()) absl::StrAppend(&y, "      server_name: ", Q(t.server_name), "\n");
+  }
+  absl::StrAppend(&y, "    connections: ", s.connections, "\n");
+  if (s.connect_timeout_ms != 0) {
+    absl::StrAppend(&y, "    connect_timeout_ms: ", s.connect_timeout_ms, "\n");
+  }
+  absl::StrAppend(&y, "    backoff:\n      initial_ms: ", s.backoff_initial_ms,
+                  "\n      max_ms: ", s.backoff_max_ms, "\n");
+  if (!s.listen.empty()) absl::StrAppend(&y, "  listen: ", Q(s.listen), "\n");
+  if (!s.control_listen.empty()) absl::StrAppend(&y, "  control_listen: ", Q(s.control_listen), "\n");
+  if (s.local_socket) {
+    absl::StrAppend(&y, "  local_socket: ", Q(absl::StrCat(dir, "/", s.name, "-local.sock")), "\n");
+  }
+  absl::StrAppend(&y, "  ready_file: ", Q(ready_file), "\n");
+  absl::StrAppend(&y, "  store:\n    kind: shm\n    shm_prefix: ", Q(UniqueShmPrefix(s.name)),
+                  "\n    slots: ", s.slots, "\n");
+  absl::StrAppend(&y, "  staging:\n    threads: ", s.staging_threads, "\n");
+  if (s.lease_default_ttl_ms != 0) {
+    absl::StrAppend(&y, "  leases:\n    default_ttl_ms: ", s.lease_default_ttl_ms, "\n");
+  }
+  absl::StrAppend(&y, s.extra);
+  return y;
+}
+
+}  // namespace refit::e2e

@@ -1,0 +1,68 @@
+// Config files (YAML, proto/refit/v1/config.proto) for daemons started by the e2e tests: every
+// address is 127.0.0.1:0 or a unix socket in the test's directory, the ready file is the
+// DaemonProcess's, shm prefixes are unique per process and daemon name.
+#ifndef REFIT_TESTS_HARNESS_CONFIGS_H_
+#define REFIT_TESTS_HARNESS_CONFIGS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace refit::e2e {
+
+struct ServerTlsSpec {
+  std::string cert, key, ca;
+  std::vector<std::string> allowed_identities;
+};
+
+struct ClientTlsSpec {
+  std::string cert, key, ca, server_name;
+};
+
+struct PublisherSpec {
+  std::string name = "pub";
+  std::string listen = "127.0.0.1:0";
+  std::string control_listen;  // "" = Control on listen
+  bool local_socket = false;   // TrainerApi on <dir>/<name>-local.sock
+  ServerTlsSpec tls;
+  std::optional<uint64_t> history_budget_bytes;
+  std::optional<uint32_t> history_max_versions;
+  std::string persist_dir;       // baseline.persist_dir ("" = none)
+  uint32_t frame_bytes = 0;      // 0 = default
+  uint32_t max_streams = 0;      // transport.max_streams_per_subscriber, 0 = default
+  uint32_t codec_threads = 2;
+  std::string log_level = "info";
+  std::string extra;  // YAML lines appended under `publisher:` (indented by the caller)
+};
+
+struct SubscriberSpec {
+  std::string name = "sub";
+  std::vector<std::string> upstream;  // addresses
+  uint32_t connections = 2;
+  uint32_t backoff_initial_ms = 20;
+  uint32_t backoff_max_ms = 300;
+  uint32_t connect_timeout_ms = 0;  // 0 = default
+  std::string listen = "127.0.0.1:0";
+  std::string control_listen;
+  bool local_socket = true;  // ConsumerApi on <dir>/<name>-local.sock
+  uint32_t slots = 2;
+  ClientTlsSpec tls;
+  uint32_t staging_threads = 2;
+  uint32_t lease_default_ttl_ms = 0;  // 0 = default
+  std::string log_level = "info";
+  std::string extra;
+};
+
+// `dir`: the test directory; `ready_file`: the DaemonProcess's ready_path().
+std::string PublisherYaml(const PublisherSpec& spec, const std::string& dir,
+                          const std::string& ready_file);
+std::string SubscriberYaml(const SubscriberSpec& spec, const std::string& dir,
+                           const std::string& ready_file);
+
+// "/refit-e2e-<pid>-<n>-<name>-": unique per call within this process and across processes.
+std::string UniqueShmPrefix(const std::string& name);
+
+}  // namespace refit::e2e
+
+#endif  // REFIT_TESTS_HARNESS_CONFIGS_H_
