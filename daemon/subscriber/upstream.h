@@ -67,6 +67,8 @@ struct AppliedEvent {
   v1::Ack ack;                 // as sent (timings)
   bool layout_changed = false;  // the store generation changed with this version
   std::string upstream;        // address it came from
+  v1::TransferReason reason = v1::TRANSFER_REASON_UNSPECIFIED;
+  uint32_t tensors = 0;        // tensors of the version
 };
 
 class Upstream {
@@ -101,7 +103,9 @@ class Upstream {
  private:
   struct Session;
   void Run();
-  absl::Status RunSession(const std::string& target);
+  // One session; *welcomed tells whether a Welcome arrived. OK = deliberate switch (bootstrap
+  // from a peer done).
+  absl::Status RunSession(const std::string& target, bool bootstrap_peer, bool* welcomed);
 
   SubscriberCore* const core_;
   const UpstreamOptions options_;
@@ -116,6 +120,7 @@ class Upstream {
   v1::SessionStatus status_ ABSL_GUARDED_BY(mu_);
   v1::RefitStats last_refit_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_received_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Pending resync (sent with the next session / transfer).
   bool resync_pending_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> resync_tensors_ ABSL_GUARDED_BY(mu_);

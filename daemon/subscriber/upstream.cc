@@ -1,0 +1,570 @@
+#include "daemon/subscriber/upstream.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/codec/format.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/common/logging.h"
+#include "grpcpp/create_channel.h"
+#include "refit/v1/data.grpc.pb.h"
+
+namespace refit::subscriber {
+namespace {
+
+uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
+
+// A VersionEnd whose frames do not all arrive within this time (no progress at all) ends the
+// session: the publisher sent every frame before VersionEnd, so they are only in flight.
+constexpr absl::Duration kFrameProgressTimeout = absl::Seconds(60);
+
+const char* PublisherMessageKind(const v1::PublisherMessage& m) {
+  switch (m.msg_case()) {
+    case v1::PublisherMessage::kWelcome: return "Welcome";
+    case v1::PublisherMessage::kHeader: return "VersionHeader";
+    case v1::PublisherMessage::kFrame: return "DataFrame";
+    case v1::PublisherMessage::kEnd: return "VersionEnd";
+    case v1::PublisherMessage::kAbort: return "VersionAbort";
+    default: return "an empty PublisherMessage";
+  }
+}
+
+}  // namespace
+
+// One connection attempt / session with one upstream.
+struct Upstream::Session {
+  std::string target;
+  bool bootstrap_peer = false;
+  uint64_t session_id = 0;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::DataPlane::Stub> stub;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SubscriberMessage, v1::PublisherMessage>> stream;
+  absl::Mutex write_mu;  // one Write at a time on the Sync stream
+  // Stripes.
+  struct StripeConn {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::DataPlane::Stub> stub;
+    grpc::ClientContext context;
+    std::thread thread;
+  };
+  std::vector<std::unique_ptr<StripeConn>> stripes;
+
+  absl::Mutex mu;
+  // Version of the transfer whose header was accepted (0 = none open).
+  uint64_t open_version ABSL_GUARDED_BY(mu) = 0;
+  uint64_t frames ABSL_GUARDED_BY(mu) = 0;  // frames of the open transfer handed to the core
+  bool broken ABSL_GUARDED_BY(mu) = false;
+  absl::Status error ABSL_GUARDED_BY(mu);
+
+  void Break(absl::Status status) {
+    {
+      absl::MutexLock lock(&mu);
+      if (!broken) {
+        broken = true;
+        error = std::move(status);
+      }
+    }
+    context.TryCancel();
+    for (auto& s : stripes) s->context.TryCancel();
+  }
+  bool Write(const v1::SubscriberMessage& m) {
+    absl::MutexLock lock(&write_mu);
+    return stream->Write(m);
+  }
+};
+
+Upstream::Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied)
+    : core_(core),
+      options_(std::move(options)),
+      on_applied_(std::move(on_applied)),
+      log_(Logger("upstream")) {
+  status_.set_state(v1::SESSION_STATE_CONNECTING);
+}
+
+Upstream::~Upstream() { Stop(); }
+
+void Upstream::Start() {
+  absl::MutexLock lock(&mu_);
+  if (started_) return;
+  started_ = true;
+  thread_ = std::thread([this] { Run(); });
+}
+
+void Upstream::Stop() {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    session = session_;
+  }
+  if (session) session->Break(absl::CancelledError("subscriber stopping"));
+  if (thread_.joinable()) thread_.join();
+  core_->Abort();
+}
+
+v1::SessionStatus Upstream::Status() const {
+  absl::MutexLock lock(&mu_);
+  v1::SessionStatus s = status_;
+  s.set_acked_version(core_->applied_version());
+  s.set_bytes_received(bytes_received_);
+  *s.mutable_last_refit() = last_refit_;
+  return s;
+}
+
+v1::RefitStats Upstream::last_refit() const {
+  absl::MutexLock lock(&mu_);
+  return last_refit_;
+}
+
+uint64_t Upstream::bytes_received() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_received_;
+}
+
+uint32_t Upstream::RequestResync(const std::vector<std::string>& tensors) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    session = session_;
+    if (!session) {
+      resync_pending_ = true;
+      if (tensors.empty()) {
+        resync_tensors_.clear();
+      } else {
+        resync_tensors_.insert(resync_tensors_.end(), tensors.begin(), tensors.end());
+      }
+      return 1;
+    }
+  }
+  v1::SubscriberMessage m;
+  v1::KeyframeRequest* req = m.mutable_keyframe_request();
+  if (tensors.empty()) {
+    req->set_all_tensors(true);
+  } else {
+    for (const std::string& t : tensors) req->add_tensors(t);
+  }
+  req->set_reason("resync requested through Control");
+  if (!session->Write(m)) {
+    // The session is breaking: keep the request for the next one.
+    absl::MutexLock lock(&mu_);
+    resync_pending_ = true;
+    resync_tensors_ = tensors;
+  }
+  return 1;
+}
+
+void Upstream::Run() {
+  absl::BitGen gen;
+  uint32_t failures = 0;
+  size_t next = 0;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+    }
+    // Bootstrap peers first while nothing is applied, then the publisher addresses.
+    std::vector<std::pair<std::string, bool>> targets;
+    if (core_->applied_version() == 0) {
+      for (const std::string& p : options_.bootstrap_peers) targets.emplace_back(p, true);
+    }
+    for (const std::string& a : options_.addresses) targets.emplace_back(a, false);
+    if (targets.empty()) {
+      log_->error("no upstream address configured");
+      absl::MutexLock lock(&mu_);
+      status_.set_state(v1::SESSION_STATE_BACKOFF);
+      status_.set_last_error("no upstream address configured");
+      mu_.Await(absl::Condition(&stop_));
+      return;
+    }
+    const auto& [target, is_peer] = targets[next % targets.size()];
+    bool welcomed = false;
+    absl::Status st = RunSession(target, is_peer, &welcomed);
+    {
+      absl::MutexLock lock(&mu_);
+      session_.reset();
+      if (stop_) return;
+    }
+    core_->Abort();  // a staged, unacknowledged transfer is discarded
+    if (welcomed) failures = 0;
+    if (st.ok()) {
+      // A deliberate switch (bootstrapped from a peer): reconnect at once to the publisher.
+      next = 0;
+      continue;
+    }
+    ++failures;
+    if (!welcomed) ++next;  // try the next address
+    double delay_ms = absl::ToDoubleMilliseconds(options_.backoff_initial) *
+                      std::pow(options_.backoff_multiplier, std::min<uint32_t>(failures - 1, 64));
+    delay_ms = std::min(delay_ms, absl::ToDoubleMilliseconds(options_.backoff_max));
+    if (options_.backoff_jitter > 0) {
+      delay_ms *= absl::Uniform(gen, 1.0 - options_.backoff_jitter, 1.0 + options_.backoff_jitter);
+    }
+    const absl::Duration delay = absl::Milliseconds(std::max(1.0, delay_ms));
+    log_->warn("upstream {}: {}; retrying in {}", target, st.ToString(),
+               absl::FormatDuration(delay));
+    absl::MutexLock lock(&mu_);
+    status_.set_state(v1::SESSION_STATE_BACKOFF);
+    status_.set_last_error(absl::StrCat(target, ": ", st.ToString()));
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), delay);
+  }
+}
+
+absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer,
+                                  bool* welcomed) {
+  auto session = std::make_shared<Session>();
+  session->target = target;
+  session->bootstrap_peer = bootstrap_peer;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return absl::CancelledError("subscriber stopping");
+    session_ = session;
+    status_.set_state(v1::SESSION_STATE_CONNECTING);
+    status_.set_address(target);
+    status_.set_streams(0);
+  }
+  auto make_channel = [&](int stripe) {
+    grpc::ChannelArguments args = options_.channel_args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_frame_bytes) + (1 << 20));
+    args.SetMaxSendMessageSize(-1);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_time)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_timeout)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    // A distinct argument per stream gives each its own subchannel, i.e. its own TCP
+    // connection and HTTP/2 flow-control window.
+    args.SetInt("refit.stripe", stripe);
+    return grpc::CreateCustomChannel(target, options_.credentials, args);
+  };
+  session->channel = make_channel(0);
+  session->stub = v1::DataPlane::NewStub(session->channel);
+  const bool connected =
+      session->channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
+  session->stream = session->stub->Sync(&session->context);
+  // Not connected: the call fails at once with gRPC's reason (refused, TLS handshake, ...).
+  v1::SubscriberMessage hello_msg;
+  v1::Hello* hello = hello_msg.mutable_hello();
+  hello->set_protocol(v1::PROTOCOL_VERSION_1);
+  hello->set_name(options_.name);
+  hello->set_version(core_->applied_version());
+  hello->set_version_digest(core_->applied_digest());
+  for (v1::TensorDigest& d : core_->applied_tensor_digests()) *hello->add_tensors() = std::move(d);
+  hello->set_stripes(options_.connections > 0 ? options_.connections - 1 : 0);
+  hello->set_max_frame_bytes(options_.max_frame_bytes);
+  hello->add_patch_formats(format::kVersion);
+  hello->add_compressions(v1::COMPRESSION_LZ4);
+  std::vector<std::string> resync_tensors;
+  bool resync = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (resync_pending_) {
+      resync = true;
+      resync_tensors = resync_tensors_;
+      resync_pending_ = false;
+      resync_tensors_.clear();
+      if (resync_tensors.empty()) hello->set_want_keyframe(true);
+    }
+  }
+  auto fail = [&](absl::Status st) -> absl::Status {
+    if (resync) {  // not delivered: keep it for the next session
+      absl::MutexLock lock(&mu_);
+      resync_pending_ = true;
+      resync_tensors_ = resync_tensors;
+    }
+    session->Break(st);
+    for (auto& s : session->stripes) {
+      if (s->thread.joinable()) s->thread.join();
+    }
+    return st;
+  };
+  auto finish_status = [&](const std::string& what) -> absl::Status {
+    session->context.TryCancel();
+    grpc::Status gs = session->stream->Finish();
+    absl::Status st = FromGrpcStatus(gs);
+    if (st.ok()) st = absl::UnavailableError("stream ended");
+    return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
+                                                connected ? "" : " (not connected within the "
+                                                                 "connect timeout)"));
+  };
+  if (!session->stream->Write(hello_msg)) return fail(finish_status("sending Hello failed"));
+  v1::PublisherMessage msg;
+  if (!session->stream->Read(&msg)) return fail(finish_status("no Welcome"));
+  if (!msg.has_welcome()) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "expected Welcome as the first message, got ", PublisherMessageKind(msg))));
+  }
+  const v1::Welcome welcome = msg.welcome();
+  if (welcome.protocol() != v1::PROTOCOL_VERSION_1) {
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat("Welcome.protocol ", static_cast<int>(welcome.protocol()), " is not 1")));
+  }
+  if (welcome.frame_bytes() == 0 || welcome.frame_bytes() > options_.max_frame_bytes) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "Welcome.frame_bytes ", welcome.frame_bytes(), " is outside 1..", options_.max_frame_bytes)));
+  }
+  if (welcome.stripes() > hello->stripes()) {
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "Welcome grants ", welcome.stripes(), " stripes, more than the ", hello->stripes(),
+        " asked for")));
+  }
+  if (bootstrap_peer && welcome.newest_version() == 0) {
+    return fail(absl::UnavailableError(
+        absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet")));
+  }
+  *welcomed = true;
+  core_->SetMaxFrameBytes(welcome.frame_bytes());
+  log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes, its newest "
+             "version {}, ours {}",
+             target, welcome.name(), welcome.session_id(), welcome.stripes(),
+             welcome.frame_bytes(), welcome.newest_version(), core_->applied_version());
+  {
+    absl::MutexLock lock(&mu_);
+    status_.set_name(welcome.name());
+    status_.set_identity(welcome.peer_identity());
+    status_.set_connected_unix_nanos(NowUnixNanos());
+    status_.set_streams(1 + welcome.stripes());
+    status_.set_last_error("");
+  }
+
+  // Stripes: each on its own connection.
+  auto on_frame = [this, session](const v1::DataFrame& frame) -> bool {
+    {
+      absl::MutexLock lock(&session->mu);
+      // A frame may overtake its header (different connection): wait for the header.
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
+        return session->broken ||
+               (session->open_version != 0 && session->open_version >= frame.version());
+      };
+      session->mu.Await(absl::Condition(&ready));
+      if (session->broken) return false;
+    }
+    absl::Status st = core_->OnFrame(frame);
+    if (!st.ok()) {
+      log_->warn("version {}: frame rejected: {}", frame.version(), st.ToString());
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      bytes_received_ += frame.payload().size();
+    }
+    absl::MutexLock lock(&session->mu);
+    ++session->frames;
+    return true;
+  };
+  for (uint32_t i = 1; i <= welcome.stripes(); ++i) {
+    auto conn = std::make_unique<Session::StripeConn>();
+    conn->channel = make_channel(static_cast<int>(i));
+    conn->stub = v1::DataPlane::NewStub(conn->channel);
+    session->stripes.push_back(std::move(conn));
+  }
+  session->session_id = welcome.session_id();
+  for (uint32_t i = 1; i <= welcome.stripes(); ++i) {
+    Session::StripeConn* conn = session->stripes[i - 1].get();
+    conn->thread = std::thread([session, conn, i, on_frame] {
+      v1::StripeRequest req;
+      req.set_session_id(session->session_id);
+      req.set_stripe_index(i);
+      auto reader = conn->stub->Stripe(&conn->context, req);
+      v1::DataFrame frame;
+      while (reader->Read(&frame)) {
+        if (!on_frame(frame)) break;
+      }
+      absl::Status st = FromGrpcStatus(reader->Finish());
+      session->Break(st.ok() ? absl::UnavailableError(absl::StrCat("stripe ", i, " ended"))
+                             : absl::Status(st.code(),
+                                            absl::StrCat("stripe ", i, ": ", st.message())));
+    });
+  }
+  if (resync && !resync_tensors.empty()) {
+    v1::SubscriberMessage m;
+    for (const std::string& t : resync_tensors) m.mutable_keyframe_request()->add_tensors(t);
+    m.mutable_keyframe_request()->set_reason("resync requested through Control");
+    if (!session->Write(m)) return fail(finish_status("sending KeyframeRequest failed"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    status_.set_state(v1::SESSION_STATE_IDLE);
+  }
+
+  // The Sync stream: headers, frames, ends, aborts.
+  v1::VersionHeader header;
+  absl::Time header_time;
+  while (session->stream->Read(&msg)) {
+    switch (msg.msg_case()) {
+      case v1::PublisherMessage::kHeader: {
+        uint64_t open;
+        {
+          absl::MutexLock lock(&session->mu);
+          open = session->open_version;
+        }
+        if (open != 0) {
+          return fail(absl::FailedPreconditionError(
+              absl::StrCat("VersionHeader for version ", msg.header().version(),
+                           " while the transfer of version ", open, " is open")));
+        }
+        header = msg.header();
+        header_time = absl::Now();
+        absl::Status st = core_->OnHeader(header);
+        if (!st.ok()) {
+          return fail(absl::Status(st.code(), absl::StrCat("VersionHeader of version ",
+                                                           header.version(), " refused: ",
+                                                           st.message())));
+        }
+        {
+          absl::MutexLock lock(&mu_);
+          status_.set_state(v1::SESSION_STATE_TRANSFERRING);
+        }
+        absl::MutexLock lock(&session->mu);
+        session->open_version = header.version();
+        session->frames = 0;
+        break;
+      }
+      case v1::PublisherMessage::kFrame: {
+        uint64_t open;
+        {
+          absl::MutexLock lock(&session->mu);
+          open = session->open_version;
+        }
+        if (open == 0) {
+          return fail(absl::FailedPreconditionError(absl::StrCat(
+              "DataFrame of version ", msg.frame().version(), " outside a transfer")));
+        }
+        if (!on_frame(msg.frame())) return fail(absl::CancelledError("session broken"));
+        break;
+      }
+      case v1::PublisherMessage::kEnd: {
+        const v1::VersionEnd& end = msg.end();
+        absl::Status wait_error;
+        {
+          absl::MutexLock lock(&session->mu);
+          if (session->open_version == 0 || end.version() != session->open_version) {
+            wait_error = absl::FailedPreconditionError(absl::StrCat(
+                "VersionEnd for version ", end.version(), " but the open transfer is ",
+                session->open_version == 0 ? std::string("none")
+                                           : absl::StrCat("version ", session->open_version)));
+          } else {
+            // Frames sent on the stripes before VersionEnd may still be in flight.
+            uint64_t seen = session->frames;
+            while (!session->broken && session->frames < end.frames()) {
+              auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
+                return session->broken || session->frames != seen ||
+                       session->frames >= end.frames();
+              };
+              if (!session->mu.AwaitWithTimeout(absl::Condition(&progress),
+                                                kFrameProgressTimeout)) {
+                break;
+              }
+              seen = session->frames;
+            }
+            if (session->broken) {
+              wait_error = session->error;
+            } else if (session->frames < end.frames()) {
+              wait_error = absl::DeadlineExceededError(absl::StrCat(
+                  "VersionEnd of version ", end.version(), " announces ", end.frames(),
+                  " frames; ", session->frames, " arrived and none more for ",
+                  absl::FormatDuration(kFrameProgressTimeout)));
+            }
+          }
+        }
+        if (!wait_error.ok()) return fail(wait_error);
+        v1::Ack ack = core_->OnEnd(end);
+        {
+          absl::MutexLock lock(&session->mu);
+          session->open_version = 0;
+          session->frames = 0;
+        }
+        const absl::Time done = absl::Now();
+        v1::SubscriberMessage ack_msg;
+        *ack_msg.mutable_ack() = ack;
+        if (!session->Write(ack_msg)) return fail(finish_status("sending Ack failed"));
+        if (ack.result() != v1::ACK_RESULT_APPLIED) {
+          log_->warn("version {} (base {}) rejected: {}", end.version(), header.base_version(),
+                     ack.error());
+          if (!ack.mismatched_tensors().empty()) {
+            v1::SubscriberMessage m;
+            v1::KeyframeRequest* req = m.mutable_keyframe_request();
+            req->set_version(0);
+            for (const std::string& t : ack.mismatched_tensors()) req->add_tensors(t);
+            req->set_reason(absl::StrCat("digest mismatch on ", ack.mismatched_tensors_size(),
+                                         " tensors of version ", end.version()));
+            if (!session->Write(m)) return fail(finish_status("sending KeyframeRequest failed"));
+          }
+          absl::MutexLock lock(&mu_);
+          status_.set_state(v1::SESSION_STATE_IDLE);
+          break;
+        }
+        AppliedEvent ev;
+        v1::RefitStats& stats = ev.stats;
+        stats.set_version(end.version());
+        stats.set_base_version(header.base_version());
+        stats.set_changed_elements(end.changed_elements());
+        stats.set_total_elements(end.total_elements());
+        stats.set_change_rate(end.total_elements() == 0
+                                  ? 0.0
+                                  : static_cast<double>(end.changed_elements()) /
+                                        static_cast<double>(end.total_elements()));
+        stats.set_wire_bytes(ack.wire_bytes());
+        stats.set_dense_bytes(end.dense_bytes());
+        uint32_t keyframes = 0;
+        for (const v1::TensorPlan& tp : header.tensors()) {
+          keyframes += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
+        }
+        stats.set_keyframe_tensors(keyframes);
+        stats.set_latency_micros(
+            static_cast<uint64_t>(absl::ToInt64Microseconds(done - header_time)));
+        stats.set_digests_verified(true);
+        stats.set_finished_unix_nanos(NowUnixNanos());
+        ev.ack = ack;
+        ev.upstream = target;
+        ev.reason = header.reason();
+        ev.tensors = static_cast<uint32_t>(header.tensors_size());
+        {
+          absl::MutexLock lock(&mu_);
+          last_refit_ = stats;
+          status_.set_state(v1::SESSION_STATE_IDLE);
+          *status_.mutable_last_refit() = stats;
+          ev.layout_changed = core_->generation() != last_generation_;
+          last_generation_ = core_->generation();
+        }
+        if (on_applied_) on_applied_(ev);
+        if (bootstrap_peer) {
+          log_->info("bootstrapped from peer {} at version {}; switching to the publisher",
+                     target, end.version());
+          session->Break(absl::CancelledError("bootstrap complete"));
+          for (auto& s : session->stripes) {
+            if (s->thread.joinable()) s->thread.join();
+          }
+          return absl::OkStatus();
+        }
+        break;
+      }
+      case v1::PublisherMessage::kAbort:
+        log_->warn("version {} aborted by the upstream: {}", msg.abort().version(),
+                   msg.abort().reason());
+        core_->Abort();
+        {
+          absl::MutexLock lock(&session->mu);
+          session->open_version = 0;
+          session->frames = 0;
+        }
+        break;
+      default:
+        return fail(absl::FailedPreconditionError(absl::StrCat(
+            "unexpected ", PublisherMessageKind(msg), " on an established Sync stream")));
+    }
+  }
+  absl::Status broken_error;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->broken) broken_error = session->error;
+  }
+  if (!broken_error.ok()) return fail(broken_error);
+  return fail(finish_status("Sync stream ended"));
+}
+
+}  // namespace refit::subscriber

@@ -1,0 +1,372 @@
+// The data plane end to end inside one process: a real gRPC server with DataPlaneService around
+// a PublisherCore on 127.0.0.1:0, and subscribers (SubscriberCore + Upstream) connecting to it
+// over real connections with stripes. Daemon processes are tested in tests/.
+#include "daemon/subscriber/upstream.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "daemon/publisher/data_plane_service.h"
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/sync/sync_testing.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "refit/v1/data.grpc.pb.h"
+
+namespace refit::subscriber {
+namespace {
+
+using ::testing::HasSubstr;
+using sync::testing::Model;
+
+struct Publisher {
+  std::unique_ptr<publisher::PublisherCore> core;
+  std::unique_ptr<publisher::DataPlaneService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+
+  static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
+                                          uint32_t frame_bytes = 64 * 1024) {
+    auto p = std::make_unique<Publisher>();
+    publisher::PublisherOptions opts;
+    opts.history_budget_bytes = history_budget;
+    opts.encode_threads = 2;
+    opts.digest_threads = 2;
+    auto core = publisher::PublisherCore::Open(opts);
+    EXPECT_TRUE(core.ok()) << core.status();
+    p->core = *std::move(core);
+    publisher::DataPlaneOptions dopts;
+    dopts.name = "test-publisher";
+    dopts.frame_bytes = frame_bytes;  // small frames: many per transfer, spread over stripes
+    dopts.retry_initial = absl::Milliseconds(5);
+    p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(p->service.get());
+    builder.SetMaxReceiveMessageSize(8 << 20);
+    p->server = builder.BuildAndStart();
+    EXPECT_NE(port, 0);
+    p->address = "127.0.0.1:" + std::to_string(port);
+    return p;
+  }
+  ~Publisher() {
+    service->Shutdown();
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+  void Publish(uint64_t version, const Model& model) {
+    std::vector<publisher::TensorInput> inputs;
+    for (const auto& [name, t] : model) {
+      publisher::TensorInput in;
+      in.name = name;
+      in.dtype = DType::kBF16;
+      in.shape.assign(t.spec.shape().begin(), t.spec.shape().end());
+      in.data = t.bytes;
+      inputs.push_back(std::move(in));
+    }
+    auto s = core->Publish(version, inputs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    service->NotifyPublished();
+  }
+};
+
+struct Subscriber {
+  std::unique_ptr<SubscriberCore> core;
+  std::unique_ptr<Upstream> upstream;
+  absl::Mutex mu;
+  std::vector<AppliedEvent> events ABSL_GUARDED_BY(mu);
+
+  static std::unique_ptr<Subscriber> Start(const std::string& name,
+                                           std::vector<std::string> addresses,
+                                           uint32_t connections = 3,
+                                           std::vector<std::string> peers = {}) {
+    auto s = std::make_unique<Subscriber>();
+    SubscriberOptions opts;
+    opts.threads = 2;
+    opts.store.shm_prefix = "/refit-upstream-test-";
+    s->core = std::make_unique<SubscriberCore>(opts);
+    s->Connect(name, std::move(addresses), connections, std::move(peers));
+    return s;
+  }
+  void Connect(const std::string& name, std::vector<std::string> addresses,
+               uint32_t connections = 3, std::vector<std::string> peers = {}) {
+    UpstreamOptions u;
+    u.name = name;
+    u.addresses = std::move(addresses);
+    u.bootstrap_peers = std::move(peers);
+    u.credentials = grpc::InsecureChannelCredentials();
+    u.connections = connections;
+    u.max_frame_bytes = 1 << 20;
+    u.backoff_initial = absl::Milliseconds(10);
+    u.backoff_max = absl::Milliseconds(200);
+    upstream = std::make_unique<Upstream>(core.get(), u, [this](const AppliedEvent& ev) {
+      absl::MutexLock lock(&mu);
+      events.push_back(ev);
+    });
+    upstream->Start();
+  }
+  // Waits until version >= v is applied (or 30 s).
+  bool WaitVersion(uint64_t v) {
+    absl::MutexLock lock(&mu);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return core->applied_version() >= v;
+    };
+    return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
+  }
+  AppliedEvent Last() {
+    absl::MutexLock lock(&mu);
+    return events.back();
+  }
+  // Tensor bytes of the applied version, by name.
+  std::map<std::string, std::vector<uint8_t>> Read() {
+    std::map<std::string, std::vector<uint8_t>> out;
+    auto lease = core->AcquireLease("test");
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return out;
+    const store::Layout& layout = lease->store->layout();
+    for (size_t i = 0; i < layout.size(); ++i) {
+      auto span = lease->lease.spans[i];
+      out[layout.tensor(i).name].assign(span.begin(), span.end());
+    }
+    EXPECT_TRUE(core->ReleaseLease(lease->lease.lease_id).ok());
+    return out;
+  }
+};
+
+Model MakeModel(std::mt19937& rng) {
+  Model m;
+  const std::vector<std::pair<std::string, std::vector<uint64_t>>> shapes = {
+      {"embed", {512, 256}}, {"layers.0.attn", {256, 256}}, {"layers.0.mlp", {256, 1024}},
+      {"norm", {256}}};
+  for (const auto& [name, shape] : shapes) m[name] = sync::testing::RandomTensor(
+      sync::testing::BF16(name, shape), rng);
+  return m;
+}
+
+void Step(Model& m, std::mt19937& rng, double rate = 0.02) {
+  for (auto& [name, t] : m) {
+    if (name != "norm") sync::testing::Perturb(t, rate, rng);  // norm stays frozen
+  }
+}
+
+void ExpectEqual(Subscriber& s, const Model& m, const std::string& what) {
+  auto got = s.Read();
+  ASSERT_EQ(got.size(), m.size()) << what;
+  for (const auto& [name, t] : m) {
+    ASSERT_TRUE(got.count(name)) << what << ": missing " << name;
+    EXPECT_TRUE(got[name] == t.bytes) << what << ": tensor " << name << " differs";
+  }
+}
+
+TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(1);
+  Model model = MakeModel(rng);
+  auto a = Subscriber::Start("sub-a", {pub->address}, 4);
+  auto b = Subscriber::Start("sub-b", {pub->address}, 1);
+  for (uint64_t v = 1; v <= 6; ++v) {
+    if (v > 1) Step(model, rng);
+    pub->Publish(v, model);
+    for (Subscriber* s : {a.get(), b.get()}) {
+      ASSERT_TRUE(s->WaitVersion(v)) << "version " << v << " not reached";
+      ExpectEqual(*s, model, "version " + std::to_string(v));
+      const AppliedEvent ev = s->Last();
+      EXPECT_EQ(ev.stats.version(), v);
+      if (v == 1) {
+        EXPECT_EQ(ev.stats.base_version(), 0u);
+        EXPECT_EQ(ev.stats.keyframe_tensors(), model.size());
+      } else {
+        EXPECT_EQ(ev.stats.base_version(), v - 1) << "a delta from the previous version";
+        EXPECT_EQ(ev.stats.keyframe_tensors(), 0u);
+        EXPECT_LT(ev.stats.wire_bytes(), ev.stats.dense_bytes() / 4);
+      }
+    }
+  }
+  const auto sessions = pub->service->Sessions();
+  ASSERT_EQ(sessions.size(), 2u);
+  EXPECT_EQ(sessions[0].name(), "sub-a");
+  EXPECT_EQ(sessions[0].streams(), 4u);
+  EXPECT_EQ(sessions[1].streams(), 1u);
+  EXPECT_TRUE(pub->service->WaitAllAcked(6, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_GT(pub->service->bytes_sent(), 0u);
+  EXPECT_EQ(a->upstream->Status().state(), v1::SESSION_STATE_IDLE);
+  EXPECT_EQ(a->upstream->Status().name(), "test-publisher");
+}
+
+TEST(UpstreamTest, LateJoinerBootstrapsAndLaggingSubscriberChains) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(2);
+  Model model = MakeModel(rng);
+  auto a = Subscriber::Start("sub-a", {pub->address});
+  pub->Publish(1, model);
+  ASSERT_TRUE(a->WaitVersion(1));
+  // sub-a leaves; versions 2..5 are published without it.
+  a->upstream->Stop();
+  for (uint64_t v = 2; v <= 5; ++v) {
+    Step(model, rng);
+    pub->Publish(v, model);
+  }
+  auto late = Subscriber::Start("late", {pub->address});
+  ASSERT_TRUE(late->WaitVersion(5));
+  EXPECT_EQ(late->Last().stats.base_version(), 0u);  // keyframes
+  ExpectEqual(*late, model, "late joiner");
+  // sub-a comes back with its version 1: a chain 1 -> 5.
+  a->Connect("sub-a", {pub->address});
+  ASSERT_TRUE(a->WaitVersion(5));
+  EXPECT_EQ(a->Last().stats.base_version(), 1u);
+  EXPECT_EQ(a->Last().stats.keyframe_tensors(), 0u);
+  ExpectEqual(*a, model, "lagging subscriber");
+}
+
+TEST(UpstreamTest, PublisherRestartIsSurvivedByReconnecting) {
+  std::mt19937 rng(3);
+  Model model = MakeModel(rng);
+  auto pub = Publisher::Start();
+  const std::string address = pub->address;
+  auto a = Subscriber::Start("sub-a", {address});
+  pub->Publish(1, model);
+  ASSERT_TRUE(a->WaitVersion(1));
+  pub.reset();  // the publisher goes away; the subscriber backs off and keeps version 1
+  EXPECT_EQ(a->core->applied_version(), 1u);
+  // A new publisher on another port: point a fresh upstream at both (the dead one first).
+  auto pub2 = Publisher::Start();
+  a->upstream->Stop();
+  a->Connect("sub-a", {address, pub2->address});
+  Step(model, rng);
+  pub2->Publish(2, model);
+  ASSERT_TRUE(a->WaitVersion(2));
+  // pub2 never saw version 1: keyframes.
+  EXPECT_EQ(a->Last().stats.base_version(), 0u);
+  ExpectEqual(*a, model, "after the publisher changed");
+}
+
+TEST(UpstreamTest, ResyncSendsKeyframesWithTheNextVersion) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(4);
+  Model model = MakeModel(rng);
+  auto a = Subscriber::Start("sub-a", {pub->address});
+  pub->Publish(1, model);
+  ASSERT_TRUE(a->WaitVersion(1));
+  EXPECT_EQ(a->upstream->RequestResync({"embed"}), 1u);
+  EXPECT_EQ(pub->service->RequestResync("", {"norm"}), 1u);
+  Step(model, rng);
+  pub->Publish(2, model);
+  ASSERT_TRUE(a->WaitVersion(2));
+  EXPECT_EQ(a->Last().stats.keyframe_tensors(), 2u);  // embed (subscriber) + norm (publisher)
+  EXPECT_EQ(a->Last().reason, v1::TRANSFER_REASON_REQUESTED);
+  ExpectEqual(*a, model, "after resync");
+  Step(model, rng);
+  pub->Publish(3, model);
+  ASSERT_TRUE(a->WaitVersion(3));
+  EXPECT_EQ(a->Last().stats.keyframe_tensors(), 0u);  // a resync is once
+}
+
+TEST(UpstreamTest, BootstrapFromPeerThenPublisher) {
+  // The "peer" is another DataPlaneService fed with the versions it holds (as a subscriber that
+  // serves peers does); the late joiner takes its first version there, then switches.
+  auto pub = Publisher::Start();
+  auto peer = Publisher::Start();
+  std::mt19937 rng(5);
+  Model model = MakeModel(rng);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) Step(model, rng);
+    pub->Publish(v, model);
+    peer->Publish(v, model);
+  }
+  const uint64_t pub_bytes_before = pub->service->bytes_sent();
+  Step(model, rng);
+  auto late = Subscriber::Start("late", {pub->address}, 2, {peer->address});
+  ASSERT_TRUE(late->WaitVersion(3));
+  EXPECT_EQ(late->Last().upstream, peer->address);
+  EXPECT_EQ(pub->service->bytes_sent(), pub_bytes_before) << "bootstrap must not use the publisher";
+  pub->Publish(4, model);
+  ASSERT_TRUE(late->WaitVersion(4));
+  EXPECT_EQ(late->Last().upstream, pub->address);
+  EXPECT_EQ(late->Last().stats.base_version(), 3u);  // delta from the peer's version
+  ExpectEqual(*late, model, "after bootstrap");
+}
+
+// A raw client breaking the protocol gets a clear status; the publisher keeps serving others.
+TEST(UpstreamTest, MalformedSessionsGetClearErrors) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(6);
+  Model model = MakeModel(rng);
+  pub->Publish(1, model);
+  auto channel = grpc::CreateChannel(pub->address, grpc::InsecureChannelCredentials());
+  auto stub = v1::DataPlane::NewStub(channel);
+  auto run = [&](std::vector<v1::SubscriberMessage> msgs) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto stream = stub->Sync(&ctx);
+    for (const auto& m : msgs) stream->Write(m);
+    stream->WritesDone();
+    v1::PublisherMessage in;
+    while (stream->Read(&in)) {
+    }
+    return stream->Finish();
+  };
+  v1::SubscriberMessage hello;
+  hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
+  hello.mutable_hello()->set_max_frame_bytes(1 << 20);
+  hello.mutable_hello()->add_patch_formats(1);
+  {
+    v1::SubscriberMessage ack;
+    ack.mutable_ack()->set_version(1);
+    grpc::Status st = run({ack});
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("first message of a Sync stream must be Hello"));
+  }
+  {
+    v1::SubscriberMessage bad = hello;
+    bad.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_UNSPECIFIED);
+    grpc::Status st = run({bad});
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st.error_message(), HasSubstr("protocol 0 is not supported"));
+  }
+  {
+    v1::SubscriberMessage req;
+    req.mutable_keyframe_request()->set_reason("x");
+    grpc::Status st = run({hello, req});
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("names no tensor"));
+  }
+  {
+    v1::SubscriberMessage req;
+    req.mutable_keyframe_request()->add_tensors("no.such.tensor");
+    grpc::Status st = run({hello, req});
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("\"no.such.tensor\""));
+  }
+  {
+    v1::SubscriberMessage ack;
+    ack.mutable_ack()->set_version(7);
+    grpc::Status st = run({hello, ack});
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st.error_message(), HasSubstr("Ack for version 7"));
+  }
+  {
+    v1::StripeRequest req;
+    req.set_session_id(12345);
+    req.set_stripe_index(1);
+    grpc::ClientContext ctx;
+    auto reader = stub->Stripe(&ctx, req);
+    v1::DataFrame f;
+    while (reader->Read(&f)) {
+    }
+    grpc::Status st = reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  // A well-behaved subscriber is unaffected.
+  auto a = Subscriber::Start("sub-a", {pub->address});
+  ASSERT_TRUE(a->WaitVersion(1));
+  ExpectEqual(*a, model, "after the malformed sessions");
+}
+
+}  // namespace
+}  // namespace refit::subscriber
