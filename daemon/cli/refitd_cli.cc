@@ -1,0 +1,231 @@
+#include "daemon/cli/refitd_cli.h"
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/logging.h"
+#include "daemon/config/config.h"
+#include "daemon/publisher/publisher_daemon.h"
+#include "daemon/subscriber/subscriber_daemon.h"
+
+namespace refit {
+namespace {
+
+constexpr char kUsage[] =
+    R"(usage: refitd publisher  --config FILE [--validate] [--log-level LEVEL]
+       refitd subscriber --config FILE [--validate] [--log-level LEVEL]
+       refitd --help | --version | ROLE --help
+
+refitd moves RL policy updates from a trainer to rollout nodes as verified sparse deltas.
+
+roles:
+  publisher    beside the trainer: takes versions (local TrainerApi or refitctl publish),
+               encodes patches, serves subscribers
+  subscriber   beside inference: receives, verifies and applies versions into shared memory
+               for local consumers
+
+options:
+  --config FILE      YAML config; the role's section is used (schema:
+                     proto/refit/v1/config.proto, examples: config/)
+  --validate         check the config (and the files it names), print the effective config,
+                     exit
+  --log-level LEVEL  trace|debug|info|warn|error|critical|off; overrides the config's log_level
+  --help             this text
+  --version          print the version
+
+Runs until SIGTERM, SIGINT or SIGHUP, then shuts down cleanly. Exit codes: 0 ok, 1 the daemon
+failed to start, 2 bad arguments or config.
+)";
+
+constexpr char kPublisherUsage[] =
+    R"(usage: refitd publisher --config FILE [--validate] [--log-level LEVEL]
+
+Runs the publisher daemon from the `publisher:` section of FILE: the data plane for subscribers
+and Control for refitctl on `listen` (or `control_listen`), the TrainerApi on `local_socket`,
+gRPC health; writes `ready_file` once serving.
+  --config FILE      YAML config (examples: config/publisher.*.yaml)
+  --validate         check the config, print the effective config, exit
+  --log-level LEVEL  trace|debug|info|warn|error|critical|off (overrides log_level)
+)";
+
+constexpr char kSubscriberUsage[] =
+    R"(usage: refitd subscriber --config FILE [--validate] [--log-level LEVEL]
+
+Runs the subscriber daemon from the `subscriber:` section of FILE: connects to
+`upstream.addresses`, applies verified versions into its shared-memory store, serves Control on
+`listen` (or `control_listen`), the ConsumerApi on `local_socket`, gRPC health; writes
+`ready_file` once serving.
+  --config FILE      YAML config (examples: config/subscriber.*.yaml)
+  --validate         check the config, print the effective config, exit
+  --log-level LEVEL  trace|debug|info|warn|error|critical|off (overrides log_level)
+)";
+
+struct Options {
+  std::string role;
+  std::string config_path;
+  bool validate = false;
+  std::optional<spdlog::level::level_enum> log_level;
+  bool help = false;
+};
+
+int Fail(std::ostream& err, int code, const std::string& message) {
+  err << "refitd: error: " << message << "\n";
+  return code;
+}
+
+// Parses the flags after the role. InvalidArgument naming the flag.
+absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const std::string& flag, std::string* v) -> absl::StatusOr<bool> {
+      if (arg == flag) {
+        if (i + 1 >= argc || absl::StartsWith(argv[i + 1], "--")) {
+          return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
+        }
+        *v = argv[++i];
+        return true;
+      }
+      if (absl::StartsWith(arg, flag + "=")) {
+        *v = arg.substr(flag.size() + 1);
+        if (v->empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
+        return true;
+      }
+      return false;
+    };
+    if (arg == "--help" || arg == "-h") {
+      opts->help = true;
+      return absl::OkStatus();
+    }
+    if (arg == "--validate") {
+      opts->validate = true;
+      continue;
+    }
+    std::string v;
+    absl::StatusOr<bool> m = value("--config", &v);
+    if (!m.ok()) return m.status();
+    if (*m) {
+      if (!opts->config_path.empty()) {
+        return absl::InvalidArgumentError("--config given twice: one config file per daemon");
+      }
+      opts->config_path = v;
+      continue;
+    }
+    m = value("--log-level", &v);
+    if (!m.ok()) return m.status();
+    if (*m) {
+      absl::StatusOr<spdlog::level::level_enum> level = ParseLogLevel(v);
+      if (!level.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("--log-level: ", level.status().message()));
+      }
+      opts->log_level = *level;
+      continue;
+    }
+    if (absl::StartsWith(arg, "-")) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown option ", arg, " for refitd ",
+                                                     opts->role, " (see refitd ", opts->role,
+                                                     " --help)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg,
+                                                   "\" for refitd ", opts->role, " (see refitd ",
+                                                   opts->role, " --help)"));
+  }
+  if (opts->config_path.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("refitd ", opts->role, " needs --config FILE (examples: config/",
+                     opts->role, ".loopback.yaml)"));
+  }
+  return absl::OkStatus();
+}
+
+std::string OrDash(const std::string& s, const std::string& dash) { return s.empty() ? dash : s; }
+
+// Starts the daemon, logs where it serves, waits for a shutdown signal, shuts it down.
+template <typename Daemon, typename Config>
+int Serve(const Options& opts, const Config& cfg, std::ostream& err) {
+  SetLogLevel(opts.log_level.value_or(LogLevelFromConfig(cfg.log_level())));
+  auto log = Logger("refitd");
+  const std::string name = cfg.name().empty() ? HostName() : cfg.name();
+  log->info("refitd {} {} \"{}\" starting (config {})", kBuildVersion, opts.role, name,
+            opts.config_path);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(cfg);
+  if (!daemon.ok()) {
+    return Fail(err, 1,
+                absl::StrCat("cannot start the ", opts.role, " (config ", opts.config_path,
+                             "): ", daemon.status().ToString()));
+  }
+  log->info("{} \"{}\" serving: listen {}, control {}, local socket {}", opts.role, name,
+            OrDash((*daemon)->listen_address(), "-"),
+            OrDash((*daemon)->control_address(), "on listen"),
+            OrDash((*daemon)->local_address(), "-"));
+  const int sig = WaitForShutdownSignal();
+  log->info("{} received: shutting down", strsignal(sig));
+  (*daemon)->Shutdown();
+  daemon->reset();
+  log->info("{} \"{}\" stopped", opts.role, name);
+  return 0;
+}
+
+template <typename Daemon, typename Config>
+int RunRole(const Options& opts, absl::StatusOr<Config> cfg, std::ostream& out,
+            std::ostream& err) {
+  if (!cfg.ok()) return Fail(err, 2, std::string(cfg.status().message()));
+  absl::Status files = config::CheckConfigFiles(*cfg);
+  if (!files.ok()) {
+    return Fail(err, 2, absl::StrCat(opts.config_path, ": ", files.message()));
+  }
+  if (opts.validate) {
+    out << "config OK: " << opts.config_path << " (" << opts.role << " section)\n"
+        << config::ConfigToYaml(*cfg);
+    return 0;
+  }
+  return Serve<Daemon>(opts, *cfg, err);
+}
+
+}  // namespace
+
+int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  if (argc < 2) {
+    return Fail(err, 2, "missing role: refitd publisher|subscriber --config FILE (see refitd --help)");
+  }
+  const std::string first = argv[1];
+  if (first == "--help" || first == "-h") {
+    out << kUsage;
+    return 0;
+  }
+  if (first == "--version") {
+    out << "refitd " << kBuildVersion << "\n";
+    return 0;
+  }
+  if (first != "publisher" && first != "subscriber") {
+    if (absl::StartsWith(first, "-")) {
+      return Fail(err, 2, absl::StrCat("unknown option ", first,
+                                       ": the role comes first: refitd publisher|subscriber "
+                                       "--config FILE (see refitd --help)"));
+    }
+    return Fail(err, 2, absl::StrCat("unknown role \"", first,
+                                     "\": expected publisher or subscriber (see refitd --help)"));
+  }
+  Options opts;
+  opts.role = first;
+  absl::Status parsed = ParseRoleFlags(argc, argv, &opts);
+  if (!parsed.ok()) return Fail(err, 2, std::string(parsed.message()));
+  if (opts.help) {
+    out << (opts.role == "publisher" ? kPublisherUsage : kSubscriberUsage);
+    return 0;
+  }
+  if (opts.role == "publisher") {
+    return RunRole<publisher::PublisherDaemon>(opts, config::LoadPublisherConfig(opts.config_path),
+                                               out, err);
+  }
+  return RunRole<subscriber::SubscriberDaemon>(
+      opts, config::LoadSubscriberConfig(opts.config_path), out, err);
+}
+
+}  // namespace refit

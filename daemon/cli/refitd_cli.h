@@ -1,0 +1,27 @@
+// The `refitd` command line:
+//
+//   refitd publisher  --config FILE [--validate] [--log-level LEVEL]
+//   refitd subscriber --config FILE [--validate] [--log-level LEVEL]
+//   refitd --help | --version | <role> --help
+//
+// Loads and checks the role's section of the config (config::Load*Config, CheckConfigFiles);
+// --validate prints "config OK: FILE (ROLE section)" and the effective config, and exits.
+// Otherwise it sets the log level (--log-level overrides the config's log_level), starts the
+// daemon, logs its bound addresses, waits for SIGTERM / SIGINT / SIGHUP, shuts down and exits 0.
+// Exit codes: 0 ok; 1 the daemon failed to start; 2 bad arguments or config (one line
+// "refitd: error: ..." naming the flag, or the file:line and field).
+//
+// The caller must have blocked the shutdown signals (BlockShutdownSignals, first thing in main)
+// before any thread started; refitd_main.cc does.
+#ifndef REFIT_DAEMON_CLI_REFITD_CLI_H_
+#define REFIT_DAEMON_CLI_REFITD_CLI_H_
+
+#include <ostream>
+
+namespace refit {
+
+int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_CLI_REFITD_CLI_H_
