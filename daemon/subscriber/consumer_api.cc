@@ -1,0 +1,187 @@
+#include "daemon/subscriber/consumer_api.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/codec/dtype.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/common/logging.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::subscriber {
+
+// ---- VersionBoard -------------------------------------------------------------------------------
+
+void VersionBoard::Announce(const AppliedVersion& applied) {
+  absl::MutexLock lock(&mu_);
+  if (applied.version <= current_.version) return;
+  current_ = applied;
+}
+
+void VersionBoard::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+}
+
+AppliedVersion VersionBoard::current() const {
+  absl::MutexLock lock(&mu_);
+  return current_;
+}
+
+bool VersionBoard::closed() const {
+  absl::MutexLock lock(&mu_);
+  return closed_;
+}
+
+AppliedVersion VersionBoard::WaitAbove(uint64_t after_version, absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this, after_version]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closed_ || current_.version > after_version;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  return current_;
+}
+
+// ---- layouts ------------------------------------------------------------------------------------
+
+namespace {
+
+uint64_t RemainingMs(absl::Time expires) {
+  const absl::Duration left = expires - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  if (left == absl::InfiniteDuration()) return UINT64_MAX;
+  return static_cast<uint64_t>(absl::ToInt64Milliseconds(left));
+}
+
+absl::Status Annotate(const absl::Status& st, absl::string_view what) {
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+}
+
+}  // namespace
+
+v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease) {
+  v1::Layout out;
+  out.set_version(lease.lease.version);
+  std::map<std::string, uint64_t> digests;
+  if (std::optional<VersionRecord> rec = core.record(lease.lease.version); rec.has_value()) {
+    out.set_version_digest(rec->version_digest);
+    for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
+  }
+  const store::ShmStore& st = *lease.store;
+  const std::string path = st.ProcPath();
+  const store::Layout& layout = st.layout();
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const store::TensorInfo& ti = layout.tensor(i);
+    v1::TensorLocation* loc = out.add_tensors();
+    v1::TensorSpec* spec = loc->mutable_spec();
+    spec->set_name(ti.name);
+    spec->set_dtype(sync::ToProtoDType(ti.dtype));
+    for (uint64_t d : ti.shape) spec->add_shape(d);
+    v1::ShmRegion* shm = loc->mutable_shm();
+    shm->set_path(path);
+    shm->set_offset(st.TensorOffset(lease.lease.slot, i));
+    shm->set_size_bytes(ti.size_bytes);
+    auto it = digests.find(ti.name);
+    if (it != digests.end()) loc->set_digest(it->second);
+  }
+  return out;
+}
+
+// ---- ConsumerApiService -------------------------------------------------------------------------
+
+ConsumerApiService::ConsumerApiService(SubscriberCore* core, const VersionBoard* board,
+                                       ConsumerApiOptions options)
+    : core_(core), board_(board), options_(std::move(options)), log_(Logger("consumer-api")) {}
+
+v1::Lease ConsumerApiService::MakeLease(const SubscriberLease& lease) const {
+  v1::Lease out;
+  out.set_lease_id(lease.lease.lease_id);
+  out.set_version(lease.lease.version);
+  *out.mutable_layout() = LeaseLayout(*core_, lease);
+  out.set_ttl_ms(RemainingMs(lease.lease.expires));
+  return out;
+}
+
+grpc::Status ConsumerApiService::GetLayout(grpc::ServerContext* context,
+                                           const v1::GetLayoutRequest* request,
+                                           v1::Layout* response) {
+  std::optional<uint64_t> version;
+  if (request->has_version()) version = request->version();
+  // A short lease pins the version's slot while its offsets are read.
+  auto lease = core_->AcquireLease(options_.layout_consumer, version, absl::Seconds(10));
+  if (!lease.ok()) {
+    return ToGrpcStatus(Annotate(
+        lease.status(), version.has_value() ? absl::StrCat("GetLayout of version ", *version)
+                                            : std::string("GetLayout of the current version")));
+  }
+  *response = LeaseLayout(*core_, *lease);
+  (void)core_->ReleaseLease(lease->lease.lease_id);
+  return grpc::Status::OK;
+}
+
+grpc::Status ConsumerApiService::WatchVersions(grpc::ServerContext* context,
+                                               const v1::WatchVersionsRequest* request,
+                                               grpc::ServerWriter<v1::VersionEvent>* writer) {
+  uint64_t after = request->after_version();
+  bool sent_any = false;
+  uint64_t last_generation = 0;
+  while (!context->IsCancelled()) {
+    const AppliedVersion cur = board_->WaitAbove(after, absl::Now() + options_.poll_interval);
+    if (board_->closed()) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "subscriber shutting down");
+    }
+    if (cur.version <= after) continue;
+    v1::VersionEvent ev;
+    ev.set_version(cur.version);
+    ev.set_version_digest(cur.version_digest);
+    ev.set_applied_unix_nanos(cur.applied_unix_nanos);
+    // A skipped version may have switched generations: compare with what this stream saw.
+    ev.set_layout_changed(cur.layout_changed || (sent_any && cur.generation != last_generation));
+    if (!writer->Write(ev)) break;  // client gone
+    sent_any = true;
+    last_generation = cur.generation;
+    after = cur.version;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
+                                              const v1::AcquireLeaseRequest* request,
+                                              v1::Lease* response) {
+  std::optional<uint64_t> version;
+  if (request->has_version()) version = request->version();
+  const std::string consumer = request->consumer().empty() ? "unnamed" : request->consumer();
+  auto lease = core_->AcquireLease(consumer, version, absl::Milliseconds(request->ttl_ms()));
+  if (!lease.ok()) {
+    log_->debug("lease for {} refused: {}", consumer, lease.status().ToString());
+    return ToGrpcStatus(Annotate(lease.status(), absl::StrCat("AcquireLease for consumer \"",
+                                                              consumer, "\"")));
+  }
+  *response = MakeLease(*lease);
+  log_->debug("lease {:016x} for {}: version {} (slot {}), ttl {} ms", lease->lease.lease_id,
+              consumer, lease->lease.version, lease->lease.slot, response->ttl_ms());
+  return grpc::Status::OK;
+}
+
+grpc::Status ConsumerApiService::RenewLease(grpc::ServerContext* context,
+                                            const v1::RenewLeaseRequest* request,
+                                            v1::Lease* response) {
+  auto lease = core_->RenewLease(request->lease_id(), absl::Milliseconds(request->ttl_ms()));
+  if (!lease.ok()) return ToGrpcStatus(Annotate(lease.status(), "RenewLease"));
+  *response = MakeLease(*lease);
+  return grpc::Status::OK;
+}
+
+grpc::Status ConsumerApiService::ReleaseLease(grpc::ServerContext* context,
+                                              const v1::ReleaseLeaseRequest* request,
+                                              v1::ReleaseLeaseResponse* response) {
+  absl::Status st = core_->ReleaseLease(request->lease_id());
+  if (!st.ok()) return ToGrpcStatus(Annotate(st, "ReleaseLease"));
+  log_->debug("lease {:016x} released", request->lease_id());
+  return grpc::Status::OK;
+}
+
+}  // namespace refit::subscriber

@@ -1,0 +1,242 @@
+#include "daemon/subscriber/subscriber_control.h"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/common/logging.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::subscriber {
+namespace {
+
+uint64_t ToMs(absl::Duration d) {
+  if (d <= absl::ZeroDuration()) return 0;
+  if (d == absl::InfiniteDuration()) return UINT64_MAX;
+  return static_cast<uint64_t>(absl::ToInt64Milliseconds(d));
+}
+
+grpc::Status Error(absl::StatusCode code, std::string message) {
+  return ToGrpcStatus(absl::Status(code, message));
+}
+
+}  // namespace
+
+SubscriberControlService::SubscriberControlService(SubscriberCore* core,
+                                                   const VersionBoard* board,
+                                                   SubscriberControlHooks hooks,
+                                                   SubscriberControlOptions options)
+    : core_(core),
+      board_(board),
+      hooks_(std::move(hooks)),
+      options_(std::move(options)),
+      log_(Logger("control")) {}
+
+grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
+                                              const v1::StatusRequest* request,
+                                              v1::StatusResponse* response) {
+  response->set_role(v1::ROLE_SUBSCRIBER);
+  response->set_name(options_.name);
+  response->set_build_version(kBuildVersion);
+  const VersionRecord applied = core_->applied_record();
+  response->set_version(applied.version);
+  response->set_version_digest(applied.version_digest);
+  if (std::shared_ptr<store::ShmStore> st = core_->store(); st != nullptr) {
+    uint64_t bytes = 0;
+    for (const store::TensorInfo& ti : st->layout().tensors()) bytes += ti.size_bytes;
+    response->set_tensors(static_cast<uint32_t>(st->layout().size()));
+    response->set_model_bytes(bytes);
+  }
+  if (hooks_.peer_sessions) {
+    for (v1::SessionStatus& s : hooks_.peer_sessions()) *response->add_sessions() = std::move(s);
+  }
+  if (hooks_.upstream_status) *response->mutable_upstream() = hooks_.upstream_status();
+  if (hooks_.bytes_sent) response->set_bytes_sent(hooks_.bytes_sent());
+  if (hooks_.bytes_received) response->set_bytes_received(hooks_.bytes_received());
+  if (hooks_.last_refit) *response->mutable_last_refit() = hooks_.last_refit();
+  for (const LeaseEntry& e : core_->Leases()) {
+    if (absl::StartsWith(e.lease.consumer, options_.self_consumer)) continue;
+    v1::LeaseStatus* l = response->add_leases();
+    l->set_lease_id(e.lease.lease_id);
+    l->set_consumer(e.lease.consumer);
+    l->set_version(e.lease.version);
+    l->set_remaining_ms(ToMs(e.lease.remaining));
+  }
+  response->set_uptime_ms(ToMs(absl::Now() - options_.start_time));
+  return grpc::Status::OK;
+}
+
+grpc::Status SubscriberControlService::Publish(grpc::ServerContext* context,
+                                               const v1::PublishRequest* request,
+                                               v1::PublishResponse* response) {
+  return Error(absl::StatusCode::kFailedPrecondition,
+               absl::StrCat("Publish is a publisher verb; ", options_.name, " is a subscriber"));
+}
+
+grpc::Status SubscriberControlService::Export(grpc::ServerContext* context,
+                                              const v1::ExportRequest* request,
+                                              v1::ExportResponse* response) {
+  const std::string& path = request->safetensors();
+  if (path.empty() || path[0] != '/') {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("Export: safetensors path \"", path,
+                              "\" must be absolute (it is written on the subscriber's host)"));
+  }
+  std::optional<uint64_t> version;
+  if (request->has_version()) version = request->version();
+  absl::StatusOr<ExportSummary> summary = core_->ExportVersion(path, version);
+  if (!summary.ok()) return ToGrpcStatus(summary.status());
+  response->set_version(summary->version);
+  response->set_version_digest(summary->version_digest);
+  response->set_tensors(summary->tensors);
+  response->set_bytes(summary->bytes);
+  log_->info("exported version {} ({} tensors, {} bytes) to {}", summary->version,
+             summary->tensors, summary->bytes, path);
+  return grpc::Status::OK;
+}
+
+grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
+                                                   const v1::WaitVersionRequest* request,
+                                                   v1::WaitVersionResponse* response) {
+  if (request->all_subscribers()) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("WaitVersion: all_subscribers is for a publisher; ", options_.name,
+                              " is a subscriber"));
+  }
+  const absl::Time start = absl::Now();
+  absl::Time deadline = absl::InfiniteFuture();
+  if (request->timeout_ms() > 0) {
+    deadline = start + absl::Milliseconds(static_cast<int64_t>(request->timeout_ms()));
+  }
+  const absl::Time rpc_deadline = absl::FromChrono(context->deadline());
+  const bool rpc_first = rpc_deadline < deadline;
+  deadline = std::min(deadline, rpc_deadline);
+  const uint64_t want = request->version();
+  AppliedVersion cur = board_->current();
+  while (cur.version < want) {
+    if (context->IsCancelled()) {
+      return Error(absl::StatusCode::kCancelled,
+                   absl::StrCat("WaitVersion for version ", want, " cancelled"));
+    }
+    if (board_->closed()) {
+      return Error(absl::StatusCode::kUnavailable,
+                   absl::StrCat("subscriber ", options_.name, " shutting down while waiting for "
+                                "version ", want, ", at version ", cur.version));
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      const uint64_t waited =
+          rpc_first ? ToMs(now - start) : static_cast<uint64_t>(request->timeout_ms());
+      return Error(absl::StatusCode::kDeadlineExceeded,
+                   absl::StrCat("version ", want, " not reached after ", waited,
+                                " ms, at version ", cur.version));
+    }
+    cur = board_->WaitAbove(want - 1, std::min(deadline, now + options_.poll_interval));
+  }
+  response->set_version(cur.version);
+  response->set_version_digest(cur.version_digest);
+  return grpc::Status::OK;
+}
+
+grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
+                                              const v1::VerifyRequest* request,
+                                              v1::VerifyResponse* response) {
+  // The applied version's record and a lease on exactly that version; if a newer version
+  // replaced it in between (and took its slot), try again with the newer one.
+  std::optional<SubscriberLease> lease;
+  VersionRecord rec;
+  for (int attempt = 0; attempt < 5 && !lease.has_value(); ++attempt) {
+    rec = core_->applied_record();
+    if (rec.version == 0) {
+      return Error(absl::StatusCode::kFailedPrecondition,
+                   absl::StrCat("Verify: subscriber ", options_.name, " holds no version yet"));
+    }
+    auto l = core_->AcquireLease(absl::StrCat(options_.self_consumer, "/verify"), rec.version,
+                                 absl::InfiniteDuration());
+    if (l.ok()) {
+      lease = std::move(*l);
+    } else if (l.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return ToGrpcStatus(l.status());
+    }
+  }
+  if (!lease.has_value()) {
+    return Error(absl::StatusCode::kUnavailable,
+                 "Verify: versions are being applied too fast to lease one; retry");
+  }
+  std::map<std::string, uint64_t> expected;
+  for (const v1::TensorDigest& d : rec.tensors) expected[d.name()] = d.digest();
+  const store::Layout& layout = lease->store->layout();
+  std::vector<v1::TensorSpec> specs;
+  std::vector<uint64_t> digests;
+  bool ok = true;
+  std::vector<std::string> bad;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const store::TensorInfo& ti = layout.tensor(i);
+    const uint64_t actual = TensorDigest(lease->lease.spans[i], options_.verify_threads);
+    v1::TensorVerification* tv = response->add_tensors();
+    tv->set_name(ti.name);
+    tv->set_actual(actual);
+    auto it = expected.find(ti.name);
+    if (it == expected.end()) {
+      ok = false;  // no record of the publisher's digest: cannot vouch for it
+      bad.push_back(ti.name);
+    } else {
+      tv->set_expected(it->second);
+      if (it->second != actual) {
+        ok = false;
+        bad.push_back(ti.name);
+      }
+    }
+    v1::TensorSpec spec;
+    spec.set_name(ti.name);
+    spec.set_dtype(sync::ToProtoDType(ti.dtype));
+    for (uint64_t d : ti.shape) spec.add_shape(d);
+    specs.push_back(std::move(spec));
+    digests.push_back(actual);
+  }
+  (void)core_->ReleaseLease(lease->lease.lease_id);
+  ok = ok && expected.size() == layout.size();
+  absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
+  if (!vd.ok()) return ToGrpcStatus(vd.status());
+  response->set_version(rec.version);
+  response->set_version_digest(*vd);
+  response->set_ok(ok && *vd == rec.version_digest);
+  if (response->ok()) {
+    log_->info("verify: version {} ok ({} tensors)", rec.version, layout.size());
+  } else {
+    if (bad.size() > 8) bad.resize(8);
+    log_->error("verify: version {} FAILED: recomputed version digest {:016x}, expected {:016x}; "
+                "mismatched tensors (first 8): {}",
+                rec.version, *vd, rec.version_digest, absl::StrJoin(bad, ", "));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status SubscriberControlService::Resync(grpc::ServerContext* context,
+                                              const v1::ResyncRequest* request,
+                                              v1::ResyncResponse* response) {
+  if (!request->subscriber().empty()) {
+    return Error(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("Resync: subscriber \"", request->subscriber(),
+                              "\" is for a publisher; ", options_.name, " is a subscriber"));
+  }
+  if (!hooks_.resync) {
+    return Error(absl::StatusCode::kUnavailable,
+                 absl::StrCat("Resync: subscriber ", options_.name, " has no upstream session"));
+  }
+  std::vector<std::string> tensors(request->tensors().begin(), request->tensors().end());
+  response->set_sessions(hooks_.resync(tensors));
+  log_->info("resync requested: {} tensor(s) as keyframes with the next transfer",
+             tensors.empty() ? std::string("all") : std::to_string(tensors.size()));
+  return grpc::Status::OK;
+}
+
+}  // namespace refit::subscriber

@@ -1,0 +1,608 @@
+// ConsumerApi and the subscriber's Control service over real gRPC (TCP loopback and a unix
+// socket), on a SubscriberCore fed directly with transfers made by a PublisherCore. Also covers
+// the core's additions used by them (ExportVersion, version records, lease listing).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/subscriber/consumer_api.h"
+#include "daemon/subscriber/subscriber_control.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/sync_testing.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "refit/v1/control.grpc.pb.h"
+#include "refit/v1/local.grpc.pb.h"
+
+namespace refit::subscriber {
+namespace {
+
+using ::testing::HasSubstr;
+using sync::testing::Model;
+
+// A publisher side without the network: PublisherCore versions of a small BF16 model.
+class Source {
+ public:
+  Source() {
+    publisher::PublisherOptions o;
+    o.encode_threads = 1;
+    o.digest_threads = 1;
+    auto core = publisher::PublisherCore::Open(o);
+    EXPECT_TRUE(core.ok()) << core.status();
+    core_ = std::move(*core);
+    for (const char* name : {"a.weight", "b.bias", "c.weight"}) {
+      v1::TensorSpec spec = sync::testing::BF16(name, {std::string(name) == "b.bias" ? 96u : 64u,
+                                                        std::string(name) == "b.bias" ? 1u : 48u});
+      model_[name] = sync::testing::RandomTensor(spec, rng_);
+    }
+  }
+
+  // Publishes the next version (perturbed; with `extra`, a tensor added: a manifest change).
+  uint64_t Next(bool extra = false) {
+    if (version_ > 0) {
+      for (auto& [name, t] : model_) sync::testing::Perturb(t, 0.02, rng_);
+    }
+    if (extra) {
+      model_["d.extra"] = sync::testing::RandomTensor(sync::testing::BF16("d.extra", {32}), rng_);
+    }
+    ++version_;
+    std::vector<publisher::TensorInput> in;
+    for (const auto& [name, t] : model_) {
+      in.push_back({name, DType::kBF16,
+                    std::vector<uint64_t>(t.spec.shape().begin(), t.spec.shape().end()),
+                    t.bytes});
+    }
+    auto s = core_->Publish(version_, in);
+    EXPECT_TRUE(s.ok()) << s.status();
+    models_[version_] = model_;
+    return version_;
+  }
+
+  // Feeds the newest version to `sub` (one transfer); returns the Ack.
+  v1::Ack Feed(SubscriberCore& sub) {
+    auto t = core_->MakeTransfer(sub.applied_version(), sub.applied_digest());
+    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(sub.OnHeader((*t)->Header()).ok());
+    uint64_t wire = 0;
+    for (uint64_t i = 0; i < (*t)->frame_count(); ++i) {
+      auto f = (*t)->Frame(i);
+      EXPECT_TRUE(f.ok()) << f.status();
+      wire += f->payload().size();
+      EXPECT_TRUE(sub.OnFrame(*f).ok());
+    }
+    return sub.OnEnd((*t)->End(wire));
+  }
+
+  const Model& model(uint64_t v) const { return models_.at(v); }
+  uint64_t digest() const { return core_->newest_version_digest(); }
+  std::vector<publisher::BaselineTensor> baseline() const { return core_->Baseline(); }
+
+ private:
+  std::mt19937 rng_{11};
+  std::unique_ptr<publisher::PublisherCore> core_;
+  Model model_;
+  uint64_t version_ = 0;
+  std::map<uint64_t, Model> models_;
+};
+
+// A read-only mapping of a whole file (the consumer's view of the store).
+class Mapping {
+ public:
+  explicit Mapping(const std::string& path) {
+    fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    EXPECT_GE(fd_, 0) << path;
+    struct stat st {};
+    EXPECT_EQ(fstat(fd_, &st), 0);
+    size_ = static_cast<size_t>(st.st_size);
+    map_ = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+    EXPECT_NE(map_, MAP_FAILED);
+  }
+  ~Mapping() {
+    if (map_ != MAP_FAILED) munmap(map_, size_);
+    if (fd_ >= 0) close(fd_);
+  }
+  std::vector<uint8_t> Read(const v1::ShmRegion& r) const {
+    EXPECT_LE(r.offset() + r.size_bytes(), size_);
+    const auto* p = static_cast<const uint8_t*>(map_) + r.offset();
+    return std::vector<uint8_t>(p, p + r.size_bytes());
+  }
+
+ private:
+  int fd_ = -1;
+  void* map_ = MAP_FAILED;
+  size_t size_ = 0;
+};
+
+class ServicesTest : public ::testing::Test {
+ protected:
+  ServicesTest()
+      : core_(Options()),
+        consumer_(&core_, &board_, {.poll_interval = absl::Milliseconds(20)}),
+        control_(&core_, &board_, Hooks(),
+                 {.name = "sub-test", .verify_threads = 1,
+                  .poll_interval = absl::Milliseconds(20)}) {}
+
+  static SubscriberOptions Options() {
+    SubscriberOptions o;
+    o.store.slots = 3;
+    o.store.default_ttl = absl::Seconds(30);
+    o.store.max_ttl = absl::Seconds(60);
+    o.store.max_leases = 8;
+    o.threads = 1;
+    return o;
+  }
+
+  SubscriberControlHooks Hooks() {
+    SubscriberControlHooks h;
+    h.upstream_status = [] {
+      v1::SessionStatus s;
+      s.set_name("pub-test");
+      s.set_state(v1::SESSION_STATE_IDLE);
+      return s;
+    };
+    h.bytes_received = [] { return uint64_t{1234}; };
+    h.resync = [this](const std::vector<std::string>& t) {
+      resync_calls_.push_back(t);
+      return 1u;
+    };
+    return h;
+  }
+
+  void SetUp() override {
+    socket_dir_ = std::filesystem::path(::testing::TempDir()) /
+                  absl::StrCat("refit-services-", getpid());
+    std::filesystem::create_directories(socket_dir_);
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.AddListeningPort(absl::StrCat("unix:", (socket_dir_ / "local.sock").string()),
+                       grpc::InsecureServerCredentials());
+    b.RegisterService(&control_);
+    b.RegisterService(&consumer_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    control_stub_ = v1::Control::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    consumer_stub_ = v1::ConsumerApi::NewStub(grpc::CreateChannel(
+        absl::StrCat("unix:", (socket_dir_ / "local.sock").string()),
+        grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    board_.Close();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    std::filesystem::remove_all(socket_dir_);
+  }
+
+  // Publishes and applies the next version, announcing it like the daemon does.
+  uint64_t Apply(bool extra = false) {
+    const uint64_t gen = core_.generation();
+    const uint64_t v = source_.Next(extra);
+    v1::Ack ack = source_.Feed(core_);
+    EXPECT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+    board_.Announce({v, core_.applied_digest(), static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())),
+                     core_.generation(), core_.generation() != gen && gen != 0});
+    return v;
+  }
+
+  // Checks that `layout` locates exactly version v's bytes and digests.
+  void ExpectLayoutHolds(const v1::Layout& layout, uint64_t v) {
+    const Model& m = source_.model(v);
+    ASSERT_EQ(static_cast<size_t>(layout.tensors_size()), m.size());
+    ASSERT_GT(layout.tensors_size(), 0);
+    Mapping map(layout.tensors(0).shm().path());
+    for (const v1::TensorLocation& loc : layout.tensors()) {
+      const auto& t = m.at(loc.spec().name());
+      EXPECT_EQ(map.Read(loc.shm()), t.bytes) << "version " << v << " " << loc.spec().name();
+      EXPECT_EQ(loc.shm().offset() % 256, 0u);
+      EXPECT_NE(loc.digest(), 0u);
+    }
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx(int timeout_s = 10) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(timeout_s));
+    return ctx;
+  }
+
+  Source source_;
+  SubscriberCore core_;
+  VersionBoard board_;
+  std::vector<std::vector<std::string>> resync_calls_;
+  ConsumerApiService consumer_;
+  SubscriberControlService control_;
+  std::filesystem::path socket_dir_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Control::Stub> control_stub_;
+  std::unique_ptr<v1::ConsumerApi::Stub> consumer_stub_;
+};
+
+TEST_F(ServicesTest, NothingAppliedYet) {
+  v1::Layout layout;
+  grpc::Status st = consumer_stub_->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("GetLayout"));
+  v1::Lease lease;
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("vllm-0");
+  st = consumer_stub_->AcquireLease(Ctx().get(), acq, &lease);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("vllm-0"));
+  v1::VerifyResponse vr;
+  EXPECT_EQ(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::ExportRequest ex;
+  ex.set_safetensors((socket_dir_ / "x.safetensors").string());
+  v1::ExportResponse exr;
+  EXPECT_EQ(control_stub_->Export(Ctx().get(), ex, &exr).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::StatusResponse s;
+  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
+  EXPECT_EQ(s.version(), 0u);
+}
+
+TEST_F(ServicesTest, GetLayoutLocatesTheAppliedVersion) {
+  Apply();
+  const uint64_t v2 = Apply();
+  v1::Layout layout;
+  ASSERT_TRUE(consumer_stub_->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  EXPECT_EQ(layout.version(), v2);
+  EXPECT_EQ(layout.version_digest(), source_.digest());
+  ExpectLayoutHolds(layout, v2);
+  // Digests are the publisher's.
+  std::vector<publisher::BaselineTensor> base = source_.baseline();
+  ASSERT_EQ(base.size(), static_cast<size_t>(layout.tensors_size()));
+  for (size_t i = 0; i < base.size(); ++i) {
+    EXPECT_EQ(layout.tensors(static_cast<int>(i)).spec().name(), base[i].spec.name());
+    EXPECT_EQ(layout.tensors(static_cast<int>(i)).digest(), base[i].digest);
+  }
+  // An older version still in its slot is found; one never applied is not.
+  v1::GetLayoutRequest req;
+  req.set_version(1);
+  v1::Layout old;
+  ASSERT_TRUE(consumer_stub_->GetLayout(Ctx().get(), req, &old).ok());
+  ExpectLayoutHolds(old, 1);
+  req.set_version(9);
+  grpc::Status st = consumer_stub_->GetLayout(Ctx().get(), req, &old);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("version 9"));
+}
+
+TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
+  const uint64_t v1 = Apply();
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("vllm-worker-3");
+  v1::Lease lease;
+  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok());
+  EXPECT_EQ(lease.version(), v1);
+  EXPECT_NE(lease.lease_id(), 0u);
+  EXPECT_GT(lease.ttl_ms(), 29000u);  // default ttl 30 s
+  EXPECT_LE(lease.ttl_ms(), 30000u);
+  ExpectLayoutHolds(lease.layout(), v1);
+
+  // Three slots: v1 leased, v2, v3, v4 rotate through the other two.
+  for (int i = 0; i < 3; ++i) Apply();
+  ExpectLayoutHolds(lease.layout(), v1);  // the consumer's bytes stay v1's
+
+  v1::StatusResponse s;
+  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_EQ(s.leases_size(), 1);  // the daemon's own leases are not listed
+  EXPECT_EQ(s.leases(0).lease_id(), lease.lease_id());
+  EXPECT_EQ(s.leases(0).consumer(), "vllm-worker-3");
+  EXPECT_EQ(s.leases(0).version(), v1);
+  EXPECT_GT(s.leases(0).remaining_ms(), 0u);
+
+  // Renew: ttl capped at the max (60 s).
+  v1::RenewLeaseRequest renew;
+  renew.set_lease_id(lease.lease_id());
+  renew.set_ttl_ms(3'600'000);
+  v1::Lease renewed;
+  ASSERT_TRUE(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).ok());
+  EXPECT_EQ(renewed.version(), v1);
+  EXPECT_GT(renewed.ttl_ms(), 59000u);
+  EXPECT_LE(renewed.ttl_ms(), 60000u);
+
+  // Export of the leased old version works and equals v1.
+  v1::ExportRequest ex;
+  ex.set_safetensors((socket_dir_ / "v1.safetensors").string());
+  ex.set_version(v1);
+  v1::ExportResponse exr;
+  ASSERT_TRUE(control_stub_->Export(Ctx().get(), ex, &exr).ok());
+  EXPECT_EQ(exr.version(), v1);
+  EXPECT_EQ(exr.tensors(), 3u);
+  auto file = model::SafetensorsFile::Open(ex.safetensors());
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (size_t i = 0; i < file->tensors().size(); ++i) {
+    const auto& t = source_.model(v1).at(file->tensors()[i].name);
+    auto d = file->data(i);
+    EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), t.bytes);
+  }
+
+  v1::ReleaseLeaseRequest rel;
+  rel.set_lease_id(lease.lease_id());
+  v1::ReleaseLeaseResponse relr;
+  ASSERT_TRUE(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  grpc::Status again = consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+
+  // After release v1's slot is reused; the consumer's next lease is the newest version.
+  Apply();
+  Apply();
+  acq.clear_version();
+  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok());
+  EXPECT_EQ(lease.version(), 6u);
+  ExpectLayoutHolds(lease.layout(), 6);
+  acq.set_version(v1);
+  v1::Lease gone;
+  grpc::Status st = consumer_stub_->AcquireLease(Ctx().get(), acq, &gone);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  ex.set_version(v1);
+  st = control_stub_->Export(Ctx().get(), ex, &exr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("version 1"));
+}
+
+TEST_F(ServicesTest, MaxLeasesIsResourceExhausted) {
+  Apply();
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("greedy");
+  v1::Lease lease;
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok()) << i;
+  }
+  grpc::Status st = consumer_stub_->AcquireLease(Ctx().get(), acq, &lease);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
+TEST_F(ServicesTest, WatchVersionsAnnouncesCurrentThenEveryApplied) {
+  Apply();
+  const uint64_t v2 = Apply();
+  grpc::ClientContext ctx;
+  v1::WatchVersionsRequest req;
+  auto reader = consumer_stub_->WatchVersions(&ctx, req);
+  v1::VersionEvent ev;
+  ASSERT_TRUE(reader->Read(&ev));
+  EXPECT_EQ(ev.version(), v2);  // the current version first
+  EXPECT_EQ(ev.version_digest(), core_.applied_digest());
+  EXPECT_FALSE(ev.layout_changed());
+  const uint64_t v3 = Apply();
+  ASSERT_TRUE(reader->Read(&ev));
+  EXPECT_EQ(ev.version(), v3);
+  EXPECT_FALSE(ev.layout_changed());
+  const uint64_t v4 = Apply(/*extra=*/true);  // manifest change: new store generation
+  EXPECT_EQ(core_.generation(), 2u);
+  ASSERT_TRUE(reader->Read(&ev));
+  EXPECT_EQ(ev.version(), v4);
+  EXPECT_TRUE(ev.layout_changed());
+  EXPECT_GT(ev.applied_unix_nanos(), 0u);
+  ctx.TryCancel();
+  while (reader->Read(&ev)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  // after_version skips what the consumer already has; the board's Close ends the stream.
+  grpc::ClientContext ctx2;
+  req.set_after_version(v4);
+  auto reader2 = consumer_stub_->WatchVersions(&ctx2, req);
+  const uint64_t v5 = Apply();
+  ASSERT_TRUE(reader2->Read(&ev));
+  EXPECT_EQ(ev.version(), v5);
+  board_.Close();
+  EXPECT_FALSE(reader2->Read(&ev));
+  EXPECT_EQ(reader2->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
+  const uint64_t v1 = Apply();
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("c");
+  v1::Lease old;
+  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &old).ok());
+  const uint64_t v2 = Apply(/*extra=*/true);
+  EXPECT_EQ(core_.retired_stores(), 1u);
+  v1::Lease now;
+  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &now).ok());
+  EXPECT_EQ(now.version(), v2);
+  EXPECT_EQ(now.layout().tensors_size(), 4);
+  EXPECT_NE(now.layout().tensors(0).shm().path(), old.layout().tensors(0).shm().path());
+  ExpectLayoutHolds(now.layout(), v2);
+  ExpectLayoutHolds(old.layout(), v1);
+  // The old generation's lease renews and releases; then the old store goes.
+  v1::RenewLeaseRequest renew;
+  renew.set_lease_id(old.lease_id());
+  v1::Lease renewed;
+  ASSERT_TRUE(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).ok());
+  EXPECT_EQ(renewed.version(), v1);
+  EXPECT_EQ(renewed.layout().tensors(0).shm().path(), old.layout().tensors(0).shm().path());
+  v1::ReleaseLeaseRequest rel;
+  rel.set_lease_id(old.lease_id());
+  v1::ReleaseLeaseResponse relr;
+  ASSERT_TRUE(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  EXPECT_EQ(core_.retired_stores(), 0u);
+}
+
+TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
+  Apply();
+  const uint64_t v2 = Apply();
+  v1::StatusResponse s;
+  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
+  EXPECT_EQ(s.name(), "sub-test");
+  EXPECT_EQ(s.build_version(), "0.1.0");
+  EXPECT_EQ(s.version(), v2);
+  EXPECT_EQ(s.version_digest(), source_.digest());
+  EXPECT_EQ(s.tensors(), 3u);
+  EXPECT_EQ(s.model_bytes(), (64u * 48 * 2 + 96 * 2 + 64 * 48 * 2));
+  EXPECT_EQ(s.upstream().name(), "pub-test");
+  EXPECT_EQ(s.bytes_received(), 1234u);
+  EXPECT_EQ(s.leases_size(), 0);
+  EXPECT_EQ(s.sessions_size(), 0);
+
+  v1::PublishResponse pr;
+  grpc::Status st = control_stub_->Publish(Ctx().get(), v1::PublishRequest(), &pr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(st.error_message(), "Publish is a publisher verb; sub-test is a subscriber");
+
+  v1::ExportRequest ex;
+  ex.set_safetensors("relative.safetensors");
+  v1::ExportResponse exr;
+  st = control_stub_->Export(Ctx().get(), ex, &exr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("relative.safetensors"));
+  ex.set_safetensors((socket_dir_ / "cur.safetensors").string());
+  ASSERT_TRUE(control_stub_->Export(Ctx().get(), ex, &exr).ok());
+  EXPECT_EQ(exr.version(), v2);
+  EXPECT_EQ(exr.version_digest(), source_.digest());
+  EXPECT_EQ(exr.bytes(), s.model_bytes());
+  auto file = model::SafetensorsFile::Open(ex.safetensors());
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(file->tensors().size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    auto d = file->data(i);
+    EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()),
+              source_.model(v2).at(file->tensors()[i].name).bytes);
+  }
+
+  v1::VerifyResponse vr;
+  ASSERT_TRUE(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  EXPECT_TRUE(vr.ok());
+  EXPECT_EQ(vr.version(), v2);
+  EXPECT_EQ(vr.version_digest(), source_.digest());
+  ASSERT_EQ(vr.tensors_size(), 3);
+  for (const auto& t : vr.tensors()) EXPECT_EQ(t.expected(), t.actual()) << t.name();
+
+  v1::ResyncRequest rs;
+  rs.add_tensors("b.bias");
+  v1::ResyncResponse rsr;
+  ASSERT_TRUE(control_stub_->Resync(Ctx().get(), rs, &rsr).ok());
+  EXPECT_EQ(rsr.sessions(), 1u);
+  ASSERT_EQ(resync_calls_.size(), 1u);
+  EXPECT_EQ(resync_calls_[0], std::vector<std::string>{"b.bias"});
+  rs.set_subscriber("x");
+  EXPECT_EQ(control_stub_->Resync(Ctx().get(), rs, &rsr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ServicesTest, VerifyDetectsCorruptedMemory) {
+  const uint64_t v = Apply();
+  {
+    // Corrupt one byte of the current slot behind the store's back (as a rogue writer would).
+    auto lease = core_.AcquireLease("corrupter");
+    ASSERT_TRUE(lease.ok());
+    auto* p = const_cast<uint8_t*>(lease->lease.spans[1].data());
+    p[3] ^= 0x40;
+    ASSERT_TRUE(core_.ReleaseLease(lease->lease.lease_id).ok());
+  }
+  v1::VerifyResponse vr;
+  ASSERT_TRUE(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  EXPECT_FALSE(vr.ok());
+  EXPECT_EQ(vr.version(), v);
+  EXPECT_NE(vr.version_digest(), source_.digest());
+  EXPECT_EQ(vr.tensors(0).expected(), vr.tensors(0).actual());
+  EXPECT_NE(vr.tensors(1).expected(), vr.tensors(1).actual());
+  EXPECT_EQ(vr.tensors(1).name(), "b.bias");
+}
+
+TEST_F(ServicesTest, WaitVersion) {
+  Apply();
+  v1::WaitVersionRequest req;
+  req.set_version(1);
+  v1::WaitVersionResponse resp;
+  ASSERT_TRUE(control_stub_->WaitVersion(Ctx().get(), req, &resp).ok());
+  EXPECT_EQ(resp.version(), 1u);
+  EXPECT_EQ(resp.version_digest(), core_.applied_digest());
+
+  req.set_version(7);
+  req.set_timeout_ms(50);
+  grpc::Status st = control_stub_->WaitVersion(Ctx().get(), req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(st.error_message(), "version 7 not reached after 50 ms, at version 1");
+
+  req.set_all_subscribers(true);
+  EXPECT_EQ(control_stub_->WaitVersion(Ctx().get(), req, &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A waiter is released by the version being applied on another thread.
+  req.set_all_subscribers(false);
+  req.set_version(3);
+  req.set_timeout_ms(20000);
+  std::atomic<bool> done{false};
+  grpc::Status waited;
+  std::thread waiter([&] {
+    waited = control_stub_->WaitVersion(Ctx(30).get(), req, &resp);
+    done = true;
+  });
+  Apply();
+  EXPECT_FALSE(done.load());
+  Apply();
+  waiter.join();
+  ASSERT_TRUE(waited.ok()) << waited.error_message();
+  EXPECT_EQ(resp.version(), 3u);
+}
+
+TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations) {
+  Source source;
+  SubscriberOptions o;
+  o.store.slots = 2;
+  o.threads = 1;
+  SubscriberCore core(o);
+  EXPECT_EQ(core.applied_record().version, 0u);
+  source.Next();
+  ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
+  EXPECT_EQ(core.applied_record().version, 1u);
+  EXPECT_EQ(core.applied_record().version_digest, core.applied_digest());
+  EXPECT_EQ(core.applied_record().tensors.size(), 3u);
+  auto lease = core.AcquireLease("keep-1");
+  ASSERT_TRUE(lease.ok());
+  source.Next(/*extra=*/true);  // generation 2
+  ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
+  source.Next();
+  ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
+  source.Next();
+  ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
+  // Version 2's slot was reused by version 4; version 1 lives on in the retired generation.
+  EXPECT_TRUE(core.record(1).has_value());
+  EXPECT_FALSE(core.record(2).has_value());
+  EXPECT_TRUE(core.record(3).has_value());
+  EXPECT_EQ(core.record(4)->version_digest, core.applied_digest());
+  auto mine = core.AcquireLease("keep-4");
+  ASSERT_TRUE(mine.ok());
+  std::vector<LeaseEntry> leases = core.Leases();
+  ASSERT_EQ(leases.size(), 2u);
+  EXPECT_EQ(leases[0].generation, 1u);
+  EXPECT_EQ(leases[0].lease.consumer, "keep-1");
+  EXPECT_EQ(leases[1].generation, 2u);
+  EXPECT_EQ(leases[1].lease.version, 4u);
+  // ExportVersion finds version 1 in the retired generation.
+  const std::string path = ::testing::TempDir() + "/refit-export-v1.safetensors";
+  auto summary = core.ExportVersion(path, 1);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->version, 1u);
+  EXPECT_EQ(summary->tensors, 3u);
+  EXPECT_EQ(summary->version_digest, core.record(1)->version_digest);
+  EXPECT_EQ(core.ExportVersion(path, 2).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace refit::subscriber
