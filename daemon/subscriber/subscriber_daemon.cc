@@ -1,0 +1,375 @@
+#include "daemon/subscriber/subscriber_daemon.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/config/address.h"
+#include "daemon/config/credentials.h"
+#include "daemon/publisher/data_plane_service.h"
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/subscriber/consumer_api.h"
+#include "daemon/subscriber/subscriber_control.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/subscriber/upstream.h"
+
+namespace refit::subscriber {
+namespace {
+
+// Largest frame a subscriber serving peers accepts from them (their Hello.max_frame_bytes is at
+// most the config maximum, 64 MiB) plus envelope room.
+constexpr int64_t kPeerMaxReceiveBytes = (64 << 20) + (1 << 20);
+constexpr char kSelfConsumer[] = "refitd-subscriber";
+
+// "1.23 MB", "254 MB", "812 B": three significant digits, decimal units.
+std::string HumanBytes(uint64_t bytes) {
+  static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1000.0 && u < 5) {
+    v /= 1000.0;
+    ++u;
+  }
+  if (u == 0) return absl::StrCat(bytes, " B");
+  if (v >= 100.0) return absl::StrFormat("%.0f %s", v, kUnits[u]);
+  if (v >= 10.0) return absl::StrFormat("%.1f %s", v, kUnits[u]);
+  return absl::StrFormat("%.2f %s", v, kUnits[u]);
+}
+
+uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
+
+// What kind of transfer it was, from its versions (VersionHeader.reason is not in the event).
+const char* TransferKind(const v1::RefitStats& s) {
+  if (s.base_version() == 0) return "bootstrap";
+  if (s.version() == s.base_version() + 1) return "next_version";
+  return "catch_up";
+}
+
+absl::StatusOr<std::vector<std::string>> Targets(
+    const google::protobuf::RepeatedPtrField<std::string>& addresses, const std::string& field) {
+  std::vector<std::string> out;
+  for (int i = 0; i < addresses.size(); ++i) {
+    auto a = config::ParseAddress(addresses[i], config::AddressUse::kConnect);
+    if (!a.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "] \"", addresses[i], "\": ", a.status().message()));
+    }
+    out.push_back(a->grpc_target);
+  }
+  return out;
+}
+
+class SubscriberDaemonImpl final : public SubscriberDaemon {
+ public:
+  explicit SubscriberDaemonImpl(const v1::SubscriberConfig& config)
+      : config_(config),
+        name_(config.name().empty() ? HostName() : config.name()),
+        log_(Logger("subscriber")),
+        start_time_(absl::Now()) {}
+
+  ~SubscriberDaemonImpl() override { Shutdown(); }
+
+  absl::Status Init();
+  void Shutdown() override;
+
+  std::string listen_address() const override { return listen_.bound_address; }
+  std::string control_address() const override { return control_server_.bound_address; }
+  std::string local_address() const override { return local_.bound_address; }
+
+ private:
+  void OnApplied(const AppliedEvent& ev);
+  void PeerPublishLoop();
+  absl::Status PublishToPeers();
+
+  const v1::SubscriberConfig config_;
+  const std::string name_;
+  std::shared_ptr<spdlog::logger> log_;
+  const absl::Time start_time_;
+
+  std::unique_ptr<SubscriberCore> core_;
+  VersionBoard board_;
+
+  // serve_peers: every applied version republished to a PublisherCore served on `listen`.
+  std::unique_ptr<publisher::PublisherCore> peer_core_;
+  std::unique_ptr<publisher::DataPlaneService> peer_service_;
+  std::thread peer_thread_;
+  absl::Mutex peer_mu_;
+  uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // newest applied version
+  bool peer_stop_ ABSL_GUARDED_BY(peer_mu_) = false;
+
+  std::unique_ptr<Upstream> upstream_;
+  std::unique_ptr<ConsumerApiService> consumer_;
+  std::unique_ptr<SubscriberControlService> control_;
+  RunningServer listen_;
+  RunningServer control_server_;
+  RunningServer local_;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+absl::Status SubscriberDaemonImpl::Init() {
+  const v1::SubscriberConfig& c = config_;
+
+  // Core.
+  SubscriberOptions core_options;
+  core_options.store.slots = static_cast<int>(c.store().slots());
+  core_options.store.shm_prefix = c.store().shm_prefix();
+  core_options.store.default_ttl = absl::Milliseconds(c.leases().default_ttl_ms());
+  core_options.store.max_ttl = absl::Milliseconds(c.leases().max_ttl_ms());
+  core_options.store.max_leases = static_cast<int>(c.leases().max_leases());
+  core_options.threads = static_cast<int>(c.staging().threads());
+  if (c.staging().max_bytes() > 0) core_options.max_slot_bytes = c.staging().max_bytes();
+  core_options.max_frame_bytes = c.upstream().max_frame_bytes();
+  core_options.self_consumer = kSelfConsumer;
+  core_ = std::make_unique<SubscriberCore>(core_options);
+
+  // Upstream.
+  UpstreamOptions up;
+  up.name = name_;
+  ASSIGN_OR_RETURN(up.addresses, Targets(c.upstream().addresses(), "subscriber.upstream.addresses"));
+  ASSIGN_OR_RETURN(up.bootstrap_peers,
+                   Targets(c.upstream().bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
+  ASSIGN_OR_RETURN(up.credentials,
+                   config::MakeChannelCredentials(c.upstream().tls(), "subscriber.upstream.tls"));
+  config::ApplyClientTlsArgs(c.upstream().tls(), &up.channel_args);
+  up.connections = c.upstream().connections();
+  up.max_frame_bytes = c.upstream().max_frame_bytes();
+  up.connect_timeout = absl::Milliseconds(c.upstream().connect_timeout_ms());
+  up.keepalive_time = absl::Milliseconds(c.upstream().keepalive_time_ms());
+  up.keepalive_timeout = absl::Milliseconds(c.upstream().keepalive_timeout_ms());
+  up.backoff_initial = absl::Milliseconds(c.upstream().backoff().initial_ms());
+  up.backoff_max = absl::Milliseconds(c.upstream().backoff().max_ms());
+  up.backoff_multiplier = c.upstream().backoff().multiplier();
+  up.backoff_jitter = c.upstream().backoff().jitter();
+  upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
+                                         [this](const AppliedEvent& ev) { OnApplied(ev); });
+
+  // Peers.
+  if (c.serve_peers()) {
+    publisher::PublisherOptions po;
+    po.encode_threads = static_cast<int>(c.staging().threads());
+    po.digest_threads = static_cast<int>(c.staging().threads());
+    ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
+    publisher::DataPlaneOptions dpo;
+    dpo.name = name_;
+    dpo.logger = "peers";
+    peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
+  }
+
+  // Services.
+  consumer_ = std::make_unique<ConsumerApiService>(
+      core_.get(), &board_, ConsumerApiOptions{.layout_consumer = absl::StrCat(kSelfConsumer, "/layout")});
+  SubscriberControlHooks hooks;
+  Upstream* upstream = upstream_.get();
+  hooks.upstream_status = [upstream] { return upstream->Status(); };
+  hooks.last_refit = [upstream] { return upstream->last_refit(); };
+  hooks.bytes_received = [upstream] { return upstream->bytes_received(); };
+  hooks.resync = [upstream](const std::vector<std::string>& t) {
+    return upstream->RequestResync(t);
+  };
+  if (peer_service_ != nullptr) {
+    publisher::DataPlaneService* peers = peer_service_.get();
+    hooks.peer_sessions = [peers] { return peers->Sessions(); };
+    hooks.bytes_sent = [peers] { return peers->bytes_sent(); };
+  }
+  SubscriberControlOptions co;
+  co.name = name_;
+  co.verify_threads = static_cast<int>(c.staging().threads());
+  co.self_consumer = kSelfConsumer;
+  co.start_time = start_time_;
+  control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
+                                                        std::move(co));
+
+  // Servers.
+  if (!c.listen().empty()) {
+    ServerSpec spec;
+    spec.name = "listen";
+    spec.address = c.listen();
+    spec.tls = c.tls();
+    spec.tls_field = "subscriber.tls";
+    if (c.control_listen().empty()) spec.services.push_back(control_.get());
+    if (peer_service_ != nullptr) {
+      spec.services.push_back(peer_service_.get());
+      spec.max_receive_bytes = kPeerMaxReceiveBytes;
+    }
+    ASSIGN_OR_RETURN(listen_, StartServer(spec));
+  }
+  if (!c.control_listen().empty()) {
+    ServerSpec spec;
+    spec.name = "control_listen";
+    spec.address = c.control_listen();
+    spec.tls = c.control_tls();
+    spec.tls_field = "subscriber.control_tls";
+    spec.services.push_back(control_.get());
+    ASSIGN_OR_RETURN(control_server_, StartServer(spec));
+  }
+  if (!c.local_socket().empty()) {
+    ServerSpec spec;
+    spec.name = "local_socket";
+    spec.address = absl::StrCat("unix:", c.local_socket());
+    spec.services.push_back(consumer_.get());
+    ASSIGN_OR_RETURN(local_, StartServer(spec));
+  }
+
+  if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
+  upstream_->Start();
+  log_->info("subscriber {} started: listen {}, control {}, local {}, store {} slots, serve_peers "
+             "{}, upstream {}{}",
+             name_, listen_.bound_address.empty() ? "-" : listen_.bound_address,
+             control_server_.bound_address.empty() ? "(on listen)" : control_server_.bound_address,
+             local_.bound_address.empty() ? "-" : local_.bound_address, c.store().slots(),
+             c.serve_peers(), absl::StrJoin(c.upstream().addresses(), ","),
+             c.upstream().bootstrap_peers().empty()
+                 ? std::string()
+                 : absl::StrCat(" (bootstrap peers ",
+                                absl::StrJoin(c.upstream().bootstrap_peers(), ","), ")"));
+
+  if (!c.ready_file().empty()) {
+    RETURN_IF_ERROR(WriteReadyFile(c.ready_file(),
+                                   {{"listen", listen_.bound_address},
+                                    {"control_listen", control_server_.bound_address},
+                                    {"local_socket", local_.bound_address},
+                                    {"pid", std::to_string(getpid())}}));
+  }
+  return absl::OkStatus();
+}
+
+void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
+  const v1::RefitStats& s = ev.stats;
+  const v1::TransferTimings& t = ev.ack.timings();
+  const VersionRecord rec = core_->applied_record();
+  const uint64_t tensors = rec.version == s.version() ? rec.tensors.size() : 0;
+  const double wire_pct =
+      s.dense_bytes() > 0 ? 100.0 * static_cast<double>(s.wire_bytes()) / s.dense_bytes() : 0.0;
+  log_->info(
+      "version {} applied (base {}, {}): change {:.2f}%, wire {} vs dense {} ({:.2f}%), latency "
+      "{} ms (receive {}, stage {}, verify {}, apply {}), {}",
+      s.version(), s.base_version(), TransferKind(s), 100.0 * s.change_rate(),
+      HumanBytes(s.wire_bytes()), HumanBytes(s.dense_bytes()), wire_pct, Ms(s.latency_micros()),
+      Ms(t.receive_micros()), Ms(t.stage_micros()), Ms(t.verify_micros()), Ms(t.apply_micros()),
+      s.digests_verified() ? absl::StrCat("digests verified (", tensors, " tensors)")
+                           : std::string("digests NOT verified"));
+
+  AppliedVersion applied;
+  applied.version = s.version();
+  applied.version_digest = ev.ack.applied_version_digest();
+  applied.applied_unix_nanos = s.finished_unix_nanos() != 0
+                                   ? s.finished_unix_nanos()
+                                   : static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  applied.generation = core_->generation();
+  applied.layout_changed = ev.layout_changed;
+  board_.Announce(applied);
+
+  if (peer_service_ != nullptr) {
+    absl::MutexLock lock(&peer_mu_);
+    peer_wanted_ = std::max(peer_wanted_, s.version());
+  }
+}
+
+void SubscriberDaemonImpl::PeerPublishLoop() {
+  uint64_t done = 0;
+  while (true) {
+    {
+      absl::MutexLock lock(&peer_mu_);
+      auto ready = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+        return peer_stop_ || peer_wanted_ > done;
+      };
+      peer_mu_.Await(absl::Condition(&ready));
+      if (peer_stop_) return;
+      done = peer_wanted_;
+    }
+    // Always the newest applied version: intermediate ones that arrived meanwhile are skipped.
+    if (absl::Status st = PublishToPeers(); !st.ok()) {
+      log_->warn("serving peers: {}", st.ToString());
+    }
+  }
+}
+
+absl::Status SubscriberDaemonImpl::PublishToPeers() {
+  ASSIGN_OR_RETURN(SubscriberLease lease,
+                   core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
+                                       absl::InfiniteDuration()));
+  absl::Status result = absl::OkStatus();
+  if (lease.lease.version > peer_core_->newest_version()) {
+    const store::Layout& layout = lease.store->layout();
+    std::vector<publisher::TensorInput> inputs;
+    inputs.reserve(layout.size());
+    for (size_t i = 0; i < layout.size(); ++i) {
+      const store::TensorInfo& ti = layout.tensor(i);
+      inputs.push_back({ti.name, ti.dtype, ti.shape, lease.lease.spans[i]});
+    }
+    auto summary = peer_core_->Publish(lease.lease.version, inputs);
+    if (summary.ok()) {
+      log_->debug("serving peers: version {} ({} tensors, wire {} for a peer at the previous "
+                  "version) in {} ms",
+                  summary->version, summary->tensors, HumanBytes(summary->wire_bytes),
+                  Ms(summary->total_micros));
+    } else {
+      result = absl::Status(summary.status().code(),
+                            absl::StrCat("publishing version ", lease.lease.version,
+                                         " to peers: ", summary.status().message()));
+    }
+  }
+  (void)core_->ReleaseLease(lease.lease.lease_id);
+  if (result.ok()) peer_service_->NotifyPublished();
+  return result;
+}
+
+void SubscriberDaemonImpl::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  board_.Close();  // ends WatchVersions streams and WaitVersion calls
+  if (upstream_ != nullptr) upstream_->Stop();
+  if (peer_service_ != nullptr) peer_service_->Shutdown();
+  {
+    absl::MutexLock lock(&peer_mu_);
+    peer_stop_ = true;
+  }
+  if (peer_thread_.joinable()) peer_thread_.join();
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(1);
+  for (RunningServer* s : {&listen_, &control_server_, &local_}) {
+    if (s->server != nullptr) s->server->Shutdown(deadline);
+  }
+  for (RunningServer* s : {&listen_, &control_server_, &local_}) {
+    if (s->server != nullptr) s->server->Wait();
+  }
+  log_->info("subscriber {} stopped at version {}", name_,
+             core_ != nullptr ? core_->applied_version() : 0);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SubscriberDaemon>> SubscriberDaemon::Start(
+    const v1::SubscriberConfig& config) {
+  if (config.store().kind() == v1::STORE_KIND_CUDA) {
+    return absl::UnimplementedError("store.kind cuda arrives with the GPU path (issue 4)");
+  }
+  auto daemon = std::make_unique<SubscriberDaemonImpl>(config);
+  if (absl::Status st = daemon->Init(); !st.ok()) {
+    daemon->Shutdown();
+    return st;
+  }
+  return std::unique_ptr<SubscriberDaemon>(std::move(daemon));
+}
+
+}  // namespace refit::subscriber
