@@ -244,8 +244,21 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
   };
   session->channel = make_channel(0);
   session->stub = v1::DataPlane::NewStub(session->channel);
-  const bool connected =
-      session->channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
+  // Wait for the connection, but give up at the first failed attempt (refused, TLS handshake):
+  // the Sync call below then fails at once with gRPC's reason.
+  bool connected = false;
+  {
+    const auto deadline = absl::ToChronoTime(absl::Now() + options_.connect_timeout);
+    for (;;) {
+      const grpc_connectivity_state state = session->channel->GetState(true);
+      if (state == GRPC_CHANNEL_READY) {
+        connected = true;
+        break;
+      }
+      if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) break;
+      if (!session->channel->WaitForStateChange(state, deadline)) break;
+    }
+  }
   session->stream = session->stub->Sync(&session->context);
   // Not connected: the call fails at once with gRPC's reason (refused, TLS handshake, ...).
   v1::SubscriberMessage hello_msg;
@@ -289,8 +302,7 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
     absl::Status st = FromGrpcStatus(gs);
     if (st.ok()) st = absl::UnavailableError("stream ended");
     return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
-                                                connected ? "" : " (not connected within the "
-                                                                 "connect timeout)"));
+                                                connected ? "" : " (not connected)"));
   };
   if (!session->stream->Write(hello_msg)) return fail(finish_status("sending Hello failed"));
   v1::PublisherMessage msg;
