@@ -92,7 +92,7 @@ constexpr char kWaitUsage[] =
 Blocks until the daemon holds version N or newer (subscriber: applied; publisher: published).
 Exits 1 with DEADLINE_EXCEEDED when it does not within the timeout.
   --version N          version to wait for (>= 1)
-  --timeout S          give up after S seconds (default: the connection --timeout, 30 s)
+  --timeout S          give up after S seconds (default, or 0: the connection --timeout, 30 s)
   --all-subscribers    publisher: also wait until every connected subscriber acknowledged N
 )";
 
@@ -181,11 +181,13 @@ absl::StatusOr<uint64_t> ParseVersionFlag(const std::string& flag, const std::st
   return v;
 }
 
-absl::StatusOr<absl::Duration> ParseSeconds(const std::string& flag, const std::string& text) {
+absl::StatusOr<absl::Duration> ParseSeconds(const std::string& flag, const std::string& text,
+                                            bool allow_zero = false) {
   double s = 0;
-  if (!absl::SimpleAtod(text, &s) || !(s > 0) || s > 1e7) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " \"", text, "\" is not a number of seconds (> 0)"));
+  if (!absl::SimpleAtod(text, &s) || !(allow_zero ? s >= 0 : s > 0) || s > 1e7) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " \"", text,
+                                                   "\" is not a number of seconds (",
+                                                   allow_zero ? ">= 0" : "> 0", ")"));
   }
   return absl::Seconds(s);
 }
@@ -466,8 +468,11 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
     }
     ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
     if (timeout) {
-      ASSIGN_OR_RETURN(absl::Duration d, ParseSeconds("wait --timeout", v));
-      req.set_timeout_ms(std::max<uint64_t>(1, absl::ToInt64Milliseconds(d)));
+      ASSIGN_OR_RETURN(absl::Duration d, ParseSeconds("wait --timeout", v, /*allow_zero=*/true));
+      // 0: until the RPC deadline (the connection --timeout).
+      req.set_timeout_ms(d == absl::ZeroDuration()
+                             ? 0
+                             : std::max<uint64_t>(1, absl::ToInt64Milliseconds(d)));
       p.extra_deadline = d;
       continue;
     }
