@@ -1,0 +1,205 @@
+#include "daemon/common/daemon_runtime.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/common/grpc_status.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "refit/v1/control.grpc.pb.h"
+
+namespace refit {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-runtime-XXXXXX").string();
+    char* made = mkdtemp(tmpl.data());
+    EXPECT_NE(made, nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+absl::Status CheckHealth(const std::string& target) {
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  absl::Status status = FromGrpcStatus(stub->Check(&ctx, request, &response));
+  if (!status.ok()) return status;
+  if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("health status ", response.status()));
+  }
+  return absl::OkStatus();
+}
+
+// A service with every method UNIMPLEMENTED: gRPC wants at least one service to poll for.
+grpc::Service* DummyService() {
+  static auto* service = new v1::Control::Service();
+  return service;
+}
+
+ServerSpec Spec(const std::string& name, const std::string& address) {
+  ServerSpec spec;
+  spec.services = {DummyService()};
+  spec.name = name;
+  spec.address = address;
+  spec.tls_field = "tls";
+  return spec;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(StartServerTest, TcpPortZeroServesHealth) {
+  ServerSpec spec = Spec("listen", "127.0.0.1:0");
+  spec.keepalive_time = absl::Seconds(10);
+  spec.keepalive_timeout = absl::Seconds(20);
+  spec.max_receive_bytes = 5 << 20;
+  absl::StatusOr<RunningServer> server = StartServer(spec);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE(absl::StartsWith(server->bound_address, "127.0.0.1:")) << server->bound_address;
+  EXPECT_NE(server->bound_address, "127.0.0.1:0");
+  EXPECT_TRUE(CheckHealth(server->bound_address).ok());
+  server->server->Shutdown();
+}
+
+TEST(StartServerTest, Ipv6LoopbackBoundAddressHasBrackets) {
+  ServerSpec spec = Spec("listen", "[::1]:0");
+  absl::StatusOr<RunningServer> server = StartServer(spec);
+  if (!server.ok()) GTEST_SKIP() << "no IPv6 loopback here: " << server.status();
+  EXPECT_TRUE(absl::StartsWith(server->bound_address, "[::1]:")) << server->bound_address;
+  EXPECT_TRUE(CheckHealth(absl::StrCat("ipv6:", server->bound_address)).ok());
+  server->server->Shutdown();
+}
+
+TEST(StartServerTest, UnixSocketServesHealthAndReplacesStaleSocket) {
+  TempDir dir;
+  const std::string path = dir.path() + "/control.sock";
+  // A stale socket file: bound, never listened on, closed.
+  {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::strncpy(sa.sun_path, path.c_str(), sizeof(sa.sun_path) - 1);
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    close(fd);
+  }
+  ServerSpec spec = Spec("control_listen", "unix:" + path);
+  absl::StatusOr<RunningServer> server = StartServer(spec);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(server->bound_address, "unix:" + path);
+  EXPECT_TRUE(CheckHealth(server->bound_address).ok());
+
+  // A second server on the live socket is refused rather than stealing it.
+  absl::StatusOr<RunningServer> second = StartServer(spec);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "control_listen")) << second.status();
+  EXPECT_TRUE(CheckHealth(server->bound_address).ok());
+  server->server->Shutdown();
+}
+
+TEST(StartServerTest, RefusesToReplaceARegularFile) {
+  TempDir dir;
+  const std::string path = dir.path() + "/not-a-socket";
+  std::ofstream(path) << "data";
+  ServerSpec spec = Spec("local_socket", "unix:" + path);
+  absl::StatusOr<RunningServer> server = StartServer(spec);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(server.status().message(), "not a socket")) << server.status();
+  EXPECT_TRUE(absl::StrContains(server.status().message(), "local_socket")) << server.status();
+  EXPECT_EQ(ReadFile(path), "data");
+}
+
+TEST(StartServerTest, PortInUseIsUnavailableNamingFieldAndAddress) {
+  ServerSpec spec = Spec("listen", "127.0.0.1:0");
+  absl::StatusOr<RunningServer> first = StartServer(spec);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ServerSpec again = Spec("publisher.listen", first->bound_address);
+  absl::StatusOr<RunningServer> second = StartServer(again);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "publisher.listen"))
+      << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), first->bound_address))
+      << second.status();
+  first->server->Shutdown();
+}
+
+TEST(StartServerTest, BadAddressIsInvalidArgument) {
+  ServerSpec spec = Spec("listen", "127.0.0.1:99999");
+  absl::StatusOr<RunningServer> server = StartServer(spec);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(server.status().message(), "listen \"127.0.0.1:99999\""))
+      << server.status();
+}
+
+TEST(ReadyFileTest, WritesJsonAtomically) {
+  TempDir dir;
+  const std::string path = dir.path() + "/ready.json";
+  ASSERT_TRUE(WriteReadyFile(path, {{"listen", "127.0.0.1:4000"},
+                                    {"control_listen", ""},
+                                    {"local_socket", "unix:/tmp/a \"b\"\\c"},
+                                    {"pid", "42"}})
+                  .ok());
+  EXPECT_EQ(ReadFile(path),
+            "{\"listen\": \"127.0.0.1:4000\", \"control_listen\": \"\", "
+            "\"local_socket\": \"unix:/tmp/a \\\"b\\\"\\\\c\", \"pid\": \"42\"}\n");
+  // Overwrite; no temporary file left behind.
+  ASSERT_TRUE(WriteReadyFile(path, {{"x", "line\nbreak\x01"}}).ok());
+  EXPECT_EQ(ReadFile(path), "{\"x\": \"line\\nbreak\\u0001\"}\n");
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    (void)entry;
+    ++files;
+  }
+  EXPECT_EQ(files, 1);
+}
+
+TEST(ReadyFileTest, MissingDirectoryNamesThePath) {
+  absl::Status status = WriteReadyFile("/nonexistent-refit-dir/ready.json", {{"a", "b"}});
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(status.message(), "/nonexistent-refit-dir/ready.json")) << status;
+}
+
+TEST(SignalsTest, WaitReturnsTheBlockedSignal) {
+  BlockShutdownSignals();
+  ASSERT_EQ(pthread_kill(pthread_self(), SIGHUP), 0);
+  EXPECT_EQ(WaitForShutdownSignal(), SIGHUP);
+}
+
+TEST(HostNameTest, NotEmpty) { EXPECT_FALSE(HostName().empty()); }
+
+}  // namespace
+}  // namespace refit
