@@ -1,0 +1,167 @@
+#include "daemon/publisher/publisher_daemon.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/publisher/data_plane_service.h"
+#include "daemon/publisher/publisher_control.h"
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/publisher/trainer_api.h"
+
+namespace refit::publisher {
+namespace {
+
+// How long Shutdown lets in-flight calls finish before cancelling them.
+constexpr auto kShutdownGrace = std::chrono::seconds(2);
+
+class PublisherDaemonImpl final : public PublisherDaemon {
+ public:
+  ~PublisherDaemonImpl() override { Shutdown(); }
+
+  void Shutdown() override {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    log_->info("shutting down");
+    if (data_plane_) data_plane_->Shutdown();
+    if (queue_) queue_->BeginStop();  // wakes WaitVersion calls
+    const auto deadline = std::chrono::system_clock::now() + kShutdownGrace;
+    for (RunningServer* server : {&local_, &control_, &listen_}) {
+      if (server->server) server->server->Shutdown(deadline);
+    }
+    for (RunningServer* server : {&local_, &control_, &listen_}) {
+      if (server->server) server->server->Wait();
+    }
+    if (queue_) queue_->Stop();
+    log_->info("stopped");
+  }
+
+  std::string listen_address() const override { return listen_.bound_address; }
+  std::string control_address() const override { return control_.bound_address; }
+  std::string local_address() const override { return local_.bound_address; }
+
+  std::shared_ptr<spdlog::logger> log_ = Logger("publisher");
+  std::unique_ptr<PublisherCore> core_;
+  std::unique_ptr<DataPlaneService> data_plane_;
+  std::unique_ptr<PublishQueue> queue_;
+  std::unique_ptr<PublisherControl> control_service_;
+  std::unique_ptr<TrainerApiService> trainer_api_;
+  RunningServer listen_;
+  RunningServer control_;
+  RunningServer local_;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
+    const v1::PublisherConfig& config) {
+  const absl::Time started = absl::Now();
+  if (config.codec().device() == v1::DEVICE_CUDA) {
+    return absl::UnimplementedError(
+        "publisher.codec.device: cuda is not supported yet (the GPU path arrives with issue 4); "
+        "use cpu, or auto (which runs on the CPU)");
+  }
+  auto daemon = std::make_unique<PublisherDaemonImpl>();
+  const std::string name = config.name().empty() ? HostName() : config.name();
+
+  PublisherOptions options;
+  options.history_budget_bytes = config.history().memory_budget_bytes();
+  options.encode_threads = static_cast<int>(config.codec().threads());
+  options.digest_threads = static_cast<int>(config.codec().threads());
+  options.persist_dir = config.baseline().persist_dir();
+  absl::StatusOr<std::unique_ptr<PublisherCore>> core = PublisherCore::Open(options);
+  if (!core.ok()) {
+    return absl::Status(core.status().code(),
+                        absl::StrCat("publisher.baseline.persist_dir \"", options.persist_dir,
+                                     "\": ", core.status().message()));
+  }
+  daemon->core_ = std::move(*core);
+  if (daemon->core_->newest_version() > 0) {
+    daemon->log_->info("baseline version {} reloaded from \"{}\"",
+                       daemon->core_->newest_version(), options.persist_dir);
+  }
+
+  const v1::PublisherTransport& transport = config.transport();
+  DataPlaneOptions dp;
+  dp.name = name;
+  dp.frame_bytes = transport.frame_bytes();
+  dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
+  dp.max_subscribers = transport.max_subscribers();
+  dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
+  daemon->data_plane_ = std::make_unique<DataPlaneService>(daemon->core_.get(), dp);
+  daemon->queue_ =
+      std::make_unique<PublishQueue>(daemon->core_.get(), daemon->data_plane_.get());
+  daemon->control_service_ = std::make_unique<PublisherControl>(
+      daemon->core_.get(), daemon->data_plane_.get(), daemon->queue_.get(),
+      ControlOptions{.name = name,
+                     .history_budget_bytes = options.history_budget_bytes,
+                     .digest_threads = options.digest_threads,
+                     .started = started});
+
+  const bool separate_control = !config.control_listen().empty();
+  ServerSpec listen;
+  listen.name = "publisher.listen";
+  listen.address = config.listen();
+  listen.tls = config.tls();
+  listen.tls_field = "publisher.tls";
+  listen.services = {daemon->data_plane_.get()};
+  if (!separate_control) listen.services.push_back(daemon->control_service_.get());
+  listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
+  listen.max_send_bytes = -1;
+  listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
+  listen.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
+  ASSIGN_OR_RETURN(daemon->listen_, StartServer(listen));
+
+  if (separate_control) {
+    ServerSpec control;
+    control.name = "publisher.control_listen";
+    control.address = config.control_listen();
+    control.tls = config.control_tls();
+    control.tls_field = "publisher.control_tls";
+    control.services = {daemon->control_service_.get()};
+    ASSIGN_OR_RETURN(daemon->control_, StartServer(control));
+  }
+  if (!config.local_socket().empty()) {
+    daemon->trainer_api_ = std::make_unique<TrainerApiService>(daemon->queue_.get());
+    ServerSpec local;
+    local.name = "publisher.local_socket";
+    local.address = absl::StrCat("unix:", config.local_socket());
+    local.tls_field = "publisher.local_socket";
+    local.services = {daemon->trainer_api_.get()};
+    ASSIGN_OR_RETURN(daemon->local_, StartServer(local));
+  }
+
+  daemon->log_->info(
+      "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
+      "(history budget {}, codec threads {}, persist dir \"{}\")",
+      name, kBuildVersion, daemon->listen_.bound_address,
+      separate_control ? daemon->control_.bound_address : daemon->listen_.bound_address,
+      config.local_socket().empty() ? std::string("(none)") : daemon->local_.bound_address,
+      FormatBytes(options.history_budget_bytes), config.codec().threads(),
+      options.persist_dir);
+
+  if (!config.ready_file().empty()) {
+    absl::Status ready = WriteReadyFile(config.ready_file(),
+                                        {{"listen", daemon->listen_.bound_address},
+                                         {"control_listen", daemon->control_.bound_address},
+                                         {"local_socket", daemon->local_.bound_address},
+                                         {"pid", absl::StrCat(getpid())}});
+    if (!ready.ok()) {
+      return absl::Status(ready.code(),
+                          absl::StrCat("publisher.ready_file: ", ready.message()));
+    }
+  }
+  return std::unique_ptr<PublisherDaemon>(std::move(daemon));
+}
+
+}  // namespace refit::publisher

@@ -1,0 +1,499 @@
+#include "daemon/publisher/publisher_daemon.h"
+
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/common/grpc_status.h"
+#include "daemon/config/config.h"
+#include "daemon/model/safetensors.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "refit/v1/control.grpc.pb.h"
+#include "refit/v1/local.grpc.pb.h"
+
+namespace refit::publisher {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-pubd-XXXXXX").string();
+    EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The value of "key" in the flat JSON object of the ready file.
+std::string JsonField(const std::string& json, const std::string& key) {
+  const std::string k = absl::StrCat("\"", key, "\": \"");
+  const size_t at = json.find(k);
+  if (at == std::string::npos) return "<missing>";
+  const size_t begin = at + k.size();
+  return json.substr(begin, json.find('"', begin) - begin);
+}
+
+struct TestTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+
+TestTensor MakeTensor(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                      uint8_t seed) {
+  TestTensor t{name, dtype, shape, {}};
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  t.bytes.resize(static_cast<size_t>(n) * DTypeSize(dtype));
+  for (size_t i = 0; i < t.bytes.size(); ++i) t.bytes[i] = static_cast<uint8_t>(i * 31 + seed);
+  return t;
+}
+
+void WriteTensors(const std::string& path, const std::vector<TestTensor>& tensors) {
+  std::vector<model::SafetensorsTensorRef> refs;
+  for (const TestTensor& t : tensors) {
+    refs.push_back({t.name, t.dtype, t.shape, std::span<const uint8_t>(t.bytes)});
+  }
+  ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
+}
+
+std::chrono::system_clock::time_point Deadline(int seconds = 30) {
+  return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
+}
+
+class PublisherDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string yaml = absl::StrCat(
+        "publisher:\n"
+        "  name: test-publisher\n"
+        "  listen: \"127.0.0.1:0\"\n"
+        "  local_socket: ", dir_.path(), "/trainer.sock\n"
+        "  ready_file: ", dir_.path(), "/ready.json\n"
+        "  history:\n"
+        "    memory_budget_bytes: 1000000\n"
+        "  codec:\n"
+        "    threads: 1\n");
+    auto config = config::LoadPublisherConfigFromString(yaml, "test.yaml");
+    ASSERT_TRUE(config.ok()) << config.status();
+    config_ = *config;
+    auto daemon = PublisherDaemon::Start(config_);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+    control_ = v1::Control::NewStub(
+        grpc::CreateChannel(daemon_->listen_address(), grpc::InsecureChannelCredentials()));
+    trainer_ = v1::TrainerApi::NewStub(
+        grpc::CreateChannel(daemon_->local_address(), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (daemon_) daemon_->Shutdown();
+  }
+
+  absl::StatusOr<v1::PublishResponse> Publish(std::vector<std::string> files,
+                                              std::optional<uint64_t> version = {}) {
+    v1::PublishRequest request;
+    for (auto& f : files) request.add_safetensors(f);
+    if (version) request.set_version(*version);
+    v1::PublishResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    absl::Status s = FromGrpcStatus(control_->Publish(&ctx, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
+  v1::StatusResponse Status() {
+    v1::StatusResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    EXPECT_TRUE(control_->Status(&ctx, v1::StatusRequest(), &response).ok());
+    return response;
+  }
+  absl::StatusOr<v1::ExportResponse> Export(const std::string& path,
+                                            std::optional<uint64_t> version = {}) {
+    v1::ExportRequest request;
+    request.set_safetensors(path);
+    if (version) request.set_version(*version);
+    v1::ExportResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    absl::Status s = FromGrpcStatus(control_->Export(&ctx, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
+  absl::StatusOr<v1::WaitVersionResponse> WaitVersion(uint64_t version, uint64_t timeout_ms) {
+    v1::WaitVersionRequest request;
+    request.set_version(version);
+    request.set_timeout_ms(timeout_ms);
+    v1::WaitVersionResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    absl::Status s = FromGrpcStatus(control_->WaitVersion(&ctx, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
+  // Every tensor of an exported file, by name.
+  std::map<std::string, std::vector<uint8_t>> ReadExport(const std::string& path) {
+    std::map<std::string, std::vector<uint8_t>> out;
+    auto file = model::SafetensorsFile::Open(path);
+    EXPECT_TRUE(file.ok()) << file.status();
+    if (!file.ok()) return out;
+    std::string previous;
+    for (size_t i = 0; i < file->tensors().size(); ++i) {
+      const auto& e = file->tensors()[i];
+      EXPECT_LT(previous, e.name);  // name order
+      previous = e.name;
+      auto data = file->data(i);
+      out[e.name] = std::vector<uint8_t>(data.begin(), data.end());
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  v1::PublisherConfig config_;
+  std::unique_ptr<PublisherDaemon> daemon_;
+  std::unique_ptr<v1::Control::Stub> control_;
+  std::unique_ptr<v1::TrainerApi::Stub> trainer_;
+};
+
+TEST_F(PublisherDaemonTest, ReadyFileAndHealth) {
+  const std::string ready = ReadFile(dir_.path() + "/ready.json");
+  EXPECT_EQ(JsonField(ready, "listen"), daemon_->listen_address());
+  EXPECT_TRUE(absl::StartsWith(daemon_->listen_address(), "127.0.0.1:"));
+  EXPECT_NE(daemon_->listen_address(), "127.0.0.1:0");
+  EXPECT_EQ(JsonField(ready, "control_listen"), "");
+  EXPECT_EQ(JsonField(ready, "local_socket"), absl::StrCat("unix:", dir_.path(), "/trainer.sock"));
+  EXPECT_EQ(JsonField(ready, "pid"), absl::StrCat(getpid()));
+
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(daemon_->listen_address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  grpc::health::v1::HealthCheckResponse response;
+  ASSERT_TRUE(health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &response).ok());
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  v1::StatusResponse status = Status();
+  EXPECT_EQ(status.role(), v1::ROLE_PUBLISHER);
+  EXPECT_EQ(status.name(), "test-publisher");
+  EXPECT_EQ(status.build_version(), "0.1.0");
+  EXPECT_EQ(status.version(), 0u);
+  EXPECT_EQ(status.history().budget_bytes(), 1000000u);
+}
+
+TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
+  const std::vector<TestTensor> shard0 = {MakeTensor("layer.0.w", DType::kBF16, {64, 32}, 1),
+                                          MakeTensor("layer.0.b", DType::kF32, {32}, 2)};
+  const std::vector<TestTensor> shard1 = {MakeTensor("embed", DType::kBF16, {128, 16}, 3),
+                                          MakeTensor("step", DType::kI64, {}, 4)};
+  const std::string f0 = dir_.path() + "/shard0.safetensors";
+  const std::string f1 = dir_.path() + "/shard1.safetensors";
+  WriteTensors(f0, shard0);
+  WriteTensors(f1, shard1);
+
+  auto v1r = Publish({f0, f1});
+  ASSERT_TRUE(v1r.ok()) << v1r.status();
+  EXPECT_EQ(v1r->version(), 1u);
+  EXPECT_EQ(v1r->tensors(), 4u);
+  EXPECT_EQ(v1r->change_rate(), 0.0);
+  EXPECT_NE(v1r->version_digest(), 0u);
+
+  // Version 2: one tensor changes a few elements.
+  std::vector<TestTensor> shard0b = shard0;
+  shard0b[0].bytes[10] ^= 1;
+  shard0b[0].bytes[100] ^= 1;
+  WriteTensors(f0, shard0b);
+  auto v2r = Publish({f0, f1});
+  ASSERT_TRUE(v2r.ok()) << v2r.status();
+  EXPECT_EQ(v2r->version(), 2u);
+  EXPECT_GT(v2r->change_rate(), 0.0);
+  EXPECT_LT(v2r->change_rate(), 0.01);
+
+  v1::StatusResponse status = Status();
+  EXPECT_EQ(status.version(), 2u);
+  EXPECT_EQ(status.version_digest(), v2r->version_digest());
+  EXPECT_EQ(status.tensors(), 4u);
+  uint64_t model_bytes = 0;
+  for (const auto& t : shard0b) model_bytes += t.bytes.size();
+  for (const auto& t : shard1) model_bytes += t.bytes.size();
+  EXPECT_EQ(status.model_bytes(), model_bytes);
+  EXPECT_EQ(status.last_refit().version(), 2u);
+  EXPECT_EQ(status.last_refit().base_version(), 1u);
+  EXPECT_EQ(status.last_refit().changed_elements(), 2u);
+  EXPECT_GT(status.last_refit().total_elements(), 0u);
+  EXPECT_EQ(status.last_refit().dense_bytes(), model_bytes);
+  EXPECT_EQ(status.last_refit().keyframe_tensors(), 0u);
+  EXPECT_GT(status.last_refit().wire_bytes(), 0u);
+  EXPECT_NE(status.last_refit().finished_unix_nanos(), 0u);
+  EXPECT_EQ(status.history().newest_version(), 2u);
+  EXPECT_EQ(status.sessions_size(), 0);
+
+  // Export: byte-equal to the inputs, in name order.
+  const std::string out = dir_.path() + "/export.safetensors";
+  auto exported = Export(out);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(exported->version(), 2u);
+  EXPECT_EQ(exported->version_digest(), v2r->version_digest());
+  EXPECT_EQ(exported->tensors(), 4u);
+  EXPECT_EQ(exported->bytes(), model_bytes);
+  auto tensors = ReadExport(out);
+  ASSERT_EQ(tensors.size(), 4u);
+  for (const auto& t : shard0b) EXPECT_EQ(tensors[t.name], t.bytes) << t.name;
+  for (const auto& t : shard1) EXPECT_EQ(tensors[t.name], t.bytes) << t.name;
+  auto old = Export(out, 1);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
+  EXPECT_TRUE(Export(out, 2).ok());
+  EXPECT_EQ(Export("relative.safetensors").status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Verify.
+  v1::VerifyResponse verify;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    ASSERT_TRUE(control_->Verify(&ctx, v1::VerifyRequest(), &verify).ok());
+  }
+  EXPECT_TRUE(verify.ok());
+  EXPECT_EQ(verify.version(), 2u);
+  EXPECT_EQ(verify.version_digest(), v2r->version_digest());
+  ASSERT_EQ(verify.tensors_size(), 4);
+  EXPECT_EQ(verify.tensors(0).name(), "embed");
+  for (const auto& t : verify.tensors()) EXPECT_EQ(t.expected(), t.actual()) << t.name();
+
+  // WaitVersion: reached, and timed out with the documented message.
+  auto reached = WaitVersion(2, 1000);
+  ASSERT_TRUE(reached.ok()) << reached.status();
+  EXPECT_EQ(reached->version(), 2u);
+  auto timeout = WaitVersion(7, 200);
+  ASSERT_EQ(timeout.status().code(), absl::StatusCode::kDeadlineExceeded) << timeout.status();
+  EXPECT_EQ(timeout.status().message(), "version 7 not reached after 200 ms, at version 2");
+
+  // Resync of an unknown subscriber.
+  v1::ResyncRequest resync;
+  resync.set_subscriber("nobody");
+  v1::ResyncResponse resync_response;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    EXPECT_EQ(control_->Resync(&ctx, resync, &resync_response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+}
+
+TEST_F(PublisherDaemonTest, PublishErrors) {
+  const std::string f0 = dir_.path() + "/a.safetensors";
+  WriteTensors(f0, {MakeTensor("w", DType::kBF16, {16}, 1)});
+  auto rel = Publish({"a.safetensors"});
+  EXPECT_EQ(rel.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(rel.status().message(), "a.safetensors")) << rel.status();
+  EXPECT_EQ(Publish({}).status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string missing = dir_.path() + "/missing.safetensors";
+  auto gone = Publish({missing});
+  ASSERT_FALSE(gone.ok());
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), missing)) << gone.status();
+
+  auto v5 = Publish({f0}, 5);
+  ASSERT_TRUE(v5.ok()) << v5.status();
+  EXPECT_EQ(v5->version(), 5u);
+  auto again = Publish({f0}, 5);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(again.status().message(), "version 5 must exceed 5"))
+      << again.status();
+  auto next = Publish({f0});
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->version(), 6u);
+}
+
+// A memfd holding tensors, addressed as /proc/self/fd/N (the daemon runs in this process).
+class Memfd {
+ public:
+  explicit Memfd(size_t bytes) : size_(bytes) {
+    fd_ = memfd_create("refit-pubd-test", MFD_CLOEXEC);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
+    map_ = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+  }
+  ~Memfd() {
+    munmap(map_, size_);
+    close(fd_);
+  }
+  std::string path() const { return absl::StrCat("/proc/self/fd/", fd_); }
+  uint8_t* data() { return map_; }
+
+ private:
+  int fd_ = -1;
+  size_t size_ = 0;
+  uint8_t* map_ = nullptr;
+};
+
+v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
+                            const std::string& path, uint64_t offset, uint64_t size) {
+  v1::TensorLocation l;
+  l.mutable_spec()->set_name(name);
+  l.mutable_spec()->set_dtype(dtype);
+  for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
+  l.mutable_shm()->set_path(path);
+  l.mutable_shm()->set_offset(offset);
+  l.mutable_shm()->set_size_bytes(size);
+  return l;
+}
+
+TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
+  Memfd rank0(8192), rank1(8192);
+  for (int i = 0; i < 8192; ++i) {
+    rank0.data()[i] = static_cast<uint8_t>(i);
+    rank1.data()[i] = static_cast<uint8_t>(255 - i);
+  }
+  auto register_client = [&](const std::string& client,
+                             std::vector<v1::TensorLocation> tensors) -> absl::Status {
+    v1::RegisterTensorsRequest request;
+    request.set_client(client);
+    for (auto& t : tensors) *request.add_tensors() = std::move(t);
+    v1::RegisterTensorsResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    return FromGrpcStatus(trainer_->RegisterTensors(&ctx, request, &response));
+  };
+  auto publish = [&](const std::string& client,
+                     std::optional<uint64_t> version) -> absl::StatusOr<v1::LocalPublishResponse> {
+    v1::LocalPublishRequest request;
+    request.set_client(client);
+    if (version) request.set_version(*version);
+    v1::LocalPublishResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    absl::Status s = FromGrpcStatus(trainer_->Publish(&ctx, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  };
+
+  ASSERT_TRUE(register_client("rank0", {Location("a.w", v1::DTYPE_BF16, {32, 32}, rank0.path(), 0,
+                                                 2048),
+                                        Location("a.b", v1::DTYPE_F32, {16}, rank0.path(), 4096,
+                                                 64)})
+                  .ok());
+  ASSERT_TRUE(
+      register_client("rank1", {Location("b.w", v1::DTYPE_BF16, {1024}, rank1.path(), 10, 2048)})
+          .ok());
+
+  // Bad regions over the socket: codes and messages.
+  absl::Status range =
+      register_client("rank2", {Location("c", v1::DTYPE_BF16, {1024}, rank1.path(), 8000, 2048)});
+  EXPECT_EQ(range.code(), absl::StatusCode::kOutOfRange) << range;
+  EXPECT_TRUE(absl::StrContains(range.message(), "rank2")) << range;
+  EXPECT_TRUE(absl::StrContains(range.message(), "'c'")) << range;
+  absl::Status size =
+      register_client("rank2", {Location("c", v1::DTYPE_BF16, {1024}, rank1.path(), 0, 1000)});
+  EXPECT_EQ(size.code(), absl::StatusCode::kInvalidArgument) << size;
+  v1::TensorLocation missing = Location("c", v1::DTYPE_U8, {4}, "", 0, 4);
+  missing.mutable_shm()->set_shm_name("/refit-pubd-test-missing");
+  absl::Status gone = register_client("rank2", {missing});
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_TRUE(absl::StrContains(gone.message(), "/refit-pubd-test-missing")) << gone;
+  absl::Status dup =
+      register_client("rank2", {Location("a.w", v1::DTYPE_U8, {4}, rank1.path(), 0, 4)});
+  EXPECT_EQ(dup.code(), absl::StatusCode::kAlreadyExists) << dup;
+
+  auto first = publish("rank0", 3);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->committed());
+  EXPECT_EQ(first->version(), 3u);
+  const std::vector<uint8_t> snap_aw(rank0.data(), rank0.data() + 2048);
+  const std::vector<uint8_t> snap_ab(rank0.data() + 4096, rank0.data() + 4096 + 64);
+  std::memset(rank0.data(), 0x55, 8192);  // the trainer moves on right after Publish
+  EXPECT_EQ(Status().version(), 0u);
+  EXPECT_EQ(WaitVersion(3, 50).status().code(), absl::StatusCode::kDeadlineExceeded);
+
+  auto wrong = publish("rank1", 4);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
+  auto second = publish("rank1", std::nullopt);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(second->committed());
+  EXPECT_EQ(second->version(), 3u);
+  const std::vector<uint8_t> snap_bw(rank1.data() + 10, rank1.data() + 10 + 2048);
+  std::memset(rank1.data(), 0x66, 8192);
+
+  auto reached = WaitVersion(3, 30000);
+  ASSERT_TRUE(reached.ok()) << reached.status();
+  EXPECT_EQ(reached->version(), 3u);
+  const std::string out = dir_.path() + "/trainer-export.safetensors";
+  ASSERT_TRUE(Export(out).ok());
+  auto tensors = ReadExport(out);
+  ASSERT_EQ(tensors.size(), 3u);
+  EXPECT_EQ(tensors["a.w"], snap_aw);
+  EXPECT_EQ(tensors["a.b"], snap_ab);
+  EXPECT_EQ(tensors["b.w"], snap_bw);
+  EXPECT_EQ(Status().tensors(), 3u);
+}
+
+TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
+  TempDir dir;
+  auto cuda = config::LoadPublisherConfigFromString(
+      "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n", "cuda.yaml");
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  auto refused = PublisherDaemon::Start(*cuda);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "publisher.codec.device"))
+      << refused.status();
+
+  auto split = config::LoadPublisherConfigFromString(
+      absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir.path(),
+                   "/control.sock\"\n  codec:\n    device: auto\n    threads: 1\n"),
+      "split.yaml");
+  ASSERT_TRUE(split.ok()) << split.status();
+  auto daemon = PublisherDaemon::Start(*split);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_EQ((*daemon)->control_address(), absl::StrCat("unix:", dir.path(), "/control.sock"));
+  EXPECT_EQ((*daemon)->local_address(), "");
+  {
+    auto control = v1::Control::NewStub(
+        grpc::CreateChannel((*daemon)->control_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    v1::StatusResponse status;
+    EXPECT_TRUE(control->Status(&ctx, v1::StatusRequest(), &status).ok());
+    EXPECT_FALSE(status.name().empty());  // the host name
+  }
+  {
+    // Control is not on the data-plane address then.
+    auto control = v1::Control::NewStub(
+        grpc::CreateChannel((*daemon)->listen_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    v1::StatusResponse status;
+    EXPECT_EQ(control->Status(&ctx, v1::StatusRequest(), &status).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  (*daemon)->Shutdown();
+  (*daemon)->Shutdown();  // idempotent
+}
+
+}  // namespace
+}  // namespace refit::publisher

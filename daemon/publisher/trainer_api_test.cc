@@ -1,0 +1,299 @@
+#include "daemon/publisher/trainer_api.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/publisher/publisher_control.h"
+#include "daemon/publisher/publisher_core.h"
+#include "gtest/gtest.h"
+
+namespace refit::publisher {
+namespace {
+
+// A memfd of `bytes` holding a pattern, addressed as /proc/self/fd/N.
+class Memfd {
+ public:
+  explicit Memfd(size_t bytes, uint8_t seed = 1) : size_(bytes) {
+    fd_ = memfd_create("refit-trainer-test", MFD_CLOEXEC);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
+    map_ = static_cast<uint8_t*>(
+        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
+    EXPECT_NE(map_, MAP_FAILED);
+    for (size_t i = 0; i < bytes; ++i) map_[i] = static_cast<uint8_t>(i * 7 + seed);
+  }
+  ~Memfd() {
+    munmap(map_, size_);
+    close(fd_);
+  }
+  std::string path() const { return absl::StrCat("/proc/self/fd/", fd_); }
+  uint8_t* data() { return map_; }
+
+ private:
+  int fd_ = -1;
+  size_t size_ = 0;
+  uint8_t* map_ = nullptr;
+};
+
+v1::TensorLocation Location(const std::string& name, v1::DType dtype,
+                            std::vector<uint64_t> shape, const std::string& path,
+                            uint64_t offset, uint64_t size) {
+  v1::TensorLocation l;
+  l.mutable_spec()->set_name(name);
+  l.mutable_spec()->set_dtype(dtype);
+  for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
+  l.mutable_shm()->set_path(path);
+  l.mutable_shm()->set_offset(offset);
+  l.mutable_shm()->set_size_bytes(size);
+  return l;
+}
+
+TEST(MappedTensorTest, MapsAnUnalignedRegionReadOnly) {
+  Memfd m(3 * 4096);
+  auto t = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {2, 50}, m.path(), 4097, 200), "t");
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_EQ((*t)->bytes().size(), 200u);
+  EXPECT_EQ(std::memcmp((*t)->bytes().data(), m.data() + 4097, 200), 0);
+  // MAP_SHARED: later writes are visible through the mapping.
+  m.data()[4097] ^= 0xff;
+  EXPECT_EQ((*t)->bytes()[0], m.data()[4097]);
+}
+
+TEST(MappedTensorTest, ShmObjectByName) {
+  const std::string name = absl::StrCat("/refit-trainer-test-", getpid());
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 64), 0);
+  v1::TensorLocation l;
+  l.mutable_spec()->set_name("s");
+  l.mutable_spec()->set_dtype(v1::DTYPE_F32);
+  l.mutable_spec()->add_shape(16);
+  l.mutable_shm()->set_shm_name(name);
+  l.mutable_shm()->set_size_bytes(64);
+  auto t = MappedTensor::Map(l, "t");
+  EXPECT_TRUE(t.ok()) << t.status();
+  close(fd);
+  shm_unlink(name.c_str());
+}
+
+TEST(MappedTensorTest, BadRegionsHaveSpecificCodesAndMessages) {
+  Memfd m(4096);
+  const std::string what = "client \"rank0\": tensor 0 'w'";
+  // Region beyond the end of the object.
+  auto out = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {1024}, m.path(), 4000, 2048), what);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kOutOfRange) << out.status();
+  EXPECT_TRUE(absl::StrContains(out.status().message(), "outside")) << out.status();
+  EXPECT_TRUE(absl::StrContains(out.status().message(), m.path())) << out.status();
+  EXPECT_TRUE(absl::StrContains(out.status().message(), what)) << out.status();
+  // size_bytes that does not match dtype x shape.
+  auto size = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {1024}, m.path(), 0, 1024), what);
+  ASSERT_FALSE(size.ok());
+  EXPECT_EQ(size.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(size.status().message(), "size_bytes is 1024"))
+      << size.status();
+  EXPECT_TRUE(absl::StrContains(size.status().message(), "2048")) << size.status();
+  // Missing shm object.
+  v1::TensorLocation missing;
+  missing.mutable_spec()->set_name("w");
+  missing.mutable_spec()->set_dtype(v1::DTYPE_U8);
+  missing.mutable_spec()->add_shape(4);
+  missing.mutable_shm()->set_shm_name("/refit-no-such-object-xyz");
+  missing.mutable_shm()->set_size_bytes(4);
+  auto gone = MappedTensor::Map(missing, what);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), "/refit-no-such-object-xyz"))
+      << gone.status();
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), "does not exist")) << gone.status();
+  // Relative path.
+  auto rel = MappedTensor::Map(Location("w", v1::DTYPE_U8, {4}, "rel/path", 0, 4), what);
+  ASSERT_FALSE(rel.ok());
+  EXPECT_EQ(rel.status().code(), absl::StatusCode::kInvalidArgument);
+  // Unspecified dtype.
+  auto dtype = MappedTensor::Map(Location("w", v1::DTYPE_UNSPECIFIED, {4}, m.path(), 0, 4), what);
+  ASSERT_FALSE(dtype.ok());
+  EXPECT_EQ(dtype.status().code(), absl::StatusCode::kInvalidArgument);
+  // CUDA IPC.
+  v1::TensorLocation cuda;
+  *cuda.mutable_spec() = missing.spec();
+  cuda.mutable_cuda_ipc()->set_size_bytes(4);
+  auto gpu = MappedTensor::Map(cuda, what);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "issue 4")) << gpu.status();
+  // No region.
+  v1::TensorLocation none;
+  *none.mutable_spec() = missing.spec();
+  auto no_region = MappedTensor::Map(none, what);
+  ASSERT_FALSE(no_region.ok());
+  EXPECT_EQ(no_region.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+class TrainerApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    PublisherOptions options;
+    options.encode_threads = 1;
+    options.digest_threads = 1;
+    auto core = PublisherCore::Open(options);
+    ASSERT_TRUE(core.ok()) << core.status();
+    core_ = std::move(*core);
+    queue_ = std::make_unique<PublishQueue>(core_.get(), nullptr);
+    api_ = std::make_unique<TrainerApiService>(queue_.get());
+  }
+  void TearDown() override {
+    api_.reset();
+    queue_.reset();
+  }
+
+  absl::Status Register(const std::string& client, std::vector<v1::TensorLocation> tensors) {
+    v1::RegisterTensorsRequest r;
+    r.set_client(client);
+    for (auto& t : tensors) *r.add_tensors() = std::move(t);
+    return api_->DoRegister(r).status();
+  }
+  absl::StatusOr<v1::LocalPublishResponse> Publish(const std::string& client,
+                                                   std::optional<uint64_t> version = {}) {
+    v1::LocalPublishRequest r;
+    r.set_client(client);
+    if (version) r.set_version(*version);
+    return api_->DoPublish(r);
+  }
+  std::vector<uint8_t> PublishedBytes(const std::string& name) {
+    for (const BaselineTensor& t : core_->Baseline()) {
+      if (t.spec.name() == name) return *t.bytes;
+    }
+    return {};
+  }
+
+  std::unique_ptr<PublisherCore> core_;
+  std::unique_ptr<PublishQueue> queue_;
+  std::unique_ptr<TrainerApiService> api_;
+};
+
+TEST_F(TrainerApiTest, VersionCommitsOnlyWhenEveryClientPublished) {
+  Memfd a(4096, 3), b(4096, 9);
+  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {1024}, a.path(), 0, 2048)}).ok());
+  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_F32, {256}, b.path(), 1024, 1024)}).ok());
+
+  auto first = Publish("rank0");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->version(), 1u);
+  EXPECT_FALSE(first->committed());
+  // rank0's memory changes right after its Publish returned: the snapshot is what counts.
+  const std::vector<uint8_t> a_snapshot(a.data(), a.data() + 2048);
+  std::memset(a.data(), 0xAB, 4096);
+  EXPECT_EQ(core_->newest_version(), 0u);
+
+  auto second = Publish("rank1");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->version(), 1u);
+  EXPECT_TRUE(second->committed());
+  const std::vector<uint8_t> b_snapshot(b.data() + 1024, b.data() + 2048);
+  std::memset(b.data(), 0xCD, 4096);
+
+  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
+  EXPECT_EQ(core_->newest_version(), 1u);
+  EXPECT_EQ(PublishedBytes("a"), a_snapshot);
+  EXPECT_EQ(PublishedBytes("b"), b_snapshot);
+
+  // Next round: absent versions continue at 2.
+  auto next = Publish("rank1");
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->version(), 2u);
+  auto done = Publish("rank0");
+  ASSERT_TRUE(done.ok());
+  EXPECT_TRUE(done->committed());
+  ASSERT_TRUE(queue_->WaitPublished(2, absl::Now() + absl::Seconds(30), nullptr).ok());
+  std::vector<uint8_t> a_now(a.data(), a.data() + 2048);
+  EXPECT_EQ(PublishedBytes("a"), a_now);
+}
+
+TEST_F(TrainerApiTest, ClientsMustPublishTheSameVersion) {
+  Memfd a(4096), b(4096);
+  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
+  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}).ok());
+  ASSERT_TRUE(Publish("rank0", 7).ok());
+  auto mismatch = Publish("rank1", 8);
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "version 8")) << mismatch.status();
+  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "version 7")) << mismatch.status();
+  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "rank0")) << mismatch.status();
+  auto ok = Publish("rank1");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->version(), 7u);
+  EXPECT_TRUE(ok->committed());
+  ASSERT_TRUE(queue_->WaitPublished(7, absl::Now() + absl::Seconds(30), nullptr).ok());
+
+  // Not above the newest published version.
+  auto old = Publish("rank0", 7);
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(old.status().message(), "version 7 must exceed 7"))
+      << old.status();
+}
+
+TEST_F(TrainerApiTest, NamesAreUniqueAcrossClientsAndReRegisterReplaces) {
+  Memfd a(4096);
+  ASSERT_TRUE(Register("rank0", {Location("w", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
+  absl::Status dup = Register("rank1", {Location("w", v1::DTYPE_U8, {16}, a.path(), 16, 16)});
+  EXPECT_EQ(dup.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(absl::StrContains(dup.message(), "\"rank0\"")) << dup;
+  EXPECT_TRUE(absl::StrContains(dup.message(), "'w'")) << dup;
+  absl::Status twice = Register("rank1", {Location("x", v1::DTYPE_U8, {16}, a.path(), 0, 16),
+                                          Location("x", v1::DTYPE_U8, {16}, a.path(), 16, 16)});
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInvalidArgument);
+  // rank0 replaces its tensors: "w" is free again, "v" is rank0's now.
+  ASSERT_TRUE(Register("rank0", {Location("v", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
+  ASSERT_TRUE(Register("rank1", {Location("w", v1::DTYPE_U8, {16}, a.path(), 16, 16)}).ok());
+  EXPECT_EQ(api_->DoUnregister("nobody").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Publish("nobody").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(TrainerApiTest, UnregisterCompletesARoundTheOthersFinished) {
+  Memfd a(4096), b(4096);
+  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
+  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}).ok());
+  auto p = Publish("rank0");
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(p->committed());
+  ASSERT_TRUE(api_->DoUnregister("rank1").ok());
+  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_EQ(core_->Baseline().size(), 1u);
+  EXPECT_EQ(core_->Baseline()[0].spec.name(), "a");
+}
+
+TEST(FormatTest, BytesAndLogLine) {
+  EXPECT_EQ(FormatBytes(512), "512 B");
+  EXPECT_EQ(FormatBytes(1234567), "1.23 MB");
+  EXPECT_EQ(FormatBytes(254000000), "254 MB");
+  EXPECT_EQ(FormatBytes(12345), "12.3 kB");
+  PublishSummary s;
+  s.version = 12;
+  s.changed_elements = 165;
+  s.total_elements = 10000;
+  s.wire_bytes = 1230000;
+  s.dense_bytes = 254000000;
+  s.tensors = 290;
+  s.patched_tensors = 285;
+  s.unchanged_tensors = 5;
+  s.encode_micros = 412000;
+  s.total_micros = 530000;
+  EXPECT_EQ(DescribePublish(s),
+            "version 12 published: change 1.65% (165/10000 elements), wire 1.23 MB "
+            "(patches+keyframes) vs dense 254 MB (0.48%), tensors 290 (285 patched, 0 keyframe, "
+            "5 unchanged, 0 removed), encode 412 ms, total 530 ms");
+}
+
+}  // namespace
+}  // namespace refit::publisher
