@@ -131,7 +131,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   for (size_t i = 0; i < 3; ++i) {
     std::span<const uint8_t> cur = t.tensor(i);
     v2[i].assign(cur.begin(), cur.end());
-    v2[i][i] ^= 1;  // one changed element per tensor
+    v2[i][i % v2[i].size()] ^= 1;  // one changed element per tensor
     refs.push_back({Specs()[i].name(), dtypes[i], shapes[i], v2[i]});
   }
   const std::string file = absl::StrCat(dir_, "/v2.safetensors");
@@ -187,7 +187,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   EXPECT_THAT(r.out, HasSubstr("version 2 digest 0x"));
   EXPECT_THAT(r.out, HasSubstr(": 3 tensors, ok\n"));
   // The digest verify prints is the one wait reported.
-  EXPECT_THAT(digest_line, HasSubstr(r.out.substr(r.out.find("digest"), 26)));
+  EXPECT_THAT(digest_line, HasSubstr(r.out.substr(r.out.find("digest"), 25)));
 }
 
 }  // namespace
