@@ -12,6 +12,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -54,11 +56,12 @@ std::string HumanBytes(uint64_t bytes) {
 
 uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
 
-// What kind of transfer it was, from its versions (VersionHeader.reason is not in the event).
-const char* TransferKind(const v1::RefitStats& s) {
-  if (s.base_version() == 0) return "bootstrap";
-  if (s.version() == s.base_version() + 1) return "next_version";
-  return "catch_up";
+// "next_version", "catch_up", ... (VersionHeader.reason, lower case without the prefix).
+std::string ReasonName(v1::TransferReason reason) {
+  std::string name = v1::TransferReason_Name(reason);
+  constexpr absl::string_view kPrefix = "TRANSFER_REASON_";
+  if (absl::StartsWith(name, kPrefix)) name = name.substr(kPrefix.size());
+  return absl::AsciiStrToLower(name);
 }
 
 absl::StatusOr<std::vector<std::string>> Targets(
@@ -254,17 +257,15 @@ absl::Status SubscriberDaemonImpl::Init() {
 void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
   const v1::RefitStats& s = ev.stats;
   const v1::TransferTimings& t = ev.ack.timings();
-  const VersionRecord rec = core_->applied_record();
-  const uint64_t tensors = rec.version == s.version() ? rec.tensors.size() : 0;
   const double wire_pct =
       s.dense_bytes() > 0 ? 100.0 * static_cast<double>(s.wire_bytes()) / s.dense_bytes() : 0.0;
   log_->info(
       "version {} applied (base {}, {}): change {:.2f}%, wire {} vs dense {} ({:.2f}%), latency "
       "{} ms (receive {}, stage {}, verify {}, apply {}), {}",
-      s.version(), s.base_version(), TransferKind(s), 100.0 * s.change_rate(),
+      s.version(), s.base_version(), ReasonName(ev.reason), 100.0 * s.change_rate(),
       HumanBytes(s.wire_bytes()), HumanBytes(s.dense_bytes()), wire_pct, Ms(s.latency_micros()),
       Ms(t.receive_micros()), Ms(t.stage_micros()), Ms(t.verify_micros()), Ms(t.apply_micros()),
-      s.digests_verified() ? absl::StrCat("digests verified (", tensors, " tensors)")
+      s.digests_verified() ? absl::StrCat("digests verified (", ev.tensors, " tensors)")
                            : std::string("digests NOT verified"));
 
   AppliedVersion applied;

@@ -1,0 +1,337 @@
+// SubscriberDaemon in process: a PublisherCore + DataPlaneService served on 127.0.0.1:0, and
+// subscriber daemons started from a config pointing at it (the second one bootstrapping from
+// the first, which serves peers). Everything over real gRPC: Control on `listen`, ConsumerApi on
+// a unix socket, the consumer reading the store through its ShmRegion path.
+#include "daemon/subscriber/subscriber_daemon.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/common/daemon_runtime.h"
+#include "daemon/config/config.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/publisher/data_plane_service.h"
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/sync/sync_testing.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "refit/v1/control.grpc.pb.h"
+#include "refit/v1/local.grpc.pb.h"
+
+namespace refit::subscriber {
+namespace {
+
+using ::testing::HasSubstr;
+using sync::testing::Model;
+
+// The publisher: PublisherCore versions of a small BF16 model, served by DataPlaneService.
+class TestPublisher {
+ public:
+  TestPublisher() {
+    publisher::PublisherOptions o;
+    o.encode_threads = 1;
+    o.digest_threads = 1;
+    auto core = publisher::PublisherCore::Open(o);
+    EXPECT_TRUE(core.ok()) << core.status();
+    core_ = std::move(*core);
+    publisher::DataPlaneOptions d;
+    d.name = "test-publisher";
+    d.frame_bytes = 16 * 1024;  // several frames per tensor, spread over the stripes
+    d.retry_initial = absl::Milliseconds(5);
+    service_ = std::make_unique<publisher::DataPlaneService>(core_.get(), d);
+    ServerSpec spec;
+    spec.name = "listen";
+    spec.address = "127.0.0.1:0";
+    spec.tls_field = "publisher.tls";
+    spec.services = {service_.get()};
+    spec.max_receive_bytes = 2 << 20;
+    auto server = StartServer(spec);
+    EXPECT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    for (const char* name : {"attn.weight", "mlp.weight", "norm.bias"}) {
+      const bool bias = std::string(name) == "norm.bias";
+      model_[name] = sync::testing::RandomTensor(
+          sync::testing::BF16(name, {bias ? 512u : 128u, bias ? 1u : 96u}), rng_);
+    }
+  }
+
+  ~TestPublisher() {
+    service_->Shutdown();
+    server_.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
+  uint64_t PublishNext() {
+    if (version_ > 0) {
+      for (auto& [name, t] : model_) sync::testing::Perturb(t, 0.03, rng_);
+    }
+    ++version_;
+    std::vector<publisher::TensorInput> in;
+    for (const auto& [name, t] : model_) {
+      in.push_back({name, DType::kBF16,
+                    std::vector<uint64_t>(t.spec.shape().begin(), t.spec.shape().end()),
+                    t.bytes});
+    }
+    auto s = core_->Publish(version_, in);
+    EXPECT_TRUE(s.ok()) << s.status();
+    service_->NotifyPublished();
+    models_[version_] = model_;
+    return version_;
+  }
+
+  const std::string& address() const { return server_.bound_address; }
+  const Model& model(uint64_t v) const { return models_.at(v); }
+  uint64_t digest() const { return core_->newest_version_digest(); }
+
+ private:
+  std::mt19937 rng_{5};
+  std::unique_ptr<publisher::PublisherCore> core_;
+  std::unique_ptr<publisher::DataPlaneService> service_;
+  RunningServer server_;
+  Model model_;
+  uint64_t version_ = 0;
+  std::map<uint64_t, Model> models_;
+};
+
+std::vector<uint8_t> ReadRegion(const v1::ShmRegion& r) {
+  int fd = open(r.path().c_str(), O_RDONLY | O_CLOEXEC);
+  EXPECT_GE(fd, 0) << r.path();
+  if (fd < 0) return {};
+  struct stat st {};
+  EXPECT_EQ(fstat(fd, &st), 0);
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* map = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  EXPECT_NE(map, MAP_FAILED);
+  if (map == MAP_FAILED) return {};
+  EXPECT_LE(r.offset() + r.size_bytes(), size);
+  const auto* p = static_cast<const uint8_t*>(map) + r.offset();
+  std::vector<uint8_t> out(p, p + r.size_bytes());
+  munmap(map, size);
+  return out;
+}
+
+class SubscriberDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) / absl::StrCat("refit-subd-", getpid());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  v1::SubscriberConfig Config(const std::string& name, bool serve_peers,
+                              const std::string& bootstrap_peer = "") {
+    std::string yaml = absl::StrCat(
+        "subscriber:\n"
+        "  name: ", name, "\n"
+        "  upstream:\n"
+        "    addresses: [\"", pub_.address(), "\"]\n",
+        bootstrap_peer.empty() ? std::string()
+                               : absl::StrCat("    bootstrap_peers: [\"", bootstrap_peer, "\"]\n"),
+        "    connections: 2\n"
+        "    connect_timeout_ms: 5000\n"
+        "    backoff: {initial_ms: 20, max_ms: 200}\n"
+        "  listen: \"127.0.0.1:0\"\n"
+        "  serve_peers: ", serve_peers ? "true" : "false", "\n"
+        "  local_socket: ", (dir_ / (name + ".sock")).string(), "\n"
+        "  ready_file: ", (dir_ / (name + ".ready")).string(), "\n"
+        "  store: {slots: 2}\n"
+        "  staging: {threads: 1}\n"
+        "  leases: {default_ttl_ms: 30000, max_ttl_ms: 60000}\n");
+    auto c = config::LoadSubscriberConfigFromString(yaml, name + ".yaml");
+    EXPECT_TRUE(c.ok()) << c.status() << "\n" << yaml;
+    return c.ok() ? *c : v1::SubscriberConfig();
+  }
+
+  static std::unique_ptr<grpc::ClientContext> Ctx(int timeout_s = 60) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(timeout_s));
+    return ctx;
+  }
+
+  static std::unique_ptr<v1::Control::Stub> ControlOf(const SubscriberDaemon& d) {
+    return v1::Control::NewStub(
+        grpc::CreateChannel(d.listen_address(), grpc::InsecureChannelCredentials()));
+  }
+  static std::unique_ptr<v1::ConsumerApi::Stub> ConsumerOf(const SubscriberDaemon& d) {
+    return v1::ConsumerApi::NewStub(
+        grpc::CreateChannel(d.local_address(), grpc::InsecureChannelCredentials()));
+  }
+
+  static void WaitFor(v1::Control::Stub& control, uint64_t version) {
+    v1::WaitVersionRequest req;
+    req.set_version(version);
+    req.set_timeout_ms(30000);
+    v1::WaitVersionResponse resp;
+    grpc::Status st = control.WaitVersion(Ctx().get(), req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_GE(resp.version(), version);
+  }
+
+  void ExpectExportEquals(v1::Control::Stub& control, const std::string& file, uint64_t v) {
+    v1::ExportRequest req;
+    req.set_safetensors((dir_ / file).string());
+    v1::ExportResponse resp;
+    grpc::Status st = control.Export(Ctx().get(), req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(resp.version(), v);
+    auto f = model::SafetensorsFile::Open(req.safetensors());
+    ASSERT_TRUE(f.ok()) << f.status();
+    const Model& m = pub_.model(v);
+    ASSERT_EQ(f->tensors().size(), m.size());
+    for (size_t i = 0; i < f->tensors().size(); ++i) {
+      auto d = f->data(i);
+      EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), m.at(f->tensors()[i].name).bytes)
+          << "version " << v << " tensor " << f->tensors()[i].name;
+    }
+  }
+
+  void ExpectLayoutHolds(const v1::Layout& layout, uint64_t v) {
+    const Model& m = pub_.model(v);
+    ASSERT_EQ(static_cast<size_t>(layout.tensors_size()), m.size());
+    for (const v1::TensorLocation& loc : layout.tensors()) {
+      EXPECT_EQ(ReadRegion(loc.shm()), m.at(loc.spec().name()).bytes)
+          << "version " << v << " tensor " << loc.spec().name();
+    }
+  }
+
+  std::filesystem::path dir_;
+  TestPublisher pub_;
+};
+
+TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
+  const uint64_t v1 = pub_.PublishNext();
+  auto a = SubscriberDaemon::Start(Config("sub-a", /*serve_peers=*/true));
+  ASSERT_TRUE(a.ok()) << a.status();
+  SubscriberDaemon& da = **a;
+  EXPECT_FALSE(da.listen_address().empty());
+  EXPECT_EQ(da.control_address(), "");
+  EXPECT_EQ(da.local_address(), absl::StrCat("unix:", (dir_ / "sub-a.sock").string()));
+  {
+    std::ifstream ready(dir_ / "sub-a.ready");
+    std::stringstream text;
+    text << ready.rdbuf();
+    EXPECT_THAT(text.str(), HasSubstr(da.listen_address()));
+    EXPECT_THAT(text.str(), HasSubstr(da.local_address()));
+    EXPECT_THAT(text.str(), HasSubstr(std::to_string(getpid())));
+  }
+  auto control = ControlOf(da);
+  auto consumer = ConsumerOf(da);
+
+  WaitFor(*control, v1);
+  ExpectExportEquals(*control, "a-v1.safetensors", v1);
+
+  // A consumer watches versions and leases v1.
+  grpc::ClientContext watch_ctx;
+  auto watch = consumer->WatchVersions(&watch_ctx, v1::WatchVersionsRequest());
+  v1::VersionEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));
+  EXPECT_EQ(ev.version(), v1);
+  EXPECT_EQ(ev.version_digest(), pub_.digest());
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("vllm-0");
+  v1::Lease lease;
+  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &lease).ok());
+  EXPECT_EQ(lease.version(), v1);
+  ExpectLayoutHolds(lease.layout(), v1);
+
+  // v2 arrives while v1 is leased: the consumer's bytes stay v1's.
+  const uint64_t v2 = pub_.PublishNext();
+  WaitFor(*control, v2);
+  ASSERT_TRUE(watch->Read(&ev));
+  EXPECT_EQ(ev.version(), v2);
+  EXPECT_FALSE(ev.layout_changed());
+  ExpectLayoutHolds(lease.layout(), v1);
+  v1::Layout layout;
+  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  EXPECT_EQ(layout.version(), v2);
+  ExpectLayoutHolds(layout, v2);
+  ExpectExportEquals(*control, "a-v2.safetensors", v2);
+
+  v1::StatusResponse s;
+  ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
+  EXPECT_EQ(s.name(), "sub-a");
+  EXPECT_EQ(s.version(), v2);
+  EXPECT_EQ(s.version_digest(), pub_.digest());
+  EXPECT_EQ(s.tensors(), 3u);
+  EXPECT_GT(s.bytes_received(), 0u);
+  EXPECT_EQ(s.last_refit().version(), v2);
+  EXPECT_EQ(s.upstream().name(), "test-publisher");
+  ASSERT_EQ(s.leases_size(), 1);
+  EXPECT_EQ(s.leases(0).consumer(), "vllm-0");
+  EXPECT_EQ(s.leases(0).version(), v1);
+
+  v1::VerifyResponse vr;
+  ASSERT_TRUE(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  EXPECT_TRUE(vr.ok());
+  EXPECT_EQ(vr.version(), v2);
+  EXPECT_EQ(vr.version_digest(), pub_.digest());
+
+  // After release the consumer sees v2.
+  v1::ReleaseLeaseRequest rel;
+  rel.set_lease_id(lease.lease_id());
+  v1::ReleaseLeaseResponse relr;
+  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &lease).ok());
+  EXPECT_EQ(lease.version(), v2);
+  ExpectLayoutHolds(lease.layout(), v2);
+  rel.set_lease_id(lease.lease_id());
+  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+
+  // A late joiner bootstraps from sub-a (bootstrap_peers), then follows.
+  auto b = SubscriberDaemon::Start(Config("sub-b", false, da.listen_address()));
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto control_b = ControlOf(**b);
+  WaitFor(*control_b, v2);
+  ExpectExportEquals(*control_b, "b-v2.safetensors", v2);
+  ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_GT(s.bytes_sent(), 0u);  // sub-a served sub-b
+
+  const uint64_t v3 = pub_.PublishNext();
+  WaitFor(*control, v3);
+  WaitFor(*control_b, v3);
+  ExpectExportEquals(*control_b, "b-v3.safetensors", v3);
+  ASSERT_TRUE(watch->Read(&ev));
+  EXPECT_EQ(ev.version(), v3);
+
+  // Shutdown ends the watch stream.
+  (*b)->Shutdown();
+  da.Shutdown();
+  while (watch->Read(&ev)) {
+  }
+  EXPECT_FALSE(watch->Finish().ok());
+  da.Shutdown();  // idempotent
+}
+
+TEST_F(SubscriberDaemonTest, RefusesCudaStoreAndBadAddresses) {
+  v1::SubscriberConfig c = Config("sub-c", false);
+  c.mutable_store()->set_kind(v1::STORE_KIND_CUDA);
+  auto d = SubscriberDaemon::Start(c);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(d.status().message(), "store.kind cuda arrives with the GPU path (issue 4)");
+
+  c = Config("sub-c", false);
+  c.mutable_upstream()->set_addresses(0, "127.0.0.1:99999");
+  d = SubscriberDaemon::Start(c);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(d.status().message(), HasSubstr("subscriber.upstream.addresses[0]"));
+}
+
+}  // namespace
+}  // namespace refit::subscriber
