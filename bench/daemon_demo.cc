@@ -452,7 +452,7 @@ absl::Status Demo::Run() {
               reg.tensors(), refit::client::FormatBytes(reg.bytes()).c_str(),
               trainer_->ProcPath().c_str(), Ms(t_create, Clock::now()) / 1e3);
   std::printf("%7s %8s %9s %8s %12s %12s %8s %10s %10s %10s %8s\n", "version", "change%",
-              "bits/chg", "bound", "wire_bytes", "dense_bytes", "wire%", "latency0", "latency1",
+              "bits/chg", "H(p)/p", "wire_bytes", "dense_bytes", "wire%", "latency0", "latency1",
               "e2e", "digests");
   std::fflush(stdout);
 
