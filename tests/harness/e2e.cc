@@ -91,6 +91,16 @@ absl::StatusOr<v1::StatusResponse> PollStatus(
   }
 }
 
+absl::StatusOr<v1::StatusResponse> StatusAfterRefit(const std::string& target, uint64_t version,
+                                                    absl::Duration timeout) {
+  return PollStatus(
+      target,
+      [version](const v1::StatusResponse& s) {
+        return s.version() >= version && s.last_refit().version() >= version;
+      },
+      timeout, absl::StrCat("version ", version, " with its last_refit"));
+}
+
 std::string DescribeRefit(const v1::RefitStats& r) {
   return absl::StrFormat(
       "v%d<-v%d wire %d B of dense %d B (%.3f%%), changed %d/%d (%.3f%%), %d keyframe tensors, "

@@ -58,6 +58,11 @@ absl::StatusOr<v1::StatusResponse> PollStatus(
     const std::string& target, const std::function<bool(const v1::StatusResponse&)>& pred,
     absl::Duration timeout, const std::string& what);
 
+// Status once it reports `version` applied and its last_refit is that version's (the refit
+// figures are recorded just after the version is announced, so poll briefly).
+absl::StatusOr<v1::StatusResponse> StatusAfterRefit(const std::string& target, uint64_t version,
+                                                    absl::Duration timeout = absl::Seconds(20));
+
 // One line of figures of a refit for logs: "v7<-v6 wire 12345 B dense 2.6 MB (0.47%) ...".
 std::string DescribeRefit(const v1::RefitStats& r);
 
