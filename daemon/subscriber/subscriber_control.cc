@@ -63,7 +63,10 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   if (hooks_.bytes_received) response->set_bytes_received(hooks_.bytes_received());
   if (hooks_.last_refit) *response->mutable_last_refit() = hooks_.last_refit();
   for (const LeaseEntry& e : core_->Leases()) {
-    if (absl::StartsWith(e.lease.consumer, options_.self_consumer)) continue;
+    if (e.lease.consumer == options_.self_consumer ||
+        absl::StartsWith(e.lease.consumer, absl::StrCat(options_.self_consumer, "/"))) {
+      continue;  // the daemon's own (migration base, export, layout, peers)
+    }
     v1::LeaseStatus* l = response->add_leases();
     l->set_lease_id(e.lease.lease_id);
     l->set_consumer(e.lease.consumer);

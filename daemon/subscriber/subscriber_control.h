@@ -40,7 +40,7 @@ struct SubscriberControlOptions {
   int verify_threads = 0;
   // How often a waiting WaitVersion checks whether its call was cancelled.
   absl::Duration poll_interval = absl::Milliseconds(100);
-  // Leases whose consumer starts with this are the daemon's own; Status does not list them.
+  // Leases of this consumer or "<this>/..." are the daemon's own; Status does not list them.
   std::string self_consumer = "refitd-subscriber";
   // When the daemon started (Status.uptime_ms).
   absl::Time start_time = absl::Now();

@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -315,6 +316,38 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   }
   EXPECT_FALSE(watch->Finish().ok());
   da.Shutdown();  // idempotent
+}
+
+TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
+  const uint64_t v1 = pub_.PublishNext();
+  v1::SubscriberConfig c = Config("sub-d", false);
+  c.set_listen("");
+  c.set_control_listen("127.0.0.1:0");
+  auto d = SubscriberDaemon::Start(c);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->listen_address(), "");
+  ASSERT_FALSE((*d)->control_address().empty());
+  {
+    std::ifstream ready(dir_ / "sub-d.ready");
+    std::stringstream text;
+    text << ready.rdbuf();
+    EXPECT_THAT(text.str(), HasSubstr((*d)->control_address()));
+  }
+  auto control = v1::Control::NewStub(
+      grpc::CreateChannel((*d)->control_address(), grpc::InsecureChannelCredentials()));
+  WaitFor(*control, v1);
+  // A waiter for a version that never comes is released by Shutdown, not by its timeout.
+  v1::WaitVersionRequest req;
+  req.set_version(v1 + 100);
+  req.set_timeout_ms(60000);
+  v1::WaitVersionResponse resp;
+  grpc::Status waited;
+  std::thread waiter([&] { waited = control->WaitVersion(Ctx().get(), req, &resp); });
+  // The waiter is in (or about to be in) its wait; Shutdown ends it either way.
+  (*d)->Shutdown();
+  waiter.join();
+  EXPECT_FALSE(waited.ok());
+  EXPECT_NE(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
 }
 
 TEST_F(SubscriberDaemonTest, RefusesCudaStoreAndBadAddresses) {

@@ -538,6 +538,15 @@ TEST_F(ServicesTest, WaitVersion) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(st.error_message(), "version 7 not reached after 50 ms, at version 1");
 
+  // Without timeout_ms the RPC's own deadline ends the wait.
+  req.set_timeout_ms(0);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    st = control_stub_->WaitVersion(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+
   req.set_all_subscribers(true);
   EXPECT_EQ(control_stub_->WaitVersion(Ctx().get(), req, &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
@@ -558,6 +567,25 @@ TEST_F(ServicesTest, WaitVersion) {
   waiter.join();
   ASSERT_TRUE(waited.ok()) << waited.error_message();
   EXPECT_EQ(resp.version(), 3u);
+
+  // Shutdown (the board closes) releases a waiter with UNAVAILABLE.
+  req.set_version(99);
+  std::thread waiter2([&] { waited = control_stub_->WaitVersion(Ctx(30).get(), req, &resp); });
+  board_.Close();
+  waiter2.join();
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::UNAVAILABLE) << waited.error_message();
+  EXPECT_THAT(waited.error_message(), HasSubstr("shutting down"));
+}
+
+TEST_F(ServicesTest, StatusListsConsumerLeasesOnly) {
+  Apply();
+  auto own = core_.AcquireLease("refitd-subscriber/peers");
+  auto other = core_.AcquireLease("refitd-subscriber-lookalike");
+  ASSERT_TRUE(own.ok() && other.ok());
+  v1::StatusResponse s;
+  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_EQ(s.leases_size(), 1);
+  EXPECT_EQ(s.leases(0).consumer(), "refitd-subscriber-lookalike");
 }
 
 TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations) {
