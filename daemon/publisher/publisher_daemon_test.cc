@@ -294,6 +294,18 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
   ASSERT_EQ(timeout.status().code(), absl::StatusCode::kDeadlineExceeded) << timeout.status();
   EXPECT_EQ(timeout.status().message(), "version 7 not reached after 200 ms, at version 2");
 
+  // Without an RPC deadline the request's timeout alone bounds the wait.
+  {
+    v1::WaitVersionRequest request;
+    request.set_version(9);
+    request.set_timeout_ms(100);
+    v1::WaitVersionResponse response;
+    grpc::ClientContext ctx;  // no deadline
+    grpc::Status s = control_->WaitVersion(&ctx, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_EQ(s.error_message(), "version 9 not reached after 100 ms, at version 2");
+  }
+
   // Resync of an unknown subscriber.
   v1::ResyncRequest resync;
   resync.set_subscriber("nobody");
