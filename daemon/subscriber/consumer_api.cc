@@ -56,6 +56,11 @@ uint64_t RemainingMs(absl::Time expires) {
   return static_cast<uint64_t>(absl::ToInt64Milliseconds(left));
 }
 
+// A requested TTL (ms) as a duration; absurd values saturate (the store caps at max_ttl anyway).
+absl::Duration Ttl(uint64_t ttl_ms) {
+  return absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(ttl_ms, uint64_t{1} << 50)));
+}
+
 absl::Status Annotate(const absl::Status& st, absl::string_view what) {
   return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
@@ -154,7 +159,7 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
   const std::string consumer = request->consumer().empty() ? "unnamed" : request->consumer();
-  auto lease = core_->AcquireLease(consumer, version, absl::Milliseconds(request->ttl_ms()));
+  auto lease = core_->AcquireLease(consumer, version, Ttl(request->ttl_ms()));
   if (!lease.ok()) {
     log_->debug("lease for {} refused: {}", consumer, lease.status().ToString());
     return ToGrpcStatus(Annotate(lease.status(), absl::StrCat("AcquireLease for consumer \"",
@@ -169,7 +174,7 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
 grpc::Status ConsumerApiService::RenewLease(grpc::ServerContext* context,
                                             const v1::RenewLeaseRequest* request,
                                             v1::Lease* response) {
-  auto lease = core_->RenewLease(request->lease_id(), absl::Milliseconds(request->ttl_ms()));
+  auto lease = core_->RenewLease(request->lease_id(), Ttl(request->ttl_ms()));
   if (!lease.ok()) return ToGrpcStatus(Annotate(lease.status(), "RenewLease"));
   *response = MakeLease(*lease);
   return grpc::Status::OK;

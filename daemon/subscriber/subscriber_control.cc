@@ -117,7 +117,8 @@ grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
   const absl::Time start = absl::Now();
   absl::Time deadline = absl::InfiniteFuture();
   if (request->timeout_ms() > 0) {
-    deadline = start + absl::Milliseconds(static_cast<int64_t>(request->timeout_ms()));
+    deadline = start + absl::Milliseconds(static_cast<int64_t>(
+                           std::min<uint64_t>(request->timeout_ms(), uint64_t{1} << 50)));
   }
   const absl::Time rpc_deadline = absl::FromChrono(context->deadline());
   const bool rpc_first = rpc_deadline < deadline;

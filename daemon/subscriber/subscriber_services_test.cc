@@ -366,9 +366,12 @@ TEST_F(ServicesTest, MaxLeasesIsResourceExhausted) {
   Apply();
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("greedy");
+  acq.set_ttl_ms(UINT64_MAX);  // saturates, then capped at the max TTL (60 s)
   v1::Lease lease;
   for (int i = 0; i < 8; ++i) {
     ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok()) << i;
+    EXPECT_GT(lease.ttl_ms(), 59000u);
+    EXPECT_LE(lease.ttl_ms(), 60000u);
   }
   grpc::Status st = consumer_stub_->AcquireLease(Ctx().get(), acq, &lease);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
