@@ -75,9 +75,13 @@ class TestPublisher {
     server_.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 
-  uint64_t PublishNext() {
+  // With `extra`, a tensor is added (a manifest change: a new store generation downstream).
+  uint64_t PublishNext(bool extra = false) {
     if (version_ > 0) {
       for (auto& [name, t] : model_) sync::testing::Perturb(t, 0.03, rng_);
+    }
+    if (extra) {
+      model_["zz.extra"] = sync::testing::RandomTensor(sync::testing::BF16("zz.extra", {200}), rng_);
     }
     ++version_;
     std::vector<publisher::TensorInput> in;
@@ -348,6 +352,50 @@ TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
   waiter.join();
   EXPECT_FALSE(waited.ok());
   EXPECT_NE(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
+}
+
+TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLeases) {
+  const uint64_t v1 = pub_.PublishNext();
+  auto d = SubscriberDaemon::Start(Config("sub-e", false));
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto control = ControlOf(**d);
+  auto consumer = ConsumerOf(**d);
+  WaitFor(*control, v1);
+  grpc::ClientContext watch_ctx;
+  v1::WatchVersionsRequest wreq;
+  wreq.set_after_version(v1);
+  auto watch = consumer->WatchVersions(&watch_ctx, wreq);
+  v1::AcquireLeaseRequest acq;
+  acq.set_consumer("vllm-1");
+  v1::Lease old;
+  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &old).ok());
+
+  const uint64_t v2 = pub_.PublishNext(/*extra=*/true);
+  WaitFor(*control, v2);
+  v1::VersionEvent ev;
+  ASSERT_TRUE(watch->Read(&ev));
+  EXPECT_EQ(ev.version(), v2);
+  EXPECT_TRUE(ev.layout_changed());
+  v1::Layout layout;
+  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  EXPECT_EQ(layout.tensors_size(), 4);
+  ExpectLayoutHolds(layout, v2);
+  ExpectLayoutHolds(old.layout(), v1);  // the old generation lives on under the lease
+  ExpectExportEquals(*control, "e-v2.safetensors", v2);
+
+  const uint64_t v3 = pub_.PublishNext();
+  WaitFor(*control, v3);
+  ASSERT_TRUE(watch->Read(&ev));
+  EXPECT_EQ(ev.version(), v3);
+  EXPECT_FALSE(ev.layout_changed());
+  v1::ReleaseLeaseRequest rel;
+  rel.set_lease_id(old.lease_id());
+  v1::ReleaseLeaseResponse relr;
+  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  watch_ctx.TryCancel();
+  while (watch->Read(&ev)) {
+  }
+  (void)watch->Finish();
 }
 
 TEST_F(SubscriberDaemonTest, RefusesCudaStoreAndBadAddresses) {
