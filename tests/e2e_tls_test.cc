@@ -1,0 +1,115 @@
+// Acceptance 7: mTLS. Certificates made with openssl by the test; the publisher listens on
+// 127.0.0.1:0 with cert/key/ca (Control on a plaintext unix socket for refitctl). A subscriber
+// with a valid client certificate converges; one without a client certificate, one whose
+// certificate comes from another CA, and one with a valid certificate whose identity is not in
+// allowed_identities are refused: their upstream.last_error says so and they never get a version.
+#include <cstdio>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/harness/certs.h"
+#include "tests/harness/e2e.h"
+
+namespace refit::e2e {
+namespace {
+
+using E2ETls = E2ETest;
+
+TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
+  absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "sub-good");
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  absl::StatusOr<CertPair> stranger = MakeClientCert(dir(), "sub-stranger");
+  ASSERT_TRUE(stranger.ok()) << stranger.status();
+
+  PublisherSpec ps;
+  ps.name = "pub";
+  ps.listen = "127.0.0.1:0";
+  ps.tls = {pki->server.cert, pki->server.key, pki->ca, {"sub-good"}};
+  ps.control_listen = absl::StrCat("unix:", dir(), "/pub-control.sock");
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  ASSERT_FALSE(pub.ready().control_listen.empty()) << "ready file lacks control_listen";
+
+  // The data-plane port refuses plaintext (no client certificate at all).
+  {
+    absl::StatusOr<v1::StatusResponse> plain = RpcStatus(pub.listen_target(), absl::Seconds(5));
+    EXPECT_FALSE(plain.ok()) << "plaintext Control call on the TLS port succeeded";
+  }
+
+  auto sub_spec = [&](const std::string& name) {
+    SubscriberSpec s;
+    s.name = name;
+    s.upstream = {pub.listen_target()};
+    s.connect_timeout_ms = 3000;
+    return s;
+  };
+  SubscriberSpec good_spec = sub_spec("sub-good");
+  good_spec.tls = {pki->client.cert, pki->client.key, pki->ca, ""};
+  DaemonProcess& good = NewSubscriber(good_spec);
+  SubscriberSpec plain_spec = sub_spec("sub-plain");  // no tls block: plaintext to a TLS port
+  DaemonProcess& plain = NewSubscriber(plain_spec);
+  SubscriberSpec other_spec = sub_spec("sub-other-ca");
+  other_spec.tls = {pki->other_client.cert, pki->other_client.key, pki->ca, ""};
+  DaemonProcess& other = NewSubscriber(other_spec);
+  SubscriberSpec stranger_spec = sub_spec("sub-stranger");
+  stranger_spec.tls = {stranger->cert, stranger->key, pki->ca, ""};
+  DaemonProcess& outsider = NewSubscriber(stranger_spec);
+  for (DaemonProcess* d : {&good, &plain, &other, &outsider}) E2E_ASSERT_OK(d->Start());
+
+  Model m1 = RandomModel(7, {{"enc.weight", 100000}, {"enc.bias", 512}});
+  E2E_ASSERT_OK(Publish(pub, m1, 1));
+  E2E_ASSERT_OK(WaitVersion(good, 1));
+  E2E_ASSERT_OK(ExpectExportEquals(good, m1));
+  E2E_ASSERT_OK(ExpectVerified(good));
+  absl::StatusOr<v1::StatusResponse> gst = RpcStatus(good.control_target());
+  ASSERT_TRUE(gst.ok()) << gst.status();
+  std::printf("[e2e] sub-good upstream: %s\n", gst->upstream().ShortDebugString().c_str());
+
+  // The publisher authenticated the good subscriber by its certificate.
+  absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
+  ASSERT_TRUE(pst.ok()) << pst.status();
+  ASSERT_EQ(pst->sessions_size(), 1) << "only sub-good has a session: " << pst->ShortDebugString();
+  EXPECT_EQ(pst->sessions(0).identity(), "sub-good") << pst->sessions(0).ShortDebugString();
+
+  struct Refused {
+    DaemonProcess* d;
+    std::vector<std::string> words;  // last_error names one of these (lower case)
+  };
+  const std::vector<Refused> refused = {
+      {&plain, {"unavailable", "handshake", "ssl", "tls", "connect", "closed", "reset"}},
+      {&other, {"unavailable", "handshake", "ssl", "tls", "certificate", "connect", "closed"}},
+      {&outsider, {"permission", "identity", "allowed", "not authorized", "unauthenticated"}},
+  };
+  for (const Refused& r : refused) {
+    absl::StatusOr<v1::StatusResponse> st = PollStatus(
+        r.d->control_target(),
+        [](const v1::StatusResponse& s) { return !s.upstream().last_error().empty(); },
+        absl::Seconds(30), absl::StrCat(r.d->name(), " reports an upstream error"));
+    ASSERT_TRUE(st.ok()) << st.status();
+    const std::string err = st->upstream().last_error();
+    std::printf("[e2e] %s refused: %s\n", r.d->name().c_str(), err.c_str());
+    EXPECT_EQ(st->version(), 0u) << r.d->name() << " got a version despite being refused";
+    bool named = false;
+    for (const std::string& w : r.words) named |= absl::StrContains(absl::AsciiStrToLower(err), w);
+    EXPECT_TRUE(named) << r.d->name() << ": last_error '" << err << "' does not say why";
+  }
+  // Still nothing after a second version reached the good subscriber.
+  Model m2 = m1;
+  PerturbModel(m2, 0.02, 8);
+  E2E_ASSERT_OK(Publish(pub, m2, 2));
+  E2E_ASSERT_OK(WaitVersion(good, 2));
+  E2E_ASSERT_OK(ExpectExportEquals(good, m2));
+  for (const Refused& r : refused) {
+    absl::StatusOr<v1::StatusResponse> st = RpcStatus(r.d->control_target());
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->version(), 0u) << r.d->name();
+  }
+  pst = RpcStatus(pub.control_target());
+  ASSERT_TRUE(pst.ok()) << pst.status();
+  EXPECT_EQ(pst->sessions_size(), 1) << pst->ShortDebugString();
+}
+
+}  // namespace
+}  // namespace refit::e2e
