@@ -132,7 +132,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     ASSIGN_OR_RETURN(daemon->control_, StartServer(control));
   }
   if (!config.local_socket().empty()) {
-    daemon->trainer_api_ = std::make_unique<TrainerApiService>(daemon->queue_.get());
+    daemon->trainer_api_ = std::make_unique<TrainerApiService>(daemon->queue_.get(),
+                                                               options.encode_threads);
     ServerSpec local;
     local.name = "publisher.local_socket";
     local.address = absl::StrCat("unix:", config.local_socket());

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
 
@@ -159,8 +161,8 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
 
 // ---- TrainerApiService --------------------------------------------------------------------------
 
-TrainerApiService::TrainerApiService(PublishQueue* queue)
-    : queue_(queue), log_(Logger("trainer-api")) {}
+TrainerApiService::TrainerApiService(PublishQueue* queue, int copy_threads)
+    : queue_(queue), copy_threads_(copy_threads), log_(Logger("trainer-api")) {}
 
 TrainerApiService::~TrainerApiService() = default;
 
@@ -322,19 +324,37 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     }
   }
 
-  // The snapshot, outside the lock: other clients copy theirs at the same time.
+  // The snapshot, outside the lock: other clients copy theirs at the same time. Large models
+  // are copied in chunks over the copy threads.
   const absl::Time start = absl::Now();
   std::vector<OwnedTensor> snapshot;
   snapshot.reserve(tensors.size());
-  for (const auto& t : tensors) {
+  struct Chunk {
+    size_t tensor;
+    size_t offset;
+    size_t bytes;
+  };
+  constexpr size_t kChunkBytes = 8u << 20;
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const MappedTensor& t = *tensors[i];
     OwnedTensor o;
-    o.name = t->spec().name();
-    o.dtype = t->dtype();
-    o.shape.assign(t->spec().shape().begin(), t->spec().shape().end());
-    const std::span<const uint8_t> bytes = t->bytes();
-    o.bytes.assign(bytes.begin(), bytes.end());
+    o.name = t.spec().name();
+    o.dtype = t.dtype();
+    o.shape.assign(t.spec().shape().begin(), t.spec().shape().end());
+    o.bytes.resize(t.bytes().size());
+    for (size_t off = 0; off < o.bytes.size(); off += kChunkBytes) {
+      chunks.push_back({i, off, std::min(kChunkBytes, o.bytes.size() - off)});
+    }
     snapshot.push_back(std::move(o));
   }
+  ParallelFor(chunks.size(), copy_threads_, 1, [&](size_t begin, size_t end) {
+    for (size_t c = begin; c < end; ++c) {
+      const Chunk& chunk = chunks[c];
+      std::memcpy(snapshot[chunk.tensor].bytes.data() + chunk.offset,
+                  tensors[chunk.tensor]->bytes().data() + chunk.offset, chunk.bytes);
+    }
+  });
   const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start);
 
   absl::MutexLock lock(&mu_);

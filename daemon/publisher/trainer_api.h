@@ -64,8 +64,9 @@ class MappedTensor {
 
 class TrainerApiService final : public v1::TrainerApi::Service {
  public:
-  // `queue` must outlive the service.
-  explicit TrainerApiService(PublishQueue* queue);
+  // `queue` must outlive the service. Snapshots are copied with `copy_threads` threads (0 = one
+  // per hardware thread).
+  explicit TrainerApiService(PublishQueue* queue, int copy_threads = 0);
   ~TrainerApiService() override;
 
   grpc::Status RegisterTensors(grpc::ServerContext* context,
@@ -98,6 +99,7 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   absl::StatusOr<bool> MaybeCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   PublishQueue* const queue_;
+  const int copy_threads_;
   std::shared_ptr<spdlog::logger> log_;
   mutable absl::Mutex mu_;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;

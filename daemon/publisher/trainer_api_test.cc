@@ -218,6 +218,20 @@ TEST_F(TrainerApiTest, VersionCommitsOnlyWhenEveryClientPublished) {
   EXPECT_EQ(PublishedBytes("a"), a_now);
 }
 
+TEST_F(TrainerApiTest, LargeTensorSnapshotIsCopiedInChunks) {
+  const size_t bytes = (20u << 20) + 6;  // several 8 MiB chunks and a tail
+  Memfd m(bytes + 4096, 5);
+  ASSERT_TRUE(
+      Register("rank0", {Location("big", v1::DTYPE_BF16, {bytes / 2}, m.path(), 123, bytes)}).ok());
+  auto p = Publish("rank0");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->committed());
+  const std::vector<uint8_t> expected(m.data() + 123, m.data() + 123 + bytes);
+  std::memset(m.data(), 0, bytes + 4096);
+  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(60), nullptr).ok());
+  EXPECT_TRUE(PublishedBytes("big") == expected);
+}
+
 TEST_F(TrainerApiTest, ClientsMustPublishTheSameVersion) {
   Memfd a(4096), b(4096);
   ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
