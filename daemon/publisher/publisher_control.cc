@@ -434,8 +434,11 @@ absl::StatusOr<v1::WaitVersionResponse> PublisherControl::DoWaitVersion(
     const std::function<bool()>& cancelled) {
   const absl::Time start = absl::Now();
   absl::Time deadline = rpc_deadline;
-  if (request.timeout_ms() > 0) {
-    deadline = std::min(deadline, start + absl::Milliseconds(request.timeout_ms()));
+  // A timeout beyond ~35 years means "no timeout" (and must not wrap negative).
+  constexpr uint64_t kMaxTimeoutMs = uint64_t{1} << 40;
+  if (request.timeout_ms() > 0 && request.timeout_ms() < kMaxTimeoutMs) {
+    deadline = std::min(
+        deadline, start + absl::Milliseconds(static_cast<int64_t>(request.timeout_ms())));
   }
   absl::Status status = queue_->WaitPublished(request.version(), deadline, cancelled);
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {

@@ -11,6 +11,7 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/codec/format.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
@@ -72,6 +73,21 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
         "use cpu, or auto (which runs on the CPU)");
   }
   auto daemon = std::make_unique<PublisherDaemonImpl>();
+  // Settings PublisherCore does not take yet: say so instead of ignoring them silently.
+  if (config.history().max_versions() != 64) {
+    daemon->log_->warn("publisher.history.max_versions {} is not enforced yet: the history is "
+                       "bounded by history.memory_budget_bytes only",
+                       config.history().max_versions());
+  }
+  if (!config.baseline().fsync() && !config.baseline().persist_dir().empty()) {
+    daemon->log_->warn("publisher.baseline.fsync false is not honoured yet: baselines are "
+                       "always fsync'd");
+  }
+  if (config.codec().block_log2() != static_cast<uint32_t>(format::kDefaultBlockLog2)) {
+    daemon->log_->warn("publisher.codec.block_log2 {} is not honoured yet: the encoder uses "
+                       "blocks of 2^{} elements",
+                       config.codec().block_log2(), format::kDefaultBlockLog2);
+  }
   const std::string name = config.name().empty() ? HostName() : config.name();
 
   PublisherOptions options;
@@ -139,6 +155,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     local.address = absl::StrCat("unix:", config.local_socket());
     local.tls_field = "publisher.local_socket";
     local.services = {daemon->trainer_api_.get()};
+    // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
+    local.max_receive_bytes = 64 << 20;
     ASSIGN_OR_RETURN(daemon->local_, StartServer(local));
   }
 

@@ -306,6 +306,20 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
     EXPECT_EQ(s.error_message(), "version 9 not reached after 100 ms, at version 2");
   }
 
+  // A huge timeout saturates (no timeout) instead of wrapping into the past.
+  {
+    v1::WaitVersionRequest request;
+    request.set_version(9);
+    request.set_timeout_ms(~uint64_t{0});
+    v1::WaitVersionResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    const absl::Time start = absl::Now();
+    grpc::Status s = control_->WaitVersion(&ctx, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  }
+
   // Resync of an unknown subscriber.
   v1::ResyncRequest resync;
   resync.set_subscriber("nobody");
