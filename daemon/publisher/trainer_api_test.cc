@@ -4,7 +4,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <barrier>
 #include <cstring>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -230,6 +233,40 @@ TEST_F(TrainerApiTest, LargeTensorSnapshotIsCopiedInChunks) {
   std::memset(m.data(), 0, bytes + 4096);
   ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(60), nullptr).ok());
   EXPECT_TRUE(PublishedBytes("big") == expected);
+}
+
+TEST_F(TrainerApiTest, ConcurrentClientsCommitEachRoundOnce) {
+  constexpr int kRounds = 20;
+  Memfd a(4096, 1), b(4096, 2);
+  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {512}, a.path(), 0, 1024)}).ok());
+  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_BF16, {512}, b.path(), 0, 1024)}).ok());
+  std::barrier sync(2);
+  std::atomic<int> committed{0};
+  std::vector<std::vector<uint64_t>> versions(2);
+  auto run = [&](int rank, Memfd* m) {
+    for (int round = 0; round < kRounds; ++round) {
+      m->data()[round] ^= 1;  // the step's update
+      auto r = Publish(rank == 0 ? "rank0" : "rank1");
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (r.ok()) {
+        versions[rank].push_back(r->version());
+        if (r->committed()) committed.fetch_add(1);
+      }
+      sync.arrive_and_wait();  // the trainer's own barrier between steps
+    }
+  };
+  std::thread t0(run, 0, &a), t1(run, 1, &b);
+  t0.join();
+  t1.join();
+  EXPECT_EQ(committed.load(), kRounds);
+  ASSERT_EQ(versions[0].size(), static_cast<size_t>(kRounds));
+  for (int i = 0; i < kRounds; ++i) {
+    EXPECT_EQ(versions[0][i], static_cast<uint64_t>(i + 1));
+    EXPECT_EQ(versions[1][i], static_cast<uint64_t>(i + 1));
+  }
+  ASSERT_TRUE(queue_->WaitPublished(kRounds, absl::Now() + absl::Seconds(60), nullptr).ok());
+  EXPECT_EQ(PublishedBytes("a"), std::vector<uint8_t>(a.data(), a.data() + 1024));
+  EXPECT_EQ(PublishedBytes("b"), std::vector<uint8_t>(b.data(), b.data() + 1024));
 }
 
 TEST_F(TrainerApiTest, ClientsMustPublishTheSameVersion) {
