@@ -188,6 +188,9 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   EXPECT_THAT(r.out, HasSubstr(": 3 tensors, ok\n"));
   // The digest verify prints is the one wait reported.
   EXPECT_THAT(digest_line, HasSubstr(r.out.substr(r.out.find("digest"), 25)));
+
+  // The trainer leaves; the publisher forgets its tensors.
+  EXPECT_TRUE(t.Unregister().ok());
 }
 
 }  // namespace

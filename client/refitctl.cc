@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
@@ -44,6 +45,7 @@ connection options:
   --insecure             plaintext to a non-loopback target (loopback and unix sockets are
                          plaintext without it)
   --timeout S            RPC deadline in seconds (default 30; publish, export, verify: 600)
+  --version              print refitctl's version
 
 verbs:
   status      versions, sessions, traffic and the last refit (--json for JSON)
@@ -731,6 +733,10 @@ int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostre
   while (!args.Done() && absl::StartsWith(args.Cur(), "-")) {
     if (args.Switch("--help") || args.Switch("-h")) {
       out << kMainUsage;
+      return 0;
+    }
+    if (args.Switch("--version")) {
+      out << "refitctl " << kBuildVersion << "\n";
       return 0;
     }
     if (args.Switch("--insecure")) {

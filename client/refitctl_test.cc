@@ -58,6 +58,9 @@ TEST(RefitctlUsage, HelpExitsZeroOnEveryVerb) {
   EXPECT_EQ(r.rc, 0);
   EXPECT_THAT(r.out, HasSubstr("usage: refitctl --target ADDR"));
   EXPECT_EQ(r.err, "");
+  r = RunCtl({"--version"});
+  EXPECT_EQ(r.rc, 0);
+  EXPECT_EQ(r.out, "refitctl 0.1.0\n");
   for (const char* verb : {"status", "publish", "export", "wait", "verify", "resync"}) {
     Result v = RunCtl({verb, "--help"});
     EXPECT_EQ(v.rc, 0) << verb;
