@@ -73,7 +73,7 @@ constexpr char kUsage[] =
     "usage: daemon_demo [--refitd PATH] [--preset tiny|small|medium|500m] [--versions N] "
     "[--threads T] [--log-level LEVEL] [--keep]\n"
     "  --refitd PATH     the refitd binary (default: the one built with this demo)\n"
-    "  --preset NAME     model size (default 500m: about 10 GB of RAM in all)\n"
+    "  --preset NAME     model size (default 500m: about 16-18 GB of RAM in all)\n"
     "  --versions N      optimizer steps published after the initial sync (default 10)\n"
     "  --threads T       threads of the generator, the publisher's codec and the subscribers'\n"
     "                    staging (default 0 = all hardware threads)\n"

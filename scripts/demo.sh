@@ -8,7 +8,8 @@
 # both subscribers' digests verified against the publisher's; then a summary. Exits non-zero if
 # any check fails.
 #
-#   scripts/demo.sh                          # 551M-parameter model (about 10 GB of RAM), 10 versions
+#   scripts/demo.sh                          # 551M-parameter model, 10 versions: about 16-18 GB of
+#                                            # RAM in all (generator ~9 GB, daemons ~8 GB), ~6 min on 2 cores
 #   PRESET=medium VERSIONS=5 scripts/demo.sh # smaller and quicker (127M)
 #   BUILD_DIR=... JOBS=... THREADS=... LOG_LEVEL=... KEEP=1
 #     build directory (default build-release), build parallelism, worker threads (0 = all),
