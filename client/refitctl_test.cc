@@ -7,11 +7,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "refit/v1/control.grpc.pb.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -143,6 +149,160 @@ TEST(RefitctlRpc, UnixSocketTargetWithoutDaemonIsUnavailable) {
   Result r = RunCtl({"--target", "unix:/nonexistent-dir/refitd.sock", "--timeout", "10", "status"});
   EXPECT_EQ(r.rc, 1) << r.err;
   EXPECT_THAT(r.err, StartsWith("refitctl: status: UNAVAILABLE: "));
+}
+
+
+// A Control service that records requests and answers with canned responses.
+class FakeControl final : public v1::Control::Service {
+ public:
+  grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest* req,
+                       v1::PublishResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    publish_ = *req;
+    resp->set_version(req->has_version() ? req->version() : 8);
+    resp->set_version_digest(0xabcdef);
+    resp->set_tensors(2);
+    resp->set_bytes(3'000'000);
+    resp->set_publish_micros(4'500);
+    resp->set_change_rate(0.0125);
+    return grpc::Status::OK;
+  }
+  grpc::Status Export(grpc::ServerContext*, const v1::ExportRequest* req,
+                      v1::ExportResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    export_ = *req;
+    resp->set_version(8);
+    return grpc::Status::OK;
+  }
+  grpc::Status WaitVersion(grpc::ServerContext*, const v1::WaitVersionRequest* req,
+                           v1::WaitVersionResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    wait_ = *req;
+    resp->set_version(req->version());
+    resp->set_version_digest(0x1234);
+    return grpc::Status::OK;
+  }
+  grpc::Status Verify(grpc::ServerContext*, const v1::VerifyRequest*,
+                      v1::VerifyResponse* resp) override {
+    resp->set_version(8);
+    resp->set_ok(false);
+    v1::TensorVerification* good = resp->add_tensors();
+    good->set_name("a");
+    good->set_expected(1);
+    good->set_actual(1);
+    v1::TensorVerification* bad = resp->add_tensors();
+    bad->set_name("b.weight");
+    bad->set_expected(2);
+    bad->set_actual(3);
+    return grpc::Status::OK;
+  }
+  grpc::Status Resync(grpc::ServerContext*, const v1::ResyncRequest* req,
+                      v1::ResyncResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    resync_ = *req;
+    resp->set_sessions(1);
+    return grpc::Status::OK;
+  }
+
+  absl::Mutex mu_;
+  v1::PublishRequest publish_ ABSL_GUARDED_BY(mu_);
+  v1::ExportRequest export_ ABSL_GUARDED_BY(mu_);
+  v1::WaitVersionRequest wait_ ABSL_GUARDED_BY(mu_);
+  v1::ResyncRequest resync_ ABSL_GUARDED_BY(mu_);
+};
+
+class RefitctlFake : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&fake_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    target_ = absl::StrCat("127.0.0.1:", port);
+  }
+  void TearDown() override { server_->Shutdown(); }
+  Result Ctl(std::vector<std::string> args) {
+    args.insert(args.begin(), {"--target", target_});
+    return RunCtl(args);
+  }
+
+  FakeControl fake_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string target_;
+};
+
+TEST_F(RefitctlFake, RequestsCarryTheFlags) {
+  Result r = Ctl({"publish", "--safetensors", "shard-1.safetensors", "/abs/shard-2.safetensors",
+                  "--safetensors=sub/../shard-3.safetensors", "--version", "8"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "published version 8 digest 0x0000000000abcdef: 2 tensors, 3.00 MB, change rate "
+            "1.250%, publish time 4.5 ms\n");
+  const std::string cwd = std::filesystem::current_path().string();
+  {
+    absl::MutexLock lock(&fake_.mu_);
+    ASSERT_EQ(fake_.publish_.safetensors_size(), 3);
+    EXPECT_EQ(fake_.publish_.safetensors(0), cwd + "/shard-1.safetensors");
+    EXPECT_EQ(fake_.publish_.safetensors(1), "/abs/shard-2.safetensors");
+    EXPECT_EQ(fake_.publish_.safetensors(2), cwd + "/shard-3.safetensors");
+    EXPECT_EQ(fake_.publish_.version(), 8u);
+  }
+  r = Ctl({"publish", "--safetensors", "x.safetensors"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  {
+    absl::MutexLock lock(&fake_.mu_);
+    EXPECT_FALSE(fake_.publish_.has_version());
+  }
+
+  r = Ctl({"export", "--safetensors", "out.safetensors"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  {
+    absl::MutexLock lock(&fake_.mu_);
+    EXPECT_EQ(fake_.export_.safetensors(), cwd + "/out.safetensors");
+    EXPECT_FALSE(fake_.export_.has_version());
+  }
+
+  r = Ctl({"wait", "--version", "5", "--timeout", "2.5", "--all-subscribers"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "version 5 digest 0x0000000000001234 (acknowledged by every subscriber)\n");
+  {
+    absl::MutexLock lock(&fake_.mu_);
+    EXPECT_EQ(fake_.wait_.version(), 5u);
+    EXPECT_EQ(fake_.wait_.timeout_ms(), 2500u);
+    EXPECT_TRUE(fake_.wait_.all_subscribers());
+  }
+
+  r = Ctl({"resync", "--tensor", "a", "--tensor=b", "--subscriber", "sub-0"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out, "resync: 1 session(s) will receive keyframes for 2 tensor(s)\n");
+  {
+    absl::MutexLock lock(&fake_.mu_);
+    ASSERT_EQ(fake_.resync_.tensors_size(), 2);
+    EXPECT_EQ(fake_.resync_.tensors(1), "b");
+    EXPECT_EQ(fake_.resync_.subscriber(), "sub-0");
+  }
+}
+
+TEST_F(RefitctlFake, VerifyMismatchExitsOne) {
+  Result r = Ctl({"verify"});
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("MISMATCH b.weight: expected 0x0000000000000002, actual "
+                               "0x0000000000000003\n"));
+  EXPECT_THAT(r.out, testing::Not(HasSubstr("MISMATCH a:")));
+  EXPECT_THAT(r.out, HasSubstr("2 tensors, 1 mismatched\n"));
+  EXPECT_EQ(r.err,
+            "refitctl: verify: DATA_LOSS: version 8: 1 of 2 tensors differ from the publisher's "
+            "digests\n");
+}
+
+TEST_F(RefitctlFake, UnimplementedStatusIsAnRpcFailure) {
+  // The fake does not implement Status: gRPC answers UNIMPLEMENTED.
+  Result r = Ctl({"status", "--json"});
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.err, StartsWith("refitctl: status: UNIMPLEMENTED: "));
 }
 
 v1::StatusResponse SampleSubscriberStatus() {
