@@ -1,13 +1,17 @@
 #include "tests/harness/e2e.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/common/grpc_status.h"
 
 namespace refit::e2e {
@@ -111,7 +115,40 @@ std::string DescribeRefit(const v1::RefitStats& r) {
       r.latency_micros() / 1000.0, r.digests_verified() ? 1 : 0);
 }
 
+class E2ETest::Watchdog {
+ public:
+  Watchdog(absl::Duration limit, std::function<void()> on_expire)
+      : thread_([this, limit, on_expire = std::move(on_expire)] {
+          absl::MutexLock lock(&mu_);
+          if (!mu_.AwaitWithTimeout(absl::Condition(&done_), limit)) on_expire();
+        }) {}
+  ~Watchdog() {
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+E2ETest::E2ETest() = default;
+E2ETest::~E2ETest() = default;
+
 void E2ETest::SetUp() {
+  watchdog_ = std::make_unique<Watchdog>(kTestWatchdog, [this] {
+    std::fprintf(stderr, "e2e watchdog: the test ran longer than %s; aborting\n",
+                 absl::FormatDuration(kTestWatchdog).c_str());
+    for (const auto& d : daemons_) {
+      std::fprintf(stderr, "---- %s log tail ----\n%s", d->name().c_str(), d->LogTail(60).c_str());
+      if (d->pid() > 0) kill(d->pid(), SIGKILL);
+    }
+    std::abort();
+  });
   if (RefitdBin().empty() || RefitctlBin().empty()) {
     GTEST_SKIP() << "built without the refitd / refitctl targets";
   }
@@ -142,6 +179,7 @@ void E2ETest::TearDown() {
     }
   }
   daemons_.clear();
+  watchdog_.reset();
   if (dir_.empty()) return;
   if (failed || HasFailure()) {
     std::fprintf(stderr, "kept test directory %s\n", dir_.c_str());

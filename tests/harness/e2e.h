@@ -67,6 +67,10 @@ absl::StatusOr<v1::StatusResponse> StatusAfterRefit(const std::string& target, u
 std::string DescribeRefit(const v1::RefitStats& r);
 
 class E2ETest : public ::testing::Test {
+ public:
+  E2ETest();
+  ~E2ETest() override;
+
  protected:
   void SetUp() override;
   void TearDown() override;
@@ -97,10 +101,16 @@ class E2ETest : public ::testing::Test {
   absl::Status ExpectVerified(const DaemonProcess& d);
 
  private:
+  class Watchdog;
   std::string dir_;
   std::vector<std::unique_ptr<DaemonProcess>> daemons_;
   int exports_ = 0;
+  std::unique_ptr<Watchdog> watchdog_;
 };
+
+// A test that runs longer than this is aborted (after printing its daemons' log tails and
+// killing them): every wait has its own deadline, so this only catches a harness bug.
+inline constexpr absl::Duration kTestWatchdog = absl::Seconds(240);
 
 }  // namespace refit::e2e
 
