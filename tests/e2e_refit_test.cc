@@ -4,6 +4,8 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "client/trainer_client.h"
+#include "daemon/sync/version_digest.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -86,6 +88,76 @@ TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
     EXPECT_EQ(s.lag_versions(), 0u) << s.name();
   }
   E2E_EXPECT_OK(ExpectVerified(pub));
+}
+
+// The same path with the trainer handing over its weights through the TrainerApi (shared memory
+// over the publisher's local socket), split over two ranks: a version becomes visible once both
+// ranks published it.
+TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
+  absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  model::TrajectoryOptions options;
+  options.shape = *shape;
+  options.seed = 12;
+  options.threads = 1;
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = model::Trajectory::Create(options);
+  ASSERT_TRUE(traj.ok()) << traj.status();
+
+  PublisherSpec ps;
+  ps.local_socket = true;
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  ASSERT_FALSE(pub.local_target().empty()) << "publisher ready file lacks local_socket";
+  SubscriberSpec ss;
+  ss.name = "sub";
+  ss.upstream = {pub.listen_target()};
+  DaemonProcess& sub = NewSubscriber(ss);
+  E2E_ASSERT_OK(sub.Start());
+
+  // Rank r owns the tensors with index % 2 == r.
+  const auto& specs = (*traj)->tensors();
+  std::vector<std::unique_ptr<client::TrainerClient>> ranks;
+  std::vector<std::vector<size_t>> owned(2);
+  for (int r = 0; r < 2; ++r) {
+    std::vector<v1::TensorSpec> mine;
+    for (size_t i = r; i < specs.size(); i += 2) {
+      v1::TensorSpec t;
+      t.set_name(specs[i].name);
+      t.set_dtype(sync::ToProtoDType(specs[i].dtype));
+      for (int64_t d : specs[i].shape) t.add_shape(static_cast<uint64_t>(d));
+      mine.push_back(t);
+      owned[r].push_back(i);
+    }
+    absl::StatusOr<std::unique_ptr<client::TrainerClient>> c =
+        client::TrainerClient::Create(pub.local_target(), absl::StrCat("rank", r), mine);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ranks.push_back(std::move(*c));
+  }
+  for (uint64_t v = 1; v <= 5; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v));
+    if (v > 1) (*traj)->Step();
+    for (int r = 0; r < 2; ++r) {
+      for (size_t k = 0; k < owned[r].size(); ++k) {
+        std::span<const uint8_t> src = (*traj)->bf16(owned[r][k]);
+        std::span<uint8_t> dst = ranks[r]->tensor(k);
+        ASSERT_EQ(src.size(), dst.size()) << specs[owned[r][k]].name;
+        std::copy(src.begin(), src.end(), dst.begin());
+      }
+      if (v == 1) E2E_ASSERT_OK(ranks[r]->Register());
+    }
+    absl::StatusOr<v1::LocalPublishResponse> p0 = ranks[0]->Publish(v);
+    ASSERT_TRUE(p0.ok()) << "rank0 Publish: " << p0.status();
+    EXPECT_FALSE(p0->committed()) << "committed before rank1 published";
+    absl::StatusOr<v1::LocalPublishResponse> p1 = ranks[1]->Publish(v);
+    ASSERT_TRUE(p1.ok()) << "rank1 Publish: " << p1.status();
+    EXPECT_TRUE(p1->committed()) << "the last rank's Publish completes the version";
+    E2E_ASSERT_OK(WaitVersion(sub, v));
+    E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(**traj)));
+    E2E_ASSERT_OK(ExpectVerified(sub));
+  }
+  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), 5);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->last_refit().base_version(), 4u) << DescribeRefit(st->last_refit());
 }
 
 }  // namespace
