@@ -144,12 +144,29 @@ TEST_F(E2ELeases, LeasedVersionStaysReadableWhileTheNextArrives) {
   EXPECT_EQ(st->leases(0).version(), 1u);
 
   // Map the leased regions once, as a consumer does, then let v2 arrive.
+  // A consumer following announcements: WatchVersions after v1 yields v2 once it is applied.
+  grpc::ClientContext watch_ctx;
+  watch_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+  v1::WatchVersionsRequest watch_req;
+  watch_req.set_after_version(1);
+  auto watch = consumer_->WatchVersions(&watch_ctx, watch_req);
   Model m2 = m1;
   PerturbModel(m2, 0.05, 2);
   E2E_ASSERT_OK(Publish(*pub_, m2, 2));
   absl::StatusOr<v1::WaitVersionResponse> w = RpcWaitVersion(sub_->control_target(), 2, absl::Seconds(60));
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ(w->version(), 2u);
+  v1::VersionEvent event;
+  ASSERT_TRUE(watch->Read(&event)) << "WatchVersions ended without announcing v2: "
+                                   << watch->Finish().error_message();
+  EXPECT_EQ(event.version(), 2u) << event.ShortDebugString();
+  EXPECT_EQ(event.version_digest(), w->version_digest()) << event.ShortDebugString();
+  EXPECT_FALSE(event.layout_changed()) << "same manifest: " << event.ShortDebugString();
+  watch_ctx.TryCancel();
+  v1::VersionEvent ignored;
+  while (watch->Read(&ignored)) {
+  }
+  (void)watch->Finish();
   EXPECT_EQ(ReadAndCompare(lease->layout(), m1), "")
       << "v1's bytes under the lease changed after v2 was applied";
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, m2));

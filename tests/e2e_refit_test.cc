@@ -7,6 +7,7 @@
 #include "client/trainer_client.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/model/trajectory.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
 
@@ -88,6 +89,77 @@ TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
     EXPECT_EQ(s.lag_versions(), 0u) << s.name();
   }
   E2E_EXPECT_OK(ExpectVerified(pub));
+}
+
+// refitctl status --json prints the StatusResponse as protobuf JSON; refitctl resync makes the
+// next transfer keyframes (publisher side: for one subscriber; subscriber side: some tensors).
+TEST_F(E2ERefit, StatusJsonAndResync) {
+  PublisherSpec ps;
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  std::vector<DaemonProcess*> subs;
+  for (const char* name : {"sub-a", "sub-b"}) {
+    SubscriberSpec ss;
+    ss.name = name;
+    ss.upstream = {pub.listen_target()};
+    subs.push_back(&NewSubscriber(ss));
+    E2E_ASSERT_OK(subs.back()->Start());
+  }
+  Model m = RandomModel(3, {{"x.weight", 200000}, {"y.weight", 100000}, {"z.bias", 300}});
+  uint64_t v = 0;
+  auto next = [&](uint64_t seed) -> absl::Status {
+    if (v > 0) PerturbModel(m, 0.01, seed);
+    ++v;
+    if (absl::Status s = Publish(pub, m, v); !s.ok()) return s;
+    for (DaemonProcess* sub : subs) {
+      if (absl::Status s = WaitVersion(*sub, v); !s.ok()) return s;
+      if (absl::Status s = ExpectExportEquals(*sub, m); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+  E2E_ASSERT_OK(next(1));
+  E2E_ASSERT_OK(next(2));
+
+  // status --json of both roles parses as a StatusResponse equal in substance to Control Status.
+  for (DaemonProcess* d : {&pub, subs[0]}) {
+    CommandResult r = RunRefitctl({"--target", d->control_target(), "status", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.Describe();
+    v1::StatusResponse parsed;
+    google::protobuf::util::JsonParseOptions opts;
+    const auto st = google::protobuf::util::JsonStringToMessage(r.out, &parsed, opts);
+    ASSERT_TRUE(st.ok()) << d->name() << ": status --json is not a StatusResponse: " << st.ToString()
+                         << "\n" << r.out;
+    EXPECT_EQ(parsed.name(), d->name());
+    EXPECT_EQ(parsed.version(), 2u) << d->name();
+    EXPECT_EQ(parsed.role(), d == &pub ? v1::ROLE_PUBLISHER : v1::ROLE_SUBSCRIBER) << d->name();
+    EXPECT_EQ(parsed.tensors(), 3u) << d->name();
+    CommandResult table = RunRefitctl({"--target", d->control_target(), "status"});
+    EXPECT_EQ(table.exit_code, 0) << table.Describe();
+    EXPECT_NE(table.out.find(d->name()), std::string::npos) << table.out;
+  }
+
+  // Publisher-side resync of sub-a only: its next transfer is all keyframes, sub-b's a delta.
+  CommandResult r = RunRefitctl({"--target", pub.control_target(), "resync", "--subscriber", "sub-a"});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  E2E_ASSERT_OK(next(3));
+  absl::StatusOr<v1::StatusResponse> a = StatusAfterRefit(subs[0]->control_target(), 3);
+  absl::StatusOr<v1::StatusResponse> b = StatusAfterRefit(subs[1]->control_target(), 3);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
+  EXPECT_EQ(a->last_refit().keyframe_tensors(), 3u) << "sub-a after resync: " << DescribeRefit(a->last_refit());
+  EXPECT_EQ(b->last_refit().keyframe_tensors(), 0u) << "sub-b: " << DescribeRefit(b->last_refit());
+
+  // Subscriber-side resync of one tensor.
+  r = RunRefitctl({"--target", subs[1]->control_target(), "resync", "--tensor", "y.weight"});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  E2E_ASSERT_OK(next(4));
+  b = StatusAfterRefit(subs[1]->control_target(), 4);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->last_refit().keyframe_tensors(), 1u) << "sub-b after resync of y.weight: "
+                                                    << DescribeRefit(b->last_refit());
+  a = StatusAfterRefit(subs[0]->control_target(), 4);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->last_refit().keyframe_tensors(), 0u) << "sub-a: " << DescribeRefit(a->last_refit());
+  for (DaemonProcess* sub : subs) E2E_ASSERT_OK(ExpectVerified(*sub));
 }
 
 // The same path with the trainer handing over its weights through the TrainerApi (shared memory
