@@ -766,7 +766,8 @@ absl::Status SafetensorsFile::Parse() {
 
 absl::Status WriteSafetensors(const std::string& path,
                               std::span<const SafetensorsTensorRef> tensors,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata,
+                              bool durable) {
   // Validate and build the header.
   std::string header = "{";
   if (!metadata.empty()) {
@@ -858,7 +859,7 @@ absl::Status WriteSafetensors(const std::string& path,
   if (!s.ok()) return fail(s);
   if (::fchmod(fd, 0644) != 0)
     return fail(absl::InternalError(absl::StrCat("chmod ", tmp, ": ", ErrnoText(errno))));
-  if (::fsync(fd) != 0)
+  if (durable && ::fsync(fd) != 0)
     return fail(absl::InternalError(absl::StrCat("fsync ", tmp, ": ", ErrnoText(errno))));
   if (::close(fd) != 0) {
     const int err = errno;
@@ -875,7 +876,7 @@ absl::Status WriteSafetensors(const std::string& path,
   const std::string dir = slash == std::string::npos ? "."
                           : slash == 0               ? "/"
                                                      : path.substr(0, slash);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dfd = durable ? ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);

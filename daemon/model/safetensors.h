@@ -98,11 +98,14 @@ struct SafetensorsTensorRef {
 // size yourself if every tensor must be naturally aligned in the file)
 // and the metadata as "__metadata__" (omitted when empty). The header is compact JSON padded with
 // spaces so that the data region starts at a multiple of 8, as the reference implementation does.
-// Atomic: written to a temporary file in the same directory, fsync'd, then renamed over `path`;
+// Atomic: written to a temporary file in the same directory, fsync'd (unless `durable` is
+// false: then a system crash may leave a stale or damaged file, which readers that check
+// digests detect), then renamed over `path`;
 // on failure `path` is untouched and the temporary file removed. New files get mode 0644.
 absl::Status WriteSafetensors(const std::string& path,
                               std::span<const SafetensorsTensorRef> tensors,
-                              const std::map<std::string, std::string>& metadata = {});
+                              const std::map<std::string, std::string>& metadata = {},
+                              bool durable = true);
 
 // The safetensors name of a dtype ("BF16", "F8_E4M3", "BOOL", ...).
 absl::string_view SafetensorsDTypeName(DType t);

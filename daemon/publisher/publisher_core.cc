@@ -103,7 +103,7 @@ absl::StatusOr<v1::DataFrame> Transfer::Frame(uint64_t i) const {
 // ---- PublisherCore --------------------------------------------------------------------------
 
 PublisherCore::PublisherCore(const PublisherOptions& options)
-    : options_(options), history_(options.history_budget_bytes) {}
+    : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {}
 
 std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
   return (std::filesystem::path(persist_dir) / kBaselineFile).string();
@@ -249,7 +249,8 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
     absl::ReaderMutexLock lock(&mu_);
     meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
   }
-  absl::Status st = model::WriteSafetensors(BaselinePath(options_.persist_dir), refs, meta);
+  absl::Status st = model::WriteSafetensors(BaselinePath(options_.persist_dir), refs, meta,
+                                             options_.persist_fsync);
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
                                                 ": ", st.message()));
@@ -367,6 +368,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     const auto encode_start = Clock::now();
     EncodeOptions eo;
     eo.threads = options_.encode_threads;
+    eo.block_log2 = options_.block_log2;
     std::vector<PatchStats> stats;
     auto encoded = EncodePatches(enc, eo, &stats);
     if (!encoded.ok()) {

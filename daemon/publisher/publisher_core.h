@@ -34,12 +34,18 @@ struct TensorInput {
 struct PublisherOptions {
   // Memory budget of the patch history (sync::PatchHistory); the newest version is always kept.
   uint64_t history_budget_bytes = 1ull << 30;
+  // Versions the history keeps at most (config history.max_versions; >= 1).
+  uint32_t history_max_versions = 64;
+  // Codec block size (config codec.block_log2).
+  int block_log2 = 18;
   // Encoder threads (0 = one per hardware thread) and block size.
   int encode_threads = 0;
   // Threads for tensor digests (0 = all hardware threads).
   int digest_threads = 0;
   // Directory for the persisted baseline ("" = no persistence). Created if missing.
   std::string persist_dir;
+  // fsync the persisted baseline and its directory (config baseline.fsync).
+  bool persist_fsync = true;
 };
 
 // What Publish did (one log line per refit).

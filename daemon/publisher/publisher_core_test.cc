@@ -662,3 +662,55 @@ TEST(PublisherCoreTest, CorruptPersistedBaselineIsAnError) {
 
 }  // namespace
 }  // namespace refit::publisher
+
+namespace refit::publisher {
+namespace {
+
+TEST(PublisherCoreTest, OptionsReachTheEncoderHistoryAndPersistence) {
+  PublisherOptions po;
+  po.block_log2 = 12;
+  po.history_max_versions = 2;
+  po.persist_dir = TempDir("options");
+  po.persist_fsync = false;
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  std::mt19937_64 rng(11);
+  Model model;
+  uint64_t digest3 = 0;
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Step(model, v, rng);
+    auto sum = (*core)->Publish(v, Inputs(model));
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    EXPECT_TRUE(sum->persist_status.ok()) << sum->persist_status;
+    if (v == 3) digest3 = sum->version_digest;
+  }
+  EXPECT_EQ((*core)->HistoryStats().versions, 2u);
+  EXPECT_EQ((*core)->HistoryStats().oldest_version, 3u);
+  // A subscriber at version 3 gets patches written with 2^12-element blocks.
+  auto t = (*core)->MakeTransfer(3, digest3, {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  bool saw_patch = false;
+  for (uint64_t i = 0; i < (*t)->frame_count(); ++i) {
+    auto f = (*t)->Frame(i);
+    ASSERT_TRUE(f.ok());
+    const v1::TensorPlan& tp = (*t)->plan().tensors[f->tensor_index()].plan;
+    if (tp.delivery() != v1::DELIVERY_PATCH || f->chunk_index() != 0 ||
+        f->chunk_count() != 1) {
+      continue;
+    }
+    auto layout = ParsePatch(std::span<const uint8_t>(
+        reinterpret_cast<const uint8_t*>(f->payload().data()), f->payload().size()));
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->block_log2, 12);
+    saw_patch = true;
+  }
+  EXPECT_TRUE(saw_patch) << "no single-frame patch in the transfer 3 -> 4";
+  // The baseline file is complete without fsync and reloads.
+  core->reset();
+  auto again = PublisherCore::Open(po);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->newest_version(), 4u);
+}
+
+}  // namespace
+}  // namespace refit::publisher

@@ -38,7 +38,8 @@ const PatchHistory::TensorEntry* PatchHistory::Record::Find(const std::string& n
   return it != tensors.end() && it->spec.name() == name ? &*it : nullptr;
 }
 
-PatchHistory::PatchHistory(uint64_t budget_bytes) : budget_(budget_bytes) {}
+PatchHistory::PatchHistory(uint64_t budget_bytes, uint32_t max_versions)
+    : budget_(budget_bytes), max_versions_(std::max<uint32_t>(max_versions, 1)) {}
 
 uint64_t PatchHistory::RecordBytes(const Record& r) {
   uint64_t bytes = 128;
@@ -58,7 +59,7 @@ void PatchHistory::StripPatches(Record& r) {
 }
 
 void PatchHistory::Evict() {
-  while (bytes_ > budget_ && records_.size() > 1) {
+  while ((bytes_ > budget_ || records_.size() > max_versions_) && records_.size() > 1) {
     bytes_ -= records_.front().bytes;
     records_.pop_front();
   }

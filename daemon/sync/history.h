@@ -79,7 +79,9 @@ struct HistoryStats {
 // (their base is gone). Thread-safe.
 class PatchHistory {
  public:
-  explicit PatchHistory(uint64_t budget_bytes);
+  // Keeps at most `max_versions` versions (>= 1 is enforced; the oldest kept one has no
+  // patches) within `budget_bytes`.
+  explicit PatchHistory(uint64_t budget_bytes, uint32_t max_versions = UINT32_MAX);
 
   // Records version `version` (above every recorded version). `tensors` in any order; names
   // unique, specs valid; patches must be codec patches for the tensor's dtype and element count
@@ -122,6 +124,7 @@ class PatchHistory {
   const Record* FindRecord(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const uint64_t budget_;
+  const size_t max_versions_;
   mutable absl::Mutex mu_;
   std::deque<Record> records_ ABSL_GUARDED_BY(mu_);  // ascending versions
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;

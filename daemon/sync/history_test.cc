@@ -353,6 +353,34 @@ TEST(PatchHistory, EvictsOldestWithinBudget) {
   EXPECT_TRUE(tiny.Contains(1));
 }
 
+TEST(PatchHistory, KeepsAtMostMaxVersions) {
+  std::mt19937 rng(8);
+  Model m;
+  m["w"] = RandomTensor(BF16("w", {5000}), rng);
+  PatchHistory h(1ull << 30, 3);
+  std::map<uint64_t, Model> models;
+  Model prev;
+  for (uint64_t v = 1; v <= 6; ++v) {
+    if (v > 1) Perturb(m["w"], 0.05, rng);
+    ASSERT_TRUE(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)).ok());
+    models[v] = prev = m;
+    EXPECT_LE(h.Stats().versions, 3u);
+  }
+  EXPECT_EQ(h.Stats().oldest_version, 4u);
+  auto p = h.Plan(4, ModelDigest(models[4]), 6);  // 2 behind: chained patches
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
+  p = h.Plan(3, ModelDigest(models[3]), 6);  // 3 behind: keyframe
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
+  // 0 is treated as 1: only the newest version (no patches).
+  PatchHistory one(1ull << 30, 0);
+  ASSERT_TRUE(one.Add(1, Updates(nullptr, models[1])).ok());
+  ASSERT_TRUE(one.Add(2, Updates(&models[1], models[2])).ok());
+  EXPECT_EQ(one.Stats().versions, 1u);
+  EXPECT_EQ(one.Stats().oldest_version, 2u);
+}
+
 // End to end: a trajectory of versions with ~1% changes and manifest changes; subscribers at
 // every position (and one following step by step) converge bit-exactly.
 TEST(EndToEnd, SubscribersConvergeFromEveryVersion) {
