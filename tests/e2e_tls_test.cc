@@ -111,5 +111,40 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
   EXPECT_EQ(pst->sessions_size(), 1) << pst->ShortDebugString();
 }
 
+// refitctl over mTLS to a publisher whose Control shares the TLS listener: with the client
+// certificate it publishes and reads status; without one, or with another CA's, it fails (exit 1)
+// with one line saying why.
+TEST_F(E2ETls, RefitctlSpeaksMtlsToControl) {
+  absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "operator");
+  ASSERT_TRUE(pki.ok()) << pki.status();
+  PublisherSpec ps;
+  ps.name = "pub";
+  ps.tls = {pki->server.cert, pki->server.key, pki->ca, {}};
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  const std::vector<std::string> tls = {"--target", pub.control_target(), "--tls-cert",
+                                        pki->client.cert, "--tls-key", pki->client.key,
+                                        "--tls-ca", pki->ca};
+  absl::StatusOr<std::string> path = WriteModelFile(RandomModel(9, {{"w", 4096}}), "tls-v1");
+  ASSERT_TRUE(path.ok()) << path.status();
+  std::vector<std::string> publish = tls;
+  publish.insert(publish.end(), {"publish", "--safetensors", *path});
+  CommandResult r = RunRefitctl(publish);
+  EXPECT_EQ(r.exit_code, 0) << "publish over mTLS: " << r.Describe();
+  std::vector<std::string> status = tls;
+  status.insert(status.end(), {"status", "--json"});
+  r = RunRefitctl(status);
+  EXPECT_EQ(r.exit_code, 0) << "status over mTLS: " << r.Describe();
+  EXPECT_TRUE(absl::StrContains(r.out, "\"version\"")) << r.out;
+
+  r = RunRefitctl({"--target", pub.control_target(), "status"});
+  EXPECT_EQ(r.exit_code, 1) << "plaintext status to an mTLS port: " << r.Describe();
+  EXPECT_FALSE(r.err.empty());
+  r = RunRefitctl({"--target", pub.control_target(), "--tls-cert", pki->other_client.cert,
+                   "--tls-key", pki->other_client.key, "--tls-ca", pki->ca, "status"});
+  EXPECT_EQ(r.exit_code, 1) << "status with another CA's certificate: " << r.Describe();
+  EXPECT_FALSE(r.err.empty());
+}
+
 }  // namespace
 }  // namespace refit::e2e
