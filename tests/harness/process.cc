@@ -3,7 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -23,8 +23,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-
-extern char** environ;
 
 namespace refit::e2e {
 namespace {
@@ -51,7 +49,10 @@ struct Spawned {
   std::string error;
 };
 
-// posix_spawn with stdin from /dev/null and stdout / stderr to the given fds (dup2'd).
+// fork + exec with stdin from /dev/null and stdout / stderr on the given fds. The child gets
+// default signal dispositions, an empty signal mask, and PR_SET_PDEATHSIG(SIGKILL), so daemons
+// die with the test process even when it crashes (all spawns happen on the test's main thread,
+// which lives as long as the process). Only async-signal-safe calls between fork and exec.
 Spawned Spawn(const std::vector<std::string>& argv, int out_fd, int err_fd) {
   Spawned s;
   if (argv.empty() || argv[0].empty()) {
@@ -61,27 +62,31 @@ Spawned Spawn(const std::vector<std::string>& argv, int out_fd, int err_fd) {
   std::vector<char*> cargv;
   for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
-  posix_spawn_file_actions_adddup2(&fa, err_fd, 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  // Children start with default signal dispositions and an empty mask.
-  sigset_t all, none;
-  sigfillset(&all);
-  sigemptyset(&none);
-  posix_spawnattr_setsigdefault(&attr, &all);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, cargv[0], &fa, &attr, cargv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    s.error = absl::StrCat("cannot run ", argv[0], ": ", std::strerror(rc));
+  const std::string exec_error = absl::StrCat("e2e harness: cannot execute ", argv[0], "\n");
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    s.error = Errno("fork");
     return s;
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    const int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    dup2(out_fd, 1);
+    dup2(err_fd, 2);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < NSIG; ++sig) {
+      if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, nullptr);
+    }
+    execv(cargv[0], cargv.data());
+    (void)!write(2, exec_error.data(), exec_error.size());
+    _exit(127);
   }
   s.pid = pid;
   return s;
