@@ -142,6 +142,62 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
   EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << DescribeRefit(st->last_refit());
 }
 
+// A late joiner with bootstrap_peers takes its keyframes from an in-region peer (serve_peers), not
+// across the "region link" from the publisher, then follows the publisher's deltas.
+TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
+  std::unique_ptr<model::Trajectory> traj = TinyTrajectory(22);
+  ASSERT_NE(traj, nullptr);
+  PublisherSpec ps;
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  SubscriberSpec peer_spec;
+  peer_spec.name = "peer";
+  peer_spec.upstream = {pub.listen_target()};
+  peer_spec.serve_peers = true;
+  DaemonProcess& peer = NewSubscriber(peer_spec);
+  E2E_ASSERT_OK(peer.Start());
+  Model m;
+  for (uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) traj->Step();
+    m = ModelFromTrajectory(*traj);
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    E2E_ASSERT_OK(WaitVersion(peer, v));
+  }
+  absl::StatusOr<v1::StatusResponse> before = RpcStatus(pub.control_target());
+  ASSERT_TRUE(before.ok()) << before.status();
+
+  SubscriberSpec late_spec;
+  late_spec.name = "late";
+  late_spec.upstream = {pub.listen_target()};
+  late_spec.bootstrap_peers = {peer.listen_target()};
+  DaemonProcess& late = NewSubscriber(late_spec);
+  E2E_ASSERT_OK(late.Start());
+  E2E_ASSERT_OK(WaitVersion(late, 3));
+  E2E_ASSERT_OK(ExpectExportEquals(late, m));
+  E2E_ASSERT_OK(ExpectVerified(late));
+  absl::StatusOr<v1::StatusResponse> peer_st = RpcStatus(peer.control_target());
+  ASSERT_TRUE(peer_st.ok()) << peer_st.status();
+  absl::StatusOr<v1::StatusResponse> after = RpcStatus(pub.control_target());
+  ASSERT_TRUE(after.ok()) << after.status();
+  const uint64_t from_publisher = after->bytes_sent() - before->bytes_sent();
+  std::printf("[e2e] late joiner bootstrap: publisher sent %llu B, peer sent %llu B, model %llu B\n",
+              static_cast<unsigned long long>(from_publisher),
+              static_cast<unsigned long long>(peer_st->bytes_sent()),
+              static_cast<unsigned long long>(m.bytes()));
+  EXPECT_LT(from_publisher, m.bytes() / 4) << "the bootstrap crossed from the publisher";
+  EXPECT_GE(peer_st->bytes_sent(), m.bytes() / 2) << "the peer did not serve the bootstrap";
+
+  // Then it follows the publisher.
+  traj->Step();
+  m = ModelFromTrajectory(*traj);
+  E2E_ASSERT_OK(Publish(pub, m, 4));
+  E2E_ASSERT_OK(WaitVersion(late, 4));
+  E2E_ASSERT_OK(ExpectExportEquals(late, m));
+  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(late.control_target(), 4);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->last_refit().base_version(), 3u) << DescribeRefit(st->last_refit());
+}
+
 class E2EPartition : public E2ETest {
  protected:
   // Runs the partition scenario against a publisher with `ps`; fills the lagging subscriber's

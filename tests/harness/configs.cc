@@ -82,6 +82,13 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   absl::StrAppend(&y, "  upstream:\n    addresses: [");
   for (size_t i = 0; i < s.upstream.size(); ++i) absl::StrAppend(&y, i ? ", " : "", Q(s.upstream[i]));
   absl::StrAppend(&y, "]\n");
+  if (!s.bootstrap_peers.empty()) {
+    absl::StrAppend(&y, "    bootstrap_peers: [");
+    for (size_t i = 0; i < s.bootstrap_peers.size(); ++i) {
+      absl::StrAppend(&y, i ? ", " : "", Q(s.bootstrap_peers[i]));
+    }
+    absl::StrAppend(&y, "]\n");
+  }
   const ClientTlsSpec& t = s.tls;
   if (!t.cert.empty() || !t.key.empty() || !t.ca.empty() || !t.server_name.empty()) {
     absl::StrAppend(&y, "    tls:\n");
@@ -97,6 +104,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   absl::StrAppend(&y, "    backoff:\n      initial_ms: ", s.backoff_initial_ms,
                   "\n      max_ms: ", s.backoff_max_ms, "\n");
   if (!s.listen.empty()) absl::StrAppend(&y, "  listen: ", Q(s.listen), "\n");
+  if (s.serve_peers) absl::StrAppend(&y, "  serve_peers: true\n");
   if (!s.control_listen.empty()) absl::StrAppend(&y, "  control_listen: ", Q(s.control_listen), "\n");
   if (s.local_socket) {
     absl::StrAppend(&y, "  local_socket: ", Q(absl::StrCat(dir, "/", s.name, "-local.sock")), "\n");

@@ -39,6 +39,8 @@ struct PublisherSpec {
 struct SubscriberSpec {
   std::string name = "sub";
   std::vector<std::string> upstream;  // addresses
+  std::vector<std::string> bootstrap_peers;
+  bool serve_peers = false;
   uint32_t connections = 2;
   uint32_t backoff_initial_ms = 20;
   uint32_t backoff_max_ms = 300;

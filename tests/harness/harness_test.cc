@@ -116,11 +116,15 @@ TEST(Configs, LoaderAcceptsGeneratedConfigs) {
   s.tls = {pki->client.cert, pki->client.key, pki->ca, "localhost"};
   s.lease_default_ttl_ms = 5000;
   s.slots = 3;
+  s.bootstrap_peers = {"127.0.0.1:2"};
+  s.serve_peers = true;
   const std::string sy = SubscriberYaml(s, dir.path(), dir.path() + "/sub.ready");
   absl::StatusOr<v1::SubscriberConfig> sc = config::LoadSubscriberConfigFromString(sy, "sub.yaml");
   ASSERT_TRUE(sc.ok()) << sc.status() << "\n" << sy;
   EXPECT_TRUE(config::CheckConfigFiles(*sc).ok()) << config::CheckConfigFiles(*sc);
   EXPECT_EQ(sc->upstream().addresses_size(), 2);
+  EXPECT_EQ(sc->upstream().bootstrap_peers_size(), 1);
+  EXPECT_TRUE(sc->serve_peers());
   EXPECT_TRUE(absl::StartsWith(sc->store().shm_prefix(), "/refit-e2e-")) << sc->store().shm_prefix();
 }
 
