@@ -425,9 +425,10 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   }
   const absl::Time staged = absl::Now();
   if (!failed_tensors.empty()) {
-    return Reject(v, absl::StrCat(what, "apply failed on ", failed_tensors.size(), " tensor(s): ",
-                                  absl::StrJoin(errors, "; ")),
-                  std::move(failed_tensors), t.wire_bytes);
+    // The message is built before the list is moved (argument evaluation order is unspecified).
+    std::string error = absl::StrCat(what, "apply failed on ", failed_tensors.size(),
+                                     " tensor(s): ", absl::StrJoin(errors, "; "));
+    return Reject(v, std::move(error), std::move(failed_tensors), t.wire_bytes);
   }
 
   // Verify every tensor digest, then the version digest.
@@ -445,9 +446,9 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
     }
   }
   if (!mismatched.empty()) {
-    return Reject(v, absl::StrCat(what, "digest mismatch on ", mismatched.size(), " tensor(s): ",
-                                  absl::StrJoin(mismatch_desc, ", ")),
-                  std::move(mismatched), t.wire_bytes);
+    std::string error = absl::StrCat(what, "digest mismatch on ", mismatched.size(),
+                                     " tensor(s): ", absl::StrJoin(mismatch_desc, ", "));
+    return Reject(v, std::move(error), std::move(mismatched), t.wire_bytes);
   }
   std::vector<v1::TensorSpec> specs;
   for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());

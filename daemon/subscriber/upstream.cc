@@ -58,6 +58,7 @@ struct Upstream::Session {
   // Version of the transfer whose header was accepted (0 = none open).
   uint64_t open_version ABSL_GUARDED_BY(mu) = 0;
   uint64_t frames ABSL_GUARDED_BY(mu) = 0;  // frames of the open transfer handed to the core
+  uint64_t last_header_version ABSL_GUARDED_BY(mu) = 0;  // newest accepted VersionHeader
   bool broken ABSL_GUARDED_BY(mu) = false;
   absl::Status error ABSL_GUARDED_BY(mu);
 
@@ -296,11 +297,12 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
     }
     return st;
   };
+  // The call's final status (e.g. the publisher's PERMISSION_DENIED): only after a Read or Write
+  // failed, i.e. the call is over, so Finish does not block.
   auto finish_status = [&](const std::string& what) -> absl::Status {
-    session->context.TryCancel();
     grpc::Status gs = session->stream->Finish();
     absl::Status st = FromGrpcStatus(gs);
-    if (st.ok()) st = absl::UnavailableError("stream ended");
+    if (st.ok()) st = absl::UnavailableError("stream ended by the upstream");
     return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
                                                 connected ? "" : " (not connected)"));
   };
@@ -346,15 +348,25 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
 
   // Stripes: each on its own connection.
   auto on_frame = [this, session](const v1::DataFrame& frame) -> bool {
+    bool stale = false;
     {
       absl::MutexLock lock(&session->mu);
-      // A frame may overtake its header (different connection): wait for the header.
+      // A stripe frame may overtake its header (different connection): while no transfer is
+      // open, a frame of a version above the last header waits for its header. Any other frame
+      // goes to the core, which rejects a frame of another transfer (and fails that transfer).
       auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
-        return session->broken ||
-               (session->open_version != 0 && session->open_version >= frame.version());
+        return session->broken || session->open_version != 0 ||
+               frame.version() <= session->last_header_version;
       };
       session->mu.Await(absl::Condition(&ready));
       if (session->broken) return false;
+      stale = session->open_version == 0;
+    }
+    if (stale) {  // a frame of a transfer that already ended: the upstream broke the protocol
+      session->Break(absl::FailedPreconditionError(
+          absl::StrCat("DataFrame of version ", frame.version(),
+                       " arrived after its transfer ended (no transfer is open)")));
+      return false;
     }
     absl::Status st = core_->OnFrame(frame);
     if (!st.ok()) {
@@ -433,6 +445,7 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
         }
         absl::MutexLock lock(&session->mu);
         session->open_version = header.version();
+        session->last_header_version = header.version();
         session->frames = 0;
         break;
       }

@@ -111,11 +111,11 @@ struct Subscriber {
     });
     upstream->Start();
   }
-  // Waits until version >= v is applied (or 30 s).
+  // Waits until version >= v is applied and announced (or 30 s).
   bool WaitVersion(uint64_t v) {
     absl::MutexLock lock(&mu);
     auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      return core->applied_version() >= v;
+      return !events.empty() && events.back().stats.version() >= v;
     };
     return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
   }
