@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -237,6 +238,19 @@ grpc::Status SubscriberControlService::Resync(grpc::ServerContext* context,
                  absl::StrCat("Resync: subscriber ", options_.name, " has no upstream session"));
   }
   std::vector<std::string> tensors(request->tensors().begin(), request->tensors().end());
+  if (!tensors.empty()) {
+    // Names must be tensors of the held version (the publisher would refuse the request and
+    // end the session otherwise).
+    std::set<std::string> known;
+    for (const v1::TensorDigest& d : core_->applied_tensor_digests()) known.insert(d.name());
+    for (const std::string& t : tensors) {
+      if (known.count(t) == 0) {
+        return Error(absl::StatusCode::kNotFound,
+                     absl::StrCat("Resync: tensor \"", t, "\" is not in version ",
+                                  core_->applied_version(), " held by ", options_.name));
+      }
+    }
+  }
   response->set_sessions(hooks_.resync(tensors));
   log_->info("resync requested: {} tensor(s) as keyframes with the next transfer",
              tensors.empty() ? std::string("all") : std::to_string(tensors.size()));

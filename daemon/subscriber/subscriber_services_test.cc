@@ -504,6 +504,12 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   rs.set_subscriber("x");
   EXPECT_EQ(control_stub_->Resync(Ctx().get(), rs, &rsr).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  v1::ResyncRequest unknown;
+  unknown.add_tensors("no.such.tensor");
+  const grpc::Status unknown_st = control_stub_->Resync(Ctx().get(), unknown, &rsr);
+  EXPECT_EQ(unknown_st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(unknown_st.error_message(), ::testing::HasSubstr("\"no.such.tensor\" is not in version"));
+  EXPECT_EQ(resync_calls_.size(), 1u) << "an unknown tensor must not reach the upstream";
 }
 
 TEST_F(ServicesTest, VerifyDetectsCorruptedMemory) {
