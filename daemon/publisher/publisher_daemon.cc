@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 #include <vector>
@@ -11,7 +12,6 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/codec/format.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
@@ -73,25 +73,14 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
         "use cpu, or auto (which runs on the CPU)");
   }
   auto daemon = std::make_unique<PublisherDaemonImpl>();
-  // Settings PublisherCore does not take yet: say so instead of ignoring them silently.
-  if (config.history().max_versions() != 64) {
-    daemon->log_->warn("publisher.history.max_versions {} is not enforced yet: the history is "
-                       "bounded by history.memory_budget_bytes only",
-                       config.history().max_versions());
-  }
-  if (!config.baseline().fsync() && !config.baseline().persist_dir().empty()) {
-    daemon->log_->warn("publisher.baseline.fsync false is not honoured yet: baselines are "
-                       "always fsync'd");
-  }
-  if (config.codec().block_log2() != static_cast<uint32_t>(format::kDefaultBlockLog2)) {
-    daemon->log_->warn("publisher.codec.block_log2 {} is not honoured yet: the encoder uses "
-                       "blocks of 2^{} elements",
-                       config.codec().block_log2(), format::kDefaultBlockLog2);
-  }
   const std::string name = config.name().empty() ? HostName() : config.name();
 
   PublisherOptions options;
   options.history_budget_bytes = config.history().memory_budget_bytes();
+  // PatchHistory keeps the newest version always (it needs >= 1).
+  options.history_max_versions = std::max<uint32_t>(1, config.history().max_versions());
+  options.block_log2 = static_cast<int>(config.codec().block_log2());
+  options.persist_fsync = config.baseline().fsync();
   options.encode_threads = static_cast<int>(config.codec().threads());
   options.digest_threads = static_cast<int>(config.codec().threads());
   options.persist_dir = config.baseline().persist_dir();

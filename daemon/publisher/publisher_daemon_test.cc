@@ -478,6 +478,39 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
   EXPECT_EQ(Status().tensors(), 3u);
 }
 
+TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
+  TempDir dir;
+  auto config = config::LoadPublisherConfigFromString(
+      "publisher:\n  listen: \"127.0.0.1:0\"\n  history:\n    max_versions: 2\n"
+      "  codec:\n    threads: 1\n    block_log2: 10\n",
+      "history.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto daemon = PublisherDaemon::Start(*config);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto control = v1::Control::NewStub(
+      grpc::CreateChannel((*daemon)->listen_address(), grpc::InsecureChannelCredentials()));
+  const std::string file = dir.path() + "/m.safetensors";
+  TestTensor t = MakeTensor("w", DType::kBF16, {4096}, 1);
+  for (int v = 1; v <= 4; ++v) {
+    t.bytes[static_cast<size_t>(v) * 2] ^= 1;
+    WriteTensors(file, {t});
+    v1::PublishRequest request;
+    request.add_safetensors(file);
+    v1::PublishResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    ASSERT_TRUE(control->Publish(&ctx, request, &response).ok());
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  v1::StatusResponse status;
+  ASSERT_TRUE(control->Status(&ctx, v1::StatusRequest(), &status).ok());
+  EXPECT_EQ(status.version(), 4u);
+  EXPECT_EQ(status.history().newest_version(), 4u);
+  EXPECT_LE(status.history().versions(), 2u) << status.history().ShortDebugString();
+  (*daemon)->Shutdown();
+}
+
 TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   TempDir dir;
   auto cuda = config::LoadPublisherConfigFromString(
