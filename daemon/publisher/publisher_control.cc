@@ -196,14 +196,16 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
   return waiter->result;
 }
 
-absl::StatusOr<PublishSummary> PublishQueue::Execute(const Job& job) {
+absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
   if (!job.paths.empty()) return core_->PublishSafetensors(job.version, job.paths);
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
-  for (const OwnedTensor& t : job.tensors) {
+  for (OwnedTensor& t : job.tensors) {
+    auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(t.bytes));
     inputs.push_back(TensorInput{.name = t.name, .dtype = t.dtype, .shape = t.shape,
-                                 .data = std::span<const uint8_t>(t.bytes)});
+                                 .data = std::span<const uint8_t>(*owned), .owned = owned});
   }
+  job.tensors.clear();
   return core_->Publish(job.version, inputs);
 }
 

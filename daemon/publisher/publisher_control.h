@@ -113,7 +113,8 @@ class PublishQueue {
   absl::StatusOr<uint64_t> ChooseLocked(std::optional<uint64_t> requested) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();
-  absl::StatusOr<PublishSummary> Execute(const Job& job);
+  // Consumes job.tensors (their buffers become the snapshot without another copy).
+  absl::StatusOr<PublishSummary> Execute(Job& job);
 
   PublisherCore* const core_;
   DataPlaneService* const data_plane_;

@@ -339,7 +339,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
       unchanged[k] = true;
       continue;
     }
-    t.bytes = std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+    t.bytes = in.owned != nullptr && in.owned->data() == in.data.data() &&
+                      in.owned->size() == in.data.size()
+                  ? in.owned
+                  : std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
     if (same_spec) bases[k] = p;
   }
   // From here on only our own copies are read: the caller's buffers are free.

@@ -29,6 +29,9 @@ struct TensorInput {
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // empty for a scalar
   std::span<const uint8_t> data;
+  // Optional: a buffer holding exactly `data` that the caller hands over. Publish then keeps it
+  // as the snapshot instead of copying (the caller must not modify it afterwards).
+  std::shared_ptr<const std::vector<uint8_t>> owned;
 };
 
 struct PublisherOptions {
