@@ -331,30 +331,53 @@ struct Parsed {
   absl::Duration extra_deadline = absl::ZeroDuration();
 };
 
-std::unique_ptr<grpc::ClientContext> MakeContext(const Session& s) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + s.timeout));
-  return ctx;
+// Calls one Control RPC under the session's deadline.
+template <typename Req, typename Resp>
+absl::Status Call(const Session& s,
+                  grpc::Status (v1::Control::Stub::*rpc)(grpc::ClientContext*, const Req&, Resp*),
+                  const Req& req, Resp* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + s.timeout));
+  return FromGrpcStatus((s.stub->*rpc)(&ctx, req, resp));
+}
+
+// Reads a verb's options to the end of the command line. --help/-h sets p->help and stops;
+// `option` takes the option at the cursor (true) or does not know it (false: an error naming
+// `verb`, e.g. "refitctl publish").
+absl::Status ParseOptions(ArgCursor& args, const std::string& verb, Parsed* p,
+                          const std::function<absl::StatusOr<bool>()>& option) {
+  while (!args.Done()) {
+    if (args.Switch("--help") || args.Switch("-h")) {
+      p->help = true;
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(bool taken, option());
+    if (!taken) return UnknownOption(args.Cur(), verb);
+  }
+  return absl::OkStatus();
+}
+
+// Matches "--version N" (N >= 1) at the cursor.
+absl::StatusOr<bool> VersionOption(ArgCursor& args, uint64_t* version) {
+  std::string v;
+  ASSIGN_OR_RETURN(bool found, args.Value("--version", &v));
+  if (!found) return false;
+  ASSIGN_OR_RETURN(*version, ParseVersionFlag("--version", v));
+  return true;
 }
 
 absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
   Parsed p;
   bool json = false;
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
-    if (args.Switch("--json")) {
-      json = true;
-      continue;
-    }
-    return UnknownOption(args.Cur(), "refitctl status");
-  }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl status", &p, [&]() -> absl::StatusOr<bool> {
+    if (!args.Switch("--json")) return false;
+    json = true;
+    return true;
+  }));
+  if (p.help) return p;
   p.run = [json](Session& s) -> absl::StatusOr<int> {
     v1::StatusResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Status(ctx.get(), v1::StatusRequest(), &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &resp));
     if (json) {
       ASSIGN_OR_RETURN(std::string text, FormatStatusJson(resp));
       s.out << text;
@@ -370,34 +393,27 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
   v1::PublishRequest req;
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl publish", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
     ASSIGN_OR_RETURN(bool files, args.Value("--safetensors", &v));
     if (files) {
       req.add_safetensors(AbsolutePath(v));
       for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
-      continue;
+      return true;
     }
-    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
-    if (version) {
-      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
-      req.set_version(n);
-      continue;
-    }
-    return UnknownOption(args.Cur(), "refitctl publish");
-  }
+    uint64_t n = 0;
+    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
+    if (version) req.set_version(n);
+    return version;
+  }));
+  if (p.help) return p;
   if (req.safetensors_size() == 0) {
     return absl::InvalidArgumentError(
         "refitctl publish needs --safetensors PATH... (the files of the version)");
   }
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::PublishResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Publish(ctx.get(), req, &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Publish, req, &resp));
     s.out << absl::StrFormat(
         "published version %u digest %s: %u tensors, %s, change rate %s, publish time %s\n",
         resp.version(), FormatDigest(resp.version_digest()), resp.tensors(),
@@ -412,11 +428,7 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
   v1::ExportRequest req;
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl export", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
     ASSIGN_OR_RETURN(bool file, args.Value("--safetensors", &v));
     if (file) {
@@ -424,23 +436,20 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
         return absl::InvalidArgumentError("refitctl export takes one --safetensors PATH");
       }
       req.set_safetensors(AbsolutePath(v));
-      continue;
+      return true;
     }
-    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
-    if (version) {
-      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
-      req.set_version(n);
-      continue;
-    }
-    return UnknownOption(args.Cur(), "refitctl export");
-  }
+    uint64_t n = 0;
+    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
+    if (version) req.set_version(n);
+    return version;
+  }));
+  if (p.help) return p;
   if (req.safetensors().empty()) {
     return absl::InvalidArgumentError("refitctl export needs --safetensors PATH (the output file)");
   }
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::ExportResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Export(ctx.get(), req, &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Export, req, &resp));
     s.out << absl::StrFormat("exported version %u digest %s to %s: %u tensors, %s\n",
                              resp.version(), FormatDigest(resp.version_digest()), req.safetensors(),
                              resp.tensors(), FormatBytes(resp.bytes()));
@@ -452,22 +461,18 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
   Parsed p;
   v1::WaitVersionRequest req;
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl wait", &p, [&]() -> absl::StatusOr<bool> {
     if (args.Switch("--all-subscribers")) {
       req.set_all_subscribers(true);
-      continue;
+      return true;
+    }
+    uint64_t n = 0;
+    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
+    if (version) {
+      req.set_version(n);
+      return true;
     }
     std::string v;
-    ASSIGN_OR_RETURN(bool version, args.Value("--version", &v));
-    if (version) {
-      ASSIGN_OR_RETURN(uint64_t n, ParseVersionFlag("--version", v));
-      req.set_version(n);
-      continue;
-    }
     ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
     if (timeout) {
       ASSIGN_OR_RETURN(absl::Duration d, ParseSeconds("wait --timeout", v, /*allow_zero=*/true));
@@ -476,17 +481,16 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
                              ? 0
                              : std::max<uint64_t>(1, absl::ToInt64Milliseconds(d)));
       p.extra_deadline = d;
-      continue;
     }
-    return UnknownOption(args.Cur(), "refitctl wait");
-  }
+    return timeout;
+  }));
+  if (p.help) return p;
   if (req.version() == 0) {
     return absl::InvalidArgumentError("refitctl wait needs --version N (the version to wait for)");
   }
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::WaitVersionResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->WaitVersion(ctx.get(), req, &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::WaitVersion, req, &resp));
     s.out << absl::StrFormat("version %u digest %s%s\n", resp.version(),
                              FormatDigest(resp.version_digest()),
                              req.all_subscribers() ? " (acknowledged by every subscriber)" : "");
@@ -498,17 +502,12 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseVerify(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
-    return UnknownOption(args.Cur(), "refitctl verify");
-  }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl verify", &p,
+                               []() -> absl::StatusOr<bool> { return false; }));
+  if (p.help) return p;
   p.run = [](Session& s) -> absl::StatusOr<int> {
     v1::VerifyResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Verify(ctx.get(), v1::VerifyRequest(), &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Verify, v1::VerifyRequest(), &resp));
     int bad = 0;
     for (const v1::TensorVerification& t : resp.tensors()) {
       if (t.expected() != t.actual()) {
@@ -533,28 +532,21 @@ absl::StatusOr<Parsed> ParseVerify(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseResync(ArgCursor& args) {
   Parsed p;
   v1::ResyncRequest req;
-  while (!args.Done()) {
-    if (args.Switch("--help") || args.Switch("-h")) {
-      p.help = true;
-      return p;
-    }
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl resync", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
     ASSIGN_OR_RETURN(bool tensor, args.Value("--tensor", &v));
     if (tensor) {
       req.add_tensors(v);
-      continue;
+      return true;
     }
     ASSIGN_OR_RETURN(bool sub, args.Value("--subscriber", &v));
-    if (sub) {
-      req.set_subscriber(v);
-      continue;
-    }
-    return UnknownOption(args.Cur(), "refitctl resync");
-  }
+    if (sub) req.set_subscriber(v);
+    return sub;
+  }));
+  if (p.help) return p;
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::ResyncResponse resp;
-    auto ctx = MakeContext(s);
-    RETURN_IF_ERROR(FromGrpcStatus(s.stub->Resync(ctx.get(), req, &resp)));
+    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Resync, req, &resp));
     s.out << absl::StrFormat("resync: %u session(s) will receive keyframes for %s\n",
                              resp.sessions(),
                              req.tensors_size() == 0
