@@ -12,6 +12,7 @@
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/config/credentials.h"
+#include "daemon/sync/transfer_stats.h"
 
 namespace refit::publisher {
 namespace {
@@ -548,10 +549,6 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
       header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
     }
     const v1::VersionHeader& header = header_msg.header();
-    uint32_t keyframes = 0;
-    for (const v1::TensorPlan& tp : header.tensors()) {
-      keyframes += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
-    }
     auto work = std::make_shared<Work>();
     work->transfer = t;
     {
@@ -622,28 +619,14 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
             absl::Hex(t->plan().version_digest)));
       }
       const v1::VersionEnd end = end_msg.end();
-      v1::RefitStats stats;
-      stats.set_version(t->version());
-      stats.set_base_version(header.base_version());
-      stats.set_changed_elements(end.changed_elements());
-      stats.set_total_elements(end.total_elements());
-      stats.set_change_rate(end.total_elements() == 0
-                                ? 0.0
-                                : static_cast<double>(end.changed_elements()) /
-                                      static_cast<double>(end.total_elements()));
-      stats.set_wire_bytes(end.wire_bytes());
-      stats.set_dense_bytes(end.dense_bytes());
-      stats.set_keyframe_tensors(keyframes);
-      stats.set_latency_micros(static_cast<uint64_t>(absl::ToInt64Microseconds(took)));
-      stats.set_digests_verified(true);
-      stats.set_finished_unix_nanos(NowUnixNanos());
+      const v1::RefitStats stats = sync::TransferStats(header, end, end.wire_bytes(), took);
       rejections = 0;
       retry_at = absl::InfinitePast();
       log_->info("session {:016x}: {} applied version {} (base {}, {}): wire {} of dense {} "
                  "bytes, {} keyframe tensors, {} ms",
                  session->id, session->name, t->version(), header.base_version(),
                  v1::TransferReason_Name(header.reason()), end.wire_bytes(), end.dense_bytes(),
-                 keyframes, absl::ToInt64Milliseconds(took));
+                 stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
       absl::MutexLock lock(&mu_);
       session->acked_version = ack.applied_version();
       session->acked_digest = ack.applied_version_digest();

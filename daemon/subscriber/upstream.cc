@@ -10,6 +10,7 @@
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/sync/transfer_stats.h"
 #include "grpcpp/create_channel.h"
 #include "refit/v1/data.grpc.pb.h"
 
@@ -524,26 +525,8 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
           break;
         }
         AppliedEvent ev;
-        v1::RefitStats& stats = ev.stats;
-        stats.set_version(end.version());
-        stats.set_base_version(header.base_version());
-        stats.set_changed_elements(end.changed_elements());
-        stats.set_total_elements(end.total_elements());
-        stats.set_change_rate(end.total_elements() == 0
-                                  ? 0.0
-                                  : static_cast<double>(end.changed_elements()) /
-                                        static_cast<double>(end.total_elements()));
-        stats.set_wire_bytes(ack.wire_bytes());
-        stats.set_dense_bytes(end.dense_bytes());
-        uint32_t keyframes = 0;
-        for (const v1::TensorPlan& tp : header.tensors()) {
-          keyframes += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
-        }
-        stats.set_keyframe_tensors(keyframes);
-        stats.set_latency_micros(
-            static_cast<uint64_t>(absl::ToInt64Microseconds(done - header_time)));
-        stats.set_digests_verified(true);
-        stats.set_finished_unix_nanos(NowUnixNanos());
+        ev.stats = sync::TransferStats(header, end, ack.wire_bytes(), done - header_time);
+        const v1::RefitStats& stats = ev.stats;
         ev.ack = ack;
         ev.upstream = target;
         ev.reason = header.reason();
