@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/testing.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "refit/v1/control.grpc.pb.h"
@@ -22,23 +23,8 @@
 namespace refit {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-runtime-XXXXXX").string();
-    char* made = mkdtemp(tmpl.data());
-    EXPECT_NE(made, nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using refit::testing::ReadFile;
+using refit::testing::TempDir;
 
 absl::Status CheckHealth(const std::string& target) {
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
@@ -70,13 +56,6 @@ ServerSpec Spec(const std::string& name, const std::string& address) {
   return spec;
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 TEST(StartServerTest, TcpPortZeroServesHealth) {
   ServerSpec spec = Spec("listen", "127.0.0.1:0");
   spec.keepalive_time = absl::Seconds(10);
@@ -100,7 +79,7 @@ TEST(StartServerTest, Ipv6LoopbackBoundAddressHasBrackets) {
 }
 
 TEST(StartServerTest, UnixSocketServesHealthAndReplacesStaleSocket) {
-  TempDir dir;
+  TempDir dir("refit-runtime");
   const std::string path = dir.path() + "/control.sock";
   // A stale socket file: bound, never listened on, closed.
   {
@@ -128,7 +107,7 @@ TEST(StartServerTest, UnixSocketServesHealthAndReplacesStaleSocket) {
 }
 
 TEST(StartServerTest, RefusesToReplaceARegularFile) {
-  TempDir dir;
+  TempDir dir("refit-runtime");
   const std::string path = dir.path() + "/not-a-socket";
   std::ofstream(path) << "data";
   ServerSpec spec = Spec("local_socket", "unix:" + path);
@@ -165,7 +144,7 @@ TEST(StartServerTest, BadAddressIsInvalidArgument) {
 }
 
 TEST(ReadyFileTest, WritesJsonAtomically) {
-  TempDir dir;
+  TempDir dir("refit-runtime");
   const std::string path = dir.path() + "/ready.json";
   ASSERT_TRUE(WriteReadyFile(path, {{"listen", "127.0.0.1:4000"},
                                     {"control_listen", ""},

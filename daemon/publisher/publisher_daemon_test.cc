@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -27,29 +28,10 @@
 namespace refit::publisher {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-pubd-XXXXXX").string();
-    EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using refit::testing::Deadline;
+using refit::testing::Memfd;
+using refit::testing::ReadFile;
+using refit::testing::TempDir;
 
 // The value of "key" in the flat JSON object of the ready file.
 std::string JsonField(const std::string& json, const std::string& key) {
@@ -83,10 +65,6 @@ void WriteTensors(const std::string& path, const std::vector<TestTensor>& tensor
     refs.push_back({t.name, t.dtype, t.shape, std::span<const uint8_t>(t.bytes)});
   }
   ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
-}
-
-std::chrono::system_clock::time_point Deadline(int seconds = 30) {
-  return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
 }
 
 class PublisherDaemonTest : public ::testing::Test {
@@ -176,7 +154,7 @@ class PublisherDaemonTest : public ::testing::Test {
     return out;
   }
 
-  TempDir dir_;
+  TempDir dir_{"refit-pubd"};
   v1::PublisherConfig config_;
   std::unique_ptr<PublisherDaemon> daemon_;
   std::unique_ptr<v1::Control::Stub> control_;
@@ -356,28 +334,6 @@ TEST_F(PublisherDaemonTest, PublishErrors) {
   EXPECT_EQ(next->version(), 6u);
 }
 
-// A memfd holding tensors, addressed as /proc/self/fd/N (the daemon runs in this process).
-class Memfd {
- public:
-  explicit Memfd(size_t bytes) : size_(bytes) {
-    fd_ = memfd_create("refit-pubd-test", MFD_CLOEXEC);
-    EXPECT_GE(fd_, 0);
-    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
-    map_ = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
-  }
-  ~Memfd() {
-    munmap(map_, size_);
-    close(fd_);
-  }
-  std::string path() const { return absl::StrCat("/proc/self/fd/", fd_); }
-  uint8_t* data() { return map_; }
-
- private:
-  int fd_ = -1;
-  size_t size_ = 0;
-  uint8_t* map_ = nullptr;
-};
-
 v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
                             const std::string& path, uint64_t offset, uint64_t size) {
   v1::TensorLocation l;
@@ -479,7 +435,7 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
 }
 
 TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
-  TempDir dir;
+  TempDir dir("refit-pubd");
   auto config = config::LoadPublisherConfigFromString(
       "publisher:\n  listen: \"127.0.0.1:0\"\n  history:\n    max_versions: 2\n"
       "  codec:\n    threads: 1\n    block_log2: 10\n",
@@ -512,7 +468,7 @@ TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
 }
 
 TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
-  TempDir dir;
+  TempDir dir("refit-pubd");
   auto cuda = config::LoadPublisherConfigFromString(
       "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n", "cuda.yaml");
   ASSERT_TRUE(cuda.ok()) << cuda.status();

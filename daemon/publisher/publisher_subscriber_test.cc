@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/publisher/publisher_daemon.h"
@@ -26,26 +27,8 @@
 namespace refit::publisher {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-pubsub-XXXXXX").string();
-    EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::chrono::system_clock::time_point Deadline(int seconds = 30) {
-  return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
-}
+using refit::testing::Deadline;
+using refit::testing::TempDir;
 
 std::unique_ptr<v1::Control::Stub> ControlStub(const std::string& target) {
   return v1::Control::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -109,7 +92,7 @@ void WriteModel(const std::string& path, const std::vector<uint8_t>& w,
 }
 
 TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
-  TempDir dir;
+  TempDir dir("refit-pubsub");
   auto pub_config = config::LoadPublisherConfigFromString(
       "publisher:\n  name: pub\n  listen: \"127.0.0.1:0\"\n  codec:\n    threads: 1\n",
       "pub.yaml");

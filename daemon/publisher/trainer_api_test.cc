@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/testing.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
 #include "gtest/gtest.h"
@@ -22,28 +23,11 @@ namespace refit::publisher {
 namespace {
 
 // A memfd of `bytes` holding a pattern, addressed as /proc/self/fd/N.
-class Memfd {
+class Memfd : public refit::testing::Memfd {
  public:
-  explicit Memfd(size_t bytes, uint8_t seed = 1) : size_(bytes) {
-    fd_ = memfd_create("refit-trainer-test", MFD_CLOEXEC);
-    EXPECT_GE(fd_, 0);
-    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
-    map_ = static_cast<uint8_t*>(
-        mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0));
-    EXPECT_NE(map_, MAP_FAILED);
-    for (size_t i = 0; i < bytes; ++i) map_[i] = static_cast<uint8_t>(i * 7 + seed);
+  explicit Memfd(size_t bytes, uint8_t seed = 1) : refit::testing::Memfd(bytes) {
+    for (size_t i = 0; i < bytes; ++i) data()[i] = static_cast<uint8_t>(i * 7 + seed);
   }
-  ~Memfd() {
-    munmap(map_, size_);
-    close(fd_);
-  }
-  std::string path() const { return absl::StrCat("/proc/self/fd/", fd_); }
-  uint8_t* data() { return map_; }
-
- private:
-  int fd_ = -1;
-  size_t size_ = 0;
-  uint8_t* map_ = nullptr;
 };
 
 v1::TensorLocation Location(const std::string& name, v1::DType dtype,

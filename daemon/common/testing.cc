@@ -1,0 +1,54 @@
+#include "daemon/common/testing.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace refit::testing {
+
+TempDir::TempDir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  EXPECT_NE(mkdtemp(tmpl.data()), nullptr) << tmpl;
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::chrono::system_clock::time_point Deadline(int seconds) {
+  return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
+}
+
+Memfd::Memfd(size_t bytes) : size_(bytes) {
+  fd_ = memfd_create("refit-test", MFD_CLOEXEC);
+  EXPECT_GE(fd_, 0);
+  EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  EXPECT_NE(map, MAP_FAILED);
+  if (map != MAP_FAILED) map_ = static_cast<uint8_t*>(map);
+}
+
+Memfd::~Memfd() {
+  if (map_ != nullptr) munmap(map_, size_);
+  if (fd_ >= 0) close(fd_);
+}
+
+std::string Memfd::path() const { return absl::StrCat("/proc/self/fd/", fd_); }
+
+}  // namespace refit::testing

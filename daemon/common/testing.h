@@ -1,0 +1,55 @@
+// Helpers for the tests of daemon/ and client/ (not for production code): a temporary
+// directory, whole-file reads, RPC deadlines, memfd-backed tensor memory.
+#ifndef REFIT_DAEMON_COMMON_TESTING_H_
+#define REFIT_DAEMON_COMMON_TESTING_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace refit::testing {
+
+// A fresh directory under the system temp directory, removed with everything in it on
+// destruction. `prefix` names it (e.g. "refit-pubd").
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "refit-test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The contents of the file at `path` ("" when it cannot be read).
+std::string ReadFile(const std::string& path);
+
+// A gRPC deadline `seconds` from now.
+std::chrono::system_clock::time_point Deadline(int seconds = 30);
+
+// A shared-memory file of `bytes` (zero-filled, mapped read-write), addressed as
+// /proc/self/fd/N: valid for a daemon running in this process.
+class Memfd {
+ public:
+  explicit Memfd(size_t bytes);
+  ~Memfd();
+  Memfd(const Memfd&) = delete;
+  Memfd& operator=(const Memfd&) = delete;
+
+  std::string path() const;
+  uint8_t* data() { return map_; }
+  size_t size() const { return size_; }
+
+ private:
+  int fd_ = -1;
+  size_t size_ = 0;
+  uint8_t* map_ = nullptr;
+};
+
+}  // namespace refit::testing
+
+#endif  // REFIT_DAEMON_COMMON_TESTING_H_
