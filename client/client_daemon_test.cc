@@ -14,8 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/refitctl.h"
+#include "client/refitctl_testing.h"
 #include "client/trainer_client.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/publisher/publisher_daemon.h"
@@ -28,22 +30,15 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-struct Result {
-  int rc;
-  std::string out;
-  std::string err;
-};
+using Result = refit::testing::CtlResult;
 
 class ClientDaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "refit-client-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
     const std::string yaml = absl::StrCat(
         "publisher:\n  name: client-test\n  log_level: warn\n  listen: \"127.0.0.1:0\"\n"
         "  local_socket: ",
-        dir_, "/trainer.sock\n  codec:\n    threads: 2\n");
+        dir_.path(), "/trainer.sock\n  codec:\n    threads: 2\n");
     absl::StatusOr<v1::PublisherConfig> cfg =
         config::LoadPublisherConfigFromString(yaml, "client_daemon_test.yaml");
     ASSERT_TRUE(cfg.ok()) << cfg.status();
@@ -57,17 +52,11 @@ class ClientDaemonTest : public ::testing::Test {
   void TearDown() override {
     if (daemon_) daemon_->Shutdown();
     daemon_.reset();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
   }
 
   Result Ctl(std::vector<std::string> args) {
-    args.insert(args.begin(), {"refitctl", "--target", target_, "--timeout", "60"});
-    std::vector<const char*> argv;
-    for (const std::string& a : args) argv.push_back(a.c_str());
-    std::ostringstream out, err;
-    const int rc = RunRefitctl(static_cast<int>(argv.size()), argv.data(), out, err);
-    return {rc, out.str(), err.str()};
+    args.insert(args.begin(), {"--target", target_, "--timeout", "60"});
+    return refit::testing::RunCtl(args);
   }
 
   static std::vector<v1::TensorSpec> Specs() {
@@ -84,7 +73,7 @@ class ClientDaemonTest : public ::testing::Test {
     return specs;
   }
 
-  std::string dir_;
+  refit::testing::TempDir dir_{"refit-client"};
   std::unique_ptr<publisher::PublisherDaemon> daemon_;
   std::string target_;
 };
@@ -134,7 +123,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
     v2[i][i % v2[i].size()] ^= 1;  // one changed element per tensor
     refs.push_back({Specs()[i].name(), dtypes[i], shapes[i], v2[i]});
   }
-  const std::string file = absl::StrCat(dir_, "/v2.safetensors");
+  const std::string file = absl::StrCat(dir_.path(), "/v2.safetensors");
   ASSERT_TRUE(model::WriteSafetensors(file, refs).ok());
   const std::string relative = std::filesystem::relative(file).string();
   ASSERT_FALSE(relative.empty());
@@ -169,7 +158,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   EXPECT_THAT(r.out, HasSubstr("\"version\": \"2\""));
 
   // ---- export, verify ----
-  const std::string out_file = absl::StrCat(dir_, "/export.safetensors");
+  const std::string out_file = absl::StrCat(dir_.path(), "/export.safetensors");
   r = Ctl({"export", "--safetensors", out_file});
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_THAT(r.out, StartsWith("exported version 2 digest 0x"));

@@ -1,6 +1,7 @@
 // refitctl without a daemon: usage errors (exit 2), an unreachable daemon (exit 1, UNAVAILABLE),
 // and the status table / JSON of a StatusResponse built here.
 #include "client/refitctl.h"
+#include "client/refitctl_testing.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -29,20 +30,8 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-struct Result {
-  int rc;
-  std::string out;
-  std::string err;
-};
-
-Result RunCtl(std::vector<std::string> args) {
-  args.insert(args.begin(), "refitctl");
-  std::vector<const char*> argv;
-  for (const std::string& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int rc = RunRefitctl(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {rc, out.str(), err.str()};
-}
+using Result = refit::testing::CtlResult;
+using refit::testing::RunCtl;
 
 // A loopback TCP port with nothing listening: bound by the OS (port 0), then closed.
 int ClosedPort() {
@@ -291,7 +280,7 @@ TEST_F(RefitctlFake, VerifyMismatchExitsOne) {
   EXPECT_EQ(r.rc, 1);
   EXPECT_THAT(r.out, HasSubstr("MISMATCH b.weight: expected 0x0000000000000002, actual "
                                "0x0000000000000003\n"));
-  EXPECT_THAT(r.out, testing::Not(HasSubstr("MISMATCH a:")));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("MISMATCH a:")));
   EXPECT_THAT(r.out, HasSubstr("2 tensors, 1 mismatched\n"));
   EXPECT_EQ(r.err,
             "refitctl: verify: DATA_LOSS: version 8: 1 of 2 tensors differ from the publisher's "
@@ -358,7 +347,7 @@ TEST(RefitctlFormat, SubscriberTable) {
   EXPECT_THAT(t, HasSubstr("peer sessions (0):\n"));
   EXPECT_THAT(t, HasSubstr("leases (1):\n"));
   EXPECT_THAT(t, HasSubstr("000000000000feed  vllm-worker-3  12       29.5 s"));
-  EXPECT_THAT(t, testing::Not(HasSubstr("history:")));
+  EXPECT_THAT(t, ::testing::Not(HasSubstr("history:")));
 }
 
 TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
@@ -388,8 +377,8 @@ TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
   EXPECT_THAT(t, HasSubstr("sub-0  transferring  4      1    0        1.50 kB"));
   EXPECT_THAT(t, HasSubstr("sub-1  connecting    3      2"));
   EXPECT_THAT(t, HasSubstr("  sub-1: last error: connection reset\n"));
-  EXPECT_THAT(t, testing::Not(HasSubstr("upstream:")));
-  EXPECT_THAT(t, testing::Not(HasSubstr("leases")));
+  EXPECT_THAT(t, ::testing::Not(HasSubstr("upstream:")));
+  EXPECT_THAT(t, ::testing::Not(HasSubstr("leases")));
 }
 
 TEST(RefitctlFormat, JsonUsesProtoFieldNames) {
