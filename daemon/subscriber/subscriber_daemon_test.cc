@@ -26,6 +26,7 @@
 #include "daemon/model/safetensors.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
+#include "daemon/publisher/publisher_testing.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -42,18 +43,16 @@ using sync::testing::Model;
 // The publisher: PublisherCore versions of a small BF16 model, served by DataPlaneService.
 class TestPublisher {
  public:
-  TestPublisher() {
-    publisher::PublisherOptions o;
-    o.encode_threads = 1;
-    o.digest_threads = 1;
-    auto core = publisher::PublisherCore::Open(o);
-    EXPECT_TRUE(core.ok()) << core.status();
-    core_ = std::move(*core);
+  TestPublisher()
+      : source_({sync::testing::BF16("attn.weight", {128, 96}),
+                 sync::testing::BF16("mlp.weight", {128, 96}),
+                 sync::testing::BF16("norm.bias", {512, 1})},
+                /*seed=*/5, /*change=*/0.03) {
     publisher::DataPlaneOptions d;
     d.name = "test-publisher";
     d.frame_bytes = 16 * 1024;  // several frames per tensor, spread over the stripes
     d.retry_initial = absl::Milliseconds(5);
-    service_ = std::make_unique<publisher::DataPlaneService>(core_.get(), d);
+    service_ = std::make_unique<publisher::DataPlaneService>(&source_.core(), d);
     ServerSpec spec;
     spec.name = "listen";
     spec.address = "127.0.0.1:0";
@@ -63,11 +62,6 @@ class TestPublisher {
     auto server = StartServer(spec);
     EXPECT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    for (const char* name : {"attn.weight", "mlp.weight", "norm.bias"}) {
-      const bool bias = std::string(name) == "norm.bias";
-      model_[name] = sync::testing::RandomTensor(
-          sync::testing::BF16(name, {bias ? 512u : 128u, bias ? 1u : 96u}), rng_);
-    }
   }
 
   ~TestPublisher() {
@@ -77,38 +71,20 @@ class TestPublisher {
 
   // With `extra`, a tensor is added (a manifest change: a new store generation downstream).
   uint64_t PublishNext(bool extra = false) {
-    if (version_ > 0) {
-      for (auto& [name, t] : model_) sync::testing::Perturb(t, 0.03, rng_);
-    }
-    if (extra) {
-      model_["zz.extra"] = sync::testing::RandomTensor(sync::testing::BF16("zz.extra", {200}), rng_);
-    }
-    ++version_;
-    std::vector<publisher::TensorInput> in;
-    for (const auto& [name, t] : model_) {
-      in.push_back({name, DType::kBF16,
-                    std::vector<uint64_t>(t.spec.shape().begin(), t.spec.shape().end()),
-                    t.bytes});
-    }
-    auto s = core_->Publish(version_, in);
-    EXPECT_TRUE(s.ok()) << s.status();
+    const uint64_t v = source_.PublishNext(
+        extra ? std::optional(sync::testing::BF16("zz.extra", {200})) : std::nullopt);
     service_->NotifyPublished();
-    models_[version_] = model_;
-    return version_;
+    return v;
   }
 
   const std::string& address() const { return server_.bound_address; }
-  const Model& model(uint64_t v) const { return models_.at(v); }
-  uint64_t digest() const { return core_->newest_version_digest(); }
+  const Model& model(uint64_t v) const { return source_.model(v); }
+  uint64_t digest() const { return source_.digest(); }
 
  private:
-  std::mt19937 rng_{5};
-  std::unique_ptr<publisher::PublisherCore> core_;
+  refit::testing::ModelPublisher source_;
   std::unique_ptr<publisher::DataPlaneService> service_;
   RunningServer server_;
-  Model model_;
-  uint64_t version_ = 0;
-  std::map<uint64_t, Model> models_;
 };
 
 std::vector<uint8_t> ReadRegion(const v1::ShmRegion& r) {

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/publisher/publisher_core.h"
+#include "daemon/publisher/publisher_testing.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
@@ -37,46 +38,22 @@ using ::testing::HasSubstr;
 using sync::testing::Model;
 
 // A publisher side without the network: PublisherCore versions of a small BF16 model.
-class Source {
+class Source : public refit::testing::ModelPublisher {
  public:
-  Source() {
-    publisher::PublisherOptions o;
-    o.encode_threads = 1;
-    o.digest_threads = 1;
-    auto core = publisher::PublisherCore::Open(o);
-    EXPECT_TRUE(core.ok()) << core.status();
-    core_ = std::move(*core);
-    for (const char* name : {"a.weight", "b.bias", "c.weight"}) {
-      v1::TensorSpec spec = sync::testing::BF16(name, {std::string(name) == "b.bias" ? 96u : 64u,
-                                                        std::string(name) == "b.bias" ? 1u : 48u});
-      model_[name] = sync::testing::RandomTensor(spec, rng_);
-    }
-  }
+  Source()
+      : ModelPublisher({sync::testing::BF16("a.weight", {64, 48}),
+                        sync::testing::BF16("b.bias", {96, 1}),
+                        sync::testing::BF16("c.weight", {64, 48})},
+                       /*seed=*/11, /*change=*/0.02) {}
 
   // Publishes the next version (perturbed; with `extra`, a tensor added: a manifest change).
   uint64_t Next(bool extra = false) {
-    if (version_ > 0) {
-      for (auto& [name, t] : model_) sync::testing::Perturb(t, 0.02, rng_);
-    }
-    if (extra) {
-      model_["d.extra"] = sync::testing::RandomTensor(sync::testing::BF16("d.extra", {32}), rng_);
-    }
-    ++version_;
-    std::vector<publisher::TensorInput> in;
-    for (const auto& [name, t] : model_) {
-      in.push_back({name, DType::kBF16,
-                    std::vector<uint64_t>(t.spec.shape().begin(), t.spec.shape().end()),
-                    t.bytes});
-    }
-    auto s = core_->Publish(version_, in);
-    EXPECT_TRUE(s.ok()) << s.status();
-    models_[version_] = model_;
-    return version_;
+    return PublishNext(extra ? std::optional(sync::testing::BF16("d.extra", {32})) : std::nullopt);
   }
 
   // Feeds the newest version to `sub` (one transfer); returns the Ack.
   v1::Ack Feed(SubscriberCore& sub) {
-    auto t = core_->MakeTransfer(sub.applied_version(), sub.applied_digest());
+    auto t = core().MakeTransfer(sub.applied_version(), sub.applied_digest());
     EXPECT_TRUE(t.ok()) << t.status();
     EXPECT_TRUE(sub.OnHeader((*t)->Header()).ok());
     uint64_t wire = 0;
@@ -89,16 +66,7 @@ class Source {
     return sub.OnEnd((*t)->End(wire));
   }
 
-  const Model& model(uint64_t v) const { return models_.at(v); }
-  uint64_t digest() const { return core_->newest_version_digest(); }
-  std::vector<publisher::BaselineTensor> baseline() const { return core_->Baseline(); }
-
- private:
-  std::mt19937 rng_{11};
-  std::unique_ptr<publisher::PublisherCore> core_;
-  Model model_;
-  uint64_t version_ = 0;
-  std::map<uint64_t, Model> models_;
+  std::vector<publisher::BaselineTensor> baseline() const { return core().Baseline(); }
 };
 
 // A read-only mapping of a whole file (the consumer's view of the store).
