@@ -88,14 +88,10 @@ struct SyncCase {
 };
 
 TEST_F(E2EBadInput, PublisherRejectsMalformedDataPlaneMessagesAndKeepsServing) {
-  PublisherSpec ps;
-  DaemonProcess& pub = NewPublisher(ps);
-  E2E_ASSERT_OK(pub.Start());
-  SubscriberSpec ss;
-  ss.name = "honest";
-  ss.upstream = {pub.listen_target()};
-  DaemonProcess& sub = NewSubscriber(ss);
-  E2E_ASSERT_OK(sub.Start());
+  absl::StatusOr<PubSub> daemons = StartPubSub("honest");
+  E2E_ASSERT_OK(daemons);
+  DaemonProcess& pub = *daemons->pub;
+  DaemonProcess& sub = *daemons->sub;
   Model m1 = RandomModel(1, {{"w.a", 50000}, {"w.b", 7000}});
   E2E_ASSERT_OK(Publish(pub, m1, 1));
   E2E_ASSERT_OK(WaitVersion(sub, 1));
@@ -187,14 +183,10 @@ struct RpcCase {
 };
 
 TEST_F(E2EBadInput, ControlAndConsumerApiRejectMalformedRequests) {
-  PublisherSpec ps;
-  DaemonProcess& pub = NewPublisher(ps);
-  E2E_ASSERT_OK(pub.Start());
-  SubscriberSpec ss;
-  ss.name = "sub";
-  ss.upstream = {pub.listen_target()};
-  DaemonProcess& sub = NewSubscriber(ss);
-  E2E_ASSERT_OK(sub.Start());
+  absl::StatusOr<PubSub> daemons = StartPubSub("sub");
+  E2E_ASSERT_OK(daemons);
+  DaemonProcess& pub = *daemons->pub;
+  DaemonProcess& sub = *daemons->sub;
   Model m1 = RandomModel(5, {{"x", 10000}});
   E2E_ASSERT_OK(Publish(pub, m1, 1));
   E2E_ASSERT_OK(WaitVersion(sub, 1));

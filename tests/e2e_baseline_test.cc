@@ -14,13 +14,7 @@ namespace {
 class E2EBaselineTest : public E2ETest {
  protected:
   void Run(bool sigkill) {
-    absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
-    ASSERT_TRUE(shape.ok()) << shape.status();
-    model::TrajectoryOptions options;
-    options.shape = *shape;
-    options.seed = 41;
-    options.threads = 1;
-    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = model::Trajectory::Create(options);
+    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(41);
     ASSERT_TRUE(traj.ok()) << traj.status();
 
     PublisherSpec ps;

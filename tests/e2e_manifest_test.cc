@@ -20,14 +20,10 @@ uint64_t PatchBytes(const ModelTensor& before, const ModelTensor& after) {
 }
 
 TEST_F(E2EManifest, AddedRemovedFrozenAndChangedTensorsRefitExactly) {
-  PublisherSpec ps;
-  DaemonProcess& pub = NewPublisher(ps);
-  E2E_ASSERT_OK(pub.Start());
-  SubscriberSpec ss;
-  ss.name = "sub";
-  ss.upstream = {pub.listen_target()};
-  DaemonProcess& sub = NewSubscriber(ss);
-  E2E_ASSERT_OK(sub.Start());
+  absl::StatusOr<PubSub> daemons = StartPubSub("sub");
+  E2E_ASSERT_OK(daemons);
+  DaemonProcess& pub = *daemons->pub;
+  DaemonProcess& sub = *daemons->sub;
 
   Model v1 = RandomModel(3, {{"a.changed", 1 << 19},
                              {"b.frozen", 2 << 20},  // 4 MiB, unchanged in v2

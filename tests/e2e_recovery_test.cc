@@ -13,17 +13,6 @@ namespace {
 
 using E2ERecovery = E2ETest;
 
-std::unique_ptr<model::Trajectory> TinyTrajectory(uint64_t seed) {
-  absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
-  if (!shape.ok()) return nullptr;
-  model::TrajectoryOptions options;
-  options.shape = *shape;
-  options.seed = seed;
-  options.threads = 1;
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> t = model::Trajectory::Create(options);
-  return t.ok() ? std::move(*t) : nullptr;
-}
-
 // A model big enough that a keyframe transfer takes a while on loopback (~48 MB of BF16).
 Model BigModel(uint64_t seed) {
   return RandomModel(seed, {{"layers.0.weight", 8 << 20}, {"layers.1.weight", 8 << 20},
@@ -100,8 +89,8 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
 }
 
 TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
-  std::unique_ptr<model::Trajectory> traj = TinyTrajectory(21);
-  ASSERT_NE(traj, nullptr);
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(21);
+  ASSERT_TRUE(traj.ok()) << traj.status();
   PublisherSpec ps;
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
@@ -112,8 +101,8 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
   E2E_ASSERT_OK(early.Start());
   Model m;
   for (uint64_t v = 1; v <= 10; ++v) {
-    if (v > 1) traj->Step();
-    m = ModelFromTrajectory(*traj);
+    if (v > 1) (*traj)->Step();
+    m = ModelFromTrajectory(**traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(early, v));
   }
@@ -131,8 +120,8 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
   EXPECT_EQ(st->last_refit().base_version(), 0u) << "a late joiner bootstraps from keyframes";
   EXPECT_EQ(st->last_refit().keyframe_tensors(), m.tensors.size());
 
-  traj->Step();
-  m = ModelFromTrajectory(*traj);
+  (*traj)->Step();
+  m = ModelFromTrajectory(**traj);
   E2E_ASSERT_OK(Publish(pub, m, 11));
   E2E_ASSERT_OK(WaitVersion(late, 11));
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
@@ -145,8 +134,8 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
 // A late joiner with bootstrap_peers takes its keyframes from an in-region peer (serve_peers), not
 // across the "region link" from the publisher, then follows the publisher's deltas.
 TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
-  std::unique_ptr<model::Trajectory> traj = TinyTrajectory(22);
-  ASSERT_NE(traj, nullptr);
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(22);
+  ASSERT_TRUE(traj.ok()) << traj.status();
   PublisherSpec ps;
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
@@ -158,8 +147,8 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
   E2E_ASSERT_OK(peer.Start());
   Model m;
   for (uint64_t v = 1; v <= 3; ++v) {
-    if (v > 1) traj->Step();
-    m = ModelFromTrajectory(*traj);
+    if (v > 1) (*traj)->Step();
+    m = ModelFromTrajectory(**traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(peer, v));
   }
@@ -188,8 +177,8 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
   EXPECT_GE(peer_st->bytes_sent(), m.bytes() / 2) << "the peer did not serve the bootstrap";
 
   // Then it follows the publisher.
-  traj->Step();
-  m = ModelFromTrajectory(*traj);
+  (*traj)->Step();
+  m = ModelFromTrajectory(**traj);
   E2E_ASSERT_OK(Publish(pub, m, 4));
   E2E_ASSERT_OK(WaitVersion(late, 4));
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
@@ -203,8 +192,8 @@ class E2EPartition : public E2ETest {
   // Runs the partition scenario against a publisher with `ps`; fills the lagging subscriber's
   // status at v10.
   void Run(const PublisherSpec& ps, v1::StatusResponse* lagging_status, size_t* tensors) {
-    std::unique_ptr<model::Trajectory> traj = TinyTrajectory(31);
-    ASSERT_NE(traj, nullptr);
+    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(31);
+    ASSERT_TRUE(traj.ok()) << traj.status();
     DaemonProcess& pub = NewPublisher(ps);
     E2E_ASSERT_OK(pub.Start());
     SubscriberSpec es;
@@ -218,8 +207,8 @@ class E2EPartition : public E2ETest {
     E2E_ASSERT_OK(lagging.Start());
     Model m;
     for (uint64_t v = 1; v <= 10; ++v) {
-      if (v > 1) traj->Step();
-      m = ModelFromTrajectory(*traj);
+      if (v > 1) (*traj)->Step();
+      m = ModelFromTrajectory(**traj);
       E2E_ASSERT_OK(Publish(pub, m, v));
       E2E_ASSERT_OK(WaitVersion(steady, v));
       if (v <= 5) E2E_ASSERT_OK(WaitVersion(lagging, v));
@@ -239,8 +228,8 @@ class E2EPartition : public E2ETest {
     *lagging_status = *st;
     *tensors = m.tensors.size();
     // Both are served on afterwards.
-    traj->Step();
-    m = ModelFromTrajectory(*traj);
+    (*traj)->Step();
+    m = ModelFromTrajectory(**traj);
     E2E_ASSERT_OK(Publish(pub, m, 11));
     E2E_ASSERT_OK(WaitVersion(lagging, 11));
     E2E_ASSERT_OK(WaitVersion(steady, 11));

@@ -17,13 +17,7 @@ namespace {
 using E2ERefit = E2ETest;
 
 TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
-  absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
-  ASSERT_TRUE(shape.ok()) << shape.status();
-  model::TrajectoryOptions options;
-  options.shape = *shape;
-  options.seed = 11;
-  options.threads = 1;
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = model::Trajectory::Create(options);
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(11);
   ASSERT_TRUE(traj.ok()) << traj.status();
 
   PublisherSpec ps;
@@ -166,13 +160,7 @@ TEST_F(E2ERefit, StatusJsonAndResync) {
 // over the publisher's local socket), split over two ranks: a version becomes visible once both
 // ranks published it.
 TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
-  absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
-  ASSERT_TRUE(shape.ok()) << shape.status();
-  model::TrajectoryOptions options;
-  options.shape = *shape;
-  options.seed = 12;
-  options.threads = 1;
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = model::Trajectory::Create(options);
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(12);
   ASSERT_TRUE(traj.ok()) << traj.status();
 
   PublisherSpec ps;

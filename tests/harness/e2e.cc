@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_macros.h"
 
 namespace refit::e2e {
 namespace {
@@ -201,6 +202,17 @@ DaemonProcess& E2ETest::NewSubscriber(const SubscriberSpec& spec) {
   DaemonProcess& d = *daemons_.back();
   d.set_config(SubscriberYaml(spec, dir_, d.ready_path()));
   return d;
+}
+
+absl::StatusOr<E2ETest::PubSub> E2ETest::StartPubSub(const std::string& subscriber) {
+  DaemonProcess& pub = NewPublisher(PublisherSpec());
+  RETURN_IF_ERROR(pub.Start());
+  SubscriberSpec ss;
+  ss.name = subscriber;
+  ss.upstream = {pub.listen_target()};
+  DaemonProcess& sub = NewSubscriber(ss);
+  RETURN_IF_ERROR(sub.Start());
+  return PubSub{&pub, &sub};
 }
 
 void E2ETest::Reconfigure(DaemonProcess& d, const PublisherSpec& spec) {

@@ -49,6 +49,16 @@ void Model::SortByName() {
             [](const ModelTensor& a, const ModelTensor& b) { return a.name < b.name; });
 }
 
+absl::StatusOr<std::unique_ptr<model::Trajectory>> TinyTrajectory(uint64_t seed) {
+  absl::StatusOr<model::TransformerShape> shape = model::PresetShape("tiny");
+  if (!shape.ok()) return shape.status();
+  model::TrajectoryOptions options;
+  options.shape = *shape;
+  options.seed = seed;
+  options.threads = 1;
+  return model::Trajectory::Create(options);
+}
+
 Model ModelFromTrajectory(const model::Trajectory& trajectory) {
   Model m;
   const auto& specs = trajectory.tensors();

@@ -4,6 +4,7 @@
 #define REFIT_TESTS_HARNESS_MODEL_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,9 @@ struct Model {
   ModelTensor* Find(const std::string& name);
   void SortByName();
 };
+
+// The "tiny" preset trajectory from `seed`, stepped on one thread.
+absl::StatusOr<std::unique_ptr<model::Trajectory>> TinyTrajectory(uint64_t seed);
 
 // The trajectory's current version (BF16 copies of every tensor).
 Model ModelFromTrajectory(const model::Trajectory& trajectory);
