@@ -357,12 +357,14 @@ absl::Status ParseOptions(ArgCursor& args, const std::string& verb, Parsed* p,
   return absl::OkStatus();
 }
 
-// Matches "--version N" (N >= 1) at the cursor.
-absl::StatusOr<bool> VersionOption(ArgCursor& args, uint64_t* version) {
+// Matches "--version N" (N >= 1) at the cursor into the request's version.
+template <typename Request>
+absl::StatusOr<bool> VersionOption(ArgCursor& args, Request* req) {
   std::string v;
   ASSIGN_OR_RETURN(bool found, args.Value("--version", &v));
   if (!found) return false;
-  ASSIGN_OR_RETURN(*version, ParseVersionFlag("--version", v));
+  ASSIGN_OR_RETURN(uint64_t version, ParseVersionFlag("--version", v));
+  req->set_version(version);
   return true;
 }
 
@@ -401,10 +403,7 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
       for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
       return true;
     }
-    uint64_t n = 0;
-    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
-    if (version) req.set_version(n);
-    return version;
+    return VersionOption(args, &req);
   }));
   if (p.help) return p;
   if (req.safetensors_size() == 0) {
@@ -438,10 +437,7 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
       req.set_safetensors(AbsolutePath(v));
       return true;
     }
-    uint64_t n = 0;
-    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
-    if (version) req.set_version(n);
-    return version;
+    return VersionOption(args, &req);
   }));
   if (p.help) return p;
   if (req.safetensors().empty()) {
@@ -466,12 +462,8 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
       req.set_all_subscribers(true);
       return true;
     }
-    uint64_t n = 0;
-    ASSIGN_OR_RETURN(bool version, VersionOption(args, &n));
-    if (version) {
-      req.set_version(n);
-      return true;
-    }
+    ASSIGN_OR_RETURN(bool version, VersionOption(args, &req));
+    if (version) return true;
     std::string v;
     ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
     if (timeout) {
