@@ -51,4 +51,16 @@ Memfd::~Memfd() {
 
 std::string Memfd::path() const { return absl::StrCat("/proc/self/fd/", fd_); }
 
+v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
+                            const std::string& path, uint64_t offset, uint64_t size) {
+  v1::TensorLocation l;
+  l.mutable_spec()->set_name(name);
+  l.mutable_spec()->set_dtype(dtype);
+  for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
+  l.mutable_shm()->set_path(path);
+  l.mutable_shm()->set_offset(offset);
+  l.mutable_shm()->set_size_bytes(size);
+  return l;
+}
+
 }  // namespace refit::testing

@@ -1,5 +1,5 @@
 // Helpers for the tests of daemon/ and client/ (not for production code): a temporary
-// directory, whole-file reads, RPC deadlines, memfd-backed tensor memory.
+// directory, whole-file reads, RPC deadlines, memfd-backed tensor memory and its locations.
 #ifndef REFIT_DAEMON_COMMON_TESTING_H_
 #define REFIT_DAEMON_COMMON_TESTING_H_
 
@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "refit/v1/local.pb.h"
 
 namespace refit::testing {
 
@@ -49,6 +52,11 @@ class Memfd {
   size_t size_ = 0;
   uint8_t* map_ = nullptr;
 };
+
+// A TensorApi/ConsumerApi tensor location: `size` bytes at `offset` of the shared-memory file
+// `path`, holding tensor `name` of `dtype` and `shape`.
+v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
+                            const std::string& path, uint64_t offset, uint64_t size);
 
 }  // namespace refit::testing
 

@@ -29,6 +29,7 @@ namespace refit::publisher {
 namespace {
 
 using refit::testing::Deadline;
+using refit::testing::Location;
 using refit::testing::Memfd;
 using refit::testing::ReadFile;
 using refit::testing::TempDir;
@@ -332,18 +333,6 @@ TEST_F(PublisherDaemonTest, PublishErrors) {
   auto next = Publish({f0});
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->version(), 6u);
-}
-
-v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
-                            const std::string& path, uint64_t offset, uint64_t size) {
-  v1::TensorLocation l;
-  l.mutable_spec()->set_name(name);
-  l.mutable_spec()->set_dtype(dtype);
-  for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
-  l.mutable_shm()->set_path(path);
-  l.mutable_shm()->set_offset(offset);
-  l.mutable_shm()->set_size_bytes(size);
-  return l;
 }
 
 TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {

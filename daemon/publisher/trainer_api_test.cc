@@ -22,6 +22,8 @@
 namespace refit::publisher {
 namespace {
 
+using refit::testing::Location;
+
 // A memfd of `bytes` holding a pattern, addressed as /proc/self/fd/N.
 class Memfd : public refit::testing::Memfd {
  public:
@@ -29,19 +31,6 @@ class Memfd : public refit::testing::Memfd {
     for (size_t i = 0; i < bytes; ++i) data()[i] = static_cast<uint8_t>(i * 7 + seed);
   }
 };
-
-v1::TensorLocation Location(const std::string& name, v1::DType dtype,
-                            std::vector<uint64_t> shape, const std::string& path,
-                            uint64_t offset, uint64_t size) {
-  v1::TensorLocation l;
-  l.mutable_spec()->set_name(name);
-  l.mutable_spec()->set_dtype(dtype);
-  for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
-  l.mutable_shm()->set_path(path);
-  l.mutable_shm()->set_offset(offset);
-  l.mutable_shm()->set_size_bytes(size);
-  return l;
-}
 
 TEST(MappedTensorTest, MapsAnUnalignedRegionReadOnly) {
   Memfd m(3 * 4096);
