@@ -597,13 +597,10 @@ TEST_F(E2EBadInput, SubscriberRejectsBrokenTransfersFromAFakePublisherAndKeepsIt
   // Meanwhile a real publisher keeps serving a real subscriber.
   PublisherSpec rps;
   rps.name = "real-pub";
-  DaemonProcess& real_pub = NewPublisher(rps);
-  E2E_ASSERT_OK(real_pub.Start());
-  SubscriberSpec rss;
-  rss.name = "bystander";
-  rss.upstream = {real_pub.listen_target()};
-  DaemonProcess& bystander = NewSubscriber(rss);
-  E2E_ASSERT_OK(bystander.Start());
+  absl::StatusOr<PubSub> real = StartPubSub("bystander", rps);
+  E2E_ASSERT_OK(real);
+  DaemonProcess& real_pub = *real->pub;
+  DaemonProcess& bystander = *real->sub;
   E2E_ASSERT_OK(Publish(real_pub, m1, 1));
 
   SubscriberSpec ss;

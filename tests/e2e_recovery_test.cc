@@ -91,14 +91,10 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
 TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
   absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(21);
   ASSERT_TRUE(traj.ok()) << traj.status();
-  PublisherSpec ps;
-  DaemonProcess& pub = NewPublisher(ps);
-  E2E_ASSERT_OK(pub.Start());
-  SubscriberSpec as;
-  as.name = "early";
-  as.upstream = {pub.listen_target()};
-  DaemonProcess& early = NewSubscriber(as);
-  E2E_ASSERT_OK(early.Start());
+  absl::StatusOr<PubSub> daemons = StartPubSub("early");
+  E2E_ASSERT_OK(daemons);
+  DaemonProcess& pub = *daemons->pub;
+  DaemonProcess& early = *daemons->sub;
   Model m;
   for (uint64_t v = 1; v <= 10; ++v) {
     if (v > 1) (*traj)->Step();
@@ -106,8 +102,9 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(early, v));
   }
-  SubscriberSpec ls = as;
+  SubscriberSpec ls;
   ls.name = "late";
+  ls.upstream = {pub.listen_target()};
   DaemonProcess& late = NewSubscriber(ls);
   E2E_ASSERT_OK(late.Start());
   E2E_ASSERT_OK(WaitVersion(late, 10));

@@ -204,8 +204,9 @@ DaemonProcess& E2ETest::NewSubscriber(const SubscriberSpec& spec) {
   return d;
 }
 
-absl::StatusOr<E2ETest::PubSub> E2ETest::StartPubSub(const std::string& subscriber) {
-  DaemonProcess& pub = NewPublisher(PublisherSpec());
+absl::StatusOr<E2ETest::PubSub> E2ETest::StartPubSub(const std::string& subscriber,
+                                                     const PublisherSpec& publisher) {
+  DaemonProcess& pub = NewPublisher(publisher);
   RETURN_IF_ERROR(pub.Start());
   SubscriberSpec ss;
   ss.name = subscriber;

@@ -81,12 +81,13 @@ class E2ETest : public ::testing::Test {
   // Creates a daemon (config written, not started).
   DaemonProcess& NewPublisher(const PublisherSpec& spec);
   DaemonProcess& NewSubscriber(const SubscriberSpec& spec);
-  // A publisher (default spec) and a subscriber named `subscriber` following it, both started.
+  // A publisher (from `publisher`) and a subscriber named `subscriber` following it, both started.
   struct PubSub {
     DaemonProcess* pub;
     DaemonProcess* sub;
   };
-  absl::StatusOr<PubSub> StartPubSub(const std::string& subscriber);
+  absl::StatusOr<PubSub> StartPubSub(const std::string& subscriber,
+                                     const PublisherSpec& publisher = PublisherSpec());
   // Rewrites a daemon's config from a changed spec (before a restart).
   void Reconfigure(DaemonProcess& d, const PublisherSpec& spec);
   void Reconfigure(DaemonProcess& d, const SubscriberSpec& spec);

@@ -346,9 +346,7 @@ bool DaemonProcess::running() {
   int wstatus = 0;
   const pid_t r = waitpid(pid_, &wstatus, WNOHANG);
   if (r == pid_) {
-    pid_ = -1;
-    if (pidfd_ >= 0) close(pidfd_);
-    pidfd_ = -1;
+    Reaped();
     return false;
   }
   return true;
@@ -396,9 +394,7 @@ absl::Status DaemonProcess::Start(absl::Duration timeout) {
     int wstatus = 0;
     const pid_t r = waitpid(pid_, &wstatus, WNOHANG);
     if (r == pid_) {
-      pid_ = -1;
-      if (pidfd_ >= 0) close(pidfd_);
-      pidfd_ = -1;
+      Reaped();
       return absl::InternalError(absl::StrCat(name_, " (", role_, ") exited with code ",
                                               ExitCodeOf(wstatus), " before writing its ready file ",
                                               ready_path_, "\nlog tail:\n", LogTail()));
@@ -420,10 +416,14 @@ absl::StatusOr<int> DaemonProcess::WaitFor(absl::Duration timeout) {
     return absl::DeadlineExceededError(absl::StrCat(name_, " did not exit within ",
                                                     absl::FormatDuration(timeout)));
   }
+  Reaped();
+  return code;
+}
+
+void DaemonProcess::Reaped() {
   pid_ = -1;
   if (pidfd_ >= 0) close(pidfd_);
   pidfd_ = -1;
-  return code;
 }
 
 absl::Status DaemonProcess::Kill() {

@@ -112,6 +112,8 @@ class DaemonProcess {
 
  private:
   absl::StatusOr<int> WaitFor(absl::Duration timeout);
+  // The child was reaped: forget its pid and close its pidfd.
+  void Reaped();
 
   std::string role_, dir_, name_;
   std::string config_path_, log_path_, ready_path_;
