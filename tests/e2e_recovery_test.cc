@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
+#include "tests/harness/relay.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
@@ -25,13 +26,19 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
   ps.frame_bytes = 1 << 20;  // many frames per transfer
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
+  // The victim reaches the publisher through a 16 MB/s relay (a slow link), so its 48 MB
+  // bootstrap lasts seconds and the kill lands in the middle of it on any machine.
+  absl::StatusOr<std::unique_ptr<ThrottledRelay>> relay =
+      ThrottledRelay::Start(pub.listen_target(), 16 << 20);
+  ASSERT_TRUE(relay.ok()) << relay.status();
   SubscriberSpec vs;
   vs.name = "victim";
-  vs.upstream = {pub.listen_target()};
+  vs.upstream = {(*relay)->target()};
   vs.connections = 1;
   DaemonProcess& victim = NewSubscriber(vs);
   SubscriberSpec bs = vs;
   bs.name = "bystander";
+  bs.upstream = {pub.listen_target()};
   bs.connections = 2;
   DaemonProcess& bystander = NewSubscriber(bs);
   E2E_ASSERT_OK(bystander.Start());
@@ -54,6 +61,7 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
   std::printf("[e2e] victim killed %s\n",
               mid_transfer ? "while TRANSFERRING v1" : "after v1 (transfer too quick to catch)");
   EXPECT_TRUE(mid_transfer) << "the 48 MB bootstrap finished before Status showed TRANSFERRING";
+  EXPECT_LT((*relay)->downstream_bytes(), 48u << 20) << "killed before the bootstrap's bytes all passed";
 
   // The publisher keeps serving while the victim is dead.
   Model m2 = m;

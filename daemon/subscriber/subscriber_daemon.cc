@@ -314,7 +314,8 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
     inputs.reserve(layout.size());
     for (size_t i = 0; i < layout.size(); ++i) {
       const store::TensorInfo& ti = layout.tensor(i);
-      inputs.push_back({ti.name, ti.dtype, ti.shape, lease.lease.spans[i]});
+      inputs.push_back(publisher::TensorInput{
+          .name = ti.name, .dtype = ti.dtype, .shape = ti.shape, .data = lease.lease.spans[i], .owned = nullptr});
     }
     auto summary = peer_core_->Publish(lease.lease.version, inputs);
     if (summary.ok()) {

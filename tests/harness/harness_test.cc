@@ -1,5 +1,15 @@
 // The e2e harness on its own: child processes, ready files, test PKI, generated configs (checked
 // by the real config loader), model files.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "tests/harness/relay.h"
 #include <stdlib.h>
 
 #include <filesystem>
@@ -143,6 +153,68 @@ TEST(Models, RoundTripAndDiff) {
   EXPECT_TRUE(absl::StrContains(DiffModels(m, changed), "tensor 'b'")) << DiffModels(m, changed);
   changed.tensors.pop_back();
   EXPECT_TRUE(absl::StrContains(DiffModels(m, changed), "'a' missing")) << DiffModels(m, changed);
+}
+
+}  // namespace
+}  // namespace refit::e2e
+
+namespace refit::e2e {
+namespace {
+
+// The relay forwards every byte in both directions and holds the rate: 256 KiB at 1 MiB/s takes
+// about a quarter of a second (asserted loosely: at least 150 ms; no upper bound on a busy box).
+TEST(ThrottledRelay, ForwardsBytesAtTheRate) {
+  const int srv = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(srv, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(srv, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(srv, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(srv, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  auto relay = ThrottledRelay::Start(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), 1 << 20);
+  ASSERT_TRUE(relay.ok()) << relay.status();
+  std::vector<char> payload(256 << 10);
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 131 + 7);
+  std::thread server([&] {
+    // Upstream: sends the payload to whoever connects, then reads the echo-less client's bytes.
+    const int c = ::accept(srv, nullptr, nullptr);
+    ASSERT_GE(c, 0);
+    for (size_t off = 0; off < payload.size();) {
+      const ssize_t w = ::send(c, payload.data() + off, payload.size() - off, MSG_NOSIGNAL);
+      ASSERT_GT(w, 0);
+      off += static_cast<size_t>(w);
+    }
+    char b;
+    EXPECT_EQ(::recv(c, &b, 1, 0), 1);  // the client's byte came through the relay
+    EXPECT_EQ(b, 'x');
+    ::close(c);
+  });
+  const int cli = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in raddr{};
+  raddr.sin_family = AF_INET;
+  raddr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  uint32_t rport = 0;
+  ASSERT_TRUE(absl::SimpleAtoi((*relay)->target().substr(10), &rport));
+  raddr.sin_port = htons(static_cast<uint16_t>(rport));
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(::connect(cli, reinterpret_cast<sockaddr*>(&raddr), sizeof(raddr)), 0);
+  std::vector<char> got;
+  char buf[8192];
+  while (got.size() < payload.size()) {
+    const ssize_t n = ::recv(cli, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0);
+    got.insert(got.end(), buf, buf + n);
+  }
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_EQ(::send(cli, "x", 1, MSG_NOSIGNAL), 1);
+  server.join();
+  EXPECT_TRUE(got == payload);
+  EXPECT_EQ((*relay)->downstream_bytes(), payload.size());
+  EXPECT_GE(took, absl::Milliseconds(150)) << "the relay did not throttle";
+  ::close(cli);
+  ::close(srv);
 }
 
 }  // namespace
