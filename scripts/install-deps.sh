@@ -10,7 +10,7 @@ PKGS=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-numpy python3-grpcio
+  python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-pytest python3-setuptools
   openssl iproute2
 )
 
