@@ -97,10 +97,7 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3) ->
             f"  staging:\n    threads: 2\n")
 
 
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory):
-    """A publisher and a subscriber (store.slots 3) following it; yields
-    (publisher local socket, subscriber local socket)."""
+def _daemon_pair(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("refitd"))
     pub = Daemon("publisher", "pub", d, publisher_yaml("pub", d))
     sub = None
@@ -114,3 +111,16 @@ def daemons(tmp_path_factory):
         if sub is not None:
             sub.stop()
         pub.stop()
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    """A publisher and a subscriber (store.slots 3) following it; yields
+    (publisher local socket, subscriber local socket)."""
+    yield from _daemon_pair(tmp_path_factory)
+
+
+@pytest.fixture
+def fresh_daemons(tmp_path_factory):
+    """As `daemons`, started for one test (no other trainer client registered)."""
+    yield from _daemon_pair(tmp_path_factory)

@@ -155,3 +155,36 @@ def test_errors_name_the_tensor(daemons):
     with pytest.raises(TimeoutError, match="version 999"):
         consumer.wait_for_version(999, timeout=0.5)
     consumer.close()
+
+
+def test_two_ranks_commit_together(fresh_daemons):
+    pub_sock, sub_sock = fresh_daemons
+    torch.manual_seed(7)
+    rank0 = Trainer(pub_sock, client="rank0")
+    rank1 = Trainer(pub_sock, client="rank1")
+    rank0.register({"layer0.w": torch.randn(64, 64), "layer0.b": torch.randn(64)})
+    r = rank1.register({"layer1.w": torch.randn(64, 64).to(torch.bfloat16)})
+    assert (r.clients, r.tensors) == (2, 3)
+    with Trainer(pub_sock, client="rank2") as dup:
+        with pytest.raises(RuntimeError, match="RegisterTensors.*ALREADY_EXISTS"):
+            dup.register({"layer0.w": torch.zeros(1)})
+    consumer = Consumer(sub_sock, name="pytest-ranks")
+    for step in (1, 2, 3):
+        # Written in place through the shared views (no update()).
+        with torch.no_grad():
+            rank0.tensors["layer0.w"].mul_(0.5).add_(step)
+            rank1.tensors["layer1.w"].add_(torch.full((64, 64), 0.125, dtype=torch.bfloat16))
+        want = {**snapshot(rank0.tensors), **snapshot(rank1.tensors)}
+        first = rank0.publish()
+        assert (first.version, first.committed) == (step, False)
+        # Not visible before every rank has published it.
+        with pytest.raises(TimeoutError):
+            consumer.wait_for_version(step, timeout=0.3)
+        second = rank1.publish()
+        assert (second.version, second.committed) == (step, True)
+        assert consumer.wait_for_version(step, timeout=WAIT_S) == step
+        with consumer.attach(step) as w:
+            assert_bitwise_equal(w, want, f"two ranks, version {step}")
+    rank0.close()
+    rank1.close()
+    consumer.close()
