@@ -1,3 +1,4 @@
+#include "daemon/common/wait_deadline.h"
 #include "daemon/publisher/publisher_control.h"
 
 #include <algorithm>
@@ -434,22 +435,11 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
 absl::StatusOr<v1::WaitVersionResponse> PublisherControl::DoWaitVersion(
     const v1::WaitVersionRequest& request, absl::Time rpc_deadline,
     const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::Time deadline = rpc_deadline;
-  // A timeout beyond ~35 years means "no timeout" (and must not wrap negative).
-  constexpr uint64_t kMaxTimeoutMs = uint64_t{1} << 40;
-  if (request.timeout_ms() > 0 && request.timeout_ms() < kMaxTimeoutMs) {
-    deadline = std::min(
-        deadline, start + absl::Milliseconds(static_cast<int64_t>(request.timeout_ms())));
-  }
+  const WaitDeadline wait = WaitDeadline::Make(request.timeout_ms(), rpc_deadline);
+  const absl::Time deadline = wait.deadline;
   absl::Status status = queue_->WaitPublished(request.version(), deadline, cancelled);
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
-    const int64_t waited = request.timeout_ms() > 0
-                               ? static_cast<int64_t>(request.timeout_ms())
-                               : absl::ToInt64Milliseconds(absl::Now() - start);
-    return absl::DeadlineExceededError(absl::StrCat("version ", request.version(),
-                                                    " not reached after ", waited,
-                                                    " ms, at version ", core_->newest_version()));
+    return wait.NotReached(request.version(), core_->newest_version());
   }
   RETURN_IF_ERROR(status);
   if (request.all_subscribers() && data_plane_ != nullptr) {

@@ -1,3 +1,4 @@
+#include "daemon/common/wait_deadline.h"
 #include "daemon/subscriber/subscriber_control.h"
 
 #include <algorithm>
@@ -115,15 +116,9 @@ grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
                  absl::StrCat("WaitVersion: all_subscribers is for a publisher; ", options_.name,
                               " is a subscriber"));
   }
-  const absl::Time start = absl::Now();
-  absl::Time deadline = absl::InfiniteFuture();
-  if (request->timeout_ms() > 0) {
-    deadline = start + absl::Milliseconds(static_cast<int64_t>(
-                           std::min<uint64_t>(request->timeout_ms(), uint64_t{1} << 50)));
-  }
-  const absl::Time rpc_deadline = absl::FromChrono(context->deadline());
-  const bool rpc_first = rpc_deadline < deadline;
-  deadline = std::min(deadline, rpc_deadline);
+  const WaitDeadline wait =
+      WaitDeadline::Make(request->timeout_ms(), absl::FromChrono(context->deadline()));
+  const absl::Time deadline = wait.deadline;
   const uint64_t want = request->version();
   AppliedVersion cur = board_->current();
   while (cur.version < want) {
@@ -137,13 +132,7 @@ grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
                                 "version ", want, ", at version ", cur.version));
     }
     const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      const uint64_t waited =
-          rpc_first ? ToMs(now - start) : static_cast<uint64_t>(request->timeout_ms());
-      return Error(absl::StatusCode::kDeadlineExceeded,
-                   absl::StrCat("version ", want, " not reached after ", waited,
-                                " ms, at version ", cur.version));
-    }
+    if (now >= deadline) return ToGrpcStatus(wait.NotReached(want, cur.version, now));
     cur = board_->WaitAbove(want - 1, std::min(deadline, now + options_.poll_interval));
   }
   response->set_version(cur.version);
