@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -13,14 +14,7 @@ namespace refit::client {
 namespace {
 
 using ::testing::HasSubstr;
-
-v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape) {
-  v1::TensorSpec s;
-  s.set_name(name);
-  s.set_dtype(dtype);
-  for (uint64_t d : shape) s.add_shape(d);
-  return s;
-}
+using sync::testing::Spec;
 
 TEST(TrainerClient, LayoutIsAlignedAndWritable) {
   absl::StatusOr<std::unique_ptr<TrainerClient>> c = TrainerClient::Create(
@@ -57,6 +51,7 @@ TEST(TrainerClient, RejectsBadInput) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(TrainerClient::Create("unix:/tmp/x.sock", "r", {}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // A TCP address is refused before anything is dialled (the TrainerApi is a unix socket).
   absl::Status tcp = TrainerClient::Create("127.0.0.1:7400", "r", one).status();
   EXPECT_EQ(tcp.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(tcp.message()), HasSubstr("not a unix socket"));

@@ -2,16 +2,22 @@
 
 #include <cstring>
 
+#include <utility>
+
 #include "daemon/sync/version_digest.h"
 
 namespace refit::sync::testing {
 
-v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
+v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape) {
   v1::TensorSpec s;
   s.set_name(name);
-  s.set_dtype(v1::DTYPE_BF16);
+  s.set_dtype(dtype);
   for (uint64_t d : shape) s.add_shape(d);
   return s;
+}
+
+v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
+  return Spec(name, v1::DTYPE_BF16, std::move(shape));
 }
 
 Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {

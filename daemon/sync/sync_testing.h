@@ -19,6 +19,9 @@ struct Tensor {
 };
 using Model = std::map<std::string, Tensor>;  // sorted by name = manifest order
 
+// A tensor spec.
+v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape);
+
 // A BF16 tensor spec.
 v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape);
 

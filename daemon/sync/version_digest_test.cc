@@ -4,18 +4,13 @@
 #include <vector>
 
 #include "daemon/codec/hash.h"
+#include "daemon/sync/sync_testing.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
 
-v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape) {
-  v1::TensorSpec s;
-  s.set_name(name);
-  s.set_dtype(dtype);
-  for (uint64_t d : shape) s.add_shape(d);
-  return s;
-}
+using testing::Spec;
 
 TEST(FrameChecksum, IsHash64WithFrameSeed) {
   const std::string payload = "hello frames";
