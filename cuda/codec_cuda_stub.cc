@@ -2,7 +2,10 @@
 // reports that the GPU codec is unavailable.
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 #include "cuda/codec_cuda.h"
+#include "cuda/device.h"
 
 namespace refit::cuda {
 namespace {
@@ -55,5 +58,12 @@ absl::Status ApplyPatchDevice(std::span<const uint8_t>, DType, const void*, void
   return Unavailable();
 }
 absl::StatusOr<uint64_t> TensorDigestDevice(const void*, uint64_t) { return Unavailable(); }
+
+absl::StatusOr<std::vector<DeviceInfo>> ListDevices() { return Unavailable(); }
+absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const DeviceSelector& selector) {
+  return absl::UnavailableError(
+      absl::StrCat("no CUDA device for ", selector.ToString(),
+                   ": refitd was built without CUDA (REFIT_CUDA=OFF or no nvcc)"));
+}
 
 }  // namespace refit::cuda

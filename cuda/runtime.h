@@ -11,8 +11,30 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cuda/device.h"
 
 namespace refit::cuda::rt {
+
+// ---- devices, streams, pinned memory and IPC (device_cuda.cc) ----
+// Makes `ordinal` the calling thread's current device.
+absl::Status SetDevice(int ordinal);
+// Properties of device `ordinal` (uuid, name, memory, compute capability).
+absl::StatusOr<DeviceInfo> GetDeviceInfo(int ordinal);
+// A non-blocking stream on the current device (nullptr in the emulator); StreamDestroy(nullptr)
+// is a no-op.
+absl::StatusOr<void*> StreamCreate();
+void StreamDestroy(void* stream) noexcept;
+// Pinned host memory, mapped into the device address space and portable across devices.
+absl::Status HostAlloc(void** ptr, size_t bytes);
+void HostFree(void* ptr) noexcept;
+// Copies of any direction (cudaMemcpyDefault: unified addressing tells the kinds) on `stream`.
+absl::Status CopyAsync(void* dst, const void* src, size_t bytes, void* stream);
+// Legacy CUDA IPC.
+absl::Status IpcGetMemHandle(void* ptr, IpcHandle* handle);
+absl::StatusOr<void*> IpcOpenMemHandle(const IpcHandle& handle);
+absl::Status IpcCloseMemHandle(void* ptr);
+// Base and size of the allocation containing `ptr` (device or pinned host memory).
+absl::StatusOr<std::pair<void*, size_t>> MemGetAddressRange(const void* ptr);
 
 // Number of usable devices; an error if the driver or runtime cannot be initialised.
 absl::StatusOr<int> DeviceCount();

@@ -1,13 +1,45 @@
 // The CPU emulator's stand-in for runtime_cuda.cc: "device" memory is host memory (malloc, so
 // AddressSanitizer checks the kernels' accesses), copies are memcpy, every call is synchronous.
+// One device (ordinal 0) with a fixed UUID. IPC handles carry a magic, the exporting pid and the
+// allocation's address: they open only in the exporting process (real CUDA refuses that case;
+// the emulator needs it to run both ends of a store in one test process).
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "cuda/runtime.h"
 
 namespace refit::cuda::rt {
 namespace {
+
+// Live allocations (device and pinned), for address ranges and IPC handle checks.
+struct Allocations {
+  absl::Mutex mu;
+  std::map<uintptr_t, size_t> live ABSL_GUARDED_BY(mu);
+};
+Allocations& Live() {
+  static Allocations* const a = new Allocations;  // never destroyed: used until exit
+  return *a;
+}
+void Track(void* p, size_t bytes) {
+  absl::MutexLock l(&Live().mu);
+  Live().live[reinterpret_cast<uintptr_t>(p)] = bytes;
+}
+void Untrack(void* p) {
+  absl::MutexLock l(&Live().mu);
+  Live().live.erase(reinterpret_cast<uintptr_t>(p));
+}
+
+constexpr char kIpcMagic[8] = {'R', 'E', 'F', 'I', 'T', 'E', 'M', 'U'};
+
 uint64_t NowNs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
@@ -23,9 +55,99 @@ absl::StatusOr<std::string> Describe() {
 absl::Status Malloc(void** ptr, size_t bytes) {
   *ptr = std::malloc(bytes == 0 ? 1 : bytes);
   if (*ptr == nullptr) return absl::ResourceExhaustedError("emulated cudaMalloc: out of memory");
+  Track(*ptr, bytes);
   return absl::OkStatus();
 }
-void Free(void* ptr) noexcept { std::free(ptr); }
+void Free(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  Untrack(ptr);
+  std::free(ptr);
+}
+
+absl::Status SetDevice(int ordinal) {
+  if (ordinal != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("emulated cudaSetDevice(", ordinal, "): the emulator has device 0 only"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceInfo> GetDeviceInfo(int ordinal) {
+  if (ordinal != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("emulated device ", ordinal, " does not exist"));
+  }
+  DeviceInfo info;
+  info.ordinal = 0;
+  static constexpr uint8_t kUuid[kUuidBytes] = {0x72, 0x65, 0x66, 0x69, 0x74, 0x2d, 0x65, 0x6d,
+                                                0x75, 0x2d, 0x67, 0x70, 0x75, 0x2d, 0x30, 0x30};
+  std::memcpy(info.uuid.data(), kUuid, kUuidBytes);
+  info.name = "refit CPU emulator";
+  info.total_bytes = uint64_t{1} << 34;
+  info.cc_major = 9;
+  info.cc_minor = 0;
+  return info;
+}
+
+absl::StatusOr<void*> StreamCreate() { return static_cast<void*>(nullptr); }
+void StreamDestroy(void*) noexcept {}
+
+absl::Status HostAlloc(void** ptr, size_t bytes) { return Malloc(ptr, bytes); }
+void HostFree(void* ptr) noexcept { Free(ptr); }
+
+absl::Status CopyAsync(void* dst, const void* src, size_t bytes, void*) {
+  if (bytes != 0) std::memmove(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<void*, size_t>> MemGetAddressRange(const void* ptr) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  absl::MutexLock l(&Live().mu);
+  auto it = Live().live.upper_bound(p);
+  if (it != Live().live.begin()) {
+    --it;
+    if (p < it->first + std::max<size_t>(it->second, 1)) {
+      return std::make_pair(reinterpret_cast<void*>(it->first), it->second);
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "emulated cuMemGetAddressRange: 0x", absl::Hex(p), " is not emulated device memory"));
+}
+
+absl::Status IpcGetMemHandle(void* ptr, IpcHandle* handle) {
+  auto range = MemGetAddressRange(ptr);
+  if (!range.ok()) return range.status();
+  handle->fill(0);
+  std::memcpy(handle->data(), kIpcMagic, sizeof(kIpcMagic));
+  const uint64_t pid = static_cast<uint64_t>(getpid());
+  const uint64_t base = reinterpret_cast<uintptr_t>(range->first);
+  std::memcpy(handle->data() + 8, &pid, 8);
+  std::memcpy(handle->data() + 16, &base, 8);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> IpcOpenMemHandle(const IpcHandle& handle) {
+  uint64_t pid = 0, base = 0;
+  std::memcpy(&pid, handle.data() + 8, 8);
+  std::memcpy(&base, handle.data() + 16, 8);
+  if (std::memcmp(handle.data(), kIpcMagic, sizeof(kIpcMagic)) != 0) {
+    return absl::InvalidArgumentError("emulated cudaIpcOpenMemHandle: not an emulator IPC handle");
+  }
+  if (pid != static_cast<uint64_t>(getpid())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "emulated cudaIpcOpenMemHandle: the handle is of process ", pid,
+        "; emulated handles open only in the exporting process"));
+  }
+  {
+    absl::MutexLock l(&Live().mu);
+    if (!Live().live.contains(base)) {
+      return absl::InvalidArgumentError(
+          "emulated cudaIpcOpenMemHandle: the allocation was freed by its owner");
+    }
+  }
+  return reinterpret_cast<void*>(base);
+}
+
+absl::Status IpcCloseMemHandle(void*) { return absl::OkStatus(); }
 
 absl::Status MemsetAsync(void* dst, int value, size_t bytes, void*) {
   if (bytes != 0) std::memset(dst, value, bytes);

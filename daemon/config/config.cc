@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/device.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 
@@ -242,6 +243,19 @@ absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMa
   return file;
 }
 
+// A cuda_device_uuid field: a GPU UUID, and not together with cuda_device.
+absl::Status CheckGpuUuid(const Checker& c, absl::string_view section, const std::string& text,
+                          bool has_ordinal) {
+  const std::string path = absl::StrCat(section, ".cuda_device_uuid");
+  if (has_ordinal) {
+    return c.Fail(path, absl::StrCat("is set together with ", section,
+                                     ".cuda_device: name the GPU by ordinal or by UUID, not both"));
+  }
+  auto uuid = cuda::ParseUuid(text);
+  if (!uuid.ok()) return c.Fail(path, uuid.status().message());
+  return absl::OkStatus();
+}
+
 absl::Status MissingSection(const SourceMap& map, const v1::ConfigFile& file, const char* role) {
   const char* other = file.has_publisher() ? "publisher" : "subscriber";
   return absl::InvalidArgumentError(absl::StrCat(map.source_name(), ": no '", role,
@@ -260,6 +274,13 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
                                        p.local_socket(), endpoints));
   if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
     return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
+  }
+  if (p.codec().has_cuda_device_uuid()) {
+    if (p.codec().device() == v1::DEVICE_CPU) {
+      return c.Fail("publisher.codec.cuda_device_uuid", "is set, but codec.device is cpu");
+    }
+    RETURN_IF_ERROR(CheckGpuUuid(c, "publisher.codec", p.codec().cuda_device_uuid(),
+                                 p.codec().has_cuda_device()));
   }
   return absl::OkStatus();
 }
@@ -327,6 +348,13 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
   }
   if (store.has_cuda_device() && store.kind() != v1::STORE_KIND_CUDA) {
     return c.Fail("subscriber.store.cuda_device", "is set, but store.kind is not cuda");
+  }
+  if (store.has_cuda_device_uuid()) {
+    if (store.kind() != v1::STORE_KIND_CUDA) {
+      return c.Fail("subscriber.store.cuda_device_uuid", "is set, but store.kind is not cuda");
+    }
+    RETURN_IF_ERROR(CheckGpuUuid(c, "subscriber.store", store.cuda_device_uuid(),
+                                 store.has_cuda_device()));
   }
   if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
     return c.Fail("subscriber.leases.default_ttl_ms",

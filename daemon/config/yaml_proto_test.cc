@@ -341,7 +341,7 @@ void CheckSchema(const Descriptor* d) {
       continue;
     }
     EXPECT_TRUE(f->has_presence()) << f->full_name() << " should be `optional`";
-    const bool deliberately_unset = f->name() == "cuda_device";
+    const bool deliberately_unset = f->name() == "cuda_device" || f->name() == "cuda_device_uuid";
     EXPECT_TRUE(rules.has_default_value() || rules.required() || deliberately_unset)
         << f->full_name() << " has neither a default nor required";
   }
