@@ -4,6 +4,7 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
+from typing import Optional
 
 import grpc
 import torch
@@ -55,13 +56,36 @@ def channel_target(socket_path: str) -> str:
 
 
 class RefitError(RuntimeError):
-    """A failed call to a refitd daemon: `code` is the grpc.StatusCode."""
+    """A failed call to a refitd daemon, or a failed local step of one (mapping, CUDA IPC).
 
-    def __init__(self, what: str, target: str, err: grpc.RpcError):
+    `code` is the grpc.StatusCode of the failed call (None for local failures), `details` the
+    daemon's message (or the local one).
+
+    RefitError(what, target, rpc_error) names the call and the daemon it went to;
+    RefitError(message) (code= optional) is a local failure.
+    """
+
+    def __init__(self, what: str, target: Optional[str] = None,
+                 err: Optional[grpc.RpcError] = None, *, code: Optional[grpc.StatusCode] = None):
+        if err is None:
+            self.code = code
+            self.details = what
+            super().__init__(what)
+            return
         self.code = err.code() if hasattr(err, "code") else None
         self.details = err.details() if hasattr(err, "details") else str(err)
         name = self.code.name if self.code is not None else "UNKNOWN"
         super().__init__(f"{what} on {target}: {name}: {self.details}")
+
+
+class RefitTimeoutError(RefitError, TimeoutError):
+    """A wait that ended at its deadline (code DEADLINE_EXCEEDED): both a RefitError and a
+    TimeoutError."""
+
+
+class LeaseLostError(RefitError):
+    """A read lease expired (or was dropped by the daemon) before it was released: the leased
+    version's bytes may have been overwritten while in use."""
 
 
 def tensor_views(buf, name: str, offset: int, size: int, dtype: torch.dtype, shape) -> torch.Tensor:

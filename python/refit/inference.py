@@ -3,31 +3,53 @@
     from refit.inference import Consumer
     consumer = Consumer("/run/refitd/subscriber-local.sock", name="vllm-worker-0")
     v = consumer.wait_for_version(1, timeout=60)
-    with consumer.attach() as weights:       # read lease on the current version
+    with consumer.attach() as weights:       # read lease on the current version, renewed
         logits = run(weights["w"])            # torch views of the subscriber's store
     version = consumer.load_into(model)       # copy the current version into a module
 
-The tensors yielded by attach() are views of the subscriber's shared-memory store, mapped
-read-only (writing to them crashes the process). They hold that version's bytes only while the
-lease is held: after the `with` block (or once the lease's TTL expires) the slot may be reused by
-a later version. Not thread-safe: one thread per Consumer.
+The tensors yielded by attach() are views of the subscriber's store, zero copy:
+
+- a host store (ShmRegion): CPU tensors over the shared-memory object, mapped read-only (writing
+  to them crashes the process);
+- a CUDA store (CudaIpcRegion): CUDA tensors over the daemon's device memory, opened with CUDA IPC
+  on the local GPU whose UUID the layout names (whatever its ordinal in this process). They are
+  NOT write-protected: writing to them corrupts the subscriber's copy. docs/CUDA_IPC.md says what
+  the daemon's and this process's containers must share.
+
+They hold that version's bytes only while the lease is held: after the `with` block (or once the
+lease is lost) the slot may be reused by a later version. While the block runs, a background
+thread renews the lease every ttl/3; a lease that could not be kept (expired, dropped by the
+daemon) raises LeaseLostError when the block ends, and shows as `weights.lost` meanwhile. Not
+thread-safe: one thread per Consumer.
 """
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
-from typing import Dict, Iterator, Optional, Tuple
+import threading
+import time
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import grpc
 import torch
 
-from refit._common import RefitError, channel_target, map_file, tensor_views, torch_dtype
+from refit import _cuda
+from refit._common import (LeaseLostError, RefitError, channel_target, map_file, tensor_views,
+                           torch_dtype)
 from refit._proto import local_pb2, local_pb2_grpc
+
+# Renew a held lease this often, as a fraction of its TTL; never more often than every 5 ms.
+RENEW_FRACTION = 1.0 / 3.0
+MIN_RENEW_INTERVAL_S = 0.005
 
 
 class Weights(dict):
-    """name -> torch.Tensor of one leased version; also carries the lease."""
+    """name -> torch.Tensor of one leased version; also carries the lease.
+
+    `lost` turns True once the lease could not be kept (the renewal thread got NOT_FOUND, or
+    could not reach the daemon for longer than the TTL); `check()` raises the LeaseLostError
+    then, and so does the end of the `with` block."""
 
     def __init__(self, consumer: "Consumer", lease: local_pb2.Lease, tensors: Dict[str, torch.Tensor]):
         super().__init__(tensors)
@@ -38,11 +60,93 @@ class Weights(dict):
         self.version_digest: int = lease.layout.version_digest
         # The publisher's per-tensor digest (proto TensorLocation.digest).
         self.digests: Dict[str, int] = {t.spec.name: t.digest for t in lease.layout.tensors}
+        # CUDA devices the tensors live on (empty for a host store).
+        self.devices: List[torch.device] = sorted(
+            {t.device for t in tensors.values() if t.device.type == "cuda"},
+            key=lambda d: d.index or 0)
+        self.renewals: int = 0  # successful renewals (automatic and by hand)
+        self._lock = threading.Lock()
+        self._lost: Optional[LeaseLostError] = None
+        self._requested_ttl_ms = 0
 
     def renew(self, ttl_ms: int = 0) -> int:
-        """Extends the lease (0: the daemon's default TTL); returns the new TTL in ms."""
-        self.ttl_ms = self._consumer._renew(self.lease_id, ttl_ms)
-        return self.ttl_ms
+        """Extends the lease now (0: the daemon's default TTL) and makes later automatic renewals
+        ask for the same TTL; returns the new TTL in ms. LeaseLostError if it had expired."""
+        try:
+            ttl = self._consumer._renew(self.lease_id, ttl_ms, self.version)
+        except LeaseLostError as e:
+            self._mark_lost(e)
+            raise
+        with self._lock:
+            self._requested_ttl_ms = int(ttl_ms)
+            self.ttl_ms = ttl
+            self.renewals += 1
+        return ttl
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def check(self) -> None:
+        """Raises the LeaseLostError if the lease was lost (call it after a long read to learn
+        whether the bytes read were still the leased version's)."""
+        if self._lost is not None:
+            raise self._lost
+
+    def _mark_lost(self, err: LeaseLostError) -> None:
+        with self._lock:
+            if self._lost is None:
+                self._lost = err
+
+
+class _LeaseKeeper:
+    """Renews one lease every ttl/3 on a daemon thread until stopped or the lease is lost."""
+
+    def __init__(self, weights: Weights, requested_ttl_ms: int):
+        self._w = weights
+        self._w._requested_ttl_ms = int(requested_ttl_ms)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"refit-lease-{weights.lease_id:016x}")
+
+    def start(self) -> "_LeaseKeeper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        w = self._w
+        # The lease is good until `expires` (local clock, conservative: counted from before the
+        # call that set it).
+        expires = time.monotonic() + w.ttl_ms / 1000.0
+        while True:
+            interval = max(w.ttl_ms / 1000.0 * RENEW_FRACTION, MIN_RENEW_INTERVAL_S)
+            if self._stop.wait(interval):
+                return
+            sent = time.monotonic()
+            try:
+                ttl = w._consumer._renew(w.lease_id, w._requested_ttl_ms, w.version)
+            except LeaseLostError as e:
+                w._mark_lost(e)
+                return
+            except RefitError as e:
+                # Daemon unreachable or busy: retry on the next tick while the lease may still
+                # be alive; past its expiry it is lost for sure.
+                if time.monotonic() >= expires:
+                    w._mark_lost(LeaseLostError(
+                        f"Consumer '{w._consumer.name}': lease {w.lease_id:#x} on version "
+                        f"{w.version} expired: it could not be renewed for {w.ttl_ms} ms (last "
+                        f"error: {e}); the tensors may have been overwritten while in use",
+                        code=e.code))
+                    return
+                continue
+            with w._lock:
+                w.ttl_ms = ttl
+                w.renewals += 1
+            expires = sent + ttl / 1000.0
 
 
 class Consumer:
@@ -56,6 +160,12 @@ class Consumer:
         self._stub = local_pb2_grpc.ConsumerApiStub(self._channel)
         # Mappings of the store's objects, keyed by (path, st_dev, st_ino): mapped once each.
         self._maps: Dict[Tuple[str, int, int], mmap.mmap] = {}
+        # CUDA store: opened IPC handles, keyed by (handle, local ordinal), and the keys each held
+        # lease uses. Handles the newest layout and the held leases no longer use are dropped at
+        # the next attach (closed once no tensor refers to them), all of them on close().
+        self._ipc: Dict[Tuple[bytes, int], _cuda.IpcMapping] = {}
+        self._lease_keys: Dict[int, Set[Tuple[bytes, int]]] = {}
+        self._devices: Optional[List[Tuple[int, bytes]]] = None  # (ordinal, UUID), lazily
 
     # ---- versions ---------------------------------------------------------------------------
 
@@ -91,10 +201,17 @@ class Consumer:
     # ---- leases -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def attach(self, version: Optional[int] = None, ttl_ms: int = 0) -> Iterator[Weights]:
+    def attach(self, version: Optional[int] = None, ttl_ms: int = 0, *,
+               auto_renew: bool = True) -> Iterator[Weights]:
         """Takes a read lease on `version` (None: the current one) and yields its tensors
-        (name -> torch.Tensor, zero copy); releases the lease on exit. `ttl_ms` 0: the daemon's
-        leases.default_ttl_ms (renew long reads with weights.renew())."""
+        (name -> torch.Tensor, zero copy: CPU tensors for a host store, CUDA tensors for a CUDA
+        store); releases the lease on exit.
+
+        `ttl_ms` 0: the daemon's leases.default_ttl_ms. With `auto_renew` (default) a background
+        thread renews the lease every ttl/3 while the block runs. A lease lost meanwhile (or,
+        without auto_renew, expired) raises LeaseLostError when the block ends, unless the block
+        raised an exception of its own. With CUDA tensors, exiting first waits for the work
+        queued on their devices (kernels still reading the weights) before releasing."""
         req = local_pb2.AcquireLeaseRequest(consumer=self.name, ttl_ms=int(ttl_ms))
         if version is not None:
             req.version = int(version)
@@ -105,19 +222,21 @@ class Consumer:
             raise RefitError(f"Consumer '{self.name}': AcquireLease ({what})", self.target,
                              e) from None
         try:
-            weights = Weights(self, lease, self._tensors_of(lease.layout))
+            tensors, keys = self._tensors_of(lease.layout)
+            weights = Weights(self, lease, tensors)
         except BaseException:
             self._release(lease.lease_id, lease.version, quiet=True)
             raise
+        self._lease_keys[lease.lease_id] = keys
+        self._prune_ipc(keys)
+        keeper = _LeaseKeeper(weights, ttl_ms).start() if auto_renew else None
         try:
             yield weights
         except BaseException:
             # Keep the caller's exception: a failed release must not mask it.
-            weights.clear()
-            self._release(lease.lease_id, lease.version, quiet=True)
+            self._end_lease(weights, keeper, quiet=True)
             raise
-        weights.clear()
-        self._release(lease.lease_id, lease.version, quiet=False)
+        self._end_lease(weights, keeper, quiet=False)
 
     def load_into(self, module: torch.nn.Module, version: Optional[int] = None, *,
                   strict: bool = True, ttl_ms: int = 0) -> int:
@@ -150,7 +269,11 @@ class Consumer:
             return w.version
 
     def close(self) -> None:
-        self._maps.clear()  # mmaps close once no tensor refers to them
+        """Closes the channel and drops the mappings (shared memory and CUDA IPC): each closes
+        once no tensor refers to it."""
+        self._maps.clear()
+        self._ipc.clear()
+        self._lease_keys.clear()
         self._channel.close()
 
     def __enter__(self) -> "Consumer":
@@ -161,12 +284,41 @@ class Consumer:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _renew(self, lease_id: int, ttl_ms: int) -> int:
+    def _end_lease(self, weights: Weights, keeper: Optional[_LeaseKeeper], quiet: bool) -> None:
+        """Stops the renewals, waits for the CUDA work that may still read the tensors, releases
+        the lease. Not quiet: raises a CUDA error, or LeaseLostError if the lease was lost."""
+        if keeper is not None:
+            keeper.stop()
+        sync_error: Optional[BaseException] = None
+        try:
+            for device in weights.devices:
+                torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - reported below, after the release
+            sync_error = e
+        weights.clear()
+        self._lease_keys.pop(weights.lease_id, None)
+        if quiet or sync_error is not None or weights.lost:
+            self._release(weights.lease_id, weights.version, quiet=True)
+            if quiet:
+                return
+            if sync_error is not None:
+                raise sync_error
+            weights.check()
+            return
+        self._release(weights.lease_id, weights.version, quiet=False)
+
+    def _renew(self, lease_id: int, ttl_ms: int, version: Optional[int] = None) -> int:
         try:
             r = self._stub.RenewLease(local_pb2.RenewLeaseRequest(lease_id=lease_id, ttl_ms=ttl_ms),
                                       timeout=self.timeout)
         except grpc.RpcError as e:
-            raise RefitError(f"Consumer '{self.name}': RenewLease {lease_id:#x}", self.target,
+            of = f" (version {version})" if version is not None else ""
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise LeaseLostError(
+                    f"Consumer '{self.name}': RenewLease {lease_id:#x}{of}: the lease had expired "
+                    "or was dropped, so the tensors may have been overwritten while in use",
+                    self.target, e) from None
+            raise RefitError(f"Consumer '{self.name}': RenewLease {lease_id:#x}{of}", self.target,
                              e) from None
         return r.ttl_ms
 
@@ -178,10 +330,11 @@ class Consumer:
             if quiet:
                 return
             if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise RefitError(
+                raise LeaseLostError(
                     f"Consumer '{self.name}': ReleaseLease {lease_id:#x} (version {version}): the "
                     "lease had expired before release, so the tensors may have been overwritten "
-                    "while in use (renew it or pass a longer ttl_ms)", self.target, e) from None
+                    "while in use (keep auto_renew on, or pass a longer ttl_ms)", self.target,
+                    e) from None
             raise RefitError(f"Consumer '{self.name}': ReleaseLease {lease_id:#x}", self.target,
                              e) from None
 
@@ -200,24 +353,30 @@ class Consumer:
             self._maps[key] = m
         return m
 
-    def _tensors_of(self, layout: local_pb2.Layout) -> Dict[str, torch.Tensor]:
+    def _tensors_of(self, layout: local_pb2.Layout
+                    ) -> Tuple[Dict[str, torch.Tensor], Set[Tuple[bytes, int]]]:
+        """The layout's tensors, and the CUDA IPC mappings (keys of self._ipc) they use."""
         out: Dict[str, torch.Tensor] = {}
+        keys: Set[Tuple[bytes, int]] = set()
         for loc in layout.tensors:
             name = loc.spec.name
-            if loc.WhichOneof("region") != "shm":
-                raise NotImplementedError(f"tensor '{name}': region {loc.WhichOneof('region')} is "
-                                          "not supported by this client (CUDA IPC: issue 4)")
-            shm = loc.shm
-            if shm.WhichOneof("object") == "path":
-                path = shm.path
-            else:
-                path = "/dev/shm/" + shm.shm_name.lstrip("/")
             dtype = torch_dtype(name, loc.spec.dtype)
             shape = list(loc.spec.shape)
             n = 1
             for d in shape:
                 n *= d
             size = n * torch.empty((), dtype=dtype).element_size()
+            kind = loc.WhichOneof("region")
+            if kind == "cuda_ipc":
+                out[name] = self._cuda_tensor(name, loc.cuda_ipc, dtype, shape, size, keys)
+                continue
+            if kind != "shm":
+                raise ValueError(f"tensor '{name}': the layout gives no region for it ({kind})")
+            shm = loc.shm
+            if shm.WhichOneof("object") == "path":
+                path = shm.path
+            else:
+                path = "/dev/shm/" + shm.shm_name.lstrip("/")
             if size != shm.size_bytes:
                 raise ValueError(f"tensor '{name}': region of {shm.size_bytes} bytes, but "
                                  f"{dtype} x {shape} is {size} bytes")
@@ -226,7 +385,44 @@ class Consumer:
                 raise ValueError(f"tensor '{name}': region [{shm.offset}, {shm.offset + size}) "
                                  f"is outside {path} ({len(m)} bytes)")
             out[name] = tensor_views(m, name, shm.offset, size, dtype, shape)
-        return out
+        return out, keys
+
+    def _local_devices(self) -> List[Tuple[int, bytes]]:
+        if self._devices is None:
+            self._devices = _cuda.local_devices()
+        return self._devices
+
+    def _cuda_tensor(self, name: str, region, dtype: torch.dtype, shape, size: int,
+                     keys: Set[Tuple[bytes, int]]) -> torch.Tensor:
+        handle, uuid = bytes(region.ipc_handle), bytes(region.device_uuid)
+        _cuda.check_cuda_region(name, handle, uuid, region.offset, region.size_bytes,
+                                region.allocation_bytes, size)
+        if not torch.cuda.is_available():
+            raise _cuda.CudaIpcError(_cuda.cuda_unavailable_message(name, uuid, torch.version.cuda))
+        devices = self._local_devices()
+        ordinal = _cuda.choose_ordinal(uuid, devices)
+        if ordinal is None:
+            raise _cuda.CudaIpcError(_cuda.not_visible_message(name, uuid, devices))
+        key = (handle, ordinal)
+        mapping = self._ipc.get(key)
+        if mapping is None:
+            try:
+                mapping = _cuda.open_handle(handle, ordinal)
+            except _cuda.CudaIpcError as e:
+                raise _cuda.CudaIpcError(_cuda.open_failed_message(name, uuid, ordinal,
+                                                                   e.details)) from None
+            self._ipc[key] = mapping
+        keys.add(key)
+        return _cuda.device_tensor(mapping, int(region.offset), size, dtype, shape)
+
+    def _prune_ipc(self, current: Set[Tuple[bytes, int]]) -> None:
+        """Drops the IPC mappings that neither the newest layout nor a held lease uses (the
+        daemon re-allocated its store: layout_changed)."""
+        keep = set(current)
+        for ks in self._lease_keys.values():
+            keep |= ks
+        for k in [k for k in self._ipc if k not in keep]:
+            del self._ipc[k]
 
 
 class _EndedStream(grpc.RpcError):

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import time
+from typing import Optional
 
 
 def refitd_binary() -> str:
@@ -81,17 +82,55 @@ class Daemon:
             self.proc.wait()
 
 
-def publisher_yaml(name: str, directory: str) -> str:
+def _server_tls_yaml(key: str, tls: Optional[dict]) -> str:
+    """`tls` = {"cert": ..., "key": ..., "ca": ...} -> a ServerTls block under `key`."""
+    if not tls:
+        return ""
+    return f"  {key}:\n" + "".join(f"    {k}: {json.dumps(v)}\n" for k, v in tls.items())
+
+
+def _control_yaml(control_listen: Optional[str], control_tls: Optional[dict]) -> str:
+    y = ""
+    if control_listen:
+        y += f"  control_listen: {json.dumps(control_listen)}\n"
+    return y + _server_tls_yaml("control_tls", control_tls)
+
+
+def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] = None,
+                   control_tls: Optional[dict] = None) -> str:
+    """A publisher on 127.0.0.1:0 with its local socket in `directory`; optionally a separate
+    Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths)."""
     return (f"publisher:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"
             f"  ready_file: @READY@\n"
+            f"{_control_yaml(control_listen, control_tls)}"
             f"  codec:\n    device: cpu\n    threads: 2\n")
 
 
-def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3) -> str:
+def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
+                    lease_default_ttl_ms: Optional[int] = None,
+                    lease_max_ttl_ms: Optional[int] = None,
+                    control_listen: Optional[str] = None,
+                    control_tls: Optional[dict] = None, store_kind: str = "shm",
+                    cuda_device_uuid: Optional[str] = None) -> str:
+    """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
+    device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
+    max_ttl_ms) and a separate Control listener with TLS."""
+    leases = ""
+    if lease_default_ttl_ms is not None or lease_max_ttl_ms is not None:
+        leases = "  leases:\n"
+        if lease_default_ttl_ms is not None:
+            leases += f"    default_ttl_ms: {int(lease_default_ttl_ms)}\n"
+        if lease_max_ttl_ms is not None:
+            leases += f"    max_ttl_ms: {int(lease_max_ttl_ms)}\n"
+    store = f"  store:\n    kind: {store_kind}\n    slots: {slots}\n"
+    if store_kind == "shm":
+        store += f"    shm_prefix: \"/refit-py-{os.getpid()}-{name}-\"\n"
+    if cuda_device_uuid:
+        store += f"    cuda_device_uuid: {json.dumps(cuda_device_uuid)}\n"
     return (f"subscriber:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
@@ -100,6 +139,7 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3) ->
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"
             f"  ready_file: @READY@\n"
-            f"  store:\n    kind: shm\n    shm_prefix: \"/refit-py-{os.getpid()}-{name}-\"\n"
-            f"    slots: {slots}\n"
+            f"{_control_yaml(control_listen, control_tls)}"
+            f"{store}"
+            f"{leases}"
             f"  staging:\n    threads: 2\n")

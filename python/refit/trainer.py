@@ -7,21 +7,31 @@
     trainer.update(dict(model.state_dict()))  # or write into `weights` in place
     result = trainer.publish()                # result.version, .committed, .snapshot_micros
 
-Mirrors client/trainer_client.h: every tensor lives in ONE memfd (256-byte aligned offsets),
-registered as ShmRegion path "/proc/<pid>/fd/<fd>"; the publisher maps that path (same uid or
-ptrace access needed). After publish() returns, the tensors may be modified again. Not
-thread-safe: one thread drives a Trainer.
+CPU tensors: mirrors client/trainer_client.h: every CPU tensor is copied into ONE memfd (256-byte
+aligned offsets), registered as ShmRegion path "/proc/<pid>/fd/<fd>"; the publisher maps that path
+(same uid or ptrace access needed).
+
+CUDA tensors are shared in place, never copied: each is registered as a CudaIpcRegion (the legacy
+IPC handle of the allocation holding it, the GPU's UUID, the tensor's offset in the allocation),
+and the publisher snapshots it with a device-to-device copy on Publish. The Trainer keeps the
+registered tensors alive until the next register() or close(); the caller keeps writing into them
+(an optimizer stepping its parameters in place, or update()). See docs/CUDA_IPC.md for what the
+trainer's and the daemon's containers must share.
+
+After publish() returns, the tensors may be modified again. Not thread-safe: one thread drives a
+Trainer.
 """
 from __future__ import annotations
 
 import dataclasses
 import mmap
 import os
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import grpc
 import torch
 
+from refit import _cuda
 from refit._common import RefitError, channel_target, refit_dtype, tensor_views
 from refit._proto import local_pb2, local_pb2_grpc
 
@@ -60,16 +70,24 @@ class Trainer:
         self._map: Optional[mmap.mmap] = None
         self._tensors: Dict[str, torch.Tensor] = {}
         self._request: Optional[local_pb2.RegisterTensorsRequest] = None
+        self._registered = False
+        # CUDA devices holding registered tensors: synchronized before each Publish.
+        self._cuda_devices: List[torch.device] = []
+        self._uuids: Dict[int, bytes] = {}  # ordinal -> GPU UUID
 
     # ---- registration -----------------------------------------------------------------------
 
     def register(self, tensors: Mapping[str, torch.Tensor]) -> RegisterResult:
-        """Copies `tensors` (CPU, name -> tensor) into a new memfd and registers them (replacing
-        this client's earlier registration). The shared views are `self.tensors`: writes to them
-        are what the next publish() snapshots."""
+        """Registers `tensors` (name -> tensor), replacing this client's earlier registration.
+
+        CPU tensors are copied into a new memfd; CUDA tensors (contiguous) are shared in place
+        through CUDA IPC and must stay where they are (the Trainer holds a reference). The tensors
+        to write into are `self.tensors`: the memfd views for CPU tensors, the very tensors given
+        for CUDA ones. Whatever they hold is what the next publish() snapshots."""
         if not tensors:
             raise ValueError("Trainer.register: no tensors (at least one is needed)")
-        layout = []
+        layout = []      # CPU (and empty) tensors: (name, tensor, dtype, memfd offset, bytes)
+        cuda = []        # CUDA tensors: (name, tensor, dtype)
         offset = 0
         for name, t in tensors.items():
             if not isinstance(name, str) or not name:
@@ -77,34 +95,66 @@ class Trainer:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Trainer.register: tensor '{name}' is a {type(t).__name__}, "
                                 "not a torch.Tensor")
-            if t.device.type != "cpu":
-                raise ValueError(f"Trainer.register: tensor '{name}' is on {t.device}; only CPU "
-                                 "tensors are supported (CUDA IPC: issue 4)")
             dtype = refit_dtype(name, t.dtype)
             size = t.numel() * t.element_size()
+            if t.device.type == "cuda" and size > 0:
+                if not t.is_contiguous():
+                    raise ValueError(f"Trainer.register: CUDA tensor '{name}' is not contiguous "
+                                     "(register t.contiguous() and write into that tensor)")
+                cuda.append((name, t.detach(), dtype))
+                continue
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"Trainer.register: tensor '{name}' is on {t.device}; only CPU "
+                                 "and CUDA tensors are supported")
+            # CPU tensors, and empty CUDA ones (no memory to share: a 0-byte region says it all).
             offset = (offset + self.alignment - 1) & ~(self.alignment - 1)
             layout.append((name, t, dtype, offset, size))
             offset += size
-        total = max(offset, 1)
 
-        fd = os.memfd_create(f"refit-trainer-{self.client}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, total)
-            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
-        views: Dict[str, torch.Tensor] = {}
         req = local_pb2.RegisterTensorsRequest(client=self.client)
+        views: Dict[str, torch.Tensor] = {}
+        # CUDA regions first (no side effects to undo if one cannot be exported).
+        cuda_regions = {}
+        for name, t, dtype in cuda:
+            cuda_regions[name] = _cuda.export_tensor(name, t, self._uuids)
+        fd, mm = None, None
+        if layout:
+            total = max(offset, 1)
+            fd = os.memfd_create(f"refit-trainer-{self.client}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, total)
+                mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
         path = f"/proc/{os.getpid()}/fd/{fd}"
-        for name, t, dtype, off, size in layout:
-            v = tensor_views(mm, name, off, size, t.dtype, t.shape)
-            with torch.no_grad():
-                v.copy_(t.detach())
-            views[name] = v
+        # Entries in the caller's order.
+        cpu_index = {entry[0]: entry for entry in layout}
+        cuda_index = {entry[0]: entry for entry in cuda}
+        for name in tensors:
             loc = req.tensors.add()
             loc.spec.name = name
+            if name in cuda_index:
+                _, t, dtype = cuda_index[name]
+                r = cuda_regions[name]
+                loc.spec.dtype = dtype
+                loc.spec.shape.extend(int(d) for d in t.shape)
+                loc.cuda_ipc.ipc_handle = r.ipc_handle
+                loc.cuda_ipc.device_uuid = r.device_uuid
+                loc.cuda_ipc.offset = r.offset
+                loc.cuda_ipc.size_bytes = r.size_bytes
+                loc.cuda_ipc.allocation_bytes = r.allocation_bytes
+                views[name] = t
+                continue
+            _, t, dtype, off, size = cpu_index[name]
+            if t.device.type == "cuda":  # empty: nothing to share, keep the caller's tensor
+                v = t.detach()
+            else:
+                v = tensor_views(mm, name, off, size, t.dtype, t.shape)
+                with torch.no_grad():
+                    v.copy_(t.detach())
+            views[name] = v
             loc.spec.dtype = dtype
             loc.spec.shape.extend(int(d) for d in t.shape)
             loc.shm.path = path
@@ -114,12 +164,16 @@ class Trainer:
             resp = self._stub.RegisterTensors(req, timeout=self.timeout)
         except grpc.RpcError as e:
             views.clear()
-            os.close(fd)
-            raise RefitError(f"Trainer '{self.client}': RegisterTensors ({len(layout)} tensors)",
+            if fd is not None:
+                os.close(fd)
+            what = f"{len(req.tensors)} tensors" + (f", {len(cuda)} on CUDA" if cuda else "")
+            raise RefitError(f"Trainer '{self.client}': RegisterTensors ({what})",
                              self.target, e) from None
-        # The new registration replaced the old one: drop the old memfd.
+        # The new registration replaced the old one: drop the old memfd and CUDA tensors.
         self._drop_memory()
         self._fd, self._map, self._tensors, self._request = fd, mm, views, req
+        self._registered = True
+        self._cuda_devices = sorted({t.device for _, t, _ in cuda}, key=lambda d: d.index or 0)
         return RegisterResult(resp.clients, resp.tensors, resp.bytes)
 
     @property
@@ -129,7 +183,10 @@ class Trainer:
 
     @property
     def proc_path(self) -> str:
+        """The memfd's /proc path (CPU tensors); RuntimeError if no CPU tensor is registered."""
         self._need_registered("proc_path")
+        if self._fd is None:
+            raise RuntimeError(f"Trainer '{self.client}': proc_path: no CPU tensor is registered")
         return f"/proc/{os.getpid()}/fd/{self._fd}"
 
     def update(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -151,8 +208,14 @@ class Trainer:
 
     def publish(self, version: Optional[int] = None) -> PublishResult:
         """The publisher snapshots the current tensor bytes as (this client's share of) `version`
-        (None: newest + 1). Returns once the snapshot is taken."""
+        (None: newest + 1). Returns once the snapshot is taken.
+
+        With CUDA tensors registered, first waits for the work queued on their devices (the
+        writes of the last optimizer step) to finish: the publisher copies them on its own
+        stream."""
         self._need_registered("publish")
+        for device in self._cuda_devices:
+            torch.cuda.synchronize(device)
         req = local_pb2.LocalPublishRequest(client=self.client)
         if version is not None:
             req.version = int(version)
@@ -173,7 +236,9 @@ class Trainer:
 
     def close(self) -> None:
         """Closes the channel and the memfd (the publisher keeps its own mapping until it
-        unregisters or replaces the client). Views returned earlier stay valid."""
+        unregisters or replaces the client) and drops the references to registered CUDA tensors.
+        Views returned earlier stay valid. Call unregister() first if the process goes on and
+        may free the CUDA tensors."""
         self._drop_memory()
         self._tensors = {}
         self._channel.close()
@@ -187,7 +252,7 @@ class Trainer:
     # ---- internals --------------------------------------------------------------------------
 
     def _need_registered(self, what: str) -> None:
-        if self._fd is None:
+        if not self._registered:
             raise RuntimeError(f"Trainer '{self.client}': {what} before register()")
 
     def _drop_memory(self) -> None:
@@ -196,6 +261,8 @@ class Trainer:
         if self._fd is not None:
             os.close(self._fd)
         self._fd, self._map = None, None
+        self._registered = False
+        self._cuda_devices = []
 
 
 __all__ = ["Trainer", "PublishResult", "RegisterResult"]
