@@ -52,7 +52,16 @@ absl::StatusOr<std::string> Describe() {
   return std::string("refit CPU emulator (no GPU; kernels run as host fibers)");
 }
 
+// The emulated device's memory (GetDeviceInfo's total_bytes): larger requests fail as cudaMalloc
+// would, before malloc (which AddressSanitizer would abort on).
+constexpr size_t kEmulatedMemory = size_t{1} << 34;
+
 absl::Status Malloc(void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  if (bytes > kEmulatedMemory) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "emulated cudaMalloc of ", bytes, " bytes: the emulated device has ", kEmulatedMemory));
+  }
   *ptr = std::malloc(bytes == 0 ? 1 : bytes);
   if (*ptr == nullptr) return absl::ResourceExhaustedError("emulated cudaMalloc: out of memory");
   Track(*ptr, bytes);
@@ -82,7 +91,7 @@ absl::StatusOr<DeviceInfo> GetDeviceInfo(int ordinal) {
                                                 0x75, 0x2d, 0x67, 0x70, 0x75, 0x2d, 0x30, 0x30};
   std::memcpy(info.uuid.data(), kUuid, kUuidBytes);
   info.name = "refit CPU emulator";
-  info.total_bytes = uint64_t{1} << 34;
+  info.total_bytes = kEmulatedMemory;
   info.cc_major = 9;
   info.cc_minor = 0;
   return info;

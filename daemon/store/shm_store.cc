@@ -91,7 +91,8 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
 
 ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
                    uint8_t* map, uint64_t total_bytes, const char* backing)
-    : SlottedStore(std::move(layout), std::move(bases), options),
+    : SlottedStore(std::move(layout), std::move(bases), options,
+                   std::make_unique<HostMemory>(options.threads)),
       fd_(fd),
       map_(map),
       total_bytes_(total_bytes),

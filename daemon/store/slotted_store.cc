@@ -113,9 +113,10 @@ absl::Status SlottedStore::CheckOptions(const StoreOptions& o) {
 }
 
 SlottedStore::SlottedStore(Layout layout, std::vector<uint8_t*> slot_base,
-                           const StoreOptions& options)
+                           const StoreOptions& options, std::unique_ptr<TensorMemory> memory)
     : layout_(std::move(layout)),
       slot_base_(std::move(slot_base)),
+      memory_(std::move(memory)),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
       default_ttl_(std::min(options.default_ttl, options.max_ttl)),
       max_ttl_(options.max_ttl),

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@ struct StoreOptions {
   absl::Duration default_ttl = absl::Seconds(60);  // config leases.default_ttl_ms
   absl::Duration max_ttl = absl::Seconds(600);     // config leases.max_ttl_ms
   int max_leases = 1024;                           // config leases.max_leases
+  int threads = 0;  // CPU threads of host-memory patch application and digests (0 = all)
 };
 
 class SlottedStore : public TensorStore {
@@ -39,6 +41,7 @@ class SlottedStore : public TensorStore {
   // Default arguments repeat TensorStore's (same values), so calls through either type agree.
   const Layout& layout() const override { return layout_; }
   int num_slots() const override { return static_cast<int>(slot_base_.size()); }
+  TensorMemory& memory() const override { return *memory_; }
 
   absl::StatusOr<StagingHandle> BeginStage(uint64_t version) override;
   absl::Status Commit(const StagingHandle& handle) override;
@@ -58,8 +61,9 @@ class SlottedStore : public TensorStore {
   // Validates options (InvalidArgument) without constructing.
   static absl::Status CheckOptions(const StoreOptions& options);
   // slot_base[i] points at slot i's slot_bytes() bytes; owned by the subclass, which must keep
-  // them valid for the store's life.
-  SlottedStore(Layout layout, std::vector<uint8_t*> slot_base, const StoreOptions& options);
+  // them valid for the store's life. `memory` reads and writes them.
+  SlottedStore(Layout layout, std::vector<uint8_t*> slot_base, const StoreOptions& options,
+               std::unique_ptr<TensorMemory> memory);
 
  private:
   struct Slot {
@@ -82,6 +86,7 @@ class SlottedStore : public TensorStore {
 
   const Layout layout_;
   const std::vector<uint8_t*> slot_base_;
+  const std::unique_ptr<TensorMemory> memory_;
   Clock* const clock_;
   const absl::Duration default_ttl_;
   const absl::Duration max_ttl_;

@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/store/tensor_memory.h"
 
 namespace refit::store {
 
@@ -144,6 +145,8 @@ class TensorStore {
 
   virtual const Layout& layout() const = 0;
   virtual int num_slots() const = 0;
+  // How to read and write the spans this store hands out (host memory or a GPU's).
+  virtual TensorMemory& memory() const = 0;
 
   // Opens a staging of `version` (must exceed every version committed so far and be non-zero;
   // FAILED_PRECONDITION otherwise, so a patch is never applied twice). One staging at a time

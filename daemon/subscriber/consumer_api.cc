@@ -75,9 +75,10 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
   }
-  const store::ShmStore& st = *lease.store;
-  const std::string path = st.ProcPath();
-  const store::Layout& layout = st.layout();
+  const auto* shm_store = dynamic_cast<const store::ShmStore*>(lease.store.get());
+  const auto* cuda_store = dynamic_cast<const store::CudaStore*>(lease.store.get());
+  const std::string path = shm_store != nullptr ? shm_store->ProcPath() : std::string();
+  const store::Layout& layout = lease.store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
     v1::TensorLocation* loc = out.add_tensors();
@@ -85,10 +86,23 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     spec->set_name(ti.name);
     spec->set_dtype(sync::ToProtoDType(ti.dtype));
     for (uint64_t d : ti.shape) spec->add_shape(d);
-    v1::ShmRegion* shm = loc->mutable_shm();
-    shm->set_path(path);
-    shm->set_offset(st.TensorOffset(lease.lease.slot, i));
-    shm->set_size_bytes(ti.size_bytes);
+    if (cuda_store != nullptr) {
+      // The leased slot's allocation; the consumer opens it on the GPU with this UUID, whatever
+      // that GPU's ordinal is in its own process.
+      v1::CudaIpcRegion* ipc = loc->mutable_cuda_ipc();
+      const cuda::IpcHandle& handle = cuda_store->slot_handle(lease.lease.slot);
+      ipc->set_ipc_handle(handle.data(), handle.size());
+      const cuda::Uuid& uuid = cuda_store->device().info().uuid;
+      ipc->set_device_uuid(uuid.data(), uuid.size());
+      ipc->set_offset(cuda_store->TensorOffset(i));
+      ipc->set_size_bytes(ti.size_bytes);
+      ipc->set_allocation_bytes(cuda_store->allocation_bytes());
+    } else if (shm_store != nullptr) {
+      v1::ShmRegion* shm = loc->mutable_shm();
+      shm->set_path(path);
+      shm->set_offset(shm_store->TensorOffset(lease.lease.slot, i));
+      shm->set_size_bytes(ti.size_bytes);
+    }
     auto it = digests.find(ti.name);
     if (it != digests.end()) loc->set_digest(it->second);
   }

@@ -51,7 +51,7 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   const VersionRecord applied = core_->applied_record();
   response->set_version(applied.version);
   response->set_version_digest(applied.version_digest);
-  if (std::shared_ptr<store::ShmStore> st = core_->store(); st != nullptr) {
+  if (std::shared_ptr<store::SlottedStore> st = core_->store(); st != nullptr) {
     uint64_t bytes = 0;
     for (const store::TensorInfo& ti : st->layout().tensors()) bytes += ti.size_bytes;
     response->set_tensors(static_cast<uint32_t>(st->layout().size()));
@@ -174,7 +174,19 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
   std::vector<std::string> bad;
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
-    const uint64_t actual = TensorDigest(lease->lease.spans[i], options_.verify_threads);
+    // Host stores: the CPU digest with the configured threads; GPU stores: the digest kernel.
+    uint64_t actual = 0;
+    if (lease->store->memory().host_accessible()) {
+      actual = TensorDigest(lease->lease.spans[i], options_.verify_threads);
+    } else {
+      absl::StatusOr<uint64_t> d = lease->store->memory().Digest(lease->lease.spans[i]);
+      if (!d.ok()) {
+        (void)core_->ReleaseLease(lease->lease.lease_id);
+        return ToGrpcStatus(absl::Status(
+            d.status().code(), absl::StrCat("Verify: digest of '", ti.name, "': ", d.status().message())));
+      }
+      actual = *d;
+    }
     v1::TensorVerification* tv = response->add_tensors();
     tv->set_name(ti.name);
     tv->set_actual(actual);

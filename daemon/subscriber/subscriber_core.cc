@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
 
@@ -20,11 +21,11 @@ struct SubscriberCore::Transfer {
   std::vector<DType> dtypes;         // by header index
   std::vector<uint64_t> bytes;       // by header index
   std::vector<size_t> layout_index;  // header index -> index in target->layout()
-  std::shared_ptr<store::ShmStore> target;  // the store staged into
+  std::shared_ptr<store::SlottedStore> target;  // the store staged into
   bool new_generation = false;
   // New generation with bases: a lease on the old store's applied version, and for each header
   // index the old layout index of its base (UNCHANGED / PATCH only).
-  std::shared_ptr<store::ShmStore> old_store;
+  std::shared_ptr<store::SlottedStore> old_store;
   std::optional<store::Lease> old_lease;
   std::vector<size_t> old_index;
   std::optional<store::StagingHandle> handle;
@@ -95,6 +96,21 @@ void SubscriberCore::CollectRetiredLocked() {
 bool SubscriberCore::transfer_open() const {
   absl::MutexLock lock(&mu_);
   return transfer_ != nullptr;
+}
+
+absl::StatusOr<std::shared_ptr<store::SlottedStore>> SubscriberCore::CreateStoreLocked(
+    const store::Layout& layout) {
+  if (options_.device != nullptr) {
+    store::CudaStoreOptions o;
+    static_cast<store::StoreOptions&>(o) = options_.store;
+    o.device = options_.device;
+    ASSIGN_OR_RETURN(std::unique_ptr<store::CudaStore> created, store::CudaStore::Create(layout, o));
+    return std::shared_ptr<store::SlottedStore>(std::move(created));
+  }
+  store::ShmStoreOptions o = options_.store;
+  o.threads = options_.threads;
+  ASSIGN_OR_RETURN(std::unique_ptr<store::ShmStore> created, store::ShmStore::Create(layout, o));
+  return std::shared_ptr<store::SlottedStore>(std::move(created));
 }
 
 absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
@@ -214,7 +230,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   if (store_ != nullptr && store_->layout().SameManifest(*layout)) {
     t->target = store_;
   } else {
-    auto created = store::ShmStore::Create(*layout, options_.store);
+    auto created = CreateStoreLocked(*layout);
     if (!created.ok()) {
       return absl::Status(created.status().code(),
                           absl::StrCat("header for version ", v, ": cannot create a store: ",
@@ -275,7 +291,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
     absl::Status st;
     if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
       sync::ObjectSpec spec{ti, 0, tp.spec().name(), t->bytes[i], true, true, {}};
-      if (t->handle.has_value()) {
+      if (t->handle.has_value() && t->target->memory().host_accessible()) {
         spec.buffer = t->handle->out[t->layout_index[i]];
         t->in_slot[i] = true;
       }
@@ -376,14 +392,15 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
     const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
     const uint32_t ti = static_cast<uint32_t>(i);
     std::span<uint8_t> out = t.handle->out[t.layout_index[i]];
+    store::TensorMemory& mem = t.target->memory();
     absl::Status st;
     switch (tp.delivery()) {
       case v1::DELIVERY_UNCHANGED: {
         std::span<const uint8_t> b = t.Base(i);
         if (b.size() != out.size()) {
           st = absl::InternalError("base size differs");
-        } else if (!out.empty()) {
-          std::memmove(out.data(), b.data(), out.size());
+        } else {
+          st = mem.Copy(out, b);
         }
         break;
       }
@@ -392,8 +409,8 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
           auto obj = t.assembler->Object(ti, 0);
           if (!obj.ok()) {
             st = obj.status();
-          } else if (!out.empty()) {
-            std::memcpy(out.data(), obj->data(), out.size());
+          } else {
+            st = mem.Upload(out, *obj);
           }
         }
         break;
@@ -406,8 +423,8 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
             st = patch.status();
             break;
           }
-          st = ApplyPatch(*patch, t.dtypes[i], p == 0 ? t.Base(i) : std::span<const uint8_t>(out),
-                          out, options_.threads);
+          st = mem.Apply(*patch, t.dtypes[i], p == 0 ? t.Base(i) : std::span<const uint8_t>(out),
+                         out);
           if (!st.ok()) {
             st = absl::Status(st.code(), absl::StrCat("patch step ", p, " (", tp.steps(p).base_version(),
                                                       " -> ", tp.steps(p).target_version(),
@@ -436,7 +453,16 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   std::vector<std::string> mismatched;
   std::vector<std::string> mismatch_desc;
   for (size_t i = 0; i < n; ++i) {
-    digests[i] = TensorDigest(t.handle->out[t.layout_index[i]], options_.threads);
+    auto digest = t.target->memory().Digest(t.handle->out[t.layout_index[i]]);
+    if (!digest.ok()) {
+      return Reject(v,
+                    absl::StrCat(what, "digest of ",
+                                 sync::DescribeTensor(static_cast<uint32_t>(i),
+                                                      t.header.tensors(static_cast<int>(i)).spec().name()),
+                                 " failed: ", digest.status().message()),
+                    {}, t.wire_bytes);
+    }
+    digests[i] = *digest;
     if (digests[i] != end.digests(static_cast<int>(i))) {
       const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
       mismatched.push_back(name);
@@ -514,7 +540,7 @@ std::vector<v1::TensorDigest> SubscriberCore::applied_tensor_digests() const {
   return applied_tensors_;
 }
 
-std::shared_ptr<store::ShmStore> SubscriberCore::store() const {
+std::shared_ptr<store::SlottedStore> SubscriberCore::store() const {
   absl::MutexLock lock(&mu_);
   return store_;
 }
@@ -536,7 +562,7 @@ absl::Status SubscriberCore::Export(const std::string& path) {
 absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& path,
                                                             std::optional<uint64_t> version) {
   // The stores that may hold the version: the current one first, then retired generations.
-  std::vector<std::shared_ptr<store::ShmStore>> stores;
+  std::vector<std::shared_ptr<store::SlottedStore>> stores;
   {
     absl::MutexLock lock(&mu_);
     if (store_ != nullptr) stores.push_back(store_);
@@ -544,7 +570,7 @@ absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& p
   }
   if (stores.empty()) return absl::FailedPreconditionError("export: no version applied yet");
   const std::string consumer = absl::StrCat(options_.self_consumer, "/export");
-  std::shared_ptr<store::ShmStore> st;
+  std::shared_ptr<store::SlottedStore> st;
   absl::StatusOr<store::Lease> lease = absl::FailedPreconditionError("export: no store");
   for (const auto& candidate : stores) {
     // ttl: capped at the store's max TTL.
@@ -568,16 +594,27 @@ absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& p
     summary.version_digest = rec->version_digest;
   }
   const store::Layout& layout = st->layout();
+  // A GPU store is downloaded to host memory first (the whole version; export is rare).
+  std::vector<std::vector<uint8_t>> downloaded;
+  absl::Status written;
+  if (!st->memory().host_accessible()) {
+    downloaded.resize(layout.size());
+    for (size_t i = 0; i < layout.size() && written.ok(); ++i) {
+      downloaded[i].resize(lease->spans[i].size());
+      written = st->memory().Download(downloaded[i], lease->spans[i]);
+    }
+  }
   std::vector<model::SafetensorsTensorRef> refs;
   refs.reserve(layout.size());
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
     refs.push_back({ti.name, ti.dtype, std::vector<int64_t>(ti.shape.begin(), ti.shape.end()),
-                    lease->spans[i]});
+                    downloaded.empty() ? lease->spans[i]
+                                       : std::span<const uint8_t>(downloaded[i])});
     summary.bytes += ti.size_bytes;
   }
   summary.tensors = static_cast<uint32_t>(layout.size());
-  absl::Status written = model::WriteSafetensors(path, refs);
+  if (written.ok()) written = model::WriteSafetensors(path, refs);
   (void)st->ReleaseLease(lease->lease_id);
   {
     absl::MutexLock lock(&mu_);
@@ -610,7 +647,7 @@ std::optional<VersionRecord> SubscriberCore::record(uint64_t version) const {
 void SubscriberCore::PruneRecordsLocked() {
   const uint64_t applied = applied_version_.load(std::memory_order_acquire);
   std::vector<uint64_t> held;
-  auto note = [&held](const std::shared_ptr<store::ShmStore>& st) {
+  auto note = [&held](const std::shared_ptr<store::SlottedStore>& st) {
     for (const store::SlotStatus& s : st->Slots()) {
       if (s.state == store::SlotStatus::State::kHeld) held.push_back(s.version);
     }
@@ -623,7 +660,7 @@ void SubscriberCore::PruneRecordsLocked() {
 }
 
 std::vector<LeaseEntry> SubscriberCore::Leases() const {
-  std::vector<std::pair<uint64_t, std::shared_ptr<store::ShmStore>>> stores;
+  std::vector<std::pair<uint64_t, std::shared_ptr<store::SlottedStore>>> stores;
   {
     absl::MutexLock lock(&mu_);
     for (const Retired& r : retired_) stores.emplace_back(r.generation, r.store);

@@ -12,7 +12,7 @@
 //     object, patch that does not apply, digest mismatch, Abort) aborts the staging: the previous
 //     version stays current and readable.
 //   - manifest changes: a header whose manifest differs from the store's layout stages into a new
-//     ShmStore (a new "generation"); bases of UNCHANGED/PATCH tensors are read, by name, under a
+//     store (ShmStore or CudaStore: a new "generation"); bases of UNCHANGED/PATCH tensors are read, by name, under a
 //     lease the core holds on the old store. The old store is retired on commit and destroyed once
 //     no consumer lease remains on it.
 //
@@ -35,6 +35,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "cuda/device.h"
+#include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
 #include "daemon/sync/frames.h"
 #include "refit/v1/data.pb.h"
@@ -42,11 +44,16 @@
 namespace refit::subscriber {
 
 struct SubscriberOptions {
-  // Options of every ShmStore generation the core creates (slots, clock, lease TTLs).
+  // Options of every store generation the core creates (slots, clock, lease TTLs; shm_prefix for
+  // shared memory). Its `threads` is ignored: `threads` below is used.
   store::ShmStoreOptions store;
+  // The GPU of the store (config store.kind cuda): every generation is then a CudaStore on it,
+  // and patches are applied and verified by its kernels. nullptr: ShmStore generations and the
+  // CPU codec. Must outlive the core.
+  cuda::Device* device = nullptr;
   // Welcome.frame_bytes: largest DataFrame payload / raw chunk accepted.
   uint32_t max_frame_bytes = 4u << 20;
-  // Threads for ApplyPatch and TensorDigest (0 = all hardware threads).
+  // Threads for ApplyPatch and TensorDigest on host memory (0 = all hardware threads).
   int threads = 0;
   // Largest slot (sum of the aligned tensor sizes of one version) a header may ask for; a
   // bigger manifest is refused with RESOURCE_EXHAUSTED before any memory is reserved.
@@ -59,7 +66,7 @@ struct SubscriberOptions {
 // those of `store`; a manifest change switches generations).
 struct SubscriberLease {
   uint64_t generation = 0;
-  std::shared_ptr<store::ShmStore> store;
+  std::shared_ptr<store::SlottedStore> store;
   store::Lease lease;
 };
 
@@ -157,7 +164,7 @@ class SubscriberCore {
                                              absl::Duration ttl = absl::ZeroDuration());
 
   // The current store (null before the first commit) and its generation (1, 2, ...).
-  std::shared_ptr<store::ShmStore> store() const;
+  std::shared_ptr<store::SlottedStore> store() const;
   uint64_t generation() const;
   // Retired generations still alive because consumers hold leases on them.
   size_t retired_stores() const;
@@ -169,16 +176,18 @@ class SubscriberCore {
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<store::SlottedStore>> CreateStoreLocked(
+      const store::Layout& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Ack Reject(uint64_t version, std::string error, std::vector<std::string> mismatched,
                  uint64_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SubscriberOptions options_;
   mutable absl::Mutex mu_;
-  std::shared_ptr<store::ShmStore> store_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<store::SlottedStore> store_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   struct Retired {
     uint64_t generation = 0;
-    std::shared_ptr<store::ShmStore> store;
+    std::shared_ptr<store::SlottedStore> store;
   };
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Transfer> transfer_ ABSL_GUARDED_BY(mu_);

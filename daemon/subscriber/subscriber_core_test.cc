@@ -12,9 +12,11 @@
 #include <unistd.h>
 #include <vector>
 
+#include "cuda/device.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
 #include "daemon/model/safetensors.h"
+#include "daemon/subscriber/consumer_api.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/version_digest.h"
@@ -116,6 +118,15 @@ class FakePublisher {
   std::mt19937 rng_{7};
 };
 
+// Tensor i of a lease, copied to the host through the store's memory (a GPU store's spans are
+// device memory).
+std::vector<uint8_t> HostCopy(const SubscriberLease& lease, size_t i) {
+  std::vector<uint8_t> out(lease.lease.spans[i].size());
+  absl::Status st = lease.store->memory().Download(out, lease.lease.spans[i]);
+  EXPECT_TRUE(st.ok()) << st;
+  return out;
+}
+
 v1::Ack Feed(SubscriberCore& core, const Wire& w) {
   absl::Status st = core.OnHeader(w.header);
   EXPECT_TRUE(st.ok()) << st;
@@ -134,7 +145,7 @@ std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core) {
   if (!lease.ok()) return out;
   const store::Layout& layout = lease->store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
-    out[layout.tensor(i).name].assign(lease->lease.spans[i].begin(), lease->lease.spans[i].end());
+    out[layout.tensor(i).name] = HostCopy(*lease, i);
   }
   EXPECT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
   return out;
@@ -157,6 +168,9 @@ std::vector<uint8_t> ReadFile(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+// Compiled twice: against host memory (ShmStore, the CPU codec), and with REFIT_CUDA_EMULATE
+// against a CudaStore on the CPU emulator's device, where every copy, patch application and
+// digest runs through the device path (cuda/device.h, the codec's kernels).
 class SubscriberCoreTest : public ::testing::Test {
  protected:
   SubscriberCoreTest() {
@@ -165,6 +179,15 @@ class SubscriberCoreTest : public ::testing::Test {
     opts_.max_frame_bytes = 4096;
     opts_.threads = 2;
   }
+  void SetUp() override {
+#if defined(REFIT_CUDA_EMULATE)
+    auto dev = cuda::OpenDevice({});
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    device_ = std::move(*dev);
+    opts_.device = device_.get();
+#endif
+  }
+  std::unique_ptr<cuda::Device> device_;  // outlives the cores the tests create
 
   // a, b, c change ~1% per version; "frozen" never changes.
   Model Initial() {
@@ -224,6 +247,12 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
     EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);
   }
   EXPECT_EQ(core.generation(), 1u);  // same manifest: same store throughout
+#if defined(REFIT_CUDA_EMULATE)
+  EXPECT_NE(dynamic_cast<store::CudaStore*>(core.store().get()), nullptr);
+  EXPECT_FALSE(core.store()->memory().host_accessible());
+#else
+  EXPECT_NE(dynamic_cast<store::ShmStore*>(core.store().get()), nullptr);
+#endif
   auto td = core.applied_tensor_digests();
   ASSERT_EQ(td.size(), 4u);
   EXPECT_EQ(td[0].name(), "a.weight");
@@ -339,8 +368,7 @@ TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
   const store::Layout& old = lease->store->layout();
   for (size_t i = 0; i < old.size(); ++i) {
     const auto& want = pub_.model(2).at(old.tensor(i).name).bytes;
-    EXPECT_TRUE(std::equal(want.begin(), want.end(), lease->lease.spans[i].begin()))
-        << old.tensor(i).name;
+    EXPECT_TRUE(want == HostCopy(*lease, i)) << old.tensor(i).name;
   }
   gen1.reset();
   ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
@@ -490,7 +518,7 @@ TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
   EXPECT_EQ(lease->lease.version, 1u);
   auto snapshot = [&] {
     std::vector<std::vector<uint8_t>> s;
-    for (auto sp : lease->lease.spans) s.emplace_back(sp.begin(), sp.end());
+    for (size_t i = 0; i < lease->lease.spans.size(); ++i) s.push_back(HostCopy(*lease, i));
     return s;
   };
   const auto before = snapshot();
@@ -549,6 +577,51 @@ TEST_F(SubscriberCoreTest, ExportEqualsThePublishedSafetensors) {
   std::remove(got.c_str());
   std::remove(want.c_str());
 }
+
+#if defined(REFIT_CUDA_EMULATE)
+// What a consumer is told about a GPU store (ConsumerApi Layout / Lease): each tensor is a
+// CudaIpcRegion of the leased slot's allocation, with the GPU's UUID (not its ordinal), and the
+// handle opened on that GPU plus the offset is the tensor's bytes.
+TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
+  PublishRun(1, 2);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  auto lease = core.AcquireLease("vllm-0");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const v1::Layout layout = LeaseLayout(core, *lease);
+  EXPECT_EQ(layout.version(), 2u);
+  EXPECT_EQ(layout.version_digest(), pub_.digest(2));
+  ASSERT_EQ(layout.tensors_size(), 4);
+  const auto* cs = dynamic_cast<const store::CudaStore*>(lease->store.get());
+  ASSERT_NE(cs, nullptr);
+  for (int i = 0; i < layout.tensors_size(); ++i) {
+    const v1::TensorLocation& loc = layout.tensors(i);
+    ASSERT_TRUE(loc.has_cuda_ipc()) << loc.spec().name();
+    const v1::CudaIpcRegion& r = loc.cuda_ipc();
+    ASSERT_EQ(r.ipc_handle().size(), cuda::kIpcHandleBytes);
+    auto uuid = cuda::UuidFromBytes(r.device_uuid());
+    ASSERT_TRUE(uuid.ok());
+    EXPECT_EQ(*uuid, device_->info().uuid);
+    EXPECT_EQ(r.allocation_bytes(), cs->allocation_bytes());
+    EXPECT_LE(r.offset() + r.size_bytes(), r.allocation_bytes());
+    EXPECT_EQ(r.offset() % 256, 0u);
+    const auto& want = pub_.model(2).at(loc.spec().name()).bytes;
+    ASSERT_EQ(r.size_bytes(), want.size());
+    EXPECT_EQ(loc.digest(), TensorDigest(want, 1));
+    cuda::IpcHandle handle;
+    std::memcpy(handle.data(), r.ipc_handle().data(), handle.size());
+    auto base = device_->OpenIpc(handle);
+    ASSERT_TRUE(base.ok()) << base.status();
+    std::vector<uint8_t> got(r.size_bytes());
+    ASSERT_TRUE(
+        device_->CopyToHost(got.data(), static_cast<uint8_t*>(*base) + r.offset(), got.size()).ok());
+    EXPECT_TRUE(got == want) << loc.spec().name();
+    ASSERT_TRUE(device_->CloseIpc(*base).ok());
+  }
+  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+}
+#endif
 
 }  // namespace
 }  // namespace refit::subscriber

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "cuda/device.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
@@ -105,6 +106,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::shared_ptr<spdlog::logger> log_;
   const absl::Time start_time_;
 
+  std::unique_ptr<cuda::Device> device_;  // store.kind cuda; outlives core_ (declared first)
   std::unique_ptr<SubscriberCore> core_;
   VersionBoard board_;
 
@@ -141,6 +143,22 @@ absl::Status SubscriberDaemonImpl::Init() {
   if (c.staging().max_bytes() > 0) core_options.max_slot_bytes = c.staging().max_bytes();
   core_options.max_frame_bytes = c.upstream().max_frame_bytes();
   core_options.self_consumer = kSelfConsumer;
+  if (c.store().kind() == v1::STORE_KIND_CUDA) {
+    cuda::DeviceSelector selector;
+    if (c.store().has_cuda_device()) selector.ordinal = static_cast<int>(c.store().cuda_device());
+    if (c.store().has_cuda_device_uuid()) {
+      ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(c.store().cuda_device_uuid()));
+    }
+    absl::StatusOr<std::unique_ptr<cuda::Device>> device = cuda::OpenDevice(selector);
+    if (!device.ok()) {
+      return absl::Status(device.status().code(),
+                          absl::StrCat("subscriber.store.kind: cuda needs a usable GPU: ",
+                                       device.status().message()));
+    }
+    device_ = std::move(*device);
+    core_options.device = device_.get();
+    log_->info("tensor store on {} (CUDA IPC)", device_->Describe());
+  }
   core_ = std::make_unique<SubscriberCore>(core_options);
 
   // Upstream.
@@ -312,12 +330,27 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
     const store::Layout& layout = lease.store->layout();
     std::vector<publisher::TensorInput> inputs;
     inputs.reserve(layout.size());
-    for (size_t i = 0; i < layout.size(); ++i) {
+    const bool host = lease.store->memory().host_accessible();
+    for (size_t i = 0; i < layout.size() && result.ok(); ++i) {
       const store::TensorInfo& ti = layout.tensor(i);
-      inputs.push_back(publisher::TensorInput{
-          .name = ti.name, .dtype = ti.dtype, .shape = ti.shape, .data = lease.lease.spans[i], .owned = nullptr});
+      publisher::TensorInput in;
+      in.name = ti.name;
+      in.dtype = ti.dtype;
+      in.shape = ti.shape;
+      in.data = lease.lease.spans[i];
+      if (!host) {
+        // A GPU store: the peer publisher keeps host snapshots anyway, so download into the
+        // buffer it takes over (no second copy).
+        auto buf = std::make_shared<std::vector<uint8_t>>(lease.lease.spans[i].size());
+        result = lease.store->memory().Download(*buf, lease.lease.spans[i]);
+        in.data = *buf;
+        in.owned = std::move(buf);
+      }
+      inputs.push_back(std::move(in));
     }
-    auto summary = peer_core_->Publish(lease.lease.version, inputs);
+    absl::StatusOr<publisher::PublishSummary> summary =
+        result.ok() ? peer_core_->Publish(lease.lease.version, inputs)
+                    : absl::StatusOr<publisher::PublishSummary>(result);
     if (summary.ok()) {
       log_->debug("serving peers: version {} ({} tensors, wire {} for a peer at the previous "
                   "version) in {} ms",
@@ -363,9 +396,6 @@ void SubscriberDaemonImpl::Shutdown() {
 
 absl::StatusOr<std::unique_ptr<SubscriberDaemon>> SubscriberDaemon::Start(
     const v1::SubscriberConfig& config) {
-  if (config.store().kind() == v1::STORE_KIND_CUDA) {
-    return absl::UnimplementedError("store.kind cuda arrives with the GPU path (issue 4)");
-  }
   auto daemon = std::make_unique<SubscriberDaemonImpl>(config);
   if (absl::Status st = daemon->Init(); !st.ok()) {
     daemon->Shutdown();

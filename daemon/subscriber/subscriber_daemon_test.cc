@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cuda/device.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -374,13 +375,26 @@ TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLease
   (void)watch->Finish();
 }
 
-TEST_F(SubscriberDaemonTest, RefusesCudaStoreAndBadAddresses) {
+// store.kind cuda: without a usable GPU (this build without CUDA, no driver, or no device) the
+// daemon refuses to start, naming the field and the cause; with one it starts. A UUID no visible
+// GPU has is refused either way.
+TEST_F(SubscriberDaemonTest, CudaStoreNeedsAUsableGpuAndBadAddressesAreRefused) {
   v1::SubscriberConfig c = Config("sub-c", false);
   c.mutable_store()->set_kind(v1::STORE_KIND_CUDA);
   auto d = SubscriberDaemon::Start(c);
+  auto devices = cuda::ListDevices();
+  if (!devices.ok() || devices->empty()) {
+    ASSERT_FALSE(d.ok());
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable) << d.status();
+    EXPECT_THAT(d.status().message(), HasSubstr("subscriber.store.kind: cuda needs a usable GPU"));
+  } else {
+    ASSERT_TRUE(d.ok()) << d.status();
+    d->reset();
+  }
+  c.mutable_store()->set_cuda_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+  d = SubscriberDaemon::Start(c);
   ASSERT_FALSE(d.ok());
-  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(d.status().message(), "store.kind cuda arrives with the GPU path (issue 4)");
+  EXPECT_THAT(d.status().message(), HasSubstr("GPU-00000000-0000-0000-0000-000000000000"));
 
   c = Config("sub-c", false);
   c.mutable_upstream()->set_addresses(0, "127.0.0.1:99999");

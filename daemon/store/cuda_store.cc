@@ -1,0 +1,87 @@
+#include "daemon/store/cuda_store.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
+
+namespace refit::store {
+namespace {
+
+absl::Status SameSize(size_t a, size_t b, const char* what) {
+  if (a == b) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": destination has ", a, " bytes, source ", b));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaStore>> CudaStore::Create(Layout layout,
+                                                             const CudaStoreOptions& options) {
+  RETURN_IF_ERROR(CheckOptions(options));
+  if (options.device == nullptr) {
+    return absl::InvalidArgumentError("cuda store: no device");
+  }
+  const uint64_t slot_bytes = layout.slot_bytes();
+  std::vector<cuda::Allocation> slots;
+  std::vector<cuda::IpcHandle> handles;
+  std::vector<uint8_t*> bases;
+  for (int s = 0; s < options.slots; ++s) {
+    auto a = options.device->Allocate(slot_bytes, cuda::Allocation::Kind::kDevice);
+    if (!a.ok()) {
+      return absl::Status(a.status().code(),
+                          absl::StrCat("cuda store: slot ", s, " of ", options.slots, " (",
+                                       slot_bytes, " bytes each): ", a.status().message()));
+    }
+    auto h = options.device->ExportIpc(a->data());
+    if (!h.ok()) {
+      return absl::Status(h.status().code(), absl::StrCat("cuda store: IPC handle of slot ", s,
+                                                          ": ", h.status().message()));
+    }
+    bases.push_back(static_cast<uint8_t*>(a->data()));
+    slots.push_back(std::move(*a));
+    handles.push_back(*h);
+  }
+  return std::unique_ptr<CudaStore>(new CudaStore(std::move(layout), std::move(bases), options,
+                                                  std::move(slots), std::move(handles)));
+}
+
+CudaStore::CudaStore(Layout layout, std::vector<uint8_t*> bases, const CudaStoreOptions& options,
+                     std::vector<cuda::Allocation> slots, std::vector<cuda::IpcHandle> handles)
+    : SlottedStore(std::move(layout), std::move(bases), options,
+                   std::make_unique<DeviceMemory>(options.device)),
+      device_(options.device),
+      slots_(std::move(slots)),
+      handles_(std::move(handles)) {}
+
+CudaStore::~CudaStore() = default;
+
+absl::Status DeviceMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
+  RETURN_IF_ERROR(SameSize(dst.size(), src.size(), "device copy"));
+  if (dst.empty() || dst.data() == src.data()) return absl::OkStatus();
+  return device_->CopyOnDevice(dst.data(), src.data(), dst.size());
+}
+
+absl::Status DeviceMemory::Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) {
+  RETURN_IF_ERROR(SameSize(dst.size(), host.size(), "upload"));
+  if (dst.empty()) return absl::OkStatus();
+  return device_->CopyToDevice(dst.data(), host.data(), dst.size());
+}
+
+absl::Status DeviceMemory::Download(std::span<uint8_t> host, std::span<const uint8_t> src) {
+  RETURN_IF_ERROR(SameSize(host.size(), src.size(), "download"));
+  if (host.empty()) return absl::OkStatus();
+  return device_->CopyToHost(host.data(), src.data(), host.size());
+}
+
+absl::Status DeviceMemory::Apply(std::span<const uint8_t> patch, DType dtype,
+                                 std::span<const uint8_t> base, std::span<uint8_t> out) {
+  RETURN_IF_ERROR(SameSize(out.size(), base.size(), "apply"));
+  return device_->Apply(patch, dtype, base.data(), out.data(), out.size());
+}
+
+absl::StatusOr<uint64_t> DeviceMemory::Digest(std::span<const uint8_t> data) {
+  return device_->Digest(data.data(), data.size());
+}
+
+}  // namespace refit::store

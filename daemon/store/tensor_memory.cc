@@ -1,0 +1,43 @@
+#include "daemon/store/tensor_memory.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+
+namespace refit::store {
+namespace {
+
+absl::Status SameSize(size_t a, size_t b, const char* what) {
+  if (a == b) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": destination has ", a, " bytes, source ", b));
+}
+
+}  // namespace
+
+absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
+  if (absl::Status st = SameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
+  if (!dst.empty() && dst.data() != src.data()) std::memmove(dst.data(), src.data(), dst.size());
+  return absl::OkStatus();
+}
+
+absl::Status HostMemory::Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) {
+  return Copy(dst, host);
+}
+
+absl::Status HostMemory::Download(std::span<uint8_t> host, std::span<const uint8_t> src) {
+  return Copy(host, src);
+}
+
+absl::Status HostMemory::Apply(std::span<const uint8_t> patch, DType dtype,
+                               std::span<const uint8_t> base, std::span<uint8_t> out) {
+  return ApplyPatch(patch, dtype, base, out, threads_);
+}
+
+absl::StatusOr<uint64_t> HostMemory::Digest(std::span<const uint8_t> data) {
+  return TensorDigest(data, threads_);
+}
+
+}  // namespace refit::store

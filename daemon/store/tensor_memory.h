@@ -1,0 +1,64 @@
+// TensorMemory: how the daemon touches a store's bytes. A store's spans (TensorStore: staging
+// handles, leases) point at host memory (ShmStore) or at device memory (CudaStore); the daemon
+// never reads or writes them directly, only through the store's memory(): copies, uploads of
+// received keyframes, downloads (export, peers), patch application and digests. The host
+// implementation is the CPU codec; the device one runs the codec's kernels (cuda/device.h).
+//
+// Every call is synchronous and returns the operation's first error. Spans are the store's own
+// (`store` side) or the caller's host memory (`host` side).
+#ifndef REFIT_DAEMON_STORE_TENSOR_MEMORY_H_
+#define REFIT_DAEMON_STORE_TENSOR_MEMORY_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/codec/dtype.h"
+
+namespace refit::store {
+
+class TensorMemory {
+ public:
+  virtual ~TensorMemory() = default;
+
+  // "host" or the device's description, for logs.
+  virtual std::string Describe() const = 0;
+  // True when store spans may be dereferenced by the CPU (ShmStore): the daemon may then
+  // reassemble frames straight into a staged slot.
+  virtual bool host_accessible() const = 0;
+
+  // store -> store (same size; may be the same store or another one of the same kind).
+  virtual absl::Status Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) = 0;
+  // host -> store and store -> host (same size).
+  virtual absl::Status Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) = 0;
+  virtual absl::Status Download(std::span<uint8_t> host, std::span<const uint8_t> src) = 0;
+  // refit::ApplyPatch of a host `patch` from `base` (a store span) into `out` (a store span; may
+  // equal base: in place). Same errors and guarantees as the CPU codec.
+  virtual absl::Status Apply(std::span<const uint8_t> patch, DType dtype,
+                             std::span<const uint8_t> base, std::span<uint8_t> out) = 0;
+  // refit::TensorDigest of a store span.
+  virtual absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) = 0;
+};
+
+// Host memory: memcpy and the CPU codec with `threads` threads (0 = all hardware threads).
+class HostMemory final : public TensorMemory {
+ public:
+  explicit HostMemory(int threads = 0) : threads_(threads) {}
+  std::string Describe() const override { return "host memory"; }
+  bool host_accessible() const override { return true; }
+  absl::Status Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) override;
+  absl::Status Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) override;
+  absl::Status Download(std::span<uint8_t> host, std::span<const uint8_t> src) override;
+  absl::Status Apply(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
+                     std::span<uint8_t> out) override;
+  absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) override;
+
+ private:
+  const int threads_;
+};
+
+}  // namespace refit::store
+
+#endif  // REFIT_DAEMON_STORE_TENSOR_MEMORY_H_
