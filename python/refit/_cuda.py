@@ -178,7 +178,6 @@ class Driver:
         if self._lib is None:
             raise CudaIpcError("cannot load the CUDA driver library (" + "; ".join(errors) +
                                "): no NVIDIA driver in this process's environment")
-        L = self._lib
         self._fn = {}
         for name, args in {
             "cuInit": [ctypes.c_uint],

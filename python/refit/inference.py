@@ -399,7 +399,12 @@ class Consumer:
                                 region.allocation_bytes, size)
         if not torch.cuda.is_available():
             raise _cuda.CudaIpcError(_cuda.cuda_unavailable_message(name, uuid, torch.version.cuda))
-        devices = self._local_devices()
+        try:
+            devices = self._local_devices()
+        except _cuda.CudaIpcError as e:
+            raise _cuda.CudaIpcError(f"tensor '{name}' (GPU {_cuda.uuid_text(uuid)}): cannot list "
+                                     f"this process's GPUs ({_cuda.visible_devices_text()}): "
+                                     f"{e.details}") from None
         ordinal = _cuda.choose_ordinal(uuid, devices)
         if ordinal is None:
             raise _cuda.CudaIpcError(_cuda.not_visible_message(name, uuid, devices))
