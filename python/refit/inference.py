@@ -123,7 +123,9 @@ class _LeaseKeeper:
         # call that set it).
         expires = time.monotonic() + w.ttl_ms / 1000.0
         while True:
-            interval = max(w.ttl_ms / 1000.0 * RENEW_FRACTION, MIN_RENEW_INTERVAL_S)
+            # (A TTL of 0 would mean the daemon did not say: renew every second then.)
+            ttl_s = w.ttl_ms / 1000.0 if w.ttl_ms else 3.0
+            interval = max(ttl_s * RENEW_FRACTION, MIN_RENEW_INTERVAL_S)
             if self._stop.wait(interval):
                 return
             sent = time.monotonic()
