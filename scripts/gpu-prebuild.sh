@@ -5,7 +5,8 @@
 #
 #   scripts/gpu-prebuild.sh OUTDIR        (.gpu is git-ignored: scripts/gpu-prebuild.sh .gpu)
 #
-# OUTDIR gets codec_cuda_test, gpu_codec_bench, refit_codec_test, lib/ and MANIFEST.txt. The build
+# OUTDIR gets the GPU test binaries, gpu_codec_bench, refit_codec_test, refitd, refitctl, lib/
+# and MANIFEST.txt. The build
 # directory is $BUILD_DIR (default: build-gpu-prebuild in the repository, git-ignored). The CUDA
 # runtime is linked statically; the GPU machine provides libcuda (the driver) and the C/C++
 # runtime libraries, whose minimum versions MANIFEST.txt records.
@@ -22,7 +23,9 @@ MAX_MIB=60
 
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DREFIT_CUDA=ON \
   -DREFIT_BUILD_BENCH=ON
-cmake --build "$BUILD" -j "$(nproc)" --target codec_cuda_test gpu_codec_bench refit_codec_test
+BINS=(codec_cuda_test device_test cuda_store_test refit_publisher_gpu_test refit_e2e_gpu_test
+      gpu_codec_bench refit_codec_test refitd refitctl)
+cmake --build "$BUILD" -j "$(nproc)" --target "${BINS[@]}"
 
 find_bin() {
   local path
@@ -33,7 +36,6 @@ find_bin() {
   fi
   echo "$path"
 }
-BINS=(codec_cuda_test gpu_codec_bench refit_codec_test)
 
 mkdir -p "$OUT/lib"
 rm -f "$OUT"/lib/* "$OUT"/MANIFEST.txt

@@ -69,7 +69,8 @@ std::string PublisherYaml(const PublisherSpec& s, const std::string& dir,
   if (!s.persist_dir.empty()) {
     absl::StrAppend(&y, "  baseline:\n    persist_dir: ", Q(s.persist_dir), "\n    fsync: false\n");
   }
-  absl::StrAppend(&y, "  codec:\n    device: cpu\n    threads: ", s.codec_threads, "\n");
+  absl::StrAppend(&y, "  codec:\n    device: ", s.codec_device, "\n    threads: ", s.codec_threads,
+                  "\n");
   absl::StrAppend(&y, s.extra);
   return y;
 }
@@ -110,7 +111,8 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     absl::StrAppend(&y, "  local_socket: ", Q(absl::StrCat(dir, "/", s.name, "-local.sock")), "\n");
   }
   absl::StrAppend(&y, "  ready_file: ", Q(ready_file), "\n");
-  absl::StrAppend(&y, "  store:\n    kind: shm\n    shm_prefix: ", Q(UniqueShmPrefix(s.name)),
+  absl::StrAppend(&y, "  store:\n    kind: ", s.store_kind, "\n    shm_prefix: ",
+                  Q(UniqueShmPrefix(s.name)),
                   "\n    slots: ", s.slots, "\n");
   absl::StrAppend(&y, "  staging:\n    threads: ", s.staging_threads, "\n");
   if (s.lease_default_ttl_ms != 0) {

@@ -32,6 +32,7 @@ struct PublisherSpec {
   uint32_t frame_bytes = 0;      // 0 = default
   uint32_t max_streams = 0;      // transport.max_streams_per_subscriber, 0 = default
   uint32_t codec_threads = 2;
+  std::string codec_device = "cpu";  // codec.device: cpu | cuda | auto
   std::string log_level = "info";
   std::string extra;  // YAML lines appended under `publisher:` (indented by the caller)
 };
@@ -49,6 +50,7 @@ struct SubscriberSpec {
   std::string control_listen;
   bool local_socket = true;  // ConsumerApi on <dir>/<name>-local.sock
   uint32_t slots = 2;
+  std::string store_kind = "shm";  // store.kind: shm | cuda
   ClientTlsSpec tls;
   uint32_t staging_threads = 2;
   uint32_t lease_default_ttl_ms = 0;  // 0 = default

@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -118,7 +120,10 @@ std::string Shorten(const std::string& s, size_t max_bytes = 4000) {
 
 }  // namespace
 
+// The binaries the build made; REFIT_E2E_REFITD / REFIT_E2E_REFITCTL override them (binaries
+// moved elsewhere, e.g. scripts/gpu-prebuild.sh's bundle on a GPU machine).
 std::string RefitdBin() {
+  if (const char* env = std::getenv("REFIT_E2E_REFITD"); env != nullptr && *env != '\0') return env;
 #ifdef REFITD_BIN
   return REFITD_BIN;
 #else
@@ -127,6 +132,9 @@ std::string RefitdBin() {
 }
 
 std::string RefitctlBin() {
+  if (const char* env = std::getenv("REFIT_E2E_REFITCTL"); env != nullptr && *env != '\0') {
+    return env;
+  }
 #ifdef REFITCTL_BIN
   return REFITCTL_BIN;
 #else
