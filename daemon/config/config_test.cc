@@ -332,6 +332,19 @@ TEST(ConfigTest, SubscriberRules) {
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {shm_prefix: /a/b}\n"), "no other '/'");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {cuda_device: 0}\n"),
                   "subscriber.store.cuda_device: is set, but store.kind is not cuda");
+  // The GPU by UUID: nvidia-smi's spelling, only with kind cuda, not together with the ordinal.
+  EXPECT_EQ(SubscriberError(Sub("") + "  store: {kind: cuda, cuda_device_uuid: "
+                                      "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {kind: cuda, cuda_device_uuid: GPU-12}\n"),
+                  "subscriber.store.cuda_device_uuid: \"GPU-12\" is not a GPU UUID");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {cuda_device_uuid: "
+                                            "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
+                  "subscriber.store.cuda_device_uuid: is set, but store.kind is not cuda");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {kind: cuda, cuda_device: 0, "
+                                            "cuda_device_uuid: "
+                                            "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
+                  "by ordinal or by UUID, not both");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
                   "subscriber.store.slots: 1 is out of range [2, 16]");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  leases: {default_ttl_ms: 5000, max_ttl_ms: 10}\n"),
@@ -352,6 +365,16 @@ TEST(ConfigTest, PublisherRules) {
                   "publisher.codec.cuda_device: is set, but codec.device is cpu");
   EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                            "  codec: {device: auto, cuda_device: 1}\n"),
+            "");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {device: cuda, cuda_device_uuid: nope}\n"),
+                  "publisher.codec.cuda_device_uuid: \"nope\" is not a GPU UUID");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {cuda_device_uuid: GPU-8b1f0011-2233-4455-6677-"
+                                 "8899aabbccdd}\n"),
+                  "publisher.codec.cuda_device_uuid: is set, but codec.device is cpu");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                           "  codec: {device: cuda, gpu_baseline: pinned}\n"),
             "");
   EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                                  "  transport: {frame_bytes: 100}\n"),
