@@ -95,8 +95,14 @@ std::string DescribePublish(const PublishSummary& s) {
                       FormatBytes(s.dense_bytes), " (", Percent(Ratio(s.wire_bytes, s.dense_bytes)),
                       "), tensors ", s.tensors, " (", s.patched_tensors, " patched, ",
                       s.keyframe_tensors, " keyframe, ", s.unchanged_tensors, " unchanged, ",
-                      s.removed_tensors, " removed), encode ", s.encode_micros / 1000,
-                      " ms, total ", s.total_micros / 1000, " ms");
+                      s.removed_tensors, " removed), encode ", s.encode_micros / 1000, " ms",
+                      s.encode_device.empty()
+                          ? std::string()
+                          : absl::StrCat(" on ", s.encode_device, " (upload ",
+                                         s.upload_micros / 1000, " ms, digest ",
+                                         s.digest_micros / 1000, " ms, to host ",
+                                         s.download_micros / 1000, " ms)"),
+                      ", total ", s.total_micros / 1000, " ms");
 }
 
 // ---- PublishQueue -------------------------------------------------------------------------------
@@ -202,9 +208,23 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
   for (OwnedTensor& t : job.tensors) {
+    if (t.device_bytes != nullptr) {
+      TensorInput in;
+      in.name = t.name;
+      in.dtype = t.dtype;
+      in.shape = t.shape;
+      in.device_bytes = std::move(t.device_bytes);
+      inputs.push_back(std::move(in));
+      continue;
+    }
     auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(t.bytes));
-    inputs.push_back(TensorInput{.name = t.name, .dtype = t.dtype, .shape = t.shape,
-                                 .data = std::span<const uint8_t>(*owned), .owned = owned});
+    TensorInput in;
+    in.name = t.name;
+    in.dtype = t.dtype;
+    in.shape = t.shape;
+    in.data = *owned;
+    in.owned = std::move(owned);
+    inputs.push_back(std::move(in));
   }
   job.tensors.clear();
   return core_->Publish(job.version, inputs);

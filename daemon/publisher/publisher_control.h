@@ -36,12 +36,14 @@
 
 namespace refit::publisher {
 
-// A tensor snapshot owned by a queued publish (TrainerApi).
+// A tensor snapshot owned by a queued publish (TrainerApi): host `bytes`, or (a CUDA tensor
+// snapshot in device or pinned memory) `device_bytes` with `bytes` empty.
 struct OwnedTensor {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;
   std::vector<uint8_t> bytes;
+  std::shared_ptr<const DeviceBytes> device_bytes;
 };
 
 // The last version the queue published, for Control Status.

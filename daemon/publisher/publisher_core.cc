@@ -62,6 +62,292 @@ uint64_t ElementsOf(const v1::TensorSpec& spec) {
   return n.ok() ? *n : 0;
 }
 
+
+// What the encoding of one version produced, tensors in name order.
+struct Encoded {
+  std::vector<BaselineTensor> next;
+  std::vector<bool> unchanged;              // same spec and bytes as the previous version
+  std::vector<sync::PatchBytes> patches;    // null: unchanged or keyframe
+  std::vector<uint64_t> changed;            // encoder's changed elements (patched tensors)
+  // GPU encoding: the GPU baseline of `next` (every tensor that has one), by name.
+  std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu;
+};
+
+void ResizeEncoded(size_t n, Encoded* out) {
+  out->next.resize(n);
+  out->unchanged.assign(n, false);
+  out->patches.assign(n, nullptr);
+  out->changed.assign(n, 0);
+}
+
+bool SameSpecAs(const BaselineTensor* p, const v1::TensorSpec& spec) {
+  return p != nullptr && sync::SameSpec(p->spec, spec);
+}
+
+// Copies between host and a DeviceBytes' memory: pinned memory is host memory (a memcpy),
+// device memory takes the device's copies.
+absl::Status ToMemory(const DeviceBytes& dst, const uint8_t* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst.memory.kind() == cuda::Allocation::Kind::kPinnedHost) {
+    std::memcpy(dst.memory.data(), src, bytes);
+    return absl::OkStatus();
+  }
+  return dst.device->CopyToDevice(dst.memory.data(), src, bytes);
+}
+absl::Status FromMemory(uint8_t* dst, const DeviceBytes& src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (src.memory.kind() == cuda::Allocation::Kind::kPinnedHost) {
+    std::memcpy(dst, src.memory.data(), bytes);
+    return absl::OkStatus();
+  }
+  return src.device->CopyToHost(dst, src.memory.data(), bytes);
+}
+
+// `host` in new memory of `kind` on `device`.
+absl::StatusOr<std::shared_ptr<const DeviceBytes>> Upload(cuda::Device* device,
+                                                          cuda::Allocation::Kind kind,
+                                                          std::span<const uint8_t> host) {
+  auto out = std::make_shared<DeviceBytes>();
+  out->device = device;
+  ASSIGN_OR_RETURN(out->memory, device->Allocate(host.size(), kind));
+  RETURN_IF_ERROR(ToMemory(*out, host.data(), host.size()));
+  return std::shared_ptr<const DeviceBytes>(std::move(out));
+}
+
+absl::Status Prefix(const std::string& what, const absl::Status& st) {
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+}
+
+// The CPU codec path: host bytes of every input (no DeviceBytes).
+absl::Status EncodeOnCpu(const PublisherOptions& options, std::span<const TensorInput> inputs,
+                         const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
+                         const std::vector<BaselineTensor>& prev, const std::string& where,
+                         Encoded* out, PublishSummary* sum) {
+  ResizeEncoded(order.size(), out);
+  // Snapshot: copy changed bytes; reuse the previous buffer of tensors whose bytes are equal.
+  std::vector<const BaselineTensor*> bases(order.size(), nullptr);  // same spec, bytes differ
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorInput& in = inputs[order[k]];
+    BaselineTensor& t = out->next[k];
+    t.spec = specs[order[k]];
+    t.dtype = in.dtype;
+    const BaselineTensor* p = FindByName(prev, in.name);
+    const bool same_spec = SameSpecAs(p, t.spec);
+    if (same_spec && (in.data.empty() ||
+                      std::memcmp(p->bytes->data(), in.data.data(), in.data.size()) == 0)) {
+      t.bytes = p->bytes;
+      t.digest = p->digest;
+      out->unchanged[k] = true;
+      continue;
+    }
+    t.bytes = in.owned != nullptr && in.owned->data() == in.data.data() &&
+                      in.owned->size() == in.data.size()
+                  ? in.owned
+                  : std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+    if (same_spec) bases[k] = p;
+  }
+  // From here on only our own copies are read: the caller's buffers are free.
+
+  const auto digest_start = Clock::now();
+  for (size_t k = 0; k < out->next.size(); ++k) {
+    if (!out->unchanged[k]) {
+      out->next[k].digest = TensorDigest(*out->next[k].bytes, options.digest_threads);
+    }
+  }
+  sum->digest_micros += MicrosSince(digest_start);
+
+  // Encode every changed tensor with a usable base in one call.
+  std::vector<EncodeInput> enc;
+  std::vector<size_t> enc_index;
+  for (size_t k = 0; k < out->next.size(); ++k) {
+    if (bases[k] == nullptr) continue;
+    EncodeInput e;
+    e.dtype = out->next[k].dtype;
+    e.base = *bases[k]->bytes;
+    e.target = *out->next[k].bytes;
+    enc.push_back(e);
+    enc_index.push_back(k);
+  }
+  if (enc.empty()) return absl::OkStatus();
+  const auto encode_start = Clock::now();
+  EncodeOptions eo;
+  eo.threads = options.encode_threads;
+  eo.block_log2 = options.block_log2;
+  std::vector<PatchStats> stats;
+  auto encoded = EncodePatches(enc, eo, &stats);
+  if (!encoded.ok()) {
+    return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
+                                            encoded.status().message()));
+  }
+  sum->encode_micros = MicrosSince(encode_start);
+  for (size_t j = 0; j < enc_index.size(); ++j) {
+    const size_t k = enc_index[j];
+    out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
+    out->changed[k] = j < stats.size() ? stats[j].changed_elements : ElementsOf(out->next[k].spec);
+  }
+  return absl::OkStatus();
+}
+
+// CPU codec with DeviceBytes inputs: the same inputs with those copied to host buffers.
+absl::StatusOr<std::vector<TensorInput>> DownloadDeviceInputs(std::span<const TensorInput> given,
+                                                              const std::string& where,
+                                                              PublishSummary* sum) {
+  const auto start = Clock::now();
+  std::vector<TensorInput> out(given.begin(), given.end());
+  for (size_t i = 0; i < out.size(); ++i) {
+    TensorInput& in = out[i];
+    if (in.device_bytes == nullptr) continue;
+    auto host = std::make_shared<std::vector<uint8_t>>(in.device_bytes->memory.size());
+    absl::Status st = FromMemory(host->data(), *in.device_bytes, host->size());
+    if (!st.ok()) {
+      return Prefix(absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), in.name),
+                                 ": copying the snapshot from ", in.device_bytes->device->Describe(),
+                                 " to the host"),
+                    st);
+    }
+    in.data = *host;
+    in.owned = std::move(host);
+    in.device_bytes = nullptr;
+  }
+  sum->download_micros += MicrosSince(start);
+  return out;
+}
+
+// GPU encoding (PublisherCore's class comment): every tensor encoded and digested on its device
+// against its GPU baseline (`gpu_baseline`, whose entries are taken out and freed as the
+// tensors are encoded; the caller installs out->gpu once the version is committed).
+absl::Status EncodeOnDevices(
+    const PublisherOptions& options, std::span<const TensorInput> inputs,
+    const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
+    const std::vector<BaselineTensor>& prev, const std::string& where,
+    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* out,
+    PublishSummary* sum) {
+  ResizeEncoded(order.size(), out);
+  std::vector<cuda::Device*> used;
+  EncodeOptions eo;
+  eo.block_log2 = options.block_log2;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorInput& in = inputs[order[k]];
+    const std::string what =
+        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(order[k]), in.name));
+    BaselineTensor& t = out->next[k];
+    t.spec = specs[order[k]];
+    t.dtype = in.dtype;
+    const BaselineTensor* p = FindByName(prev, in.name);
+    const bool same_spec = SameSpecAs(p, t.spec);
+    const size_t bytes = static_cast<size_t>(*sync::TensorByteSize(t.spec));
+    // The previous GPU baseline of this tensor: freed once this tensor is encoded (a failure
+    // further on loses it; the next publish then uploads the host baseline instead).
+    std::shared_ptr<const DeviceBytes> old_gpu;
+    if (auto it = gpu_baseline->find(in.name); it != gpu_baseline->end()) {
+      old_gpu = std::move(it->second);
+      gpu_baseline->erase(it);
+    }
+    if (bytes == 0) {  // nothing to encode or copy
+      t.bytes = same_spec ? p->bytes : std::make_shared<const std::vector<uint8_t>>();
+      t.digest = same_spec ? p->digest : TensorDigest(std::span<const uint8_t>(), 1);
+      out->unchanged[k] = same_spec;
+      continue;
+    }
+
+    // The target: the caller's device snapshot, or the host bytes uploaded.
+    std::shared_ptr<const DeviceBytes> target;
+    if (in.device_bytes == nullptr) {
+      if (same_spec && std::memcmp(p->bytes->data(), in.data.data(), bytes) == 0) {
+        t.bytes = p->bytes;
+        t.digest = p->digest;
+        out->unchanged[k] = true;
+        if (old_gpu != nullptr) out->gpu[in.name] = std::move(old_gpu);
+        continue;
+      }
+      t.bytes = in.owned != nullptr && in.owned->data() == in.data.data() &&
+                        in.owned->size() == in.data.size()
+                    ? in.owned
+                    : std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+      const auto upload_start = Clock::now();
+      auto up = Upload(options.device, options.gpu_baseline, *t.bytes);
+      if (!up.ok()) {
+        return Prefix(absl::StrCat(what, ": uploading to ", options.device->Describe()),
+                      up.status());
+      }
+      target = std::move(*up);
+      sum->upload_micros += MicrosSince(upload_start);
+    } else {
+      target = in.device_bytes;
+    }
+    cuda::Device* const dev = target->device;
+    if (std::find(used.begin(), used.end(), dev) == used.end()) used.push_back(dev);
+
+    if (same_spec) {
+      // The base: the GPU baseline when this device can read it (its own memory, or pinned
+      // memory, which every device reads), else the previous host bytes uploaded for this call.
+      std::shared_ptr<const DeviceBytes> base;
+      if (old_gpu != nullptr && old_gpu->memory.size() == bytes &&
+          (old_gpu->device == dev ||
+           old_gpu->memory.kind() == cuda::Allocation::Kind::kPinnedHost)) {
+        base = std::move(old_gpu);
+      } else {
+        old_gpu.reset();
+        const auto upload_start = Clock::now();
+        auto up = Upload(dev, target->memory.kind(), *p->bytes);
+        if (!up.ok()) {
+          return Prefix(absl::StrCat(what, ": uploading the previous version to ",
+                                     dev->Describe()),
+                        up.status());
+        }
+        base = std::move(*up);
+        sum->upload_micros += MicrosSince(upload_start);
+      }
+      const auto encode_start = Clock::now();
+      PatchStats stats;
+      auto patch = dev->Encode(t.dtype, base->memory.data(), target->memory.data(), bytes, eo,
+                               &stats);
+      sum->encode_micros += MicrosSince(encode_start);
+      if (!patch.ok()) {
+        return absl::InternalError(absl::StrCat(what, ": encoding on ", dev->Describe(),
+                                                " failed: ", patch.status().message()));
+      }
+      base.reset();  // the previous version of this tensor is no longer needed on the device
+      if (in.device_bytes != nullptr && stats.changed_elements == 0) {
+        // The encoder compares bit patterns: no changed element = the same bytes.
+        t.bytes = p->bytes;
+        t.digest = p->digest;
+        out->unchanged[k] = true;
+        out->gpu[in.name] = std::move(target);
+        continue;
+      }
+      out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move(*patch));
+      out->changed[k] = stats.changed_elements;
+    }
+
+    const auto digest_start = Clock::now();
+    auto digest = dev->Digest(target->memory.data(), bytes);
+    sum->digest_micros += MicrosSince(digest_start);
+    if (!digest.ok()) {
+      return Prefix(absl::StrCat(what, ": digest on ", dev->Describe()), digest.status());
+    }
+    t.digest = *digest;
+    if (in.device_bytes != nullptr) {
+      // The host bytes (keyframes for new subscribers, persistence).
+      const auto download_start = Clock::now();
+      auto host = std::make_shared<std::vector<uint8_t>>(bytes);
+      absl::Status st = FromMemory(host->data(), *target, bytes);
+      if (!st.ok()) {
+        return Prefix(absl::StrCat(what, ": copying the snapshot from ", dev->Describe(),
+                                   " to the host"),
+                      st);
+      }
+      t.bytes = std::move(host);
+      sum->download_micros += MicrosSince(download_start);
+    }
+    out->gpu[in.name] = std::move(target);
+  }
+  std::vector<std::string> names;
+  for (cuda::Device* d : used) names.push_back(d->Describe());
+  sum->encode_device = names.empty() ? options.device->Describe() : absl::StrJoin(names, "; ");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // ---- Transfer -------------------------------------------------------------------------------
@@ -259,12 +545,12 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
-                                                      std::span<const TensorInput> inputs) {
+                                                      std::span<const TensorInput> given) {
   const auto start = Clock::now();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
   sum.version = version;
-  sum.tensors = inputs.size();
+  sum.tensors = given.size();
 
   std::vector<BaselineTensor> prev;
   uint64_t prev_version = 0;
@@ -279,12 +565,12 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     return absl::FailedPreconditionError(absl::StrCat(
         where, ": not above the newest published version ", prev_version));
   }
-  if (inputs.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
+  if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
 
   // Validate: specs, sizes, unique names.
-  std::vector<v1::TensorSpec> specs(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const TensorInput& in = inputs[i];
+  std::vector<v1::TensorSpec> specs(given.size());
+  for (size_t i = 0; i < given.size(); ++i) {
+    const TensorInput& in = given[i];
     const std::string what =
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), in.name));
     if (!IsValidDType(static_cast<uint8_t>(in.dtype))) {
@@ -298,93 +584,56 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     absl::Status st = sync::ValidateTensorSpec(s);
     if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.message()));
     const uint64_t bytes = *sync::TensorByteSize(s);
-    if (in.data.size() != bytes) {
+    if (in.device_bytes != nullptr &&
+        (in.device_bytes->device == nullptr || !in.data.empty())) {
       return absl::InvalidArgumentError(absl::StrCat(
-          what, ": ", in.data.size(), " bytes given, dtype ", DTypeName(in.dtype), " and shape [",
+          what, ": device bytes need a device and no host data"));
+    }
+    const uint64_t given_bytes =
+        in.device_bytes != nullptr ? in.device_bytes->memory.size() : in.data.size();
+    if (given_bytes != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", given_bytes, " bytes given, dtype ", DTypeName(in.dtype), " and shape [",
           absl::StrJoin(in.shape, ","), "] need ", bytes));
     }
-    if (in.data.data() == nullptr && bytes != 0) {
+    if (in.device_bytes == nullptr && in.data.data() == nullptr && bytes != 0) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
     }
   }
-  std::vector<size_t> order(inputs.size());
+  std::vector<size_t> order(given.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return inputs[a].name < inputs[b].name; });
+            [&](size_t a, size_t b) { return given[a].name < given[b].name; });
   for (size_t k = 1; k < order.size(); ++k) {
-    if (inputs[order[k]].name == inputs[order[k - 1]].name) {
+    if (given[order[k]].name == given[order[k - 1]].name) {
       const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), inputs[b].name),
+          absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), given[b].name),
                        " has the same name as tensor ", a));
     }
   }
 
-  // Snapshot: copy changed bytes; reuse the previous buffer of tensors whose bytes are equal.
   sum.snapshot_unix_nanos = UnixNanosNow();
-  std::vector<BaselineTensor> next(order.size());
-  std::vector<const BaselineTensor*> bases(order.size(), nullptr);  // same spec, bytes differ
-  std::vector<bool> unchanged(order.size(), false);
-  for (size_t k = 0; k < order.size(); ++k) {
-    const TensorInput& in = inputs[order[k]];
-    BaselineTensor& t = next[k];
-    t.spec = specs[order[k]];
-    t.dtype = in.dtype;
-    const BaselineTensor* p = FindByName(prev, in.name);
-    const bool same_spec = p != nullptr && sync::SameSpec(p->spec, t.spec);
-    if (same_spec && (in.data.empty() ||
-                      std::memcmp(p->bytes->data(), in.data.data(), in.data.size()) == 0)) {
-      t.bytes = p->bytes;
-      t.digest = p->digest;
-      unchanged[k] = true;
-      continue;
+  Encoded enc;
+  if (options_.device != nullptr) {
+    RETURN_IF_ERROR(EncodeOnDevices(options_, given, order, specs, prev, where, &gpu_baseline_,
+                                    &enc, &sum));
+  } else {
+    // The CPU codec reads host bytes: device snapshots (CUDA tensors registered with a CPU
+    // codec) come to the host first.
+    std::span<const TensorInput> inputs = given;
+    std::vector<TensorInput> downloaded;
+    if (std::any_of(given.begin(), given.end(),
+                    [](const TensorInput& in) { return in.device_bytes != nullptr; })) {
+      ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, &sum));
+      inputs = downloaded;
     }
-    t.bytes = in.owned != nullptr && in.owned->data() == in.data.data() &&
-                      in.owned->size() == in.data.size()
-                  ? in.owned
-                  : std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
-    if (same_spec) bases[k] = p;
+    RETURN_IF_ERROR(EncodeOnCpu(options_, inputs, order, specs, prev, where, &enc, &sum));
   }
-  // From here on only our own copies are read: the caller's buffers are free.
-
-  const auto digest_start = Clock::now();
-  for (size_t k = 0; k < next.size(); ++k) {
-    if (!unchanged[k]) next[k].digest = TensorDigest(*next[k].bytes, options_.digest_threads);
-  }
-  sum.digest_micros = MicrosSince(digest_start);
-
-  // Encode every changed tensor with a usable base in one call.
-  std::vector<EncodeInput> enc;
-  std::vector<size_t> enc_index;
-  for (size_t k = 0; k < next.size(); ++k) {
-    if (bases[k] == nullptr) continue;
-    EncodeInput e;
-    e.dtype = next[k].dtype;
-    e.base = *bases[k]->bytes;
-    e.target = *next[k].bytes;
-    enc.push_back(e);
-    enc_index.push_back(k);
-  }
-  std::vector<sync::PatchBytes> patches(next.size());
-  std::vector<uint64_t> changed(next.size(), 0);
-  if (!enc.empty()) {
-    const auto encode_start = Clock::now();
-    EncodeOptions eo;
-    eo.threads = options_.encode_threads;
-    eo.block_log2 = options_.block_log2;
-    std::vector<PatchStats> stats;
-    auto encoded = EncodePatches(enc, eo, &stats);
-    if (!encoded.ok()) {
-      return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
-                                              encoded.status().message()));
-    }
-    sum.encode_micros = MicrosSince(encode_start);
-    for (size_t j = 0; j < enc_index.size(); ++j) {
-      const size_t k = enc_index[j];
-      patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
-      changed[k] = j < stats.size() ? stats[j].changed_elements : ElementsOf(next[k].spec);
-    }
-  }
+  std::vector<BaselineTensor>& next = enc.next;
+  const std::vector<bool>& unchanged = enc.unchanged;
+  const std::vector<sync::PatchBytes>& patches = enc.patches;
+  std::vector<uint64_t>& changed = enc.changed;
 
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
@@ -430,6 +679,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
     encode_micros_ = sum.encode_micros;
     baseline_ = next;
+    if (options_.device != nullptr) gpu_baseline_ = std::move(enc.gpu);
     counts_.push_back(std::move(counts));
     counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
                                  [&](const VersionCounts& c) {

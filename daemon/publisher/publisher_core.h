@@ -2,10 +2,17 @@
 // the previous baseline, keeps a bounded history of patches (sync::PatchHistory), produces the
 // frames of a transfer to a subscriber at any version, and optionally persists its baseline so a
 // restarted publisher can still serve deltas. The DataPlane gRPC server wraps this class.
+//
+// Encoding runs on the CPU codec (daemon/codec) or, with PublisherOptions::device (config
+// codec.device cuda, or auto with a GPU), on GPUs with cuda::Device::Encode / Digest; the patches
+// are byte-identical either way (the codec's contract), so subscribers and the wire format do not
+// depend on where the publisher encodes. See "GPU encoding" at PublisherCore for the memory held
+// in each mode.
 #ifndef REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
 #define REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -15,12 +22,21 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "cuda/device.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "refit/v1/data.pb.h"
 
 namespace refit::publisher {
+
+// A tensor's bytes in daemon-owned memory a cuda::Device reads: its device memory or pinned,
+// mapped host memory (memory.kind()). A TrainerApi snapshot of a trainer's CUDA tensor, or a
+// tensor of the core's GPU baseline. Immutable once handed to Publish.
+struct DeviceBytes {
+  cuda::Device* device = nullptr;  // must outlive this
+  cuda::Allocation memory;         // memory.size() = the tensor's bytes
+};
 
 // One tensor of a version to publish. `data` must hold product(shape) * DTypeSize(dtype) bytes
 // (little-endian elements); it is copied by Publish, so the caller may modify it afterwards.
@@ -32,6 +48,10 @@ struct TensorInput {
   // Optional: a buffer holding exactly `data` that the caller hands over. Publish then keeps it
   // as the snapshot instead of copying (the caller must not modify it afterwards).
   std::shared_ptr<const std::vector<uint8_t>> owned;
+  // Instead of `data` (which is then empty): the snapshot in device or pinned memory, of exactly
+  // the tensor's size. With GPU encoding it is encoded on its own device and becomes that
+  // tensor's GPU baseline (no copy); with the CPU codec Publish copies it to host memory first.
+  std::shared_ptr<const DeviceBytes> device_bytes;
 };
 
 struct PublisherOptions {
@@ -49,6 +69,14 @@ struct PublisherOptions {
   std::string persist_dir;
   // fsync the persisted baseline and its directory (config baseline.fsync).
   bool persist_fsync = true;
+  // GPU encoding (config codec.device cuda, or auto with a usable GPU): host tensors are
+  // uploaded to this device and every tensor is encoded and digested by its device's kernels.
+  // Null: the CPU codec. Must outlive the core.
+  cuda::Device* device = nullptr;
+  // Where the GPU baseline of host tensors lives (config codec.gpu_baseline): device memory of
+  // `device`, or pinned host memory the kernels read over the bus. Tensors handed over as
+  // DeviceBytes keep the memory kind they come in.
+  cuda::Allocation::Kind gpu_baseline = cuda::Allocation::Kind::kDevice;
 };
 
 // What Publish did (one log line per refit).
@@ -66,8 +94,13 @@ struct PublishSummary {
   // keyframe tensors (before LZ4); and the dense size of the whole version.
   uint64_t wire_bytes = 0;
   uint64_t dense_bytes = 0;
-  uint64_t encode_micros = 0;   // EncodePatches
+  uint64_t encode_micros = 0;   // EncodePatches, or the sum of the Device::Encode calls
   uint64_t digest_micros = 0;   // tensor digests
+  // Where the patches were encoded: "" = the CPU codec; else the Describe() of every device that
+  // encoded or digested a tensor ("; "-separated).
+  std::string encode_device;
+  uint64_t upload_micros = 0;    // GPU encoding: host tensors (and missing bases) to the device
+  uint64_t download_micros = 0;  // device snapshots of changed tensors to host bytes
   uint64_t persist_micros = 0;  // baseline written (0 without persistence)
   // Outcome of persisting the baseline (OK without persistence). The version is published
   // (served from memory) even when this is an error; the file then still holds the previous
@@ -146,6 +179,29 @@ class Transfer {
 
 // Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
 // concurrently with a Publish (they see the version before or after it, never a mix).
+//
+// GPU encoding (options.device set). Every tensor is encoded on a device: a DeviceBytes input on
+// its own device, a host input on options.device (uploaded into an allocation of kind
+// options.gpu_baseline). The base of the encode is the tensor's GPU baseline (the previous
+// version's bytes on that device, or in pinned memory, which any device reads); when there is
+// none (first GPU publish after a reload, device changed, a failed publish dropped it) the
+// previous host bytes are uploaded for that call. A changed tensor's digest comes from
+// Device::Digest and its host bytes (keyframes for new subscribers, persistence) from one D2H
+// copy of its snapshot, done here, i.e. after the TrainerApi has answered the trainer. An
+// unchanged tensor (host input: memcmp; device input: the encoder finds no changed element)
+// reuses the previous host bytes and digest.
+// Memory, with M = one copy of the model:
+//   GPU baseline device: steady state M of device memory (per GPU, for the tensors it holds) plus
+//     the codec's scratch; the host keeps M (the baseline bytes, shared with transfers in flight)
+//     plus the patch history. During a Publish the new snapshot (M, taken by the caller) exists
+//     next to the baseline; each previous baseline tensor is freed as soon as its successor is
+//     encoded, so GPU memory peaks at 2M (M + one tensor for host inputs, which are uploaded
+//     tensor by tensor), and the host at 2M (the previous baseline lives on while transfers use
+//     it).
+//   GPU baseline pinned: the same with pinned host memory in place of device memory (no device
+//     memory beyond the scratch): pinned M steady (2M peak) plus host M.
+//   CPU codec: host M steady, 2M during a Publish (as before GPU encoding existed).
+// Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
 class PublisherCore {
  public:
   // Creates a core. With options.persist_dir: creates the directory if missing; if it holds a
@@ -208,6 +264,10 @@ class PublisherCore {
     std::vector<std::pair<std::string, uint64_t>> changed;  // name order
   };
   std::vector<VersionCounts> counts_ ABSL_GUARDED_BY(mu_);
+  // GPU encoding: the newest version's tensors on their devices (or pinned), by name; a subset
+  // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
+  std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
+      ABSL_GUARDED_BY(publish_mu_);
 };
 
 }  // namespace refit::publisher

@@ -723,14 +723,14 @@ TEST(PublisherCoreTest, OwnedBuffersBecomeTheSnapshotWithoutACopy) {
   ASSERT_TRUE(core.ok()) << core.status();
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::vector<uint8_t>(4096, 7));
   TensorInput in{.name = "w", .dtype = DType::kBF16, .shape = {2048}, .data = *owned,
-                 .owned = owned};
+                 .owned = owned, .device_bytes = nullptr};
   ASSERT_TRUE((*core)->Publish(1, std::span<const TensorInput>(&in, 1)).ok());
   ASSERT_EQ((*core)->Baseline().size(), 1u);
   EXPECT_EQ((*core)->Baseline()[0].bytes.get(), owned.get());
   // A span that is not the owned buffer's whole content is copied.
   std::vector<uint8_t> other(4096, 9);
   TensorInput mismatched{.name = "w", .dtype = DType::kBF16, .shape = {2048}, .data = other,
-                         .owned = owned};
+                         .owned = owned, .device_bytes = nullptr};
   ASSERT_TRUE((*core)->Publish(2, std::span<const TensorInput>(&mismatched, 1)).ok());
   EXPECT_NE((*core)->Baseline()[0].bytes.get(), owned.get());
   EXPECT_EQ(*(*core)->Baseline()[0].bytes, other);

@@ -9,10 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "cuda/device.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/publisher/data_plane_service.h"
+#include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
@@ -50,6 +52,9 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   std::string local_address() const override { return local_.bound_address; }
 
   std::shared_ptr<spdlog::logger> log_ = Logger("publisher");
+  // Declared first, destroyed last: the core's GPU baseline and queued snapshots are
+  // allocations of these devices.
+  std::unique_ptr<DeviceCache> devices_;
   std::unique_ptr<PublisherCore> core_;
   std::unique_ptr<DataPlaneService> data_plane_;
   std::unique_ptr<PublishQueue> queue_;
@@ -62,17 +67,54 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
+// The GPU of codec.device: cuda (must open: the error names the field and the cause) or auto
+// (the GPU when one opens, else null = the CPU codec); null for cpu.
+absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, DeviceCache* devices,
+                                              spdlog::logger& log) {
+  if (codec.device() != v1::DEVICE_CUDA && codec.device() != v1::DEVICE_AUTO) return nullptr;
+  const char* const mode = codec.device() == v1::DEVICE_CUDA ? "cuda" : "auto";
+  cuda::DeviceSelector selector;
+  std::string field = "publisher.codec.device";
+  if (codec.has_cuda_device()) {
+    selector.ordinal = static_cast<int>(codec.cuda_device());
+    field = absl::StrCat("publisher.codec.device: ", mode, " with codec.cuda_device ",
+                         codec.cuda_device());
+  } else if (codec.has_cuda_device_uuid()) {
+    absl::StatusOr<cuda::Uuid> uuid = cuda::ParseUuid(codec.cuda_device_uuid());
+    if (!uuid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("publisher.codec.cuda_device_uuid: ", uuid.status().message()));
+    }
+    selector.uuid = *uuid;
+    field = absl::StrCat("publisher.codec.device: ", mode, " with codec.cuda_device_uuid ",
+                         codec.cuda_device_uuid());
+  } else {
+    field = absl::StrCat("publisher.codec.device: ", mode);
+  }
+  absl::StatusOr<cuda::Device*> device = devices->Open(selector);
+  if (!device.ok()) {
+    if (codec.device() == v1::DEVICE_AUTO) {
+      log.info("{}: no usable GPU ({}); encoding on the CPU", field,
+               std::string(device.status().message()));
+      return nullptr;
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": cannot use the GPU: ", device.status().message(),
+        " (use codec.device cpu, or auto to fall back to the CPU)"));
+  }
+  log.info("{}: encoding on {}", field, (*device)->Describe());
+  return *device;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     const v1::PublisherConfig& config) {
   const absl::Time started = absl::Now();
-  if (config.codec().device() == v1::DEVICE_CUDA) {
-    return absl::UnimplementedError(
-        "publisher.codec.device: cuda is not supported yet (the GPU path arrives with issue 4); "
-        "use cpu, or auto (which runs on the CPU)");
-  }
   auto daemon = std::make_unique<PublisherDaemonImpl>();
+  daemon->devices_ = std::make_unique<DeviceCache>(&cuda::OpenDevice);
+  ASSIGN_OR_RETURN(cuda::Device* const codec_device,
+                   OpenCodecDevice(config.codec(), daemon->devices_.get(), *daemon->log_));
   const std::string name = config.name().empty() ? HostName() : config.name();
 
   PublisherOptions options;
@@ -84,6 +126,10 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   options.encode_threads = static_cast<int>(config.codec().threads());
   options.digest_threads = static_cast<int>(config.codec().threads());
   options.persist_dir = config.baseline().persist_dir();
+  const bool pinned = config.codec().gpu_baseline() == v1::GPU_BASELINE_PINNED;
+  options.device = codec_device;
+  options.gpu_baseline =
+      pinned ? cuda::Allocation::Kind::kPinnedHost : cuda::Allocation::Kind::kDevice;
   absl::StatusOr<std::unique_ptr<PublisherCore>> core = PublisherCore::Open(options);
   if (!core.ok()) {
     return absl::Status(core.status().code(),
@@ -137,8 +183,16 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     ASSIGN_OR_RETURN(daemon->control_, StartServer(control));
   }
   if (!config.local_socket().empty()) {
+    // CUDA tensors of trainers: opened on their GPUs through the cache whatever the codec
+    // device; snapshot to the host for the CPU codec, else where the GPU baseline lives.
+    TrainerApiOptions api;
+    api.copy_threads = options.encode_threads;
+    api.devices = daemon->devices_->Provider();
+    api.cuda_snapshot = codec_device == nullptr ? CudaSnapshot::kHost
+                        : pinned               ? CudaSnapshot::kPinned
+                                               : CudaSnapshot::kDevice;
     daemon->trainer_api_ = std::make_unique<TrainerApiService>(daemon->queue_.get(),
-                                                               options.encode_threads);
+                                                               std::move(api));
     ServerSpec local;
     local.name = "publisher.local_socket";
     local.address = absl::StrCat("unix:", config.local_socket());
@@ -151,11 +205,15 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
 
   daemon->log_->info(
       "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
-      "(history budget {}, codec threads {}, persist dir \"{}\")",
+      "(history budget {}, codec {}, persist dir \"{}\")",
       name, kBuildVersion, daemon->listen_.bound_address,
       separate_control ? daemon->control_.bound_address : daemon->listen_.bound_address,
       config.local_socket().empty() ? std::string("(none)") : daemon->local_.bound_address,
-      FormatBytes(options.history_budget_bytes), config.codec().threads(),
+      FormatBytes(options.history_budget_bytes),
+      codec_device == nullptr
+          ? absl::StrCat("on the CPU (", config.codec().threads(), " threads, 0 = all)")
+          : absl::StrCat("on ", codec_device->Describe(), ", GPU baseline in ",
+                         pinned ? "pinned host memory" : "device memory"),
       options.persist_dir);
 
   if (!config.ready_file().empty()) {

@@ -4,8 +4,10 @@
 //   service (Status, Publish from safetensors, Export, WaitVersion, Verify, Resync), the
 //   TrainerApi on local_socket (shared-memory tensors of trainer processes), gRPC health, the
 //   servers on listen / control_listen / local_socket, and finally the ready file.
-// A codec.device of cuda is refused with Unimplemented until the GPU path lands (issue 4); auto
-// runs on the CPU.
+// codec.device cuda opens the configured GPU (cuda_device / cuda_device_uuid; Start fails with
+// FailedPrecondition naming publisher.codec.device and the cause when it cannot) and encodes on
+// it; auto does so when a GPU opens and encodes on the CPU otherwise. Trainers may register CUDA
+// tensors whatever the codec device (their GPUs are opened by UUID on first use).
 #ifndef REFIT_DAEMON_PUBLISHER_PUBLISHER_DAEMON_H_
 #define REFIT_DAEMON_PUBLISHER_PUBLISHER_DAEMON_H_
 
@@ -19,9 +21,9 @@ namespace refit::publisher {
 
 class PublisherDaemon {
  public:
-  // Starts serving. Errors: InvalidArgument / Unimplemented for unusable settings, Unavailable
-  // when an address cannot be bound, DataLoss / FailedPrecondition for a corrupt persisted
-  // baseline; each one line naming the config field.
+  // Starts serving. Errors: InvalidArgument / FailedPrecondition for unusable settings (e.g. no
+  // usable GPU for codec.device cuda), Unavailable when an address cannot be bound, DataLoss /
+  // FailedPrecondition for a corrupt persisted baseline; each one line naming the config field.
   static absl::StatusOr<std::unique_ptr<PublisherDaemon>> Start(const v1::PublisherConfig& config);
   virtual ~PublisherDaemon() = default;
 

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cuda/device.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/testing.h"
 #include "daemon/config/config.h"
@@ -461,11 +462,36 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   auto cuda = config::LoadPublisherConfigFromString(
       "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n", "cuda.yaml");
   ASSERT_TRUE(cuda.ok()) << cuda.status();
-  auto refused = PublisherDaemon::Start(*cuda);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "publisher.codec.device"))
-      << refused.status();
+  auto listed = cuda::ListDevices();
+  if (listed.ok() && !listed->empty()) {
+    // A GPU: device cuda starts (publisher_gpu_test covers encoding on it).
+    auto started = PublisherDaemon::Start(*cuda);
+    EXPECT_TRUE(started.ok()) << started.status();
+  } else {
+    // No GPU (or built without CUDA): refused, naming the field and the cause.
+    auto refused = PublisherDaemon::Start(*cuda);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "publisher.codec.device: cuda"))
+        << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "cannot use the GPU"))
+        << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "no CUDA device") ||
+                absl::StrContains(refused.status().message(), "no usable CUDA device"))
+        << refused.status();
+    // Naming the GPU by UUID: the message names that field too.
+    auto by_uuid = config::LoadPublisherConfigFromString(
+        "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n"
+        "    cuda_device_uuid: GPU-8b1f0011-2233-4455-6677-8899aabbccdd\n",
+        "uuid.yaml");
+    ASSERT_TRUE(by_uuid.ok()) << by_uuid.status();
+    auto refused_uuid = PublisherDaemon::Start(*by_uuid);
+    ASSERT_FALSE(refused_uuid.ok());
+    EXPECT_EQ(refused_uuid.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(absl::StrContains(refused_uuid.status().message(),
+                                  "codec.cuda_device_uuid GPU-8b1f0011-2233-4455-6677-8899aabbccdd"))
+        << refused_uuid.status();
+  }
 
   auto split = config::LoadPublisherConfigFromString(
       absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir.path(),

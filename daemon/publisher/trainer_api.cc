@@ -55,6 +55,77 @@ struct FdCloser {
 
 }  // namespace
 
+// ---- OpenedIpc, CudaRegionOpener ----------------------------------------------------------------
+
+OpenedIpc::~OpenedIpc() {
+  if (base_ == nullptr) return;
+  absl::Status st = device_->CloseIpc(base_);
+  if (!st.ok()) {
+    Logger("trainer-api")->warn("closing a CUDA IPC mapping on {}: {}", device_->Describe(),
+                                st.ToString());
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const OpenedIpc>> OpenedIpc::Open(cuda::Device* device,
+                                                                 const cuda::IpcHandle& handle) {
+  ASSIGN_OR_RETURN(void* base, device->OpenIpc(handle));
+  std::shared_ptr<OpenedIpc> opened(new OpenedIpc());
+  opened->device_ = device;
+  opened->base_ = static_cast<uint8_t*>(base);  // closed by the destructor from here on
+  absl::StatusOr<std::pair<void*, size_t>> range = device->AddressRange(base);
+  if (!range.ok()) {
+    return absl::Status(range.status().code(),
+                        absl::StrCat("the size of the opened allocation is unknown: ",
+                                     range.status().message()));
+  }
+  // The handle names an allocation (cudaMalloc) from its base: the mapping starts there.
+  if (range->first != base) {
+    return absl::InvalidArgumentError(
+        "the opened handle does not map to the start of an allocation");
+  }
+  opened->size_ = range->second;
+  return std::shared_ptr<const OpenedIpc>(std::move(opened));
+}
+
+absl::StatusOr<std::shared_ptr<const OpenedIpc>> CudaRegionOpener::Open(
+    const v1::CudaIpcRegion& region, const std::string& what) {
+  if (region.ipc_handle().size() != cuda::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": cuda_ipc.ipc_handle has ", region.ipc_handle().size(), " bytes; a CUDA IPC "
+        "handle (cudaIpcMemHandle_t) has ", cuda::kIpcHandleBytes));
+  }
+  if (region.device_uuid().size() != cuda::kUuidBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": cuda_ipc.device_uuid has ", region.device_uuid().size(),
+        " bytes; a GPU UUID (cudaDeviceProp.uuid) has ", cuda::kUuidBytes));
+  }
+  ASSIGN_OR_RETURN(const cuda::Uuid uuid, cuda::UuidFromBytes(region.device_uuid()));
+  cuda::IpcHandle handle;
+  std::memcpy(handle.data(), region.ipc_handle().data(), handle.size());
+  const std::string gpu = cuda::FormatUuid(uuid);
+  auto key = std::make_pair(uuid, handle);
+  if (auto it = opened_.find(key); it != opened_.end()) return it->second;
+  if (devices_ == nullptr || !*devices_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": CUDA IPC region on ", gpu, ", but this publisher has no GPU support "
+        "(register the tensor in shared memory instead)"));
+  }
+  absl::StatusOr<cuda::Device*> device = (*devices_)(uuid);
+  if (!device.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": CUDA IPC region on ", gpu, ", which this publisher cannot use: ",
+        device.status().message()));
+  }
+  absl::StatusOr<std::shared_ptr<const OpenedIpc>> opened = OpenedIpc::Open(*device, handle);
+  if (!opened.ok()) {
+    return absl::Status(opened.status().code(),
+                        absl::StrCat(what, ": cannot open the CUDA IPC handle on ", gpu, " (",
+                                     (*device)->Describe(), "): ", opened.status().message()));
+  }
+  opened_.emplace(key, *opened);
+  return *opened;
+}
+
 // ---- MappedTensor -------------------------------------------------------------------------------
 
 MappedTensor::~MappedTensor() {
@@ -62,7 +133,7 @@ MappedTensor::~MappedTensor() {
 }
 
 absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
-    const v1::TensorLocation& location, const std::string& what) {
+    const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda) {
   const v1::TensorSpec& spec = location.spec();
   absl::Status valid = sync::ValidateTensorSpec(spec);
   if (!valid.ok()) return Prefixed(what, valid);
@@ -74,10 +145,43 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
   if (!size.ok()) return Prefixed(what, size.status());
 
   switch (location.region_case()) {
-    case v1::TensorLocation::kCudaIpc:
-      return absl::UnimplementedError(
-          absl::StrCat(what, ": CUDA IPC regions arrive with the GPU path (issue 4); use a "
-                             "shared-memory region (shm)"));
+    case v1::TensorLocation::kCudaIpc: {
+      const v1::CudaIpcRegion& region = location.cuda_ipc();
+      if (region.size_bytes() != *size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cuda_ipc.size_bytes is ", region.size_bytes(), " but the tensor needs ",
+            *size, " bytes (", DTypeName(*dtype), ", ", *elements, " elements)"));
+      }
+      const uint64_t offset = region.offset();
+      if (region.allocation_bytes() != 0 &&
+          (offset > region.allocation_bytes() || *size > region.allocation_bytes() - offset)) {
+        return absl::OutOfRangeError(absl::StrCat(
+            what, ": CUDA region [", offset, ", ", offset, " + ", *size,
+            ") is outside its allocation of ", region.allocation_bytes(),
+            " bytes (cuda_ipc.allocation_bytes)"));
+      }
+      CudaRegionOpener none(nullptr);
+      ASSIGN_OR_RETURN(std::shared_ptr<const OpenedIpc> ipc,
+                       (cuda != nullptr ? cuda : &none)->Open(region, what));
+      if (offset > ipc->size() || *size > ipc->size() - offset) {
+        return absl::OutOfRangeError(absl::StrCat(
+            what, ": CUDA region [", offset, ", ", offset, " + ", *size,
+            ") is outside the allocation of ", ipc->size(), " bytes its handle opens on ",
+            ipc->device()->Describe()));
+      }
+      if (region.allocation_bytes() != 0 && region.allocation_bytes() > ipc->size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": cuda_ipc.allocation_bytes is ", region.allocation_bytes(),
+            " but the allocation its handle opens has ", ipc->size(), " bytes"));
+      }
+      std::unique_ptr<MappedTensor> t(new MappedTensor());
+      t->spec_ = spec;
+      t->dtype_ = *dtype;
+      t->size_ = static_cast<size_t>(*size);
+      t->data_ = ipc->base() + offset;
+      t->ipc_ = std::move(ipc);
+      return t;
+    }
     case v1::TensorLocation::REGION_NOT_SET:
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": no region: set shm (shm_name or path, offset, size_bytes)"));
@@ -162,7 +266,14 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
 // ---- TrainerApiService --------------------------------------------------------------------------
 
 TrainerApiService::TrainerApiService(PublishQueue* queue, int copy_threads)
-    : queue_(queue), copy_threads_(copy_threads), log_(Logger("trainer-api")) {}
+    : TrainerApiService(queue, [copy_threads] {
+        TrainerApiOptions o;
+        o.copy_threads = copy_threads;
+        return o;
+      }()) {}
+
+TrainerApiService::TrainerApiService(PublishQueue* queue, TrainerApiOptions options)
+    : queue_(queue), options_(std::move(options)), log_(Logger("trainer-api")) {}
 
 TrainerApiService::~TrainerApiService() = default;
 
@@ -173,7 +284,7 @@ v1::RegisterTensorsResponse TrainerApiService::CountsLocked() const {
   uint64_t bytes = 0;
   for (const auto& [name, client] : clients_) {
     tensors += static_cast<uint32_t>(client.tensors.size());
-    for (const auto& t : client.tensors) bytes += t->bytes().size();
+    for (const auto& t : client.tensors) bytes += t->size();
   }
   r.set_tensors(tensors);
   r.set_bytes(bytes);
@@ -195,6 +306,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
   std::vector<std::shared_ptr<const MappedTensor>> mapped;
   mapped.reserve(request.tensors().size());
   std::map<std::string, int> seen;
+  CudaRegionOpener cuda(&options_.devices);
   for (int i = 0; i < request.tensors().size(); ++i) {
     const v1::TensorLocation& location = request.tensors(i);
     const std::string what =
@@ -205,7 +317,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
       return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate name (also tensor ",
                                                      it->second, ")"));
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t, MappedTensor::Map(location, what));
+    ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t, MappedTensor::Map(location, what, &cuda));
     mapped.push_back(std::move(t));
   }
 
@@ -235,10 +347,14 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
   }
   v1::RegisterTensorsResponse counts = CountsLocked();
   uint64_t bytes = 0;
-  for (const auto& t : client.tensors) bytes += t->bytes().size();
-  log_->info("{} {} {} tensors ({}); now {} clients, {} tensors", who,
+  size_t on_gpu = 0;
+  for (const auto& t : client.tensors) {
+    bytes += t->size();
+    if (t->gpu() != nullptr) ++on_gpu;
+  }
+  log_->info("{} {} {} tensors ({}, {} in CUDA memory); now {} clients, {} tensors", who,
              replaced ? "re-registered" : "registered", client.tensors.size(), FormatBytes(bytes),
-             counts.clients(), counts.tensors());
+             on_gpu, counts.clients(), counts.tensors());
   return counts;
 }
 
@@ -342,13 +458,21 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     o.name = t.spec().name();
     o.dtype = t.dtype();
     o.shape.assign(t.spec().shape().begin(), t.spec().shape().end());
+    if (t.gpu() != nullptr) {
+      // CUDA tensors: one copy each on the tensor's device.
+      const std::string what = absl::StrCat(
+          "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), o.name));
+      RETURN_IF_ERROR(SnapshotCuda(t, what, &o));
+      snapshot.push_back(std::move(o));
+      continue;
+    }
     o.bytes.resize(t.bytes().size());
     for (size_t off = 0; off < o.bytes.size(); off += kChunkBytes) {
       chunks.push_back({i, off, std::min(kChunkBytes, o.bytes.size() - off)});
     }
     snapshot.push_back(std::move(o));
   }
-  ParallelFor(chunks.size(), copy_threads_, 1, [&](size_t begin, size_t end) {
+  ParallelFor(chunks.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
     for (size_t c = begin; c < end; ++c) {
       const Chunk& chunk = chunks[c];
       std::memcpy(snapshot[chunk.tensor].bytes.data() + chunk.offset,
@@ -385,6 +509,38 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
                 round_->snapshots.size(), clients_.size());
   }
   return response;
+}
+
+absl::Status TrainerApiService::SnapshotCuda(const MappedTensor& t, const std::string& what,
+                                             OwnedTensor* out) const {
+  cuda::Device* const device = t.gpu()->device();
+  const size_t bytes = t.size();
+  auto failed = [&](const char* step, const absl::Status& st) {
+    return absl::Status(st.code(), absl::StrCat(what, ": ", step, " on ", device->Describe(), ": ",
+                                                st.message()));
+  };
+  if (options_.cuda_snapshot == CudaSnapshot::kHost) {
+    out->bytes.resize(bytes);
+    if (bytes == 0) return absl::OkStatus();
+    absl::Status st = device->CopyToHost(out->bytes.data(), t.device_data(), bytes);
+    if (!st.ok()) return failed("copying the tensor to the host", st);
+    return absl::OkStatus();
+  }
+  const bool pinned = options_.cuda_snapshot == CudaSnapshot::kPinned;
+  auto snapshot = std::make_shared<DeviceBytes>();
+  snapshot->device = device;
+  absl::StatusOr<cuda::Allocation> memory = device->Allocate(
+      bytes, pinned ? cuda::Allocation::Kind::kPinnedHost : cuda::Allocation::Kind::kDevice);
+  if (!memory.ok()) return failed("allocating the snapshot", memory.status());
+  snapshot->memory = std::move(*memory);
+  if (bytes != 0) {
+    absl::Status st = pinned ? device->CopyToHost(snapshot->memory.data(), t.device_data(), bytes)
+                             : device->CopyOnDevice(snapshot->memory.data(), t.device_data(),
+                                                    bytes);
+    if (!st.ok()) return failed("copying the tensor", st);
+  }
+  out->device_bytes = std::move(snapshot);
+  return absl::OkStatus();
 }
 
 grpc::Status TrainerApiService::RegisterTensors(grpc::ServerContext*,

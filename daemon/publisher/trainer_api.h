@@ -1,13 +1,24 @@
 // TrainerApi (proto/refit/v1/local.proto) of the publisher daemon, served on `local_socket`.
 //
 // Trainer processes ("clients", e.g. one per tensor-parallel rank) register the tensors they
-// expose as regions of POSIX shared memory objects or files (memfds via /proc/<pid>/fd/<n>). Each
-// region is validated (dtype, shape, name, object exists, range inside it, size = dtype size x
-// elements) and mapped read-only (MAP_SHARED) before RegisterTensors returns. CUDA IPC regions
-// are refused with UNIMPLEMENTED until the GPU path (issue 4).
+// expose as regions of POSIX shared memory objects or files (memfds via /proc/<pid>/fd/<n>), or
+// as CUDA IPC regions of their own GPU allocations (no extra copy of the weights on the
+// trainer's GPU). Each region is validated before RegisterTensors returns:
+//   shm: dtype, shape, name, object exists, range inside it, size = dtype size x elements; the
+//     region is mapped read-only (MAP_SHARED).
+//   cuda_ipc: 64-byte handle, 16-byte GPU UUID, size = the tensor's bytes, offset + size inside
+//     the allocation (allocation_bytes when given, and the driver's size of the opened
+//     allocation). The GPU is opened through the service's DeviceProvider (by UUID) and each
+//     distinct handle is opened once per registration, shared by the client's tensors in it
+//     and closed when the client unregisters, registers again, or the service goes away.
+//     Without a usable GPU (none, built without CUDA, no provider): FAILED_PRECONDITION naming
+//     the client, the tensor and the GPU UUID.
 //
-// Publish(client, version) copies the client's tensors into owned buffers (the snapshot) and
-// returns; the trainer may overwrite its memory right after. A version is committed once every
+// Publish(client, version) copies the client's tensors into daemon-owned memory (the snapshot)
+// and returns; the trainer may overwrite its memory right after. Shared-memory tensors go to
+// host buffers; CUDA tensors (TrainerApiOptions::cuda_snapshot) to host buffers (CPU codec: one
+// D2H copy), to device memory on the same GPU (GPU baseline device: one D2D copy, which then
+// becomes the GPU baseline, see PublisherCore) or to pinned host memory (GPU baseline pinned). A version is committed once every
 // registered client has published it: all clients' snapshots are then queued as one version on
 // the PublishQueue (LocalPublishResponse.committed = true: queued for encoding; the trainer does
 // not wait for the encode). All clients must publish the same number: the first client of a
@@ -27,30 +38,81 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
 namespace refit::publisher {
 
-// One registered tensor: its spec and its region mapped read-only.
+// A trainer's CUDA allocation opened from its IPC handle (Device::OpenIpc); closed on
+// destruction.
+class OpenedIpc {
+ public:
+  ~OpenedIpc();
+  OpenedIpc(const OpenedIpc&) = delete;
+  OpenedIpc& operator=(const OpenedIpc&) = delete;
+
+  // Opens `handle` on `device` and asks the driver for the allocation's size.
+  static absl::StatusOr<std::shared_ptr<const OpenedIpc>> Open(cuda::Device* device,
+                                                               const cuda::IpcHandle& handle);
+
+  cuda::Device* device() const { return device_; }
+  const uint8_t* base() const { return base_; }
+  size_t size() const { return size_; }  // of the allocation, from its base
+
+ private:
+  OpenedIpc() = default;
+  cuda::Device* device_ = nullptr;
+  uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Opens the CUDA IPC regions of one registration: the GPU by UUID through a DeviceProvider, and
+// each distinct (GPU, handle) once. Not thread-safe (one per RegisterTensors call).
+class CudaRegionOpener {
+ public:
+  // `devices` may be null or empty: CUDA regions are then refused (FAILED_PRECONDITION).
+  explicit CudaRegionOpener(const DeviceProvider* devices) : devices_(devices) {}
+
+  // The opened allocation holding `region` (checks nothing about offset and size). `what`
+  // prefixes errors.
+  absl::StatusOr<std::shared_ptr<const OpenedIpc>> Open(const v1::CudaIpcRegion& region,
+                                                        const std::string& what);
+
+ private:
+  const DeviceProvider* const devices_;
+  std::map<std::pair<cuda::Uuid, cuda::IpcHandle>, std::shared_ptr<const OpenedIpc>> opened_;
+};
+
+// One registered tensor: its spec and its region, mapped read-only (shm) or opened (CUDA IPC).
 class MappedTensor {
  public:
   ~MappedTensor();
   MappedTensor(const MappedTensor&) = delete;
   MappedTensor& operator=(const MappedTensor&) = delete;
 
-  // Validates `location` and maps its region. `what` prefixes errors ("client \"rank0\": tensor
-  // 2 'w'"). Codes: InvalidArgument (spec, missing region, size mismatch, relative path),
-  // NotFound (shm object / file missing), PermissionDenied, OutOfRange (region outside the
-  // object), Unimplemented (CUDA IPC).
+  // Validates `location` and maps (shm) or opens (cuda_ipc, through `cuda`) its region. `what`
+  // prefixes errors ("client \"rank0\": tensor 2 'w'"). Codes: InvalidArgument (spec, missing
+  // region, size mismatch, relative path, malformed handle or UUID), NotFound (shm object / file
+  // missing), PermissionDenied, OutOfRange (region outside the object or allocation),
+  // FailedPrecondition (CUDA region without a usable GPU, or `cuda` null).
   static absl::StatusOr<std::unique_ptr<MappedTensor>> Map(const v1::TensorLocation& location,
-                                                           const std::string& what);
+                                                           const std::string& what,
+                                                           CudaRegionOpener* cuda = nullptr);
 
   const v1::TensorSpec& spec() const { return spec_; }
   DType dtype() const { return dtype_; }
-  std::span<const uint8_t> bytes() const { return {data_, size_}; }
+  size_t size() const { return size_; }  // bytes
+  // shm: the mapped bytes. cuda_ipc: empty (see gpu()).
+  std::span<const uint8_t> bytes() const {
+    return ipc_ != nullptr ? std::span<const uint8_t>() : std::span<const uint8_t>(data_, size_);
+  }
+  // cuda_ipc: the opened allocation (null for shm) and the region's device pointer.
+  const OpenedIpc* gpu() const { return ipc_.get(); }
+  const uint8_t* device_data() const { return ipc_ != nullptr ? data_ : nullptr; }
 
  private:
   MappedTensor() = default;
@@ -60,13 +122,31 @@ class MappedTensor {
   size_t map_len_ = 0;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  std::shared_ptr<const OpenedIpc> ipc_;
+};
+
+// Where Publish snapshots CUDA tensors.
+enum class CudaSnapshot {
+  kHost,    // pageable host buffers (the CPU codec encodes them)
+  kDevice,  // device memory of the tensor's GPU (GPU encoding, gpu_baseline device)
+  kPinned,  // pinned host memory (GPU encoding, gpu_baseline pinned)
+};
+
+struct TrainerApiOptions {
+  // Threads copying shared-memory snapshots (0 = one per hardware thread).
+  int copy_threads = 0;
+  // Opens GPUs by UUID for CUDA IPC regions; empty: CUDA regions are refused.
+  DeviceProvider devices;
+  CudaSnapshot cuda_snapshot = CudaSnapshot::kHost;
 };
 
 class TrainerApiService final : public v1::TrainerApi::Service {
  public:
   // `queue` must outlive the service. Snapshots are copied with `copy_threads` threads (0 = one
-  // per hardware thread).
+  // per hardware thread). No CUDA regions.
   explicit TrainerApiService(PublishQueue* queue, int copy_threads = 0);
+  // The devices the provider hands out must outlive the service and every version it queues.
+  TrainerApiService(PublishQueue* queue, TrainerApiOptions options);
   ~TrainerApiService() override;
 
   grpc::Status RegisterTensors(grpc::ServerContext* context,
@@ -98,8 +178,11 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   // Queues the round when every registered client has published it; true when it did.
   absl::StatusOr<bool> MaybeCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // The snapshot of one CUDA tensor (options_.cuda_snapshot). `what` prefixes errors.
+  absl::Status SnapshotCuda(const MappedTensor& t, const std::string& what, OwnedTensor* out) const;
+
   PublishQueue* const queue_;
-  const int copy_threads_;
+  const TrainerApiOptions options_;
   std::shared_ptr<spdlog::logger> log_;
   mutable absl::Mutex mu_;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;

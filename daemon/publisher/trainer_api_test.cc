@@ -98,14 +98,19 @@ TEST(MappedTensorTest, BadRegionsHaveSpecificCodesAndMessages) {
   auto dtype = MappedTensor::Map(Location("w", v1::DTYPE_UNSPECIFIED, {4}, m.path(), 0, 4), what);
   ASSERT_FALSE(dtype.ok());
   EXPECT_EQ(dtype.status().code(), absl::StatusCode::kInvalidArgument);
-  // CUDA IPC.
+  // CUDA IPC without a device provider (publisher_gpu_test.cc covers CUDA regions).
   v1::TensorLocation cuda;
   *cuda.mutable_spec() = missing.spec();
   cuda.mutable_cuda_ipc()->set_size_bytes(4);
+  cuda.mutable_cuda_ipc()->set_ipc_handle(std::string(64, '\1'));
+  cuda.mutable_cuda_ipc()->set_device_uuid(std::string(16, '\2'));
   auto gpu = MappedTensor::Map(cuda, what);
   ASSERT_FALSE(gpu.ok());
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "issue 4")) << gpu.status();
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "no GPU support")) << gpu.status();
+  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "GPU-02020202-0202-0202-0202-020202020202"))
+      << gpu.status();
+  EXPECT_TRUE(absl::StrContains(gpu.status().message(), what)) << gpu.status();
   // No region.
   v1::TensorLocation none;
   *none.mutable_spec() = missing.spec();
