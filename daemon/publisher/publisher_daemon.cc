@@ -111,10 +111,12 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     const v1::PublisherConfig& config) {
   const absl::Time started = absl::Now();
-  auto daemon = std::make_unique<PublisherDaemonImpl>();
-  daemon->devices_ = std::make_unique<DeviceCache>(&cuda::OpenDevice);
+  // The GPU first: a refusal then stops Start before anything runs.
+  auto devices = std::make_unique<DeviceCache>(&cuda::OpenDevice);
   ASSIGN_OR_RETURN(cuda::Device* const codec_device,
-                   OpenCodecDevice(config.codec(), daemon->devices_.get(), *daemon->log_));
+                   OpenCodecDevice(config.codec(), devices.get(), *Logger("publisher")));
+  auto daemon = std::make_unique<PublisherDaemonImpl>();
+  daemon->devices_ = std::move(devices);
   const std::string name = config.name().empty() ? HostName() : config.name();
 
   PublisherOptions options;
@@ -211,7 +213,11 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
       config.local_socket().empty() ? std::string("(none)") : daemon->local_.bound_address,
       FormatBytes(options.history_budget_bytes),
       codec_device == nullptr
-          ? absl::StrCat("on the CPU (", config.codec().threads(), " threads, 0 = all)")
+          ? absl::StrCat("on the CPU (",
+                         config.codec().threads() == 0
+                             ? std::string("a thread per hardware thread")
+                             : absl::StrCat(config.codec().threads(), " threads"),
+                         ")")
           : absl::StrCat("on ", codec_device->Describe(), ", GPU baseline in ",
                          pinned ? "pinned host memory" : "device memory"),
       options.persist_dir);
