@@ -2,6 +2,8 @@
 // gpu, skips without one) and on the CPU emulator (REFIT_CUDA_EMULATE, label emu).
 #include "cuda/device.h"
 
+#include "cuda/device_testing.h"
+
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -111,13 +113,9 @@ TEST(ResolveDeviceTest, NamesWhatIsVisibleWhenNothingMatches) {
 #if defined(REFIT_CUDA_EMULATE)
 #define REQUIRE_DEVICE()
 #else
-#define REQUIRE_DEVICE()                                                         \
-  auto listed = ListDevices();                                                   \
-  if (!listed.ok() || listed->empty())                                           \
-  GTEST_SKIP() << "no CUDA device ("                                             \
-               << (listed.ok() ? std::string("none visible")                     \
-                               : std::string(listed.status().message()))         \
-               << ")"
+#define REQUIRE_DEVICE()                               \
+  if (auto why = testing::NoUsableDevice())            \
+  GTEST_SKIP() << "no CUDA device (" << *why << ")"
 #endif
 
 TEST(DeviceTest, OpensByOrdinalAndByUuid) {

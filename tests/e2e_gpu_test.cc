@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
+#include "cuda/device_testing.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/sync/version_digest.h"
 #include "grpcpp/grpcpp.h"
@@ -27,13 +28,7 @@ namespace {
 class E2EGpu : public E2ETest {
  protected:
   void SetUp() override {
-    auto listed = cuda::ListDevices();
-    if (!listed.ok() || listed->empty()) {
-      GTEST_SKIP() << "no CUDA device ("
-                   << (listed.ok() ? std::string("none visible")
-                                   : std::string(listed.status().message()))
-                   << ")";
-    }
+    if (auto why = cuda::testing::NoUsableDevice()) GTEST_SKIP() << "no CUDA device (" << *why << ")";
     auto dev = cuda::OpenDevice({});
     ASSERT_TRUE(dev.ok()) << dev.status();
     device_ = std::move(*dev);

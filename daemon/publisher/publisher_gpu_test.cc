@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
+#include "cuda/device_testing.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/testing.h"
@@ -44,12 +45,8 @@ using Kind = cuda::Allocation::Kind;
 #define REQUIRE_EMULATOR()
 #else
 #define REQUIRE_DEVICE()                                                         \
-  auto listed = cuda::ListDevices();                                             \
-  if (!listed.ok() || listed->empty())                                           \
-  GTEST_SKIP() << "no CUDA device ("                                             \
-               << (listed.ok() ? std::string("none visible")                     \
-                               : std::string(listed.status().message()))         \
-               << ")"
+  if (auto why = cuda::testing::NoUsableDevice())                               \
+  GTEST_SKIP() << "no CUDA device (" << *why << ")"
 #define REQUIRE_EMULATOR()                                                                  \
   GTEST_SKIP() << "needs the emulator: real CUDA IPC handles open only in another process " \
                   "(the python client tests cover that on a GPU)"

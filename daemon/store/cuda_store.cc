@@ -6,16 +6,6 @@
 #include "daemon/common/status_macros.h"
 
 namespace refit::store {
-namespace {
-
-absl::Status SameSize(size_t a, size_t b, const char* what) {
-  if (a == b) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(what, ": destination has ", a, " bytes, source ", b));
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<CudaStore>> CudaStore::Create(Layout layout,
                                                              const CudaStoreOptions& options) {
   RETURN_IF_ERROR(CheckOptions(options));
@@ -57,26 +47,26 @@ CudaStore::CudaStore(Layout layout, std::vector<uint8_t*> bases, const CudaStore
 CudaStore::~CudaStore() = default;
 
 absl::Status DeviceMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
-  RETURN_IF_ERROR(SameSize(dst.size(), src.size(), "device copy"));
+  RETURN_IF_ERROR(CheckSameSize(dst.size(), src.size(), "device copy"));
   if (dst.empty() || dst.data() == src.data()) return absl::OkStatus();
   return device_->CopyOnDevice(dst.data(), src.data(), dst.size());
 }
 
 absl::Status DeviceMemory::Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) {
-  RETURN_IF_ERROR(SameSize(dst.size(), host.size(), "upload"));
+  RETURN_IF_ERROR(CheckSameSize(dst.size(), host.size(), "upload"));
   if (dst.empty()) return absl::OkStatus();
   return device_->CopyToDevice(dst.data(), host.data(), dst.size());
 }
 
 absl::Status DeviceMemory::Download(std::span<uint8_t> host, std::span<const uint8_t> src) {
-  RETURN_IF_ERROR(SameSize(host.size(), src.size(), "download"));
+  RETURN_IF_ERROR(CheckSameSize(host.size(), src.size(), "download"));
   if (host.empty()) return absl::OkStatus();
   return device_->CopyToHost(host.data(), src.data(), host.size());
 }
 
 absl::Status DeviceMemory::Apply(std::span<const uint8_t> patch, DType dtype,
                                  std::span<const uint8_t> base, std::span<uint8_t> out) {
-  RETURN_IF_ERROR(SameSize(out.size(), base.size(), "apply"));
+  RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
   return device_->Apply(patch, dtype, base.data(), out.data(), out.size());
 }
 

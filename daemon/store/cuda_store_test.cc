@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "cuda/device_testing.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
 #include "gmock/gmock.h"
@@ -23,13 +24,7 @@ class CudaStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
 #if !defined(REFIT_CUDA_EMULATE)
-    auto listed = cuda::ListDevices();
-    if (!listed.ok() || listed->empty()) {
-      GTEST_SKIP() << "no CUDA device ("
-                   << (listed.ok() ? std::string("none visible")
-                                   : std::string(listed.status().message()))
-                   << ")";
-    }
+    if (auto why = cuda::testing::NoUsableDevice()) GTEST_SKIP() << "no CUDA device (" << *why << ")";
 #endif
     auto dev = cuda::OpenDevice({});
     ASSERT_TRUE(dev.ok()) << dev.status();

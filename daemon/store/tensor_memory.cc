@@ -7,18 +7,15 @@
 #include "daemon/codec/hash.h"
 
 namespace refit::store {
-namespace {
 
-absl::Status SameSize(size_t a, size_t b, const char* what) {
-  if (a == b) return absl::OkStatus();
+absl::Status CheckSameSize(size_t dst, size_t src, const char* what) {
+  if (dst == src) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(what, ": destination has ", a, " bytes, source ", b));
+      absl::StrCat(what, ": destination has ", dst, " bytes, source ", src));
 }
 
-}  // namespace
-
 absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
-  if (absl::Status st = SameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
+  if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
   if (!dst.empty() && dst.data() != src.data()) std::memmove(dst.data(), src.data(), dst.size());
   return absl::OkStatus();
 }

@@ -19,6 +19,9 @@
 
 namespace refit::store {
 
+// OK when a copy's destination and source have the same size, else INVALID_ARGUMENT naming `what`.
+absl::Status CheckSameSize(size_t dst, size_t src, const char* what);
+
 class TensorMemory {
  public:
   virtual ~TensorMemory() = default;
