@@ -98,7 +98,8 @@ BENCH="${PATHS[gpu_codec_bench]}"
 # The CPU codec tests first: they show that the binaries and their libraries load here.
 run "CPU codec tests" 45 "$CPU_TEST" --gtest_brief=1
 
-GTEST_ARGS=(--gtest_brief=1)
+# Not --gtest_brief: the skip check below needs the names of skipped tests.
+GTEST_ARGS=()
 # The publisher's TrainerApi CUDA tests open IPC handles in the exporting process, which only the
 # emulator allows (on a GPU, refit_e2e_gpu_test covers that path across processes).
 ALLOWED_SKIP='TrainerApiCuda'
@@ -110,7 +111,7 @@ fi
 # (except those above).
 for t in "${GPU_TESTS[@]}"; do
   out=$(mktemp)
-  CAPTURE=$out run "GPU tests: $t" 200 "${PATHS[$t]}" "${GTEST_ARGS[@]}"
+  CAPTURE=$out run "GPU tests: $t" 200 "${PATHS[$t]}" ${GTEST_ARGS[@]+"${GTEST_ARGS[@]}"}
   skipped=$(grep -E '^\[  SKIPPED \] [A-Za-z]' "$out" | grep -vE "$ALLOWED_SKIP" | sort -u || true)
   if [[ -n "$skipped" ]]; then
     echo "gpu-check: $t skipped tests on a GPU machine:" && echo "$skipped"
