@@ -54,6 +54,9 @@ struct DeviceInfo {
   uint64_t total_bytes = 0;
   int cc_major = 0;
   int cc_minor = 0;
+  // The CPU emulator's device (refit_cuda_emu): host memory, IPC handles that open only in the
+  // exporting process. Tests use it to run what real CUDA allows only across processes.
+  bool emulated = false;
 };
 
 // Which GPU: by ordinal (this process's numbering) or by UUID (the same in every process,

@@ -19,6 +19,12 @@ inline std::optional<std::string> NoUsableDevice() {
   return std::nullopt;
 }
 
+// True when the device tests run on is the CPU emulator's (refit_cuda_emu).
+inline bool Emulated() {
+  absl::StatusOr<std::vector<DeviceInfo>> listed = ListDevices();
+  return listed.ok() && !listed->empty() && (*listed)[0].emulated;
+}
+
 }  // namespace refit::cuda::testing
 
 #endif  // REFIT_CUDA_DEVICE_TESTING_H_

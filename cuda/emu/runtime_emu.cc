@@ -94,6 +94,7 @@ absl::StatusOr<DeviceInfo> GetDeviceInfo(int ordinal) {
   info.total_bytes = kEmulatedMemory;
   info.cc_major = 9;
   info.cc_minor = 0;
+  info.emulated = true;
   return info;
 }
 

@@ -1,7 +1,7 @@
 // The publisher's GPU paths: PublisherCore encoding on a cuda::Device (GPU baseline in device or
 // pinned memory, host and device inputs) checked byte for byte against the CPU core, and the
 // TrainerApi's CUDA IPC regions (validation, handles opened once per client, snapshots taken
-// before Publish returns). Built twice: against the CPU emulator (REFIT_CUDA_EMULATE, label emu:
+// before Publish returns). Built twice: against the CPU emulator (refit_cuda_emu, label emu:
 // always runs; tensors are kept small, emulated kernels are slow) and against refit_cuda (label
 // gpu: the device tests skip without a GPU; the TrainerApi tests need the emulator, whose IPC
 // handles open in the exporting process, which real CUDA refuses).
@@ -40,17 +40,13 @@ using ::testing::HasSubstr;
 using sync::testing::Tensor;
 using Kind = cuda::Allocation::Kind;
 
-#if defined(REFIT_CUDA_EMULATE)
-#define REQUIRE_DEVICE()
-#define REQUIRE_EMULATOR()
-#else
 #define REQUIRE_DEVICE()                                                         \
   if (auto why = cuda::testing::NoUsableDevice())                               \
   GTEST_SKIP() << "no CUDA device (" << *why << ")"
 #define REQUIRE_EMULATOR()                                                                  \
+  if (!cuda::testing::Emulated())                                                           \
   GTEST_SKIP() << "needs the emulator: real CUDA IPC handles open only in another process " \
-                  "(the python client tests cover that on a GPU)"
-#endif
+                  "(refit_e2e_gpu_test covers that on a GPU)"
 
 std::unique_ptr<cuda::Device> OpenTestDevice() {
   auto d = cuda::OpenDevice({});

@@ -168,9 +168,15 @@ std::vector<uint8_t> ReadFile(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// Compiled twice: against host memory (ShmStore, the CPU codec), and with REFIT_CUDA_EMULATE
-// against a CudaStore on the CPU emulator's device, where every copy, patch application and
-// digest runs through the device path (cuda/device.h, the codec's kernels).
+// Compiled twice: against host memory (ShmStore, the CPU codec), and with
+// REFIT_TEST_DEVICE_STORE=1 against a CudaStore on the CPU emulator's device
+// (refit_subscriber_emu_test), where every copy, patch application and digest runs through the
+// device path (cuda/device.h, the codec's kernels).
+#ifndef REFIT_TEST_DEVICE_STORE
+#define REFIT_TEST_DEVICE_STORE 0
+#endif
+constexpr bool kDeviceStore = REFIT_TEST_DEVICE_STORE != 0;
+
 class SubscriberCoreTest : public ::testing::Test {
  protected:
   SubscriberCoreTest() {
@@ -180,12 +186,12 @@ class SubscriberCoreTest : public ::testing::Test {
     opts_.threads = 2;
   }
   void SetUp() override {
-#if defined(REFIT_CUDA_EMULATE)
-    auto dev = cuda::OpenDevice({});
-    ASSERT_TRUE(dev.ok()) << dev.status();
-    device_ = std::move(*dev);
-    opts_.device = device_.get();
-#endif
+    if (kDeviceStore) {
+      auto dev = cuda::OpenDevice({});
+      ASSERT_TRUE(dev.ok()) << dev.status();
+      device_ = std::move(*dev);
+      opts_.device = device_.get();
+    }
   }
   std::unique_ptr<cuda::Device> device_;  // outlives the cores the tests create
 
@@ -247,12 +253,12 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
     EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);
   }
   EXPECT_EQ(core.generation(), 1u);  // same manifest: same store throughout
-#if defined(REFIT_CUDA_EMULATE)
-  EXPECT_NE(dynamic_cast<store::CudaStore*>(core.store().get()), nullptr);
-  EXPECT_FALSE(core.store()->memory().host_accessible());
-#else
-  EXPECT_NE(dynamic_cast<store::ShmStore*>(core.store().get()), nullptr);
-#endif
+  if (kDeviceStore) {
+    EXPECT_NE(dynamic_cast<store::CudaStore*>(core.store().get()), nullptr);
+    EXPECT_FALSE(core.store()->memory().host_accessible());
+  } else {
+    EXPECT_NE(dynamic_cast<store::ShmStore*>(core.store().get()), nullptr);
+  }
   auto td = core.applied_tensor_digests();
   ASSERT_EQ(td.size(), 4u);
   EXPECT_EQ(td[0].name(), "a.weight");
@@ -578,11 +584,11 @@ TEST_F(SubscriberCoreTest, ExportEqualsThePublishedSafetensors) {
   std::remove(want.c_str());
 }
 
-#if defined(REFIT_CUDA_EMULATE)
 // What a consumer is told about a GPU store (ConsumerApi Layout / Lease): each tensor is a
 // CudaIpcRegion of the leased slot's allocation, with the GPU's UUID (not its ordinal), and the
 // handle opened on that GPU plus the offset is the tensor's bytes.
 TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
+  if (!kDeviceStore) GTEST_SKIP() << "a GPU store only (refit_subscriber_emu_test)";
   PublishRun(1, 2);
   SubscriberCore core(opts_);
   Sync(core, 1);
@@ -621,7 +627,6 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
   }
   ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
 }
-#endif
 
 }  // namespace
 }  // namespace refit::subscriber
