@@ -18,6 +18,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -154,6 +155,11 @@ class Device {
   // Frees the codec's scratch memory (it regrows on the next call).
   virtual void ReleaseScratch() = 0;
 };
+
+// How a daemon opens GPUs: cuda::OpenDevice of the CUDA library its executable links (refitd:
+// refit_cuda; refitd_emu, for tests: refit_cuda_emu). Null: this process has no GPU support.
+using DeviceOpener =
+    std::function<absl::StatusOr<std::unique_ptr<Device>>(const DeviceSelector& selector)>;
 
 // Every GPU this process sees. UNAVAILABLE without CUDA or a driver.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();

@@ -28,6 +28,7 @@ namespace {
 class E2EGpu : public E2ETest {
  protected:
   void SetUp() override {
+    E2ETest::SetUp();
     if (auto why = cuda::testing::NoUsableDevice()) GTEST_SKIP() << "no CUDA device (" << *why << ")";
     auto dev = cuda::OpenDevice({});
     ASSERT_TRUE(dev.ok()) << dev.status();

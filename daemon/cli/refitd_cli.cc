@@ -148,13 +148,14 @@ std::string OrDash(const std::string& s, const std::string& dash) { return s.emp
 
 // Starts the daemon, logs where it serves, waits for a shutdown signal, shuts it down.
 template <typename Daemon, typename Config>
-int Serve(const Options& opts, const Config& cfg, std::ostream& err) {
+int Serve(const Options& opts, const Config& cfg, std::ostream& err,
+          cuda::DeviceOpener open_device) {
   SetLogLevel(opts.log_level.value_or(LogLevelFromConfig(cfg.log_level())));
   auto log = Logger("refitd");
   const std::string name = cfg.name().empty() ? HostName() : cfg.name();
   log->info("refitd {} {} \"{}\" starting (config {})", kBuildVersion, opts.role, name,
             opts.config_path);
-  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(cfg);
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(cfg, std::move(open_device));
   if (!daemon.ok()) {
     return Fail(err, 1,
                 absl::StrCat("cannot start the ", opts.role, " (config ", opts.config_path,
@@ -174,7 +175,7 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err) {
 
 template <typename Daemon, typename Config>
 int RunRole(const Options& opts, absl::StatusOr<Config> cfg, std::ostream& out,
-            std::ostream& err) {
+            std::ostream& err, cuda::DeviceOpener open_device) {
   if (!cfg.ok()) return Fail(err, 2, std::string(cfg.status().message()));
   absl::Status files = config::CheckConfigFiles(*cfg);
   if (!files.ok()) {
@@ -185,12 +186,13 @@ int RunRole(const Options& opts, absl::StatusOr<Config> cfg, std::ostream& out,
         << config::ConfigToYaml(*cfg);
     return 0;
   }
-  return Serve<Daemon>(opts, *cfg, err);
+  return Serve<Daemon>(opts, *cfg, err, std::move(open_device));
 }
 
 }  // namespace
 
-int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
+              cuda::DeviceOpener open_device) {
   if (argc < 2) {
     return Fail(err, 2, "missing role: refitd publisher|subscriber --config FILE (see refitd --help)");
   }
@@ -222,10 +224,10 @@ int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream
   }
   if (opts.role == "publisher") {
     return RunRole<publisher::PublisherDaemon>(opts, config::LoadPublisherConfig(opts.config_path),
-                                               out, err);
+                                               out, err, std::move(open_device));
   }
   return RunRole<subscriber::SubscriberDaemon>(
-      opts, config::LoadSubscriberConfig(opts.config_path), out, err);
+      opts, config::LoadSubscriberConfig(opts.config_path), out, err, std::move(open_device));
 }
 
 }  // namespace refit

@@ -18,9 +18,14 @@
 
 #include <ostream>
 
+#include "cuda/device.h"
+
 namespace refit {
 
-int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+// `open_device`: how the daemons open GPUs (refitd_main.cc: cuda::OpenDevice of the CUDA library
+// the executable links); null: no GPU support (store.kind / codec.device cuda are refused).
+int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
+              cuda::DeviceOpener open_device = nullptr);
 
 }  // namespace refit
 

@@ -109,10 +109,17 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
-    const v1::PublisherConfig& config) {
+    const v1::PublisherConfig& config, cuda::DeviceOpener open_device) {
   const absl::Time started = absl::Now();
   // The GPU first: a refusal then stops Start before anything runs.
-  auto devices = std::make_unique<DeviceCache>(&cuda::OpenDevice);
+  if (open_device == nullptr) {
+    open_device = [](const cuda::DeviceSelector& selector)
+        -> absl::StatusOr<std::unique_ptr<cuda::Device>> {
+      return absl::UnavailableError(absl::StrCat(
+          "no CUDA device for ", selector.ToString(), ": this process has no GPU support"));
+    };
+  }
+  auto devices = std::make_unique<DeviceCache>(std::move(open_device));
   ASSIGN_OR_RETURN(cuda::Device* const codec_device,
                    OpenCodecDevice(config.codec(), devices.get(), *Logger("publisher")));
   auto daemon = std::make_unique<PublisherDaemonImpl>();

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "cuda/device.h"
 #include "refit/v1/config.pb.h"
 
 namespace refit::publisher {
@@ -24,7 +25,10 @@ class PublisherDaemon {
   // Starts serving. Errors: InvalidArgument / FailedPrecondition for unusable settings (e.g. no
   // usable GPU for codec.device cuda), Unavailable when an address cannot be bound, DataLoss /
   // FailedPrecondition for a corrupt persisted baseline; each one line naming the config field.
-  static absl::StatusOr<std::unique_ptr<PublisherDaemon>> Start(const v1::PublisherConfig& config);
+  // `open_device` opens GPUs (codec.device cuda/auto, trainer CUDA tensors); null: no GPU
+  // support in this process (codec.device cuda is refused, auto encodes on the CPU).
+  static absl::StatusOr<std::unique_ptr<PublisherDaemon>> Start(
+      const v1::PublisherConfig& config, cuda::DeviceOpener open_device = nullptr);
   virtual ~PublisherDaemon() = default;
 
   // Stops accepting, ends sessions, shuts the servers down (bounded wait). Idempotent; the

@@ -465,11 +465,11 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   auto listed = cuda::ListDevices();
   if (listed.ok() && !listed->empty()) {
     // A GPU: device cuda starts (publisher_gpu_test covers encoding on it).
-    auto started = PublisherDaemon::Start(*cuda);
+    auto started = PublisherDaemon::Start(*cuda, &cuda::OpenDevice);
     EXPECT_TRUE(started.ok()) << started.status();
   } else {
     // No GPU (or built without CUDA): refused, naming the field and the cause.
-    auto refused = PublisherDaemon::Start(*cuda);
+    auto refused = PublisherDaemon::Start(*cuda, &cuda::OpenDevice);
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "publisher.codec.device: cuda"))
@@ -485,13 +485,18 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
         "    cuda_device_uuid: GPU-8b1f0011-2233-4455-6677-8899aabbccdd\n",
         "uuid.yaml");
     ASSERT_TRUE(by_uuid.ok()) << by_uuid.status();
-    auto refused_uuid = PublisherDaemon::Start(*by_uuid);
+    auto refused_uuid = PublisherDaemon::Start(*by_uuid, &cuda::OpenDevice);
     ASSERT_FALSE(refused_uuid.ok());
     EXPECT_EQ(refused_uuid.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_TRUE(absl::StrContains(refused_uuid.status().message(),
                                   "codec.cuda_device_uuid GPU-8b1f0011-2233-4455-6677-8899aabbccdd"))
         << refused_uuid.status();
   }
+  // A process without GPU support (no opener) refuses codec.device cuda whatever the machine.
+  auto unsupported = PublisherDaemon::Start(*cuda);
+  ASSERT_FALSE(unsupported.ok());
+  EXPECT_TRUE(absl::StrContains(unsupported.status().message(), "this process has no GPU support"))
+      << unsupported.status();
 
   auto split = config::LoadPublisherConfigFromString(
       absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir.path(),

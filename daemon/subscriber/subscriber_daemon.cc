@@ -89,7 +89,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
 
   ~SubscriberDaemonImpl() override { Shutdown(); }
 
-  absl::Status Init();
+  absl::Status Init(const cuda::DeviceOpener& open_device);
   void Shutdown() override;
 
   std::string listen_address() const override { return listen_.bound_address; }
@@ -129,7 +129,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
-absl::Status SubscriberDaemonImpl::Init() {
+absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   const v1::SubscriberConfig& c = config_;
 
   // Core.
@@ -149,7 +149,11 @@ absl::Status SubscriberDaemonImpl::Init() {
     if (c.store().has_cuda_device_uuid()) {
       ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(c.store().cuda_device_uuid()));
     }
-    absl::StatusOr<std::unique_ptr<cuda::Device>> device = cuda::OpenDevice(selector);
+    absl::StatusOr<std::unique_ptr<cuda::Device>> device =
+        open_device != nullptr
+            ? open_device(selector)
+            : absl::UnavailableError(absl::StrCat("no CUDA device for ", selector.ToString(),
+                                                  ": this process has no GPU support"));
     if (!device.ok()) {
       return absl::Status(device.status().code(),
                           absl::StrCat("subscriber.store.kind: cuda needs a usable GPU: ",
@@ -395,9 +399,9 @@ void SubscriberDaemonImpl::Shutdown() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SubscriberDaemon>> SubscriberDaemon::Start(
-    const v1::SubscriberConfig& config) {
+    const v1::SubscriberConfig& config, cuda::DeviceOpener open_device) {
   auto daemon = std::make_unique<SubscriberDaemonImpl>(config);
-  if (absl::Status st = daemon->Init(); !st.ok()) {
+  if (absl::Status st = daemon->Init(open_device); !st.ok()) {
     daemon->Shutdown();
     return st;
   }

@@ -13,14 +13,17 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "cuda/device.h"
 #include "refit/v1/config.pb.h"
 
 namespace refit::subscriber {
 
 class SubscriberDaemon {
  public:
+  // `open_device` opens the GPU of store.kind cuda; null: no GPU support in this process (a
+  // cuda store is refused).
   static absl::StatusOr<std::unique_ptr<SubscriberDaemon>> Start(
-      const v1::SubscriberConfig& config);
+      const v1::SubscriberConfig& config, cuda::DeviceOpener open_device = nullptr);
   virtual ~SubscriberDaemon() = default;
 
   // Stops the upstream session, ends peer sessions, shuts the servers down. Idempotent; the

@@ -381,7 +381,7 @@ TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLease
 TEST_F(SubscriberDaemonTest, CudaStoreNeedsAUsableGpuAndBadAddressesAreRefused) {
   v1::SubscriberConfig c = Config("sub-c", false);
   c.mutable_store()->set_kind(v1::STORE_KIND_CUDA);
-  auto d = SubscriberDaemon::Start(c);
+  auto d = SubscriberDaemon::Start(c, &cuda::OpenDevice);
   auto devices = cuda::ListDevices();
   if (!devices.ok() || devices->empty()) {
     ASSERT_FALSE(d.ok());
@@ -391,8 +391,13 @@ TEST_F(SubscriberDaemonTest, CudaStoreNeedsAUsableGpuAndBadAddressesAreRefused) 
     ASSERT_TRUE(d.ok()) << d.status();
     d->reset();
   }
-  c.mutable_store()->set_cuda_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+  // Without GPU support in the process (no opener): refused whatever the machine has.
   d = SubscriberDaemon::Start(c);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable) << d.status();
+  EXPECT_THAT(d.status().message(), HasSubstr("this process has no GPU support"));
+  c.mutable_store()->set_cuda_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+  d = SubscriberDaemon::Start(c, &cuda::OpenDevice);
   ASSERT_FALSE(d.ok());
   EXPECT_THAT(d.status().message(), HasSubstr("GPU-00000000-0000-0000-0000-000000000000"));
 
