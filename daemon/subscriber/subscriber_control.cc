@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "daemon/codec/hash.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
@@ -174,19 +173,15 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
   std::vector<std::string> bad;
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
-    // Host stores: the CPU digest with the configured threads; GPU stores: the digest kernel.
-    uint64_t actual = 0;
-    if (lease->store->memory().host_accessible()) {
-      actual = TensorDigest(lease->lease.spans[i], options_.verify_threads);
-    } else {
-      absl::StatusOr<uint64_t> d = lease->store->memory().Digest(lease->lease.spans[i]);
-      if (!d.ok()) {
-        (void)core_->ReleaseLease(lease->lease.lease_id);
-        return ToGrpcStatus(absl::Status(
-            d.status().code(), absl::StrCat("Verify: digest of '", ti.name, "': ", d.status().message())));
-      }
-      actual = *d;
+    // The store's own digest: the CPU codec with staging.threads threads on host memory, the
+    // digest kernel on a GPU store.
+    absl::StatusOr<uint64_t> d = lease->store->memory().Digest(lease->lease.spans[i]);
+    if (!d.ok()) {
+      (void)core_->ReleaseLease(lease->lease.lease_id);
+      return ToGrpcStatus(absl::Status(
+          d.status().code(), absl::StrCat("Verify: digest of '", ti.name, "': ", d.status().message())));
     }
+    const uint64_t actual = *d;
     v1::TensorVerification* tv = response->add_tensors();
     tv->set_name(ti.name);
     tv->set_actual(actual);

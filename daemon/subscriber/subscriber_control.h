@@ -36,8 +36,6 @@ struct SubscriberControlHooks {
 struct SubscriberControlOptions {
   // Status.name and the subscriber's name in messages.
   std::string name;
-  // Threads for Verify's digests (0 = all hardware threads).
-  int verify_threads = 0;
   // How often a waiting WaitVersion checks whether its call was cancelled.
   absl::Duration poll_interval = absl::Milliseconds(100);
   // Leases of this consumer or "<this>/..." are the daemon's own; Status does not list them.

@@ -216,7 +216,6 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   }
   SubscriberControlOptions co;
   co.name = name_;
-  co.verify_threads = static_cast<int>(c.staging().threads());
   co.self_consumer = kSelfConsumer;
   co.start_time = start_time_;
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),

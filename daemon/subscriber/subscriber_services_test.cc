@@ -103,7 +103,7 @@ class ServicesTest : public ::testing::Test {
       : core_(Options()),
         consumer_(&core_, &board_, {.poll_interval = absl::Milliseconds(20)}),
         control_(&core_, &board_, Hooks(),
-                 {.name = "sub-test", .verify_threads = 1,
+                 {.name = "sub-test",
                   .poll_interval = absl::Milliseconds(20)}) {}
 
   static SubscriberOptions Options() {

@@ -90,15 +90,19 @@ def test_publish_and_read_ten_versions(daemons):
 
     # A lease taken on v keeps v's bytes while later versions arrive and take the other slots
     # (store.slots 3: without the lease, v+3 would reuse v's slot).
+    def advance(step):
+        """Trains one step, publishes it as `step` and waits until the consumer sees it."""
+        perturb(model, step)
+        trainer.update(state(model))
+        published[step] = snapshot(trainer.tensors)
+        assert trainer.publish().version == step
+        assert consumer.wait_for_version(step, timeout=WAIT_S) == step
+
     v = VERSIONS
     with consumer.attach(v) as held:
         assert held.version == v
         for step in range(v + 1, v + 4):
-            perturb(model, step)
-            trainer.update(state(model))
-            published[step] = snapshot(trainer.tensors)
-            assert trainer.publish().version == step
-            assert consumer.wait_for_version(step, timeout=WAIT_S) == step
+            advance(step)
             assert_bitwise_equal(held, published[v], f"leased version {v} after {step} arrived")
             with consumer.attach() as cur:
                 assert cur.version == step
@@ -114,11 +118,7 @@ def test_publish_and_read_ten_versions(daemons):
     with consumer.attach(v + 3) as w:
         unleased = dict(w)  # views that outlive the lease (never do this outside a test)
     for step in range(v + 4, v + 7):
-        perturb(model, step)
-        trainer.update(state(model))
-        published[step] = snapshot(trainer.tensors)
-        assert trainer.publish().version == step
-        assert consumer.wait_for_version(step, timeout=WAIT_S) == step
+        advance(step)
     with pytest.raises(AssertionError, match="bytes differ"):
         assert_bitwise_equal(unleased, published[v + 3], "unleased view")
     trainer.close()
