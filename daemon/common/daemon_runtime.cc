@@ -130,6 +130,55 @@ sigset_t ShutdownSignals() {
 
 }  // namespace
 
+void RunningServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (unix_listener != nullptr) unix_listener->Stop();
+  if (server != nullptr) server->Shutdown(deadline);
+}
+
+void RunningServer::Wait() {
+  if (server != nullptr) server->Wait();
+}
+
+namespace {
+
+void AddChannelArguments(const ServerSpec& spec, grpc::ServerBuilder* builder) {
+  if (spec.max_receive_bytes > 0) {
+    builder->SetMaxReceiveMessageSize(ClampToInt(spec.max_receive_bytes));
+  }
+  builder->SetMaxSendMessageSize(spec.max_send_bytes < 0 ? -1 : ClampToInt(spec.max_send_bytes));
+  // Two servers on one port must be an error, not a silent SO_REUSEPORT share.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (spec.keepalive_time > absl::ZeroDuration()) {
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                                DurationToMillisInt(spec.keepalive_time));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  }
+  if (spec.keepalive_timeout > absl::ZeroDuration()) {
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                                DurationToMillisInt(spec.keepalive_timeout));
+  }
+  // Clients keep their connections warm with pings between steps (every >= 1 s by config); do
+  // not answer them with GOAWAY "too_many_pings".
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+}
+
+std::string BoundAddress(const config::Address& address, int selected_port) {
+  switch (address.kind) {
+    case config::AddressKind::kTcp:
+      return address.host.find(':') != std::string::npos
+                 ? absl::StrCat("[", address.host, "]:", selected_port)
+                 : absl::StrCat(address.host, ":", selected_port);
+    case config::AddressKind::kUnix:
+      return absl::StrCat("unix:", address.path);
+    case config::AddressKind::kUnixAbstract:
+      return absl::StrCat("unix-abstract:", address.path);
+  }
+  return address.grpc_target;
+}
+
+}  // namespace
+
 absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
   if (spec.services.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(spec.name, " ", Quoted(spec.address),
@@ -151,58 +200,38 @@ absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
                         absl::StrCat(spec.name, " ", Quoted(spec.address), ": ",
                                      credentials.status().message()));
   }
+  // Plaintext unix sockets are accepted by our own listener (peer credentials per call).
+  const bool own_unix =
+      address->kind == config::AddressKind::kUnix && !config::UsesTls(spec.tls);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(address->grpc_target, *credentials, &selected_port);
+  if (!own_unix) builder.AddListeningPort(address->grpc_target, *credentials, &selected_port);
   for (grpc::Service* service : spec.services) builder.RegisterService(service);
-  if (spec.max_receive_bytes > 0) {
-    builder.SetMaxReceiveMessageSize(ClampToInt(spec.max_receive_bytes));
-  }
-  builder.SetMaxSendMessageSize(spec.max_send_bytes < 0 ? -1 : ClampToInt(spec.max_send_bytes));
-  // Two servers on one port must be an error, not a silent SO_REUSEPORT share.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  if (spec.keepalive_time > absl::ZeroDuration()) {
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
-                               DurationToMillisInt(spec.keepalive_time));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  }
-  if (spec.keepalive_timeout > absl::ZeroDuration()) {
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                               DurationToMillisInt(spec.keepalive_timeout));
-  }
-  // Clients keep their connections warm with pings between steps (every >= 1 s by config); do
-  // not answer them with GOAWAY "too_many_pings".
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  AddChannelArguments(spec, &builder);
 
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || selected_port == 0) {
+  if (server == nullptr || (!own_unix && selected_port == 0)) {
     if (server != nullptr) server->Shutdown();
     return absl::UnavailableError(absl::StrCat(spec.name, " ", Quoted(spec.address),
                                                ": cannot bind (address in use?)"));
   }
+  RunningServer running;
+  if (own_unix) {
+    absl::StatusOr<std::unique_ptr<UnixListener>> listener = UnixListener::Start(
+        {.name = spec.name, .path = address->path, .mode = spec.unix_mode}, server.get());
+    if (!listener.ok()) {
+      server->Shutdown();
+      return listener.status();
+    }
+    running.unix_listener = std::move(*listener);
+  }
   if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
     health->SetServingStatus("", true);
   }
-
-  RunningServer running;
   running.server = std::move(server);
-  switch (address->kind) {
-    case config::AddressKind::kTcp:
-      running.bound_address =
-          address->host.find(':') != std::string::npos
-              ? absl::StrCat("[", address->host, "]:", selected_port)
-              : absl::StrCat(address->host, ":", selected_port);
-      break;
-    case config::AddressKind::kUnix:
-      running.bound_address = absl::StrCat("unix:", address->path);
-      break;
-    case config::AddressKind::kUnixAbstract:
-      running.bound_address = absl::StrCat("unix-abstract:", address->path);
-      break;
-  }
+  running.bound_address = BoundAddress(*address, selected_port);
   return running;
 }
 

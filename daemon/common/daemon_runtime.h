@@ -10,6 +10,9 @@
 #ifndef REFIT_DAEMON_COMMON_DAEMON_RUNTIME_H_
 #define REFIT_DAEMON_COMMON_DAEMON_RUNTIME_H_
 
+#include <sys/types.h>
+
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -19,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/common/unix_listener.h"
 #include "grpcpp/grpcpp.h"
 #include "refit/v1/config.pb.h"
 
@@ -44,9 +48,19 @@ struct ServerSpec {
   // HTTP/2 keepalive of server-initiated pings (0 = gRPC default).
   absl::Duration keepalive_time = absl::ZeroDuration();
   absl::Duration keepalive_timeout = absl::ZeroDuration();
+  // Mode of a unix socket file (plaintext unix sockets are accepted by a UnixListener, so calls
+  // know their peer's credentials: peer_cred.h).
+  mode_t unix_mode = 0660;
 };
 
 struct RunningServer {
+  // Stops accepting unix connections, then shuts the server down (calls in flight get until
+  // `deadline`). No-op for a default-constructed one.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+  void Wait();
+
+  // Accepts the connections of a plaintext unix socket (null otherwise); stopped before `server`.
+  std::shared_ptr<UnixListener> unix_listener;
   std::unique_ptr<grpc::Server> server;
   // What clients connect to: "127.0.0.1:41234" with the OS-chosen port filled in, or the unix
   // address ("unix:/path").

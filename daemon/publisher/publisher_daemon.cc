@@ -38,10 +38,10 @@ class PublisherDaemonImpl final : public PublisherDaemon {
     if (queue_) queue_->BeginStop();  // wakes WaitVersion calls
     const auto deadline = std::chrono::system_clock::now() + kShutdownGrace;
     for (RunningServer* server : {&local_, &control_, &listen_}) {
-      if (server->server) server->server->Shutdown(deadline);
+      server->Shutdown(deadline);
     }
     for (RunningServer* server : {&local_, &control_, &listen_}) {
-      if (server->server) server->server->Wait();
+      server->Wait();
     }
     if (queue_) queue_->Stop();
     log_->info("stopped");

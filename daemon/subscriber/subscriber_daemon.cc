@@ -386,10 +386,10 @@ void SubscriberDaemonImpl::Shutdown() {
   if (peer_thread_.joinable()) peer_thread_.join();
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(1);
   for (RunningServer* s : {&listen_, &control_server_, &local_}) {
-    if (s->server != nullptr) s->server->Shutdown(deadline);
+    s->Shutdown(deadline);
   }
   for (RunningServer* s : {&listen_, &control_server_, &local_}) {
-    if (s->server != nullptr) s->server->Wait();
+    s->Wait();
   }
   log_->info("subscriber {} stopped at version {}", name_,
              core_ != nullptr ? core_->applied_version() : 0);

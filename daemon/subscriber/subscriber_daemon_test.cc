@@ -67,7 +67,7 @@ class TestPublisher {
 
   ~TestPublisher() {
     service_->Shutdown();
-    server_.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    server_.Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 
   // With `extra`, a tensor is added (a manifest change: a new store generation downstream).
