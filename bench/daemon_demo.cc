@@ -1,8 +1,9 @@
 // daemon_demo: refitd end to end with real daemon processes (the README's demo, scripts/demo.sh).
 //
-// It writes configs into a temporary directory, starts `refitd publisher` (127.0.0.1:0, a
-// TrainerApi unix socket) and two `refitd subscriber`s (each with its own 127.0.0.1:0 Control
-// listener and shared-memory store) as child processes, finds their bound addresses through their
+// It writes configs into a temporary directory (mode 0700), starts `refitd publisher` (data plane
+// on 127.0.0.1:0, the path it measures; Control and TrainerApi on 0600 unix sockets) and two
+// `refitd subscriber`s (each with a 0600 unix Control socket and a shared-memory store) as child
+// processes, finds their bound addresses through their
 // ready files, and then plays the trainer: a realistic RL trajectory (AdamW on a transformer-
 // shaped model, BF16 published every step; daemon/model/trajectory.h) written into a memfd that
 // the publisher reads through the TrainerApi (client/trainer_client.h). Version 1 is the initial
@@ -375,7 +376,10 @@ absl::Status Demo::Run() {
       std::string pub_ready,
       StartDaemon("publisher", "publisher",
                   absl::StrCat("publisher:\n  name: demo-publisher\n  log_level: ", o_.log_level,
-                               "\n  listen: \"127.0.0.1:0\"\n  local_socket: ", dir_,
+                               "\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir_,
+                               "/publisher-control.sock\"\n  control_access: {socket_mode: "
+                               "\"0600\"}\n  local_access: {socket_mode: \"0600\"}\n"
+                               "  local_socket: ", dir_,
                                "/publisher.sock\n  ready_file: ", dir_,
                                "/publisher.ready.json\n  history:\n    max_versions: 16\n"
                                "  codec:\n    device: cpu\n    threads: ",
@@ -386,8 +390,8 @@ absl::Status Demo::Run() {
     return absl::InternalError(
         absl::StrCat("the publisher's ready file lacks listen or local_socket: ", pub_ready));
   }
-  std::printf("publisher:    data plane + control %s, TrainerApi %s\n", pub_listen->c_str(),
-              pub_local->c_str());
+  std::printf("publisher:    data plane %s, control %s, TrainerApi %s\n", pub_listen->c_str(),
+              JsonField(pub_ready, "control_listen").value_or("?").c_str(), pub_local->c_str());
   std::vector<std::string> sub_ready;
   for (int i = 0; i < 2; ++i) {
     const std::string name = absl::StrCat("subscriber-", i);
@@ -397,14 +401,16 @@ absl::Status Demo::Run() {
                     absl::StrCat("subscriber:\n  name: demo-", name, "\n  log_level: ",
                                  o_.log_level, "\n  upstream:\n    addresses: [\"", *pub_listen,
                                  "\"]\n    connections: 2\n    backoff:\n      initial_ms: 50\n"
-                                 "      max_ms: 1000\n  listen: \"127.0.0.1:0\"\n  local_socket: ",
+                                 "      max_ms: 1000\n  control_listen: \"unix:", dir_, "/", name,
+                                 "-control.sock\"\n  control_access: {socket_mode: \"0600\"}\n"
+                                 "  local_access: {socket_mode: \"0600\"}\n  local_socket: ",
                                  dir_, "/", name, ".sock\n  ready_file: ", dir_, "/", name,
                                  ".ready.json\n  store:\n    kind: shm\n    shm_prefix: "
                                  "/refitd-demo-",
                                  getpid(), "-", i, "-\n    slots: 2\n  staging:\n    threads: ",
                                  o_.threads, "\n")));
     std::printf("%s: control %s\n", name.c_str(),
-                JsonField(ready, "listen").value_or("?").c_str());
+                JsonField(ready, "control_listen").value_or("?").c_str());
     sub_ready.push_back(ready);
   }
   ASSIGN_OR_RETURN(publisher_.control, ControlStub(pub_ready, "publisher"));

@@ -37,7 +37,7 @@ class ClientDaemonTest : public ::testing::Test {
   void SetUp() override {
     const std::string yaml = absl::StrCat(
         "publisher:\n  name: client-test\n  log_level: warn\n  listen: \"127.0.0.1:0\"\n"
-        "  local_socket: ",
+        "  control_access: {unauthenticated_tcp_role: write}\n  local_socket: ",
         dir_.path(), "/trainer.sock\n  codec:\n    threads: 2\n");
     absl::StatusOr<v1::PublisherConfig> cfg =
         config::LoadPublisherConfigFromString(yaml, "client_daemon_test.yaml");

@@ -12,6 +12,8 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-pytest python3-setuptools
   openssl iproute2
+  util-linux                          # setpriv: tests run clients as an unprivileged user
+  systemd python3-yaml                # deploy checks: systemd-analyze verify/security, k8s YAML
 )
 
 SUDO=""

@@ -120,6 +120,7 @@ TEST_F(E2ETls, RefitctlSpeaksMtlsToControl) {
   PublisherSpec ps;
   ps.name = "pub";
   ps.tls = {pki->server.cert, pki->server.key, pki->ca, {}};
+  ps.control_access = "{grants: [{role: write, identities: [operator]}]}";  // the client's CN
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
   const std::vector<std::string> tls = {"--target", pub.control_target(), "--tls-cert",

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "grpcpp/server_context.h"
 
@@ -140,18 +141,8 @@ absl::Status LocalAuthorizer::Authorize(const grpc::ServerContext& context,
   return Authorize(PeerCredOf(context), method);
 }
 
-absl::StatusOr<unsigned> ParseSocketMode(const std::string& text, const std::string& field) {
-  unsigned mode = 0;
-  bool ok = !text.empty() && text.size() <= 4;
-  for (const char ch : text) {
-    if (ch < '0' || ch > '7') ok = false;
-    mode = mode * 8 + static_cast<unsigned>(ch - '0');
-  }
-  if (!ok || mode > 0777) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", text, "\" is not an octal file mode up to 0777 (e.g. \"0660\")"));
-  }
-  return mode;
+unsigned SocketMode(const std::string& socket_mode) {
+  return config::ParseFileMode(socket_mode, "socket_mode").value_or(0660);
 }
 
 }  // namespace refit::auth

@@ -79,8 +79,8 @@ class LocalAuthorizer {
   const std::string api_;
 };
 
-// Parses a socket mode ("0660"): octal, at most 0777. InvalidArgument naming `field` otherwise.
-absl::StatusOr<unsigned> ParseSocketMode(const std::string& text, const std::string& field);
+// The mode of a validated socket_mode field ("0660"); 0660 if it does not parse.
+unsigned SocketMode(const std::string& socket_mode);
 
 }  // namespace refit::auth
 

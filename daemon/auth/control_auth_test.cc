@@ -119,16 +119,5 @@ TEST(LocalAuthTest, OnlyListedPeersRootAndOurUid) {
   EXPECT_EQ(a.Authorize(std::nullopt, "Publish").code(), absl::StatusCode::kPermissionDenied);
 }
 
-TEST(LocalAuthTest, SocketModes) {
-  EXPECT_EQ(*ParseSocketMode("0660", "f"), 0660u);
-  EXPECT_EQ(*ParseSocketMode("600", "f"), 0600u);
-  EXPECT_FALSE(ParseSocketMode("0980", "f").ok());
-  EXPECT_FALSE(ParseSocketMode("1777", "f").ok());
-  EXPECT_FALSE(ParseSocketMode("", "f").ok());
-  EXPECT_NE(ParseSocketMode("rw", "publisher.local_access.socket_mode").status().message().find(
-                "publisher.local_access.socket_mode"),
-            std::string::npos);
-}
-
 }  // namespace
 }  // namespace refit::auth

@@ -262,6 +262,36 @@ absl::Status MissingSection(const SourceMap& map, const v1::ConfigFile& file, co
                                                  ":' section (the file configures a ", other, ")"));
 }
 
+// control_access / local_access: every grant names someone and grants something; modes parse.
+absl::Status CheckAccess(const Checker& c, const std::string& role, const v1::ControlAccess& control,
+                         const v1::LocalAccess& local) {
+  const std::string field = role + ".control_access";
+  for (int i = 0; i < control.grants_size(); ++i) {
+    const v1::ControlGrant& g = control.grants(i);
+    const std::string path = absl::StrCat(field, ".grants[", i, "]");
+    if (g.role() == v1::CONTROL_ROLE_NONE || g.role() == v1::CONTROL_ROLE_UNSPECIFIED) {
+      return c.Fail(path + ".role", "must be read, operate or write (none grants nothing)");
+    }
+    if (g.identities_size() == 0 && g.uids_size() == 0 && g.gids_size() == 0) {
+      return c.Fail(path, "names nobody: give identities, uids or gids");
+    }
+    for (int j = 0; j < g.identities_size(); ++j) {
+      if (g.identities(j).empty()) {
+        return c.Fail(absl::StrCat(path, ".identities[", j, "]"), "must not be empty");
+      }
+    }
+  }
+  for (const auto& [path, text] :
+       {std::pair<std::string, const std::string*>{field + ".socket_mode", &control.socket_mode()},
+        {role + ".local_access.socket_mode", &local.socket_mode()}}) {
+    if (!ParseFileMode(*text, path).ok()) {
+      return c.Fail(path, absl::StrCat(Quote(*text),
+                                       " is not an octal file mode up to 0777 (e.g. \"0660\")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceMap* map) {
@@ -272,6 +302,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
   endpoints.push_back(EndpointOf("publisher.listen", listen));
   RETURN_IF_ERROR(CheckControlAndLocal(c, "publisher", p.control_listen(), p.control_tls(),
                                        p.local_socket(), endpoints));
+  RETURN_IF_ERROR(CheckAccess(c, "publisher", p.control_access(), p.local_access()));
   if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
     return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
   }
@@ -336,6 +367,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
   }
   RETURN_IF_ERROR(CheckControlAndLocal(c, "subscriber", s.control_listen(), s.control_tls(),
                                        s.local_socket(), endpoints));
+  RETURN_IF_ERROR(CheckAccess(c, "subscriber", s.control_access(), s.local_access()));
 
   const v1::StoreConfig& store = s.store();
   const std::string& prefix = store.shm_prefix();
@@ -464,6 +496,20 @@ std::string ConfigToYaml(const v1::SubscriberConfig& config) {
   v1::ConfigFile file;
   *file.mutable_subscriber() = config;
   return MessageToYaml(file);
+}
+
+absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::string& field) {
+  unsigned mode = 0;
+  bool ok = !text.empty() && text.size() <= 4;
+  for (const char ch : text) {
+    if (ch < '0' || ch > '7') ok = false;
+    mode = mode * 8 + static_cast<unsigned>(ch - '0');
+  }
+  if (!ok || mode > 0777) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": \"", text, "\" is not an octal file mode up to 0777 (e.g. \"0660\")"));
+  }
+  return mode;
 }
 
 }  // namespace refit::config

@@ -49,6 +49,10 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& config,
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& config,
                                       const SourceMap* source_map = nullptr);
 
+// Parses a file mode written as an octal string ("0660"), at most 0777 (socket_mode fields).
+// InvalidArgument naming `field` otherwise.
+absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::string& field);
+
 // Checks the files a validated config names: every configured TLS PEM file is readable and holds
 // what it should (certificates / a private key). NotFound / PermissionDenied / InvalidArgument
 // naming the field and the path.

@@ -15,6 +15,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/device_cache.h"
+#include "daemon/auth/authorized_services.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
@@ -60,6 +61,9 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   std::unique_ptr<PublishQueue> queue_;
   std::unique_ptr<PublisherControl> control_service_;
   std::unique_ptr<TrainerApiService> trainer_api_;
+  // What the servers register: the services behind their authorization (daemon/auth).
+  std::unique_ptr<auth::AuthorizedControl> authorized_control_;
+  std::unique_ptr<auth::AuthorizedTrainerApi> authorized_trainer_api_;
   RunningServer listen_;
   RunningServer control_;
   RunningServer local_;
@@ -168,6 +172,10 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
                      .digest_threads = options.digest_threads,
                      .started = started});
 
+  daemon->authorized_control_ = std::make_unique<auth::AuthorizedControl>(
+      daemon->control_service_.get(),
+      auth::ControlAuthorizer(config.control_access(), "publisher.control_access"));
+
   const bool separate_control = !config.control_listen().empty();
   ServerSpec listen;
   listen.name = "publisher.listen";
@@ -175,7 +183,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   listen.tls = config.tls();
   listen.tls_field = "publisher.tls";
   listen.services = {daemon->data_plane_.get()};
-  if (!separate_control) listen.services.push_back(daemon->control_service_.get());
+  if (!separate_control) listen.services.push_back(daemon->authorized_control_.get());
+  listen.unix_mode = auth::SocketMode(config.control_access().socket_mode());
   listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
   listen.max_send_bytes = -1;
   listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
@@ -188,7 +197,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     control.address = config.control_listen();
     control.tls = config.control_tls();
     control.tls_field = "publisher.control_tls";
-    control.services = {daemon->control_service_.get()};
+    control.services = {daemon->authorized_control_.get()};
+    control.unix_mode = auth::SocketMode(config.control_access().socket_mode());
     ASSIGN_OR_RETURN(daemon->control_, StartServer(control));
   }
   if (!config.local_socket().empty()) {
@@ -206,7 +216,11 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     local.name = "publisher.local_socket";
     local.address = absl::StrCat("unix:", config.local_socket());
     local.tls_field = "publisher.local_socket";
-    local.services = {daemon->trainer_api_.get()};
+    daemon->authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
+        daemon->trainer_api_.get(),
+        auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
+    local.services = {daemon->authorized_trainer_api_.get()};
+    local.unix_mode = auth::SocketMode(config.local_access().socket_mode());
     // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
     local.max_receive_bytes = 64 << 20;
     ASSIGN_OR_RETURN(daemon->local_, StartServer(local));

@@ -76,6 +76,7 @@ class PublisherDaemonTest : public ::testing::Test {
         "publisher:\n"
         "  name: test-publisher\n"
         "  listen: \"127.0.0.1:0\"\n"
+        "  control_access: {unauthenticated_tcp_role: write}\n"  // Control over loopback TCP
         "  local_socket: ", dir_.path(), "/trainer.sock\n"
         "  ready_file: ", dir_.path(), "/ready.json\n"
         "  history:\n"
@@ -427,7 +428,8 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
 TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
   TempDir dir("refit-pubd");
   auto config = config::LoadPublisherConfigFromString(
-      "publisher:\n  listen: \"127.0.0.1:0\"\n  history:\n    max_versions: 2\n"
+      "publisher:\n  listen: \"127.0.0.1:0\"\n  control_access: {unauthenticated_tcp_role: write}\n"
+      "  history:\n    max_versions: 2\n"
       "  codec:\n    threads: 1\n    block_log2: 10\n",
       "history.yaml");
   ASSERT_TRUE(config.ok()) << config.status();

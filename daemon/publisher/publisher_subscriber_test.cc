@@ -94,7 +94,8 @@ void WriteModel(const std::string& path, const std::vector<uint8_t>& w,
 TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   TempDir dir("refit-pubsub");
   auto pub_config = config::LoadPublisherConfigFromString(
-      "publisher:\n  name: pub\n  listen: \"127.0.0.1:0\"\n  codec:\n    threads: 1\n",
+      "publisher:\n  name: pub\n  listen: \"127.0.0.1:0\"\n"
+      "  control_access: {unauthenticated_tcp_role: write}\n  codec:\n    threads: 1\n",
       "pub.yaml");
   ASSERT_TRUE(pub_config.ok()) << pub_config.status();
   auto pub = PublisherDaemon::Start(*pub_config);
@@ -102,7 +103,8 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   auto pub_control = ControlStub((*pub)->listen_address());
 
   auto sub_config = config::LoadSubscriberConfigFromString(
-      absl::StrCat("subscriber:\n  name: sub-a\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+      absl::StrCat("subscriber:\n  name: sub-a\n  listen: \"127.0.0.1:0\"\n"
+                   "  control_access: {unauthenticated_tcp_role: write}\n  upstream:\n"
                    "    addresses: [\"",
                    (*pub)->listen_address(),
                    "\"]\n    connections: 2\n    backoff:\n      initial_ms: 20\n"
@@ -173,7 +175,9 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
 
 TEST(PublisherShutdownTest, DoesNotWaitForBlockedWaitVersion) {
   auto config = config::LoadPublisherConfigFromString(
-      "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    threads: 1\n", "pub.yaml");
+      "publisher:\n  listen: \"127.0.0.1:0\"\n  control_access: {unauthenticated_tcp_role: write}\n"
+      "  codec:\n    threads: 1\n",
+      "pub.yaml");
   ASSERT_TRUE(config.ok()) << config.status();
   auto pub = PublisherDaemon::Start(*config);
   ASSERT_TRUE(pub.ok()) << pub.status();

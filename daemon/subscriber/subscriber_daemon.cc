@@ -1,3 +1,4 @@
+#include "daemon/auth/authorized_services.h"
 #include "daemon/subscriber/subscriber_daemon.h"
 
 #include <unistd.h>
@@ -121,6 +122,9 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::unique_ptr<Upstream> upstream_;
   std::unique_ptr<ConsumerApiService> consumer_;
   std::unique_ptr<SubscriberControlService> control_;
+  // What the servers register: the services behind their authorization (daemon/auth).
+  std::unique_ptr<auth::AuthorizedControl> authorized_control_;
+  std::unique_ptr<auth::AuthorizedConsumerApi> authorized_consumer_;
   RunningServer listen_;
   RunningServer control_server_;
   RunningServer local_;
@@ -221,6 +225,13 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
 
+  authorized_control_ = std::make_unique<auth::AuthorizedControl>(
+      control_.get(), auth::ControlAuthorizer(c.control_access(), "subscriber.control_access"));
+  authorized_consumer_ = std::make_unique<auth::AuthorizedConsumerApi>(
+      consumer_.get(),
+      auth::LocalAuthorizer(c.local_access(), "subscriber.local_access", "ConsumerApi"));
+  const unsigned control_mode = auth::SocketMode(c.control_access().socket_mode());
+
   // Servers.
   if (!c.listen().empty()) {
     ServerSpec spec;
@@ -228,7 +239,8 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
     spec.address = c.listen();
     spec.tls = c.tls();
     spec.tls_field = "subscriber.tls";
-    if (c.control_listen().empty()) spec.services.push_back(control_.get());
+    if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
+    spec.unix_mode = control_mode;
     if (peer_service_ != nullptr) {
       spec.services.push_back(peer_service_.get());
       spec.max_receive_bytes = kPeerMaxReceiveBytes;
@@ -241,14 +253,16 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
     spec.address = c.control_listen();
     spec.tls = c.control_tls();
     spec.tls_field = "subscriber.control_tls";
-    spec.services.push_back(control_.get());
+    spec.services.push_back(authorized_control_.get());
+    spec.unix_mode = control_mode;
     ASSIGN_OR_RETURN(control_server_, StartServer(spec));
   }
   if (!c.local_socket().empty()) {
     ServerSpec spec;
     spec.name = "local_socket";
     spec.address = absl::StrCat("unix:", c.local_socket());
-    spec.services.push_back(consumer_.get());
+    spec.services.push_back(authorized_consumer_.get());
+    spec.unix_mode = auth::SocketMode(c.local_access().socket_mode());
     ASSIGN_OR_RETURN(local_, StartServer(spec));
   }
 

@@ -127,6 +127,7 @@ class SubscriberDaemonTest : public ::testing::Test {
         "    connect_timeout_ms: 5000\n"
         "    backoff: {initial_ms: 20, max_ms: 200}\n"
         "  listen: \"127.0.0.1:0\"\n"
+        "  control_access: {unauthenticated_tcp_role: write}\n"  // Control over loopback TCP
         "  serve_peers: ", serve_peers ? "true" : "false", "\n"
         "  local_socket: ", (dir_ / (name + ".sock")).string(), "\n"
         "  ready_file: ", (dir_ / (name + ".ready")).string(), "\n"

@@ -89,24 +89,32 @@ def _server_tls_yaml(key: str, tls: Optional[dict]) -> str:
     return f"  {key}:\n" + "".join(f"    {k}: {json.dumps(v)}\n" for k, v in tls.items())
 
 
-def _control_yaml(control_listen: Optional[str], control_tls: Optional[dict]) -> str:
-    y = ""
+# Control over loopback TCP has no caller identity, so these test/example daemons grant it
+# explicitly (docs/SECURITY.md: a production config uses a unix socket or mTLS grants instead).
+LOOPBACK_CONTROL_ACCESS = "{unauthenticated_tcp_role: write}"
+
+
+def _control_yaml(control_listen: Optional[str], control_tls: Optional[dict],
+                  control_access: str) -> str:
+    y = f"  control_access: {control_access}\n" if control_access else ""
     if control_listen:
         y += f"  control_listen: {json.dumps(control_listen)}\n"
     return y + _server_tls_yaml("control_tls", control_tls)
 
 
 def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] = None,
-                   control_tls: Optional[dict] = None) -> str:
+                   control_tls: Optional[dict] = None,
+                   control_access: str = LOOPBACK_CONTROL_ACCESS) -> str:
     """A publisher on 127.0.0.1:0 with its local socket in `directory`; optionally a separate
-    Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths)."""
+    Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths), and who
+    may call Control (`control_access`, a YAML flow mapping; "" = the daemon's default)."""
     return (f"publisher:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"
             f"  ready_file: @READY@\n"
-            f"{_control_yaml(control_listen, control_tls)}"
+            f"{_control_yaml(control_listen, control_tls, control_access)}"
             f"  codec:\n    device: cpu\n    threads: 2\n")
 
 
@@ -114,7 +122,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     lease_default_ttl_ms: Optional[int] = None,
                     lease_max_ttl_ms: Optional[int] = None,
                     control_listen: Optional[str] = None,
-                    control_tls: Optional[dict] = None, store_kind: str = "shm",
+                    control_tls: Optional[dict] = None,
+                    control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
                     cuda_device_uuid: Optional[str] = None) -> str:
     """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
@@ -139,7 +148,7 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"
             f"  ready_file: @READY@\n"
-            f"{_control_yaml(control_listen, control_tls)}"
+            f"{_control_yaml(control_listen, control_tls, control_access)}"
             f"{store}"
             f"{leases}"
             f"  staging:\n    threads: 2\n")

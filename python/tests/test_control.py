@@ -180,7 +180,10 @@ def test_mtls_control_listener(tmp_path_factory):
     tls = {"cert": pki["server_cert"], "key": pki["server_key"], "ca": pki["ca"]}
     with contextlib.ExitStack() as stack:
         p = start_pair(tmp_path_factory, stack,
-                       pub_kwargs={"control_listen": "127.0.0.1:0", "control_tls": tls})
+                       pub_kwargs={"control_listen": "127.0.0.1:0", "control_tls": tls,
+                                   # the client certificate's SAN: TLS callers need a grant
+                                   "control_access": "{grants: [{role: read, "
+                                                     "identities: [pytest-client]}]}"})
         addr = p.pub.ready["control_listen"]
         host, port = addr.rsplit(":", 1)
         files = {"ca": pki["ca"], "cert": pki["cert"], "key": pki["key"]}

@@ -69,6 +69,7 @@ std::string PublisherYaml(const PublisherSpec& s, const std::string& dir,
   if (!s.persist_dir.empty()) {
     absl::StrAppend(&y, "  baseline:\n    persist_dir: ", Q(s.persist_dir), "\n    fsync: false\n");
   }
+  if (!s.control_access.empty()) absl::StrAppend(&y, "  control_access: ", s.control_access, "\n");
   absl::StrAppend(&y, "  codec:\n    device: ", s.codec_device, "\n    threads: ", s.codec_threads,
                   "\n");
   absl::StrAppend(&y, s.extra);
@@ -115,6 +116,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
                   Q(UniqueShmPrefix(s.name)),
                   "\n    slots: ", s.slots, "\n");
   absl::StrAppend(&y, "  staging:\n    threads: ", s.staging_threads, "\n");
+  if (!s.control_access.empty()) absl::StrAppend(&y, "  control_access: ", s.control_access, "\n");
   if (s.lease_default_ttl_ms != 0) {
     absl::StrAppend(&y, "  leases:\n    default_ttl_ms: ", s.lease_default_ttl_ms, "\n");
   }

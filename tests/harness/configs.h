@@ -34,6 +34,9 @@ struct PublisherSpec {
   uint32_t codec_threads = 2;
   std::string codec_device = "cpu";  // codec.device: cpu | cuda | auto
   std::string log_level = "info";
+  // control_access as a YAML flow mapping ("" = none: the daemon's defaults). Tests drive
+  // Control over loopback TCP, which needs an explicit grant.
+  std::string control_access = "{unauthenticated_tcp_role: write}";
   std::string extra;  // YAML lines appended under `publisher:` (indented by the caller)
 };
 
@@ -55,6 +58,7 @@ struct SubscriberSpec {
   uint32_t staging_threads = 2;
   uint32_t lease_default_ttl_ms = 0;  // 0 = default
   std::string log_level = "info";
+  std::string control_access = "{unauthenticated_tcp_role: write}";  // as in PublisherSpec
   std::string extra;
 };
 

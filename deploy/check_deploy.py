@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Checks the shipped deploy files against docs/SECURITY.md (ctest `deploy_hardening`, label security).
+
+  check_deploy.py REFITD_BIN CONFIG_CHECK_BIN
+
+- systemd: `systemd-analyze verify` of the unit (ExecStart pointed at the built refitd) is clean,
+  and `systemd-analyze security --offline=true` rates its exposure at most 2.0 ("OK").
+- Kubernetes: every container runs as non-root with a read-only root filesystem, no privilege
+  escalation, all capabilities dropped; the pod uses the RuntimeDefault seccomp profile and does not
+  mount a service-account token; the socket volume (/run/refitd) is an emptyDir mounted by exactly
+  the sidecar and the inference container; the ConfigMap's subscriber.yaml validates.
+Prints one line per failed check and exits 1 if any failed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+
+def check_systemd(refitd):
+    unit = os.path.join(HERE, "systemd", "refitd-publisher.service")
+    if shutil.which("systemd-analyze") is None:
+        print("check_deploy: systemd-analyze not installed; systemd checks skipped")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, "refitd-publisher.service")
+        with open(unit) as f:
+            text = f.read().replace("/usr/local/bin/refitd", refitd)
+        with open(copy, "w") as f:
+            f.write(text)
+        v = subprocess.run(["systemd-analyze", "verify", copy], capture_output=True, text=True)
+        out = (v.stdout + v.stderr).strip()
+        check(v.returncode == 0 and out == "", f"systemd-analyze verify: rc {v.returncode}: {out}")
+        s = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=20", copy],
+                           capture_output=True, text=True)
+        overall = [l for l in s.stdout.splitlines() if "Overall exposure" in l]
+        check(s.returncode == 0, f"systemd exposure above 2.0: {overall}")
+
+
+def check_k8s(config_check):
+    with open(os.path.join(HERE, "k8s", "subscriber-sidecar.yaml")) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    deploy = next(d for d in docs if d.get("kind") == "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    psc = pod.get("securityContext", {})
+    check(psc.get("runAsNonRoot") is True, "pod securityContext.runAsNonRoot is not true")
+    check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+          "pod seccompProfile is not RuntimeDefault")
+    check(pod.get("automountServiceAccountToken") is False,
+          "pod mounts a service-account token")
+    for c in pod["containers"]:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        check(sc.get("runAsNonRoot") is True or psc.get("runAsNonRoot") is True,
+              f"{name}: runAsNonRoot")
+        check(sc.get("readOnlyRootFilesystem") is True, f"{name}: readOnlyRootFilesystem")
+        check(sc.get("allowPrivilegeEscalation") is False, f"{name}: allowPrivilegeEscalation")
+        check(sc.get("privileged", False) is False, f"{name}: privileged")
+        check("ALL" in sc.get("capabilities", {}).get("drop", []), f"{name}: capabilities not dropped")
+    run = [v for v in pod["volumes"] if v["name"] == "run"]
+    check(len(run) == 1 and "emptyDir" in run[0], "socket volume 'run' is not an emptyDir")
+    mounts = [c["name"] for c in pod["containers"]
+              for m in c.get("volumeMounts", []) if m["name"] == "run"]
+    check(sorted(mounts) == ["inference", "refitd-subscriber"],
+          f"socket volume mounted by {mounts}, expected exactly the sidecar and inference")
+    cm = next(d for d in docs if d.get("kind") == "ConfigMap")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(cm["data"]["subscriber.yaml"])
+        f.flush()
+        r = subprocess.run([config_check, f.name], capture_output=True, text=True)
+        check(r.returncode == 0, f"ConfigMap subscriber.yaml: {r.stdout}{r.stderr}")
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    check_systemd(sys.argv[1])
+    check_k8s(sys.argv[2])
+    for f in failures:
+        print("check_deploy: FAIL:", f)
+    if not failures:
+        print("check_deploy: all deploy checks passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
