@@ -247,7 +247,10 @@ absl::StatusOr<PublishSummary> PublishQueue::Await(const std::shared_ptr<Waiter>
   }
   --waiter->waiting;
   if (waiter->done) return waiter->result;
-  if (!gave_up.ok()) return gave_up;
+  if (!gave_up.ok()) {
+    if (waiter->waiting == 0 && !waiter->started) DropLocked(*waiter, gave_up);
+    return gave_up;
+  }
   return absl::UnavailableError(absl::StrCat("publisher shutting down: version ", waiter->version,
                                              " was not published"));
 }
@@ -355,16 +358,35 @@ bool PublishQueue::Next(Job* job) {
       w->started = true;
       return true;
     }
-    log_->warn("version {} from {} not published: its caller's {} before it started",
-               job->version, job->source, expired ? "deadline passed" : "call was cancelled");
-    ++dropped_expired_;
-    --outstanding_;
-    if (!w->request_id.empty()) requests_.erase(w->request_id);  // a retry publishes afresh
-    Finish(*job, expired ? absl::DeadlineExceededError(absl::StrCat(
-                               "publish of version ", job->version,
-                               ": the call's deadline passed before it started (not run)"))
-                         : absl::CancelledError(absl::StrCat("publish of version ", job->version,
-                                                             ": cancelled before it started")));
+    // (Await drops its job itself when it gives up; this catches a deadline passed meanwhile.)
+    const absl::Status why =
+        expired ? absl::DeadlineExceededError(absl::StrCat(
+                      "publish of version ", job->version,
+                      ": the call's deadline passed before it started (not run)"))
+                : absl::CancelledError(absl::StrCat("publish of version ", job->version,
+                                                    ": cancelled before it started"));
+    NoteDroppedLocked(*w, job->source, why);
+  }
+}
+
+void PublishQueue::NoteDroppedLocked(Waiter& w, const std::string& source,
+                                     const absl::Status& why) {
+  log_->warn("version {} from {} not published: its caller's {} before it started", w.version,
+             source, absl::IsDeadlineExceeded(why) ? "deadline passed" : "call was cancelled");
+  ++dropped_expired_;
+  --outstanding_;
+  if (!w.request_id.empty()) requests_.erase(w.request_id);  // a retry publishes afresh
+  w.result = why;
+  w.done = true;
+}
+
+void PublishQueue::DropLocked(Waiter& w, const absl::Status& why) {
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (it->waiter.get() != &w) continue;
+    const std::string source = it->source;
+    queue_.erase(it);  // frees its place in the queue at once
+    NoteDroppedLocked(w, source, why);
+    return;
   }
 }
 

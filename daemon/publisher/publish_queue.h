@@ -161,6 +161,11 @@ class PublishQueue {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RememberLocked(const std::shared_ptr<Waiter>& waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(Job& job, absl::StatusOr<PublishSummary> result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A Control publish nobody waits for any more and that has not started: out of the queue
+  // (DropLocked) or taken by the worker (NoteDroppedLocked), never run.
+  void DropLocked(Waiter& w, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NoteDroppedLocked(Waiter& w, const std::string& source, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the next job to run; false on stop.
   bool Next(Job* job);
   void Run();
