@@ -362,10 +362,10 @@ absl::Status CallWithRetries(const Session& s,
     ctx.set_deadline(absl::ToChronoTime(deadline));
     st = FromGrpcStatus((s.stub->*rpc)(&ctx, req, resp));
     if (!absl::IsUnavailable(st) || attempt == kAttempts || absl::Now() + backoff >= deadline) {
-      return st;
+      if (attempt == 1) return st;
+      return absl::Status(st.code(), absl::StrCat(st.message(), " (", attempt, " attempts with ",
+                                                  verb, " request id ", req.request_id(), ")"));
     }
-    s.err << "refitctl: " << verb << ": " << st.message() << "; retrying with the same request id ("
-          << "attempt " << attempt + 1 << " of " << kAttempts << ")\n";
     absl::SleepFor(backoff);
     backoff *= 2;
   }
