@@ -101,6 +101,18 @@ void DataPlaneService::Shutdown() {
   }
 }
 
+void DataPlaneService::EndSessions(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  ++epoch_;
+  for (auto& [id, s] : sessions_) {
+    if (!s->ended) {
+      s->ended = true;
+      s->end_status = absl::UnavailableError(why);
+    }
+    if (s->context != nullptr) s->context->TryCancel();
+  }
+}
+
 void DataPlaneService::NotifyPublished() {
   const uint64_t version = core_->newest_version();
   const uint64_t snapshot = core_->newest_snapshot_unix_nanos();

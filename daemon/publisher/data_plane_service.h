@@ -81,6 +81,9 @@ class DataPlaneService final : public v1::DataPlane::Service {
 
   // Ends every session and refuses new ones (UNAVAILABLE). Idempotent.
   void Shutdown();
+  // Ends every live session (UNAVAILABLE `why`); subscribers reconnect and say Hello again. For
+  // a core that changed lineage (PublisherCore::Reset): their acked versions mean nothing now.
+  void EndSessions(const std::string& why);
 
   // One entry per live session (Control Status: sessions), ordered by subscriber name.
   std::vector<v1::SessionStatus> Sessions() const;

@@ -417,6 +417,10 @@ void PublishQueue::Run() {
     }
     absl::MutexLock lock(&mu_);
     --outstanding_;
+    if (!result.ok() && job.waiter != nullptr && !job.waiter->request_id.empty()) {
+      // Nothing was published: a retry with the same id may try again.
+      requests_.erase(job.waiter->request_id);
+    }
     if (result.ok()) {
       published_version_ = std::max(published_version_, result->version);
       last_ = LastPublish{.summary = *result,

@@ -81,6 +81,18 @@ TEST_F(PublishQueueTest, RepeatedRequestIdGetsTheOriginalOutcome) {
   EXPECT_EQ(other->version, 2u);
 }
 
+TEST_F(PublishQueueTest, AFailedPublishIsNotRememberedSoItsRetryRuns) {
+  MakeQueue(4);
+  FilesPublish p = Request(1, "id-f", absl::Seconds(30));
+  const std::string path = p.paths[0];
+  std::filesystem::rename(path, path + ".later");
+  EXPECT_FALSE(queue_->PublishFiles(p).ok());
+  std::filesystem::rename(path + ".later", path);
+  auto retry = queue_->PublishFiles(p);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(core_->newest_version(), retry->version);
+}
+
 TEST_F(PublishQueueTest, ExpiredOrCancelledJobsDoNotRunAndTheQueueIsBounded) {
   MakeQueue(2);
   { std::ofstream(stall()) << "x"; }

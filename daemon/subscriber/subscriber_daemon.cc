@@ -333,11 +333,13 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
   // Peers see the upstream's lineage: a subscriber bootstrapped from a peer keeps deltas from
   // the publisher. A lineage change upstream starts the peer core afresh.
   if (const uint64_t lineage = core_->applied_lineage(); lineage != peer_core_->lineage()) {
-    if (peer_core_->newest_version() != 0) {
-      log_->warn("serving peers: upstream changed to {}: peers get keyframes",
-                 sync::DescribeLineage(lineage));
-    }
+    const bool had_versions = peer_core_->newest_version() != 0;
     result = peer_core_->Reset(lineage);
+    if (had_versions && result.ok()) {
+      log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
+                 sync::DescribeLineage(lineage));
+      peer_service_->EndSessions("the upstream changed lineage");
+    }
   }
   if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
     const store::Layout& layout = lease.store->layout();
