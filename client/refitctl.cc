@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <random>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -69,13 +70,17 @@ last refit, the publisher's patch history and the subscriber's read leases.
 )";
 
 constexpr char kPublishUsage[] =
-    R"(usage: refitctl --target ADDR publish --safetensors PATH... [--version N]
+    R"(usage: refitctl --target ADDR publish --safetensors PATH... [--version N] [--request-id ID]
 
 Publishes safetensors files (shards of one model) as a new version (publisher only). The files
 are read by the daemon: paths are on its host; relative paths are made absolute against
-refitctl's working directory.
+refitctl's working directory. The publish is idempotent: refitctl sends a random request id and
+retries an unreachable daemon (UNAVAILABLE, up to 3 attempts) with the same id, and the daemon
+answers a repeated id with the original outcome instead of publishing twice.
   --safetensors PATH...  one or more files (the flag may also be repeated)
-  --version N            version number (default: newest + 1)
+  --version N            version number, 1 .. 9007199254740991 (default: the next one)
+  --request-id ID        the request id (default: random); reuse it to retry a publish whose
+                         outcome you did not see (at most 128 bytes)
 )";
 
 constexpr char kExportUsage[] =
@@ -341,6 +346,39 @@ absl::Status Call(const Session& s,
   return FromGrpcStatus((s.stub->*rpc)(&ctx, req, resp));
 }
 
+// Calls an idempotent RPC (Publish with its request id), retrying UNAVAILABLE (daemon not
+// reachable, connection reset) with the same request under the session's overall deadline.
+template <typename Req, typename Resp>
+absl::Status CallWithRetries(const Session& s,
+                             grpc::Status (v1::Control::Stub::*rpc)(grpc::ClientContext*,
+                                                                    const Req&, Resp*),
+                             const Req& req, Resp* resp, const std::string& verb) {
+  constexpr int kAttempts = 3;
+  const absl::Time deadline = absl::Now() + s.timeout;
+  absl::Duration backoff = absl::Milliseconds(200);
+  absl::Status st;
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    st = FromGrpcStatus((s.stub->*rpc)(&ctx, req, resp));
+    if (!absl::IsUnavailable(st) || attempt == kAttempts || absl::Now() + backoff >= deadline) {
+      if (attempt == 1) return st;
+      return absl::Status(st.code(), absl::StrCat(st.message(), " (", attempt, " attempts with ",
+                                                  verb, " request id ", req.request_id(), ")"));
+    }
+    absl::SleepFor(backoff);
+    backoff *= 2;
+  }
+}
+
+// 32 hex digits from the OS's random source.
+std::string RandomRequestId() {
+  std::random_device rd;
+  std::string id;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&id, absl::Hex(rd(), absl::kZeroPad8));
+  return id;
+}
+
 // Reads a verb's options to the end of the command line. --help/-h sets p->help and stops;
 // `option` takes the option at the cursor (true) or does not know it (false: an error naming
 // `verb`, e.g. "refitctl publish").
@@ -403,6 +441,14 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
       for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
       return true;
     }
+    ASSIGN_OR_RETURN(bool id, args.Value("--request-id", &v));
+    if (id) {
+      if (v.empty() || v.size() > 128) {
+        return absl::InvalidArgumentError("--request-id needs 1 to 128 bytes");
+      }
+      req.set_request_id(v);
+      return true;
+    }
     return VersionOption(args, &req);
   }));
   if (p.help) return p;
@@ -410,9 +456,10 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
     return absl::InvalidArgumentError(
         "refitctl publish needs --safetensors PATH... (the files of the version)");
   }
+  if (req.request_id().empty()) req.set_request_id(RandomRequestId());
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::PublishResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Publish, req, &resp));
+    RETURN_IF_ERROR(CallWithRetries(s, &v1::Control::Stub::Publish, req, &resp, "publish"));
     s.out << absl::StrFormat(
         "published version %u digest %s: %u tensors, %s, change rate %s, publish time %s\n",
         resp.version(), FormatDigest(resp.version_digest()), resp.tensors(),
@@ -588,6 +635,31 @@ std::string FormatMicros(uint64_t micros) {
   return absl::StrFormat("%.2f s", micros / 1e6);
 }
 
+// "persisted (version 7) at /var/lib/refitd/baseline.safetensors", with the errors in full.
+std::string FormatBaseline(const v1::BaselineStatus& b) {
+  std::string state;
+  switch (b.state()) {
+    case v1::BASELINE_STATE_DISABLED: return "not persisted (no persist_dir)";
+    case v1::BASELINE_STATE_EMPTY: state = "none persisted yet"; break;
+    case v1::BASELINE_STATE_LOADED: state = "reloaded at start"; break;
+    case v1::BASELINE_STATE_PERSISTED: state = "persisted"; break;
+    case v1::BASELINE_STATE_PERSIST_FAILED: state = "PERSIST FAILED"; break;
+    case v1::BASELINE_STATE_MOVED_ASIDE: state = "REFUSED AT START, moved aside"; break;
+    default: state = "unknown"; break;
+  }
+  std::string out = state;
+  if (b.persisted_version() != 0) absl::StrAppend(&out, " (file holds version ", b.persisted_version(), ")");
+  absl::StrAppend(&out, " at ", b.path());
+  if (!b.moved_to().empty()) {
+    absl::StrAppend(&out, "\n            refused file now at ", b.moved_to(), ": ", b.load_error());
+  }
+  if (!b.last_persist_error().empty()) {
+    absl::StrAppend(&out, "\n            last persist error (", FormatUnixNanos(b.last_persist_error_unix_nanos()),
+                    "): ", b.last_persist_error());
+  }
+  return out;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -613,6 +685,14 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
                                        " of ", FormatBytes(h.budget_bytes()), " budget"));
   }
   line("last refit", FormatRefit(st.last_refit()));
+  if (st.lineage() != 0) line("lineage", absl::StrFormat("%016x", st.lineage()));
+  if (st.role() == v1::ROLE_PUBLISHER && st.has_baseline()) line("baseline", FormatBaseline(st.baseline()));
+  if (st.role() == v1::ROLE_PUBLISHER && st.has_publish_queue()) {
+    const v1::PublishQueueStatus& q = st.publish_queue();
+    line("publish q", absl::StrCat(q.pending(), " pending of at most ", q.max_pending(), ", ",
+                                   q.refused_full(), " refused (full), ", q.dropped_expired(),
+                                   " dropped (caller gone)"));
+  }
 
   if (st.role() == v1::ROLE_SUBSCRIBER || st.has_upstream()) {
     out += "\nupstream:\n";

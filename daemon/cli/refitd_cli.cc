@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/cli/shutdown_watcher.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/config/config.h"
@@ -40,8 +41,10 @@ options:
   --help             this text
   --version          print the version
 
-Runs until SIGTERM, SIGINT or SIGHUP, then shuts down cleanly. Exit codes: 0 ok, 1 the daemon
-failed to start, 2 bad arguments or config.
+Runs until SIGTERM, SIGINT or SIGHUP, then shuts down cleanly within 10 s: past that (a stuck
+publish, say) or on a second signal it exits with status 3. A signal while starting (config
+loading, baseline reload) exits at once with 128 + the signal number. Exit codes: 0 ok, 1 the
+daemon failed to start, 2 bad arguments or config, 3 shutdown timed out.
 )";
 
 constexpr char kPublisherUsage[] =
@@ -165,8 +168,15 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
             OrDash((*daemon)->listen_address(), "-"),
             OrDash((*daemon)->control_address(), "on listen"),
             OrDash((*daemon)->local_address(), "-"));
-  const int sig = WaitForShutdownSignal();
-  log->info("{} received: shutting down", strsignal(sig));
+  int sig = 0;
+  if (ShutdownWatcher::installed()) {
+    sig = ShutdownWatcher::BeginServing();
+    if (sig == 0) sig = ShutdownWatcher::Wait();
+  } else {
+    sig = WaitForShutdownSignal();
+  }
+  log->info("{} received: shutting down (at most {} s, then exit status {})", strsignal(sig),
+            absl::ToInt64Seconds(kShutdownWatchdog), kExitShutdownTimedOut);
   (*daemon)->Shutdown();
   daemon->reset();
   log->info("{} \"{}\" stopped", opts.role, name);

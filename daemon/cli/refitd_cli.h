@@ -11,8 +11,9 @@
 // Exit codes: 0 ok; 1 the daemon failed to start; 2 bad arguments or config (one line
 // "refitd: error: ..." naming the flag, or the file:line and field).
 //
-// The caller must have blocked the shutdown signals (BlockShutdownSignals, first thing in main)
-// before any thread started; refitd_main.cc does.
+// The caller must have blocked the shutdown signals before any thread started: refitd_main.cc
+// installs the ShutdownWatcher (shutdown_watcher.h: a signal while starting exits at once, a
+// shutdown is bounded by a watchdog); without it (tests) RunRefitd waits with sigwait itself.
 #ifndef REFIT_DAEMON_CLI_REFITD_CLI_H_
 #define REFIT_DAEMON_CLI_REFITD_CLI_H_
 

@@ -66,6 +66,7 @@ TEST(ConfigTest, MinimalPublisherGetsDefaults) {
   EXPECT_EQ(c->history().max_versions(), 64u);
   EXPECT_EQ(c->baseline().persist_dir(), "");
   EXPECT_TRUE(c->baseline().fsync());
+  EXPECT_EQ(c->publish_queue().max_pending(), 16u);
   EXPECT_EQ(c->codec().block_log2(), 18u);
   EXPECT_EQ(c->codec().device(), v1::DEVICE_CPU);
   EXPECT_FALSE(c->tls().insecure());

@@ -13,6 +13,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/config/credentials.h"
 #include "daemon/sync/transfer_stats.h"
+#include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
@@ -59,6 +60,11 @@ struct DataPlaneService::Session {
   v1::SessionState state = v1::SESSION_STATE_CONNECTING;
   uint64_t acked_version = 0;
   uint64_t acked_digest = 0;
+  // acked_version is this publisher's (its digest is the one recorded, or a version the history
+  // no longer holds); false for a Hello at a known number with another digest until an Ack.
+  bool verified = true;
+  // Why the Hello was refused as a base ("" = it was not): for WaitAllAcked and logs.
+  std::string diverged;
   bool ended = false;
   bool reader_done = false;
   absl::Status end_status;  // why it ended (reader error, stripe failure, shutdown)
@@ -90,6 +96,18 @@ void DataPlaneService::Shutdown() {
     if (!s->ended) {
       s->ended = true;
       s->end_status = absl::UnavailableError("publisher shutting down");
+    }
+    if (s->context != nullptr) s->context->TryCancel();
+  }
+}
+
+void DataPlaneService::EndSessions(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  ++epoch_;
+  for (auto& [id, s] : sessions_) {
+    if (!s->ended) {
+      s->ended = true;
+      s->end_status = absl::UnavailableError(why);
     }
     if (s->context != nullptr) s->context->TryCancel();
   }
@@ -151,7 +169,9 @@ std::vector<v1::SessionStatus> DataPlaneService::Sessions() const {
     st.set_address(s->address);
     st.set_state(s->state);
     st.set_acked_version(s->acked_version);
-    st.set_lag_versions(newest > s->acked_version ? newest - s->acked_version : 0);
+    // A session at a number this publisher knows with another digest misses everything.
+    const uint64_t held = s->verified ? s->acked_version : 0;
+    st.set_lag_versions(newest > held ? newest - held : 0);
     st.set_streams(1 + s->joined_stripes);
     st.set_bytes_sent(s->bytes_sent);
     st.set_connected_unix_nanos(s->connected_unix_nanos);
@@ -187,7 +207,7 @@ absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadlin
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (shutdown_) return true;
     for (const auto& [id, s] : sessions_) {
-      if (!s->ended && s->acked_version < version) return false;
+      if (!s->ended && !CaughtUp(*s, version)) return false;
     }
     return true;
   };
@@ -195,18 +215,48 @@ absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadlin
   if (shutdown_) return absl::UnavailableError("publisher shutting down");
   std::vector<std::string> behind;
   for (const auto& [id, s] : sessions_) {
-    if (!s->ended && s->acked_version < version) {
-      behind.push_back(absl::StrCat("subscriber ", s->name, " at version ", s->acked_version));
-    }
+    if (s->ended || CaughtUp(*s, version)) continue;
+    std::string why = absl::StrCat("subscriber ", s->name, " at version ", s->acked_version);
+    if (!s->verified) absl::StrAppend(&why, " with another digest (diverged)");
+    if (!s->diverged.empty()) absl::StrAppend(&why, " (", s->diverged, ")");
+    behind.push_back(std::move(why));
   }
   if (behind.empty()) return absl::OkStatus();
   return absl::DeadlineExceededError(absl::StrCat("not every subscriber reached version ",
                                                   version, ": ", absl::StrJoin(behind, ", ")));
 }
 
-uint64_t DataPlaneService::max_subscriber_version() const {
-  absl::MutexLock lock(&mu_);
-  return max_subscriber_version_;
+bool DataPlaneService::CaughtUp(const Session& s, uint64_t version) {
+  return s.verified && s.acked_version >= version;
+}
+
+void DataPlaneService::ClassifyHello(const v1::Hello& hello, Session& session) const {
+  const uint64_t v = hello.version();
+  session.acked_version = v;
+  session.acked_digest = hello.version_digest();
+  if (v == 0) return;
+  const uint64_t ours = core_->lineage();
+  const uint64_t numbered = core_->numbered_version();
+  if (v > sync::kMaxVersion) {
+    session.diverged = absl::StrCat("Hello version ", v, " is above the largest version ",
+                                    sync::kMaxVersion);
+  } else if (hello.lineage() != ours) {
+    session.diverged = absl::StrCat("it holds version ", v, " of ",
+                                    sync::DescribeLineage(hello.lineage()), ", this publisher is ",
+                                    sync::DescribeLineage(ours));
+  } else if (v > numbered) {
+    session.diverged = absl::StrCat("Hello version ", v, " is above every version numbered in ",
+                                    sync::DescribeLineage(ours), " (", numbered, ")");
+  }
+  if (!session.diverged.empty()) {
+    session.acked_version = 0;  // nothing usable: keyframes
+    session.acked_digest = 0;
+    return;
+  }
+  // Same lineage: the subscriber's number is ours; its digest must be ours too where we know it.
+  if (absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v); known.ok()) {
+    session.verified = hello.version_digest() == *known;
+  }
 }
 
 v1::RefitStats DataPlaneService::LastFullyAcked() const {
@@ -269,8 +319,7 @@ grpc::Status DataPlaneService::Sync(
                                     ? options_.max_streams_per_subscriber - 1
                                     : 0u);
   session->stripe_joined.assign(session->granted_stripes + 1, false);
-  session->acked_version = hello.version();
-  session->acked_digest = hello.version_digest();
+  ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
     session->keyframe_reason = "Hello.want_keyframe";
@@ -287,14 +336,23 @@ grpc::Status DataPlaneService::Sync(
           absl::StrCat("publisher ", options_.name, " already serves ", live,
                        " subscribers (transport.max_subscribers)")));
     }
-    max_subscriber_version_ = std::max(max_subscriber_version_, hello.version());
     sessions_[session->id] = session;
   }
-  log_->info("session {:016x}: subscriber {} ({}{}) hello at version {}, {} stripes granted, "
-             "frames of {} bytes{}",
+  log_->info("session {:016x}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
+             "granted, frames of {} bytes{}",
              session->id, session->name, session->address,
              session->identity.empty() ? "" : ", identity " + session->identity, hello.version(),
-             session->granted_stripes, session->frame_bytes, session->lz4 ? ", lz4" : "");
+             sync::DescribeLineage(hello.lineage()), session->granted_stripes,
+             session->frame_bytes, session->lz4 ? ", lz4" : "");
+  if (!session->diverged.empty()) {
+    log_->warn("session {:016x}: subscriber {} diverged: {}: it gets keyframes; its version "
+               "does not change this publisher's numbering",
+               session->id, session->name, session->diverged);
+  } else if (!session->verified) {
+    log_->warn("session {:016x}: subscriber {} holds version {} with digest {:016x}, not this "
+               "publisher's: diverged, it gets keyframes of the next version",
+               session->id, session->name, hello.version(), hello.version_digest());
+  }
 
   grpc::Status status = RunSession(context, stream, session);
 
@@ -330,6 +388,7 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     w->set_stripes(session->granted_stripes);
     w->set_frame_bytes(session->frame_bytes);
     w->set_peer_identity(session->identity);
+    w->set_lineage(core_->lineage());
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }
@@ -630,6 +689,8 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
       absl::MutexLock lock(&mu_);
       session->acked_version = ack.applied_version();
       session->acked_digest = ack.applied_version_digest();
+      session->verified = true;
+      session->diverged.clear();
       session->last_refit = stats;
       session->state = v1::SESSION_STATE_IDLE;
       for (PendingVersion& p : pending_) {

@@ -2,6 +2,10 @@
 // Sync + Stripe) around a PublisherCore. Also used by a subscriber that serves its peers
 // (serve_peers): it then feeds its own PublisherCore with every version it applies.
 //
+// Hello (data.proto "Versions and lineage"): a Hello of another lineage, above sync::kMaxVersion
+// or above every version this publisher numbered is DIVERGED (the session starts from nothing:
+// keyframes); no Hello ever changes the publisher's numbering.
+//
 // One Sync call = one session. The handler thread reads Hello, answers Welcome, waits for the
 // granted stripes, then runs transfers one at a time: MakeTransfer(acked version, digest) ->
 // VersionHeader on Sync, DataFrames pulled from one shared counter by every stream of the session
@@ -77,6 +81,9 @@ class DataPlaneService final : public v1::DataPlane::Service {
 
   // Ends every session and refuses new ones (UNAVAILABLE). Idempotent.
   void Shutdown();
+  // Ends every live session (UNAVAILABLE `why`); subscribers reconnect and say Hello again. For
+  // a core that changed lineage (PublisherCore::Reset): their acked versions mean nothing now.
+  void EndSessions(const std::string& why);
 
   // One entry per live session (Control Status: sessions), ordered by subscriber name.
   std::vector<v1::SessionStatus> Sessions() const;
@@ -86,14 +93,12 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // as a newer version is published. Returns the number of sessions marked.
   uint32_t RequestResync(const std::string& name, const std::vector<std::string>& tensors);
 
-  // Control WaitVersion(all_subscribers): OK once every live session has acked >= version (and
-  // at least the ones live now). DeadlineExceeded at `deadline` with a message naming the
-  // sessions behind ("subscriber sub-2 at version 5"); Unavailable on Shutdown.
+  // Control WaitVersion(all_subscribers): OK once every live session holds a version >= version
+  // of this publisher (its lineage, with the digest this publisher recorded for it: a session
+  // at the same number with another digest is behind). DeadlineExceeded at `deadline` with a
+  // message naming the sessions behind ("subscriber sub-2 at version 5"); Unavailable on
+  // Shutdown.
   absl::Status WaitAllAcked(uint64_t version, absl::Time deadline);
-
-  // Largest Hello.version seen from any subscriber (0 if none). A publisher that restarted
-  // without its baseline numbers its next version above max(newest, this).
-  uint64_t max_subscriber_version() const;
 
   // Payload bytes of DataFrames written on all sessions since start.
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
@@ -125,6 +130,11 @@ class DataPlaneService final : public v1::DataPlane::Service {
   absl::Status SendShare(const std::shared_ptr<Session>& session, const std::shared_ptr<Work>& work,
                          const std::function<bool(const v1::DataFrame&)>& write);
   void NoteAckedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hello's version, digest and lineage against this publisher's (data.proto "Versions and
+  // lineage"): sets the session's base (0 when diverged) and whether it holds our version.
+  void ClassifyHello(const v1::Hello& hello, Session& session) const;
+  // The session holds a version >= `version` of this publisher (lineage and digest).
+  static bool CaughtUp(const Session& s, uint64_t version);
 
   PublisherCore* const core_;
   const DataPlaneOptions options_;
@@ -135,7 +145,6 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // Incremented by NotifyPublished / Shutdown / Resync; sessions wait on mu_ for a change.
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  uint64_t max_subscriber_version_ ABSL_GUARDED_BY(mu_) = 0;
   v1::RefitStats last_fully_acked_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingVersion> pending_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_sent_{0};

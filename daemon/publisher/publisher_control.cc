@@ -19,15 +19,7 @@
 namespace refit::publisher {
 namespace {
 
-uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
-
 std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
-
-std::string Percent(double fraction) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f%%", fraction * 100.0);
-  return buf;
-}
 
 double Ratio(uint64_t a, uint64_t b) {
   return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b);
@@ -66,269 +58,6 @@ Snapshot ConsistentBaseline(const PublisherCore& core) {
 }
 
 }  // namespace
-
-std::string FormatBytes(uint64_t bytes) {
-  static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB"};
-  if (bytes < 1000) return absl::StrCat(bytes, " B");
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (v >= 1000.0 && unit < 6) {
-    v /= 1000.0;
-    ++unit;
-  }
-  char buf[32];
-  if (v >= 99.95) {
-    std::snprintf(buf, sizeof(buf), "%.0f %s", v, kUnits[unit]);
-  } else if (v >= 9.995) {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[unit]);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  }
-  return buf;
-}
-
-std::string DescribePublish(const PublishSummary& s) {
-  return absl::StrCat("version ", s.version, " published: change ",
-                      Percent(Ratio(s.changed_elements, s.total_elements)), " (",
-                      s.changed_elements, "/", s.total_elements, " elements), wire ",
-                      FormatBytes(s.wire_bytes), " (patches+keyframes) vs dense ",
-                      FormatBytes(s.dense_bytes), " (", Percent(Ratio(s.wire_bytes, s.dense_bytes)),
-                      "), tensors ", s.tensors, " (", s.patched_tensors, " patched, ",
-                      s.keyframe_tensors, " keyframe, ", s.unchanged_tensors, " unchanged, ",
-                      s.removed_tensors, " removed), encode ", s.encode_micros / 1000, " ms",
-                      s.encode_device.empty()
-                          ? std::string()
-                          : absl::StrCat(" on ", s.encode_device, " (upload ",
-                                         s.upload_micros / 1000, " ms, digest ",
-                                         s.digest_micros / 1000, " ms, to host ",
-                                         s.download_micros / 1000, " ms)"),
-                      ", total ", s.total_micros / 1000, " ms");
-}
-
-// ---- PublishQueue -------------------------------------------------------------------------------
-
-PublishQueue::PublishQueue(PublisherCore* core, DataPlaneService* data_plane)
-    : core_(core), data_plane_(data_plane), log_(Logger("publisher")) {
-  published_version_ = core_->newest_version();
-  worker_ = std::thread([this] { Run(); });
-}
-
-PublishQueue::~PublishQueue() { Stop(); }
-
-void PublishQueue::BeginStop() {
-  absl::MutexLock lock(&mu_);
-  stopping_ = true;
-}
-
-void PublishQueue::Stop() {
-  BeginStop();
-  absl::MutexLock lock(&stop_mu_);
-  if (worker_.joinable()) worker_.join();
-}
-
-uint64_t PublishQueue::FloorLocked() const {
-  uint64_t floor = std::max(core_->newest_version(), published_version_);
-  if (outstanding_ > 0) floor = std::max(floor, last_queued_version_);
-  if (data_plane_ != nullptr) floor = std::max(floor, data_plane_->max_subscriber_version());
-  return floor;
-}
-
-absl::StatusOr<uint64_t> PublishQueue::ChooseLocked(std::optional<uint64_t> requested) const {
-  const uint64_t floor = FloorLocked();
-  if (!requested.has_value()) return floor + 1;
-  if (*requested <= floor) {
-    std::string what = absl::StrCat("newest published version is ", core_->newest_version());
-    if (outstanding_ > 0) absl::StrAppend(&what, ", newest queued ", last_queued_version_);
-    if (data_plane_ != nullptr && data_plane_->max_subscriber_version() > 0) {
-      absl::StrAppend(&what, ", a subscriber holds ", data_plane_->max_subscriber_version());
-    }
-    return absl::FailedPreconditionError(absl::StrCat("version ", *requested, " must exceed ",
-                                                      floor, " (", what, ")"));
-  }
-  return *requested;
-}
-
-uint64_t PublishQueue::VersionFloor() const {
-  absl::MutexLock lock(&mu_);
-  return FloorLocked();
-}
-
-absl::StatusOr<uint64_t> PublishQueue::ChooseVersion(std::optional<uint64_t> requested) const {
-  absl::MutexLock lock(&mu_);
-  return ChooseLocked(requested);
-}
-
-absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                                          std::string source) {
-  absl::MutexLock lock(&mu_);
-  if (stopping_) return absl::UnavailableError("publisher shutting down");
-  ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
-  Job job;
-  job.version = chosen;
-  job.tensors = std::move(tensors);
-  job.source = std::move(source);
-  queue_.push_back(std::move(job));
-  ++outstanding_;
-  last_queued_version_ = chosen;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t> version,
-                                                          std::vector<std::string> paths) {
-  if (paths.empty()) {
-    return absl::InvalidArgumentError("publish: no safetensors files given (need at least one)");
-  }
-  for (const std::string& p : paths) {
-    if (p.empty() || p[0] != '/') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "publish: safetensors path ", Quoted(p),
-          " is not absolute (paths are read on the publisher's host; give an absolute path)"));
-    }
-  }
-  auto waiter = std::make_shared<Waiter>();
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError("publisher shutting down");
-    ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
-    Job job;
-    job.version = chosen;
-    job.source = absl::StrCat("control (", absl::StrJoin(paths, ", "), ")");
-    job.paths = std::move(paths);
-    job.waiter = waiter;
-    queue_.push_back(std::move(job));
-    ++outstanding_;
-    last_queued_version_ = chosen;
-  }
-  waiter->done.WaitForNotification();
-  return waiter->result;
-}
-
-absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
-  if (!job.paths.empty()) return core_->PublishSafetensors(job.version, job.paths);
-  std::vector<TensorInput> inputs;
-  inputs.reserve(job.tensors.size());
-  for (OwnedTensor& t : job.tensors) {
-    if (t.device_bytes != nullptr) {
-      TensorInput in;
-      in.name = t.name;
-      in.dtype = t.dtype;
-      in.shape = t.shape;
-      in.device_bytes = std::move(t.device_bytes);
-      inputs.push_back(std::move(in));
-      continue;
-    }
-    auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(t.bytes));
-    TensorInput in;
-    in.name = t.name;
-    in.dtype = t.dtype;
-    in.shape = t.shape;
-    in.data = *owned;
-    in.owned = std::move(owned);
-    inputs.push_back(std::move(in));
-  }
-  job.tensors.clear();
-  return core_->Publish(job.version, inputs);
-}
-
-void PublishQueue::Run() {
-  for (;;) {
-    Job job;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](PublishQueue* q) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return q->stopping_ || !q->queue_.empty();
-          },
-          this));
-      if (stopping_) {
-        for (Job& dropped : queue_) {
-          if (dropped.waiter) {
-            dropped.waiter->result = absl::UnavailableError(absl::StrCat(
-                "publisher shutting down: version ", dropped.version, " was not published"));
-            dropped.waiter->done.Notify();
-          } else {
-            log_->warn("version {} from {} dropped: publisher shutting down", dropped.version,
-                       dropped.source);
-          }
-        }
-        queue_.clear();
-        outstanding_ = 0;
-        return;
-      }
-      job = std::move(queue_.front());
-      queue_.pop_front();
-    }
-
-    const uint64_t base = core_->newest_version();
-    absl::StatusOr<PublishSummary> result = Execute(job);
-    if (result.ok()) {
-      if (data_plane_ != nullptr) data_plane_->NotifyPublished();
-      log_->info("{}", DescribePublish(*result));
-      if (!result->persist_status.ok()) {
-        log_->error(
-            "version {} is served from memory but its baseline was NOT persisted (a restart "
-            "falls back to the previous persisted version): {}",
-            result->version, result->persist_status.ToString());
-      }
-    } else {
-      log_->error("version {} from {} failed: {}", job.version, job.source,
-                  result.status().ToString());
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      --outstanding_;
-      if (result.ok()) {
-        published_version_ = std::max(published_version_, result->version);
-        last_ = LastPublish{.summary = *result,
-                            .base_version = base,
-                            .finished_unix_nanos = NowUnixNanos(),
-                            .source = job.source};
-      }
-    }
-    if (job.waiter) {
-      job.waiter->result = std::move(result);
-      job.waiter->done.Notify();
-    }
-  }
-}
-
-absl::Status PublishQueue::WaitPublished(uint64_t version, absl::Time deadline,
-                                         const std::function<bool()>& cancelled) {
-  absl::MutexLock lock(&mu_);
-  struct Args {
-    PublishQueue* q;
-    uint64_t version;
-  } args{this, version};
-  const absl::Condition reached(
-      +[](Args* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return a->q->stopping_ || a->q->published_version_ >= a->version;
-      },
-      &args);
-  for (;;) {
-    const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(200));
-    if (mu_.AwaitWithDeadline(reached, slice)) break;
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("version ", version, " not reached, at version ", published_version_));
-    }
-    if (cancelled && cancelled()) {
-      return absl::CancelledError(absl::StrCat("wait for version ", version, " cancelled"));
-    }
-  }
-  if (published_version_ >= version) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("publisher shutting down while waiting for version ",
-                                             version, " (at version ", published_version_, ")"));
-}
-
-std::optional<LastPublish> PublishQueue::last_publish() const {
-  absl::MutexLock lock(&mu_);
-  return last_;
-}
-
-uint64_t PublishQueue::published_version() const {
-  absl::MutexLock lock(&mu_);
-  return published_version_;
-}
 
 // ---- PublisherControl ---------------------------------------------------------------------------
 
@@ -386,14 +115,22 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   h->set_budget_bytes(options_.history_budget_bytes);
   const int64_t uptime = absl::ToInt64Milliseconds(absl::Now() - options_.started);
   r.set_uptime_ms(uptime < 0 ? 0 : static_cast<uint64_t>(uptime));
+  *r.mutable_baseline() = core_->baseline_status();
+  r.set_lineage(core_->lineage());
+  *r.mutable_publish_queue() = queue_->Status();
   return r;
 }
 
-absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(const v1::PublishRequest& request) {
-  std::vector<std::string> paths(request.safetensors().begin(), request.safetensors().end());
-  std::optional<uint64_t> version;
-  if (request.has_version()) version = request.version();
-  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(version, std::move(paths)));
+absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(
+    const v1::PublishRequest& request, absl::Time rpc_deadline,
+    const std::function<bool()>& cancelled) {
+  FilesPublish publish;
+  publish.paths.assign(request.safetensors().begin(), request.safetensors().end());
+  if (request.has_version()) publish.version = request.version();
+  publish.request_id = request.request_id();
+  publish.deadline = rpc_deadline;
+  publish.cancelled = cancelled;
+  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(std::move(publish)));
   v1::PublishResponse r;
   r.set_version(s.version);
   r.set_version_digest(s.version_digest);
@@ -542,9 +279,11 @@ grpc::Status PublisherControl::Status(grpc::ServerContext*, const v1::StatusRequ
   return grpc::Status::OK;
 }
 
-grpc::Status PublisherControl::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
+grpc::Status PublisherControl::Publish(grpc::ServerContext* context,
+                                       const v1::PublishRequest* request,
                                        v1::PublishResponse* response) {
-  absl::StatusOr<v1::PublishResponse> r = DoPublish(*request);
+  absl::StatusOr<v1::PublishResponse> r =
+      DoPublish(*request, RpcDeadline(context), [context] { return context->IsCancelled(); });
   if (!r.ok()) {
     log_->warn("Publish: {}", r.status().ToString());
     return ToGrpcStatus(r.status());

@@ -17,6 +17,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
+#include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
@@ -40,6 +41,7 @@ constexpr char kMetaVersion[] = "refit.version";
 constexpr char kMetaVersionDigest[] = "refit.version_digest";
 constexpr char kMetaDigests[] = "refit.digests";
 constexpr char kMetaSnapshot[] = "refit.snapshot_unix_nanos";
+constexpr char kMetaLineage[] = "refit.lineage";
 constexpr char kFormatValue[] = "1";
 
 std::string Hex64(uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); }
@@ -355,6 +357,7 @@ absl::Status EncodeOnDevices(
 v1::VersionHeader Transfer::Header() const {
   v1::VersionHeader h = plan_.Header();
   h.set_snapshot_unix_nanos(snapshot_unix_nanos_);
+  h.set_lineage(lineage_);
   return h;
 }
 
@@ -397,22 +400,79 @@ std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
 
 absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     const PublisherOptions& options) {
-  std::unique_ptr<PublisherCore> core(new PublisherCore(options));
-  if (!options.persist_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(options.persist_dir, ec);
-    if (ec || !std::filesystem::is_directory(options.persist_dir)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("persist_dir '", options.persist_dir, "': cannot create directory",
-                       ec ? absl::StrCat(": ", ec.message()) : std::string(" (not a directory)")));
-    }
-    RETURN_IF_ERROR(core->LoadPersisted());
+  if (options.persist_dir.empty()) {
+    std::unique_ptr<PublisherCore> core(new PublisherCore(options));
+    absl::MutexLock lock(&core->mu_);
+    core->lineage_ = options.lineage != 0 ? options.lineage : sync::NewLineage();
+    core->baseline_status_.set_state(v1::BASELINE_STATE_DISABLED);
+    return core;
   }
+  std::vector<std::string> removed;
+  ASSIGN_OR_RETURN(std::unique_ptr<PersistDir> dir,
+                   PersistDir::Open(options.persist_dir, &removed));
+  ASSIGN_OR_RETURN(std::unique_ptr<PublisherCore> core, OpenPersisted(options, std::move(dir)));
+  core->removed_temps_ = std::move(removed);
   return core;
 }
 
-absl::Status PublisherCore::LoadPersisted() {
-  const std::string path = BaselinePath(options_.persist_dir);
+absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
+    const PublisherOptions& options, std::unique_ptr<PersistDir> dir) {
+  const std::string path = dir->baseline_path();
+  // A malformed lineage file counts as absent: the baseline's own lineage decides.
+  absl::StatusOr<std::optional<LineageState>> recorded = dir->ReadLineage();
+  const bool has_file = recorded.ok() && recorded->has_value();
+  const LineageState file = has_file ? **recorded : LineageState{};
+  std::unique_ptr<PublisherCore> core(new PublisherCore(options));
+  uint64_t lineage = 0;
+  absl::Status loaded = core->LoadPersisted(path, &lineage);
+  if (loaded.ok() && core->newest_version() > 0 && has_file && lineage != 0 &&
+      lineage != file.lineage) {
+    loaded = absl::FailedPreconditionError(absl::StrCat(
+        "persisted baseline ", path, " belongs to ", sync::DescribeLineage(lineage), " but ",
+        dir->lineage_path(), " names ", sync::DescribeLineage(file.lineage),
+        " (a baseline of another publisher)"));
+  }
+  v1::BaselineStatus status;
+  status.set_path(path);
+  if (!loaded.ok()) {
+    absl::StatusOr<std::string> moved = dir->MoveAside(path);
+    if (!moved.ok()) {
+      return absl::Status(moved.status().code(),
+                          absl::StrCat("refused baseline (", loaded.message(),
+                                       "): ", moved.status().message()));
+    }
+    core.reset(new PublisherCore(options));
+    status.set_state(v1::BASELINE_STATE_MOVED_ASIDE);
+    status.set_load_error(std::string(loaded.message()));
+    status.set_moved_to(*moved);
+  }
+  LineageState state;
+  if (core->newest_version() > 0) {
+    status.set_state(v1::BASELINE_STATE_LOADED);
+    status.set_persisted_version(core->newest_version());
+    state.lineage = lineage != 0 ? lineage : has_file ? file.lineage : sync::NewLineage();
+    state.numbered = core->newest_version();
+    if (has_file && file.lineage == state.lineage) {
+      state.numbered = std::max(state.numbered, file.numbered);
+    }
+  } else {
+    if (status.state() == v1::BASELINE_STATE_UNSPECIFIED) status.set_state(v1::BASELINE_STATE_EMPTY);
+    state.lineage = sync::NewLineage();
+  }
+  if (absl::Status st = dir->WriteLineage(state, options.persist_fsync); !st.ok()) {
+    status.set_last_persist_error(std::string(st.message()));
+    status.set_last_persist_error_unix_nanos(UnixNanosNow());
+  }
+  absl::MutexLock lock(&core->mu_);
+  core->lineage_ = state.lineage;
+  core->numbered_ = state.numbered;
+  core->baseline_status_ = status;
+  core->dir_ = std::move(dir);
+  return core;
+}
+
+absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lineage_out) {
+  *lineage_out = 0;
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
     if (ec) return absl::FailedPreconditionError(absl::StrCat(path, ": ", ec.message()));
@@ -449,6 +509,15 @@ absl::Status PublisherCore::LoadPersisted() {
   }
   if (auto it = meta.find(kMetaSnapshot); it != meta.end()) {
     if (!absl::SimpleAtoi(it->second, &snapshot)) snapshot = 0;
+  }
+  if (version > sync::kMaxVersion) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaVersion, " ", version,
+                                            " is above the largest version ", sync::kMaxVersion));
+  }
+  if (auto it = meta.find(kMetaLineage); it != meta.end()) {
+    if (!ParseHex64(it->second, lineage_out) || *lineage_out == 0) {
+      return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaLineage, " '", it->second, "'"));
+    }
   }
   std::vector<std::string> digest_strs =
       digests_s.empty() ? std::vector<std::string>{} : absl::StrSplit(digests_s, ',');
@@ -534,8 +603,9 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
   {
     absl::ReaderMutexLock lock(&mu_);
     meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
+    meta[kMetaLineage] = Hex64(lineage_);
   }
-  absl::Status st = model::WriteSafetensors(BaselinePath(options_.persist_dir), refs, meta,
+  absl::Status st = model::WriteSafetensors(dir_->baseline_path(), refs, meta,
                                              options_.persist_fsync);
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
@@ -560,7 +630,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     prev_version = newest_version_;
   }
   const std::string where = absl::StrCat("publish version ", version);
-  if (version == 0) return absl::InvalidArgumentError(absl::StrCat(where, ": version 0 is reserved"));
+  RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
   if (version <= prev_version) {
     return absl::FailedPreconditionError(absl::StrCat(
         where, ": not above the newest published version ", prev_version));
@@ -666,6 +736,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     if (FindByName(next, p.spec.name()) == nullptr) ++sum.removed_tensors;
   }
 
+  RecordNumbered(version);
   {
     absl::MutexLock lock(&mu_);
     auto vdigest = history_.Add(version, std::move(updates));
@@ -688,12 +759,13 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                   counts_.end());
   }
 
-  if (!options_.persist_dir.empty()) {
+  if (dir_ != nullptr) {
     // After the commit: subscribers need not wait for the disk. A failure leaves the previous
     // baseline file in place (atomic rename) and is reported in the summary.
     const auto persist_start = Clock::now();
     sum.persist_status = Persist(version, sum.version_digest, next);
     sum.persist_micros = MicrosSince(persist_start);
+    NotePersist(version, sum.persist_status);
   }
   sum.total_micros = MicrosSince(start);
   return sum;
@@ -749,6 +821,7 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     baseline = baseline_;
     counts = counts_;
     t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
+    t->lineage_ = lineage_;
     if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) t->encode_micros_ = encode_micros_;
   }
   t->frame_bytes_ = options.frame_bytes;
@@ -818,6 +891,78 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
 uint64_t PublisherCore::newest_version() const {
   absl::ReaderMutexLock lock(&mu_);
   return newest_version_;
+}
+
+uint64_t PublisherCore::numbered_version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return std::max(numbered_, newest_version_);
+}
+
+uint64_t PublisherCore::lineage() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return lineage_;
+}
+
+v1::BaselineStatus PublisherCore::baseline_status() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return baseline_status_;
+}
+
+void PublisherCore::RecordNumbered(uint64_t version) {
+  uint64_t lineage = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (dir_ == nullptr || version <= numbered_) return;
+    lineage = lineage_;
+  }
+  absl::Status st = dir_->WriteLineage({.lineage = lineage, .numbered = version},
+                                       options_.persist_fsync);
+  absl::MutexLock lock(&mu_);
+  if (st.ok()) {
+    numbered_ = version;
+    return;
+  }
+  // The version is still published: a restart may then number it again in this lineage, which
+  // subscribers detect by its digest (DIVERGED). Reported like a failed baseline persist.
+  baseline_status_.set_last_persist_error(
+      absl::StrCat("recording version ", version, ": ", st.message()));
+  baseline_status_.set_last_persist_error_unix_nanos(UnixNanosNow());
+  baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
+}
+
+void PublisherCore::NotePersist(uint64_t version, const absl::Status& st) {
+  absl::MutexLock lock(&mu_);
+  if (st.ok()) {
+    baseline_status_.set_persisted_version(version);
+    if (numbered_ >= version) {  // the lineage file is current too
+      baseline_status_.set_state(v1::BASELINE_STATE_PERSISTED);
+      baseline_status_.clear_last_persist_error();
+      baseline_status_.clear_last_persist_error_unix_nanos();
+    }
+    return;
+  }
+  baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
+  baseline_status_.set_last_persist_error(std::string(st.message()));
+  baseline_status_.set_last_persist_error_unix_nanos(UnixNanosNow());
+}
+
+absl::Status PublisherCore::Reset(uint64_t lineage) {
+  if (dir_ != nullptr) {
+    return absl::FailedPreconditionError("a publisher with a persist_dir keeps its lineage");
+  }
+  absl::MutexLock publish_lock(&publish_mu_);
+  absl::MutexLock lock(&mu_);
+  history_.Clear();
+  newest_version_ = 0;
+  newest_digest_ = 0;
+  snapshot_unix_nanos_ = 0;
+  encode_micros_ = 0;
+  baseline_.clear();
+  counts_.clear();
+  gpu_baseline_.clear();
+  lineage_ = lineage != 0 ? lineage : sync::NewLineage();
+  numbered_ = 0;
+  return absl::OkStatus();
 }
 
 uint64_t PublisherCore::newest_version_digest() const {

@@ -24,8 +24,10 @@
 #include "absl/synchronization/mutex.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/publisher/persist_dir.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
+#include "refit/v1/control.pb.h"
 #include "refit/v1/data.pb.h"
 
 namespace refit::publisher {
@@ -69,6 +71,9 @@ struct PublisherOptions {
   std::string persist_dir;
   // fsync the persisted baseline and its directory (config baseline.fsync).
   bool persist_fsync = true;
+  // Without persist_dir: the lineage (data.proto "Versions and lineage"); 0 = a random one.
+  // With persist_dir the lineage comes from there (or is new when no baseline is persisted).
+  uint64_t lineage = 0;
   // GPU encoding (config codec.device cuda, or auto with a usable GPU): host tensors are
   // uploaded to this device and every tensor is encoded and digested by its device's kernels.
   // Null: the CPU codec. Must outlive the core.
@@ -175,6 +180,7 @@ class Transfer {
   uint64_t changed_elements_ = 0;
   uint64_t total_elements_ = 0;
   uint64_t encode_micros_ = 0;
+  uint64_t lineage_ = 0;
 };
 
 // Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
@@ -204,17 +210,22 @@ class Transfer {
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
 class PublisherCore {
  public:
-  // Creates a core. With options.persist_dir: creates the directory if missing; if it holds a
-  // persisted baseline, reloads it (verifying every tensor digest and the version digest) and
-  // records that version in the history (without patches), so subscribers at it get deltas of
-  // the next version. A corrupt or inconsistent baseline is an error (DataLoss /
-  // FailedPrecondition naming file and tensor); only a missing baseline file starts empty.
+  // Creates a core. With options.persist_dir (PersistDir): creates the directory if missing,
+  // locks it (FailedPrecondition naming it when another publisher holds it), removes stale
+  // temporary files; if it holds a persisted baseline, reloads it (verifying every tensor digest
+  // and the version digest) and records that version in the history (without patches), so
+  // subscribers at it get deltas of the next version, and keeps its lineage. A corrupt baseline,
+  // or one of another lineage than persist_dir/lineage, is moved aside
+  // (baseline.corrupt-<unix seconds>.safetensors) and the core starts empty with a new lineage:
+  // baseline_status() says so (MOVED_ASIDE, the error, the new path). Without a baseline the
+  // lineage is new.
   static absl::StatusOr<std::unique_ptr<PublisherCore>> Open(const PublisherOptions& options);
 
   PublisherCore(const PublisherCore&) = delete;
   PublisherCore& operator=(const PublisherCore&) = delete;
 
-  // Publishes `version` (> every published version, > 0) made of `tensors` (names unique,
+  // Publishes `version` (> every version numbered so far, <= sync::kMaxVersion) made of
+  // `tensors` (names unique,
   // non-empty list, sizes matching dtype and shape). Returns once the snapshot is taken, the
   // patches encoded, the history updated and (with persistence) the baseline written. On error
   // nothing changes. A failed persist is not an error of Publish: see
@@ -233,12 +244,29 @@ class PublisherCore {
       const TransferOptions& options = {}) const;
 
   uint64_t newest_version() const;         // 0 when nothing is published
+  // The highest version ever numbered in this lineage (>= newest_version(): with persistence,
+  // versions published before a restart whose baseline was not persisted count too).
+  uint64_t numbered_version() const;
+  // The lineage (non-zero).
+  uint64_t lineage() const;
+  // The persisted baseline: state, path, why it was moved aside at start, the last persist
+  // error (persistence of the baseline or of the lineage file).
+  v1::BaselineStatus baseline_status() const;
+  // Temporary files of interrupted writes removed from persist_dir at Open.
+  const std::vector<std::string>& removed_temp_files() const { return removed_temps_; }
+  // Without persistence only (a subscriber serving peers whose upstream changed lineage):
+  // forgets every version and takes `lineage`. FailedPrecondition with a persist_dir.
+  absl::Status Reset(uint64_t lineage);
   uint64_t newest_version_digest() const;  // 0 when nothing is published
   // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
   uint64_t newest_snapshot_unix_nanos() const;
   // The newest version's tensors, name order.
   std::vector<BaselineTensor> Baseline() const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }
+  // Version digest of a version the history still holds (NotFound otherwise).
+  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const {
+    return history_.VersionDigestOf(version);
+  }
 
   // Where the baseline is persisted (persist_dir/baseline.safetensors).
   static std::string BaselinePath(const std::string& persist_dir);
@@ -247,9 +275,18 @@ class PublisherCore {
   explicit PublisherCore(const PublisherOptions& options);
   absl::Status Persist(uint64_t version, uint64_t version_digest,
                        const std::vector<BaselineTensor>& tensors) const;
-  absl::Status LoadPersisted();
+  // Loads `path` (absent: OK, nothing loaded); *lineage = its refit.lineage (0 when absent).
+  absl::Status LoadPersisted(const std::string& path, uint64_t* lineage);
+  // Open with persist_dir: the baseline and lineage from `dir`.
+  static absl::StatusOr<std::unique_ptr<PublisherCore>> OpenPersisted(
+      const PublisherOptions& options, std::unique_ptr<PersistDir> dir);
+  // Publish: the lineage file records `version` before it becomes visible.
+  void RecordNumbered(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
+  void NotePersist(uint64_t version, const absl::Status& st);
 
   const PublisherOptions options_;
+  std::unique_ptr<PersistDir> dir_;  // with persist_dir
+  std::vector<std::string> removed_temps_;
   sync::PatchHistory history_;
   absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serialises Publish
   mutable absl::Mutex mu_;
@@ -258,6 +295,9 @@ class PublisherCore {
   uint64_t snapshot_unix_nanos_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t encode_micros_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // name order
+  uint64_t lineage_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable v1::BaselineStatus baseline_status_ ABSL_GUARDED_BY(mu_);
   // Encoder changed-element counts per retained version and tensor (for VersionEnd).
   struct VersionCounts {
     uint64_t version = 0;

@@ -18,6 +18,7 @@
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
+#include "daemon/sync/versions.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -611,19 +612,39 @@ TEST(PublisherCoreTest, RestartWithPersistedBaselineServesDeltas) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(PublisherCoreTest, CorruptPersistedBaselineIsAnError) {
+// The refused file is moved aside, the core starts empty with a new lineage and says why.
+void ExpectMovedAside(const PublisherOptions& po, const std::string& path, uint64_t old_lineage,
+                      const std::string& why) {
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ((*core)->newest_version(), 0u);
+  EXPECT_NE((*core)->lineage(), old_lineage);
+  const v1::BaselineStatus b = (*core)->baseline_status();
+  EXPECT_EQ(b.state(), v1::BASELINE_STATE_MOVED_ASIDE);
+  EXPECT_THAT(b.load_error(), HasSubstr(why));
+  EXPECT_THAT(b.load_error(), HasSubstr(path));
+  EXPECT_THAT(b.moved_to(), HasSubstr("baseline.corrupt-"));
+  EXPECT_TRUE(std::filesystem::exists(b.moved_to())) << b.moved_to();
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST(PublisherCoreTest, CorruptPersistedBaselineIsMovedAside) {
   const std::string dir = TempDir("corrupt");
   PublisherOptions po;
   po.persist_dir = dir;
   std::mt19937_64 rng(9);
   Model model;
   Step(model, 1, rng);
-  {
-    auto core = PublisherCore::Open(po);
-    ASSERT_TRUE(core.ok());
-    ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
-  }
+  uint64_t lineage = 0;
   const std::string path = PublisherCore::BaselinePath(dir);
+  auto publish = [&] {
+    auto core = PublisherCore::Open(po);
+    ASSERT_TRUE(core.ok()) << core.status();
+    ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
+    EXPECT_EQ((*core)->baseline_status().state(), v1::BASELINE_STATE_PERSISTED);
+    lineage = (*core)->lineage();
+  };
+  ASSERT_NO_FATAL_FAILURE(publish());
   const auto size = std::filesystem::file_size(path);
   {
     // Flip a byte near the end of the data region (inside the last tensor).
@@ -635,17 +656,12 @@ TEST(PublisherCoreTest, CorruptPersistedBaselineIsAnError) {
     f.seekp(static_cast<std::streamoff>(size - 3));
     f.write(&c, 1);
   }
-  auto bad = PublisherCore::Open(po);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("digest"));
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr(path));
+  ASSERT_NO_FATAL_FAILURE(ExpectMovedAside(po, path, lineage, "digest"));
 
   // Truncated / garbage file.
+  ASSERT_NO_FATAL_FAILURE(publish());
   std::filesystem::resize_file(path, 10);
-  auto garbage = PublisherCore::Open(po);
-  ASSERT_FALSE(garbage.ok());
-  EXPECT_THAT(std::string(garbage.status().message()), HasSubstr("persisted baseline"));
+  ASSERT_NO_FATAL_FAILURE(ExpectMovedAside(po, path, lineage, "persisted baseline"));
 
   // A valid safetensors file without refit metadata.
   std::vector<model::SafetensorsTensorRef> refs(1);
@@ -654,10 +670,79 @@ TEST(PublisherCoreTest, CorruptPersistedBaselineIsAnError) {
   std::vector<uint8_t> data(8);
   refs[0].data = data;
   ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
-  auto nometa = PublisherCore::Open(po);
-  ASSERT_FALSE(nometa.ok());
-  EXPECT_THAT(std::string(nometa.status().message()), HasSubstr("refit.format"));
+  ASSERT_NO_FATAL_FAILURE(ExpectMovedAside(po, path, lineage, "refit.format"));
   std::filesystem::remove_all(dir);
+}
+
+TEST(PublisherCoreTest, LineageAndNumberingSurviveARestart) {
+  const std::string dir = TempDir("lineage");
+  PublisherOptions po;
+  po.persist_dir = dir;
+  std::mt19937_64 rng(3);
+  Model model;
+  const std::string path = PublisherCore::BaselinePath(dir);
+  const std::string saved = path + ".v1";
+  uint64_t lineage = 0;
+  {
+    auto core = PublisherCore::Open(po);
+    ASSERT_TRUE(core.ok()) << core.status();
+    EXPECT_EQ((*core)->baseline_status().state(), v1::BASELINE_STATE_EMPTY);
+    lineage = (*core)->lineage();
+    EXPECT_NE(lineage, 0u);
+    for (uint64_t v = 1; v <= 3; ++v) {
+      Step(model, v, rng);
+      ASSERT_TRUE((*core)->Publish(v, Inputs(model)).ok());
+      if (v == 1) std::filesystem::copy_file(path, saved);
+    }
+    // Above the bound: refused, nothing changes.
+    Step(model, 4, rng);
+    auto huge = (*core)->Publish(sync::kMaxVersion + 1, Inputs(model));
+    EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*core)->newest_version(), 3u);
+  }
+  // A restart after versions 2 and 3 were served but not persisted (killed before the rename).
+  std::filesystem::rename(saved, path);
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ((*core)->newest_version(), 1u);
+  EXPECT_EQ((*core)->lineage(), lineage) << "the lineage is kept with the baseline";
+  EXPECT_EQ((*core)->numbered_version(), 3u) << "versions 2 and 3 are never numbered again";
+  EXPECT_EQ((*core)->baseline_status().state(), v1::BASELINE_STATE_LOADED);
+
+  // Without a baseline: a new lineage, numbering from scratch.
+  core->reset();
+  std::filesystem::remove(path);
+  auto fresh = PublisherCore::Open(po);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_NE((*fresh)->lineage(), lineage);
+  EXPECT_EQ((*fresh)->numbered_version(), 0u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PublisherCoreTest, BaselineOfAnotherLineageIsMovedAside) {
+  const std::string dir = TempDir("foreign");
+  const std::string other = TempDir("foreign-other");
+  std::mt19937_64 rng(4);
+  Model model;
+  Step(model, 1, rng);
+  PublisherOptions po;
+  po.persist_dir = dir;
+  PublisherOptions po_other;
+  po_other.persist_dir = other;
+  uint64_t lineage = 0;
+  for (const PublisherOptions* p : {&po, &po_other}) {
+    auto core = PublisherCore::Open(*p);
+    ASSERT_TRUE(core.ok()) << core.status();
+    ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
+    if (p == &po) lineage = (*core)->lineage();
+  }
+  // Another publisher's baseline copied into this persist_dir.
+  std::filesystem::copy_file(PublisherCore::BaselinePath(other), PublisherCore::BaselinePath(dir),
+                             std::filesystem::copy_options::overwrite_existing);
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectMovedAside(po, PublisherCore::BaselinePath(dir), lineage, "another publisher"));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(other);
 }
 
 }  // namespace

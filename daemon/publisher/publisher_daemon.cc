@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <utility>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
+#include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
@@ -110,6 +112,39 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
   return *device;
 }
 
+// Test hook: see PublishQueueOptions::stall_file.
+constexpr char kStallHookEnv[] = "REFITD_TEST_HOOK_STALL_PUBLISH";
+
+// What Open found in persist_dir, loudly when something was wrong.
+void LogBaseline(const PublisherCore& core, spdlog::logger& log) {
+  for (const std::string& f : core.removed_temp_files()) {
+    log.warn("removed the stale temporary file \"{}\" of an interrupted write", f);
+  }
+  const v1::BaselineStatus b = core.baseline_status();
+  switch (b.state()) {
+    case v1::BASELINE_STATE_LOADED:
+      log.info("baseline version {} reloaded from \"{}\" ({})", core.newest_version(), b.path(),
+               sync::DescribeLineage(core.lineage()));
+      break;
+    case v1::BASELINE_STATE_MOVED_ASIDE:
+      log.error("persisted baseline \"{}\" REFUSED and moved aside to \"{}\": {}; starting "
+                "without it as new {} (subscribers get keyframes)",
+                b.path(), b.moved_to(), b.load_error(), sync::DescribeLineage(core.lineage()));
+      break;
+    case v1::BASELINE_STATE_EMPTY:
+      log.info("no persisted baseline in \"{}\": new {}", b.path(),
+               sync::DescribeLineage(core.lineage()));
+      break;
+    default:
+      log.info("no baseline persistence: {}", sync::DescribeLineage(core.lineage()));
+      break;
+  }
+  if (!b.last_persist_error().empty()) {
+    log.error("persist_dir: {} (versions published before a restart may be renumbered)",
+              b.last_persist_error());
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
@@ -150,10 +185,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
                                      "\": ", core.status().message()));
   }
   daemon->core_ = std::move(*core);
-  if (daemon->core_->newest_version() > 0) {
-    daemon->log_->info("baseline version {} reloaded from \"{}\"",
-                       daemon->core_->newest_version(), options.persist_dir);
-  }
+  LogBaseline(*daemon->core_, *daemon->log_);
 
   const v1::PublisherTransport& transport = config.transport();
   DataPlaneOptions dp;
@@ -163,8 +195,15 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   dp.max_subscribers = transport.max_subscribers();
   dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
   daemon->data_plane_ = std::make_unique<DataPlaneService>(daemon->core_.get(), dp);
-  daemon->queue_ =
-      std::make_unique<PublishQueue>(daemon->core_.get(), daemon->data_plane_.get());
+  PublishQueueOptions queue_options;
+  queue_options.max_pending = config.publish_queue().max_pending();
+  if (const char* hook = std::getenv(kStallHookEnv); hook != nullptr && hook[0] != '\0') {
+    queue_options.stall_file = hook;
+    daemon->log_->warn("test hook {}={}: publishes stall while that file exists", kStallHookEnv,
+                       hook);
+  }
+  daemon->queue_ = std::make_unique<PublishQueue>(daemon->core_.get(),
+                                                  daemon->data_plane_.get(), queue_options);
   daemon->control_service_ = std::make_unique<PublisherControl>(
       daemon->core_.get(), daemon->data_plane_.get(), daemon->queue_.get(),
       ControlOptions{.name = name,

@@ -50,6 +50,7 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   const VersionRecord applied = core_->applied_record();
   response->set_version(applied.version);
   response->set_version_digest(applied.version_digest);
+  response->set_lineage(core_->applied_lineage());
   if (std::shared_ptr<store::SlottedStore> st = core_->store(); st != nullptr) {
     uint64_t bytes = 0;
     for (const store::TensorInfo& ti : st->layout().tensors()) bytes += ti.size_bytes;

@@ -12,6 +12,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
+#include "daemon/sync/versions.h"
 
 namespace refit::subscriber {
 
@@ -23,6 +24,8 @@ struct SubscriberCore::Transfer {
   std::vector<size_t> layout_index;  // header index -> index in target->layout()
   std::shared_ptr<store::SlottedStore> target;  // the store staged into
   bool new_generation = false;
+  // The header's lineage differs from the applied version's (keyframes into a new generation).
+  bool lineage_change = false;
   // New generation with bases: a lease on the old store's applied version, and for each header
   // index the old layout index of its base (UNCHANGED / PATCH only).
   std::shared_ptr<store::SlottedStore> old_store;
@@ -131,10 +134,10 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
                      transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
   }
   if (v == 0) return absl::InvalidArgumentError("header: version 0 is not a valid target");
-  if (v <= applied) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header for version ", v, " is not above the applied version ", applied,
-                     " (a version is never applied twice)"));
+  if (v > sync::kMaxVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("header for version ", v,
+                                                   ": above the largest version ",
+                                                   sync::kMaxVersion));
   }
   if (header.tensors_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("header for version ", v, " lists no tensors"));
@@ -142,6 +145,20 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   bool all_keyframes = true;
   for (const v1::TensorPlan& tp : header.tensors()) {
     all_keyframes = all_keyframes && tp.delivery() == v1::DELIVERY_KEYFRAME;
+  }
+  // Another lineage: version numbers are not comparable, so a lower one is accepted, but only
+  // as a full keyframe into a new store generation (data.proto "Versions and lineage").
+  const bool lineage_change = applied != 0 && header.lineage() != applied_lineage();
+  if (lineage_change && !(base == 0 && all_keyframes)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, " of ", sync::DescribeLineage(header.lineage()),
+        " has base version ", base, " but the applied version ", applied, " is of ",
+        sync::DescribeLineage(applied_lineage()), " (a lineage change needs keyframes)"));
+  }
+  if (v <= applied && !lineage_change) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, " is not above the applied version ", applied,
+                     " (a version is never applied twice)"));
   }
   if (base != applied && !(base == 0 && all_keyframes)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -152,6 +169,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   auto t = std::make_unique<Transfer>();
   t->header = header;
   t->start = absl::Now();
+  t->lineage_change = lineage_change;
   const size_t n = static_cast<size_t>(header.tensors_size());
   std::vector<v1::TensorSpec> specs;
   specs.reserve(n);
@@ -227,7 +245,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   }
 
   // Target store: the current one when the manifest is unchanged, else a new generation.
-  if (store_ != nullptr && store_->layout().SameManifest(*layout)) {
+  if (store_ != nullptr && !lineage_change && store_->layout().SameManifest(*layout)) {
     t->target = store_;
   } else {
     auto created = CreateStoreLocked(*layout);
@@ -505,8 +523,10 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
     d.set_digest(digests[i]);
     applied_tensors_.push_back(std::move(d));
   }
+  if (t.lineage_change) records_.clear();  // numbers of the old lineage mean nothing now
   records_.push_back({v, *vdigest, applied_tensors_});
   applied_digest_.store(*vdigest, std::memory_order_release);
+  applied_lineage_.store(t.header.lineage(), std::memory_order_release);
   applied_version_.store(v, std::memory_order_release);
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;

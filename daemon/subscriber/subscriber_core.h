@@ -100,7 +100,8 @@ class SubscriberCore {
   SubscriberCore& operator=(const SubscriberCore&) = delete;
 
   // Starts a transfer. FAILED_PRECONDITION: a transfer is already open (call Abort first), the
-  // target is not above the applied version, or the base is neither the applied version nor 0
+  // target is not above the applied version (unless header.lineage differs from the applied
+  // version's: then every tensor must be a keyframe, staged into a new generation), or the base is neither the applied version nor 0
   // (keyframe-only) -- the double-apply guard; a tensor delivered UNCHANGED/PATCH has no base
   // of the same name, dtype and shape. INVALID_ARGUMENT: malformed header (manifest, delivery,
   // patch chain). RESOURCE_EXHAUSTED: manifest above max_slot_bytes, or the store cannot be
@@ -131,6 +132,8 @@ class SubscriberCore {
   // Applied (committed) version and its version digest; 0/0 before the first commit.
   uint64_t applied_version() const { return applied_version_.load(std::memory_order_acquire); }
   uint64_t applied_digest() const { return applied_digest_.load(std::memory_order_acquire); }
+  // Lineage (VersionHeader.lineage) of the applied version; 0 before the first commit.
+  uint64_t applied_lineage() const { return applied_lineage_.load(std::memory_order_acquire); }
   // Digests of the applied version's tensors, manifest order (Hello.tensors).
   std::vector<v1::TensorDigest> applied_tensor_digests() const;
 
@@ -197,6 +200,7 @@ class SubscriberCore {
   uint32_t max_frame_bytes_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> applied_version_{0};
   std::atomic<uint64_t> applied_digest_{0};
+  std::atomic<uint64_t> applied_lineage_{0};
 };
 
 }  // namespace refit::subscriber

@@ -494,6 +494,37 @@ TEST_F(SubscriberCoreTest, WrongBaseOrOldTargetIsFailedPrecondition) {
   EXPECT_EQ(Feed(core, w34).result(), v1::ACK_RESULT_APPLIED);
 }
 
+TEST_F(SubscriberCoreTest, AnotherLineageReplacesByKeyframesEvenAtALowerVersion) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  Sync(core, 3);
+  EXPECT_EQ(core.applied_lineage(), 0u);
+  const uint64_t generation = core.generation();
+  // Version 2 of lineage 7: a patch chain is refused (its base belongs to another lineage) ...
+  Wire patch = pub_.Transfer(1, pub_.digest(1), 2);
+  patch.header.set_lineage(7);
+  absl::Status st = core.OnHeader(patch.header);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("lineage change needs keyframes"), std::string::npos) << st;
+  // ... keyframes are applied although 2 < 3, into a new store generation.
+  Wire full = pub_.Transfer(0, 0, 2);
+  full.header.set_lineage(7);
+  v1::Ack ack = Feed(core, full);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  ExpectHolds(core, pub_, 2);
+  EXPECT_EQ(core.applied_lineage(), 7u);
+  EXPECT_GT(core.generation(), generation);
+  // Within lineage 7 versions only grow again.
+  Wire lower = pub_.Transfer(0, 0, 1);
+  lower.header.set_lineage(7);
+  st = core.OnHeader(lower.header);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  Wire up = pub_.Transfer(2, pub_.digest(2), 3);
+  up.header.set_lineage(7);
+  EXPECT_EQ(Feed(core, up).result(), v1::ACK_RESULT_APPLIED);
+  ExpectHolds(core, pub_, 3);
+}
+
 TEST_F(SubscriberCoreTest, AbortMidTransferChangesNothing) {
   PublishRun(1, 2);
   SubscriberCore core(opts_);

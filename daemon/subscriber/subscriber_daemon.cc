@@ -32,6 +32,7 @@
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
+#include "daemon/sync/versions.h"
 
 namespace refit::subscriber {
 namespace {
@@ -116,7 +117,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::unique_ptr<publisher::DataPlaneService> peer_service_;
   std::thread peer_thread_;
   absl::Mutex peer_mu_;
-  uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // newest applied version
+  uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // versions applied so far
   bool peer_stop_ ABSL_GUARDED_BY(peer_mu_) = false;
 
   std::unique_ptr<Upstream> upstream_;
@@ -315,7 +316,7 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
 
   if (peer_service_ != nullptr) {
     absl::MutexLock lock(&peer_mu_);
-    peer_wanted_ = std::max(peer_wanted_, s.version());
+    ++peer_wanted_;  // counts applied versions (a lineage change may lower the number)
   }
 }
 
@@ -343,7 +344,18 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
                    core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
                                        absl::InfiniteDuration()));
   absl::Status result = absl::OkStatus();
-  if (lease.lease.version > peer_core_->newest_version()) {
+  // Peers see the upstream's lineage: a subscriber bootstrapped from a peer keeps deltas from
+  // the publisher. A lineage change upstream starts the peer core afresh.
+  if (const uint64_t lineage = core_->applied_lineage(); lineage != peer_core_->lineage()) {
+    const bool had_versions = peer_core_->newest_version() != 0;
+    result = peer_core_->Reset(lineage);
+    if (had_versions && result.ok()) {
+      log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
+                 sync::DescribeLineage(lineage));
+      peer_service_->EndSessions("the upstream changed lineage");
+    }
+  }
+  if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
     const store::Layout& layout = lease.store->layout();
     std::vector<publisher::TensorInput> inputs;
     inputs.reserve(layout.size());

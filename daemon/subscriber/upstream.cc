@@ -11,6 +11,7 @@
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/sync/transfer_stats.h"
+#include "daemon/sync/versions.h"
 #include "grpcpp/create_channel.h"
 #include "refit/v1/data.grpc.pb.h"
 
@@ -269,6 +270,7 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
   hello->set_name(options_.name);
   hello->set_version(core_->applied_version());
   hello->set_version_digest(core_->applied_digest());
+  hello->set_lineage(core_->applied_lineage());
   for (v1::TensorDigest& d : core_->applied_tensor_digests()) *hello->add_tensors() = std::move(d);
   hello->set_stripes(options_.connections > 0 ? options_.connections - 1 : 0);
   hello->set_max_frame_bytes(options_.max_frame_bytes);
@@ -335,9 +337,16 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
   *welcomed = true;
   core_->SetMaxFrameBytes(welcome.frame_bytes());
   log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes, its newest "
-             "version {}, ours {}",
+             "version {} ({}), ours {} ({})",
              target, welcome.name(), welcome.session_id(), welcome.stripes(),
-             welcome.frame_bytes(), welcome.newest_version(), core_->applied_version());
+             welcome.frame_bytes(), welcome.newest_version(),
+             sync::DescribeLineage(welcome.lineage()), core_->applied_version(),
+             sync::DescribeLineage(core_->applied_lineage()));
+  if (core_->applied_version() != 0 && welcome.lineage() != core_->applied_lineage()) {
+    log_->warn("upstream {} is of another lineage than our version {}: its versions replace "
+               "ours by keyframes, even at lower version numbers",
+               target, core_->applied_version());
+  }
   {
     absl::MutexLock lock(&mu_);
     status_.set_name(welcome.name());
@@ -498,6 +507,8 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
           }
         }
         if (!wait_error.ok()) return fail(wait_error);
+        const uint64_t prev_version = core_->applied_version();
+        const uint64_t prev_lineage = core_->applied_lineage();
         v1::Ack ack = core_->OnEnd(end);
         {
           absl::MutexLock lock(&session->mu);
@@ -524,7 +535,15 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
           status_.set_state(v1::SESSION_STATE_IDLE);
           break;
         }
+        if (prev_version != 0 && prev_lineage != core_->applied_lineage()) {
+          log_->warn("version {} of {} replaces version {} of {}: the upstream changed lineage "
+                     "(version numbers restart; this is not a rollback of the same model "
+                     "history)",
+                     end.version(), sync::DescribeLineage(core_->applied_lineage()), prev_version,
+                     sync::DescribeLineage(prev_lineage));
+        }
         AppliedEvent ev;
+        ev.lineage_changed = prev_version != 0 && prev_lineage != core_->applied_lineage();
         ev.stats = sync::TransferStats(header, end, ack.wire_bytes(), done - header_time);
         const v1::RefitStats& stats = ev.stats;
         ev.ack = ack;

@@ -69,6 +69,8 @@ struct AppliedEvent {
   std::string upstream;        // address it came from
   v1::TransferReason reason = v1::TRANSFER_REASON_UNSPECIFIED;
   uint32_t tensors = 0;        // tensors of the version
+  // The version is of another lineage than the one applied before (its number may be lower).
+  bool lineage_changed = false;
 };
 
 class Upstream {

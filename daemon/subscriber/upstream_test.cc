@@ -32,9 +32,10 @@ struct Publisher {
   std::string address;
 
   static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
-                                          uint32_t frame_bytes = 64 * 1024) {
+                                          uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
+    opts.lineage = lineage;  // 0: a random one
     opts.history_budget_bytes = history_budget;
     opts.encode_threads = 2;
     opts.digest_threads = 2;
@@ -268,10 +269,11 @@ TEST(UpstreamTest, ResyncSendsKeyframesWithTheNextVersion) {
 }
 
 TEST(UpstreamTest, BootstrapFromPeerThenPublisher) {
-  // The "peer" is another DataPlaneService fed with the versions it holds (as a subscriber that
-  // serves peers does); the late joiner takes its first version there, then switches.
+  // The "peer" is another DataPlaneService fed with the versions it holds, in the publisher's
+  // lineage (as a subscriber that serves peers does); the late joiner takes its first version
+  // there, then switches.
   auto pub = Publisher::Start();
-  auto peer = Publisher::Start();
+  auto peer = Publisher::Start(1ull << 30, 64 * 1024, pub->core->lineage());
   std::mt19937 rng(5);
   Model model = MakeModel(rng);
   for (uint64_t v = 1; v <= 3; ++v) {

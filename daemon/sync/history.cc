@@ -261,6 +261,12 @@ bool PatchHistory::Contains(uint64_t version) const {
   return FindRecord(version) != nullptr;
 }
 
+void PatchHistory::Clear() {
+  absl::MutexLock lock(&mu_);
+  records_.clear();
+  bytes_ = 0;
+}
+
 HistoryStats PatchHistory::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   HistoryStats s;

@@ -99,6 +99,8 @@ class PatchHistory {
   absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const;
   bool Contains(uint64_t version) const;
   HistoryStats Stats() const;
+  // Forgets every version (a new lineage starts from nothing).
+  void Clear();
 
  private:
   struct TensorEntry {

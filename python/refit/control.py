@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import uuid
 from typing import Iterable, Optional, Sequence, Union
 
 import grpc
@@ -152,14 +153,16 @@ class Control:
         """Role, version and digest, model size, traffic, sessions, upstream, history, leases."""
         return self._call("Status", control_pb2.StatusRequest(), self.timeout)
 
-    def publish(self, safetensors: Union[str, Sequence[str]], version: Optional[int] = None
-                ) -> "control_pb2.PublishResponse":
+    def publish(self, safetensors: Union[str, Sequence[str]], version: Optional[int] = None,
+                request_id: Optional[str] = None) -> "control_pb2.PublishResponse":
         """Publisher: publishes safetensors files (shards of one model) as a new version
-        (`version`, or newest + 1)."""
+        (`version`, or newest + 1). `request_id` (default: a random one) makes a retry of the
+        same call idempotent: the publisher answers a repeated id with the original outcome."""
         files = [safetensors] if isinstance(safetensors, (str, os.PathLike)) else list(safetensors)
         if not files:
             raise ValueError("Control.publish: no safetensors file")
-        req = control_pb2.PublishRequest(safetensors=[_abs(os.fspath(f)) for f in files])
+        req = control_pb2.PublishRequest(safetensors=[_abs(os.fspath(f)) for f in files],
+                                         request_id=request_id or uuid.uuid4().hex)
         if version is not None:
             req.version = int(version)
         return self._call("Publish", req, max(self.timeout, LONG_TIMEOUT))
