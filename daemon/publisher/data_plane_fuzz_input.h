@@ -49,7 +49,7 @@ enum WaitFor : uint8_t {
   kWaitForCount
 };
 
-inline constexpr int kWaitMillis = 200;
+inline constexpr int kWaitMillis = 100;
 inline constexpr uint16_t kMaxRawBytes = 512;
 inline constexpr int kMaxStringBytes = 16;
 

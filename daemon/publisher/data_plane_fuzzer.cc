@@ -88,7 +88,7 @@ Server& GetServer() {
     o.name = "fuzz-publisher";
     o.frame_bytes = 64 * 1024;
     o.max_streams_per_subscriber = 4;
-    o.stripe_join_timeout = absl::Milliseconds(200);
+    o.stripe_join_timeout = absl::Milliseconds(100);
     o.retry_initial = absl::Milliseconds(1);
     o.retry_max = absl::Milliseconds(4);
     s->service = std::make_unique<DataPlaneService>(&s->model->core(), o);

@@ -109,17 +109,19 @@ const Wire& PickWire(FuzzedDataProvider& in) {
   return wires[in.ConsumeIntegralInRange<uint8_t>(0, static_cast<uint8_t>(wires.size() - 1))];
 }
 
-v1::TensorPlan* PickTensor(FuzzedDataProvider& in, v1::VersionHeader& h) {
+// Index of a tensor of the header, -1 when it has none.
+int PickTensor(FuzzedDataProvider& in, const v1::VersionHeader& h) {
   const uint8_t i = in.ConsumeIntegral<uint8_t>();
-  return h.tensors_size() == 0 ? nullptr : h.mutable_tensors(i % h.tensors_size());
+  return h.tensors_size() == 0 ? -1 : i % h.tensors_size();
 }
 
 void MutateHeader(FuzzedDataProvider& in, v1::VersionHeader& h) {
   const auto m = in.ConsumeIntegralInRange<uint8_t>(0, kHeaderMutationCount - 1);
   if (m == kHeaderVersion) return h.set_version(Number(in));
   if (m == kHeaderBase) return h.set_base_version(Number(in));
-  v1::TensorPlan* t = PickTensor(in, h);
-  if (t == nullptr) return;
+  const int ti = PickTensor(in, h);
+  if (ti < 0) return;
+  v1::TensorPlan* t = h.mutable_tensors(ti);
   switch (m) {
     case kHeaderDelivery:
       t->set_delivery(static_cast<v1::Delivery>(in.ConsumeIntegralInRange<int>(0, 4)));
@@ -138,14 +140,14 @@ void MutateHeader(FuzzedDataProvider& in, v1::VersionHeader& h) {
       break;
     }
     case kHeaderDropTensor:
-      h.mutable_tensors()->erase(h.mutable_tensors()->begin() + (t - h.mutable_tensors(0)));
+      h.mutable_tensors()->erase(h.mutable_tensors()->begin() + ti);
       break;
-    case kHeaderCopyTensor: *h.add_tensors() = v1::TensorPlan(*t); break;
-    case kHeaderSwapTensors: {
-      v1::TensorPlan* u = PickTensor(in, h);
-      if (u != nullptr) t->Swap(u);
+    case kHeaderCopyTensor: {
+      const v1::TensorPlan copy = *t;
+      *h.add_tensors() = copy;
       break;
     }
+    case kHeaderSwapTensors: h.mutable_tensors()->SwapElements(ti, PickTensor(in, h)); break;
     case kHeaderStep: {
       const int k = in.ConsumeIntegralInRange<int>(0, 3);
       v1::PatchStep* s = k < t->steps_size() ? t->mutable_steps(k) : t->add_steps();
