@@ -277,6 +277,16 @@ TEST(YamlProtoTest, RequiredKeys) {
   EXPECT_TRUE(Parse("publisher: {listen: \"127.0.0.1:1\"}\n", &file).ok());
 }
 
+// Found by config_fuzzer: yaml-cpp 0.7's LoadAll never returned (allocating without bound) on a
+// stray ',' outside any collection.
+TEST(YamlProtoTest, StrayCommaIsASyntaxErrorNotAHang) {
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(",# A#"),
+                  "test.yaml:1:1: YAML syntax error: no YAML node can start here");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(","), "test.yaml:1:1: YAML syntax error");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("\n  ,\n"), "test.yaml:2:3: YAML syntax error");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("publisher: {}\n,\n"), "test.yaml:");
+}
+
 TEST(YamlProtoTest, DocumentLevelErrors) {
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(""), "test.yaml: the configuration is empty");
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("# only a comment\n"), "the configuration is empty");
