@@ -612,6 +612,17 @@ absl::Status CheckOneDocument(const std::string& yaml_text, const std::string& s
                          : ": a second YAML document; a config holds exactly one"));
 }
 
+// yaml-cpp's message for a syntax error, without file contents: "unknown escape character: "
+// ends with the character itself (a line break, a control character, ...); the location says
+// where it is. Any other control character is blanked so that the error stays one line.
+std::string ParserProblem(std::string msg) {
+  if (absl::StartsWith(msg, YAML::ErrorMsg::INVALID_ESCAPE)) msg = "unknown escape character";
+  for (char& c : msg) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
+  }
+  return msg;
+}
+
 }  // namespace
 
 const SourceMap::Location* SourceMap::Find(const std::string& path) const {
@@ -650,8 +661,9 @@ absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, Sourc
     if (e.mark.is_null()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": YAML error: ", e.msg));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", e.msg));
+    return absl::InvalidArgumentError(absl::StrCat(source, ":", e.mark.line + 1, ":",
+                                                   e.mark.column + 1, ": YAML syntax error: ",
+                                                   ParserProblem(e.msg)));
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": cannot parse YAML: ", e.what()));
   }

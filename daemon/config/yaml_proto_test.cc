@@ -287,6 +287,19 @@ TEST(YamlProtoTest, StrayCommaIsASyntaxErrorNotAHang) {
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("publisher: {}\n,\n"), "test.yaml:");
 }
 
+// Found by config_fuzzer: yaml-cpp's "unknown escape character: " message ends with the
+// character (for a NUL byte in a plain scalar, a line break), which made the error two lines and
+// quoted the file.
+TEST(YamlProtoTest, UnknownEscapeErrorIsOneLineWithoutTheCharacter) {
+  const std::string nul("publisher:\n  name: a\0\n", 22);
+  for (const std::string& text : {nul, std::string("publisher:\n  name: \"a\\\x01\"\n")}) {
+    const std::string e = ErrorOf<v1::ConfigFile>(text);
+    EXPECT_CONTAINS(e, ": YAML syntax error: unknown escape character");
+    EXPECT_EQ(e.find_first_of(std::string("\n\x01", 2)), std::string::npos) << e;
+    EXPECT_EQ(e.find("character:"), std::string::npos) << e;
+  }
+}
+
 TEST(YamlProtoTest, DocumentLevelErrors) {
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(""), "test.yaml: the configuration is empty");
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("# only a comment\n"), "the configuration is empty");
