@@ -614,13 +614,10 @@ absl::Status CheckOneDocument(const std::string& yaml_text, const std::string& s
 
 // yaml-cpp's message for a syntax error, without file contents: "unknown escape character: "
 // ends with the character itself (a line break, a control character, ...); the location says
-// where it is. Any other control character is blanked so that the error stays one line.
-std::string ParserProblem(std::string msg) {
-  if (absl::StartsWith(msg, YAML::ErrorMsg::INVALID_ESCAPE)) msg = "unknown escape character";
-  for (char& c : msg) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
-  }
-  return msg;
+// where it is.
+std::string ParserProblem(const std::string& msg) {
+  if (absl::StartsWith(msg, YAML::ErrorMsg::INVALID_ESCAPE)) return "unknown escape character";
+  return OneLine(msg);
 }
 
 }  // namespace
@@ -643,6 +640,19 @@ std::string SourceMap::Prefix(const std::string& path) const {
   return absl::StrCat(source_name_, ": ");
 }
 
+std::string OneLine(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, SourceMap* source_map) {
   const std::string& source = source_map->source_name();
   if (yaml_text.size() > kMaxConfigBytes) {
@@ -656,7 +666,8 @@ absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, Sourc
       return absl::InvalidArgumentError(absl::StrCat(source, ": the configuration is empty"));
     }
     Walker walker(source_map);
-    return walker.MapMessage(doc, message, "");
+    const absl::Status st = walker.MapMessage(doc, message, "");
+    return st.ok() ? st : absl::Status(st.code(), OneLine(st.message()));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": YAML error: ", e.msg));

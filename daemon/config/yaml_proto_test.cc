@@ -300,6 +300,17 @@ TEST(YamlProtoTest, UnknownEscapeErrorIsOneLineWithoutTheCharacter) {
   }
 }
 
+// Found by config_fuzzer: a key with a control character in it (yaml-cpp reads a NUL byte and
+// the next character of a key as a line break) went into the error's field path as it was, so
+// the error had two lines.
+TEST(YamlProtoTest, ControlCharactersInKeysAreEscapedInErrors) {
+  const std::string e = ErrorOf<v1::ConfigFile>(std::string("publisher:\n  \0name: x\n", 22));
+  EXPECT_CONTAINS(e, "test.yaml:2:3: publisher.");
+  EXPECT_CONTAINS(e, "unknown key");
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  EXPECT_EQ(OneLine("a\nb\x7f\tc"), "a\\x0ab\\x7f\\x09c");
+}
+
 TEST(YamlProtoTest, DocumentLevelErrors) {
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(""), "test.yaml: the configuration is empty");
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("# only a comment\n"), "the configuration is empty");
