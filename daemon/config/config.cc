@@ -27,8 +27,8 @@ class Checker {
   explicit Checker(const SourceMap* map) : map_(map) {}
 
   absl::Status Fail(const std::string& path, absl::string_view what) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(map_ != nullptr ? map_->Prefix(path) : "", path, ": ", what));
+    return absl::InvalidArgumentError(absl::StrCat(map_ != nullptr ? map_->Prefix(path) : "",
+                                                   OneLine(absl::StrCat(path, ": ", what))));
   }
 
  private:

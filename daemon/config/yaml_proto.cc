@@ -1,5 +1,6 @@
 #include "daemon/config/yaml_proto.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <exception>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -559,6 +561,65 @@ void EmitMessage(const Message& msg, int indent, std::string* out) {
   }
 }
 
+// Where the root node of each of a stream's documents starts (the first two at most).
+class DocumentRoots : public YAML::EventHandler {
+ public:
+  const std::vector<YAML::Mark>& roots() const { return roots_; }
+
+  void OnDocumentStart(const YAML::Mark&) override { root_seen_ = false; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark& mark, YAML::anchor_t) override { Node(mark); }
+  void OnAlias(const YAML::Mark& mark, YAML::anchor_t) override { Node(mark); }
+  void OnScalar(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                const std::string&) override {
+    Node(mark);
+  }
+  void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {
+    Node(mark);
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {
+    Node(mark);
+  }
+  void OnMapEnd() override {}
+
+ private:
+  void Node(const YAML::Mark& mark) {
+    if (!root_seen_) roots_.push_back(mark);
+    root_seen_ = true;
+  }
+  std::vector<YAML::Mark> roots_;
+  bool root_seen_ = false;
+};
+
+// A config is one YAML document. Counted with a bounded loop rather than YAML::LoadAll, which in
+// yaml-cpp 0.7 loops forever, allocating, on a stray ',' (the parser returns the same empty
+// document again and again without consuming it: yaml-cpp issue 1040). May throw YAML::Exception.
+absl::Status CheckOneDocument(const std::string& yaml_text, const std::string& source) {
+  std::istringstream in(yaml_text);
+  YAML::Parser parser(in);
+  DocumentRoots docs;
+  while (docs.roots().size() < 2 && parser.HandleNextDocument(docs)) {
+  }
+  if (docs.roots().size() < 2) return absl::OkStatus();
+  const YAML::Mark& second = docs.roots()[1];
+  const bool stuck = second.pos == docs.roots()[0].pos;  // no input consumed: not YAML
+  return absl::InvalidArgumentError(
+      absl::StrCat(source, ":", second.line + 1, ":", second.column + 1,
+                   stuck ? ": YAML syntax error: no YAML node can start here"
+                         : ": a second YAML document; a config holds exactly one"));
+}
+
+// yaml-cpp's message for a syntax error, without file contents: "unknown escape character: "
+// ends with the character itself (a line break, a control character, ...); the location says
+// where it is.
+std::string ParserProblem(const std::string& msg) {
+  if (absl::StartsWith(msg, YAML::ErrorMsg::INVALID_ESCAPE)) return "unknown escape character";
+  return OneLine(msg);
+}
+
 }  // namespace
 
 const SourceMap::Location* SourceMap::Find(const std::string& path) const {
@@ -579,6 +640,19 @@ std::string SourceMap::Prefix(const std::string& path) const {
   return absl::StrCat(source_name_, ": ");
 }
 
+std::string OneLine(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, SourceMap* source_map) {
   const std::string& source = source_map->source_name();
   if (yaml_text.size() > kMaxConfigBytes) {
@@ -586,24 +660,21 @@ absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, Sourc
         source, ": ", yaml_text.size(), " bytes; a config may be at most ", kMaxConfigBytes));
   }
   try {
-    const std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text);
-    if (docs.empty() || docs[0].IsNull()) {
+    RETURN_IF_ERROR(CheckOneDocument(yaml_text, source));
+    const YAML::Node doc = YAML::Load(yaml_text);
+    if (doc.IsNull()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": the configuration is empty"));
     }
-    if (docs.size() > 1) {
-      const SourceMap::Location loc = LocationOf(docs[1]);
-      return absl::InvalidArgumentError(absl::StrCat(source, ":", loc.line, ":", loc.column,
-                                                     ": a second YAML document; a config holds "
-                                                     "exactly one"));
-    }
     Walker walker(source_map);
-    return walker.MapMessage(docs[0], message, "");
+    const absl::Status st = walker.MapMessage(doc, message, "");
+    return st.ok() ? st : absl::Status(st.code(), OneLine(st.message()));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": YAML error: ", e.msg));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": YAML syntax error: ", e.msg));
+    return absl::InvalidArgumentError(absl::StrCat(source, ":", e.mark.line + 1, ":",
+                                                   e.mark.column + 1, ": YAML syntax error: ",
+                                                   ParserProblem(e.msg)));
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": cannot parse YAML: ", e.what()));
   }

@@ -277,6 +277,40 @@ TEST(YamlProtoTest, RequiredKeys) {
   EXPECT_TRUE(Parse("publisher: {listen: \"127.0.0.1:1\"}\n", &file).ok());
 }
 
+// Found by config_fuzzer: yaml-cpp 0.7's LoadAll never returned (allocating without bound) on a
+// stray ',' outside any collection.
+TEST(YamlProtoTest, StrayCommaIsASyntaxErrorNotAHang) {
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(",# A#"),
+                  "test.yaml:1:1: YAML syntax error: no YAML node can start here");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(","), "test.yaml:1:1: YAML syntax error");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("\n  ,\n"), "test.yaml:2:3: YAML syntax error");
+  EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("publisher: {}\n,\n"), "test.yaml:");
+}
+
+// Found by config_fuzzer: yaml-cpp's "unknown escape character: " message ends with the
+// character (for a NUL byte in a plain scalar, a line break), which made the error two lines and
+// quoted the file.
+TEST(YamlProtoTest, UnknownEscapeErrorIsOneLineWithoutTheCharacter) {
+  const std::string nul("publisher:\n  name: a\0\n", 22);
+  for (const std::string& text : {nul, std::string("publisher:\n  name: \"a\\\x01\"\n")}) {
+    const std::string e = ErrorOf<v1::ConfigFile>(text);
+    EXPECT_CONTAINS(e, ": YAML syntax error: unknown escape character");
+    EXPECT_EQ(e.find_first_of(std::string("\n\x01", 2)), std::string::npos) << e;
+    EXPECT_EQ(e.find("character:"), std::string::npos) << e;
+  }
+}
+
+// Found by config_fuzzer: a key with a control character in it (yaml-cpp reads a NUL byte and
+// the next character of a key as a line break) went into the error's field path as it was, so
+// the error had two lines.
+TEST(YamlProtoTest, ControlCharactersInKeysAreEscapedInErrors) {
+  const std::string e = ErrorOf<v1::ConfigFile>(std::string("publisher:\n  \0name: x\n", 22));
+  EXPECT_CONTAINS(e, "test.yaml:2:3: publisher.");
+  EXPECT_CONTAINS(e, "unknown key");
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  EXPECT_EQ(OneLine("a\nb\x7f\tc"), "a\\x0ab\\x7f\\x09c");
+}
+
 TEST(YamlProtoTest, DocumentLevelErrors) {
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>(""), "test.yaml: the configuration is empty");
   EXPECT_CONTAINS(ErrorOf<v1::ConfigFile>("# only a comment\n"), "the configuration is empty");
