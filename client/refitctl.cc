@@ -22,6 +22,7 @@
 #include "daemon/config/address.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
+#include "daemon/config/tls_material.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -696,10 +697,17 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
         "--insecure to connect in plaintext"));
   }
   if (config::UsesTls(tls)) {
-    // Read here too so that errors name the flags.
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.cert(), "--tls-cert").status());
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.key(), "--tls-key").status());
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.ca(), "--tls-ca").status());
+    // Read and checked here too so that errors name the flags.
+    ASSIGN_OR_RETURN(const std::string cert, config::ReadSmallFile(tls.cert(), "--tls-cert"));
+    ASSIGN_OR_RETURN(const std::string key, config::ReadSmallFile(tls.key(), "--tls-key"));
+    ASSIGN_OR_RETURN(const std::string ca, config::ReadSmallFile(tls.ca(), "--tls-ca"));
+    auto named = [](const char* flag, const std::string& path) {
+      return absl::StrCat(flag, " \"", path, "\"");
+    };
+    RETURN_IF_ERROR(config::CheckTlsMaterialNamed(cert, key, ca, named("--tls-cert", tls.cert()),
+                                                  named("--tls-key", tls.key()),
+                                                  named("--tls-ca", tls.ca()))
+                        .status());
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
                    config::MakeChannelCredentials(tls, "tls"));

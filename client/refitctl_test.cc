@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -28,6 +29,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 using Result = refit::testing::CtlResult;
@@ -116,6 +118,23 @@ TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << what << "\n" << r.err;
     EXPECT_EQ(r.out, "") << what;
   }
+}
+
+// A --tls-cert that is not a certificate is named as such (gRPC alone said "empty address
+// list"), before any connection.
+TEST(RefitctlUsage, NonCertificateTlsFilesAreNamed) {
+  const std::string dir = testing::TempDir();
+  const std::string junk = absl::StrCat(dir, "refitctl_test_junk_", getpid(), ".pem");
+  { std::ofstream(junk) << "hello, not a certificate\n"; }
+  Result r = RunCtl({"--target", "10.1.2.3:7400", "--tls-cert", junk, "--tls-key", junk,
+                     "--tls-ca", junk, "status"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--tls-cert \"", junk,
+                                            "\" is not a PEM certificate: no \"-----BEGIN "
+                                            "CERTIFICATE-----\" block")));
+  EXPECT_THAT(r.err, Not(HasSubstr("empty address list")));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  std::filesystem::remove(junk);
 }
 
 TEST(RefitctlRpc, ClosedPortIsUnavailableExitOne) {

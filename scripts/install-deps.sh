@@ -12,6 +12,7 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-pytest python3-setuptools
   openssl iproute2
+  libssl-dev                          # libcrypto: refitd checks TLS files itself (README)
 )
 
 SUDO=""

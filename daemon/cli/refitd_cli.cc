@@ -1,5 +1,6 @@
 #include "daemon/cli/refitd_cli.h"
 
+#include <csignal>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -40,8 +41,9 @@ options:
   --help             this text
   --version          print the version
 
-Runs until SIGTERM, SIGINT or SIGHUP, then shuts down cleanly. Exit codes: 0 ok, 1 the daemon
-failed to start, 2 bad arguments or config.
+Runs until SIGTERM or SIGINT, then shuts down cleanly; SIGHUP checks the TLS files at once
+(certificate rotation; see tls.reload_interval_ms). Exit codes: 0 ok, 1 the daemon failed to
+start, 2 bad arguments or config.
 )";
 
 constexpr char kPublisherUsage[] =
@@ -165,7 +167,12 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
             OrDash((*daemon)->listen_address(), "-"),
             OrDash((*daemon)->control_address(), "on listen"),
             OrDash((*daemon)->local_address(), "-"));
-  const int sig = WaitForShutdownSignal();
+  int sig = WaitForShutdownSignal();
+  for (; sig == SIGHUP; sig = WaitForShutdownSignal()) {  // SIGHUP = reload TLS material
+    absl::Status reloaded = (*daemon)->ReloadTls();
+    log->info("SIGHUP received: TLS files checked{}",
+              reloaded.ok() ? "" : absl::StrCat(" (kept the loaded material: ", reloaded.message(), ")"));
+  }
   log->info("{} received: shutting down", strsignal(sig));
   (*daemon)->Shutdown();
   daemon->reset();

@@ -23,6 +23,9 @@
 
 namespace refit::config {
 
+// Longest config `name` (bytes of UTF-8).
+inline constexpr size_t kMaxNameBytes = 128;
+
 // Reads `path` and returns its `publisher:` (resp. `subscriber:`) section with defaults filled
 // and every rule checked. The other role's section, if present, is checked against the schema
 // only.

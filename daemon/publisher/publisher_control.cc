@@ -386,6 +386,9 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   h->set_budget_bytes(options_.history_budget_bytes);
   const int64_t uptime = absl::ToInt64Milliseconds(absl::Now() - options_.started);
   r.set_uptime_ms(uptime < 0 ? 0 : static_cast<uint64_t>(uptime));
+  if (options_.tls_status) {
+    for (v1::TlsMaterialStatus& t : options_.tls_status()) *r.add_tls() = std::move(t);
+  }
   return r;
 }
 
