@@ -123,7 +123,7 @@ TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
 // A --tls-cert that is not a certificate is named as such (gRPC alone said "empty address
 // list"), before any connection.
 TEST(RefitctlUsage, NonCertificateTlsFilesAreNamed) {
-  const std::string dir = testing::TempDir();
+  const std::string dir = ::testing::TempDir();
   const std::string junk = absl::StrCat(dir, "refitctl_test_junk_", getpid(), ".pem");
   { std::ofstream(junk) << "hello, not a certificate\n"; }
   Result r = RunCtl({"--target", "10.1.2.3:7400", "--tls-cert", junk, "--tls-key", junk,
