@@ -589,6 +589,24 @@ std::string FormatMicros(uint64_t micros) {
   return absl::StrFormat("%.2f s", micros / 1e6);
 }
 
+// Status.tls: one line per TLS block, plus its refused reload if any.
+std::string FormatTls(const v1::StatusResponse& st) {
+  if (st.tls_size() == 0) return "";
+  std::string out = "\ntls:\n";
+  for (const v1::TlsMaterialStatus& t : st.tls()) {
+    absl::StrAppend(&out, "  ", t.field(), ": ", t.subject(), ", not after ",
+                    absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                                     absl::FromUnixSeconds(t.not_after_unix_seconds()),
+                                     absl::UTCTimeZone()),
+                    ", sha256 ", t.sha256_fingerprint(), ", reloads ", t.reloads(), "\n");
+    if (!t.last_reload_error().empty()) {
+      absl::StrAppend(&out, "    last reload refused (old material kept): ", t.last_reload_error(),
+                      "\n");
+    }
+  }
+  return out;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -651,6 +669,7 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
       out += RenderTable(rows);
     }
   }
+  out += FormatTls(st);
   return out;
 }
 

@@ -400,6 +400,23 @@ TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
   EXPECT_THAT(t, ::testing::Not(HasSubstr("leases")));
 }
 
+TEST(RefitctlFormat, TlsMaterialAndRefusedReloads) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_PUBLISHER);
+  v1::TlsMaterialStatus* t = st.add_tls();
+  t->set_field("publisher.tls");
+  t->set_subject("CN=pub");
+  t->set_not_after_unix_seconds(1796083200);  // 2026-12-01T00:00:00Z
+  t->set_sha256_fingerprint("AB:CD");
+  t->set_reloads(2);
+  t->set_last_reload_error("publisher.tls.key \"/k.pem\" is not a PEM private key: ...");
+  const std::string out = FormatStatusTable(st);
+  EXPECT_THAT(out, HasSubstr("tls:\n  publisher.tls: CN=pub, not after 2026-12-01T00:00:00Z, "
+                             "sha256 AB:CD, reloads 2\n"));
+  EXPECT_THAT(out, HasSubstr("    last reload refused (old material kept): publisher.tls.key"));
+  EXPECT_THAT(FormatStatusTable(v1::StatusResponse()), Not(HasSubstr("tls:")));
+}
+
 TEST(RefitctlFormat, JsonUsesProtoFieldNames) {
   absl::StatusOr<std::string> json = FormatStatusJson(SampleSubscriberStatus());
   ASSERT_TRUE(json.ok()) << json.status();

@@ -129,7 +129,8 @@ absl::StatusOr<v1::TlsMaterialStatus> PublisherTls(const DaemonProcess& pub) {
   for (const v1::TlsMaterialStatus& t : st->tls()) {
     if (t.field() == "publisher.tls") return t;
   }
-  return absl::NotFoundError(absl::StrCat("Status.tls lacks publisher.tls: ", st->ShortDebugString()));
+  return absl::NotFoundError(
+      absl::StrCat("Status.tls lacks publisher.tls: ", st->ShortDebugString()));
 }
 
 absl::Status WaitLog(const DaemonProcess& d, const std::string& needle, int count = 1) {

@@ -169,9 +169,13 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
             OrDash((*daemon)->local_address(), "-"));
   int sig = WaitForShutdownSignal();
   for (; sig == SIGHUP; sig = WaitForShutdownSignal()) {  // SIGHUP = reload TLS material
-    absl::Status reloaded = (*daemon)->ReloadTls();
-    log->info("SIGHUP received: TLS files checked{}",
-              reloaded.ok() ? "" : absl::StrCat(" (kept the loaded material: ", reloaded.message(), ")"));
+    const absl::Status reloaded = (*daemon)->ReloadTls();
+    if (reloaded.ok()) {
+      log->info("SIGHUP received: TLS files checked");
+    } else {
+      log->warn("SIGHUP received: TLS files checked, kept the loaded material: {}",
+                std::string(reloaded.message()));
+    }
   }
   log->info("{} received: shutting down", strsignal(sig));
   (*daemon)->Shutdown();

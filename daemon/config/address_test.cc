@@ -143,7 +143,8 @@ TEST(AddressTest, AbstractUnixSocketsAreNotLoopback) {
 TEST(AddressTest, UnixSocketDirectoryProblem) {
   auto missing = ParseAddress("unix:/nonexistent-refit-dir/x.sock", AddressUse::kListen);
   ASSERT_TRUE(missing.ok());
-  EXPECT_EQ(UnixSocketDirectoryProblem(*missing), "directory /nonexistent-refit-dir does not exist");
+  EXPECT_EQ(UnixSocketDirectoryProblem(*missing),
+            "directory /nonexistent-refit-dir does not exist");
   auto file = ParseAddress("unix:/proc/self/status/x.sock", AddressUse::kListen);
   ASSERT_TRUE(file.ok());
   EXPECT_EQ(UnixSocketDirectoryProblem(*file), "/proc/self/status is not a directory");

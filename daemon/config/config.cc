@@ -90,8 +90,9 @@ absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_
     }
     if (!addr->loopback) {
       return c.Fail(addr_path, absl::StrCat(Quote(addr_text), " is not a loopback address",
-                                            NotLoopbackWhy(*addr), ", so ", tls_path, " needs cert, key and ca (mTLS), or set ",
-                                            tls_path, ".insecure: true explicitly"));
+                                            NotLoopbackWhy(*addr), ", so ", tls_path,
+                                            " needs cert, key and ca (mTLS), or set ", tls_path,
+                                            ".insecure: true explicitly"));
     }
   }
   for (int i = 0; i < tls.allowed_identities_size(); ++i) {

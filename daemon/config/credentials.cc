@@ -132,6 +132,11 @@ class ReloadableTls {
     ASSIGN_OR_RETURN(key_, MemFile::Create(m.key_pem, mtime_));
     ASSIGN_OR_RETURN(cert_, MemFile::Create(m.cert_pem, mtime_));
     ASSIGN_OR_RETURN(ca_, MemFile::Create(m.ca_pem, mtime_));
+    if (access(key_->path().c_str(), R_OK) != 0) {  // gRPC reads them by these paths
+      return absl::FailedPreconditionError(
+          absl::StrCat(files_.field, ": cannot hand TLS material to gRPC: ", key_->path(),
+                       " is not readable (is /proc mounted?)"));
+    }
     provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
         key_->path(), cert_->path(), ca_->path(), /*refresh_interval_sec=*/1);
     SetLoaded(std::move(m), /*reload=*/false);

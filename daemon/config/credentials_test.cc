@@ -360,7 +360,9 @@ TEST_F(ReloaderTest, ReloadServesNewMaterialAndKeepsTheOldOnBadFiles) {
     std::string error;
   };
   const std::vector<Bad> bad = {
-      {[&] { WriteLive("key.pem", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"); },
+      {[&] {
+         WriteLive("key.pem", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
+       },
        "publisher.tls.key \"" + live_ + "/key.pem\" is not a PEM private key"},
       {[&] { Install("server.crt", "server2.key", "ca.crt"); },
        "publisher.tls.key \"" + live_ + "/key.pem\" does not match the certificate "

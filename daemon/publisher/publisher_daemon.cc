@@ -180,7 +180,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   listen.address = config.listen();
   listen.tls = config.tls();
   listen.tls_field = "publisher.tls";
-  ASSIGN_OR_RETURN(listen.credentials, daemon->tls_->ServerCredentials(config.tls(), "publisher.tls"));
+  ASSIGN_OR_RETURN(listen.credentials,
+                   daemon->tls_->ServerCredentials(config.tls(), "publisher.tls"));
   listen.services = {daemon->data_plane_.get()};
   if (!separate_control) listen.services.push_back(daemon->control_service_.get());
   listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
