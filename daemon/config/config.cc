@@ -233,24 +233,6 @@ absl::Status CheckClientTlsFiles(const std::string& tls_path, const v1::ClientTl
   return CheckTlsFiles(tls_path, tls.cert(), tls.key(), tls.ca());
 }
 
-// The directories of the unix sockets the daemon will listen on exist and are writable.
-absl::Status CheckSocketDirectories(const std::string& role, const std::string& listen,
-                                    const std::string& control_listen,
-                                    const std::string& local_socket) {
-  for (const auto& [field, text] :
-       {std::pair<std::string, std::string>{"listen", listen},
-        {"control_listen", control_listen},
-        {"local_socket", local_socket.empty() ? "" : absl::StrCat("unix:", local_socket)}}) {
-    if (text.empty()) continue;
-    absl::StatusOr<Address> a = ParseAddress(text, AddressUse::kListen);
-    if (!a.ok()) continue;  // the validator has reported it
-    if (const std::string why = UnixSocketDirectoryProblem(*a); !why.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(role, ".", field, " ", text, ": ", why));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // Parses `text` into a ConfigFile with defaults filled in the sections present.
 absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMap* map) {
   v1::ConfigFile file;
@@ -485,15 +467,11 @@ absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfig(const std::string& pat
 }
 
 absl::Status CheckConfigFiles(const v1::PublisherConfig& config) {
-  RETURN_IF_ERROR(CheckSocketDirectories("publisher", config.listen(), config.control_listen(),
-                                         config.local_socket()));
   RETURN_IF_ERROR(CheckServerTlsFiles("publisher.tls", config.tls()));
   return CheckServerTlsFiles("publisher.control_tls", config.control_tls());
 }
 
 absl::Status CheckConfigFiles(const v1::SubscriberConfig& config) {
-  RETURN_IF_ERROR(CheckSocketDirectories("subscriber", config.listen(), config.control_listen(),
-                                         config.local_socket()));
   RETURN_IF_ERROR(CheckClientTlsFiles("subscriber.upstream.tls", config.upstream().tls()));
   RETURN_IF_ERROR(CheckServerTlsFiles("subscriber.tls", config.tls()));
   return CheckServerTlsFiles("subscriber.control_tls", config.control_tls());

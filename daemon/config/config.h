@@ -53,8 +53,10 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& config,
                                       const SourceMap* source_map = nullptr);
 
 // Checks the files a validated config names: every configured TLS PEM file is readable and holds
-// what it should (certificates / a private key). NotFound / PermissionDenied / InvalidArgument
-// naming the field and the path.
+// what it should (certificates, a CA bundle, a private key that matches the certificate:
+// tls_material.h). NotFound / PermissionDenied / InvalidArgument naming the field and the path.
+// Unix socket directories are not checked here (they may be created just before the daemon
+// starts); StartServer names a missing one.
 absl::Status CheckConfigFiles(const v1::PublisherConfig& config);
 absl::Status CheckConfigFiles(const v1::SubscriberConfig& config);
 

@@ -552,19 +552,4 @@ TEST(ConfigTest, AbstractUnixSocketsNeedTlsOrInsecure) {
                   "(abstract unix sockets have no file permissions");
 }
 
-TEST(ConfigTest, CheckConfigFilesNamesAMissingSocketDirectory) {
-  auto p = LoadPublisherConfigFromString(
-      "publisher:\n  listen: \"unix:/nonexistent-refit/p.sock\"\n");
-  ASSERT_TRUE(p.ok()) << p.status();
-  absl::Status s = CheckConfigFiles(*p);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.message(), "publisher.listen unix:/nonexistent-refit/p.sock: directory "
-                         "/nonexistent-refit does not exist");
-  auto sub = LoadSubscriberConfigFromString(Sub("  local_socket: /nonexistent-refit/c.sock\n"));
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  EXPECT_CONTAINS(CheckConfigFiles(*sub).message(),
-                  "subscriber.local_socket unix:/nonexistent-refit/c.sock: directory "
-                  "/nonexistent-refit does not exist");
-}
-
 }  // namespace refit::config
