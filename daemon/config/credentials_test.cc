@@ -417,6 +417,31 @@ TEST_F(ReloaderTest, ChannelCredentialsPresentTheReloadedClientCertificate) {
   EXPECT_EQ(reloader.Status()[0].field(), "subscriber.upstream.tls");
 }
 
+TEST_F(ReloaderTest, ChannelCredentialsPresentARotatedClientCertificateOnNewConnections) {
+  Start(ServerTls({"subscriber-1"}));
+  Install("client.crt", "client.key", "ca.crt");
+  v1::ClientTls tls = ClientTls("client");
+  tls.set_cert(live_ + "/cert.pem");
+  tls.set_key(live_ + "/key.pem");
+  tls.set_ca(live_ + "/ca.pem");
+  TlsReloader reloader;
+  auto creds = reloader.ChannelCredentials(tls, "subscriber.upstream.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  ASSERT_TRUE(Call(tls, nullptr, nullptr, *creds).ok());
+  // The intruder's certificate (not allowed) is presented once reloaded: refused by identity.
+  Install("intruder.crt", "intruder.key", "ca.crt");
+  ASSERT_TRUE(reloader.Reload().ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  absl::Status s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    s = Call(tls, nullptr, nullptr, *creds);
+    if (s.code() == absl::StatusCode::kPermissionDenied) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling interval
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_EQ(reloader.Status()[0].subject(), "CN=intruder");
+}
+
 TEST_F(CredentialsTest, KeyNotMatchingTheCertificateIsNamed) {
   v1::ServerTls tls = ServerTls();
   tls.set_key(P("server2.key"));
