@@ -23,6 +23,7 @@
 #include "daemon/config/address.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
+#include "daemon/config/tls_material.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -660,6 +661,24 @@ std::string FormatBaseline(const v1::BaselineStatus& b) {
   return out;
 }
 
+// Status.tls: one line per TLS block, plus its refused reload if any.
+std::string FormatTls(const v1::StatusResponse& st) {
+  if (st.tls_size() == 0) return "";
+  std::string out = "\ntls:\n";
+  for (const v1::TlsMaterialStatus& t : st.tls()) {
+    absl::StrAppend(&out, "  ", t.field(), ": ", t.subject(), ", not after ",
+                    absl::FormatTime("%Y-%m-%dT%H:%M:%SZ",
+                                     absl::FromUnixSeconds(t.not_after_unix_seconds()),
+                                     absl::UTCTimeZone()),
+                    ", sha256 ", t.sha256_fingerprint(), ", reloads ", t.reloads(), "\n");
+    if (!t.last_reload_error().empty()) {
+      absl::StrAppend(&out, "    last reload refused (old material kept): ", t.last_reload_error(),
+                      "\n");
+    }
+  }
+  return out;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -730,6 +749,7 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
       out += RenderTable(rows);
     }
   }
+  out += FormatTls(st);
   return out;
 }
 
@@ -776,10 +796,17 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
         "--insecure to connect in plaintext"));
   }
   if (config::UsesTls(tls)) {
-    // Read here too so that errors name the flags.
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.cert(), "--tls-cert").status());
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.key(), "--tls-key").status());
-    RETURN_IF_ERROR(config::ReadSmallFile(tls.ca(), "--tls-ca").status());
+    // Read and checked here too so that errors name the flags.
+    ASSIGN_OR_RETURN(const std::string cert, config::ReadSmallFile(tls.cert(), "--tls-cert"));
+    ASSIGN_OR_RETURN(const std::string key, config::ReadSmallFile(tls.key(), "--tls-key"));
+    ASSIGN_OR_RETURN(const std::string ca, config::ReadSmallFile(tls.ca(), "--tls-ca"));
+    auto named = [](const char* flag, const std::string& path) {
+      return absl::StrCat(flag, " \"", path, "\"");
+    };
+    RETURN_IF_ERROR(config::CheckTlsMaterialNamed(cert, key, ca, named("--tls-cert", tls.cert()),
+                                                  named("--tls-key", tls.key()),
+                                                  named("--tls-ca", tls.ca()))
+                        .status());
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
                    config::MakeChannelCredentials(tls, "tls"));

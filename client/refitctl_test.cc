@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -28,6 +29,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 using Result = refit::testing::CtlResult;
@@ -116,6 +118,23 @@ TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << what << "\n" << r.err;
     EXPECT_EQ(r.out, "") << what;
   }
+}
+
+// A --tls-cert that is not a certificate is named as such (gRPC alone said "empty address
+// list"), before any connection.
+TEST(RefitctlUsage, NonCertificateTlsFilesAreNamed) {
+  const std::string dir = ::testing::TempDir();
+  const std::string junk = absl::StrCat(dir, "refitctl_test_junk_", getpid(), ".pem");
+  { std::ofstream(junk) << "hello, not a certificate\n"; }
+  Result r = RunCtl({"--target", "10.1.2.3:7400", "--tls-cert", junk, "--tls-key", junk,
+                     "--tls-ca", junk, "status"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("--tls-cert \"", junk,
+                                            "\" is not a PEM certificate: no \"-----BEGIN "
+                                            "CERTIFICATE-----\" block")));
+  EXPECT_THAT(r.err, Not(HasSubstr("empty address list")));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  std::filesystem::remove(junk);
 }
 
 TEST(RefitctlRpc, ClosedPortIsUnavailableExitOne) {
@@ -379,6 +398,23 @@ TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
   EXPECT_THAT(t, HasSubstr("  sub-1: last error: connection reset\n"));
   EXPECT_THAT(t, ::testing::Not(HasSubstr("upstream:")));
   EXPECT_THAT(t, ::testing::Not(HasSubstr("leases")));
+}
+
+TEST(RefitctlFormat, TlsMaterialAndRefusedReloads) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_PUBLISHER);
+  v1::TlsMaterialStatus* t = st.add_tls();
+  t->set_field("publisher.tls");
+  t->set_subject("CN=pub");
+  t->set_not_after_unix_seconds(1796083200);  // 2026-12-01T00:00:00Z
+  t->set_sha256_fingerprint("AB:CD");
+  t->set_reloads(2);
+  t->set_last_reload_error("publisher.tls.key \"/k.pem\" is not a PEM private key: ...");
+  const std::string out = FormatStatusTable(st);
+  EXPECT_THAT(out, HasSubstr("tls:\n  publisher.tls: CN=pub, not after 2026-12-01T00:00:00Z, "
+                             "sha256 AB:CD, reloads 2\n"));
+  EXPECT_THAT(out, HasSubstr("    last reload refused (old material kept): publisher.tls.key"));
+  EXPECT_THAT(FormatStatusTable(v1::StatusResponse()), Not(HasSubstr("tls:")));
 }
 
 TEST(RefitctlFormat, JsonUsesProtoFieldNames) {

@@ -14,6 +14,7 @@ PKGS=(
   openssl iproute2
   util-linux                          # setpriv: tests run clients as an unprivileged user
   systemd python3-yaml                # deploy checks: systemd-analyze verify/security, k8s YAML
+  libssl-dev                          # libcrypto: refitd checks TLS files itself (README)
 )
 
 SUDO=""

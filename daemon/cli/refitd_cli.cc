@@ -1,5 +1,6 @@
 #include "daemon/cli/refitd_cli.h"
 
+#include <csignal>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -41,10 +42,11 @@ options:
   --help             this text
   --version          print the version
 
-Runs until SIGTERM, SIGINT or SIGHUP, then shuts down cleanly within 10 s: past that (a stuck
-publish, say) or on a second signal it exits with status 3. A signal while starting (config
-loading, baseline reload) exits at once with 128 + the signal number. Exit codes: 0 ok, 1 the
-daemon failed to start, 2 bad arguments or config, 3 shutdown timed out.
+Runs until SIGTERM or SIGINT, then shuts down cleanly within 10 s: past that (a stuck publish,
+say) or on a second signal it exits with status 3. SIGHUP checks the TLS files at once
+(certificate rotation; see tls.reload_interval_ms). A signal while starting (config loading,
+baseline reload) exits at once with 128 + the signal number. Exit codes: 0 ok, 1 the daemon
+failed to start, 2 bad arguments or config, 3 shutdown timed out.
 )";
 
 constexpr char kPublisherUsage[] =
@@ -168,12 +170,23 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
             OrDash((*daemon)->listen_address(), "-"),
             OrDash((*daemon)->control_address(), "on listen"),
             OrDash((*daemon)->local_address(), "-"));
+  const auto reload_tls = [&log, d = daemon->get()] {
+    const absl::Status reloaded = d->ReloadTls();
+    if (reloaded.ok()) {
+      log->info("SIGHUP received: TLS files checked");
+    } else {
+      log->warn("SIGHUP received: TLS files checked, kept the loaded material: {}",
+                std::string(reloaded.message()));
+    }
+  };
   int sig = 0;
   if (ShutdownWatcher::installed()) {
+    ShutdownWatcher::SetReloadHandler(reload_tls);
     sig = ShutdownWatcher::BeginServing();
     if (sig == 0) sig = ShutdownWatcher::Wait();
-  } else {
-    sig = WaitForShutdownSignal();
+    ShutdownWatcher::SetReloadHandler(nullptr);
+  } else {  // in-process (tests): this thread takes the signals itself
+    for (sig = WaitForShutdownSignal(); sig == SIGHUP; sig = WaitForShutdownSignal()) reload_tls();
   }
   log->info("{} received: shutting down (at most {} s, then exit status {})", strsignal(sig),
             absl::ToInt64Seconds(kShutdownWatchdog), kExitShutdownTimedOut);

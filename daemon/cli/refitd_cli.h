@@ -7,7 +7,8 @@
 // Loads and checks the role's section of the config (config::Load*Config, CheckConfigFiles);
 // --validate prints "config OK: FILE (ROLE section)" and the effective config, and exits.
 // Otherwise it sets the log level (--log-level overrides the config's log_level), starts the
-// daemon, logs its bound addresses, waits for SIGTERM / SIGINT / SIGHUP, shuts down and exits 0.
+// daemon, logs its bound addresses, waits for SIGTERM / SIGINT (SIGHUP: reload TLS files), shuts
+// down and exits 0.
 // Exit codes: 0 ok; 1 the daemon failed to start; 2 bad arguments or config (one line
 // "refitd: error: ..." naming the flag, or the file:line and field).
 //

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "absl/synchronization/mutex.h"
 #include "daemon/common/daemon_runtime.h"
@@ -21,6 +22,10 @@ struct State {
   bool installed ABSL_GUARDED_BY(mu) = false;
   Phase phase ABSL_GUARDED_BY(mu) = Phase::kStarting;
   int signal ABSL_GUARDED_BY(mu) = 0;  // first shutdown signal received
+  // SIGHUP while serving. reload_mu is held while it runs, so replacing it (SetReloadHandler)
+  // waits for a running reload: the daemon it refers to outlives every call.
+  absl::Mutex reload_mu;
+  std::function<void()> reload ABSL_GUARDED_BY(mu);
   absl::Duration watchdog = kShutdownWatchdog;
 };
 
@@ -42,10 +47,29 @@ void Watchdog(absl::Duration limit, int sig) {
   ExitNow(kExitShutdownTimedOut, "shutdown watchdog", sig);
 }
 
+// SIGHUP: the reload handler while serving (run without the lock: it may take a while).
+void OnHangup(State& s) {
+  absl::MutexLock reloading(&s.reload_mu);
+  std::function<void()> reload;
+  {
+    absl::MutexLock lock(&s.mu);
+    if (s.phase == Phase::kServing) reload = s.reload;
+  }
+  if (reload) {
+    reload();
+  } else {
+    Logger("refitd")->info("SIGHUP received: nothing to reload now; ignored");
+  }
+}
+
 void SignalLoop() {
   State& s = Global();
   for (;;) {
     const int sig = WaitForShutdownSignal();
+    if (sig == SIGHUP) {
+      OnHangup(s);
+      continue;
+    }
     absl::MutexLock lock(&s.mu);
     switch (s.phase) {
       case Phase::kStarting:
@@ -101,6 +125,13 @@ int ShutdownWatcher::Wait() {
   }
   std::thread(Watchdog, s.watchdog, sig).detach();
   return sig;
+}
+
+void ShutdownWatcher::SetReloadHandler(std::function<void()> reload) {
+  State& s = Global();
+  absl::MutexLock reloading(&s.reload_mu);
+  absl::MutexLock lock(&s.mu);
+  s.reload = std::move(reload);
 }
 
 }  // namespace refit

@@ -7,8 +7,12 @@
 //     A watchdog then bounds the shutdown: if the process is still alive `watchdog` later (a
 //     publish stuck in I/O, a server that does not drain), it logs an error and exits with
 //     kExitShutdownTimedOut. A second signal during the shutdown does the same at once.
+//   - SIGHUP is not a shutdown: while serving it runs the reload handler (TLS material), on the
+//     signal thread; while starting or stopping it is logged and ignored.
 #ifndef REFIT_DAEMON_CLI_SHUTDOWN_WATCHER_H_
 #define REFIT_DAEMON_CLI_SHUTDOWN_WATCHER_H_
+
+#include <functional>
 
 #include "absl/time/time.h"
 
@@ -32,6 +36,8 @@ class ShutdownWatcher {
   static int BeginServing();
   // Blocks until a shutdown signal arrives; returns its number and arms the watchdog.
   static int Wait();
+  // What SIGHUP does while serving (replaces any previous handler; empty = log and ignore).
+  static void SetReloadHandler(std::function<void()> reload);
 };
 
 }  // namespace refit

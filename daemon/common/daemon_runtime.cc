@@ -191,10 +191,14 @@ absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
                                                    address.status().message()));
   }
   if (address->kind == config::AddressKind::kUnix) {
+    if (const std::string why = config::UnixSocketDirectoryProblem(*address); !why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(spec.name, " ", spec.address, ": ", why));
+    }
     RETURN_IF_ERROR(PrepareUnixSocketPath(spec, address->path));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      config::MakeServerCredentials(spec.tls, spec.tls_field);
+      spec.credentials != nullptr ? spec.credentials
+                                  : config::MakeServerCredentials(spec.tls, spec.tls_field);
   if (!credentials.ok()) {
     return absl::Status(credentials.status().code(),
                         absl::StrCat(spec.name, " ", Quoted(spec.address), ": ",

@@ -39,6 +39,8 @@ struct ServerSpec {
   // ("publisher.tls").
   v1::ServerTls tls;
   std::string tls_field;
+  // When set, used instead of MakeServerCredentials(tls) (the daemons' reloading TLS).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   // Services to register (not owned; must outlive the server). The standard gRPC health service
   // (grpc.health.v1.Health) is added to every server, serving status SERVING for "".
   std::vector<grpc::Service*> services;

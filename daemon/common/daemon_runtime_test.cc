@@ -119,6 +119,17 @@ TEST(StartServerTest, RefusesToReplaceARegularFile) {
   EXPECT_EQ(ReadFile(path), "data");
 }
 
+// Not "cannot bind (address in use?)": what is wrong with the socket's directory.
+TEST(StartServerTest, MissingSocketDirectoryIsNamed) {
+  absl::StatusOr<RunningServer> server =
+      StartServer(Spec("listen", "unix:/nonexistent-refit-dir/x.sock"));
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(server.status().message(),
+            "listen unix:/nonexistent-refit-dir/x.sock: directory /nonexistent-refit-dir does not "
+            "exist");
+}
+
 TEST(StartServerTest, PortInUseIsUnavailableNamingFieldAndAddress) {
   ServerSpec spec = Spec("listen", "127.0.0.1:0");
   absl::StatusOr<RunningServer> first = StartServer(spec);

@@ -1,5 +1,6 @@
 #include "daemon/common/logging.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "absl/strings/ascii.h"
@@ -29,6 +30,54 @@ Registry& GetRegistry() {
 }
 
 }  // namespace
+
+size_t Utf8CharLength(absl::string_view text, size_t i, uint32_t* code_point) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char c0 = b(i);
+  const size_t n = c0 < 0x80 ? 1
+                   : (c0 >> 5) == 0x6 ? 2
+                   : (c0 >> 4) == 0xe ? 3
+                   : (c0 >> 3) == 0x1e ? 4
+                                        : 0;
+  if (n == 0 || i + n > text.size()) return 0;
+  uint32_t v = n == 1 ? c0 : (c0 & (0x7f >> n));
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xc0) != 0x80) return 0;
+    v = (v << 6) | (b(i + k) & 0x3f);
+  }
+  static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+  if (v < kMin[n] || v > 0x10ffff || (v >= 0xd800 && v <= 0xdfff)) return 0;
+  *code_point = v;
+  return n;
+}
+
+std::string Printable(absl::string_view text, size_t max_bytes) {
+  std::string out;
+  const size_t end = std::min(text.size(), max_bytes);
+  for (size_t i = 0; i < end;) {
+    uint32_t cp = 0;
+    const size_t n = Utf8CharLength(text, i, &cp);
+    if (n == 0 || IsControlCodePoint(cp) || cp == '\\') {
+      const size_t bytes = n == 0 ? 1 : n;
+      for (size_t k = 0; k < bytes; ++k) {
+        const unsigned char c = static_cast<unsigned char>(text[i + k]);
+        switch (c) {
+          case '\n': out.append("\\n"); break;
+          case '\r': out.append("\\r"); break;
+          case '\t': out.append("\\t"); break;
+          case '\\': out.append("\\\\"); break;
+          default: absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+        }
+      }
+      i += bytes;
+      continue;
+    }
+    out.append(text.data() + i, n);
+    i += n;
+  }
+  if (end < text.size()) out.append("...");
+  return out;
+}
 
 std::shared_ptr<spdlog::logger> Logger(const std::string& component) {
   Registry& reg = GetRegistry();

@@ -10,6 +10,8 @@
 #ifndef REFIT_DAEMON_COMMON_LOGGING_H_
 #define REFIT_DAEMON_COMMON_LOGGING_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -29,6 +31,19 @@ void SetLogLevel(spdlog::level::level_enum level);
 // Parses "trace|debug|info|warn|error|critical|off" (case-insensitive). InvalidArgument naming
 // the accepted values otherwise.
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text);
+
+// Length of the UTF-8 character starting at text[i] (1..4), or 0 when the bytes there are not
+// valid UTF-8 (truncated, overlong, surrogates, above U+10FFFF); *code_point gets its value.
+size_t Utf8CharLength(absl::string_view text, size_t i, uint32_t* code_point);
+
+// True for C0 controls, DEL and C1 controls.
+inline bool IsControlCodePoint(uint32_t cp) { return cp < 0x20 || (cp >= 0x7f && cp < 0xa0); }
+
+// `text` safe for one log line: control characters (C0, DEL, C1), backslashes and bytes that are
+// not valid UTF-8 become escapes ("\n", "\x1b", "\\"); capped at `max_bytes` of input ("..."
+// appended). For names that come from clients at run time (Hello.name, TrainerApi client names,
+// consumer names) before they reach a log line.
+std::string Printable(absl::string_view text, size_t max_bytes = 256);
 
 // Maps a config LogLevel enum value (refit.v1.LogLevel, 1..7) to spdlog's; unknown -> info.
 spdlog::level::level_enum LogLevelFromConfig(int config_log_level);

@@ -2,8 +2,11 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -159,6 +162,11 @@ absl::StatusOr<Address> ParseAddress(const std::string& text, AddressUse use) {
       t.remove_prefix(2);
     }
     if (t.empty()) return absl::InvalidArgumentError("missing socket path after 'unix:'");
+    if (t[0] != '/') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unix socket path \"", t, "\" is relative: give an absolute path (unix:/run/x.sock); "
+          "a relative one depends on the daemon's working directory"));
+    }
     if (t.size() > kMaxUnixPathBytes) {
       return absl::InvalidArgumentError(absl::StrCat("unix socket path is ", t.size(),
                                                      " bytes; the limit is ", kMaxUnixPathBytes));
@@ -176,7 +184,7 @@ absl::StatusOr<Address> ParseAddress(const std::string& text, AddressUse use) {
     Address a;
     a.kind = AddressKind::kUnixAbstract;
     a.path = std::string(t);
-    a.loopback = true;
+    a.loopback = false;  // no file permissions: anyone in the network namespace can connect
     a.grpc_target = text;
     return a;
   }
@@ -212,6 +220,23 @@ absl::StatusOr<Address> ParseAddress(const std::string& text, AddressUse use) {
   if (!a.ok()) return a.status();
   a->grpc_target = text;
   return a;
+}
+
+std::string UnixSocketDirectoryProblem(const Address& address) {
+  if (address.kind != AddressKind::kUnix) return "";
+  const size_t slash = address.path.rfind('/');
+  if (slash == std::string::npos) return "";
+  const std::string dir = slash == 0 ? "/" : address.path.substr(0, slash);
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    return absl::StrCat("directory ", dir,
+                        errno == ENOENT ? " does not exist" : absl::StrCat(": ", strerror(errno)));
+  }
+  if (!S_ISDIR(st.st_mode)) return absl::StrCat(dir, " is not a directory");
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::StrCat("directory ", dir, " is not writable by this user (uid ", geteuid(), ")");
+  }
+  return "";
 }
 
 }  // namespace refit::config

@@ -13,8 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cuda/device.h"
+#include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
+#include "daemon/config/tls_material.h"
 
 namespace refit::config {
 namespace {
@@ -34,6 +36,14 @@ class Checker {
  private:
   const SourceMap* map_;
 };
+
+// Why a non-loopback address that looks local is not (appended to "is not a loopback address").
+std::string NotLoopbackWhy(const Address& a) {
+  return a.kind == AddressKind::kUnixAbstract
+             ? " (abstract unix sockets have no file permissions: anyone in the network "
+               "namespace can connect)"
+             : "";
+}
 
 bool Configured(const v1::ServerTls& tls) {
   return !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty() ||
@@ -79,9 +89,10 @@ absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_
                     "needs TLS: set cert, key and ca too");
     }
     if (!addr->loopback) {
-      return c.Fail(addr_path, absl::StrCat(Quote(addr_text), " is not a loopback address, so ",
-                                            tls_path, " needs cert, key and ca (mTLS), or set ",
-                                            tls_path, ".insecure: true explicitly"));
+      return c.Fail(addr_path, absl::StrCat(Quote(addr_text), " is not a loopback address",
+                                            NotLoopbackWhy(*addr), ", so ", tls_path,
+                                            " needs cert, key and ca (mTLS), or set ", tls_path,
+                                            ".insecure: true explicitly"));
     }
   }
   for (int i = 0; i < tls.allowed_identities_size(); ++i) {
@@ -106,6 +117,11 @@ absl::Status CheckLocalSocket(const Checker& c, const std::string& path,
     return c.Fail(path, absl::StrCat(Quote(socket),
                                      ": give a filesystem path, not a gRPC address (drop "
                                      "\"unix:\")"));
+  }
+  if (socket[0] != '/') {
+    return c.Fail(path, absl::StrCat(Quote(socket),
+                                     " is relative: give an absolute path; a relative one "
+                                     "depends on the daemon's working directory"));
   }
   if (socket.size() > kMaxUnixPathBytes) {
     return c.Fail(path, absl::StrCat("unix socket path is ", socket.size(), " bytes; the limit is ",
@@ -193,7 +209,8 @@ absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const
   for (const auto& [path, text] : addresses) {
     auto addr = ParseAddress(text, AddressUse::kConnect);
     if (addr.ok() && !addr->loopback) {
-      return c.Fail(path, absl::StrCat(Quote(text), " is not a loopback address, so ", tls_path,
+      return c.Fail(path, absl::StrCat(Quote(text), " is not a loopback address",
+                                       NotLoopbackWhy(*addr), ", so ", tls_path,
                                        " needs cert, key and ca (mTLS), or set ", tls_path,
                                        ".insecure: true explicitly"));
     }
@@ -201,33 +218,19 @@ absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const
   return absl::OkStatus();
 }
 
-absl::Status CheckPem(const std::string& field, const std::string& path, bool private_key) {
-  if (path.empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const std::string pem, ReadSmallFile(path, field));
-  if (private_key) {
-    if (pem.find("-----BEGIN ") == std::string::npos ||
-        pem.find("PRIVATE KEY-----") == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": ", Quote(path),
-                       " holds no PEM private key (\"-----BEGIN ... PRIVATE KEY-----\")"));
-    }
-  } else if (pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": ", Quote(path), " holds no PEM certificate (\"-----BEGIN CERTIFICATE-----\")"));
-  }
-  return absl::OkStatus();
+// The block's files: read, parsed and the key matched to the certificate (tls_material.h).
+absl::Status CheckTlsFiles(const std::string& tls_path, const std::string& cert,
+                           const std::string& key, const std::string& ca) {
+  if (cert.empty() && key.empty() && ca.empty()) return absl::OkStatus();
+  return LoadTlsMaterial(TlsFiles{tls_path, cert, key, ca}).status();
 }
 
 absl::Status CheckServerTlsFiles(const std::string& tls_path, const v1::ServerTls& tls) {
-  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".cert"), tls.cert(), false));
-  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".key"), tls.key(), true));
-  return CheckPem(absl::StrCat(tls_path, ".ca"), tls.ca(), false);
+  return CheckTlsFiles(tls_path, tls.cert(), tls.key(), tls.ca());
 }
 
 absl::Status CheckClientTlsFiles(const std::string& tls_path, const v1::ClientTls& tls) {
-  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".cert"), tls.cert(), false));
-  RETURN_IF_ERROR(CheckPem(absl::StrCat(tls_path, ".key"), tls.key(), true));
-  return CheckPem(absl::StrCat(tls_path, ".ca"), tls.ca(), false);
+  return CheckTlsFiles(tls_path, tls.cert(), tls.key(), tls.ca());
 }
 
 // Parses `text` into a ConfigFile with defaults filled in the sections present.
@@ -253,6 +256,24 @@ absl::Status CheckGpuUuid(const Checker& c, absl::string_view section, const std
   }
   auto uuid = cuda::ParseUuid(text);
   if (!uuid.ok()) return c.Fail(path, uuid.status().message());
+  return absl::OkStatus();
+}
+
+// `name`: printable UTF-8 of at most kMaxNameBytes (it appears in logs, Status and peers' logs).
+absl::Status CheckName(const Checker& c, const std::string& path, const std::string& name) {
+  if (name.size() > kMaxNameBytes) {
+    return c.Fail(path, absl::StrCat("is ", name.size(), " bytes; the limit is ", kMaxNameBytes));
+  }
+  for (size_t i = 0; i < name.size();) {
+    uint32_t cp = 0;
+    const size_t n = Utf8CharLength(name, i, &cp);
+    if (n == 0) return c.Fail(path, absl::StrCat("is not valid UTF-8 (byte ", i, ")"));
+    if (IsControlCodePoint(cp)) {
+      return c.Fail(path, absl::StrCat("contains a control character (byte ", i,
+                                       "): use printable characters"));
+    }
+    i += n;
+  }
   return absl::OkStatus();
 }
 
@@ -296,6 +317,7 @@ absl::Status CheckAccess(const Checker& c, const std::string& role, const v1::Co
 
 absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceMap* map) {
   const Checker c(map);
+  RETURN_IF_ERROR(CheckName(c, "publisher.name", p.name()));
   std::vector<Endpoint> endpoints;
   ASSIGN_OR_RETURN(const Address listen,
                    CheckListener(c, "publisher.listen", p.listen(), "publisher.tls", p.tls()));
@@ -318,6 +340,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
 
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
   const Checker c(map);
+  RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
   const v1::UpstreamConfig& up = s.upstream();
   std::vector<std::pair<std::string, std::string>> upstream_addresses;
   if (up.addresses_size() == 0) {

@@ -23,6 +23,9 @@
 
 namespace refit::config {
 
+// Longest config `name` (bytes of UTF-8).
+inline constexpr size_t kMaxNameBytes = 128;
+
 // Reads `path` and returns its `publisher:` (resp. `subscriber:`) section with defaults filled
 // and every rule checked. The other role's section, if present, is checked against the schema
 // only.
@@ -54,8 +57,10 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& config,
 absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::string& field);
 
 // Checks the files a validated config names: every configured TLS PEM file is readable and holds
-// what it should (certificates / a private key). NotFound / PermissionDenied / InvalidArgument
-// naming the field and the path.
+// what it should (certificates, a CA bundle, a private key that matches the certificate:
+// tls_material.h). NotFound / PermissionDenied / InvalidArgument naming the field and the path.
+// Unix socket directories are not checked here (they may be created just before the daemon
+// starts); StartServer names a missing one.
 absl::Status CheckConfigFiles(const v1::PublisherConfig& config);
 absl::Status CheckConfigFiles(const v1::SubscriberConfig& config);
 

@@ -3,8 +3,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
@@ -204,7 +206,7 @@ TEST(ConfigTest, NonLoopbackListenNeedsTls) {
       "");
   // Loopback needs nothing, in every form.
   for (const char* addr : {"127.0.0.2:7000", "127.3.2.1:7000", "[::1]:7000", "localhost:700",
-                           "unix:/tmp/x.sock", "unix:///tmp/x.sock", "unix-abstract:x"}) {
+                           "unix:/tmp/x.sock", "unix:///tmp/x.sock"}) {
     EXPECT_EQ(PublisherError(std::string("publisher:\n  listen: \"") + addr + "\"\n"), "") << addr;
   }
 }
@@ -428,12 +430,20 @@ TEST(ConfigTest, MissingAndUnreadableFiles) {
   }
 }
 
-constexpr char kPemCert[] = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
-constexpr char kPemKey[] = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+// A self-signed certificate and its key made with the openssl CLI: {cert, key}, or {} without it.
+std::pair<std::string, std::string> SelfSigned(const std::string& stem) {
+  const std::string cert = WriteFile(stem + ".crt", "");
+  const std::string key = WriteFile(stem + ".key", "");
+  const std::string cmd = "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 "
+                          "-nodes -days 2 -subj /CN=" + stem + " -keyout '" + key + "' -out '" +
+                          cert + "' >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) return {};
+  return {cert, key};
+}
 
 TEST(ConfigTest, CheckConfigFiles) {
-  const std::string cert = WriteFile("c.crt", kPemCert);
-  const std::string key = WriteFile("c.key", kPemKey);
+  const auto [cert, key] = SelfSigned("c");
+  if (cert.empty()) GTEST_SKIP() << "openssl CLI unavailable";
   const std::string yaml = "publisher:\n  listen: \"0.0.0.0:0\"\n  tls: {cert: " + cert +
                            ", key: " + key + ", ca: " + cert + "}\n";
   auto p = LoadPublisherConfigFromString(yaml);
@@ -445,7 +455,19 @@ TEST(ConfigTest, CheckConfigFiles) {
   swapped.mutable_tls()->set_key(cert);
   absl::Status s = CheckConfigFiles(swapped);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_CONTAINS(s.message(), "publisher.tls.cert: \"" + key + "\" holds no PEM certificate");
+  EXPECT_CONTAINS(s.message(), "publisher.tls.cert \"" + key + "\" is not a PEM certificate");
+
+  // A key that parses but belongs to another certificate.
+  const auto [other_cert, other_key] = SelfSigned("other");
+  v1::PublisherConfig mismatch = *p;
+  mismatch.mutable_tls()->set_key(other_key);
+  s = CheckConfigFiles(mismatch);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "publisher.tls.key \"" + other_key +
+                             "\" does not match the certificate publisher.tls.cert \"" + cert +
+                             "\"");
+  unlink(other_cert.c_str());
+  unlink(other_key.c_str());
 
   v1::PublisherConfig gone = *p;
   gone.mutable_tls()->set_ca("/nonexistent/ca.crt");
@@ -486,6 +508,56 @@ TEST(ConfigTest, ValidateDirectlyWithoutSourceMap) {
 TEST(ConfigTest, ControlCharactersInValuesAreEscapedInErrors) {
   const std::string e = PublisherError("publisher:\n  listen: \"0.0.0.0:7400\\nx\"\n");
   EXPECT_CONTAINS(e, "pub.yaml:2:11: publisher.listen: \"0.0.0.0:7400\\x0ax\"");
+}
+
+const std::string kPubListen = "publisher:\n  listen: \"127.0.0.1:0\"\n";
+
+TEST(ConfigTest, NameIsPrintableBoundedUtf8) {
+  EXPECT_EQ(PublisherError(kPubListen + "  name: \"pub-\u00e9\u4e2d\"\n"), "");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: \"a\\x1b[31mb\"\n"),
+                  "pub.yaml:3:9: publisher.name: contains a control character (byte 1)");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: \"a\\nb\"\n"),
+                  "publisher.name: contains a control character");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: \"a\\u0085\"\n"),
+                  "publisher.name: contains a control character");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: " + std::string(129, 'n') + "\n"),
+                  "publisher.name: is 129 bytes; the limit is 128");
+  EXPECT_EQ(PublisherError(kPubListen + "  name: " + std::string(128, 'n') + "\n"), "");
+  // Invalid UTF-8 (a lone continuation byte; an overlong '/').
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: \"a\x80\"\n"),
+                  "publisher.name: is not valid UTF-8 (byte 1)");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  name: \"\xc0\xaf\"\n"),
+                  "publisher.name: is not valid UTF-8 (byte 0)");
+  EXPECT_CONTAINS(SubscriberError(Sub("  name: \"x\\ty\"\n")),
+                  "subscriber.name: contains a control character");
+}
+
+TEST(ConfigTest, RelativeUnixSocketPathsAreRefused) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"unix:run/p.sock\"\n"),
+                  "publisher.listen: \"unix:run/p.sock\": unix socket path \"run/p.sock\" is "
+                  "relative: give an absolute path");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  control_listen: \"unix:c.sock\"\n"),
+                  "publisher.control_listen");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  local_socket: \"t.sock\"\n"),
+                  "publisher.local_socket: \"t.sock\" is relative: give an absolute path");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream:\n    addresses: [\"unix:p.sock\"]\n"
+                                  "  listen: \"127.0.0.1:0\"\n"),
+                  "subscriber.upstream.addresses[0]: \"unix:p.sock\": unix socket path \"p.sock\" "
+                  "is relative");
+}
+
+TEST(ConfigTest, AbstractUnixSocketsNeedTlsOrInsecure) {
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"unix-abstract:refit\"\n"),
+                  "publisher.listen: \"unix-abstract:refit\" is not a loopback address (abstract "
+                  "unix sockets have no file permissions: anyone in the network namespace can "
+                  "connect), so publisher.tls needs cert, key and ca (mTLS), or set "
+                  "publisher.tls.insecure: true explicitly");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"unix-abstract:refit\"\n"
+                           "  tls: {insecure: true}\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream:\n    addresses: "
+                                  "[\"unix-abstract:pub\"]\n  listen: \"127.0.0.1:0\"\n"),
+                  "(abstract unix sockets have no file permissions");
 }
 
 }  // namespace refit::config

@@ -5,6 +5,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <thread>
+#include <vector>
 #include <memory>
 #include <string>
 
@@ -51,6 +55,7 @@ leaf() {  # name CN SAN signing-ca
 }
 ca ca; ca other-ca
 leaf server publisher.test DNS:publisher.test ca
+leaf server2 publisher-2.test DNS:publisher.test ca
 leaf client subscriber-1 DNS:subscriber-1.refit.test ca
 leaf intruder intruder DNS:intruder.refit.test ca
 leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
@@ -98,11 +103,15 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
   }
 
   void Start(const v1::ServerTls& tls) {
-    grpc::EnableDefaultHealthCheckService(true);
     auto creds = MakeServerCredentials(tls, "publisher.tls");
     ASSERT_TRUE(creds.ok()) << creds.status();
+    StartWith(*creds);
+  }
+
+  void StartWith(const std::shared_ptr<grpc::ServerCredentials>& creds) {
+    grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", *creds, &port_);
+    builder.AddListeningPort("127.0.0.1:0", creds, &port_);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
@@ -115,11 +124,17 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
 
   // Calls health Check and Control.Status; returns the Status RPC's result and the identity the
   // server saw. Health must agree with Status.
-  absl::Status Call(const v1::ClientTls& tls, std::string* identity = nullptr) {
-    auto creds = MakeChannelCredentials(tls, "subscriber.upstream.tls");
+  // A new connection (its own subchannel) with `creds` (default: MakeChannelCredentials(tls));
+  // *server_cn gets the common name of the server's certificate.
+  absl::Status Call(const v1::ClientTls& tls, std::string* identity = nullptr,
+                    std::string* server_cn = nullptr,
+                    std::shared_ptr<grpc::ChannelCredentials> channel_creds = nullptr) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = channel_creds;
+    if (channel_creds == nullptr) creds = MakeChannelCredentials(tls, "subscriber.upstream.tls");
     if (!creds.ok()) return creds.status();
     grpc::ChannelArguments args;
     ApplyClientTlsArgs(tls, &args);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port_), *creds, args);
     const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(20);
 
@@ -140,6 +155,12 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
       EXPECT_EQ(health.status(), grpc::health::v1::HealthCheckResponse::SERVING);
     }
     if (identity != nullptr) *identity = response.name();
+    if (server_cn != nullptr && status.ok()) {
+      for (const grpc::string_ref& cn :
+           ctx.auth_context()->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME)) {
+        *server_cn = std::string(cn.data(), cn.size());
+      }
+    }
     return status;
   }
 
@@ -238,6 +259,215 @@ TEST_F(CredentialsTest, MissingFilesNameTheField) {
   auto cc = MakeChannelCredentials(c, "subscriber.upstream.tls");
   ASSERT_FALSE(cc.ok());
   EXPECT_NE(cc.status().message().find("subscriber.upstream.tls.ca"), std::string::npos);
+}
+
+// Live copies of the PEM files that a test rewrites (rename over, as cert-manager does).
+class ReloaderTest : public CredentialsTest {
+ protected:
+  void SetUp() override {
+    CredentialsTest::SetUp();
+    if (IsSkipped()) return;
+    live_ = P("live-" + std::to_string(++count_));
+    std::filesystem::create_directories(live_);
+    Install("server.crt", "server.key", "ca.crt");
+  }
+
+  // Copies g_dir files into the live names, each by rename.
+  void Install(const std::string& cert, const std::string& key, const std::string& ca) {
+    for (const auto& [src, dst] : {std::pair{cert, "cert.pem"}, {key, "key.pem"}, {ca, "ca.pem"}}) {
+      const std::string tmp = live_ + "/tmp";
+      std::filesystem::copy_file(P(src), tmp, std::filesystem::copy_options::overwrite_existing);
+      std::filesystem::rename(tmp, live_ + "/" + dst);
+    }
+  }
+  void WriteLive(const std::string& name, const std::string& text) {
+    std::ofstream(live_ + "/" + name, std::ios::trunc) << text;
+  }
+
+  v1::ServerTls LiveTls(uint32_t interval_ms, std::initializer_list<std::string> allowed = {}) {
+    v1::ServerTls tls;
+    tls.set_cert(live_ + "/cert.pem");
+    tls.set_key(live_ + "/key.pem");
+    tls.set_ca(live_ + "/ca.pem");
+    tls.set_reload_interval_ms(interval_ms);
+    for (const auto& id : allowed) tls.add_allowed_identities(id);
+    return tls;
+  }
+
+  // Polls new connections until one sees the server certificate `cn` (the certificate provider
+  // picks new material up within about a second).
+  void ExpectServerCn(const std::string& cn) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    std::string seen;
+    while (std::chrono::steady_clock::now() < deadline) {
+      seen.clear();
+      const absl::Status s = Call(ClientTls("client"), nullptr, &seen);
+      if (s.ok() && seen == cn) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling interval
+    }
+    ADD_FAILURE() << "new connections never saw server certificate " << cn << "; last " << seen;
+  }
+
+  static std::string Fingerprint(const std::string& name) {
+    auto pem = ReadSmallFile(P(name), name);
+    if (!pem.ok()) return "";
+    auto s = CheckPemCertificates(*pem, name);
+    return s.ok() ? s->sha256_fingerprint : "";
+  }
+
+  std::string live_;
+  static inline int count_ = 0;
+};
+
+TEST_F(ReloaderTest, ServesMutualTlsWithAllowedIdentities) {
+  TlsReloader reloader;
+  auto creds = reloader.ServerCredentials(LiveTls(0, {"subscriber-1"}), "publisher.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  StartWith(*creds);
+  std::string identity;
+  ASSERT_TRUE(Call(ClientTls("client"), &identity).ok());
+  EXPECT_EQ(identity, "subscriber-1.refit.test");
+  EXPECT_EQ(Call(ClientTls("intruder")).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Call(ClientTls("stranger")).code(), absl::StatusCode::kUnavailable);
+  v1::ClientTls plain;
+  plain.set_insecure(true);
+  EXPECT_EQ(Call(plain).code(), absl::StatusCode::kUnavailable);
+  const std::vector<v1::TlsMaterialStatus> st = reloader.Status();
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].field(), "publisher.tls");
+  EXPECT_EQ(st[0].subject(), "CN=publisher.test");
+  EXPECT_EQ(st[0].sha256_fingerprint(), Fingerprint("server.crt"));
+  EXPECT_EQ(st[0].reloads(), 0u);
+}
+
+TEST_F(ReloaderTest, ReloadServesNewMaterialAndKeepsTheOldOnBadFiles) {
+  TlsReloader reloader;
+  auto creds = reloader.ServerCredentials(LiveTls(0), "publisher.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  StartWith(*creds);
+  ExpectServerCn("publisher.test");
+  EXPECT_TRUE(reloader.Reload().ok());  // unchanged
+  EXPECT_EQ(reloader.Status()[0].reloads(), 0u);
+
+  Install("server2.crt", "server2.key", "ca.crt");
+  ASSERT_TRUE(reloader.Reload().ok());
+  ExpectServerCn("publisher-2.test");
+  EXPECT_EQ(reloader.Status()[0].reloads(), 1u);
+  EXPECT_EQ(reloader.Status()[0].sha256_fingerprint(), Fingerprint("server2.crt"));
+
+  struct Bad {
+    std::function<void()> install;
+    std::string error;
+  };
+  const std::vector<Bad> bad = {
+      {[&] {
+         WriteLive("key.pem", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
+       },
+       "publisher.tls.key \"" + live_ + "/key.pem\" is not a PEM private key"},
+      {[&] { Install("server.crt", "server2.key", "ca.crt"); },
+       "publisher.tls.key \"" + live_ + "/key.pem\" does not match the certificate "
+       "publisher.tls.cert \"" + live_ + "/cert.pem\""},
+      {[&] { Install("server2.crt", "server2.key", "server2.key"); },
+       "publisher.tls.ca \"" + live_ + "/ca.pem\" is not a PEM certificate"},
+      {[&] { WriteLive("cert.pem", "not a certificate\n"); },
+       "publisher.tls.cert \"" + live_ + "/cert.pem\" is not a PEM certificate"},
+  };
+  for (const Bad& b : bad) {
+    Install("server2.crt", "server2.key", "ca.crt");
+    b.install();
+    const absl::Status s = reloader.Reload();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(b.error), std::string::npos) << s;
+    const v1::TlsMaterialStatus st = reloader.Status()[0];
+    EXPECT_EQ(st.last_reload_error(), s.message());
+    EXPECT_GT(st.last_reload_error_unix_nanos(), 0u);
+    EXPECT_EQ(st.sha256_fingerprint(), Fingerprint("server2.crt")) << b.error;
+    EXPECT_EQ(st.reloads(), 1u);
+    ExpectServerCn("publisher-2.test");
+  }
+  Install("server2.crt", "server2.key", "ca.crt");  // fixed: the error clears
+  EXPECT_TRUE(reloader.Reload().ok());
+  EXPECT_EQ(reloader.Status()[0].last_reload_error(), "");
+  EXPECT_EQ(reloader.Status()[0].reloads(), 1u);
+}
+
+TEST_F(ReloaderTest, FilesAreCheckedEveryInterval) {
+  TlsReloader reloader;
+  auto creds = reloader.ServerCredentials(LiveTls(20), "publisher.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  StartWith(*creds);
+  ExpectServerCn("publisher.test");
+  Install("server2.crt", "server2.key", "ca.crt");
+  ExpectServerCn("publisher-2.test");
+  EXPECT_EQ(reloader.Status()[0].reloads(), 1u);
+}
+
+TEST_F(ReloaderTest, ChannelCredentialsPresentTheReloadedClientCertificate) {
+  Start(ServerTls());
+  TlsReloader reloader;
+  auto creds = reloader.ChannelCredentials(ClientTls("client"), "subscriber.upstream.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  std::string identity;
+  ASSERT_TRUE(Call(ClientTls("client"), &identity, nullptr, *creds).ok());
+  EXPECT_EQ(identity, "subscriber-1.refit.test");
+  // The server name is verified as with SslCredentials.
+  v1::ClientTls wrong = ClientTls("client");
+  wrong.set_server_name("other.test");
+  EXPECT_EQ(Call(wrong, nullptr, nullptr, *creds).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(reloader.Status()[0].field(), "subscriber.upstream.tls");
+}
+
+TEST_F(ReloaderTest, ChannelCredentialsPresentARotatedClientCertificateOnNewConnections) {
+  Start(ServerTls({"subscriber-1"}));
+  Install("client.crt", "client.key", "ca.crt");
+  v1::ClientTls tls = ClientTls("client");
+  tls.set_cert(live_ + "/cert.pem");
+  tls.set_key(live_ + "/key.pem");
+  tls.set_ca(live_ + "/ca.pem");
+  TlsReloader reloader;
+  auto creds = reloader.ChannelCredentials(tls, "subscriber.upstream.tls");
+  ASSERT_TRUE(creds.ok()) << creds.status();
+  ASSERT_TRUE(Call(tls, nullptr, nullptr, *creds).ok());
+  // The intruder's certificate (not allowed) is presented once reloaded: refused by identity.
+  Install("intruder.crt", "intruder.key", "ca.crt");
+  ASSERT_TRUE(reloader.Reload().ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  absl::Status s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    s = Call(tls, nullptr, nullptr, *creds);
+    if (s.code() == absl::StatusCode::kPermissionDenied) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling interval
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_EQ(reloader.Status()[0].subject(), "CN=intruder");
+}
+
+TEST_F(CredentialsTest, KeyNotMatchingTheCertificateIsNamed) {
+  v1::ServerTls tls = ServerTls();
+  tls.set_key(P("server2.key"));
+  auto s = MakeServerCredentials(tls, "publisher.tls");
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.status().message(), "publisher.tls.key \"" + P("server2.key") +
+                                      "\" does not match the certificate publisher.tls.cert \"" +
+                                      P("server.crt") + "\"");
+  TlsReloader reloader;
+  EXPECT_EQ(reloader.ServerCredentials(tls, "publisher.tls").status(), s.status());
+}
+
+TEST_F(CredentialsTest, SummaryMatchesOpenssl) {
+  auto m = LoadTlsMaterial({"publisher.tls", P("server.crt"), P("server.key"), P("ca.crt")});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->leaf.subject, "CN=publisher.test");
+  EXPECT_GT(m->leaf.not_after_unix, time(nullptr));
+  const std::string out = P("fp.txt");
+  ASSERT_EQ(std::system(("openssl x509 -in '" + P("server.crt") +
+                         "' -noout -fingerprint -sha256 > '" + out + "'").c_str()),
+            0);
+  auto fp = ReadSmallFile(out, "fingerprint");
+  ASSERT_TRUE(fp.ok());
+  EXPECT_NE(fp->find(m->leaf.sha256_fingerprint), std::string::npos) << *fp;
+  EXPECT_EQ(m->leaf.sha256_fingerprint.size(), 32u * 3 - 1);
 }
 
 }  // namespace

@@ -303,7 +303,8 @@ grpc::Status DataPlaneService::Sync(
     absl::BitGen gen;
     session->id = absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
   }
-  session->name = hello.name().empty() ? context->peer() : hello.name();
+  // Logged and shown in Status: control characters escaped (a client chose it).
+  session->name = hello.name().empty() ? context->peer() : Printable(hello.name(), 128);
   if (auto auth = context->auth_context(); auth != nullptr) {
     session->identity = config::PeerIdentity(*auth);
   }

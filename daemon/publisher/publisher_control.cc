@@ -118,6 +118,10 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   *r.mutable_baseline() = core_->baseline_status();
   r.set_lineage(core_->lineage());
   *r.mutable_publish_queue() = queue_->Status();
+
+  if (options_.tls_status) {
+    for (v1::TlsMaterialStatus& t : options_.tls_status()) *r.add_tls() = std::move(t);
+  }
   return r;
 }
 

@@ -39,6 +39,8 @@ struct ControlOptions {
   int digest_threads = 0;
   // Daemon start (Status.uptime_ms).
   absl::Time started = absl::Now();
+  // Status.tls: the listeners' TLS material (TlsReloader::Status); empty = none.
+  std::function<std::vector<v1::TlsMaterialStatus>()> tls_status;
 };
 
 class PublisherControl final : public v1::Control::Service {

@@ -14,6 +14,7 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/config/credentials.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/device_cache.h"
 #include "daemon/auth/authorized_services.h"
@@ -54,7 +55,11 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   std::string control_address() const override { return control_.bound_address; }
   std::string local_address() const override { return local_.bound_address; }
 
+  absl::Status ReloadTls() override { return tls_->Reload(); }
+
   std::shared_ptr<spdlog::logger> log_ = Logger("publisher");
+  // The listeners' TLS material (rotation); outlives the servers that read it.
+  std::unique_ptr<config::TlsReloader> tls_ = std::make_unique<config::TlsReloader>();
   // Declared first, destroyed last: the core's GPU baseline and queued snapshots are
   // allocations of these devices.
   std::unique_ptr<DeviceCache> devices_;
@@ -209,7 +214,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
       ControlOptions{.name = name,
                      .history_budget_bytes = options.history_budget_bytes,
                      .digest_threads = options.digest_threads,
-                     .started = started});
+                     .started = started,
+                     .tls_status = [tls = daemon->tls_.get()] { return tls->Status(); }});
 
   daemon->authorized_control_ = std::make_unique<auth::AuthorizedControl>(
       daemon->control_service_.get(),
@@ -221,6 +227,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   listen.address = config.listen();
   listen.tls = config.tls();
   listen.tls_field = "publisher.tls";
+  ASSIGN_OR_RETURN(listen.credentials,
+                   daemon->tls_->ServerCredentials(config.tls(), "publisher.tls"));
   listen.services = {daemon->data_plane_.get()};
   if (!separate_control) listen.services.push_back(daemon->authorized_control_.get());
   listen.unix_mode = auth::SocketMode(config.control_access().socket_mode());
@@ -236,6 +244,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     control.address = config.control_listen();
     control.tls = config.control_tls();
     control.tls_field = "publisher.control_tls";
+    ASSIGN_OR_RETURN(control.credentials, daemon->tls_->ServerCredentials(
+                                              config.control_tls(), "publisher.control_tls"));
     control.services = {daemon->authorized_control_.get()};
     control.unix_mode = auth::SocketMode(config.control_access().socket_mode());
     ASSIGN_OR_RETURN(daemon->control_, StartServer(control));

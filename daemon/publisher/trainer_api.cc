@@ -22,7 +22,8 @@
 namespace refit::publisher {
 namespace {
 
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
+// Client-supplied text (names, paths) escaped for logs and messages (logging.h Printable).
+std::string Quoted(const std::string& s) { return absl::StrCat("\"", Printable(s), "\""); }
 
 absl::Status Prefixed(const std::string& what, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));

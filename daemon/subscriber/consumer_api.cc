@@ -175,13 +175,13 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
   const std::string consumer = request->consumer().empty() ? "unnamed" : request->consumer();
   auto lease = core_->AcquireLease(consumer, version, Ttl(request->ttl_ms()));
   if (!lease.ok()) {
-    log_->debug("lease for {} refused: {}", consumer, lease.status().ToString());
+    log_->debug("lease for {} refused: {}", Printable(consumer), lease.status().ToString());
     return ToGrpcStatus(Annotate(lease.status(), absl::StrCat("AcquireLease for consumer \"",
                                                               consumer, "\"")));
   }
   *response = MakeLease(*lease);
   log_->debug("lease {:016x} for {}: version {} (slot {}), ttl {} ms", lease->lease.lease_id,
-              consumer, lease->lease.version, lease->lease.slot, response->ttl_ms());
+              Printable(consumer), lease->lease.version, lease->lease.slot, response->ttl_ms());
   return grpc::Status::OK;
 }
 

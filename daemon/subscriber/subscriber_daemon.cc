@@ -97,6 +97,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::string listen_address() const override { return listen_.bound_address; }
   std::string control_address() const override { return control_server_.bound_address; }
   std::string local_address() const override { return local_.bound_address; }
+  absl::Status ReloadTls() override { return tls_->Reload(); }
 
  private:
   void OnApplied(const AppliedEvent& ev);
@@ -107,6 +108,8 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   const std::string name_;
   std::shared_ptr<spdlog::logger> log_;
   const absl::Time start_time_;
+  // TLS material of the upstream and the listeners (rotation); outlives what reads it.
+  std::unique_ptr<config::TlsReloader> tls_ = std::make_unique<config::TlsReloader>();
 
   std::unique_ptr<cuda::Device> device_;  // store.kind cuda; outlives core_ (declared first)
   std::unique_ptr<SubscriberCore> core_;
@@ -177,7 +180,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   ASSIGN_OR_RETURN(up.bootstrap_peers,
                    Targets(c.upstream().bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
   ASSIGN_OR_RETURN(up.credentials,
-                   config::MakeChannelCredentials(c.upstream().tls(), "subscriber.upstream.tls"));
+                   tls_->ChannelCredentials(c.upstream().tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(c.upstream().tls(), &up.channel_args);
   up.connections = c.upstream().connections();
   up.max_frame_bytes = c.upstream().max_frame_bytes();
@@ -214,6 +217,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   hooks.resync = [upstream](const std::vector<std::string>& t) {
     return upstream->RequestResync(t);
   };
+  hooks.tls_status = [tls = tls_.get()] { return tls->Status(); };
   if (peer_service_ != nullptr) {
     publisher::DataPlaneService* peers = peer_service_.get();
     hooks.peer_sessions = [peers] { return peers->Sessions(); };
@@ -240,6 +244,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
     spec.address = c.listen();
     spec.tls = c.tls();
     spec.tls_field = "subscriber.tls";
+    ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
     if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
     spec.unix_mode = control_mode;
     if (peer_service_ != nullptr) {
@@ -254,6 +259,8 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
     spec.address = c.control_listen();
     spec.tls = c.control_tls();
     spec.tls_field = "subscriber.control_tls";
+    ASSIGN_OR_RETURN(spec.credentials,
+                     tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
     spec.services.push_back(authorized_control_.get());
     spec.unix_mode = control_mode;
     ASSIGN_OR_RETURN(control_server_, StartServer(spec));

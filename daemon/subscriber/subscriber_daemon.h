@@ -34,6 +34,11 @@ class SubscriberDaemon {
   virtual std::string listen_address() const = 0;
   virtual std::string control_address() const = 0;
   virtual std::string local_address() const = 0;
+
+  // Checks the TLS files of the upstream and the listeners now (SIGHUP; they are also checked
+  // every tls.reload_interval_ms): new valid material serves new connections, a bad file keeps
+  // the old material. The first refusal, if any (logged, and in Status.tls).
+  virtual absl::Status ReloadTls() = 0;
 };
 
 }  // namespace refit::subscriber

@@ -306,6 +306,11 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
     grpc::Status gs = session->stream->Finish();
     absl::Status st = FromGrpcStatus(gs);
     if (st.ok()) st = absl::UnavailableError("stream ended by the upstream");
+    if (st.code() == absl::StatusCode::kUnimplemented) {  // e.g. a subscriber's control port
+      return absl::UnimplementedError(absl::StrCat(
+          "upstream ", target, " does not serve refit.v1.DataPlane (UNIMPLEMENTED): is it a "
+          "publisher or a relay subscriber (serve_peers: true)?"));
+    }
     return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
                                                 connected ? "" : " (not connected)"));
   };
@@ -338,7 +343,7 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
   core_->SetMaxFrameBytes(welcome.frame_bytes());
   log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes, its newest "
              "version {} ({}), ours {} ({})",
-             target, welcome.name(), welcome.session_id(), welcome.stripes(),
+             target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),
              welcome.frame_bytes(), welcome.newest_version(),
              sync::DescribeLineage(welcome.lineage()), core_->applied_version(),
              sync::DescribeLineage(core_->applied_lineage()));

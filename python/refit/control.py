@@ -11,7 +11,8 @@
 Targets are what refitctl's --target takes: "host:port", "[::1]:port", "unix:/path.sock",
 "unix:///path.sock", "unix-abstract:name", "dns:///host:port", "ipv4:...", "ipv6:...", or an
 absolute socket path. The security rule is refitctl's (and the configs'): a non-loopback target
-needs mTLS (ca, cert and key together) or an explicit insecure=True; loopback and unix sockets
+needs mTLS (ca, cert and key together) or an explicit insecure=True (unix-abstract: counts as
+non-loopback: no file permissions); loopback and unix sockets with a path
 are plaintext unless TLS files are given. `server_name` overrides the name the daemon's
 certificate must carry (default: the target's host).
 
@@ -61,11 +62,16 @@ def parse_target(target: str):
                                  "absolute path (unix:///run/x.sock)")
         if not path:
             raise ValueError(f"Control: target {target!r}: missing socket path after 'unix:'")
+        if not path.startswith("/"):
+            raise ValueError(f"Control: target {target!r}: unix socket path {path!r} is relative: "
+                             "give an absolute path (unix:/run/x.sock)")
         return "unix:" + path, None, True
     if t.startswith("unix-abstract:"):
         if not t[len("unix-abstract:"):]:
             raise ValueError(f"Control: target {target!r}: missing name after 'unix-abstract:'")
-        return t, None, True
+        # Not loopback: abstract sockets have no file permissions (anyone in the network
+        # namespace can connect), as in daemon/config/address.cc.
+        return t, None, False
     rest = t
     for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
         if t.startswith(scheme):

@@ -122,8 +122,9 @@ def test_target_rules(tmp_path):
     assert not parse_target("10.1.2.3:7400")[2]
     assert parse_target("unix:///run/x.sock")[0] == "unix:/run/x.sock"
     assert parse_target("/run/x.sock") == ("unix:/run/x.sock", None, True)
-    assert parse_target("unix-abstract:refit")[2]
-    for bad in ("", "host", "host:0", "host:99999", "unix:", "unix://rel.sock", "[::1]7400",
+    assert not parse_target("unix-abstract:refit")[2]  # no file permissions: needs TLS
+    for bad in ("", "host", "host:0", "host:99999", "unix:", "unix://rel.sock", "unix:rel.sock",
+                "[::1]7400",
                 "http://x:1"):
         with pytest.raises(ValueError):
             parse_target(bad)

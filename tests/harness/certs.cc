@@ -64,7 +64,17 @@ std::string ClientExt(const std::string& name) {
                       "extendedKeyUsage=clientAuth\nsubjectAltName=DNS:", name, "\n");
 }
 
+constexpr char kServerExt[] =
+    "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+    "extendedKeyUsage=serverAuth,clientAuth\n"
+    "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+
 }  // namespace
+
+absl::StatusOr<CertPair> MakeServerCert(const std::string& dir, const std::string& stem,
+                                        const std::string& cn) {
+  return MakeLeaf(dir, "ca", stem, cn, kServerExt);
+}
 
 absl::StatusOr<CertPair> MakeClientCert(const std::string& dir, const std::string& name,
                                         bool other_ca) {

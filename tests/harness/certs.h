@@ -27,6 +27,11 @@ struct TestPki {
 absl::StatusOr<TestPki> MakeTestPki(const std::string& dir,
                                     const std::string& client_name = "refit-e2e-subscriber");
 
+// One more server certificate (SAN IP:127.0.0.1, DNS:localhost; CN `cn`) signed by the CA in
+// `dir` (after MakeTestPki), files <dir>/<stem>.crt / .key: a rotated-in certificate.
+absl::StatusOr<CertPair> MakeServerCert(const std::string& dir, const std::string& stem,
+                                        const std::string& cn);
+
 // One more client certificate signed by the CA in `dir` (after MakeTestPki).
 absl::StatusOr<CertPair> MakeClientCert(const std::string& dir, const std::string& name,
                                         bool other_ca = false);

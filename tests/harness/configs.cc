@@ -32,6 +32,9 @@ std::string ServerTlsYaml(const char* key, const ServerTlsSpec& tls) {
     }
     absl::StrAppend(&y, "]\n");
   }
+  if (tls.reload_interval_ms.has_value()) {
+    absl::StrAppend(&y, "    reload_interval_ms: ", *tls.reload_interval_ms, "\n");
+  }
   return y;
 }
 
@@ -98,6 +101,9 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     if (!t.key.empty()) absl::StrAppend(&y, "      key: ", Q(t.key), "\n");
     if (!t.ca.empty()) absl::StrAppend(&y, "      ca: ", Q(t.ca), "\n");
     if (!t.server_name.empty()) absl::StrAppend(&y, "      server_name: ", Q(t.server_name), "\n");
+    if (t.reload_interval_ms.has_value()) {
+      absl::StrAppend(&y, "      reload_interval_ms: ", *t.reload_interval_ms, "\n");
+    }
   }
   absl::StrAppend(&y, "    connections: ", s.connections, "\n");
   if (s.connect_timeout_ms != 0) {

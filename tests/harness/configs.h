@@ -14,10 +14,12 @@ namespace refit::e2e {
 struct ServerTlsSpec {
   std::string cert, key, ca;
   std::vector<std::string> allowed_identities;
+  std::optional<uint32_t> reload_interval_ms = std::nullopt;  // absent = the default
 };
 
 struct ClientTlsSpec {
   std::string cert, key, ca, server_name;
+  std::optional<uint32_t> reload_interval_ms = std::nullopt;
 };
 
 struct PublisherSpec {
