@@ -211,6 +211,39 @@ TEST_F(E2ESecurityVersionsTest, WaitAllSubscribersFailsWhileOneHoldsTheNumberWit
   EXPECT_TRUE(absl::StrContains(wait.err, "another digest")) << wait.Describe();
 }
 
+TEST_F(E2ESecurityVersionsTest, FailoverToAPublisherOfAnotherLineageReplacesTheVersion) {
+  DaemonProcess& a = NewPublisher(PublisherSpec());
+  E2E_ASSERT_OK(a.Start());
+  PublisherSpec b_spec;
+  b_spec.name = "pub-b";
+  DaemonProcess& b = NewPublisher(b_spec);
+  E2E_ASSERT_OK(b.Start());
+  SubscriberSpec ss;
+  ss.name = "sub";
+  ss.upstream = {a.listen_target(), b.listen_target()};
+  DaemonProcess& sub = NewSubscriber(ss);
+  E2E_ASSERT_OK(sub.Start());
+  E2E_ASSERT_OK(Publish(a, SmallModel(1), 1));
+  E2E_ASSERT_OK(Publish(a, SmallModel(2), 2));
+  E2E_ASSERT_OK(WaitVersion(sub, 2));
+  // B numbers independently: its version 1 is another model, below the subscriber's 2.
+  const Model other = SmallModel(3);
+  E2E_ASSERT_OK(Publish(b, other, 1));
+  E2E_ASSERT_OK(a.Kill());
+  // The subscriber fails over to B, is diverged (another lineage), and takes B's version 1.
+  E2E_ASSERT_OK(WaitVersion(b, 1, absl::Seconds(60), /*all_subscribers=*/true));
+  absl::StatusOr<v1::StatusResponse> st = PollStatus(
+      sub.control_target(), [](const v1::StatusResponse& s) { return s.version() == 1; },
+      absl::Seconds(30), "the subscriber holds B's version 1");
+  ASSERT_TRUE(st.ok()) << st.status() << "\n" << sub.LogTail();
+  absl::StatusOr<v1::StatusResponse> bst = RpcStatus(b.control_target());
+  ASSERT_TRUE(bst.ok()) << bst.status();
+  EXPECT_EQ(st->version_digest(), bst->version_digest());
+  EXPECT_EQ(st->lineage(), bst->lineage());
+  E2E_EXPECT_OK(ExpectExportEquals(sub, other));
+  EXPECT_TRUE(LogContains(sub, "the upstream changed lineage")) << sub.LogTail();
+}
+
 TEST_F(E2ESecurityVersionsTest, RetryWithTheSameRequestIdPublishesOnce) {
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   E2E_ASSERT_OK(pub.Start());
