@@ -536,7 +536,7 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
     meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
   }
   absl::Status st = model::WriteSafetensors(BaselinePath(options_.persist_dir), refs, meta,
-                                             options_.persist_fsync);
+                                             {.durable = options_.persist_fsync});
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
                                                 ": ", st.message()));
