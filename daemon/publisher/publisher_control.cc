@@ -12,6 +12,7 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
@@ -174,7 +175,8 @@ absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTen
 }
 
 absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t> version,
-                                                          std::vector<std::string> paths) {
+                                                          std::vector<std::string> paths,
+                                                          std::vector<std::string> publish_dirs) {
   if (paths.empty()) {
     return absl::InvalidArgumentError("publish: no safetensors files given (need at least one)");
   }
@@ -183,6 +185,10 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
       return absl::InvalidArgumentError(absl::StrCat(
           "publish: safetensors path ", Quoted(p),
           " is not absolute (paths are read on the publisher's host; give an absolute path)"));
+    }
+    absl::StatusOr<UniqueFd> fd = OpenRegularFileBeneath(p, publish_dirs, kPublishDirsField);
+    if (!fd.ok()) {
+      return absl::Status(fd.status().code(), absl::StrCat("publish: ", fd.status().message()));
     }
   }
   auto waiter = std::make_shared<Waiter>();
@@ -194,6 +200,7 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
     job.version = chosen;
     job.source = absl::StrCat("control (", absl::StrJoin(paths, ", "), ")");
     job.paths = std::move(paths);
+    job.publish_dirs = std::move(publish_dirs);
     job.waiter = waiter;
     queue_.push_back(std::move(job));
     ++outstanding_;
@@ -204,7 +211,9 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
 }
 
 absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
-  if (!job.paths.empty()) return core_->PublishSafetensors(job.version, job.paths);
+  if (!job.paths.empty()) {
+    return core_->PublishSafetensors(job.version, job.paths, &job.publish_dirs);
+  }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
   for (OwnedTensor& t : job.tensors) {
@@ -393,7 +402,8 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(const v1::Publis
   std::vector<std::string> paths(request.safetensors().begin(), request.safetensors().end());
   std::optional<uint64_t> version;
   if (request.has_version()) version = request.version();
-  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(version, std::move(paths)));
+  ASSIGN_OR_RETURN(const PublishSummary s,
+                   queue_->PublishFiles(version, std::move(paths), options_.publish_dirs));
   v1::PublishResponse r;
   r.set_version(s.version);
   r.set_version_digest(s.version_digest);
@@ -408,14 +418,29 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(const v1::Publis
   return r;
 }
 
+namespace {
+
+// Where and how Export writes: beneath publisher.files.export_dir, never into the persist_dir.
+SafeWriteOptions ExportWriteOptions(const ControlOptions& o) {
+  SafeWriteOptions w;
+  w.root = o.export_dir;
+  w.root_field = "publisher.files.export_dir";
+  w.mode = static_cast<mode_t>(o.export_mode);
+  if (!o.persist_dir.empty()) w.forbidden_dirs = {{o.persist_dir, "publisher.baseline.persist_dir"}};
+  return w;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
     const v1::ExportRequest& request) const {
   const std::string& path = request.safetensors();
-  if (path.empty() || path[0] != '/') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("export: output path ", Quoted(path),
-                     " is not absolute (written on the publisher's host; give an absolute path)"));
+  if (options_.export_dir.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "export to ", Quoted(path), " is disabled: publisher.files.export_dir is not set"));
   }
+  // Checked before the snapshot is taken; AtomicFile checks again where it writes.
+  RETURN_IF_ERROR(PathBeneath(path, options_.export_dir, "publisher.files.export_dir").status());
   const Snapshot baseline = ConsistentBaseline(*core_);
   if (baseline.version == 0) {
     return absl::FailedPreconditionError("export: nothing published yet (no version to export)");
@@ -438,7 +463,7 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
     bytes += t.bytes->size();
     refs.push_back(std::move(ref));
   }
-  absl::Status written = model::WriteSafetensors(path, refs);
+  absl::Status written = model::WriteSafetensors(path, refs, {}, ExportWriteOptions(options_));
   if (!written.ok()) {
     return absl::Status(written.code(), absl::StrCat("export of version ", baseline.version,
                                                      " to ", Quoted(path), ": ",

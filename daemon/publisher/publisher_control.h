@@ -84,9 +84,12 @@ class PublishQueue {
   absl::Status EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
                               std::string source);
   // Publishes safetensors files through the queue and waits for the outcome. Returns the summary
-  // (version, digest, ...). Paths must be absolute (InvalidArgument otherwise).
+  // (version, digest, ...). Paths must be absolute (InvalidArgument otherwise) and lie beneath
+  // one of `publish_dirs` (publisher.files.publish_dirs; none: refused), checked before the job
+  // is queued (a FIFO or an outside path fails at once) and again when the worker opens them.
   absl::StatusOr<PublishSummary> PublishFiles(std::optional<uint64_t> version,
-                                              std::vector<std::string> paths);
+                                              std::vector<std::string> paths,
+                                              std::vector<std::string> publish_dirs);
 
   // OK once a version >= `version` is published. DeadlineExceeded at `deadline` ("version 7 not
   // reached, at version 5"), Unavailable after Stop, Cancelled when `cancelled` (may be null)
@@ -107,6 +110,7 @@ class PublishQueue {
     uint64_t version = 0;
     std::vector<OwnedTensor> tensors;
     std::vector<std::string> paths;
+    std::vector<std::string> publish_dirs;  // confine `paths` (Control publish)
     std::string source;
     std::shared_ptr<Waiter> waiter;  // null for fire-and-forget jobs
   };
@@ -143,6 +147,13 @@ struct ControlOptions {
   int digest_threads = 0;
   // Daemon start (Status.uptime_ms).
   absl::Time started = absl::Now();
+  // publisher.files: Publish reads only beneath publish_dirs (none: file publish refused);
+  // Export writes only beneath export_dir ("": refused), files get exactly export_mode, and
+  // never into persist_dir (publisher.baseline.persist_dir).
+  std::vector<std::string> publish_dirs;
+  std::string export_dir;
+  uint32_t export_mode = 0600;
+  std::string persist_dir;
 };
 
 class PublisherControl final : public v1::Control::Service {

@@ -166,7 +166,12 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
       ControlOptions{.name = name,
                      .history_budget_bytes = options.history_budget_bytes,
                      .digest_threads = options.digest_threads,
-                     .started = started});
+                     .started = started,
+                     .publish_dirs = {config.files().publish_dirs().begin(),
+                                      config.files().publish_dirs().end()},
+                     .export_dir = config.files().export_dir(),
+                     .export_mode = config.files().export_mode(),
+                     .persist_dir = options.persist_dir});
 
   const bool separate_control = !config.control_listen().empty();
   ServerSpec listen;
