@@ -91,8 +91,8 @@ std::string PublisherYaml(const PublisherSpec& s, const std::string& dir,
   absl::StrAppend(&y, "  codec:\n    device: ", s.codec_device, "\n    threads: ", s.codec_threads,
                   "\n");
   const std::vector<std::string> publish_dirs = s.publish_dirs.value_or(std::vector{dir});
+  absl::StrAppend(&y, s.extra);  // may continue the codec block: files after it
   absl::StrAppend(&y, FilesYaml(dir, &publish_dirs, s.export_dir, s.export_mode));
-  absl::StrAppend(&y, s.extra);
   return y;
 }
 
@@ -139,8 +139,8 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   if (s.lease_default_ttl_ms != 0) {
     absl::StrAppend(&y, "  leases:\n    default_ttl_ms: ", s.lease_default_ttl_ms, "\n");
   }
-  absl::StrAppend(&y, FilesYaml(dir, nullptr, s.export_dir, s.export_mode));
   absl::StrAppend(&y, s.extra);
+  absl::StrAppend(&y, FilesYaml(dir, nullptr, s.export_dir, s.export_mode));
   return y;
 }
 
