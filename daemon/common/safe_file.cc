@@ -162,7 +162,9 @@ absl::StatusOr<UniqueFd> OpenTargetDir(const std::string& path, const SafeWriteO
   auto [dir, name] = SplitDirBase(rel);
   *base = name;
   UniqueFd root(::open(options.root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!root.valid()) return SysError(errno, absl::StrCat("open ", options.root_field), options.root);
+  if (!root.valid()) {
+    return SysError(errno, absl::StrCat("open ", options.root_field), options.root);
+  }
   UniqueFd fd(OpenBeneath(root.get(), dir.empty() ? "." : dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd.valid()) {
     return BeneathError(errno, path, options.root, options.root_field, "open directory of");

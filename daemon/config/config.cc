@@ -287,7 +287,9 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
   const std::string prefix = absl::StrCat(role, ".files.");
   for (int i = 0; i < f.publish_dirs_size(); ++i) {
     const std::string field = absl::StrCat(prefix, "publish_dirs[", i, "]");
-    if (role != "publisher") return c.Fail(field, "a subscriber publishes nothing (leave it empty)");
+    if (role != "publisher") {
+      return c.Fail(field, "a subscriber publishes nothing (leave it empty)");
+    }
     RETURN_IF_ERROR(CheckFilesDir(c, field, f.publish_dirs(i)));
   }
   if ((f.export_mode() & ~uint32_t{0666}) != 0) {

@@ -651,7 +651,9 @@ absl::Status CheckTensorExtent(const JsonReader& r, const DataRegion& data, Tens
   uint64_t bytes = static_cast<uint64_t>(DTypeSize(t.entry.dtype));
   bool overflow = false;
   const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
-  for (int64_t d : shape) overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
+  for (int64_t d : shape) {
+    overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
+  }
   if (empty) bytes = 0;
   if (!empty && overflow) {
     return t.Error(r, "shape", t.shape_pos,

@@ -426,7 +426,9 @@ SafeWriteOptions ExportWriteOptions(const ControlOptions& o) {
   w.root = o.export_dir;
   w.root_field = "publisher.files.export_dir";
   w.mode = static_cast<mode_t>(o.export_mode);
-  if (!o.persist_dir.empty()) w.forbidden_dirs = {{o.persist_dir, "publisher.baseline.persist_dir"}};
+  if (!o.persist_dir.empty()) {
+    w.forbidden_dirs = {{o.persist_dir, "publisher.baseline.persist_dir"}};
+  }
   return w;
 }
 
