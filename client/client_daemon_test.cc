@@ -38,7 +38,9 @@ class ClientDaemonTest : public ::testing::Test {
     const std::string yaml = absl::StrCat(
         "publisher:\n  name: client-test\n  log_level: warn\n  listen: \"127.0.0.1:0\"\n"
         "  control_access: {unauthenticated_tcp_role: write}\n  local_socket: ",
-        dir_.path(), "/trainer.sock\n  codec:\n    threads: 2\n");
+        dir_.path(), "/trainer.sock\n  codec:\n    threads: 2\n",
+        "  files:\n    publish_dirs: [\"", dir_.path(), "\"]\n    export_dir: \"", dir_.path(),
+        "\"\n");
     absl::StatusOr<v1::PublisherConfig> cfg =
         config::LoadPublisherConfigFromString(yaml, "client_daemon_test.yaml");
     ASSERT_TRUE(cfg.ok()) << cfg.status();

@@ -1,10 +1,7 @@
 #include "daemon/config/config.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -14,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "cuda/device.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/config/tls_material.h"
@@ -277,6 +275,64 @@ absl::Status CheckName(const Checker& c, const std::string& path, const std::str
   return absl::OkStatus();
 }
 
+// A directory of publisher/subscriber.files: absolute, no "." or ".." components, not "/".
+absl::Status CheckFilesDir(const Checker& c, const std::string& field, const std::string& dir) {
+  if (dir.empty() || dir[0] != '/') {
+    return c.Fail(field, absl::StrCat(Quote(dir), " must be an absolute directory path"));
+  }
+  const std::string normal = std::filesystem::path(dir).lexically_normal().string();
+  for (const auto& part : std::filesystem::path(dir)) {
+    if (part == "." || part == "..") {
+      return c.Fail(field, absl::StrCat(Quote(dir), " has a \"", part.string(),
+                                        "\" component (write the directory plainly)"));
+    }
+  }
+  if (normal == "/") return c.Fail(field, "\"/\" would give access to every file");
+  return absl::OkStatus();
+}
+
+// Whether `inner` is `outer` or lies beneath it (lexically, both absolute).
+bool PathWithin(const std::string& inner, const std::string& outer) {
+  auto norm = [](const std::string& p) {
+    std::string s = std::filesystem::path(p).lexically_normal().string();
+    while (s.size() > 1 && s.back() == '/') s.pop_back();
+    return s;
+  };
+  const std::string i = norm(inner), o = norm(outer);
+  return i == o || (i.size() > o.size() && i.compare(0, o.size(), o) == 0 && i[o.size()] == '/');
+}
+
+// `role`.files; `persist_dir` (publisher only, "" when none) must not overlap export_dir.
+absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1::FileAccess& f,
+                             const std::string& persist_dir) {
+  const std::string prefix = absl::StrCat(role, ".files.");
+  for (int i = 0; i < f.publish_dirs_size(); ++i) {
+    const std::string field = absl::StrCat(prefix, "publish_dirs[", i, "]");
+    if (role != "publisher") {
+      return c.Fail(field, "a subscriber publishes nothing (leave it empty)");
+    }
+    RETURN_IF_ERROR(CheckFilesDir(c, field, f.publish_dirs(i)));
+  }
+  if ((f.export_mode() & ~uint32_t{0666}) != 0) {
+    return c.Fail(prefix + "export_mode",
+                  absl::StrCat(f.export_mode(), " has bits beyond 0666 (YAML numbers are decimal: ",
+                               "384 = 0600, 416 = 0640, 420 = 0644)"));
+  }
+  if (f.export_dir().empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckFilesDir(c, prefix + "export_dir", f.export_dir()));
+  if (persist_dir.empty()) return absl::OkStatus();
+  std::error_code ec;  // the non-throwing overload (no exceptions); on error compare as given
+  std::string persist = std::filesystem::absolute(persist_dir, ec).string();
+  if (ec) persist = persist_dir;
+  if (PathWithin(persist, f.export_dir()) || PathWithin(f.export_dir(), persist)) {
+    return c.Fail(prefix + "export_dir",
+                  absl::StrCat(Quote(f.export_dir()), " overlaps publisher.baseline.persist_dir ",
+                               Quote(persist_dir), " (the persisted baseline is never an export ",
+                               "target: use separate directories)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status MissingSection(const SourceMap& map, const v1::ConfigFile& file, const char* role) {
   const char* other = file.has_publisher() ? "publisher" : "subscriber";
   return absl::InvalidArgumentError(absl::StrCat(map.source_name(), ": no '", role,
@@ -335,6 +391,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
     RETURN_IF_ERROR(CheckGpuUuid(c, "publisher.codec", p.codec().cuda_device_uuid(),
                                  p.codec().has_cuda_device()));
   }
+  RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
   return absl::OkStatus();
 }
 
@@ -416,44 +473,38 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
                   absl::StrCat(s.leases().default_ttl_ms(), " exceeds leases.max_ttl_ms (",
                                s.leases().max_ttl_ms(), ")"));
   }
+  RETURN_IF_ERROR(CheckFileAccess(c, "subscriber", s.files(), ""));
   return absl::OkStatus();
 }
+
+namespace {
+
+// `s` (from safe_file.h, which names the path itself) as "<where>: <reason>", the path said once.
+absl::Status WithoutPath(const absl::Status& s, const std::string& where, const std::string& path) {
+  absl::string_view m = s.message();
+  for (const std::string& prefix : {absl::StrCat("open ", Quote(path), ": "),
+                                    absl::StrCat("read ", Quote(path), ": "),
+                                    absl::StrCat(Quote(path), " ")}) {
+    if (absl::StartsWith(m, prefix)) {
+      m.remove_prefix(prefix.size());
+      break;
+    }
+  }
+  return absl::Status(s.code(), absl::StrCat(where, ": ", m));
+}
+
+}  // namespace
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, const std::string& what,
                                           size_t max_bytes) {
   const std::string where = absl::StrCat("cannot read ", what, " ", Quote(path));
   if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty path"));
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, where);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::ErrnoToStatus(err, where);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(where, ": not a regular file"));
-  }
-  std::string data;
-  char buf[65536];
-  while (true) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return absl::ErrnoToStatus(err, where);
-    }
-    if (n == 0) break;
-    if (data.size() + static_cast<size_t>(n) > max_bytes) {
-      ::close(fd);
-      return absl::InvalidArgumentError(absl::StrCat(where, ": larger than ", max_bytes, " bytes"));
-    }
-    data.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return data;
+  // A FIFO or device is refused without blocking in open() (safe_file.h).
+  absl::StatusOr<UniqueFd> fd = OpenRegularFile(path);
+  if (!fd.ok()) return WithoutPath(fd.status(), where, path);
+  absl::StatusOr<std::vector<uint8_t>> bytes = ReadWholeFile(fd->get(), path, max_bytes);
+  if (!bytes.ok()) return WithoutPath(bytes.status(), where, path);
+  return std::string(bytes->begin(), bytes->end());
 }
 
 absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(const std::string& yaml_text,

@@ -441,6 +441,45 @@ std::pair<std::string, std::string> SelfSigned(const std::string& stem) {
   return {cert, key};
 }
 
+TEST(ConfigTest, FileAccessRules) {
+  const std::string pub = "publisher:\n  listen: \"127.0.0.1:0\"\n";
+  auto files = [&](const std::string& block, const std::string& extra = "") {
+    return PublisherError(pub + extra + "  files:\n" + block);
+  };
+  EXPECT_EQ(files("    publish_dirs: [/srv/publish]\n    export_dir: /srv/export\n"), "");
+  EXPECT_CONTAINS(files("    publish_dirs: [relative]\n"), "publisher.files.publish_dirs[0]");
+  EXPECT_CONTAINS(files("    publish_dirs: [/srv/../etc]\n"), "\"..\" component");
+  EXPECT_CONTAINS(files("    publish_dirs: [/]\n"), "every file");
+  EXPECT_CONTAINS(files("    export_dir: tmp\n"), "publisher.files.export_dir");
+  EXPECT_CONTAINS(files("    export_mode: 600\n"), "bits beyond 0666");
+  EXPECT_EQ(files("    export_mode: 420\n"), "");
+  const std::string persist = "  baseline:\n    persist_dir: /srv/state/baseline\n";
+  EXPECT_CONTAINS(files("    export_dir: /srv/state\n", persist), "persist_dir");
+  EXPECT_CONTAINS(files("    export_dir: /srv/state/baseline/x\n", persist), "persist_dir");
+  EXPECT_EQ(files("    export_dir: /srv/state/export\n", persist), "");
+  auto c = LoadPublisherConfigFromString(pub, "pub.yaml");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->files().export_mode(), 0600u);
+  EXPECT_EQ(c->files().export_dir(), "");
+  EXPECT_EQ(c->files().publish_dirs_size(), 0);
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"
+                                  "  listen: \"127.0.0.1:0\"\n  files: {publish_dirs: [/x]}\n"),
+                  "subscriber.files.publish_dirs[0]");
+}
+
+// A FIFO as --config (or a PEM file) is an error at once, not an open() that blocks forever.
+TEST(ConfigTest, AFifoIsRefusedWithoutBlocking) {
+  const std::string fifo =
+      testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_fifo.yaml";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  auto c = LoadPublisherConfig(fifo);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_CONTAINS(c.status().message(), "is a FIFO");
+  EXPECT_CONTAINS(c.status().message(), fifo);
+  unlink(fifo.c_str());
+}
+
 TEST(ConfigTest, CheckConfigFiles) {
   const auto [cert, key] = SelfSigned("c");
   if (cert.empty()) GTEST_SKIP() << "openssl CLI unavailable";

@@ -1,18 +1,15 @@
 #include "daemon/model/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <numeric>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::model {
@@ -325,8 +322,6 @@ uint64_t LoadLE64(const uint8_t* p) {
   return v;
 }
 
-std::string ErrnoText(int err) { return std::strerror(err); }
-
 // ---- writing helpers
 // ------------------------------------------------------------------------------
 
@@ -368,20 +363,6 @@ void AppendJsonString(absl::string_view s, std::string* out) {
     }
   }
   out->push_back('"');
-}
-
-absl::Status WriteAll(int fd, const uint8_t* p, size_t n, const std::string& what) {
-  while (n > 0) {
-    const size_t chunk = std::min<size_t>(n, size_t{1} << 30);
-    const ssize_t w = ::write(fd, p, chunk);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(absl::StrCat("write ", what, ": ", ErrnoText(errno)));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -431,43 +412,6 @@ absl::string_view SafetensorsDTypeName(DType t) {
   return "?";
 }
 
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::move(o); }
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
-  if (this != &o) {
-    Release();
-    path_ = std::move(o.path_);
-    map_ = std::exchange(o.map_, nullptr);
-    size_ = std::exchange(o.size_, 0);
-    owned_ = std::move(o.owned_);
-    header_size_ = std::exchange(o.header_size_, 0);
-    tensors_ = std::move(o.tensors_);
-    index_ = std::move(o.index_);
-    metadata_ = std::move(o.metadata_);
-    o.owned_.clear();
-    o.tensors_.clear();
-    o.index_.clear();
-    o.metadata_.clear();
-  }
-  return *this;
-}
-
-SafetensorsFile::~SafetensorsFile() { Release(); }
-
-void SafetensorsFile::Release() {
-  if (map_ != nullptr) ::munmap(map_, size_);
-  map_ = nullptr;
-}
-
-const uint8_t* SafetensorsFile::base() const {
-  return map_ != nullptr ? static_cast<const uint8_t*>(map_) : owned_.data();
-}
-
-std::span<const uint8_t> SafetensorsFile::data(size_t i) const {
-  const SafetensorsEntry& e = tensors_[i];
-  return {base() + e.offset, static_cast<size_t>(e.size)};
-}
-
 absl::StatusOr<size_t> SafetensorsFile::Find(absl::string_view name) const {
   auto it = index_.find(name);
   if (it == index_.end()) {
@@ -476,84 +420,285 @@ absl::StatusOr<size_t> SafetensorsFile::Find(absl::string_view name) const {
   return it->second;
 }
 
+std::span<const uint8_t> SafetensorsFile::data(size_t i) const {
+  const SafetensorsEntry& e = tensors_[i];
+  return {owned_.data() + e.offset, static_cast<size_t>(e.size)};
+}
+
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    const std::string msg = absl::StrCat("open ", path, ": ", ErrnoText(err));
-    return err == ENOENT   ? absl::NotFoundError(msg)
-           : err == EACCES ? absl::PermissionDeniedError(msg)
-                           : absl::InvalidArgumentError(msg);
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("stat ", path, ": ", ErrnoText(err)));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
-  }
-  SafetensorsFile f;
-  f.path_ = path;
-  f.size_ = static_cast<uint64_t>(st.st_size);
-  if (f.size_ > 0) {
-    void* m = ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (m == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      return absl::InternalError(
-          absl::StrCat("mmap ", path, " (", f.size_, " bytes): ", ErrnoText(err)));
-    }
-    f.map_ = m;
-  }
-  ::close(fd);
-  RETURN_IF_ERROR(f.Parse());
-  return f;
+  ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFile(path));
+  return FromFd(fd.get(), path);
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::OpenBeneath(const std::string& path,
+                                                             std::span<const std::string> roots,
+                                                             absl::string_view roots_field) {
+  ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFileBeneath(path, roots, roots_field));
+  return FromFd(fd.get(), path);
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::FromFd(int fd, const std::string& path) {
+  ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(fd, path));
+  return FromBytes(std::move(bytes), path);
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::vector<uint8_t> bytes,
                                                            std::string name) {
   SafetensorsFile f;
   f.path_ = std::move(name);
-  f.size_ = bytes.size();
   f.owned_ = std::move(bytes);
   RETURN_IF_ERROR(f.Parse());
   return f;
 }
 
-absl::Status SafetensorsFile::Parse() {
-  if (size_ < 8) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path_, ": file is ", size_, " bytes, too short for the 8-byte safetensors header length"));
-  }
-  const uint64_t n = LoadLE64(base());
-  if (n > kSafetensorsMaxHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": header length ", n,
-                                                   " exceeds the limit of ",
-                                                   kSafetensorsMaxHeaderBytes, " bytes (100 MiB)"));
-  }
-  if (n > size_ - 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path_, ": header length ", n, " is larger than the rest of the file (",
-                     size_ - 8, " bytes after the length field): truncated?"));
-  }
-  header_size_ = n;
-  const uint64_t data_start = 8 + n;
-  const uint64_t data_len = size_ - data_start;
-  const absl::string_view header(reinterpret_cast<const char*>(base() + 8), n);
+namespace {
 
-  JsonReader r(header, path_);
+// Where the data region lies (from the start of the file), for checking data_offsets.
+struct DataRegion {
+  uint64_t start = 0;
+  uint64_t size = 0;
+};
+
+struct TensorRange {
+  uint64_t begin = 0, end = 0;
+};
+
+// What the header object holds, in header order.
+struct ParsedHeader {
+  std::vector<SafetensorsEntry> tensors;
+  std::vector<TensorRange> ranges;  // data_offsets of tensors[i]
+  absl::flat_hash_map<std::string, size_t> index;
+  std::map<std::string, std::string> metadata;
+};
+
+// The 8-byte length field N, checked against the limit and the file size. The field may hold
+// anything (the file need not be a safetensors file at all), so a bad N is never printed.
+absl::StatusOr<uint64_t> ReadHeaderLength(const std::vector<uint8_t>& file,
+                                          const std::string& path) {
+  if (file.size() < 8) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": file is ", file.size(),
+                                                   " bytes, too short for the 8-byte safetensors "
+                                                   "header length"));
+  }
+  const uint64_t n = LoadLE64(file.data());
+  if (n > kSafetensorsMaxHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": the header length field exceeds the limit of ",
+                     kSafetensorsMaxHeaderBytes, " bytes (100 MiB): not a safetensors file?"));
+  }
+  if (n > file.size() - 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": the header length field exceeds the file size of ", file.size(),
+        " bytes: truncated, or not a safetensors file?"));
+  }
+  return n;
+}
+
+// "__metadata__": null, or an object of string values.
+absl::Status ParseMetadata(JsonReader& r, std::map<std::string, std::string>* metadata) {
+  if (r.Peek() == 'n') return r.ReadLiteral("null");  // accepted, as by the reference reader
+  if (r.Peek() != '{') {
+    return r.Error(r.pos(), absl::StrCat("\"__metadata__\" must be an object of strings, found ",
+                                         r.DescribeNext()));
+  }
+  RETURN_IF_ERROR(r.Expect('{', "'{'"));
+  bool first = true;
+  std::string key, value;
+  size_t key_pos = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
+    if (!more) return absl::OkStatus();
+    if (r.Peek() != '"') {
+      return r.Error(r.pos(), absl::StrCat("\"__metadata__\" value for ", Quote(key),
+                                           " must be a string, found ", r.DescribeNext()));
+    }
+    RETURN_IF_ERROR(r.ReadString(&value));
+    if (!metadata->emplace(key, value).second) {
+      return r.Error(key_pos, absl::StrCat("duplicate \"__metadata__\" key ", Quote(key)));
+    }
+  }
+}
+
+// One tensor object's fields while they are read.
+struct TensorFields {
+  std::string where;  // "tensor \"name\""
+  SafetensorsEntry entry;
+  bool have_dtype = false, have_shape = false, have_offsets = false;
+  TensorRange range;
+  size_t offsets_pos = 0, shape_pos = 0;
+
+  absl::Status Error(const JsonReader& r, absl::string_view field, size_t at,
+                     absl::string_view what) const {
+    return r.Error(at, absl::StrCat(where, ": field \"", field, "\": ", what));
+  }
+};
+
+absl::Status ParseDTypeField(JsonReader& r, size_t value_pos, TensorFields& t) {
+  if (r.Peek() != '"') {
+    return t.Error(r, "dtype", value_pos,
+                   absl::StrCat("expected a string, found ", r.DescribeNext()));
+  }
+  std::string text;
+  RETURN_IF_ERROR(r.ReadString(&text));
+  auto dt = ParseDType(text);
+  if (!dt.ok() || SafetensorsDTypeName(*dt) != text) {
+    return t.Error(r, "dtype", value_pos,
+                   absl::StrCat("unknown or unsupported dtype ", Quote(text),
+                                " (supported: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 I16 I32 "
+                                "I64 U8 U16 U32 U64 BOOL)"));
+  }
+  t.entry.dtype = *dt;
+  return absl::OkStatus();
+}
+
+absl::Status ParseShapeField(JsonReader& r, size_t value_pos, TensorFields& t) {
+  t.shape_pos = value_pos;
+  if (r.Peek() != '[') {
+    return t.Error(r, "shape", value_pos,
+                   absl::StrCat("expected an array, found ", r.DescribeNext()));
+  }
+  RETURN_IF_ERROR(r.Expect('[', "'['"));
+  std::vector<int64_t>& shape = t.entry.shape;
+  bool first = true;
+  while (true) {
+    ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
+    if (!more) return absl::OkStatus();
+    if (shape.size() >= static_cast<size_t>(kSafetensorsMaxRank)) {
+      return t.Error(r, "shape", value_pos,
+                     absl::StrCat("more than ", kSafetensorsMaxRank, " dimensions"));
+    }
+    uint64_t d;
+    RETURN_IF_ERROR(r.ReadUint64(&d, absl::StrCat(t.where, ": shape dimension ", shape.size())));
+    if (d > static_cast<uint64_t>(INT64_MAX)) {
+      return t.Error(r, "shape", value_pos,
+                     absl::StrCat("dimension ", shape.size(), " = ", d, " is too large"));
+    }
+    shape.push_back(static_cast<int64_t>(d));
+  }
+}
+
+absl::Status ParseOffsetsField(JsonReader& r, size_t value_pos, TensorFields& t) {
+  t.offsets_pos = value_pos;
+  if (r.Peek() != '[') {
+    return t.Error(r, "data_offsets", value_pos,
+                   absl::StrCat("expected an array of two integers, found ", r.DescribeNext()));
+  }
+  RETURN_IF_ERROR(r.Expect('[', "'['"));
+  bool first = true;
+  int count = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
+    if (!more) break;
+    if (count == 2) return t.Error(r, "data_offsets", value_pos, "more than two offsets");
+    RETURN_IF_ERROR(r.ReadUint64(count == 0 ? &t.range.begin : &t.range.end,
+                                 absl::StrCat(t.where, ": data_offsets[", count, "]")));
+    ++count;
+  }
+  if (count != 2) {
+    return t.Error(r, "data_offsets", value_pos,
+                   absl::StrCat("expected [begin, end], got ", count, " value(s)"));
+  }
+  return absl::OkStatus();
+}
+
+// The members of a tensor object: dtype, shape and data_offsets, each exactly once.
+absl::Status ParseTensorFields(JsonReader& r, size_t key_pos, TensorFields& t) {
+  bool first = true;
+  std::string field;
+  size_t field_pos = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &field, &field_pos));
+    if (!more) break;
+    r.SkipWhitespace();
+    const size_t value_pos = r.pos();
+    bool* seen = field == "dtype"          ? &t.have_dtype
+                 : field == "shape"        ? &t.have_shape
+                 : field == "data_offsets" ? &t.have_offsets
+                                           : nullptr;
+    if (seen == nullptr) {
+      return r.Error(field_pos, absl::StrCat(t.where, ": unknown field ", Quote(field),
+                                             " (expected dtype, shape, data_offsets)"));
+    }
+    if (*seen) return t.Error(r, field, field_pos, "duplicate field");
+    *seen = true;
+    RETURN_IF_ERROR(field == "dtype"   ? ParseDTypeField(r, value_pos, t)
+                    : field == "shape" ? ParseShapeField(r, value_pos, t)
+                                       : ParseOffsetsField(r, value_pos, t));
+  }
+  if (!t.have_dtype || !t.have_shape || !t.have_offsets) {
+    return r.Error(key_pos, absl::StrCat(t.where, ": missing field \"",
+                                         !t.have_dtype   ? "dtype"
+                                         : !t.have_shape ? "shape"
+                                                         : "data_offsets",
+                                         "\""));
+  }
+  return absl::OkStatus();
+}
+
+// data_offsets against the data region, and against the bytes the shape and dtype imply.
+absl::Status CheckTensorExtent(const JsonReader& r, const DataRegion& data, TensorFields& t) {
+  const uint64_t begin = t.range.begin, end = t.range.end;
+  if (begin > end) {
+    return t.Error(r, "data_offsets", t.offsets_pos, absl::StrCat("begin ", begin, " > end ", end));
+  }
+  if (end > data.size) {
+    return t.Error(r, "data_offsets", t.offsets_pos,
+                   absl::StrCat("[", begin, ", ", end, ") runs past the data region (", data.size,
+                                " bytes): truncated file?"));
+  }
+  // Bytes implied by the shape, with overflow checks (a zero dimension makes the product 0).
+  const std::vector<int64_t>& shape = t.entry.shape;
+  uint64_t bytes = static_cast<uint64_t>(DTypeSize(t.entry.dtype));
+  bool overflow = false;
+  const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
+  for (int64_t d : shape) {
+    overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
+  }
+  if (empty) bytes = 0;
+  if (!empty && overflow) {
+    return t.Error(r, "shape", t.shape_pos,
+                   "the number of bytes the shape implies overflows 64 bits");
+  }
+  if (bytes != end - begin) {
+    return t.Error(r, "data_offsets", t.offsets_pos,
+                   absl::StrCat("[", begin, ", ", end, ") holds ", end - begin, " bytes but shape ",
+                                "and dtype ", SafetensorsDTypeName(t.entry.dtype), " need ",
+                                bytes));
+  }
+  t.entry.offset = data.start + begin;
+  t.entry.size = end - begin;
+  return absl::OkStatus();
+}
+
+// One "name": {dtype, shape, data_offsets} member, appended to `out`.
+absl::Status ParseTensorEntry(JsonReader& r, const std::string& name, size_t key_pos,
+                              const DataRegion& data, ParsedHeader& out) {
+  TensorFields t;
+  t.where = absl::StrCat("tensor ", Quote(name));
+  if (out.index.contains(name))
+    return r.Error(key_pos, absl::StrCat(t.where, ": duplicate tensor name"));
+  if (r.Peek() != '{') {
+    return r.Error(r.pos(),
+                   absl::StrCat(t.where, ": expected an object, found ", r.DescribeNext()));
+  }
+  RETURN_IF_ERROR(r.Expect('{', "'{'"));
+  t.entry.name = name;
+  RETURN_IF_ERROR(ParseTensorFields(r, key_pos, t));
+  RETURN_IF_ERROR(CheckTensorExtent(r, data, t));
+  out.index.emplace(name, out.tensors.size());
+  out.tensors.push_back(std::move(t.entry));
+  out.ranges.push_back(t.range);
+  return absl::OkStatus();
+}
+
+// The header object: tensors and at most one "__metadata__", nothing after it.
+absl::StatusOr<ParsedHeader> ParseHeaderObject(JsonReader& r, const DataRegion& data) {
   if (r.Peek() != '{') {
     return r.Error(r.pos(),
                    absl::StrCat("the header must be a JSON object, found ", r.DescribeNext()));
   }
   RETURN_IF_ERROR(r.Expect('{', "'{'"));
-  struct Range {
-    uint64_t begin, end;
-  };
-  std::vector<Range> ranges;
+  ParsedHeader out;
   bool seen_metadata = false;
   bool first = true;
   std::string key;
@@ -561,214 +706,118 @@ absl::Status SafetensorsFile::Parse() {
   while (true) {
     ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
     if (!more) break;
-    if (key == kMetadataKey) {
-      if (seen_metadata) return r.Error(key_pos, "duplicate \"__metadata__\"");
-      seen_metadata = true;
-      if (r.Peek() == 'n') {  // "__metadata__": null is accepted, as by the reference reader
-        RETURN_IF_ERROR(r.ReadLiteral("null"));
-        continue;
-      }
-      if (r.Peek() != '{') {
-        return r.Error(r.pos(),
-                       absl::StrCat("\"__metadata__\" must be an object of strings, found ",
-                                    r.DescribeNext()));
-      }
-      RETURN_IF_ERROR(r.Expect('{', "'{'"));
-      bool mfirst = true;
-      std::string mkey, mval;
-      size_t mkey_pos = 0;
-      while (true) {
-        ASSIGN_OR_RETURN(bool mmore, r.NextMember(&mfirst, &mkey, &mkey_pos));
-        if (!mmore) break;
-        if (r.Peek() != '"') {
-          return r.Error(r.pos(), absl::StrCat("\"__metadata__\" value for ", Quote(mkey),
-                                               " must be a string, found ", r.DescribeNext()));
-        }
-        RETURN_IF_ERROR(r.ReadString(&mval));
-        if (!metadata_.emplace(mkey, mval).second) {
-          return r.Error(mkey_pos, absl::StrCat("duplicate \"__metadata__\" key ", Quote(mkey)));
-        }
-      }
+    if (key != kMetadataKey) {
+      RETURN_IF_ERROR(ParseTensorEntry(r, key, key_pos, data, out));
       continue;
     }
-
-    // A tensor entry.
-    const std::string where = absl::StrCat("tensor ", Quote(key));
-    auto field_error = [&](absl::string_view field, size_t at, absl::string_view what) {
-      return r.Error(at, absl::StrCat(where, ": field \"", field, "\": ", what));
-    };
-    if (index_.contains(key))
-      return r.Error(key_pos, absl::StrCat(where, ": duplicate tensor name"));
-    if (r.Peek() != '{') {
-      return r.Error(r.pos(),
-                     absl::StrCat(where, ": expected an object, found ", r.DescribeNext()));
-    }
-    RETURN_IF_ERROR(r.Expect('{', "'{'"));
-    SafetensorsEntry e;
-    e.name = key;
-    bool have_dtype = false, have_shape = false, have_offsets = false;
-    uint64_t begin = 0, end = 0;
-    size_t offsets_pos = 0, shape_pos = 0;
-    bool efirst = true;
-    std::string field, text;
-    size_t field_pos = 0;
-    while (true) {
-      ASSIGN_OR_RETURN(bool emore, r.NextMember(&efirst, &field, &field_pos));
-      if (!emore) break;
-      r.SkipWhitespace();
-      const size_t value_pos = r.pos();
-      if (field == "dtype") {
-        if (have_dtype) return field_error(field, field_pos, "duplicate field");
-        have_dtype = true;
-        if (r.Peek() != '"')
-          return field_error("dtype", value_pos,
-                             absl::StrCat("expected a string, found ", r.DescribeNext()));
-        RETURN_IF_ERROR(r.ReadString(&text));
-        auto dt = ParseDType(text);
-        if (!dt.ok() || SafetensorsDTypeName(*dt) != text) {
-          return field_error(
-              "dtype", value_pos,
-              absl::StrCat("unknown or unsupported dtype ", Quote(text),
-                           " (supported: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 I16 I32 "
-                           "I64 U8 U16 U32 U64 BOOL)"));
-        }
-        e.dtype = *dt;
-      } else if (field == "shape") {
-        if (have_shape) return field_error(field, field_pos, "duplicate field");
-        have_shape = true;
-        shape_pos = value_pos;
-        if (r.Peek() != '[')
-          return field_error("shape", value_pos,
-                             absl::StrCat("expected an array, found ", r.DescribeNext()));
-        RETURN_IF_ERROR(r.Expect('[', "'['"));
-        bool afirst = true;
-        while (true) {
-          ASSIGN_OR_RETURN(bool amore, r.NextElement(&afirst));
-          if (!amore) break;
-          if (e.shape.size() >= static_cast<size_t>(kSafetensorsMaxRank)) {
-            return field_error("shape", value_pos,
-                               absl::StrCat("more than ", kSafetensorsMaxRank, " dimensions"));
-          }
-          uint64_t d;
-          RETURN_IF_ERROR(
-              r.ReadUint64(&d, absl::StrCat(where, ": shape dimension ", e.shape.size())));
-          if (d > static_cast<uint64_t>(INT64_MAX)) {
-            return field_error(
-                "shape", value_pos,
-                absl::StrCat("dimension ", e.shape.size(), " = ", d, " is too large"));
-          }
-          e.shape.push_back(static_cast<int64_t>(d));
-        }
-      } else if (field == "data_offsets") {
-        if (have_offsets) return field_error(field, field_pos, "duplicate field");
-        have_offsets = true;
-        offsets_pos = value_pos;
-        if (r.Peek() != '[') {
-          return field_error(
-              "data_offsets", value_pos,
-              absl::StrCat("expected an array of two integers, found ", r.DescribeNext()));
-        }
-        RETURN_IF_ERROR(r.Expect('[', "'['"));
-        bool afirst = true;
-        int count = 0;
-        while (true) {
-          ASSIGN_OR_RETURN(bool amore, r.NextElement(&afirst));
-          if (!amore) break;
-          if (count == 2) return field_error("data_offsets", value_pos, "more than two offsets");
-          RETURN_IF_ERROR(r.ReadUint64(count == 0 ? &begin : &end,
-                                       absl::StrCat(where, ": data_offsets[", count, "]")));
-          ++count;
-        }
-        if (count != 2)
-          return field_error("data_offsets", value_pos,
-                             absl::StrCat("expected [begin, end], got ", count, " value(s)"));
-      } else {
-        return r.Error(field_pos, absl::StrCat(where, ": unknown field ", Quote(field),
-                                               " (expected dtype, shape, data_offsets)"));
-      }
-    }
-    if (!have_dtype || !have_shape || !have_offsets) {
-      return r.Error(key_pos, absl::StrCat(where, ": missing field \"",
-                                           !have_dtype   ? "dtype"
-                                           : !have_shape ? "shape"
-                                                         : "data_offsets",
-                                           "\""));
-    }
-    if (begin > end) {
-      return field_error("data_offsets", offsets_pos,
-                         absl::StrCat("begin ", begin, " > end ", end));
-    }
-    if (end > data_len) {
-      return field_error("data_offsets", offsets_pos,
-                         absl::StrCat("[", begin, ", ", end, ") runs past the data region (",
-                                      data_len, " bytes): truncated file?"));
-    }
-    // Bytes implied by the shape, with overflow checks (a zero dimension makes the product 0).
-    uint64_t bytes = static_cast<uint64_t>(DTypeSize(e.dtype));
-    bool overflow = false;
-    const bool empty = std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end();
-    for (int64_t d : e.shape)
-      overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
-    if (empty) bytes = 0;
-    if (!empty && overflow) {
-      return field_error("shape", shape_pos,
-                         "the number of bytes the shape implies overflows 64 bits");
-    }
-    if (bytes != end - begin) {
-      return field_error(
-          "data_offsets", offsets_pos,
-          absl::StrCat("[", begin, ", ", end, ") holds ", end - begin, " bytes but shape ",
-                       "and dtype ", SafetensorsDTypeName(e.dtype), " need ", bytes));
-    }
-    e.offset = data_start + begin;
-    e.size = end - begin;
-    index_.emplace(e.name, tensors_.size());
-    tensors_.push_back(std::move(e));
-    ranges.push_back({begin, end});
+    if (seen_metadata) return r.Error(key_pos, "duplicate \"__metadata__\"");
+    seen_metadata = true;
+    RETURN_IF_ERROR(ParseMetadata(r, &out.metadata));
   }
   if (!r.AtEnd()) return r.SyntaxError(r.pos(), "unexpected content after the header object");
+  return out;
+}
 
-  // The tensors must tile the data region: no overlap, no hole, nothing after the last one.
-  std::vector<size_t> order(tensors_.size());
+// The tensors must tile the data region: no overlap, no hole, nothing after the last one.
+absl::Status CheckTiling(const std::string& path, const ParsedHeader& h, uint64_t data_len) {
+  std::vector<size_t> order(h.tensors.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return ranges[a].begin != ranges[b].begin ? ranges[a].begin < ranges[b].begin
-                                              : ranges[a].end < ranges[b].end;
+    return h.ranges[a].begin != h.ranges[b].begin ? h.ranges[a].begin < h.ranges[b].begin
+                                                  : h.ranges[a].end < h.ranges[b].end;
   });
   uint64_t covered = 0;
   for (size_t k = 0; k < order.size(); ++k) {
-    const Range& rg = ranges[order[k]];
-    const std::string& name = tensors_[order[k]].name;
+    const TensorRange& rg = h.ranges[order[k]];
+    const std::string where =
+        absl::StrCat(path, ": tensor ", Quote(h.tensors[order[k]].name), ": data_offsets [",
+                     rg.begin, ", ", rg.end, ")");
     if (rg.begin < covered) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path_, ": tensor ", Quote(name), ": data_offsets [", rg.begin, ", ", rg.end,
-                       ") overlaps tensor ", Quote(tensors_[order[k - 1]].name), " (which ends at ",
-                       covered, ")"));
+          absl::StrCat(where, " overlaps tensor ", Quote(h.tensors[order[k - 1]].name),
+                       " (which ends at ", covered, ")"));
     }
     if (rg.begin > covered) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path_, ": tensor ", Quote(name), ": data_offsets [", rg.begin, ", ", rg.end,
-                       ") leaves a hole: bytes [", covered, ", ", rg.begin,
-                       ") of the data region belong to no tensor"));
+      return absl::InvalidArgumentError(absl::StrCat(where, " leaves a hole: bytes [", covered,
+                                                     ", ", rg.begin,
+                                                     ") of the data region belong to no tensor"));
     }
     covered = rg.end;
   }
   if (covered != data_len) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path_, ": the data region is ", data_len, " bytes but the tensors cover only ",
+        absl::StrCat(path, ": the data region is ", data_len, " bytes but the tensors cover only ",
                      covered, " (", data_len - covered, " trailing bytes belong to no tensor)"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SafetensorsFile::Parse() {
+  ASSIGN_OR_RETURN(header_size_, ReadHeaderLength(owned_, path_));
+  DataRegion data;
+  data.start = 8 + header_size_;
+  data.size = owned_.size() - data.start;
+  const absl::string_view header(reinterpret_cast<const char*>(owned_.data() + 8), header_size_);
+  JsonReader r(header, path_);
+  ASSIGN_OR_RETURN(ParsedHeader h, ParseHeaderObject(r, data));
+  RETURN_IF_ERROR(CheckTiling(path_, h, data.size));
+  tensors_ = std::move(h.tensors);
+  index_ = std::move(h.index);
+  metadata_ = std::move(h.metadata);
   return absl::OkStatus();
 }
 
 // ---- writing
 // --------------------------------------------------------------------------------------
 
-absl::Status WriteSafetensors(const std::string& path,
-                              std::span<const SafetensorsTensorRef> tensors,
-                              const std::map<std::string, std::string>& metadata,
-                              bool durable) {
-  // Validate and build the header.
+namespace {
+
+// Appends one tensor's header entry; checks the name, dtype, shape and data size.
+absl::Status AppendTensorHeader(const std::string& path, const SafetensorsTensorRef& t,
+                                uint64_t* offset, std::string* header) {
+  const std::string where = absl::StrCat("write ", path, ": tensor ", Quote(t.name));
+  if (t.name == kMetadataKey)
+    return absl::InvalidArgumentError(absl::StrCat(where, ": reserved name"));
+  if (!IsValidUtf8(t.name))
+    return absl::InvalidArgumentError(absl::StrCat(where, ": name is not valid UTF-8"));
+  if (!IsValidDType(static_cast<uint8_t>(t.dtype))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": invalid dtype code ", static_cast<int>(t.dtype)));
+  }
+  if (t.shape.size() > static_cast<size_t>(kSafetensorsMaxRank)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": more than ", kSafetensorsMaxRank, " dimensions"));
+  }
+  uint64_t bytes = static_cast<uint64_t>(DTypeSize(t.dtype));
+  bool overflow = false, empty = false;
+  for (int64_t d : t.shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": negative dimension ", d));
+    empty |= d == 0;
+    overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
+  }
+  if (empty) bytes = 0;
+  if (overflow && !empty)
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shape overflows"));
+  if (bytes != t.data.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": shape and dtype ", SafetensorsDTypeName(t.dtype), " need ", bytes,
+                     " bytes but the data span has ", t.data.size()));
+  }
+  if (header->size() > 1) *header += ',';
+  AppendJsonString(t.name, header);
+  absl::StrAppend(header, ":{\"dtype\":\"", SafetensorsDTypeName(t.dtype), "\",\"shape\":[");
+  for (size_t k = 0; k < t.shape.size(); ++k) absl::StrAppend(header, k ? "," : "", t.shape[k]);
+  absl::StrAppend(header, "],\"data_offsets\":[", *offset, ",", *offset + bytes, "]}");
+  *offset += bytes;
+  return absl::OkStatus();
+}
+
+// The header JSON, padded with spaces to a multiple of 8 bytes.
+absl::StatusOr<std::string> BuildHeader(const std::string& path,
+                                        std::span<const SafetensorsTensorRef> tensors,
+                                        const std::map<std::string, std::string>& metadata) {
   std::string header = "{";
   if (!metadata.empty()) {
     AppendJsonString(kMetadataKey, &header);
@@ -787,46 +836,14 @@ absl::Status WriteSafetensors(const std::string& path,
     }
     header += '}';
   }
-  absl::flat_hash_map<absl::string_view, size_t> seen;
+  absl::flat_hash_set<absl::string_view> seen;
   uint64_t offset = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const SafetensorsTensorRef& t = tensors[i];
-    const std::string where = absl::StrCat("write ", path, ": tensor ", Quote(t.name));
-    if (t.name == kMetadataKey)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": reserved name"));
-    if (!IsValidUtf8(t.name))
-      return absl::InvalidArgumentError(absl::StrCat(where, ": name is not valid UTF-8"));
-    if (!seen.emplace(t.name, i).second)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": duplicate name"));
-    if (!IsValidDType(static_cast<uint8_t>(t.dtype))) {
+  for (const SafetensorsTensorRef& t : tensors) {
+    if (!seen.insert(t.name).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": invalid dtype code ", static_cast<int>(t.dtype)));
+          absl::StrCat("write ", path, ": tensor ", Quote(t.name), ": duplicate name"));
     }
-    if (t.shape.size() > static_cast<size_t>(kSafetensorsMaxRank)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": more than ", kSafetensorsMaxRank, " dimensions"));
-    }
-    uint64_t bytes = static_cast<uint64_t>(DTypeSize(t.dtype));
-    bool overflow = false, empty = false;
-    for (int64_t d : t.shape) {
-      if (d < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": negative dimension ", d));
-      empty |= d == 0;
-      overflow |= __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes);
-    }
-    if (empty) bytes = 0;
-    if (overflow && !empty)
-      return absl::InvalidArgumentError(absl::StrCat(where, ": shape overflows"));
-    if (bytes != t.data.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": shape and dtype ", SafetensorsDTypeName(t.dtype), " need ", bytes,
-                       " bytes but the data span has ", t.data.size()));
-    }
-    if (header.size() > 1) header += ',';
-    AppendJsonString(t.name, &header);
-    absl::StrAppend(&header, ":{\"dtype\":\"", SafetensorsDTypeName(t.dtype), "\",\"shape\":[");
-    for (size_t k = 0; k < t.shape.size(); ++k) absl::StrAppend(&header, k ? "," : "", t.shape[k]);
-    absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
-    offset += bytes;
+    RETURN_IF_ERROR(AppendTensorHeader(path, t, &offset, &header));
   }
   header += '}';
   while (header.size() % 8 != 0) header += ' ';
@@ -835,53 +852,25 @@ absl::Status WriteSafetensors(const std::string& path,
         absl::StrCat("write ", path, ": header would be ", header.size(),
                      " bytes, over the 100 MiB limit readers accept"));
   }
+  return header;
+}
 
-  // Write a temporary file next to the target, fsync, rename.
-  std::string tmp = path + ".tmp-XXXXXX";
-  const int fd = ::mkstemp(tmp.data());
-  if (fd < 0) {
-    return absl::InternalError(absl::StrCat("write ", path, ": cannot create a temporary file ",
-                                            tmp, ": ", ErrnoText(errno)));
-  }
-  auto fail = [&](absl::Status s) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return s;
-  };
+}  // namespace
+
+absl::Status WriteSafetensors(const std::string& path,
+                              std::span<const SafetensorsTensorRef> tensors,
+                              const std::map<std::string, std::string>& metadata,
+                              const SafeWriteOptions& options) {
+  ASSIGN_OR_RETURN(const std::string header, BuildHeader(path, tensors, metadata));
+  ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, options));
   uint8_t len[8];
   for (int i = 0; i < 8; ++i)
     len[i] = static_cast<uint8_t>(static_cast<uint64_t>(header.size()) >> (8 * i));
-  absl::Status s = WriteAll(fd, len, 8, tmp);
-  if (s.ok()) s = WriteAll(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), tmp);
-  for (size_t i = 0; s.ok() && i < tensors.size(); ++i) {
-    s = WriteAll(fd, tensors[i].data.data(), tensors[i].data.size(), tmp);
-  }
-  if (!s.ok()) return fail(s);
-  if (::fchmod(fd, 0644) != 0)
-    return fail(absl::InternalError(absl::StrCat("chmod ", tmp, ": ", ErrnoText(errno))));
-  if (durable && ::fsync(fd) != 0)
-    return fail(absl::InternalError(absl::StrCat("fsync ", tmp, ": ", ErrnoText(errno))));
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("close ", tmp, ": ", ErrnoText(err)));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("rename ", tmp, " to ", path, ": ", ErrnoText(err)));
-  }
-  // Make the rename durable.
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "."
-                          : slash == 0               ? "/"
-                                                     : path.substr(0, slash);
-  const int dfd = durable ? ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return absl::OkStatus();
+  RETURN_IF_ERROR(file.Write(len));
+  RETURN_IF_ERROR(
+      file.Write({reinterpret_cast<const uint8_t*>(header.data()), header.size()}));
+  for (const SafetensorsTensorRef& t : tensors) RETURN_IF_ERROR(file.Write(t.data));
+  return file.Commit();
 }
 
 }  // namespace refit::model

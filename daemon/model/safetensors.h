@@ -1,4 +1,5 @@
-// safetensors files (https://github.com/huggingface/safetensors): read by mmap, written atomically.
+// safetensors files (https://github.com/huggingface/safetensors): read with pread into memory the
+// object owns, written atomically.
 //
 // Layout: u64 little-endian N, then N bytes of UTF-8 JSON, then the data region. The JSON is an
 // object mapping each tensor name to {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}
@@ -10,8 +11,9 @@
 // (file, tensor, field, and "header byte K", counted from the first byte of the JSON); a hostile
 // file gives an error, never a crash. The JSON reader is schema-driven and never recurses on its
 // input: nesting where the schema has none is reported as "expected X, found an array/object".
-// The one thing a reader cannot guard against is another process truncating the file while it is
-// mapped (SIGBUS on access), as with any mmap reader.
+// Files are never mapped: another process truncating the file while it is read gives an error
+// ("... shrank while being read"), not SIGBUS; a FIFO, device or directory is refused without
+// blocking (daemon/common/safe_file.h).
 #ifndef REFIT_DAEMON_MODEL_SAFETENSORS_H_
 #define REFIT_DAEMON_MODEL_SAFETENSORS_H_
 
@@ -26,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/safe_file.h"
 
 namespace refit::model {
 
@@ -45,17 +48,23 @@ struct SafetensorsEntry {
 
 class SafetensorsFile {
  public:
-  // Maps `path` read-only and validates its header.
+  // Reads the regular file `path` (symlinks followed) and validates its header.
   static absl::StatusOr<SafetensorsFile> Open(const std::string& path);
+  // The same, confined beneath one of `roots` (OpenRegularFileBeneath; `roots_field` names the
+  // setting in errors).
+  static absl::StatusOr<SafetensorsFile> OpenBeneath(const std::string& path,
+                                                     std::span<const std::string> roots,
+                                                     absl::string_view roots_field);
+  // Reads the regular file open as `fd` (not closed; `path` appears in errors).
+  static absl::StatusOr<SafetensorsFile> FromFd(int fd, const std::string& path);
   // Validates an in-memory file image (which the object then owns); `name` appears in errors.
   static absl::StatusOr<SafetensorsFile> FromBytes(std::vector<uint8_t> bytes,
                                                    std::string name = "<memory>");
 
-  SafetensorsFile(SafetensorsFile&& other) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
+  SafetensorsFile(SafetensorsFile&& other) noexcept = default;
+  SafetensorsFile& operator=(SafetensorsFile&& other) noexcept = default;
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
-  ~SafetensorsFile();
 
   const std::string& path() const { return path_; }
   // Tensors in header order.
@@ -67,18 +76,14 @@ class SafetensorsFile {
   // The "__metadata__" object (empty when absent).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   uint64_t header_size() const { return header_size_; }  // N, the JSON's length in bytes
-  uint64_t file_size() const { return size_; }
+  uint64_t file_size() const { return owned_.size(); }
 
  private:
   SafetensorsFile() = default;
   absl::Status Parse();
-  const uint8_t* base() const;
-  void Release();
 
   std::string path_;
-  void* map_ = nullptr;  // mmap'd file image, or null when owned_ holds it
-  uint64_t size_ = 0;
-  std::vector<uint8_t> owned_;
+  std::vector<uint8_t> owned_;  // the file image
   uint64_t header_size_ = 0;
   std::vector<SafetensorsEntry> tensors_;
   absl::flat_hash_map<std::string, size_t> index_;
@@ -98,14 +103,15 @@ struct SafetensorsTensorRef {
 // size yourself if every tensor must be naturally aligned in the file)
 // and the metadata as "__metadata__" (omitted when empty). The header is compact JSON padded with
 // spaces so that the data region starts at a multiple of 8, as the reference implementation does.
-// Atomic: written to a temporary file in the same directory, fsync'd (unless `durable` is
-// false: then a system crash may leave a stale or damaged file, which readers that check
-// digests detect), then renamed over `path`;
-// on failure `path` is untouched and the temporary file removed. New files get mode 0644.
+// Atomic (AtomicFile, daemon/common/safe_file.h): written to a temporary file in the same
+// directory, fsync'd (unless options.durable is false: then a system crash may leave a stale or
+// damaged file, which readers that check digests detect), then renamed over `path`, which must be
+// absent or a regular file; on failure `path` is untouched and the temporary file removed. The
+// file gets exactly options.mode (default 0600); options.root confines `path` beneath it.
 absl::Status WriteSafetensors(const std::string& path,
                               std::span<const SafetensorsTensorRef> tensors,
                               const std::map<std::string, std::string>& metadata = {},
-                              bool durable = true);
+                              const SafeWriteOptions& options = {});
 
 // The safetensors name of a dtype ("BF16", "F8_E4M3", "BOOL", ...).
 absl::string_view SafetensorsDTypeName(DType t);

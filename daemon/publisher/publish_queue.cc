@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/versions.h"
 
@@ -208,6 +209,7 @@ absl::StatusOr<std::shared_ptr<PublishQueue::Waiter>> PublishQueue::QueueFiles(
   job.source = absl::StrCat("control (", absl::StrJoin(publish.paths, ", "), ")");
   if (!publish.request_id.empty()) absl::StrAppend(&job.source, " request ", publish.request_id);
   job.paths = publish.paths;
+  job.publish_dirs = publish.publish_dirs;
   job.waiter = waiter;
   queue_.push_back(std::move(job));
   ++outstanding_;
@@ -265,6 +267,11 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
           "publish: safetensors path ", Quoted(p),
           " is not absolute (paths are read on the publisher's host; give an absolute path)"));
     }
+    absl::StatusOr<UniqueFd> fd = OpenRegularFileBeneath(p, publish.publish_dirs,
+                                                         kPublishDirsField);
+    if (!fd.ok()) {
+      return absl::Status(fd.status().code(), absl::StrCat("publish: ", fd.status().message()));
+    }
   }
   if (publish.request_id.size() > kMaxRequestIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("publish: request_id has ",
@@ -276,16 +283,10 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
   return Await(waiter, publish);
 }
 
-absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t> version,
-                                                          std::vector<std::string> paths) {
-  FilesPublish p;
-  p.version = version;
-  p.paths = std::move(paths);
-  return PublishFiles(std::move(p));
-}
-
 absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
-  if (!job.paths.empty()) return core_->PublishSafetensors(job.version, job.paths);
+  if (!job.paths.empty()) {
+    return core_->PublishSafetensors(job.version, job.paths, &job.publish_dirs);
+  }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
   for (OwnedTensor& t : job.tensors) {

@@ -78,6 +78,10 @@ struct PublishQueueOptions {
 struct FilesPublish {
   std::optional<uint64_t> version;
   std::vector<std::string> paths;  // absolute
+  // Confine `paths` (publisher.files.publish_dirs): each must lie beneath one of them, checked
+  // before the job is queued (a FIFO or an outside path fails at once) and again when the worker
+  // opens it. Empty: refused.
+  std::vector<std::string> publish_dirs;
   std::string request_id;          // "" = not idempotent
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be null; polled every 200 ms
@@ -113,8 +117,6 @@ class PublishQueue {
   // publish.deadline: DeadlineExceeded; Cancelled when publish.cancelled turns true). Returns
   // the summary (version, digest, ...). Paths must be absolute (InvalidArgument otherwise).
   absl::StatusOr<PublishSummary> PublishFiles(FilesPublish publish);
-  absl::StatusOr<PublishSummary> PublishFiles(std::optional<uint64_t> version,
-                                              std::vector<std::string> paths);
 
   // OK once a version >= `version` is published. DeadlineExceeded at `deadline` ("version 7 not
   // reached, at version 5"), Unavailable after Stop, Cancelled when `cancelled` (may be null)
@@ -145,6 +147,7 @@ class PublishQueue {
     uint64_t version = 0;
     std::vector<OwnedTensor> tensors;
     std::vector<std::string> paths;
+    std::vector<std::string> publish_dirs;  // confine `paths` (Control publish)
     std::string source;
     std::shared_ptr<Waiter> waiter;  // null for fire-and-forget jobs
   };

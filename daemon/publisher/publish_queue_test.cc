@@ -55,6 +55,7 @@ class PublishQueueTest : public ::testing::Test {
   FilesPublish Request(int seed, const std::string& id, absl::Duration timeout) {
     FilesPublish p;
     p.paths = {File(seed)};
+    p.publish_dirs = {dir_};
     p.request_id = id;
     p.deadline = absl::Now() + timeout;
     return p;

@@ -12,6 +12,7 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
@@ -134,6 +135,7 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(
   publish.request_id = request.request_id();
   publish.deadline = rpc_deadline;
   publish.cancelled = cancelled;
+  publish.publish_dirs = options_.publish_dirs;
   ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(std::move(publish)));
   v1::PublishResponse r;
   r.set_version(s.version);
@@ -149,14 +151,31 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(
   return r;
 }
 
+namespace {
+
+// Where and how Export writes: beneath publisher.files.export_dir, never into the persist_dir.
+SafeWriteOptions ExportWriteOptions(const ControlOptions& o) {
+  SafeWriteOptions w;
+  w.root = o.export_dir;
+  w.root_field = "publisher.files.export_dir";
+  w.mode = static_cast<mode_t>(o.export_mode);
+  if (!o.persist_dir.empty()) {
+    w.forbidden_dirs = {{o.persist_dir, "publisher.baseline.persist_dir"}};
+  }
+  return w;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
     const v1::ExportRequest& request) const {
   const std::string& path = request.safetensors();
-  if (path.empty() || path[0] != '/') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("export: output path ", Quoted(path),
-                     " is not absolute (written on the publisher's host; give an absolute path)"));
+  if (options_.export_dir.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "export to ", Quoted(path), " is disabled: publisher.files.export_dir is not set"));
   }
+  // Checked before the snapshot is taken; AtomicFile checks again where it writes.
+  RETURN_IF_ERROR(PathBeneath(path, options_.export_dir, "publisher.files.export_dir").status());
   const Snapshot baseline = ConsistentBaseline(*core_);
   if (baseline.version == 0) {
     return absl::FailedPreconditionError("export: nothing published yet (no version to export)");
@@ -179,7 +198,7 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
     bytes += t.bytes->size();
     refs.push_back(std::move(ref));
   }
-  absl::Status written = model::WriteSafetensors(path, refs);
+  absl::Status written = model::WriteSafetensors(path, refs, {}, ExportWriteOptions(options_));
   if (!written.ok()) {
     return absl::Status(written.code(), absl::StrCat("export of version ", baseline.version,
                                                      " to ", Quoted(path), ": ",

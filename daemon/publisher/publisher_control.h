@@ -41,6 +41,13 @@ struct ControlOptions {
   absl::Time started = absl::Now();
   // Status.tls: the listeners' TLS material (TlsReloader::Status); empty = none.
   std::function<std::vector<v1::TlsMaterialStatus>()> tls_status;
+  // publisher.files: Publish reads only beneath publish_dirs (none: file publish refused);
+  // Export writes only beneath export_dir ("": refused), files get exactly export_mode, and
+  // never into persist_dir (publisher.baseline.persist_dir).
+  std::vector<std::string> publish_dirs;
+  std::string export_dir;
+  uint32_t export_mode = 0600;
+  std::string persist_dir;
 };
 
 class PublisherControl final : public v1::Control::Service {

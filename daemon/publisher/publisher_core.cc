@@ -605,8 +605,9 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
     meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
     meta[kMetaLineage] = Hex64(lineage_);
   }
-  absl::Status st = model::WriteSafetensors(dir_->baseline_path(), refs, meta,
-                                             options_.persist_fsync);
+  SafeWriteOptions write;
+  write.durable = options_.persist_fsync;
+  absl::Status st = model::WriteSafetensors(dir_->baseline_path(), refs, meta, write);
   if (!st.ok()) {
     return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
                                                 ": ", st.message()));
@@ -772,7 +773,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
-    uint64_t version, std::span<const std::string> paths) {
+    uint64_t version, std::span<const std::string> paths,
+    const std::vector<std::string>* publish_dirs) {
   if (paths.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("publish version ", version, ": no safetensors files given"));
@@ -780,7 +782,9 @@ absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
   std::vector<model::SafetensorsFile> files;
   files.reserve(paths.size());
   for (const std::string& p : paths) {
-    auto f = model::SafetensorsFile::Open(p);
+    auto f = publish_dirs == nullptr
+                 ? model::SafetensorsFile::Open(p)
+                 : model::SafetensorsFile::OpenBeneath(p, *publish_dirs, kPublishDirsField);
     if (!f.ok()) {
       return absl::Status(f.status().code(), absl::StrCat("publish version ", version, ": ",
                                                           f.status().message()));

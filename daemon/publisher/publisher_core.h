@@ -35,6 +35,9 @@ namespace refit::publisher {
 // A tensor's bytes in daemon-owned memory a cuda::Device reads: its device memory or pinned,
 // mapped host memory (memory.kind()). A TrainerApi snapshot of a trainer's CUDA tensor, or a
 // tensor of the core's GPU baseline. Immutable once handed to Publish.
+// The config field that confines Control file publish (named in its errors).
+inline constexpr char kPublishDirsField[] = "publisher.files.publish_dirs";
+
 struct DeviceBytes {
   cuda::Device* device = nullptr;  // must outlive this
   cuda::Allocation memory;         // memory.size() = the tensor's bytes
@@ -233,8 +236,11 @@ class PublisherCore {
   absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors);
 
   // Loads every tensor of the safetensors files (names unique across files) and publishes them.
-  absl::StatusOr<PublishSummary> PublishSafetensors(uint64_t version,
-                                                    std::span<const std::string> paths);
+  // With `publish_dirs`, each file must lie beneath one of them (publisher.files.publish_dirs;
+  // SafetensorsFile::OpenBeneath); without, paths are opened as given (in-process callers).
+  absl::StatusOr<PublishSummary> PublishSafetensors(
+      uint64_t version, std::span<const std::string> paths,
+      const std::vector<std::string>* publish_dirs = nullptr);
 
   // The transfer of the newest version to a subscriber holding `subscriber_version` (0 = none)
   // with version digest `subscriber_version_digest`. FailedPrecondition when nothing is

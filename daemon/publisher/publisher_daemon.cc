@@ -215,7 +215,13 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
                      .history_budget_bytes = options.history_budget_bytes,
                      .digest_threads = options.digest_threads,
                      .started = started,
-                     .tls_status = [tls = daemon->tls_.get()] { return tls->Status(); }});
+                     .tls_status = [tls = daemon->tls_.get()] { return tls->Status(); },
+                     .publish_dirs = {config.files().publish_dirs().begin(),
+                                      config.files().publish_dirs().end()},
+                     .export_dir = config.files().export_dir(),
+                     .export_mode = config.files().export_mode(),
+                     .persist_dir = options.persist_dir});
+
 
   daemon->authorized_control_ = std::make_unique<auth::AuthorizedControl>(
       daemon->control_service_.get(),

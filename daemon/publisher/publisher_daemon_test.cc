@@ -82,7 +82,10 @@ class PublisherDaemonTest : public ::testing::Test {
         "  history:\n"
         "    memory_budget_bytes: 1000000\n"
         "  codec:\n"
-        "    threads: 1\n");
+        "    threads: 1\n"
+        "  files:\n"
+        "    publish_dirs: [\"", dir_.path(), "\"]\n"
+        "    export_dir: \"", dir_.path(), "\"\n");
     auto config = config::LoadPublisherConfigFromString(yaml, "test.yaml");
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;
@@ -251,7 +254,8 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
   auto old = Export(out, 1);
   EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
   EXPECT_TRUE(Export(out, 2).ok());
-  EXPECT_EQ(Export("relative.safetensors").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Export("../relative.safetensors").status().code(),
+            absl::StatusCode::kInvalidArgument);
 
   // Verify.
   v1::VerifyResponse verify;
@@ -428,9 +432,10 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
 TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
   TempDir dir("refit-pubd");
   auto config = config::LoadPublisherConfigFromString(
-      "publisher:\n  listen: \"127.0.0.1:0\"\n  control_access: {unauthenticated_tcp_role: write}\n"
-      "  history:\n    max_versions: 2\n"
-      "  codec:\n    threads: 1\n    block_log2: 10\n",
+      absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n  control_access: {unauthenticated_tcp_role: write}\n"
+                   "  history:\n    max_versions: 2\n"
+                   "  codec:\n    threads: 1\n    block_log2: 10\n"
+                   "  files: {publish_dirs: [\"", dir.path(), "\"]}\n"),
       "history.yaml");
   ASSERT_TRUE(config.ok()) << config.status();
   auto daemon = PublisherDaemon::Start(*config);

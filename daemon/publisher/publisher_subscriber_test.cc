@@ -94,8 +94,9 @@ void WriteModel(const std::string& path, const std::vector<uint8_t>& w,
 TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   TempDir dir("refit-pubsub");
   auto pub_config = config::LoadPublisherConfigFromString(
-      "publisher:\n  name: pub\n  listen: \"127.0.0.1:0\"\n"
-      "  control_access: {unauthenticated_tcp_role: write}\n  codec:\n    threads: 1\n",
+      absl::StrCat("publisher:\n  name: pub\n  listen: \"127.0.0.1:0\"\n"
+                   "  control_access: {unauthenticated_tcp_role: write}\n  codec:\n    threads: 1\n"
+                   "  files: {publish_dirs: [\"", dir.path(), "\"]}\n"),
       "pub.yaml");
   ASSERT_TRUE(pub_config.ok()) << pub_config.status();
   auto pub = PublisherDaemon::Start(*pub_config);

@@ -93,14 +93,21 @@ grpc::Status SubscriberControlService::Export(grpc::ServerContext* context,
                                               const v1::ExportRequest* request,
                                               v1::ExportResponse* response) {
   const std::string& path = request->safetensors();
-  if (path.empty() || path[0] != '/') {
-    return Error(absl::StatusCode::kInvalidArgument,
-                 absl::StrCat("Export: safetensors path \"", path,
-                              "\" must be absolute (it is written on the subscriber's host)"));
+  if (options_.export_dir.empty()) {
+    return Error(absl::StatusCode::kFailedPrecondition,
+                 absl::StrCat("Export to \"", path,
+                              "\" is disabled: subscriber.files.export_dir is not set"));
+  }
+  SafeWriteOptions write;
+  write.root = options_.export_dir;
+  write.root_field = "subscriber.files.export_dir";
+  write.mode = static_cast<mode_t>(options_.export_mode);
+  if (absl::Status s = PathBeneath(path, write.root, write.root_field).status(); !s.ok()) {
+    return ToGrpcStatus(s);
   }
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
-  absl::StatusOr<ExportSummary> summary = core_->ExportVersion(path, version);
+  absl::StatusOr<ExportSummary> summary = core_->ExportVersion(path, version, write);
   if (!summary.ok()) return ToGrpcStatus(summary.status());
   response->set_version(summary->version);
   response->set_version_digest(summary->version_digest);

@@ -43,6 +43,10 @@ struct SubscriberControlOptions {
   std::string self_consumer = "refitd-subscriber";
   // When the daemon started (Status.uptime_ms).
   absl::Time start_time = absl::Now();
+  // subscriber.files: Export writes only beneath export_dir ("": Export refused), files get
+  // exactly export_mode.
+  std::string export_dir;
+  uint32_t export_mode = 0600;
 };
 
 class SubscriberControlService final : public v1::Control::Service {

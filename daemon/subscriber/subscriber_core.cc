@@ -580,7 +580,8 @@ absl::Status SubscriberCore::Export(const std::string& path) {
 }
 
 absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& path,
-                                                            std::optional<uint64_t> version) {
+                                                            std::optional<uint64_t> version,
+                                                            const SafeWriteOptions& write) {
   // The stores that may hold the version: the current one first, then retired generations.
   std::vector<std::shared_ptr<store::SlottedStore>> stores;
   {
@@ -634,7 +635,7 @@ absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& p
     summary.bytes += ti.size_bytes;
   }
   summary.tensors = static_cast<uint32_t>(layout.size());
-  if (written.ok()) written = model::WriteSafetensors(path, refs);
+  if (written.ok()) written = model::WriteSafetensors(path, refs, {}, write);
   (void)st->ReleaseLease(lease->lease_id);
   {
     absl::MutexLock lock(&mu_);

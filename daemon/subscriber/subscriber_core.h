@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cuda/device.h"
+#include "daemon/common/safe_file.h"
 #include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
 #include "daemon/sync/frames.h"
@@ -143,9 +144,11 @@ class SubscriberCore {
   absl::Status Export(const std::string& path);
   // Export of `version` (nullopt: the applied one), found in the current generation or a retired
   // one still alive, held under a lease while writing. FAILED_PRECONDITION when nothing is
-  // applied or `version` is not held any more.
+  // applied or `version` is not held any more. `write` confines and sets the mode of the file
+  // (SafeWriteOptions; the default writes `path` as given, mode 0600).
   absl::StatusOr<ExportSummary> ExportVersion(const std::string& path,
-                                              std::optional<uint64_t> version = std::nullopt);
+                                              std::optional<uint64_t> version = std::nullopt,
+                                              const SafeWriteOptions& write = {});
 
   // The applied version's record (version 0 before the first commit), consistent with
   // applied_version() at the time of the call.

@@ -227,6 +227,8 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   co.name = name_;
   co.self_consumer = kSelfConsumer;
   co.start_time = start_time_;
+  co.export_dir = c.files().export_dir();
+  co.export_mode = c.files().export_mode();
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
 

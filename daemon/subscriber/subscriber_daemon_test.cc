@@ -133,7 +133,8 @@ class SubscriberDaemonTest : public ::testing::Test {
         "  ready_file: ", (dir_ / (name + ".ready")).string(), "\n"
         "  store: {slots: 2}\n"
         "  staging: {threads: 1}\n"
-        "  leases: {default_ttl_ms: 30000, max_ttl_ms: 60000}\n");
+        "  leases: {default_ttl_ms: 30000, max_ttl_ms: 60000}\n"
+        "  files: {export_dir: \"", dir_.string(), "\"}\n");
     auto c = config::LoadSubscriberConfigFromString(yaml, name + ".yaml");
     EXPECT_TRUE(c.ok()) << c.status() << "\n" << yaml;
     return c.ok() ? *c : v1::SubscriberConfig();

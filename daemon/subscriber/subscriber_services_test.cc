@@ -104,7 +104,11 @@ class ServicesTest : public ::testing::Test {
         consumer_(&core_, &board_, {.poll_interval = absl::Milliseconds(20)}),
         control_(&core_, &board_, Hooks(),
                  {.name = "sub-test",
-                  .poll_interval = absl::Milliseconds(20)}) {}
+                  .poll_interval = absl::Milliseconds(20),
+                  .self_consumer = "refitd-subscriber",
+                  .start_time = absl::Now(),
+                  .export_dir = ::testing::TempDir(),
+                  .export_mode = 0600}) {}
 
   static SubscriberOptions Options() {
     SubscriberOptions o;
@@ -435,7 +439,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   EXPECT_EQ(st.error_message(), "Publish is a publisher verb; sub-test is a subscriber");
 
   v1::ExportRequest ex;
-  ex.set_safetensors("relative.safetensors");
+  ex.set_safetensors("../relative.safetensors");  // export paths stay beneath export_dir
   v1::ExportResponse exr;
   st = control_stub_->Export(Ctx().get(), ex, &exr);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);

@@ -102,12 +102,27 @@ def _control_yaml(control_listen: Optional[str], control_tls: Optional[dict],
     return y + _server_tls_yaml("control_tls", control_tls)
 
 
+def _files_yaml(publish_dirs: Optional[list], export_dir: Optional[str]) -> str:
+    """The `files:` block (config.proto FileAccess): what Control publish may read and export
+    may write."""
+    if not publish_dirs and not export_dir:
+        return ""
+    y = "  files:\n"
+    if publish_dirs:
+        y += f"    publish_dirs: [{', '.join(json.dumps(d) for d in publish_dirs)}]\n"
+    if export_dir:
+        y += f"    export_dir: {json.dumps(export_dir)}\n"
+    return y
+
+
 def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] = None,
                    control_tls: Optional[dict] = None,
-                   control_access: str = LOOPBACK_CONTROL_ACCESS) -> str:
+                   control_access: str = LOOPBACK_CONTROL_ACCESS,
+                   publish_dirs: Optional[list] = None, export_dir: Optional[str] = None) -> str:
     """A publisher on 127.0.0.1:0 with its local socket in `directory`; optionally a separate
-    Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths), and who
-    may call Control (`control_access`, a YAML flow mapping; "" = the daemon's default)."""
+    Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths), who may
+    call Control (`control_access`, a YAML flow mapping; "" = the daemon's default), and the
+    directories Control publish may read (publish_dirs) and export may write (export_dir)."""
     return (f"publisher:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
@@ -115,6 +130,7 @@ def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] =
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"
             f"  ready_file: @READY@\n"
             f"{_control_yaml(control_listen, control_tls, control_access)}"
+            f"{_files_yaml(publish_dirs, export_dir)}"
             f"  codec:\n    device: cpu\n    threads: 2\n")
 
 
@@ -124,7 +140,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     control_listen: Optional[str] = None,
                     control_tls: Optional[dict] = None,
                     control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
-                    cuda_device_uuid: Optional[str] = None) -> str:
+                    cuda_device_uuid: Optional[str] = None,
+                    export_dir: Optional[str] = None) -> str:
     """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
     max_ttl_ms) and a separate Control listener with TLS."""
@@ -151,4 +168,5 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
             f"{_control_yaml(control_listen, control_tls, control_access)}"
             f"{store}"
             f"{leases}"
+            f"{_files_yaml(None, export_dir)}"
             f"  staging:\n    threads: 2\n")

@@ -38,7 +38,26 @@ std::string ServerTlsYaml(const char* key, const ServerTlsSpec& tls) {
   return y;
 }
 
+// The `files:` block: publish_dirs (publisher only) and export_dir / export_mode.
+std::string FilesYaml(const std::string& dir, const std::vector<std::string>* publish_dirs,
+                      const std::optional<std::string>& export_dir,
+                      const std::optional<uint32_t>& export_mode) {
+  std::string y = "  files:\n";
+  if (publish_dirs != nullptr) {
+    absl::StrAppend(&y, "    publish_dirs: [");
+    for (size_t i = 0; i < publish_dirs->size(); ++i) {
+      absl::StrAppend(&y, i ? ", " : "", Q((*publish_dirs)[i]));
+    }
+    absl::StrAppend(&y, "]\n");
+  }
+  absl::StrAppend(&y, "    export_dir: ", Q(export_dir.value_or(DefaultExportDir(dir))), "\n");
+  if (export_mode) absl::StrAppend(&y, "    export_mode: ", *export_mode, "\n");
+  return y;
+}
+
 }  // namespace
+
+std::string DefaultExportDir(const std::string& dir) { return absl::StrCat(dir, "/export"); }
 
 std::string UniqueShmPrefix(const std::string& name) {
   static std::atomic<int> counter{0};
@@ -75,7 +94,9 @@ std::string PublisherYaml(const PublisherSpec& s, const std::string& dir,
   if (!s.control_access.empty()) absl::StrAppend(&y, "  control_access: ", s.control_access, "\n");
   absl::StrAppend(&y, "  codec:\n    device: ", s.codec_device, "\n    threads: ", s.codec_threads,
                   "\n");
-  absl::StrAppend(&y, s.extra);
+  const std::vector<std::string> publish_dirs = s.publish_dirs.value_or(std::vector{dir});
+  absl::StrAppend(&y, s.extra);  // may continue the codec block: files after it
+  absl::StrAppend(&y, FilesYaml(dir, &publish_dirs, s.export_dir, s.export_mode));
   return y;
 }
 
@@ -127,6 +148,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     absl::StrAppend(&y, "  leases:\n    default_ttl_ms: ", s.lease_default_ttl_ms, "\n");
   }
   absl::StrAppend(&y, s.extra);
+  absl::StrAppend(&y, FilesYaml(dir, nullptr, s.export_dir, s.export_mode));
   return y;
 }
 

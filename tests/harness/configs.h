@@ -39,6 +39,11 @@ struct PublisherSpec {
   // control_access as a YAML flow mapping ("" = none: the daemon's defaults). Tests drive
   // Control over loopback TCP, which needs an explicit grant.
   std::string control_access = "{unauthenticated_tcp_role: write}";
+  // files.publish_dirs: nullopt = {the test directory}; files.export_dir: nullopt =
+  // <dir>/export (E2ETest creates it and exports there), "" = export disabled.
+  std::optional<std::vector<std::string>> publish_dirs;
+  std::optional<std::string> export_dir;
+  std::optional<uint32_t> export_mode;  // files.export_mode (decimal), nullopt = default
   std::string extra;  // YAML lines appended under `publisher:` (indented by the caller)
 };
 
@@ -61,8 +66,14 @@ struct SubscriberSpec {
   uint32_t lease_default_ttl_ms = 0;  // 0 = default
   std::string log_level = "info";
   std::string control_access = "{unauthenticated_tcp_role: write}";  // as in PublisherSpec
+  // files.export_dir / export_mode, as in PublisherSpec.
+  std::optional<std::string> export_dir;
+  std::optional<uint32_t> export_mode;
   std::string extra;
 };
+
+// The export directory of a test directory: <dir>/export.
+std::string DefaultExportDir(const std::string& dir);
 
 // `dir`: the test directory; `ready_file`: the DaemonProcess's ready_path().
 std::string PublisherYaml(const PublisherSpec& spec, const std::string& dir,

@@ -156,6 +156,9 @@ void E2ETest::SetUp() {
   char tmpl[] = "/tmp/refit-e2e-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr) << "mkdtemp " << tmpl;
   dir_ = tmpl;
+  std::error_code ec;
+  std::filesystem::create_directories(DefaultExportDir(dir_), ec);
+  ASSERT_FALSE(ec) << "mkdir " << DefaultExportDir(dir_) << ": " << ec.message();
 }
 
 void E2ETest::TearDown() {
@@ -258,7 +261,8 @@ absl::Status E2ETest::WaitVersion(const DaemonProcess& d, uint64_t version, absl
 }
 
 absl::StatusOr<Model> E2ETest::Export(const DaemonProcess& d, std::optional<uint64_t> version) {
-  const std::string path = Path(absl::StrCat(d.name(), "-export-", exports_++, ".safetensors"));
+  const std::string path = absl::StrCat(DefaultExportDir(dir_), "/", d.name(), "-export-",
+                                        exports_++, ".safetensors");
   std::vector<std::string> args{"--target", d.control_target(), "export", "--safetensors", path};
   if (version) {
     args.push_back("--version");
