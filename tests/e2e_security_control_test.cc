@@ -249,14 +249,26 @@ TEST_F(E2ESecurityControl, ShippedLoopbackExamplesGiveAnUnprivilegedUserNothing)
     EXPECT_EQ(r.exit_code, 1) << r.Describe();
     EXPECT_TRUE(absl::StrContains(r.out, "Permission denied")) << r.Describe();
   }
-  // The daemons' user: publish (through the unix data plane), and the subscriber converges.
+  // The daemons' user: publish (through the unix data plane, from the example's publish_dirs),
+  // the subscriber converges, and its export (into the example's export_dir) is bit-exact.
+  for (const char* sub_dir : {"/publish", "/export"}) {
+    ASSERT_EQ(mkdir((demo + sub_dir).c_str(), 0700), 0);
+  }
   const Model m1 = RandomModel(11, {{"a", 20000}, {"b", 300}});
-  E2E_ASSERT_OK(Publish(pub, m1, 1));
+  const std::string in = demo + "/publish/v1.safetensors";
+  E2E_ASSERT_OK(WriteModel(in, m1));
+  CommandResult r = RunRefitctl({"--target", pub.control_target(), "publish", "--safetensors", in});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
   E2E_ASSERT_OK(WaitVersion(sub, 1));
-  E2E_ASSERT_OK(ExpectExportEquals(sub, m1));
+  const std::string out = demo + "/export/v1.safetensors";
+  r = RunRefitctl({"--target", sub.control_target(), "export", "--safetensors", out});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  absl::StatusOr<Model> exported = ReadModel(out);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(DiffModels(m1, *exported), "") << "export differs from the published model";
   // The store's memory object cannot be opened through /proc by another user.
   const std::string fds = absl::StrCat("/proc/", sub.ready().pid, "/fd");
-  const CommandResult r = AsNobody({"/bin/ls", fds});
+  r = AsNobody({"/bin/ls", fds});
   EXPECT_NE(r.exit_code, 0) << "another user lists the subscriber's fds: " << r.Describe();
 }
 
