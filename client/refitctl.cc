@@ -650,6 +650,15 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
       out += RenderTable(rows);
     }
   }
+  if (st.has_blocked_on_leases()) {
+    const v1::LeaseBlockStatus& b = st.blocked_on_leases();
+    const absl::Duration waited = absl::Now() - absl::FromUnixNanos(
+                                                    static_cast<int64_t>(b.since_unix_nanos()));
+    absl::StrAppend(&out, "\nBLOCKED ON LEASES: version ", b.version(),
+                    " waits for a free slot (versions waiting for ",
+                    absl::StrFormat("%.1f s", absl::ToDoubleSeconds(waited)), "); held by:\n");
+    for (const std::string& h : b.holders()) absl::StrAppend(&out, "  ", h, "\n");
+  }
   return out;
 }
 
