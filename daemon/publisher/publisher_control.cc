@@ -159,7 +159,7 @@ absl::StatusOr<uint64_t> PublishQueue::ChooseVersion(std::optional<uint64_t> req
 }
 
 absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                                          std::string source) {
+                                          std::string source, bool allow_degenerate) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("publisher shutting down");
   ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
@@ -167,6 +167,7 @@ absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTen
   job.version = chosen;
   job.tensors = std::move(tensors);
   job.source = std::move(source);
+  job.allow_degenerate = allow_degenerate;
   queue_.push_back(std::move(job));
   ++outstanding_;
   last_queued_version_ = chosen;
@@ -174,7 +175,8 @@ absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTen
 }
 
 absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t> version,
-                                                          std::vector<std::string> paths) {
+                                                          std::vector<std::string> paths,
+                                                          bool allow_degenerate) {
   if (paths.empty()) {
     return absl::InvalidArgumentError("publish: no safetensors files given (need at least one)");
   }
@@ -194,6 +196,7 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
     job.version = chosen;
     job.source = absl::StrCat("control (", absl::StrJoin(paths, ", "), ")");
     job.paths = std::move(paths);
+    job.allow_degenerate = allow_degenerate;
     job.waiter = waiter;
     queue_.push_back(std::move(job));
     ++outstanding_;
@@ -204,7 +207,9 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(std::optional<uint64_t
 }
 
 absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
-  if (!job.paths.empty()) return core_->PublishSafetensors(job.version, job.paths);
+  if (!job.paths.empty()) {
+    return core_->PublishSafetensors(job.version, job.paths, job.allow_degenerate);
+  }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
   for (OwnedTensor& t : job.tensors) {
@@ -227,7 +232,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
     inputs.push_back(std::move(in));
   }
   job.tensors.clear();
-  return core_->Publish(job.version, inputs);
+  return core_->Publish(job.version, inputs, job.allow_degenerate);
 }
 
 void PublishQueue::Run() {
@@ -393,7 +398,8 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(const v1::Publis
   std::vector<std::string> paths(request.safetensors().begin(), request.safetensors().end());
   std::optional<uint64_t> version;
   if (request.has_version()) version = request.version();
-  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(version, std::move(paths)));
+  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(version, std::move(paths),
+                                                                request.allow_degenerate()));
   v1::PublishResponse r;
   r.set_version(s.version);
   r.set_version_digest(s.version_digest);

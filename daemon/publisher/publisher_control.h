@@ -81,12 +81,14 @@ class PublishQueue {
 
   // Queues trainer snapshots as `version` (checked against the floor) without waiting for the
   // encode. `source` names the origin in logs ("trainer-api clients rank0, rank1").
+  // `allow_degenerate`: see PublisherCore::Publish.
   absl::Status EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                              std::string source);
+                              std::string source, bool allow_degenerate = false);
   // Publishes safetensors files through the queue and waits for the outcome. Returns the summary
   // (version, digest, ...). Paths must be absolute (InvalidArgument otherwise).
   absl::StatusOr<PublishSummary> PublishFiles(std::optional<uint64_t> version,
-                                              std::vector<std::string> paths);
+                                              std::vector<std::string> paths,
+                                              bool allow_degenerate = false);
 
   // OK once a version >= `version` is published. DeadlineExceeded at `deadline` ("version 7 not
   // reached, at version 5"), Unavailable after Stop, Cancelled when `cancelled` (may be null)
@@ -108,6 +110,7 @@ class PublishQueue {
     std::vector<OwnedTensor> tensors;
     std::vector<std::string> paths;
     std::string source;
+    bool allow_degenerate = false;
     std::shared_ptr<Waiter> waiter;  // null for fire-and-forget jobs
   };
 

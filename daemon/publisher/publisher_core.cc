@@ -348,6 +348,23 @@ absl::Status EncodeOnDevices(
   return absl::OkStatus();
 }
 
+// The guard's view of a version: names and byte sizes.
+std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs) {
+  std::vector<GuardTensor> out;
+  out.reserve(specs.size());
+  for (const v1::TensorSpec& s : specs) out.push_back({s.name(), sync::TensorByteSize(s).value_or(0)});
+  return out;
+}
+
+std::vector<GuardTensor> GuardTensorsOf(const std::vector<BaselineTensor>& baseline) {
+  std::vector<GuardTensor> out;
+  out.reserve(baseline.size());
+  for (const BaselineTensor& t : baseline) {
+    out.push_back({t.spec.name(), sync::TensorByteSize(t.spec).value_or(0)});
+  }
+  return out;
+}
+
 }  // namespace
 
 // ---- Transfer -------------------------------------------------------------------------------
@@ -545,7 +562,8 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
-                                                      std::span<const TensorInput> given) {
+                                                      std::span<const TensorInput> given,
+                                                      bool allow_degenerate) {
   const auto start = Clock::now();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
@@ -612,6 +630,9 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                        " has the same name as tensor ", a));
     }
   }
+
+  RETURN_IF_ERROR(CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
+                                    GuardTensorsOf(specs), allow_degenerate, where));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
   Encoded enc;
@@ -700,7 +721,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
-    uint64_t version, std::span<const std::string> paths) {
+    uint64_t version, std::span<const std::string> paths, bool allow_degenerate) {
   if (paths.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("publish version ", version, ": no safetensors files given"));
@@ -727,7 +748,7 @@ absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
       inputs.push_back(std::move(in));
     }
   }
-  return Publish(version, inputs);
+  return Publish(version, inputs, allow_degenerate);
 }
 
 absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(

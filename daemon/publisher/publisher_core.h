@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/publisher/publish_guard.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "refit/v1/data.pb.h"
@@ -77,6 +78,8 @@ struct PublisherOptions {
   // `device`, or pinned host memory the kernels read over the bus. Tensors handed over as
   // DeviceBytes keep the memory kind they come in.
   cuda::Allocation::Kind gpu_baseline = cuda::Allocation::Kind::kDevice;
+  // Degenerate versions are refused (config publisher.publish_guard; see publish_guard.h).
+  PublishGuardOptions publish_guard;
 };
 
 // What Publish did (one log line per refit).
@@ -219,11 +222,14 @@ class PublisherCore {
   // patches encoded, the history updated and (with persistence) the baseline written. On error
   // nothing changes. A failed persist is not an error of Publish: see
   // PublishSummary::persist_status.
-  absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors);
+  // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
+  absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
+                                         bool allow_degenerate = false);
 
   // Loads every tensor of the safetensors files (names unique across files) and publishes them.
   absl::StatusOr<PublishSummary> PublishSafetensors(uint64_t version,
-                                                    std::span<const std::string> paths);
+                                                    std::span<const std::string> paths,
+                                                    bool allow_degenerate = false);
 
   // The transfer of the newest version to a subscriber holding `subscriber_version` (0 = none)
   // with version digest `subscriber_version_digest`. FailedPrecondition when nothing is
