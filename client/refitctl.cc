@@ -70,12 +70,16 @@ last refit, the publisher's patch history and the subscriber's read leases.
 
 constexpr char kPublishUsage[] =
     R"(usage: refitctl --target ADDR publish --safetensors PATH... [--version N]
+                [--allow-degenerate]
 
 Publishes safetensors files (shards of one model) as a new version (publisher only). The files
 are read by the daemon: paths are on its host; relative paths are made absolute against
 refitctl's working directory.
   --safetensors PATH...  one or more files (the flag may also be repeated)
   --version N            version number (default: newest + 1)
+  --allow-degenerate     publish even a version that removes most of the current version's
+                         tensors or bytes, or holds no bytes (refused otherwise: the
+                         publisher's publish_guard)
 )";
 
 constexpr char kExportUsage[] =
@@ -401,6 +405,10 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
     if (files) {
       req.add_safetensors(AbsolutePath(v));
       for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
+      return true;
+    }
+    if (args.Switch("--allow-degenerate")) {
+      req.set_allow_degenerate(true);
       return true;
     }
     return VersionOption(args, &req);
