@@ -158,6 +158,12 @@ absl::StatusOr<uint64_t> PublishQueue::ChooseVersion(std::optional<uint64_t> req
   return ChooseLocked(requested);
 }
 
+absl::Status PublishQueue::CheckPublishGuard(const std::vector<GuardTensor>& next,
+                                             bool allow_degenerate,
+                                             absl::string_view where) const {
+  return core_->CheckPublishGuard(next, allow_degenerate, where);
+}
+
 absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
                                           std::string source, bool allow_degenerate) {
   absl::MutexLock lock(&mu_);

@@ -81,6 +81,9 @@ class PublishQueue {
 
   // Queues trainer snapshots as `version` (checked against the floor) without waiting for the
   // encode. `source` names the origin in logs ("trainer-api clients rank0, rank1").
+  // PublisherCore::CheckPublishGuard of the queue's core.
+  absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
+                                 absl::string_view where) const;
   // `allow_degenerate`: see PublisherCore::Publish.
   absl::Status EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
                               std::string source, bool allow_degenerate = false);

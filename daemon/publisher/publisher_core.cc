@@ -631,7 +631,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     }
   }
 
-  RETURN_IF_ERROR(CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
+  RETURN_IF_ERROR(publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
                                     GuardTensorsOf(specs), allow_degenerate, where));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
@@ -854,6 +854,18 @@ uint64_t PublisherCore::newest_snapshot_unix_nanos() const {
 std::vector<BaselineTensor> PublisherCore::Baseline() const {
   absl::ReaderMutexLock lock(&mu_);
   return baseline_;
+}
+
+absl::Status PublisherCore::CheckPublishGuard(const std::vector<GuardTensor>& next,
+                                              bool allow_degenerate,
+                                              absl::string_view where) const {
+  std::vector<GuardTensor> current;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    current = GuardTensorsOf(baseline_);
+  }
+  return publisher::CheckPublishGuard(options_.publish_guard, current, next, allow_degenerate,
+                                      where);
 }
 
 }  // namespace refit::publisher

@@ -244,6 +244,10 @@ class PublisherCore {
   uint64_t newest_snapshot_unix_nanos() const;
   // The newest version's tensors, name order.
   std::vector<BaselineTensor> Baseline() const;
+  // The degenerate-publish guard of Publish against the current baseline, for callers that want
+  // to refuse early (TrainerApi); Publish checks again against the baseline it publishes on.
+  absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
+                                 absl::string_view where) const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }
 
   // Where the baseline is persisted (persist_dir/baseline.safetensors).

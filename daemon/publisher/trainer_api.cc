@@ -552,6 +552,15 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked() {
     for (OwnedTensor& t : snapshot) tensors.push_back(std::move(t));
   }
   const std::string source = absl::StrCat("trainer-api clients ", absl::StrJoin(names, ", "));
+  // Refused now, so the completing client hears it (the core checks again when publishing).
+  std::vector<GuardTensor> guard;
+  guard.reserve(tensors.size());
+  for (const OwnedTensor& t : tensors) {
+    guard.push_back({t.name, t.device_bytes != nullptr ? t.device_bytes->memory.size()
+                                                       : t.bytes.size()});
+  }
+  RETURN_IF_ERROR(queue_->CheckPublishGuard(
+      guard, round.allow_degenerate, absl::StrCat("version ", round.version, " from ", source)));
   absl::Status queued =
       queue_->EnqueueTensors(round.version, std::move(tensors), source, round.allow_degenerate);
   if (!queued.ok()) {

@@ -445,8 +445,11 @@ TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
   ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
   ASSERT_TRUE(Register("rank0", {all[0]}).ok());
   auto refused = Publish("rank0");
-  ASSERT_TRUE(refused.ok()) << refused.status();  // queued as version 2; the core refuses it
-  EXPECT_EQ(refused->version(), 2u);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "removes 3 of the current version's 4"))
+      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "allow_degenerate")) << refused.status();
   v1::LocalPublishRequest allowed;
   allowed.set_client("rank0");
   allowed.set_allow_degenerate(true);
