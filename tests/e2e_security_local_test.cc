@@ -156,7 +156,8 @@ TEST_F(E2ESecurityLocal, TrainerShrinkingItsRegionGetsAnErrorAndThePublisherKeep
   };
   v1::RegisterTensorsResponse reg;
   // An arbitrary file is no region.
-  absl::Status refused = FromGrpcStatus(trainer->RegisterTensors(Ctx().get(), region("/etc/passwd"), &reg));
+  absl::Status refused =
+      FromGrpcStatus(trainer->RegisterTensors(Ctx().get(), region("/etc/passwd"), &reg));
   EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
   E2E_ASSERT_OK(FromGrpcStatus(trainer->RegisterTensors(Ctx().get(), region(path), &reg)));
   v1::LocalPublishRequest pub_req;

@@ -57,7 +57,8 @@ absl::Status CheckPublishGuard(const PublishGuardOptions& options,
   const Removal r = Measure(current, next);
   std::vector<std::string> reasons;
   if (r.current_tensors > 0) {
-    const double f = static_cast<double>(r.removed_tensors) / static_cast<double>(r.current_tensors);
+    const double f =
+        static_cast<double>(r.removed_tensors) / static_cast<double>(r.current_tensors);
     if (f > options.max_removed_tensor_fraction) {
       reasons.push_back(absl::StrCat(
           "it removes ", r.removed_tensors, " of the current version's ", r.current_tensors,

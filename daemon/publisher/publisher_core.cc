@@ -352,7 +352,9 @@ absl::Status EncodeOnDevices(
 std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs) {
   std::vector<GuardTensor> out;
   out.reserve(specs.size());
-  for (const v1::TensorSpec& s : specs) out.push_back({s.name(), sync::TensorByteSize(s).value_or(0)});
+  for (const v1::TensorSpec& s : specs) {
+    out.push_back({s.name(), sync::TensorByteSize(s).value_or(0)});
+  }
   return out;
 }
 

@@ -105,7 +105,9 @@ absl::StatusOr<int> OpenObjectFd(const v1::ShmRegion& region, const std::string&
   if (region.object_case() == v1::ShmRegion::kShmName) {
     const std::string& name = region.shm_name();
     *object = absl::StrCat("shm object ", Quoted(name));
-    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": shm.shm_name is empty"));
+    if (name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": shm.shm_name is empty"));
+    }
     if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
         name == "/." || name == "/..") {
       return absl::InvalidArgumentError(absl::StrCat(

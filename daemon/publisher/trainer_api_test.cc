@@ -327,7 +327,8 @@ class TrainerApiSecurityTest : public TrainerApiTest {
 TEST_F(TrainerApiSecurityTest, ShrunkUnsealableMemfdIsAClearPublishError) {
   Memfd m(8192, 3, /*allow_sealing=*/false);
   const std::string path = ProcPath(m.fd());
-  ASSERT_TRUE(RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, path, 4096, 4096), Self()).ok());
+  ASSERT_TRUE(
+      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, path, 4096, 4096), Self()).ok());
   ASSERT_EQ(ftruncate(m.fd(), 100), 0);
   auto p = Publish("rank0");
   ASSERT_FALSE(p.ok());
@@ -341,7 +342,8 @@ TEST_F(TrainerApiSecurityTest, ShrunkUnsealableMemfdIsAClearPublishError) {
   ASSERT_TRUE(Register("rank0", {Location("w", v1::DTYPE_U8, {4096}, fresh.path(), 0, 4096)}).ok());
   auto again = Publish("rank0");
   ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE(queue_->WaitPublished(again->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_TRUE(
+      queue_->WaitPublished(again->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
   EXPECT_EQ(PublishedBytes("w"), std::vector<uint8_t>(fresh.data(), fresh.data() + 4096));
 }
 
@@ -396,7 +398,9 @@ TEST_F(TrainerApiSecurityTest, DevShmObjectsMustBeTheCallersAndPrivate) {
   const int fd = open(path.c_str(), O_CREAT | O_RDWR | O_EXCL | O_CLOEXEC, 0600);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 64), 0);
-  const auto loc = [&](const std::string& p) { return Location("w", v1::DTYPE_U8, {64}, p, 0, 64); };
+  const auto loc = [&](const std::string& p) {
+    return Location("w", v1::DTYPE_U8, {64}, p, 0, 64);
+  };
   // Owned by this uid: accepted by path and by shm name.
   ASSERT_TRUE(RegisterAs("t", loc(path), Self()).ok());
   v1::TensorLocation by_name = loc(path);
@@ -449,7 +453,8 @@ TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "removes 3 of the current version's 4"))
       << refused.status();
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "allow_degenerate")) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "allow_degenerate"))
+      << refused.status();
   v1::LocalPublishRequest allowed;
   allowed.set_client("rank0");
   allowed.set_allow_degenerate(true);

@@ -17,7 +17,8 @@
 // falls back to shm_open("<shm_prefix><pid>-<counter>") (0600, unlinked immediately after
 // ftruncate so it never outlives the daemon), which cannot be sealed; an unsealable store (the
 // fallback, or a kernel without F_SEAL_FUTURE_WRITE) is refused (FAILED_PRECONDITION) unless
-// allow_unsealed (config store.allow_unsealed), then kept with a warning in the log. Either way the only handle is fd(); a consumer process reaches it
+// allow_unsealed (config store.allow_unsealed), then kept with a warning in the log. Either way
+// the only handle is fd(); a consumer process reaches it
 //   (a) by SCM_RIGHTS over the ConsumerApi unix socket (the robust way: no /proc access needed), or
 //   (b) by opening ProcPath() = "/proc/<daemon pid>/fd/<fd>" read-only (what ShmRegion.path in
 //       local.proto carries: needs the same uid/ptrace access, i.e. a shared PID namespace in a

@@ -277,7 +277,7 @@ absl::Status SlottedStore::CheckLeaseLimitsLocked(absl::string_view consumer,
                                                   absl::string_view quota_key) const {
   int consumer_leases = 0;
   for (const auto& [id, rec] : leases_) consumer_leases += rec.quota_key == quota_key ? 1 : 0;
-  if (consumer_leases >= max_leases_per_consumer_) {
+  if (!quota_key.empty() && consumer_leases >= max_leases_per_consumer_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "lease for '", consumer, "' (", quota_key, "): ", quota_key, " holds ", consumer_leases,
         " leases, its quota (leases.max_leases_per_consumer: ", max_leases_per_consumer_,
@@ -314,7 +314,7 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
                                                         slots_[current_slot_].version, ")"));
     }
   }
-  const std::string key = quota_key.empty() ? std::string(consumer) : std::string(quota_key);
+  const std::string key(quota_key);
   RETURN_IF_ERROR(CheckLeaseLimitsLocked(consumer, key));
   uint64_t id = 0;
   while (id == 0 || leases_.count(id) != 0) id = absl::Uniform<uint64_t>(bitgen_);

@@ -25,7 +25,7 @@ struct LeaseInfo {
   uint64_t version = 0;
   int slot = -1;
   absl::Duration remaining;  // until expiry, by the store's clock (> 0)
-  std::string quota_key;     // whose quota it counts against (the consumer's identity)
+  std::string quota_key;     // whose quota it counts against ("" = the daemon's own lease)
 };
 
 struct StoreOptions {

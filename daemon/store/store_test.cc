@@ -583,6 +583,11 @@ TEST(StoreSecurityTest, LeaseQuotaPerConsumerIdentity) {
   std::vector<LeaseInfo> leases = store.Leases();
   ASSERT_EQ(leases.size(), 3u);
   EXPECT_EQ(leases[0].quota_key, "uid 1000");
+  // The daemon's own leases (no quota key) only count against max_leases.
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE(store.AcquireLease("refitd-subscriber/peers").ok()) << i;
+  absl::StatusOr<Lease> full = store.AcquireLease("refitd-subscriber/peers");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("leases.max_leases"));
 }
 
 TEST(StoreSecurityTest, UnsealableStoreIsRefusedUnlessAllowed) {

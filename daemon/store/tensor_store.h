@@ -167,7 +167,8 @@ class TensorStore {
   // default; capped at its maximum). FAILED_PRECONDITION when no version is held yet or the
   // requested one is no longer held; RESOURCE_EXHAUSTED past the store's max_leases, or past
   // max_leases_per_consumer leases held under the same `quota_key` (the consumer's identity,
-  // e.g. "uid 1000", not a self-chosen name; empty: `consumer` itself).
+  // e.g. "uid 1000", not a self-chosen name). An empty quota_key is the daemon's own lease (a
+  // migration base, an export, peers served): only max_leases applies to it.
   virtual absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
                                              std::optional<uint64_t> version = std::nullopt,
                                              absl::Duration ttl = absl::ZeroDuration(),

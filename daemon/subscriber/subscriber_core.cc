@@ -133,7 +133,9 @@ void SubscriberCore::NoteBlockedLocked(const store::SlottedStore& target, uint64
   block.since = blocked_.has_value() ? blocked_->since : absl::Now();
   for (const store::LeaseInfo& l : target.Leases()) {
     if (l.version == current) continue;  // the current slot is never staged into anyway
-    block.holders.push_back(absl::StrCat(l.consumer, " (", l.quota_key, ") on v", l.version));
+    block.holders.push_back(absl::StrCat(l.consumer, " (",
+                                         l.quota_key.empty() ? "daemon" : l.quota_key, ") on v",
+                                         l.version));
   }
   blocked_ = std::move(block);
 }
