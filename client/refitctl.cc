@@ -72,6 +72,7 @@ last refit, the publisher's patch history and the subscriber's read leases.
 
 constexpr char kPublishUsage[] =
     R"(usage: refitctl --target ADDR publish --safetensors PATH... [--version N] [--request-id ID]
+                [--allow-degenerate]
 
 Publishes safetensors files (shards of one model) as a new version (publisher only). The files
 are read by the daemon: paths are on its host; relative paths are made absolute against
@@ -82,6 +83,9 @@ answers a repeated id with the original outcome instead of publishing twice.
   --version N            version number, 1 .. 9007199254740991 (default: the next one)
   --request-id ID        the request id (default: random); reuse it to retry a publish whose
                          outcome you did not see (at most 128 bytes)
+  --allow-degenerate     publish even a version that removes most of the current version's
+                         tensors or bytes, or holds no bytes (refused otherwise: the
+                         publisher's publish_guard)
 )";
 
 constexpr char kExportUsage[] =
@@ -450,6 +454,10 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
       req.set_request_id(v);
       return true;
     }
+    if (args.Switch("--allow-degenerate")) {
+      req.set_allow_degenerate(true);
+      return true;
+    }
     return VersionOption(args, &req);
   }));
   if (p.help) return p;
@@ -750,6 +758,15 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
     }
   }
   out += FormatTls(st);
+  if (st.has_blocked_on_leases()) {
+    const v1::LeaseBlockStatus& b = st.blocked_on_leases();
+    const absl::Duration waited = absl::Now() - absl::FromUnixNanos(
+                                                    static_cast<int64_t>(b.since_unix_nanos()));
+    absl::StrAppend(&out, "\nBLOCKED ON LEASES: version ", b.version(),
+                    " waits for a free slot (versions waiting for ",
+                    absl::StrFormat("%.1f s", absl::ToDoubleSeconds(waited)), "); held by:\n");
+    for (const std::string& h : b.holders()) absl::StrAppend(&out, "  ", h, "\n");
+  }
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "client/trainer_client.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -90,11 +91,17 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
   c->map_bytes_ = std::max<uint64_t>(AlignUp(offset, options.alignment), options.alignment);
 
   // Not CLOEXEC-critical (the publisher opens it via /proc), but keep it out of exec'd children.
-  c->fd_ = memfd_create(absl::StrCat("refit-trainer-", client_name).c_str(), MFD_CLOEXEC);
+  // Sealable, sized once and sealed against resizing: the publisher maps it (zero copy at
+  // registration) knowing it can never shrink under its mapping.
+  c->fd_ = memfd_create(absl::StrCat("refit-trainer-", client_name).c_str(),
+                        MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (c->fd_ < 0) return ErrnoStatus(errno, "memfd_create for the trainer's tensors");
   if (ftruncate(c->fd_, static_cast<off_t>(c->map_bytes_)) != 0) {
     return ErrnoStatus(errno, absl::StrCat("ftruncate of the trainer memfd to ", c->map_bytes_,
                                            " bytes"));
+  }
+  if (fcntl(c->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return ErrnoStatus(errno, "sealing the trainer memfd against resizing");
   }
   void* map = mmap(nullptr, c->map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, c->fd_, 0);
   if (map == MAP_FAILED) {
@@ -154,12 +161,14 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerClient::Register() {
   return resp;
 }
 
-absl::StatusOr<v1::LocalPublishResponse> TrainerClient::Publish(std::optional<uint64_t> version) {
+absl::StatusOr<v1::LocalPublishResponse> TrainerClient::Publish(std::optional<uint64_t> version,
+                                                                bool allow_degenerate) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   v1::LocalPublishRequest req;
   req.set_client(name_);
   if (version.has_value()) req.set_version(*version);
+  req.set_allow_degenerate(allow_degenerate);
   v1::LocalPublishResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Publish(&ctx, req, &resp));
   if (!s.ok()) {

@@ -57,7 +57,10 @@ class TrainerClient {
   // RegisterTensors with every tensor (replaces this client's earlier registration).
   absl::StatusOr<v1::RegisterTensorsResponse> Register();
   // Publish: the publisher snapshots the current bytes. `version` absent: newest + 1.
-  absl::StatusOr<v1::LocalPublishResponse> Publish(std::optional<uint64_t> version = std::nullopt);
+  // `allow_degenerate`: LocalPublishRequest.allow_degenerate (publish even a version that
+  // removes most of the current one; refused otherwise by the publisher's publish_guard).
+  absl::StatusOr<v1::LocalPublishResponse> Publish(std::optional<uint64_t> version = std::nullopt,
+                                                   bool allow_degenerate = false);
   // Unregister this client's tensors.
   absl::Status Unregister();
 

@@ -35,8 +35,8 @@ std::chrono::system_clock::time_point Deadline(int seconds) {
   return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
 }
 
-Memfd::Memfd(size_t bytes) : size_(bytes) {
-  fd_ = memfd_create("refit-test", MFD_CLOEXEC);
+Memfd::Memfd(size_t bytes, bool allow_sealing) : size_(bytes) {
+  fd_ = memfd_create("refit-test", MFD_CLOEXEC | (allow_sealing ? MFD_ALLOW_SEALING : 0));
   EXPECT_GE(fd_, 0);
   EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
   void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);

@@ -38,7 +38,10 @@ std::chrono::system_clock::time_point Deadline(int seconds = 30);
 // /proc/self/fd/N: valid for a daemon running in this process.
 class Memfd {
  public:
-  explicit Memfd(size_t bytes);
+  // `allow_sealing`: MFD_ALLOW_SEALING, as TrainerClient creates its memfd (the publisher then
+  // seals it against resizing and maps it); without, the publisher reads it with pread.
+  explicit Memfd(size_t bytes, bool allow_sealing = true);
+  int fd() const { return fd_; }
   ~Memfd();
   Memfd(const Memfd&) = delete;
   Memfd& operator=(const Memfd&) = delete;

@@ -72,6 +72,8 @@ TEST(ConfigTest, MinimalPublisherGetsDefaults) {
   EXPECT_EQ(c->codec().block_log2(), 18u);
   EXPECT_EQ(c->codec().device(), v1::DEVICE_CPU);
   EXPECT_FALSE(c->tls().insecure());
+  EXPECT_DOUBLE_EQ(c->publish_guard().max_removed_tensor_fraction(), 0.5);
+  EXPECT_DOUBLE_EQ(c->publish_guard().max_removed_byte_fraction(), 0.5);
 }
 
 TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
@@ -90,6 +92,8 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_EQ(c->staging().max_bytes(), 0u);
   EXPECT_EQ(c->leases().default_ttl_ms(), 60000u);
   EXPECT_EQ(c->leases().max_ttl_ms(), 600000u);
+  EXPECT_EQ(c->leases().max_leases_per_consumer(), 64u);
+  EXPECT_FALSE(c->store().allow_unsealed());
 }
 
 constexpr char kFullPublisher[] = R"(# a full publisher

@@ -154,14 +154,21 @@ absl::Status PublishQueue::CheckRoomLocked() {
   return absl::OkStatus();
 }
 
+absl::Status PublishQueue::CheckPublishGuard(const std::vector<GuardTensor>& next,
+                                             bool allow_degenerate,
+                                             absl::string_view where) const {
+  return core_->CheckPublishGuard(next, allow_degenerate, where);
+}
+
 absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                                          std::string source) {
+                                          std::string source, bool allow_degenerate) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckRoomLocked());
   ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
   Job job;
   job.version = chosen;
   job.tensors = std::move(tensors);
+  job.allow_degenerate = allow_degenerate;
   job.source = std::move(source);
   queue_.push_back(std::move(job));
   ++outstanding_;
@@ -210,6 +217,7 @@ absl::StatusOr<std::shared_ptr<PublishQueue::Waiter>> PublishQueue::QueueFiles(
   if (!publish.request_id.empty()) absl::StrAppend(&job.source, " request ", publish.request_id);
   job.paths = publish.paths;
   job.publish_dirs = publish.publish_dirs;
+  job.allow_degenerate = publish.allow_degenerate;
   job.waiter = waiter;
   queue_.push_back(std::move(job));
   ++outstanding_;
@@ -285,7 +293,8 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
 
 absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
   if (!job.paths.empty()) {
-    return core_->PublishSafetensors(job.version, job.paths, &job.publish_dirs);
+    return core_->PublishSafetensors(job.version, job.paths, &job.publish_dirs,
+                                     job.allow_degenerate);
   }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
@@ -309,7 +318,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
     inputs.push_back(std::move(in));
   }
   job.tensors.clear();
-  return core_->Publish(job.version, inputs);
+  return core_->Publish(job.version, inputs, job.allow_degenerate);
 }
 
 void PublishQueue::StallForTest() const {

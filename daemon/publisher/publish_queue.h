@@ -83,6 +83,7 @@ struct FilesPublish {
   // opens it. Empty: refused.
   std::vector<std::string> publish_dirs;
   std::string request_id;          // "" = not idempotent
+  bool allow_degenerate = false;   // see PublisherCore::Publish
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be null; polled every 200 ms
 };
@@ -110,9 +111,13 @@ class PublishQueue {
 
   // Queues trainer snapshots as `version` (checked against the floor) without waiting for the
   // encode. `source` names the origin in logs ("trainer-api clients rank0, rank1").
-  // ResourceExhausted when the queue is full.
+  // ResourceExhausted when the queue is full. `allow_degenerate`: see PublisherCore::Publish.
   absl::Status EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                              std::string source);
+                              std::string source, bool allow_degenerate = false);
+  // PublisherCore::CheckPublishGuard of the queue's core (the TrainerApi checks a round before
+  // queueing it, so the client completing it gets the refusal).
+  absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
+                                 absl::string_view where) const;
   // Publishes safetensors files through the queue and waits for the outcome (at most until
   // publish.deadline: DeadlineExceeded; Cancelled when publish.cancelled turns true). Returns
   // the summary (version, digest, ...). Paths must be absolute (InvalidArgument otherwise).
@@ -148,6 +153,7 @@ class PublishQueue {
     std::vector<OwnedTensor> tensors;
     std::vector<std::string> paths;
     std::vector<std::string> publish_dirs;  // confine `paths` (Control publish)
+    bool allow_degenerate = false;
     std::string source;
     std::shared_ptr<Waiter> waiter;  // null for fire-and-forget jobs
   };

@@ -136,6 +136,7 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(
   publish.deadline = rpc_deadline;
   publish.cancelled = cancelled;
   publish.publish_dirs = options_.publish_dirs;
+  publish.allow_degenerate = request.allow_degenerate();
   ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(std::move(publish)));
   v1::PublishResponse r;
   r.set_version(s.version);

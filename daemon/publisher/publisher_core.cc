@@ -350,6 +350,25 @@ absl::Status EncodeOnDevices(
   return absl::OkStatus();
 }
 
+// The guard's view of a version: names and byte sizes.
+std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs) {
+  std::vector<GuardTensor> out;
+  out.reserve(specs.size());
+  for (const v1::TensorSpec& s : specs) {
+    out.push_back({s.name(), sync::TensorByteSize(s).value_or(0)});
+  }
+  return out;
+}
+
+std::vector<GuardTensor> GuardTensorsOf(const std::vector<BaselineTensor>& baseline) {
+  std::vector<GuardTensor> out;
+  out.reserve(baseline.size());
+  for (const BaselineTensor& t : baseline) {
+    out.push_back({t.spec.name(), sync::TensorByteSize(t.spec).value_or(0)});
+  }
+  return out;
+}
+
 }  // namespace
 
 // ---- Transfer -------------------------------------------------------------------------------
@@ -616,7 +635,8 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
-                                                      std::span<const TensorInput> given) {
+                                                      std::span<const TensorInput> given,
+                                                      bool allow_degenerate) {
   const auto start = Clock::now();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
@@ -683,6 +703,9 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                        " has the same name as tensor ", a));
     }
   }
+
+  RETURN_IF_ERROR(publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
+                                    GuardTensorsOf(specs), allow_degenerate, where));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
   Encoded enc;
@@ -774,7 +797,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 
 absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
     uint64_t version, std::span<const std::string> paths,
-    const std::vector<std::string>* publish_dirs) {
+    const std::vector<std::string>* publish_dirs, bool allow_degenerate) {
   if (paths.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("publish version ", version, ": no safetensors files given"));
@@ -803,7 +826,7 @@ absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
       inputs.push_back(std::move(in));
     }
   }
-  return Publish(version, inputs);
+  return Publish(version, inputs, allow_degenerate);
 }
 
 absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
@@ -982,6 +1005,18 @@ uint64_t PublisherCore::newest_snapshot_unix_nanos() const {
 std::vector<BaselineTensor> PublisherCore::Baseline() const {
   absl::ReaderMutexLock lock(&mu_);
   return baseline_;
+}
+
+absl::Status PublisherCore::CheckPublishGuard(const std::vector<GuardTensor>& next,
+                                              bool allow_degenerate,
+                                              absl::string_view where) const {
+  std::vector<GuardTensor> current;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    current = GuardTensorsOf(baseline_);
+  }
+  return publisher::CheckPublishGuard(options_.publish_guard, current, next, allow_degenerate,
+                                      where);
 }
 
 }  // namespace refit::publisher

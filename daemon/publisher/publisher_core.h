@@ -25,6 +25,7 @@
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/publisher/persist_dir.h"
+#include "daemon/publisher/publish_guard.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "refit/v1/control.pb.h"
@@ -85,6 +86,8 @@ struct PublisherOptions {
   // `device`, or pinned host memory the kernels read over the bus. Tensors handed over as
   // DeviceBytes keep the memory kind they come in.
   cuda::Allocation::Kind gpu_baseline = cuda::Allocation::Kind::kDevice;
+  // Degenerate versions are refused (config publisher.publish_guard; see publish_guard.h).
+  PublishGuardOptions publish_guard;
 };
 
 // What Publish did (one log line per refit).
@@ -233,14 +236,17 @@ class PublisherCore {
   // patches encoded, the history updated and (with persistence) the baseline written. On error
   // nothing changes. A failed persist is not an error of Publish: see
   // PublishSummary::persist_status.
-  absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors);
+  // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
+  absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
+                                         bool allow_degenerate = false);
 
   // Loads every tensor of the safetensors files (names unique across files) and publishes them.
   // With `publish_dirs`, each file must lie beneath one of them (publisher.files.publish_dirs;
   // SafetensorsFile::OpenBeneath); without, paths are opened as given (in-process callers).
+  // `allow_degenerate`: see Publish.
   absl::StatusOr<PublishSummary> PublishSafetensors(
       uint64_t version, std::span<const std::string> paths,
-      const std::vector<std::string>* publish_dirs = nullptr);
+      const std::vector<std::string>* publish_dirs = nullptr, bool allow_degenerate = false);
 
   // The transfer of the newest version to a subscriber holding `subscriber_version` (0 = none)
   // with version digest `subscriber_version_digest`. FailedPrecondition when nothing is
@@ -268,6 +274,10 @@ class PublisherCore {
   uint64_t newest_snapshot_unix_nanos() const;
   // The newest version's tensors, name order.
   std::vector<BaselineTensor> Baseline() const;
+  // The degenerate-publish guard of Publish against the current baseline, for callers that want
+  // to refuse early (TrainerApi); Publish checks again against the baseline it publishes on.
+  absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
+                                 absl::string_view where) const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }
   // Version digest of a version the history still holds (NotFound otherwise).
   absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const {

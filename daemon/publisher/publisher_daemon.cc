@@ -179,6 +179,10 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   options.encode_threads = static_cast<int>(config.codec().threads());
   options.digest_threads = static_cast<int>(config.codec().threads());
   options.persist_dir = config.baseline().persist_dir();
+  options.publish_guard.max_removed_tensor_fraction =
+      config.publish_guard().max_removed_tensor_fraction();
+  options.publish_guard.max_removed_byte_fraction =
+      config.publish_guard().max_removed_byte_fraction();
   const bool pinned = config.codec().gpu_baseline() == v1::GPU_BASELINE_PINNED;
   options.device = codec_device;
   options.gpu_baseline =

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,7 +12,11 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
@@ -54,7 +59,148 @@ struct FdCloser {
   }
 };
 
+// tmpfs (/dev/shm, memfds) and hugetlbfs (MFD_HUGETLB memfds): the only file systems a region may
+// live on (shared memory, not files on disk).
+constexpr int64_t kTmpfsMagic = 0x01021994;
+constexpr int64_t kHugetlbfsMagic = 0x958458f6;
+
+absl::Status OpenError(const std::string& what, const std::string& object, int err) {
+  return absl::Status(OpenErrorCode(err),
+                      absl::StrCat(what, ": cannot open ", object, ": ",
+                                   err == ENOENT ? "it does not exist" : std::strerror(err)));
+}
+
+// The pid of "/proc/<pid>/fd/<n>" ("self": this process), or nullopt for any other path.
+std::optional<int> ProcFdPid(absl::string_view path) {
+  if (!absl::ConsumePrefix(&path, "/proc/")) return std::nullopt;
+  const size_t slash = path.find('/');
+  if (slash == absl::string_view::npos) return std::nullopt;
+  const absl::string_view pid_text = path.substr(0, slash);
+  absl::string_view rest = path.substr(slash);
+  uint32_t fd = 0;
+  if (!absl::ConsumePrefix(&rest, "/fd/") || !absl::SimpleAtoi(rest, &fd) ||
+      rest.find_first_not_of("0123456789") != absl::string_view::npos) {
+    return std::nullopt;
+  }
+  if (pid_text == "self") return static_cast<int>(getpid());
+  int pid = 0;
+  if (pid_text.find_first_not_of("0123456789") != absl::string_view::npos ||
+      !absl::SimpleAtoi(pid_text, &pid) || pid <= 0) {
+    return std::nullopt;
+  }
+  return pid;
+}
+
+// "/dev/shm/<name>" with a plain name (no further '/', not "." or "..").
+bool IsDevShmPath(absl::string_view path) {
+  if (!absl::ConsumePrefix(&path, "/dev/shm/")) return false;
+  return !path.empty() && path != "." && path != ".." &&
+         path.find('/') == absl::string_view::npos;
+}
+
+// Opens the object of a ShmRegion read-only: ShmRegion.shm_name, or a path that is the calling
+// process's own fd (/proc/<peer pid>/fd/<n>) or a /dev/shm object. Never blocks (O_NONBLOCK) and
+// never follows a symlink in /dev/shm (O_NOFOLLOW).
+absl::StatusOr<int> OpenObjectFd(const v1::ShmRegion& region, const std::string& what,
+                                 const std::optional<PeerCred>& peer, std::string* object) {
+  if (region.object_case() == v1::ShmRegion::kShmName) {
+    const std::string& name = region.shm_name();
+    *object = absl::StrCat("shm object ", Quoted(name));
+    if (name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": shm.shm_name is empty"));
+    }
+    if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
+        name == "/." || name == "/..") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": shm.shm_name ", Quoted(name), " is not a POSIX shm name (\"/name\")"));
+    }
+    const int fd = shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
+    if (fd < 0) return OpenError(what, *object, errno);
+    return fd;
+  }
+  if (region.object_case() != v1::ShmRegion::kPath) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shm region names no object: set shm_name or path"));
+  }
+  const std::string& path = region.path();
+  *object = absl::StrCat("file ", Quoted(path));
+  if (path.empty() || path[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": shm.path ", Quoted(path), " is not absolute"));
+  }
+  int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
+  if (std::optional<int> pid = ProcFdPid(path); pid.has_value()) {
+    if (peer.has_value() && *pid != peer->pid) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          what, ": shm.path ", Quoted(path), " is an fd of process ", *pid,
+          ", not of the calling trainer (pid ", peer->pid, "): register your own memfd as "
+          "/proc/<your pid>/fd/<n>"));
+    }
+  } else if (IsDevShmPath(path)) {
+    flags |= O_NOFOLLOW;
+  } else {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": shm.path ", Quoted(path), " is neither the trainer's own memfd "
+        "(/proc/<its pid>/fd/<n>) nor a /dev/shm/<name> object"));
+  }
+  const int fd = open(path.c_str(), flags);
+  if (fd < 0) return OpenError(what, *object, errno);
+  return fd;
+}
+
 }  // namespace
+
+absl::StatusOr<ShmObject> OpenShmObject(const v1::ShmRegion& region, const std::string& what,
+                                        const std::optional<PeerCred>& peer) {
+  ShmObject out;
+  ASSIGN_OR_RETURN(out.fd, OpenObjectFd(region, what, peer, &out.name));
+  FdCloser closer{out.fd};
+  if (fstat(out.fd, &out.st) != 0) {
+    return absl::InternalError(
+        absl::StrCat(what, ": cannot stat ", out.name, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(out.st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", out.name, " is not a regular file or shared memory object"));
+  }
+  struct statfs fs;
+  if (fstatfs(out.fd, &fs) != 0 ||
+      (static_cast<int64_t>(fs.f_type) != kTmpfsMagic &&
+       static_cast<int64_t>(fs.f_type) != kHugetlbfsMagic)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": ", out.name, " is not shared memory (tmpfs / memfd): a region must be a "
+        "memfd or a POSIX shm object of the trainer"));
+  }
+  if (peer.has_value() && out.st.st_uid != peer->uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": ", out.name, " is owned by uid ", out.st.st_uid,
+        ", not by the calling trainer (uid ", peer->uid, ")"));
+  }
+  const bool is_proc_fd = region.object_case() == v1::ShmRegion::kPath &&
+                          ProcFdPid(region.path()).has_value();
+  // A memfd's mode is always 0777 (reachable only through its owner's fds); a named object
+  // that anyone may write could be swapped under the trainer.
+  if (!is_proc_fd && (out.st.st_mode & S_IWOTH) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": ", out.name, " is world-writable (mode ",
+        absl::StrFormat("%04o", out.st.st_mode & 07777), ")"));
+  }
+  closer.fd = -1;
+  return out;
+}
+
+bool SealAgainstShrinking(int fd) {
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return false;  // not sealable at all
+  if ((seals & F_SEAL_SHRINK) != 0) return true;
+  if ((seals & F_SEAL_SEAL) != 0) return false;
+  // Adding seals needs a writable description: reopen ours read-write just for that.
+  const int rw = open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDWR | O_CLOEXEC);
+  if (rw < 0) return false;
+  const bool sealed = fcntl(rw, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0;
+  close(rw);
+  return sealed;
+}
 
 // ---- OpenedIpc, CudaRegionOpener ----------------------------------------------------------------
 
@@ -131,10 +277,12 @@ absl::StatusOr<std::shared_ptr<const OpenedIpc>> CudaRegionOpener::Open(
 
 MappedTensor::~MappedTensor() {
   if (map_ != nullptr) munmap(map_, map_len_);
+  if (fd_ >= 0) close(fd_);
 }
 
 absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
-    const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda) {
+    const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda,
+    const std::optional<PeerCred>& peer) {
   const v1::TensorSpec& spec = location.spec();
   absl::Status valid = sync::ValidateTensorSpec(spec);
   if (!valid.ok()) return Prefixed(what, valid);
@@ -189,79 +337,86 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
     case v1::TensorLocation::kShm:
       break;
   }
-  const v1::ShmRegion& region = location.shm();
+  return MapShm(location.shm(), spec, *dtype, *elements, *size, what, peer);
+}
 
-  int fd = -1;
-  std::string object;
-  switch (region.object_case()) {
-    case v1::ShmRegion::kShmName:
-      object = absl::StrCat("shm object ", Quoted(region.shm_name()));
-      if (region.shm_name().empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": shm.shm_name is empty"));
-      }
-      fd = shm_open(region.shm_name().c_str(), O_RDONLY | O_CLOEXEC, 0);
-      break;
-    case v1::ShmRegion::kPath:
-      object = absl::StrCat("file ", Quoted(region.path()));
-      if (region.path().empty() || region.path()[0] != '/') {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": shm.path ", Quoted(region.path()), " is not absolute"));
-      }
-      fd = open(region.path().c_str(), O_RDONLY | O_CLOEXEC);
-      break;
-    case v1::ShmRegion::OBJECT_NOT_SET:
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": shm region names no object: set shm_name or path"));
-  }
-  if (fd < 0) {
-    const int err = errno;
-    return absl::Status(OpenErrorCode(err),
-                        absl::StrCat(what, ": cannot open ", object, ": ",
-                                     err == ENOENT ? "it does not exist" : std::strerror(err)));
-  }
-  FdCloser closer{fd};
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    return absl::InternalError(
-        absl::StrCat(what, ": cannot stat ", object, ": ", std::strerror(errno)));
-  }
-  if (!S_ISREG(st.st_mode)) {
+absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::MapShm(
+    const v1::ShmRegion& region, const v1::TensorSpec& spec, DType dtype, uint64_t elements,
+    uint64_t size, const std::string& what, const std::optional<PeerCred>& peer) {
+  if (region.size_bytes() != size) {
     return absl::InvalidArgumentError(absl::StrCat(
-        what, ": ", object, " is not a regular file or shared memory object"));
+        what, ": shm.size_bytes is ", region.size_bytes(), " but the tensor needs ", size,
+        " bytes (", DTypeName(dtype), ", ", elements, " elements)"));
   }
-  if (region.size_bytes() != *size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": shm.size_bytes is ", region.size_bytes(), " but the tensor needs ", *size,
-        " bytes (", DTypeName(*dtype), ", ", *elements, " elements)"));
-  }
-  const uint64_t object_size = static_cast<uint64_t>(st.st_size);
-  if (region.offset() > object_size || *size > object_size - region.offset()) {
+  ASSIGN_OR_RETURN(ShmObject object, OpenShmObject(region, what, peer));
+  FdCloser closer{object.fd};
+  const uint64_t object_size = static_cast<uint64_t>(object.st.st_size);
+  if (region.offset() > object_size || size > object_size - region.offset()) {
     return absl::OutOfRangeError(absl::StrCat(
-        what, ": region [", region.offset(), ", ", region.offset(), " + ", *size,
-        ") is outside ", object, " of ", object_size, " bytes"));
+        what, ": region [", region.offset(), ", ", region.offset(), " + ", size,
+        ") is outside ", object.name, " of ", object_size, " bytes"));
   }
 
   std::unique_ptr<MappedTensor> t(new MappedTensor());
   t->spec_ = spec;
-  t->dtype_ = *dtype;
-  t->size_ = static_cast<size_t>(*size);
-  if (*size == 0) return t;
+  t->dtype_ = dtype;
+  t->size_ = static_cast<size_t>(size);
+  t->what_ = absl::StrCat(what, " (", object.name, ")");
+  if (size == 0) return t;
+  if (!SealAgainstShrinking(object.fd)) {
+    // Cannot be sealed (a /dev/shm object, a memfd without MFD_ALLOW_SEALING): never mapped, as
+    // the trainer could shrink it under the mapping; Publish reads it with pread instead.
+    t->fd_ = object.fd;
+    closer.fd = -1;
+    t->offset_ = region.offset();
+    return t;
+  }
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t aligned = region.offset() / page * page;
   const uint64_t delta = region.offset() - aligned;
-  const size_t len = static_cast<size_t>(delta + *size);
-  void* map = mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(aligned));
+  const size_t len = static_cast<size_t>(delta + size);
+  void* map = mmap(nullptr, len, PROT_READ, MAP_SHARED, object.fd, static_cast<off_t>(aligned));
   if (map == MAP_FAILED) {
     const int err = errno;
     return absl::Status(err == ENOMEM ? absl::StatusCode::kResourceExhausted
                                       : absl::StatusCode::kInvalidArgument,
-                        absl::StrCat(what, ": cannot map ", len, " bytes of ", object,
+                        absl::StrCat(what, ": cannot map ", len, " bytes of ", object.name,
                                      " at offset ", aligned, ": ", std::strerror(err)));
   }
   t->map_ = map;
   t->map_len_ = len;
   t->data_ = static_cast<const uint8_t*>(map) + delta;
   return t;
+}
+
+absl::Status MappedTensor::CopyTo(uint8_t* dst, size_t offset, size_t len) const {
+  if (offset > size_ || len > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat(what_, ": copy of [", offset, ", +", len,
+                                              ") outside the tensor's ", size_, " bytes"));
+  }
+  if (fd_ < 0) {
+    if (len != 0) std::memcpy(dst, data_ + offset, len);
+    return absl::OkStatus();
+  }
+  size_t done = 0;
+  while (done < len) {
+    const ssize_t n = pread(fd_, dst + done, len - done,
+                            static_cast<off_t>(offset_ + offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InternalError(absl::StrCat(what_, ": reading the region: ",
+                                              std::strerror(errno)));
+    }
+    if (n == 0) {
+      struct stat st;
+      const int64_t now = fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+      return absl::FailedPreconditionError(absl::StrCat(
+          what_, ": the object shrank to ", now, " bytes under its registered region [",
+          offset_, ", ", offset_ + size_, "); register the tensors again"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
 }
 
 // ---- TrainerApiService --------------------------------------------------------------------------
@@ -293,7 +448,7 @@ v1::RegisterTensorsResponse TrainerApiService::CountsLocked() const {
 }
 
 absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
-    const v1::RegisterTensorsRequest& request) {
+    const v1::RegisterTensorsRequest& request, const std::optional<PeerCred>& peer) {
   const std::string& name = request.client();
   if (name.empty()) {
     return absl::InvalidArgumentError("RegisterTensors: client is empty (name the process, e.g. "
@@ -318,7 +473,8 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
       return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate name (also tensor ",
                                                      it->second, ")"));
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t, MappedTensor::Map(location, what, &cuda));
+    ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t,
+                     MappedTensor::Map(location, what, &cuda, peer));
     mapped.push_back(std::move(t));
   }
 
@@ -399,7 +555,17 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked() {
     for (OwnedTensor& t : snapshot) tensors.push_back(std::move(t));
   }
   const std::string source = absl::StrCat("trainer-api clients ", absl::StrJoin(names, ", "));
-  absl::Status queued = queue_->EnqueueTensors(round.version, std::move(tensors), source);
+  // Refused now, so the completing client hears it (the core checks again when publishing).
+  std::vector<GuardTensor> guard;
+  guard.reserve(tensors.size());
+  for (const OwnedTensor& t : tensors) {
+    guard.push_back({t.name, t.device_bytes != nullptr ? t.device_bytes->memory.size()
+                                                       : t.bytes.size()});
+  }
+  RETURN_IF_ERROR(queue_->CheckPublishGuard(
+      guard, round.allow_degenerate, absl::StrCat("version ", round.version, " from ", source)));
+  absl::Status queued =
+      queue_->EnqueueTensors(round.version, std::move(tensors), source, round.allow_degenerate);
   if (!queued.ok()) {
     return absl::Status(queued.code(), absl::StrCat("version ", round.version, " from ", source,
                                                     " was not queued: ", queued.message()));
@@ -467,19 +633,24 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
       snapshot.push_back(std::move(o));
       continue;
     }
-    o.bytes.resize(t.bytes().size());
+    o.bytes.resize(t.size());
     for (size_t off = 0; off < o.bytes.size(); off += kChunkBytes) {
       chunks.push_back({i, off, std::min(kChunkBytes, o.bytes.size() - off)});
     }
     snapshot.push_back(std::move(o));
   }
+  // Mapped regions are memcpy'd, the others pread (a shrunk object is an error, not SIGBUS).
+  std::vector<absl::Status> copied(chunks.size());
   ParallelFor(chunks.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
     for (size_t c = begin; c < end; ++c) {
       const Chunk& chunk = chunks[c];
-      std::memcpy(snapshot[chunk.tensor].bytes.data() + chunk.offset,
-                  tensors[chunk.tensor]->bytes().data() + chunk.offset, chunk.bytes);
+      copied[c] = tensors[chunk.tensor]->CopyTo(snapshot[chunk.tensor].bytes.data() + chunk.offset,
+                                                chunk.offset, chunk.bytes);
     }
   });
+  for (const absl::Status& st : copied) {
+    if (!st.ok()) return Prefixed(absl::StrCat("Publish of version ", version), st);
+  }
   const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start);
 
   absl::MutexLock lock(&mu_);
@@ -500,6 +671,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
         " at the same time; every client must publish the same version"));
   }
   round_->snapshots[name] = std::move(snapshot);
+  round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
   v1::LocalPublishResponse response;
   response.set_version(version);
   response.set_snapshot_micros(micros < 0 ? 0 : static_cast<uint64_t>(micros));
@@ -544,10 +716,10 @@ absl::Status TrainerApiService::SnapshotCuda(const MappedTensor& t, const std::s
   return absl::OkStatus();
 }
 
-grpc::Status TrainerApiService::RegisterTensors(grpc::ServerContext*,
+grpc::Status TrainerApiService::RegisterTensors(grpc::ServerContext* context,
                                                 const v1::RegisterTensorsRequest* request,
                                                 v1::RegisterTensorsResponse* response) {
-  absl::StatusOr<v1::RegisterTensorsResponse> r = DoRegister(*request);
+  absl::StatusOr<v1::RegisterTensorsResponse> r = DoRegister(*request, PeerCredOf(*context));
   if (!r.ok()) {
     log_->warn("RegisterTensors: {}", r.status().ToString());
     return ToGrpcStatus(r.status());

@@ -1,11 +1,25 @@
 // TrainerApi (proto/refit/v1/local.proto) of the publisher daemon, served on `local_socket`.
 //
 // Trainer processes ("clients", e.g. one per tensor-parallel rank) register the tensors they
-// expose as regions of POSIX shared memory objects or files (memfds via /proc/<pid>/fd/<n>), or
-// as CUDA IPC regions of their own GPU allocations (no extra copy of the weights on the
+// expose as regions of shared memory they own (memfds via /proc/<pid>/fd/<n>, POSIX shm objects),
+// or as CUDA IPC regions of their own GPU allocations (no extra copy of the weights on the
 // trainer's GPU). Each region is validated before RegisterTensors returns:
-//   shm: dtype, shape, name, object exists, range inside it, size = dtype size x elements; the
-//     region is mapped read-only (MAP_SHARED).
+//   shm: dtype, shape, name, range inside the object, size = dtype size x elements, and the
+//     object must be shared memory of the calling trainer (OpenShmObject): shm_name, a path
+//     /proc/<caller pid>/fd/<n> (the trainer's own fd; another process's is refused) or
+//     /dev/shm/<name>, opened O_RDONLY | O_NONBLOCK (O_NOFOLLOW for names), a regular file on
+//     tmpfs/hugetlbfs (no file on disk), owned by the caller's uid, and, except memfds (always
+//     mode 0777, reachable only through their owner's fds), not world-writable. The caller's
+//     pid/uid come from PeerCredOf (SO_PEERCRED of the unix socket; TrainerApi is served on the
+//     local socket only); without credentials (in-process DoRegister with no peer) the pid/uid
+//     checks are skipped.
+//     A region is never mapped where the trainer could shrink it under the mapping (SIGBUS in
+//     the daemon): a memfd that allows sealing is sealed F_SEAL_SHRINK | F_SEAL_GROW at
+//     registration (the trainer can no longer resize it: TrainerClient and refit.trainer create
+//     it MFD_ALLOW_SEALING at its final size and seal it themselves) and mapped read-only
+//     (MAP_SHARED); any other object (a /dev/shm object, a memfd without MFD_ALLOW_SEALING) is
+//     not mapped but read with pread at each Publish, so a shrunk object is a
+//     FAILED_PRECONDITION naming client, tensor and object, and the daemon keeps serving.
 //   cuda_ipc: 64-byte handle, 16-byte GPU UUID, size = the tensor's bytes, offset + size inside
 //     the allocation (allocation_bytes when given, and the driver's size of the opened
 //     allocation). The GPU is opened through the service's DeviceProvider (by UUID) and each
@@ -28,6 +42,8 @@
 #ifndef REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
 #define REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -40,6 +56,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/peer_cred.h"
 #include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
 #include "refit/v1/local.grpc.pb.h"
@@ -87,7 +104,23 @@ class CudaRegionOpener {
   std::map<std::pair<cuda::Uuid, cuda::IpcHandle>, std::shared_ptr<const OpenedIpc>> opened_;
 };
 
-// One registered tensor: its spec and its region, mapped read-only (shm) or opened (CUDA IPC).
+// A shared-memory object a ShmRegion names, opened read-only and checked (see the top comment).
+struct ShmObject {
+  int fd = -1;       // owned by the caller
+  std::string name;  // "file \"/proc/12/fd/5\"", "shm object \"/w\"", for messages
+  struct stat st = {};
+};
+// `what` prefixes errors. Codes: InvalidArgument (malformed name or path, not a regular file),
+// NotFound, PermissionDenied (another process's fd, a path outside /proc/<pid>/fd and /dev/shm,
+// not shared memory, another owner, world-writable).
+absl::StatusOr<ShmObject> OpenShmObject(const v1::ShmRegion& region, const std::string& what,
+                                        const std::optional<PeerCred>& peer);
+// Makes sure the object behind `fd` can never shrink: true when it is sealed F_SEAL_SHRINK
+// already or the seals F_SEAL_SHRINK | F_SEAL_GROW could be added now.
+bool SealAgainstShrinking(int fd);
+
+// One registered tensor: its spec and its region, mapped read-only (a shm object sealed against
+// shrinking), kept open for pread (any other shm object) or opened (CUDA IPC).
 class MappedTensor {
  public:
   ~MappedTensor();
@@ -99,24 +132,38 @@ class MappedTensor {
   // region, size mismatch, relative path, malformed handle or UUID), NotFound (shm object / file
   // missing), PermissionDenied, OutOfRange (region outside the object or allocation),
   // FailedPrecondition (CUDA region without a usable GPU, or `cuda` null).
-  static absl::StatusOr<std::unique_ptr<MappedTensor>> Map(const v1::TensorLocation& location,
-                                                           const std::string& what,
-                                                           CudaRegionOpener* cuda = nullptr);
+  // `peer`: the calling trainer (see OpenShmObject).
+  static absl::StatusOr<std::unique_ptr<MappedTensor>> Map(
+      const v1::TensorLocation& location, const std::string& what,
+      CudaRegionOpener* cuda = nullptr, const std::optional<PeerCred>& peer = std::nullopt);
 
   const v1::TensorSpec& spec() const { return spec_; }
   DType dtype() const { return dtype_; }
   size_t size() const { return size_; }  // bytes
-  // shm: the mapped bytes. cuda_ipc: empty (see gpu()).
+  // shm, mapped: the mapped bytes. Read through pread, or cuda_ipc: empty (use CopyTo / gpu()).
   std::span<const uint8_t> bytes() const {
-    return ipc_ != nullptr ? std::span<const uint8_t>() : std::span<const uint8_t>(data_, size_);
+    return ipc_ != nullptr || fd_ >= 0 ? std::span<const uint8_t>()
+                                       : std::span<const uint8_t>(data_, size_);
   }
+  // shm: whether the region is mapped (sealed against shrinking) rather than read with pread.
+  bool mapped() const { return fd_ < 0 && ipc_ == nullptr; }
+  // shm: copies bytes [offset, offset + len) of the tensor to `dst`. FAILED_PRECONDITION naming
+  // client, tensor and object when the object shrank under the region.
+  absl::Status CopyTo(uint8_t* dst, size_t offset, size_t len) const;
   // cuda_ipc: the opened allocation (null for shm) and the region's device pointer.
   const OpenedIpc* gpu() const { return ipc_.get(); }
   const uint8_t* device_data() const { return ipc_ != nullptr ? data_ : nullptr; }
 
  private:
   MappedTensor() = default;
+  static absl::StatusOr<std::unique_ptr<MappedTensor>> MapShm(
+      const v1::ShmRegion& region, const v1::TensorSpec& spec, DType dtype, uint64_t elements,
+      uint64_t size, const std::string& what, const std::optional<PeerCred>& peer);
+
   v1::TensorSpec spec_;
+  std::string what_;  // client, tensor and object, for errors
+  int fd_ = -1;       // shm read with pread: the object, and the region's offset in it
+  uint64_t offset_ = 0;
   DType dtype_ = DType::kBF16;
   void* map_ = nullptr;
   size_t map_len_ = 0;
@@ -157,8 +204,11 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   grpc::Status Publish(grpc::ServerContext* context, const v1::LocalPublishRequest* request,
                        v1::LocalPublishResponse* response) override;
 
-  // The same without gRPC.
-  absl::StatusOr<v1::RegisterTensorsResponse> DoRegister(const v1::RegisterTensorsRequest& request);
+  // The same without gRPC. `peer`: the calling trainer's credentials (gRPC: PeerCredOf), for
+  // the checks of its shm regions; nullopt skips the pid/uid checks (see the top comment).
+  absl::StatusOr<v1::RegisterTensorsResponse> DoRegister(
+      const v1::RegisterTensorsRequest& request,
+      const std::optional<PeerCred>& peer = std::nullopt);
   absl::Status DoUnregister(const std::string& client);
   absl::StatusOr<v1::LocalPublishResponse> DoPublish(const v1::LocalPublishRequest& request);
 
@@ -172,6 +222,7 @@ class TrainerApiService final : public v1::TrainerApi::Service {
     uint64_t version = 0;
     std::string first_client;
     std::map<std::string, std::vector<OwnedTensor>> snapshots;
+    bool allow_degenerate = false;  // some client's LocalPublishRequest.allow_degenerate
   };
 
   v1::RegisterTensorsResponse CountsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -27,7 +28,8 @@ using refit::testing::Location;
 // A memfd of `bytes` holding a pattern, addressed as /proc/self/fd/N.
 class Memfd : public refit::testing::Memfd {
  public:
-  explicit Memfd(size_t bytes, uint8_t seed = 1) : refit::testing::Memfd(bytes) {
+  explicit Memfd(size_t bytes, uint8_t seed = 1, bool allow_sealing = true)
+      : refit::testing::Memfd(bytes, allow_sealing) {
     for (size_t i = 0; i < bytes; ++i) data()[i] = static_cast<uint8_t>(i * 7 + seed);
   }
 };
@@ -300,6 +302,169 @@ TEST_F(TrainerApiTest, UnregisterCompletesARoundTheOthersFinished) {
   ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
   ASSERT_EQ(core_->Baseline().size(), 1u);
   EXPECT_EQ(core_->Baseline()[0].spec.name(), "a");
+}
+
+// ---- regions only from the trainer's own shared memory, never SIGBUS -------------------------
+
+class TrainerApiSecurityTest : public TrainerApiTest {
+ protected:
+  absl::Status RegisterAs(const std::string& client, v1::TensorLocation location,
+                          std::optional<PeerCred> peer) {
+    v1::RegisterTensorsRequest r;
+    r.set_client(client);
+    *r.add_tensors() = std::move(location);
+    return api_->DoRegister(r, peer).status();
+  }
+  static PeerCred Self() {
+    return PeerCred{static_cast<int>(getpid()), static_cast<uint32_t>(getuid()),
+                    static_cast<uint32_t>(getgid())};
+  }
+  static std::string ProcPath(int fd) { return absl::StrCat("/proc/", getpid(), "/fd/", fd); }
+};
+
+// The trainer truncates a memfd the daemon could not seal, then publishes: a clear error naming
+// client, tensor and object (no SIGBUS), and the daemon keeps publishing other registrations.
+TEST_F(TrainerApiSecurityTest, ShrunkUnsealableMemfdIsAClearPublishError) {
+  Memfd m(8192, 3, /*allow_sealing=*/false);
+  const std::string path = ProcPath(m.fd());
+  ASSERT_TRUE(
+      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, path, 4096, 4096), Self()).ok());
+  ASSERT_EQ(ftruncate(m.fd(), 100), 0);
+  auto p = Publish("rank0");
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "client \"rank0\"")) << p.status();
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "'w'")) << p.status();
+  EXPECT_TRUE(absl::StrContains(p.status().message(), path)) << p.status();
+  EXPECT_TRUE(absl::StrContains(p.status().message(), "shrank to 100 bytes")) << p.status();
+  // Still serving: a fresh registration publishes.
+  Memfd fresh(4096, 7);
+  ASSERT_TRUE(Register("rank0", {Location("w", v1::DTYPE_U8, {4096}, fresh.path(), 0, 4096)}).ok());
+  auto again = Publish("rank0");
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(
+      queue_->WaitPublished(again->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
+  EXPECT_EQ(PublishedBytes("w"), std::vector<uint8_t>(fresh.data(), fresh.data() + 4096));
+}
+
+// A memfd that allows sealing is sealed at registration: the trainer can no longer shrink it.
+TEST_F(TrainerApiSecurityTest, SealableMemfdIsSealedAgainstResizing) {
+  Memfd m(4096, 5);
+  ASSERT_TRUE(
+      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, ProcPath(m.fd()), 0, 4096), Self())
+          .ok());
+  EXPECT_NE(ftruncate(m.fd(), 100), 0);
+  EXPECT_EQ(errno, EPERM);
+  const int seals = fcntl(m.fd(), F_GET_SEALS);
+  EXPECT_NE(seals & F_SEAL_SHRINK, 0);
+  EXPECT_NE(seals & F_SEAL_GROW, 0);
+  auto p = Publish("rank0");
+  ASSERT_TRUE(p.ok()) << p.status();
+}
+
+TEST_F(TrainerApiSecurityTest, RefusesPathsThatAreNotTheTrainersSharedMemory) {
+  // An arbitrary file, by path.
+  absl::Status st = RegisterAs("t", Location("w", v1::DTYPE_U8, {4}, "/etc/passwd", 0, 4), Self());
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "/etc/passwd")) << st;
+  // A file on disk the trainer holds open (not shared memory), through its own /proc fd.
+  const int disk = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(disk, 0);
+  st = RegisterAs("t", Location("w", v1::DTYPE_U8, {4}, ProcPath(disk), 0, 4), Self());
+  close(disk);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "not shared memory")) << st;
+  // Another process's fd: the caller claims pid 1's memfd while it is this process.
+  Memfd m(4096);
+  st = RegisterAs("t", Location("w", v1::DTYPE_U8, {4}, absl::StrCat("/proc/1/fd/", m.fd()), 0, 4),
+                  Self());
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "not of the calling trainer")) << st;
+  // This process's fd registered by another process (a different peer pid).
+  PeerCred other = Self();
+  other.pid = 1;
+  st = RegisterAs("t", Location("w", v1::DTYPE_U8, {4}, ProcPath(m.fd()), 0, 4), other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  // Paths below /dev/shm only one level deep, no traversal.
+  st = RegisterAs("t", Location("w", v1::DTYPE_U8, {4}, "/dev/shm/../../etc/passwd", 0, 4), Self());
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+}
+
+// A /dev/shm object of another uid (mode 0600) is refused; so is a world-writable one and a
+// symlink; an own, private one is accepted (read with pread: it cannot be sealed).
+TEST_F(TrainerApiSecurityTest, DevShmObjectsMustBeTheCallersAndPrivate) {
+  const std::string name = absl::StrCat("refit-sec-", getpid());
+  const std::string path = "/dev/shm/" + name;
+  const int fd = open(path.c_str(), O_CREAT | O_RDWR | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 64), 0);
+  const auto loc = [&](const std::string& p) {
+    return Location("w", v1::DTYPE_U8, {64}, p, 0, 64);
+  };
+  // Owned by this uid: accepted by path and by shm name.
+  ASSERT_TRUE(RegisterAs("t", loc(path), Self()).ok());
+  v1::TensorLocation by_name = loc(path);
+  by_name.mutable_shm()->set_shm_name("/" + name);
+  ASSERT_TRUE(RegisterAs("t", by_name, Self()).ok());
+  // Another uid's caller (as if uid 65534 registered root's 0600 object).
+  PeerCred other = Self();
+  other.uid = 65534;
+  absl::Status st = RegisterAs("u", loc(path), other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), absl::StrCat("owned by uid ", getuid()))) << st;
+  st = RegisterAs("u", by_name, other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  // World-writable.
+  ASSERT_EQ(fchmod(fd, 0666), 0);
+  st = RegisterAs("u", loc(path), Self());
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "world-writable")) << st;
+  ASSERT_EQ(fchmod(fd, 0600), 0);
+  // A symlink in /dev/shm to it (or to anything else) is not followed.
+  const std::string link = path + "-link";
+  ASSERT_EQ(symlink(path.c_str(), link.c_str()), 0);
+  st = RegisterAs("u", loc(link), Self());
+  EXPECT_FALSE(st.ok());
+  unlink(link.c_str());
+  // Registered without sealing: shrinking it makes Publish fail cleanly, never SIGBUS.
+  ASSERT_TRUE(RegisterAs("t", loc(path), Self()).ok());
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  auto p = Publish("t");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
+  close(fd);
+  unlink(path.c_str());
+}
+
+// The degenerate-publish guard applies to the TrainerApi: a registration that drops most
+// tensors is refused at publish unless allow_degenerate.
+TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
+  Memfd m(4 * 4096);
+  std::vector<v1::TensorLocation> all;
+  for (int i = 0; i < 4; ++i) {
+    all.push_back(Location(absl::StrCat("t", i), v1::DTYPE_U8, {4096}, m.path(), i * 4096, 4096));
+  }
+  ASSERT_TRUE(Register("rank0", all).ok());
+  auto first = Publish("rank0");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_TRUE(Register("rank0", {all[0]}).ok());
+  auto refused = Publish("rank0");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "removes 3 of the current version's 4"))
+      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "allow_degenerate"))
+      << refused.status();
+  v1::LocalPublishRequest allowed;
+  allowed.set_client("rank0");
+  allowed.set_allow_degenerate(true);
+  auto ok = api_->DoPublish(allowed);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_TRUE(queue_->WaitPublished(ok->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
+  EXPECT_EQ(core_->Baseline().size(), 1u);
+  // The refused version 2 never became current: the allowed one was published on top of 1.
+  ASSERT_TRUE(queue_->last_publish().has_value());
+  EXPECT_EQ(queue_->last_publish()->base_version, 1u);
 }
 
 TEST(FormatTest, BytesAndLogLine) {

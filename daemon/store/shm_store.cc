@@ -12,6 +12,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "daemon/common/logging.h"
+
+// Linux >= 5.1 (older libc headers lack it).
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
 
 namespace refit::store {
 namespace {
@@ -21,7 +27,7 @@ std::string Errno(int err) { return std::strerror(err); }
 // Returns an fd or -errno.
 int CreateMemfd() {
 #ifdef MFD_CLOEXEC
-  int fd = memfd_create("refitd-store", MFD_CLOEXEC);
+  int fd = memfd_create("refitd-store", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   return fd >= 0 ? fd : -errno;
 #else
   return -ENOSYS;
@@ -46,6 +52,37 @@ absl::StatusOr<int> CreateShmOpen(const std::string& prefix) {
     }
   }
   return absl::InternalError(absl::StrCat("shm_open: no free name with prefix ", prefix));
+}
+
+// Seals a memfd the daemon has mapped writable: nobody (a consumer reopening /proc/<pid>/fd/<n>
+// O_RDWR, or one holding the fd) can resize it, write() it or map it writable from now on; the
+// daemon's existing writable mapping keeps working (F_SEAL_FUTURE_WRITE). Returns 0 or errno.
+int SealStore(int fd) {
+#ifdef F_ADD_SEALS
+  constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+  return fcntl(fd, F_ADD_SEALS, kSeals) == 0 ? 0 : errno;
+#else
+  return ENOSYS;
+#endif
+}
+
+// A store that cannot be sealed: refused unless the config allows it (then a loud warning).
+absl::Status CheckUnsealed(const ShmStoreOptions& options, const char* backing, int err) {
+  const std::string why =
+      err == 0 ? std::string("the shm_open fallback cannot be sealed")
+               : absl::StrCat("sealing the memfd failed (", Errno(err),
+                              "; F_SEAL_FUTURE_WRITE needs Linux >= 5.1)");
+  if (!options.allow_unsealed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shm store (", backing, "): ", why, ": any local process that can open the store could "
+        "truncate it (crashing this daemon) or overwrite the version consumers read; set "
+        "store.allow_unsealed: true to accept that risk"));
+  }
+  Logger("store")->warn(
+      "shm store ({}): {}: UNSEALED (store.allow_unsealed): any local process that can open "
+      "the store can truncate it (SIGBUS in this daemon) or overwrite the bytes consumers read",
+      backing, why);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -82,21 +119,32 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
     return absl::ResourceExhaustedError(
         absl::StrCat("shm store: mmap of ", total, " bytes: ", Errno(err)));
   }
+  // Sealed after the daemon's own writable mapping exists (that one stays writable).
+  const int seal_err = std::strcmp(backing, "memfd") == 0 ? SealStore(fd) : 0;
+  const bool sealed = std::strcmp(backing, "memfd") == 0 && seal_err == 0;
+  if (!sealed) {
+    if (absl::Status s = CheckUnsealed(options, backing, seal_err); !s.ok()) {
+      munmap(map, total);
+      close(fd);
+      return s;
+    }
+  }
   auto* base = static_cast<uint8_t*>(map);
   std::vector<uint8_t*> bases;
   for (int s = 0; s < options.slots; ++s) bases.push_back(base + static_cast<uint64_t>(s) * slot_bytes);
   return std::unique_ptr<ShmStore>(
-      new ShmStore(std::move(layout), std::move(bases), options, fd, base, total, backing));
+      new ShmStore(std::move(layout), std::move(bases), options, fd, base, total, backing, sealed));
 }
 
 ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
-                   uint8_t* map, uint64_t total_bytes, const char* backing)
+                   uint8_t* map, uint64_t total_bytes, const char* backing, bool sealed)
     : SlottedStore(std::move(layout), std::move(bases), options,
                    std::make_unique<HostMemory>(options.threads)),
       fd_(fd),
       map_(map),
       total_bytes_(total_bytes),
-      backing_(backing) {}
+      backing_(backing),
+      sealed_(sealed) {}
 
 ShmStore::~ShmStore() {
   munmap(map_, total_bytes_);

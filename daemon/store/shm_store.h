@@ -8,9 +8,17 @@
 // (256 by default, cudaMalloc's, so a consumer can cudaHostRegister/cudaMemcpy the mapping and the
 // CUDA store of issue 4 shares the same Layout); mmap bases are page aligned.
 //
-// The object is a memfd (memfd_create, MFD_CLOEXEC); where memfd_create is unavailable the store
-// falls back to shm_open("<shm_prefix><pid>-<counter>"), unlinked immediately after ftruncate so
-// it never outlives the daemon. Either way the only handle is fd(); a consumer process reaches it
+// The object is a memfd (memfd_create, MFD_CLOEXEC | MFD_ALLOW_SEALING), sized, mapped read-write
+// by the daemon and then sealed with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
+// F_SEAL_SEAL (Linux >= 5.1): the daemon's own mapping stays writable, but a consumer that holds
+// the fd or reopens /proc/<pid>/fd/<n> O_RDWR can neither truncate it (SIGBUS in the daemon), nor
+// write() it, nor map it writable (mmap PROT_WRITE | MAP_SHARED and mprotect fail with EPERM), so
+// no consumer can corrupt the version the others read. Where memfd_create is unavailable the store
+// falls back to shm_open("<shm_prefix><pid>-<counter>") (0600, unlinked immediately after
+// ftruncate so it never outlives the daemon), which cannot be sealed; an unsealable store (the
+// fallback, or a kernel without F_SEAL_FUTURE_WRITE) is refused (FAILED_PRECONDITION) unless
+// allow_unsealed (config store.allow_unsealed), then kept with a warning in the log. Either way
+// the only handle is fd(); a consumer process reaches it
 //   (a) by SCM_RIGHTS over the ConsumerApi unix socket (the robust way: no /proc access needed), or
 //   (b) by opening ProcPath() = "/proc/<daemon pid>/fd/<fd>" read-only (what ShmRegion.path in
 //       local.proto carries: needs the same uid/ptrace access, i.e. a shared PID namespace in a
@@ -44,6 +52,8 @@ struct ShmStoreOptions : StoreOptions {
   std::string shm_prefix = "/refitd-";
   // Testing: skip memfd_create and use the shm_open fallback.
   bool force_shm_open = false;
+  // Keep a store that cannot be sealed (config store.allow_unsealed), with a warning.
+  bool allow_unsealed = false;
 };
 
 class ShmStore final : public SlottedStore {
@@ -67,15 +77,18 @@ class ShmStore final : public SlottedStore {
   }
   // "memfd" or "shm_open".
   const char* backing() const { return backing_; }
+  // Whether consumers cannot write or resize the object (a sealed memfd).
+  bool sealed() const { return sealed_; }
 
  private:
   ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
-           uint8_t* map, uint64_t total_bytes, const char* backing);
+           uint8_t* map, uint64_t total_bytes, const char* backing, bool sealed);
 
   const int fd_;
   uint8_t* const map_;
   const uint64_t total_bytes_;
   const char* const backing_;
+  const bool sealed_;
 };
 
 }  // namespace refit::store

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/status_macros.h"
 
 namespace refit::store {
 
@@ -109,6 +110,10 @@ absl::Status SlottedStore::CheckOptions(const StoreOptions& o) {
   if (o.max_leases < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_leases must be >= 1, got ", o.max_leases));
   }
+  if (o.max_leases_per_consumer < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_leases_per_consumer must be >= 1, got ",
+                                                   o.max_leases_per_consumer));
+  }
   return absl::OkStatus();
 }
 
@@ -121,6 +126,7 @@ SlottedStore::SlottedStore(Layout layout, std::vector<uint8_t*> slot_base,
       default_ttl_(std::min(options.default_ttl, options.max_ttl)),
       max_ttl_(options.max_ttl),
       max_leases_(options.max_leases),
+      max_leases_per_consumer_(std::min(options.max_leases_per_consumer, options.max_leases)),
       slots_(slot_base_.size()) {}
 
 void SlottedStore::ExpireLocked(absl::Time now) {
@@ -267,9 +273,28 @@ Lease SlottedStore::MakeLease(uint64_t id, const LeaseRec& rec) const {
   return lease;
 }
 
+absl::Status SlottedStore::CheckLeaseLimitsLocked(absl::string_view consumer,
+                                                  absl::string_view quota_key) const {
+  int consumer_leases = 0;
+  for (const auto& [id, rec] : leases_) consumer_leases += rec.quota_key == quota_key ? 1 : 0;
+  if (!quota_key.empty() && consumer_leases >= max_leases_per_consumer_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "lease for '", consumer, "' (", quota_key, "): ", quota_key, " holds ", consumer_leases,
+        " leases, its quota (leases.max_leases_per_consumer: ", max_leases_per_consumer_,
+        "); release some first"));
+  }
+  if (static_cast<int>(leases_.size()) >= max_leases_) {
+    return absl::ResourceExhaustedError(absl::StrCat("lease for '", consumer, "': ",
+                                                     leases_.size(), " leases held, the maximum ",
+                                                     "(leases.max_leases)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
                                                  std::optional<uint64_t> version,
-                                                 absl::Duration ttl) {
+                                                 absl::Duration ttl,
+                                                 absl::string_view quota_key) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   ExpireLocked(now);
@@ -289,13 +314,12 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
                                                         slots_[current_slot_].version, ")"));
     }
   }
-  if (static_cast<int>(leases_.size()) >= max_leases_) {
-    return absl::ResourceExhaustedError(absl::StrCat("lease for '", consumer, "': ", leases_.size(),
-                                                     " leases held, the maximum"));
-  }
+  const std::string key(quota_key);
+  RETURN_IF_ERROR(CheckLeaseLimitsLocked(consumer, key));
   uint64_t id = 0;
   while (id == 0 || leases_.count(id) != 0) id = absl::Uniform<uint64_t>(bitgen_);
-  LeaseRec rec{std::string(consumer), slots_[slot].version, slot, now + EffectiveTtl(ttl)};
+  LeaseRec rec{std::string(consumer), key, slots_[slot].version, slot,
+               now + EffectiveTtl(ttl)};
   Lease lease = MakeLease(id, rec);
   leases_.emplace(id, std::move(rec));
   return lease;
@@ -344,7 +368,7 @@ std::vector<LeaseInfo> SlottedStore::Leases() const {
   std::vector<LeaseInfo> out;
   for (const auto& [id, rec] : leases_) {
     if (rec.expires <= now) continue;
-    out.push_back({id, rec.consumer, rec.version, rec.slot, rec.expires - now});
+    out.push_back({id, rec.consumer, rec.version, rec.slot, rec.expires - now, rec.quota_key});
   }
   return out;
 }

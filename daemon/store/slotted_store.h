@@ -25,6 +25,7 @@ struct LeaseInfo {
   uint64_t version = 0;
   int slot = -1;
   absl::Duration remaining;  // until expiry, by the store's clock (> 0)
+  std::string quota_key;     // whose quota it counts against ("" = the daemon's own lease)
 };
 
 struct StoreOptions {
@@ -33,6 +34,7 @@ struct StoreOptions {
   absl::Duration default_ttl = absl::Seconds(60);  // config leases.default_ttl_ms
   absl::Duration max_ttl = absl::Seconds(600);     // config leases.max_ttl_ms
   int max_leases = 1024;                           // config leases.max_leases
+  int max_leases_per_consumer = 1024;  // config leases.max_leases_per_consumer (per quota key)
   int threads = 0;  // CPU threads of host-memory patch application and digests (0 = all)
 };
 
@@ -49,7 +51,8 @@ class SlottedStore : public TensorStore {
   uint64_t current_version() const override;
   absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
                                      std::optional<uint64_t> version = std::nullopt,
-                                     absl::Duration ttl = absl::ZeroDuration()) override;
+                                     absl::Duration ttl = absl::ZeroDuration(),
+                                     absl::string_view quota_key = {}) override;
   absl::StatusOr<Lease> RenewLease(uint64_t lease_id,
                                    absl::Duration ttl = absl::ZeroDuration()) override;
   absl::Status ReleaseLease(uint64_t lease_id) override;
@@ -72,6 +75,7 @@ class SlottedStore : public TensorStore {
   };
   struct LeaseRec {
     std::string consumer;
+    std::string quota_key;
     uint64_t version = 0;
     int slot = -1;
     absl::Time expires;
@@ -81,6 +85,9 @@ class SlottedStore : public TensorStore {
   int LeasesOnLocked(int slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string DescribeSlotsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Duration EffectiveTtl(absl::Duration ttl) const;
+  // RESOURCE_EXHAUSTED when a consumer lease under `quota_key` would pass a limit.
+  absl::Status CheckLeaseLimitsLocked(absl::string_view consumer, absl::string_view quota_key) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Lease MakeLease(uint64_t id, const LeaseRec& rec) const;
   std::vector<std::span<const uint8_t>> ReadSpans(int slot) const;
 
@@ -91,6 +98,7 @@ class SlottedStore : public TensorStore {
   const absl::Duration default_ttl_;
   const absl::Duration max_ttl_;
   const int max_leases_;
+  const int max_leases_per_consumer_;
 
   mutable absl::Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);

@@ -1,4 +1,6 @@
 #include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/stat.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -426,10 +428,12 @@ TEST_P(ShmStoreProcessTest, SecondProcessMapsCommittedBytes) {
   ShmStoreOptions o;
   o.slots = 2;
   o.force_shm_open = GetParam();
+  o.allow_unsealed = GetParam();
   absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
   ASSERT_TRUE(created.ok()) << created.status();
   ShmStore& store = **created;
   EXPECT_STREQ(store.backing(), GetParam() ? "shm_open" : "memfd");
+  EXPECT_EQ(store.sealed(), !GetParam());
   StageAndCommit(store, 1);
   absl::StatusOr<StagingHandle> h = store.BeginStage(2);
   ASSERT_TRUE(h.ok());
@@ -479,6 +483,126 @@ INSTANTIATE_TEST_SUITE_P(Backings, ShmStoreProcessTest, ::testing::Values(false,
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "ShmOpen" : "Memfd";
                          });
+
+// ---- consumers cannot write or resize the store ---------------------------------------------
+
+// What a hostile consumer tries on the store's memfd, reopened O_RDWR through /proc (same uid) or
+// held by inheritance (as SCM_RIGHTS would hand it), optionally after dropping to uid 65534.
+// Returns 0 when every attempt failed, else the number of the attempt that succeeded.
+int TryToCorrupt(int fd, uint64_t bytes) {
+  if (fd < 0) return 1;
+  void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (w != MAP_FAILED) return 2;
+  void* r = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (r == MAP_FAILED) return 3;  // reading must still work
+  if (mprotect(r, bytes, PROT_READ | PROT_WRITE) == 0) return 4;
+  munmap(r, bytes);
+  const uint8_t junk[16] = {0xde, 0xad};
+  if (pwrite(fd, junk, sizeof(junk), 0) >= 0) return 5;
+  if (ftruncate(fd, 0) == 0) return 6;
+  if (ftruncate(fd, static_cast<off_t>(bytes * 2)) == 0) return 7;
+  if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) == 0) return 8;
+  return 0;
+}
+
+class ShmStoreSecurityTest : public ::testing::TestWithParam<int> {};
+
+// 0: reopen /proc/<pid>/fd/<n> O_RDWR; 1: the inherited fd itself; 2: the inherited fd after
+// dropping to uid 65534 (another user's process that was handed the fd).
+TEST_P(ShmStoreSecurityTest, ConsumerCannotWriteOrTruncateAndDaemonKeepsServing) {
+  ShmStoreOptions o;
+  o.slots = 2;
+  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ShmStore& store = **created;
+  ASSERT_TRUE(store.sealed());
+  StageAndCommit(store, 1);
+  const std::string path = store.ProcPath();
+  const int mode = GetParam();
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int fd = store.fd();
+    if (mode == 0) fd = open(path.c_str(), O_RDWR | O_CLOEXEC);  // succeeds: the seals decide
+    if (mode == 2 && (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0)) {
+      _exit(40);
+    }
+    _exit(TryToCorrupt(fd, store.total_bytes()));
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "a consumer's attempt succeeded (see TryToCorrupt)";
+  // The daemon still writes through its own mapping and serves bit-exact bytes.
+  struct stat st;
+  ASSERT_EQ(fstat(store.fd(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), store.total_bytes());
+  absl::StatusOr<Lease> v1 = store.AcquireLease("reader");
+  ASSERT_TRUE(v1.ok());
+  EXPECT_TRUE(Uniform(v1->spans, Stamp(1)));
+  StageAndCommit(store, 2);
+  absl::StatusOr<Lease> v2 = store.AcquireLease("reader");
+  ASSERT_TRUE(v2.ok());
+  EXPECT_TRUE(Uniform(v2->spans, Stamp(2)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, ShmStoreSecurityTest, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 0   ? "ReopenedProcPath"
+                                              : info.param == 1 ? "InheritedFd"
+                                                                : "InheritedFdOtherUid");
+                         });
+
+// One consumer identity cannot take every lease, whatever names it gives; others still can.
+TEST(StoreSecurityTest, LeaseQuotaPerConsumerIdentity) {
+  ShmStoreOptions o;
+  o.slots = 2;
+  o.max_leases = 10;
+  o.max_leases_per_consumer = 3;
+  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ShmStore& store = **created;
+  StageAndCommit(store, 1);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(store.AcquireLease(absl::StrCat("name-", i), std::nullopt, absl::ZeroDuration(),
+                                   "uid 1000")
+                    .ok());
+  }
+  absl::StatusOr<Lease> refused =
+      store.AcquireLease("fresh-name", std::nullopt, absl::ZeroDuration(), "uid 1000");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("fresh-name"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("uid 1000 holds 3 leases"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("leases.max_leases_per_consumer: 3"));
+  absl::StatusOr<Lease> other =
+      store.AcquireLease("vllm", std::nullopt, absl::ZeroDuration(), "uid 1001");
+  ASSERT_TRUE(other.ok()) << other.status();
+  // A released lease frees its identity's quota.
+  ASSERT_TRUE(store.ReleaseLease(other->lease_id).ok());
+  std::vector<LeaseInfo> leases = store.Leases();
+  ASSERT_EQ(leases.size(), 3u);
+  EXPECT_EQ(leases[0].quota_key, "uid 1000");
+  // The daemon's own leases (no quota key) only count against max_leases.
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE(store.AcquireLease("refitd-subscriber/peers").ok()) << i;
+  absl::StatusOr<Lease> full = store.AcquireLease("refitd-subscriber/peers");
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("leases.max_leases"));
+}
+
+TEST(StoreSecurityTest, UnsealableStoreIsRefusedUnlessAllowed) {
+  ShmStoreOptions o;
+  o.slots = 2;
+  o.force_shm_open = true;
+  absl::StatusOr<std::unique_ptr<ShmStore>> refused = ShmStore::Create(SmallLayout(), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("store.allow_unsealed"));
+  o.allow_unsealed = true;
+  absl::StatusOr<std::unique_ptr<ShmStore>> kept = ShmStore::Create(SmallLayout(), o);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_FALSE((*kept)->sealed());
+}
 
 // ---- manifest change: new store generation -------------------------------------------------
 

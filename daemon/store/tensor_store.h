@@ -165,10 +165,14 @@ class TensorStore {
 
   // Leases `version` (nullopt: the current one) for `consumer` for `ttl` (zero: the store's
   // default; capped at its maximum). FAILED_PRECONDITION when no version is held yet or the
-  // requested one is no longer held; RESOURCE_EXHAUSTED past the store's max_leases.
+  // requested one is no longer held; RESOURCE_EXHAUSTED past the store's max_leases, or past
+  // max_leases_per_consumer leases held under the same `quota_key` (the consumer's identity,
+  // e.g. "uid 1000", not a self-chosen name). An empty quota_key is the daemon's own lease (a
+  // migration base, an export, peers served): only max_leases applies to it.
   virtual absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
                                              std::optional<uint64_t> version = std::nullopt,
-                                             absl::Duration ttl = absl::ZeroDuration()) = 0;
+                                             absl::Duration ttl = absl::ZeroDuration(),
+                                             absl::string_view quota_key = {}) = 0;
   // Extends a lease to now + ttl (as above). NOT_FOUND if unknown, released or expired.
   virtual absl::StatusOr<Lease> RenewLease(uint64_t lease_id,
                                            absl::Duration ttl = absl::ZeroDuration()) = 0;

@@ -9,6 +9,7 @@
 #include "daemon/codec/dtype.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/peer_cred.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {
@@ -64,6 +65,15 @@ absl::Duration Ttl(uint64_t ttl_ms) {
 absl::Status Annotate(const absl::Status& st, absl::string_view what) {
   return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
+
+}  // namespace
+
+std::string ConsumerIdentity(const std::optional<PeerCred>& peer, absl::string_view consumer) {
+  if (peer.has_value()) return absl::StrCat("uid ", peer->uid);
+  return absl::StrCat("consumer \"", consumer, "\"");
+}
+
+namespace {
 
 }  // namespace
 
@@ -130,7 +140,8 @@ grpc::Status ConsumerApiService::GetLayout(grpc::ServerContext* context,
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
   // A short lease pins the version's slot while its offsets are read.
-  auto lease = core_->AcquireLease(options_.layout_consumer, version, absl::Seconds(10));
+  auto lease = core_->AcquireLease(options_.layout_consumer, version, absl::Seconds(10),
+                                   ConsumerIdentity(PeerCredOf(*context), "GetLayout"));
   if (!lease.ok()) {
     return ToGrpcStatus(Annotate(
         lease.status(), version.has_value() ? absl::StrCat("GetLayout of version ", *version)
@@ -173,7 +184,8 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
   const std::string consumer = request->consumer().empty() ? "unnamed" : request->consumer();
-  auto lease = core_->AcquireLease(consumer, version, Ttl(request->ttl_ms()));
+  auto lease = core_->AcquireLease(consumer, version, Ttl(request->ttl_ms()),
+                                   ConsumerIdentity(PeerCredOf(*context), consumer));
   if (!lease.ok()) {
     log_->debug("lease for {} refused: {}", Printable(consumer), lease.status().ToString());
     return ToGrpcStatus(Annotate(lease.status(), absl::StrCat("AcquireLease for consumer \"",

@@ -11,12 +11,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/peer_cred.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "refit/v1/local.pb.h"
@@ -57,6 +59,11 @@ class VersionBoard {
 // in the lease's store generation and the publisher's digest (from the core's record of that
 // version; 0 if the record is gone).
 v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease);
+
+// Whose lease quota (leases.max_leases_per_consumer) a ConsumerApi call counts against: the
+// peer's uid on the unix socket ("uid 1000"), so new consumer names do not evade it; without
+// credentials the consumer name it gives ("consumer \"vllm-0\"").
+std::string ConsumerIdentity(const std::optional<PeerCred>& peer, absl::string_view consumer);
 
 struct ConsumerApiOptions {
   // How often a waiting WatchVersions handler checks whether its call was cancelled.

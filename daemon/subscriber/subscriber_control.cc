@@ -78,6 +78,12 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
     l->set_version(e.lease.version);
     l->set_remaining_ms(ToMs(e.lease.remaining));
   }
+  if (std::optional<LeaseBlock> block = core_->blocked_on_leases(); block.has_value()) {
+    v1::LeaseBlockStatus* b = response->mutable_blocked_on_leases();
+    b->set_version(block->version);
+    b->set_since_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(block->since)));
+    for (const std::string& h : block->holders) b->add_holders(h);
+  }
   response->set_uptime_ms(ToMs(absl::Now() - options_.start_time));
   return grpc::Status::OK;
 }

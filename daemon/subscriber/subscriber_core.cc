@@ -118,9 +118,34 @@ absl::StatusOr<std::shared_ptr<store::SlottedStore>> SubscriberCore::CreateStore
 
 absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
   auto handle = t.target->BeginStage(t.header.version());
-  if (!handle.ok()) return handle.status();
+  if (!handle.ok()) {
+    if (handle.status().code() == absl::StatusCode::kResourceExhausted) {
+      NoteBlockedLocked(*t.target, t.header.version());
+    }
+    return handle.status();
+  }
   t.handle = std::move(*handle);
+  blocked_.reset();
   return absl::OkStatus();
+}
+
+void SubscriberCore::NoteBlockedLocked(const store::SlottedStore& target, uint64_t version) {
+  const uint64_t current = target.current_version();
+  LeaseBlock block;
+  block.version = version;
+  block.since = blocked_.has_value() ? blocked_->since : absl::Now();
+  for (const store::LeaseInfo& l : target.Leases()) {
+    if (l.version == current) continue;  // the current slot is never staged into anyway
+    block.holders.push_back(absl::StrCat(l.consumer, " (",
+                                         l.quota_key.empty() ? "daemon" : l.quota_key, ") on v",
+                                         l.version));
+  }
+  blocked_ = std::move(block);
+}
+
+std::optional<LeaseBlock> SubscriberCore::blocked_on_leases() const {
+  absl::MutexLock lock(&mu_);
+  return blocked_;
 }
 
 absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
@@ -696,10 +721,11 @@ std::vector<LeaseEntry> SubscriberCore::Leases() const {
 
 absl::StatusOr<SubscriberLease> SubscriberCore::AcquireLease(absl::string_view consumer,
                                                              std::optional<uint64_t> version,
-                                                             absl::Duration ttl) {
+                                                             absl::Duration ttl,
+                                                             absl::string_view quota_key) {
   absl::MutexLock lock(&mu_);
   if (store_ == nullptr) return absl::FailedPreconditionError("no version applied yet");
-  auto lease = store_->AcquireLease(consumer, version, ttl);
+  auto lease = store_->AcquireLease(consumer, version, ttl, quota_key);
   if (!lease.ok()) return lease.status();
   return SubscriberLease{generation_, store_, std::move(*lease)};
 }

@@ -87,6 +87,15 @@ struct ExportSummary {
   uint64_t bytes = 0;  // sum of the tensors' sizes
 };
 
+// A version waiting for a free slot because consumers' leases hold every other one (Control
+// Status blocked_on_leases).
+struct LeaseBlock {
+  uint64_t version = 0;  // the version that could not be staged
+  absl::Time since;      // first refusal since the last successful staging
+  // The leases holding the busy slots: "<consumer> (<quota key>) on v<N>".
+  std::vector<std::string> holders;
+};
+
 // A lease of any live generation, for status.
 struct LeaseEntry {
   uint64_t generation = 0;
@@ -160,10 +169,14 @@ class SubscriberCore {
   // starts with SubscriberOptions::self_consumer), by generation then lease id.
   std::vector<LeaseEntry> Leases() const;
 
-  // Consumer leases on the current store generation (see store::TensorStore::AcquireLease).
+  // Consumer leases on the current store generation (see store::TensorStore::AcquireLease:
+  // `quota_key` is the consumer's identity for leases.max_leases_per_consumer).
   absl::StatusOr<SubscriberLease> AcquireLease(absl::string_view consumer,
                                                std::optional<uint64_t> version = std::nullopt,
-                                               absl::Duration ttl = absl::ZeroDuration());
+                                               absl::Duration ttl = absl::ZeroDuration(),
+                                               absl::string_view quota_key = {});
+  // Set while a received version waits for a free slot (every non-current slot leased).
+  std::optional<LeaseBlock> blocked_on_leases() const;
   // Finds the lease in the current or a retired generation. NOT_FOUND if unknown/expired.
   absl::Status ReleaseLease(uint64_t lease_id);
   absl::StatusOr<SubscriberLease> RenewLease(uint64_t lease_id,
@@ -182,6 +195,9 @@ class SubscriberCore {
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records that `version` found no free slot in `target` (blocked_).
+  void NoteBlockedLocked(const store::SlottedStore& target, uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<store::SlottedStore>> CreateStoreLocked(
       const store::Layout& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Ack Reject(uint64_t version, std::string error, std::vector<std::string> mismatched,
@@ -197,6 +213,7 @@ class SubscriberCore {
   };
   std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Transfer> transfer_ ABSL_GUARDED_BY(mu_);
+  std::optional<LeaseBlock> blocked_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::TensorDigest> applied_tensors_ ABSL_GUARDED_BY(mu_);
   // Records of committed versions still held by some slot (pruned at each commit).
   std::vector<VersionRecord> records_ ABSL_GUARDED_BY(mu_);

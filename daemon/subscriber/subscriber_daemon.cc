@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -147,6 +148,9 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   core_options.store.default_ttl = absl::Milliseconds(c.leases().default_ttl_ms());
   core_options.store.max_ttl = absl::Milliseconds(c.leases().max_ttl_ms());
   core_options.store.max_leases = static_cast<int>(c.leases().max_leases());
+  core_options.store.max_leases_per_consumer = static_cast<int>(
+      std::min(c.leases().max_leases_per_consumer(), c.leases().max_leases()));
+  core_options.store.allow_unsealed = c.store().allow_unsealed();
   core_options.threads = static_cast<int>(c.staging().threads());
   if (c.staging().max_bytes() > 0) core_options.max_slot_bytes = c.staging().max_bytes();
   core_options.max_frame_bytes = c.upstream().max_frame_bytes();

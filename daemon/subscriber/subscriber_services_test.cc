@@ -349,6 +349,13 @@ TEST_F(ServicesTest, MaxLeasesIsResourceExhausted) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
+// The quota key: the peer uid when the socket knows it (new names do not evade the quota).
+TEST(ConsumerIdentitySecurityTest, UidWhenKnownElseName) {
+  EXPECT_EQ(ConsumerIdentity(PeerCred{42, 1000, 1000}, "vllm-0"), "uid 1000");
+  EXPECT_EQ(ConsumerIdentity(PeerCred{43, 1000, 1000}, "renamed"), "uid 1000");
+  EXPECT_EQ(ConsumerIdentity(std::nullopt, "vllm-0"), "consumer \"vllm-0\"");
+}
+
 TEST_F(ServicesTest, WatchVersionsAnnouncesCurrentThenEveryApplied) {
   Apply();
   const uint64_t v2 = Apply();

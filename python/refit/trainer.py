@@ -24,6 +24,7 @@ Trainer.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import mmap
 import os
 from typing import Dict, List, Mapping, Optional
@@ -120,9 +121,13 @@ class Trainer:
         fd, mm = None, None
         if layout:
             total = max(offset, 1)
-            fd = os.memfd_create(f"refit-trainer-{self.client}", os.MFD_CLOEXEC)
+            # Sealable, sized once, then sealed against resizing: the publisher maps it knowing
+            # it can never shrink under its mapping (an unsealable memfd is read with pread).
+            fd = os.memfd_create(f"refit-trainer-{self.client}",
+                                 os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, total)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED,
                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:
@@ -206,9 +211,13 @@ class Trainer:
 
     # ---- publishing -------------------------------------------------------------------------
 
-    def publish(self, version: Optional[int] = None) -> PublishResult:
+    def publish(self, version: Optional[int] = None,
+                allow_degenerate: bool = False) -> PublishResult:
         """The publisher snapshots the current tensor bytes as (this client's share of) `version`
         (None: newest + 1). Returns once the snapshot is taken.
+
+        allow_degenerate: publish even a version that removes most of the current version's
+        tensors or bytes, or holds no bytes (the publisher's publish_guard refuses it otherwise).
 
         With CUDA tensors registered, first waits for the work queued on their devices (the
         writes of the last optimizer step) to finish: the publisher copies them on its own
@@ -216,7 +225,8 @@ class Trainer:
         self._need_registered("publish")
         for device in self._cuda_devices:
             torch.cuda.synchronize(device)
-        req = local_pb2.LocalPublishRequest(client=self.client)
+        req = local_pb2.LocalPublishRequest(client=self.client,
+                                            allow_degenerate=bool(allow_degenerate))
         if version is not None:
             req.version = int(version)
         try:
