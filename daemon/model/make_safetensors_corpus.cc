@@ -23,7 +23,9 @@ std::string NextPath(const std::string& dir) {
 
 void WriteValid(const std::string& dir, const std::vector<SafetensorsTensorRef>& tensors,
                 const std::map<std::string, std::string>& metadata = {}) {
-  absl::Status st = refit::model::WriteSafetensors(NextPath(dir), tensors, metadata, false);
+  refit::SafeWriteOptions no_fsync;
+  no_fsync.durable = false;
+  absl::Status st = refit::model::WriteSafetensors(NextPath(dir), tensors, metadata, no_fsync);
   if (!st.ok()) {
     std::fprintf(stderr, "make_safetensors_corpus: %s\n", std::string(st.message()).c_str());
     std::exit(1);

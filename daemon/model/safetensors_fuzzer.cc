@@ -68,7 +68,9 @@ void CheckRoundTrip(const SafetensorsFile& f) {
     const SafetensorsEntry& e = f.tensors()[i];
     refs.push_back({e.name, e.dtype, e.shape, f.data(i)});
   }
-  absl::Status st = refit::model::WriteSafetensors(path, refs, f.metadata(), /*durable=*/false);
+  refit::SafeWriteOptions no_fsync;
+  no_fsync.durable = false;
+  absl::Status st = refit::model::WriteSafetensors(path, refs, f.metadata(), no_fsync);
   if (!st.ok()) {
     // Only the file system may refuse; what the reader accepted the writer must write.
     Check(!absl::IsInvalidArgument(st));
