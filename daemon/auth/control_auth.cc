@@ -142,7 +142,7 @@ absl::Status LocalAuthorizer::Authorize(const grpc::ServerContext& context,
 }
 
 unsigned SocketMode(const std::string& socket_mode) {
-  return config::ParseFileMode(socket_mode, "socket_mode").value_or(0660);
+  return config::FileModeOr(socket_mode, 0660);
 }
 
 }  // namespace refit::auth

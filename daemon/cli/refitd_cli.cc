@@ -1,6 +1,9 @@
 #include "daemon/cli/refitd_cli.h"
 
+#include <unistd.h>
+
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -10,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/cli/shutdown_watcher.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
@@ -149,6 +153,17 @@ absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
   return absl::OkStatus();
 }
 
+// Test hook (the security tests' "signal while starting"): while the file named by
+// REFITD_TEST_HOOK_STALL_START exists, start-up waits before reading the config; nothing in
+// start-up blocks by itself (every open is non-blocking), so a test needs this to signal a
+// starting daemon deterministically. Whoever sets the daemon's environment controls it anyway.
+void StallWhileStartingForTests() {
+  const char* stall = std::getenv("REFITD_TEST_HOOK_STALL_START");
+  if (stall == nullptr || *stall == '\0') return;
+  Logger("refitd")->warn("test hook: start-up waits while \"{}\" exists", stall);
+  while (access(stall, F_OK) == 0) absl::SleepFor(absl::Milliseconds(10));
+}
+
 std::string OrDash(const std::string& s, const std::string& dash) { return s.empty() ? dash : s; }
 
 // Starts the daemon, logs where it serves, waits for a shutdown signal, shuts it down.
@@ -245,6 +260,7 @@ int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream
     out << (opts.role == "publisher" ? kPublisherUsage : kSubscriberUsage);
     return 0;
   }
+  StallWhileStartingForTests();
   if (opts.role == "publisher") {
     return RunRole<publisher::PublisherDaemon>(opts, config::LoadPublisherConfig(opts.config_path),
                                                out, err, std::move(open_device));

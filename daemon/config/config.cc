@@ -313,10 +313,11 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
     }
     RETURN_IF_ERROR(CheckFilesDir(c, field, f.publish_dirs(i)));
   }
-  if ((f.export_mode() & ~uint32_t{0666}) != 0) {
+  const absl::StatusOr<unsigned> mode = ParseFileMode(f.export_mode(), prefix + "export_mode");
+  if (!mode.ok() || (*mode & ~0666u) != 0) {
     return c.Fail(prefix + "export_mode",
-                  absl::StrCat(f.export_mode(), " has bits beyond 0666 (YAML numbers are decimal: ",
-                               "384 = 0600, 416 = 0640, 420 = 0644)"));
+                  absl::StrCat(Quote(f.export_mode()),
+                               " is not an octal file mode up to 0666 (e.g. \"0600\", \"0640\")"));
   }
   if (f.export_dir().empty()) return absl::OkStatus();
   RETURN_IF_ERROR(CheckFilesDir(c, prefix + "export_dir", f.export_dir()));
@@ -584,6 +585,10 @@ absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::strin
         absl::StrCat(field, ": \"", text, "\" is not an octal file mode up to 0777 (e.g. \"0660\")"));
   }
   return mode;
+}
+
+unsigned FileModeOr(const std::string& text, unsigned fallback) {
+  return ParseFileMode(text, "mode").value_or(fallback);
 }
 
 }  // namespace refit::config

@@ -56,6 +56,9 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& config,
 // InvalidArgument naming `field` otherwise.
 absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::string& field);
 
+// The mode of a validated mode field, or `fallback` when it does not parse.
+unsigned FileModeOr(const std::string& text, unsigned fallback);
+
 // Checks the files a validated config names: every configured TLS PEM file is readable and holds
 // what it should (certificates, a CA bundle, a private key that matches the certificate:
 // tls_material.h). NotFound / PermissionDenied / InvalidArgument naming the field and the path.

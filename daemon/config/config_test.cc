@@ -455,15 +455,16 @@ TEST(ConfigTest, FileAccessRules) {
   EXPECT_CONTAINS(files("    publish_dirs: [/srv/../etc]\n"), "\"..\" component");
   EXPECT_CONTAINS(files("    publish_dirs: [/]\n"), "every file");
   EXPECT_CONTAINS(files("    export_dir: tmp\n"), "publisher.files.export_dir");
-  EXPECT_CONTAINS(files("    export_mode: 600\n"), "bits beyond 0666");
-  EXPECT_EQ(files("    export_mode: 420\n"), "");
+  EXPECT_CONTAINS(files("    export_mode: \"0700\"\n"), "not an octal file mode up to 0666");
+  EXPECT_CONTAINS(files("    export_mode: \"rw\"\n"), "publisher.files.export_mode");
+  EXPECT_EQ(files("    export_mode: \"0644\"\n"), "");
   const std::string persist = "  baseline:\n    persist_dir: /srv/state/baseline\n";
   EXPECT_CONTAINS(files("    export_dir: /srv/state\n", persist), "persist_dir");
   EXPECT_CONTAINS(files("    export_dir: /srv/state/baseline/x\n", persist), "persist_dir");
   EXPECT_EQ(files("    export_dir: /srv/state/export\n", persist), "");
   auto c = LoadPublisherConfigFromString(pub, "pub.yaml");
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->files().export_mode(), 0600u);
+  EXPECT_EQ(c->files().export_mode(), "0600");
   EXPECT_EQ(c->files().export_dir(), "");
   EXPECT_EQ(c->files().publish_dirs_size(), 0);
   EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"

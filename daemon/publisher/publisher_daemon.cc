@@ -11,13 +11,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "cuda/device.h"
+#include "daemon/auth/authorized_services.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/device_cache.h"
-#include "daemon/auth/authorized_services.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
@@ -223,7 +224,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
                      .publish_dirs = {config.files().publish_dirs().begin(),
                                       config.files().publish_dirs().end()},
                      .export_dir = config.files().export_dir(),
-                     .export_mode = config.files().export_mode(),
+                     .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
                      .persist_dir = options.persist_dir});
 
 

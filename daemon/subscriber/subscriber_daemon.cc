@@ -1,4 +1,3 @@
-#include "daemon/auth/authorized_services.h"
 #include "daemon/subscriber/subscriber_daemon.h"
 
 #include <unistd.h>
@@ -22,10 +21,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cuda/device.h"
+#include "daemon/auth/authorized_services.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
+#include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
@@ -232,7 +233,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   co.self_consumer = kSelfConsumer;
   co.start_time = start_time_;
   co.export_dir = c.files().export_dir();
-  co.export_mode = c.files().export_mode();
+  co.export_mode = config::FileModeOr(c.files().export_mode(), 0600);
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
 

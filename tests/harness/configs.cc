@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace refit::e2e {
 namespace {
@@ -51,7 +52,7 @@ std::string FilesYaml(const std::string& dir, const std::vector<std::string>* pu
     absl::StrAppend(&y, "]\n");
   }
   absl::StrAppend(&y, "    export_dir: ", Q(export_dir.value_or(DefaultExportDir(dir))), "\n");
-  if (export_mode) absl::StrAppend(&y, "    export_mode: ", *export_mode, "\n");
+  if (export_mode) absl::StrAppend(&y, "    export_mode: \"", absl::StrFormat("%04o", *export_mode), "\"\n");
   return y;
 }
 

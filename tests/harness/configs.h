@@ -43,7 +43,7 @@ struct PublisherSpec {
   // <dir>/export (E2ETest creates it and exports there), "" = export disabled.
   std::optional<std::vector<std::string>> publish_dirs;
   std::optional<std::string> export_dir;
-  std::optional<uint32_t> export_mode;  // files.export_mode (decimal), nullopt = default
+  std::optional<uint32_t> export_mode;  // files.export_mode (e.g. 0640), nullopt = default
   std::string extra;  // YAML lines appended under `publisher:` (indented by the caller)
 };
 
