@@ -8,10 +8,15 @@
 namespace refit::auth {
 namespace {
 
-// Logs a denial once (warn) and converts it.
-grpc::Status Denied(spdlog::logger& log, const absl::Status& status) {
-  log.warn("denied: {}", std::string(status.message()));
-  return ToGrpcStatus(status);
+// OK, or the denial: logged once (warn) and converted. `Authorizer`: ControlAuthorizer or
+// LocalAuthorizer.
+template <typename Authorizer>
+grpc::Status CheckCall(const Authorizer& authorizer, spdlog::logger& log,
+                       const grpc::ServerContext& context, absl::string_view method) {
+  const absl::Status s = authorizer.Authorize(context, method);
+  if (s.ok()) return grpc::Status::OK;
+  log.warn("denied: {}", std::string(s.message()));
+  return ToGrpcStatus(s);
 }
 
 }  // namespace
@@ -30,8 +35,7 @@ AuthorizedControl::AuthorizedControl(v1::Control::Service* inner, ControlAuthori
 
 grpc::Status AuthorizedControl::Check(grpc::ServerContext* context,
                                       absl::string_view method) const {
-  const absl::Status s = authorizer_.Authorize(*context, method);
-  return s.ok() ? grpc::Status::OK : Denied(*log_, s);
+  return CheckCall(authorizer_, *log_, *context, method);
 }
 
 grpc::Status AuthorizedControl::Status(grpc::ServerContext* context,
@@ -73,8 +77,7 @@ AuthorizedTrainerApi::AuthorizedTrainerApi(v1::TrainerApi::Service* inner,
 
 grpc::Status AuthorizedTrainerApi::Check(grpc::ServerContext* context,
                                          absl::string_view method) const {
-  const absl::Status s = authorizer_.Authorize(*context, method);
-  return s.ok() ? grpc::Status::OK : Denied(*log_, s);
+  return CheckCall(authorizer_, *log_, *context, method);
 }
 
 grpc::Status AuthorizedTrainerApi::RegisterTensors(grpc::ServerContext* context,
@@ -101,8 +104,7 @@ AuthorizedConsumerApi::AuthorizedConsumerApi(v1::ConsumerApi::Service* inner,
 
 grpc::Status AuthorizedConsumerApi::Check(grpc::ServerContext* context,
                                           absl::string_view method) const {
-  const absl::Status s = authorizer_.Authorize(*context, method);
-  return s.ok() ? grpc::Status::OK : Denied(*log_, s);
+  return CheckCall(authorizer_, *log_, *context, method);
 }
 
 grpc::Status AuthorizedConsumerApi::GetLayout(grpc::ServerContext* context,

@@ -11,11 +11,14 @@
 #define REFIT_DAEMON_COMMON_FUZZ_INPUT_WRITER_H_
 
 #include <climits>
-#include <limits>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace refit {
@@ -63,6 +66,31 @@ class FuzzInputWriter {
  private:
   std::vector<uint8_t> front_;
   std::vector<uint8_t> back_;  // in consumption order
+};
+
+// Seed corpus generators: writes `bytes` as DIR/seed-<n> (n counts up from 0); exits 1 with the
+// path on failure (a generator has nothing better to do).
+class SeedFiles {
+ public:
+  explicit SeedFiles(std::string dir) : dir_(std::move(dir)) {}
+  void Write(std::span<const uint8_t> bytes) {
+    const std::string path = dir_ + "/seed-" + std::to_string(written_++);
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) {
+      std::perror(path.c_str());
+      std::exit(1);
+    }
+    std::fclose(f);
+  }
+  void Write(const FuzzInputWriter& w) {
+    const std::vector<uint8_t> bytes = w.Finish();
+    Write(std::span<const uint8_t>(bytes));
+  }
+  int written() const { return written_; }
+
+ private:
+  std::string dir_;
+  int written_ = 0;
 };
 
 }  // namespace refit

@@ -83,18 +83,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: make_data_plane_corpus DIR\n");
     return 2;
   }
-  const std::string dir = argv[1];
-  int written = 0;
-  auto write = [&](const FuzzInputWriter& w) {
-    const std::vector<uint8_t> bytes = w.Finish();
-    const std::string path = dir + "/seed-" + std::to_string(written++);
-    FILE* f = std::fopen(path.c_str(), "wb");
-    if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) {
-      std::perror(path.c_str());
-      std::exit(1);
-    }
-    std::fclose(f);
-  };
+  refit::SeedFiles seeds(argv[1]);
+  auto write = [&](const FuzzInputWriter& w) { seeds.Write(w); };
   for (int v : {0, 1, 2}) {  // bootstrap / deltas, applied
     for (uint32_t stripes : {0u, 2u}) {
       FuzzInputWriter w;
@@ -166,6 +156,6 @@ int main(int argc, char** argv) {
     Wait(d, fz::kWaitClosed);
     write(d);
   }
-  std::printf("wrote %d seeds to %s\n", written, dir.c_str());
+  std::printf("wrote %d seeds to %s\n", seeds.written(), argv[1]);
   return 0;
 }

@@ -75,18 +75,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: make_subscriber_corpus DIR\n");
     return 2;
   }
-  const std::string dir = argv[1];
-  int written = 0;
-  auto write = [&](const FuzzInputWriter& w) {
-    const std::vector<uint8_t> bytes = w.Finish();
-    const std::string path = dir + "/seed-" + std::to_string(written++);
-    FILE* f = std::fopen(path.c_str(), "wb");
-    if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) {
-      std::perror(path.c_str());
-      std::exit(1);
-    }
-    std::fclose(f);
-  };
+  refit::SeedFiles seeds(argv[1]);
+  auto write = [&](const FuzzInputWriter& w) { seeds.Write(w); };
   const auto& wires = fz::GetWires();
   // From version 1: every transfer whose base is 1 or 0.
   for (size_t i : {1u, 2u, 4u, 5u, 6u}) {
@@ -137,6 +127,6 @@ int main(int argc, char** argv) {
     Transfer(w, 3);
     write(w);
   }
-  std::printf("wrote %d seeds to %s\n", written, dir.c_str());
+  std::printf("wrote %d seeds to %s\n", seeds.written(), argv[1]);
   return 0;
 }
