@@ -437,6 +437,24 @@ TEST_F(TrainerApiSecurityTest, DevShmObjectsMustBeTheCallersAndPrivate) {
 
 // The degenerate-publish guard applies to the TrainerApi: a registration that drops most
 // tensors is refused at publish unless allow_degenerate.
+// A FIFO as a region (in /dev/shm, or as the trainer's own fd) is refused at once: the object is
+// opened O_NONBLOCK, so registration never waits for a writer (it used to hang the TrainerApi).
+TEST_F(TrainerApiSecurityTest, AFifoRegionIsRefusedPromptly) {
+  const std::string path = absl::StrCat("/dev/shm/refit-sec-fifo-", getpid());
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  const absl::Status st = RegisterAs("t", Location("w", v1::DTYPE_U8, {64}, path, 0, 64), Self());
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(absl::StrContains(st.message(), "not a regular file")) << st;
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const absl::Status by_fd = RegisterAs(
+      "t", Location("w", v1::DTYPE_U8, {64}, absl::StrCat("/proc/self/fd/", fd), 0, 64), Self());
+  EXPECT_FALSE(by_fd.ok());
+  EXPECT_TRUE(absl::StrContains(by_fd.message(), "not a regular file")) << by_fd;
+  close(fd);
+  unlink(path.c_str());
+}
+
 TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
   Memfd m(4 * 4096);
   std::vector<v1::TensorLocation> all;
