@@ -21,8 +21,6 @@
 namespace refit::e2e {
 namespace {
 
-constexpr char kNobody[] = "65534";
-
 class E2ESecurityControl : public E2ETest {
  protected:
   void SetUp() override {
@@ -47,12 +45,9 @@ class E2ESecurityControl : public E2ETest {
     return to;
   }
 
-  // Runs argv as uid/gid 65534 with no supplementary groups.
+  // Runs argv as uid/gid 65534 with no supplementary groups (SetUp skips unless root).
   CommandResult AsNobody(std::vector<std::string> argv) const {
-    std::vector<std::string> full = {"/usr/bin/setpriv", absl::StrCat("--reuid=", kNobody),
-                                     absl::StrCat("--regid=", kNobody), "--clear-groups"};
-    full.insert(full.end(), argv.begin(), argv.end());
-    return RunCommand(full, absl::Seconds(60));
+    return RunCommand(AsUnprivilegedUser(std::move(argv)), absl::Seconds(60));
   }
   CommandResult RefitctlAsNobody(const std::string& target, std::vector<std::string> args) const {
     std::vector<std::string> argv = {refitctl_, "--target", target, "--timeout", "10"};

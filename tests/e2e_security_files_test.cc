@@ -21,13 +21,9 @@ namespace {
 // refitctl as user nobody when running as root (setpriv), else as ourselves.
 CommandResult RefitctlUnprivileged(const std::vector<std::string>& args,
                                    absl::Duration timeout = absl::Seconds(30)) {
-  std::vector<std::string> argv;
-  if (::geteuid() == 0) {
-    argv = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"};
-  }
-  argv.push_back(RefitctlBin());
+  std::vector<std::string> argv = {RefitctlBin()};
   argv.insert(argv.end(), args.begin(), args.end());
-  return RunCommand(argv, timeout);
+  return RunCommand(AsUnprivilegedUser(std::move(argv)), timeout);
 }
 
 bool Contains(const std::string& haystack, const std::string& needle) {

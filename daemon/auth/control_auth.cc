@@ -8,7 +8,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "grpcpp/server_context.h"
 
@@ -139,10 +138,6 @@ absl::Status LocalAuthorizer::Authorize(const std::optional<PeerCred>& peer,
 absl::Status LocalAuthorizer::Authorize(const grpc::ServerContext& context,
                                         absl::string_view method) const {
   return Authorize(PeerCredOf(context), method);
-}
-
-unsigned SocketMode(const std::string& socket_mode) {
-  return config::FileModeOr(socket_mode, 0660);
 }
 
 }  // namespace refit::auth

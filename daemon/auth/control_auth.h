@@ -79,9 +79,6 @@ class LocalAuthorizer {
   const std::string api_;
 };
 
-// The mode of a validated socket_mode field ("0660"); 0660 if it does not parse.
-unsigned SocketMode(const std::string& socket_mode);
-
 }  // namespace refit::auth
 
 #endif  // REFIT_DAEMON_AUTH_CONTROL_AUTH_H_

@@ -151,6 +151,61 @@ void LogBaseline(const PublisherCore& core, spdlog::logger& log) {
   }
 }
 
+// The data-plane listener, and Control (on it or on control_listen) behind its authorization.
+absl::Status StartListenAndControl(const v1::PublisherConfig& config, PublisherDaemonImpl& d) {
+  d.authorized_control_ = std::make_unique<auth::AuthorizedControl>(
+      d.control_service_.get(),
+      auth::ControlAuthorizer(config.control_access(), "publisher.control_access"));
+  const unsigned socket_mode = config::FileModeOr(config.control_access().socket_mode(), 0660);
+  const v1::PublisherTransport& transport = config.transport();
+  const bool separate_control = !config.control_listen().empty();
+  ServerSpec listen;
+  listen.name = "publisher.listen";
+  listen.address = config.listen();
+  listen.tls = config.tls();
+  listen.tls_field = "publisher.tls";
+  ASSIGN_OR_RETURN(listen.credentials, d.tls_->ServerCredentials(config.tls(), "publisher.tls"));
+  listen.services = {d.data_plane_.get()};
+  if (!separate_control) listen.services.push_back(d.authorized_control_.get());
+  listen.unix_mode = socket_mode;
+  listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
+  listen.max_send_bytes = -1;
+  listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
+  listen.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
+  ASSIGN_OR_RETURN(d.listen_, StartServer(listen));
+  if (!separate_control) return absl::OkStatus();
+  ServerSpec control;
+  control.name = "publisher.control_listen";
+  control.address = config.control_listen();
+  control.tls = config.control_tls();
+  control.tls_field = "publisher.control_tls";
+  ASSIGN_OR_RETURN(control.credentials,
+                   d.tls_->ServerCredentials(config.control_tls(), "publisher.control_tls"));
+  control.services = {d.authorized_control_.get()};
+  control.unix_mode = socket_mode;
+  ASSIGN_OR_RETURN(d.control_, StartServer(control));
+  return absl::OkStatus();
+}
+
+// The TrainerApi on local_socket, behind its peer check.
+absl::Status StartTrainerApi(const v1::PublisherConfig& config, TrainerApiOptions api,
+                             PublisherDaemonImpl& d) {
+  d.trainer_api_ = std::make_unique<TrainerApiService>(d.queue_.get(), std::move(api));
+  d.authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
+      d.trainer_api_.get(),
+      auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
+  ServerSpec local;
+  local.name = "publisher.local_socket";
+  local.address = absl::StrCat("unix:", config.local_socket());
+  local.tls_field = "publisher.local_socket";
+  local.services = {d.authorized_trainer_api_.get()};
+  local.unix_mode = config::FileModeOr(config.local_access().socket_mode(), 0660);
+  // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
+  local.max_receive_bytes = 64 << 20;
+  ASSIGN_OR_RETURN(d.local_, StartServer(local));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
@@ -227,40 +282,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
                      .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
                      .persist_dir = options.persist_dir});
 
-
-  daemon->authorized_control_ = std::make_unique<auth::AuthorizedControl>(
-      daemon->control_service_.get(),
-      auth::ControlAuthorizer(config.control_access(), "publisher.control_access"));
-
-  const bool separate_control = !config.control_listen().empty();
-  ServerSpec listen;
-  listen.name = "publisher.listen";
-  listen.address = config.listen();
-  listen.tls = config.tls();
-  listen.tls_field = "publisher.tls";
-  ASSIGN_OR_RETURN(listen.credentials,
-                   daemon->tls_->ServerCredentials(config.tls(), "publisher.tls"));
-  listen.services = {daemon->data_plane_.get()};
-  if (!separate_control) listen.services.push_back(daemon->authorized_control_.get());
-  listen.unix_mode = auth::SocketMode(config.control_access().socket_mode());
-  listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
-  listen.max_send_bytes = -1;
-  listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
-  listen.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
-  ASSIGN_OR_RETURN(daemon->listen_, StartServer(listen));
-
-  if (separate_control) {
-    ServerSpec control;
-    control.name = "publisher.control_listen";
-    control.address = config.control_listen();
-    control.tls = config.control_tls();
-    control.tls_field = "publisher.control_tls";
-    ASSIGN_OR_RETURN(control.credentials, daemon->tls_->ServerCredentials(
-                                              config.control_tls(), "publisher.control_tls"));
-    control.services = {daemon->authorized_control_.get()};
-    control.unix_mode = auth::SocketMode(config.control_access().socket_mode());
-    ASSIGN_OR_RETURN(daemon->control_, StartServer(control));
-  }
+  RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {
     // CUDA tensors of trainers: opened on their GPUs through the cache whatever the codec
     // device; snapshot to the host for the CPU codec, else where the GPU baseline lives.
@@ -270,21 +292,9 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     api.cuda_snapshot = codec_device == nullptr ? CudaSnapshot::kHost
                         : pinned               ? CudaSnapshot::kPinned
                                                : CudaSnapshot::kDevice;
-    daemon->trainer_api_ = std::make_unique<TrainerApiService>(daemon->queue_.get(),
-                                                               std::move(api));
-    ServerSpec local;
-    local.name = "publisher.local_socket";
-    local.address = absl::StrCat("unix:", config.local_socket());
-    local.tls_field = "publisher.local_socket";
-    daemon->authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
-        daemon->trainer_api_.get(),
-        auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
-    local.services = {daemon->authorized_trainer_api_.get()};
-    local.unix_mode = auth::SocketMode(config.local_access().socket_mode());
-    // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
-    local.max_receive_bytes = 64 << 20;
-    ASSIGN_OR_RETURN(daemon->local_, StartServer(local));
+    RETURN_IF_ERROR(StartTrainerApi(config, std::move(api), *daemon));
   }
+  const bool separate_control = !config.control_listen().empty();
 
   daemon->log_->info(
       "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "

@@ -94,6 +94,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   ~SubscriberDaemonImpl() override { Shutdown(); }
 
   absl::Status Init(const cuda::DeviceOpener& open_device);
+  absl::Status StartServers(const v1::SubscriberConfig& c);
   void Shutdown() override;
 
   std::string listen_address() const override { return listen_.bound_address; }
@@ -138,6 +139,54 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
+
+// Control (on listen or control_listen) and the ConsumerApi behind their authorization, the
+// peers' DataPlane on listen.
+absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
+  authorized_control_ = std::make_unique<auth::AuthorizedControl>(
+      control_.get(), auth::ControlAuthorizer(c.control_access(), "subscriber.control_access"));
+  authorized_consumer_ = std::make_unique<auth::AuthorizedConsumerApi>(
+      consumer_.get(),
+      auth::LocalAuthorizer(c.local_access(), "subscriber.local_access", "ConsumerApi"));
+  const unsigned control_mode = config::FileModeOr(c.control_access().socket_mode(), 0660);
+
+  if (!c.listen().empty()) {
+    ServerSpec spec;
+    spec.name = "listen";
+    spec.address = c.listen();
+    spec.tls = c.tls();
+    spec.tls_field = "subscriber.tls";
+    ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
+    if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
+    spec.unix_mode = control_mode;
+    if (peer_service_ != nullptr) {
+      spec.services.push_back(peer_service_.get());
+      spec.max_receive_bytes = kPeerMaxReceiveBytes;
+    }
+    ASSIGN_OR_RETURN(listen_, StartServer(spec));
+  }
+  if (!c.control_listen().empty()) {
+    ServerSpec spec;
+    spec.name = "control_listen";
+    spec.address = c.control_listen();
+    spec.tls = c.control_tls();
+    spec.tls_field = "subscriber.control_tls";
+    ASSIGN_OR_RETURN(spec.credentials,
+                     tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
+    spec.services.push_back(authorized_control_.get());
+    spec.unix_mode = control_mode;
+    ASSIGN_OR_RETURN(control_server_, StartServer(spec));
+  }
+  if (!c.local_socket().empty()) {
+    ServerSpec spec;
+    spec.name = "local_socket";
+    spec.address = absl::StrCat("unix:", c.local_socket());
+    spec.services.push_back(authorized_consumer_.get());
+    spec.unix_mode = config::FileModeOr(c.local_access().socket_mode(), 0660);
+    ASSIGN_OR_RETURN(local_, StartServer(spec));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   const v1::SubscriberConfig& c = config_;
@@ -237,49 +286,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
 
-  authorized_control_ = std::make_unique<auth::AuthorizedControl>(
-      control_.get(), auth::ControlAuthorizer(c.control_access(), "subscriber.control_access"));
-  authorized_consumer_ = std::make_unique<auth::AuthorizedConsumerApi>(
-      consumer_.get(),
-      auth::LocalAuthorizer(c.local_access(), "subscriber.local_access", "ConsumerApi"));
-  const unsigned control_mode = auth::SocketMode(c.control_access().socket_mode());
-
-  // Servers.
-  if (!c.listen().empty()) {
-    ServerSpec spec;
-    spec.name = "listen";
-    spec.address = c.listen();
-    spec.tls = c.tls();
-    spec.tls_field = "subscriber.tls";
-    ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
-    if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
-    spec.unix_mode = control_mode;
-    if (peer_service_ != nullptr) {
-      spec.services.push_back(peer_service_.get());
-      spec.max_receive_bytes = kPeerMaxReceiveBytes;
-    }
-    ASSIGN_OR_RETURN(listen_, StartServer(spec));
-  }
-  if (!c.control_listen().empty()) {
-    ServerSpec spec;
-    spec.name = "control_listen";
-    spec.address = c.control_listen();
-    spec.tls = c.control_tls();
-    spec.tls_field = "subscriber.control_tls";
-    ASSIGN_OR_RETURN(spec.credentials,
-                     tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
-    spec.services.push_back(authorized_control_.get());
-    spec.unix_mode = control_mode;
-    ASSIGN_OR_RETURN(control_server_, StartServer(spec));
-  }
-  if (!c.local_socket().empty()) {
-    ServerSpec spec;
-    spec.name = "local_socket";
-    spec.address = absl::StrCat("unix:", c.local_socket());
-    spec.services.push_back(authorized_consumer_.get());
-    spec.unix_mode = auth::SocketMode(c.local_access().socket_mode());
-    ASSIGN_OR_RETURN(local_, StartServer(spec));
-  }
+  RETURN_IF_ERROR(StartServers(c));
 
   if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
   upstream_->Start();

@@ -224,6 +224,14 @@ CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration ti
   return result;
 }
 
+std::vector<std::string> AsUnprivilegedUser(std::vector<std::string> argv) {
+  if (geteuid() != 0) return argv;
+  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                                   "--clear-groups"};
+  full.insert(full.end(), argv.begin(), argv.end());
+  return full;
+}
+
 CommandResult RunRefitctl(const std::vector<std::string>& args, absl::Duration timeout) {
   std::vector<std::string> argv{RefitctlBin()};
   argv.insert(argv.end(), args.begin(), args.end());

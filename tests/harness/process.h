@@ -42,6 +42,9 @@ struct CommandResult {
 // child is killed with SIGKILL and timed_out is set.
 CommandResult RunCommand(const std::vector<std::string>& argv,
                          absl::Duration timeout = absl::Seconds(60));
+// `argv` run as uid/gid 65534 without supplementary groups when this process is root
+// (`setpriv --reuid=65534 --regid=65534 --clear-groups argv...`; CI runs as root), else as is.
+std::vector<std::string> AsUnprivilegedUser(std::vector<std::string> argv);
 // RunCommand({RefitctlBin(), args...}).
 CommandResult RunRefitctl(const std::vector<std::string>& args,
                           absl::Duration timeout = absl::Seconds(60));
