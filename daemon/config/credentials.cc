@@ -179,10 +179,7 @@ class ReloadableTls {
  private:
   // The files' material when it differs from the loaded one; empty material when unchanged.
   absl::StatusOr<TlsMaterial> ReadChanged() {
-    TlsMaterial m;
-    ASSIGN_OR_RETURN(m.cert_pem, ReadSmallFile(files_.cert, absl::StrCat(files_.field, ".cert")));
-    ASSIGN_OR_RETURN(m.key_pem, ReadSmallFile(files_.key, absl::StrCat(files_.field, ".key")));
-    ASSIGN_OR_RETURN(m.ca_pem, ReadSmallFile(files_.ca, absl::StrCat(files_.field, ".ca")));
+    ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files_));
     {
       absl::MutexLock lock(&mu_);
       if (m.cert_pem == loaded_.cert_pem && m.key_pem == loaded_.key_pem &&

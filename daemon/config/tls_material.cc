@@ -168,11 +168,16 @@ absl::StatusOr<CertSummary> CheckTlsMaterialNamed(const std::string& cert_pem,
   return Summarize(certs.front().get());
 }
 
-absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
+absl::StatusOr<TlsMaterial> ReadTlsFiles(const TlsFiles& files) {
   TlsMaterial m;
   ASSIGN_OR_RETURN(m.cert_pem, ReadSmallFile(files.cert, absl::StrCat(files.field, ".cert")));
   ASSIGN_OR_RETURN(m.key_pem, ReadSmallFile(files.key, absl::StrCat(files.field, ".key")));
   ASSIGN_OR_RETURN(m.ca_pem, ReadSmallFile(files.ca, absl::StrCat(files.field, ".ca")));
+  return m;
+}
+
+absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
+  ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files));
   ASSIGN_OR_RETURN(m.leaf, CheckTlsMaterial(files, m.cert_pem, m.key_pem, m.ca_pem));
   return m;
 }

@@ -47,6 +47,8 @@ struct TlsMaterial {
 // InvalidArgument when one holds the wrong thing, e.g.
 //   publisher.tls.key "/p/k.pem" does not match the certificate publisher.tls.cert "/p/c.pem"
 absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files);
+// The three files' contents only (regular files, errors naming field and path); `leaf` empty.
+absl::StatusOr<TlsMaterial> ReadTlsFiles(const TlsFiles& files);
 
 // The same checks on text already read (the paths only name the files in errors).
 absl::StatusOr<CertSummary> CheckTlsMaterial(const TlsFiles& files, const std::string& cert_pem,
