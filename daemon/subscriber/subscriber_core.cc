@@ -148,16 +148,12 @@ std::optional<LeaseBlock> SubscriberCore::blocked_on_leases() const {
   return blocked_;
 }
 
-absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
-  absl::MutexLock lock(&mu_);
+// The header's version against the applied one: in range, above it (or of another lineage, as
+// keyframes from base 0), based on it or on nothing. Returns whether the lineage changes.
+absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader& header) const {
   const uint64_t v = header.version();
   const uint64_t base = header.base_version();
   const uint64_t applied = applied_version();
-  if (transfer_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header for version ", v, ": the transfer of version ",
-                     transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
-  }
   if (v == 0) return absl::InvalidArgumentError("header: version 0 is not a valid target");
   if (v > sync::kMaxVersion) {
     return absl::InvalidArgumentError(absl::StrCat("header for version ", v,
@@ -190,6 +186,20 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
         "header for version ", v, " has base version ", base, " but the applied version is ",
         applied, base == 0 ? " (base 0 requires every tensor to be a keyframe)" : ""));
   }
+  return lineage_change;
+}
+
+absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t v = header.version();
+  const uint64_t base = header.base_version();
+  const uint64_t applied = applied_version();
+  if (transfer_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, ": the transfer of version ",
+                     transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
+  }
+  ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
 
   auto t = std::make_unique<Transfer>();
   t->header = header;

@@ -195,6 +195,9 @@ class SubscriberCore {
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OnHeader's version checks; true when the header's lineage differs from the applied one.
+  absl::StatusOr<bool> CheckHeaderVersions(const v1::VersionHeader& header) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records that `version` found no free slot in `target` (blocked_).
   void NoteBlockedLocked(const store::SlottedStore& target, uint64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
