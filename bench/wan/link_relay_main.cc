@@ -1,12 +1,13 @@
 // link_relay: the userspace link emulator of bench/wan (README.md). Creates TUN device DEV_A in
 // network namespace NS_A and DEV_B in NS_B, prints "ready" on stdout, and relays packets between
 // them with the given one-way delay, rate, queue and loss in each direction until SIGTERM/SIGINT;
-// then prints one JSON line of counters per direction and exits 0.
+// then prints one JSON line of counters per direction and one of its CPU time, and exits 0.
 //   link_relay --ns-a /run/netns/A --dev-a wanA --ns-b /run/netns/B --dev-b wanB
 //              [--delay-ms 25] [--rate-mbit 1000] [--queue-ms 50] [--loss 0] [--seed 1]
 //              [--no-offload]
 // The driver (run.py) assigns the addresses and brings the devices up.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/prctl.h>
 
 #include <atomic>
@@ -119,5 +120,10 @@ int main(int argc, char** argv) {
   t2.join();
   PrintCounters("a_to_b", a_to_b);
   PrintCounters("b_to_a", b_to_a);
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  std::printf("{\"cpu_user_s\": %.3f, \"cpu_sys_s\": %.3f}\n",
+              ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6,
+              ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6);
   return failed.load();
 }

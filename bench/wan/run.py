@@ -199,6 +199,36 @@ def raw_copy(link: Link, file: str, streams: int, port: int) -> dict:
             "gbit_per_s": size * 8 / ms / 1e6}
 
 
+def check_link(link: Link) -> dict:
+    """--check-link: ping RTT and iperf3 throughput (publisher -> subscriber, 1 and 4 streams)
+    across the emulated link, when ping / iperf3 are installed."""
+    out = {"link": link.spec}
+    if shutil.which("ping"):
+        r = sh(*link.in_ns(link.sub_ns, ["ping", "-c", "10", "-i", "0.2", "-q", link.pub_ip]),
+               check=False, timeout=60)
+        m = re.search(r"= ([\d.]+)/([\d.]+)/([\d.]+)", r.stdout)
+        out["ping_rtt_ms"] = {"min": float(m.group(1)), "avg": float(m.group(2)),
+                              "max": float(m.group(3))} if m else None
+    if shutil.which("iperf3"):
+        for streams in (1, 4):
+            server = subprocess.Popen(link.in_ns(link.pub_ns, ["iperf3", "-s", "-1", "-B",
+                                                               link.pub_ip]),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _ in range(50):  # until the server listens (no event announces it)
+                r = sh(*link.in_ns(link.sub_ns, ["iperf3", "-c", link.pub_ip, "-R", "-J", "-t",
+                                                 "8", "-P", str(streams)]),
+                       check=False, timeout=60)
+                if r.returncode == 0:
+                    break
+                time.sleep(0.1)
+            server.wait(timeout=30)
+            j = json.loads(r.stdout) if r.returncode == 0 else {}
+            bps = j.get("end", {}).get("sum_received", {}).get("bits_per_second")
+            out[f"iperf3_{streams}_mbit"] = bps / 1e6 if bps else None
+    log(f"check-link {link.spec['name']}: {json.dumps(out)}")
+    return out
+
+
 # ---- certificates and configs ---------------------------------------------------------------
 
 def make_pki(d: str, server_ips: list) -> dict:
@@ -604,6 +634,13 @@ def markdown(result: dict) -> str:
                 f"{fmt(s0.get('apply_ms'))} | {fmt(r['network_residual_ms'])} | "
                 f"{fmt(r['transport_bound_ms'])} | {fmt(r['pass_ms'], '{:.1f}')} | "
                 f"{fmt(r['excess_over_pass'], '{:.1f}')} |")
+    for lc in result.get("link_checks", []):
+        p = lc.get("ping_rtt_ms") or {}
+        lines += ["", f"Link check {lc['link']['name']} (load {lc['loadavg']}): ping RTT avg "
+                  f"{fmt(p.get('avg'), '{:.2f}')} ms (min {fmt(p.get('min'), '{:.2f}')}, max "
+                  f"{fmt(p.get('max'), '{:.2f}')}); iperf3 publisher -> subscriber "
+                  f"{fmt(lc.get('iperf3_1_mbit'))} Mbit/s (1 stream), "
+                  f"{fmt(lc.get('iperf3_4_mbit'))} Mbit/s (4 streams); sysctls {lc['sysctls']}."]
     lines += ["", "Not exposed by the daemons (null in the JSON): " + ", ".join(NOT_EXPOSED) + ".",
               "Definitions: bench/wan/README.md.", ""]
     return "\n".join(lines)
@@ -644,6 +681,8 @@ def parse_args(argv):
     p.add_argument("--cache-dir", default=os.environ.get("REFIT_WAN_CACHE",
                                                          "/var/tmp/refit-wan-cache"))
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--check-link", action="store_true",
+                   help="also measure each link with ping and iperf3 (when installed)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: tiny model, 20ms-200m, 3 versions, Verify + Export every run, "
                         "fails when a figure is missing")
@@ -682,11 +721,15 @@ def main(argv) -> int:
     for i, spec in enumerate(args.link_specs):
         with Link(i, spec, bins, args, workdir) as link:
             sysctls = link.sysctls()
+            if args.check_link:
+                result.setdefault("link_checks", []).append(
+                    {**check_link(link), "sysctls": sysctls, "loadavg": load_average()})
             for j, m in enumerate(models):
                 run = run_model(link, m, trajs[m], bins, pki, args, workdir, 7700 + 10 * j)
                 run["sysctls"] = sysctls
                 result["runs"].append(run)
-        result["runs"][-1]["relay_counters"] = link.counters
+        result.setdefault("relay_counters", []).append({"link": spec["name"],
+                                                        "counters": link.counters})
     result["machine"]["loadavg_after"] = load_average()
     stem = "wan-" + result["date"].replace(":", "").replace("-", "")[:13] + \
         ("-quick" if args.quick else "")
