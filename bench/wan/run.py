@@ -261,7 +261,7 @@ def q(s: str) -> str:
     return json.dumps(s)
 
 
-def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args) -> str:
+def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int) -> str:
     y = (f"publisher:\n  name: wan-pub\n  log_level: info\n  listen: {q(ip + ':0')}\n"
          f"  tls:\n    cert: {q(pki['server']['cert'])}\n    key: {q(pki['server']['key'])}\n"
          f"    ca: {q(pki['ca'])}\n"
@@ -269,18 +269,18 @@ def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args) -> str:
          f"  ready_file: {q(d + '/pub.ready')}\n"
          f"  files:\n    publish_dirs: [{q(cache)}]\n"
          f"  codec:\n    threads: {args.threads}\n"
-         f"  transport:\n    max_streams_per_subscriber: {max(args.streams, 1)}\n")
+         f"  transport:\n    max_streams_per_subscriber: {max(streams, 8)}\n")
     if args.persist:
         y += f"  baseline:\n    persist_dir: {q(d + '/persist')}\n"
     return y
 
 
-def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args) -> str:
+def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args, streams: int) -> str:
     return (f"subscriber:\n  name: {name}\n  log_level: info\n"
             f"  upstream:\n    addresses: [{q(upstream)}]\n"
             f"    tls:\n      cert: {q(pki['client']['cert'])}\n"
             f"      key: {q(pki['client']['key'])}\n      ca: {q(pki['ca'])}\n"
-            f"    connections: {args.streams}\n"
+            f"    connections: {streams}\n"
             f"    backoff:\n      initial_ms: 20\n      max_ms: 300\n"
             f"  control_listen: {q('unix:' + d + '/' + name + '-control.sock')}\n"
             f"  ready_file: {q(d + '/' + name + '.ready')}\n"
@@ -493,24 +493,33 @@ def read_safetensors(path: str) -> dict:
 
 
 def run_model(link: Link, model: str, traj: str, bins: dict, pki: dict, args, workdir: str,
-              port: int) -> dict:
-    spec = link.spec
+              port: int) -> list:
+    """The raw copies, then refitd once per --streams value: one result per streams value."""
     v0 = version_file(traj, 0)
-    log(f"{model} on {spec['name']}: raw TCP copies of {os.path.getsize(v0)} bytes")
+    log(f"{model} on {link.spec['name']}: raw TCP copies of {os.path.getsize(v0)} bytes")
     raws = [raw_copy(link, v0, n, port + i) for i, n in enumerate((1, 4))]
     for r in raws:
         log(f"  raw {r['streams']} stream(s): {r['ms']:.0f} ms ({r['gbit_per_s']:.2f} Gbit/s)")
-    d = tempfile.mkdtemp(prefix=f"{model}-", dir=workdir)
+    return [run_refit(link, model, traj, bins, pki, args, workdir, raws, n)
+            for n in args.streams_list]
+
+
+def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, workdir: str,
+              raws: list, streams: int) -> dict:
+    spec = link.spec
+    v0 = version_file(traj, 0)
+    log(f"{model} on {spec['name']}: refitd, {streams} connection(s) per subscriber")
+    d = tempfile.mkdtemp(prefix=f"{model}-c{streams}-", dir=workdir)
     os.makedirs(os.path.join(d, "export"))
     pub = Daemon(link, link.pub_ns, "publisher", "wan-pub", d,
-                 publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args), bins)
+                 publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args, streams), bins)
     subs, records, exported = [], [], []
     try:
         upstream = pub.start()["listen"]
         for i in range(args.subscribers):
             name = f"wan-sub{i}"
             subs.append(Daemon(link, link.sub_ns, "subscriber", name, d,
-                               subscriber_yaml(d, name, upstream, pki, args), bins))
+                               subscriber_yaml(d, name, upstream, pki, args, streams), bins))
             subs[-1].start()
         wait_connected(bins, pub, len(subs))
         for k in range(args.versions + 1):
@@ -536,7 +545,7 @@ def run_model(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
         for s in subs:
             s.stop()
         pub.stop()
-    return {"model": model, "link": spec, "model_bytes": os.path.getsize(v0),
+    return {"model": model, "link": spec, "streams": streams, "model_bytes": os.path.getsize(v0),
             "raw": raws, "versions": records, "export_equal": exported,
             "logs": {"publisher": pub.log_path, "subscribers": [s.log_path for s in subs]},
             "summary": summarise(records, raws)}
@@ -578,7 +587,7 @@ def missing_figures(result: dict) -> list:
     miss = []
     for run in result["runs"]:
         for r in run["versions"]:
-            where = f"{run['model']}/{run['link']['name']}/v{r['version']}"
+            where = f"{run['model']}/{run['link']['name']}/c{run['streams']}/v{r['version']}"
             miss += [f"{where}.{k}" for k in REQUIRED if r.get(k) is None]
             miss += [f"{where}.publisher.{k}" for k in REQUIRED_PUB
                      if r["publisher"].get(k) is None]
@@ -601,25 +610,26 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# refitd over an emulated WAN link ({result['date']})", "",
              f"git {result['git_rev']}; {m['cpus']} CPUs; load average before "
-             f"{m['loadavg_before']}, after {m['loadavg_after']}; {result['options']['streams']} "
-             f"connection(s) per subscriber, {result['options']['subscribers']} subscriber(s), "
+             f"{m['loadavg_before']}, after {m['loadavg_after']}; "
+             f"{result['options']['subscribers']} subscriber(s), "
              f"persist {'on' if result['options']['persist'] else 'off'}; MTU "
              f"{result['options']['mtu']}; command `{result['command']}`.", "",
-             "| model | link | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
+             "| model | link | conns | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
              "max/median | bound ms | pass ms | (e2e-bound)/pass | faster raw / delta | "
-             "keyframe / raw4 |", "|---" * 11 + "|"]
+             "keyframe / raw4 |", "|---" * 12 + "|"]
     for run in result["runs"]:
         s = run["summary"]
         lines.append(
             f"| {run['model']} ({run['model_bytes'] / 1e6:.0f} MB) | {run['link']['name']} | "
-            f"{fmt(s['keyframe_e2e_ms'])} | {fmt(s['raw1_ms'])} / {fmt(s['raw4_ms'])} | "
+            f"{run['streams']} | {fmt(s['keyframe_e2e_ms'])} | {fmt(s['raw1_ms'])} / {fmt(s['raw4_ms'])} | "
             f"{fmt(s['steady_e2e_median_ms'])} | {fmt(s['steady_e2e_max_over_median'], '{:.2f}')} "
             f"| {fmt(s['steady_bound_median_ms'])} | {fmt(s['steady_pass_median_ms'], '{:.1f}')} | "
             f"{fmt(s['steady_excess_over_pass_median'], '{:.1f}')} | "
             f"{fmt(s['delta_speedup_vs_faster_raw'], '{:.1f}')}x | "
             f"{fmt(s['keyframe_vs_raw4'], '{:.2f}')} |")
     for run in result["runs"]:
-        lines += ["", f"## {run['model']} on {run['link']['name']}", "",
+        lines += ["", f"## {run['model']} on {run['link']['name']}, {run['streams']} connection(s)",
+                  "",
                   "| v | kind | change | wire B | e2e ms | publish call ms | pub encode / total ms "
                   "| sub receive / stage / verify / apply ms | residual ms | bound ms | pass ms | "
                   "(e2e-bound)/pass |", "|---" * 12 + "|"]
@@ -667,8 +677,9 @@ def parse_args(argv):
     p.add_argument("--versions", type=int, default=10, help="delta versions after the keyframe")
     p.add_argument("--warmup-deltas", type=int, default=2,
                    help="first deltas not counted as steady (first touch of the store slots)")
-    p.add_argument("--streams", type=int, default=1,
-                   help="subscriber upstream.connections (and publisher stripes allowed)")
+    p.add_argument("--streams", default="4",
+                   help="subscriber upstream.connections, comma-separated: one refitd run per "
+                        "value (the publisher allows max(8, N) streams per subscriber)")
     p.add_argument("--subscribers", type=int, default=1)
     p.add_argument("--persist", action="store_true", help="publisher baseline.persist_dir on")
     p.add_argument("--threads", type=int, default=2, help="codec / staging / read-pass threads")
@@ -689,7 +700,11 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.quick:
         a.models, a.links, a.versions, a.warmup_deltas = "tiny", "20ms-200m", 3, 1
-    if a.versions < 1 or a.streams < 1 or a.subscribers < 1:
+    try:
+        a.streams_list = [int(x) for x in a.streams.split(",") if x]
+    except ValueError:
+        p.error(f"--streams: {a.streams!r} is not a comma-separated list of numbers")
+    if a.versions < 1 or not a.streams_list or min(a.streams_list) < 1 or a.subscribers < 1:
         p.error("--versions, --streams and --subscribers must be >= 1")
     try:
         a.link_specs = [parse_link(x) for x in a.links.split(",") if x]
@@ -713,7 +728,8 @@ def main(argv) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "git_rev": git_rev(), "command": " ".join(["bench/wan/run.py"] + list(argv)),
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_average()},
-              "options": {k: v for k, v in vars(args).items() if k != "link_specs"},
+              "options": {k: v for k, v in vars(args).items()
+                          if k not in ("link_specs", "streams_list")},
               "not_exposed": NOT_EXPOSED, "runs": [], "workdir": workdir}
     pki = make_pki(workdir, [f"10.77.{i}.1" for i in range(len(args.link_specs))])
     models = [m for m in args.models.split(",") if m]
@@ -725,9 +741,10 @@ def main(argv) -> int:
                 result.setdefault("link_checks", []).append(
                     {**check_link(link), "sysctls": sysctls, "loadavg": load_average()})
             for j, m in enumerate(models):
-                run = run_model(link, m, trajs[m], bins, pki, args, workdir, 7700 + 10 * j)
-                run["sysctls"] = sysctls
-                result["runs"].append(run)
+                for run in run_model(link, m, trajs[m], bins, pki, args, workdir,
+                                     7700 + 10 * j):
+                    run["sysctls"] = sysctls
+                    result["runs"].append(run)
         result.setdefault("relay_counters", []).append({"link": spec["name"],
                                                         "counters": link.counters})
     result["machine"]["loadavg_after"] = load_average()
