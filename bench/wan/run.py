@@ -285,7 +285,7 @@ def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args, streams: 
             f"  control_listen: {q('unix:' + d + '/' + name + '-control.sock')}\n"
             f"  ready_file: {q(d + '/' + name + '.ready')}\n"
             f"  files:\n    export_dir: {q(d + '/export')}\n"
-            f"  store:\n    kind: shm\n    slots: 3\n"
+            f"  store:\n    kind: shm\n    slots: 2\n"
             f"    shm_prefix: {q(f'/refitwan-{os.getpid()}-{name}-')}\n"
             f"  staging:\n    threads: {args.threads}\n")
 
