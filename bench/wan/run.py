@@ -408,7 +408,16 @@ def i64(x) -> int:
         return 0
 
 
+def warm_page_cache(path: str) -> None:
+    """Reads the file once, so that the publish (like raw_copy, which reads the file before its
+    clock starts) finds it in the page cache, as a trainer's freshly written checkpoint is."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 << 20):
+            pass
+
+
 def step(bins: dict, pub: Daemon, subs: list, version: int, file: str, verify: bool) -> dict:
+    warm_page_cache(file)
     cmd = [bins["wan_step"], "--publisher", pub.control(), "--version", str(version),
            "--safetensors", file]
     for s in subs:
