@@ -739,6 +739,7 @@ def main(argv) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="refit-wan-")
     os.chmod(workdir, 0o755)
+    log(f"run directory {workdir} (configs, logs; removed when the run succeeds)")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "git_rev": git_rev(), "command": " ".join(["bench/wan/run.py"] + list(argv)),
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_average()},
