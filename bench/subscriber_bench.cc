@@ -182,6 +182,9 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
   so.threads = a.threads;
   so.store.slots = a.slots;
   so.max_frame_bytes = 4u << 20;
+  // Everything applied at OnEnd: the Ack's stage/verify split then covers all the work (frames
+  // are fed back to back here, so applying on arrival would overlap nothing).
+  so.stage_on_arrival = false;
   refit::subscriber::SubscriberOptions copy = so;
   copy.retained_patch_bytes = 0;  // the full-copy staging of before issue 10
   refit::subscriber::SubscriberCore in_place(so);

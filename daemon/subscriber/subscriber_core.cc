@@ -38,6 +38,13 @@ struct SubscriberCore::Transfer {
   uint64_t wire_bytes = 0;    // payload bytes of accepted frames
   uint64_t dropped_frames = 0;
   StageStats stats;           // how StageLocked staged it
+  // Decided when the slot is known (PlanStagingLocked): the retained transfers from the slot's
+  // version to the base (nullopt: the copy path), and which tensors are staged already.
+  std::optional<std::vector<const RetainedTransfer*>> chain;
+  std::vector<bool> staged;
+  // Tensors whose staging on arrival failed (reported by OnEnd).
+  std::vector<std::string> early_failed;
+  std::vector<std::string> early_errors;
 
   // Aborts the staging and releases the base lease; the transfer stays (failed) for OnEnd.
   void Release() {
@@ -127,6 +134,7 @@ absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
   }
   t.handle = std::move(*handle);
   blocked_.reset();
+  PlanStagingLocked(t);
   return absl::OkStatus();
 }
 
@@ -418,6 +426,7 @@ absl::Status SubscriberCore::OnFrame(const v1::DataFrame& frame) {
     return added.status();
   }
   t.wire_bytes += frame.payload().size();
+  if (*added && options_.stage_on_arrival) StageOnArrivalLocked(t, frame.tensor_index());
   return absl::OkStatus();
 }
 
@@ -556,26 +565,11 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
 // a tensor; every other tensor falls back to a copy of the current version.
 absl::Status SubscriberCore::StageLocked(Transfer& t, std::vector<std::string>& failed_tensors) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.stats = StageStats{};
-  t.stats.version = t.header.version();
-  t.stats.slot = t.handle->slot;
-  t.stats.slot_version = t.handle->previous_version;
-  std::optional<std::vector<const RetainedTransfer*>> chain;
-  if (!t.new_generation && options_.retained_patch_bytes > 0) {
-    chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
-  }
-  t.stats.caught_up = chain.has_value();
-  std::vector<std::string> errors;
+  failed_tensors = t.early_failed;
+  std::vector<std::string> errors = t.early_errors;
   for (size_t i = 0; i < n; ++i) {
-    const size_t li = t.layout_index[i];
-    bool in_place = chain.has_value();
-    for (size_t k = 0; in_place && k < chain->size(); ++k) in_place = (*chain)[k]->tensors[li].kept;
-    absl::Status st;
-    if (in_place && t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
-      st = CatchUpTensorLocked(t, i, *chain);
-    }
-    if (st.ok()) st = StageTensorLocked(t, i, in_place);
-    if (!st.ok()) {
+    if (t.staged[i]) continue;  // applied as its frames completed (OnFrame)
+    if (absl::Status st = StageOneLocked(t, i); !st.ok()) {
       const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
       failed_tensors.push_back(name);
       errors.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), name), ": ",
@@ -586,6 +580,54 @@ absl::Status SubscriberCore::StageLocked(Transfer& t, std::vector<std::string>& 
   return absl::DataLossError(absl::StrCat("version ", t.header.version(), ": apply failed on ",
                                           failed_tensors.size(), " tensor(s): ",
                                           absl::StrJoin(errors, "; ")));
+}
+
+// Tensor i, in place when the retained chain covers it (CatchUpTensorLocked first), else by the
+// copy path. Marks it staged whatever the outcome (a failure rejects the whole transfer).
+absl::Status SubscriberCore::StageOneLocked(Transfer& t, size_t i) {
+  t.staged[i] = true;
+  const size_t li = t.layout_index[i];
+  bool in_place = t.chain.has_value();
+  for (size_t k = 0; in_place && k < t.chain->size(); ++k) in_place = (*t.chain)[k]->tensors[li].kept;
+  if (in_place && t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
+    RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
+  }
+  return StageTensorLocked(t, i, in_place);
+}
+
+// Stage: every byte of every tensor of the slot is written (or already right) here, as soon as
+// the slot is known: the standby slot is brought forward in place where the retained patches
+// cover its version -> the base for a tensor; every other tensor falls back to a copy of the
+// current version. Decided once per staging (BeginStageLocked).
+void SubscriberCore::PlanStagingLocked(Transfer& t) {
+  t.stats = StageStats{};
+  t.stats.version = t.header.version();
+  t.stats.slot = t.handle->slot;
+  t.stats.slot_version = t.handle->previous_version;
+  t.chain.reset();
+  if (!t.new_generation && options_.retained_patch_bytes > 0) {
+    t.chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
+  }
+  t.stats.caught_up = t.chain.has_value();
+  t.staged.assign(static_cast<size_t>(t.header.tensors_size()), false);
+}
+
+// OnFrame: a PATCH tensor whose every step has arrived is staged at once, so applying overlaps
+// receiving the rest of the transfer (under the core mutex: other frames wait meanwhile). A
+// failure is reported at OnEnd (REJECTED, naming the tensor).
+void SubscriberCore::StageOnArrivalLocked(Transfer& t, uint32_t ti) {
+  if (!t.handle.has_value() || ti >= t.staged.size() || t.staged[ti]) return;
+  const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(ti));
+  if (tp.delivery() != v1::DELIVERY_PATCH) return;
+  for (int p = 0; p < tp.steps_size(); ++p) {
+    if (!t.assembler->ObjectComplete(ti, static_cast<uint32_t>(p))) return;
+  }
+  if (absl::Status st = StageOneLocked(t, ti); !st.ok()) {
+    t.early_failed.push_back(tp.spec().name());
+    t.early_errors.push_back(
+        absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ", st.message()));
+  }
+  ++t.stats.tensors_on_arrival;
 }
 
 // Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then

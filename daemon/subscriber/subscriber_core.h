@@ -17,7 +17,9 @@
 //     no consumer lease remains on it.
 //
 // Thread safety: every method may be called from any thread; they serialise on one mutex
-// (OnEnd holds it while applying and verifying). applied_version()/applied_digest() are lock-free.
+// (OnEnd holds it while applying and verifying; OnFrame while applying a PATCH tensor whose
+// last frame it received, SubscriberOptions::stage_on_arrival). applied_version() and
+// applied_digest() are lock-free.
 #ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 #define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 
@@ -66,6 +68,9 @@ struct SubscriberOptions {
   // (config store.retained_patch_bytes). 0: every delta is staged by copying the current
   // version into the staging slot (the path before issue 10; benchmarks compare the two).
   uint64_t retained_patch_bytes = 256ull << 20;
+  // Apply a PATCH tensor as soon as its last frame arrives (OnFrame) rather than at OnEnd, so
+  // applying overlaps receiving. Off: everything is applied at OnEnd (benchmarks, tests).
+  bool stage_on_arrival = true;
 };
 
 // How the last committed version was staged (tests, benchmarks, status).
@@ -79,6 +84,7 @@ struct StageStats {
   uint32_t tensors_keyframe = 0;
   uint64_t bytes_copied = 0;      // bytes of the base read by the copies
   uint64_t catch_up_patches = 0;  // retained patches applied to bring the slot forward
+  uint32_t tensors_on_arrival = 0;  // staged by OnFrame as their last frame arrived
   uint64_t stage_micros = 0;      // as the Ack's timings
   uint64_t verify_micros = 0;
 };
@@ -255,6 +261,9 @@ class SubscriberCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StageLocked(Transfer& t, std::vector<std::string>& failed_tensors)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StageOneLocked(Transfer& t, size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlanStagingLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StageOnArrivalLocked(Transfer& t, uint32_t ti) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Verified> VerifyLocked(Transfer& t, const v1::VersionEnd& end,
                                         std::vector<std::string>& mismatched)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

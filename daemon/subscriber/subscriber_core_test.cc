@@ -727,12 +727,23 @@ TEST_F(SubscriberCoreInPlaceTest, InPlaceIsBitExactAgainstTheDenseCopyOverATraje
     in_place.store.slots = slots;
     SubscriberOptions dense = in_place;
     dense.retained_patch_bytes = 0;
+    SubscriberOptions at_end = in_place;  // every tensor applied at OnEnd
+    at_end.stage_on_arrival = false;
     SubscriberCore a(in_place);
     SubscriberCore b(dense);
+    SubscriberCore c(at_end);
     for (uint64_t v = 1; v <= kVersions; ++v) {
       const StageStats sa = SyncStats(a, v);
       const StageStats sb = SyncStats(b, v);
+      const StageStats sc = SyncStats(c, v);
       EXPECT_EQ(Read(a), Read(b)) << "v" << v;
+      EXPECT_EQ(Read(c), Read(b)) << "v" << v;
+      EXPECT_EQ(sc.tensors_on_arrival, 0u);
+      EXPECT_EQ(sc.tensors_in_place, sa.tensors_in_place) << "v" << v;
+      if (v > 1) {
+        EXPECT_GT(sa.tensors_on_arrival, 0u) << "v" << v;  // patches applied as they arrived
+        EXPECT_GT(sb.tensors_on_arrival, 0u) << "v" << v;
+      }
       if (v > 1) ExpectFullCopy(sb);
       if (v > static_cast<uint64_t>(slots)) {
         ExpectInPlace(sa, v - static_cast<uint64_t>(slots));  // the slot lags by slots - 1
