@@ -42,6 +42,7 @@ struct SubscriberCore::Transfer {
   // version to the base (nullopt: the copy path), and which tensors are staged already.
   std::optional<std::vector<const RetainedTransfer*>> chain;
   std::vector<bool> staged;
+  std::vector<bool> caught_up;  // retained patches already applied to the tensor
   // Tensors whose staging on arrival failed (reported by OnEnd).
   std::vector<std::string> early_failed;
   std::vector<std::string> early_errors;
@@ -588,8 +589,12 @@ absl::Status SubscriberCore::StageOneLocked(Transfer& t, size_t i) {
   t.staged[i] = true;
   const size_t li = t.layout_index[i];
   bool in_place = t.chain.has_value();
-  for (size_t k = 0; in_place && k < t.chain->size(); ++k) in_place = (*t.chain)[k]->tensors[li].kept;
-  if (in_place && t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
+  for (size_t k = 0; in_place && k < t.chain->size(); ++k) {
+    in_place = (*t.chain)[k]->tensors[li].kept;
+  }
+  if (in_place && !t.caught_up[i] &&
+      t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
+    t.caught_up[i] = true;
     RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
   }
   return StageTensorLocked(t, i, in_place);
@@ -609,7 +614,28 @@ void SubscriberCore::PlanStagingLocked(Transfer& t) {
     t.chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
   }
   t.stats.caught_up = t.chain.has_value();
-  t.staged.assign(static_cast<size_t>(t.header.tensors_size()), false);
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.staged.assign(n, false);
+  t.caught_up.assign(n, false);
+  if (!options_.stage_on_arrival || !t.chain.has_value() || t.chain->empty()) return;
+  // Bring the slot forward now, while the frames are still arriving: at VersionEnd only the
+  // transfer's own steps (most applied on arrival too) and verification remain.
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    bool kept = tp.delivery() != v1::DELIVERY_KEYFRAME;
+    for (size_t k = 0; kept && k < t.chain->size(); ++k) {
+      kept = (*t.chain)[k]->tensors[t.layout_index[i]].kept;
+    }
+    if (!kept) continue;
+    t.caught_up[i] = true;
+    if (absl::Status st = CatchUpTensorLocked(t, i, *t.chain); !st.ok()) {
+      t.staged[i] = true;  // reported by OnEnd
+      t.early_failed.push_back(tp.spec().name());
+      t.early_errors.push_back(
+          absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()), ": ",
+                       st.message()));
+    }
+  }
 }
 
 // OnFrame: a PATCH tensor whose every step has arrived is staged at once, so applying overlaps
