@@ -6,10 +6,12 @@
 // pre-faulting, and the first versions after the keyframe (the warm-up penalty).
 //
 //   subscriber_bench [--sizes-mb 128,512] [--changed 1073742] [--versions 8] [--threads 2]
-//                    [--slots 2]
+//                    [--slots 2] [--region ELEMENTS]
 //
 // --changed: elements changed per version, placed uniformly at random over the whole model
-// (default: 1.6% of a 64M-element model's worth). Each changed element moves by one ULP.
+// (default: 1.6% of a 64M-element model's worth), or over its first --region elements (e.g.
+// 67108864: the same 64M elements change in every model size, the rest is frozen). Each
+// changed element moves by one ULP.
 // Prints one JSON object per line ("version" rows, then one "summary" per size, then "ratios")
 // with /proc/loadavg beside; exits 1 printing FAIL when a version is not APPLIED.
 #include <algorithm>
@@ -42,6 +44,10 @@ struct Args {
   int versions = 8;
   int threads = 2;
   int slots = 2;
+  // Changes placed uniformly over the first `region` elements (0: the whole model). With a
+  // region, a bigger model adds tensors that do not change (frozen layers, say): the changed
+  // elements and their density stay the same at every size.
+  uint64_t region = 0;
 };
 
 std::string LoadAvg() {
@@ -84,10 +90,12 @@ Model MakeModel(uint64_t bytes, std::mt19937_64& rng) {
   return m;
 }
 
-// `changed` elements at uniform random positions move by one ULP (mantissa bit flip).
-void Perturb(Model& m, uint64_t changed, std::mt19937_64& rng) {
+// `changed` elements move by one ULP (mantissa bit flip), at uniform random positions over the
+// first `region` elements of the model (0: the whole model).
+void Perturb(Model& m, uint64_t changed, uint64_t region, std::mt19937_64& rng) {
   uint64_t total = 0;
   for (const auto& t : m.tensors) total += t.size();
+  if (region > 0) total = std::min(total, region);
   for (uint64_t k = 0; k < changed; ++k) {
     uint64_t e = rng() % total;
     size_t ti = static_cast<size_t>(e / kTensorElements);
@@ -165,7 +173,7 @@ void StoreCreation(uint64_t bytes, const Args& a) {
 }
 
 struct Summary {
-  double inplace_stage = 0, inplace_verify = 0, inplace_total = 0;
+  double inplace_stage = 0, inplace_verify = 0, inplace_total = 0, inplace_catch_up = 0;
   double copy_stage = 0, copy_verify = 0, copy_total = 0;
 };
 
@@ -189,9 +197,9 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
   copy.retained_patch_bytes = 0;  // the full-copy staging of before issue 10
   refit::subscriber::SubscriberCore in_place(so);
   refit::subscriber::SubscriberCore full(copy);
-  std::vector<double> st[2], ve[2], to[2];
+  std::vector<double> st[2], ve[2], to[2], cu;
   for (int v = 1; v <= a.versions + 1; ++v) {
-    if (v > 1) Perturb(model, a.changed, rng);
+    if (v > 1) Perturb(model, a.changed, a.region, rng);
     const auto inputs = model.Inputs();
     auto s = (*pub)->Publish(static_cast<uint64_t>(v), inputs, /*allow_degenerate=*/true);
     if (!s.ok()) return s.status();
@@ -203,11 +211,12 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
       if (!r.ok()) return r.status();
       std::printf("{\"kind\":\"version\",\"model_mb\":%llu,\"version\":%d,\"path\":\"%s\","
                   "\"changed_elements\":%llu,\"total_ms\":%.2f,\"stage_ms\":%.2f,"
-                  "\"verify_ms\":%.2f,\"slot_version\":%llu,\"tensors_in_place\":%u,"
+                  "\"verify_ms\":%.2f,\"catch_up_ms\":%.2f,\"slot_version\":%llu,"
+                  "\"tensors_in_place\":%u,"
                   "\"tensors_copied\":%u,\"bytes_copied\":%llu,\"loadavg\":\"%s\"}\n",
                   static_cast<unsigned long long>(mb), v, which == 0 ? "in_place" : "full_copy",
                   static_cast<unsigned long long>(v > 1 ? s->changed_elements : 0), r->total_ms,
-                  r->stage_ms, r->verify_ms,
+                  r->stage_ms, r->verify_ms, r->stats.catch_up_micros / 1e3,
                   static_cast<unsigned long long>(r->stats.slot_version),
                   r->stats.tensors_in_place, r->stats.tensors_copied,
                   static_cast<unsigned long long>(r->stats.bytes_copied), LoadAvg().c_str());
@@ -215,18 +224,21 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
         st[which].push_back(r->stage_ms);
         ve[which].push_back(r->verify_ms);
         to[which].push_back(r->total_ms);
+        if (which == 0) cu.push_back(r->stats.catch_up_micros / 1e3);
       }
     }
   }
-  Summary sum{Median(st[0]), Median(ve[0]), Median(to[0]),
+  Summary sum{Median(st[0]), Median(ve[0]), Median(to[0]), Median(cu),
               Median(st[1]), Median(ve[1]), Median(to[1])};
-  std::printf("{\"kind\":\"summary\",\"model_mb\":%llu,\"steady_versions\":%zu,"
-              "\"in_place\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"verify_ms\":%.2f},"
+  std::printf("{\"kind\":\"summary\",\"model_mb\":%llu,\"region\":%llu,\"steady_versions\":%zu,"
+              "\"in_place\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"of_which_catch_up_ms\":%.2f,"
+              "\"verify_ms\":%.2f},"
               "\"full_copy\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"verify_ms\":%.2f},"
               "\"stage_speedup\":%.2f,\"total_speedup\":%.2f,\"loadavg\":\"%s\"}\n",
-              static_cast<unsigned long long>(mb), st[0].size(), sum.inplace_total,
-              sum.inplace_stage, sum.inplace_verify, sum.copy_total, sum.copy_stage,
-              sum.copy_verify, sum.copy_stage / std::max(sum.inplace_stage, 1e-3),
+              static_cast<unsigned long long>(mb), static_cast<unsigned long long>(a.region),
+              st[0].size(), sum.inplace_total,
+              sum.inplace_stage, sum.inplace_catch_up, sum.inplace_verify, sum.copy_total,
+              sum.copy_stage, sum.copy_verify, sum.copy_stage / std::max(sum.inplace_stage, 1e-3),
               sum.copy_total / std::max(sum.inplace_total, 1e-3), LoadAvg().c_str());
   return sum;
 }
@@ -234,7 +246,7 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
 int Usage(const std::string& why) {
   std::fprintf(stderr,
                "subscriber_bench: %s\nusage: subscriber_bench [--sizes-mb 128,512] "
-               "[--changed N] [--versions N] [--threads T] [--slots S]\n",
+               "[--changed N] [--versions N] [--threads T] [--slots S] [--region N]\n",
                why.c_str());
   return 2;
 }
@@ -261,6 +273,8 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(v, &a.versions) && a.versions >= 1;
     } else if (arg == "--threads") {
       ok = absl::SimpleAtoi(v, &a.threads) && a.threads >= 0;
+    } else if (arg == "--region") {
+      ok = absl::SimpleAtoi(v, &a.region);
     } else if (arg == "--slots") {
       ok = absl::SimpleAtoi(v, &a.slots) && a.slots >= 2;
     } else {

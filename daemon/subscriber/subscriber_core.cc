@@ -500,16 +500,22 @@ absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
                                                  const std::vector<const RetainedTransfer*>& chain) {
   const size_t li = t.layout_index[i];
   std::span<uint8_t> out = t.handle->out[li];
-  for (const RetainedTransfer* r : chain) {
+  const absl::Time start = absl::Now();
+  absl::Status st;
+  for (size_t k = 0; k < chain.size() && st.ok(); ++k) {
+    const RetainedTransfer* r = chain[k];
     for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-      if (absl::Status st = t.target->memory().Apply(patch, t.dtypes[i], out, out); !st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
-                                                    " -> ", r->version, "): ", st.message()));
+      st = t.target->memory().Apply(patch, t.dtypes[i], out, out);
+      if (!st.ok()) {
+        st = absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
+                                                  " -> ", r->version, "): ", st.message()));
+        break;
       }
       ++t.stats.catch_up_patches;
     }
   }
-  return absl::OkStatus();
+  t.stats.catch_up_micros += Micros(absl::Now() - start);
+  return st;
 }
 
 // Stages tensor i. In place when the slot already holds the base (after CatchUpTensorLocked):

@@ -85,6 +85,7 @@ struct StageStats {
   uint64_t bytes_copied = 0;      // bytes of the base read by the copies
   uint64_t catch_up_patches = 0;  // retained patches applied to bring the slot forward
   uint32_t tensors_on_arrival = 0;  // staged by OnFrame as their last frame arrived
+  uint64_t catch_up_micros = 0;     // applying the retained patches (part of staging)
   uint64_t stage_micros = 0;      // as the Ack's timings
   uint64_t verify_micros = 0;
 };
