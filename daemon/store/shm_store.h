@@ -58,8 +58,9 @@ struct ShmStoreOptions : StoreOptions {
   // into a slot then pays no first-touch page faults (issue 10: versions 2-3 after a keyframe
   // were 2-4x slower). Costs at creation: the whole object (num_slots * slot_bytes) becomes
   // resident at once, where it would otherwise become resident as versions are staged, and the
-  // time of the page faults (MADV_POPULATE_WRITE, Linux >= 5.14, else one write per page:
-  // roughly 0.1-0.3 s per GiB on this machine's kernels; docs/ARCHITECTURE.md).
+  // time of the page faults (MADV_POPULATE_WRITE, Linux >= 5.14, else one write per page):
+  // about 0.6 s per GiB on the shared 2-core dev machine under load ~7 (subscriber_bench,
+  // docs/ARCHITECTURE.md), in exchange for ~8x cheaper first writes of each slot.
   bool prefault = true;
 };
 
