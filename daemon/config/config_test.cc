@@ -94,6 +94,8 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_EQ(c->leases().max_ttl_ms(), 600000u);
   EXPECT_EQ(c->leases().max_leases_per_consumer(), 64u);
   EXPECT_FALSE(c->store().allow_unsealed());
+  EXPECT_EQ(c->store().retained_patch_bytes(), 256u << 20);
+  EXPECT_TRUE(c->store().prefault());
 }
 
 constexpr char kFullPublisher[] = R"(# a full publisher
@@ -354,6 +356,9 @@ TEST(ConfigTest, SubscriberRules) {
                   "by ordinal or by UUID, not both");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
                   "subscriber.store.slots: 1 is out of range [2, 16]");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {retained_patch_bytes: 68719476737}\n"),
+                  "subscriber.store.retained_patch_bytes: 68719476737 is out of range "
+                  "[0, 68719476736]");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  leases: {default_ttl_ms: 5000, max_ttl_ms: 10}\n"),
                   "subscriber.leases.default_ttl_ms: 5000 exceeds leases.max_ttl_ms (10)");
   EXPECT_CONTAINS(

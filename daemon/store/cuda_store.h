@@ -12,6 +12,9 @@
 // (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) would need SCM_RIGHTS and the consumer's own
 // cuMemMap; refitd does not use them (docs/CUDA_IPC.md).
 //
+// No pre-faulting (issue 10 item 5): cudaMalloc backs an allocation with device memory when it
+// returns, so the first staging into a slot pays no first-touch cost, unlike host pages.
+//
 // The daemon touches slots only through memory() (the codec's kernels and device copies on the
 // store's Device): never dereference a span of this store on the CPU.
 //

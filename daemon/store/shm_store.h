@@ -54,6 +54,14 @@ struct ShmStoreOptions : StoreOptions {
   bool force_shm_open = false;
   // Keep a store that cannot be sealed (config store.allow_unsealed), with a warning.
   bool allow_unsealed = false;
+  // Pre-fault every page of every slot at creation (config store.prefault): the first staging
+  // into a slot then pays no first-touch page faults (issue 10: versions 2-3 after a keyframe
+  // were 2-4x slower). Costs at creation: the whole object (num_slots * slot_bytes) becomes
+  // resident at once, where it would otherwise become resident as versions are staged, and the
+  // time of the page faults (MADV_POPULATE_WRITE, Linux >= 5.14, else one write per page):
+  // about 0.6 s per GiB on the shared 2-core dev machine under load ~7 (subscriber_bench,
+  // docs/ARCHITECTURE.md), in exchange for ~8x cheaper first writes of each slot.
+  bool prefault = true;
 };
 
 class ShmStore final : public SlottedStore {
@@ -79,16 +87,21 @@ class ShmStore final : public SlottedStore {
   const char* backing() const { return backing_; }
   // Whether consumers cannot write or resize the object (a sealed memfd).
   bool sealed() const { return sealed_; }
+  // How the slots were pre-faulted: "madvise" (MADV_POPULATE_WRITE), "touch" (one write per
+  // page) or "" (ShmStoreOptions::prefault off).
+  const char* prefault() const { return prefault_; }
 
  private:
   ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
-           uint8_t* map, uint64_t total_bytes, const char* backing, bool sealed);
+           uint8_t* map, uint64_t total_bytes, const char* backing, bool sealed,
+           const char* prefault);
 
   const int fd_;
   uint8_t* const map_;
   const uint64_t total_bytes_;
   const char* const backing_;
   const bool sealed_;
+  const char* const prefault_;
 };
 
 }  // namespace refit::store

@@ -207,6 +207,10 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
                                                      slots_.size(), " slots are busy (",
                                                      DescribeSlotsLocked(), ")"));
   }
+  // A held slot's bytes are its version's, intact; an empty one's are unknown (never written,
+  // or aborted part-way).
+  const uint64_t previous =
+      slots_[pick].state == SlotStatus::State::kHeld ? slots_[pick].version : 0;
   slots_[pick] = Slot{SlotStatus::State::kStaging, version};
   open_stage_id_ = next_stage_id_++;
   open_stage_slot_ = pick;
@@ -215,6 +219,7 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
   h.stage_id = open_stage_id_;
   h.version = version;
   h.slot = pick;
+  h.previous_version = previous;
   h.out.reserve(layout_.size());
   for (const TensorInfo& t : layout_.tensors()) {
     h.out.emplace_back(slot_base_[pick] + t.offset, t.size_bytes);
@@ -247,7 +252,7 @@ absl::Status SlottedStore::Abort(const StagingHandle& handle) {
     return absl::NotFoundError(absl::StrCat("abort of v", handle.version, ": staging ",
                                             handle.stage_id, " is not open"));
   }
-  slots_[open_stage_slot_] = Slot{};
+  slots_[open_stage_slot_] = Slot{};  // empty: contents unknown (the staging may have torn it)
   open_stage_id_ = 0;
   open_stage_slot_ = -1;
   return absl::OkStatus();

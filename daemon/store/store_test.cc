@@ -247,6 +247,80 @@ TEST(ShmStoreTest, StagingNeverTouchesCurrentOrLeasedSlots) {
   ASSERT_TRUE(store->Abort(*h4).ok());
 }
 
+// previous_version: what a staging slot still holds intact (issue 10, in-place staging). Empty
+// slots and aborted ones report 0 (unknown); a held one its version, with its bytes as committed.
+TEST(ShmStoreInPlaceTest, StagingReportsTheVersionItsSlotStillHolds) {
+  auto store = MakeStore(3);
+  const int s1 = StageAndCommit(*store, 1);
+  absl::StatusOr<Lease> l1 = store->AcquireLease("reader");
+  ASSERT_TRUE(l1.ok());
+  const int s2 = StageAndCommit(*store, 2);
+  const int s3 = StageAndCommit(*store, 3);
+  // v3 current, v1 leased: v2's slot, holding v2's bytes.
+  absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
+  ASSERT_TRUE(h4.ok());
+  EXPECT_EQ(h4->slot, s2);
+  EXPECT_EQ(h4->previous_version, 2u);
+  EXPECT_TRUE(Uniform(std::vector<std::span<const uint8_t>>(h4->out.begin(), h4->out.end()),
+                      Stamp(2)));
+  // A torn staging: aborted part-way, the slot's contents are unknown from now on.
+  std::memset(h4->out[0].data(), 0xEE, h4->out[0].size());
+  ASSERT_TRUE(store->Abort(*h4).ok());
+  absl::StatusOr<StagingHandle> again = store->BeginStage(4);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->slot, s2);  // the empty slot first
+  EXPECT_EQ(again->previous_version, 0u);
+  Fill(*again, Stamp(4));
+  ASSERT_TRUE(store->Commit(*again).ok());
+  // v4 current, v1 leased, v3 held: the slot of v3.
+  ASSERT_TRUE(store->ReleaseLease(l1->lease_id).ok());
+  absl::StatusOr<StagingHandle> h5 = store->BeginStage(5);
+  ASSERT_TRUE(h5.ok());
+  EXPECT_EQ(h5->slot, s1);  // oldest unleased non-current: v1's, released
+  EXPECT_EQ(h5->previous_version, 1u);
+  ASSERT_TRUE(store->Abort(*h5).ok());
+  (void)s3;
+}
+
+// Slots are resident from creation (MADV_POPULATE_WRITE or one write per page), still zero and
+// still sealed; without prefault nothing is resident before the first staging.
+TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {
+  absl::StatusOr<Layout> layout = Layout::Build({{"big", DType::kBF16, {3, 1 << 20}}});
+  ASSERT_TRUE(layout.ok());
+  auto resident = [](const ShmStore& st) {
+    void* map = mmap(nullptr, st.total_bytes(), PROT_READ, MAP_SHARED, st.fd(), 0);
+    EXPECT_NE(map, MAP_FAILED);
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    std::vector<unsigned char> vec((st.total_bytes() + page - 1) / page);
+    EXPECT_EQ(mincore(map, st.total_bytes(), vec.data()), 0);
+    munmap(map, st.total_bytes());
+    return static_cast<size_t>(std::count_if(vec.begin(), vec.end(),
+                                             [](unsigned char c) { return (c & 1) != 0; })) *
+           page;
+  };
+  for (bool prefault : {true, false}) {
+    SCOPED_TRACE(prefault ? "prefault" : "no prefault");
+    ShmStoreOptions o;
+    o.slots = 2;
+    o.prefault = prefault;
+    absl::StatusOr<std::unique_ptr<ShmStore>> st = ShmStore::Create(*layout, o);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_TRUE((*st)->sealed());
+    const size_t bytes = resident(**st);
+    if (prefault) {
+      EXPECT_THAT(std::string((*st)->prefault()), ::testing::AnyOf("madvise", "touch"));
+      EXPECT_GE(bytes, (*st)->total_bytes());
+    } else {
+      EXPECT_EQ(std::string((*st)->prefault()), "");
+      EXPECT_EQ(bytes, 0u);
+    }
+    absl::StatusOr<StagingHandle> h = (*st)->BeginStage(1);
+    ASSERT_TRUE(h.ok());
+    EXPECT_TRUE(std::all_of(h->out[0].begin(), h->out[0].end(), [](uint8_t b) { return b == 0; }));
+    ASSERT_TRUE((*st)->Abort(*h).ok());
+  }
+}
+
 TEST(ShmStoreTest, LeaseKeepsItsVersionWhileLaterVersionsCommit) {
   auto store = MakeStore(3);
   StageAndCommit(*store, 1);

@@ -109,9 +109,16 @@ struct StagingHandle {
   uint64_t stage_id = 0;    // names this staging to Commit/Abort
   uint64_t version = 0;     // version being staged
   int slot = -1;            // slot written
-  // Writable span of each tensor in the staged slot, in Layout order. Contents on entry are
-  // unspecified (an old version's bytes, or zeros): every byte must be written before Commit.
+  // Writable span of each tensor in the staged slot, in Layout order. Every byte must be written
+  // before Commit: on entry the slot holds `previous_version`'s bytes intact, or (0) bytes of
+  // unknown content (zeros, or a staging that was aborted part-way).
   std::vector<std::span<uint8_t>> out;
+  // The committed version whose bytes the slot still holds, every tensor intact (the slot was
+  // held, unleased and not current, when picked): a caller may bring it forward in place by
+  // that version's successors' patches instead of copying the base. 0 = contents unknown: an
+  // empty slot, or one whose staging was aborted (Abort marks it so: a failed apply may have
+  // torn it).
+  uint64_t previous_version = 0;
   // The current version at BeginStage (0 = none, then `base` is empty) and its read-only spans,
   // in Layout order: the base for ApplyPatch(patch, dtype, base[i], out[i]). Stable until
   // Commit/Abort: the current slot cannot change while a staging is open.
@@ -157,7 +164,8 @@ class TensorStore {
   // Makes the staged slot current. The daemon calls it after verifying every digest.
   // NOT_FOUND if the handle is not the open staging.
   virtual absl::Status Commit(const StagingHandle& handle) = 0;
-  // Abandons the staging: its slot becomes empty; the current version is untouched.
+  // Abandons the staging: its slot becomes empty, its contents unknown (the next staging into it
+  // reports previous_version 0); the current version is untouched.
   virtual absl::Status Abort(const StagingHandle& handle) = 0;
 
   // Current (committed) version, 0 if none yet.

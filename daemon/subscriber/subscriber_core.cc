@@ -37,6 +37,15 @@ struct SubscriberCore::Transfer {
   absl::Status failed;        // first error of the transfer
   uint64_t wire_bytes = 0;    // payload bytes of accepted frames
   uint64_t dropped_frames = 0;
+  StageStats stats;           // how StageLocked staged it
+  // Decided when the slot is known (PlanStagingLocked): the retained transfers from the slot's
+  // version to the base (nullopt: the copy path), and which tensors are staged already.
+  std::optional<std::vector<const RetainedTransfer*>> chain;
+  std::vector<bool> staged;
+  std::vector<bool> caught_up;  // retained patches already applied to the tensor
+  // Tensors whose staging on arrival failed (reported by OnEnd).
+  std::vector<std::string> early_failed;
+  std::vector<std::string> early_errors;
 
   // Aborts the staging and releases the base lease; the transfer stays (failed) for OnEnd.
   void Release() {
@@ -126,6 +135,7 @@ absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
   }
   t.handle = std::move(*handle);
   blocked_.reset();
+  PlanStagingLocked(t);
   return absl::OkStatus();
 }
 
@@ -189,84 +199,80 @@ absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader
   return lineage_change;
 }
 
-absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
-  absl::MutexLock lock(&mu_);
-  const uint64_t v = header.version();
-  const uint64_t base = header.base_version();
-  const uint64_t applied = applied_version();
-  if (transfer_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header for version ", v, ": the transfer of version ",
-                     transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
-  }
-  ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
+namespace {
 
-  auto t = std::make_unique<Transfer>();
-  t->header = header;
-  t->start = absl::Now();
-  t->lineage_change = lineage_change;
-  const size_t n = static_cast<size_t>(header.tensors_size());
+// One tensor's delivery and patch chain against the header's base (OnHeader). `where` names the
+// tensor for errors.
+absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t version,
+                             const std::string& where) {
+  switch (tp.delivery()) {
+    case v1::DELIVERY_KEYFRAME:
+    case v1::DELIVERY_UNCHANGED:
+      if (tp.steps_size() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": steps given for a ",
+                                                       v1::Delivery_Name(tp.delivery())));
+      }
+      break;
+    case v1::DELIVERY_PATCH: {
+      if (tp.steps_size() == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": DELIVERY_PATCH without steps"));
+      }
+      uint64_t at = base;
+      for (int s = 0; s < tp.steps_size(); ++s) {
+        const v1::PatchStep& step = tp.steps(s);
+        if (step.base_version() != at || step.target_version() <= step.base_version()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": patch step ", s, " goes ", step.base_version(), " -> ",
+                           step.target_version(), ", expected a step from ", at));
+        }
+        at = step.target_version();
+      }
+      if (at != version) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": patch chain ends at version ", at, ", not ", version));
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": invalid delivery ", static_cast<int>(tp.delivery())));
+  }
+  if (tp.delivery() != v1::DELIVERY_KEYFRAME && base == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", v1::Delivery_Name(tp.delivery()), " needs a base version"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// OnHeader's per-tensor checks: specs, deliveries, chains. Fills t's dtypes and sizes and the
+// layout of the target version; `needs_base` when some tensor is UNCHANGED or PATCH.
+absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& needs_base) const {
+  const v1::VersionHeader& header = t.header;
+  const uint64_t v = header.version();
   std::vector<v1::TensorSpec> specs;
-  specs.reserve(n);
   for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
   if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("header for version ", v, ": ", st.message()));
   }
   std::vector<store::TensorDesc> descs;
-  bool needs_base = false;
-  for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
-    const std::string where = absl::StrCat("header for version ", v, ", ",
-                                           sync::DescribeTensor(static_cast<uint32_t>(i),
-                                                                tp.spec().name()));
+  needs_base = false;
+  for (int i = 0; i < header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = header.tensors(i);
+    const std::string where = absl::StrCat(
+        "header for version ", v, ", ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
     auto dtype = sync::FromProtoDType(tp.spec().dtype());
     auto bytes = sync::TensorByteSize(tp.spec());
     if (!dtype.ok() || !bytes.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": invalid spec"));
     }
-    t->dtypes.push_back(*dtype);
-    t->bytes.push_back(*bytes);
+    t.dtypes.push_back(*dtype);
+    t.bytes.push_back(*bytes);
     descs.push_back({tp.spec().name(), *dtype,
                      std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
-    switch (tp.delivery()) {
-      case v1::DELIVERY_KEYFRAME:
-      case v1::DELIVERY_UNCHANGED:
-        if (tp.steps_size() != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": steps given for a ",
-                                                         v1::Delivery_Name(tp.delivery())));
-        }
-        break;
-      case v1::DELIVERY_PATCH: {
-        if (tp.steps_size() == 0) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": DELIVERY_PATCH without steps"));
-        }
-        uint64_t at = base;
-        for (int s = 0; s < tp.steps_size(); ++s) {
-          const v1::PatchStep& step = tp.steps(s);
-          if (step.base_version() != at || step.target_version() <= step.base_version()) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(where, ": patch step ", s, " goes ", step.base_version(), " -> ",
-                             step.target_version(), ", expected a step from ", at));
-          }
-          at = step.target_version();
-        }
-        if (at != v) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": patch chain ends at version ", at, ", not ", v));
-        }
-        break;
-      }
-      default:
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": invalid delivery ", static_cast<int>(tp.delivery())));
-    }
-    if (tp.delivery() != v1::DELIVERY_KEYFRAME) {
-      needs_base = true;
-      if (base == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": ", v1::Delivery_Name(tp.delivery()), " needs a base version"));
-      }
-    }
+    RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
+    needs_base = needs_base || tp.delivery() != v1::DELIVERY_KEYFRAME;
   }
   auto layout = store::Layout::Build(std::move(descs));
   if (!layout.ok()) {
@@ -278,55 +284,114 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
         absl::StrCat("header for version ", v, ": the version needs ", layout->slot_bytes(),
                      " bytes per slot, above the limit of ", options_.max_slot_bytes));
   }
+  return layout;
+}
 
-  // Target store: the current one when the manifest is unchanged, else a new generation.
-  if (store_ != nullptr && !lineage_change && store_->layout().SameManifest(*layout)) {
-    t->target = store_;
+// Target store: the current one when the manifest is unchanged, else a new generation.
+absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout& layout) {
+  if (store_ != nullptr && !t.lineage_change && store_->layout().SameManifest(layout)) {
+    t.target = store_;
   } else {
-    auto created = CreateStoreLocked(*layout);
+    auto created = CreateStoreLocked(layout);
     if (!created.ok()) {
       return absl::Status(created.status().code(),
-                          absl::StrCat("header for version ", v, ": cannot create a store: ",
-                                       created.status().message()));
+                          absl::StrCat("header for version ", t.header.version(),
+                                       ": cannot create a store: ", created.status().message()));
     }
-    t->target = std::move(*created);
-    t->new_generation = true;
+    t.target = std::move(*created);
+    t.new_generation = true;
   }
+  for (const v1::TensorPlan& tp : t.header.tensors()) {
+    t.layout_index.push_back(*t.target->layout().Find(tp.spec().name()));
+  }
+  return absl::OkStatus();
+}
+
+// Bases across generations: by name, under a lease on the old store's applied version.
+absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
+  const uint64_t v = t.header.version();
+  const uint64_t applied = applied_version();
+  if (store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
+  }
+  const store::Layout& old = store_->layout();
+  t.old_index.assign(static_cast<size_t>(t.header.tensors_size()), 0);
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(i);
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) continue;
+    auto idx = old.Find(tp.spec().name());
+    if (!idx.has_value() || old.tensor(*idx).dtype != t.dtypes[static_cast<size_t>(i)] ||
+        !SameShape(old.tensor(*idx).shape, tp.spec().shape())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "header for version ", v, ", ",
+          sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
+          ": no tensor of that name, dtype and shape in the applied version ", applied,
+          " to use as base"));
+    }
+    t.old_index[static_cast<size_t>(i)] = *idx;
+  }
+  t.old_store = store_;
+  auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
+  if (!lease.ok()) {
+    return absl::Status(lease.status().code(),
+                        absl::StrCat("header for version ", v,
+                                     ": cannot lease the base version: ", lease.status().message()));
+  }
+  t.old_lease = std::move(*lease);
+  return absl::OkStatus();
+}
+
+// The objects the transfer's frames carry; a keyframe goes straight into the staged slot when
+// there is one the CPU can write.
+absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.assembler = std::make_unique<sync::FrameAssembler>(t.header.version(), max_frame_bytes_);
+  t.in_slot.assign(n, false);
   for (size_t i = 0; i < n; ++i) {
-    t->layout_index.push_back(*t->target->layout().Find(specs[i].name()));
-  }
-
-  // Bases across generations: by name, under a lease on the old store's applied version.
-  if (t->new_generation && needs_base) {
-    if (store_ == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
-    }
-    const store::Layout& old = store_->layout();
-    t->old_index.assign(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      if (header.tensors(static_cast<int>(i)).delivery() == v1::DELIVERY_KEYFRAME) continue;
-      auto idx = old.Find(specs[i].name());
-      if (!idx.has_value() || old.tensor(*idx).dtype != t->dtypes[i] ||
-          !SameShape(old.tensor(*idx).shape, specs[i].shape())) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "header for version ", v, ", ", sync::DescribeTensor(static_cast<uint32_t>(i),
-                                                                  specs[i].name()),
-            ": no tensor of that name, dtype and shape in the applied version ", applied,
-            " to use as base"));
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    const uint32_t ti = static_cast<uint32_t>(i);
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
+      sync::ObjectSpec spec{ti, 0, tp.spec().name(), t.bytes[i], true, true, {}};
+      if (t.handle.has_value() && t.target->memory().host_accessible()) {
+        spec.buffer = t.handle->out[t.layout_index[i]];
+        t.in_slot[i] = true;
       }
-      t->old_index[i] = *idx;
+      RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
+    } else if (tp.delivery() == v1::DELIVERY_PATCH) {
+      const uint64_t elements = *sync::ElementCount(tp.spec());
+      for (int p = 0; p < tp.steps_size(); ++p) {
+        RETURN_IF_ERROR(t.assembler->Expect({ti, static_cast<uint32_t>(p), tp.spec().name(),
+                                             sync::MaxPatchBytes(elements, t.bytes[i]), false,
+                                             false, {}}));
+      }
     }
-    t->old_store = store_;
-    auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
-    if (!lease.ok()) {
-      return absl::Status(lease.status().code(),
-                          absl::StrCat("header for version ", v,
-                                       ": cannot lease the base version: ", lease.status().message()));
-    }
-    t->old_lease = std::move(*lease);
   }
+  return absl::OkStatus();
+}
 
+absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t v = header.version();
+  if (transfer_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, ": the transfer of version ",
+                     transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
+  }
+  ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
+  auto t = std::make_unique<Transfer>();
+  t->header = header;
+  t->start = absl::Now();
+  t->lineage_change = lineage_change;
+  bool needs_base = false;
+  ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
+  RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
+  if (t->new_generation && needs_base) {
+    if (absl::Status st = LeaseOldBasesLocked(*t); !st.ok()) {
+      t->Release();
+      return st;
+    }
+  }
   // Staging. With every slot held (consumer leases), frames are reassembled in host memory and
   // the staging is retried at VersionEnd.
   if (absl::Status st = BeginStageLocked(*t); !st.ok()) {
@@ -335,31 +400,9 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
       return absl::Status(st.code(), absl::StrCat("header for version ", v, ": ", st.message()));
     }
   }
-
-  t->assembler = std::make_unique<sync::FrameAssembler>(v, max_frame_bytes_);
-  t->in_slot.assign(n, false);
-  for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
-    const uint32_t ti = static_cast<uint32_t>(i);
-    absl::Status st;
-    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
-      sync::ObjectSpec spec{ti, 0, tp.spec().name(), t->bytes[i], true, true, {}};
-      if (t->handle.has_value() && t->target->memory().host_accessible()) {
-        spec.buffer = t->handle->out[t->layout_index[i]];
-        t->in_slot[i] = true;
-      }
-      st = t->assembler->Expect(std::move(spec));
-    } else if (tp.delivery() == v1::DELIVERY_PATCH) {
-      const uint64_t elements = *sync::ElementCount(tp.spec());
-      for (int p = 0; p < tp.steps_size() && st.ok(); ++p) {
-        st = t->assembler->Expect({ti, static_cast<uint32_t>(p), tp.spec().name(),
-                                   sync::MaxPatchBytes(elements, t->bytes[i]), false, false, {}});
-      }
-    }
-    if (!st.ok()) {
-      t->Release();
-      return st;
-    }
+  if (absl::Status st = ExpectObjectsLocked(*t); !st.ok()) {
+    t->Release();
+    return st;
   }
   transfer_ = std::move(t);
   return absl::OkStatus();
@@ -384,6 +427,7 @@ absl::Status SubscriberCore::OnFrame(const v1::DataFrame& frame) {
     return added.status();
   }
   t.wire_bytes += frame.payload().size();
+  if (*added && options_.stage_on_arrival) StageOnArrivalLocked(t, frame.tensor_index());
   return absl::OkStatus();
 }
 
@@ -401,6 +445,344 @@ v1::Ack SubscriberCore::Reject(uint64_t version, std::string error,
   return ack;
 }
 
+// OnEnd's checks before staging: the VersionEnd matches the transfer, no frame failed, every
+// object is complete; then a slot (retried here when every slot was leased at the header).
+absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& end) {
+  const uint64_t v = t.header.version();
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  const std::string what = absl::StrCat("version ", v, ": ");
+  if (end.version() != v) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "VersionEnd names version ", end.version()));
+  }
+  if (!t.failed.ok()) {
+    return absl::Status(t.failed.code(),
+                        absl::StrCat(what, t.failed.message(),
+                                     t.dropped_frames > 0
+                                         ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)")
+                                         : ""));
+  }
+  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat(what, st.message()));
+  }
+  if (static_cast<size_t>(end.digests_size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "VersionEnd has ", end.digests_size(),
+                                                   " digests for ", n, " tensors"));
+  }
+  if (!t.handle.has_value()) {
+    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(what, "cannot stage: ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The retained transfers that lead from `from` (a standby slot's version) to `to` (the base of
+// the transfer being staged), oldest first; nullopt when they do not (from unknown, a gap, a
+// resync from base 0 in between, or pruned by the byte budget).
+std::optional<std::vector<const SubscriberCore::RetainedTransfer*>>
+SubscriberCore::CatchUpChainLocked(uint64_t from, uint64_t to) const {
+  if (from == 0 || to == 0 || from > to) return std::nullopt;
+  std::vector<const RetainedTransfer*> chain;
+  uint64_t at = from;
+  for (const RetainedTransfer& r : retained_) {
+    if (at == to) break;
+    if (r.base != at) continue;
+    chain.push_back(&r);
+    at = r.version;
+  }
+  if (at != to) return std::nullopt;
+  return chain;
+}
+
+// Brings tensor `li` of the staged slot from the slot's version to the base in place by the
+// retained patches of `chain` (UNCHANGED steps need nothing).
+absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
+                                                 const std::vector<const RetainedTransfer*>& chain) {
+  const size_t li = t.layout_index[i];
+  std::span<uint8_t> out = t.handle->out[li];
+  const absl::Time start = absl::Now();
+  absl::Status st;
+  for (size_t k = 0; k < chain.size() && st.ok(); ++k) {
+    const RetainedTransfer* r = chain[k];
+    for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
+      st = t.target->memory().Apply(patch, t.dtypes[i], out, out);
+      if (!st.ok()) {
+        st = absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
+                                                  " -> ", r->version, "): ", st.message()));
+        break;
+      }
+      ++t.stats.catch_up_patches;
+    }
+  }
+  t.stats.catch_up_micros += Micros(absl::Now() - start);
+  return st;
+}
+
+// Stages tensor i. In place when the slot already holds the base (after CatchUpTensorLocked):
+// UNCHANGED writes nothing, PATCH applies its steps in place. Otherwise as before issue 10:
+// UNCHANGED copies the base, PATCH applies step 0 out of place from the base. A failed step only
+// spoils the staging slot, which is then aborted (and marked unknown by the store).
+absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_place) {
+  const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+  const uint32_t ti = static_cast<uint32_t>(i);
+  std::span<uint8_t> out = t.handle->out[t.layout_index[i]];
+  store::TensorMemory& mem = t.target->memory();
+  switch (tp.delivery()) {
+    case v1::DELIVERY_KEYFRAME: {
+      ++t.stats.tensors_keyframe;
+      if (t.in_slot[i]) return absl::OkStatus();
+      ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
+      return mem.Upload(out, obj);
+    }
+    case v1::DELIVERY_UNCHANGED: {
+      if (in_place) {
+        ++t.stats.tensors_in_place;
+        return absl::OkStatus();
+      }
+      std::span<const uint8_t> b = t.Base(i);
+      if (b.size() != out.size()) return absl::InternalError("base size differs");
+      ++t.stats.tensors_copied;
+      t.stats.bytes_copied += out.size();
+      return mem.Copy(out, b);
+    }
+    case v1::DELIVERY_PATCH:
+      ++(in_place ? t.stats.tensors_in_place : t.stats.tensors_copied);
+      if (!in_place) t.stats.bytes_copied += out.size();
+      for (int p = 0; p < tp.steps_size(); ++p) {
+        ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
+                         t.assembler->Object(ti, static_cast<uint32_t>(p)));
+        const bool from_base = p == 0 && !in_place;
+        absl::Status st = mem.Apply(patch, t.dtypes[i],
+                                    from_base ? t.Base(i) : std::span<const uint8_t>(out), out);
+        if (!st.ok()) {
+          return absl::Status(st.code(), absl::StrCat("patch step ", p, " (",
+                                                      tp.steps(p).base_version(), " -> ",
+                                                      tp.steps(p).target_version(), "): ",
+                                                      st.message()));
+        }
+      }
+      return absl::OkStatus();
+    default:
+      return absl::InternalError("invalid delivery");
+  }
+}
+
+// Stage: every byte of every tensor of the slot is written (or already right) here. The standby
+// slot is brought forward in place where the retained patches cover its version -> the base for
+// a tensor; every other tensor falls back to a copy of the current version.
+absl::Status SubscriberCore::StageLocked(Transfer& t, std::vector<std::string>& failed_tensors) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  failed_tensors = t.early_failed;
+  std::vector<std::string> errors = t.early_errors;
+  for (size_t i = 0; i < n; ++i) {
+    if (t.staged[i]) continue;  // applied as its frames completed (OnFrame)
+    if (absl::Status st = StageOneLocked(t, i); !st.ok()) {
+      const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
+      failed_tensors.push_back(name);
+      errors.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), name), ": ",
+                                    st.message()));
+    }
+  }
+  if (failed_tensors.empty()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat("version ", t.header.version(), ": apply failed on ",
+                                          failed_tensors.size(), " tensor(s): ",
+                                          absl::StrJoin(errors, "; ")));
+}
+
+// Tensor i, in place when the retained chain covers it (CatchUpTensorLocked first), else by the
+// copy path. Marks it staged whatever the outcome (a failure rejects the whole transfer).
+absl::Status SubscriberCore::StageOneLocked(Transfer& t, size_t i) {
+  t.staged[i] = true;
+  const size_t li = t.layout_index[i];
+  bool in_place = t.chain.has_value();
+  for (size_t k = 0; in_place && k < t.chain->size(); ++k) {
+    in_place = (*t.chain)[k]->tensors[li].kept;
+  }
+  if (in_place && !t.caught_up[i] &&
+      t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
+    t.caught_up[i] = true;
+    RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
+  }
+  return StageTensorLocked(t, i, in_place);
+}
+
+// Stage: every byte of every tensor of the slot is written (or already right) here, as soon as
+// the slot is known: the standby slot is brought forward in place where the retained patches
+// cover its version -> the base for a tensor; every other tensor falls back to a copy of the
+// current version. Decided once per staging (BeginStageLocked).
+void SubscriberCore::PlanStagingLocked(Transfer& t) {
+  t.stats = StageStats{};
+  t.stats.version = t.header.version();
+  t.stats.slot = t.handle->slot;
+  t.stats.slot_version = t.handle->previous_version;
+  t.chain.reset();
+  if (!t.new_generation && options_.retained_patch_bytes > 0) {
+    t.chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
+  }
+  t.stats.caught_up = t.chain.has_value();
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.staged.assign(n, false);
+  t.caught_up.assign(n, false);
+  if (!options_.stage_on_arrival || !t.chain.has_value() || t.chain->empty()) return;
+  // Bring the slot forward now, while the frames are still arriving: at VersionEnd only the
+  // transfer's own steps (most applied on arrival too) and verification remain.
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    bool kept = tp.delivery() != v1::DELIVERY_KEYFRAME;
+    for (size_t k = 0; kept && k < t.chain->size(); ++k) {
+      kept = (*t.chain)[k]->tensors[t.layout_index[i]].kept;
+    }
+    if (!kept) continue;
+    t.caught_up[i] = true;
+    if (absl::Status st = CatchUpTensorLocked(t, i, *t.chain); !st.ok()) {
+      t.staged[i] = true;  // reported by OnEnd
+      t.early_failed.push_back(tp.spec().name());
+      t.early_errors.push_back(
+          absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()), ": ",
+                       st.message()));
+    }
+  }
+}
+
+// OnFrame: a PATCH tensor whose every step has arrived is staged at once, so applying overlaps
+// receiving the rest of the transfer (under the core mutex: other frames wait meanwhile). A
+// failure is reported at OnEnd (REJECTED, naming the tensor).
+void SubscriberCore::StageOnArrivalLocked(Transfer& t, uint32_t ti) {
+  if (!t.handle.has_value() || ti >= t.staged.size() || t.staged[ti]) return;
+  const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(ti));
+  if (tp.delivery() != v1::DELIVERY_PATCH) return;
+  for (int p = 0; p < tp.steps_size(); ++p) {
+    if (!t.assembler->ObjectComplete(ti, static_cast<uint32_t>(p))) return;
+  }
+  if (absl::Status st = StageOneLocked(t, ti); !st.ok()) {
+    t.early_failed.push_back(tp.spec().name());
+    t.early_errors.push_back(
+        absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ", st.message()));
+  }
+  ++t.stats.tensors_on_arrival;
+}
+
+// Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then
+// the version digest. Reads every byte of the slot (full digests, format v1); an incremental
+// digest (issue 10, digest v2) replaces the per-tensor part here.
+absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
+    Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  const std::string what = absl::StrCat("version ", t.header.version(), ": ");
+  Verified out;
+  out.digests.resize(n);
+  std::vector<std::string> mismatch_desc;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    const std::string desc = sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name());
+    auto digest = t.target->memory().Digest(t.handle->out[t.layout_index[i]]);
+    if (!digest.ok()) {
+      return absl::Status(digest.status().code(), absl::StrCat(what, "digest of ", desc,
+                                                               " failed: ", digest.status().message()));
+    }
+    out.digests[i] = *digest;
+    if (*digest != end.digests(static_cast<int>(i))) {
+      mismatched.push_back(tp.spec().name());
+      mismatch_desc.push_back(absl::StrCat(desc, " (", v1::Delivery_Name(tp.delivery()), ")"));
+    }
+  }
+  if (!mismatched.empty()) {
+    return absl::DataLossError(absl::StrCat(what, "digest mismatch on ", mismatched.size(),
+                                            " tensor(s): ", absl::StrJoin(mismatch_desc, ", ")));
+  }
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
+  auto vdigest = sync::VersionDigest(specs, out.digests);
+  if (!vdigest.ok() || *vdigest != end.version_digest()) {
+    return absl::DataLossError(absl::StrCat(
+        what, "version digest mismatch: staged ",
+        vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?", ", VersionEnd says ",
+        absl::Hex(end.version_digest())));
+  }
+  out.version_digest = *vdigest;
+  return out;
+}
+
+// After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
+// standing by (the previous current one, or older) can be brought forward by them later. Entries
+// no held slot can use any more are dropped, then the oldest while over the byte budget; a
+// transfer above the whole budget empties the retention (the next staging copies in full).
+void SubscriberCore::RetainLocked(Transfer& t) {
+  if (t.new_generation || options_.retained_patch_bytes == 0) {
+    retained_.clear();
+    retained_bytes_ = 0;
+  }
+  if (options_.retained_patch_bytes == 0) return;
+  RetainedTransfer r;
+  r.base = t.header.base_version();
+  r.version = t.header.version();
+  r.tensors.resize(t.target->layout().size());
+  uint64_t bytes = 0;
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(i);
+    if (tp.delivery() == v1::DELIVERY_PATCH) {
+      for (int p = 0; p < tp.steps_size(); ++p) {
+        auto patch = t.assembler->Object(static_cast<uint32_t>(i), static_cast<uint32_t>(p));
+        bytes += patch.ok() ? patch->size() : 0;
+      }
+    }
+  }
+  if (r.base == 0 || bytes > options_.retained_patch_bytes) {
+    retained_.clear();
+    retained_bytes_ = 0;
+    return;
+  }
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(i);
+    RetainedTensor& rt = r.tensors[t.layout_index[static_cast<size_t>(i)]];
+    rt.kept = tp.delivery() != v1::DELIVERY_KEYFRAME;
+    for (int p = 0; rt.kept && p < tp.steps_size(); ++p) {
+      auto patch = t.assembler->TakeObject(static_cast<uint32_t>(i), static_cast<uint32_t>(p));
+      rt.kept = patch.ok();  // complete at commit; a failure only costs a copy later
+      if (patch.ok()) rt.steps.push_back(std::move(*patch));
+    }
+  }
+  r.bytes = bytes;
+  const uint64_t version = r.version;
+  retained_bytes_ += bytes;
+  retained_.push_back(std::move(r));
+  uint64_t oldest_held = version;
+  for (const store::SlotStatus& s : t.target->Slots()) {
+    if (s.state == store::SlotStatus::State::kHeld) oldest_held = std::min(oldest_held, s.version);
+  }
+  while (!retained_.empty() &&
+         (retained_.front().base < oldest_held || retained_bytes_ > options_.retained_patch_bytes)) {
+    retained_bytes_ -= retained_.front().bytes;
+    retained_.pop_front();
+  }
+}
+
+// Commit, then switch generations and record the applied version.
+absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified) {
+  RETURN_IF_ERROR(t.target->Commit(*t.handle));
+  t.handle.reset();
+  if (t.new_generation) {
+    if (store_ != nullptr) retired_.push_back({generation_, store_});
+    store_ = t.target;
+    ++generation_;
+  }
+  RetainLocked(t);
+  applied_tensors_.clear();
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    v1::TensorDigest d;
+    d.set_name(t.header.tensors(i).spec().name());
+    d.set_digest(verified.digests[static_cast<size_t>(i)]);
+    applied_tensors_.push_back(std::move(d));
+  }
+  const uint64_t v = t.header.version();
+  if (t.lineage_change) records_.clear();  // numbers of the old lineage mean nothing now
+  records_.push_back({v, verified.version_digest, applied_tensors_});
+  applied_digest_.store(verified.version_digest, std::memory_order_release);
+  applied_lineage_.store(t.header.lineage(), std::memory_order_release);
+  applied_version_.store(v, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   absl::MutexLock lock(&mu_);
   const absl::Time received = absl::Now();
@@ -411,160 +793,29 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   }
   Transfer& t = *transfer_;
   const uint64_t v = t.header.version();
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  const std::string what = absl::StrCat("version ", v, ": ");
-  if (end.version() != v) {
-    return Reject(v, absl::StrCat(what, "VersionEnd names version ", end.version()), {},
-                  t.wire_bytes);
+  if (absl::Status st = CheckEndLocked(t, end); !st.ok()) {
+    return Reject(v, std::string(st.message()), {}, t.wire_bytes);
   }
-  if (!t.failed.ok()) {
-    return Reject(v, absl::StrCat(what, t.failed.message(),
-                                  t.dropped_frames > 0
-                                      ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)")
-                                      : ""),
-                  {}, t.wire_bytes);
-  }
-  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
-    return Reject(v, absl::StrCat(what, st.message()), {}, t.wire_bytes);
-  }
-  if (static_cast<size_t>(end.digests_size()) != n) {
-    return Reject(v, absl::StrCat(what, "VersionEnd has ", end.digests_size(),
-                                  " digests for ", n, " tensors"),
-                  {}, t.wire_bytes);
-  }
-  if (!t.handle.has_value()) {
-    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
-      return Reject(v, absl::StrCat(what, "cannot stage: ", st.message()), {}, t.wire_bytes);
-    }
-  }
-
-  // Stage: every byte of every tensor of the slot is written here.
-  std::vector<std::string> failed_tensors;
-  std::vector<std::string> errors;
-  for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    const uint32_t ti = static_cast<uint32_t>(i);
-    std::span<uint8_t> out = t.handle->out[t.layout_index[i]];
-    store::TensorMemory& mem = t.target->memory();
-    absl::Status st;
-    switch (tp.delivery()) {
-      case v1::DELIVERY_UNCHANGED: {
-        std::span<const uint8_t> b = t.Base(i);
-        if (b.size() != out.size()) {
-          st = absl::InternalError("base size differs");
-        } else {
-          st = mem.Copy(out, b);
-        }
-        break;
-      }
-      case v1::DELIVERY_KEYFRAME:
-        if (!t.in_slot[i]) {
-          auto obj = t.assembler->Object(ti, 0);
-          if (!obj.ok()) {
-            st = obj.status();
-          } else {
-            st = mem.Upload(out, *obj);
-          }
-        }
-        break;
-      case v1::DELIVERY_PATCH:
-        // Step 0 out of place from the base, later steps in place in the staging slot (a failed
-        // step only spoils the staging, which is then aborted).
-        for (int p = 0; p < tp.steps_size() && st.ok(); ++p) {
-          auto patch = t.assembler->Object(ti, static_cast<uint32_t>(p));
-          if (!patch.ok()) {
-            st = patch.status();
-            break;
-          }
-          st = mem.Apply(*patch, t.dtypes[i], p == 0 ? t.Base(i) : std::span<const uint8_t>(out),
-                         out);
-          if (!st.ok()) {
-            st = absl::Status(st.code(), absl::StrCat("patch step ", p, " (", tp.steps(p).base_version(),
-                                                      " -> ", tp.steps(p).target_version(),
-                                                      "): ", st.message()));
-          }
-        }
-        break;
-      default:
-        st = absl::InternalError("invalid delivery");
-    }
-    if (!st.ok()) {
-      failed_tensors.push_back(tp.spec().name());
-      errors.push_back(absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ", st.message()));
-    }
+  std::vector<std::string> failed;
+  if (absl::Status st = StageLocked(t, failed); !st.ok()) {
+    return Reject(v, std::string(st.message()), std::move(failed), t.wire_bytes);
   }
   const absl::Time staged = absl::Now();
-  if (!failed_tensors.empty()) {
-    // The message is built before the list is moved (argument evaluation order is unspecified).
-    std::string error = absl::StrCat(what, "apply failed on ", failed_tensors.size(),
-                                     " tensor(s): ", absl::StrJoin(errors, "; "));
-    return Reject(v, std::move(error), std::move(failed_tensors), t.wire_bytes);
-  }
-
-  // Verify every tensor digest, then the version digest.
-  std::vector<uint64_t> digests(n);
   std::vector<std::string> mismatched;
-  std::vector<std::string> mismatch_desc;
-  for (size_t i = 0; i < n; ++i) {
-    auto digest = t.target->memory().Digest(t.handle->out[t.layout_index[i]]);
-    if (!digest.ok()) {
-      return Reject(v,
-                    absl::StrCat(what, "digest of ",
-                                 sync::DescribeTensor(static_cast<uint32_t>(i),
-                                                      t.header.tensors(static_cast<int>(i)).spec().name()),
-                                 " failed: ", digest.status().message()),
-                    {}, t.wire_bytes);
-    }
-    digests[i] = *digest;
-    if (digests[i] != end.digests(static_cast<int>(i))) {
-      const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
-      mismatched.push_back(name);
-      mismatch_desc.push_back(absl::StrCat(
-          sync::DescribeTensor(static_cast<uint32_t>(i), name), " (",
-          v1::Delivery_Name(t.header.tensors(static_cast<int>(i)).delivery()), ")"));
-    }
+  absl::StatusOr<Verified> verified = VerifyLocked(t, end, mismatched);
+  if (!verified.ok()) {
+    return Reject(v, std::string(verified.status().message()), std::move(mismatched), t.wire_bytes);
   }
-  if (!mismatched.empty()) {
-    std::string error = absl::StrCat(what, "digest mismatch on ", mismatched.size(),
-                                     " tensor(s): ", absl::StrJoin(mismatch_desc, ", "));
-    return Reject(v, std::move(error), std::move(mismatched), t.wire_bytes);
+  const absl::Time verified_at = absl::Now();
+  if (absl::Status st = CommitLocked(t, *verified); !st.ok()) {
+    return Reject(v, absl::StrCat("version ", v, ": commit failed: ", st.message()), {},
+                  t.wire_bytes);
   }
-  std::vector<v1::TensorSpec> specs;
-  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
-  auto vdigest = sync::VersionDigest(specs, digests);
-  if (!vdigest.ok() || *vdigest != end.version_digest()) {
-    return Reject(v,
-                  absl::StrCat(what, "version digest mismatch: staged ",
-                               vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
-                               ", VersionEnd says ", absl::Hex(end.version_digest())),
-                  {}, t.wire_bytes);
-  }
-  const absl::Time verified = absl::Now();
-
-  // Apply: commit, then switch generations.
-  if (absl::Status st = t.target->Commit(*t.handle); !st.ok()) {
-    return Reject(v, absl::StrCat(what, "commit failed: ", st.message()), {}, t.wire_bytes);
-  }
-  t.handle.reset();
-  if (t.new_generation) {
-    if (store_ != nullptr) retired_.push_back({generation_, store_});
-    store_ = t.target;
-    ++generation_;
-  }
-  applied_tensors_.clear();
-  for (size_t i = 0; i < n; ++i) {
-    v1::TensorDigest d;
-    d.set_name(specs[i].name());
-    d.set_digest(digests[i]);
-    applied_tensors_.push_back(std::move(d));
-  }
-  if (t.lineage_change) records_.clear();  // numbers of the old lineage mean nothing now
-  records_.push_back({v, *vdigest, applied_tensors_});
-  applied_digest_.store(*vdigest, std::memory_order_release);
-  applied_lineage_.store(t.header.lineage(), std::memory_order_release);
-  applied_version_.store(v, std::memory_order_release);
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;
+  last_stage_ = t.stats;
+  last_stage_.stage_micros = Micros(staged - received);
+  last_stage_.verify_micros = Micros(verified_at - staged);
   DropTransferLocked();  // releases the migration lease
   CollectRetiredLocked();
   PruneRecordsLocked();
@@ -574,17 +825,16 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   ack.set_version(v);
   ack.set_result(v1::ACK_RESULT_APPLIED);
   ack.set_applied_version(v);
-  ack.set_applied_version_digest(*vdigest);
+  ack.set_applied_version_digest(verified->version_digest);
   ack.set_wire_bytes(wire);
   v1::TransferTimings* tm = ack.mutable_timings();
   tm->set_receive_micros(Micros(received - start));
   tm->set_stage_micros(Micros(staged - received));
-  tm->set_verify_micros(Micros(verified - staged));
-  tm->set_apply_micros(Micros(applied - verified));
+  tm->set_verify_micros(Micros(verified_at - staged));
+  tm->set_apply_micros(Micros(applied - verified_at));
   tm->set_total_micros(Micros(applied - start));
   return ack;
 }
-
 void SubscriberCore::Abort() {
   absl::MutexLock lock(&mu_);
   DropTransferLocked();
@@ -603,6 +853,16 @@ std::shared_ptr<store::SlottedStore> SubscriberCore::store() const {
 uint64_t SubscriberCore::generation() const {
   absl::MutexLock lock(&mu_);
   return generation_;
+}
+
+StageStats SubscriberCore::last_stage() const {
+  absl::MutexLock lock(&mu_);
+  return last_stage_;
+}
+
+uint64_t SubscriberCore::retained_patch_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return retained_bytes_;
 }
 
 size_t SubscriberCore::retired_stores() const {

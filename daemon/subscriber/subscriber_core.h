@@ -17,12 +17,15 @@
 //     no consumer lease remains on it.
 //
 // Thread safety: every method may be called from any thread; they serialise on one mutex
-// (OnEnd holds it while applying and verifying). applied_version()/applied_digest() are lock-free.
+// (OnEnd holds it while applying and verifying; OnFrame while applying a PATCH tensor whose
+// last frame it received, SubscriberOptions::stage_on_arrival). applied_version() and
+// applied_digest() are lock-free.
 #ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 #define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <span>
@@ -61,6 +64,30 @@ struct SubscriberOptions {
   uint64_t max_slot_bytes = 64ull << 30;
   // Consumer name of the leases the core itself takes (migration bases, Export).
   std::string self_consumer = "refitd-subscriber";
+  // Patch bytes of the last applied transfers kept to bring a standby slot forward in place
+  // (config store.retained_patch_bytes). 0: every delta is staged by copying the current
+  // version into the staging slot (the path before issue 10; benchmarks compare the two).
+  uint64_t retained_patch_bytes = 256ull << 20;
+  // Apply a PATCH tensor as soon as its last frame arrives (OnFrame) rather than at OnEnd, so
+  // applying overlaps receiving. Off: everything is applied at OnEnd (benchmarks, tests).
+  bool stage_on_arrival = true;
+};
+
+// How the last committed version was staged (tests, benchmarks, status).
+struct StageStats {
+  uint64_t version = 0;
+  int slot = -1;               // the slot staged into
+  uint64_t slot_version = 0;   // the version it held (StagingHandle::previous_version; 0 unknown)
+  bool caught_up = false;      // the retained patches lead from slot_version to the base
+  uint32_t tensors_in_place = 0;  // UNCHANGED/PATCH brought forward in place (no base read)
+  uint32_t tensors_copied = 0;    // UNCHANGED/PATCH staged from a full read of the base
+  uint32_t tensors_keyframe = 0;
+  uint64_t bytes_copied = 0;      // bytes of the base read by the copies
+  uint64_t catch_up_patches = 0;  // retained patches applied to bring the slot forward
+  uint32_t tensors_on_arrival = 0;  // staged by OnFrame as their last frame arrived
+  uint64_t catch_up_micros = 0;     // applying the retained patches (part of staging)
+  uint64_t stage_micros = 0;      // as the Ack's timings
+  uint64_t verify_micros = 0;
 };
 
 // A consumer's lease together with the store generation it refers to (offsets and the fd are
@@ -187,14 +214,63 @@ class SubscriberCore {
   uint64_t generation() const;
   // Retired generations still alive because consumers hold leases on them.
   size_t retired_stores() const;
+  // How the last committed version was staged (version 0 before the first commit).
+  StageStats last_stage() const;
+  // Patch bytes retained for in-place staging (<= SubscriberOptions::retained_patch_bytes).
+  uint64_t retained_patch_bytes() const;
 
  private:
   struct Transfer;
+  // A tensor of a retained transfer: `kept` when the transfer moved it by patches (`steps`, in
+  // order) or left it UNCHANGED (no steps); a keyframe's bytes are not kept.
+  struct RetainedTensor {
+    bool kept = false;
+    std::vector<std::vector<uint8_t>> steps;
+  };
+  // An applied transfer base -> version, its tensors by layout index of the current store.
+  struct RetainedTransfer {
+    uint64_t base = 0;
+    uint64_t version = 0;
+    std::vector<RetainedTensor> tensors;
+    uint64_t bytes = 0;
+  };
+  struct Verified {
+    std::vector<uint64_t> digests;  // header order
+    uint64_t version_digest = 0;
+  };
 
   void DropTransferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStageLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OnHeader's steps.
+  absl::StatusOr<store::Layout> PlanTensors(Transfer& t, bool& needs_base) const;
+  absl::Status ChooseTargetLocked(Transfer& t, const store::Layout& layout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status LeaseOldBasesLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ExpectObjectsLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OnEnd's steps: checks, stage (in place or by copy), verify, commit (and retain).
+  absl::Status CheckEndLocked(Transfer& t, const v1::VersionEnd& end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<std::vector<const RetainedTransfer*>> CatchUpChainLocked(uint64_t from,
+                                                                         uint64_t to) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CatchUpTensorLocked(Transfer& t, size_t i,
+                                   const std::vector<const RetainedTransfer*>& chain)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StageTensorLocked(Transfer& t, size_t i, bool in_place)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StageLocked(Transfer& t, std::vector<std::string>& failed_tensors)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StageOneLocked(Transfer& t, size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlanStagingLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StageOnArrivalLocked(Transfer& t, uint32_t ti) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Verified> VerifyLocked(Transfer& t, const v1::VersionEnd& end,
+                                        std::vector<std::string>& mismatched)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CommitLocked(Transfer& t, const Verified& verified)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetainLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OnHeader's version checks; true when the header's lineage differs from the applied one.
   absl::StatusOr<bool> CheckHeaderVersions(const v1::VersionHeader& header) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -221,6 +297,10 @@ class SubscriberCore {
   // Records of committed versions still held by some slot (pruned at each commit).
   std::vector<VersionRecord> records_ ABSL_GUARDED_BY(mu_);
   uint32_t max_frame_bytes_ ABSL_GUARDED_BY(mu_);
+  // Patches of the last applied transfers (oldest first), a chain ending at the applied version.
+  std::deque<RetainedTransfer> retained_ ABSL_GUARDED_BY(mu_);
+  uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  StageStats last_stage_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> applied_version_{0};
   std::atomic<uint64_t> applied_digest_{0};
   std::atomic<uint64_t> applied_lineage_{0};

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -16,6 +17,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
 #include "daemon/model/safetensors.h"
+#include "daemon/model/trajectory.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
@@ -97,7 +99,9 @@ class FakePublisher {
         w.frames.insert(w.frames.end(), fr->begin(), fr->end());
       } else if (td.plan.delivery() == v1::DELIVERY_PATCH) {
         for (size_t p = 0; p < td.patches.size(); ++p) {
-          auto fr = sync::SplitObject(*td.patches[p], {target, ti, static_cast<uint32_t>(p)},
+          std::vector<uint8_t> patch = *td.patches[p];
+          if (mutate_patch) mutate_patch(td.plan.spec().name(), static_cast<uint32_t>(p), patch);
+          auto fr = sync::SplitObject(patch, {target, ti, static_cast<uint32_t>(p)},
                                       {frame_bytes_, false});
           EXPECT_TRUE(fr.ok()) << fr.status();
           w.frames.insert(w.frames.end(), fr->begin(), fr->end());
@@ -109,6 +113,9 @@ class FakePublisher {
   }
 
   const TransferPlan& last_plan() const { return last_plan_; }
+  // Called on every patch object before it is cut into frames (tests corrupt one).
+  std::function<void(const std::string& tensor, uint32_t part, std::vector<uint8_t>& patch)>
+      mutate_patch;
 
  private:
   uint32_t frame_bytes_;
@@ -656,6 +663,227 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
     EXPECT_TRUE(got == want) << loc.spec().name();
     ASSERT_TRUE(device_->CloseIpc(*base).ok());
   }
+  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+}
+
+// ---- in-place staging (issue 10): the standby slot brought forward by retained patches -------
+
+class SubscriberCoreInPlaceTest : public SubscriberCoreTest {
+ protected:
+  // Syncs and returns how the version was staged.
+  StageStats SyncStats(SubscriberCore& core, uint64_t target, const PlanOptions& options = {}) {
+    Sync(core, target, options);
+    EXPECT_EQ(core.last_stage().version, target);
+    return core.last_stage();
+  }
+  // Expects a delta staged without reading the base: every UNCHANGED/PATCH tensor in place.
+  static void ExpectInPlace(const StageStats& s, uint64_t slot_version) {
+    EXPECT_EQ(s.slot_version, slot_version) << "v" << s.version;
+    EXPECT_TRUE(s.caught_up) << "v" << s.version;
+    EXPECT_EQ(s.tensors_copied, 0u) << "v" << s.version;
+    EXPECT_EQ(s.bytes_copied, 0u) << "v" << s.version;
+    EXPECT_GT(s.tensors_in_place, 0u) << "v" << s.version;
+  }
+  static void ExpectFullCopy(const StageStats& s) {
+    EXPECT_FALSE(s.caught_up) << "v" << s.version;
+    EXPECT_EQ(s.tensors_in_place, 0u) << "v" << s.version;
+    EXPECT_GT(s.tensors_copied, 0u) << "v" << s.version;
+    EXPECT_GT(s.bytes_copied, 0u) << "v" << s.version;
+  }
+  // Publishes `versions` versions of the tiny realistic trajectory (daemon/model/trajectory.h).
+  void PublishTrajectory(uint64_t versions) {
+    model::TrajectoryOptions o;
+    o.shape = *model::PresetShape("tiny");
+    o.seed = 11;
+    o.warmup_steps = 2;
+    o.threads = 2;
+    auto traj = model::Trajectory::Create(o);
+    ASSERT_TRUE(traj.ok()) << traj.status();
+    for (uint64_t v = 1; v <= versions; ++v) {
+      if (v > 1) (*traj)->Step();
+      Model m;
+      for (size_t i = 0; i < (*traj)->tensors().size(); ++i) {
+        const model::TensorSpec& ts = (*traj)->tensors()[i];
+        Tensor t;
+        t.spec = BF16(ts.name, std::vector<uint64_t>(ts.shape.begin(), ts.shape.end()));
+        t.bytes.assign((*traj)->bf16(i).begin(), (*traj)->bf16(i).end());
+        m[ts.name] = std::move(t);
+      }
+      pub_.Publish(v, m);
+    }
+  }
+};
+
+// The in-place path against the dense copy (retained_patch_bytes 0), over a realistic
+// trajectory, with 2 and 3 slots: both hold every version bit-exactly (Sync reads every tensor
+// under a lease and checks the digests); once every slot has held a version, the in-place core
+// reads no base byte.
+TEST_F(SubscriberCoreInPlaceTest, InPlaceIsBitExactAgainstTheDenseCopyOverATrajectory) {
+  constexpr uint64_t kVersions = 8;
+  PublishTrajectory(kVersions);
+  for (int slots : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(slots, " slots"));
+    SubscriberOptions in_place = opts_;
+    in_place.store.slots = slots;
+    SubscriberOptions dense = in_place;
+    dense.retained_patch_bytes = 0;
+    SubscriberOptions at_end = in_place;  // every tensor applied at OnEnd
+    at_end.stage_on_arrival = false;
+    SubscriberCore a(in_place);
+    SubscriberCore b(dense);
+    SubscriberCore c(at_end);
+    for (uint64_t v = 1; v <= kVersions; ++v) {
+      const StageStats sa = SyncStats(a, v);
+      const StageStats sb = SyncStats(b, v);
+      const StageStats sc = SyncStats(c, v);
+      EXPECT_EQ(Read(a), Read(b)) << "v" << v;
+      EXPECT_EQ(Read(c), Read(b)) << "v" << v;
+      EXPECT_EQ(sc.tensors_on_arrival, 0u);
+      EXPECT_EQ(sc.tensors_in_place, sa.tensors_in_place) << "v" << v;
+      if (v > 1) {
+        EXPECT_GT(sa.tensors_on_arrival, 0u) << "v" << v;  // patches applied as they arrived
+        EXPECT_GT(sb.tensors_on_arrival, 0u) << "v" << v;
+      }
+      if (v > 1) ExpectFullCopy(sb);
+      if (v > static_cast<uint64_t>(slots)) {
+        ExpectInPlace(sa, v - static_cast<uint64_t>(slots));  // the slot lags by slots - 1
+        EXPECT_GT(sa.catch_up_patches, 0u) << "v" << v;
+      } else if (v > 1) {
+        ExpectFullCopy(sa);  // an empty slot: nothing to bring forward
+      }
+    }
+    EXPECT_GT(a.retained_patch_bytes(), 0u);
+    EXPECT_EQ(b.retained_patch_bytes(), 0u);
+  }
+}
+
+// Leases decide the slot: a leased standby slot is never written; the staging goes to another
+// slot (brought forward from an older version: a longer retained chain) or, when that one is
+// empty, by a full copy. Leased versions keep their bytes throughout.
+TEST_F(SubscriberCoreInPlaceTest, LeasedStandbySlotGoesToAnotherSlotOrAFullCopy) {
+  opts_.store.slots = 3;
+  PublishRun(1, 7);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  auto l1 = core.AcquireLease("vllm-0", 1);
+  ASSERT_TRUE(l1.ok()) << l1.status();
+  auto snapshot = [](const SubscriberLease& l) {
+    std::vector<std::vector<uint8_t>> s;
+    for (size_t i = 0; i < l.lease.spans.size(); ++i) s.push_back(HostCopy(l, i));
+    return s;
+  };
+  const auto v1_bytes = snapshot(*l1);
+  ExpectFullCopy(SyncStats(core, 3));  // v1 leased: the empty third slot
+  const StageStats s4 = SyncStats(core, 4);  // v1 leased, v3 current: v2's slot, 2 -> 3 retained
+  ExpectInPlace(s4, 2);
+  EXPECT_GT(s4.catch_up_patches, 0u);
+  EXPECT_EQ(snapshot(*l1), v1_bytes);
+  ASSERT_TRUE(core.ReleaseLease(l1->lease.lease_id).ok());
+  // v3 leased, v4 current: v1's slot, brought forward over three retained transfers
+  // 1 -> 2 -> 3 -> 4.
+  auto l3 = core.AcquireLease("vllm-1", 3);
+  ASSERT_TRUE(l3.ok()) << l3.status();
+  const auto v3_bytes = snapshot(*l3);
+  const StageStats s5 = SyncStats(core, 5);
+  ExpectInPlace(s5, 1);
+  EXPECT_EQ(snapshot(*l3), v3_bytes);
+  EXPECT_EQ(v3_bytes.size(), l3->store->layout().size());
+  ASSERT_TRUE(core.ReleaseLease(l3->lease.lease_id).ok());
+  ExpectInPlace(SyncStats(core, 6), 3);
+  ExpectInPlace(SyncStats(core, 7), 4);
+}
+
+// A patch that fails part-way through a chain (the tensor's first step applied in place, the
+// second corrupt) and a digest mismatch after an in-place staging: REJECTED, the previous version
+// intact, and the torn slot (marked unknown by the store's Abort) is staged next by a full copy.
+TEST_F(SubscriberCoreInPlaceTest, FailedApplyMidChainRejectsThenTheNextStagingCopiesInFull) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);  // 2 slots
+  Sync(core, 1);
+  Sync(core, 2);
+  ExpectInPlace(SyncStats(core, 3), 1);
+  PublishRun(4, 5);
+  // 3 -> 5 as a chain 3 -> 4 -> 5 per tensor; b.weight's second step corrupt (a payload byte:
+  // the codec's block checksum fails after step 0 and a.weight were applied in place).
+  pub_.mutate_patch = [](const std::string& tensor, uint32_t part, std::vector<uint8_t>& patch) {
+    if (tensor == "b.weight" && part == 1) patch[patch.size() - 3] ^= 0x5A;
+  };
+  Wire w = pub_.Transfer(3, core.applied_digest(), 5);
+  pub_.mutate_patch = nullptr;
+  int chained = 0;
+  for (const auto& t : w.header.tensors()) chained += t.steps_size() == 2;
+  ASSERT_GE(chained, 1);
+  v1::Ack ack = Feed(core, w);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_NE(ack.error().find("b.weight"), std::string::npos) << ack.error();
+  EXPECT_NE(ack.error().find("patch step 1"), std::string::npos) << ack.error();
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
+  ExpectHolds(core, pub_, 3);
+  for (const auto& s : core.store()->Slots()) EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
+  // The torn slot: contents unknown, so the retry copies in full.
+  const StageStats retry = SyncStats(core, 5);
+  EXPECT_EQ(retry.slot_version, 0u);
+  ExpectFullCopy(retry);
+
+  // Digest mismatch after an in-place staging (a wrong digest in the VersionEnd).
+  PublishRun(6, 8);
+  ExpectInPlace(SyncStats(core, 6), 3);
+  Wire bad = pub_.Transfer(6, core.applied_digest(), 7);
+  int idx = -1;
+  for (int i = 0; i < bad.header.tensors_size(); ++i) {
+    if (bad.header.tensors(i).spec().name() == "a.weight") idx = i;
+  }
+  ASSERT_GE(idx, 0);
+  bad.end.set_digests(idx, bad.end.digests(idx) ^ 1);
+  ack = Feed(core, bad);
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), "a.weight");
+  ExpectHolds(core, pub_, 6);
+  const StageStats after = SyncStats(core, 7);
+  EXPECT_EQ(after.slot_version, 0u);
+  ExpectFullCopy(after);
+  ExpectInPlace(SyncStats(core, 8), 6);
+}
+
+// A transfer whose patches exceed store.retained_patch_bytes is not retained: the next staging
+// copies in full (and nothing is held).
+TEST_F(SubscriberCoreInPlaceTest, RetainedPatchBudgetExceededStagesByFullCopy) {
+  PublishRun(1, 5);
+  opts_.retained_patch_bytes = 64;  // below any transfer's patches
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  for (uint64_t v = 2; v <= 5; ++v) ExpectFullCopy(SyncStats(core, v));
+  EXPECT_EQ(core.retained_patch_bytes(), 0u);
+}
+
+// A manifest change stages into a new generation by copying from the old one (under a lease);
+// the new generation's slots then come forward in place like the old ones did. A consumer's
+// lease on the old generation keeps its bytes.
+TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesInPlace) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  ExpectInPlace(SyncStats(core, 3), 1);
+  auto lease = core.AcquireLease("vllm-0");
+  ASSERT_TRUE(lease.ok());
+  const std::vector<uint8_t> old_a = HostCopy(*lease, 0);
+  Model m = Next(current_);
+  m["d.new"] = RandomTensor(BF16("d.new", {70, 10}), rng_);
+  current_ = m;
+  pub_.Publish(4, m);
+  const StageStats s4 = SyncStats(core, 4);
+  EXPECT_EQ(core.generation(), 2u);
+  ExpectFullCopy(s4);
+  EXPECT_EQ(s4.tensors_keyframe, 1u);
+  PublishRun(5, 7);
+  ExpectFullCopy(SyncStats(core, 5));  // the new generation's empty second slot
+  ExpectInPlace(SyncStats(core, 6), 4);
+  ExpectInPlace(SyncStats(core, 7), 5);
+  EXPECT_EQ(HostCopy(*lease, 0), old_a);
   ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
 }
 

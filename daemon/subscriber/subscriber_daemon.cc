@@ -201,6 +201,8 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   core_options.store.max_leases_per_consumer = static_cast<int>(
       std::min(c.leases().max_leases_per_consumer(), c.leases().max_leases()));
   core_options.store.allow_unsealed = c.store().allow_unsealed();
+  core_options.store.prefault = c.store().prefault();
+  core_options.retained_patch_bytes = c.store().retained_patch_bytes();
   core_options.threads = static_cast<int>(c.staging().threads());
   if (c.staging().max_bytes() > 0) core_options.max_slot_bytes = c.staging().max_bytes();
   core_options.max_frame_bytes = c.upstream().max_frame_bytes();
