@@ -125,17 +125,16 @@ void BaselinePersister::Run() {
 }
 
 void BaselinePersister::Noted(uint64_t version, const absl::Status& st) {
-  {
-    absl::MutexLock lock(&mu_);
-    attempted_ = std::max(attempted_, version);
-    last_error_ = st;
-  }
+  // The core's status first: whoever WaitPersisted wakes sees it.
   if (!st.ok()) {
     Logger("persist")->error("version {} not persisted (served from memory; a restart falls back "
                              "to version {}): {}",
                              version, Stats().persisted_version, st.ToString());
   }
   if (note_) note_(version, st);
+  absl::MutexLock lock(&mu_);
+  attempted_ = std::max(attempted_, version);
+  last_error_ = st;
 }
 
 void BaselinePersister::PersistRecord(const LogRecord& record) {
@@ -165,15 +164,17 @@ void BaselinePersister::PersistRecord(const LogRecord& record) {
     Noted(record.version, st);
     return;
   }
+  if (note_) note_(record.version, st);
   bool compact = false;
   {
     absl::MutexLock lock(&mu_);
     persisted_ = record.version;
     ++log_versions_;
     log_bytes_ = log_->bytes();
+    attempted_ = std::max(attempted_, record.version);
+    last_error_ = absl::OkStatus();
     compact = log_versions_ >= options_.compact_versions || log_bytes_ >= options_.compact_bytes;
   }
-  Noted(record.version, absl::OkStatus());
   if (compact) Compact();
 }
 
@@ -181,8 +182,7 @@ void BaselinePersister::Compact() {
   BaselineSnapshot s = snapshot_();
   {
     absl::MutexLock lock(&mu_);
-    if (s.version == 0 || (s.version <= persisted_ && s.version == baseline_version_ &&
-                           log_ != nullptr && log_versions_ == 0)) {
+    if (s.version == 0 || (s.version == baseline_version_ && log_ != nullptr)) {
       return;  // nothing newer than what the files hold
     }
   }
@@ -194,29 +194,30 @@ void BaselinePersister::Compact() {
     Noted(s.version, st);
     return;
   }
-  {
-    absl::MutexLock lock(&mu_);
-    persisted_ = std::max(persisted_, s.version);
-    baseline_version_ = s.version;
-    while (!queue_.empty() && queue_.front().version <= s.version) {
-      queued_bytes_ -= std::min(queued_bytes_, queue_.front().payload_bytes());
-      queue_.pop_front();
-    }
-  }
-  // Step 2: a new log after it (temporary file, rename over the old log).
+  // Step 2: a new log after it (temporary file, rename over the old log). The baseline holds
+  // the version either way; a log that could not be started is retried by the next record.
   log_.reset();
   auto log = PatchLogWriter::Create(options_.log_path,
                                     {.lineage = s.lineage, .base_version = s.version},
                                     options_.fsync);
-  {
-    absl::MutexLock lock(&mu_);
-    log_versions_ = 0;
-    log_bytes_ = log.ok() ? (*log)->bytes() : 0;
-  }
   if (log.ok()) log_ = std::move(*log);
-  // The baseline holds the version either way; a log that could not be started is retried
-  // by the next record.
-  Noted(s.version, log.ok() ? absl::OkStatus() : log.status());
+  const absl::Status st = log.ok() ? absl::OkStatus() : log.status();
+  if (!st.ok()) {
+    Logger("persist")->error("version {} persisted as the baseline, but no new patch log: {}",
+                             s.version, st.ToString());
+  }
+  if (note_) note_(s.version, st);
+  absl::MutexLock lock(&mu_);
+  persisted_ = std::max(persisted_, s.version);
+  baseline_version_ = s.version;
+  log_versions_ = 0;
+  log_bytes_ = log_ != nullptr ? log_->bytes() : 0;
+  attempted_ = std::max(attempted_, s.version);
+  last_error_ = absl::OkStatus();
+  while (!queue_.empty() && queue_.front().version <= s.version) {
+    queued_bytes_ -= std::min(queued_bytes_, queue_.front().payload_bytes());
+    queue_.pop_front();
+  }
 }
 
 // ---- MakeLogRecord ----------------------------------------------------------------------------

@@ -1064,6 +1064,7 @@ v1::BaselineStatus PublisherCore::baseline_status() const {
   }
   if (persister_ != nullptr) {
     const PersisterStats s = persister_->Stats();
+    out.set_persisted_version(s.persisted_version);
     out.set_baseline_version(s.baseline_version);
     out.set_log_versions(s.log_versions);
     out.set_log_bytes(s.log_bytes);
