@@ -657,10 +657,16 @@ std::string FormatBaseline(const v1::BaselineStatus& b) {
     default: state = "unknown"; break;
   }
   std::string out = state;
-  if (b.persisted_version() != 0) absl::StrAppend(&out, " (file holds version ", b.persisted_version(), ")");
+  if (b.persisted_version() != 0) {
+    absl::StrAppend(&out, " (files hold version ", b.persisted_version(), ": baseline version ",
+                    b.baseline_version(), " + ", b.log_versions(), " in the patch log, ",
+                    FormatBytes(b.log_bytes()), ")");
+  }
   absl::StrAppend(&out, " at ", b.path());
   if (!b.moved_to().empty()) {
     absl::StrAppend(&out, "\n            refused file now at ", b.moved_to(), ": ", b.load_error());
+  } else if (!b.load_error().empty()) {
+    absl::StrAppend(&out, "\n            patch log refused at start: ", b.load_error());
   }
   if (!b.last_persist_error().empty()) {
     absl::StrAppend(&out, "\n            last persist error (", FormatUnixNanos(b.last_persist_error_unix_nanos()),

@@ -39,7 +39,12 @@ class E2EBaselineTest : public E2ETest {
       E2E_ASSERT_OK(Publish(pub, m, v));
       for (DaemonProcess* sub : subs) E2E_ASSERT_OK(WaitVersion(*sub, v));
     }
-    absl::StatusOr<v1::StatusResponse> before = RpcStatus(pub.control_target());
+    // Persistence runs behind the publish path (patch log): wait until version 3 is on disk
+    // before killing (SIGTERM would drain it anyway).
+    absl::StatusOr<v1::StatusResponse> before = PollStatus(
+        pub.control_target(),
+        [](const v1::StatusResponse& s) { return s.baseline().persisted_version() >= 3; },
+        absl::Seconds(30), "version 3 persisted");
     ASSERT_TRUE(before.ok()) << before.status();
 
     if (sigkill) {

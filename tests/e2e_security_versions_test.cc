@@ -403,11 +403,15 @@ TEST_F(E2ESecurityVersionsTest, CorruptBaselineIsMovedAsideAndStaleTempFilesRemo
   CommandResult json = Refitctl(pub, {"status", "--json"});
   EXPECT_TRUE(absl::StrContains(json.out, "BASELINE_STATE_MOVED_ASIDE")) << json.Describe();
 
-  // It serves: a new version publishes and persists.
+  // It serves: a new version publishes and persists (in the background: poll).
   E2E_ASSERT_OK(Publish(pub, SmallModel(2), 1));
-  st = RpcStatus(pub.control_target());
+  st = PollStatus(
+      pub.control_target(),
+      [](const v1::StatusResponse& s) {
+        return s.baseline().state() == v1::BASELINE_STATE_PERSISTED;
+      },
+      absl::Seconds(30), "version 1 persisted");
   ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->baseline().state(), v1::BASELINE_STATE_PERSISTED);
 }
 
 TEST_F(E2ESecurityVersionsTest, SecondPublisherOnTheSamePersistDirIsRefused) {
@@ -431,7 +435,13 @@ TEST_F(E2ESecurityVersionsTest, FailedPersistShowsInStatus) {
   // A directory where the baseline file goes: the rename of every persist fails (as root too).
   fs::create_directories(spec.persist_dir + "/baseline.safetensors/blocker");
   E2E_ASSERT_OK(Publish(pub, SmallModel(1), 1));
-  absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
+  // Persistence runs in the background: poll for its failure.
+  absl::StatusOr<v1::StatusResponse> st = PollStatus(
+      pub.control_target(),
+      [](const v1::StatusResponse& s) {
+        return s.baseline().state() == v1::BASELINE_STATE_PERSIST_FAILED;
+      },
+      absl::Seconds(30), "the persist of version 1 failed");
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->version(), 1u) << "served from memory";
   EXPECT_EQ(st->baseline().state(), v1::BASELINE_STATE_PERSIST_FAILED) << st->DebugString();

@@ -68,6 +68,10 @@ TEST(ConfigTest, MinimalPublisherGetsDefaults) {
   EXPECT_EQ(c->history().max_versions(), 64u);
   EXPECT_EQ(c->baseline().persist_dir(), "");
   EXPECT_TRUE(c->baseline().fsync());
+  EXPECT_EQ(c->baseline().compact_log_versions(), 64u);
+  EXPECT_EQ(c->baseline().compact_log_bytes(), 1ull << 30);
+  EXPECT_EQ(c->baseline().max_queued_versions(), 8u);
+  EXPECT_EQ(c->baseline().max_queued_bytes(), 1ull << 30);
   EXPECT_EQ(c->publish_queue().max_pending(), 16u);
   EXPECT_EQ(c->codec().block_log2(), 18u);
   EXPECT_EQ(c->codec().device(), v1::DEVICE_CPU);
@@ -549,6 +553,23 @@ TEST(ConfigTest, ValidateDirectlyWithoutSourceMap) {
   EXPECT_EQ(s.message().substr(0, 17), "publisher.listen:");
   p.mutable_tls()->set_insecure(true);
   EXPECT_TRUE(ValidatePublisherConfig(p).ok());
+}
+
+TEST(ConfigTest, PatchLogBoundsAreRangeChecked) {
+  const std::string head = "publisher:\n  listen: \"127.0.0.1:0\"\n  baseline:\n";
+  auto ok = LoadPublisherConfigFromString(head + "    compact_log_versions: 3\n"
+                                          "    compact_log_bytes: 1048576\n"
+                                          "    max_queued_versions: 2\n"
+                                          "    max_queued_bytes: 1000\n");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->baseline().compact_log_versions(), 3u);
+  EXPECT_EQ(ok->baseline().max_queued_bytes(), 1000u);
+  EXPECT_CONTAINS(PublisherError(head + "    compact_log_versions: 0\n"),
+                  "publisher.baseline.compact_log_versions: 0 is out of range");
+  EXPECT_CONTAINS(PublisherError(head + "    compact_log_bytes: 100\n"),
+                  "publisher.baseline.compact_log_bytes: 100 is out of range");
+  EXPECT_CONTAINS(PublisherError(head + "    max_queued_versions: 5000\n"),
+                  "publisher.baseline.max_queued_versions: 5000 is out of range");
 }
 
 }  // namespace

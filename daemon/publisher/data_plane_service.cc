@@ -31,6 +31,8 @@ const char* MessageKind(const v1::SubscriberMessage& m) {
 
 // Smallest frame size a subscriber may ask for (Hello.max_frame_bytes): the config minimum.
 constexpr uint32_t kMinFrameBytes = 64 * 1024;
+// How often an idle session looks for a newer version without being notified.
+constexpr absl::Duration kIdleTick = absl::Seconds(1);
 
 }  // namespace
 
@@ -561,10 +563,15 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
         return absl::Now() >= retry_at;
       };
       while (!ready()) {
-        const absl::Time wake = retry_at > absl::Now() && !(idle && epoch_ == idle_epoch)
-                                    ? retry_at
-                                    : absl::Now() + absl::Seconds(1);
-        mu_.AwaitWithDeadline(absl::Condition(&ready), wake);
+        const bool waiting_for_publish = idle && epoch_ == idle_epoch;
+        const absl::Time wake =
+            retry_at > absl::Now() && !waiting_for_publish ? retry_at : absl::Now() + kIdleTick;
+        // An idle session looks at the core again every tick even without a NotifyPublished
+        // (a version published by another path, or a wake-up that raced with going idle).
+        if (!mu_.AwaitWithDeadline(absl::Condition(&ready), wake) && waiting_for_publish &&
+            absl::Now() >= retry_at) {
+          break;
+        }
       }
       if (session->ended) return session->end_status;
       if (shutdown_) return absl::UnavailableError("publisher shutting down");

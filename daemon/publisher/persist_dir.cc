@@ -26,7 +26,9 @@ constexpr char kBaselineFile[] = "baseline.safetensors";
 constexpr char kLineageFile[] = "lineage";
 constexpr char kLineageMagic[] = "refit-lineage 1";
 // Prefixes of the temporary files of interrupted writes (WriteSafetensors: "<path>.tmp-XXXXXX").
-constexpr const char* kTempPrefixes[] = {"baseline.safetensors.tmp-", "lineage.tmp-"};
+constexpr const char* kTempPrefixes[] = {"baseline.safetensors.tmp-", "lineage.tmp-",
+                                         "patches.log.tmp-"};
+constexpr char kLogFile[] = "patches.log";
 
 std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 std::string ErrnoText(int err) { return std::strerror(err); }
@@ -121,6 +123,7 @@ PersistDir::~PersistDir() {
 
 std::string PersistDir::baseline_path() const { return Join(dir_, kBaselineFile); }
 std::string PersistDir::lineage_path() const { return Join(dir_, kLineageFile); }
+std::string PersistDir::log_path() const { return Join(dir_, kLogFile); }
 
 absl::StatusOr<std::optional<LineageState>> PersistDir::ReadLineage() const {
   const std::string path = lineage_path();
@@ -192,10 +195,19 @@ absl::Status PersistDir::WriteLineage(const LineageState& state, bool fsync) con
 }
 
 absl::StatusOr<std::string> PersistDir::MoveAside(const std::string& path) const {
+  return MoveAsideAs(path, "baseline", ".safetensors");
+}
+
+absl::StatusOr<std::string> PersistDir::MoveLogAside(const std::string& path) const {
+  return MoveAsideAs(path, "patches", ".log");
+}
+
+absl::StatusOr<std::string> PersistDir::MoveAsideAs(const std::string& path, const char* stem,
+                                                    const char* suffix) const {
   const int64_t now = absl::ToUnixSeconds(absl::Now());
   for (int n = 0; n < 100; ++n) {
-    const std::string name = n == 0 ? absl::StrCat("baseline.corrupt-", now, ".safetensors")
-                                    : absl::StrCat("baseline.corrupt-", now, "-", n, ".safetensors");
+    const std::string name = n == 0 ? absl::StrCat(stem, ".corrupt-", now, suffix)
+                                    : absl::StrCat(stem, ".corrupt-", now, "-", n, suffix);
     const std::string target = (std::filesystem::path(dir_) / name).string();
     struct stat st;
     if (::lstat(target.c_str(), &st) == 0) continue;
@@ -206,7 +218,7 @@ absl::StatusOr<std::string> PersistDir::MoveAside(const std::string& path) const
     return target;
   }
   return absl::FailedPreconditionError(
-      absl::StrCat("cannot move ", Quoted(path), " aside: too many baseline.corrupt-* files"));
+      absl::StrCat("cannot move ", Quoted(path), " aside: too many ", stem, ".corrupt-* files"));
 }
 
 }  // namespace refit::publisher

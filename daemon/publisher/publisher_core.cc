@@ -14,7 +14,10 @@
 #include "absl/strings/str_split.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/publisher/baseline_persister.h"
+#include "daemon/publisher/patch_log.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -466,10 +469,12 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
     status.set_moved_to(*moved);
   }
   LineageState state;
+  PersisterStart start;
   if (core->newest_version() > 0) {
     status.set_state(v1::BASELINE_STATE_LOADED);
-    status.set_persisted_version(core->newest_version());
     state.lineage = lineage != 0 ? lineage : has_file ? file.lineage : sync::NewLineage();
+    core->ReplayPersistedLog(*dir, core->newest_version(), state.lineage, &status, &start);
+    status.set_persisted_version(start.persisted_version);
     state.numbered = core->newest_version();
     if (has_file && file.lineage == state.lineage) {
       state.numbered = std::max(state.numbered, file.numbered);
@@ -477,17 +482,124 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
   } else {
     if (status.state() == v1::BASELINE_STATE_UNSPECIFIED) status.set_state(v1::BASELINE_STATE_EMPTY);
     state.lineage = sync::NewLineage();
+    // A log without a usable baseline cannot be replayed: kept for inspection.
+    if (std::filesystem::exists(dir->log_path())) {
+      absl::StatusOr<std::string> moved = dir->MoveLogAside(dir->log_path());
+      Logger("persist")->warn("patch log {} has no usable baseline: {}", dir->log_path(),
+                              moved.ok() ? absl::StrCat("moved aside to ", *moved)
+                                         : std::string(moved.status().message()));
+    }
   }
   if (absl::Status st = dir->WriteLineage(state, options.persist_fsync); !st.ok()) {
     status.set_last_persist_error(std::string(st.message()));
     status.set_last_persist_error_unix_nanos(UnixNanosNow());
   }
-  absl::MutexLock lock(&core->mu_);
-  core->lineage_ = state.lineage;
-  core->numbered_ = state.numbered;
-  core->baseline_status_ = status;
-  core->dir_ = std::move(dir);
+  {
+    absl::MutexLock lock(&core->mu_);
+    core->lineage_ = state.lineage;
+    core->numbered_ = state.numbered;
+    core->baseline_status_ = status;
+    core->dir_ = std::move(dir);
+  }
+  core->StartPersister(std::move(start));
   return core;
+}
+
+void PublisherCore::ReplayPersistedLog(const PersistDir& dir, uint64_t base_version,
+                                       uint64_t lineage, v1::BaselineStatus* status,
+                                       PersisterStart* start) {
+  auto log = Logger("persist");
+  const std::string log_path = dir.log_path();
+  start->baseline_version = base_version;
+  start->persisted_version = base_version;
+  absl::StatusOr<LogReadResult> read = ReadPatchLog(log_path);
+  if (absl::IsNotFound(read.status())) return;  // none yet: the first record starts one
+  LogReplay replay;
+  if (read.ok()) {
+    replay = ReplayLog(Baseline(), base_version, lineage, *read, log_path, options_.encode_threads);
+    if (absl::Status st = RecordReplayed(base_version, replay); !st.ok()) replay.stopped = st;
+  } else {
+    replay.stopped = read.status();
+  }
+  const uint64_t newest = newest_version();
+  if (!replay.versions.empty()) {
+    log->info("patch log {}: replayed versions {}..{} onto the baseline of version {} ({} "
+              "records at or below it skipped)",
+              log_path, replay.versions.front().version, newest, base_version, replay.skipped);
+  }
+  if (read.ok() && read->torn_tail) {
+    log->warn("patch log {}: torn record at offset {} (a crash while appending it): truncated",
+              log_path, read->valid_end);
+  }
+  if (replay.stopped.ok()) {
+    auto writer = PatchLogWriter::OpenForAppend(log_path, read->valid_end, options_.persist_fsync);
+    if (writer.ok()) {
+      start->log = std::move(*writer);
+      start->log_versions = static_cast<uint32_t>(replay.versions.size());
+      start->persisted_version = newest;
+      return;
+    }
+    replay.stopped = writer.status();
+  }
+  // Unusable from some record on: keep the file for inspection, write the newest replayed
+  // version as a baseline (the persister's first work), start a new log.
+  absl::StatusOr<std::string> moved = dir.MoveLogAside(log_path);
+  const std::string error = absl::StrCat(
+      replay.stopped.message(), "; the log ",
+      moved.ok() ? absl::StrCat("moved aside to ", *moved) : std::string(moved.status().message()),
+      "; serving version ", newest);
+  log->error("{}", error);
+  status->set_load_error(error);
+  start->compact_now = newest > base_version;
+}
+
+absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogReplay& replay) {
+  if (replay.versions.empty()) return absl::OkStatus();
+  for (const ReplayedVersion& v : replay.versions) {
+    auto added = history_.Add(v.version, v.updates);
+    if (!added.ok() || *added != v.version_digest) {
+      // Not expected (ReplayLog checked what Add checks): back to the baseline alone.
+      history_.Clear();
+      const std::vector<BaselineTensor> base = Baseline();
+      std::vector<sync::TensorUpdate> updates;
+      for (const BaselineTensor& t : base) updates.push_back({t.spec, t.digest, nullptr});
+      if (absl::Status st = history_.Add(base_version, std::move(updates)).status(); !st.ok()) {
+        Logger("persist")->error("re-recording the baseline of version {}: {}", base_version,
+                                 st.ToString());
+      }
+      return absl::DataLossError(absl::StrCat(
+          "patch log: version ", v.version, " not recordable: ",
+          added.ok() ? "version digest differs" : std::string(added.status().message())));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (const ReplayedVersion& v : replay.versions) {
+    counts_.push_back({.version = v.version, .changed = v.changed});
+  }
+  counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
+                               [&](const VersionCounts& c) { return !history_.Contains(c.version); }),
+                counts_.end());
+  newest_version_ = replay.versions.back().version;
+  newest_digest_ = replay.versions.back().version_digest;
+  snapshot_unix_nanos_ = replay.versions.back().snapshot_unix_nanos;
+  baseline_ = replay.tensors;
+  return absl::OkStatus();
+}
+
+void PublisherCore::StartPersister(PersisterStart start) {
+  PersisterOptions po;
+  po.log_path = dir_->log_path();
+  po.fsync = options_.persist_fsync;
+  po.compact_versions = options_.compact_log_versions;
+  po.compact_bytes = options_.compact_log_bytes;
+  po.max_queued_versions = options_.persist_max_queued_versions;
+  po.max_queued_bytes = options_.persist_max_queued_bytes;
+  po.before_write = options_.persist_hook;
+  persister_ = std::make_unique<BaselinePersister>(
+      std::move(po), std::move(start),
+      [this](const BaselineSnapshot& s) { return Persist(s); },
+      [this] { return PersistSnapshot(); },
+      [this](uint64_t version, const absl::Status& st) { NotePersist(version, st); });
 }
 
 absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lineage_out) {
@@ -600,12 +712,11 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
   return absl::OkStatus();
 }
 
-absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
-                                    const std::vector<BaselineTensor>& tensors) const {
+absl::Status PublisherCore::Persist(const BaselineSnapshot& s) const {
   std::vector<model::SafetensorsTensorRef> refs;
   std::vector<std::string> digests;
-  refs.reserve(tensors.size());
-  for (const BaselineTensor& t : tensors) {
+  refs.reserve(s.tensors.size());
+  for (const BaselineTensor& t : s.tensors) {
     model::SafetensorsTensorRef r;
     r.name = t.spec.name();
     r.dtype = t.dtype;
@@ -616,22 +727,35 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
   }
   std::map<std::string, std::string> meta;
   meta[kMetaFormat] = std::string(kFormatValue);
-  meta[kMetaVersion] = absl::StrCat(version);
-  meta[kMetaVersionDigest] = Hex64(version_digest);
+  meta[kMetaVersion] = absl::StrCat(s.version);
+  meta[kMetaVersionDigest] = Hex64(s.version_digest);
   meta[kMetaDigests] = absl::StrJoin(digests, ",");
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    meta[kMetaSnapshot] = absl::StrCat(snapshot_unix_nanos_);
-    meta[kMetaLineage] = Hex64(lineage_);
-  }
+  meta[kMetaSnapshot] = absl::StrCat(s.snapshot_unix_nanos);
+  meta[kMetaLineage] = Hex64(s.lineage);
   SafeWriteOptions write;
   write.durable = options_.persist_fsync;
   absl::Status st = model::WriteSafetensors(dir_->baseline_path(), refs, meta, write);
   if (!st.ok()) {
-    return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", version,
+    return absl::Status(st.code(), absl::StrCat("persisting the baseline of version ", s.version,
                                                 ": ", st.message()));
   }
   return absl::OkStatus();
+}
+
+BaselineSnapshot PublisherCore::PersistSnapshot() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return {.version = newest_version_,
+          .version_digest = newest_digest_,
+          .snapshot_unix_nanos = snapshot_unix_nanos_,
+          .lineage = lineage_,
+          .tensors = baseline_};
+}
+
+PublisherCore::~PublisherCore() { persister_.reset(); }
+
+absl::Status PublisherCore::WaitPersisted(uint64_t version, absl::Time deadline) const {
+  if (persister_ == nullptr) return absl::FailedPreconditionError("no baseline persistence");
+  return persister_->WaitPersisted(version, deadline);
 }
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
@@ -761,8 +885,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   }
 
   RecordNumbered(version);
+  uint64_t lineage = 0;
   {
     absl::MutexLock lock(&mu_);
+    lineage = lineage_;
     auto vdigest = history_.Add(version, std::move(updates));
     if (!vdigest.ok()) {
       return absl::Status(vdigest.status().code(),
@@ -783,13 +909,13 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                   counts_.end());
   }
 
-  if (dir_ != nullptr) {
-    // After the commit: subscribers need not wait for the disk. A failure leaves the previous
-    // baseline file in place (atomic rename) and is reported in the summary.
+  if (persister_ != nullptr) {
+    // After the commit, off this path: the persister's thread appends the record (or
+    // compacts); Publish returns, and subscribers are woken, without waiting for the disk.
     const auto persist_start = Clock::now();
-    sum.persist_status = Persist(version, sum.version_digest, next);
+    persister_->Enqueue(MakeLogRecord(version, prev_version, sum.version_digest, lineage,
+                                      sum.snapshot_unix_nanos, prev, next, patches, changed));
     sum.persist_micros = MicrosSince(persist_start);
-    NotePersist(version, sum.persist_status);
   }
   sum.total_micros = MicrosSince(start);
   return sum;
@@ -931,8 +1057,19 @@ uint64_t PublisherCore::lineage() const {
 }
 
 v1::BaselineStatus PublisherCore::baseline_status() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return baseline_status_;
+  v1::BaselineStatus out;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    out = baseline_status_;
+  }
+  if (persister_ != nullptr) {
+    const PersisterStats s = persister_->Stats();
+    out.set_persisted_version(s.persisted_version);
+    out.set_baseline_version(s.baseline_version);
+    out.set_log_versions(s.log_versions);
+    out.set_log_bytes(s.log_bytes);
+  }
+  return out;
 }
 
 void PublisherCore::RecordNumbered(uint64_t version) {

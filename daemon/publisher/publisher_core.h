@@ -12,6 +12,7 @@
 #define REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -22,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/publisher/persist_dir.h"
@@ -73,8 +75,17 @@ struct PublisherOptions {
   int digest_threads = 0;
   // Directory for the persisted baseline ("" = no persistence). Created if missing.
   std::string persist_dir;
-  // fsync the persisted baseline and its directory (config baseline.fsync).
+  // fsync the persisted baseline and its directory, and every patch log record (config
+  // baseline.fsync).
   bool persist_fsync = true;
+  // Patch log bounds and the persister's queue (config baseline.*; BaselinePersister).
+  uint32_t compact_log_versions = 64;
+  uint64_t compact_log_bytes = 1ull << 30;
+  uint32_t persist_max_queued_versions = 8;
+  uint64_t persist_max_queued_bytes = 1ull << 30;
+  // Test gate: the persister's thread calls it before every write with the version it is about
+  // to persist (it may block; tests hold persistence there). Null: none.
+  std::function<void(uint64_t version)> persist_hook;
   // Without persist_dir: the lineage (data.proto "Versions and lineage"); 0 = a random one.
   // With persist_dir the lineage comes from there (or is new when no baseline is persisted).
   uint64_t lineage = 0;
@@ -112,10 +123,10 @@ struct PublishSummary {
   std::string encode_device;
   uint64_t upload_micros = 0;    // GPU encoding: host tensors (and missing bases) to the device
   uint64_t download_micros = 0;  // device snapshots of changed tensors to host bytes
-  uint64_t persist_micros = 0;  // baseline written (0 without persistence)
-  // Outcome of persisting the baseline (OK without persistence). The version is published
-  // (served from memory) even when this is an error; the file then still holds the previous
-  // version, so log it loudly.
+  // Persistence is asynchronous (BaselinePersister): Publish only queues the version's patch
+  // log record, so persist_micros is that hand-over and persist_status is OK; a failed write
+  // shows in baseline_status() and the "persist" log.
+  uint64_t persist_micros = 0;
   absl::Status persist_status;
   uint64_t total_micros = 0;    // whole Publish
   uint64_t snapshot_unix_nanos = 0;
@@ -214,28 +225,41 @@ class Transfer {
 //     memory beyond the scratch): pinned M steady (2M peak) plus host M.
 //   CPU codec: host M steady, 2M during a Publish (as before GPU encoding existed).
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
+class BaselinePersister;
+struct BaselineSnapshot;
+struct PersisterStart;
+struct LogReplay;
+
 class PublisherCore {
  public:
   // Creates a core. With options.persist_dir (PersistDir): creates the directory if missing,
   // locks it (FailedPrecondition naming it when another publisher holds it), removes stale
   // temporary files; if it holds a persisted baseline, reloads it (verifying every tensor digest
-  // and the version digest) and records that version in the history (without patches), so
-  // subscribers at it get deltas of the next version, and keeps its lineage. A corrupt baseline,
+  // and the version digest) and records that version in the history (without patches), then
+  // replays the patch log (persist_dir/patches.log, records above the baseline's version: each
+  // applied with the codec, every replayed tensor's digest and every version digest verified)
+  // and records those versions with their patches, so subscribers at any of them get deltas of
+  // the next version; keeps the lineage. A torn last record (a crash mid-append) is truncated
+  // (logged); a corrupt record, another lineage's or one that does not chain stops the replay
+  // there: the log is moved aside (patches.corrupt-<unix seconds>.log), load_error names file
+  // and offset, and the newest replayed version is compacted into a new baseline. A corrupt baseline,
   // or one of another lineage than persist_dir/lineage, is moved aside
   // (baseline.corrupt-<unix seconds>.safetensors) and the core starts empty with a new lineage:
   // baseline_status() says so (MOVED_ASIDE, the error, the new path). Without a baseline the
   // lineage is new.
   static absl::StatusOr<std::unique_ptr<PublisherCore>> Open(const PublisherOptions& options);
 
+  // With persistence: finishes the queued persistence work first.
+  ~PublisherCore();
   PublisherCore(const PublisherCore&) = delete;
   PublisherCore& operator=(const PublisherCore&) = delete;
 
   // Publishes `version` (> every version numbered so far, <= sync::kMaxVersion) made of
   // `tensors` (names unique,
   // non-empty list, sizes matching dtype and shape). Returns once the snapshot is taken, the
-  // patches encoded, the history updated and (with persistence) the baseline written. On error
-  // nothing changes. A failed persist is not an error of Publish: see
-  // PublishSummary::persist_status.
+  // patches encoded and the history updated: with persistence, after the lineage file records
+  // the number and the version's patch log record is queued for the persister (no baseline or
+  // log I/O on this path; see WaitPersisted). On error nothing changes.
   // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
   absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
                                          bool allow_degenerate = false);
@@ -264,6 +288,10 @@ class PublisherCore {
   // The persisted baseline: state, path, why it was moved aside at start, the last persist
   // error (persistence of the baseline or of the lineage file).
   v1::BaselineStatus baseline_status() const;
+  // With persistence: OK once persist_dir holds a version >= `version` (baseline or patch
+  // log); the write's error when it failed; DeadlineExceeded at `deadline`.
+  // FailedPrecondition without persistence.
+  absl::Status WaitPersisted(uint64_t version, absl::Time deadline) const;
   // Temporary files of interrupted writes removed from persist_dir at Open.
   const std::vector<std::string>& removed_temp_files() const { return removed_temps_; }
   // Without persistence only (a subscriber serving peers whose upstream changed lineage):
@@ -289,8 +317,18 @@ class PublisherCore {
 
  private:
   explicit PublisherCore(const PublisherOptions& options);
-  absl::Status Persist(uint64_t version, uint64_t version_digest,
-                       const std::vector<BaselineTensor>& tensors) const;
+  // Writes baseline.safetensors at `s` (the persister's compaction).
+  absl::Status Persist(const BaselineSnapshot& s) const;
+  // The newest version for a compaction.
+  BaselineSnapshot PersistSnapshot() const;
+  // After the baseline at `base_version` (lineage `lineage`) is loaded: replays
+  // persist_dir/patches.log (records above it) into the baseline and the history; fills the
+  // persister's start state and `status` (load_error when the log was unusable).
+  void ReplayPersistedLog(const PersistDir& dir, uint64_t base_version, uint64_t lineage,
+                          v1::BaselineStatus* status, PersisterStart* start);
+  // The replayed versions into the history (with their patches), the baseline and the newest.
+  absl::Status RecordReplayed(uint64_t base_version, const LogReplay& replay);
+  void StartPersister(PersisterStart start);
   // Loads `path` (absent: OK, nothing loaded); *lineage = its refit.lineage (0 when absent).
   absl::Status LoadPersisted(const std::string& path, uint64_t* lineage);
   // Open with persist_dir: the baseline and lineage from `dir`.
@@ -324,6 +362,8 @@ class PublisherCore {
   // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
       ABSL_GUARDED_BY(publish_mu_);
+  // With persist_dir: the background persister (patch log + compaction). Destroyed first.
+  std::unique_ptr<BaselinePersister> persister_;
 };
 
 }  // namespace refit::publisher

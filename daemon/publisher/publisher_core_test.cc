@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
 #include "daemon/model/safetensors.h"
@@ -597,10 +598,11 @@ TEST(PublisherCoreTest, RestartWithPersistedBaselineServesDeltas) {
   EXPECT_EQ(DeliveryOf(**t, "embed.frozen"), v1::DELIVERY_UNCHANGED);
   ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
   ExpectSameModel(s.state, model);
-  // Older than the persisted version: the history does not reach back, keyframes.
+  // Older than the newest persisted version: the patch log refilled the history (baseline
+  // version 1, record 2), so it catches up with patches.
   auto tb = (*core)->MakeTransfer(behind.version, behind.version_digest, SmallFrames());
   ASSERT_TRUE(tb.ok());
-  EXPECT_EQ((*tb)->plan().reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
+  EXPECT_EQ((*tb)->plan().reason, v1::TRANSFER_REASON_CATCH_UP);
   ASSERT_TRUE(behind.Apply(**tb, kFrameBytes).ok());
   ExpectSameModel(behind.state, model);
 
@@ -641,6 +643,7 @@ TEST(PublisherCoreTest, CorruptPersistedBaselineIsMovedAside) {
     auto core = PublisherCore::Open(po);
     ASSERT_TRUE(core.ok()) << core.status();
     ASSERT_TRUE((*core)->Publish(1, Inputs(model)).ok());
+    ASSERT_TRUE((*core)->WaitPersisted(1, absl::Now() + absl::Seconds(30)).ok());
     EXPECT_EQ((*core)->baseline_status().state(), v1::BASELINE_STATE_PERSISTED);
     lineage = (*core)->lineage();
   };
@@ -692,6 +695,7 @@ TEST(PublisherCoreTest, LineageAndNumberingSurviveARestart) {
     for (uint64_t v = 1; v <= 3; ++v) {
       Step(model, v, rng);
       ASSERT_TRUE((*core)->Publish(v, Inputs(model)).ok());
+      ASSERT_TRUE((*core)->WaitPersisted(v, absl::Now() + absl::Seconds(30)).ok());
       if (v == 1) std::filesystem::copy_file(path, saved);
     }
     // Above the bound: refused, nothing changes.
@@ -700,8 +704,10 @@ TEST(PublisherCoreTest, LineageAndNumberingSurviveARestart) {
     EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ((*core)->newest_version(), 3u);
   }
-  // A restart after versions 2 and 3 were served but not persisted (killed before the rename).
+  // A restart after versions 2 and 3 were served but not persisted (killed before their patch
+  // log records were written).
   std::filesystem::rename(saved, path);
+  std::filesystem::remove(std::filesystem::path(dir) / "patches.log");
   auto core = PublisherCore::Open(po);
   ASSERT_TRUE(core.ok()) << core.status();
   EXPECT_EQ((*core)->newest_version(), 1u);

@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <cstdlib>
 #include <chrono>
+#include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "cuda/device.h"
 #include "daemon/auth/authorized_services.h"
 #include "daemon/common/daemon_runtime.h"
@@ -120,6 +123,24 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
 
 // Test hook: see PublishQueueOptions::stall_file.
 constexpr char kStallHookEnv[] = "REFITD_TEST_HOOK_STALL_PUBLISH";
+// Test hook: while a file exists at this path, the persister stalls before every write (a slow
+// or stuck disk): PublisherOptions::persist_hook.
+constexpr char kStallPersistHookEnv[] = "REFITD_TEST_HOOK_STALL_PERSIST";
+
+std::function<void(uint64_t)> StallPersistHook(spdlog::logger& log) {
+  const char* hook = std::getenv(kStallPersistHookEnv);
+  if (hook == nullptr || hook[0] == '\0') return nullptr;
+  log.warn("test hook {}={}: persistence stalls while that file exists", kStallPersistHookEnv,
+           hook);
+  return [path = std::string(hook)](uint64_t version) {
+    bool logged = false;
+    while (::access(path.c_str(), F_OK) == 0) {
+      if (!logged) Logger("persist")->warn("test hook: persisting version {} stalled", version);
+      logged = true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  };
+}
 
 // What Open found in persist_dir, loudly when something was wrong.
 void LogBaseline(const PublisherCore& core, spdlog::logger& log) {
@@ -129,7 +150,8 @@ void LogBaseline(const PublisherCore& core, spdlog::logger& log) {
   const v1::BaselineStatus b = core.baseline_status();
   switch (b.state()) {
     case v1::BASELINE_STATE_LOADED:
-      log.info("baseline version {} reloaded from \"{}\" ({})", core.newest_version(), b.path(),
+      log.info("version {} reloaded from \"{}\" (version {}) and its patch log ({} versions) ({})",
+               core.newest_version(), b.path(), b.baseline_version(), b.log_versions(),
                sync::DescribeLineage(core.lineage()));
       break;
     case v1::BASELINE_STATE_MOVED_ASIDE:
@@ -235,6 +257,11 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   options.encode_threads = static_cast<int>(config.codec().threads());
   options.digest_threads = static_cast<int>(config.codec().threads());
   options.persist_dir = config.baseline().persist_dir();
+  options.compact_log_versions = config.baseline().compact_log_versions();
+  options.compact_log_bytes = config.baseline().compact_log_bytes();
+  options.persist_max_queued_versions = config.baseline().max_queued_versions();
+  options.persist_max_queued_bytes = config.baseline().max_queued_bytes();
+  options.persist_hook = StallPersistHook(*daemon->log_);
   options.publish_guard.max_removed_tensor_fraction =
       config.publish_guard().max_removed_tensor_fraction();
   options.publish_guard.max_removed_byte_fraction =

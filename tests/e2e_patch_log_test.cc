@@ -1,0 +1,150 @@
+// Persistence off the critical path (issue 10): the publisher appends every version to its patch
+// log in the background and a restart replays baseline + log.
+//   - SIGKILL right after publishes (once Status says they are persisted), restart: the
+//     subscriber that was up to date and one that was paused two versions behind both get
+//     deltas (no keyframes) from the replayed history, bit-exact;
+//   - with persistence stalled (REFITD_TEST_HOOK_STALL_PERSIST), a version still reaches the
+//     subscriber; it is persisted once the disk moves again.
+// The publisher listens on a unix socket in the test directory so that its address survives the
+// restart.
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/model/trajectory.h"
+#include "gtest/gtest.h"
+#include "tests/harness/e2e.h"
+
+namespace refit::e2e {
+namespace {
+
+constexpr char kStallPersistEnv[] = "REFITD_TEST_HOOK_STALL_PERSIST";
+
+class E2EPatchLogTest : public E2ETest {
+ protected:
+  void TearDown() override {
+    unsetenv(kStallPersistEnv);
+    E2ETest::TearDown();
+  }
+
+  DaemonProcess& StartPublisher() {
+    PublisherSpec ps;
+    ps.name = "pub";
+    ps.listen = absl::StrCat("unix:", dir(), "/pub.sock");
+    ps.persist_dir = Path("persist");
+    DaemonProcess& pub = NewPublisher(ps);
+    EXPECT_TRUE(pub.Start().ok()) << pub.LogTail();
+    return pub;
+  }
+
+  DaemonProcess& StartSubscriber(const DaemonProcess& pub, const std::string& name) {
+    SubscriberSpec ss;
+    ss.name = name;
+    ss.upstream = {pub.listen_target()};
+    DaemonProcess& sub = NewSubscriber(ss);
+    EXPECT_TRUE(sub.Start().ok()) << sub.LogTail();
+    return sub;
+  }
+
+  // Persistence is asynchronous: Status says when persist_dir holds `version`.
+  absl::StatusOr<v1::StatusResponse> WaitPersisted(const DaemonProcess& pub, uint64_t version) {
+    return PollStatus(
+        pub.control_target(),
+        [version](const v1::StatusResponse& s) {
+          return s.baseline().persisted_version() >= version;
+        },
+        absl::Seconds(30), absl::StrCat("version ", version, " persisted"));
+  }
+
+  // The last refit of `sub` is `version` from a base in [min_base, version - 1], as patches.
+  void ExpectDelta(const DaemonProcess& sub, uint64_t version, uint64_t min_base, const Model& m) {
+    E2E_EXPECT_OK(ExpectExportEquals(sub, m));
+    E2E_EXPECT_OK(ExpectVerified(sub));
+    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), version);
+    ASSERT_TRUE(st.ok()) << st.status();
+    const v1::RefitStats& r = st->last_refit();
+    std::printf("[e2e] %s: %s\n", sub.name().c_str(), DescribeRefit(r).c_str());
+    EXPECT_EQ(r.version(), version) << sub.name();
+    EXPECT_GE(r.base_version(), min_base) << sub.name() << ": a delta, not a bootstrap";
+    EXPECT_LT(r.base_version(), version) << sub.name();
+    EXPECT_EQ(r.keyframe_tensors(), 0u) << sub.name() << ": " << DescribeRefit(r);
+    EXPECT_LT(r.wire_bytes(), r.dense_bytes() / 4) << sub.name() << ": " << DescribeRefit(r);
+  }
+};
+
+TEST_F(E2EPatchLogTest, SigkilledPublisherRestartsFromBaselineAndLogAndServesDeltas) {
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(43);
+  ASSERT_TRUE(traj.ok()) << traj.status();
+  DaemonProcess& pub = StartPublisher();
+  DaemonProcess& live = StartSubscriber(pub, "live");
+  DaemonProcess& paused = StartSubscriber(pub, "paused");
+  std::vector<Model> models(1);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    if (v > 1) (*traj)->Step();
+    models.push_back(ModelFromTrajectory(**traj));
+    E2E_ASSERT_OK(Publish(pub, models[v], v));
+    E2E_ASSERT_OK(WaitVersion(live, v));
+    if (v <= 2) E2E_ASSERT_OK(WaitVersion(paused, v));
+    if (v == 2) E2E_ASSERT_OK(paused.Pause());  // stays at version 2
+  }
+  absl::StatusOr<v1::StatusResponse> before = WaitPersisted(pub, 4);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->baseline().baseline_version(), 1u) << before->baseline().ShortDebugString();
+  EXPECT_EQ(before->baseline().log_versions(), 3u) << "versions 2..4 in the patch log";
+
+  E2E_ASSERT_OK(pub.Kill());
+  E2E_ASSERT_OK(pub.Start());
+  absl::StatusOr<v1::StatusResponse> after = RpcStatus(pub.control_target());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->version(), 4u) << "baseline version 1 + log records 2..4";
+  EXPECT_EQ(after->version_digest(), before->version_digest());
+  EXPECT_EQ(after->baseline().state(), v1::BASELINE_STATE_LOADED);
+  EXPECT_EQ(after->history().oldest_version(), 1u) << "history refilled from the log";
+
+  // The paused subscriber wakes at version 2 (or 3: that transfer may have been sitting in its
+  // socket buffer): patches to 4 from the replayed history, where a baseline-only restart
+  // (history = version 4 alone) would send keyframes.
+  E2E_ASSERT_OK(paused.Resume());
+  E2E_ASSERT_OK(WaitVersion(paused, 4));
+  ASSERT_NO_FATAL_FAILURE(ExpectDelta(paused, 4, 2, models[4]));
+
+  // Both follow the next version with deltas.
+  (*traj)->Step();
+  models.push_back(ModelFromTrajectory(**traj));
+  E2E_ASSERT_OK(Publish(pub, models[5], 5));
+  for (DaemonProcess* sub : {&live, &paused}) {
+    E2E_ASSERT_OK(WaitVersion(*sub, 5));
+    ASSERT_NO_FATAL_FAILURE(ExpectDelta(*sub, 5, 4, models[5]));
+  }
+}
+
+TEST_F(E2EPatchLogTest, VersionReachesSubscribersWhilePersistenceIsStalled) {
+  const std::string stall = Path("stall-persist");
+  setenv(kStallPersistEnv, stall.c_str(), 1);
+  DaemonProcess& pub = StartPublisher();
+  DaemonProcess& sub = StartSubscriber(pub, "sub");
+  const Model m1 = RandomModel(1, {{"w.a", 40000}, {"w.b", 3000}});
+  E2E_ASSERT_OK(Publish(pub, m1, 1));
+  E2E_ASSERT_OK(WaitVersion(sub, 1));
+  ASSERT_TRUE(WaitPersisted(pub, 1).ok());
+
+  { std::ofstream(stall) << "stall\n"; }  // the disk stops
+  Model m2 = m1;
+  PerturbModel(m2, 0.01, 2);
+  E2E_ASSERT_OK(Publish(pub, m2, 2));
+  E2E_ASSERT_OK(WaitVersion(sub, 2));
+  E2E_ASSERT_OK(ExpectExportEquals(sub, m2));
+  absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->baseline().persisted_version(), 1u) << "version 2 went out before its persist";
+
+  std::filesystem::remove(stall);  // the disk moves again
+  st = WaitPersisted(pub, 2);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->baseline().log_versions(), 1u);
+}
+
+}  // namespace
+}  // namespace refit::e2e
