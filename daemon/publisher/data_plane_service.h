@@ -15,9 +15,9 @@
 // smaller frames (TransferFrameBytes) so that every stream gets several. With a subscriber that
 // reports progress, a stream takes the next frame only while its unacknowledged bytes are below
 // the transfer's window (StreamWindowBytes): each connection carries a share proportional to
-// its current rate, instead of the first streams taking everything into their send buffers. A rejected transfer is retried (keyframes for the tensors the Ack names, all
-// keyframes after a rejection that names none) after a delay that grows per consecutive
-// rejection.
+// its current rate, instead of the first streams taking everything into their send buffers.
+// A rejected transfer is retried (keyframes for the tensors the Ack names, all keyframes after
+// a rejection that names none) after a delay that grows per consecutive rejection.
 //
 // Thread-safe. The gRPC server's sync thread pool runs the handlers; NotifyPublished() wakes the
 // idle sessions after PublisherCore::Publish. Shutdown() ends every session (handlers return

@@ -209,8 +209,10 @@ TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
 TEST(UpstreamTest, PacedAndUnpacedPeersInteroperate) {
   // A pacing publisher with a subscriber that reports progress and one that does not (an older
   // build), and a publisher without pacing (an older build) with a subscriber that would report.
-  auto paced = Publisher::Start();
-  auto unpaced = Publisher::Start(1ull << 30, 64 * 1024, 0, /*stream_window_bytes=*/0);
+  // Welcome.frame_bytes 1 MiB: transfers of this small model are cut into 64 KiB frames
+  // (TransferFrameBytes), below the session's frame size, which subscribers accept.
+  auto paced = Publisher::Start(1ull << 30, 1 << 20);
+  auto unpaced = Publisher::Start(1ull << 30, 1 << 20, 0, /*stream_window_bytes=*/0);
   std::mt19937 rng(11);
   Model model = MakeModel(rng);
   auto a = Subscriber::Start("sub-a", {paced->address}, 4);
