@@ -64,6 +64,8 @@ TEST(ConfigTest, MinimalPublisherGetsDefaults) {
   EXPECT_EQ(c->transport().frame_bytes(), 4u << 20);
   EXPECT_EQ(c->transport().max_streams_per_subscriber(), 8u);
   EXPECT_EQ(c->transport().keepalive_time_ms(), 10000u);
+  EXPECT_EQ(c->transport().stream_window_bytes(), 32u << 20);
+  EXPECT_EQ(c->transport().single_stream_below_bytes(), 0u);
   EXPECT_EQ(c->history().memory_budget_bytes(), 4ull << 30);
   EXPECT_EQ(c->history().max_versions(), 64u);
   EXPECT_EQ(c->baseline().persist_dir(), "");
@@ -84,6 +86,7 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   auto c = LoadSubscriberConfigFromString(Sub(""));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->upstream().connections(), 4u);
+  EXPECT_TRUE(c->upstream().stream_progress());
   EXPECT_EQ(c->upstream().max_frame_bytes(), 16u << 20);
   EXPECT_EQ(c->upstream().backoff().initial_ms(), 100u);
   EXPECT_EQ(c->upstream().backoff().max_ms(), 10000u);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
 #include "daemon/sync/transfer_stats.h"
 #include "daemon/sync/versions.h"
@@ -25,6 +26,7 @@ const char* MessageKind(const v1::SubscriberMessage& m) {
     case v1::SubscriberMessage::kHello: return "Hello";
     case v1::SubscriberMessage::kAck: return "Ack";
     case v1::SubscriberMessage::kKeyframeRequest: return "KeyframeRequest";
+    case v1::SubscriberMessage::kProgress: return "StreamProgress";
     default: return "an empty SubscriberMessage";
   }
 }
@@ -36,14 +38,37 @@ constexpr absl::Duration kIdleTick = absl::Seconds(1);
 
 }  // namespace
 
-// The frames of one transfer, pulled by every stream of the session.
+uint32_t TransferFrameBytes(uint64_t object_bytes, uint32_t streams, uint32_t session_frame_bytes) {
+  const uint64_t wanted = static_cast<uint64_t>(std::max(streams, 1u)) * kFramesPerStream;
+  if (object_bytes / session_frame_bytes >= wanted) return session_frame_bytes;
+  uint64_t fb = (object_bytes + wanted - 1) / wanted;
+  fb = (fb + 4095) / 4096 * 4096;
+  fb = std::max<uint64_t>(fb, kMinTransferFrameBytes);
+  return static_cast<uint32_t>(std::min<uint64_t>(fb, session_frame_bytes));
+}
+
+uint64_t StreamWindowBytes(uint64_t object_bytes, uint32_t streams, uint64_t cap) {
+  if (cap == 0) return 0;
+  const uint64_t share = (object_bytes + std::max(streams, 1u) - 1) / std::max(streams, 1u);
+  return std::clamp<uint64_t>(share, kMinStreamWindowBytes,
+                              std::max<uint64_t>(cap, kMinStreamWindowBytes));
+}
+
+// The frames of one transfer, pulled by the streams of the session that carry it.
 struct DataPlaneService::Work {
   std::shared_ptr<const Transfer> transfer;
   std::atomic<uint64_t> next{0};
   std::atomic<uint64_t> frames{0};
   std::atomic<uint64_t> bytes{0};
-  int active_streams = 0;  // guarded by the service's mu_
-  absl::Status error;      // guarded by the service's mu_: first stream failure
+  // Everything below is guarded by the service's mu_.
+  int active_streams = 0;
+  absl::Status error;  // first stream failure
+  // Streams 0 .. streams - 1 take frames (1: the Sync stream alone, a small transfer).
+  uint32_t streams = 1;
+  // Pacing: a stream takes a frame only while sent - acked < window (0 = no pacing).
+  uint64_t window = 0;
+  std::vector<uint64_t> sent;   // per stream: payload bytes of this transfer taken for writing
+  std::vector<uint64_t> acked;  // per stream: StreamProgress.received_bytes
 };
 
 struct DataPlaneService::Session {
@@ -56,6 +81,8 @@ struct DataPlaneService::Session {
   bool lz4 = false;
   uint32_t frame_bytes = 0;
   uint32_t granted_stripes = 0;
+  // Welcome.progress_bytes > 0: the subscriber reports StreamProgress and streams are paced.
+  bool progress = false;
   // Everything below is guarded by the service's mu_.
   std::vector<bool> stripe_joined;  // index 1..granted
   uint32_t joined_stripes = 0;
@@ -81,6 +108,7 @@ struct DataPlaneService::Session {
   std::set<std::string> keyframe_tensors;
   std::string keyframe_reason;
   uint64_t bytes_sent = 0;
+  std::vector<uint64_t> stream_bytes_sent;  // index 0 = Sync, i = stripe i
   v1::RefitStats last_refit;
 };
 
@@ -176,6 +204,8 @@ std::vector<v1::SessionStatus> DataPlaneService::Sessions() const {
     st.set_lag_versions(newest > held ? newest - held : 0);
     st.set_streams(1 + s->joined_stripes);
     st.set_bytes_sent(s->bytes_sent);
+    for (uint64_t b : s->stream_bytes_sent) st.add_stream_bytes_sent(b);
+    st.set_stream_progress(s->progress);
     st.set_connected_unix_nanos(s->connected_unix_nanos);
     *st.mutable_last_refit() = s->last_refit;
     out.push_back(std::move(st));
@@ -322,6 +352,8 @@ grpc::Status DataPlaneService::Sync(
                                     ? options_.max_streams_per_subscriber - 1
                                     : 0u);
   session->stripe_joined.assign(session->granted_stripes + 1, false);
+  session->stream_bytes_sent.assign(session->granted_stripes + 1, 0);
+  session->progress = hello.stream_progress() && options_.stream_window_bytes > 0;
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
@@ -342,11 +374,12 @@ grpc::Status DataPlaneService::Sync(
     sessions_[session->id] = session;
   }
   log_->info("session {:016x}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
-             "granted, frames of {} bytes{}",
+             "granted, frames of {} bytes{}{}",
              session->id, session->name, session->address,
              session->identity.empty() ? "" : ", identity " + session->identity, hello.version(),
              sync::DescribeLineage(hello.lineage()), session->granted_stripes,
-             session->frame_bytes, session->lz4 ? ", lz4" : "");
+             session->frame_bytes, session->lz4 ? ", lz4" : "",
+             session->progress ? ", paced by progress" : "");
   if (!session->diverged.empty()) {
     log_->warn("session {:016x}: subscriber {} diverged: {}: it gets keyframes; its version "
                "does not change this publisher's numbering",
@@ -392,6 +425,7 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     w->set_frame_bytes(session->frame_bytes);
     w->set_peer_identity(session->identity);
     w->set_lineage(core_->lineage());
+    if (session->progress) w->set_progress_bytes(kProgressBytes);
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }
@@ -438,7 +472,11 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
   v1::SubscriberMessage m;
   absl::Status error;
   while (stream->Read(&m)) {
-    if (m.has_ack()) {
+    if (m.has_progress()) {
+      absl::MutexLock lock(&mu_);
+      error = NoteProgressLocked(*session, m.progress());
+      if (error.ok()) continue;
+    } else if (m.has_ack()) {
       const v1::Ack& ack = m.ack();
       absl::MutexLock lock(&mu_);
       if (session->awaiting_ack == 0 || session->ack.has_value()) {
@@ -508,28 +546,65 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
   ++epoch_;
 }
 
+absl::Status DataPlaneService::NoteProgressLocked(Session& session,
+                                                  const v1::StreamProgress& p) {
+  if (!session.progress) {
+    return absl::FailedPreconditionError(
+        "StreamProgress on a session whose Welcome.progress_bytes is 0 (not paced)");
+  }
+  if (p.stream_index() > session.granted_stripes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("StreamProgress.stream_index ", p.stream_index(), " is outside 0..",
+                     session.granted_stripes, " (Sync and the granted stripes)"));
+  }
+  Work* work = session.work.get();
+  // A progress that crossed its transfer's Ack (or precedes any transfer) changes nothing.
+  if (work == nullptr || work->transfer->version() != p.version() ||
+      p.stream_index() >= work->acked.size()) {
+    return absl::OkStatus();
+  }
+  uint64_t& acked = work->acked[p.stream_index()];
+  acked = std::max(acked, std::min(p.received_bytes(), work->sent[p.stream_index()]));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> DataPlaneService::TakeFrame(Session& session, Work& work,
+                                                     uint32_t stream_index) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t count = work.transfer->frame_count();
+  auto may_take = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return session.ended || !work.error.ok() || work.next.load() >= count || work.window == 0 ||
+           work.sent[stream_index] - work.acked[stream_index] < work.window;
+  };
+  mu_.Await(absl::Condition(&may_take));
+  if (session.ended || !work.error.ok()) return absl::CancelledError("transfer abandoned");
+  return work.next.fetch_add(1, std::memory_order_relaxed);
+}
+
 absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session,
-                                         const std::shared_ptr<Work>& work,
+                                         const std::shared_ptr<Work>& work, uint32_t stream_index,
                                          const std::function<bool(const v1::DataFrame&)>& write) {
   const Transfer& t = *work->transfer;
   absl::Status status;
   uint64_t sent_bytes = 0;
-  for (;;) {
-    const uint64_t i = work->next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= t.frame_count()) break;
-    {
-      absl::MutexLock lock(&mu_);
-      if (session->ended || !work->error.ok()) break;
-    }
-    absl::StatusOr<v1::DataFrame> frame = t.Frame(i);
+  while (stream_index < work->streams) {
+    absl::StatusOr<uint64_t> i = TakeFrame(*session, *work, stream_index);
+    if (!i.ok() || *i >= t.frame_count()) break;
+    absl::StatusOr<v1::DataFrame> frame = t.Frame(*i);
     if (!frame.ok()) {
       status = frame.status();
       break;
     }
     const uint64_t n = frame->payload().size();
+    {
+      // Counted before the write so that a StreamProgress never reports more than was sent.
+      absl::MutexLock lock(&mu_);
+      work->sent[stream_index] += n;
+      session->stream_bytes_sent[stream_index] += n;
+    }
     if (!write(*frame)) {
-      status = absl::UnavailableError(
-          absl::StrCat("writing frame ", i, " of version ", t.version(), " failed (stream broken)"));
+      status = absl::UnavailableError(absl::StrCat("writing frame ", *i, " of version ",
+                                                   t.version(), " failed (stream broken)"));
       break;
     }
     sent_bytes += n;
@@ -544,189 +619,246 @@ absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session
   return status;
 }
 
+absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session,
+                                         LoopState& loop, TransferOptions* topts,
+                                         uint64_t* base_version, uint64_t* base_digest) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (session->ended || shutdown_) return true;
+    if (loop.idle && epoch_ == loop.idle_epoch) return false;
+    return absl::Now() >= loop.retry_at;
+  };
+  while (!ready()) {
+    const bool waiting_for_publish = loop.idle && epoch_ == loop.idle_epoch;
+    const absl::Time wake = loop.retry_at > absl::Now() && !waiting_for_publish
+                                ? loop.retry_at
+                                : absl::Now() + kIdleTick;
+    // An idle session looks at the core again every tick even without a NotifyPublished
+    // (a version published by another path, or a wake-up that raced with going idle).
+    if (!mu_.AwaitWithDeadline(absl::Condition(&ready), wake) && waiting_for_publish &&
+        absl::Now() >= loop.retry_at) {
+      break;
+    }
+  }
+  if (session->ended) return session->end_status;
+  if (shutdown_) return absl::UnavailableError("publisher shutting down");
+  loop.idle = false;
+  loop.idle_epoch = epoch_;
+  *base_version = session->acked_version;
+  *base_digest = session->acked_digest;
+  topts->plan.all_keyframes = session->all_keyframes;
+  topts->plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
+                                      session->keyframe_tensors.end());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Transfer>> DataPlaneService::MakeSessionTransfer(
+    const Session& session, uint64_t base_version, uint64_t base_digest, TransferOptions topts,
+    uint32_t* streams) const {
+  if (core_->newest_version() <= base_version) {
+    // Nothing newer (or the subscriber is ahead of a restarted publisher): wait for a publish.
+    return std::shared_ptr<const Transfer>();
+  }
+  topts.frame_bytes = session.frame_bytes;
+  topts.lz4 = session.lz4;
+  absl::StatusOr<std::shared_ptr<const Transfer>> made =
+      core_->MakeTransfer(base_version, base_digest, topts);
+  if (!made.ok()) {
+    if (absl::IsFailedPrecondition(made.status())) {  // raced with nothing published / ahead
+      return std::shared_ptr<const Transfer>();
+    }
+    return made.status();
+  }
+  if ((*made)->up_to_date()) return std::shared_ptr<const Transfer>();
+  // Every stream that carries the transfer gets several frames: smaller frames for a small
+  // transfer (the plan is made again; frames are produced lazily, so this costs no encoding).
+  const uint64_t bytes = (*made)->object_bytes();
+  *streams = options_.single_stream_below_bytes > 0 && bytes < options_.single_stream_below_bytes
+                 ? 1u
+                 : 1u + session.granted_stripes;
+  const uint32_t fb = TransferFrameBytes(bytes, *streams, session.frame_bytes);
+  if (fb == session.frame_bytes) return made;
+  topts.frame_bytes = fb;
+  made = core_->MakeTransfer(base_version, base_digest, topts);
+  if (!made.ok() && absl::IsFailedPrecondition(made.status())) {
+    return std::shared_ptr<const Transfer>();
+  }
+  if (made.ok() && (*made)->up_to_date()) return std::shared_ptr<const Transfer>();
+  return made;
+}
+
+v1::PublisherMessage DataPlaneService::HeaderMessage(const Transfer& t, const LoopState& loop,
+                                                     const TransferOptions& topts) {
+  v1::PublisherMessage header_msg;
+  *header_msg.mutable_header() = t.Header();
+  if (loop.rejections > 0 && header_msg.header().reason() == v1::TRANSFER_REASON_NEXT_VERSION) {
+    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_RETRY);
+  }
+  if ((!topts.plan.keyframe_tensors.empty() || topts.plan.all_keyframes) &&
+      header_msg.header().reason() != v1::TRANSFER_REASON_BOOTSTRAP) {
+    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
+  }
+  return header_msg;
+}
+
+absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
+    SyncStream* stream, const std::shared_ptr<Session>& session,
+    const std::shared_ptr<const Transfer>& t, const v1::PublisherMessage& header_msg,
+    uint32_t streams) {
+  auto work = std::make_shared<Work>();
+  work->transfer = t;
+  work->streams = streams;
+  work->window = session->progress ? StreamWindowBytes(t->object_bytes(), streams,
+                                                       options_.stream_window_bytes)
+                                   : 0;
+  work->sent.assign(1 + session->granted_stripes, 0);
+  work->acked.assign(1 + session->granted_stripes, 0);
+  {
+    absl::MutexLock lock(&mu_);
+    if (session->ended) return session->end_status;
+    session->state = v1::SESSION_STATE_TRANSFERRING;
+    session->all_keyframes = false;
+    session->keyframe_tensors.clear();
+    session->keyframe_reason.clear();
+    session->awaiting_ack = t->version();
+    session->ack.reset();
+  }
+  if (!stream->Write(header_msg)) {
+    return absl::UnavailableError(absl::StrCat("writing the header of version ", t->version(),
+                                               " failed (stream broken)"));
+  }
+  log_->debug("session {:016x}: version {} (base {}, {}) to {}: {} frames, {} object bytes, "
+              "{} streams, window {}",
+              session->id, t->version(), header_msg.header().base_version(),
+              v1::TransferReason_Name(header_msg.header().reason()), session->name,
+              t->frame_count(), t->object_bytes(), streams, work->window);
+  {
+    absl::MutexLock lock(&mu_);
+    work->active_streams = 1 + static_cast<int>(session->granted_stripes);
+    session->work = work;
+    ++session->work_seq;
+  }
+  SendShare(session, work, 0, [stream](const v1::DataFrame& f) {
+    v1::PublisherMessage m;
+    *m.mutable_frame() = f;
+    return stream->Write(m);
+  }).IgnoreError();  // recorded in work->error
+  {
+    absl::MutexLock lock(&mu_);
+    auto streams_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return session->ended || work->active_streams == 0;
+    };
+    mu_.Await(absl::Condition(&streams_done));
+    if (session->ended) return session->end_status;
+    if (!work->error.ok()) return work->error;
+  }
+  v1::PublisherMessage end_msg;
+  *end_msg.mutable_end() = t->End(work->bytes.load());
+  if (!stream->Write(end_msg)) {
+    return absl::UnavailableError(absl::StrCat("writing the end of version ", t->version(),
+                                               " failed (stream broken)"));
+  }
+  return end_msg.end();
+}
+
+absl::StatusOr<v1::Ack> DataPlaneService::AwaitAck(const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&mu_);
+  auto acked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return session->ended || session->ack.has_value();
+  };
+  mu_.Await(absl::Condition(&acked));
+  if (session->ended) return session->end_status;
+  v1::Ack ack = *session->ack;
+  session->ack.reset();
+  session->awaiting_ack = 0;
+  return ack;
+}
+
+absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& session,
+                                           const Transfer& t, const v1::VersionHeader& header,
+                                           const v1::VersionEnd& end, const v1::Ack& ack,
+                                           absl::Duration took, LoopState& loop) {
+  if (ack.applied_version() != t.version() ||
+      ack.applied_version_digest() != t.plan().version_digest) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "subscriber acked version ", t.version(), " as applied with applied_version ",
+        ack.applied_version(), " and digest ", absl::Hex(ack.applied_version_digest()),
+        "; expected version ", t.version(), " with digest ", absl::Hex(t.plan().version_digest)));
+  }
+  const v1::RefitStats stats = sync::TransferStats(header, end, end.wire_bytes(), took);
+  loop.rejections = 0;
+  loop.retry_at = absl::InfinitePast();
+  log_->info("session {:016x}: {} applied version {} (base {}, {}): wire {} of dense {} "
+             "bytes, {} keyframe tensors, {} ms",
+             session->id, session->name, t.version(), header.base_version(),
+             v1::TransferReason_Name(header.reason()), end.wire_bytes(), end.dense_bytes(),
+             stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
+  absl::MutexLock lock(&mu_);
+  session->acked_version = ack.applied_version();
+  session->acked_digest = ack.applied_version_digest();
+  session->verified = true;
+  session->diverged.clear();
+  session->last_refit = stats;
+  session->state = v1::SESSION_STATE_IDLE;
+  for (PendingVersion& p : pending_) {
+    if (p.version == t.version()) p.wire_bytes += end.wire_bytes();
+  }
+  NoteAckedLocked();
+  return absl::OkStatus();
+}
+
+absl::Status DataPlaneService::NoteRejected(const std::shared_ptr<Session>& session,
+                                            const Transfer& t, uint64_t base_version,
+                                            const v1::Ack& ack, LoopState& loop) {
+  if (ack.applied_version() != base_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "subscriber rejected version ", t.version(), " but reports applied_version ",
+        ack.applied_version(), " instead of its base ", base_version));
+  }
+  ++loop.rejections;
+  const absl::Duration delay = std::min(
+      options_.retry_max, options_.retry_initial * (1 << std::min(loop.rejections - 1, 16u)));
+  loop.retry_at = absl::Now() + delay;
+  log_->warn("session {:016x}: {} rejected version {} (base {}): {}{}; retry {} in {}",
+             session->id, session->name, t.version(), base_version, ack.error(),
+             ack.mismatched_tensors().empty()
+                 ? std::string()
+                 : absl::StrCat(" (", ack.mismatched_tensors_size(),
+                                " tensors mismatched: keyframes next)"),
+             loop.rejections, absl::FormatDuration(delay));
+  absl::MutexLock lock(&mu_);
+  session->keyframe_tensors.insert(ack.mismatched_tensors().begin(),
+                                   ack.mismatched_tensors().end());
+  if (!ack.mismatched_tensors().empty()) session->keyframe_reason = "digest mismatch";
+  session->state = v1::SESSION_STATE_IDLE;
+  return absl::OkStatus();
+}
+
 absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
                                            const std::shared_ptr<Session>& session) {
-  uint32_t rejections = 0;
-  absl::Time retry_at = absl::InfinitePast();
-  uint64_t idle_epoch = 0;  // epoch at which the last "nothing to send" was decided
-  bool idle = false;
+  LoopState loop;
   for (;;) {
     TransferOptions topts;
     uint64_t base_version = 0;
     uint64_t base_digest = 0;
-    std::string keyframe_reason;
-    {
-      absl::MutexLock lock(&mu_);
-      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        if (session->ended || shutdown_) return true;
-        if (idle && epoch_ == idle_epoch) return false;
-        return absl::Now() >= retry_at;
-      };
-      while (!ready()) {
-        const bool waiting_for_publish = idle && epoch_ == idle_epoch;
-        const absl::Time wake =
-            retry_at > absl::Now() && !waiting_for_publish ? retry_at : absl::Now() + kIdleTick;
-        // An idle session looks at the core again every tick even without a NotifyPublished
-        // (a version published by another path, or a wake-up that raced with going idle).
-        if (!mu_.AwaitWithDeadline(absl::Condition(&ready), wake) && waiting_for_publish &&
-            absl::Now() >= retry_at) {
-          break;
-        }
-      }
-      if (session->ended) return session->end_status;
-      if (shutdown_) return absl::UnavailableError("publisher shutting down");
-      idle = false;
-      idle_epoch = epoch_;
-      base_version = session->acked_version;
-      base_digest = session->acked_digest;
-      topts.plan.all_keyframes = session->all_keyframes;
-      topts.plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
-                                         session->keyframe_tensors.end());
-      keyframe_reason = session->keyframe_reason;
-    }
-    const uint64_t newest = core_->newest_version();
-    if (newest <= base_version) {
-      // Nothing newer (or the subscriber is ahead of a restarted publisher): wait for a publish.
-      idle = true;
+    RETURN_IF_ERROR(AwaitTurn(session, loop, &topts, &base_version, &base_digest));
+    uint32_t streams = 1;
+    ASSIGN_OR_RETURN(std::shared_ptr<const Transfer> t,
+                     MakeSessionTransfer(*session, base_version, base_digest, topts, &streams));
+    if (t == nullptr) {  // nothing to send: wait for a publish (or a resync)
+      loop.idle = true;
       continue;
     }
-    topts.frame_bytes = session->frame_bytes;
-    topts.lz4 = session->lz4;
-    absl::StatusOr<std::shared_ptr<const Transfer>> made =
-        core_->MakeTransfer(base_version, base_digest, topts);
-    if (!made.ok()) {
-      if (absl::IsFailedPrecondition(made.status())) {  // raced with nothing published / ahead
-        idle = true;
-        continue;
-      }
-      return made.status();
-    }
-    std::shared_ptr<const Transfer> t = *std::move(made);
-    if (t->up_to_date()) {
-      idle = true;
-      continue;
-    }
-    v1::PublisherMessage header_msg;
-    *header_msg.mutable_header() = t->Header();
-    if (rejections > 0 && header_msg.header().reason() == v1::TRANSFER_REASON_NEXT_VERSION) {
-      header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_RETRY);
-    }
-    if ((!topts.plan.keyframe_tensors.empty() || topts.plan.all_keyframes) &&
-        header_msg.header().reason() != v1::TRANSFER_REASON_BOOTSTRAP) {
-      header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
-    }
-    const v1::VersionHeader& header = header_msg.header();
-    auto work = std::make_shared<Work>();
-    work->transfer = t;
-    {
-      absl::MutexLock lock(&mu_);
-      if (session->ended) return session->end_status;
-      session->state = v1::SESSION_STATE_TRANSFERRING;
-      session->all_keyframes = false;
-      session->keyframe_tensors.clear();
-      session->keyframe_reason.clear();
-      session->awaiting_ack = t->version();
-      session->ack.reset();
-    }
+    const v1::PublisherMessage header_msg = HeaderMessage(*t, loop, topts);
     const absl::Time start = absl::Now();
-    if (!stream->Write(header_msg)) {
-      return absl::UnavailableError(absl::StrCat("writing the header of version ", t->version(),
-                                                 " failed (stream broken)"));
-    }
-    log_->debug("session {:016x}: version {} (base {}, {}) to {}: {} frames, {} object bytes",
-                session->id, t->version(), header.base_version(),
-                v1::TransferReason_Name(header.reason()), session->name, t->frame_count(),
-                t->object_bytes());
-    {
-      absl::MutexLock lock(&mu_);
-      work->active_streams = 1 + static_cast<int>(session->granted_stripes);
-      session->work = work;
-      ++session->work_seq;
-    }
-    SendShare(session, work, [stream](const v1::DataFrame& f) {
-      v1::PublisherMessage m;
-      *m.mutable_frame() = f;
-      return stream->Write(m);
-    }).IgnoreError();  // recorded in work->error
-    {
-      absl::MutexLock lock(&mu_);
-      auto streams_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return session->ended || work->active_streams == 0;
-      };
-      mu_.Await(absl::Condition(&streams_done));
-      if (session->ended) return session->end_status;
-      if (!work->error.ok()) return work->error;
-    }
-    v1::PublisherMessage end_msg;
-    *end_msg.mutable_end() = t->End(work->bytes.load());
-    if (!stream->Write(end_msg)) {
-      return absl::UnavailableError(absl::StrCat("writing the end of version ", t->version(),
-                                                 " failed (stream broken)"));
-    }
-    v1::Ack ack;
-    {
-      absl::MutexLock lock(&mu_);
-      auto acked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return session->ended || session->ack.has_value();
-      };
-      mu_.Await(absl::Condition(&acked));
-      if (session->ended) return session->end_status;
-      ack = *session->ack;
-      session->ack.reset();
-      session->awaiting_ack = 0;
-    }
+    ASSIGN_OR_RETURN(const v1::VersionEnd end,
+                     SendTransfer(stream, session, t, header_msg, streams));
+    ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
     const absl::Duration took = absl::Now() - start;
     if (ack.result() == v1::ACK_RESULT_APPLIED) {
-      if (ack.applied_version() != t->version() ||
-          ack.applied_version_digest() != t->plan().version_digest) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "subscriber acked version ", t->version(), " as applied with applied_version ",
-            ack.applied_version(), " and digest ", absl::Hex(ack.applied_version_digest()),
-            "; expected version ", t->version(), " with digest ",
-            absl::Hex(t->plan().version_digest)));
-      }
-      const v1::VersionEnd end = end_msg.end();
-      const v1::RefitStats stats = sync::TransferStats(header, end, end.wire_bytes(), took);
-      rejections = 0;
-      retry_at = absl::InfinitePast();
-      log_->info("session {:016x}: {} applied version {} (base {}, {}): wire {} of dense {} "
-                 "bytes, {} keyframe tensors, {} ms",
-                 session->id, session->name, t->version(), header.base_version(),
-                 v1::TransferReason_Name(header.reason()), end.wire_bytes(), end.dense_bytes(),
-                 stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
-      absl::MutexLock lock(&mu_);
-      session->acked_version = ack.applied_version();
-      session->acked_digest = ack.applied_version_digest();
-      session->verified = true;
-      session->diverged.clear();
-      session->last_refit = stats;
-      session->state = v1::SESSION_STATE_IDLE;
-      for (PendingVersion& p : pending_) {
-        if (p.version == t->version()) p.wire_bytes += end.wire_bytes();
-      }
-      NoteAckedLocked();
+      RETURN_IF_ERROR(NoteApplied(session, *t, header_msg.header(), end, ack, took, loop));
     } else {
-      if (ack.applied_version() != base_version) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "subscriber rejected version ", t->version(), " but reports applied_version ",
-            ack.applied_version(), " instead of its base ", base_version));
-      }
-      ++rejections;
-      const absl::Duration delay =
-          std::min(options_.retry_max, options_.retry_initial * (1 << std::min(rejections - 1, 16u)));
-      retry_at = absl::Now() + delay;
-      log_->warn("session {:016x}: {} rejected version {} (base {}): {}{}; retry {} in {}",
-                 session->id, session->name, t->version(), base_version, ack.error(),
-                 ack.mismatched_tensors().empty()
-                     ? std::string()
-                     : absl::StrCat(" (", ack.mismatched_tensors_size(),
-                                    " tensors mismatched: keyframes next)"),
-                 rejections, absl::FormatDuration(delay));
-      absl::MutexLock lock(&mu_);
-      session->keyframe_tensors.insert(ack.mismatched_tensors().begin(),
-                                       ack.mismatched_tensors().end());
-      if (!ack.mismatched_tensors().empty()) session->keyframe_reason = "digest mismatch";
-      session->state = v1::SESSION_STATE_IDLE;
+      RETURN_IF_ERROR(NoteRejected(session, *t, base_version, ack, loop));
     }
   }
 }
@@ -792,7 +924,7 @@ grpc::Status DataPlaneService::Stripe(grpc::ServerContext* context,
       seen_seq = session->work_seq;
       work = session->work;
     }
-    status = SendShare(session, work, [writer](const v1::DataFrame& f) {
+    status = SendShare(session, work, request->stripe_index(), [writer](const v1::DataFrame& f) {
       return writer->Write(f);
     });
     if (!status.ok()) {

@@ -8,12 +8,16 @@
 //
 // One Sync call = one session. The handler thread reads Hello, answers Welcome, waits for the
 // granted stripes, then runs transfers one at a time: MakeTransfer(acked version, digest) ->
-// VersionHeader on Sync, DataFrames pulled from one shared counter by every stream of the session
-// (Sync and its stripes, so a slow connection simply sends fewer frames), VersionEnd on Sync once
-// every stream has written its share, then waits for the Ack (read by a second thread of the
-// session). A rejected transfer is retried (keyframes for the tensors the Ack names, all
-// keyframes after a rejection that names none) after a delay that grows per consecutive
-// rejection.
+// VersionHeader on Sync, DataFrames pulled from one shared counter by the streams of the session
+// that carry the transfer (Sync and its stripes; Sync alone below single_stream_below_bytes),
+// VersionEnd on Sync once every stream has written its share, then waits for the Ack (read by a
+// second thread of the session, which also reads StreamProgress). A small transfer is cut into
+// smaller frames (TransferFrameBytes) so that every stream gets several. With a subscriber that
+// reports progress, a stream takes the next frame only while its unacknowledged bytes are below
+// the transfer's window (StreamWindowBytes): each connection carries a share proportional to
+// its current rate, instead of the first streams taking everything into their send buffers.
+// A rejected transfer is retried (keyframes for the tensors the Ack names, all keyframes after
+// a rejection that names none) after a delay that grows per consecutive rejection.
 //
 // Thread-safe. The gRPC server's sync thread pool runs the handlers; NotifyPublished() wakes the
 // idle sessions after PublisherCore::Publish. Shutdown() ends every session (handlers return
@@ -53,7 +57,11 @@ struct DataPlaneOptions {
   uint32_t max_subscribers = 1024;
   // config transport.stripe_join_timeout_ms.
   absl::Duration stripe_join_timeout = absl::Seconds(10);
-  // LZ4 for keyframe chunks when the subscriber accepts it.
+  // config transport.stream_window_bytes (0 = no pacing) and single_stream_below_bytes.
+  uint64_t stream_window_bytes = 32u << 20;
+  uint64_t single_stream_below_bytes = 0;
+  // LZ4 for keyframe chunks when the subscriber accepts it (and a sample of the tensor shrinks:
+  // sync::Lz4Pays).
   bool lz4 = true;
   // Delay before re-sending after a rejected transfer: initial, doubled per consecutive
   // rejection, capped.
@@ -62,6 +70,24 @@ struct DataPlaneOptions {
   // Logger component name ("dataplane"; "peers" on a subscriber serving peers).
   std::string logger = "dataplane";
 };
+
+// Frame scheduling (docs/ARCHITECTURE.md "Data plane sessions").
+// Frames per carrying stream a transfer should have at least; its frames shrink down to
+// kMinTransferFrameBytes to get them.
+inline constexpr uint32_t kFramesPerStream = 4;
+inline constexpr uint32_t kMinTransferFrameBytes = 64 * 1024;
+// Welcome.progress_bytes of a paced session, and the smallest window (> progress_bytes, so a
+// stream never waits for received but unreported bytes).
+inline constexpr uint32_t kProgressBytes = 64 * 1024;
+inline constexpr uint64_t kMinStreamWindowBytes = 256 * 1024;
+
+// Frame size of a transfer of object_bytes over `streams` streams: session_frame_bytes when
+// that gives every stream kFramesPerStream frames, else smaller (4 KiB multiple, at least
+// kMinTransferFrameBytes, at most session_frame_bytes).
+uint32_t TransferFrameBytes(uint64_t object_bytes, uint32_t streams, uint32_t session_frame_bytes);
+// Per-stream window of a paced transfer: its bytes / streams, clamped to
+// [kMinStreamWindowBytes, max(cap, kMinStreamWindowBytes)]; 0 when cap is 0 (no pacing).
+uint64_t StreamWindowBytes(uint64_t object_bytes, uint32_t streams, uint64_t cap);
 
 class DataPlaneService final : public v1::DataPlane::Service {
  public:
@@ -119,6 +145,13 @@ class DataPlaneService final : public v1::DataPlane::Service {
     uint64_t wire_bytes = 0;
   };
   using SyncStream = grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>;
+  // TransferLoop's state between transfers.
+  struct LoopState {
+    uint32_t rejections = 0;  // consecutive
+    absl::Time retry_at = absl::InfinitePast();
+    bool idle = false;        // nothing to send as of idle_epoch
+    uint64_t idle_epoch = 0;
+  };
 
   grpc::Status RunSession(grpc::ServerContext* context, SyncStream* stream,
                           const std::shared_ptr<Session>& session);
@@ -126,9 +159,40 @@ class DataPlaneService final : public v1::DataPlane::Service {
   void ReaderLoop(SyncStream* stream, const std::shared_ptr<Session>& session);
   // Runs transfers until the session ends; returns why it ended.
   absl::Status TransferLoop(SyncStream* stream, const std::shared_ptr<Session>& session);
-  // Writes frames of `work` pulled from its shared counter until none is left.
+  // TransferLoop's steps. Waits until the session may start a transfer (a publish, a resync, the
+  // retry delay) and takes its base and keyframe wishes.
+  absl::Status AwaitTurn(const std::shared_ptr<Session>& session, LoopState& loop,
+                         TransferOptions* topts, uint64_t* base_version, uint64_t* base_digest);
+  // The transfer to send (nullptr: nothing to send), its frame size chosen for the streams that
+  // carry it (*streams).
+  absl::StatusOr<std::shared_ptr<const Transfer>> MakeSessionTransfer(
+      const Session& session, uint64_t base_version, uint64_t base_digest, TransferOptions topts,
+      uint32_t* streams) const;
+  static v1::PublisherMessage HeaderMessage(const Transfer& t, const LoopState& loop,
+                                            const TransferOptions& topts);
+  // VersionHeader, every frame over the carrying streams, VersionEnd (returned).
+  absl::StatusOr<v1::VersionEnd> SendTransfer(SyncStream* stream,
+                                              const std::shared_ptr<Session>& session,
+                                              const std::shared_ptr<const Transfer>& t,
+                                              const v1::PublisherMessage& header_msg,
+                                              uint32_t streams);
+  absl::StatusOr<v1::Ack> AwaitAck(const std::shared_ptr<Session>& session);
+  absl::Status NoteApplied(const std::shared_ptr<Session>& session, const Transfer& t,
+                           const v1::VersionHeader& header, const v1::VersionEnd& end,
+                           const v1::Ack& ack, absl::Duration took, LoopState& loop);
+  absl::Status NoteRejected(const std::shared_ptr<Session>& session, const Transfer& t,
+                            uint64_t base_version, const v1::Ack& ack, LoopState& loop);
+  // Writes frames of `work` pulled from its shared counter on stream `stream_index` until none
+  // is left (at once when the stream does not carry the transfer).
   absl::Status SendShare(const std::shared_ptr<Session>& session, const std::shared_ptr<Work>& work,
+                         uint32_t stream_index,
                          const std::function<bool(const v1::DataFrame&)>& write);
+  // The next frame index for stream_index, once its window allows (>= frame_count: none left);
+  // Cancelled when the session ended or another stream failed.
+  absl::StatusOr<uint64_t> TakeFrame(Session& session, Work& work, uint32_t stream_index);
+  // A StreamProgress from the subscriber (data.proto): raises the stream's acked bytes.
+  absl::Status NoteProgressLocked(Session& session, const v1::StreamProgress& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NoteAckedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hello's version, digest and lineage against this publisher's (data.proto "Versions and
   // lineage"): sets the session's base (0 when diverged) and whether it holds our version.

@@ -286,6 +286,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
   dp.max_subscribers = transport.max_subscribers();
   dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
+  dp.stream_window_bytes = transport.stream_window_bytes();
+  dp.single_stream_below_bytes = transport.single_stream_below_bytes();
   daemon->data_plane_ = std::make_unique<DataPlaneService>(daemon->core_.get(), dp);
   PublishQueueOptions queue_options;
   queue_options.max_pending = config.publish_queue().max_pending();

@@ -247,6 +247,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   up.backoff_max = absl::Milliseconds(c.upstream().backoff().max_ms());
   up.backoff_multiplier = c.upstream().backoff().multiplier();
   up.backoff_jitter = c.upstream().backoff().jitter();
+  up.stream_progress = c.upstream().stream_progress();
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
 

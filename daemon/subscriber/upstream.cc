@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -10,6 +11,7 @@
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/sync/transfer_stats.h"
 #include "daemon/sync/versions.h"
 #include "grpcpp/create_channel.h"
@@ -46,7 +48,8 @@ struct Upstream::Session {
   std::unique_ptr<v1::DataPlane::Stub> stub;
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SubscriberMessage, v1::PublisherMessage>> stream;
-  absl::Mutex write_mu;  // one Write at a time on the Sync stream
+  absl::Mutex write_mu;  // one Write at a time on the Sync stream (stripes write progress)
+  bool finished ABSL_GUARDED_BY(write_mu) = false;  // Finish called: no more writes
   // Stripes.
   struct StripeConn {
     std::shared_ptr<grpc::Channel> channel;
@@ -55,6 +58,14 @@ struct Upstream::Session {
     std::thread thread;
   };
   std::vector<std::unique_ptr<StripeConn>> stripes;
+  // Set by Connect / MakeHello / NoteWelcome before the stripes start; read-only afterwards.
+  bool connected = false;
+  bool resync = false;  // this Hello carries the pending resync
+  std::vector<std::string> resync_tensors;
+  uint32_t progress_bytes = 0;  // Welcome.progress_bytes (0 = send no StreamProgress)
+  // The open transfer's header, and when it arrived (session thread only).
+  v1::VersionHeader header;
+  absl::Time header_time;
 
   absl::Mutex mu;
   // Version of the transfer whose header was accepted (0 = none open).
@@ -63,6 +74,15 @@ struct Upstream::Session {
   uint64_t last_header_version ABSL_GUARDED_BY(mu) = 0;  // newest accepted VersionHeader
   bool broken ABSL_GUARDED_BY(mu) = false;
   absl::Status error ABSL_GUARDED_BY(mu);
+  // Per stream (0 = Sync): payload bytes of the open transfer received, and as last reported.
+  std::vector<uint64_t> stream_received ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> stream_reported ABSL_GUARDED_BY(mu);
+
+  void JoinStripes() {
+    for (auto& s : stripes) {
+      if (s->thread.joinable()) s->thread.join();
+    }
+  }
 
   void Break(absl::Status status) {
     {
@@ -77,7 +97,12 @@ struct Upstream::Session {
   }
   bool Write(const v1::SubscriberMessage& m) {
     absl::MutexLock lock(&write_mu);
-    return stream->Write(m);
+    return !finished && stream->Write(m);
+  }
+  grpc::Status Finish() {
+    absl::MutexLock lock(&write_mu);
+    finished = true;
+    return stream->Finish();
   }
 };
 
@@ -217,6 +242,234 @@ void Upstream::Run() {
   }
 }
 
+std::shared_ptr<grpc::Channel> Upstream::MakeChannel(const std::string& target, int stripe) const {
+  grpc::ChannelArguments args = options_.channel_args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_frame_bytes) + (1 << 20));
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_time)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_timeout)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A distinct argument per stream gives each its own subchannel, i.e. its own TCP
+  // connection and HTTP/2 flow-control window.
+  args.SetInt("refit.stripe", stripe);
+  return grpc::CreateCustomChannel(target, options_.credentials, args);
+}
+
+void Upstream::Connect(Session& session) {
+  session.channel = MakeChannel(session.target, 0);
+  session.stub = v1::DataPlane::NewStub(session.channel);
+  // Wait for the connection, but give up at the first failed attempt (refused, TLS handshake):
+  // the Sync call then fails at once with gRPC's reason.
+  const auto deadline = absl::ToChronoTime(absl::Now() + options_.connect_timeout);
+  for (;;) {
+    const grpc_connectivity_state state = session.channel->GetState(true);
+    if (state == GRPC_CHANNEL_READY) {
+      session.connected = true;
+      break;
+    }
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) break;
+    if (!session.channel->WaitForStateChange(state, deadline)) break;
+  }
+  session.stream = session.stub->Sync(&session.context);
+}
+
+v1::SubscriberMessage Upstream::MakeHello(Session& session) {
+  v1::SubscriberMessage hello_msg;
+  v1::Hello* hello = hello_msg.mutable_hello();
+  hello->set_protocol(v1::PROTOCOL_VERSION_1);
+  hello->set_name(options_.name);
+  hello->set_version(core_->applied_version());
+  hello->set_version_digest(core_->applied_digest());
+  hello->set_lineage(core_->applied_lineage());
+  for (v1::TensorDigest& d : core_->applied_tensor_digests()) *hello->add_tensors() = std::move(d);
+  hello->set_stripes(options_.connections > 0 ? options_.connections - 1 : 0);
+  hello->set_max_frame_bytes(options_.max_frame_bytes);
+  hello->add_patch_formats(format::kVersion);
+  hello->add_compressions(v1::COMPRESSION_LZ4);
+  hello->set_stream_progress(options_.stream_progress);
+  absl::MutexLock lock(&mu_);
+  if (resync_pending_) {
+    session.resync = true;
+    session.resync_tensors = resync_tensors_;
+    resync_pending_ = false;
+    resync_tensors_.clear();
+    if (session.resync_tensors.empty()) hello->set_want_keyframe(true);
+  }
+  return hello_msg;
+}
+
+absl::Status Upstream::Fail(Session& session, absl::Status st) {
+  if (session.resync) {  // not delivered: keep it for the next session
+    absl::MutexLock lock(&mu_);
+    resync_pending_ = true;
+    resync_tensors_ = session.resync_tensors;
+  }
+  session.Break(st);
+  session.JoinStripes();
+  return st;
+}
+
+absl::Status Upstream::FinishStatus(Session& session, const std::string& what) {
+  // Only after a Read or Write failed, i.e. the call is over, so Finish does not block.
+  grpc::Status gs = session.Finish();
+  absl::Status st = FromGrpcStatus(gs);
+  if (st.ok()) st = absl::UnavailableError("stream ended by the upstream");
+  if (st.code() == absl::StatusCode::kUnimplemented) {  // e.g. a subscriber's control port
+    return absl::UnimplementedError(absl::StrCat(
+        "upstream ", session.target, " does not serve refit.v1.DataPlane (UNIMPLEMENTED): is it "
+        "a publisher or a relay subscriber (serve_peers: true)?"));
+  }
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
+                                              session.connected ? "" : " (not connected)"));
+}
+
+absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
+                                                const v1::SubscriberMessage& hello_msg) {
+  if (!session.stream->Write(hello_msg)) return FinishStatus(session, "sending Hello failed");
+  v1::PublisherMessage msg;
+  if (!session.stream->Read(&msg)) return FinishStatus(session, "no Welcome");
+  if (!msg.has_welcome()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "expected Welcome as the first message, got ", PublisherMessageKind(msg)));
+  }
+  const v1::Welcome& welcome = msg.welcome();
+  const v1::Hello& hello = hello_msg.hello();
+  if (welcome.protocol() != v1::PROTOCOL_VERSION_1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Welcome.protocol ", static_cast<int>(welcome.protocol()), " is not 1"));
+  }
+  if (welcome.frame_bytes() == 0 || welcome.frame_bytes() > options_.max_frame_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("Welcome.frame_bytes ",
+                                                      welcome.frame_bytes(), " is outside 1..",
+                                                      options_.max_frame_bytes));
+  }
+  if (welcome.stripes() > hello.stripes()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Welcome grants ", welcome.stripes(), " stripes, more than the ",
+                     hello.stripes(), " asked for"));
+  }
+  if (welcome.progress_bytes() > 0 && !hello.stream_progress()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Welcome.progress_bytes is ", welcome.progress_bytes(),
+        " but Hello.stream_progress was false"));
+  }
+  if (session.bootstrap_peer && welcome.newest_version() == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet"));
+  }
+  return welcome;
+}
+
+void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
+  core_->SetMaxFrameBytes(welcome.frame_bytes());
+  log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes{}, its "
+             "newest version {} ({}), ours {} ({})",
+             session.target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),
+             welcome.frame_bytes(), welcome.progress_bytes() > 0 ? ", paced" : "",
+             welcome.newest_version(), sync::DescribeLineage(welcome.lineage()),
+             core_->applied_version(), sync::DescribeLineage(core_->applied_lineage()));
+  if (core_->applied_version() != 0 && welcome.lineage() != core_->applied_lineage()) {
+    log_->warn("upstream {} is of another lineage than our version {}: its versions replace "
+               "ours by keyframes, even at lower version numbers",
+               session.target, core_->applied_version());
+  }
+  session.session_id = welcome.session_id();
+  session.progress_bytes = welcome.progress_bytes();
+  {
+    absl::MutexLock lock(&session.mu);
+    session.stream_received.assign(1 + welcome.stripes(), 0);
+    session.stream_reported.assign(1 + welcome.stripes(), 0);
+  }
+  absl::MutexLock lock(&mu_);
+  status_.set_name(welcome.name());
+  status_.set_identity(welcome.peer_identity());
+  status_.set_connected_unix_nanos(NowUnixNanos());
+  status_.set_streams(1 + welcome.stripes());
+  status_.set_last_error("");
+}
+
+bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, const v1::DataFrame& frame,
+                             uint32_t stream_index) {
+  bool stale = false;
+  {
+    absl::MutexLock lock(&session->mu);
+    // A stripe frame may overtake its header (different connection): while no transfer is
+    // open, a frame of a version above the last header waits for its header. Any other frame
+    // goes to the core, which rejects a frame of another transfer (and fails that transfer).
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
+      return session->broken || session->open_version != 0 ||
+             frame.version() <= session->last_header_version;
+    };
+    session->mu.Await(absl::Condition(&ready));
+    if (session->broken) return false;
+    stale = session->open_version == 0;
+  }
+  if (stale) {  // a frame of a transfer that already ended: the upstream broke the protocol
+    session->Break(absl::FailedPreconditionError(
+        absl::StrCat("DataFrame of version ", frame.version(),
+                     " arrived after its transfer ended (no transfer is open)")));
+    return false;
+  }
+  absl::Status st = core_->OnFrame(frame);
+  if (!st.ok()) {
+    log_->warn("version {}: frame rejected: {}", frame.version(), st.ToString());
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    bytes_received_ += frame.payload().size();
+  }
+  std::optional<v1::SubscriberMessage> progress;
+  {
+    absl::MutexLock lock(&session->mu);
+    ++session->frames;
+    if (session->progress_bytes > 0 && stream_index < session->stream_received.size() &&
+        frame.version() == session->open_version) {
+      uint64_t& received = session->stream_received[stream_index];
+      received += frame.payload().size();
+      if (received - session->stream_reported[stream_index] >= session->progress_bytes) {
+        session->stream_reported[stream_index] = received;
+        progress.emplace();
+        v1::StreamProgress* p = progress->mutable_progress();
+        p->set_version(frame.version());
+        p->set_stream_index(stream_index);
+        p->set_received_bytes(received);
+      }
+    }
+  }
+  // A failed write breaks the Sync stream, which the session thread notices.
+  if (progress.has_value()) session->Write(*progress);
+  return true;
+}
+
+void Upstream::StartStripes(const std::shared_ptr<Session>& session, uint32_t stripes) {
+  for (uint32_t i = 1; i <= stripes; ++i) {
+    auto conn = std::make_unique<Session::StripeConn>();
+    conn->channel = MakeChannel(session->target, static_cast<int>(i));
+    conn->stub = v1::DataPlane::NewStub(conn->channel);
+    session->stripes.push_back(std::move(conn));
+  }
+  for (uint32_t i = 1; i <= stripes; ++i) {
+    Session::StripeConn* conn = session->stripes[i - 1].get();
+    conn->thread = std::thread([this, session, conn, i] {
+      v1::StripeRequest req;
+      req.set_session_id(session->session_id);
+      req.set_stripe_index(i);
+      auto reader = conn->stub->Stripe(&conn->context, req);
+      v1::DataFrame frame;
+      while (reader->Read(&frame)) {
+        if (!OnStreamFrame(session, frame, i)) break;
+      }
+      absl::Status st = FromGrpcStatus(reader->Finish());
+      session->Break(st.ok() ? absl::UnavailableError(absl::StrCat("stripe ", i, " ended"))
+                             : absl::Status(st.code(),
+                                            absl::StrCat("stripe ", i, ": ", st.message())));
+    });
+  }
+}
+
 absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer,
                                   bool* welcomed) {
   auto session = std::make_shared<Session>();
@@ -230,240 +483,38 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
     status_.set_address(target);
     status_.set_streams(0);
   }
-  auto make_channel = [&](int stripe) {
-    grpc::ChannelArguments args = options_.channel_args;
-    args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_frame_bytes) + (1 << 20));
-    args.SetMaxSendMessageSize(-1);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
-                static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_time)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_timeout)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-    // A distinct argument per stream gives each its own subchannel, i.e. its own TCP
-    // connection and HTTP/2 flow-control window.
-    args.SetInt("refit.stripe", stripe);
-    return grpc::CreateCustomChannel(target, options_.credentials, args);
-  };
-  session->channel = make_channel(0);
-  session->stub = v1::DataPlane::NewStub(session->channel);
-  // Wait for the connection, but give up at the first failed attempt (refused, TLS handshake):
-  // the Sync call below then fails at once with gRPC's reason.
-  bool connected = false;
-  {
-    const auto deadline = absl::ToChronoTime(absl::Now() + options_.connect_timeout);
-    for (;;) {
-      const grpc_connectivity_state state = session->channel->GetState(true);
-      if (state == GRPC_CHANNEL_READY) {
-        connected = true;
-        break;
-      }
-      if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) break;
-      if (!session->channel->WaitForStateChange(state, deadline)) break;
-    }
-  }
-  session->stream = session->stub->Sync(&session->context);
-  // Not connected: the call fails at once with gRPC's reason (refused, TLS handshake, ...).
-  v1::SubscriberMessage hello_msg;
-  v1::Hello* hello = hello_msg.mutable_hello();
-  hello->set_protocol(v1::PROTOCOL_VERSION_1);
-  hello->set_name(options_.name);
-  hello->set_version(core_->applied_version());
-  hello->set_version_digest(core_->applied_digest());
-  hello->set_lineage(core_->applied_lineage());
-  for (v1::TensorDigest& d : core_->applied_tensor_digests()) *hello->add_tensors() = std::move(d);
-  hello->set_stripes(options_.connections > 0 ? options_.connections - 1 : 0);
-  hello->set_max_frame_bytes(options_.max_frame_bytes);
-  hello->add_patch_formats(format::kVersion);
-  hello->add_compressions(v1::COMPRESSION_LZ4);
-  std::vector<std::string> resync_tensors;
-  bool resync = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (resync_pending_) {
-      resync = true;
-      resync_tensors = resync_tensors_;
-      resync_pending_ = false;
-      resync_tensors_.clear();
-      if (resync_tensors.empty()) hello->set_want_keyframe(true);
-    }
-  }
-  auto fail = [&](absl::Status st) -> absl::Status {
-    if (resync) {  // not delivered: keep it for the next session
-      absl::MutexLock lock(&mu_);
-      resync_pending_ = true;
-      resync_tensors_ = resync_tensors;
-    }
-    session->Break(st);
-    for (auto& s : session->stripes) {
-      if (s->thread.joinable()) s->thread.join();
-    }
-    return st;
-  };
-  // The call's final status (e.g. the publisher's PERMISSION_DENIED): only after a Read or Write
-  // failed, i.e. the call is over, so Finish does not block.
-  auto finish_status = [&](const std::string& what) -> absl::Status {
-    grpc::Status gs = session->stream->Finish();
-    absl::Status st = FromGrpcStatus(gs);
-    if (st.ok()) st = absl::UnavailableError("stream ended by the upstream");
-    if (st.code() == absl::StatusCode::kUnimplemented) {  // e.g. a subscriber's control port
-      return absl::UnimplementedError(absl::StrCat(
-          "upstream ", target, " does not serve refit.v1.DataPlane (UNIMPLEMENTED): is it a "
-          "publisher or a relay subscriber (serve_peers: true)?"));
-    }
-    return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
-                                                connected ? "" : " (not connected)"));
-  };
-  if (!session->stream->Write(hello_msg)) return fail(finish_status("sending Hello failed"));
-  v1::PublisherMessage msg;
-  if (!session->stream->Read(&msg)) return fail(finish_status("no Welcome"));
-  if (!msg.has_welcome()) {
-    return fail(absl::FailedPreconditionError(absl::StrCat(
-        "expected Welcome as the first message, got ", PublisherMessageKind(msg))));
-  }
-  const v1::Welcome welcome = msg.welcome();
-  if (welcome.protocol() != v1::PROTOCOL_VERSION_1) {
-    return fail(absl::FailedPreconditionError(
-        absl::StrCat("Welcome.protocol ", static_cast<int>(welcome.protocol()), " is not 1")));
-  }
-  if (welcome.frame_bytes() == 0 || welcome.frame_bytes() > options_.max_frame_bytes) {
-    return fail(absl::FailedPreconditionError(absl::StrCat(
-        "Welcome.frame_bytes ", welcome.frame_bytes(), " is outside 1..", options_.max_frame_bytes)));
-  }
-  if (welcome.stripes() > hello->stripes()) {
-    return fail(absl::FailedPreconditionError(absl::StrCat(
-        "Welcome grants ", welcome.stripes(), " stripes, more than the ", hello->stripes(),
-        " asked for")));
-  }
-  if (bootstrap_peer && welcome.newest_version() == 0) {
-    return fail(absl::UnavailableError(
-        absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet")));
-  }
+  Connect(*session);
+  const v1::SubscriberMessage hello_msg = MakeHello(*session);
+  absl::StatusOr<v1::Welcome> welcome = Handshake(*session, hello_msg);
+  if (!welcome.ok()) return Fail(*session, welcome.status());
   *welcomed = true;
-  core_->SetMaxFrameBytes(welcome.frame_bytes());
-  log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes, its newest "
-             "version {} ({}), ours {} ({})",
-             target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),
-             welcome.frame_bytes(), welcome.newest_version(),
-             sync::DescribeLineage(welcome.lineage()), core_->applied_version(),
-             sync::DescribeLineage(core_->applied_lineage()));
-  if (core_->applied_version() != 0 && welcome.lineage() != core_->applied_lineage()) {
-    log_->warn("upstream {} is of another lineage than our version {}: its versions replace "
-               "ours by keyframes, even at lower version numbers",
-               target, core_->applied_version());
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    status_.set_name(welcome.name());
-    status_.set_identity(welcome.peer_identity());
-    status_.set_connected_unix_nanos(NowUnixNanos());
-    status_.set_streams(1 + welcome.stripes());
-    status_.set_last_error("");
-  }
-
-  // Stripes: each on its own connection.
-  auto on_frame = [this, session](const v1::DataFrame& frame) -> bool {
-    bool stale = false;
-    {
-      absl::MutexLock lock(&session->mu);
-      // A stripe frame may overtake its header (different connection): while no transfer is
-      // open, a frame of a version above the last header waits for its header. Any other frame
-      // goes to the core, which rejects a frame of another transfer (and fails that transfer).
-      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
-        return session->broken || session->open_version != 0 ||
-               frame.version() <= session->last_header_version;
-      };
-      session->mu.Await(absl::Condition(&ready));
-      if (session->broken) return false;
-      stale = session->open_version == 0;
-    }
-    if (stale) {  // a frame of a transfer that already ended: the upstream broke the protocol
-      session->Break(absl::FailedPreconditionError(
-          absl::StrCat("DataFrame of version ", frame.version(),
-                       " arrived after its transfer ended (no transfer is open)")));
-      return false;
-    }
-    absl::Status st = core_->OnFrame(frame);
-    if (!st.ok()) {
-      log_->warn("version {}: frame rejected: {}", frame.version(), st.ToString());
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      bytes_received_ += frame.payload().size();
-    }
-    absl::MutexLock lock(&session->mu);
-    ++session->frames;
-    return true;
-  };
-  for (uint32_t i = 1; i <= welcome.stripes(); ++i) {
-    auto conn = std::make_unique<Session::StripeConn>();
-    conn->channel = make_channel(static_cast<int>(i));
-    conn->stub = v1::DataPlane::NewStub(conn->channel);
-    session->stripes.push_back(std::move(conn));
-  }
-  session->session_id = welcome.session_id();
-  for (uint32_t i = 1; i <= welcome.stripes(); ++i) {
-    Session::StripeConn* conn = session->stripes[i - 1].get();
-    conn->thread = std::thread([session, conn, i, on_frame] {
-      v1::StripeRequest req;
-      req.set_session_id(session->session_id);
-      req.set_stripe_index(i);
-      auto reader = conn->stub->Stripe(&conn->context, req);
-      v1::DataFrame frame;
-      while (reader->Read(&frame)) {
-        if (!on_frame(frame)) break;
-      }
-      absl::Status st = FromGrpcStatus(reader->Finish());
-      session->Break(st.ok() ? absl::UnavailableError(absl::StrCat("stripe ", i, " ended"))
-                             : absl::Status(st.code(),
-                                            absl::StrCat("stripe ", i, ": ", st.message())));
-    });
-  }
-  if (resync && !resync_tensors.empty()) {
+  NoteWelcome(*session, *welcome);
+  StartStripes(session, welcome->stripes());
+  if (session->resync && !session->resync_tensors.empty()) {
     v1::SubscriberMessage m;
-    for (const std::string& t : resync_tensors) m.mutable_keyframe_request()->add_tensors(t);
+    for (const std::string& t : session->resync_tensors) {
+      m.mutable_keyframe_request()->add_tensors(t);
+    }
     m.mutable_keyframe_request()->set_reason("resync requested through Control");
-    if (!session->Write(m)) return fail(finish_status("sending KeyframeRequest failed"));
+    if (!session->Write(m)) {
+      return Fail(*session, FinishStatus(*session, "sending KeyframeRequest failed"));
+    }
   }
   {
     absl::MutexLock lock(&mu_);
     status_.set_state(v1::SESSION_STATE_IDLE);
   }
+  return ReadSync(session);
+}
 
-  // The Sync stream: headers, frames, ends, aborts.
-  v1::VersionHeader header;
-  absl::Time header_time;
+absl::Status Upstream::ReadSync(const std::shared_ptr<Session>& session) {
+  v1::PublisherMessage msg;
   while (session->stream->Read(&msg)) {
+    absl::Status st;
     switch (msg.msg_case()) {
-      case v1::PublisherMessage::kHeader: {
-        uint64_t open;
-        {
-          absl::MutexLock lock(&session->mu);
-          open = session->open_version;
-        }
-        if (open != 0) {
-          return fail(absl::FailedPreconditionError(
-              absl::StrCat("VersionHeader for version ", msg.header().version(),
-                           " while the transfer of version ", open, " is open")));
-        }
-        header = msg.header();
-        header_time = absl::Now();
-        absl::Status st = core_->OnHeader(header);
-        if (!st.ok()) {
-          return fail(absl::Status(st.code(), absl::StrCat("VersionHeader of version ",
-                                                           header.version(), " refused: ",
-                                                           st.message())));
-        }
-        {
-          absl::MutexLock lock(&mu_);
-          status_.set_state(v1::SESSION_STATE_TRANSFERRING);
-        }
-        absl::MutexLock lock(&session->mu);
-        session->open_version = header.version();
-        session->last_header_version = header.version();
-        session->frames = 0;
+      case v1::PublisherMessage::kHeader:
+        st = OnVersionHeader(*session, msg.header());
         break;
-      }
       case v1::PublisherMessage::kFrame: {
         uint64_t open;
         {
@@ -471,107 +522,19 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
           open = session->open_version;
         }
         if (open == 0) {
-          return fail(absl::FailedPreconditionError(absl::StrCat(
-              "DataFrame of version ", msg.frame().version(), " outside a transfer")));
+          st = absl::FailedPreconditionError(absl::StrCat(
+              "DataFrame of version ", msg.frame().version(), " outside a transfer"));
+        } else if (!OnStreamFrame(session, msg.frame(), 0)) {
+          st = absl::CancelledError("session broken");
         }
-        if (!on_frame(msg.frame())) return fail(absl::CancelledError("session broken"));
         break;
       }
       case v1::PublisherMessage::kEnd: {
-        const v1::VersionEnd& end = msg.end();
-        absl::Status wait_error;
-        {
-          absl::MutexLock lock(&session->mu);
-          if (session->open_version == 0 || end.version() != session->open_version) {
-            wait_error = absl::FailedPreconditionError(absl::StrCat(
-                "VersionEnd for version ", end.version(), " but the open transfer is ",
-                session->open_version == 0 ? std::string("none")
-                                           : absl::StrCat("version ", session->open_version)));
-          } else {
-            // Frames sent on the stripes before VersionEnd may still be in flight.
-            uint64_t seen = session->frames;
-            while (!session->broken && session->frames < end.frames()) {
-              auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
-                return session->broken || session->frames != seen ||
-                       session->frames >= end.frames();
-              };
-              if (!session->mu.AwaitWithTimeout(absl::Condition(&progress),
-                                                kFrameProgressTimeout)) {
-                break;
-              }
-              seen = session->frames;
-            }
-            if (session->broken) {
-              wait_error = session->error;
-            } else if (session->frames < end.frames()) {
-              wait_error = absl::DeadlineExceededError(absl::StrCat(
-                  "VersionEnd of version ", end.version(), " announces ", end.frames(),
-                  " frames; ", session->frames, " arrived and none more for ",
-                  absl::FormatDuration(kFrameProgressTimeout)));
-            }
-          }
-        }
-        if (!wait_error.ok()) return fail(wait_error);
-        const uint64_t prev_version = core_->applied_version();
-        const uint64_t prev_lineage = core_->applied_lineage();
-        v1::Ack ack = core_->OnEnd(end);
-        {
-          absl::MutexLock lock(&session->mu);
-          session->open_version = 0;
-          session->frames = 0;
-        }
-        const absl::Time done = absl::Now();
-        v1::SubscriberMessage ack_msg;
-        *ack_msg.mutable_ack() = ack;
-        if (!session->Write(ack_msg)) return fail(finish_status("sending Ack failed"));
-        if (ack.result() != v1::ACK_RESULT_APPLIED) {
-          log_->warn("version {} (base {}) rejected: {}", end.version(), header.base_version(),
-                     ack.error());
-          if (!ack.mismatched_tensors().empty()) {
-            v1::SubscriberMessage m;
-            v1::KeyframeRequest* req = m.mutable_keyframe_request();
-            req->set_version(0);
-            for (const std::string& t : ack.mismatched_tensors()) req->add_tensors(t);
-            req->set_reason(absl::StrCat("digest mismatch on ", ack.mismatched_tensors_size(),
-                                         " tensors of version ", end.version()));
-            if (!session->Write(m)) return fail(finish_status("sending KeyframeRequest failed"));
-          }
-          absl::MutexLock lock(&mu_);
-          status_.set_state(v1::SESSION_STATE_IDLE);
-          break;
-        }
-        if (prev_version != 0 && prev_lineage != core_->applied_lineage()) {
-          log_->warn("version {} of {} replaces version {} of {}: the upstream changed lineage "
-                     "(version numbers restart; this is not a rollback of the same model "
-                     "history)",
-                     end.version(), sync::DescribeLineage(core_->applied_lineage()), prev_version,
-                     sync::DescribeLineage(prev_lineage));
-        }
-        AppliedEvent ev;
-        ev.lineage_changed = prev_version != 0 && prev_lineage != core_->applied_lineage();
-        ev.stats = sync::TransferStats(header, end, ack.wire_bytes(), done - header_time);
-        const v1::RefitStats& stats = ev.stats;
-        ev.ack = ack;
-        ev.upstream = target;
-        ev.reason = header.reason();
-        ev.tensors = static_cast<uint32_t>(header.tensors_size());
-        {
-          absl::MutexLock lock(&mu_);
-          last_refit_ = stats;
-          status_.set_state(v1::SESSION_STATE_IDLE);
-          *status_.mutable_last_refit() = stats;
-          ev.layout_changed = core_->generation() != last_generation_;
-          last_generation_ = core_->generation();
-        }
-        if (on_applied_) on_applied_(ev);
-        if (bootstrap_peer) {
-          log_->info("bootstrapped from peer {} at version {}; switching to the publisher",
-                     target, end.version());
-          session->Break(absl::CancelledError("bootstrap complete"));
-          for (auto& s : session->stripes) {
-            if (s->thread.joinable()) s->thread.join();
-          }
-          return absl::OkStatus();
+        absl::StatusOr<bool> switched = OnVersionEnd(*session, msg.end());
+        if (!switched.ok()) {
+          st = switched.status();
+        } else if (*switched) {
+          return absl::OkStatus();  // bootstrapped from a peer: the caller reconnects
         }
         break;
       }
@@ -586,17 +549,147 @@ absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer
         }
         break;
       default:
-        return fail(absl::FailedPreconditionError(absl::StrCat(
-            "unexpected ", PublisherMessageKind(msg), " on an established Sync stream")));
+        st = absl::FailedPreconditionError(absl::StrCat(
+            "unexpected ", PublisherMessageKind(msg), " on an established Sync stream"));
     }
+    if (!st.ok()) return Fail(*session, st);
   }
   absl::Status broken_error;
   {
     absl::MutexLock lock(&session->mu);
     if (session->broken) broken_error = session->error;
   }
-  if (!broken_error.ok()) return fail(broken_error);
-  return fail(finish_status("Sync stream ended"));
+  if (!broken_error.ok()) return Fail(*session, broken_error);
+  return Fail(*session, FinishStatus(*session, "Sync stream ended"));
+}
+
+absl::Status Upstream::OnVersionHeader(Session& session, const v1::VersionHeader& header) {
+  {
+    absl::MutexLock lock(&session.mu);
+    if (session.open_version != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("VersionHeader for version ", header.version(),
+                       " while the transfer of version ", session.open_version, " is open"));
+    }
+  }
+  session.header = header;
+  session.header_time = absl::Now();
+  absl::Status st = core_->OnHeader(header);
+  if (!st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("VersionHeader of version ", header.version(),
+                                                " refused: ", st.message()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    status_.set_state(v1::SESSION_STATE_TRANSFERRING);
+  }
+  absl::MutexLock lock(&session.mu);
+  session.open_version = header.version();
+  session.last_header_version = header.version();
+  session.frames = 0;
+  std::fill(session.stream_received.begin(), session.stream_received.end(), 0);
+  std::fill(session.stream_reported.begin(), session.stream_reported.end(), 0);
+  return absl::OkStatus();
+}
+
+absl::Status Upstream::AwaitFrames(Session& session, const v1::VersionEnd& end) {
+  absl::MutexLock lock(&session.mu);
+  if (session.open_version == 0 || end.version() != session.open_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "VersionEnd for version ", end.version(), " but the open transfer is ",
+        session.open_version == 0 ? std::string("none")
+                                  : absl::StrCat("version ", session.open_version)));
+  }
+  // Frames sent on the stripes before VersionEnd may still be in flight.
+  uint64_t seen = session.frames;
+  while (!session.broken && session.frames < end.frames()) {
+    auto progress = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu) {
+      return session.broken || session.frames != seen || session.frames >= end.frames();
+    };
+    if (!session.mu.AwaitWithTimeout(absl::Condition(&progress), kFrameProgressTimeout)) break;
+    seen = session.frames;
+  }
+  if (session.broken) return session.error;
+  if (session.frames < end.frames()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "VersionEnd of version ", end.version(), " announces ", end.frames(), " frames; ",
+        session.frames, " arrived and none more for ",
+        absl::FormatDuration(kFrameProgressTimeout)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionEnd& end) {
+  RETURN_IF_ERROR(AwaitFrames(session, end));
+  const uint64_t prev_version = core_->applied_version();
+  const uint64_t prev_lineage = core_->applied_lineage();
+  v1::Ack ack = core_->OnEnd(end);
+  {
+    absl::MutexLock lock(&session.mu);
+    session.open_version = 0;
+    session.frames = 0;
+  }
+  const absl::Time done = absl::Now();
+  v1::SubscriberMessage ack_msg;
+  *ack_msg.mutable_ack() = ack;
+  if (!session.Write(ack_msg)) return FinishStatus(session, "sending Ack failed");
+  if (ack.result() != v1::ACK_RESULT_APPLIED) {
+    RETURN_IF_ERROR(OnRejected(session, end, ack));
+    return false;
+  }
+  const bool lineage_changed = prev_version != 0 && prev_lineage != core_->applied_lineage();
+  if (lineage_changed) {
+    log_->warn("version {} of {} replaces version {} of {}: the upstream changed lineage "
+               "(version numbers restart; this is not a rollback of the same model history)",
+               end.version(), sync::DescribeLineage(core_->applied_lineage()), prev_version,
+               sync::DescribeLineage(prev_lineage));
+  }
+  Announce(session, end, ack, done - session.header_time, lineage_changed);
+  if (!session.bootstrap_peer) return false;
+  log_->info("bootstrapped from peer {} at version {}; switching to the publisher",
+             session.target, end.version());
+  session.Break(absl::CancelledError("bootstrap complete"));
+  session.JoinStripes();
+  return true;
+}
+
+absl::Status Upstream::OnRejected(Session& session, const v1::VersionEnd& end,
+                                  const v1::Ack& ack) {
+  log_->warn("version {} (base {}) rejected: {}", end.version(), session.header.base_version(),
+             ack.error());
+  if (!ack.mismatched_tensors().empty()) {
+    v1::SubscriberMessage m;
+    v1::KeyframeRequest* req = m.mutable_keyframe_request();
+    req->set_version(0);
+    for (const std::string& t : ack.mismatched_tensors()) req->add_tensors(t);
+    req->set_reason(absl::StrCat("digest mismatch on ", ack.mismatched_tensors_size(),
+                                 " tensors of version ", end.version()));
+    if (!session.Write(m)) return FinishStatus(session, "sending KeyframeRequest failed");
+  }
+  absl::MutexLock lock(&mu_);
+  status_.set_state(v1::SESSION_STATE_IDLE);
+  return absl::OkStatus();
+}
+
+void Upstream::Announce(Session& session, const v1::VersionEnd& end, const v1::Ack& ack,
+                        absl::Duration took, bool lineage_changed) {
+  const v1::VersionHeader& header = session.header;
+  AppliedEvent ev;
+  ev.lineage_changed = lineage_changed;
+  ev.stats = sync::TransferStats(header, end, ack.wire_bytes(), took);
+  ev.ack = ack;
+  ev.upstream = session.target;
+  ev.reason = header.reason();
+  ev.tensors = static_cast<uint32_t>(header.tensors_size());
+  {
+    absl::MutexLock lock(&mu_);
+    last_refit_ = ev.stats;
+    status_.set_state(v1::SESSION_STATE_IDLE);
+    *status_.mutable_last_refit() = ev.stats;
+    ev.layout_changed = core_->generation() != last_generation_;
+    last_generation_ = core_->generation();
+  }
+  if (on_applied_) on_applied_(ev);
 }
 
 }  // namespace refit::subscriber

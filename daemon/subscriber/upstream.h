@@ -26,9 +26,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "refit/v1/control.pb.h"
@@ -58,6 +60,8 @@ struct UpstreamOptions {
   absl::Duration backoff_max = absl::Seconds(10);
   double backoff_multiplier = 2.0;
   double backoff_jitter = 0.2;
+  // upstream.stream_progress: Hello.stream_progress (report StreamProgress when asked to).
+  bool stream_progress = true;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,
@@ -108,6 +112,35 @@ class Upstream {
   // One session; *welcomed tells whether a Welcome arrived. OK = deliberate switch (bootstrap
   // from a peer done).
   absl::Status RunSession(const std::string& target, bool bootstrap_peer, bool* welcomed);
+  // RunSession's steps.
+  std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int stripe) const;
+  // Channel of the Sync stream (waits for the connection) and the Sync call.
+  void Connect(Session& session);
+  // Hello (takes the pending resync into the session).
+  v1::SubscriberMessage MakeHello(Session& session);
+  // Hello -> Welcome, checked against the Hello.
+  absl::StatusOr<v1::Welcome> Handshake(Session& session, const v1::SubscriberMessage& hello);
+  void NoteWelcome(Session& session, const v1::Welcome& welcome);
+  // One thread per stripe, reading its DataFrames into OnStreamFrame.
+  void StartStripes(const std::shared_ptr<Session>& session, uint32_t stripes);
+  // A DataFrame from stream stream_index (0 = Sync) to the core, with StreamProgress when due.
+  // false when the session is broken.
+  bool OnStreamFrame(const std::shared_ptr<Session>& session, const v1::DataFrame& frame,
+                     uint32_t stream_index);
+  // The Sync stream until it ends: OK only after a bootstrap from a peer.
+  absl::Status ReadSync(const std::shared_ptr<Session>& session);
+  absl::Status OnVersionHeader(Session& session, const v1::VersionHeader& header);
+  // Waits for VersionEnd.frames frames (stripes may still be delivering).
+  absl::Status AwaitFrames(Session& session, const v1::VersionEnd& end);
+  // Stage/verify/apply, Ack, announce; true when a bootstrap from a peer completed.
+  absl::StatusOr<bool> OnVersionEnd(Session& session, const v1::VersionEnd& end);
+  absl::Status OnRejected(Session& session, const v1::VersionEnd& end, const v1::Ack& ack);
+  void Announce(Session& session, const v1::VersionEnd& end, const v1::Ack& ack,
+                absl::Duration took, bool lineage_changed);
+  // Ends the session with `st` (keeps an undelivered resync, joins the stripes); returns st.
+  absl::Status Fail(Session& session, absl::Status st);
+  // The Sync call's final status after a failed Read/Write, prefixed by `what`.
+  absl::Status FinishStatus(Session& session, const std::string& what);
 
   SubscriberCore* const core_;
   const UpstreamOptions options_;

@@ -32,7 +32,8 @@ struct Publisher {
   std::string address;
 
   static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
-                                          uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0) {
+                                          uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0,
+                                          uint64_t stream_window_bytes = 32u << 20) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
     opts.lineage = lineage;  // 0: a random one
@@ -46,6 +47,7 @@ struct Publisher {
     dopts.name = "test-publisher";
     dopts.frame_bytes = frame_bytes;  // small frames: many per transfer, spread over stripes
     dopts.retry_initial = absl::Milliseconds(5);
+    dopts.stream_window_bytes = stream_window_bytes;
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -82,12 +84,15 @@ struct Subscriber {
   std::unique_ptr<Upstream> upstream;
   absl::Mutex mu;
   std::vector<AppliedEvent> events ABSL_GUARDED_BY(mu);
+  bool stream_progress = true;  // UpstreamOptions.stream_progress of the next Connect
 
   static std::unique_ptr<Subscriber> Start(const std::string& name,
                                            std::vector<std::string> addresses,
                                            uint32_t connections = 3,
-                                           std::vector<std::string> peers = {}) {
+                                           std::vector<std::string> peers = {},
+                                           bool stream_progress = true) {
     auto s = std::make_unique<Subscriber>();
+    s->stream_progress = stream_progress;
     SubscriberOptions opts;
     opts.threads = 2;
     opts.store.shm_prefix = "/refit-upstream-test-";
@@ -104,6 +109,7 @@ struct Subscriber {
     u.credentials = grpc::InsecureChannelCredentials();
     u.connections = connections;
     u.max_frame_bytes = 1 << 20;
+    u.stream_progress = stream_progress;
     u.backoff_initial = absl::Milliseconds(10);
     u.backoff_max = absl::Milliseconds(200);
     upstream = std::make_unique<Upstream>(core.get(), u, [this](const AppliedEvent& ev) {
@@ -198,6 +204,42 @@ TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
   EXPECT_GT(pub->service->bytes_sent(), 0u);
   EXPECT_EQ(a->upstream->Status().state(), v1::SESSION_STATE_IDLE);
   EXPECT_EQ(a->upstream->Status().name(), "test-publisher");
+}
+
+TEST(UpstreamTest, PacedAndUnpacedPeersInteroperate) {
+  // A pacing publisher with a subscriber that reports progress and one that does not (an older
+  // build), and a publisher without pacing (an older build) with a subscriber that would report.
+  // Welcome.frame_bytes 1 MiB: transfers of this small model are cut into 64 KiB frames
+  // (TransferFrameBytes), below the session's frame size, which subscribers accept.
+  auto paced = Publisher::Start(1ull << 30, 1 << 20);
+  auto unpaced = Publisher::Start(1ull << 30, 1 << 20, 0, /*stream_window_bytes=*/0);
+  std::mt19937 rng(11);
+  Model model = MakeModel(rng);
+  auto a = Subscriber::Start("sub-a", {paced->address}, 4);
+  auto b = Subscriber::Start("sub-b", {paced->address}, 4, {}, /*stream_progress=*/false);
+  auto c = Subscriber::Start("sub-c", {unpaced->address}, 4);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    if (v > 1) Step(model, rng);
+    paced->Publish(v, model);
+    unpaced->Publish(v, model);
+    for (Subscriber* s : {a.get(), b.get(), c.get()}) {
+      ASSERT_TRUE(s->WaitVersion(v)) << "version " << v << " not reached";
+      ExpectEqual(*s, model, "version " + std::to_string(v));
+    }
+  }
+  const auto sessions = paced->service->Sessions();
+  ASSERT_EQ(sessions.size(), 2u);
+  EXPECT_TRUE(sessions[0].stream_progress()) << "sub-a reports progress";
+  EXPECT_FALSE(sessions[1].stream_progress()) << "sub-b does not";
+  for (const v1::SessionStatus& st : sessions) {
+    ASSERT_EQ(st.stream_bytes_sent_size(), 4) << st.name();
+    uint64_t sum = 0;
+    for (uint64_t n : st.stream_bytes_sent()) sum += n;
+    EXPECT_EQ(sum, st.bytes_sent()) << st.name();
+  }
+  const auto unpaced_sessions = unpaced->service->Sessions();
+  ASSERT_EQ(unpaced_sessions.size(), 1u);
+  EXPECT_FALSE(unpaced_sessions[0].stream_progress());
 }
 
 TEST(UpstreamTest, LateJoinerBootstrapsAndLaggingSubscriberChains) {

@@ -26,6 +26,16 @@ absl::StatusOr<uint32_t> ChunkCount(uint64_t object_bytes, uint32_t frame_bytes)
   return static_cast<uint32_t>(n);
 }
 
+bool Lz4Pays(std::span<const uint8_t> object) {
+  const size_t n = std::min<size_t>(object.size(), kLz4SampleBytes);
+  if (n < 2) return false;
+  const size_t limit = n - n / kLz4MinSavingDivisor;  // output must fit strictly below this
+  std::string out(limit, '\0');
+  const int got = LZ4_compress_default(reinterpret_cast<const char*>(object.data()), out.data(),
+                                       static_cast<int>(n), static_cast<int>(limit - 1));
+  return got > 0;
+}
+
 absl::StatusOr<v1::DataFrame> MakeFrame(std::span<const uint8_t> object, const FrameTarget& target,
                                         const SplitOptions& options, uint32_t chunk_index) {
   auto count = ChunkCount(object.size(), options.frame_bytes);
@@ -47,7 +57,7 @@ absl::StatusOr<v1::DataFrame> MakeFrame(std::span<const uint8_t> object, const F
   f.set_raw_bytes(raw);
   const char* src = reinterpret_cast<const char*>(object.data() + offset);
   bool compressed = false;
-  if (options.lz4 && raw > 0) {
+  if (options.lz4 && raw > 0 && Lz4Pays(object)) {
     std::string out;
     // Only a block strictly smaller than the raw chunk is worth sending; a destination of
     // raw - 1 bytes makes LZ4 fail (return 0) otherwise.

@@ -25,10 +25,19 @@ struct FrameTarget {
 struct SplitOptions {
   // Largest payload (and raw chunk size) per frame: Welcome.frame_bytes. 1 .. kMaxFrameBytes.
   uint32_t frame_bytes = 4u << 20;
-  // Compress each chunk with LZ4 (keyframes only); a chunk that does not shrink is sent with
-  // COMPRESSION_NONE.
+  // Compress chunks with LZ4 (keyframes only) where it pays: only when Lz4Pays(object), and
+  // then a chunk that does not shrink is still sent with COMPRESSION_NONE.
   bool lz4 = false;
 };
+
+// Bytes of an object's start that Lz4Pays compresses as its sample.
+inline constexpr uint32_t kLz4SampleBytes = 64 * 1024;
+// LZ4 pays for an object when its sample (the first min(kLz4SampleBytes, size) bytes) shrinks
+// by at least 1/kLz4MinSavingDivisor (~3%). Random-looking BF16 weights do not (LZ4 saves
+// ~0.01% on them and costs a compression pass per chunk); zeros, constant norms, masks do.
+// Deterministic in the object's bytes, so every chunk of an object decides alike.
+inline constexpr uint32_t kLz4MinSavingDivisor = 32;
+bool Lz4Pays(std::span<const uint8_t> object);
 
 // LZ4's block input limit; larger frame sizes are rejected.
 inline constexpr uint32_t kMaxFrameBytes = 0x7E000000u;

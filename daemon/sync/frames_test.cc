@@ -1,6 +1,7 @@
 #include "daemon/sync/frames.h"
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -85,6 +86,52 @@ TEST(Frames, Lz4CompressesKeyframesAndFallsBackWhenNotSmaller) {
   // Patches never compress.
   frames = SplitObject(dense, {1, 0, 0}, {1024, false});
   for (const auto& f : *frames) EXPECT_EQ(f.compression(), v1::COMPRESSION_NONE);
+}
+
+// Like daemon/sync/sync_testing.h RandomTensor: BF16 around N(0, 0.02).
+std::vector<uint8_t> RandomBf16(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i + 1 < n; i += 2) {
+    const uint16_t x = static_cast<uint16_t>(((rng() & 1) << 15) | ((0x76 + rng() % 4) << 7) |
+                                             (rng() & 0x7F));
+    std::memcpy(&v[i], &x, 2);
+  }
+  return v;
+}
+
+std::vector<uint8_t> Bf16Ones(size_t n) {
+  std::vector<uint8_t> v(n);
+  const uint16_t one = 0x3F80;
+  for (size_t i = 0; i + 1 < n; i += 2) std::memcpy(&v[i], &one, 2);
+  return v;
+}
+
+TEST(Frames, Lz4OnlyWhereASampleShrinks) {
+  constexpr uint32_t kChunk = 256 * 1024;
+  const std::vector<std::pair<std::vector<uint8_t>, bool>> cases = {
+      {RandomBf16(1 << 20, 5), false},              // weights: raw
+      {std::vector<uint8_t>(1 << 20, 0), true},     // zeros: lz4
+      {Bf16Ones(1 << 20), true},                    // a norm of ones: lz4
+      {RandomBf16(1000, 6), false},                 // smaller than the sample
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& [obj, compressible] = cases[c];
+    EXPECT_EQ(Lz4Pays(obj), compressible) << "case " << c;
+    auto frames = SplitObject(obj, {4, 0, 0}, {kChunk, true});
+    ASSERT_TRUE(frames.ok());
+    FrameAssembler a(4, kChunk);
+    ASSERT_TRUE(a.Expect(Spec(0, 0, obj.size(), true, true)).ok());
+    for (const auto& f : *frames) {
+      EXPECT_EQ(f.compression(), compressible ? v1::COMPRESSION_LZ4 : v1::COMPRESSION_NONE)
+          << "case " << c << " chunk " << f.chunk_index();
+      ASSERT_TRUE(a.Add(f).ok());
+    }
+    auto got = a.Object(0, 0);
+    ASSERT_TRUE(got.ok());
+    EXPECT_TRUE(std::equal(got->begin(), got->end(), obj.begin(), obj.end())) << "case " << c;
+  }
+  EXPECT_FALSE(Lz4Pays({}));
 }
 
 TEST(Frames, InterleavedObjectsIntoCallerBuffer) {
