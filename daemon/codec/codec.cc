@@ -1057,23 +1057,23 @@ absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
   }
 }
 
-// ApplyPatch's checks of the output buffer against the base.
-absl::Status CheckApplyBuffers(DType dtype, std::span<const uint8_t> base,
+// ApplyPatch's checks of the output buffer against the base; `who` names the caller.
+absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uint8_t> base,
                                std::span<const uint8_t> out) {
   const int w = DTypeSize(dtype);
   if (out.size() != base.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("ApplyPatch: output has ", out.size(),
-                                                   " bytes, base has ", base.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": output has ", out.size(), " bytes, base has ", base.size()));
   }
   if ((reinterpret_cast<uintptr_t>(base.data()) | reinterpret_cast<uintptr_t>(out.data())) %
           static_cast<uintptr_t>(w) != 0 &&
       !base.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ApplyPatch: base and output must be aligned to the element size (", w, " bytes)"));
+        who, ": base and output must be aligned to the element size (", w, " bytes)"));
   }
   if (out.data() != base.data() && out.data() < base.data() + base.size() &&
       base.data() < out.data() + out.size()) {
-    return absl::InvalidArgumentError("ApplyPatch: output partially overlaps the base");
+    return absl::InvalidArgumentError(absl::StrCat(who, ": output partially overlaps the base"));
   }
   return absl::OkStatus();
 }
@@ -1328,7 +1328,7 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers(dtype, base, out));
+  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatch", dtype, base, out));
   switch (DTypeSize(dtype)) {
     case 1:
       return ApplyTyped<uint8_t>(patch, layout, base, out, threads);
@@ -1345,14 +1345,14 @@ absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch,
                                                  std::span<const uint8_t> base,
                                                  std::span<uint8_t> out, int threads) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers(dtype, base, out));
+  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatchDigestV2", dtype, base, out));
   return ApplyDeltaForWidth(patch, layout, base, out.data(), threads);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                    std::span<const uint8_t> base, int threads) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers(dtype, base, base));  // alignment
+  RETURN_IF_ERROR(CheckApplyBuffers("DigestV2DeltaOfPatch", dtype, base, base));  // alignment
   return ApplyDeltaForWidth(patch, layout, base, nullptr, threads);
 }
 
