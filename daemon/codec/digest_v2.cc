@@ -184,10 +184,6 @@ uint64_t TensorDigestV2(std::span<const uint8_t> data, int threads) {
   return format::DigestV2Final(sum.load(), n);
 }
 
-void DigestV2Delta::Add(uint64_t word_index, uint64_t old_word, uint64_t new_word) {
-  sum_ += DigestV2Mix(word_index, new_word) - DigestV2Mix(word_index, old_word);
-}
-
 void DigestV2Delta::AddRange(std::span<const uint8_t> old_bytes, std::span<const uint8_t> new_bytes,
                              uint64_t first_word) {
   sum_ += DigestV2Sum(new_bytes, first_word) - DigestV2Sum(old_bytes, first_word);

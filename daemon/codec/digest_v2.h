@@ -11,6 +11,7 @@
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "daemon/codec/format.h"
 
 namespace refit {
 
@@ -36,7 +37,9 @@ class DigestV2Delta {
     d.sum_ = sum;
     return d;
   }
-  void Add(uint64_t word_index, uint64_t old_word, uint64_t new_word);
+  void Add(uint64_t word_index, uint64_t old_word, uint64_t new_word) {
+    sum_ += format::DigestV2Mix(word_index, new_word) - format::DigestV2Mix(word_index, old_word);
+  }
   // Adds DigestV2Sum(new_bytes, first_word) - DigestV2Sum(old_bytes, first_word) (equal sizes).
   void AddRange(std::span<const uint8_t> old_bytes, std::span<const uint8_t> new_bytes,
                 uint64_t first_word);
