@@ -204,15 +204,15 @@ struct DeviceCodec::Impl {
   DeviceBuffer enc_blocks, enc_tiles, enc_offsets, enc_stage, enc_out;
   std::vector<kern::EncBlock> host_blocks;
   std::vector<uint64_t> host_offsets;
-  // Digest.
-  DeviceBuffer digest_hashes;
+  // Digest (v1 chunk hashes; v2 sum and apply delta accumulators).
+  DeviceBuffer digest_hashes, digest_v2_sum, ap_delta;
   // Apply.
   DeviceBuffer ap_patch, ap_descs, ap_stage, ap_computed, ap_first_bad, ap_errors, ap_pos, ap_val;
 
   size_t ScratchBytes() const {
     size_t n = 0;
     for (const DeviceBuffer* b : {&enc_blocks, &enc_tiles, &enc_offsets, &enc_stage, &enc_out,
-                                  &digest_hashes, &ap_patch, &ap_descs, &ap_stage, &ap_computed,
+                                  &digest_hashes, &digest_v2_sum, &ap_delta, &ap_patch, &ap_descs, &ap_stage, &ap_computed,
                                   &ap_first_bad, &ap_errors, &ap_pos, &ap_val}) {
       n += b->size();
     }
@@ -223,9 +223,11 @@ struct DeviceCodec::Impl {
                                               const void* d_target, uint64_t bytes,
                                               const EncodeOptions& options, PatchStats* stats,
                                               DeviceTimings* timings);
+  // digest_delta non-null: also the digest-v2 delta of what is written (LaunchApplyDigestV2Delta).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
-                     uint64_t bytes, DeviceTimings* timings);
+                     uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta = nullptr);
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
+  absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
 };
 
 DeviceCodec::DeviceCodec(void* stream) : impl_(std::make_unique<Impl>()) { impl_->stream = stream; }
@@ -246,6 +248,17 @@ absl::Status DeviceCodec::Apply(std::span<const uint8_t> patch, DType dtype, con
 }
 absl::StatusOr<uint64_t> DeviceCodec::Digest(const void* d_data, uint64_t bytes) {
   return impl_->Digest(d_data, bytes);
+}
+absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t> patch,
+                                                         DType dtype, const void* d_base,
+                                                         void* d_out, uint64_t bytes,
+                                                         DeviceTimings* timings) {
+  uint64_t sum = 0;
+  RETURN_IF_ERROR(impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, &sum));
+  return DigestV2Delta::FromSum(sum);
+}
+absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void* d_data, uint64_t bytes) {
+  return impl_->DigestV2(d_data, bytes);
 }
 absl::StatusOr<double> DeviceCodec::DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes) {
   RETURN_IF_ERROR(CheckDevice());
@@ -402,7 +415,7 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
 
 absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
                                       const void* d_base, void* d_out, uint64_t bytes,
-                                      DeviceTimings* timings) {
+                                      DeviceTimings* timings, uint64_t* digest_delta) {
   RETURN_IF_ERROR(CheckDevice());
   // The same checks, in the same order and with the same messages, as ApplyPatch.
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
@@ -457,6 +470,7 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   }
   if (wave_lo < descs.size()) waves.emplace_back(wave_lo, descs.size());
 
+  if (digest_delta != nullptr) *digest_delta = 0;
   if (descs.empty()) {
     if (!in_place && bytes > 0) {
       RETURN_IF_ERROR(clock.Begin("copy"));
@@ -494,6 +508,12 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   a.out = d_out;
   a.width = w;
   a.coding = static_cast<int>(DTypeValueCoding(dtype));
+  a.tensor_bytes = bytes;
+  if (digest_delta != nullptr) {
+    RETURN_IF_ERROR(Reserve(ap_delta, sizeof(unsigned long long)));
+    a.digest_delta = Ptr<unsigned long long>(ap_delta);
+    RETURN_IF_ERROR(rt::MemsetAsync(a.digest_delta, 0, sizeof(unsigned long long), stream));
+  }
 
   unsigned long long first_bad = 0;
   // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
@@ -550,9 +570,21 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
       return absl::DataLossError(absl::StrCat("patch ", where, ", change ", e.change, " of ", d.count,
                                               " (bit ", e.bit, "): ", DecodeErrorText(e.code)));
     }
+    if (digest_delta != nullptr) {  // reads the wave's old words before the write below
+      RETURN_IF_ERROR(clock.Begin("digest_delta"));
+      RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDigestV2Delta(a, lo, hi, stream),
+                                      "ApplyDigestV2DeltaKernel"));
+      RETURN_IF_ERROR(clock.End());
+    }
     RETURN_IF_ERROR(clock.Begin("write"));
     RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
     RETURN_IF_ERROR(clock.End());
+  }
+  if (digest_delta != nullptr) {
+    unsigned long long sum = 0;
+    RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, a.digest_delta, sizeof sum, stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    *digest_delta = sum;
   }
   RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   return clock.Finish();
@@ -577,6 +609,25 @@ absl::StatusOr<uint64_t> DeviceCodec::Impl::Digest(const void* d_data, uint64_t 
     RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   }
   return CombineChunkHashes(hashes, bytes);
+}
+
+absl::StatusOr<uint64_t> DeviceCodec::Impl::DigestV2(const void* d_data, uint64_t bytes) {
+  RETURN_IF_ERROR(CheckDevice());
+  if (bytes > 0 && d_data == nullptr) {
+    return absl::InvalidArgumentError("DigestV2 (device): null device pointer");
+  }
+  const uint64_t grid = ((bytes + 7) / 8 + kern::kDigestV2BlockWords - 1) / kern::kDigestV2BlockWords;
+  if (grid > kern::kMaxGrid) return absl::InvalidArgumentError("DigestV2 (device): tensor too large");
+  unsigned long long sum = 0;
+  if (grid > 0) {
+    RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
+    auto* d_sum = Ptr<unsigned long long>(digest_v2_sum);
+    RETURN_IF_ERROR(rt::MemsetAsync(d_sum, 0, sizeof(unsigned long long), stream));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchDigestV2(d_data, bytes, d_sum, stream), "DigestV2Kernel"));
+    RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, d_sum, sizeof sum, stream));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  }
+  return format::DigestV2Final(sum, bytes);
 }
 
 }  // namespace refit::cuda

@@ -107,6 +107,14 @@ class DeviceCodec {
                      uint64_t bytes, DeviceTimings* timings = nullptr);
   // TensorDigestDevice.
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
+  // Apply, also returning the digest-v2 delta of what it writes: refit::ApplyPatchDigestV2's
+  // value. The delta kernel reads each decoded wave's old words before the wave is written.
+  // `timings` as Apply's, plus digest_delta.
+  absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                              const void* d_base, void* d_out, uint64_t bytes,
+                                              DeviceTimings* timings = nullptr);
+  // refit::TensorDigestV2 of `bytes` bytes of device memory (any alignment).
+  absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
   // Copies `bytes` from d_src to d_dst (device to device, not overlapping) on the codec's stream;
   // returns the copy's device time in milliseconds (the benchmark's baseline).
   absl::StatusOr<double> DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes);

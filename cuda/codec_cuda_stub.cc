@@ -45,6 +45,12 @@ absl::Status DeviceCodec::Apply(std::span<const uint8_t>, DType, const void*, vo
   return Unavailable();
 }
 absl::StatusOr<uint64_t> DeviceCodec::Digest(const void*, uint64_t) { return Unavailable(); }
+absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t>, DType,
+                                                         const void*, void*, uint64_t,
+                                                         DeviceTimings*) {
+  return Unavailable();
+}
+absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void*, uint64_t) { return Unavailable(); }
 absl::StatusOr<double> DeviceCodec::DeviceCopy(void*, const void*, uint64_t) { return Unavailable(); }
 void DeviceCodec::set_decode_scratch_limit(size_t) {}
 size_t DeviceCodec::scratch_bytes() const { return 0; }

@@ -14,6 +14,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/codec/format.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/parallel.h"
 #include "gtest/gtest.h"
@@ -150,6 +151,8 @@ TEST(CudaCodecNoDevice, EveryEntryPointFailsCleanly) {
   EXPECT_FALSE(digest.status().message().empty());
   DeviceCodec codec;
   EXPECT_FALSE(codec.Digest(nullptr, 0).ok());
+  EXPECT_FALSE(codec.DigestV2(a.data(), a.size()).ok());
+  EXPECT_FALSE(codec.ApplyDigestV2(*cpu, DType::kU8, a.data(), a.data(), a.size()).ok());
 }
 
 // ---- encode / apply equivalence -----------------------------------------------------------------
@@ -391,6 +394,91 @@ TEST(CudaCodec, ArgumentErrors) {
   EXPECT_EQ(ApplyPatchDevice(truncated, DType::kF32, da.data(), da.data(), a.size()).code(),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1);
+}
+
+// ---- digest v2 ----------------------------------------------------------------------------------
+
+TEST(CudaCodec, DigestV2MatchesCpu) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(22);
+  const uint64_t mib = 1 << 20;
+  std::vector<uint64_t> sizes = {0, 1, 7, 8, 9, 4095, 32767, 32768, 32769, mib - 1, mib, mib + 1,
+                                 3 * mib + 5};
+  if (kEmulated) sizes = {0, 1, 7, 8, 9, 4095, 32767, 32768, 32769, 300001};
+  DeviceCodec codec;
+  for (uint64_t n : sizes) {
+    const Bytes data = RandomBytes(n, rng);
+    const uint64_t want = TensorDigestV2(data);
+    DeviceBuffer d = Upload(data);
+    auto got = codec.DigestV2(d.data(), n);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, want) << n << " bytes";
+    Bytes shifted(3 + data.size(), 0xEE);  // at an odd address: the unaligned load path
+    std::copy(data.begin(), data.end(), shifted.begin() + 3);
+    DeviceBuffer s = Upload(shifted);
+    auto got2 = codec.DigestV2(static_cast<const uint8_t*>(s.data()) + 3, n);
+    ASSERT_TRUE(got2.ok()) << got2.status();
+    EXPECT_EQ(*got2, want) << n << " bytes at an odd address";
+  }
+  EXPECT_FALSE(codec.DigestV2(nullptr, 8).ok());
+}
+
+// Device apply with the delta == the CPU's delta == the full recompute, for every dtype, in place
+// and out of place, with one decode wave and with many.
+TEST(CudaCodec, ApplyDigestV2MatchesCpuDelta) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(23);
+  const std::vector<size_t> sizes = kEmulated ? std::vector<size_t>{1, 777, 5000}
+                                              : std::vector<size_t>{1, 777, 5000, 300001};
+  for (DType t : kAll) {
+    for (size_t n : sizes) {
+      for (double p : {0.0, 0.016, 0.5, 1.0}) {
+        const Bytes a = RandomTensor(t, n, rng);
+        const Bytes b = Mutate(a, t, p, rng);
+        SCOPED_TRACE(::testing::Message() << DTypeName(t) << " n=" << n << " p=" << p);
+        EncodeOptions opt;
+        opt.block_log2 = 8;
+        auto patch = EncodePatch(t, a, b, opt);
+        ASSERT_TRUE(patch.ok()) << patch.status();
+        Bytes cpu_out(a.size());
+        auto cpu = ApplyPatchDigestV2(*patch, t, a, cpu_out);
+        ASSERT_TRUE(cpu.ok()) << cpu.status();
+        const uint64_t d0 = TensorDigestV2(a), d1 = TensorDigestV2(b);
+        ASSERT_EQ(cpu->ApplyTo(d0, a.size()), d1);
+        for (size_t limit : {size_t{512} << 20, size_t{64}}) {  // one wave; a wave per block
+          DeviceCodec codec;
+          codec.set_decode_scratch_limit(limit);
+          DeviceBuffer da = Upload(a), out = Upload(Bytes(a.size(), 0xAB));
+          auto oop = codec.ApplyDigestV2(*patch, t, da.data(), out.data(), a.size());
+          ASSERT_TRUE(oop.ok()) << oop.status();
+          EXPECT_EQ(*oop, *cpu) << "out of place, scratch " << limit;
+          EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1);
+          auto inp = codec.ApplyDigestV2(*patch, t, da.data(), da.data(), a.size());
+          ASSERT_TRUE(inp.ok()) << inp.status();
+          EXPECT_EQ(*inp, *cpu) << "in place, scratch " << limit;
+          EXPECT_EQ(FirstDiff(Download(da, a.size()), b), -1);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaCodec, ApplyDigestV2KeepsApplyValidation) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(24);
+  const Bytes a = RandomTensor(DType::kBF16, 5000, rng);
+  const Bytes b = Mutate(a, DType::kBF16, 0.02, rng);
+  auto patch = EncodePatch(DType::kBF16, a, b);
+  ASSERT_TRUE(patch.ok());
+  Bytes corrupt = *patch;
+  corrupt.back() ^= 0x10;
+  DeviceCodec codec;
+  DeviceBuffer da = Upload(a);
+  auto st = codec.ApplyDigestV2(corrupt, DType::kBF16, da.data(), da.data(), a.size());
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kDataLoss) << st.status();
+  EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1);
+  EXPECT_EQ(codec.ApplyDigestV2(*patch, DType::kF16, da.data(), da.data(), a.size()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // ---- digest -------------------------------------------------------------------------------------

@@ -152,6 +152,12 @@ class Device {
   virtual absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base,
                              void* d_out, uint64_t bytes) = 0;
   virtual absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes) = 0;
+  // Digest v2 (refit::TensorDigestV2's value), and Apply that also returns the digest-v2 delta
+  // of what it writes (refit::ApplyPatchDigestV2's). Defaults: UNIMPLEMENTED (test doubles).
+  virtual absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
+  virtual absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                                      const void* d_base, void* d_out,
+                                                      uint64_t bytes);
   // Frees the codec's scratch memory (it regrows on the next call).
   virtual void ReleaseScratch() = 0;
 };

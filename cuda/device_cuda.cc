@@ -122,6 +122,20 @@ class DeviceImpl final : public Device {
     return codec_.Digest(d_data, bytes);
   }
 
+  absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes) override {
+    absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    return codec_.DigestV2(d_data, bytes);
+  }
+
+  absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                              const void* d_base, void* d_out,
+                                              uint64_t bytes) override {
+    absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    return codec_.ApplyDigestV2(patch, dtype, d_base, d_out, bytes);
+  }
+
   void ReleaseScratch() override {
     absl::MutexLock l(&mu_);
     (void)rt::SetDevice(info_.ordinal);

@@ -148,4 +148,13 @@ Allocation& Allocation::operator=(Allocation&& other) noexcept {
   return *this;
 }
 
+absl::StatusOr<uint64_t> Device::DigestV2(const void*, uint64_t) {
+  return absl::UnimplementedError("this Device has no digest v2");
+}
+
+absl::StatusOr<DigestV2Delta> Device::ApplyDigestV2(std::span<const uint8_t>, DType, const void*,
+                                                    void*, uint64_t) {
+  return absl::UnimplementedError("this Device has no apply with digest v2");
+}
+
 }  // namespace refit::cuda

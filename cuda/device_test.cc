@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -172,6 +173,15 @@ TEST(DeviceTest, CopiesAndCodecMatchTheCpu) {
   auto digest = dev.Digest(out->data(), bytes);
   ASSERT_TRUE(digest.ok());
   EXPECT_EQ(*digest, TensorDigest(ht));
+  // Digest v2 and apply with its delta, in place on the base.
+  auto v2 = dev.DigestV2(out->data(), bytes);
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  EXPECT_EQ(*v2, TensorDigestV2(ht));
+  auto delta = dev.ApplyDigestV2(*cpu_patch, DType::kBF16, d_base->data(), d_base->data(), bytes);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(delta->ApplyTo(TensorDigestV2(hb), bytes), *v2);
+  ASSERT_TRUE(dev.CopyToHost(back.data(), d_base->data(), bytes).ok());
+  EXPECT_EQ(back, target);
 }
 
 TEST(DeviceTest, AddressRangeAndIpcHandleNameTheAllocation) {

@@ -623,6 +623,45 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads)
   if (ThreadIndex() == 0) chunk_hashes[c] = h;
 }
 
+// ---- digest v2 ------------------------------------------------------------------------------------
+
+// Sum of every thread's v over the block (mod 2^64), valid on thread 0. All threads call it.
+REFIT_DEV uint64_t BlockSum64(uint64_t v, uint64_t* s_part) {
+  const uint32_t tid = ThreadIndex();
+  s_part[tid] = v;
+  SyncThreads();
+  for (uint32_t half = kThreads / 2; half > 0; half /= 2) {
+    if (tid < half) s_part[tid] += s_part[tid + half];
+    SyncThreads();
+  }
+  const uint64_t total = s_part[0];
+  SyncThreads();
+  return total;
+}
+
+// Word `word` of a tensor at `p` (tensor_bytes long): 8 bytes, or the zero-padded tail.
+REFIT_DEV uint64_t TensorWord(const uint8_t* p, uint64_t word, uint64_t tensor_bytes) {
+  const uint8_t* q = p + 8 * word;
+  if (8 * word + 8 > tensor_bytes) return LoadBytesLE(q, tensor_bytes - 8 * word);
+  if ((reinterpret_cast<uintptr_t>(q) & 7) == 0) return LoadU64Aligned(q);
+  return LoadBytesLE(q, 8);
+}
+
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads)
+    DigestV2Kernel(const uint8_t* data, uint64_t bytes, unsigned long long* sum) {
+  REFIT_SHARED uint64_t s_part[kThreads];
+  const uint64_t words = (bytes + 7) / 8;
+  const uint64_t w0 = dev::BlockIndex() * kDigestV2BlockWords;
+  const uint64_t w1 = Min64(words, w0 + kDigestV2BlockWords);
+  uint64_t acc = 0;
+  REFIT_UNROLL_N(4)
+  for (uint64_t k = w0 + ThreadIndex(); k < w1; k += kThreads) {
+    acc += f::DigestV2Mix(k, TensorWord(data, k, bytes));
+  }
+  acc = BlockSum64(acc, s_part);
+  if (ThreadIndex() == 0) dev::AtomicAdd64(sum, acc);
+}
+
 // ---- apply ----------------------------------------------------------------------------------------
 
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyStageKernel(ApplyArgs a) {
@@ -850,6 +889,49 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyWriteKernel(ApplyArgs a, ui
   }
 }
 
+// [codec.cc AddSparseDelta, ApplyBlockDelta] the digest-v2 delta of one descriptor, before it is
+// written. SPARSE: the thread holding the first change of a word computes that word's new value
+// from all of its changes (at most 8 / sizeof(T), consecutive in j).
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyDigestV2DeltaKernel(ApplyArgs a, uint64_t lo) {
+  REFIT_SHARED uint64_t s_part[kThreads];
+  constexpr uint64_t kW = sizeof(T);
+  constexpr uint64_t kMask = f::WidthMask(8 * static_cast<int>(sizeof(T)));
+  const ApplyDesc d = a.descs[lo + dev::BlockIndex()];
+  const uint8_t* base = static_cast<const uint8_t*>(a.base);
+  const uint64_t first_byte = d.first_element * kW;  // a multiple of 8 (kMinBlockLog2 >= 3)
+  const uint32_t tid = ThreadIndex();
+  uint64_t acc = 0;
+  if (d.mode == f::kDense) {
+    // The stage slot is 8-byte aligned and zero-padded: its last word is the padded tail word.
+    const uint8_t* src = a.stage + d.stage_off;
+    const uint64_t words = (d.payload_bytes + 7) / 8;
+    for (uint64_t k = tid; k < words; k += kThreads) {
+      const uint64_t word = first_byte / 8 + k;
+      acc += f::DigestV2Mix(word, LoadU64Aligned(src + 8 * k)) -
+             f::DigestV2Mix(word, TensorWord(base, word, a.tensor_bytes));
+    }
+  } else {
+    const T* bt = static_cast<const T*>(a.base) + d.first_element;
+    const uint32_t* pos = a.scratch_pos + d.scratch_off;
+    const uint64_t* val = a.scratch_val + d.scratch_off;
+    for (uint32_t j = tid; j < d.count; j += kThreads) {
+      const uint64_t word = (first_byte + pos[j] * kW) / 8;
+      if (j > 0 && (first_byte + pos[j - 1] * kW) / 8 == word) continue;  // not the word's first
+      const uint64_t old_word = TensorWord(base, word, a.tensor_bytes);
+      uint64_t new_word = old_word;
+      for (uint32_t jj = j; jj < d.count && (first_byte + pos[jj] * kW) / 8 == word; ++jj) {
+        const uint64_t t = static_cast<uint64_t>(TargetValue<T, kCoding>(bt[pos[jj]], val[jj]));
+        const unsigned shift = static_cast<unsigned>(((first_byte + pos[jj] * kW) & 7) * 8);
+        new_word = (new_word & ~(kMask << shift)) | ((t & kMask) << shift);
+      }
+      acc += f::DigestV2Mix(word, new_word) - f::DigestV2Mix(word, old_word);
+    }
+  }
+  acc = BlockSum64(acc, s_part);
+  if (tid == 0) dev::AtomicAdd64(a.digest_delta, acc);
+}
+
 // ---- launch wrappers ------------------------------------------------------------------------------
 
 template <typename... Params, typename... Args>
@@ -950,6 +1032,19 @@ int LaunchApplyWrite(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream)
   if (hi <= lo) return 0;
   return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
     return Launch(&ApplyWriteKernel<T, C>, hi - lo, kThreads, stream, a, lo);
+  });
+}
+
+int LaunchDigestV2(const void* data, uint64_t bytes, unsigned long long* sum, void* stream) {
+  const uint64_t words = (bytes + 7) / 8;
+  const uint64_t grid = (words + kDigestV2BlockWords - 1) / kDigestV2BlockWords;
+  return Launch(&DigestV2Kernel, grid, kThreads, stream, static_cast<const uint8_t*>(data), bytes, sum);
+}
+
+int LaunchApplyDigestV2Delta(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream) {
+  if (hi <= lo) return 0;
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&ApplyDigestV2DeltaKernel<T, C>, hi - lo, kThreads, stream, a, lo);
   });
 }
 

@@ -85,6 +85,15 @@ int LaunchEncodeCompact(const EncodeArgs& a, void* stream);
 int LaunchDigestChunks(const void* data, uint64_t bytes, uint64_t num_chunks,
                        uint64_t* chunk_hashes, void* stream);
 
+// ---- digest v2 (format.h "Tensor digest, version 2") ----------------------------------------------
+
+// Words each thread block of the v2 digest kernel sums (thread t takes words t, t + kThreads, ...).
+inline constexpr uint64_t kDigestV2BlockWords = static_cast<uint64_t>(kThreads) * 16;
+
+// *sum += sum over the words w_i of data[0, bytes) (last one zero-padded) of DigestV2Mix(i, w_i),
+// mod 2^64, one 64-bit atomic add per thread block. data may have any alignment.
+int LaunchDigestV2(const void* data, uint64_t bytes, unsigned long long* sum, void* stream);
+
 // ---- apply --------------------------------------------------------------------------------------
 
 // One SPARSE or DENSE block of the patch (UNCHANGED blocks have no descriptor).
@@ -141,6 +150,9 @@ struct ApplyArgs {
   void* out = nullptr;  // may equal base; otherwise holds a copy of base already
   int width = 0;
   int coding = 0;
+  // Digest v2 delta (LaunchApplyDigestV2Delta only): the tensor's length and the accumulator.
+  uint64_t tensor_bytes = 0;
+  unsigned long long* digest_delta = nullptr;
 };
 
 // Copies each payload to its 8-aligned stage slot and zero-pads it.
@@ -152,6 +164,10 @@ int LaunchApplyVerify(const ApplyArgs& a, void* stream);
 int LaunchApplyDecode(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
 // Writes descriptors [lo, hi) into out (DENSE: payload; SPARSE: the decoded changes).
 int LaunchApplyWrite(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
+// Adds the digest-v2 delta of descriptors [lo, hi) (DENSE: staged payload against base; SPARSE:
+// the decoded wave against base, each changed word once) to *digest_delta. Reads base only: runs
+// after LaunchApplyDecode and before LaunchApplyWrite of the same wave, so in place works.
+int LaunchApplyDigestV2Delta(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
 
 }  // namespace refit::cuda::kern
 

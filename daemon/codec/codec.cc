@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/codec/bitstream.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_writer.h"
 #include "daemon/common/parallel.h"
@@ -895,6 +896,30 @@ absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint
   return absl::OkStatus();
 }
 
+// Every SPARSE and DENSE payload's checksum (the first mismatch found is the error).
+absl::Status VerifyPayloadChecksums(std::span<const uint8_t> patch, const PatchLayout& layout,
+                                    int threads) {
+  absl::Mutex mu;
+  absl::Status first_error;
+  ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      const BlockDesc& d = layout.blocks[i];
+      if (d.mode == kUnchanged) continue;
+      const uint32_t sum = BlockChecksum(patch.subspan(d.payload_offset, d.payload_bytes), i);
+      if (sum != d.checksum) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) {
+          first_error = absl::DataLossError(
+              absl::StrCat("patch ", DescribeBlock(i, d), ": payload checksum mismatch (table says ",
+                           d.checksum, ", payload hashes to ", sum, ")"));
+        }
+        return;
+      }
+    }
+  });
+  return first_error;
+}
+
 template <typename T>
 absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
                         std::span<const uint8_t> base, std::span<uint8_t> out, int threads) {
@@ -909,21 +934,7 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
     if (first_error.ok()) first_error = std::move(st);
   };
   // Phase 1: every payload's checksum, before anything is written.
-  ParallelFor(nb, threads, 1, [&](size_t lo, size_t hi) {
-    for (size_t i = lo; i < hi; ++i) {
-      const BlockDesc& d = layout.blocks[i];
-      if (d.mode == kUnchanged) continue;
-      const uint32_t sum =
-          BlockChecksum(patch.subspan(d.payload_offset, d.payload_bytes), i);
-      if (sum != d.checksum) {
-        record(absl::DataLossError(absl::StrCat("patch ", DescribeBlock(i, d),
-                                                ": payload checksum mismatch (table says ",
-                                                d.checksum, ", payload hashes to ", sum, ")")));
-        return;
-      }
-    }
-  });
-  RETURN_IF_ERROR(first_error);
+  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   // Phase 2: decode and write, block by block.
   ParallelFor(nb, threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
@@ -936,6 +947,135 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
     }
   });
   return first_error;
+}
+
+// ---- apply with the digest-v2 delta (digest_v2.h) -------------------------------------------
+// Blocks start on word boundaries (at least 2^kMinBlockLog2 elements of >= 1 byte before them:
+// a multiple of 256 bytes), so each word of the tensor belongs to exactly one block and blocks'
+// deltas are independent. A block's delta is computed from the base and the decoded target
+// values before any of its bytes are written, which makes in place safe.
+static_assert(format::kMinBlockLog2 >= 3, "blocks must start on word boundaries");
+
+// Adds the delta of a decoded SPARSE block (s.pos, s.val: target values, increasing positions)
+// of a tensor at `base` (tensor_bytes long) whose block starts at byte first_byte.
+template <typename T>
+void AddSparseDelta(const Scratch& s, uint32_t count, const uint8_t* base, uint64_t first_byte,
+                    uint64_t tensor_bytes, DigestV2Delta& delta) {
+  constexpr uint64_t w = sizeof(T);
+  constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
+  uint32_t j = 0;
+  while (j < count) {
+    const uint64_t word = (first_byte + s.pos[j] * w) / 8;
+    uint64_t old_word = 0;
+    if (8 * word + 8 <= tensor_bytes) {
+      old_word = LoadU64(base + 8 * word);
+    } else {
+      std::memcpy(&old_word, base + 8 * word, tensor_bytes - 8 * word);  // zero-padded last word
+    }
+    uint64_t new_word = old_word;
+    do {  // every change in this word (at most 8 / w of them)
+      const unsigned shift = static_cast<unsigned>(((first_byte + s.pos[j] * w) & 7) * 8);
+      new_word = (new_word & ~(kMask << shift)) | ((s.val[j] & kMask) << shift);
+      ++j;
+    } while (j < count && (first_byte + s.pos[j] * w) / 8 == word);
+    delta.Add(word, old_word, new_word);
+  }
+}
+
+// ApplyBlock that also adds the block's delta; writes nothing when `out` is null.
+template <typename T>
+absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d, uint64_t i,
+                             ValueCoding coding, std::span<const uint8_t> base, uint8_t* out,
+                             Scratch& s, DigestV2Delta& delta) {
+  const uint64_t first_byte = d.first_element * sizeof(T);
+  const size_t bytes = static_cast<size_t>(d.num_elements) * sizeof(T);
+  const uint8_t* bb = base.data() + first_byte;
+  uint8_t* ob = out == nullptr ? nullptr : out + first_byte;
+  switch (d.mode) {
+    case kUnchanged:
+      if (ob != nullptr && ob != bb) std::memcpy(ob, bb, bytes);
+      return absl::OkStatus();
+    case kDense: {
+      const uint8_t* payload = patch.data() + d.payload_offset;
+      delta.AddRange({bb, bytes}, {payload, bytes}, first_byte / 8);
+      if (ob != nullptr) std::memcpy(ob, payload, bytes);
+      return absl::OkStatus();
+    }
+    default:
+      break;
+  }
+  RETURN_IF_ERROR(DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding,
+                                  reinterpret_cast<const T*>(bb), s));
+  AddSparseDelta<T>(s, d.count, base.data(), first_byte, base.size(), delta);
+  if (ob == nullptr) return absl::OkStatus();
+  if (ob != bb) std::memcpy(ob, bb, bytes);
+  T* ot = reinterpret_cast<T*>(ob);
+  for (uint32_t j = 0; j < d.count; ++j) ot[s.pos[j]] = static_cast<T>(s.val[j]);
+  return absl::OkStatus();
+}
+
+// ApplyTyped with the delta (out null: decode and validate only). Per-thread deltas are merged
+// in whatever order the threads finish: the sum does not depend on it.
+template <typename T>
+absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
+                                              const PatchLayout& layout,
+                                              std::span<const uint8_t> base, uint8_t* out,
+                                              int threads) {
+  const ValueCoding coding = DTypeValueCoding(layout.dtype);
+  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
+  absl::Mutex mu;
+  absl::Status first_error;
+  DigestV2Delta total;
+  ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
+    Scratch s;
+    DigestV2Delta delta;
+    absl::Status st;
+    for (size_t i = lo; i < hi && st.ok(); ++i) {
+      st = ApplyBlockDelta<T>(patch, layout.blocks[i], i, coding, base, out, s, delta);
+    }
+    absl::MutexLock lock(&mu);
+    if (!st.ok() && first_error.ok()) first_error = std::move(st);
+    total.Merge(delta);
+  });
+  RETURN_IF_ERROR(first_error);
+  return total;
+}
+
+absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
+                                                 const PatchLayout& layout,
+                                                 std::span<const uint8_t> base, uint8_t* out,
+                                                 int threads) {
+  switch (DTypeSize(layout.dtype)) {
+    case 1:
+      return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads);
+    case 2:
+      return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads);
+    case 4:
+      return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads);
+    default:
+      return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads);
+  }
+}
+
+// ApplyPatch's checks of the output buffer against the base; `who` names the caller.
+absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uint8_t> base,
+                               std::span<const uint8_t> out) {
+  const int w = DTypeSize(dtype);
+  if (out.size() != base.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": output has ", out.size(), " bytes, base has ", base.size()));
+  }
+  if ((reinterpret_cast<uintptr_t>(base.data()) | reinterpret_cast<uintptr_t>(out.data())) %
+          static_cast<uintptr_t>(w) != 0 &&
+      !base.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": base and output must be aligned to the element size (", w, " bytes)"));
+  }
+  if (out.data() != base.data() && out.data() < base.data() + base.size() &&
+      base.data() < out.data() + out.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": output partially overlaps the base"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -1188,22 +1328,8 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  const int w = DTypeSize(dtype);
-  if (out.size() != base.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("ApplyPatch: output has ", out.size(),
-                                                   " bytes, base has ", base.size()));
-  }
-  if ((reinterpret_cast<uintptr_t>(base.data()) | reinterpret_cast<uintptr_t>(out.data())) %
-          static_cast<uintptr_t>(w) != 0 &&
-      !base.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ApplyPatch: base and output must be aligned to the element size (", w, " bytes)"));
-  }
-  if (out.data() != base.data() && out.data() < base.data() + base.size() &&
-      base.data() < out.data() + out.size()) {
-    return absl::InvalidArgumentError("ApplyPatch: output partially overlaps the base");
-  }
-  switch (w) {
+  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatch", dtype, base, out));
+  switch (DTypeSize(dtype)) {
     case 1:
       return ApplyTyped<uint8_t>(patch, layout, base, out, threads);
     case 2:
@@ -1213,6 +1339,21 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<c
     default:
       return ApplyTyped<uint64_t>(patch, layout, base, out, threads);
   }
+}
+
+absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                                 std::span<const uint8_t> base,
+                                                 std::span<uint8_t> out, int threads) {
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatchDigestV2", dtype, base, out));
+  return ApplyDeltaForWidth(patch, layout, base, out.data(), threads);
+}
+
+absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
+                                                   std::span<const uint8_t> base, int threads) {
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  RETURN_IF_ERROR(CheckApplyBuffers("DigestV2DeltaOfPatch", dtype, base, base));  // alignment
+  return ApplyDeltaForWidth(patch, layout, base, nullptr, threads);
 }
 
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/format.h"
 
@@ -99,6 +100,21 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
 // need all-or-nothing stage into a separate buffer, as the daemons do).
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype,
                         std::span<const uint8_t> base, std::span<uint8_t> out, int threads = 0);
+
+// ApplyPatch (same checks, errors and writes), also returning the digest-v2 delta (digest_v2.h)
+// of what it writes: new digest = delta.ApplyTo(digest of base, base.size()). Each changed word's
+// old value is read from `base` before anything of its block is written, so in place
+// (out == base) works; unchanged blocks cost nothing beyond ApplyPatch's copy (out of place).
+// Blocks run on up to `threads` threads; their deltas merge in any order to the same value.
+absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                                 std::span<const uint8_t> base,
+                                                 std::span<uint8_t> out, int threads = 0);
+
+// The delta ApplyPatchDigestV2 would return, from decoding `patch` against `base` (fully
+// validated, as by ApplyPatch) without writing anything: the publisher's way to get the new
+// digest from the patch it just encoded and its baseline, reading only the changed words.
+absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
+                                                   std::span<const uint8_t> base, int threads = 0);
 
 // Validates the whole patch (table and every payload) without a base tensor where possible:
 // checksums and bitstream structure. Fills stats.

@@ -131,6 +131,67 @@ constexpr uint64_t Avalanche(uint64_t h) {
 inline constexpr uint64_t kDigestChunkBytes = 1ull << 20;
 inline constexpr uint64_t kDigestSeed = 0x5265666974446967ull;  // "RefitDig"
 
+
+// ---- Tensor digest, version 2 (incremental; docs/ARCHITECTURE.md "Tensor digest, version 2") ---
+// The tensor's bytes are read as little-endian u64 words w_0 .. w_{W-1}, W = ceil(bytes / 8), the
+// last one zero-padded. With M below (a bijection of w for each word index i),
+//   S = sum over i of DigestV2Mix(i, w_i)  (mod 2^64)
+//   digest = DigestV2Final(S, bytes)       (a bijection of S for each byte length)
+// A sum does not depend on the order it is taken in, so threads and GPU blocks add partial sums
+// in any order, and changing word i from a to b gives
+//   digest' = DigestV2Final(DigestV2Unfinal(digest, bytes) - M(i, a) + M(i, b), bytes).
+// Zero bytes: S = 0, digest = DigestV2Final(0, 0).
+inline constexpr uint64_t kV2IndexA = 0x9E3779B97F4A7C15ull;  // index keys: i * kV2IndexA, ...
+inline constexpr uint64_t kV2IndexB = 0xD6E8FEB86659FD93ull;  // ... i * kV2IndexB (both odd)
+inline constexpr uint64_t kV2M1 = 0xBF58476D1CE4E5B9ull;      // mixer multipliers (odd)
+inline constexpr uint64_t kV2M2 = 0x94D049BB133111EBull;
+inline constexpr uint64_t kV2M3 = 0xFF51AFD7ED558CCDull;
+inline constexpr uint64_t kV2F1 = 0xC4CEB9FE1A85EC53ull;      // finaliser multipliers (odd)
+inline constexpr uint64_t kV2F2 = 0x2545F4914F6CDD1Dull;
+inline constexpr uint64_t kDigestV2Seed = 0x5265666974446732ull;  // "RefitDg2"
+
+// M(i, w). Every step is invertible in w (xor, multiply by an odd constant, x ^= x >> r with
+// r >= 1, add), so M(i, a) != M(i, b) whenever a != b.
+constexpr uint64_t DigestV2Mix(uint64_t index, uint64_t word) {
+  uint64_t z = (word ^ (index * kV2IndexA)) * kV2M1;
+  z = ((z ^ (z >> 32)) + index * kV2IndexB) * kV2M2;
+  z = (z ^ (z >> 29)) * kV2M3;
+  return z ^ (z >> 32);
+}
+
+// The inverse of an odd number modulo 2^64 (Newton's iteration: 3, 6, 12, 24, 48, 96 bits).
+constexpr uint64_t MulInverse64(uint64_t odd) {
+  uint64_t inv = odd;
+  for (int i = 0; i < 5; ++i) inv *= 2 - odd * inv;
+  return inv;
+}
+// Inverse of y = x ^ (x >> r), r >= 1: x = y ^ (y >> r) ^ (y >> 2r) ^ ... (the terms telescope).
+constexpr uint64_t UnXorShiftRight(uint64_t y, int r) {
+  uint64_t x = y;
+  for (int s = r; s < 64; s += r) x ^= y >> s;
+  return x;
+}
+
+constexpr uint64_t DigestV2LengthKey(uint64_t bytes) { return Avalanche(bytes ^ kDigestV2Seed); }
+
+// F(S, bytes): for each length a bijection of S.
+constexpr uint64_t DigestV2Final(uint64_t sum, uint64_t bytes) {
+  uint64_t x = sum ^ DigestV2LengthKey(bytes);
+  x = (x ^ (x >> 31)) * kV2F1;
+  x = (x ^ (x >> 29)) * kV2F2;
+  return x ^ (x >> 32);
+}
+// F^-1(digest, bytes) = S.
+constexpr uint64_t DigestV2Unfinal(uint64_t digest, uint64_t bytes) {
+  uint64_t x = UnXorShiftRight(digest, 32);
+  x = UnXorShiftRight(x * MulInverse64(kV2F2), 29);
+  x = UnXorShiftRight(x * MulInverse64(kV2F1), 31);
+  return x ^ DigestV2LengthKey(bytes);
+}
+static_assert(MulInverse64(kV2F1) * kV2F1 == 1 && MulInverse64(kV2F2) * kV2F2 == 1);
+static_assert(DigestV2Unfinal(DigestV2Final(0x0123456789ABCDEFull, 77), 77) == 0x0123456789ABCDEFull);
+static_assert(DigestV2Unfinal(DigestV2Final(~0ull, 0), 0) == ~0ull);
+
 }  // namespace refit::format
 
 #endif  // REFIT_DAEMON_CODEC_FORMAT_H_

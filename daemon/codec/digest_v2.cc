@@ -1,0 +1,228 @@
+#include "daemon/codec/digest_v2.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/format.h"
+#include "daemon/common/parallel.h"
+
+namespace refit {
+namespace {
+
+using format::DigestV2Mix;
+
+enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int BestLevel() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return kAvx512;
+  if (__builtin_cpu_supports("avx2")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+std::atomic<int> g_level{BestLevel()};
+
+uint64_t LoadWord(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);  // little-endian host
+  return w;
+}
+
+uint64_t SumScalar(const uint8_t* p, uint64_t words, uint64_t first) {
+  uint64_t s = 0;
+  for (uint64_t k = 0; k < words; ++k) s += DigestV2Mix(first + k, LoadWord(p + 8 * k));
+  return s;
+}
+
+#if defined(__x86_64__)
+
+// ---- AVX-512 (F + DQ: vpmullq) --------------------------------------------------------------------
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* values.
+#pragma GCC diagnostic push
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+__attribute__((target("avx512f,avx512dq"))) inline __m512i Mix8(__m512i w, __m512i ka, __m512i kb) {
+  const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(format::kV2M1));
+  const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(format::kV2M2));
+  const __m512i m3 = _mm512_set1_epi64(static_cast<long long>(format::kV2M3));
+  __m512i z = _mm512_mullo_epi64(_mm512_xor_si512(w, ka), m1);
+  z = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 32)), kb), m2);
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 29)), m3);
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 32));
+}
+
+__attribute__((target("avx512f,avx512dq"))) uint64_t SumAvx512(const uint8_t* p, uint64_t words,
+                                                               uint64_t first) {
+  const uint64_t a = format::kV2IndexA, b = format::kV2IndexB;
+  const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(first)), lane);
+  __m512i ka = _mm512_mullo_epi64(idx, _mm512_set1_epi64(static_cast<long long>(a)));
+  __m512i kb = _mm512_mullo_epi64(idx, _mm512_set1_epi64(static_cast<long long>(b)));
+  const __m512i step_a = _mm512_set1_epi64(static_cast<long long>(8 * a));
+  const __m512i step_b = _mm512_set1_epi64(static_cast<long long>(8 * b));
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+  uint64_t k = 0;
+  for (; k + 16 <= words; k += 16) {
+    const __m512i ka1 = _mm512_add_epi64(ka, step_a), kb1 = _mm512_add_epi64(kb, step_b);
+    acc0 = _mm512_add_epi64(acc0, Mix8(_mm512_loadu_si512(p + 8 * k), ka, kb));
+    acc1 = _mm512_add_epi64(acc1, Mix8(_mm512_loadu_si512(p + 8 * k + 64), ka1, kb1));
+    ka = _mm512_add_epi64(ka1, step_a);
+    kb = _mm512_add_epi64(kb1, step_b);
+  }
+  if (k + 8 <= words) {
+    acc0 = _mm512_add_epi64(acc0, Mix8(_mm512_loadu_si512(p + 8 * k), ka, kb));
+    k += 8;
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_add_epi64(acc0, acc1));
+  uint64_t s = 0;
+  for (uint64_t v : lanes) s += v;
+  return s + SumScalar(p + 8 * k, words - k, first + k);
+}
+#pragma GCC diagnostic pop
+
+// ---- AVX2 (64-bit products from three 32 x 32 -> 64 multiplies) -----------------------------------
+
+struct Const256 {
+  __m256i lo, hi;  // the constant's low and high 32 bits in every 64-bit lane
+};
+
+__attribute__((target("avx2"))) inline Const256 MakeConst(uint64_t k) {
+  return {_mm256_set1_epi64x(static_cast<long long>(k & 0xffffffffu)),
+          _mm256_set1_epi64x(static_cast<long long>(k >> 32))};
+}
+
+// x * k mod 2^64 = xl kl + ((xh kl + xl kh) << 32).
+__attribute__((target("avx2"))) inline __m256i MulConst(__m256i x, const Const256& k) {
+  const __m256i lo = _mm256_mul_epu32(x, k.lo);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k.lo),
+                                         _mm256_mul_epu32(x, k.hi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+__attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t words, uint64_t first) {
+  const uint64_t a = format::kV2IndexA, b = format::kV2IndexB;
+  const Const256 m1 = MakeConst(format::kV2M1), m2 = MakeConst(format::kV2M2),
+                 m3 = MakeConst(format::kV2M3);
+  __m256i ka = _mm256_set_epi64x(static_cast<long long>((first + 3) * a),
+                                 static_cast<long long>((first + 2) * a),
+                                 static_cast<long long>((first + 1) * a),
+                                 static_cast<long long>(first * a));
+  __m256i kb = _mm256_set_epi64x(static_cast<long long>((first + 3) * b),
+                                 static_cast<long long>((first + 2) * b),
+                                 static_cast<long long>((first + 1) * b),
+                                 static_cast<long long>(first * b));
+  const __m256i step_a = _mm256_set1_epi64x(static_cast<long long>(4 * a));
+  const __m256i step_b = _mm256_set1_epi64x(static_cast<long long>(4 * b));
+  __m256i acc = _mm256_setzero_si256();
+  uint64_t k = 0;
+  for (; k + 4 <= words; k += 4) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * k));
+    __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
+    z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
+    z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
+    acc = _mm256_add_epi64(acc, _mm256_xor_si256(z, _mm256_srli_epi64(z, 32)));
+    ka = _mm256_add_epi64(ka, step_a);
+    kb = _mm256_add_epi64(kb, step_b);
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + SumScalar(p + 8 * k, words - k, first + k);
+}
+
+#endif  // __x86_64__
+
+// Sum over `words` whole words at p, the first being word `first`.
+uint64_t SumWords(const uint8_t* p, uint64_t words, uint64_t first) {
+#if defined(__x86_64__)
+  switch (g_level.load(std::memory_order_relaxed)) {
+    case kAvx512:
+      return SumAvx512(p, words, first);
+    case kAvx2:
+      return SumAvx2(p, words, first);
+    default:
+      break;
+  }
+#endif
+  return SumScalar(p, words, first);
+}
+
+// Words per ParallelFor item range: 64 Ki words (512 KiB) at least per thread.
+constexpr size_t kMinWordsPerThread = size_t{1} << 16;
+
+}  // namespace
+
+uint64_t DigestV2Sum(std::span<const uint8_t> bytes, uint64_t first_word) {
+  const uint64_t full = bytes.size() / 8;
+  uint64_t s = SumWords(bytes.data(), full, first_word);
+  if (bytes.size() % 8 != 0) {
+    uint64_t w = 0;
+    std::memcpy(&w, bytes.data() + 8 * full, bytes.size() % 8);  // zero-padded last word
+    s += DigestV2Mix(first_word + full, w);
+  }
+  return s;
+}
+
+uint64_t TensorDigestV2(std::span<const uint8_t> data, int threads) {
+  const uint64_t n = data.size();
+  const uint64_t words = (n + 7) / 8;
+  std::atomic<uint64_t> sum{0};
+  ParallelFor(words, threads, kMinWordsPerThread, [&](size_t b, size_t e) {
+    const uint64_t lo = 8 * b, hi = std::min<uint64_t>(8 * e, n);
+    sum.fetch_add(DigestV2Sum(data.subspan(lo, hi - lo), b), std::memory_order_relaxed);
+  });
+  return format::DigestV2Final(sum.load(), n);
+}
+
+void DigestV2Delta::AddRange(std::span<const uint8_t> old_bytes, std::span<const uint8_t> new_bytes,
+                             uint64_t first_word) {
+  sum_ += DigestV2Sum(new_bytes, first_word) - DigestV2Sum(old_bytes, first_word);
+}
+
+uint64_t DigestV2Delta::ApplyTo(uint64_t digest, uint64_t tensor_bytes) const {
+  return format::DigestV2Final(format::DigestV2Unfinal(digest, tensor_bytes) + sum_, tensor_bytes);
+}
+
+absl::StatusOr<DigestV2Delta> DigestV2DeltaOf(std::span<const uint8_t> base,
+                                              std::span<const uint8_t> target, int threads) {
+  if (base.size() != target.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("DigestV2DeltaOf: base has ", base.size(),
+                                                   " bytes but target has ", target.size()));
+  }
+  const uint64_t n = base.size();
+  const uint64_t words = (n + 7) / 8;
+  std::atomic<uint64_t> sum{0};
+  ParallelFor(words, threads, kMinWordsPerThread, [&](size_t b, size_t e) {
+    DigestV2Delta d;
+    for (uint64_t k = b; k < e; ++k) {
+      const uint64_t len = std::min<uint64_t>(8, n - 8 * k);
+      uint64_t ow = 0, nw = 0;
+      std::memcpy(&ow, base.data() + 8 * k, len);
+      std::memcpy(&nw, target.data() + 8 * k, len);
+      if (ow != nw) d.Add(k, ow, nw);
+    }
+    sum.fetch_add(d.sum(), std::memory_order_relaxed);
+  });
+  return DigestV2Delta::FromSum(sum.load());
+}
+
+namespace testing {
+
+int DigestV2Levels() { return BestLevel() + 1; }
+
+void SetDigestV2Level(int level) {
+  g_level.store(level < 0 ? BestLevel() : std::min(level, BestLevel()));
+}
+
+}  // namespace testing
+}  // namespace refit
