@@ -911,7 +911,8 @@ absl::Status PublisherCore::Persist(uint64_t version, uint64_t version_digest,
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                                       std::span<const TensorInput> given,
-                                                      bool allow_degenerate) {
+                                                      bool allow_degenerate,
+                                                      const std::function<void()>& inputs_read) {
   const auto start = Clock::now();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
@@ -975,6 +976,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                  }),
                   counts_.end());
   }
+  if (inputs_read) inputs_read();  // the caller's bytes are not read any more
   std::vector<BaselineTensor>& next = enc.next;
 
   if (dir_ != nullptr) {

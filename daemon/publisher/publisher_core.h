@@ -12,6 +12,7 @@
 #define REFIT_DAEMON_PUBLISHER_PUBLISHER_CORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -266,8 +267,12 @@ class PublisherCore {
   // nothing changes. A failed persist is not an error of Publish: see
   // PublishSummary::persist_status.
   // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
+  // `inputs_read` (may be null) is called once the version is committed and the tensors' bytes
+  // are no longer read (before persisting): a caller lending its memory may then reuse it
+  // (on an error it may once Publish returns).
   absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
-                                         bool allow_degenerate = false);
+                                         bool allow_degenerate = false,
+                                         const std::function<void()>& inputs_read = nullptr);
 
   // Loads every tensor of the safetensors files (names unique across files) and publishes them.
   // With `publish_dirs`, each file must lie beneath one of them (publisher.files.publish_dirs;
