@@ -306,6 +306,13 @@ TEST_F(TrainerApiTest, UnregisterCompletesARoundTheOthersFinished) {
   EXPECT_EQ(core_->Baseline()[0].spec.name(), "a");
 }
 
+// Removes a stall file when it goes out of scope (declared after the queue: a failing test
+// never leaves the worker stalled while the queue joins it).
+struct RemoveOnExit {
+  std::string path;
+  ~RemoveOnExit() { std::filesystem::remove(path); }
+};
+
 // The client completing a round lends its mapped memory: its Publish returns once the version
 // is committed (its bytes read by the pass, no snapshot copy), so the trainer may overwrite them.
 TEST_F(TrainerApiTest, CompletingClientReturnsOnceItsMemoryIsReadAndCommitted) {
@@ -334,6 +341,7 @@ TEST(TrainerApiLendTest, DeadlineBeforeTheJobStartsAbandonsIt) {
   PublishQueueOptions qo;
   qo.stall_file = stall;
   PublishQueue queue(core->get(), nullptr, qo);
+  const RemoveOnExit unstall{stall};
   TrainerApiService api(&queue);
   Memfd a(4096, 2);
   v1::RegisterTensorsRequest reg;
@@ -368,6 +376,7 @@ TEST(TrainerApiLendTest, ShutdownAnswersAWaitingLender) {
   PublishQueueOptions qo;
   qo.stall_file = stall;
   PublishQueue queue(core->get(), nullptr, qo);
+  const RemoveOnExit unstall{stall};
   TrainerApiService api(&queue);
   Memfd a(4096, 2), b(4096, 3);
   v1::RegisterTensorsRequest reg;
