@@ -18,6 +18,7 @@
 #include "daemon/codec/bitstream.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/hash_stream.h"
 #include "daemon/codec/patch_writer.h"
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
@@ -538,10 +539,13 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
 }
 
 
-// Encodes one block, appending its payload (if any) to `out`.
+// Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
+// of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
+// 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary).
 template <typename T>
 BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
-                         uint64_t block_index, EncodeScratch& s, ByteSink& out) {
+                         uint64_t block_index, EncodeScratch& s, ByteSink& out,
+                         ChunkHasher* digest) {
   BlockRecord eb;
   // Scan a chunk of 16 KiB per buffer, then turn its changes into values while those bytes are
   // still in L1; the per-change arrays are sized for the worst case (every element changed).
@@ -568,6 +572,9 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
                   ? FindChangesAndDiffs16<true>(a, b, begin, end, pos, dv, n32)
                   : FindChangesAndDiffs16<false>(a, b, begin, end, pos, dv, n32);
         ComputeValuesFromDiffs(pos, dv, before, n32, gap, vs, run, exc, vstate);
+        if (digest != nullptr) {
+          digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
+        }
       }
     }
   }
@@ -578,6 +585,9 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
       const uint32_t before = n32;
       n32 = FindChanges(isa, a, b, begin, end, pos, n32);
       ComputeValues(a, b, pos, before, n32, coding, gap, vs, run, exc, vstate);
+      if (digest != nullptr) {
+        digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
+      }
     }
   }
   const size_t n = n32;
@@ -686,7 +696,7 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
 }
 
 BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2,
-                           EncodeScratch& s, ByteSink& out) {
+                           EncodeScratch& s, ByteSink& out, ChunkHasher* digest) {
   const int w = DTypeSize(in.dtype);
   const uint64_t n = in.base.size() / w;
   const uint64_t first = block_index << log2;
@@ -696,19 +706,19 @@ BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2
   const uint8_t* b = in.target.data() + first * w;
   switch (w) {
     case 1:
-      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out);
+      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out, digest);
     case 2:
       return EncodeBlock<uint16_t>(reinterpret_cast<const uint16_t*>(a),
                                    reinterpret_cast<const uint16_t*>(b), len, log2, coding,
-                                   block_index, s, out);
+                                   block_index, s, out, digest);
     case 4:
       return EncodeBlock<uint32_t>(reinterpret_cast<const uint32_t*>(a),
                                    reinterpret_cast<const uint32_t*>(b), len, log2, coding,
-                                   block_index, s, out);
+                                   block_index, s, out, digest);
     default:
       return EncodeBlock<uint64_t>(reinterpret_cast<const uint64_t*>(a),
                                    reinterpret_cast<const uint64_t*>(b), len, log2, coding,
-                                   block_index, s, out);
+                                   block_index, s, out, digest);
   }
 }
 
@@ -1080,69 +1090,100 @@ absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uin
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
-    std::span<const EncodeInput> inputs, const EncodeOptions& options,
-    std::vector<PatchStats>* stats) {
-  const int log2 = options.block_log2;
-  if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        inputs.size() == 1 ? "EncodePatch" : "EncodePatches", ": block_log2 ", log2,
-        " outside [", format::kMinBlockLog2, ", ", format::kMaxBlockLog2, "]"));
-  }
-  for (size_t t = 0; t < inputs.size(); ++t) {
-    RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
-  }
-  // All blocks of all tensors form one list (tensor-major), cut into one contiguous range per
-  // worker with about equal bytes, so small tensors and large ones share the threads evenly.
-  const uint64_t block = 1ull << log2;
-  std::vector<uint64_t> first_block(inputs.size() + 1, 0);
+namespace {
+
+// The blocks of all tensors of one EncodePatches call form one list (tensor-major): tensor t's
+// blocks are [first_block[t], first_block[t + 1]).
+struct BlockGrid {
+  std::vector<uint64_t> first_block;
+  std::vector<uint64_t> block_bytes;  // bytes per (full) block of each tensor
   uint64_t total_bytes = 0;
+  uint64_t total_blocks() const { return first_block.back(); }
+};
+
+BlockGrid MakeGrid(std::span<const EncodeInput> inputs, int log2) {
+  const uint64_t block = 1ull << log2;
+  BlockGrid g;
+  g.first_block.assign(inputs.size() + 1, 0);
+  g.block_bytes.resize(inputs.size());
   for (size_t t = 0; t < inputs.size(); ++t) {
     const uint64_t n = inputs[t].base.size() / DTypeSize(inputs[t].dtype);
-    first_block[t + 1] = first_block[t] + (n + block - 1) / block;
-    total_bytes += inputs[t].base.size();
+    g.first_block[t + 1] = g.first_block[t] + (n + block - 1) / block;
+    g.block_bytes[t] = block * DTypeSize(inputs[t].dtype);
+    g.total_bytes += inputs[t].base.size();
   }
-  const uint64_t total_blocks = first_block.back();
-  const size_t parts = static_cast<size_t>(
-      std::max<uint64_t>(1, std::min<uint64_t>(ResolveThreads(options.threads), total_blocks)));
-  std::vector<uint64_t> part_begin(parts + 1, total_blocks);
+  return g;
+}
+
+// One contiguous range of blocks per worker with about equal bytes, so small tensors and large
+// ones share the threads evenly: part p is [part_begin[p], part_begin[p + 1]). With
+// `chunk_aligned` (digests computed in the pass) a range starts only at a tensor's first block or
+// at a digest chunk boundary, so each chunk is hashed by one worker.
+std::vector<uint64_t> CutParts(std::span<const EncodeInput> inputs, const BlockGrid& grid,
+                               size_t parts, bool chunk_aligned) {
+  std::vector<uint64_t> part_begin(parts + 1, grid.total_blocks());
   part_begin[0] = 0;
-  {
-    size_t part = 1;
-    uint64_t acc = 0;
-    for (size_t t = 0; t < inputs.size() && part < parts; ++t) {
-      const uint64_t bytes_per_block = block * DTypeSize(inputs[t].dtype);
-      for (uint64_t g = first_block[t]; g < first_block[t + 1] && part < parts; ++g) {
-        acc += std::min<uint64_t>(bytes_per_block, inputs[t].base.size() -
-                                                       (g - first_block[t]) * bytes_per_block);
-        while (part < parts && acc * parts >= total_bytes * part) part_begin[part++] = g + 1;
+  size_t part = 1;
+  uint64_t acc = 0;
+  for (size_t t = 0; t < inputs.size() && part < parts; ++t) {
+    const uint64_t bpb = grid.block_bytes[t];
+    for (uint64_t g = grid.first_block[t]; g < grid.first_block[t + 1] && part < parts; ++g) {
+      const uint64_t in_tensor = (g - grid.first_block[t]) * bpb;
+      acc += std::min<uint64_t>(bpb, inputs[t].base.size() - in_tensor);
+      const bool can_cut = !chunk_aligned || g + 1 == grid.first_block[t + 1] ||
+                           (in_tensor + bpb) % format::kDigestChunkBytes == 0;
+      while (can_cut && part < parts && acc * parts >= grid.total_bytes * part) {
+        part_begin[part++] = g + 1;
       }
     }
   }
-  struct Where {
-    uint32_t part;
-    uint64_t offset;
-  };
-  std::vector<BlockRecord> records(total_blocks);
-  std::vector<Where> where(total_blocks);
-  std::vector<std::unique_ptr<EncodeScratch>> scratch(parts);
-  for (auto& sc : scratch) sc = EncodeScratchPool().Acquire();
+  return part_begin;
+}
+
+// Where a block's payload lies: in the scratch output of worker `part`, at `offset`.
+struct PayloadAt {
+  uint32_t part;
+  uint64_t offset;
+};
+
+// The workers' pass: every block encoded into its worker's scratch (and, with `chunk_hashes`,
+// the targets' chunk hashes: tensor t's at chunk_hashes[chunk_base[t]...]).
+void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int log2,
+                 const std::vector<uint64_t>& part_begin,
+                 std::vector<std::unique_ptr<EncodeScratch>>& scratch,
+                 std::vector<BlockRecord>& records, std::vector<PayloadAt>& where,
+                 const std::vector<uint64_t>& chunk_base, uint64_t* chunk_hashes) {
+  const size_t parts = part_begin.size() - 1;
+  const std::vector<uint64_t>& first_block = grid.first_block;
   ParallelFor(parts, static_cast<int>(parts), 1, [&](size_t pb, size_t pe) {
     for (size_t p = pb; p < pe; ++p) {
       EncodeScratch& s = *scratch[p];
+      ChunkHasher hasher;
       uint64_t g = part_begin[p];
       size_t t = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
       for (; g < part_begin[p + 1]; ++g) {
         while (g >= first_block[t + 1]) ++t;
+        if (chunk_hashes != nullptr && (g == part_begin[p] || g == first_block[t])) {
+          hasher.Begin(chunk_hashes + chunk_base[t], inputs[t].target.size(),
+                       (g - first_block[t]) * grid.block_bytes[t]);
+        }
         where[g] = {static_cast<uint32_t>(p), s.out.size()};
-        records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out);
+        records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out,
+                                    chunk_hashes != nullptr ? &hasher : nullptr);
       }
     }
   });
-  // Assemble each tensor's patch: header, table, payloads in block order.
+}
+
+// Each tensor's patch: header, table, payloads in block order.
+std::vector<std::vector<uint8_t>> AssemblePatches(
+    std::span<const EncodeInput> inputs, const BlockGrid& grid, int log2, int threads,
+    const std::vector<BlockRecord>& records, const std::vector<PayloadAt>& where,
+    const std::vector<std::unique_ptr<EncodeScratch>>& scratch, std::vector<PatchStats>* stats) {
   std::vector<std::vector<uint8_t>> patches(inputs.size());
   if (stats != nullptr) stats->assign(inputs.size(), PatchStats{});
-  ParallelFor(inputs.size(), options.threads, 1, [&](size_t tb, size_t te) {
+  const std::vector<uint64_t>& first_block = grid.first_block;
+  ParallelFor(inputs.size(), threads, 1, [&](size_t tb, size_t te) {
     for (size_t t = tb; t < te; ++t) {
       const uint64_t n = inputs[t].base.size() / DTypeSize(inputs[t].dtype);
       std::span<const BlockRecord> recs(records.data() + first_block[t],
@@ -1162,8 +1203,69 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
       }
     }
   });
-  for (auto& sc : scratch) EncodeScratchPool().Release(std::move(sc));
   return patches;
+}
+
+// EncodePatches, with `digests` (non-null) the targets' digests from the same pass.
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests) {
+  const int log2 = options.block_log2;
+  if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        inputs.size() == 1 ? "EncodePatch" : "EncodePatches", ": block_log2 ", log2,
+        " outside [", format::kMinBlockLog2, ", ", format::kMaxBlockLog2, "]"));
+  }
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
+  }
+  const BlockGrid grid = MakeGrid(inputs, log2);
+  const size_t parts = static_cast<size_t>(std::max<uint64_t>(
+      1, std::min<uint64_t>(ResolveThreads(options.threads), grid.total_blocks())));
+  const std::vector<uint64_t> part_begin = CutParts(inputs, grid, parts, digests != nullptr);
+  std::vector<uint64_t> chunk_base(inputs.size() + 1, 0);
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    const uint64_t bytes = inputs[t].target.size();
+    chunk_base[t + 1] =
+        chunk_base[t] + (bytes + format::kDigestChunkBytes - 1) / format::kDigestChunkBytes;
+  }
+  std::vector<uint64_t> chunk_hashes(digests != nullptr ? chunk_base.back() : 0);
+  std::vector<BlockRecord> records(grid.total_blocks());
+  std::vector<PayloadAt> where(grid.total_blocks());
+  std::vector<std::unique_ptr<EncodeScratch>> scratch(parts);
+  for (auto& sc : scratch) sc = EncodeScratchPool().Acquire();
+  EncodeParts(inputs, grid, log2, part_begin, scratch, records, where, chunk_base,
+              digests != nullptr ? chunk_hashes.data() : nullptr);
+  auto patches =
+      AssemblePatches(inputs, grid, log2, options.threads, records, where, scratch, stats);
+  for (auto& sc : scratch) EncodeScratchPool().Release(std::move(sc));
+  if (digests != nullptr) {
+    digests->resize(inputs.size());
+    for (size_t t = 0; t < inputs.size(); ++t) {
+      (*digests)[t] = CombineChunkHashes(
+          std::span<const uint64_t>(chunk_hashes.data() + chunk_base[t],
+                                    chunk_base[t + 1] - chunk_base[t]),
+          inputs[t].target.size());
+    }
+  }
+  return patches;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats) {
+  return EncodeAll(inputs, options, stats, nullptr);
+}
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests) {
+  if (digests == nullptr) {
+    return absl::InvalidArgumentError("EncodePatchesWithDigests: no digests output given");
+  }
+  return EncodeAll(inputs, options, stats, digests);
 }
 
 absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const uint8_t> base,

@@ -82,6 +82,16 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
     std::span<const EncodeInput> inputs, const EncodeOptions& options = {},
     std::vector<PatchStats>* stats = nullptr);
 
+// EncodePatches, and each target's full-tensor digest (digest v1, format.h "Tensor digest":
+// (*digests)[i] == TensorDigest(inputs[i].target)) from the same read of the bytes: the
+// encoder's workers take block ranges that start on digest chunk boundaries and hash each 16 KiB
+// piece of the target right after scanning it, while it is in L1; chunk hashes are combined in
+// order at the end. Patches and stats are byte-identical to EncodePatches' (the digest does not
+// change the encoding, only where the block ranges of the threads are cut).
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests);
+
 // Parses and validates the header and block table (magic, version, dtype, sizes, varints,
 // header checksum, payload bounds). Does not read payloads.
 absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch);

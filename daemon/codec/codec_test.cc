@@ -432,3 +432,69 @@ TEST(Codec, EveryScanImplementationGivesTheSamePatch) {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+// EncodePatchesWithDigests: the same patches and stats as EncodePatches, and each target's
+// TensorDigest, for tensors around and across digest chunk boundaries, blocks smaller and larger
+// than a chunk, any thread count and every scan implementation.
+TEST(EncodePatchesWithDigests, PatchesEqualEncodePatchesAndDigestsEqualTensorDigest) {
+  std::mt19937_64 rng(2718);
+  const uint64_t chunk = format::kDigestChunkBytes;
+  std::vector<Bytes> bases, targets;
+  std::vector<DType> types;
+  const DType kinds[] = {DType::kBF16, DType::kF32, DType::kU8, DType::kF64, DType::kI16};
+  const uint64_t sizes[] = {0, 40, 5000, chunk - 64, chunk, chunk + 24, 2 * chunk + 1000,
+                            3 * chunk + 8};
+  for (size_t t = 0; t < 2 * std::size(sizes); ++t) {
+    const DType d = kinds[t % std::size(kinds)];
+    const uint64_t n = sizes[t % std::size(sizes)] / DTypeSize(d);
+    Bytes a = RandomBytes(n * DTypeSize(d), rng);
+    bases.push_back(a);
+    // One tensor unchanged: no changed element, its digest still computed.
+    targets.push_back(t == 3 ? a : Mutate(a, d, t % 3 == 0 ? 0.3 : 0.02, rng));
+    types.push_back(d);
+  }
+  std::vector<EncodeInput> inputs;
+  for (size_t t = 0; t < bases.size(); ++t) inputs.push_back({types[t], bases[t], targets[t]});
+  const int levels = testing::EncoderScanLevels();
+  for (int block_log2 : {8, 12, 18, 21}) {
+    for (int threads : {1, 2, 3, 7}) {
+      for (int level = 0; level < levels; ++level) {
+        SCOPED_TRACE(::testing::Message() << "block_log2=" << block_log2 << " threads=" << threads
+                                          << " scan level=" << level);
+        testing::SetEncoderScanLevel(level);
+        EncodeOptions opt;
+        opt.block_log2 = block_log2;
+        opt.threads = threads;
+        std::vector<PatchStats> want_stats, got_stats;
+        auto want = EncodePatches(inputs, opt, &want_stats);
+        std::vector<uint64_t> digests;
+        auto got = EncodePatchesWithDigests(inputs, opt, &got_stats, &digests);
+        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+        ASSERT_EQ(digests.size(), inputs.size());
+        for (size_t t = 0; t < inputs.size(); ++t) {
+          ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
+          EXPECT_EQ(got_stats[t].changed_elements, want_stats[t].changed_elements);
+          ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
+        }
+        EXPECT_EQ(got_stats[3].changed_elements, 0u);
+      }
+    }
+  }
+  testing::SetEncoderScanLevel(-1);
+}
+
+TEST(EncodePatchesWithDigests, NeedsTheDigestsOutput) {
+  Bytes a(16, 1);
+  std::vector<EncodeInput> inputs = {{DType::kU8, a, a}};
+  EXPECT_EQ(EncodePatchesWithDigests(inputs, {}, nullptr, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint64_t> digests;
+  ASSERT_TRUE(EncodePatchesWithDigests({}, {}, nullptr, &digests).ok());
+  EXPECT_TRUE(digests.empty());
+}
+
+}  // namespace
+}  // namespace refit

@@ -160,8 +160,41 @@ absl::Status PublishQueue::CheckPublishGuard(const std::vector<GuardTensor>& nex
   return core_->CheckPublishGuard(next, allow_degenerate, where);
 }
 
+bool InputsRelease::Start() {
+  absl::MutexLock lock(&mu_);
+  if (abandoned_) return false;
+  started_ = true;
+  return true;
+}
+
+void InputsRelease::Release(const absl::Status& outcome) {
+  absl::MutexLock lock(&mu_);
+  if (released_) return;
+  released_ = true;
+  outcome_ = outcome;
+}
+
+absl::Status InputsRelease::Wait(absl::Time deadline, const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(200));
+    if (mu_.AwaitWithDeadline(absl::Condition(&released_), slice)) return outcome_;
+    if (started_) continue;  // the worker reads the lent memory: wait for it
+    if (absl::Now() >= deadline) {
+      abandoned_ = true;
+      return absl::DeadlineExceededError(
+          "the call's deadline passed before the publish started (not run)");
+    }
+    if (cancelled && cancelled()) {
+      abandoned_ = true;
+      return absl::CancelledError("the call was cancelled before the publish started (not run)");
+    }
+  }
+}
+
 absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                                          std::string source, bool allow_degenerate) {
+                                          std::string source, bool allow_degenerate,
+                                          std::shared_ptr<InputsRelease> release) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckRoomLocked());
   ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
@@ -170,6 +203,7 @@ absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTen
   job.tensors = std::move(tensors);
   job.allow_degenerate = allow_degenerate;
   job.source = std::move(source);
+  job.release = std::move(release);
   queue_.push_back(std::move(job));
   ++outstanding_;
   last_queued_version_ = chosen;
@@ -298,7 +332,18 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
   }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());
+  std::vector<std::shared_ptr<const void>> lent;  // keeps borrowed memory mapped meanwhile
   for (OwnedTensor& t : job.tensors) {
+    if (t.keep != nullptr) {
+      TensorInput in;
+      in.name = t.name;
+      in.dtype = t.dtype;
+      in.shape = t.shape;
+      in.data = t.borrowed;
+      inputs.push_back(std::move(in));
+      lent.push_back(std::move(t.keep));
+      continue;
+    }
     if (t.device_bytes != nullptr) {
       TensorInput in;
       in.name = t.name;
@@ -308,7 +353,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
       inputs.push_back(std::move(in));
       continue;
     }
-    auto owned = std::make_shared<const std::vector<uint8_t>>(std::move(t.bytes));
+    auto owned = std::make_shared<std::vector<uint8_t>>(std::move(t.bytes));
     TensorInput in;
     in.name = t.name;
     in.dtype = t.dtype;
@@ -318,7 +363,11 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
     inputs.push_back(std::move(in));
   }
   job.tensors.clear();
-  return core_->Publish(job.version, inputs, job.allow_degenerate);
+  std::function<void()> inputs_read;
+  if (job.release != nullptr) {
+    inputs_read = [release = job.release] { release->Release(absl::OkStatus()); };
+  }
+  return core_->Publish(job.version, inputs, job.allow_degenerate, inputs_read);
 }
 
 void PublishQueue::StallForTest() const {
@@ -344,6 +393,10 @@ bool PublishQueue::Next(Job* job) {
         this));
     if (stopping_) {
       for (Job& dropped : queue_) {
+        if (dropped.release != nullptr) {
+          dropped.release->Release(absl::UnavailableError(absl::StrCat(
+              "publisher shutting down: version ", dropped.version, " was not published")));
+        }
         if (dropped.waiter) {
           Finish(dropped, absl::UnavailableError(absl::StrCat(
                               "publisher shutting down: version ", dropped.version,
@@ -410,8 +463,15 @@ void PublishQueue::Run() {
   Job job;
   while (Next(&job)) {
     StallForTest();
+    if (job.release != nullptr && !job.release->Start()) {
+      SkipAbandoned(job);
+      job = Job();
+      continue;
+    }
     const uint64_t base = core_->newest_version();
     absl::StatusOr<PublishSummary> result = Execute(job);
+    // Released already when the core committed; otherwise (an error) with the reason.
+    if (job.release != nullptr) job.release->Release(result.status());
     if (result.ok()) {
       if (data_plane_ != nullptr) data_plane_->NotifyPublished();
       log_->info("{}", DescribePublish(*result));
@@ -441,6 +501,14 @@ void PublishQueue::Run() {
     Finish(job, std::move(result));
     job = Job();
   }
+}
+
+void PublishQueue::SkipAbandoned(Job& job) {
+  log_->warn("version {} from {} not published: its trainer gave up before it started",
+             job.version, job.source);
+  absl::MutexLock lock(&mu_);
+  ++dropped_expired_;
+  --outstanding_;
 }
 
 absl::Status PublishQueue::WaitPublished(uint64_t version, absl::Time deadline,

@@ -40,14 +40,48 @@
 
 namespace refit::publisher {
 
-// A tensor snapshot owned by a queued publish (TrainerApi): host `bytes`, or (a CUDA tensor
-// snapshot in device or pinned memory) `device_bytes` with `bytes` empty.
+// A tensor of a queued publish (TrainerApi): a snapshot in host `bytes`, or (a CUDA tensor
+// snapshot in device or pinned memory) `device_bytes` with `bytes` empty, or the trainer's own
+// memory lent to the publish (`borrowed`, valid while `keep` lives, `bytes` empty): the job then
+// carries an InputsRelease the lender waits on before it may write that memory again.
 struct OwnedTensor {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;
   std::vector<uint8_t> bytes;
   std::shared_ptr<const DeviceBytes> device_bytes;
+  std::span<const uint8_t> borrowed;
+  std::shared_ptr<const void> keep;  // non-null: `borrowed` is used
+  uint64_t size() const {
+    return device_bytes != nullptr ? device_bytes->memory.size()
+           : keep != nullptr       ? borrowed.size()
+                                   : bytes.size();
+  }
+};
+
+// The rendezvous of a publish that reads its caller's memory instead of a copy (OwnedTensor::
+// borrowed): the worker Start()s it before the publish and Release()s it once the core no longer
+// reads the inputs (PublisherCore::Publish's inputs_read), or when the job ends any other way
+// (failed, shutdown); the lender Wait()s for the release. It may give up only before the start:
+// the job is then not run.
+class InputsRelease {
+ public:
+  // Worker: false when the lender gave up (the job must not run); else marks it started.
+  bool Start();
+  // The first call wins: OK (the inputs were read and the version committed) or why not.
+  void Release(const absl::Status& outcome);
+  // Lender: the outcome once released. DeadlineExceeded / Cancelled (polled every 200 ms) when
+  // `deadline` passes or `cancelled` turns true before the start (the job is then skipped).
+  // After the start it waits for the release whatever the deadline: the worker reads its memory
+  // (one pass over the model at most; the release comes before persistence).
+  absl::Status Wait(absl::Time deadline, const std::function<bool()>& cancelled);
+
+ private:
+  absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status outcome_ ABSL_GUARDED_BY(mu_);
 };
 
 // The last version the queue published, for Control Status.
@@ -112,8 +146,10 @@ class PublishQueue {
   // Queues trainer snapshots as `version` (checked against the floor) without waiting for the
   // encode. `source` names the origin in logs ("trainer-api clients rank0, rank1").
   // ResourceExhausted when the queue is full. `allow_degenerate`: see PublisherCore::Publish.
+  // With borrowed tensors, `release` (non-null) is the rendezvous with their lender.
   absl::Status EnqueueTensors(uint64_t version, std::vector<OwnedTensor> tensors,
-                              std::string source, bool allow_degenerate = false);
+                              std::string source, bool allow_degenerate = false,
+                              std::shared_ptr<InputsRelease> release = nullptr);
   // PublisherCore::CheckPublishGuard of the queue's core (the TrainerApi checks a round before
   // queueing it, so the client completing it gets the refusal).
   absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
@@ -156,6 +192,7 @@ class PublishQueue {
     bool allow_degenerate = false;
     std::string source;
     std::shared_ptr<Waiter> waiter;  // null for fire-and-forget jobs
+    std::shared_ptr<InputsRelease> release;  // borrowed tensors: their lender's rendezvous
   };
 
   uint64_t FloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -179,7 +216,10 @@ class PublishQueue {
   bool Next(Job* job);
   void Run();
   void StallForTest() const;
-  // Consumes job.tensors (their buffers become the snapshot without another copy).
+  // A job whose lender gave up before it started: counted as dropped, not run.
+  void SkipAbandoned(Job& job);
+  // Consumes job.tensors (their buffers become the snapshot without another copy; borrowed
+  // memory is read in place and released through job.release).
   absl::StatusOr<PublishSummary> Execute(Job& job);
 
   PublisherCore* const core_;

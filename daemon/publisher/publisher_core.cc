@@ -1,10 +1,12 @@
 #include "daemon/publisher/publisher_core.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <system_error>
 #include <utility>
 
@@ -15,6 +17,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/publisher/baseline_persister.h"
 #include "daemon/publisher/patch_log.h"
@@ -76,6 +79,15 @@ struct Encoded {
   std::vector<uint64_t> changed;            // encoder's changed elements (patched tensors)
   // GPU encoding: the GPU baseline of `next` (every tensor that has one), by name.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu;
+  // CPU one pass: changed tensors whose next[k].bytes is still null. Each becomes its previous
+  // baseline buffer patched in place, or a copy of the caller's bytes (UpdateBaselineBytes).
+  struct Pending {
+    size_t k = 0;
+    std::shared_ptr<const std::vector<uint8_t>> base;  // the previous version's buffer
+    std::span<const uint8_t> target;                   // the caller's bytes (valid in Publish)
+    std::shared_ptr<const std::vector<uint8_t>> owned;  // TensorInput::owned holding target
+  };
+  std::vector<Pending> pending;
 };
 
 void ResizeEncoded(size_t n, Encoded* out) {
@@ -123,8 +135,9 @@ absl::Status Prefix(const std::string& what, const absl::Status& st) {
   return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
 
-// The CPU codec path: host bytes of every input (no DeviceBytes).
-absl::Status EncodeOnCpu(const PublisherOptions& options, std::span<const TensorInput> inputs,
+// The CPU codec's copying path (options.cpu_one_pass false, for benchmarks): memcmp, snapshot
+// copy, digest of the copy, encode (four reads). Host bytes of every input (no DeviceBytes).
+absl::Status EncodeOnCpuCopying(const PublisherOptions& options, std::span<const TensorInput> inputs,
                          const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
                          const std::vector<BaselineTensor>& prev, const std::string& where,
                          Encoded* out, PublishSummary* sum) {
@@ -191,6 +204,153 @@ absl::Status EncodeOnCpu(const PublisherOptions& options, std::span<const Tensor
     out->changed[k] = j < stats.size() ? stats[j].changed_elements : ElementsOf(out->next[k].spec);
   }
   return absl::OkStatus();
+}
+
+// `in.data` as a buffer of its own: the caller's `owned` when it holds exactly those bytes, else
+// a copy.
+std::shared_ptr<const std::vector<uint8_t>> OwnBytes(std::span<const uint8_t> data,
+                                                     const std::shared_ptr<const std::vector<uint8_t>>& owned) {
+  if (owned != nullptr && owned->data() == data.data() && owned->size() == data.size()) {
+    return owned;
+  }
+  // Non-const vector: the one pass may later patch its elements in place (BaselineTensor).
+  return std::make_shared<std::vector<uint8_t>>(data.begin(), data.end());
+}
+
+// CPU one pass, step 1: what each tensor needs. Same spec as before: encoded against its
+// baseline (returned, in `order` positions); empty: unchanged; new or reshaped: a keyframe,
+// copied and digested here.
+std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& options,
+                                                   std::span<const TensorInput> inputs,
+                                                   const std::vector<size_t>& order,
+                                                   const std::vector<v1::TensorSpec>& specs,
+                                                   const std::vector<BaselineTensor>& prev,
+                                                   Encoded* out, PublishSummary* sum) {
+  std::vector<const BaselineTensor*> bases(order.size(), nullptr);
+  const auto digest_start = Clock::now();
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorInput& in = inputs[order[k]];
+    BaselineTensor& t = out->next[k];
+    t.spec = specs[order[k]];
+    t.dtype = in.dtype;
+    const BaselineTensor* p = FindByName(prev, in.name);
+    if (SameSpecAs(p, t.spec) && !in.data.empty()) {
+      bases[k] = p;
+    } else if (SameSpecAs(p, t.spec)) {  // no bytes: nothing can differ
+      t.bytes = p->bytes;
+      t.digest = p->digest;
+      out->unchanged[k] = true;
+    } else {
+      t.bytes = OwnBytes(in.data, in.owned);
+      t.digest = TensorDigest(*t.bytes, options.digest_threads);
+    }
+  }
+  sum->digest_micros += MicrosSince(digest_start);
+  return bases;
+}
+
+// CPU one pass (PublisherCore's class comment): every tensor with a base compared, encoded and
+// digested by one EncodePatchesWithDigests over (baseline, caller's bytes); no snapshot copy.
+absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
+                                std::span<const TensorInput> inputs,
+                                const std::vector<size_t>& order,
+                                const std::vector<v1::TensorSpec>& specs,
+                                const std::vector<BaselineTensor>& prev, const std::string& where,
+                                Encoded* out, PublishSummary* sum) {
+  ResizeEncoded(order.size(), out);
+  const std::vector<const BaselineTensor*> bases =
+      ClassifyForPass(options, inputs, order, specs, prev, out, sum);
+  std::vector<EncodeInput> enc;
+  std::vector<size_t> enc_index;
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (bases[k] == nullptr) continue;
+    enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
+    enc_index.push_back(k);
+  }
+  if (enc.empty()) return absl::OkStatus();
+  const auto pass_start = Clock::now();
+  EncodeOptions eo;
+  eo.threads = options.encode_threads;
+  eo.block_log2 = options.block_log2;
+  std::vector<PatchStats> stats;
+  std::vector<uint64_t> digests;
+  auto encoded = EncodePatchesWithDigests(enc, eo, &stats, &digests);
+  if (!encoded.ok()) {
+    return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
+                                            encoded.status().message()));
+  }
+  sum->pass_micros = MicrosSince(pass_start);
+  sum->encode_micros = sum->pass_micros;
+  for (size_t j = 0; j < enc_index.size(); ++j) {
+    const size_t k = enc_index[j];
+    const BaselineTensor* p = bases[k];
+    BaselineTensor& t = out->next[k];
+    if (stats[j].changed_elements == 0) {  // bit patterns compared: the same bytes
+      t.bytes = p->bytes;
+      t.digest = p->digest;
+      out->unchanged[k] = true;
+      continue;
+    }
+    t.digest = digests[j];
+    out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
+    out->changed[k] = stats[j].changed_elements;
+    const TensorInput& in = inputs[order[k]];
+    out->pending.push_back({k, p->bytes, in.data, in.owned});
+  }
+  return absl::OkStatus();
+}
+
+// The references to a baseline buffer when only the core's baseline and Encoded::Pending hold it.
+constexpr long kSoleBaselineOwners = 2;
+
+// CPU one pass, before the commit (outside the core's lock): changed tensors whose baseline
+// buffer something else already references get a new buffer now (copy-on-write).
+void CopySharedPending(Encoded* enc, PublishSummary* sum) {
+  const auto start = Clock::now();
+  for (Encoded::Pending& u : enc->pending) {
+    if (u.base.use_count() <= kSoleBaselineOwners) continue;
+    enc->next[u.k].bytes = OwnBytes(u.target, u.owned);
+    ++sum->baseline_copied_tensors;
+  }
+  sum->baseline_update_micros += MicrosSince(start);
+}
+
+// CPU one pass, at the commit. Must run with the core's mu_ held exclusively, before the new
+// baseline is installed: references to baseline buffers are only taken from the baseline under
+// that lock, so a buffer nothing else references now stays unreferenced while it is patched.
+// Such a buffer gets the tensor's new patch applied in place (O(changed)); the others are
+// copied from the caller's bytes.
+void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
+  const auto start = Clock::now();
+  std::vector<Encoded::Pending*> in_place;
+  for (Encoded::Pending& u : enc->pending) {
+    if (enc->next[u.k].bytes != nullptr) continue;  // copied before the lock
+    if (u.base.use_count() > kSoleBaselineOwners) {
+      enc->next[u.k].bytes = OwnBytes(u.target, u.owned);
+      ++sum->baseline_copied_tensors;
+    } else {
+      in_place.push_back(&u);
+    }
+  }
+  // Pairs with the release of the references dropped by other threads: their reads of the
+  // buffer happen before the writes below.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      Encoded::Pending& u = *in_place[i];
+      const BaselineTensor& t = enc->next[u.k];
+      // Baseline buffers are non-const vectors (OwnBytes, the GPU download, LoadPersisted); only
+      // their elements change, never their size.
+      std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
+      if (!ApplyPatch(*enc->patches[u.k], t.dtype, buf, buf, 1).ok()) {
+        // Our own patch never fails; should it, the caller's bytes are the new version.
+        std::memcpy(buf.data(), u.target.data(), buf.size());
+      }
+    }
+  });
+  for (Encoded::Pending* u : in_place) enc->next[u->k].bytes = std::move(u->base);
+  sum->baseline_in_place_tensors += in_place.size();
+  sum->baseline_update_micros += MicrosSince(start);
 }
 
 // CPU codec with DeviceBytes inputs: the same inputs with those copied to host buffers.
@@ -353,6 +513,120 @@ absl::Status EncodeOnDevices(
   return absl::OkStatus();
 }
 
+// Publish, step 1: every input valid (dtype, spec, size, data), names unique. Fills the specs
+// (input order) and `order` (input indices in name order).
+absl::Status ValidateInputs(std::span<const TensorInput> given, const std::string& where,
+                            std::vector<v1::TensorSpec>* specs_out, std::vector<size_t>* order_out) {
+  std::vector<v1::TensorSpec>& specs = *specs_out;
+  specs.assign(given.size(), v1::TensorSpec());
+  for (size_t i = 0; i < given.size(); ++i) {
+    const TensorInput& in = given[i];
+    const std::string what =
+        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), in.name));
+    if (!IsValidDType(static_cast<uint8_t>(in.dtype))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": invalid dtype code ", static_cast<int>(in.dtype)));
+    }
+    v1::TensorSpec& s = specs[i];
+    s.set_name(in.name);
+    s.set_dtype(sync::ToProtoDType(in.dtype));
+    for (uint64_t d : in.shape) s.add_shape(d);
+    absl::Status st = sync::ValidateTensorSpec(s);
+    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.message()));
+    const uint64_t bytes = *sync::TensorByteSize(s);
+    if (in.device_bytes != nullptr &&
+        (in.device_bytes->device == nullptr || !in.data.empty())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": device bytes need a device and no host data"));
+    }
+    const uint64_t given_bytes =
+        in.device_bytes != nullptr ? in.device_bytes->memory.size() : in.data.size();
+    if (given_bytes != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", given_bytes, " bytes given, dtype ", DTypeName(in.dtype), " and shape [",
+          absl::StrJoin(in.shape, ","), "] need ", bytes));
+    }
+    if (in.device_bytes == nullptr && in.data.data() == nullptr && bytes != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
+    }
+  }
+  std::vector<size_t>& order = *order_out;
+  order.resize(given.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return given[a].name < given[b].name; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    if (given[order[k]].name == given[order[k - 1]].name) {
+      const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), given[b].name),
+                       " has the same name as tensor ", a));
+    }
+  }
+
+  return absl::OkStatus();
+}
+
+// Publish, the summary's counts of an encoded version; the history's updates and the changed
+// element counts per tensor (name order) for VersionEnd.
+void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, PublishSummary* sum,
+                      std::vector<sync::TensorUpdate>* updates,
+                      std::vector<std::pair<std::string, uint64_t>>* counts) {
+  for (size_t k = 0; k < enc.next.size(); ++k) {
+    const BaselineTensor& t = enc.next[k];
+    const uint64_t elems = ElementsOf(t.spec);
+    const uint64_t bytes = *sync::TensorByteSize(t.spec);
+    sum->total_elements += elems;
+    sum->dense_bytes += bytes;
+    if (enc.unchanged[k]) {
+      ++sum->unchanged_tensors;
+    } else if (enc.patches[k]) {
+      ++sum->patched_tensors;
+      sum->changed_elements += enc.changed[k];
+      sum->wire_bytes += enc.patches[k]->size();
+    } else {
+      ++sum->keyframe_tensors;
+      enc.changed[k] = elems;
+      sum->changed_elements += elems;
+      sum->wire_bytes += bytes;
+    }
+    counts->emplace_back(t.spec.name(), enc.changed[k]);
+    sync::TensorUpdate u;
+    u.spec = t.spec;
+    u.digest = t.digest;
+    u.patch = enc.patches[k];
+    updates->push_back(std::move(u));
+  }
+  for (const BaselineTensor& p : prev) {
+    if (FindByName(enc.next, p.spec.name()) == nullptr) ++sum->removed_tensors;
+  }
+}
+
+// Publish, the encode: on the devices (GPU encoding) or the CPU codec (one pass or copying).
+absl::Status EncodeVersion(
+    const PublisherOptions& options, std::span<const TensorInput> given,
+    const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
+    const std::vector<BaselineTensor>& prev, const std::string& where,
+    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* enc,
+    PublishSummary* sum) {
+  if (options.device != nullptr) {
+    return EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum);
+  }
+  // The CPU codec reads host bytes: device snapshots (CUDA tensors registered with a CPU codec)
+  // come to the host first.
+  std::span<const TensorInput> inputs = given;
+  std::vector<TensorInput> downloaded;
+  if (std::any_of(given.begin(), given.end(),
+                  [](const TensorInput& in) { return in.device_bytes != nullptr; })) {
+    ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, sum));
+    inputs = downloaded;
+  }
+  if (!options.cpu_one_pass) {
+    return EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum);
+  }
+  return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, enc, sum);
+}
+
 // The guard's view of a version: names and byte sizes.
 std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs) {
   std::vector<GuardTensor> out;
@@ -390,6 +664,8 @@ v1::VersionEnd Transfer::End(uint64_t wire_bytes) const {
   e.set_changed_elements(changed_elements_);
   e.set_total_elements(total_elements_);
   e.set_encode_micros(encode_micros_);
+  e.set_publish_pass_micros(pass_micros_);
+  e.set_baseline_update_micros(baseline_update_micros_);
   return e;
 }
 
@@ -760,7 +1036,8 @@ absl::Status PublisherCore::WaitPersisted(uint64_t version, absl::Time deadline)
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                                       std::span<const TensorInput> given,
-                                                      bool allow_degenerate) {
+                                                      bool allow_degenerate,
+                                                      const std::function<void()>& inputs_read) {
   const auto start = Clock::now();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
@@ -781,108 +1058,30 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
         where, ": not above the newest published version ", prev_version));
   }
   if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
-
-  // Validate: specs, sizes, unique names.
-  std::vector<v1::TensorSpec> specs(given.size());
-  for (size_t i = 0; i < given.size(); ++i) {
-    const TensorInput& in = given[i];
-    const std::string what =
-        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), in.name));
-    if (!IsValidDType(static_cast<uint8_t>(in.dtype))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": invalid dtype code ", static_cast<int>(in.dtype)));
-    }
-    v1::TensorSpec& s = specs[i];
-    s.set_name(in.name);
-    s.set_dtype(sync::ToProtoDType(in.dtype));
-    for (uint64_t d : in.shape) s.add_shape(d);
-    absl::Status st = sync::ValidateTensorSpec(s);
-    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.message()));
-    const uint64_t bytes = *sync::TensorByteSize(s);
-    if (in.device_bytes != nullptr &&
-        (in.device_bytes->device == nullptr || !in.data.empty())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": device bytes need a device and no host data"));
-    }
-    const uint64_t given_bytes =
-        in.device_bytes != nullptr ? in.device_bytes->memory.size() : in.data.size();
-    if (given_bytes != bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": ", given_bytes, " bytes given, dtype ", DTypeName(in.dtype), " and shape [",
-          absl::StrJoin(in.shape, ","), "] need ", bytes));
-    }
-    if (in.device_bytes == nullptr && in.data.data() == nullptr && bytes != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
-    }
-  }
-  std::vector<size_t> order(given.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return given[a].name < given[b].name; });
-  for (size_t k = 1; k < order.size(); ++k) {
-    if (given[order[k]].name == given[order[k - 1]].name) {
-      const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), given[b].name),
-                       " has the same name as tensor ", a));
-    }
-  }
-
+  std::vector<v1::TensorSpec> specs;
+  std::vector<size_t> order;
+  RETURN_IF_ERROR(ValidateInputs(given, where, &specs, &order));
   RETURN_IF_ERROR(publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
                                     GuardTensorsOf(specs), allow_degenerate, where));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
   Encoded enc;
-  if (options_.device != nullptr) {
-    RETURN_IF_ERROR(EncodeOnDevices(options_, given, order, specs, prev, where, &gpu_baseline_,
-                                    &enc, &sum));
-  } else {
-    // The CPU codec reads host bytes: device snapshots (CUDA tensors registered with a CPU
-    // codec) come to the host first.
-    std::span<const TensorInput> inputs = given;
-    std::vector<TensorInput> downloaded;
-    if (std::any_of(given.begin(), given.end(),
-                    [](const TensorInput& in) { return in.device_bytes != nullptr; })) {
-      ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, &sum));
-      inputs = downloaded;
-    }
-    RETURN_IF_ERROR(EncodeOnCpu(options_, inputs, order, specs, prev, where, &enc, &sum));
-  }
-  std::vector<BaselineTensor>& next = enc.next;
-  const std::vector<bool>& unchanged = enc.unchanged;
-  const std::vector<sync::PatchBytes>& patches = enc.patches;
-  std::vector<uint64_t>& changed = enc.changed;
-
+  RETURN_IF_ERROR(EncodeVersion(options_, given, order, specs, prev, where, &gpu_baseline_, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
   counts.version = version;
-  for (size_t k = 0; k < next.size(); ++k) {
-    const uint64_t elems = ElementsOf(next[k].spec);
-    const uint64_t bytes = next[k].bytes->size();
-    sum.total_elements += elems;
-    sum.dense_bytes += bytes;
-    if (unchanged[k]) {
-      ++sum.unchanged_tensors;
-    } else if (patches[k]) {
-      ++sum.patched_tensors;
-      sum.changed_elements += changed[k];
-      sum.wire_bytes += patches[k]->size();
-    } else {
-      ++sum.keyframe_tensors;
-      changed[k] = elems;
-      sum.changed_elements += elems;
-      sum.wire_bytes += bytes;
-    }
-    counts.changed.emplace_back(next[k].spec.name(), changed[k]);
-    sync::TensorUpdate u;
-    u.spec = next[k].spec;
-    u.digest = next[k].digest;
-    u.patch = patches[k];
-    updates.push_back(std::move(u));
+  SummarizeVersion(enc, prev, &sum, &updates, &counts.changed);
+  // The log record decides UNCHANGED against the previous version (as the history does); it
+  // shares the patches and the dense tensors' buffers, never the caller's bytes.
+  std::optional<LogRecord> record;
+  if (persister_ != nullptr) {
+    record = MakeLogRecord(version, prev_version, /*version_digest=*/0, /*lineage=*/0,
+                           sum.snapshot_unix_nanos, prev, enc.next, enc.patches, enc.changed);
   }
-  for (const BaselineTensor& p : prev) {
-    if (FindByName(next, p.spec.name()) == nullptr) ++sum.removed_tensors;
-  }
+  // From here on the baseline buffers are referenced only by baseline_, the pending updates and
+  // transfers or other holders (which the one pass's copy-on-write respects).
+  prev.clear();
+  CopySharedPending(&enc, &sum);
 
   RecordNumbered(version);
   uint64_t lineage = 0;
@@ -894,12 +1093,15 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
       return absl::Status(vdigest.status().code(),
                           absl::StrCat(where, ": ", vdigest.status().message()));
     }
+    UpdateBaselineBytes(&enc, options_.encode_threads, &sum);
     sum.version_digest = *vdigest;
     newest_version_ = version;
     newest_digest_ = *vdigest;
     snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
     encode_micros_ = sum.encode_micros;
-    baseline_ = next;
+    pass_micros_ = sum.pass_micros;
+    baseline_update_micros_ = sum.baseline_update_micros;
+    baseline_ = enc.next;
     if (options_.device != nullptr) gpu_baseline_ = std::move(enc.gpu);
     counts_.push_back(std::move(counts));
     counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
@@ -908,13 +1110,15 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                  }),
                   counts_.end());
   }
+  if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
-  if (persister_ != nullptr) {
+  if (record.has_value()) {
     // After the commit, off this path: the persister's thread appends the record (or
     // compacts); Publish returns, and subscribers are woken, without waiting for the disk.
     const auto persist_start = Clock::now();
-    persister_->Enqueue(MakeLogRecord(version, prev_version, sum.version_digest, lineage,
-                                      sum.snapshot_unix_nanos, prev, next, patches, changed));
+    record->version_digest = sum.version_digest;
+    record->lineage = lineage;
+    persister_->Enqueue(*std::move(record));
     sum.persist_micros = MicrosSince(persist_start);
   }
   sum.total_micros = MicrosSince(start);
@@ -975,7 +1179,11 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     counts = counts_;
     t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
     t->lineage_ = lineage_;
-    if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) t->encode_micros_ = encode_micros_;
+    if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) {
+      t->encode_micros_ = encode_micros_;
+      t->pass_micros_ = pass_micros_;
+      t->baseline_update_micros_ = baseline_update_micros_;
+    }
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
@@ -1121,6 +1329,8 @@ absl::Status PublisherCore::Reset(uint64_t lineage) {
   newest_digest_ = 0;
   snapshot_unix_nanos_ = 0;
   encode_micros_ = 0;
+  pass_micros_ = 0;
+  baseline_update_micros_ = 0;
   baseline_.clear();
   counts_.clear();
   gpu_baseline_.clear();

@@ -47,14 +47,17 @@ struct DeviceBytes {
 };
 
 // One tensor of a version to publish. `data` must hold product(shape) * DTypeSize(dtype) bytes
-// (little-endian elements); it is copied by Publish, so the caller may modify it afterwards.
+// (little-endian elements) and stay valid and unmodified until Publish returns: Publish reads it
+// (the CPU codec's one pass compares, encodes and digests it against the baseline in one read,
+// then patches the baseline's changed elements; only new tensors, reshaped ones and tensors a
+// transfer in flight still holds are copied), so the caller may modify it once Publish returns.
 struct TensorInput {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // empty for a scalar
   std::span<const uint8_t> data;
-  // Optional: a buffer holding exactly `data` that the caller hands over. Publish then keeps it
-  // as the snapshot instead of copying (the caller must not modify it afterwards).
+  // Optional: a buffer holding exactly `data` that the caller hands over. Where Publish would
+  // copy `data` it keeps this buffer instead (the caller must not modify it afterwards).
   std::shared_ptr<const std::vector<uint8_t>> owned;
   // Instead of `data` (which is then empty): the snapshot in device or pinned memory, of exactly
   // the tensor's size. With GPU encoding it is encoded on its own device and becomes that
@@ -99,6 +102,9 @@ struct PublisherOptions {
   cuda::Allocation::Kind gpu_baseline = cuda::Allocation::Kind::kDevice;
   // Degenerate versions are refused (config publisher.publish_guard; see publish_guard.h).
   PublishGuardOptions publish_guard;
+  // CPU codec: the one pass per version (PublisherCore "CPU one pass"). false: the copying path
+  // (memcmp, snapshot copy, digest, encode: four reads), kept for benchmarks (publish_bench).
+  bool cpu_one_pass = true;
 };
 
 // What Publish did (one log line per refit).
@@ -117,7 +123,15 @@ struct PublishSummary {
   uint64_t wire_bytes = 0;
   uint64_t dense_bytes = 0;
   uint64_t encode_micros = 0;   // EncodePatches, or the sum of the Device::Encode calls
-  uint64_t digest_micros = 0;   // tensor digests
+  uint64_t digest_micros = 0;   // tensor digests (one pass: keyframe tensors only)
+  // CPU one pass: the read of (baseline, new bytes) that compared, encoded and digested every
+  // tensor with a base (also counted in encode_micros), then the baseline update: changed
+  // elements patched in place (baseline_in_place_tensors) or copy-on-write of a tensor something
+  // else still references (baseline_copied_tensors).
+  uint64_t pass_micros = 0;
+  uint64_t baseline_update_micros = 0;
+  size_t baseline_in_place_tensors = 0;
+  size_t baseline_copied_tensors = 0;
   // Where the patches were encoded: "" = the CPU codec; else the Describe() of every device that
   // encoded or digested a tensor ("; "-separated).
   std::string encode_device;
@@ -132,8 +146,10 @@ struct PublishSummary {
   uint64_t snapshot_unix_nanos = 0;
 };
 
-// A tensor of the baseline (the newest published version): immutable once published, shared
-// with transfers in flight.
+// A tensor of the baseline (the newest published version), shared with transfers in flight.
+// The bytes a holder of `bytes` sees never change: the CPU one pass patches a baseline buffer in
+// place only while the core's baseline is its sole owner (copy-on-write otherwise), so anyone
+// who reads the bytes must hold the shared_ptr while reading.
 struct BaselineTensor {
   v1::TensorSpec spec;
   DType dtype = DType::kBF16;
@@ -197,6 +213,8 @@ class Transfer {
   uint64_t changed_elements_ = 0;
   uint64_t total_elements_ = 0;
   uint64_t encode_micros_ = 0;
+  uint64_t pass_micros_ = 0;
+  uint64_t baseline_update_micros_ = 0;
   uint64_t lineage_ = 0;
 };
 
@@ -223,7 +241,18 @@ class Transfer {
 //     it).
 //   GPU baseline pinned: the same with pinned host memory in place of device memory (no device
 //     memory beyond the scratch): pinned M steady (2M peak) plus host M.
-//   CPU codec: host M steady, 2M during a Publish (as before GPU encoding existed).
+//   CPU codec: host M steady; during a Publish M plus the caller's buffers (the one pass reads
+//     them, copies only new or reshaped tensors and tensors still held by transfers in flight).
+//
+// CPU one pass (options.cpu_one_pass, the default). Every tensor with the same spec as before is
+// read once together with its baseline bytes by EncodePatchesWithDigests: the encoder's scan
+// finds the changed elements, writes the patch and hashes the new bytes (digest v1) while they
+// are in cache; a tensor with no changed element is unchanged (no memcmp). There is no snapshot
+// copy: at the commit, under the lock MakeTransfer copies the baseline under, each changed
+// tensor's baseline buffer is patched in place with its new patch (O(changed)) when the baseline
+// is its only owner; when a transfer in flight (a keyframe for a late joiner), a Baseline()
+// caller or the persistence still holds it, the tensor gets a new buffer copied from the
+// caller's bytes (copy-on-write), so every holder keeps seeing the version it took.
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
 class BaselinePersister;
 struct BaselineSnapshot;
@@ -261,8 +290,12 @@ class PublisherCore {
   // the number and the version's patch log record is queued for the persister (no baseline or
   // log I/O on this path; see WaitPersisted). On error nothing changes.
   // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
+  // `inputs_read` (may be null) is called once the version is committed and the tensors' bytes
+  // are no longer read (before persisting): a caller lending its memory may then reuse it
+  // (on an error it may once Publish returns).
   absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
-                                         bool allow_degenerate = false);
+                                         bool allow_degenerate = false,
+                                         const std::function<void()>& inputs_read = nullptr);
 
   // Loads every tensor of the safetensors files (names unique across files) and publishes them.
   // With `publish_dirs`, each file must lie beneath one of them (publisher.files.publish_dirs;
@@ -348,6 +381,8 @@ class PublisherCore {
   uint64_t newest_digest_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t snapshot_unix_nanos_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t encode_micros_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pass_micros_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t baseline_update_micros_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // name order
   uint64_t lineage_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;

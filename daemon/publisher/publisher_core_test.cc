@@ -827,5 +827,108 @@ TEST(PublisherCoreTest, OwnedBuffersBecomeTheSnapshotWithoutACopy) {
   EXPECT_EQ(*(*core)->Baseline()[0].bytes, other);
 }
 
+// CPU one pass: a keyframe transfer made at version v (a late joiner) holds v's baseline buffers;
+// v + 1 is then published, and every frame of the v transfer, read afterwards, is still exactly
+// v's bytes (copy-on-write of the held tensors). Once nothing holds them, the next version
+// patches the baseline buffers in place (the same buffers, now holding that version).
+TEST(PublisherCoreTest, KeyframeInFlightKeepsItsVersionWhileTheBaselineIsPatchedInPlace) {
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  std::mt19937_64 rng(21);
+  Model m;
+  Step(m, 1, rng);
+  ASSERT_TRUE((*core)->Publish(1, Inputs(m)).ok());
+  Step(m, 2, rng);
+  ASSERT_TRUE((*core)->Publish(2, Inputs(m)).ok());
+  const Model v2 = m;
+  auto keyframe = (*core)->MakeTransfer(0, 0, SmallFrames());
+  ASSERT_TRUE(keyframe.ok());
+  ASSERT_EQ((*keyframe)->version(), 2u);
+
+  Step(m, 3, rng);
+  auto s3 = (*core)->Publish(3, Inputs(m));
+  ASSERT_TRUE(s3.ok()) << s3.status();
+  // layers.0, layers.1 and norm.scale changed; the transfer holds every tensor of version 2.
+  EXPECT_EQ(s3->baseline_copied_tensors, 3u);
+  EXPECT_EQ(s3->baseline_in_place_tensors, 0u);
+  Subscriber late;
+  ASSERT_TRUE(late.Apply(**keyframe, kFrameBytes).ok());
+  EXPECT_EQ(late.version, 2u);
+  ExpectSameModel(late.state, v2);
+  keyframe->reset();
+
+  std::map<std::string, const uint8_t*> buffers;
+  for (const BaselineTensor& t : (*core)->Baseline()) buffers[t.spec.name()] = t.bytes->data();
+  Step(m, 4, rng);
+  auto s4 = (*core)->Publish(4, Inputs(m));
+  ASSERT_TRUE(s4.ok()) << s4.status();
+  EXPECT_EQ(s4->baseline_in_place_tensors, 4u);  // new.added too
+  EXPECT_EQ(s4->baseline_copied_tensors, 0u);
+  for (const BaselineTensor& t : (*core)->Baseline()) {
+    EXPECT_EQ(t.bytes->data(), buffers[t.spec.name()]) << t.spec.name() << " was copied";
+    EXPECT_TRUE(*t.bytes == m.at(t.spec.name()).bytes) << t.spec.name();
+    EXPECT_EQ(t.digest, TensorDigest(m.at(t.spec.name()).bytes)) << t.spec.name();
+  }
+  // A holder of Baseline() keeps its version too; a delta subscriber follows bit-exactly.
+  const std::vector<BaselineTensor> held = (*core)->Baseline();
+  Step(m, 5, rng);
+  auto s5 = (*core)->Publish(5, Inputs(m));
+  ASSERT_TRUE(s5.ok());
+  EXPECT_EQ(s5->baseline_in_place_tensors, 0u);
+  for (const BaselineTensor& t : held) {
+    EXPECT_EQ(t.digest, TensorDigest(*t.bytes)) << t.spec.name() << " changed under its holder";
+  }
+  ASSERT_TRUE(late.Apply(**(*core)->MakeTransfer(late.version, late.version_digest,
+                                                  SmallFrames()),
+                         kFrameBytes)
+                  .ok());
+  ExpectSameModel(late.state, m);
+}
+
+// The one pass and the copying path publish the same versions: digests, patches (every frame of
+// a delta transfer), summary counts; the one pass finds unchanged tensors without a memcmp.
+TEST(PublisherCoreTest, OnePassPublishesWhatTheCopyingPathPublishes) {
+  PublisherOptions copying_options;
+  copying_options.cpu_one_pass = false;
+  auto one = PublisherCore::Open({});
+  auto copying = PublisherCore::Open(copying_options);
+  ASSERT_TRUE(one.ok() && copying.ok());
+  std::mt19937_64 rng(5);
+  Model m;
+  for (uint64_t v = 1; v <= 6; ++v) {
+    Step(m, v, rng);
+    auto a = (*one)->Publish(v, Inputs(m));
+    auto b = (*copying)->Publish(v, Inputs(m));
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    EXPECT_EQ(a->version_digest, b->version_digest) << "version " << v;
+    EXPECT_EQ(a->unchanged_tensors, b->unchanged_tensors) << "version " << v;
+    EXPECT_EQ(a->patched_tensors, b->patched_tensors) << "version " << v;
+    EXPECT_EQ(a->keyframe_tensors, b->keyframe_tensors) << "version " << v;
+    EXPECT_EQ(a->changed_elements, b->changed_elements) << "version " << v;
+    EXPECT_EQ(a->wire_bytes, b->wire_bytes) << "version " << v;
+    if (v > 1) {
+      EXPECT_GE(a->unchanged_tensors, 1u) << "embed.frozen, version " << v;
+    }
+    if (v == 1) continue;
+    auto ta = (*one)->MakeTransfer(v - 1, *(*one)->VersionDigestOf(v - 1), SmallFrames());
+    auto tb = (*copying)->MakeTransfer(v - 1, *(*copying)->VersionDigestOf(v - 1), SmallFrames());
+    ASSERT_TRUE(ta.ok() && tb.ok());
+    ASSERT_EQ((*ta)->frame_count(), (*tb)->frame_count());
+    for (uint64_t i = 0; i < (*ta)->frame_count(); ++i) {
+      EXPECT_EQ((*ta)->Frame(i)->SerializeAsString(), (*tb)->Frame(i)->SerializeAsString())
+          << "version " << v << " frame " << i;
+    }
+    const v1::VersionEnd end = (*ta)->End(0);
+    EXPECT_EQ(end.publish_pass_micros(), a->pass_micros);
+    EXPECT_EQ(end.baseline_update_micros(), a->baseline_update_micros);
+  }
+  const std::vector<BaselineTensor> ba = (*one)->Baseline(), bb = (*copying)->Baseline();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (size_t i = 0; i < ba.size(); ++i) {
+    EXPECT_TRUE(*ba[i].bytes == *bb[i].bytes) << ba[i].spec.name();
+    EXPECT_EQ(ba[i].digest, bb[i].digest) << ba[i].spec.name();
+  }
+}
+
 }  // namespace
 }  // namespace refit::publisher

@@ -541,7 +541,8 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked() {
+absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
+    std::shared_ptr<InputsRelease> release) {
   if (!round_.has_value()) return false;
   for (const auto& [name, client] : clients_) {
     if (!round_->snapshots.contains(name)) return false;
@@ -559,13 +560,13 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked() {
   std::vector<GuardTensor> guard;
   guard.reserve(tensors.size());
   for (const OwnedTensor& t : tensors) {
-    guard.push_back({t.name, t.device_bytes != nullptr ? t.device_bytes->memory.size()
-                                                       : t.bytes.size()});
+    guard.push_back({t.name, t.size()});
   }
   RETURN_IF_ERROR(queue_->CheckPublishGuard(
       guard, round.allow_degenerate, absl::StrCat("version ", round.version, " from ", source)));
   absl::Status queued =
-      queue_->EnqueueTensors(round.version, std::move(tensors), source, round.allow_degenerate);
+      queue_->EnqueueTensors(round.version, std::move(tensors), source, round.allow_degenerate,
+                             std::move(release));
   if (!queued.ok()) {
     return absl::Status(queued.code(), absl::StrCat("version ", round.version, " from ", source,
                                                     " was not queued: ", queued.message()));
@@ -574,42 +575,49 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked() {
   return true;
 }
 
-absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
-    const v1::LocalPublishRequest& request) {
-  const std::string& name = request.client();
-  const std::string who = absl::StrCat("client ", Quoted(name));
-  std::vector<std::shared_ptr<const MappedTensor>> tensors;
-  uint64_t generation = 0;
-  uint64_t version = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = clients_.find(name);
-    if (it == clients_.end()) {
-      return absl::NotFoundError(absl::StrCat("Publish: ", who,
-                                              " is not registered (call RegisterTensors first)"));
-    }
-    tensors = it->second.tensors;
-    generation = it->second.generation;
-    if (round_.has_value()) {
-      if (request.has_version() && request.version() != round_->version) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "Publish: ", who, " publishes version ", request.version(), " but client ",
-            Quoted(round_->first_client), " published version ", round_->version,
-            "; every client must publish the same version"));
-      }
-      version = round_->version;
-    } else {
-      std::optional<uint64_t> requested;
-      if (request.has_version()) requested = request.version();
-      absl::StatusOr<uint64_t> chosen = queue_->ChooseVersion(requested);
-      if (!chosen.ok()) return Prefixed(absl::StrCat("Publish: ", who), chosen.status());
-      version = *chosen;
+absl::StatusOr<uint64_t> TrainerApiService::ChooseRoundVersion(
+    const v1::LocalPublishRequest& request, const std::string& who, bool* completes) {
+  // This client completes the round when every other registered client is in it already.
+  size_t others_in = 0;
+  if (round_.has_value()) {
+    for (const auto& [name, snapshot] : round_->snapshots) {
+      if (name != request.client() && clients_.contains(name)) ++others_in;
     }
   }
+  *completes = others_in + 1 == clients_.size();
+  if (round_.has_value()) {
+    if (request.has_version() && request.version() != round_->version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Publish: ", who, " publishes version ", request.version(), " but client ",
+          Quoted(round_->first_client), " published version ", round_->version,
+          "; every client must publish the same version"));
+    }
+    return round_->version;
+  }
+  std::optional<uint64_t> requested;
+  if (request.has_version()) requested = request.version();
+  absl::StatusOr<uint64_t> chosen = queue_->ChooseVersion(requested);
+  if (!chosen.ok()) return Prefixed(absl::StrCat("Publish: ", who), chosen.status());
+  return *chosen;
+}
 
-  // The snapshot, outside the lock: other clients copy theirs at the same time. Large models
-  // are copied in chunks over the copy threads.
-  const absl::Time start = absl::Now();
+namespace {
+
+// A lent tensor becomes a copy (its round did not complete in the lender's call).
+void CopyLent(std::vector<OwnedTensor>& tensors) {
+  for (OwnedTensor& t : tensors) {
+    if (t.keep == nullptr) continue;
+    t.bytes.assign(t.borrowed.begin(), t.borrowed.end());
+    t.borrowed = {};
+    t.keep.reset();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
+    const std::vector<std::shared_ptr<const MappedTensor>>& tensors, const std::string& who,
+    uint64_t version, bool lend) const {
   std::vector<OwnedTensor> snapshot;
   snapshot.reserve(tensors.size());
   struct Chunk {
@@ -630,16 +638,20 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
       const std::string what = absl::StrCat(
           "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), o.name));
       RETURN_IF_ERROR(SnapshotCuda(t, what, &o));
-      snapshot.push_back(std::move(o));
-      continue;
-    }
-    o.bytes.resize(t.size());
-    for (size_t off = 0; off < o.bytes.size(); off += kChunkBytes) {
-      chunks.push_back({i, off, std::min(kChunkBytes, o.bytes.size() - off)});
+    } else if (lend && t.mapped()) {
+      // Sealed against shrinking and mapped: read in place by the publish.
+      o.borrowed = t.bytes();
+      o.keep = tensors[i];
+    } else {
+      o.bytes.resize(t.size());
+      for (size_t off = 0; off < o.bytes.size(); off += kChunkBytes) {
+        chunks.push_back({i, off, std::min(kChunkBytes, o.bytes.size() - off)});
+      }
     }
     snapshot.push_back(std::move(o));
   }
   // Mapped regions are memcpy'd, the others pread (a shrunk object is an error, not SIGBUS).
+  // Large models are copied in chunks over the copy threads.
   std::vector<absl::Status> copied(chunks.size());
   ParallelFor(chunks.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
     for (size_t c = begin; c < end; ++c) {
@@ -651,36 +663,80 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   for (const absl::Status& st : copied) {
     if (!st.ok()) return Prefixed(absl::StrCat("Publish of version ", version), st);
   }
-  const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start);
+  return snapshot;
+}
 
-  absl::MutexLock lock(&mu_);
-  auto it = clients_.find(name);
-  if (it == clients_.end() || it->second.generation != generation) {
-    return absl::AbortedError(absl::StrCat("Publish: ", who,
-                                           " re-registered or unregistered during the snapshot; "
-                                           "publish again"));
+absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
+    const v1::LocalPublishRequest& request, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
+  const std::string& name = request.client();
+  const std::string who = absl::StrCat("client ", Quoted(name));
+  std::vector<std::shared_ptr<const MappedTensor>> tensors;
+  uint64_t generation = 0;
+  uint64_t version = 0;
+  bool completes = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = clients_.find(name);
+    if (it == clients_.end()) {
+      return absl::NotFoundError(absl::StrCat("Publish: ", who,
+                                              " is not registered (call RegisterTensors first)"));
+    }
+    tensors = it->second.tensors;
+    generation = it->second.generation;
+    ASSIGN_OR_RETURN(version, ChooseRoundVersion(request, who, &completes));
   }
-  if (!round_.has_value()) {
-    round_.emplace();
-    round_->version = version;
-    round_->first_client = name;
-  } else if (round_->version != version) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Publish: ", who, " publishes version ", version, " but client ",
-        Quoted(round_->first_client), " published version ", round_->version,
-        " at the same time; every client must publish the same version"));
-  }
-  round_->snapshots[name] = std::move(snapshot);
-  round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
+
+  // The snapshot (or the loan), outside the lock: other clients take theirs at the same time.
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot,
+                   TakeTensors(tensors, who, version, completes));
+  const bool lent = std::any_of(snapshot.begin(), snapshot.end(),
+                                [](const OwnedTensor& t) { return t.keep != nullptr; });
+  std::shared_ptr<InputsRelease> release =
+      lent ? std::make_shared<InputsRelease>() : nullptr;
+
   v1::LocalPublishResponse response;
   response.set_version(version);
-  response.set_snapshot_micros(micros < 0 ? 0 : static_cast<uint64_t>(micros));
-  ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked());
-  response.set_committed(committed);
-  if (!committed) {
-    log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
-                round_->snapshots.size(), clients_.size());
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = clients_.find(name);
+    if (it == clients_.end() || it->second.generation != generation) {
+      return absl::AbortedError(absl::StrCat("Publish: ", who,
+                                             " re-registered or unregistered during the snapshot; "
+                                             "publish again"));
+    }
+    if (!round_.has_value()) {
+      round_.emplace();
+      round_->version = version;
+      round_->first_client = name;
+    } else if (round_->version != version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Publish: ", who, " publishes version ", version, " but client ",
+          Quoted(round_->first_client), " published version ", round_->version,
+          " at the same time; every client must publish the same version"));
+    }
+    round_->snapshots[name] = std::move(snapshot);
+    round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
+    ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
+    response.set_committed(committed);
+    if (!committed) {
+      // A round holds lent memory only inside the call that commits it.
+      if (lent) CopyLent(round_->snapshots[name]);
+      release.reset();
+      log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
+                  round_->snapshots.size(), clients_.size());
+    }
   }
+  if (release != nullptr) {
+    absl::Status read = release->Wait(deadline, cancelled);
+    if (!read.ok()) {
+      return absl::Status(read.code(), absl::StrCat("Publish of version ", version, " by ", who,
+                                                    ": ", read.message()));
+    }
+  }
+  const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start);
+  response.set_snapshot_micros(micros < 0 ? 0 : static_cast<uint64_t>(micros));
   return response;
 }
 
@@ -734,10 +790,12 @@ grpc::Status TrainerApiService::Unregister(grpc::ServerContext*,
   return ToGrpcStatus(DoUnregister(request->client()));
 }
 
-grpc::Status TrainerApiService::Publish(grpc::ServerContext*,
+grpc::Status TrainerApiService::Publish(grpc::ServerContext* context,
                                         const v1::LocalPublishRequest* request,
                                         v1::LocalPublishResponse* response) {
-  absl::StatusOr<v1::LocalPublishResponse> r = DoPublish(*request);
+  absl::StatusOr<v1::LocalPublishResponse> r =
+      DoPublish(*request, absl::FromChrono(context->deadline()),
+                [context] { return context->IsCancelled(); });
   if (!r.ok()) {
     log_->warn("{}", r.status().ToString());
     return ToGrpcStatus(r.status());

@@ -28,15 +28,28 @@
 //     Without a usable GPU (none, built without CUDA, no provider): FAILED_PRECONDITION naming
 //     the client, the tensor and the GPU UUID.
 //
-// Publish(client, version) copies the client's tensors into daemon-owned memory (the snapshot)
-// and returns; the trainer may overwrite its memory right after. Shared-memory tensors go to
-// host buffers; CUDA tensors (TrainerApiOptions::cuda_snapshot) to host buffers (CPU codec: one
-// D2H copy), to device memory on the same GPU (GPU baseline device: one D2D copy, which then
-// becomes the GPU baseline, see PublisherCore) or to pinned host memory (GPU baseline pinned). A version is committed once every
-// registered client has published it: all clients' snapshots are then queued as one version on
-// the PublishQueue (LocalPublishResponse.committed = true: queued for encoding; the trainer does
-// not wait for the encode). All clients must publish the same number: the first client of a
-// round fixes it (its request, or PublishQueue::ChooseVersion), later ones must match or omit it.
+// Publish(client, version): a version is committed once every registered client has published
+// it; all clients' tensors are then queued as one version on the PublishQueue. The trainer may
+// overwrite its memory once its Publish returns:
+//   - The client that completes the round (the only client, or the last one to publish) lends
+//     its mapped shared-memory tensors (sealed memfds) to the publish instead of copying them:
+//     its Publish returns once the publisher's pass has read them and the version is committed
+//     (InputsRelease; before persistence), so the one pass reads the trainer's memory directly.
+//     Its deadline (the call's) applies until the job starts; a job whose lender gave up before
+//     it started is not run (DeadlineExceeded / Cancelled); once started, the call waits for the
+//     pass (one read of the model). A publish that fails returns its error. If the round turns
+//     out not to complete (a client registered meanwhile), the lent tensors are copied before
+//     the call returns.
+//   - Every other client, and tensors read with pread or in CUDA memory, are copied into
+//     daemon-owned memory (the snapshot) and the call returns at once (committed = false for a
+//     client that did not complete the round). Shared-memory tensors go to host buffers; CUDA
+//     tensors (TrainerApiOptions::cuda_snapshot) to host buffers (CPU codec: one D2H copy), to
+//     device memory on the same GPU (GPU baseline device: one D2D copy, which then becomes the
+//     GPU baseline, see PublisherCore) or to pinned host memory (GPU baseline pinned).
+// LocalPublishResponse.committed = true: the version is queued (and, for a lending client, its
+// tensors read and committed); snapshot_micros is the time the call held the trainer's memory.
+// All clients must publish the same number: the first client of a round fixes it (its request,
+// or PublishQueue::ChooseVersion), later ones must match or omit it.
 //
 // Thread-safe.
 #ifndef REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
@@ -45,6 +58,7 @@
 #include <sys/stat.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -210,7 +224,11 @@ class TrainerApiService final : public v1::TrainerApi::Service {
       const v1::RegisterTensorsRequest& request,
       const std::optional<PeerCred>& peer = std::nullopt);
   absl::Status DoUnregister(const std::string& client);
-  absl::StatusOr<v1::LocalPublishResponse> DoPublish(const v1::LocalPublishRequest& request);
+  // `deadline` / `cancelled` (may be null): how long a lending client waits for its job to start
+  // (see the top comment; gRPC: the call's deadline and cancellation).
+  absl::StatusOr<v1::LocalPublishResponse> DoPublish(
+      const v1::LocalPublishRequest& request, absl::Time deadline = absl::InfiniteFuture(),
+      const std::function<bool()>& cancelled = nullptr);
 
  private:
   struct Client {
@@ -226,8 +244,18 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   };
 
   v1::RegisterTensorsResponse CountsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues the round when every registered client has published it; true when it did.
-  absl::StatusOr<bool> MaybeCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues the round when every registered client has published it; true when it did. A round
+  // holding lent tensors is queued with their lender's `release`.
+  absl::StatusOr<bool> MaybeCommitLocked(std::shared_ptr<InputsRelease> release = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DoPublish's steps: the version of this client's share (and whether it completes the
+  // round); its tensors, lent (`lend`: mapped shm) or copied.
+  absl::StatusOr<uint64_t> ChooseRoundVersion(const v1::LocalPublishRequest& request,
+                                              const std::string& who, bool* completes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<OwnedTensor>> TakeTensors(
+      const std::vector<std::shared_ptr<const MappedTensor>>& tensors, const std::string& who,
+      uint64_t version, bool lend) const;
 
   // The snapshot of one CUDA tensor (options_.cuda_snapshot). `what` prefixes errors.
   absl::Status SnapshotCuda(const MappedTensor& t, const std::string& what, OwnedTensor* out) const;

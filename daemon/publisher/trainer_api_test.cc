@@ -8,6 +8,8 @@
 #include <atomic>
 #include <barrier>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 #include <memory>
 #include <string>
@@ -302,6 +304,101 @@ TEST_F(TrainerApiTest, UnregisterCompletesARoundTheOthersFinished) {
   ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
   ASSERT_EQ(core_->Baseline().size(), 1u);
   EXPECT_EQ(core_->Baseline()[0].spec.name(), "a");
+}
+
+// Removes a stall file when it goes out of scope (declared after the queue: a failing test
+// never leaves the worker stalled while the queue joins it).
+struct RemoveOnExit {
+  std::string path;
+  ~RemoveOnExit() { std::filesystem::remove(path); }
+};
+
+// The client completing a round lends its mapped memory: its Publish returns once the version
+// is committed (its bytes read by the pass, no snapshot copy), so the trainer may overwrite them.
+TEST_F(TrainerApiTest, CompletingClientReturnsOnceItsMemoryIsReadAndCommitted) {
+  Memfd a(8192, 4);
+  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {4096}, a.path(), 0, 8192)}).ok());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    a.data()[v * 16] ^= 0x5A;  // the step's update
+    const std::vector<uint8_t> expected(a.data(), a.data() + 8192);
+    auto p = Publish("rank0");
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->version(), v);
+    EXPECT_TRUE(p->committed());
+    EXPECT_EQ(core_->newest_version(), v);  // no WaitPublished: committed before the return
+    std::memset(a.data(), static_cast<int>(v), 8192);  // the trainer writes right away
+    EXPECT_EQ(PublishedBytes("a"), expected);
+    std::memcpy(a.data(), expected.data(), expected.size());
+  }
+}
+
+// A lending client whose deadline passes before its job starts gets DeadlineExceeded and the
+// job is not run (its memory may change); once the worker moves again, publishing works.
+TEST(TrainerApiLendTest, DeadlineBeforeTheJobStartsAbandonsIt) {
+  const std::string stall = absl::StrCat(::testing::TempDir(), "/refit_lend_stall_", getpid());
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  PublishQueueOptions qo;
+  qo.stall_file = stall;
+  PublishQueue queue(core->get(), nullptr, qo);
+  const RemoveOnExit unstall{stall};
+  TrainerApiService api(&queue);
+  Memfd a(4096, 2);
+  v1::RegisterTensorsRequest reg;
+  reg.set_client("rank0");
+  *reg.add_tensors() = Location("a", v1::DTYPE_U8, {4096}, a.path(), 0, 4096);
+  ASSERT_TRUE(api.DoRegister(reg).ok());
+  v1::LocalPublishRequest pub;
+  pub.set_client("rank0");
+
+  { std::ofstream(stall).put('x'); }
+  auto gave_up = api.DoPublish(pub, absl::Now() + absl::Milliseconds(300));
+  ASSERT_FALSE(gave_up.ok());
+  EXPECT_EQ(gave_up.status().code(), absl::StatusCode::kDeadlineExceeded) << gave_up.status();
+  EXPECT_TRUE(absl::StrContains(gave_up.status().message(), "not run")) << gave_up.status();
+  std::memset(a.data(), 0xEE, 4096);  // allowed: the publish will not read it
+  std::filesystem::remove(stall);
+
+  auto p = api.DoPublish(pub, absl::Now() + absl::Seconds(60));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->version(), 2u);  // version 1 was numbered, then dropped
+  EXPECT_EQ((*core)->newest_version(), 2u);
+  ASSERT_EQ((*core)->Baseline().size(), 1u);
+  EXPECT_EQ(*(*core)->Baseline()[0].bytes, std::vector<uint8_t>(4096, 0xEE));
+  EXPECT_EQ(queue.Status().dropped_expired(), 1u);
+}
+
+// A lending client is never left waiting: a queue that stops before running its job answers it.
+TEST(TrainerApiLendTest, ShutdownAnswersAWaitingLender) {
+  const std::string stall = absl::StrCat(::testing::TempDir(), "/refit_lend_stop_", getpid());
+  auto core = PublisherCore::Open({});
+  ASSERT_TRUE(core.ok());
+  PublishQueueOptions qo;
+  qo.stall_file = stall;
+  PublishQueue queue(core->get(), nullptr, qo);
+  const RemoveOnExit unstall{stall};
+  TrainerApiService api(&queue);
+  Memfd a(4096, 2), b(4096, 3);
+  v1::RegisterTensorsRequest reg;
+  reg.set_client("rank0");
+  *reg.add_tensors() = Location("a", v1::DTYPE_U8, {4096}, a.path(), 0, 4096);
+  ASSERT_TRUE(api.DoRegister(reg).ok());
+  v1::LocalPublishRequest pub;
+  pub.set_client("rank0");
+  // The worker stalls in version 1 (a copied snapshot: another client completes nothing yet).
+  { std::ofstream(stall).put('x'); }
+  ASSERT_TRUE(queue.EnqueueTensors(1, {}, "test").ok());
+  absl::StatusOr<v1::LocalPublishResponse> answer;
+  std::thread lender([&] { answer = api.DoPublish(pub); });  // version 2, queued behind
+  const absl::Time limit = absl::Now() + absl::Seconds(60);
+  while (queue.Status().pending() < 2 && absl::Now() < limit) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(queue.Status().pending(), 2u);
+  queue.BeginStop();
+  std::filesystem::remove(stall);
+  lender.join();
+  ASSERT_FALSE(answer.ok());
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kUnavailable) << answer.status();
+  queue.Stop();
 }
 
 // ---- regions only from the trainer's own shared memory, never SIGBUS -------------------------
