@@ -405,6 +405,16 @@ def trajectory(bins: dict, cache_root: str, preset: str, seed: int, versions: in
     d = os.path.join(cache_root, f"{preset}-s{seed}-n{versions}")
     if os.path.exists(os.path.join(d, "complete.json")):
         return d
+    # A longer cached trajectory of the same preset and seed holds these versions as its first
+    # ones (make_trajectory steps one seeded trajectory): its v0..v<versions> serve.
+    longer = []
+    for name in os.listdir(cache_root) if os.path.isdir(cache_root) else []:
+        m = re.fullmatch(re.escape(f"{preset}-s{seed}-n") + r"(\d+)", name)
+        if m and int(m.group(1)) > versions and \
+                os.path.exists(os.path.join(cache_root, name, "complete.json")):
+            longer.append((int(m.group(1)), os.path.join(cache_root, name)))
+    if longer:
+        return min(longer)[1]
     log(f"generating the {preset} trajectory ({versions} steps) into {d} (cached for later runs)")
     t0 = time.monotonic()
     sh(bins["make_trajectory"], "--preset", preset, "--seed", str(seed), "--versions",
@@ -815,6 +825,8 @@ def parse_args(argv):
                    help="the deploy/TUNING.md recommendations: " +
                         ", ".join(f"{k}={v}" for k, v in TUNING) +
                         " (bbr only where available; --sysctl overrides a key)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the run directory (configs, daemon logs) also when the run succeeds")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: tiny model, 20ms-200m, 3 versions, Verify + Export every run, "
                         "fails when a figure is missing")
@@ -895,6 +907,10 @@ def main(argv) -> int:
     result["machine"]["loadavg_after"] = load_average()
     stem = "wan-" + result["date"].replace(":", "").replace("-", "")[:13] + \
         ("-quick" if args.quick else "")
+    base, n = stem, 1
+    while os.path.exists(os.path.join(args.out_dir, stem + ".json")):  # runs in the same minute
+        n += 1
+        stem = f"{base}-{n}"
     with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
@@ -907,7 +923,10 @@ def main(argv) -> int:
             return 1
         print("bench/wan: smoke OK: every version bit-exact (digests, Verify, Export) and every "
               "figure produced", file=sys.stderr)
-    shutil.rmtree(workdir, ignore_errors=True)  # kept when a run fails: its logs are there
+    if args.keep:
+        log(f"kept the run directory {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)  # kept when a run fails: its logs are there
     return 0
 
 
