@@ -5,8 +5,9 @@ One command, as root: for each link, two network namespaces joined by link_relay
 delay, rate, tail-drop queue, optional loss); for each model, a raw TCP full copy of the
 keyframe's bytes over 1 and over 4 streams, then a real `refitd publisher` (publisher
 namespace) and `refitd subscriber`s (subscriber namespace) with mTLS on the data plane, the
-keyframe and the delta versions of the realistic trajectory published through Control, one JSON
-record per version. Writes <out-dir>/wan-<date>.json and .md.
+keyframe and the delta versions of the realistic trajectory published as a trainer does (the
+TrainerApi from a registered memfd; `--publish-via control` for Control Publish of the files), one
+JSON record per version. Writes <out-dir>/wan-<date>.json and .md.
 
     sudo bench/wan/run.py                                  # medium + 500m, 50 and 100 ms RTT
     sudo bench/wan/run.py --models medium --links 50ms-1g  # one model, one link
@@ -40,6 +41,14 @@ PRESET_LINKS = {"50ms-1g": (50.0, 1000.0), "100ms-1g": (100.0, 1000.0),
 # Figures that the daemons do not expose today (recorded as null; README.md "Figures").
 NOT_EXPOSED = ["publisher.compare_ms", "publisher.digest_ms (CPU encoding)",
                "publisher.persist_ms"]
+
+
+# --tuning: deploy/TUNING.md "Kernel settings" (deploy/systemd/90-refitd-net.conf), the
+# per-namespace ones, applied in both namespaces. bbr only where the kernel offers it.
+TUNING = [("net.ipv4.tcp_slow_start_after_idle", "0"),
+          ("net.ipv4.tcp_wmem", "4096 16384 67108864"),
+          ("net.ipv4.tcp_rmem", "4096 131072 67108864"),
+          ("net.ipv4.tcp_congestion_control", "bbr")]
 
 
 class Skip(Exception):
@@ -130,9 +139,17 @@ class Link:
         self.counters = []
 
     def __enter__(self):
+        try:
+            return self.setup()
+        except BaseException:
+            self.__exit__()  # `with` does not call __exit__ when __enter__ raises
+            raise
+
+    def setup(self):
         for ns in (self.pub_ns, self.sub_ns):
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
+            self.apply_sysctls(ns)
         cmd = [self.bins["link_relay"], "--ns-a", f"/run/netns/{self.pub_ns}", "--dev-a", "wanp",
                "--ns-b", f"/run/netns/{self.sub_ns}", "--dev-b", "wans",
                "--delay-ms", str(self.spec["one_way_ms"]), "--rate-mbit",
@@ -166,14 +183,36 @@ class Link:
     def in_ns(self, ns: str, cmd: list) -> list:
         return ["ip", "netns", "exec", ns] + cmd
 
+    def apply_sysctls(self, ns: str) -> None:
+        """--sysctl / --tuning inside `ns`, each read back: a value the namespace does not hold
+        afterwards (a global key, an unknown algorithm, a kernel without the key) fails the run."""
+        for key, value in self.args.sysctl_list:
+            r = sh(*self.in_ns(ns, ["sysctl", "-w", f"{key}={value}"]), check=False)
+            got = sh(*self.in_ns(ns, ["sysctl", "-n", key]), check=False)
+            now = " ".join(got.stdout.split()) if got.returncode == 0 else None
+            if r.returncode != 0 or now != " ".join(value.split()):
+                raise Failure(f"--sysctl {key}={value} in namespace {ns}: reads back {now!r} "
+                              f"(sysctl -w exited {r.returncode}: "
+                              f"{(r.stderr or '').strip() or 'no error'}); not a per-namespace "
+                              "setting, or not available on this kernel (deploy/TUNING.md)")
+
     def sysctls(self) -> dict:
+        """The TCP sysctls as the publisher namespace holds them (and the subscriber namespace's
+        under "subscriber_ns" where any differs)."""
         keys = ["net.ipv4.tcp_congestion_control", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
                 "net.ipv4.tcp_slow_start_after_idle", "net.core.rmem_max", "net.core.wmem_max"]
-        out = {}
-        for k in keys:
-            r = sh(*self.in_ns(self.pub_ns, ["sysctl", "-n", k]), check=False)
-            out[k] = r.stdout.strip().replace("\t", " ") if r.returncode == 0 else None
-        return out
+        keys += [k for k, _ in self.args.sysctl_list if k not in keys]
+
+        def read(ns):
+            out = {}
+            for k in keys:
+                r = sh(*self.in_ns(ns, ["sysctl", "-n", k]), check=False)
+                out[k] = " ".join(r.stdout.split()) if r.returncode == 0 else None
+            return out
+        pub, sub = read(self.pub_ns), read(self.sub_ns)
+        if sub != pub:
+            pub["subscriber_ns"] = sub
+        return pub
 
 
 # ---- raw TCP reference --------------------------------------------------------------------
@@ -267,6 +306,8 @@ def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int) -
          f"    ca: {q(pki['ca'])}\n"
          f"  control_listen: {q('unix:' + d + '/pub-control.sock')}\n"
          f"  ready_file: {q(d + '/pub.ready')}\n"
+         f"  local_socket: {q(d + '/pub-local.sock')}\n"
+         f"  local_access: {{socket_mode: \"0600\"}}\n"
          f"  files:\n    publish_dirs: [{q(cache)}]\n"
          f"  codec:\n    threads: {args.threads}\n"
          f"  transport:\n    max_streams_per_subscriber: {max(streams, 8)}\n")
@@ -364,6 +405,16 @@ def trajectory(bins: dict, cache_root: str, preset: str, seed: int, versions: in
     d = os.path.join(cache_root, f"{preset}-s{seed}-n{versions}")
     if os.path.exists(os.path.join(d, "complete.json")):
         return d
+    # A longer cached trajectory of the same preset and seed holds these versions as its first
+    # ones (make_trajectory steps one seeded trajectory): its v0..v<versions> serve.
+    longer = []
+    for name in os.listdir(cache_root) if os.path.isdir(cache_root) else []:
+        m = re.fullmatch(re.escape(f"{preset}-s{seed}-n") + r"(\d+)", name)
+        if m and int(m.group(1)) > versions and \
+                os.path.exists(os.path.join(cache_root, name, "complete.json")):
+            longer.append((int(m.group(1)), os.path.join(cache_root, name)))
+    if longer:
+        return min(longer)[1]
     log(f"generating the {preset} trajectory ({versions} steps) into {d} (cached for later runs)")
     t0 = time.monotonic()
     sh(bins["make_trajectory"], "--preset", preset, "--seed", str(seed), "--versions",
@@ -416,16 +467,46 @@ def warm_page_cache(path: str) -> None:
             pass
 
 
-def step(bins: dict, pub: Daemon, subs: list, version: int, file: str, verify: bool) -> dict:
-    warm_page_cache(file)
-    cmd = [bins["wan_step"], "--publisher", pub.control(), "--version", str(version),
-           "--safetensors", file]
-    for s in subs:
-        cmd += ["--subscriber", s.control()]
-    if verify:
-        cmd.append("--verify")
-    r = sh(*cmd, timeout=900)
-    return json.loads(r.stdout)
+class WanStep:
+    """One wan_step process per refitd run (root namespace; Control and the TrainerApi are unix
+    sockets): its channels, and with --publish-via trainer_api its registered memfd, live across
+    the versions. step() sends "VERSION FILE [verify]" and reads the JSON line it answers."""
+
+    def __init__(self, bins: dict, pub: Daemon, subs: list, via: str, d: str):
+        cmd = [bins["wan_step"], "--publisher", pub.control(), "--publish-via", via]
+        if via == "trainer_api":
+            local = pub.ready.get("local_socket")
+            if not local:
+                raise Failure("the publisher's ready file lacks local_socket (TrainerApi)")
+            cmd += ["--trainer-socket", local]
+        for s in subs:
+            cmd += ["--subscriber", s.control()]
+        self.via = via
+        self.err_path = os.path.join(d, "wan_step.err")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.err_path, "w"), text=True)
+
+    def step(self, version: int, file: str, verify: bool) -> dict:
+        if self.via == "control":
+            warm_page_cache(file)  # the TrainerApi path copies the file into its memfd instead
+        self.proc.stdin.write(f"{version} {file}{' verify' if verify else ''}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()  # bounded by wan_step's own RPC deadlines
+        if not line:
+            self.proc.wait(timeout=30)
+            with open(self.err_path, errors="replace") as f:
+                raise Failure(f"wan_step exited {self.proc.returncode} at version {version}: "
+                              f"{f.read().strip()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: list,
@@ -441,6 +522,17 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     wire = max((i64(s.get("last_refit", {}).get("wire_bytes")) for s in subst), default=0)
     bound = wire * 8 / (link["rate_mbit"] * 1e6) * 1e3 + link["one_way_ms"]
     pubresp = raw["publish"]
+    via = raw.get("publish_via", "control")
+    pubst = raw.get("publisher_status", {})
+    if via == "trainer_api":
+        # LocalPublishResponse has no digest, size or change rate: the publisher's Status after
+        # every subscriber applied the version (checked to be that version).
+        if i64(pubst.get("version")) != version:
+            raise Failure(f"version {version}: the publisher's Status reports version "
+                          f"{pubst.get('version')} after the subscribers applied it")
+        pubresp = {**pubresp, "version_digest": pubst.get("version_digest"),
+                   "bytes": pubst.get("model_bytes"),
+                   "change_rate": pubst.get("last_refit", {}).get("change_rate")}
     plog = parse_pub_log(pub.log_text(), version)
     slogs = [parse_sub_log(s.log_text(), version) for s in subs]
     pub_digest = i64(pubresp.get("version_digest"))
@@ -452,19 +544,26 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     pub_total = plog.get("total_ms")
     call_ms = (raw["publish_return_unix_ns"] - t0) / 1e6
     rec = {
-        "version": version, "kind": kind,
+        "version": version, "kind": kind, "publish_via": via,
+        "load_ms": raw.get("load_ms"),
         "change_rate": pubresp.get("change_rate"),
         "e2e_ms": e2e, "e2e_status_ms": e2e_status, "e2e_wait_ms": e2e_wait,
         "publish_call_ms": call_ms,
         "wire_bytes": wire, "dense_bytes": i64(pubresp.get("bytes")),
         "transport_bound_ms": bound, "pass_ms": pass_ms,
         "excess_over_pass": (e2e - bound) / pass_ms if pass_ms else None,
-        "publisher": {"publish_micros": i64(pubresp.get("publish_micros")),
+        # publish_micros: PublishResponse (control: read, snapshot, encode); snapshot_micros:
+        # LocalPublishResponse (trainer_api: copying the memfd's tensors)
+        "publisher": {"publish_micros": i64(pubresp["publish_micros"])
+                      if "publish_micros" in pubresp else None,
+                      "snapshot_micros": i64(pubresp["snapshot_micros"])
+                      if "snapshot_micros" in pubresp else None,
                       "encode_ms": plog.get("encode_ms"), "digest_ms": plog.get("digest_ms"),
                       "persist_ms": plog.get("persist_ms"), "total_ms": pub_total,
                       "compare_ms": plog.get("compare_ms"),
                       # the Publish call outside the logged total: reading and parsing the
-                      # files, the queue, the RPC
+                      # files, the queue, the RPC (trainer_api: negative when the call returns
+                      # before the encode ends)
                       "outside_total_ms": call_ms - pub_total if pub_total is not None else None},
         "subscriber": [{"latency_ms": i64(s.get("last_refit", {}).get("latency_micros")) / 1e3,
                         "receive_ms": sl.get("receive_ms"), "stage_ms": sl.get("stage_ms"),
@@ -526,7 +625,7 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
     os.makedirs(os.path.join(d, "export"))
     pub = Daemon(link, link.pub_ns, "publisher", "wan-pub", d,
                  publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args, streams), bins)
-    subs, records, exported = [], [], []
+    subs, records, exported, stepper = [], [], [], None
     try:
         upstream = pub.start()["listen"]
         for i in range(args.subscribers):
@@ -535,10 +634,11 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
                                subscriber_yaml(d, name, upstream, pki, args, streams), bins))
             subs[-1].start()
         wait_connected(bins, pub, len(subs))
+        stepper = WanStep(bins, pub, subs, args.publish_via, d)
         for k in range(args.versions + 1):
             f = version_file(traj, k)
             verify = args.quick or k == args.versions
-            raw = step(bins, pub, subs, k + 1, f, verify)
+            raw = stepper.step(k + 1, f, verify)
             pm = read_pass(bins, version_file(traj, max(k - 1, 0)), f, args.threads)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
@@ -555,10 +655,13 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
         if exported and not all(exported):
             raise Failure("an exported subscriber version differs from the published file")
     finally:
+        if stepper is not None:
+            stepper.close()
         for s in subs:
             s.stop()
         pub.stop()
     return {"model": model, "link": spec, "streams": streams, "model_bytes": os.path.getsize(v0),
+            "publish_via": args.publish_via,
             "raw": raws, "versions": records, "export_equal": exported,
             "logs": {"publisher": pub.log_path, "subscribers": [s.log_path for s in subs]},
             "summary": summarise(records, raws)}
@@ -592,7 +695,8 @@ def summarise(records: list, raws: list) -> dict:
 
 REQUIRED = ["e2e_ms", "e2e_wait_ms", "publish_call_ms", "wire_bytes", "transport_bound_ms",
             "pass_ms", "excess_over_pass", "network_residual_ms"]
-REQUIRED_PUB = ["publish_micros", "encode_ms", "total_ms", "outside_total_ms"]
+REQUIRED_PUB = {"control": ["publish_micros", "encode_ms", "total_ms", "outside_total_ms"],
+                "trainer_api": ["snapshot_micros", "encode_ms", "total_ms", "outside_total_ms"]}
 REQUIRED_SUB = ["latency_ms", "receive_ms", "stage_ms", "verify_ms", "apply_ms", "wire_bytes"]
 
 
@@ -602,7 +706,7 @@ def missing_figures(result: dict) -> list:
         for r in run["versions"]:
             where = f"{run['model']}/{run['link']['name']}/c{run['streams']}/v{r['version']}"
             miss += [f"{where}.{k}" for k in REQUIRED if r.get(k) is None]
-            miss += [f"{where}.publisher.{k}" for k in REQUIRED_PUB
+            miss += [f"{where}.publisher.{k}" for k in REQUIRED_PUB[r["publish_via"]]
                      if r["publisher"].get(k) is None]
             for i, s in enumerate(r["subscriber"]):
                 miss += [f"{where}.subscriber[{i}].{k}" for k in REQUIRED_SUB if s.get(k) is None]
@@ -626,7 +730,9 @@ def markdown(result: dict) -> str:
              f"{m['loadavg_before']}, after {m['loadavg_after']}; "
              f"{result['options']['subscribers']} subscriber(s), "
              f"persist {'on' if result['options']['persist'] else 'off'}; MTU "
-             f"{result['options']['mtu']}; command `{result['command']}`.", "",
+             f"{result['options']['mtu']}; publish via {result['publish_via']}; sysctls set "
+             f"{result['sysctls_set'] or 'none (kernel defaults)'}; command "
+             f"`{result['command']}`.", "",
              "| model | link | conns | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
              "max/median | bound ms | pass ms | (e2e-bound)/pass | faster raw / delta | "
              "keyframe / raw4 |", "|---" * 12 + "|"]
@@ -708,6 +814,19 @@ def parse_args(argv):
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--check-link", action="store_true",
                    help="also measure each link with ping and iperf3 (when installed)")
+    p.add_argument("--publish-via", choices=("trainer_api", "control"), default="trainer_api",
+                   help="trainer_api: as a trainer does, TrainerApi Publish of a registered memfd "
+                        "(loaded before the clock starts); control: Control Publish of the "
+                        "safetensors file (the publisher reads and parses it inside the call)")
+    p.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                   help="a per-namespace sysctl set in both namespaces after creating them and "
+                        "read back (repeatable), e.g. net.ipv4.tcp_slow_start_after_idle=0")
+    p.add_argument("--tuning", action="store_true",
+                   help="the deploy/TUNING.md recommendations: " +
+                        ", ".join(f"{k}={v}" for k, v in TUNING) +
+                        " (bbr only where available; --sysctl overrides a key)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the run directory (configs, daemon logs) also when the run succeeds")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke: tiny model, 20ms-200m, 3 versions, Verify + Export every run, "
                         "fails when a figure is missing")
@@ -724,7 +843,28 @@ def parse_args(argv):
         a.link_specs = [parse_link(x) for x in a.links.split(",") if x]
     except ValueError as e:
         p.error(str(e))
+    a.sysctl_list = sysctl_list(p, a)
+    a.cache_dir = os.path.abspath(a.cache_dir)  # the publisher's files.publish_dirs is absolute
     return a
+
+
+def sysctl_list(p, a) -> list:
+    """(key, value) pairs of --tuning then --sysctl (a --sysctl key replaces --tuning's)."""
+    given = []
+    for x in a.sysctl:
+        key, eq, value = x.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not re.fullmatch(r"[a-z0-9_]+(\.[a-z0-9_]+)+", key) or not value:
+            p.error(f"--sysctl {x!r}: expected KEY=VALUE, e.g. net.ipv4.tcp_slow_start_after_idle=0")
+        given.append((key, value))
+    tuning = []
+    if a.tuning:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            available = f.read().split()
+        tuning = [(k, v) for k, v in TUNING
+                  if k != "net.ipv4.tcp_congestion_control" or v in available]
+    keys = {k for k, _ in given}
+    return [(k, v) for k, v in tuning if k not in keys] + given
 
 
 def main(argv) -> int:
@@ -744,7 +884,9 @@ def main(argv) -> int:
               "git_rev": git_rev(), "command": " ".join(["bench/wan/run.py"] + list(argv)),
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_average()},
               "options": {k: v for k, v in vars(args).items()
-                          if k not in ("link_specs", "streams_list")},
+                          if k not in ("link_specs", "streams_list", "sysctl_list")},
+              "publish_via": args.publish_via,
+              "sysctls_set": {k: v for k, v in args.sysctl_list},
               "not_exposed": NOT_EXPOSED, "runs": [], "workdir": workdir}
     pki = make_pki(workdir, [f"10.77.{i}.1" for i in range(len(args.link_specs))])
     models = [m for m in args.models.split(",") if m]
@@ -765,6 +907,10 @@ def main(argv) -> int:
     result["machine"]["loadavg_after"] = load_average()
     stem = "wan-" + result["date"].replace(":", "").replace("-", "")[:13] + \
         ("-quick" if args.quick else "")
+    base, n = stem, 1
+    while os.path.exists(os.path.join(args.out_dir, stem + ".json")):  # runs in the same minute
+        n += 1
+        stem = f"{base}-{n}"
     with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
@@ -777,7 +923,10 @@ def main(argv) -> int:
             return 1
         print("bench/wan: smoke OK: every version bit-exact (digests, Verify, Export) and every "
               "figure produced", file=sys.stderr)
-    shutil.rmtree(workdir, ignore_errors=True)  # kept when a run fails: its logs are there
+    if args.keep:
+        log(f"kept the run directory {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)  # kept when a run fails: its logs are there
     return 0
 
 
