@@ -206,6 +206,11 @@ void SubscriberCore::AwaitRefreshLocked() {
   }
 }
 
+bool SubscriberCore::WaitRefreshIdle(absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(this, &SubscriberCore::RefreshIdleLocked), timeout);
+}
+
 RefreshStats SubscriberCore::refresh_stats() const {
   absl::MutexLock lock(&mu_);
   return refresh_stats_;

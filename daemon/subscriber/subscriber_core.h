@@ -252,6 +252,9 @@ class SubscriberCore {
   // Patch bytes retained for in-place staging (<= SubscriberOptions::retained_patch_bytes).
   uint64_t retained_patch_bytes() const;
   RefreshStats refresh_stats() const;
+  // Waits until no refresh is asked for or running (benchmarks: the idle time between
+  // versions); false when `timeout` passed first.
+  bool WaitRefreshIdle(absl::Duration timeout) const;
 
  private:
   struct Transfer;
