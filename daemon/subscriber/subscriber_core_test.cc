@@ -975,6 +975,7 @@ TEST_F(SubscriberCoreRefreshTest, LeaseDuringARefreshNeverSeesTheRefreshingSlot)
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(core, 3);  // the refresh of v2's slot to v3 starts and blocks
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
@@ -1011,7 +1012,8 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
     SubscriberCore core(opts_);
     Sync(core, 1);
     Sync(core, 2);
-    block_.store(true);
+    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  block_.store(true);
     Sync(core, 3);
     ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
     block_.store(false);
@@ -1029,6 +1031,7 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
   Sync(core, 1);
   Sync(core, 2);
   ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 1; }));
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(core, 3);
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
@@ -1075,6 +1078,7 @@ TEST_F(SubscriberCoreRefreshTest, ShutdownDuringARefreshCancelsIt) {
   PublishRun(1, 2);
   auto core = std::make_unique<SubscriberCore>(opts_);
   Sync(*core, 1);
+  ASSERT_TRUE(core->WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(*core, 2);  // the refresh of v1's slot starts and blocks until cancelled
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
