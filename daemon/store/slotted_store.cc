@@ -153,6 +153,10 @@ std::string SlottedStore::DescribeSlotsLocked() const {
     switch (slot.state) {
       case SlotStatus::State::kEmpty: absl::StrAppend(&d, "empty"); break;
       case SlotStatus::State::kStaging: absl::StrAppend(&d, "staging v", slot.version); break;
+      case SlotStatus::State::kRefreshing:
+        absl::StrAppend(&d, "refreshing to v", slot.version);
+        break;
+      case SlotStatus::State::kStandby: absl::StrAppend(&d, "standby at v", slot.version); break;
       case SlotStatus::State::kHeld:
         absl::StrAppend(&d, "v", slot.version, s == current_slot_ ? " (current)" : "");
         break;
@@ -176,6 +180,33 @@ std::vector<std::span<const uint8_t>> SlottedStore::ReadSpans(int slot) const {
   return spans;
 }
 
+std::vector<std::span<uint8_t>> SlottedStore::WriteSpans(int slot) const {
+  std::vector<std::span<uint8_t>> spans;
+  spans.reserve(layout_.size());
+  for (const TensorInfo& t : layout_.tensors()) {
+    spans.emplace_back(slot_base_[slot] + t.offset, t.size_bytes);
+  }
+  return spans;
+}
+
+int SlottedStore::PickStagingSlotLocked() const {
+  const int n = static_cast<int>(slots_.size());
+  for (int s = 0; s < n; ++s) {
+    if (slots_[s].state == SlotStatus::State::kStandby) return s;
+  }
+  for (int s = 0; s < n; ++s) {
+    if (slots_[s].state == SlotStatus::State::kEmpty) return s;
+  }
+  int pick = -1;  // oldest held, non-current, unleased version
+  for (int s = 0; s < n; ++s) {
+    if (slots_[s].state != SlotStatus::State::kHeld || s == current_slot_ || LeasesOnLocked(s) > 0) {
+      continue;
+    }
+    if (pick < 0 || slots_[s].version < slots_[pick].version) pick = s;
+  }
+  return pick;
+}
+
 absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
   absl::MutexLock lock(&mu_);
   if (version == 0) return absl::InvalidArgumentError("cannot stage version 0");
@@ -190,27 +221,18 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
                                                       " is already committed (versions only grow)"));
   }
   ExpireLocked(clock_->Now());
-  int pick = -1;
-  for (int s = 0; s < static_cast<int>(slots_.size()) && pick < 0; ++s) {
-    if (slots_[s].state == SlotStatus::State::kEmpty) pick = s;
-  }
-  if (pick < 0) {  // oldest held, non-current, unleased version
-    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-      if (slots_[s].state != SlotStatus::State::kHeld || s == current_slot_ || LeasesOnLocked(s) > 0) {
-        continue;
-      }
-      if (pick < 0 || slots_[s].version < slots_[pick].version) pick = s;
-    }
-  }
+  const int pick = PickStagingSlotLocked();
   if (pick < 0) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot stage v", version, ": all ",
                                                      slots_.size(), " slots are busy (",
                                                      DescribeSlotsLocked(), ")"));
   }
-  // A held slot's bytes are its version's, intact; an empty one's are unknown (never written,
-  // or aborted part-way).
-  const uint64_t previous =
-      slots_[pick].state == SlotStatus::State::kHeld ? slots_[pick].version : 0;
+  // A held or standby slot's bytes are its version's, intact; an empty one's are unknown (never
+  // written, or aborted part-way).
+  const uint64_t previous = slots_[pick].state == SlotStatus::State::kHeld ||
+                                    slots_[pick].state == SlotStatus::State::kStandby
+                                ? slots_[pick].version
+                                : 0;
   slots_[pick] = Slot{SlotStatus::State::kStaging, version};
   open_stage_id_ = next_stage_id_++;
   open_stage_slot_ = pick;
@@ -220,10 +242,7 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
   h.version = version;
   h.slot = pick;
   h.previous_version = previous;
-  h.out.reserve(layout_.size());
-  for (const TensorInfo& t : layout_.tensors()) {
-    h.out.emplace_back(slot_base_[pick] + t.offset, t.size_bytes);
-  }
+  h.out = WriteSpans(pick);
   if (current_slot_ >= 0) {
     h.base_version = slots_[current_slot_].version;
     h.base = ReadSpans(current_slot_);
@@ -255,6 +274,65 @@ absl::Status SlottedStore::Abort(const StagingHandle& handle) {
   slots_[open_stage_slot_] = Slot{};  // empty: contents unknown (the staging may have torn it)
   open_stage_id_ = 0;
   open_stage_slot_ = -1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RefreshHandle> SlottedStore::BeginRefresh(uint64_t oldest_from) {
+  absl::MutexLock lock(&mu_);
+  if (open_stage_id_ != 0 || open_refresh_id_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot refresh: a ", open_stage_id_ != 0 ? "staging" : "refresh", " is open"));
+  }
+  if (current_slot_ < 0) return absl::FailedPreconditionError("cannot refresh: nothing committed");
+  ExpireLocked(clock_->Now());
+  const int pick = PickStagingSlotLocked();
+  if (pick < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot refresh: no free slot (", DescribeSlotsLocked(), ")"));
+  }
+  const Slot& slot = slots_[pick];
+  if (slot.state != SlotStatus::State::kHeld || slot.version < oldest_from) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot refresh: the next staging takes slot ", pick, " (", DescribeSlotsLocked(), ")"));
+  }
+  RefreshHandle h;
+  h.refresh_id = next_stage_id_++;
+  h.slot = pick;
+  h.from_version = slot.version;
+  h.to_version = slots_[current_slot_].version;
+  h.out = WriteSpans(pick);
+  h.current = ReadSpans(current_slot_);
+  slots_[pick] = Slot{SlotStatus::State::kRefreshing, h.to_version};
+  open_refresh_id_ = h.refresh_id;
+  open_refresh_slot_ = pick;
+  return h;
+}
+
+absl::Status SlottedStore::CheckOpenRefreshLocked(const RefreshHandle& handle,
+                                                  const char* what) const {
+  if (handle.refresh_id == 0 || handle.refresh_id != open_refresh_id_ ||
+      handle.slot != open_refresh_slot_) {
+    return absl::NotFoundError(absl::StrCat(what, " of slot ", handle.slot, ": refresh ",
+                                            handle.refresh_id, " is not open"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SlottedStore::CompleteRefresh(const RefreshHandle& handle) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "completing the refresh"));
+  slots_[open_refresh_slot_] = Slot{SlotStatus::State::kStandby, handle.to_version};
+  open_refresh_id_ = 0;
+  open_refresh_slot_ = -1;
+  return absl::OkStatus();
+}
+
+absl::Status SlottedStore::AbortRefresh(const RefreshHandle& handle) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "aborting the refresh"));
+  slots_[open_refresh_slot_] = Slot{};  // empty: a failed apply may have torn it
+  open_refresh_id_ = 0;
+  open_refresh_slot_ = -1;
   return absl::OkStatus();
 }
 

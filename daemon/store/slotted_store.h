@@ -48,6 +48,9 @@ class SlottedStore : public TensorStore {
   absl::StatusOr<StagingHandle> BeginStage(uint64_t version) override;
   absl::Status Commit(const StagingHandle& handle) override;
   absl::Status Abort(const StagingHandle& handle) override;
+  absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) override;
+  absl::Status CompleteRefresh(const RefreshHandle& handle) override;
+  absl::Status AbortRefresh(const RefreshHandle& handle) override;
   uint64_t current_version() const override;
   absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
                                      std::optional<uint64_t> version = std::nullopt,
@@ -90,6 +93,12 @@ class SlottedStore : public TensorStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Lease MakeLease(uint64_t id, const LeaseRec& rec) const;
   std::vector<std::span<const uint8_t>> ReadSpans(int slot) const;
+  std::vector<std::span<uint8_t>> WriteSpans(int slot) const;
+  // BeginStage's pick: a standby slot, else an empty one, else the oldest held, non-current,
+  // unleased one; -1 when none is free.
+  int PickStagingSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckOpenRefreshLocked(const RefreshHandle& handle, const char* what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Layout layout_;
   const std::vector<uint8_t*> slot_base_;
@@ -108,6 +117,9 @@ class SlottedStore : public TensorStore {
   uint64_t open_stage_id_ ABSL_GUARDED_BY(mu_) = 0;
   int open_stage_slot_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t next_stage_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // The open refresh: its id (0 = none) and slot.
+  uint64_t open_refresh_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int open_refresh_slot_ ABSL_GUARDED_BY(mu_) = -1;
   std::map<uint64_t, LeaseRec> leases_ ABSL_GUARDED_BY(mu_);
   absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
 };

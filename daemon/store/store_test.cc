@@ -282,6 +282,86 @@ TEST(ShmStoreInPlaceTest, StagingReportsTheVersionItsSlotStillHolds) {
   (void)s3;
 }
 
+// A refresh claims the slot the next staging would take (held, unleased, not current): while it
+// runs and after it completes (standby) no lease can take that slot, a staging goes elsewhere or
+// waits; completed, the next staging takes it first and reports the refreshed version.
+TEST(ShmStoreRefreshTest, RefreshedSlotIsNeverLeasableThenTheNextStagingTakesIt) {
+  auto store = MakeStore(2);
+  const int s1 = StageAndCommit(*store, 1);
+  const int s2 = StageAndCommit(*store, 2);
+  absl::StatusOr<RefreshHandle> r = store->BeginRefresh(1);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->slot, s1);
+  EXPECT_EQ(r->from_version, 1u);
+  EXPECT_EQ(r->to_version, 2u);
+  EXPECT_TRUE(Uniform(std::vector<std::span<const uint8_t>>(r->out.begin(), r->out.end()),
+                      Stamp(1)));
+  EXPECT_TRUE(Uniform(r->current, Stamp(2)));
+  EXPECT_EQ(store->Slots()[s1].state, SlotStatus::State::kRefreshing);
+  // v1 is not held any more; leases go to the current slot only.
+  EXPECT_EQ(store->AcquireLease("reader", 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (int k = 0; k < 3; ++k) {
+    absl::StatusOr<Lease> l = store->AcquireLease("reader");
+    ASSERT_TRUE(l.ok());
+    EXPECT_EQ(l->slot, s2);
+    ASSERT_TRUE(store->ReleaseLease(l->lease_id).ok());
+  }
+  // No second refresh; a staging cannot take the refreshing slot (2 slots: none free).
+  EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
+  for (std::span<uint8_t> t : r->out) std::memset(t.data(), Stamp(2), t.size());
+  ASSERT_TRUE(store->CompleteRefresh(*r).ok());
+  EXPECT_EQ(store->CompleteRefresh(*r).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Slots()[s1].state, SlotStatus::State::kStandby);
+  EXPECT_EQ(store->Slots()[s1].version, 2u);
+  absl::StatusOr<Lease> l2 = store->AcquireLease("reader", 2);
+  ASSERT_TRUE(l2.ok());
+  EXPECT_EQ(l2->slot, s2);  // the standby slot is never leased
+  ASSERT_TRUE(store->ReleaseLease(l2->lease_id).ok());
+  absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
+  ASSERT_TRUE(h3.ok()) << h3.status();
+  EXPECT_EQ(h3->slot, s1);
+  EXPECT_EQ(h3->previous_version, 2u);
+  EXPECT_EQ(h3->base_version, 2u);
+  EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(store->Abort(*h3).ok());
+}
+
+// BeginRefresh changes nothing when it refuses (leased standby slot, an empty slot next, a slot
+// older than asked); AbortRefresh leaves the slot empty with unknown contents.
+TEST(ShmStoreRefreshTest, RefusalsChangeNothingAndAbortLeavesTheSlotUnknown) {
+  auto store = MakeStore(3);
+  EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kFailedPrecondition);
+  StageAndCommit(*store, 1);
+  const int s2 = StageAndCommit(*store, 2);
+  // The third slot is empty: the next staging takes it, nothing to refresh.
+  EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kFailedPrecondition);
+  const int s3 = StageAndCommit(*store, 3);
+  absl::StatusOr<Lease> l1 = store->AcquireLease("reader", 1);
+  ASSERT_TRUE(l1.ok());
+  EXPECT_EQ(store->BeginRefresh(3).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->Slots()[s2].state, SlotStatus::State::kHeld);
+  absl::StatusOr<Lease> l2 = store->AcquireLease("reader", 2);
+  ASSERT_TRUE(l2.ok());
+  EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(store->ReleaseLease(l2->lease_id).ok());
+  absl::StatusOr<RefreshHandle> r = store->BeginRefresh(2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->slot, s2);
+  EXPECT_EQ(r->to_version, 3u);
+  std::memset(r->out[0].data(), 0xEE, r->out[0].size());  // torn part-way
+  ASSERT_TRUE(store->AbortRefresh(*r).ok());
+  EXPECT_EQ(store->Slots()[s2].state, SlotStatus::State::kEmpty);
+  absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
+  ASSERT_TRUE(h4.ok());
+  EXPECT_EQ(h4->slot, s2);
+  EXPECT_EQ(h4->previous_version, 0u);
+  ASSERT_TRUE(store->Abort(*h4).ok());
+  EXPECT_TRUE(Uniform(l1->spans, Stamp(1)));
+  (void)s3;
+}
+
 // Slots are resident from creation (MADV_POPULATE_WRITE or one write per page), still zero and
 // still sealed; without prefault nothing is resident before the first staging.
 TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {

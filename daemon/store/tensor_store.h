@@ -14,6 +14,11 @@
 //                     and the current version is untouched.
 //   AcquireLease   -> a consumer pins a held version (default: current); its slot is never staged
 //                     into until ReleaseLease or expiry (clock injectable: see Clock).
+//   BeginRefresh() -> between stagings, the slot the next BeginStage would take (held, unleased,
+//                     not current) is claimed to be brought forward to the current version's
+//                     bytes; while refreshing and afterwards (standby) it holds no version a
+//                     lease can take. CompleteRefresh -> standby (the next BeginStage takes it,
+//                     previous_version = that version); AbortRefresh -> empty, contents unknown.
 #ifndef REFIT_DAEMON_STORE_TENSOR_STORE_H_
 #define REFIT_DAEMON_STORE_TENSOR_STORE_H_
 
@@ -126,6 +131,19 @@ struct StagingHandle {
   std::vector<std::span<const uint8_t>> base;
 };
 
+// A slot being brought forward to the current version outside a staging (BeginRefresh). Valid
+// until CompleteRefresh or AbortRefresh (or the store's destruction).
+struct RefreshHandle {
+  uint64_t refresh_id = 0;
+  int slot = -1;
+  uint64_t from_version = 0;  // the committed version the slot held, every byte intact
+  uint64_t to_version = 0;    // the current version at BeginRefresh
+  // Writable spans of the slot and read-only spans of the current version (to_version), in
+  // Layout order. The current slot cannot change while a refresh is open (no staging can be).
+  std::vector<std::span<uint8_t>> out;
+  std::vector<std::span<const uint8_t>> current;
+};
+
 // A read lease on a held version.
 struct Lease {
   uint64_t lease_id = 0;  // random, non-zero
@@ -138,10 +156,12 @@ struct Lease {
 
 // A slot's state, for status and tests.
 struct SlotStatus {
-  enum class State { kEmpty, kStaging, kHeld };
+  // kRefreshing: claimed by BeginRefresh. kStandby: holds `version`'s bytes (a refresh
+  // completed) but no version a lease can take; the next BeginStage takes it first.
+  enum class State { kEmpty, kStaging, kHeld, kRefreshing, kStandby };
   int slot = 0;
   State state = State::kEmpty;
-  uint64_t version = 0;  // staged or held version (0 when kEmpty)
+  uint64_t version = 0;  // staged, held, refreshed-to or standby version (0 when kEmpty)
   bool current = false;
   int leases = 0;        // unexpired leases on this slot
 };
@@ -157,9 +177,9 @@ class TensorStore {
 
   // Opens a staging of `version` (must exceed every version committed so far and be non-zero;
   // FAILED_PRECONDITION otherwise, so a patch is never applied twice). One staging at a time
-  // (FAILED_PRECONDITION while another is open). Picks an empty slot, else the one holding the
-  // oldest unleased non-current version. RESOURCE_EXHAUSTED naming every slot's holder when
-  // none is free.
+  // (FAILED_PRECONDITION while another is open). Picks a standby slot (refreshed), else an
+  // empty slot, else the one holding the oldest unleased non-current version; never a slot
+  // being refreshed. RESOURCE_EXHAUSTED naming every slot's holder when none is free.
   virtual absl::StatusOr<StagingHandle> BeginStage(uint64_t version) = 0;
   // Makes the staged slot current. The daemon calls it after verifying every digest.
   // NOT_FOUND if the handle is not the open staging.
@@ -167,6 +187,21 @@ class TensorStore {
   // Abandons the staging: its slot becomes empty, its contents unknown (the next staging into it
   // reports previous_version 0); the current version is untouched.
   virtual absl::Status Abort(const StagingHandle& handle) = 0;
+
+  // Claims, between stagings, the slot the next BeginStage would pick when it holds a committed
+  // version >= `oldest_from` (held, unleased, not current), to bring it forward to the current
+  // version outside a staging. The slot then holds no version a lease can take, and BeginStage
+  // does not pick it. FAILED_PRECONDITION when a staging or a refresh is open, nothing is
+  // committed, or the next staging would take an empty or standby slot, or a slot older than
+  // `oldest_from` (nothing changes then); RESOURCE_EXHAUSTED when every non-current slot is
+  // leased.
+  virtual absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) = 0;
+  // Every byte of the slot is now to_version's: the slot becomes standby (SlotStatus kStandby),
+  // taken first by the next BeginStage with previous_version = to_version. NOT_FOUND if the
+  // handle is not the open refresh.
+  virtual absl::Status CompleteRefresh(const RefreshHandle& handle) = 0;
+  // Abandons the refresh (failed or cancelled): the slot becomes empty, its contents unknown.
+  virtual absl::Status AbortRefresh(const RefreshHandle& handle) = 0;
 
   // Current (committed) version, 0 if none yet.
   virtual uint64_t current_version() const = 0;

@@ -79,7 +79,11 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
 }  // namespace
 
 SubscriberCore::SubscriberCore(SubscriberOptions options)
-    : options_(std::move(options)), max_frame_bytes_(options_.max_frame_bytes) {}
+    : options_(std::move(options)), max_frame_bytes_(options_.max_frame_bytes) {
+  if (options_.refresh_standby && options_.retained_patch_bytes > 0) {
+    refresher_ = std::thread([this] { RefreshLoop(); });
+  }
+}
 
 void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
   absl::MutexLock lock(&mu_);
@@ -87,8 +91,129 @@ void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
 }
 
 SubscriberCore::~SubscriberCore() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (refresh_running_) ++refresh_stats_.cancelled;
+    refresh_cancel_.store(true, std::memory_order_release);
+    DropTransferLocked();
+  }
+  if (refresher_.joinable()) refresher_.join();  // a running refresh stops at its next tensor
+}
+
+// ---- refresh of the standby slot (off the critical path) ----------------------------------
+
+bool SubscriberCore::RefreshWakeLocked() const { return stopping_ || refresh_requested_; }
+bool SubscriberCore::RefreshIdleLocked() const { return !refresh_requested_ && !refresh_running_; }
+bool SubscriberCore::RefreshNotRunningLocked() const { return !refresh_running_; }
+
+// The refresh thread: after each commit, claims the slot the next staging will take and brings
+// it forward to the committed version by the retained patches, outside the core mutex.
+void SubscriberCore::RefreshLoop() {
+  while (true) {
+    RefreshJob job;
+    {
+      absl::MutexLock lock(&mu_, absl::Condition(this, &SubscriberCore::RefreshWakeLocked));
+      if (stopping_) return;
+      refresh_requested_ = false;
+      if (!PrepareRefreshLocked(job)) continue;
+      refresh_running_ = true;
+      ++refresh_stats_.started;
+    }
+    const absl::Time start = absl::Now();
+    absl::Status st = ApplyRefresh(job);
+    st = st.ok() ? job.store->CompleteRefresh(job.handle) : st;
+    if (!st.ok()) (void)job.store->AbortRefresh(job.handle);  // the slot is unknown now
+    job.stats.micros = Micros(absl::Now() - start);
+    absl::MutexLock lock(&mu_);
+    RefreshStats& rs = refresh_stats_;
+    job.stats.started = rs.started;
+    job.stats.completed = rs.completed + (st.ok() ? 1 : 0);
+    job.stats.cancelled = rs.cancelled;
+    job.stats.failed = rs.failed + (!st.ok() && !absl::IsCancelled(st) ? 1 : 0);
+    job.stats.error = st.ok() || absl::IsCancelled(st) ? rs.error : std::string(st.message());
+    rs = std::move(job.stats);
+    refresh_running_ = false;
+  }
+}
+
+// Claims the slot (store BeginRefresh) when the retained transfers lead from its version to the
+// applied one. False when there is nothing to do (no retention, an open transfer, the next
+// staging takes an empty or standby slot, every other slot leased).
+bool SubscriberCore::PrepareRefreshLocked(RefreshJob& job) {
+  if (store_ == nullptr || retained_.empty() || transfer_ != nullptr) return false;
+  auto handle = store_->BeginRefresh(retained_.front().base);
+  if (!handle.ok()) return false;
+  auto chain = CatchUpChainLocked(handle->from_version, handle->to_version);
+  if (!chain.has_value() || handle->to_version != applied_version()) {
+    (void)store_->AbortRefresh(*handle);  // not expected: retained_ ends at the applied version
+    return false;
+  }
+  refresh_cancel_.store(false, std::memory_order_release);
+  job.store = store_;
+  job.handle = std::move(*handle);
+  job.chain = std::move(*chain);
+  job.stats.from_version = job.handle.from_version;
+  job.stats.to_version = job.handle.to_version;
+  job.stats.slot = job.handle.slot;
+  return true;
+}
+
+// Every tensor of the claimed slot to the applied version: the retained patches in place, or a
+// copy of the current version where some retained transfer delivered the tensor as a keyframe.
+// Stops with CANCELLED between tensors when cancelled.
+absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
+  const store::Layout& layout = job.store->layout();
+  store::TensorMemory& mem = job.store->memory();
+  for (size_t li = 0; li < layout.size(); ++li) {
+    if (options_.refresh_tensor_hook) options_.refresh_tensor_hook(li, refresh_cancel_);
+    if (refresh_cancel_.load(std::memory_order_acquire)) {
+      return absl::CancelledError("refresh of the standby slot cancelled");
+    }
+    std::span<uint8_t> out = job.handle.out[li];
+    bool kept = true;
+    for (const RetainedTransfer* r : job.chain) kept = kept && r->tensors[li].kept;
+    if (!kept) {
+      ++job.stats.tensors_copied;
+      RETURN_IF_ERROR(mem.Copy(out, job.handle.current[li]));
+      continue;
+    }
+    for (const RetainedTransfer* r : job.chain) {
+      for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
+        if (absl::Status st = mem.Apply(patch, layout.tensor(li).dtype, out, out); !st.ok()) {
+          return absl::Status(st.code(), absl::StrCat("refresh of slot ", job.handle.slot, ", '",
+                                                      layout.tensor(li).name, "' (", r->base,
+                                                      " -> ", r->version, "): ", st.message()));
+        }
+        ++job.stats.patches;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SubscriberCore::AwaitRefreshLocked() {
+  if (!refresher_.joinable()) return;
+  if (mu_.AwaitWithTimeout(absl::Condition(this, &SubscriberCore::RefreshIdleLocked),
+                           options_.refresh_wait)) {
+    return;
+  }
+  refresh_requested_ = false;
+  if (refresh_running_) {
+    ++refresh_stats_.cancelled;
+    refresh_cancel_.store(true, std::memory_order_release);
+    mu_.Await(absl::Condition(this, &SubscriberCore::RefreshNotRunningLocked));
+  }
+}
+
+bool SubscriberCore::WaitRefreshIdle(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  DropTransferLocked();
+  return mu_.AwaitWithTimeout(absl::Condition(this, &SubscriberCore::RefreshIdleLocked), timeout);
+}
+
+RefreshStats SubscriberCore::refresh_stats() const {
+  absl::MutexLock lock(&mu_);
+  return refresh_stats_;
 }
 
 void SubscriberCore::DropTransferLocked() {
@@ -372,6 +497,7 @@ absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
 
 absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   absl::MutexLock lock(&mu_);
+  AwaitRefreshLocked();  // the slot it brings forward is the one this staging takes
   const uint64_t v = header.version();
   if (transfer_ != nullptr) {
     return absl::FailedPreconditionError(
@@ -740,6 +866,7 @@ void SubscriberCore::RetainLocked(Transfer& t) {
       auto patch = t.assembler->TakeObject(static_cast<uint32_t>(i), static_cast<uint32_t>(p));
       rt.kept = patch.ok();  // complete at commit; a failure only costs a copy later
       if (patch.ok()) rt.steps.push_back(std::move(*patch));
+      if (patch.ok() && options_.retained_patch_hook) options_.retained_patch_hook(rt.steps.back());
     }
   }
   r.bytes = bytes;
@@ -767,6 +894,7 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
     ++generation_;
   }
   RetainLocked(t);
+  refresh_requested_ = refresher_.joinable() && !retained_.empty();
   applied_tensors_.clear();
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     v1::TensorDigest d;

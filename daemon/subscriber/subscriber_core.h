@@ -19,17 +19,21 @@
 // Thread safety: every method may be called from any thread; they serialise on one mutex
 // (OnEnd holds it while applying and verifying; OnFrame while applying a PATCH tensor whose
 // last frame it received, SubscriberOptions::stage_on_arrival). applied_version() and
-// applied_digest() are lock-free.
+// applied_digest() are lock-free. After each commit a refresh thread brings the standby slot
+// forward to the committed version (SubscriberOptions::refresh_standby) outside the mutex;
+// OnHeader waits for it (bounded by refresh_wait, then cancels it), the destructor cancels it.
 #ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 #define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_CORE_H_
 
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -71,6 +75,35 @@ struct SubscriberOptions {
   // Apply a PATCH tensor as soon as its last frame arrives (OnFrame) rather than at OnEnd, so
   // applying overlaps receiving. Off: everything is applied at OnEnd (benchmarks, tests).
   bool stage_on_arrival = true;
+  // Bring the standby slot forward to each committed version right after the commit, on the
+  // core's refresh thread (store::TensorStore::BeginRefresh), so the next delta applies only its
+  // own patches. The refreshed slot holds no version a lease can take: with 2 slots the previous
+  // version is not leasable any more once the refresh starts (off: until the next staging).
+  bool refresh_standby = true;
+  // How long OnHeader waits for a running refresh before cancelling it (the slot is then
+  // unknown: that staging copies in full).
+  absl::Duration refresh_wait = absl::Seconds(10);
+  // Testing only. Called by the refresh thread before each tensor (layout index), outside the
+  // core mutex; `cancel` is set when OnHeader or the destructor cancels the refresh.
+  std::function<void(size_t layout_index, const std::atomic<bool>& cancel)> refresh_tensor_hook;
+  // Testing only. Called on each patch kept for later refreshes/catch-ups (e.g. to corrupt it).
+  std::function<void(std::vector<uint8_t>& patch)> retained_patch_hook;
+};
+
+// The refresh thread's work (SubscriberOptions::refresh_standby).
+struct RefreshStats {
+  uint64_t started = 0;    // refreshes begun (a slot claimed)
+  uint64_t completed = 0;  // the slot now stands by at the committed version
+  uint64_t failed = 0;     // a retained patch did not apply: the slot is unknown
+  uint64_t cancelled = 0;  // by OnHeader after refresh_wait, or by the destructor
+  // The last refresh begun.
+  uint64_t from_version = 0;
+  uint64_t to_version = 0;
+  int slot = -1;
+  uint64_t patches = 0;          // retained patches applied in place
+  uint32_t tensors_copied = 0;   // tensors some retained transfer delivered as a keyframe
+  uint64_t micros = 0;
+  std::string error;             // of the last failed refresh
 };
 
 // How the last committed version was staged (tests, benchmarks, status).
@@ -218,6 +251,10 @@ class SubscriberCore {
   StageStats last_stage() const;
   // Patch bytes retained for in-place staging (<= SubscriberOptions::retained_patch_bytes).
   uint64_t retained_patch_bytes() const;
+  RefreshStats refresh_stats() const;
+  // Waits until no refresh is asked for or running (benchmarks: the idle time between
+  // versions); false when `timeout` passed first.
+  bool WaitRefreshIdle(absl::Duration timeout) const;
 
  private:
   struct Transfer;
@@ -239,6 +276,23 @@ class SubscriberCore {
     uint64_t version_digest = 0;
   };
 
+  // A refresh of the standby slot (refresh thread): claimed under mu_, applied outside it.
+  // `chain` points into retained_, which changes only at a commit, and no commit happens while
+  // a refresh runs (OnHeader waits for it first).
+  struct RefreshJob {
+    std::shared_ptr<store::SlottedStore> store;
+    store::RefreshHandle handle;
+    std::vector<const RetainedTransfer*> chain;
+    RefreshStats stats;
+  };
+  void RefreshLoop();
+  bool RefreshWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool RefreshIdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool RefreshNotRunningLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PrepareRefreshLocked(RefreshJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyRefresh(RefreshJob& job);
+  // OnHeader: waits for a pending or running refresh (refresh_wait), then cancels it.
+  void AwaitRefreshLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropTransferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CollectRetiredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneRecordsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -301,6 +355,13 @@ class SubscriberCore {
   std::deque<RetainedTransfer> retained_ ABSL_GUARDED_BY(mu_);
   uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   StageStats last_stage_ ABSL_GUARDED_BY(mu_);
+  // Refresh thread state: a refresh asked for by a commit, one running, shutting down.
+  bool refresh_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool refresh_running_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> refresh_cancel_{false};
+  RefreshStats refresh_stats_ ABSL_GUARDED_BY(mu_);
+  std::thread refresher_;  // last member: started once the rest is constructed
   std::atomic<uint64_t> applied_version_{0};
   std::atomic<uint64_t> applied_digest_{0};
   std::atomic<uint64_t> applied_lineage_{0};

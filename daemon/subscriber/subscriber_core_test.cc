@@ -670,6 +670,9 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
 
 class SubscriberCoreInPlaceTest : public SubscriberCoreTest {
  protected:
+  // These tests describe the catch-up at staging (the slot lagging by slots - 1 versions), the
+  // path taken whenever no refresh ran; SubscriberCoreRefreshTest turns the refresh on.
+  SubscriberCoreInPlaceTest() { opts_.refresh_standby = false; }
   // Syncs and returns how the version was staged.
   StageStats SyncStats(SubscriberCore& core, uint64_t target, const PlanOptions& options = {}) {
     Sync(core, target, options);
@@ -885,6 +888,203 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
   ExpectInPlace(SyncStats(core, 7), 5);
   EXPECT_EQ(HostCopy(*lease, 0), old_a);
   ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+}
+
+// ---- refresh of the standby slot after each commit (off the critical path) ---------------
+
+class SubscriberCoreRefreshTest : public SubscriberCoreInPlaceTest {
+ protected:
+  SubscriberCoreRefreshTest() { opts_.refresh_standby = true; }
+  // Refresh hook: while `block_` is set, the refresh thread waits before its first tensor until
+  // `release_` or a cancel (deadline 20 s, so a broken test fails instead of hanging).
+  void InstallBlockingHook() {
+    opts_.refresh_tensor_hook = [this](size_t li, const std::atomic<bool>& cancel) {
+      if (li != 0 || !block_.load()) return;
+      entered_.store(true);
+      const absl::Time deadline = absl::Now() + absl::Seconds(20);
+      while (!release_.load() && !cancel.load() && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(1));  // polls the test's release, not a sync sleep
+      }
+      saw_cancel_.store(cancel.load());
+    };
+  }
+  static bool PollUntil(const std::function<bool()>& done) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (!done()) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return true;
+  }
+  static int SlotIn(SubscriberCore& core, store::SlotStatus::State state) {
+    for (const auto& s : core.store()->Slots()) {
+      if (s.state == state) return s.slot;
+    }
+    return -1;
+  }
+  // The slot was refreshed to the base: only the transfer's own steps were applied.
+  static void ExpectOwnStepsOnly(const StageStats& s, uint64_t base) {
+    ExpectInPlace(s, base);
+    EXPECT_EQ(s.catch_up_patches, 0u) << "v" << s.version;
+  }
+  std::atomic<bool> block_{false}, release_{false}, entered_{false}, saw_cancel_{false};
+};
+
+// After each commit the standby slot is brought forward to the committed version, so every
+// later delta applies only its own steps; bit-exact against the dense copy over a realistic
+// trajectory, with 2 and 3 slots.
+TEST_F(SubscriberCoreRefreshTest, NextTransferAppliesOnlyItsOwnStepsBitExactAgainstDenseCopy) {
+  constexpr uint64_t kVersions = 8;
+  PublishTrajectory(kVersions);
+  for (int slots : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(slots, " slots"));
+    SubscriberOptions refreshed = opts_;
+    refreshed.store.slots = slots;
+    SubscriberOptions dense = refreshed;
+    dense.retained_patch_bytes = 0;
+    SubscriberCore a(refreshed);
+    SubscriberCore b(dense);
+    for (uint64_t v = 1; v <= kVersions; ++v) {
+      const StageStats sa = SyncStats(a, v);
+      SyncStats(b, v);
+      EXPECT_EQ(Read(a), Read(b)) << "v" << v;
+      if (v > static_cast<uint64_t>(slots)) {
+        ExpectOwnStepsOnly(sa, v - 1);
+      } else if (v > 1) {
+        ExpectFullCopy(sa);  // an empty slot: the next staging takes it, nothing refreshed
+      }
+    }
+    // The refresh after the last commit, then its slot stands by at the applied version.
+    ASSERT_TRUE(PollUntil([&] { return a.refresh_stats().completed ==
+                                       kVersions - static_cast<uint64_t>(slots) + 1; }));
+    const RefreshStats rs = a.refresh_stats();
+    EXPECT_EQ(rs.to_version, kVersions);
+    EXPECT_EQ(rs.from_version, kVersions - static_cast<uint64_t>(slots) + 1);
+    EXPECT_GT(rs.patches, 0u);
+    EXPECT_EQ(rs.failed, 0u);
+    EXPECT_GE(SlotIn(a, store::SlotStatus::State::kStandby), 0);
+    EXPECT_EQ(b.refresh_stats().started, 0u);
+  }
+}
+
+// Leases taken while the refresh runs (and once its slot stands by) get the current version's
+// slot; the refreshed slot's old version is not leasable any more.
+TEST_F(SubscriberCoreRefreshTest, LeaseDuringARefreshNeverSeesTheRefreshingSlot) {
+  InstallBlockingHook();
+  PublishRun(1, 4);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  block_.store(true);
+  Sync(core, 3);  // the refresh of v2's slot to v3 starts and blocks
+  ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
+  const int refreshing = SlotIn(core, store::SlotStatus::State::kRefreshing);
+  ASSERT_GE(refreshing, 0);
+  std::vector<SubscriberLease> leases;
+  for (int k = 0; k < 4; ++k) {
+    auto l = core.AcquireLease(absl::StrCat("vllm-", k));
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_NE(l->lease.slot, refreshing);
+    EXPECT_EQ(l->lease.version, 3u);
+    leases.push_back(std::move(*l));
+  }
+  EXPECT_EQ(core.AcquireLease("old", 2).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core.AcquireLease("refreshed", 3)->lease.slot, leases[0].lease.slot);
+  release_.store(true);
+  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 2; }));
+  EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), refreshing);
+  auto after = core.AcquireLease("after", 3);
+  ASSERT_TRUE(after.ok());
+  EXPECT_NE(after->lease.slot, refreshing);
+  for (const SubscriberLease& l : leases) {
+    for (size_t i = 0; i < l.lease.spans.size(); ++i) EXPECT_EQ(HostCopy(l, i), HostCopy(leases[0], i));
+  }
+  ExpectOwnStepsOnly(SyncStats(core, 4), 3);  // leases on v3's slot do not block the standby
+}
+
+// A transfer arriving while the refresh runs waits for it (OnHeader) and then applies only its
+// own steps; past refresh_wait it cancels the refresh instead and copies in full.
+TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
+  InstallBlockingHook();
+  PublishRun(1, 6);
+  {
+    SubscriberCore core(opts_);
+    Sync(core, 1);
+    Sync(core, 2);
+    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  block_.store(true);
+    Sync(core, 3);
+    ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
+    block_.store(false);
+    StageStats s4;
+    std::thread feeder([&] { s4 = SyncStats(core, 4); });
+    release_.store(true);  // before or after OnHeader began waiting: the same outcome
+    feeder.join();
+    ExpectOwnStepsOnly(s4, 3);
+    EXPECT_EQ(core.refresh_stats().cancelled, 0u);
+  }
+  entered_.store(false);
+  release_.store(false);
+  opts_.refresh_wait = absl::Milliseconds(1);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 1; }));
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  block_.store(true);
+  Sync(core, 3);
+  ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
+  block_.store(false);
+  // The hook returns only once cancelled: OnHeader's wait runs out and cancels the refresh.
+  const StageStats s4 = SyncStats(core, 4);
+  EXPECT_TRUE(saw_cancel_.load());
+  EXPECT_EQ(core.refresh_stats().cancelled, 1u);
+  EXPECT_EQ(s4.slot_version, 0u);  // the cancelled refresh left its slot unknown
+  ExpectFullCopy(s4);
+  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 2; }));
+  ExpectOwnStepsOnly(SyncStats(core, 5), 4);
+}
+
+// A retained patch that does not apply (corrupted after its transfer was verified): the refresh
+// fails, the slot is unknown, the next staging copies in full, and the refresh after it works.
+TEST_F(SubscriberCoreRefreshTest, RefreshFailureLeavesTheSlotUnknownNextStagingCopiesInFull) {
+  std::atomic<bool> corrupt{false};
+  opts_.retained_patch_hook = [&corrupt](std::vector<uint8_t>& patch) {
+    if (corrupt.load() && patch.size() > 3) patch[patch.size() - 3] ^= 0x5A;
+  };
+  PublishRun(1, 5);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  corrupt.store(true);
+  ExpectOwnStepsOnly(SyncStats(core, 3), 2);  // its patches are retained corrupted
+  corrupt.store(false);
+  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().failed == 1; }));
+  EXPECT_NE(core.refresh_stats().error.find("refresh of slot"), std::string::npos)
+      << core.refresh_stats().error;
+  EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kRefreshing), -1);
+  EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), -1);
+  const StageStats s4 = SyncStats(core, 4);
+  EXPECT_EQ(s4.slot_version, 0u);
+  ExpectFullCopy(s4);
+  ExpectOwnStepsOnly(SyncStats(core, 5), 4);
+  EXPECT_EQ(core.refresh_stats().failed, 1u);
+}
+
+// Destroying the core while a refresh runs cancels it and returns.
+TEST_F(SubscriberCoreRefreshTest, ShutdownDuringARefreshCancelsIt) {
+  InstallBlockingHook();
+  PublishRun(1, 2);
+  auto core = std::make_unique<SubscriberCore>(opts_);
+  Sync(*core, 1);
+  ASSERT_TRUE(core->WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  block_.store(true);
+  Sync(*core, 2);  // the refresh of v1's slot starts and blocks until cancelled
+  ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
+  core->Abort();  // no transfer open: does not wait for the refresh
+  core.reset();
+  EXPECT_TRUE(saw_cancel_.load());
 }
 
 }  // namespace
