@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/common/parallel.h"
+#include "bench/read_pass.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/publisher/publisher_core.h"
 
@@ -97,47 +97,12 @@ double MsSince(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-std::atomic<uint64_t> g_sink{0};
-
-// codec_bench's plain read pass (read_gbps): every byte of both versions of every tensor read
-// once, 1 MiB pieces over `threads` threads in one fork-join, XOR-accumulated.
+// codec_bench's plain read pass (read_gbps; bench/read_pass.h) over both versions.
 double ReadPassMs(const std::vector<std::span<const uint8_t>>& base,
                   const std::vector<std::span<const uint8_t>>& target, int threads) {
-  struct Piece {
-    const uint8_t* a;
-    const uint8_t* b;
-    size_t bytes;
-  };
-  constexpr size_t kPiece = size_t{1} << 20;
-  std::vector<Piece> pieces;
-  for (size_t t = 0; t < base.size(); ++t) {
-    for (size_t off = 0; off < base[t].size(); off += kPiece) {
-      pieces.push_back({base[t].data() + off, target[t].data() + off,
-                        std::min(kPiece, base[t].size() - off)});
-    }
-  }
-  const auto start = Clock::now();
-  ParallelFor(pieces.size(), threads, 1, [&](size_t lo, size_t hi) {
-    uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
-    for (size_t p = lo; p < hi; ++p) {
-      const uint8_t* a = pieces[p].a;
-      const uint8_t* b = pieces[p].b;
-      const size_t n = pieces[p].bytes;
-      size_t i = 0;
-      for (; i + 32 <= n; i += 32) {
-        uint64_t u[4], v[4];
-        std::memcpy(u, a + i, 32);
-        std::memcpy(v, b + i, 32);
-        x0 ^= u[0] ^ v[0];
-        x1 ^= u[1] ^ v[1];
-        x2 ^= u[2] ^ v[2];
-        x3 ^= u[3] ^ v[3];
-      }
-      for (; i < n; ++i) x0 ^= static_cast<uint64_t>(a[i] ^ b[i]) << (8 * (i % 8));
-    }
-    g_sink.fetch_xor(x0 ^ x1 ^ x2 ^ x3, std::memory_order_relaxed);
-  });
-  return MsSince(start);
+  std::vector<bench::ReadPair> pairs;
+  for (size_t t = 0; t < base.size(); ++t) pairs.push_back({base[t], target[t]});
+  return bench::ReadPassMs(pairs, threads);
 }
 
 // The trainer's buffers: the trajectory's BF16 tensors, read (not copied) by Publish.

@@ -15,56 +15,22 @@
 #include <string>
 #include <vector>
 
-#include "daemon/common/parallel.h"
+#include "bench/read_pass.h"
 #include "daemon/model/safetensors.h"
 
 namespace {
 
-struct Piece {
-  const uint8_t* a;
-  const uint8_t* b;
-  size_t bytes;
-};
-
-std::atomic<uint64_t> g_sink{0};
-
-void Pass(const std::vector<Piece>& pieces, int threads) {
-  refit::ParallelFor(pieces.size(), threads, 1, [&](size_t lo, size_t hi) {
-    uint64_t x0 = 0, x1 = 0, x2 = 0, x3 = 0;
-    for (size_t p = lo; p < hi; ++p) {
-      const uint8_t* a = pieces[p].a;
-      const uint8_t* b = pieces[p].b;
-      const size_t n = pieces[p].bytes;
-      size_t i = 0;
-      for (; i + 32 <= n; i += 32) {
-        uint64_t u[4], v[4];
-        std::memcpy(u, a + i, 32);
-        std::memcpy(v, b + i, 32);
-        x0 ^= u[0] ^ v[0];
-        x1 ^= u[1] ^ v[1];
-        x2 ^= u[2] ^ v[2];
-        x3 ^= u[3] ^ v[3];
-      }
-      for (; i < n; ++i) x0 ^= static_cast<uint64_t>(a[i] ^ b[i]) << (8 * (i % 8));
-    }
-    g_sink.fetch_xor(x0 ^ x1 ^ x2 ^ x3, std::memory_order_relaxed);
-  });
-}
-
-std::vector<Piece> Pieces(const refit::model::SafetensorsFile& a,
-                          const refit::model::SafetensorsFile& b, uint64_t* bytes) {
-  constexpr size_t kPiece = size_t{1} << 20;
-  std::vector<Piece> pieces;
+std::vector<refit::bench::ReadPair> Pairs(const refit::model::SafetensorsFile& a,
+                                          const refit::model::SafetensorsFile& b,
+                                          uint64_t* bytes) {
+  std::vector<refit::bench::ReadPair> pairs;
   for (size_t i = 0; i < b.tensors().size(); ++i) {
     auto j = a.Find(b.tensors()[i].name);
     if (!j.ok() || a.data(*j).size() != b.data(i).size()) continue;
-    const std::span<const uint8_t> x = a.data(*j), y = b.data(i);
-    *bytes += y.size();
-    for (size_t off = 0; off < y.size(); off += kPiece) {
-      pieces.push_back({x.data() + off, y.data() + off, std::min(kPiece, y.size() - off)});
-    }
+    *bytes += b.data(i).size();
+    pairs.push_back({a.data(*j), b.data(i)});
   }
-  return pieces;
+  return pairs;
 }
 
 }  // namespace
@@ -91,15 +57,10 @@ int main(int argc, char** argv) {
     }
   }
   uint64_t bytes = 0;
-  const std::vector<Piece> pieces = Pieces(*a, *b, &bytes);
-  Pass(pieces, threads);  // warm-up
+  const std::vector<refit::bench::ReadPair> pairs = Pairs(*a, *b, &bytes);
+  refit::bench::ReadPass(pairs, threads);  // warm-up
   std::vector<double> ms;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    Pass(pieces, threads);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                     .count());
-  }
+  for (int r = 0; r < reps; ++r) ms.push_back(refit::bench::ReadPassMs(pairs, threads));
   std::sort(ms.begin(), ms.end());
   std::printf("{\"pass_ms\": %.3f, \"pass_ms_median\": %.3f, \"bytes\": %lu, \"threads\": %d, "
               "\"reps\": %d}\n", ms.front(), ms[ms.size() / 2], bytes, threads, reps);

@@ -4,41 +4,18 @@
 #include <vector>
 
 #include "daemon/codec/format.h"
+#include "daemon/codec/hash_stream.h"
 #include "daemon/common/parallel.h"
 
 namespace refit {
 
 using namespace format;  // NOLINT: the constants are the format's vocabulary.
 
+// One pass of the stream over the whole buffer: the same lanes, rounds and finish (one place).
 uint64_t Hash64(std::span<const uint8_t> data, uint64_t seed) {
-  uint64_t acc[kHashLanes];
-  for (int l = 0; l < kHashLanes; ++l) acc[l] = HashLaneInit(seed, l);
-  const size_t n = data.size();
-  const size_t full_words = n / 8;
-  const uint8_t* p = data.data();
-  size_t i = 0;
-  // Whole rounds of kHashLanes words: one word per lane.
-  for (; i + kHashLanes <= full_words; i += kHashLanes) {
-    const uint8_t* q = p + i * 8;
-    for (int l = 0; l < kHashLanes; ++l) {
-      uint64_t w;
-      std::memcpy(&w, q + 8 * l, 8);
-      acc[l] = HashRound(acc[l], w);
-    }
-  }
-  for (; i < full_words; ++i) {
-    uint64_t w;
-    std::memcpy(&w, p + i * 8, 8);
-    acc[i % kHashLanes] = HashRound(acc[i % kHashLanes], w);
-  }
-  if (n % 8 != 0) {
-    uint64_t w = 0;
-    std::memcpy(&w, p + full_words * 8, n % 8);  // little-endian host, zero padded
-    acc[full_words % kHashLanes] = HashRound(acc[full_words % kHashLanes], w);
-  }
-  uint64_t h = seed ^ (static_cast<uint64_t>(n) * kP5);
-  for (int l = 0; l < kHashLanes; ++l) h = HashMerge(h, acc[l]);
-  return Avalanche(h);
+  Hash64Stream stream(seed);
+  stream.Update(data);
+  return stream.Finish();
 }
 
 uint64_t CombineChunkHashes(std::span<const uint64_t> chunk_hashes, uint64_t total_bytes) {

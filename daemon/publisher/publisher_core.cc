@@ -135,6 +135,14 @@ absl::Status Prefix(const std::string& what, const absl::Status& st) {
   return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
 
+// The CPU codec's options of this publisher.
+EncodeOptions CodecOptionsOf(const PublisherOptions& options) {
+  EncodeOptions eo;
+  eo.threads = options.encode_threads;
+  eo.block_log2 = options.block_log2;
+  return eo;
+}
+
 // The CPU codec's copying path (options.cpu_one_pass false, for benchmarks): memcmp, snapshot
 // copy, digest of the copy, encode (four reads). Host bytes of every input (no DeviceBytes).
 absl::Status EncodeOnCpuCopying(const PublisherOptions& options, std::span<const TensorInput> inputs,
@@ -188,9 +196,7 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options, std::span<const
   }
   if (enc.empty()) return absl::OkStatus();
   const auto encode_start = Clock::now();
-  EncodeOptions eo;
-  eo.threads = options.encode_threads;
-  eo.block_log2 = options.block_log2;
+  const EncodeOptions eo = CodecOptionsOf(options);
   std::vector<PatchStats> stats;
   auto encoded = EncodePatches(enc, eo, &stats);
   if (!encoded.ok()) {
@@ -269,9 +275,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   }
   if (enc.empty()) return absl::OkStatus();
   const auto pass_start = Clock::now();
-  EncodeOptions eo;
-  eo.threads = options.encode_threads;
-  eo.block_log2 = options.block_log2;
+  const EncodeOptions eo = CodecOptionsOf(options);
   std::vector<PatchStats> stats;
   std::vector<uint64_t> digests;
   auto encoded = EncodePatchesWithDigests(enc, eo, &stats, &digests);
