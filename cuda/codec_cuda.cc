@@ -116,6 +116,54 @@ class StageClock {
   std::vector<std::pair<std::string, std::unique_ptr<rt::Timer>>> timers_;
 };
 
+// The apply kernels' plan of a patch: a descriptor per changed block (its payload's place in the
+// staging buffer) and the decode waves over them, each holding at most `decode_limit` bytes of
+// decoded changes.
+struct ApplyPlan {
+  std::vector<kern::ApplyDesc> descs;
+  std::vector<std::pair<uint64_t, uint64_t>> waves;  // [lo, hi) descriptor ranges
+  uint64_t stage_total = 0;       // staging bytes of every payload
+  uint64_t max_wave_changes = 0;  // changed elements of the largest wave
+};
+
+ApplyPlan PlanApply(const PatchLayout& layout, size_t decode_limit) {
+  ApplyPlan plan;
+  std::vector<kern::ApplyDesc>& descs = plan.descs;
+  const uint64_t wave_changes = std::max<uint64_t>(1, decode_limit / kDecodedChangeBytes);
+  uint64_t wave_lo = 0, wave_used = 0;
+  for (size_t i = 0; i < layout.blocks.size(); ++i) {
+    const BlockDesc& b = layout.blocks[i];
+    if (b.mode == kUnchanged) continue;
+    kern::ApplyDesc d{};
+    d.block_index = i;
+    d.first_element = b.first_element;
+    d.src_off = b.payload_offset;
+    d.stage_off = plan.stage_total;
+    d.payload_bytes = b.payload_bytes;
+    d.num_elements = b.num_elements;
+    d.count = b.count;
+    d.checksum = b.checksum;
+    d.mode = b.mode;
+    d.kg = b.kg;
+    d.kr = b.kr;
+    d.ke = b.ke;
+    plan.stage_total += RoundUp8(b.payload_bytes) + 8;
+    if (b.mode == kSparse) {
+      if (wave_used > 0 && wave_used + b.count > wave_changes) {
+        plan.waves.emplace_back(wave_lo, descs.size());
+        wave_lo = descs.size();
+        wave_used = 0;
+      }
+      d.scratch_off = wave_used;
+      wave_used += b.count;
+      plan.max_wave_changes = std::max(plan.max_wave_changes, wave_used);
+    }
+    descs.push_back(d);
+  }
+  if (wave_lo < descs.size()) plan.waves.emplace_back(wave_lo, descs.size());
+  return plan;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -435,40 +483,11 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   StageClock clock(timings, stream);
 
   // Descriptors of the changed blocks; decode waves over them.
-  std::vector<kern::ApplyDesc> descs;
-  std::vector<std::pair<uint64_t, uint64_t>> waves;  // [lo, hi) descriptor ranges
-  const uint64_t wave_changes = std::max<uint64_t>(1, decode_limit / kDecodedChangeBytes);
-  uint64_t stage_total = 0, wave_lo = 0, wave_used = 0, max_wave_changes = 0;
-  for (size_t i = 0; i < layout.blocks.size(); ++i) {
-    const BlockDesc& b = layout.blocks[i];
-    if (b.mode == kUnchanged) continue;
-    kern::ApplyDesc d{};
-    d.block_index = i;
-    d.first_element = b.first_element;
-    d.src_off = b.payload_offset;
-    d.stage_off = stage_total;
-    d.payload_bytes = b.payload_bytes;
-    d.num_elements = b.num_elements;
-    d.count = b.count;
-    d.checksum = b.checksum;
-    d.mode = b.mode;
-    d.kg = b.kg;
-    d.kr = b.kr;
-    d.ke = b.ke;
-    stage_total += RoundUp8(b.payload_bytes) + 8;
-    if (b.mode == kSparse) {
-      if (wave_used > 0 && wave_used + b.count > wave_changes) {
-        waves.emplace_back(wave_lo, descs.size());
-        wave_lo = descs.size();
-        wave_used = 0;
-      }
-      d.scratch_off = wave_used;
-      wave_used += b.count;
-      max_wave_changes = std::max(max_wave_changes, wave_used);
-    }
-    descs.push_back(d);
-  }
-  if (wave_lo < descs.size()) waves.emplace_back(wave_lo, descs.size());
+  ApplyPlan plan = PlanApply(layout, decode_limit);
+  const std::vector<kern::ApplyDesc>& descs = plan.descs;
+  const std::vector<std::pair<uint64_t, uint64_t>>& waves = plan.waves;
+  const uint64_t stage_total = plan.stage_total;
+  const uint64_t max_wave_changes = plan.max_wave_changes;
 
   if (digest_delta != nullptr) *digest_delta = 0;
   if (descs.empty()) {

@@ -1226,7 +1226,8 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     switch (d.plan.delivery()) {
       case v1::DELIVERY_KEYFRAME:
         t->keep_.push_back(b.bytes);
-        RETURN_IF_ERROR(add(0, *b.bytes, options.lz4));
+        // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
+        RETURN_IF_ERROR(add(0, *b.bytes, options.lz4 && sync::Lz4Pays(*b.bytes)));
         t->changed_elements_ += elems;
         break;
       case v1::DELIVERY_PATCH:

@@ -57,7 +57,7 @@ absl::StatusOr<v1::DataFrame> MakeFrame(std::span<const uint8_t> object, const F
   f.set_raw_bytes(raw);
   const char* src = reinterpret_cast<const char*>(object.data() + offset);
   bool compressed = false;
-  if (options.lz4 && raw > 0 && Lz4Pays(object)) {
+  if (options.lz4 && raw > 0) {
     std::string out;
     // Only a block strictly smaller than the raw chunk is worth sending; a destination of
     // raw - 1 bytes makes LZ4 fail (return 0) otherwise.
@@ -85,10 +85,12 @@ absl::StatusOr<std::vector<v1::DataFrame>> SplitObject(std::span<const uint8_t> 
                                                        const SplitOptions& options) {
   auto count = ChunkCount(object.size(), options.frame_bytes);
   if (!count.ok()) return count.status();
+  SplitOptions chunk_options = options;
+  chunk_options.lz4 = options.lz4 && Lz4Pays(object);  // once per object, not per chunk
   std::vector<v1::DataFrame> frames;
   frames.reserve(*count);
   for (uint32_t i = 0; i < *count; ++i) {
-    auto f = MakeFrame(object, target, options, i);
+    auto f = MakeFrame(object, target, chunk_options, i);
     if (!f.ok()) return f.status();
     frames.push_back(std::move(*f));
   }

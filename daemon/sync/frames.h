@@ -25,8 +25,9 @@ struct FrameTarget {
 struct SplitOptions {
   // Largest payload (and raw chunk size) per frame: Welcome.frame_bytes. 1 .. kMaxFrameBytes.
   uint32_t frame_bytes = 4u << 20;
-  // Compress chunks with LZ4 (keyframes only) where it pays: only when Lz4Pays(object), and
-  // then a chunk that does not shrink is still sent with COMPRESSION_NONE.
+  // Compress chunks with LZ4 (keyframes only): MakeFrame compresses its chunk and sends it with
+  // COMPRESSION_NONE when it does not shrink. Whether an object is worth it is decided once per
+  // object by Lz4Pays (SplitObject does; a lazy sender decides when it plans the object).
   bool lz4 = false;
 };
 
@@ -51,7 +52,7 @@ absl::StatusOr<uint32_t> ChunkCount(uint64_t object_bytes, uint32_t frame_bytes)
 absl::StatusOr<v1::DataFrame> MakeFrame(std::span<const uint8_t> object, const FrameTarget& target,
                                         const SplitOptions& options, uint32_t chunk_index);
 
-// All frames of `object`, in chunk order.
+// All frames of `object`, in chunk order; LZ4 only when options.lz4 and Lz4Pays(object).
 absl::StatusOr<std::vector<v1::DataFrame>> SplitObject(std::span<const uint8_t> object,
                                                        const FrameTarget& target,
                                                        const SplitOptions& options);
