@@ -87,6 +87,7 @@ struct RawSubscriber {
   void Run() {
     auto sync_stub = Stub(address, 0);
     grpc::ClientContext ctx;
+    ctx.set_wait_for_ready(true);  // a busy machine may be slow to connect: wait, not fail fast
     auto sync = sync_stub->Sync(&ctx);
     v1::SubscriberMessage hello;
     hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
@@ -110,7 +111,11 @@ struct RawSubscriber {
     for (uint32_t i = 1; i < streams; ++i) {
       stubs.push_back(Stub(address, static_cast<int>(i)));
       contexts.push_back(std::make_unique<grpc::ClientContext>());
+      // Each stripe is its own connection: one that is slow to connect must still join (the
+      // publisher waits stripe_join_timeout for it), not fail fast and leave the session short.
+      contexts.back()->set_wait_for_ready(true);
     }
+    std::vector<grpc::Status> stripe_status(streams);
     for (uint32_t i = 1; i < streams; ++i) {
       threads.emplace_back([&, i] {
         v1::StripeRequest req;
@@ -123,7 +128,7 @@ struct RawSubscriber {
           ++frames;
           bytes[i] += f.payload().size();
         }
-        reader->Finish().ok();  // cancelled at the end
+        stripe_status[i] = reader->Finish();
       });
     }
     while (sync->Read(&m)) {
@@ -153,6 +158,12 @@ struct RawSubscriber {
     result = absl::Status(static_cast<absl::StatusCode>(sync->Finish().error_code()), "");
     for (auto& c : contexts) c->TryCancel();
     for (auto& t : threads) t.join();
+    for (uint32_t i = 1; i < streams; ++i) {
+      // OK when the publisher ended the session first, CANCELLED when our cancel came first.
+      EXPECT_TRUE(stripe_status[i].ok() ||
+                  stripe_status[i].error_code() == grpc::StatusCode::CANCELLED)
+          << "stripe " << i << ": " << stripe_status[i].error_message();
+    }
   }
 };
 
