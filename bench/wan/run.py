@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -401,24 +402,95 @@ def wait_connected(bins: dict, pub: Daemon, subs: int, timeout=60.0) -> None:
 
 # ---- trajectory cache -----------------------------------------------------------------------
 
+# The sources that determine a trajectory's bytes: a cached directory is keyed by their hash, so
+# a changed generator never serves a stale trajectory (the old directory is removed).
+GENERATOR_SOURCES = ["daemon/model/trajectory.h", "daemon/model/trajectory.cc",
+                     "daemon/model/safetensors.h", "daemon/model/safetensors.cc",
+                     "bench/wan/make_trajectory.cc"]
+
+
+def generator_fingerprint(bins: dict) -> str:
+    """12 hex digits of SHA-256 over GENERATOR_SOURCES (or, without the sources, the
+    make_trajectory binary)."""
+    h = hashlib.sha256()
+    paths = [os.path.join(REPO, p) for p in GENERATOR_SOURCES]
+    if not all(os.path.exists(p) for p in paths):
+        paths = [bins["make_trajectory"]]
+    for path in paths:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return h.hexdigest()[:12]
+
+
+def trajectory_valid(d: str, preset: str, seed: int, versions: int) -> bool:
+    """complete.json names this preset and seed with >= `versions` steps, and v0..v<versions>
+    exist, each a safetensors file whose header lists complete.json's tensors and bytes."""
+    try:
+        with open(os.path.join(d, "complete.json")) as f:
+            c = json.load(f)
+        if c.get("preset") != preset or c.get("seed") != seed or c.get("versions", -1) < versions:
+            return False
+        for k in range(versions + 1):
+            with open(version_file(d, k), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+            tensors = {k2: v for k2, v in header.items() if k2 != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+            if len(tensors) != c.get("tensors") or end != c.get("bytes") or size != 8 + n + end:
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def trajectory(bins: dict, cache_root: str, preset: str, seed: int, versions: int) -> str:
-    d = os.path.join(cache_root, f"{preset}-s{seed}-n{versions}")
-    if os.path.exists(os.path.join(d, "complete.json")):
-        return d
-    # A longer cached trajectory of the same preset and seed holds these versions as its first
-    # ones (make_trajectory steps one seeded trajectory): its v0..v<versions> serve.
-    longer = []
+    """Versions 0..`versions` of the preset's trajectory, from the cache when a valid directory
+    of this generator (fingerprint) holds them, else generated there (into a temporary
+    directory renamed when complete, so a concurrent or interrupted run never leaves a partial
+    one under the cache's name)."""
+    fp = generator_fingerprint(bins)
+    stem = f"{preset}-s{seed}-n"
+    pattern = re.escape(stem) + r"(\d+)-g([0-9a-f]{12})"
+    candidates = []
     for name in os.listdir(cache_root) if os.path.isdir(cache_root) else []:
-        m = re.fullmatch(re.escape(f"{preset}-s{seed}-n") + r"(\d+)", name)
-        if m and int(m.group(1)) > versions and \
-                os.path.exists(os.path.join(cache_root, name, "complete.json")):
-            longer.append((int(m.group(1)), os.path.join(cache_root, name)))
-    if longer:
-        return min(longer)[1]
+        dead = re.fullmatch(r"\..*\.tmp-(\d+)", name)
+        if dead and not os.path.exists(f"/proc/{dead.group(1)}"):  # an interrupted generation
+            shutil.rmtree(os.path.join(cache_root, name), ignore_errors=True)
+        m = re.fullmatch(pattern, name)
+        if not m:
+            continue
+        path = os.path.join(cache_root, name)
+        if m.group(2) != fp:  # another generator's bytes: stale
+            log(f"removing stale cached trajectory {path} (generator changed)")
+            shutil.rmtree(path, ignore_errors=True)
+        elif int(m.group(1)) >= versions:
+            # a longer trajectory of the same preset and seed holds these versions as its first
+            # ones (make_trajectory steps one seeded trajectory)
+            candidates.append((int(m.group(1)), path))
+    for _, path in sorted(candidates):
+        if trajectory_valid(path, preset, seed, versions):
+            return path
+        log(f"removing invalid cached trajectory {path}")
+        shutil.rmtree(path, ignore_errors=True)
+    d = os.path.join(cache_root, f"{stem}{versions}-g{fp}")
     log(f"generating the {preset} trajectory ({versions} steps) into {d} (cached for later runs)")
     t0 = time.monotonic()
-    sh(bins["make_trajectory"], "--preset", preset, "--seed", str(seed), "--versions",
-       str(versions), "--out", d, timeout=7200)
+    os.makedirs(cache_root, exist_ok=True)
+    tmp = os.path.join(cache_root, f".{os.path.basename(d)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        sh(bins["make_trajectory"], "--preset", preset, "--seed", str(seed), "--versions",
+           str(versions), "--out", tmp, timeout=7200)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, d)
+        except OSError:
+            pass  # a concurrent run renamed its own first: that one serves (validated below)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; partial on a failure
+    if not trajectory_valid(d, preset, seed, versions):
+        raise Failure(f"the generated trajectory {d} does not validate")
     log(f"trajectory ready in {time.monotonic() - t0:.0f} s")
     return d
 
@@ -605,19 +677,21 @@ def read_safetensors(path: str) -> dict:
 
 
 def run_model(link: Link, model: str, traj: str, bins: dict, pki: dict, args, workdir: str,
-              port: int) -> list:
-    """The raw copies, then refitd once per --streams value: one result per streams value."""
+              port: int, on_version=None) -> list:
+    """The raw copies, then refitd once per --streams value: one result per streams value.
+    `on_version(record, raws, subs, file)`, when given, runs after each version's record (outside
+    the clock, before the next version is published): bench/wan/demo.py prints and checks there."""
     v0 = version_file(traj, 0)
     log(f"{model} on {link.spec['name']}: raw TCP copies of {os.path.getsize(v0)} bytes")
     raws = [raw_copy(link, v0, n, port + i) for i, n in enumerate((1, 4))]
     for r in raws:
         log(f"  raw {r['streams']} stream(s): {r['ms']:.0f} ms ({r['gbit_per_s']:.2f} Gbit/s)")
-    return [run_refit(link, model, traj, bins, pki, args, workdir, raws, n)
+    return [run_refit(link, model, traj, bins, pki, args, workdir, raws, n, on_version)
             for n in args.streams_list]
 
 
 def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, workdir: str,
-              raws: list, streams: int) -> dict:
+              raws: list, streams: int, on_version=None) -> dict:
     spec = link.spec
     v0 = version_file(traj, 0)
     log(f"{model} on {spec['name']}: refitd, {streams} connection(s) per subscriber")
@@ -637,19 +711,22 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
         stepper = WanStep(bins, pub, subs, args.publish_via, d)
         for k in range(args.versions + 1):
             f = version_file(traj, k)
-            verify = args.quick or k == args.versions
+            verify = args.quick or args.verify_every or k == args.versions
             raw = stepper.step(k + 1, f, verify)
-            pm = read_pass(bins, version_file(traj, max(k - 1, 0)), f, args.threads)
+            pm = None if args.no_read_pass else \
+                read_pass(bins, version_file(traj, max(k - 1, 0)), f, args.threads)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
             rec = record(spec, kind, k + 1, raw, pub, subs, pm)
             records.append(rec)
             log(f"  v{k + 1} {kind}: e2e {rec['e2e_ms']:.0f} ms, wire {rec['wire_bytes']}, "
-                f"bound {rec['transport_bound_ms']:.0f} ms, pass {pm:.1f} ms, digests "
+                f"bound {rec['transport_bound_ms']:.0f} ms, pass {fmt(pm, '{:.1f}')} ms, digests "
                 f"{'equal' if rec['digests_equal'] else 'DIFFER'}")
             if not rec["digests_equal"] or not all(rec["verify_ok"]):
                 raise Failure(f"version {k + 1}: subscriber digests differ from the publisher's "
                               f"or Verify failed: {rec['verify_ok']}")
+            if on_version is not None:
+                on_version(rec, raws, subs, f)
         if args.quick:
             exported = [export_check(bins, s, version_file(traj, args.versions)) for s in subs]
         if exported and not all(exported):
@@ -683,7 +760,7 @@ def summarise(records: list, raws: list) -> dict:
         "steady_bound_median_ms": statistics.median([r["transport_bound_ms"] for r in steady])
         if steady else None,
         "steady_pass_median_ms": statistics.median([r["pass_ms"] for r in steady])
-        if steady else None,
+        if steady and all(r["pass_ms"] is not None for r in steady) else None,
         "delta_speedup_vs_faster_raw": faster_raw / med if med else None,
         "keyframe_e2e_ms": key["e2e_ms"] if key else None,
         "keyframe_vs_raw4": key["e2e_ms"] / raw4 if key and raw4 else None,
@@ -825,6 +902,10 @@ def parse_args(argv):
                    help="the deploy/TUNING.md recommendations: " +
                         ", ".join(f"{k}={v}" for k, v in TUNING) +
                         " (bbr only where available; --sysctl overrides a key)")
+    p.add_argument("--verify-every", action="store_true",
+                   help="Verify every subscriber after every version (default: the last one)")
+    p.add_argument("--no-read-pass", action="store_true",
+                   help="skip read_pass (pass_ms and excess_over_pass null)")
     p.add_argument("--keep", action="store_true",
                    help="keep the run directory (configs, daemon logs) also when the run succeeds")
     p.add_argument("--quick", action="store_true",
