@@ -158,7 +158,8 @@ def summary(p: Printer, result: dict, mode: str, t_start: float, load_before: li
         f", max {max(r['e2e_ms'] for r in deltas):.0f}), median {wire:,.0f} wire bytes = "
         f"{wire / dense:.2%} of the model ({dense / wire:.0f}x smaller)")
     out(f"  full checkpoint on the same link: {faster:.0f} ms (faster of 1 and 4 raw TCP streams);"
-        f" keyframe through refitd {key['e2e_ms']:.0f} ms")
+        f" keyframe through refitd {key['e2e_ms']:.0f} ms (to both subscribers: twice the raw copy's"
+        " bytes over the one link)")
     out(f"  full checkpoint copy / delta refit: {ratio(faster, e2e)}"
         + ("" if mode == "netns" else " (loopback: no network cost, so this is not the point)"))
     out(f"  every version bit-exact on both subscribers: {all(r['bit_exact'] for r in p.rows)}; "
