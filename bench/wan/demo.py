@@ -142,6 +142,21 @@ def ratio(raw_ms: float, e2e_ms: float) -> str:
     return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
 
 
+def split(deltas: list) -> str:
+    """The publisher's and the slowest subscriber's logged steps (run.py's record fields)."""
+    def med(values):
+        values = [v for v in values if v is not None]
+        return wan.fmt(statistics.median(values)) if values else "-"
+    sub = [max(r["subscriber"], key=lambda s: s["latency_ms"]) for r in deltas]
+    bound = med(r["transport_bound_ms"] for r in deltas)
+    return (f"publisher encode {med(r['publisher']['encode_ms'] for r in deltas)} of "
+            f"{med(r['publisher']['total_ms'] for r in deltas)} ms; subscriber receive "
+            f"{med(s['receive_ms'] for s in sub)}, stage {med(s['stage_ms'] for s in sub)}, "
+            f"verify {med(s['verify_ms'] for s in sub)} ms"
+            + ("" if all(r["transport_bound_ms"] == 0 for r in deltas) else
+               f"; transport bound {bound} ms (wire bytes at the rate + one one-way delay)"))
+
+
 def summary(p: Printer, result: dict, mode: str, t_start: float, load_before: list) -> None:
     deltas = [r for r in p.rows if r["kind"] != "keyframe"]
     key = next(r for r in p.rows if r["kind"] == "keyframe")
@@ -160,6 +175,7 @@ def summary(p: Printer, result: dict, mode: str, t_start: float, load_before: li
     out(f"  full checkpoint on the same link: {faster:.0f} ms (faster of 1 and 4 raw TCP streams);"
         f" keyframe through refitd {key['e2e_ms']:.0f} ms (to both subscribers: twice the raw copy's"
         " bytes over the one link)")
+    out("  where a delta's time goes (medians): " + split(deltas))
     out(f"  full checkpoint copy / delta refit: {ratio(faster, e2e)}"
         + ("" if mode == "netns" else " (loopback: no network cost, so this is not the point)"))
     out(f"  every version bit-exact on both subscribers: {all(r['bit_exact'] for r in p.rows)}; "
