@@ -179,7 +179,8 @@ def summary(p: Printer, result: dict, mode: str, t_start: float, load_before: li
     out(f"  full checkpoint copy / delta refit: {ratio(faster, e2e)}"
         + ("" if mode == "netns" else " (loopback: no network cost, so this is not the point)"))
     out(f"  every version bit-exact on both subscribers: {all(r['bit_exact'] for r in p.rows)}; "
-        f"first refit applied {p.first_refit_s:.0f} s after the demo started; whole demo "
+        f"first refit applied and verified {p.first_refit_s:.0f} s after the demo started; "
+        f"exports compared in {sum(p.check_ms) / 1e3:.0f} s (outside the clock); whole demo "
         f"{time.monotonic() - t_start:.0f} s; load average {load_before} before, "
         f"{wan.load_average()} after")
 
