@@ -154,6 +154,7 @@ struct BaselineTensor {
   v1::TensorSpec spec;
   DType dtype = DType::kBF16;
   uint64_t digest = 0;
+  uint64_t digest_v2 = 0;
   std::shared_ptr<const std::vector<uint8_t>> bytes;
 };
 
