@@ -5,7 +5,10 @@
 //
 // Every rate: CPU EncodePatch (the oracle; on the first M elements when M < N), GPU encode (device
 // time of the kernels, and the whole call including the patch's copy to the host), GPU apply out of
-// place and in place, GPU digest. Throughput counts the tensor's bytes once (2 bytes per element),
+// place and in place, GPU digest, and the publisher's per-version work two ways: the one pass
+// (EncodeFused: patch + digest v2 + in-place baseline update) against the separate passes it
+// replaces (Encode, DigestV2, Apply in place), both on a buffer reset to the base (untimed).
+// Throughput counts the tensor's bytes once (2 bytes per element),
 // for the copy too. Prints PASS/FAIL lines; exits 1 if any check fails, 0 without a device.
 #include <algorithm>
 #include <chrono>
@@ -19,6 +22,7 @@
 
 #include "cuda/codec_cuda.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/parallel.h"
@@ -153,6 +157,51 @@ struct Row {
   double ms;
 };
 
+// The one pass against the separate passes (file comment). `patch` is Encode's patch of the
+// rate, `want` the target's v1 digest.
+void BenchOnePass(DeviceCodec& codec, const DeviceBuffer& d_base, const DeviceBuffer& d_target,
+                  DeviceBuffer& d_out, uint64_t bytes, const std::vector<uint8_t>& patch,
+                  const std::vector<uint8_t>& target, uint64_t want, double p, int reps,
+                  std::vector<Row>* rows) {
+  const uint64_t want_v2 = refit::TensorDigestV2(target);
+  const std::string rate = " (rate " + std::to_string(p) + ")";
+  std::vector<double> separate, fused, fused_no_update;
+  for (int r = -1; r < reps; ++r) {
+    OrDie(codec.DeviceCopy(d_out.data(), d_base.data(), bytes), "device copy");
+    auto t0 = Clock::now();
+    auto enc = OrDie(codec.Encode(DType::kBF16, d_out.data(), d_target.data(), bytes), "GPU encode");
+    const uint64_t v2 = OrDie(codec.DigestV2(d_target.data(), bytes), "GPU digest v2");
+    OrDie(codec.Apply(enc, DType::kBF16, d_out.data(), d_out.data(), bytes), "GPU apply in place");
+    if (r >= 0) separate.push_back(Ms(Clock::now() - t0));
+    if (r < 0) Check(v2 == want_v2, "GPU DigestV2 == CPU TensorDigestV2" + rate);
+
+    OrDie(codec.DeviceCopy(d_out.data(), d_base.data(), bytes), "device copy");
+    t0 = Clock::now();
+    auto one = OrDie(codec.EncodeFused(DType::kBF16, d_out.data(), d_target.data(), bytes, {},
+                                       /*update_base=*/true),
+                     "GPU EncodeFused");
+    if (r >= 0) fused.push_back(Ms(Clock::now() - t0));
+    if (r < 0) {
+      Check(one.patch == patch, "EncodeFused patch == Encode patch" + rate);
+      Check(one.digest_v2 == want_v2, "EncodeFused digest v2 == CPU TensorDigestV2" + rate);
+      const uint64_t after = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
+      Check(after == want, "EncodeFused's updated base == target" + rate);
+    }
+    t0 = Clock::now();
+    auto plain = OrDie(codec.EncodeFused(DType::kBF16, const_cast<void*>(d_base.data()),
+                                         d_target.data(), bytes, {}, /*update_base=*/false),
+                       "GPU EncodeFused (no update)");
+    if (r >= 0) fused_no_update.push_back(Ms(Clock::now() - t0));
+    if (r < 0) Check(plain.patch == patch, "EncodeFused (no update) patch == Encode patch" + rate);
+  }
+  rows->push_back({"separate_enc_dv2_upd", p, Median(separate)});
+  rows->push_back({"onepass_enc_dv2_upd", p, Median(fused)});
+  rows->push_back({"onepass_enc_dv2", p, Median(fused_no_update)});
+  std::printf("one pass (encode + digest v2 + baseline update): %.2f ms, separate passes %.2f ms "
+              "(%.2fx)\n",
+              Median(fused), Median(separate), Median(separate) / std::max(Median(fused), 1e-9));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -279,6 +328,7 @@ int main(int argc, char** argv) {
       if (r < 0) Check(d == want, "GPU digest == CPU digest (rate " + std::to_string(p) + ")");
     }
     rows.push_back({"digest", p, Median(dig)});
+    BenchOnePass(codec, d_base, d_target, d_out, bytes, patch, target, want, p, opt.reps, &rows);
     std::printf("apply device stages (out of place): %.2f ms of %.2f ms\n", Median(ap_out_dev),
                 Median(ap_out));
   }

@@ -267,10 +267,14 @@ struct DeviceCodec::Impl {
     return n;
   }
 
+  // digest_sum non-null: also the target's digest-v2 mix sum, from the analyze kernel's loads;
+  // update_base non-null (== d_base): base := target by the changed elements (kernels.h).
   absl::StatusOr<std::vector<uint8_t>> Encode(DType dtype, const void* d_base,
                                               const void* d_target, uint64_t bytes,
                                               const EncodeOptions& options, PatchStats* stats,
-                                              DeviceTimings* timings);
+                                              DeviceTimings* timings,
+                                              uint64_t* digest_sum = nullptr,
+                                              void* update_base = nullptr);
   // digest_delta non-null: also the digest-v2 delta of what is written (LaunchApplyDigestV2Delta).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
                      uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta = nullptr);
@@ -332,9 +336,22 @@ void DeviceCodec::ReleaseScratch() {
 
 // ---- encode ---------------------------------------------------------------------------------------
 
+absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType dtype, void* d_base,
+                                                       const void* d_target, uint64_t bytes,
+                                                       const EncodeOptions& options,
+                                                       bool update_base, DeviceTimings* timings) {
+  FusedEncoding out;
+  uint64_t sum = 0;
+  ASSIGN_OR_RETURN(out.patch, impl_->Encode(dtype, d_base, d_target, bytes, options, &out.stats,
+                                            timings, &sum, update_base ? d_base : nullptr));
+  out.digest_v2 = format::DigestV2Final(sum, bytes);
+  return out;
+}
+
 absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
-    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings) {
+    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
+    uint64_t* digest_sum, void* update_base) {
   RETURN_IF_ERROR(CheckDevice());
   // The same argument checks, in the same order, as EncodePatch.
   if (!IsValidDType(static_cast<uint8_t>(dtype))) {
@@ -381,6 +398,8 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
   a.block_log2 = log2;
   a.tiles_per_block = static_cast<uint32_t>((block + kern::kTile - 1) / kern::kTile);
   a.vector_loads = Aligned(d_base, 16) && Aligned(d_target, 16);
+  a.update_base = update_base;
+  unsigned long long host_sum = 0;
 
   host_blocks.resize(num_blocks);
   if (num_blocks > 0) {
@@ -389,13 +408,22 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     RETURN_IF_ERROR(Reserve(enc_offsets, 2 * num_blocks * sizeof(uint64_t)));
     a.blocks = Ptr<kern::EncBlock>(enc_blocks);
     a.tiles = Ptr<kern::TileCarry>(enc_tiles);
+    if (digest_sum != nullptr) {
+      RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
+      a.digest_v2_sum = Ptr<unsigned long long>(digest_v2_sum);
+      RETURN_IF_ERROR(rt::MemsetAsync(a.digest_v2_sum, 0, sizeof(unsigned long long), stream));
+    }
     RETURN_IF_ERROR(clock.Begin("analyze"));
     RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeAnalyze(a, stream), "EncodeAnalyzeKernel"));
     RETURN_IF_ERROR(clock.End());
     RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
                                         num_blocks * sizeof(kern::EncBlock), stream));
+    if (digest_sum != nullptr) {
+      RETURN_IF_ERROR(rt::CopyToHostAsync(&host_sum, a.digest_v2_sum, sizeof host_sum, stream));
+    }
     RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   }
+  if (digest_sum != nullptr) *digest_sum = host_sum;
 
   // Plan: payload offsets in the compacted output and, for SPARSE blocks, 8-aligned slots in the
   // staging buffer; the table's size (its contents wait for the checksums).

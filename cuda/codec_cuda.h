@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/codec/fused_encode.h"
 
 namespace refit::cuda {
 
@@ -101,6 +102,15 @@ class DeviceCodec {
                                               uint64_t bytes, const EncodeOptions& options = {},
                                               PatchStats* stats = nullptr,
                                               DeviceTimings* timings = nullptr);
+  // The one-pass encode (daemon/codec/fused_encode.h; CPU twin refit::EncodeFusedCpu): Encode's
+  // patch and stats, plus the target's digest v2 summed from the analyze kernel's own loads, and
+  // with update_base, d_base := d_target by the changed elements (SPARSE blocks in the write
+  // kernel, DENSE blocks in the compact kernel; no extra pass over the tensor). Errors: Encode's;
+  // on error with update_base, d_base may be partly updated. Stages as Encode's.
+  absl::StatusOr<FusedEncoding> EncodeFused(DType dtype, void* d_base, const void* d_target,
+                                            uint64_t bytes, const EncodeOptions& options = {},
+                                            bool update_base = false,
+                                            DeviceTimings* timings = nullptr);
   // ApplyPatchDevice. `timings`: h2d (patch upload), verify (staging and checksums), decode and
   // write (all waves together), copy (base to out, out of place only).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,

@@ -40,6 +40,11 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Encode(DType, const void*, con
                                                          DeviceTimings*) {
   return Unavailable();
 }
+absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType, void*, const void*, uint64_t,
+                                                       const EncodeOptions&, bool,
+                                                       DeviceTimings*) {
+  return Unavailable();
+}
 absl::Status DeviceCodec::Apply(std::span<const uint8_t>, DType, const void*, void*, uint64_t,
                                 DeviceTimings*) {
   return Unavailable();

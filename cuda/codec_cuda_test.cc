@@ -423,6 +423,112 @@ TEST(CudaCodec, DigestV2MatchesCpu) {
   EXPECT_FALSE(codec.DigestV2(nullptr, 8).ok());
 }
 
+// ---- one-pass encode (EncodeFused) ------------------------------------------------------------
+
+// Bit patterns of special values for float dtypes (NaN, +Inf, -0, -Inf); for integer dtypes the
+// same patterns are just extreme values. Bool keeps 0/1.
+uint64_t SpecialBits(DType t, int k) {
+  static constexpr uint64_t k1[] = {0x7F, 0x7C, 0x80, 0xFC};
+  static constexpr uint64_t k2[] = {0x7FC1, 0x7F80, 0x8000, 0xFF80};
+  static constexpr uint64_t k4[] = {0x7FC00001, 0x7F800000, 0x80000000, 0xFF800000};
+  static constexpr uint64_t k8[] = {0x7FF8000000000001ull, 0x7FF0000000000000ull,
+                                    0x8000000000000000ull, 0xFFF0000000000000ull};
+  switch (DTypeSize(t)) {
+    case 1: return t == DType::kBool ? static_cast<uint64_t>(k & 1) : k1[k & 3];
+    case 2: return k2[k & 3];
+    case 4: return k4[k & 3];
+    default: return k8[k & 3];
+  }
+}
+
+// Every few elements (from `from`) set to a special value, others as given.
+Bytes WithSpecials(Bytes v, DType t, size_t every, size_t from) {
+  const size_t w = DTypeSize(t);
+  for (size_t i = from, k = 0; i < v.size() / w; i += every, ++k) {
+    const uint64_t bits = SpecialBits(t, static_cast<int>(k));
+    std::memcpy(v.data() + i * w, &bits, w);  // little endian
+  }
+  return v;
+}
+
+// One case: the device's EncodeFused (with and without the baseline update) against the CPU twin,
+// with base and target at `offset` bytes into their buffers (element-aligned, possibly not
+// 16-byte aligned: the scalar load path).
+void ExpectFusedMatchesTwin(DType t, const Bytes& a, const Bytes& b, int log2, size_t offset) {
+  EncodeOptions opt;
+  opt.block_log2 = log2;
+  Bytes cpu_base = a;
+  auto cpu = EncodeFusedCpu(t, cpu_base, b, opt, /*update_base=*/true);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  ASSERT_EQ(cpu->digest_v2, TensorDigestV2(b));
+  ASSERT_EQ(FirstDiff(cpu_base, b), -1);
+  DeviceCodec codec;
+  for (bool update : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "update_base " << update << " offset " << offset);
+    Bytes pa(offset, 0xEE), pb(offset, 0xDD);
+    pa.insert(pa.end(), a.begin(), a.end());
+    pb.insert(pb.end(), b.begin(), b.end());
+    DeviceBuffer da = Upload(pa, 8), db = Upload(pb, 8);
+    uint8_t* base = static_cast<uint8_t*>(da.data()) + offset;
+    const uint8_t* target = static_cast<const uint8_t*>(db.data()) + offset;
+    auto got = codec.EncodeFused(t, base, target, a.size(), opt, update);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->digest_v2, cpu->digest_v2);
+    EXPECT_EQ(got->stats.changed_elements, cpu->stats.changed_elements);
+    EXPECT_EQ(FirstDiff(got->patch, cpu->patch), -1) << got->patch.size() << " vs "
+                                                     << cpu->patch.size() << " bytes";
+    const Bytes after = Download(da, pa.size());
+    EXPECT_EQ(FirstDiff(Bytes(after.begin(), after.begin() + offset), Bytes(offset, 0xEE)), -1);
+    EXPECT_EQ(FirstDiff(Bytes(after.begin() + offset, after.end()), update ? b : a), -1)
+        << "the base after the call";
+  }
+}
+
+// The twin and the kernels agree for every dtype over sizes around the tile (2048 elements) and
+// codec block boundaries, several blocks, change rates 0 / sparse / dense / all, special values,
+// and unaligned (element-aligned only) pointers.
+TEST(CudaCodec, EncodeFusedMatchesCpuTwin) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(31);
+  const std::vector<size_t> sizes =
+      kEmulated ? std::vector<size_t>{0, 1, 255, 2049, 5000}
+                : std::vector<size_t>{0, 1, 7, 255, 256, 257, 2047, 2048, 2049, 5000, 300001};
+  for (DType t : kAll) {
+    for (size_t n : sizes) {
+      for (double p : {0.0, 0.004, 0.3, 1.0}) {
+        SCOPED_TRACE(::testing::Message() << DTypeName(t) << " n=" << n << " p=" << p);
+        const Bytes a = RandomTensor(t, n, rng);
+        const Bytes b = Mutate(a, t, p, rng);
+        ExpectFusedMatchesTwin(t, a, b, 8, 0);
+        if (n >= 255 && p == 0.004) ExpectFusedMatchesTwin(t, a, b, 12, 0);
+        if (p == 0.3) ExpectFusedMatchesTwin(t, a, b, 8, DTypeSize(t) == 8 ? 8 : 4);
+      }
+      SCOPED_TRACE(::testing::Message() << DTypeName(t) << " n=" << n << " specials");
+      const Bytes a = WithSpecials(RandomTensor(t, n, rng), t, 5, 0);
+      ExpectFusedMatchesTwin(t, a, WithSpecials(a, t, 3, 1), 8, 0);
+    }
+  }
+}
+
+// The digest of a fused encode of an unchanged tensor is still the full digest, and a failing
+// argument check leaves the base alone.
+TEST(CudaCodec, EncodeFusedChecksArguments) {
+  REQUIRE_DEVICE();
+  DeviceCodec codec;
+  Bytes a(64, 1);
+  DeviceBuffer da = Upload(a);
+  EncodeOptions opt;
+  opt.block_log2 = 3;  // below the minimum
+  EXPECT_EQ(codec.EncodeFused(DType::kBF16, da.data(), da.data(), 64, opt, true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  opt.block_log2 = 8;
+  auto same = codec.EncodeFused(DType::kBF16, da.data(), da.data(), 64, opt, true);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->digest_v2, TensorDigestV2(a));
+  EXPECT_EQ(same->stats.changed_elements, 0u);
+  EXPECT_EQ(FirstDiff(Download(da, 64), a), -1);
+}
+
 // Device apply with the delta == the CPU's delta == the full recompute, for every dtype, in place
 // and out of place, with one decode wave and with many.
 TEST(CudaCodec, ApplyDigestV2MatchesCpuDelta) {

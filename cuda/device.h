@@ -30,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/codec/fused_encode.h"
 
 namespace refit::cuda {
 
@@ -158,6 +159,13 @@ class Device {
   virtual absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                       const void* d_base, void* d_out,
                                                       uint64_t bytes);
+  // The one-pass encode (DeviceCodec::EncodeFused; CPU twin refit::EncodeFusedCpu): the patch,
+  // the target's digest v2 and, with update_base, d_base brought up to d_target in place by the
+  // changed elements, all from the encoder's own reads. Default: UNIMPLEMENTED (test doubles).
+  virtual absl::StatusOr<FusedEncoding> EncodeFused(DType dtype, void* d_base,
+                                                    const void* d_target, uint64_t bytes,
+                                                    const EncodeOptions& options,
+                                                    bool update_base);
   // Frees the codec's scratch memory (it regrows on the next call).
   virtual void ReleaseScratch() = 0;
 };

@@ -109,6 +109,14 @@ class DeviceImpl final : public Device {
     return codec_.Encode(dtype, d_base, d_target, bytes, options, stats);
   }
 
+  absl::StatusOr<FusedEncoding> EncodeFused(DType dtype, void* d_base, const void* d_target,
+                                            uint64_t bytes, const EncodeOptions& options,
+                                            bool update_base) override {
+    absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    return codec_.EncodeFused(dtype, d_base, d_target, bytes, options, update_base);
+  }
+
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
                      uint64_t bytes) override {
     absl::MutexLock l(&mu_);

@@ -152,6 +152,11 @@ absl::StatusOr<uint64_t> Device::DigestV2(const void*, uint64_t) {
   return absl::UnimplementedError("this Device has no digest v2");
 }
 
+absl::StatusOr<FusedEncoding> Device::EncodeFused(DType, void*, const void*, uint64_t,
+                                                  const EncodeOptions&, bool) {
+  return absl::UnimplementedError("this Device has no one-pass encode");
+}
+
 absl::StatusOr<DigestV2Delta> Device::ApplyDigestV2(std::span<const uint8_t>, DType, const void*,
                                                     void*, uint64_t) {
   return absl::UnimplementedError("this Device has no apply with digest v2");

@@ -205,12 +205,14 @@ struct Items {
   uint32_t neg = 0;      // bit i: item i's difference is negative
   uint64_t mag[kItems];  // |difference| (diff codings) or target bits (raw coding)
 
+  // digest non-null: also *digest += DigestV2Mix over the target words of these items (below).
   REFIT_DEV void Load(const T* base, const T* target, uint32_t first_pos, uint32_t len,
-                      bool vector_loads) {
+                      bool vector_loads, uint64_t* digest = nullptr, uint64_t block_first = 0) {
     first = first_pos;
     T a[kItems], b[kItems];
     LoadItems(base, first_pos, len, vector_loads, a);
     LoadItems(target, first_pos, len, vector_loads, b);
+    if (digest != nullptr) *digest += DigestWords(b, first_pos, len, block_first);
     REFIT_UNROLL
     for (int i = 0; i < kItems; ++i) {
       mag[i] = 0;
@@ -223,6 +225,29 @@ struct Items {
         if (kCoding != kCodingRaw && mag[i] >= 2) exc |= 1u << i;
       }
     }
+  }
+  // The digest-v2 mix sum of the little-endian words the items b[] (zeros past len) make up.
+  // Items start on a word boundary of the tensor: block_first is a multiple of 2^kMinBlockLog2
+  // and first_pos of kItems, and kItems * sizeof(T) is a multiple of 8. A word counts iff its
+  // first item lies in the block (< len), so every word of the tensor is counted by exactly one
+  // thread, and the tensor's last word comes zero-padded as the definition wants.
+  REFIT_DEV static uint64_t DigestWords(const T (&b)[kItems], uint32_t first_pos, uint32_t len,
+                                        uint64_t block_first) {
+    constexpr int kPerWord = 8 / static_cast<int>(sizeof(T)) > 0 ? 8 / static_cast<int>(sizeof(T)) : 1;
+    constexpr int kWords = kItems / kPerWord;
+    const uint64_t word0 = (block_first + first_pos) * sizeof(T) / 8;
+    uint64_t acc = 0;
+    REFIT_UNROLL
+    for (int k = 0; k < kWords; ++k) {
+      if (first_pos + static_cast<uint32_t>(k * kPerWord) >= len) break;
+      uint64_t w = 0;
+      REFIT_UNROLL
+      for (int j = 0; j < kPerWord; ++j) {
+        w |= static_cast<uint64_t>(b[k * kPerWord + j]) << (8 * sizeof(T) * j);
+      }
+      acc += f::DigestV2Mix(word0 + static_cast<uint64_t>(k), w);
+    }
+    return acc;
   }
   // This thread's own scan contribution.
   REFIT_DEV Fwd Local() const {
@@ -244,6 +269,7 @@ template <typename T, int kCoding>
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a) {
   REFIT_SHARED Fwd s_fwd[kWarps];
   REFIT_SHARED unsigned long long s_sum[kNumSums];
+  REFIT_SHARED unsigned long long s_digest;
   const uint32_t tid = ThreadIndex();
   const uint64_t b = dev::BlockIndex();
   const uint64_t first_element = b << a.block_log2;
@@ -252,8 +278,12 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a
   const T* base = static_cast<const T*>(a.base) + first_element;
   const T* target = static_cast<const T*>(a.target) + first_element;
   TileCarry* tiles = a.tiles + b * a.tiles_per_block;
+  // The one pass's digest v2 of the target (uniform branch: the argument is the same everywhere).
+  uint64_t digest = 0;
+  uint64_t* const digest_acc = a.digest_v2_sum != nullptr ? &digest : nullptr;
 
   if (tid < static_cast<uint32_t>(kNumSums)) s_sum[tid] = 0;
+  if (tid == 0) s_digest = 0;
   SyncThreads();
 
   // Per-thread cost sums. Bounds: the gaps of a block sum to < len <= 2^24, the runs to <= count
@@ -270,7 +300,8 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a
   for (uint32_t tile = 0; tile < ntiles; ++tile) {
     if (tid == 0) tiles[tile] = TileCarry{carry.cnt, carry.lp1, carry.le1, 0};
     Items<T, kCoding> it;
-    it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads);
+    it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads, digest_acc,
+            first_element);
     if (!dev::SyncThreadsOr(it.changed != 0)) continue;  // uniform: nothing changed in the tile
     Fwd agg;
     const Fwd pre = BlockScanForward(it.Local(), carry, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &agg);
@@ -317,8 +348,10 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a
     const uint32_t vx = dev::WarpReduceAdd(exceptions);
     if (lane0 && vx != 0) dev::AtomicAdd64(&s_sum[kSumExc], vx);
   }
+  if (digest_acc != nullptr && digest != 0) dev::AtomicAdd64(&s_digest, digest);
   SyncThreads();
   if (tid != 0) return;
+  if (digest_acc != nullptr) dev::AtomicAdd64(a.digest_v2_sum, s_digest);
 
   EncBlock out{};
   const uint64_t n = carry.cnt;
@@ -466,6 +499,15 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeWriteKernel(EncodeArgs a) 
     if (tc.cnt == next_cnt) continue;  // uniform: no change in this tile
     Items<T, kCoding> it;
     it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads);
+    if (a.update_base != nullptr && it.changed != 0) {
+      // The one pass's baseline update: this thread's own changed elements, which only it reads
+      // (here, once). The target values are the ones just loaded (cached).
+      T* const out = static_cast<T*>(a.update_base) + first_element;
+      REFIT_UNROLL
+      for (int i = 0; i < kItems; ++i) {
+        if ((it.changed >> i) & 1) out[it.first + i] = target[it.first + i];
+      }
+    }
     Fwd fagg;
     const Fwd pre =
         BlockScanForward(it.Local(), Fwd{tc.cnt, tc.lp1, tc.le1}, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &fagg);
@@ -610,6 +652,17 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeCompactKernel(EncodeArgs a
   if (m.mode == f::kUnchanged) return;
   const uint8_t* src = EncPayloadSource(a, b, m);
   uint8_t* dst = a.out + a.out_off[b];
+  if (m.mode == f::kDense && a.update_base != nullptr) {
+    // The one pass's baseline update of a DENSE block: the payload is the target's block.
+    uint8_t* const up = static_cast<uint8_t*>(a.update_base) +
+                        (b << a.block_log2) * static_cast<uint64_t>(a.width);
+    for (uint64_t k = ThreadIndex(); k < m.payload_bytes; k += kThreads) {
+      const uint8_t v = src[k];
+      dst[k] = v;
+      up[k] = v;
+    }
+    return;
+  }
   for (uint64_t k = ThreadIndex(); k < m.payload_bytes; k += kThreads) dst[k] = src[k];
 }
 

@@ -68,6 +68,14 @@ struct EncodeArgs {
   const uint64_t* out_off = nullptr;    // byte offset of the block's payload in out
   uint8_t* stage = nullptr;             // zeroed before the write kernel
   uint8_t* out = nullptr;               // all payloads, concatenated in block order
+  // The one-pass extras (DeviceCodec::EncodeFused); null = the plain encode.
+  // The analyze kernel adds, per thread block, the sum of DigestV2Mix(i, w_i) over the target
+  // words whose first byte lies in the block (from the same loads the change scan uses).
+  unsigned long long* digest_v2_sum = nullptr;
+  // Equal to base when set: the write kernel (SPARSE blocks, each thread its own changed
+  // elements right after loading them) and the compact kernel (DENSE blocks, while copying the
+  // target's payload) write the target's values over base. Nothing reads base after them.
+  void* update_base = nullptr;
 };
 
 // Finds each block's changes, chooses kg/kr/ke and the mode, fills blocks[] and tiles[].

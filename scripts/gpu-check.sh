@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: lists the GPUs, runs every GPU test (codec kernels, Device layer,
 # CUDA store, publisher GPU encode, and the daemons end to end over CUDA IPC), runs the GPU
-# benchmark, and exits non-zero if a test fails, skips, or a benchmark check fails. Every step has
+# benchmark (its "onepass_*" rows time the publisher's one-pass EncodeFused against the separate
+# encode / digest v2 / baseline-update passes; a second short run does so at the realistic 1.65%
+# change rate), and exits non-zero if a test fails, skips, or a benchmark check fails. Every step has
 # a timeout; the whole run stays under about 7.5 minutes.
 #
 #   scripts/gpu-check.sh --prebuilt DIR   run the binaries from scripts/gpu-prebuild.sh DIR (for a
@@ -140,6 +142,8 @@ if [[ -z "$BENCH_ARGS" ]]; then
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words by design
 run "GPU benchmark" 120 "$BENCH" --json $BENCH_ARGS
+# The one pass (EncodeFused) against the separate passes at the realistic rate, 2^28 elements.
+run "GPU one-pass benchmark" 60 "$BENCH" --json --elements 268435456 --rates 0.0165 --reps 5
 if [[ -n "$OUTDIR" ]]; then
   grep '^{"bench":"gpu_codec"' "$LOG" >"$OUTDIR/gpu_codec_bench.jsonl" || true
 fi

@@ -154,6 +154,7 @@ struct BaselineTensor {
   v1::TensorSpec spec;
   DType dtype = DType::kBF16;
   uint64_t digest = 0;
+  uint64_t digest_v2 = 0;
   std::shared_ptr<const std::vector<uint8_t>> bytes;
 };
 
@@ -226,8 +227,11 @@ class Transfer {
 // options.gpu_baseline). The base of the encode is the tensor's GPU baseline (the previous
 // version's bytes on that device, or in pinned memory, which any device reads); when there is
 // none (first GPU publish after a reload, device changed, a failed publish dropped it) the
-// previous host bytes are uploaded for that call. A changed tensor's digest comes from
-// Device::Digest and its host bytes (keyframes for new subscribers, persistence) from one D2H
+// previous host bytes are uploaded for that call. The encode is the one pass
+// Device::EncodeFused: the patch, the target's digest v2 (BaselineTensor::digest_v2) and, when
+// the publisher holds that GPU baseline alone, the baseline brought up to the target in place by
+// the changed elements (kept as the next baseline; otherwise the snapshot becomes it). A changed
+// tensor's v1 digest comes from Device::Digest and its host bytes (keyframes for new subscribers, persistence) from one D2H
 // copy of its snapshot, done here, i.e. after the TrainerApi has answered the trainer. An
 // unchanged tensor (host input: memcmp; device input: the encoder finds no changed element)
 // reuses the previous host bytes and digest.

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/testing.h"
@@ -264,6 +265,12 @@ TEST(PublisherGpuCoreTest, DeviceAndPinnedBaselinesEncodeLikeTheCpu) {
         EXPECT_EQ(a[k].digest, b[k].digest) << name << " " << a[k].spec.name();
         EXPECT_TRUE(*a[k].bytes == *b[k].bytes) << name << " " << a[k].spec.name();
         EXPECT_EQ(b[k].digest, TensorDigest(*b[k].bytes, 1)) << name << " " << b[k].spec.name();
+        // GPU encoding: the one pass's digest v2 (Device::EncodeFused, or DigestV2 for keyframe
+        // tensors) is the host bytes' TensorDigestV2.
+        if (cores[i].gpu) {
+          EXPECT_EQ(b[k].digest_v2, TensorDigestV2(*b[k].bytes))
+              << name << " " << b[k].spec.name();
+        }
       }
       // The wire: every frame of the transfers from the previous versions (patches and patch
       // chains) and from nothing (keyframes), byte for byte.
@@ -393,6 +400,14 @@ class CountingDevice final : public cuda::Device {
   }
   absl::StatusOr<uint64_t> Digest(const void* data, uint64_t bytes) override {
     return d_->Digest(data, bytes);
+  }
+  absl::StatusOr<uint64_t> DigestV2(const void* data, uint64_t bytes) override {
+    return d_->DigestV2(data, bytes);
+  }
+  absl::StatusOr<FusedEncoding> EncodeFused(DType dtype, void* base, const void* target,
+                                            uint64_t bytes, const EncodeOptions& options,
+                                            bool update_base) override {
+    return d_->EncodeFused(dtype, base, target, bytes, options, update_base);
   }
   void ReleaseScratch() override { d_->ReleaseScratch(); }
 
