@@ -164,7 +164,11 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerClient::Register() {
 absl::StatusOr<v1::LocalPublishResponse> TrainerClient::Publish(std::optional<uint64_t> version,
                                                                 bool allow_degenerate) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  // Without a deadline the publisher may lend our memory to its pass (the call then returns
+  // only after the pass has read it): see TrainerClientOptions::publish_timeout.
+  if (options_.publish_timeout != absl::InfiniteDuration()) {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.publish_timeout));
+  }
   v1::LocalPublishRequest req;
   req.set_client(name_);
   if (version.has_value()) req.set_version(*version);

@@ -35,8 +35,13 @@
 namespace refit::client {
 
 struct TrainerClientOptions {
-  // Deadline of each RPC (Publish copies every tensor: allow for the model's size).
+  // Deadline of RegisterTensors and Unregister.
   absl::Duration rpc_timeout = absl::Minutes(10);
+  // Deadline of Publish. Infinite (the default): the call has no deadline, so the publisher may
+  // lend this client's memory to its pass instead of copying it (local.proto Publish), and
+  // Publish returns only with the publisher's answer (once the pass has read the memory) or when
+  // the connection fails. A finite timeout: every Publish is copied by the publisher.
+  absl::Duration publish_timeout = absl::InfiniteDuration();
   // Alignment of each tensor's offset in the memfd (a power of two).
   uint64_t alignment = 256;
 };

@@ -539,16 +539,24 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
 }
 
 
-// Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
-// of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
-// 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary).
+// One block's changes as EncodeBlock's scan leaves them (arrays in the scratch): per change its
+// gap and packed value, the run lengths and exceptions of the value coding.
+struct BlockChanges {
+  uint32_t* gap = nullptr;
+  uint64_t* vs = nullptr;
+  uint32_t* run = nullptr;
+  uint64_t* exc = nullptr;
+  ValueState vstate;
+  size_t n = 0;
+};
+
+// EncodeBlock's first step: scans a chunk of 16 KiB per buffer, then turns its changes into
+// values while those bytes are still in L1, hashing each scanned piece of the target into
+// `digest` (if any) right after its scan. The per-change arrays are sized for the worst case
+// (every element changed).
 template <typename T>
-BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
-                         uint64_t block_index, EncodeScratch& s, ByteSink& out,
-                         ChunkHasher* digest) {
-  BlockRecord eb;
-  // Scan a chunk of 16 KiB per buffer, then turn its changes into values while those bytes are
-  // still in L1; the per-change arrays are sized for the worst case (every element changed).
+BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
+                       EncodeScratch& s, ChunkHasher* digest) {
   constexpr uint32_t kChunk = 16384 / sizeof(T);
   const size_t cap = static_cast<size_t>(len) + 64;  // scan slack
   uint32_t* pos = s.pos.Get(cap);
@@ -590,24 +598,110 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
       }
     }
   }
-  const size_t n = n32;
-  if (n == 0) return eb;
+  return BlockChanges{gap, vs, run, exc, vstate, n32};
+}
+
+// EncodeBlock's second step: the Rice / Exp-Golomb parameters of a block with changes (into
+// `eb`) and the size of its sparse payload in bytes.
+template <typename T>
+uint64_t ChooseSparseCoding(BlockChanges& c, int block_log2, ValueCoding coding,
+                            BlockRecord& eb) {
   ValueCounts vc;
-  vc.exceptions = vstate.exceptions;
-  vc.runs = FinishRuns(n, coding, run, vstate);
+  vc.exceptions = c.vstate.exceptions;
+  vc.runs = FinishRuns(c.n, coding, c.run, c.vstate);
   uint64_t gap_bits = 0;
-  eb.kg = static_cast<uint8_t>(ChooseRiceK({gap, n}, block_log2, &gap_bits));
+  eb.kg = static_cast<uint8_t>(ChooseRiceK({c.gap, c.n}, block_log2, &gap_bits));
   uint64_t value_bits = 0;
   if (coding == ValueCoding::kRaw) {
-    value_bits = static_cast<uint64_t>(n) * 8 * sizeof(T);
+    value_bits = static_cast<uint64_t>(c.n) * 8 * sizeof(T);
   } else {
     uint64_t run_bits = 0, exc_bits = 0;
-    eb.kr = static_cast<uint8_t>(ChooseRiceK({run, vc.runs}, block_log2, &run_bits));
-    eb.ke = static_cast<uint8_t>(ChooseEgK({exc, vc.exceptions}, &exc_bits));
-    value_bits = run_bits + n + exc_bits;
+    eb.kr = static_cast<uint8_t>(ChooseRiceK({c.run, vc.runs}, block_log2, &run_bits));
+    eb.ke = static_cast<uint8_t>(ChooseEgK({c.exc, vc.exceptions}, &exc_bits));
+    value_bits = run_bits + c.n + exc_bits;
   }
-  const uint64_t total_bits = gap_bits + value_bits;
-  const uint64_t sparse_bytes = (total_bits + 7) / 8;
+  return (gap_bits + value_bits + 7) / 8;
+}
+
+// EncodeBlock's third step: the sparse payload's bits (gaps, signs, runs, exceptions, or raw
+// values) at `p` with the parameters chosen in `eb`; returns the bytes written. The writer is a
+// local here, so its accumulator stays in registers.
+template <typename T>
+size_t WriteSparsePayload(const BlockChanges& c, ValueCoding coding, const BlockRecord& eb,
+                          uint8_t* p) {
+  BitWriter w(p);
+  const uint32_t* gap = c.gap;
+  const uint64_t* vs = c.vs;
+  const uint32_t* run = c.run;
+  const size_t n = c.n;
+  const int kg = eb.kg, kr = eb.kr, ke = eb.ke;
+  const uint64_t mask_g = (1ull << kg) - 1;
+  if (coding == ValueCoding::kRaw) {
+    for (size_t j = 0; j < n; ++j) {
+      w.PutRice(gap[j], kg);
+      w.PutLong(vs[j], 8 * sizeof(T));
+    }
+  } else {
+    // Per change: [gap Rice(kg)][sign]; an exception adds [EG(ke) of m-2] and, if another
+    // change follows, the next run's Rice(kr). The run lengths say exactly where exceptions
+    // are, so the changes between them go through a tight loop with no per-change test:
+    // Rice(kg) of g then the sign s is the single code ((low | s << kg) * 2 + 1) << (g >> kg).
+    auto put_gap_sign = [&](uint64_t g, uint64_t sign) {
+      const uint64_t qg = g >> kg;
+      if (qg + kg <= 54) {
+        w.Put((((g & mask_g) | (sign << kg)) * 2 + 1) << qg, static_cast<int>(qg) + kg + 2);
+      } else {
+        w.PutRice(g, kg);
+        w.Put(sign, 1);
+      }
+    };
+    size_t j = 0;
+    for (size_t ri = 0;; ++ri) {
+      const uint32_t r = run[ri];
+      w.PutRice(r, kr);
+      const size_t stop = j + r;
+      // Four changes per write when their codes fit in 56 bits together (the usual case at
+      // RL change rates): the writer's serial accumulator chain is paid once per four.
+      for (; j + 4 <= stop; j += 4) {
+        const uint64_t g0 = gap[j], g1 = gap[j + 1], g2 = gap[j + 2], g3 = gap[j + 3];
+        const uint64_t q0 = g0 >> kg, q1 = g1 >> kg, q2 = g2 >> kg, q3 = g3 >> kg;
+        if (q0 + q1 + q2 + q3 + 4 * static_cast<uint64_t>(kg) + 8 > 56) {
+          for (size_t k = j; k < j + 4; ++k) put_gap_sign(gap[k], vs[k] & 1);
+          continue;
+        }
+        const uint64_t c0 = (((g0 & mask_g) | ((vs[j] & 1) << kg)) * 2 + 1) << q0;
+        const uint64_t c1 = (((g1 & mask_g) | ((vs[j + 1] & 1) << kg)) * 2 + 1) << q1;
+        const uint64_t c2 = (((g2 & mask_g) | ((vs[j + 2] & 1) << kg)) * 2 + 1) << q2;
+        const uint64_t c3 = (((g3 & mask_g) | ((vs[j + 3] & 1) << kg)) * 2 + 1) << q3;
+        const int l0 = static_cast<int>(q0) + kg + 2, l1 = static_cast<int>(q1) + kg + 2;
+        const int l2 = static_cast<int>(q2) + kg + 2, l3 = static_cast<int>(q3) + kg + 2;
+        w.Put(c0 | (c1 << l0) | (c2 << (l0 + l1)) | (c3 << (l0 + l1 + l2)), l0 + l1 + l2 + l3);
+      }
+      for (; j < stop; ++j) put_gap_sign(gap[j], vs[j] & 1);
+      if (j == n) break;
+      // Change j is an exception. Its magnitude is vs >> 1, except for 64-bit types whose
+      // magnitude 2^63 lost its top bit in vs.
+      const uint64_t v = vs[j];
+      const uint64_t m = (v >> 1) | (sizeof(T) == 8 && (v >> 1) == 0 ? (1ull << 63) : 0);
+      put_gap_sign(gap[j], v & 1);
+      w.PutEg(m - 2, ke);
+      if (++j == n) break;
+    }
+  }
+  return w.Finish(p);
+}
+
+// Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
+// of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
+// 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary).
+template <typename T>
+BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
+                         uint64_t block_index, EncodeScratch& s, ByteSink& out,
+                         ChunkHasher* digest) {
+  BlockRecord eb;
+  BlockChanges changes = ScanBlock(a, b, len, coding, s, digest);
+  if (changes.n == 0) return eb;
+  const uint64_t sparse_bytes = ChooseSparseCoding<T>(changes, block_log2, coding, eb);
   const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
   const size_t start = out.size();
   auto emit_dense = [&] {
@@ -621,65 +715,9 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
     emit_dense();
   } else {
     eb.mode = kSparse;
-    eb.count = static_cast<uint32_t>(n);
+    eb.count = static_cast<uint32_t>(changes.n);
     out.resize(start + sparse_bytes + 8);  // BitWriter slack
-    uint8_t* p = out.data() + start;
-    BitWriter w(p);
-    const int kg = eb.kg, kr = eb.kr, ke = eb.ke;
-    const uint64_t mask_g = (1ull << kg) - 1;
-    if (coding == ValueCoding::kRaw) {
-      for (size_t j = 0; j < n; ++j) {
-        w.PutRice(gap[j], kg);
-        w.PutLong(vs[j], 8 * sizeof(T));
-      }
-    } else {
-      // Per change: [gap Rice(kg)][sign]; an exception adds [EG(ke) of m-2] and, if another
-      // change follows, the next run's Rice(kr). The run lengths say exactly where exceptions
-      // are, so the changes between them go through a tight loop with no per-change test:
-      // Rice(kg) of g then the sign s is the single code ((low | s << kg) * 2 + 1) << (g >> kg).
-      auto put_gap_sign = [&](uint64_t g, uint64_t sign) {
-        const uint64_t qg = g >> kg;
-        if (qg + kg <= 54) {
-          w.Put((((g & mask_g) | (sign << kg)) * 2 + 1) << qg, static_cast<int>(qg) + kg + 2);
-        } else {
-          w.PutRice(g, kg);
-          w.Put(sign, 1);
-        }
-      };
-      size_t j = 0;
-      for (size_t ri = 0;; ++ri) {
-        const uint32_t r = run[ri];
-        w.PutRice(r, kr);
-        const size_t stop = j + r;
-        // Four changes per write when their codes fit in 56 bits together (the usual case at
-        // RL change rates): the writer's serial accumulator chain is paid once per four.
-        for (; j + 4 <= stop; j += 4) {
-          const uint64_t g0 = gap[j], g1 = gap[j + 1], g2 = gap[j + 2], g3 = gap[j + 3];
-          const uint64_t q0 = g0 >> kg, q1 = g1 >> kg, q2 = g2 >> kg, q3 = g3 >> kg;
-          if (q0 + q1 + q2 + q3 + 4 * static_cast<uint64_t>(kg) + 8 > 56) {
-            for (size_t k = j; k < j + 4; ++k) put_gap_sign(gap[k], vs[k] & 1);
-            continue;
-          }
-          const uint64_t c0 = (((g0 & mask_g) | ((vs[j] & 1) << kg)) * 2 + 1) << q0;
-          const uint64_t c1 = (((g1 & mask_g) | ((vs[j + 1] & 1) << kg)) * 2 + 1) << q1;
-          const uint64_t c2 = (((g2 & mask_g) | ((vs[j + 2] & 1) << kg)) * 2 + 1) << q2;
-          const uint64_t c3 = (((g3 & mask_g) | ((vs[j + 3] & 1) << kg)) * 2 + 1) << q3;
-          const int l0 = static_cast<int>(q0) + kg + 2, l1 = static_cast<int>(q1) + kg + 2;
-          const int l2 = static_cast<int>(q2) + kg + 2, l3 = static_cast<int>(q3) + kg + 2;
-          w.Put(c0 | (c1 << l0) | (c2 << (l0 + l1)) | (c3 << (l0 + l1 + l2)), l0 + l1 + l2 + l3);
-        }
-        for (; j < stop; ++j) put_gap_sign(gap[j], vs[j] & 1);
-        if (j == n) break;
-        // Change j is an exception. Its magnitude is vs >> 1, except for 64-bit types whose
-        // magnitude 2^63 lost its top bit in vs.
-        const uint64_t v = vs[j];
-        const uint64_t m = (v >> 1) | (sizeof(T) == 8 && (v >> 1) == 0 ? (1ull << 63) : 0);
-        put_gap_sign(gap[j], v & 1);
-        w.PutEg(m - 2, ke);
-        if (++j == n) break;
-      }
-    }
-    const size_t written = w.Finish(p);
+    const size_t written = WriteSparsePayload<T>(changes, coding, eb, out.data() + start);
     assert(written == sparse_bytes);
     out.resize(start + sparse_bytes);
     if (written != sparse_bytes) {
@@ -1283,7 +1321,12 @@ std::string DescribeBlock(uint64_t index, const BlockDesc& d) {
                       d.first_element + d.num_elements, "))");
 }
 
-absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
+namespace {
+
+// ParsePatch's first step: the 32-byte header (magic, version, dtype, block_log2, reserved
+// bytes, element count), the block table's size and the checksum over header and table.
+// Returns the table's size; `layout` gets dtype, block_log2 and num_elements.
+absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchLayout& layout) {
   if (patch.size() < static_cast<size_t>(format::kHeaderBytes)) {
     return absl::DataLossError(absl::StrCat("patch: ", patch.size(),
                                             " bytes is shorter than the 32-byte header"));
@@ -1300,7 +1343,6 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
   if (!IsValidDType(h[5])) {
     return absl::DataLossError(absl::StrCat("patch: unknown dtype code ", int{h[5]}, " at offset 5"));
   }
-  PatchLayout layout;
   layout.dtype = static_cast<DType>(h[5]);
   layout.block_log2 = h[6];
   if (layout.block_log2 < format::kMinBlockLog2 || layout.block_log2 > format::kMaxBlockLog2) {
@@ -1312,7 +1354,6 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
     return absl::DataLossError("patch: reserved header bytes (offset 7 or 28) are not zero");
   }
   layout.num_elements = LoadU64(h + 8);
-  const int w = DTypeSize(layout.dtype);
   if (layout.num_elements > (std::numeric_limits<uint64_t>::max() >> 4)) {
     return absl::DataLossError(absl::StrCat("patch: element count ", layout.num_elements,
                                             " at offset 8 is implausibly large"));
@@ -1329,74 +1370,90 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
     return absl::DataLossError(absl::StrCat("patch: ", num_blocks, " blocks cannot fit a ",
                                             table_bytes, "-byte block table"));
   }
-  {
-    std::vector<uint8_t> tmp(24 + table_bytes);
-    std::memcpy(tmp.data(), h, 24);
-    std::memcpy(tmp.data() + 24, h + format::kHeaderBytes, table_bytes);
-    const uint32_t want = LoadU32(h + 24);
-    const uint32_t got = static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed));
-    if (want != got) {
-      return absl::DataLossError(absl::StrCat("patch: header checksum mismatch (offset 24 says ",
-                                              want, ", header and table hash to ", got, ")"));
-    }
+  std::vector<uint8_t> tmp(24 + table_bytes);
+  std::memcpy(tmp.data(), h, 24);
+  std::memcpy(tmp.data() + 24, h + format::kHeaderBytes, table_bytes);
+  const uint32_t want = LoadU32(h + 24);
+  const uint32_t got = static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed));
+  if (want != got) {
+    return absl::DataLossError(absl::StrCat("patch: header checksum mismatch (offset 24 says ",
+                                            want, ", header and table hash to ", got, ")"));
   }
-  TableReader tr(h + format::kHeaderBytes, table_bytes);
+  return table_bytes;
+}
+
+// ParsePatch's per-block step: block i's table entry (mode, count, coding parameters, payload
+// size, checksum), its payload placed at *payload_off (advanced past it).
+absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_t i,
+                             size_t patch_size, BlockDesc& d, uint64_t* payload_off) {
+  const uint64_t block = 1ull << layout.block_log2;
+  d.first_element = i * block;
+  d.num_elements = static_cast<uint32_t>(std::min<uint64_t>(block, layout.num_elements - i * block));
+  const uint64_t dense_bytes = static_cast<uint64_t>(d.num_elements) * DTypeSize(layout.dtype);
+  const size_t entry_off = format::kHeaderBytes + tr.offset();
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("patch: table entry for ", DescribeBlock(i, d),
+                                            " at offset ", entry_off, ": ", what));
+  };
+  uint64_t head;
+  if (!tr.Varint(&head)) return bad("truncated or malformed varint");
+  d.mode = static_cast<uint8_t>(head & 3);
+  if (d.mode == kUnchanged) {
+    if (head != 0) return bad("unchanged block with nonzero count");
+  } else if (d.mode == kDense) {
+    if (head != kDense) return bad("dense block with nonzero count");
+    d.checksum_offset = format::kHeaderBytes + tr.offset();
+    if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+    d.payload_bytes = dense_bytes;
+  } else if (d.mode == kSparse) {
+    const uint64_t count = head >> 2;
+    if (count == 0 || count > d.num_elements) {
+      return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
+    }
+    d.count = static_cast<uint32_t>(count);
+    uint16_t params;
+    if (!tr.U16(&params)) return bad("truncated parameters");
+    d.kg = params & 31;
+    d.kr = (params >> 5) & 31;
+    d.ke = (params >> 10) & 63;
+    if (d.kg > layout.block_log2 || d.kr > layout.block_log2 || d.ke > format::kMaxKe) {
+      return bad(absl::StrCat("coding parameters kg=", int{d.kg}, " kr=", int{d.kr},
+                              " ke=", int{d.ke}, " out of range"));
+    }
+    if (DTypeValueCoding(layout.dtype) == ValueCoding::kRaw && (d.kr != 0 || d.ke != 0)) {
+      return bad("raw-coded dtype with run/exception parameters");
+    }
+    if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
+    if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
+      return bad(absl::StrCat("sparse payload of ", d.payload_bytes,
+                              " bytes is not smaller than the dense form (", dense_bytes, ")"));
+    }
+    d.checksum_offset = format::kHeaderBytes + tr.offset();
+    if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+  } else {
+    return bad("unknown block mode 3");
+  }
+  if (d.payload_bytes > patch_size - *payload_off) {
+    return bad(absl::StrCat("payload of ", d.payload_bytes, " bytes at offset ", *payload_off,
+                            " runs past the end of the ", patch_size, "-byte patch"));
+  }
+  d.payload_offset = *payload_off;
+  *payload_off += d.payload_bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
+  PatchLayout layout;
+  ASSIGN_OR_RETURN(const uint64_t table_bytes, ParsePatchHeader(patch, layout));
+  const uint64_t block = 1ull << layout.block_log2;
+  const uint64_t num_blocks = (layout.num_elements + block - 1) / block;
+  TableReader tr(patch.data() + format::kHeaderBytes, table_bytes);
   layout.blocks.resize(num_blocks);
   uint64_t payload_off = format::kHeaderBytes + table_bytes;
   for (uint64_t i = 0; i < num_blocks; ++i) {
-    BlockDesc& d = layout.blocks[i];
-    d.first_element = i * block;
-    d.num_elements = static_cast<uint32_t>(std::min<uint64_t>(block, layout.num_elements - i * block));
-    const uint64_t dense_bytes = static_cast<uint64_t>(d.num_elements) * w;
-    const size_t entry_off = format::kHeaderBytes + tr.offset();
-    auto bad = [&](const std::string& what) {
-      return absl::DataLossError(absl::StrCat("patch: table entry for ", DescribeBlock(i, d),
-                                              " at offset ", entry_off, ": ", what));
-    };
-    uint64_t head;
-    if (!tr.Varint(&head)) return bad("truncated or malformed varint");
-    d.mode = static_cast<uint8_t>(head & 3);
-    if (d.mode == kUnchanged) {
-      if (head != 0) return bad("unchanged block with nonzero count");
-    } else if (d.mode == kDense) {
-      if (head != kDense) return bad("dense block with nonzero count");
-      d.checksum_offset = format::kHeaderBytes + tr.offset();
-      if (!tr.U32(&d.checksum)) return bad("truncated checksum");
-      d.payload_bytes = dense_bytes;
-    } else if (d.mode == kSparse) {
-      const uint64_t count = head >> 2;
-      if (count == 0 || count > d.num_elements) {
-        return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
-      }
-      d.count = static_cast<uint32_t>(count);
-      uint16_t params;
-      if (!tr.U16(&params)) return bad("truncated parameters");
-      d.kg = params & 31;
-      d.kr = (params >> 5) & 31;
-      d.ke = (params >> 10) & 63;
-      if (d.kg > layout.block_log2 || d.kr > layout.block_log2 || d.ke > format::kMaxKe) {
-        return bad(absl::StrCat("coding parameters kg=", int{d.kg}, " kr=", int{d.kr},
-                                " ke=", int{d.ke}, " out of range"));
-      }
-      if (DTypeValueCoding(layout.dtype) == ValueCoding::kRaw && (d.kr != 0 || d.ke != 0)) {
-        return bad("raw-coded dtype with run/exception parameters");
-      }
-      if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
-      if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
-        return bad(absl::StrCat("sparse payload of ", d.payload_bytes,
-                                " bytes is not smaller than the dense form (", dense_bytes, ")"));
-      }
-      d.checksum_offset = format::kHeaderBytes + tr.offset();
-      if (!tr.U32(&d.checksum)) return bad("truncated checksum");
-    } else {
-      return bad("unknown block mode 3");
-    }
-    if (d.payload_bytes > patch.size() - payload_off) {
-      return bad(absl::StrCat("payload of ", d.payload_bytes, " bytes at offset ", payload_off,
-                              " runs past the end of the ", patch.size(), "-byte patch"));
-    }
-    d.payload_offset = payload_off;
-    payload_off += d.payload_bytes;
+    RETURN_IF_ERROR(ParseBlockEntry(tr, layout, i, patch.size(), layout.blocks[i], &payload_off));
   }
   if (tr.offset() != table_bytes) {
     return absl::DataLossError(absl::StrCat("patch: block table has ", table_bytes - tr.offset(),

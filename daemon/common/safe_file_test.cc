@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -161,6 +162,42 @@ TEST(ReadAtTest, AFileThatShrinksWhileReadIsAnErrorNotACrash) {
   SetReadHookForTesting(nullptr);
   EXPECT_EQ(bytes.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(bytes.status().message(), HasSubstr(path + "\" shrank while being read"));
+}
+
+// The parallel reader: a file truncated under it (chunks on both threads) is DataLoss naming it,
+// never SIGBUS; a released image is reused and then holds the new file's bytes.
+TEST(ReadWholeFileImageTest, ShrinkingIsAnErrorAndReusedImagesHoldTheNewBytes) {
+  TempTree t;
+  const std::string path = t / "big";
+  std::string text(20 << 20, 'x');
+  for (size_t i = 0; i < text.size(); i += 4096) text[i] = static_cast<char>('a' + i % 26);
+  WriteText(path, text);
+  {
+    auto fd = OpenRegularFile(path);
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    auto image = ReadWholeFileImage(fd->get(), path, 2);
+    ASSERT_TRUE(image.ok()) << image.status();
+    ASSERT_EQ(image->size(), text.size());
+    EXPECT_EQ(std::memcmp(image->data(), text.data(), text.size()), 0);
+  }  // released: kept for reuse
+  std::string other(text.size(), 'y');
+  WriteText(path, other);
+  {
+    auto fd = OpenRegularFile(path);
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    auto image = ReadWholeFileImage(fd->get(), path, 2);
+    ASSERT_TRUE(image.ok()) << image.status();
+    EXPECT_EQ(std::memcmp(image->data(), other.data(), other.size()), 0);
+  }
+  auto fd = OpenRegularFile(path);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  SetReadHookForTesting([&](const std::string&, uint64_t offset) {
+    if (offset >= (8u << 20)) ::truncate(path.c_str(), 100);
+  });
+  auto shrunk = ReadWholeFileImage(fd->get(), path, 2);
+  SetReadHookForTesting(nullptr);
+  EXPECT_EQ(shrunk.status().code(), absl::StatusCode::kDataLoss) << shrunk.status();
+  EXPECT_THAT(shrunk.status().message(), HasSubstr(path + "\" shrank while being read"));
 }
 
 TEST(ReadWholeFileTest, RefusesAFileOverTheLimit) {

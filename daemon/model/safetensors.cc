@@ -422,7 +422,7 @@ absl::StatusOr<size_t> SafetensorsFile::Find(absl::string_view name) const {
 
 std::span<const uint8_t> SafetensorsFile::data(size_t i) const {
   const SafetensorsEntry& e = tensors_[i];
-  return {owned_.data() + e.offset, static_cast<size_t>(e.size)};
+  return image_.subspan(static_cast<size_t>(e.offset), static_cast<size_t>(e.size));
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
@@ -437,9 +437,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::OpenBeneath(const std::string& 
   return FromFd(fd.get(), path);
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::FromFd(int fd, const std::string& path) {
-  ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(fd, path));
-  return FromBytes(std::move(bytes), path);
+absl::StatusOr<SafetensorsFile> SafetensorsFile::FromFd(int fd, const std::string& path,
+                                                        int read_threads) {
+  SafetensorsFile f;
+  f.path_ = path;
+  ASSIGN_OR_RETURN(f.file_, ReadWholeFileImage(fd, path, read_threads));
+  f.image_ = {f.file_.data(), static_cast<size_t>(f.file_.size())};
+  RETURN_IF_ERROR(f.Parse());
+  return f;
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::vector<uint8_t> bytes,
@@ -447,6 +452,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::vector<uint8_t> 
   SafetensorsFile f;
   f.path_ = std::move(name);
   f.owned_ = std::move(bytes);
+  f.image_ = f.owned_;
   RETURN_IF_ERROR(f.Parse());
   return f;
 }
@@ -473,7 +479,7 @@ struct ParsedHeader {
 
 // The 8-byte length field N, checked against the limit and the file size. The field may hold
 // anything (the file need not be a safetensors file at all), so a bad N is never printed.
-absl::StatusOr<uint64_t> ReadHeaderLength(const std::vector<uint8_t>& file,
+absl::StatusOr<uint64_t> ReadHeaderLength(std::span<const uint8_t> file,
                                           const std::string& path) {
   if (file.size() < 8) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": file is ", file.size(),
@@ -755,11 +761,11 @@ absl::Status CheckTiling(const std::string& path, const ParsedHeader& h, uint64_
 }  // namespace
 
 absl::Status SafetensorsFile::Parse() {
-  ASSIGN_OR_RETURN(header_size_, ReadHeaderLength(owned_, path_));
+  ASSIGN_OR_RETURN(header_size_, ReadHeaderLength(image_, path_));
   DataRegion data;
   data.start = 8 + header_size_;
-  data.size = owned_.size() - data.start;
-  const absl::string_view header(reinterpret_cast<const char*>(owned_.data() + 8), header_size_);
+  data.size = image_.size() - data.start;
+  const absl::string_view header(reinterpret_cast<const char*>(image_.data() + 8), header_size_);
   JsonReader r(header, path_);
   ASSIGN_OR_RETURN(ParsedHeader h, ParseHeaderObject(r, data));
   RETURN_IF_ERROR(CheckTiling(path_, h, data.size));

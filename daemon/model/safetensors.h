@@ -11,7 +11,8 @@
 // (file, tensor, field, and "header byte K", counted from the first byte of the JSON); a hostile
 // file gives an error, never a crash. The JSON reader is schema-driven and never recurses on its
 // input: nesting where the schema has none is reported as "expected X, found an array/object".
-// Files are never mapped: another process truncating the file while it is read gives an error
+// Files are never mapped: they are read with pread (in parallel chunks) into anonymous memory the
+// object owns (FileImage), so another process truncating the file while it is read gives an error
 // ("... shrank while being read"), not SIGBUS; a FIFO, device or directory is refused without
 // blocking (daemon/common/safe_file.h).
 #ifndef REFIT_DAEMON_MODEL_SAFETENSORS_H_
@@ -55,8 +56,10 @@ class SafetensorsFile {
   static absl::StatusOr<SafetensorsFile> OpenBeneath(const std::string& path,
                                                      std::span<const std::string> roots,
                                                      absl::string_view roots_field);
-  // Reads the regular file open as `fd` (not closed; `path` appears in errors).
-  static absl::StatusOr<SafetensorsFile> FromFd(int fd, const std::string& path);
+  // Reads the regular file open as `fd` (not closed; `path` appears in errors) with
+  // ReadWholeFileImage over `read_threads` threads (0: its default).
+  static absl::StatusOr<SafetensorsFile> FromFd(int fd, const std::string& path,
+                                                int read_threads = 0);
   // Validates an in-memory file image (which the object then owns); `name` appears in errors.
   static absl::StatusOr<SafetensorsFile> FromBytes(std::vector<uint8_t> bytes,
                                                    std::string name = "<memory>");
@@ -76,14 +79,17 @@ class SafetensorsFile {
   // The "__metadata__" object (empty when absent).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   uint64_t header_size() const { return header_size_; }  // N, the JSON's length in bytes
-  uint64_t file_size() const { return owned_.size(); }
+  uint64_t file_size() const { return image_.size(); }
 
  private:
   SafetensorsFile() = default;
   absl::Status Parse();
 
   std::string path_;
-  std::vector<uint8_t> owned_;  // the file image
+  // The file image: read from a file (file_) or handed over (owned_); image_ views it.
+  FileImage file_;
+  std::vector<uint8_t> owned_;
+  std::span<const uint8_t> image_;
   uint64_t header_size_ = 0;
   std::vector<SafetensorsEntry> tensors_;
   absl::flat_hash_map<std::string, size_t> index_;

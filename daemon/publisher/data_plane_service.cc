@@ -436,7 +436,17 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     auto joined = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return session->ended || session->joined_stripes == session->granted_stripes;
     };
-    mu_.AwaitWithTimeout(absl::Condition(&joined), options_.stripe_join_timeout);
+    // In slices: a subscriber that gives up (e.g. a stripe of its could not connect) cancels
+    // the Sync call, and the session must end then, not at stripe_join_timeout.
+    const absl::Time join_deadline = absl::Now() + options_.stripe_join_timeout;
+    while (!joined() && absl::Now() < join_deadline) {
+      if (context->IsCancelled()) {
+        return grpc::Status(grpc::StatusCode::CANCELLED,
+                            "subscriber left before its stripes joined");
+      }
+      mu_.AwaitWithDeadline(absl::Condition(&joined),
+                            std::min(join_deadline, absl::Now() + absl::Milliseconds(100)));
+    }
     if (session->ended) return ToGrpcStatus(session->end_status);
     if (session->joined_stripes != session->granted_stripes) {
       return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(

@@ -468,6 +468,7 @@ void PublishQueue::Run() {
       job = Job();
       continue;
     }
+    if (options_.before_pass) options_.before_pass(job.version);
     const uint64_t base = core_->newest_version();
     absl::StatusOr<PublishSummary> result = Execute(job);
     // Released already when the core committed; otherwise (an error) with the reason.

@@ -106,6 +106,9 @@ struct PublishQueueOptions {
   // path the worker stalls inside every job it has started, as a job stuck in I/O would. "" =
   // off.
   std::string stall_file;
+  // Test hook: called by the worker with the job's version after the job started (a lender's
+  // InputsRelease::Start) and before the pass reads its inputs; the pass waits for it to return.
+  std::function<void(uint64_t version)> before_pass;
 };
 
 // One Control publish.

@@ -228,6 +228,116 @@ absl::Status StartTrainerApi(const v1::PublisherConfig& config, TrainerApiOption
   return absl::OkStatus();
 }
 
+// The core's options from the config (the persist hook and the device set by the caller).
+PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
+  PublisherOptions options;
+  options.history_budget_bytes = config.history().memory_budget_bytes();
+  // PatchHistory keeps the newest version always (it needs >= 1).
+  options.history_max_versions = std::max<uint32_t>(1, config.history().max_versions());
+  options.block_log2 = static_cast<int>(config.codec().block_log2());
+  options.persist_fsync = config.baseline().fsync();
+  options.encode_threads = static_cast<int>(config.codec().threads());
+  options.digest_threads = static_cast<int>(config.codec().threads());
+  options.persist_dir = config.baseline().persist_dir();
+  options.compact_log_versions = config.baseline().compact_log_versions();
+  options.compact_log_bytes = config.baseline().compact_log_bytes();
+  options.persist_max_queued_versions = config.baseline().max_queued_versions();
+  options.persist_max_queued_bytes = config.baseline().max_queued_bytes();
+  options.publish_guard.max_removed_tensor_fraction =
+      config.publish_guard().max_removed_tensor_fraction();
+  options.publish_guard.max_removed_byte_fraction =
+      config.publish_guard().max_removed_byte_fraction();
+  options.gpu_baseline = config.codec().gpu_baseline() == v1::GPU_BASELINE_PINNED
+                             ? cuda::Allocation::Kind::kPinnedHost
+                             : cuda::Allocation::Kind::kDevice;
+  return options;
+}
+
+DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherTransport& transport,
+                                    const std::string& name) {
+  DataPlaneOptions dp;
+  dp.name = name;
+  dp.frame_bytes = transport.frame_bytes();
+  dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
+  dp.max_subscribers = transport.max_subscribers();
+  dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
+  dp.stream_window_bytes = transport.stream_window_bytes();
+  dp.single_stream_below_bytes = transport.single_stream_below_bytes();
+  return dp;
+}
+
+// The publish queue (with its test hook) and the Control service around the core.
+void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& name,
+                         const PublisherOptions& options, absl::Time started,
+                         PublisherDaemonImpl& d) {
+  PublishQueueOptions queue_options;
+  queue_options.max_pending = config.publish_queue().max_pending();
+  if (const char* hook = std::getenv(kStallHookEnv); hook != nullptr && hook[0] != '\0') {
+    queue_options.stall_file = hook;
+    d.log_->warn("test hook {}={}: publishes stall while that file exists", kStallHookEnv, hook);
+  }
+  d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
+  d.control_service_ = std::make_unique<PublisherControl>(
+      d.core_.get(), d.data_plane_.get(), d.queue_.get(),
+      ControlOptions{.name = name,
+                     .history_budget_bytes = options.history_budget_bytes,
+                     .digest_threads = options.digest_threads,
+                     .started = started,
+                     .tls_status = [tls = d.tls_.get()] { return tls->Status(); },
+                     .publish_dirs = {config.files().publish_dirs().begin(),
+                                      config.files().publish_dirs().end()},
+                     .export_dir = config.files().export_dir(),
+                     .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
+                     .persist_dir = options.persist_dir});
+}
+
+// The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache
+// whatever the codec device, and snapshot to the host for the CPU codec, else where the GPU
+// baseline lives.
+TrainerApiOptions TrainerApiOptionsOf(const PublisherOptions& options, PublisherDaemonImpl& d) {
+  TrainerApiOptions api;
+  api.copy_threads = options.encode_threads;
+  api.devices = d.devices_->Provider();
+  api.cuda_snapshot = options.device == nullptr ? CudaSnapshot::kHost
+                      : options.gpu_baseline == cuda::Allocation::Kind::kPinnedHost
+                          ? CudaSnapshot::kPinned
+                          : CudaSnapshot::kDevice;
+  return api;
+}
+
+// The "serving" log line and the ready file, once every server is bound.
+absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::string& name,
+                             const PublisherOptions& options, const PublisherDaemonImpl& d) {
+  const bool separate_control = !config.control_listen().empty();
+  const bool pinned = options.gpu_baseline == cuda::Allocation::Kind::kPinnedHost;
+  d.log_->info(
+      "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
+      "(history budget {}, codec {}, persist dir \"{}\")",
+      name, kBuildVersion, d.listen_.bound_address,
+      separate_control ? d.control_.bound_address : d.listen_.bound_address,
+      config.local_socket().empty() ? std::string("(none)") : d.local_.bound_address,
+      FormatBytes(options.history_budget_bytes),
+      options.device == nullptr
+          ? absl::StrCat("on the CPU (",
+                         config.codec().threads() == 0
+                             ? std::string("a thread per hardware thread")
+                             : absl::StrCat(config.codec().threads(), " threads"),
+                         ")")
+          : absl::StrCat("on ", options.device->Describe(), ", GPU baseline in ",
+                         pinned ? "pinned host memory" : "device memory"),
+      options.persist_dir);
+  if (config.ready_file().empty()) return absl::OkStatus();
+  absl::Status ready = WriteReadyFile(config.ready_file(),
+                                      {{"listen", d.listen_.bound_address},
+                                       {"control_listen", d.control_.bound_address},
+                                       {"local_socket", d.local_.bound_address},
+                                       {"pid", absl::StrCat(getpid())}});
+  if (!ready.ok()) {
+    return absl::Status(ready.code(), absl::StrCat("publisher.ready_file: ", ready.message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
@@ -248,28 +358,9 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->devices_ = std::move(devices);
   const std::string name = config.name().empty() ? HostName() : config.name();
 
-  PublisherOptions options;
-  options.history_budget_bytes = config.history().memory_budget_bytes();
-  // PatchHistory keeps the newest version always (it needs >= 1).
-  options.history_max_versions = std::max<uint32_t>(1, config.history().max_versions());
-  options.block_log2 = static_cast<int>(config.codec().block_log2());
-  options.persist_fsync = config.baseline().fsync();
-  options.encode_threads = static_cast<int>(config.codec().threads());
-  options.digest_threads = static_cast<int>(config.codec().threads());
-  options.persist_dir = config.baseline().persist_dir();
-  options.compact_log_versions = config.baseline().compact_log_versions();
-  options.compact_log_bytes = config.baseline().compact_log_bytes();
-  options.persist_max_queued_versions = config.baseline().max_queued_versions();
-  options.persist_max_queued_bytes = config.baseline().max_queued_bytes();
+  PublisherOptions options = CoreOptionsOf(config);
   options.persist_hook = StallPersistHook(*daemon->log_);
-  options.publish_guard.max_removed_tensor_fraction =
-      config.publish_guard().max_removed_tensor_fraction();
-  options.publish_guard.max_removed_byte_fraction =
-      config.publish_guard().max_removed_byte_fraction();
-  const bool pinned = config.codec().gpu_baseline() == v1::GPU_BASELINE_PINNED;
   options.device = codec_device;
-  options.gpu_baseline =
-      pinned ? cuda::Allocation::Kind::kPinnedHost : cuda::Allocation::Kind::kDevice;
   absl::StatusOr<std::unique_ptr<PublisherCore>> core = PublisherCore::Open(options);
   if (!core.ok()) {
     return absl::Status(core.status().code(),
@@ -279,80 +370,14 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);
 
-  const v1::PublisherTransport& transport = config.transport();
-  DataPlaneOptions dp;
-  dp.name = name;
-  dp.frame_bytes = transport.frame_bytes();
-  dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
-  dp.max_subscribers = transport.max_subscribers();
-  dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
-  dp.stream_window_bytes = transport.stream_window_bytes();
-  dp.single_stream_below_bytes = transport.single_stream_below_bytes();
-  daemon->data_plane_ = std::make_unique<DataPlaneService>(daemon->core_.get(), dp);
-  PublishQueueOptions queue_options;
-  queue_options.max_pending = config.publish_queue().max_pending();
-  if (const char* hook = std::getenv(kStallHookEnv); hook != nullptr && hook[0] != '\0') {
-    queue_options.stall_file = hook;
-    daemon->log_->warn("test hook {}={}: publishes stall while that file exists", kStallHookEnv,
-                       hook);
-  }
-  daemon->queue_ = std::make_unique<PublishQueue>(daemon->core_.get(),
-                                                  daemon->data_plane_.get(), queue_options);
-  daemon->control_service_ = std::make_unique<PublisherControl>(
-      daemon->core_.get(), daemon->data_plane_.get(), daemon->queue_.get(),
-      ControlOptions{.name = name,
-                     .history_budget_bytes = options.history_budget_bytes,
-                     .digest_threads = options.digest_threads,
-                     .started = started,
-                     .tls_status = [tls = daemon->tls_.get()] { return tls->Status(); },
-                     .publish_dirs = {config.files().publish_dirs().begin(),
-                                      config.files().publish_dirs().end()},
-                     .export_dir = config.files().export_dir(),
-                     .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
-                     .persist_dir = options.persist_dir});
-
+  daemon->data_plane_ = std::make_unique<DataPlaneService>(
+      daemon->core_.get(), DataPlaneOptionsOf(config.transport(), name));
+  MakeQueueAndControl(config, name, options, started, *daemon);
   RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {
-    // CUDA tensors of trainers: opened on their GPUs through the cache whatever the codec
-    // device; snapshot to the host for the CPU codec, else where the GPU baseline lives.
-    TrainerApiOptions api;
-    api.copy_threads = options.encode_threads;
-    api.devices = daemon->devices_->Provider();
-    api.cuda_snapshot = codec_device == nullptr ? CudaSnapshot::kHost
-                        : pinned               ? CudaSnapshot::kPinned
-                                               : CudaSnapshot::kDevice;
-    RETURN_IF_ERROR(StartTrainerApi(config, std::move(api), *daemon));
+    RETURN_IF_ERROR(StartTrainerApi(config, TrainerApiOptionsOf(options, *daemon), *daemon));
   }
-  const bool separate_control = !config.control_listen().empty();
-
-  daemon->log_->info(
-      "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
-      "(history budget {}, codec {}, persist dir \"{}\")",
-      name, kBuildVersion, daemon->listen_.bound_address,
-      separate_control ? daemon->control_.bound_address : daemon->listen_.bound_address,
-      config.local_socket().empty() ? std::string("(none)") : daemon->local_.bound_address,
-      FormatBytes(options.history_budget_bytes),
-      codec_device == nullptr
-          ? absl::StrCat("on the CPU (",
-                         config.codec().threads() == 0
-                             ? std::string("a thread per hardware thread")
-                             : absl::StrCat(config.codec().threads(), " threads"),
-                         ")")
-          : absl::StrCat("on ", codec_device->Describe(), ", GPU baseline in ",
-                         pinned ? "pinned host memory" : "device memory"),
-      options.persist_dir);
-
-  if (!config.ready_file().empty()) {
-    absl::Status ready = WriteReadyFile(config.ready_file(),
-                                        {{"listen", daemon->listen_.bound_address},
-                                         {"control_listen", daemon->control_.bound_address},
-                                         {"local_socket", daemon->local_.bound_address},
-                                         {"pid", absl::StrCat(getpid())}});
-    if (!ready.ok()) {
-      return absl::Status(ready.code(),
-                          absl::StrCat("publisher.ready_file: ", ready.message()));
-    }
-  }
+  RETURN_IF_ERROR(AnnounceServing(config, name, options, *daemon));
   return std::unique_ptr<PublisherDaemon>(std::move(daemon));
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -689,8 +690,11 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
 
   // The snapshot (or the loan), outside the lock: other clients take theirs at the same time.
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot,
-                   TakeTensors(tensors, who, version, completes));
+  // Lent only to a call without a deadline: a client whose deadline expires returns while the
+  // pass may still read (gRPC ends the call on the client's side, whatever the server does),
+  // and its trainer would then write under the pass. A call with a deadline gets a copy.
+  const bool lend = completes && deadline == absl::InfiniteFuture();
+  ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot, TakeTensors(tensors, who, version, lend));
   const bool lent = std::any_of(snapshot.begin(), snapshot.end(),
                                 [](const OwnedTensor& t) { return t.keep != nullptr; });
   std::shared_ptr<InputsRelease> release =
@@ -793,9 +797,12 @@ grpc::Status TrainerApiService::Unregister(grpc::ServerContext*,
 grpc::Status TrainerApiService::Publish(grpc::ServerContext* context,
                                         const v1::LocalPublishRequest* request,
                                         v1::LocalPublishResponse* response) {
+  // No deadline set by the client: time_point::max (gpr_inf_future).
+  const absl::Time deadline = context->deadline() == std::chrono::system_clock::time_point::max()
+                                  ? absl::InfiniteFuture()
+                                  : absl::FromChrono(context->deadline());
   absl::StatusOr<v1::LocalPublishResponse> r =
-      DoPublish(*request, absl::FromChrono(context->deadline()),
-                [context] { return context->IsCancelled(); });
+      DoPublish(*request, deadline, [context] { return context->IsCancelled(); });
   if (!r.ok()) {
     log_->warn("{}", r.status().ToString());
     return ToGrpcStatus(r.status());

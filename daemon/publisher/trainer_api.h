@@ -31,15 +31,17 @@
 // Publish(client, version): a version is committed once every registered client has published
 // it; all clients' tensors are then queued as one version on the PublishQueue. The trainer may
 // overwrite its memory once its Publish returns:
-//   - The client that completes the round (the only client, or the last one to publish) lends
-//     its mapped shared-memory tensors (sealed memfds) to the publish instead of copying them:
-//     its Publish returns once the publisher's pass has read them and the version is committed
-//     (InputsRelease; before persistence), so the one pass reads the trainer's memory directly.
-//     Its deadline (the call's) applies until the job starts; a job whose lender gave up before
-//     it started is not run (DeadlineExceeded / Cancelled); once started, the call waits for the
-//     pass (one read of the model). A publish that fails returns its error. If the round turns
-//     out not to complete (a client registered meanwhile), the lent tensors are copied before
-//     the call returns.
+//   - The client that completes the round (the only client, or the last one to publish) with a
+//     call WITHOUT a deadline lends its mapped shared-memory tensors (sealed memfds) to the
+//     publish instead of copying them: its Publish returns once the publisher's pass has read
+//     them and the version is committed (InputsRelease; before persistence), so the one pass
+//     reads the trainer's memory directly. A call with a deadline is copied like any other:
+//     gRPC ends a call on the client's side when its deadline passes, whatever the server still
+//     does, so only a call that cannot expire can promise that the trainer waits for the pass.
+//     A lent job whose call was cancelled before the job started is not run (Cancelled); once
+//     started, the call waits for the pass (one read of the model). A publish that fails
+//     returns its error. If the round turns out not to complete (a client registered
+//     meanwhile), the lent tensors are copied before the call returns.
 //   - Every other client, and tensors read with pread or in CUDA memory, are copied into
 //     daemon-owned memory (the snapshot) and the call returns at once (committed = false for a
 //     client that did not complete the round). Shared-memory tensors go to host buffers; CUDA
@@ -224,8 +226,9 @@ class TrainerApiService final : public v1::TrainerApi::Service {
       const v1::RegisterTensorsRequest& request,
       const std::optional<PeerCred>& peer = std::nullopt);
   absl::Status DoUnregister(const std::string& client);
-  // `deadline` / `cancelled` (may be null): how long a lending client waits for its job to start
-  // (see the top comment; gRPC: the call's deadline and cancellation).
+  // `deadline` / `cancelled` (may be null): the call's (gRPC: its deadline, InfiniteFuture when
+  // the client set none, and its cancellation). Only a call with an infinite deadline lends its
+  // memory (see the top comment); `cancelled` then abandons its job if it has not started.
   absl::StatusOr<v1::LocalPublishResponse> DoPublish(
       const v1::LocalPublishRequest& request, absl::Time deadline = absl::InfiniteFuture(),
       const std::function<bool()>& cancelled = nullptr);

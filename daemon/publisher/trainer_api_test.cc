@@ -16,10 +16,17 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/testing.h"
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/publisher_core.h"
+#include "daemon/codec/hash.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 
 namespace refit::publisher {
@@ -332,9 +339,9 @@ TEST_F(TrainerApiTest, CompletingClientReturnsOnceItsMemoryIsReadAndCommitted) {
   }
 }
 
-// A lending client whose deadline passes before its job starts gets DeadlineExceeded and the
-// job is not run (its memory may change); once the worker moves again, publishing works.
-TEST(TrainerApiLendTest, DeadlineBeforeTheJobStartsAbandonsIt) {
+// A lending client (no deadline) whose call is cancelled before its job starts gets Cancelled
+// and the job is not run (its memory may change); once the worker moves again, publishing works.
+TEST(TrainerApiLendTest, CancelBeforeTheJobStartsAbandonsIt) {
   const std::string stall = absl::StrCat(::testing::TempDir(), "/refit_lend_stall_", getpid());
   auto core = PublisherCore::Open({});
   ASSERT_TRUE(core.ok());
@@ -352,20 +359,160 @@ TEST(TrainerApiLendTest, DeadlineBeforeTheJobStartsAbandonsIt) {
   pub.set_client("rank0");
 
   { std::ofstream(stall).put('x'); }
-  auto gave_up = api.DoPublish(pub, absl::Now() + absl::Milliseconds(300));
+  auto gave_up = api.DoPublish(pub, absl::InfiniteFuture(), [] { return true; });
   ASSERT_FALSE(gave_up.ok());
-  EXPECT_EQ(gave_up.status().code(), absl::StatusCode::kDeadlineExceeded) << gave_up.status();
+  EXPECT_EQ(gave_up.status().code(), absl::StatusCode::kCancelled) << gave_up.status();
   EXPECT_TRUE(absl::StrContains(gave_up.status().message(), "not run")) << gave_up.status();
   std::memset(a.data(), 0xEE, 4096);  // allowed: the publish will not read it
   std::filesystem::remove(stall);
 
-  auto p = api.DoPublish(pub, absl::Now() + absl::Seconds(60));
+  auto p = api.DoPublish(pub);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->version(), 2u);  // version 1 was numbered, then dropped
   EXPECT_EQ((*core)->newest_version(), 2u);
   ASSERT_EQ((*core)->Baseline().size(), 1u);
   EXPECT_EQ(*(*core)->Baseline()[0].bytes, std::vector<uint8_t>(4096, 0xEE));
   EXPECT_EQ(queue.Status().dropped_expired(), 1u);
+}
+
+// Holds the publish worker before its pass reads a job's inputs (PublishQueueOptions::
+// before_pass) until Release(): the pass of a lent version is held while the test acts.
+class PassGate {
+ public:
+  std::function<void(uint64_t)> Hook() {
+    return [this](uint64_t) {
+      absl::MutexLock lock(&mu_);
+      ++held_;
+      mu_.Await(absl::Condition(&released_));
+    };
+  }
+  bool WaitHeld(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(
+                                    +[](int* held) { return *held > 0; }, &held_),
+                                timeout);
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int held_ ABSL_GUARDED_BY(mu_) = 0;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The TrainerApi served over a unix socket in this process, with the pass held by a gate.
+class TrainerApiGrpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto core = PublisherCore::Open({});
+    ASSERT_TRUE(core.ok()) << core.status();
+    core_ = std::move(*core);
+    PublishQueueOptions qo;
+    qo.before_pass = gate_.Hook();
+    queue_ = std::make_unique<PublishQueue>(core_.get(), nullptr, qo);
+    api_ = std::make_unique<TrainerApiService>(queue_.get());
+    socket_ = absl::StrCat(::testing::TempDir(), "/refit_lend_", getpid(), ".sock");
+    std::filesystem::remove(socket_);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("unix:", socket_), grpc::InsecureServerCredentials());
+    builder.RegisterService(api_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::TrainerApi::NewStub(grpc::CreateChannel(absl::StrCat("unix:", socket_),
+                                                        grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    gate_.Release();
+    if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    queue_.reset();
+    server_.reset();
+    std::filesystem::remove(socket_);
+  }
+  // The version's tensor "a" once published: its bytes, and whether its digest is theirs.
+  void ExpectPublished(uint64_t version, const std::vector<uint8_t>& expected) {
+    const absl::Time limit = absl::Now() + absl::Seconds(60);
+    while (core_->newest_version() < version && absl::Now() < limit) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_EQ(core_->newest_version(), version);
+    ASSERT_EQ(core_->Baseline().size(), 1u);
+    const BaselineTensor& t = core_->Baseline()[0];
+    EXPECT_TRUE(*t.bytes == expected) << "version " << version << " holds other bytes than the "
+                                         "trainer published";
+    EXPECT_EQ(t.digest, TensorDigest(*t.bytes)) << "digest disagrees with the bytes";
+  }
+
+  PassGate gate_;
+  std::unique_ptr<PublisherCore> core_;
+  std::unique_ptr<PublishQueue> queue_;
+  std::unique_ptr<TrainerApiService> api_;
+  std::string socket_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::TrainerApi::Stub> stub_;
+};
+
+// A completing client whose own deadline expires while the pass is held: whatever its call
+// returns, the trainer writes right after it, and the version must still hold (and digest) the
+// bytes it published. (Lending to such a call let the pass read the overwritten memory.)
+TEST_F(TrainerApiGrpcTest, ExpiredDeadlineNeverLetsTheTrainerWriteUnderThePass) {
+  Memfd a(1 << 16, 5);
+  v1::RegisterTensorsRequest reg;
+  reg.set_client("rank0");
+  *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
+  ASSERT_TRUE(api_->DoRegister(reg).ok());
+  const std::vector<uint8_t> published(a.data(), a.data() + (1 << 16));
+
+  v1::LocalPublishRequest req;
+  req.set_client("rank0");
+  v1::LocalPublishResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+  std::atomic<bool> returned{false};
+  grpc::Status answer;
+  std::thread trainer([&] {
+    answer = stub_->Publish(&ctx, req, &resp);
+    returned = true;
+  });
+  ASSERT_TRUE(gate_.WaitHeld(absl::Seconds(60)));  // the pass of version 1 is held
+  trainer.join();  // the call ends (its deadline, or its answer) while the pass is held
+  std::memset(a.data(), 0xA5, 1 << 16);  // the trainer's next step, right after the return
+  gate_.Release();
+  ExpectPublished(1, published);
+}
+
+// A completing client without a deadline lends its memory: its call returns only once the
+// (held) pass has read it, and the version holds the published bytes.
+TEST_F(TrainerApiGrpcTest, LendingCallReturnsOnlyAfterThePass) {
+  Memfd a(1 << 16, 6);
+  v1::RegisterTensorsRequest reg;
+  reg.set_client("rank0");
+  *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
+  ASSERT_TRUE(api_->DoRegister(reg).ok());
+  const std::vector<uint8_t> published(a.data(), a.data() + (1 << 16));
+
+  v1::LocalPublishRequest req;
+  req.set_client("rank0");
+  v1::LocalPublishResponse resp;
+  grpc::ClientContext ctx;  // no deadline: may lend
+  std::atomic<bool> returned{false};
+  grpc::Status answer;
+  std::thread trainer([&] {
+    answer = stub_->Publish(&ctx, req, &resp);
+    returned = true;
+  });
+  ASSERT_TRUE(gate_.WaitHeld(absl::Seconds(60)));
+  // Held past what a short deadline would have been: the call must still be waiting.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(returned.load()) << "the lending call returned while the pass was held";
+  gate_.Release();
+  trainer.join();
+  ASSERT_TRUE(answer.ok()) << answer.error_message();
+  EXPECT_TRUE(resp.committed());
+  std::memset(a.data(), 0x3C, 1 << 16);
+  ExpectPublished(1, published);
 }
 
 // A lending client is never left waiting: a queue that stops before running its job answers it.

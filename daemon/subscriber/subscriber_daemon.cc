@@ -103,6 +103,13 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   absl::Status ReloadTls() override { return tls_->Reload(); }
 
  private:
+  // Init's steps, in order.
+  absl::Status OpenDevice(const cuda::DeviceOpener& open_device);
+  absl::Status MakeUpstream();
+  absl::Status MakePeers();
+  void MakeServices();
+  absl::Status AnnounceStarted();
+
   void OnApplied(const AppliedEvent& ev);
   void PeerPublishLoop();
   absl::Status PublishToPeers();
@@ -188,82 +195,97 @@ absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
   return absl::OkStatus();
 }
 
-absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
-  const v1::SubscriberConfig& c = config_;
-
-  // Core.
-  SubscriberOptions core_options;
-  core_options.store.slots = static_cast<int>(c.store().slots());
-  core_options.store.shm_prefix = c.store().shm_prefix();
-  core_options.store.default_ttl = absl::Milliseconds(c.leases().default_ttl_ms());
-  core_options.store.max_ttl = absl::Milliseconds(c.leases().max_ttl_ms());
-  core_options.store.max_leases = static_cast<int>(c.leases().max_leases());
-  core_options.store.max_leases_per_consumer = static_cast<int>(
+// The core's options from the config (store, leases, staging); the device is set by OpenDevice.
+SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
+  SubscriberOptions o;
+  o.store.slots = static_cast<int>(c.store().slots());
+  o.store.shm_prefix = c.store().shm_prefix();
+  o.store.default_ttl = absl::Milliseconds(c.leases().default_ttl_ms());
+  o.store.max_ttl = absl::Milliseconds(c.leases().max_ttl_ms());
+  o.store.max_leases = static_cast<int>(c.leases().max_leases());
+  o.store.max_leases_per_consumer = static_cast<int>(
       std::min(c.leases().max_leases_per_consumer(), c.leases().max_leases()));
-  core_options.store.allow_unsealed = c.store().allow_unsealed();
-  core_options.store.prefault = c.store().prefault();
-  core_options.retained_patch_bytes = c.store().retained_patch_bytes();
-  core_options.threads = static_cast<int>(c.staging().threads());
-  if (c.staging().max_bytes() > 0) core_options.max_slot_bytes = c.staging().max_bytes();
-  core_options.max_frame_bytes = c.upstream().max_frame_bytes();
-  core_options.self_consumer = kSelfConsumer;
-  if (c.store().kind() == v1::STORE_KIND_CUDA) {
-    cuda::DeviceSelector selector;
-    if (c.store().has_cuda_device()) selector.ordinal = static_cast<int>(c.store().cuda_device());
-    if (c.store().has_cuda_device_uuid()) {
-      ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(c.store().cuda_device_uuid()));
-    }
-    absl::StatusOr<std::unique_ptr<cuda::Device>> device =
-        open_device != nullptr
-            ? open_device(selector)
-            : absl::UnavailableError(absl::StrCat("no CUDA device for ", selector.ToString(),
-                                                  ": this process has no GPU support"));
-    if (!device.ok()) {
-      return absl::Status(device.status().code(),
-                          absl::StrCat("subscriber.store.kind: cuda needs a usable GPU: ",
-                                       device.status().message()));
-    }
-    device_ = std::move(*device);
-    core_options.device = device_.get();
-    log_->info("tensor store on {} (CUDA IPC)", device_->Describe());
-  }
-  core_ = std::make_unique<SubscriberCore>(core_options);
+  o.store.allow_unsealed = c.store().allow_unsealed();
+  o.store.prefault = c.store().prefault();
+  o.retained_patch_bytes = c.store().retained_patch_bytes();
+  o.threads = static_cast<int>(c.staging().threads());
+  if (c.staging().max_bytes() > 0) o.max_slot_bytes = c.staging().max_bytes();
+  o.max_frame_bytes = c.upstream().max_frame_bytes();
+  o.self_consumer = kSelfConsumer;
+  return o;
+}
 
-  // Upstream.
+// The upstream's options from the config except the credentials and the channel args.
+UpstreamOptions UpstreamTimingOf(const v1::UpstreamConfig& u) {
   UpstreamOptions up;
+  up.connections = u.connections();
+  up.max_frame_bytes = u.max_frame_bytes();
+  up.connect_timeout = absl::Milliseconds(u.connect_timeout_ms());
+  up.keepalive_time = absl::Milliseconds(u.keepalive_time_ms());
+  up.keepalive_timeout = absl::Milliseconds(u.keepalive_timeout_ms());
+  up.backoff_initial = absl::Milliseconds(u.backoff().initial_ms());
+  up.backoff_max = absl::Milliseconds(u.backoff().max_ms());
+  up.backoff_multiplier = u.backoff().multiplier();
+  up.backoff_jitter = u.backoff().jitter();
+  up.stream_progress = u.stream_progress();
+  return up;
+}
+
+// store.kind cuda: opens the selected GPU into device_; other kinds need none.
+absl::Status SubscriberDaemonImpl::OpenDevice(const cuda::DeviceOpener& open_device) {
+  const v1::StoreConfig& store = config_.store();
+  if (store.kind() != v1::STORE_KIND_CUDA) return absl::OkStatus();
+  cuda::DeviceSelector selector;
+  if (store.has_cuda_device()) selector.ordinal = static_cast<int>(store.cuda_device());
+  if (store.has_cuda_device_uuid()) {
+    ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(store.cuda_device_uuid()));
+  }
+  absl::StatusOr<std::unique_ptr<cuda::Device>> device =
+      open_device != nullptr
+          ? open_device(selector)
+          : absl::UnavailableError(absl::StrCat("no CUDA device for ", selector.ToString(),
+                                                ": this process has no GPU support"));
+  if (!device.ok()) {
+    return absl::Status(device.status().code(),
+                        absl::StrCat("subscriber.store.kind: cuda needs a usable GPU: ",
+                                     device.status().message()));
+  }
+  device_ = std::move(*device);
+  log_->info("tensor store on {} (CUDA IPC)", device_->Describe());
+  return absl::OkStatus();
+}
+
+absl::Status SubscriberDaemonImpl::MakeUpstream() {
+  const v1::UpstreamConfig& u = config_.upstream();
+  UpstreamOptions up = UpstreamTimingOf(u);
   up.name = name_;
-  ASSIGN_OR_RETURN(up.addresses, Targets(c.upstream().addresses(), "subscriber.upstream.addresses"));
+  ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
   ASSIGN_OR_RETURN(up.bootstrap_peers,
-                   Targets(c.upstream().bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
-  ASSIGN_OR_RETURN(up.credentials,
-                   tls_->ChannelCredentials(c.upstream().tls(), "subscriber.upstream.tls"));
-  config::ApplyClientTlsArgs(c.upstream().tls(), &up.channel_args);
-  up.connections = c.upstream().connections();
-  up.max_frame_bytes = c.upstream().max_frame_bytes();
-  up.connect_timeout = absl::Milliseconds(c.upstream().connect_timeout_ms());
-  up.keepalive_time = absl::Milliseconds(c.upstream().keepalive_time_ms());
-  up.keepalive_timeout = absl::Milliseconds(c.upstream().keepalive_timeout_ms());
-  up.backoff_initial = absl::Milliseconds(c.upstream().backoff().initial_ms());
-  up.backoff_max = absl::Milliseconds(c.upstream().backoff().max_ms());
-  up.backoff_multiplier = c.upstream().backoff().multiplier();
-  up.backoff_jitter = c.upstream().backoff().jitter();
-  up.stream_progress = c.upstream().stream_progress();
+                   Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
+  ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
+  config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
+  return absl::OkStatus();
+}
 
-  // Peers.
-  if (c.serve_peers()) {
-    publisher::PublisherOptions po;
-    po.encode_threads = static_cast<int>(c.staging().threads());
-    po.digest_threads = static_cast<int>(c.staging().threads());
-    ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
-    publisher::DataPlaneOptions dpo;
-    dpo.name = name_;
-    dpo.logger = "peers";
-    peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
-  }
+// serve_peers: a PublisherCore every applied version is republished to, served on `listen`.
+absl::Status SubscriberDaemonImpl::MakePeers() {
+  if (!config_.serve_peers()) return absl::OkStatus();
+  publisher::PublisherOptions po;
+  po.encode_threads = static_cast<int>(config_.staging().threads());
+  po.digest_threads = static_cast<int>(config_.staging().threads());
+  ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
+  publisher::DataPlaneOptions dpo;
+  dpo.name = name_;
+  dpo.logger = "peers";
+  peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
+  return absl::OkStatus();
+}
 
-  // Services.
+// The ConsumerApi and the Control service (with its hooks into the upstream, TLS and peers).
+void SubscriberDaemonImpl::MakeServices() {
+  const v1::SubscriberConfig& c = config_;
   consumer_ = std::make_unique<ConsumerApiService>(
       core_.get(), &board_, ConsumerApiOptions{.layout_consumer = absl::StrCat(kSelfConsumer, "/layout")});
   SubscriberControlHooks hooks;
@@ -288,11 +310,11 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   co.export_mode = config::FileModeOr(c.files().export_mode(), 0600);
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
+}
 
-  RETURN_IF_ERROR(StartServers(c));
-
-  if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
-  upstream_->Start();
+// The "started" log line and the ready file (once every server is bound).
+absl::Status SubscriberDaemonImpl::AnnounceStarted() {
+  const v1::SubscriberConfig& c = config_;
   log_->info("subscriber {} started: listen {}, control {}, local {}, store {} slots, serve_peers "
              "{}, upstream {}{}",
              name_, listen_.bound_address.empty() ? "-" : listen_.bound_address,
@@ -303,15 +325,25 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
                  ? std::string()
                  : absl::StrCat(" (bootstrap peers ",
                                 absl::StrJoin(c.upstream().bootstrap_peers(), ","), ")"));
+  if (c.ready_file().empty()) return absl::OkStatus();
+  return WriteReadyFile(c.ready_file(), {{"listen", listen_.bound_address},
+                                         {"control_listen", control_server_.bound_address},
+                                         {"local_socket", local_.bound_address},
+                                         {"pid", std::to_string(getpid())}});
+}
 
-  if (!c.ready_file().empty()) {
-    RETURN_IF_ERROR(WriteReadyFile(c.ready_file(),
-                                   {{"listen", listen_.bound_address},
-                                    {"control_listen", control_server_.bound_address},
-                                    {"local_socket", local_.bound_address},
-                                    {"pid", std::to_string(getpid())}}));
-  }
-  return absl::OkStatus();
+absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
+  SubscriberOptions core_options = CoreOptionsOf(config_);
+  RETURN_IF_ERROR(OpenDevice(open_device));
+  core_options.device = device_.get();
+  core_ = std::make_unique<SubscriberCore>(core_options);
+  RETURN_IF_ERROR(MakeUpstream());
+  RETURN_IF_ERROR(MakePeers());
+  MakeServices();
+  RETURN_IF_ERROR(StartServers(config_));
+  if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
+  upstream_->Start();
+  return AnnounceStarted();
 }
 
 void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {

@@ -20,6 +20,18 @@
 namespace refit::subscriber {
 namespace {
 
+// Waits for `channel` to connect, but gives up at the first failed attempt (refused, TLS
+// handshake) or at `timeout`: the call made next then fails at once with gRPC's reason.
+bool WaitConnected(grpc::Channel& channel, absl::Duration timeout) {
+  const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
+  for (;;) {
+    const grpc_connectivity_state state = channel.GetState(true);
+    if (state == GRPC_CHANNEL_READY) return true;
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) return false;
+    if (!channel.WaitForStateChange(state, deadline)) return false;
+  }
+}
+
 uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
 
 // A VersionEnd whose frames do not all arrive within this time (no progress at all) ends the
@@ -261,18 +273,7 @@ std::shared_ptr<grpc::Channel> Upstream::MakeChannel(const std::string& target, 
 void Upstream::Connect(Session& session) {
   session.channel = MakeChannel(session.target, 0);
   session.stub = v1::DataPlane::NewStub(session.channel);
-  // Wait for the connection, but give up at the first failed attempt (refused, TLS handshake):
-  // the Sync call then fails at once with gRPC's reason.
-  const auto deadline = absl::ToChronoTime(absl::Now() + options_.connect_timeout);
-  for (;;) {
-    const grpc_connectivity_state state = session.channel->GetState(true);
-    if (state == GRPC_CHANNEL_READY) {
-      session.connected = true;
-      break;
-    }
-    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) break;
-    if (!session.channel->WaitForStateChange(state, deadline)) break;
-  }
+  session.connected = WaitConnected(*session.channel, options_.connect_timeout);
   session.stream = session.stub->Sync(&session.context);
 }
 
@@ -454,6 +455,16 @@ void Upstream::StartStripes(const std::shared_ptr<Session>& session, uint32_t st
   for (uint32_t i = 1; i <= stripes; ++i) {
     Session::StripeConn* conn = session->stripes[i - 1].get();
     conn->thread = std::thread([this, session, conn, i] {
+      // Like the Sync connection: a stripe that cannot connect (refused, handshake, not within
+      // connect_timeout) breaks the session at once, and the session is retried with backoff,
+      // rather than leaving the publisher waiting for it (its stripe_join_timeout). The Stripe
+      // call is fail-fast (no wait_for_ready): it must not wait out a broken connection either.
+      if (!WaitConnected(*conn->channel, options_.connect_timeout)) {
+        session->Break(absl::UnavailableError(absl::StrCat(
+            "stripe ", i, " could not connect to ", session->target, " within ",
+            absl::FormatDuration(options_.connect_timeout), " (refused or failed handshake)")));
+        return;
+      }
       v1::StripeRequest req;
       req.set_session_id(session->session_id);
       req.set_stripe_index(i);

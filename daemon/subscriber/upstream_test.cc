@@ -3,13 +3,22 @@
 // over real connections with stripes. Daemon processes are tested in tests/.
 #include "daemon/subscriber/upstream.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
@@ -33,7 +42,8 @@ struct Publisher {
 
   static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
                                           uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0,
-                                          uint64_t stream_window_bytes = 32u << 20) {
+                                          uint64_t stream_window_bytes = 32u << 20,
+                                          absl::Duration stripe_join_timeout = absl::Seconds(10)) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
     opts.lineage = lineage;  // 0: a random one
@@ -48,6 +58,7 @@ struct Publisher {
     dopts.frame_bytes = frame_bytes;  // small frames: many per transfer, spread over stripes
     dopts.retry_initial = absl::Milliseconds(5);
     dopts.stream_window_bytes = stream_window_bytes;
+    dopts.stripe_join_timeout = stripe_join_timeout;
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -410,6 +421,106 @@ TEST(UpstreamTest, MalformedSessionsGetClearErrors) {
   auto a = Subscriber::Start("sub-a", {pub->address});
   ASSERT_TRUE(a->WaitVersion(1));
   ExpectEqual(*a, model, "after the malformed sessions");
+}
+
+// Accepts ONE TCP connection on 127.0.0.1 and relays it to the publisher at 127.0.0.1:`port`;
+// the listener is closed after that accept, so every later connection (the stripes) is refused.
+class OneConnectionRelay {
+ public:
+  explicit OneConnectionRelay(int port) : port_(port) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(::listen(listener_, 1), 0);
+    EXPECT_EQ(::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    address_ = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~OneConnectionRelay() {
+    stop_ = true;
+    thread_.join();
+    for (int fd : {listener_, client_, upstream_}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  const std::string& address() const { return address_; }
+  // True once the relayed connection ended (either side closed it), within `timeout`.
+  bool WaitRelayEnded(absl::Duration timeout) const {
+    const absl::Time limit = absl::Now() + timeout;
+    while (!ended_ && absl::Now() < limit) absl::SleepFor(absl::Milliseconds(10));
+    return ended_;
+  }
+
+ private:
+  void Run() {
+    Relay();
+    ended_ = true;
+  }
+  void Relay() {
+    pollfd p{listener_, POLLIN, 0};
+    while (!stop_ && ::poll(&p, 1, 50) == 0) {
+    }
+    if (stop_) return;
+    client_ = ::accept(listener_, nullptr, nullptr);
+    ::close(listener_);  // from now on: connection refused
+    listener_ = -1;
+    upstream_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port_));
+    if (::connect(upstream_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return;
+    char buf[65536];
+    pollfd fds[2] = {{client_, POLLIN, 0}, {upstream_, POLLIN, 0}};
+    while (!stop_) {
+      if (::poll(fds, 2, 50) <= 0) continue;
+      for (int k = 0; k < 2; ++k) {
+        if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        const ssize_t n = ::read(fds[k].fd, buf, sizeof(buf));
+        if (n <= 0) return;  // one side closed: the relayed connection ends
+        for (ssize_t done = 0; done < n;) {
+          const ssize_t w = ::write(fds[1 - k].fd, buf + done, static_cast<size_t>(n - done));
+          if (w <= 0) return;
+          done += w;
+        }
+      }
+    }
+  }
+
+  const int port_;
+  int listener_ = -1;
+  int client_ = -1;
+  int upstream_ = -1;
+  std::string address_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> ended_{false};
+  std::thread thread_;
+};
+
+// A stripe that cannot connect (refused) fails the session at once on the subscriber's side:
+// the publisher's session ends long before its stripe_join_timeout (10 minutes here), the
+// upstream names the stripe, and it goes on retrying with backoff.
+TEST(UpstreamTest, AStripeThatIsRefusedFailsTheSessionPromptly) {
+  auto pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Minutes(10));
+  std::mt19937 rng(8);
+  pub->Publish(1, MakeModel(rng));
+  const int port = std::stoi(pub->address.substr(pub->address.rfind(':') + 1));
+  OneConnectionRelay relay(port);
+  auto sub = Subscriber::Start("sub-refused", {relay.address()}, /*connections=*/2);
+  // The subscriber gives up the session (after its Welcome: stripes start only then) and
+  // closes the relayed connection; the publisher's session must end too.
+  ASSERT_TRUE(relay.WaitRelayEnded(absl::Seconds(60)));
+  const absl::Time limit = absl::Now() + absl::Seconds(60);
+  while (!pub->service->Sessions().empty() && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(pub->service->Sessions().empty())
+      << "the publisher still waits for the stripe that could not connect";
+  EXPECT_FALSE(sub->upstream->Status().last_error().empty());  // retrying (refused now)
+  sub->upstream->Stop();
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/format.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::sync {
@@ -138,135 +139,166 @@ std::string FrameAssembler::Where(const State* st, uint32_t tensor_index, uint32
                       " part ", part, " chunk ", f.chunk_index(), "/", f.chunk_count(), ": ");
 }
 
+namespace {
+
+template <typename... Args>
+absl::Status Invalid(const std::string& where, const Args&... args) {
+  return absl::InvalidArgumentError(absl::StrCat(where, args...));
+}
+
+}  // namespace
+
+// Object-wide fields: fixed by the first accepted frame, equal in all others.
+absl::Status FrameAssembler::CheckObjectFields(const State& st, const v1::DataFrame& f,
+                                               const std::string& where) const {
+  const ObjectSpec& spec = st.spec;
+  if (!st.started) {
+    if (spec.exact_size ? f.object_bytes() != spec.bytes : f.object_bytes() > spec.bytes) {
+      return Invalid(where, "object_bytes ", f.object_bytes(),
+                     spec.exact_size ? " != expected " : " > limit ", spec.bytes);
+    }
+    const uint64_t min_chunks =
+        f.object_bytes() == 0 ? 1 : (f.object_bytes() - 1) / std::max<uint32_t>(max_frame_bytes_, 1) + 1;
+    const uint64_t max_chunks = std::max<uint64_t>(f.object_bytes(), 1);
+    if (f.chunk_count() < min_chunks || f.chunk_count() > max_chunks) {
+      return Invalid(where, "chunk_count ", f.chunk_count(), " impossible for ", f.object_bytes(),
+                     " bytes in frames of at most ", max_frame_bytes_, " bytes");
+    }
+  } else if (f.object_bytes() != st.object_bytes || f.chunk_count() != st.chunk_count) {
+    return Invalid(where, "object_bytes/chunk_count ", f.object_bytes(), "/", f.chunk_count(),
+                   " differ from earlier frames' ", st.object_bytes, "/", st.chunk_count);
+  }
+  return absl::OkStatus();
+}
+
+// The chunk's own fields: index, sizes, range inside the object, payload and its compression.
+absl::Status FrameAssembler::CheckChunk(const State& st, const v1::DataFrame& f,
+                                        const std::string& where) const {
+  const uint64_t object_bytes = f.object_bytes();
+  if (f.chunk_index() >= f.chunk_count()) return Invalid(where, "chunk_index out of range");
+  if (st.started && st.received[f.chunk_index()]) return Invalid(where, "duplicate chunk");
+  if (f.raw_bytes() > max_frame_bytes_) {
+    return Invalid(where, "raw_bytes ", f.raw_bytes(), " exceeds frame size ", max_frame_bytes_);
+  }
+  if (object_bytes > 0 && f.raw_bytes() == 0) {
+    return Invalid(where, "empty chunk of a non-empty object");
+  }
+  if (f.offset() > object_bytes || f.raw_bytes() > object_bytes - f.offset()) {
+    return Invalid(where, "range [", f.offset(), ", +", f.raw_bytes(), ") outside the object of ",
+                   object_bytes, " bytes");
+  }
+  if (f.payload().size() > max_frame_bytes_) {
+    return Invalid(where, "payload of ", f.payload().size(), " bytes exceeds frame size ",
+                   max_frame_bytes_);
+  }
+  if (f.compression() == v1::COMPRESSION_NONE) {
+    if (f.payload().size() != f.raw_bytes()) {
+      return Invalid(where, "payload of ", f.payload().size(), " bytes, raw_bytes ",
+                     f.raw_bytes());
+    }
+  } else if (f.compression() == v1::COMPRESSION_LZ4) {
+    if (!st.spec.allow_lz4) return Invalid(where, "LZ4 compression not allowed for this object");
+    if (f.payload().empty()) return Invalid(where, "empty LZ4 payload");
+  } else {
+    return Invalid(where, "unknown compression ", static_cast<int>(f.compression()));
+  }
+  return absl::OkStatus();
+}
+
+// Chunks must not overlap and must be ordered by index along the object.
+absl::Status FrameAssembler::CheckPlacement(const State& st, const v1::DataFrame& f,
+                                            const std::string& where) {
+  if (!st.started || f.object_bytes() == 0) return absl::OkStatus();
+  auto next = st.by_offset.lower_bound(f.offset());
+  if (next != st.by_offset.end()) {
+    if (next->first < f.offset() + f.raw_bytes()) {
+      return Invalid(where, "overlaps chunk ", next->second.first);
+    }
+    if (next->second.first < f.chunk_index()) {
+      return Invalid(where, "offset ", f.offset(), " out of order with chunk ",
+                     next->second.first);
+    }
+  }
+  if (next != st.by_offset.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.second > f.offset()) {
+      return Invalid(where, "overlaps chunk ", prev->second.first);
+    }
+    if (prev->second.first > f.chunk_index()) {
+      return Invalid(where, "offset ", f.offset(), " out of order with chunk ",
+                     prev->second.first);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Accepts the chunk: allocates the object at its first frame (bounded by the spec), writes it.
+absl::Status FrameAssembler::WriteChunk(State& st, const v1::DataFrame& f,
+                                        const std::string& where) {
+  if (!st.started) {
+    st.object_bytes = f.object_bytes();
+    st.chunk_count = f.chunk_count();
+    st.received.assign(f.chunk_count(), false);
+    if (!st.spec.buffer.empty()) {
+      st.dest = st.spec.buffer.subspan(0, st.object_bytes);
+    } else {
+      st.owned.resize(st.object_bytes);
+      st.dest = std::span<uint8_t>(st.owned);
+    }
+    st.started = true;
+  }
+  if (f.raw_bytes() == 0) return absl::OkStatus();
+  uint8_t* dst = st.dest.data() + f.offset();
+  if (f.compression() == v1::COMPRESSION_NONE) {
+    std::memcpy(dst, f.payload().data(), f.raw_bytes());
+    return absl::OkStatus();
+  }
+  const int n = LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
+                                    static_cast<int>(f.payload().size()),
+                                    static_cast<int>(f.raw_bytes()));
+  if (n < 0 || static_cast<uint64_t>(n) != f.raw_bytes()) {
+    return absl::DataLossError(absl::StrCat(where, "corrupt LZ4 block (", f.payload().size(),
+                                            " bytes, decoded ", n < 0 ? 0 : n, " of ",
+                                            f.raw_bytes(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<bool> FrameAssembler::Add(const v1::DataFrame& f) {
   auto it = objects_.find(Key(f.tensor_index(), f.part()));
   State* st = it == objects_.end() ? nullptr : &it->second;
   const std::string where = Where(st, f.tensor_index(), f.part(), f);
-  auto invalid = [&](auto&&... args) {
-    return absl::InvalidArgumentError(absl::StrCat(where, args...));
-  };
   if (f.version() != version_) {
-    return invalid("frame for version ", f.version(), " in the transfer of version ", version_);
+    return Invalid(where, "frame for version ", f.version(), " in the transfer of version ",
+                   version_);
   }
   // The transport checksum comes before anything else is done with the payload.
   if (FrameChecksum(f.payload()) != f.checksum()) {
     return absl::DataLossError(absl::StrCat(where, "frame checksum mismatch (", f.payload().size(),
                                             " payload bytes)"));
   }
-  if (st == nullptr) return invalid("no such object in this transfer");
-  if (st->complete) return invalid("object already complete (duplicate frame)");
-  const ObjectSpec& spec = st->spec;
-
-  // Object-wide fields: fixed by the first accepted frame, equal in all others.
-  if (!st->started) {
-    if (spec.exact_size ? f.object_bytes() != spec.bytes : f.object_bytes() > spec.bytes) {
-      return invalid("object_bytes ", f.object_bytes(), spec.exact_size ? " != expected " : " > limit ",
-                     spec.bytes);
-    }
-    const uint64_t min_chunks =
-        f.object_bytes() == 0 ? 1 : (f.object_bytes() - 1) / std::max<uint32_t>(max_frame_bytes_, 1) + 1;
-    const uint64_t max_chunks = std::max<uint64_t>(f.object_bytes(), 1);
-    if (f.chunk_count() < min_chunks || f.chunk_count() > max_chunks) {
-      return invalid("chunk_count ", f.chunk_count(), " impossible for ", f.object_bytes(),
-                     " bytes in frames of at most ", max_frame_bytes_, " bytes");
-    }
-  } else if (f.object_bytes() != st->object_bytes || f.chunk_count() != st->chunk_count) {
-    return invalid("object_bytes/chunk_count ", f.object_bytes(), "/", f.chunk_count(),
-                   " differ from earlier frames' ", st->object_bytes, "/", st->chunk_count);
-  }
-  const uint64_t object_bytes = f.object_bytes();
-  if (f.chunk_index() >= f.chunk_count()) return invalid("chunk_index out of range");
-  if (st->started && st->received[f.chunk_index()]) return invalid("duplicate chunk");
-  if (f.raw_bytes() > max_frame_bytes_) {
-    return invalid("raw_bytes ", f.raw_bytes(), " exceeds frame size ", max_frame_bytes_);
-  }
-  if (object_bytes > 0 && f.raw_bytes() == 0) return invalid("empty chunk of a non-empty object");
-  if (f.offset() > object_bytes || f.raw_bytes() > object_bytes - f.offset()) {
-    return invalid("range [", f.offset(), ", +", f.raw_bytes(), ") outside the object of ",
-                   object_bytes, " bytes");
-  }
-  if (f.payload().size() > max_frame_bytes_) {
-    return invalid("payload of ", f.payload().size(), " bytes exceeds frame size ",
-                   max_frame_bytes_);
-  }
-  if (f.compression() == v1::COMPRESSION_NONE) {
-    if (f.payload().size() != f.raw_bytes()) {
-      return invalid("payload of ", f.payload().size(), " bytes, raw_bytes ", f.raw_bytes());
-    }
-  } else if (f.compression() == v1::COMPRESSION_LZ4) {
-    if (!spec.allow_lz4) return invalid("LZ4 compression not allowed for this object");
-    if (f.payload().empty()) return invalid("empty LZ4 payload");
-  } else {
-    return invalid("unknown compression ", static_cast<int>(f.compression()));
-  }
-  // Chunks must not overlap and must be ordered by index along the object.
-  if (st->started && object_bytes > 0) {
-    auto next = st->by_offset.lower_bound(f.offset());
-    if (next != st->by_offset.end()) {
-      if (next->first < f.offset() + f.raw_bytes()) {
-        return invalid("overlaps chunk ", next->second.first);
-      }
-      if (next->second.first < f.chunk_index()) {
-        return invalid("offset ", f.offset(), " out of order with chunk ", next->second.first);
-      }
-    }
-    if (next != st->by_offset.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second.second > f.offset()) {
-        return invalid("overlaps chunk ", prev->second.first);
-      }
-      if (prev->second.first > f.chunk_index()) {
-        return invalid("offset ", f.offset(), " out of order with chunk ", prev->second.first);
-      }
-    }
-  }
-
-  // Accept: allocate (bounded by the spec) and write.
-  if (!st->started) {
-    st->object_bytes = object_bytes;
-    st->chunk_count = f.chunk_count();
-    st->received.assign(f.chunk_count(), false);
-    if (!spec.buffer.empty()) {
-      st->dest = spec.buffer.subspan(0, object_bytes);
-    } else {
-      st->owned.resize(object_bytes);
-      st->dest = std::span<uint8_t>(st->owned);
-    }
-    st->started = true;
-  }
-  if (f.raw_bytes() > 0) {
-    uint8_t* dst = st->dest.data() + f.offset();
-    if (f.compression() == v1::COMPRESSION_NONE) {
-      std::memcpy(dst, f.payload().data(), f.raw_bytes());
-    } else {
-      const int n = LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
-                                        static_cast<int>(f.payload().size()),
-                                        static_cast<int>(f.raw_bytes()));
-      if (n < 0 || static_cast<uint64_t>(n) != f.raw_bytes()) {
-        return absl::DataLossError(absl::StrCat(where, "corrupt LZ4 block (",
-                                                f.payload().size(), " bytes, decoded ",
-                                                n < 0 ? 0 : n, " of ", f.raw_bytes(), ")"));
-      }
-    }
-  }
+  if (st == nullptr) return Invalid(where, "no such object in this transfer");
+  if (st->complete) return Invalid(where, "object already complete (duplicate frame)");
+  RETURN_IF_ERROR(CheckObjectFields(*st, f, where));
+  RETURN_IF_ERROR(CheckChunk(*st, f, where));
+  RETURN_IF_ERROR(CheckPlacement(*st, f, where));
+  RETURN_IF_ERROR(WriteChunk(*st, f, where));
   st->received[f.chunk_index()] = true;
   st->by_offset.emplace(f.offset(), std::make_pair(f.chunk_index(), f.raw_bytes()));
   ++st->chunks_received;
   st->bytes_received += f.raw_bytes();
   ++frames_;
   payload_bytes_ += f.payload().size();
-  if (st->chunks_received == st->chunk_count) {
-    // Non-overlapping chunks inside the object whose sizes sum to it tile it exactly.
-    if (st->bytes_received != st->object_bytes) {
-      return invalid("all ", st->chunk_count, " chunks received but they cover ",
-                     st->bytes_received, " of ", st->object_bytes, " bytes");
-    }
-    st->complete = true;
-    st->by_offset.clear();
-    ++complete_objects_;
-    return true;
+  if (st->chunks_received != st->chunk_count) return false;
+  // Non-overlapping chunks inside the object whose sizes sum to it tile it exactly.
+  if (st->bytes_received != st->object_bytes) {
+    return Invalid(where, "all ", st->chunk_count, " chunks received but they cover ",
+                   st->bytes_received, " of ", st->object_bytes, " bytes");
   }
-  return false;
+  st->complete = true;
+  st->by_offset.clear();
+  ++complete_objects_;
+  return true;
 }
 
 bool FrameAssembler::ObjectComplete(uint32_t tensor_index, uint32_t part) const {

@@ -129,6 +129,16 @@ class FrameAssembler {
   }
   std::string Where(const State* st, uint32_t tensor_index, uint32_t part,
                     const v1::DataFrame& f) const;
+  // Add's steps, in order: a frame's object-wide fields against its object, its chunk's own
+  // fields, its place among the chunks received (InvalidArgument prefixed `where` at the first
+  // violation), then writing it (DataLoss for a corrupt LZ4 block).
+  absl::Status CheckObjectFields(const State& st, const v1::DataFrame& f,
+                                 const std::string& where) const;
+  absl::Status CheckChunk(const State& st, const v1::DataFrame& f,
+                          const std::string& where) const;
+  static absl::Status CheckPlacement(const State& st, const v1::DataFrame& f,
+                                     const std::string& where);
+  static absl::Status WriteChunk(State& st, const v1::DataFrame& f, const std::string& where);
 
   uint64_t version_;
   uint32_t max_frame_bytes_;
