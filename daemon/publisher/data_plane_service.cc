@@ -107,7 +107,7 @@ struct DataPlaneService::Session {
   bool all_keyframes = false;
   std::set<std::string> keyframe_tensors;
   std::string keyframe_reason;
-  // KeyframeRequest.version == acked_version (serve_repairs): repair that version (0 = none).
+  // KeyframeRequest.version (serve_repairs): a repair if it is acked_version at the next turn.
   uint64_t repair_version = 0;
   uint64_t bytes_sent = 0;
   std::vector<uint64_t> stream_bytes_sent;  // index 0 = Sync, i = stripe i
@@ -520,8 +520,9 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
           } else {
             session->keyframe_tensors.insert(req.tensors().begin(), req.tensors().end());
           }
-          if (options_.serve_repairs && req.version() != 0 &&
-              req.version() == session->acked_version) {
+          // A repair when it names the acked version at the next turn (AwaitTurn): the Ack of
+          // that version may still be on its way through TransferLoop.
+          if (options_.serve_repairs && req.version() != 0) {
             session->repair_version = req.version();
           }
           session->keyframe_reason =
