@@ -103,6 +103,10 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_FALSE(c->store().allow_unsealed());
   EXPECT_EQ(c->store().retained_patch_bytes(), 256u << 20);
   EXPECT_TRUE(c->store().prefault());
+  EXPECT_EQ(c->store().scrub_bytes_per_second(), 256u << 20);
+  EXPECT_EQ(c->store().scrub_interval_ms(), 300000u);
+  EXPECT_TRUE(c->refresh_standby());
+  EXPECT_EQ(c->refresh_wait_ms(), 10000u);
 }
 
 constexpr char kFullPublisher[] = R"(# a full publisher
@@ -363,6 +367,10 @@ TEST(ConfigTest, SubscriberRules) {
                   "by ordinal or by UUID, not both");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
                   "subscriber.store.slots: 1 is out of range [2, 16]");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {scrub_interval_ms: 0}\n"),
+                  "subscriber.store.scrub_interval_ms: 0 is out of range");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  refresh_wait_ms: 600001\n"),
+                  "subscriber.refresh_wait_ms: 600001 is out of range");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {retained_patch_bytes: 68719476737}\n"),
                   "subscriber.store.retained_patch_bytes: 68719476737 is out of range "
                   "[0, 68719476736]");

@@ -107,6 +107,8 @@ struct DataPlaneService::Session {
   bool all_keyframes = false;
   std::set<std::string> keyframe_tensors;
   std::string keyframe_reason;
+  // KeyframeRequest.version (serve_repairs): a repair if it is acked_version at the next turn.
+  uint64_t repair_version = 0;
   uint64_t bytes_sent = 0;
   std::vector<uint64_t> stream_bytes_sent;  // index 0 = Sync, i = stripe i
   v1::RefitStats last_refit;
@@ -528,6 +530,11 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
           } else {
             session->keyframe_tensors.insert(req.tensors().begin(), req.tensors().end());
           }
+          // A repair when it names the acked version at the next turn (AwaitTurn): the Ack of
+          // that version may still be on its way through TransferLoop.
+          if (options_.serve_repairs && req.version() != 0) {
+            session->repair_version = req.version();
+          }
           session->keyframe_reason =
               req.reason().empty() ? "KeyframeRequest" : "KeyframeRequest: " + req.reason();
           ++epoch_;
@@ -656,6 +663,7 @@ absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session
   loop.idle_epoch = epoch_;
   *base_version = session->acked_version;
   *base_digest = session->acked_digest;
+  loop.repair = session->repair_version != 0 && session->repair_version == *base_version;
   topts->plan.all_keyframes = session->all_keyframes;
   topts->plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
                                       session->keyframe_tensors.end());
@@ -664,8 +672,10 @@ absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session
 
 absl::StatusOr<std::shared_ptr<const Transfer>> DataPlaneService::MakeSessionTransfer(
     const Session& session, uint64_t base_version, uint64_t base_digest, TransferOptions topts,
-    uint32_t* streams) const {
-  if (core_->newest_version() <= base_version) {
+    uint32_t* streams, bool repair) const {
+  // A repair (the subscriber's own version again, with keyframes) only while it is the newest.
+  if (core_->newest_version() < base_version ||
+      (core_->newest_version() == base_version && !repair)) {
     // Nothing newer (or the subscriber is ahead of a restarted publisher): wait for a publish.
     return std::shared_ptr<const Transfer>();
   }
@@ -730,6 +740,7 @@ absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
     session->all_keyframes = false;
     session->keyframe_tensors.clear();
     session->keyframe_reason.clear();
+    session->repair_version = 0;
     session->awaiting_ack = t->version();
     session->ack.reset();
   }
@@ -854,7 +865,8 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
     RETURN_IF_ERROR(AwaitTurn(session, loop, &topts, &base_version, &base_digest));
     uint32_t streams = 1;
     ASSIGN_OR_RETURN(std::shared_ptr<const Transfer> t,
-                     MakeSessionTransfer(*session, base_version, base_digest, topts, &streams));
+                     MakeSessionTransfer(*session, base_version, base_digest, topts, &streams,
+                                         loop.repair));
     if (t == nullptr) {  // nothing to send: wait for a publish (or a resync)
       loop.idle = true;
       continue;

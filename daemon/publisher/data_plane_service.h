@@ -63,6 +63,11 @@ struct DataPlaneOptions {
   // LZ4 for keyframe chunks when the subscriber accepts it (and a sample of the tensor shrinks:
   // sync::Lz4Pays).
   bool lz4 = true;
+  // Answer a KeyframeRequest whose version is the subscriber's acked version, while that is the
+  // newest version, with a repair: a REQUESTED transfer of that same version (docs/ARCHITECTURE.md
+  // "Scrub and repair"). Off: such a request waits for the next version, as before (tests of
+  // old publishers).
+  bool serve_repairs = true;
   // Delay before re-sending after a rejected transfer: initial, doubled per consecutive
   // rejection, capped.
   absl::Duration retry_initial = absl::Milliseconds(100);
@@ -151,6 +156,7 @@ class DataPlaneService final : public v1::DataPlane::Service {
     absl::Time retry_at = absl::InfinitePast();
     bool idle = false;        // nothing to send as of idle_epoch
     uint64_t idle_epoch = 0;
+    bool repair = false;      // AwaitTurn: a repair of the acked version is asked for
   };
 
   grpc::Status RunSession(grpc::ServerContext* context, SyncStream* stream,
@@ -167,7 +173,7 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // carry it (*streams).
   absl::StatusOr<std::shared_ptr<const Transfer>> MakeSessionTransfer(
       const Session& session, uint64_t base_version, uint64_t base_digest, TransferOptions topts,
-      uint32_t* streams) const;
+      uint32_t* streams, bool repair = false) const;
   static v1::PublisherMessage HeaderMessage(const Transfer& t, const LoopState& loop,
                                             const TransferOptions& topts);
   // VersionHeader, every frame over the carrying streams, VersionEnd (returned).

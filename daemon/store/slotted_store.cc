@@ -220,6 +220,27 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
                                                       ": v", newest_committed_,
                                                       " is already committed (versions only grow)"));
   }
+  return OpenStagingLocked(version);
+}
+
+absl::StatusOr<StagingHandle> SlottedStore::BeginRepair(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (open_stage_id_ != 0 || open_refresh_id_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot repair v", version, ": a ", open_stage_id_ != 0 ? "staging" : "refresh",
+        " is open"));
+  }
+  if (current_slot_ < 0 || slots_[current_slot_].version != version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot repair v", version, ": it is not the current version (",
+        current_slot_ < 0 ? std::string("none") : absl::StrCat("v", newest_committed_), ")"));
+  }
+  absl::StatusOr<StagingHandle> h = OpenStagingLocked(version);
+  if (h.ok()) open_stage_repair_ = true;
+  return h;
+}
+
+absl::StatusOr<StagingHandle> SlottedStore::OpenStagingLocked(uint64_t version) {
   ExpireLocked(clock_->Now());
   const int pick = PickStagingSlotLocked();
   if (pick < 0) {
@@ -229,13 +250,15 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
   }
   // A held or standby slot's bytes are its version's, intact; an empty one's are unknown (never
   // written, or aborted part-way).
-  const uint64_t previous = slots_[pick].state == SlotStatus::State::kHeld ||
-                                    slots_[pick].state == SlotStatus::State::kStandby
+  const uint64_t previous = !slots_[pick].stale &&
+                                    (slots_[pick].state == SlotStatus::State::kHeld ||
+                                     slots_[pick].state == SlotStatus::State::kStandby)
                                 ? slots_[pick].version
                                 : 0;
   slots_[pick] = Slot{SlotStatus::State::kStaging, version};
   open_stage_id_ = next_stage_id_++;
   open_stage_slot_ = pick;
+  open_stage_repair_ = false;
 
   StagingHandle h;
   h.stage_id = open_stage_id_;
@@ -258,6 +281,15 @@ absl::Status SlottedStore::Commit(const StagingHandle& handle) {
   }
   Slot& slot = slots_[open_stage_slot_];
   slot.state = SlotStatus::State::kHeld;
+  if (open_stage_repair_ && current_slot_ >= 0) {
+    // The repaired slot replaces the current one: kept only for the leases it has.
+    if (LeasesOnLocked(current_slot_) > 0) {
+      slots_[current_slot_].stale = true;
+    } else {
+      slots_[current_slot_] = Slot{};
+    }
+  }
+  open_stage_repair_ = false;
   current_slot_ = open_stage_slot_;
   newest_committed_ = slot.version;
   open_stage_id_ = 0;
@@ -272,6 +304,7 @@ absl::Status SlottedStore::Abort(const StagingHandle& handle) {
                                             handle.stage_id, " is not open"));
   }
   slots_[open_stage_slot_] = Slot{};  // empty: contents unknown (the staging may have torn it)
+  open_stage_repair_ = false;
   open_stage_id_ = 0;
   open_stage_slot_ = -1;
   return absl::OkStatus();
@@ -291,7 +324,7 @@ absl::StatusOr<RefreshHandle> SlottedStore::BeginRefresh(uint64_t oldest_from) {
         absl::StrCat("cannot refresh: no free slot (", DescribeSlotsLocked(), ")"));
   }
   const Slot& slot = slots_[pick];
-  if (slot.state != SlotStatus::State::kHeld || slot.version < oldest_from) {
+  if (slot.state != SlotStatus::State::kHeld || slot.stale || slot.version < oldest_from) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot refresh: the next staging takes slot ", pick, " (", DescribeSlotsLocked(), ")"));
   }
@@ -389,7 +422,10 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
   if (version.has_value()) {
     slot = -1;
     for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-      if (slots_[s].state == SlotStatus::State::kHeld && slots_[s].version == *version) slot = s;
+      if (slots_[s].state == SlotStatus::State::kHeld && !slots_[s].stale &&
+          slots_[s].version == *version) {
+        slot = s;
+      }
     }
     if (slot < 0) {
       return absl::FailedPreconditionError(absl::StrCat("lease for '", consumer, "': v", *version,

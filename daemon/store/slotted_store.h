@@ -46,6 +46,13 @@ class SlottedStore : public TensorStore {
   TensorMemory& memory() const override { return *memory_; }
 
   absl::StatusOr<StagingHandle> BeginStage(uint64_t version) override;
+  // A repair of the current version (issue 10, background scrub): opens a staging of `version`
+  // == the current version into another slot, exactly as BeginStage picks one (base = the
+  // current slot). Its Commit makes the repaired slot current; the slot it replaces keeps its
+  // leases until they are released but is never leased again, and its bytes count as unknown
+  // (a later staging into it gets previous_version 0; it is never refreshed). FAILED_PRECONDITION
+  // when `version` is not the current version or a staging/refresh is open.
+  absl::StatusOr<StagingHandle> BeginRepair(uint64_t version);
   absl::Status Commit(const StagingHandle& handle) override;
   absl::Status Abort(const StagingHandle& handle) override;
   absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) override;
@@ -75,7 +82,12 @@ class SlottedStore : public TensorStore {
   struct Slot {
     SlotStatus::State state = SlotStatus::State::kEmpty;
     uint64_t version = 0;
+    // Replaced by a repair while leased (BeginRepair): held for those leases only, bytes unknown.
+    bool stale = false;
   };
+  // BeginStage / BeginRepair after their version checks.
+  absl::StatusOr<StagingHandle> OpenStagingLocked(uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct LeaseRec {
     std::string consumer;
     std::string quota_key;
@@ -116,6 +128,7 @@ class SlottedStore : public TensorStore {
   // The open staging: its id (0 = none) and slot.
   uint64_t open_stage_id_ ABSL_GUARDED_BY(mu_) = 0;
   int open_stage_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  bool open_stage_repair_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_stage_id_ ABSL_GUARDED_BY(mu_) = 1;
   // The open refresh: its id (0 = none) and slot.
   uint64_t open_refresh_id_ ABSL_GUARDED_BY(mu_) = 0;

@@ -328,6 +328,49 @@ TEST(ShmStoreRefreshTest, RefreshedSlotIsNeverLeasableThenTheNextStagingTakesIt)
   ASSERT_TRUE(store->Abort(*h3).ok());
 }
 
+// BeginRepair: a second slot of the current version; the replaced slot keeps its lease, is never
+// leased again, never refreshed, and a staging into it sees unknown contents.
+TEST(ShmStoreRepairTest, RepairReplacesTheCurrentSlotAndLeasesKeepTheOldOne) {
+  auto store = MakeStore(3);
+  StageAndCommit(*store, 1);
+  const int s2 = StageAndCommit(*store, 2);
+  EXPECT_EQ(store->BeginRepair(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->BeginStage(2).status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<Lease> old = store->AcquireLease("reader");
+  ASSERT_TRUE(old.ok());
+  ASSERT_EQ(old->slot, s2);
+  absl::StatusOr<StagingHandle> r = store->BeginRepair(2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->slot, s2);
+  EXPECT_EQ(r->version, 2u);
+  EXPECT_EQ(r->base_version, 2u);
+  EXPECT_EQ(store->BeginRepair(2).status().code(), absl::StatusCode::kFailedPrecondition);
+  Fill(*r, 0x5a);
+  ASSERT_TRUE(store->Commit(*r).ok());
+  EXPECT_EQ(store->current_version(), 2u);
+  EXPECT_TRUE(Uniform(old->spans, Stamp(2)));  // the lease still reads the old slot
+  for (std::optional<uint64_t> v : {std::optional<uint64_t>(), std::optional<uint64_t>(2)}) {
+    absl::StatusOr<Lease> l = store->AcquireLease("reader", v);
+    ASSERT_TRUE(l.ok());
+    EXPECT_EQ(l->slot, r->slot);
+    EXPECT_TRUE(Uniform(l->spans, 0x5a));
+    ASSERT_TRUE(store->ReleaseLease(l->lease_id).ok());
+  }
+  ASSERT_TRUE(store->ReleaseLease(old->lease_id).ok());
+  // Slot of v1 is older: the first staging takes it; the replaced slot is never "v2, intact".
+  absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
+  ASSERT_TRUE(h3.ok()) << h3.status();
+  Fill(*h3, Stamp(3));
+  ASSERT_TRUE(store->Commit(*h3).ok());
+  EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "the replaced slot is next and must not be refreshed as v2";
+  absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
+  ASSERT_TRUE(h4.ok()) << h4.status();
+  EXPECT_EQ(h4->slot, s2);
+  EXPECT_EQ(h4->previous_version, 0u);
+  ASSERT_TRUE(store->Abort(*h4).ok());
+}
+
 // BeginRefresh changes nothing when it refuses (leased standby slot, an empty slot next, a slot
 // older than asked); AbortRefresh leaves the slot empty with unknown contents.
 TEST(ShmStoreRefreshTest, RefusalsChangeNothingAndAbortLeavesTheSlotUnknown) {

@@ -64,6 +64,7 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   if (hooks_.bytes_sent) response->set_bytes_sent(hooks_.bytes_sent());
   if (hooks_.bytes_received) response->set_bytes_received(hooks_.bytes_received());
   if (hooks_.last_refit) *response->mutable_last_refit() = hooks_.last_refit();
+  if (hooks_.scrub_status) hooks_.scrub_status(*response);
   if (hooks_.tls_status) {
     for (v1::TlsMaterialStatus& t : hooks_.tls_status()) *response->add_tls() = std::move(t);
   }

@@ -32,6 +32,8 @@ struct SubscriberControlHooks {
   std::function<std::vector<v1::SessionStatus>()> peer_sessions;    // serve_peers: Sessions()
   std::function<uint64_t()> bytes_sent;                             // serve_peers: bytes_sent()
   std::function<std::vector<v1::TlsMaterialStatus>()> tls_status;  // TlsReloader::Status
+  // Fills the scrub's fields (scrub_passes, scrub_mismatches, last_scrub_unix_nanos).
+  std::function<void(v1::StatusResponse&)> scrub_status;
 };
 
 struct SubscriberControlOptions {

@@ -24,6 +24,7 @@ struct SubscriberCore::Transfer {
   std::vector<size_t> layout_index;  // header index -> index in target->layout()
   std::shared_ptr<store::SlottedStore> target;  // the store staged into
   bool new_generation = false;
+  bool repair = false;  // SubscriberCore::ExpectRepair: the applied version again, repaired
   // The header's lineage differs from the applied version's (keyframes into a new generation).
   bool lineage_change = false;
   // New generation with bases: a lease on the old store's applied version, and for each header
@@ -251,7 +252,8 @@ absl::StatusOr<std::shared_ptr<store::SlottedStore>> SubscriberCore::CreateStore
 }
 
 absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
-  auto handle = t.target->BeginStage(t.header.version());
+  auto handle = t.repair ? t.target->BeginRepair(t.header.version())
+                         : t.target->BeginStage(t.header.version());
   if (!handle.ok()) {
     if (handle.status().code() == absl::StatusCode::kResourceExhausted) {
       NoteBlockedLocked(*t.target, t.header.version());
@@ -311,7 +313,7 @@ absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader
         " has base version ", base, " but the applied version ", applied, " is of ",
         sync::DescribeLineage(applied_lineage()), " (a lineage change needs keyframes)"));
   }
-  if (v <= applied && !lineage_change) {
+  if (v <= applied && !lineage_change && !IsRepairLocked(header)) {
     return absl::FailedPreconditionError(
         absl::StrCat("header for version ", v, " is not above the applied version ", applied,
                      " (a version is never applied twice)"));
@@ -509,9 +511,14 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   t->header = header;
   t->start = absl::Now();
   t->lineage_change = lineage_change;
+  t->repair = IsRepairLocked(header);
   bool needs_base = false;
   ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
   RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
+  if (t->repair && t->new_generation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, ": a repair must have the applied version's manifest"));
+  }
   if (t->new_generation && needs_base) {
     if (absl::Status st = LeaseOldBasesLocked(*t); !st.ok()) {
       t->Release();
@@ -886,6 +893,11 @@ void SubscriberCore::RetainLocked(Transfer& t) {
 
 // Commit, then switch generations and record the applied version.
 absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified) {
+  if (t.repair && verified.version_digest != applied_digest()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a repair of version ", t.header.version(), " must have its version digest ",
+        absl::Hex(applied_digest()), ", not ", absl::Hex(verified.version_digest)));
+  }
   RETURN_IF_ERROR(t.target->Commit(*t.handle));
   t.handle.reset();
   if (t.new_generation) {
@@ -893,6 +905,8 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
     store_ = t.target;
     ++generation_;
   }
+  repair_version_.store(0, std::memory_order_release);
+  if (t.repair) return absl::OkStatus();  // same version: records and retained chain stand
   RetainLocked(t);
   refresh_requested_ = refresher_.joinable() && !retained_.empty();
   applied_tensors_.clear();
@@ -966,6 +980,21 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
 void SubscriberCore::Abort() {
   absl::MutexLock lock(&mu_);
   DropTransferLocked();
+}
+
+bool SubscriberCore::ExpectRepair(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (version == 0 || version != applied_version()) return false;
+  repair_version_.store(version, std::memory_order_release);
+  return true;
+}
+
+bool SubscriberCore::IsRepairLocked(const v1::VersionHeader& header) const {
+  const uint64_t v = header.version();
+  return v != 0 && v == repair_version_.load(std::memory_order_acquire) &&
+         v == applied_version() && header.base_version() == v &&
+         header.lineage() == applied_lineage() &&
+         header.reason() == v1::TRANSFER_REASON_REQUESTED;
 }
 
 std::vector<v1::TensorDigest> SubscriberCore::applied_tensor_digests() const {

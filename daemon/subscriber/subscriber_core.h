@@ -193,6 +193,17 @@ class SubscriberCore {
   // Discards the open transfer (dropped connection, VersionAbort). No-op without one.
   void Abort();
 
+  // Repair of the applied version (background scrub, docs/ARCHITECTURE.md "Scrub and repair"):
+  // the caller is about to send KeyframeRequest{version = applied version}. Until the next
+  // commit, OnHeader then accepts one transfer whose target and base equal that version
+  // (reason REQUESTED, same lineage): it is staged into another slot (store BeginRepair),
+  // verified like any transfer and committed as the same version (records and retained patches
+  // unchanged; consumers' leases on the replaced slot stay valid). Without this call such a
+  // header is refused as before. False (nothing changes) when `version` is not the applied one.
+  bool ExpectRepair(uint64_t version);
+  // The version ExpectRepair armed (0 = none); cleared by every commit.
+  uint64_t pending_repair() const { return repair_version_.load(std::memory_order_acquire); }
+
   // Welcome.frame_bytes of a new session: the frame limit of transfers started after this call
   // (initially SubscriberOptions::max_frame_bytes). The core outlives sessions; call it on each
   // Welcome.
@@ -365,6 +376,9 @@ class SubscriberCore {
   std::atomic<uint64_t> applied_version_{0};
   std::atomic<uint64_t> applied_digest_{0};
   std::atomic<uint64_t> applied_lineage_{0};
+  std::atomic<uint64_t> repair_version_{0};  // ExpectRepair
+  // OnHeader: the header is the repair ExpectRepair armed.
+  bool IsRepairLocked(const v1::VersionHeader& header) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace refit::subscriber

@@ -272,6 +272,65 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
   EXPECT_EQ(td[0].digest(), TensorDigest(pub_.model(6).at("a.weight").bytes, 1));
 }
 
+// Overwrites one byte of tensor `name` of the applied version in its slot (a stray write
+// through a writable mapping, a memory error), through the store's memory.
+void CorruptApplied(SubscriberCore& core, const std::string& name, uint64_t offset) {
+  auto lease = core.AcquireLease("test-writer");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const size_t i = *lease->store->layout().Find(name);
+  std::vector<uint8_t> byte = {static_cast<uint8_t>(HostCopy(*lease, i)[offset] ^ 0x40)};
+  std::span<uint8_t> dst(const_cast<uint8_t*>(lease->lease.spans[i].data()) + offset, 1);
+  ASSERT_TRUE(lease->store->memory().Upload(dst, byte).ok());
+  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+}
+
+// Scrub repair (docs/ARCHITECTURE.md "Scrub and repair"): a byte flipped in the committed slot;
+// ExpectRepair; the publisher's REQUESTED transfer of the same version (keyframe of the bad
+// tensor, the rest UNCHANGED) is staged into another slot, verified and committed as the same
+// version. New leases read the dense copy; a lease taken before keeps the old slot until released.
+TEST_F(SubscriberCoreTest, RepairOfTheAppliedVersionHealsAFlippedByteAndKeepsOldLeases) {
+  PublishRun(1, 3);
+  SubscriberCore core(opts_);
+  Sync(core, 1);
+  Sync(core, 2);
+  Sync(core, 3);
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  CorruptApplied(core, "b.weight", 1234);
+  auto old = core.AcquireLease("consumer");
+  ASSERT_TRUE(old.ok());
+  const size_t bi = *old->store->layout().Find("b.weight");
+  const std::vector<uint8_t> corrupt = HostCopy(*old, bi);
+  ASSERT_NE(corrupt, pub_.model(3).at("b.weight").bytes);
+
+  PlanOptions bad;
+  bad.keyframe_tensors = {"b.weight"};
+  Wire w = pub_.Transfer(3, core.applied_digest(), 3, bad);
+  ASSERT_EQ(w.header.reason(), v1::TRANSFER_REASON_REQUESTED);
+  ASSERT_EQ(w.header.base_version(), 3u);
+  // Not asked for: refused as before (a version is never applied twice).
+  EXPECT_EQ(core.OnHeader(w.header).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(core.ExpectRepair(2));  // only the applied version
+  ASSERT_TRUE(core.ExpectRepair(3));
+  EXPECT_EQ(core.pending_repair(), 3u);
+  v1::Ack ack = Feed(core, w);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  EXPECT_EQ(ack.applied_version(), 3u);
+  EXPECT_EQ(core.pending_repair(), 0u);
+  EXPECT_EQ(core.generation(), 1u);
+  EXPECT_EQ(core.last_stage().tensors_keyframe, 1u);
+  ExpectHolds(core, pub_, 3);
+  EXPECT_EQ(HostCopy(*old, bi), corrupt) << "the old lease's slot must stay untouched";
+  ASSERT_TRUE(core.ReleaseLease(old->lease.lease_id).ok());
+  // A second repair header without ExpectRepair is refused again.
+  EXPECT_EQ(core.OnHeader(w.header).code(), absl::StatusCode::kFailedPrecondition);
+  // Later deltas apply on the repaired bytes; the replaced slot is never taken as intact.
+  PublishRun(4, 6);
+  for (uint64_t v = 4; v <= 6; ++v) {
+    Sync(core, v);
+    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  }
+}
+
 TEST_F(SubscriberCoreTest, LateJoinerBootstrapsWithKeyframesAndResyncFromBaseZero) {
   PublishRun(1, 5);
   SubscriberCore core(opts_);

@@ -31,6 +31,7 @@
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/subscriber/consumer_api.h"
+#include "daemon/subscriber/scrubber.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
@@ -60,6 +61,30 @@ std::string HumanBytes(uint64_t bytes) {
 }
 
 uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
+
+// Config of the in-place machinery (issue 10): refresh_standby, refresh_wait_ms.
+void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
+  o.refresh_standby = c.refresh_standby();
+  o.refresh_wait = absl::Milliseconds(c.refresh_wait_ms());
+}
+
+// store.scrub_bytes_per_second, store.scrub_interval_ms.
+ScrubberOptions ScrubberOptionsOf(const v1::StoreConfig& store) {
+  ScrubberOptions o;
+  o.bytes_per_second = store.scrub_bytes_per_second();
+  o.interval = absl::Milliseconds(store.scrub_interval_ms());
+  return o;
+}
+
+// Status fields 27..29.
+void ScrubStatus(const Scrubber& scrub, v1::StatusResponse& r) {
+  const ScrubStats s = scrub.stats();
+  r.set_scrub_passes(s.passes);
+  r.set_scrub_mismatches(s.mismatches);
+  if (s.last_pass_end != absl::InfinitePast()) {
+    r.set_last_scrub_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(s.last_pass_end)));
+  }
+}
 
 // "next_version", "catch_up", ... (VersionHeader.reason, lower case without the prefix).
 std::string ReasonName(v1::TransferReason reason) {
@@ -111,6 +136,8 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   absl::Status AnnounceStarted();
 
   void OnApplied(const AppliedEvent& ev);
+  // The background scrub (store.scrub_*): mismatches become repair requests upstream.
+  std::unique_ptr<Scrubber> MakeScrubber(const v1::StoreConfig& store);
   void PeerPublishLoop();
   absl::Status PublishToPeers();
 
@@ -134,6 +161,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   bool peer_stop_ ABSL_GUARDED_BY(peer_mu_) = false;
 
   std::unique_ptr<Upstream> upstream_;
+  std::unique_ptr<Scrubber> scrubber_;  // after upstream_ and core_: destroyed first
   std::unique_ptr<ConsumerApiService> consumer_;
   std::unique_ptr<SubscriberControlService> control_;
   // What the servers register: the services behind their authorization (daemon/auth).
@@ -212,6 +240,7 @@ SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
   if (c.staging().max_bytes() > 0) o.max_slot_bytes = c.staging().max_bytes();
   o.max_frame_bytes = c.upstream().max_frame_bytes();
   o.self_consumer = kSelfConsumer;
+  ApplyRefreshConfig(c, o);
   return o;
 }
 
@@ -266,6 +295,7 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
+  scrubber_ = MakeScrubber(config_.store());
   return absl::OkStatus();
 }
 
@@ -297,6 +327,7 @@ void SubscriberDaemonImpl::MakeServices() {
     return upstream->RequestResync(t);
   };
   hooks.tls_status = [tls = tls_.get()] { return tls->Status(); };
+  hooks.scrub_status = [scrub = scrubber_.get()](v1::StatusResponse& r) { ScrubStatus(*scrub, r); };
   if (peer_service_ != nullptr) {
     publisher::DataPlaneService* peers = peer_service_.get();
     hooks.peer_sessions = [peers] { return peers->Sessions(); };
@@ -343,7 +374,17 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   RETURN_IF_ERROR(StartServers(config_));
   if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
   upstream_->Start();
+  scrubber_->Start();
   return AnnounceStarted();
+}
+
+std::unique_ptr<Scrubber> SubscriberDaemonImpl::MakeScrubber(const v1::StoreConfig& store) {
+  ScrubberOptions o = ScrubberOptionsOf(store);
+  o.consumer = absl::StrCat(kSelfConsumer, "/scrub");
+  o.on_mismatch = [this](const ScrubMismatch& m) {
+    (void)upstream_->RequestRepair(m.version, {m.tensor});  // false: a newer version came
+  };
+  return std::make_unique<Scrubber>(core_.get(), std::move(o));
 }
 
 void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
@@ -459,6 +500,7 @@ void SubscriberDaemonImpl::Shutdown() {
     shut_down_ = true;
   }
   board_.Close();  // ends WatchVersions streams and WaitVersion calls
+  if (scrubber_ != nullptr) scrubber_->Stop();
   if (upstream_ != nullptr) upstream_->Stop();
   if (peer_service_ != nullptr) peer_service_->Shutdown();
   {

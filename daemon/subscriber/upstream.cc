@@ -167,6 +167,31 @@ uint64_t Upstream::bytes_received() const {
 }
 
 uint32_t Upstream::RequestResync(const std::vector<std::string>& tensors) {
+  RequestKeyframes(tensors, 0, "resync requested through Control");
+  return 1;
+}
+
+bool Upstream::RequestRepair(uint64_t version, const std::vector<std::string>& tensors) {
+  if (tensors.empty()) return false;
+  if (core_->pending_repair() == version && version != 0) {
+    // A repair is asked for already: at most one repair header per arming (a second one would
+    // arrive after the first one's commit disarmed the core). These tensors join it if the
+    // publisher has not started it yet, else they come dense with the next version.
+    RequestKeyframes(tensors, 0, absl::StrCat("scrub: ", tensors.size(),
+                                              " more tensor(s) of version ", version));
+    return true;
+  }
+  if (!core_->ExpectRepair(version)) return false;
+  log_->warn("asking for a repair of version {}: {} tensor(s) failed the scrub", version,
+             tensors.size());
+  RequestKeyframes(tensors, version,
+                   absl::StrCat("scrub: ", tensors.size(), " tensor(s) of version ", version,
+                                " changed after verification"));
+  return true;
+}
+
+void Upstream::RequestKeyframes(const std::vector<std::string>& tensors, uint64_t version,
+                                const std::string& reason) {
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
@@ -178,7 +203,7 @@ uint32_t Upstream::RequestResync(const std::vector<std::string>& tensors) {
       } else {
         resync_tensors_.insert(resync_tensors_.end(), tensors.begin(), tensors.end());
       }
-      return 1;
+      return;
     }
   }
   v1::SubscriberMessage m;
@@ -188,14 +213,14 @@ uint32_t Upstream::RequestResync(const std::vector<std::string>& tensors) {
   } else {
     for (const std::string& t : tensors) req->add_tensors(t);
   }
-  req->set_reason("resync requested through Control");
+  req->set_version(version);
+  req->set_reason(reason);
   if (!session->Write(m)) {
     // The session is breaking: keep the request for the next one.
     absl::MutexLock lock(&mu_);
     resync_pending_ = true;
     resync_tensors_ = tensors;
   }
-  return 1;
 }
 
 void Upstream::Run() {
@@ -401,8 +426,11 @@ bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, const v1::
     // open, a frame of a version above the last header waits for its header. Any other frame
     // goes to the core, which rejects a frame of another transfer (and fails that transfer).
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(session->mu) {
+      // A repair (SubscriberCore::ExpectRepair) reuses the last header's version.
+      const bool repair_next = frame.version() == session->last_header_version &&
+                               frame.version() == core_->pending_repair();
       return session->broken || session->open_version != 0 ||
-             frame.version() <= session->last_header_version;
+             (frame.version() <= session->last_header_version && !repair_next);
     };
     session->mu.Await(absl::Condition(&ready));
     if (session->broken) return false;

@@ -105,9 +105,21 @@ class Upstream {
   // with its next transfer: sent at once as a KeyframeRequest when a session is up, else with
   // the next Hello (want_keyframe / a KeyframeRequest after Welcome). Returns 1.
   uint32_t RequestResync(const std::vector<std::string>& tensors);
+  // Background scrub: `tensors` of the applied version `version` no longer match their verified
+  // digests. Arms the core for a repair (SubscriberCore::ExpectRepair) and sends
+  // KeyframeRequest{version, tensors}: a publisher that serves repairs sends that version again
+  // with those tensors dense; an older one (or one with a newer version) carries them dense in
+  // its next transfer. Without a session they go with the next Hello (as a resync). False when
+  // `version` is not the applied one any more (nothing sent). While a repair of `version` is
+  // armed already, the tensors are asked for as plain keyframes (version 0): they join that
+  // repair if it has not started, else they come with the next version.
+  bool RequestRepair(uint64_t version, const std::vector<std::string>& tensors);
 
  private:
   struct Session;
+  // KeyframeRequest{tensors (empty = all), version} now, or with the next session.
+  void RequestKeyframes(const std::vector<std::string>& tensors, uint64_t version,
+                        const std::string& reason);
   void Run();
   // One session; *welcomed tells whether a Welcome arrived. OK = deliberate switch (bootstrap
   // from a peer done).

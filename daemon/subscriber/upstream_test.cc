@@ -43,7 +43,8 @@ struct Publisher {
   static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
                                           uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0,
                                           uint64_t stream_window_bytes = 32u << 20,
-                                          absl::Duration stripe_join_timeout = absl::Seconds(10)) {
+                                          absl::Duration stripe_join_timeout = absl::Seconds(10),
+                                          bool serve_repairs = true) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
     opts.lineage = lineage;  // 0: a random one
@@ -59,6 +60,7 @@ struct Publisher {
     dopts.retry_initial = absl::Milliseconds(5);
     dopts.stream_window_bytes = stream_window_bytes;
     dopts.stripe_join_timeout = stripe_join_timeout;
+    dopts.serve_repairs = serve_repairs;  // false: a publisher from before repairs
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -136,6 +138,24 @@ struct Subscriber {
       return !events.empty() && events.back().stats.version() >= v;
     };
     return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
+  }
+  // Waits until `n` versions were applied and announced (a repair counts: same version again).
+  bool WaitEvents(size_t n) {
+    absl::MutexLock lock(&mu);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return events.size() >= n; };
+    return mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(30));
+  }
+  size_t EventCount() {
+    absl::MutexLock lock(&mu);
+    return events.size();
+  }
+  // Flips a bit of `tensor` in the committed slot (a stray write through a writable mapping).
+  void Corrupt(const std::string& tensor) {
+    auto lease = core->AcquireLease("test-writer");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    const size_t i = *lease->store->layout().Find(tensor);
+    const_cast<uint8_t*>(lease->lease.spans[i].data())[100] ^= 0x08;
+    ASSERT_TRUE(core->ReleaseLease(lease->lease.lease_id).ok());
   }
   AppliedEvent Last() {
     absl::MutexLock lock(&mu);
@@ -521,6 +541,67 @@ TEST(UpstreamTest, AStripeThatIsRefusedFailsTheSessionPromptly) {
       << "the publisher still waits for the stripe that could not connect";
   EXPECT_FALSE(sub->upstream->Status().last_error().empty());  // retrying (refused now)
   sub->upstream->Stop();
+}
+
+}  // namespace
+}  // namespace refit::subscriber
+
+namespace refit::subscriber {
+namespace {
+
+// Scrub repair against a publisher that serves repairs: KeyframeRequest{version = applied}
+// brings the same version again (REQUESTED, base = target) with the bad tensor dense; the
+// session goes on with the next delta.
+TEST(UpstreamRepairTest, RepairOfTheAppliedVersionComesAsTheSameVersionAgain) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(9);
+  Model model = MakeModel(rng);
+  auto sub = Subscriber::Start("sub", {pub->address}, 3);
+  pub->Publish(1, model);
+  Step(model, rng);
+  pub->Publish(2, model);
+  ASSERT_TRUE(sub->WaitVersion(2));
+  const size_t before = sub->EventCount();
+  sub->Corrupt("layers.0.mlp");
+  EXPECT_FALSE(sub->upstream->RequestRepair(1, {"layers.0.mlp"}));  // not the applied version
+  ASSERT_TRUE(sub->upstream->RequestRepair(2, {"layers.0.mlp"}));
+  ASSERT_TRUE(sub->WaitEvents(before + 1));
+  const AppliedEvent ev = sub->Last();
+  EXPECT_EQ(ev.stats.version(), 2u);
+  EXPECT_EQ(ev.stats.base_version(), 2u);
+  EXPECT_EQ(ev.reason, v1::TRANSFER_REASON_REQUESTED);
+  EXPECT_EQ(ev.stats.keyframe_tensors(), 1u);
+  EXPECT_EQ(sub->core->pending_repair(), 0u);
+  ExpectEqual(*sub, model, "repaired version 2");
+  Step(model, rng);
+  pub->Publish(3, model);
+  ASSERT_TRUE(sub->WaitVersion(3));
+  ExpectEqual(*sub, model, "version 3 after the repair");
+  EXPECT_EQ(sub->Last().stats.base_version(), 2u);
+}
+
+// A publisher from before repairs ignores KeyframeRequest.version: the tensor comes dense with
+// the next version and the session is not disturbed.
+TEST(UpstreamRepairTest, OldPublisherCarriesTheRepairInTheNextVersion) {
+  auto pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Seconds(10),
+                                  /*serve_repairs=*/false);
+  std::mt19937 rng(10);
+  Model model = MakeModel(rng);
+  auto sub = Subscriber::Start("sub", {pub->address}, 3);
+  pub->Publish(1, model);
+  ASSERT_TRUE(sub->WaitVersion(1));
+  sub->Corrupt("embed");
+  ASSERT_TRUE(sub->upstream->RequestRepair(1, {"embed"}));
+  Step(model, rng);
+  pub->Publish(2, model);
+  ASSERT_TRUE(sub->WaitVersion(2));
+  const AppliedEvent ev = sub->Last();
+  EXPECT_EQ(ev.stats.version(), 2u);
+  EXPECT_EQ(ev.stats.base_version(), 1u);
+  EXPECT_EQ(ev.stats.keyframe_tensors(), 1u) << "embed dense, the rest as patches";
+  EXPECT_EQ(sub->core->pending_repair(), 0u);
+  ExpectEqual(*sub, model, "version 2");
+  EXPECT_EQ(sub->upstream->Status().state() == v1::SESSION_STATE_BACKOFF, false);
 }
 
 }  // namespace

@@ -1,0 +1,151 @@
+#include "daemon/subscriber/scrubber.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+
+namespace refit::subscriber {
+
+Scrubber::Scrubber(SubscriberCore* core, ScrubberOptions options)
+    : core_(core),
+      options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : store::Clock::Real()) {}
+
+Scrubber::~Scrubber() { Stop(); }
+
+ScrubStats Scrubber::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+bool Scrubber::BeginPass() {
+  const uint64_t version = core_->applied_version();
+  if (version == 0) return false;
+  std::optional<VersionRecord> record = core_->record(version);
+  std::shared_ptr<store::SlottedStore> st = core_->store();
+  if (!record.has_value() || st == nullptr) return false;
+  Pass pass;
+  pass.version = version;
+  pass.generation = core_->generation();
+  const store::Layout& layout = st->layout();
+  pass.digests.resize(layout.size());
+  for (const v1::TensorDigest& d : record->tensors) {
+    if (std::optional<size_t> i = layout.Find(d.name()); i.has_value()) {
+      pass.digests[*i] = d.digest();
+    }
+  }
+  pass_ = std::move(pass);
+  return true;
+}
+
+uint64_t Scrubber::CheckNext() {
+  Pass& pass = *pass_;
+  // Only the committed version is leased: a lease on an older slot could keep the next staging
+  // from finding a free one.
+  absl::StatusOr<SubscriberLease> lease =
+      core_->applied_version() == pass.version
+          ? core_->AcquireLease(options_.consumer, pass.version)
+          : absl::StatusOr<SubscriberLease>(absl::FailedPreconditionError("version replaced"));
+  if (!lease.ok() || lease->generation != pass.generation ||
+      pass.next >= lease->lease.spans.size()) {
+    // A commit replaced the version (or the generation): start over on the new one.
+    if (lease.ok()) (void)core_->ReleaseLease(lease->lease.lease_id);
+    pass_.reset();
+    absl::MutexLock lock(&mu_);
+    ++stats_.restarts;
+    return 0;
+  }
+  const size_t i = pass.next++;
+  const std::span<const uint8_t> bytes = lease->lease.spans[i];
+  store::TensorMemory& memory = lease->store->memory();
+  absl::StatusOr<uint64_t> found =
+      options_.digest ? options_.digest(memory, bytes) : memory.Digest(bytes);
+  const std::string name = lease->store->layout().tensor(i).name;
+  if (absl::Status st = core_->ReleaseLease(lease->lease.lease_id); !st.ok()) {
+    Logger("scrub")->warn("releasing the scrub lease on version {}: {}", pass.version,
+                          st.ToString());
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.tensors_checked;
+    stats_.bytes_checked += bytes.size();
+    if (!found.ok()) {
+      stats_.last_error = absl::StrCat("digest of tensor \"", name, "\" (version ", pass.version,
+                                       "): ", found.status().message());
+    }
+  }
+  if (found.ok() && pass.digests[i].has_value() && *found != *pass.digests[i]) {
+    NoteMismatch({.version = pass.version,
+                  .generation = pass.generation,
+                  .tensor = name,
+                  .expected = *pass.digests[i],
+                  .found = *found});
+  }
+  return std::max<uint64_t>(bytes.size(), 1);
+}
+
+void Scrubber::NoteMismatch(const ScrubMismatch& m) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.mismatches;
+  }
+  Logger("scrub")->error(
+      "tensor \"{}\" of version {} (generation {}) no longer matches its verified digest "
+      "({:016x}, now {:016x}): its held bytes changed after verification; asking for a keyframe",
+      m.tensor, m.version, m.generation, m.expected, m.found);
+  if (options_.on_mismatch) options_.on_mismatch(m);
+}
+
+absl::Time Scrubber::Step() {
+  if (options_.bytes_per_second == 0) return absl::InfiniteFuture();
+  const absl::Time now = clock_->Now();
+  if (now < next_due_) return next_due_;
+  if (core_->transfer_open()) {
+    absl::MutexLock lock(&mu_);
+    ++stats_.busy;
+    return next_due_ = now + options_.busy_retry;
+  }
+  if (!pass_.has_value() && !BeginPass()) return next_due_ = now + options_.busy_retry;
+  const uint64_t bytes = CheckNext();
+  if (bytes == 0) return next_due_ = now;  // restarted: begin the new pass at once
+  next_due_ = now + absl::Seconds(static_cast<double>(bytes) /
+                                  static_cast<double>(options_.bytes_per_second));
+  if (pass_->next >= pass_->digests.size()) {
+    pass_.reset();
+    next_due_ = std::max(next_due_, now + options_.interval);
+    absl::MutexLock lock(&mu_);
+    ++stats_.passes;
+    stats_.last_pass_end = now;
+  }
+  return next_due_;
+}
+
+void Scrubber::Run() {
+  while (true) {
+    const absl::Time due = Step();
+    absl::MutexLock lock(&mu_);
+    const absl::Duration wait = due - clock_->Now();
+    if (stop_ || (wait > absl::ZeroDuration() &&
+                  mu_.AwaitWithTimeout(absl::Condition(&stop_), wait))) {
+      return;
+    }
+    if (stop_) return;
+  }
+}
+
+void Scrubber::Start() {
+  if (options_.bytes_per_second == 0 || thread_.joinable()) return;
+  thread_ = std::thread([this] { Run(); });
+}
+
+void Scrubber::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace refit::subscriber
