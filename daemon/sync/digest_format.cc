@@ -39,7 +39,7 @@ DigestFormat ChooseDigestFormat(std::span<const uint32_t> offered, bool allow_v2
   return DigestFormat::kV1;
 }
 
-std::string_view DigestFormatName(DigestFormat format) {
+const char* DigestFormatName(DigestFormat format) {
   return format == DigestFormat::kV2 ? "v2" : "v1";
 }
 

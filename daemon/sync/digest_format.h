@@ -32,7 +32,7 @@ uint32_t DigestFormatToWire(DigestFormat format);
 DigestFormat ChooseDigestFormat(std::span<const uint32_t> offered, bool allow_v2 = true);
 
 // "v1" / "v2".
-std::string_view DigestFormatName(DigestFormat format);
+const char* DigestFormatName(DigestFormat format);
 
 }  // namespace refit::sync
 
