@@ -61,6 +61,7 @@ struct SubscriberSpec {
   bool local_socket = true;  // ConsumerApi on <dir>/<name>-local.sock
   uint32_t slots = 2;
   std::string store_kind = "shm";  // store.kind: shm | cuda
+  bool digest_v2 = false;          // store.digest_v2: offer tensor digest v2 upstream
   ClientTlsSpec tls;
   uint32_t staging_threads = 2;
   uint32_t lease_default_ttl_ms = 0;  // 0 = default
