@@ -6,7 +6,11 @@
 // pre-faulting, and the first versions after the keyframe (the warm-up penalty). The in-place
 // core refreshes its standby slot after each commit (SubscriberOptions::refresh_standby): that
 // runs untimed between transfers, as in the idle time before the next one, and is reported as
-// refresh_after_ms; the timed transfer then applies only its own patches.
+// refresh_after_ms; the timed transfer then applies only its own patches. A third core runs
+// the in-place path in a digest v2 session (SubscriberCore::SetDigestFormat, transfers with v2
+// digests): its deltas are verified from the slots' verified digests and the patches' deltas
+// (digests_full 0), so its OnHeader..OnEnd should not grow with the model at a fixed number of
+// changed elements ("ratios": in_place_v2_total against size_ratio).
 //
 //   subscriber_bench [--sizes-mb 128,512] [--changed 1073742] [--versions 8] [--threads 2]
 //                    [--slots 2] [--region ELEMENTS]
@@ -114,9 +118,11 @@ struct Run {
 
 // Feeds one transfer (frames made beforehand) to `core`, timing OnHeader .. OnEnd.
 absl::StatusOr<Run> Feed(refit::subscriber::SubscriberCore& core,
-                         const refit::publisher::PublisherCore& pub) {
+                         const refit::publisher::PublisherCore& pub,
+                         refit::sync::DigestFormat format = refit::sync::DigestFormat::kV1) {
   refit::publisher::TransferOptions to;
   to.lz4 = false;
+  to.plan.digest_format = format;
   auto tr = pub.MakeTransfer(core.applied_version(), core.applied_digest(), to);
   if (!tr.ok()) return tr.status();
   std::vector<refit::v1::DataFrame> frames;
@@ -186,6 +192,7 @@ struct Summary {
   double inplace_stage = 0, inplace_verify = 0, inplace_total = 0, inplace_catch_up = 0;
   double inplace_refresh = 0;  // after the commit, off the critical path
   double copy_stage = 0, copy_verify = 0, copy_total = 0;
+  double v2_stage = 0, v2_verify = 0, v2_total = 0;  // in place, digest v2 session
 };
 
 absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
@@ -208,30 +215,37 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
   copy.retained_patch_bytes = 0;  // the full-copy staging of before issue 10
   refit::subscriber::SubscriberCore in_place(so);
   refit::subscriber::SubscriberCore full(copy);
-  std::vector<double> st[2], ve[2], to[2], cu, rf;
+  refit::subscriber::SubscriberCore in_place_v2(so);
+  in_place_v2.SetDigestFormat(refit::sync::DigestFormat::kV2);
+  std::vector<double> st[3], ve[3], to[3], cu, rf;
   for (int v = 1; v <= a.versions + 1; ++v) {
     if (v > 1) Perturb(model, a.changed, a.region, rng);
     const auto inputs = model.Inputs();
     auto s = (*pub)->Publish(static_cast<uint64_t>(v), inputs, /*allow_degenerate=*/true);
     if (!s.ok()) return s.status();
-    for (int k = 0; k < 2; ++k) {
-      // Alternate which core goes first, so neither always finds the caches warm.
-      const int which = (v + k) % 2;
-      refit::subscriber::SubscriberCore& core = which == 0 ? in_place : full;
-      auto r = Feed(core, **pub);
+    for (int k = 0; k < 3; ++k) {
+      // Rotate which core goes first, so none always finds the caches warm.
+      const int which = (v + k) % 3;
+      refit::subscriber::SubscriberCore& core =
+          which == 0 ? in_place : which == 1 ? full : in_place_v2;
+      auto r = Feed(core, **pub,
+                    which == 2 ? refit::sync::DigestFormat::kV2 : refit::sync::DigestFormat::kV1);
       if (!r.ok()) return r.status();
       std::printf("{\"kind\":\"version\",\"model_mb\":%llu,\"version\":%d,\"path\":\"%s\","
                   "\"changed_elements\":%llu,\"total_ms\":%.2f,\"stage_ms\":%.2f,"
                   "\"verify_ms\":%.2f,\"catch_up_ms\":%.2f,\"refresh_after_ms\":%.2f,"
                   "\"slot_version\":%llu,"
                   "\"tensors_in_place\":%u,"
-                  "\"tensors_copied\":%u,\"bytes_copied\":%llu,\"loadavg\":\"%s\"}\n",
-                  static_cast<unsigned long long>(mb), v, which == 0 ? "in_place" : "full_copy",
+                  "\"tensors_copied\":%u,\"bytes_copied\":%llu,\"digests_full\":%u,"
+                  "\"digests_incremental\":%u,\"loadavg\":\"%s\"}\n",
+                  static_cast<unsigned long long>(mb), v,
+                  which == 0 ? "in_place" : which == 1 ? "full_copy" : "in_place_v2",
                   static_cast<unsigned long long>(v > 1 ? s->changed_elements : 0), r->total_ms,
                   r->stage_ms, r->verify_ms, r->stats.catch_up_micros / 1e3, r->refresh_ms,
                   static_cast<unsigned long long>(r->stats.slot_version),
                   r->stats.tensors_in_place, r->stats.tensors_copied,
-                  static_cast<unsigned long long>(r->stats.bytes_copied), LoadAvg().c_str());
+                  static_cast<unsigned long long>(r->stats.bytes_copied), r->stats.digests_full,
+                  r->stats.digests_incremental, LoadAvg().c_str());
       if (v > a.slots + 1) {  // steady: every slot has held a version
         st[which].push_back(r->stage_ms);
         ve[which].push_back(r->verify_ms);
@@ -242,17 +256,20 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
     }
   }
   Summary sum{Median(st[0]), Median(ve[0]), Median(to[0]), Median(cu),
-              Median(rf), Median(st[1]), Median(ve[1]), Median(to[1])};
+              Median(rf), Median(st[1]), Median(ve[1]), Median(to[1]),
+              Median(st[2]), Median(ve[2]), Median(to[2])};
   std::printf("{\"kind\":\"summary\",\"model_mb\":%llu,\"region\":%llu,\"steady_versions\":%zu,"
               "\"in_place\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"of_which_catch_up_ms\":%.2f,"
               "\"verify_ms\":%.2f,\"refresh_after_commit_ms\":%.2f},"
               "\"full_copy\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"verify_ms\":%.2f},"
+              "\"in_place_v2\":{\"total_ms\":%.2f,\"stage_ms\":%.2f,\"verify_ms\":%.2f},"
               "\"stage_speedup\":%.2f,\"total_speedup\":%.2f,\"loadavg\":\"%s\"}\n",
               static_cast<unsigned long long>(mb), static_cast<unsigned long long>(a.region),
               st[0].size(), sum.inplace_total,
               sum.inplace_stage, sum.inplace_catch_up, sum.inplace_verify, sum.inplace_refresh,
               sum.copy_total,
-              sum.copy_stage, sum.copy_verify, sum.copy_stage / std::max(sum.inplace_stage, 1e-3),
+              sum.copy_stage, sum.copy_verify, sum.v2_total, sum.v2_stage, sum.v2_verify,
+              sum.copy_stage / std::max(sum.inplace_stage, 1e-3),
               sum.copy_total / std::max(sum.inplace_total, 1e-3), LoadAvg().c_str());
   return sum;
 }
@@ -313,12 +330,15 @@ int main(int argc, char** argv) {
         static_cast<double>(a.sizes_mb.back()) / static_cast<double>(a.sizes_mb.front());
     std::printf("{\"kind\":\"ratios\",\"size_ratio\":%.2f,\"in_place_stage\":%.2f,"
                 "\"in_place_verify\":%.2f,\"in_place_total\":%.2f,\"full_copy_stage\":%.2f,"
-                "\"full_copy_total\":%.2f,\"loadavg\":\"%s\"}\n",
+                "\"full_copy_total\":%.2f,\"in_place_v2_verify\":%.2f,\"in_place_v2_total\":%.2f,"
+                "\"loadavg\":\"%s\"}\n",
                 size_ratio, hi.inplace_stage / std::max(lo.inplace_stage, 1e-3),
                 hi.inplace_verify / std::max(lo.inplace_verify, 1e-3),
                 hi.inplace_total / std::max(lo.inplace_total, 1e-3),
                 hi.copy_stage / std::max(lo.copy_stage, 1e-3),
-                hi.copy_total / std::max(lo.copy_total, 1e-3), LoadAvg().c_str());
+                hi.copy_total / std::max(lo.copy_total, 1e-3),
+                hi.v2_verify / std::max(lo.v2_verify, 1e-3),
+                hi.v2_total / std::max(lo.v2_total, 1e-3), LoadAvg().c_str());
   }
   return 0;
 }

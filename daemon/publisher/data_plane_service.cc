@@ -88,7 +88,9 @@ struct DataPlaneService::Session {
   uint32_t joined_stripes = 0;
   v1::SessionState state = v1::SESSION_STATE_CONNECTING;
   uint64_t acked_version = 0;
-  uint64_t acked_digest = 0;
+  uint64_t acked_digest = 0;  // in digest_format
+  // Welcome.digest_format: every digest of the session (Hello, VersionEnd, Ack) is in it.
+  sync::DigestFormat digest_format = sync::DigestFormat::kV1;
   // acked_version is this publisher's (its digest is the one recorded, or a version the history
   // no longer holds); false for a Hello at a known number with another digest until an Ack.
   bool verified = true;
@@ -208,6 +210,7 @@ std::vector<v1::SessionStatus> DataPlaneService::Sessions() const {
     st.set_bytes_sent(s->bytes_sent);
     for (uint64_t b : s->stream_bytes_sent) st.add_stream_bytes_sent(b);
     st.set_stream_progress(s->progress);
+    st.set_digest_format(sync::DigestFormatToWire(s->digest_format));
     st.set_connected_unix_nanos(s->connected_unix_nanos);
     *st.mutable_last_refit() = s->last_refit;
     out.push_back(std::move(st));
@@ -288,9 +291,19 @@ void DataPlaneService::ClassifyHello(const v1::Hello& hello, Session& session) c
     return;
   }
   // Same lineage: the subscriber's number is ours; its digest must be ours too where we know it.
-  if (absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v); known.ok()) {
-    session.verified = hello.version_digest() == *known;
+  // The Hello's digest is in the format of the session the subscriber verified `v` in, which
+  // may not be this session's: either of our records matches, and the session keeps ours in
+  // its own format.
+  for (sync::DigestFormat f : {session.digest_format, sync::DigestFormat::kV1,
+                               sync::DigestFormat::kV2}) {
+    absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v, f);
+    if (!known.ok() || hello.version_digest() != *known) continue;
+    absl::StatusOr<uint64_t> ours_digest = core_->VersionDigestOf(v, session.digest_format);
+    session.verified = ours_digest.ok();
+    if (ours_digest.ok()) session.acked_digest = *ours_digest;
+    return;
   }
+  if (core_->VersionDigestOf(v).ok()) session.verified = false;  // known, with another digest
 }
 
 v1::RefitStats DataPlaneService::LastFullyAcked() const {
@@ -356,6 +369,9 @@ grpc::Status DataPlaneService::Sync(
   session->stripe_joined.assign(session->granted_stripes + 1, false);
   session->stream_bytes_sent.assign(session->granted_stripes + 1, 0);
   session->progress = hello.stream_progress() && options_.stream_window_bytes > 0;
+  session->digest_format = sync::ChooseDigestFormat(
+      std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
+      options_.digest_v2);
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
@@ -428,6 +444,9 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     w->set_peer_identity(session->identity);
     w->set_lineage(core_->lineage());
     if (session->progress) w->set_progress_bytes(kProgressBytes);
+    if (session->digest_format != sync::DigestFormat::kV1) {
+      w->set_digest_format(sync::DigestFormatToWire(session->digest_format));
+    }
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }
@@ -665,6 +684,7 @@ absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session
   *base_digest = session->acked_digest;
   loop.repair = session->repair_version != 0 && session->repair_version == *base_version;
   topts->plan.all_keyframes = session->all_keyframes;
+  topts->plan.digest_format = session->digest_format;
   topts->plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
                                       session->keyframe_tensors.end());
   return absl::OkStatus();

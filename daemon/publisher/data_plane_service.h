@@ -57,6 +57,10 @@ struct DataPlaneOptions {
   uint32_t max_subscribers = 1024;
   // config transport.stripe_join_timeout_ms.
   absl::Duration stripe_join_timeout = absl::Seconds(10);
+  // Tensor digest v2 offered by a subscriber (Hello.digest_formats) is taken (Welcome
+  // .digest_format 2). false: Hello.digest_formats is ignored and Welcome.digest_format left
+  // unset, as by a publisher from before digest v2 (tests of old publishers).
+  bool digest_v2 = true;
   // config transport.stream_window_bytes (0 = no pacing) and single_stream_below_bytes.
   uint64_t stream_window_bytes = 32u << 20;
   uint64_t single_stream_below_bytes = 0;

@@ -78,6 +78,10 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   const Snapshot baseline = ConsistentBaseline(*core_);
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest);
+  r.set_digest_format(sync::DigestFormatToWire(sync::DigestFormat::kV1));
+  if (auto v2 = core_->VersionDigestOf(baseline.version, sync::DigestFormat::kV2); v2.ok()) {
+    r.set_version_digest_v2(*v2);
+  }
   r.set_tensors(static_cast<uint32_t>(baseline.tensors.size()));
   r.set_model_bytes(BaselineBytes(baseline.tensors));
   if (data_plane_ != nullptr) {

@@ -87,6 +87,7 @@ struct Encoded {
     std::shared_ptr<const std::vector<uint8_t>> base;  // the previous version's buffer
     std::span<const uint8_t> target;                   // the caller's bytes (valid in Publish)
     std::shared_ptr<const std::vector<uint8_t>> owned;  // TensorInput::owned holding target
+    uint64_t base_digest_v2 = 0;  // the previous version's v2 digest
   };
   std::vector<Pending> pending;
 };
@@ -246,10 +247,12 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
     } else if (SameSpecAs(p, t.spec)) {  // no bytes: nothing can differ
       t.bytes = p->bytes;
       t.digest = p->digest;
+      t.digest_v2 = p->digest_v2;
       out->unchanged[k] = true;
     } else {
       t.bytes = OwnBytes(in.data, in.owned);
       t.digest = TensorDigest(*t.bytes, options.digest_threads);
+      t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
     }
   }
   sum->digest_micros += MicrosSince(digest_start);
@@ -293,6 +296,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     if (stats[j].changed_elements == 0) {  // bit patterns compared: the same bytes
       t.bytes = p->bytes;
       t.digest = p->digest;
+      t.digest_v2 = p->digest_v2;
       out->unchanged[k] = true;
       continue;
     }
@@ -300,7 +304,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
     out->changed[k] = stats[j].changed_elements;
     const TensorInput& in = inputs[order[k]];
-    out->pending.push_back({k, p->bytes, in.data, in.owned});
+    out->pending.push_back({k, p->bytes, in.data, in.owned, p->digest_v2});
   }
   return absl::OkStatus();
 }
@@ -310,12 +314,21 @@ constexpr long kSoleBaselineOwners = 2;
 
 // CPU one pass, before the commit (outside the core's lock): changed tensors whose baseline
 // buffer something else already references get a new buffer now (copy-on-write).
+// A copied tensor's v2 digest: the previous one plus the delta of its patch, decoded against
+// the previous bytes (reads only the changed words); a full digest should the patch not decode.
+void CopyPending(const Encoded::Pending& u, Encoded* enc, PublishSummary* sum) {
+  BaselineTensor& t = enc->next[u.k];
+  t.bytes = OwnBytes(u.target, u.owned);
+  auto d = DigestV2DeltaOfPatch(*enc->patches[u.k], t.dtype, *u.base, 1);
+  t.digest_v2 = d.ok() ? d->ApplyTo(u.base_digest_v2, t.bytes->size()) : TensorDigestV2(*t.bytes, 1);
+  ++sum->baseline_copied_tensors;
+}
+
 void CopySharedPending(Encoded* enc, PublishSummary* sum) {
   const auto start = Clock::now();
   for (Encoded::Pending& u : enc->pending) {
     if (u.base.use_count() <= kSoleBaselineOwners) continue;
-    enc->next[u.k].bytes = OwnBytes(u.target, u.owned);
-    ++sum->baseline_copied_tensors;
+    CopyPending(u, enc, sum);
   }
   sum->baseline_update_micros += MicrosSince(start);
 }
@@ -323,16 +336,16 @@ void CopySharedPending(Encoded* enc, PublishSummary* sum) {
 // CPU one pass, at the commit. Must run with the core's mu_ held exclusively, before the new
 // baseline is installed: references to baseline buffers are only taken from the baseline under
 // that lock, so a buffer nothing else references now stays unreferenced while it is patched.
-// Such a buffer gets the tensor's new patch applied in place (O(changed)); the others are
-// copied from the caller's bytes.
+// Such a buffer gets the tensor's new patch applied in place (O(changed)), which also yields the
+// delta of its v2 digest (ApplyPatchDigestV2: no second decode, no read of unchanged words); the
+// others are copied from the caller's bytes.
 void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   const auto start = Clock::now();
   std::vector<Encoded::Pending*> in_place;
   for (Encoded::Pending& u : enc->pending) {
     if (enc->next[u.k].bytes != nullptr) continue;  // copied before the lock
     if (u.base.use_count() > kSoleBaselineOwners) {
-      enc->next[u.k].bytes = OwnBytes(u.target, u.owned);
-      ++sum->baseline_copied_tensors;
+      CopyPending(u, enc, sum);
     } else {
       in_place.push_back(&u);
     }
@@ -343,13 +356,17 @@ void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
       Encoded::Pending& u = *in_place[i];
-      const BaselineTensor& t = enc->next[u.k];
+      BaselineTensor& t = enc->next[u.k];
       // Baseline buffers are non-const vectors (OwnBytes, the GPU download, LoadPersisted); only
       // their elements change, never their size.
       std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
-      if (!ApplyPatch(*enc->patches[u.k], t.dtype, buf, buf, 1).ok()) {
+      auto d = ApplyPatchDigestV2(*enc->patches[u.k], t.dtype, buf, buf, 1);
+      if (d.ok()) {
+        t.digest_v2 = d->ApplyTo(u.base_digest_v2, buf.size());
+      } else {
         // Our own patch never fails; should it, the caller's bytes are the new version.
         std::memcpy(buf.data(), u.target.data(), buf.size());
+        t.digest_v2 = TensorDigestV2(buf, 1);
       }
     }
   });
@@ -688,6 +705,22 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
   }
 }
 
+// The GPU and copying paths: each tensor's v2 digest, the previous one where the buffer is the
+// previous version's, else TensorDigestV2 of the host bytes (a full read of changed tensors).
+void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTensor>& prev,
+                   Encoded* enc, PublishSummary* sum) {
+  const auto start = Clock::now();
+  for (BaselineTensor& t : enc->next) {
+    const BaselineTensor* p = FindByName(prev, t.spec.name());
+    if (p != nullptr && p->bytes == t.bytes) {
+      t.digest_v2 = p->digest_v2;
+    } else if (t.bytes != nullptr) {
+      t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
+    }
+  }
+  sum->digest_micros += MicrosSince(start);
+}
+
 // Publish, the encode: on the devices (GPU encoding) or the CPU codec (one pass or copying).
 absl::Status EncodeVersion(
     const PublisherOptions& options, std::span<const TensorInput> given,
@@ -696,7 +729,10 @@ absl::Status EncodeVersion(
     std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* enc,
     PublishSummary* sum) {
   if (options.device != nullptr) {
-    return EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum);
+    RETURN_IF_ERROR(
+        EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum));
+    FillDigestsV2(options, prev, enc, sum);
+    return absl::OkStatus();
   }
   // The CPU codec reads host bytes: device snapshots (CUDA tensors registered with a CPU codec)
   // come to the host first.
@@ -708,7 +744,9 @@ absl::Status EncodeVersion(
     inputs = downloaded;
   }
   if (!options.cpu_one_pass) {
-    return EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum);
+    RETURN_IF_ERROR(EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum));
+    FillDigestsV2(options, prev, enc, sum);
+    return absl::OkStatus();
   }
   return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, enc, sum);
 }
@@ -917,14 +955,27 @@ void PublisherCore::ReplayPersistedLog(const PersistDir& dir, uint64_t base_vers
 
 absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogReplay& replay) {
   if (replay.versions.empty()) return absl::OkStatus();
+  // v2 digests are not logged: the newest replayed version gets them from its bytes (one full
+  // pass); older replayed versions stay without (a v2 session at one of them gets keyframes).
+  std::vector<BaselineTensor> tensors = replay.tensors;
+  for (BaselineTensor& t : tensors) {
+    t.digest_v2 = TensorDigestV2(*t.bytes, options_.digest_threads);
+  }
   for (const ReplayedVersion& v : replay.versions) {
-    auto added = history_.Add(v.version, v.updates);
+    std::vector<sync::TensorUpdate> updates = v.updates;
+    if (&v == &replay.versions.back()) {
+      for (sync::TensorUpdate& u : updates) {
+        const BaselineTensor* b = FindByName(tensors, u.spec.name());
+        if (b != nullptr) u.digest_v2 = b->digest_v2;
+      }
+    }
+    auto added = history_.Add(v.version, std::move(updates));
     if (!added.ok() || *added != v.version_digest) {
       // Not expected (ReplayLog checked what Add checks): back to the baseline alone.
       history_.Clear();
       const std::vector<BaselineTensor> base = Baseline();
       std::vector<sync::TensorUpdate> updates;
-      for (const BaselineTensor& t : base) updates.push_back({t.spec, t.digest, nullptr});
+      for (const BaselineTensor& t : base) updates.push_back({t.spec, t.digest, t.digest_v2, nullptr});
       if (absl::Status st = history_.Add(base_version, std::move(updates)).status(); !st.ok()) {
         Logger("persist")->error("re-recording the baseline of version {}: {}", base_version,
                                  st.ToString());
@@ -944,7 +995,7 @@ absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogRepla
   newest_version_ = replay.versions.back().version;
   newest_digest_ = replay.versions.back().version_digest;
   snapshot_unix_nanos_ = replay.versions.back().snapshot_unix_nanos;
-  baseline_ = replay.tensors;
+  baseline_ = std::move(tensors);
   return absl::OkStatus();
 }
 
@@ -1045,6 +1096,7 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
                                               " does not match the recorded ", Hex64(want),
                                               " (corrupt file)"));
     }
+    t.digest_v2 = TensorDigestV2(*bytes, options_.digest_threads);
     t.bytes = std::move(bytes);
     tensors.push_back(std::move(t));
   }
@@ -1056,6 +1108,7 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
     sync::TensorUpdate u;
     u.spec = t.spec;
     u.digest = t.digest;
+    u.digest_v2 = t.digest_v2;
     updates.push_back(std::move(u));
   }
   auto added = history_.Add(version, std::move(updates));
@@ -1174,12 +1227,15 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   {
     absl::MutexLock lock(&mu_);
     lineage = lineage_;
+    // The in-place update yields the changed tensors' v2 digests, which the history records.
+    // history_.Add only fails on inputs ValidateInputs and the encoder already guarantee.
+    UpdateBaselineBytes(&enc, options_.encode_threads, &sum);
+    for (size_t k = 0; k < enc.next.size(); ++k) updates[k].digest_v2 = enc.next[k].digest_v2;
     auto vdigest = history_.Add(version, std::move(updates));
     if (!vdigest.ok()) {
-      return absl::Status(vdigest.status().code(),
+      return absl::Status(absl::StatusCode::kInternal,
                           absl::StrCat(where, ": ", vdigest.status().message()));
     }
-    UpdateBaselineBytes(&enc, options_.encode_threads, &sum);
     sum.version_digest = *vdigest;
     newest_version_ = version;
     newest_digest_ = *vdigest;
@@ -1285,7 +1341,9 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     const sync::TensorDelivery& d = plan.tensors[i];
     const BaselineTensor& b = baseline[i];
     const uint32_t index = static_cast<uint32_t>(i);
-    if (b.spec.name() != d.plan.spec().name() || b.digest != d.digest) {
+    const uint64_t b_digest =
+        options.plan.digest_format == sync::DigestFormat::kV2 ? b.digest_v2 : b.digest;
+    if (b.spec.name() != d.plan.spec().name() || b_digest != d.digest) {
       return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
                                               sync::DescribeTensor(index, d.plan.spec().name()),
                                               " of the plan does not match the baseline"));

@@ -153,8 +153,8 @@ struct PublishSummary {
 struct BaselineTensor {
   v1::TensorSpec spec;
   DType dtype = DType::kBF16;
-  uint64_t digest = 0;
-  uint64_t digest_v2 = 0;
+  uint64_t digest = 0;     // tensor digest v1 (TensorDigest)
+  uint64_t digest_v2 = 0;  // tensor digest v2 (TensorDigestV2) of the same bytes
   std::shared_ptr<const std::vector<uint8_t>> bytes;
 };
 
@@ -345,8 +345,9 @@ class PublisherCore {
                                  absl::string_view where) const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }
   // Version digest of a version the history still holds (NotFound otherwise).
-  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const {
-    return history_.VersionDigestOf(version);
+  absl::StatusOr<uint64_t> VersionDigestOf(
+      uint64_t version, sync::DigestFormat format = sync::DigestFormat::kV1) const {
+    return history_.VersionDigestOf(version, format);
   }
 
   // Where the baseline is persisted (persist_dir/baseline.safetensors).

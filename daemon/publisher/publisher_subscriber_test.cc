@@ -135,6 +135,13 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   auto held = WaitVersion(*sub_control, 1, 30000, false);
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_EQ(held->version_digest(), v1r->version_digest());
+  // store.digest_v2 off (the default): a v1 session; the publisher reports both digests.
+  auto pub_status = GetStatus(*pub_control);
+  auto sub_status = GetStatus(*sub_control);
+  ASSERT_TRUE(pub_status.ok() && sub_status.ok());
+  EXPECT_EQ(sub_status->digest_format(), 1u);
+  EXPECT_NE(pub_status->version_digest_v2(), 0u);
+  EXPECT_NE(pub_status->version_digest_v2(), pub_status->version_digest());
 
   w[100] ^= 1;
   WriteModel(file, w, b);

@@ -74,4 +74,16 @@ absl::StatusOr<uint64_t> DeviceMemory::Digest(std::span<const uint8_t> data) {
   return device_->Digest(data.data(), data.size());
 }
 
+absl::StatusOr<uint64_t> DeviceMemory::DigestV2(std::span<const uint8_t> data) {
+  return device_->DigestV2(data.data(), data.size());
+}
+
+absl::StatusOr<DigestV2Delta> DeviceMemory::ApplyDigestV2(std::span<const uint8_t> patch,
+                                                          DType dtype,
+                                                          std::span<const uint8_t> base,
+                                                          std::span<uint8_t> out) {
+  RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
+  return device_->ApplyDigestV2(patch, dtype, base.data(), out.data(), out.size());
+}
+
 }  // namespace refit::store

@@ -78,6 +78,10 @@ class DeviceMemory final : public TensorMemory {
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                      std::span<uint8_t> out) override;
   absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) override;
+  absl::StatusOr<uint64_t> DigestV2(std::span<const uint8_t> data) override;
+  absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                              std::span<const uint8_t> base,
+                                              std::span<uint8_t> out) override;
 
  private:
   cuda::Device* const device_;

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 
 namespace refit::store {
@@ -35,6 +36,17 @@ absl::Status HostMemory::Apply(std::span<const uint8_t> patch, DType dtype,
 
 absl::StatusOr<uint64_t> HostMemory::Digest(std::span<const uint8_t> data) {
   return TensorDigest(data, threads_);
+}
+
+absl::StatusOr<uint64_t> HostMemory::DigestV2(std::span<const uint8_t> data) {
+  return TensorDigestV2(data, threads_);
+}
+
+absl::StatusOr<DigestV2Delta> HostMemory::ApplyDigestV2(std::span<const uint8_t> patch,
+                                                        DType dtype,
+                                                        std::span<const uint8_t> base,
+                                                        std::span<uint8_t> out) {
+  return ApplyPatchDigestV2(patch, dtype, base, out, threads_);
 }
 
 }  // namespace refit::store

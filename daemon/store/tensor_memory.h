@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
 
 namespace refit::store {
@@ -43,6 +44,12 @@ class TensorMemory {
                              std::span<const uint8_t> base, std::span<uint8_t> out) = 0;
   // refit::TensorDigest of a store span.
   virtual absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) = 0;
+  // refit::TensorDigestV2 of a store span, and Apply that also returns the digest-v2 delta of
+  // what it writes (refit::ApplyPatchDigestV2: in place it reads only the changed words).
+  virtual absl::StatusOr<uint64_t> DigestV2(std::span<const uint8_t> data) = 0;
+  virtual absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                                      std::span<const uint8_t> base,
+                                                      std::span<uint8_t> out) = 0;
 };
 
 // Host memory: memcpy and the CPU codec with `threads` threads (0 = all hardware threads).
@@ -57,6 +64,10 @@ class HostMemory final : public TensorMemory {
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                      std::span<uint8_t> out) override;
   absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) override;
+  absl::StatusOr<uint64_t> DigestV2(std::span<const uint8_t> data) override;
+  absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
+                                              std::span<const uint8_t> base,
+                                              std::span<uint8_t> out) override;
 
  private:
   const int threads_;

@@ -50,6 +50,7 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   const VersionRecord applied = core_->applied_record();
   response->set_version(applied.version);
   response->set_version_digest(applied.version_digest);
+  response->set_digest_format(sync::DigestFormatToWire(applied.digest_format));
   response->set_lineage(core_->applied_lineage());
   if (std::shared_ptr<store::SlottedStore> st = core_->store(); st != nullptr) {
     uint64_t bytes = 0;
@@ -191,9 +192,10 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
   std::vector<std::string> bad;
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
-    // The store's own digest: the CPU codec with staging.threads threads on host memory, the
-    // digest kernel on a GPU store.
-    absl::StatusOr<uint64_t> d = lease->store->memory().Digest(lease->lease.spans[i]);
+    // The store's own digest, in the format the record was verified in: the CPU codec with
+    // staging.threads threads on host memory, the digest kernel on a GPU store.
+    absl::StatusOr<uint64_t> d =
+        StoreDigestOf(lease->store->memory(), rec.digest_format, lease->lease.spans[i]);
     if (!d.ok()) {
       (void)core_->ReleaseLease(lease->lease.lease_id);
       return ToGrpcStatus(absl::Status(

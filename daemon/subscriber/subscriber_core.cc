@@ -44,6 +44,11 @@ struct SubscriberCore::Transfer {
   std::optional<std::vector<const RetainedTransfer*>> chain;
   std::vector<bool> staged;
   std::vector<bool> caught_up;  // retained patches already applied to the tensor
+  // The session's digest format when the header came, and in v2 each tensor's digest as staged
+  // so far (header index): the slot's verified digest brought forward by the deltas of the
+  // patches applied in place; nullopt where unknown (VerifyLocked then reads the tensor).
+  sync::DigestFormat format = sync::DigestFormat::kV1;
+  std::vector<std::optional<uint64_t>> v2;
   // Tensors whose staging on arrival failed (reported by OnEnd).
   std::vector<std::string> early_failed;
   std::vector<std::string> early_errors;
@@ -79,11 +84,41 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
 
 }  // namespace
 
+absl::StatusOr<uint64_t> StoreDigestOf(store::TensorMemory& memory, sync::DigestFormat format,
+                                       std::span<const uint8_t> data) {
+  return format == sync::DigestFormat::kV2 ? memory.DigestV2(data) : memory.Digest(data);
+}
+
 SubscriberCore::SubscriberCore(SubscriberOptions options)
     : options_(std::move(options)), max_frame_bytes_(options_.max_frame_bytes) {
   if (options_.refresh_standby && options_.retained_patch_bytes > 0) {
     refresher_ = std::thread([this] { RefreshLoop(); });
   }
+}
+
+void SubscriberCore::SetDigestFormat(sync::DigestFormat format) {
+  absl::MutexLock lock(&mu_);
+  digest_format_ = format;
+}
+
+sync::DigestFormat SubscriberCore::applied_digest_format() const {
+  absl::MutexLock lock(&mu_);
+  return applied_format_;
+}
+
+// Applies `patch` (base -> out) and brings the tracked v2 digest forward by its delta, or, when
+// no digest is tracked, applies it plainly (the digest stays unknown).
+absl::Status SubscriberCore::ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch,
+                                          DType dtype, std::span<const uint8_t> base,
+                                          std::span<uint8_t> out, std::optional<uint64_t>* digest) {
+  if (!digest->has_value()) return mem.Apply(patch, dtype, base, out);
+  absl::StatusOr<DigestV2Delta> d = mem.ApplyDigestV2(patch, dtype, base, out);
+  if (!d.ok()) {
+    digest->reset();
+    return d.status();
+  }
+  *digest = d->ApplyTo(**digest, out.size());
+  return absl::OkStatus();
 }
 
 void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
@@ -127,6 +162,9 @@ void SubscriberCore::RefreshLoop() {
     if (!st.ok()) (void)job.store->AbortRefresh(job.handle);  // the slot is unknown now
     job.stats.micros = Micros(absl::Now() - start);
     absl::MutexLock lock(&mu_);
+    if (st.ok() && !job.digests.empty() && store_ == job.store) {
+      slot_digests_[job.handle.slot] = {job.handle.to_version, std::move(job.digests)};
+    }
     RefreshStats& rs = refresh_stats_;
     job.stats.started = rs.started;
     job.stats.completed = rs.completed + (st.ok() ? 1 : 0);
@@ -154,6 +192,14 @@ bool SubscriberCore::PrepareRefreshLocked(RefreshJob& job) {
   job.store = store_;
   job.handle = std::move(*handle);
   job.chain = std::move(*chain);
+  // The slot's digests travel with the job (nothing else may use them while it writes).
+  if (auto it = slot_digests_.find(job.handle.slot); it != slot_digests_.end()) {
+    if (it->second.version == job.handle.from_version) job.digests = std::move(it->second.digests);
+    slot_digests_.erase(it);
+  }
+  for (const auto& [slot, sd] : slot_digests_) {
+    if (sd.version == job.handle.to_version) job.current_digests = sd.digests;
+  }
   job.stats.from_version = job.handle.from_version;
   job.stats.to_version = job.handle.to_version;
   job.stats.slot = job.handle.slot;
@@ -174,14 +220,18 @@ absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
     std::span<uint8_t> out = job.handle.out[li];
     bool kept = true;
     for (const RetainedTransfer* r : job.chain) kept = kept && r->tensors[li].kept;
+    std::optional<uint64_t> unknown;
+    std::optional<uint64_t>& digest = li < job.digests.size() ? job.digests[li] : unknown;
     if (!kept) {
       ++job.stats.tensors_copied;
       RETURN_IF_ERROR(mem.Copy(out, job.handle.current[li]));
+      digest = li < job.current_digests.size() ? job.current_digests[li] : std::nullopt;
       continue;
     }
     for (const RetainedTransfer* r : job.chain) {
       for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-        if (absl::Status st = mem.Apply(patch, layout.tensor(li).dtype, out, out); !st.ok()) {
+        if (absl::Status st = ApplyTracked(mem, patch, layout.tensor(li).dtype, out, out, &digest);
+            !st.ok()) {
           return absl::Status(st.code(), absl::StrCat("refresh of slot ", job.handle.slot, ", '",
                                                       layout.tensor(li).name, "' (", r->base,
                                                       " -> ", r->version, "): ", st.message()));
@@ -512,6 +562,8 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   t->start = absl::Now();
   t->lineage_change = lineage_change;
   t->repair = IsRepairLocked(header);
+  t->format = digest_format_;
+  t->v2.assign(static_cast<size_t>(header.tensors_size()), std::nullopt);
   bool needs_base = false;
   ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
   RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
@@ -638,7 +690,7 @@ absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
   for (size_t k = 0; k < chain.size() && st.ok(); ++k) {
     const RetainedTransfer* r = chain[k];
     for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-      st = t.target->memory().Apply(patch, t.dtypes[i], out, out);
+      st = ApplyTracked(t.target->memory(), patch, t.dtypes[i], out, out, &t.v2[i]);
       if (!st.ok()) {
         st = absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
                                                   " -> ", r->version, "): ", st.message()));
@@ -663,6 +715,7 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
   switch (tp.delivery()) {
     case v1::DELIVERY_KEYFRAME: {
       ++t.stats.tensors_keyframe;
+      t.v2[i].reset();
       if (t.in_slot[i]) return absl::OkStatus();
       ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
       return mem.Upload(out, obj);
@@ -674,6 +727,7 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
       }
       std::span<const uint8_t> b = t.Base(i);
       if (b.size() != out.size()) return absl::InternalError("base size differs");
+      t.v2[i].reset();
       ++t.stats.tensors_copied;
       t.stats.bytes_copied += out.size();
       return mem.Copy(out, b);
@@ -685,8 +739,10 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
         ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
                          t.assembler->Object(ti, static_cast<uint32_t>(p)));
         const bool from_base = p == 0 && !in_place;
-        absl::Status st = mem.Apply(patch, t.dtypes[i],
-                                    from_base ? t.Base(i) : std::span<const uint8_t>(out), out);
+        if (from_base) t.v2[i].reset();  // the base's digest is not tracked: full at verify
+        absl::Status st =
+            ApplyTracked(mem, patch, t.dtypes[i],
+                         from_base ? t.Base(i) : std::span<const uint8_t>(out), out, &t.v2[i]);
         if (!st.ok()) {
           return absl::Status(st.code(), absl::StrCat("patch step ", p, " (",
                                                       tp.steps(p).base_version(), " -> ",
@@ -756,6 +812,7 @@ void SubscriberCore::PlanStagingLocked(Transfer& t) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   t.staged.assign(n, false);
   t.caught_up.assign(n, false);
+  TakeSlotDigestsLocked(t);
   if (!options_.stage_on_arrival || !t.chain.has_value() || t.chain->empty()) return;
   // Bring the slot forward now, while the frames are still arriving: at VersionEnd only the
   // transfer's own steps (most applied on arrival too) and verification remain.
@@ -796,8 +853,10 @@ void SubscriberCore::StageOnArrivalLocked(Transfer& t, uint32_t ti) {
 }
 
 // Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then
-// the version digest. Reads every byte of the slot (full digests, format v1); an incremental
-// digest (issue 10, digest v2) replaces the per-tensor part here.
+// the version digest, in the session's format. In v2 a tensor staged in place from a slot whose
+// digests were verified has its digest already (the slot's plus the deltas of every patch
+// applied): it is not read again. Every other tensor (keyframes, copies, a slot without known
+// digests, v1 sessions) is read in full.
 absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
     Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
@@ -808,7 +867,7 @@ absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
   for (size_t i = 0; i < n; ++i) {
     const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
     const std::string desc = sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name());
-    auto digest = t.target->memory().Digest(t.handle->out[t.layout_index[i]]);
+    absl::StatusOr<uint64_t> digest = StagedDigest(t, i);
     if (!digest.ok()) {
       return absl::Status(digest.status().code(), absl::StrCat(what, "digest of ", desc,
                                                                " failed: ", digest.status().message()));
@@ -834,6 +893,34 @@ absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
   }
   out.version_digest = *vdigest;
   return out;
+}
+
+// Tensor i's digest as staged, in the transfer's format: tracked (v2, no read) or full.
+absl::StatusOr<uint64_t> SubscriberCore::StagedDigest(Transfer& t, size_t i) {
+  if (t.format == sync::DigestFormat::kV2 && i < t.v2.size() && t.v2[i].has_value()) {
+    ++t.stats.digests_incremental;
+    return *t.v2[i];
+  }
+  ++t.stats.digests_full;
+  return StoreDigestOf(t.target->memory(), t.format, t.handle->out[t.layout_index[i]]);
+}
+
+// PlanStagingLocked: the staged slot's verified v2 digests (taken out of slot_digests_: the slot
+// is being written), by header index, when they are of the slot's version and the session is v2.
+void SubscriberCore::TakeSlotDigestsLocked(Transfer& t) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.v2.assign(n, std::nullopt);
+  auto it = slot_digests_.find(t.handle->slot);
+  if (it == slot_digests_.end()) return;
+  SlotDigests sd = std::move(it->second);
+  slot_digests_.erase(it);
+  if (t.format != sync::DigestFormat::kV2 || t.new_generation ||
+      sd.version != t.handle->previous_version || sd.version == 0) {
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (t.layout_index[i] < sd.digests.size()) t.v2[i] = sd.digests[t.layout_index[i]];
+  }
 }
 
 // After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
@@ -898,8 +985,19 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
         "a repair of version ", t.header.version(), " must have its version digest ",
         absl::Hex(applied_digest()), ", not ", absl::Hex(verified.version_digest)));
   }
+  const int slot = t.handle->slot;
   RETURN_IF_ERROR(t.target->Commit(*t.handle));
   t.handle.reset();
+  if (t.new_generation) slot_digests_.clear();  // slots of the old store
+  if (t.format == sync::DigestFormat::kV2) {
+    SlotDigests sd{t.header.version(), {}};
+    sd.digests.resize(t.target->layout().size());
+    for (size_t i = 0; i < verified.digests.size(); ++i) {
+      sd.digests[t.layout_index[i]] = verified.digests[i];
+    }
+    slot_digests_[slot] = std::move(sd);
+  }
+  applied_format_ = t.format;
   if (t.new_generation) {
     if (store_ != nullptr) retired_.push_back({generation_, store_});
     store_ = t.target;
@@ -918,7 +1016,7 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
   }
   const uint64_t v = t.header.version();
   if (t.lineage_change) records_.clear();  // numbers of the old lineage mean nothing now
-  records_.push_back({v, verified.version_digest, applied_tensors_});
+  records_.push_back({v, t.format, verified.version_digest, applied_tensors_});
   applied_digest_.store(verified.version_digest, std::memory_order_release);
   applied_lineage_.store(t.header.lineage(), std::memory_order_release);
   applied_version_.store(v, std::memory_order_release);

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -46,6 +47,7 @@
 #include "daemon/common/safe_file.h"
 #include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
+#include "daemon/sync/digest_format.h"
 #include "daemon/sync/frames.h"
 #include "refit/v1/data.pb.h"
 
@@ -119,9 +121,19 @@ struct StageStats {
   uint64_t catch_up_patches = 0;  // retained patches applied to bring the slot forward
   uint32_t tensors_on_arrival = 0;  // staged by OnFrame as their last frame arrived
   uint64_t catch_up_micros = 0;     // applying the retained patches (part of staging)
+  // Verification (digest format of the session): tensors whose digest came from the slot's
+  // verified digest and the deltas of what was applied (v2, no read of the tensor), and tensors
+  // whose digest was computed by reading the whole staged tensor.
+  uint32_t digests_incremental = 0;
+  uint32_t digests_full = 0;
   uint64_t stage_micros = 0;      // as the Ack's timings
   uint64_t verify_micros = 0;
 };
+
+// sync::TensorDigestOf for store memory (host: the CPU codec; GPU store: its kernels): the digest
+// in `format` of a store span. Every subscriber path that recomputes a digest goes through it.
+absl::StatusOr<uint64_t> StoreDigestOf(store::TensorMemory& memory, sync::DigestFormat format,
+                                       std::span<const uint8_t> data);
 
 // A consumer's lease together with the store generation it refers to (offsets and the fd are
 // those of `store`; a manifest change switches generations).
@@ -135,6 +147,8 @@ struct SubscriberLease {
 // (VersionEnd), verified at commit. Tensors in manifest (header) order.
 struct VersionRecord {
   uint64_t version = 0;
+  // The format of version_digest and tensors' digests (the session's Welcome.digest_format).
+  sync::DigestFormat digest_format = sync::DigestFormat::kV1;
   uint64_t version_digest = 0;
   std::vector<v1::TensorDigest> tensors;
 };
@@ -208,6 +222,11 @@ class SubscriberCore {
   // (initially SubscriberOptions::max_frame_bytes). The core outlives sessions; call it on each
   // Welcome.
   void SetMaxFrameBytes(uint32_t frame_bytes);
+  // Welcome.digest_format of a new session: the format transfers started after this call are
+  // verified in (initially v1). Call it on each Welcome.
+  void SetDigestFormat(sync::DigestFormat format);
+  // The format of applied_digest() / applied_tensor_digests() (the session it was verified in).
+  sync::DigestFormat applied_digest_format() const;
 
   bool transfer_open() const;
   // Applied (committed) version and its version digest; 0/0 before the first commit.
@@ -286,6 +305,13 @@ class SubscriberCore {
     std::vector<uint64_t> digests;  // header order
     uint64_t version_digest = 0;
   };
+  // A slot's verified v2 tensor digests (by layout index; nullopt: not known) at `version`.
+  // Held only for slots nothing writes: taken out when a staging or a refresh claims the slot,
+  // put back (brought forward by the deltas of what was applied) when it completes.
+  struct SlotDigests {
+    uint64_t version = 0;
+    std::vector<std::optional<uint64_t>> digests;
+  };
 
   // A refresh of the standby slot (refresh thread): claimed under mu_, applied outside it.
   // `chain` points into retained_, which changes only at a commit, and no commit happens while
@@ -295,12 +321,21 @@ class SubscriberCore {
     store::RefreshHandle handle;
     std::vector<const RetainedTransfer*> chain;
     RefreshStats stats;
+    // The claimed slot's v2 digests (brought forward as the patches apply) and the applied
+    // version's (for tensors copied from it); empty when not known.
+    std::vector<std::optional<uint64_t>> digests;
+    std::vector<std::optional<uint64_t>> current_digests;
   };
   void RefreshLoop();
   bool RefreshWakeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool RefreshIdleLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool RefreshNotRunningLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool PrepareRefreshLocked(RefreshJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch,
+                                   DType dtype, std::span<const uint8_t> base,
+                                   std::span<uint8_t> out, std::optional<uint64_t>* digest);
+  absl::StatusOr<uint64_t> StagedDigest(Transfer& t, size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeSlotDigestsLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyRefresh(RefreshJob& job);
   // OnHeader: waits for a pending or running refresh (refresh_wait), then cancels it.
   void AwaitRefreshLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -362,6 +397,10 @@ class SubscriberCore {
   // Records of committed versions still held by some slot (pruned at each commit).
   std::vector<VersionRecord> records_ ABSL_GUARDED_BY(mu_);
   uint32_t max_frame_bytes_ ABSL_GUARDED_BY(mu_);
+  sync::DigestFormat digest_format_ ABSL_GUARDED_BY(mu_) = sync::DigestFormat::kV1;
+  sync::DigestFormat applied_format_ ABSL_GUARDED_BY(mu_) = sync::DigestFormat::kV1;
+  // Verified v2 digests of the current generation's slots (v2 sessions), by slot.
+  std::map<int, SlotDigests> slot_digests_ ABSL_GUARDED_BY(mu_);
   // Patches of the last applied transfers (oldest first), a chain ending at the applied version.
   std::deque<RetainedTransfer> retained_ ABSL_GUARDED_BY(mu_);
   uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -15,6 +15,7 @@
 
 #include "cuda/device.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/model/trajectory.h"
@@ -59,6 +60,7 @@ class FakePublisher {
       sync::TensorUpdate u;
       u.spec = t.spec;
       u.digest = TensorDigest(t.bytes, 1);
+      u.digest_v2 = TensorDigestV2(t.bytes, 1);
       if (prev != nullptr) {
         auto it = prev->find(name);
         if (it != prev->end() && sync::SameSpec(it->second.spec, t.spec)) {
@@ -80,10 +82,13 @@ class FakePublisher {
   }
 
   const Model& model(uint64_t v) const { return models_.at(v); }
-  uint64_t digest(uint64_t v) const { return *history_.VersionDigestOf(v); }
+  uint64_t digest(uint64_t v) const { return *history_.VersionDigestOf(v, format_); }
+  // The session's digest format (Welcome.digest_format): digests of plans and digest().
+  void set_format(sync::DigestFormat f) { format_ = f; }
 
   Wire Transfer(uint64_t sub_version, uint64_t sub_digest, uint64_t target,
-                const PlanOptions& options = {}) {
+                PlanOptions options = {}) {
+    options.digest_format = format_;
     auto plan = history_.Plan(sub_version, sub_digest, target, options);
     EXPECT_TRUE(plan.ok()) << plan.status();
     last_plan_ = *plan;
@@ -120,6 +125,7 @@ class FakePublisher {
  private:
   uint32_t frame_bytes_;
   PatchHistory history_{1ull << 30};
+  sync::DigestFormat format_ = sync::DigestFormat::kV1;
   std::map<uint64_t, Model> models_;
   TransferPlan last_plan_;
   std::mt19937 rng_{7};
@@ -1023,6 +1029,73 @@ TEST_F(SubscriberCoreRefreshTest, NextTransferAppliesOnlyItsOwnStepsBitExactAgai
     EXPECT_EQ(rs.failed, 0u);
     EXPECT_GE(SlotIn(a, store::SlotStatus::State::kStandby), 0);
     EXPECT_EQ(b.refresh_stats().started, 0u);
+  }
+}
+
+// Digest v2 session: once the refresh has brought the standby slot forward (its digests with
+// it), every delta is verified from the slot's verified digests and the deltas of the patches
+// applied in place: no tensor is read for its digest (digests_full 0), bit-exact, and the Ack
+// carries the v2 version digest. A v1 core over the same transfers reads every tensor. A wrong
+// digest and a corrupted patch byte are still rejected, and the keyframe request heals it.
+TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingTensors) {
+  constexpr uint64_t kVersions = 8;
+  PublishTrajectory(kVersions + 2);
+  pub_.set_format(sync::DigestFormat::kV2);
+  SubscriberCore core(opts_);
+  core.SetDigestFormat(sync::DigestFormat::kV2);
+  for (uint64_t v = 1; v <= kVersions; ++v) {
+    const StageStats s = SyncStats(core, v);
+    EXPECT_EQ(core.applied_digest_format(), sync::DigestFormat::kV2);
+    const uint32_t n = static_cast<uint32_t>(pub_.model(v).size());
+    if (v == 1) {
+      EXPECT_EQ(s.digests_full, n) << "keyframes are read";
+    } else if (v > 2) {
+      ExpectOwnStepsOnly(s, v - 1);
+      EXPECT_EQ(s.digests_full, 0u) << "v" << v;
+      EXPECT_EQ(s.digests_incremental, n) << "v" << v;
+    }
+    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  }
+  // A wrong v2 digest for a patched tensor: rejected, naming it; a keyframe of it heals.
+  Wire w = pub_.Transfer(kVersions, core.applied_digest(), kVersions + 1);
+  int idx = -1;
+  for (int i = 0; i < w.header.tensors_size() && idx < 0; ++i) {
+    if (w.header.tensors(i).delivery() == v1::DELIVERY_PATCH) idx = i;
+  }
+  ASSERT_GE(idx, 0);
+  const std::string name = w.header.tensors(idx).spec().name();
+  w.end.set_digests(idx, w.end.digests(idx) ^ 1);
+  v1::Ack ack = Feed(core, w);
+  ASSERT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), name);
+  EXPECT_EQ(ack.applied_version_digest(), pub_.digest(kVersions));
+  ExpectHolds(core, pub_, kVersions);
+  PlanOptions heal;
+  heal.keyframe_tensors.assign(ack.mismatched_tensors().begin(), ack.mismatched_tensors().end());
+  Sync(core, kVersions + 1, heal);
+  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  // A corrupted patch byte: rejected (the patch's checksum or the digest), then a keyframe of
+  // every tensor heals it.
+  pub_.mutate_patch = [&](const std::string& tensor, uint32_t, std::vector<uint8_t>& patch) {
+    if (tensor == name) patch[patch.size() / 2] ^= 0x10;
+  };
+  ack = Feed(core, pub_.Transfer(kVersions + 1, core.applied_digest(), kVersions + 2));
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED) << "corrupted patch accepted";
+  pub_.mutate_patch = nullptr;
+  ExpectHolds(core, pub_, kVersions + 1);
+  PlanOptions all;
+  all.all_keyframes = true;
+  Sync(core, kVersions + 2, all);
+
+  // The same trajectory in v1: every tensor read in full at every verification.
+  pub_.set_format(sync::DigestFormat::kV1);
+  SubscriberCore v1core(opts_);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    const StageStats s = SyncStats(v1core, v);
+    EXPECT_EQ(s.digests_incremental, 0u);
+    EXPECT_EQ(s.digests_full, static_cast<uint32_t>(pub_.model(v).size()));
+    ASSERT_TRUE(v1core.WaitRefreshIdle(absl::Seconds(30)));
   }
 }
 

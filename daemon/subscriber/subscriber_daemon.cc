@@ -293,6 +293,7 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
                    Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
+  up.digest_v2 = config_.store().digest_v2();
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
   scrubber_ = MakeScrubber(config_.store());

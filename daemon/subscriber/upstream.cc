@@ -12,6 +12,7 @@
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/sync/digest_format.h"
 #include "daemon/sync/transfer_stats.h"
 #include "daemon/sync/versions.h"
 #include "grpcpp/create_channel.h"
@@ -316,6 +317,9 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   hello->add_patch_formats(format::kVersion);
   hello->add_compressions(v1::COMPRESSION_LZ4);
   hello->set_stream_progress(options_.stream_progress);
+  // version_digest / tensors above are in the format the applied version was verified in; the
+  // publisher matches them against its record in either format (data.proto Hello).
+  if (options_.digest_v2) hello->add_digest_formats(sync::DigestFormatToWire(sync::DigestFormat::kV2));
   absl::MutexLock lock(&mu_);
   if (resync_pending_) {
     session.resync = true;
@@ -382,6 +386,14 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
         "Welcome.progress_bytes is ", welcome.progress_bytes(),
         " but Hello.stream_progress was false"));
   }
+  absl::StatusOr<sync::DigestFormat> format = sync::DigestFormatFromWire(welcome.digest_format());
+  if (!format.ok()) return format.status();
+  if (*format != sync::DigestFormat::kV1 &&
+      std::find(hello.digest_formats().begin(), hello.digest_formats().end(),
+                welcome.digest_format()) == hello.digest_formats().end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Welcome.digest_format is ", welcome.digest_format(), ", not offered by Hello.digest_formats"));
+  }
   if (session.bootstrap_peer && welcome.newest_version() == 0) {
     return absl::UnavailableError(
         absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet"));
@@ -391,6 +403,7 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
 
 void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
   core_->SetMaxFrameBytes(welcome.frame_bytes());
+  core_->SetDigestFormat(*sync::DigestFormatFromWire(welcome.digest_format()));  // Handshake checked
   log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes{}, its "
              "newest version {} ({}), ours {} ({})",
              session.target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),

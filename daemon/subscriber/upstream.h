@@ -62,6 +62,9 @@ struct UpstreamOptions {
   double backoff_jitter = 0.2;
   // upstream.stream_progress: Hello.stream_progress (report StreamProgress when asked to).
   bool stream_progress = true;
+  // Hello.digest_formats offers digest v2 (false: offers nothing, as a subscriber from before
+  // digest v2 did: tests of old subscribers).
+  bool digest_v2 = true;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,

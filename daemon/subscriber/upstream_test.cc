@@ -44,7 +44,8 @@ struct Publisher {
                                           uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0,
                                           uint64_t stream_window_bytes = 32u << 20,
                                           absl::Duration stripe_join_timeout = absl::Seconds(10),
-                                          bool serve_repairs = true) {
+                                          bool serve_repairs = true,
+                                          bool digest_v2 = true) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
     opts.lineage = lineage;  // 0: a random one
@@ -61,6 +62,7 @@ struct Publisher {
     dopts.stream_window_bytes = stream_window_bytes;
     dopts.stripe_join_timeout = stripe_join_timeout;
     dopts.serve_repairs = serve_repairs;  // false: a publisher from before repairs
+    dopts.digest_v2 = digest_v2;  // false: ignores Hello.digest_formats, as an older publisher
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -98,6 +100,7 @@ struct Subscriber {
   absl::Mutex mu;
   std::vector<AppliedEvent> events ABSL_GUARDED_BY(mu);
   bool stream_progress = true;  // UpstreamOptions.stream_progress of the next Connect
+  bool digest_v2 = true;        // UpstreamOptions.digest_v2 of the next Connect (false: older)
 
   static std::unique_ptr<Subscriber> Start(const std::string& name,
                                            std::vector<std::string> addresses,
@@ -123,6 +126,7 @@ struct Subscriber {
     u.connections = connections;
     u.max_frame_bytes = 1 << 20;
     u.stream_progress = stream_progress;
+    u.digest_v2 = digest_v2;
     u.backoff_initial = absl::Milliseconds(10);
     u.backoff_max = absl::Milliseconds(200);
     upstream = std::make_unique<Upstream>(core.get(), u, [this](const AppliedEvent& ev) {
@@ -235,6 +239,72 @@ TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
   EXPECT_GT(pub->service->bytes_sent(), 0u);
   EXPECT_EQ(a->upstream->Status().state(), v1::SESSION_STATE_IDLE);
   EXPECT_EQ(a->upstream->Status().name(), "test-publisher");
+}
+
+// Digest v2 on the wire: a new publisher and a new subscriber agree on v2 and verify every
+// steady delta incrementally (no tensor read again); an older subscriber (no
+// Hello.digest_formats) and an older publisher (ignores it, no Welcome.digest_format) stay v1.
+// Every version bit-exact in every pairing, and the Ack digests match the publisher's records.
+TEST(UpstreamTest, DigestFormatNegotiatedWithOldPeersInBothDirections) {
+  auto pub = Publisher::Start();
+  auto old_pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Seconds(10), true,
+                                  /*digest_v2=*/false);
+  std::mt19937 rng(21);
+  Model model = MakeModel(rng);
+  auto v2 = Subscriber::Start("sub-v2", {pub->address}, 2);
+  auto old_sub = std::make_unique<Subscriber>();
+  {
+    SubscriberOptions opts;
+    opts.threads = 2;
+    opts.store.shm_prefix = "/refit-upstream-test-";
+    old_sub->core = std::make_unique<SubscriberCore>(opts);
+    old_sub->digest_v2 = false;
+    old_sub->Connect("sub-old", {pub->address}, 2);
+  }
+  auto to_old_pub = Subscriber::Start("sub-to-old-pub", {old_pub->address}, 2);
+  uint32_t incremental_versions = 0;
+  for (uint64_t v = 1; v <= 8; ++v) {
+    if (v > 1) Step(model, rng);
+    pub->Publish(v, model);
+    old_pub->Publish(v, model);
+    for (Subscriber* s : {v2.get(), old_sub.get(), to_old_pub.get()}) {
+      ASSERT_TRUE(s->WaitVersion(v)) << "version " << v << " not reached";
+      ExpectEqual(*s, model, "version " + std::to_string(v));
+      if (v > 1) {
+        EXPECT_EQ(s->Last().stats.keyframe_tensors(), 0u) << "version " << v;
+      }
+    }
+    EXPECT_EQ(v2->core->applied_digest_format(), sync::DigestFormat::kV2);
+    EXPECT_EQ(v2->core->applied_digest(), *pub->core->VersionDigestOf(v, sync::DigestFormat::kV2));
+    EXPECT_EQ(old_sub->core->applied_digest_format(), sync::DigestFormat::kV1);
+    EXPECT_EQ(old_sub->core->applied_digest(), *pub->core->VersionDigestOf(v));
+    EXPECT_EQ(to_old_pub->core->applied_digest_format(), sync::DigestFormat::kV1);
+    EXPECT_EQ(to_old_pub->core->applied_digest(), *old_pub->core->VersionDigestOf(v));
+    const StageStats st = v2->core->last_stage();
+    if (v > 2 && st.caught_up && st.digests_full == 0) ++incremental_versions;
+    if (v > 1) {
+      EXPECT_EQ(old_sub->core->last_stage().digests_incremental, 0u) << "v1 reads in full";
+    }
+    ASSERT_TRUE(v2->core->WaitRefreshIdle(absl::Seconds(30)));
+  }
+  // With the standby slot refreshed between versions, every steady delta is verified from the
+  // slots' digests and the patches' deltas alone.
+  EXPECT_EQ(incremental_versions, 6u);
+  for (const v1::SessionStatus& s : pub->service->Sessions()) {
+    EXPECT_EQ(s.digest_format(), s.name() == "sub-v2" ? 2u : 1u) << s.name();
+  }
+  for (const v1::SessionStatus& s : old_pub->service->Sessions()) {
+    EXPECT_EQ(s.digest_format(), 1u) << s.name();
+  }
+  // Reconnecting with v2-verified digests in the Hello: still a delta, no keyframe.
+  v2->upstream->Stop();
+  v2->Connect("sub-v2", {pub->address}, 2);
+  Step(model, rng);
+  pub->Publish(9, model);
+  ASSERT_TRUE(v2->WaitVersion(9));
+  ExpectEqual(*v2, model, "version 9 after reconnect");
+  EXPECT_EQ(v2->Last().stats.base_version(), 8u);
+  EXPECT_EQ(v2->Last().stats.keyframe_tensors(), 0u);
 }
 
 TEST(UpstreamTest, PacedAndUnpacedPeersInteroperate) {

@@ -74,6 +74,8 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   if (version == 0) return absl::InvalidArgumentError("version 0 cannot be recorded");
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
+  std::vector<uint64_t> digests_v2;
+  bool all_v2 = true;
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -82,6 +84,8 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   for (size_t i : order) {
     manifest.push_back(tensors[i].spec);
     digests.push_back(tensors[i].digest);
+    all_v2 = all_v2 && tensors[i].digest_v2.has_value();
+    digests_v2.push_back(tensors[i].digest_v2.value_or(0));
   }
   auto vdigest = VersionDigest(manifest, digests);
   if (!vdigest.ok()) {
@@ -100,11 +104,14 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   rec.version = version;
   rec.base_version = prev != nullptr ? prev->version : 0;
   rec.version_digest = *vdigest;
+  // The v2 version digest: the same function over the v2 tensor digests (manifest validated).
+  if (all_v2) rec.version_digest_v2 = *VersionDigest(manifest, digests_v2);
   for (size_t k = 0; k < order.size(); ++k) {
     TensorUpdate& u = tensors[order[k]];
     TensorEntry e;
     e.spec = std::move(u.spec);
     e.digest = u.digest;
+    e.digest_v2 = u.digest_v2;
     e.tensor_bytes = *TensorByteSize(e.spec);  // validated above
     const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
     const bool same = p != nullptr && SameSpec(p->spec, e.spec);
@@ -164,7 +171,13 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   }
   TransferPlan plan;
   plan.version = target_version;
-  plan.version_digest = target->version_digest;
+  const std::optional<uint64_t> target_digest = target->VersionDigest(options.digest_format);
+  if (!target_digest.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", target_version, " has no ", DigestFormatName(options.digest_format),
+        " tensor digests"));
+  }
+  plan.version_digest = *target_digest;
 
   // A usable base: recorded, and the subscriber's digest matches ours.
   const Record* base = sub_version == 0 ? nullptr : FindRecord(sub_version);
@@ -173,7 +186,7 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   } else if (base == nullptr) {
     plan.reason = sub_version < records_.front().version ? v1::TRANSFER_REASON_BEHIND_HISTORY
                                                          : v1::TRANSFER_REASON_DIVERGED;
-  } else if (base->version_digest != sub_digest) {
+  } else if (base->VersionDigest(options.digest_format) != std::optional<uint64_t>(sub_digest)) {
     plan.reason = v1::TRANSFER_REASON_DIVERGED;
     base = nullptr;
   } else if (options.all_keyframes || !options.keyframe_tensors.empty()) {
@@ -198,7 +211,7 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   for (const TensorEntry& t : target->tensors) {
     TensorDelivery d;
     *d.plan.mutable_spec() = t.spec;
-    d.digest = t.digest;
+    d.digest = options.digest_format == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest;
     bool keyframe = base == nullptr || options.all_keyframes ||
                     std::find(options.keyframe_tensors.begin(), options.keyframe_tensors.end(),
                               t.spec.name()) != options.keyframe_tensors.end();
@@ -247,13 +260,15 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   return plan;
 }
 
-absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version) const {
+absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version,
+                                                       DigestFormat format) const {
   absl::ReaderMutexLock lock(&mu_);
   const Record* r = FindRecord(version);
-  if (r == nullptr) {
-    return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history"));
+  if (r == nullptr || !r->VersionDigest(format).has_value()) {
+    return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history",
+                                            r == nullptr ? "" : " with v2 digests"));
   }
-  return r->version_digest;
+  return *r->VersionDigest(format);
 }
 
 bool PatchHistory::Contains(uint64_t version) const {

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/sync/digest_format.h"
 #include "refit/v1/data.pb.h"
 
 namespace refit::sync {
@@ -25,6 +26,9 @@ using PatchBytes = std::shared_ptr<const std::vector<uint8_t>>;
 struct TensorUpdate {
   v1::TensorSpec spec;
   uint64_t digest = 0;  // full-tensor digest (daemon/codec/hash.h TensorDigest)
+  // Digest v2 of the same bytes (TensorDigestV2); unknown (nullopt) in any tensor makes the
+  // version unknown in v2: a v2 session can then neither use it as a base nor be sent it.
+  std::optional<uint64_t> digest_v2;
   // Codec patch from this tensor's bytes at the previous published version (same spec) to its
   // bytes now. Null when the tensor is new, changed dtype/shape, or was not encoded: anyone
   // crossing this version then gets a keyframe of it. Ignored (dropped) when the digest equals
@@ -35,7 +39,7 @@ struct TensorUpdate {
 // Per-tensor delivery in a plan.
 struct TensorDelivery {
   v1::TensorPlan plan;  // spec, delivery, steps (DELIVERY_PATCH)
-  uint64_t digest = 0;  // target digest (VersionEnd.digests)
+  uint64_t digest = 0;  // target digest (VersionEnd.digests), in PlanOptions.digest_format
   // DELIVERY_PATCH: the patch of each step (parallel to plan.steps()); shared with the history,
   // so they stay valid while being sent even if the history evicts their version.
   std::vector<PatchBytes> patches;
@@ -49,7 +53,7 @@ struct TransferPlan {
   // True when the subscriber already holds the target (nothing to send).
   bool up_to_date = false;
   std::vector<TensorDelivery> tensors;  // target manifest order
-  uint64_t version_digest = 0;          // of the target
+  uint64_t version_digest = 0;          // of the target, in PlanOptions.digest_format
 
   v1::VersionHeader Header() const;
   // VersionEnd with version, digests, version_digest and dense_bytes filled.
@@ -63,6 +67,9 @@ struct PlanOptions {
   std::vector<std::string> keyframe_tensors;
   // Send a keyframe instead of a chain whose patches add up to more than the tensor's bytes.
   bool keyframe_when_chain_larger = true;
+  // The session's tensor digest format: the subscriber's version digest is compared, and the
+  // plan's digests given, in it (v2: FailedPrecondition when the target has no v2 digests).
+  DigestFormat digest_format = DigestFormat::kV1;
 };
 
 struct HistoryStats {
@@ -95,8 +102,10 @@ class PatchHistory {
   absl::StatusOr<TransferPlan> Plan(uint64_t subscriber_version, uint64_t subscriber_digest,
                                     uint64_t target_version, const PlanOptions& options = {}) const;
 
-  // Version digest of a recorded version (NotFound if not retained).
-  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version) const;
+  // Version digest of a recorded version (NotFound if not retained) in `format` (v2 of a
+  // version recorded without v2 digests: NotFound).
+  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version,
+                                           DigestFormat format = DigestFormat::kV1) const;
   bool Contains(uint64_t version) const;
   HistoryStats Stats() const;
   // Forgets every version (a new lineage starts from nothing).
@@ -106,6 +115,7 @@ class PatchHistory {
   struct TensorEntry {
     v1::TensorSpec spec;
     uint64_t digest = 0;
+    std::optional<uint64_t> digest_v2;
     uint64_t tensor_bytes = 0;
     // The tensor's bytes at the previous version relate to now as: unchanged (same spec and
     // digest), patch, or nothing usable (keyframe).
@@ -116,7 +126,11 @@ class PatchHistory {
     uint64_t version = 0;
     uint64_t base_version = 0;  // previous recorded version (0 for the first)
     uint64_t version_digest = 0;
+    std::optional<uint64_t> version_digest_v2;  // when every tensor has a v2 digest
     std::vector<TensorEntry> tensors;  // sorted by name
+    std::optional<uint64_t> VersionDigest(DigestFormat f) const {
+      return f == DigestFormat::kV2 ? version_digest_v2 : std::optional<uint64_t>(version_digest);
+    }
     uint64_t bytes = 0;
     const TensorEntry* Find(const std::string& name) const;
   };

@@ -1,0 +1,69 @@
+// Tensor digest v2 on the wire with real daemons: a subscriber with store.digest_v2 and one
+// without (an older subscriber: no Hello.digest_formats) follow the same publisher over a
+// realistic trajectory. Both stay bit-exact with deltas only; the v2 session's digests (Status,
+// Verify) are the publisher's v2 digests, the v1 session's its v1 digests.
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/model/trajectory.h"
+#include "gtest/gtest.h"
+#include "tests/harness/e2e.h"
+
+namespace refit::e2e {
+namespace {
+
+using E2EDigestV2 = E2ETest;
+
+TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(17);
+  ASSERT_TRUE(traj.ok()) << traj.status();
+  PublisherSpec ps;
+  ps.name = "pub";
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  SubscriberSpec v2s;
+  v2s.name = "sub-v2";
+  v2s.upstream = {pub.listen_target()};
+  v2s.digest_v2 = true;
+  DaemonProcess& v2 = NewSubscriber(v2s);
+  E2E_ASSERT_OK(v2.Start());
+  SubscriberSpec v1s;
+  v1s.name = "sub-v1";
+  v1s.upstream = {pub.listen_target()};
+  DaemonProcess& v1sub = NewSubscriber(v1s);
+  E2E_ASSERT_OK(v1sub.Start());
+
+  for (uint64_t v = 1; v <= 10; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v));
+    if (v > 1) (*traj)->Step();
+    const Model m = ModelFromTrajectory(**traj);
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    absl::StatusOr<v1::StatusResponse> pst;
+    for (DaemonProcess* sub : {&v2, &v1sub}) {
+      E2E_ASSERT_OK(WaitVersion(*sub, v));
+      E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
+      E2E_ASSERT_OK(ExpectVerified(*sub));  // recomputed in the session's format
+      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub->control_target(), v);
+      ASSERT_TRUE(st.ok()) << st.status();
+      pst = RpcStatus(pub.control_target());
+      ASSERT_TRUE(pst.ok()) << pst.status();
+      ASSERT_EQ(pst->version(), v);
+      const bool is_v2 = sub == &v2;
+      EXPECT_EQ(st->digest_format(), is_v2 ? 2u : 1u) << sub->name();
+      EXPECT_EQ(st->version_digest(), is_v2 ? pst->version_digest_v2() : pst->version_digest())
+          << sub->name();
+      EXPECT_TRUE(st->last_refit().digests_verified()) << sub->name();
+      if (v > 1) {
+        EXPECT_EQ(st->last_refit().base_version(), v - 1) << sub->name();
+        EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << sub->name();
+      }
+    }
+    for (const v1::SessionStatus& s : pst->sessions()) {
+      EXPECT_EQ(s.digest_format(), s.name() == "sub-v2" ? 2u : 1u) << s.name();
+    }
+  }
+  E2E_EXPECT_OK(ExpectVerified(pub));
+}
+
+}  // namespace
+}  // namespace refit::e2e
