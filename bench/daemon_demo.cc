@@ -526,9 +526,14 @@ absl::Status Demo::StepVersion(uint64_t v) {
   std::vector<std::string> problems;
   if (!ok) problems.push_back(absl::StrCat("publisher holds version ", pub_wait.version()));
   std::vector<v1::RefitStats> refits;
+  // A subscriber's version digest is in the format it verified the version in
+  // (Status.digest_format); the publisher's Status has both.
+  ASSIGN_OR_RETURN(v1::StatusResponse pub_st, GetStatus(publisher_));
   for (size_t i = 0; i < subscribers_.size(); ++i) {
     Daemon& s = subscribers_[i];
     ASSIGN_OR_RETURN(v1::StatusResponse st, GetStatus(s));
+    const uint64_t expected_digest =
+        st.digest_format() == 2 ? pub_st.version_digest_v2() : pub_wait.version_digest();
     ASSIGN_OR_RETURN(v1::VerifyResponse ver, Verify(s));
     refits.push_back(st.last_refit());
     if (sub_wait[i].version() != v || st.version() != v || ver.version() != v) {
@@ -539,12 +544,12 @@ absl::Status Demo::StepVersion(uint64_t v) {
       for (const v1::TensorVerification& t : ver.tensors()) bad += t.expected() != t.actual();
       problems.push_back(absl::StrCat(s.name, " Verify: ", bad, " tensors mismatch"));
     }
-    if (ver.version_digest() != pub_wait.version_digest() ||
-        sub_wait[i].version_digest() != pub_wait.version_digest()) {
+    if (ver.version_digest() != expected_digest ||
+        sub_wait[i].version_digest() != expected_digest) {
       problems.push_back(absl::StrCat(s.name, " version digest ",
                                       refit::client::FormatDigest(ver.version_digest()),
                                       " != publisher's ",
-                                      refit::client::FormatDigest(pub_wait.version_digest())));
+                                      refit::client::FormatDigest(expected_digest)));
     }
     if (st.last_refit().version() != v || !st.last_refit().digests_verified()) {
       problems.push_back(absl::StrCat(s.name, " last refit is version ", st.last_refit().version(),

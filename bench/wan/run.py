@@ -329,6 +329,7 @@ def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args, streams: 
             f"  files:\n    export_dir: {q(d + '/export')}\n"
             f"  store:\n    kind: shm\n    slots: 2\n"
             f"    shm_prefix: {q(f'/refitwan-{os.getpid()}-{name}-')}\n"
+            f"    digest_v2: {'true' if args.digest_v2 else 'false'}\n"
             f"  staging:\n    threads: {args.threads}\n")
 
 
@@ -608,8 +609,13 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     plog = parse_pub_log(pub.log_text(), version)
     slogs = [parse_sub_log(s.log_text(), version) for s in subs]
     pub_digest = i64(pubresp.get("version_digest"))
-    digests_equal = all(i64(s.get("version_digest")) == pub_digest and
-                        i64(s.get("version")) == version for s in subst)
+    # A subscriber reports its version digest in the format it verified the version in
+    # (Status.digest_format: 2 = tensor digest v2); the publisher reports both.
+    pub_digest_v2 = i64(pubst.get("version_digest_v2"))
+    digests_equal = all(
+        i64(s.get("version_digest")) ==
+        (pub_digest_v2 if i64(s.get("digest_format")) == 2 else pub_digest) and
+        i64(s.get("version")) == version for s in subst)
     verified = [v.get("ok") for v in raw.get("verify", [])]
     sub_latency = max((i64(s.get("last_refit", {}).get("latency_micros")) for s in subst),
                       default=0) / 1e3
@@ -879,6 +885,9 @@ def parse_args(argv):
                         "value (the publisher allows max(8, N) streams per subscriber)")
     p.add_argument("--subscribers", type=int, default=1)
     p.add_argument("--persist", action="store_true", help="publisher baseline.persist_dir on")
+    p.add_argument("--digest-v1", dest="digest_v2", action="store_false",
+                   help="subscribers verify with tensor digest v1 (store.digest_v2 off); default "
+                        "v2: deltas verified incrementally")
     p.add_argument("--threads", type=int, default=2, help="codec / staging / read-pass threads")
     p.add_argument("--queue-ms", type=float, default=50.0)
     p.add_argument("--loss", type=float, default=0.0)

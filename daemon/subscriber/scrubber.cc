@@ -29,6 +29,7 @@ bool Scrubber::BeginPass() {
   Pass pass;
   pass.version = version;
   pass.generation = core_->generation();
+  pass.format = record->digest_format;
   const store::Layout& layout = st->layout();
   pass.digests.resize(layout.size());
   for (const v1::TensorDigest& d : record->tensors) {
@@ -61,7 +62,8 @@ uint64_t Scrubber::CheckNext() {
   const std::span<const uint8_t> bytes = lease->lease.spans[i];
   store::TensorMemory& memory = lease->store->memory();
   absl::StatusOr<uint64_t> found =
-      options_.digest ? options_.digest(memory, bytes) : memory.Digest(bytes);
+      options_.digest ? options_.digest(memory, pass.format, bytes)
+                      : StoreDigestOf(memory, pass.format, bytes);
   const std::string name = lease->store->layout().tensor(i).name;
   if (absl::Status st = core_->ReleaseLease(lease->lease.lease_id); !st.ok()) {
     Logger("scrub")->warn("releasing the scrub lease on version {}: {}", pass.version,

@@ -42,10 +42,10 @@
 
 namespace refit::subscriber {
 
-// The digest a tensor's bytes are compared with. Default (empty): memory.Digest, the v1 tensor
-// digest the core verifies today. Digest v2 replaces it at one place (ScrubberOptions::digest).
-using ScrubDigestFn = std::function<absl::StatusOr<uint64_t>(store::TensorMemory& memory,
-                                                             std::span<const uint8_t> bytes)>;
+// The digest a tensor's bytes are compared with, in `format` (the format the version was verified
+// in: VersionRecord::digest_format). Default (empty): StoreDigestOf.
+using ScrubDigestFn = std::function<absl::StatusOr<uint64_t>(
+    store::TensorMemory& memory, sync::DigestFormat format, std::span<const uint8_t> bytes)>;
 
 // One tensor whose held bytes no longer match the digest verified at commit.
 struct ScrubMismatch {
@@ -106,6 +106,7 @@ class Scrubber {
   struct Pass {
     uint64_t version = 0;
     uint64_t generation = 0;
+    sync::DigestFormat format = sync::DigestFormat::kV1;  // of `digests`
     std::vector<std::optional<uint64_t>> digests;
     size_t next = 0;
   };

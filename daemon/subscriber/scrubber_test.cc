@@ -227,7 +227,8 @@ TEST_F(ScrubberTest, InjectedDigestIsTheOneCompared) {
   NextVersion();
   ScrubberOptions o = Options();
   int calls = 0;
-  o.digest = [&calls](store::TensorMemory&, std::span<const uint8_t>) -> absl::StatusOr<uint64_t> {
+  o.digest = [&calls](store::TensorMemory&, sync::DigestFormat,
+                      std::span<const uint8_t>) -> absl::StatusOr<uint64_t> {
     ++calls;
     return 42;  // never the verified digest
   };
