@@ -288,6 +288,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
   dp.stream_window_bytes = transport.stream_window_bytes();
   dp.single_stream_below_bytes = transport.single_stream_below_bytes();
+  dp.streamed_transfers = transport.streamed_transfers();
   daemon->data_plane_ = std::make_unique<DataPlaneService>(daemon->core_.get(), dp);
   PublishQueueOptions queue_options;
   queue_options.max_pending = config.publish_queue().max_pending();

@@ -248,6 +248,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   up.backoff_multiplier = c.upstream().backoff().multiplier();
   up.backoff_jitter = c.upstream().backoff().jitter();
   up.stream_progress = c.upstream().stream_progress();
+  up.streamed_transfers = c.upstream().streamed_transfers();
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
 

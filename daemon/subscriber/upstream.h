@@ -62,6 +62,8 @@ struct UpstreamOptions {
   double backoff_jitter = 0.2;
   // upstream.stream_progress: Hello.stream_progress (report StreamProgress when asked to).
   bool stream_progress = true;
+  // upstream.streamed_transfers: Hello.streamed_transfers (accept VersionHeader.streamed).
+  bool streamed_transfers = true;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,
