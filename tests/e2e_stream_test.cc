@@ -15,7 +15,12 @@
 namespace refit::e2e {
 namespace {
 
-using E2EStream = E2ETest;
+class E2EStream : public E2ETest {
+ protected:
+  // A publisher (granting streamed transfers or not) and two subscribers (sub-1 without them)
+  // follow ModelAt(1..8) bit-exact; *streamed = the publisher's streamed transfers applied.
+  void FollowVersions(bool grant, int* streamed);
+};
 
 // Occurrences of `what` in the daemon's log.
 int CountInLog(const DaemonProcess& d, const std::string& what) {
@@ -50,11 +55,11 @@ Model ModelAt(uint64_t v) {
   return m;
 }
 
-void FollowVersions(E2ETest& test, bool grant, int* streamed) {
+void E2EStream::FollowVersions(bool grant, int* streamed) {
   PublisherSpec ps;
   ps.name = "pub";
   if (!grant) ps.extra = "  transport:\n    streamed_transfers: false\n";
-  DaemonProcess& pub = test.NewPublisher(ps);
+  DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
   std::vector<DaemonProcess*> subs;
   for (int i = 0; i < 2; ++i) {
@@ -63,31 +68,31 @@ void FollowVersions(E2ETest& test, bool grant, int* streamed) {
     ss.upstream = {pub.listen_target()};
     ss.connections = 2;
     ss.streamed_transfers = i == 0;  // sub-1 is a subscriber without streamed transfers
-    DaemonProcess& sub = test.NewSubscriber(ss);
+    DaemonProcess& sub = NewSubscriber(ss);
     E2E_ASSERT_OK(sub.Start());
     subs.push_back(&sub);
   }
   for (uint64_t v = 1; v <= 8; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
     const Model m = ModelAt(v);
-    if (v > 1) E2E_ASSERT_OK(test.WaitVersion(pub, v - 1, absl::Seconds(60), true));
-    E2E_ASSERT_OK(test.Publish(pub, m, v));
-    for (DaemonProcess* sub : subs) E2E_ASSERT_OK(test.WaitVersion(*sub, v));
-    for (DaemonProcess* sub : subs) E2E_ASSERT_OK(test.ExpectExportEquals(*sub, m));
+    if (v > 1) E2E_ASSERT_OK(WaitVersion(pub, v - 1, absl::Seconds(60), true));
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    for (DaemonProcess* sub : subs) E2E_ASSERT_OK(WaitVersion(*sub, v));
+    for (DaemonProcess* sub : subs) E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
   }
-  E2E_ASSERT_OK(test.WaitVersion(pub, 8, absl::Seconds(60), true));
+  E2E_ASSERT_OK(WaitVersion(pub, 8, absl::Seconds(60), true));
   *streamed = CountInLog(pub, ", streamed)");
 }
 
 TEST_F(E2EStream, StreamedVersionsBitExact) {
   int streamed = 0;
-  FollowVersions(*this, /*grant=*/true, &streamed);
+  FollowVersions(/*grant=*/true, &streamed);
   std::printf("[e2e] %d of the 7 delta transfers to sub-0 were streamed\n", streamed);
 }
 
 TEST_F(E2EStream, PublisherThatDoesNotGrantStreamingStillServes) {
   int streamed = -1;
-  FollowVersions(*this, /*grant=*/false, &streamed);
+  FollowVersions(/*grant=*/false, &streamed);
   EXPECT_EQ(streamed, 0);
 }
 

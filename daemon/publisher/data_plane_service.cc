@@ -658,10 +658,10 @@ absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session
       break;
     }
     sent_bytes += n;
+    bytes_sent_.fetch_add(n, std::memory_order_relaxed);  // per frame: visible while it runs
     work->bytes.fetch_add(n, std::memory_order_relaxed);
     work->frames.fetch_add(1, std::memory_order_relaxed);
   }
-  bytes_sent_.fetch_add(sent_bytes, std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   session->bytes_sent += sent_bytes;
   if (!status.ok() && work->error.ok()) work->error = status;
