@@ -679,6 +679,17 @@ absl::Status EncodeVersion(
   return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, stream, enc, sum);
 }
 
+// Publish, after the commit: streamed sessions send VersionEnd; without an end (the history
+// could not plan it) they abort and the committed path serves the version.
+void SettleLive(LiveVersion* live, absl::StatusOr<v1::VersionEnd> end) {
+  if (live == nullptr) return;
+  if (end.ok()) {
+    live->Commit(*std::move(end));
+  } else {
+    live->Fail(end.status());
+  }
+}
+
 // The guard's view of a version: names and byte sizes.
 std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs) {
   std::vector<GuardTensor> out;
@@ -1177,11 +1188,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                   counts_.end());
   }
   std::move(fail_live).Cancel();
-  if (live != nullptr && live_end.ok()) {
-    live->Commit(*std::move(live_end));  // streamed sessions send VersionEnd
-  } else if (live != nullptr) {
-    live->Fail(live_end.status());  // they abort; the committed path serves the version
-  }
+  SettleLive(live.get(), std::move(live_end));
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
   if (record.has_value()) {
