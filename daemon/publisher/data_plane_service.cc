@@ -54,9 +54,26 @@ uint64_t StreamWindowBytes(uint64_t object_bytes, uint32_t streams, uint64_t cap
                               std::max<uint64_t>(cap, kMinStreamWindowBytes));
 }
 
-// The frames of one transfer, pulled by the streams of the session that carry it.
+// TakeFrame's answer when the transfer has no frame left.
+constexpr uint64_t kNoFrameLeft = UINT64_MAX;
+
+// The frames of one transfer, pulled by the streams of the session that carry it: a committed
+// Transfer, or a StreamedTransfer whose frames appear as the publisher encodes.
 struct DataPlaneService::Work {
   std::shared_ptr<const Transfer> transfer;
+  std::shared_ptr<StreamedTransfer> streamed;  // instead of transfer
+  uint64_t version() const { return streamed ? streamed->version() : transfer->version(); }
+  // Frames that exist so far, and whether no more will come.
+  uint64_t known_frames() const {
+    return streamed ? streamed->available_frames() : transfer->frame_count();
+  }
+  bool complete() const { return !streamed || streamed->all_ready(); }
+  bool live_failed() const {
+    return streamed && streamed->live().state() == LiveVersion::State::kFailed;
+  }
+  absl::StatusOr<v1::DataFrame> Frame(uint64_t i) const {
+    return streamed ? streamed->Frame(i) : transfer->Frame(i);
+  }
   std::atomic<uint64_t> next{0};
   std::atomic<uint64_t> frames{0};
   std::atomic<uint64_t> bytes{0};
@@ -83,6 +100,8 @@ struct DataPlaneService::Session {
   uint32_t granted_stripes = 0;
   // Welcome.progress_bytes > 0: the subscriber reports StreamProgress and streams are paced.
   bool progress = false;
+  // Welcome.streamed_transfers: this session may get streamed transfers.
+  bool streamed = false;
   // Everything below is guarded by the service's mu_.
   std::vector<bool> stripe_joined;  // index 1..granted
   uint32_t joined_stripes = 0;
@@ -117,9 +136,34 @@ struct DataPlaneService::Session {
 };
 
 DataPlaneService::DataPlaneService(PublisherCore* core, DataPlaneOptions options)
-    : core_(core), options_(std::move(options)), log_(Logger(options_.logger)) {}
+    : core_(core), options_(std::move(options)), log_(Logger(options_.logger)) {
+  if (options_.streamed_transfers) {
+    core_->SetLiveListener([this](std::shared_ptr<const LiveVersion> live) { OnLiveOpened(live); },
+                           [this] { OnLiveChanged(); });
+  }
+}
 
-DataPlaneService::~DataPlaneService() { Shutdown(); }
+DataPlaneService::~DataPlaneService() {
+  if (options_.streamed_transfers) core_->SetLiveListener(nullptr, nullptr);
+  Shutdown();
+}
+
+void DataPlaneService::OnLiveOpened(std::shared_ptr<const LiveVersion> live) {
+  absl::MutexLock lock(&mu_);
+  live_ = std::move(live);
+  ++epoch_;  // idle sessions at its base start streaming it
+}
+
+void DataPlaneService::OnLiveChanged() {
+  absl::MutexLock lock(&mu_);
+  // New objects become frames of every streamed work (the streams waiting in TakeFrame see
+  // them when mu_ is released); a commit or failure wakes the senders waiting for it likewise.
+  for (auto& [id, s] : sessions_) {
+    Work* w = s->work.get();
+    if (w == nullptr || w->streamed == nullptr) continue;
+    if (absl::Status st = w->streamed->Extend(); !st.ok() && w->error.ok()) w->error = st;
+  }
+}
 
 void DataPlaneService::Shutdown() {
   absl::MutexLock lock(&mu_);
@@ -372,6 +416,7 @@ grpc::Status DataPlaneService::Sync(
   session->digest_format = sync::ChooseDigestFormat(
       std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
       options_.digest_v2);
+  session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
@@ -447,6 +492,7 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     if (session->digest_format != sync::DigestFormat::kV1) {
       w->set_digest_format(sync::DigestFormatToWire(session->digest_format));
     }
+    w->set_streamed_transfers(session->streamed);
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }
@@ -595,7 +641,7 @@ absl::Status DataPlaneService::NoteProgressLocked(Session& session,
   }
   Work* work = session.work.get();
   // A progress that crossed its transfer's Ack (or precedes any transfer) changes nothing.
-  if (work == nullptr || work->transfer->version() != p.version() ||
+  if (work == nullptr || work->version() != p.version() ||
       p.stream_index() >= work->acked.size()) {
     return absl::OkStatus();
   }
@@ -607,26 +653,30 @@ absl::Status DataPlaneService::NoteProgressLocked(Session& session,
 absl::StatusOr<uint64_t> DataPlaneService::TakeFrame(Session& session, Work& work,
                                                      uint32_t stream_index) {
   absl::MutexLock lock(&mu_);
-  const uint64_t count = work.transfer->frame_count();
+  // A streamed transfer's frames appear as the publisher encodes: a stream waits for the next
+  // one (OnLiveChanged extends the work) until every tensor's object is there.
   auto may_take = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return session.ended || !work.error.ok() || work.next.load() >= count || work.window == 0 ||
-           work.sent[stream_index] - work.acked[stream_index] < work.window;
+    if (session.ended || !work.error.ok() || work.live_failed()) return true;
+    const uint64_t next = work.next.load();
+    if (next >= work.known_frames()) return work.complete();
+    return work.window == 0 || work.sent[stream_index] - work.acked[stream_index] < work.window;
   };
   mu_.Await(absl::Condition(&may_take));
   if (session.ended || !work.error.ok()) return absl::CancelledError("transfer abandoned");
+  if (work.live_failed()) return absl::CancelledError("the streamed version's publish failed");
+  if (work.next.load() >= work.known_frames()) return kNoFrameLeft;
   return work.next.fetch_add(1, std::memory_order_relaxed);
 }
 
 absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session,
                                          const std::shared_ptr<Work>& work, uint32_t stream_index,
                                          const std::function<bool(const v1::DataFrame&)>& write) {
-  const Transfer& t = *work->transfer;
   absl::Status status;
   uint64_t sent_bytes = 0;
   while (stream_index < work->streams) {
     absl::StatusOr<uint64_t> i = TakeFrame(*session, *work, stream_index);
-    if (!i.ok() || *i >= t.frame_count()) break;
-    absl::StatusOr<v1::DataFrame> frame = t.Frame(*i);
+    if (!i.ok() || *i == kNoFrameLeft) break;
+    absl::StatusOr<v1::DataFrame> frame = work->Frame(*i);
     if (!frame.ok()) {
       status = frame.status();
       break;
@@ -640,14 +690,14 @@ absl::Status DataPlaneService::SendShare(const std::shared_ptr<Session>& session
     }
     if (!write(*frame)) {
       status = absl::UnavailableError(absl::StrCat("writing frame ", *i, " of version ",
-                                                   t.version(), " failed (stream broken)"));
+                                                   work->version(), " failed (stream broken)"));
       break;
     }
     sent_bytes += n;
+    bytes_sent_.fetch_add(n, std::memory_order_relaxed);  // per frame: visible while it runs
     work->bytes.fetch_add(n, std::memory_order_relaxed);
     work->frames.fetch_add(1, std::memory_order_relaxed);
   }
-  bytes_sent_.fetch_add(sent_bytes, std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   session->bytes_sent += sent_bytes;
   if (!status.ok() && work->error.ok()) work->error = status;
@@ -741,16 +791,11 @@ v1::PublisherMessage DataPlaneService::HeaderMessage(const Transfer& t, const Lo
   return header_msg;
 }
 
-absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
-    SyncStream* stream, const std::shared_ptr<Session>& session,
-    const std::shared_ptr<const Transfer>& t, const v1::PublisherMessage& header_msg,
-    uint32_t streams) {
-  auto work = std::make_shared<Work>();
-  work->transfer = t;
-  work->streams = streams;
-  work->window = session->progress ? StreamWindowBytes(t->object_bytes(), streams,
-                                                       options_.stream_window_bytes)
-                                   : 0;
+absl::Status DataPlaneService::SendFrames(SyncStream* stream,
+                                          const std::shared_ptr<Session>& session,
+                                          const std::shared_ptr<Work>& work,
+                                          const v1::PublisherMessage& header_msg) {
+  const uint64_t version = work->version();
   work->sent.assign(1 + session->granted_stripes, 0);
   work->acked.assign(1 + session->granted_stripes, 0);
   {
@@ -761,20 +806,23 @@ absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
     session->keyframe_tensors.clear();
     session->keyframe_reason.clear();
     session->repair_version = 0;
-    session->awaiting_ack = t->version();
+    session->awaiting_ack = version;
     session->ack.reset();
   }
   if (!stream->Write(header_msg)) {
-    return absl::UnavailableError(absl::StrCat("writing the header of version ", t->version(),
+    return absl::UnavailableError(absl::StrCat("writing the header of version ", version,
                                                " failed (stream broken)"));
   }
-  log_->debug("session {:016x}: version {} (base {}, {}) to {}: {} frames, {} object bytes, "
-              "{} streams, window {}",
-              session->id, t->version(), header_msg.header().base_version(),
-              v1::TransferReason_Name(header_msg.header().reason()), session->name,
-              t->frame_count(), t->object_bytes(), streams, work->window);
+  if (work->streamed) streamed_.fetch_add(1, std::memory_order_relaxed);
+  log_->debug("session {:016x}: version {} (base {}, {}{}) to {}: {} frames so far, {} "
+              "streams, window {}",
+              session->id, version, header_msg.header().base_version(),
+              v1::TransferReason_Name(header_msg.header().reason()),
+              work->streamed ? ", streamed" : "", session->name, work->known_frames(),
+              work->streams, work->window);
   {
     absl::MutexLock lock(&mu_);
+    if (work->streamed) RETURN_IF_ERROR(work->streamed->Extend());
     work->active_streams = 1 + static_cast<int>(session->granted_stripes);
     session->work = work;
     ++session->work_seq;
@@ -784,15 +832,26 @@ absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
     *m.mutable_frame() = f;
     return stream->Write(m);
   }).IgnoreError();  // recorded in work->error
-  {
-    absl::MutexLock lock(&mu_);
-    auto streams_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return session->ended || work->active_streams == 0;
-    };
-    mu_.Await(absl::Condition(&streams_done));
-    if (session->ended) return session->end_status;
-    if (!work->error.ok()) return work->error;
-  }
+  absl::MutexLock lock(&mu_);
+  auto streams_done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return session->ended || work->active_streams == 0;
+  };
+  mu_.Await(absl::Condition(&streams_done));
+  if (session->ended) return session->end_status;
+  return work->error;
+}
+
+absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
+    SyncStream* stream, const std::shared_ptr<Session>& session,
+    const std::shared_ptr<const Transfer>& t, const v1::PublisherMessage& header_msg,
+    uint32_t streams) {
+  auto work = std::make_shared<Work>();
+  work->transfer = t;
+  work->streams = streams;
+  work->window = session->progress ? StreamWindowBytes(t->object_bytes(), streams,
+                                                       options_.stream_window_bytes)
+                                   : 0;
+  RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
   v1::PublisherMessage end_msg;
   *end_msg.mutable_end() = t->End(work->bytes.load());
   if (!stream->Write(end_msg)) {
@@ -800,6 +859,98 @@ absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
                                                " failed (stream broken)"));
   }
   return end_msg.end();
+}
+
+std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Session& session,
+                                                                    const LoopState& loop,
+                                                                    const TransferOptions& topts,
+                                                                    uint64_t base_version,
+                                                                    uint64_t base_digest) {
+  if (!session.streamed || loop.rejections > 0 || topts.plan.all_keyframes ||
+      !topts.plan.keyframe_tensors.empty() || base_version == 0) {
+    return nullptr;
+  }
+  absl::MutexLock lock(&mu_);
+  if (live_ == nullptr || live_->state() != LiveVersion::State::kEncoding ||
+      live_->base_version() != base_version ||
+      live_->base_version_digest(session.digest_format) != base_digest || base_digest == 0) {
+    return nullptr;
+  }
+  return live_;
+}
+
+absl::StatusOr<std::optional<v1::VersionEnd>> DataPlaneService::SendStreamed(
+    SyncStream* stream, const std::shared_ptr<Session>& session,
+    const std::shared_ptr<StreamedTransfer>& st, uint32_t streams) {
+  const LiveVersion& live = st->live();
+  auto work = std::make_shared<Work>();
+  work->streamed = st;
+  work->streams = streams;
+  work->window = session->progress ? StreamWindowBytes(live.expected_object_bytes(), streams,
+                                                       options_.stream_window_bytes)
+                                   : 0;
+  v1::PublisherMessage header_msg;
+  *header_msg.mutable_header() = live.header();
+  RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
+  {
+    absl::MutexLock lock(&mu_);
+    auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return session->ended || live.state() != LiveVersion::State::kEncoding;
+    };
+    mu_.Await(absl::Condition(&settled));
+    if (session->ended) return session->end_status;
+  }
+  v1::PublisherMessage msg;
+  if (live.state() == LiveVersion::State::kFailed) {
+    msg.mutable_abort()->set_version(live.version());
+    msg.mutable_abort()->set_reason(std::string(live.failure().message()));
+  } else if (absl::StatusOr<v1::VersionEnd> end = live.end(session->digest_format); !end.ok()) {
+    // No digests in the session's format: abandon it; the committed path serves the version.
+    msg.mutable_abort()->set_version(live.version());
+    msg.mutable_abort()->set_reason(std::string(end.status().message()));
+  } else {
+    *msg.mutable_end() = *std::move(end);
+    msg.mutable_end()->set_frames(work->frames.load());
+    msg.mutable_end()->set_wire_bytes(work->bytes.load());
+  }
+  if (!stream->Write(msg)) {
+    return absl::UnavailableError(absl::StrCat("writing the end of streamed version ",
+                                               live.version(), " failed (stream broken)"));
+  }
+  if (msg.has_end()) return std::optional<v1::VersionEnd>(msg.end());
+  streamed_aborts_.fetch_add(1, std::memory_order_relaxed);
+  log_->warn("session {:016x}: streamed version {} to {} aborted: {}", session->id,
+             live.version(), session->name, msg.abort().reason());
+  absl::MutexLock lock(&mu_);
+  session->awaiting_ack = 0;
+  session->state = v1::SESSION_STATE_IDLE;
+  return std::optional<v1::VersionEnd>();
+}
+
+absl::Status DataPlaneService::RunStreamed(SyncStream* stream,
+                                           const std::shared_ptr<Session>& session,
+                                           const std::shared_ptr<const LiveVersion>& live,
+                                           uint64_t base_version, LoopState& loop) {
+  // The size is not known before the pass ends: frames and window from the previous version's
+  // wire bytes (LiveVersion::expected_object_bytes).
+  const uint64_t expected = live->expected_object_bytes();
+  const uint32_t streams =
+      options_.single_stream_below_bytes > 0 && expected < options_.single_stream_below_bytes
+          ? 1u
+          : 1u + session->granted_stripes;
+  auto st = std::make_shared<StreamedTransfer>(
+      live, TransferFrameBytes(expected, streams, session->frame_bytes), session->lz4);
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(const std::optional<v1::VersionEnd> end,
+                   SendStreamed(stream, session, st, streams));
+  if (!end.has_value()) return absl::OkStatus();  // aborted: no Ack comes
+  ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
+  const absl::Duration took = absl::Now() - start;
+  if (ack.result() == v1::ACK_RESULT_APPLIED) {
+    return NoteApplied(session, live->version(), end->version_digest(), live->header(), *end, ack,
+                       took, loop);
+  }
+  return NoteRejected(session, live->version(), base_version, ack, loop);
 }
 
 absl::StatusOr<v1::Ack> DataPlaneService::AwaitAck(const std::shared_ptr<Session>& session) {
@@ -816,23 +967,24 @@ absl::StatusOr<v1::Ack> DataPlaneService::AwaitAck(const std::shared_ptr<Session
 }
 
 absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& session,
-                                           const Transfer& t, const v1::VersionHeader& header,
+                                           uint64_t version, uint64_t version_digest,
+                                           const v1::VersionHeader& header,
                                            const v1::VersionEnd& end, const v1::Ack& ack,
                                            absl::Duration took, LoopState& loop) {
-  if (ack.applied_version() != t.version() ||
-      ack.applied_version_digest() != t.plan().version_digest) {
+  if (ack.applied_version() != version || ack.applied_version_digest() != version_digest) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "subscriber acked version ", t.version(), " as applied with applied_version ",
+        "subscriber acked version ", version, " as applied with applied_version ",
         ack.applied_version(), " and digest ", absl::Hex(ack.applied_version_digest()),
-        "; expected version ", t.version(), " with digest ", absl::Hex(t.plan().version_digest)));
+        "; expected version ", version, " with digest ", absl::Hex(version_digest)));
   }
   const v1::RefitStats stats = sync::TransferStats(header, end, end.wire_bytes(), took);
   loop.rejections = 0;
   loop.retry_at = absl::InfinitePast();
-  log_->info("session {:016x}: {} applied version {} (base {}, {}): wire {} of dense {} "
+  log_->info("session {:016x}: {} applied version {} (base {}, {}{}): wire {} of dense {} "
              "bytes, {} keyframe tensors, {} ms",
-             session->id, session->name, t.version(), header.base_version(),
-             v1::TransferReason_Name(header.reason()), end.wire_bytes(), end.dense_bytes(),
+             session->id, session->name, version, header.base_version(),
+             v1::TransferReason_Name(header.reason()), header.streamed() ? ", streamed" : "",
+             end.wire_bytes(), end.dense_bytes(),
              stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
   absl::MutexLock lock(&mu_);
   session->acked_version = ack.applied_version();
@@ -842,18 +994,18 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
   session->last_refit = stats;
   session->state = v1::SESSION_STATE_IDLE;
   for (PendingVersion& p : pending_) {
-    if (p.version == t.version()) p.wire_bytes += end.wire_bytes();
+    if (p.version == version) p.wire_bytes += end.wire_bytes();
   }
   NoteAckedLocked();
   return absl::OkStatus();
 }
 
 absl::Status DataPlaneService::NoteRejected(const std::shared_ptr<Session>& session,
-                                            const Transfer& t, uint64_t base_version,
+                                            uint64_t version, uint64_t base_version,
                                             const v1::Ack& ack, LoopState& loop) {
   if (ack.applied_version() != base_version) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "subscriber rejected version ", t.version(), " but reports applied_version ",
+        "subscriber rejected version ", version, " but reports applied_version ",
         ack.applied_version(), " instead of its base ", base_version));
   }
   ++loop.rejections;
@@ -861,7 +1013,7 @@ absl::Status DataPlaneService::NoteRejected(const std::shared_ptr<Session>& sess
       options_.retry_max, options_.retry_initial * (1 << std::min(loop.rejections - 1, 16u)));
   loop.retry_at = absl::Now() + delay;
   log_->warn("session {:016x}: {} rejected version {} (base {}): {}{}; retry {} in {}",
-             session->id, session->name, t.version(), base_version, ack.error(),
+             session->id, session->name, version, base_version, ack.error(),
              ack.mismatched_tensors().empty()
                  ? std::string()
                  : absl::StrCat(" (", ack.mismatched_tensors_size(),
@@ -883,6 +1035,11 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
     uint64_t base_version = 0;
     uint64_t base_digest = 0;
     RETURN_IF_ERROR(AwaitTurn(session, loop, &topts, &base_version, &base_digest));
+    if (std::shared_ptr<const LiveVersion> live =
+            StreamableLive(*session, loop, topts, base_version, base_digest)) {
+      RETURN_IF_ERROR(RunStreamed(stream, session, live, base_version, loop));
+      continue;
+    }
     uint32_t streams = 1;
     ASSIGN_OR_RETURN(std::shared_ptr<const Transfer> t,
                      MakeSessionTransfer(*session, base_version, base_digest, topts, &streams,
@@ -898,9 +1055,10 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
     ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
     const absl::Duration took = absl::Now() - start;
     if (ack.result() == v1::ACK_RESULT_APPLIED) {
-      RETURN_IF_ERROR(NoteApplied(session, *t, header_msg.header(), end, ack, took, loop));
+      RETURN_IF_ERROR(NoteApplied(session, t->version(), t->plan().version_digest,
+                                  header_msg.header(), end, ack, took, loop));
     } else {
-      RETURN_IF_ERROR(NoteRejected(session, *t, base_version, ack, loop));
+      RETURN_IF_ERROR(NoteRejected(session, t->version(), base_version, ack, loop));
     }
   }
 }

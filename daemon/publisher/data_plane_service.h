@@ -31,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -64,6 +65,8 @@ struct DataPlaneOptions {
   // config transport.stream_window_bytes (0 = no pacing) and single_stream_below_bytes.
   uint64_t stream_window_bytes = 32u << 20;
   uint64_t single_stream_below_bytes = 0;
+  // config transport.streamed_transfers: grant Hello.streamed_transfers (LiveVersion).
+  bool streamed_transfers = true;
   // LZ4 for keyframe chunks when the subscriber accepts it (and a sample of the tensor shrinks:
   // sync::Lz4Pays).
   bool lz4 = true;
@@ -137,6 +140,10 @@ class DataPlaneService final : public v1::DataPlane::Service {
 
   // Payload bytes of DataFrames written on all sessions since start.
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+  // Streamed transfers (headers written while the version was being encoded) since start, and
+  // those of them that ended with VersionAbort.
+  uint64_t streamed_transfers() const { return streamed_.load(std::memory_order_relaxed); }
+  uint64_t streamed_aborts() const { return streamed_aborts_.load(std::memory_order_relaxed); }
 
   // The last version for which every session that was live when it was published has acked it
   // (or ended): version, wire bytes (sum over sessions), latency = snapshot -> last ack.
@@ -186,12 +193,36 @@ class DataPlaneService final : public v1::DataPlane::Service {
                                               const std::shared_ptr<const Transfer>& t,
                                               const v1::PublisherMessage& header_msg,
                                               uint32_t streams);
+  // SendTransfer's and SendStreamed's common part: marks the transfer in flight, writes the
+  // header, then every frame of `work` over its streams; OK once all are written.
+  absl::Status SendFrames(SyncStream* stream, const std::shared_ptr<Session>& session,
+                          const std::shared_ptr<Work>& work, const v1::PublisherMessage& header_msg);
   absl::StatusOr<v1::Ack> AwaitAck(const std::shared_ptr<Session>& session);
-  absl::Status NoteApplied(const std::shared_ptr<Session>& session, const Transfer& t,
-                           const v1::VersionHeader& header, const v1::VersionEnd& end,
-                           const v1::Ack& ack, absl::Duration took, LoopState& loop);
-  absl::Status NoteRejected(const std::shared_ptr<Session>& session, const Transfer& t,
+  // After an Ack of `version` (target digest `version_digest`).
+  absl::Status NoteApplied(const std::shared_ptr<Session>& session, uint64_t version,
+                           uint64_t version_digest, const v1::VersionHeader& header,
+                           const v1::VersionEnd& end, const v1::Ack& ack, absl::Duration took,
+                           LoopState& loop);
+  absl::Status NoteRejected(const std::shared_ptr<Session>& session, uint64_t version,
                             uint64_t base_version, const v1::Ack& ack, LoopState& loop);
+  // Streamed transfers (docs/ARCHITECTURE.md "Streamed transfers"). The live version this
+  // session may stream now (its base is the live version's base, no keyframe wish, no retry
+  // pending, granted), or null.
+  std::shared_ptr<const LiveVersion> StreamableLive(const Session& session, const LoopState& loop,
+                                                    const TransferOptions& topts,
+                                                    uint64_t base_version, uint64_t base_digest);
+  // One streamed transfer: header, frames as the tensors are encoded, VersionEnd after the
+  // commit (then the Ack), or VersionAbort when the publish failed.
+  absl::Status RunStreamed(SyncStream* stream, const std::shared_ptr<Session>& session,
+                           const std::shared_ptr<const LiveVersion>& live, uint64_t base_version,
+                           LoopState& loop);
+  // RunStreamed's send: the VersionEnd written, or nullopt after a VersionAbort.
+  absl::StatusOr<std::optional<v1::VersionEnd>> SendStreamed(
+      SyncStream* stream, const std::shared_ptr<Session>& session,
+      const std::shared_ptr<StreamedTransfer>& st, uint32_t streams);
+  // The core's listener: a live version opened / changed (new objects for the streamed works).
+  void OnLiveOpened(std::shared_ptr<const LiveVersion> live);
+  void OnLiveChanged();
   // Writes frames of `work` pulled from its shared counter on stream `stream_index` until none
   // is left (at once when the stream does not carry the transfer).
   absl::Status SendShare(const std::shared_ptr<Session>& session, const std::shared_ptr<Work>& work,
@@ -221,7 +252,11 @@ class DataPlaneService final : public v1::DataPlane::Service {
   std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   v1::RefitStats last_fully_acked_ ABSL_GUARDED_BY(mu_);
   std::deque<PendingVersion> pending_ ABSL_GUARDED_BY(mu_);
+  // The newest live version the core opened (streamed transfers); null before any.
+  std::shared_ptr<const LiveVersion> live_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_sent_{0};
+  std::atomic<uint64_t> streamed_{0};
+  std::atomic<uint64_t> streamed_aborts_{0};
 };
 
 }  // namespace refit::publisher

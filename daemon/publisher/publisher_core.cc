@@ -10,6 +10,7 @@
 #include <system_error>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -259,38 +260,30 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
   return bases;
 }
 
-// CPU one pass (PublisherCore's class comment): every tensor with a base compared, encoded and
-// digested by one EncodePatchesWithDigests over (baseline, caller's bytes); no snapshot copy.
-absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
-                                std::span<const TensorInput> inputs,
-                                const std::vector<size_t>& order,
-                                const std::vector<v1::TensorSpec>& specs,
-                                const std::vector<BaselineTensor>& prev, const std::string& where,
-                                Encoded* out, PublishSummary* sum) {
-  ResizeEncoded(order.size(), out);
-  const std::vector<const BaselineTensor*> bases =
-      ClassifyForPass(options, inputs, order, specs, prev, out, sum);
+// Streamed transfers: where the one pass hands each tensor's object as soon as it exists.
+struct StreamPass {
+  LiveVersion* live = nullptr;  // null: not streamed
+  uint64_t batch_bytes = 0;     // 0: one batch
+  const std::function<absl::Status(size_t, size_t)>* hook = nullptr;
+};
+
+// CPU one pass, one batch: the tensors `ks` (name-order indices, each with a base) compared,
+// encoded and digested by one EncodePatchesWithDigests.
+absl::Status EncodeBatch(const PublisherOptions& options, std::span<const TensorInput> inputs,
+                         const std::vector<size_t>& order,
+                         const std::vector<const BaselineTensor*>& bases,
+                         std::span<const size_t> ks, const std::string& where, Encoded* out) {
   std::vector<EncodeInput> enc;
-  std::vector<size_t> enc_index;
-  for (size_t k = 0; k < order.size(); ++k) {
-    if (bases[k] == nullptr) continue;
-    enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
-    enc_index.push_back(k);
-  }
-  if (enc.empty()) return absl::OkStatus();
-  const auto pass_start = Clock::now();
-  const EncodeOptions eo = CodecOptionsOf(options);
+  for (size_t k : ks) enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
   std::vector<PatchStats> stats;
   std::vector<uint64_t> digests;
-  auto encoded = EncodePatchesWithDigests(enc, eo, &stats, &digests);
+  auto encoded = EncodePatchesWithDigests(enc, CodecOptionsOf(options), &stats, &digests);
   if (!encoded.ok()) {
     return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
                                             encoded.status().message()));
   }
-  sum->pass_micros = MicrosSince(pass_start);
-  sum->encode_micros = sum->pass_micros;
-  for (size_t j = 0; j < enc_index.size(); ++j) {
-    const size_t k = enc_index[j];
+  for (size_t j = 0; j < ks.size(); ++j) {
+    const size_t k = ks[j];
     const BaselineTensor* p = bases[k];
     BaselineTensor& t = out->next[k];
     if (stats[j].changed_elements == 0) {  // bit patterns compared: the same bytes
@@ -306,6 +299,61 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     const TensorInput& in = inputs[order[k]];
     out->pending.push_back({k, p->bytes, in.data, in.owned, p->digest_v2});
   }
+  return absl::OkStatus();
+}
+
+// The end of the batch of `ks` starting at b: about batch_bytes of target bytes (at least one
+// tensor); everything when not streamed or batch_bytes is 0.
+size_t BatchEnd(const StreamPass& stream, std::span<const TensorInput> inputs,
+                const std::vector<size_t>& order, const std::vector<size_t>& ks, size_t b) {
+  if (stream.live == nullptr || stream.batch_bytes == 0) return ks.size();
+  uint64_t bytes = 0;
+  size_t e = b;
+  while (e < ks.size() && (e == b || bytes < stream.batch_bytes)) {
+    bytes += inputs[order[ks[e]]].data.size();
+    ++e;
+  }
+  return e;
+}
+
+// CPU one pass (PublisherCore's class comment): every tensor with a base compared, encoded and
+// digested by EncodePatchesWithDigests over (baseline, caller's bytes); no snapshot copy. When
+// streamed, in batches, each tensor's object handed to the live version as its batch completes
+// (keyframes and byte-less unchanged tensors before the pass).
+absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
+                                std::span<const TensorInput> inputs,
+                                const std::vector<size_t>& order,
+                                const std::vector<v1::TensorSpec>& specs,
+                                const std::vector<BaselineTensor>& prev, const std::string& where,
+                                const StreamPass& stream, Encoded* out, PublishSummary* sum) {
+  ResizeEncoded(order.size(), out);
+  const std::vector<const BaselineTensor*> bases =
+      ClassifyForPass(options, inputs, order, specs, prev, out, sum);
+  std::vector<size_t> ks;
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (bases[k] != nullptr) {
+      ks.push_back(k);
+    } else if (stream.live != nullptr) {
+      stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->next[k].bytes);
+    }
+  }
+  if (ks.empty()) return absl::OkStatus();
+  const auto pass_start = Clock::now();
+  for (size_t b = 0; b < ks.size();) {
+    const size_t e = BatchEnd(stream, inputs, order, ks, b);
+    if (stream.live != nullptr && stream.hook != nullptr && *stream.hook) {
+      RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
+    }
+    const std::span<const size_t> batch(ks.data() + b, e - b);
+    RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, out));
+    for (size_t k : batch) {
+      if (stream.live == nullptr) break;
+      stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);
+    }
+    b = e;
+  }
+  sum->pass_micros = MicrosSince(pass_start);
+  sum->encode_micros = sum->pass_micros;
   return absl::OkStatus();
 }
 
@@ -726,8 +774,8 @@ absl::Status EncodeVersion(
     const PublisherOptions& options, std::span<const TensorInput> given,
     const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
     const std::vector<BaselineTensor>& prev, const std::string& where,
-    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* enc,
-    PublishSummary* sum) {
+    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline,
+    const StreamPass& stream, Encoded* enc, PublishSummary* sum) {
   if (options.device != nullptr) {
     RETURN_IF_ERROR(
         EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum));
@@ -747,7 +795,19 @@ absl::Status EncodeVersion(
     FillDigestsV2(options, prev, enc, sum);
     return absl::OkStatus();
   }
-  return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, enc, sum);
+  return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, stream, enc, sum);
+}
+
+// Publish, after the commit: streamed sessions send VersionEnd; without an end (the history
+// could not plan it) they abort and the committed path serves the version.
+void SettleLive(LiveVersion* live, absl::StatusOr<v1::VersionEnd> end,
+                std::optional<v1::VersionEnd> end_v2) {
+  if (live == nullptr) return;
+  if (end.ok()) {
+    live->Commit(*std::move(end), std::move(end_v2));
+  } else {
+    live->Fail(end.status());
+  }
 }
 
 // The guard's view of a version: names and byte sizes.
@@ -1203,8 +1263,17 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                     GuardTensorsOf(specs), allow_degenerate, where));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
+  // Streamed transfers: sessions idle at prev_version send this version's frames as the pass
+  // produces them; any failure from here to the commit aborts them (VersionAbort).
+  std::shared_ptr<LiveVersion> live =
+      OpenLive(version, prev_version, prev, specs, order, sum.snapshot_unix_nanos);
+  absl::Cleanup fail_live = [&] {
+    if (live != nullptr) live->Fail(absl::AbortedError(absl::StrCat(where, " failed")));
+  };
+  const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook};
   Encoded enc;
-  RETURN_IF_ERROR(EncodeVersion(options_, given, order, specs, prev, where, &gpu_baseline_, &enc, &sum));
+  RETURN_IF_ERROR(EncodeVersion(options_, given, order, specs, prev, where, &gpu_baseline_,
+                                stream, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
   counts.version = version;
@@ -1223,6 +1292,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 
   RecordNumbered(version);
   uint64_t lineage = 0;
+  absl::StatusOr<v1::VersionEnd> live_end;
+  std::optional<v1::VersionEnd> live_end_v2;
   {
     absl::MutexLock lock(&mu_);
     lineage = lineage_;
@@ -1243,6 +1314,12 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     pass_micros_ = sum.pass_micros;
     baseline_update_micros_ = sum.baseline_update_micros;
     baseline_ = enc.next;
+    newest_wire_bytes_ = sum.wire_bytes;
+    if (live != nullptr) {
+      live_end = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV1);
+      auto v2 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV2);
+      if (v2.ok()) live_end_v2 = *std::move(v2);
+    }
     if (options_.device != nullptr) gpu_baseline_ = std::move(enc.gpu);
     counts_.push_back(std::move(counts));
     counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
@@ -1251,6 +1328,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                  }),
                   counts_.end());
   }
+  std::move(fail_live).Cancel();
+  SettleLive(live.get(), std::move(live_end), std::move(live_end_v2));
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
   if (record.has_value()) {
@@ -1391,6 +1470,85 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   }
   t->total_frames_ = frame;
   return std::shared_ptr<const Transfer>(std::move(t));
+}
+
+void PublisherCore::SetLiveListener(std::function<void(std::shared_ptr<const LiveVersion>)> on_open,
+                                    std::function<void()> on_change) {
+  absl::MutexLock lock(&live_mu_);
+  live_open_ = std::move(on_open);
+  live_change_ = std::move(on_change);
+}
+
+void PublisherCore::NotifyLiveChange() {
+  absl::MutexLock lock(&live_mu_);
+  if (live_change_) live_change_();
+}
+
+std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t prev_version,
+                                                     const std::vector<BaselineTensor>& prev,
+                                                     const std::vector<v1::TensorSpec>& specs,
+                                                     const std::vector<size_t>& order,
+                                                     uint64_t snapshot_nanos) {
+  if (prev_version == 0 || options_.device != nullptr || !options_.cpu_one_pass) return nullptr;
+  {
+    absl::MutexLock lock(&live_mu_);
+    if (!live_open_) return nullptr;
+  }
+  v1::VersionHeader h;
+  uint64_t expected = 0;
+  uint64_t base_digest = 0;
+  uint64_t base_digest_v2 = 0;  // 0: the base has no v2 digests (v2 sessions do not stream)
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (newest_version_ != prev_version) return nullptr;
+    h.set_lineage(lineage_);
+    expected = newest_wire_bytes_;
+    base_digest = newest_digest_;
+    base_digest_v2 = history_.VersionDigestOf(prev_version, sync::DigestFormat::kV2).value_or(0);
+  }
+  h.set_version(version);
+  h.set_base_version(prev_version);
+  h.set_reason(v1::TRANSFER_REASON_NEXT_VERSION);
+  h.set_snapshot_unix_nanos(snapshot_nanos);
+  for (size_t k = 0; k < order.size(); ++k) {
+    v1::TensorPlan* tp = h.add_tensors();
+    *tp->mutable_spec() = specs[order[k]];
+    if (SameSpecAs(FindByName(prev, tp->spec().name()), tp->spec())) {
+      tp->set_delivery(v1::DELIVERY_PATCH);
+      v1::PatchStep* step = tp->add_steps();
+      step->set_base_version(prev_version);
+      step->set_target_version(version);
+    } else {
+      tp->set_delivery(v1::DELIVERY_KEYFRAME);
+    }
+  }
+  auto live = std::make_shared<LiveVersion>(std::move(h), expected,
+                                            [this] { NotifyLiveChange(); });
+  live->set_base_version_digests(base_digest, base_digest_v2);
+  absl::MutexLock lock(&live_mu_);
+  if (live_open_) live_open_(live);
+  return live;
+}
+
+absl::StatusOr<v1::VersionEnd> PublisherCore::LiveEndLocked(uint64_t prev_version,
+                                                            uint64_t version,
+                                                            const PublishSummary& sum,
+                                                            sync::DigestFormat format) const {
+  // The same digests and version digest as the committed path's End (Transfer::End).
+  ASSIGN_OR_RETURN(const uint64_t prev_digest, history_.VersionDigestOf(prev_version, format));
+  RETURN_IF_ERROR(history_.VersionDigestOf(version, format).status());
+  sync::PlanOptions po;
+  po.digest_format = format;
+  ASSIGN_OR_RETURN(const sync::TransferPlan plan,
+                   history_.Plan(prev_version, prev_digest, version, po));
+  v1::VersionEnd e = plan.End();
+  e.set_version(version);
+  e.set_changed_elements(sum.changed_elements);
+  e.set_total_elements(sum.total_elements);
+  e.set_encode_micros(sum.encode_micros);
+  e.set_publish_pass_micros(sum.pass_micros);
+  e.set_baseline_update_micros(sum.baseline_update_micros);
+  return e;
 }
 
 uint64_t PublisherCore::newest_version() const {

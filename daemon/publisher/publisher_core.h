@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/publisher/live_version.h"
 #include "daemon/publisher/persist_dir.h"
 #include "daemon/publisher/publish_guard.h"
 #include "daemon/sync/frames.h"
@@ -105,6 +106,15 @@ struct PublisherOptions {
   // CPU codec: the one pass per version (PublisherCore "CPU one pass"). false: the copying path
   // (memcmp, snapshot copy, digest, encode: four reads), kept for benchmarks (publish_bench).
   bool cpu_one_pass = true;
+  // Streamed transfers (LiveVersion; only the CPU one pass streams): the pass encodes the tensors
+  // in name order in batches of about this many target bytes and hands each batch's objects to
+  // the live version as soon as the batch is done (0: one batch, i.e. nothing leaves before the
+  // whole pass).
+  uint64_t stream_batch_bytes = 16ull << 20;
+  // Test gate: called on the publishing thread before each batch of a streamed pass with the
+  // name-order indices [first, end) of its tensors (it may block); an error fails the publish
+  // there (fault injection). Null: none.
+  std::function<absl::Status(size_t first, size_t end)> stream_batch_hook;
 };
 
 // What Publish did (one log line per refit).
@@ -353,6 +363,13 @@ class PublisherCore {
   // Where the baseline is persisted (persist_dir/baseline.safetensors).
   static std::string BaselinePath(const std::string& persist_dir);
 
+  // Streamed transfers: `on_open` is called when a Publish starts its pass over a version with a
+  // base (the CPU one pass, a previous version published), with the LiveVersion of that version;
+  // `on_change` after every change of it (a tensor ready, commit, failure). Both run on the
+  // publishing thread, without the core's locks. Null functions: no live versions are opened.
+  void SetLiveListener(std::function<void(std::shared_ptr<const LiveVersion>)> on_open,
+                       std::function<void()> on_change);
+
  private:
   explicit PublisherCore(const PublisherOptions& options);
   // Writes baseline.safetensors at `s` (the persister's compaction).
@@ -375,6 +392,19 @@ class PublisherCore {
   // Publish: the lineage file records `version` before it becomes visible.
   void RecordNumbered(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
   void NotePersist(uint64_t version, const absl::Status& st);
+  // Publish: the live version of `version` on top of `prev` (null without a listener, a base or
+  // the CPU one pass), announced to the listener.
+  std::shared_ptr<LiveVersion> OpenLive(uint64_t version, uint64_t prev_version,
+                                        const std::vector<BaselineTensor>& prev,
+                                        const std::vector<v1::TensorSpec>& specs,
+                                        const std::vector<size_t>& order, uint64_t snapshot_nanos);
+  void NotifyLiveChange();
+  // The VersionEnd of `prev_version` -> `version` (just committed) for the live version, with
+  // its digests in `format` (NotFound for v2 when either version has no v2 digests).
+  absl::StatusOr<v1::VersionEnd> LiveEndLocked(uint64_t prev_version, uint64_t version,
+                                               const PublishSummary& sum,
+                                               sync::DigestFormat format) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const PublisherOptions options_;
   std::unique_ptr<PersistDir> dir_;  // with persist_dir
@@ -402,6 +432,11 @@ class PublisherCore {
   // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
       ABSL_GUARDED_BY(publish_mu_);
+  // Wire bytes of the newest version from its previous one (a live version's size estimate).
+  uint64_t newest_wire_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex live_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::function<void(std::shared_ptr<const LiveVersion>)> live_open_ ABSL_GUARDED_BY(live_mu_);
+  std::function<void()> live_change_ ABSL_GUARDED_BY(live_mu_);
   // With persist_dir: the background persister (patch log + compaction). Destroyed first.
   std::unique_ptr<BaselinePersister> persister_;
 };

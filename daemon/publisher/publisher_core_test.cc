@@ -930,5 +930,131 @@ TEST(PublisherCoreTest, OnePassPublishesWhatTheCopyingPathPublishes) {
   }
 }
 
+// ---- Streamed transfers (LiveVersion) ----------------------------------------------------------
+
+// The live version of a publish: header before the pass (PATCH for same-spec tensors, KEYFRAME
+// for new / re-typed ones), every tensor ready exactly once (a zero-byte object when unchanged,
+// the patch otherwise), then the commit with the committed path's digests; the streamed frames
+// reassemble into the objects, and applying them to the base gives the new version.
+TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
+  PublisherOptions opts;
+  opts.stream_batch_bytes = 1;  // one tensor per batch
+  std::vector<std::pair<size_t, size_t>> batches;
+  opts.stream_batch_hook = [&](size_t first, size_t end) {
+    batches.emplace_back(first, end);
+    return absl::OkStatus();
+  };
+  auto core = PublisherCore::Open(opts);
+  ASSERT_TRUE(core.ok()) << core.status();
+  std::vector<std::shared_ptr<const LiveVersion>> opened;
+  int changes = 0;
+  (*core)->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); },
+                           [&] { ++changes; });
+  std::mt19937_64 rng(3);
+  Model m;
+  m["a"] = RandomTensor(DType::kBF16, {300, 64}, rng);
+  m["b"] = RandomTensor(DType::kBF16, {1000}, rng);
+  m["c"] = RandomTensor(DType::kBF16, {64}, rng);
+  ASSERT_TRUE((*core)->Publish(1, Inputs(m)).ok());
+  EXPECT_TRUE(opened.empty()) << "no base: nothing to stream";
+  const Model base = m;
+  Mutate(m["a"], 0.01, rng);                                // patched
+  m["c"] = RandomTensor(DType::kF32, {32}, rng);             // re-typed: keyframe
+  m["d"] = RandomTensor(DType::kBF16, {128}, rng);            // new: keyframe
+  ASSERT_TRUE((*core)->Publish(2, Inputs(m)).ok());         // "b" unchanged
+  ASSERT_EQ(opened.size(), 1u);
+  const LiveVersion& live = *opened[0];
+  ASSERT_EQ(live.state(), LiveVersion::State::kCommitted);
+  const v1::VersionHeader& h = live.header();
+  EXPECT_TRUE(h.streamed());
+  EXPECT_EQ(h.version(), 2u);
+  EXPECT_EQ(h.base_version(), 1u);
+  ASSERT_EQ(h.tensors_size(), 4);
+  EXPECT_EQ(h.tensors(0).delivery(), v1::DELIVERY_PATCH);
+  EXPECT_EQ(h.tensors(1).delivery(), v1::DELIVERY_PATCH);
+  EXPECT_EQ(h.tensors(2).delivery(), v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(h.tensors(3).delivery(), v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(batches.size(), 2u) << "a and b, one batch each";
+  ASSERT_EQ(live.ready_objects(), 4u);
+  EXPECT_EQ(changes, 5) << "four tensors ready, then the commit";
+  // The committed path's VersionEnd of 1 -> 2 has the same digests.
+  auto t = (*core)->MakeTransfer(1, *(*core)->VersionDigestOf(1));
+  ASSERT_TRUE(t.ok()) << t.status();
+  const v1::VersionEnd want = (*t)->End(0);
+  auto got_or = live.end(sync::DigestFormat::kV1);
+  ASSERT_TRUE(got_or.ok()) << got_or.status();
+  const v1::VersionEnd& got = *got_or;
+  EXPECT_EQ(got.version_digest(), want.version_digest());
+  EXPECT_TRUE(std::equal(got.digests().begin(), got.digests().end(), want.digests().begin(),
+                         want.digests().end()));
+  // And in tensor digest v2, as the committed path gives it to a v2 session.
+  TransferOptions v2opts;
+  v2opts.plan.digest_format = sync::DigestFormat::kV2;
+  auto t2 = (*core)->MakeTransfer(1, *(*core)->VersionDigestOf(1, sync::DigestFormat::kV2),
+                                  v2opts);
+  ASSERT_TRUE(t2.ok()) << t2.status();
+  const v1::VersionEnd want2 = (*t2)->End(0);
+  auto got2 = live.end(sync::DigestFormat::kV2);
+  ASSERT_TRUE(got2.ok()) << got2.status();
+  EXPECT_EQ(got2->version_digest(), want2.version_digest());
+  EXPECT_NE(got2->version_digest(), got.version_digest());
+  EXPECT_TRUE(std::equal(got2->digests().begin(), got2->digests().end(),
+                         want2.digests().begin(), want2.digests().end()));
+  EXPECT_EQ(live.base_version_digest(sync::DigestFormat::kV1), *(*core)->VersionDigestOf(1));
+  EXPECT_EQ(live.base_version_digest(sync::DigestFormat::kV2),
+            *(*core)->VersionDigestOf(1, sync::DigestFormat::kV2));
+  // Frames of a session's view reassemble into the objects; applied to the base they give m.
+  StreamedTransfer st(opened[0], 4096, /*lz4=*/false);
+  ASSERT_TRUE(st.Extend().ok());
+  ASSERT_TRUE(st.all_ready());
+  std::map<uint32_t, std::vector<uint8_t>> objects;
+  for (uint64_t i = 0; i < st.available_frames(); ++i) {
+    auto f = st.Frame(i);
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->version(), 2u);
+    std::vector<uint8_t>& o = objects[f->tensor_index()];
+    o.insert(o.end(), f->payload().begin(), f->payload().end());
+  }
+  ASSERT_EQ(objects.size(), 4u);
+  EXPECT_TRUE(objects[1].empty()) << "unchanged: a zero-byte object";
+  std::vector<uint8_t> a = base.at("a").bytes;
+  ASSERT_TRUE(ApplyPatch(objects[0], DType::kBF16, a, a, 1).ok());
+  EXPECT_EQ(a, m["a"].bytes);
+  EXPECT_EQ(objects[2], m["c"].bytes);
+  EXPECT_EQ(objects[3], m["d"].bytes);
+}
+
+// A publish failing after its live version opened (here at the last batch) marks it failed;
+// nothing is committed and the next publish of the same number streams again.
+TEST(LiveVersionTest, FailureAfterFramesMarksTheLiveVersionFailed) {
+  PublisherOptions opts;
+  opts.stream_batch_bytes = 1;
+  bool fail = true;
+  opts.stream_batch_hook = [&](size_t, size_t end) {
+    return fail && end == 2 ? absl::InternalError("injected") : absl::OkStatus();
+  };
+  auto core = PublisherCore::Open(opts);
+  ASSERT_TRUE(core.ok()) << core.status();
+  std::vector<std::shared_ptr<const LiveVersion>> opened;
+  (*core)->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); },
+                           [] {});
+  std::mt19937_64 rng(4);
+  Model m;
+  m["a"] = RandomTensor(DType::kBF16, {4096}, rng);
+  m["b"] = RandomTensor(DType::kBF16, {4096}, rng);
+  ASSERT_TRUE((*core)->Publish(1, Inputs(m)).ok());
+  Mutate(m["a"], 0.05, rng);
+  Mutate(m["b"], 0.05, rng);
+  EXPECT_FALSE((*core)->Publish(2, Inputs(m)).ok());
+  ASSERT_EQ(opened.size(), 1u);
+  EXPECT_EQ(opened[0]->state(), LiveVersion::State::kFailed);
+  EXPECT_EQ(opened[0]->ready_objects(), 1u) << "a was ready before b failed";
+  EXPECT_EQ((*core)->newest_version(), 1u);
+  fail = false;
+  ASSERT_TRUE((*core)->Publish(2, Inputs(m)).ok());
+  ASSERT_EQ(opened.size(), 2u);
+  EXPECT_EQ(opened[1]->state(), LiveVersion::State::kCommitted);
+}
+
 }  // namespace
 }  // namespace refit::publisher

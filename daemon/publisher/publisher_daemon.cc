@@ -263,6 +263,7 @@ DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherTransport& transport,
   dp.stripe_join_timeout = absl::Milliseconds(transport.stripe_join_timeout_ms());
   dp.stream_window_bytes = transport.stream_window_bytes();
   dp.single_stream_below_bytes = transport.single_stream_below_bytes();
+  dp.streamed_transfers = transport.streamed_transfers();
   return dp;
 }
 

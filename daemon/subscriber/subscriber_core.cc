@@ -449,6 +449,11 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
     descs.push_back({tp.spec().name(), *dtype,
                      std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
     RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
+    if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
+                              (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": a streamed transfer has only PATCH tensors of one step and KEYFRAMEs"));
+    }
     needs_base = needs_base || tp.delivery() != v1::DELIVERY_KEYFRAME;
   }
   auto layout = store::Layout::Build(std::move(descs));
@@ -735,6 +740,15 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
     case v1::DELIVERY_PATCH:
       ++(in_place ? t.stats.tensors_in_place : t.stats.tensors_copied);
       if (!in_place) t.stats.bytes_copied += out.size();
+      if (t.header.streamed()) {
+        // A zero-byte object: the tensor is unchanged (data.proto VersionHeader.streamed).
+        ASSIGN_OR_RETURN(std::span<const uint8_t> patch, t.assembler->Object(ti, 0));
+        if (patch.empty()) {
+          if (in_place) return absl::OkStatus();
+          if (t.Base(i).size() != out.size()) return absl::InternalError("base size differs");
+          return mem.Copy(out, t.Base(i));
+        }
+      }
       for (int p = 0; p < tp.steps_size(); ++p) {
         ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
                          t.assembler->Object(ti, static_cast<uint32_t>(p)));
@@ -959,6 +973,8 @@ void SubscriberCore::RetainLocked(Transfer& t) {
     for (int p = 0; rt.kept && p < tp.steps_size(); ++p) {
       auto patch = t.assembler->TakeObject(static_cast<uint32_t>(i), static_cast<uint32_t>(p));
       rt.kept = patch.ok();  // complete at commit; a failure only costs a copy later
+      // A streamed zero-byte object (unchanged) needs no step, like an UNCHANGED tensor.
+      if (patch.ok() && patch->empty() && t.header.streamed()) continue;
       if (patch.ok()) rt.steps.push_back(std::move(*patch));
       if (patch.ok() && options_.retained_patch_hook) options_.retained_patch_hook(rt.steps.back());
     }

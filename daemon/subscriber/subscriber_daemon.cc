@@ -257,6 +257,7 @@ UpstreamOptions UpstreamTimingOf(const v1::UpstreamConfig& u) {
   up.backoff_multiplier = u.backoff().multiplier();
   up.backoff_jitter = u.backoff().jitter();
   up.stream_progress = u.stream_progress();
+  up.streamed_transfers = u.streamed_transfers();
   return up;
 }
 

@@ -76,6 +76,7 @@ struct Upstream::Session {
   bool resync = false;  // this Hello carries the pending resync
   std::vector<std::string> resync_tensors;
   uint32_t progress_bytes = 0;  // Welcome.progress_bytes (0 = send no StreamProgress)
+  bool streamed = false;        // Welcome.streamed_transfers
   // The open transfer's header, and when it arrived (session thread only).
   v1::VersionHeader header;
   absl::Time header_time;
@@ -320,6 +321,7 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   // version_digest / tensors above are in the format the applied version was verified in; the
   // publisher matches them against its record in either format (data.proto Hello).
   if (options_.digest_v2) hello->add_digest_formats(sync::DigestFormatToWire(sync::DigestFormat::kV2));
+  hello->set_streamed_transfers(options_.streamed_transfers);
   absl::MutexLock lock(&mu_);
   if (resync_pending_) {
     session.resync = true;
@@ -381,6 +383,10 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
         absl::StrCat("Welcome grants ", welcome.stripes(), " stripes, more than the ",
                      hello.stripes(), " asked for"));
   }
+  if (welcome.streamed_transfers() && !hello.streamed_transfers()) {
+    return absl::FailedPreconditionError(
+        "Welcome.streamed_transfers is true but Hello.streamed_transfers was false");
+  }
   if (welcome.progress_bytes() > 0 && !hello.stream_progress()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Welcome.progress_bytes is ", welcome.progress_bytes(),
@@ -417,6 +423,7 @@ void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
   }
   session.session_id = welcome.session_id();
   session.progress_bytes = welcome.progress_bytes();
+  session.streamed = welcome.streamed_transfers();
   {
     absl::MutexLock lock(&session.mu);
     session.stream_received.assign(1 + welcome.stripes(), 0);
@@ -623,6 +630,11 @@ absl::Status Upstream::OnVersionHeader(Session& session, const v1::VersionHeader
           absl::StrCat("VersionHeader for version ", header.version(),
                        " while the transfer of version ", session.open_version, " is open"));
     }
+  }
+  if (header.streamed() && !session.streamed) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "VersionHeader of version ", header.version(),
+        " is streamed but Welcome.streamed_transfers was false"));
   }
   session.header = header;
   session.header_time = absl::Now();

@@ -65,6 +65,8 @@ struct UpstreamOptions {
   // Hello.digest_formats offers digest v2 (false: offers nothing, as a subscriber from before
   // digest v2 did: tests of old subscribers).
   bool digest_v2 = true;
+  // upstream.streamed_transfers: Hello.streamed_transfers (accept VersionHeader.streamed).
+  bool streamed_transfers = true;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,

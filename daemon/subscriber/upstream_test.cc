@@ -20,9 +20,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -40,29 +42,27 @@ struct Publisher {
   std::unique_ptr<grpc::Server> server;
   std::string address;
 
+  using Tweak =
+      std::function<void(publisher::PublisherOptions&, publisher::DataPlaneOptions&)>;
   static std::unique_ptr<Publisher> Start(uint64_t history_budget = 1ull << 30,
                                           uint32_t frame_bytes = 64 * 1024, uint64_t lineage = 0,
                                           uint64_t stream_window_bytes = 32u << 20,
-                                          absl::Duration stripe_join_timeout = absl::Seconds(10),
-                                          bool serve_repairs = true,
-                                          bool digest_v2 = true) {
+                                          const Tweak& tweak = nullptr) {
     auto p = std::make_unique<Publisher>();
     publisher::PublisherOptions opts;
     opts.lineage = lineage;  // 0: a random one
     opts.history_budget_bytes = history_budget;
     opts.encode_threads = 2;
     opts.digest_threads = 2;
-    auto core = publisher::PublisherCore::Open(opts);
-    EXPECT_TRUE(core.ok()) << core.status();
-    p->core = *std::move(core);
     publisher::DataPlaneOptions dopts;
     dopts.name = "test-publisher";
     dopts.frame_bytes = frame_bytes;  // small frames: many per transfer, spread over stripes
     dopts.retry_initial = absl::Milliseconds(5);
     dopts.stream_window_bytes = stream_window_bytes;
-    dopts.stripe_join_timeout = stripe_join_timeout;
-    dopts.serve_repairs = serve_repairs;  // false: a publisher from before repairs
-    dopts.digest_v2 = digest_v2;  // false: ignores Hello.digest_formats, as an older publisher
+    if (tweak) tweak(opts, dopts);
+    auto core = publisher::PublisherCore::Open(opts);
+    EXPECT_TRUE(core.ok()) << core.status();
+    p->core = *std::move(core);
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -101,6 +101,7 @@ struct Subscriber {
   std::vector<AppliedEvent> events ABSL_GUARDED_BY(mu);
   bool stream_progress = true;  // UpstreamOptions.stream_progress of the next Connect
   bool digest_v2 = true;        // UpstreamOptions.digest_v2 of the next Connect (false: older)
+  bool streamed_transfers = true;  // UpstreamOptions.streamed_transfers of the next Connect
 
   static std::unique_ptr<Subscriber> Start(const std::string& name,
                                            std::vector<std::string> addresses,
@@ -127,6 +128,7 @@ struct Subscriber {
     u.max_frame_bytes = 1 << 20;
     u.stream_progress = stream_progress;
     u.digest_v2 = digest_v2;
+    u.streamed_transfers = streamed_transfers;
     u.backoff_initial = absl::Milliseconds(10);
     u.backoff_max = absl::Milliseconds(200);
     upstream = std::make_unique<Upstream>(core.get(), u, [this](const AppliedEvent& ev) {
@@ -247,8 +249,11 @@ TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
 // Every version bit-exact in every pairing, and the Ack digests match the publisher's records.
 TEST(UpstreamTest, DigestFormatNegotiatedWithOldPeersInBothDirections) {
   auto pub = Publisher::Start();
-  auto old_pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Seconds(10), true,
-                                  /*digest_v2=*/false);
+  auto old_pub = Publisher::Start(
+      1ull << 30, 64 * 1024, 0, 32u << 20,
+      [](publisher::PublisherOptions&, publisher::DataPlaneOptions& d) {
+        d.digest_v2 = false;  // ignores Hello.digest_formats, as an older publisher
+      });
   std::mt19937 rng(21);
   Model model = MakeModel(rng);
   auto v2 = Subscriber::Start("sub-v2", {pub->address}, 2);
@@ -594,7 +599,11 @@ class OneConnectionRelay {
 // the publisher's session ends long before its stripe_join_timeout (10 minutes here), the
 // upstream names the stripe, and it goes on retrying with backoff.
 TEST(UpstreamTest, AStripeThatIsRefusedFailsTheSessionPromptly) {
-  auto pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Minutes(10));
+  auto pub = Publisher::Start(
+      1ull << 30, 64 * 1024, 0, 32u << 20,
+      [](publisher::PublisherOptions&, publisher::DataPlaneOptions& d) {
+        d.stripe_join_timeout = absl::Minutes(10);
+      });
   std::mt19937 rng(8);
   pub->Publish(1, MakeModel(rng));
   const int port = std::stoi(pub->address.substr(pub->address.rfind(':') + 1));
@@ -653,8 +662,11 @@ TEST(UpstreamRepairTest, RepairOfTheAppliedVersionComesAsTheSameVersionAgain) {
 // A publisher from before repairs ignores KeyframeRequest.version: the tensor comes dense with
 // the next version and the session is not disturbed.
 TEST(UpstreamRepairTest, OldPublisherCarriesTheRepairInTheNextVersion) {
-  auto pub = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20, absl::Seconds(10),
-                                  /*serve_repairs=*/false);
+  auto pub = Publisher::Start(
+      1ull << 30, 64 * 1024, 0, 32u << 20,
+      [](publisher::PublisherOptions&, publisher::DataPlaneOptions& d) {
+        d.serve_repairs = false;  // a publisher from before repairs
+      });
   std::mt19937 rng(10);
   Model model = MakeModel(rng);
   auto sub = Subscriber::Start("sub", {pub->address}, 3);
@@ -673,6 +685,210 @@ TEST(UpstreamRepairTest, OldPublisherCarriesTheRepairInTheNextVersion) {
   ExpectEqual(*sub, model, "version 2");
   EXPECT_EQ(sub->upstream->Status().state() == v1::SESSION_STATE_BACKOFF, false);
 }
+
+
+// ---- Streamed transfers (docs/ARCHITECTURE.md "Streamed transfers") ---------------------------
+
+namespace streamed {
+
+// Publishes `m` (each tensor's dtype from its spec); the status of Publish.
+absl::Status PublishModel(Publisher& p, uint64_t version, const Model& m) {
+  std::vector<publisher::TensorInput> inputs;
+  for (const auto& [name, t] : m) {
+    publisher::TensorInput in;
+    in.name = name;
+    in.dtype = *sync::FromProtoDType(t.spec.dtype());
+    in.shape.assign(t.spec.shape().begin(), t.spec.shape().end());
+    in.data = t.bytes;
+    inputs.push_back(std::move(in));
+  }
+  auto s = p.core->Publish(version, inputs);
+  if (s.ok()) p.service->NotifyPublished();
+  return s.status();
+}
+
+// Polls `done` until it holds or 20 s pass.
+bool PollUntil(const std::function<bool()>& done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+std::unique_ptr<Subscriber> StartSubscriber(const std::string& name, const std::string& address,
+                                            bool streamed_transfers) {
+  auto s = std::make_unique<Subscriber>();
+  s->streamed_transfers = streamed_transfers;
+  SubscriberOptions opts;
+  opts.threads = 2;
+  opts.store.shm_prefix = "/refit-upstream-test-";
+  s->core = std::make_unique<SubscriberCore>(opts);
+  s->Connect(name, {address}, 3);
+  return s;
+}
+
+// The publisher's gate: each batch is one tensor; before encoding the first batch of a version
+// the pass waits (bounded) until `wanted` streamed transfers have started, so that every
+// version of these tests is streamed whatever the scheduling.
+struct Gate {
+  std::atomic<publisher::DataPlaneService*> service{nullptr};
+  std::atomic<uint64_t> wanted{0};
+  std::atomic<bool> fail_last{false};  // fail the publish at its last batch
+  std::atomic<size_t> last{0};         // index of the last tensor of the version being published
+  absl::Status Batch(size_t first, size_t end) {
+    publisher::DataPlaneService* s = service.load();
+    if (s == nullptr) return absl::OkStatus();
+    if (first == 0) {
+      const uint64_t w = wanted.load();
+      PollUntil([&] { return s->streamed_transfers() >= w; });
+    }
+    if (fail_last.load() && end == last.load() + 1) {
+      return absl::InternalError("injected failure at the last tensor");
+    }
+    return absl::OkStatus();
+  }
+};
+
+std::unique_ptr<Publisher> StartGated(Gate& gate, bool grant = true) {
+  auto p = Publisher::Start(1ull << 30, 64 * 1024, 0, 32u << 20,
+                            [&](publisher::PublisherOptions& o, publisher::DataPlaneOptions& d) {
+                              o.stream_batch_bytes = 1;  // one tensor per batch
+                              o.stream_batch_hook = [&gate](size_t f, size_t e) {
+                                return gate.Batch(f, e);
+                              };
+                              d.streamed_transfers = grant;
+                            });
+  gate.service = p->service.get();
+  return p;
+}
+
+// Every kind of change a streamed transfer carries: patches, unchanged tensors (zero-byte
+// objects), a new tensor, a removed one, a changed dtype, bit-exact over many versions, each
+// of them streamed.
+TEST(StreamedTransferTest, ManyVersionsBitExactAllStreamed) {
+  Gate gate;
+  auto pub = StartGated(gate);
+  std::mt19937 rng(7);
+  Model m = MakeModel(rng);
+  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  auto sub = StartSubscriber("s1", pub->address, true);
+  ASSERT_TRUE(sub->WaitVersion(1));
+  for (uint64_t v = 2; v <= 9; ++v) {
+    Step(m, rng);
+    if (v == 4) m["layers.1.new"] = sync::testing::RandomTensor(sync::testing::BF16("layers.1.new", {128, 64}), rng);
+    if (v == 6) m.erase("layers.0.attn");
+    if (v == 7) {
+      m["layers.1.new"] = sync::testing::RandomTensor(
+          sync::testing::Spec("layers.1.new", v1::DTYPE_F32, {128, 64}), rng);
+    }
+    // The session is idle at v - 1 (acked) before the publish starts.
+    ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
+    gate.wanted = v - 1;  // transfers of versions 2..v
+    ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+    ASSERT_TRUE(sub->WaitVersion(v)) << "version " << v;
+    ExpectEqual(*sub, m, absl::StrCat("version ", v));
+    EXPECT_EQ(pub->service->streamed_transfers(), v - 1) << "version " << v;
+  }
+  EXPECT_EQ(pub->service->streamed_aborts(), 0u);
+}
+
+// Pipelining, structurally: the encode of the last tensor waits until the publisher has
+// written frames of this version. Without streaming nothing is written before the commit, so
+// the wait runs out and the test fails.
+TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
+  std::atomic<publisher::DataPlaneService*> service{nullptr};
+  std::atomic<uint64_t> sent_before{0};
+  std::atomic<size_t> last{0};
+  std::atomic<int> gates_passed{0};
+  std::atomic<int> gates_timed_out{0};
+  auto pub = Publisher::Start(
+      1ull << 30, 64 * 1024, 0, 32u << 20,
+      [&](publisher::PublisherOptions& o, publisher::DataPlaneOptions&) {
+        o.stream_batch_bytes = 1;
+        o.stream_batch_hook = [&](size_t, size_t end) {
+          publisher::DataPlaneService* s = service.load();
+          if (s == nullptr || end != last.load() + 1) return absl::OkStatus();
+          if (PollUntil([&] { return s->bytes_sent() > sent_before.load(); })) {
+            ++gates_passed;
+          } else {
+            ++gates_timed_out;
+          }
+          return absl::OkStatus();
+        };
+      });
+  std::mt19937 rng(11);
+  Model m = MakeModel(rng);
+  last = m.size() - 1;
+  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  auto sub = StartSubscriber("s1", pub->address, true);
+  ASSERT_TRUE(sub->WaitVersion(1));
+  service = pub->service.get();
+  for (uint64_t v = 2; v <= 4; ++v) {
+    for (auto& [name, t] : m) sync::testing::Perturb(t, 0.02, rng);  // every tensor changes
+    ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
+    sent_before = pub->service->bytes_sent();
+    ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+    ASSERT_TRUE(sub->WaitVersion(v));
+    ExpectEqual(*sub, m, absl::StrCat("version ", v));
+  }
+  EXPECT_EQ(gates_passed.load(), 3);
+  EXPECT_EQ(gates_timed_out.load(), 0);
+}
+
+// A publish that fails after frames left: VersionAbort, the subscriber keeps its version, the
+// next version is applied.
+TEST(StreamedTransferTest, FailedPublishAbortsAndTheNextVersionApplies) {
+  Gate gate;
+  auto pub = StartGated(gate);
+  std::mt19937 rng(5);
+  Model m = MakeModel(rng);
+  gate.last = m.size() - 1;
+  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  auto sub = StartSubscriber("s1", pub->address, true);
+  ASSERT_TRUE(sub->WaitVersion(1));
+  const Model v1_model = m;
+  ASSERT_TRUE(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)).ok());
+  Step(m, rng);
+  gate.wanted = 1;
+  gate.fail_last = true;
+  EXPECT_FALSE(PublishModel(*pub, 2, m).ok());
+  ASSERT_TRUE(PollUntil([&] { return pub->service->streamed_aborts() == 1; }));
+  EXPECT_EQ(sub->core->applied_version(), 1u);
+  ExpectEqual(*sub, v1_model, "after the aborted version 2");
+  gate.fail_last = false;
+  gate.wanted = 2;
+  ASSERT_TRUE(PublishModel(*pub, 2, m).ok());
+  ASSERT_TRUE(sub->WaitVersion(2));
+  ExpectEqual(*sub, m, "version 2 after the abort");
+  EXPECT_EQ(pub->service->streamed_transfers(), 2u);
+}
+
+// Old peers: a subscriber that does not ask for streamed transfers, and a publisher that does
+// not grant them, both get every version after its commit, bit-exact.
+TEST(StreamedTransferTest, PeersWithoutStreamingInteroperate) {
+  for (const bool subscriber_asks : {false, true}) {
+    Gate gate;
+    auto pub = StartGated(gate, /*grant=*/subscriber_asks ? false : true);
+    gate.service = nullptr;  // no gate: nothing streams
+    std::mt19937 rng(3);
+    Model m = MakeModel(rng);
+    ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+    auto sub = StartSubscriber("old", pub->address, subscriber_asks);
+    for (uint64_t v = 2; v <= 4; ++v) {
+      Step(m, rng);
+      ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
+      ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+      ASSERT_TRUE(sub->WaitVersion(v));
+      ExpectEqual(*sub, m, absl::StrCat("version ", v, subscriber_asks ? " (publisher grants none)"
+                                                                       : " (old subscriber)"));
+    }
+    EXPECT_EQ(pub->service->streamed_transfers(), 0u);
+  }
+}
+
+}  // namespace streamed
 
 }  // namespace
 }  // namespace refit::subscriber

@@ -128,6 +128,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     }
   }
   absl::StrAppend(&y, "    connections: ", s.connections, "\n");
+  if (!s.streamed_transfers) absl::StrAppend(&y, "    streamed_transfers: false\n");
   if (s.connect_timeout_ms != 0) {
     absl::StrAppend(&y, "    connect_timeout_ms: ", s.connect_timeout_ms, "\n");
   }

@@ -50,6 +50,7 @@ struct PublisherSpec {
 struct SubscriberSpec {
   std::string name = "sub";
   std::vector<std::string> upstream;  // addresses
+  bool streamed_transfers = true;     // upstream.streamed_transfers (written only when false)
   std::vector<std::string> bootstrap_peers;
   bool serve_peers = false;
   uint32_t connections = 2;
