@@ -357,6 +357,33 @@ v1::RefitStats DataPlaneService::LastFullyAcked() const {
 
 // ---- Sync -------------------------------------------------------------------------------------
 
+namespace {
+
+// Sync's steps: a Hello this publisher can serve (protocol, patch format, frame size).
+absl::Status CheckHello(const v1::Hello& hello) {
+  if (hello.protocol() != v1::PROTOCOL_VERSION_1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Hello.protocol ", static_cast<int>(hello.protocol()),
+                     " is not supported: this publisher speaks protocol 1"));
+  }
+  if (std::find(hello.patch_formats().begin(), hello.patch_formats().end(), 1u) ==
+      hello.patch_formats().end()) {
+    return absl::FailedPreconditionError(
+        "Hello.patch_formats does not include format 1, the only one this publisher writes");
+  }
+  if (hello.max_frame_bytes() < kMinFrameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Hello.max_frame_bytes ", hello.max_frame_bytes(), " is below the minimum ",
+                     kMinFrameBytes));
+  }
+  if (hello.version() == 0 && hello.version_digest() != 0) {
+    return absl::InvalidArgumentError("Hello.version is 0 but Hello.version_digest is not");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::Status DataPlaneService::Sync(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream) {
@@ -369,26 +396,19 @@ grpc::Status DataPlaneService::Sync(
         "the first message of a Sync stream must be Hello, got ", MessageKind(first))));
   }
   const v1::Hello& hello = first.hello();
-  if (hello.protocol() != v1::PROTOCOL_VERSION_1) {
-    return ToGrpcStatus(absl::FailedPreconditionError(
-        absl::StrCat("Hello.protocol ", static_cast<int>(hello.protocol()),
-                     " is not supported: this publisher speaks protocol 1")));
-  }
-  if (std::find(hello.patch_formats().begin(), hello.patch_formats().end(), 1u) ==
-      hello.patch_formats().end()) {
-    return ToGrpcStatus(absl::FailedPreconditionError(
-        "Hello.patch_formats does not include format 1, the only one this publisher writes"));
-  }
-  if (hello.max_frame_bytes() < kMinFrameBytes) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("Hello.max_frame_bytes ", hello.max_frame_bytes(), " is below the minimum ",
-                     kMinFrameBytes)));
-  }
-  if (hello.version() == 0 && hello.version_digest() != 0) {
-    return ToGrpcStatus(
-        absl::InvalidArgumentError("Hello.version is 0 but Hello.version_digest is not"));
-  }
+  if (absl::Status st = CheckHello(hello); !st.ok()) return ToGrpcStatus(st);
+  std::shared_ptr<Session> session = NewSession(context, hello);
+  if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);
+  LogHello(*session, hello);
+  grpc::Status status = RunSession(context, stream, session);
+  EndSession(*session, status);
+  return status;
+}
 
+// The session a Hello asks for: its id, peer, grants (stripes, pacing, digest format,
+// streaming) and how its held version relates to this publisher's history.
+std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
+    grpc::ServerContext* context, const v1::Hello& hello) const {
   auto session = std::make_shared<Session>();
   {
     absl::BitGen gen;
@@ -422,57 +442,62 @@ grpc::Status DataPlaneService::Sync(
     session->all_keyframes = true;
     session->keyframe_reason = "Hello.want_keyframe";
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "publisher shutting down");
-    }
-    size_t live = 0;
-    for (const auto& [id, s] : sessions_) live += s->ended ? 0 : 1;
-    if (live >= options_.max_subscribers) {
-      return ToGrpcStatus(absl::ResourceExhaustedError(
-          absl::StrCat("publisher ", options_.name, " already serves ", live,
-                       " subscribers (transport.max_subscribers)")));
-    }
-    sessions_[session->id] = session;
+  return session;
+}
+
+// Adds the session unless shutting down or at transport.max_subscribers.
+absl::Status DataPlaneService::RegisterSession(const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("publisher shutting down");
+  size_t live = 0;
+  for (const auto& [id, s] : sessions_) live += s->ended ? 0 : 1;
+  if (live >= options_.max_subscribers) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("publisher ", options_.name, " already serves ", live,
+                     " subscribers (transport.max_subscribers)"));
   }
+  sessions_[session->id] = session;
+  return absl::OkStatus();
+}
+
+void DataPlaneService::LogHello(const Session& s, const v1::Hello& hello) const {
   log_->info("session {:016x}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
              "granted, frames of {} bytes{}{}",
-             session->id, session->name, session->address,
-             session->identity.empty() ? "" : ", identity " + session->identity, hello.version(),
-             sync::DescribeLineage(hello.lineage()), session->granted_stripes,
-             session->frame_bytes, session->lz4 ? ", lz4" : "",
-             session->progress ? ", paced by progress" : "");
-  if (!session->diverged.empty()) {
+             s.id, s.name, s.address,
+             s.identity.empty() ? "" : ", identity " + s.identity, hello.version(),
+             sync::DescribeLineage(hello.lineage()), s.granted_stripes,
+             s.frame_bytes, s.lz4 ? ", lz4" : "",
+             s.progress ? ", paced by progress" : "");
+  if (!s.diverged.empty()) {
     log_->warn("session {:016x}: subscriber {} diverged: {}: it gets keyframes; its version "
                "does not change this publisher's numbering",
-               session->id, session->name, session->diverged);
-  } else if (!session->verified) {
+               s.id, s.name, s.diverged);
+  } else if (!s.verified) {
     log_->warn("session {:016x}: subscriber {} holds version {} with digest {:016x}, not this "
                "publisher's: diverged, it gets keyframes of the next version",
-               session->id, session->name, hello.version(), hello.version_digest());
+               s.id, s.name, hello.version(), hello.version_digest());
   }
+}
 
-  grpc::Status status = RunSession(context, stream, session);
-
+// The session is over: forgotten, its end logged.
+void DataPlaneService::EndSession(Session& s, const grpc::Status& status) {
   {
     absl::MutexLock lock(&mu_);
-    session->ended = true;
-    session->context = nullptr;
-    sessions_.erase(session->id);
+    s.ended = true;
+    s.context = nullptr;
+    sessions_.erase(s.id);
     ++epoch_;
     NoteAckedLocked();
   }
   if (status.ok() || status.error_code() == grpc::StatusCode::CANCELLED) {
-    log_->info("session {:016x}: subscriber {} left at version {}: {}", session->id,
-               session->name, session->acked_version,
+    log_->info("session {:016x}: subscriber {} left at version {}: {}", s.id,
+               s.name, s.acked_version,
                status.ok() ? "ok" : status.error_message());
   } else {
-    log_->warn("session {:016x}: subscriber {} ended: {}: {}", session->id, session->name,
+    log_->warn("session {:016x}: subscriber {} ended: {}: {}", s.id, s.name,
                absl::StatusCodeToString(FromGrpcCode(status.error_code())),
                status.error_message());
   }
-  return status;
 }
 
 grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStream* stream,

@@ -238,6 +238,12 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // Hello's version, digest and lineage against this publisher's (data.proto "Versions and
   // lineage"): sets the session's base (0 when diverged) and whether it holds our version.
   void ClassifyHello(const v1::Hello& hello, Session& session) const;
+  // Sync's steps (after CheckHello): the session a Hello asks for, its registration (refused
+  // while shutting down or at max_subscribers), its log lines, and its end.
+  std::shared_ptr<Session> NewSession(grpc::ServerContext* context, const v1::Hello& hello) const;
+  absl::Status RegisterSession(const std::shared_ptr<Session>& session);
+  void LogHello(const Session& s, const v1::Hello& hello) const;
+  void EndSession(Session& s, const grpc::Status& status);
   // The session holds a version >= `version` of this publisher (lineage and digest).
   static bool CaughtUp(const Session& s, uint64_t version);
 

@@ -1074,19 +1074,20 @@ void PublisherCore::StartPersister(PersisterStart start) {
       [this](uint64_t version, const absl::Status& st) { NotePersist(version, st); });
 }
 
-absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lineage_out) {
-  *lineage_out = 0;
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
-    if (ec) return absl::FailedPreconditionError(absl::StrCat(path, ": ", ec.message()));
-    return absl::OkStatus();  // nothing persisted yet: start empty
-  }
-  const std::string where = absl::StrCat("persisted baseline ", path);
-  auto file = model::SafetensorsFile::Open(path);
-  if (!file.ok()) {
-    return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
-  }
-  const auto& meta = file->metadata();
+namespace {
+
+// A persisted baseline's metadata (LoadPersisted).
+struct PersistedMeta {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  uint64_t snapshot_unix_nanos = 0;
+  uint64_t lineage = 0;                // 0: a file from before lineages
+  std::vector<std::string> digests;    // per tensor, file order, hex
+};
+
+absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& file,
+                                                 const std::string& where) {
+  const auto& meta = file.metadata();
   auto get = [&](const char* key) -> absl::StatusOr<std::string> {
     auto it = meta.find(key);
     if (it == meta.end()) {
@@ -1102,36 +1103,40 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
   ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
   ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
   ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
-  uint64_t version = 0, vdigest = 0, snapshot = 0;
-  if (!absl::SimpleAtoi(version_s, &version) || version == 0) {
+  PersistedMeta m;
+  if (!absl::SimpleAtoi(version_s, &m.version) || m.version == 0) {
     return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " '", version_s, "'"));
   }
-  if (!ParseHex64(vdigest_s, &vdigest)) {
+  if (!ParseHex64(vdigest_s, &m.version_digest)) {
     return absl::DataLossError(
         absl::StrCat(where, ": bad ", kMetaVersionDigest, " '", vdigest_s, "'"));
   }
   if (auto it = meta.find(kMetaSnapshot); it != meta.end()) {
-    if (!absl::SimpleAtoi(it->second, &snapshot)) snapshot = 0;
+    if (!absl::SimpleAtoi(it->second, &m.snapshot_unix_nanos)) m.snapshot_unix_nanos = 0;
   }
-  if (version > sync::kMaxVersion) {
-    return absl::DataLossError(absl::StrCat(where, ": ", kMetaVersion, " ", version,
+  if (m.version > sync::kMaxVersion) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaVersion, " ", m.version,
                                             " is above the largest version ", sync::kMaxVersion));
   }
   if (auto it = meta.find(kMetaLineage); it != meta.end()) {
-    if (!ParseHex64(it->second, lineage_out) || *lineage_out == 0) {
+    if (!ParseHex64(it->second, &m.lineage) || m.lineage == 0) {
       return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaLineage, " '", it->second, "'"));
     }
   }
-  std::vector<std::string> digest_strs =
-      digests_s.empty() ? std::vector<std::string>{} : absl::StrSplit(digests_s, ',');
-  const auto& entries = file->tensors();
-  if (digest_strs.size() != entries.size()) {
-    return absl::DataLossError(absl::StrCat(where, ": ", kMetaDigests, " has ",
-                                            digest_strs.size(), " entries for ", entries.size(),
-                                            " tensors"));
+  if (!digests_s.empty()) m.digests = absl::StrSplit(digests_s, ',');
+  if (m.digests.size() != file.tensors().size()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaDigests, " has ", m.digests.size(),
+                                            " entries for ", file.tensors().size(), " tensors"));
   }
-  if (entries.empty()) return absl::DataLossError(absl::StrCat(where, ": no tensors"));
+  if (file.tensors().empty()) return absl::DataLossError(absl::StrCat(where, ": no tensors"));
+  return m;
+}
 
+// The persisted tensors, each checked against its recorded v1 digest (v2 computed), name order.
+absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(
+    const model::SafetensorsFile& file, const PersistedMeta& meta, const std::string& where,
+    int threads) {
+  const auto& entries = file.tensors();
   std::vector<BaselineTensor> tensors;
   tensors.reserve(entries.size());
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -1139,29 +1144,49 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
     const std::string what =
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), e.name));
     uint64_t want = 0;
-    if (!ParseHex64(digest_strs[i], &want)) {
-      return absl::DataLossError(absl::StrCat(what, ": bad digest '", digest_strs[i], "'"));
+    if (!ParseHex64(meta.digests[i], &want)) {
+      return absl::DataLossError(absl::StrCat(what, ": bad digest '", meta.digests[i], "'"));
     }
     BaselineTensor t;
     t.spec.set_name(e.name);
     t.spec.set_dtype(sync::ToProtoDType(e.dtype));
     for (int64_t d : e.shape) t.spec.add_shape(static_cast<uint64_t>(d));
     t.dtype = e.dtype;
-    std::span<const uint8_t> data = file->data(i);
+    std::span<const uint8_t> data = file.data(i);
     auto bytes = std::make_shared<std::vector<uint8_t>>(data.begin(), data.end());
-    t.digest = TensorDigest(*bytes, options_.digest_threads);
+    t.digest = TensorDigest(*bytes, threads);
     if (t.digest != want) {
       return absl::DataLossError(absl::StrCat(what, ": digest ", Hex64(t.digest),
                                               " does not match the recorded ", Hex64(want),
                                               " (corrupt file)"));
     }
-    t.digest_v2 = TensorDigestV2(*bytes, options_.digest_threads);
+    t.digest_v2 = TensorDigestV2(*bytes, threads);
     t.bytes = std::move(bytes);
     tensors.push_back(std::move(t));
   }
   std::sort(tensors.begin(), tensors.end(), [](const BaselineTensor& a, const BaselineTensor& b) {
     return a.spec.name() < b.spec.name();
   });
+  return tensors;
+}
+
+}  // namespace
+
+absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lineage_out) {
+  *lineage_out = 0;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    if (ec) return absl::FailedPreconditionError(absl::StrCat(path, ": ", ec.message()));
+    return absl::OkStatus();  // nothing persisted yet: start empty
+  }
+  const std::string where = absl::StrCat("persisted baseline ", path);
+  auto file = model::SafetensorsFile::Open(path);
+  if (!file.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
+  }
+  ASSIGN_OR_RETURN(const PersistedMeta meta, ParsePersistedMeta(*file, where));
+  ASSIGN_OR_RETURN(std::vector<BaselineTensor> tensors,
+                   LoadPersistedTensors(*file, meta, where, options_.digest_threads));
   std::vector<sync::TensorUpdate> updates;
   for (const BaselineTensor& t : tensors) {
     sync::TensorUpdate u;
@@ -1170,18 +1195,20 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
     u.digest_v2 = t.digest_v2;
     updates.push_back(std::move(u));
   }
-  auto added = history_.Add(version, std::move(updates));
+  auto added = history_.Add(meta.version, std::move(updates));
   if (!added.ok()) {
     return absl::DataLossError(absl::StrCat(where, ": ", added.status().message()));
   }
-  if (*added != vdigest) {
+  if (*added != meta.version_digest) {
     return absl::DataLossError(absl::StrCat(where, ": version digest ", Hex64(*added),
-                                            " does not match the recorded ", Hex64(vdigest)));
+                                            " does not match the recorded ",
+                                            Hex64(meta.version_digest)));
   }
+  *lineage_out = meta.lineage;
   absl::MutexLock lock(&mu_);
-  newest_version_ = version;
-  newest_digest_ = vdigest;
-  snapshot_unix_nanos_ = snapshot;
+  newest_version_ = meta.version;
+  newest_digest_ = meta.version_digest;
+  snapshot_unix_nanos_ = meta.snapshot_unix_nanos;
   baseline_ = std::move(tensors);
   return absl::OkStatus();
 }
@@ -1250,17 +1277,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     prev_version = newest_version_;
   }
   const std::string where = absl::StrCat("publish version ", version);
-  RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
-  if (version <= prev_version) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, ": not above the newest published version ", prev_version));
-  }
-  if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
-  RETURN_IF_ERROR(ValidateInputs(given, where, &specs, &order));
-  RETURN_IF_ERROR(publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
-                                    GuardTensorsOf(specs), allow_degenerate, where));
+  RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate, where,
+                                   &specs, &order));
 
   sum.snapshot_unix_nanos = UnixNanosNow();
   // Streamed transfers: sessions idle at prev_version send this version's frames as the pass
@@ -1292,8 +1312,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 
   RecordNumbered(version);
   uint64_t lineage = 0;
-  absl::StatusOr<v1::VersionEnd> live_end;
-  std::optional<v1::VersionEnd> live_end_v2;
+  LiveEnds live_ends;
   {
     absl::MutexLock lock(&mu_);
     lineage = lineage_;
@@ -1307,29 +1326,14 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                           absl::StrCat(where, ": ", vdigest.status().message()));
     }
     sum.version_digest = *vdigest;
-    newest_version_ = version;
-    newest_digest_ = *vdigest;
-    snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
-    encode_micros_ = sum.encode_micros;
-    pass_micros_ = sum.pass_micros;
-    baseline_update_micros_ = sum.baseline_update_micros;
+    SetNewestLocked(version, sum);
     baseline_ = enc.next;
-    newest_wire_bytes_ = sum.wire_bytes;
-    if (live != nullptr) {
-      live_end = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV1);
-      auto v2 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV2);
-      if (v2.ok()) live_end_v2 = *std::move(v2);
-    }
+    if (live != nullptr) live_ends = LiveEndsLocked(prev_version, version, sum);
     if (options_.device != nullptr) gpu_baseline_ = std::move(enc.gpu);
-    counts_.push_back(std::move(counts));
-    counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
-                                 [&](const VersionCounts& c) {
-                                   return !history_.Contains(c.version);
-                                 }),
-                  counts_.end());
+    RecordCountsLocked(std::move(counts));
   }
   std::move(fail_live).Cancel();
-  SettleLive(live.get(), std::move(live_end), std::move(live_end_v2));
+  SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2));
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
   if (record.has_value()) {
@@ -1528,6 +1532,50 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
   absl::MutexLock lock(&live_mu_);
   if (live_open_) live_open_(live);
   return live;
+}
+
+absl::Status PublisherCore::CheckPublishable(uint64_t version, uint64_t prev_version,
+                                            std::span<const TensorInput> given,
+                                            const std::vector<BaselineTensor>& prev,
+                                            bool allow_degenerate, const std::string& where,
+                                            std::vector<v1::TensorSpec>* specs,
+                                            std::vector<size_t>* order) const {
+  RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
+  if (version <= prev_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": not above the newest published version ", prev_version));
+  }
+  if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
+  RETURN_IF_ERROR(ValidateInputs(given, where, specs, order));
+  return publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
+                                      GuardTensorsOf(*specs), allow_degenerate, where);
+}
+
+void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum) {
+  newest_version_ = version;
+  newest_digest_ = sum.version_digest;
+  snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
+  encode_micros_ = sum.encode_micros;
+  pass_micros_ = sum.pass_micros;
+  baseline_update_micros_ = sum.baseline_update_micros;
+  newest_wire_bytes_ = sum.wire_bytes;
+}
+
+void PublisherCore::RecordCountsLocked(VersionCounts counts) {
+  counts_.push_back(std::move(counts));
+  counts_.erase(std::remove_if(counts_.begin(), counts_.end(),
+                               [&](const VersionCounts& c) { return !history_.Contains(c.version); }),
+                counts_.end());
+}
+
+PublisherCore::LiveEnds PublisherCore::LiveEndsLocked(uint64_t prev_version, uint64_t version,
+                                                      const PublishSummary& sum) const {
+  LiveEnds ends;
+  ends.v1 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV1);
+  if (auto v2 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV2); v2.ok()) {
+    ends.v2 = *std::move(v2);
+  }
+  return ends;
 }
 
 absl::StatusOr<v1::VersionEnd> PublisherCore::LiveEndLocked(uint64_t prev_version,

@@ -401,6 +401,27 @@ class PublisherCore {
   void NotifyLiveChange();
   // The VersionEnd of `prev_version` -> `version` (just committed) for the live version, with
   // its digests in `format` (NotFound for v2 when either version has no v2 digests).
+  // Publish's steps. The checks of a version number and its inputs before any encoding (specs
+  // and name order out).
+  absl::Status CheckPublishable(uint64_t version, uint64_t prev_version,
+                                std::span<const TensorInput> given,
+                                const std::vector<BaselineTensor>& prev, bool allow_degenerate,
+                                const std::string& where, std::vector<v1::TensorSpec>* specs,
+                                std::vector<size_t>* order) const;
+  // The newest version's fields once `version` is recorded (digest and figures from `sum`).
+  void SetNewestLocked(uint64_t version, const PublishSummary& sum)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps `counts` and forgets those of versions the history no longer holds.
+  struct VersionCounts;
+  void RecordCountsLocked(VersionCounts counts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live version's VersionEnd in both digest formats (v2 absent when either version lacks
+  // v2 digests).
+  struct LiveEnds {
+    absl::StatusOr<v1::VersionEnd> v1 = absl::UnknownError("no live version");
+    std::optional<v1::VersionEnd> v2;
+  };
+  LiveEnds LiveEndsLocked(uint64_t prev_version, uint64_t version, const PublishSummary& sum) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::VersionEnd> LiveEndLocked(uint64_t prev_version, uint64_t version,
                                                const PublishSummary& sum,
                                                sync::DigestFormat format) const
