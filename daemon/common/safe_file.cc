@@ -300,8 +300,10 @@ absl::Status ReadAt(int fd, const std::string& path, uint64_t offset, std::span<
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint8_t>> ReadWholeFile(int fd, const std::string& path,
-                                                   uint64_t max_bytes) {
+namespace {
+
+// The size of the regular file open as `fd`, at most max_bytes (InvalidArgument above it).
+absl::StatusOr<uint64_t> RegularFileSize(int fd, const std::string& path, uint64_t max_bytes) {
   struct stat st;
   if (::fstat(fd, &st) != 0) return SysError(errno, "stat", path);
   RETURN_IF_ERROR(CheckRegular(st, path));
@@ -310,6 +312,14 @@ absl::StatusOr<std::vector<uint8_t>> ReadWholeFile(int fd, const std::string& pa
     return absl::InvalidArgumentError(
         absl::StrCat(Quoted(path), " is ", size, " bytes, larger than the limit of ", max_bytes));
   }
+  return size;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<uint8_t>> ReadWholeFile(int fd, const std::string& path,
+                                                   uint64_t max_bytes) {
+  ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
   std::vector<uint8_t> bytes(size);
   RETURN_IF_ERROR(ReadAt(fd, path, 0, bytes));
   return bytes;
@@ -425,14 +435,7 @@ absl::StatusOr<FileImage> FileImage::Allocate(uint64_t size) {
 
 absl::StatusOr<FileImage> ReadWholeFileImage(int fd, const std::string& path, int threads,
                                              uint64_t max_bytes) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return SysError(errno, "stat", path);
-  RETURN_IF_ERROR(CheckRegular(st, path));
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size > max_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Quoted(path), " is ", size, " bytes, larger than the limit of ", max_bytes));
-  }
+  ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
   ASSIGN_OR_RETURN(FileImage image, FileImage::Allocate(size));
   constexpr uint64_t kChunk = uint64_t{8} << 20;
   const size_t chunks = static_cast<size_t>((size + kChunk - 1) / kChunk);

@@ -431,6 +431,13 @@ class TrainerApiGrpcTest : public ::testing::Test {
     server_.reset();
     std::filesystem::remove(socket_);
   }
+  // Client "rank0" registers `a` as tensor "a" (BF16, 2^15 elements).
+  void RegisterA(const Memfd& a) {
+    v1::RegisterTensorsRequest reg;
+    reg.set_client("rank0");
+    *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
+    ASSERT_TRUE(api_->DoRegister(reg).ok());
+  }
   // The version's tensor "a" once published: its bytes, and whether its digest is theirs.
   void ExpectPublished(uint64_t version, const std::vector<uint8_t>& expected) {
     const absl::Time limit = absl::Now() + absl::Seconds(60);
@@ -459,10 +466,7 @@ class TrainerApiGrpcTest : public ::testing::Test {
 // bytes it published. (Lending to such a call let the pass read the overwritten memory.)
 TEST_F(TrainerApiGrpcTest, ExpiredDeadlineNeverLetsTheTrainerWriteUnderThePass) {
   Memfd a(1 << 16, 5);
-  v1::RegisterTensorsRequest reg;
-  reg.set_client("rank0");
-  *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
-  ASSERT_TRUE(api_->DoRegister(reg).ok());
+  RegisterA(a);
   const std::vector<uint8_t> published(a.data(), a.data() + (1 << 16));
 
   v1::LocalPublishRequest req;
@@ -487,10 +491,7 @@ TEST_F(TrainerApiGrpcTest, ExpiredDeadlineNeverLetsTheTrainerWriteUnderThePass) 
 // (held) pass has read it, and the version holds the published bytes.
 TEST_F(TrainerApiGrpcTest, LendingCallReturnsOnlyAfterThePass) {
   Memfd a(1 << 16, 6);
-  v1::RegisterTensorsRequest reg;
-  reg.set_client("rank0");
-  *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
-  ASSERT_TRUE(api_->DoRegister(reg).ok());
+  RegisterA(a);
   const std::vector<uint8_t> published(a.data(), a.data() + (1 << 16));
 
   v1::LocalPublishRequest req;
