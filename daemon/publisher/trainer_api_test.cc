@@ -445,8 +445,9 @@ class TrainerApiGrpcTest : public ::testing::Test {
       absl::SleepFor(absl::Milliseconds(5));
     }
     ASSERT_EQ(core_->newest_version(), version);
-    ASSERT_EQ(core_->Baseline().size(), 1u);
-    const BaselineTensor& t = core_->Baseline()[0];
+    const std::vector<BaselineTensor> baseline = core_->Baseline();  // a copy: keep it alive
+    ASSERT_EQ(baseline.size(), 1u);
+    const BaselineTensor& t = baseline[0];
     EXPECT_TRUE(*t.bytes == expected) << "version " << version << " holds other bytes than the "
                                          "trainer published";
     EXPECT_EQ(t.digest, TensorDigest(*t.bytes)) << "digest disagrees with the bytes";
