@@ -968,7 +968,16 @@ absl::Status DataPlaneService::RunStreamed(SyncStream* stream,
   const absl::Time start = absl::Now();
   ASSIGN_OR_RETURN(const std::optional<v1::VersionEnd> end,
                    SendStreamed(stream, session, st, streams));
-  if (!end.has_value()) return absl::OkStatus();  // aborted: no Ack comes
+  if (!end.has_value()) {  // aborted: no Ack comes
+    // Stripe frames carry only the version number: a frame of the next transfer of this same
+    // version (the committed path) could reach the subscriber before the VersionAbort on Sync
+    // and be taken for the aborted one. With stripes the session ends instead; the subscriber
+    // reconnects and starts clean.
+    if (session->granted_stripes == 0) return absl::OkStatus();
+    return absl::AbortedError(absl::StrCat("streamed version ", live->version(),
+                                           " was aborted; the session restarts so that no "
+                                           "frame of a later transfer is taken for it"));
+  }
   ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
   const absl::Duration took = absl::Now() - start;
   if (ack.result() == v1::ACK_RESULT_APPLIED) {

@@ -857,6 +857,14 @@ TEST(StreamedTransferTest, FailedPublishAbortsAndTheNextVersionApplies) {
   ASSERT_TRUE(PollUntil([&] { return pub->service->streamed_aborts() == 1; }));
   EXPECT_EQ(sub->core->applied_version(), 1u);
   ExpectEqual(*sub, v1_model, "after the aborted version 2");
+  // With stripes the publisher ends the session after the abort: wait for the new session to
+  // be idle at version 1, so that the republished version streams to it.
+  ASSERT_TRUE(PollUntil([&] {
+    for (const v1::SessionStatus& s : pub->service->Sessions()) {
+      if (s.acked_version() == 1 && s.state() == v1::SESSION_STATE_IDLE) return true;
+    }
+    return false;
+  }));
   gate.fail_last = false;
   gate.wanted = 2;
   ASSERT_TRUE(PublishModel(*pub, 2, m).ok());
