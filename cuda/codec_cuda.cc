@@ -278,6 +278,9 @@ struct DeviceCodec::Impl {
   // digest_delta non-null: also the digest-v2 delta of what is written (LaunchApplyDigestV2Delta).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
                      uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta = nullptr);
+  absl::StatusOr<kern::ApplyArgs> ApplyArgsFor(const ApplyPlan& plan, uint64_t patch_bytes,
+                                               const void* d_base, void* d_out, uint64_t bytes,
+                                               DType dtype, bool want_delta);
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
 };
@@ -348,17 +351,13 @@ absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType dtype, void* d_base
   return out;
 }
 
-absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
-    DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
-    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
-    uint64_t* digest_sum, void* update_base) {
-  RETURN_IF_ERROR(CheckDevice());
-  // The same argument checks, in the same order, as EncodePatch.
+// Encode's argument checks: the same, in the same order, as EncodePatch (plus the launch limit).
+static absl::Status CheckEncodeArgs(DType dtype, const void* d_base, const void* d_target,
+                                    uint64_t bytes, int log2) {
   if (!IsValidDType(static_cast<uint8_t>(dtype))) {
     return absl::InvalidArgumentError(
         absl::StrCat("EncodePatchDevice: invalid dtype code ", static_cast<int>(dtype)));
   }
-  const int log2 = options.block_log2;
   if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
     return absl::InvalidArgumentError(absl::StrCat("EncodePatchDevice: block_log2 ", log2,
                                                    " outside [", format::kMinBlockLog2, ", ",
@@ -385,6 +384,40 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
                                                    " blocks exceed the launch limit; use a "
                                                    "larger block_log2"));
   }
+  return absl::OkStatus();
+}
+
+// Encode's plan from the analyzed blocks: each block's slot in the staging buffer (SPARSE:
+// 8-aligned) and in the compacted output, its table record (checksum later), and the totals.
+static absl::Status PlanEncodeOutput(const std::vector<kern::EncBlock>& blocks, uint64_t* stage_off,
+                                     uint64_t* out_off, std::vector<BlockRecord>& records,
+                                     uint64_t* stage_total, uint64_t* payload_total) {
+  for (uint64_t i = 0; i < records.size(); ++i) {
+    const kern::EncBlock& m = blocks[i];
+    stage_off[i] = *stage_total;
+    out_off[i] = *payload_total;
+    if (m.mode != kUnchanged && m.mode != kSparse && m.mode != kDense) {
+      return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
+                                              int{m.mode}, " (kernel bug)"));
+    }
+    if (m.mode == kSparse) *stage_total += RoundUp8(m.payload_bytes);
+    records[i] = BlockRecord{m.mode, m.kg, m.kr, m.ke, m.count, 0, m.payload_bytes};
+    *payload_total += m.payload_bytes;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
+    DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
+    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
+    uint64_t* digest_sum, void* update_base) {
+  RETURN_IF_ERROR(CheckDevice());
+  const int log2 = options.block_log2;
+  RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
+  const int w = DTypeSize(dtype);
+  const uint64_t n = bytes / w;
+  const uint64_t block = uint64_t{1} << log2;
+  const uint64_t num_blocks = (n + block - 1) / block;
   const ValueCoding coding = DTypeValueCoding(dtype);
   StageClock clock(timings, stream);
 
@@ -428,22 +461,11 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
   // Plan: payload offsets in the compacted output and, for SPARSE blocks, 8-aligned slots in the
   // staging buffer; the table's size (its contents wait for the checksums).
   host_offsets.resize(2 * num_blocks);
-  uint64_t* stage_off = host_offsets.data();
-  uint64_t* out_off = host_offsets.data() + num_blocks;
   uint64_t stage_total = 0, payload_total = 0;
   std::vector<BlockRecord> records(num_blocks);
-  for (uint64_t i = 0; i < num_blocks; ++i) {
-    const kern::EncBlock& m = host_blocks[i];
-    stage_off[i] = stage_total;
-    out_off[i] = payload_total;
-    if (m.mode != kUnchanged && m.mode != kSparse && m.mode != kDense) {
-      return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
-                                              int{m.mode}, " (kernel bug)"));
-    }
-    if (m.mode == kSparse) stage_total += RoundUp8(m.payload_bytes);
-    records[i] = BlockRecord{m.mode, m.kg, m.kr, m.ke, m.count, 0, m.payload_bytes};
-    payload_total += m.payload_bytes;
-  }
+  RETURN_IF_ERROR(PlanEncodeOutput(host_blocks, host_offsets.data(),
+                                   host_offsets.data() + num_blocks, records, &stage_total,
+                                   &payload_total));
   const uint64_t table_bytes = BlockTableBytes(records);
 
   std::vector<uint8_t> patch(format::kHeaderBytes + table_bytes + payload_total);
@@ -489,13 +511,10 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
 
 // ---- apply ----------------------------------------------------------------------------------------
 
-absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
-                                      const void* d_base, void* d_out, uint64_t bytes,
-                                      DeviceTimings* timings, uint64_t* digest_delta) {
-  RETURN_IF_ERROR(CheckDevice());
-  // The same checks, in the same order and with the same messages, as ApplyPatch.
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
-  const int w = DTypeSize(dtype);
+// Apply's pointer checks (as ApplyPatch's): non-null, element-aligned, the output either the base
+// itself (in place: returns true) or disjoint from it.
+static absl::StatusOr<bool> CheckApplyPointers(const void* d_base, void* d_out, uint64_t bytes,
+                                               int w) {
   if (bytes > 0 && (d_base == nullptr || d_out == nullptr)) {
     return absl::InvalidArgumentError("ApplyPatchDevice: null device pointer");
   }
@@ -507,32 +526,20 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   if (ob != bb && ob < bb + bytes && bb < ob + bytes) {
     return absl::InvalidArgumentError("ApplyPatchDevice: output partially overlaps the base");
   }
-  const bool in_place = ob == bb;
-  StageClock clock(timings, stream);
+  return ob == bb;
+}
 
-  // Descriptors of the changed blocks; decode waves over them.
-  ApplyPlan plan = PlanApply(layout, decode_limit);
-  const std::vector<kern::ApplyDesc>& descs = plan.descs;
-  const std::vector<std::pair<uint64_t, uint64_t>>& waves = plan.waves;
+// Apply's device buffers for `plan` (reserved) and the kernels' arguments.
+absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan& plan,
+                                                                uint64_t patch_bytes,
+                                                                const void* d_base, void* d_out,
+                                                                uint64_t bytes, DType dtype,
+                                                                bool want_delta) {
+  const uint64_t nd = plan.descs.size();
   const uint64_t stage_total = plan.stage_total;
   const uint64_t max_wave_changes = plan.max_wave_changes;
-
-  if (digest_delta != nullptr) *digest_delta = 0;
-  if (descs.empty()) {
-    if (!in_place && bytes > 0) {
-      RETURN_IF_ERROR(clock.Begin("copy"));
-      RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
-      RETURN_IF_ERROR(clock.End());
-    }
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    return clock.Finish();
-  }
-  const uint64_t nd = descs.size();
-  if (nd > kern::kMaxGrid) {
-    return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
-  }
-
-  RETURN_IF_ERROR(Reserve(ap_patch, patch.size()));
+  const int w = DTypeSize(dtype);
+  RETURN_IF_ERROR(Reserve(ap_patch, patch_bytes));
   RETURN_IF_ERROR(Reserve(ap_descs, nd * sizeof(kern::ApplyDesc)));
   RETURN_IF_ERROR(Reserve(ap_stage, stage_total));
   RETURN_IF_ERROR(Reserve(ap_computed, nd * sizeof(uint32_t)));
@@ -556,11 +563,47 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   a.width = w;
   a.coding = static_cast<int>(DTypeValueCoding(dtype));
   a.tensor_bytes = bytes;
-  if (digest_delta != nullptr) {
+  if (want_delta) {
     RETURN_IF_ERROR(Reserve(ap_delta, sizeof(unsigned long long)));
     a.digest_delta = Ptr<unsigned long long>(ap_delta);
     RETURN_IF_ERROR(rt::MemsetAsync(a.digest_delta, 0, sizeof(unsigned long long), stream));
   }
+
+  return a;
+}
+
+absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
+                                      const void* d_base, void* d_out, uint64_t bytes,
+                                      DeviceTimings* timings, uint64_t* digest_delta) {
+  RETURN_IF_ERROR(CheckDevice());
+  // The same checks, in the same order and with the same messages, as ApplyPatch.
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
+  const int w = DTypeSize(dtype);
+  ASSIGN_OR_RETURN(const bool in_place, CheckApplyPointers(d_base, d_out, bytes, w));
+  StageClock clock(timings, stream);
+
+  // Descriptors of the changed blocks; decode waves over them.
+  ApplyPlan plan = PlanApply(layout, decode_limit);
+  const std::vector<kern::ApplyDesc>& descs = plan.descs;
+  const std::vector<std::pair<uint64_t, uint64_t>>& waves = plan.waves;
+
+  if (digest_delta != nullptr) *digest_delta = 0;
+  if (descs.empty()) {
+    if (!in_place && bytes > 0) {
+      RETURN_IF_ERROR(clock.Begin("copy"));
+      RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
+      RETURN_IF_ERROR(clock.End());
+    }
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    return clock.Finish();
+  }
+  const uint64_t nd = descs.size();
+  if (nd > kern::kMaxGrid) {
+    return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
+  }
+
+  ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes, dtype,
+                                                  digest_delta != nullptr));
 
   unsigned long long first_bad = 0;
   // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
