@@ -202,6 +202,99 @@ void BenchOnePass(DeviceCodec& codec, const DeviceBuffer& d_base, const DeviceBu
               Median(fused), Median(separate), Median(separate) / std::max(Median(fused), 1e-9));
 }
 
+// One rate's GPU encode (timed), its patch checked against the CPU's.
+std::vector<uint8_t> BenchEncode(DeviceCodec& codec, const DeviceBuffer& d_base,
+                                 const DeviceBuffer& d_target, uint64_t bytes, uint64_t n,
+                                 uint64_t check_n, const std::vector<uint8_t>& cpu_patch, double p,
+                                 int reps, std::vector<Row>* rows) {
+  Clock::time_point t0;
+  // GPU encode.
+  std::vector<double> enc_total, enc_kernels, enc_d2h;
+  std::vector<uint8_t> patch;
+  refit::PatchStats stats;
+  for (int r = -1; r < reps; ++r) {
+    DeviceTimings tm;
+    t0 = Clock::now();
+    patch = OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(), bytes, {}, &stats, &tm),
+                  "GPU encode");
+    const double wall = Ms(Clock::now() - t0);
+    if (r < 0) continue;
+    enc_total.push_back(wall);
+    enc_kernels.push_back(tm.StageMs("analyze") + tm.StageMs("emit"));
+    enc_d2h.push_back(tm.StageMs("d2h"));
+  }
+  rows->push_back({"encode_kernels", p, Median(enc_kernels)});
+  rows->push_back({"encode_total", p, Median(enc_total)});
+  std::printf("patch: %zu bytes (%.2f%% of the tensor), %llu sparse / %llu dense / %llu unchanged "
+              "blocks; d2h of the payload %.2f ms\n",
+              patch.size(), 100.0 * static_cast<double>(patch.size()) / static_cast<double>(bytes),
+              static_cast<unsigned long long>(stats.blocks_sparse),
+              static_cast<unsigned long long>(stats.blocks_dense),
+              static_cast<unsigned long long>(stats.blocks_unchanged), Median(enc_d2h));
+  if (check_n == n) {
+    Check(patch == cpu_patch, "GPU patch == CPU patch (rate " + std::to_string(p) + ")");
+  } else {
+    // Compare on the prefix the CPU encoded.
+    auto prefix = OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(), 2 * check_n),
+                        "GPU encode (prefix)");
+    Check(prefix == cpu_patch, "GPU patch == CPU patch on the first " + std::to_string(check_n) +
+                                   " elements (rate " + std::to_string(p) + ")");
+  }
+
+  return patch;
+}
+
+// One rate's GPU apply (out of place, in place) and digest, checked against the target's digest;
+// then the one-pass rows.
+void BenchApplyAndDigest(DeviceCodec& codec, const DeviceBuffer& d_base,
+                         const DeviceBuffer& d_target, DeviceBuffer& d_out, uint64_t bytes,
+                         const std::vector<uint8_t>& patch, const std::vector<uint8_t>& target,
+                         double p, int reps, std::vector<Row>* rows) {
+  Clock::time_point t0;
+  // GPU apply, out of place.
+  std::vector<double> ap_out, ap_out_dev;
+  for (int r = -1; r < reps; ++r) {
+    DeviceTimings tm;
+    t0 = Clock::now();
+    OrDie(codec.Apply(patch, DType::kBF16, d_base.data(), d_out.data(), bytes, &tm), "GPU apply");
+    const double wall = Ms(Clock::now() - t0);
+    if (r < 0) continue;
+    ap_out.push_back(wall);
+    ap_out_dev.push_back(tm.TotalMs());
+  }
+  rows->push_back({"apply_out_of_place", p, Median(ap_out)});
+  const uint64_t want = refit::TensorDigest(target);
+  const uint64_t got = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
+  Check(got == want, "digest(GPU apply out of place) == digest(target) (rate " + std::to_string(p) + ")");
+
+  // GPU apply, in place (the buffer is reset to the base before each repetition, untimed).
+  std::vector<double> ap_in;
+  for (int r = -1; r < reps; ++r) {
+    OrDie(codec.DeviceCopy(d_out.data(), d_base.data(), bytes), "device copy");
+    t0 = Clock::now();
+    OrDie(codec.Apply(patch, DType::kBF16, d_out.data(), d_out.data(), bytes), "GPU apply in place");
+    const double wall = Ms(Clock::now() - t0);
+    if (r >= 0) ap_in.push_back(wall);
+  }
+  rows->push_back({"apply_in_place", p, Median(ap_in)});
+  const uint64_t got_in = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
+  Check(got_in == want, "digest(GPU apply in place) == digest(target) (rate " + std::to_string(p) + ")");
+
+  // GPU digest.
+  std::vector<double> dig;
+  for (int r = -1; r < reps; ++r) {
+    t0 = Clock::now();
+    const uint64_t d = OrDie(codec.Digest(d_target.data(), bytes), "GPU digest");
+    const double wall = Ms(Clock::now() - t0);
+    if (r >= 0) dig.push_back(wall);
+    if (r < 0) Check(d == want, "GPU digest == CPU digest (rate " + std::to_string(p) + ")");
+  }
+  rows->push_back({"digest", p, Median(dig)});
+  BenchOnePass(codec, d_base, d_target, d_out, bytes, patch, target, want, p, reps, rows);
+  std::printf("apply device stages (out of place): %.2f ms of %.2f ms\n", Median(ap_out_dev),
+              Median(ap_out));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -256,81 +349,9 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(check_n), cpu_ms, 2.0 * check_n / 1e6 / cpu_ms,
                 refit::ResolveThreads(0));
 
-    // GPU encode.
-    std::vector<double> enc_total, enc_kernels, enc_d2h;
-    std::vector<uint8_t> patch;
-    refit::PatchStats stats;
-    for (int r = -1; r < opt.reps; ++r) {
-      DeviceTimings tm;
-      t0 = Clock::now();
-      patch = OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(), bytes, {}, &stats, &tm),
-                    "GPU encode");
-      const double wall = Ms(Clock::now() - t0);
-      if (r < 0) continue;
-      enc_total.push_back(wall);
-      enc_kernels.push_back(tm.StageMs("analyze") + tm.StageMs("emit"));
-      enc_d2h.push_back(tm.StageMs("d2h"));
-    }
-    rows.push_back({"encode_kernels", p, Median(enc_kernels)});
-    rows.push_back({"encode_total", p, Median(enc_total)});
-    std::printf("patch: %zu bytes (%.2f%% of the tensor), %llu sparse / %llu dense / %llu unchanged "
-                "blocks; d2h of the payload %.2f ms\n",
-                patch.size(), 100.0 * static_cast<double>(patch.size()) / static_cast<double>(bytes),
-                static_cast<unsigned long long>(stats.blocks_sparse),
-                static_cast<unsigned long long>(stats.blocks_dense),
-                static_cast<unsigned long long>(stats.blocks_unchanged), Median(enc_d2h));
-    if (check_n == n) {
-      Check(patch == cpu_patch, "GPU patch == CPU patch (rate " + std::to_string(p) + ")");
-    } else {
-      // Compare on the prefix the CPU encoded.
-      auto prefix = OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(), 2 * check_n),
-                          "GPU encode (prefix)");
-      Check(prefix == cpu_patch, "GPU patch == CPU patch on the first " + std::to_string(check_n) +
-                                     " elements (rate " + std::to_string(p) + ")");
-    }
-
-    // GPU apply, out of place.
-    std::vector<double> ap_out, ap_out_dev;
-    for (int r = -1; r < opt.reps; ++r) {
-      DeviceTimings tm;
-      t0 = Clock::now();
-      OrDie(codec.Apply(patch, DType::kBF16, d_base.data(), d_out.data(), bytes, &tm), "GPU apply");
-      const double wall = Ms(Clock::now() - t0);
-      if (r < 0) continue;
-      ap_out.push_back(wall);
-      ap_out_dev.push_back(tm.TotalMs());
-    }
-    rows.push_back({"apply_out_of_place", p, Median(ap_out)});
-    const uint64_t want = refit::TensorDigest(target);
-    const uint64_t got = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
-    Check(got == want, "digest(GPU apply out of place) == digest(target) (rate " + std::to_string(p) + ")");
-
-    // GPU apply, in place (the buffer is reset to the base before each repetition, untimed).
-    std::vector<double> ap_in;
-    for (int r = -1; r < opt.reps; ++r) {
-      OrDie(codec.DeviceCopy(d_out.data(), d_base.data(), bytes), "device copy");
-      t0 = Clock::now();
-      OrDie(codec.Apply(patch, DType::kBF16, d_out.data(), d_out.data(), bytes), "GPU apply in place");
-      const double wall = Ms(Clock::now() - t0);
-      if (r >= 0) ap_in.push_back(wall);
-    }
-    rows.push_back({"apply_in_place", p, Median(ap_in)});
-    const uint64_t got_in = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
-    Check(got_in == want, "digest(GPU apply in place) == digest(target) (rate " + std::to_string(p) + ")");
-
-    // GPU digest.
-    std::vector<double> dig;
-    for (int r = -1; r < opt.reps; ++r) {
-      t0 = Clock::now();
-      const uint64_t d = OrDie(codec.Digest(d_target.data(), bytes), "GPU digest");
-      const double wall = Ms(Clock::now() - t0);
-      if (r >= 0) dig.push_back(wall);
-      if (r < 0) Check(d == want, "GPU digest == CPU digest (rate " + std::to_string(p) + ")");
-    }
-    rows.push_back({"digest", p, Median(dig)});
-    BenchOnePass(codec, d_base, d_target, d_out, bytes, patch, target, want, p, opt.reps, &rows);
-    std::printf("apply device stages (out of place): %.2f ms of %.2f ms\n", Median(ap_out_dev),
-                Median(ap_out));
+    const std::vector<uint8_t> patch =
+        BenchEncode(codec, d_base, d_target, bytes, n, check_n, cpu_patch, p, opt.reps, &rows);
+    BenchApplyAndDigest(codec, d_base, d_target, d_out, bytes, patch, target, p, opt.reps, &rows);
   }
 
   std::printf("\n%-20s %8s %10s %9s %8s\n", "op", "rate", "ms", "GB/s", "xD2D");
