@@ -316,6 +316,12 @@ class Demo {
   absl::StatusOr<std::string> StartDaemon(const std::string& name, const std::string& role,
                                           const std::string& config_text);
   absl::Status StepVersion(uint64_t version);
+  // Run's steps.
+  absl::StatusOr<std::string> StartDaemons();
+  absl::Status StartTrainer(const refit::model::TransformerShape& shape,
+                            const std::string& pub_local);
+  void PrintSummary() const;
+  void StopDaemons();
 
   Options o_;
   std::string dir_;
@@ -371,7 +377,21 @@ absl::Status Demo::Run() {
   std::printf("daemon_demo: refitd %s, working directory %s%s\n", o_.refitd.c_str(), dir_.c_str(),
               o_.keep ? " (kept)" : "");
 
-  // ---- the daemons: processes started before this one has threads ----
+  ASSIGN_OR_RETURN(const std::string pub_local, StartDaemons());
+  RETURN_IF_ERROR(StartTrainer(shape, pub_local));
+  for (uint64_t v = 1; v <= static_cast<uint64_t>(o_.versions) + 1; ++v) {
+    if (v > 1) traj_->Step();
+    RETURN_IF_ERROR(StepVersion(v));
+  }
+
+  PrintSummary();
+  StopDaemons();
+  return absl::OkStatus();
+}
+
+// The publisher and two subscribers (processes started before this one has threads), their
+// Control stubs, both connected. Returns the publisher's TrainerApi socket.
+absl::StatusOr<std::string> Demo::StartDaemons() {
   ASSIGN_OR_RETURN(
       std::string pub_ready,
       StartDaemon("publisher", "publisher",
@@ -434,7 +454,12 @@ absl::Status Demo::Run() {
     absl::SleepFor(absl::Milliseconds(50));
   }
 
-  // ---- the trainer ----
+  return *pub_local;
+}
+
+// The trainer: the trajectory's model, registered with the publisher's TrainerApi.
+absl::Status Demo::StartTrainer(const refit::model::TransformerShape& shape,
+                                const std::string& pub_local) {
   refit::model::TrajectoryOptions topt;
   topt.shape = shape;
   topt.threads = o_.threads;
@@ -452,7 +477,7 @@ absl::Status Demo::Run() {
     specs.push_back(std::move(s));
   }
   ASSIGN_OR_RETURN(trainer_,
-                   refit::client::TrainerClient::Create(*pub_local, "demo-trainer", specs));
+                   refit::client::TrainerClient::Create(pub_local, "demo-trainer", specs));
   ASSIGN_OR_RETURN(v1::RegisterTensorsResponse reg, trainer_->Register());
   std::printf("trainer:      %u tensors, %s registered from memfd %s (%.1f s to build the model)\n\n",
               reg.tensors(), refit::client::FormatBytes(reg.bytes()).c_str(),
@@ -462,12 +487,10 @@ absl::Status Demo::Run() {
               "e2e", "digests");
   std::fflush(stdout);
 
-  for (uint64_t v = 1; v <= static_cast<uint64_t>(o_.versions) + 1; ++v) {
-    if (v > 1) traj_->Step();
-    RETURN_IF_ERROR(StepVersion(v));
-  }
+  return absl::OkStatus();
+}
 
-  // ---- summary ----
+void Demo::PrintSummary() const {
   std::printf("\n");
   if (delta_versions_ > 0) {
     const double rate = elements_ ? static_cast<double>(changed_) / elements_ : 0;
@@ -485,7 +508,10 @@ absl::Status Demo::Run() {
         latency_ms_sum_ / (2 * delta_versions_), latency_ms_max_, e2e_ms_sum_ / delta_versions_);
   }
 
-  // ---- clean shutdown ----
+}
+
+// Stops the daemons (SIGTERM, newest first); an unclean exit fails the demo.
+void Demo::StopDaemons() {
   trainer_.reset();
   bool clean = true;
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
@@ -499,7 +525,6 @@ absl::Status Demo::Run() {
               "stopped cleanly: %s\n",
               all_ok_ ? "yes" : "NO", clean ? "yes" : "NO");
   all_ok_ &= clean;
-  return absl::OkStatus();
 }
 
 absl::Status Demo::StepVersion(uint64_t v) {
