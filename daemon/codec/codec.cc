@@ -109,6 +109,14 @@ struct EncodeScratch {
   ByteSink out;          // payloads of this worker's blocks, back to back
 };
 
+// A worker's change log (EncodePatchesWithChanges): each logged block's changes back to back,
+// block-relative positions (u32) and target values (element size each). Kept by EncodedChanges
+// until the publisher's commit, then pooled like the scratch.
+struct ChangeLogBuf {
+  ByteSink pos;
+  ByteSink val;
+};
+
 // Workers' scratch outlives a call: encoding a model version every RL step would otherwise
 // fault in fresh pages for every buffer every time (a measurable share of encode time).
 class ScratchPool {
@@ -134,6 +142,35 @@ class ScratchPool {
 
 ScratchPool& EncodeScratchPool() {
   static ScratchPool* const pool = new ScratchPool();
+  return *pool;
+}
+
+// Change logs outlive a call until the commit; a streamed version holds one per worker per
+// batch, so more are kept than scratches (each holds about its changes' bytes, not a block's).
+class ChangeLogPool {
+ public:
+  std::unique_ptr<ChangeLogBuf> Acquire() {
+    absl::MutexLock lock(&mu_);
+    if (free_.empty()) return std::make_unique<ChangeLogBuf>();
+    auto s = std::move(free_.back());
+    free_.pop_back();
+    return s;
+  }
+  void Release(std::unique_ptr<ChangeLogBuf> s) {
+    s->pos.clear();
+    s->val.clear();
+    absl::MutexLock lock(&mu_);
+    if (free_.size() < kMaxKept) free_.push_back(std::move(s));
+  }
+
+ private:
+  static constexpr size_t kMaxKept = 512;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<ChangeLogBuf>> free_ ABSL_GUARDED_BY(mu_);
+};
+
+ChangeLogPool& GetChangeLogPool() {
+  static ChangeLogPool* const pool = new ChangeLogPool();
   return *pool;
 }
 
@@ -539,6 +576,51 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
 }
 
 
+// A block's change log as the scan writes it (EncodePatchesWithChanges): per change its
+// block-relative position and target value, and the block's digest-v2 delta (the mix sums of the
+// changed words' new values minus their old ones), all taken while the chunk is in L1.
+struct ScanLog {
+  uint8_t* pos = nullptr;    // u32 each; capacity >= the block's elements
+  uint8_t* val = nullptr;    // capacity >= the block's bytes (any alignment)
+  uint64_t first_word = 0;   // the block's first 8-byte word in its tensor
+  uint64_t v2_sum = 0;
+  size_t n = 0;              // changes logged
+};
+
+// The word of block bytes `p` at byte offset `off` (a multiple of 8), zero-padded past `bytes`
+// (only the last block of a tensor can end mid-word: digest v2 pads the tensor's last word).
+inline uint64_t WordAt(const uint8_t* p, uint64_t off, uint64_t bytes) {
+  if (off + 8 <= bytes) return LoadU64(p + off);
+  uint64_t w = 0;
+  std::memcpy(&w, p + off, bytes - off);
+  return w;
+}
+
+// Logs changes [j0, j1) of a block (block-relative positions `pos`, increasing) of old bytes `a`
+// and new bytes `b` (len elements): positions, values and each changed word's delta once.
+template <typename T>
+void LogChunkChanges(const T* a, const T* b, uint32_t len, const uint32_t* pos, size_t j0,
+                     size_t j1, ScanLog& log) {
+  const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
+  const uint8_t* bb = reinterpret_cast<const uint8_t*>(b);
+  const uint64_t bytes = static_cast<uint64_t>(len) * sizeof(T);
+  std::memcpy(log.pos + j0 * sizeof(uint32_t), pos + j0, (j1 - j0) * sizeof(uint32_t));
+  uint64_t sum = log.v2_sum;
+  size_t j = j0;
+  while (j < j1) {
+    const uint64_t off = (static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7};
+    do {
+      std::memcpy(log.val + j * sizeof(T), b + pos[j], sizeof(T));
+      ++j;
+    } while (j < j1 && ((static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7}) == off);
+    const uint64_t word = log.first_word + off / 8;
+    sum += format::DigestV2Mix(word, WordAt(bb, off, bytes)) -
+           format::DigestV2Mix(word, WordAt(ab, off, bytes));
+  }
+  log.v2_sum = sum;
+  log.n = j1;
+}
+
 // One block's changes as EncodeBlock's scan leaves them (arrays in the scratch): per change its
 // gap and packed value, the run lengths and exceptions of the value coding.
 struct BlockChanges {
@@ -556,7 +638,7 @@ struct BlockChanges {
 // (every element changed).
 template <typename T>
 BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
-                       EncodeScratch& s, ChunkHasher* digest) {
+                       EncodeScratch& s, ChunkHasher* digest, ScanLog* log) {
   constexpr uint32_t kChunk = 16384 / sizeof(T);
   const size_t cap = static_cast<size_t>(len) + 64;  // scan slack
   uint32_t* pos = s.pos.Get(cap);
@@ -580,6 +662,7 @@ BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
                   ? FindChangesAndDiffs16<true>(a, b, begin, end, pos, dv, n32)
                   : FindChangesAndDiffs16<false>(a, b, begin, end, pos, dv, n32);
         ComputeValuesFromDiffs(pos, dv, before, n32, gap, vs, run, exc, vstate);
+        if (log != nullptr) LogChunkChanges(a, b, len, pos, before, n32, *log);
         if (digest != nullptr) {
           digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
         }
@@ -593,6 +676,7 @@ BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
       const uint32_t before = n32;
       n32 = FindChanges(isa, a, b, begin, end, pos, n32);
       ComputeValues(a, b, pos, before, n32, coding, gap, vs, run, exc, vstate);
+      if (log != nullptr) LogChunkChanges(a, b, len, pos, before, n32, *log);
       if (digest != nullptr) {
         digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
       }
@@ -697,9 +781,9 @@ size_t WriteSparsePayload(const BlockChanges& c, ValueCoding coding, const Block
 template <typename T>
 BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
                          uint64_t block_index, EncodeScratch& s, ByteSink& out,
-                         ChunkHasher* digest) {
+                         ChunkHasher* digest, ScanLog* log) {
   BlockRecord eb;
-  BlockChanges changes = ScanBlock(a, b, len, coding, s, digest);
+  BlockChanges changes = ScanBlock(a, b, len, coding, s, digest, log);
   if (changes.n == 0) return eb;
   const uint64_t sparse_bytes = ChooseSparseCoding<T>(changes, block_log2, coding, eb);
   const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
@@ -734,7 +818,7 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
 }
 
 BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2,
-                           EncodeScratch& s, ByteSink& out, ChunkHasher* digest) {
+                           EncodeScratch& s, ByteSink& out, ChunkHasher* digest, ScanLog* log) {
   const int w = DTypeSize(in.dtype);
   const uint64_t n = in.base.size() / w;
   const uint64_t first = block_index << log2;
@@ -744,19 +828,19 @@ BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2
   const uint8_t* b = in.target.data() + first * w;
   switch (w) {
     case 1:
-      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out, digest);
+      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out, digest, log);
     case 2:
       return EncodeBlock<uint16_t>(reinterpret_cast<const uint16_t*>(a),
                                    reinterpret_cast<const uint16_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest);
+                                   block_index, s, out, digest, log);
     case 4:
       return EncodeBlock<uint32_t>(reinterpret_cast<const uint32_t*>(a),
                                    reinterpret_cast<const uint32_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest);
+                                   block_index, s, out, digest, log);
     default:
       return EncodeBlock<uint64_t>(reinterpret_cast<const uint64_t*>(a),
                                    reinterpret_cast<const uint64_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest);
+                                   block_index, s, out, digest, log);
   }
 }
 
@@ -1184,30 +1268,88 @@ struct PayloadAt {
   uint64_t offset;
 };
 
-// The workers' pass: every block encoded into its worker's scratch (and, with `chunk_hashes`,
-// the targets' chunk hashes: tensor t's at chunk_hashes[chunk_base[t]...]).
+// A block's entry in EncodedChanges: where the scan logged its changes, or that it is copied
+// whole from the target (blocks with many changes: their log would outgrow the block).
+struct BlockLog {
+  uint32_t part = 0;
+  uint32_t count = 0;  // changes logged
+  bool whole = false;
+  uint64_t pos_off = 0;  // byte offsets into the part's ChangeLogBuf
+  uint64_t val_off = 0;
+  uint64_t v2_sum = 0;  // the block's digest-v2 delta
+};
+
+// Reserves room in `buf` for every element of block `block_index` of `in` and points `sl` at it.
+void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, ChangeLogBuf& buf,
+                   ScanLog& sl, BlockLog& bl) {
+  const uint64_t w = DTypeSize(in.dtype);
+  const uint64_t first = block_index << log2;
+  const uint64_t len = std::min<uint64_t>(1ull << log2, in.base.size() / w - first);
+  bl.pos_off = buf.pos.size();
+  bl.val_off = buf.val.size();
+  buf.pos.resize(bl.pos_off + 4 * len);
+  buf.val.resize(bl.val_off + w * len);
+  sl = ScanLog{};
+  sl.pos = buf.pos.data() + bl.pos_off;
+  sl.val = buf.val.data() + bl.val_off;
+  sl.first_word = first * w / 8;
+}
+
+// Keeps what the scan logged, or only the delta when the block is cheaper copied whole (its log
+// would exceed a quarter of its bytes).
+void EndBlockLog(const EncodeInput& in, const ScanLog& sl, ChangeLogBuf& buf, BlockLog& bl) {
+  const uint64_t w = DTypeSize(in.dtype);
+  const uint64_t block_bytes = (buf.val.size() - bl.val_off);
+  bl.v2_sum = sl.v2_sum;
+  bl.whole = sl.n * (4 + w) * 4 > block_bytes;
+  bl.count = bl.whole ? 0 : static_cast<uint32_t>(sl.n);
+  buf.pos.resize(bl.pos_off + 4 * bl.count);
+  buf.val.resize(bl.val_off + w * bl.count);
+}
+
+// What EncodeParts writes besides the payloads: with `chunk_hashes`, the targets' chunk hashes
+// (tensor t's at chunk_hashes[chunk_base[t]...]); with `logs`, each block's change log.
+struct PartOutputs {
+  std::vector<BlockRecord>& records;
+  std::vector<PayloadAt>& where;
+  const std::vector<uint64_t>& chunk_base;
+  uint64_t* chunk_hashes = nullptr;
+  std::vector<std::unique_ptr<ChangeLogBuf>>* logs = nullptr;  // one per part
+  std::vector<BlockLog>* block_logs = nullptr;                 // one per block
+};
+
+// The workers' pass: every block encoded into its worker's scratch, with the digests and logs
+// `out` asks for.
 void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int log2,
                  const std::vector<uint64_t>& part_begin,
-                 std::vector<std::unique_ptr<EncodeScratch>>& scratch,
-                 std::vector<BlockRecord>& records, std::vector<PayloadAt>& where,
-                 const std::vector<uint64_t>& chunk_base, uint64_t* chunk_hashes) {
+                 std::vector<std::unique_ptr<EncodeScratch>>& scratch, PartOutputs& out) {
   const size_t parts = part_begin.size() - 1;
   const std::vector<uint64_t>& first_block = grid.first_block;
   ParallelFor(parts, static_cast<int>(parts), 1, [&](size_t pb, size_t pe) {
     for (size_t p = pb; p < pe; ++p) {
       EncodeScratch& s = *scratch[p];
       ChunkHasher hasher;
+      ScanLog sl;
       uint64_t g = part_begin[p];
       size_t t = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
       for (; g < part_begin[p + 1]; ++g) {
         while (g >= first_block[t + 1]) ++t;
-        if (chunk_hashes != nullptr && (g == part_begin[p] || g == first_block[t])) {
-          hasher.Begin(chunk_hashes + chunk_base[t], inputs[t].target.size(),
+        if (out.chunk_hashes != nullptr && (g == part_begin[p] || g == first_block[t])) {
+          hasher.Begin(out.chunk_hashes + out.chunk_base[t], inputs[t].target.size(),
                        (g - first_block[t]) * grid.block_bytes[t]);
         }
-        where[g] = {static_cast<uint32_t>(p), s.out.size()};
-        records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out,
-                                    chunk_hashes != nullptr ? &hasher : nullptr);
+        if (out.block_logs != nullptr) {
+          (*out.block_logs)[g].part = static_cast<uint32_t>(p);
+          BeginBlockLog(inputs[t], g - first_block[t], log2, *(*out.logs)[p], sl,
+                        (*out.block_logs)[g]);
+        }
+        out.where[g] = {static_cast<uint32_t>(p), s.out.size()};
+        out.records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out,
+                                        out.chunk_hashes != nullptr ? &hasher : nullptr,
+                                        out.block_logs != nullptr ? &sl : nullptr);
+        if (out.block_logs != nullptr) {
+          EndBlockLog(inputs[t], sl, *(*out.logs)[p], (*out.block_logs)[g]);
+        }
       }
     }
   });
@@ -1244,11 +1386,18 @@ std::vector<std::vector<uint8_t>> AssemblePatches(
   return patches;
 }
 
-// EncodePatches, with `digests` (non-null) the targets' digests from the same pass.
-absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
-    std::span<const EncodeInput> inputs, const EncodeOptions& options,
-    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests) {
-  const int log2 = options.block_log2;
+// The digests' chunk layout: tensor t's chunk hashes start at chunk_base[t].
+std::vector<uint64_t> ChunkBases(std::span<const EncodeInput> inputs) {
+  std::vector<uint64_t> chunk_base(inputs.size() + 1, 0);
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    const uint64_t bytes = inputs[t].target.size();
+    chunk_base[t + 1] =
+        chunk_base[t] + (bytes + format::kDigestChunkBytes - 1) / format::kDigestChunkBytes;
+  }
+  return chunk_base;
+}
+
+absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, int log2) {
   if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
     return absl::InvalidArgumentError(absl::StrCat(
         inputs.size() == 1 ? "EncodePatch" : "EncodePatches", ": block_log2 ", log2,
@@ -1257,23 +1406,59 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
   for (size_t t = 0; t < inputs.size(); ++t) {
     RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct EncodedChanges::Impl {
+  int log2 = 0;
+  std::vector<uint64_t> first_block;  // tensor t's blocks: [first_block[t], first_block[t + 1])
+  std::vector<int> width;             // element size per tensor
+  std::vector<uint64_t> bytes;        // bytes per tensor
+  std::vector<BlockLog> blocks;
+  std::vector<std::unique_ptr<ChangeLogBuf>> logs;
+  ~Impl() {
+    for (auto& l : logs) GetChangeLogPool().Release(std::move(l));
+  }
+};
+
+namespace {
+
+// EncodePatches, with `digests` (if non-null) the targets' v1 digests and with `changes` (if
+// non-null) the change logs, both from the same pass.
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests,
+    EncodedChanges::Impl* changes) {
+  const int log2 = options.block_log2;
+  RETURN_IF_ERROR(CheckEncodeArgs(inputs, log2));
   const BlockGrid grid = MakeGrid(inputs, log2);
   const size_t parts = static_cast<size_t>(std::max<uint64_t>(
       1, std::min<uint64_t>(ResolveThreads(options.threads), grid.total_blocks())));
   const std::vector<uint64_t> part_begin = CutParts(inputs, grid, parts, digests != nullptr);
-  std::vector<uint64_t> chunk_base(inputs.size() + 1, 0);
-  for (size_t t = 0; t < inputs.size(); ++t) {
-    const uint64_t bytes = inputs[t].target.size();
-    chunk_base[t + 1] =
-        chunk_base[t] + (bytes + format::kDigestChunkBytes - 1) / format::kDigestChunkBytes;
-  }
+  const std::vector<uint64_t> chunk_base = ChunkBases(inputs);
   std::vector<uint64_t> chunk_hashes(digests != nullptr ? chunk_base.back() : 0);
   std::vector<BlockRecord> records(grid.total_blocks());
   std::vector<PayloadAt> where(grid.total_blocks());
   std::vector<std::unique_ptr<EncodeScratch>> scratch(parts);
   for (auto& sc : scratch) sc = EncodeScratchPool().Acquire();
-  EncodeParts(inputs, grid, log2, part_begin, scratch, records, where, chunk_base,
-              digests != nullptr ? chunk_hashes.data() : nullptr);
+  PartOutputs out{records, where, chunk_base};
+  if (digests != nullptr) out.chunk_hashes = chunk_hashes.data();
+  if (changes != nullptr) {
+    changes->log2 = log2;
+    changes->first_block = grid.first_block;
+    for (const EncodeInput& in : inputs) {
+      changes->width.push_back(DTypeSize(in.dtype));
+      changes->bytes.push_back(in.base.size());
+    }
+    changes->blocks.assign(grid.total_blocks(), BlockLog{});
+    changes->logs.resize(parts);
+    for (auto& l : changes->logs) l = GetChangeLogPool().Acquire();
+    out.logs = &changes->logs;
+    out.block_logs = &changes->blocks;
+  }
+  EncodeParts(inputs, grid, log2, part_begin, scratch, out);
   auto patches =
       AssemblePatches(inputs, grid, log2, options.threads, records, where, scratch, stats);
   for (auto& sc : scratch) EncodeScratchPool().Release(std::move(sc));
@@ -1289,12 +1474,82 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
   return patches;
 }
 
+// Writes block change log entries into the block at `dst`.
+template <typename T>
+void ScatterLogged(uint8_t* dst, const uint8_t* pos, const uint8_t* val, uint32_t count) {
+  for (uint32_t j = 0; j < count; ++j) {
+    uint32_t p;
+    std::memcpy(&p, pos + 4 * static_cast<size_t>(j), 4);
+    std::memcpy(dst + static_cast<uint64_t>(p) * sizeof(T), val + j * sizeof(T), sizeof(T));
+  }
+}
+
 }  // namespace
+
+EncodedChanges::EncodedChanges() = default;
+EncodedChanges::~EncodedChanges() = default;
+EncodedChanges::EncodedChanges(EncodedChanges&&) noexcept = default;
+EncodedChanges& EncodedChanges::operator=(EncodedChanges&&) noexcept = default;
+
+size_t EncodedChanges::tensors() const { return impl_ == nullptr ? 0 : impl_->bytes.size(); }
+
+DigestV2Delta EncodedChanges::DigestV2DeltaOf(size_t tensor) const {
+  uint64_t sum = 0;
+  if (impl_ == nullptr || tensor >= tensors()) return DigestV2Delta{};
+  for (uint64_t g = impl_->first_block[tensor]; g < impl_->first_block[tensor + 1]; ++g) {
+    sum += impl_->blocks[g].v2_sum;
+  }
+  return DigestV2Delta::FromSum(sum);
+}
+
+uint64_t EncodedChanges::log_bytes() const {
+  uint64_t n = 0;
+  if (impl_ != nullptr) {
+    for (const auto& l : impl_->logs) n += l->pos.size() + l->val.size();
+  }
+  return n;
+}
+
+absl::Status EncodedChanges::ApplyTo(size_t tensor, std::span<uint8_t> base,
+                                     std::span<const uint8_t> target) const {
+  if (impl_ == nullptr || tensor >= tensors()) {
+    return absl::OutOfRangeError(absl::StrCat("EncodedChanges::ApplyTo: tensor ", tensor,
+                                              " of ", tensors()));
+  }
+  const uint64_t bytes = impl_->bytes[tensor];
+  if (base.size() != bytes || target.size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EncodedChanges::ApplyTo: tensor ", tensor, " was encoded with ", bytes,
+        " bytes; base has ", base.size(), ", target ", target.size()));
+  }
+  const int w = impl_->width[tensor];
+  const uint64_t block_bytes = (uint64_t{1} << impl_->log2) * w;
+  for (uint64_t g = impl_->first_block[tensor]; g < impl_->first_block[tensor + 1]; ++g) {
+    const BlockLog& b = impl_->blocks[g];
+    const uint64_t first = (g - impl_->first_block[tensor]) * block_bytes;
+    if (b.whole) {
+      std::memcpy(base.data() + first, target.data() + first,
+                  std::min(block_bytes, bytes - first));
+      continue;
+    }
+    if (b.count == 0) continue;
+    const ChangeLogBuf& l = *impl_->logs[b.part];
+    const uint8_t* pos = l.pos.data() + b.pos_off;
+    const uint8_t* val = l.val.data() + b.val_off;
+    switch (w) {
+      case 1: ScatterLogged<uint8_t>(base.data() + first, pos, val, b.count); break;
+      case 2: ScatterLogged<uint16_t>(base.data() + first, pos, val, b.count); break;
+      case 4: ScatterLogged<uint32_t>(base.data() + first, pos, val, b.count); break;
+      default: ScatterLogged<uint64_t>(base.data() + first, pos, val, b.count); break;
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
     std::span<const EncodeInput> inputs, const EncodeOptions& options,
     std::vector<PatchStats>* stats) {
-  return EncodeAll(inputs, options, stats, nullptr);
+  return EncodeAll(inputs, options, stats, nullptr, nullptr);
 }
 
 absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
@@ -1303,7 +1558,19 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
   if (digests == nullptr) {
     return absl::InvalidArgumentError("EncodePatchesWithDigests: no digests output given");
   }
-  return EncodeAll(inputs, options, stats, digests);
+  return EncodeAll(inputs, options, stats, digests, nullptr);
+}
+
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithChanges(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests, EncodedChanges* changes) {
+  if (changes == nullptr) {
+    return absl::InvalidArgumentError("EncodePatchesWithChanges: no changes output given");
+  }
+  auto impl = std::make_unique<EncodedChanges::Impl>();
+  ASSIGN_OR_RETURN(auto patches, EncodeAll(inputs, options, stats, digests, impl.get()));
+  changes->impl_ = std::move(impl);
+  return patches;
 }
 
 absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const uint8_t> base,

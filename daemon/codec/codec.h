@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -91,6 +92,46 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
 absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
     std::span<const EncodeInput> inputs, const EncodeOptions& options,
     std::vector<PatchStats>* stats, std::vector<uint64_t>* digests);
+
+// What EncodePatchesWithChanges keeps of a pass besides the patches, so that each base can be
+// brought up to its target later (the publisher's commit) without decoding its patch: the
+// delta of the tensor's digest v2 from base to target, and per changed block the changed
+// elements' positions and target values, or (a block whose log would exceed a quarter of its
+// bytes) a note to copy the block from the target. Taken by the encoder's scan while each 16 KiB
+// chunk is in L1. Memory: 4 + element-size bytes per logged change.
+class EncodedChanges {
+ public:
+  EncodedChanges();
+  ~EncodedChanges();
+  EncodedChanges(EncodedChanges&&) noexcept;
+  EncodedChanges& operator=(EncodedChanges&&) noexcept;
+
+  size_t tensors() const;  // 0 until filled
+  // DigestV2Delta from input `tensor`'s base to its target (ApplyTo the base's digest v2).
+  DigestV2Delta DigestV2DeltaOf(size_t tensor) const;
+  // base := target for input `tensor`, writing only its changed elements (and blocks logged
+  // whole, read from `target`). `base` holds the bytes it was encoded against, `target` the
+  // encoded target (both the encoded size: INVALID_ARGUMENT otherwise; OUT_OF_RANGE for a bad
+  // index). Writes nothing outside the changed blocks.
+  absl::Status ApplyTo(size_t tensor, std::span<uint8_t> base,
+                       std::span<const uint8_t> target) const;
+  uint64_t log_bytes() const;  // bytes the logs hold
+
+  struct Impl;
+
+ private:
+  friend absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithChanges(
+      std::span<const EncodeInput>, const EncodeOptions&, std::vector<PatchStats>*,
+      std::vector<uint64_t>*, EncodedChanges*);
+  std::unique_ptr<Impl> impl_;
+};
+
+// EncodePatches, and from the same scan: with `digests` non-null, each target's digest v1 (as
+// EncodePatchesWithDigests); into `changes` (required), the pass's change logs. The patches and
+// stats are byte-identical to EncodePatches'.
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithChanges(
+    std::span<const EncodeInput> inputs, const EncodeOptions& options,
+    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests, EncodedChanges* changes);
 
 // Parses and validates the header and block table (magic, version, dtype, sizes, varints,
 // header checksum, payload bounds). Does not read payloads.

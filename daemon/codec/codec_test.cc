@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
 #include "gtest/gtest.h"
@@ -494,6 +495,107 @@ TEST(EncodePatchesWithDigests, NeedsTheDigestsOutput) {
   std::vector<uint64_t> digests;
   ASSERT_TRUE(EncodePatchesWithDigests({}, {}, nullptr, &digests).ok());
   EXPECT_TRUE(digests.empty());
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// EncodePatchesWithChanges: the same patches as EncodePatches; ApplyTo brings a copy of each base
+// to exactly its target, and each delta turns the base's digest v2 into the target's. Tensors
+// whose sizes end mid-word (1- and 2-byte types), blocks with few changes (logged) and many
+// (copied whole), any thread count and every scan implementation.
+TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDigestV2) {
+  std::mt19937_64 rng(31337);
+  const DType kinds[] = {DType::kBF16, DType::kF32, DType::kU8, DType::kF64, DType::kI16};
+  const uint64_t sizes[] = {0, 6, 42, 5003, 70000, 262146, 1 << 20};
+  const double rates[] = {0.0, 0.0005, 0.02, 0.5, 1.0};
+  std::vector<Bytes> bases, targets;
+  std::vector<DType> types;
+  for (size_t t = 0; t < 3 * std::size(sizes); ++t) {
+    const DType d = kinds[t % std::size(kinds)];
+    const uint64_t n = sizes[t % std::size(sizes)] / DTypeSize(d);
+    Bytes a = RandomBytes(n * DTypeSize(d), rng);
+    bases.push_back(a);
+    targets.push_back(Mutate(a, d, rates[t % std::size(rates)], rng));
+    types.push_back(d);
+  }
+  std::vector<EncodeInput> inputs;
+  for (size_t t = 0; t < bases.size(); ++t) inputs.push_back({types[t], bases[t], targets[t]});
+  const int levels = testing::EncoderScanLevels();
+  for (int block_log2 : {8, 12, 18}) {
+    for (int threads : {1, 2, 5}) {
+      for (int level = 0; level < levels; ++level) {
+        SCOPED_TRACE(::testing::Message() << "block_log2=" << block_log2 << " threads=" << threads
+                                          << " scan level=" << level);
+        testing::SetEncoderScanLevel(level);
+        EncodeOptions opt;
+        opt.block_log2 = block_log2;
+        opt.threads = threads;
+        auto want = EncodePatches(inputs, opt);
+        std::vector<uint64_t> digests;
+        EncodedChanges changes;
+        auto got = EncodePatchesWithChanges(inputs, opt, nullptr, &digests, &changes);
+        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+        ASSERT_EQ(changes.tensors(), inputs.size());
+        for (size_t t = 0; t < inputs.size(); ++t) {
+          ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
+          ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
+          const uint64_t want_v2 = TensorDigestV2(targets[t], 1);
+          EXPECT_EQ(changes.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1),
+                                                      bases[t].size()),
+                    want_v2)
+              << "tensor " << t;
+          Bytes b = bases[t];
+          ASSERT_TRUE(changes.ApplyTo(t, b, targets[t]).ok());
+          ASSERT_EQ(b, targets[t]) << "tensor " << t;
+        }
+      }
+    }
+  }
+  testing::SetEncoderScanLevel(-1);
+}
+
+// ApplyTo writes only changed elements: a base whose unchanged elements differ from the encoded
+// base keeps them (the publisher relies on it to patch a buffer in place).
+TEST(EncodePatchesWithChanges, ApplyToWritesOnlyTheChangedElements) {
+  std::mt19937_64 rng(7);
+  Bytes a = RandomBytes(2 * 100000, rng);
+  Bytes b = Mutate(a, DType::kBF16, 0.01, rng);
+  std::vector<EncodeInput> inputs = {{DType::kBF16, a, b}};
+  EncodedChanges changes;
+  ASSERT_TRUE(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes).ok());
+  Bytes other(a.size(), 0xAB);
+  ASSERT_TRUE(changes.ApplyTo(0, other, b).ok());
+  size_t kept = 0;
+  for (size_t i = 0; i < a.size(); i += 2) {
+    const bool changed = a[i] != b[i] || a[i + 1] != b[i + 1];
+    if (changed) {
+      ASSERT_EQ(other[i], b[i]) << i;
+      ASSERT_EQ(other[i + 1], b[i + 1]) << i;
+    } else {
+      ASSERT_EQ(other[i], 0xAB) << i;
+      ++kept;
+    }
+  }
+  EXPECT_GT(kept, a.size() / 2 * 9 / 10);
+  EXPECT_GT(changes.log_bytes(), 0u);
+}
+
+TEST(EncodePatchesWithChanges, BadArgumentsSayWhat) {
+  Bytes a(16, 1), c(8, 1);
+  std::vector<EncodeInput> inputs = {{DType::kU8, a, a}};
+  EXPECT_EQ(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EncodedChanges changes;
+  ASSERT_TRUE(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes).ok());
+  const absl::Status size = changes.ApplyTo(0, c, a);
+  EXPECT_EQ(size.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(size.message().find("encoded with 16 bytes"), std::string::npos) << size;
+  EXPECT_EQ(changes.ApplyTo(1, a, a).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(EncodedChanges().ApplyTo(0, a, a).code(), absl::StatusCode::kOutOfRange);
 }
 
 }  // namespace

@@ -88,7 +88,10 @@ struct Encoded {
     std::shared_ptr<const std::vector<uint8_t>> base;  // the previous version's buffer
     std::span<const uint8_t> target;                   // the caller's bytes (valid in Publish)
     std::shared_ptr<const std::vector<uint8_t>> owned;  // TensorInput::owned holding target
-    uint64_t base_digest_v2 = 0;  // the previous version's v2 digest
+    // The pass's change log of this tensor (input `index` of its batch): the in-place update
+    // writes only the changed elements from it, without decoding the patch.
+    std::shared_ptr<const EncodedChanges> changes;
+    size_t index = 0;
   };
   std::vector<Pending> pending;
 };
@@ -277,7 +280,9 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
   for (size_t k : ks) enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
   std::vector<PatchStats> stats;
   std::vector<uint64_t> digests;
-  auto encoded = EncodePatchesWithDigests(enc, CodecOptionsOf(options), &stats, &digests);
+  auto changes = std::make_shared<EncodedChanges>();
+  auto encoded =
+      EncodePatchesWithChanges(enc, CodecOptionsOf(options), &stats, &digests, changes.get());
   if (!encoded.ok()) {
     return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
                                             encoded.status().message()));
@@ -294,10 +299,12 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
       continue;
     }
     t.digest = digests[j];
+    // The scan's delta: the v2 digest is known before any byte of the baseline changes.
+    t.digest_v2 = changes->DigestV2DeltaOf(j).ApplyTo(p->digest_v2, enc[j].target.size());
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
     out->changed[k] = stats[j].changed_elements;
     const TensorInput& in = inputs[order[k]];
-    out->pending.push_back({k, p->bytes, in.data, in.owned, p->digest_v2});
+    out->pending.push_back({k, p->bytes, in.data, in.owned, changes, j});
   }
   return absl::OkStatus();
 }
@@ -361,14 +368,10 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
 constexpr long kSoleBaselineOwners = 2;
 
 // CPU one pass, before the commit (outside the core's lock): changed tensors whose baseline
-// buffer something else already references get a new buffer now (copy-on-write).
-// A copied tensor's v2 digest: the previous one plus the delta of its patch, decoded against
-// the previous bytes (reads only the changed words); a full digest should the patch not decode.
+// buffer something else already references get a new buffer now (copy-on-write). Their v2
+// digests came from the pass (EncodeBatch).
 void CopyPending(const Encoded::Pending& u, Encoded* enc, PublishSummary* sum) {
-  BaselineTensor& t = enc->next[u.k];
-  t.bytes = OwnBytes(u.target, u.owned);
-  auto d = DigestV2DeltaOfPatch(*enc->patches[u.k], t.dtype, *u.base, 1);
-  t.digest_v2 = d.ok() ? d->ApplyTo(u.base_digest_v2, t.bytes->size()) : TensorDigestV2(*t.bytes, 1);
+  enc->next[u.k].bytes = OwnBytes(u.target, u.owned);
   ++sum->baseline_copied_tensors;
 }
 
@@ -384,9 +387,8 @@ void CopySharedPending(Encoded* enc, PublishSummary* sum) {
 // CPU one pass, at the commit. Must run with the core's mu_ held exclusively, before the new
 // baseline is installed: references to baseline buffers are only taken from the baseline under
 // that lock, so a buffer nothing else references now stays unreferenced while it is patched.
-// Such a buffer gets the tensor's new patch applied in place (O(changed)), which also yields the
-// delta of its v2 digest (ApplyPatchDigestV2: no second decode, no read of unchanged words); the
-// others are copied from the caller's bytes.
+// Such a buffer gets the pass's logged changes written in place (O(changed): no decode, no
+// read of unchanged words); the others are copied from the caller's bytes.
 void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   const auto start = Clock::now();
   std::vector<Encoded::Pending*> in_place;
@@ -404,17 +406,13 @@ void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
       Encoded::Pending& u = *in_place[i];
-      BaselineTensor& t = enc->next[u.k];
       // Baseline buffers are non-const vectors (OwnBytes, the GPU download, LoadPersisted); only
       // their elements change, never their size.
       std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
-      auto d = ApplyPatchDigestV2(*enc->patches[u.k], t.dtype, buf, buf, 1);
-      if (d.ok()) {
-        t.digest_v2 = d->ApplyTo(u.base_digest_v2, buf.size());
-      } else {
-        // Our own patch never fails; should it, the caller's bytes are the new version.
+      if (!u.changes->ApplyTo(u.index, buf, u.target).ok()) {
+        // The log is the pass's own and sized by it; should it not fit, the caller's bytes are
+        // the new version (whose v2 digest the pass computed from those bytes).
         std::memcpy(buf.data(), u.target.data(), buf.size());
-        t.digest_v2 = TensorDigestV2(buf, 1);
       }
     }
   });
