@@ -1309,29 +1309,17 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   CopySharedPending(&enc, &sum);
 
   RecordNumbered(version);
+  for (size_t k = 0; k < enc.next.size(); ++k) updates[k].digest_v2 = enc.next[k].digest_v2;
   uint64_t lineage = 0;
   LiveEnds live_ends;
-  {
-    absl::MutexLock lock(&mu_);
-    lineage = lineage_;
-    // The in-place update yields the changed tensors' v2 digests, which the history records.
-    // history_.Add only fails on inputs ValidateInputs and the encoder already guarantee.
-    UpdateBaselineBytes(&enc, options_.encode_threads, &sum);
-    for (size_t k = 0; k < enc.next.size(); ++k) updates[k].digest_v2 = enc.next[k].digest_v2;
-    auto vdigest = history_.Add(version, std::move(updates));
-    if (!vdigest.ok()) {
-      return absl::Status(absl::StatusCode::kInternal,
-                          absl::StrCat(where, ": ", vdigest.status().message()));
-    }
-    sum.version_digest = *vdigest;
-    SetNewestLocked(version, sum);
-    baseline_ = enc.next;
-    if (live != nullptr) live_ends = LiveEndsLocked(prev_version, version, sum);
-    if (options_.device != nullptr) gpu_baseline_ = std::move(enc.gpu);
-    RecordCountsLocked(std::move(counts));
-  }
+  RETURN_IF_ERROR(RecordInHistory(version, prev_version, std::move(updates), live != nullptr,
+                                  where, &sum, &lineage, &live_ends));
+  // The streamed version's End goes out before the baseline update: a subscriber's refit does
+  // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2));
+  InstallVersion(version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); },
+                 enc.next, enc.gpu, std::move(counts), sum);
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
   if (record.has_value()) {
@@ -1547,6 +1535,36 @@ absl::Status PublisherCore::CheckPublishable(uint64_t version, uint64_t prev_ver
   RETURN_IF_ERROR(ValidateInputs(given, where, specs, order));
   return publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
                                       GuardTensorsOf(*specs), allow_degenerate, where);
+}
+
+absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_version,
+                                            std::vector<sync::TensorUpdate> updates, bool live,
+                                            const std::string& where, PublishSummary* sum,
+                                            uint64_t* lineage, LiveEnds* live_ends) {
+  absl::MutexLock lock(&mu_);
+  *lineage = lineage_;
+  // history_.Add only fails on inputs ValidateInputs and the encoder already guarantee.
+  auto vdigest = history_.Add(version, std::move(updates));
+  if (!vdigest.ok()) {
+    return absl::Status(absl::StatusCode::kInternal,
+                        absl::StrCat(where, ": ", vdigest.status().message()));
+  }
+  sum->version_digest = *vdigest;
+  if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
+  return absl::OkStatus();
+}
+
+void PublisherCore::InstallVersion(
+    uint64_t version, absl::FunctionRef<void()> update_baseline,
+    std::vector<BaselineTensor>& next,
+    std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu, VersionCounts counts,
+    const PublishSummary& sum) {
+  absl::MutexLock lock(&mu_);
+  update_baseline();
+  SetNewestLocked(version, sum);
+  baseline_ = std::move(next);
+  if (options_.device != nullptr) gpu_baseline_ = std::move(gpu);
+  RecordCountsLocked(std::move(counts));
 }
 
 void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -422,6 +423,20 @@ class PublisherCore {
   };
   LiveEnds LiveEndsLocked(uint64_t prev_version, uint64_t version, const PublishSummary& sum) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Publish's commit, in two steps under mu_. First the version's digests go into the history
+  // (its version digest into `sum`) and, with a live version, its Ends are made; the newest
+  // version and the baseline stay the previous ones, so nothing can ask for the new version's
+  // bytes yet. Then, once the End is out, InstallVersion brings the baseline buffers up to date
+  // (update_baseline: in place or copied, filling `next`'s buffers and `sum`'s update figures)
+  // and installs them with the newest version, together.
+  absl::Status RecordInHistory(uint64_t version, uint64_t prev_version,
+                               std::vector<sync::TensorUpdate> updates, bool live,
+                               const std::string& where, PublishSummary* sum, uint64_t* lineage,
+                               LiveEnds* live_ends) ABSL_LOCKS_EXCLUDED(mu_);
+  void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
+                      std::vector<BaselineTensor>& next,
+                      std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,
+                      VersionCounts counts, const PublishSummary& sum) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::VersionEnd> LiveEndLocked(uint64_t prev_version, uint64_t version,
                                                const PublishSummary& sum,
                                                sync::DigestFormat format) const
