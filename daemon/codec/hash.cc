@@ -1,5 +1,6 @@
 #include "daemon/codec/hash.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -36,6 +37,33 @@ uint64_t TensorDigest(std::span<const uint8_t> data, int threads) {
     }
   });
   return CombineChunkHashes(hashes, n);
+}
+
+std::vector<uint64_t> TensorDigests(std::span<const std::span<const uint8_t>> tensors,
+                                    int threads) {
+  std::vector<size_t> first(tensors.size() + 1, 0);  // tensor t's chunks: [first[t], first[t+1])
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    first[t + 1] = first[t] + (tensors[t].size() + kDigestChunkBytes - 1) / kDigestChunkBytes;
+  }
+  std::vector<uint64_t> hashes(first.back());
+  ParallelFor(hashes.size(), threads, 4, [&](size_t b, size_t e) {
+    size_t t = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    for (size_t c = b; c < e; ++c) {
+      while (c >= first[t + 1]) ++t;
+      const uint64_t i = c - first[t];
+      const uint64_t off = i * kDigestChunkBytes;
+      hashes[c] = Hash64(tensors[t].subspan(off, std::min<uint64_t>(kDigestChunkBytes,
+                                                                    tensors[t].size() - off)),
+                         i);
+    }
+  });
+  std::vector<uint64_t> out(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    out[t] = CombineChunkHashes(
+        std::span<const uint64_t>(hashes.data() + first[t], first[t + 1] - first[t]),
+        tensors[t].size());
+  }
+  return out;
 }
 
 }  // namespace refit

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace refit {
 
@@ -17,6 +18,10 @@ uint64_t CombineChunkHashes(std::span<const uint64_t> chunk_hashes, uint64_t tot
 // Full-tensor digest of `data`, computed on the fixed chunk grid with up to `threads` threads
 // (0 = all hardware threads). The CUDA digest kernel returns the same value.
 uint64_t TensorDigest(std::span<const uint8_t> data, int threads = 0);
+// TensorDigest of each of `tensors`, their chunks spread over up to `threads` threads together
+// (many small tensors and a few large ones share the threads evenly).
+std::vector<uint64_t> TensorDigests(std::span<const std::span<const uint8_t>> tensors,
+                                    int threads = 0);
 
 }  // namespace refit
 

@@ -81,5 +81,23 @@ TEST(TensorDigest, EmptyAndTinyTensorsDiffer) {
   EXPECT_NE(TensorDigest(one), TensorDigest(two));
 }
 
+// TensorDigests: each tensor's TensorDigest, for empty, tiny and multi-chunk tensors mixed, at
+// any thread count.
+TEST(TensorDigests, EqualTensorDigestOfEach) {
+  std::vector<std::vector<uint8_t>> data;
+  const size_t sizes[] = {0, 1, 5000, 2 * format::kDigestChunkBytes + 3, 0,
+                          format::kDigestChunkBytes, 77, 5 * format::kDigestChunkBytes};
+  for (size_t i = 0; i < std::size(sizes); ++i) data.push_back(RandomBytes(sizes[i], 100 + i));
+  std::vector<std::span<const uint8_t>> spans(data.begin(), data.end());
+  for (int threads : {1, 2, 3, 8}) {
+    const std::vector<uint64_t> got = TensorDigests(spans, threads);
+    ASSERT_EQ(got.size(), data.size());
+    for (size_t i = 0; i < data.size(); ++i) {
+      EXPECT_EQ(got[i], TensorDigest(data[i], 1)) << "tensor " << i << " threads " << threads;
+    }
+  }
+  EXPECT_TRUE(TensorDigests({}, 2).empty());
+}
+
 }  // namespace
 }  // namespace refit

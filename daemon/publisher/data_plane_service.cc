@@ -920,7 +920,7 @@ absl::StatusOr<std::optional<v1::VersionEnd>> DataPlaneService::SendStreamed(
   {
     absl::MutexLock lock(&mu_);
     auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return session->ended || live.state() != LiveVersion::State::kEncoding;
+      return session->ended || live.settled(session->digest_format);
     };
     mu_.Await(absl::Condition(&settled));
     if (session->ended) return session->end_status;

@@ -44,12 +44,42 @@ void LiveVersion::Commit(v1::VersionEnd end, std::optional<v1::VersionEnd> end_v
     if (state() != State::kEncoding) return;
     end_ = std::move(end);
     end_v2_ = std::move(end_v2);
+    v1_.store(kV1Ready, std::memory_order_release);
     state_.store(static_cast<int>(State::kCommitted), std::memory_order_release);
   }
   if (on_change_) on_change_();
 }
 
+void LiveVersion::CommitV2First(v1::VersionEnd end_v2) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (state() != State::kEncoding) return;
+    end_v2_ = std::move(end_v2);
+    state_.store(static_cast<int>(State::kCommitted), std::memory_order_release);
+  }
+  if (on_change_) on_change_();
+}
+
+void LiveVersion::CompleteV1(absl::StatusOr<v1::VersionEnd> end) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (state() != State::kCommitted || v1_.load(std::memory_order_relaxed) != kV1Pending) return;
+    if (end.ok()) {
+      end_ = *std::move(end);
+      v1_.store(kV1Ready, std::memory_order_release);
+    } else {
+      v1_failure_ = end.status();
+      v1_.store(kV1Failed, std::memory_order_release);
+    }
+  }
+  if (on_change_) on_change_();
+}
+
 void LiveVersion::Fail(absl::Status why) {
+  if (state() == State::kCommitted) {
+    CompleteV1(std::move(why));  // a v2-first commit whose v1 End will not come
+    return;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (state() != State::kEncoding) return;
@@ -57,6 +87,18 @@ void LiveVersion::Fail(absl::Status why) {
     state_.store(static_cast<int>(State::kFailed), std::memory_order_release);
   }
   if (on_change_) on_change_();
+}
+
+bool LiveVersion::settled(sync::DigestFormat format) const {
+  switch (state()) {
+    case State::kEncoding:
+      return false;
+    case State::kFailed:
+      return true;
+    case State::kCommitted:
+      break;
+  }
+  return format == sync::DigestFormat::kV2 || v1_.load(std::memory_order_acquire) != kV1Pending;
 }
 
 LiveVersion::Object LiveVersion::object(size_t j) const { return objects_[j]; }
@@ -68,7 +110,17 @@ absl::Status LiveVersion::failure() const {
 
 absl::StatusOr<v1::VersionEnd> LiveVersion::end(sync::DigestFormat format) const {
   absl::MutexLock lock(&mu_);
-  if (format != sync::DigestFormat::kV2) return end_;
+  if (format != sync::DigestFormat::kV2) {
+    switch (v1_.load(std::memory_order_relaxed)) {
+      case kV1Ready:
+        return end_;
+      case kV1Failed:
+        return v1_failure_;
+      default:
+        return absl::UnavailableError(absl::StrCat("streamed version ", version(),
+                                                   ": its v1 End is not made yet"));
+    }
+  }
   if (!end_v2_.has_value()) {
     return absl::NotFoundError(absl::StrCat("streamed version ", version(),
                                             " has no tensor digests v2"));

@@ -67,15 +67,25 @@ class LiveVersion {
   // counts and timings (frames and wire bytes are the sender's), in tensor digest v1; `end_v2`
   // the same in v2 (absent when the version has no v2 digests: v2 sessions then abort).
   void Commit(v1::VersionEnd end, std::optional<v1::VersionEnd> end_v2);
-  // The publish failed: sessions streaming it send VersionAbort(`why`). No-op once committed.
+  // The version is committed in v2 first (the publisher computes the v1 digests after the v2
+  // End is out, PublisherCore "v1 after the End"): v2 sessions end now, v1 sessions wait for
+  // CompleteV1 (an error: they abort with it). CompleteV1 is a no-op unless v1 is pending.
+  void CommitV2First(v1::VersionEnd end_v2);
+  void CompleteV1(absl::StatusOr<v1::VersionEnd> end);
+  // The publish failed: sessions streaming it send VersionAbort(`why`). Once committed, only a
+  // pending v1 End fails (CompleteV1(why)); otherwise a no-op.
   void Fail(absl::Status why);
+  // A session in `format` can end its streamed version now: the publish failed, or it is
+  // committed with that format's End (or its absence) known.
+  bool settled(sync::DigestFormat format) const;
 
   State state() const { return static_cast<State>(state_.load(std::memory_order_acquire)); }
   // Objects ready so far (in the order they became ready); object(j) for j < ready_objects().
   size_t ready_objects() const { return ready_.load(std::memory_order_acquire); }
   Object object(size_t j) const;
   absl::Status failure() const;
-  // Commit's argument in `format` (state() == kCommitted); NotFound for v2 without v2 digests.
+  // Commit's argument in `format` (state() == kCommitted); NotFound for v2 without v2 digests;
+  // for v1 after CommitV2First, Unavailable until CompleteV1 (then its error, if any).
   absl::StatusOr<v1::VersionEnd> end(sync::DigestFormat format) const;
 
  private:
@@ -94,6 +104,9 @@ class LiveVersion {
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   v1::VersionEnd end_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::VersionEnd> end_v2_ ABSL_GUARDED_BY(mu_);
+  static constexpr int kV1Pending = 0, kV1Ready = 1, kV1Failed = 2;
+  std::atomic<int> v1_{kV1Pending};  // written under mu_
+  absl::Status v1_failure_ ABSL_GUARDED_BY(mu_);
 };
 
 // One session's frames of a LiveVersion: every object cut into chunks of frame_bytes (LZ4 for

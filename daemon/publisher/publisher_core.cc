@@ -79,6 +79,8 @@ struct Encoded {
   std::vector<bool> unchanged;              // same spec and bytes as the previous version
   std::vector<sync::PatchBytes> patches;    // null: unchanged or keyframe
   std::vector<uint64_t> changed;            // encoder's changed elements (patched tensors)
+  // StreamPass::defer_v1: patched tensors whose v1 digest is not computed yet (digest 0).
+  std::vector<bool> v1_pending;
   // GPU encoding: the GPU baseline of `next` (every tensor that has one), by name.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu;
   // CPU one pass: changed tensors whose next[k].bytes is still null. Each becomes its previous
@@ -101,6 +103,7 @@ void ResizeEncoded(size_t n, Encoded* out) {
   out->unchanged.assign(n, false);
   out->patches.assign(n, nullptr);
   out->changed.assign(n, 0);
+  out->v1_pending.assign(n, false);
 }
 
 bool SameSpecAs(const BaselineTensor* p, const v1::TensorSpec& spec) {
@@ -268,6 +271,8 @@ struct StreamPass {
   LiveVersion* live = nullptr;  // null: not streamed
   uint64_t batch_bytes = 0;     // 0: one batch
   const std::function<absl::Status(size_t, size_t)>* hook = nullptr;
+  // The changed tensors' v1 digests are left to after the v2 End (Encoded::v1_pending).
+  bool defer_v1 = false;
 };
 
 // CPU one pass, one batch: the tensors `ks` (name-order indices, each with a base) compared,
@@ -275,14 +280,15 @@ struct StreamPass {
 absl::Status EncodeBatch(const PublisherOptions& options, std::span<const TensorInput> inputs,
                          const std::vector<size_t>& order,
                          const std::vector<const BaselineTensor*>& bases,
-                         std::span<const size_t> ks, const std::string& where, Encoded* out) {
+                         std::span<const size_t> ks, const std::string& where, bool defer_v1,
+                         Encoded* out) {
   std::vector<EncodeInput> enc;
   for (size_t k : ks) enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
   std::vector<PatchStats> stats;
   std::vector<uint64_t> digests;
   auto changes = std::make_shared<EncodedChanges>();
-  auto encoded =
-      EncodePatchesWithChanges(enc, CodecOptionsOf(options), &stats, &digests, changes.get());
+  auto encoded = EncodePatchesWithChanges(enc, CodecOptionsOf(options), &stats,
+                                          defer_v1 ? nullptr : &digests, changes.get());
   if (!encoded.ok()) {
     return absl::InternalError(absl::StrCat(where, ": encoding failed: ",
                                             encoded.status().message()));
@@ -298,7 +304,8 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
       out->unchanged[k] = true;
       continue;
     }
-    t.digest = digests[j];
+    t.digest = defer_v1 ? 0 : digests[j];
+    out->v1_pending[k] = defer_v1;
     // The scan's delta: the v2 digest is known before any byte of the baseline changes.
     t.digest_v2 = changes->DigestV2DeltaOf(j).ApplyTo(p->digest_v2, enc[j].target.size());
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
@@ -352,7 +359,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
       RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
     }
     const std::span<const size_t> batch(ks.data() + b, e - b);
-    RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, out));
+    RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, stream.defer_v1, out));
     for (size_t k : batch) {
       if (stream.live == nullptr) break;
       stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);
@@ -743,6 +750,7 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
     sync::TensorUpdate u;
     u.spec = t.spec;
     u.digest = t.digest;
+    u.digest_pending = enc.v1_pending[k];
     u.patch = enc.patches[k];
     updates->push_back(std::move(u));
   }
@@ -798,14 +806,43 @@ absl::Status EncodeVersion(
 
 // Publish, after the commit: streamed sessions send VersionEnd; without an end (the history
 // could not plan it) they abort and the committed path serves the version.
+// `v1_pending`: the v1 End comes later (StreamPass::defer_v1), so v2 sessions end now.
 void SettleLive(LiveVersion* live, absl::StatusOr<v1::VersionEnd> end,
-                std::optional<v1::VersionEnd> end_v2) {
+                std::optional<v1::VersionEnd> end_v2, bool v1_pending) {
   if (live == nullptr) return;
   if (end.ok()) {
     live->Commit(*std::move(end), std::move(end_v2));
+  } else if (v1_pending && end_v2.has_value()) {
+    live->CommitV2First(*std::move(end_v2));
   } else {
     live->Fail(end.status());
   }
+}
+
+// StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
+// caller's bytes (valid until Publish returns), into enc->next and the log record. Returns every
+// tensor's v1 digest in name order.
+std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<LogRecord>* record,
+                                     PublishSummary* sum) {
+  const auto start = Clock::now();
+  std::vector<size_t> ks;
+  std::vector<std::span<const uint8_t>> targets;
+  for (const Encoded::Pending& u : enc->pending) {
+    if (!enc->v1_pending[u.k]) continue;
+    ks.push_back(u.k);
+    targets.push_back(u.target);
+  }
+  const std::vector<uint64_t> d = TensorDigests(targets, threads);
+  for (size_t i = 0; i < ks.size(); ++i) {
+    enc->next[ks[i]].digest = d[i];
+    enc->v1_pending[ks[i]] = false;
+    if (record->has_value()) (*record)->tensors[ks[i]].digest = d[i];
+  }
+  std::vector<uint64_t> all;
+  all.reserve(enc->next.size());
+  for (const BaselineTensor& t : enc->next) all.push_back(t.digest);
+  sum->digest_micros += MicrosSince(start);
+  return all;
 }
 
 // The guard's view of a version: names and byte sizes.
@@ -1032,7 +1069,7 @@ absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogRepla
       history_.Clear();
       const std::vector<BaselineTensor> base = Baseline();
       std::vector<sync::TensorUpdate> updates;
-      for (const BaselineTensor& t : base) updates.push_back({t.spec, t.digest, t.digest_v2, nullptr});
+      for (const BaselineTensor& t : base) updates.push_back({t.spec, t.digest, false, t.digest_v2, nullptr});
       if (absl::Status st = history_.Add(base_version, std::move(updates)).status(); !st.ok()) {
         Logger("persist")->error("re-recording the baseline of version {}: {}", base_version,
                                  st.ToString());
@@ -1288,7 +1325,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   absl::Cleanup fail_live = [&] {
     if (live != nullptr) live->Fail(absl::AbortedError(absl::StrCat(where, " failed")));
   };
-  const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook};
+  const bool defer_v1 = live != nullptr && options_.v1_after_end &&
+                        live->base_version_digest(sync::DigestFormat::kV2) != 0;
+  const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
+                          defer_v1};
   Encoded enc;
   RETURN_IF_ERROR(EncodeVersion(options_, given, order, specs, prev, where, &gpu_baseline_,
                                 stream, &enc, &sum));
@@ -1317,7 +1357,13 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   // The streamed version's End goes out before the baseline update: a subscriber's refit does
   // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
-  SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2));
+  const bool v1_pending =
+      std::find(enc.v1_pending.begin(), enc.v1_pending.end(), true) != enc.v1_pending.end();
+  SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
+  if (v1_pending) {
+    const std::vector<uint64_t> v1 = FillDeferredV1(&enc, options_.digest_threads, &record, &sum);
+    RETURN_IF_ERROR(RecordV1(version, prev_version, v1, live.get(), &sum));
+  }
   InstallVersion(version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); },
                  enc.next, enc.gpu, std::move(counts), sum);
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
@@ -1552,6 +1598,30 @@ absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_vers
   sum->version_digest = *vdigest;
   if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
   return absl::OkStatus();
+}
+
+absl::Status PublisherCore::RecordV1(uint64_t version, uint64_t prev_version,
+                                     const std::vector<uint64_t>& digests, LiveVersion* live,
+                                     PublishSummary* sum) {
+  absl::StatusOr<v1::VersionEnd> end = absl::UnknownError("no live version");
+  absl::Status st;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto vdigest = history_.CompleteV1Digests(version, digests);
+    if (vdigest.ok()) {
+      sum->version_digest = *vdigest;
+      if (live != nullptr) end = LiveEndLocked(prev_version, version, *sum, sync::DigestFormat::kV1);
+    } else {
+      // Cannot happen (one digest per tensor, of the bytes the pass encoded).
+      st = absl::Status(absl::StatusCode::kInternal,
+                        absl::StrCat("publish version ", version, ": recording the v1 digests: ",
+                                     vdigest.status().message()));
+      end = st;
+    }
+  }
+  // Outside mu_: the live version's listener takes the service's lock.
+  if (live != nullptr) live->CompleteV1(std::move(end));
+  return st;
 }
 
 void PublisherCore::InstallVersion(

@@ -112,6 +112,11 @@ struct PublisherOptions {
   // the live version as soon as the batch is done (0: one batch, i.e. nothing leaves before the
   // whole pass).
   uint64_t stream_batch_bytes = 16ull << 20;
+  // Streamed versions (on a base with v2 digests): the pass leaves the changed tensors' v1
+  // digests out (about a third of its work) and computes them from the caller's bytes once the
+  // v2 End is out: v2 sessions end without waiting for them, v1 sessions get their End after.
+  // false: v1 in the pass, one End for both (what publish_bench compares against).
+  bool v1_after_end = true;
   // Test gate: called on the publishing thread before each batch of a streamed pass with the
   // name-order indices [first, end) of its tensors (it may block); an error fails the publish
   // there (fault injection). Null: none.
@@ -433,6 +438,12 @@ class PublisherCore {
                                std::vector<sync::TensorUpdate> updates, bool live,
                                const std::string& where, PublishSummary* sum, uint64_t* lineage,
                                LiveEnds* live_ends) ABSL_LOCKS_EXCLUDED(mu_);
+  // With StreamPass::defer_v1, after the v2 End: `digests` (every tensor's v1 digest, name
+  // order) completes the history's record, the version digest goes into `sum`, and the live
+  // version's v1 sessions get their End (or `live` fails for them).
+  absl::Status RecordV1(uint64_t version, uint64_t prev_version,
+                        const std::vector<uint64_t>& digests, LiveVersion* live,
+                        PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
                       std::vector<BaselineTensor>& next,
                       std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,

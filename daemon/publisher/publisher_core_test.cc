@@ -976,7 +976,7 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   EXPECT_EQ(h.tensors(3).delivery(), v1::DELIVERY_KEYFRAME);
   EXPECT_EQ(batches.size(), 2u) << "a and b, one batch each";
   ASSERT_EQ(live.ready_objects(), 4u);
-  EXPECT_EQ(changes, 5) << "four tensors ready, then the commit";
+  EXPECT_EQ(changes, 6) << "four tensors ready, the commit in v2, then the v1 End";
   // The committed path's VersionEnd of 1 -> 2 has the same digests.
   auto t = (*core)->MakeTransfer(1, *(*core)->VersionDigestOf(1));
   ASSERT_TRUE(t.ok()) << t.status();
@@ -1026,6 +1026,127 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
 
 // A publish failing after its live version opened (here at the last batch) marks it failed;
 // nothing is committed and the next publish of the same number streams again.
+// v1 after the End (PublisherOptions::v1_after_end, the default): the live version is
+// committed in v2 while its v1 End is still unknown (v1 sessions not settled, the history
+// without v1 digests of the version, the baseline still the previous version), then the v1
+// End follows; every digest equals a core that computes v1 in the pass.
+TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
+  PublisherOptions late_opts, early_opts;
+  early_opts.v1_after_end = false;
+  auto late = PublisherCore::Open(late_opts);
+  auto early = PublisherCore::Open(early_opts);
+  ASSERT_TRUE(late.ok() && early.ok());
+  std::vector<std::shared_ptr<const LiveVersion>> opened, opened_early;
+  struct Seen {
+    bool v2_settled, v1_settled;
+    absl::StatusCode v1_end, history_v1;
+    uint64_t newest;
+  };
+  std::vector<Seen> seen;
+  PublisherCore* core = late->get();
+  (*late)->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); },
+                           [&] {
+                             if (opened.empty() || opened.back()->state() !=
+                                                       LiveVersion::State::kCommitted) {
+                               return;
+                             }
+                             const LiveVersion& l = *opened.back();
+                             seen.push_back({l.settled(sync::DigestFormat::kV2),
+                                             l.settled(sync::DigestFormat::kV1),
+                                             l.end(sync::DigestFormat::kV1).status().code(),
+                                             core->VersionDigestOf(l.version()).status().code(),
+                                             core->newest_version()});
+                           });
+  (*early)->SetLiveListener(
+      [&](std::shared_ptr<const LiveVersion> l) { opened_early.push_back(l); }, [] {});
+  std::mt19937_64 rng(9);
+  Model m;
+  m["a"] = RandomTensor(DType::kBF16, {5000}, rng);
+  m["b"] = RandomTensor(DType::kF32, {700}, rng);
+  m["c"] = RandomTensor(DType::kBF16, {64}, rng);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    if (v > 1) {
+      Mutate(m["a"], 0.02, rng);
+      if (v % 2 == 0) Mutate(m["b"], 0.5, rng);
+    }
+    seen.clear();
+    auto a = (*late)->Publish(v, Inputs(m));
+    auto b = (*early)->Publish(v, Inputs(m));
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    EXPECT_EQ(a->version_digest, b->version_digest) << "version " << v;
+    EXPECT_EQ(*(*late)->VersionDigestOf(v), *(*early)->VersionDigestOf(v));
+    EXPECT_EQ(*(*late)->VersionDigestOf(v, sync::DigestFormat::kV2),
+              *(*early)->VersionDigestOf(v, sync::DigestFormat::kV2));
+    if (v == 1) continue;
+    ASSERT_EQ(opened.size(), v - 1);
+    ASSERT_EQ(seen.size(), 2u) << "the v2 commit, then the v1 End";
+    EXPECT_TRUE(seen[0].v2_settled);
+    EXPECT_FALSE(seen[0].v1_settled);
+    EXPECT_EQ(seen[0].v1_end, absl::StatusCode::kUnavailable);
+    EXPECT_EQ(seen[0].history_v1, absl::StatusCode::kNotFound);
+    EXPECT_EQ(seen[0].newest, v - 1) << "the new baseline is installed after the Ends";
+    EXPECT_TRUE(seen[1].v1_settled);
+    EXPECT_EQ(seen[1].v1_end, absl::StatusCode::kOk);
+    for (auto f : {sync::DigestFormat::kV1, sync::DigestFormat::kV2}) {
+      auto got = opened.back()->end(f);
+      auto want = opened_early.back()->end(f);
+      ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+      EXPECT_EQ(got->version_digest(), want->version_digest());
+      EXPECT_TRUE(std::equal(got->digests().begin(), got->digests().end(),
+                             want->digests().begin(), want->digests().end()));
+    }
+  }
+  const std::vector<BaselineTensor> ba = (*late)->Baseline(), bb = (*early)->Baseline();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (size_t i = 0; i < ba.size(); ++i) {
+    EXPECT_TRUE(*ba[i].bytes == *bb[i].bytes) << ba[i].spec.name();
+    EXPECT_EQ(ba[i].digest, bb[i].digest) << ba[i].spec.name();
+    EXPECT_EQ(ba[i].digest_v2, bb[i].digest_v2) << ba[i].spec.name();
+  }
+}
+
+// LiveVersion's two-step commit: v2 sessions settle at CommitV2First, v1 sessions at
+// CompleteV1 (its End, or its error); Fail after a v2 commit fails only the v1 End.
+TEST(LiveVersionTest, CommitV2FirstThenV1) {
+  v1::VersionHeader h;
+  h.set_version(7);
+  int changes = 0;
+  v1::VersionEnd e1, e2;
+  e1.set_version_digest(11);
+  e2.set_version_digest(22);
+  {
+    LiveVersion live(h, 0, [&] { ++changes; });
+    EXPECT_FALSE(live.settled(sync::DigestFormat::kV2));
+    live.CommitV2First(e2);
+    EXPECT_EQ(live.state(), LiveVersion::State::kCommitted);
+    EXPECT_TRUE(live.settled(sync::DigestFormat::kV2));
+    EXPECT_FALSE(live.settled(sync::DigestFormat::kV1));
+    EXPECT_EQ(live.end(sync::DigestFormat::kV2)->version_digest(), 22u);
+    EXPECT_EQ(live.end(sync::DigestFormat::kV1).status().code(), absl::StatusCode::kUnavailable);
+    live.CompleteV1(e1);
+    EXPECT_TRUE(live.settled(sync::DigestFormat::kV1));
+    EXPECT_EQ(live.end(sync::DigestFormat::kV1)->version_digest(), 11u);
+    live.CompleteV1(absl::InternalError("late"));  // no-op once ready
+    EXPECT_TRUE(live.end(sync::DigestFormat::kV1).ok());
+    EXPECT_EQ(changes, 2);
+  }
+  {
+    LiveVersion live(h, 0, [] {});
+    live.CommitV2First(e2);
+    live.Fail(absl::AbortedError("publish failed"));
+    EXPECT_EQ(live.state(), LiveVersion::State::kCommitted);
+    EXPECT_TRUE(live.settled(sync::DigestFormat::kV1));
+    EXPECT_EQ(live.end(sync::DigestFormat::kV1).status().code(), absl::StatusCode::kAborted);
+    EXPECT_TRUE(live.end(sync::DigestFormat::kV2).ok());
+  }
+  {
+    LiveVersion live(h, 0, [] {});
+    live.Commit(e1, e2);
+    EXPECT_TRUE(live.settled(sync::DigestFormat::kV1));
+    EXPECT_EQ(live.end(sync::DigestFormat::kV1)->version_digest(), 11u);
+  }
+}
+
 TEST(LiveVersionTest, FailureAfterFramesMarksTheLiveVersionFailed) {
   PublisherOptions opts;
   opts.stream_batch_bytes = 1;

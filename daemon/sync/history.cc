@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::sync {
@@ -76,6 +77,7 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   std::vector<uint64_t> digests;
   std::vector<uint64_t> digests_v2;
   bool all_v2 = true;
+  bool v1_pending = false;
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -83,7 +85,8 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   });
   for (size_t i : order) {
     manifest.push_back(tensors[i].spec);
-    digests.push_back(tensors[i].digest);
+    digests.push_back(tensors[i].digest_pending ? 0 : tensors[i].digest);
+    v1_pending = v1_pending || tensors[i].digest_pending;
     all_v2 = all_v2 && tensors[i].digest_v2.has_value();
     digests_v2.push_back(tensors[i].digest_v2.value_or(0));
   }
@@ -103,21 +106,23 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   Record rec;
   rec.version = version;
   rec.base_version = prev != nullptr ? prev->version : 0;
-  rec.version_digest = *vdigest;
+  rec.version_digest = v1_pending ? 0 : *vdigest;
+  rec.v1_pending = v1_pending;
   // The v2 version digest: the same function over the v2 tensor digests (manifest validated).
   if (all_v2) rec.version_digest_v2 = *VersionDigest(manifest, digests_v2);
   for (size_t k = 0; k < order.size(); ++k) {
     TensorUpdate& u = tensors[order[k]];
     TensorEntry e;
     e.spec = std::move(u.spec);
-    e.digest = u.digest;
+    e.digest = u.digest_pending ? 0 : u.digest;
+    e.digest_pending = u.digest_pending;
     e.digest_v2 = u.digest_v2;
     e.tensor_bytes = *TensorByteSize(e.spec);  // validated above
     const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
     const bool same = p != nullptr && SameSpec(p->spec, e.spec);
     const std::string where =
         absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
-    if (same && p->digest == e.digest) {
+    if (same && !e.digest_pending && !p->digest_pending && p->digest == e.digest) {
       e.kind = TensorEntry::kUnchanged;
     } else if (u.patch) {
       if (!same) {
@@ -145,9 +150,48 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   }
   rec.bytes = RecordBytes(rec);
   bytes_ += rec.bytes;
+  const uint64_t out = rec.version_digest;
   records_.push_back(std::move(rec));
   Evict();
-  return *vdigest;
+  return out;
+}
+
+absl::StatusOr<uint64_t> PatchHistory::CompleteV1Digests(uint64_t version,
+                                                         const std::vector<uint64_t>& digests) {
+  absl::MutexLock lock(&mu_);
+  auto it = std::lower_bound(records_.begin(), records_.end(), version,
+                             [](const Record& r, uint64_t v) { return r.version < v; });
+  if (it == records_.end() || it->version != version) {
+    return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history"));
+  }
+  Record& r = *it;
+  if (!r.v1_pending) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("version ", version, " has no pending v1 digests"));
+  }
+  if (digests.size() != r.tensors.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", version, ": ", digests.size(),
+                                                   " v1 digests for ", r.tensors.size(),
+                                                   " tensors"));
+  }
+  std::vector<v1::TensorSpec> manifest;
+  for (size_t k = 0; k < r.tensors.size(); ++k) {
+    const TensorEntry& e = r.tensors[k];
+    if (!e.digest_pending && e.digest != digests[k]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()),
+          ": v1 digest differs from the one recorded"));
+    }
+    manifest.push_back(e.spec);
+  }
+  ASSIGN_OR_RETURN(const uint64_t vdigest, VersionDigest(manifest, digests));
+  for (size_t k = 0; k < r.tensors.size(); ++k) {
+    r.tensors[k].digest = digests[k];
+    r.tensors[k].digest_pending = false;
+  }
+  r.version_digest = vdigest;
+  r.v1_pending = false;
+  return vdigest;
 }
 
 const PatchHistory::Record* PatchHistory::FindRecord(uint64_t version) const {
@@ -265,8 +309,9 @@ absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version,
   absl::ReaderMutexLock lock(&mu_);
   const Record* r = FindRecord(version);
   if (r == nullptr || !r->VersionDigest(format).has_value()) {
-    return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history",
-                                            r == nullptr ? "" : " with v2 digests"));
+    return absl::NotFoundError(absl::StrCat(
+        "version ", version, " is not in the history",
+        r == nullptr ? "" : absl::StrCat(" with ", DigestFormatName(format), " digests")));
   }
   return *r->VersionDigest(format);
 }

@@ -26,6 +26,10 @@ using PatchBytes = std::shared_ptr<const std::vector<uint8_t>>;
 struct TensorUpdate {
   v1::TensorSpec spec;
   uint64_t digest = 0;  // full-tensor digest (daemon/codec/hash.h TensorDigest)
+  // The v1 digest is not known yet (`digest` ignored): the version has no v1 digests until
+  // PatchHistory::CompleteV1Digests gives them. Such a tensor is never judged unchanged by
+  // digest; it needs a patch or is a keyframe.
+  bool digest_pending = false;
   // Digest v2 of the same bytes (TensorDigestV2); unknown (nullopt) in any tensor makes the
   // version unknown in v2: a v2 session can then neither use it as a base nor be sent it.
   std::optional<uint64_t> digest_v2;
@@ -93,8 +97,16 @@ class PatchHistory {
   // Records version `version` (above every recorded version). `tensors` in any order; names
   // unique, specs valid; patches must be codec patches for the tensor's dtype and element count
   // (checked by parsing their header and table). InvalidArgument otherwise, with nothing changed.
-  // Returns the version digest.
+  // Returns the version digest (v1; 0 while a tensor's v1 digest is pending, see
+  // TensorUpdate::digest_pending: the version then has v1 digests only once CompleteV1Digests
+  // gives them; until then plans and VersionDigestOf in v1 fail as for a version without them).
   absl::StatusOr<uint64_t> Add(uint64_t version, std::vector<TensorUpdate> tensors);
+
+  // The v1 digests of `version`, whose Add left some pending: `digests` holds every tensor's,
+  // in name order (the pending ones filled; the others must equal what Add was given).
+  // Returns the v1 version digest. NotFound for a version not held, FailedPrecondition when
+  // nothing is pending, InvalidArgument for a wrong count or a known digest that differs.
+  absl::StatusOr<uint64_t> CompleteV1Digests(uint64_t version, const std::vector<uint64_t>& digests);
 
   // Plans the transfer of `target_version` (must be in the history: NotFound otherwise) to a
   // subscriber holding `subscriber_version` (0 = nothing) whose version digest is
@@ -115,6 +127,7 @@ class PatchHistory {
   struct TensorEntry {
     v1::TensorSpec spec;
     uint64_t digest = 0;
+    bool digest_pending = false;
     std::optional<uint64_t> digest_v2;
     uint64_t tensor_bytes = 0;
     // The tensor's bytes at the previous version relate to now as: unchanged (same spec and
@@ -126,10 +139,12 @@ class PatchHistory {
     uint64_t version = 0;
     uint64_t base_version = 0;  // previous recorded version (0 for the first)
     uint64_t version_digest = 0;
+    bool v1_pending = false;  // some tensor's v1 digest not given yet (version_digest 0)
     std::optional<uint64_t> version_digest_v2;  // when every tensor has a v2 digest
     std::vector<TensorEntry> tensors;  // sorted by name
     std::optional<uint64_t> VersionDigest(DigestFormat f) const {
-      return f == DigestFormat::kV2 ? version_digest_v2 : std::optional<uint64_t>(version_digest);
+      if (f == DigestFormat::kV2) return version_digest_v2;
+      return v1_pending ? std::nullopt : std::optional<uint64_t>(version_digest);
     }
     uint64_t bytes = 0;
     const TensorEntry* Find(const std::string& name) const;

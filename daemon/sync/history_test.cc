@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
@@ -312,6 +313,57 @@ TEST_F(HistoryTest, AddRejectsBadInputWithoutChangingAnything) {
   EXPECT_NE(st.message().find("bad patch"), absl::string_view::npos) << st;
   EXPECT_EQ(history_.Stats().versions, 1u);
   EXPECT_EQ(history_.Stats().newest_version, 1u);
+}
+
+// A version added with pending v1 digests (digest v2 given): no v1 digests until
+// CompleteV1Digests, v2 plans meanwhile; completed, it is what an Add with the digests gives.
+TEST(PatchHistory, PendingV1DigestsAreCompletedLater) {
+  std::mt19937 rng(11);
+  Model m;
+  m["a"] = RandomTensor(BF16("a", {4000}), rng);
+  m["b"] = RandomTensor(BF16("b", {3000}), rng);
+  auto with_v2 = [](std::vector<TensorUpdate> u, const Model& model) {
+    size_t i = 0;
+    for (const auto& [name, t] : model) u[i++].digest_v2 = TensorDigestV2(t.bytes, 1);
+    return u;
+  };
+  PatchHistory h(1 << 20), ref(1 << 20);
+  ASSERT_TRUE(h.Add(1, with_v2(Updates(nullptr, m), m)).ok());
+  ASSERT_TRUE(ref.Add(1, with_v2(Updates(nullptr, m), m)).ok());
+  const Model prev = m;
+  Perturb(m["a"], 0.05, rng);
+  std::vector<TensorUpdate> full = with_v2(Updates(&prev, m), m);
+  std::vector<TensorUpdate> pending = full;
+  pending[0].digest = 0;
+  pending[0].digest_pending = true;  // "a" changed: its v1 digest comes later
+  pending[1].patch = nullptr;        // "b" unchanged: known digest
+  auto d = h.Add(2, pending);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(*d, 0u);
+  EXPECT_EQ(h.VersionDigestOf(2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(h.Plan(1, *h.VersionDigestOf(1), 2).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  PlanOptions v2;
+  v2.digest_format = DigestFormat::kV2;
+  auto plan_v2 = h.Plan(1, *h.VersionDigestOf(1, DigestFormat::kV2), 2, v2);
+  ASSERT_TRUE(plan_v2.ok()) << plan_v2.status();
+  EXPECT_EQ(plan_v2->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
+  const std::vector<uint64_t> v1 = {full[0].digest, full[1].digest};
+  EXPECT_EQ(h.CompleteV1Digests(2, {v1[0]}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(h.CompleteV1Digests(2, {v1[0], v1[1] ^ 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(h.CompleteV1Digests(3, v1).status().code(), absl::StatusCode::kNotFound);
+  auto want = ref.Add(2, full);
+  ASSERT_TRUE(want.ok());
+  auto got = h.CompleteV1Digests(2, v1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, *want);
+  EXPECT_EQ(*h.VersionDigestOf(2), *want);
+  EXPECT_EQ(h.CompleteV1Digests(2, v1).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto plan = h.Plan(1, *h.VersionDigestOf(1), 2);
+  auto ref_plan = ref.Plan(1, *ref.VersionDigestOf(1), 2);
+  ASSERT_TRUE(plan.ok() && ref_plan.ok());
+  EXPECT_EQ(plan->End().SerializeAsString(), ref_plan->End().SerializeAsString());
 }
 
 TEST(PatchHistory, EvictsOldestWithinBudget) {
