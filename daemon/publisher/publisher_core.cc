@@ -1368,15 +1368,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                  enc.next, enc.gpu, std::move(counts), sum);
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
-  if (record.has_value()) {
-    // After the commit, off this path: the persister's thread appends the record (or
-    // compacts); Publish returns, and subscribers are woken, without waiting for the disk.
-    const auto persist_start = Clock::now();
-    record->version_digest = sum.version_digest;
-    record->lineage = lineage;
-    persister_->Enqueue(*std::move(record));
-    sum.persist_micros = MicrosSince(persist_start);
-  }
+  if (record.has_value()) EnqueueRecord(*std::move(record), lineage, &sum);
   sum.total_micros = MicrosSince(start);
   return sum;
 }
@@ -1598,6 +1590,16 @@ absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_vers
   sum->version_digest = *vdigest;
   if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
   return absl::OkStatus();
+}
+
+void PublisherCore::EnqueueRecord(LogRecord&& record, uint64_t lineage, PublishSummary* sum) {
+  // After the commit, off this path: the persister's thread appends the record (or compacts);
+  // Publish returns, and subscribers are woken, without waiting for the disk.
+  const auto persist_start = Clock::now();
+  record.version_digest = sum->version_digest;
+  record.lineage = lineage;
+  persister_->Enqueue(std::move(record));
+  sum->persist_micros = MicrosSince(persist_start);
 }
 
 absl::Status PublisherCore::RecordV1(uint64_t version, uint64_t prev_version,

@@ -278,6 +278,7 @@ class BaselinePersister;
 struct BaselineSnapshot;
 struct PersisterStart;
 struct LogReplay;
+struct LogRecord;
 
 class PublisherCore {
  public:
@@ -444,6 +445,8 @@ class PublisherCore {
   absl::Status RecordV1(uint64_t version, uint64_t prev_version,
                         const std::vector<uint64_t>& digests, LiveVersion* live,
                         PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
+  // Publish's last step with persistence: the version's log record to the persister.
+  void EnqueueRecord(LogRecord&& record, uint64_t lineage, PublishSummary* sum);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
                       std::vector<BaselineTensor>& next,
                       std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,

@@ -71,6 +71,48 @@ void PatchHistory::Evict() {
   bytes_ += front.bytes;
 }
 
+absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t version, size_t k,
+                                                                   const Record* prev,
+                                                                   TensorUpdate& u) {
+  TensorEntry e;
+  e.spec = std::move(u.spec);
+  e.digest = u.digest_pending ? 0 : u.digest;
+  e.digest_pending = u.digest_pending;
+  e.digest_v2 = u.digest_v2;
+  e.tensor_bytes = *TensorByteSize(e.spec);  // validated by Add
+  const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
+  const bool same = p != nullptr && SameSpec(p->spec, e.spec);
+  const std::string where =
+      absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
+  if (same && !e.digest_pending && !p->digest_pending && p->digest == e.digest) {
+    e.kind = TensorEntry::kUnchanged;
+    return e;
+  }
+  if (!u.patch) {
+    e.kind = TensorEntry::kKeyframe;
+    return e;
+  }
+  if (!same) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": patch given but the previous version ",
+        p == nullptr ? "does not have this tensor" : "has another dtype/shape"));
+  }
+  auto layout = ParsePatch(std::span<const uint8_t>(*u.patch));
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": bad patch: ", layout.status().message()));
+  }
+  const uint64_t elems = *ElementCount(e.spec);
+  if (ToProtoDType(layout->dtype) != e.spec.dtype() || layout->num_elements != elems) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": patch is for ", layout->num_elements, " elements of dtype ",
+        static_cast<int>(layout->dtype), ", tensor has ", elems, " of dtype ",
+        static_cast<int>(e.spec.dtype())));
+  }
+  e.kind = TensorEntry::kPatch;
+  e.patch = std::move(u.patch);
+  return e;
+}
+
 absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorUpdate> tensors) {
   if (version == 0) return absl::InvalidArgumentError("version 0 cannot be recorded");
   std::vector<v1::TensorSpec> manifest;
@@ -111,41 +153,7 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   // The v2 version digest: the same function over the v2 tensor digests (manifest validated).
   if (all_v2) rec.version_digest_v2 = *VersionDigest(manifest, digests_v2);
   for (size_t k = 0; k < order.size(); ++k) {
-    TensorUpdate& u = tensors[order[k]];
-    TensorEntry e;
-    e.spec = std::move(u.spec);
-    e.digest = u.digest_pending ? 0 : u.digest;
-    e.digest_pending = u.digest_pending;
-    e.digest_v2 = u.digest_v2;
-    e.tensor_bytes = *TensorByteSize(e.spec);  // validated above
-    const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
-    const bool same = p != nullptr && SameSpec(p->spec, e.spec);
-    const std::string where =
-        absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
-    if (same && !e.digest_pending && !p->digest_pending && p->digest == e.digest) {
-      e.kind = TensorEntry::kUnchanged;
-    } else if (u.patch) {
-      if (!same) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": patch given but the previous version ",
-            p == nullptr ? "does not have this tensor" : "has another dtype/shape"));
-      }
-      auto layout = ParsePatch(std::span<const uint8_t>(*u.patch));
-      if (!layout.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": bad patch: ", layout.status().message()));
-      }
-      const uint64_t elems = *ElementCount(e.spec);
-      if (ToProtoDType(layout->dtype) != e.spec.dtype() || layout->num_elements != elems) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": patch is for ", layout->num_elements, " elements of dtype ",
-            static_cast<int>(layout->dtype), ", tensor has ", elems, " of dtype ",
-            static_cast<int>(e.spec.dtype())));
-      }
-      e.kind = TensorEntry::kPatch;
-      e.patch = std::move(u.patch);
-    } else {
-      e.kind = TensorEntry::kKeyframe;
-    }
+    ASSIGN_OR_RETURN(TensorEntry e, MakeEntry(version, k, prev, tensors[order[k]]));
     rec.tensors.push_back(std::move(e));
   }
   rec.bytes = RecordBytes(rec);

@@ -150,6 +150,10 @@ class PatchHistory {
     const TensorEntry* Find(const std::string& name) const;
   };
   static uint64_t RecordBytes(const Record& r);
+  // Add's entry for `u`, tensor k (name order) of `version`, against the previous record (if
+  // any): unchanged, patch (checked against the spec) or keyframe.
+  static absl::StatusOr<TensorEntry> MakeEntry(uint64_t version, size_t k, const Record* prev,
+                                               TensorUpdate& u);
   void StripPatches(Record& r);
   void Evict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Record* FindRecord(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
