@@ -107,6 +107,7 @@ struct EncodeScratch {
   Buffer<uint64_t> exc;  // exception magnitudes minus two
   Buffer<int32_t> dv;    // 16-bit dtypes on AVX-512: each change's signed difference
   ByteSink out;          // payloads of this worker's blocks, back to back
+  void Clear() { out.clear(); }
 };
 
 // A worker's change log (EncodePatchesWithChanges): each logged block's changes back to back,
@@ -115,31 +116,37 @@ struct EncodeScratch {
 struct ChangeLogBuf {
   ByteSink pos;
   ByteSink val;
+  void Clear() {
+    pos.clear();
+    val.clear();
+  }
 };
 
-// Workers' scratch outlives a call: encoding a model version every RL step would otherwise
-// fault in fresh pages for every buffer every time (a measurable share of encode time).
-class ScratchPool {
+// A bounded free list of T (cleared by T::Clear on release, at most kMaxKept kept).
+template <typename T, size_t kMaxKept>
+class Pool {
  public:
-  std::unique_ptr<EncodeScratch> Acquire() {
+  std::unique_ptr<T> Acquire() {
     absl::MutexLock lock(&mu_);
-    if (free_.empty()) return std::make_unique<EncodeScratch>();
+    if (free_.empty()) return std::make_unique<T>();
     auto s = std::move(free_.back());
     free_.pop_back();
     return s;
   }
-  void Release(std::unique_ptr<EncodeScratch> s) {
-    s->out.clear();
+  void Release(std::unique_ptr<T> s) {
+    s->Clear();
     absl::MutexLock lock(&mu_);
     if (free_.size() < kMaxKept) free_.push_back(std::move(s));
   }
 
  private:
-  static constexpr size_t kMaxKept = 16;
   absl::Mutex mu_;
-  std::vector<std::unique_ptr<EncodeScratch>> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<T>> free_ ABSL_GUARDED_BY(mu_);
 };
 
+// Workers' scratch outlives a call: encoding a model version every RL step would otherwise
+// fault in fresh pages for every buffer every time (a measurable share of encode time).
+using ScratchPool = Pool<EncodeScratch, 16>;
 ScratchPool& EncodeScratchPool() {
   static ScratchPool* const pool = new ScratchPool();
   return *pool;
@@ -147,28 +154,7 @@ ScratchPool& EncodeScratchPool() {
 
 // Change logs outlive a call until the commit; a streamed version holds one per worker per
 // batch, so more are kept than scratches (each holds about its changes' bytes, not a block's).
-class ChangeLogPool {
- public:
-  std::unique_ptr<ChangeLogBuf> Acquire() {
-    absl::MutexLock lock(&mu_);
-    if (free_.empty()) return std::make_unique<ChangeLogBuf>();
-    auto s = std::move(free_.back());
-    free_.pop_back();
-    return s;
-  }
-  void Release(std::unique_ptr<ChangeLogBuf> s) {
-    s->pos.clear();
-    s->val.clear();
-    absl::MutexLock lock(&mu_);
-    if (free_.size() < kMaxKept) free_.push_back(std::move(s));
-  }
-
- private:
-  static constexpr size_t kMaxKept = 512;
-  absl::Mutex mu_;
-  std::vector<std::unique_ptr<ChangeLogBuf>> free_ ABSL_GUARDED_BY(mu_);
-};
-
+using ChangeLogPool = Pool<ChangeLogBuf, 512>;
 ChangeLogPool& GetChangeLogPool() {
   static ChangeLogPool* const pool = new ChangeLogPool();
   return *pool;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -437,6 +438,30 @@ TEST(Codec, EveryScanImplementationGivesTheSamePatch) {
 namespace refit {
 namespace {
 
+// Runs fn with every (block_log2, threads) pair and every scan implementation, naming them in
+// failures; stops at the first fatal failure; the best scan is restored after.
+void ForEachEncodeSetting(std::initializer_list<int> block_log2s, std::initializer_list<int> threads,
+                          const std::function<void(const EncodeOptions&)>& fn) {
+  const int levels = testing::EncoderScanLevels();
+  for (int block_log2 : block_log2s) {
+    for (int t : threads) {
+      for (int level = 0; level < levels; ++level) {
+        SCOPED_TRACE(::testing::Message() << "block_log2=" << block_log2 << " threads=" << t
+                                          << " scan level=" << level);
+        testing::SetEncoderScanLevel(level);
+        EncodeOptions opt;
+        opt.block_log2 = block_log2;
+        opt.threads = t;
+        fn(opt);
+        if (::testing::Test::HasFatalFailure()) break;
+      }
+      if (::testing::Test::HasFatalFailure()) break;
+    }
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  testing::SetEncoderScanLevel(-1);
+}
+
 // EncodePatchesWithDigests: the same patches and stats as EncodePatches, and each target's
 // TensorDigest, for tensors around and across digest chunk boundaries, blocks smaller and larger
 // than a chunk, any thread count and every scan implementation.
@@ -459,32 +484,20 @@ TEST(EncodePatchesWithDigests, PatchesEqualEncodePatchesAndDigestsEqualTensorDig
   }
   std::vector<EncodeInput> inputs;
   for (size_t t = 0; t < bases.size(); ++t) inputs.push_back({types[t], bases[t], targets[t]});
-  const int levels = testing::EncoderScanLevels();
-  for (int block_log2 : {8, 12, 18, 21}) {
-    for (int threads : {1, 2, 3, 7}) {
-      for (int level = 0; level < levels; ++level) {
-        SCOPED_TRACE(::testing::Message() << "block_log2=" << block_log2 << " threads=" << threads
-                                          << " scan level=" << level);
-        testing::SetEncoderScanLevel(level);
-        EncodeOptions opt;
-        opt.block_log2 = block_log2;
-        opt.threads = threads;
-        std::vector<PatchStats> want_stats, got_stats;
-        auto want = EncodePatches(inputs, opt, &want_stats);
-        std::vector<uint64_t> digests;
-        auto got = EncodePatchesWithDigests(inputs, opt, &got_stats, &digests);
-        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
-        ASSERT_EQ(digests.size(), inputs.size());
-        for (size_t t = 0; t < inputs.size(); ++t) {
-          ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
-          EXPECT_EQ(got_stats[t].changed_elements, want_stats[t].changed_elements);
-          ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
-        }
-        EXPECT_EQ(got_stats[3].changed_elements, 0u);
-      }
+  ForEachEncodeSetting({8, 12, 18, 21}, {1, 2, 3, 7}, [&](const EncodeOptions& opt) {
+    std::vector<PatchStats> want_stats, got_stats;
+    auto want = EncodePatches(inputs, opt, &want_stats);
+    std::vector<uint64_t> digests;
+    auto got = EncodePatchesWithDigests(inputs, opt, &got_stats, &digests);
+    ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+    ASSERT_EQ(digests.size(), inputs.size());
+    for (size_t t = 0; t < inputs.size(); ++t) {
+      ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
+      EXPECT_EQ(got_stats[t].changed_elements, want_stats[t].changed_elements);
+      ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
     }
-  }
-  testing::SetEncoderScanLevel(-1);
+    EXPECT_EQ(got_stats[3].changed_elements, 0u);
+  });
 }
 
 TEST(EncodePatchesWithDigests, NeedsTheDigestsOutput) {
@@ -524,38 +537,26 @@ TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDig
   }
   std::vector<EncodeInput> inputs;
   for (size_t t = 0; t < bases.size(); ++t) inputs.push_back({types[t], bases[t], targets[t]});
-  const int levels = testing::EncoderScanLevels();
-  for (int block_log2 : {8, 12, 18}) {
-    for (int threads : {1, 2, 5}) {
-      for (int level = 0; level < levels; ++level) {
-        SCOPED_TRACE(::testing::Message() << "block_log2=" << block_log2 << " threads=" << threads
-                                          << " scan level=" << level);
-        testing::SetEncoderScanLevel(level);
-        EncodeOptions opt;
-        opt.block_log2 = block_log2;
-        opt.threads = threads;
-        auto want = EncodePatches(inputs, opt);
-        std::vector<uint64_t> digests;
-        EncodedChanges changes;
-        auto got = EncodePatchesWithChanges(inputs, opt, nullptr, &digests, &changes);
-        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
-        ASSERT_EQ(changes.tensors(), inputs.size());
-        for (size_t t = 0; t < inputs.size(); ++t) {
-          ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
-          ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
-          const uint64_t want_v2 = TensorDigestV2(targets[t], 1);
-          EXPECT_EQ(changes.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1),
-                                                      bases[t].size()),
-                    want_v2)
-              << "tensor " << t;
-          Bytes b = bases[t];
-          ASSERT_TRUE(changes.ApplyTo(t, b, targets[t]).ok());
-          ASSERT_EQ(b, targets[t]) << "tensor " << t;
-        }
-      }
+  ForEachEncodeSetting({8, 12, 18}, {1, 2, 5}, [&](const EncodeOptions& opt) {
+    auto want = EncodePatches(inputs, opt);
+    std::vector<uint64_t> digests;
+    EncodedChanges changes;
+    auto got = EncodePatchesWithChanges(inputs, opt, nullptr, &digests, &changes);
+    ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+    ASSERT_EQ(changes.tensors(), inputs.size());
+    for (size_t t = 0; t < inputs.size(); ++t) {
+      ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
+      ASSERT_EQ(digests[t], TensorDigest(targets[t])) << "tensor " << t;
+      const uint64_t want_v2 = TensorDigestV2(targets[t], 1);
+      EXPECT_EQ(changes.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1),
+                                                  bases[t].size()),
+                want_v2)
+          << "tensor " << t;
+      Bytes b = bases[t];
+      ASSERT_TRUE(changes.ApplyTo(t, b, targets[t]).ok());
+      ASSERT_EQ(b, targets[t]) << "tensor " << t;
     }
-  }
-  testing::SetEncoderScanLevel(-1);
+  });
 }
 
 // ApplyTo writes only changed elements: a base whose unchanged elements differ from the encoded
