@@ -566,11 +566,16 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
 // block-relative position and target value, and the block's digest-v2 delta (the mix sums of the
 // changed words' new values minus their old ones), all taken while the chunk is in L1.
 struct ScanLog {
-  uint8_t* pos = nullptr;    // u32 each; capacity >= the block's elements
-  uint8_t* val = nullptr;    // capacity >= the block's bytes (any alignment)
+  ChangeLogBuf* buf = nullptr;
+  uint64_t pos_off = 0;      // the block's entries start here in buf->pos and buf->val
+  uint64_t val_off = 0;
   uint64_t first_word = 0;   // the block's first 8-byte word in its tensor
+  uint64_t block_bytes = 0;
   uint64_t v2_sum = 0;
-  size_t n = 0;              // changes logged
+  size_t n = 0;              // changes seen
+  // Too many changes to log (their entries would exceed a quarter of the block's bytes): the
+  // block is copied whole from the target, only its delta is kept.
+  bool whole = false;
 };
 
 // The word of block bytes `p` at byte offset `off` (a multiple of 8), zero-padded past `bytes`
@@ -583,25 +588,32 @@ inline uint64_t WordAt(const uint8_t* p, uint64_t off, uint64_t bytes) {
 }
 
 // Logs changes [j0, j1) of a block (block-relative positions `pos`, increasing) of old bytes `a`
-// and new bytes `b` (len elements): positions, values and each changed word's delta once.
+// and new bytes `b`: positions and values (until the block turns out to be copied whole), and
+// each changed word's delta once. The log grows by chunk, so it holds about its changes' bytes.
 template <typename T>
-void LogChunkChanges(const T* a, const T* b, uint32_t len, const uint32_t* pos, size_t j0,
-                     size_t j1, ScanLog& log) {
+void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, size_t j1,
+                     ScanLog& log) {
   const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
   const uint8_t* bb = reinterpret_cast<const uint8_t*>(b);
-  const uint64_t bytes = static_cast<uint64_t>(len) * sizeof(T);
-  std::memcpy(log.pos + j0 * sizeof(uint32_t), pos + j0, (j1 - j0) * sizeof(uint32_t));
+  log.whole = log.whole || j1 * (4 + sizeof(T)) * 4 > log.block_bytes;
+  uint8_t* vals = nullptr;
+  if (!log.whole) {
+    log.buf->pos.resize(log.pos_off + 4 * j1);
+    log.buf->val.resize(log.val_off + sizeof(T) * j1);
+    std::memcpy(log.buf->pos.data() + log.pos_off + 4 * j0, pos + j0, (j1 - j0) * 4);
+    vals = log.buf->val.data() + log.val_off;
+  }
   uint64_t sum = log.v2_sum;
   size_t j = j0;
   while (j < j1) {
     const uint64_t off = (static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7};
     do {
-      std::memcpy(log.val + j * sizeof(T), b + pos[j], sizeof(T));
+      if (vals != nullptr) std::memcpy(vals + j * sizeof(T), b + pos[j], sizeof(T));
       ++j;
     } while (j < j1 && ((static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7}) == off);
     const uint64_t word = log.first_word + off / 8;
-    sum += format::DigestV2Mix(word, WordAt(bb, off, bytes)) -
-           format::DigestV2Mix(word, WordAt(ab, off, bytes));
+    sum += format::DigestV2Mix(word, WordAt(bb, off, log.block_bytes)) -
+           format::DigestV2Mix(word, WordAt(ab, off, log.block_bytes));
   }
   log.v2_sum = sum;
   log.n = j1;
@@ -648,7 +660,7 @@ BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
                   ? FindChangesAndDiffs16<true>(a, b, begin, end, pos, dv, n32)
                   : FindChangesAndDiffs16<false>(a, b, begin, end, pos, dv, n32);
         ComputeValuesFromDiffs(pos, dv, before, n32, gap, vs, run, exc, vstate);
-        if (log != nullptr) LogChunkChanges(a, b, len, pos, before, n32, *log);
+        if (log != nullptr) LogChunkChanges(a, b, pos, before, n32, *log);
         if (digest != nullptr) {
           digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
         }
@@ -662,7 +674,7 @@ BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
       const uint32_t before = n32;
       n32 = FindChanges(isa, a, b, begin, end, pos, n32);
       ComputeValues(a, b, pos, before, n32, coding, gap, vs, run, exc, vstate);
-      if (log != nullptr) LogChunkChanges(a, b, len, pos, before, n32, *log);
+      if (log != nullptr) LogChunkChanges(a, b, pos, before, n32, *log);
       if (digest != nullptr) {
         digest->Feed(reinterpret_cast<const uint8_t*>(b + begin), (end - begin) * sizeof(T));
       }
@@ -1265,7 +1277,7 @@ struct BlockLog {
   uint64_t v2_sum = 0;  // the block's digest-v2 delta
 };
 
-// Reserves room in `buf` for every element of block `block_index` of `in` and points `sl` at it.
+// Points `sl` at the end of `buf` for block `block_index` of `in`.
 void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, ChangeLogBuf& buf,
                    ScanLog& sl, BlockLog& bl) {
   const uint64_t w = DTypeSize(in.dtype);
@@ -1273,22 +1285,20 @@ void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, Change
   const uint64_t len = std::min<uint64_t>(1ull << log2, in.base.size() / w - first);
   bl.pos_off = buf.pos.size();
   bl.val_off = buf.val.size();
-  buf.pos.resize(bl.pos_off + 4 * len);
-  buf.val.resize(bl.val_off + w * len);
   sl = ScanLog{};
-  sl.pos = buf.pos.data() + bl.pos_off;
-  sl.val = buf.val.data() + bl.val_off;
+  sl.buf = &buf;
+  sl.pos_off = bl.pos_off;
+  sl.val_off = bl.val_off;
   sl.first_word = first * w / 8;
+  sl.block_bytes = len * w;
 }
 
-// Keeps what the scan logged, or only the delta when the block is cheaper copied whole (its log
-// would exceed a quarter of its bytes).
+// Keeps what the scan logged, or only the delta for a block copied whole.
 void EndBlockLog(const EncodeInput& in, const ScanLog& sl, ChangeLogBuf& buf, BlockLog& bl) {
   const uint64_t w = DTypeSize(in.dtype);
-  const uint64_t block_bytes = (buf.val.size() - bl.val_off);
   bl.v2_sum = sl.v2_sum;
-  bl.whole = sl.n * (4 + w) * 4 > block_bytes;
-  bl.count = bl.whole ? 0 : static_cast<uint32_t>(sl.n);
+  bl.whole = sl.whole;
+  bl.count = sl.whole ? 0 : static_cast<uint32_t>(sl.n);
   buf.pos.resize(bl.pos_off + 4 * bl.count);
   buf.val.resize(bl.val_off + w * bl.count);
 }

@@ -1362,7 +1362,11 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
   if (v1_pending) {
     const std::vector<uint64_t> v1 = FillDeferredV1(&enc, options_.digest_threads, &record, &sum);
-    RETURN_IF_ERROR(RecordV1(version, prev_version, v1, live.get(), &sum));
+    if (absl::Status st = RecordV1(version, prev_version, v1, live.get(), &sum); !st.ok()) {
+      // The v2 End is out and subscribers may hold the version: it is installed regardless
+      // (the core stays consistent with them); only v1 sessions cannot be sent it.
+      Logger("publisher")->error("{}", st.ToString());
+    }
   }
   InstallVersion(version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); },
                  enc.next, enc.gpu, std::move(counts), sum);

@@ -265,14 +265,16 @@ class Transfer {
 //     them, copies only new or reshaped tensors and tensors still held by transfers in flight).
 //
 // CPU one pass (options.cpu_one_pass, the default). Every tensor with the same spec as before is
-// read once together with its baseline bytes by EncodePatchesWithDigests: the encoder's scan
-// finds the changed elements, writes the patch and hashes the new bytes (digest v1) while they
-// are in cache; a tensor with no changed element is unchanged (no memcmp). There is no snapshot
-// copy: at the commit, under the lock MakeTransfer copies the baseline under, each changed
-// tensor's baseline buffer is patched in place with its new patch (O(changed)) when the baseline
-// is its only owner; when a transfer in flight (a keyframe for a late joiner), a Baseline()
-// caller or the persistence still holds it, the tensor gets a new buffer copied from the
-// caller's bytes (copy-on-write), so every holder keeps seeing the version it took.
+// read once together with its baseline bytes by EncodePatchesWithChanges: the encoder's scan
+// finds the changed elements, writes the patch, logs each change and the digest-v2 delta, and
+// hashes the new bytes (digest v1; a streamed version leaves that to after its End,
+// v1_after_end) while they are in cache; a tensor with no changed element is unchanged (no
+// memcmp). There is no snapshot copy: at the commit (after the history and the streamed End),
+// under the lock MakeTransfer copies the baseline under, each changed tensor's baseline buffer
+// gets its logged changes written in place (O(changed), no decode) when the baseline is its only
+// owner; when a transfer in flight (a keyframe for a late joiner), a Baseline() caller or the
+// persistence still holds it, the tensor gets a new buffer copied from the caller's bytes
+// (copy-on-write), so every holder keeps seeing the version it took.
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
 class BaselinePersister;
 struct BaselineSnapshot;
