@@ -593,6 +593,7 @@ inline uint64_t WordAt(const uint8_t* p, uint64_t off, uint64_t bytes) {
 template <typename T>
 void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, size_t j1,
                      ScanLog& log) {
+  if (j1 == j0) return;  // no change in this chunk (the log may not exist yet)
   const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
   const uint8_t* bb = reinterpret_cast<const uint8_t*>(b);
   log.whole = log.whole || j1 * (4 + sizeof(T)) * 4 > log.block_bytes;
