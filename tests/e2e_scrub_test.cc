@@ -135,14 +135,11 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   ASSERT_NE(*corrupt, m.Find("b.weight")->data) << "the flip did not land";
 
   // The scrub counts the mismatch in Status.
-  absl::StatusOr<v1::StatusResponse> st;
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  do {
-    st = RpcStatus(sub.control_target());
-    ASSERT_TRUE(st.ok()) << st.status();
-    if (st->scrub_mismatches() >= 1) break;
-    absl::SleepFor(absl::Milliseconds(20));  // polling Status with a deadline
-  } while (absl::Now() < deadline);
+  absl::StatusOr<v1::StatusResponse> st = PollStatus(
+      sub.control_target(),
+      [](const v1::StatusResponse& s) { return s.scrub_mismatches() >= 1; }, absl::Seconds(60),
+      "a scrub mismatch");
+  ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_GE(st->scrub_mismatches(), 1u);
   EXPECT_EQ(st->version(), 2u);
   // The lease taken before still reads the bytes it had (its slot is never written).
@@ -152,6 +149,7 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   E2E_ASSERT_OK(Release(lease->lease_id()));
 
   // New leases read the repaired bytes: the publisher's dense copy of version 2.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
   std::vector<uint8_t> got;
   do {
     absl::StatusOr<v1::Lease> l = Acquire();
@@ -167,12 +165,10 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   E2E_ASSERT_OK(ExpectExportEquals(sub, m));
   // The pass that found the flip was cut short by the repair's commit (a commit restarts a
   // pass): wait for a complete one over the repaired version.
-  do {
-    st = RpcStatus(sub.control_target());
-    ASSERT_TRUE(st.ok()) << st.status();
-    if (st->scrub_passes() >= 1) break;
-    absl::SleepFor(absl::Milliseconds(20));  // polling Status with a deadline
-  } while (absl::Now() < deadline);
+  st = PollStatus(
+      sub.control_target(), [](const v1::StatusResponse& s) { return s.scrub_passes() >= 1; },
+      absl::Seconds(60), "a complete scrub pass");
+  ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->version(), 2u);
   EXPECT_GE(st->scrub_passes(), 1u);
   EXPECT_NE(st->last_scrub_unix_nanos(), 0u);

@@ -565,17 +565,24 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
 // A block's change log as the scan writes it (EncodePatchesWithChanges): per change its
 // block-relative position and target value, and the block's digest-v2 delta (the mix sums of the
 // changed words' new values minus their old ones), all taken while the chunk is in L1.
-struct ScanLog {
-  ChangeLogBuf* buf = nullptr;
-  uint64_t pos_off = 0;      // the block's entries start here in buf->pos and buf->val
-  uint64_t val_off = 0;
-  uint64_t first_word = 0;   // the block's first 8-byte word in its tensor
-  uint64_t block_bytes = 0;
-  uint64_t v2_sum = 0;
-  size_t n = 0;              // changes seen
+// A block's entry in EncodedChanges: where the scan logged its changes, or that it is copied
+// whole from the target (blocks with many changes: their log would outgrow the block).
+struct BlockLog {
+  uint32_t part = 0;
+  uint32_t count = 0;  // changes seen (logged unless `whole`)
   // Too many changes to log (their entries would exceed a quarter of the block's bytes): the
   // block is copied whole from the target, only its delta is kept.
   bool whole = false;
+  uint64_t pos_off = 0;  // byte offsets into the part's ChangeLogBuf
+  uint64_t val_off = 0;
+  uint64_t v2_sum = 0;  // the block's digest-v2 delta
+};
+
+struct ScanLog {
+  ChangeLogBuf* buf = nullptr;
+  BlockLog* entry = nullptr;  // the block's entry: offsets into buf, count, whole, v2 sum
+  uint64_t first_word = 0;    // the block's first 8-byte word in its tensor
+  uint64_t block_bytes = 0;
 };
 
 // The word of block bytes `p` at byte offset `off` (a multiple of 8), zero-padded past `bytes`
@@ -594,17 +601,18 @@ template <typename T>
 void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, size_t j1,
                      ScanLog& log) {
   if (j1 == j0) return;  // no change in this chunk (the log may not exist yet)
+  BlockLog& e = *log.entry;
   const uint8_t* ab = reinterpret_cast<const uint8_t*>(a);
   const uint8_t* bb = reinterpret_cast<const uint8_t*>(b);
-  log.whole = log.whole || j1 * (4 + sizeof(T)) * 4 > log.block_bytes;
+  e.whole = e.whole || j1 * (4 + sizeof(T)) * 4 > log.block_bytes;
   uint8_t* vals = nullptr;
-  if (!log.whole) {
-    log.buf->pos.resize(log.pos_off + 4 * j1);
-    log.buf->val.resize(log.val_off + sizeof(T) * j1);
-    std::memcpy(log.buf->pos.data() + log.pos_off + 4 * j0, pos + j0, (j1 - j0) * 4);
-    vals = log.buf->val.data() + log.val_off;
+  if (!e.whole) {
+    log.buf->pos.resize(e.pos_off + 4 * j1);
+    log.buf->val.resize(e.val_off + sizeof(T) * j1);
+    std::memcpy(log.buf->pos.data() + e.pos_off + 4 * j0, pos + j0, (j1 - j0) * 4);
+    vals = log.buf->val.data() + e.val_off;
   }
-  uint64_t sum = log.v2_sum;
+  uint64_t sum = e.v2_sum;
   size_t j = j0;
   while (j < j1) {
     const uint64_t off = (static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7};
@@ -616,8 +624,8 @@ void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, siz
     sum += format::DigestV2Mix(word, WordAt(bb, off, log.block_bytes)) -
            format::DigestV2Mix(word, WordAt(ab, off, log.block_bytes));
   }
-  log.v2_sum = sum;
-  log.n = j1;
+  e.v2_sum = sum;
+  e.count = static_cast<uint32_t>(j1);
 }
 
 // One block's changes as EncodeBlock's scan leaves them (arrays in the scratch): per change its
@@ -1097,12 +1105,7 @@ void AddSparseDelta(const Scratch& s, uint32_t count, const uint8_t* base, uint6
   uint32_t j = 0;
   while (j < count) {
     const uint64_t word = (first_byte + s.pos[j] * w) / 8;
-    uint64_t old_word = 0;
-    if (8 * word + 8 <= tensor_bytes) {
-      old_word = LoadU64(base + 8 * word);
-    } else {
-      std::memcpy(&old_word, base + 8 * word, tensor_bytes - 8 * word);  // zero-padded last word
-    }
+    const uint64_t old_word = WordAt(base, 8 * word, tensor_bytes);  // zero-padded last word
     uint64_t new_word = old_word;
     do {  // every change in this word (at most 8 / w of them)
       const unsigned shift = static_cast<unsigned>(((first_byte + s.pos[j] * w) & 7) * 8);
@@ -1267,18 +1270,8 @@ struct PayloadAt {
   uint64_t offset;
 };
 
-// A block's entry in EncodedChanges: where the scan logged its changes, or that it is copied
-// whole from the target (blocks with many changes: their log would outgrow the block).
-struct BlockLog {
-  uint32_t part = 0;
-  uint32_t count = 0;  // changes logged
-  bool whole = false;
-  uint64_t pos_off = 0;  // byte offsets into the part's ChangeLogBuf
-  uint64_t val_off = 0;
-  uint64_t v2_sum = 0;  // the block's digest-v2 delta
-};
 
-// Points `sl` at the end of `buf` for block `block_index` of `in`.
+// Points `sl` at the end of `buf` for block `block_index` of `in`, whose entry is `bl`.
 void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, ChangeLogBuf& buf,
                    ScanLog& sl, BlockLog& bl) {
   const uint64_t w = DTypeSize(in.dtype);
@@ -1286,22 +1279,15 @@ void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, Change
   const uint64_t len = std::min<uint64_t>(1ull << log2, in.base.size() / w - first);
   bl.pos_off = buf.pos.size();
   bl.val_off = buf.val.size();
-  sl = ScanLog{};
-  sl.buf = &buf;
-  sl.pos_off = bl.pos_off;
-  sl.val_off = bl.val_off;
-  sl.first_word = first * w / 8;
-  sl.block_bytes = len * w;
+  sl = ScanLog{&buf, &bl, first * w / 8, len * w};
 }
 
-// Keeps what the scan logged, or only the delta for a block copied whole.
-void EndBlockLog(const EncodeInput& in, const ScanLog& sl, ChangeLogBuf& buf, BlockLog& bl) {
-  const uint64_t w = DTypeSize(in.dtype);
-  bl.v2_sum = sl.v2_sum;
-  bl.whole = sl.whole;
-  bl.count = sl.whole ? 0 : static_cast<uint32_t>(sl.n);
-  buf.pos.resize(bl.pos_off + 4 * bl.count);
-  buf.val.resize(bl.val_off + w * bl.count);
+// A block copied whole keeps only its delta: its entries go.
+void EndBlockLog(ChangeLogBuf& buf, BlockLog& bl) {
+  if (!bl.whole) return;
+  bl.count = 0;
+  buf.pos.resize(bl.pos_off);
+  buf.val.resize(bl.val_off);
 }
 
 // What EncodeParts writes besides the payloads: with `chunk_hashes`, the targets' chunk hashes
@@ -1345,7 +1331,7 @@ void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int
                                         out.chunk_hashes != nullptr ? &hasher : nullptr,
                                         out.block_logs != nullptr ? &sl : nullptr);
         if (out.block_logs != nullptr) {
-          EndBlockLog(inputs[t], sl, *(*out.logs)[p], (*out.block_logs)[g]);
+          EndBlockLog(*(*out.logs)[p], (*out.block_logs)[g]);
         }
       }
     }

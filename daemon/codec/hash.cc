@@ -26,17 +26,7 @@ uint64_t CombineChunkHashes(std::span<const uint64_t> chunk_hashes, uint64_t tot
 }
 
 uint64_t TensorDigest(std::span<const uint8_t> data, int threads) {
-  const uint64_t n = data.size();
-  const size_t chunks = (n + kDigestChunkBytes - 1) / kDigestChunkBytes;
-  std::vector<uint64_t> hashes(chunks);
-  ParallelFor(chunks, threads, 4, [&](size_t b, size_t e) {
-    for (size_t c = b; c < e; ++c) {
-      const uint64_t off = c * kDigestChunkBytes;
-      const uint64_t len = std::min<uint64_t>(kDigestChunkBytes, n - off);
-      hashes[c] = Hash64(data.subspan(off, len), c);
-    }
-  });
-  return CombineChunkHashes(hashes, n);
+  return TensorDigests({&data, 1}, threads)[0];
 }
 
 std::vector<uint64_t> TensorDigests(std::span<const std::span<const uint8_t>> tensors,

@@ -79,8 +79,9 @@ struct Encoded {
   std::vector<bool> unchanged;              // same spec and bytes as the previous version
   std::vector<sync::PatchBytes> patches;    // null: unchanged or keyframe
   std::vector<uint64_t> changed;            // encoder's changed elements (patched tensors)
-  // StreamPass::defer_v1: patched tensors whose v1 digest is not computed yet (digest 0).
-  std::vector<bool> v1_pending;
+  // StreamPass::defer_v1: the patched tensors' (`pending`) v1 digests are not computed yet
+  // (digest 0) until FillDeferredV1.
+  bool v1_deferred = false;
   // GPU encoding: the GPU baseline of `next` (every tensor that has one), by name.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu;
   // CPU one pass: changed tensors whose next[k].bytes is still null. Each becomes its previous
@@ -103,7 +104,6 @@ void ResizeEncoded(size_t n, Encoded* out) {
   out->unchanged.assign(n, false);
   out->patches.assign(n, nullptr);
   out->changed.assign(n, 0);
-  out->v1_pending.assign(n, false);
 }
 
 bool SameSpecAs(const BaselineTensor* p, const v1::TensorSpec& spec) {
@@ -271,7 +271,7 @@ struct StreamPass {
   LiveVersion* live = nullptr;  // null: not streamed
   uint64_t batch_bytes = 0;     // 0: one batch
   const std::function<absl::Status(size_t, size_t)>* hook = nullptr;
-  // The changed tensors' v1 digests are left to after the v2 End (Encoded::v1_pending).
+  // The changed tensors' v1 digests are left to after the v2 End (Encoded::v1_deferred).
   bool defer_v1 = false;
 };
 
@@ -305,7 +305,6 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
       continue;
     }
     t.digest = defer_v1 ? 0 : digests[j];
-    out->v1_pending[k] = defer_v1;
     // The scan's delta: the v2 digest is known before any byte of the baseline changes.
     t.digest_v2 = changes->DigestV2DeltaOf(j).ApplyTo(p->digest_v2, enc[j].target.size());
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
@@ -341,6 +340,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
                                 const std::vector<BaselineTensor>& prev, const std::string& where,
                                 const StreamPass& stream, Encoded* out, PublishSummary* sum) {
   ResizeEncoded(order.size(), out);
+  out->v1_deferred = stream.defer_v1;
   const std::vector<const BaselineTensor*> bases =
       ClassifyForPass(options, inputs, order, specs, prev, out, sum);
   std::vector<size_t> ks;
@@ -750,7 +750,8 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
     sync::TensorUpdate u;
     u.spec = t.spec;
     u.digest = t.digest;
-    u.digest_pending = enc.v1_pending[k];
+    u.digest_pending = enc.v1_deferred && enc.patches[k] != nullptr;
+    u.digest_v2 = t.digest_v2;
     u.patch = enc.patches[k];
     updates->push_back(std::move(u));
   }
@@ -828,16 +829,15 @@ std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<Lo
   std::vector<size_t> ks;
   std::vector<std::span<const uint8_t>> targets;
   for (const Encoded::Pending& u : enc->pending) {
-    if (!enc->v1_pending[u.k]) continue;
     ks.push_back(u.k);
     targets.push_back(u.target);
   }
   const std::vector<uint64_t> d = TensorDigests(targets, threads);
   for (size_t i = 0; i < ks.size(); ++i) {
     enc->next[ks[i]].digest = d[i];
-    enc->v1_pending[ks[i]] = false;
     if (record->has_value()) (*record)->tensors[ks[i]].digest = d[i];
   }
+  enc->v1_deferred = false;
   std::vector<uint64_t> all;
   all.reserve(enc->next.size());
   for (const BaselineTensor& t : enc->next) all.push_back(t.digest);
@@ -1349,7 +1349,6 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   CopySharedPending(&enc, &sum);
 
   RecordNumbered(version);
-  for (size_t k = 0; k < enc.next.size(); ++k) updates[k].digest_v2 = enc.next[k].digest_v2;
   uint64_t lineage = 0;
   LiveEnds live_ends;
   RETURN_IF_ERROR(RecordInHistory(version, prev_version, std::move(updates), live != nullptr,
@@ -1357,8 +1356,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   // The streamed version's End goes out before the baseline update: a subscriber's refit does
   // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
-  const bool v1_pending =
-      std::find(enc.v1_pending.begin(), enc.v1_pending.end(), true) != enc.v1_pending.end();
+  const bool v1_pending = enc.v1_deferred && !enc.pending.empty();
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
   if (v1_pending) {
     const std::vector<uint64_t> v1 = FillDeferredV1(&enc, options_.digest_threads, &record, &sum);

@@ -76,7 +76,7 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
                                                                    TensorUpdate& u) {
   TensorEntry e;
   e.spec = std::move(u.spec);
-  e.digest = u.digest_pending ? 0 : u.digest;
+  e.digest = u.digest;  // 0 when pending (Add)
   e.digest_pending = u.digest_pending;
   e.digest_v2 = u.digest_v2;
   e.tensor_bytes = *TensorByteSize(e.spec);  // validated by Add
@@ -126,8 +126,9 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
     return tensors[a].spec.name() < tensors[b].spec.name();
   });
   for (size_t i : order) {
+    if (tensors[i].digest_pending) tensors[i].digest = 0;  // ignored until CompleteV1Digests
     manifest.push_back(tensors[i].spec);
-    digests.push_back(tensors[i].digest_pending ? 0 : tensors[i].digest);
+    digests.push_back(tensors[i].digest);
     v1_pending = v1_pending || tensors[i].digest_pending;
     all_v2 = all_v2 && tensors[i].digest_v2.has_value();
     digests_v2.push_back(tensors[i].digest_v2.value_or(0));
@@ -167,12 +168,12 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
 absl::StatusOr<uint64_t> PatchHistory::CompleteV1Digests(uint64_t version,
                                                          const std::vector<uint64_t>& digests) {
   absl::MutexLock lock(&mu_);
-  auto it = std::lower_bound(records_.begin(), records_.end(), version,
-                             [](const Record& r, uint64_t v) { return r.version < v; });
-  if (it == records_.end() || it->version != version) {
+  // FindRecord's record, which this method may change (it holds mu_ exclusively).
+  Record* found = const_cast<Record*>(FindRecord(version));
+  if (found == nullptr) {
     return absl::NotFoundError(absl::StrCat("version ", version, " is not in the history"));
   }
-  Record& r = *it;
+  Record& r = *found;
   if (!r.v1_pending) {
     return absl::FailedPreconditionError(
         absl::StrCat("version ", version, " has no pending v1 digests"));
