@@ -294,6 +294,8 @@ struct Totals {
   // Sums over units of each unit's best and median time (seconds).
   double enc_best = 0, dec_best = 0, read_best = 0, readpf_best = 0;
   double enc_median = 0, dec_median = 0, read_median = 0, readpf_median = 0;
+  // In-place apply with the digest-v2 delta (the subscriber's path): best and median seconds.
+  double inplace_best = 0, inplace_median = 0;
   uint64_t timed_bytes = 0;  // one buffer's bytes, summed over units
 };
 
@@ -368,7 +370,8 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
   // Timing: one warm-up round, then `reps` rounds of encode, decode, read, interleaved.
   // All tensors of a unit (a model version) are encoded in one EncodePatches call, as a
   // publisher does: their blocks are spread over the threads together.
-  std::vector<double> enc, dec, rd, rdpf;
+  std::vector<double> enc, dec, rd, rdpf, inplace;
+  std::vector<Bytes> work(pairs.size());
   std::vector<EncodeInput> inputs;
   for (const TensorPair& tp : pairs) inputs.push_back({DType::kBF16, tp.base, tp.target});
   for (int r = 0; r <= reps; ++r) {
@@ -386,6 +389,18 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
     const auto t4 = Clock::now();
     ReadPass(pairs, threads, /*prefetch=*/true);
     const auto t5 = Clock::now();
+    for (size_t t = 0; t < pairs.size(); ++t) work[t].assign(pairs[t].base.begin(), pairs[t].base.end());
+    const auto t6 = Clock::now();
+    for (size_t t = 0; t < pairs.size(); ++t) {
+      auto d = ApplyPatchDigestV2(patches[t], DType::kBF16, work[t], work[t], threads);
+      if (!d.ok()) Fail(absl::StrCat(dataset, ": in-place ApplyPatchDigestV2: ", d.status().ToString()));
+    }
+    const auto t7 = Clock::now();
+    for (size_t t = 0; t < pairs.size(); ++t) {  // untimed: the in-place result is the target
+      if (!std::equal(work[t].begin(), work[t].end(), pairs[t].target.begin(), pairs[t].target.end())) {
+        Fail(absl::StrCat(dataset, " tensor '", pairs[t].name, "': in-place apply differs from the target"));
+      }
+    }
     for (size_t t = 0; t < pairs.size(); ++t) {  // deterministic output (untimed check)
       if (patches[t] != verified[t]) {
         Fail(absl::StrCat(dataset, " tensor '", pairs[t].name,
@@ -397,6 +412,7 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
     dec.push_back(Seconds(t2, t3));
     rd.push_back(Seconds(t3, t4));
     rdpf.push_back(Seconds(t4, t5));
+    inplace.push_back(Seconds(t6, t7));
   }
   for (size_t t = 0; t < pairs.size(); ++t) {
     if (std::memcmp(outs[t].data(), pairs[t].target.data(), pairs[t].target.size()) != 0) {
@@ -409,6 +425,8 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
   tot->read_best += *std::min_element(rd.begin(), rd.end());
   tot->readpf_best += *std::min_element(rdpf.begin(), rdpf.end());
   tot->readpf_median += Median(rdpf);
+  tot->inplace_best += *std::min_element(inplace.begin(), inplace.end());
+  tot->inplace_median += Median(inplace);
   tot->enc_median += Median(enc);
   tot->dec_median += Median(dec);
   tot->read_median += Median(rd);
@@ -507,6 +525,8 @@ void PrintJson(const Result& r) {
   num("encode_gbps_median", r.Gbps(r.tot.enc_median));
   num("decode_gbps_median", r.Gbps(r.tot.dec_median));
   num("read_gbps_median", r.Gbps(r.tot.read_median));
+  num("inplace_apply_ns_per_change", SafeDiv(1e9 * r.tot.inplace_best, r.tot.changed));
+  num("inplace_apply_ns_per_change_median", SafeDiv(1e9 * r.tot.inplace_median, r.tot.changed));
   num("share_d1", r.share(1));
   num("share_d2", r.share(2));
   num("share_d3", r.share(3));
@@ -554,6 +574,9 @@ void PrintHumanDetail(const Result& r) {
               r.Gbps(r.tot.enc_best), r.Gbps(r.tot.enc_median), r.Gbps(r.tot.dec_best),
               r.Gbps(r.tot.dec_median), r.Gbps(r.tot.read_best), r.Gbps(r.tot.read_median),
               r.Gbps(r.tot.readpf_best), r.Gbps(r.tot.readpf_median));
+  std::printf("   in-place apply with the v2 delta (the subscriber's path): %.1f (%.1f) ns per change\n",
+              SafeDiv(1e9 * r.tot.inplace_best, r.tot.changed),
+              SafeDiv(1e9 * r.tot.inplace_median, r.tot.changed));
   std::fflush(stdout);
 }
 

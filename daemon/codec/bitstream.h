@@ -85,6 +85,17 @@ class BitReader {
     }
     return (w >> (pos_ & 7)) & ((1ull << 57) - 1);
   }
+  // Fast path for decoders: the stream's next bits (at least 57 of them valid) when 8 whole
+  // bytes remain from the current byte, so that no bounds check is needed; false otherwise.
+  inline bool PeekFast(uint64_t* w) const {
+    const size_t byte = pos_ >> 3;
+    if (byte + 8 > nbytes_) return false;
+    std::memcpy(w, data_ + byte, 8);
+    *w >>= (pos_ & 7);
+    return true;
+  }
+  // Consumes n bits that a PeekFast window showed to be there (n <= 57).
+  inline void Advance(unsigned n) { pos_ += n; }
   inline void Skip(uint64_t n) {
     pos_ += n;
     if (pos_ > nbits_) overrun_ = true;

@@ -925,29 +925,66 @@ class TableReader {
 // Decoder
 // ---------------------------------------------------------------------------------------------
 
-// Decodes a SPARSE block's payload into (position, target bits) pairs. `base` may be null (then
-// raw values are not compared with the base). Returns a precise error on any malformation.
+// The target bits of an element whose base bits are `o`, given its coded difference.
 template <typename T>
-absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t block_index,
-                          ValueCoding coding, const T* base, Scratch& s) {
+inline uint64_t ApplyDiff(uint64_t o, uint64_t diff, ValueCoding coding) {
+  constexpr int kBits = 8 * sizeof(T);
+  constexpr uint64_t kMask = format::WidthMask(kBits);
+  if (coding == ValueCoding::kOrderedDiff) {
+    return format::OrderedInverse((format::OrderedImage(o, kBits) + diff) & kMask, kBits);
+  }
+  return (o + diff) & kMask;
+}
+
+// The fast path of a change of difference +-1 (the common case): its gap and sign read from one
+// 57-bit window of the stream. Reads and checks exactly what the general path of DecodeChanges
+// would; false (nothing consumed) when the code does not fit the window or the stream's last 8
+// bytes are reached, and the general path decides.
+inline bool FastGapAndSign(BitReader& r, int kg, uint64_t max_gap_q, uint64_t* gap,
+                           bool* negative) {
+  uint64_t w;
+  if (!r.PeekFast(&w)) return false;
+  const unsigned tz = static_cast<unsigned>(__builtin_ctzll(w | (1ull << 63)));
+  const unsigned used = tz + static_cast<unsigned>(kg) + 2;
+  if (used > 57 || tz > max_gap_q) return false;
+  r.Advance(used);
+  *gap = (static_cast<uint64_t>(tz) << kg) | ((w >> (tz + 1)) & ((1ull << kg) - 1));
+  *negative = ((w >> (tz + 1 + kg)) & 1) != 0;
+  return true;
+}
+
+// Decodes a SPARSE block's bitstream into s.pos (increasing positions) and s.val: the raw target
+// bits for raw coding (checked against `base` when given), otherwise the coded differences
+// (resolved against the base by ResolveTargets). Leaves r at the end of the last change.
+template <typename T>
+absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_index,
+                           ValueCoding coding, const T* base, Scratch& s) {
   constexpr int kBits = 8 * sizeof(T);
   constexpr uint64_t kMask = format::WidthMask(kBits);
   constexpr uint64_t kSignBit = 1ull << (kBits - 1);
   const uint32_t len = d.num_elements;
   const uint32_t n = d.count;
-  s.pos.resize(n);
-  s.val.resize(n);
-  BitReader r(payload, d.payload_bytes);
   auto fail = [&](uint32_t j, const char* what) {
     return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ", change ", j,
                                             " of ", n, " (bit ", r.bit_position(), "): ", what));
   };
   const uint64_t max_gap_q = (static_cast<uint64_t>(len) >> d.kg);
   const uint64_t max_run_q = (static_cast<uint64_t>(n) >> d.kr);
+  const bool coded_diffs = coding != ValueCoding::kRaw;
   int64_t pos = -1;
-  bool run_due = coding != ValueCoding::kRaw;
+  bool run_due = coded_diffs;
   uint64_t next_exception = n;
   for (uint32_t j = 0; j < n; ++j) {
+    uint64_t gap;
+    bool negative;
+    if (coded_diffs && !run_due && j != next_exception &&
+        FastGapAndSign(r, d.kg, max_gap_q, &gap, &negative)) {
+      pos += static_cast<int64_t>(gap) + 1;
+      if (pos >= static_cast<int64_t>(len)) return fail(j, "position beyond the end of the block");
+      s.pos[j] = static_cast<uint32_t>(pos);
+      s.val[j] = negative ? kMask : 1;
+      continue;
+    }
     if (run_due) {
       const uint64_t q = r.GetUnary(max_run_q);
       const uint64_t run = (q << d.kr) | r.Get(d.kr);
@@ -957,12 +994,12 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
       run_due = false;
     }
     const uint64_t q = r.GetUnary(max_gap_q);
-    const uint64_t gap = (q << d.kg) | r.Get(d.kg);
+    gap = (q << d.kg) | r.Get(d.kg);
     if (r.overrun()) return fail(j, "truncated or oversized position gap");
     pos += static_cast<int64_t>(gap) + 1;
     if (pos >= static_cast<int64_t>(len)) return fail(j, "position beyond the end of the block");
     s.pos[j] = static_cast<uint32_t>(pos);
-    if (coding == ValueCoding::kRaw) {
+    if (!coded_diffs) {
       const uint64_t v = r.Get(kBits);
       if (r.overrun()) return fail(j, "truncated value");
       if (base != nullptr && static_cast<uint64_t>(base[pos]) == v) {
@@ -988,28 +1025,51 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
     if (m > kSignBit || (m == kSignBit && sign == 0) || m > kMask) {
       return fail(j, "difference out of range for the dtype");
     }
-    const uint64_t diff = sign ? ((0 - m) & kMask) : m;
-    if (base != nullptr) {
-      const uint64_t o = static_cast<uint64_t>(base[pos]);
-      if (coding == ValueCoding::kOrderedDiff) {
-        s.val[j] = format::OrderedInverse((format::OrderedImage(o, kBits) + diff) & kMask, kBits);
-      } else {
-        s.val[j] = (o + diff) & kMask;
-      }
-    } else {
-      s.val[j] = diff;
-    }
+    s.val[j] = sign ? ((0 - m) & kMask) : m;
   }
-  const uint64_t used = r.bit_position();
-  if ((used + 7) / 8 != d.payload_bytes) {
+  return absl::OkStatus();
+}
+
+// The payload is used exactly: its length is that of the bits read, and the padding is zero.
+absl::Status CheckPayloadEnd(const uint8_t* payload, const BlockDesc& d, uint64_t block_index,
+                             uint64_t used_bits) {
+  if ((used_bits + 7) / 8 != d.payload_bytes) {
     return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ": payload has ",
-                                            d.payload_bytes, " bytes but its ", n, " changes use ",
-                                            (used + 7) / 8));
+                                            d.payload_bytes, " bytes but its ", d.count,
+                                            " changes use ", (used_bits + 7) / 8));
   }
-  if (used % 8 != 0 && (payload[used / 8] >> (used % 8)) != 0) {
+  if (used_bits % 8 != 0 && (payload[used_bits / 8] >> (used_bits % 8)) != 0) {
     return absl::DataLossError(
         absl::StrCat("patch ", DescribeBlock(block_index, d), ": nonzero padding bits"));
   }
+  return absl::OkStatus();
+}
+
+// Turns the decoded differences in s.val into target bits against `base`. A loop of its own, with
+// loads independent of each other (and prefetched ahead), so that the base's cache misses overlap
+// instead of stalling the bitstream's serial decode.
+template <typename T>
+void ResolveTargets(Scratch& s, uint32_t n, const T* base, ValueCoding coding) {
+  constexpr uint32_t kAhead = 128;
+  for (uint32_t j = 0; j < kAhead && j < n; ++j) __builtin_prefetch(base + s.pos[j]);
+  for (uint32_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) __builtin_prefetch(base + s.pos[j + kAhead]);
+    s.val[j] = ApplyDiff<T>(static_cast<uint64_t>(base[s.pos[j]]), s.val[j], coding);
+  }
+}
+
+// Decodes a SPARSE block's payload into (position, target bits) pairs. `base` may be null (then
+// s.val holds the coded differences, or raw values not compared with a base). Returns a precise
+// error on any malformation.
+template <typename T>
+absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t block_index,
+                          ValueCoding coding, const T* base, Scratch& s) {
+  s.pos.resize(d.count);
+  s.val.resize(d.count);
+  BitReader r(payload, d.payload_bytes);
+  RETURN_IF_ERROR(DecodeChanges<T>(r, d, block_index, coding, base, s));
+  RETURN_IF_ERROR(CheckPayloadEnd(payload, d, block_index, r.bit_position()));
+  if (base != nullptr && coding != ValueCoding::kRaw) ResolveTargets<T>(s, d.count, base, coding);
   return absl::OkStatus();
 }
 
