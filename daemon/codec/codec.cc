@@ -1517,10 +1517,17 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
   return patches;
 }
 
-// Writes block change log entries into the block at `dst`.
+// Writes block change log entries into the block at `dst`, prefetching the lines it will write
+// (for ownership) far enough ahead that the store misses overlap.
 template <typename T>
 void ScatterLogged(uint8_t* dst, const uint8_t* pos, const uint8_t* val, uint32_t count) {
+  constexpr uint32_t kAhead = 64;
   for (uint32_t j = 0; j < count; ++j) {
+    if (j + kAhead < count) {
+      uint32_t ahead;
+      std::memcpy(&ahead, pos + 4 * static_cast<size_t>(j + kAhead), 4);
+      __builtin_prefetch(dst + static_cast<uint64_t>(ahead) * sizeof(T), 1);
+    }
     uint32_t p;
     std::memcpy(&p, pos + 4 * static_cast<size_t>(j), 4);
     std::memcpy(dst + static_cast<uint64_t>(p) * sizeof(T), val + j * sizeof(T), sizeof(T));
