@@ -659,6 +659,36 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     return rec
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ms(proc) -> float:
+    """User + system CPU of a running process (all its threads, live or ended), in ms; `ip netns
+    exec` execs its command, so the Popen's pid is the daemon's."""
+    if proc is None or proc.poll() is not None:
+        return 0.0
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * 1000.0 / CLK_TCK  # utime, stime
+
+
+def cpu_snapshot(link, pub, subs) -> dict:
+    return {"publisher": cpu_ms(pub.proc), "subscribers": sum(cpu_ms(s.proc) for s in subs),
+            "relay": cpu_ms(link.relay)}
+
+
+def cpu_between(a: dict, b: dict, wall_ms: float) -> dict:
+    """CPU each side used between two snapshots, and in all: `cores` is that total over the wall
+    time, i.e. how many of the machine's cores the refit kept busy (10 ms resolution)."""
+    d = {k: b[k] - a[k] for k in a}
+    d["total"] = sum(d.values())
+    d["cores"] = d["total"] / wall_ms if wall_ms > 0 else None
+    return d
+
+
 def read_pass(bins: dict, old: str, new: str, threads: int) -> float:
     r = sh(bins["read_pass"], "--threads", str(threads), "--reps", "3", old, new, timeout=600)
     return json.loads(r.stdout)["pass_ms"]
@@ -718,12 +748,20 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
         for k in range(args.versions + 1):
             f = version_file(traj, k)
             verify = args.quick or args.verify_every or k == args.versions
+            c0, t0 = cpu_snapshot(link, pub, subs), time.monotonic()
+            if records:  # the previous version's work after its refit (background, bookkeeping)
+                records[-1]["cpu_after_ms"] = cpu_between(c_end, c0, (t0 - t_end) * 1e3)
             raw = stepper.step(k + 1, f, verify)
+            c_end, t_end = cpu_snapshot(link, pub, subs), time.monotonic()
             pm = None if args.no_read_pass else \
                 read_pass(bins, version_file(traj, max(k - 1, 0)), f, args.threads)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
             rec = record(spec, kind, k + 1, raw, pub, subs, pm)
+            # CPU from the step's start to every subscriber having applied; `cores` over that time
+            # less wan_step's loading of the tensors (load_ms, before the Publish call: the
+            # daemons are idle then, and wan_step's own CPU is not counted)
+            rec["cpu_ms"] = cpu_between(c0, c_end, (t_end - t0) * 1e3 - (raw.get("load_ms") or 0))
             records.append(rec)
             log(f"  v{k + 1} {kind}: e2e {rec['e2e_ms']:.0f} ms, wire {rec['wire_bytes']}, "
                 f"bound {rec['transport_bound_ms']:.0f} ms, pass {fmt(pm, '{:.1f}')} ms, digests "
@@ -771,6 +809,13 @@ def summarise(records: list, raws: list) -> dict:
         "keyframe_e2e_ms": key["e2e_ms"] if key else None,
         "keyframe_vs_raw4": key["e2e_ms"] / raw4 if key and raw4 else None,
         "raw1_ms": next((r["ms"] for r in raws if r["streams"] == 1), None), "raw4_ms": raw4,
+        # CPU of the steady refits (publish call -> applied), medians per side and of the cores
+        # kept busy: about the machine's core count means the refit is CPU-bound here.
+        "steady_cpu_median_ms": {k: statistics.median([r["cpu_ms"][k] for r in steady])
+                                 for k in ("publisher", "subscribers", "relay", "total")}
+        if steady and all("cpu_ms" in r for r in steady) else None,
+        "steady_cpu_cores_median": statistics.median([r["cpu_ms"]["cores"] for r in steady])
+        if steady and all(r.get("cpu_ms", {}).get("cores") for r in steady) else None,
     }
 
 
@@ -818,9 +863,10 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`.", "",
              "| model | link | conns | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
              "max/median | bound ms | pass ms | (e2e-bound)/pass | faster raw / delta | "
-             "keyframe / raw4 |", "|---" * 12 + "|"]
+             "keyframe / raw4 | steady CPU pub / sub / relay ms (cores) |", "|---" * 13 + "|"]
     for run in result["runs"]:
         s = run["summary"]
+        c = s.get("steady_cpu_median_ms") or {}
         lines.append(
             f"| {run['model']} ({run['model_bytes'] / 1e6:.0f} MB) | {run['link']['name']} | "
             f"{run['streams']} | {fmt(s['keyframe_e2e_ms'])} | {fmt(s['raw1_ms'])} / {fmt(s['raw4_ms'])} | "
@@ -828,14 +874,19 @@ def markdown(result: dict) -> str:
             f"| {fmt(s['steady_bound_median_ms'])} | {fmt(s['steady_pass_median_ms'], '{:.1f}')} | "
             f"{fmt(s['steady_excess_over_pass_median'], '{:.1f}')} | "
             f"{fmt(s['delta_speedup_vs_faster_raw'], '{:.1f}')}x | "
-            f"{fmt(s['keyframe_vs_raw4'], '{:.2f}')} |")
+            f"{fmt(s['keyframe_vs_raw4'], '{:.2f}')} | {fmt(c.get('publisher'))} / "
+            f"{fmt(c.get('subscribers'))} / {fmt(c.get('relay'))} "
+            f"({fmt(s.get('steady_cpu_cores_median'), '{:.2f}')}) |")
     for run in result["runs"]:
         lines += ["", f"## {run['model']} on {run['link']['name']}, {run['streams']} connection(s)",
                   "",
                   "| v | kind | change | wire B | e2e ms | publish call ms | pub encode / total / outside ms "
                   "| sub receive / stage / verify / apply ms | residual ms | bound ms | pass ms | "
-                  "(e2e-bound)/pass |", "|---" * 12 + "|"]
+                  "(e2e-bound)/pass | CPU pub / sub / relay ms (cores) | CPU after ms |",
+                  "|---" * 14 + "|"]
         for r in run["versions"]:
+            c = r.get("cpu_ms") or {}
+            ca = r.get("cpu_after_ms") or {}
             s0 = r["subscriber"][0] if r["subscriber"] else {}
             p = r["publisher"]
             lines.append(
@@ -846,7 +897,9 @@ def markdown(result: dict) -> str:
                 f"{fmt(s0.get('stage_ms'))} / {fmt(s0.get('verify_ms'))} / "
                 f"{fmt(s0.get('apply_ms'))} | {fmt(r['network_residual_ms'])} | "
                 f"{fmt(r['transport_bound_ms'])} | {fmt(r['pass_ms'], '{:.1f}')} | "
-                f"{fmt(r['excess_over_pass'], '{:.1f}')} |")
+                f"{fmt(r['excess_over_pass'], '{:.1f}')} | {fmt(c.get('publisher'))} / "
+                f"{fmt(c.get('subscribers'))} / {fmt(c.get('relay'))} "
+                f"({fmt(c.get('cores'), '{:.2f}')}) | {fmt(ca.get('total'))} |")
     for lc in result.get("link_checks", []):
         p = lc.get("ping_rtt_ms") or {}
         lines += ["", f"Link check {lc['link']['name']} (load {lc['loadavg']}): ping RTT avg "
