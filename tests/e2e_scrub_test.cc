@@ -163,8 +163,8 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   } while (absl::Now() < deadline);
   EXPECT_EQ(got, m.Find("b.weight")->data) << "not healed";
   E2E_ASSERT_OK(ExpectExportEquals(sub, m));
-  // The pass that found the flip was cut short by the repair's commit (a commit restarts a
-  // pass): wait for a complete one over the repaired version.
+  // The pass that found the flip goes on over the repaired version (a commit does not restart a
+  // pass): wait for a complete one.
   st = PollStatus(
       sub.control_target(), [](const v1::StatusResponse& s) { return s.scrub_passes() >= 1; },
       absl::Seconds(60), "a complete scrub pass");

@@ -41,18 +41,30 @@ bool Scrubber::BeginPass() {
   return true;
 }
 
+bool Scrubber::FollowCommit() {
+  if (core_->applied_version() == pass_->version) return true;
+  const size_t next = pass_->next;
+  const uint64_t generation = pass_->generation;
+  pass_.reset();
+  if (!BeginPass()) return false;
+  absl::MutexLock lock(&mu_);
+  if (pass_->generation == generation && next <= pass_->digests.size()) {
+    pass_->next = next;  // same layout: the pass goes on from the same tensor
+    ++stats_.carried_over;
+  } else {
+    ++stats_.restarts;
+  }
+  return true;
+}
+
 uint64_t Scrubber::CheckNext() {
   Pass& pass = *pass_;
   // Only the committed version is leased: a lease on an older slot could keep the next staging
   // from finding a free one.
-  absl::StatusOr<SubscriberLease> lease =
-      core_->applied_version() == pass.version
-          ? core_->AcquireLease(options_.consumer, pass.version)
-          : absl::StatusOr<SubscriberLease>(absl::FailedPreconditionError("version replaced"));
-  if (!lease.ok() || lease->generation != pass.generation ||
-      pass.next >= lease->lease.spans.size()) {
-    // A commit replaced the version (or the generation): start over on the new one.
-    if (lease.ok()) (void)core_->ReleaseLease(lease->lease.lease_id);
+  absl::StatusOr<SubscriberLease> lease = core_->AcquireLease(options_.consumer, pass.version);
+  if (!lease.ok()) return 0;  // a commit in between (FollowCommit next step), or no lease now
+  if (lease->generation != pass.generation || pass.next >= lease->lease.spans.size()) {
+    (void)core_->ReleaseLease(lease->lease.lease_id);  // a new generation: start over
     pass_.reset();
     absl::MutexLock lock(&mu_);
     ++stats_.restarts;
@@ -110,8 +122,12 @@ absl::Time Scrubber::Step() {
     return next_due_ = now + options_.busy_retry;
   }
   if (!pass_.has_value() && !BeginPass()) return next_due_ = now + options_.busy_retry;
-  const uint64_t bytes = CheckNext();
-  if (bytes == 0) return next_due_ = now;  // restarted: begin the new pass at once
+  if (!FollowCommit()) return next_due_ = now + options_.busy_retry;
+  const uint64_t bytes = pass_->next < pass_->digests.size() ? CheckNext() : 0;
+  if (bytes == 0 && pass_.has_value() && pass_->next < pass_->digests.size()) {
+    return next_due_ = now + options_.busy_retry;  // no lease now: try again later
+  }
+  if (!pass_.has_value()) return next_due_ = now;  // a new generation: begin its pass at once
   next_due_ = now + absl::Seconds(static_cast<double>(bytes) /
                                   static_cast<double>(options_.bytes_per_second));
   if (pass_->next >= pass_->digests.size()) {

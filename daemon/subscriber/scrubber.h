@@ -14,7 +14,9 @@
 //     lease of the committed version (the daemon's own, taken and released around each tensor),
 //     so no staging can write the slot being hashed;
 //   - a pass ends at the last tensor; the next starts `interval` later. A commit during a pass
-//     restarts it on the new version (a partial pass is not counted).
+//     does not restart it: the pass goes on from the same tensor on the new version, each tensor
+//     compared with the digest of the version committed when it is hashed (so a pass completes
+//     however often versions arrive; a pass that a new store generation cuts starts over).
 //
 // Step() does one unit of work at the clock's now (tests drive it with a FakeClock); Start()
 // runs Step on a thread, waiting in real time until the next step is due.
@@ -79,7 +81,8 @@ struct ScrubStats {
   uint64_t tensors_checked = 0;
   uint64_t bytes_checked = 0;
   uint64_t busy = 0;             // steps skipped: a transfer was open
-  uint64_t restarts = 0;         // passes restarted by a commit
+  uint64_t carried_over = 0;     // a pass moved on to a newer committed version (same layout)
+  uint64_t restarts = 0;         // passes started over (a new store generation)
   absl::Time last_pass_end = absl::InfinitePast();  // InfinitePast: none yet
   std::string last_error;        // a digest that could not be computed
 };
@@ -112,7 +115,11 @@ class Scrubber {
   };
   // Starts a pass on the applied version; false when nothing is committed.
   bool BeginPass();
-  // Hashes tensor pass_->next under a lease; returns the bytes hashed (0: the pass restarted).
+  // When a commit replaced the pass's version: the pass goes on with the new version's digests
+  // from the same tensor (same generation) or starts over. False when nothing is committed.
+  bool FollowCommit();
+  // Hashes tensor pass_->next under a lease; returns the bytes hashed (0: no lease could be
+  // taken, or a new generation reset the pass).
   uint64_t CheckNext();
   void NoteMismatch(const ScrubMismatch& m);
   void Run();
