@@ -315,59 +315,14 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Encodes, verifies and times one unit; adds to `tot`.
-UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
-                       int threads, int reps, Totals* tot) {
-  UnitReport rep;
+// Times one unit's encode, decode, read passes and in-place apply (`reps` rounds after one
+// warm-up, interleaved) and checks every output again; adds the best and median to `tot`.
+void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
+              const std::vector<Bytes>& verified, std::vector<Bytes>& outs, int threads, int reps,
+              Totals* tot) {
   EncodeOptions eo;
   eo.threads = threads;
-  std::vector<Bytes> outs(pairs.size());
-  std::vector<Bytes> verified(pairs.size());  // the patches checked below
-  uint64_t unit_bytes = 0;
-
-  // Sizes, bound and verification (untimed).
-  for (size_t t = 0; t < pairs.size(); ++t) {
-    const TensorPair& tp = pairs[t];
-    const std::string where = absl::StrCat(dataset, " tensor '", tp.name, "'");
-    rep.elements += tp.base.size() / kElemBytes;
-    rep.changed += AccumulateDiffs(tp.base, tp.target, kElemBytes, &rep.hist, threads);
-    unit_bytes += tp.base.size();
-
-    PatchStats st;
-    auto patch = EncodePatch(DType::kBF16, tp.base, tp.target, eo, &st);
-    if (!patch.ok()) Fail(absl::StrCat(where, ": EncodePatch: ", patch.status().ToString()));
-    outs[t].assign(tp.base.size(), 0);
-    absl::Status s = ApplyPatch(*patch, DType::kBF16, tp.base, outs[t], threads);
-    if (!s.ok()) Fail(absl::StrCat(where, ": ApplyPatch: ", s.ToString()));
-    if (outs[t].size() != tp.target.size() ||
-        std::memcmp(outs[t].data(), tp.target.data(), tp.target.size()) != 0) {
-      Fail(absl::StrCat(where, ": applied patch differs from the target"));
-    }
-    if (TensorDigest(outs[t], threads) != TensorDigest(tp.target, threads)) {
-      Fail(absl::StrCat(where, ": tensor digest of the applied patch differs"));
-    }
-    tot->patch_bytes += patch->size();
-    verified[t] = *std::move(patch);
-    tot->blocks_unchanged += st.blocks_unchanged;
-    tot->blocks_sparse += st.blocks_sparse;
-    tot->blocks_dense += st.blocks_dense;
-
-    auto ref = DcrEncode(tp.base, tp.target, kElemBytes);
-    if (!ref.ok()) Fail(absl::StrCat(where, ": DcrEncode: ", ref.status().ToString()));
-    Bytes ref_out(tp.base.size());
-    s = DcrApply(*ref, tp.base, ref_out, kElemBytes);
-    if (!s.ok() || std::memcmp(ref_out.data(), tp.target.data(), tp.target.size()) != 0) {
-      Fail(absl::StrCat(where, ": the DCR reference does not round-trip: ", s.ToString()));
-    }
-    tot->ref_bytes += ref->size();
-  }
-  tot->tensors += pairs.size();
-  tot->elements += rep.elements;
-  tot->changed += rep.changed;
-  tot->dense_bytes += unit_bytes;
-  tot->hist.Merge(rep.hist);
-
-  // Timing: one warm-up round, then `reps` rounds of encode, decode, read, interleaved.
+  // One warm-up round, then `reps` rounds of encode, decode, read, interleaved.
   // All tensors of a unit (a model version) are encoded in one EncodePatches call, as a
   // publisher does: their blocks are spread over the threads together.
   std::vector<double> enc, dec, rd, rdpf, inplace;
@@ -430,6 +385,61 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
   tot->enc_median += Median(enc);
   tot->dec_median += Median(dec);
   tot->read_median += Median(rd);
+}
+
+// Encodes, verifies and times one unit; adds to `tot`.
+UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
+                       int threads, int reps, Totals* tot) {
+  UnitReport rep;
+  EncodeOptions eo;
+  eo.threads = threads;
+  std::vector<Bytes> outs(pairs.size());
+  std::vector<Bytes> verified(pairs.size());  // the patches checked below
+  uint64_t unit_bytes = 0;
+
+  // Sizes, bound and verification (untimed).
+  for (size_t t = 0; t < pairs.size(); ++t) {
+    const TensorPair& tp = pairs[t];
+    const std::string where = absl::StrCat(dataset, " tensor '", tp.name, "'");
+    rep.elements += tp.base.size() / kElemBytes;
+    rep.changed += AccumulateDiffs(tp.base, tp.target, kElemBytes, &rep.hist, threads);
+    unit_bytes += tp.base.size();
+
+    PatchStats st;
+    auto patch = EncodePatch(DType::kBF16, tp.base, tp.target, eo, &st);
+    if (!patch.ok()) Fail(absl::StrCat(where, ": EncodePatch: ", patch.status().ToString()));
+    outs[t].assign(tp.base.size(), 0);
+    absl::Status s = ApplyPatch(*patch, DType::kBF16, tp.base, outs[t], threads);
+    if (!s.ok()) Fail(absl::StrCat(where, ": ApplyPatch: ", s.ToString()));
+    if (outs[t].size() != tp.target.size() ||
+        std::memcmp(outs[t].data(), tp.target.data(), tp.target.size()) != 0) {
+      Fail(absl::StrCat(where, ": applied patch differs from the target"));
+    }
+    if (TensorDigest(outs[t], threads) != TensorDigest(tp.target, threads)) {
+      Fail(absl::StrCat(where, ": tensor digest of the applied patch differs"));
+    }
+    tot->patch_bytes += patch->size();
+    verified[t] = *std::move(patch);
+    tot->blocks_unchanged += st.blocks_unchanged;
+    tot->blocks_sparse += st.blocks_sparse;
+    tot->blocks_dense += st.blocks_dense;
+
+    auto ref = DcrEncode(tp.base, tp.target, kElemBytes);
+    if (!ref.ok()) Fail(absl::StrCat(where, ": DcrEncode: ", ref.status().ToString()));
+    Bytes ref_out(tp.base.size());
+    s = DcrApply(*ref, tp.base, ref_out, kElemBytes);
+    if (!s.ok() || std::memcmp(ref_out.data(), tp.target.data(), tp.target.size()) != 0) {
+      Fail(absl::StrCat(where, ": the DCR reference does not round-trip: ", s.ToString()));
+    }
+    tot->ref_bytes += ref->size();
+  }
+  tot->tensors += pairs.size();
+  tot->elements += rep.elements;
+  tot->changed += rep.changed;
+  tot->dense_bytes += unit_bytes;
+  tot->hist.Merge(rep.hist);
+
+  TimeUnit(dataset, pairs, verified, outs, threads, reps, tot);
   tot->timed_bytes += unit_bytes;
   return rep;
 }
