@@ -46,6 +46,7 @@ class Loopback:
                      "rate_mbit": float("inf")}
         self.pub_ns = self.sub_ns = None
         self.pub_ip = self.sub_ip = "127.0.0.1"
+        self.relay = None  # no link relay process (run.py counts its CPU when there is one)
 
     def __enter__(self):
         return self

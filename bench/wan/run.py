@@ -815,7 +815,7 @@ def summarise(records: list, raws: list) -> dict:
                                  for k in ("publisher", "subscribers", "relay", "total")}
         if steady and all("cpu_ms" in r for r in steady) else None,
         "steady_cpu_cores_median": statistics.median([r["cpu_ms"]["cores"] for r in steady])
-        if steady and all(r.get("cpu_ms", {}).get("cores") for r in steady) else None,
+        if steady and all(r.get("cpu_ms", {}).get("cores") is not None for r in steady) else None,
     }
 
 
