@@ -711,7 +711,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
                                              "publish again"));
     }
     if (!round_.has_value()) {
-      round_.emplace();
+      round_.emplace(Round{});  // Round{}: clang cannot default-construct it in emplace() here
       round_->version = version;
       round_->first_client = name;
     } else if (round_->version != version) {
