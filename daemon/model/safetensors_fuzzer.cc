@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/model/safetensors.h"
 
@@ -70,6 +71,7 @@ void CheckRoundTrip(const SafetensorsFile& f) {
   }
   refit::SafeWriteOptions no_fsync;
   no_fsync.durable = false;
+  absl::Cleanup remove = [] { unlink(path.c_str()); };  // nothing left in /dev/shm at exit
   absl::Status st = refit::model::WriteSafetensors(path, refs, f.metadata(), no_fsync);
   if (!st.ok()) {
     // Only the file system may refuse; what the reader accepted the writer must write.
