@@ -48,8 +48,8 @@ bool Scrubber::FollowCommit() {
   pass_.reset();
   if (!BeginPass()) return false;
   absl::MutexLock lock(&mu_);
-  if (pass_->generation == generation && next <= pass_->digests.size()) {
-    pass_->next = next;  // same layout: the pass goes on from the same tensor
+  if (pass_->generation == generation) {
+    pass_->next = next;  // same generation, same layout: the pass goes on from the same tensor
     ++stats_.carried_over;
   } else {
     ++stats_.restarts;
@@ -123,11 +123,9 @@ absl::Time Scrubber::Step() {
   }
   if (!pass_.has_value() && !BeginPass()) return next_due_ = now + options_.busy_retry;
   if (!FollowCommit()) return next_due_ = now + options_.busy_retry;
-  const uint64_t bytes = pass_->next < pass_->digests.size() ? CheckNext() : 0;
-  if (bytes == 0 && pass_.has_value() && pass_->next < pass_->digests.size()) {
-    return next_due_ = now + options_.busy_retry;  // no lease now: try again later
-  }
+  const uint64_t bytes = CheckNext();  // a pass in progress always has a tensor left
   if (!pass_.has_value()) return next_due_ = now;  // a new generation: begin its pass at once
+  if (bytes == 0) return next_due_ = now + options_.busy_retry;  // no lease now: try later
   next_due_ = now + absl::Seconds(static_cast<double>(bytes) /
                                   static_cast<double>(options_.bytes_per_second));
   if (pass_->next >= pass_->digests.size()) {
