@@ -693,6 +693,22 @@ std::string FormatTls(const v1::StatusResponse& st) {
   return out;
 }
 
+
+// A relay (serve_peers): how its upstream's transfers reach its peers.
+std::string FormatRelay(const v1::RelayStatus& r) {
+  std::string out = absl::StrCat(
+      r.cut_through() ? "cut-through" : "encodes every version again", ": ", r.streamed(),
+      " of ", r.transfers(), " transfers streamed to peers while arriving (",
+      r.peer_streamed_transfers(), " taken), ", FormatBytes(r.object_bytes()), "; installed ",
+      r.adopted_versions(), " from the patches received, ", r.reencoded_versions(),
+      " by encoding");
+  if (r.failed() > 0 || r.not_relayable() > 0) {
+    absl::StrAppend(&out, "; ", r.failed(), " failed, ", r.not_relayable(), " not relayable");
+  }
+  if (!r.last_error().empty()) absl::StrAppend(&out, " (last: ", r.last_error(), ")");
+  return out;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -726,6 +742,8 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
                                    q.refused_full(), " refused (full), ", q.dropped_expired(),
                                    " dropped (caller gone)"));
   }
+
+  if (st.role() == v1::ROLE_SUBSCRIBER && st.has_relay()) line("relay", FormatRelay(st.relay()));
 
   if (st.role() == v1::ROLE_SUBSCRIBER || st.has_upstream()) {
     out += "\nupstream:\n";

@@ -400,6 +400,27 @@ TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
   EXPECT_THAT(t, ::testing::Not(HasSubstr("leases")));
 }
 
+TEST(RefitctlFormat, RelayLine) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_SUBSCRIBER);
+  EXPECT_THAT(FormatStatusTable(st), Not(HasSubstr("relay:")));
+  v1::RelayStatus* r = st.mutable_relay();
+  r->set_cut_through(true);
+  r->set_transfers(5);
+  r->set_streamed(4);
+  r->set_peer_streamed_transfers(8);
+  r->set_object_bytes(2'450'000);
+  r->set_adopted_versions(4);
+  r->set_reencoded_versions(2);
+  r->set_failed(1);
+  r->set_last_error("relaying version 7 failed: the upstream aborted version 7");
+  EXPECT_THAT(FormatStatusTable(st),
+              HasSubstr("relay:      cut-through: 4 of 5 transfers streamed to peers while "
+                        "arriving (8 taken), 2.45 MB; installed 4 from the patches received, 2 "
+                        "by encoding; 1 failed, 0 not relayable (last: relaying version 7 "
+                        "failed: the upstream aborted version 7)\n"));
+}
+
 TEST(RefitctlFormat, TlsMaterialAndRefusedReloads) {
   v1::StatusResponse st;
   st.set_role(v1::ROLE_PUBLISHER);

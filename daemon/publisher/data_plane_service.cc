@@ -895,9 +895,17 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
       !topts.plan.keyframe_tensors.empty() || base_version == 0) {
     return nullptr;
   }
+  // A committed live version streams too while the core does not hold it yet: a relayed
+  // version (PublisherCore::OpenRelayed) whose transfer completed before this session's turn,
+  // or the short window between a publish's commit and its install. (The core's lock is never
+  // taken under mu_.)
+  const uint64_t newest = core_->newest_version();
   absl::MutexLock lock(&mu_);
-  if (live_ == nullptr || live_->state() != LiveVersion::State::kEncoding ||
-      live_->base_version() != base_version ||
+  const bool open = live_ != nullptr &&
+                    (live_->state() == LiveVersion::State::kEncoding ||
+                     (live_->state() == LiveVersion::State::kCommitted &&
+                      newest < live_->version()));
+  if (!open || live_->base_version() != base_version ||
       live_->base_version_digest(session.digest_format) != base_digest || base_digest == 0) {
     return nullptr;
   }

@@ -379,6 +379,32 @@ class PublisherCore {
   void SetLiveListener(std::function<void(std::shared_ptr<const LiveVersion>)> on_open,
                        std::function<void()> on_change);
 
+  // Relays (a subscriber with serve_peers; docs/ARCHITECTURE.md "Relays"): the transfer its
+  // upstream is sending, forwarded to this core's sessions as it arrives, then installed without
+  // encoding anything.
+  //
+  // OpenRelayed: a LiveVersion of the upstream transfer `upstream`, whose objects the caller
+  // feeds (LiveVersion::Ready, with the objects exactly as received) and ends (Commit with the
+  // upstream's VersionEnd, or Fail). Relayable: a delta (base above 0, target above it) whose
+  // tensors are PATCH with one step (sent as they are), UNCHANGED (a zero-byte PATCH object) or
+  // KEYFRAME; InvalidArgument naming the first tensor otherwise. When this core's newest version
+  // is the upstream transfer's base (same lineage) the version is offered to the data plane at
+  // once (`*streaming`): sessions at that base stream it while it arrives (the streamed
+  // transfers' path). Otherwise the caller may still feed it and adopt it later.
+  absl::StatusOr<std::shared_ptr<LiveVersion>> OpenRelayed(const v1::VersionHeader& upstream,
+                                                           bool* streaming);
+  // Installs the relayed version `live` (committed: every object ready, its End known in v1 or
+  // v2) as the newest version without encoding: the history records its patches and digests
+  // (the missing digest format computed from `tensors`, changed tensors only), the baseline takes
+  // `tensors`' bytes (copied, or TensorInput::owned; unchanged tensors keep theirs). `tensors`:
+  // the version's verified bytes (the relay's committed store), any order, exactly the header's
+  // tensors (InvalidArgument otherwise). FailedPrecondition when the newest version is not the
+  // live version's base or another lineage's, when the core persists its baseline or encodes on
+  // a GPU (the caller then publishes the bytes instead); DataLoss when the version digest
+  // recomputed from the digests differs from the End's (nothing is installed).
+  absl::StatusOr<PublishSummary> AdoptRelayed(const LiveVersion& live,
+                                              std::span<const TensorInput> tensors);
+
  private:
   explicit PublisherCore(const PublisherOptions& options);
   // Writes baseline.safetensors at `s` (the persister's compaction).

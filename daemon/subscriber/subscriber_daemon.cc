@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <thread>
@@ -31,6 +33,7 @@
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/subscriber/consumer_api.h"
+#include "daemon/subscriber/relay_feed.h"
 #include "daemon/subscriber/scrubber.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
@@ -139,7 +142,15 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   // The background scrub (store.scrub_*): mismatches become repair requests upstream.
   std::unique_ptr<Scrubber> MakeScrubber(const v1::StoreConfig& store);
   void PeerPublishLoop();
+  bool StallPeersHook();
   absl::Status PublishToPeers();
+  v1::RelayStatus RelayStatusOf() const;
+  // PublishToPeers' steps.
+  absl::Status FollowUpstreamLineage();
+  absl::Status PeerInputsOf(const SubscriberLease& lease,
+                            std::vector<publisher::TensorInput>* inputs);
+  absl::StatusOr<publisher::PublishSummary> InstallForPeers(
+      uint64_t version, const std::vector<publisher::TensorInput>& inputs);
 
   const v1::SubscriberConfig config_;
   const std::string name_;
@@ -155,6 +166,13 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   // serve_peers: every applied version republished to a PublisherCore served on `listen`.
   std::unique_ptr<publisher::PublisherCore> peer_core_;
   std::unique_ptr<publisher::DataPlaneService> peer_service_;
+  // relay_cut_through: upstream transfers handed to peer_core_ as they arrive (the Upstream's
+  // tap), then adopted by it without encoding.
+  std::unique_ptr<RelayFeed> relay_;
+  // Versions installed for peers from the relayed patches / by encoding them again.
+  std::atomic<uint64_t> adopted_versions_{0};
+  std::atomic<uint64_t> reencoded_versions_{0};
+  std::string stall_peers_file_;  // test hook REFITD_TEST_HOOK_STALL_PEERS
   std::thread peer_thread_;
   absl::Mutex peer_mu_;
   uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // versions applied so far
@@ -295,6 +313,7 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
+  up.tap = relay_.get();
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });
   scrubber_ = MakeScrubber(config_.store());
@@ -312,6 +331,14 @@ absl::Status SubscriberDaemonImpl::MakePeers() {
   dpo.name = name_;
   dpo.logger = "peers";
   peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
+  if (const char* hook = std::getenv("REFITD_TEST_HOOK_STALL_PEERS"); hook != nullptr) {
+    stall_peers_file_ = hook;
+    log_->warn("test hook REFITD_TEST_HOOK_STALL_PEERS={}: peers get no installed version while "
+               "that file exists", stall_peers_file_);
+  }
+  if (config_.relay_cut_through()) {
+    relay_ = std::make_unique<RelayFeed>(peer_core_.get(), config_.upstream().max_frame_bytes());
+  }
   return absl::OkStatus();
 }
 
@@ -334,6 +361,7 @@ void SubscriberDaemonImpl::MakeServices() {
     publisher::DataPlaneService* peers = peer_service_.get();
     hooks.peer_sessions = [peers] { return peers->Sessions(); };
     hooks.bytes_sent = [peers] { return peers->bytes_sent(); };
+    hooks.relay = [this] { return RelayStatusOf(); };
   }
   SubscriberControlOptions co;
   co.name = name_;
@@ -370,8 +398,8 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   RETURN_IF_ERROR(OpenDevice(open_device));
   core_options.device = device_.get();
   core_ = std::make_unique<SubscriberCore>(core_options);
-  RETURN_IF_ERROR(MakeUpstream());
   RETURN_IF_ERROR(MakePeers());
+  RETURN_IF_ERROR(MakeUpstream());
   MakeServices();
   RETURN_IF_ERROR(StartServers(config_));
   if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
@@ -431,6 +459,7 @@ void SubscriberDaemonImpl::PeerPublishLoop() {
       if (peer_stop_) return;
       done = peer_wanted_;
     }
+    if (!StallPeersHook()) return;
     // Always the newest applied version: intermediate ones that arrived meanwhile are skipped.
     if (absl::Status st = PublishToPeers(); !st.ok()) {
       log_->warn("serving peers: {}", st.ToString());
@@ -438,46 +467,31 @@ void SubscriberDaemonImpl::PeerPublishLoop() {
   }
 }
 
+// Test hook: while the file REFITD_TEST_HOOK_STALL_PEERS names (read at start) exists, the peer
+// loop installs nothing for the peers, so only relayed streams reach them. False on shutdown.
+bool SubscriberDaemonImpl::StallPeersHook() {
+  if (stall_peers_file_.empty()) return true;
+  bool logged = false;
+  while (::access(stall_peers_file_.c_str(), F_OK) == 0) {
+    if (!logged) log_->warn("test hook: installing versions for peers stalled");
+    logged = true;
+    absl::MutexLock lock(&peer_mu_);
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return peer_stop_; };
+    if (peer_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(10))) return false;
+  }
+  return true;
+}
+
 absl::Status SubscriberDaemonImpl::PublishToPeers() {
   ASSIGN_OR_RETURN(SubscriberLease lease,
                    core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
                                        absl::InfiniteDuration()));
-  absl::Status result = absl::OkStatus();
-  // Peers see the upstream's lineage: a subscriber bootstrapped from a peer keeps deltas from
-  // the publisher. A lineage change upstream starts the peer core afresh.
-  if (const uint64_t lineage = core_->applied_lineage(); lineage != peer_core_->lineage()) {
-    const bool had_versions = peer_core_->newest_version() != 0;
-    result = peer_core_->Reset(lineage);
-    if (had_versions && result.ok()) {
-      log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
-                 sync::DescribeLineage(lineage));
-      peer_service_->EndSessions("the upstream changed lineage");
-    }
-  }
+  absl::Status result = FollowUpstreamLineage();
   if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
-    const store::Layout& layout = lease.store->layout();
     std::vector<publisher::TensorInput> inputs;
-    inputs.reserve(layout.size());
-    const bool host = lease.store->memory().host_accessible();
-    for (size_t i = 0; i < layout.size() && result.ok(); ++i) {
-      const store::TensorInfo& ti = layout.tensor(i);
-      publisher::TensorInput in;
-      in.name = ti.name;
-      in.dtype = ti.dtype;
-      in.shape = ti.shape;
-      in.data = lease.lease.spans[i];
-      if (!host) {
-        // A GPU store: the peer publisher keeps host snapshots anyway, so download into the
-        // buffer it takes over (no second copy).
-        auto buf = std::make_shared<std::vector<uint8_t>>(lease.lease.spans[i].size());
-        result = lease.store->memory().Download(*buf, lease.lease.spans[i]);
-        in.data = *buf;
-        in.owned = std::move(buf);
-      }
-      inputs.push_back(std::move(in));
-    }
+    result = PeerInputsOf(lease, &inputs);
     absl::StatusOr<publisher::PublishSummary> summary =
-        result.ok() ? peer_core_->Publish(lease.lease.version, inputs)
+        result.ok() ? InstallForPeers(lease.lease.version, inputs)
                     : absl::StatusOr<publisher::PublishSummary>(result);
     if (summary.ok()) {
       log_->debug("serving peers: version {} ({} tensors, wire {} for a peer at the previous "
@@ -493,6 +507,83 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
   (void)core_->ReleaseLease(lease.lease.lease_id);
   if (result.ok()) peer_service_->NotifyPublished();
   return result;
+}
+
+v1::RelayStatus SubscriberDaemonImpl::RelayStatusOf() const {
+  v1::RelayStatus out;
+  out.set_cut_through(relay_ != nullptr);
+  if (relay_ != nullptr) {
+    const RelayStats s = relay_->stats();
+    out.set_transfers(s.transfers);
+    out.set_streamed(s.streamed);
+    out.set_completed(s.completed);
+    out.set_failed(s.failed);
+    out.set_not_relayable(s.not_relayable);
+    out.set_object_bytes(s.object_bytes);
+    out.set_last_error(s.last_error);
+  }
+  out.set_adopted_versions(adopted_versions_.load(std::memory_order_relaxed));
+  out.set_reencoded_versions(reencoded_versions_.load(std::memory_order_relaxed));
+  out.set_peer_streamed_transfers(peer_service_->streamed_transfers());
+  return out;
+}
+
+// Peers see the upstream's lineage: a subscriber bootstrapped from a peer keeps deltas from the
+// publisher. A lineage change upstream starts the peer core afresh.
+absl::Status SubscriberDaemonImpl::FollowUpstreamLineage() {
+  const uint64_t lineage = core_->applied_lineage();
+  if (lineage == peer_core_->lineage()) return absl::OkStatus();
+  const bool had_versions = peer_core_->newest_version() != 0;
+  RETURN_IF_ERROR(peer_core_->Reset(lineage));
+  if (had_versions) {
+    log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
+               sync::DescribeLineage(lineage));
+    peer_service_->EndSessions("the upstream changed lineage");
+  }
+  return absl::OkStatus();
+}
+
+// The leased version's tensors as publisher inputs (a GPU store's are downloaded: the peer
+// publisher keeps host bytes anyway, and takes the buffers over without a second copy).
+absl::Status SubscriberDaemonImpl::PeerInputsOf(const SubscriberLease& lease,
+                                                std::vector<publisher::TensorInput>* inputs) {
+  const store::Layout& layout = lease.store->layout();
+  inputs->reserve(layout.size());
+  const bool host = lease.store->memory().host_accessible();
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const store::TensorInfo& ti = layout.tensor(i);
+    publisher::TensorInput in;
+    in.name = ti.name;
+    in.dtype = ti.dtype;
+    in.shape = ti.shape;
+    in.data = lease.lease.spans[i];
+    if (!host) {
+      auto buf = std::make_shared<std::vector<uint8_t>>(lease.lease.spans[i].size());
+      RETURN_IF_ERROR(lease.store->memory().Download(*buf, lease.lease.spans[i]));
+      in.data = *buf;
+      in.owned = std::move(buf);
+    }
+    inputs->push_back(std::move(in));
+  }
+  return absl::OkStatus();
+}
+
+// The version relayed to the peers is adopted from the patches received; any other (not
+// relayable, not the next one for the peer core, relays off) is encoded again.
+absl::StatusOr<publisher::PublishSummary> SubscriberDaemonImpl::InstallForPeers(
+    uint64_t version, const std::vector<publisher::TensorInput>& inputs) {
+  std::shared_ptr<const publisher::LiveVersion> relayed =
+      relay_ != nullptr ? relay_->Completed(version) : nullptr;
+  if (relayed != nullptr && relayed->base_version() == peer_core_->newest_version()) {
+    absl::StatusOr<publisher::PublishSummary> adopted = peer_core_->AdoptRelayed(*relayed, inputs);
+    if (adopted.ok()) {
+      adopted_versions_.fetch_add(1, std::memory_order_relaxed);
+      return adopted;
+    }
+    log_->warn("serving peers: {}; encoding it instead", adopted.status().ToString());
+  }
+  reencoded_versions_.fetch_add(1, std::memory_order_relaxed);
+  return peer_core_->Publish(version, inputs);
 }
 
 void SubscriberDaemonImpl::Shutdown() {

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cuda/device.h"
@@ -114,13 +115,16 @@ class SubscriberDaemonTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
+  // `upstream`: "" = the test publisher. `cut_through`: relay_cut_through (with serve_peers).
   v1::SubscriberConfig Config(const std::string& name, bool serve_peers,
-                              const std::string& bootstrap_peer = "") {
+                              const std::string& bootstrap_peer = "",
+                              const std::string& upstream = "", bool cut_through = true) {
     std::string yaml = absl::StrCat(
         "subscriber:\n"
         "  name: ", name, "\n"
+        "  relay_cut_through: ", cut_through ? "true" : "false", "\n"
         "  upstream:\n"
-        "    addresses: [\"", pub_.address(), "\"]\n",
+        "    addresses: [\"", upstream.empty() ? pub_.address() : upstream, "\"]\n",
         bootstrap_peer.empty() ? std::string()
                                : absl::StrCat("    bootstrap_peers: [\"", bootstrap_peer, "\"]\n"),
         "    connections: 2\n"
@@ -193,6 +197,7 @@ class SubscriberDaemonTest : public ::testing::Test {
   }
 
   std::filesystem::path dir_;
+  std::string stall_file_;
   TestPublisher pub_;
 };
 
@@ -299,6 +304,107 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   }
   EXPECT_FALSE(watch->Finish().ok());
   da.Shutdown();  // idempotent
+}
+
+// Waits until the relay `control` has installed every applied version for its peers (adopted
+// or encoded again), so the next version finds its peer core at its base.
+v1::RelayStatus AwaitPeersInstalled(v1::Control::Stub& control, uint64_t applied_versions) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  v1::StatusResponse s;
+  for (;;) {
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(control.Status(&ctx, v1::StatusRequest(), &s).ok());
+    const v1::RelayStatus& r = s.relay();
+    if (r.adopted_versions() + r.reencoded_versions() >= applied_versions ||
+        absl::Now() > deadline) {
+      return r;
+    }
+    absl::SleepFor(absl::Milliseconds(5));  // polls a condition, with a deadline
+  }
+}
+
+// publisher -> relay-a -> relay-b -> sub-c, and sub-d straight from the publisher: every
+// version arrives bit-exact everywhere; the relays stream each delta to their peer while it
+// arrives and install it from the patches received (no encoding) after the first version.
+TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
+  stall_file_ = (dir_ / "stall-peers").string();
+  setenv("REFITD_TEST_HOOK_STALL_PEERS", stall_file_.c_str(), 1);
+  absl::Cleanup unset = [] { unsetenv("REFITD_TEST_HOOK_STALL_PEERS"); };
+  for (bool cut_through : {true, false}) {
+    SCOPED_TRACE(cut_through ? "cut-through" : "re-encoding relays");
+    uint64_t v = pub_.PublishNext();
+    const std::string tag = cut_through ? "ct" : "re";
+    auto a = SubscriberDaemon::Start(Config("relay-a-" + tag, true, "", "", cut_through));
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto control_a = ControlOf(**a);
+    WaitFor(*control_a, v);
+    auto b = SubscriberDaemon::Start(
+        Config("relay-b-" + tag, true, "", (*a)->listen_address(), cut_through));
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto control_b = ControlOf(**b);
+    auto c = SubscriberDaemon::Start(Config("sub-c-" + tag, false, "", (*b)->listen_address()));
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto control_c = ControlOf(**c);
+    auto d = SubscriberDaemon::Start(Config("sub-d-" + tag, false));
+    ASSERT_TRUE(d.ok()) << d.status();
+    auto control_d = ControlOf(**d);
+    WaitFor(*control_c, v);
+    uint64_t applied = 1;
+    for (int k = 0; k < 4; ++k) {
+      AwaitPeersInstalled(*control_a, applied);
+      AwaitPeersInstalled(*control_b, applied);
+      v = pub_.PublishNext();
+      ++applied;
+      WaitFor(*control_c, v);
+      WaitFor(*control_d, v);
+      ExpectExportEquals(*control_c, absl::StrCat("c-", tag, "-", v, ".safetensors"), v);
+      ExpectExportEquals(*control_d, absl::StrCat("d-", tag, "-", v, ".safetensors"), v);
+    }
+    if (cut_through) {
+      // Neither relay installs anything for its peers now: the delta reaches sub-c over both
+      // hops only as the relayed stream.
+      const uint64_t streamed_a = AwaitPeersInstalled(*control_a, applied).peer_streamed_transfers();
+      const uint64_t streamed_b = AwaitPeersInstalled(*control_b, applied).peer_streamed_transfers();
+      { std::ofstream(stall_file_) << "stall"; }
+      v = pub_.PublishNext();
+      WaitFor(*control_c, v);
+      ExpectExportEquals(*control_c, absl::StrCat("c-", tag, "-", v, ".safetensors"), v);
+      for (auto [relay, before] : {std::pair(control_a.get(), streamed_a),
+                                   std::pair(control_b.get(), streamed_b)}) {
+        v1::StatusResponse s;
+        ASSERT_TRUE(relay->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+        EXPECT_EQ(s.relay().adopted_versions() + s.relay().reencoded_versions(), applied);
+        EXPECT_EQ(s.relay().peer_streamed_transfers(), before + 1);
+      }
+      std::filesystem::remove(stall_file_);
+      ++applied;
+    }
+    for (v1::Control::Stub* relay : {control_a.get(), control_b.get()}) {
+      const v1::RelayStatus r = AwaitPeersInstalled(*relay, applied);
+      EXPECT_EQ(r.cut_through(), cut_through);
+      if (cut_through) {
+        // The first version came as keyframes (no base): encoded for the peers; every delta
+        // after it streamed to the peer at its base and adopted without encoding.
+        EXPECT_EQ(r.streamed(), 5u) << r.ShortDebugString();
+        EXPECT_EQ(r.completed(), 5u) << r.ShortDebugString();
+        EXPECT_EQ(r.adopted_versions(), 5u) << r.ShortDebugString();
+        EXPECT_EQ(r.reencoded_versions(), 1u) << r.ShortDebugString();
+        EXPECT_EQ(r.failed(), 0u) << r.ShortDebugString();
+        // The peer took the stalled version as a stream (the others as a stream or, when the
+        // relay had installed the version before the peer's turn, from the history).
+        EXPECT_GE(r.peer_streamed_transfers(), 1u) << r.ShortDebugString();
+        EXPECT_GT(r.object_bytes(), 0u);
+      } else {
+        EXPECT_EQ(r.transfers(), 0u);
+        EXPECT_EQ(r.reencoded_versions(), applied);
+      }
+    }
+    ExpectExportEquals(*control_b, absl::StrCat("b-", tag, "-", v, ".safetensors"), v);
+    (*c)->Shutdown();
+    (*d)->Shutdown();
+    (*b)->Shutdown();
+    (*a)->Shutdown();
+  }
 }
 
 TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {

@@ -77,9 +77,13 @@ struct Upstream::Session {
   std::vector<std::string> resync_tensors;
   uint32_t progress_bytes = 0;  // Welcome.progress_bytes (0 = send no StreamProgress)
   bool streamed = false;        // Welcome.streamed_transfers
+  sync::DigestFormat digest_format = sync::DigestFormat::kV1;  // Welcome.digest_format
   // The open transfer's header, and when it arrived (session thread only).
   v1::VersionHeader header;
   absl::Time header_time;
+  // UpstreamOptions::tap saw the open transfer's header and neither its End nor an abort yet
+  // (session thread only).
+  bool tapped = false;
 
   absl::Mutex mu;
   // Version of the transfer whose header was accepted (0 = none open).
@@ -334,14 +338,21 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
 }
 
 absl::Status Upstream::Fail(Session& session, absl::Status st) {
+  session.Break(st);
+  TapAbort(session, st);
   if (session.resync) {  // not delivered: keep it for the next session
     absl::MutexLock lock(&mu_);
     resync_pending_ = true;
     resync_tensors_ = session.resync_tensors;
   }
-  session.Break(st);
   session.JoinStripes();
   return st;
+}
+
+void Upstream::TapAbort(Session& session, const absl::Status& why) {
+  if (!session.tapped) return;
+  session.tapped = false;
+  options_.tap->OnAbort(why);
 }
 
 absl::Status Upstream::FinishStatus(Session& session, const std::string& what) {
@@ -409,7 +420,8 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
 
 void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
   core_->SetMaxFrameBytes(welcome.frame_bytes());
-  core_->SetDigestFormat(*sync::DigestFormatFromWire(welcome.digest_format()));  // Handshake checked
+  session.digest_format = *sync::DigestFormatFromWire(welcome.digest_format());  // Handshake checked
+  core_->SetDigestFormat(session.digest_format);
   log_->info("connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes{}, its "
              "newest version {} ({}), ours {} ({})",
              session.target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),
@@ -462,6 +474,7 @@ bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, const v1::
                      " arrived after its transfer ended (no transfer is open)")));
     return false;
   }
+  if (options_.tap != nullptr) options_.tap->OnFrame(frame);
   absl::Status st = core_->OnFrame(frame);
   if (!st.ok()) {
     log_->warn("version {}: frame rejected: {}", frame.version(), st.ToString());
@@ -600,6 +613,9 @@ absl::Status Upstream::ReadSync(const std::shared_ptr<Session>& session) {
       case v1::PublisherMessage::kAbort:
         log_->warn("version {} aborted by the upstream: {}", msg.abort().version(),
                    msg.abort().reason());
+        TapAbort(*session, absl::AbortedError(absl::StrCat("the upstream aborted version ",
+                                                          msg.abort().version(), ": ",
+                                                          msg.abort().reason())));
         core_->Abort();
         {
           absl::MutexLock lock(&session->mu);
@@ -647,6 +663,10 @@ absl::Status Upstream::OnVersionHeader(Session& session, const v1::VersionHeader
     absl::MutexLock lock(&mu_);
     status_.set_state(v1::SESSION_STATE_TRANSFERRING);
   }
+  if (options_.tap != nullptr) {
+    options_.tap->OnHeader(header);
+    session.tapped = true;
+  }
   absl::MutexLock lock(&session.mu);
   session.open_version = header.version();
   session.last_header_version = header.version();
@@ -685,6 +705,10 @@ absl::Status Upstream::AwaitFrames(Session& session, const v1::VersionEnd& end) 
 
 absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionEnd& end) {
   RETURN_IF_ERROR(AwaitFrames(session, end));
+  if (session.tapped) {  // cut-through: peers get the End while this subscriber verifies
+    session.tapped = false;
+    options_.tap->OnEnd(end, session.digest_format);
+  }
   const uint64_t prev_version = core_->applied_version();
   const uint64_t prev_lineage = core_->applied_lineage();
   v1::Ack ack = core_->OnEnd(end);

@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/digest_format.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -38,6 +39,22 @@
 #include "spdlog/spdlog.h"
 
 namespace refit::subscriber {
+
+// Sees every transfer a session feeds the core, as it arrives (serve_peers relays forward it
+// to their own peers: daemon/subscriber/relay_feed.h). Called on the session's threads: OnHeader
+// after the core accepted the header; OnFrame before the core takes the frame (from every
+// stream, concurrently); OnEnd when VersionEnd arrived with every frame, before the core stages
+// and verifies (downstream verifies for itself); OnAbort when the transfer is dropped
+// (VersionAbort, a failed session) without an End. Implementations keep these short and never
+// block on the network.
+class TransferTap {
+ public:
+  virtual ~TransferTap() = default;
+  virtual void OnHeader(const v1::VersionHeader& header) = 0;
+  virtual void OnFrame(const v1::DataFrame& frame) = 0;
+  virtual void OnEnd(const v1::VersionEnd& end, sync::DigestFormat format) = 0;
+  virtual void OnAbort(const absl::Status& why) = 0;
+};
 
 struct UpstreamOptions {
   // Hello.name.
@@ -67,6 +84,8 @@ struct UpstreamOptions {
   bool digest_v2 = true;
   // upstream.streamed_transfers: Hello.streamed_transfers (accept VersionHeader.streamed).
   bool streamed_transfers = true;
+  // Optional (must outlive the Upstream): sees every transfer as it arrives.
+  TransferTap* tap = nullptr;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,
@@ -138,6 +157,8 @@ class Upstream {
   // Hello -> Welcome, checked against the Hello.
   absl::StatusOr<v1::Welcome> Handshake(Session& session, const v1::SubscriberMessage& hello);
   void NoteWelcome(Session& session, const v1::Welcome& welcome);
+  // Tells the tap the open transfer it saw is dropped (no-op when it saw none).
+  void TapAbort(Session& session, const absl::Status& why);
   // One thread per stripe, reading its DataFrames into OnStreamFrame.
   void StartStripes(const std::shared_ptr<Session>& session, uint32_t stripes);
   // A DataFrame from stream stream_index (0 = Sync) to the core, with StreamProgress when due.

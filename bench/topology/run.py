@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""bench/topology/run.py: refitd relays over an emulated cross-region link (README.md here).
+
+One command, as root. Region A (the publisher's network namespace) and region B (the rollout
+namespace) are joined by bench/wan's link_relay (one-way delay, rate, tail-drop queue). In
+region B: relay-1 (a subscriber with serve_peers, upstream the publisher across the link),
+relay-2 (upstream relay-1), --subs-per-relay subscribers behind each relay, and one subscriber
+straight from the publisher across the link ("direct": the baseline, measured in the same run).
+Every connection is mTLS. The realistic trajectory of bench/wan is published as a trainer does
+(TrainerApi), and every version is waited for on every subscriber and relay (bit-exact: their
+version digests equal the publisher's).
+
+The topology runs twice in the same link window: relays that encode every version again for
+their peers (relay_cut_through: false, the path before relays) and cut-through relays. Per
+version: bytes the publisher sent over the region link (to the relay, and to the direct
+subscriber), the delta's size, e2e per daemon (publish call to applied), per-hop added latency.
+
+    sudo bench/topology/run.py                          # medium model, 50 ms / 1 Gbit/s
+    sudo bench/topology/run.py --model tiny --versions 3 --out-dir /tmp/topo   # smoke
+
+Exit status: 0 ok; 1 a failure (a daemon died, a digest differed); 77 skipped (no privileges).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "bench", "wan"))
+import run as wan  # noqa: E402  (bench/wan/run.py: namespaces, link relay, daemons, trajectory)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
+    p.add_argument("--model", default="medium", help="bench/wan trajectory preset")
+    p.add_argument("--link", default="50ms-1g", help="RTTms-RATE[m|g]")
+    p.add_argument("--versions", type=int, default=8, help="delta versions after the keyframe")
+    p.add_argument("--warmup-deltas", type=int, default=2)
+    p.add_argument("--subs-per-relay", type=int, default=1)
+    p.add_argument("--streams", type=int, default=4, help="upstream.connections of every daemon")
+    p.add_argument("--modes", default="reencode,cut-through",
+                   help="relay modes, run in this order in the same link window")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
+    a = p.parse_args(argv)
+    a.mode_list = [m for m in a.modes.split(",") if m]
+    if any(m not in ("reencode", "cut-through") for m in a.mode_list) or not a.mode_list:
+        p.error(f"--modes: {a.modes!r}: reencode and/or cut-through")
+    if a.versions < 1 or a.subs_per_relay < 0:
+        p.error("--versions must be >= 1 and --subs-per-relay >= 0")
+    # bench/wan's options for what its helpers read (threads, digests, queue, sysctls, ...).
+    a.wan = wan.parse_args(["--build-dir", a.build_dir, "--models", a.model, "--links", a.link,
+                            "--versions", str(a.versions), "--streams", str(a.streams)])
+    return a
+
+
+def relay_yaml(base: str, pki: dict, cut_through: bool) -> str:
+    """A bench/wan subscriber config that also serves peers on loopback (mTLS, region B)."""
+    return base + (f"  listen: {wan.q('127.0.0.1:0')}\n"
+                   f"  tls:\n    cert: {wan.q(pki['server']['cert'])}\n"
+                   f"    key: {wan.q(pki['server']['key'])}\n    ca: {wan.q(pki['ca'])}\n"
+                   f"  serve_peers: true\n"
+                   f"  relay_cut_through: {'true' if cut_through else 'false'}\n")
+
+
+def subscriber(link, d: str, name: str, upstream: str, pki: dict, args, bins: dict,
+               relay: bool = False, cut_through: bool = True) -> wan.Daemon:
+    y = wan.subscriber_yaml(d, name, upstream, pki, args.wan, args.streams)
+    if relay:
+        y = relay_yaml(y, pki, cut_through)
+    daemon = wan.Daemon(link, link.sub_ns, "subscriber", name, d, y, bins)
+    daemon.start()
+    return daemon
+
+
+def session_bytes(bins: dict, pub: wan.Daemon) -> dict:
+    """Payload bytes the publisher sent per session, by subscriber name."""
+    st = wan.refitctl_status(bins, pub.control())
+    return {s.get("name"): wan.i64(s.get("bytes_sent")) for s in st.get("sessions", [])}
+
+
+def version_record(k: int, kind: str, raw: dict, names: list, before: dict, after: dict) -> dict:
+    t0 = raw["publish_start_unix_ns"]
+    e2e, wire, digests = {}, {}, {}
+    for name, s in zip(names, raw["subscriber_status"]):
+        refit = s.get("last_refit", {})
+        if wan.i64(refit.get("version")) != k + 1 or wan.i64(s.get("version")) != k + 1:
+            raise wan.Failure(f"version {k + 1}: {name} reports version {s.get('version')}")
+        e2e[name] = (wan.i64(refit.get("finished_unix_nanos")) - t0) / 1e6
+        wire[name] = wan.i64(refit.get("wire_bytes"))
+        digests[name] = (wan.i64(s.get("version_digest")), wan.i64(s.get("digest_format")))
+    pub = raw.get("publisher_status", {})
+    want = {1: wan.i64(pub.get("version_digest")), 2: wan.i64(pub.get("version_digest_v2"))}
+    bad = [n for n, (dg, fmt) in digests.items() if dg != want.get(fmt if fmt else 1)]
+    if bad:
+        raise wan.Failure(f"version {k + 1}: version digests differ from the publisher's: {bad}")
+    sent = {n: after.get(n, 0) - before.get(n, 0) for n in after}
+    relays = {n: s.get("relay", {}) for n, s in zip(names, raw["subscriber_status"])
+              if n.startswith("relay")}
+    return {"version": k + 1, "kind": kind, "change_rate": pub.get("last_refit", {}).get(
+                "change_rate"),
+            "delta_bytes": wire.get("direct"), "e2e_ms": e2e, "wire_bytes": wire,
+            "link_bytes": sent, "link_bytes_to_relays": sent.get("relay-1", 0),
+            "relay_status": relays}
+
+
+def run_mode(link, mode: str, traj: str, bins: dict, pki: dict, args, workdir: str) -> dict:
+    cut = mode == "cut-through"
+    d = tempfile.mkdtemp(prefix=f"topo-{mode}-", dir=workdir)
+    os.makedirs(os.path.join(d, "export"))
+    pub = wan.Daemon(link, link.pub_ns, "publisher", "wan-pub", d,
+                     wan.publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args.wan,
+                                        args.streams), bins)
+    daemons, records, stepper = [], [], None
+    try:
+        upstream = pub.start()["listen"]
+        daemons.append(subscriber(link, d, "direct", upstream, pki, args, bins))
+        r1 = subscriber(link, d, "relay-1", upstream, pki, args, bins, relay=True, cut_through=cut)
+        r2 = subscriber(link, d, "relay-2", r1.ready["listen"], pki, args, bins, relay=True,
+                        cut_through=cut)
+        daemons += [r1, r2]
+        for i in range(args.subs_per_relay):
+            daemons.append(subscriber(link, d, f"hop1-{i}", r1.ready["listen"], pki, args, bins))
+            daemons.append(subscriber(link, d, f"hop2-{i}", r2.ready["listen"], pki, args, bins))
+        wan.wait_connected(bins, pub, 2)
+        names = [x.name for x in daemons]
+        stepper = wan.WanStep(bins, pub, daemons, "trainer_api", d)
+        for k in range(args.versions + 1):
+            before = session_bytes(bins, pub)
+            raw = stepper.step(k + 1, wan.version_file(traj, k), k == args.versions)
+            kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
+                                              else "steady_delta")
+            rec = version_record(k, kind, raw, names, before, session_bytes(bins, pub))
+            if k == args.versions and not all(v.get("ok") for v in raw.get("verify", [])):
+                raise wan.Failure(f"version {k + 1}: Verify failed somewhere: {raw.get('verify')}")
+            records.append(rec)
+            e = rec["e2e_ms"]
+            wan.log(f"  {mode} v{k + 1} {kind}: delta {rec['delta_bytes']} B, to relays "
+                    f"{rec['link_bytes_to_relays']} B; e2e direct {e['direct']:.0f}, relay-1 "
+                    f"{e['relay-1']:.0f}, relay-2 {e['relay-2']:.0f}" +
+                    "".join(f", {n} {e[n]:.0f}" for n in names if n.startswith("hop")) + " ms")
+    finally:
+        if stepper is not None:
+            stepper.close()
+        for x in daemons:
+            x.stop()
+        pub.stop()
+    return {"mode": mode, "versions": records, "summary": summarise(records, names),
+            "logs": {x.name: x.log_path for x in [pub] + daemons}}
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarise(records: list, names: list) -> dict:
+    steady = [r for r in records if r["kind"] == "steady_delta"]
+    e2e = {n: med([r["e2e_ms"][n] for r in steady]) for n in names}
+    far = [n for n in names if n.startswith("hop2")] or ["relay-2"]
+    hop2 = med([r["e2e_ms"][n] for r in steady for n in far])
+    return {
+        "steady_versions": len(steady),
+        "e2e_median_ms": e2e,
+        "hop2_over_direct": hop2 / e2e["direct"] if hop2 and e2e["direct"] else None,
+        # What each hop adds (medians of per-version differences).
+        "added_ms": {
+            "relay-1 - direct": med([r["e2e_ms"]["relay-1"] - r["e2e_ms"]["direct"] for r in steady]),
+            "relay-2 - relay-1": med([r["e2e_ms"]["relay-2"] - r["e2e_ms"]["relay-1"]
+                                      for r in steady]),
+        },
+        # Region link: bytes sent to relay-1 (everything region B needs besides the direct
+        # baseline subscriber) per byte of the delta.
+        "link_over_delta": med([r["link_bytes_to_relays"] / r["delta_bytes"] for r in steady
+                                if r["delta_bytes"]]),
+        "delta_bytes_median": med([r["delta_bytes"] for r in steady]),
+        "change_rate_median": med([r["change_rate"] for r in steady]),
+    }
+
+
+def markdown(result: dict) -> str:
+    out = [f"# bench/topology {result['date']} ({result['git_rev']})", "",
+           f"`{result['command']}`: model {result['model']} ({result['model_bytes']} bytes), link "
+           f"{result['link']}, {result['subs_per_relay']} subscriber(s) per relay, machine "
+           f"{result['machine']}", "",
+           "| relays | delta (B) | link / delta | direct e2e | relay-1 | relay-2 | hop-2 subs / "
+           "direct | relay-1 adds | relay-2 adds |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        s = run["summary"]
+        e = s["e2e_median_ms"]
+        far = [n for n in e if n.startswith("hop2")]
+        out.append(f"| {run['mode']} | {wan.fmt(s['delta_bytes_median'])} | "
+                   f"{wan.fmt(s['link_over_delta'], '{:.3f}')} | {wan.fmt(e['direct'])} | "
+                   f"{wan.fmt(e['relay-1'])} | {wan.fmt(e['relay-2'])} | "
+                   f"{wan.fmt(s['hop2_over_direct'], '{:.2f}')}"
+                   f"{'' if far else ' (relay-2)'} | {wan.fmt(s['added_ms']['relay-1 - direct'])} | "
+                   f"{wan.fmt(s['added_ms']['relay-2 - relay-1'])} |")
+    out += ["", "e2e: publish call to applied (ms, medians of the steady deltas); link / delta: "
+            "bytes the publisher sent to relay-1 per byte of the delta; hop-2 subs: subscribers "
+            "behind relay-2 (two relay hops)."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    try:
+        wan.check_privileges()
+    except wan.Skip as e:
+        print(f"bench/topology: SKIPPED: {e}", file=sys.stderr)
+        return wan.EXIT_SKIP
+    wan.remove_stale_namespaces()
+    bins = wan.find_bins(args.build_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="refit-topo-")
+    os.chmod(workdir, 0o755)
+    wan.log(f"run directory {workdir}")
+    pki = wan.make_pki(workdir, ["10.77.0.1", "127.0.0.1"])
+    traj = wan.trajectory(bins, args.wan.cache_dir, args.model, args.wan.seed, args.versions)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "git_rev": wan.git_rev(), "command": " ".join(["bench/topology/run.py"] + argv),
+              "model": args.model, "model_bytes": os.path.getsize(wan.version_file(traj, 0)),
+              "link": args.link, "subs_per_relay": args.subs_per_relay,
+              "machine": {"cpus": os.cpu_count(), "loadavg_before": wan.load_average()},
+              "runs": []}
+    with wan.Link(0, args.wan.link_specs[0], bins, args.wan, workdir) as link:
+        for mode in args.mode_list:
+            wan.log(f"{args.model} on {args.link}: relays {mode}")
+            result["runs"].append(run_mode(link, mode, traj, bins, pki, args, workdir))
+    result["machine"]["loadavg_after"] = wan.load_average()
+    stem = "topology-" + result["date"].replace(":", "").replace("-", "")[:13]
+    with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
+        f.write(markdown(result))
+    wan.log(f"wrote {args.out_dir}/{stem}.json and .md")
+    sys.stdout.write(markdown(result))
+    if args.keep:
+        wan.log(f"kept {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except wan.Failure as e:
+        print(f"bench/topology: FAIL: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,243 @@
+#include "daemon/subscriber/relay_feed.h"
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "daemon/publisher/publisher_core.h"
+#include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::subscriber {
+namespace {
+
+using publisher::LiveVersion;
+using publisher::PublisherCore;
+using publisher::TensorInput;
+using sync::DigestFormat;
+using sync::testing::Model;
+using ::testing::HasSubstr;
+
+std::vector<TensorInput> Inputs(const Model& m) {
+  std::vector<TensorInput> in;
+  for (const auto& [name, t] : m) {
+    TensorInput x;
+    x.name = name;
+    x.dtype = *sync::FromProtoDType(t.spec.dtype());
+    x.shape.assign(t.spec.shape().begin(), t.spec.shape().end());
+    x.data = t.bytes;
+    in.push_back(std::move(x));
+  }
+  return in;
+}
+
+std::unique_ptr<PublisherCore> OpenCore() {
+  auto core = PublisherCore::Open(publisher::PublisherOptions());
+  EXPECT_TRUE(core.ok()) << core.status();
+  return core.ok() ? *std::move(core) : nullptr;
+}
+
+// An upstream publisher, and the peer core of a relay that holds the upstream's version 1 (as
+// the subscriber daemon's peer loop leaves it) and records what it offers to its data plane.
+class RelayFeedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    offered_.clear();
+    std::mt19937 rng(7);
+    using sync::testing::BF16;
+    for (const char* name : {"a.weight", "b.weight", "c.norm"}) {
+      v1_[name] = sync::testing::RandomTensor(BF16(name, {64, 96}), rng);
+    }
+    v2_ = v1_;
+    sync::testing::Perturb(v2_["a.weight"], 0.02, rng);
+    sync::testing::Perturb(v2_["c.norm"], 0.02, rng);
+    // b.weight unchanged; d.bias is new (a keyframe).
+    v2_["d.bias"] = sync::testing::RandomTensor(BF16("d.bias", {96}), rng);
+    up_ = OpenCore();
+    peer_ = OpenCore();
+    ASSERT_TRUE(up_->Publish(1, Inputs(v1_)).ok());
+    ASSERT_TRUE(peer_->Reset(up_->lineage()).ok());
+    ASSERT_TRUE(peer_->Publish(1, Inputs(v1_)).ok());
+    peer_->SetLiveListener(
+        [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
+    ASSERT_TRUE(up_->Publish(2, Inputs(v2_)).ok());
+  }
+
+  // The upstream's transfer 1 -> 2 in `format`, fed to `feed` (frames in reverse order).
+  std::shared_ptr<const publisher::Transfer> Feed(RelayFeed& feed, DigestFormat format,
+                                                  int corrupt_frame = -1) {
+    publisher::TransferOptions opts;
+    opts.plan.digest_format = format;
+    opts.frame_bytes = 4096;  // several frames per patch
+    auto digest = up_->VersionDigestOf(1, format);
+    EXPECT_TRUE(digest.ok());
+    auto t = up_->MakeTransfer(1, *digest, opts);
+    EXPECT_TRUE(t.ok()) << t.status();
+    feed.OnHeader((*t)->Header());
+    uint64_t wire = 0;
+    for (uint64_t i = (*t)->frame_count(); i-- > 0;) {
+      auto f = (*t)->Frame(i);
+      EXPECT_TRUE(f.ok());
+      if (static_cast<int>(i) == corrupt_frame) (*f->mutable_payload())[0] ^= 1;
+      wire += f->payload().size();
+      feed.OnFrame(*f);
+    }
+    feed.OnEnd((*t)->End(wire), format);
+    return *t;
+  }
+
+  Model v1_, v2_;
+  std::unique_ptr<PublisherCore> up_, peer_;
+  std::vector<std::shared_ptr<const LiveVersion>> offered_;
+};
+
+TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEncoding) {
+  for (DigestFormat format : {DigestFormat::kV1, DigestFormat::kV2}) {
+    SCOPED_TRACE(sync::DigestFormatName(format));
+    SetUp();
+    RelayFeed feed(peer_.get(), 1 << 20);
+    auto t = Feed(feed, format);
+    ASSERT_EQ(offered_.size(), 1u);  // offered at its base: peers at 1 stream it
+    std::shared_ptr<const LiveVersion> live = feed.Completed(2);
+    ASSERT_NE(live, nullptr);
+    EXPECT_EQ(live.get(), offered_[0].get());
+    EXPECT_EQ(live->state(), LiveVersion::State::kCommitted);
+    EXPECT_TRUE(live->settled(DigestFormat::kV1));
+    EXPECT_TRUE(live->settled(DigestFormat::kV2));
+    EXPECT_EQ(live->base_version_digest(DigestFormat::kV1), *up_->VersionDigestOf(1));
+    ASSERT_EQ(live->ready_objects(), 4u);
+    // Every object is the upstream's: the patch bytes as sent, a zero-byte patch for the
+    // unchanged tensor, the keyframe's dense bytes.
+    const sync::TransferPlan& plan = t->plan();
+    for (size_t j = 0; j < live->ready_objects(); ++j) {
+      const LiveVersion::Object o = live->object(j);
+      const sync::TensorDelivery& d = plan.tensors[o.tensor_index];
+      const std::vector<uint8_t> got(o.bytes.begin(), o.bytes.end());
+      if (d.plan.delivery() == v1::DELIVERY_PATCH) {
+        EXPECT_EQ(got, *d.patches[0]) << d.plan.spec().name();
+      } else if (d.plan.delivery() == v1::DELIVERY_UNCHANGED) {
+        EXPECT_TRUE(got.empty());
+        EXPECT_EQ(live->header().tensors(static_cast<int>(o.tensor_index)).delivery(),
+                  v1::DELIVERY_PATCH);
+      } else {
+        EXPECT_EQ(got, v2_[d.plan.spec().name()].bytes);
+      }
+    }
+    // The End is the upstream's (in its format); the other format's peers take the history.
+    auto end = live->end(format);
+    ASSERT_TRUE(end.ok()) << end.status();
+    EXPECT_EQ(end->version_digest(), *up_->VersionDigestOf(2, format));
+    if (format == DigestFormat::kV2) {
+      EXPECT_FALSE(live->end(DigestFormat::kV1).ok());
+    }
+
+    // Installed without encoding: the same version digests in both formats, the same patches.
+    auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
+    ASSERT_TRUE(adopted.ok()) << adopted.status();
+    EXPECT_EQ(adopted->encode_micros, 0u);
+    EXPECT_EQ(adopted->patched_tensors, 2u);
+    EXPECT_EQ(adopted->unchanged_tensors, 1u);
+    EXPECT_EQ(adopted->keyframe_tensors, 1u);
+    EXPECT_EQ(peer_->newest_version(), 2u);
+    for (DigestFormat f : {DigestFormat::kV1, DigestFormat::kV2}) {
+      EXPECT_EQ(*peer_->VersionDigestOf(2, f), *up_->VersionDigestOf(2, f));
+    }
+    auto relayed = peer_->MakeTransfer(1, *up_->VersionDigestOf(1));
+    auto direct = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
+    ASSERT_TRUE(relayed.ok() && direct.ok());
+    ASSERT_EQ((*relayed)->plan().tensors.size(), (*direct)->plan().tensors.size());
+    for (size_t i = 0; i < (*direct)->plan().tensors.size(); ++i) {
+      const auto& a = (*relayed)->plan().tensors[i];
+      const auto& b = (*direct)->plan().tensors[i];
+      EXPECT_EQ(a.plan.delivery(), b.plan.delivery());
+      ASSERT_EQ(a.patches.size(), b.patches.size());
+      for (size_t k = 0; k < a.patches.size(); ++k) EXPECT_EQ(*a.patches[k], *b.patches[k]);
+    }
+    // Its baseline is the version's bytes (a late joiner's keyframes).
+    for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+      EXPECT_EQ(*bt.bytes, v2_[bt.spec.name()].bytes) << bt.spec.name();
+    }
+    const RelayStats s = feed.stats();
+    EXPECT_EQ(s.transfers, 1u);
+    EXPECT_EQ(s.streamed, 1u);
+    EXPECT_EQ(s.completed, 1u);
+    EXPECT_EQ(s.failed, 0u);
+  }
+}
+
+TEST_F(RelayFeedTest, ACorruptFrameFailsTheRelayedVersionAndNothingIsAdopted) {
+  RelayFeed feed(peer_.get(), 1 << 20);
+  Feed(feed, DigestFormat::kV2, /*corrupt_frame=*/0);
+  ASSERT_EQ(offered_.size(), 1u);
+  EXPECT_EQ(offered_[0]->state(), LiveVersion::State::kFailed);
+  EXPECT_THAT(std::string(offered_[0]->failure().message()), HasSubstr("relaying version 2"));
+  EXPECT_EQ(feed.Completed(2), nullptr);
+  EXPECT_EQ(feed.stats().failed, 1u);
+  EXPECT_EQ(peer_->newest_version(), 1u);
+}
+
+TEST_F(RelayFeedTest, AnAbortUpstreamAbortsThePeers) {
+  RelayFeed feed(peer_.get(), 1 << 20);
+  auto t = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
+  ASSERT_TRUE(t.ok());
+  feed.OnHeader((*t)->Header());
+  feed.OnFrame(*(*t)->Frame(0));
+  feed.OnAbort(absl::AbortedError("the upstream aborted version 2"));
+  ASSERT_EQ(offered_.size(), 1u);
+  EXPECT_EQ(offered_[0]->state(), LiveVersion::State::kFailed);
+  EXPECT_EQ(feed.Completed(2), nullptr);
+}
+
+TEST_F(RelayFeedTest, NotAtTheBaseTheVersionIsNotStreamedAndCannotBeAdopted) {
+  peer_ = OpenCore();  // holds nothing
+  ASSERT_TRUE(peer_->Reset(up_->lineage()).ok());
+  peer_->SetLiveListener(
+      [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
+  RelayFeed feed(peer_.get(), 1 << 20);
+  Feed(feed, DigestFormat::kV1);
+  EXPECT_TRUE(offered_.empty());
+  auto live = feed.Completed(2);
+  ASSERT_NE(live, nullptr);
+  EXPECT_EQ(feed.stats().streamed, 0u);
+  auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
+  EXPECT_EQ(adopted.status().code(), absl::StatusCode::kFailedPrecondition) << adopted.status();
+  EXPECT_THAT(adopted.status().message(), HasSubstr("base 1"));
+}
+
+TEST_F(RelayFeedTest, AChainOfPatchesIsNotRelayed) {
+  Model v3 = v2_;
+  std::mt19937 rng(11);
+  sync::testing::Perturb(v3["a.weight"], 0.02, rng);
+  ASSERT_TRUE(up_->Publish(3, Inputs(v3)).ok());
+  RelayFeed feed(peer_.get(), 1 << 20);
+  auto t = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
+  ASSERT_TRUE(t.ok());
+  bool chain = false;
+  for (const auto& d : (*t)->plan().tensors) chain |= d.plan.steps_size() > 1;
+  ASSERT_TRUE(chain);
+  feed.OnHeader((*t)->Header());
+  EXPECT_TRUE(offered_.empty());
+  EXPECT_EQ(feed.stats().not_relayable, 1u);
+  EXPECT_THAT(feed.stats().last_error, HasSubstr("chain of 2 patches"));
+}
+
+TEST_F(RelayFeedTest, AdoptRefusesBytesThatAreNotTheVersions) {
+  RelayFeed feed(peer_.get(), 1 << 20);
+  Feed(feed, DigestFormat::kV1);
+  auto live = feed.Completed(2);
+  ASSERT_NE(live, nullptr);
+  Model wrong = v2_;
+  wrong.erase("d.bias");
+  auto adopted = peer_->AdoptRelayed(*live, Inputs(wrong));
+  EXPECT_EQ(adopted.status().code(), absl::StatusCode::kInvalidArgument) << adopted.status();
+  // v1 End: the v2 digests are computed from the bytes, and the v1 version digest is checked
+  // against the digests the End carries.
+  EXPECT_EQ(peer_->newest_version(), 1u);
+}
+
+}  // namespace
+}  // namespace refit::subscriber
