@@ -82,6 +82,11 @@ def subscriber(link, d: str, name: str, upstream: str, pki: dict, args, bins: di
     return daemon
 
 
+def cpu_snapshot(daemons: list) -> dict:
+    """CPU (ms) each daemon process has used so far, by name."""
+    return {x.name: wan.cpu_ms(x.proc) for x in daemons}
+
+
 def session_bytes(bins: dict, pub: wan.Daemon) -> dict:
     """Payload bytes the publisher sent per session, by subscriber name."""
     st = wan.refitctl_status(bins, pub.control())
@@ -134,12 +139,18 @@ def run_mode(link, mode: str, traj: str, bins: dict, pki: dict, args, workdir: s
         wan.wait_connected(bins, pub, 2)
         names = [x.name for x in daemons]
         stepper = wan.WanStep(bins, pub, daemons, "trainer_api", d)
+        everyone = [pub] + daemons
         for k in range(args.versions + 1):
             before = session_bytes(bins, pub)
+            c0 = cpu_snapshot(everyone)
+            if records:  # what the previous version still cost after its step (e.g. adopting)
+                records[-1]["cpu_after_ms"] = {n: c0[n] - c_end[n] for n in c0}
             raw = stepper.step(k + 1, wan.version_file(traj, k), k == args.versions)
+            c_end = cpu_snapshot(everyone)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
             rec = version_record(k, kind, raw, names, before, session_bytes(bins, pub))
+            rec["cpu_ms"] = {n: c_end[n] - c0[n] for n in c0}
             if k == args.versions and not all(v.get("ok") for v in raw.get("verify", [])):
                 raise wan.Failure(f"version {k + 1}: Verify failed somewhere: {raw.get('verify')}")
             records.append(rec)
@@ -183,6 +194,10 @@ def summarise(records: list, names: list) -> dict:
         "link_over_delta": med([r["link_bytes_to_relays"] / r["delta_bytes"] for r in steady
                                 if r["delta_bytes"]]),
         "delta_bytes_median": med([r["delta_bytes"] for r in steady]),
+        # CPU per steady version and daemon: during the step (publish to every daemon applied)
+        # plus after it until the next publish (a relay installing the version for its peers).
+        "cpu_ms_median": {n: med([r["cpu_ms"][n] + r.get("cpu_after_ms", {}).get(n, 0)
+                                  for r in steady]) for n in ["wan-pub"] + names},
         "change_rate_median": med([r["change_rate"] for r in steady]),
     }
 
@@ -204,6 +219,13 @@ def markdown(result: dict) -> str:
                    f"{wan.fmt(s['hop2_over_direct'], '{:.2f}')}"
                    f"{'' if far else ' (relay-2)'} | {wan.fmt(s['added_ms']['relay-1 - direct'])} | "
                    f"{wan.fmt(s['added_ms']['relay-2 - relay-1'])} |")
+    out += ["", "CPU per steady version (ms, medians; during the step and after it until the next "
+            "publish):", "", "| relays | " + " | ".join(result["runs"][0]["summary"]
+                                                      ["cpu_ms_median"]) + " |",
+            "|---|" + "---|" * len(result["runs"][0]["summary"]["cpu_ms_median"])]
+    for run in result["runs"]:
+        out.append(f"| {run['mode']} | " + " | ".join(
+            wan.fmt(x) for x in run["summary"]["cpu_ms_median"].values()) + " |")
     out += ["", "e2e: publish call to applied (ms, medians of the steady deltas); link / delta: "
             "bytes the publisher sent to relay-1 per byte of the delta; hop-2 subs: subscribers "
             "behind relay-2 (two relay hops)."]

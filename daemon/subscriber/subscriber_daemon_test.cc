@@ -21,6 +21,8 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cuda/device.h"
 #include "daemon/common/daemon_runtime.h"
@@ -115,7 +117,7 @@ class SubscriberDaemonTest : public ::testing::Test {
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
-  // `upstream`: "" = the test publisher. `cut_through`: relay_cut_through (with serve_peers).
+  // `upstream`: addresses, comma-separated ("" = the test publisher). `cut_through`: relay_cut_through (with serve_peers).
   v1::SubscriberConfig Config(const std::string& name, bool serve_peers,
                               const std::string& bootstrap_peer = "",
                               const std::string& upstream = "", bool cut_through = true) {
@@ -124,7 +126,10 @@ class SubscriberDaemonTest : public ::testing::Test {
         "  name: ", name, "\n"
         "  relay_cut_through: ", cut_through ? "true" : "false", "\n"
         "  upstream:\n"
-        "    addresses: [\"", upstream.empty() ? pub_.address() : upstream, "\"]\n",
+        "    addresses: [\"",
+        absl::StrJoin(absl::StrSplit(upstream.empty() ? pub_.address() : upstream, ','),
+                      "\", \""),
+        "\"]\n",
         bootstrap_peer.empty() ? std::string()
                                : absl::StrCat("    bootstrap_peers: [\"", bootstrap_peer, "\"]\n"),
         "    connections: 2\n"
@@ -405,6 +410,42 @@ TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
     (*b)->Shutdown();
     (*a)->Shutdown();
   }
+}
+
+// A relay dies: the subscriber behind it fails over to its next address (the other relay) and
+// converges there, bit-exact, within its backoff; the relay left keeps relaying.
+TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
+  uint64_t v = pub_.PublishNext();
+  auto a = SubscriberDaemon::Start(Config("relay-a", true));
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto control_a = ControlOf(**a);
+  WaitFor(*control_a, v);
+  auto b = SubscriberDaemon::Start(Config("relay-b", true, "", (*a)->listen_address()));
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto control_b = ControlOf(**b);
+  auto c = SubscriberDaemon::Start(Config(
+      "sub-c", false, "", absl::StrCat((*b)->listen_address(), ",", (*a)->listen_address())));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto control_c = ControlOf(**c);
+  WaitFor(*control_c, v);
+  v1::StatusResponse s;
+  ASSERT_TRUE(control_c->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_EQ(s.upstream().name(), "relay-b");
+  AwaitPeersInstalled(*control_a, 1);
+  (*b)->Shutdown();
+  for (int k = 0; k < 3; ++k) {
+    v = pub_.PublishNext();
+    WaitFor(*control_c, v);
+    ExpectExportEquals(*control_c, absl::StrCat("c-failover-", v, ".safetensors"), v);
+    AwaitPeersInstalled(*control_a, 2 + static_cast<uint64_t>(k));
+  }
+  ASSERT_TRUE(control_c->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  EXPECT_EQ(s.upstream().name(), "relay-a");
+  const v1::RelayStatus r = AwaitPeersInstalled(*control_a, 4);
+  EXPECT_EQ(r.adopted_versions(), 3u) << r.ShortDebugString();
+  EXPECT_EQ(r.failed(), 0u) << r.ShortDebugString();
+  (*c)->Shutdown();
+  (*a)->Shutdown();
 }
 
 TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
