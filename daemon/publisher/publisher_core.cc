@@ -1853,7 +1853,11 @@ absl::StatusOr<v1::VersionHeader> RelayedHeader(const v1::VersionHeader& up,
 // tensor, and which digests still have to be computed from its bytes.
 struct AdoptedTensor {
   sync::TensorUpdate update;
-  BaselineTensor tensor;
+  BaselineTensor tensor;  // tensor.bytes null until AdoptBaselineBytes for a changed tensor
+  std::span<const uint8_t> data;  // the version's bytes (the caller's)
+  // A changed tensor's previous baseline buffer: overwritten in place when the core holds it
+  // alone at the install (no page faults for a fresh buffer), else a copy of `data` is made.
+  std::shared_ptr<const std::vector<uint8_t>> base;
   bool unchanged = false;
   bool need_v1 = false;
   bool need_v2 = false;
@@ -1895,9 +1899,14 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
   }
   a.tensor.spec = tp.spec();
   a.tensor.dtype = in.dtype;
-  a.tensor.bytes = in.owned != nullptr
-                       ? in.owned
-                       : std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+  a.data = in.data;
+  if (in.owned != nullptr) {
+    a.tensor.bytes = in.owned;
+  } else if (patch) {
+    a.base = prev->bytes;
+  } else {
+    a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
+  }
   if (patch) {
     absl::StatusOr<PatchStats> ps = InspectPatch(object);
     if (!ps.ok()) {
@@ -1922,14 +1931,14 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
 void FillAdoptedDigests(std::vector<AdoptedTensor>& tensors, int threads) {
   std::vector<std::span<const uint8_t>> v1_bytes;
   for (const AdoptedTensor& a : tensors) {
-    if (a.need_v1) v1_bytes.push_back(*a.tensor.bytes);
+    if (a.need_v1) v1_bytes.push_back(a.data);
   }
   const std::vector<uint64_t> v1 = TensorDigests(v1_bytes, threads);
   size_t next_v1 = 0;
   for (AdoptedTensor& a : tensors) {
     if (a.unchanged) continue;
     if (a.need_v1) a.tensor.digest = v1[next_v1++];
-    if (a.need_v2) a.tensor.digest_v2 = TensorDigestV2(*a.tensor.bytes, threads);
+    if (a.need_v2) a.tensor.digest_v2 = TensorDigestV2(a.data, threads);
     a.update.digest = a.tensor.digest;
     a.update.digest_v2 = a.tensor.digest_v2;
   }
@@ -1995,7 +2004,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
     sum->patched_tensors += a.update.patch != nullptr ? 1 : 0;
     sum->keyframe_tensors += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
     sum->wire_bytes += objects[i]->size();
-    sum->dense_bytes += a.tensor.bytes != nullptr ? a.tensor.bytes->size() : 0;
+    sum->dense_bytes += *sync::TensorByteSize(tp.spec());
     sum->total_elements += ElementsOf(tp.spec());
     out.push_back(std::move(a));
   }
@@ -2006,6 +2015,36 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
   }
   return out;
 }
+// The new baseline (name order; under the core's lock, as UpdateBaselineBytes): a changed
+// tensor's previous buffer takes the version's bytes in place when nothing but the core's
+// baseline and `adopted` holds it (a transfer in flight may still read it: then a copy).
+void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
+                        std::vector<BaselineTensor>* next, PublishSummary* sum) {
+  const auto start = Clock::now();
+  std::vector<AdoptedTensor*> in_place;
+  for (AdoptedTensor& a : adopted) {
+    if (a.tensor.bytes != nullptr || a.base == nullptr) continue;
+    if (a.base.use_count() > kSoleBaselineOwners) {
+      a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(a.data.begin(), a.data.end());
+      ++sum->baseline_copied_tensors;
+    } else {
+      in_place.push_back(&a);
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // as UpdateBaselineBytes
+  ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      AdoptedTensor& a = *in_place[i];
+      std::memcpy(const_cast<uint8_t*>(a.base->data()), a.data.data(), a.data.size());
+    }
+  });
+  for (AdoptedTensor* a : in_place) a->tensor.bytes = std::move(a->base);
+  sum->baseline_in_place_tensors += in_place.size();
+  next->reserve(adopted.size());
+  for (AdoptedTensor& a : adopted) next->push_back(std::move(a.tensor));
+  sum->baseline_update_micros += MicrosSince(start);
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<LiveVersion>> PublisherCore::OpenRelayed(
@@ -2091,25 +2130,26 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e1, sync::DigestFormat::kV1, where));
   RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e2, sync::DigestFormat::kV2, where));
   std::vector<sync::TensorUpdate> updates;
-  std::vector<BaselineTensor> next;
   VersionCounts counts;
   counts.version = h.version();
   for (AdoptedTensor& a : adopted) {
     counts.changed.emplace_back(a.tensor.spec.name(), a.changed);
     updates.push_back(std::move(a.update));
-    next.push_back(std::move(a.tensor));
   }
-  std::sort(next.begin(), next.end(), [](const BaselineTensor& a, const BaselineTensor& b) {
-    return a.spec.name() < b.spec.name();
+  std::sort(adopted.begin(), adopted.end(), [](const AdoptedTensor& a, const AdoptedTensor& b) {
+    return a.tensor.spec.name() < b.tensor.spec.name();
   });
   std::sort(counts.changed.begin(), counts.changed.end());
+  prev.clear();  // the previous buffers are now referenced by baseline_, adopted and transfers
   RecordNumbered(h.version());  // no-op: a relay's core does not persist
   uint64_t lineage = 0;
   LiveEnds ends;
   RETURN_IF_ERROR(RecordInHistory(h.version(), prev_version, std::move(updates), /*live=*/false,
                                   where, &sum, &lineage, &ends));
   std::map<std::string, std::shared_ptr<const DeviceBytes>> no_gpu;
-  InstallVersion(h.version(), [] {}, next, no_gpu, std::move(counts), sum);
+  std::vector<BaselineTensor> next;
+  InstallVersion(h.version(), [&] { AdoptBaselineBytes(adopted, options_.encode_threads, &next, &sum); },
+                 next, no_gpu, std::move(counts), sum);
   sum.total_micros = MicrosSince(start);
   return sum;
 }

@@ -136,8 +136,18 @@ TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEnco
     }
 
     // Installed without encoding: the same version digests in both formats, the same patches.
+    // In v2 something still holds version 1's buffers (as a transfer in flight does): the changed
+    // tensors are copied and the holder keeps reading version 1; otherwise they are overwritten
+    // in place.
+    std::vector<publisher::BaselineTensor> held;
+    if (format == DigestFormat::kV2) held = peer_->Baseline();
     auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
     ASSERT_TRUE(adopted.ok()) << adopted.status();
+    EXPECT_EQ(adopted->baseline_in_place_tensors, format == DigestFormat::kV2 ? 0u : 2u);
+    EXPECT_EQ(adopted->baseline_copied_tensors, format == DigestFormat::kV2 ? 2u : 0u);
+    for (const publisher::BaselineTensor& bt : held) {
+      EXPECT_EQ(*bt.bytes, v1_[bt.spec.name()].bytes) << bt.spec.name();
+    }
     EXPECT_EQ(adopted->encode_micros, 0u);
     EXPECT_EQ(adopted->patched_tensors, 2u);
     EXPECT_EQ(adopted->unchanged_tensors, 1u);
