@@ -1,3 +1,4 @@
+#include "daemon/sync/selection.h"
 #include "daemon/config/config.h"
 
 #include <cerrno>
@@ -424,6 +425,11 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
     }
   }
   RETURN_IF_ERROR(CheckClientTls(c, "subscriber.upstream.tls", up.tls(), upstream_addresses));
+  if (absl::StatusOr<sync::TensorSelection> sel = sync::TensorSelection::Make(
+          std::vector<std::string>(up.tensors().begin(), up.tensors().end()), "tensors");
+      !sel.ok()) {
+    return c.Fail("subscriber.upstream.tensors", sel.status().message());
+  }
   if (up.backoff().initial_ms() > up.backoff().max_ms()) {
     return c.Fail("subscriber.upstream.backoff.initial_ms",
                   absl::StrCat(up.backoff().initial_ms(), " exceeds backoff.max_ms (",

@@ -102,6 +102,8 @@ struct DataPlaneService::Session {
   bool progress = false;
   // Welcome.streamed_transfers: this session may get streamed transfers.
   bool streamed = false;
+  // Hello.tensors_selected: its transfers and version digests cover these tensors only.
+  sync::TensorSelection selection;
   // Everything below is guarded by the service's mu_.
   std::vector<bool> stripe_joined;  // index 1..granted
   uint32_t joined_stripes = 0;
@@ -340,9 +342,10 @@ void DataPlaneService::ClassifyHello(const v1::Hello& hello, Session& session) c
   // its own format.
   for (sync::DigestFormat f : {session.digest_format, sync::DigestFormat::kV1,
                                sync::DigestFormat::kV2}) {
-    absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v, f);
+    absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v, f, &session.selection);
     if (!known.ok() || hello.version_digest() != *known) continue;
-    absl::StatusOr<uint64_t> ours_digest = core_->VersionDigestOf(v, session.digest_format);
+    absl::StatusOr<uint64_t> ours_digest =
+        core_->VersionDigestOf(v, session.digest_format, &session.selection);
     session.verified = ours_digest.ok();
     if (ours_digest.ok()) session.acked_digest = *ours_digest;
     return;
@@ -379,7 +382,11 @@ absl::Status CheckHello(const v1::Hello& hello) {
   if (hello.version() == 0 && hello.version_digest() != 0) {
     return absl::InvalidArgumentError("Hello.version is 0 but Hello.version_digest is not");
   }
-  return absl::OkStatus();
+  return sync::TensorSelection::Make(
+             std::vector<std::string>(hello.tensors_selected().begin(),
+                                      hello.tensors_selected().end()),
+             "Hello.tensors_selected")
+      .status();
 }
 
 }  // namespace
@@ -398,6 +405,7 @@ grpc::Status DataPlaneService::Sync(
   const v1::Hello& hello = first.hello();
   if (absl::Status st = CheckHello(hello); !st.ok()) return ToGrpcStatus(st);
   std::shared_ptr<Session> session = NewSession(context, hello);
+  if (absl::Status st = CheckSelectionCovered(*session); !st.ok()) return ToGrpcStatus(st);
   if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);
   LogHello(*session, hello);
   grpc::Status status = RunSession(context, stream, session);
@@ -437,12 +445,26 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
       std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
       options_.digest_v2);
   session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
+  session->selection = *sync::TensorSelection::Make(  // CheckHello checked it
+      std::vector<std::string>(hello.tensors_selected().begin(), hello.tensors_selected().end()),
+      "Hello.tensors_selected");
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
     session->keyframe_reason = "Hello.want_keyframe";
   }
   return session;
+}
+
+// A selection must select something of the newest version (checked again at every plan).
+absl::Status DataPlaneService::CheckSelectionCovered(const Session& session) const {
+  if (session.selection.all() || core_->newest_version() == 0) return absl::OkStatus();
+  std::vector<v1::TensorSpec> manifest;
+  for (const BaselineTensor& t : core_->Baseline()) manifest.push_back(t.spec);
+  absl::Status st = session.selection.CheckCovered(
+      manifest, absl::StrCat("version ", core_->newest_version(), " of publisher ", options_.name));
+  if (st.ok()) return st;
+  return absl::InvalidArgumentError(absl::StrCat("Hello.tensors_selected: ", st.message()));
 }
 
 // Adds the session unless shutting down or at transport.max_subscribers.
@@ -462,12 +484,13 @@ absl::Status DataPlaneService::RegisterSession(const std::shared_ptr<Session>& s
 
 void DataPlaneService::LogHello(const Session& s, const v1::Hello& hello) const {
   log_->info("session {:016x}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
-             "granted, frames of {} bytes{}{}",
+             "granted, frames of {} bytes{}{}{}",
              s.id, s.name, s.address,
              s.identity.empty() ? "" : ", identity " + s.identity, hello.version(),
              sync::DescribeLineage(hello.lineage()), s.granted_stripes,
              s.frame_bytes, s.lz4 ? ", lz4" : "",
-             s.progress ? ", paced by progress" : "");
+             s.progress ? ", paced by progress" : "",
+             s.selection.all() ? "" : ", selects " + Printable(s.selection.Describe(), 200));
   if (!s.diverged.empty()) {
     log_->warn("session {:016x}: subscriber {} diverged: {}: it gets keyframes; its version "
                "does not change this publisher's numbering",
@@ -518,6 +541,7 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
       w->set_digest_format(sync::DigestFormatToWire(session->digest_format));
     }
     w->set_streamed_transfers(session->streamed);
+    w->set_selection(!session->selection.all());
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }
@@ -760,6 +784,7 @@ absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session
   loop.repair = session->repair_version != 0 && session->repair_version == *base_version;
   topts->plan.all_keyframes = session->all_keyframes;
   topts->plan.digest_format = session->digest_format;
+  topts->plan.selection = &session->selection;  // the session outlives its loop
   topts->plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
                                       session->keyframe_tensors.end());
   return absl::OkStatus();
@@ -891,7 +916,9 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
                                                                     const TransferOptions& topts,
                                                                     uint64_t base_version,
                                                                     uint64_t base_digest) {
-  if (!session.streamed || loop.rejections > 0 || topts.plan.all_keyframes ||
+  // A live version carries every tensor: a session with a selection takes the committed path.
+  if (!session.streamed || !session.selection.all() || loop.rejections > 0 ||
+      topts.plan.all_keyframes ||
       !topts.plan.keyframe_tensors.empty() || base_version == 0) {
     return nullptr;
   }

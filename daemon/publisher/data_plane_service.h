@@ -220,6 +220,7 @@ class DataPlaneService final : public v1::DataPlane::Service {
   absl::StatusOr<std::optional<v1::VersionEnd>> SendStreamed(
       SyncStream* stream, const std::shared_ptr<Session>& session,
       const std::shared_ptr<StreamedTransfer>& st, uint32_t streams);
+  absl::Status CheckSelectionCovered(const Session& session) const;
   // The core's listener: a live version opened / changed (new objects for the streamed works).
   void OnLiveOpened(std::shared_ptr<const LiveVersion> live);
   void OnLiveChanged();

@@ -1439,16 +1439,24 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
 
   const sync::TransferPlan& plan = t->plan_;
-  if (baseline.size() != plan.tensors.size()) {
+  const bool selected = options.plan.selection != nullptr && !options.plan.selection->all();
+  if (selected ? baseline.size() < plan.tensors.size() : baseline.size() != plan.tensors.size()) {
     return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
                                             plan.tensors.size(), " tensors, baseline ",
                                             baseline.size()));
   }
   uint64_t frame = 0;
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+  size_t j = 0;  // the baseline tensor of plan tensor i (both in name order; a selection skips)
+  for (size_t i = 0; i < plan.tensors.size(); ++i, ++j) {
     const sync::TensorDelivery& d = plan.tensors[i];
-    const BaselineTensor& b = baseline[i];
+    while (selected && j < baseline.size() && baseline[j].spec.name() < d.plan.spec().name()) ++j;
     const uint32_t index = static_cast<uint32_t>(i);
+    if (j == baseline.size()) {
+      return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
+                                              sync::DescribeTensor(index, d.plan.spec().name()),
+                                              " of the plan is not in the baseline"));
+    }
+    const BaselineTensor& b = baseline[j];
     const uint64_t b_digest =
         options.plan.digest_format == sync::DigestFormat::kV2 ? b.digest_v2 : b.digest;
     if (b.spec.name() != d.plan.spec().name() || b_digest != d.digest) {

@@ -364,9 +364,11 @@ class PublisherCore {
                                  absl::string_view where) const;
   sync::HistoryStats HistoryStats() const { return history_.Stats(); }
   // Version digest of a version the history still holds (NotFound otherwise).
-  absl::StatusOr<uint64_t> VersionDigestOf(
-      uint64_t version, sync::DigestFormat format = sync::DigestFormat::kV1) const {
-    return history_.VersionDigestOf(version, format);
+  // With `selection`: over the tensors it selects (data.proto Hello.tensors_selected).
+  absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version,
+                                           sync::DigestFormat format = sync::DigestFormat::kV1,
+                                           const sync::TensorSelection* selection = nullptr) const {
+    return history_.VersionDigestOf(version, format, selection);
   }
 
   // Where the baseline is persisted (persist_dir/baseline.safetensors).

@@ -313,6 +313,7 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
+  up.tensors.assign(u.tensors().begin(), u.tensors().end());
   up.tap = relay_.get();
   upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
                                          [this](const AppliedEvent& ev) { OnApplied(ev); });

@@ -31,6 +31,7 @@
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/publisher_testing.h"
+#include "daemon/sync/selection.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -83,6 +84,7 @@ class TestPublisher {
 
   const std::string& address() const { return server_.bound_address; }
   const Model& model(uint64_t v) const { return source_.model(v); }
+  publisher::PublisherCore& core() const { return source_.core(); }
   uint64_t digest() const { return source_.digest(); }
 
  private:
@@ -189,6 +191,15 @@ class SubscriberDaemonTest : public ::testing::Test {
       auto d = f->data(i);
       EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), m.at(f->tensors()[i].name).bytes)
           << "version " << v << " tensor " << f->tensors()[i].name;
+    }
+  }
+
+  void ExpectSelectedLayout(const v1::Layout& layout, uint64_t v,
+                            const sync::TensorSelection& sel) {
+    for (const v1::TensorLocation& loc : layout.tensors()) {
+      EXPECT_TRUE(sel.Matches(loc.spec().name())) << loc.spec().name();
+      EXPECT_EQ(ReadRegion(loc.shm()), pub_.model(v).at(loc.spec().name()).bytes)
+          << "version " << v << " tensor " << loc.spec().name();
     }
   }
 
@@ -446,6 +457,117 @@ TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
   EXPECT_EQ(r.failed(), 0u) << r.ShortDebugString();
   (*c)->Shutdown();
   (*a)->Shutdown();
+}
+
+// upstream.tensors: the subscriber receives only the selected tensors' patches (exactly their
+// bytes), verifies them (digests and a version digest over the selection), and its store, its
+// consumers' layout and its exports hold only them.
+TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
+  uint64_t v = pub_.PublishNext();
+  v1::SubscriberConfig cfg = Config("sub-sel", false);
+  cfg.mutable_upstream()->add_tensors("*.weight");
+  auto d = SubscriberDaemon::Start(cfg);
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto control = ControlOf(**d);
+  auto consumer = ConsumerOf(**d);
+  auto sel = sync::TensorSelection::Make({"*.weight"}, "tensors");
+  ASSERT_TRUE(sel.ok());
+  WaitFor(*control, v);
+  for (int k = 0; k < 3; ++k) {
+    const uint64_t prev = v;
+    v = pub_.PublishNext();
+    WaitFor(*control, v);
+    v1::StatusResponse s;
+    ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+    EXPECT_EQ(s.version(), v);
+    EXPECT_EQ(s.tensors(), 2u);
+    const sync::DigestFormat format = *sync::DigestFormatFromWire(s.digest_format());
+    EXPECT_EQ(s.version_digest(), *pub_.core().VersionDigestOf(v, format, &*sel));
+    EXPECT_NE(s.version_digest(), *pub_.core().VersionDigestOf(v, format));  // not the whole's
+    publisher::TransferOptions topts;
+    topts.plan.digest_format = format;
+    topts.plan.selection = &*sel;
+    auto t = pub_.core().MakeTransfer(prev, *pub_.core().VersionDigestOf(prev, format, &*sel),
+                                      topts);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(s.last_refit().wire_bytes(), (*t)->object_bytes());  // only the selected patches
+    EXPECT_GT(s.last_refit().wire_bytes(), 0u);
+
+    v1::ExportRequest req;
+    req.set_safetensors((dir_ / absl::StrCat("sel-", v, ".safetensors")).string());
+    v1::ExportResponse resp;
+    ASSERT_TRUE(control->Export(Ctx().get(), req, &resp).ok());
+    auto f = model::SafetensorsFile::Open(req.safetensors());
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_EQ(f->tensors().size(), 2u);
+    for (size_t i = 0; i < f->tensors().size(); ++i) {
+      auto data = f->data(i);
+      EXPECT_TRUE(sel->Matches(f->tensors()[i].name));
+      EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()),
+                pub_.model(v).at(f->tensors()[i].name).bytes);
+    }
+  }
+  v1::Layout layout;
+  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  ASSERT_EQ(layout.tensors_size(), 2);
+  ExpectSelectedLayout(layout, v, *sel);
+  v1::VerifyResponse vr;
+  ASSERT_TRUE(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  EXPECT_TRUE(vr.ok());
+  (*d)->Shutdown();
+
+  // A relay selecting the union ("*.weight") serves a peer selecting a part of it ("attn.*"):
+  // the relay installs its selection from the relayed patches, the peer gets its part.
+  v1::SubscriberConfig rc = Config("relay-sel", true);
+  rc.mutable_upstream()->add_tensors("*.weight");
+  auto r = SubscriberDaemon::Start(rc);
+  ASSERT_TRUE(r.ok()) << r.status();
+  v1::SubscriberConfig pc = Config("peer-sel", false, "", (*r)->listen_address());
+  pc.mutable_upstream()->add_tensors("attn.*");
+  auto p = SubscriberDaemon::Start(pc);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto control_r = ControlOf(**r);
+  auto control_p = ControlOf(**p);
+  WaitFor(*control_p, v);
+  for (int k = 0; k < 3; ++k) {
+    AwaitPeersInstalled(*control_r, 1 + static_cast<uint64_t>(k));
+    v = pub_.PublishNext();
+    WaitFor(*control_p, v);
+    v1::ExportRequest req;
+    req.set_safetensors((dir_ / absl::StrCat("peer-sel-", v, ".safetensors")).string());
+    v1::ExportResponse resp;
+    ASSERT_TRUE(control_p->Export(Ctx().get(), req, &resp).ok());
+    auto f = model::SafetensorsFile::Open(req.safetensors());
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_EQ(f->tensors().size(), 1u);
+    EXPECT_EQ(f->tensors()[0].name, "attn.weight");
+    auto data = f->data(0);
+    EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()), pub_.model(v).at("attn.weight").bytes);
+  }
+  const v1::RelayStatus rs = AwaitPeersInstalled(*control_r, 4);
+  EXPECT_EQ(rs.adopted_versions(), 3u) << rs.ShortDebugString();
+  (*p)->Shutdown();
+  (*r)->Shutdown();
+
+  // A pattern that selects nothing: every session ends with an error naming it.
+  v1::SubscriberConfig bad = Config("sub-bad-sel", false);
+  bad.mutable_upstream()->add_tensors("lm_head.*");
+  auto b = SubscriberDaemon::Start(bad);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto control_b = ControlOf(**b);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  v1::StatusResponse sb;
+  while (absl::Now() < deadline) {
+    ASSERT_TRUE(control_b->Status(Ctx().get(), v1::StatusRequest(), &sb).ok());
+    if (!sb.upstream().last_error().empty()) break;
+    absl::SleepFor(absl::Milliseconds(5));  // polls a condition, with a deadline
+  }
+  EXPECT_THAT(sb.upstream().last_error(),
+              HasSubstr("INVALID_ARGUMENT: no Welcome: Hello.tensors_selected: selected tensors "
+                        "\"lm_head.*\" "
+                        "match none of the 3 tensors of version"));
+  EXPECT_EQ(sb.version(), 0u);
+  (*b)->Shutdown();
 }
 
 TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {

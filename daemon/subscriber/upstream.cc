@@ -326,6 +326,7 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   // publisher matches them against its record in either format (data.proto Hello).
   if (options_.digest_v2) hello->add_digest_formats(sync::DigestFormatToWire(sync::DigestFormat::kV2));
   hello->set_streamed_transfers(options_.streamed_transfers);
+  for (const std::string& t : options_.tensors) hello->add_tensors_selected(t);
   absl::MutexLock lock(&mu_);
   if (resync_pending_) {
     session.resync = true;
@@ -397,6 +398,15 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
   if (welcome.streamed_transfers() && !hello.streamed_transfers()) {
     return absl::FailedPreconditionError(
         "Welcome.streamed_transfers is true but Hello.streamed_transfers was false");
+  }
+  if (hello.tensors_selected_size() > 0 && !welcome.selection()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the upstream does not grant tensor selection (Welcome.selection): it would send every "
+        "tensor, not the ", hello.tensors_selected_size(),
+        " patterns of subscriber.upstream.tensors; upgrade it or clear the selection"));
+  }
+  if (welcome.selection() && hello.tensors_selected_size() == 0) {
+    return absl::FailedPreconditionError("Welcome.selection is true but Hello selected nothing");
   }
   if (welcome.progress_bytes() > 0 && !hello.stream_progress()) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -84,6 +84,8 @@ struct UpstreamOptions {
   bool digest_v2 = true;
   // upstream.streamed_transfers: Hello.streamed_transfers (accept VersionHeader.streamed).
   bool streamed_transfers = true;
+  // upstream.tensors: Hello.tensors_selected (validated by the config; empty = every tensor).
+  std::vector<std::string> tensors;
   // Optional (must outlive the Upstream): sees every transfer as it arrives.
   TransferTap* tap = nullptr;
 };

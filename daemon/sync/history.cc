@@ -224,13 +224,20 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   }
   TransferPlan plan;
   plan.version = target_version;
-  const std::optional<uint64_t> target_digest = target->VersionDigest(options.digest_format);
+  const std::optional<uint64_t> target_digest =
+      SelectedDigest(*target, options.digest_format, options.selection);
   if (!target_digest.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "version ", target_version, " has no ", DigestFormatName(options.digest_format),
         " tensor digests"));
   }
   plan.version_digest = *target_digest;
+  if (options.selection != nullptr && !options.selection->all()) {
+    std::vector<v1::TensorSpec> manifest;
+    for (const TensorEntry& t : target->tensors) manifest.push_back(t.spec);
+    RETURN_IF_ERROR(
+        options.selection->CheckCovered(manifest, absl::StrCat("version ", target_version)));
+  }
 
   // A usable base: recorded, and the subscriber's digest matches ours.
   const Record* base = sub_version == 0 ? nullptr : FindRecord(sub_version);
@@ -239,7 +246,8 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   } else if (base == nullptr) {
     plan.reason = sub_version < records_.front().version ? v1::TRANSFER_REASON_BEHIND_HISTORY
                                                          : v1::TRANSFER_REASON_DIVERGED;
-  } else if (base->VersionDigest(options.digest_format) != std::optional<uint64_t>(sub_digest)) {
+  } else if (SelectedDigest(*base, options.digest_format, options.selection) !=
+             std::optional<uint64_t>(sub_digest)) {
     plan.reason = v1::TRANSFER_REASON_DIVERGED;
     base = nullptr;
   } else if (options.all_keyframes || !options.keyframe_tensors.empty()) {
@@ -262,6 +270,7 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   }
 
   for (const TensorEntry& t : target->tensors) {
+    if (options.selection != nullptr && !options.selection->Matches(t.spec.name())) continue;
     TensorDelivery d;
     *d.plan.mutable_spec() = t.spec;
     d.digest = options.digest_format == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest;
@@ -313,16 +322,34 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
   return plan;
 }
 
-absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version,
-                                                       DigestFormat format) const {
+absl::StatusOr<uint64_t> PatchHistory::VersionDigestOf(uint64_t version, DigestFormat format,
+                                                       const TensorSelection* selection) const {
   absl::ReaderMutexLock lock(&mu_);
   const Record* r = FindRecord(version);
-  if (r == nullptr || !r->VersionDigest(format).has_value()) {
+  const std::optional<uint64_t> d =
+      r == nullptr ? std::nullopt : SelectedDigest(*r, format, selection);
+  if (!d.has_value()) {
     return absl::NotFoundError(absl::StrCat(
         "version ", version, " is not in the history",
         r == nullptr ? "" : absl::StrCat(" with ", DigestFormatName(format), " digests")));
   }
-  return *r->VersionDigest(format);
+  return *d;
+}
+
+std::optional<uint64_t> PatchHistory::SelectedDigest(const Record& r, DigestFormat f,
+                                                     const TensorSelection* selection) {
+  if (selection == nullptr || selection->all() || !r.VersionDigest(f).has_value()) {
+    return r.VersionDigest(f);
+  }
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  for (const TensorEntry& t : r.tensors) {  // name order
+    if (!selection->Matches(t.spec.name())) continue;
+    manifest.push_back(t.spec);
+    digests.push_back(f == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest);
+  }
+  absl::StatusOr<uint64_t> d = VersionDigest(manifest, digests);
+  return d.ok() ? std::optional<uint64_t>(*d) : std::nullopt;
 }
 
 bool PatchHistory::Contains(uint64_t version) const {

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/sync/digest_format.h"
+#include "daemon/sync/selection.h"
 #include "refit/v1/data.pb.h"
 
 namespace refit::sync {
@@ -74,6 +75,11 @@ struct PlanOptions {
   // The session's tensor digest format: the subscriber's version digest is compared, and the
   // plan's digests given, in it (v2: FailedPrecondition when the target has no v2 digests).
   DigestFormat digest_format = DigestFormat::kV1;
+  // The subscriber's tensor selection (Hello.tensors; null = every tensor): the plan holds only
+  // the selected tensors of the target, and both version digests (the subscriber's base, the
+  // target) are over the selected tensors. InvalidArgument when a pattern selects none of the
+  // target's tensors.
+  const TensorSelection* selection = nullptr;
 };
 
 struct HistoryStats {
@@ -117,7 +123,8 @@ class PatchHistory {
   // Version digest of a recorded version (NotFound if not retained) in `format` (v2 of a
   // version recorded without v2 digests: NotFound).
   absl::StatusOr<uint64_t> VersionDigestOf(uint64_t version,
-                                           DigestFormat format = DigestFormat::kV1) const;
+                                           DigestFormat format = DigestFormat::kV1,
+                                           const TensorSelection* selection = nullptr) const;
   bool Contains(uint64_t version) const;
   HistoryStats Stats() const;
   // Forgets every version (a new lineage starts from nothing).
@@ -150,6 +157,9 @@ class PatchHistory {
     const TensorEntry* Find(const std::string& name) const;
   };
   static uint64_t RecordBytes(const Record& r);
+  // The version digest of `r` in `f` over the tensors `selection` selects (all: the record's).
+  static std::optional<uint64_t> SelectedDigest(const Record& r, DigestFormat f,
+                                                const TensorSelection* selection);
   // Add's entry for `u`, tensor k (name order) of `version`, against the previous record (if
   // any): unchanged, patch (checked against the spec) or keyframe.
   static absl::StatusOr<TensorEntry> MakeEntry(uint64_t version, size_t k, const Record* prev,

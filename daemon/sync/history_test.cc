@@ -229,6 +229,49 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_KEYFRAME) << n;
 }
 
+TEST_F(HistoryTest, ASelectionGetsOnlyItsTensorsAndDigestsOverThem) {
+  Model m;
+  for (const char* name : {"a.weight", "b.weight", "c.norm"}) {
+    m[name] = RandomTensor(BF16(name, {4000}), rng_);
+  }
+  Publish(1, m);
+  Model m2 = m;
+  for (auto& [name, t] : m2) Perturb(t, 0.02, rng_);
+  Publish(2, m2);
+  auto sel = TensorSelection::Make({"*.weight"}, "tensors");
+  ASSERT_TRUE(sel.ok());
+  Model held, target;
+  for (const char* name : {"a.weight", "b.weight"}) {
+    held[name] = m[name];
+    target[name] = m2[name];
+  }
+  PlanOptions po;
+  po.selection = &*sel;
+  // The subscriber's digest of version 1 is over its selection: a delta of the two tensors.
+  auto plan = history_.Plan(1, ModelDigest(held), 2, po);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_NEXT_VERSION);
+  ASSERT_EQ(plan->tensors.size(), 2u);
+  EXPECT_EQ(plan->version_digest, ModelDigest(target));
+  EXPECT_EQ(*history_.VersionDigestOf(2, DigestFormat::kV1, &*sel), ModelDigest(target));
+  uint64_t wire = 0;
+  auto got = Receive(held, *plan, target, rng_, &wire);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(wire, plan->tensors[0].patches[0]->size() + plan->tensors[1].patches[0]->size());
+  // The whole version's digest is not the selection's: diverged, keyframes of the selection.
+  auto full = history_.Plan(1, ModelDigest(m), 2, po);
+  ASSERT_TRUE(full.ok());
+  EXPECT_EQ(full->reason, v1::TRANSFER_REASON_DIVERGED);
+  EXPECT_EQ(full->tensors.size(), 2u);
+  // A pattern selecting nothing is an error naming it.
+  auto none = TensorSelection::Make({"*.weight", "lm_head"}, "tensors");
+  po.selection = &*none;
+  auto bad = history_.Plan(1, ModelDigest(held), 2, po);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("\"lm_head\" is not one"), std::string::npos)
+      << bad.status();
+}
+
 TEST_F(HistoryTest, ManifestChanges) {
   Model m;
   m["keep"] = RandomTensor(BF16("keep", {4000}), rng_);

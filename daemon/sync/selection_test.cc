@@ -1,0 +1,61 @@
+#include "daemon/sync/selection.h"
+
+#include <string>
+#include <vector>
+
+#include "daemon/sync/sync_testing.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::sync {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(TensorSelection, ExactNamesAndGlobs) {
+  auto s = TensorSelection::Make({"layers.1.*", "embed.weight", "norm.[ab]ias"}, "tensors");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_FALSE(s->all());
+  EXPECT_TRUE(s->Matches("layers.1.attn.weight"));
+  EXPECT_FALSE(s->Matches("layers.10.attn.weight"));
+  EXPECT_TRUE(s->Matches("embed.weight"));
+  EXPECT_FALSE(s->Matches("embed.weight2"));
+  EXPECT_TRUE(s->Matches("norm.bias"));
+  EXPECT_FALSE(s->Matches("norm.cias"));
+  EXPECT_EQ(s->Describe(), "3 patterns (layers.1.*, embed.weight, norm.[ab]ias)");
+  TensorSelection all;
+  EXPECT_TRUE(all.all());
+  EXPECT_TRUE(all.Matches("anything"));
+  EXPECT_EQ(all.Describe(), "all tensors");
+}
+
+TEST(TensorSelection, BadPatternsAreRefusedNamingWhere) {
+  EXPECT_THAT(TensorSelection::Make({"a", ""}, "Hello.tensors_selected").status().message(),
+              HasSubstr("Hello.tensors_selected[1]: a pattern must have 1 to 1024 bytes, not 0"));
+  EXPECT_THAT(TensorSelection::Make({std::string(1025, 'x')}, "t").status().message(),
+              HasSubstr("t[0]: a pattern must have 1 to 1024 bytes, not 1025"));
+  EXPECT_THAT(TensorSelection::Make({"a\nb"}, "t").status().message(),
+              HasSubstr("t[0]: control character 0xa"));
+  EXPECT_THAT(TensorSelection::Make({"a", "b", "a"}, "t").status().message(),
+              HasSubstr("t[2]: \"a\" is given twice"));
+  EXPECT_THAT(TensorSelection::Make(std::vector<std::string>(4097, "x"), "t").status().message(),
+              HasSubstr("4097 tensor patterns, at most 4096"));
+}
+
+TEST(TensorSelection, EveryPatternMustSelectSomething) {
+  const std::vector<v1::TensorSpec> manifest = {testing::BF16("a.weight", {4}),
+                                                testing::BF16("b.weight", {4})};
+  auto s = TensorSelection::Make({"a.*", "c.weight"}, "t");
+  ASSERT_TRUE(s.ok());
+  absl::Status st = s->CheckCovered(manifest, "version 3");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("selected tensor \"c.weight\" is not one of the 2 tensors "
+                                      "of version 3"));
+  auto g = TensorSelection::Make({"z*"}, "t");
+  EXPECT_THAT(g->CheckCovered(manifest, "version 3").message(),
+              HasSubstr("selected tensors \"z*\" match none of the 2 tensors of version 3"));
+  EXPECT_TRUE(TensorSelection::Make({"*.weight"}, "t")->CheckCovered(manifest, "v").ok());
+}
+
+}  // namespace
+}  // namespace refit::sync
