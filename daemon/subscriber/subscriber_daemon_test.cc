@@ -194,6 +194,24 @@ class SubscriberDaemonTest : public ::testing::Test {
     }
   }
 
+  // Export writes exactly the tensors `names` (name order) of version v, bit-exact.
+  void ExpectExportHolds(v1::Control::Stub& control, const std::string& file, uint64_t v,
+                         const std::vector<std::string>& names) {
+    v1::ExportRequest req;
+    req.set_safetensors((dir_ / file).string());
+    v1::ExportResponse resp;
+    ASSERT_TRUE(control.Export(Ctx().get(), req, &resp).ok());
+    auto f = model::SafetensorsFile::Open(req.safetensors());
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_EQ(f->tensors().size(), names.size());
+    for (size_t i = 0; i < names.size(); ++i) {
+      auto data = f->data(i);
+      EXPECT_EQ(f->tensors()[i].name, names[i]);
+      EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()), pub_.model(v).at(names[i]).bytes)
+          << "version " << v << " tensor " << names[i];
+    }
+  }
+
   void ExpectSelectedLayout(const v1::Layout& layout, uint64_t v,
                             const sync::TensorSelection& sel) {
     for (const v1::TensorLocation& loc : layout.tensors()) {
@@ -493,19 +511,8 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
     EXPECT_EQ(s.last_refit().wire_bytes(), (*t)->object_bytes());  // only the selected patches
     EXPECT_GT(s.last_refit().wire_bytes(), 0u);
 
-    v1::ExportRequest req;
-    req.set_safetensors((dir_ / absl::StrCat("sel-", v, ".safetensors")).string());
-    v1::ExportResponse resp;
-    ASSERT_TRUE(control->Export(Ctx().get(), req, &resp).ok());
-    auto f = model::SafetensorsFile::Open(req.safetensors());
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->tensors().size(), 2u);
-    for (size_t i = 0; i < f->tensors().size(); ++i) {
-      auto data = f->data(i);
-      EXPECT_TRUE(sel->Matches(f->tensors()[i].name));
-      EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()),
-                pub_.model(v).at(f->tensors()[i].name).bytes);
-    }
+    ExpectExportHolds(*control, absl::StrCat("sel-", v, ".safetensors"), v,
+                      {"attn.weight", "mlp.weight"});
   }
   v1::Layout layout;
   ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
@@ -533,16 +540,8 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
     AwaitPeersInstalled(*control_r, 1 + static_cast<uint64_t>(k));
     v = pub_.PublishNext();
     WaitFor(*control_p, v);
-    v1::ExportRequest req;
-    req.set_safetensors((dir_ / absl::StrCat("peer-sel-", v, ".safetensors")).string());
-    v1::ExportResponse resp;
-    ASSERT_TRUE(control_p->Export(Ctx().get(), req, &resp).ok());
-    auto f = model::SafetensorsFile::Open(req.safetensors());
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->tensors().size(), 1u);
-    EXPECT_EQ(f->tensors()[0].name, "attn.weight");
-    auto data = f->data(0);
-    EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()), pub_.model(v).at("attn.weight").bytes);
+    ExpectExportHolds(*control_p, absl::StrCat("peer-sel-", v, ".safetensors"), v,
+                      {"attn.weight"});
   }
   const v1::RelayStatus rs = AwaitPeersInstalled(*control_r, 4);
   EXPECT_EQ(rs.adopted_versions(), 3u) << rs.ShortDebugString();
