@@ -1,4 +1,3 @@
-#include "daemon/sync/selection.h"
 #include "daemon/config/config.h"
 
 #include <cerrno>
@@ -16,6 +15,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/config/tls_material.h"
+#include "daemon/sync/selection.h"
 
 namespace refit::config {
 namespace {

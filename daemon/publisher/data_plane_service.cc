@@ -382,11 +382,7 @@ absl::Status CheckHello(const v1::Hello& hello) {
   if (hello.version() == 0 && hello.version_digest() != 0) {
     return absl::InvalidArgumentError("Hello.version is 0 but Hello.version_digest is not");
   }
-  return sync::TensorSelection::Make(
-             std::vector<std::string>(hello.tensors_selected().begin(),
-                                      hello.tensors_selected().end()),
-             "Hello.tensors_selected")
-      .status();
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -404,8 +400,9 @@ grpc::Status DataPlaneService::Sync(
   }
   const v1::Hello& hello = first.hello();
   if (absl::Status st = CheckHello(hello); !st.ok()) return ToGrpcStatus(st);
-  std::shared_ptr<Session> session = NewSession(context, hello);
-  if (absl::Status st = CheckSelectionCovered(*session); !st.ok()) return ToGrpcStatus(st);
+  absl::StatusOr<sync::TensorSelection> selection = HelloSelection(hello);
+  if (!selection.ok()) return ToGrpcStatus(selection.status());
+  std::shared_ptr<Session> session = NewSession(context, hello, *std::move(selection));
   if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);
   LogHello(*session, hello);
   grpc::Status status = RunSession(context, stream, session);
@@ -416,7 +413,7 @@ grpc::Status DataPlaneService::Sync(
 // The session a Hello asks for: its id, peer, grants (stripes, pacing, digest format,
 // streaming) and how its held version relates to this publisher's history.
 std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
-    grpc::ServerContext* context, const v1::Hello& hello) const {
+    grpc::ServerContext* context, const v1::Hello& hello, sync::TensorSelection selection) const {
   auto session = std::make_shared<Session>();
   {
     absl::BitGen gen;
@@ -445,9 +442,7 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
       std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
       options_.digest_v2);
   session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
-  session->selection = *sync::TensorSelection::Make(  // CheckHello checked it
-      std::vector<std::string>(hello.tensors_selected().begin(), hello.tensors_selected().end()),
-      "Hello.tensors_selected");
+  session->selection = std::move(selection);
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
     session->all_keyframes = true;
@@ -456,15 +451,25 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
   return session;
 }
 
-// A selection must select something of the newest version (checked again at every plan).
-absl::Status DataPlaneService::CheckSelectionCovered(const Session& session) const {
-  if (session.selection.all() || core_->newest_version() == 0) return absl::OkStatus();
+// Hello.tensors_selected, valid and selecting something of the newest version (every plan
+// checks again against its target).
+absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
+    const v1::Hello& hello) const {
+  ASSIGN_OR_RETURN(sync::TensorSelection selection,
+                   sync::TensorSelection::Make(
+                       std::vector<std::string>(hello.tensors_selected().begin(),
+                                                hello.tensors_selected().end()),
+                       "Hello.tensors_selected"));
+  const std::vector<BaselineTensor> newest = core_->Baseline();
+  if (selection.all() || newest.empty()) return selection;
   std::vector<v1::TensorSpec> manifest;
-  for (const BaselineTensor& t : core_->Baseline()) manifest.push_back(t.spec);
-  absl::Status st = session.selection.CheckCovered(
+  for (const BaselineTensor& t : newest) manifest.push_back(t.spec);
+  absl::Status st = selection.CheckCovered(
       manifest, absl::StrCat("version ", core_->newest_version(), " of publisher ", options_.name));
-  if (st.ok()) return st;
-  return absl::InvalidArgumentError(absl::StrCat("Hello.tensors_selected: ", st.message()));
+  if (!st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("Hello.tensors_selected: ", st.message()));
+  }
+  return selection;
 }
 
 // Adds the session unless shutting down or at transport.max_subscribers.

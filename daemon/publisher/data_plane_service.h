@@ -220,7 +220,6 @@ class DataPlaneService final : public v1::DataPlane::Service {
   absl::StatusOr<std::optional<v1::VersionEnd>> SendStreamed(
       SyncStream* stream, const std::shared_ptr<Session>& session,
       const std::shared_ptr<StreamedTransfer>& st, uint32_t streams);
-  absl::Status CheckSelectionCovered(const Session& session) const;
   // The core's listener: a live version opened / changed (new objects for the streamed works).
   void OnLiveOpened(std::shared_ptr<const LiveVersion> live);
   void OnLiveChanged();
@@ -241,7 +240,9 @@ class DataPlaneService final : public v1::DataPlane::Service {
   void ClassifyHello(const v1::Hello& hello, Session& session) const;
   // Sync's steps (after CheckHello): the session a Hello asks for, its registration (refused
   // while shutting down or at max_subscribers), its log lines, and its end.
-  std::shared_ptr<Session> NewSession(grpc::ServerContext* context, const v1::Hello& hello) const;
+  std::shared_ptr<Session> NewSession(grpc::ServerContext* context, const v1::Hello& hello,
+                                      sync::TensorSelection selection) const;
+  absl::StatusOr<sync::TensorSelection> HelloSelection(const v1::Hello& hello) const;
   absl::Status RegisterSession(const std::shared_ptr<Session>& session);
   void LogHello(const Session& s, const v1::Hello& hello) const;
   void EndSession(Session& s, const grpc::Status& status);

@@ -1439,17 +1439,16 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
 
   const sync::TransferPlan& plan = t->plan_;
-  const bool selected = options.plan.selection != nullptr && !options.plan.selection->all();
-  if (selected ? baseline.size() < plan.tensors.size() : baseline.size() != plan.tensors.size()) {
+  if (baseline.size() < plan.tensors.size()) {
     return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
                                             plan.tensors.size(), " tensors, baseline ",
                                             baseline.size()));
   }
   uint64_t frame = 0;
-  size_t j = 0;  // the baseline tensor of plan tensor i (both in name order; a selection skips)
+  size_t j = 0;  // plan tensor i's baseline tensor: both in name order (a selection skips some)
   for (size_t i = 0; i < plan.tensors.size(); ++i, ++j) {
     const sync::TensorDelivery& d = plan.tensors[i];
-    while (selected && j < baseline.size() && baseline[j].spec.name() < d.plan.spec().name()) ++j;
+    while (j < baseline.size() && baseline[j].spec.name() < d.plan.spec().name()) ++j;
     const uint32_t index = static_cast<uint32_t>(i);
     if (j == baseline.size()) {
       return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
@@ -1975,7 +1974,8 @@ absl::Status CheckAdoptedDigest(const v1::VersionHeader& h, const std::vector<Ad
 }
 
 absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
-    const LiveVersion& live, std::span<const TensorInput> given, const std::vector<size_t>& order,
+    const LiveVersion& live, std::span<const TensorInput> given,
+    const std::vector<v1::TensorSpec>& specs, const std::vector<size_t>& order,
     const std::vector<BaselineTensor>& prev, const absl::StatusOr<v1::VersionEnd>& e1,
     const absl::StatusOr<v1::VersionEnd>& e2, const std::string& where, PublishSummary* sum) {
   const v1::VersionHeader& h = live.header();
@@ -1995,11 +1995,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
           where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
           in == nullptr ? " is not among the tensors given" : " has no object"));
     }
-    v1::TensorSpec spec;
-    spec.set_name(in->name);
-    spec.set_dtype(sync::ToProtoDType(in->dtype));
-    for (uint64_t d : in->shape) spec.add_shape(d);
-    if (!sync::SameSpec(spec, tp.spec())) {
+    if (!sync::SameSpec(specs[*it], tp.spec())) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
           " given with another dtype or shape than the version's"));
@@ -2133,7 +2129,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   sum.tensors = given.size();
   sum.snapshot_unix_nanos = h.snapshot_unix_nanos();
   ASSIGN_OR_RETURN(std::vector<AdoptedTensor> adopted,
-                   AdoptTensors(live, given, order, prev, e1, e2, where, &sum));
+                   AdoptTensors(live, given, specs, order, prev, e1, e2, where, &sum));
   FillAdoptedDigests(adopted, options_.digest_threads);
   RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e1, sync::DigestFormat::kV1, where));
   RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e2, sync::DigestFormat::kV2, where));

@@ -5,7 +5,6 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {
 
@@ -42,17 +41,9 @@ absl::Status RelayFeed::ExpectObjectsLocked(const v1::VersionHeader& upstream) {
       live_->Ready(index, nullptr);
       continue;
     }
-    ASSIGN_OR_RETURN(const uint64_t bytes, sync::TensorByteSize(tp.spec()));
-    ASSIGN_OR_RETURN(const uint64_t elements, sync::ElementCount(tp.spec()));
-    sync::ObjectSpec spec;
-    spec.tensor_index = index;
-    spec.part = 0;
-    spec.tensor_name = tp.spec().name();
-    const bool keyframe = tp.delivery() == v1::DELIVERY_KEYFRAME;
-    spec.bytes = keyframe ? bytes : sync::MaxPatchBytes(elements, bytes);
-    spec.exact_size = keyframe;
-    spec.allow_lz4 = keyframe;
-    RETURN_IF_ERROR(assembler_->Expect(std::move(spec)));
+    // A relayable transfer has one object per tensor (OpenRelayed refused chains).
+    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects, sync::ObjectsOf(tp, index));
+    for (sync::ObjectSpec& spec : objects) RETURN_IF_ERROR(assembler_->Expect(std::move(spec)));
   }
   return absl::OkStatus();
 }

@@ -532,21 +532,16 @@ absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
   t.in_slot.assign(n, false);
   for (size_t i = 0; i < n; ++i) {
     const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    const uint32_t ti = static_cast<uint32_t>(i);
-    if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
-      sync::ObjectSpec spec{ti, 0, tp.spec().name(), t.bytes[i], true, true, {}};
-      if (t.handle.has_value() && t.target->memory().host_accessible()) {
+    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
+                     sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
+    for (sync::ObjectSpec& spec : objects) {
+      // A keyframe lands straight in the staged slot when the store is host memory.
+      if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
+          t.target->memory().host_accessible()) {
         spec.buffer = t.handle->out[t.layout_index[i]];
         t.in_slot[i] = true;
       }
       RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
-    } else if (tp.delivery() == v1::DELIVERY_PATCH) {
-      const uint64_t elements = *sync::ElementCount(tp.spec());
-      for (int p = 0; p < tp.steps_size(); ++p) {
-        RETURN_IF_ERROR(t.assembler->Expect({ti, static_cast<uint32_t>(p), tp.spec().name(),
-                                             sync::MaxPatchBytes(elements, t.bytes[i]), false,
-                                             false, {}}));
-      }
     }
   }
   return absl::OkStatus();

@@ -110,6 +110,23 @@ uint64_t MaxPatchBytes(uint64_t num_elements, uint64_t tensor_bytes) {
   return total;
 }
 
+absl::StatusOr<std::vector<ObjectSpec>> ObjectsOf(const v1::TensorPlan& tp, uint32_t tensor_index) {
+  std::vector<ObjectSpec> out;
+  if (tp.delivery() != v1::DELIVERY_KEYFRAME && tp.delivery() != v1::DELIVERY_PATCH) return out;
+  ASSIGN_OR_RETURN(const uint64_t bytes, TensorByteSize(tp.spec()));
+  if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
+    out.push_back({tensor_index, 0, tp.spec().name(), bytes, /*exact_size=*/true,
+                   /*allow_lz4=*/true, {}});
+    return out;
+  }
+  ASSIGN_OR_RETURN(const uint64_t elements, ElementCount(tp.spec()));
+  for (int p = 0; p < tp.steps_size(); ++p) {
+    out.push_back({tensor_index, static_cast<uint32_t>(p), tp.spec().name(),
+                   MaxPatchBytes(elements, bytes), false, false, {}});
+  }
+  return out;
+}
+
 FrameAssembler::FrameAssembler(uint64_t version, uint32_t max_frame_bytes)
     : version_(version), max_frame_bytes_(max_frame_bytes) {}
 

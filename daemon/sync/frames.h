@@ -72,6 +72,11 @@ struct ObjectSpec {
   std::span<uint8_t> buffer;
 };
 
+// The objects a receiver expects for tensor `tensor_index` of a VersionHeader: a KEYFRAME's
+// dense bytes (exact size, LZ4 allowed), one patch per PATCH step (at most MaxPatchBytes), none
+// for UNCHANGED. InvalidArgument for an invalid spec.
+absl::StatusOr<std::vector<ObjectSpec>> ObjectsOf(const v1::TensorPlan& tp, uint32_t tensor_index);
+
 // Upper bound on the size of a valid codec patch (daemon/codec/format.h) for a tensor of
 // num_elements elements and tensor_bytes bytes: header + 16 bytes of table per block of the
 // smallest block size + the dense bytes. Caps a patch object's size field.

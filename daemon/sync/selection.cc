@@ -43,12 +43,14 @@ absl::StatusOr<TensorSelection> TensorSelection::Make(std::vector<std::string> p
   return s;
 }
 
+bool TensorSelection::PatternMatches(size_t i, const std::string& name) const {
+  return glob_[i] ? fnmatch(patterns_[i].c_str(), name.c_str(), 0) == 0 : patterns_[i] == name;
+}
+
 bool TensorSelection::Matches(const std::string& name) const {
   if (patterns_.empty()) return true;
   for (size_t i = 0; i < patterns_.size(); ++i) {
-    if (glob_[i] ? fnmatch(patterns_[i].c_str(), name.c_str(), 0) == 0 : patterns_[i] == name) {
-      return true;
-    }
+    if (PatternMatches(i, name)) return true;
   }
   return false;
 }
@@ -56,14 +58,9 @@ bool TensorSelection::Matches(const std::string& name) const {
 absl::Status TensorSelection::CheckCovered(std::span<const v1::TensorSpec> manifest,
                                            absl::string_view what) const {
   for (size_t i = 0; i < patterns_.size(); ++i) {
-    bool any = false;
-    for (const v1::TensorSpec& t : manifest) {
-      if (glob_[i] ? fnmatch(patterns_[i].c_str(), t.name().c_str(), 0) == 0
-                   : patterns_[i] == t.name()) {
-        any = true;
-        break;
-      }
-    }
+    const bool any = std::any_of(manifest.begin(), manifest.end(), [&](const v1::TensorSpec& t) {
+      return PatternMatches(i, t.name());
+    });
     if (!any) {
       return absl::InvalidArgumentError(absl::StrCat(
           "selected tensor", glob_[i] ? "s \"" : " \"", patterns_[i], "\"",

@@ -39,6 +39,8 @@ class TensorSelection {
   std::string Describe() const;
 
  private:
+  bool PatternMatches(size_t i, const std::string& name) const;
+
   std::vector<std::string> patterns_;
   std::vector<bool> glob_;  // per pattern: has a glob character
 };
