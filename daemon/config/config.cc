@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -276,6 +277,40 @@ absl::Status CheckName(const Checker& c, const std::string& path, const std::str
   return absl::OkStatus();
 }
 
+// A shard set's name (publisher.shard.set, subscriber.upstream.shard_set): 1 .. 128 bytes of
+// [A-Za-z0-9._-].
+absl::Status CheckShardSet(const Checker& c, const std::string& path, const std::string& set) {
+  if (set.empty() || set.size() > 128) {
+    return c.Fail(path, absl::StrCat("is ", set.size(), " bytes; a shard set is named by 1 .. "
+                                     "128 letters, digits, '.', '_' or '-'"));
+  }
+  for (size_t i = 0; i < set.size(); ++i) {
+    const char ch = set[i];
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' &&
+        ch != '-') {
+      return c.Fail(path, absl::StrCat(Quote(set), ": byte ", i, " is not a letter, digit, '.', "
+                                       "'_' or '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPublisherShard(const Checker& c, const v1::ShardConfig& shard) {
+  if (shard.count() == 0) {
+    if (!shard.set().empty() || shard.index() != 0) {
+      return c.Fail("publisher.shard.count", "is 0 (not sharded) but shard.set or shard.index "
+                                             "is set: give the number of shards");
+    }
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(CheckShardSet(c, "publisher.shard.set", shard.set()));
+  if (shard.index() >= shard.count()) {
+    return c.Fail("publisher.shard.index", absl::StrCat(shard.index(), " is not below shard.count (",
+                                                        shard.count(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 // A directory of publisher/subscriber.files: absolute, no "." or ".." components, not "/".
 absl::Status CheckFilesDir(const Checker& c, const std::string& field, const std::string& dir) {
   if (dir.empty() || dir[0] != '/') {
@@ -394,21 +429,64 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
                                  p.codec().has_cuda_device()));
   }
   RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
+  RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
   return absl::OkStatus();
 }
+
+namespace {
+
+// subscriber.upstream.addresses, or shards with shard_set: every address with its key path.
+absl::Status CollectUpstreamAddresses(const Checker& c, const v1::UpstreamConfig& up,
+                                      std::vector<std::pair<std::string, std::string>>& out) {
+  if (up.addresses_size() == 0 && up.shards_size() == 0) {
+    return c.Fail("subscriber.upstream.addresses",
+                  "at least one address is required (or upstream.shards)");
+  }
+  if (up.addresses_size() > 0 && up.shards_size() > 0) {
+    return c.Fail("subscriber.upstream.shards",
+                  "is set together with upstream.addresses: list the publishers either as "
+                  "addresses (unsharded) or as shards, not both");
+  }
+  for (int i = 0; i < up.addresses_size(); ++i) {
+    out.emplace_back(absl::StrCat("subscriber.upstream.addresses[", i, "]"), up.addresses(i));
+  }
+  if (up.shards_size() == 0) {
+    if (!up.shard_set().empty()) {
+      return c.Fail("subscriber.upstream.shard_set", "is set but upstream.shards is empty");
+    }
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(CheckShardSet(c, "subscriber.upstream.shard_set", up.shard_set()));
+  if (up.shards_size() > 1024) {
+    return c.Fail("subscriber.upstream.shards", absl::StrCat("lists ", up.shards_size(),
+                                                             " shards; at most 1024"));
+  }
+  if (up.bootstrap_peers_size() > 0) {
+    return c.Fail("subscriber.upstream.bootstrap_peers",
+                  "is not supported with upstream.shards (bootstrap from the shards' publishers)");
+  }
+  if (up.tensors_size() > 0) {
+    return c.Fail("subscriber.upstream.tensors",
+                  "is not supported with upstream.shards yet: select tensors behind a relay "
+                  "(a subscriber with serve_peers that takes every shard)");
+  }
+  for (int k = 0; k < up.shards_size(); ++k) {
+    for (int i = 0; i < up.shards(k).addresses_size(); ++i) {
+      out.emplace_back(absl::StrCat("subscriber.upstream.shards[", k, "].addresses[", i, "]"),
+                       up.shards(k).addresses(i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
   const Checker c(map);
   RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
   const v1::UpstreamConfig& up = s.upstream();
   std::vector<std::pair<std::string, std::string>> upstream_addresses;
-  if (up.addresses_size() == 0) {
-    return c.Fail("subscriber.upstream.addresses", "at least one address is required");
-  }
-  for (int i = 0; i < up.addresses_size(); ++i) {
-    upstream_addresses.emplace_back(absl::StrCat("subscriber.upstream.addresses[", i, "]"),
-                                    up.addresses(i));
-  }
+  RETURN_IF_ERROR(CollectUpstreamAddresses(c, up, upstream_addresses));
   for (int i = 0; i < up.bootstrap_peers_size(); ++i) {
     upstream_addresses.emplace_back(absl::StrCat("subscriber.upstream.bootstrap_peers[", i, "]"),
                                     up.bootstrap_peers(i));

@@ -413,6 +413,51 @@ TEST(ConfigTest, PublisherRules) {
                   "64-bit integer");
 }
 
+TEST(ConfigTest, ShardRules) {
+  const std::string pub = "publisher:\n  listen: \"127.0.0.1:1\"\n";
+  EXPECT_EQ(PublisherError(pub + "  shard: {set: policy-7, index: 2, count: 3}\n"), "");
+  EXPECT_CONTAINS(PublisherError(pub + "  shard: {set: policy, index: 3, count: 3}\n"),
+                  "publisher.shard.index: 3 is not below shard.count (3)");
+  EXPECT_CONTAINS(PublisherError(pub + "  shard: {index: 1, count: 3}\n"),
+                  "publisher.shard.set: is 0 bytes");
+  EXPECT_CONTAINS(PublisherError(pub + "  shard: {set: \"a b\", count: 2}\n"),
+                  "publisher.shard.set: \"a b\": byte 1 is not a letter");
+  EXPECT_CONTAINS(PublisherError(pub + "  shard: {set: policy}\n"),
+                  "publisher.shard.count: is 0 (not sharded) but shard.set or shard.index is set");
+  EXPECT_CONTAINS(PublisherError(pub + "  shard: {set: policy, count: 1025}\n"),
+                  "publisher.shard.count: 1025 is out of range");
+
+  const std::string head = "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n";
+  const std::string shards =
+      "    shards:\n    - addresses: [\"127.0.0.1:7400\", \"127.0.0.1:7410\"]\n"
+      "    - addresses: [\"127.0.0.1:7401\"]\n";
+  auto ok = LoadSubscriberConfigFromString(head + shards + "    shard_set: policy\n", "sub.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->upstream().shards_size(), 2);
+  EXPECT_CONTAINS(SubscriberError(head + shards), "subscriber.upstream.shard_set: is 0 bytes");
+  EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
+                                  "    addresses: [\"127.0.0.1:7400\"]\n"),
+                  "subscriber.upstream.shards: is set together with upstream.addresses");
+  EXPECT_CONTAINS(SubscriberError(head + "    shard_set: policy\n"),
+                  "subscriber.upstream.addresses: at least one address is required");
+  EXPECT_CONTAINS(SubscriberError(head + "    addresses: [\"127.0.0.1:7400\"]\n"
+                                  "    shard_set: policy\n"),
+                  "subscriber.upstream.shard_set: is set but upstream.shards is empty");
+  EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
+                                  "    bootstrap_peers: [\"127.0.0.1:7500\"]\n"),
+                  "subscriber.upstream.bootstrap_peers: is not supported with upstream.shards");
+  EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
+                                  "    tensors: [\"layers.*\"]\n"),
+                  "subscriber.upstream.tensors: is not supported with upstream.shards");
+  // A shard's addresses are checked like the others, under their own key.
+  EXPECT_CONTAINS(SubscriberError(head + "    shards:\n    - addresses: [\"10.0.0.1:7400\"]\n"
+                                  "    shard_set: policy\n"),
+                  "subscriber.upstream.shards[0].addresses[0]");
+  EXPECT_CONTAINS(SubscriberError(head + "    shards:\n    - addresses: []\n"
+                                  "    shard_set: policy\n"),
+                  "addresses");
+}
+
 // ---- files -----------------------------------------------------------------------------------
 
 TEST(ConfigTest, LoadsFromFiles) {

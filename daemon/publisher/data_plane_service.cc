@@ -547,6 +547,7 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
     }
     w->set_streamed_transfers(session->streamed);
     w->set_selection(!session->selection.all());
+    if (options_.shard.count() > 0) *w->mutable_shard() = options_.shard;
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");
     }

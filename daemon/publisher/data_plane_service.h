@@ -81,6 +81,8 @@ struct DataPlaneOptions {
   absl::Duration retry_max = absl::Seconds(5);
   // Logger component name ("dataplane"; "peers" on a subscriber serving peers).
   std::string logger = "dataplane";
+  // config shard (count > 0): Welcome.shard, this publisher serves one shard of a set.
+  v1::ShardIdentity shard{};
 };
 
 // Frame scheduling (docs/ARCHITECTURE.md "Data plane sessions").

@@ -122,6 +122,11 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   r.set_uptime_ms(uptime < 0 ? 0 : static_cast<uint64_t>(uptime));
   *r.mutable_baseline() = core_->baseline_status();
   r.set_lineage(core_->lineage());
+  if (options_.shard.count() > 0) {
+    r.mutable_shards()->set_set(options_.shard.set());
+    r.mutable_shards()->set_index(options_.shard.index());
+    r.mutable_shards()->set_count(options_.shard.count());
+  }
   *r.mutable_publish_queue() = queue_->Status();
 
   if (options_.tls_status) {

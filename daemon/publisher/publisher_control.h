@@ -48,6 +48,8 @@ struct ControlOptions {
   std::string export_dir;
   uint32_t export_mode = 0600;
   std::string persist_dir;
+  // publisher.shard (count 0 = not sharded): Status.shards' set, index and count.
+  v1::ShardIdentity shard{};
 };
 
 class PublisherControl final : public v1::Control::Service {

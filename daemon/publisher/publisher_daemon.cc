@@ -253,9 +253,14 @@ PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
   return options;
 }
 
-DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherTransport& transport,
-                                    const std::string& name) {
+DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherConfig& config, const std::string& name) {
+  const v1::PublisherTransport& transport = config.transport();
   DataPlaneOptions dp;
+  if (config.shard().count() > 0) {
+    dp.shard.set_set(config.shard().set());
+    dp.shard.set_index(config.shard().index());
+    dp.shard.set_count(config.shard().count());
+  }
   dp.name = name;
   dp.frame_bytes = transport.frame_bytes();
   dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
@@ -289,7 +294,8 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
                                       config.files().publish_dirs().end()},
                      .export_dir = config.files().export_dir(),
                      .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
-                     .persist_dir = options.persist_dir});
+                     .persist_dir = options.persist_dir,
+                     .shard = DataPlaneOptionsOf(config, name).shard});
 }
 
 // The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache
@@ -372,7 +378,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   LogBaseline(*daemon->core_, *daemon->log_);
 
   daemon->data_plane_ = std::make_unique<DataPlaneService>(
-      daemon->core_.get(), DataPlaneOptionsOf(config.transport(), name));
+      daemon->core_.get(), DataPlaneOptionsOf(config, name));
   MakeQueueAndControl(config, name, options, started, *daemon);
   RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {

@@ -64,6 +64,7 @@ grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
   if (hooks_.upstream_status) *response->mutable_upstream() = hooks_.upstream_status();
   if (hooks_.bytes_sent) response->set_bytes_sent(hooks_.bytes_sent());
   if (hooks_.relay) *response->mutable_relay() = hooks_.relay();
+  if (hooks_.shards) *response->mutable_shards() = hooks_.shards();
   if (hooks_.bytes_received) response->set_bytes_received(hooks_.bytes_received());
   if (hooks_.last_refit) *response->mutable_last_refit() = hooks_.last_refit();
   if (hooks_.scrub_status) hooks_.scrub_status(*response);

@@ -32,6 +32,7 @@ struct SubscriberControlHooks {
   std::function<std::vector<v1::SessionStatus>()> peer_sessions;    // serve_peers: Sessions()
   std::function<uint64_t()> bytes_sent;                             // serve_peers: bytes_sent()
   std::function<v1::RelayStatus()> relay;                           // serve_peers: the relay
+  std::function<v1::ShardsStatus()> shards;                         // upstream.shards: the join
   std::function<std::vector<v1::TlsMaterialStatus>()> tls_status;  // TlsReloader::Status
   // Fills the scrub's fields (scrub_passes, scrub_mismatches, last_scrub_unix_nanos).
   std::function<void(v1::StatusResponse&)> scrub_status;

@@ -20,6 +20,7 @@
 #include "daemon/model/safetensors.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/subscriber/consumer_api.h"
+#include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/version_digest.h"
@@ -38,131 +39,11 @@ using sync::testing::Model;
 using sync::testing::Perturb;
 using sync::testing::RandomTensor;
 using sync::testing::Tensor;
-
-// What travels for one transfer.
-struct Wire {
-  v1::VersionHeader header;
-  std::vector<v1::DataFrame> frames;
-  v1::VersionEnd end;
-};
-
-// A publisher: a PatchHistory fed with EncodePatches, and transfers cut into shuffled frames.
-class FakePublisher {
- public:
-  explicit FakePublisher(uint32_t frame_bytes = 4096) : frame_bytes_(frame_bytes) {}
-
-  void Publish(uint64_t version, const Model& m) {
-    const Model* prev = models_.empty() ? nullptr : &models_.rbegin()->second;
-    std::vector<sync::TensorUpdate> updates;
-    std::vector<EncodeInput> inputs;
-    std::vector<size_t> which;
-    for (const auto& [name, t] : m) {
-      sync::TensorUpdate u;
-      u.spec = t.spec;
-      u.digest = TensorDigest(t.bytes, 1);
-      u.digest_v2 = TensorDigestV2(t.bytes, 1);
-      if (prev != nullptr) {
-        auto it = prev->find(name);
-        if (it != prev->end() && sync::SameSpec(it->second.spec, t.spec)) {
-          inputs.push_back({DType::kBF16, it->second.bytes, t.bytes});
-          which.push_back(updates.size());
-        }
-      }
-      updates.push_back(std::move(u));
-    }
-    auto patches = EncodePatches(inputs, {.block_log2 = 12, .threads = 2});
-    ASSERT_TRUE(patches.ok()) << patches.status();
-    for (size_t k = 0; k < which.size(); ++k) {
-      updates[which[k]].patch =
-          std::make_shared<const std::vector<uint8_t>>(std::move((*patches)[k]));
-    }
-    auto d = history_.Add(version, std::move(updates));
-    ASSERT_TRUE(d.ok()) << d.status();
-    models_[version] = m;
-  }
-
-  const Model& model(uint64_t v) const { return models_.at(v); }
-  uint64_t digest(uint64_t v) const { return *history_.VersionDigestOf(v, format_); }
-  // The session's digest format (Welcome.digest_format): digests of plans and digest().
-  void set_format(sync::DigestFormat f) { format_ = f; }
-
-  Wire Transfer(uint64_t sub_version, uint64_t sub_digest, uint64_t target,
-                PlanOptions options = {}) {
-    options.digest_format = format_;
-    auto plan = history_.Plan(sub_version, sub_digest, target, options);
-    EXPECT_TRUE(plan.ok()) << plan.status();
-    last_plan_ = *plan;
-    Wire w{plan->Header(), {}, plan->End()};
-    const Model& m = models_.at(target);
-    for (size_t i = 0; i < plan->tensors.size(); ++i) {
-      const auto& td = plan->tensors[i];
-      const uint32_t ti = static_cast<uint32_t>(i);
-      if (td.plan.delivery() == v1::DELIVERY_KEYFRAME) {
-        auto fr = sync::SplitObject(m.at(td.plan.spec().name()).bytes, {target, ti, 0},
-                                    {frame_bytes_, true});
-        EXPECT_TRUE(fr.ok()) << fr.status();
-        w.frames.insert(w.frames.end(), fr->begin(), fr->end());
-      } else if (td.plan.delivery() == v1::DELIVERY_PATCH) {
-        for (size_t p = 0; p < td.patches.size(); ++p) {
-          std::vector<uint8_t> patch = *td.patches[p];
-          if (mutate_patch) mutate_patch(td.plan.spec().name(), static_cast<uint32_t>(p), patch);
-          auto fr = sync::SplitObject(patch, {target, ti, static_cast<uint32_t>(p)},
-                                      {frame_bytes_, false});
-          EXPECT_TRUE(fr.ok()) << fr.status();
-          w.frames.insert(w.frames.end(), fr->begin(), fr->end());
-        }
-      }
-    }
-    std::shuffle(w.frames.begin(), w.frames.end(), rng_);
-    return w;
-  }
-
-  const TransferPlan& last_plan() const { return last_plan_; }
-  // Called on every patch object before it is cut into frames (tests corrupt one).
-  std::function<void(const std::string& tensor, uint32_t part, std::vector<uint8_t>& patch)>
-      mutate_patch;
-
- private:
-  uint32_t frame_bytes_;
-  PatchHistory history_{1ull << 30};
-  sync::DigestFormat format_ = sync::DigestFormat::kV1;
-  std::map<uint64_t, Model> models_;
-  TransferPlan last_plan_;
-  std::mt19937 rng_{7};
-};
-
-// Tensor i of a lease, copied to the host through the store's memory (a GPU store's spans are
-// device memory).
-std::vector<uint8_t> HostCopy(const SubscriberLease& lease, size_t i) {
-  std::vector<uint8_t> out(lease.lease.spans[i].size());
-  absl::Status st = lease.store->memory().Download(out, lease.lease.spans[i]);
-  EXPECT_TRUE(st.ok()) << st;
-  return out;
-}
-
-v1::Ack Feed(SubscriberCore& core, const Wire& w) {
-  absl::Status st = core.OnHeader(w.header);
-  EXPECT_TRUE(st.ok()) << st;
-  for (const auto& f : w.frames) {
-    absl::Status fs = core.OnFrame(f);
-    EXPECT_TRUE(fs.ok()) << fs;
-  }
-  return core.OnEnd(w.end);
-}
-
-// The current version's tensors, read under a lease.
-std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core) {
-  std::map<std::string, std::vector<uint8_t>> out;
-  auto lease = core.AcquireLease("test-reader");
-  EXPECT_TRUE(lease.ok()) << lease.status();
-  if (!lease.ok()) return out;
-  const store::Layout& layout = lease->store->layout();
-  for (size_t i = 0; i < layout.size(); ++i) {
-    out[layout.tensor(i).name] = HostCopy(*lease, i);
-  }
-  EXPECT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
-  return out;
-}
+using testing::Feed;
+using testing::FakePublisher;
+using testing::HostCopy;
+using testing::Read;
+using testing::Wire;
 
 void ExpectHolds(SubscriberCore& core, const FakePublisher& pub, uint64_t v) {
   EXPECT_EQ(core.applied_version(), v);

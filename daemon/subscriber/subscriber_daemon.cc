@@ -35,6 +35,7 @@
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/relay_feed.h"
 #include "daemon/subscriber/scrubber.h"
+#include "daemon/subscriber/shard_join.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
@@ -134,6 +135,8 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   // Init's steps, in order.
   absl::Status OpenDevice(const cuda::DeviceOpener& open_device);
   absl::Status MakeUpstream();
+  // upstream.shards: the join and one Upstream per shard (upstreams_[k] feeds port k).
+  absl::Status MakeShardUpstreams(UpstreamOptions base);
   absl::Status MakePeers();
   void MakeServices();
   absl::Status AnnounceStarted();
@@ -145,6 +148,9 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   bool StallPeersHook();
   absl::Status PublishToPeers();
   v1::RelayStatus RelayStatusOf() const;
+  v1::ShardsStatus ShardsStatusOf() const;
+  v1::RefitStats LastRefit() const;
+  uint64_t BytesReceived() const;
   // PublishToPeers' steps.
   absl::Status FollowUpstreamLineage();
   absl::Status PeerInputsOf(const SubscriberLease& lease,
@@ -178,8 +184,15 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // versions applied so far
   bool peer_stop_ ABSL_GUARDED_BY(peer_mu_) = false;
 
-  std::unique_ptr<Upstream> upstream_;
-  std::unique_ptr<Scrubber> scrubber_;  // after upstream_ and core_: destroyed first
+  // upstream.shards: joins the shards' parts into one transfer of core_ (before upstreams_:
+  // destroyed after them).
+  std::unique_ptr<ShardJoin> shards_;
+  // The one upstream, or one per shard.
+  std::vector<std::unique_ptr<Upstream>> upstreams_;
+  // The last joined version's stats (shards: no single Upstream has them).
+  mutable absl::Mutex refit_mu_;
+  v1::RefitStats joined_refit_ ABSL_GUARDED_BY(refit_mu_);
+  std::unique_ptr<Scrubber> scrubber_;  // after upstreams_ and core_: destroyed first
   std::unique_ptr<ConsumerApiService> consumer_;
   std::unique_ptr<SubscriberControlService> control_;
   // What the servers register: the services behind their authorization (daemon/auth).
@@ -307,17 +320,43 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   const v1::UpstreamConfig& u = config_.upstream();
   UpstreamOptions up = UpstreamTimingOf(u);
   up.name = name_;
-  ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
-  ASSIGN_OR_RETURN(up.bootstrap_peers,
-                   Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
+  scrubber_ = MakeScrubber(config_.store());
+  if (u.shards_size() > 0) return MakeShardUpstreams(std::move(up));
+  ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
+  ASSIGN_OR_RETURN(up.bootstrap_peers,
+                   Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
   up.tensors.assign(u.tensors().begin(), u.tensors().end());
   up.tap = relay_.get();
-  upstream_ = std::make_unique<Upstream>(core_.get(), std::move(up),
-                                         [this](const AppliedEvent& ev) { OnApplied(ev); });
-  scrubber_ = MakeScrubber(config_.store());
+  upstreams_.push_back(std::make_unique<Upstream>(
+      core_.get(), std::move(up), [this](const AppliedEvent& ev) { OnApplied(ev); }));
+  return absl::OkStatus();
+}
+
+absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
+  const v1::UpstreamConfig& u = config_.upstream();
+  ShardJoinOptions jo;
+  jo.set = u.shard_set();
+  jo.count = static_cast<uint32_t>(u.shards_size());
+  jo.tap = relay_.get();
+  jo.on_applied = [this](const AppliedEvent& ev) {
+    {
+      absl::MutexLock lock(&refit_mu_);
+      joined_refit_ = ev.stats;
+    }
+    OnApplied(ev);
+  };
+  shards_ = std::make_unique<ShardJoin>(core_.get(), std::move(jo));
+  for (int k = 0; k < u.shards_size(); ++k) {
+    UpstreamOptions up = base;
+    ASSIGN_OR_RETURN(up.addresses, Targets(u.shards(k).addresses(),
+                                           absl::StrCat("subscriber.upstream.shards[", k,
+                                                        "].addresses")));
+    upstreams_.push_back(std::make_unique<Upstream>(
+        shards_->port(static_cast<uint32_t>(k)), std::move(up), Upstream::AppliedCallback()));
+  }
   return absl::OkStatus();
 }
 
@@ -349,13 +388,16 @@ void SubscriberDaemonImpl::MakeServices() {
   consumer_ = std::make_unique<ConsumerApiService>(
       core_.get(), &board_, ConsumerApiOptions{.layout_consumer = absl::StrCat(kSelfConsumer, "/layout")});
   SubscriberControlHooks hooks;
-  Upstream* upstream = upstream_.get();
+  Upstream* upstream = upstreams_[0].get();
   hooks.upstream_status = [upstream] { return upstream->Status(); };
-  hooks.last_refit = [upstream] { return upstream->last_refit(); };
-  hooks.bytes_received = [upstream] { return upstream->bytes_received(); };
-  hooks.resync = [upstream](const std::vector<std::string>& t) {
-    return upstream->RequestResync(t);
+  hooks.last_refit = [this] { return LastRefit(); };
+  hooks.bytes_received = [this] { return BytesReceived(); };
+  hooks.resync = [this](const std::vector<std::string>& t) {
+    uint32_t asked = 0;
+    for (const auto& up : upstreams_) asked += up->RequestResync(t);
+    return asked;
   };
+  if (shards_ != nullptr) hooks.shards = [this] { return ShardsStatusOf(); };
   hooks.tls_status = [tls = tls_.get()] { return tls->Status(); };
   hooks.scrub_status = [scrub = scrubber_.get()](v1::StatusResponse& r) { ScrubStatus(*scrub, r); };
   if (peer_service_ != nullptr) {
@@ -382,7 +424,11 @@ absl::Status SubscriberDaemonImpl::AnnounceStarted() {
              name_, listen_.bound_address.empty() ? "-" : listen_.bound_address,
              control_server_.bound_address.empty() ? "(on listen)" : control_server_.bound_address,
              local_.bound_address.empty() ? "-" : local_.bound_address, c.store().slots(),
-             c.serve_peers(), absl::StrJoin(c.upstream().addresses(), ","),
+             c.serve_peers(),
+             c.upstream().shards_size() > 0
+                 ? absl::StrCat(c.upstream().shards_size(), " shards of set ",
+                                c.upstream().shard_set())
+                 : absl::StrJoin(c.upstream().addresses(), ","),
              c.upstream().bootstrap_peers().empty()
                  ? std::string()
                  : absl::StrCat(" (bootstrap peers ",
@@ -404,7 +450,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   MakeServices();
   RETURN_IF_ERROR(StartServers(config_));
   if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
-  upstream_->Start();
+  for (const auto& up : upstreams_) up->Start();
   scrubber_->Start();
   return AnnounceStarted();
 }
@@ -413,7 +459,9 @@ std::unique_ptr<Scrubber> SubscriberDaemonImpl::MakeScrubber(const v1::StoreConf
   ScrubberOptions o = ScrubberOptionsOf(store);
   o.consumer = absl::StrCat(kSelfConsumer, "/scrub");
   o.on_mismatch = [this](const ScrubMismatch& m) {
-    (void)upstream_->RequestRepair(m.version, {m.tensor});  // false: a newer version came
+    // False: a newer version came (or shards: repairs are not joined; the tensor's next patch
+    // then fails its digest and it comes as a keyframe).
+    (void)upstreams_[0]->RequestRepair(m.version, {m.tensor});
   };
   return std::make_unique<Scrubber>(core_.get(), std::move(o));
 }
@@ -510,6 +558,43 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
   return result;
 }
 
+v1::RefitStats SubscriberDaemonImpl::LastRefit() const {
+  if (shards_ == nullptr) return upstreams_[0]->last_refit();
+  absl::MutexLock lock(&refit_mu_);
+  return joined_refit_;
+}
+
+uint64_t SubscriberDaemonImpl::BytesReceived() const {
+  uint64_t sum = 0;
+  for (const auto& up : upstreams_) sum += up->bytes_received();
+  return sum;
+}
+
+v1::ShardsStatus SubscriberDaemonImpl::ShardsStatusOf() const {
+  const ShardJoinStatus s = shards_->Status();
+  v1::ShardsStatus out;
+  out.set_set(s.set);
+  out.set_count(shards_->count());
+  out.set_joined_versions(s.joined_versions);
+  out.set_failed_transfers(s.failed_transfers);
+  out.set_superseded(s.superseded);
+  out.set_waiting_version(s.waiting_version);
+  for (uint32_t k : s.waiting_for) out.add_waiting_for(k);
+  for (const ShardState& st : s.shards) {
+    v1::ShardStatus* o = out.add_shards();
+    o->set_index(st.index);
+    *o->mutable_session() = upstreams_[st.index]->Status();
+    o->set_offered_version(st.offered_version);
+    o->set_joined(st.joined);
+    o->set_lineage(st.lineage);
+    o->set_tensors(st.tensors);
+    o->set_bytes(st.bytes);
+    o->set_wire_bytes(st.wire_bytes);
+    o->set_last_error(st.last_error);
+  }
+  return out;
+}
+
 v1::RelayStatus SubscriberDaemonImpl::RelayStatusOf() const {
   v1::RelayStatus out;
   out.set_cut_through(relay_ != nullptr);
@@ -595,7 +680,7 @@ void SubscriberDaemonImpl::Shutdown() {
   }
   board_.Close();  // ends WatchVersions streams and WaitVersion calls
   if (scrubber_ != nullptr) scrubber_->Stop();
-  if (upstream_ != nullptr) upstream_->Stop();
+  for (const auto& up : upstreams_) up->Stop();
   if (peer_service_ != nullptr) peer_service_->Shutdown();
   {
     absl::MutexLock lock(&peer_mu_);

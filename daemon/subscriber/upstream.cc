@@ -54,6 +54,8 @@ const char* PublisherMessageKind(const v1::PublisherMessage& m) {
 
 // One connection attempt / session with one upstream.
 struct Upstream::Session {
+  explicit Session(TransferSink* s) : sink(s) {}
+  TransferSink* const sink;  // interrupted by Break
   std::string target;
   bool bootstrap_peer = false;
   uint64_t session_id = 0;
@@ -112,6 +114,7 @@ struct Upstream::Session {
     }
     context.TryCancel();
     for (auto& s : stripes) s->context.TryCancel();
+    sink->Interrupt();  // a call of this session waiting in the sink returns
   }
   bool Write(const v1::SubscriberMessage& m) {
     absl::MutexLock lock(&write_mu);
@@ -125,7 +128,12 @@ struct Upstream::Session {
 };
 
 Upstream::Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied)
-    : core_(core),
+    : Upstream(new CoreSink(core), std::move(options), std::move(on_applied)) {
+  own_sink_.reset(static_cast<CoreSink*>(core_));
+}
+
+Upstream::Upstream(TransferSink* sink, UpstreamOptions options, AppliedCallback on_applied)
+    : core_(sink),
       options_(std::move(options)),
       on_applied_(std::move(on_applied)),
       log_(Logger("upstream")) {
@@ -425,6 +433,7 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
     return absl::UnavailableError(
         absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet"));
   }
+  RETURN_IF_ERROR(core_->CheckWelcome(welcome));
   return welcome;
 }
 
@@ -459,7 +468,7 @@ void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
   status_.set_last_error("");
 }
 
-bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, const v1::DataFrame& frame,
+bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, v1::DataFrame& frame,
                              uint32_t stream_index) {
   bool stale = false;
   {
@@ -554,7 +563,7 @@ void Upstream::StartStripes(const std::shared_ptr<Session>& session, uint32_t st
 
 absl::Status Upstream::RunSession(const std::string& target, bool bootstrap_peer,
                                   bool* welcomed) {
-  auto session = std::make_shared<Session>();
+  auto session = std::make_shared<Session>(core_);
   session->target = target;
   session->bootstrap_peer = bootstrap_peer;
   {
@@ -606,7 +615,7 @@ absl::Status Upstream::ReadSync(const std::shared_ptr<Session>& session) {
         if (open == 0) {
           st = absl::FailedPreconditionError(absl::StrCat(
               "DataFrame of version ", msg.frame().version(), " outside a transfer"));
-        } else if (!OnStreamFrame(session, msg.frame(), 0)) {
+        } else if (!OnStreamFrame(session, *msg.mutable_frame(), 0)) {
           st = absl::CancelledError("session broken");
         }
         break;

@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "daemon/subscriber/transfer_sink.h"
 #include "daemon/sync/digest_format.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
@@ -108,8 +109,10 @@ class Upstream {
   using AppliedCallback = std::function<void(const AppliedEvent&)>;
 
   // `core` must outlive the Upstream. `on_applied` runs on the session thread after each APPLIED
-  // Ack was sent; keep it short (it delays the next transfer).
+  // Ack was sent; keep it short (it delays the next transfer). May be empty.
   Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied);
+  // Feeds `sink` (e.g. one shard's port of a ShardJoin) instead; it must outlive the Upstream.
+  Upstream(TransferSink* sink, UpstreamOptions options, AppliedCallback on_applied);
   ~Upstream();  // Stop()
   Upstream(const Upstream&) = delete;
   Upstream& operator=(const Upstream&) = delete;
@@ -165,7 +168,7 @@ class Upstream {
   void StartStripes(const std::shared_ptr<Session>& session, uint32_t stripes);
   // A DataFrame from stream stream_index (0 = Sync) to the core, with StreamProgress when due.
   // false when the session is broken.
-  bool OnStreamFrame(const std::shared_ptr<Session>& session, const v1::DataFrame& frame,
+  bool OnStreamFrame(const std::shared_ptr<Session>& session, v1::DataFrame& frame,
                      uint32_t stream_index);
   // The Sync stream until it ends: OK only after a bootstrap from a peer.
   absl::Status ReadSync(const std::shared_ptr<Session>& session);
@@ -182,7 +185,8 @@ class Upstream {
   // The Sync call's final status after a failed Read/Write, prefixed by `what`.
   absl::Status FinishStatus(Session& session, const std::string& what);
 
-  SubscriberCore* const core_;
+  std::unique_ptr<CoreSink> own_sink_;  // the SubscriberCore constructor's
+  TransferSink* const core_;
   const UpstreamOptions options_;
   const AppliedCallback on_applied_;
   std::shared_ptr<spdlog::logger> log_;

@@ -106,9 +106,18 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   std::string y = "subscriber:\n";
   absl::StrAppend(&y, "  name: ", Q(s.name), "\n");
   absl::StrAppend(&y, "  log_level: ", s.log_level, "\n");
-  absl::StrAppend(&y, "  upstream:\n    addresses: [");
-  for (size_t i = 0; i < s.upstream.size(); ++i) absl::StrAppend(&y, i ? ", " : "", Q(s.upstream[i]));
-  absl::StrAppend(&y, "]\n");
+  absl::StrAppend(&y, "  upstream:\n");
+  auto list = [](const std::vector<std::string>& addresses) {
+    std::string out = "[";
+    for (size_t i = 0; i < addresses.size(); ++i) absl::StrAppend(&out, i ? ", " : "", Q(addresses[i]));
+    return out + "]";
+  };
+  if (s.shards.empty()) {
+    absl::StrAppend(&y, "    addresses: ", list(s.upstream), "\n");
+  } else {
+    absl::StrAppend(&y, "    shard_set: ", Q(s.shard_set), "\n    shards:\n");
+    for (const auto& shard : s.shards) absl::StrAppend(&y, "    - addresses: ", list(shard), "\n");
+  }
   if (!s.bootstrap_peers.empty()) {
     absl::StrAppend(&y, "    bootstrap_peers: [");
     for (size_t i = 0; i < s.bootstrap_peers.size(); ++i) {

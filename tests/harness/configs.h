@@ -50,6 +50,10 @@ struct PublisherSpec {
 struct SubscriberSpec {
   std::string name = "sub";
   std::vector<std::string> upstream;  // addresses
+  // upstream.shards (each shard's addresses, in index order) and shard_set, instead of
+  // `upstream` when not empty.
+  std::vector<std::vector<std::string>> shards;
+  std::string shard_set;
   bool streamed_transfers = true;     // upstream.streamed_transfers (written only when false)
   std::vector<std::string> bootstrap_peers;
   bool serve_peers = false;

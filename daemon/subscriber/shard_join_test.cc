@@ -1,0 +1,342 @@
+#include "daemon/subscriber/shard_join.h"
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/subscriber/subscriber_testing.h"
+#include "daemon/sync/sync_testing.h"
+#include "gtest/gtest.h"
+
+namespace refit::subscriber {
+namespace {
+
+using sync::testing::BF16;
+using sync::testing::Model;
+using sync::testing::Perturb;
+using sync::testing::RandomTensor;
+using testing::FakePublisher;
+using testing::Read;
+using testing::Wire;
+
+constexpr uint32_t kShards = 3;
+
+// Which shard owns a tensor: names interleave across shards, so the joined header's order
+// differs from every shard's own and frames must be renumbered.
+const std::map<std::string, uint32_t>& Owners() {
+  static const auto* owners = new std::map<std::string, uint32_t>{
+      {"a.weight", 0}, {"b.weight", 1}, {"c.weight", 2},
+      {"d.weight", 0}, {"e.bias", 1},   {"frozen", 2}};
+  return *owners;
+}
+
+// How one shard's session delivers its part (a test changes one step).
+struct PartPlan {
+  std::function<void(Wire&)> mutate;          // before sending
+  size_t abort_after_frames = SIZE_MAX;       // Abort (session ends) after this many frames
+};
+
+class ShardJoinTest : public ::testing::Test {
+ protected:
+  ShardJoinTest() {
+    SubscriberOptions opts;
+    opts.store.slots = 2;
+    opts.store.clock = &clock_;
+    opts.max_frame_bytes = 4096;
+    opts.threads = 2;
+    core_ = std::make_unique<SubscriberCore>(opts);
+    join_ = std::make_unique<ShardJoin>(
+        core_.get(), ShardJoinOptions{.set = "policy",
+                                      .count = kShards,
+                                      .on_applied = [this](const AppliedEvent& ev) {
+                                        applied_.push_back(ev.stats.version());
+                                      }});
+    for (uint32_t k = 0; k < kShards; ++k) {
+      join_->port(k)->SetMaxFrameBytes(4096);
+      join_->port(k)->SetDigestFormat(sync::DigestFormat::kV1);
+    }
+  }
+
+  Model Initial() {
+    Model m;
+    for (const auto& [name, shard] : Owners()) {
+      m[name] = RandomTensor(BF16(name, {40, 100 + 10 * shard}), rng_);
+    }
+    return m;
+  }
+  // Version v of the whole model (~1% of elements change per version, "frozen" never).
+  void PublishWhole(uint64_t v) {
+    if (v == 1) {
+      current_ = Initial();
+    } else {
+      for (auto& [name, t] : current_) {
+        if (name != "frozen") Perturb(t, 0.01, rng_);
+      }
+    }
+    whole_.Publish(v, current_);
+    for (uint32_t k = 0; k < kShards; ++k) shards_[k].Publish(v, Part(current_, k));
+  }
+  static Model Part(const Model& m, uint32_t k) {
+    Model out;
+    for (const auto& [name, t] : m) {
+      if (Owners().at(name) == k) out[name] = t;
+    }
+    return out;
+  }
+
+  // Shard k's session: the transfer from what its port holds to `target`, delivered to the
+  // port as an Upstream session does. Returns the Ack (an empty one when aborted).
+  v1::Ack SendPart(uint32_t k, uint64_t target, const PartPlan& plan = {}) {
+    TransferSink* port = join_->port(k);
+    Wire w = shards_[k].Transfer(port->applied_version(), port->applied_digest(), target);
+    if (plan.mutate) plan.mutate(w);
+    if (absl::Status st = port->OnHeader(w.header); !st.ok()) {
+      v1::Ack refused;
+      refused.set_result(v1::ACK_RESULT_REJECTED);
+      refused.set_error(std::string(st.message()));
+      port->Abort();
+      return refused;
+    }
+    for (size_t i = 0; i < w.frames.size(); ++i) {
+      if (i == plan.abort_after_frames) {
+        port->Abort();
+        return {};
+      }
+      v1::DataFrame f = w.frames[i];
+      // As an Upstream session: a refused frame fails the transfer, answered at its End.
+      if (!port->OnFrame(f).ok()) ++frame_errors_;
+    }
+    return port->OnEnd(w.end);
+  }
+
+  // Every shard's session at once (each port waits for the others in OnHeader).
+  std::vector<v1::Ack> SendAll(uint64_t target, std::map<uint32_t, PartPlan> plans = {}) {
+    std::vector<v1::Ack> acks(kShards);
+    std::vector<std::thread> threads;
+    for (uint32_t k = 0; k < kShards; ++k) {
+      threads.emplace_back([&, k] { acks[k] = SendPart(k, target, plans[k]); });
+    }
+    for (auto& t : threads) t.join();
+    return acks;
+  }
+
+  // The core holds version v of the whole model, bit for bit, with the unsharded digest; each
+  // port answers for its own shard.
+  void ExpectHolds(uint64_t v) {
+    EXPECT_EQ(core_->applied_version(), v);
+    EXPECT_EQ(core_->applied_digest(), whole_.digest(v));
+    auto got = Read(*core_);
+    ASSERT_EQ(got.size(), current_versions_.at(v).size());
+    for (const auto& [name, t] : current_versions_.at(v)) {
+      EXPECT_TRUE(got[name] == t.bytes) << name << " differs at version " << v;
+    }
+    for (uint32_t k = 0; k < kShards; ++k) {
+      EXPECT_EQ(join_->port(k)->applied_digest(), shards_[k].digest(v)) << "shard " << k;
+      EXPECT_EQ(join_->port(k)->applied_tensor_digests().size(), Part(current_, k).size());
+    }
+  }
+  void Publish(uint64_t v) {
+    PublishWhole(v);
+    current_versions_[v] = current_;
+  }
+  void CommitAll(uint64_t v) {
+    for (const v1::Ack& ack : SendAll(v)) {
+      ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+      EXPECT_EQ(ack.applied_version(), v);
+    }
+    ExpectHolds(v);
+  }
+  // Waits (no timing: the join's own state) until shard k's header of v is waiting.
+  void AwaitOffered(uint32_t k, uint64_t v) {
+    while (join_->Status().shards[k].offered_version != v) std::this_thread::yield();
+  }
+
+  std::mt19937 rng_{99};
+  store::FakeClock clock_;
+  std::unique_ptr<SubscriberCore> core_;
+  std::unique_ptr<ShardJoin> join_;
+  std::vector<uint64_t> applied_;  // on_applied, in order
+  std::atomic<int> frame_errors_{0};
+  FakePublisher whole_;
+  FakePublisher shards_[kShards];
+  Model current_;
+  std::map<uint64_t, Model> current_versions_;
+};
+
+TEST_F(ShardJoinTest, ThreeShardsBootstrapThenDeltasCommitTheWholeModelOnce) {
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Publish(v);
+    CommitAll(v);
+  }
+  EXPECT_EQ(frame_errors_.load(), 0);
+  EXPECT_EQ(applied_, (std::vector<uint64_t>{1, 2, 3, 4}));
+  ShardJoinStatus s = join_->Status();
+  EXPECT_EQ(s.joined_versions, 4u);
+  EXPECT_EQ(s.failed_transfers, 0u);
+  EXPECT_EQ(s.waiting_version, 0u);
+  for (const ShardState& st : s.shards) {
+    EXPECT_GT(st.wire_bytes, 0u);
+    EXPECT_EQ(st.offered_version, 0u);
+    EXPECT_FALSE(st.joined);
+  }
+  // Versions 2..4 travelled as patches: the last transfer of every shard is a delta of 3.
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(shards_[k].last_plan().Header().base_version(), 3u) << "shard " << k;
+  }
+}
+
+TEST_F(ShardJoinTest, AShardAbortingMidTransferKeepsThePreviousVersionUntilItDeliversAgain) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  std::vector<v1::Ack> acks = SendAll(2, {{2, PartPlan{.mutate = nullptr, .abort_after_frames = 0}}});
+  for (uint32_t k : {0u, 1u}) {
+    EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
+    EXPECT_TRUE(absl::StrContains(acks[k].error(), "shard 2")) << acks[k].error();
+    EXPECT_EQ(acks[k].applied_version(), 1u);
+  }
+  ExpectHolds(1);  // nothing of version 2 anywhere
+  EXPECT_EQ(join_->Status().failed_transfers, 1u);
+  CommitAll(2);
+  EXPECT_EQ(applied_, (std::vector<uint64_t>{1, 2}));
+}
+
+TEST_F(ShardJoinTest, AShardSessionEndingWhileItWaitsIsCancelledAndLeavesNothing) {
+  Publish(1);
+  v1::Ack ack;
+  std::thread t([&] { ack = SendPart(0, 1); });
+  AwaitOffered(0, 1);
+  ShardJoinStatus s = join_->Status();
+  EXPECT_EQ(s.waiting_version, 1u);
+  EXPECT_EQ(s.waiting_for, (std::vector<uint32_t>{1, 2}));
+  join_->port(0)->Interrupt();  // Upstream::Session::Break
+  t.join();
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_TRUE(absl::StrContains(ack.error(), "session ending")) << ack.error();
+  EXPECT_EQ(core_->applied_version(), 0u);
+  CommitAll(1);  // the next session of shard 0 starts clean
+}
+
+TEST_F(ShardJoinTest, AnOlderVersionOfOneShardIsSupersededByANewerOneOfAnother) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  Publish(3);
+  v1::Ack newer;
+  std::thread t1([&] { newer = SendPart(1, 3); });
+  AwaitOffered(1, 3);
+  v1::Ack older = SendPart(0, 2);  // superseded at once: frames dropped, End REJECTED
+  EXPECT_EQ(older.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_TRUE(absl::StrContains(older.error(), "superseded")) << older.error();
+  EXPECT_EQ(join_->Status().superseded, 1u);
+  v1::Ack acks[2];
+  std::thread t0([&] { acks[0] = SendPart(0, 3); });
+  std::thread t2([&] { acks[1] = SendPart(2, 3); });
+  t0.join();
+  t1.join();
+  t2.join();
+  EXPECT_EQ(newer.result(), v1::ACK_RESULT_APPLIED) << newer.error();
+  for (const v1::Ack& a : acks) EXPECT_EQ(a.result(), v1::ACK_RESULT_APPLIED) << a.error();
+  ExpectHolds(3);
+  EXPECT_EQ(applied_, (std::vector<uint64_t>{1, 3}));
+}
+
+TEST_F(ShardJoinTest, ATensorOfTwoShardsIsRejectedNamingBoth) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  // Shard 1's publisher also claims shard 0's a.weight.
+  PartPlan claim{.mutate = [](Wire& w) {
+    v1::TensorPlan extra = w.header.tensors(0);
+    extra.mutable_spec()->set_name("a.weight");
+    w.header.mutable_tensors()->Add(std::move(extra));
+    std::sort(w.header.mutable_tensors()->begin(), w.header.mutable_tensors()->end(),
+              [](const v1::TensorPlan& a, const v1::TensorPlan& b) {
+                return a.spec().name() < b.spec().name();
+              });
+  }, .abort_after_frames = SIZE_MAX};
+  std::vector<v1::Ack> acks = SendAll(2, {{1, claim}});
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
+    EXPECT_TRUE(absl::StrContains(acks[k].error(), "'a.weight' is published by shard 0 and shard 1"))
+        << acks[k].error();
+  }
+  ExpectHolds(1);
+  CommitAll(2);
+}
+
+TEST_F(ShardJoinTest, AShardEndWhoseVersionDigestDisagreesWithItsTensorsFailsTheVersion) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  PartPlan bad{.mutate = [](Wire& w) { w.end.set_version_digest(w.end.version_digest() ^ 1); },
+               .abort_after_frames = SIZE_MAX};
+  std::vector<v1::Ack> acks = SendAll(2, {{1, bad}});
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
+    EXPECT_TRUE(absl::StrContains(acks[k].error(), "shard 1: VersionEnd of version 2"))
+        << acks[k].error();
+  }
+  ExpectHolds(1);
+  CommitAll(2);
+}
+
+TEST_F(ShardJoinTest, ACorruptPatchOfOneShardCommitsNothingAndNamesTheTensorToItsShard) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  shards_[2].mutate_patch = [](const std::string& name, uint32_t, std::vector<uint8_t>& patch) {
+    if (name == "c.weight" && patch.size() > 64) patch[patch.size() / 2] ^= 0x10;
+  };
+  std::vector<v1::Ack> acks = SendAll(2);
+  shards_[2].mutate_patch = nullptr;
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
+  }
+  // A digest mismatch is reported to the shard that owns the tensor only.
+  EXPECT_EQ(acks[0].mismatched_tensors_size(), 0);
+  EXPECT_EQ(acks[1].mismatched_tensors_size(), 0);
+  const bool named = absl::StrContains(acks[2].error(), "c.weight") ||
+                     (acks[2].mismatched_tensors_size() == 1 &&
+                      acks[2].mismatched_tensors(0) == "c.weight");
+  EXPECT_TRUE(named) << acks[2].ShortDebugString();
+  ExpectHolds(1);
+  CommitAll(2);
+}
+
+TEST_F(ShardJoinTest, WelcomeMustNameTheSetItsCountAndThePortsIndex) {
+  v1::Welcome w;
+  absl::Status st = join_->port(1)->CheckWelcome(w);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "publishes whole versions")) << st;
+  w.mutable_shard()->set_set("policy");
+  w.mutable_shard()->set_count(kShards);
+  w.mutable_shard()->set_index(2);
+  st = join_->port(1)->CheckWelcome(w);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(st.message(), "serves shard 2 of the 3 shards of set \"policy\""))
+      << st;
+  w.mutable_shard()->set_index(1);
+  EXPECT_TRUE(join_->port(1)->CheckWelcome(w).ok());
+  w.mutable_shard()->set_set("other");
+  EXPECT_FALSE(join_->port(1)->CheckWelcome(w).ok());
+  w.mutable_shard()->set_set("policy");
+  w.mutable_shard()->set_count(4);
+  EXPECT_FALSE(join_->port(1)->CheckWelcome(w).ok());
+
+  // An unsharded subscriber refuses a shard's publisher.
+  CoreSink whole(core_.get());
+  st = whole.CheckWelcome(w);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(whole.CheckWelcome(v1::Welcome()).ok());
+}
+
+}  // namespace
+}  // namespace refit::subscriber
