@@ -709,6 +709,40 @@ std::string FormatRelay(const v1::RelayStatus& r) {
   return out;
 }
 
+// Sharded versions: a publisher's shard identity, or a subscriber's join of its shards.
+std::string FormatShardsLine(const v1::StatusResponse& st) {
+  const v1::ShardsStatus& s = st.shards();
+  if (st.role() == v1::ROLE_PUBLISHER) {
+    return absl::StrCat("shard ", s.index(), " of ", s.count(), " of set ", s.set());
+  }
+  std::string out = absl::StrCat("set ", s.set(), ", ", s.count(), " shards: ", s.joined_versions(),
+                                 " versions joined, ", s.failed_transfers(), " failed, ",
+                                 s.superseded(), " superseded");
+  if (s.waiting_version() != 0) {
+    absl::StrAppend(&out, "; version ", s.waiting_version(), " waits for shard",
+                    s.waiting_for_size() == 1 ? " " : "s ", absl::StrJoin(s.waiting_for(), ", "));
+  }
+  return out;
+}
+
+// A subscriber's shards, one row each.
+std::string FormatShardsTable(const v1::ShardsStatus& s) {
+  std::vector<std::vector<std::string>> rows = {
+      {"shard", "state", "offered", "tensors", "bytes", "received", "address"}};
+  std::string errors;
+  for (const v1::ShardStatus& p : s.shards()) {
+    rows.push_back({absl::StrCat(p.index()), StateName(p.session().state()),
+                    p.offered_version() == 0
+                        ? std::string("-")
+                        : absl::StrCat(p.offered_version(), p.joined() ? " (joined)" : " (waiting)"),
+                    absl::StrCat(p.tensors()), FormatBytes(p.bytes()), FormatBytes(p.wire_bytes()),
+                    p.session().address().empty() ? "-" : p.session().address()});
+    const std::string& e = p.last_error().empty() ? p.session().last_error() : p.last_error();
+    if (!e.empty()) absl::StrAppend(&errors, "  shard ", p.index(), ": last error: ", e, "\n");
+  }
+  return RenderTable(rows) + errors;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -744,6 +778,10 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
   }
 
   if (st.role() == v1::ROLE_SUBSCRIBER && st.has_relay()) line("relay", FormatRelay(st.relay()));
+  if (st.has_shards()) line("shards", FormatShardsLine(st));
+  if (st.role() == v1::ROLE_SUBSCRIBER && st.shards().shards_size() > 0) {
+    out += "\nshards:\n" + FormatShardsTable(st.shards());
+  }
 
   if (st.role() == v1::ROLE_SUBSCRIBER || st.has_upstream()) {
     out += "\nupstream:\n";

@@ -421,6 +421,44 @@ TEST(RefitctlFormat, RelayLine) {
                         "failed: the upstream aborted version 7)\n"));
 }
 
+TEST(RefitctlFormat, ShardsOfAPublisherAndASubscriber) {
+  v1::StatusResponse pub;
+  pub.set_role(v1::ROLE_PUBLISHER);
+  EXPECT_THAT(FormatStatusTable(pub), Not(HasSubstr("shards:")));
+  pub.mutable_shards()->set_set("policy");
+  pub.mutable_shards()->set_index(2);
+  pub.mutable_shards()->set_count(4);
+  EXPECT_THAT(FormatStatusTable(pub), HasSubstr("shards:     shard 2 of 4 of set policy\n"));
+
+  v1::StatusResponse sub;
+  sub.set_role(v1::ROLE_SUBSCRIBER);
+  v1::ShardsStatus* s = sub.mutable_shards();
+  s->set_set("policy");
+  s->set_count(2);
+  s->set_joined_versions(5);
+  s->set_failed_transfers(1);
+  s->set_waiting_version(6);
+  s->add_waiting_for(1);
+  v1::ShardStatus* a = s->add_shards();
+  a->set_index(0);
+  a->set_offered_version(6);
+  a->set_tensors(3);
+  a->set_bytes(2'000'000);
+  a->set_wire_bytes(150'000);
+  a->mutable_session()->set_state(v1::SESSION_STATE_TRANSFERRING);
+  a->mutable_session()->set_address("unix:/run/shard0.sock");
+  v1::ShardStatus* b = s->add_shards();
+  b->set_index(1);
+  b->mutable_session()->set_state(v1::SESSION_STATE_BACKOFF);
+  b->mutable_session()->set_last_error("connection refused");
+  const std::string t = FormatStatusTable(sub);
+  EXPECT_THAT(t, HasSubstr("shards:     set policy, 2 shards: 5 versions joined, 1 failed, 0 "
+                           "superseded; version 6 waits for shard 1\n"));
+  EXPECT_THAT(t, HasSubstr("0      transferring  6 (waiting)  3        2.00 MB  150.00 kB  "
+                           "unix:/run/shard0.sock"));
+  EXPECT_THAT(t, HasSubstr("  shard 1: last error: connection refused\n"));
+}
+
 TEST(RefitctlFormat, TlsMaterialAndRefusedReloads) {
   v1::StatusResponse st;
   st.set_role(v1::ROLE_PUBLISHER);

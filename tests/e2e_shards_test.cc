@@ -79,6 +79,19 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
     subs.push_back(&NewSubscriber(ShardedSubscriber(name)));
     E2E_ASSERT_OK(subs.back()->Start());
   }
+  // A relay takes every shard and serves the joined versions, cut through, to an unsharded
+  // subscriber behind it.
+  SubscriberSpec rs = ShardedSubscriber("relay");
+  rs.serve_peers = true;
+  DaemonProcess& relay = NewSubscriber(rs);
+  E2E_ASSERT_OK(relay.Start());
+  SubscriberSpec ds;
+  ds.name = "behind-relay";
+  ds.upstream = {relay.listen_target()};
+  subs.push_back(&relay);
+  subs.push_back(&NewSubscriber(ds));
+  E2E_ASSERT_OK(subs.back()->Start());
+  const size_t sharded = 3;  // subs[0..2] hold shard sessions; subs[3] follows the relay
   std::vector<Model> models{Initial()};
   for (uint64_t v = 1; v <= 2; ++v) {
     if (v > 1) {
@@ -92,6 +105,10 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
     absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(s->control_target(), 2);
     ASSERT_TRUE(st.ok()) << st.status();
     EXPECT_EQ(st->last_refit().base_version(), 1u) << "v2 as a delta: " << DescribeRefit(st->last_refit());
+    if (s == subs[sharded]) {
+      EXPECT_FALSE(st->has_shards());
+      continue;
+    }
     const v1::ShardsStatus& sh = st->shards();
     EXPECT_EQ(sh.set(), "policy");
     EXPECT_EQ(sh.count(), kShards);
@@ -108,7 +125,8 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
   models.push_back(models.back());
   PerturbModel(models.back(), 0.01, 3);
   E2E_ASSERT_OK(PublishShards(models.back(), 3, {0, 1}));
-  for (DaemonProcess* s : subs) {
+  for (size_t i = 0; i < sharded; ++i) {
+    DaemonProcess* s = subs[i];
     absl::StatusOr<v1::StatusResponse> st = PollStatus(
         s->control_target(),
         [](const v1::StatusResponse& r) {
@@ -129,6 +147,15 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
     }
   }
   for (DaemonProcess* s : subs) E2E_ASSERT_OK(ExpectVerified(*s));
+  absl::StatusOr<v1::StatusResponse> relay_status = RpcStatus(relay.control_target());
+  ASSERT_TRUE(relay_status.ok()) << relay_status.status();
+  // v1 (keyframes) was encoded again for the peers; the joined delta v2 went through as
+  // received, while arriving, and was installed from its patches.
+  const v1::RelayStatus& rr = relay_status->relay();
+  EXPECT_EQ(rr.completed(), 1u) << rr.ShortDebugString();
+  EXPECT_EQ(rr.streamed(), 1u) << rr.ShortDebugString();
+  EXPECT_EQ(rr.failed(), 0u) << rr.ShortDebugString();
+  EXPECT_EQ(rr.adopted_versions(), 1u) << rr.ShortDebugString();
 
   // Shard 2 returns (its baseline persisted at v2) and publishes v3: everyone commits v3.
   E2E_ASSERT_OK(pubs_[2]->Start());
