@@ -49,6 +49,8 @@ std::string Sub(const std::string& extra, const std::string& listen = "\"127.0.0
          "\n" + extra;
 }
 
+const std::string kPubListen = "publisher:\n  listen: \"127.0.0.1:0\"\n";
+
 constexpr char kTlsServer[] =
     "    cert: /etc/r/s.crt\n    key: /etc/r/s.key\n    ca: /etc/r/ca.crt\n";
 
@@ -414,7 +416,7 @@ TEST(ConfigTest, PublisherRules) {
 }
 
 TEST(ConfigTest, ShardRules) {
-  const std::string pub = "publisher:\n  listen: \"127.0.0.1:1\"\n";
+  const std::string& pub = kPubListen;
   EXPECT_EQ(PublisherError(pub + "  shard: {set: policy-7, index: 2, count: 3}\n"), "");
   EXPECT_CONTAINS(PublisherError(pub + "  shard: {set: policy, index: 3, count: 3}\n"),
                   "publisher.shard.index: 3 is not below shard.count (3)");
@@ -636,7 +638,6 @@ TEST(ConfigTest, ControlCharactersInValuesAreEscapedInErrors) {
   EXPECT_CONTAINS(e, "pub.yaml:2:11: publisher.listen: \"0.0.0.0:7400\\x0ax\"");
 }
 
-const std::string kPubListen = "publisher:\n  listen: \"127.0.0.1:0\"\n";
 
 TEST(ConfigTest, NameIsPrintableBoundedUtf8) {
   EXPECT_EQ(PublisherError(kPubListen + "  name: \"pub-\u00e9\u4e2d\"\n"), "");

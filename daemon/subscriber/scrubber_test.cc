@@ -7,6 +7,7 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/sync_testing.h"
@@ -85,12 +86,7 @@ class Publisher {
 class ScrubberTest : public ::testing::Test {
  protected:
   ScrubberTest() {
-    SubscriberOptions o;
-    o.store.slots = 2;
-    o.store.clock = &clock_;
-    o.max_frame_bytes = 4096;
-    o.threads = 1;
-    core_ = std::make_unique<SubscriberCore>(o);
+    core_ = std::make_unique<SubscriberCore>(testing::SmallCoreOptions(&clock_, 1));
     std::mt19937 rng(11);
     for (int i = 0; i < 4; ++i) {
       const std::string name = "layer" + std::to_string(i);

@@ -46,12 +46,7 @@ struct PartPlan {
 class ShardJoinTest : public ::testing::Test {
  protected:
   ShardJoinTest() {
-    SubscriberOptions opts;
-    opts.store.slots = 2;
-    opts.store.clock = &clock_;
-    opts.max_frame_bytes = 4096;
-    opts.threads = 2;
-    core_ = std::make_unique<SubscriberCore>(opts);
+    core_ = std::make_unique<SubscriberCore>(testing::SmallCoreOptions(&clock_, 2));
     join_ = std::make_unique<ShardJoin>(
         core_.get(), ShardJoinOptions{.set = "policy",
                                       .count = kShards,

@@ -73,12 +73,7 @@ constexpr bool kDeviceStore = REFIT_TEST_DEVICE_STORE != 0;
 
 class SubscriberCoreTest : public ::testing::Test {
  protected:
-  SubscriberCoreTest() {
-    opts_.store.slots = 2;
-    opts_.store.clock = &clock_;
-    opts_.max_frame_bytes = 4096;
-    opts_.threads = 2;
-  }
+  SubscriberCoreTest() : opts_(testing::SmallCoreOptions(&clock_, 2)) {}
   void SetUp() override {
     if (kDeviceStore) {
       auto dev = cuda::OpenDevice({});

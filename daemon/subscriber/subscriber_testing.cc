@@ -76,6 +76,15 @@ Wire FakePublisher::Transfer(uint64_t sub_version, uint64_t sub_digest, uint64_t
   return w;
 }
 
+SubscriberOptions SmallCoreOptions(store::FakeClock* clock, int threads) {
+  SubscriberOptions o;
+  o.store.slots = 2;
+  o.store.clock = clock;
+  o.max_frame_bytes = 4096;
+  o.threads = threads;
+  return o;
+}
+
 std::vector<uint8_t> HostCopy(const SubscriberLease& lease, size_t i) {
   std::vector<uint8_t> out(lease.lease.spans[i].size());
   absl::Status st = lease.store->memory().Download(out, lease.lease.spans[i]);

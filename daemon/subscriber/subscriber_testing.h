@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/store/tensor_store.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/sync_testing.h"
@@ -56,6 +57,9 @@ class FakePublisher {
   sync::TransferPlan last_plan_;
   std::mt19937 rng_{7};
 };
+
+// A core's options for small test models: two slots, the test's clock, 4 KiB frames.
+SubscriberOptions SmallCoreOptions(store::FakeClock* clock, int threads);
 
 // Tensor i of a lease, copied to the host through the store's memory (a GPU store's spans are
 // device memory).
