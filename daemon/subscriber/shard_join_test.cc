@@ -306,6 +306,28 @@ TEST_F(ShardJoinTest, ACorruptPatchOfOneShardCommitsNothingAndNamesTheTensorToIt
   CommitAll(2);
 }
 
+TEST_F(ShardJoinTest, AStreamedPartJoinsNonStreamedOnesWhoseUnchangedTensorsBecomeEmptyPatches) {
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  // Shard 0 streams (its tensors all changed: single-step patches); shard 2's "frozen" is
+  // UNCHANGED, which a streamed transfer carries as a zero-byte patch the join feeds itself.
+  PartPlan streamed{.mutate = [](Wire& w) {
+                      for (const v1::TensorPlan& tp : w.header.tensors()) {
+                        ASSERT_EQ(tp.delivery(), v1::DELIVERY_PATCH) << tp.spec().name();
+                        ASSERT_EQ(tp.steps_size(), 1);
+                      }
+                      w.header.set_streamed(true);
+                    },
+                    .abort_after_frames = SIZE_MAX};
+  for (const v1::Ack& ack : SendAll(2, {{0, streamed}})) {
+    ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+  }
+  ExpectHolds(2);
+  Publish(3);
+  CommitAll(3);  // and the next, unstreamed, is a plain join again
+}
+
 TEST_F(ShardJoinTest, WelcomeMustNameTheSetItsCountAndThePortsIndex) {
   v1::Welcome w;
   absl::Status st = join_->port(1)->CheckWelcome(w);
