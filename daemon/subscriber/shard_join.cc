@@ -250,21 +250,13 @@ void ShardJoin::TryOpenLocked() {
   }
 }
 
-// The K waiting headers as one: tensors in name order, the parts' maps, and the zero-byte
-// frames of UNCHANGED tensors of non-streamed parts when the joined header is streamed.
-absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
-    std::vector<v1::DataFrame>& synthetic) {
-  struct Entry {
-    const v1::TensorPlan* plan;
-    uint32_t part;
-    uint32_t index;
-  };
-  std::vector<Entry> entries;
+// The parts' headers agree on what the joined header holds once: digest format, base version.
+// Fills the joined header's version, base, streamed flag, snapshot time and reason.
+absl::Status ShardJoin::JoinHeaderFieldsLocked(v1::VersionHeader& out) const {
   const v1::VersionHeader& first = *parts_[0].header;
-  v1::VersionHeader out;
   out.set_version(first.version());
-  bool streamed = false, keyframes = true;
-  uint64_t base = 0, lineage = kJoinedLineageSeed;
+  uint64_t base = 0;
+  bool streamed = false;
   for (uint32_t k = 0; k < parts_.size(); ++k) {
     const Part& p = parts_[k];
     const v1::VersionHeader& h = *p.header;
@@ -283,16 +275,73 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
       base = h.base_version();
     }
     streamed = streamed || h.streamed();
-    keyframes = keyframes && AllKeyframes(h);
-    const uint64_t part_lineage = h.lineage();
+    out.set_snapshot_unix_nanos(std::max(out.snapshot_unix_nanos(), h.snapshot_unix_nanos()));
+    if (k == 0 || h.reason() > out.reason()) out.set_reason(h.reason());
+  }
+  out.set_base_version(base);
+  out.set_streamed(streamed);
+  return absl::OkStatus();
+}
+
+// The transfer continues the applied version's lineage (the core's double-apply guard holds
+// its number above the applied one), unless nothing is applied yet or every tensor is a
+// keyframe at a number not above the applied one: then the lineage is the parts' together.
+uint64_t ShardJoin::JoinedLineageLocked(uint64_t version) const {
+  bool keyframes = true;
+  uint64_t lineage = kJoinedLineageSeed;
+  for (const Part& p : parts_) {
+    keyframes = keyframes && AllKeyframes(*p.header);
+    const uint64_t part_lineage = p.header->lineage();
     lineage = Hash64(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&part_lineage),
                                               sizeof(part_lineage)),
                      lineage);
+  }
+  const bool continues =
+      core_->applied_version() != 0 && (!keyframes || version > core_->applied_version());
+  if (continues) return core_->applied_lineage();
+  return lineage == 0 ? 1 : lineage;
+}
+
+// A non-streamed part's tensor in a streamed transfer: UNCHANGED becomes a zero-byte patch
+// (its one empty frame into `synthetic`); a chain of several patches cannot be streamed.
+absl::Status ShardJoin::StreamTensorLocked(uint32_t part, uint32_t joined_index,
+                                           const v1::VersionHeader& out, v1::TensorPlan& tp,
+                                           std::vector<v1::DataFrame>& synthetic) const {
+  if (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", out.version(), ": ", Shard(part), " sends '", tp.spec().name(),
+        "' as a chain of ", tp.steps_size(), " patches while another shard streams"));
+  }
+  if (tp.delivery() != v1::DELIVERY_UNCHANGED) return absl::OkStatus();
+  tp.set_delivery(v1::DELIVERY_PATCH);
+  v1::PatchStep* step = tp.add_steps();
+  step->set_base_version(out.base_version());
+  step->set_target_version(out.version());
+  v1::DataFrame& f = synthetic.emplace_back();
+  f.set_version(out.version());
+  f.set_tensor_index(joined_index);
+  f.set_chunk_count(1);
+  f.set_checksum(sync::FrameChecksum(std::string()));
+  return absl::OkStatus();
+}
+
+// The K waiting headers as one: tensors in name order, the parts' maps, and the zero-byte
+// frames of UNCHANGED tensors of non-streamed parts when the joined header is streamed.
+absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
+    std::vector<v1::DataFrame>& synthetic) {
+  v1::VersionHeader out;
+  RETURN_IF_ERROR(JoinHeaderFieldsLocked(out));
+  struct Entry {
+    const v1::TensorPlan* plan;
+    uint32_t part;
+    uint32_t index;
+  };
+  std::vector<Entry> entries;
+  for (uint32_t k = 0; k < parts_.size(); ++k) {
+    const v1::VersionHeader& h = *parts_[k].header;
     for (int i = 0; i < h.tensors_size(); ++i) {
       entries.push_back({&h.tensors(i), k, static_cast<uint32_t>(i)});
     }
-    out.set_snapshot_unix_nanos(std::max(out.snapshot_unix_nanos(), h.snapshot_unix_nanos()));
-    if (k == 0 || h.reason() > out.reason()) out.set_reason(h.reason());
   }
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
     return a.plan->spec().name() < b.plan->spec().name();
@@ -309,33 +358,11 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
     parts_[e.part].map[e.index] = static_cast<uint32_t>(j);
     v1::TensorPlan* tp = out.add_tensors();
     *tp = *e.plan;
-    if (!streamed || parts_[e.part].header->streamed()) continue;
-    // A non-streamed part in a streamed transfer: UNCHANGED is a zero-byte patch, and a chain
-    // of several patches cannot be streamed.
-    if (tp->delivery() == v1::DELIVERY_PATCH && tp->steps_size() != 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "version ", out.version(), ": ", Shard(e.part), " sends '", tp->spec().name(),
-          "' as a chain of ", tp->steps_size(), " patches while another shard streams"));
+    if (out.streamed() && !parts_[e.part].header->streamed()) {
+      RETURN_IF_ERROR(StreamTensorLocked(e.part, static_cast<uint32_t>(j), out, *tp, synthetic));
     }
-    if (tp->delivery() != v1::DELIVERY_UNCHANGED) continue;
-    tp->set_delivery(v1::DELIVERY_PATCH);
-    v1::PatchStep* step = tp->add_steps();
-    step->set_base_version(base);
-    step->set_target_version(out.version());
-    v1::DataFrame& f = synthetic.emplace_back();
-    f.set_version(out.version());
-    f.set_tensor_index(static_cast<uint32_t>(j));
-    f.set_chunk_count(1);
-    f.set_checksum(sync::FrameChecksum(std::string()));
   }
-  out.set_base_version(base);
-  out.set_streamed(streamed);
-  // The transfer continues the applied version's lineage (the core's double-apply guard holds
-  // its number above the applied one), unless nothing is applied yet or every tensor is a
-  // keyframe at a number not above the applied one: then the lineage is the parts' together.
-  const bool continues = core_->applied_version() != 0 &&
-                         (!keyframes || out.version() > core_->applied_version());
-  out.set_lineage(continues ? core_->applied_lineage() : (lineage == 0 ? 1 : lineage));
+  out.set_lineage(JoinedLineageLocked(out.version()));
   return out;
 }
 

@@ -137,6 +137,13 @@ class ShardJoin {
   void TryOpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::VersionHeader> JoinHeadersLocked(std::vector<v1::DataFrame>& synthetic)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status JoinHeaderFieldsLocked(v1::VersionHeader& out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t JoinedLineageLocked(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StreamTensorLocked(uint32_t part, uint32_t joined_index,
+                                  const v1::VersionHeader& out, v1::TensorPlan& tp,
+                                  std::vector<v1::DataFrame>& synthetic) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OnEnd's steps.
   absl::Status CheckPartEnd(uint32_t k, const v1::VersionEnd& end) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
