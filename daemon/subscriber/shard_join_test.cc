@@ -114,9 +114,11 @@ class ShardJoinTest : public ::testing::Test {
   // Every shard's session at once (each port waits for the others in OnHeader).
   std::vector<v1::Ack> SendAll(uint64_t target, std::map<uint32_t, PartPlan> plans = {}) {
     std::vector<v1::Ack> acks(kShards);
+    std::vector<PartPlan> plan(kShards);  // filled before the threads read it
+    for (auto& [k, p] : plans) plan.at(k) = std::move(p);
     std::vector<std::thread> threads;
     for (uint32_t k = 0; k < kShards; ++k) {
-      threads.emplace_back([&, k] { acks[k] = SendPart(k, target, plans[k]); });
+      threads.emplace_back([&, k] { acks[k] = SendPart(k, target, plan[k]); });
     }
     for (auto& t : threads) t.join();
     return acks;
