@@ -123,9 +123,11 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   *r.mutable_baseline() = core_->baseline_status();
   r.set_lineage(core_->lineage());
   if (options_.shard.count() > 0) {
-    r.mutable_shards()->set_set(options_.shard.set());
-    r.mutable_shards()->set_index(options_.shard.index());
-    r.mutable_shards()->set_count(options_.shard.count());
+    const v1::ShardIdentity& id = options_.shard;
+    v1::ShardsStatus* s = r.mutable_shards();
+    s->set_set(id.set());
+    s->set_index(id.index());
+    s->set_count(id.count());
   }
   *r.mutable_publish_queue() = queue_->Status();
 

@@ -253,14 +253,20 @@ PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
   return options;
 }
 
+// publisher.shard as the wire's ShardIdentity (Welcome.shard, Status.shards); empty unsharded.
+v1::ShardIdentity ShardIdentityOf(const v1::ShardConfig& shard) {
+  v1::ShardIdentity id;
+  if (shard.count() == 0) return id;
+  id.set_set(shard.set());
+  id.set_index(shard.index());
+  id.set_count(shard.count());
+  return id;
+}
+
 DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherConfig& config, const std::string& name) {
   const v1::PublisherTransport& transport = config.transport();
   DataPlaneOptions dp;
-  if (config.shard().count() > 0) {
-    dp.shard.set_set(config.shard().set());
-    dp.shard.set_index(config.shard().index());
-    dp.shard.set_count(config.shard().count());
-  }
+  dp.shard = ShardIdentityOf(config.shard());
   dp.name = name;
   dp.frame_bytes = transport.frame_bytes();
   dp.max_streams_per_subscriber = transport.max_streams_per_subscriber();
@@ -295,7 +301,7 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
                      .export_dir = config.files().export_dir(),
                      .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
                      .persist_dir = options.persist_dir,
-                     .shard = DataPlaneOptionsOf(config, name).shard});
+                     .shard = ShardIdentityOf(config.shard())});
 }
 
 // The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache

@@ -63,7 +63,6 @@ ShardJoin::ShardJoin(SubscriberCore* core, ShardJoinOptions options)
   parts_.resize(options_.count);
   for (uint32_t k = 0; k < options_.count; ++k) {
     ports_.push_back(std::make_unique<Port>(this, k));
-    parts_[k].stats.index = k;
   }
 }
 
@@ -98,20 +97,9 @@ void ShardJoin::SetDigestFormat(uint32_t k, sync::DigestFormat format) {
   parts_[k].format = format;
 }
 
-uint64_t ShardJoin::PartDigestLocked(uint32_t k) const {
-  std::vector<v1::TensorSpec> specs;
-  std::vector<uint64_t> digests;
-  for (uint32_t i : parts_[k].applied_tensors) {
-    specs.push_back(applied_.specs[i]);
-    digests.push_back(applied_.digests[i]);
-  }
-  absl::StatusOr<uint64_t> d = sync::VersionDigest(specs, digests);
-  return d.ok() ? *d : 0;  // a committed manifest is valid
-}
-
 uint64_t ShardJoin::AppliedDigest(uint32_t k) const {
   absl::MutexLock lock(&mu_);
-  return PartDigestLocked(k);
+  return parts_[k].applied_digest;
 }
 
 uint64_t ShardJoin::AppliedLineage(uint32_t k) const {
@@ -165,7 +153,6 @@ absl::Status ShardJoin::OnHeader(uint32_t k, const v1::VersionHeader& header) {
   p.header = header;
   p.state = PartState::kWaiting;
   p.transfer_wire_bytes = 0;
-  p.stats.offered_version = header.version();
   TryOpenLocked();
   auto decided = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return p.interrupted || p.state != PartState::kWaiting;
@@ -228,7 +215,7 @@ void ShardJoin::TryOpenLocked() {
       // a part that cannot be joined is answered REJECTED (its publisher retries).
       p.state = joined.ok() ? PartState::kRefused : PartState::kDropping;
       p.error = st;
-      p.stats.last_error = std::string(st.message());
+      p.last_error = std::string(st.message());
     }
     return;
   }
@@ -236,10 +223,7 @@ void ShardJoin::TryOpenLocked() {
   joined_time_ = absl::Now();
   open_ = true;
   ends_ = 0;
-  for (Part& p : parts_) {
-    p.state = PartState::kJoined;
-    p.stats.joined = true;
-  }
+  for (Part& p : parts_) p.state = PartState::kJoined;
   if (options_.tap != nullptr) options_.tap->OnHeader(joined_);
   for (v1::DataFrame& f : synthetic) {
     if (options_.tap != nullptr) options_.tap->OnFrame(f);
@@ -372,7 +356,7 @@ absl::Status ShardJoin::OnFrame(uint32_t k, v1::DataFrame& frame) {
   {
     absl::MutexLock lock(&mu_);
     Part& p = parts_[k];
-    p.stats.wire_bytes += frame.payload().size();
+    p.wire_bytes += frame.payload().size();
     p.transfer_wire_bytes += frame.payload().size();
     if (p.state == PartState::kDropping) return absl::OkStatus();
     if (p.state != PartState::kJoined) {
@@ -471,6 +455,7 @@ void ShardJoin::FinishJoinedLocked(std::optional<AppliedEvent>& event) {
     ++joined_versions_;
     AppliedEvent& ev = event.emplace();
     ev.stats = sync::TransferStats(joined_, end, joined.wire_bytes(), absl::Now() - joined_time_);
+    last_refit_ = ev.stats;
     ev.ack = joined;
     ev.ack.set_applied_version_digest(core_->applied_digest());
     ev.layout_changed = core_->generation() != prev_generation;
@@ -519,15 +504,19 @@ void ShardJoin::RecordAppliedLocked() {
   for (Part& p : parts_) {
     p.lineage = p.header->lineage();
     p.applied_tensors = p.map;
-    p.stats.lineage = p.lineage;
-    p.stats.tensors = static_cast<uint32_t>(p.map.size());
-    p.stats.bytes = 0;
+    p.applied_bytes = 0;
+    std::vector<v1::TensorSpec> specs;
+    std::vector<uint64_t> digests;
     for (size_t i = 0; i < p.map.size(); ++i) {
       applied_.digests[p.map[i]] = p.end->digests(static_cast<int>(i));
-      absl::StatusOr<uint64_t> b = sync::TensorByteSize(applied_.specs[p.map[i]]);
-      p.stats.bytes += b.ok() ? *b : 0;
+      specs.push_back(applied_.specs[p.map[i]]);
+      digests.push_back(applied_.digests[p.map[i]]);
+      absl::StatusOr<uint64_t> b = sync::TensorByteSize(specs.back());
+      p.applied_bytes += b.ok() ? *b : 0;
     }
-    p.stats.last_error.clear();
+    absl::StatusOr<uint64_t> d = sync::VersionDigest(specs, digests);
+    p.applied_digest = d.ok() ? *d : 0;  // CheckPartEnd verified this manifest's digest
+    p.last_error.clear();
   }
 }
 
@@ -538,7 +527,7 @@ v1::Ack ShardJoin::PartAckLocked(uint32_t k, const v1::Ack& joined) const {
   ack.set_result(joined.result());
   ack.set_error(joined.error());
   ack.set_applied_version(core_->applied_version());
-  ack.set_applied_version_digest(PartDigestLocked(k));
+  ack.set_applied_version_digest(p.applied_digest);
   *ack.mutable_timings() = joined.timings();
   ack.set_wire_bytes(p.transfer_wire_bytes);
   for (const std::string& name : joined.mismatched_tensors()) {
@@ -557,7 +546,7 @@ v1::Ack ShardJoin::RejectLocked(uint32_t k, uint64_t version, const absl::Status
   ack.set_result(v1::ACK_RESULT_REJECTED);
   ack.set_error(std::string(why.message()));
   ack.set_applied_version(core_->applied_version());
-  ack.set_applied_version_digest(PartDigestLocked(k));
+  ack.set_applied_version_digest(parts_[k].applied_digest);
   ack.set_wire_bytes(parts_[k].transfer_wire_bytes);
   return ack;
 }
@@ -574,7 +563,7 @@ void ShardJoin::FailJoinedLocked(const absl::Status& why) {
   if (options_.tap != nullptr) options_.tap->OnAbort(why);
   for (uint32_t k = 0; k < parts_.size(); ++k) {
     Part& p = parts_[k];
-    p.stats.last_error = std::string(why.message());
+    p.last_error = std::string(why.message());
     if (p.state != PartState::kJoined) continue;
     if (p.end.has_value()) {
       p.ack = RejectLocked(k, joined_.version(), why);
@@ -592,8 +581,6 @@ void ShardJoin::ResetPartLocked(Part& p) {
   p.ack.reset();
   p.map.clear();
   p.error = absl::OkStatus();
-  p.stats.offered_version = 0;
-  p.stats.joined = false;
 }
 
 void ShardJoin::Abort(uint32_t k) {
@@ -625,7 +612,14 @@ ShardJoinStatus ShardJoin::Status() const {
   s.superseded = superseded_;
   for (uint32_t k = 0; k < parts_.size(); ++k) {
     const Part& p = parts_[k];
-    s.shards.push_back(p.stats);
+    s.shards.push_back({.index = k,
+                        .offered_version = p.header.has_value() ? p.header->version() : 0,
+                        .joined = p.state == PartState::kJoined,
+                        .lineage = p.lineage,
+                        .tensors = static_cast<uint32_t>(p.applied_tensors.size()),
+                        .bytes = p.applied_bytes,
+                        .wire_bytes = p.wire_bytes,
+                        .last_error = p.last_error});
     if (p.state == PartState::kWaiting) {
       s.waiting_version = std::max(s.waiting_version, p.header->version());
     }
@@ -639,6 +633,11 @@ ShardJoinStatus ShardJoin::Status() const {
     }
   }
   return s;
+}
+
+v1::RefitStats ShardJoin::last_refit() const {
+  absl::MutexLock lock(&mu_);
+  return last_refit_;
 }
 
 }  // namespace refit::subscriber

@@ -92,6 +92,8 @@ class ShardJoin {
   TransferSink* port(uint32_t index);
   uint32_t count() const { return options_.count; }
   ShardJoinStatus Status() const;
+  // The last joined commit's figures (Status.last_refit of a sharded subscriber).
+  v1::RefitStats last_refit() const;
 
  private:
   class Port;
@@ -107,10 +109,14 @@ class ShardJoin {
     uint32_t frame_bytes = 0;
     sync::DigestFormat format = sync::DigestFormat::kV1;
     uint64_t transfer_wire_bytes = 0;
-    // At the applied version: lineage and tensors (joined index) of this shard.
+    uint64_t wire_bytes = 0;   // all transfers
+    std::string last_error;    // since its last commit
+    // At the applied version: lineage, tensors (joined index), their bytes and the shard's
+    // version digest.
     uint64_t lineage = 0;
     std::vector<uint32_t> applied_tensors;
-    ShardState stats;
+    uint64_t applied_bytes = 0;
+    uint64_t applied_digest = 0;
   };
   // The applied version's tensors (joined, name order), for the ports' Hellos.
   struct Applied {
@@ -158,7 +164,6 @@ class ShardJoin {
   // their End is in, answered REJECTED.
   void FailJoinedLocked(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ResetPartLocked(Part& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t PartDigestLocked(uint32_t k) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   SubscriberCore* const core_;
   const ShardJoinOptions options_;
@@ -176,6 +181,7 @@ class ShardJoin {
   uint64_t joined_versions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_transfers_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t superseded_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::RefitStats last_refit_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::subscriber

@@ -189,9 +189,6 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::unique_ptr<ShardJoin> shards_;
   // The one upstream, or one per shard.
   std::vector<std::unique_ptr<Upstream>> upstreams_;
-  // The last joined version's stats (shards: no single Upstream has them).
-  mutable absl::Mutex refit_mu_;
-  v1::RefitStats joined_refit_ ABSL_GUARDED_BY(refit_mu_);
   std::unique_ptr<Scrubber> scrubber_;  // after upstreams_ and core_: destroyed first
   std::unique_ptr<ConsumerApiService> consumer_;
   std::unique_ptr<SubscriberControlService> control_;
@@ -341,13 +338,7 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   jo.set = u.shard_set();
   jo.count = static_cast<uint32_t>(u.shards_size());
   jo.tap = relay_.get();
-  jo.on_applied = [this](const AppliedEvent& ev) {
-    {
-      absl::MutexLock lock(&refit_mu_);
-      joined_refit_ = ev.stats;
-    }
-    OnApplied(ev);
-  };
+  jo.on_applied = [this](const AppliedEvent& ev) { OnApplied(ev); };
   shards_ = std::make_unique<ShardJoin>(core_.get(), std::move(jo));
   for (int k = 0; k < u.shards_size(); ++k) {
     UpstreamOptions up = base;
@@ -559,9 +550,7 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
 }
 
 v1::RefitStats SubscriberDaemonImpl::LastRefit() const {
-  if (shards_ == nullptr) return upstreams_[0]->last_refit();
-  absl::MutexLock lock(&refit_mu_);
-  return joined_refit_;
+  return shards_ != nullptr ? shards_->last_refit() : upstreams_[0]->last_refit();
 }
 
 uint64_t SubscriberDaemonImpl::BytesReceived() const {

@@ -128,12 +128,16 @@ struct Upstream::Session {
 };
 
 Upstream::Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied)
-    : Upstream(new CoreSink(core), std::move(options), std::move(on_applied)) {
-  own_sink_.reset(static_cast<CoreSink*>(core_));
-}
+    : Upstream(std::make_unique<CoreSink>(core), nullptr, std::move(options),
+               std::move(on_applied)) {}
 
 Upstream::Upstream(TransferSink* sink, UpstreamOptions options, AppliedCallback on_applied)
-    : core_(sink),
+    : Upstream(nullptr, sink, std::move(options), std::move(on_applied)) {}
+
+Upstream::Upstream(std::unique_ptr<TransferSink> own_sink, TransferSink* sink,
+                   UpstreamOptions options, AppliedCallback on_applied)
+    : own_sink_(std::move(own_sink)),
+      core_(own_sink_ != nullptr ? own_sink_.get() : sink),
       options_(std::move(options)),
       on_applied_(std::move(on_applied)),
       log_(Logger("upstream")) {

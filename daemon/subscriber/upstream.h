@@ -185,7 +185,11 @@ class Upstream {
   // The Sync call's final status after a failed Read/Write, prefixed by `what`.
   absl::Status FinishStatus(Session& session, const std::string& what);
 
-  std::unique_ptr<CoreSink> own_sink_;  // the SubscriberCore constructor's
+  // The public constructors' shared part: `own_sink` (the SubscriberCore's CoreSink) or `sink`.
+  Upstream(std::unique_ptr<TransferSink> own_sink, TransferSink* sink, UpstreamOptions options,
+           AppliedCallback on_applied);
+
+  std::unique_ptr<TransferSink> own_sink_;  // the SubscriberCore constructor's
   TransferSink* const core_;
   const UpstreamOptions options_;
   const AppliedCallback on_applied_;

@@ -119,11 +119,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     for (const auto& shard : s.shards) absl::StrAppend(&y, "    - addresses: ", list(shard), "\n");
   }
   if (!s.bootstrap_peers.empty()) {
-    absl::StrAppend(&y, "    bootstrap_peers: [");
-    for (size_t i = 0; i < s.bootstrap_peers.size(); ++i) {
-      absl::StrAppend(&y, i ? ", " : "", Q(s.bootstrap_peers[i]));
-    }
-    absl::StrAppend(&y, "]\n");
+    absl::StrAppend(&y, "    bootstrap_peers: ", list(s.bootstrap_peers), "\n");
   }
   const ClientTlsSpec& t = s.tls;
   if (!t.cert.empty() || !t.key.empty() || !t.ca.empty() || !t.server_name.empty()) {
