@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
 import shutil
@@ -44,7 +45,12 @@ def parse_args(argv):
     p.add_argument("--link", default="50ms-1g", help="RTTms-RATE[m|g]")
     p.add_argument("--versions", type=int, default=8, help="delta versions after the keyframe")
     p.add_argument("--warmup-deltas", type=int, default=2)
-    p.add_argument("--subs-per-relay", type=int, default=1)
+    p.add_argument("--shards", type=int, default=4,
+                   help="shard publishers in region A (K; 1 = one unsharded publisher)")
+    p.add_argument("--subs-per-relay", type=int, default=3)
+    p.add_argument("--selections", default="model.layers.0.*;model.layers.1.*,model.norm.weight",
+                   help="';'-separated tensor selections (comma-separated patterns each): one "
+                        "more subscriber per selection, behind relay-1, relay-2, relay-1, ...")
     p.add_argument("--streams", type=int, default=4, help="upstream.connections of every daemon")
     p.add_argument("--modes", default="reencode,cut-through",
                    help="relay modes, run in this order in the same link window")
@@ -54,8 +60,10 @@ def parse_args(argv):
     a.mode_list = [m for m in a.modes.split(",") if m]
     if any(m not in ("reencode", "cut-through") for m in a.mode_list) or not a.mode_list:
         p.error(f"--modes: {a.modes!r}: reencode and/or cut-through")
-    if a.versions < 1 or a.subs_per_relay < 0:
-        p.error("--versions must be >= 1 and --subs-per-relay >= 0")
+    if a.versions < 1 or a.subs_per_relay < 0 or not 1 <= a.shards <= 64:
+        p.error("--versions must be >= 1, --subs-per-relay >= 0 and --shards 1 .. 64")
+    a.selection_list = [[x for x in sel.split(",") if x] for sel in a.selections.split(";")
+                        if sel.strip(",")]
     # bench/wan's options for what its helpers read (threads, digests, queue, sysctls, ...).
     a.wan = wan.parse_args(["--build-dir", a.build_dir, "--models", a.model, "--links", a.link,
                             "--versions", str(a.versions), "--streams", str(a.streams)])
@@ -71,9 +79,48 @@ def relay_yaml(base: str, pki: dict, cut_through: bool) -> str:
                    f"  relay_cut_through: {'true' if cut_through else 'false'}\n")
 
 
-def subscriber(link, d: str, name: str, upstream: str, pki: dict, args, bins: dict,
-               relay: bool = False, cut_through: bool = True) -> wan.Daemon:
-    y = wan.subscriber_yaml(d, name, upstream, pki, args.wan, args.streams)
+SHARD_SET = "wan"
+
+
+def publishers(link, d: str, traj: str, pki: dict, args, bins: dict) -> list:
+    """Region A: one publisher, or K shard publishers (publisher.shard, each in its own
+    directory: ready file, sockets, persisted baseline)."""
+    cache = os.path.dirname(traj)
+    if args.shards == 1:
+        y = wan.publisher_yaml(d, link.pub_ip, pki, cache, args.wan, args.streams)
+        return [wan.Daemon(link, link.pub_ns, "publisher", "wan-pub", d, y, bins)]
+    out = []
+    for k in range(args.shards):
+        sd = os.path.join(d, f"shard-{k}")
+        os.makedirs(sd)
+        y = wan.publisher_yaml(sd, link.pub_ip, pki, cache, args.wan, args.streams)
+        y = y.replace("name: wan-pub\n", f"name: wan-pub-{k}\n", 1)
+        y += f"  shard:\n    set: {SHARD_SET}\n    index: {k}\n    count: {args.shards}\n"
+        out.append(wan.Daemon(link, link.pub_ns, "publisher", f"wan-pub-{k}", sd, y, bins))
+    return out
+
+
+def upstream_yaml(y: str, upstream, tensors=None) -> str:
+    """A bench/wan subscriber config (written for the address "UPSTREAM") pointed at `upstream`:
+    one address, or a list of shard addresses (upstream.shards, shard_set); with `tensors`, a
+    selection (upstream.tensors)."""
+    line = f"    addresses: [{wan.q('UPSTREAM')}]\n"
+    if isinstance(upstream, list):
+        new = f"    shard_set: {SHARD_SET}\n    shards:\n" + "".join(
+            f"    - addresses: [{wan.q(x)}]\n" for x in upstream)
+    else:
+        new = f"    addresses: [{wan.q(upstream)}]\n"
+    if tensors:
+        new += "    tensors: [" + ", ".join(wan.q(t) for t in tensors) + "]\n"
+    if line not in y:
+        raise wan.Failure("bench/wan's subscriber config has no upstream.addresses line")
+    return y.replace(line, new, 1)
+
+
+def subscriber(link, d: str, name: str, upstream, pki: dict, args, bins: dict,
+               relay: bool = False, cut_through: bool = True, tensors=None) -> wan.Daemon:
+    y = upstream_yaml(wan.subscriber_yaml(d, name, "UPSTREAM", pki, args.wan, args.streams),
+                      upstream, tensors)
     if relay:
         y = relay_yaml(y, pki, cut_through)
     daemon = wan.Daemon(link, link.sub_ns, "subscriber", name, d, y, bins)
@@ -86,13 +133,45 @@ def cpu_snapshot(daemons: list) -> dict:
     return {x.name: wan.cpu_ms(x.proc) for x in daemons}
 
 
-def session_bytes(bins: dict, pub: wan.Daemon) -> dict:
-    """Payload bytes the publisher sent per session, by subscriber name."""
-    st = wan.refitctl_status(bins, pub.control())
-    return {s.get("name"): wan.i64(s.get("bytes_sent")) for s in st.get("sessions", [])}
+def session_bytes(bins: dict, pubs: list) -> dict:
+    """Payload bytes the publishers sent per session, by subscriber name (summed over shards)."""
+    out = {}
+    for pub in pubs:
+        st = wan.refitctl_status(bins, pub.control())
+        for s in st.get("sessions", []):
+            out[s.get("name")] = out.get(s.get("name"), 0) + wan.i64(s.get("bytes_sent"))
+    return out
 
 
-def version_record(k: int, kind: str, raw: dict, names: list, before: dict, after: dict) -> dict:
+def check_digests(k: int, raw: dict, digests: dict) -> None:
+    """Every daemon's version digest (in the format it verified in) equals the digest of the
+    trainer's whole version, computed by wan_step from the file, and (unsharded) the
+    publisher's."""
+    exp = raw.get("expected", {})
+    want = {1: wan.i64(exp.get("version_digest")), 2: wan.i64(exp.get("version_digest_v2"))}
+    if raw.get("shards", 0) == 0:
+        pub = raw.get("publisher_status", {})
+        if (wan.i64(pub.get("version_digest")), wan.i64(pub.get("version_digest_v2"))) != \
+                (want[1], want[2]):
+            raise wan.Failure(f"version {k + 1}: the publisher's digests differ from the file's")
+    bad = [n for n, (dg, fmt) in digests.items() if dg != want.get(fmt if fmt else 1)]
+    if bad:
+        raise wan.Failure(f"version {k + 1}: version digests differ from the trainer's: {bad}")
+
+
+def change_rate(raw: dict):
+    """The version's change rate over all shards (weighted by their bytes)."""
+    st = raw.get("publishers_status") or [raw.get("publisher_status", {})]
+    rates = [(s.get("last_refit", {}).get("change_rate"), wan.i64(s.get("model_bytes")))
+             for s in st]
+    total = sum(b for _, b in rates)
+    if any(r is None for r, _ in rates) or not total:
+        return None
+    return sum(r * b for r, b in rates) / total
+
+
+def version_record(k: int, kind: str, raw: dict, names: list, before: dict, after: dict,
+                   selecting: list) -> dict:
     t0 = raw["publish_start_unix_ns"]
     e2e, wire, digests = {}, {}, {}
     for name, s in zip(names, raw["subscriber_status"]):
@@ -101,46 +180,63 @@ def version_record(k: int, kind: str, raw: dict, names: list, before: dict, afte
             raise wan.Failure(f"version {k + 1}: {name} reports version {s.get('version')}")
         e2e[name] = (wan.i64(refit.get("finished_unix_nanos")) - t0) / 1e6
         wire[name] = wan.i64(refit.get("wire_bytes"))
-        digests[name] = (wan.i64(s.get("version_digest")), wan.i64(s.get("digest_format")))
-    pub = raw.get("publisher_status", {})
-    want = {1: wan.i64(pub.get("version_digest")), 2: wan.i64(pub.get("version_digest_v2"))}
-    bad = [n for n, (dg, fmt) in digests.items() if dg != want.get(fmt if fmt else 1)]
-    if bad:
-        raise wan.Failure(f"version {k + 1}: version digests differ from the publisher's: {bad}")
+        if name not in selecting:  # a selection's digest is over its tensors only
+            digests[name] = (wan.i64(s.get("version_digest")), wan.i64(s.get("digest_format")))
+    check_digests(k, raw, digests)
     sent = {n: after.get(n, 0) - before.get(n, 0) for n in after}
     relays = {n: s.get("relay", {}) for n, s in zip(names, raw["subscriber_status"])
               if n.startswith("relay")}
-    return {"version": k + 1, "kind": kind, "change_rate": pub.get("last_refit", {}).get(
-                "change_rate"),
+    selected = {n: {"wire_bytes": wire[n], "patch_bytes": b}
+                for n, b in zip(selecting, raw.get("selected_patch_bytes", []))}
+    return {"version": k + 1, "kind": kind, "change_rate": change_rate(raw),
             "delta_bytes": wire.get("direct"), "e2e_ms": e2e, "wire_bytes": wire,
             "link_bytes": sent, "link_bytes_to_relays": sent.get("relay-1", 0),
-            "relay_status": relays}
+            "selected": selected, "relay_status": relays}
+
+
+def region_b(link, d: str, upstream, pki: dict, args, bins: dict, cut: bool) -> tuple:
+    """direct (the baseline), relay-1 (across the link), relay-2 (behind relay-1), the plain
+    subscribers behind each relay and the selecting ones. Returns (daemons, the selecting
+    subscribers' patterns by name)."""
+    daemons = [subscriber(link, d, "direct", upstream, pki, args, bins)]
+    r1 = subscriber(link, d, "relay-1", upstream, pki, args, bins, relay=True, cut_through=cut)
+    r2 = subscriber(link, d, "relay-2", r1.ready["listen"], pki, args, bins, relay=True,
+                    cut_through=cut)
+    daemons += [r1, r2]
+    for i in range(args.subs_per_relay):
+        daemons.append(subscriber(link, d, f"hop1-{i}", r1.ready["listen"], pki, args, bins))
+        daemons.append(subscriber(link, d, f"hop2-{i}", r2.ready["listen"], pki, args, bins))
+    selecting = {}
+    for i, sel in enumerate(args.selection_list):
+        hop = 1 + i % 2
+        name = f"sel{hop}-{i}"
+        relay = (r1, r2)[hop - 1]
+        daemons.append(subscriber(link, d, name, relay.ready["listen"], pki, args, bins,
+                                  tensors=sel))
+        selecting[name] = sel
+    return daemons, selecting
 
 
 def run_mode(link, mode: str, traj: str, bins: dict, pki: dict, args, workdir: str) -> dict:
     cut = mode == "cut-through"
     d = tempfile.mkdtemp(prefix=f"topo-{mode}-", dir=workdir)
     os.makedirs(os.path.join(d, "export"))
-    pub = wan.Daemon(link, link.pub_ns, "publisher", "wan-pub", d,
-                     wan.publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args.wan,
-                                        args.streams), bins)
+    pubs = publishers(link, d, traj, pki, args, bins)
     daemons, records, stepper = [], [], None
     try:
-        upstream = pub.start()["listen"]
-        daemons.append(subscriber(link, d, "direct", upstream, pki, args, bins))
-        r1 = subscriber(link, d, "relay-1", upstream, pki, args, bins, relay=True, cut_through=cut)
-        r2 = subscriber(link, d, "relay-2", r1.ready["listen"], pki, args, bins, relay=True,
-                        cut_through=cut)
-        daemons += [r1, r2]
-        for i in range(args.subs_per_relay):
-            daemons.append(subscriber(link, d, f"hop1-{i}", r1.ready["listen"], pki, args, bins))
-            daemons.append(subscriber(link, d, f"hop2-{i}", r2.ready["listen"], pki, args, bins))
-        wan.wait_connected(bins, pub, 2)
+        addrs = [p.start()["listen"] for p in pubs]
+        upstream = addrs if args.shards > 1 else addrs[0]
+        daemons, selecting = region_b(link, d, upstream, pki, args, bins, cut)
+        for p in pubs:
+            wan.wait_connected(bins, p, 2)
         names = [x.name for x in daemons]
-        stepper = wan.WanStep(bins, pub, daemons, "trainer_api", d)
-        everyone = [pub] + daemons
+        extra = [a for sel in args.selection_list for a in ("--selected-patch-bytes",
+                                                             ",".join(sel))]
+        stepper = wan.WanStep(bins, pubs if args.shards > 1 else pubs[0], daemons,
+                              "trainer_api", d, extra)
+        everyone = pubs + daemons
         for k in range(args.versions + 1):
-            before = session_bytes(bins, pub)
+            before = session_bytes(bins, pubs)
             c0 = cpu_snapshot(everyone)
             if records:  # what the previous version still cost after its step (e.g. adopting)
                 records[-1]["cpu_after_ms"] = {n: c0[n] - c_end[n] for n in c0}
@@ -148,24 +244,53 @@ def run_mode(link, mode: str, traj: str, bins: dict, pki: dict, args, workdir: s
             c_end = cpu_snapshot(everyone)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
-            rec = version_record(k, kind, raw, names, before, session_bytes(bins, pub))
+            rec = version_record(k, kind, raw, names, before, session_bytes(bins, pubs),
+                                 selecting)
             rec["cpu_ms"] = {n: c_end[n] - c0[n] for n in c0}
             if k == args.versions and not all(v.get("ok") for v in raw.get("verify", [])):
                 raise wan.Failure(f"version {k + 1}: Verify failed somewhere: {raw.get('verify')}")
             records.append(rec)
-            e = rec["e2e_ms"]
-            wan.log(f"  {mode} v{k + 1} {kind}: delta {rec['delta_bytes']} B, to relays "
-                    f"{rec['link_bytes_to_relays']} B; e2e direct {e['direct']:.0f}, relay-1 "
-                    f"{e['relay-1']:.0f}, relay-2 {e['relay-2']:.0f}" +
-                    "".join(f", {n} {e[n]:.0f}" for n in names if n.startswith("hop")) + " ms")
+            log_version(mode, kind, rec, names)
+        check_exports(bins, daemons, selecting, wan.version_file(traj, args.versions))
     finally:
         if stepper is not None:
             stepper.close()
         for x in daemons:
             x.stop()
-        pub.stop()
-    return {"mode": mode, "versions": records, "summary": summarise(records, names),
-            "logs": {x.name: x.log_path for x in [pub] + daemons}}
+        for p in pubs:
+            p.stop()
+    return {"mode": mode, "versions": records,
+            "summary": summarise(records, names, [p.name for p in pubs], selecting),
+            "logs": {x.name: x.log_path for x in pubs + daemons}}
+
+
+def log_version(mode: str, kind: str, rec: dict, names: list) -> None:
+    e = rec["e2e_ms"]
+    wan.log(f"  {mode} v{rec['version']} {kind}: delta {rec['delta_bytes']} B, to relays "
+            f"{rec['link_bytes_to_relays']} B; e2e direct {e['direct']:.0f}, relay-1 "
+            f"{e['relay-1']:.0f}, relay-2 {e['relay-2']:.0f}" +
+            "".join(f", {n} {e[n]:.0f}" for n in names if n.startswith(("hop", "sel"))) + " ms" +
+            "".join(f"; {n} {x['wire_bytes']} B of patches {x['patch_bytes']} B"
+                    for n, x in rec["selected"].items()))
+
+
+def check_exports(bins: dict, daemons: list, selecting: dict, source: str) -> None:
+    """After the last version every subscriber exports the trainer's tensors byte for byte
+    (Export through refitctl, compared tensor by tensor): the whole file, or exactly the
+    tensors its selection names."""
+    want = wan.read_safetensors(source)
+    for x in daemons:
+        out = os.path.join(x.dir, "export", f"{x.name}.safetensors")
+        wan.sh(bins["refitctl"], "--target", x.control(), "export", "--safetensors", out)
+        got = wan.read_safetensors(out)
+        os.remove(out)
+        sel = selecting.get(x.name)
+        expect = want if sel is None else {
+            n: v for n, v in want.items() if any(fnmatch.fnmatchcase(n, p) for p in sel)}
+        if got != expect:
+            raise wan.Failure(f"{x.name}: its export ({len(got)} tensors) differs from the "
+                              f"trainer's {source} ({len(expect)} tensors"
+                              f"{' selected' if sel else ''})")
 
 
 def med(xs):
@@ -173,8 +298,10 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarise(records: list, names: list) -> dict:
+def summarise(records: list, names: list, pub_names: list, selecting: dict) -> dict:
     steady = [r for r in records if r["kind"] == "steady_delta"]
+    sel_ratio = {n: [r["selected"][n]["wire_bytes"] / r["selected"][n]["patch_bytes"]
+                     for r in steady if r["selected"][n]["patch_bytes"]] for n in selecting}
     e2e = {n: med([r["e2e_ms"][n] for r in steady]) for n in names}
     far = [n for n in names if n.startswith("hop2")] or ["relay-2"]
     hop2 = med([r["e2e_ms"][n] for r in steady for n in far])
@@ -196,16 +323,22 @@ def summarise(records: list, names: list) -> dict:
         # CPU per steady version and daemon: during the step (publish to every daemon applied)
         # plus after it until the next publish (a relay installing the version for its peers).
         "cpu_ms_median": {n: med([r["cpu_ms"][n] + r.get("cpu_after_ms", {}).get(n, 0)
-                                  for r in steady]) for n in ["wan-pub"] + names},
+                                  for r in steady]) for n in pub_names + names},
+        # Selections: the selecting subscriber's wire bytes per byte of its tensors' patches
+        # (wan_step encodes them from the files), median and largest over the steady versions.
+        "selected_over_patches": {n: {"median": med(x), "max": max(x) if x else None}
+                                  for n, x in sel_ratio.items()},
         "change_rate_median": med([r["change_rate"] for r in steady]),
     }
 
 
 def markdown(result: dict) -> str:
     out = [f"# bench/topology {result['date']} ({result['git_rev']})", "",
-           f"`{result['command']}`: model {result['model']} ({result['model_bytes']} bytes), link "
-           f"{result['link']}, {result['subs_per_relay']} subscriber(s) per relay, machine "
-           f"{result['machine']}", "",
+           f"`{result['command']}`: model {result['model']} ({result['model_bytes']} bytes), "
+           f"{result['shards']} publisher shard(s), link {result['link']}, "
+           f"{result['subs_per_relay']} subscriber(s) per relay and {len(result['selections'])} "
+           f"with a selection ({'; '.join(','.join(x) for x in result['selections'])}), "
+           f"machine {result['machine']}", "",
            "| relays | delta (B) | link / delta | direct e2e | relay-1 | relay-2 | hop-2 subs / "
            "direct | relay-1 adds | relay-2 adds |", "|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
@@ -225,6 +358,13 @@ def markdown(result: dict) -> str:
     for run in result["runs"]:
         out.append(f"| {run['mode']} | " + " | ".join(
             wan.fmt(x) for x in run["summary"]["cpu_ms_median"].values()) + " |")
+    sel = [(run["mode"], n, x) for run in result["runs"]
+           for n, x in run["summary"]["selected_over_patches"].items()]
+    if sel:
+        out += ["", "Selections: wire bytes per byte of the selected tensors' patches (steady "
+                "deltas):", "", "| relays | subscriber | median | max |", "|---|---|---|---|"]
+        out += [f"| {m} | {n} | {wan.fmt(x['median'], '{:.4f}')} | {wan.fmt(x['max'], '{:.4f}')} |"
+                for m, n, x in sel]
     out += ["", "e2e: publish call to applied (ms, medians of the steady deltas); link / delta: "
             "bytes the publisher sent to relay-1 per byte of the delta; hop-2 subs: subscribers "
             "behind relay-2 (two relay hops)."]
@@ -249,7 +389,8 @@ def main(argv) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "git_rev": wan.git_rev(), "command": " ".join(["bench/topology/run.py"] + argv),
               "model": args.model, "model_bytes": os.path.getsize(wan.version_file(traj, 0)),
-              "link": args.link, "subs_per_relay": args.subs_per_relay,
+              "link": args.link, "subs_per_relay": args.subs_per_relay, "shards": args.shards,
+              "selections": args.selection_list,
               "machine": {"cpus": os.cpu_count(), "loadavg_before": wan.load_average()},
               "runs": []}
     with wan.Link(0, args.wan.link_specs[0], bins, args.wan, workdir) as link:

@@ -543,17 +543,26 @@ def warm_page_cache(path: str) -> None:
 class WanStep:
     """One wan_step process per refitd run (root namespace; Control and the TrainerApi are unix
     sockets): its channels, and with --publish-via trainer_api its registered memfd, live across
-    the versions. step() sends "VERSION FILE [verify]" and reads the JSON line it answers."""
+    the versions. step() sends "VERSION FILE [verify]" and reads the JSON line it answers.
+    `pub` is one publisher, or a list of shard publishers (index order: wan_step --shard, tensor
+    i of each file to shard i % K); `extra` are more wan_step arguments."""
 
-    def __init__(self, bins: dict, pub: Daemon, subs: list, via: str, d: str):
-        cmd = [bins["wan_step"], "--publisher", pub.control(), "--publish-via", via]
-        if via == "trainer_api":
-            local = pub.ready.get("local_socket")
-            if not local:
-                raise Failure("the publisher's ready file lacks local_socket (TrainerApi)")
-            cmd += ["--trainer-socket", local]
+    def __init__(self, bins: dict, pub, subs: list, via: str, d: str, extra=()):
+        pubs = pub if isinstance(pub, list) else [pub]
+        cmd = [bins["wan_step"], "--publish-via", via]
+        for p in pubs:
+            local = p.ready.get("local_socket")
+            if via == "trainer_api" and not local:
+                raise Failure(f"{p.name}'s ready file lacks local_socket (TrainerApi)")
+            if isinstance(pub, list):
+                cmd += ["--shard", f"{p.control()}={local}"]
+            else:
+                cmd += ["--publisher", p.control()]
+                if via == "trainer_api":
+                    cmd += ["--trainer-socket", local]
         for s in subs:
             cmd += ["--subscriber", s.control()]
+        cmd += list(extra)
         self.via = via
         self.err_path = os.path.join(d, "wan_step.err")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -20,16 +20,33 @@
 //     Every FILE must hold the first one's tensors (names and sizes, in order).
 //   control: Control Publish of FILE (the publisher reads and parses the file inside the call;
 //     FILE must lie beneath its files.publish_dirs). load_ms is 0.
-//   wan_step --publisher ADDR --subscriber ADDR [--subscriber ADDR]...
-//            [--publish-via trainer_api|control] [--trainer-socket PATH] [--timeout S]
+//
+// Sharded versions (docs/ARCHITECTURE.md "Sharded versions"): --shard CONTROL=TRAINER_SOCKET once
+// per shard publisher, in shard index order, instead of --publisher/--trainer-socket. Tensor i
+// of FILE (file order) belongs to shard i % K; each shard's trainer registers its tensors in its
+// own memfd, and one command publishes the same version on all K at once (the clock runs from
+// the first call to the last answer). The line then also holds "publishers_status" (one per
+// shard; "publisher_status" is shard 0's).
+//
+// Every line holds "expected": the version digests (v1 and v2) of all of FILE's tensors, computed
+// here (outside the clock) from the file itself: what a subscriber of the whole model, sharded
+// or not, must report. --selected-patch-bytes PATTERNS (comma-separated names or globs, as
+// subscriber.upstream.tensors; repeatable) adds "selected_patch_bytes": per PATTERNS, the bytes
+// of the patches (codec defaults) of the selected tensors that changed since the previous
+// command's FILE (0 for the first): what a subscriber with that selection must receive.
+//   wan_step (--publisher ADDR [--trainer-socket PATH] | --shard ADDR=PATH...)
+//            --subscriber ADDR [--subscriber ADDR]...
+//            [--publish-via trainer_api|control] [--selected-patch-bytes PATTERNS]... [--timeout S]
 // Exit 0 at the end of stdin; 1 when a call fails (the error on stderr); 2 on bad arguments.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -37,13 +54,19 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/refitctl.h"
 #include "client/trainer_client.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/hash.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
+#include "daemon/sync/selection.h"
 #include "daemon/sync/version_digest.h"
 #include "google/protobuf/util/json_util.h"
 #include "refit/v1/control.grpc.pb.h"
@@ -52,9 +75,17 @@ namespace {
 
 namespace v1 = refit::v1;
 
+// One publisher: its Control and (trainer_api) its TrainerApi socket.
+struct PublisherAddr {
+  std::string control, trainer_socket;
+};
+
 struct Args {
-  std::string publisher, via = "trainer_api", trainer_socket;
+  std::vector<PublisherAddr> publishers;  // one, or one per shard (index order)
+  bool sharded = false;
+  std::string via = "trainer_api";
   std::vector<std::string> subscribers;
+  std::vector<refit::sync::TensorSelection> selections;  // --selected-patch-bytes
   double timeout_s = 600;
 };
 
@@ -116,27 +147,59 @@ void SetDeadline(grpc::ClientContext* ctx, double seconds) {
   std::exit(2);
 }
 
-Args Parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    const bool has = i + 1 < argc;
-    if (k == "--publisher" && has) a.publisher = argv[++i];
-    else if (k == "--subscriber" && has) a.subscribers.push_back(argv[++i]);
-    else if (k == "--publish-via" && has) a.via = argv[++i];
-    else if (k == "--trainer-socket" && has) a.trainer_socket = argv[++i];
-    else if (k == "--timeout" && has) a.timeout_s = std::atof(argv[++i]);
-    else Usage(absl::StrCat("bad argument ", k));
+refit::sync::TensorSelection ParseSelection(const std::string& arg) {
+  std::vector<std::string> patterns = absl::StrSplit(arg, ',', absl::SkipEmpty());
+  absl::StatusOr<refit::sync::TensorSelection> sel =
+      refit::sync::TensorSelection::Make(std::move(patterns), "--selected-patch-bytes");
+  if (!sel.ok()) Usage(std::string(sel.status().message()));
+  if (sel->all()) Usage("--selected-patch-bytes: no pattern");
+  return *std::move(sel);
+}
+
+PublisherAddr ParseShard(const std::string& arg) {
+  const std::vector<std::string> parts = absl::StrSplit(arg, absl::MaxSplits('=', 1));
+  if (parts.size() != 2 || parts[0].empty() || parts[1].empty()) {
+    Usage(absl::StrCat("--shard ", arg, ": expected CONTROL=TRAINER_SOCKET"));
   }
-  if (a.publisher.empty() || a.subscribers.empty()) {
-    Usage("--publisher and --subscriber are required");
+  return {parts[0], parts[1]};
+}
+
+void CheckArgs(const Args& a, const std::string& publisher, const std::string& trainer_socket) {
+  if (a.sharded && (!publisher.empty() || !trainer_socket.empty())) {
+    Usage("--shard replaces --publisher and --trainer-socket: give one or the other");
+  }
+  if (a.publishers.empty() || a.subscribers.empty()) {
+    Usage("--publisher (or --shard) and --subscriber are required");
   }
   if (a.via != "trainer_api" && a.via != "control") {
     Usage(absl::StrCat("--publish-via ", a.via, ": trainer_api or control"));
   }
-  if (a.via == "trainer_api" && a.trainer_socket.empty()) {
+  if (a.via == "trainer_api" && a.publishers[0].trainer_socket.empty()) {
     Usage("--publish-via trainer_api needs --trainer-socket (the publisher's local_socket)");
   }
+  if (a.sharded && a.via != "trainer_api") {
+    Usage("--shard publishes through each shard's TrainerApi: --publish-via trainer_api");
+  }
+}
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  std::string publisher, trainer_socket;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    const bool has = i + 1 < argc;
+    if (k == "--publisher" && has) publisher = argv[++i];
+    else if (k == "--shard" && has) a.publishers.push_back(ParseShard(argv[++i]));
+    else if (k == "--subscriber" && has) a.subscribers.push_back(argv[++i]);
+    else if (k == "--publish-via" && has) a.via = argv[++i];
+    else if (k == "--trainer-socket" && has) trainer_socket = argv[++i];
+    else if (k == "--selected-patch-bytes" && has) a.selections.push_back(ParseSelection(argv[++i]));
+    else if (k == "--timeout" && has) a.timeout_s = std::atof(argv[++i]);
+    else Usage(absl::StrCat("bad argument ", k));
+  }
+  a.sharded = !a.publishers.empty();
+  if (!a.sharded && !publisher.empty()) a.publishers.push_back({publisher, trainer_socket});
+  CheckArgs(a, publisher, trainer_socket);
   return a;
 }
 
@@ -154,26 +217,35 @@ bool ReadCommand(Command* c) {
   return true;
 }
 
-// The trainer's side of the TrainerApi path: one memfd registered at the first file.
+// The trainer's side of the TrainerApi path: one memfd registered at the first file, holding the
+// tensors this shard owns (file index i with i % count == index; every tensor unsharded).
 class Trainer {
  public:
-  explicit Trainer(std::string socket) : socket_(std::move(socket)) {}
+  Trainer(std::string socket, size_t index, size_t count)
+      : socket_(std::move(socket)), index_(index), count_(count) {}
 
-  // Copies `file`'s tensors into the memfd (creating and registering it on the first call).
-  absl::Status Load(const std::string& file) {
-    ASSIGN_OR_RETURN(refit::model::SafetensorsFile f, refit::model::SafetensorsFile::Open(file));
-    if (client_ == nullptr) RETURN_IF_ERROR(Register(f));
-    if (f.tensors().size() != client_->num_tensors()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(file, " holds ", f.tensors().size(), " tensors; the registered memfd ",
-                       client_->num_tensors()));
+  // Copies the owned tensors of `f` (read from `file`) into the memfd, creating and registering
+  // it on the first call.
+  absl::Status Load(const refit::model::SafetensorsFile& f, const std::string& file) {
+    const std::vector<size_t> owned = Owned(f);
+    if (owned.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(file, " has ", f.tensors().size(),
+                                                     " tensors: none for shard ", index_, " of ",
+                                                     count_));
     }
-    for (size_t i = 0; i < f.tensors().size(); ++i) {
-      const std::span<uint8_t> dst = client_->tensor(i);
-      if (f.tensors()[i].name != client_->spec(i).name() || f.data(i).size() != dst.size()) {
+    if (client_ == nullptr) RETURN_IF_ERROR(Register(f, owned));
+    if (owned.size() != client_->num_tensors()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(file, " holds ", owned.size(), " tensors for shard ", index_,
+                       "; the registered memfd ", client_->num_tensors()));
+    }
+    for (size_t j = 0; j < owned.size(); ++j) {
+      const size_t i = owned[j];
+      const std::span<uint8_t> dst = client_->tensor(j);
+      if (f.tensors()[i].name != client_->spec(j).name() || f.data(i).size() != dst.size()) {
         return absl::FailedPreconditionError(absl::StrCat(
             file, ": tensor ", i, " \"", f.tensors()[i].name, "\" (", f.data(i).size(),
-            " bytes) is not the registered \"", client_->spec(i).name(), "\" (", dst.size(),
+            " bytes) is not the registered \"", client_->spec(j).name(), "\" (", dst.size(),
             " bytes)"));
       }
       std::memcpy(dst.data(), f.data(i).data(), dst.size());
@@ -186,22 +258,97 @@ class Trainer {
   }
 
  private:
-  absl::Status Register(const refit::model::SafetensorsFile& f) {
+  std::vector<size_t> Owned(const refit::model::SafetensorsFile& f) const {
+    std::vector<size_t> out;
+    for (size_t i = index_; i < f.tensors().size(); i += count_) out.push_back(i);
+    return out;
+  }
+
+  absl::Status Register(const refit::model::SafetensorsFile& f, const std::vector<size_t>& owned) {
     std::vector<v1::TensorSpec> specs;
-    for (const refit::model::SafetensorsEntry& e : f.tensors()) {
+    for (size_t i : owned) {
+      const refit::model::SafetensorsEntry& e = f.tensors()[i];
       v1::TensorSpec s;
       s.set_name(e.name);
       s.set_dtype(refit::sync::ToProtoDType(e.dtype));
       for (int64_t d : e.shape) s.add_shape(static_cast<uint64_t>(d));
       specs.push_back(std::move(s));
     }
-    ASSIGN_OR_RETURN(client_, refit::client::TrainerClient::Create(socket_, "wan-trainer", specs));
+    ASSIGN_OR_RETURN(client_, refit::client::TrainerClient::Create(
+                                  socket_, absl::StrCat("wan-trainer-", index_), specs));
     return client_->Register().status();
   }
 
   std::string socket_;
+  size_t index_ = 0, count_ = 1;
   std::unique_ptr<refit::client::TrainerClient> client_;
 };
+
+// What every subscriber of the whole model must report for a version (computed from the file):
+// its version digests in both formats.
+struct Expected {
+  uint64_t version_digest = 0, version_digest_v2 = 0;
+};
+
+absl::StatusOr<Expected> ExpectedOf(const refit::model::SafetensorsFile& f) {
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> d1, d2;
+  for (size_t i = 0; i < f.tensors().size(); ++i) {
+    const refit::model::SafetensorsEntry& e = f.tensors()[i];
+    v1::TensorSpec s;
+    s.set_name(e.name);
+    s.set_dtype(refit::sync::ToProtoDType(e.dtype));
+    for (int64_t d : e.shape) s.add_shape(static_cast<uint64_t>(d));
+    manifest.push_back(std::move(s));
+    d1.push_back(refit::TensorDigest(f.data(i)));
+    d2.push_back(refit::TensorDigestV2(f.data(i)));
+  }
+  std::vector<v1::TensorSpec> m2 = manifest;
+  refit::sync::SortManifest(manifest, &d1);
+  refit::sync::SortManifest(m2, &d2);
+  Expected out;
+  ASSIGN_OR_RETURN(out.version_digest, refit::sync::VersionDigest(manifest, d1));
+  ASSIGN_OR_RETURN(out.version_digest_v2, refit::sync::VersionDigest(m2, d2));
+  return out;
+}
+
+// `data`, or a copy of it in `copies` when it does not start on an 8-byte boundary (the
+// encoder needs element-aligned buffers; a safetensors file does not promise them).
+std::span<const uint8_t> Aligned(std::span<const uint8_t> data,
+                                 std::deque<std::vector<uint8_t>>* copies) {
+  if (reinterpret_cast<uintptr_t>(data.data()) % 8 == 0) return data;
+  copies->emplace_back(data.begin(), data.end());
+  return copies->back();
+}
+
+// Bytes of the patches (codec defaults) of the tensors `sel` selects that differ between `base`
+// and `target` (the same tensors, in the same order: checked).
+absl::StatusOr<uint64_t> SelectedPatchBytes(const refit::model::SafetensorsFile& base,
+                                            const refit::model::SafetensorsFile& target,
+                                            const refit::sync::TensorSelection& sel) {
+  if (base.tensors().size() != target.tensors().size()) {
+    return absl::FailedPreconditionError("the versions hold different tensors");
+  }
+  std::vector<refit::EncodeInput> inputs;
+  std::deque<std::vector<uint8_t>> copies;  // of tensors the file does not hold aligned
+  for (size_t i = 0; i < target.tensors().size(); ++i) {
+    const refit::model::SafetensorsEntry& e = target.tensors()[i];
+    if (!sel.Matches(e.name)) continue;
+    if (base.tensors()[i].name != e.name || base.data(i).size() != target.data(i).size()) {
+      return absl::FailedPreconditionError(absl::StrCat("tensor ", i, " \"", e.name,
+                                                        "\" differs in name or size"));
+    }
+    if (std::memcmp(base.data(i).data(), target.data(i).data(), target.data(i).size()) == 0) {
+      continue;  // UNCHANGED: no patch
+    }
+    inputs.push_back({e.dtype, Aligned(base.data(i), &copies), Aligned(target.data(i), &copies)});
+  }
+  ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> patches,
+                   refit::EncodePatches(inputs));
+  uint64_t bytes = 0;
+  for (const std::vector<uint8_t>& p : patches) bytes += p.size();
+  return bytes;
+}
 
 Published ControlPublish(const Args& a, const Command& c, v1::Control::Stub* pub) {
   v1::PublishRequest req;
@@ -220,18 +367,32 @@ Published ControlPublish(const Args& a, const Command& c, v1::Control::Stub* pub
   return p;
 }
 
-Published TrainerPublish(const Command& c, Trainer* trainer) {
+// Publishes c.version on every trainer at once (one thread each): t0 before the first call, t1
+// after the last answer; the first failure is the status.
+Published TrainerPublish(const Command& c, std::vector<Trainer>& trainers) {
+  std::vector<absl::StatusOr<v1::LocalPublishResponse>> r(trainers.size(),
+                                                         absl::UnknownError("not called"));
   Published p;
   p.t0 = NowNs();
-  absl::StatusOr<v1::LocalPublishResponse> r = trainer->Publish(c.version);
-  p.t1 = NowNs();
-  p.status = r.status();
-  if (r.ok() && (!r->committed() || r->version() != c.version)) {
-    p.status = absl::InternalError(absl::StrCat("TrainerApi Publish of version ", c.version,
-                                                " answered version ", r->version(), ", committed ",
-                                                r->committed() ? "true" : "false"));
+  std::vector<std::thread> threads;
+  for (size_t k = 0; k < trainers.size(); ++k) {
+    threads.emplace_back([&, k] { r[k] = trainers[k].Publish(c.version); });
   }
-  if (p.status.ok()) p.json = Json(*r);
+  for (std::thread& t : threads) t.join();
+  p.t1 = NowNs();
+  for (size_t k = 0; k < r.size() && p.status.ok(); ++k) {
+    const std::string who = trainers.size() > 1 ? absl::StrCat(" (shard ", k, ")") : "";
+    p.status = r[k].status();
+    if (r[k].ok() && (!r[k]->committed() || r[k]->version() != c.version)) {
+      p.status = absl::InternalError(absl::StrCat("TrainerApi Publish of version ", c.version, who,
+                                                  " answered version ", r[k]->version(),
+                                                  ", committed ",
+                                                  r[k]->committed() ? "true" : "false"));
+    } else if (!p.status.ok()) {
+      p.status = absl::Status(p.status.code(), absl::StrCat(p.status.message(), who));
+    }
+  }
+  if (p.status.ok()) p.json = Json(*r[0]);
   return p;
 }
 
@@ -276,19 +437,38 @@ std::string Verify(v1::Control::Stub* stub, const std::string& who) {
   return Json(r);
 }
 
-std::string Report(const Args& a, const Command& c, double load_ms, const Published& p,
-                   const std::vector<Wait>& waits, v1::Control::Stub* pub,
+// What a command adds to its line besides the calls: the expected digests and selected bytes.
+struct Facts {
+  double load_ms = 0;
+  Expected expected;
+  std::vector<uint64_t> selected_patch_bytes;
+};
+
+std::string Report(const Args& a, const Command& c, const Facts& facts, const Published& p,
+                   const std::vector<Wait>& waits,
+                   const std::vector<std::unique_ptr<v1::Control::Stub>>& pubs,
                    const std::vector<std::unique_ptr<v1::Control::Stub>>& subs) {
-  std::string out = absl::StrCat("{\"publish_via\": \"", a.via, "\", \"load_ms\": ", load_ms,
-                                 ", \"publish_start_unix_ns\": ", p.t0,
-                                 ", \"publish_return_unix_ns\": ", p.t1, ", \"publish\": ", p.json,
-                                 ", \"waits\": [");
+  std::string out = absl::StrCat(
+      "{\"publish_via\": \"", a.via, "\", \"shards\": ", a.sharded ? pubs.size() : 0,
+      ", \"load_ms\": ", facts.load_ms, ", \"publish_start_unix_ns\": ", p.t0,
+      ", \"publish_return_unix_ns\": ", p.t1, ", \"publish\": ", p.json,
+      ", \"expected\": {\"version_digest\": \"", facts.expected.version_digest,
+      "\", \"version_digest_v2\": \"", facts.expected.version_digest_v2,
+      "\"}, \"selected_patch_bytes\": [");
+  for (size_t i = 0; i < facts.selected_patch_bytes.size(); ++i) {
+    absl::StrAppend(&out, i ? ", " : "", facts.selected_patch_bytes[i]);
+  }
+  absl::StrAppend(&out, "], \"waits\": [");
   for (size_t i = 0; i < waits.size(); ++i) {
     absl::StrAppend(&out, i ? ", " : "", "{\"end_unix_ns\": ", waits[i].end_unix_ns,
                     ", \"response\": ", Json(waits[i].response), "}");
   }
-  absl::StrAppend(&out, "], \"publisher_status\": ", Json(Status(pub, "publisher")),
-                  ", \"subscriber_status\": [");
+  std::vector<std::string> pub_status;
+  for (size_t k = 0; k < pubs.size(); ++k) {
+    pub_status.push_back(Json(Status(pubs[k].get(), absl::StrCat("publisher ", k))));
+  }
+  absl::StrAppend(&out, "], \"publisher_status\": ", pub_status[0], ", \"publishers_status\": [",
+                  absl::StrJoin(pub_status, ", "), "], \"subscriber_status\": [");
   for (size_t i = 0; i < subs.size(); ++i) {
     absl::StrAppend(&out, i ? ", " : "", Json(Status(subs[i].get(), a.subscribers[i])));
   }
@@ -300,28 +480,58 @@ std::string Report(const Args& a, const Command& c, double load_ms, const Publis
   return out;
 }
 
+// The state kept across commands: the files (the previous one is the base of the selected
+// patch bytes) and the trainers.
+struct Session {
+  std::vector<Trainer> trainers;
+  std::optional<refit::model::SafetensorsFile> previous;
+};
+
+// Reads the command's file, loads the trainers (trainer_api) and computes the facts; all of it
+// before the clock starts.
+Facts Prepare(const Args& a, const Command& c, Session* s) {
+  const auto l0 = std::chrono::steady_clock::now();
+  absl::StatusOr<refit::model::SafetensorsFile> f = refit::model::SafetensorsFile::Open(c.file);
+  if (!f.ok()) Fail(absl::StrCat("reading ", c.file), f.status());
+  for (size_t k = 0; a.via == "trainer_api" && k < s->trainers.size(); ++k) {
+    if (absl::Status st = s->trainers[k].Load(*f, c.file); !st.ok()) {
+      Fail(absl::StrCat("loading the memfd of publisher ", k), st);
+    }
+  }
+  Facts facts;
+  facts.load_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
+  absl::StatusOr<Expected> e = ExpectedOf(*f);
+  if (!e.ok()) Fail(absl::StrCat("digests of ", c.file), e.status());
+  facts.expected = *e;
+  for (const refit::sync::TensorSelection& sel : a.selections) {
+    absl::StatusOr<uint64_t> b = s->previous ? SelectedPatchBytes(*s->previous, *f, sel) : 0;
+    if (!b.ok()) Fail(absl::StrCat(c.file, ": patches of ", sel.Describe()), b.status());
+    facts.selected_patch_bytes.push_back(*b);
+  }
+  s->previous = *std::move(f);
+  return facts;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Args a = Parse(argc, argv);
-  auto pub = Stub(a.publisher);
-  std::vector<std::unique_ptr<v1::Control::Stub>> subs;
+  std::vector<std::unique_ptr<v1::Control::Stub>> pubs, subs;
+  Session session;
+  for (size_t k = 0; k < a.publishers.size(); ++k) {
+    pubs.push_back(Stub(a.publishers[k].control));
+    session.trainers.emplace_back(a.publishers[k].trainer_socket, k, a.publishers.size());
+  }
   for (const std::string& s : a.subscribers) subs.push_back(Stub(s));
-  Trainer trainer(a.trainer_socket);
   Command c;
   while (ReadCommand(&c)) {
-    double load_ms = 0;
-    std::function<Published()> publish = [&] { return ControlPublish(a, c, pub.get()); };
-    if (a.via == "trainer_api") {
-      const auto l0 = std::chrono::steady_clock::now();
-      if (absl::Status s = trainer.Load(c.file); !s.ok()) Fail("loading the memfd", s);
-      load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0)
-                    .count();
-      publish = [&] { return TrainerPublish(c, &trainer); };
-    }
+    const Facts facts = Prepare(a, c, &session);
+    std::function<Published()> publish = [&] { return ControlPublish(a, c, pubs[0].get()); };
+    if (a.via == "trainer_api") publish = [&] { return TrainerPublish(c, session.trainers); };
     Published p;
     const std::vector<Wait> waits = PublishAndWait(a, c.version, subs, publish, &p);
-    const std::string out = Report(a, c, load_ms, p, waits, pub.get(), subs);
+    const std::string out = Report(a, c, facts, p, waits, pubs, subs);
     std::fputs(out.c_str(), stdout);
     std::fflush(stdout);
   }

@@ -743,11 +743,15 @@ absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionE
   const absl::Time done = absl::Now();
   v1::SubscriberMessage ack_msg;
   *ack_msg.mutable_ack() = ack;
-  if (!session.Write(ack_msg)) return FinishStatus(session, "sending Ack failed");
+  const bool ack_sent = session.Write(ack_msg);
   if (ack.result() != v1::ACK_RESULT_APPLIED) {
+    if (!ack_sent) return FinishStatus(session, "sending Ack failed");
     RETURN_IF_ERROR(OnRejected(session, end, ack));
     return false;
   }
+  // The version is committed whatever becomes of its Ack: it is announced (waiters, consumers,
+  // peers, Status) even when the session broke just now (an upstream relay killed as it sent
+  // the End); the next upstream learns it from the Hello.
   const bool lineage_changed = prev_version != 0 && prev_lineage != core_->applied_lineage();
   if (lineage_changed) {
     log_->warn("version {} of {} replaces version {} of {}: the upstream changed lineage "
@@ -756,6 +760,7 @@ absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionE
                sync::DescribeLineage(prev_lineage));
   }
   Announce(session, end, ack, done - session.header_time, lineage_changed);
+  if (!ack_sent) return FinishStatus(session, "sending Ack failed");
   if (!session.bootstrap_peer) return false;
   log_->info("bootstrapped from peer {} at version {}; switching to the publisher",
              session.target, end.version());

@@ -108,8 +108,10 @@ class Upstream {
  public:
   using AppliedCallback = std::function<void(const AppliedEvent&)>;
 
-  // `core` must outlive the Upstream. `on_applied` runs on the session thread after each APPLIED
-  // Ack was sent; keep it short (it delays the next transfer). May be empty.
+  // `core` must outlive the Upstream. `on_applied` runs on the session thread after each version
+  // the core applied, once its APPLIED Ack was sent or could not be (the session broke: the
+  // version is committed all the same); keep it short (it delays the next transfer). May be
+  // empty.
   Upstream(SubscriberCore* core, UpstreamOptions options, AppliedCallback on_applied);
   // Feeds `sink` (e.g. one shard's port of a ShardJoin) instead; it must outlive the Upstream.
   Upstream(TransferSink* sink, UpstreamOptions options, AppliedCallback on_applied);

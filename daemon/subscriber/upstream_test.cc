@@ -373,6 +373,94 @@ TEST(UpstreamTest, LateJoinerBootstrapsAndLaggingSubscriberChains) {
   ExpectEqual(*a, model, "lagging subscriber");
 }
 
+// The core commits version `break_at`, then its session breaks before the Ack goes out (the
+// Upstream is stopped from another thread while OnEnd has not returned, as when an upstream
+// relay dies right after sending the End): the Ack cannot be sent.
+class BreakAfterCommitSink final : public TransferSink {
+ public:
+  BreakAfterCommitSink(SubscriberCore* core, uint64_t break_at) : inner_(core), at_(break_at) {}
+  ~BreakAfterCommitSink() override { JoinStopper(); }
+  Upstream* upstream = nullptr;
+  // Waits until the Stop it started returned (the Upstream's thread is joined).
+  void JoinStopper() {
+    if (stopper_.joinable()) stopper_.join();
+  }
+
+  v1::Ack OnEnd(const v1::VersionEnd& end) override {
+    v1::Ack ack = inner_.OnEnd(end);
+    if (end.version() == at_) {
+      stopper_ = std::thread([this] { upstream->Stop(); });
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&interrupted_));  // Break cancelled the session's calls
+    }
+    return ack;
+  }
+  void Interrupt() override {
+    absl::MutexLock lock(&mu_);
+    interrupted_ = true;
+  }
+  absl::Status CheckWelcome(const v1::Welcome& w) override { return inner_.CheckWelcome(w); }
+  void SetMaxFrameBytes(uint32_t b) override { inner_.SetMaxFrameBytes(b); }
+  void SetDigestFormat(sync::DigestFormat f) override { inner_.SetDigestFormat(f); }
+  absl::Status OnHeader(const v1::VersionHeader& h) override { return inner_.OnHeader(h); }
+  absl::Status OnFrame(v1::DataFrame& f) override { return inner_.OnFrame(f); }
+  void Abort() override { inner_.Abort(); }
+  uint64_t applied_version() const override { return inner_.applied_version(); }
+  uint64_t applied_digest() const override { return inner_.applied_digest(); }
+  uint64_t applied_lineage() const override { return inner_.applied_lineage(); }
+  std::vector<v1::TensorDigest> applied_tensor_digests() const override {
+    return inner_.applied_tensor_digests();
+  }
+  uint64_t generation() const override { return inner_.generation(); }
+  bool ExpectRepair(uint64_t v) override { return inner_.ExpectRepair(v); }
+  uint64_t pending_repair() const override { return inner_.pending_repair(); }
+
+ private:
+  CoreSink inner_;
+  const uint64_t at_;
+  std::thread stopper_;
+  absl::Mutex mu_;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A version the core committed is announced (waiters, consumers, peers, Status) even when its
+// Ack could not be sent: otherwise the subscriber would hold it unannounced, and WaitVersion
+// and its peers would never see it.
+TEST(UpstreamTest, ACommittedVersionWhoseAckCannotBeSentIsStillAnnounced) {
+  auto pub = Publisher::Start();
+  std::mt19937 rng(9);
+  Model model = MakeModel(rng);
+  pub->Publish(1, model);
+  SubscriberOptions opts;
+  opts.threads = 2;
+  opts.store.shm_prefix = "/refit-upstream-test-ack-";
+  SubscriberCore core(opts);
+  BreakAfterCommitSink sink(&core, 1);
+  UpstreamOptions u;
+  u.name = "sub-ack";
+  u.addresses = {pub->address};
+  u.credentials = grpc::InsecureChannelCredentials();
+  u.max_frame_bytes = 1 << 20;
+  absl::Mutex mu;
+  std::vector<uint64_t> announced;
+  Upstream up(&sink, u, [&](const AppliedEvent& ev) {
+    absl::MutexLock lock(&mu);
+    announced.push_back(ev.stats.version());
+  });
+  sink.upstream = &up;
+  up.Start();
+  {
+    absl::MutexLock lock(&mu);
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !announced.empty(); };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(30)))
+        << "version 1 was committed but never announced";
+    EXPECT_EQ(announced, std::vector<uint64_t>{1});
+  }
+  sink.JoinStopper();
+  EXPECT_EQ(core.applied_version(), 1u);
+  EXPECT_EQ(up.last_refit().version(), 1u);
+}
+
 TEST(UpstreamTest, PublisherRestartIsSurvivedByReconnecting) {
   std::mt19937 rng(3);
   Model model = MakeModel(rng);
