@@ -176,6 +176,69 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
   }
 }
 
+// upstream.tensors with shards: every shard's publisher is asked for its part of the selection
+// (Hello.tensors_selected_partial). "sel-one" selects two tensors of shard 1 only (shards 0 and
+// 2 send transfers of no tensors), "sel-all" one tensor of each shard. Each receives, verifies
+// and exports exactly its tensors; a pattern that no shard holds is a clear error.
+TEST_F(E2EShards, ASelectionAcrossShardsTakesEachShardsPartOfIt) {
+  StartShards();
+  SubscriberSpec one = ShardedSubscriber("sel-one");
+  one.tensors = {"layers.w1", "layers.w4"};  // both owned by shard 1
+  SubscriberSpec all = ShardedSubscriber("sel-all");
+  all.tensors = {"layers.w[0-2]"};  // w0, w1, w2: shards 0, 1, 2
+  SubscriberSpec none = ShardedSubscriber("sel-none");
+  none.tensors = {"layers.w1", "no.such.*"};
+  DaemonProcess& full = NewSubscriber(ShardedSubscriber("full"));
+  DaemonProcess& s_one = NewSubscriber(one);
+  DaemonProcess& s_all = NewSubscriber(all);
+  DaemonProcess& s_none = NewSubscriber(none);
+  for (DaemonProcess* s : {&full, &s_one, &s_all, &s_none}) E2E_ASSERT_OK(s->Start());
+  auto selected = [](const Model& m, const std::vector<std::string>& names) {
+    Model out;
+    for (const std::string& n : names) out.tensors.push_back(*m.Find(n));
+    return out;
+  };
+  Model m = Initial();
+  for (uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) PerturbModel(m, 0.01, 10 + v);
+    E2E_ASSERT_OK(PublishShards(m, v, {0, 1, 2}));
+    E2E_ASSERT_OK(ExpectHolds(full, m, v));
+    E2E_ASSERT_OK(ExpectHolds(s_one, selected(m, one.tensors), v));
+    E2E_ASSERT_OK(ExpectHolds(s_all, selected(m, {"layers.w0", "layers.w1", "layers.w2"}), v));
+    absl::StatusOr<v1::StatusResponse> f = StatusAfterRefit(full.control_target(), v);
+    absl::StatusOr<v1::StatusResponse> o = StatusAfterRefit(s_one.control_target(), v);
+    ASSERT_TRUE(f.ok() && o.ok()) << f.status() << " " << o.status();
+    EXPECT_EQ(o->tensors(), 2u);
+    EXPECT_LT(o->last_refit().wire_bytes(), f->last_refit().wire_bytes() / 3)
+        << "sel-one: " << DescribeRefit(o->last_refit()) << "; full: "
+        << DescribeRefit(f->last_refit());
+    if (v > 1) {
+      EXPECT_EQ(o->last_refit().base_version(), v - 1) << DescribeRefit(o->last_refit());
+    }
+    ASSERT_EQ(o->shards().shards_size(), static_cast<int>(kShards));
+    for (const v1::ShardStatus& p : o->shards().shards()) {
+      EXPECT_EQ(p.tensors(), p.index() == 1 ? 2u : 0u) << "sel-one, shard " << p.index();
+    }
+  }
+  absl::StatusOr<v1::StatusResponse> st = PollStatus(
+      s_none.control_target(),
+      [](const v1::StatusResponse& r) {
+        for (const v1::ShardStatus& p : r.shards().shards()) {
+          if (absl::StrContains(p.last_error(), "no.such.*")) return true;
+        }
+        return false;
+      },
+      absl::Seconds(30), "sel-none refused for a pattern no shard holds");
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->version(), 0u);
+  for (const v1::ShardStatus& p : st->shards().shards()) {
+    if (p.last_error().empty()) continue;
+    EXPECT_TRUE(absl::StrContains(p.last_error(), "subscriber.upstream.tensors: selected tensors "
+                                                  "\"no.such.*\" match none"))
+        << p.ShortDebugString();
+  }
+}
+
 TEST_F(E2EShards, APublisherOfTheWrongKindOrShardIsAClearErrorAndCommitsNothing) {
   StartShards();
   PublisherSpec whole;

@@ -170,15 +170,22 @@ def change_rate(raw: dict):
     return sum(r * b for r, b in rates) / total
 
 
-def version_record(k: int, kind: str, raw: dict, names: list, before: dict, after: dict,
+def version_record(k: int, kind: str, raw: dict, daemons: list, before: dict, after: dict,
                    selecting: list) -> dict:
     t0 = raw["publish_start_unix_ns"]
-    e2e, wire, digests = {}, {}, {}
-    for name, s in zip(names, raw["subscriber_status"]):
+    names = [x.name for x in daemons]
+    e2e, wire, digests, arrived = {}, {}, {}, {}
+    for x, s in zip(daemons, raw["subscriber_status"]):
+        name = x.name
         refit = s.get("last_refit", {})
         if wan.i64(refit.get("version")) != k + 1 or wan.i64(s.get("version")) != k + 1:
             raise wan.Failure(f"version {k + 1}: {name} reports version {s.get('version')}")
         e2e[name] = (wan.i64(refit.get("finished_unix_nanos")) - t0) / 1e6
+        # When its last byte arrived: the applied line's latency (header -> announced) minus
+        # its receive time (header -> VersionEnd with every frame) is the daemon's own tail.
+        sl = wan.parse_sub_log(x.log_text(), k + 1)
+        if "latency_ms" in sl and "receive_ms" in sl:
+            arrived[name] = e2e[name] - (sl["latency_ms"] - sl["receive_ms"])
         wire[name] = wan.i64(refit.get("wire_bytes"))
         if name not in selecting:  # a selection's digest is over its tensors only
             digests[name] = (wan.i64(s.get("version_digest")), wan.i64(s.get("digest_format")))
@@ -189,7 +196,8 @@ def version_record(k: int, kind: str, raw: dict, names: list, before: dict, afte
     selected = {n: {"wire_bytes": wire[n], "patch_bytes": b}
                 for n, b in zip(selecting, raw.get("selected_patch_bytes", []))}
     return {"version": k + 1, "kind": kind, "change_rate": change_rate(raw),
-            "delta_bytes": wire.get("direct"), "e2e_ms": e2e, "wire_bytes": wire,
+            "delta_bytes": wire.get("direct"), "e2e_ms": e2e, "arrived_ms": arrived,
+            "wire_bytes": wire,
             "link_bytes": sent, "link_bytes_to_relays": sent.get("relay-1", 0),
             "selected": selected, "relay_status": relays}
 
@@ -244,7 +252,7 @@ def run_mode(link, mode: str, traj: str, bins: dict, pki: dict, args, workdir: s
             c_end = cpu_snapshot(everyone)
             kind = "keyframe" if k == 0 else ("warmup_delta" if k <= args.warmup_deltas
                                               else "steady_delta")
-            rec = version_record(k, kind, raw, names, before, session_bytes(bins, pubs),
+            rec = version_record(k, kind, raw, daemons, before, session_bytes(bins, pubs),
                                  selecting)
             rec["cpu_ms"] = {n: c_end[n] - c0[n] for n in c0}
             if k == args.versions and not all(v.get("ok") for v in raw.get("verify", [])):
@@ -298,6 +306,11 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
+def arrival_of(r: dict, name: str) -> bool:
+    a = r.get("arrived_ms", {})
+    return name in a and "direct" in a and ("relay-1" in a or name == "relay-1")
+
+
 def summarise(records: list, names: list, pub_names: list, selecting: dict) -> dict:
     steady = [r for r in records if r["kind"] == "steady_delta"]
     sel_ratio = {n: [r["selected"][n]["wire_bytes"] / r["selected"][n]["patch_bytes"]
@@ -305,15 +318,32 @@ def summarise(records: list, names: list, pub_names: list, selecting: dict) -> d
     e2e = {n: med([r["e2e_ms"][n] for r in steady]) for n in names}
     far = [n for n in names if n.startswith("hop2")] or ["relay-2"]
     hop2 = med([r["e2e_ms"][n] for r in steady for n in far])
+    each = [r["e2e_ms"][n] / r["e2e_ms"]["direct"] for r in steady for n in far
+            if r["e2e_ms"]["direct"]]
     return {
         "steady_versions": len(steady),
         "e2e_median_ms": e2e,
         "hop2_over_direct": hop2 / e2e["direct"] if hop2 and e2e["direct"] else None,
+        # Per steady version and subscriber two hops down: its e2e over the direct one's.
+        "hop2_over_direct_each": {"median": med(each), "max": max(each) if each else None,
+                                  "within_1.1": sum(1 for x in each if x <= 1.1),
+                                  "of": len(each)},
         # What each hop adds (medians of per-version differences).
         "added_ms": {
             "relay-1 - direct": med([r["e2e_ms"]["relay-1"] - r["e2e_ms"]["direct"] for r in steady]),
             "relay-2 - relay-1": med([r["e2e_ms"]["relay-2"] - r["e2e_ms"]["relay-1"]
                                       for r in steady]),
+        },
+        # When the last byte arrived (e2e minus the daemon's own verify/apply tail): what each
+        # relay hop adds on the path itself, without the CPU the daemons of this one machine
+        # take from each other for their tails.
+        "arrival_added_ms": {
+            "relay-1 - direct": med([r["arrived_ms"]["relay-1"] - r["arrived_ms"]["direct"]
+                                     for r in steady if arrival_of(r, "relay-1")]),
+            "relay-2 - relay-1": med([r["arrived_ms"]["relay-2"] - r["arrived_ms"]["relay-1"]
+                                      for r in steady if arrival_of(r, "relay-2")]),
+            "hop2 - direct": med([r["arrived_ms"][n] - r["arrived_ms"]["direct"]
+                                  for r in steady for n in far if arrival_of(r, n)]),
         },
         # Region link: bytes sent to relay-1 (everything region B needs besides the direct
         # baseline subscriber) per byte of the delta.
@@ -351,6 +381,16 @@ def markdown(result: dict) -> str:
                    f"{wan.fmt(s['hop2_over_direct'], '{:.2f}')}"
                    f"{'' if far else ' (relay-2)'} | {wan.fmt(s['added_ms']['relay-1 - direct'])} | "
                    f"{wan.fmt(s['added_ms']['relay-2 - relay-1'])} |")
+    out += ["", "Subscribers two relay hops down, per steady version: e2e over the direct one's "
+            "(median, max, versions x subscribers within 1.1x):", ""]
+    out += [f"- {run['mode']}: {wan.fmt(run['summary']['hop2_over_direct_each']['median'], '{:.2f}')}"
+            f", {wan.fmt(run['summary']['hop2_over_direct_each']['max'], '{:.2f}')}, "
+            f"{run['summary']['hop2_over_direct_each']['within_1.1']} of "
+            f"{run['summary']['hop2_over_direct_each']['of']}" for run in result["runs"]]
+    out += ["", "Last byte arrived, added per hop (ms, medians of the steady deltas): "
+            + "; ".join(f"{run['mode']}: " + ", ".join(
+                f"{k} {wan.fmt(v)}" for k, v in run["summary"]["arrival_added_ms"].items())
+                for run in result["runs"])]
     out += ["", "CPU per steady version (ms, medians; during the step and after it until the next "
             "publish):", "", "| relays | " + " | ".join(result["runs"][0]["summary"]
                                                       ["cpu_ms_median"]) + " |",

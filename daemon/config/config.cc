@@ -465,11 +465,6 @@ absl::Status CollectUpstreamAddresses(const Checker& c, const v1::UpstreamConfig
     return c.Fail("subscriber.upstream.bootstrap_peers",
                   "is not supported with upstream.shards (bootstrap from the shards' publishers)");
   }
-  if (up.tensors_size() > 0) {
-    return c.Fail("subscriber.upstream.tensors",
-                  "is not supported with upstream.shards yet: select tensors behind a relay "
-                  "(a subscriber with serve_peers that takes every shard)");
-  }
   for (int k = 0; k < up.shards_size(); ++k) {
     for (int i = 0; i < up.shards(k).addresses_size(); ++i) {
       out.emplace_back(absl::StrCat("subscriber.upstream.shards[", k, "].addresses[", i, "]"),

@@ -448,9 +448,14 @@ TEST(ConfigTest, ShardRules) {
   EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
                                   "    bootstrap_peers: [\"127.0.0.1:7500\"]\n"),
                   "subscriber.upstream.bootstrap_peers: is not supported with upstream.shards");
+  // A selection with shards: every shard's publisher is asked for its part of it.
+  auto sel = LoadSubscriberConfigFromString(
+      head + shards + "    shard_set: policy\n    tensors: [\"layers.*\"]\n", "sub.yaml");
+  ASSERT_TRUE(sel.ok()) << sel.status();
+  EXPECT_EQ(sel->upstream().tensors_size(), 1);
   EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
-                                  "    tensors: [\"layers.*\"]\n"),
-                  "subscriber.upstream.tensors: is not supported with upstream.shards");
+                                  "    tensors: [\"layers.*\", \"layers.*\"]\n"),
+                  "subscriber.upstream.tensors: tensors[1]: \"layers.*\" is given twice");
   // A shard's addresses are checked like the others, under their own key.
   EXPECT_CONTAINS(SubscriberError(head + "    shards:\n    - addresses: [\"10.0.0.1:7400\"]\n"
                                   "    shard_set: policy\n"),

@@ -452,7 +452,8 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
 }
 
 // Hello.tensors_selected, valid and selecting something of the newest version (every plan
-// checks again against its target).
+// checks again against its target); a shard's part (tensors_selected_partial) may select
+// nothing here.
 absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
     const v1::Hello& hello) const {
   ASSIGN_OR_RETURN(sync::TensorSelection selection,
@@ -460,6 +461,7 @@ absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
                        std::vector<std::string>(hello.tensors_selected().begin(),
                                                 hello.tensors_selected().end()),
                        "Hello.tensors_selected"));
+  if (hello.tensors_selected_partial() && !selection.all()) selection = selection.AsPart();
   const std::vector<BaselineTensor> newest = core_->Baseline();
   if (selection.all() || newest.empty()) return selection;
   std::vector<v1::TensorSpec> manifest;

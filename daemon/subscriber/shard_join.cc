@@ -200,6 +200,7 @@ void ShardJoin::TryOpenLocked() {
   std::vector<v1::DataFrame> synthetic;
   absl::StatusOr<v1::VersionHeader> joined = JoinHeadersLocked(synthetic);
   absl::Status st = joined.status();
+  if (st.ok()) st = CheckSelectionCoveredLocked(*joined);  // refused like a refused header
   if (st.ok()) {
     uint32_t frame_bytes = 0;
     for (const Part& p : parts_) frame_bytes = std::max(frame_bytes, p.frame_bytes);
@@ -348,6 +349,18 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
   }
   out.set_lineage(JoinedLineageLocked(out.version()));
   return out;
+}
+
+// upstream.tensors with shards: each shard sent its part; together they must hold a tensor for
+// every pattern, as one publisher of the whole version would check.
+absl::Status ShardJoin::CheckSelectionCoveredLocked(const v1::VersionHeader& joined) const {
+  if (options_.selection.all()) return absl::OkStatus();
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : joined.tensors()) specs.push_back(tp.spec());
+  absl::Status st = options_.selection.CheckCovered(
+      specs, absl::StrCat("version ", joined.version(), " over all ", parts_.size(), " shards"));
+  if (st.ok()) return st;
+  return absl::InvalidArgumentError(absl::StrCat("subscriber.upstream.tensors: ", st.message()));
 }
 
 // ---- frames -------------------------------------------------------------------------------------

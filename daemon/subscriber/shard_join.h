@@ -38,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/transfer_sink.h"
+#include "daemon/sync/selection.h"
 #include "daemon/subscriber/upstream.h"
 #include "refit/v1/data.pb.h"
 #include "spdlog/spdlog.h"
@@ -49,6 +50,10 @@ struct ShardJoinOptions {
   // this count and its port's index.
   std::string set;
   uint32_t count = 1;
+  // upstream.tensors: every shard's session asks for its part of this selection; each joined
+  // version must hold a tensor for every pattern (the union of the parts; a pattern that
+  // selects nothing fails the version, as an unsharded publisher refuses it).
+  sync::TensorSelection selection = {};
   // Optional (outlives the join): sees the joined transfer (cut-through relays).
   TransferTap* tap = nullptr;
   // After each joined commit, once (the shards' Upstreams get no callback of their own).
@@ -144,6 +149,8 @@ class ShardJoin {
   absl::StatusOr<v1::VersionHeader> JoinHeadersLocked(std::vector<v1::DataFrame>& synthetic)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status JoinHeaderFieldsLocked(v1::VersionHeader& out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckSelectionCoveredLocked(const v1::VersionHeader& joined) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t JoinedLineageLocked(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StreamTensorLocked(uint32_t part, uint32_t joined_index,

@@ -36,6 +36,7 @@
 #include "daemon/subscriber/relay_feed.h"
 #include "daemon/subscriber/scrubber.h"
 #include "daemon/subscriber/shard_join.h"
+#include "daemon/sync/selection.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
@@ -339,7 +340,13 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   jo.count = static_cast<uint32_t>(u.shards_size());
   jo.tap = relay_.get();
   jo.on_applied = [this](const AppliedEvent& ev) { OnApplied(ev); };
+  ASSIGN_OR_RETURN(jo.selection,
+                   sync::TensorSelection::Make(
+                       std::vector<std::string>(u.tensors().begin(), u.tensors().end()),
+                       "subscriber.upstream.tensors"));
   shards_ = std::make_unique<ShardJoin>(core_.get(), std::move(jo));
+  base.tensors.assign(u.tensors().begin(), u.tensors().end());
+  base.tensors_partial = true;  // each shard's publisher holds a part of the selection
   for (int k = 0; k < u.shards_size(); ++k) {
     UpstreamOptions up = base;
     ASSIGN_OR_RETURN(up.addresses, Targets(u.shards(k).addresses(),

@@ -339,6 +339,7 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   if (options_.digest_v2) hello->add_digest_formats(sync::DigestFormatToWire(sync::DigestFormat::kV2));
   hello->set_streamed_transfers(options_.streamed_transfers);
   for (const std::string& t : options_.tensors) hello->add_tensors_selected(t);
+  hello->set_tensors_selected_partial(options_.tensors_partial && !options_.tensors.empty());
   absl::MutexLock lock(&mu_);
   if (resync_pending_) {
     session.resync = true;

@@ -87,6 +87,9 @@ struct UpstreamOptions {
   bool streamed_transfers = true;
   // upstream.tensors: Hello.tensors_selected (validated by the config; empty = every tensor).
   std::vector<std::string> tensors;
+  // One shard's session of a sharded subscriber: `tensors` is the whole selection, of which
+  // this shard holds a part (Hello.tensors_selected_partial).
+  bool tensors_partial = false;
   // Optional (must outlive the Upstream): sees every transfer as it arrives.
   TransferTap* tap = nullptr;
 };

@@ -57,6 +57,7 @@ bool TensorSelection::Matches(const std::string& name) const {
 
 absl::Status TensorSelection::CheckCovered(std::span<const v1::TensorSpec> manifest,
                                            absl::string_view what) const {
+  if (partial_) return absl::OkStatus();
   for (size_t i = 0; i < patterns_.size(); ++i) {
     const bool any = std::any_of(manifest.begin(), manifest.end(), [&](const v1::TensorSpec& t) {
       return PatternMatches(i, t.name());
@@ -78,7 +79,7 @@ std::string TensorSelection::Describe() const {
                                  patterns_.begin() + std::min(kShown, patterns_.size()));
   if (patterns_.size() > kShown) shown.push_back("...");
   return absl::StrCat(patterns_.size(), patterns_.size() == 1 ? " pattern (" : " patterns (",
-                      absl::StrJoin(shown, ", "), ")");
+                      absl::StrJoin(shown, ", "), ")", partial_ ? ", a shard's part" : "");
 }
 
 }  // namespace refit::sync

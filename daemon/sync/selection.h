@@ -29,11 +29,21 @@ class TensorSelection {
                                               absl::string_view where);
 
   bool all() const { return patterns_.empty(); }
+  // A shard's part of a selection (Hello.tensors_selected_partial: a sharded subscriber sends
+  // its whole selection to every shard's publisher): a pattern may select nothing here, so
+  // CheckCovered passes; the subscriber's join checks the patterns against the union.
+  TensorSelection AsPart() const {
+    TensorSelection s = *this;
+    s.partial_ = true;
+    return s;
+  }
+  bool partial() const { return partial_; }
   const std::vector<std::string>& patterns() const { return patterns_; }
   bool Matches(const std::string& name) const;
   // Every pattern selects at least one tensor of `manifest` (an exact name: is in it), so a
   // relay or publisher that lacks a selected tensor is a clear error, not a silent gap.
   // InvalidArgument naming the first pattern that selects nothing, and `what` (e.g. "version 7").
+  // Always OK for a part (AsPart).
   absl::Status CheckCovered(std::span<const v1::TensorSpec> manifest, absl::string_view what) const;
   // "all tensors" or "3 patterns (a.*, b.weight, ...)", for logs and errors.
   std::string Describe() const;
@@ -43,6 +53,7 @@ class TensorSelection {
 
   std::vector<std::string> patterns_;
   std::vector<bool> glob_;  // per pattern: has a glob character
+  bool partial_ = false;
 };
 
 }  // namespace refit::sync

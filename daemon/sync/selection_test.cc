@@ -57,5 +57,23 @@ TEST(TensorSelection, EveryPatternMustSelectSomething) {
   EXPECT_TRUE(TensorSelection::Make({"*.weight"}, "t")->CheckCovered(manifest, "v").ok());
 }
 
+// A shard's part of a sharded subscriber's selection may select nothing of that shard; it
+// matches exactly as the whole selection does.
+TEST(TensorSelection, APartMaySelectNothingHere) {
+  const std::vector<v1::TensorSpec> manifest = {testing::BF16("a.weight", {4})};
+  auto s = TensorSelection::Make({"a.*", "c.weight"}, "t");
+  ASSERT_TRUE(s.ok());
+  EXPECT_FALSE(s->partial());
+  EXPECT_FALSE(s->CheckCovered(manifest, "version 3").ok());
+  const TensorSelection part = s->AsPart();
+  EXPECT_TRUE(part.partial());
+  EXPECT_TRUE(part.CheckCovered(manifest, "version 3").ok());
+  EXPECT_TRUE(part.CheckCovered({}, "version 3").ok());
+  EXPECT_TRUE(part.Matches("a.weight"));
+  EXPECT_TRUE(part.Matches("c.weight"));
+  EXPECT_FALSE(part.Matches("b.weight"));
+  EXPECT_THAT(part.Describe(), HasSubstr("a shard's part"));
+}
+
 }  // namespace
 }  // namespace refit::sync

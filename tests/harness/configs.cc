@@ -121,6 +121,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   if (!s.bootstrap_peers.empty()) {
     absl::StrAppend(&y, "    bootstrap_peers: ", list(s.bootstrap_peers), "\n");
   }
+  if (!s.tensors.empty()) absl::StrAppend(&y, "    tensors: ", list(s.tensors), "\n");
   const ClientTlsSpec& t = s.tls;
   if (!t.cert.empty() || !t.key.empty() || !t.ca.empty() || !t.server_name.empty()) {
     absl::StrAppend(&y, "    tls:\n");

@@ -56,6 +56,7 @@ struct SubscriberSpec {
   std::string shard_set;
   bool streamed_transfers = true;     // upstream.streamed_transfers (written only when false)
   std::vector<std::string> bootstrap_peers;
+  std::vector<std::string> tensors;  // upstream.tensors (names and globs; empty = every tensor)
   bool serve_peers = false;
   uint32_t connections = 2;
   uint32_t backoff_initial_ms = 20;
