@@ -193,7 +193,8 @@ Args Parse(int argc, char** argv) {
     else if (k == "--subscriber" && has) a.subscribers.push_back(argv[++i]);
     else if (k == "--publish-via" && has) a.via = argv[++i];
     else if (k == "--trainer-socket" && has) trainer_socket = argv[++i];
-    else if (k == "--selected-patch-bytes" && has) a.selections.push_back(ParseSelection(argv[++i]));
+    else if (k == "--selected-patch-bytes" && has)
+      a.selections.push_back(ParseSelection(argv[++i]));
     else if (k == "--timeout" && has) a.timeout_s = std::atof(argv[++i]);
     else Usage(absl::StrCat("bad argument ", k));
   }
