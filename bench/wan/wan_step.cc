@@ -218,6 +218,15 @@ bool ReadCommand(Command* c) {
   return true;
 }
 
+// The wire spec of a file's tensor.
+v1::TensorSpec SpecOf(const refit::model::SafetensorsEntry& e) {
+  v1::TensorSpec s;
+  s.set_name(e.name);
+  s.set_dtype(refit::sync::ToProtoDType(e.dtype));
+  for (int64_t d : e.shape) s.add_shape(static_cast<uint64_t>(d));
+  return s;
+}
+
 // The trainer's side of the TrainerApi path: one memfd registered at the first file, holding the
 // tensors this shard owns (file index i with i % count == index; every tensor unsharded).
 class Trainer {
@@ -267,14 +276,7 @@ class Trainer {
 
   absl::Status Register(const refit::model::SafetensorsFile& f, const std::vector<size_t>& owned) {
     std::vector<v1::TensorSpec> specs;
-    for (size_t i : owned) {
-      const refit::model::SafetensorsEntry& e = f.tensors()[i];
-      v1::TensorSpec s;
-      s.set_name(e.name);
-      s.set_dtype(refit::sync::ToProtoDType(e.dtype));
-      for (int64_t d : e.shape) s.add_shape(static_cast<uint64_t>(d));
-      specs.push_back(std::move(s));
-    }
+    for (size_t i : owned) specs.push_back(SpecOf(f.tensors()[i]));
     ASSIGN_OR_RETURN(client_, refit::client::TrainerClient::Create(
                                   socket_, absl::StrCat("wan-trainer-", index_), specs));
     return client_->Register().status();
@@ -295,12 +297,7 @@ absl::StatusOr<Expected> ExpectedOf(const refit::model::SafetensorsFile& f) {
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> d1, d2;
   for (size_t i = 0; i < f.tensors().size(); ++i) {
-    const refit::model::SafetensorsEntry& e = f.tensors()[i];
-    v1::TensorSpec s;
-    s.set_name(e.name);
-    s.set_dtype(refit::sync::ToProtoDType(e.dtype));
-    for (int64_t d : e.shape) s.add_shape(static_cast<uint64_t>(d));
-    manifest.push_back(std::move(s));
+    manifest.push_back(SpecOf(f.tensors()[i]));
     d1.push_back(refit::TensorDigest(f.data(i)));
     d2.push_back(refit::TensorDigestV2(f.data(i)));
   }
