@@ -14,12 +14,6 @@ namespace {
 
 using E2ERecovery = E2ETest;
 
-// A model big enough that a keyframe transfer takes a while on loopback (~48 MB of BF16).
-Model BigModel(uint64_t seed) {
-  return RandomModel(seed, {{"layers.0.weight", 8 << 20}, {"layers.1.weight", 8 << 20},
-                            {"layers.2.weight", 8 << 20}, {"norm.weight", 4096}});
-}
-
 TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
   PublisherSpec ps;
   ps.name = "pub";

@@ -13,22 +13,7 @@
 namespace refit::e2e {
 namespace {
 
-class E2ERelays : public E2ETest {
- protected:
-  // `d` holds `m` as version v, verified.
-  absl::Status ExpectOn(DaemonProcess& d, const Model& m, uint64_t v) {
-    if (absl::Status st = WaitVersion(d, v); !st.ok()) return st;
-    if (absl::Status st = ExpectExportEquals(d, m); !st.ok()) return st;
-    return ExpectVerified(d);
-  }
-};
-
-// ~48 MB of BF16. A version of new random weights (every element changes) takes seconds
-// through the throttled link below, so the kill lands in the middle of it on any machine.
-Model BigModel(uint64_t seed) {
-  return RandomModel(seed, {{"layers.0.weight", 8 << 20}, {"layers.1.weight", 8 << 20},
-                            {"layers.2.weight", 8 << 20}, {"norm.weight", 4096}});
-}
+using E2ERelays = E2ETest;
 
 SubscriberSpec RelaySpec(const std::string& name, const std::string& upstream) {
   SubscriberSpec s;
@@ -69,7 +54,7 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
 
   Model m1 = BigModel(1);
   E2E_ASSERT_OK(Publish(pub, m1, 1));
-  for (DaemonProcess* x : {&relay_a, &relay_b, &c, &d}) E2E_ASSERT_OK(ExpectOn(*x, m1, 1));
+  for (DaemonProcess* x : {&relay_a, &relay_b, &c, &d}) E2E_ASSERT_OK(ExpectHolds(*x, m1, 1));
   for (DaemonProcess* x : {&c, &d}) {
     absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(x->control_target(), 1);
     ASSERT_TRUE(st.ok()) << st.status();
@@ -99,7 +84,7 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
   // sub-c and sub-d fail over to relay-a and take v2 from it, bit-exact.
   for (DaemonProcess* x : {&c, &d}) E2E_ASSERT_OK(WaitVersion(*x, 2));
   const absl::Duration converged = absl::Now() - killed;
-  for (DaemonProcess* x : {&c, &d}) E2E_ASSERT_OK(ExpectOn(*x, m2, 2));
+  for (DaemonProcess* x : {&c, &d}) E2E_ASSERT_OK(ExpectHolds(*x, m2, 2));
   for (DaemonProcess* x : {&c, &d}) {
     absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(x->control_target(), 2);
     ASSERT_TRUE(st.ok()) << st.status();
@@ -118,7 +103,7 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
   PerturbModel(m3, 0.01, 3);
   E2E_ASSERT_OK(Publish(pub, m3, 3));
   E2E_ASSERT_OK(relay_b.Start());
-  for (DaemonProcess* x : {&relay_a, &relay_b, &c, &d}) E2E_ASSERT_OK(ExpectOn(*x, m3, 3));
+  for (DaemonProcess* x : {&relay_a, &relay_b, &c, &d}) E2E_ASSERT_OK(ExpectHolds(*x, m3, 3));
 }
 
 }  // namespace

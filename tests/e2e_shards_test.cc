@@ -63,12 +63,6 @@ class E2EShards : public E2ETest {
     }
     return absl::OkStatus();
   }
-  absl::Status ExpectHolds(DaemonProcess& sub, const Model& m, uint64_t v) {
-    if (absl::Status st = WaitVersion(sub, v); !st.ok()) return st;
-    if (absl::Status st = ExpectExportEquals(sub, m); !st.ok()) return st;
-    return ExpectVerified(sub);
-  }
-
   std::vector<DaemonProcess*> pubs_;
 };
 

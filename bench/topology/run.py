@@ -85,42 +85,36 @@ SHARD_SET = "wan"
 def publishers(link, d: str, traj: str, pki: dict, args, bins: dict) -> list:
     """Region A: one publisher, or K shard publishers (publisher.shard, each in its own
     directory: ready file, sockets, persisted baseline)."""
-    cache = os.path.dirname(traj)
-    if args.shards == 1:
-        y = wan.publisher_yaml(d, link.pub_ip, pki, cache, args.wan, args.streams)
-        return [wan.Daemon(link, link.pub_ns, "publisher", "wan-pub", d, y, bins)]
+    sharded = args.shards > 1
     out = []
     for k in range(args.shards):
-        sd = os.path.join(d, f"shard-{k}")
-        os.makedirs(sd)
-        y = wan.publisher_yaml(sd, link.pub_ip, pki, cache, args.wan, args.streams)
-        y = y.replace("name: wan-pub\n", f"name: wan-pub-{k}\n", 1)
-        y += f"  shard:\n    set: {SHARD_SET}\n    index: {k}\n    count: {args.shards}\n"
-        out.append(wan.Daemon(link, link.pub_ns, "publisher", f"wan-pub-{k}", sd, y, bins))
+        sd, name = (os.path.join(d, f"shard-{k}"), f"wan-pub-{k}") if sharded else (d, "wan-pub")
+        os.makedirs(sd, exist_ok=True)
+        y = wan.publisher_yaml(sd, link.pub_ip, pki, os.path.dirname(traj), args.wan,
+                               args.streams).replace("name: wan-pub\n", f"name: {name}\n", 1)
+        if sharded:
+            y += f"  shard:\n    set: {SHARD_SET}\n    index: {k}\n    count: {args.shards}\n"
+        out.append(wan.Daemon(link, link.pub_ns, "publisher", name, sd, y, bins))
     return out
 
 
-def upstream_yaml(y: str, upstream, tensors=None) -> str:
-    """A bench/wan subscriber config (written for the address "UPSTREAM") pointed at `upstream`:
-    one address, or a list of shard addresses (upstream.shards, shard_set); with `tensors`, a
-    selection (upstream.tensors)."""
-    line = f"    addresses: [{wan.q('UPSTREAM')}]\n"
+def upstream_lines(upstream, tensors=None) -> str:
+    """The subscriber's upstream block: one address, or a list of shard addresses
+    (upstream.shards, shard_set); with `tensors`, a selection (upstream.tensors)."""
     if isinstance(upstream, list):
-        new = f"    shard_set: {SHARD_SET}\n    shards:\n" + "".join(
+        out = f"    shard_set: {SHARD_SET}\n    shards:\n" + "".join(
             f"    - addresses: [{wan.q(x)}]\n" for x in upstream)
     else:
-        new = f"    addresses: [{wan.q(upstream)}]\n"
+        out = f"    addresses: [{wan.q(upstream)}]\n"
     if tensors:
-        new += "    tensors: [" + ", ".join(wan.q(t) for t in tensors) + "]\n"
-    if line not in y:
-        raise wan.Failure("bench/wan's subscriber config has no upstream.addresses line")
-    return y.replace(line, new, 1)
+        out += "    tensors: [" + ", ".join(wan.q(t) for t in tensors) + "]\n"
+    return out
 
 
 def subscriber(link, d: str, name: str, upstream, pki: dict, args, bins: dict,
                relay: bool = False, cut_through: bool = True, tensors=None) -> wan.Daemon:
-    y = upstream_yaml(wan.subscriber_yaml(d, name, "UPSTREAM", pki, args.wan, args.streams),
-                      upstream, tensors)
+    y = wan.subscriber_yaml(d, name, "", pki, args.wan, args.streams,
+                            upstream_lines(upstream, tensors))
     if relay:
         y = relay_yaml(y, pki, cut_through)
     daemon = wan.Daemon(link, link.sub_ns, "subscriber", name, d, y, bins)

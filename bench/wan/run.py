@@ -317,9 +317,12 @@ def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int) -
     return y
 
 
-def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args, streams: int) -> str:
+def subscriber_yaml(d: str, name: str, upstream: str, pki: dict, args, streams: int,
+                    upstream_lines: str = "") -> str:
+    """`upstream_lines` (YAML under upstream:, indented 4) replace `addresses: [upstream]`."""
+    upstream_lines = upstream_lines or f"    addresses: [{q(upstream)}]\n"
     return (f"subscriber:\n  name: {name}\n  log_level: info\n"
-            f"  upstream:\n    addresses: [{q(upstream)}]\n"
+            f"  upstream:\n{upstream_lines}"
             f"    tls:\n      cert: {q(pki['client']['cert'])}\n"
             f"      key: {q(pki['client']['key'])}\n      ca: {q(pki['ca'])}\n"
             f"    connections: {streams}\n"

@@ -61,11 +61,10 @@
 #include "client/refitctl.h"
 #include "client/trainer_client.h"
 #include "daemon/codec/codec.h"
-#include "daemon/codec/digest_v2.h"
-#include "daemon/codec/hash.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
+#include "daemon/sync/digest_format.h"
 #include "daemon/sync/selection.h"
 #include "daemon/sync/version_digest.h"
 #include "google/protobuf/util/json_util.h"
@@ -293,20 +292,23 @@ struct Expected {
   uint64_t version_digest = 0, version_digest_v2 = 0;
 };
 
-absl::StatusOr<Expected> ExpectedOf(const refit::model::SafetensorsFile& f) {
+// The version digest in `format` of all of f's tensors (common.proto: name order).
+absl::StatusOr<uint64_t> VersionDigestOf(const refit::model::SafetensorsFile& f,
+                                         refit::sync::DigestFormat format) {
   std::vector<v1::TensorSpec> manifest;
-  std::vector<uint64_t> d1, d2;
+  std::vector<uint64_t> digests;
   for (size_t i = 0; i < f.tensors().size(); ++i) {
     manifest.push_back(SpecOf(f.tensors()[i]));
-    d1.push_back(refit::TensorDigest(f.data(i)));
-    d2.push_back(refit::TensorDigestV2(f.data(i)));
+    digests.push_back(refit::sync::TensorDigestOf(format, f.data(i)));
   }
-  std::vector<v1::TensorSpec> m2 = manifest;
-  refit::sync::SortManifest(manifest, &d1);
-  refit::sync::SortManifest(m2, &d2);
+  refit::sync::SortManifest(manifest, &digests);
+  return refit::sync::VersionDigest(manifest, digests);
+}
+
+absl::StatusOr<Expected> ExpectedOf(const refit::model::SafetensorsFile& f) {
   Expected out;
-  ASSIGN_OR_RETURN(out.version_digest, refit::sync::VersionDigest(manifest, d1));
-  ASSIGN_OR_RETURN(out.version_digest_v2, refit::sync::VersionDigest(m2, d2));
+  ASSIGN_OR_RETURN(out.version_digest, VersionDigestOf(f, refit::sync::DigestFormat::kV1));
+  ASSIGN_OR_RETURN(out.version_digest_v2, VersionDigestOf(f, refit::sync::DigestFormat::kV2));
   return out;
 }
 

@@ -38,8 +38,8 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/transfer_sink.h"
-#include "daemon/sync/selection.h"
 #include "daemon/subscriber/upstream.h"
+#include "daemon/sync/selection.h"
 #include "refit/v1/data.pb.h"
 #include "spdlog/spdlog.h"
 

@@ -36,10 +36,10 @@
 #include "daemon/subscriber/relay_feed.h"
 #include "daemon/subscriber/scrubber.h"
 #include "daemon/subscriber/shard_join.h"
-#include "daemon/sync/selection.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
+#include "daemon/sync/selection.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::subscriber {
@@ -321,12 +321,12 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
+  up.tensors.assign(u.tensors().begin(), u.tensors().end());
   scrubber_ = MakeScrubber(config_.store());
   if (u.shards_size() > 0) return MakeShardUpstreams(std::move(up));
   ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
   ASSIGN_OR_RETURN(up.bootstrap_peers,
                    Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
-  up.tensors.assign(u.tensors().begin(), u.tensors().end());
   up.tap = relay_.get();
   upstreams_.push_back(std::make_unique<Upstream>(
       core_.get(), std::move(up), [this](const AppliedEvent& ev) { OnApplied(ev); }));
@@ -341,11 +341,8 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   jo.tap = relay_.get();
   jo.on_applied = [this](const AppliedEvent& ev) { OnApplied(ev); };
   ASSIGN_OR_RETURN(jo.selection,
-                   sync::TensorSelection::Make(
-                       std::vector<std::string>(u.tensors().begin(), u.tensors().end()),
-                       "subscriber.upstream.tensors"));
+                   sync::TensorSelection::Make(base.tensors, "subscriber.upstream.tensors"));
   shards_ = std::make_unique<ShardJoin>(core_.get(), std::move(jo));
-  base.tensors.assign(u.tensors().begin(), u.tensors().end());
   base.tensors_partial = true;  // each shard's publisher holds a part of the selection
   for (int k = 0; k < u.shards_size(); ++k) {
     UpstreamOptions up = base;

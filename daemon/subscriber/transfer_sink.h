@@ -50,8 +50,8 @@ class TransferSink {
   virtual uint64_t pending_repair() const = 0;
 };
 
-// The core as the sink of one unsharded upstream.
-class CoreSink final : public TransferSink {
+// The core as the sink of one unsharded upstream (tests derive from it to intercept a call).
+class CoreSink : public TransferSink {
  public:
   explicit CoreSink(SubscriberCore* core) : core_(core) {}
 

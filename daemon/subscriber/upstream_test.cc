@@ -376,9 +376,9 @@ TEST(UpstreamTest, LateJoinerBootstrapsAndLaggingSubscriberChains) {
 // The core commits version `break_at`, then its session breaks before the Ack goes out (the
 // Upstream is stopped from another thread while OnEnd has not returned, as when an upstream
 // relay dies right after sending the End): the Ack cannot be sent.
-class BreakAfterCommitSink final : public TransferSink {
+class BreakAfterCommitSink final : public CoreSink {
  public:
-  BreakAfterCommitSink(SubscriberCore* core, uint64_t break_at) : inner_(core), at_(break_at) {}
+  BreakAfterCommitSink(SubscriberCore* core, uint64_t break_at) : CoreSink(core), at_(break_at) {}
   ~BreakAfterCommitSink() override { JoinStopper(); }
   Upstream* upstream = nullptr;
   // Waits until the Stop it started returned (the Upstream's thread is joined).
@@ -387,7 +387,7 @@ class BreakAfterCommitSink final : public TransferSink {
   }
 
   v1::Ack OnEnd(const v1::VersionEnd& end) override {
-    v1::Ack ack = inner_.OnEnd(end);
+    v1::Ack ack = CoreSink::OnEnd(end);
     if (end.version() == at_) {
       stopper_ = std::thread([this] { upstream->Stop(); });
       absl::MutexLock lock(&mu_);
@@ -399,24 +399,8 @@ class BreakAfterCommitSink final : public TransferSink {
     absl::MutexLock lock(&mu_);
     interrupted_ = true;
   }
-  absl::Status CheckWelcome(const v1::Welcome& w) override { return inner_.CheckWelcome(w); }
-  void SetMaxFrameBytes(uint32_t b) override { inner_.SetMaxFrameBytes(b); }
-  void SetDigestFormat(sync::DigestFormat f) override { inner_.SetDigestFormat(f); }
-  absl::Status OnHeader(const v1::VersionHeader& h) override { return inner_.OnHeader(h); }
-  absl::Status OnFrame(v1::DataFrame& f) override { return inner_.OnFrame(f); }
-  void Abort() override { inner_.Abort(); }
-  uint64_t applied_version() const override { return inner_.applied_version(); }
-  uint64_t applied_digest() const override { return inner_.applied_digest(); }
-  uint64_t applied_lineage() const override { return inner_.applied_lineage(); }
-  std::vector<v1::TensorDigest> applied_tensor_digests() const override {
-    return inner_.applied_tensor_digests();
-  }
-  uint64_t generation() const override { return inner_.generation(); }
-  bool ExpectRepair(uint64_t v) override { return inner_.ExpectRepair(v); }
-  uint64_t pending_repair() const override { return inner_.pending_repair(); }
 
  private:
-  CoreSink inner_;
   const uint64_t at_;
   std::thread stopper_;
   absl::Mutex mu_;

@@ -302,6 +302,12 @@ absl::Status E2ETest::ExpectExportEquals(const DaemonProcess& d, const Model& ex
   return absl::OkStatus();
 }
 
+absl::Status E2ETest::ExpectHolds(const DaemonProcess& d, const Model& m, uint64_t v) {
+  if (absl::Status st = WaitVersion(d, v); !st.ok()) return st;
+  if (absl::Status st = ExpectExportEquals(d, m); !st.ok()) return st;
+  return ExpectVerified(d);
+}
+
 absl::Status E2ETest::ExpectVerified(const DaemonProcess& d) {
   CommandResult r = RunRefitctl({"--target", d.control_target(), "verify"});
   if (r.exit_code != 0) {

@@ -106,6 +106,8 @@ class E2ETest : public ::testing::Test {
                                   std::optional<uint64_t> version = std::nullopt);
   // refitctl verify exits 0 and Control Verify says ok.
   absl::Status ExpectVerified(const DaemonProcess& d);
+  // `d` reaches version v, exports exactly `m` and verifies.
+  absl::Status ExpectHolds(const DaemonProcess& d, const Model& m, uint64_t v);
 
  private:
   class Watchdog;

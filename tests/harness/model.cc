@@ -89,6 +89,11 @@ ModelTensor RandomTensor(uint64_t seed, const std::string& name, int64_t element
   return t;
 }
 
+Model BigModel(uint64_t seed) {
+  return RandomModel(seed, {{"layers.0.weight", 8 << 20}, {"layers.1.weight", 8 << 20},
+                            {"layers.2.weight", 8 << 20}, {"norm.weight", 4096}});
+}
+
 Model RandomModel(uint64_t seed, const std::vector<std::pair<std::string, int64_t>>& tensors) {
   Model m;
   uint64_t s = seed;

@@ -39,6 +39,9 @@ Model ModelFromTrajectory(const model::Trajectory& trajectory);
 // BF16 tensors of plausible weights (|x| roughly in [2^-10, 2^-4]) from a seeded generator;
 // each entry is (name, elements), shape {elements}.
 Model RandomModel(uint64_t seed, const std::vector<std::pair<std::string, int64_t>>& tensors);
+// ~48 MB of BF16 (three 8 Mi-element tensors and a small one): a transfer of it takes a while
+// on loopback, or seconds through a ThrottledRelay, so a test can interrupt it in the middle.
+Model BigModel(uint64_t seed);
 ModelTensor RandomTensor(uint64_t seed, const std::string& name, int64_t elements);
 
 // Moves about `rate` of the tensor's BF16 elements by one ULP (up or down), seeded.
