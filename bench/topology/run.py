@@ -54,6 +54,9 @@ def parse_args(argv):
     p.add_argument("--streams", type=int, default=4, help="upstream.connections of every daemon")
     p.add_argument("--modes", default="reencode,cut-through",
                    help="relay modes, run in this order in the same link window")
+    p.add_argument("--background-nice", type=int, default=None,
+                   help="every subscriber's background_nice (default: the daemon's, 10); 0 "
+                        "runs background threads at the data path's priority (comparison)")
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     a = p.parse_args(argv)
@@ -115,6 +118,8 @@ def subscriber(link, d: str, name: str, upstream, pki: dict, args, bins: dict,
                relay: bool = False, cut_through: bool = True, tensors=None) -> wan.Daemon:
     y = wan.subscriber_yaml(d, name, "", pki, args.wan, args.streams,
                             upstream_lines(upstream, tensors))
+    if args.background_nice is not None:
+        y += f"  background_nice: {args.background_nice}\n"
     if relay:
         y = relay_yaml(y, pki, cut_through)
     daemon = wan.Daemon(link, link.sub_ns, "subscriber", name, d, y, bins)

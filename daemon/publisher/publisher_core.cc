@@ -1862,9 +1862,12 @@ struct AdoptedTensor {
   sync::TensorUpdate update;
   BaselineTensor tensor;  // tensor.bytes null until AdoptBaselineBytes for a changed tensor
   std::span<const uint8_t> data;  // the version's bytes (the caller's)
-  // A changed tensor's previous baseline buffer: overwritten in place when the core holds it
-  // alone at the install (no page faults for a fresh buffer), else a copy of `data` is made.
+  // A changed tensor's previous baseline buffer: brought forward in place by the received
+  // patch when the core holds it alone at the install (ApplyAdoptedInPlace), else a copy of
+  // `data` is made. base_digest_v2: its digest v2.
   std::shared_ptr<const std::vector<uint8_t>> base;
+  uint64_t base_digest_v2 = 0;
+  std::shared_ptr<const std::vector<uint8_t>> patch;  // the received patch (update moves on)
   bool unchanged = false;
   bool need_v1 = false;
   bool need_v2 = false;
@@ -1911,6 +1914,7 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     a.tensor.bytes = in.owned;
   } else if (patch) {
     a.base = prev->bytes;
+    a.base_digest_v2 = prev->digest_v2;
   } else {
     a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
   }
@@ -1923,6 +1927,7 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     }
     a.changed = ps->changed_elements;
     a.update.patch = std::make_shared<const std::vector<uint8_t>>(object.begin(), object.end());
+    a.patch = a.update.patch;
   } else {
     a.changed = ElementsOf(tp.spec());
   }
@@ -2019,9 +2024,26 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
   }
   return out;
 }
+// A patched tensor's previous baseline buffer (held by the core alone) brought to the version's
+// bytes by its received patch, in place: only the changed words are written, and the digest v2
+// the apply computes on the way must be the version's. A patch that does not apply or disagrees
+// (it was verified on arrival, so a bug) is repaired by copying the version's bytes whole.
+// False after such a repair.
+bool ApplyAdoptedInPlace(const AdoptedTensor& a) {
+  std::span<uint8_t> buf(const_cast<uint8_t*>(a.base->data()), a.base->size());
+  absl::StatusOr<DigestV2Delta> delta =
+      ApplyPatchDigestV2(*a.patch, a.tensor.dtype, buf, buf, /*threads=*/1);
+  if (delta.ok() && delta->ApplyTo(a.base_digest_v2, buf.size()) == a.tensor.digest_v2) return true;
+  Logger("publisher")->error(
+      "adopting {}: its patch does not bring the previous bytes to the version's ({}); copied",
+      a.tensor.spec.name(), delta.ok() ? "digest v2 differs" : delta.status().ToString());
+  std::memcpy(buf.data(), a.data.data(), buf.size());
+  return false;
+}
+
 // The new baseline (name order; under the core's lock, as UpdateBaselineBytes): a changed
-// tensor's previous buffer takes the version's bytes in place when nothing but the core's
-// baseline and `adopted` holds it (a transfer in flight may still read it: then a copy).
+// tensor's previous buffer is brought forward in place when nothing but the core's baseline and
+// `adopted` holds it (a transfer in flight may still read it: then a copy of the version's bytes).
 void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
                         std::vector<BaselineTensor>* next, PublishSummary* sum) {
   const auto start = Clock::now();
@@ -2036,14 +2058,15 @@ void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // as UpdateBaselineBytes
+  std::atomic<uint64_t> repaired{0};
   ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
-      AdoptedTensor& a = *in_place[i];
-      std::memcpy(const_cast<uint8_t*>(a.base->data()), a.data.data(), a.data.size());
+      if (!ApplyAdoptedInPlace(*in_place[i])) repaired.fetch_add(1, std::memory_order_relaxed);
     }
   });
   for (AdoptedTensor* a : in_place) a->tensor.bytes = std::move(a->base);
-  sum->baseline_in_place_tensors += in_place.size();
+  sum->baseline_in_place_tensors += in_place.size() - repaired.load();
+  sum->baseline_copied_tensors += repaired.load();
   next->reserve(adopted.size());
   for (AdoptedTensor& a : adopted) next->push_back(std::move(a.tensor));
   sum->baseline_update_micros += MicrosSince(start);

@@ -235,6 +235,36 @@ TEST_F(RelayFeedTest, AChainOfPatchesIsNotRelayed) {
   EXPECT_THAT(feed.stats().last_error, HasSubstr("chain of 2 patches"));
 }
 
+// In place the previous buffer is brought forward by the received patch, and the digest v2 the
+// apply computes from the words it changes must be the version's. A patch that misses (here: the
+// peer core's copy of version 1 has a flipped bit in a word the patch changes) is found and the
+// tensor replaced by a copy of the version's bytes. (A flip in a word no patch touches stays, as
+// in the publisher's own baseline, which its one pass also updates in place.)
+TEST_F(RelayFeedTest, AnInPlaceAdoptionThatMissesTheVersionsBytesCopiesThem) {
+  RelayFeed feed(peer_.get(), 1 << 20);
+  Feed(feed, DigestFormat::kV2);
+  auto live = feed.Completed(2);
+  ASSERT_NE(live, nullptr);
+  const std::vector<uint8_t>& before = v1_["a.weight"].bytes;
+  const std::vector<uint8_t>& after = v2_["a.weight"].bytes;
+  const size_t changed =
+      std::mismatch(before.begin(), before.end(), after.begin()).first - before.begin();
+  ASSERT_LT(changed, before.size());
+  uint8_t* flipped = nullptr;
+  for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+    if (bt.spec.name() == "a.weight") flipped = const_cast<uint8_t*>(bt.bytes->data()) + changed;
+  }
+  ASSERT_NE(flipped, nullptr);  // the Baseline() copies are gone: the core holds it alone
+  *flipped ^= 0x01;
+  auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->baseline_in_place_tensors, 1u);  // c.norm
+  EXPECT_EQ(adopted->baseline_copied_tensors, 1u);    // a.weight
+  for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+    EXPECT_EQ(*bt.bytes, v2_[bt.spec.name()].bytes) << bt.spec.name();
+  }
+}
+
 TEST_F(RelayFeedTest, AdoptRefusesBytesThatAreNotTheVersions) {
   RelayFeed feed(peer_.get(), 1 << 20);
   Feed(feed, DigestFormat::kV1);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/thread_priority.h"
 
 namespace refit::subscriber {
 
@@ -139,6 +140,9 @@ absl::Time Scrubber::Step() {
 }
 
 void Scrubber::Run() {
+  if (absl::Status st = LowerThisThreadPriority(options_.background_nice); !st.ok()) {
+    Logger("scrub")->warn("scrubbing thread keeps its priority: {}", st.ToString());
+  }
   while (true) {
     const absl::Time due = Step();
     absl::MutexLock lock(&mu_);

@@ -73,6 +73,8 @@ struct ScrubberOptions {
   std::string consumer = "refitd-subscriber/scrub";
   // Called on the scrubbing thread for each mismatch, outside every lock.
   std::function<void(const ScrubMismatch&)> on_mismatch;
+  // Nice increment of the scrubbing thread (common/thread_priority.h). 0: unchanged.
+  int background_nice = 0;
 };
 
 struct ScrubStats {

@@ -9,7 +9,9 @@
 #include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/thread_priority.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -146,6 +148,9 @@ bool SubscriberCore::RefreshNotRunningLocked() const { return !refresh_running_;
 // The refresh thread: after each commit, claims the slot the next staging will take and brings
 // it forward to the committed version by the retained patches, outside the core mutex.
 void SubscriberCore::RefreshLoop() {
+  if (absl::Status st = LowerThisThreadPriority(options_.background_nice); !st.ok()) {
+    Logger("subscriber")->warn("standby refresh thread keeps its priority: {}", st.ToString());
+  }
   while (true) {
     RefreshJob job;
     {

@@ -85,6 +85,9 @@ struct SubscriberOptions {
   // How long OnHeader waits for a running refresh before cancelling it (the slot is then
   // unknown: that staging copies in full).
   absl::Duration refresh_wait = absl::Seconds(10);
+  // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
+  // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
+  int background_nice = 0;
   // Testing only. Called by the refresh thread before each tensor (layout index), outside the
   // core mutex; `cancel` is set when OnHeader or the destructor cancels the refresh.
   std::function<void(size_t layout_index, const std::atomic<bool>& cancel)> refresh_tensor_hook;

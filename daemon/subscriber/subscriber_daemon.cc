@@ -27,6 +27,7 @@
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/thread_priority.h"
 #include "daemon/config/address.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
@@ -71,6 +72,7 @@ uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
 void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
   o.refresh_standby = c.refresh_standby();
   o.refresh_wait = absl::Milliseconds(c.refresh_wait_ms());
+  o.background_nice = static_cast<int>(c.background_nice());
 }
 
 // store.scrub_bytes_per_second, store.scrub_interval_ms.
@@ -452,6 +454,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
 
 std::unique_ptr<Scrubber> SubscriberDaemonImpl::MakeScrubber(const v1::StoreConfig& store) {
   ScrubberOptions o = ScrubberOptionsOf(store);
+  o.background_nice = static_cast<int>(config_.background_nice());
   o.consumer = absl::StrCat(kSelfConsumer, "/scrub");
   o.on_mismatch = [this](const ScrubMismatch& m) {
     // False: a newer version came (or shards: repairs are not joined; the tensor's next patch
@@ -492,6 +495,11 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
 }
 
 void SubscriberDaemonImpl::PeerPublishLoop() {
+  // Installs for peers are adopted after the refit they follow; the threads they start inherit.
+  if (absl::Status st = LowerThisThreadPriority(static_cast<int>(config_.background_nice()));
+      !st.ok()) {
+    log_->warn("serving peers: the install thread keeps its priority: {}", st.ToString());
+  }
   uint64_t done = 0;
   while (true) {
     {

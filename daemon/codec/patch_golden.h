@@ -1,0 +1,37 @@
+// Golden vectors of patch wire format v1 (testdata/patch_v1_golden.txt): base and target tensors
+// with the patch between them and their digests, covering every dtype and block mode. The file
+// freezes format v1: patch_golden_test.cc decodes and re-encodes every case byte for byte, so a
+// change of the encoder, the decoder or a digest that alters v1 fails. make_patch_golden writes
+// the file from the cases below; once checked in a case never changes (new cases are added).
+#ifndef REFIT_DAEMON_CODEC_PATCH_GOLDEN_H_
+#define REFIT_DAEMON_CODEC_PATCH_GOLDEN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/codec/dtype.h"
+
+namespace refit {
+
+struct GoldenPatchCase {
+  std::string name;
+  DType dtype = DType::kBF16;
+  int block_log2 = 8;
+  std::string modes;  // per block: U (UNCHANGED), S (SPARSE), D (DENSE)
+  std::vector<uint8_t> base, target, patch;
+  uint64_t base_digest = 0, base_digest_v2 = 0;      // TensorDigest, TensorDigestV2
+  uint64_t target_digest = 0, target_digest_v2 = 0;
+};
+
+// The cases make_patch_golden writes: inputs (name, dtype, block_log2, base, target) only.
+std::vector<GoldenPatchCase> GoldenPatchInputs();
+
+// The file's text for `cases` (all fields filled), and its parse. A parse error names the line.
+std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases);
+absl::StatusOr<std::vector<GoldenPatchCase>> ParseGoldenPatches(const std::string& text);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_CODEC_PATCH_GOLDEN_H_

@@ -1,0 +1,118 @@
+// Patch wire format v1 is frozen by testdata/patch_v1_golden.txt (patch_golden.h): every case is
+// decoded onto its base to its target, and encoded again to the same bytes, with the same block
+// modes and digests. A change that alters format v1 in any way fails here.
+#include "daemon/codec/patch_golden.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/hash.h"
+#include "gtest/gtest.h"
+
+namespace refit {
+namespace {
+
+std::vector<GoldenPatchCase> LoadGolden() {
+  const std::string path = std::string(REFIT_CODEC_TESTDATA) + "/patch_v1_golden.txt";
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto cases = ParseGoldenPatches(ss.str());
+  EXPECT_TRUE(cases.ok()) << cases.status();
+  return cases.ok() ? *cases : std::vector<GoldenPatchCase>{};
+}
+
+std::string ModesOf(const PatchLayout& layout) {
+  std::string out;
+  for (const BlockDesc& b : layout.blocks) {
+    out.push_back(b.mode == format::kUnchanged ? 'U' : b.mode == format::kSparse ? 'S' : 'D');
+  }
+  return out;
+}
+
+TEST(PatchGolden, EveryCaseDecodesAndEncodesByteForByte) {
+  const std::vector<GoldenPatchCase> cases = LoadGolden();
+  ASSERT_FALSE(cases.empty());
+  for (const GoldenPatchCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto layout = ParsePatchFor(c.patch, c.dtype, c.base.size());
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(layout->block_log2, c.block_log2);
+    EXPECT_EQ(ModesOf(*layout), c.modes);
+    for (int threads : {1, 3}) {
+      std::vector<uint8_t> out(c.base.size());
+      ASSERT_TRUE(ApplyPatch(c.patch, c.dtype, c.base, out, threads).ok());
+      EXPECT_EQ(out, c.target) << "decoded with " << threads << " threads";
+      EncodeOptions opts;
+      opts.block_log2 = c.block_log2;
+      opts.threads = threads;
+      auto again = EncodePatch(c.dtype, c.base, c.target, opts);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_EQ(*again, c.patch) << "encoded with " << threads << " threads";
+    }
+    std::vector<uint8_t> in_place = c.base;
+    auto delta = ApplyPatchDigestV2(c.patch, c.dtype, in_place, in_place, 1);
+    ASSERT_TRUE(delta.ok()) << delta.status();
+    EXPECT_EQ(in_place, c.target);
+    EXPECT_EQ(delta->ApplyTo(c.base_digest_v2, c.base.size()), c.target_digest_v2);
+    EXPECT_EQ(TensorDigest(c.base, 1), c.base_digest);
+    EXPECT_EQ(TensorDigestV2(c.base, 1), c.base_digest_v2);
+    EXPECT_EQ(TensorDigest(c.target, 1), c.target_digest);
+    EXPECT_EQ(TensorDigestV2(c.target, 1), c.target_digest_v2);
+  }
+}
+
+// What the vectors must cover: every dtype, every block mode (sparse with both value codings),
+// the default block size, a tensor with nothing changed.
+TEST(PatchGolden, TheCasesCoverEveryDtypeAndBlockMode) {
+  const std::vector<GoldenPatchCase> cases = LoadGolden();
+  std::set<int> dtypes;
+  std::set<char> modes;
+  bool default_block = false, all_unchanged = false, raw_sparse = false;
+  for (const GoldenPatchCase& c : cases) {
+    dtypes.insert(static_cast<int>(c.dtype));
+    modes.insert(c.modes.begin(), c.modes.end());
+    default_block |= c.block_log2 == format::kDefaultBlockLog2;
+    all_unchanged |= !c.modes.empty() && c.modes.find_first_not_of('U') == std::string::npos;
+    raw_sparse |= c.dtype == DType::kBool && c.modes.find('S') != std::string::npos;
+  }
+  for (uint8_t code = 1; IsValidDType(code); ++code) EXPECT_TRUE(dtypes.count(code)) << int(code);
+  EXPECT_EQ(modes, (std::set<char>{'U', 'S', 'D'}));
+  EXPECT_TRUE(default_block);
+  EXPECT_TRUE(all_unchanged);
+  EXPECT_TRUE(raw_sparse);
+}
+
+// The checked-in file is what make_patch_golden writes from the cases in patch_golden.cc: a
+// change of a case's inputs (or of the encoder) shows here as well as above.
+TEST(PatchGolden, TheFileIsTheCasesInputs) {
+  const std::vector<GoldenPatchCase> cases = LoadGolden();
+  const std::vector<GoldenPatchCase> inputs = GoldenPatchInputs();
+  ASSERT_EQ(cases.size(), inputs.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(cases[i].name, inputs[i].name);
+    EXPECT_EQ(cases[i].dtype, inputs[i].dtype) << cases[i].name;
+    EXPECT_EQ(cases[i].block_log2, inputs[i].block_log2) << cases[i].name;
+    EXPECT_EQ(cases[i].base, inputs[i].base) << cases[i].name;
+    EXPECT_EQ(cases[i].target, inputs[i].target) << cases[i].name;
+  }
+}
+
+TEST(PatchGolden, AMalformedFileIsRefusedWithItsLine) {
+  auto bad = ParseGoldenPatches("# c\ncase x\ndtype 99 block_log2 8 elements 1\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status();
+  auto short_hex = ParseGoldenPatches(
+      "case x\ndtype 1 block_log2 8 elements 1\nmodes S\ndigests 0 0 0 0\nbase 2\nzz\n");
+  ASSERT_FALSE(short_hex.ok());
+  EXPECT_NE(short_hex.status().message().find("not hex"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace refit
