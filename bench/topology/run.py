@@ -437,7 +437,7 @@ def main(argv) -> int:
             wan.log(f"{args.model} on {args.link}: relays {mode}")
             result["runs"].append(run_mode(link, mode, traj, bins, pki, args, workdir))
     result["machine"]["loadavg_after"] = wan.load_average()
-    stem = "topology-" + result["date"].replace(":", "").replace("-", "")[:13]
+    stem = "topology-" + result["date"].replace(":", "").replace("-", "")[:15]
     with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:

@@ -561,6 +561,9 @@ TEST(PublisherCoreTest, RestartWithPersistedBaselineServesDeltas) {
       auto sum = (*core)->Publish(v, Inputs(model));
       ASSERT_TRUE(sum.ok()) << sum.status();
       EXPECT_TRUE(sum->persist_status.ok()) << sum->persist_status;
+      // Version 1 becomes the baseline and version 2 a patch log record: persisted before the
+      // next publish (else the persister's first compaction may already write version 2).
+      ASSERT_TRUE((*core)->WaitPersisted(v, absl::Now() + absl::Seconds(60)).ok());
       auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
       ASSERT_TRUE(t.ok());
       ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
