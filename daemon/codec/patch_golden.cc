@@ -7,7 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
 
 namespace refit {
 namespace {
@@ -184,6 +186,31 @@ std::vector<GoldenPatchCase> GoldenPatchInputs() {
   return out;
 }
 
+std::string BlockModes(const PatchLayout& layout) {
+  std::string out;
+  for (const BlockDesc& b : layout.blocks) {
+    out.push_back(b.mode == format::kUnchanged ? 'U' : b.mode == format::kSparse ? 'S' : 'D');
+  }
+  return out;
+}
+
+absl::Status CompleteGoldenCase(GoldenPatchCase& c) {
+  EncodeOptions opts;
+  opts.block_log2 = c.block_log2;
+  opts.threads = 1;
+  absl::StatusOr<std::vector<uint8_t>> patch = EncodePatch(c.dtype, c.base, c.target, opts);
+  if (!patch.ok()) return patch.status();
+  c.patch = *std::move(patch);
+  absl::StatusOr<PatchLayout> layout = ParsePatch(c.patch);
+  if (!layout.ok()) return layout.status();
+  c.modes = BlockModes(*layout);
+  c.base_digest = TensorDigest(c.base, 1);
+  c.base_digest_v2 = TensorDigestV2(c.base, 1);
+  c.target_digest = TensorDigest(c.target, 1);
+  c.target_digest_v2 = TensorDigestV2(c.target, 1);
+  return absl::OkStatus();
+}
+
 namespace {
 
 constexpr size_t kHexPerLine = 128;
@@ -203,11 +230,6 @@ void AppendHex(std::string& out, absl::string_view key, const std::vector<uint8_
   if (!line.empty()) absl::StrAppend(&out, line, "\n");
 }
 
-std::string Hex64(uint64_t x) {
-  std::string s = absl::StrCat(absl::Hex(x, absl::kZeroPad16));
-  return s;
-}
-
 }  // namespace
 
 std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases) {
@@ -223,8 +245,11 @@ std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases) {
     absl::StrAppend(&out, "dtype ", static_cast<int>(c.dtype), " block_log2 ", c.block_log2,
                     " elements ", c.base.size() / static_cast<size_t>(w), "\n");
     absl::StrAppend(&out, "modes ", c.modes.empty() ? "-" : c.modes, "\n");
-    absl::StrAppend(&out, "digests ", Hex64(c.base_digest), " ", Hex64(c.base_digest_v2), " ",
-                    Hex64(c.target_digest), " ", Hex64(c.target_digest_v2), "\n");
+    out += "digests";
+    for (uint64_t d : {c.base_digest, c.base_digest_v2, c.target_digest, c.target_digest_v2}) {
+      absl::StrAppend(&out, " ", absl::Hex(d, absl::kZeroPad16));
+    }
+    absl::StrAppend(&out, "\n");
     AppendHex(out, "base", c.base);
     AppendHex(out, "target", c.target);
     AppendHex(out, "patch", c.patch);

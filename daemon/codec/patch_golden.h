@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/codec/codec.h"
 #include "daemon/codec/dtype.h"
 
 namespace refit {
@@ -27,6 +28,12 @@ struct GoldenPatchCase {
 
 // The cases make_patch_golden writes: inputs (name, dtype, block_log2, base, target) only.
 std::vector<GoldenPatchCase> GoldenPatchInputs();
+
+// Fills an input case's patch (EncodePatch, one thread), block modes and digests.
+absl::Status CompleteGoldenCase(GoldenPatchCase& c);
+
+// The block modes of `layout` as GoldenPatchCase::modes spells them.
+std::string BlockModes(const PatchLayout& layout);
 
 // The file's text for `cases` (all fields filled), and its parse. A parse error names the line.
 std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases);

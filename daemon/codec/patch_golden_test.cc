@@ -28,14 +28,6 @@ std::vector<GoldenPatchCase> LoadGolden() {
   return cases.ok() ? *cases : std::vector<GoldenPatchCase>{};
 }
 
-std::string ModesOf(const PatchLayout& layout) {
-  std::string out;
-  for (const BlockDesc& b : layout.blocks) {
-    out.push_back(b.mode == format::kUnchanged ? 'U' : b.mode == format::kSparse ? 'S' : 'D');
-  }
-  return out;
-}
-
 TEST(PatchGolden, EveryCaseDecodesAndEncodesByteForByte) {
   const std::vector<GoldenPatchCase> cases = LoadGolden();
   ASSERT_FALSE(cases.empty());
@@ -44,7 +36,7 @@ TEST(PatchGolden, EveryCaseDecodesAndEncodesByteForByte) {
     auto layout = ParsePatchFor(c.patch, c.dtype, c.base.size());
     ASSERT_TRUE(layout.ok()) << layout.status();
     EXPECT_EQ(layout->block_log2, c.block_log2);
-    EXPECT_EQ(ModesOf(*layout), c.modes);
+    EXPECT_EQ(BlockModes(*layout), c.modes);
     for (int threads : {1, 3}) {
       std::vector<uint8_t> out(c.base.size());
       ASSERT_TRUE(ApplyPatch(c.patch, c.dtype, c.base, out, threads).ok());

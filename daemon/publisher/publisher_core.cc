@@ -1867,7 +1867,6 @@ struct AdoptedTensor {
   // `data` is made. base_digest_v2: its digest v2.
   std::shared_ptr<const std::vector<uint8_t>> base;
   uint64_t base_digest_v2 = 0;
-  std::shared_ptr<const std::vector<uint8_t>> patch;  // the received patch (update moves on)
   bool unchanged = false;
   bool need_v1 = false;
   bool need_v2 = false;
@@ -1927,7 +1926,6 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     }
     a.changed = ps->changed_elements;
     a.update.patch = std::make_shared<const std::vector<uint8_t>>(object.begin(), object.end());
-    a.patch = a.update.patch;
   } else {
     a.changed = ElementsOf(tp.spec());
   }
@@ -2032,7 +2030,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
 bool ApplyAdoptedInPlace(const AdoptedTensor& a) {
   std::span<uint8_t> buf(const_cast<uint8_t*>(a.base->data()), a.base->size());
   absl::StatusOr<DigestV2Delta> delta =
-      ApplyPatchDigestV2(*a.patch, a.tensor.dtype, buf, buf, /*threads=*/1);
+      ApplyPatchDigestV2(*a.update.patch, a.tensor.dtype, buf, buf, /*threads=*/1);
   if (delta.ok() && delta->ApplyTo(a.base_digest_v2, buf.size()) == a.tensor.digest_v2) return true;
   Logger("publisher")->error(
       "adopting {}: its patch does not bring the previous bytes to the version's ({}); copied",
@@ -2161,7 +2159,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   counts.version = h.version();
   for (AdoptedTensor& a : adopted) {
     counts.changed.emplace_back(a.tensor.spec.name(), a.changed);
-    updates.push_back(std::move(a.update));
+    updates.push_back(a.update);  // a copy: the install applies a.update.patch in place
   }
   std::sort(adopted.begin(), adopted.end(), [](const AdoptedTensor& a, const AdoptedTensor& b) {
     return a.tensor.spec.name() < b.tensor.spec.name();
