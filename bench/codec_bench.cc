@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -455,6 +456,7 @@ struct Result {
   std::string preset;
   int steps = 0;
   std::vector<double> step_rate, step_d1, step_d2, step_d3, step_dgt3;
+  std::shared_ptr<ContextHistogram> ctx = std::make_shared<ContextHistogram>();
 
   double change_rate() const {
     return tot.elements ? static_cast<double>(tot.changed) / static_cast<double>(tot.elements) : 0;
@@ -521,6 +523,15 @@ void PrintJson(const Result& r) {
   u64("dense_bytes", r.tot.dense_bytes);
   num("position_bound_bits", b.position_bits);
   num("value_entropy_bits", b.value_bits);
+  const ContextBound cb = ComputeContextBound(*r.ctx);
+  num("context_bound_bits_per_change", cb.full_bits());
+  num("context_position_bits", cb.position_full);
+  num("context_value_bits", cb.value_full);
+  num("context_exp_bound_bits_per_change", cb.exp_bits());
+  num("context_exp_position_bits", cb.position_exp);
+  num("context_exp_value_bits", cb.value_exp);
+  num("context_bound_vs_bound", SafeDiv(cb.full_bits(), b.bits_per_change()));
+  num("ratio_to_context_bound", SafeDiv(bpc, cb.full_bits()));
   // Extras.
   u64("changed", r.tot.changed);
   u64("ref_bytes", r.tot.ref_bytes);
@@ -568,10 +579,17 @@ void PrintHumanDetail(const Result& r) {
               100 * r.share(2), 100 * r.share(3), 100 * r.share(4));
   std::printf("   bound %.3f bits/change = positions H(p)/p %.3f + values %.3f\n",
               b.bits_per_change(), b.position_bits, b.value_bits);
-  std::printf("   refitd patch %" PRIu64 " B (%.3f bits/change, %.4fx bound; blocks %" PRIu64
+  const ContextBound cb = ComputeContextBound(*r.ctx);
+  std::printf("   context bound %.3f bits/change (%.3fx bound) = positions %.3f + values %.3f, "
+              "given the base exponent and the previous change sign\n"
+              "   (exponent only: %.3f = %.3f + %.3f)\n",
+              cb.full_bits(), SafeDiv(cb.full_bits(), b.bits_per_change()), cb.position_full,
+              cb.value_full, cb.exp_bits(), cb.position_exp, cb.value_exp);
+  std::printf("   refitd patch %" PRIu64 " B (%.3f bits/change, %.4fx bound, %.4fx context bound; blocks %" PRIu64
               " sparse, %" PRIu64 " dense, %" PRIu64 " unchanged)\n",
               r.tot.patch_bytes, r.bits_per_change(),
-              SafeDiv(r.bits_per_change(), b.bits_per_change()), r.tot.blocks_sparse,
+              SafeDiv(r.bits_per_change(), b.bits_per_change()),
+              SafeDiv(r.bits_per_change(), cb.full_bits()), r.tot.blocks_sparse,
               r.tot.blocks_dense, r.tot.blocks_unchanged);
   std::printf("   DCR reference %" PRIu64 " B (%.3f bits/change, %.3fx refitd); dense %" PRIu64
               " B\n",
@@ -625,6 +643,7 @@ Result RunUniform(const Options& o, int threads, size_t which) {
   Progress(o, absl::StrCat(r.dataset, ": generating ", o.elements, " elements"));
   MakeUniform(o.elements, kUniformRates[which], o.seed + which, threads, &base, &target);
   std::vector<TensorPair> pairs = {{base, target, r.dataset}};
+  r.ctx->AddBF16(base, target, {}, threads);
   MeasureUnit(r.dataset, pairs, threads, o.reps, &r.tot);
   return r;
 }
@@ -650,12 +669,16 @@ Result RunRealistic(const Options& o, int threads) {
   if (!traj.ok()) Fail(absl::StrCat("realistic: Trajectory::Create: ", traj.status().ToString()));
   model::Trajectory& tr = **traj;
   const size_t nt = tr.tensors().size();
-  std::vector<Bytes> before(nt);
+  std::vector<Bytes> before(nt), prev(nt);
   for (int step = 0; step < o.steps; ++step) {
-    for (size_t i = 0; i < nt; ++i) before[i].assign(tr.bf16(i).begin(), tr.bf16(i).end());
+    for (size_t i = 0; i < nt; ++i) {
+      if (step > 0) prev[i].swap(before[i]);
+      before[i].assign(tr.bf16(i).begin(), tr.bf16(i).end());
+    }
     tr.Step();
     std::vector<TensorPair> pairs;
     for (size_t i = 0; i < nt; ++i) pairs.push_back({before[i], tr.bf16(i), tr.tensors()[i].name});
+    for (size_t i = 0; i < nt; ++i) r.ctx->AddBF16(before[i], tr.bf16(i), prev[i], threads);
     Progress(o, absl::StrCat("realistic: step ", step + 1, " of ", o.steps));
     const UnitReport u = MeasureUnit(absl::StrCat("realistic step ", step + 1), pairs, threads,
                                      o.reps, &r.tot);
@@ -704,6 +727,7 @@ Result RunSafetensors(const Options& o, int threads) {
                  o.safetensors_b.c_str());
     std::exit(2);
   }
+  for (const TensorPair& tp : pairs) r.ctx->AddBF16(tp.base, tp.target, {}, threads);
   MeasureUnit(r.dataset, pairs, threads, o.reps, &r.tot);
   return r;
 }

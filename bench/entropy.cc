@@ -138,3 +138,116 @@ EntropyBound ComputeBound(uint64_t changed, uint64_t elements, const DiffHistogr
 }
 
 }  // namespace refit::bench
+
+namespace refit::bench {
+
+ContextHistogram::ContextHistogram() : ctx_(kExponents * kPrevSigns) {}
+
+namespace {
+
+int PrevSign(const uint8_t* prev, const uint8_t* base, size_t k) {
+  if (prev == nullptr) return 0;
+  uint16_t x, y;
+  std::memcpy(&x, prev + 2 * k, 2);
+  std::memcpy(&y, base + 2 * k, 2);
+  const int64_t d = OrderedDiff(x, y, 16);
+  return d < 0 ? 1 : (d == 0 ? 2 : 3);
+}
+
+}  // namespace
+
+void ContextHistogram::AddBF16(std::span<const uint8_t> base, std::span<const uint8_t> target,
+                               std::span<const uint8_t> prev_base, int threads) {
+  const size_t n = std::min(base.size(), target.size()) / 2;
+  const uint8_t* prev = prev_base.size() >= 2 * n ? prev_base.data() : nullptr;
+  std::mutex mu;
+  const size_t parts = static_cast<size_t>(std::max(threads, 1)) * 2;
+  ParallelFor(n, threads, std::max<size_t>(1 << 16, n / parts + 1), [&](size_t lo, size_t hi) {
+    ContextHistogram local;
+    for (size_t k = lo; k < hi; ++k) {
+      uint16_t x, y;
+      std::memcpy(&x, base.data() + 2 * k, 2);
+      std::memcpy(&y, target.data() + 2 * k, 2);
+      Ctx& c = local.ctx_[((x >> 7) & 0xFF) * kPrevSigns + PrevSign(prev, base.data(), k)];
+      ++c.elements;
+      if (x != y) c.diffs.Add(OrderedDiff(x, y, 16));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    Merge(local);
+  });
+}
+
+void ContextHistogram::Merge(const ContextHistogram& other) {
+  for (size_t i = 0; i < ctx_.size(); ++i) {
+    if (other.ctx_[i].elements == 0) continue;
+    ctx_[i].elements += other.ctx_[i].elements;
+    ctx_[i].diffs.Merge(other.ctx_[i].diffs);
+  }
+}
+
+uint64_t ContextHistogram::elements() const {
+  uint64_t n = 0;
+  for (const Ctx& c : ctx_) n += c.elements;
+  return n;
+}
+
+uint64_t ContextHistogram::changed() const {
+  uint64_t n = 0;
+  for (const Ctx& c : ctx_) n += c.diffs.total();
+  return n;
+}
+
+double ContextHistogram::PositionBits(bool with_prev) const {
+  double bits = 0;
+  for (int e = 0; e < kExponents; ++e) {
+    uint64_t n = 0, m = 0;
+    for (int s = 0; s < kPrevSigns; ++s) {
+      const Ctx& c = ctx_[e * kPrevSigns + s];
+      if (with_prev) {
+        if (c.elements > 0) {
+          bits += static_cast<double>(c.elements) *
+                  BinaryEntropyBits(static_cast<double>(c.diffs.total()) /
+                                    static_cast<double>(c.elements));
+        }
+      } else {
+        n += c.elements;
+        m += c.diffs.total();
+      }
+    }
+    if (!with_prev && n > 0) {
+      bits += static_cast<double>(n) *
+              BinaryEntropyBits(static_cast<double>(m) / static_cast<double>(n));
+    }
+  }
+  const uint64_t ch = changed();
+  return ch == 0 ? 0 : bits / static_cast<double>(ch);
+}
+
+double ContextHistogram::ValueBits(bool with_prev) const {
+  double bits = 0;
+  for (int e = 0; e < kExponents; ++e) {
+    if (with_prev) {
+      for (int s = 0; s < kPrevSigns; ++s) {
+        const DiffHistogram& h = ctx_[e * kPrevSigns + s].diffs;
+        bits += static_cast<double>(h.total()) * h.EntropyBits();
+      }
+    } else {
+      DiffHistogram h;
+      for (int s = 0; s < kPrevSigns; ++s) h.Merge(ctx_[e * kPrevSigns + s].diffs);
+      bits += static_cast<double>(h.total()) * h.EntropyBits();
+    }
+  }
+  const uint64_t ch = changed();
+  return ch == 0 ? 0 : bits / static_cast<double>(ch);
+}
+
+ContextBound ComputeContextBound(const ContextHistogram& h) {
+  ContextBound b;
+  b.position_exp = h.PositionBits(false);
+  b.value_exp = h.ValueBits(false);
+  b.position_full = h.PositionBits(true);
+  b.value_full = h.ValueBits(true);
+  return b;
+}
+
+}  // namespace refit::bench

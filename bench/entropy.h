@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <span>
 #include <unordered_map>
+#include <vector>
 
 namespace refit::bench {
 
@@ -62,6 +63,46 @@ struct EntropyBound {
 };
 
 EntropyBound ComputeBound(uint64_t changed, uint64_t elements, const DiffHistogram& hist);
+
+
+// ---- context bound (issue 12): the same model, but conditioned on what the receiver holds ----
+// Each element's context is (the exponent field of its base value, the sign of its change in the
+// previous version's patch: none known / down / unchanged / up). Positions cost the sum over
+// contexts of n_c H(p_c) (elements of context c change independently at their context's rate),
+// values the conditional entropy H(d | context) over the changed elements.
+class ContextHistogram {
+ public:
+  static constexpr int kExponents = 256;
+  static constexpr int kPrevSigns = 4;  // 0 = not known, 1 = down, 2 = unchanged, 3 = up
+
+  ContextHistogram();
+  // Adds a BF16 tensor pair; `prev_base` (the version before `base`, same size) gives each
+  // element's previous change sign, or is empty (sign not known).
+  void AddBF16(std::span<const uint8_t> base, std::span<const uint8_t> target,
+               std::span<const uint8_t> prev_base, int threads = 0);
+  void Merge(const ContextHistogram& other);
+
+  uint64_t elements() const;
+  uint64_t changed() const;
+  // Bits per changed element; `with_prev` conditions on the previous change sign as well.
+  double PositionBits(bool with_prev) const;
+  double ValueBits(bool with_prev) const;
+
+ private:
+  struct Ctx {
+    uint64_t elements = 0;
+    DiffHistogram diffs;  // changed elements only
+  };
+  std::vector<Ctx> ctx_;  // kExponents * kPrevSigns, index exponent * kPrevSigns + prev
+};
+
+struct ContextBound {
+  double position_exp = 0, value_exp = 0;    // conditioned on the base exponent
+  double position_full = 0, value_full = 0;  // ... and on the previous change sign
+  double exp_bits() const { return position_exp + value_exp; }
+  double full_bits() const { return position_full + value_full; }
+};
+ContextBound ComputeContextBound(const ContextHistogram& h);
 
 }  // namespace refit::bench
 

@@ -135,5 +135,57 @@ TEST(EntropyTest, ComputeBound) {
   EXPECT_EQ(ComputeBound(0, 0, DiffHistogram()).bits_per_change(), 0);
 }
 
+
+// Two exponent classes of 1000 elements: in the first (exponent 120) every other element moves
+// up one ULP, the second (exponent 100) never changes. Given the exponent, a position costs
+// 1000 * H(1/2) / 500 = 2 bits; unconditioned, H(1/4) / (1/4). With the previous version known
+// (elements of the first class that moved down before now move up, the others do not move
+// before) the values carry no information; without it they still carry none (all +1).
+TEST(EntropyTest, ContextBoundConditionsOnTheExponentAndThePreviousSign) {
+  const size_t n = 2000;
+  std::vector<uint16_t> prev(n), base(n), target(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t exponent = i < 1000 ? 120 : 100;
+    base[i] = static_cast<uint16_t>(exponent << 7 | (i % 64));
+    const bool moves = i < 1000 && i % 2 == 0;
+    target[i] = moves ? static_cast<uint16_t>(format::OrderedInverse(
+                            format::OrderedImage(base[i], 16) + 1, 16))
+                      : base[i];
+    prev[i] = moves ? static_cast<uint16_t>(format::OrderedInverse(
+                          format::OrderedImage(base[i], 16) + 1, 16))
+                    : base[i];
+  }
+  auto bytes = [](const std::vector<uint16_t>& v) {
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 2);
+  };
+  for (int threads : {1, 3}) {
+    ContextHistogram h;
+    h.AddBF16(bytes(base), bytes(target), bytes(prev), threads);
+    EXPECT_EQ(h.elements(), n);
+    EXPECT_EQ(h.changed(), 500u);
+    const ContextBound b = ComputeContextBound(h);
+    EXPECT_NEAR(b.position_exp, 2.0, 1e-9);
+    // The previous sign tells exactly which elements move: positions cost nothing.
+    EXPECT_NEAR(b.position_full, 0.0, 1e-9);
+    EXPECT_NEAR(b.value_exp, 0.0, 1e-9);
+    EXPECT_NEAR(b.value_full, 0.0, 1e-9);
+    EXPECT_NEAR(b.exp_bits(), 2.0, 1e-9);
+  }
+  // Without the previous version, conditioning on the (unknown) sign changes nothing.
+  ContextHistogram h;
+  h.AddBF16(bytes(base), bytes(target), {}, 2);
+  const ContextBound b = ComputeContextBound(h);
+  EXPECT_NEAR(b.position_full, b.position_exp, 1e-12);
+  EXPECT_NEAR(b.full_bits(), 2.0, 1e-9);
+  // Mixed signs inside one context cost a bit each.
+  std::vector<uint16_t> t2 = target;
+  for (size_t i = 0; i < 1000; i += 4) {
+    t2[i] = static_cast<uint16_t>(format::OrderedInverse(format::OrderedImage(base[i], 16) - 1, 16));
+  }
+  ContextHistogram h2;
+  h2.AddBF16(bytes(base), bytes(t2), {}, 1);
+  EXPECT_NEAR(ComputeContextBound(h2).value_exp, 1.0, 1e-9);
+}
+
 }  // namespace
 }  // namespace refit::bench
