@@ -1,0 +1,67 @@
+// Context coding of one block's changes (patch format v2's CONTEXT blocks, in progress: the
+// patch container does not emit them yet; docs/ARCHITECTURE.md "Patch format v2 (in progress)").
+//
+// The receiver already holds the base, so the coder conditions on it at no wire cost:
+//   - each element's class is its base value's exponent, counted down from the block's largest
+//     (class = min(e_top - E(base), kClasses - 1));
+//   - positions are coded per class, as gaps between the changed elements' ranks among the
+//     class's elements (a class of small weights changes far more often than one of large);
+//   - signs and magnitudes are coded under the class and the sign of the element's change in the
+//     previous version (when the caller has it: PrevSigns), with adaptive binary models and the
+//     range coder of range_coder.h.
+// Symbol order (normative): direct bits e_top (16), class mask (16), then k_c (5 bits) for each
+// class in the mask in increasing order; then per class in the mask: for each changed element in
+// increasing position, its gap and its value; then the class's closing gap, which lands one past
+// the class's last element.
+#ifndef REFIT_DAEMON_CODEC_CONTEXT_BLOCK_H_
+#define REFIT_DAEMON_CODEC_CONTEXT_BLOCK_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/codec/dtype.h"
+
+namespace refit {
+
+inline constexpr int kContextClasses = 16;
+
+// The previous version's change at each element of one block: bit i of changed[i / 64] says it
+// changed, the same bit of down[] that its difference was negative. Empty vectors: not known.
+struct PrevSigns {
+  std::vector<uint64_t> changed, down;
+  bool known() const { return !changed.empty(); }
+  // Fills from two versions of the block (len elements of dtype).
+  void Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len);
+};
+
+// Per-thread working memory, reused across blocks.
+struct ContextScratch {
+  std::vector<uint8_t> cls;         // class of each element (+ 64 bytes of padding)
+  std::vector<uint32_t> order;      // change indices grouped by class
+  std::vector<uint32_t> gaps;       // per change (class order), then closing gaps
+  std::vector<uint32_t> pos;        // decoder: positions in class order
+  std::vector<uint64_t> val;        // decoder: target bits in class order
+  std::vector<uint64_t> hit;        // decoder: bitmap of decoded positions
+};
+
+// Encodes the changes of a block (`pos`: the n >= 1 changed positions, increasing) into
+// out[0, capacity). Returns the payload's bytes, or 0 when it would not fit in `capacity`.
+size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
+                          const uint32_t* pos, uint32_t n, const PrevSigns* prev,
+                          ContextScratch& s, uint8_t* out, size_t capacity);
+
+// Decodes a payload of `bytes` bytes for a block of `len` elements with `count` changes against
+// its base: positions (increasing) into pos_out and target bits into val_out (count entries
+// each). Every malformation is an error naming `where` and the class and change it was found at;
+// nothing is written outside the outputs.
+absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,
+                                const uint8_t* base, uint32_t len, uint32_t count,
+                                const PrevSigns* prev, ContextScratch& s, uint32_t* pos_out,
+                                uint64_t* val_out, const std::string& where);
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_CODEC_CONTEXT_BLOCK_H_

@@ -1,0 +1,187 @@
+#include "daemon/codec/context_block.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "daemon/codec/dtype.h"
+#include "daemon/codec/patch_testing.h"
+#include "gtest/gtest.h"
+
+namespace refit {
+namespace {
+
+const DType kAllTypes[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
+                           DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
+                           DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
+
+std::vector<uint32_t> Changed(DType t, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const size_t w = static_cast<size_t>(DTypeSize(t));
+  std::vector<uint32_t> pos;
+  for (size_t i = 0; i < a.size() / w; ++i) {
+    if (std::memcmp(a.data() + i * w, b.data() + i * w, w) != 0) pos.push_back(static_cast<uint32_t>(i));
+  }
+  return pos;
+}
+
+struct Coded {
+  std::vector<uint8_t> payload;
+  std::vector<uint32_t> pos;
+};
+
+Coded Encode(DType t, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,
+             const PrevSigns* prev) {
+  Coded c;
+  c.pos = Changed(t, a, b);
+  const uint32_t len = static_cast<uint32_t>(a.size() / DTypeSize(t));
+  ContextScratch s;
+  c.payload.resize(a.size() * 3 + 1024);
+  const size_t n = EncodeContextBlock(t, a.data(), b.data(), len, c.pos.data(),
+                                      static_cast<uint32_t>(c.pos.size()), prev, s,
+                                      c.payload.data(), c.payload.size());
+  EXPECT_GT(n, 0u);
+  c.payload.resize(n);
+  return c;
+}
+
+absl::Status Decode(DType t, const std::vector<uint8_t>& payload, const std::vector<uint8_t>& a,
+                    uint32_t count, const PrevSigns* prev, std::vector<uint8_t>* out) {
+  const uint32_t len = static_cast<uint32_t>(a.size() / DTypeSize(t));
+  ContextScratch s;
+  std::vector<uint32_t> pos(count);
+  std::vector<uint64_t> val(count);
+  absl::Status st = DecodeContextBlock(t, payload.data(), payload.size(), a.data(), len, count,
+                                       prev, s, pos.data(), val.data(), "block 0");
+  if (!st.ok()) return st;
+  *out = a;
+  const size_t w = static_cast<size_t>(DTypeSize(t));
+  for (uint32_t j = 0; j < count; ++j) {
+    if (j > 0 && pos[j] <= pos[j - 1]) return absl::InternalError("positions not increasing");
+    std::memcpy(out->data() + pos[j] * w, &val[j], w);
+  }
+  return absl::OkStatus();
+}
+
+TEST(ContextBlock, RoundTripsEveryDtypeRateAndSizeWithAndWithoutThePreviousSigns) {
+  std::mt19937_64 rng(11);
+  for (DType t : kAllTypes) {
+    const size_t w = static_cast<size_t>(DTypeSize(t));
+    for (uint32_t len : {1u, 63u, 64u, 65u, 1000u, 4096u}) {
+      for (double p : {0.0005, 0.02, 0.3, 1.0}) {
+        const std::vector<uint8_t> v0 = testing::RandomBytes(len * w, rng);
+        const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
+        std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
+        if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
+        PrevSigns prev;
+        prev.Compare(t, v0.data(), v1.data(), len);
+        const PrevSigns* const choices[] = {nullptr, &prev};
+        for (const PrevSigns* ps : choices) {
+          const Coded c = Encode(t, v1, v2, ps);
+          std::vector<uint8_t> out;
+          absl::Status st = Decode(t, c.payload, v1, static_cast<uint32_t>(c.pos.size()), ps, &out);
+          ASSERT_TRUE(st.ok()) << DTypeName(t) << " len " << len << " p " << p << ": " << st;
+          ASSERT_EQ(out, v2) << DTypeName(t) << " len " << len << " p " << p;
+        }
+      }
+    }
+  }
+}
+
+TEST(ContextBlock, ExtremeDifferencesRoundTrip) {
+  for (DType t : {DType::kI8, DType::kU8, DType::kI64, DType::kU64, DType::kF64, DType::kBF16}) {
+    const size_t w = static_cast<size_t>(DTypeSize(t));
+    const uint32_t len = 8;
+    std::vector<uint8_t> a(len * w, 0), b(len * w, 0);
+    // element 1: +half-1 and element 3: -half (the extremes of a signed difference), element 5:
+    // all ones from zero.
+    const uint64_t half = 1ull << (8 * w - 1);
+    uint64_t x1 = half - 1, x3 = half, x5 = ~0ull;
+    std::memcpy(b.data() + 1 * w, &x1, w);
+    std::memcpy(b.data() + 3 * w, &x3, w);
+    std::memcpy(b.data() + 5 * w, &x5, w);
+    const Coded c = Encode(t, a, b, nullptr);
+    std::vector<uint8_t> out;
+    ASSERT_TRUE(Decode(t, c.payload, a, static_cast<uint32_t>(c.pos.size()), nullptr, &out).ok())
+        << DTypeName(t);
+    EXPECT_EQ(out, b) << DTypeName(t);
+  }
+}
+
+TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
+  std::mt19937_64 rng(3);
+  const DType t = DType::kBF16;
+  const uint32_t len = 4096;
+  const std::vector<uint8_t> a = testing::RandomBytes(len * 2, rng);
+  const std::vector<uint8_t> b = testing::MutateElements(a, t, 0.03, rng);
+  const Coded c = Encode(t, a, b, nullptr);
+  const uint32_t n = static_cast<uint32_t>(c.pos.size());
+  std::vector<uint8_t> out;
+  ASSERT_TRUE(Decode(t, c.payload, a, n, nullptr, &out).ok());
+  // Wrong counts, truncation, an extra byte, every single-byte corruption: an error, never a
+  // crash or a silent success with other bytes.
+  EXPECT_FALSE(Decode(t, c.payload, a, n + 1, nullptr, &out).ok());
+  EXPECT_FALSE(Decode(t, c.payload, a, n - 1, nullptr, &out).ok());
+  for (size_t cut = 0; cut < c.payload.size(); cut += 7) {
+    std::vector<uint8_t> p(c.payload.begin(), c.payload.begin() + static_cast<ptrdiff_t>(cut));
+    EXPECT_FALSE(Decode(t, p, a, n, nullptr, &out).ok()) << "cut " << cut;
+  }
+  std::vector<uint8_t> longer = c.payload;
+  longer.push_back(0);
+  EXPECT_FALSE(Decode(t, longer, a, n, nullptr, &out).ok());
+  size_t accepted_wrong = 0;
+  for (size_t i = 0; i < c.payload.size(); ++i) {
+    std::vector<uint8_t> p = c.payload;
+    p[i] ^= static_cast<uint8_t>(1 + rng() % 255);
+    absl::Status st = Decode(t, p, a, n, nullptr, &out);
+    if (st.ok() && out != b) ++accepted_wrong;  // a valid stream of other changes: the block
+    if (!st.ok()) {                             // checksum and tensor digest catch those
+      EXPECT_NE(st.message().find("block 0, context-coded payload"), absl::string_view::npos) << st;
+    }
+  }
+  EXPECT_LT(accepted_wrong, c.payload.size() / 4);
+  // A stream coded with the previous signs does not decode without them (or gives other bytes).
+  PrevSigns prev;
+  const std::vector<uint8_t> before = testing::MutateElements(a, t, 0.03, rng);
+  prev.Compare(t, before.data(), a.data(), len);
+  const Coded cp = Encode(t, a, b, &prev);
+  absl::Status st = Decode(t, cp.payload, a, n, nullptr, &out);
+  EXPECT_TRUE(!st.ok() || out != b);
+}
+
+TEST(ContextBlock, ClassedPositionsCostLessThanUniformOnes) {
+  // Half the elements are small (exponent 100) and change at 20%, half large (exponent 125) and
+  // change at 0.2%: coding positions by class must beat the order-0 position bound.
+  std::mt19937_64 rng(5);
+  const uint32_t len = 1 << 16;
+  std::vector<uint8_t> a(len * 2), b;
+  for (uint32_t i = 0; i < len; ++i) {
+    const uint16_t e = (i % 2) ? 100 : 125;
+    const uint16_t v = static_cast<uint16_t>(e << 7 | (rng() & 0x7F) | ((rng() & 1) << 15));
+    std::memcpy(a.data() + 2 * i, &v, 2);
+  }
+  b = a;
+  uint32_t changes = 0;
+  for (uint32_t i = 0; i < len; ++i) {
+    const double p = (i % 2) ? 0.2 : 0.002;
+    if (std::uniform_real_distribution<double>(0, 1)(rng) < p) {
+      uint16_t v;
+      std::memcpy(&v, b.data() + 2 * i, 2);
+      v ^= 1;  // one ULP either way
+      std::memcpy(b.data() + 2 * i, &v, 2);
+      ++changes;
+    }
+  }
+  const Coded c = Encode(DType::kBF16, a, b, nullptr);
+  auto h = [](double q) { return -q * std::log2(q) - (1 - q) * std::log2(1 - q); };
+  const double q = static_cast<double>(changes) / len;
+  const double bits = 8.0 * static_cast<double>(c.payload.size()) / changes;
+  // Each change's sign is a fair coin (the flipped low bit moves either way): one bit.
+  const double order0 = h(q) / q + 1;
+  const double classed = (h(0.2) + h(0.002)) * (len / 2) / changes + 1;
+  EXPECT_LT(bits, 1.05 * classed) << "order-0 bound " << order0 << ", classed " << classed;
+  EXPECT_LT(bits, 0.9 * order0) << "classed bound " << classed;
+}
+
+}  // namespace
+}  // namespace refit
