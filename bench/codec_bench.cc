@@ -24,6 +24,7 @@
 #include "bench/read_pass.h"
 #include "bench/entropy.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/context_block.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
@@ -263,6 +264,7 @@ void MakeUniform(uint64_t n, double p, uint64_t seed, int threads, Bytes* base, 
 struct TensorPair {
   std::span<const uint8_t> base, target;
   std::string name;
+  std::span<const uint8_t> prev = {};  // the version before base, when the dataset has it
 };
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -298,6 +300,10 @@ struct Totals {
   // In-place apply with the digest-v2 delta (the subscriber's path): best and median seconds.
   double inplace_best = 0, inplace_median = 0;
   uint64_t timed_bytes = 0;  // one buffer's bytes, summed over units
+  // Context coding (patch format v2's CONTEXT blocks, context_block.h), every block with changes
+  // context-coded: bytes as a v2 patch would lay them out, and best encode / in-place decode time.
+  uint64_t ctx_bytes = 0;
+  double ctx_enc_best = 0, ctx_dec_best = 0;
 };
 
 struct UnitReport {
@@ -387,6 +393,118 @@ void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
 }
 
 // Encodes, verifies and times one unit; adds to `tot`.
+// Context coding of every changed block of a unit (context_block.h) at the default block size:
+// size as a v2 patch lays it out (32-byte header per tensor; per block a 1-byte UNCHANGED entry, or
+// count and payload varints and a 4-byte checksum beside the payload), every block decoded against
+// its base and checked, and the best of `reps` timings of encode (scan for changes + context
+// encode) and of in-place decode (decode + write) over the threads.
+void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& pairs, int threads,
+                    int reps, Totals* tot) {
+  struct Blk {
+    size_t t = 0;
+    uint32_t first = 0, len = 0;
+    PrevSigns prev;
+    std::vector<uint8_t> payload;
+    uint32_t count = 0;
+  };
+  const uint32_t block = 1u << format::kDefaultBlockLog2;
+  std::vector<Blk> blocks;
+  for (size_t t = 0; t < pairs.size(); ++t) {
+    const uint64_t n = pairs[t].base.size() / kElemBytes;
+    for (uint64_t f = 0; f < n; f += block) {
+      Blk b;
+      b.t = t;
+      b.first = static_cast<uint32_t>(f);
+      b.len = static_cast<uint32_t>(std::min<uint64_t>(block, n - f));
+      if (!pairs[t].prev.empty()) {
+        b.prev.Compare(DType::kBF16, pairs[t].prev.data() + f * kElemBytes,
+                       pairs[t].base.data() + f * kElemBytes, b.len);
+      }
+      blocks.push_back(std::move(b));
+    }
+  }
+  auto encode_all = [&] {
+    ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
+      ContextScratch cs;
+      std::vector<uint32_t> pos;
+      for (size_t i = lo; i < hi; ++i) {
+        Blk& b = blocks[i];
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(pairs[b.t].base.data()) + b.first;
+        const uint16_t* y = reinterpret_cast<const uint16_t*>(pairs[b.t].target.data()) + b.first;
+        pos.resize(b.len);
+        uint32_t n = 0;
+        for (uint32_t k = 0; k < b.len; ++k) {
+          pos[n] = k;
+          n += x[k] != y[k] ? 1 : 0;
+        }
+        b.count = n;
+        if (n == 0) {
+          b.payload.clear();
+          continue;
+        }
+        b.payload.resize(static_cast<size_t>(b.len) * kElemBytes);
+        const size_t bytes = EncodeContextBlock(
+            DType::kBF16, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const uint8_t*>(y),
+            b.len, pos.data(), n, b.prev.known() ? &b.prev : nullptr, cs, b.payload.data(),
+            b.payload.size());
+        if (bytes == 0) Fail(absl::StrCat(dataset, ": a context-coded block outgrew its dense form"));
+        b.payload.resize(bytes);
+      }
+    });
+  };
+  std::vector<Bytes> work(pairs.size());
+  auto decode_all = [&] {
+    ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
+      ContextScratch cs;
+      std::vector<uint32_t> pos;
+      std::vector<uint64_t> val;
+      for (size_t i = lo; i < hi; ++i) {
+        const Blk& b = blocks[i];
+        if (b.count == 0) continue;
+        uint16_t* o = reinterpret_cast<uint16_t*>(work[b.t].data()) + b.first;
+        pos.resize(b.count);
+        val.resize(b.count);
+        absl::Status st = DecodeContextBlock(
+            DType::kBF16, b.payload.data(), b.payload.size(), reinterpret_cast<const uint8_t*>(o),
+            b.len, b.count, b.prev.known() ? &b.prev : nullptr, cs, pos.data(), val.data(),
+            absl::StrCat("tensor ", b.t, " block at ", b.first));
+        if (!st.ok()) Fail(absl::StrCat(dataset, ": context decode: ", st.ToString()));
+        for (uint32_t j = 0; j < b.count; ++j) o[pos[j]] = static_cast<uint16_t>(val[j]);
+      }
+    });
+  };
+  std::vector<double> enc, dec;
+  for (int r = 0; r <= reps; ++r) {
+    for (size_t t = 0; t < pairs.size(); ++t) work[t].assign(pairs[t].base.begin(), pairs[t].base.end());
+    const auto t0 = Clock::now();
+    encode_all();
+    const auto t1 = Clock::now();
+    decode_all();
+    const auto t2 = Clock::now();
+    for (size_t t = 0; t < pairs.size(); ++t) {
+      if (!std::equal(work[t].begin(), work[t].end(), pairs[t].target.begin(), pairs[t].target.end())) {
+        Fail(absl::StrCat(dataset, " tensor '", pairs[t].name, "': context decode differs from the target"));
+      }
+    }
+    if (r == 0) continue;
+    enc.push_back(Seconds(t0, t1));
+    dec.push_back(Seconds(t1, t2));
+  }
+  auto varint = [](uint64_t v) {
+    uint64_t n = 1;
+    while (v >= 0x80) v >>= 7, ++n;
+    return n;
+  };
+  tot->ctx_bytes += 32 * pairs.size();
+  for (const Blk& b : blocks) {
+    tot->ctx_bytes += b.count == 0 ? 1
+                                   : varint(uint64_t{b.count} << 2 | 3) + varint(b.payload.size()) +
+                                         4 + b.payload.size();
+  }
+  tot->ctx_enc_best += *std::min_element(enc.begin(), enc.end());
+  tot->ctx_dec_best += *std::min_element(dec.begin(), dec.end());
+}
+
 UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
                        int threads, int reps, Totals* tot) {
   UnitReport rep;
@@ -439,6 +557,7 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
   tot->hist.Merge(rep.hist);
 
   TimeUnit(dataset, pairs, verified, outs, threads, reps, tot);
+  MeasureContext(dataset, pairs, threads, reps, tot);
   tot->timed_bytes += unit_bytes;
   return rep;
 }
@@ -591,6 +710,13 @@ void PrintHumanDetail(const Result& r) {
               SafeDiv(r.bits_per_change(), b.bits_per_change()),
               SafeDiv(r.bits_per_change(), cb.full_bits()), r.tot.blocks_sparse,
               r.tot.blocks_dense, r.tot.blocks_unchanged);
+  const double ctx_bits = r.tot.changed ? 8.0 * static_cast<double>(r.tot.ctx_bytes) /
+                                              static_cast<double>(r.tot.changed) : 0;
+  std::printf("   context coding (v2 CONTEXT blocks) %" PRIu64 " B (%.3f bits/change, %.4fx bound, "
+              "%.4fx context bound, %.4fx v1); GB/s encode %.2f, in-place decode %.2f\n",
+              r.tot.ctx_bytes, ctx_bits, SafeDiv(ctx_bits, b.bits_per_change()),
+              SafeDiv(ctx_bits, cb.full_bits()), SafeDiv(ctx_bits, r.bits_per_change()),
+              r.Gbps(r.tot.ctx_enc_best), r.Gbps(r.tot.ctx_dec_best));
   std::printf("   DCR reference %" PRIu64 " B (%.3f bits/change, %.3fx refitd); dense %" PRIu64
               " B\n",
               r.tot.ref_bytes, r.ref_bits_per_change(),
@@ -677,7 +803,10 @@ Result RunRealistic(const Options& o, int threads) {
     }
     tr.Step();
     std::vector<TensorPair> pairs;
-    for (size_t i = 0; i < nt; ++i) pairs.push_back({before[i], tr.bf16(i), tr.tensors()[i].name});
+    for (size_t i = 0; i < nt; ++i) {
+      pairs.push_back({before[i], tr.bf16(i), tr.tensors()[i].name,
+                       step > 0 ? std::span<const uint8_t>(prev[i]) : std::span<const uint8_t>()});
+    }
     for (size_t i = 0; i < nt; ++i) r.ctx->AddBF16(before[i], tr.bf16(i), prev[i], threads);
     Progress(o, absl::StrCat("realistic: step ", step + 1, " of ", o.steps));
     const UnitReport u = MeasureUnit(absl::StrCat("realistic step ", step + 1), pairs, threads,
