@@ -425,7 +425,7 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
   }
   auto encode_all = [&] {
     ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
-      ContextScratch cs;
+      thread_local ContextScratch cs;
       std::vector<uint32_t> pos;
       for (size_t i = lo; i < hi; ++i) {
         Blk& b = blocks[i];
@@ -455,7 +455,7 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
   std::vector<Bytes> work(pairs.size());
   auto decode_all = [&] {
     ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
-      ContextScratch cs;
+      thread_local ContextScratch cs;
       std::vector<uint32_t> pos;
       std::vector<uint64_t> val;
       for (size_t i = lo; i < hi; ++i) {

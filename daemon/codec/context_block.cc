@@ -8,7 +8,10 @@
 #include "daemon/codec/format.h"
 #include "daemon/codec/range_coder.h"
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__SSE4_1__)
+#include <smmintrin.h>
+#define REFIT_CONTEXT_SSE41 1
+#elif defined(__x86_64__)
 #include <emmintrin.h>
 #endif
 
@@ -70,7 +73,19 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
       const uint16_t* b = reinterpret_cast<const uint16_t*>(base);
       uint16_t m = 0;
       const uint16_t fm = static_cast<uint16_t>(f.mask << f.shift);
-      for (uint32_t i = 0; i < len; ++i) m = std::max<uint16_t>(m, static_cast<uint16_t>(b[i] & fm));
+      uint32_t i = 0;
+#if defined(REFIT_CONTEXT_SSE41)
+      const __m128i vfm = _mm_set1_epi16(static_cast<short>(fm));
+      __m128i vm = _mm_setzero_si128();
+      for (; i + 8 <= len; i += 8) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
+        vm = _mm_max_epu16(vm, _mm_and_si128(x, vfm));
+      }
+      alignas(16) uint16_t lanes[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(lanes), vm);
+      for (uint16_t l : lanes) m = std::max(m, l);
+#endif
+      for (; i < len; ++i) m = std::max<uint16_t>(m, static_cast<uint16_t>(b[i] & fm));
       top = static_cast<uint32_t>(m >> f.shift);
     } else {
       for (uint32_t i = 0; i < len; ++i) top = std::max(top, FieldValue(f, Load(base, width, i)));
@@ -79,7 +94,23 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
   if (width == 2 && f.is_float) {
     const uint16_t* b = reinterpret_cast<const uint16_t*>(base);
     const uint16_t t = static_cast<uint16_t>(top);
-    for (uint32_t i = 0; i < len; ++i) {
+    uint32_t i = 0;
+#if defined(REFIT_CONTEXT_SSE41)
+    const __m128i vt = _mm_set1_epi16(static_cast<short>(t));
+    const __m128i vmask = _mm_set1_epi16(static_cast<short>(f.mask));
+    const __m128i vmax = _mm_set1_epi16(kContextClasses - 1);
+    const __m128i sh = _mm_cvtsi32_si128(f.shift);
+    for (; i + 16 <= len; i += 16) {
+      const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
+      const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 8));
+      const __m128i e0 = _mm_and_si128(_mm_srl_epi16(x0, sh), vmask);
+      const __m128i e1 = _mm_and_si128(_mm_srl_epi16(x1, sh), vmask);
+      const __m128i c0 = _mm_min_epu16(_mm_subs_epu16(vt, e0), vmax);
+      const __m128i c1 = _mm_min_epu16(_mm_subs_epu16(vt, e1), vmax);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(cls.data() + i), _mm_packus_epi16(c0, c1));
+    }
+#endif
+    for (; i < len; ++i) {
       const uint16_t e = static_cast<uint16_t>((b[i] >> f.shift) & f.mask);
       const uint16_t d = e > t ? uint16_t{0} : static_cast<uint16_t>(t - e);
       cls[i] = static_cast<uint8_t>(std::min<uint16_t>(d, kContextClasses - 1));
@@ -97,7 +128,7 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
 
 // Bit j set when cls[64 w + j] == c.
 inline uint64_t ClassMask(const uint8_t* p, uint8_t c) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(REFIT_CONTEXT_SSE41)
   const __m128i k = _mm_set1_epi8(static_cast<char>(c));
   uint64_t m = 0;
   for (int q = 0; q < 4; ++q) {
