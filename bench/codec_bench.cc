@@ -651,6 +651,15 @@ void PrintJson(const Result& r) {
   num("context_exp_value_bits", cb.value_exp);
   num("context_bound_vs_bound", SafeDiv(cb.full_bits(), b.bits_per_change()));
   num("ratio_to_context_bound", SafeDiv(bpc, cb.full_bits()));
+  const double ctx_bits = r.tot.changed ? 8.0 * static_cast<double>(r.tot.ctx_bytes) /
+                                              static_cast<double>(r.tot.changed) : 0;
+  u64("ctx_bytes", r.tot.ctx_bytes);
+  num("ctx_bits_per_change", ctx_bits);
+  num("ctx_ratio_to_bound", SafeDiv(ctx_bits, b.bits_per_change()));
+  num("ctx_ratio_to_context_bound", SafeDiv(ctx_bits, cb.full_bits()));
+  num("ctx_vs_v1", SafeDiv(ctx_bits, bpc));
+  num("ctx_encode_gbps", r.Gbps(r.tot.ctx_enc_best));
+  num("ctx_decode_inplace_gbps", r.Gbps(r.tot.ctx_dec_best));
   // Extras.
   u64("changed", r.tot.changed);
   u64("ref_bytes", r.tot.ref_bytes);
