@@ -98,7 +98,7 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
 #if defined(REFIT_CONTEXT_SSE41)
     const __m128i vt = _mm_set1_epi16(static_cast<short>(t));
     const __m128i vmask = _mm_set1_epi16(static_cast<short>(f.mask));
-    const __m128i vmax = _mm_set1_epi16(kContextClasses - 1);
+    const __m128i vmax = _mm_set1_epi16(kExponentClasses - 1);
     const __m128i sh = _mm_cvtsi32_si128(f.shift);
     for (; i + 16 <= len; i += 16) {
       const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
@@ -113,13 +113,13 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
     for (; i < len; ++i) {
       const uint16_t e = static_cast<uint16_t>((b[i] >> f.shift) & f.mask);
       const uint16_t d = e > t ? uint16_t{0} : static_cast<uint16_t>(t - e);
-      cls[i] = static_cast<uint8_t>(std::min<uint16_t>(d, kContextClasses - 1));
+      cls[i] = static_cast<uint8_t>(std::min<uint16_t>(d, kExponentClasses - 1));
     }
   } else {
     for (uint32_t i = 0; i < len; ++i) {
       const uint32_t e = FieldValue(f, Load(base, width, i));
       const uint32_t d = e > top ? 0 : top - e;
-      cls[i] = static_cast<uint8_t>(std::min<uint32_t>(d, kContextClasses - 1));
+      cls[i] = static_cast<uint8_t>(std::min<uint32_t>(d, kExponentClasses - 1));
     }
   }
   std::memset(cls.data() + len, 0xFF, 64);
@@ -163,6 +163,22 @@ inline int PrevContext(const PrevSigns* prev, uint32_t pos) {
   const uint64_t bit = 1ull << (pos & 63);
   if ((prev->changed[pos >> 6] & bit) == 0) return 1;
   return (prev->down[pos >> 6] & bit) ? 2 : 3;
+}
+
+// A record, if known, has a bit for every element of the block.
+bool PrevCovers(const PrevSigns* prev, uint32_t len) {
+  if (prev == nullptr || !prev->known()) return true;
+  const size_t words = (static_cast<size_t>(len) + 63) / 64;
+  return prev->changed.size() >= words && prev->down.size() >= words;
+}
+
+// With the previous version known, an element that changed in it moves to class + 16: positions
+// are coded given whether the element changed last time as well.
+void SplitByPrev(const PrevSigns* prev, uint32_t len, std::vector<uint8_t>& cls) {
+  if (prev == nullptr || !prev->known()) return;
+  for (uint32_t w = 0; w < (len + 63) / 64; ++w) {
+    for (uint64_t m = prev->changed[w]; m; m &= m - 1) cls[64 * w + std::countr_zero(m)] |= kExponentClasses;
+  }
 }
 
 int ChooseK(uint64_t total_gap, uint64_t gaps) {
@@ -242,10 +258,12 @@ void PrevSigns::Compare(DType dtype, const uint8_t* before, const uint8_t* after
 size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
                           const uint32_t* pos, uint32_t n, const PrevSigns* prev,
                           ContextScratch& s, uint8_t* out, size_t capacity) {
+  if (!PrevCovers(prev, len)) return 0;
   const ClassField f = FieldOf(dtype);
   const int w = DTypeSize(dtype);
   const ValueCoding coding = DTypeValueCoding(dtype);
   const uint32_t top = ClassifyBlock(f, w, base, len, 0, true, s.cls);
+  SplitByPrev(prev, len, s.cls);
   // Changes grouped by class (stable: positions stay increasing within a class).
   uint32_t count[kContextClasses] = {};
   for (uint32_t j = 0; j < n; ++j) ++count[s.cls[pos[j]]];
@@ -283,7 +301,7 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
   e.Direct(top, 16);
   uint32_t class_mask = 0;
   for (int c = 0; c < kContextClasses; ++c) class_mask |= (count[c] ? 1u : 0u) << c;
-  e.Direct(class_mask, 16);
+  e.Direct(class_mask, kContextClasses);
   for (int c = 0; c < kContextClasses; ++c) {
     if (count[c]) e.Direct(static_cast<uint32_t>(k[c]), 5);
   }
@@ -374,9 +392,14 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
                                             ", change ", decoded, " of ", count, " (byte ",
                                             d.consumed(), " of ", bytes, "): ", what));
   };
+  if (!PrevCovers(prev, len)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": the previous-change record covers ", 64 * prev->changed.size(),
+        " elements, fewer than the block's ", len));
+  }
   if (!d.started()) return fail("not a range-coded stream (too short or bad first bytes)");
   const uint32_t top = d.Direct(16);
-  const uint32_t class_mask = d.Direct(16);
+  const uint32_t class_mask = d.Direct(kContextClasses);
   if (top > f.mask && f.is_float) return fail(absl::StrCat("class anchor ", top, " exceeds the dtype's exponent field"));
   if (!f.is_float && top > static_cast<uint32_t>(bits)) return fail(absl::StrCat("class anchor ", top, " exceeds the dtype's width"));
   if (class_mask == 0) return fail("no class has a change");
@@ -388,6 +411,7 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
   }
   if (!d.ok()) return fail("truncated stream");
   ClassifyBlock(f, w, base, len, top, false, s.cls);
+  SplitByPrev(prev, len, s.cls);
   s.pos.resize(count);
   s.val.resize(count);
   const uint32_t words = (len + 63) / 64;

@@ -3,13 +3,13 @@
 //
 // The receiver already holds the base, so the coder conditions on it at no wire cost:
 //   - each element's class is its base value's exponent, counted down from the block's largest
-//     (class = min(e_top - E(base), kClasses - 1));
+//     (min(e_top - E(base), 15)), plus 16 when the element changed in the previous version (when
+//     the caller has it: PrevSigns);
 //   - positions are coded per class, as gaps between the changed elements' ranks among the
 //     class's elements (a class of small weights changes far more often than one of large);
 //   - signs and magnitudes are coded under the class and the sign of the element's change in the
-//     previous version (when the caller has it: PrevSigns), with adaptive binary models and the
-//     range coder of range_coder.h.
-// Symbol order (normative): direct bits e_top (16), class mask (16), then k_c (5 bits) for each
+//     previous version, with adaptive binary models and the range coder of range_coder.h.
+// Symbol order (normative): direct bits e_top (16), class mask (32), then k_c (5 bits) for each
 // class in the mask in increasing order; then per class in the mask: for each changed element in
 // increasing position, its gap and its value; then the class's closing gap, which lands one past
 // the class's last element.
@@ -26,7 +26,9 @@
 
 namespace refit {
 
-inline constexpr int kContextClasses = 16;
+inline constexpr int kExponentClasses = 16;
+// Exponent classes, each split by whether the element changed in the previous version (+16).
+inline constexpr int kContextClasses = 2 * kExponentClasses;
 
 // The previous version's change at each element of one block: bit i of changed[i / 64] says it
 // changed, the same bit of down[] that its difference was negative. Empty vectors: not known.
@@ -48,15 +50,17 @@ struct ContextScratch {
 };
 
 // Encodes the changes of a block (`pos`: the n >= 1 changed positions, increasing) into
-// out[0, capacity). Returns the payload's bytes, or 0 when it would not fit in `capacity`.
+// out[0, capacity). Returns the payload's bytes, or 0 when it would not fit in `capacity` or a
+// known `prev` does not cover the block's len elements.
 size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
                           const uint32_t* pos, uint32_t n, const PrevSigns* prev,
                           ContextScratch& s, uint8_t* out, size_t capacity);
 
 // Decodes a payload of `bytes` bytes for a block of `len` elements with `count` changes against
 // its base: positions (increasing) into pos_out and target bits into val_out (count entries
-// each). Every malformation is an error naming `where` and the class and change it was found at;
-// nothing is written outside the outputs.
+// each). Every malformation is a DataLoss error naming `where` and the class and change it was
+// found at; a known `prev` that does not cover the block is InvalidArgument. Nothing is written
+// outside the outputs.
 absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,
                                 const uint8_t* base, uint32_t len, uint32_t count,
                                 const PrevSigns* prev, ContextScratch& s, uint32_t* pos_out,

@@ -140,6 +140,20 @@ TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
     }
   }
   EXPECT_LT(accepted_wrong, c.payload.size() / 4);
+  // A record shorter than the block is refused by both sides.
+  PrevSigns short_prev;
+  short_prev.Compare(t, a.data(), b.data(), len - 64);
+  ContextScratch cs;
+  std::vector<uint8_t> buf(len * 4);
+  EXPECT_EQ(EncodeContextBlock(t, a.data(), b.data(), len, c.pos.data(), n, &short_prev, cs,
+                               buf.data(), buf.size()),
+            0u);
+  std::vector<uint32_t> pos(n);
+  std::vector<uint64_t> val(n);
+  EXPECT_EQ(DecodeContextBlock(t, c.payload.data(), c.payload.size(), a.data(), len, n,
+                               &short_prev, cs, pos.data(), val.data(), "block 0")
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   // A stream coded with the previous signs does not decode without them (or gives other bytes).
   PrevSigns prev;
   const std::vector<uint8_t> before = testing::MutateElements(a, t, 0.03, rng);
