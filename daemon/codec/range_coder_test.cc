@@ -35,9 +35,7 @@ std::vector<Symbol> MakeSymbols(uint64_t seed, size_t n) {
   return out;
 }
 
-std::vector<uint8_t> EncodeAll(const std::vector<Symbol>& syms) {
-  std::vector<uint8_t> buf(syms.size() * 8 + 64);
-  Encoder enc(buf.data(), buf.size());
+void Feed(Encoder& enc, const std::vector<Symbol>& syms) {
   BitModel models[4];
   for (const Symbol& s : syms) {
     if (s.direct) {
@@ -46,6 +44,12 @@ std::vector<uint8_t> EncodeAll(const std::vector<Symbol>& syms) {
       enc.Bit(models[s.context], static_cast<int>(s.value));
     }
   }
+}
+
+std::vector<uint8_t> EncodeAll(const std::vector<Symbol>& syms) {
+  std::vector<uint8_t> buf(syms.size() * 8 + 64);
+  Encoder enc(buf.data(), buf.size());
+  Feed(enc, syms);
   const size_t n = enc.Finish();
   EXPECT_FALSE(enc.overflow());
   buf.resize(n);
@@ -150,17 +154,9 @@ TEST(RangeCoder, EncoderStopsWritingAtItsCapacity) {
   const auto syms = MakeSymbols(5, 4000);
   const auto full = EncodeAll(syms);
   std::vector<uint8_t> small(full.size() / 2, 0xAB);
-  std::vector<uint8_t> guard = small;
   small.resize(small.size() + 16, 0xCD);
   Encoder enc(small.data(), full.size() / 2);
-  BitModel models[4];
-  for (const Symbol& s : syms) {
-    if (s.direct) {
-      enc.Direct(s.value, s.nbits);
-    } else {
-      enc.Bit(models[s.context], static_cast<int>(s.value));
-    }
-  }
+  Feed(enc, syms);
   EXPECT_EQ(enc.Finish(), full.size());
   EXPECT_TRUE(enc.overflow());
   for (size_t i = full.size() / 2; i < small.size(); ++i) ASSERT_EQ(small[i], 0xCD) << i;
