@@ -181,9 +181,50 @@ void SplitByPrev(const PrevSigns* prev, uint32_t len, std::vector<uint8_t>& cls)
   }
 }
 
+constexpr int kMaxK = 24;
+
 int ChooseK(uint64_t total_gap, uint64_t gaps) {
   const uint64_t scaled = (total_gap / gaps) * 45426 / 65536;
-  return scaled > 0 ? std::min(24, static_cast<int>(std::bit_width(scaled)) - 1) : 0;
+  return scaled > 0 ? std::min(kMaxK, static_cast<int>(std::bit_width(scaled)) - 1) : 0;
+}
+
+// The gap parameters are coded against a prediction: the first class of each half (exponent
+// classes, then those that changed in the previous version) has none (-1: 5 direct bits);
+// each later one expects one less per class step than the class before it (each step halves
+// the weights' size and about doubles their change rate), at least 0.
+struct KModels {
+  rc::BitModel same, up, more;
+};
+
+int KPrediction(const int* k, int last, int c) {
+  if (last < 0 || (last < kExponentClasses) != (c < kExponentClasses)) return -1;
+  return std::max(0, k[last] - (c - last));
+}
+
+void PutK(rc::Encoder& e, KModels& m, int k, int pred) {
+  if (pred < 0) {
+    e.Direct(static_cast<uint32_t>(k), 5);
+    return;
+  }
+  e.Bit(m.same, k == pred ? 0 : 1);
+  if (k == pred) return;
+  e.Bit(m.up, k > pred ? 1 : 0);
+  // |k - pred| - 1 in unary (ones then a zero), at most up to the range's end.
+  const int room = k > pred ? kMaxK - pred - 1 : pred - 1;
+  const int mag = (k > pred ? k - pred : pred - k) - 1;
+  for (int i = 0; i < mag; ++i) e.Bit(m.more, 1);
+  if (mag < room) e.Bit(m.more, 0);
+}
+
+int GetK(rc::Decoder& d, KModels& m, int pred) {
+  if (pred < 0) return static_cast<int>(d.Direct(5));
+  if (d.Bit(m.same) == 0) return pred;
+  const bool up = d.Bit(m.up) != 0;
+  const int room = up ? kMaxK - pred - 1 : pred - 1;
+  if (room < 0) return -1;  // no value on that side of the prediction
+  int mag = 0;
+  while (mag < room && d.Bit(m.more)) ++mag;
+  return up ? pred + 1 + mag : pred - 1 - mag;
 }
 
 void PutGap(rc::Encoder& e, ClassModels& m, uint64_t g, int k) {
@@ -302,8 +343,14 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
   uint32_t class_mask = 0;
   for (int c = 0; c < kContextClasses; ++c) class_mask |= (count[c] ? 1u : 0u) << c;
   e.Direct(class_mask, kContextClasses);
-  for (int c = 0; c < kContextClasses; ++c) {
-    if (count[c]) e.Direct(static_cast<uint32_t>(k[c]), 5);
+  {
+    KModels km;
+    int last = -1;
+    for (int c = 0; c < kContextClasses; ++c) {
+      if (count[c] == 0) continue;
+      PutK(e, km, k[c], KPrediction(k, last, c));
+      last = c;
+    }
   }
   const int bits = 8 * w;
   for (int c = 0; c < kContextClasses && !e.overflow(); ++c) {
@@ -404,10 +451,17 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
   if (!f.is_float && top > static_cast<uint32_t>(bits)) return fail(absl::StrCat("class anchor ", top, " exceeds the dtype's width"));
   if (class_mask == 0) return fail("no class has a change");
   int k[kContextClasses] = {};
-  for (int c = 0; c < kContextClasses; ++c) {
-    if (((class_mask >> c) & 1) == 0) continue;
-    k[c] = static_cast<int>(d.Direct(5));
-    if (k[c] > 24) return fail(absl::StrCat("class ", c, " gap parameter ", k[c], " above 24"));
+  {
+    KModels km;
+    int last = -1;
+    for (int c = 0; c < kContextClasses; ++c) {
+      if (((class_mask >> c) & 1) == 0) continue;
+      k[c] = GetK(d, km, KPrediction(k, last, c));
+      if (k[c] < 0 || k[c] > kMaxK) {
+        return fail(absl::StrCat("class ", c, " gap parameter out of [0, ", kMaxK, "]"));
+      }
+      last = c;
+    }
   }
   if (!d.ok()) return fail("truncated stream");
   ClassifyBlock(f, w, base, len, top, false, s.cls);
