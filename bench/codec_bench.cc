@@ -467,7 +467,7 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
         absl::Status st = DecodeContextBlock(
             DType::kBF16, b.payload.data(), b.payload.size(), reinterpret_cast<const uint8_t*>(o),
             b.len, b.count, b.prev.known() ? &b.prev : nullptr, cs, pos.data(), val.data(),
-            absl::StrCat("tensor ", b.t, " block at ", b.first));
+            [&] { return absl::StrCat("tensor ", b.t, " block at ", b.first); });
         if (!st.ok()) Fail(absl::StrCat(dataset, ": context decode: ", st.ToString()));
         for (uint32_t j = 0; j < b.count; ++j) o[pos[j]] = static_cast<uint16_t>(val[j]);
       }
@@ -585,6 +585,10 @@ struct Result {
     return tot.changed ? 8.0 * static_cast<double>(tot.patch_bytes) / static_cast<double>(tot.changed)
                        : 0;
   }
+  double ctx_bits_per_change() const {
+    return tot.changed ? 8.0 * static_cast<double>(tot.ctx_bytes) / static_cast<double>(tot.changed)
+                       : 0;
+  }
   double ref_bits_per_change() const {
     return tot.changed ? 8.0 * static_cast<double>(tot.ref_bytes) / static_cast<double>(tot.changed)
                        : 0;
@@ -651,8 +655,7 @@ void PrintJson(const Result& r) {
   num("context_exp_value_bits", cb.value_exp);
   num("context_bound_vs_bound", SafeDiv(cb.full_bits(), b.bits_per_change()));
   num("ratio_to_context_bound", SafeDiv(bpc, cb.full_bits()));
-  const double ctx_bits = r.tot.changed ? 8.0 * static_cast<double>(r.tot.ctx_bytes) /
-                                              static_cast<double>(r.tot.changed) : 0;
+  const double ctx_bits = r.ctx_bits_per_change();
   u64("ctx_bytes", r.tot.ctx_bytes);
   num("ctx_bits_per_change", ctx_bits);
   num("ctx_ratio_to_bound", SafeDiv(ctx_bits, b.bits_per_change()));
@@ -719,8 +722,7 @@ void PrintHumanDetail(const Result& r) {
               SafeDiv(r.bits_per_change(), b.bits_per_change()),
               SafeDiv(r.bits_per_change(), cb.full_bits()), r.tot.blocks_sparse,
               r.tot.blocks_dense, r.tot.blocks_unchanged);
-  const double ctx_bits = r.tot.changed ? 8.0 * static_cast<double>(r.tot.ctx_bytes) /
-                                              static_cast<double>(r.tot.changed) : 0;
+  const double ctx_bits = r.ctx_bits_per_change();
   std::printf("   context coding (v2 CONTEXT blocks) %" PRIu64 " B (%.3f bits/change, %.4fx bound, "
               "%.4fx context bound, %.4fx v1); GB/s encode %.2f, in-place decode %.2f\n",
               r.tot.ctx_bytes, ctx_bits, SafeDiv(ctx_bits, b.bits_per_change()),

@@ -198,26 +198,22 @@ uint64_t ContextHistogram::changed() const {
 }
 
 double ContextHistogram::PositionBits(bool with_prev) const {
+  // n elements of which m changed, independently: n H(m / n) bits.
+  auto cost = [](uint64_t n, uint64_t m) {
+    return n == 0 ? 0.0
+                  : static_cast<double>(n) *
+                        BinaryEntropyBits(static_cast<double>(m) / static_cast<double>(n));
+  };
   double bits = 0;
   for (int e = 0; e < kExponents; ++e) {
     uint64_t n = 0, m = 0;
     for (int s = 0; s < kPrevSigns; ++s) {
       const Ctx& c = ctx_[e * kPrevSigns + s];
-      if (with_prev) {
-        if (c.elements > 0) {
-          bits += static_cast<double>(c.elements) *
-                  BinaryEntropyBits(static_cast<double>(c.diffs.total()) /
-                                    static_cast<double>(c.elements));
-        }
-      } else {
-        n += c.elements;
-        m += c.diffs.total();
-      }
+      if (with_prev) bits += cost(c.elements, c.diffs.total());
+      n += c.elements;
+      m += c.diffs.total();
     }
-    if (!with_prev && n > 0) {
-      bits += static_cast<double>(n) *
-              BinaryEntropyBits(static_cast<double>(m) / static_cast<double>(n));
-    }
+    if (!with_prev) bits += cost(n, m);
   }
   const uint64_t ch = changed();
   return ch == 0 ? 0 : bits / static_cast<double>(ch);

@@ -55,21 +55,32 @@ inline uint32_t FieldValue(const ClassField& f, uint64_t x) {
   return static_cast<uint32_t>(std::bit_width(x));
 }
 
+// d = image(b) - image(a) modulo 2^bits (ordered images for floats, the values for integers).
+inline uint64_t Difference(ValueCoding coding, int bits, uint64_t a, uint64_t b) {
+  const uint64_t mask = format::WidthMask(bits);
+  return coding == ValueCoding::kOrderedDiff
+             ? (format::OrderedImage(b, bits) - format::OrderedImage(a, bits)) & mask
+             : (b - a) & mask;
+}
+
+// The b with Difference(coding, bits, a, b) == d.
+inline uint64_t AddDifference(ValueCoding coding, int bits, uint64_t a, uint64_t d) {
+  const uint64_t mask = format::WidthMask(bits);
+  return coding == ValueCoding::kOrderedDiff
+             ? format::OrderedInverse((format::OrderedImage(a, bits) + d) & mask, bits)
+             : (a + d) & mask;
+}
+
 inline uint64_t Load(const uint8_t* p, int width, uint64_t i) {
   uint64_t v = 0;
   std::memcpy(&v, p + i * static_cast<uint64_t>(width), static_cast<size_t>(width));
   return v;
 }
 
-// cls[i] for the block, and returns e_top (the largest field value). cls has 64 bytes of
-// padding set to 0xFF (no class) so that masks of the last partial word stay exact.
-uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint32_t len,
-                       uint32_t e_top_or_max, bool find_top, std::vector<uint8_t>& cls) {
-  cls.resize(static_cast<size_t>(len) + 64);
-  uint32_t top = e_top_or_max;
-  if (find_top) {
-    top = 0;
-    if (width == 2 && f.is_float) {
+// The block's anchor e_top: the largest field value of its base elements.
+uint32_t MaxField(const ClassField& f, int width, const uint8_t* base, uint32_t len) {
+  uint32_t top = 0;
+  if (width == 2 && f.is_float) {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(base);
       uint16_t m = 0;
       const uint16_t fm = static_cast<uint16_t>(f.mask << f.shift);
@@ -87,10 +98,17 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
 #endif
       for (; i < len; ++i) m = std::max<uint16_t>(m, static_cast<uint16_t>(b[i] & fm));
       top = static_cast<uint32_t>(m >> f.shift);
-    } else {
-      for (uint32_t i = 0; i < len; ++i) top = std::max(top, FieldValue(f, Load(base, width, i)));
-    }
+  } else {
+    for (uint32_t i = 0; i < len; ++i) top = std::max(top, FieldValue(f, Load(base, width, i)));
   }
+  return top;
+}
+
+// cls[i] for the block under anchor `top`. cls has 64 bytes of padding set to 0xFF (no class)
+// so that masks of the last partial word stay exact.
+void ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint32_t len,
+                   uint32_t top, std::vector<uint8_t>& cls) {
+  cls.resize(static_cast<size_t>(len) + 64);
   if (width == 2 && f.is_float) {
     const uint16_t* b = reinterpret_cast<const uint16_t*>(base);
     const uint16_t t = static_cast<uint16_t>(top);
@@ -123,7 +141,6 @@ uint32_t ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint
     }
   }
   std::memset(cls.data() + len, 0xFF, 64);
-  return top;
 }
 
 // Bit j set when cls[64 w + j] == c.
@@ -261,9 +278,7 @@ void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint
     PutLong(e, b, bits);
     return;
   }
-  const uint64_t d = coding == ValueCoding::kOrderedDiff
-                         ? (format::OrderedImage(b, bits) - format::OrderedImage(a, bits)) & mask
-                         : (b - a) & mask;
+  const uint64_t d = Difference(coding, bits, a, b);
   const int neg = static_cast<int>((d >> (bits - 1)) & 1);
   const uint64_t mag = neg ? ((0 - d) & mask) : d;
   e.Bit(m.sign[ps], neg);
@@ -282,15 +297,13 @@ void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint
 void PrevSigns::Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len) {
   const int w = DTypeSize(dtype);
   const int bits = 8 * w;
-  const uint64_t mask = format::WidthMask(bits);
-  const bool ordered = DTypeValueCoding(dtype) == ValueCoding::kOrderedDiff;
+  const ValueCoding coding = DTypeValueCoding(dtype);
   changed.assign((len + 63) / 64, 0);
   down.assign((len + 63) / 64, 0);
   for (uint32_t i = 0; i < len; ++i) {
     const uint64_t a = Load(before, w, i), b = Load(after, w, i);
     if (a == b) continue;
-    const uint64_t d = ordered ? (format::OrderedImage(b, bits) - format::OrderedImage(a, bits)) & mask
-                               : (b - a) & mask;
+    const uint64_t d = Difference(coding, bits, a, b);
     changed[i >> 6] |= 1ull << (i & 63);
     if ((d >> (bits - 1)) & 1) down[i >> 6] |= 1ull << (i & 63);
   }
@@ -303,7 +316,8 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
   const ClassField f = FieldOf(dtype);
   const int w = DTypeSize(dtype);
   const ValueCoding coding = DTypeValueCoding(dtype);
-  const uint32_t top = ClassifyBlock(f, w, base, len, 0, true, s.cls);
+  const uint32_t top = MaxField(f, w, base, len);
+  ClassifyBlock(f, w, base, len, top, s.cls);
   SplitByPrev(prev, len, s.cls);
   // Changes grouped by class (stable: positions stay increasing within a class).
   uint32_t count[kContextClasses] = {};
@@ -397,10 +411,7 @@ ValueResult GetValue(rc::Decoder& d, ClassModels& m, ValueCoding coding, int bit
   if (mag > half || (mag == half && !neg)) {
     return ValueResult{false, 0, "difference out of range for the dtype"};
   }
-  const uint64_t diff = neg ? ((0 - mag) & mask) : mag;
-  r.target = coding == ValueCoding::kOrderedDiff
-                 ? format::OrderedInverse((format::OrderedImage(a, bits) + diff) & mask, bits)
-                 : (a + diff) & mask;
+  r.target = AddDifference(coding, bits, a, neg ? ((0 - mag) & mask) : mag);
   return r;
 }
 
@@ -425,7 +436,7 @@ bool GetGap(rc::Decoder& d, ClassModels& m, int k, uint32_t len, uint64_t* g) {
 absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,
                                 const uint8_t* base, uint32_t len, uint32_t count,
                                 const PrevSigns* prev, ContextScratch& s, uint32_t* pos_out,
-                                uint64_t* val_out, const std::string& where) {
+                                uint64_t* val_out, absl::FunctionRef<std::string()> where) {
   const ClassField f = FieldOf(dtype);
   const int w = DTypeSize(dtype);
   const int bits = 8 * w;
@@ -434,14 +445,14 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
   int cur_class = -1;
   uint32_t decoded = 0;
   auto fail = [&](const std::string& what) {
-    return absl::DataLossError(absl::StrCat(where, ", context-coded payload",
+    return absl::DataLossError(absl::StrCat(where(), ", context-coded payload",
                                             cur_class >= 0 ? absl::StrCat(", class ", cur_class) : "",
                                             ", change ", decoded, " of ", count, " (byte ",
                                             d.consumed(), " of ", bytes, "): ", what));
   };
   if (!PrevCovers(prev, len)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": the previous-change record covers ", 64 * prev->changed.size(),
+        where(), ": the previous-change record covers ", 64 * prev->changed.size(),
         " elements, fewer than the block's ", len));
   }
   if (!d.started()) return fail("not a range-coded stream (too short or bad first bytes)");
@@ -464,12 +475,12 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
     }
   }
   if (!d.ok()) return fail("truncated stream");
-  ClassifyBlock(f, w, base, len, top, false, s.cls);
+  ClassifyBlock(f, w, base, len, top, s.cls);
   SplitByPrev(prev, len, s.cls);
   s.pos.resize(count);
   s.val.resize(count);
   const uint32_t words = (len + 63) / 64;
-  uint32_t start[kContextClasses + 1] = {};
+  uint32_t start[kContextClasses] = {};  // each class's first change in s.pos / s.val
   for (int c = 0; c < kContextClasses; ++c) {
     start[c] = decoded;
     if (((class_mask >> c) & 1) == 0) continue;
@@ -498,7 +509,6 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
     if (remaining != 0) return fail("the class's last gap runs past its elements");
     if (decoded == first) return fail("a class in the mask has no change");
   }
-  start[kContextClasses] = decoded;
   cur_class = -1;
   if (decoded != count) return fail("fewer changes than the block's count");
   if (!d.Finished()) return fail("the stream does not end where its last symbol does");

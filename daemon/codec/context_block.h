@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "daemon/codec/dtype.h"
 
@@ -58,13 +59,13 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
 
 // Decodes a payload of `bytes` bytes for a block of `len` elements with `count` changes against
 // its base: positions (increasing) into pos_out and target bits into val_out (count entries
-// each). Every malformation is a DataLoss error naming `where` and the class and change it was
-// found at; a known `prev` that does not cover the block is InvalidArgument. Nothing is written
-// outside the outputs.
+// each). Every malformation is a DataLoss error naming where() (called only then) and the class
+// and change it was found at; a known `prev` that does not cover the block is InvalidArgument.
+// Nothing is written outside the outputs.
 absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,
                                 const uint8_t* base, uint32_t len, uint32_t count,
                                 const PrevSigns* prev, ContextScratch& s, uint32_t* pos_out,
-                                uint64_t* val_out, const std::string& where);
+                                uint64_t* val_out, absl::FunctionRef<std::string()> where);
 
 }  // namespace refit
 

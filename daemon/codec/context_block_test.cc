@@ -52,7 +52,7 @@ absl::Status Decode(DType t, const std::vector<uint8_t>& payload, const std::vec
   std::vector<uint32_t> pos(count);
   std::vector<uint64_t> val(count);
   absl::Status st = DecodeContextBlock(t, payload.data(), payload.size(), a.data(), len, count,
-                                       prev, s, pos.data(), val.data(), "block 0");
+                                       prev, s, pos.data(), val.data(), [] { return std::string("block 0"); });
   if (!st.ok()) return st;
   *out = a;
   const size_t w = static_cast<size_t>(DTypeSize(t));
@@ -151,7 +151,7 @@ TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
   std::vector<uint32_t> pos(n);
   std::vector<uint64_t> val(n);
   EXPECT_EQ(DecodeContextBlock(t, c.payload.data(), c.payload.size(), a.data(), len, n,
-                               &short_prev, cs, pos.data(), val.data(), "block 0")
+                               &short_prev, cs, pos.data(), val.data(), [] { return std::string("block 0"); })
                 .code(),
             absl::StatusCode::kInvalidArgument);
   // A stream coded with the previous signs does not decode without them (or gives other bytes).
