@@ -432,8 +432,19 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
         const uint16_t* x = reinterpret_cast<const uint16_t*>(pairs[b.t].base.data()) + b.first;
         const uint16_t* y = reinterpret_cast<const uint16_t*>(pairs[b.t].target.data()) + b.first;
         pos.resize(b.len);
-        uint32_t n = 0;
-        for (uint32_t k = 0; k < b.len; ++k) {
+        uint32_t n = 0;  // the changed positions, four elements at a compare
+        uint32_t k = 0;
+        for (; k + 4 <= b.len; k += 4) {
+          uint64_t xa, ya;
+          std::memcpy(&xa, x + k, 8);
+          std::memcpy(&ya, y + k, 8);
+          if (xa == ya) continue;
+          for (uint32_t e = k; e < k + 4; ++e) {
+            pos[n] = e;
+            n += x[e] != y[e] ? 1 : 0;
+          }
+        }
+        for (; k < b.len; ++k) {
           pos[n] = k;
           n += x[k] != y[k] ? 1 : 0;
         }

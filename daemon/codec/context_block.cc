@@ -14,6 +14,17 @@
 #elif defined(__x86_64__)
 #include <emmintrin.h>
 #endif
+// The AVX-512 scanner is built with GCC's target pragma and chosen at run time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// GCC 12 flags the headers' own _mm512_undefined_*() (a self-initialized variable) wherever
+// they inline under a target pragma.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#define REFIT_CONTEXT_AVX512 1
+#endif
 
 namespace refit {
 namespace {
@@ -72,9 +83,13 @@ inline uint64_t AddDifference(ValueCoding coding, int bits, uint64_t a, uint64_t
 }
 
 inline uint64_t Load(const uint8_t* p, int width, uint64_t i) {
-  uint64_t v = 0;
-  std::memcpy(&v, p + i * static_cast<uint64_t>(width), static_cast<size_t>(width));
-  return v;
+  const uint8_t* q = p + i * static_cast<uint64_t>(width);
+  switch (width) {  // fixed sizes: each memcpy is one load
+    case 1: return *q;
+    case 2: { uint16_t v; std::memcpy(&v, q, 2); return v; }
+    case 4: { uint32_t v; std::memcpy(&v, q, 4); return v; }
+    default: { uint64_t v; std::memcpy(&v, q, 8); return v; }
+  }
 }
 
 // The block's anchor e_top: the largest field value of its base elements.
@@ -161,11 +176,6 @@ inline uint64_t ClassMask(const uint8_t* p, uint8_t c) {
 #endif
 }
 
-inline int SelectBit(uint64_t m, uint64_t r) {  // the r-th (from 0) set bit of m; r < popcount
-  for (uint64_t i = 0; i < r; ++i) m &= m - 1;
-  return std::countr_zero(m);
-}
-
 // The models of one class.
 struct ClassModels {
   rc::BitModel unary[4];
@@ -244,7 +254,7 @@ int GetK(rc::Decoder& d, KModels& m, int pred) {
   return up ? pred + 1 + mag : pred - 1 - mag;
 }
 
-void PutGap(rc::Encoder& e, ClassModels& m, uint64_t g, int k) {
+[[gnu::always_inline]] inline void PutGap(rc::Encoder& e, ClassModels& m, uint64_t g, int k) {
   const uint64_t q = g >> k;
   for (uint64_t i = 0; i < q; ++i) e.Bit(m.unary[std::min<uint64_t>(i, 3)], 1);
   e.Bit(m.unary[std::min<uint64_t>(q, 3)], 0);
@@ -271,7 +281,7 @@ uint64_t GetLong(rc::Decoder& d, int nbits) {
   return d.Direct(nbits);
 }
 
-void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint64_t a,
+[[gnu::always_inline]] inline void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint64_t a,
               uint64_t b, int ps) {
   const uint64_t mask = format::WidthMask(bits);
   if (coding == ValueCoding::kRaw) {
@@ -292,104 +302,13 @@ void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint
   PutLong(e, x & ((1ull << l1) - 1), l1);
 }
 
-}  // namespace
-
-void PrevSigns::Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len) {
-  const int w = DTypeSize(dtype);
-  const int bits = 8 * w;
-  const ValueCoding coding = DTypeValueCoding(dtype);
-  changed.assign((len + 63) / 64, 0);
-  down.assign((len + 63) / 64, 0);
-  for (uint32_t i = 0; i < len; ++i) {
-    const uint64_t a = Load(before, w, i), b = Load(after, w, i);
-    if (a == b) continue;
-    const uint64_t d = Difference(coding, bits, a, b);
-    changed[i >> 6] |= 1ull << (i & 63);
-    if ((d >> (bits - 1)) & 1) down[i >> 6] |= 1ull << (i & 63);
-  }
-}
-
-size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
-                          const uint32_t* pos, uint32_t n, const PrevSigns* prev,
-                          ContextScratch& s, uint8_t* out, size_t capacity) {
-  if (!PrevCovers(prev, len)) return 0;
-  const ClassField f = FieldOf(dtype);
-  const int w = DTypeSize(dtype);
-  const ValueCoding coding = DTypeValueCoding(dtype);
-  const uint32_t top = MaxField(f, w, base, len);
-  ClassifyBlock(f, w, base, len, top, s.cls);
-  SplitByPrev(prev, len, s.cls);
-  // Changes grouped by class (stable: positions stay increasing within a class).
-  uint32_t count[kContextClasses] = {};
-  for (uint32_t j = 0; j < n; ++j) ++count[s.cls[pos[j]]];
-  uint32_t start[kContextClasses + 1] = {};
-  for (int c = 0; c < kContextClasses; ++c) start[c + 1] = start[c] + count[c];
-  s.order.resize(n);
-  {
-    uint32_t fill[kContextClasses];
-    std::copy(start, start + kContextClasses, fill);
-    for (uint32_t j = 0; j < n; ++j) s.order[fill[s.cls[pos[j]]]++] = j;
-  }
-  // Rank gaps per class, and each class's closing gap and parameter.
-  s.gaps.resize(n);
-  uint32_t closing[kContextClasses] = {};
-  int k[kContextClasses] = {};
-  const uint32_t words = (len + 63) / 64;
-  for (int c = 0; c < kContextClasses; ++c) {
-    if (count[c] == 0) continue;
-    uint64_t rank_base = 0;  // class-c elements in words before w
-    uint32_t wi = 0;
-    int64_t last = -1;
-    for (uint32_t t = start[c]; t < start[c + 1]; ++t) {
-      const uint32_t p = pos[s.order[t]];
-      for (; wi < (p >> 6); ++wi) rank_base += std::popcount(ClassMask(s.cls.data() + 64 * wi, static_cast<uint8_t>(c)));
-      const uint64_t below = ClassMask(s.cls.data() + 64 * wi, static_cast<uint8_t>(c)) & ((1ull << (p & 63)) - 1);
-      const int64_t rank = static_cast<int64_t>(rank_base + std::popcount(below));
-      s.gaps[t] = static_cast<uint32_t>(rank - last - 1);
-      last = rank;
-    }
-    for (; wi < words; ++wi) rank_base += std::popcount(ClassMask(s.cls.data() + 64 * wi, static_cast<uint8_t>(c)));
-    closing[c] = static_cast<uint32_t>(static_cast<int64_t>(rank_base) - last - 1);
-    k[c] = ChooseK(rank_base - count[c], count[c] + 1);
-  }
-  rc::Encoder e(out, capacity);
-  e.Direct(top, 16);
-  uint32_t class_mask = 0;
-  for (int c = 0; c < kContextClasses; ++c) class_mask |= (count[c] ? 1u : 0u) << c;
-  e.Direct(class_mask, kContextClasses);
-  {
-    KModels km;
-    int last = -1;
-    for (int c = 0; c < kContextClasses; ++c) {
-      if (count[c] == 0) continue;
-      PutK(e, km, k[c], KPrediction(k, last, c));
-      last = c;
-    }
-  }
-  const int bits = 8 * w;
-  for (int c = 0; c < kContextClasses && !e.overflow(); ++c) {
-    if (count[c] == 0) continue;
-    ClassModels m;
-    for (uint32_t t = start[c]; t < start[c + 1]; ++t) {
-      const uint32_t p = pos[s.order[t]];
-      PutGap(e, m, s.gaps[t], k[c]);
-      PutValue(e, m, coding, bits, Load(base, w, p), Load(target, w, p), PrevContext(prev, p));
-    }
-    PutGap(e, m, closing[c], k[c]);
-  }
-  const size_t bytes = e.Finish();
-  return e.overflow() ? 0 : bytes;
-}
-
-namespace {
-
 struct ValueResult {
   bool ok = true;
   uint64_t target = 0;
   const char* error = nullptr;
 };
 
-ValueResult GetValue(rc::Decoder& d, ClassModels& m, ValueCoding coding, int bits, uint64_t a,
+[[gnu::always_inline]] inline ValueResult GetValue(rc::Decoder& d, ClassModels& m, ValueCoding coding, int bits, uint64_t a,
                      int ps) {
   const uint64_t mask = format::WidthMask(bits);
   ValueResult r;
@@ -416,7 +335,7 @@ ValueResult GetValue(rc::Decoder& d, ClassModels& m, ValueCoding coding, int bit
 }
 
 // A gap: false when its quotient exceeds what a block of len elements can hold.
-bool GetGap(rc::Decoder& d, ClassModels& m, int k, uint32_t len, uint64_t* g) {
+[[gnu::always_inline]] inline bool GetGap(rc::Decoder& d, ClassModels& m, int k, uint32_t len, uint64_t* g) {
   const uint64_t max_q = static_cast<uint64_t>(len) >> k;
   uint64_t q = 0;
   while (d.Bit(m.unary[std::min<uint64_t>(q, 3)])) {
@@ -431,103 +350,416 @@ bool GetGap(rc::Decoder& d, ClassModels& m, int k, uint32_t len, uint64_t* g) {
   return d.ok();
 }
 
+
+// What the decoder's pass needs besides the scan.
+struct DecodeSetup {
+  ValueCoding coding;
+  int bits = 0, width = 0;
+  const uint8_t* base = nullptr;
+  uint32_t len = 0, words = 0, count = 0;
+  uint32_t active = 0;  // the class mask
+  const int* k = nullptr;
+  const PrevSigns* prev = nullptr;
+};
+
+// Where the decoder is: the class and the number of changes written so far.
+struct DecodeState {
+  int cls = -1;
+  uint32_t decoded = 0;
+};
+
+// What a scanner is built from.
+struct ScanSetup {
+  DType dtype = DType::kBF16;
+  ClassField f;
+  int width = 0;
+  const uint8_t* base = nullptr;
+  uint32_t len = 0;
+  uint32_t top = 0;
+  const PrevSigns* prev = nullptr;
+  std::vector<uint8_t>* cls = nullptr;  // the portable scanner's class bytes
+};
+
+constexpr uint64_t kNever = uint64_t{1} << 62;  // a counter no word reaches
+
+// The portable scanner: every element's class as a byte (ClassifyBlock), counted per word.
+namespace portable {
+
+class WordScan {
+ public:
+  explicit WordScan(const ScanSetup& ss) {
+    ClassifyBlock(ss.f, ss.width, ss.base, ss.len, ss.top, *ss.cls);
+    SplitByPrev(ss.prev, ss.len, *ss.cls);
+    cls_ = ss.cls->data();
+  }
+  // Counters of `classes` start at 0; the others are never hot.
+  void ClearCounters(uint32_t classes) {
+    active_ = classes;
+    for (int c = 0; c < kContextClasses; ++c) r_[c] = ((classes >> c) & 1) ? 0 : kNever;
+  }
+  void Load(uint32_t w) {
+    p_ = cls_ + 64 * static_cast<size_t>(w);
+    uint32_t h[64] = {};
+    for (int i = 0; i < 64; ++i) ++h[p_[i] & 63];  // padding (0xFF) lands in h[63]
+    std::copy(h, h + kContextClasses, cnt_);
+  }
+  uint64_t Mask(int c) const { return ClassMask(p_, static_cast<uint8_t>(c)); }
+  int ClassAt(int bit) const { return p_[bit]; }
+  uint64_t R(int c) const { return r_[c]; }
+  void SetR(int c, uint64_t v) { r_[c] = v; }
+  void AddCounts() {
+    for (int c = 0; c < kContextClasses; ++c) r_[c] += cnt_[c];
+  }
+  uint32_t Hot() {
+    uint32_t hot = 0;
+    for (uint32_t a = active_; a != 0; a &= a - 1) {
+      const int c = std::countr_zero(a);
+      if (r_[c] < cnt_[c]) {
+        hot |= 1u << c;
+      } else {
+        r_[c] -= cnt_[c];
+      }
+    }
+    return hot;
+  }
+  static int SelectBit(uint64_t m, uint64_t r) {  // the r-th (from 0) set bit of m; r < popcount
+    for (uint64_t i = 0; i < r; ++i) m &= m - 1;
+    return std::countr_zero(m);
+  }
+
+ private:
+  const uint8_t* cls_ = nullptr;
+  const uint8_t* p_ = nullptr;
+  uint32_t active_ = 0;
+  uint64_t r_[kContextClasses] = {};
+  uint32_t cnt_[kContextClasses] = {};
+};
+
+#include "daemon/codec/context_kernels.inc"
+
+}  // namespace portable
+
+#if defined(REFIT_CONTEXT_AVX512)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vpopcntdq,bmi,bmi2,popcnt,lzcnt")
+// 2-byte floating-point dtypes (BF16, F16) with AVX-512: a word's classes as five bit planes
+// (bits 0-3: the exponent class, bit 4: changed in the previous version), every class's count
+// in one pass of four 8-lane popcounts, and the counters in four 8-lane registers.
+namespace avx512 {
+
+class WordScan {
+ public:
+  explicit WordScan(const ScanSetup& ss)
+      : base_(reinterpret_cast<const uint16_t*>(ss.base)),
+        prev_(ss.prev != nullptr && ss.prev->known() ? ss.prev->changed.data() : nullptr),
+        len_(ss.len) {
+    top_ = _mm512_set1_epi16(static_cast<short>(ss.top));
+    field_ = _mm512_set1_epi16(static_cast<short>(ss.f.mask));
+    shift_ = _mm_cvtsi32_si128(ss.f.shift);
+    for (int b = 0; b < 3; ++b) {
+      alignas(64) uint64_t lanes[8];
+      for (int l = 0; l < 8; ++l) lanes[l] = ((l >> b) & 1) ? 0 : ~uint64_t{0};
+      pol_[b] = _mm512_load_si512(lanes);
+    }
+    for (int j = 0; j < 4; ++j) r_[j] = cnt_[j] = _mm512_setzero_si512();
+  }
+  void ClearCounters(uint32_t classes) {
+    for (int j = 0; j < 4; ++j) {
+      const __mmask8 on = static_cast<__mmask8>(classes >> (8 * j));
+      r_[j] = _mm512_maskz_set1_epi64(static_cast<__mmask8>(~on), static_cast<long long>(kNever));
+    }
+  }
+  void Load(uint32_t w) {
+    const uint32_t first = 64 * w;
+    const uint32_t left = len_ - first;
+    __m512i x0, x1;
+    if (left >= 64) {
+      valid_ = ~uint64_t{0};
+      x0 = _mm512_loadu_si512(base_ + first);
+      x1 = _mm512_loadu_si512(base_ + first + 32);
+    } else {
+      valid_ = (uint64_t{1} << left) - 1;
+      x0 = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(valid_), base_ + first);
+      x1 = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(valid_ >> 32), base_ + first + 32);
+    }
+    const __m512i fifteen = _mm512_set1_epi16(kExponentClasses - 1);
+    const __m512i d0 = _mm512_min_epu16(
+        _mm512_subs_epu16(top_, _mm512_and_si512(_mm512_srl_epi16(x0, shift_), field_)), fifteen);
+    const __m512i d1 = _mm512_min_epu16(
+        _mm512_subs_epu16(top_, _mm512_and_si512(_mm512_srl_epi16(x1, shift_), field_)), fifteen);
+    const __m512i bytes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(d0)),
+                                             _mm512_cvtepi16_epi8(d1), 1);
+    for (int b = 0; b < 4; ++b) {
+      p_[b] = _cvtmask64_u64(_mm512_test_epi8_mask(bytes, _mm512_set1_epi8(static_cast<char>(1 << b))));
+    }
+    p_[4] = prev_ != nullptr ? prev_[w] : 0;
+    // Lane l of register j is class 8j + l: bits 0-2 select by lane, bits 3-4 by register.
+    __m512i low3 = _mm512_xor_si512(_mm512_set1_epi64(static_cast<long long>(p_[0])), pol_[0]);
+    low3 = _mm512_ternarylogic_epi64(_mm512_set1_epi64(static_cast<long long>(p_[1])), pol_[1], low3, 0x28);
+    low3 = _mm512_ternarylogic_epi64(_mm512_set1_epi64(static_cast<long long>(p_[2])), pol_[2], low3, 0x28);
+    const uint64_t hi[4] = {~p_[3] & ~p_[4] & valid_, p_[3] & ~p_[4] & valid_,
+                            ~p_[3] & p_[4] & valid_, p_[3] & p_[4] & valid_};
+    for (int j = 0; j < 4; ++j) {
+      cnt_[j] = _mm512_popcnt_epi64(_mm512_and_si512(low3, _mm512_set1_epi64(static_cast<long long>(hi[j]))));
+    }
+  }
+  uint64_t Mask(int c) const {
+    uint64_t m = valid_;
+    for (int b = 0; b < 5; ++b) m &= ((c >> b) & 1) ? p_[b] : ~p_[b];
+    return m;
+  }
+  int ClassAt(int bit) const {
+    int c = 0;
+    for (int b = 0; b < 5; ++b) c |= static_cast<int>((p_[b] >> bit) & 1) << b;
+    return c;
+  }
+  uint64_t R(int c) const {
+    const __m512i v = _mm512_permutexvar_epi64(_mm512_set1_epi64(c & 7), r_[c >> 3]);
+    return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm512_castsi512_si128(v)));
+  }
+  void SetR(int c, uint64_t v) {
+    r_[c >> 3] = _mm512_mask_set1_epi64(r_[c >> 3], static_cast<__mmask8>(1u << (c & 7)),
+                                        static_cast<long long>(v));
+  }
+  void AddCounts() {
+    for (int j = 0; j < 4; ++j) r_[j] = _mm512_add_epi64(r_[j], cnt_[j]);
+  }
+  uint32_t Hot() {
+    uint32_t hot = 0;
+    for (int j = 0; j < 4; ++j) {
+      const __mmask8 k = _mm512_cmplt_epu64_mask(r_[j], cnt_[j]);
+      r_[j] = _mm512_mask_sub_epi64(r_[j], static_cast<__mmask8>(~k), r_[j], cnt_[j]);
+      hot |= static_cast<uint32_t>(k) << (8 * j);
+    }
+    return hot;
+  }
+  static int SelectBit(uint64_t m, uint64_t r) {
+    return std::countr_zero(_pdep_u64(uint64_t{1} << r, m));
+  }
+
+ private:
+  const uint16_t* base_;
+  const uint64_t* prev_;
+  uint32_t len_;
+  __m512i top_, field_, pol_[3];
+  __m128i shift_;
+  uint64_t p_[5] = {};
+  uint64_t valid_ = 0;
+  __m512i r_[4], cnt_[4];
+};
+
+#include "daemon/codec/context_kernels.inc"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+bool Avx512Scan(const ClassField& f, int width, const ContextScratch& s) {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vpopcntdq") && __builtin_cpu_supports("bmi2");
+  return cpu && !s.portable && width == 2 && f.is_float;
+}
+#else
+bool Avx512Scan(const ClassField&, int, const ContextScratch&) { return false; }
+#endif
+
+// The passes on the scanner the block and the machine allow.
+void RankBlock(const ScanSetup& ss, bool fast, const uint32_t* pos, uint32_t n, uint8_t* cls_of,
+               uint32_t* rank_of, uint32_t* order, uint64_t* total) {
+#if defined(REFIT_CONTEXT_AVX512)
+  if (fast) return avx512::RankBlock(ss, pos, n, cls_of, rank_of, order, total);
+#endif
+  (void)fast;
+  portable::RankBlock(ss, pos, n, cls_of, rank_of, order, total);
+}
+
+const char* DecodeBlock(const ScanSetup& ss, bool fast, rc::Decoder& d, const DecodeSetup& ds,
+                        ClassModels* m, DecodeState* state, uint32_t* pos_out, uint64_t* val_out) {
+#if defined(REFIT_CONTEXT_AVX512)
+  if (fast) return avx512::DecodeBlock(ss, d, ds, m, state, pos_out, val_out);
+#endif
+  (void)fast;
+  return portable::DecodeBlock(ss, d, ds, m, state, pos_out, val_out);
+}
+
 }  // namespace
+
+void PrevSigns::Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len) {
+  const int w = DTypeSize(dtype);
+  const int bits = 8 * w;
+  const ValueCoding coding = DTypeValueCoding(dtype);
+  changed.assign((len + 63) / 64, 0);
+  down.assign((len + 63) / 64, 0);
+  for (uint32_t i = 0; i < len; ++i) {
+    const uint64_t a = Load(before, w, i), b = Load(after, w, i);
+    if (a == b) continue;
+    const uint64_t d = Difference(coding, bits, a, b);
+    changed[i >> 6] |= 1ull << (i & 63);
+    if ((d >> (bits - 1)) & 1) down[i >> 6] |= 1ull << (i & 63);
+  }
+}
+
+
+namespace {
+
+// The encoder's stream order and gaps: changes word by word, in a word by class then position;
+// after each change, the gap to its class's next change (or the closing gap).
+struct StreamPlan {
+  uint32_t count[kContextClasses] = {};
+  uint32_t first[kContextClasses] = {};  // each class's first change (index into pos)
+  uint64_t total[kContextClasses] = {};
+  int k[kContextClasses] = {};
+  uint32_t active = 0;
+};
+
+StreamPlan PlanStream(ContextScratch& s, uint32_t n, const uint64_t* total) {
+  StreamPlan plan;
+  std::copy(total, total + kContextClasses, plan.total);
+  for (uint32_t j = 0; j < n; ++j) ++plan.count[s.cls_of[j]];
+  // Each change's successor in its class (n: none), found walking the stream backwards.
+  s.next.resize(n);
+  uint32_t last[kContextClasses];
+  std::fill(last, last + kContextClasses, n);
+  for (uint32_t t = n; t-- > 0;) {
+    const uint32_t j = s.order[t];
+    s.next[j] = last[s.cls_of[j]];
+    last[s.cls_of[j]] = j;
+  }
+  for (int c = 0; c < kContextClasses; ++c) {
+    plan.first[c] = last[c];
+    if (plan.count[c] == 0) continue;
+    plan.active |= 1u << c;
+    plan.k[c] = ChooseK(plan.total[c] - plan.count[c], plan.count[c] + 1);
+  }
+  return plan;
+}
+
+// Writes the header (e_top, class mask, gap parameters), each class's first gap, then per change
+// in stream order its value and the gap to its class's next change (or its closing gap).
+size_t EmitStream(const ScanSetup& ss, const uint8_t* target, const uint32_t* pos, uint32_t n,
+                  const StreamPlan& plan, const ContextScratch& s, uint8_t* out, size_t capacity) {
+  const ValueCoding coding = DTypeValueCoding(ss.dtype);
+  const int bits = 8 * ss.width;
+  rc::Encoder e(out, capacity);
+  e.Direct(ss.top, 16);
+  e.Direct(plan.active, kContextClasses);
+  {
+    KModels km;
+    int last = -1;
+    for (uint32_t a = plan.active; a != 0; a &= a - 1) {
+      const int c = std::countr_zero(a);
+      PutK(e, km, plan.k[c], KPrediction(plan.k, last, c));
+      last = c;
+    }
+  }
+  ClassModels m[kContextClasses];
+  for (uint32_t a = plan.active; a != 0; a &= a - 1) {
+    const int c = std::countr_zero(a);
+    if (s.rank[plan.first[c]] >= plan.total[c]) return 0;
+    PutGap(e, m[c], s.rank[plan.first[c]], plan.k[c]);
+  }
+  for (uint32_t t = 0; t < n && !e.overflow(); ++t) {
+    const uint32_t j = s.order[t];
+    const int c = s.cls_of[j];
+    const uint32_t p = pos[j];
+    PutValue(e, m[c], coding, bits, Load(ss.base, ss.width, p), Load(target, ss.width, p),
+             PrevContext(ss.prev, p));
+    const uint32_t nx = s.next[j];
+    const uint64_t g = nx < n ? uint64_t{s.rank[nx]} - s.rank[j] - 1 : plan.total[c] - s.rank[j] - 1;
+    if (g >= plan.total[c]) return 0;  // ranks out of order: never for a consistent scan
+    PutGap(e, m[c], g, plan.k[c]);
+  }
+  const size_t bytes = e.Finish();
+  return e.overflow() ? 0 : bytes;
+}
+
+// The header: e_top, the class mask and each class's gap parameter. nullptr, or what is wrong.
+const char* DecodeHeader(rc::Decoder& d, const ClassField& f, int width, uint32_t* top,
+                         uint32_t* active, int* k) {
+  if (!d.started()) return "not a range-coded stream (too short or bad first bytes)";
+  *top = d.Direct(16);
+  *active = d.Direct(kContextClasses);
+  if (f.is_float && *top > f.mask) return "the class anchor exceeds the dtype's exponent field";
+  if (!f.is_float && *top > static_cast<uint32_t>(8 * width)) return "the class anchor exceeds the dtype's width";
+  if (*active == 0) return "no class has a change";
+  KModels km;
+  int last = -1;
+  for (uint32_t a = *active; a != 0; a &= a - 1) {
+    const int c = std::countr_zero(a);
+    k[c] = GetK(d, km, KPrediction(k, last, c));
+    if (k[c] < 0 || k[c] > kMaxK) return "a class's gap parameter is out of [0, 24]";
+    last = c;
+  }
+  if (!d.ok()) return "truncated stream";
+  return nullptr;
+}
+
+}  // namespace
+
+size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
+                          const uint32_t* pos, uint32_t n, const PrevSigns* prev,
+                          ContextScratch& s, uint8_t* out, size_t capacity) {
+  if (!PrevCovers(prev, len)) return 0;
+  ScanSetup ss;
+  ss.dtype = dtype;
+  ss.f = FieldOf(dtype);
+  ss.width = DTypeSize(dtype);
+  ss.base = base;
+  ss.len = len;
+  ss.top = MaxField(ss.f, ss.width, base, len);
+  ss.prev = prev;
+  ss.cls = &s.cls;
+  s.cls_of.resize(n);
+  s.rank.resize(n);
+  s.order.resize(n);
+  uint64_t total[kContextClasses];
+  RankBlock(ss, Avx512Scan(ss.f, ss.width, s), pos, n, s.cls_of.data(), s.rank.data(),
+            s.order.data(), total);
+  const StreamPlan plan = PlanStream(s, n, total);
+  return EmitStream(ss, target, pos, n, plan, s, out, capacity);
+}
 
 absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,
                                 const uint8_t* base, uint32_t len, uint32_t count,
                                 const PrevSigns* prev, ContextScratch& s, uint32_t* pos_out,
                                 uint64_t* val_out, absl::FunctionRef<std::string()> where) {
-  const ClassField f = FieldOf(dtype);
-  const int w = DTypeSize(dtype);
-  const int bits = 8 * w;
-  const ValueCoding coding = DTypeValueCoding(dtype);
-  rc::Decoder d(payload, bytes);
-  int cur_class = -1;
-  uint32_t decoded = 0;
-  auto fail = [&](const std::string& what) {
-    return absl::DataLossError(absl::StrCat(where(), ", context-coded payload",
-                                            cur_class >= 0 ? absl::StrCat(", class ", cur_class) : "",
-                                            ", change ", decoded, " of ", count, " (byte ",
-                                            d.consumed(), " of ", bytes, "): ", what));
-  };
   if (!PrevCovers(prev, len)) {
     return absl::InvalidArgumentError(absl::StrCat(
         where(), ": the previous-change record covers ", 64 * prev->changed.size(),
         " elements, fewer than the block's ", len));
   }
-  if (!d.started()) return fail("not a range-coded stream (too short or bad first bytes)");
-  const uint32_t top = d.Direct(16);
-  const uint32_t class_mask = d.Direct(kContextClasses);
-  if (top > f.mask && f.is_float) return fail(absl::StrCat("class anchor ", top, " exceeds the dtype's exponent field"));
-  if (!f.is_float && top > static_cast<uint32_t>(bits)) return fail(absl::StrCat("class anchor ", top, " exceeds the dtype's width"));
-  if (class_mask == 0) return fail("no class has a change");
+  ScanSetup ss;
+  ss.dtype = dtype;
+  ss.f = FieldOf(dtype);
+  ss.width = DTypeSize(dtype);
+  ss.base = base;
+  ss.len = len;
+  ss.prev = prev;
+  ss.cls = &s.cls;
+  rc::Decoder d(payload, bytes);
+  DecodeState state;
+  auto fail = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat(where(), ", context-coded payload",
+                                            state.cls >= 0 ? absl::StrCat(", class ", state.cls) : "",
+                                            ", change ", state.decoded, " of ", count, " (byte ",
+                                            d.consumed(), " of ", bytes, "): ", what));
+  };
   int k[kContextClasses] = {};
-  {
-    KModels km;
-    int last = -1;
-    for (int c = 0; c < kContextClasses; ++c) {
-      if (((class_mask >> c) & 1) == 0) continue;
-      k[c] = GetK(d, km, KPrediction(k, last, c));
-      if (k[c] < 0 || k[c] > kMaxK) {
-        return fail(absl::StrCat("class ", c, " gap parameter out of [0, ", kMaxK, "]"));
-      }
-      last = c;
-    }
-  }
-  if (!d.ok()) return fail("truncated stream");
-  ClassifyBlock(f, w, base, len, top, s.cls);
-  SplitByPrev(prev, len, s.cls);
-  s.pos.resize(count);
-  s.val.resize(count);
-  const uint32_t words = (len + 63) / 64;
-  uint32_t start[kContextClasses] = {};  // each class's first change in s.pos / s.val
-  for (int c = 0; c < kContextClasses; ++c) {
-    start[c] = decoded;
-    if (((class_mask >> c) & 1) == 0) continue;
-    cur_class = c;
-    ClassModels m;
-    uint64_t g;
-    if (!GetGap(d, m, k[c], len, &g)) return fail("truncated or oversized gap");
-    uint64_t remaining = g;  // class-c elements to pass before the next change
-    const uint32_t first = decoded;
-    for (uint32_t wi = 0; wi < words; ++wi) {
-      const uint64_t mask = ClassMask(s.cls.data() + 64 * wi, static_cast<uint8_t>(c));
-      const uint64_t cnt = static_cast<uint64_t>(std::popcount(mask));
-      while (remaining < cnt) {
-        if (decoded == count) return fail("more changes than the block's count");
-        const uint32_t p = 64 * wi + static_cast<uint32_t>(SelectBit(mask, remaining));
-        const ValueResult v = GetValue(d, m, coding, bits, Load(base, w, p), PrevContext(prev, p));
-        if (!v.ok) return fail(v.error);
-        s.pos[decoded] = p;
-        s.val[decoded] = v.target;
-        ++decoded;
-        if (!GetGap(d, m, k[c], len, &g)) return fail("truncated or oversized gap");
-        remaining += 1 + g;
-      }
-      remaining -= cnt;
-    }
-    if (remaining != 0) return fail("the class's last gap runs past its elements");
-    if (decoded == first) return fail("a class in the mask has no change");
-  }
-  cur_class = -1;
-  if (decoded != count) return fail("fewer changes than the block's count");
+  DecodeSetup ds;
+  if (const char* bad = DecodeHeader(d, ss.f, ss.width, &ss.top, &ds.active, k)) return fail(bad);
+  ds.coding = DTypeValueCoding(dtype);
+  ds.width = ss.width;
+  ds.bits = 8 * ss.width;
+  ds.base = base;
+  ds.len = len;
+  ds.words = (len + 63) / 64;
+  ds.count = count;
+  ds.k = k;
+  ds.prev = prev;
+  ClassModels m[kContextClasses];
+  const char* bad = DecodeBlock(ss, Avx512Scan(ss.f, ss.width, s), d, ds, m, &state, pos_out, val_out);
+  if (bad != nullptr) return fail(bad);
+  if (state.decoded != count) return fail("fewer changes than the block's count");
   if (!d.Finished()) return fail("the stream does not end where its last symbol does");
-  // Class order -> position order: walk the decoded positions' bitmap; each position's value is
-  // the next one of its class (a class's positions were decoded in increasing order).
-  s.hit.assign(words, 0);
-  for (uint32_t j = 0; j < count; ++j) s.hit[s.pos[j] >> 6] |= 1ull << (s.pos[j] & 63);
-  uint32_t cursor[kContextClasses];
-  std::copy(start, start + kContextClasses, cursor);
-  uint32_t out = 0;
-  for (uint32_t wi = 0; wi < words; ++wi) {
-    for (uint64_t h = s.hit[wi]; h != 0; h &= h - 1) {
-      const uint32_t p = 64 * wi + static_cast<uint32_t>(std::countr_zero(h));
-      const uint32_t j = cursor[s.cls[p]]++;
-      pos_out[out] = p;
-      val_out[out] = s.val[j];
-      ++out;
-    }
-  }
   return absl::OkStatus();
 }
 

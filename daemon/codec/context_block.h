@@ -9,10 +9,11 @@
 //     class's elements (a class of small weights changes far more often than one of large);
 //   - signs and magnitudes are coded under the class and the sign of the element's change in the
 //     previous version, with adaptive binary models and the range coder of range_coder.h.
-// Symbol order (normative): direct bits e_top (16), class mask (32), then k_c (5 bits) for each
-// class in the mask in increasing order; then per class in the mask: for each changed element in
-// increasing position, its gap and its value; then the class's closing gap, which lands one past
-// the class's last element.
+// Symbol order (normative): direct bits e_top (16), class mask (32), then k_c for each class in
+// the mask in increasing order; then each class's first gap, in class order; then the block's
+// changes word by word (64 elements), in a word by class and then position: for each, its value
+// and then the gap to its class's next change (after its class's last change: the closing gap,
+// which lands one past the class's last element).
 #ifndef REFIT_DAEMON_CODEC_CONTEXT_BLOCK_H_
 #define REFIT_DAEMON_CODEC_CONTEXT_BLOCK_H_
 
@@ -42,12 +43,12 @@ struct PrevSigns {
 
 // Per-thread working memory, reused across blocks.
 struct ContextScratch {
-  std::vector<uint8_t> cls;         // class of each element (+ 64 bytes of padding)
-  std::vector<uint32_t> order;      // change indices grouped by class
-  std::vector<uint32_t> gaps;       // per change (class order), then closing gaps
-  std::vector<uint32_t> pos;        // decoder: positions in class order
-  std::vector<uint64_t> val;        // decoder: target bits in class order
-  std::vector<uint64_t> hit;        // decoder: bitmap of decoded positions
+  std::vector<uint8_t> cls;     // portable scanner: class of each element (+ 64 bytes of padding)
+  std::vector<uint8_t> cls_of;  // encoder: each change's class
+  std::vector<uint32_t> rank;   // encoder: each change's rank among its class's elements
+  std::vector<uint32_t> order;  // encoder: changes in stream order
+  std::vector<uint32_t> next;   // encoder: each change's successor in its class
+  bool portable = false;        // tests: use the portable scanner where AVX-512 would be used
 };
 
 // Encodes the changes of a block (`pos`: the n >= 1 changed positions, increasing) into

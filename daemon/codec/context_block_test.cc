@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/patch_testing.h"
 #include "gtest/gtest.h"
@@ -31,11 +32,12 @@ struct Coded {
 };
 
 Coded Encode(DType t, const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,
-             const PrevSigns* prev) {
+             const PrevSigns* prev, bool portable = false) {
   Coded c;
   c.pos = Changed(t, a, b);
   const uint32_t len = static_cast<uint32_t>(a.size() / DTypeSize(t));
   ContextScratch s;
+  s.portable = portable;
   c.payload.resize(a.size() * 3 + 1024);
   const size_t n = EncodeContextBlock(t, a.data(), b.data(), len, c.pos.data(),
                                       static_cast<uint32_t>(c.pos.size()), prev, s,
@@ -46,9 +48,11 @@ Coded Encode(DType t, const std::vector<uint8_t>& a, const std::vector<uint8_t>&
 }
 
 absl::Status Decode(DType t, const std::vector<uint8_t>& payload, const std::vector<uint8_t>& a,
-                    uint32_t count, const PrevSigns* prev, std::vector<uint8_t>* out) {
+                    uint32_t count, const PrevSigns* prev, std::vector<uint8_t>* out,
+                    bool portable = false) {
   const uint32_t len = static_cast<uint32_t>(a.size() / DTypeSize(t));
   ContextScratch s;
+  s.portable = portable;
   std::vector<uint32_t> pos(count);
   std::vector<uint64_t> val(count);
   absl::Status st = DecodeContextBlock(t, payload.data(), payload.size(), a.data(), len, count,
@@ -84,6 +88,82 @@ TEST(ContextBlock, RoundTripsEveryDtypeRateAndSizeWithAndWithoutThePreviousSigns
           ASSERT_EQ(out, v2) << DTypeName(t) << " len " << len << " p " << p;
         }
       }
+    }
+  }
+}
+
+// Weights of one scale (normal, sigma 0.02) in BF16 or F16 bits, as a trained layer's are.
+std::vector<uint8_t> Weights(DType t, uint32_t len, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  std::vector<uint8_t> v(static_cast<size_t>(len) * 2);
+  for (uint32_t i = 0; i < len; ++i) {
+    const float x = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    uint16_t h = static_cast<uint16_t>(u >> 16);  // BF16: the high half
+    if (t == DType::kF16) {  // F16 of |x| < 1 by its exponent and top mantissa bits
+      const int e = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
+      h = static_cast<uint16_t>((u >> 16 & 0x8000) | (e > 0 ? (e << 10 | (u >> 13 & 0x3FF)) : 0));
+    }
+    std::memcpy(v.data() + 2 * i, &h, 2);
+  }
+  return v;
+}
+
+// The AVX-512 scanner (where the machine has it) and the portable one write the same bytes and
+// decode each other's streams: on trained-like and on random bits, every length class, with
+// and without the previous version's signs.
+TEST(ContextBlock, ScannersAgree) {
+  std::mt19937_64 rng(17);
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    for (uint32_t len : {1u, 31u, 64u, 100u, 4095u, 65536u}) {
+      for (double p : {0.003, 0.02, 0.4}) {
+        for (bool trained : {true, false}) {
+          const std::vector<uint8_t> v0 = trained ? Weights(t, len, rng) : testing::RandomBytes(len * 2, rng);
+          const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
+          std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
+          if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
+          PrevSigns prev;
+          prev.Compare(t, v0.data(), v1.data(), len);
+          const PrevSigns* const choices[] = {nullptr, &prev};
+          for (const PrevSigns* ps : choices) {
+            const std::string what = absl::StrCat(DTypeName(t), " len ", len, " p ", p,
+                                                  trained ? " trained" : " random", ps ? " prev" : "");
+            const Coded fast = Encode(t, v1, v2, ps, /*portable=*/false);
+            const Coded port = Encode(t, v1, v2, ps, /*portable=*/true);
+            ASSERT_EQ(fast.payload, port.payload) << what;
+            const uint32_t n = static_cast<uint32_t>(fast.pos.size());
+            for (bool portable : {false, true}) {
+              std::vector<uint8_t> out;
+              absl::Status st = Decode(t, fast.payload, v1, n, ps, &out, portable);
+              ASSERT_TRUE(st.ok()) << what << ": " << st;
+              ASSERT_EQ(out, v2) << what;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Corruptions are judged the same by both scanners: the same verdict, the same message.
+TEST(ContextBlock, ScannersRejectAlike) {
+  std::mt19937_64 rng(19);
+  const DType t = DType::kBF16;
+  const uint32_t len = 3000;
+  const std::vector<uint8_t> a = Weights(t, len, rng);
+  const std::vector<uint8_t> b = testing::MutateElements(a, t, 0.05, rng);
+  const Coded c = Encode(t, a, b, nullptr);
+  const uint32_t n = static_cast<uint32_t>(c.pos.size());
+  for (size_t i = 0; i < c.payload.size(); ++i) {
+    std::vector<uint8_t> p = c.payload;
+    p[i] ^= static_cast<uint8_t>(1 + rng() % 255);
+    std::vector<uint8_t> out_fast, out_port;
+    const absl::Status fast = Decode(t, p, a, n, nullptr, &out_fast, false);
+    const absl::Status port = Decode(t, p, a, n, nullptr, &out_port, true);
+    ASSERT_EQ(fast, port) << "byte " << i;
+    if (fast.ok()) {
+      ASSERT_EQ(out_fast, out_port) << "byte " << i;
     }
   }
 }

@@ -7,18 +7,20 @@
 //   encoder state: low (u64) = 0, range (u32) = 0xFFFFFFFF, cache (u8) = 0, pending (u64) = 1
 //   a bit b under probability p (P(b = 0) = p / 65536, 1 <= p <= 65535):
 //     bound = (range >> 16) * p; b == 0: range = bound; b == 1: low += bound, range -= bound
-//   a direct (equiprobable) bit b: range >>= 1; b == 1: low += range
-//   after each: while range < 2^24: range <<= 8, ShiftLow()
+//   direct (equiprobable) bits: an n-bit value v (n <= 32) in groups of g <= 8 bits, most
+//     significant first, the first group of ((n - 1) mod 8) + 1 bits: range >>= g, low += v_g * range
+//   after each bit or group: while range < 2^24: range <<= 8, ShiftLow()
 //   ShiftLow: if low < 0xFF000000 or low >= 2^32: emit cache + (low >> 32), then pending - 1
 //     bytes 0xFF + (low >> 32) (mod 256), cache = (low >> 24) & 0xFF, pending = 0;
 //     then pending += 1, low = (low & 0x00FFFFFF) << 8
 //   finish: ShiftLow() five times.
 // The first byte written is always 0. The decoder reads it (it must be 0), then code = the next
 // four bytes big-endian (code < range = 0xFFFFFFFF required); a bit: bound as above,
-// code < bound: b = 0, range = bound; else b = 1, code -= bound, range -= bound; a direct bit:
-// range >>= 1, b = code >= range, code -= b * range; after each, while range < 2^24:
-// range <<= 8, code = code << 8 | next byte. A stream is valid only if the decoder has then read
-// exactly its bytes, no more (it reads exactly as many as the encoder wrote) and code == 0.
+// code < bound: b = 0, range = bound; else b = 1, code -= bound, range -= bound; a group of g
+// direct bits: range >>= g, v_g = code / range (v_g < 2^g, else the stream is invalid: no encoder
+// writes it), code -= v_g * range; after each, while range < 2^24: range <<= 8,
+// code = code << 8 | next byte. A stream is valid only if the decoder has then read exactly its
+// bytes, no more (it reads exactly as many as the encoder wrote) and code == 0.
 //
 // Adaptive bit model: p (u16, starts at 32768) and a count n (starts at 0). After coding bit b
 // with shift s = min(kMaxShift, bit_width(n + 1)): b == 0: p += (65536 - p) >> s; b == 1:
@@ -54,16 +56,11 @@ constexpr int AdaptShift(uint8_t n) {
 
 constexpr void Update(BitModel& m, int bit) {
   const int s = AdaptShift(m.n);
-  if (bit == 0) {
-    m.p = static_cast<uint16_t>(m.p + ((65536u - m.p) >> s));
-  } else {
-    m.p = static_cast<uint16_t>(m.p - (m.p >> s));
-  }
-  if (m.n < kCountCap) ++m.n;
+  const uint32_t p = m.p;
+  m.p = static_cast<uint16_t>(bit == 0 ? p + ((65536u - p) >> s) : p - (p >> s));
+  m.n = static_cast<uint8_t>(m.n + (m.n < kCountCap ? 1 : 0));
 }
 
-// Writes into [out, out + capacity). Past the capacity it stops writing and reports overflow()
-// (an encoder that tries a coding and keeps the smaller one uses this to give up early).
 class Encoder {
  public:
   Encoder(uint8_t* out, size_t capacity) : out_(out), cap_(capacity) {}
@@ -79,11 +76,13 @@ class Encoder {
     Update(m, bit);
     Normalize();
   }
-  // The nbits (0..32) low bits of v, most significant first, each with probability 1/2.
+  // The nbits (0..32) low bits of v, most significant group first, each with probability 1/2.
   inline void Direct(uint32_t v, int nbits) {
-    for (int i = nbits - 1; i >= 0; --i) {
-      range_ >>= 1;
-      if ((v >> i) & 1) low_ += range_;
+    for (int left = nbits; left > 0;) {
+      const int g = ((left - 1) & 7) + 1;
+      left -= g;
+      range_ >>= g;
+      low_ += static_cast<uint64_t>((v >> left) & ((1u << g) - 1)) * range_;
       Normalize();
     }
   }
@@ -152,37 +151,38 @@ class Decoder {
   // no encoder writes.
   bool started() const { return !bad_start_; }
   bool overrun() const { return overrun_; }
-  bool ok() const { return !bad_start_ && !overrun_; }
+  bool ok() const { return !bad_start_ && !overrun_ && !invalid_; }
   size_t consumed() const { return pos_; }
   // The whole stream was read, exactly, and it ended where an encoder's flush ends.
   bool Finished() const { return ok() && pos_ == size_ && code_ == 0; }
 
   inline int Bit(BitModel& m) {
     const uint32_t bound = (range_ >> kProbBits) * m.p;
-    int bit;
-    if (code_ < bound) {
-      range_ = bound;
-      bit = 0;
-    } else {
-      code_ -= bound;
-      range_ -= bound;
-      bit = 1;
-    }
-    Update(m, bit);
+    const bool one = code_ >= bound;
+    code_ = one ? code_ - bound : code_;
+    range_ = one ? range_ - bound : bound;
+    Update(m, one ? 1 : 0);
     Normalize();
-    return bit;
+    return one ? 1 : 0;
   }
   inline uint32_t Direct(int nbits) {
     uint32_t v = 0;
-    for (int i = 0; i < nbits; ++i) {
-      range_ >>= 1;
-      const uint32_t b = code_ >= range_ ? 1u : 0u;
-      code_ -= b * range_;
-      v = (v << 1) | b;
+    for (int left = nbits; left > 0;) {
+      const int g = ((left - 1) & 7) + 1;
+      left -= g;
+      range_ >>= g;
+      uint32_t q = code_ / range_;
+      if (q >> g) {  // past the group's last interval: no encoder writes this
+        invalid_ = true;
+        q &= (1u << g) - 1;
+      }
+      code_ -= q * range_;
+      v = (v << g) | q;
       Normalize();
     }
     return v;
   }
+
 
  private:
   inline void Normalize() {
@@ -205,6 +205,7 @@ class Decoder {
   uint32_t range_ = 0xFFFFFFFFu;
   bool bad_start_ = false;
   bool overrun_ = false;
+  bool invalid_ = false;
 };
 
 }  // namespace refit::rc

@@ -150,6 +150,23 @@ TEST(RangeCoder, RejectsBadStarts) {
   EXPECT_FALSE(Decoder(short_stream, 4).started());
 }
 
+// A group of direct bits whose quotient falls past its last interval (code / (range >> g) >= 2^g)
+// is a stream no encoder writes: the decoder says so instead of returning a value.
+TEST(RangeCoder, DirectGroupPastItsIntervalsIsInvalid) {
+  const uint8_t high[9] = {0, 0xFF, 0xFF, 0xFF, 0xFE, 0, 0, 0, 0};  // code = 2^32 - 2
+  Decoder past(high, sizeof high);
+  ASSERT_TRUE(past.started());
+  past.Direct(1);  // range >> 1 = 2^31 - 1 (rounded down): the quotient is 2
+  EXPECT_FALSE(past.ok());
+  Decoder eight(high, sizeof high);
+  eight.Direct(8);  // (2^32 - 2) / ((2^32 - 1) >> 8) = 256.0...: past, too
+  EXPECT_FALSE(eight.ok());
+  const uint8_t mid[9] = {0, 0x80, 0, 0, 0, 0, 0, 0, 0};
+  Decoder fine(mid, sizeof mid);
+  EXPECT_EQ(fine.Direct(8), 0x80u);
+  EXPECT_TRUE(fine.ok());
+}
+
 TEST(RangeCoder, EncoderStopsWritingAtItsCapacity) {
   const auto syms = MakeSymbols(5, 4000);
   const auto full = EncodeAll(syms);
