@@ -403,7 +403,8 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
   struct Blk {
     size_t t = 0;
     uint32_t first = 0, len = 0;
-    PrevSigns prev;
+    ChangeRecord rec;  // the previous version's changes over the block
+    PrevSigns prev;    // its view
     std::vector<uint8_t> payload;
     uint32_t count = 0;
   };
@@ -417,10 +418,11 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
       b.first = static_cast<uint32_t>(f);
       b.len = static_cast<uint32_t>(std::min<uint64_t>(block, n - f));
       if (!pairs[t].prev.empty()) {
-        b.prev.Compare(DType::kBF16, pairs[t].prev.data() + f * kElemBytes,
-                       pairs[t].base.data() + f * kElemBytes, b.len);
+        b.rec = ChangeRecord::Compare(DType::kBF16, pairs[t].prev.data() + f * kElemBytes,
+                                      pairs[t].base.data() + f * kElemBytes, b.len);
       }
       blocks.push_back(std::move(b));
+      if (blocks.back().rec.num_elements > 0) blocks.back().prev = blocks.back().rec.Block(0, blocks.back().len);
     }
   }
   auto encode_all = [&] {

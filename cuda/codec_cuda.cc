@@ -413,6 +413,11 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     uint64_t* digest_sum, void* update_base) {
   RETURN_IF_ERROR(CheckDevice());
   const int log2 = options.block_log2;
+  if (options.format != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "device encode writes patch format 1 only (format ", options.format,
+        " requested): encode format 2 on the CPU"));
+  }
   RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
   const int w = DTypeSize(dtype);
   const uint64_t n = bytes / w;
@@ -578,6 +583,13 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   RETURN_IF_ERROR(CheckDevice());
   // The same checks, in the same order and with the same messages, as ApplyPatch.
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
+  for (size_t i = 0; i < layout.blocks.size(); ++i) {
+    if (layout.blocks[i].mode == format::kContext) {
+      return absl::UnimplementedError(absl::StrCat(
+          "patch ", DescribeBlock(i, layout.blocks[i]),
+          " is context coded (format 2), which the device does not decode yet: apply on the CPU"));
+    }
+  }
   const int w = DTypeSize(dtype);
   ASSIGN_OR_RETURN(const bool in_place, CheckApplyPointers(d_base, d_out, bytes, w));
   StageClock clock(timings, stream);

@@ -26,6 +26,7 @@
 namespace refit {
 namespace {
 
+using format::kContext;
 using format::kDense;
 using format::kSparse;
 using format::kUnchanged;
@@ -54,6 +55,11 @@ uint32_t BlockChecksum(std::span<const uint8_t> payload, uint64_t block_index) {
 struct Scratch {
   std::vector<uint32_t> pos;   // block-relative positions of changed elements
   std::vector<uint64_t> val;   // target bits
+  // CONTEXT blocks: the tensor's dtype, its previous-change record (a conditioned patch only,
+  // checked against the patch's fingerprint) and the context decoder's memory.
+  DType dtype = DType::kBF16;
+  const ChangeRecord* prev = nullptr;
+  ContextScratch cs;
 };
 
 // A grow-only buffer that is never value-initialised (the encoder overwrites what it uses).
@@ -107,6 +113,7 @@ struct EncodeScratch {
   Buffer<uint64_t> exc;  // exception magnitudes minus two
   Buffer<int32_t> dv;    // 16-bit dtypes on AVX-512: each change's signed difference
   ByteSink out;          // payloads of this worker's blocks, back to back
+  ContextScratch ctx;    // format 2: the context coder's memory
   void Clear() { out.clear(); }
 };
 
@@ -785,16 +792,60 @@ size_t WriteSparsePayload(const BlockChanges& c, ValueCoding coding, const Block
 // Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
 // of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
 // 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary).
+// Format 2: what a block's context coding needs besides its bytes.
+struct ContextArgs {
+  DType dtype = DType::kBF16;
+  PrevSigns prev;  // the block's view of the previous-change record (not known: none)
+};
+
+// Format 2's alternative for a block whose v1 form (entry plus payload) takes v1_total bytes:
+// the context coding of its n changes (positions in s.pos) written at out[start...] when its
+// entry plus payload is strictly smaller. Returns whether it was.
+bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, uint32_t len,
+                     uint32_t n, uint64_t v1_total, EncodeScratch& s, ByteSink& out, size_t start,
+                     BlockRecord& eb) {
+  BlockRecord ctx;
+  ctx.mode = kContext;
+  ctx.count = n;
+  ctx.payload_bytes = 1;
+  const uint64_t least_entry = EntryBytes(ctx);
+  if (v1_total <= least_entry + 1) return false;
+  const uint64_t capacity = v1_total - least_entry - 1;
+  out.resize(start + capacity);
+  const size_t bytes = EncodeContextBlock(cx.dtype, a, b, len, s.pos.Get(n), n,
+                                          cx.prev.known() ? &cx.prev : nullptr, s.ctx,
+                                          out.data() + start, capacity);
+  if (bytes == 0) return false;
+  ctx.payload_bytes = bytes;
+  if (EntryBytes(ctx) + bytes >= v1_total) return false;
+  out.resize(start + bytes);
+  eb = ctx;
+  return true;
+}
+
 template <typename T>
 BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
                          uint64_t block_index, EncodeScratch& s, ByteSink& out,
-                         ChunkHasher* digest, ScanLog* log) {
+                         ChunkHasher* digest, ScanLog* log, const ContextArgs* cx) {
   BlockRecord eb;
   BlockChanges changes = ScanBlock(a, b, len, coding, s, digest, log);
   if (changes.n == 0) return eb;
   const uint64_t sparse_bytes = ChooseSparseCoding<T>(changes, block_log2, coding, eb);
   const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
   const size_t start = out.size();
+  if (cx != nullptr) {
+    BlockRecord v1 = eb;
+    v1.mode = sparse_bytes >= dense_bytes ? kDense : kSparse;
+    v1.count = static_cast<uint32_t>(changes.n);
+    v1.payload_bytes = sparse_bytes >= dense_bytes ? dense_bytes : sparse_bytes;
+    if (TryContextBlock(*cx, reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b),
+                        len, static_cast<uint32_t>(changes.n), EntryBytes(v1) + v1.payload_bytes,
+                        s, out, start, eb)) {
+      eb.checksum = BlockChecksum(std::span<const uint8_t>(out.data() + start, eb.payload_bytes),
+                                  block_index);
+      return eb;
+    }
+  }
   auto emit_dense = [&] {
     eb = BlockRecord{};
     eb.mode = kDense;
@@ -824,7 +875,7 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
   return eb;
 }
 
-BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2,
+BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2, int patch_format,
                            EncodeScratch& s, ByteSink& out, ChunkHasher* digest, ScanLog* log) {
   const int w = DTypeSize(in.dtype);
   const uint64_t n = in.base.size() / w;
@@ -833,21 +884,24 @@ BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2
   const ValueCoding coding = DTypeValueCoding(in.dtype);
   const uint8_t* a = in.base.data() + first * w;
   const uint8_t* b = in.target.data() + first * w;
+  ContextArgs cx_args{in.dtype, {}};
+  if (in.prev != nullptr) cx_args.prev = in.prev->Block(first, len);
+  const ContextArgs* cx = patch_format >= 2 ? &cx_args : nullptr;
   switch (w) {
     case 1:
-      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out, digest, log);
+      return EncodeBlock<uint8_t>(a, b, len, log2, coding, block_index, s, out, digest, log, cx);
     case 2:
       return EncodeBlock<uint16_t>(reinterpret_cast<const uint16_t*>(a),
                                    reinterpret_cast<const uint16_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest, log);
+                                   block_index, s, out, digest, log, cx);
     case 4:
       return EncodeBlock<uint32_t>(reinterpret_cast<const uint32_t*>(a),
                                    reinterpret_cast<const uint32_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest, log);
+                                   block_index, s, out, digest, log, cx);
     default:
       return EncodeBlock<uint64_t>(reinterpret_cast<const uint64_t*>(a),
                                    reinterpret_cast<const uint64_t*>(b), len, log2, coding,
-                                   block_index, s, out, digest, log);
+                                   block_index, s, out, digest, log, cx);
   }
 }
 
@@ -867,6 +921,14 @@ absl::Status CheckEncodeInput(const EncodeInput& in, size_t index, size_t count)
     return absl::InvalidArgumentError(absl::StrCat(where, in.base.size(),
                                                    " bytes is not a whole number of ",
                                                    DTypeName(in.dtype), " elements"));
+  }
+  if (in.prev != nullptr && (in.prev->num_elements != in.base.size() / w ||
+                             in.prev->changed.size() != (in.prev->num_elements + 63) / 64 ||
+                             in.prev->down.size() != in.prev->changed.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "the previous-change record covers ", in.prev->num_elements,
+        " elements (", in.prev->changed.size(), " and ", in.prev->down.size(),
+        " words), the tensor ", in.base.size() / w));
   }
   const uintptr_t misalign =
       (reinterpret_cast<uintptr_t>(in.base.data()) | reinterpret_cast<uintptr_t>(in.target.data())) %
@@ -1073,6 +1135,22 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
   return absl::OkStatus();
 }
 
+// A SPARSE or CONTEXT block's changes into s.pos / s.val (target bits), against the block's
+// base `bb`.
+template <typename T>
+absl::Status DecodeBlockChanges(const uint8_t* payload, const BlockDesc& d, uint64_t i,
+                                ValueCoding coding, const T* bb, Scratch& s) {
+  if (d.mode == kSparse) return DecodeSparse<T>(payload, d, i, coding, bb, s);
+  s.pos.resize(d.count);
+  s.val.resize(d.count);
+  PrevSigns view;
+  if (s.prev != nullptr) view = s.prev->Block(d.first_element, d.num_elements);
+  return DecodeContextBlock(s.dtype, payload, d.payload_bytes, reinterpret_cast<const uint8_t*>(bb),
+                            d.num_elements, d.count, s.prev != nullptr ? &view : nullptr, s.cs,
+                            s.pos.data(), s.val.data(),
+                            [&] { return absl::StrCat("patch ", DescribeBlock(i, d)); });
+}
+
 template <typename T>
 absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint64_t i,
                         ValueCoding coding, const T* base, T* out, Scratch& s) {
@@ -1089,7 +1167,7 @@ absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint
     default:
       break;
   }
-  RETURN_IF_ERROR(DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding, bb, s));
+  RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s));
   if (ob != bb) std::memcpy(ob, bb, bytes);
   for (uint32_t j = 0; j < d.count; ++j) ob[s.pos[j]] = static_cast<T>(s.val[j]);
   return absl::OkStatus();
@@ -1121,7 +1199,8 @@ absl::Status VerifyPayloadChecksums(std::span<const uint8_t> patch, const PatchL
 
 template <typename T>
 absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
-                        std::span<const uint8_t> base, std::span<uint8_t> out, int threads) {
+                        std::span<const uint8_t> base, std::span<uint8_t> out, int threads,
+                        const ChangeRecord* prev) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
   const T* b = reinterpret_cast<const T*>(base.data());
   T* o = reinterpret_cast<T*>(out.data());
@@ -1137,6 +1216,8 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
   // Phase 2: decode and write, block by block.
   ParallelFor(nb, threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
+    s.dtype = layout.dtype;
+    s.prev = prev;
     for (size_t i = lo; i < hi; ++i) {
       absl::Status st = ApplyBlock<T>(patch, layout.blocks[i], i, coding, b, o, s);
       if (!st.ok()) {
@@ -1198,8 +1279,8 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
     default:
       break;
   }
-  RETURN_IF_ERROR(DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding,
-                                  reinterpret_cast<const T*>(bb), s));
+  RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
+                                       reinterpret_cast<const T*>(bb), s));
   AddSparseDelta<T>(s, d.count, base.data(), first_byte, base.size(), delta);
   if (ob == nullptr) return absl::OkStatus();
   if (ob != bb) std::memcpy(ob, bb, bytes);
@@ -1214,7 +1295,7 @@ template <typename T>
 absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
                                               const PatchLayout& layout,
                                               std::span<const uint8_t> base, uint8_t* out,
-                                              int threads) {
+                                              int threads, const ChangeRecord* prev) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
   RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   absl::Mutex mu;
@@ -1222,6 +1303,8 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
   DigestV2Delta total;
   ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
+    s.dtype = layout.dtype;
+    s.prev = prev;
     DigestV2Delta delta;
     absl::Status st;
     for (size_t i = lo; i < hi && st.ok(); ++i) {
@@ -1238,17 +1321,40 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
 absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
                                                  const PatchLayout& layout,
                                                  std::span<const uint8_t> base, uint8_t* out,
-                                                 int threads) {
+                                                 int threads, const ChangeRecord* prev) {
   switch (DTypeSize(layout.dtype)) {
     case 1:
-      return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads);
+      return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads, prev);
     case 2:
-      return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads);
+      return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads, prev);
     case 4:
-      return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads);
+      return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads, prev);
     default:
-      return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads);
+      return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads, prev);
   }
+}
+
+// The record a patch's CONTEXT blocks decode with: null unless the patch is conditioned, then
+// `prev`, which must be the record the patch names (FailedPrecondition otherwise).
+absl::StatusOr<const ChangeRecord*> RecordFor(const PatchLayout& layout, const ChangeRecord* prev) {
+  if (!layout.conditioned) return nullptr;
+  if (prev == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is coded given the previous-change record with fingerprint ",
+        layout.prev_fingerprint, ", and none was given"));
+  }
+  if (prev->num_elements != layout.num_elements) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "previous-change record covers ", prev->num_elements, " elements, the patch ",
+        layout.num_elements));
+  }
+  const uint32_t fp = prev->Fingerprint();
+  if (fp != layout.prev_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is coded given the previous-change record with fingerprint ",
+        layout.prev_fingerprint, ", the one given has ", fp));
+  }
+  return prev;
 }
 
 // ApplyPatch's checks of the output buffer against the base; `who` names the caller.
@@ -1364,7 +1470,7 @@ struct PartOutputs {
 // The workers' pass: every block encoded into its worker's scratch, with the digests and logs
 // `out` asks for.
 void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int log2,
-                 const std::vector<uint64_t>& part_begin,
+                 int patch_format, const std::vector<uint64_t>& part_begin,
                  std::vector<std::unique_ptr<EncodeScratch>>& scratch, PartOutputs& out) {
   const size_t parts = part_begin.size() - 1;
   const std::vector<uint64_t>& first_block = grid.first_block;
@@ -1387,7 +1493,7 @@ void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int
                         (*out.block_logs)[g]);
         }
         out.where[g] = {static_cast<uint32_t>(p), s.out.size()};
-        out.records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, s, s.out,
+        out.records[g] = EncodeAnyBlock(inputs[t], g - first_block[t], log2, patch_format, s, s.out,
                                         out.chunk_hashes != nullptr ? &hasher : nullptr,
                                         out.block_logs != nullptr ? &sl : nullptr);
         if (out.block_logs != nullptr) {
@@ -1414,8 +1520,13 @@ std::vector<std::vector<uint8_t>> AssemblePatches(
       const uint64_t head = format::kHeaderBytes + BlockTableBytes(recs);
       std::vector<uint8_t>& patch = patches[t];
       patch.resize(head + PayloadBytes(recs));
+      std::optional<uint32_t> fingerprint;
+      const bool has_context = std::any_of(recs.begin(), recs.end(), [](const BlockRecord& r) {
+        return r.mode == kContext;
+      });
+      if (has_context && inputs[t].prev != nullptr) fingerprint = inputs[t].prev->Fingerprint();
       WritePatchHead(inputs[t].dtype, log2, n, recs, patch,
-                     stats != nullptr ? &(*stats)[t] : nullptr);
+                     stats != nullptr ? &(*stats)[t] : nullptr, fingerprint);
       uint64_t off = head;
       for (uint64_t g = first_block[t]; g < first_block[t + 1]; ++g) {
         const uint64_t len = records[g].payload_bytes;
@@ -1440,11 +1551,17 @@ std::vector<uint64_t> ChunkBases(std::span<const EncodeInput> inputs) {
   return chunk_base;
 }
 
-absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, int log2) {
+absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, const EncodeOptions& options) {
+  const int log2 = options.block_log2;
+  const char* who = inputs.size() == 1 ? "EncodePatch" : "EncodePatches";
   if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
     return absl::InvalidArgumentError(absl::StrCat(
-        inputs.size() == 1 ? "EncodePatch" : "EncodePatches", ": block_log2 ", log2,
-        " outside [", format::kMinBlockLog2, ", ", format::kMaxBlockLog2, "]"));
+        who, ": block_log2 ", log2, " outside [", format::kMinBlockLog2, ", ",
+        format::kMaxBlockLog2, "]"));
+  }
+  if (options.format != 1 && options.format != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": patch format ", options.format, " (this build writes 1 and 2)"));
   }
   for (size_t t = 0; t < inputs.size(); ++t) {
     RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
@@ -1475,7 +1592,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
     std::vector<PatchStats>* stats, std::vector<uint64_t>* digests,
     EncodedChanges::Impl* changes) {
   const int log2 = options.block_log2;
-  RETURN_IF_ERROR(CheckEncodeArgs(inputs, log2));
+  RETURN_IF_ERROR(CheckEncodeArgs(inputs, options));
   const BlockGrid grid = MakeGrid(inputs, log2);
   const size_t parts = static_cast<size_t>(std::max<uint64_t>(
       1, std::min<uint64_t>(ResolveThreads(options.threads), grid.total_blocks())));
@@ -1501,7 +1618,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
     out.logs = &changes->logs;
     out.block_logs = &changes->blocks;
   }
-  EncodeParts(inputs, grid, log2, part_begin, scratch, out);
+  EncodeParts(inputs, grid, log2, options.format, part_begin, scratch, out);
   auto patches =
       AssemblePatches(inputs, grid, log2, options.threads, records, where, scratch, stats);
   for (auto& sc : scratch) EncodeScratchPool().Release(std::move(sc));
@@ -1652,11 +1769,11 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
   if (LoadU32(h) != format::kMagic) {
     return absl::DataLossError("patch: bad magic at offset 0 (not a refitd patch)");
   }
-  if (h[4] != format::kVersion) {
+  if (h[4] != format::kVersion && h[4] != format::kVersion2) {
     return absl::DataLossError(absl::StrCat("patch: unsupported format version ", int{h[4]},
-                                            " at offset 4 (this build reads version ",
-                                            int{format::kVersion}, ")"));
+                                            " at offset 4 (this build reads versions 1 and 2)"));
   }
+  layout.version = h[4];
   if (!IsValidDType(h[5])) {
     return absl::DataLossError(absl::StrCat("patch: unknown dtype code ", int{h[5]}, " at offset 5"));
   }
@@ -1667,8 +1784,18 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
                                             " at offset 6 outside [", format::kMinBlockLog2, ", ",
                                             format::kMaxBlockLog2, "]"));
   }
-  if (h[7] != 0 || LoadU32(h + 28) != 0) {
+  if (layout.version == format::kVersion && (h[7] != 0 || LoadU32(h + 28) != 0)) {
     return absl::DataLossError("patch: reserved header bytes (offset 7 or 28) are not zero");
+  }
+  if (layout.version == format::kVersion2) {
+    if ((h[7] & ~format::kFlagConditioned) != 0) {
+      return absl::DataLossError(absl::StrCat("patch: unknown flags ", int{h[7]}, " at offset 7"));
+    }
+    layout.conditioned = (h[7] & format::kFlagConditioned) != 0;
+    layout.prev_fingerprint = LoadU32(h + 28);
+    if (!layout.conditioned && layout.prev_fingerprint != 0) {
+      return absl::DataLossError("patch: a fingerprint at offset 28 without the conditioned flag");
+    }
   }
   layout.num_elements = LoadU64(h + 8);
   if (layout.num_elements > (std::numeric_limits<uint64_t>::max() >> 4)) {
@@ -1687,11 +1814,8 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
     return absl::DataLossError(absl::StrCat("patch: ", num_blocks, " blocks cannot fit a ",
                                             table_bytes, "-byte block table"));
   }
-  std::vector<uint8_t> tmp(24 + table_bytes);
-  std::memcpy(tmp.data(), h, 24);
-  std::memcpy(tmp.data() + 24, h + format::kHeaderBytes, table_bytes);
   const uint32_t want = LoadU32(h + 24);
-  const uint32_t got = static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed));
+  const uint32_t got = HeaderChecksum(patch.first(format::kHeaderBytes + table_bytes));
   if (want != got) {
     return absl::DataLossError(absl::StrCat("patch: header checksum mismatch (offset 24 says ",
                                             want, ", header and table hash to ", got, ")"));
@@ -1747,8 +1871,21 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
     }
     d.checksum_offset = format::kHeaderBytes + tr.offset();
     if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+  } else if (layout.version == format::kVersion2) {  // CONTEXT
+    const uint64_t count = head >> 2;
+    if (count == 0 || count > d.num_elements) {
+      return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
+    }
+    d.count = static_cast<uint32_t>(count);
+    if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
+    if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
+      return bad(absl::StrCat("context payload of ", d.payload_bytes,
+                              " bytes is not smaller than the dense form (", dense_bytes, ")"));
+    }
+    d.checksum_offset = format::kHeaderBytes + tr.offset();
+    if (!tr.U32(&d.checksum)) return bad("truncated checksum");
   } else {
-    return bad("unknown block mode 3");
+    return bad("block mode 3 (CONTEXT) in a version-1 patch");
   }
   if (d.payload_bytes > patch_size - *payload_off) {
     return bad(absl::StrCat("payload of ", d.payload_bytes, " bytes at offset ", *payload_off,
@@ -1802,34 +1939,39 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
 }
 
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
-                        std::span<uint8_t> out, int threads) {
+                        std::span<uint8_t> out, int threads, const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
   RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatch", dtype, base, out));
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
   switch (DTypeSize(dtype)) {
     case 1:
-      return ApplyTyped<uint8_t>(patch, layout, base, out, threads);
+      return ApplyTyped<uint8_t>(patch, layout, base, out, threads, record);
     case 2:
-      return ApplyTyped<uint16_t>(patch, layout, base, out, threads);
+      return ApplyTyped<uint16_t>(patch, layout, base, out, threads, record);
     case 4:
-      return ApplyTyped<uint32_t>(patch, layout, base, out, threads);
+      return ApplyTyped<uint32_t>(patch, layout, base, out, threads, record);
     default:
-      return ApplyTyped<uint64_t>(patch, layout, base, out, threads);
+      return ApplyTyped<uint64_t>(patch, layout, base, out, threads, record);
   }
 }
 
 absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base,
-                                                 std::span<uint8_t> out, int threads) {
+                                                 std::span<uint8_t> out, int threads,
+                                                 const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
   RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatchDigestV2", dtype, base, out));
-  return ApplyDeltaForWidth(patch, layout, base, out.data(), threads);
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  return ApplyDeltaForWidth(patch, layout, base, out.data(), threads, record);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
-                                                   std::span<const uint8_t> base, int threads) {
+                                                   std::span<const uint8_t> base, int threads,
+                                                   const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
   RETURN_IF_ERROR(CheckApplyBuffers("DigestV2DeltaOfPatch", dtype, base, base));  // alignment
-  return ApplyDeltaForWidth(patch, layout, base, nullptr, threads);
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  return ApplyDeltaForWidth(patch, layout, base, nullptr, threads, record);
 }
 
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
@@ -1854,6 +1996,11 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
     if (d.mode == kDense) {
       ++st.blocks_dense;
       st.changed_elements += d.num_elements;
+      continue;
+    }
+    if (d.mode == kContext) {  // decoding needs the base: the checksum is what can be checked
+      ++st.blocks_context;
+      st.changed_elements += d.count;
       continue;
     }
     ++st.blocks_sparse;

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/context_block.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/format.h"
@@ -24,6 +25,9 @@ namespace refit {
 struct EncodeOptions {
   int block_log2 = format::kDefaultBlockLog2;  // elements per block = 2^block_log2
   int threads = 0;                             // 0 = one per hardware thread
+  // 1: format v1 only. 2: each block with changes is context coded (format v2) when that is
+  // strictly smaller than its v1 form; a patch without such a block stays version 1.
+  int format = 1;
 };
 
 // Counts about one patch, filled by EncodePatch and InspectPatch.
@@ -33,6 +37,7 @@ struct PatchStats {
   uint64_t blocks_unchanged = 0;
   uint64_t blocks_sparse = 0;
   uint64_t blocks_dense = 0;
+  uint64_t blocks_context = 0;  // format v2 CONTEXT blocks
   uint64_t patch_bytes = 0;
 };
 
@@ -40,7 +45,7 @@ struct PatchStats {
 struct BlockDesc {
   uint8_t mode = format::kUnchanged;
   uint8_t kg = 0, kr = 0, ke = 0;
-  uint32_t count = 0;  // changed elements (SPARSE only)
+  uint32_t count = 0;  // changed elements (SPARSE and CONTEXT)
   uint32_t checksum = 0;
   uint64_t first_element = 0;
   uint32_t num_elements = 0;
@@ -54,6 +59,9 @@ std::string DescribeBlock(uint64_t index, const BlockDesc& block);
 
 // A parsed and structurally validated patch header and block table.
 struct PatchLayout {
+  uint8_t version = format::kVersion;
+  bool conditioned = false;       // version 2: CONTEXT blocks use the previous-change record
+  uint32_t prev_fingerprint = 0;  // ... whose Fingerprint() this is
   DType dtype = DType::kBF16;
   int block_log2 = format::kDefaultBlockLog2;
   uint64_t num_elements = 0;
@@ -73,6 +81,9 @@ struct EncodeInput {
   DType dtype = DType::kBF16;
   std::span<const uint8_t> base;
   std::span<const uint8_t> target;
+  // Format 2: the base's previous-change record (the changes from the version before it), which
+  // CONTEXT blocks are then coded given; null: not conditioned. Its element count must match.
+  const ChangeRecord* prev = nullptr;
 };
 
 // Encodes many tensors at once (one patch each, in order), spreading all their blocks over the
@@ -149,8 +160,12 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
 // patch never leaves a partly applied block. On error out-of-place output is unspecified and the
 // base untouched; in place, blocks before the failing one may have been applied (callers that
 // need all-or-nothing stage into a separate buffer, as the daemons do).
+// A conditioned version-2 patch needs `prev`, the base's previous-change record with the
+// fingerprint the patch names (FailedPrecondition without it or with another); other patches
+// ignore it.
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype,
-                        std::span<const uint8_t> base, std::span<uint8_t> out, int threads = 0);
+                        std::span<const uint8_t> base, std::span<uint8_t> out, int threads = 0,
+                        const ChangeRecord* prev = nullptr);
 
 // ApplyPatch (same checks, errors and writes), also returning the digest-v2 delta (digest_v2.h)
 // of what it writes: new digest = delta.ApplyTo(digest of base, base.size()). Each changed word's
@@ -159,16 +174,19 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype,
 // Blocks run on up to `threads` threads; their deltas merge in any order to the same value.
 absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base,
-                                                 std::span<uint8_t> out, int threads = 0);
+                                                 std::span<uint8_t> out, int threads = 0,
+                                                 const ChangeRecord* prev = nullptr);
 
 // The delta ApplyPatchDigestV2 would return, from decoding `patch` against `base` (fully
 // validated, as by ApplyPatch) without writing anything: the publisher's way to get the new
 // digest from the patch it just encoded and its baseline, reading only the changed words.
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
-                                                   std::span<const uint8_t> base, int threads = 0);
+                                                   std::span<const uint8_t> base, int threads = 0,
+                                                   const ChangeRecord* prev = nullptr);
 
 // Validates the whole patch (table and every payload) without a base tensor where possible:
-// checksums and bitstream structure. Fills stats.
+// checksums and bitstream structure (CONTEXT payloads need the base: checksums only). Fills
+// stats.
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch);
 
 }  // namespace refit

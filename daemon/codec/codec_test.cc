@@ -269,7 +269,7 @@ TEST_F(HostilePatch, EveryFlippedPayloadBitIsRejected) {
 
 TEST_F(HostilePatch, HeaderFieldsAreChecked) {
   struct Case { size_t off; uint8_t val; const char* expect; };
-  for (Case c : {Case{0, 'X', "magic"}, Case{4, 2, "version"}, Case{5, 0, "dtype"},
+  for (Case c : {Case{0, 'X', "magic"}, Case{4, 3, "version"}, Case{5, 0, "dtype"},
                  Case{5, 99, "dtype"}, Case{6, 3, "block_log2"}, Case{6, 40, "block_log2"},
                  Case{7, 1, "reserved"}, Case{8, 0xff, "checksum"}, Case{16, 0xff, "table"},
                  Case{24, 0x00, "checksum"}}) {

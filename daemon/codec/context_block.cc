@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
 #include "daemon/codec/range_coder.h"
 
 #if defined(__x86_64__) && defined(__SSE4_1__)
@@ -195,8 +196,7 @@ inline int PrevContext(const PrevSigns* prev, uint32_t pos) {
 // A record, if known, has a bit for every element of the block.
 bool PrevCovers(const PrevSigns* prev, uint32_t len) {
   if (prev == nullptr || !prev->known()) return true;
-  const size_t words = (static_cast<size_t>(len) + 63) / 64;
-  return prev->changed.size() >= words && prev->down.size() >= words;
+  return prev->words >= (static_cast<size_t>(len) + 63) / 64;
 }
 
 // With the previous version known, an element that changed in it moves to class + 16: positions
@@ -451,7 +451,7 @@ class WordScan {
  public:
   explicit WordScan(const ScanSetup& ss)
       : base_(reinterpret_cast<const uint16_t*>(ss.base)),
-        prev_(ss.prev != nullptr && ss.prev->known() ? ss.prev->changed.data() : nullptr),
+        prev_(ss.prev != nullptr && ss.prev->known() ? ss.prev->changed : nullptr),
         len_(ss.len) {
     top_ = _mm512_set1_epi16(static_cast<short>(ss.top));
     field_ = _mm512_set1_epi16(static_cast<short>(ss.f.mask));
@@ -583,19 +583,42 @@ const char* DecodeBlock(const ScanSetup& ss, bool fast, rc::Decoder& d, const De
 
 }  // namespace
 
-void PrevSigns::Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len) {
+ChangeRecord ChangeRecord::Compare(DType dtype, const uint8_t* before, const uint8_t* after,
+                                   uint64_t n) {
   const int w = DTypeSize(dtype);
   const int bits = 8 * w;
   const ValueCoding coding = DTypeValueCoding(dtype);
-  changed.assign((len + 63) / 64, 0);
-  down.assign((len + 63) / 64, 0);
-  for (uint32_t i = 0; i < len; ++i) {
+  ChangeRecord r;
+  r.num_elements = n;
+  r.changed.assign((n + 63) / 64, 0);
+  r.down.assign((n + 63) / 64, 0);
+  for (uint64_t i = 0; i < n; ++i) {
     const uint64_t a = Load(before, w, i), b = Load(after, w, i);
     if (a == b) continue;
     const uint64_t d = Difference(coding, bits, a, b);
-    changed[i >> 6] |= 1ull << (i & 63);
-    if ((d >> (bits - 1)) & 1) down[i >> 6] |= 1ull << (i & 63);
+    r.changed[i >> 6] |= 1ull << (i & 63);
+    if ((d >> (bits - 1)) & 1) r.down[i >> 6] |= 1ull << (i & 63);
   }
+  return r;
+}
+
+PrevSigns ChangeRecord::Block(uint64_t first, uint32_t len) const {
+  PrevSigns v;
+  const uint64_t w0 = first / 64;
+  if (w0 >= changed.size() || down.size() != changed.size()) return PrevSigns{nullptr, nullptr, 0};
+  v.changed = changed.data() + w0;
+  v.down = down.data() + w0;
+  v.words = std::min<uint64_t>(changed.size() - w0, (static_cast<uint64_t>(len) + 63) / 64);
+  return v;
+}
+
+uint32_t ChangeRecord::Fingerprint() const {
+  static_assert(std::endian::native == std::endian::little, "the words are hashed as stored");
+  auto bytes = [](const std::vector<uint64_t>& v) {
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), 8 * v.size());
+  };
+  const uint64_t h = Hash64(bytes(changed), kRecordSeed ^ num_elements);
+  return static_cast<uint32_t>(Hash64(bytes(down), h));
 }
 
 
@@ -724,7 +747,7 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
                                 uint64_t* val_out, absl::FunctionRef<std::string()> where) {
   if (!PrevCovers(prev, len)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where(), ": the previous-change record covers ", 64 * prev->changed.size(),
+        where(), ": the previous-change record covers ", 64 * prev->words,
         " elements, fewer than the block's ", len));
   }
   ScanSetup ss;

@@ -29,16 +29,34 @@
 namespace refit {
 
 inline constexpr int kExponentClasses = 16;
+inline constexpr uint64_t kRecordSeed = 0x5265666974526563ull;  // "RefitRec"
 // Exponent classes, each split by whether the element changed in the previous version (+16).
 inline constexpr int kContextClasses = 2 * kExponentClasses;
 
-// The previous version's change at each element of one block: bit i of changed[i / 64] says it
-// changed, the same bit of down[] that its difference was negative. Empty vectors: not known.
+// The previous version's change at each element of one block, as a view into a ChangeRecord:
+// bit i of changed[i / 64] says element i of the block changed, the same bit of down[] that its
+// difference was negative; `words` words of each are readable. Null: not known.
 struct PrevSigns {
-  std::vector<uint64_t> changed, down;
-  bool known() const { return !changed.empty(); }
-  // Fills from two versions of the block (len elements of dtype).
-  void Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint32_t len);
+  const uint64_t* changed = nullptr;
+  const uint64_t* down = nullptr;
+  size_t words = 0;
+  bool known() const { return changed != nullptr; }
+};
+
+// A tensor's previous-change record: which elements changed from version v-2 to v-1 (the base a
+// v2 patch applies to) and in which direction. Both ends build it the same way, so its
+// fingerprint (carried in a conditioned patch's header) matches. 2 bits per element.
+struct ChangeRecord {
+  uint64_t num_elements = 0;
+  std::vector<uint64_t> changed, down;  // ceil(num_elements / 64) words each
+
+  // The record of `before` -> `after` (n elements of dtype each, n = before.size() / width).
+  static ChangeRecord Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint64_t n);
+  // The view of elements [first, first + len); first must be a multiple of 64.
+  PrevSigns Block(uint64_t first, uint32_t len) const;
+  // h = Hash64(changed's words as little-endian bytes, seed kRecordSeed ^ num_elements);
+  // the low 32 bits of Hash64(down's words, seed h).
+  uint32_t Fingerprint() const;
 };
 
 // Per-thread working memory, reused across blocks.

@@ -77,8 +77,8 @@ TEST(ContextBlock, RoundTripsEveryDtypeRateAndSizeWithAndWithoutThePreviousSigns
         const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
         std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
         if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
-        PrevSigns prev;
-        prev.Compare(t, v0.data(), v1.data(), len);
+        const ChangeRecord rec = ChangeRecord::Compare(t, v0.data(), v1.data(), len);
+        const PrevSigns prev = rec.Block(0, len);
         const PrevSigns* const choices[] = {nullptr, &prev};
         for (const PrevSigns* ps : choices) {
           const Coded c = Encode(t, v1, v2, ps);
@@ -123,8 +123,8 @@ TEST(ContextBlock, ScannersAgree) {
           const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
           std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
           if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
-          PrevSigns prev;
-          prev.Compare(t, v0.data(), v1.data(), len);
+          const ChangeRecord rec = ChangeRecord::Compare(t, v0.data(), v1.data(), len);
+          const PrevSigns prev = rec.Block(0, len);
           const PrevSigns* const choices[] = {nullptr, &prev};
           for (const PrevSigns* ps : choices) {
             const std::string what = absl::StrCat(DTypeName(t), " len ", len, " p ", p,
@@ -221,8 +221,8 @@ TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
   }
   EXPECT_LT(accepted_wrong, c.payload.size() / 4);
   // A record shorter than the block is refused by both sides.
-  PrevSigns short_prev;
-  short_prev.Compare(t, a.data(), b.data(), len - 64);
+  const ChangeRecord short_rec = ChangeRecord::Compare(t, a.data(), b.data(), len - 64);
+  const PrevSigns short_prev = short_rec.Block(0, len);
   ContextScratch cs;
   std::vector<uint8_t> buf(len * 4);
   EXPECT_EQ(EncodeContextBlock(t, a.data(), b.data(), len, c.pos.data(), n, &short_prev, cs,
@@ -235,9 +235,9 @@ TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
                 .code(),
             absl::StatusCode::kInvalidArgument);
   // A stream coded with the previous signs does not decode without them (or gives other bytes).
-  PrevSigns prev;
   const std::vector<uint8_t> before = testing::MutateElements(a, t, 0.03, rng);
-  prev.Compare(t, before.data(), a.data(), len);
+  const ChangeRecord rec = ChangeRecord::Compare(t, before.data(), a.data(), len);
+  const PrevSigns prev = rec.Block(0, len);
   const Coded cp = Encode(t, a, b, &prev);
   absl::Status st = Decode(t, cp.payload, a, n, nullptr, &out);
   EXPECT_TRUE(!st.ok() || out != b);

@@ -29,6 +29,19 @@
 //                  u32 checksum as above
 // The patch ends exactly after the last payload.
 //
+// Version 2 (written only when at least one block is CONTEXT; a patch without one is version 1):
+//   offset 4 = 2; offset 7 = flags: bit 0 (kFlagConditioned) set when the CONTEXT blocks are
+//   coded given the tensor's previous-change record (context_block.h ChangeRecord), other bits 0;
+//   offset 28 = that record's Fingerprint() when conditioned, else 0. A decoder applying a
+//   conditioned patch must hold a record of num_elements elements with that fingerprint.
+//   CONTEXT (3):   varint head = count << 2 | 3 (count 1 .. block length)
+//                  varint payload_bytes (1 .. dense bytes - 1)
+//                  u32 checksum as above
+//   payload: context_block.h's stream (docs/ARCHITECTURE.md "Patch format v2").
+//   The encoder's choice (normative, so every encoder writes the same bytes): for a block with
+//   changes, the v1 choice (SPARSE or DENSE, as above) unless the CONTEXT entry plus payload is
+//   strictly smaller than the v1 entry plus payload.
+//
 // SPARSE payload: a bit stream, bit k of the stream is bit (k % 8) of byte k / 8 (LSB first),
 // zero-padded to a whole byte. For each changed element j = 0 .. count-1 in increasing position:
 //   1. [diff codings only] if j == 0 or element j-1 was an exception: Rice(kr) of r_j, the number
@@ -57,6 +70,8 @@ namespace refit::format {
 
 inline constexpr uint32_t kMagic = 0x31504652u;  // "RFP1"
 inline constexpr uint8_t kVersion = 1;
+inline constexpr uint8_t kVersion2 = 2;
+inline constexpr uint8_t kFlagConditioned = 1;  // version 2, offset 7
 inline constexpr int kHeaderBytes = 32;
 inline constexpr int kMinBlockLog2 = 8;
 inline constexpr int kMaxBlockLog2 = 24;
@@ -64,7 +79,7 @@ inline constexpr int kDefaultBlockLog2 = 18;  // 262144 elements per block
 inline constexpr int kMaxKe = 31;
 inline constexpr uint64_t kHeaderSeed = 0x5265666974486472ull;  // "RefitHdr"
 
-enum BlockMode : uint8_t { kUnchanged = 0, kSparse = 1, kDense = 2 };
+enum BlockMode : uint8_t { kUnchanged = 0, kSparse = 1, kDense = 2, kContext = 3 };
 
 // ---- ordered-integer image of floating-point bit patterns -------------------------------------
 // Maps sign-magnitude bit patterns of `bits` width to unsigned integers in increasing numeric

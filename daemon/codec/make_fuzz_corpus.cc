@@ -1,6 +1,7 @@
 // Writes a seed corpus for patch_fuzzer: valid patches of every dtype (mode bytes 0 and 2) and
 // round-trip inputs (mode byte 1). Usage: make_fuzz_corpus DIR
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -49,7 +50,41 @@ int main(int argc, char** argv) {
         rt.insert(rt.end(), a.begin(), a.end());
         rt.insert(rt.end(), b.begin(), b.end());
         write(1, rt);
+        rt[0] = static_cast<uint8_t>(rt[0] | 0x40);  // round trip in format 2 with a record
+        write(1, rt);
       }
+    }
+  }
+  // Format 2 seeds: BF16 weights of one scale moving by an ULP, the kind context coding wins on,
+  // conditioned and not (the hostile path applies conditioned ones with its own record, after
+  // writing that record's fingerprint when it re-signs: mode byte 2).
+  for (size_t n : {2000u, 20000u}) {
+    std::normal_distribution<float> nd(0.0f, 0.02f);
+    std::vector<uint8_t> a(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const float x = nd(rng);
+      uint32_t u;
+      std::memcpy(&u, &x, 4);
+      a[2 * i] = static_cast<uint8_t>(u >> 16);
+      a[2 * i + 1] = static_cast<uint8_t>(u >> 24);
+    }
+    std::vector<uint8_t> b = a, before = a;
+    for (size_t i = 0; i < n; ++i) {
+      if (rng() % 16 == 0) b[2 * i] = static_cast<uint8_t>(b[2 * i] + 1);
+      if (rng() % 16 == 0) before[2 * i] = static_cast<uint8_t>(before[2 * i] - 1);
+    }
+    const refit::ChangeRecord rec =
+        refit::ChangeRecord::Compare(refit::DType::kBF16, before.data(), a.data(), n);
+    for (const refit::ChangeRecord* prev : {static_cast<const refit::ChangeRecord*>(nullptr), &rec}) {
+      refit::EncodeOptions opt;
+      opt.block_log2 = 12;
+      opt.threads = 1;
+      opt.format = 2;
+      const refit::EncodeInput in{refit::DType::kBF16, a, b, prev};
+      auto patches = refit::EncodePatches(std::span<const refit::EncodeInput>(&in, 1), opt);
+      if (!patches.ok()) return 1;
+      write(0, (*patches)[0]);
+      write(2, (*patches)[0]);
     }
   }
   std::printf("wrote %d seeds to %s\n", written, dir.c_str());

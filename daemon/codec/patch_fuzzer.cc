@@ -6,8 +6,13 @@
 //     of dying at the checksum. The patch is inspected and applied, out of place and in place, to
 //     a deterministic base of the size its header claims (capped). Any outcome but a crash, a
 //     sanitizer report or a partly applied block is fine; a successful apply must be reproducible.
-//   mode 1 (round trip): byte 1 picks the dtype and block size, the rest splits into base and
-//     target halves; encode -> apply must give the target back and decode must accept it.
+//     A version-2 patch conditioned on a previous-change record is applied with the record of a
+//     deterministic earlier version (MakeRecord); in resign mode its fingerprint is written into
+//     the header first, so that mutations reach the context decoder.
+//   mode 1 (round trip): byte 1 picks the dtype and block size (bits 0-3, 4-5) and patch format 2
+//     (bit 6: with a record of a deterministic earlier version, bit 7: without), the rest splits
+//     into base and target halves; encode -> apply must give the target back and decode must
+//     accept it.
 // Build: cmake -DREFIT_FUZZ=ON -DCMAKE_CXX_COMPILER=clang++ ... ; run: patch_fuzzer corpus/
 // (make_fuzz_corpus DIR writes a seed corpus of valid patches).
 #include <cstdint>
@@ -34,6 +39,13 @@ std::vector<uint8_t> MakeBase(size_t bytes) {
   return v;
 }
 
+// The record of a deterministic version before `base`: `base` with every third byte moved.
+refit::ChangeRecord MakeRecord(DType t, const std::vector<uint8_t>& base) {
+  std::vector<uint8_t> before = base;
+  for (size_t i = 0; i < before.size(); i += 3) before[i] = static_cast<uint8_t>(before[i] + 1);
+  return refit::ChangeRecord::Compare(t, before.data(), base.data(), base.size() / refit::DTypeSize(t));
+}
+
 void HostilePatch(const uint8_t* data, size_t size, bool resign) {
   std::vector<uint8_t> patch(data, data + size);
   if (resign) (void)refit::testing::ResignPatch(patch);
@@ -43,10 +55,16 @@ void HostilePatch(const uint8_t* data, size_t size, bool resign) {
   const size_t w = refit::DTypeSize(layout->dtype);
   if (layout->num_elements > (1u << 20)) return;  // keep runs fast
   std::vector<uint8_t> base = MakeBase(layout->num_elements * w);
+  const refit::ChangeRecord record = MakeRecord(layout->dtype, base);
+  if (resign && layout->conditioned) {
+    const uint32_t fp = record.Fingerprint();
+    std::memcpy(patch.data() + 28, &fp, 4);
+    (void)refit::testing::ResignPatch(patch);
+  }
   std::vector<uint8_t> out(base.size(), 0);
-  absl::Status st = refit::ApplyPatch(patch, layout->dtype, base, out, 1);
+  absl::Status st = refit::ApplyPatch(patch, layout->dtype, base, out, 1, &record);
   std::vector<uint8_t> in_place = base;
-  absl::Status st2 = refit::ApplyPatch(patch, layout->dtype, in_place, in_place, 1);
+  absl::Status st2 = refit::ApplyPatch(patch, layout->dtype, in_place, in_place, 1, &record);
   if (st.ok() != st2.ok()) abort();
   if (st.ok() && out != in_place) abort();
   // The base is read-only input: whatever happened, it must be intact.
@@ -59,21 +77,26 @@ void RoundTrip(const uint8_t* data, size_t size) {
                                  DType::kF8E4M3, DType::kF8E5M2, DType::kI8, DType::kI16,
                                  DType::kI32, DType::kI64, DType::kU8, DType::kU16,
                                  DType::kU32, DType::kU64, DType::kBool};
-  const DType t = kTypes[data[0] % 15];
+  const DType t = kTypes[(data[0] & 15) % 15];
   refit::EncodeOptions opt;
-  opt.block_log2 = 8 + (data[0] >> 4) % 3;
+  opt.block_log2 = 8 + ((data[0] >> 4) & 3) % 3;
   opt.threads = 1;
+  const bool with_record = (data[0] & 0x40) != 0;
+  opt.format = (data[0] & 0xC0) != 0 ? 2 : 1;
   data += 1;
   size -= 1;
   const size_t w = refit::DTypeSize(t);
   const size_t n = size / 2 / w;
   std::vector<uint8_t> a(data, data + n * w), b(data + n * w, data + 2 * n * w);
-  auto patch = refit::EncodePatch(t, a, b, opt);
-  if (!patch.ok()) abort();
+  const refit::ChangeRecord record = MakeRecord(t, a);
+  const refit::EncodeInput in{t, a, b, with_record ? &record : nullptr};
+  auto patches = refit::EncodePatches(std::span<const refit::EncodeInput>(&in, 1), opt);
+  if (!patches.ok()) abort();
+  const std::vector<uint8_t>& patch = (*patches)[0];
   std::vector<uint8_t> out(a.size());
-  if (!refit::ApplyPatch(*patch, t, a, out, 1).ok()) abort();
+  if (!refit::ApplyPatch(patch, t, a, out, 1, &record).ok()) abort();
   if (out != b) abort();
-  if (!refit::InspectPatch(*patch).ok()) abort();
+  if (!refit::InspectPatch(patch).ok()) abort();
 }
 
 }  // namespace

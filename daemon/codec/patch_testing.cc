@@ -7,6 +7,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_writer.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::testing {
@@ -21,10 +22,7 @@ absl::Status ResignHeader(std::span<uint8_t> patch) {
   if (table_bytes > patch.size() - format::kHeaderBytes) {
     return absl::InvalidArgumentError("table size past the end");
   }
-  std::vector<uint8_t> tmp(patch.begin(), patch.begin() + 24);
-  tmp.insert(tmp.end(), patch.begin() + format::kHeaderBytes,
-             patch.begin() + format::kHeaderBytes + static_cast<ptrdiff_t>(table_bytes));
-  const uint32_t sum = static_cast<uint32_t>(Hash64(tmp, format::kHeaderSeed));
+  const uint32_t sum = HeaderChecksum(patch.first(format::kHeaderBytes + table_bytes));
   std::memcpy(patch.data() + 24, &sum, 4);
   return absl::OkStatus();
 }

@@ -36,23 +36,38 @@ uint64_t SparseHead(const BlockRecord& b) {
   return (static_cast<uint64_t>(b.count) << 2) | format::kSparse;
 }
 
+uint64_t ContextHead(const BlockRecord& b) {
+  return (static_cast<uint64_t>(b.count) << 2) | format::kContext;
+}
+
 }  // namespace
+
+uint32_t HeaderChecksum(std::span<const uint8_t> head) {
+  const bool v2 = head[4] == format::kVersion2;
+  const size_t table = head.size() - format::kHeaderBytes;
+  std::vector<uint8_t> covered(24 + (v2 ? 4 : 0) + table);
+  std::memcpy(covered.data(), head.data(), 24);
+  if (v2) std::memcpy(covered.data() + 24, head.data() + 28, 4);
+  if (table) std::memcpy(covered.data() + covered.size() - table, head.data() + format::kHeaderBytes, table);
+  return static_cast<uint32_t>(Hash64(covered, format::kHeaderSeed));
+}
+
+uint64_t EntryBytes(const BlockRecord& b) {
+  switch (b.mode) {
+    case format::kSparse:
+      return VarintBytes(SparseHead(b)) + 2 + VarintBytes(b.payload_bytes) + 4;
+    case format::kContext:
+      return VarintBytes(ContextHead(b)) + VarintBytes(b.payload_bytes) + 4;
+    case format::kDense:
+      return 1 + 4;
+    default:
+      return 1;
+  }
+}
 
 uint64_t BlockTableBytes(std::span<const BlockRecord> blocks) {
   uint64_t total = 0;
-  for (const BlockRecord& b : blocks) {
-    switch (b.mode) {
-      case format::kSparse:
-        total += VarintBytes(SparseHead(b)) + 2 + VarintBytes(b.payload_bytes) + 4;
-        break;
-      case format::kDense:
-        total += 1 + 4;
-        break;
-      default:
-        total += 1;
-        break;
-    }
-  }
+  for (const BlockRecord& b : blocks) total += EntryBytes(b);
   return total;
 }
 
@@ -64,17 +79,19 @@ uint64_t PayloadBytes(std::span<const BlockRecord> blocks) {
 
 void WritePatchHead(DType dtype, int block_log2, uint64_t num_elements,
                     std::span<const BlockRecord> blocks, std::span<uint8_t> out,
-                    PatchStats* stats) {
+                    PatchStats* stats, std::optional<uint32_t> prev_fingerprint) {
   const uint64_t table_bytes = BlockTableBytes(blocks);
+  const bool v2 = std::any_of(blocks.begin(), blocks.end(),
+                              [](const BlockRecord& b) { return b.mode == format::kContext; });
   uint8_t* h = out.data();
   PutLE(h + 0, format::kMagic, 4);
-  h[4] = format::kVersion;
+  h[4] = v2 ? format::kVersion2 : format::kVersion;
   h[5] = static_cast<uint8_t>(dtype);
   h[6] = static_cast<uint8_t>(block_log2);
-  h[7] = 0;
+  h[7] = v2 && prev_fingerprint.has_value() ? format::kFlagConditioned : 0;
   PutLE(h + 8, num_elements, 8);
   PutLE(h + 16, table_bytes, 8);
-  PutLE(h + 28, 0, 4);
+  PutLE(h + 28, h[7] != 0 ? *prev_fingerprint : 0, 4);
   PatchStats st;
   st.num_elements = num_elements;
   const uint64_t block = 1ull << block_log2;
@@ -90,6 +107,13 @@ void WritePatchHead(DType dtype, int block_log2, uint64_t num_elements,
         ++st.blocks_sparse;
         st.changed_elements += b.count;
         break;
+      case format::kContext:
+        p = PutVarint(p, ContextHead(b));
+        p = PutVarint(p, b.payload_bytes);
+        p = PutLE(p, b.checksum, 4);
+        ++st.blocks_context;
+        st.changed_elements += b.count;
+        break;
       case format::kDense:
         p = PutVarint(p, format::kDense);
         p = PutLE(p, b.checksum, 4);
@@ -102,11 +126,7 @@ void WritePatchHead(DType dtype, int block_log2, uint64_t num_elements,
         break;
     }
   }
-  // Header checksum: Hash64 of bytes [0, 24) followed by the table.
-  std::vector<uint8_t> covered(24 + table_bytes);
-  std::memcpy(covered.data(), h, 24);
-  if (table_bytes) std::memcpy(covered.data() + 24, h + format::kHeaderBytes, table_bytes);
-  PutLE(h + 24, static_cast<uint32_t>(Hash64(covered, format::kHeaderSeed)), 4);
+  PutLE(h + 24, HeaderChecksum(out.first(format::kHeaderBytes + table_bytes)), 4);
   st.patch_bytes = format::kHeaderBytes + table_bytes + PayloadBytes(blocks);
   if (stats != nullptr) *stats = st;
 }

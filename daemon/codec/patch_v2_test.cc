@@ -1,0 +1,290 @@
+// Patch format v2 (format.h, docs/ARCHITECTURE.md "Patch format v2"): the container with
+// CONTEXT blocks, the per-block choice against v1, the previous-change record's fingerprint, and
+// every apply path on such patches.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/context_block.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
+#include "gtest/gtest.h"
+
+namespace refit {
+namespace {
+
+using Bytes = std::vector<uint8_t>;
+
+const DType kAllTypes[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
+                           DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
+                           DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
+
+// Weights of a trained layer's spread (normal, sigma 0.02) as BF16 bits.
+Bytes TrainedBF16(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  Bytes v(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint16_t h = static_cast<uint16_t>(u >> 16);
+    std::memcpy(v.data() + 2 * i, &h, 2);
+  }
+  return v;
+}
+
+// Three versions of a layer under an Adam-like optimiser: an element moves by one ULP, more
+// often the smaller it is, and an element that moved last step tends to move again the same way
+// (momentum): the structure v2 codes. `rate` scales the change rate.
+struct Trajectory {
+  Bytes v0, v1, v2;
+};
+
+Trajectory AdamLike(size_t n, double rate, std::mt19937_64& rng) {
+  Trajectory tr;
+  tr.v0 = TrainedBF16(n, rng);
+  std::vector<int> dir(n, 0);
+  auto step = [&](const Bytes& in) {
+    Bytes out = in;
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, in.data() + 2 * i, 2);
+      const int e = (v >> 7) & 0xFF;
+      const double q = dir[i] != 0 ? 0.6 : std::min(1.0, rate * std::pow(2.0, (122 - e) * 0.7));
+      if (std::uniform_real_distribution<double>(0, 1)(rng) >= q) {
+        dir[i] = 0;
+        continue;
+      }
+      const bool keep = dir[i] != 0 && (rng() % 10) < 9;
+      dir[i] = keep ? dir[i] : ((rng() & 1) ? 1 : -1);
+      v = static_cast<uint16_t>(v + dir[i]);
+      std::memcpy(out.data() + 2 * i, &v, 2);
+    }
+    return out;
+  };
+  tr.v1 = step(tr.v0);
+  tr.v2 = step(tr.v1);
+  return tr;
+}
+
+EncodeOptions Opts(int format, int log2 = 12, int threads = 2) {
+  EncodeOptions o;
+  o.format = format;
+  o.block_log2 = log2;
+  o.threads = threads;
+  return o;
+}
+
+// Every way to apply `patch` gives `target` from `base` (out of place, in place, with the
+// digest-v2 delta, and the delta alone matches the target's digest).
+void ExpectAppliesTo(const Bytes& patch, DType t, const Bytes& base, const Bytes& target,
+                     const ChangeRecord* prev, const std::string& what) {
+  Bytes out(base.size());
+  ASSERT_TRUE(ApplyPatch(patch, t, base, out, 2, prev).ok()) << what;
+  ASSERT_EQ(out, target) << what;
+  Bytes in_place = base;
+  auto d = ApplyPatchDigestV2(patch, t, in_place, in_place, 2, prev);
+  ASSERT_TRUE(d.ok()) << what << ": " << d.status();
+  ASSERT_EQ(in_place, target) << what;
+  auto only = DigestV2DeltaOfPatch(patch, t, base, 2, prev);
+  ASSERT_TRUE(only.ok()) << what << ": " << only.status();
+  EXPECT_EQ(only->ApplyTo(TensorDigestV2(base), base.size()), TensorDigestV2(target)) << what;
+  EXPECT_EQ(d->ApplyTo(TensorDigestV2(base), base.size()), TensorDigestV2(target)) << what;
+}
+
+TEST(PatchV2, RoundTripsEveryDtypeSizeAndRateWithAndWithoutTheRecord) {
+  std::mt19937_64 rng(41);
+  for (DType t : kAllTypes) {
+    const size_t w = static_cast<size_t>(DTypeSize(t));
+    for (size_t n : {size_t{1}, size_t{300}, size_t{4096}, size_t{20000}}) {
+      for (double p : {0.0, 0.003, 0.05, 0.6}) {
+        const Bytes v0 = testing::RandomBytes(n * w, rng);
+        const Bytes v1 = testing::MutateElements(v0, t, 0.02, rng);
+        const Bytes v2 = p > 0 ? testing::MutateElements(v1, t, p, rng) : v1;
+        const ChangeRecord rec = ChangeRecord::Compare(t, v0.data(), v1.data(), n);
+        for (const ChangeRecord* prev : {static_cast<const ChangeRecord*>(nullptr), &rec}) {
+          const std::string what = absl::StrCat(DTypeName(t), " n ", n, " p ", p, prev ? " record" : "");
+          EncodeInput in{t, v1, v2, prev};
+          PatchStats st;
+          auto patch = EncodePatch(t, v1, v2, Opts(2, 8), &st);  // unconditioned via EncodePatch
+          ASSERT_TRUE(patch.ok()) << what << ": " << patch.status();
+          auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 8));
+          ASSERT_TRUE(patches.ok()) << what << ": " << patches.status();
+          const Bytes& p2 = (*patches)[0];
+          if (prev == nullptr) {
+            EXPECT_EQ(p2, *patch) << what;
+          }
+          auto v1_patch = EncodePatch(t, v1, v2, Opts(1, 8));
+          ASSERT_TRUE(v1_patch.ok());
+          EXPECT_LE(p2.size(), v1_patch->size()) << what << ": the choice never costs bytes";
+          auto info = InspectPatch(p2);
+          ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+          EXPECT_EQ(p2[4], info->blocks_context > 0 ? 2 : 1) << what;
+          if (info->blocks_context == 0) {
+            EXPECT_EQ(p2, *v1_patch) << what;
+          }
+          EXPECT_EQ(p2[7], info->blocks_context > 0 && prev != nullptr ? 1 : 0) << what;
+          ExpectAppliesTo(p2, t, v1, v2, prev, what);
+        }
+      }
+    }
+  }
+}
+
+TEST(PatchV2, TrainedWeightsAreContextCodedAndSmallerThanV1) {
+  std::mt19937_64 rng(43);
+  const size_t n = 1 << 18;
+  const Trajectory tr = AdamLike(n, 0.004, rng);
+  const Bytes &v0 = tr.v0, &v1 = tr.v1, &v2 = tr.v2;
+  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n);
+  EncodeInput plain{DType::kBF16, v1, v2, nullptr};
+  EncodeInput cond{DType::kBF16, v1, v2, &rec};
+  std::vector<PatchStats> st;
+  auto v1p = EncodePatches(std::span<const EncodeInput>(&plain, 1), Opts(1, 16));
+  auto ctx = EncodePatches(std::span<const EncodeInput>(&plain, 1), Opts(2, 16), &st);
+  ASSERT_TRUE(v1p.ok() && ctx.ok());
+  EXPECT_EQ(st[0].blocks_context, 4u);
+  EXPECT_LT((*ctx)[0].size(), (*v1p)[0].size() * 95 / 100) << "exponent classes alone";
+  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), &st);
+  ASSERT_TRUE(cp.ok());
+  EXPECT_LT((*cp)[0].size(), (*ctx)[0].size() * 9 / 10) << "the record helps further";
+  std::printf("v1 %zu B, context %zu B, with the record %zu B\n", (*v1p)[0].size(), (*ctx)[0].size(),
+              (*cp)[0].size());
+  EXPECT_EQ((*cp)[0][7], format::kFlagConditioned);
+  uint32_t fp;
+  std::memcpy(&fp, (*cp)[0].data() + 28, 4);
+  EXPECT_EQ(fp, rec.Fingerprint());
+  ExpectAppliesTo((*ctx)[0], DType::kBF16, v1, v2, nullptr, "unconditioned");
+  ExpectAppliesTo((*cp)[0], DType::kBF16, v1, v2, &rec, "conditioned");
+  // Thread counts and the fused encode paths give the same bytes.
+  for (int threads : {1, 3, 8}) {
+    auto again = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16, threads));
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ((*again)[0], (*cp)[0]) << threads << " threads";
+  }
+  std::vector<uint64_t> digests;
+  auto fused = EncodePatchesWithDigests(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), nullptr, &digests);
+  ASSERT_TRUE(fused.ok());
+  EXPECT_EQ((*fused)[0], (*cp)[0]);
+  EXPECT_EQ(digests[0], TensorDigest(v2));
+  EncodedChanges changes;
+  auto logged = EncodePatchesWithChanges(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), nullptr, nullptr, &changes);
+  ASSERT_TRUE(logged.ok());
+  EXPECT_EQ((*logged)[0], (*cp)[0]);
+  Bytes committed = v1;
+  ASSERT_TRUE(changes.ApplyTo(0, committed, v2).ok());
+  EXPECT_EQ(committed, v2);
+}
+
+TEST(PatchV2, AConditionedPatchNeedsItsRecord) {
+  std::mt19937_64 rng(47);
+  const size_t n = 1 << 16;
+  const Trajectory tr = AdamLike(n, 0.004, rng);
+  const Bytes &v0 = tr.v0, &v1 = tr.v1, &v2 = tr.v2;
+  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n);
+  EncodeInput cond{DType::kBF16, v1, v2, &rec};
+  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
+  ASSERT_TRUE(cp.ok());
+  const Bytes& patch = (*cp)[0];
+  ASSERT_EQ(patch[7], format::kFlagConditioned);
+  Bytes out(v1.size());
+  absl::Status none = ApplyPatch(patch, DType::kBF16, v1, out, 1, nullptr);
+  EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition) << none;
+  ChangeRecord other = rec;
+  other.down[3] ^= 1;  // one element's direction differs
+  absl::Status wrong = ApplyPatch(patch, DType::kBF16, v1, out, 1, &other);
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kFailedPrecondition) << wrong;
+  EXPECT_NE(wrong.message().find("fingerprint"), absl::string_view::npos) << wrong;
+  const ChangeRecord shorter = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n - 64);
+  EXPECT_EQ(ApplyPatch(patch, DType::kBF16, v1, out, 1, &shorter).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ApplyPatchDigestV2(patch, DType::kBF16, v1, out, 1, nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(DigestV2DeltaOfPatch(patch, DType::kBF16, v1, 1, &other).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // An encoder refuses a record of another size.
+  EncodeInput bad{DType::kBF16, v1, v2, &shorter};
+  EXPECT_EQ(EncodePatches(std::span<const EncodeInput>(&bad, 1), Opts(2, 14)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(EncodePatch(DType::kBF16, v1, v2, Opts(3, 14)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Fingerprints see every word.
+  for (size_t wd = 0; wd < rec.changed.size(); wd += 37) {
+    ChangeRecord r = rec;
+    r.changed[wd] ^= 1ull << (wd % 64);
+    EXPECT_NE(r.Fingerprint(), rec.Fingerprint()) << wd;
+  }
+}
+
+TEST(PatchV2, HostileVersion2PatchesAreRejected) {
+  std::mt19937_64 rng(53);
+  const size_t n = 1 << 16;
+  const Trajectory tr = AdamLike(n, 0.004, rng);
+  const Bytes &v0 = tr.v0, &v1 = tr.v1, &v2 = tr.v2;
+  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n);
+  EncodeInput cond{DType::kBF16, v1, v2, &rec};
+  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
+  ASSERT_TRUE(cp.ok());
+  const Bytes patch = (*cp)[0];
+  auto layout = ParsePatch(patch);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE(layout->conditioned);
+  auto expect_bad = [&](Bytes bad, const char* expect, bool resign) {
+    if (resign) (void)testing::ResignPatch(bad);
+    Bytes out = v1;
+    absl::Status st = ApplyPatch(bad, DType::kBF16, out, out, 1, &rec);
+    EXPECT_FALSE(st.ok()) << expect;
+    EXPECT_NE(st.message().find(expect), absl::string_view::npos) << st;
+    EXPECT_EQ(out, v1) << expect << ": written before the failure was found";
+  };
+  {  // unknown flags, a fingerprint without the flag, a version-1 patch with a CONTEXT block
+    Bytes b = patch;
+    b[7] = 3;
+    expect_bad(b, "flags", true);
+    b = patch;
+    b[7] = 0;
+    expect_bad(b, "fingerprint at offset 28", true);
+    b = patch;
+    b[4] = 1;
+    b[7] = 0;
+    std::memset(b.data() + 28, 0, 4);
+    expect_bad(b, "CONTEXT", true);
+    b = patch;  // the fingerprint is covered by the header checksum
+    b[29] ^= 0x10;
+    expect_bad(b, "header checksum", false);
+  }
+  // Every single-byte corruption of a CONTEXT payload, checksums recomputed: rejected with the
+  // block named, or decoded into other bytes (never a crash, never writing before the check).
+  const BlockDesc* ctx = nullptr;
+  for (const BlockDesc& d : layout->blocks) {
+    if (d.mode == format::kContext) ctx = &d;
+  }
+  ASSERT_NE(ctx, nullptr);
+  size_t rejected = 0;
+  for (uint64_t i = 0; i < ctx->payload_bytes; ++i) {
+    Bytes b = patch;
+    b[ctx->payload_offset + i] ^= static_cast<uint8_t>(1 + rng() % 255);
+    ASSERT_TRUE(testing::ResignPatch(b).ok());
+    Bytes out(v1.size());
+    absl::Status st = ApplyPatch(b, DType::kBF16, v1, out, 1, &rec);
+    if (!st.ok()) {
+      ++rejected;
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+      EXPECT_NE(st.message().find("context-coded payload"), absl::string_view::npos) << st;
+    }
+  }
+  EXPECT_GT(rejected, ctx->payload_bytes / 2);
+  // The same corruption without re-signing is a checksum failure before anything is written.
+  Bytes b = patch;
+  b[ctx->payload_offset] ^= 1;
+  expect_bad(b, "checksum", false);
+}
+
+}  // namespace
+}  // namespace refit
