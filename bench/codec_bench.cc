@@ -302,7 +302,8 @@ struct Totals {
   uint64_t timed_bytes = 0;  // one buffer's bytes, summed over units
   // Context coding (patch format v2's CONTEXT blocks, context_block.h), every block with changes
   // context-coded: bytes as a v2 patch would lay them out, and best encode / in-place decode time.
-  uint64_t ctx_bytes = 0;
+  uint64_t ctx_bytes = 0;   // format-2 patches
+  uint64_t ctx_blocks = 0;  // ... their CONTEXT blocks
   double ctx_enc_best = 0, ctx_dec_best = 0;
 };
 
@@ -393,126 +394,54 @@ void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
 }
 
 // Encodes, verifies and times one unit; adds to `tot`.
-// Context coding of every changed block of a unit (context_block.h) at the default block size:
-// size as a v2 patch lays it out (32-byte header per tensor; per block a 1-byte UNCHANGED entry, or
-// count and payload varints and a 4-byte checksum beside the payload), every block decoded against
-// its base and checked, and the best of `reps` timings of encode (scan for changes + context
-// encode) and of in-place decode (decode + write) over the threads.
+// Patch format v2 of a unit, through the library as a publisher and a subscriber use it: all
+// tensors encoded in one EncodePatches call with format 2 (each block context coded where that
+// is smaller than v1), each given its previous-change record when the dataset has the version
+// before the base; then each patch applied in place with ApplyPatchDigestV2 and the record (the
+// subscriber's path). Every output is checked against the target; the best of `reps` timings.
 void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& pairs, int threads,
                     int reps, Totals* tot) {
-  struct Blk {
-    size_t t = 0;
-    uint32_t first = 0, len = 0;
-    ChangeRecord rec;  // the previous version's changes over the block
-    PrevSigns prev;    // its view
-    std::vector<uint8_t> payload;
-    uint32_t count = 0;
-  };
-  const uint32_t block = 1u << format::kDefaultBlockLog2;
-  std::vector<Blk> blocks;
+  std::vector<ChangeRecord> records(pairs.size());
+  std::vector<EncodeInput> inputs;
   for (size_t t = 0; t < pairs.size(); ++t) {
-    const uint64_t n = pairs[t].base.size() / kElemBytes;
-    for (uint64_t f = 0; f < n; f += block) {
-      Blk b;
-      b.t = t;
-      b.first = static_cast<uint32_t>(f);
-      b.len = static_cast<uint32_t>(std::min<uint64_t>(block, n - f));
-      if (!pairs[t].prev.empty()) {
-        b.rec = ChangeRecord::Compare(DType::kBF16, pairs[t].prev.data() + f * kElemBytes,
-                                      pairs[t].base.data() + f * kElemBytes, b.len);
-      }
-      blocks.push_back(std::move(b));
-      if (blocks.back().rec.num_elements > 0) blocks.back().prev = blocks.back().rec.Block(0, blocks.back().len);
+    const TensorPair& tp = pairs[t];
+    if (!tp.prev.empty()) {
+      records[t] = ChangeRecord::Compare(DType::kBF16, tp.prev.data(), tp.base.data(),
+                                         tp.base.size() / kElemBytes);
     }
+    inputs.push_back({DType::kBF16, tp.base, tp.target, tp.prev.empty() ? nullptr : &records[t]});
   }
-  auto encode_all = [&] {
-    ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
-      thread_local ContextScratch cs;
-      std::vector<uint32_t> pos;
-      for (size_t i = lo; i < hi; ++i) {
-        Blk& b = blocks[i];
-        const uint16_t* x = reinterpret_cast<const uint16_t*>(pairs[b.t].base.data()) + b.first;
-        const uint16_t* y = reinterpret_cast<const uint16_t*>(pairs[b.t].target.data()) + b.first;
-        pos.resize(b.len);
-        uint32_t n = 0;  // the changed positions, four elements at a compare
-        uint32_t k = 0;
-        for (; k + 4 <= b.len; k += 4) {
-          uint64_t xa, ya;
-          std::memcpy(&xa, x + k, 8);
-          std::memcpy(&ya, y + k, 8);
-          if (xa == ya) continue;
-          for (uint32_t e = k; e < k + 4; ++e) {
-            pos[n] = e;
-            n += x[e] != y[e] ? 1 : 0;
-          }
-        }
-        for (; k < b.len; ++k) {
-          pos[n] = k;
-          n += x[k] != y[k] ? 1 : 0;
-        }
-        b.count = n;
-        if (n == 0) {
-          b.payload.clear();
-          continue;
-        }
-        b.payload.resize(static_cast<size_t>(b.len) * kElemBytes);
-        const size_t bytes = EncodeContextBlock(
-            DType::kBF16, reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const uint8_t*>(y),
-            b.len, pos.data(), n, b.prev.known() ? &b.prev : nullptr, cs, b.payload.data(),
-            b.payload.size());
-        if (bytes == 0) Fail(absl::StrCat(dataset, ": a context-coded block outgrew its dense form"));
-        b.payload.resize(bytes);
-      }
-    });
-  };
+  EncodeOptions eo;
+  eo.threads = threads;
+  eo.format = 2;
   std::vector<Bytes> work(pairs.size());
-  auto decode_all = [&] {
-    ParallelFor(blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
-      thread_local ContextScratch cs;
-      std::vector<uint32_t> pos;
-      std::vector<uint64_t> val;
-      for (size_t i = lo; i < hi; ++i) {
-        const Blk& b = blocks[i];
-        if (b.count == 0) continue;
-        uint16_t* o = reinterpret_cast<uint16_t*>(work[b.t].data()) + b.first;
-        pos.resize(b.count);
-        val.resize(b.count);
-        absl::Status st = DecodeContextBlock(
-            DType::kBF16, b.payload.data(), b.payload.size(), reinterpret_cast<const uint8_t*>(o),
-            b.len, b.count, b.prev.known() ? &b.prev : nullptr, cs, pos.data(), val.data(),
-            [&] { return absl::StrCat("tensor ", b.t, " block at ", b.first); });
-        if (!st.ok()) Fail(absl::StrCat(dataset, ": context decode: ", st.ToString()));
-        for (uint32_t j = 0; j < b.count; ++j) o[pos[j]] = static_cast<uint16_t>(val[j]);
-      }
-    });
-  };
   std::vector<double> enc, dec;
+  std::vector<PatchStats> stats;
   for (int r = 0; r <= reps; ++r) {
     for (size_t t = 0; t < pairs.size(); ++t) work[t].assign(pairs[t].base.begin(), pairs[t].base.end());
     const auto t0 = Clock::now();
-    encode_all();
+    auto encoded = EncodePatches(inputs, eo, &stats);
     const auto t1 = Clock::now();
-    decode_all();
+    if (!encoded.ok()) Fail(absl::StrCat(dataset, ": format-2 EncodePatches: ", encoded.status().ToString()));
+    for (size_t t = 0; t < pairs.size(); ++t) {
+      auto d = ApplyPatchDigestV2((*encoded)[t], DType::kBF16, work[t], work[t], threads, inputs[t].prev);
+      if (!d.ok()) Fail(absl::StrCat(dataset, ": format-2 in-place apply: ", d.status().ToString()));
+    }
     const auto t2 = Clock::now();
     for (size_t t = 0; t < pairs.size(); ++t) {
       if (!std::equal(work[t].begin(), work[t].end(), pairs[t].target.begin(), pairs[t].target.end())) {
-        Fail(absl::StrCat(dataset, " tensor '", pairs[t].name, "': context decode differs from the target"));
+        Fail(absl::StrCat(dataset, " tensor '", pairs[t].name, "': format-2 apply differs from the target"));
       }
     }
-    if (r == 0) continue;
+    if (r == 0) {
+      for (size_t t = 0; t < pairs.size(); ++t) {
+        tot->ctx_bytes += (*encoded)[t].size();
+        tot->ctx_blocks += stats[t].blocks_context;
+      }
+      continue;
+    }
     enc.push_back(Seconds(t0, t1));
     dec.push_back(Seconds(t1, t2));
-  }
-  auto varint = [](uint64_t v) {
-    uint64_t n = 1;
-    while (v >= 0x80) v >>= 7, ++n;
-    return n;
-  };
-  tot->ctx_bytes += 32 * pairs.size();
-  for (const Blk& b : blocks) {
-    tot->ctx_bytes += b.count == 0 ? 1
-                                   : varint(uint64_t{b.count} << 2 | 3) + varint(b.payload.size()) +
-                                         4 + b.payload.size();
   }
   tot->ctx_enc_best += *std::min_element(enc.begin(), enc.end());
   tot->ctx_dec_best += *std::min_element(dec.begin(), dec.end());
@@ -670,6 +599,7 @@ void PrintJson(const Result& r) {
   num("ratio_to_context_bound", SafeDiv(bpc, cb.full_bits()));
   const double ctx_bits = r.ctx_bits_per_change();
   u64("ctx_bytes", r.tot.ctx_bytes);
+  u64("ctx_blocks_context", r.tot.ctx_blocks);
   num("ctx_bits_per_change", ctx_bits);
   num("ctx_ratio_to_bound", SafeDiv(ctx_bits, b.bits_per_change()));
   num("ctx_ratio_to_context_bound", SafeDiv(ctx_bits, cb.full_bits()));
@@ -736,11 +666,11 @@ void PrintHumanDetail(const Result& r) {
               SafeDiv(r.bits_per_change(), cb.full_bits()), r.tot.blocks_sparse,
               r.tot.blocks_dense, r.tot.blocks_unchanged);
   const double ctx_bits = r.ctx_bits_per_change();
-  std::printf("   context coding (v2 CONTEXT blocks) %" PRIu64 " B (%.3f bits/change, %.4fx bound, "
-              "%.4fx context bound, %.4fx v1); GB/s encode %.2f, in-place decode %.2f\n",
+  std::printf("   patch format 2 %" PRIu64 " B (%.3f bits/change, %.4fx bound, %.4fx context bound, "
+              "%.4fx v1; %" PRIu64 " CONTEXT blocks); GB/s encode %.2f, in-place apply %.2f\n",
               r.tot.ctx_bytes, ctx_bits, SafeDiv(ctx_bits, b.bits_per_change()),
               SafeDiv(ctx_bits, cb.full_bits()), SafeDiv(ctx_bits, r.bits_per_change()),
-              r.Gbps(r.tot.ctx_enc_best), r.Gbps(r.tot.ctx_dec_best));
+              r.tot.ctx_blocks, r.Gbps(r.tot.ctx_enc_best), r.Gbps(r.tot.ctx_dec_best));
   std::printf("   DCR reference %" PRIu64 " B (%.3f bits/change, %.3fx refitd); dense %" PRIu64
               " B\n",
               r.tot.ref_bytes, r.ref_bits_per_change(),

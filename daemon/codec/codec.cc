@@ -1974,6 +1974,70 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patc
   return ApplyDeltaForWidth(patch, layout, base, nullptr, threads, record);
 }
 
+namespace {
+
+// ChangeRecordOfPatch for elements of T: each block's changes marked into `rec` (blocks own
+// whole words of it, so the threads never share one).
+template <typename T>
+absl::Status RecordTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
+                         std::span<const uint8_t> base, int threads, const ChangeRecord* prev,
+                         ChangeRecord& rec) {
+  const ValueCoding coding = DTypeValueCoding(layout.dtype);
+  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
+  const T* b = reinterpret_cast<const T*>(base.data());
+  absl::Mutex mu;
+  absl::Status first_error;
+  ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
+    Scratch s;
+    s.dtype = layout.dtype;
+    s.prev = prev;
+    absl::Status st;
+    for (size_t i = lo; i < hi && st.ok(); ++i) {
+      const BlockDesc& d = layout.blocks[i];
+      const T* bb = b + d.first_element;
+      if (d.mode == kUnchanged) continue;
+      if (d.mode == kDense) {
+        const uint8_t* payload = patch.data() + d.payload_offset;
+        for (uint32_t j = 0; j < d.num_elements; ++j) {
+          T t;
+          std::memcpy(&t, payload + sizeof(T) * j, sizeof(T));
+          if (t != bb[j]) rec.Mark(layout.dtype, d.first_element + j, bb[j], t);
+        }
+        continue;
+      }
+      st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
+      for (uint32_t j = 0; st.ok() && j < d.count; ++j) {
+        rec.Mark(layout.dtype, d.first_element + s.pos[j], bb[s.pos[j]], s.val[j]);
+      }
+    }
+    if (!st.ok()) {
+      absl::MutexLock lock(&mu);
+      if (first_error.ok()) first_error = std::move(st);
+    }
+  });
+  return first_error;
+}
+
+}  // namespace
+
+absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch, DType dtype,
+                                                 std::span<const uint8_t> base, int threads,
+                                                 const ChangeRecord* prev) {
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  RETURN_IF_ERROR(CheckApplyBuffers("ChangeRecordOfPatch", dtype, base, base));  // alignment
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  ChangeRecord rec = ChangeRecord::Unchanged(layout.num_elements);
+  absl::Status st;
+  switch (DTypeSize(dtype)) {
+    case 1: st = RecordTyped<uint8_t>(patch, layout, base, threads, record, rec); break;
+    case 2: st = RecordTyped<uint16_t>(patch, layout, base, threads, record, rec); break;
+    case 4: st = RecordTyped<uint32_t>(patch, layout, base, threads, record, rec); break;
+    default: st = RecordTyped<uint64_t>(patch, layout, base, threads, record, rec); break;
+  }
+  RETURN_IF_ERROR(st);
+  return rec;
+}
+
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   PatchStats st;

@@ -184,6 +184,14 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patc
                                                    std::span<const uint8_t> base, int threads = 0,
                                                    const ChangeRecord* prev = nullptr);
 
+// The previous-change record of the patch's target: which elements `patch` changes from `base`
+// and in which direction (what the next conditioned patch is coded given). Decodes and validates
+// as ApplyPatch (same errors; `prev` as there), writes nothing. Equal to ChangeRecord::Compare of
+// base and target.
+absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch, DType dtype,
+                                                 std::span<const uint8_t> base, int threads = 0,
+                                                 const ChangeRecord* prev = nullptr);
+
 // Validates the whole patch (table and every payload) without a base tensor where possible:
 // checksums and bitstream structure (CONTEXT payloads need the base: checksums only). Fills
 // stats.

@@ -586,20 +586,27 @@ const char* DecodeBlock(const ScanSetup& ss, bool fast, rc::Decoder& d, const De
 ChangeRecord ChangeRecord::Compare(DType dtype, const uint8_t* before, const uint8_t* after,
                                    uint64_t n) {
   const int w = DTypeSize(dtype);
-  const int bits = 8 * w;
-  const ValueCoding coding = DTypeValueCoding(dtype);
+  ChangeRecord r = Unchanged(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t a = Load(before, w, i), b = Load(after, w, i);
+    if (a != b) r.Mark(dtype, i, a, b);
+  }
+  return r;
+}
+
+ChangeRecord ChangeRecord::Unchanged(uint64_t n) {
   ChangeRecord r;
   r.num_elements = n;
   r.changed.assign((n + 63) / 64, 0);
   r.down.assign((n + 63) / 64, 0);
-  for (uint64_t i = 0; i < n; ++i) {
-    const uint64_t a = Load(before, w, i), b = Load(after, w, i);
-    if (a == b) continue;
-    const uint64_t d = Difference(coding, bits, a, b);
-    r.changed[i >> 6] |= 1ull << (i & 63);
-    if ((d >> (bits - 1)) & 1) r.down[i >> 6] |= 1ull << (i & 63);
-  }
   return r;
+}
+
+void ChangeRecord::Mark(DType dtype, uint64_t i, uint64_t before, uint64_t after) {
+  const int bits = 8 * DTypeSize(dtype);
+  const uint64_t d = Difference(DTypeValueCoding(dtype), bits, before, after);
+  changed[i >> 6] |= 1ull << (i & 63);
+  if ((d >> (bits - 1)) & 1) down[i >> 6] |= 1ull << (i & 63);
 }
 
 PrevSigns ChangeRecord::Block(uint64_t first, uint32_t len) const {

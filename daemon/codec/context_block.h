@@ -1,5 +1,6 @@
-// Context coding of one block's changes (patch format v2's CONTEXT blocks, in progress: the
-// patch container does not emit them yet; docs/ARCHITECTURE.md "Patch format v2 (in progress)").
+// Context coding of one block's changes (patch format v2's CONTEXT blocks, which codec.h's
+// encoder emits with EncodeOptions::format = 2; docs/ARCHITECTURE.md "Patch format v2 (in
+// progress)").
 //
 // The receiver already holds the base, so the coder conditions on it at no wire cost:
 //   - each element's class is its base value's exponent, counted down from the block's largest
@@ -50,8 +51,12 @@ struct ChangeRecord {
   uint64_t num_elements = 0;
   std::vector<uint64_t> changed, down;  // ceil(num_elements / 64) words each
 
-  // The record of `before` -> `after` (n elements of dtype each, n = before.size() / width).
+  // The record of `before` -> `after` (n elements of dtype each).
   static ChangeRecord Compare(DType dtype, const uint8_t* before, const uint8_t* after, uint64_t n);
+  // A record of n elements none of which changed.
+  static ChangeRecord Unchanged(uint64_t n);
+  // Marks element i as changed from `before` to `after` (bits of dtype; they differ).
+  void Mark(DType dtype, uint64_t i, uint64_t before, uint64_t after);
   // The view of elements [first, first + len); first must be a multiple of 64.
   PrevSigns Block(uint64_t first, uint32_t len) const;
   // h = Hash64(changed's words as little-endian bytes, seed kRecordSeed ^ num_elements);

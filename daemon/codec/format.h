@@ -32,7 +32,8 @@
 // Version 2 (written only when at least one block is CONTEXT; a patch without one is version 1):
 //   offset 4 = 2; offset 7 = flags: bit 0 (kFlagConditioned) set when the CONTEXT blocks are
 //   coded given the tensor's previous-change record (context_block.h ChangeRecord), other bits 0;
-//   offset 28 = that record's Fingerprint() when conditioned, else 0. A decoder applying a
+//   offset 28 = that record's Fingerprint() when conditioned, else 0; the header checksum covers
+//   bytes [0,24) ++ [28,32) ++ table (patch_writer.h HeaderChecksum). A decoder applying a
 //   conditioned patch must hold a record of num_elements elements with that fingerprint.
 //   CONTEXT (3):   varint head = count << 2 | 3 (count 1 .. block length)
 //                  varint payload_bytes (1 .. dense bytes - 1)

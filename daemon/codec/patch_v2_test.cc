@@ -46,9 +46,8 @@ struct Trajectory {
   Bytes v0, v1, v2;
 };
 
-Trajectory AdamLike(size_t n, double rate, std::mt19937_64& rng) {
-  Trajectory tr;
-  tr.v0 = TrainedBF16(n, rng);
+std::vector<Bytes> AdamLikeVersions(size_t n, double rate, int steps, std::mt19937_64& rng) {
+  std::vector<Bytes> vs = {TrainedBF16(n, rng)};
   std::vector<int> dir(n, 0);
   auto step = [&](const Bytes& in) {
     Bytes out = in;
@@ -68,9 +67,13 @@ Trajectory AdamLike(size_t n, double rate, std::mt19937_64& rng) {
     }
     return out;
   };
-  tr.v1 = step(tr.v0);
-  tr.v2 = step(tr.v1);
-  return tr;
+  for (int k = 0; k < steps; ++k) vs.push_back(step(vs.back()));
+  return vs;
+}
+
+Trajectory AdamLike(size_t n, double rate, std::mt19937_64& rng) {
+  std::vector<Bytes> vs = AdamLikeVersions(n, rate, 2, rng);
+  return Trajectory{vs[0], vs[1], vs[2]};
 }
 
 EncodeOptions Opts(int format, int log2 = 12, int threads = 2) {
@@ -131,6 +134,12 @@ TEST(PatchV2, RoundTripsEveryDtypeSizeAndRateWithAndWithoutTheRecord) {
           }
           EXPECT_EQ(p2[7], info->blocks_context > 0 && prev != nullptr ? 1 : 0) << what;
           ExpectAppliesTo(p2, t, v1, v2, prev, what);
+          auto next = ChangeRecordOfPatch(p2, t, v1, 2, prev);
+          ASSERT_TRUE(next.ok()) << what << ": " << next.status();
+          const ChangeRecord want = ChangeRecord::Compare(t, v1.data(), v2.data(), n);
+          EXPECT_EQ(next->changed, want.changed) << what;
+          EXPECT_EQ(next->down, want.down) << what;
+          EXPECT_EQ(next->Fingerprint(), want.Fingerprint()) << what;
         }
       }
     }
@@ -180,6 +189,30 @@ TEST(PatchV2, TrainedWeightsAreContextCodedAndSmallerThanV1) {
   Bytes committed = v1;
   ASSERT_TRUE(changes.ApplyTo(0, committed, v2).ok());
   EXPECT_EQ(committed, v2);
+}
+
+// A subscriber's chain: each patch is conditioned on the record of the one before, which the
+// subscriber takes from that patch (ChangeRecordOfPatch) instead of keeping old versions.
+TEST(PatchV2, AChainOfConditionedPatchesAppliesWithRecordsTakenFromThePatches) {
+  std::mt19937_64 rng(59);
+  const size_t n = 1 << 16;
+  const std::vector<Bytes> versions = AdamLikeVersions(n, 0.004, 5, rng);
+  // Publisher: records by comparing versions; subscriber: records from the patches it applied.
+  ChangeRecord sub_record = ChangeRecord::Compare(DType::kBF16, versions[0].data(), versions[1].data(), n);
+  Bytes held = versions[1];
+  for (size_t v = 2; v < versions.size(); ++v) {
+    const ChangeRecord pub_record =
+        ChangeRecord::Compare(DType::kBF16, versions[v - 2].data(), versions[v - 1].data(), n);
+    EncodeInput in{DType::kBF16, versions[v - 1], versions[v], &pub_record};
+    auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 14));
+    ASSERT_TRUE(patches.ok());
+    ASSERT_EQ((*patches)[0][7], format::kFlagConditioned) << v;
+    auto next = ChangeRecordOfPatch((*patches)[0], DType::kBF16, held, 2, &sub_record);
+    ASSERT_TRUE(next.ok()) << v << ": " << next.status();
+    ASSERT_TRUE(ApplyPatch((*patches)[0], DType::kBF16, held, held, 2, &sub_record).ok()) << v;
+    ASSERT_EQ(held, versions[v]) << v;
+    sub_record = std::move(*next);
+  }
 }
 
 TEST(PatchV2, AConditionedPatchNeedsItsRecord) {

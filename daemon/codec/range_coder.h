@@ -1,5 +1,5 @@
 // The binary adaptive range coder of patch format v2's context-coded blocks (docs/ARCHITECTURE.md
-// "Patch wire format, version 2"). This header is its normative definition: integer arithmetic
+// "Patch format v2 (in progress)"). This header is its normative definition: integer arithmetic
 // only, so the CPU codec and the CUDA kernels produce and accept the same bytes. Plain C++, no
 // dependencies, no allocation (the caller owns the buffers).
 //
