@@ -1823,6 +1823,31 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
   return table_bytes;
 }
 
+// A SPARSE or CONTEXT entry's change count (head >> 2), in [1, block length].
+template <typename Bad>
+absl::Status ParseCount(uint64_t head, BlockDesc& d, const Bad& bad) {
+  const uint64_t count = head >> 2;
+  if (count == 0 || count > d.num_elements) {
+    return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
+  }
+  d.count = static_cast<uint32_t>(count);
+  return absl::OkStatus();
+}
+
+// A SPARSE or CONTEXT entry's payload size (smaller than the dense form) and checksum.
+template <typename Bad>
+absl::Status ParseSizeAndChecksum(TableReader& tr, const char* kind, uint64_t dense_bytes,
+                                  BlockDesc& d, const Bad& bad) {
+  if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
+  if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
+    return bad(absl::StrCat(kind, " payload of ", d.payload_bytes,
+                            " bytes is not smaller than the dense form (", dense_bytes, ")"));
+  }
+  d.checksum_offset = format::kHeaderBytes + tr.offset();
+  if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+  return absl::OkStatus();
+}
+
 // ParsePatch's per-block step: block i's table entry (mode, count, coding parameters, payload
 // size, checksum), its payload placed at *payload_off (advanced past it).
 absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_t i,
@@ -1847,11 +1872,7 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
     if (!tr.U32(&d.checksum)) return bad("truncated checksum");
     d.payload_bytes = dense_bytes;
   } else if (d.mode == kSparse) {
-    const uint64_t count = head >> 2;
-    if (count == 0 || count > d.num_elements) {
-      return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
-    }
-    d.count = static_cast<uint32_t>(count);
+    RETURN_IF_ERROR(ParseCount(head, d, bad));
     uint16_t params;
     if (!tr.U16(&params)) return bad("truncated parameters");
     d.kg = params & 31;
@@ -1864,26 +1885,10 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
     if (DTypeValueCoding(layout.dtype) == ValueCoding::kRaw && (d.kr != 0 || d.ke != 0)) {
       return bad("raw-coded dtype with run/exception parameters");
     }
-    if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
-    if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
-      return bad(absl::StrCat("sparse payload of ", d.payload_bytes,
-                              " bytes is not smaller than the dense form (", dense_bytes, ")"));
-    }
-    d.checksum_offset = format::kHeaderBytes + tr.offset();
-    if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+    RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "sparse", dense_bytes, d, bad));
   } else if (layout.version == format::kVersion2) {  // CONTEXT
-    const uint64_t count = head >> 2;
-    if (count == 0 || count > d.num_elements) {
-      return bad(absl::StrCat("change count ", count, " outside [1, ", d.num_elements, "]"));
-    }
-    d.count = static_cast<uint32_t>(count);
-    if (!tr.Varint(&d.payload_bytes)) return bad("truncated payload size");
-    if (d.payload_bytes == 0 || d.payload_bytes >= dense_bytes) {
-      return bad(absl::StrCat("context payload of ", d.payload_bytes,
-                              " bytes is not smaller than the dense form (", dense_bytes, ")"));
-    }
-    d.checksum_offset = format::kHeaderBytes + tr.offset();
-    if (!tr.U32(&d.checksum)) return bad("truncated checksum");
+    RETURN_IF_ERROR(ParseCount(head, d, bad));
+    RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "context", dense_bytes, d, bad));
   } else {
     return bad("block mode 3 (CONTEXT) in a version-1 patch");
   }
@@ -1938,11 +1943,32 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
   return layout;
 }
 
+namespace {
+
+// Every apply path's first step: the patch parsed for this tensor, the buffers checked, and the
+// record its CONTEXT blocks decode with.
+struct Prepared {
+  PatchLayout layout;
+  const ChangeRecord* record = nullptr;
+};
+
+absl::StatusOr<Prepared> Prepare(const char* who, std::span<const uint8_t> patch, DType dtype,
+                                 std::span<const uint8_t> base, std::span<const uint8_t> out,
+                                 const ChangeRecord* prev) {
+  Prepared p;
+  ASSIGN_OR_RETURN(p.layout, ParsePatchFor(patch, dtype, base.size()));
+  RETURN_IF_ERROR(CheckApplyBuffers(who, dtype, base, out));
+  ASSIGN_OR_RETURN(p.record, RecordFor(p.layout, prev));
+  return p;
+}
+
+}  // namespace
+
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads, const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatch", dtype, base, out));
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatch", patch, dtype, base, out, prev));
+  const PatchLayout& layout = prep.layout;
+  const ChangeRecord* record = prep.record;
   switch (DTypeSize(dtype)) {
     case 1:
       return ApplyTyped<uint8_t>(patch, layout, base, out, threads, record);
@@ -1959,18 +1985,18 @@ absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch,
                                                  std::span<const uint8_t> base,
                                                  std::span<uint8_t> out, int threads,
                                                  const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers("ApplyPatchDigestV2", dtype, base, out));
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatchDigestV2", patch, dtype, base, out, prev));
+  const PatchLayout& layout = prep.layout;
+  const ChangeRecord* record = prep.record;
   return ApplyDeltaForWidth(patch, layout, base, out.data(), threads, record);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                    std::span<const uint8_t> base, int threads,
                                                    const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers("DigestV2DeltaOfPatch", dtype, base, base));  // alignment
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  ASSIGN_OR_RETURN(Prepared prep, Prepare("DigestV2DeltaOfPatch", patch, dtype, base, base, prev));
+  const PatchLayout& layout = prep.layout;
+  const ChangeRecord* record = prep.record;
   return ApplyDeltaForWidth(patch, layout, base, nullptr, threads, record);
 }
 
@@ -2023,9 +2049,9 @@ absl::Status RecordTyped(std::span<const uint8_t> patch, const PatchLayout& layo
 absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base, int threads,
                                                  const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers("ChangeRecordOfPatch", dtype, base, base));  // alignment
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordFor(layout, prev));
+  ASSIGN_OR_RETURN(Prepared prep, Prepare("ChangeRecordOfPatch", patch, dtype, base, base, prev));
+  const PatchLayout& layout = prep.layout;
+  const ChangeRecord* record = prep.record;
   ChangeRecord rec = ChangeRecord::Unchanged(layout.num_elements);
   absl::Status st;
   switch (DTypeSize(dtype)) {

@@ -702,6 +702,20 @@ size_t EmitStream(const ScanSetup& ss, const uint8_t* target, const uint32_t* po
   return e.overflow() ? 0 : bytes;
 }
 
+// A block's scanner setup, but for its anchor e_top.
+ScanSetup SetupOf(DType dtype, const uint8_t* base, uint32_t len, const PrevSigns* prev,
+                  ContextScratch& s) {
+  ScanSetup ss;
+  ss.dtype = dtype;
+  ss.f = FieldOf(dtype);
+  ss.width = DTypeSize(dtype);
+  ss.base = base;
+  ss.len = len;
+  ss.prev = prev;
+  ss.cls = &s.cls;
+  return ss;
+}
+
 // The header: e_top, the class mask and each class's gap parameter. nullptr, or what is wrong.
 const char* DecodeHeader(rc::Decoder& d, const ClassField& f, int width, uint32_t* top,
                          uint32_t* active, int* k) {
@@ -729,15 +743,8 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
                           const uint32_t* pos, uint32_t n, const PrevSigns* prev,
                           ContextScratch& s, uint8_t* out, size_t capacity) {
   if (!PrevCovers(prev, len)) return 0;
-  ScanSetup ss;
-  ss.dtype = dtype;
-  ss.f = FieldOf(dtype);
-  ss.width = DTypeSize(dtype);
-  ss.base = base;
-  ss.len = len;
+  ScanSetup ss = SetupOf(dtype, base, len, prev, s);
   ss.top = MaxField(ss.f, ss.width, base, len);
-  ss.prev = prev;
-  ss.cls = &s.cls;
   s.cls_of.resize(n);
   s.rank.resize(n);
   s.order.resize(n);
@@ -757,14 +764,7 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
         where(), ": the previous-change record covers ", 64 * prev->words,
         " elements, fewer than the block's ", len));
   }
-  ScanSetup ss;
-  ss.dtype = dtype;
-  ss.f = FieldOf(dtype);
-  ss.width = DTypeSize(dtype);
-  ss.base = base;
-  ss.len = len;
-  ss.prev = prev;
-  ss.cls = &s.cls;
+  ScanSetup ss = SetupOf(dtype, base, len, prev, s);  // e_top comes from the stream
   rc::Decoder d(payload, bytes);
   DecodeState state;
   auto fail = [&](const std::string& what) {

@@ -67,18 +67,30 @@ absl::Status Decode(DType t, const std::vector<uint8_t>& payload, const std::vec
   return absl::OkStatus();
 }
 
+// Two steps from v0 at rate p (the second has a change), and the record of the first.
+struct Steps {
+  std::vector<uint8_t> v1, v2;
+  ChangeRecord rec;
+};
+
+Steps TwoSteps(DType t, const std::vector<uint8_t>& v0, double p, std::mt19937_64& rng) {
+  Steps s;
+  s.v1 = testing::MutateElements(v0, t, p, rng);
+  s.v2 = testing::MutateElements(s.v1, t, p, rng);
+  if (Changed(t, s.v1, s.v2).empty()) s.v2 = testing::MutateElements(s.v1, t, 1.0, rng);
+  s.rec = ChangeRecord::Compare(t, v0.data(), s.v1.data(), v0.size() / DTypeSize(t));
+  return s;
+}
+
 TEST(ContextBlock, RoundTripsEveryDtypeRateAndSizeWithAndWithoutThePreviousSigns) {
   std::mt19937_64 rng(11);
   for (DType t : kAllTypes) {
     const size_t w = static_cast<size_t>(DTypeSize(t));
     for (uint32_t len : {1u, 63u, 64u, 65u, 1000u, 4096u}) {
       for (double p : {0.0005, 0.02, 0.3, 1.0}) {
-        const std::vector<uint8_t> v0 = testing::RandomBytes(len * w, rng);
-        const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
-        std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
-        if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
-        const ChangeRecord rec = ChangeRecord::Compare(t, v0.data(), v1.data(), len);
-        const PrevSigns prev = rec.Block(0, len);
+        const Steps st2 = TwoSteps(t, testing::RandomBytes(len * w, rng), p, rng);
+        const std::vector<uint8_t>&v1 = st2.v1, &v2 = st2.v2;
+        const PrevSigns prev = st2.rec.Block(0, len);
         const PrevSigns* const choices[] = {nullptr, &prev};
         for (const PrevSigns* ps : choices) {
           const Coded c = Encode(t, v1, v2, ps);
@@ -119,12 +131,9 @@ TEST(ContextBlock, ScannersAgree) {
     for (uint32_t len : {1u, 31u, 64u, 100u, 4095u, 65536u}) {
       for (double p : {0.003, 0.02, 0.4}) {
         for (bool trained : {true, false}) {
-          const std::vector<uint8_t> v0 = trained ? Weights(t, len, rng) : testing::RandomBytes(len * 2, rng);
-          const std::vector<uint8_t> v1 = testing::MutateElements(v0, t, p, rng);
-          std::vector<uint8_t> v2 = testing::MutateElements(v1, t, p, rng);
-          if (Changed(t, v1, v2).empty()) v2 = testing::MutateElements(v1, t, 1.0, rng);
-          const ChangeRecord rec = ChangeRecord::Compare(t, v0.data(), v1.data(), len);
-          const PrevSigns prev = rec.Block(0, len);
+          const Steps st2 = TwoSteps(t, trained ? Weights(t, len, rng) : testing::RandomBytes(len * 2, rng), p, rng);
+          const std::vector<uint8_t>&v1 = st2.v1, &v2 = st2.v2;
+          const PrevSigns prev = st2.rec.Block(0, len);
           const PrevSigns* const choices[] = {nullptr, &prev};
           for (const PrevSigns* ps : choices) {
             const std::string what = absl::StrCat(DTypeName(t), " len ", len, " p ", p,

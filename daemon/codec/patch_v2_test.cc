@@ -84,6 +84,25 @@ EncodeOptions Opts(int format, int log2 = 12, int threads = 2) {
   return o;
 }
 
+// A format-2 patch v1 -> v2 of 2^16 Adam-like elements, conditioned on the record of v0 -> v1.
+struct Conditioned {
+  size_t n = 1 << 16;
+  Trajectory tr;
+  ChangeRecord rec;
+  Bytes patch;
+};
+
+Conditioned MakeConditioned(std::mt19937_64& rng) {
+  Conditioned c;
+  c.tr = AdamLike(c.n, 0.004, rng);
+  c.rec = ChangeRecord::Compare(DType::kBF16, c.tr.v0.data(), c.tr.v1.data(), c.n);
+  EncodeInput cond{DType::kBF16, c.tr.v1, c.tr.v2, &c.rec};
+  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
+  if (cp.ok()) c.patch = (*cp)[0];
+  EXPECT_TRUE(cp.ok()) << cp.status();
+  return c;
+}
+
 // Every way to apply `patch` gives `target` from `base` (out of place, in place, with the
 // digest-v2 delta, and the delta alone matches the target's digest).
 void ExpectAppliesTo(const Bytes& patch, DType t, const Bytes& base, const Bytes& target,
@@ -217,14 +236,11 @@ TEST(PatchV2, AChainOfConditionedPatchesAppliesWithRecordsTakenFromThePatches) {
 
 TEST(PatchV2, AConditionedPatchNeedsItsRecord) {
   std::mt19937_64 rng(47);
-  const size_t n = 1 << 16;
-  const Trajectory tr = AdamLike(n, 0.004, rng);
-  const Bytes &v0 = tr.v0, &v1 = tr.v1, &v2 = tr.v2;
-  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n);
-  EncodeInput cond{DType::kBF16, v1, v2, &rec};
-  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
-  ASSERT_TRUE(cp.ok());
-  const Bytes& patch = (*cp)[0];
+  const Conditioned c = MakeConditioned(rng);
+  const size_t n = c.n;
+  const Bytes &v0 = c.tr.v0, &v1 = c.tr.v1, &v2 = c.tr.v2;
+  const ChangeRecord& rec = c.rec;
+  const Bytes& patch = c.patch;
   ASSERT_EQ(patch[7], format::kFlagConditioned);
   Bytes out(v1.size());
   absl::Status none = ApplyPatch(patch, DType::kBF16, v1, out, 1, nullptr);
@@ -257,14 +273,10 @@ TEST(PatchV2, AConditionedPatchNeedsItsRecord) {
 
 TEST(PatchV2, HostileVersion2PatchesAreRejected) {
   std::mt19937_64 rng(53);
-  const size_t n = 1 << 16;
-  const Trajectory tr = AdamLike(n, 0.004, rng);
-  const Bytes &v0 = tr.v0, &v1 = tr.v1, &v2 = tr.v2;
-  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v0.data(), v1.data(), n);
-  EncodeInput cond{DType::kBF16, v1, v2, &rec};
-  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
-  ASSERT_TRUE(cp.ok());
-  const Bytes patch = (*cp)[0];
+  const Conditioned c = MakeConditioned(rng);
+  const Bytes& v1 = c.tr.v1;
+  const ChangeRecord& rec = c.rec;
+  const Bytes& patch = c.patch;
   auto layout = ParsePatch(patch);
   ASSERT_TRUE(layout.ok());
   ASSERT_TRUE(layout->conditioned);
