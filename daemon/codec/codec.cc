@@ -810,7 +810,10 @@ bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, 
   ctx.payload_bytes = 1;
   const uint64_t least_entry = EntryBytes(ctx);
   if (v1_total <= least_entry + 1) return false;
-  const uint64_t capacity = v1_total - least_entry - 1;
+  // Smaller than v1 in all, and (as every payload) smaller than the block's dense bytes.
+  const uint64_t dense_bytes = static_cast<uint64_t>(len) * DTypeSize(cx.dtype);
+  const uint64_t capacity = std::min(v1_total - least_entry - 1, dense_bytes - 1);
+  if (capacity == 0) return false;
   out.resize(start + capacity);
   const size_t bytes = EncodeContextBlock(cx.dtype, a, b, len, s.pos.Get(n), n,
                                           cx.prev.known() ? &cx.prev : nullptr, s.ctx,

@@ -41,7 +41,8 @@
 //   payload: context_block.h's stream (docs/ARCHITECTURE.md "Patch format v2").
 //   The encoder's choice (normative, so every encoder writes the same bytes): for a block with
 //   changes, the v1 choice (SPARSE or DENSE, as above) unless the CONTEXT entry plus payload is
-//   strictly smaller than the v1 entry plus payload.
+//   strictly smaller than the v1 entry plus payload and the CONTEXT payload is smaller than the
+//   block's dense bytes.
 //
 // SPARSE payload: a bit stream, bit k of the stream is bit (k % 8) of byte k / 8 (LSB first),
 // zero-padded to a whole byte. For each changed element j = 0 .. count-1 in increasing position:

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -163,6 +164,30 @@ TEST(PatchV2, RoundTripsEveryDtypeSizeAndRateWithAndWithoutTheRecord) {
       }
     }
   }
+}
+
+Bytes FromHex(const std::string& hex) {
+  Bytes v(hex.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  return v;
+}
+
+// A near-dense block: a SPARSE entry's two parameter bytes can leave room for a CONTEXT payload
+// of exactly the block's dense size, which no table accepts; the encoder must keep CONTEXT
+// payloads below it. patch_fuzzer found this one (51 BF16 elements, 2^9-element blocks, with the
+// record of the fuzzer's deterministic earlier version).
+TEST(PatchV2, ANearDenseBlockStaysValid) {
+  const Bytes base(102, 0xdf);
+  const Bytes target = FromHex("dfdfdfdfdfdfdfdfdfdfdfdfdfdfdfdf" + std::string(148, '0') +
+                               "dff0dfafdfdf5555f08db155");
+  ASSERT_EQ(target.size(), base.size());
+  Bytes before = base;
+  for (size_t i = 0; i < before.size(); i += 3) before[i] = static_cast<uint8_t>(before[i] + 1);
+  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, before.data(), base.data(), 51);
+  EncodeInput in{DType::kBF16, base, target, &rec};
+  auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 9, 1));
+  ASSERT_TRUE(patches.ok()) << patches.status();
+  ExpectAppliesTo((*patches)[0], DType::kBF16, base, target, &rec, "near dense");
 }
 
 TEST(PatchV2, TrainedWeightsAreContextCodedAndSmallerThanV1) {
