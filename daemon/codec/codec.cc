@@ -789,9 +789,6 @@ size_t WriteSparsePayload(const BlockChanges& c, ValueCoding coding, const Block
   return w.Finish(p);
 }
 
-// Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
-// of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
-// 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary).
 // Format 2: what a block's context coding needs besides its bytes.
 struct ContextArgs {
   DType dtype = DType::kBF16;
@@ -826,6 +823,10 @@ bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, 
   return true;
 }
 
+// Encodes one block, appending its payload (if any) to `out`. With `digest`, each scanned piece
+// of the target is hashed right after its scan, while it is in L1 (the pieces are 16 KiB at
+// 16 KiB-aligned block offsets, or the whole block: never across a digest chunk boundary). With
+// `cx` (format 2), the block is context coded where that is smaller than its v1 form.
 template <typename T>
 BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
                          uint64_t block_index, EncodeScratch& s, ByteSink& out,
@@ -836,11 +837,12 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
   const uint64_t sparse_bytes = ChooseSparseCoding<T>(changes, block_log2, coding, eb);
   const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
   const size_t start = out.size();
+  const bool dense = sparse_bytes >= dense_bytes;  // v1's choice
   if (cx != nullptr) {
     BlockRecord v1 = eb;
-    v1.mode = sparse_bytes >= dense_bytes ? kDense : kSparse;
+    v1.mode = dense ? kDense : kSparse;
     v1.count = static_cast<uint32_t>(changes.n);
-    v1.payload_bytes = sparse_bytes >= dense_bytes ? dense_bytes : sparse_bytes;
+    v1.payload_bytes = dense ? dense_bytes : sparse_bytes;
     if (TryContextBlock(*cx, reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b),
                         len, static_cast<uint32_t>(changes.n), EntryBytes(v1) + v1.payload_bytes,
                         s, out, start, eb)) {
@@ -856,7 +858,7 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
     std::memcpy(out.data() + start, b, dense_bytes);
     eb.payload_bytes = dense_bytes;
   };
-  if (sparse_bytes >= dense_bytes) {
+  if (dense) {
     emit_dense();
   } else {
     eb.mode = kSparse;
@@ -1970,17 +1972,15 @@ absl::StatusOr<Prepared> Prepare(const char* who, std::span<const uint8_t> patch
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads, const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatch", patch, dtype, base, out, prev));
-  const PatchLayout& layout = prep.layout;
-  const ChangeRecord* record = prep.record;
   switch (DTypeSize(dtype)) {
     case 1:
-      return ApplyTyped<uint8_t>(patch, layout, base, out, threads, record);
+      return ApplyTyped<uint8_t>(patch, prep.layout, base, out, threads, prep.record);
     case 2:
-      return ApplyTyped<uint16_t>(patch, layout, base, out, threads, record);
+      return ApplyTyped<uint16_t>(patch, prep.layout, base, out, threads, prep.record);
     case 4:
-      return ApplyTyped<uint32_t>(patch, layout, base, out, threads, record);
+      return ApplyTyped<uint32_t>(patch, prep.layout, base, out, threads, prep.record);
     default:
-      return ApplyTyped<uint64_t>(patch, layout, base, out, threads, record);
+      return ApplyTyped<uint64_t>(patch, prep.layout, base, out, threads, prep.record);
   }
 }
 
@@ -1989,18 +1989,14 @@ absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch,
                                                  std::span<uint8_t> out, int threads,
                                                  const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatchDigestV2", patch, dtype, base, out, prev));
-  const PatchLayout& layout = prep.layout;
-  const ChangeRecord* record = prep.record;
-  return ApplyDeltaForWidth(patch, layout, base, out.data(), threads, record);
+  return ApplyDeltaForWidth(patch, prep.layout, base, out.data(), threads, prep.record);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                    std::span<const uint8_t> base, int threads,
                                                    const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("DigestV2DeltaOfPatch", patch, dtype, base, base, prev));
-  const PatchLayout& layout = prep.layout;
-  const ChangeRecord* record = prep.record;
-  return ApplyDeltaForWidth(patch, layout, base, nullptr, threads, record);
+  return ApplyDeltaForWidth(patch, prep.layout, base, nullptr, threads, prep.record);
 }
 
 namespace {
@@ -2053,15 +2049,13 @@ absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch,
                                                  std::span<const uint8_t> base, int threads,
                                                  const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("ChangeRecordOfPatch", patch, dtype, base, base, prev));
-  const PatchLayout& layout = prep.layout;
-  const ChangeRecord* record = prep.record;
-  ChangeRecord rec = ChangeRecord::Unchanged(layout.num_elements);
+  ChangeRecord rec = ChangeRecord::Unchanged(prep.layout.num_elements);
   absl::Status st;
   switch (DTypeSize(dtype)) {
-    case 1: st = RecordTyped<uint8_t>(patch, layout, base, threads, record, rec); break;
-    case 2: st = RecordTyped<uint16_t>(patch, layout, base, threads, record, rec); break;
-    case 4: st = RecordTyped<uint32_t>(patch, layout, base, threads, record, rec); break;
-    default: st = RecordTyped<uint64_t>(patch, layout, base, threads, record, rec); break;
+    case 1: st = RecordTyped<uint8_t>(patch, prep.layout, base, threads, prep.record, rec); break;
+    case 2: st = RecordTyped<uint16_t>(patch, prep.layout, base, threads, prep.record, rec); break;
+    case 4: st = RecordTyped<uint32_t>(patch, prep.layout, base, threads, prep.record, rec); break;
+    default: st = RecordTyped<uint64_t>(patch, prep.layout, base, threads, prep.record, rec); break;
   }
   RETURN_IF_ERROR(st);
   return rec;

@@ -350,16 +350,13 @@ struct ValueResult {
   return d.ok();
 }
 
-
-// What the decoder's pass needs besides the scan.
+// What the decoder's pass needs besides the block (its ScanSetup): what the stream's header and
+// the table say.
 struct DecodeSetup {
   ValueCoding coding;
-  int bits = 0, width = 0;
-  const uint8_t* base = nullptr;
-  uint32_t len = 0, words = 0, count = 0;
+  uint32_t count = 0;
   uint32_t active = 0;  // the class mask
   const int* k = nullptr;
-  const PrevSigns* prev = nullptr;
 };
 
 // Where the decoder is: the class and the number of changes written so far.
@@ -777,14 +774,8 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
   DecodeSetup ds;
   if (const char* bad = DecodeHeader(d, ss.f, ss.width, &ss.top, &ds.active, k)) return fail(bad);
   ds.coding = DTypeValueCoding(dtype);
-  ds.width = ss.width;
-  ds.bits = 8 * ss.width;
-  ds.base = base;
-  ds.len = len;
-  ds.words = (len + 63) / 64;
   ds.count = count;
   ds.k = k;
-  ds.prev = prev;
   ClassModels m[kContextClasses];
   const char* bad = DecodeBlock(ss, Avx512Scan(ss.f, ss.width, s), d, ds, m, &state, pos_out, val_out);
   if (bad != nullptr) return fail(bad);
