@@ -254,6 +254,22 @@ TEST_F(E2EPartition, CatchesUpThroughChainedPatchesWhileHistoryHoldsThem) {
   EXPECT_TRUE(r.digests_verified());
 }
 
+// The same with patch format v2: the chain's patches are context coded, applied in order.
+TEST_F(E2EPartition, CatchesUpThroughChainedFormatTwoPatches) {
+  PublisherSpec ps;
+  ps.extra = "    patch_format: v2\n";
+  v1::StatusResponse st;
+  size_t tensors = 0;
+  ASSERT_NO_FATAL_FAILURE(Run(ps, &st, &tensors));
+  const v1::RefitStats& r = st.last_refit();
+  EXPECT_EQ(r.version(), 10u);
+  EXPECT_GE(r.base_version(), 5u) << DescribeRefit(r);
+  EXPECT_LE(r.base_version(), 6u) << "catch-up went version by version: " << DescribeRefit(r);
+  EXPECT_LT(r.keyframe_tensors(), tensors / 2) << DescribeRefit(r);
+  EXPECT_LT(r.wire_bytes(), r.dense_bytes() / 4) << DescribeRefit(r);
+  EXPECT_TRUE(r.digests_verified());
+}
+
 // The history cannot bridge v5/v6 -> v10: the changed tensors go as keyframes (tensors whose
 // bytes did not change over the gap, e.g. norms at lr 1e-6, may still go as unchanged).
 void ExpectKeyframeCatchUp(const v1::RefitStats& r, size_t tensors) {

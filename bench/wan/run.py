@@ -301,7 +301,8 @@ def q(s: str) -> str:
     return json.dumps(s)
 
 
-def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int) -> str:
+def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int,
+                   patch_format: str = "v1") -> str:
     y = (f"publisher:\n  name: wan-pub\n  log_level: info\n  listen: {q(ip + ':0')}\n"
          f"  tls:\n    cert: {q(pki['server']['cert'])}\n    key: {q(pki['server']['key'])}\n"
          f"    ca: {q(pki['ca'])}\n"
@@ -310,7 +311,7 @@ def publisher_yaml(d: str, ip: str, pki: dict, cache: str, args, streams: int) -
          f"  local_socket: {q(d + '/pub-local.sock')}\n"
          f"  local_access: {{socket_mode: \"0600\"}}\n"
          f"  files:\n    publish_dirs: [{q(cache)}]\n"
-         f"  codec:\n    threads: {args.threads}\n"
+         f"  codec:\n    threads: {args.threads}\n    patch_format: {patch_format}\n"
          f"  transport:\n    max_streams_per_subscriber: {max(streams, 8)}\n")
     if args.persist:
         y += f"  baseline:\n    persist_dir: {q(d + '/persist')}\n"
@@ -734,19 +735,21 @@ def run_model(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
     raws = [raw_copy(link, v0, n, port + i) for i, n in enumerate((1, 4))]
     for r in raws:
         log(f"  raw {r['streams']} stream(s): {r['ms']:.0f} ms ({r['gbit_per_s']:.2f} Gbit/s)")
-    return [run_refit(link, model, traj, bins, pki, args, workdir, raws, n, on_version)
-            for n in args.streams_list]
+    return [run_refit(link, model, traj, bins, pki, args, workdir, raws, n, on_version, pf)
+            for n in args.streams_list for pf in args.patch_formats_list]
 
 
 def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, workdir: str,
-              raws: list, streams: int, on_version=None) -> dict:
+              raws: list, streams: int, on_version=None, patch_format: str = "v1") -> dict:
     spec = link.spec
     v0 = version_file(traj, 0)
-    log(f"{model} on {spec['name']}: refitd, {streams} connection(s) per subscriber")
-    d = tempfile.mkdtemp(prefix=f"{model}-c{streams}-", dir=workdir)
+    log(f"{model} on {spec['name']}: refitd, {streams} connection(s) per subscriber, patch format "
+        f"{patch_format}")
+    d = tempfile.mkdtemp(prefix=f"{model}-c{streams}-{patch_format}-", dir=workdir)
     os.makedirs(os.path.join(d, "export"))
     pub = Daemon(link, link.pub_ns, "publisher", "wan-pub", d,
-                 publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args, streams), bins)
+                 publisher_yaml(d, link.pub_ip, pki, os.path.dirname(traj), args, streams,
+                                patch_format), bins)
     subs, records, exported, stepper = [], [], [], None
     try:
         upstream = pub.start()["listen"]
@@ -793,7 +796,8 @@ def run_refit(link: Link, model: str, traj: str, bins: dict, pki: dict, args, wo
         for s in subs:
             s.stop()
         pub.stop()
-    return {"model": model, "link": spec, "streams": streams, "model_bytes": os.path.getsize(v0),
+    return {"model": model, "link": spec, "streams": streams, "patch_format": patch_format,
+            "model_bytes": os.path.getsize(v0),
             "publish_via": args.publish_via,
             "raw": raws, "versions": records, "export_equal": exported,
             "logs": {"publisher": pub.log_path, "subscribers": [s.log_path for s in subs]},
@@ -873,15 +877,15 @@ def markdown(result: dict) -> str:
              f"{result['options']['mtu']}; publish via {result['publish_via']}; sysctls set "
              f"{result['sysctls_set'] or 'none (kernel defaults)'}; command "
              f"`{result['command']}`.", "",
-             "| model | link | conns | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
+             "| model | link | conns | format | keyframe ms | raw 1 / 4 streams ms | steady delta e2e median ms | "
              "max/median | bound ms | pass ms | (e2e-bound)/pass | faster raw / delta | "
-             "keyframe / raw4 | steady CPU pub / sub / relay ms (cores) |", "|---" * 13 + "|"]
+             "keyframe / raw4 | steady CPU pub / sub / relay ms (cores) |", "|---" * 14 + "|"]
     for run in result["runs"]:
         s = run["summary"]
         c = s.get("steady_cpu_median_ms") or {}
         lines.append(
             f"| {run['model']} ({run['model_bytes'] / 1e6:.0f} MB) | {run['link']['name']} | "
-            f"{run['streams']} | {fmt(s['keyframe_e2e_ms'])} | {fmt(s['raw1_ms'])} / {fmt(s['raw4_ms'])} | "
+            f"{run['streams']} | {run.get('patch_format', 'v1')} | {fmt(s['keyframe_e2e_ms'])} | {fmt(s['raw1_ms'])} / {fmt(s['raw4_ms'])} | "
             f"{fmt(s['steady_e2e_median_ms'])} | {fmt(s['steady_e2e_max_over_median'], '{:.2f}')} "
             f"| {fmt(s['steady_bound_median_ms'])} | {fmt(s['steady_pass_median_ms'], '{:.1f}')} | "
             f"{fmt(s['steady_excess_over_pass_median'], '{:.1f}')} | "
@@ -890,7 +894,8 @@ def markdown(result: dict) -> str:
             f"{fmt(c.get('subscribers'))} / {fmt(c.get('relay'))} "
             f"({fmt(s.get('steady_cpu_cores_median'), '{:.2f}')}) |")
     for run in result["runs"]:
-        lines += ["", f"## {run['model']} on {run['link']['name']}, {run['streams']} connection(s)",
+        lines += ["", f"## {run['model']} on {run['link']['name']}, {run['streams']} connection(s), "
+                      f"patch format {run.get('patch_format', 'v1')}",
                   "",
                   "| v | kind | change | wire B | e2e ms | publish call ms | pub encode / total / outside ms "
                   "| sub receive / stage / verify / apply ms | residual ms | bound ms | pass ms | "
@@ -949,6 +954,9 @@ def parse_args(argv):
                    help="subscriber upstream.connections, comma-separated: one refitd run per "
                         "value (the publisher allows max(8, N) streams per subscriber)")
     p.add_argument("--subscribers", type=int, default=1)
+    p.add_argument("--patch-formats", default="v1",
+                   help="publisher codec.patch_format values to run, comma-separated (v1, v2): "
+                        "each model, link and --streams value once per format, in the same run")
     p.add_argument("--persist", action="store_true", help="publisher baseline.persist_dir on")
     p.add_argument("--digest-v1", dest="digest_v2", action="store_false",
                    help="subscribers verify with tensor digest v1 (store.digest_v2 off); default "
@@ -992,6 +1000,9 @@ def parse_args(argv):
         a.streams_list = [int(x) for x in a.streams.split(",") if x]
     except ValueError:
         p.error(f"--streams: {a.streams!r} is not a comma-separated list of numbers")
+    a.patch_formats_list = [x for x in a.patch_formats.split(",") if x]
+    if not a.patch_formats_list or any(x not in ("v1", "v2") for x in a.patch_formats_list):
+        p.error(f"--patch-formats: {a.patch_formats!r}: expected v1, v2 or v1,v2")
     if a.versions < 1 or not a.streams_list or min(a.streams_list) < 1 or a.subscribers < 1:
         p.error("--versions, --streams and --subscribers must be >= 1")
     try:
@@ -1039,7 +1050,8 @@ def main(argv) -> int:
               "git_rev": git_rev(), "command": " ".join(["bench/wan/run.py"] + list(argv)),
               "machine": {"cpus": os.cpu_count(), "loadavg_before": load_average()},
               "options": {k: v for k, v in vars(args).items()
-                          if k not in ("link_specs", "streams_list", "sysctl_list")},
+                          if k not in ("link_specs", "streams_list", "sysctl_list",
+                                       "patch_formats_list")},
               "publish_via": args.publish_via,
               "sysctls_set": {k: v for k, v in args.sysctl_list},
               "not_exposed": NOT_EXPOSED, "runs": [], "workdir": workdir}

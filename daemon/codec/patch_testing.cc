@@ -1,6 +1,7 @@
 #include "daemon/codec/patch_testing.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -79,6 +80,44 @@ absl::Status ResignPatch(std::span<uint8_t> patch) {
     std::memcpy(patch.data() + d.checksum_offset, &sum, 4);
   }
   return ResignHeader(patch);
+}
+
+std::vector<uint8_t> TrainedBF16(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  std::vector<uint8_t> v(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    const float x = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint16_t h = static_cast<uint16_t>(u >> 16);
+    std::memcpy(v.data() + 2 * i, &h, 2);
+  }
+  return v;
+}
+
+std::vector<std::vector<uint8_t>> AdamLikeVersions(size_t n, double rate, int steps, std::mt19937_64& rng) {
+  std::vector<std::vector<uint8_t>> vs = {TrainedBF16(n, rng)};
+  std::vector<int> dir(n, 0);
+  auto step = [&](const std::vector<uint8_t>& in) {
+    std::vector<uint8_t> out = in;
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, in.data() + 2 * i, 2);
+      const int e = (v >> 7) & 0xFF;
+      const double q = dir[i] != 0 ? 0.6 : std::min(1.0, rate * std::pow(2.0, (122 - e) * 0.7));
+      if (std::uniform_real_distribution<double>(0, 1)(rng) >= q) {
+        dir[i] = 0;
+        continue;
+      }
+      const bool keep = dir[i] != 0 && (rng() % 10) < 9;
+      dir[i] = keep ? dir[i] : ((rng() & 1) ? 1 : -1);
+      v = static_cast<uint16_t>(v + dir[i]);
+      std::memcpy(out.data() + 2 * i, &v, 2);
+    }
+    return out;
+  };
+  for (int k = 0; k < steps; ++k) vs.push_back(step(vs.back()));
+  return vs;
 }
 
 }  // namespace refit::testing

@@ -21,6 +21,16 @@ std::vector<uint8_t> RandomBytes(size_t n, std::mt19937_64& rng);
 std::vector<uint8_t> MutateElements(const std::vector<uint8_t>& base, DType t, double p,
                                     std::mt19937_64& rng);
 
+// n BF16 elements like a trained layer's weights (normal, sigma 0.02), little-endian.
+std::vector<uint8_t> TrainedBF16(size_t n, std::mt19937_64& rng);
+
+// `steps` + 1 versions of n BF16 elements under an Adam-like optimiser, starting from
+// TrainedBF16: an element moves by one ULP, more often the smaller it is, and an element that
+// moved last step tends to move again the same way (momentum): the structure patch format 2
+// codes. `rate` scales the change rate (about 0.004 gives ~1-2% changed per step).
+std::vector<std::vector<uint8_t>> AdamLikeVersions(size_t n, double rate, int steps,
+                                                   std::mt19937_64& rng);
+
 // Recomputes the header checksum and every block checksum of `patch` in place, so that a
 // deliberately corrupted table or payload passes the checksums and reaches the structural
 // validation behind them. Fails if the header or table is too malformed to locate the checksums.

@@ -27,18 +27,8 @@ const DType kAllTypes[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64,
                            DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
 
 // Weights of a trained layer's spread (normal, sigma 0.02) as BF16 bits.
-Bytes TrainedBF16(size_t n, std::mt19937_64& rng) {
-  std::normal_distribution<float> nd(0.0f, 0.02f);
-  Bytes v(n * 2);
-  for (size_t i = 0; i < n; ++i) {
-    const float x = nd(rng);
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    const uint16_t h = static_cast<uint16_t>(u >> 16);
-    std::memcpy(v.data() + 2 * i, &h, 2);
-  }
-  return v;
-}
+using testing::AdamLikeVersions;
+using testing::TrainedBF16;
 
 // Three versions of a layer under an Adam-like optimiser: an element moves by one ULP, more
 // often the smaller it is, and an element that moved last step tends to move again the same way
@@ -46,31 +36,6 @@ Bytes TrainedBF16(size_t n, std::mt19937_64& rng) {
 struct Trajectory {
   Bytes v0, v1, v2;
 };
-
-std::vector<Bytes> AdamLikeVersions(size_t n, double rate, int steps, std::mt19937_64& rng) {
-  std::vector<Bytes> vs = {TrainedBF16(n, rng)};
-  std::vector<int> dir(n, 0);
-  auto step = [&](const Bytes& in) {
-    Bytes out = in;
-    for (size_t i = 0; i < n; ++i) {
-      uint16_t v;
-      std::memcpy(&v, in.data() + 2 * i, 2);
-      const int e = (v >> 7) & 0xFF;
-      const double q = dir[i] != 0 ? 0.6 : std::min(1.0, rate * std::pow(2.0, (122 - e) * 0.7));
-      if (std::uniform_real_distribution<double>(0, 1)(rng) >= q) {
-        dir[i] = 0;
-        continue;
-      }
-      const bool keep = dir[i] != 0 && (rng() % 10) < 9;
-      dir[i] = keep ? dir[i] : ((rng() & 1) ? 1 : -1);
-      v = static_cast<uint16_t>(v + dir[i]);
-      std::memcpy(out.data() + 2 * i, &v, 2);
-    }
-    return out;
-  };
-  for (int k = 0; k < steps; ++k) vs.push_back(step(vs.back()));
-  return vs;
-}
 
 Trajectory AdamLike(size_t n, double rate, std::mt19937_64& rng) {
   std::vector<Bytes> vs = AdamLikeVersions(n, rate, 2, rng);

@@ -408,6 +408,19 @@ TEST(ConfigTest, PublisherRules) {
   EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                            "  codec: {device: cuda, gpu_baseline: pinned}\n"),
             "");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                           "  codec: {patch_format: v2}\n"),
+            "");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                           "  codec: {device: auto, patch_format: v2}\n"),
+            "");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {device: cuda, patch_format: v2}\n"),
+                  "publisher.codec.patch_format: is v2, which the CPU codec writes, but "
+                  "codec.device is cuda");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {patch_format: v3}\n"),
+                  "patch_format");
   EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                                  "  transport: {frame_bytes: 100}\n"),
                   "pub.yaml:3:28: publisher.transport.frame_bytes: 100 is out of range [65536, "

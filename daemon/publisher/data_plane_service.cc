@@ -9,6 +9,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
@@ -112,6 +113,9 @@ struct DataPlaneService::Session {
   uint64_t acked_digest = 0;  // in digest_format
   // Welcome.digest_format: every digest of the session (Hello, VersionEnd, Ack) is in it.
   sync::DigestFormat digest_format = sync::DigestFormat::kV1;
+  // The newest patch format the subscriber applies (Hello.patch_formats): plans keyframe a
+  // tensor whose chain holds a newer one (a relay's history may hold its upstream's patches).
+  uint8_t max_patch_format = format::kVersion;
   // acked_version is this publisher's (its digest is the one recorded, or a version the history
   // no longer holds); false for a Hello at a known number with another digest until an Ack.
   bool verified = true;
@@ -363,16 +367,25 @@ v1::RefitStats DataPlaneService::LastFullyAcked() const {
 namespace {
 
 // Sync's steps: a Hello this publisher can serve (protocol, patch format, frame size).
-absl::Status CheckHello(const v1::Hello& hello) {
+absl::Status CheckHello(const v1::Hello& hello, int writes_format) {
   if (hello.protocol() != v1::PROTOCOL_VERSION_1) {
     return absl::FailedPreconditionError(
         absl::StrCat("Hello.protocol ", static_cast<int>(hello.protocol()),
                      " is not supported: this publisher speaks protocol 1"));
   }
-  if (std::find(hello.patch_formats().begin(), hello.patch_formats().end(), 1u) ==
-      hello.patch_formats().end()) {
+  const auto lists = [&](uint32_t f) {
+    return std::find(hello.patch_formats().begin(), hello.patch_formats().end(), f) !=
+           hello.patch_formats().end();
+  };
+  if (!lists(1)) {
     return absl::FailedPreconditionError(
-        "Hello.patch_formats does not include format 1, the only one this publisher writes");
+        "Hello.patch_formats does not include format 1, which every publisher writes");
+  }
+  if (!lists(static_cast<uint32_t>(writes_format))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Hello.patch_formats does not include format ", writes_format,
+        ", which this publisher writes (codec.patch_format v", writes_format,
+        "): upgrade the subscriber, or set the publisher's codec.patch_format to v1"));
   }
   if (hello.max_frame_bytes() < kMinFrameBytes) {
     return absl::InvalidArgumentError(
@@ -399,7 +412,9 @@ grpc::Status DataPlaneService::Sync(
         "the first message of a Sync stream must be Hello, got ", MessageKind(first))));
   }
   const v1::Hello& hello = first.hello();
-  if (absl::Status st = CheckHello(hello); !st.ok()) return ToGrpcStatus(st);
+  if (absl::Status st = CheckHello(hello, core_->patch_format()); !st.ok()) {
+    return ToGrpcStatus(st);
+  }
   absl::StatusOr<sync::TensorSelection> selection = HelloSelection(hello);
   if (!selection.ok()) return ToGrpcStatus(selection.status());
   std::shared_ptr<Session> session = NewSession(context, hello, *std::move(selection));
@@ -442,6 +457,11 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
       std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
       options_.digest_v2);
   session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
+  for (uint32_t f : hello.patch_formats()) {  // CheckHello: format 1 is among them
+    if (f <= format::kVersion2) {
+      session->max_patch_format = std::max<uint8_t>(session->max_patch_format, static_cast<uint8_t>(f));
+    }
+  }
   session->selection = std::move(selection);
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
@@ -792,6 +812,7 @@ absl::Status DataPlaneService::AwaitTurn(const std::shared_ptr<Session>& session
   loop.repair = session->repair_version != 0 && session->repair_version == *base_version;
   topts->plan.all_keyframes = session->all_keyframes;
   topts->plan.digest_format = session->digest_format;
+  topts->plan.max_patch_format = session->max_patch_format;
   topts->plan.selection = &session->selection;  // the session outlives its loop
   topts->plan.keyframe_tensors.assign(session->keyframe_tensors.begin(),
                                       session->keyframe_tensors.end());
@@ -924,8 +945,11 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
                                                                     const TransferOptions& topts,
                                                                     uint64_t base_version,
                                                                     uint64_t base_digest) {
-  // A live version carries every tensor: a session with a selection takes the committed path.
+  // A live version carries every tensor: a session with a selection takes the committed path,
+  // and so does one without patch format 2 (a relay's live version may hold its upstream's
+  // format-2 patches; plans keyframe those tensors for it).
   if (!session.streamed || !session.selection.all() || loop.rejections > 0 ||
+      session.max_patch_format < format::kVersion2 ||
       topts.plan.all_keyframes ||
       !topts.plan.keyframe_tensors.empty() || base_version == 0) {
     return nullptr;

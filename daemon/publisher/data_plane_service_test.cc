@@ -29,9 +29,11 @@ struct Server {
 
   // One version: a single random BF16 tensor of `bytes` bytes (a keyframe for a new subscriber;
   // random weights, so no LZ4: frames of exactly kFrame payload bytes but the last).
-  static std::unique_ptr<Server> Start(DataPlaneOptions dopts, uint64_t bytes) {
+  static std::unique_ptr<Server> Start(DataPlaneOptions dopts, uint64_t bytes,
+                                       int patch_format = 1) {
     auto s = std::make_unique<Server>();
     PublisherOptions opts;
+    opts.patch_format = patch_format;
     opts.encode_threads = 1;
     opts.digest_threads = 1;
     auto core = PublisherCore::Open(opts);
@@ -209,6 +211,38 @@ TEST(DataPlaneServiceTest, SessionStatusShowsBytesPerStream) {
   EXPECT_EQ(sessions[0].stream_bytes_sent(0), received);
   EXPECT_EQ(sessions[0].bytes_sent(), received);
   ctx.TryCancel();
+}
+
+// A publisher writing patch format 2 refuses a subscriber whose Hello lacks it (an older build),
+// naming the format and the config field, and serves one that lists it.
+TEST(DataPlaneServiceTest, PatchFormatTwoNeedsASubscriberThatAppliesIt) {
+  auto server = Server::Start(DataPlaneOptions{}, 1 << 16, /*patch_format=*/2);
+  for (const bool lists_v2 : {false, true}) {
+    SCOPED_TRACE(lists_v2 ? "formats 1, 2" : "format 1 only");
+    auto sync_stub = Stub(server->address, 0);
+    grpc::ClientContext ctx;
+    auto sync = sync_stub->Sync(&ctx);
+    v1::SubscriberMessage hello;
+    hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
+    hello.mutable_hello()->set_max_frame_bytes(kFrame);
+    hello.mutable_hello()->add_patch_formats(1);
+    if (lists_v2) hello.mutable_hello()->add_patch_formats(2);
+    ASSERT_TRUE(sync->Write(hello));
+    v1::PublisherMessage m;
+    if (lists_v2) {
+      ASSERT_TRUE(sync->Read(&m));
+      EXPECT_TRUE(m.has_welcome());
+      ctx.TryCancel();
+      continue;
+    }
+    EXPECT_FALSE(sync->Read(&m));
+    const grpc::Status st = sync->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(st.error_message().find("does not include format 2"), std::string::npos)
+        << st.error_message();
+    EXPECT_NE(st.error_message().find("codec.patch_format"), std::string::npos)
+        << st.error_message();
+  }
 }
 
 TEST(DataPlaneServiceTest, SubscriberWithoutProgressIsNotPaced) {

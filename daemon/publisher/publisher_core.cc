@@ -149,6 +149,7 @@ EncodeOptions CodecOptionsOf(const PublisherOptions& options) {
   EncodeOptions eo;
   eo.threads = options.encode_threads;
   eo.block_log2 = options.block_log2;
+  eo.format = options.patch_format;
   return eo;
 }
 
@@ -916,6 +917,14 @@ std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
 
 absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     const PublisherOptions& options) {
+  if (options.patch_format != 1 && options.patch_format != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
+  }
+  if (options.patch_format == 2 && options.device != nullptr) {
+    return absl::InvalidArgumentError(
+        "PublisherOptions.patch_format 2 is written by the CPU codec, but a device is set");
+  }
   if (options.persist_dir.empty()) {
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));
     absl::MutexLock lock(&core->mu_);

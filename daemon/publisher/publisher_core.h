@@ -74,6 +74,10 @@ struct PublisherOptions {
   uint32_t history_max_versions = 64;
   // Codec block size (config codec.block_log2).
   int block_log2 = 18;
+  // Patch format written (config codec.patch_format): 1, or 2 (EncodeOptions::format: context
+  // coded blocks where smaller; the CPU codec only, so it requires `device` null). The history
+  // then holds format-2 patches, and only sessions whose Hello lists format 2 are served.
+  int patch_format = 1;
   // Encoder threads (0 = one per hardware thread) and block size.
   int encode_threads = 0;
   // Threads for tensor digests (0 = all hardware threads).
@@ -341,6 +345,8 @@ class PublisherCore {
   uint64_t numbered_version() const;
   // The lineage (non-zero).
   uint64_t lineage() const;
+  // The patch format Publish writes (PublisherOptions::patch_format).
+  int patch_format() const { return options_.patch_format; }
   // The persisted baseline: state, path, why it was moved aside at start, the last persist
   // error (persistence of the baseline or of the lineage file).
   v1::BaselineStatus baseline_status() const;

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
@@ -615,6 +616,70 @@ TEST(PublisherCoreTest, RestartWithPersistedBaselineServesDeltas) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ((*again)->newest_version(), 3u);
   std::filesystem::remove_all(dir);
+}
+
+// Patch format 2 (PublisherOptions::patch_format): the history's patches of Adam-like tensors
+// are context coded; subscribers next to and behind the newest version apply them bit-exact,
+// and so does the patch log replay after a restart. Other formats are refused at Open.
+TEST(PublisherCoreTest, PatchFormatTwoIsServedPersistedAndReplayed) {
+  const std::string dir = TempDir("format2");
+  PublisherOptions po;
+  po.persist_dir = dir;
+  po.patch_format = 2;
+  po.block_log2 = 14;
+  std::mt19937_64 rng(9);
+  const size_t n = 1 << 16;
+  const auto versions = refit::testing::AdamLikeVersions(n, 0.004, 4, rng);
+  const Tensor side = RandomTensor(DType::kF32, {300}, rng);
+  auto model_at = [&](uint64_t v) {
+    Model m;
+    m["w"] = Tensor{DType::kBF16, {n}, versions[v - 1]};
+    m["side"] = side;
+    if (v >= 2) m["side"].bytes[4 * v] ^= 1;
+    return m;
+  };
+  Subscriber s, behind;
+  {
+    auto core = PublisherCore::Open(po);
+    ASSERT_TRUE(core.ok()) << core.status();
+    EXPECT_EQ((*core)->patch_format(), 2);
+    for (uint64_t v = 1; v <= 3; ++v) {
+      ASSERT_TRUE((*core)->Publish(v, Inputs(model_at(v))).ok());
+      ASSERT_TRUE((*core)->WaitPersisted(v, absl::Now() + absl::Seconds(60)).ok());
+      auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+      ASSERT_TRUE(t.ok()) << t.status();
+      if (v > 1) {
+        for (const auto& d : (*t)->plan().tensors) {
+          if (d.plan.spec().name() != "w") continue;
+          ASSERT_EQ(d.plan.delivery(), v1::DELIVERY_PATCH);
+          auto stats = InspectPatch(*d.patches[0]);
+          ASSERT_TRUE(stats.ok()) << stats.status();
+          EXPECT_GT(stats->blocks_context, 0u) << "version " << v;
+        }
+      }
+      ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok());
+      ExpectSameModel(s.state, model_at(v));
+      if (v == 1) behind = s;
+    }
+  }
+  // Reopened: the baseline and the log's format-2 patches replayed; both subscribers follow.
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  ASSERT_EQ((*core)->newest_version(), 3u);
+  ASSERT_TRUE((*core)->Publish(4, Inputs(model_at(4))).ok());
+  for (Subscriber* sub : {&s, &behind}) {
+    auto t = (*core)->MakeTransfer(sub->version, sub->version_digest, SmallFrames());
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(DeliveryOf(**t, "w"), v1::DELIVERY_PATCH);
+    ASSERT_TRUE(sub->Apply(**t, kFrameBytes).ok());
+    ExpectSameModel(sub->state, model_at(4));
+  }
+  core->reset();
+  std::filesystem::remove_all(dir);
+
+  PublisherOptions bad;
+  bad.patch_format = 3;
+  EXPECT_EQ(PublisherCore::Open(bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The refused file is moved aside, the core starts empty with a new lineage and says why.

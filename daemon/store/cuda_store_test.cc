@@ -6,12 +6,15 @@
 
 #include <cstring>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -143,6 +146,50 @@ TEST_F(CudaStoreTest, StageApplyVerifyCommitAndLeaseOnTheDevice) {
   EXPECT_NE(h3->slot, lease->slot);
   ASSERT_TRUE(st->Abort(*h3).ok());
   ASSERT_TRUE(st->ReleaseLease(lease->lease_id).ok());
+}
+
+// Format-2 patches (context coded blocks, which the device does not decode) are applied on the
+// host by the device memory: the same bytes and digest-v2 delta as the CPU codec, in place and
+// out of place, and a corrupt one is refused with nothing written.
+TEST_F(CudaStoreTest, FormatTwoPatchesApplyThroughTheHost) {
+  auto st = Make();
+  ASSERT_NE(st, nullptr);
+  TensorMemory& mem = st->memory();
+  const size_t n = 300000;
+  std::mt19937_64 rng(7);
+  const auto vs = testing::AdamLikeVersions(n, 0.004, 1, rng);
+  EncodeOptions eo;
+  eo.format = 2;
+  eo.block_log2 = 16;
+  auto patch = EncodePatch(DType::kBF16, vs[0], vs[1], eo);
+  ASSERT_TRUE(patch.ok()) << patch.status();
+  auto stats = InspectPatch(*patch);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_GT(stats->blocks_context, 0u) << "the test needs context coded blocks";
+
+  const size_t w = *st->layout().Find("w");
+  auto h1 = st->BeginStage(1);
+  ASSERT_TRUE(h1.ok()) << h1.status();
+  ASSERT_TRUE(mem.Upload(h1->out[w], vs[0]).ok());
+  ASSERT_TRUE(st->Commit(*h1).ok());
+  auto h = st->BeginStage(2);  // its base: version 1
+  ASSERT_TRUE(h.ok()) << h.status();
+  // Out of place, then in place with the delta.
+  ASSERT_TRUE(mem.Apply(*patch, DType::kBF16, h->base[w], h->out[w]).ok());
+  EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
+  ASSERT_TRUE(mem.Upload(h->out[w], vs[0]).ok());
+  auto delta = mem.ApplyDigestV2(*patch, DType::kBF16, h->out[w], h->out[w]);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
+  EXPECT_EQ(delta->ApplyTo(TensorDigestV2(vs[0]), vs[0].size()), TensorDigestV2(vs[1]));
+
+  std::vector<uint8_t> bad = *patch;
+  bad[bad.size() / 2] ^= 0x40;
+  ASSERT_TRUE(mem.Upload(h->out[w], vs[0]).ok());
+  absl::Status refused = mem.Apply(bad, DType::kBF16, h->out[w], h->out[w]);
+  EXPECT_TRUE(absl::IsDataLoss(refused)) << refused;
+  EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
+  ASSERT_TRUE(st->Abort(*h).ok());
 }
 
 TEST_F(CudaStoreTest, OutOfMemoryIsAClearError) {

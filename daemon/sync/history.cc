@@ -109,6 +109,7 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
         static_cast<int>(e.spec.dtype())));
   }
   e.kind = TensorEntry::kPatch;
+  e.patch_format = layout->version;
   e.patch = std::move(u.patch);
   return e;
 }
@@ -286,7 +287,8 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
       for (const Record* r : span) {
         if (keyframe) break;
         const TensorEntry* e = r->Find(t.spec.name());
-        if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe) {
+        if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe ||
+            (e->kind == TensorEntry::kPatch && e->patch_format > options.max_patch_format)) {
           keyframe = true;
         } else if (e->kind == TensorEntry::kPatch) {
           patch_records.push_back(r);

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/codec/format.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/selection.h"
 #include "refit/v1/data.pb.h"
@@ -80,6 +81,10 @@ struct PlanOptions {
   // target) are over the selected tensors. InvalidArgument when a pattern selects none of the
   // target's tensors.
   const TensorSelection* selection = nullptr;
+  // The newest patch format (daemon/codec/format.h kVersion, kVersion2) the subscriber applies
+  // (the largest of Hello.patch_formats): a tensor whose chain holds a patch of a newer format
+  // is sent as a keyframe instead.
+  uint8_t max_patch_format = format::kVersion2;
 };
 
 struct HistoryStats {
@@ -141,6 +146,7 @@ class PatchHistory {
     // digest), patch, or nothing usable (keyframe).
     enum Kind { kUnchanged, kPatch, kKeyframe } kind = kKeyframe;
     PatchBytes patch;
+    uint8_t patch_format = 0;  // kPatch: the patch's format version (its header's)
   };
   struct Record {
     uint64_t version = 0;

@@ -10,6 +10,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/sync_testing.h"
@@ -320,6 +321,44 @@ TEST_F(HistoryTest, ChainLargerThanTensorBecomesKeyframe) {
   EXPECT_EQ(Deliveries(*p)["x"], v1::DELIVERY_PATCH);
   auto got = Receive(models_[1], *p, models_[3], rng_);
   ASSERT_TRUE(got.ok()) << got.status();
+}
+
+// A subscriber without patch format 2 (PlanOptions::max_patch_format 1) gets a keyframe for a
+// tensor whose chain holds a format-2 patch, the patch otherwise; format-1 chains stay patches.
+TEST(PatchHistory, ChainsWithANewerPatchFormatThanTheSubscriberAppliesBecomeKeyframes) {
+  std::mt19937_64 rng(5);
+  const size_t n = 1 << 16;
+  const auto ctx = refit::testing::AdamLikeVersions(n, 0.004, 1, rng);
+  Model m0, m1;
+  m0["ctx"] = Tensor{BF16("ctx", {n}), ctx[0]};
+  m1["ctx"] = Tensor{BF16("ctx", {n}), ctx[1]};
+  std::mt19937 rng32(6);
+  m0["plain"] = RandomTensor(BF16("plain", {4096}), rng32);
+  m1["plain"] = m0["plain"];
+  Perturb(m1["plain"], 0.3, rng32);
+  PatchHistory h(1ull << 30);
+  ASSERT_TRUE(h.Add(1, Updates(nullptr, m0)).ok());
+  std::vector<TensorUpdate> u = Updates(&m0, m1);
+  for (TensorUpdate& t : u) {
+    if (t.spec.name() != "ctx") continue;
+    auto p = EncodePatch(DType::kBF16, ctx[0], ctx[1], {.block_log2 = 14, .threads = 1, .format = 2});
+    ASSERT_TRUE(p.ok()) << p.status();
+    auto stats = InspectPatch(*p);
+    ASSERT_TRUE(stats.ok() && stats->blocks_context > 0) << "the test needs a format-2 patch";
+    t.patch = std::make_shared<const std::vector<uint8_t>>(std::move(*p));
+  }
+  ASSERT_TRUE(h.Add(2, std::move(u)).ok());
+  const uint64_t d0 = ModelDigest(m0);
+  auto all = h.Plan(1, d0, 2);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(Deliveries(*all)["ctx"], v1::DELIVERY_PATCH);
+  EXPECT_EQ(Deliveries(*all)["plain"], v1::DELIVERY_PATCH);
+  PlanOptions v1_only;
+  v1_only.max_patch_format = 1;
+  auto old = h.Plan(1, d0, 2, v1_only);
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(Deliveries(*old)["ctx"], v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(Deliveries(*old)["plain"], v1::DELIVERY_PATCH);
 }
 
 TEST_F(HistoryTest, AddRejectsBadInputWithoutChangingAnything) {
