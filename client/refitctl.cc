@@ -743,6 +743,20 @@ std::string FormatShardsTable(const v1::ShardsStatus& s) {
   return RenderTable(rows) + errors;
 }
 
+// Status.patch_format: "v2" or "v1 (auto: trial, v1 480 ms over 2, v2 1150 ms over 1; next v2)".
+std::string FormatPatchFormat(const v1::PatchFormatStatus& p) {
+  std::string out = absl::StrCat("v", p.last());
+  if (!p.auto_choice()) return out;
+  const auto median = [](uint64_t us, uint32_t n) {
+    return n == 0 ? std::string("none") : absl::StrCat(us / 1000, " ms over ", n);
+  };
+  absl::StrAppend(&out, " (auto: ", p.chosen() == 0 ? std::string("trial")
+                                                     : absl::StrCat("chose v", p.chosen()),
+                  ", v1 ", median(p.median_refit_micros_v1(), p.samples_v1()), ", v2 ",
+                  median(p.median_refit_micros_v2(), p.samples_v2()), "; next v", p.next(), ")");
+  return out;
+}
+
 std::string FormatStatusTable(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
@@ -768,6 +782,9 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
                                        " of ", FormatBytes(h.budget_bytes()), " budget"));
   }
   line("last refit", FormatRefit(st.last_refit()));
+  if (st.role() == v1::ROLE_PUBLISHER && st.has_patch_format()) {
+    line("patch fmt", FormatPatchFormat(st.patch_format()));
+  }
   if (st.lineage() != 0) line("lineage", absl::StrFormat("%016x", st.lineage()));
   if (st.role() == v1::ROLE_PUBLISHER && st.has_baseline()) line("baseline", FormatBaseline(st.baseline()));
   if (st.role() == v1::ROLE_PUBLISHER && st.has_publish_queue()) {

@@ -85,6 +85,55 @@ TEST_F(E2EPatchFormat, V2DeltasAreSmallerThanV1AndBitExact) {
   E2E_EXPECT_OK(ExpectVerified(pub2));
 }
 
+// codec.patch_format auto with a real subscriber: the first six deltas alternate v1 and v2,
+// each refit measured (snapshot -> acked); then the format with the lower median is kept.
+// Every version arrives bit-exact whichever format it went in.
+TEST_F(E2EPatchFormat, AutoMeasuresBothFormatsThenKeepsTheFasterOne) {
+  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(31);
+  ASSERT_TRUE(traj.ok()) << traj.status();
+  PublisherSpec ps;
+  ps.extra = "    patch_format: auto\n";
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  SubscriberSpec ss;
+  ss.upstream = {pub.listen_target()};
+  DaemonProcess& sub = NewSubscriber(ss);
+  E2E_ASSERT_OK(sub.Start());
+  std::vector<uint32_t> formats;
+  for (uint64_t v = 1; v <= 10; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v));
+    if (v > 1) (*traj)->Step();
+    const Model m = ModelFromTrajectory(**traj);
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    E2E_ASSERT_OK(WaitVersion(sub, v));
+    E2E_ASSERT_OK(ExpectExportEquals(sub, m));
+    E2E_ASSERT_OK(ExpectVerified(sub));
+    absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
+    ASSERT_TRUE(pst.ok()) << pst.status();
+    ASSERT_TRUE(pst->patch_format().auto_choice());
+    if (v > 1) formats.push_back(pst->patch_format().last());
+  }
+  ASSERT_GE(formats.size(), 6u);
+  EXPECT_EQ(std::vector<uint32_t>(formats.begin(), formats.begin() + 6),
+            (std::vector<uint32_t>{1, 2, 1, 2, 1, 2}))
+      << "the trial alternates";
+  absl::StatusOr<v1::StatusResponse> st = PollStatus(
+      pub.control_target(),
+      [](const v1::StatusResponse& s) { return s.patch_format().chosen() != 0; },
+      absl::Seconds(30), "the publisher's choice");
+  ASSERT_TRUE(st.ok()) << st.status();
+  const v1::PatchFormatStatus& pf = st->patch_format();
+  std::printf("[e2e] auto: chose v%u; v1 median %llu us over %u, v2 median %llu us over %u\n",
+              pf.chosen(), static_cast<unsigned long long>(pf.median_refit_micros_v1()),
+              pf.samples_v1(), static_cast<unsigned long long>(pf.median_refit_micros_v2()),
+              pf.samples_v2());
+  EXPECT_EQ(pf.samples_v1(), 3u);
+  EXPECT_EQ(pf.samples_v2(), 3u);
+  EXPECT_EQ(pf.chosen(), pf.median_refit_micros_v2() < pf.median_refit_micros_v1() ? 2u : 1u);
+  // Versions after the choice (those whose trial refits were all measured by then) use it.
+  EXPECT_EQ(formats.back(), pf.chosen());
+}
+
 // A relay (serve_peers) forwards the v2 publisher's patches: its peer follows with deltas only,
 // bit-exact, and the relay's history serves it the same format-2 patches.
 TEST_F(E2EPatchFormat, ARelayForwardsFormatTwoPatches) {

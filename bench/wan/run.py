@@ -636,6 +636,8 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     call_ms = (raw["publish_return_unix_ns"] - t0) / 1e6
     rec = {
         "version": version, "kind": kind, "publish_via": via,
+        # the format the publisher encoded this version in (Status.patch_format.last)
+        "patch_format": i64(pubst.get("patch_format", {}).get("last")) or None,
         "load_ms": raw.get("load_ms"),
         "change_rate": pubresp.get("change_rate"),
         "e2e_ms": e2e, "e2e_status_ms": e2e_status, "e2e_wait_ms": e2e_wait,
@@ -897,17 +899,18 @@ def markdown(result: dict) -> str:
         lines += ["", f"## {run['model']} on {run['link']['name']}, {run['streams']} connection(s), "
                       f"patch format {run.get('patch_format', 'v1')}",
                   "",
-                  "| v | kind | change | wire B | e2e ms | publish call ms | pub encode / total / outside ms "
+                  "| v | kind | format | change | wire B | e2e ms | publish call ms | pub encode / total / outside ms "
                   "| sub receive / stage / verify / apply ms | residual ms | bound ms | pass ms | "
                   "(e2e-bound)/pass | CPU pub / sub / relay ms (cores) | CPU after ms |",
-                  "|---" * 14 + "|"]
+                  "|---" * 15 + "|"]
         for r in run["versions"]:
             c = r.get("cpu_ms") or {}
             ca = r.get("cpu_after_ms") or {}
             s0 = r["subscriber"][0] if r["subscriber"] else {}
             p = r["publisher"]
             lines.append(
-                f"| {r['version']} | {r['kind']} | {fmt(r['change_rate'], '{:.2%}')} | "
+                f"| {r['version']} | {r['kind']} | {fmt(r.get('patch_format'))} | "
+                f"{fmt(r['change_rate'], '{:.2%}')} | "
                 f"{r['wire_bytes']:,} | {fmt(r['e2e_ms'])} | {fmt(r['publish_call_ms'])} | "
                 f"{fmt(p['encode_ms'])} / {fmt(p['total_ms'])} / {fmt(p['outside_total_ms'])} | "
                 f"{fmt(s0.get('receive_ms'))} / "
@@ -955,7 +958,8 @@ def parse_args(argv):
                         "value (the publisher allows max(8, N) streams per subscriber)")
     p.add_argument("--subscribers", type=int, default=1)
     p.add_argument("--patch-formats", default="v1",
-                   help="publisher codec.patch_format values to run, comma-separated (v1, v2): "
+                   help="publisher codec.patch_format values to run, comma-separated (v1, v2, "
+                        "auto): "
                         "each model, link and --streams value once per format, in the same run")
     p.add_argument("--persist", action="store_true", help="publisher baseline.persist_dir on")
     p.add_argument("--digest-v1", dest="digest_v2", action="store_false",
@@ -1001,8 +1005,9 @@ def parse_args(argv):
     except ValueError:
         p.error(f"--streams: {a.streams!r} is not a comma-separated list of numbers")
     a.patch_formats_list = [x for x in a.patch_formats.split(",") if x]
-    if not a.patch_formats_list or any(x not in ("v1", "v2") for x in a.patch_formats_list):
-        p.error(f"--patch-formats: {a.patch_formats!r}: expected v1, v2 or v1,v2")
+    if not a.patch_formats_list or any(x not in ("v1", "v2", "auto") for x in a.patch_formats_list):
+        p.error(f"--patch-formats: {a.patch_formats!r}: expected a comma-separated list of v1, "
+                "v2, auto")
     if a.versions < 1 or not a.streams_list or min(a.streams_list) < 1 or a.subscribers < 1:
         p.error("--versions, --streams and --subscribers must be >= 1")
     try:

@@ -416,8 +416,14 @@ TEST(ConfigTest, PublisherRules) {
             "");
   EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                                  "  codec: {device: cuda, patch_format: v2}\n"),
-                  "publisher.codec.patch_format: is v2, which the CPU codec writes, but "
-                  "codec.device is cuda");
+                  "publisher.codec.patch_format: is v2, which needs the CPU codec (it writes "
+                  "format 2), but codec.device is cuda");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                                 "  codec: {device: cuda, patch_format: auto}\n"),
+                  "publisher.codec.patch_format: is auto, which needs the CPU codec");
+  EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
+                           "  codec: {device: auto, patch_format: auto}\n"),
+            "");
   EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                                  "  codec: {patch_format: v3}\n"),
                   "patch_format");

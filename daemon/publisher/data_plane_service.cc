@@ -209,6 +209,7 @@ void DataPlaneService::NotifyPublished() {
   for (const auto& [id, s] : sessions_) {
     if (!s->ended && s->acked_version < version) p.waiting.insert(id);
   }
+  p.measured = !p.waiting.empty();
   pending_.push_back(std::move(p));
   while (pending_.size() > 64) pending_.pop_front();
   NoteAckedLocked();
@@ -222,6 +223,7 @@ void DataPlaneService::NoteAckedLocked() {
     for (auto it = p.waiting.begin(); it != p.waiting.end();) {
       auto s = sessions_.find(*it);
       if (s == sessions_.end() || s->second->ended || s->second->acked_version >= p.version) {
+        if (s == sessions_.end() || s->second->acked_version < p.version) p.measured = false;
         it = p.waiting.erase(it);
       } else {
         ++it;
@@ -236,6 +238,8 @@ void DataPlaneService::NoteAckedLocked() {
                                                          : 0);
     stats.set_digests_verified(true);
     stats.set_finished_unix_nanos(now);
+    // codec.patch_format auto learns from it (the chooser's own leaf lock, not the core's).
+    if (p.measured) core_->NoteRefitLatency(p.version, stats.latency_micros());
     last_fully_acked_ = stats;
     pending_.pop_front();
   }

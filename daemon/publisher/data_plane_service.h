@@ -161,6 +161,9 @@ class DataPlaneService final : public v1::DataPlane::Service {
     uint64_t snapshot_unix_nanos = 0;
     std::set<uint64_t> waiting;  // session ids
     uint64_t wire_bytes = 0;
+    // Every session it waited for acked it (none ended first, and there was one): its latency
+    // measures a refit (PublisherCore::NoteRefitLatency).
+    bool measured = true;
   };
   using SyncStream = grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>;
   // TransferLoop's state between transfers.

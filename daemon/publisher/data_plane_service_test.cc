@@ -30,10 +30,11 @@ struct Server {
   // One version: a single random BF16 tensor of `bytes` bytes (a keyframe for a new subscriber;
   // random weights, so no LZ4: frames of exactly kFrame payload bytes but the last).
   static std::unique_ptr<Server> Start(DataPlaneOptions dopts, uint64_t bytes,
-                                       int patch_format = 1) {
+                                       int patch_format = 1, bool patch_format_auto = false) {
     auto s = std::make_unique<Server>();
     PublisherOptions opts;
     opts.patch_format = patch_format;
+    opts.patch_format_auto = patch_format_auto;
     opts.encode_threads = 1;
     opts.digest_threads = 1;
     auto core = PublisherCore::Open(opts);
@@ -80,6 +81,7 @@ struct RawSubscriber {
   std::string address;
   uint32_t streams = 4;
   bool stream_progress = true;
+  bool lists_format_2 = false;  // Hello.patch_formats 1 (an older build), or 1 and 2
 
   v1::Welcome welcome;
   v1::VersionEnd end;
@@ -97,6 +99,7 @@ struct RawSubscriber {
     hello.mutable_hello()->set_stripes(streams - 1);
     hello.mutable_hello()->set_max_frame_bytes(kFrame);
     hello.mutable_hello()->add_patch_formats(1);
+    if (lists_format_2) hello.mutable_hello()->add_patch_formats(2);
     hello.mutable_hello()->set_stream_progress(stream_progress);
     ASSERT_TRUE(sync->Write(hello));
     v1::PublisherMessage m;
@@ -243,6 +246,35 @@ TEST(DataPlaneServiceTest, PatchFormatTwoNeedsASubscriberThatAppliesIt) {
     EXPECT_NE(st.error_message().find("codec.patch_format"), std::string::npos)
         << st.error_message();
   }
+}
+
+// codec.patch_format auto learns only from refits every waiting session acked: a version
+// published with no session connected is not a measurement, even once a later session takes it
+// (the e2e test E2EPatchFormat.AutoMeasuresBothFormatsThenKeepsTheFasterOne sees real ones).
+TEST(DataPlaneServiceTest, AutoPatchFormatLearnsFromFullyAckedRefitsOnly) {
+  auto server = Server::Start(DataPlaneOptions{}, 1 << 16, 1, /*patch_format_auto=*/true);
+  std::mt19937 rng(8);
+  auto publish = [&](uint64_t v) {
+    sync::testing::Tensor t = sync::testing::RandomTensor(sync::testing::BF16("w", {1 << 15}), rng);
+    TensorInput in;
+    in.name = "w";
+    in.shape = {1 << 15};
+    in.data = t.bytes;
+    ASSERT_TRUE(server->core->Publish(v, std::span<const TensorInput>(&in, 1)).ok());
+    server->service->NotifyPublished();
+  };
+  publish(2);  // a delta version (format 1 in the trial), nobody connected
+  EXPECT_EQ(server->core->format_choice()->samples[0], 0u);
+  RawSubscriber sub;  // takes version 2 (a keyframe for it) and acks it
+  sub.address = server->address;
+  sub.lists_format_2 = true;
+  sub.Run();
+  EXPECT_EQ(sub.end.version(), 2u);
+  ASSERT_TRUE(server->service->WaitAllAcked(2, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_EQ(server->core->format_choice()->samples[0], 0u)
+      << "version 2 was published before the session: not measured";
+  publish(3);  // format 2 in the trial; the session is gone again
+  EXPECT_EQ(server->core->format_choice()->samples[1], 0u);
 }
 
 TEST(DataPlaneServiceTest, SubscriberWithoutProgressIsNotPaced) {

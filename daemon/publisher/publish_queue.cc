@@ -69,7 +69,8 @@ std::string DescribePublish(const PublishSummary& s) {
                       FormatBytes(s.dense_bytes), " (", Percent(Ratio(s.wire_bytes, s.dense_bytes)),
                       "), tensors ", s.tensors, " (", s.patched_tensors, " patched, ",
                       s.keyframe_tensors, " keyframe, ", s.unchanged_tensors, " unchanged, ",
-                      s.removed_tensors, " removed), encode ", s.encode_micros / 1000, " ms",
+                      s.removed_tensors, " removed), patch format ", s.patch_format, ", encode ",
+                      s.encode_micros / 1000, " ms",
                       s.encode_device.empty()
                           ? std::string()
                           : absl::StrCat(" on ", s.encode_device, " (upload ",

@@ -100,6 +100,7 @@ v1::StatusResponse PublisherControl::GetStatus() const {
     refit->set_dense_bytes(s.dense_bytes);
     refit->set_keyframe_tensors(static_cast<uint32_t>(s.keyframe_tensors));
     refit->set_finished_unix_nanos(last->finished_unix_nanos);
+    r.mutable_patch_format()->set_last(static_cast<uint32_t>(s.patch_format));
     if (data_plane_ != nullptr) {
       const v1::RefitStats acked = data_plane_->LastFullyAcked();
       if (acked.version() == s.version && s.version != 0) {
@@ -110,6 +111,17 @@ v1::StatusResponse PublisherControl::GetStatus() const {
         }
       }
     }
+  }
+  if (std::optional<FormatChooser::State> choice = core_->format_choice()) {
+    v1::PatchFormatStatus* pf = r.mutable_patch_format();
+    pf->set_auto_choice(true);
+    pf->set_chosen(static_cast<uint32_t>(choice->chosen));
+    pf->set_next(static_cast<uint32_t>(choice->next));
+    pf->set_samples_v1(choice->samples[0]);
+    pf->set_samples_v2(choice->samples[1]);
+    pf->set_median_refit_micros_v1(choice->median_micros[0]);
+    pf->set_median_refit_micros_v2(choice->median_micros[1]);
+    pf->set_choices(choice->choices);
   }
   const sync::HistoryStats history = core_->HistoryStats();
   v1::HistoryStatus* h = r.mutable_history();

@@ -909,7 +909,18 @@ absl::StatusOr<v1::DataFrame> Transfer::Frame(uint64_t i) const {
 // ---- PublisherCore --------------------------------------------------------------------------
 
 PublisherCore::PublisherCore(const PublisherOptions& options)
-    : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {}
+    : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {
+  if (options_.patch_format_auto) chooser_ = std::make_unique<FormatChooser>(options_.format_chooser);
+}
+
+void PublisherCore::NoteRefitLatency(uint64_t version, uint64_t micros) {
+  if (chooser_ != nullptr) chooser_->Observe(version, micros);
+}
+
+std::optional<FormatChooser::State> PublisherCore::format_choice() const {
+  if (chooser_ == nullptr) return std::nullopt;
+  return chooser_->state();
+}
 
 std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
   return (std::filesystem::path(persist_dir) / kBaselineFile).string();
@@ -921,9 +932,10 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     return absl::InvalidArgumentError(
         absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
   }
-  if (options.patch_format == 2 && options.device != nullptr) {
-    return absl::InvalidArgumentError(
-        "PublisherOptions.patch_format 2 is written by the CPU codec, but a device is set");
+  if ((options.patch_format == 2 || options.patch_format_auto) && options.device != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PublisherOptions.patch_format ", options.patch_format_auto ? "auto" : "2",
+        ": format 2 is written by the CPU codec, but a device is set"));
   }
   if (options.persist_dir.empty()) {
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));
@@ -1338,9 +1350,16 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
   const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
                           defer_v1};
+  // codec.patch_format auto: this delta version's format, from the refits measured so far.
+  std::optional<PublisherOptions> chosen;
+  if (chooser_ != nullptr && prev_version != 0) {
+    chosen = options_;
+    chosen->patch_format = chooser_->FormatFor(version);
+  }
+  sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
-  RETURN_IF_ERROR(EncodeVersion(options_, given, order, specs, prev, where, &gpu_baseline_,
-                                stream, &enc, &sum));
+  RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs, prev,
+                                where, &gpu_baseline_, stream, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
   counts.version = version;

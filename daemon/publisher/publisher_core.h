@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "absl/time/time.h"
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/publisher/format_chooser.h"
 #include "daemon/publisher/live_version.h"
 #include "daemon/publisher/persist_dir.h"
 #include "daemon/publisher/publish_guard.h"
@@ -78,6 +80,11 @@ struct PublisherOptions {
   // coded blocks where smaller; the CPU codec only, so it requires `device` null). The history
   // then holds format-2 patches, and only sessions whose Hello lists format 2 are served.
   int patch_format = 1;
+  // codec.patch_format auto (requires `device` null; patch_format is then ignored): each version
+  // is encoded in the format a FormatChooser picks from the measured refit latencies (fed by
+  // NoteRefitLatency); sessions must list format 2, as with patch_format 2.
+  bool patch_format_auto = false;
+  FormatChooserOptions format_chooser;
   // Encoder threads (0 = one per hardware thread) and block size.
   int encode_threads = 0;
   // Threads for tensor digests (0 = all hardware threads).
@@ -143,6 +150,7 @@ struct PublishSummary {
   uint64_t wire_bytes = 0;
   uint64_t dense_bytes = 0;
   uint64_t encode_micros = 0;   // EncodePatches, or the sum of the Device::Encode calls
+  int patch_format = 1;         // the format the patches were encoded in (EncodeOptions::format)
   uint64_t digest_micros = 0;   // tensor digests (one pass: keyframe tensors only)
   // CPU one pass: the read of (baseline, new bytes) that compared, encoded and digested every
   // tensor with a base (also counted in encode_micros), then the baseline update: changed
@@ -345,8 +353,14 @@ class PublisherCore {
   uint64_t numbered_version() const;
   // The lineage (non-zero).
   uint64_t lineage() const;
-  // The patch format Publish writes (PublisherOptions::patch_format).
-  int patch_format() const { return options_.patch_format; }
+  // The newest patch format Publish may write: PublisherOptions::patch_format, or 2 with
+  // patch_format_auto.
+  int patch_format() const { return options_.patch_format_auto ? 2 : options_.patch_format; }
+  // patch_format_auto: version `version` was acked by every session `micros` after its
+  // snapshot (the DataPlane's fully acked refit). Without auto: nothing.
+  void NoteRefitLatency(uint64_t version, uint64_t micros);
+  // patch_format_auto: the chooser's state; nullopt without auto.
+  std::optional<FormatChooser::State> format_choice() const;
   // The persisted baseline: state, path, why it was moved aside at start, the last persist
   // error (persistence of the baseline or of the lineage file).
   v1::BaselineStatus baseline_status() const;
@@ -525,6 +539,8 @@ class PublisherCore {
   std::function<void()> live_change_ ABSL_GUARDED_BY(live_mu_);
   // With persist_dir: the background persister (patch log + compaction). Destroyed first.
   std::unique_ptr<BaselinePersister> persister_;
+  // patch_format_auto only (thread-safe itself).
+  std::unique_ptr<FormatChooser> chooser_;
 };
 
 }  // namespace refit::publisher

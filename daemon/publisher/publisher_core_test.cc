@@ -682,6 +682,48 @@ TEST(PublisherCoreTest, PatchFormatTwoIsServedPersistedAndReplayed) {
   EXPECT_EQ(PublisherCore::Open(bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// codec.patch_format auto: each delta version is encoded in the format the chooser picks (trial
+// 1, 2, then the one whose measured refits were faster), and subscribers apply every one.
+TEST(PublisherCoreTest, AutoPatchFormatFollowsTheMeasuredRefits) {
+  PublisherOptions po;
+  po.patch_format_auto = true;
+  po.format_chooser = {.trial_samples = 1, .revisit_every = 0};
+  po.block_log2 = 14;
+  auto core = PublisherCore::Open(po);
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ((*core)->patch_format(), 2) << "sessions must list format 2";
+  std::mt19937_64 rng(13);
+  const size_t n = 1 << 16;
+  const auto versions = refit::testing::AdamLikeVersions(n, 0.004, 5, rng);
+  Subscriber s;
+  std::vector<int> formats;
+  for (uint64_t v = 1; v <= 6; ++v) {
+    Model m;
+    m["w"] = Tensor{DType::kBF16, {n}, versions[v - 1]};
+    auto sum = (*core)->Publish(v, Inputs(m));
+    ASSERT_TRUE(sum.ok()) << sum.status();
+    auto t = (*core)->MakeTransfer(s.version, s.version_digest, SmallFrames());
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_TRUE(s.Apply(**t, kFrameBytes).ok()) << "version " << v;
+    ExpectSameModel(s.state, m);
+    if (v == 1) continue;
+    formats.push_back(sum->patch_format);
+    auto stats = InspectPatch(*(*t)->plan().tensors[0].patches[0]);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->blocks_context > 0, sum->patch_format == 2) << "version " << v;
+    // The refit measured: format 2 refits take half as long here (a slow link).
+    (*core)->NoteRefitLatency(v, sum->patch_format == 2 ? 1000 : 2000);
+  }
+  EXPECT_EQ(formats, (std::vector<int>{1, 2, 2, 2, 2}));
+  const std::optional<FormatChooser::State> st = (*core)->format_choice();
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(st->chosen, 2);
+  EXPECT_EQ(st->median_micros[0], 2000u);
+
+  PublisherOptions fixed;
+  EXPECT_FALSE(PublisherCore::Open(fixed).value()->format_choice().has_value());
+}
+
 // The refused file is moved aside, the core starts empty with a new lineage and says why.
 void ExpectMovedAside(const PublisherOptions& po, const std::string& path, uint64_t old_lineage,
                       const std::string& why) {

@@ -87,9 +87,10 @@ class PublisherDaemonImpl final : public PublisherDaemon {
 absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, DeviceCache* devices,
                                               spdlog::logger& log) {
   if (codec.device() != v1::DEVICE_CUDA && codec.device() != v1::DEVICE_AUTO) return nullptr;
-  if (codec.patch_format() == v1::PATCH_FORMAT_V2) {  // cuda with v2 fails validation
-    log.info("publisher.codec.device: auto with codec.patch_format v2: encoding on the CPU (the "
-             "GPU encoder writes format 1)");
+  if (codec.patch_format() != v1::PATCH_FORMAT_V1) {  // cuda with v2 / auto fails validation
+    log.info("publisher.codec.device: auto with codec.patch_format {}: encoding on the CPU (the "
+             "GPU encoder writes format 1 only)",
+             codec.patch_format() == v1::PATCH_FORMAT_V2 ? "v2" : "auto");
     return nullptr;
   }
   const char* const mode = codec.device() == v1::DEVICE_CUDA ? "cuda" : "auto";
@@ -241,6 +242,7 @@ PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
   options.history_max_versions = std::max<uint32_t>(1, config.history().max_versions());
   options.block_log2 = static_cast<int>(config.codec().block_log2());
   options.patch_format = config.codec().patch_format() == v1::PATCH_FORMAT_V2 ? 2 : 1;
+  options.patch_format_auto = config.codec().patch_format() == v1::PATCH_FORMAT_AUTO;
   options.persist_fsync = config.baseline().fsync();
   options.encode_threads = static_cast<int>(config.codec().threads());
   options.digest_threads = static_cast<int>(config.codec().threads());

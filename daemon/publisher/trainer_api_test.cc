@@ -750,7 +750,7 @@ TEST(FormatTest, BytesAndLogLine) {
   EXPECT_EQ(DescribePublish(s),
             "version 12 published: change 1.65% (165/10000 elements), wire 1.23 MB "
             "(patches+keyframes) vs dense 254 MB (0.48%), tensors 290 (285 patched, 0 keyframe, "
-            "5 unchanged, 0 removed), encode 412 ms, total 530 ms");
+            "5 unchanged, 0 removed), patch format 1, encode 412 ms, total 530 ms");
 }
 
 }  // namespace
