@@ -60,7 +60,6 @@ class FormatChooser {
   std::deque<uint64_t> samples_[2] ABSL_GUARDED_BY(mu_);  // latest micros per format
   int chosen_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t since_choice_ ABSL_GUARDED_BY(mu_) = 0;  // versions encoded with chosen_ since the choice
-  bool revisiting_ ABSL_GUARDED_BY(mu_) = false;   // the other format's revisit sample is due
   uint64_t last_version_ ABSL_GUARDED_BY(mu_) = 0;
   int last_format_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t choices_ ABSL_GUARDED_BY(mu_) = 0;
