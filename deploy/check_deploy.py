@@ -28,24 +28,33 @@ def check(ok, what):
         failures.append(what)
 
 
+UNITS = ("refitd-publisher.service", "refitd-subscriber.service")
+
+
 def check_systemd(refitd):
-    unit = os.path.join(HERE, "systemd", "refitd-publisher.service")
     if shutil.which("systemd-analyze") is None:
         print("check_deploy: systemd-analyze not installed; systemd checks skipped")
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = os.path.join(tmp, "refitd-publisher.service")
-        with open(unit) as f:
-            text = f.read().replace("/usr/local/bin/refitd", refitd)
-        with open(copy, "w") as f:
-            f.write(text)
-        v = subprocess.run(["systemd-analyze", "verify", copy], capture_output=True, text=True)
-        out = (v.stdout + v.stderr).strip()
-        check(v.returncode == 0 and out == "", f"systemd-analyze verify: rc {v.returncode}: {out}")
-        s = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=20", copy],
-                           capture_output=True, text=True)
-        overall = [l for l in s.stdout.splitlines() if "Overall exposure" in l]
-        check(s.returncode == 0, f"systemd exposure above 2.0: {overall}")
+    for name in UNITS:
+        with open(os.path.join(HERE, "systemd", name)) as f:
+            text = f.read()
+        # Readiness and the watchdog (the daemons speak sd_notify: daemon/common/systemd_notify.h).
+        for line in ("Type=notify", "NotifyAccess=main"):
+            check(line in text.splitlines(), f"{name}: no {line}")
+        check(any(l.startswith("WatchdogSec=") for l in text.splitlines()),
+              f"{name}: no WatchdogSec=")
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = os.path.join(tmp, name)
+            with open(copy, "w") as f:
+                f.write(text.replace("/usr/local/bin/refitd", refitd))
+            v = subprocess.run(["systemd-analyze", "verify", copy], capture_output=True, text=True)
+            out = (v.stdout + v.stderr).strip()
+            check(v.returncode == 0 and out == "",
+                  f"{name}: systemd-analyze verify: rc {v.returncode}: {out}")
+            s = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=20",
+                                copy], capture_output=True, text=True)
+            overall = [l for l in s.stdout.splitlines() if "Overall exposure" in l]
+            check(s.returncode == 0, f"{name}: systemd exposure above 2.0: {overall}")
 
 
 def check_k8s(config_check):

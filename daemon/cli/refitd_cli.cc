@@ -17,6 +17,7 @@
 #include "daemon/cli/shutdown_watcher.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/systemd_notify.h"
 #include "daemon/config/config.h"
 #include "daemon/publisher/publisher_daemon.h"
 #include "daemon/subscriber/subscriber_daemon.h"
@@ -166,6 +167,43 @@ void StallWhileStartingForTests() {
 
 std::string OrDash(const std::string& s, const std::string& dash) { return s.empty() ? dash : s; }
 
+// Under systemd (NOTIFY_SOCKET): READY=1 once serving, the watchdog pinger while serving
+// (WatchdogSec=), STOPPING=1 when the shutdown starts. Outside systemd: nothing. A notification
+// that cannot be sent is logged; the daemon keeps serving (systemd then acts on its own timeouts).
+struct SystemdSession {
+  std::unique_ptr<SystemdNotifier> notifier;
+  std::unique_ptr<WatchdogPinger> pinger;
+
+  void Stopping() const {
+    if (notifier == nullptr) return;
+    if (absl::Status st = notifier->Notify("STOPPING=1\nSTATUS=shutting down"); !st.ok()) {
+      Logger("systemd")->warn("{}", st.ToString());
+    }
+  }
+};
+
+SystemdSession StartSystemdSession(const std::string& status,
+                                   std::function<absl::Status()> progress) {
+  SystemdSession s;
+  absl::StatusOr<std::unique_ptr<SystemdNotifier>> n = SystemdNotifier::FromEnvironment();
+  if (!n.ok()) {
+    Logger("systemd")->error("not notifying systemd: {}", n.status().ToString());
+    return s;
+  }
+  s.notifier = *std::move(n);
+  if (s.notifier == nullptr) return s;
+  if (absl::Status st = s.notifier->Notify(absl::StrCat("READY=1\nSTATUS=", status)); !st.ok()) {
+    Logger("systemd")->error("{}", st.ToString());
+  }
+  if (std::optional<absl::Duration> wd = s.notifier->watchdog_interval()) {
+    Logger("systemd")->info("watchdog: WatchdogSec {} s, pinging every {} ms while the daemon's "
+                            "state is readable", absl::ToDoubleSeconds(*wd),
+                            absl::ToInt64Milliseconds(*wd / 2));
+    s.pinger = std::make_unique<WatchdogPinger>(s.notifier.get(), *wd / 2, std::move(progress));
+  }
+  return s;
+}
+
 // Starts the daemon, logs where it serves, waits for a shutdown signal, shuts it down.
 template <typename Daemon, typename Config>
 int Serve(const Options& opts, const Config& cfg, std::ostream& err,
@@ -185,6 +223,9 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
             OrDash((*daemon)->listen_address(), "-"),
             OrDash((*daemon)->control_address(), "on listen"),
             OrDash((*daemon)->local_address(), "-"));
+  const SystemdSession systemd =
+      StartSystemdSession(absl::StrCat("serving: listen ", OrDash((*daemon)->listen_address(), "-")),
+                          [d = daemon->get()] { return d->CheckProgress(); });
   const auto reload_tls = [&log, d = daemon->get()] {
     const absl::Status reloaded = d->ReloadTls();
     if (reloaded.ok()) {
@@ -205,6 +246,7 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
   }
   log->info("{} received: shutting down (at most {} s, then exit status {})", strsignal(sig),
             absl::ToInt64Seconds(kShutdownWatchdog), kExitShutdownTimedOut);
+  systemd.Stopping();
   (*daemon)->Shutdown();
   daemon->reset();
   log->info("{} \"{}\" stopped", opts.role, name);

@@ -5,10 +5,13 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -223,6 +226,79 @@ TEST(RefitdCli, PublisherRunsUntilSigterm) {
   daemon.join();
   EXPECT_EQ(result.rc, 0) << result.err;
   EXPECT_EQ(result.err, "");
+}
+
+// A datagram socket standing in for systemd's NOTIFY_SOCKET (recv times out after 60 s, so a
+// missing notification fails the test instead of hanging it).
+class FakeSystemd {
+ public:
+  explicit FakeSystemd(const std::string& path) {
+    fd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    timeval tv{60, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  ~FakeSystemd() { close(fd_); }
+  // The next notification that is not a watchdog ping; counts the pings before it.
+  std::string NextState(int* pings) {
+    while (true) {
+      char buf[1024];
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n < 0) return "<timeout>";
+      const std::string msg(buf, static_cast<size_t>(n));
+      if (msg != "WATCHDOG=1") return msg;
+      ++*pings;
+    }
+  }
+  std::string Next() {
+    char buf[1024];
+    const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+    return n < 0 ? "<timeout>" : std::string(buf, static_cast<size_t>(n));
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Under systemd (Type=notify, WatchdogSec=): both roles say READY=1 with their address once
+// serving, ping the watchdog while serving (their Status readable), and say STOPPING=1 on SIGTERM
+// before they exit 0.
+TEST(RefitdCli, BothRolesNotifySystemdAndPingItsWatchdog) {
+  TempDir dir;
+  const std::string pub_cfg = dir.Write(
+      "pub.yaml", absl::StrCat("publisher:\n  name: sd-pub\n  log_level: warn\n  listen: "
+                               "\"127.0.0.1:0\"\n  local_socket: ", dir.Path("pub.sock"), "\n"));
+  const std::string sub_cfg = dir.Write(
+      "sub.yaml",
+      absl::StrCat("subscriber:\n  name: sd-sub\n  log_level: warn\n  listen: \"127.0.0.1:0\"\n"
+                   "  upstream:\n    addresses: [\"127.0.0.1:1\"]\n  local_socket: ",
+                   dir.Path("sub.sock"), "\n  store:\n    kind: shm\n    shm_prefix: /refit-cli-sd-",
+                   getpid(), "-\n"));
+  for (const auto& [role_name, cfg_path] :
+       {std::pair<std::string, std::string>{"publisher", pub_cfg}, {"subscriber", sub_cfg}}) {
+    const std::string role = role_name, cfg = cfg_path;  // captured below (not a binding)
+    SCOPED_TRACE(role);
+    const std::string sock = dir.Path(role + "-notify.sock");
+    FakeSystemd systemd(sock);
+    setenv("NOTIFY_SOCKET", sock.c_str(), 1);
+    setenv("WATCHDOG_USEC", "100000", 1);  // pings every 50 ms
+    Result result{-1, "", ""};
+    std::thread daemon([&] { result = RunCli({role, "--config", cfg}); });
+    int pings = 0;
+    EXPECT_THAT(systemd.NextState(&pings),
+                AllOf(StartsWith("READY=1\nSTATUS=serving: listen 127.0.0.1:")));
+    EXPECT_EQ(systemd.Next(), "WATCHDOG=1");
+    EXPECT_EQ(systemd.Next(), "WATCHDOG=1");
+    ASSERT_EQ(kill(getpid(), SIGTERM), 0);
+    EXPECT_EQ(systemd.NextState(&pings), "STOPPING=1\nSTATUS=shutting down");
+    daemon.join();
+    unsetenv("NOTIFY_SOCKET");
+    unsetenv("WATCHDOG_USEC");
+    EXPECT_EQ(result.rc, 0) << result.err;
+  }
 }
 
 }  // namespace

@@ -110,6 +110,7 @@ struct DataPlaneService::Session {
   uint32_t joined_stripes = 0;
   v1::SessionState state = v1::SESSION_STATE_CONNECTING;
   uint64_t acked_version = 0;
+  uint64_t acked_unix_nanos = 0;  // when acked_version's Ack arrived
   uint64_t acked_digest = 0;  // in digest_format
   // Welcome.digest_format: every digest of the session (Hello, VersionEnd, Ack) is in it.
   sync::DigestFormat digest_format = sync::DigestFormat::kV1;
@@ -206,10 +207,19 @@ void DataPlaneService::NotifyPublished() {
   PendingVersion p;
   p.version = version;
   p.snapshot_unix_nanos = snapshot;
+  // A streamed version may be acked before this runs (the End leaves before the publisher's
+  // bookkeeping): such sessions count as acked at their Ack's time.
+  bool any_session = false;
   for (const auto& [id, s] : sessions_) {
-    if (!s->ended && s->acked_version < version) p.waiting.insert(id);
+    if (s->ended) continue;
+    any_session = true;
+    if (s->acked_version < version) {
+      p.waiting.insert(id);
+    } else {
+      p.last_ack_unix_nanos = std::max(p.last_ack_unix_nanos, s->acked_unix_nanos);
+    }
   }
-  p.measured = !p.waiting.empty();
+  p.measured = any_session;
   pending_.push_back(std::move(p));
   while (pending_.size() > 64) pending_.pop_front();
   NoteAckedLocked();
@@ -223,7 +233,11 @@ void DataPlaneService::NoteAckedLocked() {
     for (auto it = p.waiting.begin(); it != p.waiting.end();) {
       auto s = sessions_.find(*it);
       if (s == sessions_.end() || s->second->ended || s->second->acked_version >= p.version) {
-        if (s == sessions_.end() || s->second->acked_version < p.version) p.measured = false;
+        if (s == sessions_.end() || s->second->acked_version < p.version) {
+          p.measured = false;
+        } else {
+          p.last_ack_unix_nanos = std::max(p.last_ack_unix_nanos, s->second->acked_unix_nanos);
+        }
         it = p.waiting.erase(it);
       } else {
         ++it;
@@ -239,7 +253,9 @@ void DataPlaneService::NoteAckedLocked() {
     stats.set_digests_verified(true);
     stats.set_finished_unix_nanos(now);
     // codec.patch_format auto learns from it (the chooser's own leaf lock, not the core's).
-    if (p.measured) core_->NoteRefitLatency(p.version, stats.latency_micros());
+    if (p.measured && p.last_ack_unix_nanos > p.snapshot_unix_nanos) {
+      core_->NoteRefitLatency(p.version, (p.last_ack_unix_nanos - p.snapshot_unix_nanos) / 1000);
+    }
     last_fully_acked_ = stats;
     pending_.pop_front();
   }
@@ -1093,6 +1109,7 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
              stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
   absl::MutexLock lock(&mu_);
   session->acked_version = ack.applied_version();
+  session->acked_unix_nanos = NowUnixNanos();
   session->acked_digest = ack.applied_version_digest();
   session->verified = true;
   session->diverged.clear();

@@ -161,9 +161,12 @@ class DataPlaneService final : public v1::DataPlane::Service {
     uint64_t snapshot_unix_nanos = 0;
     std::set<uint64_t> waiting;  // session ids
     uint64_t wire_bytes = 0;
-    // Every session it waited for acked it (none ended first, and there was one): its latency
-    // measures a refit (PublisherCore::NoteRefitLatency).
+    // Every session it waited for acked it (none ended first, and there was one): the last of
+    // their Acks (last_ack_unix_nanos) minus the snapshot measures a refit
+    // (PublisherCore::NoteRefitLatency). Sessions that acked a streamed version before it was
+    // noted here count with their Ack's time.
     bool measured = true;
+    uint64_t last_ack_unix_nanos = 0;
   };
   using SyncStream = grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>;
   // TransferLoop's state between transfers.

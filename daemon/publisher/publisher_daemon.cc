@@ -60,6 +60,10 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   std::string local_address() const override { return local_.bound_address; }
 
   absl::Status ReloadTls() override { return tls_->Reload(); }
+  absl::Status CheckProgress() override {
+    (void)control_service_->GetStatus();  // blocks while a lock it takes is held
+    return absl::OkStatus();
+  }
 
   std::shared_ptr<spdlog::logger> log_ = Logger("publisher");
   // The listeners' TLS material (rotation); outlives the servers that read it.

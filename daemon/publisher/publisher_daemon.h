@@ -45,6 +45,10 @@ class PublisherDaemon {
   // tls.reload_interval_ms): new valid material serves new connections, a bad file keeps the
   // old material. The first refusal, if any (logged, and in Status.tls).
   virtual absl::Status ReloadTls() = 0;
+  // Returns once the daemon's state could be read (its Status, which takes the core's, the data
+  // plane's and the stores' locks): a wedged daemon blocks here. The systemd watchdog pings
+  // only after it returns OK.
+  virtual absl::Status CheckProgress() = 0;
 };
 
 }  // namespace refit::publisher

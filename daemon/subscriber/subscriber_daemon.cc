@@ -25,6 +25,7 @@
 #include "cuda/device.h"
 #include "daemon/auth/authorized_services.h"
 #include "daemon/common/daemon_runtime.h"
+#include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
@@ -133,6 +134,11 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::string control_address() const override { return control_server_.bound_address; }
   std::string local_address() const override { return local_.bound_address; }
   absl::Status ReloadTls() override { return tls_->Reload(); }
+  absl::Status CheckProgress() override {
+    v1::StatusRequest request;
+    v1::StatusResponse response;  // Status reads no context: blocks while a lock it takes is held
+    return FromGrpcStatus(control_->Status(nullptr, &request, &response));
+  }
 
  private:
   // Init's steps, in order.
