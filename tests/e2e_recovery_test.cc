@@ -236,12 +236,8 @@ class E2EPartition : public E2ETest {
   }
 };
 
-TEST_F(E2EPartition, CatchesUpThroughChainedPatchesWhileHistoryHoldsThem) {
-  PublisherSpec ps;  // default history: 64 versions, 4 GiB
-  v1::StatusResponse st;
-  size_t tensors = 0;
-  ASSERT_NO_FATAL_FAILURE(Run(ps, &st, &tensors));
-  const v1::RefitStats& r = st.last_refit();
+// The history holds v5..v10: one catch-up transfer chains the patches.
+void ExpectChainedCatchUp(const v1::RefitStats& r, size_t tensors) {
   EXPECT_EQ(r.version(), 10u);
   // Frozen at v5; the publisher may have started v6 before the freeze took effect, so the
   // catch-up transfer starts at v5 or v6 and chains the patches up to v10 in one transfer.
@@ -254,6 +250,14 @@ TEST_F(E2EPartition, CatchesUpThroughChainedPatchesWhileHistoryHoldsThem) {
   EXPECT_TRUE(r.digests_verified());
 }
 
+TEST_F(E2EPartition, CatchesUpThroughChainedPatchesWhileHistoryHoldsThem) {
+  PublisherSpec ps;  // default history: 64 versions, 4 GiB
+  v1::StatusResponse st;
+  size_t tensors = 0;
+  ASSERT_NO_FATAL_FAILURE(Run(ps, &st, &tensors));
+  ExpectChainedCatchUp(st.last_refit(), tensors);
+}
+
 // The same with patch format v2: the chain's patches are context coded, applied in order.
 TEST_F(E2EPartition, CatchesUpThroughChainedFormatTwoPatches) {
   PublisherSpec ps;
@@ -261,13 +265,7 @@ TEST_F(E2EPartition, CatchesUpThroughChainedFormatTwoPatches) {
   v1::StatusResponse st;
   size_t tensors = 0;
   ASSERT_NO_FATAL_FAILURE(Run(ps, &st, &tensors));
-  const v1::RefitStats& r = st.last_refit();
-  EXPECT_EQ(r.version(), 10u);
-  EXPECT_GE(r.base_version(), 5u) << DescribeRefit(r);
-  EXPECT_LE(r.base_version(), 6u) << "catch-up went version by version: " << DescribeRefit(r);
-  EXPECT_LT(r.keyframe_tensors(), tensors / 2) << DescribeRefit(r);
-  EXPECT_LT(r.wire_bytes(), r.dense_bytes() / 4) << DescribeRefit(r);
-  EXPECT_TRUE(r.digests_verified());
+  ExpectChainedCatchUp(st.last_refit(), tensors);
 }
 
 // The history cannot bridge v5/v6 -> v10: the changed tensors go as keyframes (tensors whose

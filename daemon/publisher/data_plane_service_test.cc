@@ -3,6 +3,7 @@
 // speak it. Full sessions with the real Upstream are in daemon/subscriber/upstream_test.cc.
 #include "daemon/publisher/data_plane_service.h"
 
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -191,18 +192,23 @@ TEST(DataPlaneServiceTest, PacedTransferIsSpreadOverEveryStream) {
   EXPECT_TRUE(server->service->WaitAllAcked(1, absl::Now() + absl::Seconds(10)).ok());
 }
 
+// The Hello of a subscriber run by hand: protocol 1, kFrame frames, the given patch formats.
+v1::SubscriberMessage HandHello(std::initializer_list<uint32_t> formats, bool progress) {
+  v1::SubscriberMessage hello;
+  hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
+  hello.mutable_hello()->set_max_frame_bytes(kFrame);
+  for (uint32_t f : formats) hello.mutable_hello()->add_patch_formats(f);
+  hello.mutable_hello()->set_stream_progress(progress);
+  return hello;
+}
+
 TEST(DataPlaneServiceTest, SessionStatusShowsBytesPerStream) {
   auto server = Server::Start(DataPlaneOptions{}, 1 << 20);
   // Keep the session open while Status is read: run the subscriber up to its Ack by hand.
   auto sync_stub = Stub(server->address, 0);
   grpc::ClientContext ctx;
   auto sync = sync_stub->Sync(&ctx);
-  v1::SubscriberMessage hello;
-  hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
-  hello.mutable_hello()->set_max_frame_bytes(kFrame);
-  hello.mutable_hello()->add_patch_formats(1);
-  hello.mutable_hello()->set_stream_progress(true);
-  ASSERT_TRUE(sync->Write(hello));
+  ASSERT_TRUE(sync->Write(HandHello({1}, /*progress=*/true)));
   v1::PublisherMessage m;
   uint64_t received = 0;
   while (sync->Read(&m) && !m.has_end()) received += m.frame().payload().size();
@@ -225,12 +231,7 @@ TEST(DataPlaneServiceTest, PatchFormatTwoNeedsASubscriberThatAppliesIt) {
     auto sync_stub = Stub(server->address, 0);
     grpc::ClientContext ctx;
     auto sync = sync_stub->Sync(&ctx);
-    v1::SubscriberMessage hello;
-    hello.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_1);
-    hello.mutable_hello()->set_max_frame_bytes(kFrame);
-    hello.mutable_hello()->add_patch_formats(1);
-    if (lists_v2) hello.mutable_hello()->add_patch_formats(2);
-    ASSERT_TRUE(sync->Write(hello));
+    ASSERT_TRUE(sync->Write(lists_v2 ? HandHello({1, 2}, false) : HandHello({1}, false)));
     v1::PublisherMessage m;
     if (lists_v2) {
       ASSERT_TRUE(sync->Read(&m));
