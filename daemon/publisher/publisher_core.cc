@@ -913,6 +913,14 @@ PublisherCore::PublisherCore(const PublisherOptions& options)
   if (options_.patch_format_auto) chooser_ = std::make_unique<FormatChooser>(options_.format_chooser);
 }
 
+std::optional<PublisherOptions> PublisherCore::AutoFormatOptions(uint64_t version,
+                                                                 uint64_t prev_version) const {
+  if (chooser_ == nullptr || prev_version == 0) return std::nullopt;  // a first version: keyframes
+  PublisherOptions o = options_;
+  o.patch_format = chooser_->FormatFor(version);
+  return o;
+}
+
 void PublisherCore::NoteRefitLatency(uint64_t version, uint64_t micros) {
   if (chooser_ != nullptr) chooser_->Observe(version, micros);
 }
@@ -1350,12 +1358,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
   const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
                           defer_v1};
-  // codec.patch_format auto: this delta version's format, from the refits measured so far.
-  std::optional<PublisherOptions> chosen;
-  if (chooser_ != nullptr && prev_version != 0) {
-    chosen = options_;
-    chosen->patch_format = chooser_->FormatFor(version);
-  }
+  const std::optional<PublisherOptions> chosen = AutoFormatOptions(version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
   RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs, prev,

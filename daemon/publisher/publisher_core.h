@@ -541,6 +541,9 @@ class PublisherCore {
   std::unique_ptr<BaselinePersister> persister_;
   // patch_format_auto only (thread-safe itself).
   std::unique_ptr<FormatChooser> chooser_;
+  // patch_format_auto: the options delta version `version` is encoded with (the chooser's
+  // format); nullopt without auto or for a first version (keyframes only).
+  std::optional<PublisherOptions> AutoFormatOptions(uint64_t version, uint64_t prev_version) const;
 };
 
 }  // namespace refit::publisher
