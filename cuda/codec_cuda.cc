@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
+#include "daemon/codec/context_block.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_writer.h"
@@ -20,9 +21,14 @@
 namespace refit::cuda {
 namespace {
 
+using format::kContext;
 using format::kDense;
 using format::kSparse;
 using format::kUnchanged;
+
+static_assert(kern::kCtxExpClasses == kExponentClasses);
+static_assert(kern::kCtxClasses == kContextClasses);
+static_assert(kern::kCtxMaxK == kMaxGapK);
 
 static_assert(static_cast<int>(ValueCoding::kOrderedDiff) == kern::kCodingOrdered);
 static_assert(static_cast<int>(ValueCoding::kIntDiff) == kern::kCodingInt);
@@ -30,6 +36,8 @@ static_assert(static_cast<int>(ValueCoding::kRaw) == kern::kCodingRaw);
 
 constexpr size_t kDefaultDecodeScratch = size_t{512} << 20;
 constexpr uint64_t kDecodedChangeBytes = sizeof(uint32_t) + sizeof(uint64_t);
+// The format-2 encoder's scratch per change: position, rank (then gap), class.
+constexpr uint64_t kContextChangeBytes = 2 * sizeof(uint32_t) + 1;
 
 uint64_t RoundUp8(uint64_t x) { return (x + 7) & ~uint64_t{7}; }
 
@@ -62,6 +70,29 @@ T* Ptr(DeviceBuffer& b) {
   return static_cast<T*>(b.data());
 }
 
+// The kernels' copy of the dtype's class field (context_block.h ClassFieldOf).
+kern::ContextField FieldArgs(DType dtype) {
+  const ClassField cf = ClassFieldOf(dtype);
+  kern::ContextField fl;
+  fl.mask = cf.mask;
+  fl.shift = cf.shift;
+  fl.bits = cf.bits;
+  fl.is_float = cf.is_float;
+  fl.is_signed = cf.is_signed;
+  return fl;
+}
+
+// A previous-change record's words on the device: changed[], then down[].
+absl::Status UploadRecord(const ChangeRecord& r, DeviceBuffer& buf, void* stream) {
+  const uint64_t words = r.changed.size();
+  RETURN_IF_ERROR(Reserve(buf, std::max<uint64_t>(2 * words, 1) * sizeof(uint64_t)));
+  if (words == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(buf.data(), r.changed.data(), words * sizeof(uint64_t), stream));
+  return rt::CopyToDeviceAsync(Ptr<uint64_t>(buf) + words, r.down.data(), words * sizeof(uint64_t),
+                               stream);
+}
+
+
 const char* DecodeErrorText(uint32_t code) {
   switch (code) {
     case kern::kErrRunTruncated: return "truncated or oversized run length";
@@ -74,8 +105,39 @@ const char* DecodeErrorText(uint32_t code) {
     case kern::kErrExcTooLarge: return "exception magnitude too large for the dtype";
     case kern::kErrExcTruncated: return "truncated exception magnitude";
     case kern::kErrDiffRange: return "difference out of range for the dtype";
+    case kern::kErrCtxNotStream: return "not a range-coded stream (too short or bad first bytes)";
+    case kern::kErrCtxAnchorExp: return "the class anchor exceeds the dtype's exponent field";
+    case kern::kErrCtxAnchorWidth: return "the class anchor exceeds the dtype's width";
+    case kern::kErrCtxNoClass: return "no class has a change";
+    case kern::kErrCtxK: return "a class's gap parameter is out of [0, 24]";
+    case kern::kErrCtxTruncated: return "truncated stream";
+    case kern::kErrCtxGap: return "truncated or oversized gap";
+    case kern::kErrCtxMore: return "more changes than the block's count";
+    case kern::kErrCtxLastGap: return "the class's last gap runs past its elements";
+    case kern::kErrCtxEmptyClass: return "a class in the mask has no change";
+    case kern::kErrCtxFewer: return "fewer changes than the block's count";
+    case kern::kErrCtxEnd: return "the stream does not end where its last symbol does";
     default: return "unknown decoder error";
   }
+}
+
+// The decoder's message for a failed SPARSE or CONTEXT block, as codec.cc's.
+std::string DecodeFailure(const std::string& where, const kern::ApplyDesc& d,
+                          const kern::ApplyError& e) {
+  if (d.mode == kContext) {
+    const int cls = static_cast<int>(e.used) - 1;
+    return absl::StrCat(where, ", context-coded payload",
+                        cls >= 0 ? absl::StrCat(", class ", cls) : "", ", change ", e.change,
+                        " of ", d.count, " (byte ", e.bit, " of ", d.payload_bytes,
+                        "): ", DecodeErrorText(e.code));
+  }
+  if (e.code == kern::kErrBadSize) {
+    return absl::StrCat(where, ": payload has ", d.payload_bytes, " bytes but its ", d.count,
+                        " changes use ", (e.used + 7) / 8);
+  }
+  if (e.code == kern::kErrPadding) return absl::StrCat(where, ": nonzero padding bits");
+  return absl::StrCat(where, ", change ", e.change, " of ", d.count, " (bit ", e.bit, "): ",
+                      DecodeErrorText(e.code));
 }
 
 // Records device stage times when asked to.
@@ -148,7 +210,7 @@ ApplyPlan PlanApply(const PatchLayout& layout, size_t decode_limit) {
     d.kr = b.kr;
     d.ke = b.ke;
     plan.stage_total += RoundUp8(b.payload_bytes) + 8;
-    if (b.mode == kSparse) {
+    if (b.mode == kSparse || b.mode == kContext) {
       if (wave_used > 0 && wave_used + b.count > wave_changes) {
         plan.waves.emplace_back(wave_lo, descs.size());
         wave_lo = descs.size();
@@ -225,15 +287,15 @@ absl::Status DeviceBuffer::Download(std::span<uint8_t> host) const {
 absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType dtype, const void* d_base,
                                                        const void* d_target, uint64_t bytes,
                                                        const EncodeOptions& options,
-                                                       PatchStats* stats) {
+                                                       PatchStats* stats, const ChangeRecord* prev) {
   DeviceCodec codec;
-  return codec.Encode(dtype, d_base, d_target, bytes, options, stats);
+  return codec.Encode(dtype, d_base, d_target, bytes, options, stats, nullptr, prev);
 }
 
 absl::Status ApplyPatchDevice(std::span<const uint8_t> patch, DType dtype, const void* d_base,
-                              void* d_out, uint64_t bytes) {
+                              void* d_out, uint64_t bytes, const ChangeRecord* prev) {
   DeviceCodec codec;
-  return codec.Apply(patch, dtype, d_base, d_out, bytes);
+  return codec.Apply(patch, dtype, d_base, d_out, bytes, nullptr, prev);
 }
 
 absl::StatusOr<uint64_t> TensorDigestDevice(const void* d_data, uint64_t bytes) {
@@ -256,12 +318,16 @@ struct DeviceCodec::Impl {
   DeviceBuffer digest_hashes, digest_v2_sum, ap_delta;
   // Apply.
   DeviceBuffer ap_patch, ap_descs, ap_stage, ap_computed, ap_first_bad, ap_errors, ap_pos, ap_val;
+  // Format 2: the previous-change record (apply and encode), the encoder's context jobs, streams,
+  // their sizes, per-change scratch and each block's stream offset.
+  DeviceBuffer ap_prev, cx_jobs, cx_out, cx_bytes, cx_pos, cx_rank, cx_cls, cx_off;
 
   size_t ScratchBytes() const {
     size_t n = 0;
     for (const DeviceBuffer* b : {&enc_blocks, &enc_tiles, &enc_offsets, &enc_stage, &enc_out,
                                   &digest_hashes, &digest_v2_sum, &ap_delta, &ap_patch, &ap_descs, &ap_stage, &ap_computed,
-                                  &ap_first_bad, &ap_errors, &ap_pos, &ap_val}) {
+                                  &ap_first_bad, &ap_errors, &ap_pos, &ap_val, &ap_prev, &cx_jobs,
+                                  &cx_out, &cx_bytes, &cx_pos, &cx_rank, &cx_cls, &cx_off}) {
       n += b->size();
     }
     return n;
@@ -274,10 +340,21 @@ struct DeviceCodec::Impl {
                                               const EncodeOptions& options, PatchStats* stats,
                                               DeviceTimings* timings,
                                               uint64_t* digest_sum = nullptr,
-                                              void* update_base = nullptr);
+                                              void* update_base = nullptr,
+                                              const ChangeRecord* prev = nullptr);
+  // Format 2 (after analyze): context codes the changed blocks and makes those where that is
+  // smaller CONTEXT blocks, in host_blocks and on the device; sets a.ctx_out / a.ctx_off.
+  absl::Status ContextBlocks(DType dtype, const ChangeRecord* prev, kern::EncodeArgs& a,
+                             StageClock& clock);
+  // ContextBlocks' choice: every job whose stream fit and whose entry plus payload is strictly
+  // smaller than its v1 form becomes a CONTEXT block (host_blocks, then a.blocks on the device).
+  absl::Status AdoptContextBlocks(const std::vector<kern::ContextJob>& jobs,
+                                  const std::vector<uint64_t>& v1_total,
+                                  const std::vector<uint64_t>& out_bytes, kern::EncodeArgs& a);
   // digest_delta non-null: also the digest-v2 delta of what is written (LaunchApplyDigestV2Delta).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
-                     uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta = nullptr);
+                     uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta,
+                     const ChangeRecord* prev);
   absl::StatusOr<kern::ApplyArgs> ApplyArgsFor(const ApplyPlan& plan, uint64_t patch_bytes,
                                                const void* d_base, void* d_out, uint64_t bytes,
                                                DType dtype, bool want_delta);
@@ -294,12 +371,15 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Encode(DType dtype, const void
                                                          const void* d_target, uint64_t bytes,
                                                          const EncodeOptions& options,
                                                          PatchStats* stats,
-                                                         DeviceTimings* timings) {
-  return impl_->Encode(dtype, d_base, d_target, bytes, options, stats, timings);
+                                                         DeviceTimings* timings,
+                                                         const ChangeRecord* prev) {
+  return impl_->Encode(dtype, d_base, d_target, bytes, options, stats, timings, nullptr, nullptr,
+                       prev);
 }
 absl::Status DeviceCodec::Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base,
-                                void* d_out, uint64_t bytes, DeviceTimings* timings) {
-  return impl_->Apply(patch, dtype, d_base, d_out, bytes, timings);
+                                void* d_out, uint64_t bytes, DeviceTimings* timings,
+                                const ChangeRecord* prev) {
+  return impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, nullptr, prev);
 }
 absl::StatusOr<uint64_t> DeviceCodec::Digest(const void* d_data, uint64_t bytes) {
   return impl_->Digest(d_data, bytes);
@@ -307,9 +387,10 @@ absl::StatusOr<uint64_t> DeviceCodec::Digest(const void* d_data, uint64_t bytes)
 absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t> patch,
                                                          DType dtype, const void* d_base,
                                                          void* d_out, uint64_t bytes,
-                                                         DeviceTimings* timings) {
+                                                         DeviceTimings* timings,
+                                                         const ChangeRecord* prev) {
   uint64_t sum = 0;
-  RETURN_IF_ERROR(impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, &sum));
+  RETURN_IF_ERROR(impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, &sum, prev));
   return DigestV2Delta::FromSum(sum);
 }
 absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void* d_data, uint64_t bytes) {
@@ -342,11 +423,12 @@ void DeviceCodec::ReleaseScratch() {
 absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType dtype, void* d_base,
                                                        const void* d_target, uint64_t bytes,
                                                        const EncodeOptions& options,
-                                                       bool update_base, DeviceTimings* timings) {
+                                                       bool update_base, DeviceTimings* timings,
+                                                       const ChangeRecord* prev) {
   FusedEncoding out;
   uint64_t sum = 0;
   ASSIGN_OR_RETURN(out.patch, impl_->Encode(dtype, d_base, d_target, bytes, options, &out.stats,
-                                            timings, &sum, update_base ? d_base : nullptr));
+                                            timings, &sum, update_base ? d_base : nullptr, prev));
   out.digest_v2 = format::DigestV2Final(sum, bytes);
   return out;
 }
@@ -396,7 +478,7 @@ static absl::Status PlanEncodeOutput(const std::vector<kern::EncBlock>& blocks, 
     const kern::EncBlock& m = blocks[i];
     stage_off[i] = *stage_total;
     out_off[i] = *payload_total;
-    if (m.mode != kUnchanged && m.mode != kSparse && m.mode != kDense) {
+    if (m.mode != kUnchanged && m.mode != kSparse && m.mode != kDense && m.mode != kContext) {
       return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", i, " has mode ",
                                               int{m.mode}, " (kernel bug)"));
     }
@@ -410,17 +492,23 @@ static absl::Status PlanEncodeOutput(const std::vector<kern::EncBlock>& blocks, 
 absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
     const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
-    uint64_t* digest_sum, void* update_base) {
+    uint64_t* digest_sum, void* update_base, const ChangeRecord* prev) {
   RETURN_IF_ERROR(CheckDevice());
   const int log2 = options.block_log2;
-  if (options.format != 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "device encode writes patch format 1 only (format ", options.format,
-        " requested): encode format 2 on the CPU"));
-  }
   RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
+  if (options.format != 1 && options.format != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EncodePatchDevice: patch format ", options.format, " (this build writes 1 and 2)"));
+  }
   const int w = DTypeSize(dtype);
   const uint64_t n = bytes / w;
+  if (prev != nullptr && (prev->num_elements != n ||
+                          prev->changed.size() != (prev->num_elements + 63) / 64 ||
+                          prev->down.size() != prev->changed.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EncodePatchDevice: the previous-change record covers ", prev->num_elements,
+        " elements (", prev->changed.size(), " and ", prev->down.size(), " words), the tensor ", n));
+  }
   const uint64_t block = uint64_t{1} << log2;
   const uint64_t num_blocks = (n + block - 1) / block;
   const ValueCoding coding = DTypeValueCoding(dtype);
@@ -460,6 +548,7 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
       RETURN_IF_ERROR(rt::CopyToHostAsync(&host_sum, a.digest_v2_sum, sizeof host_sum, stream));
     }
     RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    if (options.format == 2) RETURN_IF_ERROR(ContextBlocks(dtype, prev, a, clock));
   }
   if (digest_sum != nullptr) *digest_sum = host_sum;
 
@@ -509,9 +598,140 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     records[i].checksum = m.checksum;
   }
   PatchStats st;
-  WritePatchHead(dtype, log2, n, records, patch, &st);
+  std::optional<uint32_t> fingerprint;
+  const bool has_context = std::any_of(records.begin(), records.end(), [](const BlockRecord& r) {
+    return r.mode == kContext;
+  });
+  if (has_context && prev != nullptr) fingerprint = prev->Fingerprint();
+  WritePatchHead(dtype, log2, n, records, patch, &st, fingerprint);
   if (stats != nullptr) *stats = st;
   return patch;
+}
+
+// Format 2's candidates [codec.cc TryContextBlock]: each changed block whose CONTEXT entry and
+// payload could be strictly smaller than its v1 form, with the capacity that leaves its stream.
+// v1_total gets each job's v1 entry plus payload bytes.
+static std::vector<kern::ContextJob> PlanContextJobs(const std::vector<kern::EncBlock>& blocks,
+                                                     uint64_t num_elements, int log2, int width,
+                                                     std::vector<uint64_t>* v1_total,
+                                                     uint64_t* out_total) {
+  std::vector<kern::ContextJob> jobs;
+  for (uint64_t b = 0; b < blocks.size(); ++b) {
+    const kern::EncBlock& m = blocks[b];
+    if (m.mode == kUnchanged || m.count == 0) continue;
+    const uint64_t len = std::min<uint64_t>(uint64_t{1} << log2, num_elements - (b << log2));
+    const uint64_t dense_bytes = len * static_cast<uint64_t>(width);
+    const uint64_t total =
+        EntryBytes(BlockRecord{m.mode, m.kg, m.kr, m.ke, m.count, 0, m.payload_bytes}) +
+        m.payload_bytes;
+    const uint64_t least_entry = EntryBytes(BlockRecord{kContext, 0, 0, 0, m.count, 0, 1});
+    if (total <= least_entry + 1) continue;
+    const uint64_t capacity = std::min(total - least_entry - 1, dense_bytes - 1);
+    if (capacity == 0) continue;
+    jobs.push_back(kern::ContextJob{b, 0, *out_total, capacity, m.count, 0});
+    v1_total->push_back(total);
+    *out_total += capacity;
+  }
+  return jobs;
+}
+
+// The jobs' scratch slots, in waves of at most `wave_changes` changes (a job always fits alone).
+static std::vector<std::pair<uint64_t, uint64_t>> PlanContextWaves(
+    std::vector<kern::ContextJob>& jobs, uint64_t wave_changes, uint64_t* max_wave) {
+  std::vector<std::pair<uint64_t, uint64_t>> waves;
+  uint64_t lo = 0, used = 0;
+  for (uint64_t j = 0; j < jobs.size(); ++j) {
+    if (used > 0 && used + jobs[j].count > wave_changes) {
+      waves.emplace_back(lo, j);
+      lo = j;
+      used = 0;
+    }
+    jobs[j].scratch_off = used;
+    used += jobs[j].count;
+    *max_wave = std::max(*max_wave, used);
+  }
+  if (lo < jobs.size()) waves.emplace_back(lo, jobs.size());
+  return waves;
+}
+
+absl::Status DeviceCodec::Impl::ContextBlocks(DType dtype, const ChangeRecord* prev,
+                                              kern::EncodeArgs& a, StageClock& clock) {
+  std::vector<uint64_t> v1_total;
+  uint64_t out_total = 0;
+  std::vector<kern::ContextJob> jobs = PlanContextJobs(host_blocks, a.num_elements,
+                                                       a.block_log2, a.width, &v1_total,
+                                                       &out_total);
+  if (jobs.empty()) return absl::OkStatus();
+  uint64_t max_wave = 0;
+  const auto waves = PlanContextWaves(
+      jobs, std::max<uint64_t>(1, decode_limit / kContextChangeBytes), &max_wave);
+  const uint64_t nj = jobs.size();
+  RETURN_IF_ERROR(Reserve(cx_jobs, nj * sizeof(kern::ContextJob)));
+  RETURN_IF_ERROR(Reserve(cx_out, std::max<uint64_t>(out_total, 8)));
+  RETURN_IF_ERROR(Reserve(cx_bytes, nj * sizeof(uint64_t)));
+  RETURN_IF_ERROR(Reserve(cx_pos, max_wave * sizeof(uint32_t)));
+  RETURN_IF_ERROR(Reserve(cx_rank, max_wave * sizeof(uint32_t)));
+  RETURN_IF_ERROR(Reserve(cx_cls, max_wave));
+  kern::ContextEncodeArgs ca;
+  ca.base = a.base;
+  ca.target = a.target;
+  ca.num_elements = a.num_elements;
+  ca.width = a.width;
+  ca.coding = a.coding;
+  ca.block_log2 = a.block_log2;
+  ca.field = FieldArgs(dtype);
+  if (prev != nullptr) {
+    RETURN_IF_ERROR(UploadRecord(*prev, ap_prev, stream));
+    ca.prev_changed = Ptr<uint64_t>(ap_prev);
+    ca.prev_down = Ptr<uint64_t>(ap_prev) + prev->changed.size();
+  }
+  ca.jobs = Ptr<kern::ContextJob>(cx_jobs);
+  ca.scratch_pos = Ptr<uint32_t>(cx_pos);
+  ca.scratch_rank = Ptr<uint32_t>(cx_rank);
+  ca.scratch_cls = Ptr<uint8_t>(cx_cls);
+  ca.out = Ptr<uint8_t>(cx_out);
+  ca.out_bytes = Ptr<uint64_t>(cx_bytes);
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(cx_jobs.data(), jobs.data(), nj * sizeof(kern::ContextJob), stream));
+  RETURN_IF_ERROR(clock.Begin("context"));
+  for (const auto& [lo, hi] : waves) {
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchContextEncode(ca, lo, hi, stream), "ContextEncodeKernel"));
+  }
+  RETURN_IF_ERROR(clock.End());
+  std::vector<uint64_t> out_bytes(nj);
+  RETURN_IF_ERROR(rt::CopyToHostAsync(out_bytes.data(), ca.out_bytes, nj * sizeof(uint64_t), stream));
+  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  return AdoptContextBlocks(jobs, v1_total, out_bytes, a);
+}
+
+absl::Status DeviceCodec::Impl::AdoptContextBlocks(const std::vector<kern::ContextJob>& jobs,
+                                                   const std::vector<uint64_t>& v1_total,
+                                                   const std::vector<uint64_t>& out_bytes,
+                                                   kern::EncodeArgs& a) {
+  std::vector<uint64_t> ctx_off(host_blocks.size(), 0);
+  bool any = false;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const uint64_t bytes = out_bytes[j];
+    if (bytes == kern::kContextCountMismatch || bytes > jobs[j].capacity) {
+      return absl::InternalError(absl::StrCat("EncodePatchDevice: block ", jobs[j].block,
+                                              ": the GPU context coder disagrees with the analysis "
+                                              "(kernel bug)"));
+    }
+    if (bytes == 0) continue;
+    const BlockRecord ctx{kContext, 0, 0, 0, jobs[j].count, 0, bytes};
+    if (EntryBytes(ctx) + bytes >= v1_total[j]) continue;
+    kern::EncBlock& m = host_blocks[jobs[j].block];
+    m = kern::EncBlock{0, bytes, jobs[j].count, 0, kContext, 0, 0, 0, 0};
+    ctx_off[jobs[j].block] = jobs[j].out_off;
+    any = true;
+  }
+  if (!any) return absl::OkStatus();
+  RETURN_IF_ERROR(Reserve(cx_off, ctx_off.size() * sizeof(uint64_t)));
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(cx_off.data(), ctx_off.data(), ctx_off.size() * sizeof(uint64_t), stream));
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(a.blocks, host_blocks.data(),
+                                        host_blocks.size() * sizeof(kern::EncBlock), stream));
+  a.ctx_out = Ptr<uint8_t>(cx_out);
+  a.ctx_off = Ptr<uint64_t>(cx_off);
+  return absl::OkStatus();
 }
 
 // ---- apply ----------------------------------------------------------------------------------------
@@ -567,6 +787,7 @@ absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan&
   a.out = d_out;
   a.width = w;
   a.coding = static_cast<int>(DTypeValueCoding(dtype));
+  a.field = FieldArgs(dtype);
   a.tensor_bytes = bytes;
   if (want_delta) {
     RETURN_IF_ERROR(Reserve(ap_delta, sizeof(unsigned long long)));
@@ -579,19 +800,14 @@ absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan&
 
 absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
                                       const void* d_base, void* d_out, uint64_t bytes,
-                                      DeviceTimings* timings, uint64_t* digest_delta) {
+                                      DeviceTimings* timings, uint64_t* digest_delta,
+                                      const ChangeRecord* prev) {
   RETURN_IF_ERROR(CheckDevice());
   // The same checks, in the same order and with the same messages, as ApplyPatch.
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
-  for (size_t i = 0; i < layout.blocks.size(); ++i) {
-    if (layout.blocks[i].mode == format::kContext) {
-      return absl::UnimplementedError(absl::StrCat(
-          "patch ", DescribeBlock(i, layout.blocks[i]),
-          " is context coded (format 2), which the device does not decode yet: apply on the CPU"));
-    }
-  }
   const int w = DTypeSize(dtype);
   ASSIGN_OR_RETURN(const bool in_place, CheckApplyPointers(d_base, d_out, bytes, w));
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
   StageClock clock(timings, stream);
 
   // Descriptors of the changed blocks; decode waves over them.
@@ -616,6 +832,11 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
 
   ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes, dtype,
                                                   digest_delta != nullptr));
+  if (record != nullptr) {
+    RETURN_IF_ERROR(UploadRecord(*record, ap_prev, stream));
+    a.prev_changed = Ptr<uint64_t>(ap_prev);
+    a.prev_down = Ptr<uint64_t>(ap_prev) + record->changed.size();
+  }
 
   unsigned long long first_bad = 0;
   // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
@@ -660,17 +881,8 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
       kern::ApplyError e{};
       RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
       const kern::ApplyDesc& d = descs[first_bad];
-      const std::string where = DescribeBlock(d.block_index, layout.blocks[d.block_index]);
-      if (e.code == kern::kErrBadSize) {
-        return absl::DataLossError(absl::StrCat("patch ", where, ": payload has ", d.payload_bytes,
-                                                " bytes but its ", d.count, " changes use ",
-                                                (e.used + 7) / 8));
-      }
-      if (e.code == kern::kErrPadding) {
-        return absl::DataLossError(absl::StrCat("patch ", where, ": nonzero padding bits"));
-      }
-      return absl::DataLossError(absl::StrCat("patch ", where, ", change ", e.change, " of ", d.count,
-                                              " (bit ", e.bit, "): ", DecodeErrorText(e.code)));
+      return absl::DataLossError(DecodeFailure(
+          absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index])), d, e));
     }
     if (digest_delta != nullptr) {  // reads the wave's old words before the write below
       RETURN_IF_ERROR(clock.Begin("digest_delta"));

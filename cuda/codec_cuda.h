@@ -96,12 +96,15 @@ class DeviceCodec {
   DeviceCodec& operator=(const DeviceCodec&) = delete;
 
   // EncodePatchDevice. `timings`, if given, receives the device time of: analyze (find changes,
-  // choose parameters), emit (write bit streams, checksums, compaction) and d2h (patch payload to
-  // the host).
+  // choose parameters), context (format 2: the context coding of the changed blocks), emit
+  // (write bit streams, checksums, compaction) and d2h (patch payload to the host). With
+  // options.format 2, `prev` (host memory; null: none) is the base's previous-change record the
+  // CONTEXT blocks are coded given, as refit::EncodeInput::prev.
   absl::StatusOr<std::vector<uint8_t>> Encode(DType dtype, const void* d_base, const void* d_target,
                                               uint64_t bytes, const EncodeOptions& options = {},
                                               PatchStats* stats = nullptr,
-                                              DeviceTimings* timings = nullptr);
+                                              DeviceTimings* timings = nullptr,
+                                              const ChangeRecord* prev = nullptr);
   // The one-pass encode (daemon/codec/fused_encode.h; CPU twin refit::EncodeFusedCpu): Encode's
   // patch and stats, plus the target's digest v2 summed from the analyze kernel's own loads, and
   // with update_base, d_base := d_target by the changed elements (SPARSE blocks in the write
@@ -110,11 +113,14 @@ class DeviceCodec {
   absl::StatusOr<FusedEncoding> EncodeFused(DType dtype, void* d_base, const void* d_target,
                                             uint64_t bytes, const EncodeOptions& options = {},
                                             bool update_base = false,
-                                            DeviceTimings* timings = nullptr);
+                                            DeviceTimings* timings = nullptr,
+                                            const ChangeRecord* prev = nullptr);
   // ApplyPatchDevice. `timings`: h2d (patch upload), verify (staging and checksums), decode and
-  // write (all waves together), copy (base to out, out of place only).
+  // write (all waves together), copy (base to out, out of place only). A conditioned format-2
+  // patch needs `prev` (host memory), as refit::ApplyPatch.
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
-                     uint64_t bytes, DeviceTimings* timings = nullptr);
+                     uint64_t bytes, DeviceTimings* timings = nullptr,
+                     const ChangeRecord* prev = nullptr);
   // TensorDigestDevice.
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
   // Apply, also returning the digest-v2 delta of what it writes: refit::ApplyPatchDigestV2's
@@ -122,15 +128,18 @@ class DeviceCodec {
   // `timings` as Apply's, plus digest_delta.
   absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                               const void* d_base, void* d_out, uint64_t bytes,
-                                              DeviceTimings* timings = nullptr);
+                                              DeviceTimings* timings = nullptr,
+                                              const ChangeRecord* prev = nullptr);
   // refit::TensorDigestV2 of `bytes` bytes of device memory (any alignment).
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
   // Copies `bytes` from d_src to d_dst (device to device, not overlapping) on the codec's stream;
   // returns the copy's device time in milliseconds (the benchmark's baseline).
   absl::StatusOr<double> DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes);
 
-  // Apply decodes SPARSE blocks in waves whose decoded changes (12 bytes each) fit this many bytes
-  // of scratch (default 512 MiB; a single block always fits: at most 2^24 changes, 192 MiB).
+  // Apply decodes SPARSE and CONTEXT blocks in waves whose decoded changes (12 bytes each) fit
+  // this many bytes of scratch (default 512 MiB; a single block always fits: at most 2^24
+  // changes, 192 MiB); the format-2 encoder codes blocks in waves of as many changes (9 bytes
+  // each).
   void set_decode_scratch_limit(size_t bytes);
   size_t scratch_bytes() const;
   void ReleaseScratch();
@@ -145,7 +154,8 @@ class DeviceCodec {
 absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType dtype, const void* d_base,
                                                        const void* d_target, uint64_t bytes,
                                                        const EncodeOptions& options = {},
-                                                       PatchStats* stats = nullptr);
+                                                       PatchStats* stats = nullptr,
+                                                       const ChangeRecord* prev = nullptr);
 
 // Applies a host `patch` to the device tensor d_base (`bytes` long), writing d_out, with
 // refit::ApplyPatch's semantics: d_out may equal d_base (in place) but must not partly overlap it;
@@ -155,7 +165,7 @@ absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType dtype, const void* 
 // out-of-place output is unspecified and the base untouched; in place, blocks before the failing
 // one may have been applied.
 absl::Status ApplyPatchDevice(std::span<const uint8_t> patch, DType dtype, const void* d_base,
-                              void* d_out, uint64_t bytes);
+                              void* d_out, uint64_t bytes, const ChangeRecord* prev = nullptr);
 
 // refit::TensorDigest of `bytes` bytes of device memory (any alignment).
 absl::StatusOr<uint64_t> TensorDigestDevice(const void* d_data, uint64_t bytes);

@@ -37,22 +37,22 @@ DeviceCodec::DeviceCodec(DeviceCodec&&) noexcept = default;
 DeviceCodec& DeviceCodec::operator=(DeviceCodec&&) noexcept = default;
 absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Encode(DType, const void*, const void*, uint64_t,
                                                          const EncodeOptions&, PatchStats*,
-                                                         DeviceTimings*) {
+                                                         DeviceTimings*, const ChangeRecord*) {
   return Unavailable();
 }
 absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType, void*, const void*, uint64_t,
                                                        const EncodeOptions&, bool,
-                                                       DeviceTimings*) {
+                                                       DeviceTimings*, const ChangeRecord*) {
   return Unavailable();
 }
 absl::Status DeviceCodec::Apply(std::span<const uint8_t>, DType, const void*, void*, uint64_t,
-                                DeviceTimings*) {
+                                DeviceTimings*, const ChangeRecord*) {
   return Unavailable();
 }
 absl::StatusOr<uint64_t> DeviceCodec::Digest(const void*, uint64_t) { return Unavailable(); }
 absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t>, DType,
                                                          const void*, void*, uint64_t,
-                                                         DeviceTimings*) {
+                                                         DeviceTimings*, const ChangeRecord*) {
   return Unavailable();
 }
 absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void*, uint64_t) { return Unavailable(); }
@@ -62,10 +62,12 @@ size_t DeviceCodec::scratch_bytes() const { return 0; }
 void DeviceCodec::ReleaseScratch() {}
 
 absl::StatusOr<std::vector<uint8_t>> EncodePatchDevice(DType, const void*, const void*, uint64_t,
-                                                       const EncodeOptions&, PatchStats*) {
+                                                       const EncodeOptions&, PatchStats*,
+                                                       const ChangeRecord*) {
   return Unavailable();
 }
-absl::Status ApplyPatchDevice(std::span<const uint8_t>, DType, const void*, void*, uint64_t) {
+absl::Status ApplyPatchDevice(std::span<const uint8_t>, DType, const void*, void*, uint64_t,
+                              const ChangeRecord*) {
   return Unavailable();
 }
 absl::StatusOr<uint64_t> TensorDigestDevice(const void*, uint64_t) { return Unavailable(); }

@@ -6,12 +6,16 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "daemon/codec/codec.h"
+#include "daemon/codec/context_block.h"
+#include "daemon/codec/patch_golden.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/digest_v2.h"
@@ -773,6 +777,259 @@ TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
     }
   }
   std::printf("corruptions rejected: %d, still valid: %d\n", rejected, accepted);
+  EXPECT_GT(rejected, 0);
+}
+
+// ---- patch format v2 (CONTEXT blocks) -------------------------------------------------------------
+
+// The CPU's format-2 patch of base -> target (given `prev` when set).
+Bytes CpuFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2, const ChangeRecord* prev,
+                   PatchStats* stats) {
+  EncodeInput in{t, a, b, prev};
+  EncodeOptions opt;
+  opt.block_log2 = block_log2;
+  opt.format = 2;
+  opt.threads = 1;
+  std::vector<PatchStats> st;
+  auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), opt, &st);
+  EXPECT_TRUE(patches.ok()) << patches.status();
+  if (!patches.ok()) return {};
+  *stats = st[0];
+  return std::move((*patches)[0]);
+}
+
+// GPU format-2 encode == CPU (stats too); GPU apply of it (out of place, in place, with the
+// digest-v2 delta) == target; the one-pass encode gives the same patch and updates the base.
+// Returns the patch's CONTEXT block count.
+uint64_t CheckFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2,
+                        const ChangeRecord* prev, DeviceCodec& codec) {
+  SCOPED_TRACE(::testing::Message() << "format 2 dtype=" << DTypeName(t) << " bytes=" << a.size()
+                                    << " block_log2=" << block_log2 << " prev=" << (prev != nullptr));
+  PatchStats cpu_stats, gpu_stats;
+  const Bytes cpu = CpuFormatTwo(t, a, b, block_log2, prev, &cpu_stats);
+  EncodeOptions opt;
+  opt.block_log2 = block_log2;
+  opt.format = 2;
+  DeviceBuffer da = Upload(a), db = Upload(b);
+  auto gpu = codec.Encode(t, da.data(), db.data(), a.size(), opt, &gpu_stats, nullptr, prev);
+  EXPECT_TRUE(gpu.ok()) << gpu.status();
+  if (!gpu.ok()) return 0;
+  EXPECT_EQ(gpu->size(), cpu.size());
+  EXPECT_EQ(FirstDiff(*gpu, cpu), -1) << "GPU format-2 patch differs from the CPU's";
+  ExpectSameStats(gpu_stats, cpu_stats);
+  EXPECT_EQ(gpu_stats.blocks_context, cpu_stats.blocks_context);
+
+  DeviceBuffer out = Upload(Bytes(a.size(), 0xAB));
+  absl::Status st = codec.Apply(cpu, t, da.data(), out.data(), a.size(), nullptr, prev);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1) << "out-of-place apply";
+  EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1) << "out-of-place apply wrote the base";
+  Bytes cpu_out(a.size());
+  auto cpu_delta = ApplyPatchDigestV2(cpu, t, a, cpu_out, 1, prev);
+  EXPECT_TRUE(cpu_delta.ok()) << cpu_delta.status();
+  DeviceBuffer dip = Upload(a);
+  auto gpu_delta = codec.ApplyDigestV2(cpu, t, dip.data(), dip.data(), a.size(), nullptr, prev);
+  EXPECT_TRUE(gpu_delta.ok()) << gpu_delta.status();
+  EXPECT_EQ(FirstDiff(Download(dip, a.size()), b), -1) << "in-place apply";
+  if (cpu_delta.ok() && gpu_delta.ok()) {
+    EXPECT_EQ(gpu_delta->ApplyTo(TensorDigestV2(a), a.size()), TensorDigestV2(b));
+  }
+
+  DeviceBuffer dup = Upload(a);
+  auto fused = codec.EncodeFused(t, dup.data(), db.data(), a.size(), opt, true, nullptr, prev);
+  EXPECT_TRUE(fused.ok()) << fused.status();
+  if (fused.ok()) {
+    EXPECT_EQ(FirstDiff(fused->patch, cpu), -1) << "one-pass format-2 patch";
+    EXPECT_EQ(fused->digest_v2, TensorDigestV2(b));
+    EXPECT_EQ(FirstDiff(Download(dup, a.size()), b), -1) << "one-pass base update";
+  }
+  return cpu_stats.blocks_context;
+}
+
+TEST(CudaCodec, FormatTwoMatchesCpuOnEveryDType) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(71);
+  DeviceCodec codec;
+  const size_t n = kEmulated ? 3000 : 200000;
+  for (DType t : kAll) {
+    uint64_t context_blocks = 0;
+    for (double p : {0.004, 0.05, 0.4, 1.0}) {
+      const Bytes a = RandomTensor(t, n, rng);
+      const Bytes b = Mutate(a, t, p, rng);
+      context_blocks += CheckFormatTwo(t, a, b, 10, nullptr, codec);
+      const Bytes c = Mutate(b, t, p, rng);
+      const ChangeRecord rec = ChangeRecord::Compare(t, a.data(), b.data(), n);
+      context_blocks += CheckFormatTwo(t, b, c, 10, &rec, codec);
+    }
+    // Every dtype but bool (raw values: its v1 form is always smaller) has CONTEXT blocks here.
+    if (t != DType::kBool) {
+      EXPECT_GT(context_blocks, 0u) << DTypeName(t) << ": v2 untested";
+    }
+  }
+}
+
+// The structure format 2 is for (Adam-like BF16 steps): most blocks are context coded, chained
+// versions conditioned on the previous change, and the sizes around a block and a word.
+TEST(CudaCodec, FormatTwoRealisticChainsMatchCpu) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(72);
+  DeviceCodec codec;
+  const size_t n = kEmulated ? (1u << 15) + 77 : (1u << 22) + 77;
+  const auto versions = testing::AdamLikeVersions(n, 0.004, 3, rng);
+  uint64_t context_blocks = 0;
+  context_blocks += CheckFormatTwo(DType::kBF16, versions[0], versions[1], 12, nullptr, codec);
+  for (int v = 1; v + 1 < static_cast<int>(versions.size()); ++v) {
+    const ChangeRecord rec =
+        ChangeRecord::Compare(DType::kBF16, versions[v - 1].data(), versions[v].data(), n);
+    context_blocks += CheckFormatTwo(DType::kBF16, versions[v], versions[v + 1], 12, &rec, codec);
+  }
+  EXPECT_GT(context_blocks, 0u) << "no block was context coded: the test checks nothing of v2";
+  for (size_t m : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{255}, size_t{257}}) {
+    const Bytes a = testing::TrainedBF16(m, rng);
+    const Bytes b = Mutate(a, DType::kBF16, 0.3, rng);
+    CheckFormatTwo(DType::kBF16, a, b, 8, nullptr, codec);
+  }
+  // Scratch waves: one job per wave.
+  DeviceCodec small;
+  small.set_decode_scratch_limit(1);
+  CheckFormatTwo(DType::kBF16, versions[0], versions[1], 10, nullptr, small);
+}
+
+TEST(CudaCodec, FormatTwoRecordErrorsMatchCpu) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(73);
+  DeviceCodec codec;
+  const size_t n = 1 << 14;
+  const auto v = testing::AdamLikeVersions(n, 0.004, 2, rng);
+  const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v[0].data(), v[1].data(), n);
+  PatchStats stats;
+  const Bytes patch = CpuFormatTwo(DType::kBF16, v[1], v[2], 12, &rec, &stats);
+  ASSERT_GT(stats.blocks_context, 0u);
+  const ChangeRecord other = ChangeRecord::Compare(DType::kBF16, v[1].data(), v[2].data(), n);
+  const ChangeRecord shorter = ChangeRecord::Compare(DType::kBF16, v[0].data(), v[1].data(), n - 64);
+  DeviceBuffer d = Upload(v[1]);
+  for (const ChangeRecord* r : {static_cast<const ChangeRecord*>(nullptr), &other, &shorter}) {
+    Bytes out = v[1];
+    const absl::Status cpu = ApplyPatch(patch, DType::kBF16, v[1], out, 1, r);
+    const absl::Status gpu = codec.Apply(patch, DType::kBF16, d.data(), d.data(), v[1].size(), nullptr, r);
+    EXPECT_EQ(gpu.code(), absl::StatusCode::kFailedPrecondition) << gpu;
+    EXPECT_EQ(gpu.code(), cpu.code());
+    EXPECT_EQ(gpu.message(), cpu.message());
+    EXPECT_EQ(FirstDiff(Download(d, v[1].size()), v[1]), -1) << "written before the check";
+  }
+  DeviceBuffer d2 = Upload(v[2]);
+  EncodeOptions opt;
+  opt.format = 2;
+  auto bad = codec.Encode(DType::kBF16, d.data(), d2.data(), v[1].size(), opt, nullptr, nullptr, &shorter);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  opt.format = 3;
+  EXPECT_EQ(codec.Encode(DType::kBF16, d.data(), d2.data(), v[1].size(), opt).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The frozen v2 vectors (daemon/codec/testdata/patch_v2_golden.txt): the GPU writes every case's
+// patch byte for byte and applies it to the case's target.
+TEST(CudaCodec, FormatTwoGoldenVectorsOnTheDevice) {
+  REQUIRE_DEVICE();
+  // The build's source tree, or (a prebuilt bundle run elsewhere: scripts/gpu-check.sh runs from
+  // the repository root) the working directory's.
+  std::ifstream in(std::string(REFIT_CODEC_TESTDATA) + "/patch_v2_golden.txt", std::ios::binary);
+  if (!in.good()) in.open("daemon/codec/testdata/patch_v2_golden.txt", std::ios::binary);
+  ASSERT_TRUE(in.good()) << "patch_v2_golden.txt not found";
+  std::stringstream text;
+  text << in.rdbuf();
+  auto cases = ParseGoldenPatches(text.str());
+  ASSERT_TRUE(cases.ok()) << cases.status();
+  ASSERT_FALSE(cases->empty());
+  DeviceCodec codec;
+  for (const GoldenPatchCase& c : *cases) {
+    SCOPED_TRACE(c.name);
+    const ChangeRecord record = c.conditioned ? GoldenRecord(c) : ChangeRecord{};
+    const ChangeRecord* prev = c.conditioned ? &record : nullptr;
+    EncodeOptions opt;
+    opt.block_log2 = c.block_log2;
+    opt.format = c.format;
+    DeviceBuffer da = Upload(c.base), db = Upload(c.target);
+    auto patch = codec.Encode(c.dtype, da.data(), db.data(), c.base.size(), opt, nullptr, nullptr, prev);
+    ASSERT_TRUE(patch.ok()) << patch.status();
+    EXPECT_EQ(FirstDiff(*patch, c.patch), -1);
+    DeviceBuffer out = Upload(Bytes(c.base.size(), 0));
+    absl::Status st = codec.Apply(c.patch, c.dtype, da.data(), out.data(), c.base.size(), nullptr, prev);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(FirstDiff(Download(out, c.base.size()), c.target), -1);
+  }
+}
+
+// Corrupted CONTEXT payloads with valid checksums: the GPU decoder rejects exactly what the CPU
+// decoder rejects, with the same message, and leaves a failing block as its base.
+TEST(CudaCodec, FormatTwoResignedGarbageMatchesCpuDecoder) {
+  REQUIRE_DEVICE();
+  std::mt19937_64 rng(74);
+  DeviceCodec codec;
+  int rejected = 0, accepted = 0;
+  for (bool conditioned : {false, true}) {
+    constexpr int kLog2 = 14;
+    const size_t block = size_t{1} << kLog2, n = 4 * block;
+    const auto v = testing::AdamLikeVersions(n, 0.004, 2, rng);
+    const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, v[0].data(), v[1].data(), n);
+    const ChangeRecord* prev = conditioned ? &rec : nullptr;
+    PatchStats stats;
+    const Bytes patch = CpuFormatTwo(DType::kBF16, v[1], v[2], kLog2, prev, &stats);
+    auto layout = ParsePatch(patch);
+    ASSERT_TRUE(layout.ok());
+    std::vector<size_t> ctx;
+    for (size_t i = 0; i < layout->blocks.size(); ++i) {
+      if (layout->blocks[i].mode == format::kContext) ctx.push_back(i);
+    }
+    ASSERT_FALSE(ctx.empty());
+    const Bytes& a = v[1];
+    const int trials = kEmulated ? 40 : 300;
+    for (int trial = 0; trial < trials; ++trial) {
+      SCOPED_TRACE(::testing::Message() << "conditioned=" << conditioned << " trial " << trial);
+      Bytes bad = patch;
+      const BlockDesc& d = layout->blocks[ctx[rng() % ctx.size()]];
+      uint8_t* p = bad.data() + d.payload_offset;
+      switch (trial % 4) {
+        case 0:
+          p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(1u << (rng() % 8));
+          break;
+        case 1:
+          for (uint64_t k = rng() % d.payload_bytes; k < d.payload_bytes; ++k) p[k] = static_cast<uint8_t>(rng());
+          break;
+        case 2:
+          std::memset(p + (trial & 4 ? 0 : 1), (trial & 8) ? 0xff : 0x00, d.payload_bytes - 1);
+          break;
+        default:
+          for (int k = 0; k < 3; ++k) p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(rng() | 1);
+          break;
+      }
+      ASSERT_TRUE(testing::ResignPatch(bad).ok());
+      Bytes cpu_out(a.size(), 0);
+      const absl::Status cpu = ApplyPatch(bad, DType::kBF16, a, cpu_out, 1, prev);
+      DeviceBuffer dbase = Upload(a), dout = Upload(Bytes(a.size(), 0));
+      const absl::Status gpu = codec.Apply(bad, DType::kBF16, dbase.data(), dout.data(), a.size(), nullptr, prev);
+      EXPECT_EQ(gpu.code(), cpu.code()) << "gpu: " << gpu << "\ncpu: " << cpu;
+      EXPECT_EQ(gpu.message(), cpu.message());
+      if (cpu.ok()) {
+        ++accepted;
+        EXPECT_EQ(FirstDiff(Download(dout, a.size()), cpu_out), -1);
+      } else {
+        ++rejected;
+      }
+      DeviceBuffer dip = Upload(a);
+      const absl::Status gip = codec.Apply(bad, DType::kBF16, dip.data(), dip.data(), a.size(), nullptr, prev);
+      EXPECT_EQ(gip.code(), cpu.code());
+      const Bytes got = Download(dip, a.size());
+      const Bytes& want = cpu.ok() ? cpu_out : v[2];
+      for (size_t blk = 0; blk < layout->blocks.size(); ++blk) {
+        const size_t off = blk * block * 2, len = block * 2;
+        const bool is_base = std::memcmp(got.data() + off, a.data() + off, len) == 0;
+        const bool is_target = std::memcmp(got.data() + off, want.data() + off, len) == 0;
+        EXPECT_TRUE(is_base || is_target) << "block " << blk << " partly applied";
+      }
+    }
+  }
+  std::printf("context corruptions rejected: %d, still valid: %d\n", rejected, accepted);
   EXPECT_GT(rejected, 0);
 }
 

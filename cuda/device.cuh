@@ -57,6 +57,7 @@ REFIT_DEV T ShflDown(T v, int delta) {
 REFIT_DEV int Clz64(uint64_t x) { return x == 0 ? 64 : __builtin_clzll(x); }
 REFIT_DEV int Clz32(uint32_t x) { return x == 0 ? 32 : __builtin_clz(x); }
 REFIT_DEV int Popc32(uint32_t x) { return __builtin_popcount(x); }
+REFIT_DEV int Popc64(uint64_t x) { return __builtin_popcountll(x); }
 // Emulated blocks run on one host thread, one emulated thread at a time: plain read-modify-write
 // is atomic with respect to every other emulated thread.
 REFIT_DEV void AtomicOr32(uint32_t* p, uint32_t v) { *p |= v; }
@@ -99,6 +100,7 @@ REFIT_DEV T ShflDown(T v, int delta) {
 REFIT_DEV int Clz64(uint64_t x) { return __clzll(static_cast<long long>(x)); }  // 64 for 0
 REFIT_DEV int Clz32(uint32_t x) { return __clz(static_cast<int>(x)); }          // 32 for 0
 REFIT_DEV int Popc32(uint32_t x) { return __popc(x); }
+REFIT_DEV int Popc64(uint64_t x) { return __popcll(static_cast<unsigned long long>(x)); }
 REFIT_DEV void AtomicOr32(uint32_t* p, uint32_t v) { atomicOr(p, v); }
 REFIT_DEV void AtomicAdd64(unsigned long long* p, unsigned long long v) { atomicAdd(p, v); }
 REFIT_DEV void AtomicMin64(unsigned long long* p, unsigned long long v) { atomicMin(p, v); }

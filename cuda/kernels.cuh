@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/context.cuh"
 #include "cuda/device.cuh"
 #include "cuda/kernels.h"
 #include "daemon/codec/format.h"
@@ -634,6 +635,7 @@ REFIT_DEV uint64_t BlockHash64(const uint8_t* p, uint64_t n, uint64_t seed, uint
 
 REFIT_DEV const uint8_t* EncPayloadSource(const EncodeArgs& a, uint64_t b, const EncBlock& m) {
   if (m.mode == f::kSparse) return a.stage + a.stage_off[b];
+  if (m.mode == f::kContext) return a.ctx_out + a.ctx_off[b];
   return static_cast<const uint8_t*>(a.target) + (b << a.block_log2) * static_cast<uint64_t>(a.width);
 }
 
@@ -664,6 +666,18 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeCompactKernel(EncodeArgs a
     return;
   }
   for (uint64_t k = ThreadIndex(); k < m.payload_bytes; k += kThreads) dst[k] = src[k];
+  if (m.mode == f::kContext && a.update_base != nullptr) {
+    // The one pass's baseline update of a CONTEXT block: the bytes that differ from the target.
+    const uint64_t first_byte = (b << a.block_log2) * static_cast<uint64_t>(a.width);
+    const uint64_t len = Min64(uint64_t{1} << a.block_log2, a.num_elements - (b << a.block_log2)) *
+                         static_cast<uint64_t>(a.width);
+    uint8_t* const up = static_cast<uint8_t*>(a.update_base) + first_byte;
+    const uint8_t* const tg = static_cast<const uint8_t*>(a.target) + first_byte;
+    for (uint64_t k = ThreadIndex(); k < len; k += kThreads) {
+      const uint8_t v = tg[k];
+      if (up[k] != v) up[k] = v;
+    }
+  }
 }
 
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads)
@@ -883,11 +897,26 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kDecodeThreads) ApplyDecodeKernel(ApplyArg
   const uint64_t i = lo + dev::BlockIndex() * kDecodeThreads + ThreadIndex();
   if (i >= hi) return;
   const ApplyDesc d = a.descs[i];
-  if (d.mode != f::kSparse) return;
   const T* base = static_cast<const T*>(a.base) + d.first_element;
   ApplyError err{};
-  const uint32_t code = DecodeSparseDevice<T, kCoding>(d, a.stage + d.stage_off, base, a.scratch_pos + d.scratch_off,
-                                                       a.scratch_val + d.scratch_off, &err);
+  uint32_t code;
+  if (d.mode == f::kContext) {
+    const uint64_t w0 = d.first_element / 64;  // a multiple of 64: block starts are
+    const uint64_t* pc = a.prev_changed != nullptr ? a.prev_changed + w0 : nullptr;
+    const uint64_t* pd = a.prev_down != nullptr ? a.prev_down + w0 : nullptr;
+    ctx::DecodeAt at;
+    uint64_t consumed = 0;
+    code = ctx::DecodeContextBlock<T, kCoding>(a.stage + d.stage_off, d.payload_bytes, base,
+                                               d.num_elements, d.count, a.field, pc, pd,
+                                               a.scratch_pos + d.scratch_off,
+                                               a.scratch_val + d.scratch_off, &at, &consumed);
+    err = ApplyError{code, at.decoded, consumed, static_cast<uint64_t>(at.cls + 1)};
+  } else if (d.mode == f::kSparse) {
+    code = DecodeSparseDevice<T, kCoding>(d, a.stage + d.stage_off, base, a.scratch_pos + d.scratch_off,
+                                          a.scratch_val + d.scratch_off, &err);
+  } else {
+    return;
+  }
   if (code != kErrNone) {
     a.errors[i] = err;
     dev::AtomicMin64(a.first_bad, i);
@@ -983,6 +1012,42 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) ApplyDigestV2DeltaKernel(ApplyAr
   }
   acc = BlockSum64(acc, s_part);
   if (tid == 0) dev::AtomicAdd64(a.digest_delta, acc);
+}
+
+// ---- format 2: context-coded blocks ----------------------------------------------------------------
+
+// [codec.cc TryContextBlock, context_block.cc EncodeContextBlock] One job per thread: the block's
+// anchor, its changes ranked in stream order (scratch), their gaps, then the stream.
+template <typename T, int kCoding>
+REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kDecodeThreads)
+    ContextEncodeKernel(ContextEncodeArgs a, uint64_t lo, uint64_t hi) {
+  const uint64_t i = lo + dev::BlockIndex() * kDecodeThreads + ThreadIndex();
+  if (i >= hi) return;
+  const ContextJob job = a.jobs[i];
+  const uint64_t first = job.block << a.block_log2;
+  const uint32_t len =
+      static_cast<uint32_t>(Min64(uint64_t{1} << a.block_log2, a.num_elements - first));
+  const T* base = static_cast<const T*>(a.base) + first;
+  const T* target = static_cast<const T*>(a.target) + first;
+  const uint64_t* pc = a.prev_changed != nullptr ? a.prev_changed + first / 64 : nullptr;
+  const uint64_t* pd = a.prev_down != nullptr ? a.prev_down + first / 64 : nullptr;
+  uint32_t* s_pos = a.scratch_pos + job.scratch_off;
+  uint32_t* s_rank = a.scratch_rank + job.scratch_off;
+  uint8_t* s_cls = a.scratch_cls + job.scratch_off;
+  ctx::WordScan<T> scan{base, pc, len, ctx::MaxField(a.field, base, len), a.field, {}, 0};
+  ctx::ClassTotals ct;
+  const uint32_t n = ctx::RankChanges(scan, target, job.count, s_pos, s_rank, s_cls, &ct);
+  if (n != job.count) {
+    a.out_bytes[i] = kContextCountMismatch;
+    return;
+  }
+  uint64_t first_gap[ctx::kClasses];
+  if (!ctx::GapsFromRanks(n, s_cls, s_rank, ct, first_gap)) {
+    a.out_bytes[i] = 0;
+    return;
+  }
+  a.out_bytes[i] = ctx::EmitStream<T, kCoding>(scan, pd, target, n, s_pos, s_rank, s_cls, ct,
+                                               first_gap, a.out + job.out_off, job.capacity);
 }
 
 // ---- launch wrappers ------------------------------------------------------------------------------
@@ -1085,6 +1150,14 @@ int LaunchApplyWrite(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream)
   if (hi <= lo) return 0;
   return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
     return Launch(&ApplyWriteKernel<T, C>, hi - lo, kThreads, stream, a, lo);
+  });
+}
+
+int LaunchContextEncode(const ContextEncodeArgs& a, uint64_t lo, uint64_t hi, void* stream) {
+  if (hi <= lo) return 0;
+  const uint64_t grid = (hi - lo + kDecodeThreads - 1) / kDecodeThreads;
+  return DispatchType(a.width, a.coding, [&]<typename T, int C>() {
+    return Launch(&ContextEncodeKernel<T, C>, grid, kDecodeThreads, stream, a, lo, hi);
   });
 }
 

@@ -29,6 +29,22 @@ inline constexpr int kCodingOrdered = 0;
 inline constexpr int kCodingInt = 1;
 inline constexpr int kCodingRaw = 2;
 
+// Patch format v2's CONTEXT blocks: refit::kExponentClasses, kContextClasses and kMaxGapK
+// (context_block.h; static_assert in codec_cuda.cc).
+inline constexpr int kCtxExpClasses = 16;
+inline constexpr int kCtxClasses = 32;
+inline constexpr int kCtxMaxK = 24;
+
+// Patch format v2's CONTEXT blocks: the field an element's class is counted from, as numbers
+// (refit::ClassFieldOf(dtype), daemon/codec/context_block.h; copied by codec_cuda.cc).
+struct ContextField {
+  uint64_t mask = 0;
+  int shift = 0;
+  int bits = 0;
+  bool is_float = false;
+  bool is_signed = false;
+};
+
 // ---- encoder ------------------------------------------------------------------------------------
 
 // Per codec block, written by the analyze kernel (all but checksum/error), the checksum kernel
@@ -68,15 +84,56 @@ struct EncodeArgs {
   const uint64_t* out_off = nullptr;    // byte offset of the block's payload in out
   uint8_t* stage = nullptr;             // zeroed before the write kernel
   uint8_t* out = nullptr;               // all payloads, concatenated in block order
+  // Format 2: blocks the host set to CONTEXT take their payload from ctx_out + ctx_off[block].
+  const uint8_t* ctx_out = nullptr;
+  const uint64_t* ctx_off = nullptr;
   // The one-pass extras (DeviceCodec::EncodeFused); null = the plain encode.
   // The analyze kernel adds, per thread block, the sum of DigestV2Mix(i, w_i) over the target
   // words whose first byte lies in the block (from the same loads the change scan uses).
   unsigned long long* digest_v2_sum = nullptr;
   // Equal to base when set: the write kernel (SPARSE blocks, each thread its own changed
   // elements right after loading them) and the compact kernel (DENSE blocks, while copying the
-  // target's payload) write the target's values over base. Nothing reads base after them.
+  // target's payload; CONTEXT blocks, the elements that differ) write the target's values over
+  // base. Nothing reads base after them.
   void* update_base = nullptr;
 };
+
+// Format 2: one codec block's context coding (the host lists the blocks with changes whose
+// CONTEXT form could be smaller than their v1 form). [codec.cc TryContextBlock]
+struct ContextJob {
+  uint64_t block;        // codec block index
+  uint64_t scratch_off;  // its first change's slot in the wave's scratch
+  uint64_t out_off;      // where its stream goes in ContextEncodeArgs::out
+  uint64_t capacity;     // the bytes the stream may take (it is dropped if longer)
+  uint32_t count;        // the block's changed elements (the analyze kernel's count)
+  uint32_t pad;
+};
+static_assert(sizeof(ContextJob) == 40, "ContextJob layout");
+
+struct ContextEncodeArgs {
+  const void* base = nullptr;    // device, num_elements * width bytes
+  const void* target = nullptr;  // device, same
+  uint64_t num_elements = 0;
+  int width = 0;
+  int coding = 0;
+  int block_log2 = 0;
+  ContextField field;
+  const uint64_t* prev_changed = nullptr;  // the whole tensor's previous-change record, or null
+  const uint64_t* prev_down = nullptr;
+  const ContextJob* jobs = nullptr;
+  // Per change of a wave: its position, its rank (then gap) and its class.
+  uint32_t* scratch_pos = nullptr;
+  uint32_t* scratch_rank = nullptr;
+  uint8_t* scratch_cls = nullptr;
+  uint8_t* out = nullptr;
+  // Per job: the stream's bytes; 0: it did not fit its capacity; kContextCountMismatch: the block
+  // has another number of changes than its count (a bug).
+  uint64_t* out_bytes = nullptr;
+};
+inline constexpr uint64_t kContextCountMismatch = ~uint64_t{0};
+
+// Codes jobs [lo, hi), one thread each.
+int LaunchContextEncode(const ContextEncodeArgs& a, uint64_t lo, uint64_t hi, void* stream);
 
 // Finds each block's changes, chooses kg/kr/ke and the mode, fills blocks[] and tiles[].
 int LaunchEncodeAnalyze(const EncodeArgs& a, void* stream);
@@ -142,6 +199,21 @@ enum ApplyErrorCode : uint32_t {
   kErrDiffRange = 10,        // "difference out of range for the dtype"
   kErrBadSize = 11,          // payload size != bits used
   kErrPadding = 12,          // nonzero padding bits
+  // CONTEXT blocks (context_block.cc's messages; ApplyError.change = changes decoded before the
+  // failing 64-element word, .bit = bytes the range decoder had consumed, .used = class + 1 or 0).
+  kErrCtxNotStream = 13,     // "not a range-coded stream (too short or bad first bytes)"
+  kErrCtxAnchorExp = 14,     // "the class anchor exceeds the dtype's exponent field"
+  kErrCtxAnchorWidth = 15,   // "the class anchor exceeds the dtype's width"
+  kErrCtxNoClass = 16,       // "no class has a change"
+  kErrCtxK = 17,             // "a class's gap parameter is out of [0, 24]"
+  kErrCtxTruncated = 18,     // "truncated stream"
+  kErrCtxGap = 19,           // "truncated or oversized gap"
+  kErrCtxMore = 20,          // "more changes than the block's count"
+  kErrCtxLastGap = 21,       // "the class's last gap runs past its elements"
+  kErrCtxEmptyClass = 22,    // "a class in the mask has no change"
+  kErrCtxFewer = 23,         // "fewer changes than the block's count"
+  kErrCtxEnd = 24,           // "the stream does not end where its last symbol does"
+  // (kErrRawEqualsBase and kErrDiffRange are shared with SPARSE blocks.)
 };
 
 struct ApplyArgs {
@@ -158,6 +230,11 @@ struct ApplyArgs {
   void* out = nullptr;  // may equal base; otherwise holds a copy of base already
   int width = 0;
   int coding = 0;
+  // CONTEXT blocks: the class field, and for a conditioned patch the previous-change record of
+  // the whole tensor (ChangeRecord's words; null: not conditioned).
+  ContextField field;
+  const uint64_t* prev_changed = nullptr;
+  const uint64_t* prev_down = nullptr;
   // Digest v2 delta (LaunchApplyDigestV2Delta only): the tensor's length and the accumulator.
   uint64_t tensor_bytes = 0;
   unsigned long long* digest_delta = nullptr;
@@ -167,7 +244,7 @@ struct ApplyArgs {
 int LaunchApplyStage(const ApplyArgs& a, void* stream);
 // Checksums every staged payload; mismatches lower *first_bad.
 int LaunchApplyVerify(const ApplyArgs& a, void* stream);
-// Decodes and validates the SPARSE descriptors in [lo, hi) into the scratch arrays; failures fill
+// Decodes and validates the SPARSE and CONTEXT descriptors in [lo, hi) into the scratch arrays; failures fill
 // errors[d] and lower *first_bad. Writes nothing else.
 int LaunchApplyDecode(const ApplyArgs& a, uint64_t lo, uint64_t hi, void* stream);
 // Writes descriptors [lo, hi) into out (DENSE: payload; SPARSE: the decoded changes).

@@ -20,7 +20,14 @@
 namespace refit::e2e {
 namespace {
 
-class E2EEmulatedGpu : public E2ETest, public ::testing::WithParamInterface<const char*> {
+// The GPU baseline kind, and the patch format the publisher writes (format 2: the CONTEXT kernels
+// on both sides).
+struct GpuCase {
+  const char* baseline;
+  const char* patch_format;
+};
+
+class E2EEmulatedGpu : public E2ETest, public ::testing::WithParamInterface<GpuCase> {
  protected:
   void SetUp() override {
     E2ETest::SetUp();
@@ -34,13 +41,15 @@ class E2EEmulatedGpu : public E2ETest, public ::testing::WithParamInterface<cons
 };
 
 TEST_P(E2EEmulatedGpu, GpuEncodeGpuStoresAndAPeerBootstrapBitExact) {
-  const std::string baseline = GetParam();
+  const std::string baseline = GetParam().baseline;
+  const std::string patch_format = GetParam().patch_format;
   absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(44);
   ASSERT_TRUE(traj.ok()) << traj.status();
 
   PublisherSpec ps;
   ps.codec_device = "cuda";
-  ps.extra = absl::StrCat("    gpu_baseline: ", baseline, "\n");  // continues the codec block
+  // Continues the codec block.
+  ps.extra = absl::StrCat("    gpu_baseline: ", baseline, "\n    patch_format: ", patch_format, "\n");
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
   SubscriberSpec peer_spec;
@@ -88,13 +97,20 @@ TEST_P(E2EEmulatedGpu, GpuEncodeGpuStoresAndAPeerBootstrapBitExact) {
   // The work really ran on the (emulated) GPU.
   const std::string pub_log = pub.LogTail(400);
   EXPECT_TRUE(absl::StrContains(pub_log, "encoding on refit CPU emulator")) << pub_log;
+  EXPECT_TRUE(absl::StrContains(pub_log, patch_format == "v2" ? "patch format 2" : "patch format 1"))
+      << pub_log;
   for (DaemonProcess* sub : {&peer, &late}) {
     const std::string log = sub->LogTail(400);
     EXPECT_TRUE(absl::StrContains(log, "tensor store on refit CPU emulator")) << log;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Baselines, E2EEmulatedGpu, ::testing::Values("device", "pinned"));
+INSTANTIATE_TEST_SUITE_P(Baselines, E2EEmulatedGpu,
+                         ::testing::Values(GpuCase{"device", "v1"}, GpuCase{"pinned", "v1"},
+                                           GpuCase{"device", "v2"}),
+                         [](const ::testing::TestParamInfo<GpuCase>& i) {
+                           return absl::StrCat(i.param.baseline, "_", i.param.patch_format);
+                         });
 
 }  // namespace
 }  // namespace refit::e2e

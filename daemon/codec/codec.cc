@@ -1339,29 +1339,6 @@ absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
   }
 }
 
-// The record a patch's CONTEXT blocks decode with: null unless the patch is conditioned, then
-// `prev`, which must be the record the patch names (FailedPrecondition otherwise).
-absl::StatusOr<const ChangeRecord*> RecordFor(const PatchLayout& layout, const ChangeRecord* prev) {
-  if (!layout.conditioned) return nullptr;
-  if (prev == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "patch is coded given the previous-change record with fingerprint ",
-        layout.prev_fingerprint, ", and none was given"));
-  }
-  if (prev->num_elements != layout.num_elements) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "previous-change record covers ", prev->num_elements, " elements, the patch ",
-        layout.num_elements));
-  }
-  const uint32_t fp = prev->Fingerprint();
-  if (fp != layout.prev_fingerprint) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "patch is coded given the previous-change record with fingerprint ",
-        layout.prev_fingerprint, ", the one given has ", fp));
-  }
-  return prev;
-}
-
 // ApplyPatch's checks of the output buffer against the base; `who` names the caller.
 absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uint8_t> base,
                                std::span<const uint8_t> out) {
@@ -1963,11 +1940,32 @@ absl::StatusOr<Prepared> Prepare(const char* who, std::span<const uint8_t> patch
   Prepared p;
   ASSIGN_OR_RETURN(p.layout, ParsePatchFor(patch, dtype, base.size()));
   RETURN_IF_ERROR(CheckApplyBuffers(who, dtype, base, out));
-  ASSIGN_OR_RETURN(p.record, RecordFor(p.layout, prev));
+  ASSIGN_OR_RETURN(p.record, RecordForPatch(p.layout, prev));
   return p;
 }
 
 }  // namespace
+
+absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout, const ChangeRecord* prev) {
+  if (!layout.conditioned) return nullptr;
+  if (prev == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is coded given the previous-change record with fingerprint ",
+        layout.prev_fingerprint, ", and none was given"));
+  }
+  if (prev->num_elements != layout.num_elements) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "previous-change record covers ", prev->num_elements, " elements, the patch ",
+        layout.num_elements));
+  }
+  const uint32_t fp = prev->Fingerprint();
+  if (fp != layout.prev_fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is coded given the previous-change record with fingerprint ",
+        layout.prev_fingerprint, ", the one given has ", fp));
+  }
+  return prev;
+}
 
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads, const ChangeRecord* prev) {

@@ -153,6 +153,12 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch);
 absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType dtype,
                                           uint64_t tensor_bytes);
 
+// The previous-change record a parsed patch's CONTEXT blocks decode with: null unless the patch is
+// conditioned, then `prev`, which must cover the patch's elements and have the fingerprint the
+// patch names (FailedPrecondition otherwise, saying which). Every apply path (CPU, GPU) checks it.
+absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout,
+                                                   const ChangeRecord* prev);
+
 // Applies `patch` to `base`, writing the target into `out` (same size as base). `out` may be the
 // same memory as `base` (in place); otherwise base is never written. The patch must be for
 // `dtype` and base's element count. Every block checksum is verified before anything is written;

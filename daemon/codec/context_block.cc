@@ -28,19 +28,8 @@
 #endif
 
 namespace refit {
-namespace {
 
-// The exponent-like field E(x) a class is counted from: the biased exponent of floating-point
-// types, the bit length of the magnitude of integers (of x for unsigned types and bool).
-struct ClassField {
-  bool is_float = true;
-  bool is_signed = false;
-  int shift = 0;
-  uint64_t mask = 0;
-  int bits = 16;
-};
-
-ClassField FieldOf(DType t) {
+ClassField ClassFieldOf(DType t) {
   ClassField f;
   f.bits = 8 * DTypeSize(t);
   switch (t) {
@@ -57,6 +46,8 @@ ClassField FieldOf(DType t) {
   }
   return f;
 }
+
+namespace {
 
 inline uint32_t FieldValue(const ClassField& f, uint64_t x) {
   if (f.is_float) return static_cast<uint32_t>((x >> f.shift) & f.mask);
@@ -208,7 +199,7 @@ void SplitByPrev(const PrevSigns* prev, uint32_t len, std::vector<uint8_t>& cls)
   }
 }
 
-constexpr int kMaxK = 24;
+constexpr int kMaxK = kMaxGapK;
 
 int ChooseK(uint64_t total_gap, uint64_t gaps) {
   const uint64_t scaled = (total_gap / gaps) * 45426 / 65536;
@@ -704,7 +695,7 @@ ScanSetup SetupOf(DType dtype, const uint8_t* base, uint32_t len, const PrevSign
                   ContextScratch& s) {
   ScanSetup ss;
   ss.dtype = dtype;
-  ss.f = FieldOf(dtype);
+  ss.f = ClassFieldOf(dtype);
   ss.width = DTypeSize(dtype);
   ss.base = base;
   ss.len = len;

@@ -34,6 +34,21 @@ inline constexpr uint64_t kRecordSeed = 0x5265666974526563ull;  // "RefitRec"
 // Exponent classes, each split by whether the element changed in the previous version (+16).
 inline constexpr int kContextClasses = 2 * kExponentClasses;
 
+// The field E(x) an element's class is counted from: the biased exponent (x >> shift) & mask of
+// floating-point dtypes; the bit length of the magnitude of signed integers, of the value of
+// unsigned ones and bool. (The CUDA kernels take these numbers from the host.)
+struct ClassField {
+  bool is_float = true;
+  bool is_signed = false;
+  int shift = 0;
+  uint64_t mask = 0;
+  int bits = 16;  // the dtype's width in bits
+};
+ClassField ClassFieldOf(DType t);
+
+// The largest gap parameter k a class's header may carry.
+inline constexpr int kMaxGapK = 24;
+
 // The previous version's change at each element of one block, as a view into a ChangeRecord:
 // bit i of changed[i / 64] says element i of the block changed, the same bit of down[] that its
 // difference was negative; `words` words of each are readable. Null: not known.

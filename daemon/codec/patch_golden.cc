@@ -1,5 +1,6 @@
 #include "daemon/codec/patch_golden.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -7,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "daemon/codec/context_block.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
@@ -134,7 +136,140 @@ GoldenPatchCase SpecialValues() {
   return Case("bf16_special_values", DType::kBF16, 8, base, target);
 }
 
+// Weights like a trained layer's (about normal, sigma 0.02; BF16 by truncation), from SplitMix.
+std::vector<uint8_t> TrainedLike(size_t n, SplitMix& rng) {
+  std::vector<uint8_t> out(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    double u = 0;
+    for (int k = 0; k < 4; ++k) u += static_cast<double>(rng.Below(1u << 20)) / (1u << 20) - 0.5;
+    const float x = static_cast<float>(u * 0.035);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &x, 4);
+    Store(out, i, 2, bits >> 16);
+  }
+  return out;
+}
+
+// One Adam-like step of BF16 weights `t`: an element moves by one ULP (one in 16 by 2-4), more
+// often the smaller it is; one that moved in the previous step (`last`: +1, -1, 0) moves again the
+// same way one time in three.
+void AdamStep(std::vector<uint8_t>& t, std::vector<int8_t>& last, SplitMix& rng) {
+  for (size_t i = 0; i < last.size(); ++i) {
+    const int e = static_cast<int>((Load(t, i, 2) >> 7) & 0xFF);
+    int8_t dir = 0;
+    if (last[i] != 0 && rng.Below(3) == 0) {
+      dir = last[i];
+    } else if (rng.Below(uint64_t{2} << std::clamp(e - 116, 0, 12)) == 0) {
+      dir = rng.Below(2) == 0 ? 1 : -1;
+    }
+    if (dir != 0) {
+      const int64_t steps = rng.Below(16) == 0 ? static_cast<int64_t>(2 + rng.Below(3)) : 1;
+      Move(DType::kBF16, t, i, dir * steps);
+    }
+    last[i] = dir;
+  }
+}
+
+// before -> base -> target: Adam-like steps from trained-like weights.
+GoldenPatchCase AdamCase(std::string name, size_t n, int block_log2, bool conditioned,
+                         SplitMix& rng) {
+  std::vector<int8_t> last(n, 0);
+  std::vector<uint8_t> before = TrainedLike(n, rng);
+  std::vector<uint8_t> base = before;
+  AdamStep(base, last, rng);
+  std::vector<uint8_t> target = base;
+  AdamStep(target, last, rng);
+  GoldenPatchCase c = Case(std::move(name), DType::kBF16, block_log2, std::move(base),
+                           std::move(target));
+  c.format = 2;
+  c.conditioned = conditioned;
+  if (conditioned) c.before = std::move(before);
+  return c;
+}
+
+// Elements of many magnitudes (floats: the 16 exponents below the largest finite one; integers:
+// the value's bits shifted right by 0 .. bits-1, so the bit length spreads over its range), and a change that moves small elements often (one in 2) and
+// large ones rarely (one in 1000), by one step: the structure context coding conditions on, in
+// any dtype. Bool: random values, one in 5 flips.
+void StructuredPair(DType dtype, size_t n, SplitMix& rng, std::vector<uint8_t>* base,
+                    std::vector<uint8_t>* target) {
+  const int w = DTypeSize(dtype);
+  const int bits = 8 * w;
+  base->assign(n * static_cast<size_t>(w), 0);
+  const ClassField f = ClassFieldOf(dtype);
+  std::vector<bool> small(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t x = 0;
+    if (f.is_float) {  // exponents within the 16 classes below the largest finite one
+      const uint64_t kmax = std::min<uint64_t>(15, f.mask - 1);
+      const uint64_t k = rng.Below(kmax + 1);
+      small[i] = k > kmax / 2;
+      x = ((f.mask - 1 - k) << f.shift) | (rng.Next() & ((uint64_t{1} << f.shift) - 1)) |
+          ((rng.Next() & 1) << (bits - 1));
+    } else {
+      const int shift = static_cast<int>(rng.Below(static_cast<uint64_t>(bits)));
+      small[i] = shift >= bits / 2;
+      x = (rng.Next() & format::WidthMask(bits)) >> shift;
+    }
+    Store(*base, i, w, dtype == DType::kBool ? (x & 1) : x);
+  }
+  *target = *base;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t every = dtype == DType::kBool ? 5 : small[i] ? 2 : 1000;
+    if (rng.Below(every) == 0) Move(dtype, *target, i, rng.Below(2) == 0 ? 1 : -1);
+  }
+}
+
 }  // namespace
+
+ChangeRecord GoldenRecord(const GoldenPatchCase& c) {
+  return ChangeRecord::Compare(c.dtype, c.before.data(), c.base.data(),
+                               c.base.size() / static_cast<size_t>(DTypeSize(c.dtype)));
+}
+
+std::vector<GoldenPatchCase> GoldenPatchInputsV2() {
+  SplitMix rng(0x5265666974503247ull);  // "RefitP2G"
+  std::vector<GoldenPatchCase> out;
+  // Every dtype: one block of 1024 (bool: format 2 writes its v1 form).
+  for (uint8_t code = 1; IsValidDType(code); ++code) {
+    const DType t = static_cast<DType>(code);
+    std::vector<uint8_t> base, target;
+    StructuredPair(t, 1024, rng, &base, &target);
+    GoldenPatchCase c = Case(absl::StrCat("v2_", DTypeName(t)), t, 10, std::move(base),
+                             std::move(target));
+    c.format = 2;
+    out.push_back(std::move(c));
+  }
+  // The structure format 2 is for, with and without the previous-change record, and at the
+  // default block size.
+  out.push_back(AdamCase("bf16_adam", 4096, 12, false, rng));
+  out.push_back(AdamCase("bf16_adam_conditioned", 2 * 2048, 11, true, rng));
+  out.push_back(AdamCase("bf16_adam_conditioned_default_block", 5000, format::kDefaultBlockLog2,
+                         true, rng));
+  {  // special values inside a context-coded block: -0 -> +0, +max -> +inf, +inf -> NaN, NaN
+     // payloads, a denormal -> 0, -inf -> -max, a sign change by many steps
+    GoldenPatchCase c = AdamCase("bf16_special_values_v2", 2048, 11, true, rng);
+    const uint16_t from[] = {0x8000, 0x7f7f, 0x7f80, 0x7fc0, 0x0001, 0xff80, 0x3f80, 0xffff};
+    const uint16_t to[] = {0x0000, 0x7f80, 0x7fc0, 0x7fc1, 0x0000, 0xff7f, 0xbf80, 0x7fff};
+    for (size_t k = 0; k < 8; ++k) {
+      Store(c.base, 100 + 211 * k, 2, from[k]);
+      Store(c.target, 100 + 211 * k, 2, to[k]);
+    }
+    out.push_back(std::move(c));
+  }
+  {  // every mode in one patch: CONTEXT, UNCHANGED, DENSE (new values), SPARSE (two moves)
+    constexpr size_t kBlock = 2048;
+    GoldenPatchCase c = AdamCase("bf16_all_modes_v2", 4 * kBlock, 11, true, rng);
+    // Blocks 1-3 start as the base (block 0 keeps its Adam step), then block 2 gets new values
+    // and block 3 two moves.
+    std::copy(c.base.begin() + 2 * kBlock, c.base.end(), c.target.begin() + 2 * kBlock);
+    for (size_t i = 2 * kBlock; i < 3 * kBlock; ++i) Store(c.target, i, 2, rng.Next() & 0xFFFF);
+    Move(DType::kBF16, c.target, 3 * kBlock + 5, 1);
+    Move(DType::kBF16, c.target, 3 * kBlock + 1500, -1);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
 
 std::vector<GoldenPatchCase> GoldenPatchInputs() {
   SplitMix rng(0x5265666974503147ull);  // "RefitP1G"
@@ -189,7 +324,10 @@ std::vector<GoldenPatchCase> GoldenPatchInputs() {
 std::string BlockModes(const PatchLayout& layout) {
   std::string out;
   for (const BlockDesc& b : layout.blocks) {
-    out.push_back(b.mode == format::kUnchanged ? 'U' : b.mode == format::kSparse ? 'S' : 'D');
+    out.push_back(b.mode == format::kUnchanged ? 'U'
+                  : b.mode == format::kSparse  ? 'S'
+                  : b.mode == format::kDense   ? 'D'
+                                               : 'C');
   }
   return out;
 }
@@ -198,9 +336,13 @@ absl::Status CompleteGoldenCase(GoldenPatchCase& c) {
   EncodeOptions opts;
   opts.block_log2 = c.block_log2;
   opts.threads = 1;
-  absl::StatusOr<std::vector<uint8_t>> patch = EncodePatch(c.dtype, c.base, c.target, opts);
+  opts.format = c.format;
+  const ChangeRecord record = c.conditioned ? GoldenRecord(c) : ChangeRecord{};
+  const EncodeInput in{c.dtype, c.base, c.target, c.conditioned ? &record : nullptr};
+  absl::StatusOr<std::vector<std::vector<uint8_t>>> patch =
+      EncodePatches(std::span<const EncodeInput>(&in, 1), opts);
   if (!patch.ok()) return patch.status();
-  c.patch = *std::move(patch);
+  c.patch = std::move((*patch)[0]);
   absl::StatusOr<PatchLayout> layout = ParsePatch(c.patch);
   if (!layout.ok()) return layout.status();
   c.modes = BlockModes(*layout);
@@ -232,24 +374,38 @@ void AppendHex(std::string& out, absl::string_view key, const std::vector<uint8_
 
 }  // namespace
 
-std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases) {
+std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases, int format) {
   std::string out =
-      "# Patch wire format v1 golden vectors (docs/ARCHITECTURE.md \"Patch wire format, version "
-      "1\").\n"
-      "# Written by make_patch_golden, checked by patch_golden_test.cc; a case never changes.\n"
-      "# case NAME / dtype CODE block_log2 K elements N / modes (U|S|D per block) /\n"
-      "# digests BASE_V1 BASE_V2 TARGET_V1 TARGET_V2 / base, target, patch: byte count, then hex\n";
+      format == 1
+          ? "# Patch wire format v1 golden vectors (docs/ARCHITECTURE.md \"Patch wire format, "
+            "version 1\").\n"
+            "# Written by make_patch_golden, checked by patch_golden_test.cc; a case never "
+            "changes.\n"
+            "# case NAME / dtype CODE block_log2 K elements N / modes (U|S|D per block) /\n"
+            "# digests BASE_V1 BASE_V2 TARGET_V1 TARGET_V2 / base, target, patch: byte count, then "
+            "hex\n"
+          : "# Patch format v2 golden vectors (docs/ARCHITECTURE.md \"Patch format v2\").\n"
+            "# Written by make_patch_golden v2, checked by patch_golden_test.cc; a case never "
+            "changes.\n"
+            "# case NAME / dtype CODE block_log2 K elements N / format 2 conditioned 0|1 /\n"
+            "# modes (U|S|D|C per block) / digests BASE_V1 BASE_V2 TARGET_V1 TARGET_V2 /\n"
+            "# [before, if conditioned: the version the record is taken from,] base, target,\n"
+            "# patch: byte count, then hex\n";
   for (const GoldenPatchCase& c : cases) {
     const int w = DTypeSize(c.dtype);
     absl::StrAppend(&out, "\ncase ", c.name, "\n");
     absl::StrAppend(&out, "dtype ", static_cast<int>(c.dtype), " block_log2 ", c.block_log2,
                     " elements ", c.base.size() / static_cast<size_t>(w), "\n");
+    if (c.format != 1) {
+      absl::StrAppend(&out, "format ", c.format, " conditioned ", c.conditioned ? 1 : 0, "\n");
+    }
     absl::StrAppend(&out, "modes ", c.modes.empty() ? "-" : c.modes, "\n");
     out += "digests";
     for (uint64_t d : {c.base_digest, c.base_digest_v2, c.target_digest, c.target_digest_v2}) {
       absl::StrAppend(&out, " ", absl::Hex(d, absl::kZeroPad16));
     }
     absl::StrAppend(&out, "\n");
+    if (c.conditioned) AppendHex(out, "before", c.before);
     AppendHex(out, "base", c.base);
     AppendHex(out, "target", c.target);
     AppendHex(out, "patch", c.patch);
@@ -314,12 +470,25 @@ absl::StatusOr<GoldenPatchCase> ParseCase(Reader& r, absl::string_view name) {
     return r.Error("expected \"dtype CODE block_log2 K elements N\"");
   }
   c.dtype = static_cast<DType>(code);
-  if (!r.Next(&w) || w.size() != 2 || w[0] != "modes") return r.Error("expected \"modes M\"");
+  if (!r.Next(&w)) return r.Error("expected \"modes M\"");
+  if (w.size() == 4 && w[0] == "format") {  // format 2 cases
+    int cond = 0;
+    if (!absl::SimpleAtoi(w[1], &c.format) || (c.format != 1 && c.format != 2) ||
+        w[2] != "conditioned" || !absl::SimpleAtoi(w[3], &cond) || (cond != 0 && cond != 1)) {
+      return r.Error("expected \"format 1|2 conditioned 0|1\"");
+    }
+    c.conditioned = cond == 1;
+    if (!r.Next(&w)) return r.Error("expected \"modes M\"");
+  }
+  if (w.size() != 2 || w[0] != "modes") return r.Error("expected \"modes M\"");
   c.modes = w[1] == "-" ? "" : std::string(w[1]);
   uint64_t* d[] = {&c.base_digest, &c.base_digest_v2, &c.target_digest, &c.target_digest_v2};
   if (!r.Next(&w) || w.size() != 5 || w[0] != "digests") return r.Error("expected 4 digests");
   for (int i = 0; i < 4; ++i) {
     if (!absl::SimpleHexAtoi(w[static_cast<size_t>(i) + 1], d[i])) return r.Error("bad digest");
+  }
+  if (c.conditioned) {
+    if (absl::Status st = r.Bytes("before", &c.before); !st.ok()) return st;
   }
   for (auto [key, out] : {std::pair<absl::string_view, std::vector<uint8_t>*>{"base", &c.base},
                           {"target", &c.target},
@@ -327,7 +496,8 @@ absl::StatusOr<GoldenPatchCase> ParseCase(Reader& r, absl::string_view name) {
     if (absl::Status st = r.Bytes(key, out); !st.ok()) return st;
   }
   const uint64_t want = elements * static_cast<uint64_t>(DTypeSize(c.dtype));
-  if (c.base.size() != want || c.target.size() != want) {
+  if (c.base.size() != want || c.target.size() != want ||
+      (c.conditioned && c.before.size() != want)) {
     return r.Error(absl::StrCat("case ", name, ": base and target must hold ", elements,
                                 " elements"));
   }

@@ -428,12 +428,6 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
     RETURN_IF_ERROR(CheckGpuUuid(c, "publisher.codec", p.codec().cuda_device_uuid(),
                                  p.codec().has_cuda_device()));
   }
-  if (p.codec().patch_format() != v1::PATCH_FORMAT_V1 && p.codec().device() == v1::DEVICE_CUDA) {
-    return c.Fail("publisher.codec.patch_format",
-                  absl::StrCat("is ", p.codec().patch_format() == v1::PATCH_FORMAT_V2 ? "v2" : "auto",
-                               ", which needs the CPU codec (it writes format 2), but codec.device "
-                               "is cuda (use cpu, or auto to encode on the CPU)"));
-  }
   RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
   RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
   return absl::OkStatus();

@@ -545,6 +545,7 @@ absl::StatusOr<bool> EncodeFusedOnDevice(const PublisherOptions& options, Device
   ASSIGN_OR_RETURN(std::shared_ptr<const DeviceBytes> base, DeviceBase(job, *target, &own, sum));
   EncodeOptions eo;
   eo.block_log2 = options.block_log2;
+  eo.format = options.patch_format;
   const auto encode_start = Clock::now();
   // DeviceBytes is shared as const: only the baseline held by nobody else (`own`) is written.
   auto fused = dev->EncodeFused(out->next[k].dtype, base->memory.data(), target->memory.data(),
@@ -939,11 +940,6 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
   if (options.patch_format != 1 && options.patch_format != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
-  }
-  if ((options.patch_format == 2 || options.patch_format_auto) && options.device != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "PublisherOptions.patch_format ", options.patch_format_auto ? "auto" : "2",
-        ": format 2 is written by the CPU codec, but a device is set"));
   }
   if (options.persist_dir.empty()) {
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));

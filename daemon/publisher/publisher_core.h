@@ -77,10 +77,10 @@ struct PublisherOptions {
   // Codec block size (config codec.block_log2).
   int block_log2 = 18;
   // Patch format written (config codec.patch_format): 1, or 2 (EncodeOptions::format: context
-  // coded blocks where smaller; the CPU codec only, so it requires `device` null). The history
-  // then holds format-2 patches, and only sessions whose Hello lists format 2 are served.
+  // coded blocks where smaller; the CPU codec and, with `device`, the GPU's). The history then
+  // holds format-2 patches, and only sessions whose Hello lists format 2 are served.
   int patch_format = 1;
-  // codec.patch_format auto (requires `device` null; patch_format is then ignored): each version
+  // codec.patch_format auto (patch_format is then ignored): each version
   // is encoded in the format a FormatChooser picks from the measured refit latencies (fed by
   // NoteRefitLatency); sessions must list format 2, as with patch_format 2.
   bool patch_format_auto = false;

@@ -91,12 +91,6 @@ class PublisherDaemonImpl final : public PublisherDaemon {
 absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, DeviceCache* devices,
                                               spdlog::logger& log) {
   if (codec.device() != v1::DEVICE_CUDA && codec.device() != v1::DEVICE_AUTO) return nullptr;
-  if (codec.patch_format() != v1::PATCH_FORMAT_V1) {  // cuda with v2 / auto fails validation
-    log.info("publisher.codec.device: auto with codec.patch_format {}: encoding on the CPU (the "
-             "GPU encoder writes format 1 only)",
-             codec.patch_format() == v1::PATCH_FORMAT_V2 ? "v2" : "auto");
-    return nullptr;
-  }
   const char* const mode = codec.device() == v1::DEVICE_CUDA ? "cuda" : "auto";
   cuda::DeviceSelector selector;
   std::string field = "publisher.codec.device";

@@ -178,11 +178,13 @@ struct CoreUnderTest {
 };
 
 std::unique_ptr<PublisherCore> OpenCore(cuda::Device* device, Kind baseline,
-                                        const std::string& persist_dir = "") {
+                                        const std::string& persist_dir = "",
+                                        int patch_format = 1) {
   PublisherOptions o;
   o.encode_threads = 1;
   o.digest_threads = 1;
   o.block_log2 = 12;  // several blocks per tensor at these sizes
+  o.patch_format = patch_format;
   o.device = device;
   o.gpu_baseline = baseline;
   o.persist_dir = persist_dir;
@@ -207,24 +209,43 @@ std::vector<std::string> Frames(const PublisherCore& core, uint64_t from, uint64
   return frames;
 }
 
-TEST(PublisherGpuCoreTest, DeviceAndPinnedBaselinesEncodeLikeTheCpu) {
-  REQUIRE_DEVICE();
+// Every way of feeding and encoding (CPU, GPU with device or pinned baselines) publishes the same
+// versions, baselines and wire frames, in patch format `patch_format`.
+void ExpectGpuCoresEncodeLikeTheCpu(int patch_format) {
   auto device = OpenTestDevice();
   ASSERT_NE(device, nullptr);
   const auto versions = ModelVersions();
   ASSERT_EQ(versions.size(), 6u);
+  const int pf = patch_format;
+  if (pf == 2) {  // the trajectory has blocks format 2 context codes, or the test shows nothing
+    uint64_t context_blocks = 0;
+    for (size_t v = 1; v < versions.size(); ++v) {
+      for (size_t i = 0; i < versions[v].size() && i < versions[v - 1].size(); ++i) {
+        const Tensor& a = versions[v - 1][i];
+        const Tensor& b = versions[v][i];
+        if (a.spec.SerializeAsString() != b.spec.SerializeAsString()) continue;
+        EncodeOptions eo;
+        eo.block_log2 = 12;
+        eo.format = 2;
+        PatchStats st;
+        ASSERT_TRUE(EncodePatch(DTypeOf(a.spec), a.bytes, b.bytes, eo, &st).ok());
+        context_blocks += st.blocks_context;
+      }
+    }
+    ASSERT_GT(context_blocks, 0u);
+  }
 
   std::vector<CoreUnderTest> cores;
-  cores.push_back({"cpu", Feed::kHost, OpenCore(nullptr, Kind::kDevice), Kind::kDevice, false});
+  cores.push_back({"cpu", Feed::kHost, OpenCore(nullptr, Kind::kDevice, "", pf), Kind::kDevice, false});
   // The CPU codec handed device snapshots (CUDA tensors with codec.device cpu): D2H first.
-  cores.push_back(
-      {"cpu+device inputs", Feed::kDevice, OpenCore(nullptr, Kind::kDevice), Kind::kDevice, false});
-  cores.push_back({"gpu baseline device", Feed::kMixed, OpenCore(device.get(), Kind::kDevice),
+  cores.push_back({"cpu+device inputs", Feed::kDevice, OpenCore(nullptr, Kind::kDevice, "", pf),
+                   Kind::kDevice, false});
+  cores.push_back({"gpu baseline device", Feed::kMixed, OpenCore(device.get(), Kind::kDevice, "", pf),
                    Kind::kDevice, true});
   cores.push_back({"gpu baseline pinned", Feed::kMixed,
-                   OpenCore(device.get(), Kind::kPinnedHost), Kind::kPinnedHost, true});
+                   OpenCore(device.get(), Kind::kPinnedHost, "", pf), Kind::kPinnedHost, true});
   cores.push_back({"gpu baseline device, host inputs", Feed::kHost,
-                   OpenCore(device.get(), Kind::kDevice), Kind::kDevice, true});
+                   OpenCore(device.get(), Kind::kDevice, "", pf), Kind::kDevice, true});
   for (const auto& c : cores) ASSERT_NE(c.core, nullptr) << c.name;
 
   std::map<uint64_t, uint64_t> digests;  // version -> version digest (the CPU core's)
@@ -291,7 +312,19 @@ TEST(PublisherGpuCoreTest, DeviceAndPinnedBaselinesEncodeLikeTheCpu) {
     if (version == 6) {
       EXPECT_GT(want.wire_bytes, 0u);  // the sign of zero is a change
     }
+    EXPECT_EQ(want.patch_format, pf) << "v" << version;
   }
+}
+
+TEST(PublisherGpuCoreTest, DeviceAndPinnedBaselinesEncodeLikeTheCpu) {
+  REQUIRE_DEVICE();
+  ExpectGpuCoresEncodeLikeTheCpu(1);
+}
+
+// Format 2 on the GPU (cuda/context.cuh): the same patches, frames and baselines as the CPU's.
+TEST(PublisherGpuCoreTest, FormatTwoOnTheGpuEncodesLikeTheCpu) {
+  REQUIRE_DEVICE();
+  ExpectGpuCoresEncodeLikeTheCpu(2);
 }
 
 // A GPU core reloading a persisted baseline has no GPU baseline yet: it uploads the host

@@ -67,33 +67,9 @@ absl::Status DeviceMemory::Download(std::span<uint8_t> host, std::span<const uin
   return device_->CopyToHost(host.data(), src.data(), host.size());
 }
 
-namespace {
-
-// A patch of format 2 (it has a context coded block, which only the CPU codec decodes). A patch
-// too short to say is left to the device's checks.
-bool NeedsHostApply(std::span<const uint8_t> patch) {
-  return patch.size() > 4 && patch[4] == format::kVersion2;
-}
-
-}  // namespace
-
-template <typename ApplyFn>
-absl::Status DeviceMemory::ApplyOnHost(std::span<const uint8_t> base, std::span<uint8_t> out,
-                                       const ApplyFn& apply) {
-  std::vector<uint8_t> host(base.size());
-  RETURN_IF_ERROR(Download(host, base));
-  RETURN_IF_ERROR(apply(std::span<uint8_t>(host)));
-  return Upload(out, host);
-}
-
 absl::Status DeviceMemory::Apply(std::span<const uint8_t> patch, DType dtype,
                                  std::span<const uint8_t> base, std::span<uint8_t> out) {
   RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
-  if (NeedsHostApply(patch)) {
-    return ApplyOnHost(base, out, [&](std::span<uint8_t> host) {
-      return ApplyPatch(patch, dtype, host, host, host_threads_);
-    });
-  }
   return device_->Apply(patch, dtype, base.data(), out.data(), out.size());
 }
 
@@ -110,14 +86,6 @@ absl::StatusOr<DigestV2Delta> DeviceMemory::ApplyDigestV2(std::span<const uint8_
                                                           std::span<const uint8_t> base,
                                                           std::span<uint8_t> out) {
   RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
-  if (NeedsHostApply(patch)) {
-    DigestV2Delta delta;
-    RETURN_IF_ERROR(ApplyOnHost(base, out, [&](std::span<uint8_t> host) -> absl::Status {
-      ASSIGN_OR_RETURN(delta, ApplyPatchDigestV2(patch, dtype, host, host, host_threads_));
-      return absl::OkStatus();
-    }));
-    return delta;
-  }
   return device_->ApplyDigestV2(patch, dtype, base.data(), out.data(), out.size());
 }
 

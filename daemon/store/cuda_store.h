@@ -66,15 +66,11 @@ class CudaStore final : public SlottedStore {
   const std::vector<cuda::IpcHandle> handles_;
 };
 
-// TensorMemory on a GPU: device copies and the codec's kernels (cuda::Device).
-// Device memory: the device's kernels. Patches of format 2 (context coded blocks, which the
-// device does not decode yet) are applied on the CPU instead: the base downloaded, the CPU codec
-// (`host_threads` threads, 0 = all hardware threads), the result uploaded; same results and
-// errors, at the cost of a round trip over the bus per tensor.
+// TensorMemory on a GPU: device copies and the codec's kernels (cuda::Device), patch formats 1
+// and 2 alike.
 class DeviceMemory final : public TensorMemory {
  public:
-  explicit DeviceMemory(cuda::Device* device, int host_threads = 0)
-      : device_(device), host_threads_(host_threads) {}
+  explicit DeviceMemory(cuda::Device* device) : device_(device) {}
   std::string Describe() const override { return device_->Describe(); }
   bool host_accessible() const override { return false; }
   absl::Status Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) override;
@@ -89,13 +85,7 @@ class DeviceMemory final : public TensorMemory {
                                               std::span<uint8_t> out) override;
 
  private:
-  // Format-2 patches: base (device) -> host, `apply` on the host copy in place, host -> out.
-  template <typename ApplyFn>
-  absl::Status ApplyOnHost(std::span<const uint8_t> base, std::span<uint8_t> out,
-                           const ApplyFn& apply);
-
   cuda::Device* const device_;
-  const int host_threads_;
 };
 
 }  // namespace refit::store

@@ -148,10 +148,10 @@ TEST_F(CudaStoreTest, StageApplyVerifyCommitAndLeaseOnTheDevice) {
   ASSERT_TRUE(st->ReleaseLease(lease->lease_id).ok());
 }
 
-// Format-2 patches (context coded blocks, which the device does not decode) are applied on the
-// host by the device memory: the same bytes and digest-v2 delta as the CPU codec, in place and
-// out of place, and a corrupt one is refused with nothing written.
-TEST_F(CudaStoreTest, FormatTwoPatchesApplyThroughTheHost) {
+// Format-2 patches (context coded blocks) are applied by the device's kernels: the same bytes
+// and digest-v2 delta as the CPU codec, in place and out of place, and a corrupt one is refused
+// with nothing written.
+TEST_F(CudaStoreTest, FormatTwoPatchesApplyOnTheDevice) {
   auto st = Make();
   ASSERT_NE(st, nullptr);
   TensorMemory& mem = st->memory();

@@ -331,7 +331,7 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   for (v1::TensorDigest& d : core_->applied_tensor_digests()) *hello->add_tensors() = std::move(d);
   hello->set_stripes(options_.connections > 0 ? options_.connections - 1 : 0);
   hello->set_max_frame_bytes(options_.max_frame_bytes);
-  // Every store memory applies both (a device store applies format 2 on the host).
+  // Every store memory applies both (a device store with the GPU's CONTEXT decoder).
   hello->add_patch_formats(format::kVersion);
   hello->add_patch_formats(format::kVersion2);
   hello->add_compressions(v1::COMPRESSION_LZ4);
