@@ -295,6 +295,54 @@ void BenchApplyAndDigest(DeviceCodec& codec, const DeviceBuffer& d_base,
               Median(ap_out));
 }
 
+// Patch format v2 (CONTEXT blocks, cuda/context.cuh) of one rate: the GPU encode and apply, timed
+// beside v1's rows; the patch is checked against the CPU's format-2 patch (on the CPU-checked
+// prefix) and the apply against the target's digest. `v1_bytes`: v1's patch size, for the ratio.
+void BenchFormatTwo(DeviceCodec& codec, const DeviceBuffer& d_base, const DeviceBuffer& d_target,
+                    DeviceBuffer& d_out, uint64_t bytes, uint64_t check_n,
+                    const std::vector<uint8_t>& base, const std::vector<uint8_t>& target,
+                    size_t v1_bytes, double p, int reps, std::vector<Row>* rows) {
+  const std::string rate = " (rate " + std::to_string(p) + ")";
+  refit::EncodeOptions eo;
+  eo.format = 2;
+  std::vector<double> enc, enc_ctx, ap;
+  std::vector<uint8_t> patch;
+  refit::PatchStats stats;
+  for (int r = -1; r < reps; ++r) {
+    DeviceTimings tm;
+    auto t0 = Clock::now();
+    patch = OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(), bytes, eo, &stats, &tm),
+                  "GPU format-2 encode");
+    if (r >= 0) {
+      enc.push_back(Ms(Clock::now() - t0));
+      enc_ctx.push_back(tm.StageMs("context"));
+    }
+  }
+  rows->push_back({"v2_encode_total", p, Median(enc)});
+  rows->push_back({"v2_encode_context", p, Median(enc_ctx)});
+  std::printf("format 2: %zu bytes (%.4fx v1's %zu), %llu context blocks\n", patch.size(),
+              static_cast<double>(patch.size()) / static_cast<double>(std::max<size_t>(v1_bytes, 1)),
+              v1_bytes, static_cast<unsigned long long>(stats.blocks_context));
+  const std::vector<uint8_t> cpu = OrDie(
+      refit::EncodePatch(DType::kBF16, std::span<const uint8_t>(base.data(), 2 * check_n),
+                         std::span<const uint8_t>(target.data(), 2 * check_n), eo),
+      "CPU format-2 EncodePatch");
+  const std::vector<uint8_t> gpu_prefix =
+      2 * check_n == bytes ? patch
+                           : OrDie(codec.Encode(DType::kBF16, d_base.data(), d_target.data(),
+                                                2 * check_n, eo),
+                                   "GPU format-2 encode (prefix)");
+  Check(gpu_prefix == cpu, "GPU format-2 patch == CPU format-2 patch" + rate);
+  for (int r = -1; r < reps; ++r) {
+    auto t0 = Clock::now();
+    OrDie(codec.Apply(patch, DType::kBF16, d_base.data(), d_out.data(), bytes), "GPU format-2 apply");
+    if (r >= 0) ap.push_back(Ms(Clock::now() - t0));
+  }
+  rows->push_back({"v2_apply_out_of_place", p, Median(ap)});
+  const uint64_t got = OrDie(codec.Digest(d_out.data(), bytes), "GPU digest");
+  Check(got == refit::TensorDigest(target), "digest(GPU format-2 apply) == digest(target)" + rate);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -352,6 +400,8 @@ int main(int argc, char** argv) {
     const std::vector<uint8_t> patch =
         BenchEncode(codec, d_base, d_target, bytes, n, check_n, cpu_patch, p, opt.reps, &rows);
     BenchApplyAndDigest(codec, d_base, d_target, d_out, bytes, patch, target, p, opt.reps, &rows);
+    BenchFormatTwo(codec, d_base, d_target, d_out, bytes, check_n, base, target, patch.size(), p,
+                   opt.reps, &rows);
   }
 
   std::printf("\n%-20s %8s %10s %9s %8s\n", "op", "rate", "ms", "GB/s", "xD2D");
