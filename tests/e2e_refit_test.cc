@@ -3,10 +3,15 @@
 // tensor for tensor, Verify passes, and the refit went as a delta from the previous version.
 #include <cstdio>
 
+#include <map>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "client/trainer_client.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/model/trajectory.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -154,6 +159,64 @@ TEST_F(E2ERefit, StatusJsonAndResync) {
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->last_refit().keyframe_tensors(), 0u) << "sub-a: " << DescribeRefit(a->last_refit());
   for (DaemonProcess* sub : subs) E2E_ASSERT_OK(ExpectVerified(*sub));
+}
+
+// log_format: json: every line either daemon writes is one JSON object with ts, level, logger and
+// msg, and the per-refit lines carry their numbers as keys: the publisher's "publish" event and
+// the subscriber's "applied" event of each version, agreeing with Status.
+TEST_F(E2ERefit, JsonLogsCarryThePerRefitFields) {
+  PublisherSpec ps;
+  ps.extra = "  log_format: json\n";
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  SubscriberSpec ss;
+  ss.upstream = {pub.listen_target()};
+  ss.extra = "  log_format: json\n";
+  DaemonProcess& sub = NewSubscriber(ss);
+  E2E_ASSERT_OK(sub.Start());
+  Model m = RandomModel(5, {{"x.weight", 100000}, {"y.bias", 300}});
+  for (uint64_t v = 1; v <= 2; ++v) {
+    if (v > 1) PerturbModel(m, 0.01, v);
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    E2E_ASSERT_OK(WaitVersion(sub, v));
+  }
+  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), 2);
+  ASSERT_TRUE(st.ok()) << st.status();
+  // The events of `d`'s log named `event`, by version.
+  auto events = [](DaemonProcess& d, const std::string& event) {
+    std::map<uint64_t, google::protobuf::Struct> out;
+    const std::string log = d.LogTail(100000);
+    size_t lines = 0;
+    for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+      if (absl::StartsWith(line, "===== e2e harness")) continue;  // the harness's own markers
+      ++lines;
+      google::protobuf::Struct obj;
+      const auto parsed = google::protobuf::util::JsonStringToMessage(std::string(line), &obj);
+      EXPECT_TRUE(parsed.ok()) << d.name() << ": not a JSON object: " << line;
+      for (const char* key : {"ts", "level", "logger", "msg"}) {
+        EXPECT_TRUE(obj.fields().contains(key)) << d.name() << ": no " << key << ": " << line;
+      }
+      auto e = obj.fields().find("event");
+      if (e == obj.fields().end() || e->second.string_value() != event) continue;
+      out[static_cast<uint64_t>(obj.fields().at("version").number_value())] = obj;
+    }
+    EXPECT_GT(lines, 2u) << d.name();
+    return out;
+  };
+  const auto published = events(pub, "publish");
+  const auto applied = events(sub, "applied");
+  ASSERT_TRUE(published.count(2) && applied.count(2)) << pub.LogTail(20) << sub.LogTail(20);
+  const auto& p2 = published.at(2).fields();
+  const auto& a2 = applied.at(2).fields();
+  EXPECT_EQ(p2.at("logger").string_value(), "publisher");
+  EXPECT_GT(p2.at("wire_bytes").number_value(), 0);
+  EXPECT_EQ(p2.at("tensors").number_value(), 2);
+  EXPECT_EQ(p2.at("patch_format").number_value(), 1);
+  EXPECT_EQ(a2.at("base_version").number_value(), 1);
+  EXPECT_EQ(a2.at("wire_bytes").number_value(), static_cast<double>(st->last_refit().wire_bytes()));
+  EXPECT_EQ(a2.at("dense_bytes").number_value(), static_cast<double>(st->last_refit().dense_bytes()));
+  EXPECT_TRUE(a2.at("digests_verified").bool_value());
+  EXPECT_FALSE(a2.at("reason").string_value().empty());
 }
 
 // The same path with the trainer handing over its weights through the TrainerApi (shared memory

@@ -209,6 +209,7 @@ template <typename Daemon, typename Config>
 int Serve(const Options& opts, const Config& cfg, std::ostream& err,
           cuda::DeviceOpener open_device) {
   SetLogLevel(opts.log_level.value_or(LogLevelFromConfig(cfg.log_level())));
+  SetLogFormat(LogFormatFromConfig(cfg.log_format()));
   auto log = Logger("refitd");
   const std::string name = cfg.name().empty() ? HostName() : cfg.name();
   log->info("refitd {} {} \"{}\" starting (config {})", kBuildVersion, opts.role, name,

@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <atomic>
 
+#include <cmath>
+#include <cstdio>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"
 
@@ -18,16 +23,75 @@ struct Registry {
   std::atomic<int> level{spdlog::level::info};
 };
 
+std::unique_ptr<spdlog::formatter> TextFormatter() {
+  return std::make_unique<spdlog::pattern_formatter>("%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v",
+                                                     spdlog::pattern_time_type::utc);
+}
+
 Registry& GetRegistry() {
   static Registry* r = [] {
     auto* reg = new Registry;
     reg->sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
-    reg->sink->set_formatter(std::make_unique<spdlog::pattern_formatter>(
-        "%Y-%m-%dT%H:%M:%S.%fZ %L %n: %v", spdlog::pattern_time_type::utc));
+    reg->sink->set_formatter(TextFormatter());
     return reg;
   }();
   return *r;
 }
+
+// The fields of the LogEvent being logged on this thread (the sink formats in the caller's
+// thread), or null.
+thread_local const std::vector<LogField>* t_event_fields = nullptr;
+
+const char* LevelName(spdlog::level::level_enum l) {
+  switch (l) {
+    case spdlog::level::trace: return "trace";
+    case spdlog::level::debug: return "debug";
+    case spdlog::level::info: return "info";
+    case spdlog::level::warn: return "warn";
+    case spdlog::level::err: return "error";
+    case spdlog::level::critical: return "critical";
+    default: return "off";
+  }
+}
+
+std::string JsonValue(const LogField& f) {
+  struct Visit {
+    std::string operator()(const std::string& s) const { return JsonQuote(s); }
+    std::string operator()(int64_t v) const { return absl::StrCat(v); }
+    std::string operator()(uint64_t v) const { return absl::StrCat(v); }
+    std::string operator()(bool v) const { return v ? "true" : "false"; }
+    std::string operator()(double v) const {
+      if (!std::isfinite(v)) return "null";
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%.6g", v);
+      return buf;
+    }
+  };
+  return std::visit(Visit{}, f.value);
+}
+
+// One JSON object per line: ts, level, logger, msg, then the event's fields.
+class JsonFormatter final : public spdlog::formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
+    const absl::Time t = absl::FromChrono(msg.time);
+    std::string out = absl::StrCat(
+        "{\"ts\":\"", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()),
+        "\",\"level\":\"", LevelName(msg.level), "\",\"logger\":",
+        JsonQuote(absl::string_view(msg.logger_name.data(), msg.logger_name.size())), ",\"msg\":",
+        JsonQuote(absl::string_view(msg.payload.data(), msg.payload.size())));
+    if (t_event_fields != nullptr) {
+      for (const LogField& f : *t_event_fields) {
+        absl::StrAppend(&out, ",", JsonQuote(f.key), ":", JsonValue(f));
+      }
+    }
+    out.append("}\n");
+    dest.append(out.data(), out.data() + out.size());
+  }
+  std::unique_ptr<spdlog::formatter> clone() const override {
+    return std::make_unique<JsonFormatter>();
+  }
+};
 
 }  // namespace
 
@@ -95,6 +159,54 @@ void SetLogLevel(spdlog::level::level_enum level) {
   absl::MutexLock lock(&reg.mu);
   reg.level.store(level);
   spdlog::apply_all([level](const std::shared_ptr<spdlog::logger>& l) { l->set_level(level); });
+}
+
+void SetLogFormat(LogFormat format) {
+  Registry& reg = GetRegistry();
+  absl::MutexLock lock(&reg.mu);
+  if (format == LogFormat::kJson) {
+    reg.sink->set_formatter(std::make_unique<JsonFormatter>());
+  } else {
+    reg.sink->set_formatter(TextFormatter());
+  }
+}
+
+LogFormat LogFormatFromConfig(int v) { return v == 2 ? LogFormat::kJson : LogFormat::kText; }
+
+void LogEvent(spdlog::logger& log, spdlog::level::level_enum level, absl::string_view message,
+              const std::vector<LogField>& fields) {
+  if (!log.should_log(level)) return;
+  t_event_fields = &fields;
+  log.log(level, "{}", fmt::string_view(message.data(), message.size()));
+  t_event_fields = nullptr;
+}
+
+std::string JsonQuote(absl::string_view text) {
+  std::string out = "\"";
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp = 0;
+    const size_t n = Utf8CharLength(text, i, &cp);
+    if (n == 0) {  // not UTF-8: the byte as a code point, so the line stays valid JSON
+      absl::StrAppend(&out, "\\u00", absl::Hex(static_cast<unsigned char>(text[i]), absl::kZeroPad2));
+      ++i;
+      continue;
+    }
+    if (cp == '"' || cp == '\\') {
+      out.push_back('\\');
+      out.push_back(static_cast<char>(cp));
+    } else if (cp == '\n') {
+      out.append("\\n");
+    } else if (cp == '\t') {
+      out.append("\\t");
+    } else if (cp < 0x20 || cp == 0x7f) {
+      absl::StrAppend(&out, "\\u00", absl::Hex(cp, absl::kZeroPad2));
+    } else {
+      out.append(text.data() + i, n);
+    }
+    i += n;
+  }
+  out.push_back('"');
+  return out;
 }
 
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text) {

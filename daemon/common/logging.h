@@ -6,7 +6,10 @@
 //   log->info("session {} from {}: hello version {}", id, peer, version);
 //
 // Components in use: refitd, publisher, dataplane, upstream, subscriber, control, trainer-api,
-// consumer-api, peers. Format: "2026-11-30T00:41:12.345678Z I dataplane: message".
+// consumer-api, peers. Formats (config log_format): text, "2026-11-30T00:41:12.345678Z I
+// dataplane: message"; json, one object per line: {"ts":"2026-11-30T00:41:12.345678Z",
+// "level":"info","logger":"dataplane","msg":"message"} plus, for events logged with LogEvent
+// (the per-refit lines), their fields as keys.
 #ifndef REFIT_DAEMON_COMMON_LOGGING_H_
 #define REFIT_DAEMON_COMMON_LOGGING_H_
 
@@ -14,6 +17,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <variant>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -27,6 +32,29 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& component);
 
 // Sets the level of every existing and future logger.
 void SetLogLevel(spdlog::level::level_enum level);
+
+enum class LogFormat { kText, kJson };
+// Sets the line format of every logger (they share one sink).
+void SetLogFormat(LogFormat format);
+// Maps a config LogFormat enum value (refit.v1.LogFormat: 1 text, 2 json); unknown -> text.
+LogFormat LogFormatFromConfig(int config_log_format);
+
+// One field of a structured log event. Keys are the caller's constants (not "ts", "level",
+// "logger" or "msg"); string values are escaped, doubles that are not finite become null.
+struct LogField {
+  std::string key;
+  std::variant<std::string, int64_t, uint64_t, double, bool> value;
+};
+
+// Logs `message` at `level`: in the text format the message alone, in the JSON format one object
+// with the message and `fields` as keys (so a log pipeline reads the numbers without parsing the
+// text).
+void LogEvent(spdlog::logger& log, spdlog::level::level_enum level, absl::string_view message,
+              const std::vector<LogField>& fields);
+
+// `text` as a JSON string literal (quotes included): ", \ and control characters escaped,
+// bytes that are not valid UTF-8 written as \u00XX.
+std::string JsonQuote(absl::string_view text);
 
 // Parses "trace|debug|info|warn|error|critical|off" (case-insensitive). InvalidArgument naming
 // the accepted values otherwise.

@@ -80,6 +80,31 @@ std::string DescribePublish(const PublishSummary& s) {
                       ", total ", s.total_micros / 1000, " ms");
 }
 
+std::vector<LogField> PublishFields(const PublishSummary& s) {
+  auto ms = [](uint64_t micros) { return static_cast<double>(micros) / 1000.0; };
+  return {
+      {"event", std::string("publish")},
+      {"version", s.version},
+      {"change_rate", Ratio(s.changed_elements, s.total_elements)},
+      {"changed_elements", s.changed_elements},
+      {"total_elements", s.total_elements},
+      {"wire_bytes", s.wire_bytes},
+      {"dense_bytes", s.dense_bytes},
+      {"tensors", static_cast<uint64_t>(s.tensors)},
+      {"patched_tensors", static_cast<uint64_t>(s.patched_tensors)},
+      {"keyframe_tensors", static_cast<uint64_t>(s.keyframe_tensors)},
+      {"unchanged_tensors", static_cast<uint64_t>(s.unchanged_tensors)},
+      {"removed_tensors", static_cast<uint64_t>(s.removed_tensors)},
+      {"patch_format", static_cast<int64_t>(s.patch_format)},
+      {"encode_ms", ms(s.encode_micros)},
+      {"encode_device", s.encode_device},
+      {"upload_ms", ms(s.upload_micros)},
+      {"digest_ms", ms(s.digest_micros)},
+      {"download_ms", ms(s.download_micros)},
+      {"total_ms", ms(s.total_micros)},
+  };
+}
+
 // ---- PublishQueue -------------------------------------------------------------------------------
 
 PublishQueue::PublishQueue(PublisherCore* core, DataPlaneService* data_plane,
@@ -476,7 +501,7 @@ void PublishQueue::Run() {
     if (job.release != nullptr) job.release->Release(result.status());
     if (result.ok()) {
       if (data_plane_ != nullptr) data_plane_->NotifyPublished();
-      log_->info("{}", DescribePublish(*result));
+      LogEvent(*log_, spdlog::level::info, DescribePublish(*result), PublishFields(*result));
       if (!result->persist_status.ok()) {
         log_->error(
             "version {} is served from memory but its baseline was NOT persisted (a restart "

@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/logging.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "refit/v1/control.pb.h"
@@ -96,6 +97,10 @@ struct LastPublish {
 std::string FormatBytes(uint64_t bytes);
 // The one log line of a published version.
 std::string DescribePublish(const PublishSummary& summary);
+// The same numbers as log fields (LogEvent; the JSON log's keys): event "publish", version,
+// change_rate, changed/total elements, wire/dense bytes, tensor counts, patch_format, the stage
+// times in milliseconds, encode_device.
+std::vector<LogField> PublishFields(const PublishSummary& summary);
 
 struct PublishQueueOptions {
   // Jobs queued or running at most (config publisher.publish_queue.max_pending).

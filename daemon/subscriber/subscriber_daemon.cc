@@ -475,7 +475,7 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
   const v1::TransferTimings& t = ev.ack.timings();
   const double wire_pct =
       s.dense_bytes() > 0 ? 100.0 * static_cast<double>(s.wire_bytes()) / s.dense_bytes() : 0.0;
-  log_->info(
+  const std::string text = fmt::format(
       "version {} applied (base {}, {}): change {:.2f}%, wire {} vs dense {} ({:.2f}%), latency "
       "{} ms (receive {}, stage {}, verify {}, apply {}), {}",
       s.version(), s.base_version(), ReasonName(ev.reason), 100.0 * s.change_rate(),
@@ -483,6 +483,24 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
       Ms(t.receive_micros()), Ms(t.stage_micros()), Ms(t.verify_micros()), Ms(t.apply_micros()),
       s.digests_verified() ? absl::StrCat("digests verified (", ev.tensors, " tensors)")
                            : std::string("digests NOT verified"));
+  auto ms = [](uint64_t micros) { return static_cast<double>(micros) / 1000.0; };
+  LogEvent(*log_, spdlog::level::info, text,
+           {{"event", std::string("applied")},
+            {"version", s.version()},
+            {"base_version", s.base_version()},
+            {"reason", std::string(ReasonName(ev.reason))},
+            {"upstream", ev.upstream},
+            {"change_rate", s.change_rate()},
+            {"wire_bytes", s.wire_bytes()},
+            {"dense_bytes", s.dense_bytes()},
+            {"keyframe_tensors", static_cast<uint64_t>(s.keyframe_tensors())},
+            {"tensors", static_cast<uint64_t>(ev.tensors)},
+            {"latency_ms", ms(s.latency_micros())},
+            {"receive_ms", ms(t.receive_micros())},
+            {"stage_ms", ms(t.stage_micros())},
+            {"verify_ms", ms(t.verify_micros())},
+            {"apply_ms", ms(t.apply_micros())},
+            {"digests_verified", s.digests_verified()}});
 
   AppliedVersion applied;
   applied.version = s.version();
