@@ -5,11 +5,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <random>
 #include <system_error>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -17,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
@@ -62,12 +66,17 @@ wait timed out, 2 usage error.
 )";
 
 constexpr char kStatusUsage[] =
-    R"(usage: refitctl --target ADDR status [--json]
+    R"(usage: refitctl --target ADDR status [--json | --watch [--interval S] [--count N]]
 
 Prints the daemon's role, version and digest, model size, traffic, its sessions (publisher:
 subscribers; subscriber: upstream and peers) with state, acknowledged version, lag and the
 last refit, the publisher's patch history and the subscriber's read leases.
-  --json    print the StatusResponse as JSON (proto field names)
+  --json        print the StatusResponse as JSON (proto field names)
+  --watch       print it again every --interval (the screen cleared first on a terminal),
+                until interrupted or --count views; a view whose RPC fails says so and the
+                watch goes on (exit 1 if the last one failed)
+  --interval S  seconds between views (default 2; 0: none)
+  --count N     stop after N views (default 0: until interrupted)
 )";
 
 constexpr char kPublishUsage[] =
@@ -411,15 +420,68 @@ absl::StatusOr<bool> VersionOption(ArgCursor& args, Request* req) {
   return true;
 }
 
+// status --watch: `count` views (0: until interrupted), `interval` apart, each a header line
+// (time, view number) and the status table, or the error its RPC got; the screen is cleared
+// before each when refitctl writes to a terminal. The last view's error is the result.
+absl::StatusOr<int> WatchStatus(Session& s, absl::Duration interval, uint64_t count) {
+  const bool clear = &s.out == &std::cout && isatty(STDOUT_FILENO) == 1;
+  absl::Status last;
+  for (uint64_t view = 1; count == 0 || view <= count; ++view) {
+    if (view > 1) absl::SleepFor(interval);
+    v1::StatusResponse resp;
+    last = Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &resp);
+    if (clear) s.out << "\x1b[H\x1b[2J";
+    s.out << "refitctl status --watch: "
+          << absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()) << ", view "
+          << view << (count != 0 ? absl::StrCat(" of ", count) : std::string()) << ", every "
+          << absl::FormatDuration(interval) << "\n";
+    if (last.ok()) {
+      s.out << FormatStatusTable(resp);
+    } else {
+      s.out << "status failed: " << absl::StatusCodeToString(last.code()) << ": " << last.message()
+            << "\n";
+    }
+    s.out << "\n" << std::flush;
+  }
+  if (!last.ok()) return last;
+  return 0;
+}
+
 absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
   Parsed p;
-  bool json = false;
+  bool json = false, watch = false;
+  absl::Duration interval = absl::Seconds(2);
+  uint64_t count = 0;
   RETURN_IF_ERROR(ParseOptions(args, "refitctl status", &p, [&]() -> absl::StatusOr<bool> {
-    if (!args.Switch("--json")) return false;
-    json = true;
-    return true;
+    if (args.Switch("--json")) {
+      json = true;
+      return true;
+    }
+    if (args.Switch("--watch")) {
+      watch = true;
+      return true;
+    }
+    std::string v;
+    ASSIGN_OR_RETURN(bool found, args.Value("--interval", &v));
+    if (found) {
+      ASSIGN_OR_RETURN(interval, ParseSeconds("--interval", v, /*allow_zero=*/true));
+      return true;
+    }
+    ASSIGN_OR_RETURN(found, args.Value("--count", &v));
+    if (found && !absl::SimpleAtoi(v, &count)) {
+      return absl::InvalidArgumentError(absl::StrCat("--count \"", v, "\" is not a number of views"));
+    }
+    return found;
   }));
   if (p.help) return p;
+  if (json && watch) return absl::InvalidArgumentError("--json and --watch do not combine");
+  if (!watch && (interval != absl::Seconds(2) || count != 0)) {
+    return absl::InvalidArgumentError("--interval and --count need --watch");
+  }
+  if (watch) {
+    p.run = [interval, count](Session& s) { return WatchStatus(s, interval, count); };
+    return p;
+  }
   p.run = [json](Session& s) -> absl::StatusOr<int> {
     v1::StatusResponse resp;
     RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &resp));

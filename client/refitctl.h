@@ -3,7 +3,7 @@
 //   refitctl --target ADDR [--tls-cert F --tls-key F --tls-ca F [--tls-server-name N] |
 //            --insecure] [--timeout S] VERB [verb flags]
 //
-// Verbs: status [--json], publish --safetensors PATH... [--version N],
+// Verbs: status [--json | --watch [--interval S] [--count N]], publish --safetensors PATH... [--version N],
 // export --safetensors PATH [--version N], wait --version N [--timeout S] [--all-subscribers],
 // verify, resync [--tensor NAME]... [--subscriber NAME]. `--help` on refitctl and on every verb.
 // Exit codes: 0 ok; 1 the RPC failed, verify found mismatches, or wait timed out (one line

@@ -97,6 +97,13 @@ TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
       {{"--target", "unix:/no.sock", "--timeout", "soon", "status"},
        "--timeout \"soon\" is not a number of seconds"},
       {{"--target", "unix:/no.sock", "verify", "--all"}, "unknown option --all for refitctl verify"},
+      {{"--target", "unix:/no.sock", "status", "--json", "--watch"},
+       "--json and --watch do not combine"},
+      {{"--target", "unix:/no.sock", "status", "--count", "3"}, "--interval and --count need --watch"},
+      {{"--target", "unix:/no.sock", "status", "--watch", "--interval", "soon"},
+       "--interval \"soon\" is not a number of seconds"},
+      {{"--target", "unix:/no.sock", "status", "--watch", "--count", "-2"},
+       "--count \"-2\" is not a number of views"},
       {{"--target", "unix:/no.sock", "resync", "--tensor"}, "--tensor needs a value"},
       {{"--target", "127.0.0.1:99999", "status"}, "--target \"127.0.0.1:99999\": "},
       {{"--target", "10.1.2.3:7400", "status"},
@@ -348,6 +355,53 @@ v1::StatusResponse SampleSubscriberStatus() {
   l->set_version(12);
   l->set_remaining_ms(29'500);
   return st;
+}
+
+// A Control whose Status is a subscriber moving one version per call.
+class MovingStatusControl final : public v1::Control::Service {
+ public:
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
+                      v1::StatusResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    *resp = SampleSubscriberStatus();
+    resp->set_version(version_++);
+    return grpc::Status::OK;
+  }
+
+ private:
+  absl::Mutex mu_;
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 40;
+};
+
+// status --watch: a fresh view per call (the daemon's state at each), numbered, without screen
+// control codes when the output is not a terminal; a failing RPC is shown in its view and is the
+// exit status.
+TEST_F(RefitctlFake, StatusWatchRefreshesEachView) {
+  MovingStatusControl moving;
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&moving);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  Result r = RunCtl({"--target", absl::StrCat("127.0.0.1:", port), "status", "--watch",
+                     "--interval", "0", "--count", "3"});
+  server->Shutdown();
+  ASSERT_EQ(r.rc, 0) << r.err;
+  for (int view = 1; view <= 3; ++view) {
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat(", view ", view, " of 3, every 0\n"))) << r.out;
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("version:    ", 39 + view, " (digest"))) << r.out;
+  }
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("view 4")));
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << "screen control codes in a non-terminal";
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') % 3, 0) << "views of unequal length";
+
+  // The plain fake does not implement Status: both views say so, and the watch exits 1.
+  r = Ctl({"status", "--watch", "--interval", "0", "--count", "2"});
+  EXPECT_EQ(r.rc, 1);
+  EXPECT_THAT(r.out, HasSubstr("view 2 of 2"));
+  EXPECT_THAT(r.out, HasSubstr("status failed: UNIMPLEMENTED: "));
+  EXPECT_THAT(r.err, StartsWith("refitctl: status: UNIMPLEMENTED: "));
 }
 
 TEST(RefitctlFormat, SubscriberTable) {
