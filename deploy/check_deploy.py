@@ -8,7 +8,11 @@
 - Kubernetes: every container runs as non-root with a read-only root filesystem, no privilege
   escalation, all capabilities dropped; the pod uses the RuntimeDefault seccomp profile and does not
   mount a service-account token; the socket volume (/run/refitd) is an emptyDir mounted by exactly
-  the sidecar and the inference container; the ConfigMap's subscriber.yaml validates.
+  the sidecar and the inference container; the ConfigMap's subscriber.yaml validates; and what the
+  subscriber relies on matches its config: the image this repo builds (refitd:<version>), probes on
+  the gRPC health port of `listen`, --config on the mounted ConfigMap, TLS files in a Secret,
+  sockets in the shared volume, /dev/shm memory-backed for an shm store, the image's USER the
+  pod's runAsUser.
 Prints one line per failed check and exits 1 if any failed.
 """
 import os
@@ -89,6 +93,72 @@ def check_k8s(config_check):
         f.flush()
         r = subprocess.run([config_check, f.name], capture_output=True, text=True)
         check(r.returncode == 0, f"ConfigMap subscriber.yaml: {r.stdout}{r.stderr}")
+    check_sidecar_wiring(pod, yaml.safe_load(cm["data"]["subscriber.yaml"])["subscriber"])
+
+
+def port_of(address):
+    return int(address.rsplit(":", 1)[1])
+
+
+def project_version():
+    with open(os.path.join(HERE, "..", "CMakeLists.txt")) as f:
+        for line in f:
+            if line.startswith("project(refitd VERSION "):
+                return line.split()[2]
+    return None
+
+
+def mounted_at(container, path):
+    """The volume whose mount covers `path` in `container`, or None."""
+    best = None
+    for m in container.get("volumeMounts", []):
+        mp = m["mountPath"].rstrip("/")
+        if path == mp or path.startswith(mp + "/"):
+            if best is None or len(mp) > len(best[1]):
+                best = (m["name"], mp)
+    return best[0] if best else None
+
+
+def check_sidecar_wiring(pod, cfg):
+    """The fields the subscriber relies on, against its config: the image this repo builds, the
+    probes on its gRPC health port, its config, TLS files, sockets and store reachable in the
+    container, the container user the image's."""
+    side = next(c for c in pod["containers"] if c["name"] == "refitd-subscriber")
+    version = project_version()
+    check(side.get("image") == f"refitd:{version}",
+          f"sidecar image {side.get('image')} is not refitd:{version} (scripts/build-image.sh)")
+    listen = port_of(cfg["listen"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        p = side.get(probe, {})
+        check(p.get("grpc", {}).get("port") == listen,
+              f"sidecar {probe} is not gRPC health on the listen port {listen}")
+    ports = {p["containerPort"] for p in side.get("ports", [])}
+    check(listen in ports, f"sidecar does not declare containerPort {listen} (listen)")
+    args = side.get("args", [])
+    config_path = args[args.index("--config") + 1] if "--config" in args else None
+    check(config_path is not None and mounted_at(side, config_path) == "config",
+          f"sidecar --config {config_path} is not the mounted ConfigMap")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    tls_files = [cfg.get("tls", {}).get(k) for k in ("cert", "key", "ca")]
+    tls_files += [cfg["upstream"].get("tls", {}).get(k) for k in ("cert", "key", "ca")]
+    for path in filter(None, tls_files):
+        vol = mounted_at(side, path)
+        check(vol is not None and "secret" in volumes.get(vol, {}),
+              f"TLS file {path} is not in a mounted Secret")
+    sockets = [cfg.get("local_socket"), cfg.get("control_listen", "").replace("unix://", "")]
+    for path in filter(None, sockets):
+        check(mounted_at(side, path) == "run", f"socket {path} is not in the shared 'run' volume")
+        inference = next(c for c in pod["containers"] if c["name"] == "inference")
+        check(mounted_at(inference, path) == "run", f"socket {path} is not visible to inference")
+    if cfg.get("store", {}).get("kind", "shm") == "shm":
+        shm = volumes.get(mounted_at(side, "/dev/shm/x") or "", {})
+        check(shm.get("emptyDir", {}).get("medium") == "Memory",
+              "shm store: /dev/shm is not a memory-backed emptyDir")
+    with open(os.path.join(HERE, "container", "Containerfile")) as f:
+        users = [l.split()[1] for l in f if l.startswith("USER ")]
+    uid = str(pod.get("securityContext", {}).get("runAsUser"))
+    check(users and users[-1].split(":")[0] == uid,
+          f"the image's USER {users[-1] if users else None} is not the pod's runAsUser {uid}")
 
 
 def main():

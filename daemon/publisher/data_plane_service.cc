@@ -386,6 +386,20 @@ v1::RefitStats DataPlaneService::LastFullyAcked() const {
 
 namespace {
 
+// Whether the Hello lists patch format f, and the newest format it lists that this build knows
+// (1 when none: CheckHello requires format 1).
+bool ListsPatchFormat(const v1::Hello& hello, uint32_t f) {
+  return std::find(hello.patch_formats().begin(), hello.patch_formats().end(), f) !=
+         hello.patch_formats().end();
+}
+uint8_t MaxPatchFormat(const v1::Hello& hello) {
+  uint8_t newest = format::kVersion;
+  for (uint32_t f : hello.patch_formats()) {
+    if (f <= format::kVersion2) newest = std::max(newest, static_cast<uint8_t>(f));
+  }
+  return newest;
+}
+
 // Sync's steps: a Hello this publisher can serve (protocol, patch format, frame size).
 absl::Status CheckHello(const v1::Hello& hello, int writes_format) {
   if (hello.protocol() != v1::PROTOCOL_VERSION_1) {
@@ -393,15 +407,11 @@ absl::Status CheckHello(const v1::Hello& hello, int writes_format) {
         absl::StrCat("Hello.protocol ", static_cast<int>(hello.protocol()),
                      " is not supported: this publisher speaks protocol 1"));
   }
-  const auto lists = [&](uint32_t f) {
-    return std::find(hello.patch_formats().begin(), hello.patch_formats().end(), f) !=
-           hello.patch_formats().end();
-  };
-  if (!lists(1)) {
+  if (!ListsPatchFormat(hello, format::kVersion)) {
     return absl::FailedPreconditionError(
         "Hello.patch_formats does not include format 1, which every publisher writes");
   }
-  if (!lists(static_cast<uint32_t>(writes_format))) {
+  if (!ListsPatchFormat(hello, static_cast<uint32_t>(writes_format))) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Hello.patch_formats does not include format ", writes_format,
         ", which this publisher writes (codec.patch_format v", writes_format,
@@ -477,11 +487,7 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
       std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
       options_.digest_v2);
   session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
-  for (uint32_t f : hello.patch_formats()) {  // CheckHello: format 1 is among them
-    if (f <= format::kVersion2) {
-      session->max_patch_format = std::max<uint8_t>(session->max_patch_format, static_cast<uint8_t>(f));
-    }
-  }
+  session->max_patch_format = MaxPatchFormat(hello);
   session->selection = std::move(selection);
   ClassifyHello(hello, *session);
   if (hello.want_keyframe()) {
