@@ -17,6 +17,20 @@ PKGS=(
   libssl-dev                          # libcrypto: refitd checks TLS files itself (README)
 )
 
+# --build-only: what building refitd and refitctl needs (the container image's build stage,
+# deploy/container/Containerfile), not the test, benchmark and demo tools.
+if [ "${1:-}" = "--build-only" ]; then
+  PKGS=(
+    build-essential cmake ninja-build pkg-config ca-certificates binutils
+    libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+    libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev libssl-dev
+    libgtest-dev libgmock-dev         # configure finds GTest (the tests are not built)
+  )
+elif [ $# -gt 0 ]; then
+  echo "usage: install-deps.sh [--build-only]" >&2
+  exit 2
+fi
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
