@@ -11,8 +11,9 @@
 # it has bin/nvcc; default `none`: without, the shm-store image). Not yet working: in the build
 # stage CMake 3.25's FindCUDAToolkit fails on the copied CUDA 13 toolkit (CUDA::nvToolsExt), see
 # README "Operating refitd". --oci FILE: also write the image as an OCI archive.
-# Checks: refitd --version and refitctl --help run in the image, as uid 10001, and refitd's
-# shared libraries all resolve (ldd).
+# Checks: refitd --version and refitctl --help run in the image, as uid 10001; every shared
+# library resolves (ldd); no compiler or headers; a publisher from the shipped example config
+# serves refitctl status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TAG=refitd:0.1.0
@@ -86,6 +87,21 @@ echo "in the image: $version"
 "${B[@]}" run --user 10001:10001 "$ctr" -- /usr/local/bin/refitctl --help > /dev/null
 "${B[@]}" run "$ctr" -- sh -c '! ldd /usr/local/bin/refitd /usr/local/bin/refitctl | grep "not found"'
 "${B[@]}" run "$ctr" -- sh -c 'test ! -e /usr/bin/c++ && test ! -e /usr/include/grpcpp'  # runtime only
+# It serves: a publisher from the shipped example config answers refitctl status, as uid 10001.
+"${B[@]}" run --user 10001:10001 "$ctr" -- sh -c '
+  set -e
+  cfg=/usr/share/refitd/examples/publisher.loopback.yaml
+  refitd publisher --config $cfg --validate > /dev/null
+  mkdir -p /tmp/refitd-demo/publish /tmp/refitd-demo/export
+  refitd publisher --config $cfg > /tmp/publisher.log 2>&1 &
+  pid=$!
+  for i in $(seq 200); do
+    refitctl --target unix:/tmp/refitd-demo/publisher-control.sock status > /tmp/status.txt 2>&1 && break
+    sleep 0.1
+  done
+  kill $pid; wait $pid || true
+  grep -q "^role: *publisher" /tmp/status.txt || { cat /tmp/status.txt /tmp/publisher.log; exit 1; }
+  echo "in the image: a publisher served refitctl status"'
 "${B[@]}" images --format '{{.Name}}:{{.Tag}} {{.Size}}' "$TAG"
 if [ -n "$OCI" ]; then
   "${B[@]}" push -q "$TAG" "oci-archive:$OCI:$TAG"
