@@ -15,6 +15,8 @@ PKGS=(
   util-linux                          # setpriv: tests run clients as an unprivileged user
   systemd python3-yaml                # deploy checks: systemd-analyze verify/security, k8s YAML
   libssl-dev                          # libcrypto: refitd checks TLS files itself (README)
+  prometheus-cpp-dev                  # the daemons' metrics endpoint (daemon/metrics)
+  prometheus                          # ops tests: a real Prometheus server and promtool
 )
 
 SUDO=""

@@ -125,7 +125,10 @@ TEST_F(E2EMetricsTest, RefitctlMetricsPassesPromtoolCheck) {
   if (!Exists(kPromtoolBin)) GTEST_SKIP() << kPromtoolBin << " is not installed";
   ASSERT_NO_FATAL_FAILURE(StartAndPublish());
   for (DaemonProcess* d : {pub_, sub_}) {
-    const CommandResult r = RunRefitctl({"--target", d->control_target(), "metrics"});
+    // The publisher's endpoint as its Status names it, the subscriber's given by --address.
+    std::vector<std::string> args = {"--target", d->control_target(), "metrics"};
+    if (d == sub_) args.insert(args.end(), {"--address", d->ready().metrics});
+    const CommandResult r = RunRefitctl(args);
     ASSERT_EQ(r.exit_code, 0) << r.Describe();
     EXPECT_TRUE(absl::StrContains(r.out, "\nrefitd_current_version 3\n")) << r.out;
     // The same endpoint as the ready file names.
