@@ -4,13 +4,20 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "daemon/metrics/http_get.h"
 #include "daemon/model/trajectory.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -21,6 +28,47 @@ namespace {
 
 constexpr char kMetrics[] = "  metrics: {listen: \"127.0.0.1:0\"}\n";
 constexpr uint64_t kVersions = 3;
+
+// The refitd_* metric names an alert rule file or dashboard uses (histogram suffixes dropped).
+std::set<std::string> NamesUsedIn(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string s = text.str();
+  std::set<std::string> names;
+  for (size_t i = s.find("refitd_"); i != std::string::npos; i = s.find("refitd_", i)) {
+    size_t end = i;
+    while (end < s.size() && (absl::ascii_islower(s[end]) || s[end] == '_')) ++end;
+    std::string name = s.substr(i, end - i);
+    for (const char* suffix : {"_bucket", "_count", "_sum"}) {
+      if (absl::EndsWith(name, suffix) && absl::StrContains(name, "_seconds")) {
+        name.resize(name.size() - strlen(suffix));
+      }
+    }
+    names.insert(name);
+    i = end;
+  }
+  return names;
+}
+
+// The dashboard's PromQL expressions with $instance as ".*".
+absl::StatusOr<std::vector<std::string>> DashboardQueries(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  google::protobuf::Struct dash;
+  if (auto st = google::protobuf::util::JsonStringToMessage(text.str(), &dash); !st.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": ", st.ToString()));
+  }
+  std::vector<std::string> out;
+  for (const auto& panel : dash.fields().at("panels").list_value().values()) {
+    for (const auto& t : panel.struct_value().fields().at("targets").list_value().values()) {
+      out.push_back(absl::StrReplaceAll(t.struct_value().fields().at("expr").string_value(),
+                                        {{"$instance", ".*"}}));
+    }
+  }
+  return out;
+}
 
 bool Exists(const char* path) {
   struct stat st;
@@ -119,11 +167,19 @@ TEST_F(E2EMetricsTest, PrometheusScrapesBothDaemonsAndAgreesWithStatus) {
   }
   // Both targets are up (the scrapes themselves succeeded).
   E2E_EXPECT_OK(p.WaitForValue("sum(up)", 2));
+
+  // Every query of the shipped dashboard is valid PromQL over these series.
+  absl::StatusOr<std::vector<std::string>> queries =
+      DashboardQueries(REFIT_SOURCE_DIR "/deploy/grafana/refitd-dashboard.json");
+  ASSERT_TRUE(queries.ok()) << queries.status();
+  EXPECT_GE(queries->size(), 10u);
+  for (const std::string& q : *queries) E2E_EXPECT_OK(p.Query(q));
 }
 
 TEST_F(E2EMetricsTest, RefitctlMetricsPassesPromtoolCheck) {
   if (!Exists(kPromtoolBin)) GTEST_SKIP() << kPromtoolBin << " is not installed";
   ASSERT_NO_FATAL_FAILURE(StartAndPublish());
+  std::string exported;
   for (DaemonProcess* d : {pub_, sub_}) {
     // The publisher's endpoint as its Status names it, the subscriber's given by --address.
     std::vector<std::string> args = {"--target", d->control_target(), "metrics"};
@@ -143,6 +199,17 @@ TEST_F(E2EMetricsTest, RefitctlMetricsPassesPromtoolCheck) {
     EXPECT_EQ(check.exit_code, 0) << d->name() << ": " << check.Describe();
     std::printf("[e2e] %s: %zu bytes of metrics pass promtool check metrics\n",
                 d->name().c_str(), r.out.size());
+    exported += r.out;
+  }
+  // The alert rules and the dashboard use metrics the daemons export.
+  for (const char* file : {"/deploy/prometheus/refitd-alerts.yml",
+                           "/deploy/grafana/refitd-dashboard.json"}) {
+    const std::set<std::string> used = NamesUsedIn(std::string(REFIT_SOURCE_DIR) + file);
+    EXPECT_GE(used.size(), 5u) << file;
+    for (const std::string& name : used) {
+      EXPECT_TRUE(absl::StrContains(exported, absl::StrCat("# TYPE ", name, " ")))
+          << file << " uses " << name << ", which neither daemon exports";
+    }
   }
 }
 
