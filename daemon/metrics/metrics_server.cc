@@ -13,12 +13,11 @@ namespace refit::metrics {
 namespace {
 
 // civetweb's listening_ports form: "a.b.c.d:port", "[v6]:port"; it takes numeric addresses
-// only, so "localhost" is 127.0.0.1.
+// only, so "localhost" is 127.0.0.1 (any other name fails to bind, and Start says so).
 std::string HostForCivetweb(const config::Address& a) {
   if (a.host.find(':') != std::string::npos) return absl::StrCat("[", a.host, "]");
-  if (config::IsLoopbackHost(a.host) && a.host.find_first_not_of("0123456789.") != std::string::npos) {
-    return "127.0.0.1";
-  }
+  const bool numeric = a.host.find_first_not_of("0123456789.") == std::string::npos;
+  if (!numeric && config::IsLoopbackHost(a.host)) return "127.0.0.1";
   return a.host;
 }
 

@@ -42,6 +42,14 @@ TEST(MetricsServerTest, ServesRegisteredMetricsOnAnOsChosenPort) {
   EXPECT_EQ(other->status, 404);
 }
 
+TEST(MetricsServerTest, LocalhostBindsTheLoopbackAddress) {
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("publisher.metrics.listen", "localhost:0");
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE(absl::StartsWith((*server)->bound_address(), "127.0.0.1:"))
+      << (*server)->bound_address();
+}
+
 TEST(MetricsServerTest, AnAddressInUseIsAnErrorNamingTheField) {
   absl::StatusOr<std::unique_ptr<MetricsServer>> first =
       MetricsServer::Start("subscriber.metrics.listen", "127.0.0.1:0");

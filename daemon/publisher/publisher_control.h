@@ -51,7 +51,7 @@ struct ControlOptions {
   // publisher.shard (count 0 = not sharded): Status.shards' set, index and count.
   v1::ShardIdentity shard{};
   // Status.metrics_address: the bound metrics endpoint ("" = none).
-  std::string metrics_address;
+  std::string metrics_address = "";
 };
 
 class PublisherControl final : public v1::Control::Service {

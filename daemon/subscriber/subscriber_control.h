@@ -52,7 +52,7 @@ struct SubscriberControlOptions {
   std::string export_dir;
   uint32_t export_mode = 0600;
   // Status.metrics_address: the bound metrics endpoint ("" = none).
-  std::string metrics_address;
+  std::string metrics_address = "";
 };
 
 class SubscriberControlService final : public v1::Control::Service {
