@@ -44,6 +44,12 @@ class Families {
     ClientMetric& m = Add(name, help, MetricType::Counter, std::move(labels));
     m.counter.value = value;
   }
+  // A family that may have no sample (declared, so dashboards and rules find its name).
+  void Declare(const std::string& name, const std::string& help, MetricType type) {
+    if (index_.try_emplace(name, out_.size()).second) {
+      out_.push_back(MetricFamily{name, help, type, {}});
+    }
+  }
   std::vector<MetricFamily> Take() { return std::move(out_); }
 
  private:
@@ -222,16 +228,23 @@ void Subscriber(const v1::StatusResponse& s, Families& f) {
 }
 
 // Per TLS block of the config (a handful: listen, control, upstream).
+// No series without TLS, but the families are always there.
 void Tls(const v1::StatusResponse& s, Families& f) {
+  constexpr char kExpiry[] = "refitd_tls_certificate_expiry_timestamp_seconds";
+  constexpr char kExpiryHelp[] =
+      "End of validity of the certificate a TLS block serves (Unix time).";
+  constexpr char kReloads[] = "refitd_tls_reloads_total";
+  constexpr char kReloadsHelp[] = "Times new TLS material replaced the loaded one.";
+  constexpr char kError[] = "refitd_tls_reload_error";
+  constexpr char kErrorHelp[] = "1 while the TLS files hold material that was refused.";
+  f.Declare(kExpiry, kExpiryHelp, MetricType::Gauge);
+  f.Declare(kReloads, kReloadsHelp, MetricType::Counter);
+  f.Declare(kError, kErrorHelp, MetricType::Gauge);
   for (const v1::TlsMaterialStatus& t : s.tls()) {
     Labels field = {{"field", t.field()}};
-    f.Gauge("refitd_tls_certificate_expiry_timestamp_seconds",
-            "End of validity of the certificate a TLS block serves (Unix time).",
-            static_cast<double>(t.not_after_unix_seconds()), field);
-    f.Counter("refitd_tls_reloads_total", "Times new TLS material replaced the loaded one.",
-              t.reloads(), field);
-    f.Gauge("refitd_tls_reload_error", "1 while the TLS files hold material that was refused.",
-            t.last_reload_error().empty() ? 0 : 1, field);
+    f.Gauge(kExpiry, kExpiryHelp, static_cast<double>(t.not_after_unix_seconds()), field);
+    f.Counter(kReloads, kReloadsHelp, t.reloads(), field);
+    f.Gauge(kError, kErrorHelp, t.last_reload_error().empty() ? 0 : 1, field);
   }
 }
 

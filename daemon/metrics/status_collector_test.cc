@@ -51,6 +51,9 @@ TEST(StatusCollectorTest, PublisherFigures) {
   EXPECT_LINE(t, "refitd_sessions{state=\"idle\"} 0");
   EXPECT_LINE(t, "refitd_session_sent_bytes{session=\"sub-1\"} 10");
   EXPECT_FALSE(absl::StrContains(t, "refitd_subscriber_")) << t;
+  // Without TLS the TLS families are declared, with no series.
+  EXPECT_LINE(t, "# TYPE refitd_tls_certificate_expiry_timestamp_seconds gauge");
+  EXPECT_FALSE(absl::StrContains(t, "refitd_tls_reload_error{")) << t;
 }
 
 TEST(StatusCollectorTest, SessionSeriesAreCappedMostLaggingFirst) {
