@@ -1110,7 +1110,9 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
              v1::TransferReason_Name(header.reason()), header.streamed() ? ", streamed" : "",
              end.wire_bytes(), end.dense_bytes(),
              stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
-  if (options_.metrics != nullptr) options_.metrics->TransferApplied(header.reason(), stats, nullptr);
+  if (options_.metrics != nullptr) {
+    options_.metrics->TransferApplied(header.reason(), stats, /*stages=*/nullptr);
+  }
   absl::MutexLock lock(&mu_);
   session->acked_version = ack.applied_version();
   session->acked_unix_nanos = NowUnixNanos();

@@ -406,8 +406,9 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);
 
-  ASSIGN_OR_RETURN(daemon->metrics_, metrics::DaemonMetrics::Start(
-                                         v1::ROLE_PUBLISHER, "publisher.metrics", config.metrics()));
+  ASSIGN_OR_RETURN(daemon->metrics_,
+                   metrics::DaemonMetrics::Start(v1::ROLE_PUBLISHER, "publisher.metrics",
+                                                 config.metrics()));
   DataPlaneOptions data_plane_options = DataPlaneOptionsOf(config, name);
   data_plane_options.metrics = daemon->metrics_.refit();
   daemon->data_plane_ =

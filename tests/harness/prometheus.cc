@@ -127,7 +127,9 @@ absl::StatusOr<std::unique_ptr<PrometheusServer>> PrometheusServer::Start(
                           absl::StrCat(ready.status().message(), ":\n",
                                        FileTail(dir + "/prometheus.log")));
     }
-    if (*ready) return std::unique_ptr<PrometheusServer>(new PrometheusServer(std::move(*p), address));
+    if (*ready) {
+      return std::unique_ptr<PrometheusServer>(new PrometheusServer(std::move(*p), address));
+    }
   }
   return absl::UnavailableError(absl::StrCat("prometheus exited at start 5 times:\n",
                                              FileTail(dir + "/prometheus.log")));
