@@ -31,6 +31,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "daemon/metrics/http_get.h"
 #include "refit/v1/control.grpc.pb.h"
 
 namespace refit::client {
@@ -60,6 +61,7 @@ verbs:
   wait        block until the daemon holds a version
   verify      recompute every tensor's digest and compare with the publisher's
   resync      force keyframes for some or all tensors
+  metrics     print the daemon's Prometheus metrics (its metrics endpoint, as text)
 
 'refitctl VERB --help' describes a verb. Exit codes: 0 ok, 1 RPC failed / verify mismatch /
 wait timed out, 2 usage error.
@@ -77,6 +79,15 @@ last refit, the publisher's patch history and the subscriber's read leases.
                 watch goes on (exit 1 if the last one failed)
   --interval S  seconds between views (default 2; 0: none)
   --count N     stop after N views (default 0: until interrupted)
+)";
+
+constexpr char kMetricsUsage[] =
+    R"(usage: refitctl --target ADDR metrics [--address HOST:PORT]
+
+Prints the daemon's Prometheus metrics in the text exposition format: asks the daemon's Status
+for its metrics endpoint (config metrics.listen) and fetches http://<it>/metrics, for when no
+Prometheus server scrapes it.
+  --address HOST:PORT  fetch this metrics endpoint instead of asking Status for it
 )";
 
 constexpr char kPublishUsage[] =
@@ -667,6 +678,36 @@ absl::StatusOr<Parsed> ParseResync(ArgCursor& args) {
   return p;
 }
 
+absl::StatusOr<Parsed> ParseMetrics(ArgCursor& args) {
+  Parsed p;
+  std::string address;
+  RETURN_IF_ERROR(ParseOptions(args, "refitctl metrics", &p, [&]() -> absl::StatusOr<bool> {
+    return args.Value("--address", &address);
+  }));
+  if (p.help) return p;
+  p.run = [address](Session& s) -> absl::StatusOr<int> {
+    std::string endpoint = address;
+    if (endpoint.empty()) {
+      v1::StatusResponse status;
+      RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &status));
+      endpoint = status.metrics_address();
+      if (endpoint.empty()) {
+        return absl::FailedPreconditionError(
+            "the daemon serves no metrics (its config's metrics.listen is empty)");
+      }
+    }
+    ASSIGN_OR_RETURN(const metrics::HttpResponse r,
+                     metrics::HttpGet(endpoint, "/metrics", s.timeout));
+    if (r.status != 200) {
+      return absl::UnavailableError(absl::StrCat("GET http://", endpoint, "/metrics: HTTP ",
+                                                 r.status));
+    }
+    s.out << r.body;
+    return 0;
+  };
+  return p;
+}
+
 struct Verb {
   const char* name;
   const char* usage;
@@ -677,6 +718,7 @@ constexpr Verb kVerbs[] = {
     {"status", kStatusUsage, ParseStatus},   {"publish", kPublishUsage, ParsePublish},
     {"export", kExportUsage, ParseExport},   {"wait", kWaitUsage, ParseWait},
     {"verify", kVerifyUsage, ParseVerify},   {"resync", kResyncUsage, ParseResync},
+    {"metrics", kMetricsUsage, ParseMetrics},
 };
 
 int UsageError(std::ostream& err, const absl::Status& status) {
@@ -1027,7 +1069,8 @@ int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostre
   }
   if (args.Done()) {
     return UsageError(err, absl::InvalidArgumentError(
-                               "missing verb: status, publish, export, wait, verify or resync "
+                               "missing verb: status, publish, export, wait, verify, resync "
+                               "or metrics "
                                "(see refitctl --help)"));
   }
   const std::string verb_name = args.Cur();
@@ -1039,7 +1082,8 @@ int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostre
   if (verb == nullptr) {
     return UsageError(err, absl::InvalidArgumentError(absl::StrCat(
                                "unknown verb \"", verb_name,
-                               "\": expected status, publish, export, wait, verify or resync")));
+                               "\": expected status, publish, export, wait, verify, resync "
+                               "or metrics")));
   }
   absl::StatusOr<Parsed> parsed = verb->parse(args);
   if (!parsed.ok()) return UsageError(err, parsed.status());

@@ -58,7 +58,8 @@ TEST(RefitctlUsage, HelpExitsZeroOnEveryVerb) {
   r = RunCtl({"--version"});
   EXPECT_EQ(r.rc, 0);
   EXPECT_EQ(r.out, "refitctl 0.1.0\n");
-  for (const char* verb : {"status", "publish", "export", "wait", "verify", "resync"}) {
+  for (const char* verb : {"status", "publish", "export", "wait", "verify", "resync",
+                           "metrics"}) {
     Result v = RunCtl({verb, "--help"});
     EXPECT_EQ(v.rc, 0) << verb;
     EXPECT_THAT(v.out, HasSubstr(absl::StrCat("refitctl --target ADDR ", verb))) << verb;
@@ -81,6 +82,9 @@ TEST(RefitctlUsage, ErrorsExitTwoWithOneLine) {
       {{"--bogus", "status"}, "unknown option --bogus for refitctl"},
       {{"--target", "unix:/no.sock", "frobnicate"}, "unknown verb \"frobnicate\""},
       {{"status"}, "refitctl status needs --target ADDR"},
+      {{"--target", "unix:/no.sock", "metrics", "--bogus"},
+       "unknown option --bogus for refitctl metrics"},
+      {{"--target", "unix:/no.sock", "metrics", "--address"}, "--address needs a value"},
       {{"--target", "unix:/no.sock", "status", "--yaml"},
        "unknown option --yaml for refitctl status"},
       {{"--target", "unix:/no.sock", "publish"}, "refitctl publish needs --safetensors"},

@@ -15,6 +15,8 @@ PKGS=(
   util-linux                          # setpriv: tests run clients as an unprivileged user
   systemd python3-yaml                # deploy checks: systemd-analyze verify/security, k8s YAML
   libssl-dev                          # libcrypto: refitd checks TLS files itself (README)
+  prometheus-cpp-dev                  # the daemons' metrics endpoint (daemon/metrics)
+  prometheus                          # ops tests: a real Prometheus server and promtool
 )
 
 # --build-only: what building refitd and refitctl needs (the container image's build stage,
@@ -24,6 +26,7 @@ if [ "${1:-}" = "--build-only" ]; then
     build-essential cmake ninja-build pkg-config ca-certificates binutils
     libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
     libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev libssl-dev
+    prometheus-cpp-dev
     libgtest-dev libgmock-dev         # configure finds GTest (the tests are not built)
   )
 elif [ $# -gt 0 ]; then

@@ -182,6 +182,36 @@ absl::Status CheckControlAndLocal(const Checker& c, const std::string& role,
   return CheckDistinct(c, endpoints);
 }
 
+// The metrics endpoint (MetricsConfig): TCP only, and loopback unless `insecure: true` (the
+// endpoint has no TLS); then that it does not collide with the section's other endpoints.
+absl::Status CheckMetrics(const Checker& c, const std::string& role,
+                          const v1::MetricsConfig& metrics, std::vector<Endpoint>& endpoints) {
+  const std::string path = role + ".metrics.listen";
+  if (metrics.listen().empty()) {
+    if (metrics.insecure()) {
+      return c.Fail(role + ".metrics.insecure", "is true, but metrics.listen is empty");
+    }
+    return absl::OkStatus();
+  }
+  auto addr = ParseAddress(metrics.listen(), AddressUse::kListen);
+  if (!addr.ok()) {
+    return c.Fail(path, absl::StrCat(Quote(metrics.listen()), ": ", addr.status().message()));
+  }
+  if (addr->kind != AddressKind::kTcp) {
+    return c.Fail(path, absl::StrCat(Quote(metrics.listen()),
+                                     ": the metrics endpoint is HTTP over TCP (host:port), not a "
+                                     "unix socket"));
+  }
+  if (!addr->loopback && !metrics.insecure()) {
+    return c.Fail(path, absl::StrCat(Quote(metrics.listen()), " is not a loopback address",
+                                     NotLoopbackWhy(*addr), ", and the metrics endpoint has no "
+                                     "TLS: use a loopback address, or set ", role,
+                                     ".metrics.insecure: true explicitly"));
+  }
+  endpoints.push_back(EndpointOf(path, *addr));
+  return CheckDistinct(c, endpoints);
+}
+
 absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const v1::ClientTls& tls,
                             const std::vector<std::pair<std::string, std::string>>& addresses) {
   const bool any =
@@ -417,6 +447,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
   endpoints.push_back(EndpointOf("publisher.listen", listen));
   RETURN_IF_ERROR(CheckControlAndLocal(c, "publisher", p.control_listen(), p.control_tls(),
                                        p.local_socket(), endpoints));
+  RETURN_IF_ERROR(CheckMetrics(c, "publisher", p.metrics(), endpoints));
   RETURN_IF_ERROR(CheckAccess(c, "publisher", p.control_access(), p.local_access()));
   if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
     return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
@@ -527,6 +558,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
   }
   RETURN_IF_ERROR(CheckControlAndLocal(c, "subscriber", s.control_listen(), s.control_tls(),
                                        s.local_socket(), endpoints));
+  RETURN_IF_ERROR(CheckMetrics(c, "subscriber", s.metrics(), endpoints));
   RETURN_IF_ERROR(CheckAccess(c, "subscriber", s.control_access(), s.local_access()));
 
   const v1::StoreConfig& store = s.store();

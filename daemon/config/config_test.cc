@@ -271,6 +271,37 @@ TEST(ConfigTest, ControlListener) {
             "");
 }
 
+TEST(ConfigTest, MetricsListener) {
+  // Off by default; loopback TCP with port 0 is fine on both roles.
+  auto pub = LoadPublisherConfigFromString(kPubListen, "pub.yaml");
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_EQ(pub->metrics().listen(), "");
+  EXPECT_EQ(pub->metrics().max_session_series(), 16u);
+  EXPECT_EQ(PublisherError(kPubListen + "  metrics: {listen: \"127.0.0.1:0\"}\n"), "");
+  EXPECT_EQ(SubscriberError(Sub("  metrics: {listen: \"[::1]:0\"}\n")), "");
+  // No TLS on the endpoint: a non-loopback address needs insecure: true, named by field.
+  EXPECT_EQ(PublisherError(kPubListen + "  metrics:\n    listen: \"0.0.0.0:9400\"\n"),
+            "pub.yaml:4:13: publisher.metrics.listen: \"0.0.0.0:9400\" is not a loopback "
+            "address, and the metrics endpoint has no TLS: use a loopback address, or set "
+            "publisher.metrics.insecure: true explicitly");
+  EXPECT_EQ(PublisherError(kPubListen +
+                           "  metrics: {listen: \"0.0.0.0:9400\", insecure: true}\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError(Sub("  metrics: {insecure: true}\n")),
+                  "subscriber.metrics.insecure: is true, but metrics.listen is empty");
+  // HTTP over TCP only; bad syntax and collisions name the field.
+  EXPECT_CONTAINS(SubscriberError(Sub("  metrics: {listen: \"unix:/tmp/m.sock\"}\n")),
+                  "subscriber.metrics.listen: \"unix:/tmp/m.sock\": the metrics endpoint is "
+                  "HTTP over TCP");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  metrics: {listen: \"127.0.0.1\"}\n"),
+                  "publisher.metrics.listen: \"127.0.0.1\":");
+  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:7\"\n"
+                                 "  metrics: {listen: \"127.0.0.1:7\"}\n"),
+                  "publisher.metrics.listen: uses the same address as publisher.listen");
+  EXPECT_CONTAINS(PublisherError(kPubListen + "  metrics: {max_session_series: 1001}\n"),
+                  "publisher.metrics.max_session_series");
+}
+
 TEST(ConfigTest, AddressSyntaxErrorsNameTheField) {
   EXPECT_EQ(PublisherError("publisher:\n  listen: \"0.0.0.0\"\n"),
             "pub.yaml:2:11: publisher.listen: \"0.0.0.0\": missing ':port' (write host:port, "

@@ -256,6 +256,9 @@ void DataPlaneService::NoteAckedLocked() {
     if (p.measured && p.last_ack_unix_nanos > p.snapshot_unix_nanos) {
       core_->NoteRefitLatency(p.version, (p.last_ack_unix_nanos - p.snapshot_unix_nanos) / 1000);
     }
+    if (options_.metrics != nullptr) {
+      options_.metrics->FullyAcked(absl::Microseconds(stats.latency_micros()));
+    }
     last_fully_acked_ = stats;
     pending_.pop_front();
   }
@@ -1113,6 +1116,9 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
              v1::TransferReason_Name(header.reason()), header.streamed() ? ", streamed" : "",
              end.wire_bytes(), end.dense_bytes(),
              stats.keyframe_tensors(), absl::ToInt64Milliseconds(took));
+  if (options_.metrics != nullptr) {
+    options_.metrics->TransferApplied(header.reason(), stats, /*stages=*/nullptr);
+  }
   absl::MutexLock lock(&mu_);
   session->acked_version = ack.applied_version();
   session->acked_unix_nanos = NowUnixNanos();
@@ -1147,6 +1153,9 @@ absl::Status DataPlaneService::NoteRejected(const std::shared_ptr<Session>& sess
                  : absl::StrCat(" (", ack.mismatched_tensors_size(),
                                 " tensors mismatched: keyframes next)"),
              loop.rejections, absl::FormatDuration(delay));
+  if (options_.metrics != nullptr) {
+    options_.metrics->TransferRejected(static_cast<uint64_t>(ack.mismatched_tensors_size()));
+  }
   absl::MutexLock lock(&mu_);
   session->keyframe_tensors.insert(ack.mismatched_tensors().begin(),
                                    ack.mismatched_tensors().end());

@@ -40,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/metrics/refit_metrics.h"
 #include "daemon/publisher/publisher_core.h"
 #include "spdlog/spdlog.h"
 #include "refit/v1/control.pb.h"
@@ -83,6 +84,9 @@ struct DataPlaneOptions {
   std::string logger = "dataplane";
   // config shard (count > 0): Welcome.shard, this publisher serves one shard of a set.
   v1::ShardIdentity shard{};
+  // Optional (must outlive the service): counts applied and rejected transfers, and observes
+  // each version's publish -> applied-everywhere latency (daemon/metrics/refit_metrics.h).
+  metrics::RefitMetrics* metrics = nullptr;
 };
 
 // Frame scheduling (docs/ARCHITECTURE.md "Data plane sessions").

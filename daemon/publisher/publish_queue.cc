@@ -39,6 +39,19 @@ std::string Fingerprint(const FilesPublish& p) {
                       absl::StrJoin(p.paths, "\n"));
 }
 
+// The figures of a published version the metrics count (its log line's).
+metrics::PublishFigures FiguresOf(const PublishSummary& s) {
+  return {.wire_bytes = s.wire_bytes,
+          .dense_bytes = s.dense_bytes,
+          .changed_elements = s.changed_elements,
+          .total_elements = s.total_elements,
+          .keyframe_tensors = s.keyframe_tensors,
+          .encode = absl::Microseconds(s.encode_micros),
+          .digest = absl::Microseconds(s.digest_micros),
+          .persist = absl::Microseconds(s.persist_micros),
+          .total = absl::Microseconds(s.total_micros)};
+}
+
 }  // namespace
 
 std::string FormatBytes(uint64_t bytes) {
@@ -502,6 +515,7 @@ void PublishQueue::Run() {
     if (result.ok()) {
       if (data_plane_ != nullptr) data_plane_->NotifyPublished();
       LogEvent(*log_, spdlog::level::info, DescribePublish(*result), PublishFields(*result));
+      if (options_.metrics != nullptr) options_.metrics->Published(FiguresOf(*result));
       if (!result->persist_status.ok()) {
         log_->error(
             "version {} is served from memory but its baseline was NOT persisted (a restart "
@@ -511,6 +525,7 @@ void PublishQueue::Run() {
     } else {
       log_->error("version {} from {} failed: {}", job.version, job.source,
                   result.status().ToString());
+      if (options_.metrics != nullptr) options_.metrics->PublishFailed();
     }
     absl::MutexLock lock(&mu_);
     --outstanding_;

@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/common/logging.h"
+#include "daemon/metrics/refit_metrics.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publisher_core.h"
 #include "refit/v1/control.pb.h"
@@ -114,6 +115,9 @@ struct PublishQueueOptions {
   // Test hook: called by the worker with the job's version after the job started (a lender's
   // InputsRelease::Start) and before the pass reads its inputs; the pass waits for it to return.
   std::function<void(uint64_t version)> before_pass;
+  // Optional (must outlive the queue): counts published and failed versions, observes the
+  // publish stages (daemon/metrics/refit_metrics.h).
+  metrics::RefitMetrics* metrics = nullptr;
 };
 
 // One Control publish.

@@ -75,6 +75,7 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   r.set_role(v1::ROLE_PUBLISHER);
   r.set_name(options_.name);
   r.set_build_version(kBuildVersion);
+  r.set_metrics_address(options_.metrics_address);
   const Snapshot baseline = ConsistentBaseline(*core_);
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest);

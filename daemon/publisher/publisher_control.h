@@ -50,6 +50,8 @@ struct ControlOptions {
   std::string persist_dir;
   // publisher.shard (count 0 = not sharded): Status.shards' set, index and count.
   v1::ShardIdentity shard{};
+  // Status.metrics_address: the bound metrics endpoint ("" = none).
+  std::string metrics_address = "";
 };
 
 class PublisherControl final : public v1::Control::Service {

@@ -20,6 +20,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
@@ -42,6 +43,7 @@ class PublisherDaemonImpl final : public PublisherDaemon {
     if (shut_down_) return;
     shut_down_ = true;
     log_->info("shutting down");
+    metrics_.Stop();  // no scrape reads the services below while they stop
     if (data_plane_) data_plane_->Shutdown();
     if (queue_) queue_->BeginStop();  // wakes WaitVersion calls
     const auto deadline = std::chrono::system_clock::now() + kShutdownGrace;
@@ -68,6 +70,8 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   std::shared_ptr<spdlog::logger> log_ = Logger("publisher");
   // The listeners' TLS material (rotation); outlives the servers that read it.
   std::unique_ptr<config::TlsReloader> tls_ = std::make_unique<config::TlsReloader>();
+  // The metrics endpoint and what the data plane and queue report to; outlives them.
+  metrics::DaemonMetrics metrics_;
   // Declared first, destroyed last: the core's GPU baseline and queued snapshots are
   // allocations of these devices.
   std::unique_ptr<DeviceCache> devices_;
@@ -290,6 +294,7 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
                          PublisherDaemonImpl& d) {
   PublishQueueOptions queue_options;
   queue_options.max_pending = config.publish_queue().max_pending();
+  queue_options.metrics = d.metrics_.refit();
   if (const char* hook = std::getenv(kStallHookEnv); hook != nullptr && hook[0] != '\0') {
     queue_options.stall_file = hook;
     d.log_->warn("test hook {}={}: publishes stall while that file exists", kStallHookEnv, hook);
@@ -307,7 +312,9 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
                      .export_dir = config.files().export_dir(),
                      .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
                      .persist_dir = options.persist_dir,
-                     .shard = ShardIdentityOf(config.shard())});
+                     .shard = ShardIdentityOf(config.shard()),
+                     .metrics_address = d.metrics_.address()});
+  d.metrics_.Serve([control = d.control_service_.get()] { return control->GetStatus(); });
 }
 
 // The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache
@@ -331,7 +338,7 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
   const bool pinned = options.gpu_baseline == cuda::Allocation::Kind::kPinnedHost;
   d.log_->info(
       "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
-      "(history budget {}, codec {}, persist dir \"{}\")",
+      "(history budget {}, codec {}, persist dir \"{}\"){}",
       name, kBuildVersion, d.listen_.bound_address,
       separate_control ? d.control_.bound_address : d.listen_.bound_address,
       config.local_socket().empty() ? std::string("(none)") : d.local_.bound_address,
@@ -344,12 +351,16 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
                          ")")
           : absl::StrCat("on ", options.device->Describe(), ", GPU baseline in ",
                          pinned ? "pinned host memory" : "device memory"),
-      options.persist_dir);
+      options.persist_dir,
+      d.metrics_.address().empty()
+          ? std::string()
+          : absl::StrCat(", metrics on http://", d.metrics_.address(), "/metrics"));
   if (config.ready_file().empty()) return absl::OkStatus();
   absl::Status ready = WriteReadyFile(config.ready_file(),
                                       {{"listen", d.listen_.bound_address},
                                        {"control_listen", d.control_.bound_address},
                                        {"local_socket", d.local_.bound_address},
+                                       {"metrics", d.metrics_.address()},
                                        {"pid", absl::StrCat(getpid())}});
   if (!ready.ok()) {
     return absl::Status(ready.code(), absl::StrCat("publisher.ready_file: ", ready.message()));
@@ -389,8 +400,13 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);
 
-  daemon->data_plane_ = std::make_unique<DataPlaneService>(
-      daemon->core_.get(), DataPlaneOptionsOf(config, name));
+  ASSIGN_OR_RETURN(daemon->metrics_,
+                   metrics::DaemonMetrics::Start(v1::ROLE_PUBLISHER, "publisher.metrics",
+                                                 config.metrics()));
+  DataPlaneOptions data_plane_options = DataPlaneOptionsOf(config, name);
+  data_plane_options.metrics = daemon->metrics_.refit();
+  daemon->data_plane_ =
+      std::make_unique<DataPlaneService>(daemon->core_.get(), std::move(data_plane_options));
   MakeQueueAndControl(config, name, options, started, *daemon);
   RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {

@@ -44,52 +44,59 @@ SubscriberControlService::SubscriberControlService(SubscriberCore* core,
 grpc::Status SubscriberControlService::Status(grpc::ServerContext* context,
                                               const v1::StatusRequest* request,
                                               v1::StatusResponse* response) {
-  response->set_role(v1::ROLE_SUBSCRIBER);
-  response->set_name(options_.name);
-  response->set_build_version(kBuildVersion);
+  *response = GetStatus();
+  return grpc::Status::OK;
+}
+
+v1::StatusResponse SubscriberControlService::GetStatus() const {
+  v1::StatusResponse r;
+  r.set_role(v1::ROLE_SUBSCRIBER);
+  r.set_name(options_.name);
+  r.set_build_version(kBuildVersion);
   const VersionRecord applied = core_->applied_record();
-  response->set_version(applied.version);
-  response->set_version_digest(applied.version_digest);
-  response->set_digest_format(sync::DigestFormatToWire(applied.digest_format));
-  response->set_lineage(core_->applied_lineage());
+  r.set_version(applied.version);
+  r.set_version_digest(applied.version_digest);
+  r.set_digest_format(sync::DigestFormatToWire(applied.digest_format));
+  r.set_lineage(core_->applied_lineage());
   if (std::shared_ptr<store::SlottedStore> st = core_->store(); st != nullptr) {
     uint64_t bytes = 0;
     for (const store::TensorInfo& ti : st->layout().tensors()) bytes += ti.size_bytes;
-    response->set_tensors(static_cast<uint32_t>(st->layout().size()));
-    response->set_model_bytes(bytes);
+    r.set_tensors(static_cast<uint32_t>(st->layout().size()));
+    r.set_model_bytes(bytes);
   }
   if (hooks_.peer_sessions) {
-    for (v1::SessionStatus& s : hooks_.peer_sessions()) *response->add_sessions() = std::move(s);
+    for (v1::SessionStatus& s : hooks_.peer_sessions()) *r.add_sessions() = std::move(s);
   }
-  if (hooks_.upstream_status) *response->mutable_upstream() = hooks_.upstream_status();
-  if (hooks_.bytes_sent) response->set_bytes_sent(hooks_.bytes_sent());
-  if (hooks_.relay) *response->mutable_relay() = hooks_.relay();
-  if (hooks_.shards) *response->mutable_shards() = hooks_.shards();
-  if (hooks_.bytes_received) response->set_bytes_received(hooks_.bytes_received());
-  if (hooks_.last_refit) *response->mutable_last_refit() = hooks_.last_refit();
-  if (hooks_.scrub_status) hooks_.scrub_status(*response);
+  if (hooks_.upstream_status) *r.mutable_upstream() = hooks_.upstream_status();
+  if (hooks_.bytes_sent) r.set_bytes_sent(hooks_.bytes_sent());
+  if (hooks_.relay) *r.mutable_relay() = hooks_.relay();
+  if (hooks_.shards) *r.mutable_shards() = hooks_.shards();
+  if (hooks_.bytes_received) r.set_bytes_received(hooks_.bytes_received());
+  if (hooks_.last_refit) *r.mutable_last_refit() = hooks_.last_refit();
+  if (hooks_.scrub_status) hooks_.scrub_status(r);
   if (hooks_.tls_status) {
-    for (v1::TlsMaterialStatus& t : hooks_.tls_status()) *response->add_tls() = std::move(t);
+    for (v1::TlsMaterialStatus& t : hooks_.tls_status()) *r.add_tls() = std::move(t);
   }
   for (const LeaseEntry& e : core_->Leases()) {
     if (e.lease.consumer == options_.self_consumer ||
         absl::StartsWith(e.lease.consumer, absl::StrCat(options_.self_consumer, "/"))) {
       continue;  // the daemon's own (migration base, export, layout, peers)
     }
-    v1::LeaseStatus* l = response->add_leases();
+    v1::LeaseStatus* l = r.add_leases();
     l->set_lease_id(e.lease.lease_id);
     l->set_consumer(e.lease.consumer);
     l->set_version(e.lease.version);
     l->set_remaining_ms(ToMs(e.lease.remaining));
   }
   if (std::optional<LeaseBlock> block = core_->blocked_on_leases(); block.has_value()) {
-    v1::LeaseBlockStatus* b = response->mutable_blocked_on_leases();
+    v1::LeaseBlockStatus* b = r.mutable_blocked_on_leases();
     b->set_version(block->version);
     b->set_since_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(block->since)));
     for (const std::string& h : block->holders) b->add_holders(h);
   }
-  response->set_uptime_ms(ToMs(absl::Now() - options_.start_time));
-  return grpc::Status::OK;
+  r.set_uptime_ms(ToMs(absl::Now() - options_.start_time));
+  r.set_metrics_address(options_.metrics_address);
+  return r;
 }
 
 grpc::Status SubscriberControlService::Publish(grpc::ServerContext* context,

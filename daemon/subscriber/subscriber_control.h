@@ -51,6 +51,8 @@ struct SubscriberControlOptions {
   // exactly export_mode.
   std::string export_dir;
   uint32_t export_mode = 0600;
+  // Status.metrics_address: the bound metrics endpoint ("" = none).
+  std::string metrics_address = "";
 };
 
 class SubscriberControlService final : public v1::Control::Service {
@@ -61,6 +63,8 @@ class SubscriberControlService final : public v1::Control::Service {
 
   grpc::Status Status(grpc::ServerContext* context, const v1::StatusRequest* request,
                       v1::StatusResponse* response) override;
+  // What Status answers (the daemon's watchdog and metrics call it in process).
+  v1::StatusResponse GetStatus() const;
   grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
                        v1::PublishResponse* response) override;
   grpc::Status Export(grpc::ServerContext* context, const v1::ExportRequest* request,

@@ -30,6 +30,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
 #include "daemon/config/address.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/publisher/data_plane_service.h"
@@ -173,6 +174,8 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   const absl::Time start_time_;
   // TLS material of the upstream and the listeners (rotation); outlives what reads it.
   std::unique_ptr<config::TlsReloader> tls_ = std::make_unique<config::TlsReloader>();
+  // The metrics endpoint and what the upstreams report to; outlives them.
+  metrics::DaemonMetrics metrics_;
 
   std::unique_ptr<cuda::Device> device_;  // store.kind cuda; outlives core_ (declared first)
   std::unique_ptr<SubscriberCore> core_;
@@ -325,6 +328,7 @@ absl::Status SubscriberDaemonImpl::OpenDevice(const cuda::DeviceOpener& open_dev
 absl::Status SubscriberDaemonImpl::MakeUpstream() {
   const v1::UpstreamConfig& u = config_.upstream();
   UpstreamOptions up = UpstreamTimingOf(u);
+  up.metrics = metrics_.refit();
   up.name = name_;
   ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
@@ -415,15 +419,17 @@ void SubscriberDaemonImpl::MakeServices() {
   co.start_time = start_time_;
   co.export_dir = c.files().export_dir();
   co.export_mode = config::FileModeOr(c.files().export_mode(), 0600);
+  co.metrics_address = metrics_.address();
   control_ = std::make_unique<SubscriberControlService>(core_.get(), &board_, std::move(hooks),
                                                         std::move(co));
+  metrics_.Serve([control = control_.get()] { return control->GetStatus(); });
 }
 
 // The "started" log line and the ready file (once every server is bound).
 absl::Status SubscriberDaemonImpl::AnnounceStarted() {
   const v1::SubscriberConfig& c = config_;
   log_->info("subscriber {} started: listen {}, control {}, local {}, store {} slots, serve_peers "
-             "{}, upstream {}{}",
+             "{}, upstream {}{}{}",
              name_, listen_.bound_address.empty() ? "-" : listen_.bound_address,
              control_server_.bound_address.empty() ? "(on listen)" : control_server_.bound_address,
              local_.bound_address.empty() ? "-" : local_.bound_address, c.store().slots(),
@@ -435,16 +441,23 @@ absl::Status SubscriberDaemonImpl::AnnounceStarted() {
              c.upstream().bootstrap_peers().empty()
                  ? std::string()
                  : absl::StrCat(" (bootstrap peers ",
-                                absl::StrJoin(c.upstream().bootstrap_peers(), ","), ")"));
+                                absl::StrJoin(c.upstream().bootstrap_peers(), ","), ")"),
+             metrics_.address().empty()
+                 ? std::string()
+                 : absl::StrCat(", metrics on http://", metrics_.address(), "/metrics"));
   if (c.ready_file().empty()) return absl::OkStatus();
   return WriteReadyFile(c.ready_file(), {{"listen", listen_.bound_address},
                                          {"control_listen", control_server_.bound_address},
                                          {"local_socket", local_.bound_address},
+                                         {"metrics", metrics_.address()},
                                          {"pid", std::to_string(getpid())}});
 }
 
 absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   SubscriberOptions core_options = CoreOptionsOf(config_);
+  ASSIGN_OR_RETURN(metrics_, metrics::DaemonMetrics::Start(v1::ROLE_SUBSCRIBER,
+                                                           "subscriber.metrics",
+                                                           config_.metrics()));
   RETURN_IF_ERROR(OpenDevice(open_device));
   core_options.device = device_.get();
   core_ = std::make_unique<SubscriberCore>(core_options);
@@ -501,6 +514,14 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
             {"verify_ms", ms(t.verify_micros())},
             {"apply_ms", ms(t.apply_micros())},
             {"digests_verified", s.digests_verified()}});
+
+  if (metrics::RefitMetrics* m = metrics_.refit(); m != nullptr) {
+    const metrics::ApplyStages stages{.receive = absl::Microseconds(t.receive_micros()),
+                                      .stage = absl::Microseconds(t.stage_micros()),
+                                      .verify = absl::Microseconds(t.verify_micros()),
+                                      .apply = absl::Microseconds(t.apply_micros())};
+    m->TransferApplied(ev.reason, s, &stages);
+  }
 
   AppliedVersion applied;
   applied.version = s.version();
@@ -703,6 +724,7 @@ void SubscriberDaemonImpl::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  metrics_.Stop();  // no scrape reads the services below while they stop
   board_.Close();  // ends WatchVersions streams and WaitVersion calls
   if (scrubber_ != nullptr) scrubber_->Stop();
   for (const auto& up : upstreams_) up->Stop();

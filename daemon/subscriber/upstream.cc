@@ -776,6 +776,9 @@ absl::Status Upstream::OnRejected(Session& session, const v1::VersionEnd& end,
                                   const v1::Ack& ack) {
   log_->warn("version {} (base {}) rejected: {}", end.version(), session.header.base_version(),
              ack.error());
+  if (options_.metrics != nullptr) {
+    options_.metrics->TransferRejected(static_cast<uint64_t>(ack.mismatched_tensors_size()));
+  }
   if (!ack.mismatched_tensors().empty()) {
     v1::SubscriberMessage m;
     v1::KeyframeRequest* req = m.mutable_keyframe_request();

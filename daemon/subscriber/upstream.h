@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/metrics/refit_metrics.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/transfer_sink.h"
 #include "daemon/sync/digest_format.h"
@@ -92,6 +93,9 @@ struct UpstreamOptions {
   bool tensors_partial = false;
   // Optional (must outlive the Upstream): sees every transfer as it arrives.
   TransferTap* tap = nullptr;
+  // Optional (must outlive the Upstream): counts rejected transfers and mismatched digests
+  // (daemon/metrics/refit_metrics.h; applied ones are counted by the daemon's OnApplied).
+  metrics::RefitMetrics* metrics = nullptr;
 };
 
 // What a successful transfer did (the daemon announces the version to consumers, logs it,

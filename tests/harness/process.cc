@@ -244,6 +244,31 @@ CommandResult RunRefitd(const std::vector<std::string>& args, absl::Duration tim
   return RunCommand(argv, timeout);
 }
 
+absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Start(
+    const std::vector<std::string>& argv, const std::string& log_path) {
+  const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::InternalError(Errno(log_path.c_str()));
+  const Spawned s = Spawn(argv, fd, fd);
+  close(fd);
+  if (s.pid < 0) return absl::InternalError(s.error);
+  return std::unique_ptr<ChildProcess>(new ChildProcess(s.pid, log_path));
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  int wstatus = 0;
+  while (waitpid(pid_, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+}
+
+bool ChildProcess::running() {
+  if (pid_ <= 0) return false;
+  int wstatus = 0;
+  if (waitpid(pid_, &wstatus, WNOHANG) == pid_) pid_ = -1;
+  return pid_ > 0;
+}
+
 absl::StatusOr<ReadyInfo> ParseReadyFile(const std::string& json) {
   // A flat JSON object whose values are strings (with simple escapes) or numbers.
   ReadyInfo info;
@@ -303,6 +328,8 @@ absl::StatusOr<ReadyInfo> ParseReadyFile(const std::string& json) {
       info.control_listen = value;
     } else if (key == "local_socket") {
       info.local_socket = value;
+    } else if (key == "metrics") {
+      info.metrics = value;
     } else if (key == "pid") {
       if (!absl::SimpleAtoi(value, &info.pid)) {
         return absl::InvalidArgumentError(absl::StrCat("ready file: pid '", value, "' is not a number"));

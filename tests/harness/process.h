@@ -14,7 +14,9 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,12 +54,32 @@ CommandResult RunRefitctl(const std::vector<std::string>& args,
 CommandResult RunRefitd(const std::vector<std::string>& args,
                         absl::Duration timeout = absl::Seconds(30));
 
+// A long-running helper process that is not a refitd (a Prometheus server): stdout and stderr
+// appended to `log_path`, SIGKILLed and reaped on destruction (and with the test process).
+class ChildProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Start(const std::vector<std::string>& argv,
+                                                             const std::string& log_path);
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  // Still running (false once it exited; it is reaped then).
+  bool running();
+  const std::string& log_path() const { return log_path_; }
+
+ private:
+  ChildProcess(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
+  pid_t pid_;
+  const std::string log_path_;
+};
+
 // Contents of a daemon's ready file: {"listen": ..., "control_listen": ..., "local_socket": ...,
 // "pid": ...} (flat JSON object; values strings or numbers).
 struct ReadyInfo {
   std::string listen;
   std::string control_listen;
   std::string local_socket;
+  std::string metrics;  // the metrics endpoint ("127.0.0.1:41234"; "" = none)
   int64_t pid = 0;
 };
 absl::StatusOr<ReadyInfo> ParseReadyFile(const std::string& json);

@@ -1,0 +1,111 @@
+// Metrics observed when a refit completes (the counters and histograms that Status has no
+// running figure for), exported by the daemon's metrics endpoint (metrics_server.h) beside the
+// figures StatusCollector reads from Status at scrape time.
+//
+// The daemons call these where they write their per-refit log line: the publisher's publish
+// queue (Published / PublishFailed), its data plane per session (TransferApplied /
+// TransferRejected, FullyAcked), the subscriber's upstream (TransferApplied / TransferRejected).
+// Every label takes a bounded set of values (a TransferReason name, a stage name), so the series
+// count does not grow with traffic. Thread-safe (prometheus-cpp's metrics are).
+#ifndef REFIT_DAEMON_METRICS_REFIT_METRICS_H_
+#define REFIT_DAEMON_METRICS_REFIT_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "refit/v1/control.pb.h"
+#include "refit/v1/data.pb.h"
+
+namespace refit::metrics {
+
+// One version the publisher read, encoded and committed.
+struct PublishFigures {
+  uint64_t wire_bytes = 0;   // patches + keyframe tensors' dense bytes (before LZ4)
+  uint64_t dense_bytes = 0;  // the whole version
+  uint64_t changed_elements = 0;
+  uint64_t total_elements = 0;
+  uint64_t keyframe_tensors = 0;
+  // Stages of Publish (PublishSummary): encode, digest, persist hand-over, and the whole call.
+  absl::Duration encode = absl::ZeroDuration();
+  absl::Duration digest = absl::ZeroDuration();
+  absl::Duration persist = absl::ZeroDuration();
+  absl::Duration total = absl::ZeroDuration();
+};
+
+// Subscriber: the stages of one applied transfer (TransferTimings).
+struct ApplyStages {
+  absl::Duration receive = absl::ZeroDuration();
+  absl::Duration stage = absl::ZeroDuration();
+  absl::Duration verify = absl::ZeroDuration();
+  absl::Duration apply = absl::ZeroDuration();
+};
+
+class RefitMetrics {
+ public:
+  // Registers the role's metrics: publisher_* on a publisher, subscriber_* on a subscriber, the
+  // transfer metrics on both. The other role's calls are no-ops.
+  explicit RefitMetrics(v1::Role role);
+
+  // What the exposer collects.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // Publisher: a version published, or a publish that failed.
+  void Published(const PublishFigures& f);
+  void PublishFailed();
+  // Publisher: every session connected when `version` was snapshot acked it; `latency` =
+  // snapshot -> last ack (publish -> applied everywhere).
+  void FullyAcked(absl::Duration latency);
+
+  // A transfer applied (publisher: a session's Ack; subscriber: its upstream's version applied):
+  // by TransferReason; `stats` gives bytes, elements, keyframe tensors and its latency
+  // (publisher: transfer start -> Ack; subscriber: VersionHeader -> announced). `stages`: the
+  // subscriber's split of that latency (null on the publisher).
+  void TransferApplied(v1::TransferReason reason, const v1::RefitStats& stats,
+                       const ApplyStages* stages);
+  // A transfer rejected by the subscriber (its digest check or apply failed), with the tensors
+  // whose digests did not match.
+  void TransferRejected(uint64_t mismatched_tensors);
+
+ private:
+  void RegisterPublisher();
+  void RegisterTransfers(v1::Role role);
+  void RegisterSubscriber();
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Counter* published_ = nullptr;
+  prometheus::Counter* publish_failures_ = nullptr;
+  prometheus::Counter* published_wire_bytes_ = nullptr;
+  prometheus::Counter* published_dense_bytes_ = nullptr;
+  prometheus::Counter* published_changed_elements_ = nullptr;
+  prometheus::Counter* published_elements_ = nullptr;
+  prometheus::Counter* published_keyframe_tensors_ = nullptr;
+  // encode, digest, persist, total.
+  std::array<prometheus::Histogram*, 4> publish_stages_{};
+  prometheus::Histogram* fully_acked_ = nullptr;
+  prometheus::Family<prometheus::Counter>* applied_ = nullptr;
+  prometheus::Family<prometheus::Counter>* keyframe_tensors_ = nullptr;
+  prometheus::Counter* wire_bytes_ = nullptr;
+  prometheus::Counter* dense_bytes_ = nullptr;
+  prometheus::Counter* changed_elements_ = nullptr;
+  prometheus::Counter* elements_ = nullptr;
+  prometheus::Histogram* refit_ = nullptr;
+  // receive, stage, verify, apply.
+  std::array<prometheus::Histogram*, 4> apply_stages_{};
+  prometheus::Counter* rejected_ = nullptr;
+  prometheus::Counter* mismatched_tensors_ = nullptr;
+};
+
+// The label value of a TransferReason: its name without the prefix, lower case
+// ("next_version", "bootstrap", ...).
+std::string ReasonLabel(v1::TransferReason reason);
+
+}  // namespace refit::metrics
+
+#endif  // REFIT_DAEMON_METRICS_REFIT_METRICS_H_
