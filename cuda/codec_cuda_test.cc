@@ -706,6 +706,56 @@ TEST(CudaCodec, FlippedPayloadBitIsDataLossAndWritesNothing) {
   }
 }
 
+// Corrupts n > 0 payload bytes at p, one of four ways by trial: a flipped bit, a random tail, all
+// zeros or all ones, a few flipped bytes.
+void CorruptPayload(uint8_t* p, uint64_t n, int trial, std::mt19937_64& rng) {
+  switch (trial % 4) {
+    case 0:
+      p[rng() % n] ^= static_cast<uint8_t>(1u << (rng() % 8));
+      break;
+    case 1:
+      for (uint64_t k = rng() % n; k < n; ++k) p[k] = static_cast<uint8_t>(rng());
+      break;
+    case 2:
+      std::memset(p, (trial & 4) ? 0xff : 0x00, n);
+      break;
+    default:
+      for (int k = 0; k < 3; ++k) p[rng() % n] ^= static_cast<uint8_t>(rng() | 1);
+      break;
+  }
+}
+
+// A corrupted patch with valid checksums, applied on the CPU and on the device: the same verdict
+// and message; out of place the base is untouched; in place every block of `block` elements is
+// the base's or the target's (the CPU's output on success, `target` on failure): the failing
+// block is never partly applied. Returns whether the CPU accepted the patch.
+bool ExpectDeviceVerdictIsCpus(DeviceCodec& codec, const Bytes& bad, DType t, const Bytes& a,
+                               const Bytes& target, size_t block, const ChangeRecord* prev) {
+  const size_t w = static_cast<size_t>(DTypeSize(t));
+  Bytes cpu_out(a.size(), 0);
+  const absl::Status cpu = ApplyPatch(bad, t, a, cpu_out, 1, prev);
+  DeviceBuffer dbase = Upload(a), dout = Upload(Bytes(a.size(), 0));
+  const absl::Status gpu = codec.Apply(bad, t, dbase.data(), dout.data(), a.size(), nullptr, prev);
+  EXPECT_EQ(gpu.code(), cpu.code()) << "gpu: " << gpu << "\ncpu: " << cpu;
+  EXPECT_EQ(gpu.message(), cpu.message());
+  EXPECT_EQ(FirstDiff(Download(dbase, a.size()), a), -1) << "out-of-place apply wrote the base";
+  if (cpu.ok()) {
+    EXPECT_EQ(FirstDiff(Download(dout, a.size()), cpu_out), -1);
+  }
+  DeviceBuffer dip = Upload(a);
+  const absl::Status gip = codec.Apply(bad, t, dip.data(), dip.data(), a.size(), nullptr, prev);
+  EXPECT_EQ(gip.code(), cpu.code());
+  const Bytes got = Download(dip, a.size());
+  const Bytes& want = cpu.ok() ? cpu_out : target;
+  for (size_t off = 0; off < a.size(); off += block * w) {
+    const size_t len = std::min(block * w, a.size() - off);
+    const bool is_base = std::memcmp(got.data() + off, a.data() + off, len) == 0;
+    const bool is_target = std::memcmp(got.data() + off, want.data() + off, len) == 0;
+    EXPECT_TRUE(is_base || is_target) << "block at byte " << off << " partly applied";
+  }
+  return cpu.ok();
+}
+
 // Corrupted payloads with valid checksums: the GPU decoder must reject exactly what the CPU decoder
 // rejects, with the same message, and never leave a block partly applied.
 TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
@@ -714,7 +764,6 @@ TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
   DeviceCodec codec;
   int rejected = 0, accepted = 0;
   for (DType t : {DType::kBF16, DType::kBool, DType::kI64, DType::kF8E4M3}) {
-    const int w = DTypeSize(t);
     const Bytes a = RandomTensor(t, 4 * 256, rng);
     const Bytes b = Mutate(a, t, 0.05, rng);
     auto patch = EncodePatch(t, a, b, EncodeOptions{8, 1});
@@ -731,49 +780,9 @@ TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
       SCOPED_TRACE(::testing::Message() << DTypeName(t) << " trial " << trial);
       Bytes bad = *patch;
       const BlockDesc& d = layout->blocks[sparse[rng() % sparse.size()]];
-      uint8_t* p = bad.data() + d.payload_offset;
-      switch (trial % 4) {
-        case 0:  // one flipped bit
-          p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(1u << (rng() % 8));
-          break;
-        case 1:  // a random tail
-          for (uint64_t k = rng() % d.payload_bytes; k < d.payload_bytes; ++k) p[k] = static_cast<uint8_t>(rng());
-          break;
-        case 2:  // all zeros or all ones
-          std::memset(p, (trial & 4) ? 0xff : 0x00, d.payload_bytes);
-          break;
-        default:  // a few flipped bytes
-          for (int k = 0; k < 3; ++k) p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(rng() | 1);
-          break;
-      }
+      CorruptPayload(bad.data() + d.payload_offset, d.payload_bytes, trial, rng);
       bad = Resign(bad);
-      Bytes cpu_out(a.size(), 0);
-      const absl::Status cpu = ApplyPatch(bad, t, a, cpu_out, 1);
-      DeviceBuffer dbase = Upload(a), dout = Upload(Bytes(a.size(), 0));
-      const absl::Status gpu = codec.Apply(bad, t, dbase.data(), dout.data(), a.size());
-      EXPECT_EQ(gpu.code(), cpu.code()) << "gpu: " << gpu << "\ncpu: " << cpu;
-      EXPECT_EQ(gpu.message(), cpu.message());
-      EXPECT_EQ(FirstDiff(Download(dbase, a.size()), a), -1) << "out-of-place apply wrote the base";
-      if (cpu.ok()) {
-        ++accepted;
-        EXPECT_EQ(FirstDiff(Download(dout, a.size()), cpu_out), -1);
-      } else {
-        ++rejected;
-      }
-      // In place: every block is either the base's or the target's (cpu_out on success).
-      DeviceBuffer dip = Upload(a);
-      const absl::Status gip = codec.Apply(bad, t, dip.data(), dip.data(), a.size());
-      EXPECT_EQ(gip.code(), cpu.code());
-      const Bytes got = Download(dip, a.size());
-      // On success the whole output is cpu_out; on failure the blocks other than the corrupted
-      // one decode to b, and the corrupted one must be left as the base.
-      const Bytes& want_target = cpu.ok() ? cpu_out : b;
-      for (size_t blk = 0; blk < layout->blocks.size(); ++blk) {
-        const size_t off = blk * 256 * w, len = 256 * w;
-        const bool is_base = std::memcmp(got.data() + off, a.data() + off, len) == 0;
-        const bool is_target = std::memcmp(got.data() + off, want_target.data() + off, len) == 0;
-        EXPECT_TRUE(is_base || is_target) << "block " << blk << " partly applied";
-      }
+      ++(ExpectDeviceVerdictIsCpus(codec, bad, t, a, b, 256, nullptr) ? accepted : rejected);
     }
   }
   std::printf("corruptions rejected: %d, still valid: %d\n", rejected, accepted);
@@ -982,51 +991,15 @@ TEST(CudaCodec, FormatTwoResignedGarbageMatchesCpuDecoder) {
       if (layout->blocks[i].mode == format::kContext) ctx.push_back(i);
     }
     ASSERT_FALSE(ctx.empty());
-    const Bytes& a = v[1];
     const int trials = kEmulated ? 40 : 300;
     for (int trial = 0; trial < trials; ++trial) {
       SCOPED_TRACE(::testing::Message() << "conditioned=" << conditioned << " trial " << trial);
       Bytes bad = patch;
       const BlockDesc& d = layout->blocks[ctx[rng() % ctx.size()]];
-      uint8_t* p = bad.data() + d.payload_offset;
-      switch (trial % 4) {
-        case 0:
-          p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(1u << (rng() % 8));
-          break;
-        case 1:
-          for (uint64_t k = rng() % d.payload_bytes; k < d.payload_bytes; ++k) p[k] = static_cast<uint8_t>(rng());
-          break;
-        case 2:
-          std::memset(p + (trial & 4 ? 0 : 1), (trial & 8) ? 0xff : 0x00, d.payload_bytes - 1);
-          break;
-        default:
-          for (int k = 0; k < 3; ++k) p[rng() % d.payload_bytes] ^= static_cast<uint8_t>(rng() | 1);
-          break;
-      }
+      CorruptPayload(bad.data() + d.payload_offset, d.payload_bytes, trial, rng);
       ASSERT_TRUE(testing::ResignPatch(bad).ok());
-      Bytes cpu_out(a.size(), 0);
-      const absl::Status cpu = ApplyPatch(bad, DType::kBF16, a, cpu_out, 1, prev);
-      DeviceBuffer dbase = Upload(a), dout = Upload(Bytes(a.size(), 0));
-      const absl::Status gpu = codec.Apply(bad, DType::kBF16, dbase.data(), dout.data(), a.size(), nullptr, prev);
-      EXPECT_EQ(gpu.code(), cpu.code()) << "gpu: " << gpu << "\ncpu: " << cpu;
-      EXPECT_EQ(gpu.message(), cpu.message());
-      if (cpu.ok()) {
-        ++accepted;
-        EXPECT_EQ(FirstDiff(Download(dout, a.size()), cpu_out), -1);
-      } else {
-        ++rejected;
-      }
-      DeviceBuffer dip = Upload(a);
-      const absl::Status gip = codec.Apply(bad, DType::kBF16, dip.data(), dip.data(), a.size(), nullptr, prev);
-      EXPECT_EQ(gip.code(), cpu.code());
-      const Bytes got = Download(dip, a.size());
-      const Bytes& want = cpu.ok() ? cpu_out : v[2];
-      for (size_t blk = 0; blk < layout->blocks.size(); ++blk) {
-        const size_t off = blk * block * 2, len = block * 2;
-        const bool is_base = std::memcmp(got.data() + off, a.data() + off, len) == 0;
-        const bool is_target = std::memcmp(got.data() + off, want.data() + off, len) == 0;
-        EXPECT_TRUE(is_base || is_target) << "block " << blk << " partly applied";
-      }
+      ++(ExpectDeviceVerdictIsCpus(codec, bad, DType::kBF16, v[1], v[2], block, prev) ? accepted
+                                                                                     : rejected);
     }
   }
   std::printf("context corruptions rejected: %d, still valid: %d\n", rejected, accepted);

@@ -10,7 +10,8 @@
   mount a service-account token; the socket volume (/run/refitd) is an emptyDir mounted by exactly
   the sidecar and the inference container; the ConfigMap's subscriber.yaml validates; and what the
   subscriber relies on matches its config: the image this repo builds (refitd:<version>), probes on
-  the gRPC health port of `listen`, --config on the mounted ConfigMap, TLS files in a Secret,
+  the gRPC health port of `listen`, the metrics port (containerPort and prometheus.io/port) of
+  `metrics.listen`, --config on the mounted ConfigMap, TLS files in a Secret,
   sockets in the shared volume, /dev/shm memory-backed for an shm store, the image's USER the
   pod's runAsUser.
 Prints one line per failed check and exits 1 if any failed.
@@ -93,7 +94,9 @@ def check_k8s(config_check):
         f.flush()
         r = subprocess.run([config_check, f.name], capture_output=True, text=True)
         check(r.returncode == 0, f"ConfigMap subscriber.yaml: {r.stdout}{r.stderr}")
-    check_sidecar_wiring(pod, yaml.safe_load(cm["data"]["subscriber.yaml"])["subscriber"])
+    annotations = deploy["spec"]["template"].get("metadata", {}).get("annotations", {})
+    check_sidecar_wiring(pod, annotations,
+                         yaml.safe_load(cm["data"]["subscriber.yaml"])["subscriber"])
 
 
 def port_of(address):
@@ -119,7 +122,7 @@ def mounted_at(container, path):
     return best[0] if best else None
 
 
-def check_sidecar_wiring(pod, cfg):
+def check_sidecar_wiring(pod, annotations, cfg):
     """The fields the subscriber relies on, against its config: the image this repo builds, the
     probes on its gRPC health port, its config, TLS files, sockets and store reachable in the
     container, the container user the image's."""
@@ -134,6 +137,12 @@ def check_sidecar_wiring(pod, cfg):
               f"sidecar {probe} is not gRPC health on the listen port {listen}")
     ports = {p["containerPort"] for p in side.get("ports", [])}
     check(listen in ports, f"sidecar does not declare containerPort {listen} (listen)")
+    metrics = cfg.get("metrics", {}).get("listen", "")
+    if metrics:
+        mport = port_of(metrics)
+        check(mport in ports, f"sidecar does not declare containerPort {mport} (metrics.listen)")
+        got = annotations.get("prometheus.io/port")
+        check(got == str(mport), f"prometheus.io/port {got} is not metrics.listen's {mport}")
     args = side.get("args", [])
     config_path = args[args.index("--config") + 1] if "--config" in args else None
     check(config_path is not None and mounted_at(side, config_path) == "config",
