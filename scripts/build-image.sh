@@ -7,17 +7,16 @@
 # The base image is debian:12. When it is neither in local storage nor pullable (no registry
 # reachable, as on the project's build machines), it is made from Debian's own packages:
 # debootstrap --variant=minbase bookworm, committed as localhost/debian:12.
-# --cuda DIR: build with the CUDA kernels, the toolkit taken from DIR (`auto`: /usr/local/cuda if
-# it has bin/nvcc; default `none`: without, the shm-store image). Not yet working: in the build
-# stage CMake 3.25's FindCUDAToolkit fails on the copied CUDA 13 toolkit (CUDA::nvToolsExt), see
-# README "Operating refitd". --oci FILE: also write the image as an OCI archive.
+# --cuda DIR: build with the CUDA kernels (GPU stores and the GPU encoder), the toolkit taken from
+# DIR; default `auto`: /usr/local/cuda if it has bin/nvcc, else `none` (host stores only).
+# --oci FILE: also write the image as an OCI archive.
 # Checks: refitd --version and refitctl --help run in the image, as uid 10001; every shared
 # library resolves (ldd); no compiler or headers; a publisher from the shipped example config
 # serves refitctl status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TAG=refitd:0.1.0
-CUDA=none
+CUDA=auto
 OCI=""
 while [ $# -gt 0 ]; do
   case "$1" in
