@@ -502,9 +502,7 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
   }
   const int w = DTypeSize(dtype);
   const uint64_t n = bytes / w;
-  if (prev != nullptr && (prev->num_elements != n ||
-                          prev->changed.size() != (prev->num_elements + 63) / 64 ||
-                          prev->down.size() != prev->changed.size())) {
+  if (prev != nullptr && !prev->Covers(n)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "EncodePatchDevice: the previous-change record covers ", prev->num_elements,
         " elements (", prev->changed.size(), " and ", prev->down.size(), " words), the tensor ", n));
@@ -598,12 +596,7 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     records[i].checksum = m.checksum;
   }
   PatchStats st;
-  std::optional<uint32_t> fingerprint;
-  const bool has_context = std::any_of(records.begin(), records.end(), [](const BlockRecord& r) {
-    return r.mode == kContext;
-  });
-  if (has_context && prev != nullptr) fingerprint = prev->Fingerprint();
-  WritePatchHead(dtype, log2, n, records, patch, &st, fingerprint);
+  WritePatchHead(dtype, log2, n, records, patch, &st, ConditionedFingerprint(records, prev));
   if (stats != nullptr) *stats = st;
   return patch;
 }

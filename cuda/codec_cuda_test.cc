@@ -916,8 +916,11 @@ TEST(CudaCodec, FormatTwoRecordErrorsMatchCpu) {
   ASSERT_GT(stats.blocks_context, 0u);
   const ChangeRecord other = ChangeRecord::Compare(DType::kBF16, v[1].data(), v[2].data(), n);
   const ChangeRecord shorter = ChangeRecord::Compare(DType::kBF16, v[0].data(), v[1].data(), n - 64);
+  ChangeRecord torn = rec;  // the right element count, too few words
+  torn.changed.pop_back();
   DeviceBuffer d = Upload(v[1]);
-  for (const ChangeRecord* r : {static_cast<const ChangeRecord*>(nullptr), &other, &shorter}) {
+  for (const ChangeRecord* r :
+       std::initializer_list<const ChangeRecord*>{nullptr, &other, &shorter, &torn}) {
     Bytes out = v[1];
     const absl::Status cpu = ApplyPatch(patch, DType::kBF16, v[1], out, 1, r);
     const absl::Status gpu = codec.Apply(patch, DType::kBF16, d.data(), d.data(), v[1].size(), nullptr, r);

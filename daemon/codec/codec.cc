@@ -927,9 +927,7 @@ absl::Status CheckEncodeInput(const EncodeInput& in, size_t index, size_t count)
                                                    " bytes is not a whole number of ",
                                                    DTypeName(in.dtype), " elements"));
   }
-  if (in.prev != nullptr && (in.prev->num_elements != in.base.size() / w ||
-                             in.prev->changed.size() != (in.prev->num_elements + 63) / 64 ||
-                             in.prev->down.size() != in.prev->changed.size())) {
+  if (in.prev != nullptr && !in.prev->Covers(in.base.size() / w)) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, "the previous-change record covers ", in.prev->num_elements,
         " elements (", in.prev->changed.size(), " and ", in.prev->down.size(),
@@ -1502,13 +1500,9 @@ std::vector<std::vector<uint8_t>> AssemblePatches(
       const uint64_t head = format::kHeaderBytes + BlockTableBytes(recs);
       std::vector<uint8_t>& patch = patches[t];
       patch.resize(head + PayloadBytes(recs));
-      std::optional<uint32_t> fingerprint;
-      const bool has_context = std::any_of(recs.begin(), recs.end(), [](const BlockRecord& r) {
-        return r.mode == kContext;
-      });
-      if (has_context && inputs[t].prev != nullptr) fingerprint = inputs[t].prev->Fingerprint();
       WritePatchHead(inputs[t].dtype, log2, n, recs, patch,
-                     stats != nullptr ? &(*stats)[t] : nullptr, fingerprint);
+                     stats != nullptr ? &(*stats)[t] : nullptr,
+                     ConditionedFingerprint(recs, inputs[t].prev));
       uint64_t off = head;
       for (uint64_t g = first_block[t]; g < first_block[t + 1]; ++g) {
         const uint64_t len = records[g].payload_bytes;
@@ -1953,10 +1947,10 @@ absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout, co
         "patch is coded given the previous-change record with fingerprint ",
         layout.prev_fingerprint, ", and none was given"));
   }
-  if (prev->num_elements != layout.num_elements) {
+  if (!prev->Covers(layout.num_elements)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "previous-change record covers ", prev->num_elements, " elements, the patch ",
-        layout.num_elements));
+        "previous-change record covers ", prev->num_elements, " elements (", prev->changed.size(),
+        " and ", prev->down.size(), " words), the patch ", layout.num_elements));
   }
   const uint32_t fp = prev->Fingerprint();
   if (fp != layout.prev_fingerprint) {

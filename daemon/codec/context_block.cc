@@ -607,6 +607,10 @@ PrevSigns ChangeRecord::Block(uint64_t first, uint32_t len) const {
   return v;
 }
 
+bool ChangeRecord::Covers(uint64_t n) const {
+  return num_elements == n && changed.size() == (n + 63) / 64 && down.size() == changed.size();
+}
+
 uint32_t ChangeRecord::Fingerprint() const {
   static_assert(std::endian::native == std::endian::little, "the words are hashed as stored");
   auto bytes = [](const std::vector<uint64_t>& v) {

@@ -74,6 +74,9 @@ struct ChangeRecord {
   void Mark(DType dtype, uint64_t i, uint64_t before, uint64_t after);
   // The view of elements [first, first + len); first must be a multiple of 64.
   PrevSigns Block(uint64_t first, uint32_t len) const;
+  // Whether this is a well-formed record of n elements: num_elements is n and both word vectors
+  // hold ceil(n / 64) words (what every encoder and decoder needs before it reads the words).
+  bool Covers(uint64_t n) const;
   // h = Hash64(changed's words as little-endian bytes, seed kRecordSeed ^ num_elements);
   // the low 32 bits of Hash64(down's words, seed h).
   uint32_t Fingerprint() const;

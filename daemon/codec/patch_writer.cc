@@ -65,6 +65,15 @@ uint64_t EntryBytes(const BlockRecord& b) {
   }
 }
 
+std::optional<uint32_t> ConditionedFingerprint(std::span<const BlockRecord> blocks,
+                                               const ChangeRecord* prev) {
+  if (prev == nullptr) return std::nullopt;
+  for (const BlockRecord& b : blocks) {
+    if (b.mode == format::kContext) return prev->Fingerprint();
+  }
+  return std::nullopt;
+}
+
 uint64_t BlockTableBytes(std::span<const BlockRecord> blocks) {
   uint64_t total = 0;
   for (const BlockRecord& b : blocks) total += EntryBytes(b);

@@ -35,6 +35,11 @@ uint32_t HeaderChecksum(std::span<const uint8_t> head);
 // Bytes of a block's table entry.
 uint64_t EntryBytes(const BlockRecord& b);
 
+// The fingerprint a patch of `blocks` carries: prev's, when prev is given and a block is CONTEXT
+// (the patch is then conditioned); none otherwise.
+std::optional<uint32_t> ConditionedFingerprint(std::span<const BlockRecord> blocks,
+                                               const ChangeRecord* prev);
+
 // Writes the 32-byte header and the block table to out[0, kHeaderBytes + BlockTableBytes(blocks)).
 // The payloads, in block order, follow in the caller's buffer. Fills `stats` if not null (its
 // patch_bytes counts the payloads too). With a CONTEXT block the patch is version 2, conditioned
