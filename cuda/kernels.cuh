@@ -266,6 +266,153 @@ struct Items {
 
 // ---- analyze --------------------------------------------------------------------------------------
 
+// One thread's sums of every candidate parameter's code length. Bounds: the gaps of a block sum to
+// < len <= 2^24, the runs to <= count <= 2^24, and an EG code is < 128 bits, so even block totals
+// fit 32 bits.
+struct CostSums {
+  uint32_t g[kNumK];   // sum of gap >> k
+  uint32_t r[kNumK];   // sum of run >> k, one run per exception
+  uint32_t e[kNumKe];  // sum of EgBits(|difference| - 2, k) over exceptions
+  uint32_t exceptions;
+
+  REFIT_DEV void Zero() {
+    REFIT_UNROLL
+    for (int k = 0; k < kNumK; ++k) g[k] = r[k] = 0;
+    REFIT_UNROLL
+    for (int k = 0; k < kNumKe; ++k) e[k] = 0;
+    exceptions = 0;
+  }
+  REFIT_DEV void AddGap(uint32_t gap) {
+    REFIT_UNROLL
+    for (int k = 0; k < kNumK; ++k) g[k] += gap >> k;
+  }
+  REFIT_DEV void AddException(uint32_t run, uint64_t mag) {
+    REFIT_UNROLL
+    for (int k = 0; k < kNumK; ++k) r[k] += run >> k;
+    const uint64_t x = mag - 2;
+    REFIT_UNROLL
+    for (int k = 0; k < kNumKe; ++k) e[k] += static_cast<uint32_t>(EgBitsFast(x, k));
+    ++exceptions;
+  }
+  // Adds the warp's sums into the block's s_sum (lane 0 of each warp). Fully unrolled so that the
+  // sums stay in registers.
+  REFIT_DEV void AddToBlock(uint32_t tid, unsigned long long* s_sum) const {
+    const bool lane0 = (tid & 31) == 0;
+    REFIT_UNROLL
+    for (int k = 0; k < kNumK; ++k) {
+      const uint32_t vg = dev::WarpReduceAdd(g[k]);
+      const uint32_t vr = dev::WarpReduceAdd(r[k]);
+      if (lane0 && vg != 0) dev::AtomicAdd64(&s_sum[k], vg);
+      if (lane0 && vr != 0) dev::AtomicAdd64(&s_sum[kSumRun + k], vr);
+    }
+    REFIT_UNROLL
+    for (int k = 0; k < kNumKe; ++k) {
+      const uint32_t ve = dev::WarpReduceAdd(e[k]);
+      if (lane0 && ve != 0) dev::AtomicAdd64(&s_sum[kSumEg + k], ve);
+    }
+    const uint32_t vx = dev::WarpReduceAdd(exceptions);
+    if (lane0 && vx != 0) dev::AtomicAdd64(&s_sum[kSumExc], vx);
+  }
+};
+
+// Adds this thread's changed items of a tile to its sums; pre is the scan state before item 0.
+template <typename T, int kCoding>
+REFIT_DEV void AddTileCosts(const Items<T, kCoding>& it, const Fwd& pre, CostSums* sums) {
+  uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
+  REFIT_UNROLL
+  for (int i = 0; i < kItems; ++i) {
+    if (!((it.changed >> i) & 1)) continue;
+    const uint32_t pos = it.first + static_cast<uint32_t>(i);
+    sums->AddGap(pos - lp1);  // [codec.cc] pos_j - pos_{j-1} - 1, pos_{-1} = -1
+    if ((it.exc >> i) & 1) {
+      sums->AddException(j - le1, it.mag[i]);  // [codec.cc] the run ending here: j - run_start
+      le1 = j + 1;
+    }
+    lp1 = pos + 1;
+    ++j;
+  }
+}
+
+// [codec.cc ChooseRiceK] the minimum over k in [0, kmax] of sums[k] + (trailing >> k) +
+// count (k + 1), ties to the smaller k. ChooseRiceK stops early once the sum is 0, but every
+// larger k then costs strictly more (count >= 1), so the exhaustive minimum is the same k.
+REFIT_DEV uint64_t MinRiceCost(const unsigned long long* sums, uint32_t trailing, uint64_t count,
+                               int kmax, int* best_k) {
+  uint64_t best = ~uint64_t{0};
+  *best_k = 0;
+  for (int k = 0; k <= kmax; ++k) {
+    const uint64_t c = sums[k] + (trailing >> k) + count * static_cast<uint64_t>(k + 1);
+    if (c < best) {
+      best = c;
+      *best_k = k;
+    }
+  }
+  return best;
+}
+
+// [codec.cc EncodeBlock] the value codes' length: runs (one per exception, plus the trailing run
+// of non-exceptions after the last exception when it is not empty), a sign bit per change, and
+// the exceptions' EG codes ([codec.cc ChooseEgK]: minimum over [0, kMaxKe], ties to the smaller
+// k; 0, cost 0, when there are none).
+template <int kCoding, int kWidth>
+REFIT_DEV uint64_t ValueCost(const unsigned long long* s_sum, const Fwd& carry, int kmax,
+                             EncBlock* out) {
+  const uint64_t n = carry.cnt;
+  if constexpr (kCoding == kCodingRaw) {
+    return n * 8 * kWidth;
+  } else {
+    const uint64_t num_exc = s_sum[kSumExc];
+    const uint32_t trailing = carry.cnt - carry.le1;
+    const uint64_t num_runs = num_exc + (trailing > 0 ? 1 : 0);
+    int kr = 0, ke = 0;
+    const uint64_t run_bits = MinRiceCost(s_sum + kSumRun, trailing, num_runs, kmax, &kr);
+    uint64_t exc_bits = 0;
+    if (num_exc > 0) {
+      exc_bits = ~uint64_t{0};
+      for (int k = 0; k < kNumKe; ++k) {
+        if (s_sum[kSumEg + k] < exc_bits) {
+          exc_bits = s_sum[kSumEg + k];
+          ke = k;
+        }
+      }
+    }
+    out->kr = static_cast<uint8_t>(kr);
+    out->ke = static_cast<uint8_t>(ke);
+    return run_bits + n + exc_bits;
+  }
+}
+
+// The block's mode and parameters from its sums (thread 0): UNCHANGED, or the cheaper of SPARSE
+// (its exact bit length) and DENSE.
+template <typename T, int kCoding>
+REFIT_DEV EncBlock ChooseBlockCoding(const unsigned long long* s_sum, const Fwd& carry, uint32_t len,
+                                     int block_log2) {
+  EncBlock out{};
+  out.count = carry.cnt;
+  if (carry.cnt == 0) {
+    out.mode = f::kUnchanged;
+    return out;
+  }
+  int kg = 0;
+  const uint64_t gap_bits = MinRiceCost(s_sum, 0, carry.cnt, block_log2, &kg);
+  const uint64_t value_bits =
+      ValueCost<kCoding, static_cast<int>(sizeof(T))>(s_sum, carry, block_log2, &out);
+  const uint64_t total_bits = gap_bits + value_bits;
+  const uint64_t sparse_bytes = (total_bits + 7) / 8;
+  const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
+  out.kg = static_cast<uint8_t>(kg);
+  if (sparse_bytes >= dense_bytes) {
+    out.mode = f::kDense;
+    out.payload_bytes = dense_bytes;
+    out.total_bits = 0;
+  } else {
+    out.mode = f::kSparse;
+    out.payload_bytes = sparse_bytes;
+    out.total_bits = total_bits;
+  }
+  return out;
+}
+
 template <typename T, int kCoding>
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a) {
   REFIT_SHARED Fwd s_fwd[kWarps];
@@ -287,15 +434,8 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a
   if (tid == 0) s_digest = 0;
   SyncThreads();
 
-  // Per-thread cost sums. Bounds: the gaps of a block sum to < len <= 2^24, the runs to <= count
-  // <= 2^24, and an EG code is < 128 bits, so even block totals fit 32 bits.
-  uint32_t g[kNumK], r[kNumK], e[kNumKe];
-  REFIT_UNROLL
-  for (int k = 0; k < kNumK; ++k) g[k] = r[k] = 0;
-  REFIT_UNROLL
-  for (int k = 0; k < kNumKe; ++k) e[k] = 0;
-  uint32_t exceptions = 0;
-
+  CostSums sums;
+  sums.Zero();
   Fwd carry{0, 0, 0};
   const uint32_t ntiles = (len + kTile - 1) / kTile;
   for (uint32_t tile = 0; tile < ntiles; ++tile) {
@@ -307,123 +447,15 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeAnalyzeKernel(EncodeArgs a
     Fwd agg;
     const Fwd pre = BlockScanForward(it.Local(), carry, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &agg);
     carry = FwdOp{}(carry, agg);
-    uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
-    REFIT_UNROLL
-    for (int i = 0; i < kItems; ++i) {
-      if (!((it.changed >> i) & 1)) continue;
-      const uint32_t pos = it.first + static_cast<uint32_t>(i);
-      const uint32_t gap = pos - lp1;  // [codec.cc] pos_j - pos_{j-1} - 1, pos_{-1} = -1
-      REFIT_UNROLL
-      for (int k = 0; k < kNumK; ++k) g[k] += gap >> k;
-      if ((it.exc >> i) & 1) {
-        // [codec.cc] the run ending at this exception: j - run_start.
-        const uint32_t run = j - le1;
-        REFIT_UNROLL
-        for (int k = 0; k < kNumK; ++k) r[k] += run >> k;
-        const uint64_t x = it.mag[i] - 2;
-        REFIT_UNROLL
-        for (int k = 0; k < kNumKe; ++k) e[k] += static_cast<uint32_t>(EgBitsFast(x, k));
-        ++exceptions;
-        le1 = j + 1;
-      }
-      lp1 = pos + 1;
-      ++j;
-    }
+    AddTileCosts(it, pre, &sums);
   }
 
-  // Fully unrolled so that g/r/e stay in registers.
-  const bool lane0 = (tid & 31) == 0;
-  REFIT_UNROLL
-  for (int k = 0; k < kNumK; ++k) {
-    const uint32_t vg = dev::WarpReduceAdd(g[k]);
-    const uint32_t vr = dev::WarpReduceAdd(r[k]);
-    if (lane0 && vg != 0) dev::AtomicAdd64(&s_sum[k], vg);
-    if (lane0 && vr != 0) dev::AtomicAdd64(&s_sum[kSumRun + k], vr);
-  }
-  REFIT_UNROLL
-  for (int k = 0; k < kNumKe; ++k) {
-    const uint32_t ve = dev::WarpReduceAdd(e[k]);
-    if (lane0 && ve != 0) dev::AtomicAdd64(&s_sum[kSumEg + k], ve);
-  }
-  {
-    const uint32_t vx = dev::WarpReduceAdd(exceptions);
-    if (lane0 && vx != 0) dev::AtomicAdd64(&s_sum[kSumExc], vx);
-  }
+  sums.AddToBlock(tid, s_sum);
   if (digest_acc != nullptr && digest != 0) dev::AtomicAdd64(&s_digest, digest);
   SyncThreads();
   if (tid != 0) return;
   if (digest_acc != nullptr) dev::AtomicAdd64(a.digest_v2_sum, s_digest);
-
-  EncBlock out{};
-  const uint64_t n = carry.cnt;
-  out.count = carry.cnt;
-  if (n == 0) {
-    out.mode = f::kUnchanged;
-    a.blocks[b] = out;
-    return;
-  }
-  const int kmax = a.block_log2;
-  // [codec.cc ChooseRiceK] minimum of sum(x >> k) + n (k + 1) over k in [0, kmax], ties to the
-  // smaller k. ChooseRiceK stops early once sum(x >> k) == 0, but every larger k then costs
-  // strictly more (n >= 1), so the exhaustive minimum is the same k.
-  uint64_t gap_bits = ~uint64_t{0};
-  int kg = 0;
-  for (int k = 0; k <= kmax; ++k) {
-    const uint64_t c = s_sum[k] + n * static_cast<uint64_t>(k + 1);
-    if (c < gap_bits) {
-      gap_bits = c;
-      kg = k;
-    }
-  }
-  uint64_t value_bits;
-  int kr = 0, ke = 0;
-  if constexpr (kCoding == kCodingRaw) {
-    value_bits = n * 8 * sizeof(T);
-  } else {
-    // [codec.cc EncodeBlock] runs: one per exception (counted above) plus the trailing run of
-    // non-exceptions after the last exception when it is not empty.
-    const uint64_t num_exc = s_sum[kSumExc];
-    const uint32_t trailing = carry.cnt - carry.le1;
-    const uint64_t num_runs = num_exc + (trailing > 0 ? 1 : 0);
-    uint64_t run_bits = ~uint64_t{0};
-    for (int k = 0; k <= kmax; ++k) {
-      const uint64_t c = s_sum[kSumRun + k] + (trailing >> k) + num_runs * static_cast<uint64_t>(k + 1);
-      if (c < run_bits) {
-        run_bits = c;
-        kr = k;
-      }
-    }
-    // [codec.cc ChooseEgK] minimum over [0, kMaxKe], ties to the smaller k; 0 (cost 0) when there
-    // are no exceptions.
-    uint64_t exc_bits = 0;
-    if (num_exc > 0) {
-      exc_bits = ~uint64_t{0};
-      for (int k = 0; k < kNumKe; ++k) {
-        const uint64_t c = s_sum[kSumEg + k];
-        if (c < exc_bits) {
-          exc_bits = c;
-          ke = k;
-        }
-      }
-    }
-    value_bits = run_bits + n + exc_bits;
-  }
-  const uint64_t total_bits = gap_bits + value_bits;
-  const uint64_t sparse_bytes = (total_bits + 7) / 8;
-  const uint64_t dense_bytes = static_cast<uint64_t>(len) * sizeof(T);
-  out.kg = static_cast<uint8_t>(kg);
-  out.kr = static_cast<uint8_t>(kr);
-  out.ke = static_cast<uint8_t>(ke);
-  if (sparse_bytes >= dense_bytes) {
-    out.mode = f::kDense;
-    out.payload_bytes = dense_bytes;
-    out.total_bits = 0;
-  } else {
-    out.mode = f::kSparse;
-    out.payload_bytes = sparse_bytes;
-    out.total_bits = total_bits;
-  }
-  a.blocks[b] = out;
+  a.blocks[b] = ChooseBlockCoding<T, kCoding>(s_sum, carry, len, a.block_log2);
 }
 
 // ---- write ----------------------------------------------------------------------------------------
@@ -468,12 +500,122 @@ struct BitSink {
   }
 };
 
+// The one pass's baseline update: this thread's own changed elements, which only it reads (here,
+// once). The target values are the ones just loaded (cached).
+template <typename T, int kCoding>
+REFIT_DEV void UpdateOwnChanges(const Items<T, kCoding>& it, const T* target, T* out) {
+  REFIT_UNROLL
+  for (int i = 0; i < kItems; ++i) {
+    if ((it.changed >> i) & 1) out[it.first + i] = target[it.first + i];
+  }
+}
+
+// A thread's changed items of a tile, forward from the scan state before item 0: change index,
+// gap, run start (first change, or the previous change was an exception: le1 == j covers both),
+// first own exception.
+struct OwnChanges {
+  uint32_t jj[kItems], gap[kItems];
+  uint32_t run_start = 0;     // bit i: a run code precedes item i's codes
+  uint32_t first_exc = ~0u;   // change index of the first own exception, ~0u if none
+
+  template <typename T, int kCoding>
+  REFIT_DEV void Forward(const Items<T, kCoding>& it, const Fwd& pre) {
+    uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
+    REFIT_UNROLL
+    for (int i = 0; i < kItems; ++i) {
+      jj[i] = 0;
+      gap[i] = 0;
+      if (!((it.changed >> i) & 1)) continue;
+      const uint32_t pos = it.first + static_cast<uint32_t>(i);
+      jj[i] = j;
+      gap[i] = pos - lp1;
+      if (kCoding != kCodingRaw && le1 == j) run_start |= 1u << i;
+      if ((it.exc >> i) & 1) {
+        if (first_exc == ~0u) first_exc = j;
+        le1 = j + 1;
+      }
+      lp1 = pos + 1;
+      ++j;
+    }
+  }
+};
+
+// SPARSE parameters of the block being written.
+struct SparseParams {
+  uint64_t total;  // the payload's exact bit length
+  int kg, kr, ke;
+};
+
+// Each own change's code length into bits[], backwards so that each run start knows the next
+// exception at or after it (next_exc_after: the first after this thread's items). Returns the sum.
+template <typename T, int kCoding>
+REFIT_DEV uint64_t OwnCodeLengths(const Items<T, kCoding>& it, const OwnChanges& c,
+                                  uint32_t next_exc_after, const SparseParams& p,
+                                  uint64_t (&bits)[kItems]) {
+  uint64_t own_bits = 0;
+  uint32_t next_exc = next_exc_after;
+  REFIT_UNROLL
+  for (int i = kItems - 1; i >= 0; --i) {
+    bits[i] = 0;
+    if (!((it.changed >> i) & 1)) continue;
+    const bool is_exc = (it.exc >> i) & 1;
+    if (is_exc) next_exc = c.jj[i];
+    uint64_t l = f::RiceBits(c.gap[i], p.kg);
+    if ((c.run_start >> i) & 1) l += f::RiceBits(next_exc - c.jj[i], p.kr);
+    if constexpr (kCoding == kCodingRaw) {
+      l += 8 * sizeof(T);
+    } else {
+      l += 1;
+      if (is_exc) l += EgBitsFast(it.mag[i] - 2, p.ke);
+    }
+    bits[i] = l;
+    own_bits += l;
+  }
+  return own_bits;
+}
+
+// Emits the own changes' codes. Change j's codes occupy [total - S_j, total - S_j + bits_j) where
+// S_j is the length of all codes from change j to the end (bits_after: of those after this
+// thread's items). An inconsistent layout sets sink->bad.
+template <typename T, int kCoding>
+REFIT_DEV void EmitOwnCodes(const Items<T, kCoding>& it, const OwnChanges& c,
+                            const uint64_t (&bits)[kItems], uint64_t bits_after,
+                            uint32_t next_exc_after, const SparseParams& sp, BitSink* sink) {
+  constexpr int kValueBits = 8 * static_cast<int>(sizeof(T));
+  uint64_t suffix = bits_after;
+  uint32_t next_exc = next_exc_after;
+  REFIT_UNROLL
+  for (int i = kItems - 1; i >= 0; --i) {
+    if (!((it.changed >> i) & 1)) continue;
+    const bool is_exc = (it.exc >> i) & 1;
+    if (is_exc) next_exc = c.jj[i];
+    suffix += bits[i];
+    if (suffix > sp.total) {
+      sink->bad = true;
+      continue;
+    }
+    uint64_t p = sp.total - suffix;
+    const uint64_t end = p + bits[i];
+    // [codec.cc EncodeBlock] run (if due), gap, then the value.
+    if ((c.run_start >> i) & 1) p = sink->Rice(p, next_exc - c.jj[i], sp.kr);
+    p = sink->Rice(p, c.gap[i], sp.kg);
+    if constexpr (kCoding == kCodingRaw) {
+      if (it.mag[i] != 0) sink->Or(p, it.mag[i], kValueBits);
+      p += kValueBits;
+    } else {
+      if ((it.neg >> i) & 1) sink->Or(p, 1, 1);
+      p += 1;
+      if (is_exc) p = sink->Eg(p, it.mag[i] - 2, sp.ke);
+    }
+    if (p != end) sink->bad = true;
+  }
+}
+
 template <typename T, int kCoding>
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeWriteKernel(EncodeArgs a) {
   REFIT_SHARED Fwd s_fwd[kWarps];
   REFIT_SHARED uint32_t s_min[kWarps];
   REFIT_SHARED uint64_t s_add[kWarps];
-  constexpr int kValueBits = 8 * static_cast<int>(sizeof(T));
   const uint32_t tid = ThreadIndex();
   const uint64_t b = dev::BlockIndex();
   const EncBlock m = a.blocks[b];
@@ -485,9 +627,8 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeWriteKernel(EncodeArgs a) 
   const T* target = static_cast<const T*>(a.target) + first_element;
   const TileCarry* tiles = a.tiles + b * a.tiles_per_block;
   const uint32_t n = m.count;
-  const uint64_t total = m.total_bits;
-  const int kg = m.kg, kr = m.kr, ke = m.ke;
-  BitSink sink{reinterpret_cast<uint32_t*>(a.stage + a.stage_off[b]), total, false};
+  const SparseParams sp{m.total_bits, m.kg, m.kr, m.ke};
+  BitSink sink{reinterpret_cast<uint32_t*>(a.stage + a.stage_off[b]), sp.total, false};
 
   // Backward carries: bits of all codes after the tile, and the first exception at or after the
   // tile's end (n if none).
@@ -501,105 +642,26 @@ REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads) EncodeWriteKernel(EncodeArgs a) 
     Items<T, kCoding> it;
     it.Load(base, target, tile * kTile + tid * kItems, len, a.vector_loads);
     if (a.update_base != nullptr && it.changed != 0) {
-      // The one pass's baseline update: this thread's own changed elements, which only it reads
-      // (here, once). The target values are the ones just loaded (cached).
-      T* const out = static_cast<T*>(a.update_base) + first_element;
-      REFIT_UNROLL
-      for (int i = 0; i < kItems; ++i) {
-        if ((it.changed >> i) & 1) out[it.first + i] = target[it.first + i];
-      }
+      UpdateOwnChanges(it, target, static_cast<T*>(a.update_base) + first_element);
     }
     Fwd fagg;
     const Fwd pre =
         BlockScanForward(it.Local(), Fwd{tc.cnt, tc.lp1, tc.le1}, Fwd{0, 0, 0}, FwdOp{}, s_fwd, &fagg);
-
-    // Forward over own items: change index, gap, run start (first change, or the previous change
-    // was an exception: le1 == j covers both), first own exception.
-    uint32_t jj[kItems], gap[kItems];
-    uint32_t run_start = 0, first_exc = ~0u;
-    {
-      uint32_t j = pre.cnt, lp1 = pre.lp1, le1 = pre.le1;
-      REFIT_UNROLL
-      for (int i = 0; i < kItems; ++i) {
-        jj[i] = 0;
-        gap[i] = 0;
-        if (!((it.changed >> i) & 1)) continue;
-        const uint32_t pos = it.first + static_cast<uint32_t>(i);
-        jj[i] = j;
-        gap[i] = pos - lp1;
-        if (kCoding != kCodingRaw && le1 == j) run_start |= 1u << i;
-        if ((it.exc >> i) & 1) {
-          if (first_exc == ~0u) first_exc = j;
-          le1 = j + 1;
-        }
-        lp1 = pos + 1;
-        ++j;
-      }
-    }
+    OwnChanges own;
+    own.Forward(it, pre);
     uint32_t min_agg;
-    const uint32_t next_exc_after = BlockScanBackward(first_exc, carry_next_exc, ~0u, MinOp{}, s_min, &min_agg);
-
-    // Code lengths, backwards so that each run start knows the next exception at or after it.
+    const uint32_t next_exc_after =
+        BlockScanBackward(own.first_exc, carry_next_exc, ~0u, MinOp{}, s_min, &min_agg);
     uint64_t bits[kItems];
-    uint64_t own_bits = 0;
-    {
-      uint32_t next_exc = next_exc_after;
-      REFIT_UNROLL
-      for (int i = kItems - 1; i >= 0; --i) {
-        bits[i] = 0;
-        if (!((it.changed >> i) & 1)) continue;
-        const bool is_exc = (it.exc >> i) & 1;
-        if (is_exc) next_exc = jj[i];
-        uint64_t l = f::RiceBits(gap[i], kg);
-        if ((run_start >> i) & 1) l += f::RiceBits(next_exc - jj[i], kr);
-        if constexpr (kCoding == kCodingRaw) {
-          l += kValueBits;
-        } else {
-          l += 1;
-          if (is_exc) l += EgBitsFast(it.mag[i] - 2, ke);
-        }
-        bits[i] = l;
-        own_bits += l;
-      }
-    }
+    const uint64_t own_bits = OwnCodeLengths(it, own, next_exc_after, sp, bits);
     uint64_t bits_agg;
-    const uint64_t bits_after = BlockScanBackward(own_bits, carry_bits, uint64_t{0}, AddOp{}, s_add, &bits_agg);
-
-    // Emit. Change j's codes occupy [total - S_j, total - S_j + bits_j) where S_j is the length
-    // of all codes from change j to the end.
-    {
-      uint64_t suffix = bits_after;
-      uint32_t next_exc = next_exc_after;
-      REFIT_UNROLL
-      for (int i = kItems - 1; i >= 0; --i) {
-        if (!((it.changed >> i) & 1)) continue;
-        const bool is_exc = (it.exc >> i) & 1;
-        if (is_exc) next_exc = jj[i];
-        suffix += bits[i];
-        if (suffix > total) {
-          sink.bad = true;
-          continue;
-        }
-        uint64_t p = total - suffix;
-        const uint64_t end = p + bits[i];
-        // [codec.cc EncodeBlock] run (if due), gap, then the value.
-        if ((run_start >> i) & 1) p = sink.Rice(p, next_exc - jj[i], kr);
-        p = sink.Rice(p, gap[i], kg);
-        if constexpr (kCoding == kCodingRaw) {
-          if (it.mag[i] != 0) sink.Or(p, it.mag[i], kValueBits);
-          p += kValueBits;
-        } else {
-          if ((it.neg >> i) & 1) sink.Or(p, 1, 1);
-          p += 1;
-          if (is_exc) p = sink.Eg(p, it.mag[i] - 2, ke);
-        }
-        if (p != end) sink.bad = true;
-      }
-    }
+    const uint64_t bits_after =
+        BlockScanBackward(own_bits, carry_bits, uint64_t{0}, AddOp{}, s_add, &bits_agg);
+    EmitOwnCodes(it, own, bits, bits_after, next_exc_after, sp, &sink);
     carry_bits += bits_agg;
     carry_next_exc = MinOp{}(carry_next_exc, min_agg);
   }
-  if (carry_bits != total) sink.bad = true;  // same on every thread
+  if (carry_bits != sp.total) sink.bad = true;  // same on every thread
   if (dev::SyncThreadsOr(sink.bad) && tid == 0) a.blocks[b].error = 1;
 }
 
