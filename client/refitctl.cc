@@ -877,6 +877,9 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
   line("model", absl::StrCat(st.tensors(), " tensors, ", FormatBytes(st.model_bytes())));
   line("traffic", absl::StrCat("sent ", FormatBytes(st.bytes_sent()), ", received ",
                                FormatBytes(st.bytes_received())));
+  line("metrics", st.metrics_address().empty()
+                      ? std::string("off (config metrics.listen is empty)")
+                      : absl::StrCat("http://", st.metrics_address(), "/metrics"));
   if (st.role() == v1::ROLE_PUBLISHER && st.has_history()) {
     const v1::HistoryStatus& h = st.history();
     line("history", h.versions() == 0

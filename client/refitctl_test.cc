@@ -458,6 +458,18 @@ TEST(RefitctlFormat, PublisherTableWithSessionsAndErrors) {
   EXPECT_THAT(t, ::testing::Not(HasSubstr("leases")));
 }
 
+TEST(RefitctlFormat, MetricsLineShowsTheEndpointOrThatThereIsNone) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_SUBSCRIBER);
+  EXPECT_THAT(FormatStatusTable(st),
+              HasSubstr("metrics:    off (config metrics.listen is empty)\n"));
+  st.set_metrics_address("10.0.0.7:9464");
+  EXPECT_THAT(FormatStatusTable(st), HasSubstr("metrics:    http://10.0.0.7:9464/metrics\n"));
+  st.set_role(v1::ROLE_PUBLISHER);
+  st.set_metrics_address("[::1]:39001");
+  EXPECT_THAT(FormatStatusTable(st), HasSubstr("metrics:    http://[::1]:39001/metrics\n"));
+}
+
 TEST(RefitctlFormat, RelayLine) {
   v1::StatusResponse st;
   st.set_role(v1::ROLE_SUBSCRIBER);
