@@ -210,6 +210,111 @@ const PatchHistory::Record* PatchHistory::FindRecord(uint64_t version) const {
   return it != records_.end() && it->version == version ? &*it : nullptr;
 }
 
+absl::Status PatchHistory::PlanTarget(const Record& target, const PlanOptions& options,
+                                      TransferPlan& plan) {
+  plan.version = target.version;
+  const std::optional<uint64_t> target_digest =
+      SelectedDigest(target, options.digest_format, options.selection);
+  if (!target_digest.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", target.version, " has no ", DigestFormatName(options.digest_format),
+        " tensor digests"));
+  }
+  plan.version_digest = *target_digest;
+  if (options.selection != nullptr && !options.selection->all()) {
+    std::vector<v1::TensorSpec> manifest;
+    for (const TensorEntry& t : target.tensors) manifest.push_back(t.spec);
+    RETURN_IF_ERROR(
+        options.selection->CheckCovered(manifest, absl::StrCat("version ", target.version)));
+  }
+  return absl::OkStatus();
+}
+
+const PatchHistory::Record* PatchHistory::PlanBase(uint64_t sub_version, uint64_t sub_digest,
+                                                   const Record& target,
+                                                   const PlanOptions& options,
+                                                   TransferPlan& plan) const {
+  // A usable base: recorded, and the subscriber's digest matches ours.
+  const Record* base = sub_version == 0 ? nullptr : FindRecord(sub_version);
+  if (sub_version == 0) {
+    plan.reason = v1::TRANSFER_REASON_BOOTSTRAP;
+  } else if (base == nullptr) {
+    plan.reason = sub_version < records_.front().version ? v1::TRANSFER_REASON_BEHIND_HISTORY
+                                                         : v1::TRANSFER_REASON_DIVERGED;
+  } else if (SelectedDigest(*base, options.digest_format, options.selection) !=
+             std::optional<uint64_t>(sub_digest)) {
+    plan.reason = v1::TRANSFER_REASON_DIVERGED;
+    base = nullptr;
+  } else if (options.all_keyframes || !options.keyframe_tensors.empty()) {
+    plan.reason = v1::TRANSFER_REASON_REQUESTED;
+  } else if (sub_version == target.version) {
+    plan.reason = v1::TRANSFER_REASON_UNSPECIFIED;
+    plan.up_to_date = true;
+  } else {
+    plan.reason = target.base_version == sub_version ? v1::TRANSFER_REASON_NEXT_VERSION
+                                                     : v1::TRANSFER_REASON_CATCH_UP;
+  }
+  plan.base_version = base != nullptr ? sub_version : 0;
+  return base;
+}
+
+std::optional<PatchHistory::Chain> PatchHistory::PatchChain(
+    const TensorEntry& t, const Record& base, const std::vector<const Record*>& span,
+    const PlanOptions& options) {
+  const TensorEntry* b = base.Find(t.spec.name());
+  if (b == nullptr || !SameSpec(b->spec, t.spec)) return std::nullopt;
+  Chain chain;
+  uint64_t chain_bytes = 0;
+  for (const Record* r : span) {
+    const TensorEntry* e = r->Find(t.spec.name());
+    if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe ||
+        (e->kind == TensorEntry::kPatch && e->patch_format > options.max_patch_format)) {
+      return std::nullopt;
+    }
+    if (e->kind == TensorEntry::kPatch) {
+      chain.records.push_back(r);
+      chain.patches.push_back(e->patch);
+      chain_bytes += e->patch->size();
+    }
+  }
+  if (options.keyframe_when_chain_larger && chain_bytes > t.tensor_bytes) return std::nullopt;
+  return chain;
+}
+
+TensorDelivery PatchHistory::PlanTensor(const TensorEntry& t, const Record* base,
+                                        const std::vector<const Record*>& span,
+                                        uint64_t target_version, const PlanOptions& options) {
+  TensorDelivery d;
+  *d.plan.mutable_spec() = t.spec;
+  d.digest = options.digest_format == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest;
+  const bool requested = options.all_keyframes ||
+                         std::find(options.keyframe_tensors.begin(),
+                                   options.keyframe_tensors.end(),
+                                   t.spec.name()) != options.keyframe_tensors.end();
+  std::optional<Chain> chain;
+  if (base != nullptr && !requested) chain = PatchChain(t, *base, span, options);
+  if (!chain.has_value()) {
+    d.plan.set_delivery(v1::DELIVERY_KEYFRAME);
+  } else if (chain->patches.empty()) {
+    d.plan.set_delivery(v1::DELIVERY_UNCHANGED);
+  } else {
+    d.plan.set_delivery(v1::DELIVERY_PATCH);
+    // Unchanged versions between patches are absorbed into the steps (same bytes), so the
+    // chain runs exactly from the base to the target.
+    uint64_t from = base->version;
+    for (size_t i = 0; i < chain->records.size(); ++i) {
+      v1::PatchStep* s = d.plan.add_steps();
+      s->set_base_version(from);
+      const uint64_t to =
+          i + 1 == chain->records.size() ? target_version : chain->records[i]->version;
+      s->set_target_version(to);
+      from = to;
+    }
+    d.patches = std::move(chain->patches);
+  }
+  return d;
+}
+
 absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t sub_digest,
                                                 uint64_t target_version,
                                                 const PlanOptions& options) const {
@@ -224,44 +329,8 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
         "subscriber version ", sub_version, " is ahead of target version ", target_version));
   }
   TransferPlan plan;
-  plan.version = target_version;
-  const std::optional<uint64_t> target_digest =
-      SelectedDigest(*target, options.digest_format, options.selection);
-  if (!target_digest.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "version ", target_version, " has no ", DigestFormatName(options.digest_format),
-        " tensor digests"));
-  }
-  plan.version_digest = *target_digest;
-  if (options.selection != nullptr && !options.selection->all()) {
-    std::vector<v1::TensorSpec> manifest;
-    for (const TensorEntry& t : target->tensors) manifest.push_back(t.spec);
-    RETURN_IF_ERROR(
-        options.selection->CheckCovered(manifest, absl::StrCat("version ", target_version)));
-  }
-
-  // A usable base: recorded, and the subscriber's digest matches ours.
-  const Record* base = sub_version == 0 ? nullptr : FindRecord(sub_version);
-  if (sub_version == 0) {
-    plan.reason = v1::TRANSFER_REASON_BOOTSTRAP;
-  } else if (base == nullptr) {
-    plan.reason = sub_version < records_.front().version ? v1::TRANSFER_REASON_BEHIND_HISTORY
-                                                         : v1::TRANSFER_REASON_DIVERGED;
-  } else if (SelectedDigest(*base, options.digest_format, options.selection) !=
-             std::optional<uint64_t>(sub_digest)) {
-    plan.reason = v1::TRANSFER_REASON_DIVERGED;
-    base = nullptr;
-  } else if (options.all_keyframes || !options.keyframe_tensors.empty()) {
-    plan.reason = v1::TRANSFER_REASON_REQUESTED;
-  } else if (sub_version == target_version) {
-    plan.reason = v1::TRANSFER_REASON_UNSPECIFIED;
-    plan.up_to_date = true;
-  } else {
-    plan.reason = target->base_version == sub_version ? v1::TRANSFER_REASON_NEXT_VERSION
-                                                      : v1::TRANSFER_REASON_CATCH_UP;
-  }
-  plan.base_version = base != nullptr ? sub_version : 0;
-
+  RETURN_IF_ERROR(PlanTarget(*target, options, plan));
+  const Record* base = PlanBase(sub_version, sub_digest, *target, options, plan);
   // Records strictly after the base up to the target (contiguous: only the oldest is evicted).
   std::vector<const Record*> span;
   if (base != nullptr) {
@@ -269,57 +338,9 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
       if (r.version > sub_version && r.version <= target_version) span.push_back(&r);
     }
   }
-
   for (const TensorEntry& t : target->tensors) {
     if (options.selection != nullptr && !options.selection->Matches(t.spec.name())) continue;
-    TensorDelivery d;
-    *d.plan.mutable_spec() = t.spec;
-    d.digest = options.digest_format == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest;
-    bool keyframe = base == nullptr || options.all_keyframes ||
-                    std::find(options.keyframe_tensors.begin(), options.keyframe_tensors.end(),
-                              t.spec.name()) != options.keyframe_tensors.end();
-    std::vector<const Record*> patch_records;
-    std::vector<PatchBytes> patches;
-    if (!keyframe) {
-      const TensorEntry* b = base->Find(t.spec.name());
-      keyframe = b == nullptr || !SameSpec(b->spec, t.spec);
-      uint64_t chain_bytes = 0;
-      for (const Record* r : span) {
-        if (keyframe) break;
-        const TensorEntry* e = r->Find(t.spec.name());
-        if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe ||
-            (e->kind == TensorEntry::kPatch && e->patch_format > options.max_patch_format)) {
-          keyframe = true;
-        } else if (e->kind == TensorEntry::kPatch) {
-          patch_records.push_back(r);
-          patches.push_back(e->patch);
-          chain_bytes += e->patch->size();
-        }
-      }
-      if (!keyframe && options.keyframe_when_chain_larger && chain_bytes > t.tensor_bytes) {
-        keyframe = true;
-      }
-    }
-    if (keyframe) {
-      d.plan.set_delivery(v1::DELIVERY_KEYFRAME);
-    } else if (patches.empty()) {
-      d.plan.set_delivery(v1::DELIVERY_UNCHANGED);
-    } else {
-      d.plan.set_delivery(v1::DELIVERY_PATCH);
-      // Unchanged versions between patches are absorbed into the steps (same bytes), so the
-      // chain runs exactly from the base to the target.
-      uint64_t from = sub_version;
-      for (size_t i = 0; i < patch_records.size(); ++i) {
-        v1::PatchStep* s = d.plan.add_steps();
-        s->set_base_version(from);
-        const uint64_t to =
-            i + 1 == patch_records.size() ? target_version : patch_records[i]->version;
-        s->set_target_version(to);
-        from = to;
-      }
-      d.patches = std::move(patches);
-    }
-    plan.tensors.push_back(std::move(d));
+    plan.tensors.push_back(PlanTensor(t, base, span, target_version, options));
   }
   return plan;
 }

@@ -170,6 +170,27 @@ class PatchHistory {
   // any): unchanged, patch (checked against the spec) or keyframe.
   static absl::StatusOr<TensorEntry> MakeEntry(uint64_t version, size_t k, const Record* prev,
                                                TensorUpdate& u);
+  // Plan's steps. The target's digest in the options' format, and the selection covers it.
+  static absl::Status PlanTarget(const Record& target, const PlanOptions& options,
+                                 TransferPlan& plan);
+  // The subscriber's record when it is a usable base (nullptr: none); sets the plan's reason,
+  // base_version and up_to_date.
+  const Record* PlanBase(uint64_t sub_version, uint64_t sub_digest, const Record& target,
+                         const PlanOptions& options, TransferPlan& plan) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The patches that take tensor `t` from `base` through `span` (the records after it up to
+  // the target), or nullopt when it needs a keyframe.
+  struct Chain {
+    std::vector<const Record*> records;  // the records whose entry is a patch
+    std::vector<PatchBytes> patches;
+  };
+  static std::optional<Chain> PatchChain(const TensorEntry& t, const Record& base,
+                                         const std::vector<const Record*>& span,
+                                         const PlanOptions& options);
+  // Tensor `t`'s delivery: keyframe (no base, requested, or no chain), unchanged or patch.
+  static TensorDelivery PlanTensor(const TensorEntry& t, const Record* base,
+                                   const std::vector<const Record*>& span,
+                                   uint64_t target_version, const PlanOptions& options);
   void StripPatches(Record& r);
   void Evict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Record* FindRecord(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
