@@ -351,6 +351,25 @@ struct DeviceCodec::Impl {
   absl::Status AdoptContextBlocks(const std::vector<kern::ContextJob>& jobs,
                                   const std::vector<uint64_t>& v1_total,
                                   const std::vector<uint64_t>& out_bytes, kern::EncodeArgs& a);
+  // Encode's steps. Analyze: reserves the block buffers, runs the analyze kernel, copies the
+  // block records to host_blocks (and the digest-v2 sum); format 2: ContextBlocks.
+  absl::Status EncodeAnalyze(DType dtype, const EncodeOptions& options, const ChangeRecord* prev,
+                             kern::EncodeArgs& a, StageClock& clock, uint64_t* digest_sum);
+  // Emit (host_offsets planned): writes, checksums and compacts the payloads into `payload`
+  // (payload_total bytes), and copies the block records (with checksums) back to host_blocks.
+  absl::Status EncodeEmit(kern::EncodeArgs& a, uint64_t stage_total, uint64_t payload_total,
+                          uint8_t* payload, StageClock& clock);
+  // Apply's steps. Verify: uploads the patch and descriptors, checks every payload checksum
+  // (DataLoss naming the first bad block); nothing is written.
+  absl::Status ApplyVerify(const kern::ApplyArgs& a, const ApplyPlan& plan,
+                           const PatchLayout& layout, std::span<const uint8_t> patch,
+                           StageClock& clock);
+  // One decode wave, descriptors [lo, hi): decode and validate, then (all valid) the digest
+  // delta of the old words and the write.
+  absl::Status ApplyWave(const kern::ApplyArgs& a, const ApplyPlan& plan,
+                         const PatchLayout& layout, uint64_t lo, uint64_t hi, StageClock& clock);
+  // Out of place: out := base (in place or empty: nothing).
+  absl::Status CopyBase(const void* d_base, void* d_out, uint64_t bytes, StageClock& clock);
   // digest_delta non-null: also the digest-v2 delta of what is written (LaunchApplyDigestV2Delta).
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
                      uint64_t bytes, DeviceTimings* timings, uint64_t* digest_delta,
@@ -489,42 +508,44 @@ static absl::Status PlanEncodeOutput(const std::vector<kern::EncBlock>& blocks, 
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
-    DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
-    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
-    uint64_t* digest_sum, void* update_base, const ChangeRecord* prev) {
-  RETURN_IF_ERROR(CheckDevice());
-  const int log2 = options.block_log2;
-  RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
+// Encode's kernel arguments for an n-element tensor (buffers are set by the steps that reserve them).
+static kern::EncodeArgs EncodeArgsFor(DType dtype, const void* d_base, const void* d_target,
+                                      uint64_t n, int log2, void* update_base) {
+  const uint64_t block = uint64_t{1} << log2;
+  kern::EncodeArgs a;
+  a.base = d_base;
+  a.target = d_target;
+  a.num_elements = n;
+  a.num_blocks = (n + block - 1) / block;
+  a.width = DTypeSize(dtype);
+  a.coding = static_cast<int>(DTypeValueCoding(dtype));
+  a.block_log2 = log2;
+  a.tiles_per_block = static_cast<uint32_t>((block + kern::kTile - 1) / kern::kTile);
+  a.vector_loads = Aligned(d_base, 16) && Aligned(d_target, 16);
+  a.update_base = update_base;
+  return a;
+}
+
+// Encode's argument checks, after CheckEncodeArgs: the format, and a record that covers n.
+static absl::Status CheckEncodeFormat(const EncodeOptions& options, const ChangeRecord* prev,
+                                      uint64_t n) {
   if (options.format != 1 && options.format != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "EncodePatchDevice: patch format ", options.format, " (this build writes 1 and 2)"));
   }
-  const int w = DTypeSize(dtype);
-  const uint64_t n = bytes / w;
   if (prev != nullptr && !prev->Covers(n)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "EncodePatchDevice: the previous-change record covers ", prev->num_elements,
         " elements (", prev->changed.size(), " and ", prev->down.size(), " words), the tensor ", n));
   }
-  const uint64_t block = uint64_t{1} << log2;
-  const uint64_t num_blocks = (n + block - 1) / block;
-  const ValueCoding coding = DTypeValueCoding(dtype);
-  StageClock clock(timings, stream);
+  return absl::OkStatus();
+}
 
-  kern::EncodeArgs a;
-  a.base = d_base;
-  a.target = d_target;
-  a.num_elements = n;
-  a.num_blocks = num_blocks;
-  a.width = w;
-  a.coding = static_cast<int>(coding);
-  a.block_log2 = log2;
-  a.tiles_per_block = static_cast<uint32_t>((block + kern::kTile - 1) / kern::kTile);
-  a.vector_loads = Aligned(d_base, 16) && Aligned(d_target, 16);
-  a.update_base = update_base;
+absl::Status DeviceCodec::Impl::EncodeAnalyze(DType dtype, const EncodeOptions& options,
+                                              const ChangeRecord* prev, kern::EncodeArgs& a,
+                                              StageClock& clock, uint64_t* digest_sum) {
+  const uint64_t num_blocks = a.num_blocks;
   unsigned long long host_sum = 0;
-
   host_blocks.resize(num_blocks);
   if (num_blocks > 0) {
     RETURN_IF_ERROR(Reserve(enc_blocks, num_blocks * sizeof(kern::EncBlock)));
@@ -549,9 +570,67 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     if (options.format == 2) RETURN_IF_ERROR(ContextBlocks(dtype, prev, a, clock));
   }
   if (digest_sum != nullptr) *digest_sum = host_sum;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceCodec::Impl::EncodeEmit(kern::EncodeArgs& a, uint64_t stage_total,
+                                           uint64_t payload_total, uint8_t* payload,
+                                           StageClock& clock) {
+  const uint64_t num_blocks = a.num_blocks;
+  if (num_blocks == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Reserve(enc_stage, std::max<uint64_t>(stage_total, 8)));
+  RETURN_IF_ERROR(Reserve(enc_out, std::max<uint64_t>(payload_total, 8)));
+  a.stage_off = Ptr<uint64_t>(enc_offsets);
+  a.out_off = Ptr<uint64_t>(enc_offsets) + num_blocks;
+  a.stage = Ptr<uint8_t>(enc_stage);
+  a.out = Ptr<uint8_t>(enc_out);
+  RETURN_IF_ERROR(rt::CopyToDeviceAsync(enc_offsets.data(), host_offsets.data(),
+                                        2 * num_blocks * sizeof(uint64_t), stream));
+  RETURN_IF_ERROR(clock.Begin("emit"));
+  RETURN_IF_ERROR(rt::MemsetAsync(a.stage, 0, stage_total, stream));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeWrite(a, stream), "EncodeWriteKernel"));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeChecksum(a, stream), "EncodeChecksumKernel"));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeCompact(a, stream), "EncodeCompactKernel"));
+  RETURN_IF_ERROR(clock.End());
+  RETURN_IF_ERROR(clock.Begin("d2h"));
+  RETURN_IF_ERROR(rt::CopyToHostAsync(payload, a.out, payload_total, stream));
+  RETURN_IF_ERROR(clock.End());
+  RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
+                                      num_blocks * sizeof(kern::EncBlock), stream));
+  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  return clock.Finish();
+}
+
+// Encode's last step: the checksums, which arrived with the second copy of the block records.
+static absl::Status TakeChecksums(const std::vector<kern::EncBlock>& blocks,
+                                  std::vector<BlockRecord>& records) {
+  for (uint64_t i = 0; i < records.size(); ++i) {
+    const kern::EncBlock& m = blocks[i];
+    if (m.error != 0) {
+      return absl::InternalError(absl::StrCat(
+          "EncodePatchDevice: block ", i, ": the GPU encoder's bit layout is inconsistent (bug)"));
+    }
+    records[i].checksum = m.checksum;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
+    DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
+    const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings,
+    uint64_t* digest_sum, void* update_base, const ChangeRecord* prev) {
+  RETURN_IF_ERROR(CheckDevice());
+  const int log2 = options.block_log2;
+  RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
+  const uint64_t n = bytes / DTypeSize(dtype);
+  RETURN_IF_ERROR(CheckEncodeFormat(options, prev, n));
+  StageClock clock(timings, stream);
+  kern::EncodeArgs a = EncodeArgsFor(dtype, d_base, d_target, n, log2, update_base);
+  RETURN_IF_ERROR(EncodeAnalyze(dtype, options, prev, a, clock, digest_sum));
 
   // Plan: payload offsets in the compacted output and, for SPARSE blocks, 8-aligned slots in the
   // staging buffer; the table's size (its contents wait for the checksums).
+  const uint64_t num_blocks = a.num_blocks;
   host_offsets.resize(2 * num_blocks);
   uint64_t stage_total = 0, payload_total = 0;
   std::vector<BlockRecord> records(num_blocks);
@@ -559,42 +638,10 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
                                    host_offsets.data() + num_blocks, records, &stage_total,
                                    &payload_total));
   const uint64_t table_bytes = BlockTableBytes(records);
-
   std::vector<uint8_t> patch(format::kHeaderBytes + table_bytes + payload_total);
-  if (num_blocks > 0) {
-    RETURN_IF_ERROR(Reserve(enc_stage, std::max<uint64_t>(stage_total, 8)));
-    RETURN_IF_ERROR(Reserve(enc_out, std::max<uint64_t>(payload_total, 8)));
-    a.stage_off = Ptr<uint64_t>(enc_offsets);
-    a.out_off = Ptr<uint64_t>(enc_offsets) + num_blocks;
-    a.stage = Ptr<uint8_t>(enc_stage);
-    a.out = Ptr<uint8_t>(enc_out);
-    RETURN_IF_ERROR(rt::CopyToDeviceAsync(enc_offsets.data(), host_offsets.data(),
-                                          2 * num_blocks * sizeof(uint64_t), stream));
-    RETURN_IF_ERROR(clock.Begin("emit"));
-    RETURN_IF_ERROR(rt::MemsetAsync(a.stage, 0, stage_total, stream));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeWrite(a, stream), "EncodeWriteKernel"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeChecksum(a, stream), "EncodeChecksumKernel"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeCompact(a, stream), "EncodeCompactKernel"));
-    RETURN_IF_ERROR(clock.End());
-    RETURN_IF_ERROR(clock.Begin("d2h"));
-    RETURN_IF_ERROR(rt::CopyToHostAsync(patch.data() + format::kHeaderBytes + table_bytes, a.out,
-                                        payload_total, stream));
-    RETURN_IF_ERROR(clock.End());
-    RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
-                                        num_blocks * sizeof(kern::EncBlock), stream));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    RETURN_IF_ERROR(clock.Finish());
-  }
-
-  // Header and table: the checksums arrived with the second copy of the block records.
-  for (uint64_t i = 0; i < num_blocks; ++i) {
-    const kern::EncBlock& m = host_blocks[i];
-    if (m.error != 0) {
-      return absl::InternalError(absl::StrCat(
-          "EncodePatchDevice: block ", i, ": the GPU encoder's bit layout is inconsistent (bug)"));
-    }
-    records[i].checksum = m.checksum;
-  }
+  RETURN_IF_ERROR(EncodeEmit(a, stage_total, payload_total,
+                             patch.data() + format::kHeaderBytes + table_bytes, clock));
+  RETURN_IF_ERROR(TakeChecksums(host_blocks, records));
   PatchStats st;
   WritePatchHead(dtype, log2, n, records, patch, &st, ConditionedFingerprint(records, prev));
   if (stats != nullptr) *stats = st;
@@ -791,48 +838,11 @@ absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan&
   return a;
 }
 
-absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
-                                      const void* d_base, void* d_out, uint64_t bytes,
-                                      DeviceTimings* timings, uint64_t* digest_delta,
-                                      const ChangeRecord* prev) {
-  RETURN_IF_ERROR(CheckDevice());
-  // The same checks, in the same order and with the same messages, as ApplyPatch.
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
-  const int w = DTypeSize(dtype);
-  ASSIGN_OR_RETURN(const bool in_place, CheckApplyPointers(d_base, d_out, bytes, w));
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
-  StageClock clock(timings, stream);
-
-  // Descriptors of the changed blocks; decode waves over them.
-  ApplyPlan plan = PlanApply(layout, decode_limit);
+absl::Status DeviceCodec::Impl::ApplyVerify(const kern::ApplyArgs& a, const ApplyPlan& plan,
+                                            const PatchLayout& layout,
+                                            std::span<const uint8_t> patch, StageClock& clock) {
   const std::vector<kern::ApplyDesc>& descs = plan.descs;
-  const std::vector<std::pair<uint64_t, uint64_t>>& waves = plan.waves;
-
-  if (digest_delta != nullptr) *digest_delta = 0;
-  if (descs.empty()) {
-    if (!in_place && bytes > 0) {
-      RETURN_IF_ERROR(clock.Begin("copy"));
-      RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
-      RETURN_IF_ERROR(clock.End());
-    }
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    return clock.Finish();
-  }
   const uint64_t nd = descs.size();
-  if (nd > kern::kMaxGrid) {
-    return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
-  }
-
-  ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes, dtype,
-                                                  digest_delta != nullptr));
-  if (record != nullptr) {
-    RETURN_IF_ERROR(UploadRecord(*record, ap_prev, stream));
-    a.prev_changed = Ptr<uint64_t>(ap_prev);
-    a.prev_down = Ptr<uint64_t>(ap_prev) + record->changed.size();
-  }
-
-  unsigned long long first_bad = 0;
-  // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
   RETURN_IF_ERROR(clock.Begin("h2d"));
   RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_patch.data(), patch.data(), patch.size(), stream));
   RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_descs.data(), descs.data(), nd * sizeof(kern::ApplyDesc), stream));
@@ -842,50 +852,94 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyStage(a, stream), "ApplyStageKernel"));
   RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyVerify(a, stream), "ApplyVerifyKernel"));
   RETURN_IF_ERROR(clock.End());
+  unsigned long long first_bad = 0;
+  RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
+  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  if (first_bad == ~0ull) return absl::OkStatus();
+  if (first_bad >= nd) return absl::InternalError("ApplyPatchDevice: bad checksum index (bug)");
+  uint32_t computed = 0;
+  RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
+  const kern::ApplyDesc& d = descs[first_bad];
+  return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index]),
+                                          ": payload checksum mismatch (table says ", d.checksum,
+                                          ", payload hashes to ", computed, ")"));
+}
+
+absl::Status DeviceCodec::Impl::ApplyWave(const kern::ApplyArgs& a, const ApplyPlan& plan,
+                                          const PatchLayout& layout, uint64_t lo, uint64_t hi,
+                                          StageClock& clock) {
+  RETURN_IF_ERROR(clock.Begin("decode"));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDecode(a, lo, hi, stream), "ApplyDecodeKernel"));
+  RETURN_IF_ERROR(clock.End());
+  unsigned long long first_bad = 0;
   RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
   RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   if (first_bad != ~0ull) {
-    if (first_bad >= nd) return absl::InternalError("ApplyPatchDevice: bad checksum index (bug)");
-    uint32_t computed = 0;
-    RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
-    const kern::ApplyDesc& d = descs[first_bad];
-    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index]),
-                                            ": payload checksum mismatch (table says ", d.checksum,
-                                            ", payload hashes to ", computed, ")"));
+    if (first_bad < lo || first_bad >= hi) {
+      return absl::InternalError("ApplyPatchDevice: bad decoder error index (bug)");
+    }
+    kern::ApplyError e{};
+    RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
+    const kern::ApplyDesc& d = plan.descs[first_bad];
+    return absl::DataLossError(DecodeFailure(
+        absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index])), d, e));
   }
+  if (a.digest_delta != nullptr) {  // reads the wave's old words before the write below
+    RETURN_IF_ERROR(clock.Begin("digest_delta"));
+    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDigestV2Delta(a, lo, hi, stream),
+                                    "ApplyDigestV2DeltaKernel"));
+    RETURN_IF_ERROR(clock.End());
+  }
+  RETURN_IF_ERROR(clock.Begin("write"));
+  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
+  return clock.End();
+}
 
+absl::Status DeviceCodec::Impl::CopyBase(const void* d_base, void* d_out, uint64_t bytes,
+                                         StageClock& clock) {
+  if (d_out == d_base || bytes == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(clock.Begin("copy"));
+  RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
+  return clock.End();
+}
+
+absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtype,
+                                      const void* d_base, void* d_out, uint64_t bytes,
+                                      DeviceTimings* timings, uint64_t* digest_delta,
+                                      const ChangeRecord* prev) {
+  RETURN_IF_ERROR(CheckDevice());
+  // The same checks, in the same order and with the same messages, as ApplyPatch.
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
+  const int w = DTypeSize(dtype);
+  RETURN_IF_ERROR(CheckApplyPointers(d_base, d_out, bytes, w).status());
+  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
+  StageClock clock(timings, stream);
+
+  // Descriptors of the changed blocks; decode waves over them.
+  ApplyPlan plan = PlanApply(layout, decode_limit);
+  if (digest_delta != nullptr) *digest_delta = 0;
+  if (plan.descs.empty()) {
+    RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
+    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    return clock.Finish();
+  }
+  if (plan.descs.size() > kern::kMaxGrid) {
+    return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
+  }
+  ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes, dtype,
+                                                  digest_delta != nullptr));
+  if (record != nullptr) {
+    RETURN_IF_ERROR(UploadRecord(*record, ap_prev, stream));
+    a.prev_changed = Ptr<uint64_t>(ap_prev);
+    a.prev_down = Ptr<uint64_t>(ap_prev) + record->changed.size();
+  }
+  // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
+  RETURN_IF_ERROR(ApplyVerify(a, plan, layout, patch, clock));
   // Phase 2: out of place, out = base; then per wave: decode and validate, and only if the whole
   // wave is valid, write it.
-  if (!in_place) {
-    RETURN_IF_ERROR(clock.Begin("copy"));
-    RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
-    RETURN_IF_ERROR(clock.End());
-  }
-  for (const auto& [lo, hi] : waves) {
-    RETURN_IF_ERROR(clock.Begin("decode"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDecode(a, lo, hi, stream), "ApplyDecodeKernel"));
-    RETURN_IF_ERROR(clock.End());
-    RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    if (first_bad != ~0ull) {
-      if (first_bad < lo || first_bad >= hi) {
-        return absl::InternalError("ApplyPatchDevice: bad decoder error index (bug)");
-      }
-      kern::ApplyError e{};
-      RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
-      const kern::ApplyDesc& d = descs[first_bad];
-      return absl::DataLossError(DecodeFailure(
-          absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index])), d, e));
-    }
-    if (digest_delta != nullptr) {  // reads the wave's old words before the write below
-      RETURN_IF_ERROR(clock.Begin("digest_delta"));
-      RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDigestV2Delta(a, lo, hi, stream),
-                                      "ApplyDigestV2DeltaKernel"));
-      RETURN_IF_ERROR(clock.End());
-    }
-    RETURN_IF_ERROR(clock.Begin("write"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
-    RETURN_IF_ERROR(clock.End());
+  RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
+  for (const auto& [lo, hi] : plan.waves) {
+    RETURN_IF_ERROR(ApplyWave(a, plan, layout, lo, hi, clock));
   }
   if (digest_delta != nullptr) {
     unsigned long long sum = 0;
