@@ -1436,6 +1436,94 @@ absl::StatusOr<PublishSummary> PublisherCore::PublishSafetensors(
   return Publish(version, inputs, allow_degenerate);
 }
 
+absl::Status Transfer::AddObject(uint32_t tensor_index, uint32_t part,
+                                std::span<const uint8_t> bytes, bool lz4) {
+  Object o;
+  o.tensor_index = tensor_index;
+  o.part = part;
+  o.bytes = bytes;
+  o.lz4 = lz4;
+  o.first_frame = total_frames_;
+  ASSIGN_OR_RETURN(o.chunks, sync::ChunkCount(bytes.size(), frame_bytes_));
+  total_frames_ += o.chunks;
+  object_bytes_ += bytes.size();
+  objects_.push_back(o);
+  return absl::OkStatus();
+}
+
+// Plan tensor `index`'s baseline tensor, from *j on (both in name order; a selection skips
+// some); Internal when it is missing or its digest is not the plan's.
+static absl::StatusOr<const BaselineTensor*> PlannedBaseline(
+    const sync::TransferPlan& plan, uint32_t index, const std::vector<BaselineTensor>& baseline,
+    sync::DigestFormat format, size_t* j) {
+  const sync::TensorDelivery& d = plan.tensors[index];
+  while (*j < baseline.size() && baseline[*j].spec.name() < d.plan.spec().name()) ++*j;
+  if (*j == baseline.size()) {
+    return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
+                                            sync::DescribeTensor(index, d.plan.spec().name()),
+                                            " of the plan is not in the baseline"));
+  }
+  const BaselineTensor& b = baseline[*j];
+  const uint64_t b_digest = format == sync::DigestFormat::kV2 ? b.digest_v2 : b.digest;
+  if (b.spec.name() != d.plan.spec().name() || b_digest != d.digest) {
+    return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
+                                            sync::DescribeTensor(index, d.plan.spec().name()),
+                                            " of the plan does not match the baseline"));
+  }
+  return &b;
+}
+
+uint64_t PublisherCore::ChainChangedElements(const std::vector<VersionCounts>& counts,
+                                             const sync::TransferPlan& plan,
+                                             const std::string& name) {
+  uint64_t changed = 0;
+  for (const VersionCounts& c : counts) {
+    if (c.version <= plan.base_version || c.version > plan.version) continue;
+    auto it = std::lower_bound(c.changed.begin(), c.changed.end(), name,
+                               [](const std::pair<std::string, uint64_t>& e,
+                                  const std::string& n) { return e.first < n; });
+    if (it != c.changed.end() && it->first == name) changed += it->second;
+  }
+  return changed;
+}
+
+absl::Status PublisherCore::AddTransferObjects(const std::vector<BaselineTensor>& baseline,
+                                               const std::vector<VersionCounts>& counts,
+                                               const TransferOptions& options, Transfer& t) {
+  const sync::TransferPlan& plan = t.plan_;
+  if (baseline.size() < plan.tensors.size()) {
+    return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
+                                            plan.tensors.size(), " tensors, baseline ",
+                                            baseline.size()));
+  }
+  size_t j = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i, ++j) {
+    const sync::TensorDelivery& d = plan.tensors[i];
+    const uint32_t index = static_cast<uint32_t>(i);
+    ASSIGN_OR_RETURN(const BaselineTensor* b,
+                     PlannedBaseline(plan, index, baseline, options.plan.digest_format, &j));
+    const uint64_t elems = ElementsOf(d.plan.spec());
+    t.total_elements_ += elems;
+    switch (d.plan.delivery()) {
+      case v1::DELIVERY_KEYFRAME:
+        t.keep_.push_back(b->bytes);
+        // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
+        RETURN_IF_ERROR(t.AddObject(index, 0, *b->bytes, options.lz4 && sync::Lz4Pays(*b->bytes)));
+        t.changed_elements_ += elems;
+        break;
+      case v1::DELIVERY_PATCH:
+        for (size_t s = 0; s < d.patches.size(); ++s) {
+          RETURN_IF_ERROR(t.AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
+        }
+        t.changed_elements_ += ChainChangedElements(counts, plan, d.plan.spec().name());
+        break;
+      default:
+        break;  // unchanged: no frames
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     uint64_t subscriber_version, uint64_t subscriber_version_digest,
     const TransferOptions& options) const {
@@ -1464,75 +1552,7 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
-
-  const sync::TransferPlan& plan = t->plan_;
-  if (baseline.size() < plan.tensors.size()) {
-    return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
-                                            plan.tensors.size(), " tensors, baseline ",
-                                            baseline.size()));
-  }
-  uint64_t frame = 0;
-  size_t j = 0;  // plan tensor i's baseline tensor: both in name order (a selection skips some)
-  for (size_t i = 0; i < plan.tensors.size(); ++i, ++j) {
-    const sync::TensorDelivery& d = plan.tensors[i];
-    while (j < baseline.size() && baseline[j].spec.name() < d.plan.spec().name()) ++j;
-    const uint32_t index = static_cast<uint32_t>(i);
-    if (j == baseline.size()) {
-      return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
-                                              sync::DescribeTensor(index, d.plan.spec().name()),
-                                              " of the plan is not in the baseline"));
-    }
-    const BaselineTensor& b = baseline[j];
-    const uint64_t b_digest =
-        options.plan.digest_format == sync::DigestFormat::kV2 ? b.digest_v2 : b.digest;
-    if (b.spec.name() != d.plan.spec().name() || b_digest != d.digest) {
-      return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
-                                              sync::DescribeTensor(index, d.plan.spec().name()),
-                                              " of the plan does not match the baseline"));
-    }
-    const uint64_t elems = ElementsOf(d.plan.spec());
-    t->total_elements_ += elems;
-    auto add = [&](uint32_t part, std::span<const uint8_t> bytes, bool lz4) -> absl::Status {
-      Transfer::Object o;
-      o.tensor_index = index;
-      o.part = part;
-      o.bytes = bytes;
-      o.lz4 = lz4;
-      o.first_frame = frame;
-      ASSIGN_OR_RETURN(o.chunks, sync::ChunkCount(bytes.size(), options.frame_bytes));
-      frame += o.chunks;
-      t->object_bytes_ += bytes.size();
-      t->objects_.push_back(o);
-      return absl::OkStatus();
-    };
-    switch (d.plan.delivery()) {
-      case v1::DELIVERY_KEYFRAME:
-        t->keep_.push_back(b.bytes);
-        // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
-        RETURN_IF_ERROR(add(0, *b.bytes, options.lz4 && sync::Lz4Pays(*b.bytes)));
-        t->changed_elements_ += elems;
-        break;
-      case v1::DELIVERY_PATCH:
-        for (size_t s = 0; s < d.patches.size(); ++s) {
-          RETURN_IF_ERROR(add(static_cast<uint32_t>(s), *d.patches[s], false));
-        }
-        for (const VersionCounts& c : counts) {
-          if (c.version <= plan.base_version || c.version > plan.version) continue;
-          auto it = std::lower_bound(
-              c.changed.begin(), c.changed.end(), d.plan.spec().name(),
-              [](const std::pair<std::string, uint64_t>& e, const std::string& n) {
-                return e.first < n;
-              });
-          if (it != c.changed.end() && it->first == d.plan.spec().name()) {
-            t->changed_elements_ += it->second;
-          }
-        }
-        break;
-      default:
-        break;  // unchanged: no frames
-    }
-  }
-  t->total_frames_ = frame;
+  RETURN_IF_ERROR(AddTransferObjects(baseline, counts, options, *t));
   return std::shared_ptr<const Transfer>(std::move(t));
 }
 

@@ -224,6 +224,9 @@ class Transfer {
 
  private:
   friend class PublisherCore;
+  // Appends an object after the others: its frames follow theirs, cut at frame_bytes_.
+  absl::Status AddObject(uint32_t tensor_index, uint32_t part, std::span<const uint8_t> bytes,
+                         bool lz4);
   struct Object {
     uint32_t tensor_index = 0;
     uint32_t part = 0;
@@ -528,6 +531,14 @@ class PublisherCore {
     std::vector<std::pair<std::string, uint64_t>> changed;  // name order
   };
   std::vector<VersionCounts> counts_ ABSL_GUARDED_BY(mu_);
+  // MakeTransfer's steps: the encoder's changed elements of tensor `name` summed over the
+  // plan's chain (base_version, version]; every planned tensor's objects (keyframe or patch
+  // chain) added to `t` from the baseline and counts copied under the lock.
+  static uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
+                                       const sync::TransferPlan& plan, const std::string& name);
+  static absl::Status AddTransferObjects(const std::vector<BaselineTensor>& baseline,
+                                         const std::vector<VersionCounts>& counts,
+                                         const TransferOptions& options, Transfer& t);
   // GPU encoding: the newest version's tensors on their devices (or pinned), by name; a subset
   // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
