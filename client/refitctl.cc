@@ -861,7 +861,8 @@ std::string FormatPatchFormat(const v1::PatchFormatStatus& p) {
   return out;
 }
 
-std::string FormatStatusTable(const v1::StatusResponse& st) {
+// The status table's first part: one "key: value" line each.
+static std::string FormatStatusLines(const v1::StatusResponse& st) {
   std::string out;
   auto line = [&out](const std::string& key, const std::string& value) {
     absl::StrAppend(&out, absl::StrFormat("%-12s%s\n", key + ":", value));
@@ -903,10 +904,12 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
 
   if (st.role() == v1::ROLE_SUBSCRIBER && st.has_relay()) line("relay", FormatRelay(st.relay()));
   if (st.has_shards()) line("shards", FormatShardsLine(st));
-  if (st.role() == v1::ROLE_SUBSCRIBER && st.shards().shards_size() > 0) {
-    out += "\nshards:\n" + FormatShardsTable(st.shards());
-  }
+  return out;
+}
 
+// The status table's session sections: the upstream (subscribers, relays) and the sessions.
+static std::string FormatSessionSections(const v1::StatusResponse& st) {
+  std::string out;
   if (st.role() == v1::ROLE_SUBSCRIBER || st.has_upstream()) {
     out += "\nupstream:\n";
     if (st.has_upstream()) {
@@ -930,7 +933,12 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
     out += RenderTable(rows);
     out += SessionErrors(all);
   }
+  return out;
+}
 
+// The status table's leases section (subscribers, or wherever there are leases).
+static std::string FormatLeases(const v1::StatusResponse& st) {
+  std::string out;
   if (st.role() == v1::ROLE_SUBSCRIBER || st.leases_size() > 0) {
     absl::StrAppend(&out, "\nleases (", st.leases_size(), "):\n");
     if (st.leases_size() > 0) {
@@ -943,16 +951,32 @@ std::string FormatStatusTable(const v1::StatusResponse& st) {
       out += RenderTable(rows);
     }
   }
-  out += FormatTls(st);
-  if (st.has_blocked_on_leases()) {
-    const v1::LeaseBlockStatus& b = st.blocked_on_leases();
-    const absl::Duration waited = absl::Now() - absl::FromUnixNanos(
-                                                    static_cast<int64_t>(b.since_unix_nanos()));
-    absl::StrAppend(&out, "\nBLOCKED ON LEASES: version ", b.version(),
-                    " waits for a free slot (versions waiting for ",
-                    absl::StrFormat("%.1f s", absl::ToDoubleSeconds(waited)), "); held by:\n");
-    for (const std::string& h : b.holders()) absl::StrAppend(&out, "  ", h, "\n");
+  return out;
+}
+
+// The BLOCKED ON LEASES section, when a version waits for a free slot.
+static std::string FormatLeaseBlock(const v1::StatusResponse& st) {
+  if (!st.has_blocked_on_leases()) return "";
+  std::string out;
+  const v1::LeaseBlockStatus& b = st.blocked_on_leases();
+  const absl::Duration waited = absl::Now() - absl::FromUnixNanos(
+                                                  static_cast<int64_t>(b.since_unix_nanos()));
+  absl::StrAppend(&out, "\nBLOCKED ON LEASES: version ", b.version(),
+                  " waits for a free slot (versions waiting for ",
+                  absl::StrFormat("%.1f s", absl::ToDoubleSeconds(waited)), "); held by:\n");
+  for (const std::string& h : b.holders()) absl::StrAppend(&out, "  ", h, "\n");
+  return out;
+}
+
+std::string FormatStatusTable(const v1::StatusResponse& st) {
+  std::string out = FormatStatusLines(st);
+  if (st.role() == v1::ROLE_SUBSCRIBER && st.shards().shards_size() > 0) {
+    out += "\nshards:\n" + FormatShardsTable(st.shards());
   }
+  out += FormatSessionSections(st);
+  out += FormatLeases(st);
+  out += FormatTls(st);
+  out += FormatLeaseBlock(st);
   return out;
 }
 
@@ -1019,91 +1043,107 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
   return grpc::CreateCustomChannel(addr->grpc_target, creds, args);
 }
 
-int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
-  ArgCursor args(argc, argv);
+// The options before the verb.
+struct GlobalOptions {
   ControlTarget target;
   std::optional<absl::Duration> timeout;
   bool have_target = false;
+  bool help = false;     // --help: print the usage, nothing else
+  bool version = false;  // --version
+};
+
+// One option before the verb at args.Cur() into `g`; InvalidArgument for an unknown one or a
+// missing or bad value.
+static absl::Status ParseGlobalOption(ArgCursor& args, GlobalOptions& g) {
+  if (args.Switch("--help") || args.Switch("-h")) {
+    g.help = true;
+    return absl::OkStatus();
+  }
+  if (args.Switch("--version")) {
+    g.version = true;
+    return absl::OkStatus();
+  }
+  if (args.Switch("--insecure")) {
+    g.target.tls.set_insecure(true);
+    return absl::OkStatus();
+  }
+  struct StringFlag {
+    const char* name;
+    std::function<void(const std::string&)> set;
+  };
+  const StringFlag flags[] = {
+      {"--target", [&](const std::string& s) { g.target.address = s; g.have_target = true; }},
+      {"--tls-cert", [&](const std::string& s) { g.target.tls.set_cert(s); }},
+      {"--tls-key", [&](const std::string& s) { g.target.tls.set_key(s); }},
+      {"--tls-ca", [&](const std::string& s) { g.target.tls.set_ca(s); }},
+      {"--tls-server-name", [&](const std::string& s) { g.target.tls.set_server_name(s); }},
+  };
+  std::string v;
+  for (const StringFlag& f : flags) {
+    ASSIGN_OR_RETURN(const bool matched, args.Value(f.name, &v));
+    if (matched) {
+      f.set(v);
+      return absl::OkStatus();
+    }
+  }
+  ASSIGN_OR_RETURN(const bool matched, args.Value("--timeout", &v));
+  if (!matched) return UnknownOption(args.Cur(), "refitctl");
+  ASSIGN_OR_RETURN(g.timeout, ParseSeconds("--timeout", v));
+  return absl::OkStatus();
+}
+
+// The verb at args.Cur() (consumed); InvalidArgument naming the verbs when it is missing or
+// unknown.
+static absl::StatusOr<const Verb*> TakeVerb(ArgCursor& args, std::string* name) {
+  if (args.Done()) {
+    return absl::InvalidArgumentError(
+        "missing verb: status, publish, export, wait, verify, resync or metrics "
+        "(see refitctl --help)");
+  }
+  *name = args.Cur();
+  args.Next();
+  for (const Verb& v : kVerbs) {
+    if (*name == v.name) return &v;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown verb \"", *name,
+      "\": expected status, publish, export, wait, verify, resync or metrics"));
+}
+
+int RunRefitctl(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  ArgCursor args(argc, argv);
+  GlobalOptions g;
   while (!args.Done() && absl::StartsWith(args.Cur(), "-")) {
-    if (args.Switch("--help") || args.Switch("-h")) {
+    const absl::Status st = ParseGlobalOption(args, g);
+    if (!st.ok()) return UsageError(err, st);
+    if (g.help) {
       out << kMainUsage;
       return 0;
     }
-    if (args.Switch("--version")) {
+    if (g.version) {
       out << "refitctl " << kBuildVersion << "\n";
       return 0;
     }
-    if (args.Switch("--insecure")) {
-      target.tls.set_insecure(true);
-      continue;
-    }
-    std::string v;
-    struct StringFlag {
-      const char* name;
-      std::function<void(const std::string&)> set;
-    };
-    const StringFlag flags[] = {
-        {"--target", [&](const std::string& s) { target.address = s; have_target = true; }},
-        {"--tls-cert", [&](const std::string& s) { target.tls.set_cert(s); }},
-        {"--tls-key", [&](const std::string& s) { target.tls.set_key(s); }},
-        {"--tls-ca", [&](const std::string& s) { target.tls.set_ca(s); }},
-        {"--tls-server-name", [&](const std::string& s) { target.tls.set_server_name(s); }},
-    };
-    bool matched = false;
-    for (const StringFlag& f : flags) {
-      absl::StatusOr<bool> m = args.Value(f.name, &v);
-      if (!m.ok()) return UsageError(err, m.status());
-      if (*m) {
-        f.set(v);
-        matched = true;
-        break;
-      }
-    }
-    if (matched) continue;
-    absl::StatusOr<bool> m = args.Value("--timeout", &v);
-    if (!m.ok()) return UsageError(err, m.status());
-    if (*m) {
-      absl::StatusOr<absl::Duration> d = ParseSeconds("--timeout", v);
-      if (!d.ok()) return UsageError(err, d.status());
-      timeout = *d;
-      continue;
-    }
-    return UsageError(err, UnknownOption(args.Cur(), "refitctl"));
   }
-  if (args.Done()) {
-    return UsageError(err, absl::InvalidArgumentError(
-                               "missing verb: status, publish, export, wait, verify, resync "
-                               "or metrics "
-                               "(see refitctl --help)"));
-  }
-  const std::string verb_name = args.Cur();
-  args.Next();
-  const Verb* verb = nullptr;
-  for (const Verb& v : kVerbs) {
-    if (verb_name == v.name) verb = &v;
-  }
-  if (verb == nullptr) {
-    return UsageError(err, absl::InvalidArgumentError(absl::StrCat(
-                               "unknown verb \"", verb_name,
-                               "\": expected status, publish, export, wait, verify, resync "
-                               "or metrics")));
-  }
-  absl::StatusOr<Parsed> parsed = verb->parse(args);
+  std::string verb_name;
+  absl::StatusOr<const Verb*> verb = TakeVerb(args, &verb_name);
+  if (!verb.ok()) return UsageError(err, verb.status());
+  absl::StatusOr<Parsed> parsed = (*verb)->parse(args);
   if (!parsed.ok()) return UsageError(err, parsed.status());
   if (parsed->help) {
-    out << verb->usage;
+    out << (*verb)->usage;
     return 0;
   }
-  if (!have_target) {
+  if (!g.have_target) {
     return UsageError(err, absl::InvalidArgumentError(absl::StrCat(
                                "refitctl ", verb_name,
                                " needs --target ADDR before the verb (the daemon's Control "
                                "address, e.g. 127.0.0.1:7400 or unix:/run/refitd/control.sock)")));
   }
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeControlChannel(target);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeControlChannel(g.target);
   if (!channel.ok()) return UsageError(err, channel.status());
   std::unique_ptr<v1::Control::Stub> stub = v1::Control::NewStub(*channel);
-  Session session{stub.get(), timeout.value_or(parsed->default_timeout) + parsed->extra_deadline,
+  Session session{stub.get(), g.timeout.value_or(parsed->default_timeout) + parsed->extra_deadline,
                   out, err};
   absl::StatusOr<int> rc = parsed->run(session);
   if (!rc.ok()) {
