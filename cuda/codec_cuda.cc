@@ -777,8 +777,8 @@ absl::Status DeviceCodec::Impl::AdoptContextBlocks(const std::vector<kern::Conte
 // ---- apply ----------------------------------------------------------------------------------------
 
 // Apply's pointer checks (as ApplyPatch's): non-null, element-aligned, the output either the base
-// itself (in place: returns true) or disjoint from it.
-static absl::StatusOr<bool> CheckApplyPointers(const void* d_base, void* d_out, uint64_t bytes,
+// itself (in place) or disjoint from it.
+static absl::Status CheckApplyPointers(const void* d_base, void* d_out, uint64_t bytes,
                                                int w) {
   if (bytes > 0 && (d_base == nullptr || d_out == nullptr)) {
     return absl::InvalidArgumentError("ApplyPatchDevice: null device pointer");
@@ -791,7 +791,7 @@ static absl::StatusOr<bool> CheckApplyPointers(const void* d_base, void* d_out, 
   if (ob != bb && ob < bb + bytes && bb < ob + bytes) {
     return absl::InvalidArgumentError("ApplyPatchDevice: output partially overlaps the base");
   }
-  return ob == bb;
+  return absl::OkStatus();
 }
 
 // Apply's device buffers for `plan` (reserved) and the kernels' arguments.
@@ -911,7 +911,7 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   // The same checks, in the same order and with the same messages, as ApplyPatch.
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
   const int w = DTypeSize(dtype);
-  RETURN_IF_ERROR(CheckApplyPointers(d_base, d_out, bytes, w).status());
+  RETURN_IF_ERROR(CheckApplyPointers(d_base, d_out, bytes, w));
   ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
   StageClock clock(timings, stream);
 
@@ -941,13 +941,12 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
   for (const auto& [lo, hi] : plan.waves) {
     RETURN_IF_ERROR(ApplyWave(a, plan, layout, lo, hi, clock));
   }
+  unsigned long long sum = 0;
   if (digest_delta != nullptr) {
-    unsigned long long sum = 0;
     RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, a.digest_delta, sizeof sum, stream));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    *digest_delta = sum;
   }
   RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  if (digest_delta != nullptr) *digest_delta = sum;
   return clock.Finish();
 }
 

@@ -272,7 +272,7 @@ std::optional<PatchHistory::Chain> PatchHistory::PatchChain(
       return std::nullopt;
     }
     if (e->kind == TensorEntry::kPatch) {
-      chain.records.push_back(r);
+      chain.versions.push_back(r->version);
       chain.patches.push_back(e->patch);
       chain_bytes += e->patch->size();
     }
@@ -302,11 +302,10 @@ TensorDelivery PatchHistory::PlanTensor(const TensorEntry& t, const Record* base
     // Unchanged versions between patches are absorbed into the steps (same bytes), so the
     // chain runs exactly from the base to the target.
     uint64_t from = base->version;
-    for (size_t i = 0; i < chain->records.size(); ++i) {
+    for (size_t i = 0; i < chain->versions.size(); ++i) {
       v1::PatchStep* s = d.plan.add_steps();
       s->set_base_version(from);
-      const uint64_t to =
-          i + 1 == chain->records.size() ? target_version : chain->records[i]->version;
+      const uint64_t to = i + 1 == chain->versions.size() ? target_version : chain->versions[i];
       s->set_target_version(to);
       from = to;
     }

@@ -181,7 +181,7 @@ class PatchHistory {
   // The patches that take tensor `t` from `base` through `span` (the records after it up to
   // the target), or nullopt when it needs a keyframe.
   struct Chain {
-    std::vector<const Record*> records;  // the records whose entry is a patch
+    std::vector<uint64_t> versions;  // of the records whose entry is a patch
     std::vector<PatchBytes> patches;
   };
   static std::optional<Chain> PatchChain(const TensorEntry& t, const Record& base,
