@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Builds refitd and runs the whole test suite (the README's test command).
 #   scripts/test.sh            install deps, build (build/), run ctest
-# Environment: BUILD_DIR (default build), REFIT_CUDA (default AUTO), JOBS (default nproc).
+# Environment: BUILD_DIR (default build), REFIT_CUDA (default AUTO), JOBS (default nproc),
+# REFIT_STOCK_CMAKE_MODULES=1: configure against the pristine modules of the installed cmake-data
+# package (scripts/stock-cmake-modules.sh), as on a user's machine, not this machine's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
+extra=()
+if [ "${REFIT_STOCK_CMAKE_MODULES:-0}" = 1 ]; then
+  extra+=("-DCMAKE_MODULE_PATH=$(scripts/stock-cmake-modules.sh "$BUILD_DIR-stock-cmake")")
+fi
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREFIT_CUDA="${REFIT_CUDA:-AUTO}" \
-  -DREFIT_WERROR=ON
+  -DREFIT_WERROR=ON "${extra[@]}"
 cmake --build "$BUILD_DIR" -j "$JOBS"
 ctest --test-dir "$BUILD_DIR" -j "$JOBS" --output-on-failure --timeout 600
