@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/change_set.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/fused_encode.h"
@@ -132,6 +133,19 @@ class DeviceCodec {
                                               const ChangeRecord* prev = nullptr);
   // refit::TensorDigestV2 of `bytes` bytes of device memory (any alignment).
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
+  // refit::WriteChanges on device memory: d_data (`bytes` long, aligned to the element size)
+  // gets the change set's values at its positions, and the values they overwrite come back (the
+  // undo record, changes.values' layout), byte for byte the CPU twin's. Positions and values are
+  // uploaded into the codec's scratch, one kernel gathers and scatters, the undo is downloaded.
+  // Errors: refit::CheckChanges' (checked first; nothing is written), INVALID_ARGUMENT for a null
+  // or misaligned d_data. An empty change set launches nothing.
+  absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes, void* d_data,
+                                                    uint64_t bytes);
+  // refit::RevertChanges on device memory: writes `undo` (WriteChanges' result for `changes`)
+  // back at the changes' positions. Errors as WriteChanges', and INVALID_ARGUMENT when undo's size
+  // is not changes.values'.
+  absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
+                             void* d_data, uint64_t bytes);
   // Copies `bytes` from d_src to d_dst (device to device, not overlapping) on the codec's stream;
   // returns the copy's device time in milliseconds (the benchmark's baseline).
   absl::StatusOr<double> DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes);

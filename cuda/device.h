@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/codec/change_set.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/fused_encode.h"
@@ -166,6 +167,15 @@ class Device {
                                                     const void* d_target, uint64_t bytes,
                                                     const EncodeOptions& options,
                                                     bool update_base);
+  // refit::WriteChanges / refit::RevertChanges (change_set.h) on device memory d_data (bytes
+  // long): the host change set's positions and values are uploaded and a kernel scatters them
+  // in place, first gathering the values it overwrites (the undo record, returned in host
+  // memory; RevertChanges scatters it back). The caller has checked the change set
+  // (refit::CheckChanges). Defaults: UNIMPLEMENTED (test doubles).
+  virtual absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes,
+                                                            void* d_data, uint64_t bytes);
+  virtual absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
+                                     void* d_data, uint64_t bytes);
   // Frees the codec's scratch memory (it regrows on the next call).
   virtual void ReleaseScratch() = 0;
 };

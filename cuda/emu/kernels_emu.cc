@@ -4,3 +4,4 @@
 #endif
 #define REFIT_CUDA_DEFINE_LAUNCHERS
 #include "cuda/kernels.cuh"
+#include "cuda/change_set_kernels.cuh"

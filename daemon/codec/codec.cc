@@ -1993,12 +1993,12 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patc
 
 namespace {
 
-// ChangeRecordOfPatch for elements of T: each block's changes marked into `rec` (blocks own
-// whole words of it, so the threads never share one).
+// VisitPatchChanges for elements of T: each changed block decoded against the base (DENSE blocks
+// compared with it element by element) and handed to `visit` on the worker that decoded it.
 template <typename T>
-absl::Status RecordTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
-                         std::span<const uint8_t> base, int threads, const ChangeRecord* prev,
-                         ChangeRecord& rec) {
+absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
+                        std::span<const uint8_t> base, int threads, const ChangeRecord* prev,
+                        const PatchChangeVisitor& visit) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
   RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   const T* b = reinterpret_cast<const T*>(base.data());
@@ -2013,18 +2013,25 @@ absl::Status RecordTyped(std::span<const uint8_t> patch, const PatchLayout& layo
       const BlockDesc& d = layout.blocks[i];
       const T* bb = b + d.first_element;
       if (d.mode == kUnchanged) continue;
+      uint32_t count = d.count;
       if (d.mode == kDense) {
         const uint8_t* payload = patch.data() + d.payload_offset;
+        s.pos.resize(d.num_elements);
+        s.val.resize(d.num_elements);
+        count = 0;
         for (uint32_t j = 0; j < d.num_elements; ++j) {
           T t;
           std::memcpy(&t, payload + sizeof(T) * j, sizeof(T));
-          if (t != bb[j]) rec.Mark(layout.dtype, d.first_element + j, bb[j], t);
+          if (t == bb[j]) continue;
+          s.pos[count] = j;
+          s.val[count++] = t;
         }
-        continue;
+      } else {
+        st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
       }
-      st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
-      for (uint32_t j = 0; st.ok() && j < d.count; ++j) {
-        rec.Mark(layout.dtype, d.first_element + s.pos[j], bb[s.pos[j]], s.val[j]);
+      if (st.ok() && count > 0) {
+        st = visit(PatchBlockChanges{i, d.first_element, {s.pos.data(), count},
+                                     {s.val.data(), count}});
       }
     }
     if (!st.ok()) {
@@ -2037,19 +2044,36 @@ absl::Status RecordTyped(std::span<const uint8_t> patch, const PatchLayout& layo
 
 }  // namespace
 
+absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
+                               std::span<const uint8_t> base, const PatchChangeVisitor& visit,
+                               int threads, const ChangeRecord* prev) {
+  ASSIGN_OR_RETURN(Prepared prep, Prepare("VisitPatchChanges", patch, dtype, base, base, prev));
+  switch (DTypeSize(dtype)) {
+    case 1: return VisitTyped<uint8_t>(patch, prep.layout, base, threads, prep.record, visit);
+    case 2: return VisitTyped<uint16_t>(patch, prep.layout, base, threads, prep.record, visit);
+    case 4: return VisitTyped<uint32_t>(patch, prep.layout, base, threads, prep.record, visit);
+    default: return VisitTyped<uint64_t>(patch, prep.layout, base, threads, prep.record, visit);
+  }
+}
+
 absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base, int threads,
                                                  const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(Prepared prep, Prepare("ChangeRecordOfPatch", patch, dtype, base, base, prev));
-  ChangeRecord rec = ChangeRecord::Unchanged(prep.layout.num_elements);
-  absl::Status st;
-  switch (DTypeSize(dtype)) {
-    case 1: st = RecordTyped<uint8_t>(patch, prep.layout, base, threads, prep.record, rec); break;
-    case 2: st = RecordTyped<uint16_t>(patch, prep.layout, base, threads, prep.record, rec); break;
-    case 4: st = RecordTyped<uint32_t>(patch, prep.layout, base, threads, prep.record, rec); break;
-    default: st = RecordTyped<uint64_t>(patch, prep.layout, base, threads, prep.record, rec); break;
-  }
-  RETURN_IF_ERROR(st);
+  ChangeRecord rec = ChangeRecord::Unchanged(base.size() / std::max(1, DTypeSize(dtype)));
+  const int w = DTypeSize(dtype);
+  // Blocks own whole words of the record, so the workers never share one.
+  RETURN_IF_ERROR(VisitPatchChanges(
+      patch, dtype, base,
+      [&](const PatchBlockChanges& c) {
+        for (size_t j = 0; j < c.positions.size(); ++j) {
+          const uint64_t e = c.first_element + c.positions[j];
+          uint64_t before = 0;
+          std::memcpy(&before, base.data() + e * w, w);
+          rec.Mark(dtype, e, before, c.values[j]);
+        }
+        return absl::OkStatus();
+      },
+      threads, prev));
   return rec;
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -197,6 +198,26 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patc
 absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base, int threads = 0,
                                                  const ChangeRecord* prev = nullptr);
+
+// One changed block of a patch, decoded against its base: the positions (relative to
+// first_element, increasing) and target bits of the block's changed elements. A DENSE block
+// lists the elements whose bits differ from the base's.
+struct PatchBlockChanges {
+  uint64_t block_index = 0;
+  uint64_t first_element = 0;
+  std::span<const uint32_t> positions;
+  std::span<const uint64_t> values;
+};
+using PatchChangeVisitor = std::function<absl::Status(const PatchBlockChanges&)>;
+
+// Decodes `patch` against `base` (validated as ApplyPatch: every checksum before any block is
+// decoded) and calls `visit` once per block that changes at least one element, writing nothing.
+// Blocks are decoded on up to `threads` threads and `visit` runs on the thread that decoded
+// the block, so it is called concurrently and in no particular order; its spans are valid only
+// during the call. The first error (of the decoder or of `visit`) is returned.
+absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
+                               std::span<const uint8_t> base, const PatchChangeVisitor& visit,
+                               int threads = 0, const ChangeRecord* prev = nullptr);
 
 // Validates the whole patch (table and every payload) without a base tensor where possible:
 // checksums and bitstream structure (CONTEXT payloads need the base: checksums only). Fills

@@ -32,6 +32,9 @@ class Checker {
     return absl::InvalidArgumentError(absl::StrCat(map_ != nullptr ? map_->Prefix(path) : "",
                                                    OneLine(absl::StrCat(path, ": ", what))));
   }
+  // The field was written in the source (not a default filled in by the loader); false without
+  // a source map.
+  bool Given(const std::string& path) const { return map_ != nullptr && map_->Find(path) != nullptr; }
 
  private:
   const SourceMap* map_;
@@ -507,6 +510,30 @@ absl::Status CollectUpstreamAddresses(const Checker& c, const v1::UpstreamConfig
 
 }  // namespace
 
+// store.slots 1, a single copy updated in place: what it needs and what it cannot be combined
+// with (docs/ARCHITECTURE.md "Single-copy store").
+absl::Status CheckSingleCopy(const Checker& c, const v1::SubscriberConfig& s) {
+  const v1::StoreConfig& store = s.store();
+  if (store.slots() != 1) return absl::OkStatus();
+  if (!store.digest_v2()) {
+    return c.Fail("subscriber.store.slots",
+                  "1 (a single copy, updated in place) verifies every version from tensor digest "
+                  "v2 before writing it: set store.digest_v2: true");
+  }
+  if (s.serve_peers()) {
+    return c.Fail("subscriber.serve_peers",
+                  "true cannot be combined with store.slots 1: peers and relayed transfers are "
+                  "served from leases on the held version, which would hold every in-place update "
+                  "back; serve peers from a subscriber with 2 or more slots");
+  }
+  if (c.Given("subscriber.store.scrub_bytes_per_second") && store.scrub_bytes_per_second() > 0) {
+    return c.Fail("subscriber.store.scrub_bytes_per_second",
+                  "the scrub repairs a damaged version into a second slot, which store.slots 1 "
+                  "does not have: set 0 (with store.slots 1 the scrub is off by default)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
   const Checker c(map);
   RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
@@ -580,6 +607,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
     RETURN_IF_ERROR(CheckGpuUuid(c, "subscriber.store", store.cuda_device_uuid(),
                                  store.has_cuda_device()));
   }
+  RETURN_IF_ERROR(CheckSingleCopy(c, s));
   if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
     return c.Fail("subscriber.leases.default_ttl_ms",
                   absl::StrCat(s.leases().default_ttl_ms(), " exceeds leases.max_ttl_ms (",

@@ -379,6 +379,29 @@ TEST(ConfigTest, LocalSocket) {
 
 // ---- other cross-field rules -----------------------------------------------------------------
 
+TEST(ConfigTest, SingleCopyStoreNeedsDigestV2AndNoSecondSlotFeatures) {
+  EXPECT_EQ(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true}\n"), "");
+  EXPECT_EQ(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true, kind: cuda, "
+                                      "single_copy_staging_bytes: 0, pause_wait_ms: 0}\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
+                  "subscriber.store.slots: 1 (a single copy, updated in place) verifies every "
+                  "version from tensor digest v2 before writing it: set store.digest_v2: true");
+  EXPECT_CONTAINS(
+      SubscriberError(Sub("") + "  serve_peers: true\n  store: {slots: 1, digest_v2: true}\n"),
+      "subscriber.serve_peers: true cannot be combined with store.slots 1");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true, "
+                                            "scrub_bytes_per_second: 1000}\n"),
+                  "subscriber.store.scrub_bytes_per_second: the scrub repairs a damaged version "
+                  "into a second slot");
+  EXPECT_EQ(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true, "
+                                      "scrub_bytes_per_second: 0}\n"),
+            "");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true, "
+                                            "pause_wait_ms: 86400001}\n"),
+                  "subscriber.store.pause_wait_ms: 86400001 is out of range");
+}
+
 TEST(ConfigTest, SubscriberRules) {
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {shm_prefix: refit}\n"),
                   "subscriber.store.shm_prefix: \"refit\": a POSIX shm name prefix starts with "
@@ -399,8 +422,8 @@ TEST(ConfigTest, SubscriberRules) {
                                             "cuda_device_uuid: "
                                             "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
                   "by ordinal or by UUID, not both");
-  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
-                  "subscriber.store.slots: 1 is out of range [2, 16]");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 0}\n"),
+                  "subscriber.store.slots: 0 is out of range [1, 16]");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {scrub_interval_ms: 0}\n"),
                   "subscriber.store.scrub_interval_ms: 0 is out of range");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  refresh_wait_ms: 600001\n"),

@@ -133,6 +133,20 @@ void RefitMetrics::RegisterSubscriber() {
   for (size_t i = 0; i < apply_stages_.size(); ++i) {
     apply_stages_[i] = &stages.Add({{"stage", names[i]}}, SecondsBuckets());
   }
+  pause_wait_ = &HistogramFamily(*registry_, "refitd_subscriber_pause_wait_seconds",
+                                 "Single-copy store: from a version verified to the last consumer "
+                                 "lease on the held version released.")
+                     .Add({}, SecondsBuckets());
+  pause_ = &HistogramFamily(*registry_, "refitd_subscriber_pause_seconds",
+                            "Single-copy store: the pause, from the last consumer lease released "
+                            "to the version written in place and committed.")
+                .Add({}, SecondsBuckets());
+}
+
+void RefitMetrics::InPlaceUpdate(absl::Duration wait, absl::Duration pause) {
+  if (pause_ == nullptr) return;
+  pause_wait_->Observe(Seconds(wait));
+  pause_->Observe(Seconds(pause));
 }
 
 void RefitMetrics::Published(const PublishFigures& f) {

@@ -72,6 +72,9 @@ class RefitMetrics {
   // A transfer rejected by the subscriber (its digest check or apply failed), with the tensors
   // whose digests did not match.
   void TransferRejected(uint64_t mismatched_tensors);
+  // Subscriber, single-copy store: a version written in place. `wait`: verified -> the last
+  // consumer lease released; `pause`: then -> committed (consumers are without weights).
+  void InPlaceUpdate(absl::Duration wait, absl::Duration pause);
 
  private:
   void RegisterPublisher();
@@ -98,6 +101,8 @@ class RefitMetrics {
   prometheus::Histogram* refit_ = nullptr;
   // receive, stage, verify, apply.
   std::array<prometheus::Histogram*, 4> apply_stages_{};
+  prometheus::Histogram* pause_wait_ = nullptr;
+  prometheus::Histogram* pause_ = nullptr;
   prometheus::Counter* rejected_ = nullptr;
   prometheus::Counter* mismatched_tensors_ = nullptr;
 };

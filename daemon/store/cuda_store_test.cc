@@ -7,10 +7,12 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
+#include "daemon/codec/change_set.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
@@ -188,6 +190,66 @@ TEST_F(CudaStoreTest, FormatTwoPatchesApplyOnTheDevice) {
   ASSERT_TRUE(mem.Upload(h->out[w], vs[0]).ok());
   absl::Status refused = mem.Apply(bad, DType::kBF16, h->out[w], h->out[w]);
   EXPECT_TRUE(absl::IsDataLoss(refused)) << refused;
+  EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
+  ASSERT_TRUE(st->Abort(*h).ok());
+}
+
+// The single-copy store's in-place update on the device: DeviceMemory::WriteChanges writes a
+// change set into a store span with the device's kernel, returning the same undo record as the
+// CPU twin (refit::WriteChanges), and RevertChanges puts the old values back; the neighbouring
+// tensors are not touched, and a wrong undo record is refused with nothing written.
+TEST_F(CudaStoreTest, ChangeSetsWriteInPlaceAndRevertOnTheDevice) {
+  auto st = Make();
+  ASSERT_NE(st, nullptr);
+  TensorMemory& mem = st->memory();
+  const Layout& layout = st->layout();
+  const size_t w = *layout.Find("w"), b = *layout.Find("b");
+  const size_t n = 300000;
+  std::mt19937_64 rng(21);
+  const auto vs = testing::AdamLikeVersions(n, 0.004, 1, rng);
+  auto changes = ChangesBetween(DType::kBF16, vs[0], vs[1]);
+  ASSERT_TRUE(changes.ok()) << changes.status();
+  ASSERT_GT(changes->count(), n / 200);
+
+  auto h = st->BeginStage(1);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(mem.Upload(h->out[w], vs[0]).ok());
+  const std::vector<uint8_t> bias = Bytes(layout.tensor(b).size_bytes, 3);
+  ASSERT_TRUE(mem.Upload(h->out[b], bias).ok());
+
+  std::vector<uint8_t> host = vs[0];
+  auto cpu_undo = WriteChanges(*changes, std::span<uint8_t>(host));
+  ASSERT_TRUE(cpu_undo.ok()) << cpu_undo.status();
+  auto undo = mem.WriteChanges(h->out[w], *changes);
+  ASSERT_TRUE(undo.ok()) << undo.status();
+  EXPECT_EQ(*undo, *cpu_undo);
+  EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
+  EXPECT_EQ(Download(mem, h->out[b]), bias);
+  auto digest = mem.DigestV2(h->out[w]);
+  ASSERT_TRUE(digest.ok()) << digest.status();
+  EXPECT_EQ(*digest, changes->digest_delta.ApplyTo(TensorDigestV2(vs[0]), vs[0].size()));
+
+  // A wrong undo record is refused before anything is written.
+  std::vector<uint8_t> short_undo(undo->begin(), undo->end() - 2);
+  absl::Status refused = mem.RevertChanges(h->out[w], *changes, short_undo);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
+  // A change set for another tensor size is refused too.
+  auto wrong = mem.WriteChanges(h->out[b], *changes);
+  EXPECT_TRUE(absl::IsInvalidArgument(wrong.status())) << wrong.status();
+  EXPECT_EQ(Download(mem, h->out[b]), bias);
+
+  absl::Status reverted = mem.RevertChanges(h->out[w], *changes, *undo);
+  ASSERT_TRUE(reverted.ok()) << reverted;
+  EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
+  EXPECT_EQ(Download(mem, h->out[b]), bias);
+
+  // An empty change set: no undo, nothing written.
+  auto none = ChangesBetween(DType::kBF16, vs[0], vs[0]);
+  ASSERT_TRUE(none.ok()) << none.status();
+  auto empty_undo = mem.WriteChanges(h->out[w], *none);
+  ASSERT_TRUE(empty_undo.ok()) << empty_undo.status();
+  EXPECT_TRUE(empty_undo->empty());
   EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
   ASSERT_TRUE(st->Abort(*h).ok());
 }

@@ -101,8 +101,8 @@ bool Layout::SameManifest(const Layout& other) const {
 // ---- slotted store -------------------------------------------------------------------------
 
 absl::Status SlottedStore::CheckOptions(const StoreOptions& o) {
-  if (o.slots < 2 || o.slots > 16) {
-    return absl::InvalidArgumentError(absl::StrCat("store.slots must be in [2, 16], got ", o.slots));
+  if (o.slots < 1 || o.slots > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("store.slots must be in [1, 16], got ", o.slots));
   }
   if (o.default_ttl <= absl::ZeroDuration() || o.max_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("lease ttls must be positive");
@@ -157,6 +157,9 @@ std::string SlottedStore::DescribeSlotsLocked() const {
         absl::StrAppend(&d, "refreshing to v", slot.version);
         break;
       case SlotStatus::State::kStandby: absl::StrAppend(&d, "standby at v", slot.version); break;
+      case SlotStatus::State::kUpdating:
+        absl::StrAppend(&d, "updating v", open_update_from_, " in place to v", slot.version);
+        break;
       case SlotStatus::State::kHeld:
         absl::StrAppend(&d, "v", slot.version, s == current_slot_ ? " (current)" : "");
         break;
@@ -210,6 +213,10 @@ int SlottedStore::PickStagingSlotLocked() const {
 absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
   absl::MutexLock lock(&mu_);
   if (version == 0) return absl::InvalidArgumentError("cannot stage version 0");
+  if (open_update_id_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot stage v", version, ": v", open_update_from_, " is being updated in place"));
+  }
   if (open_stage_id_ != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot stage v", version, ": v", slots_[open_stage_slot_].version,
@@ -225,10 +232,9 @@ absl::StatusOr<StagingHandle> SlottedStore::BeginStage(uint64_t version) {
 
 absl::StatusOr<StagingHandle> SlottedStore::BeginRepair(uint64_t version) {
   absl::MutexLock lock(&mu_);
-  if (open_stage_id_ != 0 || open_refresh_id_ != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot repair v", version, ": a ", open_stage_id_ != 0 ? "staging" : "refresh",
-        " is open"));
+  if (const char* open = OpenOperationLocked(); open != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot repair v", version, ": ", open,
+                                                      " is open"));
   }
   if (current_slot_ < 0 || slots_[current_slot_].version != version) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -312,9 +318,8 @@ absl::Status SlottedStore::Abort(const StagingHandle& handle) {
 
 absl::StatusOr<RefreshHandle> SlottedStore::BeginRefresh(uint64_t oldest_from) {
   absl::MutexLock lock(&mu_);
-  if (open_stage_id_ != 0 || open_refresh_id_ != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot refresh: a ", open_stage_id_ != 0 ? "staging" : "refresh", " is open"));
+  if (const char* open = OpenOperationLocked(); open != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot refresh: ", open, " is open"));
   }
   if (current_slot_ < 0) return absl::FailedPreconditionError("cannot refresh: nothing committed");
   ExpireLocked(clock_->Now());
@@ -369,8 +374,85 @@ absl::Status SlottedStore::AbortRefresh(const RefreshHandle& handle) {
   return absl::OkStatus();
 }
 
+const char* SlottedStore::OpenOperationLocked() const {
+  if (open_stage_id_ != 0) return "a staging";
+  if (open_refresh_id_ != 0) return "a refresh";
+  if (open_update_id_ != 0) return "an update";
+  return nullptr;
+}
+
+// ---- in-place updates (single copy) ----------------------------------------------------------
+
+absl::StatusOr<UpdateHandle> SlottedStore::BeginUpdate(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (const char* open = OpenOperationLocked(); open != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot update to v", version, ": ", open,
+                                                      " is open"));
+  }
+  if (current_slot_ < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot update to v", version, ": no version is held to update"));
+  }
+  if (version <= newest_committed_) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot update to v", version, ": v",
+                                                      newest_committed_,
+                                                      " is already committed (versions only grow)"));
+  }
+  ExpireLocked(clock_->Now());
+  if (LeasesOnLocked(current_slot_) > 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot update v", slots_[current_slot_].version, " in place to v", version,
+                     ": leases hold it (", DescribeSlotsLocked(), ")"));
+  }
+  UpdateHandle h;
+  h.update_id = next_stage_id_++;
+  h.from_version = slots_[current_slot_].version;
+  h.version = version;
+  h.slot = current_slot_;
+  h.out = WriteSpans(current_slot_);
+  slots_[current_slot_] = Slot{SlotStatus::State::kUpdating, version};
+  open_update_id_ = h.update_id;
+  open_update_from_ = h.from_version;
+  return h;
+}
+
+absl::Status SlottedStore::CheckOpenUpdateLocked(const UpdateHandle& handle,
+                                                 const char* what) const {
+  if (handle.update_id == 0 || handle.update_id != open_update_id_ ||
+      handle.slot != current_slot_) {
+    return absl::NotFoundError(absl::StrCat(what, " to v", handle.version, ": update ",
+                                            handle.update_id, " is not open"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SlottedStore::CommitUpdate(const UpdateHandle& handle) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "committing the update"));
+  slots_[current_slot_] = Slot{SlotStatus::State::kHeld, handle.version};
+  newest_committed_ = handle.version;
+  open_update_id_ = 0;
+  open_update_from_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status SlottedStore::AbortUpdate(const UpdateHandle& handle, bool restored) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "aborting the update"));
+  if (restored) {
+    slots_[current_slot_] = Slot{SlotStatus::State::kHeld, open_update_from_};
+  } else {
+    slots_[current_slot_] = Slot{};  // contents unknown: no version is held
+    current_slot_ = -1;
+  }
+  open_update_id_ = 0;
+  open_update_from_ = 0;
+  return absl::OkStatus();
+}
+
 uint64_t SlottedStore::current_version() const {
   absl::MutexLock lock(&mu_);
+  if (open_update_id_ != 0) return open_update_from_;  // committed until CommitUpdate
   return current_slot_ >= 0 ? slots_[current_slot_].version : 0;
 }
 
@@ -417,6 +499,11 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
   if (current_slot_ < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("lease for '", consumer, "': no version has been committed yet"));
+  }
+  if (open_update_id_ != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "lease for '", consumer, "': v", open_update_from_, " is being updated in place to v",
+        slots_[current_slot_].version, " (a pause); lease again once it is committed"));
   }
   int slot = current_slot_;
   if (version.has_value()) {

@@ -29,7 +29,7 @@ struct LeaseInfo {
 };
 
 struct StoreOptions {
-  int slots = 2;  // >= 2 (config store.slots)
+  int slots = 2;  // 1..16 (config store.slots); 1 = single copy, updated in place (BeginUpdate)
   Clock* clock = nullptr;  // nullptr: Clock::Real(); must outlive the store
   absl::Duration default_ttl = absl::Seconds(60);  // config leases.default_ttl_ms
   absl::Duration max_ttl = absl::Seconds(600);     // config leases.max_ttl_ms
@@ -58,6 +58,9 @@ class SlottedStore : public TensorStore {
   absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) override;
   absl::Status CompleteRefresh(const RefreshHandle& handle) override;
   absl::Status AbortRefresh(const RefreshHandle& handle) override;
+  absl::StatusOr<UpdateHandle> BeginUpdate(uint64_t version) override;
+  absl::Status CommitUpdate(const UpdateHandle& handle) override;
+  absl::Status AbortUpdate(const UpdateHandle& handle, bool restored) override;
   uint64_t current_version() const override;
   absl::StatusOr<Lease> AcquireLease(absl::string_view consumer,
                                      std::optional<uint64_t> version = std::nullopt,
@@ -111,6 +114,10 @@ class SlottedStore : public TensorStore {
   int PickStagingSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOpenRefreshLocked(const RefreshHandle& handle, const char* what) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckOpenUpdateLocked(const UpdateHandle& handle, const char* what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "a staging", "a refresh", "an update" is open, or nullptr.
+  const char* OpenOperationLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Layout layout_;
   const std::vector<uint8_t*> slot_base_;
@@ -133,6 +140,9 @@ class SlottedStore : public TensorStore {
   // The open refresh: its id (0 = none) and slot.
   uint64_t open_refresh_id_ ABSL_GUARDED_BY(mu_) = 0;
   int open_refresh_slot_ ABSL_GUARDED_BY(mu_) = -1;
+  // The open in-place update: its id (0 = none) and the version it overwrites.
+  uint64_t open_update_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t open_update_from_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, LeaseRec> leases_ ABSL_GUARDED_BY(mu_);
   absl::BitGen bitgen_ ABSL_GUARDED_BY(mu_);
 };

@@ -134,7 +134,9 @@ TEST(LayoutTest, RejectsBadManifests) {
 
 TEST(ShmStoreTest, RejectsBadOptions) {
   ShmStoreOptions o;
-  o.slots = 1;
+  o.slots = 0;
+  EXPECT_THAT(ShmStore::Create(SmallLayout(), o).status().message(), HasSubstr("store.slots"));
+  o.slots = 17;
   EXPECT_THAT(ShmStore::Create(SmallLayout(), o).status().message(), HasSubstr("store.slots"));
   o.slots = 2;
   o.force_shm_open = true;

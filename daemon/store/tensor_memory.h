@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/change_set.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
 
@@ -50,6 +51,14 @@ class TensorMemory {
   virtual absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                       std::span<const uint8_t> base,
                                                       std::span<uint8_t> out) = 0;
+  // refit::WriteChanges into a store span in place (the single-copy store's update): the host
+  // `changes` written at their positions, returning the values they overwrote (host memory, the
+  // undo record). Checked first (refit::CheckChanges): nothing is written on error.
+  virtual absl::StatusOr<std::vector<uint8_t>> WriteChanges(std::span<uint8_t> data,
+                                                            const TensorChanges& changes) = 0;
+  // refit::RevertChanges: puts `undo` (WriteChanges' result) back at the changes' positions.
+  virtual absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
+                                     std::span<const uint8_t> undo) = 0;
 };
 
 // Host memory: memcpy and the CPU codec with `threads` threads (0 = all hardware threads).
@@ -68,6 +77,10 @@ class HostMemory final : public TensorMemory {
   absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                               std::span<const uint8_t> base,
                                               std::span<uint8_t> out) override;
+  absl::StatusOr<std::vector<uint8_t>> WriteChanges(std::span<uint8_t> data,
+                                                    const TensorChanges& changes) override;
+  absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
+                             std::span<const uint8_t> undo) override;
 
  private:
   const int threads_;

@@ -14,6 +14,9 @@
 //                     and the current version is untouched.
 //   AcquireLease   -> a consumer pins a held version (default: current); its slot is never staged
 //                     into until ReleaseLease or expiry (clock injectable: see Clock).
+//   BeginUpdate(v) -> single-copy stores (one slot): the current version is overwritten in place
+//                     while no lease holds it (a pause the consumers grant); CommitUpdate makes
+//                     it v, AbortUpdate restores it (the caller's undo record) or empties it.
 //   BeginRefresh() -> between stagings, the slot the next BeginStage would take (held, unleased,
 //                     not current) is claimed to be brought forward to the current version's
 //                     bytes; while refreshing and afterwards (standby) it holds no version a
@@ -144,6 +147,18 @@ struct RefreshHandle {
   std::vector<std::span<const uint8_t>> current;
 };
 
+// An in-place update of the current version (single-copy stores, one slot: BeginUpdate). Valid
+// until CommitUpdate or AbortUpdate (or the store's destruction).
+struct UpdateHandle {
+  uint64_t update_id = 0;
+  uint64_t from_version = 0;  // the current version, whose bytes the slot holds at BeginUpdate
+  uint64_t version = 0;       // the version it becomes at CommitUpdate
+  int slot = -1;
+  // Writable spans of the current slot, in Layout order. Nothing else reads them while the
+  // update is open: no lease can be taken on the slot until CommitUpdate / AbortUpdate.
+  std::vector<std::span<uint8_t>> out;
+};
+
 // A read lease on a held version.
 struct Lease {
   uint64_t lease_id = 0;  // random, non-zero
@@ -158,7 +173,8 @@ struct Lease {
 struct SlotStatus {
   // kRefreshing: claimed by BeginRefresh. kStandby: holds `version`'s bytes (a refresh
   // completed) but no version a lease can take; the next BeginStage takes it first.
-  enum class State { kEmpty, kStaging, kHeld, kRefreshing, kStandby };
+  // kUpdating: the current slot, being written in place to `version` (BeginUpdate).
+  enum class State { kEmpty, kStaging, kHeld, kRefreshing, kStandby, kUpdating };
   int slot = 0;
   State state = State::kEmpty;
   uint64_t version = 0;  // staged, held, refreshed-to or standby version (0 when kEmpty)
@@ -202,6 +218,22 @@ class TensorStore {
   virtual absl::Status CompleteRefresh(const RefreshHandle& handle) = 0;
   // Abandons the refresh (failed or cancelled): the slot becomes empty, its contents unknown.
   virtual absl::Status AbortRefresh(const RefreshHandle& handle) = 0;
+
+  // In-place updates (the single-copy store: store.slots 1, where no second slot exists to stage
+  // into). BeginUpdate(v) opens an update of the current version to `v` (> every committed
+  // version) in its own slot, when no unexpired lease holds it (the consumers' pause): until
+  // CommitUpdate or AbortUpdate no lease can be taken (UNAVAILABLE), and current_version()
+  // still names the version being overwritten. FAILED_PRECONDITION without a current version,
+  // with a staging, refresh or update open, or for a version not above the committed ones;
+  // RESOURCE_EXHAUSTED naming the holders while leases hold the current slot (nothing changes).
+  virtual absl::StatusOr<UpdateHandle> BeginUpdate(uint64_t version) = 0;
+  // Every byte of the slot is now the handle's version's: it becomes the current version.
+  // NOT_FOUND if the handle is not the open update.
+  virtual absl::Status CommitUpdate(const UpdateHandle& handle) = 0;
+  // Abandons the update. `restored`: the caller put back every byte it wrote (an undo record),
+  // so the slot holds from_version again and stays current. Otherwise its contents are unknown:
+  // the slot becomes empty and the store holds no version until the next staging (a keyframe).
+  virtual absl::Status AbortUpdate(const UpdateHandle& handle, bool restored) = 0;
 
   // Current (committed) version, 0 if none yet.
   virtual uint64_t current_version() const = 0;

@@ -20,6 +20,31 @@ void VersionBoard::Announce(const AppliedVersion& applied) {
   absl::MutexLock lock(&mu_);
   if (applied.version <= current_.version) return;
   current_ = applied;
+  if (pending_.version <= current_.version) pending_ = AppliedVersion{};
+}
+
+void VersionBoard::AnnouncePending(uint64_t version, uint64_t version_digest) {
+  absl::MutexLock lock(&mu_);
+  if (version <= current_.version || version <= pending_.version) return;
+  pending_ = AppliedVersion{};
+  pending_.version = version;
+  pending_.version_digest = version_digest;
+  pending_.applied_unix_nanos = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+}
+
+AppliedVersion VersionBoard::pending() const {
+  absl::MutexLock lock(&mu_);
+  return pending_;
+}
+
+void VersionBoard::WaitChange(uint64_t after_version, uint64_t after_pending,
+                              absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closed_ || current_.version > after_version ||
+           (pending_.version > after_version && pending_.version > after_pending);
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
 }
 
 void VersionBoard::Close() {
@@ -156,12 +181,33 @@ grpc::Status ConsumerApiService::WatchVersions(grpc::ServerContext* context,
                                                const v1::WatchVersionsRequest* request,
                                                grpc::ServerWriter<v1::VersionEvent>* writer) {
   uint64_t after = request->after_version();
+  uint64_t pending_sent = 0;
   bool sent_any = false;
   uint64_t last_generation = 0;
   while (!context->IsCancelled()) {
-    const AppliedVersion cur = board_->WaitAbove(after, absl::Now() + options_.poll_interval);
+    const absl::Time deadline = absl::Now() + options_.poll_interval;
+    AppliedVersion cur;
+    if (request->pause_events()) {
+      board_->WaitChange(after, pending_sent, deadline);
+      cur = board_->current();
+    } else {
+      cur = board_->WaitAbove(after, deadline);
+    }
     if (board_->closed()) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "subscriber shutting down");
+    }
+    if (request->pause_events() && cur.version <= after) {
+      const AppliedVersion pending = board_->pending();
+      if (pending.version > after && pending.version > pending_sent) {
+        v1::VersionEvent ev;
+        ev.set_version(pending.version);
+        ev.set_version_digest(pending.version_digest);
+        ev.set_applied_unix_nanos(pending.applied_unix_nanos);
+        ev.set_pending(true);
+        if (!writer->Write(ev)) break;
+        pending_sent = pending.version;
+      }
+      continue;
     }
     if (cur.version <= after) continue;
     v1::VersionEvent ev;

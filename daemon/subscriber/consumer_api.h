@@ -40,18 +40,28 @@ class VersionBoard {
  public:
   // Records a newly applied version (ignored unless above the current one) and wakes waiters.
   void Announce(const AppliedVersion& applied);
+  // Records that `version` is verified and waits for the consumers' pause (single-copy store;
+  // ignored unless above the current and pending versions) and wakes waiters. The next Announce
+  // of that version or a later one clears it.
+  void AnnouncePending(uint64_t version, uint64_t version_digest);
   // Shutdown: wakes every waiter; WaitAbove returns at once from now on.
   void Close();
 
   AppliedVersion current() const;
+  // The version waiting for the pause (version 0: none).
+  AppliedVersion pending() const;
   bool closed() const;
   // Waits until the current version exceeds `after_version`, the board is closed, or `deadline`;
   // returns the current version then (check `.version > after_version`).
   AppliedVersion WaitAbove(uint64_t after_version, absl::Time deadline) const;
+  // As WaitAbove, also waking when a pending version above both `after_version` and
+  // `after_pending` appears.
+  void WaitChange(uint64_t after_version, uint64_t after_pending, absl::Time deadline) const;
 
  private:
   mutable absl::Mutex mu_;
   AppliedVersion current_ ABSL_GUARDED_BY(mu_);
+  AppliedVersion pending_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 

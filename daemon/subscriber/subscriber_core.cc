@@ -15,64 +15,9 @@
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
+#include "daemon/subscriber/staged_transfer.h"
 
 namespace refit::subscriber {
-
-struct SubscriberCore::Transfer {
-  v1::VersionHeader header;
-  absl::Time start;
-  std::vector<DType> dtypes;         // by header index
-  std::vector<uint64_t> bytes;       // by header index
-  std::vector<size_t> layout_index;  // header index -> index in target->layout()
-  std::shared_ptr<store::SlottedStore> target;  // the store staged into
-  bool new_generation = false;
-  bool repair = false;  // SubscriberCore::ExpectRepair: the applied version again, repaired
-  // The header's lineage differs from the applied version's (keyframes into a new generation).
-  bool lineage_change = false;
-  // New generation with bases: a lease on the old store's applied version, and for each header
-  // index the old layout index of its base (UNCHANGED / PATCH only).
-  std::shared_ptr<store::SlottedStore> old_store;
-  std::optional<store::Lease> old_lease;
-  std::vector<size_t> old_index;
-  std::optional<store::StagingHandle> handle;
-  std::unique_ptr<sync::FrameAssembler> assembler;
-  std::vector<bool> in_slot;  // keyframe reassembled straight into handle->out
-  absl::Status failed;        // first error of the transfer
-  uint64_t wire_bytes = 0;    // payload bytes of accepted frames
-  uint64_t dropped_frames = 0;
-  StageStats stats;           // how StageLocked staged it
-  // Decided when the slot is known (PlanStagingLocked): the retained transfers from the slot's
-  // version to the base (nullopt: the copy path), and which tensors are staged already.
-  std::optional<std::vector<const RetainedTransfer*>> chain;
-  std::vector<bool> staged;
-  std::vector<bool> caught_up;  // retained patches already applied to the tensor
-  // The session's digest format when the header came, and in v2 each tensor's digest as staged
-  // so far (header index): the slot's verified digest brought forward by the deltas of the
-  // patches applied in place; nullopt where unknown (VerifyLocked then reads the tensor).
-  sync::DigestFormat format = sync::DigestFormat::kV1;
-  std::vector<std::optional<uint64_t>> v2;
-  // Tensors whose staging on arrival failed (reported by OnEnd).
-  std::vector<std::string> early_failed;
-  std::vector<std::string> early_errors;
-
-  // Aborts the staging and releases the base lease; the transfer stays (failed) for OnEnd.
-  void Release() {
-    assembler.reset();  // may point into the staged slot
-    if (handle.has_value()) {
-      (void)target->Abort(*handle);
-      handle.reset();
-    }
-    if (old_lease.has_value()) {
-      (void)old_store->ReleaseLease(old_lease->lease_id);
-      old_lease.reset();
-    }
-  }
-
-  std::span<const uint8_t> Base(size_t i) const {
-    if (new_generation) return old_lease->spans[old_index[i]];
-    return handle->base[layout_index[i]];
-  }
-};
 
 namespace {
 
@@ -273,6 +218,10 @@ RefreshStats SubscriberCore::refresh_stats() const {
 }
 
 void SubscriberCore::DropTransferLocked() {
+  if (transfer_ != nullptr && transfer_->awaiting_pause) {
+    transfer_->cancelled = true;  // OnEnd is waiting for the pause: it rejects and drops it
+    return;
+  }
   if (transfer_ != nullptr) transfer_->Release();
   transfer_.reset();
 }
@@ -326,8 +275,10 @@ void SubscriberCore::NoteBlockedLocked(const store::SlottedStore& target, uint64
   LeaseBlock block;
   block.version = version;
   block.since = blocked_.has_value() ? blocked_->since : absl::Now();
+  const bool single_copy = target.num_slots() == 1;
   for (const store::LeaseInfo& l : target.Leases()) {
-    if (l.version == current) continue;  // the current slot is never staged into anyway
+    // The current slot is never staged into, except in place (single copy).
+    if (l.version == current && !single_copy) continue;
     block.holders.push_back(absl::StrCat(l.consumer, " (",
                                          l.quota_key.empty() ? "daemon" : l.quota_key, ") on v",
                                          l.version));
@@ -572,6 +523,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   bool needs_base = false;
   ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
   RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
+  RETURN_IF_ERROR(PlanSingleCopyLocked(*t, layout, needs_base));
   if (t->repair && t->new_generation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "header for version ", v, ": a repair must have the applied version's manifest"));
@@ -583,8 +535,8 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
     }
   }
   // Staging. With every slot held (consumer leases), frames are reassembled in host memory and
-  // the staging is retried at VersionEnd.
-  if (absl::Status st = BeginStageLocked(*t); !st.ok()) {
+  // the staging is retried at VersionEnd. A single-copy update stages nothing in the store.
+  if (absl::Status st = t->in_place ? absl::OkStatus() : BeginStageLocked(*t); !st.ok()) {
     if (st.code() != absl::StatusCode::kResourceExhausted || t->new_generation) {
       t->Release();
       return absl::Status(st.code(), absl::StrCat("header for version ", v, ": ", st.message()));
@@ -658,7 +610,7 @@ absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& e
     return absl::InvalidArgumentError(absl::StrCat(what, "VersionEnd has ", end.digests_size(),
                                                    " digests for ", n, " tensors"));
   }
-  if (!t.handle.has_value()) {
+  if (!t.handle.has_value() && !t.in_place) {
     if (absl::Status st = BeginStageLocked(t); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(what, "cannot stage: ", st.message()));
     }
@@ -1023,6 +975,11 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
   if (t.repair) return absl::OkStatus();  // same version: records and retained chain stand
   RetainLocked(t);
   refresh_requested_ = refresher_.joinable() && !retained_.empty();
+  RecordAppliedLocked(t, verified);
+  return absl::OkStatus();
+}
+
+void SubscriberCore::RecordAppliedLocked(Transfer& t, const Verified& verified) {
   applied_tensors_.clear();
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     v1::TensorDigest d;
@@ -1036,7 +993,6 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
   applied_digest_.store(verified.version_digest, std::memory_order_release);
   applied_lineage_.store(t.header.lineage(), std::memory_order_release);
   applied_version_.store(v, std::memory_order_release);
-  return absl::OkStatus();
 }
 
 v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
@@ -1052,6 +1008,7 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   if (absl::Status st = CheckEndLocked(t, end); !st.ok()) {
     return Reject(v, std::string(st.message()), {}, t.wire_bytes);
   }
+  if (t.in_place) return EndSingleCopyLocked(t, end, received);
   std::vector<std::string> failed;
   if (absl::Status st = StageLocked(t, failed); !st.ok()) {
     return Reject(v, std::string(st.message()), std::move(failed), t.wire_bytes);
@@ -1279,6 +1236,7 @@ absl::Status SubscriberCore::ReleaseLease(uint64_t lease_id) {
     st = retired_[i].store->ReleaseLease(lease_id);
   }
   CollectRetiredLocked();
+  ++lease_releases_;
   return st;
 }
 

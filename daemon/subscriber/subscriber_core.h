@@ -53,6 +53,8 @@
 
 namespace refit::subscriber {
 
+struct SingleCopyTensor;  // single_copy.h
+
 struct SubscriberOptions {
   // Options of every store generation the core creates (slots, clock, lease TTLs; shm_prefix for
   // shared memory). Its `threads` is ignored: `threads` below is used.
@@ -88,6 +90,21 @@ struct SubscriberOptions {
   // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
   // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
   int background_nice = 0;
+  // Single-copy stores (store.slots 1: one copy of the policy, updated in place inside a pause
+  // the consumers grant; daemon/subscriber/single_copy.h). Host memory one refit may use to stage
+  // keyframes and patch chains (a tensor's size each; change sets are not counted): a version
+  // that needs more is staged into a second store generation instead (memory then peaks at two
+  // copies for that version).
+  uint64_t single_copy_staging_bytes = 1ull << 30;
+  // How long a verified version waits for the consumers' leases on the held version (the pause)
+  // before the transfer is rejected (RESOURCE_EXHAUSTED, naming the holders) and asked again.
+  absl::Duration pause_wait = absl::Minutes(10);
+  // Called (under the core's mutex: do not call back into the core) when a verified version
+  // starts waiting for the consumers' leases: the ConsumerApi tells them to release.
+  std::function<void(uint64_t version, uint64_t version_digest)> on_pause_pending;
+  // Testing only. Called before each tensor's in-place write of a single-copy refit (header
+  // index); an error fails the write there (the tensors written are put back).
+  std::function<absl::Status(size_t header_index)> in_place_write_hook;
   // Testing only. Called by the refresh thread before each tensor (layout index), outside the
   // core mutex; `cancel` is set when OnHeader or the destructor cancels the refresh.
   std::function<void(size_t layout_index, const std::atomic<bool>& cancel)> refresh_tensor_hook;
@@ -131,6 +148,12 @@ struct StageStats {
   uint32_t digests_full = 0;
   uint64_t stage_micros = 0;      // as the Ack's timings
   uint64_t verify_micros = 0;
+  // Single-copy refits (written in place into the held version's slot).
+  bool in_place_update = false;
+  uint64_t change_set_bytes = 0;     // the staged change sets (positions and values)
+  uint64_t changed_elements = 0;
+  uint64_t pause_wait_micros = 0;    // verified -> every consumer lease released
+  uint64_t pause_micros = 0;         // pause granted -> committed (the in-place write)
 };
 
 // sync::TensorDigestOf for store memory (host: the CPU codec; GPU store: its kernels): the digest
@@ -384,6 +407,25 @@ class SubscriberCore {
       const store::Layout& layout) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::Ack Reject(uint64_t version, std::string error, std::vector<std::string> mismatched,
                  uint64_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the committed version t as the applied one (records, digests, generation).
+  void RecordAppliedLocked(Transfer& t, const Verified& verified) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Single-copy refits (single_copy_refit.cc).
+  // OnHeader: whether t updates the held version in place (a one-slot store holding the base,
+  // same manifest), and when its keyframes and chains exceed single_copy_staging_bytes, switches
+  // t to a new generation instead.
+  absl::Status PlanSingleCopyLocked(Transfer& t, const store::Layout& layout, bool needs_base)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OnEnd of such a transfer: change sets, verification, the pause, the write, the commit.
+  v1::Ack EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& end, absl::Time received)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<SingleCopyTensor>> StageChangeSetsLocked(
+      Transfer& t, std::vector<std::string>& failed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (releasing mu_) until no lease holds the current version, then opens the update.
+  absl::StatusOr<store::UpdateHandle> AwaitPauseLocked(Transfer& t, uint64_t version_digest)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bumped by every lease release (wakes AwaitPauseLocked).
+  uint64_t lease_releases_ ABSL_GUARDED_BY(mu_) = 0;
 
   const SubscriberOptions options_;
   mutable absl::Mutex mu_;

@@ -80,7 +80,9 @@ void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
 // store.scrub_bytes_per_second, store.scrub_interval_ms.
 ScrubberOptions ScrubberOptionsOf(const v1::StoreConfig& store) {
   ScrubberOptions o;
-  o.bytes_per_second = store.scrub_bytes_per_second();
+  // A single-copy store has no second slot to repair into: no scrub (the config refuses one
+  // asked for explicitly).
+  o.bytes_per_second = store.slots() == 1 ? 0 : store.scrub_bytes_per_second();
   o.interval = absl::Milliseconds(store.scrub_interval_ms());
   return o;
 }
@@ -276,6 +278,8 @@ SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
   o.store.allow_unsealed = c.store().allow_unsealed();
   o.store.prefault = c.store().prefault();
   o.retained_patch_bytes = c.store().retained_patch_bytes();
+  o.single_copy_staging_bytes = c.store().single_copy_staging_bytes();
+  o.pause_wait = absl::Milliseconds(c.store().pause_wait_ms());
   o.threads = static_cast<int>(c.staging().threads());
   if (c.staging().max_bytes() > 0) o.max_slot_bytes = c.staging().max_bytes();
   o.max_frame_bytes = c.upstream().max_frame_bytes();
@@ -460,6 +464,10 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
                                                            config_.metrics()));
   RETURN_IF_ERROR(OpenDevice(open_device));
   core_options.device = device_.get();
+  // A single-copy store's verified version waits for the consumers: WatchVersions tells them.
+  core_options.on_pause_pending = [this](uint64_t version, uint64_t digest) {
+    board_.AnnouncePending(version, digest);
+  };
   core_ = std::make_unique<SubscriberCore>(core_options);
   RETURN_IF_ERROR(MakePeers());
   RETURN_IF_ERROR(MakeUpstream());
@@ -521,6 +529,9 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
                                       .verify = absl::Microseconds(t.verify_micros()),
                                       .apply = absl::Microseconds(t.apply_micros())};
     m->TransferApplied(ev.reason, s, &stages);
+    if (const StageStats st = core_->last_stage(); st.version == s.version() && st.in_place_update) {
+      m->InPlaceUpdate(absl::Microseconds(st.pause_wait_micros), absl::Microseconds(st.pause_micros));
+    }
   }
 
   AppliedVersion applied;

@@ -141,10 +141,11 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     control_tls: Optional[dict] = None,
                     control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
                     cuda_device_uuid: Optional[str] = None,
-                    export_dir: Optional[str] = None) -> str:
+                    export_dir: Optional[str] = None, digest_v2: bool = False) -> str:
     """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
-    max_ttl_ms) and a separate Control listener with TLS."""
+    max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (needed by
+    a single-copy store, slots 1)."""
     leases = ""
     if lease_default_ttl_ms is not None or lease_max_ttl_ms is not None:
         leases = "  leases:\n"
@@ -157,6 +158,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
         store += f"    shm_prefix: \"/refit-py-{os.getpid()}-{name}-\"\n"
     if cuda_device_uuid:
         store += f"    cuda_device_uuid: {json.dumps(cuda_device_uuid)}\n"
+    if digest_v2:
+        store += "    digest_v2: true\n"
     return (f"subscriber:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"

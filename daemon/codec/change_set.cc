@@ -1,0 +1,233 @@
+#include "daemon/codec/change_set.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/codec/codec.h"
+#include "daemon/common/parallel.h"
+#include "daemon/common/status_macros.h"
+
+namespace refit {
+namespace {
+
+// Changes per worker chunk when writing: large enough that threads do not share cache lines
+// often, small enough to spread a 1% change set over every thread.
+constexpr size_t kWriteChunk = 1 << 15;
+
+// The 8-byte word `word` of a tensor of `bytes` bytes, zero-padded past its end.
+uint64_t WordOf(const uint8_t* data, uint64_t bytes, uint64_t word) {
+  uint64_t v = 0;
+  const uint64_t at = word * 8;
+  std::memcpy(&v, data + at, std::min<uint64_t>(8, bytes - at));
+  return v;
+}
+
+// One decoded block's part of a change set.
+struct BlockPart {
+  std::vector<uint64_t> positions;
+  std::vector<uint8_t> values;
+  DigestV2Delta delta;
+};
+
+// The digest-v2 delta of writing `values` (w bytes each) at the increasing element `positions`
+// of `base` (tensor_bytes long): each changed word once, with all its changes.
+DigestV2Delta DeltaOfWrites(std::span<const uint64_t> positions, const uint8_t* values, int w,
+                            const uint8_t* base, uint64_t tensor_bytes) {
+  DigestV2Delta delta;
+  size_t j = 0;
+  while (j < positions.size()) {
+    const uint64_t word = positions[j] * w / 8;
+    const uint64_t old_word = WordOf(base, tensor_bytes, word);
+    uint64_t new_word = old_word;
+    do {
+      const unsigned shift = static_cast<unsigned>((positions[j] * w) % 8) * 8;
+      const uint64_t mask = w == 8 ? ~0ull : ((1ull << (8 * w)) - 1) << shift;
+      uint64_t v = 0;
+      std::memcpy(&v, values + j * w, w);
+      new_word = (new_word & ~mask) | ((v << shift) & mask);
+      ++j;
+    } while (j < positions.size() && positions[j] * w / 8 == word);
+    delta.Add(word, old_word, new_word);
+  }
+  return delta;
+}
+
+// Concatenates the parts in order into one change set.
+TensorChanges Join(DType dtype, uint64_t num_elements, std::vector<BlockPart>& parts) {
+  TensorChanges out;
+  out.dtype = dtype;
+  out.num_elements = num_elements;
+  size_t n = 0;
+  for (const BlockPart& p : parts) n += p.positions.size();
+  out.positions.reserve(n);
+  out.values.reserve(n * DTypeSize(dtype));
+  for (BlockPart& p : parts) {
+    out.positions.insert(out.positions.end(), p.positions.begin(), p.positions.end());
+    out.values.insert(out.values.end(), p.values.begin(), p.values.end());
+    out.digest_delta.Merge(p.delta);
+    p = BlockPart{};
+  }
+  return out;
+}
+
+template <typename T>
+void WriteTyped(const TensorChanges& c, uint8_t* data, uint8_t* undo, int threads) {
+  T* d = reinterpret_cast<T*>(data);
+  const uint8_t* v = c.values.data();
+  ParallelFor(c.count(), threads, kWriteChunk, [&](size_t lo, size_t hi) {
+    for (size_t j = lo; j < hi; ++j) {
+      const uint64_t p = c.positions[j];
+      T nv;
+      std::memcpy(&nv, v + j * sizeof(T), sizeof(T));
+      if (undo != nullptr) std::memcpy(undo + j * sizeof(T), &d[p], sizeof(T));
+      d[p] = nv;
+    }
+  });
+}
+
+// Writes c's values at c's positions of `data`; saves what it overwrites into `undo` when
+// non-null.
+void WriteAt(const TensorChanges& c, uint8_t* data, uint8_t* undo, int threads) {
+  switch (DTypeSize(c.dtype)) {
+    case 1: WriteTyped<uint8_t>(c, data, undo, threads); break;
+    case 2: WriteTyped<uint16_t>(c, data, undo, threads); break;
+    case 4: WriteTyped<uint32_t>(c, data, undo, threads); break;
+    default: WriteTyped<uint64_t>(c, data, undo, threads); break;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DType dtype,
+                                             std::span<const uint8_t> base, int threads) {
+  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  const int w = DTypeSize(dtype);
+  std::vector<BlockPart> parts(layout.blocks.size());
+  RETURN_IF_ERROR(VisitPatchChanges(
+      patch, dtype, base,
+      [&](const PatchBlockChanges& c) {
+        BlockPart& part = parts[c.block_index];  // each block is visited once
+        part.positions.resize(c.positions.size());
+        part.values.resize(c.positions.size() * w);
+        for (size_t j = 0; j < c.positions.size(); ++j) {
+          part.positions[j] = c.first_element + c.positions[j];
+          std::memcpy(part.values.data() + j * w, &c.values[j], w);  // little-endian
+        }
+        part.delta = DeltaOfWrites(part.positions, part.values.data(), w, base.data(), base.size());
+        return absl::OkStatus();
+      },
+      threads));
+  return Join(dtype, layout.num_elements, parts);
+}
+
+absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_t> base,
+                                             std::span<const uint8_t> target, int threads) {
+  const int w = DTypeSize(dtype);
+  if (base.size() != target.size() || base.size() % w != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ChangesBetween: base has ", base.size(), " bytes, target ", target.size(),
+                     " (equal sizes, a multiple of ", w, " bytes, expected)"));
+  }
+  const uint64_t n = base.size() / w;
+  constexpr uint64_t kChunk = 1 << 16;
+  std::vector<BlockPart> parts((n + kChunk - 1) / kChunk);
+  ParallelFor(parts.size(), threads, 1, [&](size_t lo, size_t hi) {
+    for (size_t b = lo; b < hi; ++b) {
+      BlockPart& part = parts[b];
+      const uint64_t end = std::min(n, (b + 1) * kChunk);
+      for (uint64_t e = b * kChunk; e < end; ++e) {
+        if (std::memcmp(base.data() + e * w, target.data() + e * w, w) == 0) continue;
+        part.positions.push_back(e);
+        part.values.insert(part.values.end(), target.data() + e * w, target.data() + (e + 1) * w);
+      }
+    }
+  });
+  TensorChanges out = Join(dtype, n, parts);
+  ASSIGN_OR_RETURN(out.digest_delta, DigestV2DeltaOf(base, target, threads));
+  return out;
+}
+
+absl::Status CheckChanges(const TensorChanges& c, DType dtype, uint64_t tensor_bytes) {
+  const int w = DTypeSize(dtype);
+  if (c.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("change set is for dtype ", DTypeName(c.dtype),
+                                                   ", the tensor is ", DTypeName(dtype)));
+  }
+  if (c.num_elements * w != tensor_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("change set is for ", c.num_elements,
+                                                   " elements, the tensor has ", tensor_bytes / w));
+  }
+  if (c.values.size() != c.positions.size() * w) {
+    return absl::InvalidArgumentError(absl::StrCat("change set has ", c.positions.size(),
+                                                   " positions but ", c.values.size(),
+                                                   " value bytes (", w, " per position expected)"));
+  }
+  for (size_t j = 0; j < c.positions.size(); ++j) {
+    if (c.positions[j] >= c.num_elements || (j > 0 && c.positions[j] <= c.positions[j - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("change set position ", j, " (element ", c.positions[j],
+                       ") is out of range or not above the one before"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes,
+                                                  std::span<uint8_t> data, int threads) {
+  RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
+  std::vector<uint8_t> undo(changes.values.size());
+  WriteAt(changes, data.data(), undo.data(), threads);
+  return undo;
+}
+
+absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
+                           std::span<uint8_t> data, int threads) {
+  RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
+  if (undo.size() != changes.values.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("undo record has ", undo.size(),
+                                                   " bytes, the change set's values ",
+                                                   changes.values.size()));
+  }
+  TensorChanges old;  // the positions with the undo values (a view would avoid this copy)
+  old.dtype = changes.dtype;
+  old.positions = changes.positions;
+  old.values.assign(undo.begin(), undo.end());
+  WriteAt(old, data.data(), nullptr, threads);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorChanges> ComposeChanges(const TensorChanges& first,
+                                             const TensorChanges& second) {
+  if (first.dtype != second.dtype || first.num_elements != second.num_elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot compose change sets of different tensors (", DTypeName(first.dtype), " x ",
+        first.num_elements, " then ", DTypeName(second.dtype), " x ", second.num_elements, ")"));
+  }
+  const int w = DTypeSize(first.dtype);
+  TensorChanges out;
+  out.dtype = first.dtype;
+  out.num_elements = first.num_elements;
+  out.positions.reserve(first.count() + second.count());
+  out.values.reserve((first.count() + second.count()) * w);
+  size_t i = 0, j = 0;
+  auto take = [&](const TensorChanges& c, size_t k) {
+    out.positions.push_back(c.positions[k]);
+    out.values.insert(out.values.end(), c.values.begin() + k * w, c.values.begin() + (k + 1) * w);
+  };
+  while (i < first.count() || j < second.count()) {
+    if (j == second.count() || (i < first.count() && first.positions[i] < second.positions[j])) {
+      take(first, i++);
+    } else {
+      if (i < first.count() && first.positions[i] == second.positions[j]) ++i;
+      take(second, j++);
+    }
+  }
+  out.digest_delta = first.digest_delta;
+  out.digest_delta.Merge(second.digest_delta);
+  return out;
+}
+
+}  // namespace refit

@@ -1,0 +1,284 @@
+// SubscriberCore's single-copy refits (store.slots 1): the version is staged as change sets
+// against the held version, verified, and written in place inside the pause the consumers grant
+// (single_copy.h says how; this file is the core's part: planning at the header, the pause, the
+// commit).
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/subscriber/single_copy.h"
+#include "daemon/subscriber/staged_transfer.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/version_digest.h"
+
+namespace refit::subscriber {
+namespace {
+
+uint64_t MicrosSince(absl::Time start, absl::Time end) {
+  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(end - start)));
+}
+
+SingleCopyInput::Kind KindOf(const v1::TensorPlan& tp) {
+  switch (tp.delivery()) {
+    case v1::DELIVERY_KEYFRAME: return SingleCopyInput::Kind::kKeyframe;
+    case v1::DELIVERY_PATCH: return SingleCopyInput::Kind::kPatch;
+    default: return SingleCopyInput::Kind::kUnchanged;
+  }
+}
+
+// How often the pause is re-checked while no lease is released (lease expiry is lazy).
+constexpr absl::Duration kPauseRecheck = absl::Milliseconds(100);
+
+}  // namespace
+
+absl::Status SubscriberCore::PlanSingleCopyLocked(Transfer& t, const store::Layout& layout,
+                                                  bool needs_base) {
+  if (t.new_generation || t.repair || t.target->num_slots() != 1 ||
+      t.target->current_version() == 0) {
+    return absl::OkStatus();  // a first version or a new manifest: staged into an empty store
+  }
+  // The one slot holds a version: written in place, or into a second store generation.
+  const uint64_t v = t.header.version();
+  bool in_place = t.format == sync::DigestFormat::kV2;
+  if (!in_place && needs_base) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, ": a single-copy store (store.slots 1) verifies versions in "
+        "place with tensor digest v2, but this session uses v1 (store.digest_v2 must be on and "
+        "the upstream must offer v2)"));
+  }
+  const bool host = t.target->memory().host_accessible();
+  SingleCopyScratch need;
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(i);
+    need.Add(KindOf(tp), tp.steps_size(), t.bytes[static_cast<size_t>(i)], host);
+  }
+  const uint64_t scratch = need.total();
+  in_place = in_place && scratch <= options_.single_copy_staging_bytes;
+  if (in_place) {
+    t.in_place = true;
+    return absl::OkStatus();
+  }
+  // Above the budget (or keyframes in a digest v1 session): a second store generation, as for a
+  // manifest change.
+  auto created = CreateStoreLocked(layout);
+  if (!created.ok()) {
+    return absl::Status(created.status().code(),
+                        absl::StrCat("header for version ", v, ": its keyframes and patch chains need ",
+                                     scratch, " bytes of staging, above store.single_copy_staging_bytes (",
+                                     options_.single_copy_staging_bytes,
+                                     "), and a second store cannot be created: ",
+                                     created.status().message()));
+  }
+  t.target = std::move(*created);
+  t.new_generation = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLocked(
+    Transfer& t, std::vector<std::string>& failed) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  const uint64_t applied = applied_version();
+  // The daemon's own lease pins the held spans while they are read (released before the pause).
+  ASSIGN_OR_RETURN(store::Lease held,
+                   t.target->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration()));
+  std::optional<SlotDigests> digests;
+  if (auto it = slot_digests_.find(held.slot);
+      it != slot_digests_.end() && it->second.version == applied) {
+    digests = it->second;
+  }
+  std::vector<SingleCopyTensor> staged(n);
+  std::vector<std::string> errors;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    const size_t li = t.layout_index[i];
+    SingleCopyInput in;
+    in.kind = KindOf(tp);
+    in.dtype = t.dtypes[i];
+    in.held = held.spans[li];
+    if (digests.has_value() && li < digests->digests.size()) in.held_digest = digests->digests[li];
+    absl::Status st;
+    const uint32_t ti = static_cast<uint32_t>(i);
+    for (int p = 0; st.ok() && in.kind != SingleCopyInput::Kind::kUnchanged &&
+                    p < std::max(1, tp.steps_size());
+         ++p) {
+      absl::StatusOr<std::span<const uint8_t>> obj = t.assembler->Object(ti, static_cast<uint32_t>(p));
+      if (!obj.ok()) {
+        st = obj.status();
+      } else if (in.kind == SingleCopyInput::Kind::kKeyframe) {
+        in.keyframe = *obj;
+      } else if (t.header.streamed() && obj->empty()) {
+        in.kind = SingleCopyInput::Kind::kUnchanged;  // a streamed zero-byte object: unchanged
+      } else {
+        in.patches.push_back(*obj);
+      }
+    }
+    absl::StatusOr<SingleCopyTensor> one = st.ok() ? StageSingleCopyTensor(t.target->memory(), in,
+                                                                           options_.threads)
+                                                   : absl::StatusOr<SingleCopyTensor>(st);
+    if (!one.ok()) {
+      failed.push_back(tp.spec().name());
+      errors.push_back(absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ",
+                                    one.status().message()));
+      continue;
+    }
+    staged[i] = std::move(*one);
+    t.stats.change_set_bytes += staged[i].changes.bytes();
+    t.stats.changed_elements += staged[i].changes.count();
+    ++(staged[i].held_digest_read ? t.stats.digests_full : t.stats.digests_incremental);
+    ++(in.kind == SingleCopyInput::Kind::kKeyframe ? t.stats.tensors_keyframe
+                                                   : t.stats.tensors_in_place);
+  }
+  (void)t.target->ReleaseLease(held.lease_id);  // ours; only expiry could have taken it
+  if (!failed.empty()) {
+    return absl::DataLossError(absl::StrCat("version ", t.header.version(), ": apply failed on ",
+                                            failed.size(), " tensor(s): ",
+                                            absl::StrJoin(errors, "; ")));
+  }
+  return staged;
+}
+
+absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(Transfer& t,
+                                                                   uint64_t version_digest) {
+  const uint64_t v = t.header.version();
+  const absl::Time deadline = absl::Now() + options_.pause_wait;
+  bool announced = false;
+  t.awaiting_pause = true;
+  absl::StatusOr<store::UpdateHandle> h;
+  while (true) {
+    h = t.target->BeginUpdate(v);
+    if (h.ok() || h.status().code() != absl::StatusCode::kResourceExhausted) break;
+    NoteBlockedLocked(*t.target, v);
+    if (!announced && options_.on_pause_pending) options_.on_pause_pending(v, version_digest);
+    announced = true;
+    const absl::Time now = absl::Now();
+    if (now >= deadline || stopping_ || t.cancelled) break;
+    const uint64_t seen = lease_releases_;
+    auto woken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return lease_releases_ != seen || stopping_ || t.cancelled;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&woken), std::min(kPauseRecheck, deadline - now));
+  }
+  t.awaiting_pause = false;
+  if (t.cancelled || stopping_) {
+    if (h.ok()) (void)t.target->AbortUpdate(*h, /*restored=*/true);  // nothing written yet
+    return absl::CancelledError(absl::StrCat("version ", v, ": the transfer was aborted while "
+                                             "waiting for the consumers to release the held version"));
+  }
+  if (!h.ok()) {
+    return absl::Status(h.status().code(),
+                        absl::StrCat("version ", v, " is verified but waited ",
+                                     absl::FormatDuration(options_.pause_wait),
+                                     " for the consumers' pause: ", h.status().message()));
+  }
+  blocked_.reset();
+  return h;
+}
+
+v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& end,
+                                            absl::Time received) {
+  const uint64_t v = t.header.version();
+  t.stats = StageStats{};
+  t.stats.version = v;
+  t.stats.in_place_update = true;
+  std::vector<std::string> failed;
+  absl::StatusOr<std::vector<SingleCopyTensor>> staged = StageChangeSetsLocked(t, failed);
+  if (!staged.ok()) return Reject(v, std::string(staged.status().message()), std::move(failed), t.wire_bytes);
+  const absl::Time staged_at = absl::Now();
+
+  // Verification, before anything is written: each digest from the held one and the changes.
+  Verified verified;
+  std::vector<std::string> mismatched, desc;
+  for (size_t i = 0; i < staged->size(); ++i) {
+    verified.digests.push_back((*staged)[i].digest);
+    if ((*staged)[i].digest != end.digests(static_cast<int>(i))) {
+      const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+      mismatched.push_back(tp.spec().name());
+      desc.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
+                                  " (", v1::Delivery_Name(tp.delivery()), ")"));
+    }
+  }
+  if (!mismatched.empty()) {
+    return Reject(v, absl::StrCat("version ", v, ": digest mismatch on ", mismatched.size(),
+                                  " tensor(s): ", absl::StrJoin(desc, ", ")),
+                  std::move(mismatched), t.wire_bytes);
+  }
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
+  absl::StatusOr<uint64_t> vdigest = sync::VersionDigest(specs, verified.digests);
+  if (!vdigest.ok() || *vdigest != end.version_digest()) {
+    return Reject(v, absl::StrCat("version ", v, ": version digest mismatch: staged ",
+                                  vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
+                                  ", VersionEnd says ", absl::Hex(end.version_digest())),
+                  {}, t.wire_bytes);
+  }
+  verified.version_digest = *vdigest;
+  const absl::Time verified_at = absl::Now();
+
+  // The pause: every consumer lease on the held version released (or expired).
+  absl::StatusOr<store::UpdateHandle> update = AwaitPauseLocked(t, verified.version_digest);
+  if (!update.ok()) return Reject(v, std::string(update.status().message()), {}, t.wire_bytes);
+  const absl::Time paused = absl::Now();
+  std::vector<std::span<uint8_t>> out(staged->size());
+  for (size_t i = 0; i < staged->size(); ++i) out[i] = update->out[t.layout_index[i]];
+  bool restored = true;
+  absl::Status wrote = WriteSingleCopy(t.target->memory(), out, *staged,
+                                       options_.in_place_write_hook, &restored);
+  if (wrote.ok()) wrote = t.target->CommitUpdate(*update);
+  if (!wrote.ok()) {
+    (void)t.target->AbortUpdate(*update, restored);
+    slot_digests_.clear();
+    if (!restored) {
+      // Nothing is held now: the next transfer must bring keyframes (the upstream plans from the
+      // applied version 0).
+      applied_version_.store(0, std::memory_order_release);
+      applied_digest_.store(0, std::memory_order_release);
+      records_.clear();
+    }
+    return Reject(v, absl::StrCat("version ", v, ": ", wrote.message(),
+                                  restored ? " (version " : " (restoring failed: version ",
+                                  restored ? absl::StrCat(applied_version(), " kept)")
+                                           : "none held; keyframes needed)"),
+                  {}, t.wire_bytes);
+  }
+  const absl::Time committed = absl::Now();
+  SlotDigests sd{v, std::vector<std::optional<uint64_t>>(t.target->layout().size())};
+  for (size_t i = 0; i < verified.digests.size(); ++i) sd.digests[t.layout_index[i]] = verified.digests[i];
+  slot_digests_[update->slot] = std::move(sd);
+  applied_format_ = t.format;
+  retained_.clear();  // no second slot to bring forward
+  retained_bytes_ = 0;
+  RecordAppliedLocked(t, verified);
+  PruneRecordsLocked();
+
+  t.stats.slot = update->slot;
+  t.stats.slot_version = update->from_version;
+  t.stats.stage_micros = MicrosSince(received, staged_at);
+  t.stats.verify_micros = MicrosSince(staged_at, verified_at);
+  t.stats.pause_wait_micros = MicrosSince(verified_at, paused);
+  t.stats.pause_micros = MicrosSince(paused, committed);
+  last_stage_ = t.stats;
+  const uint64_t wire = t.wire_bytes;
+  const absl::Time start = t.start;
+  DropTransferLocked();
+
+  v1::Ack ack;
+  ack.set_version(v);
+  ack.set_result(v1::ACK_RESULT_APPLIED);
+  ack.set_applied_version(v);
+  ack.set_applied_version_digest(verified.version_digest);
+  ack.set_wire_bytes(wire);
+  v1::TransferTimings* tm = ack.mutable_timings();
+  tm->set_receive_micros(MicrosSince(start, received));
+  tm->set_stage_micros(t.stats.stage_micros);
+  tm->set_verify_micros(t.stats.verify_micros);
+  tm->set_apply_micros(MicrosSince(verified_at, committed));
+  tm->set_total_micros(MicrosSince(start, committed));
+  return ack;
+}
+
+}  // namespace refit::subscriber
