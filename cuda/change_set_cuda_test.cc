@@ -1,6 +1,7 @@
 // Tensor change sets written in place on the device (Device::WriteChanges / RevertChanges,
 // DeviceCodec's, change_set_kernels.cuh): the CPU twin refit::WriteChanges / RevertChanges
-// (daemon/codec/change_set.h) is the oracle, byte for byte, for the tensor and the undo record.
+// (daemon/codec/change_set.h) is the oracle, byte for byte, for the written tensor; change sets
+// come from refit::ChangesBetween, which also captures the old values (the undo record).
 // Part of codec_cuda_test (label gpu; skips without a device) and codec_cuda_emu_test (the CPU
 // emulator, label emu).
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "cuda/codec_cuda.h"
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
@@ -81,9 +83,9 @@ int64_t FirstDiff(const Bytes& a, const Bytes& b) {
   return a.size() == b.size() ? -1 : static_cast<int64_t>(n);
 }
 
-// WriteChanges on the device == on a host copy (tensor and undo); RevertChanges restores the
-// base; BF16, F32, U8 and F64 first (the brief's), then every other dtype, each ~100k elements
-// with ~2% changed, all through one Device (its scratch grows and is reused).
+// WriteChanges on the device == on a host copy; RevertChanges (the old values) restores the
+// base; BF16, F32, U8 and F64 first, then every other dtype, each ~100k elements with ~2%
+// changed, all through one Device (its scratch grows and is reused).
 TEST_F(CudaChangeSetTest, WriteAndRevertMatchTheCpuTwin) {
   std::mt19937_64 rng(11);
   const DType kOrder[] = {DType::kBF16, DType::kF32,  DType::kU8,     DType::kF64,
@@ -98,27 +100,30 @@ TEST_F(CudaChangeSetTest, WriteAndRevertMatchTheCpuTwin) {
       auto changes = ChangesBetween(t, base, target);
       ASSERT_TRUE(changes.ok()) << changes.status();
       ASSERT_GT(changes->count(), 0u);
+      ASSERT_EQ(changes->old_values.size(), changes->values.size());
       if (n == 100003) {
         EXPECT_GT(changes->count(), n / 100);  // ~2%
         EXPECT_LT(changes->count(), n / 25);
       }
 
       Bytes host = base;
-      auto cpu_undo = refit::WriteChanges(*changes, std::span<uint8_t>(host));
-      ASSERT_TRUE(cpu_undo.ok()) << cpu_undo.status();
+      absl::Status cpu = refit::WriteChanges(*changes, std::span<uint8_t>(host));
+      ASSERT_TRUE(cpu.ok()) << cpu;
       ASSERT_EQ(host, target);
 
       Allocation d = Upload(base);
       ASSERT_FALSE(d.empty());
-      auto gpu_undo = device_->WriteChanges(*changes, d.data(), base.size());
-      ASSERT_TRUE(gpu_undo.ok()) << gpu_undo.status();
-      const Bytes written = Download(d.data(), base.size());
-      EXPECT_EQ(FirstDiff(written, host), -1) << "device tensor differs from the CPU twin's";
-      EXPECT_EQ(FirstDiff(*gpu_undo, *cpu_undo), -1) << "device undo differs from the CPU twin's";
-
-      absl::Status st = device_->RevertChanges(*changes, *gpu_undo, d.data(), base.size());
+      absl::Status st = device_->WriteChanges(*changes, d.data(), base.size());
       ASSERT_TRUE(st.ok()) << st;
-      ASSERT_TRUE(refit::RevertChanges(*changes, *cpu_undo, std::span<uint8_t>(host)).ok());
+      EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), host), -1)
+          << "device tensor differs from the CPU twin's";
+
+      st = device_->RevertChanges(*changes, d.data(), base.size());
+      ASSERT_TRUE(st.ok()) << st;
+      cpu = refit::RevertChanges(*changes, std::span<uint8_t>(host));
+      ASSERT_TRUE(cpu.ok()) << cpu;
+      EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), host), -1)
+          << "device revert differs from the CPU twin's";
       EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), base), -1) << "revert did not restore";
       EXPECT_EQ(host, base);
     }
@@ -126,7 +131,8 @@ TEST_F(CudaChangeSetTest, WriteAndRevertMatchTheCpuTwin) {
 }
 
 // Every element changed (one thread per change over many thread blocks), and a tensor that
-// starts element-aligned but not at its allocation's start (a tensor inside a slot).
+// starts element-aligned but not at its allocation's start (a tensor inside a slot): the
+// padding on either side is not touched by the write or the revert.
 TEST_F(CudaChangeSetTest, EveryElementChangedAndOffsetTensor) {
   std::mt19937_64 rng(12);
   for (const DType t : {DType::kU8, DType::kBF16, DType::kF32, DType::kF64}) {
@@ -138,8 +144,7 @@ TEST_F(CudaChangeSetTest, EveryElementChangedAndOffsetTensor) {
     ASSERT_TRUE(changes.ok()) << changes.status();
     EXPECT_EQ(changes->count(), n);
     Bytes host = base;
-    auto cpu_undo = refit::WriteChanges(*changes, std::span<uint8_t>(host));
-    ASSERT_TRUE(cpu_undo.ok()) << cpu_undo.status();
+    ASSERT_TRUE(refit::WriteChanges(*changes, std::span<uint8_t>(host)).ok());
 
     Bytes padded(w, 0xa5);  // one element of padding before the tensor, one after
     padded.insert(padded.end(), base.begin(), base.end());
@@ -147,19 +152,19 @@ TEST_F(CudaChangeSetTest, EveryElementChangedAndOffsetTensor) {
     Allocation d = Upload(padded);
     ASSERT_FALSE(d.empty());
     uint8_t* tensor = static_cast<uint8_t*>(d.data()) + w;
-    auto gpu_undo = device_->WriteChanges(*changes, tensor, base.size());
-    ASSERT_TRUE(gpu_undo.ok()) << gpu_undo.status();
-    EXPECT_EQ(*gpu_undo, *cpu_undo);
+    absl::Status st = device_->WriteChanges(*changes, tensor, base.size());
+    ASSERT_TRUE(st.ok()) << st;
     Bytes expect(w, 0xa5);
     expect.insert(expect.end(), host.begin(), host.end());
     expect.insert(expect.end(), w, 0x5a);
     EXPECT_EQ(FirstDiff(Download(d.data(), padded.size()), expect), -1);
-    ASSERT_TRUE(device_->RevertChanges(*changes, *gpu_undo, tensor, base.size()).ok());
+    st = device_->RevertChanges(*changes, tensor, base.size());
+    ASSERT_TRUE(st.ok()) << st;
     EXPECT_EQ(FirstDiff(Download(d.data(), padded.size()), padded), -1);
   }
 }
 
-// An empty change set writes nothing and returns an empty undo record; reverting it is a no-op.
+// An empty change set writes nothing, and reverting it is a no-op.
 TEST_F(CudaChangeSetTest, EmptyChangeSetChangesNothing) {
   std::mt19937_64 rng(13);
   for (const DType t : {DType::kBF16, DType::kF32, DType::kU8, DType::kF64}) {
@@ -169,11 +174,10 @@ TEST_F(CudaChangeSetTest, EmptyChangeSetChangesNothing) {
     ASSERT_TRUE(changes.ok()) << changes.status();
     ASSERT_EQ(changes->count(), 0u);
     Allocation d = Upload(base);
-    auto undo = device_->WriteChanges(*changes, d.data(), base.size());
-    ASSERT_TRUE(undo.ok()) << undo.status();
-    EXPECT_TRUE(undo->empty());
+    absl::Status st = device_->WriteChanges(*changes, d.data(), base.size());
+    ASSERT_TRUE(st.ok()) << st;
     EXPECT_EQ(Download(d.data(), base.size()), base);
-    absl::Status st = device_->RevertChanges(*changes, *undo, d.data(), base.size());
+    st = device_->RevertChanges(*changes, d.data(), base.size());
     EXPECT_TRUE(st.ok()) << st;
     EXPECT_EQ(Download(d.data(), base.size()), base);
   }
@@ -181,15 +185,16 @@ TEST_F(CudaChangeSetTest, EmptyChangeSetChangesNothing) {
   TensorChanges none;
   none.dtype = DType::kF32;
   Allocation d = Upload(Bytes(4, 7));
-  auto undo = device_->WriteChanges(none, d.data(), 0);
-  ASSERT_TRUE(undo.ok()) << undo.status();
-  EXPECT_TRUE(undo->empty());
-  EXPECT_TRUE(device_->RevertChanges(none, {}, d.data(), 0).ok());
+  absl::Status st = device_->WriteChanges(none, d.data(), 0);
+  EXPECT_TRUE(st.ok()) << st;
+  st = device_->RevertChanges(none, d.data(), 0);
+  EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(Download(d.data(), 4), Bytes(4, 7));
 }
 
-// Wrong undo sizes, change sets that do not fit the tensor and misaligned tensors are
-// INVALID_ARGUMENT, and nothing is written.
+// Old values of the wrong size, change sets that do not fit the tensor and misaligned or null
+// tensors are INVALID_ARGUMENT (the CPU twin's messages where it has the check), and nothing is
+// written.
 TEST_F(CudaChangeSetTest, BadArgumentsAreRefusedAndWriteNothing) {
   std::mt19937_64 rng(14);
   const size_t n = 5000;
@@ -200,50 +205,69 @@ TEST_F(CudaChangeSetTest, BadArgumentsAreRefusedAndWriteNothing) {
   Allocation d = Upload(base);
   auto unchanged = [&] { return FirstDiff(Download(d.data(), base.size()), base) == -1; };
 
-  // RevertChanges: an undo record of another size (the CPU twin's message).
-  for (const size_t size : {changes->values.size() - 1, changes->values.size() + 4, size_t{0}}) {
-    const Bytes undo(size, 0);
-    absl::Status st = device_->RevertChanges(*changes, undo, d.data(), base.size());
+  // RevertChanges: old values of another size, none among them (the CPU twin's message).
+  const size_t values = changes->values.size();
+  for (const size_t size : {values - 1, values + 4, size_t{0}}) {
+    SCOPED_TRACE(size);
+    TensorChanges bad = *changes;
+    bad.old_values.assign(size, 0);
+    absl::Status st = device_->RevertChanges(bad, d.data(), base.size());
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     Bytes host = base;
-    absl::Status cpu = refit::RevertChanges(*changes, undo, std::span<uint8_t>(host));
+    absl::Status cpu = refit::RevertChanges(bad, std::span<uint8_t>(host));
+    EXPECT_EQ(cpu.code(), absl::StatusCode::kInvalidArgument) << cpu;
     EXPECT_EQ(st.message(), cpu.message());
+    EXPECT_EQ(host, base);
     EXPECT_TRUE(unchanged());
   }
-  // A tensor of another size (CheckChanges: the CPU twin's message).
-  auto w1 = device_->WriteChanges(*changes, d.data(), base.size() - 4);
-  EXPECT_EQ(w1.status().code(), absl::StatusCode::kInvalidArgument) << w1.status();
+  // A tensor of another size (CheckChanges: the CPU twin's message), for both calls.
   Bytes shorter(base.begin(), base.end() - 4);
-  EXPECT_EQ(w1.status().message(),
-            refit::WriteChanges(*changes, std::span<uint8_t>(shorter)).status().message());
-  // Positions out of order, out of range; values of the wrong length; another dtype's values.
+  absl::Status w1 = device_->WriteChanges(*changes, d.data(), base.size() - 4);
+  EXPECT_EQ(w1.code(), absl::StatusCode::kInvalidArgument) << w1;
+  EXPECT_EQ(w1.message(), refit::WriteChanges(*changes, std::span<uint8_t>(shorter)).message());
+  absl::Status r1 = device_->RevertChanges(*changes, d.data(), base.size() - 4);
+  EXPECT_EQ(r1.code(), absl::StatusCode::kInvalidArgument) << r1;
+  EXPECT_EQ(r1.message(), refit::RevertChanges(*changes, std::span<uint8_t>(shorter)).message());
+  EXPECT_TRUE(unchanged());
+  // Positions out of order, out of range; values of the wrong length; another dtype's values; an
+  // invalid dtype.
   TensorChanges bad = *changes;
   std::swap(bad.positions[0], bad.positions[1]);
-  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).status().code(),
+  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->RevertChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   bad = *changes;
   bad.positions.back() = n;
-  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).status().code(),
+  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->RevertChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   bad = *changes;
   bad.values.pop_back();
-  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).status().code(),
+  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   bad = *changes;
   bad.dtype = DType::kBF16;  // twice the elements for these bytes
-  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).status().code(),
+  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   bad.dtype = static_cast<DType>(0xee);
-  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).status().code(),
+  EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(device_->RevertChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(unchanged());
   // A tensor not aligned to its element size, and a null one.
-  auto mis = device_->WriteChanges(*changes, static_cast<uint8_t*>(d.data()) + 2, base.size());
-  EXPECT_EQ(mis.status().code(), absl::StatusCode::kInvalidArgument) << mis.status();
-  EXPECT_NE(std::string(mis.status().message()).find("aligned"), std::string::npos)
-      << mis.status();
-  auto null = device_->WriteChanges(*changes, nullptr, base.size());
-  EXPECT_EQ(null.status().code(), absl::StatusCode::kInvalidArgument) << null.status();
+  uint8_t* misaligned = static_cast<uint8_t*>(d.data()) + 2;
+  absl::Status mis = device_->WriteChanges(*changes, misaligned, base.size());
+  EXPECT_EQ(mis.code(), absl::StatusCode::kInvalidArgument) << mis;
+  EXPECT_NE(std::string(mis.message()).find("aligned"), std::string::npos) << mis;
+  mis = device_->RevertChanges(*changes, misaligned, base.size());
+  EXPECT_EQ(mis.code(), absl::StatusCode::kInvalidArgument) << mis;
+  absl::Status null = device_->WriteChanges(*changes, nullptr, base.size());
+  EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument) << null;
+  null = device_->RevertChanges(*changes, nullptr, base.size());
+  EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument) << null;
   EXPECT_TRUE(unchanged());
 }
 
@@ -256,10 +280,11 @@ TEST(CudaChangeSetNoDevice, FailsCleanly) {
   c.num_elements = 4;
   c.positions = {1};
   c.values = {9};
+  c.old_values = {0};
   Bytes data(4, 0);
   DeviceCodec codec;
   EXPECT_FALSE(codec.WriteChanges(c, data.data(), data.size()).ok());
-  EXPECT_FALSE(codec.RevertChanges(c, Bytes{0}, data.data(), data.size()).ok());
+  EXPECT_FALSE(codec.RevertChanges(c, data.data(), data.size()).ok());
   EXPECT_EQ(data, Bytes(4, 0));
 }
 

@@ -1,15 +1,14 @@
 // Tensor change sets written in place (daemon/codec/change_set.h; CPU twin refit::WriteChanges /
-// refit::RevertChanges): the scatter kernel, with the gather of the overwritten values (the undo
-// record). Interface in kernels.h (LaunchScatterChanges). Included after kernels.cuh by
-// kernels.cu (nvcc) and emu/kernels_emu.cc (host compiler, REFIT_CUDA_EMULATE); uses only
-// cuda/device.cuh primitives and kernels.cuh's Launch.
+// refit::RevertChanges): the scatter kernel. Interface in kernels.h (LaunchScatterChanges).
+// Included after kernels.cuh by kernels.cu (nvcc) and emu/kernels_emu.cc (host compiler,
+// REFIT_CUDA_EMULATE); uses only cuda/device.cuh primitives and kernels.cuh's Launch.
 //
-// One thread per change j: undo[j] = data[pos[j]] (when undo is non-null), then
-// data[pos[j]] = values[j]. The positions are distinct (increasing), so no two threads touch the
-// same element and the order of the threads does not matter; elements are naturally aligned
-// (the host checks the tensor pointer; staging buffers come from cudaMalloc), so each access is
-// one load or store of the element type: no element is read or written partly, and neighbouring
-// elements that other threads write are not touched.
+// One thread per change j: data[pos[j]] = values[j] (the new values for WriteChanges, the old
+// values, the undo record captured on the host, for RevertChanges). The positions are distinct
+// (increasing), so no two threads touch the same element and the order of the threads does not
+// matter; elements are naturally aligned (the host checks the tensor pointer; staging buffers
+// come from cudaMalloc), so each write is one store of the element type: no element is written
+// partly, and neighbouring elements that other threads write are not touched.
 #ifndef REFIT_CUDA_CHANGE_SET_KERNELS_CUH_
 #define REFIT_CUDA_CHANGE_SET_KERNELS_CUH_
 
@@ -25,14 +24,12 @@ namespace refit::cuda::kern {
 // the change set; the launcher splits change sets larger than kMaxGrid blocks).
 template <typename T>
 REFIT_KERNEL void REFIT_LAUNCH_BOUNDS(kThreads)
-    ScatterChangesKernel(T* data, const uint64_t* positions, const T* values, T* undo,
-                         uint64_t first, uint64_t count) {
+    ScatterChangesKernel(T* data, const uint64_t* positions, const T* values, uint64_t first,
+                         uint64_t count) {
   const uint64_t i = dev::BlockIndex() * kThreads + dev::ThreadIndex();
   if (i >= count) return;
   const uint64_t j = first + i;
-  T* p = data + positions[j];
-  if (undo != nullptr) undo[j] = *p;
-  *p = values[j];
+  data[positions[j]] = values[j];
 }
 
 #if defined(REFIT_CUDA_DEFINE_LAUNCHERS)
@@ -46,7 +43,7 @@ int LaunchScatter(const ScatterChangesArgs& a, void* stream) {
     const uint64_t n = a.count - first < kPerLaunch ? a.count - first : kPerLaunch;
     const int rc = Launch(&ScatterChangesKernel<T>, (n + kThreads - 1) / kThreads, kThreads, stream,
                           static_cast<T*>(a.data), a.positions, static_cast<const T*>(a.values),
-                          static_cast<T*>(a.undo), first, n);
+                          first, n);
     if (rc != 0) return rc;
   }
   return 0;

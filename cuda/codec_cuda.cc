@@ -342,7 +342,7 @@ struct DeviceCodec::Impl {
   // Format 2: the previous-change record (apply and encode), the encoder's context jobs, streams,
   // their sizes, per-change scratch and each block's stream offset.
   DeviceBuffer ap_prev, cx_jobs, cx_out, cx_bytes, cx_pos, cx_rank, cx_cls, cx_off;
-  // Change sets: positions, values and the undo record of one call, in one buffer.
+  // Change sets: the positions and values of one call, in one buffer.
   DeviceBuffer cs_stage;
 
   size_t ScratchBytes() const {
@@ -403,11 +403,11 @@ struct DeviceCodec::Impl {
                                                DType dtype, bool want_delta);
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes);
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
-  // WriteChanges (undo non-null: receives the overwritten values, values.size() bytes) and
-  // RevertChanges (undo null): `values` (changes.values or the undo record) scattered at the
-  // changes' positions of d_data. The change set has passed CheckChanges.
+  // WriteChanges and RevertChanges: `values` (changes.values or changes.old_values, count()
+  // elements) scattered at the changes' positions of d_data. The change set has passed
+  // CheckChanges.
   absl::Status ScatterChanges(const TensorChanges& changes, std::span<const uint8_t> values,
-                              void* d_data, uint8_t* undo);
+                              void* d_data);
 };
 
 DeviceCodec::DeviceCodec(void* stream) : impl_(std::make_unique<Impl>()) { impl_->stream = stream; }
@@ -456,23 +456,20 @@ absl::StatusOr<double> DeviceCodec::DeviceCopy(void* d_dst, const void* d_src, u
   RETURN_IF_ERROR(rt::StreamSynchronize(impl_->stream));
   return timer.ElapsedMs();
 }
-absl::StatusOr<std::vector<uint8_t>> DeviceCodec::WriteChanges(const TensorChanges& changes,
-                                                               void* d_data, uint64_t bytes) {
+absl::Status DeviceCodec::WriteChanges(const TensorChanges& changes, void* d_data,
+                                       uint64_t bytes) {
   RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "WriteChanges"));
-  std::vector<uint8_t> undo(changes.values.size());
-  RETURN_IF_ERROR(impl_->ScatterChanges(changes, changes.values, d_data, undo.data()));
-  return undo;
+  return impl_->ScatterChanges(changes, changes.values, d_data);
 }
-absl::Status DeviceCodec::RevertChanges(const TensorChanges& changes,
-                                        std::span<const uint8_t> undo, void* d_data,
+absl::Status DeviceCodec::RevertChanges(const TensorChanges& changes, void* d_data,
                                         uint64_t bytes) {
   RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "RevertChanges"));
-  if (undo.size() != changes.values.size()) {  // refit::RevertChanges' check and message
-    return absl::InvalidArgumentError(absl::StrCat("undo record has ", undo.size(),
-                                                   " bytes, the change set's values ",
-                                                   changes.values.size()));
+  if (changes.old_values.size() != changes.values.size()) {  // refit::RevertChanges' message
+    return absl::InvalidArgumentError(
+        absl::StrCat("change set has ", changes.old_values.size(),
+                     " bytes of old values (the undo record), its values ", changes.values.size()));
   }
-  return impl_->ScatterChanges(changes, undo, d_data, nullptr);
+  return impl_->ScatterChanges(changes, changes.old_values, d_data);
 }
 void DeviceCodec::set_decode_scratch_limit(size_t bytes) { impl_->decode_limit = bytes; }
 size_t DeviceCodec::scratch_bytes() const { return impl_->ScratchBytes(); }
@@ -1021,27 +1018,24 @@ absl::StatusOr<uint64_t> DeviceCodec::Impl::Digest(const void* d_data, uint64_t 
 // ---- change sets -----------------------------------------------------------------------------------
 
 absl::Status DeviceCodec::Impl::ScatterChanges(const TensorChanges& changes,
-                                               std::span<const uint8_t> values, void* d_data,
-                                               uint8_t* undo) {
+                                               std::span<const uint8_t> values, void* d_data) {
   const uint64_t n = changes.count();
   if (n == 0) return absl::OkStatus();
   const int w = DTypeSize(changes.dtype);
-  // [positions: 8n][values: wn][undo: wn]; every part stays aligned to w (cudaMalloc: 256).
+  // [positions: 8n][values: wn]; both parts stay aligned to w (cudaMalloc: 256).
   const uint64_t pos_bytes = n * sizeof(uint64_t);
   const uint64_t val_bytes = n * static_cast<uint64_t>(w);
-  RETURN_IF_ERROR(Reserve(cs_stage, pos_bytes + val_bytes * (undo != nullptr ? 2 : 1)));
+  RETURN_IF_ERROR(Reserve(cs_stage, pos_bytes + val_bytes));
   uint8_t* d_stage = Ptr<uint8_t>(cs_stage);
   kern::ScatterChangesArgs a;
   a.data = d_data;
   a.positions = reinterpret_cast<const uint64_t*>(d_stage);
   a.values = d_stage + pos_bytes;
-  a.undo = undo != nullptr ? d_stage + pos_bytes + val_bytes : nullptr;
   a.count = n;
   a.width = w;
   RETURN_IF_ERROR(rt::CopyToDeviceAsync(d_stage, changes.positions.data(), pos_bytes, stream));
   RETURN_IF_ERROR(rt::CopyToDeviceAsync(d_stage + pos_bytes, values.data(), val_bytes, stream));
   RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchScatterChanges(a, stream), "ScatterChangesKernel"));
-  if (undo != nullptr) RETURN_IF_ERROR(rt::CopyToHostAsync(undo, a.undo, val_bytes, stream));
   return rt::StreamSynchronize(stream);
 }
 

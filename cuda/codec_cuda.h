@@ -134,18 +134,16 @@ class DeviceCodec {
   // refit::TensorDigestV2 of `bytes` bytes of device memory (any alignment).
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes);
   // refit::WriteChanges on device memory: d_data (`bytes` long, aligned to the element size)
-  // gets the change set's values at its positions, and the values they overwrite come back (the
-  // undo record, changes.values' layout), byte for byte the CPU twin's. Positions and values are
-  // uploaded into the codec's scratch, one kernel gathers and scatters, the undo is downloaded.
-  // Errors: refit::CheckChanges' (checked first; nothing is written), INVALID_ARGUMENT for a null
-  // or misaligned d_data. An empty change set launches nothing.
-  absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes, void* d_data,
-                                                    uint64_t bytes);
-  // refit::RevertChanges on device memory: writes `undo` (WriteChanges' result for `changes`)
-  // back at the changes' positions. Errors as WriteChanges', and INVALID_ARGUMENT when undo's size
-  // is not changes.values'.
-  absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
-                             void* d_data, uint64_t bytes);
+  // gets the change set's values at its positions, byte for byte the CPU twin's result. Positions
+  // and values are uploaded into the codec's scratch and one kernel scatters them. Errors:
+  // refit::CheckChanges' (the CPU twin's messages), then INVALID_ARGUMENT for a null or misaligned
+  // d_data; nothing is written on error. An empty change set launches nothing.
+  absl::Status WriteChanges(const TensorChanges& changes, void* d_data, uint64_t bytes);
+  // refit::RevertChanges on device memory: the same scatter with changes.old_values (the undo
+  // record captured when the change set was decoded), so that d_data is again the base the
+  // change set was decoded against. Errors as WriteChanges', and the CPU twin's INVALID_ARGUMENT
+  // when old_values' size is not values'.
+  absl::Status RevertChanges(const TensorChanges& changes, void* d_data, uint64_t bytes);
   // Copies `bytes` from d_src to d_dst (device to device, not overlapping) on the codec's stream;
   // returns the copy's device time in milliseconds (the benchmark's baseline).
   absl::StatusOr<double> DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes);

@@ -57,12 +57,10 @@ absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t
 }
 absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void*, uint64_t) { return Unavailable(); }
 absl::StatusOr<double> DeviceCodec::DeviceCopy(void*, const void*, uint64_t) { return Unavailable(); }
-absl::StatusOr<std::vector<uint8_t>> DeviceCodec::WriteChanges(const TensorChanges&, void*,
-                                                               uint64_t) {
+absl::Status DeviceCodec::WriteChanges(const TensorChanges&, void*, uint64_t) {
   return Unavailable();
 }
-absl::Status DeviceCodec::RevertChanges(const TensorChanges&, std::span<const uint8_t>, void*,
-                                        uint64_t) {
+absl::Status DeviceCodec::RevertChanges(const TensorChanges&, void*, uint64_t) {
   return Unavailable();
 }
 void DeviceCodec::set_decode_scratch_limit(size_t) {}

@@ -168,14 +168,13 @@ class Device {
                                                     const EncodeOptions& options,
                                                     bool update_base);
   // refit::WriteChanges / refit::RevertChanges (change_set.h) on device memory d_data (bytes
-  // long): the host change set's positions and values are uploaded and a kernel scatters them
-  // in place, first gathering the values it overwrites (the undo record, returned in host
-  // memory; RevertChanges scatters it back). The caller has checked the change set
-  // (refit::CheckChanges). Defaults: UNIMPLEMENTED (test doubles).
-  virtual absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes,
-                                                            void* d_data, uint64_t bytes);
-  virtual absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
-                                     void* d_data, uint64_t bytes);
+  // long): the host change set's positions and its new values (WriteChanges) or its old values
+  // (RevertChanges: changes.old_values, the undo record captured when the change set was
+  // decoded) are uploaded and a kernel scatters them in place. Checked as the CPU twin checks
+  // (refit::CheckChanges; RevertChanges: INVALID_ARGUMENT without old values); nothing is
+  // written on error. Defaults: UNIMPLEMENTED (test doubles).
+  virtual absl::Status WriteChanges(const TensorChanges& changes, void* d_data, uint64_t bytes);
+  virtual absl::Status RevertChanges(const TensorChanges& changes, void* d_data, uint64_t bytes);
   // Frees the codec's scratch memory (it regrows on the next call).
   virtual void ReleaseScratch() = 0;
 };

@@ -144,18 +144,16 @@ class DeviceImpl final : public Device {
     return codec_.ApplyDigestV2(patch, dtype, d_base, d_out, bytes);
   }
 
-  absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes, void* d_data,
-                                                    uint64_t bytes) override {
+  absl::Status WriteChanges(const TensorChanges& changes, void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
     RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.WriteChanges(changes, d_data, bytes);
   }
 
-  absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
-                             void* d_data, uint64_t bytes) override {
+  absl::Status RevertChanges(const TensorChanges& changes, void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
     RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
-    return codec_.RevertChanges(changes, undo, d_data, bytes);
+    return codec_.RevertChanges(changes, d_data, bytes);
   }
 
   void ReleaseScratch() override {

@@ -162,11 +162,11 @@ absl::StatusOr<DigestV2Delta> Device::ApplyDigestV2(std::span<const uint8_t>, DT
   return absl::UnimplementedError("this Device has no apply with digest v2");
 }
 
-absl::StatusOr<std::vector<uint8_t>> Device::WriteChanges(const TensorChanges&, void*, uint64_t) {
+absl::Status Device::WriteChanges(const TensorChanges&, void*, uint64_t) {
   return absl::UnimplementedError("this Device cannot write change sets in place");
 }
 
-absl::Status Device::RevertChanges(const TensorChanges&, std::span<const uint8_t>, void*, uint64_t) {
+absl::Status Device::RevertChanges(const TensorChanges&, void*, uint64_t) {
   return absl::UnimplementedError("this Device cannot revert change sets in place");
 }
 

@@ -256,17 +256,18 @@ int LaunchApplyDigestV2Delta(const ApplyArgs& a, uint64_t lo, uint64_t hi, void*
 
 // ---- change sets (change_set_kernels.cuh) ------------------------------------------------------
 
-// A tensor change set written in place (refit::WriteChanges / RevertChanges).
+// A tensor change set written in place (refit::WriteChanges / RevertChanges): values are the
+// change set's new values or its old values (the undo record).
 struct ScatterChangesArgs {
   void* data = nullptr;                 // the tensor, device memory aligned to width
   const uint64_t* positions = nullptr;  // count distinct element indices (device)
   const void* values = nullptr;         // count elements of width bytes (device, aligned to width)
-  void* undo = nullptr;  // count elements (device): receives the overwritten values; null: none
-  uint64_t count = 0;    // 0: no launch
-  int width = 0;         // 1, 2, 4, 8
+  uint64_t count = 0;                   // 0: no launch
+  int width = 0;                        // 1, 2, 4, 8
 };
 
-// For every change j: undo[j] = data[positions[j]] (undo non-null), data[positions[j]] = values[j].
+// For every change j: data[positions[j]] = values[j] (one thread each; launches of at most
+// kMaxGrid blocks).
 int LaunchScatterChanges(const ScatterChangesArgs& a, void* stream);
 
 }  // namespace refit::cuda::kern

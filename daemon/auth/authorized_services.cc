@@ -132,6 +132,11 @@ grpc::Status AuthorizedConsumerApi::ReleaseLease(grpc::ServerContext* context,
                                                  v1::ReleaseLeaseResponse* response) {
   REFIT_GUARDED(ReleaseLease, request, response);
 }
+grpc::Status AuthorizedConsumerApi::GetChanges(grpc::ServerContext* context,
+                                               const v1::GetChangesRequest* request,
+                                               v1::ChangeSet* response) {
+  REFIT_GUARDED(GetChanges, request, response);
+}
 
 #undef REFIT_GUARDED
 

@@ -79,6 +79,8 @@ class AuthorizedConsumerApi final : public v1::ConsumerApi::Service {
                           v1::Lease* response) override;
   grpc::Status ReleaseLease(grpc::ServerContext* context, const v1::ReleaseLeaseRequest* request,
                             v1::ReleaseLeaseResponse* response) override;
+  grpc::Status GetChanges(grpc::ServerContext* context, const v1::GetChangesRequest* request,
+                          v1::ChangeSet* response) override;
 
  private:
   grpc::Status Check(grpc::ServerContext* context, absl::string_view method) const;

@@ -29,6 +29,7 @@ uint64_t WordOf(const uint8_t* data, uint64_t bytes, uint64_t word) {
 struct BlockPart {
   std::vector<uint64_t> positions;
   std::vector<uint8_t> values;
+  std::vector<uint8_t> old_values;
   DigestV2Delta delta;
 };
 
@@ -64,38 +65,44 @@ TensorChanges Join(DType dtype, uint64_t num_elements, std::vector<BlockPart>& p
   for (const BlockPart& p : parts) n += p.positions.size();
   out.positions.reserve(n);
   out.values.reserve(n * DTypeSize(dtype));
+  out.old_values.reserve(n * DTypeSize(dtype));
   for (BlockPart& p : parts) {
     out.positions.insert(out.positions.end(), p.positions.begin(), p.positions.end());
     out.values.insert(out.values.end(), p.values.begin(), p.values.end());
+    out.old_values.insert(out.old_values.end(), p.old_values.begin(), p.old_values.end());
     out.digest_delta.Merge(p.delta);
     p = BlockPart{};
   }
   return out;
 }
 
+// How many changes ahead the writer prefetches the elements it will overwrite: the positions are
+// known in advance but too irregular for the hardware prefetcher, and each changed cache line
+// is a miss (about 40% of a model's lines at 1.65% changed).
+constexpr size_t kPrefetchAhead = 32;
+
+// Scatters `values` (w bytes each) at c's positions of `data`.
 template <typename T>
-void WriteTyped(const TensorChanges& c, uint8_t* data, uint8_t* undo, int threads) {
+void ScatterTyped(const TensorChanges& c, const uint8_t* values, uint8_t* data, int threads) {
   T* d = reinterpret_cast<T*>(data);
-  const uint8_t* v = c.values.data();
+  const uint64_t* pos = c.positions.data();
   ParallelFor(c.count(), threads, kWriteChunk, [&](size_t lo, size_t hi) {
+    for (size_t j = lo; j < hi && j < lo + kPrefetchAhead; ++j) __builtin_prefetch(&d[pos[j]], 1);
     for (size_t j = lo; j < hi; ++j) {
-      const uint64_t p = c.positions[j];
-      T nv;
-      std::memcpy(&nv, v + j * sizeof(T), sizeof(T));
-      if (undo != nullptr) std::memcpy(undo + j * sizeof(T), &d[p], sizeof(T));
-      d[p] = nv;
+      if (j + kPrefetchAhead < hi) __builtin_prefetch(&d[pos[j + kPrefetchAhead]], 1);
+      T v;
+      std::memcpy(&v, values + j * sizeof(T), sizeof(T));
+      d[pos[j]] = v;
     }
   });
 }
 
-// Writes c's values at c's positions of `data`; saves what it overwrites into `undo` when
-// non-null.
-void WriteAt(const TensorChanges& c, uint8_t* data, uint8_t* undo, int threads) {
+void Scatter(const TensorChanges& c, const uint8_t* values, uint8_t* data, int threads) {
   switch (DTypeSize(c.dtype)) {
-    case 1: WriteTyped<uint8_t>(c, data, undo, threads); break;
-    case 2: WriteTyped<uint16_t>(c, data, undo, threads); break;
-    case 4: WriteTyped<uint32_t>(c, data, undo, threads); break;
-    default: WriteTyped<uint64_t>(c, data, undo, threads); break;
+    case 1: ScatterTyped<uint8_t>(c, values, data, threads); break;
+    case 2: ScatterTyped<uint16_t>(c, values, data, threads); break;
+    case 4: ScatterTyped<uint32_t>(c, values, data, threads); break;
+    default: ScatterTyped<uint64_t>(c, values, data, threads); break;
   }
 }
 
@@ -112,9 +119,11 @@ absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DTy
         BlockPart& part = parts[c.block_index];  // each block is visited once
         part.positions.resize(c.positions.size());
         part.values.resize(c.positions.size() * w);
+        part.old_values.resize(c.positions.size() * w);
         for (size_t j = 0; j < c.positions.size(); ++j) {
           part.positions[j] = c.first_element + c.positions[j];
           std::memcpy(part.values.data() + j * w, &c.values[j], w);  // little-endian
+          std::memcpy(part.old_values.data() + j * w, base.data() + part.positions[j] * w, w);
         }
         part.delta = DeltaOfWrites(part.positions, part.values.data(), w, base.data(), base.size());
         return absl::OkStatus();
@@ -142,6 +151,7 @@ absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_
         if (std::memcmp(base.data() + e * w, target.data() + e * w, w) == 0) continue;
         part.positions.push_back(e);
         part.values.insert(part.values.end(), target.data() + e * w, target.data() + (e + 1) * w);
+        part.old_values.insert(part.old_values.end(), base.data() + e * w, base.data() + (e + 1) * w);
       }
     }
   });
@@ -175,27 +185,20 @@ absl::Status CheckChanges(const TensorChanges& c, DType dtype, uint64_t tensor_b
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes,
-                                                  std::span<uint8_t> data, int threads) {
+absl::Status WriteChanges(const TensorChanges& changes, std::span<uint8_t> data, int threads) {
   RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
-  std::vector<uint8_t> undo(changes.values.size());
-  WriteAt(changes, data.data(), undo.data(), threads);
-  return undo;
+  Scatter(changes, changes.values.data(), data.data(), threads);
+  return absl::OkStatus();
 }
 
-absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
-                           std::span<uint8_t> data, int threads) {
+absl::Status RevertChanges(const TensorChanges& changes, std::span<uint8_t> data, int threads) {
   RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
-  if (undo.size() != changes.values.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("undo record has ", undo.size(),
-                                                   " bytes, the change set's values ",
-                                                   changes.values.size()));
+  if (changes.old_values.size() != changes.values.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("change set has ", changes.old_values.size(),
+                                                   " bytes of old values (the undo record), its "
+                                                   "values ", changes.values.size()));
   }
-  TensorChanges old;  // the positions with the undo values (a view would avoid this copy)
-  old.dtype = changes.dtype;
-  old.positions = changes.positions;
-  old.values.assign(undo.begin(), undo.end());
-  WriteAt(old, data.data(), nullptr, threads);
+  Scatter(changes, changes.old_values.data(), data.data(), threads);
   return absl::OkStatus();
 }
 
@@ -212,17 +215,29 @@ absl::StatusOr<TensorChanges> ComposeChanges(const TensorChanges& first,
   out.num_elements = first.num_elements;
   out.positions.reserve(first.count() + second.count());
   out.values.reserve((first.count() + second.count()) * w);
+  const bool old = first.old_values.size() == first.values.size() &&
+                   second.old_values.size() == second.values.size();
   size_t i = 0, j = 0;
-  auto take = [&](const TensorChanges& c, size_t k) {
+  // Position from `c` (index k), its old value from `o` (index ko): the base's.
+  auto take = [&](const TensorChanges& c, size_t k, const TensorChanges& o, size_t ko) {
     out.positions.push_back(c.positions[k]);
     out.values.insert(out.values.end(), c.values.begin() + k * w, c.values.begin() + (k + 1) * w);
+    if (old) {
+      out.old_values.insert(out.old_values.end(), o.old_values.begin() + ko * w,
+                            o.old_values.begin() + (ko + 1) * w);
+    }
   };
   while (i < first.count() || j < second.count()) {
     if (j == second.count() || (i < first.count() && first.positions[i] < second.positions[j])) {
-      take(first, i++);
+      take(first, i, first, i);
+      ++i;
+    } else if (i < first.count() && first.positions[i] == second.positions[j]) {
+      take(second, j, first, i);  // the newer value, the oldest old value
+      ++i;
+      ++j;
     } else {
-      if (i < first.count() && first.positions[i] == second.positions[j]) ++i;
-      take(second, j++);
+      take(second, j, second, j);  // first left it alone: second's old value is the base's
+      ++j;
     }
   }
   out.digest_delta = first.digest_delta;

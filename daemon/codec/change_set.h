@@ -22,13 +22,19 @@ struct TensorChanges {
   uint64_t num_elements = 0;         // of the tensor
   std::vector<uint64_t> positions;   // increasing, each < num_elements
   std::vector<uint8_t> values;       // DTypeSize(dtype) bytes per position, little-endian bits
+  // The base's values at the positions (same layout as `values`): the undo record, captured when
+  // the change set is decoded (ChangesOfPatch, ChangesBetween), so that writing it needs no
+  // gather inside the pause. Empty when not known (RevertChanges then refuses).
+  std::vector<uint8_t> old_values;
   // Digest v2 delta from the base the changes were decoded against to the target (ApplyTo the
   // base's digest v2): known without reading anything but the changed words.
   DigestV2Delta digest_delta;
 
   size_t count() const { return positions.size(); }
-  // Bytes held (positions and values).
-  uint64_t bytes() const { return positions.size() * sizeof(uint64_t) + values.size(); }
+  // Bytes held (positions, values and old values).
+  uint64_t bytes() const {
+    return positions.size() * sizeof(uint64_t) + values.size() + old_values.size();
+  }
 };
 
 // Decodes `patch` (for `dtype` and `base`'s element count) against `base` into its changes,
@@ -48,20 +54,20 @@ absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_
 // and in range, one value per position. INVALID_ARGUMENT naming the first violation.
 absl::Status CheckChanges(const TensorChanges& changes, DType dtype, uint64_t tensor_bytes);
 
-// Writes `changes` into `data` in place and returns the overwritten values (the undo record:
-// the same layout as changes.values). CheckChanges first: nothing is written on error.
-absl::StatusOr<std::vector<uint8_t>> WriteChanges(const TensorChanges& changes,
-                                                  std::span<uint8_t> data, int threads = 0);
+// Writes the changes' new values into `data` in place (a scatter: the single-copy store's
+// pause). CheckChanges first: nothing is written on error.
+absl::Status WriteChanges(const TensorChanges& changes, std::span<uint8_t> data, int threads = 0);
 
-// Puts back the values WriteChanges returned (`undo`) at the changes' positions: `data` is then
-// byte for byte what it was before WriteChanges. INVALID_ARGUMENT when `undo` does not match.
-absl::Status RevertChanges(const TensorChanges& changes, std::span<const uint8_t> undo,
-                           std::span<uint8_t> data, int threads = 0);
+// Writes the changes' old values back (the undo of WriteChanges): `data` is then byte for byte
+// the base the change set was decoded against. INVALID_ARGUMENT when old_values does not match
+// the positions (nothing is written).
+absl::Status RevertChanges(const TensorChanges& changes, std::span<uint8_t> data, int threads = 0);
 
 // The changes of `first` then `second` (second decoded against first's target) as one change
 // set from first's base to second's target: positions of either, the later value winning. A
 // position `second` changes back to its value before `first` stays listed (its value equals the
-// base's): composition does not read the base. digest_delta is the sum of both.
+// base's): composition does not read the base. digest_delta is the sum of both; old_values are
+// first's base values when both sets carry them (else empty).
 absl::StatusOr<TensorChanges> ComposeChanges(const TensorChanges& first,
                                              const TensorChanges& second);
 

@@ -48,14 +48,15 @@ TEST_P(ChangeSetTest, PatchChangesEqualTheComparisonAndRoundTrip) {
     EXPECT_EQ(got.num_elements, n);
     EXPECT_EQ(got.positions, expected.positions) << "threads " << threads;
     EXPECT_EQ(got.values, expected.values) << "threads " << threads;
+    EXPECT_EQ(got.old_values, expected.old_values) << "threads " << threads;
     EXPECT_EQ(got.digest_delta, expected.digest_delta);
     EXPECT_EQ(got.digest_delta.ApplyTo(TensorDigestV2(base), base.size()), TensorDigestV2(target));
   }
   ASSERT_GT(expected.count(), 0u);
   std::vector<uint8_t> data = base;
-  REFIT_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> undo, WriteChanges(expected, data, 3));
+  ASSERT_THAT(WriteChanges(expected, data, 3), IsOk());
   EXPECT_TRUE(data == target) << "in-place write differs from the target";
-  ASSERT_THAT(RevertChanges(expected, undo, data, 2), IsOk());
+  ASSERT_THAT(RevertChanges(expected, data, 2), IsOk());
   EXPECT_TRUE(data == base) << "revert did not restore the base";
 }
 
@@ -111,14 +112,17 @@ TEST(ChangeSet, CheckRefusesMalformedSets) {
   std::vector<uint8_t> data(20, 0xAB);
   EXPECT_THAT(WriteChanges(beyond, data),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 10")));
+  EXPECT_THAT(RevertChanges(beyond, data),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 10")));
   EXPECT_EQ(data, std::vector<uint8_t>(20, 0xAB)) << "a refused write must write nothing";
   TensorChanges short_values = c;
   short_values.values.pop_back();
   EXPECT_THAT(CheckChanges(short_values, DType::kBF16, 20),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("value bytes")));
-  std::vector<uint8_t> undo(3);
-  EXPECT_THAT(RevertChanges(c, undo, data),
+  c.old_values = {9, 9, 9};  // one position's worth short
+  EXPECT_THAT(RevertChanges(c, data),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("undo record")));
+  EXPECT_EQ(data, std::vector<uint8_t>(20, 0xAB)) << "a refused revert must write nothing";
 }
 
 TEST(ChangeSet, ComposedChangesLeadFromTheFirstBaseToTheLastTarget) {
@@ -136,6 +140,8 @@ TEST(ChangeSet, ComposedChangesLeadFromTheFirstBaseToTheLastTarget) {
   std::vector<uint8_t> data = v1;
   ASSERT_THAT(WriteChanges(ab, data), IsOk());
   EXPECT_TRUE(data == v3);
+  ASSERT_THAT(RevertChanges(ab, data), IsOk());  // the composed undo record leads back to v1
+  EXPECT_TRUE(data == v1);
   EXPECT_EQ(ab.digest_delta.ApplyTo(TensorDigestV2(v1), v1.size()), TensorDigestV2(v3));
   TensorChanges other;
   other.dtype = DType::kF32;

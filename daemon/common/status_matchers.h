@@ -2,6 +2,7 @@
 // prints the status it got (code and message), not just "false":
 //   EXPECT_THAT(s, IsOk());
 //   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum")));
+//   EXPECT_THAT(s, StatusIs(absl::StatusCode::kNotFound));
 //   REFIT_ASSERT_OK_AND_ASSIGN(auto v, MakeThing());
 // Header-only; tests link GTest::gmock.
 #ifndef REFIT_DAEMON_COMMON_STATUS_MATCHERS_H_
@@ -30,6 +31,13 @@ MATCHER(IsOk, negation ? "is not OK" : "is OK") {
   const absl::Status& s = internal::GetStatus(arg);
   if (!s.ok()) *result_listener << "status: " << s;
   return s.ok();
+}
+
+MATCHER_P(StatusIs, code, std::string(negation ? "does not have" : "has") + " code " +
+                               absl::StatusCodeToString(code)) {
+  const absl::Status& s = internal::GetStatus(arg);
+  *result_listener << "status: " << s;
+  return s.code() == code;
 }
 
 MATCHER_P2(StatusIs, code, message_matcher,

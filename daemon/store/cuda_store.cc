@@ -89,16 +89,12 @@ absl::StatusOr<DigestV2Delta> DeviceMemory::ApplyDigestV2(std::span<const uint8_
   return device_->ApplyDigestV2(patch, dtype, base.data(), out.data(), out.size());
 }
 
-absl::StatusOr<std::vector<uint8_t>> DeviceMemory::WriteChanges(std::span<uint8_t> data,
-                                                                const TensorChanges& changes) {
-  RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
+absl::Status DeviceMemory::WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) {
   return device_->WriteChanges(changes, data.data(), data.size());
 }
 
-absl::Status DeviceMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
-                                         std::span<const uint8_t> undo) {
-  RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, data.size()));
-  return device_->RevertChanges(changes, undo, data.data(), data.size());
+absl::Status DeviceMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) {
+  return device_->RevertChanges(changes, data.data(), data.size());
 }
 
 }  // namespace refit::store

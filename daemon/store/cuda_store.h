@@ -83,10 +83,8 @@ class DeviceMemory final : public TensorMemory {
   absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                               std::span<const uint8_t> base,
                                               std::span<uint8_t> out) override;
-  absl::StatusOr<std::vector<uint8_t>> WriteChanges(std::span<uint8_t> data,
-                                                    const TensorChanges& changes) override;
-  absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
-                             std::span<const uint8_t> undo) override;
+  absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
+  absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
 
  private:
   cuda::Device* const device_;

@@ -195,9 +195,10 @@ TEST_F(CudaStoreTest, FormatTwoPatchesApplyOnTheDevice) {
 }
 
 // The single-copy store's in-place update on the device: DeviceMemory::WriteChanges writes a
-// change set into a store span with the device's kernel, returning the same undo record as the
-// CPU twin (refit::WriteChanges), and RevertChanges puts the old values back; the neighbouring
-// tensors are not touched, and a wrong undo record is refused with nothing written.
+// change set (from ChangesBetween, which captures the old values) into a store span with the
+// device's kernel, byte for byte the CPU twin's result (refit::WriteChanges), and RevertChanges
+// writes the old values back; the neighbouring tensors are not touched, and a change set with a
+// wrong undo record or for another tensor is refused with nothing written.
 TEST_F(CudaStoreTest, ChangeSetsWriteInPlaceAndRevertOnTheDevice) {
   auto st = Make();
   ASSERT_NE(st, nullptr);
@@ -210,6 +211,7 @@ TEST_F(CudaStoreTest, ChangeSetsWriteInPlaceAndRevertOnTheDevice) {
   auto changes = ChangesBetween(DType::kBF16, vs[0], vs[1]);
   ASSERT_TRUE(changes.ok()) << changes.status();
   ASSERT_GT(changes->count(), n / 200);
+  ASSERT_EQ(changes->old_values.size(), changes->values.size());
 
   auto h = st->BeginStage(1);
   ASSERT_TRUE(h.ok()) << h.status();
@@ -218,38 +220,48 @@ TEST_F(CudaStoreTest, ChangeSetsWriteInPlaceAndRevertOnTheDevice) {
   ASSERT_TRUE(mem.Upload(h->out[b], bias).ok());
 
   std::vector<uint8_t> host = vs[0];
-  auto cpu_undo = WriteChanges(*changes, std::span<uint8_t>(host));
-  ASSERT_TRUE(cpu_undo.ok()) << cpu_undo.status();
-  auto undo = mem.WriteChanges(h->out[w], *changes);
-  ASSERT_TRUE(undo.ok()) << undo.status();
-  EXPECT_EQ(*undo, *cpu_undo);
-  EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
+  absl::Status cpu = WriteChanges(*changes, std::span<uint8_t>(host));
+  ASSERT_TRUE(cpu.ok()) << cpu;
+  ASSERT_EQ(host, vs[1]);
+  absl::Status written = mem.WriteChanges(h->out[w], *changes);
+  ASSERT_TRUE(written.ok()) << written;
+  EXPECT_EQ(Download(mem, h->out[w]), host);
   EXPECT_EQ(Download(mem, h->out[b]), bias);
   auto digest = mem.DigestV2(h->out[w]);
   ASSERT_TRUE(digest.ok()) << digest.status();
   EXPECT_EQ(*digest, changes->digest_delta.ApplyTo(TensorDigestV2(vs[0]), vs[0].size()));
 
-  // A wrong undo record is refused before anything is written.
-  std::vector<uint8_t> short_undo(undo->begin(), undo->end() - 2);
-  absl::Status refused = mem.RevertChanges(h->out[w], *changes, short_undo);
+  // A wrong undo record (old values of another size) is refused before anything is written,
+  // with the CPU twin's message.
+  TensorChanges short_undo = *changes;
+  short_undo.old_values.resize(short_undo.old_values.size() - 2);
+  absl::Status refused = mem.RevertChanges(h->out[w], short_undo);
   EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  std::vector<uint8_t> scratch = host;
+  EXPECT_EQ(refused.message(), RevertChanges(short_undo, std::span<uint8_t>(scratch)).message());
   EXPECT_EQ(Download(mem, h->out[w]), vs[1]);
-  // A change set for another tensor size is refused too.
-  auto wrong = mem.WriteChanges(h->out[b], *changes);
-  EXPECT_TRUE(absl::IsInvalidArgument(wrong.status())) << wrong.status();
+  // A change set for another tensor size is refused too, by both calls.
+  absl::Status wrong = mem.WriteChanges(h->out[b], *changes);
+  EXPECT_TRUE(absl::IsInvalidArgument(wrong)) << wrong;
+  wrong = mem.RevertChanges(h->out[b], *changes);
+  EXPECT_TRUE(absl::IsInvalidArgument(wrong)) << wrong;
   EXPECT_EQ(Download(mem, h->out[b]), bias);
 
-  absl::Status reverted = mem.RevertChanges(h->out[w], *changes, *undo);
+  absl::Status reverted = mem.RevertChanges(h->out[w], *changes);
   ASSERT_TRUE(reverted.ok()) << reverted;
+  cpu = RevertChanges(*changes, std::span<uint8_t>(host));
+  ASSERT_TRUE(cpu.ok()) << cpu;
+  EXPECT_EQ(Download(mem, h->out[w]), host);
   EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
   EXPECT_EQ(Download(mem, h->out[b]), bias);
 
-  // An empty change set: no undo, nothing written.
+  // An empty change set: nothing written, either way.
   auto none = ChangesBetween(DType::kBF16, vs[0], vs[0]);
   ASSERT_TRUE(none.ok()) << none.status();
-  auto empty_undo = mem.WriteChanges(h->out[w], *none);
-  ASSERT_TRUE(empty_undo.ok()) << empty_undo.status();
-  EXPECT_TRUE(empty_undo->empty());
+  absl::Status empty = mem.WriteChanges(h->out[w], *none);
+  ASSERT_TRUE(empty.ok()) << empty;
+  empty = mem.RevertChanges(h->out[w], *none);
+  ASSERT_TRUE(empty.ok()) << empty;
   EXPECT_EQ(Download(mem, h->out[w]), vs[0]);
   ASSERT_TRUE(st->Abort(*h).ok());
 }

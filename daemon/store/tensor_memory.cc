@@ -49,14 +49,12 @@ absl::StatusOr<DigestV2Delta> HostMemory::ApplyDigestV2(std::span<const uint8_t>
   return ApplyPatchDigestV2(patch, dtype, base, out, threads_);
 }
 
-absl::StatusOr<std::vector<uint8_t>> HostMemory::WriteChanges(std::span<uint8_t> data,
-                                                              const TensorChanges& changes) {
+absl::Status HostMemory::WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) {
   return refit::WriteChanges(changes, data, threads_);
 }
 
-absl::Status HostMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
-                                       std::span<const uint8_t> undo) {
-  return refit::RevertChanges(changes, undo, data, threads_);
+absl::Status HostMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) {
+  return refit::RevertChanges(changes, data, threads_);
 }
 
 }  // namespace refit::store

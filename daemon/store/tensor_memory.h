@@ -52,13 +52,11 @@ class TensorMemory {
                                                       std::span<const uint8_t> base,
                                                       std::span<uint8_t> out) = 0;
   // refit::WriteChanges into a store span in place (the single-copy store's update): the host
-  // `changes` written at their positions, returning the values they overwrote (host memory, the
-  // undo record). Checked first (refit::CheckChanges): nothing is written on error.
-  virtual absl::StatusOr<std::vector<uint8_t>> WriteChanges(std::span<uint8_t> data,
-                                                            const TensorChanges& changes) = 0;
-  // refit::RevertChanges: puts `undo` (WriteChanges' result) back at the changes' positions.
-  virtual absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
-                                     std::span<const uint8_t> undo) = 0;
+  // change set's new values written at its positions. Checked first (refit::CheckChanges):
+  // nothing is written on error.
+  virtual absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) = 0;
+  // refit::RevertChanges: the change set's old values (its undo record) written back.
+  virtual absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) = 0;
 };
 
 // Host memory: memcpy and the CPU codec with `threads` threads (0 = all hardware threads).
@@ -77,10 +75,8 @@ class HostMemory final : public TensorMemory {
   absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                               std::span<const uint8_t> base,
                                               std::span<uint8_t> out) override;
-  absl::StatusOr<std::vector<uint8_t>> WriteChanges(std::span<uint8_t> data,
-                                                    const TensorChanges& changes) override;
-  absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes,
-                             std::span<const uint8_t> undo) override;
+  absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
+  absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
 
  private:
   const int threads_;

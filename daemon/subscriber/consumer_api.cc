@@ -252,6 +252,29 @@ grpc::Status ConsumerApiService::RenewLease(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status ConsumerApiService::GetChanges(grpc::ServerContext* context,
+                                            const v1::GetChangesRequest* request,
+                                            v1::ChangeSet* response) {
+  const uint64_t from = request->from_version();
+  const uint64_t to = request->to_version() != 0 ? request->to_version() : core_->applied_version();
+  response->set_from_version(from);
+  response->set_to_version(to);
+  if (to == 0) {
+    return ToGrpcStatus(absl::FailedPreconditionError("GetChanges: no version is applied yet"));
+  }
+  if (from == to) return grpc::Status::OK;  // nothing changed: no tensors, no region
+  absl::StatusOr<v1::ChangeSet> set = exports_.Get(core_->change_log(), from, to);
+  if (!set.ok() && set.status().code() == absl::StatusCode::kFailedPrecondition) {
+    response->set_reload_fully(true);
+    response->set_reason(std::string(set.status().message()));
+    return grpc::Status::OK;
+  }
+  if (!set.ok()) return ToGrpcStatus(Annotate(set.status(), "GetChanges"));
+  *response = std::move(*set);
+  log_->debug("change set {} -> {}: {} tensors", from, to, response->tensors_size());
+  return grpc::Status::OK;
+}
+
 grpc::Status ConsumerApiService::ReleaseLease(grpc::ServerContext* context,
                                               const v1::ReleaseLeaseRequest* request,
                                               v1::ReleaseLeaseResponse* response) {

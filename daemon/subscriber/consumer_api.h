@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/common/peer_cred.h"
+#include "daemon/subscriber/change_set_export.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "refit/v1/local.pb.h"
@@ -99,6 +100,8 @@ class ConsumerApiService final : public v1::ConsumerApi::Service {
                           v1::Lease* response) override;
   grpc::Status ReleaseLease(grpc::ServerContext* context, const v1::ReleaseLeaseRequest* request,
                             v1::ReleaseLeaseResponse* response) override;
+  grpc::Status GetChanges(grpc::ServerContext* context, const v1::GetChangesRequest* request,
+                          v1::ChangeSet* response) override;
 
  private:
   v1::Lease MakeLease(const SubscriberLease& lease) const;
@@ -106,6 +109,7 @@ class ConsumerApiService final : public v1::ConsumerApi::Service {
   SubscriberCore* const core_;
   const VersionBoard* const board_;
   const ConsumerApiOptions options_;
+  ExportCache exports_;  // change sets served lately (GetChanges)
   std::shared_ptr<spdlog::logger> log_;
 };
 

@@ -85,7 +85,6 @@ absl::Status WriteSingleCopy(store::TensorMemory& memory,
                              const std::function<absl::Status(size_t)>& before_tensor,
                              bool* restored) {
   *restored = true;
-  std::vector<std::vector<uint8_t>> undo(staged.size());
   size_t written = 0;
   absl::Status failure;
   for (; written < staged.size(); ++written) {
@@ -94,18 +93,15 @@ absl::Status WriteSingleCopy(store::TensorMemory& memory,
       failure = before_tensor(written);
       if (!failure.ok()) break;
     }
-    absl::StatusOr<std::vector<uint8_t>> u = memory.WriteChanges(out[written], staged[written].changes);
-    if (!u.ok()) {
-      failure = u.status();
-      break;
-    }
-    undo[written] = std::move(*u);
+    failure = memory.WriteChanges(out[written], staged[written].changes);
+    if (!failure.ok()) break;
   }
   if (failure.ok()) return absl::OkStatus();
-  // Put back, newest first, every tensor written (a failed WriteChanges wrote nothing).
+  // Put back, newest first, every tensor written (a failed WriteChanges wrote nothing) from the
+  // old values its change set captured when it was decoded.
   for (size_t i = written; i-- > 0;) {
     if (staged[i].changes.count() == 0) continue;
-    if (!memory.RevertChanges(out[i], staged[i].changes, undo[i]).ok()) *restored = false;
+    if (!memory.RevertChanges(out[i], staged[i].changes).ok()) *restored = false;
   }
   return absl::Status(failure.code(), absl::StrCat("in-place write of tensor ", written, ": ",
                                                    failure.message()));

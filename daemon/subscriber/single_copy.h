@@ -66,8 +66,9 @@ struct SingleCopyScratch {
   uint64_t total() const { return keyframes + transient; }
 };
 
-// Writes each staged tensor's changes into its store span in place (`out[i]` for `staged[i]`),
-// keeping the undo records. On a failure (of the memory, or of `before_tensor`, a test hook
+// Writes each staged tensor's changes into its store span in place (`out[i]` for `staged[i]`).
+// Their old values (the undo records) were captured when the change sets were decoded. On a
+// failure (of the memory, or of `before_tensor`, a test hook
 // called with the index before each tensor is written) every tensor written so far is put back
 // from its undo record; `*restored` says whether that succeeded (if not, the slot's contents are
 // unknown). OK: every change is written.

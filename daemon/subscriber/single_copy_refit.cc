@@ -179,6 +179,28 @@ absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(Transfer& t
   return h;
 }
 
+void SubscriberCore::LogChangesLocked(Transfer& t, std::vector<SingleCopyTensor>& staged,
+                                      const Verified& verified) {
+  if (options_.change_set_bytes == 0) return;
+  VersionChanges vc;
+  vc.from_version = applied_version();
+  vc.to_version = t.header.version();
+  vc.version_digest = verified.version_digest;
+  for (size_t i = 0; i < staged.size(); ++i) {
+    if (staged[i].changes.count() == 0) continue;
+    const v1::TensorSpec& spec = t.header.tensors(static_cast<int>(i)).spec();
+    TensorChangeEntry e;
+    e.name = spec.name();
+    e.shape.assign(spec.shape().begin(), spec.shape().end());
+    e.changes = std::move(staged[i].changes);
+    e.digest = verified.digests[i];
+    vc.tensors.push_back(std::move(e));
+  }
+  std::sort(vc.tensors.begin(), vc.tensors.end(),
+            [](const TensorChangeEntry& a, const TensorChangeEntry& b) { return a.name < b.name; });
+  change_log_.Record(std::move(vc));
+}
+
 v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& end,
                                             absl::Time received) {
   const uint64_t v = t.header.version();
@@ -232,6 +254,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   if (!wrote.ok()) {
     (void)t.target->AbortUpdate(*update, restored);
     slot_digests_.clear();
+    change_log_.Clear();
     if (!restored) {
       // Nothing is held now: the next transfer must bring keyframes (the upstream plans from the
       // applied version 0).
@@ -252,6 +275,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   applied_format_ = t.format;
   retained_.clear();  // no second slot to bring forward
   retained_bytes_ = 0;
+  LogChangesLocked(t, *staged, verified);
   RecordAppliedLocked(t, verified);
   PruneRecordsLocked();
 

@@ -311,5 +311,33 @@ TEST_F(SingleCopyTest, ADigestV1SessionIsRefusedWithTheReason) {
   EXPECT_EQ(core->applied_version(), 1u);
 }
 
+TEST_F(SingleCopyTest, TheChangeSetsOfVersionsWrittenInPlaceAreKeptForConsumers) {
+  PublishRun(1, 5);
+  auto core = MakeCore();
+  for (uint64_t v = 1; v <= 5; ++v) Apply(*core, v);
+  const ChangeLog& log = core->change_log();
+  EXPECT_EQ(log.oldest_base(), 1u) << "version 1 was staged, not written in place";
+  for (uint64_t from = 1; from < 5; ++from) {
+    absl::StatusOr<VersionChanges> c = log.Changes(from, 5);
+    ASSERT_THAT(c, IsOk());
+    EXPECT_EQ(c->version_digest, pub_.digest(5));
+    Model m = pub_.model(from);
+    for (const TensorChangeEntry& t : c->tensors) {
+      ASSERT_TRUE(m.count(t.name)) << t.name;
+      EXPECT_NE(t.name, "frozen") << "an unchanged tensor is not listed";
+      ASSERT_THAT(WriteChanges(t.changes, std::span<uint8_t>(m[t.name].bytes)), IsOk());
+    }
+    for (const auto& [name, t] : pub_.model(5)) {
+      EXPECT_TRUE(m[name].bytes == t.bytes) << name << " from version " << from;
+    }
+  }
+  EXPECT_THAT(log.Changes(0, 5), StatusIs(absl::StatusCode::kFailedPrecondition));
+  // A manifest change is not written in place: the log starts again after it.
+  current_["d.new"] = RandomTensor(BF16("d.new", {10, 100}), rng_);
+  pub_.Publish(6, current_);
+  Apply(*core, 6);
+  EXPECT_THAT(log.Changes(5, 6), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 }  // namespace
 }  // namespace refit::subscriber

@@ -973,6 +973,7 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
   }
   repair_version_.store(0, std::memory_order_release);
   if (t.repair) return absl::OkStatus();  // same version: records and retained chain stand
+  change_log_.Clear();  // not written in place: no change set continues from here
   RetainLocked(t);
   refresh_requested_ = refresher_.joinable() && !retained_.empty();
   RecordAppliedLocked(t, verified);

@@ -47,6 +47,7 @@
 #include "daemon/common/safe_file.h"
 #include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
+#include "daemon/subscriber/change_log.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/frames.h"
 #include "refit/v1/data.pb.h"
@@ -96,6 +97,9 @@ struct SubscriberOptions {
   // that needs more is staged into a second store generation instead (memory then peaks at two
   // copies for that version).
   uint64_t single_copy_staging_bytes = 1ull << 30;
+  // Host memory for the change sets of the last versions written in place, served to consumers
+  // that keep their own weights (ConsumerApi.GetChanges; change_log.h). 0: none kept.
+  uint64_t change_set_bytes = 512ull << 20;
   // How long a verified version waits for the consumers' leases on the held version (the pause)
   // before the transfer is rejected (RESOURCE_EXHAUSTED, naming the holders) and asked again.
   absl::Duration pause_wait = absl::Minutes(10);
@@ -308,6 +312,8 @@ class SubscriberCore {
   // Patch bytes retained for in-place staging (<= SubscriberOptions::retained_patch_bytes).
   uint64_t retained_patch_bytes() const;
   RefreshStats refresh_stats() const;
+  // The change sets of the last versions written in place (single-copy store).
+  const ChangeLog& change_log() const { return change_log_; }
   // Waits until no refresh is asked for or running (benchmarks: the idle time between
   // versions); false when `timeout` passed first.
   bool WaitRefreshIdle(absl::Duration timeout) const;
@@ -424,10 +430,14 @@ class SubscriberCore {
   // Waits (releasing mu_) until no lease holds the current version, then opens the update.
   absl::StatusOr<store::UpdateHandle> AwaitPauseLocked(Transfer& t, uint64_t version_digest)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the change sets of version t (written in place) for consumers.
+  void LogChangesLocked(Transfer& t, std::vector<SingleCopyTensor>& staged,
+                        const Verified& verified) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bumped by every lease release (wakes AwaitPauseLocked).
   uint64_t lease_releases_ ABSL_GUARDED_BY(mu_) = 0;
 
   const SubscriberOptions options_;
+  ChangeLog change_log_{options_.change_set_bytes};  // after options_
   mutable absl::Mutex mu_;
   std::shared_ptr<store::SlottedStore> store_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;

@@ -280,6 +280,7 @@ SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
   o.retained_patch_bytes = c.store().retained_patch_bytes();
   o.single_copy_staging_bytes = c.store().single_copy_staging_bytes();
   o.pause_wait = absl::Milliseconds(c.store().pause_wait_ms());
+  o.change_set_bytes = c.store().change_set_bytes();
   o.threads = static_cast<int>(c.staging().threads());
   if (c.staging().max_bytes() > 0) o.max_slot_bytes = c.staging().max_bytes();
   o.max_frame_bytes = c.upstream().max_frame_bytes();

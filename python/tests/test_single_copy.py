@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
 import torch
 
+from refit.changes import apply_changes, get_changes
 from refit.inference import Consumer
 from refit.local import Daemon, publisher_yaml, subscriber_yaml
 from refit.pause import Pauser
@@ -93,3 +95,57 @@ def test_pauser_serves_every_version_from_the_one_copy(tmp_path_factory):
             assert pauser.pauses >= 1
             assert not pauser.weights_may_be_torn
 
+
+
+def test_an_engine_with_its_own_weights_follows_by_change_sets(tmp_path_factory):
+    torch.manual_seed(11)
+    trainer_model, engine = Net(), Net()
+    with single_copy_pair(tmp_path_factory) as (pub_sock, sub_sock):
+        trainer = Trainer(pub_sock, client="rank0")
+
+        def publish(v):
+            trainer.update({n: p.detach() for n, p in trainer_model.named_parameters()})
+            assert trainer.publish().version == v
+
+        def expect_equal(v):
+            for n, p in trainer_model.named_parameters():
+                assert torch.equal(getattr(engine, n).detach().view(torch.int16),
+                                   p.detach().view(torch.int16)), f"{n} differs at version {v}"
+
+        trainer.register({n: p.detach() for n, p in trainer_model.named_parameters()})
+        assert trainer.publish().version == 1
+        consumer = Consumer(sub_sock, name="engine-own-weights")
+        assert consumer.wait_for_version(1, timeout=WAIT_S) == 1
+        held = consumer.load_into(engine)       # a full, verified load once
+        assert held == 1
+        snapshots = {1: {n: p.detach().clone() for n, p in trainer_model.named_parameters()}}
+        for v in range(2, 5):
+            step(trainer_model, v)
+            publish(v)
+            snapshots[v] = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
+            assert consumer.wait_for_version(v, timeout=WAIT_S) == v
+            changes = get_changes(consumer, held)
+            assert not changes.reload_fully, changes.reason
+            assert (changes.from_version, changes.to_version) == (held, v)
+            total = sum(p.numel() for p in engine.parameters())
+            assert 0 < changes.changed_elements() < total // 10, "not O(changed)"
+            assert apply_changes(engine, changes) == changes.changed_elements()
+            held = v
+            expect_equal(v)
+        # Skipped versions: one composed change set from 4 to 7.
+        for v in range(5, 8):
+            step(trainer_model, v)
+            publish(v)
+            assert consumer.wait_for_version(v, timeout=WAIT_S) == v
+        changes = get_changes(consumer, held)
+        assert (changes.from_version, changes.to_version) == (4, 7)
+        apply_changes(engine, changes)
+        held = 7
+        expect_equal(7)
+        # A version the log does not reach back to (before the first in-place write) must be
+        # reloaded fully.
+        old = get_changes(consumer, 0)
+        assert old.reload_fully and "reload" in old.reason
+        with pytest.raises(ValueError, match="reload fully"):
+            apply_changes(engine, old)
+        assert get_changes(consumer, 7).tensors == {}
