@@ -11,6 +11,7 @@ PKGS=(
   libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-numpy python3-grpcio python3-protobuf python3-torch python3-pytest python3-setuptools
+  python3-venv                        # the test venv of PyPI packages (python/requirements-model.txt)
   openssl iproute2
   util-linux                          # setpriv: tests run clients as an unprivileged user
   systemd python3-yaml                # deploy checks: systemd-analyze verify/security, k8s YAML
@@ -43,9 +44,23 @@ for p in "${PKGS[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PKGS[@]} packages present"
-  exit 0
+else
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+
+# The test venv (.venv, beside Debian's python3 packages: --system-site-packages keeps Debian's
+# torch 1.13, grpc and protobuf) with the PyPI packages of python/requirements-model.txt:
+# Hugging Face transformers 4.40.2 (the last releases that support torch 1.13) and its
+# dependencies, for the real-model consumer test (python/tests_model). Not for --build-only.
+if [ "${1:-}" != "--build-only" ]; then
+  ROOT=$(cd "$(dirname "$0")/.." && pwd)
+  VENV="$ROOT/.venv"
+  if ! "$VENV/bin/python" -c "import transformers" 2>/dev/null; then
+    echo "install-deps: test venv $VENV (python/requirements-model.txt)"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/python/requirements-model.txt"
+  fi
+fi
