@@ -12,6 +12,7 @@
 #include "daemon/common/grpc_status.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
+#include "tests/harness/consumer.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
@@ -94,26 +95,9 @@ class E2ELeases : public E2ETest {
   }
 
   absl::StatusOr<v1::Lease> Acquire(std::optional<uint64_t> version) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::AcquireLeaseRequest req;
-    req.set_consumer("e2e-consumer");
-    if (version) req.set_version(*version);
-    req.set_ttl_ms(120000);
-    v1::Lease lease;
-    absl::Status s = FromGrpcStatus(consumer_->AcquireLease(&ctx, req, &lease));
-    if (!s.ok()) return s;
-    return lease;
+    return AcquireLease(*consumer_, "e2e-consumer", version, 120000);
   }
-
-  absl::Status Release(uint64_t lease_id) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::ReleaseLeaseRequest req;
-    req.set_lease_id(lease_id);
-    v1::ReleaseLeaseResponse resp;
-    return FromGrpcStatus(consumer_->ReleaseLease(&ctx, req, &resp));
-  }
+  absl::Status Release(uint64_t lease_id) { return ReleaseLease(*consumer_, lease_id); }
 
   DaemonProcess* pub_ = nullptr;
   DaemonProcess* sub_ = nullptr;

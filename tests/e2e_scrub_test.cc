@@ -19,6 +19,7 @@
 #include "daemon/common/status_macros.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
+#include "tests/harness/consumer.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
@@ -59,46 +60,10 @@ absl::Status FlipInDaemonMapping(pid_t pid, const std::string& path, uint64_t of
   return absl::OkStatus();
 }
 
-// The bytes of `tensor` through a fresh read-only mapping of its region.
-absl::StatusOr<std::vector<uint8_t>> ReadTensor(const v1::Layout& layout,
-                                                const std::string& tensor) {
-  for (const v1::TensorLocation& t : layout.tensors()) {
-    if (t.spec().name() != tensor) continue;
-    const int fd = open(t.shm().path().c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return absl::NotFoundError(absl::StrCat("open ", t.shm().path()));
-    struct stat st;
-    fstat(fd, &st);
-    void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return absl::InternalError("mmap");
-    const uint8_t* base = static_cast<const uint8_t*>(p) + t.shm().offset();
-    std::vector<uint8_t> out(base, base + t.shm().size_bytes());
-    munmap(p, static_cast<size_t>(st.st_size));
-    return out;
-  }
-  return absl::NotFoundError(absl::StrCat("no tensor ", tensor));
-}
-
 class E2EScrub : public E2ETest {
  protected:
-  absl::StatusOr<v1::Lease> Acquire() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::AcquireLeaseRequest req;
-    req.set_consumer("e2e-consumer");
-    req.set_ttl_ms(60000);
-    v1::Lease lease;
-    RETURN_IF_ERROR(FromGrpcStatus(consumer_->AcquireLease(&ctx, req, &lease)));
-    return lease;
-  }
-  absl::Status Release(uint64_t id) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::ReleaseLeaseRequest req;
-    req.set_lease_id(id);
-    v1::ReleaseLeaseResponse resp;
-    return FromGrpcStatus(consumer_->ReleaseLease(&ctx, req, &resp));
-  }
+  absl::StatusOr<v1::Lease> Acquire() { return AcquireLease(*consumer_, "e2e-consumer"); }
+  absl::Status Release(uint64_t id) { return ReleaseLease(*consumer_, id); }
   std::unique_ptr<v1::ConsumerApi::Stub> consumer_;
 };
 

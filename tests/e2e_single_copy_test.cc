@@ -3,20 +3,17 @@
 // lease holds the verified version back (WatchVersions announces it pending) until it releases;
 // a subscriber SIGKILLed while a consumer waits for the pause ends the consumer's stream, and
 // converges after a restart. (Corrupted patches on a single-copy store: SingleCopyTest.)
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
+#include "tests/harness/consumer.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
@@ -24,28 +21,6 @@ namespace {
 
 Model SingleCopyModel(uint64_t seed) {
   return RandomModel(seed, {{"a.weight", 300000}, {"b.weight", 123457}, {"c.bias", 1000}});
-}
-
-// The bytes of tensor `name` through a read-only mapping of its ShmRegion.
-absl::StatusOr<std::vector<uint8_t>> ReadTensor(const v1::Layout& layout, const std::string& name) {
-  for (const v1::TensorLocation& t : layout.tensors()) {
-    if (t.spec().name() != name) continue;
-    const int fd = open(t.shm().path().c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return absl::NotFoundError(absl::StrCat("open ", t.shm().path()));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-      close(fd);
-      return absl::InternalError("fstat");
-    }
-    void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return absl::InternalError("mmap");
-    const uint8_t* base = static_cast<const uint8_t*>(p) + t.shm().offset();
-    std::vector<uint8_t> out(base, base + t.shm().size_bytes());
-    munmap(p, static_cast<size_t>(st.st_size));
-    return out;
-  }
-  return absl::NotFoundError(absl::StrCat("no tensor ", name));
 }
 
 class E2ESingleCopy : public E2ETest {
@@ -64,25 +39,8 @@ class E2ESingleCopy : public E2ETest {
   }
   void Connect() { consumer_ = v1::ConsumerApi::NewStub(PlainChannel(sub_->local_target())); }
 
-  absl::StatusOr<v1::Lease> Acquire() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::AcquireLeaseRequest req;
-    req.set_consumer("e2e-engine");
-    req.set_ttl_ms(120000);
-    v1::Lease lease;
-    absl::Status s = FromGrpcStatus(consumer_->AcquireLease(&ctx, req, &lease));
-    if (!s.ok()) return s;
-    return lease;
-  }
-  absl::Status Release(uint64_t lease_id) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    v1::ReleaseLeaseRequest req;
-    req.set_lease_id(lease_id);
-    v1::ReleaseLeaseResponse resp;
-    return FromGrpcStatus(consumer_->ReleaseLease(&ctx, req, &resp));
-  }
+  absl::StatusOr<v1::Lease> Acquire() { return AcquireLease(*consumer_, "e2e-engine", {}, 120000); }
+  absl::Status Release(uint64_t lease_id) { return ReleaseLease(*consumer_, lease_id); }
   // A WatchVersions stream with pause events, after `after`.
   struct Watch {
     grpc::ClientContext ctx;
@@ -114,12 +72,15 @@ TEST_F(E2ESingleCopy, DeltasKeyframesAndAManifestChangeArriveBitExactInOneCopy) 
     E2E_ASSERT_OK(Publish(*pub_, m, v));
     E2E_ASSERT_OK(ExpectHolds(*sub_, m, v));
   }
-  // A tensor replaced whole (the publisher sends a dense keyframe when the delta is larger).
-  for (ModelTensor& t : m.tensors) {
-    if (t.name == "c.bias") PerturbTensor(t, 1.0, 77);
-  }
+  // A resync: the next transfer is all keyframes, written in place within the staging budget.
+  CommandResult r = RunRefitctl({"--target", pub_->control_target(), "resync", "--subscriber", "sub"});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  PerturbModel(m, 0.0165, 5);
   E2E_ASSERT_OK(Publish(*pub_, m, 5));
   E2E_ASSERT_OK(ExpectHolds(*sub_, m, 5));
+  absl::StatusOr<v1::StatusResponse> kf = StatusAfterRefit(sub_->control_target(), 5);
+  E2E_ASSERT_OK(kf);
+  EXPECT_EQ(kf->last_refit().keyframe_tensors(), 3u) << DescribeRefit(kf->last_refit());
   // A manifest change: a new tensor (a second store generation, as with two slots).
   m.tensors.push_back(RandomTensor(9, "d.new", 5000));
   E2E_ASSERT_OK(Publish(*pub_, m, 6));
@@ -214,6 +175,44 @@ TEST_F(E2ESingleCopy, ASubscriberKilledDuringThePauseEndsTheConsumersStreamAndCo
   PerturbModel(m, 0.0165, 3);
   E2E_ASSERT_OK(Publish(*pub_, m, 3));
   E2E_ASSERT_OK(ExpectHolds(*sub_, m, 3));
+}
+
+TEST_F(E2ESingleCopy, LateJoinersDirectAndThroughARelayStayBitExact) {
+  PublisherSpec ps;
+  pub_ = &NewPublisher(ps);
+  E2E_ASSERT_OK(pub_->Start());
+  SubscriberSpec relay;  // a region relay: two slots, serving peers
+  relay.name = "relay";
+  relay.upstream = {pub_->listen_target()};
+  relay.serve_peers = true;
+  relay.digest_v2 = true;
+  DaemonProcess& r = NewSubscriber(relay);
+  E2E_ASSERT_OK(r.Start());
+  Model m = SingleCopyModel(5);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) PerturbModel(m, 0.0165, 200 + v);
+    E2E_ASSERT_OK(Publish(*pub_, m, v));
+    E2E_ASSERT_OK(WaitVersion(r, v));
+  }
+  // Two single-copy subscribers join late: one from the publisher, one through the relay.
+  std::vector<DaemonProcess*> late;
+  for (const auto& [name, upstream] :
+       {std::pair<std::string, std::string>{"direct", pub_->listen_target()},
+        std::pair<std::string, std::string>{"relayed", r.listen_target()}}) {
+    SubscriberSpec s;
+    s.name = name;
+    s.upstream = {upstream};
+    s.slots = 1;
+    s.digest_v2 = true;
+    late.push_back(&NewSubscriber(s));
+    E2E_ASSERT_OK(late.back()->Start());
+    E2E_ASSERT_OK(ExpectHolds(*late.back(), m, 3));
+  }
+  for (uint64_t v = 4; v <= 6; ++v) {
+    PerturbModel(m, 0.0165, 200 + v);
+    E2E_ASSERT_OK(Publish(*pub_, m, v));
+    for (DaemonProcess* d : late) E2E_ASSERT_OK(ExpectHolds(*d, m, v));
+  }
 }
 
 }  // namespace

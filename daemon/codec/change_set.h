@@ -58,6 +58,13 @@ absl::Status CheckChanges(const TensorChanges& changes, DType dtype, uint64_t te
 // pause). CheckChanges first: nothing is written on error.
 absl::Status WriteChanges(const TensorChanges& changes, std::span<uint8_t> data, int threads = 0);
 
+// WriteChanges (old_values false) or RevertChanges (true) of many tensors at once: sets[i] into
+// data[i], the work of all of them split evenly over `threads` (one fork-join for a whole
+// version, however many tensors it has). Every set is checked before anything is written.
+absl::Status WriteChangesOfTensors(std::span<const TensorChanges* const> sets,
+                                   std::span<const std::span<uint8_t>> data, bool old_values,
+                                   int threads = 0);
+
 // Writes the changes' old values back (the undo of WriteChanges): `data` is then byte for byte
 // the base the change set was decoded against. INVALID_ARGUMENT when old_values does not match
 // the positions (nothing is written).

@@ -6,6 +6,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_macros.h"
 
 namespace refit::store {
 
@@ -55,6 +56,24 @@ absl::Status HostMemory::WriteChanges(std::span<uint8_t> data, const TensorChang
 
 absl::Status HostMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) {
   return refit::RevertChanges(changes, data, threads_);
+}
+
+absl::Status HostMemory::WriteChangesOfTensors(std::span<const std::span<uint8_t>> data,
+                                               std::span<const TensorChanges* const> sets) {
+  return refit::WriteChangesOfTensors(sets, data, /*old_values=*/false, threads_);
+}
+
+absl::Status TensorMemory::WriteChangesOfTensors(std::span<const std::span<uint8_t>> data,
+                                                 std::span<const TensorChanges* const> sets) {
+  if (data.size() != sets.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteChangesOfTensors: ", sets.size(),
+                                                   " change sets for ", data.size(), " tensors"));
+  }
+  for (size_t i = 0; i < sets.size(); ++i) {
+    RETURN_IF_ERROR(CheckChanges(*sets[i], sets[i]->dtype, data[i].size()));
+  }
+  for (size_t i = 0; i < sets.size(); ++i) RETURN_IF_ERROR(WriteChanges(data[i], *sets[i]));
+  return absl::OkStatus();
 }
 
 }  // namespace refit::store

@@ -57,6 +57,12 @@ class TensorMemory {
   virtual absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) = 0;
   // refit::RevertChanges: the change set's old values (its undo record) written back.
   virtual absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) = 0;
+  // WriteChanges of a whole version: sets[i] into data[i]. Every set is checked before anything
+  // is written; a failure after that (a device error) may leave some tensors written: revert
+  // them tensor by tensor. Default: one WriteChanges per tensor; host memory does them all in
+  // one fork-join (the pause of a many-tensor version).
+  virtual absl::Status WriteChangesOfTensors(std::span<const std::span<uint8_t>> data,
+                                             std::span<const TensorChanges* const> sets);
 };
 
 // Host memory: memcpy and the CPU codec with `threads` threads (0 = all hardware threads).
@@ -77,6 +83,8 @@ class HostMemory final : public TensorMemory {
                                               std::span<uint8_t> out) override;
   absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
   absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
+  absl::Status WriteChangesOfTensors(std::span<const std::span<uint8_t>> data,
+                                     std::span<const TensorChanges* const> sets) override;
 
  private:
   const int threads_;

@@ -85,6 +85,18 @@ absl::Status WriteSingleCopy(store::TensorMemory& memory,
                              const std::function<absl::Status(size_t)>& before_tensor,
                              bool* restored) {
   *restored = true;
+  if (!before_tensor) {
+    // The whole version at once; on a failure, fall through to the tensor-by-tensor write and
+    // undo below, which finds the first tensor that fails and puts back the ones before it.
+    std::vector<std::span<uint8_t>> spans;
+    std::vector<const TensorChanges*> sets;
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (staged[i].changes.count() == 0) continue;
+      spans.push_back(out[i]);
+      sets.push_back(&staged[i].changes);
+    }
+    if (memory.WriteChangesOfTensors(spans, sets).ok()) return absl::OkStatus();
+  }
   size_t written = 0;
   absl::Status failure;
   for (; written < staged.size(); ++written) {

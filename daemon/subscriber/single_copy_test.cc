@@ -84,16 +84,7 @@ class SingleCopyTest : public ::testing::Test {
     return pub_.Transfer(core.applied_version(), core.applied_digest(), target, o);
   }
   // Every tensor of what the core holds equals the publisher's version v, byte for byte.
-  void ExpectHolds(SubscriberCore& core, uint64_t v) {
-    EXPECT_EQ(core.applied_version(), v);
-    EXPECT_EQ(core.applied_digest(), pub_.digest(v));
-    auto got = Read(core);
-    const Model& m = pub_.model(v);
-    ASSERT_EQ(got.size(), m.size());
-    for (const auto& [name, t] : m) {
-      EXPECT_TRUE(got[name] == t.bytes) << "tensor " << name << " differs from version " << v;
-    }
-  }
+  void ExpectHolds(SubscriberCore& core, uint64_t v) { testing::ExpectHolds(core, pub_, v); }
   void Apply(SubscriberCore& core, uint64_t target, const sync::PlanOptions& o = {}) {
     v1::Ack ack = Feed(core, TransferTo(core, target, o));
     ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();

@@ -41,21 +41,11 @@ using sync::testing::RandomTensor;
 using sync::testing::Tensor;
 using testing::Feed;
 using testing::FakePublisher;
+using testing::ExpectHolds;
 using testing::HostCopy;
 using testing::Read;
 using testing::Wire;
 
-void ExpectHolds(SubscriberCore& core, const FakePublisher& pub, uint64_t v) {
-  EXPECT_EQ(core.applied_version(), v);
-  EXPECT_EQ(core.applied_digest(), pub.digest(v));
-  auto got = Read(core);
-  const Model& m = pub.model(v);
-  ASSERT_EQ(got.size(), m.size());
-  for (const auto& [name, t] : m) {
-    ASSERT_TRUE(got.count(name)) << name;
-    EXPECT_TRUE(got[name] == t.bytes) << "tensor " << name << " differs at version " << v;
-  }
-}
 
 std::vector<uint8_t> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

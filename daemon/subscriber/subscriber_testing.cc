@@ -115,4 +115,16 @@ std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core) {
   return out;
 }
 
+void ExpectHolds(SubscriberCore& core, const FakePublisher& pub, uint64_t v) {
+  EXPECT_EQ(core.applied_version(), v);
+  EXPECT_EQ(core.applied_digest(), pub.digest(v));
+  auto got = Read(core);
+  const sync::testing::Model& m = pub.model(v);
+  ASSERT_EQ(got.size(), m.size());
+  for (const auto& [name, t] : m) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_TRUE(got[name] == t.bytes) << "tensor " << name << " differs at version " << v;
+  }
+}
+
 }  // namespace refit::subscriber::testing

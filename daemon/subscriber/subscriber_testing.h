@@ -71,6 +71,9 @@ v1::Ack Feed(SubscriberCore& core, const Wire& w);
 // The current version's tensors, read under a lease.
 std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core);
 
+// Expects `core` to hold `pub`'s version v: applied version and digest, every tensor's bytes.
+void ExpectHolds(SubscriberCore& core, const FakePublisher& pub, uint64_t v);
+
 }  // namespace refit::subscriber::testing
 
 #endif  // REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_TESTING_H_

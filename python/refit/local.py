@@ -10,6 +10,7 @@ unit / Kubernetes manifests in deploy/.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -141,11 +142,12 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     control_tls: Optional[dict] = None,
                     control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
                     cuda_device_uuid: Optional[str] = None,
-                    export_dir: Optional[str] = None, digest_v2: bool = False) -> str:
+                    export_dir: Optional[str] = None, digest_v2: bool = False,
+                    store_extra: Optional[dict] = None) -> str:
     """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
     max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (needed by
-    a single-copy store, slots 1)."""
+    a single-copy store, slots 1); `store_extra`: more store fields (key -> value)."""
     leases = ""
     if lease_default_ttl_ms is not None or lease_max_ttl_ms is not None:
         leases = "  leases:\n"
@@ -160,6 +162,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
         store += f"    cuda_device_uuid: {json.dumps(cuda_device_uuid)}\n"
     if digest_v2:
         store += "    digest_v2: true\n"
+    for key, value in (store_extra or {}).items():  # more store fields, e.g. change_set_bytes
+        store += f"    {key}: {json.dumps(value)}\n"
     return (f"subscriber:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
@@ -173,3 +177,20 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
             f"{leases}"
             f"{_files_yaml(None, export_dir)}"
             f"  staging:\n    threads: 2\n")
+
+
+@contextlib.contextmanager
+def daemon_pair(directory: str, *, slots: int = 3, **subscriber_kwargs):
+    """A publisher and a subscriber (`slots`, and subscriber_yaml's keyword arguments) in
+    `directory`, started; yields (publisher, subscriber) Daemons (their `ready` dicts hold the
+    addresses: local_socket, listen) and stops both on exit."""
+    with contextlib.ExitStack() as stack:
+        pub = Daemon("publisher", "pub", directory, publisher_yaml("pub", directory))
+        stack.callback(pub.stop)
+        pub_ready = pub.start()
+        sub = Daemon("subscriber", "sub", directory,
+                     subscriber_yaml("sub", directory, pub_ready["listen"], slots=slots,
+                                     **subscriber_kwargs))
+        stack.callback(sub.stop)
+        sub.start()
+        yield pub, sub

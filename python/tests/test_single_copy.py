@@ -12,7 +12,7 @@ import torch
 
 from refit.changes import apply_changes, get_changes
 from refit.inference import Consumer
-from refit.local import Daemon, publisher_yaml, subscriber_yaml
+from refit.local import daemon_pair
 from refit.pause import Pauser
 from refit.trainer import Trainer
 
@@ -32,16 +32,10 @@ class Net(torch.nn.Module):
 
 @contextlib.contextmanager
 def single_copy_pair(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("refitd-single"))
-    with contextlib.ExitStack() as stack:
-        pub = Daemon("publisher", "pub", d, publisher_yaml("pub", d))
-        stack.callback(pub.stop)
-        pub_ready = pub.start()
-        sub = Daemon("subscriber", "sub", d,
-                     subscriber_yaml("sub", d, pub_ready["listen"], slots=1, digest_v2=True))
-        stack.callback(sub.stop)
-        sub_ready = sub.start()
-        yield pub_ready["local_socket"], sub_ready["local_socket"]
+    """A publisher and a single-copy subscriber: yields their local sockets."""
+    with daemon_pair(str(tmp_path_factory.mktemp("refitd-single")), slots=1,
+                     digest_v2=True) as (pub, sub):
+        yield pub.ready["local_socket"], sub.ready["local_socket"]
 
 
 def step(model: Net, seed: int) -> None:

@@ -26,7 +26,7 @@ import transformers  # the venv of scripts/install-deps.sh; a missing one fails 
 
 from refit.changes import apply_changes, get_changes
 from refit.inference import Consumer
-from refit.local import Daemon, publisher_yaml, subscriber_yaml
+from refit.local import daemon_pair
 from refit.pause import Pauser
 from refit.trainer import Trainer
 
@@ -106,15 +106,10 @@ def change_set_engine(sub_sock, conn):
 
 @contextlib.contextmanager
 def daemons(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("refitd-model"))
-    with contextlib.ExitStack() as stack:
-        pub = Daemon("publisher", "pub", d, publisher_yaml("pub", d))
-        stack.callback(pub.stop)
-        pub_ready = pub.start()
-        sub = Daemon("subscriber", "sub", d,
-                     subscriber_yaml("sub", d, pub_ready["listen"], slots=1, digest_v2=True))
-        stack.callback(sub.stop)
-        yield pub_ready["local_socket"], sub.start()["local_socket"]
+    """A publisher and a single-copy subscriber: yields their local sockets."""
+    with daemon_pair(str(tmp_path_factory.mktemp("refitd-model")), slots=1,
+                     digest_v2=True) as (pub, sub):
+        yield pub.ready["local_socket"], sub.ready["local_socket"]
 
 
 def test_a_llama_follows_the_trainer_bit_exactly_by_views_and_by_change_sets(tmp_path_factory):
