@@ -9,9 +9,11 @@
 //  - Bad configs and command lines of refitd and refitctl: one line naming the problem, exit 2.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -22,7 +24,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/codec/patch_testing.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
@@ -347,6 +352,15 @@ class FakePublisher final : public v1::DataPlane::Service {
     std::lock_guard<std::mutex> lock(mu_);
     sub_control_ = std::move(target);
   }
+  // Welcome.digest_format of every session (1 = v1, 2 = v2; set before the first session).
+  void set_digest_format(uint32_t format) { digest_format_ = format; }
+  // Sends transfers [0, n) only, the next once Allow(n + 1) is called (default: all of them), so
+  // a test can look at the subscriber between two transfers.
+  void Allow(size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    allowed_ = n;
+    cv_.notify_all();
+  }
 
   grpc::Status Sync(grpc::ServerContext* ctx,
                     grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream)
@@ -384,11 +398,15 @@ class FakePublisher final : public v1::DataPlane::Service {
     w->set_newest_version(2);
     w->set_stripes(0);
     w->set_frame_bytes(kFrameBytes);
+    w->set_digest_format(digest_format_);
     if (!stream->Write(welcome)) return grpc::Status::OK;
     for (;;) {
       size_t index;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_);
+        while (!cv_.wait_for(lock, std::chrono::milliseconds(100),
+                             [&] { return next_ < allowed_ || ctx->IsCancelled(); })) {
+        }
         index = next_;
         if (index < transfers_.size()) ++next_;
       }
@@ -454,16 +472,18 @@ class FakePublisher final : public v1::DataPlane::Service {
   std::mutex mu_;
   std::condition_variable cv_;
   size_t next_ = 0;
+  size_t allowed_ = std::numeric_limits<size_t>::max();
   int awaiting_error_ = -1;
   std::map<size_t, FakeOutcome> outcomes_;
   std::string sub_control_;
   std::atomic<uint64_t> sessions_{0};
+  std::atomic<uint32_t> digest_format_{1};
 };
 
 // A keyframe transfer of `model` as version `version` on top of `applied`, built exactly as a
 // publisher would (frames, checksums, digests, version digest).
 std::vector<v1::PublisherMessage> KeyframeTransfer(const Model& model, uint64_t version,
-                                                   uint64_t applied) {
+                                                   uint64_t applied, bool digest_v2 = false) {
   Model sorted = model;
   sorted.SortByName();
   std::vector<v1::PublisherMessage> out;
@@ -482,7 +502,7 @@ std::vector<v1::PublisherMessage> KeyframeTransfer(const Model& model, uint64_t 
     for (int64_t d : t.shape) p->mutable_spec()->add_shape(static_cast<uint64_t>(d));
     p->set_delivery(v1::DELIVERY_KEYFRAME);
     specs.push_back(p->spec());
-    digests.push_back(TensorDigest(t.data));
+    digests.push_back(digest_v2 ? TensorDigestV2(t.data) : TensorDigest(t.data));
     elements += t.data.size() / 2;
   }
   out.push_back(hm);
@@ -512,6 +532,67 @@ std::vector<v1::PublisherMessage> KeyframeTransfer(const Model& model, uint64_t 
   e->set_dense_bytes(sorted.bytes());
   e->set_changed_elements(elements);
   e->set_total_elements(elements);
+  out.push_back(em);
+  return out;
+}
+
+// A delta transfer from `base` (the subscriber's applied version `applied`) to `model` as
+// `version`, in digest v2, one patch step per tensor (EncodePatch), as a publisher builds it;
+// `mutate` may change a tensor's patch before it is cut into frames (the frames' checksums are
+// then those of the changed bytes: only the patch's own checks can catch it).
+std::vector<v1::PublisherMessage> PatchTransfer(
+    const Model& base, const Model& model, uint64_t version, uint64_t applied,
+    const std::function<void(const std::string&, std::vector<uint8_t>&)>& mutate = nullptr) {
+  Model sorted = model;
+  sorted.SortByName();
+  std::vector<v1::PublisherMessage> out;
+  v1::PublisherMessage hm;
+  v1::VersionHeader* h = hm.mutable_header();
+  h->set_version(version);
+  h->set_base_version(applied);
+  h->set_reason(v1::TRANSFER_REASON_NEXT_VERSION);
+  std::vector<v1::TensorSpec> specs;
+  std::vector<uint64_t> digests;
+  std::vector<std::vector<uint8_t>> patches;
+  for (const ModelTensor& t : sorted.tensors) {
+    v1::TensorPlan* p = h->add_tensors();
+    p->mutable_spec()->set_name(t.name);
+    p->mutable_spec()->set_dtype(sync::ToProtoDType(t.dtype));
+    for (int64_t d : t.shape) p->mutable_spec()->add_shape(static_cast<uint64_t>(d));
+    p->set_delivery(v1::DELIVERY_PATCH);
+    v1::PatchStep* step = p->add_steps();
+    step->set_base_version(applied);
+    step->set_target_version(version);
+    specs.push_back(p->spec());
+    digests.push_back(TensorDigestV2(t.data));
+    absl::StatusOr<std::vector<uint8_t>> patch =
+        EncodePatch(t.dtype, base.Find(t.name)->data, t.data);
+    if (!patch.ok()) return {};
+    if (mutate) mutate(t.name, *patch);
+    patches.push_back(std::move(*patch));
+  }
+  out.push_back(hm);
+  uint64_t frames = 0;
+  for (size_t i = 0; i < patches.size(); ++i) {
+    sync::SplitOptions so;
+    so.frame_bytes = FakePublisher::kFrameBytes;
+    absl::StatusOr<std::vector<v1::DataFrame>> fs = sync::SplitObject(
+        patches[i], sync::FrameTarget{version, static_cast<uint32_t>(i), 0}, so);
+    if (!fs.ok()) return {};
+    for (v1::DataFrame& f : *fs) {
+      ++frames;
+      v1::PublisherMessage fm;
+      *fm.mutable_frame() = std::move(f);
+      out.push_back(std::move(fm));
+    }
+  }
+  v1::PublisherMessage em;
+  v1::VersionEnd* e = em.mutable_end();
+  e->set_version(version);
+  for (uint64_t d : digests) e->add_digests(d);
+  absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
+  e->set_version_digest(vd.ok() ? *vd : 0);
+  e->set_frames(frames);
   out.push_back(em);
   return out;
 }
@@ -655,6 +736,76 @@ TEST_F(E2EBadInput, SubscriberRejectsBrokenTransfersFromAFakePublisherAndKeepsIt
   E2E_ASSERT_OK(Publish(real_pub, m2, 2));
   E2E_ASSERT_OK(WaitVersion(bystander, 2));
   E2E_ASSERT_OK(ExpectExportEquals(bystander, m2));
+  E2E_EXPECT_OK(sub.Terminate().status());
+}
+
+// A single-copy subscriber (store.slots 1) verifies a delta as change sets before it writes a
+// byte: a patch whose payload is damaged (frames intact) and a well-formed patch of other values
+// (re-signed) are both rejected, the held version is exported unchanged after each, and a good
+// patch then applies in place.
+TEST_F(E2EBadInput, ASingleCopySubscriberRejectsBadPatchesBeforeWritingAnything) {
+  const Model m1 = RandomModel(31, {{"t.alpha", 40000}, {"t.beta", 3000}});
+  Model m2 = m1;
+  PerturbModel(m2, 0.0165, 32);
+  std::vector<FakeTransfer> transfers;
+  transfers.push_back({"good v1", [&](uint64_t a) { return KeyframeTransfer(m1, 1, a, true); },
+                       true, {}});
+  transfers.push_back({"damaged patch payload", [&](uint64_t a) {
+                         return PatchTransfer(m1, m2, 2, a, [](const std::string& t, auto& p) {
+                           if (t == "t.alpha") p[p.size() - 2] ^= 0x10;
+                         });
+                       }, false, {"checksum", "t.alpha"}});
+  transfers.push_back({"well-formed patch of other values", [&](uint64_t a) {
+                         return PatchTransfer(m1, m2, 2, a, [](const std::string& t, auto& p) {
+                           if (t != "t.beta") return;
+                           p[p.size() - 1] ^= 0x01;
+                           (void)refit::testing::ResignPatch(p);
+                         });
+                       }, false, {"digest", "t.beta"}});
+  transfers.push_back({"good v2", [&](uint64_t a) { return PatchTransfer(m1, m2, 2, a); }, true, {}});
+
+  FakePublisher fake(transfers);
+  fake.set_digest_format(2);
+  fake.Allow(1);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  absl::Cleanup stop_server = [&server] {
+    server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  };
+  SubscriberSpec ss;
+  ss.name = "single";
+  ss.upstream = {absl::StrCat("127.0.0.1:", port)};
+  ss.connections = 1;
+  ss.slots = 1;
+  ss.digest_v2 = true;
+  DaemonProcess& sub = NewSubscriber(ss);
+  E2E_ASSERT_OK(sub.Start());
+  fake.set_subscriber_control(sub.control_target());
+  for (size_t i = 0; i < transfers.size(); ++i) {
+    const FakeTransfer& t = transfers[i];
+    std::optional<FakeOutcome> o = fake.WaitOutcome(i, absl::Seconds(15));
+    ASSERT_TRUE(o.has_value() && o->acked) << t.what << ": no Ack\n" << sub.LogTail();
+    if (t.must_apply) {
+      EXPECT_EQ(o->ack.result(), v1::ACK_RESULT_APPLIED) << t.what << ": " << o->ack.error();
+      fake.Allow(i + 2);
+      continue;
+    }
+    std::printf("[e2e] single copy, %s -> %s\n", t.what.c_str(), o->ack.error().c_str());
+    EXPECT_EQ(o->ack.result(), v1::ACK_RESULT_REJECTED) << t.what << " was applied";
+    EXPECT_EQ(o->ack.applied_version(), 1u) << t.what;
+    EXPECT_TRUE(ContainsAny(o->ack.error(), t.words))
+        << t.what << ": '" << o->ack.error() << "' names none of " << Join(t.words);
+    E2E_EXPECT_OK(ExpectExportEquals(sub, m1));  // nothing of the bad version was written
+    fake.Allow(i + 2);
+  }
+  E2E_ASSERT_OK(WaitVersion(sub, 2));
+  E2E_ASSERT_OK(ExpectExportEquals(sub, m2));
+  E2E_ASSERT_OK(ExpectVerified(sub));
   E2E_EXPECT_OK(sub.Terminate().status());
 }
 

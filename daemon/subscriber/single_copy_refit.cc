@@ -225,9 +225,9 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
     }
   }
   if (!mismatched.empty()) {
-    return Reject(v, absl::StrCat("version ", v, ": digest mismatch on ", mismatched.size(),
-                                  " tensor(s): ", absl::StrJoin(desc, ", ")),
-                  std::move(mismatched), t.wire_bytes);
+    std::string error = absl::StrCat("version ", v, ": digest mismatch on ", mismatched.size(),
+                                     " tensor(s): ", absl::StrJoin(desc, ", "));
+    return Reject(v, std::move(error), std::move(mismatched), t.wire_bytes);
   }
   std::vector<v1::TensorSpec> specs;
   for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());

@@ -249,7 +249,10 @@ TEST_F(SingleCopyTest, AWellFormedWrongPatchFailsVerificationBeforeAnyWrite) {
   };
   v1::Ack ack = Feed(*core, TransferTo(*core, 3));
   EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_THAT(ack.error(), HasSubstr("digest mismatch on 1 tensor(s)"));
   EXPECT_THAT(ack.error(), HasSubstr("a.weight"));
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), "a.weight");
   ExpectHolds(*core, 2);
 }
 
