@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
@@ -480,6 +481,41 @@ class FakePublisher final : public v1::DataPlane::Service {
   std::atomic<uint32_t> digest_format_{1};
 };
 
+// Cuts each object (tensor index = position) into frames of `version`, then the VersionEnd with
+// the digests and their version digest: the part every fake transfer shares.
+void AppendFramesAndEnd(std::vector<v1::PublisherMessage>& out,
+                        const std::vector<std::span<const uint8_t>>& objects, uint64_t version,
+                        const std::vector<v1::TensorSpec>& specs,
+                        const std::vector<uint64_t>& digests) {
+  uint64_t frames = 0, wire = 0;
+  for (size_t i = 0; i < objects.size(); ++i) {
+    sync::SplitOptions so;
+    so.frame_bytes = FakePublisher::kFrameBytes;
+    absl::StatusOr<std::vector<v1::DataFrame>> fs = sync::SplitObject(
+        objects[i], sync::FrameTarget{version, static_cast<uint32_t>(i), 0}, so);
+    if (!fs.ok()) {
+      out.clear();
+      return;
+    }
+    for (v1::DataFrame& f : *fs) {
+      ++frames;
+      wire += f.payload().size();
+      v1::PublisherMessage fm;
+      *fm.mutable_frame() = std::move(f);
+      out.push_back(std::move(fm));
+    }
+  }
+  v1::PublisherMessage em;
+  v1::VersionEnd* e = em.mutable_end();
+  e->set_version(version);
+  for (uint64_t d : digests) e->add_digests(d);
+  absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
+  e->set_version_digest(vd.ok() ? *vd : 0);
+  e->set_frames(frames);
+  e->set_wire_bytes(wire);
+  out.push_back(em);
+}
+
 // A keyframe transfer of `model` as version `version` on top of `applied`, built exactly as a
 // publisher would (frames, checksums, digests, version digest).
 std::vector<v1::PublisherMessage> KeyframeTransfer(const Model& model, uint64_t version,
@@ -506,33 +542,14 @@ std::vector<v1::PublisherMessage> KeyframeTransfer(const Model& model, uint64_t 
     elements += t.data.size() / 2;
   }
   out.push_back(hm);
-  uint64_t frames = 0, wire = 0;
-  for (size_t i = 0; i < sorted.tensors.size(); ++i) {
-    sync::SplitOptions so;
-    so.frame_bytes = FakePublisher::kFrameBytes;
-    absl::StatusOr<std::vector<v1::DataFrame>> fs = sync::SplitObject(
-        sorted.tensors[i].data, sync::FrameTarget{version, static_cast<uint32_t>(i), 0}, so);
-    if (!fs.ok()) return {};
-    for (v1::DataFrame& f : *fs) {
-      ++frames;
-      wire += f.payload().size();
-      v1::PublisherMessage fm;
-      *fm.mutable_frame() = std::move(f);
-      out.push_back(std::move(fm));
-    }
-  }
-  v1::PublisherMessage em;
-  v1::VersionEnd* e = em.mutable_end();
-  e->set_version(version);
-  for (uint64_t d : digests) e->add_digests(d);
-  absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
-  e->set_version_digest(vd.ok() ? *vd : 0);
-  e->set_frames(frames);
-  e->set_wire_bytes(wire);
+  std::vector<std::span<const uint8_t>> objects;
+  for (const ModelTensor& t : sorted.tensors) objects.emplace_back(t.data);
+  AppendFramesAndEnd(out, objects, version, specs, digests);
+  if (out.empty()) return out;
+  v1::VersionEnd* e = out.back().mutable_end();
   e->set_dense_bytes(sorted.bytes());
   e->set_changed_elements(elements);
   e->set_total_elements(elements);
-  out.push_back(em);
   return out;
 }
 
@@ -572,28 +589,8 @@ std::vector<v1::PublisherMessage> PatchTransfer(
     patches.push_back(std::move(*patch));
   }
   out.push_back(hm);
-  uint64_t frames = 0;
-  for (size_t i = 0; i < patches.size(); ++i) {
-    sync::SplitOptions so;
-    so.frame_bytes = FakePublisher::kFrameBytes;
-    absl::StatusOr<std::vector<v1::DataFrame>> fs = sync::SplitObject(
-        patches[i], sync::FrameTarget{version, static_cast<uint32_t>(i), 0}, so);
-    if (!fs.ok()) return {};
-    for (v1::DataFrame& f : *fs) {
-      ++frames;
-      v1::PublisherMessage fm;
-      *fm.mutable_frame() = std::move(f);
-      out.push_back(std::move(fm));
-    }
-  }
-  v1::PublisherMessage em;
-  v1::VersionEnd* e = em.mutable_end();
-  e->set_version(version);
-  for (uint64_t d : digests) e->add_digests(d);
-  absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
-  e->set_version_digest(vd.ok() ? *vd : 0);
-  e->set_frames(frames);
-  out.push_back(em);
+  std::vector<std::span<const uint8_t>> objects(patches.begin(), patches.end());
+  AppendFramesAndEnd(out, objects, version, specs, digests);
   return out;
 }
 
