@@ -288,7 +288,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   last_stage_ = t.stats;
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;
-  DropTransferLocked();
+  DropTransferLocked();  // `t` is gone from here on: the figures below are copies
 
   v1::Ack ack;
   ack.set_version(v);
@@ -298,8 +298,8 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   ack.set_wire_bytes(wire);
   v1::TransferTimings* tm = ack.mutable_timings();
   tm->set_receive_micros(MicrosSince(start, received));
-  tm->set_stage_micros(t.stats.stage_micros);
-  tm->set_verify_micros(t.stats.verify_micros);
+  tm->set_stage_micros(last_stage_.stage_micros);
+  tm->set_verify_micros(last_stage_.verify_micros);
   tm->set_apply_micros(MicrosSince(verified_at, committed));
   tm->set_total_micros(MicrosSince(start, committed));
   return ack;
