@@ -53,20 +53,17 @@ absl::StatusOr<SingleCopyTensor> StageSingleCopyTensor(store::TensorMemory& memo
 
   std::vector<uint8_t> held_scratch;
   ASSIGN_OR_RETURN(std::span<const uint8_t> held, HostHeld(memory, in.held, held_scratch));
-  out.scratch_bytes = held_scratch.size();
   if (in.kind == SingleCopyInput::Kind::kKeyframe) {
     if (in.keyframe.size() != bytes) {
       return absl::InvalidArgumentError(absl::StrCat("keyframe has ", in.keyframe.size(),
                                                      " bytes, the tensor ", bytes));
     }
-    out.scratch_bytes += bytes;
     ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, in.keyframe, threads));
   } else if (in.patches.size() == 1) {
     ASSIGN_OR_RETURN(out.changes, ChangesOfPatch(in.patches[0], in.dtype, held, threads));
   } else {
     // A chain: its intermediate versions are needed in full to decode the next step.
     std::vector<uint8_t> target(held.begin(), held.end());
-    out.scratch_bytes += target.size();
     for (size_t p = 0; p < in.patches.size(); ++p) {
       absl::Status st = ApplyPatch(in.patches[p], in.dtype, target, target, threads);
       if (!st.ok()) {

@@ -43,7 +43,6 @@ struct SingleCopyTensor {
   TensorChanges changes;       // nothing for an unchanged tensor
   uint64_t digest = 0;         // digest v2 of the tensor once `changes` are written
   bool held_digest_read = false;  // the held digest was unknown: the held tensor was read
-  uint64_t scratch_bytes = 0;  // host memory the staging needed beyond the change set
 };
 
 // Stages one tensor: UNCHANGED costs nothing; one patch step is decoded against the held bytes;

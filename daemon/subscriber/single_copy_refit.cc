@@ -19,10 +19,6 @@
 namespace refit::subscriber {
 namespace {
 
-uint64_t MicrosSince(absl::Time start, absl::Time end) {
-  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(end - start)));
-}
-
 SingleCopyInput::Kind KindOf(const v1::TensorPlan& tp) {
   switch (tp.delivery()) {
     case v1::DELIVERY_KEYFRAME: return SingleCopyInput::Kind::kKeyframe;
@@ -213,32 +209,15 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   const absl::Time staged_at = absl::Now();
 
   // Verification, before anything is written: each digest from the held one and the changes.
-  Verified verified;
-  std::vector<std::string> mismatched, desc;
-  for (size_t i = 0; i < staged->size(); ++i) {
-    verified.digests.push_back((*staged)[i].digest);
-    if ((*staged)[i].digest != end.digests(static_cast<int>(i))) {
-      const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-      mismatched.push_back(tp.spec().name());
-      desc.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
-                                  " (", v1::Delivery_Name(tp.delivery()), ")"));
-    }
+  std::vector<uint64_t> digests;
+  for (const SingleCopyTensor& st : *staged) digests.push_back(st.digest);
+  std::vector<std::string> mismatched;
+  absl::StatusOr<Verified> checked = CheckDigests(t.header, end, std::move(digests), mismatched);
+  if (!checked.ok()) {
+    return Reject(v, std::string(checked.status().message()), std::move(mismatched),
+                  t.wire_bytes);
   }
-  if (!mismatched.empty()) {
-    std::string error = absl::StrCat("version ", v, ": digest mismatch on ", mismatched.size(),
-                                     " tensor(s): ", absl::StrJoin(desc, ", "));
-    return Reject(v, std::move(error), std::move(mismatched), t.wire_bytes);
-  }
-  std::vector<v1::TensorSpec> specs;
-  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
-  absl::StatusOr<uint64_t> vdigest = sync::VersionDigest(specs, verified.digests);
-  if (!vdigest.ok() || *vdigest != end.version_digest()) {
-    return Reject(v, absl::StrCat("version ", v, ": version digest mismatch: staged ",
-                                  vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
-                                  ", VersionEnd says ", absl::Hex(end.version_digest())),
-                  {}, t.wire_bytes);
-  }
-  verified.version_digest = *vdigest;
+  const Verified& verified = *checked;
   const absl::Time verified_at = absl::Now();
 
   // The pause: every consumer lease on the held version released (or expired).
@@ -281,28 +260,16 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
 
   t.stats.slot = update->slot;
   t.stats.slot_version = update->from_version;
-  t.stats.stage_micros = MicrosSince(received, staged_at);
-  t.stats.verify_micros = MicrosSince(staged_at, verified_at);
-  t.stats.pause_wait_micros = MicrosSince(verified_at, paused);
-  t.stats.pause_micros = MicrosSince(paused, committed);
+  t.stats.stage_micros = Micros(staged_at - received);
+  t.stats.verify_micros = Micros(verified_at - staged_at);
+  t.stats.pause_wait_micros = Micros(paused - verified_at);
+  t.stats.pause_micros = Micros(committed - paused);
   last_stage_ = t.stats;
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;
   DropTransferLocked();  // `t` is gone from here on: the figures below are copies
-
-  v1::Ack ack;
-  ack.set_version(v);
-  ack.set_result(v1::ACK_RESULT_APPLIED);
-  ack.set_applied_version(v);
-  ack.set_applied_version_digest(verified.version_digest);
-  ack.set_wire_bytes(wire);
-  v1::TransferTimings* tm = ack.mutable_timings();
-  tm->set_receive_micros(MicrosSince(start, received));
-  tm->set_stage_micros(last_stage_.stage_micros);
-  tm->set_verify_micros(last_stage_.verify_micros);
-  tm->set_apply_micros(MicrosSince(verified_at, committed));
-  tm->set_total_micros(MicrosSince(start, committed));
-  return ack;
+  return AppliedAck(v, verified.version_digest, wire, start, received, staged_at, verified_at,
+                    committed);
 }
 
 }  // namespace refit::subscriber

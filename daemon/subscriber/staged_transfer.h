@@ -4,6 +4,8 @@
 #ifndef REFIT_DAEMON_SUBSCRIBER_STAGED_TRANSFER_H_
 #define REFIT_DAEMON_SUBSCRIBER_STAGED_TRANSFER_H_
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
@@ -16,6 +18,11 @@
 #include "daemon/sync/frames.h"
 
 namespace refit::subscriber {
+
+// A duration in whole microseconds, 0 when negative (timings in Acks and StageStats).
+inline uint64_t Micros(absl::Duration d) {
+  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(d)));
+}
 
 struct SubscriberCore::Transfer {
   v1::VersionHeader header;

@@ -12,7 +12,6 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
-#include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 #include "daemon/subscriber/staged_transfer.h"
@@ -20,10 +19,6 @@
 namespace refit::subscriber {
 
 namespace {
-
-uint64_t Micros(absl::Duration d) {
-  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(d)));
-}
 
 bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedField<uint64_t>& b) {
   return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
@@ -82,139 +77,6 @@ SubscriberCore::~SubscriberCore() {
     DropTransferLocked();
   }
   if (refresher_.joinable()) refresher_.join();  // a running refresh stops at its next tensor
-}
-
-// ---- refresh of the standby slot (off the critical path) ----------------------------------
-
-bool SubscriberCore::RefreshWakeLocked() const { return stopping_ || refresh_requested_; }
-bool SubscriberCore::RefreshIdleLocked() const { return !refresh_requested_ && !refresh_running_; }
-bool SubscriberCore::RefreshNotRunningLocked() const { return !refresh_running_; }
-
-// The refresh thread: after each commit, claims the slot the next staging will take and brings
-// it forward to the committed version by the retained patches, outside the core mutex.
-void SubscriberCore::RefreshLoop() {
-  if (absl::Status st = LowerThisThreadPriority(options_.background_nice); !st.ok()) {
-    Logger("subscriber")->warn("standby refresh thread keeps its priority: {}", st.ToString());
-  }
-  while (true) {
-    RefreshJob job;
-    {
-      absl::MutexLock lock(&mu_, absl::Condition(this, &SubscriberCore::RefreshWakeLocked));
-      if (stopping_) return;
-      refresh_requested_ = false;
-      if (!PrepareRefreshLocked(job)) continue;
-      refresh_running_ = true;
-      ++refresh_stats_.started;
-    }
-    const absl::Time start = absl::Now();
-    absl::Status st = ApplyRefresh(job);
-    st = st.ok() ? job.store->CompleteRefresh(job.handle) : st;
-    if (!st.ok()) (void)job.store->AbortRefresh(job.handle);  // the slot is unknown now
-    job.stats.micros = Micros(absl::Now() - start);
-    absl::MutexLock lock(&mu_);
-    if (st.ok() && !job.digests.empty() && store_ == job.store) {
-      slot_digests_[job.handle.slot] = {job.handle.to_version, std::move(job.digests)};
-    }
-    RefreshStats& rs = refresh_stats_;
-    job.stats.started = rs.started;
-    job.stats.completed = rs.completed + (st.ok() ? 1 : 0);
-    job.stats.cancelled = rs.cancelled;
-    job.stats.failed = rs.failed + (!st.ok() && !absl::IsCancelled(st) ? 1 : 0);
-    job.stats.error = st.ok() || absl::IsCancelled(st) ? rs.error : std::string(st.message());
-    rs = std::move(job.stats);
-    refresh_running_ = false;
-  }
-}
-
-// Claims the slot (store BeginRefresh) when the retained transfers lead from its version to the
-// applied one. False when there is nothing to do (no retention, an open transfer, the next
-// staging takes an empty or standby slot, every other slot leased).
-bool SubscriberCore::PrepareRefreshLocked(RefreshJob& job) {
-  if (store_ == nullptr || retained_.empty() || transfer_ != nullptr) return false;
-  auto handle = store_->BeginRefresh(retained_.front().base);
-  if (!handle.ok()) return false;
-  auto chain = CatchUpChainLocked(handle->from_version, handle->to_version);
-  if (!chain.has_value() || handle->to_version != applied_version()) {
-    (void)store_->AbortRefresh(*handle);  // not expected: retained_ ends at the applied version
-    return false;
-  }
-  refresh_cancel_.store(false, std::memory_order_release);
-  job.store = store_;
-  job.handle = std::move(*handle);
-  job.chain = std::move(*chain);
-  // The slot's digests travel with the job (nothing else may use them while it writes).
-  if (auto it = slot_digests_.find(job.handle.slot); it != slot_digests_.end()) {
-    if (it->second.version == job.handle.from_version) job.digests = std::move(it->second.digests);
-    slot_digests_.erase(it);
-  }
-  for (const auto& [slot, sd] : slot_digests_) {
-    if (sd.version == job.handle.to_version) job.current_digests = sd.digests;
-  }
-  job.stats.from_version = job.handle.from_version;
-  job.stats.to_version = job.handle.to_version;
-  job.stats.slot = job.handle.slot;
-  return true;
-}
-
-// Every tensor of the claimed slot to the applied version: the retained patches in place, or a
-// copy of the current version where some retained transfer delivered the tensor as a keyframe.
-// Stops with CANCELLED between tensors when cancelled.
-absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
-  const store::Layout& layout = job.store->layout();
-  store::TensorMemory& mem = job.store->memory();
-  for (size_t li = 0; li < layout.size(); ++li) {
-    if (options_.refresh_tensor_hook) options_.refresh_tensor_hook(li, refresh_cancel_);
-    if (refresh_cancel_.load(std::memory_order_acquire)) {
-      return absl::CancelledError("refresh of the standby slot cancelled");
-    }
-    std::span<uint8_t> out = job.handle.out[li];
-    bool kept = true;
-    for (const RetainedTransfer* r : job.chain) kept = kept && r->tensors[li].kept;
-    std::optional<uint64_t> unknown;
-    std::optional<uint64_t>& digest = li < job.digests.size() ? job.digests[li] : unknown;
-    if (!kept) {
-      ++job.stats.tensors_copied;
-      RETURN_IF_ERROR(mem.Copy(out, job.handle.current[li]));
-      digest = li < job.current_digests.size() ? job.current_digests[li] : std::nullopt;
-      continue;
-    }
-    for (const RetainedTransfer* r : job.chain) {
-      for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-        if (absl::Status st = ApplyTracked(mem, patch, layout.tensor(li).dtype, out, out, &digest);
-            !st.ok()) {
-          return absl::Status(st.code(), absl::StrCat("refresh of slot ", job.handle.slot, ", '",
-                                                      layout.tensor(li).name, "' (", r->base,
-                                                      " -> ", r->version, "): ", st.message()));
-        }
-        ++job.stats.patches;
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-void SubscriberCore::AwaitRefreshLocked() {
-  if (!refresher_.joinable()) return;
-  if (mu_.AwaitWithTimeout(absl::Condition(this, &SubscriberCore::RefreshIdleLocked),
-                           options_.refresh_wait)) {
-    return;
-  }
-  refresh_requested_ = false;
-  if (refresh_running_) {
-    ++refresh_stats_.cancelled;
-    refresh_cancel_.store(true, std::memory_order_release);
-    mu_.Await(absl::Condition(this, &SubscriberCore::RefreshNotRunningLocked));
-  }
-}
-
-bool SubscriberCore::WaitRefreshIdle(absl::Duration timeout) const {
-  absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithTimeout(absl::Condition(this, &SubscriberCore::RefreshIdleLocked), timeout);
-}
-
-RefreshStats SubscriberCore::refresh_stats() const {
-  absl::MutexLock lock(&mu_);
-  return refresh_stats_;
 }
 
 void SubscriberCore::DropTransferLocked() {
@@ -618,206 +480,6 @@ absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& e
   return absl::OkStatus();
 }
 
-// The retained transfers that lead from `from` (a standby slot's version) to `to` (the base of
-// the transfer being staged), oldest first; nullopt when they do not (from unknown, a gap, a
-// resync from base 0 in between, or pruned by the byte budget).
-std::optional<std::vector<const SubscriberCore::RetainedTransfer*>>
-SubscriberCore::CatchUpChainLocked(uint64_t from, uint64_t to) const {
-  if (from == 0 || to == 0 || from > to) return std::nullopt;
-  std::vector<const RetainedTransfer*> chain;
-  uint64_t at = from;
-  for (const RetainedTransfer& r : retained_) {
-    if (at == to) break;
-    if (r.base != at) continue;
-    chain.push_back(&r);
-    at = r.version;
-  }
-  if (at != to) return std::nullopt;
-  return chain;
-}
-
-// Brings tensor `li` of the staged slot from the slot's version to the base in place by the
-// retained patches of `chain` (UNCHANGED steps need nothing).
-absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
-                                                 const std::vector<const RetainedTransfer*>& chain) {
-  const size_t li = t.layout_index[i];
-  std::span<uint8_t> out = t.handle->out[li];
-  const absl::Time start = absl::Now();
-  absl::Status st;
-  for (size_t k = 0; k < chain.size() && st.ok(); ++k) {
-    const RetainedTransfer* r = chain[k];
-    for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-      st = ApplyTracked(t.target->memory(), patch, t.dtypes[i], out, out, &t.v2[i]);
-      if (!st.ok()) {
-        st = absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
-                                                  " -> ", r->version, "): ", st.message()));
-        break;
-      }
-      ++t.stats.catch_up_patches;
-    }
-  }
-  t.stats.catch_up_micros += Micros(absl::Now() - start);
-  return st;
-}
-
-// Stages tensor i. In place when the slot already holds the base (after CatchUpTensorLocked):
-// UNCHANGED writes nothing, PATCH applies its steps in place. Otherwise as before issue 10:
-// UNCHANGED copies the base, PATCH applies step 0 out of place from the base. A failed step only
-// spoils the staging slot, which is then aborted (and marked unknown by the store).
-absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_place) {
-  const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-  const uint32_t ti = static_cast<uint32_t>(i);
-  std::span<uint8_t> out = t.handle->out[t.layout_index[i]];
-  store::TensorMemory& mem = t.target->memory();
-  switch (tp.delivery()) {
-    case v1::DELIVERY_KEYFRAME: {
-      ++t.stats.tensors_keyframe;
-      t.v2[i].reset();
-      if (t.in_slot[i]) return absl::OkStatus();
-      ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
-      return mem.Upload(out, obj);
-    }
-    case v1::DELIVERY_UNCHANGED: {
-      if (in_place) {
-        ++t.stats.tensors_in_place;
-        return absl::OkStatus();
-      }
-      std::span<const uint8_t> b = t.Base(i);
-      if (b.size() != out.size()) return absl::InternalError("base size differs");
-      t.v2[i].reset();
-      ++t.stats.tensors_copied;
-      t.stats.bytes_copied += out.size();
-      return mem.Copy(out, b);
-    }
-    case v1::DELIVERY_PATCH:
-      ++(in_place ? t.stats.tensors_in_place : t.stats.tensors_copied);
-      if (!in_place) t.stats.bytes_copied += out.size();
-      if (t.header.streamed()) {
-        // A zero-byte object: the tensor is unchanged (data.proto VersionHeader.streamed).
-        ASSIGN_OR_RETURN(std::span<const uint8_t> patch, t.assembler->Object(ti, 0));
-        if (patch.empty()) {
-          if (in_place) return absl::OkStatus();
-          if (t.Base(i).size() != out.size()) return absl::InternalError("base size differs");
-          return mem.Copy(out, t.Base(i));
-        }
-      }
-      for (int p = 0; p < tp.steps_size(); ++p) {
-        ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
-                         t.assembler->Object(ti, static_cast<uint32_t>(p)));
-        const bool from_base = p == 0 && !in_place;
-        if (from_base) t.v2[i].reset();  // the base's digest is not tracked: full at verify
-        absl::Status st =
-            ApplyTracked(mem, patch, t.dtypes[i],
-                         from_base ? t.Base(i) : std::span<const uint8_t>(out), out, &t.v2[i]);
-        if (!st.ok()) {
-          return absl::Status(st.code(), absl::StrCat("patch step ", p, " (",
-                                                      tp.steps(p).base_version(), " -> ",
-                                                      tp.steps(p).target_version(), "): ",
-                                                      st.message()));
-        }
-      }
-      return absl::OkStatus();
-    default:
-      return absl::InternalError("invalid delivery");
-  }
-}
-
-// Stage: every byte of every tensor of the slot is written (or already right) here. The standby
-// slot is brought forward in place where the retained patches cover its version -> the base for
-// a tensor; every other tensor falls back to a copy of the current version.
-absl::Status SubscriberCore::StageLocked(Transfer& t, std::vector<std::string>& failed_tensors) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  failed_tensors = t.early_failed;
-  std::vector<std::string> errors = t.early_errors;
-  for (size_t i = 0; i < n; ++i) {
-    if (t.staged[i]) continue;  // applied as its frames completed (OnFrame)
-    if (absl::Status st = StageOneLocked(t, i); !st.ok()) {
-      const std::string& name = t.header.tensors(static_cast<int>(i)).spec().name();
-      failed_tensors.push_back(name);
-      errors.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), name), ": ",
-                                    st.message()));
-    }
-  }
-  if (failed_tensors.empty()) return absl::OkStatus();
-  return absl::DataLossError(absl::StrCat("version ", t.header.version(), ": apply failed on ",
-                                          failed_tensors.size(), " tensor(s): ",
-                                          absl::StrJoin(errors, "; ")));
-}
-
-// Tensor i, in place when the retained chain covers it (CatchUpTensorLocked first), else by the
-// copy path. Marks it staged whatever the outcome (a failure rejects the whole transfer).
-absl::Status SubscriberCore::StageOneLocked(Transfer& t, size_t i) {
-  t.staged[i] = true;
-  const size_t li = t.layout_index[i];
-  bool in_place = t.chain.has_value();
-  for (size_t k = 0; in_place && k < t.chain->size(); ++k) {
-    in_place = (*t.chain)[k]->tensors[li].kept;
-  }
-  if (in_place && !t.caught_up[i] &&
-      t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
-    t.caught_up[i] = true;
-    RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
-  }
-  return StageTensorLocked(t, i, in_place);
-}
-
-// Stage: every byte of every tensor of the slot is written (or already right) here, as soon as
-// the slot is known: the standby slot is brought forward in place where the retained patches
-// cover its version -> the base for a tensor; every other tensor falls back to a copy of the
-// current version. Decided once per staging (BeginStageLocked).
-void SubscriberCore::PlanStagingLocked(Transfer& t) {
-  t.stats = StageStats{};
-  t.stats.version = t.header.version();
-  t.stats.slot = t.handle->slot;
-  t.stats.slot_version = t.handle->previous_version;
-  t.chain.reset();
-  if (!t.new_generation && options_.retained_patch_bytes > 0) {
-    t.chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
-  }
-  t.stats.caught_up = t.chain.has_value();
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.staged.assign(n, false);
-  t.caught_up.assign(n, false);
-  TakeSlotDigestsLocked(t);
-  if (!options_.stage_on_arrival || !t.chain.has_value() || t.chain->empty()) return;
-  // Bring the slot forward now, while the frames are still arriving: at VersionEnd only the
-  // transfer's own steps (most applied on arrival too) and verification remain.
-  for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    bool kept = tp.delivery() != v1::DELIVERY_KEYFRAME;
-    for (size_t k = 0; kept && k < t.chain->size(); ++k) {
-      kept = (*t.chain)[k]->tensors[t.layout_index[i]].kept;
-    }
-    if (!kept) continue;
-    t.caught_up[i] = true;
-    if (absl::Status st = CatchUpTensorLocked(t, i, *t.chain); !st.ok()) {
-      t.staged[i] = true;  // reported by OnEnd
-      t.early_failed.push_back(tp.spec().name());
-      t.early_errors.push_back(
-          absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()), ": ",
-                       st.message()));
-    }
-  }
-}
-
-// OnFrame: a PATCH tensor whose every step has arrived is staged at once, so applying overlaps
-// receiving the rest of the transfer (under the core mutex: other frames wait meanwhile). A
-// failure is reported at OnEnd (REJECTED, naming the tensor).
-void SubscriberCore::StageOnArrivalLocked(Transfer& t, uint32_t ti) {
-  if (!t.handle.has_value() || ti >= t.staged.size() || t.staged[ti]) return;
-  const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(ti));
-  if (tp.delivery() != v1::DELIVERY_PATCH) return;
-  for (int p = 0; p < tp.steps_size(); ++p) {
-    if (!t.assembler->ObjectComplete(ti, static_cast<uint32_t>(p))) return;
-  }
-  if (absl::Status st = StageOneLocked(t, ti); !st.ok()) {
-    t.early_failed.push_back(tp.spec().name());
-    t.early_errors.push_back(
-        absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ", st.message()));
-  }
-  ++t.stats.tensors_on_arrival;
-}
-
 // Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then
 // the version digest, in the session's format. In v2 a tensor staged in place from a slot whose
 // digests were verified has its digest already (the slot's plus the deltas of every patch
@@ -826,39 +488,70 @@ void SubscriberCore::StageOnArrivalLocked(Transfer& t, uint32_t ti) {
 absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
     Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
-  const std::string what = absl::StrCat("version ", t.header.version(), ": ");
-  Verified out;
-  out.digests.resize(n);
-  std::vector<std::string> mismatch_desc;
+  std::vector<uint64_t> digests(n);
   for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    const std::string desc = sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name());
     absl::StatusOr<uint64_t> digest = StagedDigest(t, i);
     if (!digest.ok()) {
-      return absl::Status(digest.status().code(), absl::StrCat(what, "digest of ", desc,
-                                                               " failed: ", digest.status().message()));
+      return absl::Status(
+          digest.status().code(),
+          absl::StrCat("version ", t.header.version(), ": digest of ",
+                       sync::DescribeTensor(static_cast<uint32_t>(i),
+                                            t.header.tensors(static_cast<int>(i)).spec().name()),
+                       " failed: ", digest.status().message()));
     }
-    out.digests[i] = *digest;
-    if (*digest != end.digests(static_cast<int>(i))) {
-      mismatched.push_back(tp.spec().name());
-      mismatch_desc.push_back(absl::StrCat(desc, " (", v1::Delivery_Name(tp.delivery()), ")"));
-    }
+    digests[i] = *digest;
+  }
+  return CheckDigests(t.header, end, std::move(digests), mismatched);
+}
+
+absl::StatusOr<SubscriberCore::Verified> SubscriberCore::CheckDigests(
+    const v1::VersionHeader& header, const v1::VersionEnd& end, std::vector<uint64_t> digests,
+    std::vector<std::string>& mismatched) {
+  const std::string what = absl::StrCat("version ", header.version(), ": ");
+  std::vector<std::string> mismatch_desc;
+  for (size_t i = 0; i < digests.size(); ++i) {
+    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
+    if (digests[i] == end.digests(static_cast<int>(i))) continue;
+    mismatched.push_back(tp.spec().name());
+    mismatch_desc.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i),
+                                                              tp.spec().name()),
+                                         " (", v1::Delivery_Name(tp.delivery()), ")"));
   }
   if (!mismatched.empty()) {
     return absl::DataLossError(absl::StrCat(what, "digest mismatch on ", mismatched.size(),
                                             " tensor(s): ", absl::StrJoin(mismatch_desc, ", ")));
   }
   std::vector<v1::TensorSpec> specs;
-  for (const v1::TensorPlan& tp : t.header.tensors()) specs.push_back(tp.spec());
-  auto vdigest = sync::VersionDigest(specs, out.digests);
+  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
+  auto vdigest = sync::VersionDigest(specs, digests);
   if (!vdigest.ok() || *vdigest != end.version_digest()) {
     return absl::DataLossError(absl::StrCat(
         what, "version digest mismatch: staged ",
         vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?", ", VersionEnd says ",
         absl::Hex(end.version_digest())));
   }
+  Verified out;
+  out.digests = std::move(digests);
   out.version_digest = *vdigest;
   return out;
+}
+
+v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
+                                   absl::Time start, absl::Time received, absl::Time staged,
+                                   absl::Time verified, absl::Time applied) {
+  v1::Ack ack;
+  ack.set_version(version);
+  ack.set_result(v1::ACK_RESULT_APPLIED);
+  ack.set_applied_version(version);
+  ack.set_applied_version_digest(version_digest);
+  ack.set_wire_bytes(wire_bytes);
+  v1::TransferTimings* tm = ack.mutable_timings();
+  tm->set_receive_micros(Micros(received - start));
+  tm->set_stage_micros(Micros(staged - received));
+  tm->set_verify_micros(Micros(verified - staged));
+  tm->set_apply_micros(Micros(applied - verified));
+  tm->set_total_micros(Micros(applied - start));
+  return ack;
 }
 
 // Tensor i's digest as staged, in the transfer's format: tracked (v2, no read) or full.
@@ -1033,21 +726,8 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   DropTransferLocked();  // releases the migration lease
   CollectRetiredLocked();
   PruneRecordsLocked();
-  const absl::Time applied = absl::Now();
-
-  v1::Ack ack;
-  ack.set_version(v);
-  ack.set_result(v1::ACK_RESULT_APPLIED);
-  ack.set_applied_version(v);
-  ack.set_applied_version_digest(verified->version_digest);
-  ack.set_wire_bytes(wire);
-  v1::TransferTimings* tm = ack.mutable_timings();
-  tm->set_receive_micros(Micros(received - start));
-  tm->set_stage_micros(Micros(staged - received));
-  tm->set_verify_micros(Micros(verified_at - staged));
-  tm->set_apply_micros(Micros(applied - verified_at));
-  tm->set_total_micros(Micros(applied - start));
-  return ack;
+  return AppliedAck(v, verified->version_digest, wire, start, received, staged, verified_at,
+                    absl::Now());
 }
 void SubscriberCore::Abort() {
   absl::MutexLock lock(&mu_);
@@ -1097,79 +777,6 @@ uint64_t SubscriberCore::retained_patch_bytes() const {
 size_t SubscriberCore::retired_stores() const {
   absl::MutexLock lock(&mu_);
   return retired_.size();
-}
-
-absl::Status SubscriberCore::Export(const std::string& path) {
-  return ExportVersion(path).status();
-}
-
-absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& path,
-                                                            std::optional<uint64_t> version,
-                                                            const SafeWriteOptions& write) {
-  // The stores that may hold the version: the current one first, then retired generations.
-  std::vector<std::shared_ptr<store::SlottedStore>> stores;
-  {
-    absl::MutexLock lock(&mu_);
-    if (store_ != nullptr) stores.push_back(store_);
-    for (const Retired& r : retired_) stores.push_back(r.store);
-  }
-  if (stores.empty()) return absl::FailedPreconditionError("export: no version applied yet");
-  const std::string consumer = absl::StrCat(options_.self_consumer, "/export");
-  std::shared_ptr<store::SlottedStore> st;
-  absl::StatusOr<store::Lease> lease = absl::FailedPreconditionError("export: no store");
-  for (const auto& candidate : stores) {
-    // ttl: capped at the store's max TTL.
-    lease = candidate->AcquireLease(consumer, version, absl::InfiniteDuration());
-    if (lease.ok()) {
-      st = candidate;
-      break;
-    }
-    if (!version.has_value() || lease.status().code() != absl::StatusCode::kFailedPrecondition) {
-      return lease.status();
-    }
-  }
-  if (!lease.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("export: version ", *version, " is not held any more (applied version ",
-                     applied_version(), ")"));
-  }
-  ExportSummary summary;
-  summary.version = lease->version;
-  if (std::optional<VersionRecord> rec = record(lease->version); rec.has_value()) {
-    summary.version_digest = rec->version_digest;
-  }
-  const store::Layout& layout = st->layout();
-  // A GPU store is downloaded to host memory first (the whole version; export is rare).
-  std::vector<std::vector<uint8_t>> downloaded;
-  absl::Status written;
-  if (!st->memory().host_accessible()) {
-    downloaded.resize(layout.size());
-    for (size_t i = 0; i < layout.size() && written.ok(); ++i) {
-      downloaded[i].resize(lease->spans[i].size());
-      written = st->memory().Download(downloaded[i], lease->spans[i]);
-    }
-  }
-  std::vector<model::SafetensorsTensorRef> refs;
-  refs.reserve(layout.size());
-  for (size_t i = 0; i < layout.size(); ++i) {
-    const store::TensorInfo& ti = layout.tensor(i);
-    refs.push_back({ti.name, ti.dtype, std::vector<int64_t>(ti.shape.begin(), ti.shape.end()),
-                    downloaded.empty() ? lease->spans[i]
-                                       : std::span<const uint8_t>(downloaded[i])});
-    summary.bytes += ti.size_bytes;
-  }
-  summary.tensors = static_cast<uint32_t>(layout.size());
-  if (written.ok()) written = model::WriteSafetensors(path, refs, {}, write);
-  (void)st->ReleaseLease(lease->lease_id);
-  {
-    absl::MutexLock lock(&mu_);
-    CollectRetiredLocked();
-  }
-  if (!written.ok()) {
-    return absl::Status(written.code(), absl::StrCat("export of version ", lease->version, " to ",
-                                                     path, ": ", written.message()));
-  }
-  return summary;
 }
 
 VersionRecord SubscriberCore::applied_record() const {

@@ -400,6 +400,16 @@ class SubscriberCore {
   absl::StatusOr<Verified> VerifyLocked(Transfer& t, const v1::VersionEnd& end,
                                         std::vector<std::string>& mismatched)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tensors' `digests` (header order) and their version digest against `end`: DATA_LOSS
+  // naming every mismatched tensor (also added to `mismatched`).
+  static absl::StatusOr<Verified> CheckDigests(const v1::VersionHeader& header,
+                                               const v1::VersionEnd& end,
+                                               std::vector<uint64_t> digests,
+                                               std::vector<std::string>& mismatched);
+  // The Ack of an applied version, with its stage timings.
+  static v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
+                            absl::Time start, absl::Time received, absl::Time staged,
+                            absl::Time verified, absl::Time applied);
   absl::Status CommitLocked(Transfer& t, const Verified& verified)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RetainLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
