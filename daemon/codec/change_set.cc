@@ -17,14 +17,6 @@ namespace {
 // often, small enough to spread a 1% change set over every thread.
 constexpr size_t kWriteChunk = 1 << 15;
 
-// The 8-byte word `word` of a tensor of `bytes` bytes, zero-padded past its end.
-uint64_t WordOf(const uint8_t* data, uint64_t bytes, uint64_t word) {
-  uint64_t v = 0;
-  const uint64_t at = word * 8;
-  std::memcpy(&v, data + at, std::min<uint64_t>(8, bytes - at));
-  return v;
-}
-
 // One decoded block's part of a change set.
 struct BlockPart {
   std::vector<uint64_t> positions;
@@ -32,29 +24,6 @@ struct BlockPart {
   std::vector<uint8_t> old_values;
   DigestV2Delta delta;
 };
-
-// The digest-v2 delta of writing `values` (w bytes each) at the increasing element `positions`
-// of `base` (tensor_bytes long): each changed word once, with all its changes.
-DigestV2Delta DeltaOfWrites(std::span<const uint64_t> positions, const uint8_t* values, int w,
-                            const uint8_t* base, uint64_t tensor_bytes) {
-  DigestV2Delta delta;
-  size_t j = 0;
-  while (j < positions.size()) {
-    const uint64_t word = positions[j] * w / 8;
-    const uint64_t old_word = WordOf(base, tensor_bytes, word);
-    uint64_t new_word = old_word;
-    do {
-      const unsigned shift = static_cast<unsigned>((positions[j] * w) % 8) * 8;
-      const uint64_t mask = w == 8 ? ~0ull : ((1ull << (8 * w)) - 1) << shift;
-      uint64_t v = 0;
-      std::memcpy(&v, values + j * w, w);
-      new_word = (new_word & ~mask) | ((v << shift) & mask);
-      ++j;
-    } while (j < positions.size() && positions[j] * w / 8 == word);
-    delta.Add(word, old_word, new_word);
-  }
-  return delta;
-}
 
 // Concatenates the parts in order into one change set.
 TensorChanges Join(DType dtype, uint64_t num_elements, std::vector<BlockPart>& parts) {
@@ -161,10 +130,10 @@ absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DTy
           std::memcpy(part.values.data() + j * w, &c.values[j], w);  // little-endian
           std::memcpy(part.old_values.data() + j * w, base.data() + part.positions[j] * w, w);
         }
-        part.delta = DeltaOfWrites(part.positions, part.values.data(), w, base.data(), base.size());
+        part.delta = c.digest_delta;
         return absl::OkStatus();
       },
-      threads));
+      threads, /*prev=*/nullptr, /*digest_delta=*/true));
   return Join(dtype, layout.num_elements, parts);
 }
 

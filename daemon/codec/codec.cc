@@ -1998,7 +1998,7 @@ namespace {
 template <typename T>
 absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layout,
                         std::span<const uint8_t> base, int threads, const ChangeRecord* prev,
-                        const PatchChangeVisitor& visit) {
+                        const PatchChangeVisitor& visit, bool digest_delta) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
   RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   const T* b = reinterpret_cast<const T*>(base.data());
@@ -2030,8 +2030,12 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
         st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
       }
       if (st.ok() && count > 0) {
-        st = visit(PatchBlockChanges{i, d.first_element, {s.pos.data(), count},
-                                     {s.val.data(), count}});
+        PatchBlockChanges c{i, d.first_element, {s.pos.data(), count}, {s.val.data(), count}, {}};
+        if (digest_delta) {
+          AddSparseDelta<T>(s, count, base.data(), d.first_element * sizeof(T), base.size(),
+                            c.digest_delta);
+        }
+        st = visit(c);
       }
     }
     if (!st.ok()) {
@@ -2046,13 +2050,14 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
 
 absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
                                std::span<const uint8_t> base, const PatchChangeVisitor& visit,
-                               int threads, const ChangeRecord* prev) {
+                               int threads, const ChangeRecord* prev, bool digest_delta) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("VisitPatchChanges", patch, dtype, base, base, prev));
+  const PatchLayout& l = prep.layout;
   switch (DTypeSize(dtype)) {
-    case 1: return VisitTyped<uint8_t>(patch, prep.layout, base, threads, prep.record, visit);
-    case 2: return VisitTyped<uint16_t>(patch, prep.layout, base, threads, prep.record, visit);
-    case 4: return VisitTyped<uint32_t>(patch, prep.layout, base, threads, prep.record, visit);
-    default: return VisitTyped<uint64_t>(patch, prep.layout, base, threads, prep.record, visit);
+    case 1: return VisitTyped<uint8_t>(patch, l, base, threads, prep.record, visit, digest_delta);
+    case 2: return VisitTyped<uint16_t>(patch, l, base, threads, prep.record, visit, digest_delta);
+    case 4: return VisitTyped<uint32_t>(patch, l, base, threads, prep.record, visit, digest_delta);
+    default: return VisitTyped<uint64_t>(patch, l, base, threads, prep.record, visit, digest_delta);
   }
 }
 

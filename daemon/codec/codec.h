@@ -207,6 +207,8 @@ struct PatchBlockChanges {
   uint64_t first_element = 0;
   std::span<const uint32_t> positions;
   std::span<const uint64_t> values;
+  // The block's digest-v2 delta (digest_v2.h), when VisitPatchChanges was asked for it.
+  DigestV2Delta digest_delta;
 };
 using PatchChangeVisitor = std::function<absl::Status(const PatchBlockChanges&)>;
 
@@ -215,9 +217,11 @@ using PatchChangeVisitor = std::function<absl::Status(const PatchBlockChanges&)>
 // Blocks are decoded on up to `threads` threads and `visit` runs on the thread that decoded
 // the block, so it is called concurrently and in no particular order; its spans are valid only
 // during the call. The first error (of the decoder or of `visit`) is returned.
+// With `digest_delta`, each block's digest-v2 delta is computed too (from the changed words).
 absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
                                std::span<const uint8_t> base, const PatchChangeVisitor& visit,
-                               int threads = 0, const ChangeRecord* prev = nullptr);
+                               int threads = 0, const ChangeRecord* prev = nullptr,
+                               bool digest_delta = false);
 
 // Validates the whole patch (table and every payload) without a base tensor where possible:
 // checksums and bitstream structure (CONTEXT payloads need the base: checksums only). Fills
