@@ -1,4 +1,5 @@
-// RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status and absl::StatusOr.
+// Status propagation: RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status and absl::StatusOr,
+// and the one way to add context to a failed status, refit::Annotate.
 //
 // Debian 12's abseil (20220623) predates ABSL_RETURN_IF_ERROR, so refitd carries its own.
 #ifndef REFIT_DAEMON_COMMON_STATUS_MACROS_H_
@@ -8,6 +9,25 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace refit {
+
+// Annotate(status, context...): the status with "<context>: " before its message (the context's
+// parts are joined as by absl::StrCat), the same code and payloads. OK stays OK. The project's
+// one idiom for saying where a failure happened as it travels up:
+//   return Annotate(st, "tensor ", name);  // -> "tensor w1: checksum mismatch"
+template <typename... Context>
+absl::Status Annotate(const absl::Status& status, const Context&... context) {
+  if (status.ok()) return status;
+  absl::Status out(status.code(), absl::StrCat(context..., ": ", status.message()));
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+}  // namespace refit
 
 #define REFIT_STATUS_CONCAT_INNER_(a, b) a##b
 #define REFIT_STATUS_CONCAT_(a, b) REFIT_STATUS_CONCAT_INNER_(a, b)
