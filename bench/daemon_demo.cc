@@ -245,8 +245,7 @@ struct Daemon {
 };
 
 absl::Status CallError(const std::string& what, const grpc::Status& s) {
-  absl::Status st = refit::FromGrpcStatus(s);
-  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+  return refit::Annotate(refit::FromGrpcStatus(s), what);
 }
 
 std::unique_ptr<grpc::ClientContext> Ctx(absl::Duration timeout) {

@@ -1,6 +1,6 @@
 // A NeMo-DCR-style sparse delta, implemented here only as the comparison point for codec_bench
-// (../shared/BRIEF.md section 4: "positions: gaps as uint16/32/64; values: XOR with old bits,
-// then zstd -1"). It is not a refitd format.
+// (NeMo-DCR's scheme: positions as gaps in uint16/32/64, values XOR'd with the old bits, then
+// zstd -1). It is not a refitd format.
 //
 // One frame per tensor (all integers little-endian):
 //   u64 count       number of changed elements

@@ -6,10 +6,14 @@
 #include <random>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::bench {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 using Bytes = std::vector<uint8_t>;
 
@@ -53,15 +57,14 @@ Bytes HandFrame(const std::vector<uint16_t>& gaps, const std::vector<uint16_t>& 
 }
 
 void ExpectRoundTrip(const Bytes& a, const Bytes& b, int w, int want_gap_width) {
-  auto frame = DcrEncode(a, b, w);
-  ASSERT_TRUE(frame.ok()) << frame.status();
-  ASSERT_GE(frame->size(), static_cast<size_t>(kDcrHeaderBytes));
-  EXPECT_EQ((*frame)[8], want_gap_width);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto frame, DcrEncode(a, b, w));
+  ASSERT_GE(frame.size(), static_cast<size_t>(kDcrHeaderBytes));
+  EXPECT_EQ(frame[8], want_gap_width);
   Bytes out(a.size(), 0xAB);
-  ASSERT_TRUE(DcrApply(*frame, a, out, w).ok());
+  ASSERT_THAT(DcrApply(frame, a, out, w), IsOk());
   EXPECT_EQ(out, b);
   Bytes in_place = a;
-  ASSERT_TRUE(DcrApply(*frame, in_place, in_place, w).ok());
+  ASSERT_THAT(DcrApply(frame, in_place, in_place, w), IsOk());
   EXPECT_EQ(in_place, b);
 }
 
@@ -79,7 +82,7 @@ TEST(DcrReferenceTest, RoundTripsAtManyDensities) {
     for (double p : {0.0005, 0.01, 0.03, 0.3, 1.0}) {
       const Bytes a = RandomBytes(50000 * w + w * 3, rng);
       const Bytes b = Mutate(a, w, p, rng, {0, a.size() / w - 1});
-      SCOPED_TRACE(testing::Message() << "w=" << w << " p=" << p);
+      SCOPED_TRACE(::testing::Message() << "w=" << w << " p=" << p);
       ExpectRoundTrip(a, b, w, 2);
     }
   }
@@ -101,9 +104,8 @@ TEST(DcrReferenceTest, WideGapsUseFourBytes) {
 TEST(DcrReferenceTest, NoChangeIsHeaderOnly) {
   std::mt19937_64 rng(3);
   const Bytes a = RandomBytes(1000, rng);
-  auto frame = DcrEncode(a, a, 2);
-  ASSERT_TRUE(frame.ok());
-  EXPECT_EQ(frame->size(), static_cast<size_t>(kDcrHeaderBytes));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto frame, DcrEncode(a, a, 2));
+  EXPECT_EQ(frame.size(), static_cast<size_t>(kDcrHeaderBytes));
   ExpectRoundTrip(a, a, 2, 0);
   const Bytes empty;
   ExpectRoundTrip(empty, empty, 2, 0);
@@ -113,10 +115,9 @@ TEST(DcrReferenceTest, SparseBf16IsSmallerThanDense) {
   std::mt19937_64 rng(4);
   const Bytes a = RandomBytes(2 * 100000, rng);
   const Bytes b = Mutate(a, 2, 0.01, rng);
-  auto frame = DcrEncode(a, b, 2);
-  ASSERT_TRUE(frame.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto frame, DcrEncode(a, b, 2));
   // ~1000 changes at 4 raw bytes each; zstd should not inflate them much.
-  EXPECT_LT(frame->size(), 4400u);
+  EXPECT_LT(frame.size(), 4400u);
 }
 
 TEST(DcrReferenceTest, RejectsBadInput) {
@@ -124,40 +125,39 @@ TEST(DcrReferenceTest, RejectsBadInput) {
   const Bytes a = RandomBytes(2 * 10000, rng);
   const Bytes b = Mutate(a, 2, 0.02, rng, {17});
   Bytes out(a.size());
-  EXPECT_FALSE(DcrEncode(a, Bytes(a.size() + 2), 2).ok());
-  EXPECT_FALSE(DcrEncode(a, b, 3).ok());
-  auto frame = DcrEncode(a, b, 2);
-  ASSERT_TRUE(frame.ok());
-  const Bytes& f = *frame;
+  EXPECT_THAT(DcrEncode(a, Bytes(a.size() + 2), 2), Not(IsOk()));
+  EXPECT_THAT(DcrEncode(a, b, 3), Not(IsOk()));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto frame, DcrEncode(a, b, 2));
+  const Bytes& f = frame;
 
-  EXPECT_FALSE(DcrApply(Bytes(f.begin(), f.begin() + 5), a, out, 2).ok());  // short header
-  EXPECT_FALSE(DcrApply(Bytes(f.begin(), f.end() - 1), a, out, 2).ok());    // truncated frame
+  EXPECT_THAT(DcrApply(Bytes(f.begin(), f.begin() + 5), a, out, 2), Not(IsOk()));  // short header
+  EXPECT_THAT(DcrApply(Bytes(f.begin(), f.end() - 1), a, out, 2), Not(IsOk()));  // truncated frame
   Bytes trailing = f;
   trailing.push_back(0);
-  EXPECT_FALSE(DcrApply(trailing, a, out, 2).ok());
+  EXPECT_THAT(DcrApply(trailing, a, out, 2), Not(IsOk()));
   Bytes wrong_count = f;
   wrong_count[0] ^= 1;
-  EXPECT_FALSE(DcrApply(wrong_count, a, out, 2).ok());
+  EXPECT_THAT(DcrApply(wrong_count, a, out, 2), Not(IsOk()));
   Bytes huge_count = f;
   huge_count[7] = 0x10;
-  EXPECT_FALSE(DcrApply(huge_count, a, out, 2).ok());
+  EXPECT_THAT(DcrApply(huge_count, a, out, 2), Not(IsOk()));
   Bytes bad_width = f;
   bad_width[8] = 3;
-  EXPECT_FALSE(DcrApply(bad_width, a, out, 2).ok());
+  EXPECT_THAT(DcrApply(bad_width, a, out, 2), Not(IsOk()));
   Bytes short_out(a.size() - 2);
-  EXPECT_FALSE(DcrApply(f, a, short_out, 2).ok());  // output size mismatch
+  EXPECT_THAT(DcrApply(f, a, short_out, 2), Not(IsOk()));  // output size mismatch
   // A frame for a larger tensor applied to a tiny one: indices out of range.
   const Bytes tiny(a.begin(), a.begin() + 40);
   Bytes tiny_out(40);
-  EXPECT_FALSE(DcrApply(f, tiny, tiny_out, 2).ok());
+  EXPECT_THAT(DcrApply(f, tiny, tiny_out, 2), Not(IsOk()));
   // Hand-made frames: a zero XOR is not a change, a zero gap after the first repeats an index.
   const Bytes base4(8, 0x11);
   Bytes out4(8);
-  EXPECT_TRUE(DcrApply(HandFrame({1, 2}, {0x0101, 0x0202}), base4, out4, 2).ok());
+  EXPECT_THAT(DcrApply(HandFrame({1, 2}, {0x0101, 0x0202}), base4, out4, 2), IsOk());
   EXPECT_EQ(out4, Bytes({0x11, 0x11, 0x10, 0x10, 0x11, 0x11, 0x13, 0x13}));
-  EXPECT_FALSE(DcrApply(HandFrame({1, 2}, {0x0101, 0}), base4, out4, 2).ok());
-  EXPECT_FALSE(DcrApply(HandFrame({1, 0}, {0x0101, 0x0202}), base4, out4, 2).ok());
-  EXPECT_FALSE(DcrApply(HandFrame({1, 3}, {0x0101, 0x0202}), base4, out4, 2).ok());
+  EXPECT_THAT(DcrApply(HandFrame({1, 2}, {0x0101, 0}), base4, out4, 2), Not(IsOk()));
+  EXPECT_THAT(DcrApply(HandFrame({1, 0}, {0x0101, 0x0202}), base4, out4, 2), Not(IsOk()));
+  EXPECT_THAT(DcrApply(HandFrame({1, 3}, {0x0101, 0x0202}), base4, out4, 2), Not(IsOk()));
 }
 
 }  // namespace

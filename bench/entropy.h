@@ -64,10 +64,9 @@ struct EntropyBound {
 
 EntropyBound ComputeBound(uint64_t changed, uint64_t elements, const DiffHistogram& hist);
 
-
-// ---- context bound (issue 12): the same model, but conditioned on what the receiver holds ----
-// Each element's context is (the exponent field of its base value, the sign of its change in the
-// previous version's patch: none known / down / unchanged / up). Positions cost the sum over
+// ---- context bound (patch format v2): the same model, but conditioned on what the receiver holds
+// ---- Each element's context is (the exponent field of its base value, the sign of its change in
+// the previous version's patch: none known / down / unchanged / up). Positions cost the sum over
 // contexts of n_c H(p_c) (elements of context c change independently at their context's rate),
 // values the conditional entropy H(d | context) over the changed elements.
 class ContextHistogram {

@@ -1,4 +1,4 @@
-// persist_bench: what baseline persistence costs the publish path (issue 10). Two PublisherCores
+// persist_bench: what baseline persistence costs the publish path. Two PublisherCores
 // in one process, one without persistence and one with baseline.persist_dir (fsync on), publish
 // the same versions of a random BF16 model (first version dense, then ~1.65% of the elements
 // changed by +-1 ULP per version), alternating per version. Per version: Publish's wall time on
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/publisher_core.h"
 #include "daemon/sync/sync_testing.h"
 
 namespace {

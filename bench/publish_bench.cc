@@ -18,7 +18,7 @@
 
 #include "bench/read_pass.h"
 #include "daemon/model/trajectory.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/publisher_core.h"
 
 namespace refit::bench {
 namespace {

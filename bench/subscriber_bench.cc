@@ -1,6 +1,6 @@
 // subscriber_bench: the subscriber's work per delta (OnHeader .. OnEnd on a SubscriberCore, frames
 // made by a PublisherCore beforehand, no network) at a fixed number of changed elements, for
-// several model sizes, with the in-place staging of issue 10 (the standby slot brought forward
+// several model sizes, with in-place staging (the standby slot brought forward
 // by retained patches) against the full-copy staging before it (store.retained_patch_bytes 0),
 // both in the same run on the same transfers. Also: ShmStore creation with and without
 // pre-faulting, and the first versions after the keyframe (the warm-up penalty). The in-place
@@ -34,7 +34,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/publisher_core.h"
 #include "daemon/store/shm_store.h"
 #include "daemon/subscriber/subscriber_core.h"
 
@@ -207,12 +207,13 @@ absl::StatusOr<Summary> BenchSize(uint64_t mb, const Args& a) {
   refit::subscriber::SubscriberOptions so;
   so.threads = a.threads;
   so.store.slots = a.slots;
+  so.make_store = refit::store::HostStoreFactory();
   so.max_frame_bytes = 4u << 20;
   // Everything applied at OnEnd: the Ack's stage/verify split then covers all the work (frames
   // are fed back to back here, so applying on arrival would overlap nothing).
   so.stage_on_arrival = false;
   refit::subscriber::SubscriberOptions copy = so;
-  copy.retained_patch_bytes = 0;  // the full-copy staging of before issue 10
+  copy.retained_patch_bytes = 0;  // the full-copy staging (no retained patches)
   refit::subscriber::SubscriberCore in_place(so);
   refit::subscriber::SubscriberCore full(copy);
   refit::subscriber::SubscriberCore in_place_v2(so);

@@ -17,6 +17,7 @@
 #include "client/refitctl_testing.h"
 #include "client/trainer_client.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -27,6 +28,7 @@
 namespace refit::client {
 namespace {
 
+using ::refit::testing::IsOk;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -43,10 +45,10 @@ class ClientDaemonTest : public ::testing::Test {
         "\"\n");
     absl::StatusOr<v1::PublisherConfig> cfg =
         config::LoadPublisherConfigFromString(yaml, "client_daemon_test.yaml");
-    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    ASSERT_THAT(cfg, IsOk());
     absl::StatusOr<std::unique_ptr<publisher::PublisherDaemon>> d =
         publisher::PublisherDaemon::Start(*cfg);
-    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_THAT(d, IsOk());
     daemon_ = std::move(*d);
     target_ = daemon_->control_address().empty() ? daemon_->listen_address()
                                                  : daemon_->control_address();
@@ -84,7 +86,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   // ---- the trainer publishes version 1 from its memfd ----
   absl::StatusOr<std::unique_ptr<TrainerClient>> trainer =
       TrainerClient::Create(daemon_->local_address(), "rank0", Specs());
-  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  ASSERT_THAT(trainer, IsOk());
   TrainerClient& t = **trainer;
   ASSERT_EQ(t.num_tensors(), 3u);
   EXPECT_EQ(t.tensor(0).size(), 64u * 33 * 2);
@@ -98,17 +100,15 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
     for (size_t k = 0; k < bytes.size(); ++k) bytes[k] = static_cast<uint8_t>(i * 31 + k * 7);
   }
   EXPECT_EQ(t.RegisterRequest().tensors(0).shm().path(), t.ProcPath());
-  ASSERT_TRUE(t.Find("b.bias").ok());
+  ASSERT_THAT(t.Find("b.bias"), IsOk());
   EXPECT_EQ(*t.Find("b.bias"), 1u);
   EXPECT_EQ(t.Find("nope").status().code(), absl::StatusCode::kNotFound);
 
-  absl::StatusOr<v1::RegisterTensorsResponse> reg = t.Register();
-  ASSERT_TRUE(reg.ok()) << reg.status();
-  EXPECT_EQ(reg->tensors(), 3u);
-  absl::StatusOr<v1::LocalPublishResponse> pub = t.Publish();
-  ASSERT_TRUE(pub.ok()) << pub.status();
-  EXPECT_EQ(pub->version(), 1u);
-  EXPECT_TRUE(pub->committed());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::RegisterTensorsResponse reg, t.Register());
+  EXPECT_EQ(reg.tensors(), 3u);
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::LocalPublishResponse pub, t.Publish());
+  EXPECT_EQ(pub.version(), 1u);
+  EXPECT_TRUE(pub.committed());
 
   Result r = Ctl({"wait", "--version", "1", "--timeout", "30"});
   ASSERT_EQ(r.rc, 0) << r.err;
@@ -126,7 +126,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
     refs.push_back({Specs()[i].name(), dtypes[i], shapes[i], v2[i]});
   }
   const std::string file = absl::StrCat(dir_.path(), "/v2.safetensors");
-  ASSERT_TRUE(model::WriteSafetensors(file, refs).ok());
+  ASSERT_THAT(model::WriteSafetensors(file, refs), IsOk());
   const std::string relative = std::filesystem::relative(file).string();
   ASSERT_FALSE(relative.empty());
   ASSERT_NE(relative[0], '/');
@@ -164,12 +164,11 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   r = Ctl({"export", "--safetensors", out_file});
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_THAT(r.out, StartsWith("exported version 2 digest 0x"));
-  absl::StatusOr<model::SafetensorsFile> exported = model::SafetensorsFile::Open(out_file);
-  ASSERT_TRUE(exported.ok()) << exported.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(model::SafetensorsFile exported,
+                             model::SafetensorsFile::Open(out_file));
   for (size_t i = 0; i < 3; ++i) {
-    absl::StatusOr<size_t> k = exported->Find(Specs()[i].name());
-    ASSERT_TRUE(k.ok()) << k.status();
-    std::span<const uint8_t> got = exported->data(*k);
+    REFIT_ASSERT_OK_AND_ASSIGN(size_t k, exported.Find(Specs()[i].name()));
+    std::span<const uint8_t> got = exported.data(k);
     EXPECT_TRUE(std::equal(got.begin(), got.end(), v2[i].begin(), v2[i].end()))
         << Specs()[i].name();
   }
@@ -181,7 +180,7 @@ TEST_F(ClientDaemonTest, TrainerThenRefitctl) {
   EXPECT_THAT(digest_line, HasSubstr(r.out.substr(r.out.find("digest"), 25)));
 
   // The trainer leaves; the publisher forgets its tensors.
-  EXPECT_TRUE(t.Unregister().ok());
+  EXPECT_THAT(t.Unregister(), IsOk());
 }
 
 }  // namespace

@@ -16,13 +16,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/common/status_matchers.h"
+#include "gmock/gmock.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
-#include "refit/v1/control.grpc.pb.h"
-#include "absl/strings/str_join.h"
-#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "refit/v1/control.grpc.pb.h"
+#include "refit/version.h"
 
 namespace refit::client {
 namespace {
@@ -57,7 +59,7 @@ TEST(RefitctlUsage, HelpExitsZeroOnEveryVerb) {
   EXPECT_EQ(r.err, "");
   r = RunCtl({"--version"});
   EXPECT_EQ(r.rc, 0);
-  EXPECT_EQ(r.out, "refitctl 0.1.0\n");
+  EXPECT_EQ(r.out, absl::StrCat("refitctl ", kRefitVersion, "\n"));
   for (const char* verb : {"status", "publish", "export", "wait", "verify", "resync",
                            "metrics"}) {
     Result v = RunCtl({verb, "--help"});
@@ -547,16 +549,15 @@ TEST(RefitctlFormat, TlsMaterialAndRefusedReloads) {
 }
 
 TEST(RefitctlFormat, JsonUsesProtoFieldNames) {
-  absl::StatusOr<std::string> json = FormatStatusJson(SampleSubscriberStatus());
-  ASSERT_TRUE(json.ok()) << json.status();
-  EXPECT_THAT(*json, HasSubstr("\"role\": \"ROLE_SUBSCRIBER\""));
-  EXPECT_THAT(*json, HasSubstr("\"build_version\": \"0.1.0\""));
-  EXPECT_THAT(*json, HasSubstr("\"latency_micros\": \"123400\""));
-  EXPECT_THAT(*json, HasSubstr("\"acked_version\": \"12\""));
-  EXPECT_THAT(*json, HasSubstr("\"consumer\": \"vllm-worker-3\""));
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string json, FormatStatusJson(SampleSubscriberStatus()));
+  EXPECT_THAT(json, HasSubstr("\"role\": \"ROLE_SUBSCRIBER\""));
+  EXPECT_THAT(json, HasSubstr("\"build_version\": \"0.1.0\""));
+  EXPECT_THAT(json, HasSubstr("\"latency_micros\": \"123400\""));
+  EXPECT_THAT(json, HasSubstr("\"acked_version\": \"12\""));
+  EXPECT_THAT(json, HasSubstr("\"consumer\": \"vllm-worker-3\""));
   // Zero-valued fields are printed too, for scripts.
-  EXPECT_THAT(*json, HasSubstr("\"bytes_sent\": \"0\""));
-  EXPECT_EQ(json->back(), '\n');
+  EXPECT_THAT(json, HasSubstr("\"bytes_sent\": \"0\""));
+  EXPECT_EQ(json.back(), '\n');
 }
 
 TEST(RefitctlFormat, Units) {

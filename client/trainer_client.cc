@@ -155,8 +155,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerClient::Register() {
   v1::RegisterTensorsResponse resp;
   absl::Status s = FromGrpcStatus(stub_->RegisterTensors(&ctx, RegisterRequest(), &resp));
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("RegisterTensors of trainer client \"", name_,
-                                               "\": ", s.message()));
+    return Annotate(s, "RegisterTensors of trainer client \"", name_, "\"");
   }
   return resp;
 }
@@ -192,8 +191,7 @@ absl::Status TrainerClient::Unregister() {
   v1::UnregisterResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Unregister(&ctx, req, &resp));
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("Unregister of trainer client \"", name_, "\": ",
-                                               s.message()));
+    return Annotate(s, "Unregister of trainer client \"", name_, "\"");
   }
   return absl::OkStatus();
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -13,15 +14,16 @@
 namespace refit::client {
 namespace {
 
-using ::testing::HasSubstr;
+using ::refit::testing::IsOk;
 using sync::testing::Spec;
+using ::testing::HasSubstr;
 
 TEST(TrainerClient, LayoutIsAlignedAndWritable) {
   absl::StatusOr<std::unique_ptr<TrainerClient>> c = TrainerClient::Create(
       "/nonexistent-dir/pub.sock", "rank0",
       {Spec("w", v1::DTYPE_BF16, {3, 5}), Spec("b", v1::DTYPE_F32, {7}),
        Spec("s", v1::DTYPE_U8, {})});
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   TrainerClient& t = **c;
   EXPECT_EQ(t.tensor(0).size(), 30u);
   EXPECT_EQ(t.tensor(1).size(), 28u);
@@ -70,7 +72,7 @@ TEST(TrainerClient, UnreachablePublisherIsUnavailable) {
   opt.rpc_timeout = absl::Seconds(10);
   absl::StatusOr<std::unique_ptr<TrainerClient>> c = TrainerClient::Create(
       "unix:/nonexistent-dir/pub.sock", "rank3", {Spec("w", v1::DTYPE_BF16, {4})}, opt);
-  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_THAT(c, IsOk());
   absl::Status s = (*c)->Register().status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("\"rank3\""));

@@ -20,10 +20,14 @@
 #include "daemon/codec/change_set.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/patch_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::cuda {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 using Bytes = std::vector<uint8_t>;
 
@@ -31,19 +35,18 @@ class CudaChangeSetTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (auto why = testing::NoUsableDevice()) GTEST_SKIP() << "no CUDA device (" << *why << ")";
-    auto dev = OpenDevice({});
-    ASSERT_TRUE(dev.ok()) << dev.status();
-    device_ = std::move(*dev);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto dev, OpenDevice({}));
+    device_ = std::move(dev);
   }
 
   // Device memory holding `host` (at least 1 byte allocated).
   Allocation Upload(const Bytes& host) {
     auto a = device_->Allocate(host.size(), Allocation::Kind::kDevice);
-    EXPECT_TRUE(a.ok()) << a.status();
+    EXPECT_THAT(a, IsOk());
     if (!a.ok()) return Allocation();
     if (!host.empty()) {
       absl::Status st = device_->CopyToDevice(a->data(), host.data(), host.size());
-      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_THAT(st, IsOk());
     }
     return std::move(*a);
   }
@@ -52,7 +55,7 @@ class CudaChangeSetTest : public ::testing::Test {
     Bytes out(n);
     if (n > 0) {
       absl::Status st = device_->CopyToHost(out.data(), d, n);
-      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_THAT(st, IsOk());
     }
     return out;
   }
@@ -97,31 +100,30 @@ TEST_F(CudaChangeSetTest, WriteAndRevertMatchTheCpuTwin) {
       SCOPED_TRACE(::testing::Message() << DTypeName(t) << " x " << n);
       Bytes base, target;
       BaseAndTarget(t, n, 0.02, rng, &base, &target);
-      auto changes = ChangesBetween(t, base, target);
-      ASSERT_TRUE(changes.ok()) << changes.status();
-      ASSERT_GT(changes->count(), 0u);
-      ASSERT_EQ(changes->old_values.size(), changes->values.size());
+      REFIT_ASSERT_OK_AND_ASSIGN(auto changes, ChangesBetween(t, base, target));
+      ASSERT_GT(changes.count(), 0u);
+      ASSERT_EQ(changes.old_values.size(), changes.values.size());
       if (n == 100003) {
-        EXPECT_GT(changes->count(), n / 100);  // ~2%
-        EXPECT_LT(changes->count(), n / 25);
+        EXPECT_GT(changes.count(), n / 100);  // ~2%
+        EXPECT_LT(changes.count(), n / 25);
       }
 
       Bytes host = base;
-      absl::Status cpu = refit::WriteChanges(*changes, std::span<uint8_t>(host));
-      ASSERT_TRUE(cpu.ok()) << cpu;
+      absl::Status cpu = refit::WriteChanges(changes, std::span<uint8_t>(host));
+      ASSERT_THAT(cpu, IsOk());
       ASSERT_EQ(host, target);
 
       Allocation d = Upload(base);
       ASSERT_FALSE(d.empty());
-      absl::Status st = device_->WriteChanges(*changes, d.data(), base.size());
-      ASSERT_TRUE(st.ok()) << st;
+      absl::Status st = device_->WriteChanges(changes, d.data(), base.size());
+      ASSERT_THAT(st, IsOk());
       EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), host), -1)
           << "device tensor differs from the CPU twin's";
 
-      st = device_->RevertChanges(*changes, d.data(), base.size());
-      ASSERT_TRUE(st.ok()) << st;
-      cpu = refit::RevertChanges(*changes, std::span<uint8_t>(host));
-      ASSERT_TRUE(cpu.ok()) << cpu;
+      st = device_->RevertChanges(changes, d.data(), base.size());
+      ASSERT_THAT(st, IsOk());
+      cpu = refit::RevertChanges(changes, std::span<uint8_t>(host));
+      ASSERT_THAT(cpu, IsOk());
       EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), host), -1)
           << "device revert differs from the CPU twin's";
       EXPECT_EQ(FirstDiff(Download(d.data(), base.size()), base), -1) << "revert did not restore";
@@ -140,11 +142,10 @@ TEST_F(CudaChangeSetTest, EveryElementChangedAndOffsetTensor) {
     const size_t n = 70001, w = static_cast<size_t>(DTypeSize(t));
     Bytes base, target;
     BaseAndTarget(t, n, 1.0, rng, &base, &target);
-    auto changes = ChangesBetween(t, base, target);
-    ASSERT_TRUE(changes.ok()) << changes.status();
-    EXPECT_EQ(changes->count(), n);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto changes, ChangesBetween(t, base, target));
+    EXPECT_EQ(changes.count(), n);
     Bytes host = base;
-    ASSERT_TRUE(refit::WriteChanges(*changes, std::span<uint8_t>(host)).ok());
+    ASSERT_THAT(refit::WriteChanges(changes, std::span<uint8_t>(host)), IsOk());
 
     Bytes padded(w, 0xa5);  // one element of padding before the tensor, one after
     padded.insert(padded.end(), base.begin(), base.end());
@@ -152,14 +153,14 @@ TEST_F(CudaChangeSetTest, EveryElementChangedAndOffsetTensor) {
     Allocation d = Upload(padded);
     ASSERT_FALSE(d.empty());
     uint8_t* tensor = static_cast<uint8_t*>(d.data()) + w;
-    absl::Status st = device_->WriteChanges(*changes, tensor, base.size());
-    ASSERT_TRUE(st.ok()) << st;
+    absl::Status st = device_->WriteChanges(changes, tensor, base.size());
+    ASSERT_THAT(st, IsOk());
     Bytes expect(w, 0xa5);
     expect.insert(expect.end(), host.begin(), host.end());
     expect.insert(expect.end(), w, 0x5a);
     EXPECT_EQ(FirstDiff(Download(d.data(), padded.size()), expect), -1);
-    st = device_->RevertChanges(*changes, tensor, base.size());
-    ASSERT_TRUE(st.ok()) << st;
+    st = device_->RevertChanges(changes, tensor, base.size());
+    ASSERT_THAT(st, IsOk());
     EXPECT_EQ(FirstDiff(Download(d.data(), padded.size()), padded), -1);
   }
 }
@@ -170,15 +171,14 @@ TEST_F(CudaChangeSetTest, EmptyChangeSetChangesNothing) {
   for (const DType t : {DType::kBF16, DType::kF32, DType::kU8, DType::kF64}) {
     SCOPED_TRACE(DTypeName(t));
     const Bytes base = refit::testing::RandomBytes(1000 * DTypeSize(t), rng);
-    auto changes = ChangesBetween(t, base, base);
-    ASSERT_TRUE(changes.ok()) << changes.status();
-    ASSERT_EQ(changes->count(), 0u);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto changes, ChangesBetween(t, base, base));
+    ASSERT_EQ(changes.count(), 0u);
     Allocation d = Upload(base);
-    absl::Status st = device_->WriteChanges(*changes, d.data(), base.size());
-    ASSERT_TRUE(st.ok()) << st;
+    absl::Status st = device_->WriteChanges(changes, d.data(), base.size());
+    ASSERT_THAT(st, IsOk());
     EXPECT_EQ(Download(d.data(), base.size()), base);
-    st = device_->RevertChanges(*changes, d.data(), base.size());
-    EXPECT_TRUE(st.ok()) << st;
+    st = device_->RevertChanges(changes, d.data(), base.size());
+    EXPECT_THAT(st, IsOk());
     EXPECT_EQ(Download(d.data(), base.size()), base);
   }
   // An empty tensor.
@@ -186,9 +186,9 @@ TEST_F(CudaChangeSetTest, EmptyChangeSetChangesNothing) {
   none.dtype = DType::kF32;
   Allocation d = Upload(Bytes(4, 7));
   absl::Status st = device_->WriteChanges(none, d.data(), 0);
-  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_THAT(st, IsOk());
   st = device_->RevertChanges(none, d.data(), 0);
-  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_THAT(st, IsOk());
   EXPECT_EQ(Download(d.data(), 4), Bytes(4, 7));
 }
 
@@ -200,16 +200,15 @@ TEST_F(CudaChangeSetTest, BadArgumentsAreRefusedAndWriteNothing) {
   const size_t n = 5000;
   Bytes base, target;
   BaseAndTarget(DType::kF32, n, 0.02, rng, &base, &target);
-  auto changes = ChangesBetween(DType::kF32, base, target);
-  ASSERT_TRUE(changes.ok()) << changes.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto changes, ChangesBetween(DType::kF32, base, target));
   Allocation d = Upload(base);
   auto unchanged = [&] { return FirstDiff(Download(d.data(), base.size()), base) == -1; };
 
   // RevertChanges: old values of another size, none among them (the CPU twin's message).
-  const size_t values = changes->values.size();
+  const size_t values = changes.values.size();
   for (const size_t size : {values - 1, values + 4, size_t{0}}) {
     SCOPED_TRACE(size);
-    TensorChanges bad = *changes;
+    TensorChanges bad = changes;
     bad.old_values.assign(size, 0);
     absl::Status st = device_->RevertChanges(bad, d.data(), base.size());
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
@@ -222,32 +221,32 @@ TEST_F(CudaChangeSetTest, BadArgumentsAreRefusedAndWriteNothing) {
   }
   // A tensor of another size (CheckChanges: the CPU twin's message), for both calls.
   Bytes shorter(base.begin(), base.end() - 4);
-  absl::Status w1 = device_->WriteChanges(*changes, d.data(), base.size() - 4);
+  absl::Status w1 = device_->WriteChanges(changes, d.data(), base.size() - 4);
   EXPECT_EQ(w1.code(), absl::StatusCode::kInvalidArgument) << w1;
-  EXPECT_EQ(w1.message(), refit::WriteChanges(*changes, std::span<uint8_t>(shorter)).message());
-  absl::Status r1 = device_->RevertChanges(*changes, d.data(), base.size() - 4);
+  EXPECT_EQ(w1.message(), refit::WriteChanges(changes, std::span<uint8_t>(shorter)).message());
+  absl::Status r1 = device_->RevertChanges(changes, d.data(), base.size() - 4);
   EXPECT_EQ(r1.code(), absl::StatusCode::kInvalidArgument) << r1;
-  EXPECT_EQ(r1.message(), refit::RevertChanges(*changes, std::span<uint8_t>(shorter)).message());
+  EXPECT_EQ(r1.message(), refit::RevertChanges(changes, std::span<uint8_t>(shorter)).message());
   EXPECT_TRUE(unchanged());
   // Positions out of order, out of range; values of the wrong length; another dtype's values; an
   // invalid dtype.
-  TensorChanges bad = *changes;
+  TensorChanges bad = changes;
   std::swap(bad.positions[0], bad.positions[1]);
   EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(device_->RevertChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
-  bad = *changes;
+  bad = changes;
   bad.positions.back() = n;
   EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(device_->RevertChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
-  bad = *changes;
+  bad = changes;
   bad.values.pop_back();
   EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
-  bad = *changes;
+  bad = changes;
   bad.dtype = DType::kBF16;  // twice the elements for these bytes
   EXPECT_EQ(device_->WriteChanges(bad, d.data(), base.size()).code(),
             absl::StatusCode::kInvalidArgument);
@@ -259,14 +258,14 @@ TEST_F(CudaChangeSetTest, BadArgumentsAreRefusedAndWriteNothing) {
   EXPECT_TRUE(unchanged());
   // A tensor not aligned to its element size, and a null one.
   uint8_t* misaligned = static_cast<uint8_t*>(d.data()) + 2;
-  absl::Status mis = device_->WriteChanges(*changes, misaligned, base.size());
+  absl::Status mis = device_->WriteChanges(changes, misaligned, base.size());
   EXPECT_EQ(mis.code(), absl::StatusCode::kInvalidArgument) << mis;
   EXPECT_NE(std::string(mis.message()).find("aligned"), std::string::npos) << mis;
-  mis = device_->RevertChanges(*changes, misaligned, base.size());
+  mis = device_->RevertChanges(changes, misaligned, base.size());
   EXPECT_EQ(mis.code(), absl::StatusCode::kInvalidArgument) << mis;
-  absl::Status null = device_->WriteChanges(*changes, nullptr, base.size());
+  absl::Status null = device_->WriteChanges(changes, nullptr, base.size());
   EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument) << null;
-  null = device_->RevertChanges(*changes, nullptr, base.size());
+  null = device_->RevertChanges(changes, nullptr, base.size());
   EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument) << null;
   EXPECT_TRUE(unchanged());
 }
@@ -283,8 +282,8 @@ TEST(CudaChangeSetNoDevice, FailsCleanly) {
   c.old_values = {0};
   Bytes data(4, 0);
   DeviceCodec codec;
-  EXPECT_FALSE(codec.WriteChanges(c, data.data(), data.size()).ok());
-  EXPECT_FALSE(codec.RevertChanges(c, data.data(), data.size()).ok());
+  EXPECT_THAT(codec.WriteChanges(c, data.data(), data.size()), Not(IsOk()));
+  EXPECT_THAT(codec.RevertChanges(c, data.data(), data.size()), Not(IsOk()));
   EXPECT_EQ(data, Bytes(4, 0));
 }
 

@@ -15,16 +15,20 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/context_block.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/format.h"
+#include "daemon/codec/hash.h"
 #include "daemon/codec/patch_golden.h"
 #include "daemon/codec/patch_testing.h"
-#include "daemon/codec/format.h"
-#include "daemon/codec/digest_v2.h"
-#include "daemon/codec/hash.h"
 #include "daemon/common/parallel.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::cuda {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 #if defined(REFIT_CUDA_EMULATE)
 // The emulator runs the tests at reduced sizes unless REFIT_EMU_FULL=1 (the GPU's sizes, minutes).
@@ -65,11 +69,11 @@ Bytes Mutate(const Bytes& base, DType t, double p, std::mt19937_64& rng) {
 
 DeviceBuffer Upload(const Bytes& host, size_t extra = 0) {
   auto buf = DeviceBuffer::Allocate(host.size() + extra);
-  EXPECT_TRUE(buf.ok()) << buf.status();
+  EXPECT_THAT(buf, IsOk());
   if (!buf.ok()) return DeviceBuffer();
   if (!host.empty()) {
     absl::Status st = buf->Upload(host);
-    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_THAT(st, IsOk());
   }
   return std::move(*buf);
 }
@@ -78,7 +82,7 @@ Bytes Download(const DeviceBuffer& buf, size_t n) {
   Bytes out(n);
   if (n > 0) {
     absl::Status st = buf.Download(out);
-    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_THAT(st, IsOk());
   }
   return out;
 }
@@ -109,64 +113,60 @@ void CheckAll(DType t, const Bytes& a, const Bytes& b, int block_log2, const std
   EncodeOptions opt;
   opt.block_log2 = block_log2;
   PatchStats cpu_stats, gpu_stats;
-  auto cpu = EncodePatch(t, a, b, opt, &cpu_stats);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, EncodePatch(t, a, b, opt, &cpu_stats));
   DeviceBuffer da = Upload(a), db = Upload(b);
-  auto gpu = codec.Encode(t, da.data(), db.data(), a.size(), opt, &gpu_stats);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  ASSERT_EQ(gpu->size(), cpu->size());
-  ASSERT_EQ(FirstDiff(*gpu, *cpu), -1) << "GPU patch differs from the CPU patch";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto gpu,
+                             codec.Encode(t, da.data(), db.data(), a.size(), opt, &gpu_stats));
+  ASSERT_EQ(gpu.size(), cpu.size());
+  ASSERT_EQ(FirstDiff(gpu, cpu), -1) << "GPU patch differs from the CPU patch";
   ExpectSameStats(gpu_stats, cpu_stats);
 
   // Apply the (identical) patch on the device, out of place and in place.
   DeviceBuffer out = Upload(Bytes(a.size(), 0xAB));
-  absl::Status st = codec.Apply(*cpu, t, da.data(), out.data(), a.size());
-  ASSERT_TRUE(st.ok()) << st;
+  absl::Status st = codec.Apply(cpu, t, da.data(), out.data(), a.size());
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1) << "out-of-place apply";
   EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1) << "out-of-place apply wrote the base";
-  st = codec.Apply(*cpu, t, da.data(), da.data(), a.size());
-  ASSERT_TRUE(st.ok()) << st;
+  st = codec.Apply(cpu, t, da.data(), da.data(), a.size());
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(FirstDiff(Download(da, a.size()), b), -1) << "in-place apply";
 
-  auto digest = codec.Digest(da.data(), a.size());
-  ASSERT_TRUE(digest.ok()) << digest.status();
-  EXPECT_EQ(*digest, TensorDigest(b));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto digest, codec.Digest(da.data(), a.size()));
+  EXPECT_EQ(digest, TensorDigest(b));
 }
 
 // ---- without a device ---------------------------------------------------------------------------
 
 TEST(CudaCodecNoDevice, EveryEntryPointFailsCleanly) {
   if (DeviceAvailable()) GTEST_SKIP() << "a CUDA device is present";
-  EXPECT_FALSE(DeviceDescription().ok());
+  EXPECT_THAT(DeviceDescription(), Not(IsOk()));
   auto buf = DeviceBuffer::Allocate(1024);
-  ASSERT_FALSE(buf.ok());
+  ASSERT_THAT(buf, Not(IsOk()));
   EXPECT_FALSE(buf.status().message().empty());
   Bytes a(64, 1), b(64, 2);
   auto patch = EncodePatchDevice(DType::kU8, a.data(), b.data(), a.size());
-  ASSERT_FALSE(patch.ok());
+  ASSERT_THAT(patch, Not(IsOk()));
   EXPECT_FALSE(patch.status().message().empty());
-  auto cpu = EncodePatch(DType::kU8, a, b);
-  ASSERT_TRUE(cpu.ok());
-  absl::Status st = ApplyPatchDevice(*cpu, DType::kU8, a.data(), a.data(), a.size());
-  ASSERT_FALSE(st.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, EncodePatch(DType::kU8, a, b));
+  absl::Status st = ApplyPatchDevice(cpu, DType::kU8, a.data(), a.data(), a.size());
+  ASSERT_THAT(st, Not(IsOk()));
   EXPECT_FALSE(st.message().empty());
   auto digest = TensorDigestDevice(a.data(), a.size());
-  ASSERT_FALSE(digest.ok());
+  ASSERT_THAT(digest, Not(IsOk()));
   EXPECT_FALSE(digest.status().message().empty());
   DeviceCodec codec;
-  EXPECT_FALSE(codec.Digest(nullptr, 0).ok());
-  EXPECT_FALSE(codec.DigestV2(a.data(), a.size()).ok());
-  EXPECT_FALSE(codec.ApplyDigestV2(*cpu, DType::kU8, a.data(), a.data(), a.size()).ok());
+  EXPECT_THAT(codec.Digest(nullptr, 0), Not(IsOk()));
+  EXPECT_THAT(codec.DigestV2(a.data(), a.size()), Not(IsOk()));
+  EXPECT_THAT(codec.ApplyDigestV2(cpu, DType::kU8, a.data(), a.data(), a.size()), Not(IsOk()));
 }
 
 // ---- encode / apply equivalence -----------------------------------------------------------------
 
 TEST(CudaCodec, DeviceDescription) {
   REQUIRE_DEVICE();
-  auto d = DeviceDescription();
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_FALSE(d->empty());
-  std::printf("device: %s\n", d->c_str());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto d, DeviceDescription());
+  EXPECT_FALSE(d.empty());
+  std::printf("device: %s\n", d.c_str());
 }
 
 TEST(CudaCodec, AllDTypesSizesAndRates) {
@@ -315,19 +315,17 @@ TEST(CudaCodec, ElementAlignedPointers) {
     const size_t n = kEmulated ? 5000 : 100000;
     const Bytes a = RandomTensor(t, n, rng);
     const Bytes b = Mutate(a, t, 0.02, rng);
-    auto cpu = EncodePatch(t, a, b);
-    ASSERT_TRUE(cpu.ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, EncodePatch(t, a, b));
     Bytes pa(w), pb(w);  // shift by one element
     pa.insert(pa.end(), a.begin(), a.end());
     pb.insert(pb.end(), b.begin(), b.end());
     DeviceBuffer da = Upload(pa), db = Upload(pb);
     const void* ua = static_cast<const uint8_t*>(da.data()) + w;
     const void* ub = static_cast<const uint8_t*>(db.data()) + w;
-    auto gpu = codec.Encode(t, ua, ub, a.size());
-    ASSERT_TRUE(gpu.ok()) << gpu.status();
-    EXPECT_EQ(FirstDiff(*gpu, *cpu), -1) << DTypeName(t);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto gpu, codec.Encode(t, ua, ub, a.size()));
+    EXPECT_EQ(FirstDiff(gpu, cpu), -1) << DTypeName(t);
     void* uo = static_cast<uint8_t*>(da.data()) + w;
-    ASSERT_TRUE(codec.Apply(*cpu, t, uo, uo, a.size()).ok());
+    ASSERT_THAT(codec.Apply(cpu, t, uo, uo, a.size()), IsOk());
     EXPECT_EQ(FirstDiff(Download(da, pa.size()), pb), -1);
   }
 }
@@ -353,13 +351,13 @@ TEST(CudaCodec, Timings) {
   DeviceBuffer da = Upload(a), db = Upload(b), out = Upload(a);
   DeviceCodec codec;
   DeviceTimings tm;
-  auto patch = codec.Encode(DType::kBF16, da.data(), db.data(), a.size(), {}, nullptr, &tm);
-  ASSERT_TRUE(patch.ok()) << patch.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto patch, codec.Encode(DType::kBF16, da.data(), db.data(), a.size(), {}, nullptr, &tm));
   std::vector<std::string> names;
   for (const auto& s : tm.stages) names.push_back(s.name);
   EXPECT_EQ(names, (std::vector<std::string>{"analyze", "emit", "d2h"}));
   for (const auto& s : tm.stages) EXPECT_GE(s.ms, 0);
-  ASSERT_TRUE(codec.Apply(*patch, DType::kBF16, da.data(), out.data(), a.size(), &tm).ok());
+  ASSERT_THAT(codec.Apply(patch, DType::kBF16, da.data(), out.data(), a.size(), &tm), IsOk());
   EXPECT_GT(tm.stages.size(), 0u);
   EXPECT_GT(codec.scratch_bytes(), 0u);
   codec.ReleaseScratch();
@@ -385,16 +383,15 @@ TEST(CudaCodec, ArgumentErrors) {
   const void* misaligned = static_cast<const uint8_t*>(da.data()) + 2;
   EXPECT_EQ(EncodePatchDevice(DType::kF32, misaligned, db.data(), a.size()).status().code(),
             absl::StatusCode::kInvalidArgument);
-  auto patch = EncodePatch(DType::kF32, a, b);
-  ASSERT_TRUE(patch.ok());
-  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kI32, da.data(), da.data(), a.size()).code(),
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kF32, a, b));
+  EXPECT_EQ(ApplyPatchDevice(patch, DType::kI32, da.data(), da.data(), a.size()).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kF32, da.data(), da.data(), a.size() - 4).code(),
+  EXPECT_EQ(ApplyPatchDevice(patch, DType::kF32, da.data(), da.data(), a.size() - 4).code(),
             absl::StatusCode::kFailedPrecondition);
   void* overlapping = static_cast<uint8_t*>(da.data()) + 16;
-  EXPECT_EQ(ApplyPatchDevice(*patch, DType::kF32, da.data(), overlapping, a.size()).code(),
+  EXPECT_EQ(ApplyPatchDevice(patch, DType::kF32, da.data(), overlapping, a.size()).code(),
             absl::StatusCode::kInvalidArgument);
-  Bytes truncated(patch->begin(), patch->end() - 1);
+  Bytes truncated(patch.begin(), patch.end() - 1);
   EXPECT_EQ(ApplyPatchDevice(truncated, DType::kF32, da.data(), da.data(), a.size()).code(),
             absl::StatusCode::kDataLoss);
   EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1);
@@ -414,17 +411,16 @@ TEST(CudaCodec, DigestV2MatchesCpu) {
     const Bytes data = RandomBytes(n, rng);
     const uint64_t want = TensorDigestV2(data);
     DeviceBuffer d = Upload(data);
-    auto got = codec.DigestV2(d.data(), n);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(*got, want) << n << " bytes";
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got, codec.DigestV2(d.data(), n));
+    EXPECT_EQ(got, want) << n << " bytes";
     Bytes shifted(3 + data.size(), 0xEE);  // at an odd address: the unaligned load path
     std::copy(data.begin(), data.end(), shifted.begin() + 3);
     DeviceBuffer s = Upload(shifted);
-    auto got2 = codec.DigestV2(static_cast<const uint8_t*>(s.data()) + 3, n);
-    ASSERT_TRUE(got2.ok()) << got2.status();
-    EXPECT_EQ(*got2, want) << n << " bytes at an odd address";
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got2,
+                               codec.DigestV2(static_cast<const uint8_t*>(s.data()) + 3, n));
+    EXPECT_EQ(got2, want) << n << " bytes at an odd address";
   }
-  EXPECT_FALSE(codec.DigestV2(nullptr, 8).ok());
+  EXPECT_THAT(codec.DigestV2(nullptr, 8), Not(IsOk()));
 }
 
 // ---- one-pass encode (EncodeFused) ------------------------------------------------------------
@@ -462,9 +458,8 @@ void ExpectFusedMatchesTwin(DType t, const Bytes& a, const Bytes& b, int log2, s
   EncodeOptions opt;
   opt.block_log2 = log2;
   Bytes cpu_base = a;
-  auto cpu = EncodeFusedCpu(t, cpu_base, b, opt, /*update_base=*/true);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-  ASSERT_EQ(cpu->digest_v2, TensorDigestV2(b));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, EncodeFusedCpu(t, cpu_base, b, opt, /*update_base=*/true));
+  ASSERT_EQ(cpu.digest_v2, TensorDigestV2(b));
   ASSERT_EQ(FirstDiff(cpu_base, b), -1);
   DeviceCodec codec;
   for (bool update : {false, true}) {
@@ -475,12 +470,11 @@ void ExpectFusedMatchesTwin(DType t, const Bytes& a, const Bytes& b, int log2, s
     DeviceBuffer da = Upload(pa, 8), db = Upload(pb, 8);
     uint8_t* base = static_cast<uint8_t*>(da.data()) + offset;
     const uint8_t* target = static_cast<const uint8_t*>(db.data()) + offset;
-    auto got = codec.EncodeFused(t, base, target, a.size(), opt, update);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->digest_v2, cpu->digest_v2);
-    EXPECT_EQ(got->stats.changed_elements, cpu->stats.changed_elements);
-    EXPECT_EQ(FirstDiff(got->patch, cpu->patch), -1) << got->patch.size() << " vs "
-                                                     << cpu->patch.size() << " bytes";
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got, codec.EncodeFused(t, base, target, a.size(), opt, update));
+    EXPECT_EQ(got.digest_v2, cpu.digest_v2);
+    EXPECT_EQ(got.stats.changed_elements, cpu.stats.changed_elements);
+    EXPECT_EQ(FirstDiff(got.patch, cpu.patch), -1)
+        << got.patch.size() << " vs " << cpu.patch.size() << " bytes";
     const Bytes after = Download(da, pa.size());
     EXPECT_EQ(FirstDiff(Bytes(after.begin(), after.begin() + offset), Bytes(offset, 0xEE)), -1);
     EXPECT_EQ(FirstDiff(Bytes(after.begin() + offset, after.end()), update ? b : a), -1)
@@ -526,10 +520,10 @@ TEST(CudaCodec, EncodeFusedChecksArguments) {
   EXPECT_EQ(codec.EncodeFused(DType::kBF16, da.data(), da.data(), 64, opt, true).status().code(),
             absl::StatusCode::kInvalidArgument);
   opt.block_log2 = 8;
-  auto same = codec.EncodeFused(DType::kBF16, da.data(), da.data(), 64, opt, true);
-  ASSERT_TRUE(same.ok()) << same.status();
-  EXPECT_EQ(same->digest_v2, TensorDigestV2(a));
-  EXPECT_EQ(same->stats.changed_elements, 0u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto same,
+                             codec.EncodeFused(DType::kBF16, da.data(), da.data(), 64, opt, true));
+  EXPECT_EQ(same.digest_v2, TensorDigestV2(a));
+  EXPECT_EQ(same.stats.changed_elements, 0u);
   EXPECT_EQ(FirstDiff(Download(da, 64), a), -1);
 }
 
@@ -548,24 +542,22 @@ TEST(CudaCodec, ApplyDigestV2MatchesCpuDelta) {
         SCOPED_TRACE(::testing::Message() << DTypeName(t) << " n=" << n << " p=" << p);
         EncodeOptions opt;
         opt.block_log2 = 8;
-        auto patch = EncodePatch(t, a, b, opt);
-        ASSERT_TRUE(patch.ok()) << patch.status();
+        REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(t, a, b, opt));
         Bytes cpu_out(a.size());
-        auto cpu = ApplyPatchDigestV2(*patch, t, a, cpu_out);
-        ASSERT_TRUE(cpu.ok()) << cpu.status();
+        REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, ApplyPatchDigestV2(patch, t, a, cpu_out));
         const uint64_t d0 = TensorDigestV2(a), d1 = TensorDigestV2(b);
-        ASSERT_EQ(cpu->ApplyTo(d0, a.size()), d1);
+        ASSERT_EQ(cpu.ApplyTo(d0, a.size()), d1);
         for (size_t limit : {size_t{512} << 20, size_t{64}}) {  // one wave; a wave per block
           DeviceCodec codec;
           codec.set_decode_scratch_limit(limit);
           DeviceBuffer da = Upload(a), out = Upload(Bytes(a.size(), 0xAB));
-          auto oop = codec.ApplyDigestV2(*patch, t, da.data(), out.data(), a.size());
-          ASSERT_TRUE(oop.ok()) << oop.status();
-          EXPECT_EQ(*oop, *cpu) << "out of place, scratch " << limit;
+          REFIT_ASSERT_OK_AND_ASSIGN(
+              auto oop, codec.ApplyDigestV2(patch, t, da.data(), out.data(), a.size()));
+          EXPECT_EQ(oop, cpu) << "out of place, scratch " << limit;
           EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1);
-          auto inp = codec.ApplyDigestV2(*patch, t, da.data(), da.data(), a.size());
-          ASSERT_TRUE(inp.ok()) << inp.status();
-          EXPECT_EQ(*inp, *cpu) << "in place, scratch " << limit;
+          REFIT_ASSERT_OK_AND_ASSIGN(auto inp,
+                                     codec.ApplyDigestV2(patch, t, da.data(), da.data(), a.size()));
+          EXPECT_EQ(inp, cpu) << "in place, scratch " << limit;
           EXPECT_EQ(FirstDiff(Download(da, a.size()), b), -1);
         }
       }
@@ -578,16 +570,15 @@ TEST(CudaCodec, ApplyDigestV2KeepsApplyValidation) {
   std::mt19937_64 rng(24);
   const Bytes a = RandomTensor(DType::kBF16, 5000, rng);
   const Bytes b = Mutate(a, DType::kBF16, 0.02, rng);
-  auto patch = EncodePatch(DType::kBF16, a, b);
-  ASSERT_TRUE(patch.ok());
-  Bytes corrupt = *patch;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, a, b));
+  Bytes corrupt = patch;
   corrupt.back() ^= 0x10;
   DeviceCodec codec;
   DeviceBuffer da = Upload(a);
   auto st = codec.ApplyDigestV2(corrupt, DType::kBF16, da.data(), da.data(), a.size());
   EXPECT_EQ(st.status().code(), absl::StatusCode::kDataLoss) << st.status();
   EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1);
-  EXPECT_EQ(codec.ApplyDigestV2(*patch, DType::kF16, da.data(), da.data(), a.size()).status().code(),
+  EXPECT_EQ(codec.ApplyDigestV2(patch, DType::kF16, da.data(), da.data(), a.size()).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
@@ -604,15 +595,14 @@ TEST(CudaCodec, DigestMatchesCpu) {
     const Bytes data = RandomBytes(n, rng);
     // Aligned, and at an odd address (the unaligned load path).
     DeviceBuffer d = Upload(data);
-    auto got = codec.Digest(d.data(), n);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(*got, TensorDigest(data)) << n << " bytes";
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got, codec.Digest(d.data(), n));
+    EXPECT_EQ(got, TensorDigest(data)) << n << " bytes";
     Bytes shifted(3 + data.size(), 0xEE);
     std::copy(data.begin(), data.end(), shifted.begin() + 3);
     DeviceBuffer s = Upload(shifted);
-    auto got2 = TensorDigestDevice(static_cast<const uint8_t*>(s.data()) + 3, n);
-    ASSERT_TRUE(got2.ok()) << got2.status();
-    EXPECT_EQ(*got2, TensorDigest(data)) << n << " bytes at an odd address";
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got2,
+                               TensorDigestDevice(static_cast<const uint8_t*>(s.data()) + 3, n));
+    EXPECT_EQ(got2, TensorDigest(data)) << n << " bytes at an odd address";
   }
 }
 
@@ -622,7 +612,7 @@ TEST(CudaCodec, DigestMatchesCpu) {
 // after payload bytes changed: the CPU format's writer, from ParsePatch's layout.
 Bytes Resign(const Bytes& patch) {
   auto layout = ParsePatch(patch);
-  EXPECT_TRUE(layout.ok()) << layout.status();
+  EXPECT_THAT(layout, IsOk());
   Bytes table;
   auto varint = [&](uint64_t v) {
     while (v >= 0x80) {
@@ -678,14 +668,13 @@ TEST(CudaCodec, FlippedPayloadBitIsDataLossAndWritesNothing) {
   for (DType t : {DType::kBF16, DType::kBool, DType::kU32}) {
     const Bytes a = RandomTensor(t, 5000, rng);
     const Bytes b = Mutate(a, t, 0.05, rng);
-    auto patch = EncodePatch(t, a, b, EncodeOptions{8, 1});
-    ASSERT_TRUE(patch.ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(t, a, b, EncodeOptions{8, 1}));
     uint64_t table_bytes = 0;
-    std::memcpy(&table_bytes, patch->data() + 16, 8);
+    std::memcpy(&table_bytes, patch.data() + 16, 8);
     const size_t lo = format::kHeaderBytes + table_bytes;  // payloads start here
-    ASSERT_LT(lo, patch->size());
+    ASSERT_LT(lo, patch.size());
     for (int trial = 0; trial < 5; ++trial) {
-      Bytes bad = *patch;
+      Bytes bad = patch;
       bad[lo + rng() % (bad.size() - lo)] ^= static_cast<uint8_t>(1u << (rng() % 8));
       Bytes cpu_out(a.size());
       const absl::Status cpu = ApplyPatch(bad, t, a, cpu_out, 1);
@@ -766,10 +755,9 @@ TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
   for (DType t : {DType::kBF16, DType::kBool, DType::kI64, DType::kF8E4M3}) {
     const Bytes a = RandomTensor(t, 4 * 256, rng);
     const Bytes b = Mutate(a, t, 0.05, rng);
-    auto patch = EncodePatch(t, a, b, EncodeOptions{8, 1});
-    ASSERT_TRUE(patch.ok());
-    auto layout = ParsePatch(*patch);
-    ASSERT_TRUE(layout.ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(t, a, b, EncodeOptions{8, 1}));
+    auto layout = ParsePatch(patch);
+    ASSERT_THAT(layout, IsOk());
     std::vector<size_t> sparse;
     for (size_t i = 0; i < layout->blocks.size(); ++i) {
       if (layout->blocks[i].mode == format::kSparse) sparse.push_back(i);
@@ -778,7 +766,7 @@ TEST(CudaCodec, ResignedGarbageMatchesCpuDecoder) {
     const int trials = kEmulated ? 25 : 150;
     for (int trial = 0; trial < trials; ++trial) {
       SCOPED_TRACE(::testing::Message() << DTypeName(t) << " trial " << trial);
-      Bytes bad = *patch;
+      Bytes bad = patch;
       const BlockDesc& d = layout->blocks[sparse[rng() % sparse.size()]];
       CorruptPayload(bad.data() + d.payload_offset, d.payload_bytes, trial, rng);
       bad = Resign(bad);
@@ -801,7 +789,7 @@ Bytes CpuFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2, cons
   opt.threads = 1;
   std::vector<PatchStats> st;
   auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), opt, &st);
-  EXPECT_TRUE(patches.ok()) << patches.status();
+  EXPECT_THAT(patches, IsOk());
   if (!patches.ok()) return {};
   *stats = st[0];
   return std::move((*patches)[0]);
@@ -821,7 +809,7 @@ uint64_t CheckFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2,
   opt.format = 2;
   DeviceBuffer da = Upload(a), db = Upload(b);
   auto gpu = codec.Encode(t, da.data(), db.data(), a.size(), opt, &gpu_stats, nullptr, prev);
-  EXPECT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_THAT(gpu, IsOk());
   if (!gpu.ok()) return 0;
   EXPECT_EQ(gpu->size(), cpu.size());
   EXPECT_EQ(FirstDiff(*gpu, cpu), -1) << "GPU format-2 patch differs from the CPU's";
@@ -830,15 +818,15 @@ uint64_t CheckFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2,
 
   DeviceBuffer out = Upload(Bytes(a.size(), 0xAB));
   absl::Status st = codec.Apply(cpu, t, da.data(), out.data(), a.size(), nullptr, prev);
-  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_THAT(st, IsOk());
   EXPECT_EQ(FirstDiff(Download(out, a.size()), b), -1) << "out-of-place apply";
   EXPECT_EQ(FirstDiff(Download(da, a.size()), a), -1) << "out-of-place apply wrote the base";
   Bytes cpu_out(a.size());
   auto cpu_delta = ApplyPatchDigestV2(cpu, t, a, cpu_out, 1, prev);
-  EXPECT_TRUE(cpu_delta.ok()) << cpu_delta.status();
+  EXPECT_THAT(cpu_delta, IsOk());
   DeviceBuffer dip = Upload(a);
   auto gpu_delta = codec.ApplyDigestV2(cpu, t, dip.data(), dip.data(), a.size(), nullptr, prev);
-  EXPECT_TRUE(gpu_delta.ok()) << gpu_delta.status();
+  EXPECT_THAT(gpu_delta, IsOk());
   EXPECT_EQ(FirstDiff(Download(dip, a.size()), b), -1) << "in-place apply";
   if (cpu_delta.ok() && gpu_delta.ok()) {
     EXPECT_EQ(gpu_delta->ApplyTo(TensorDigestV2(a), a.size()), TensorDigestV2(b));
@@ -846,7 +834,7 @@ uint64_t CheckFormatTwo(DType t, const Bytes& a, const Bytes& b, int block_log2,
 
   DeviceBuffer dup = Upload(a);
   auto fused = codec.EncodeFused(t, dup.data(), db.data(), a.size(), opt, true, nullptr, prev);
-  EXPECT_TRUE(fused.ok()) << fused.status();
+  EXPECT_THAT(fused, IsOk());
   if (fused.ok()) {
     EXPECT_EQ(FirstDiff(fused->patch, cpu), -1) << "one-pass format-2 patch";
     EXPECT_EQ(fused->digest_v2, TensorDigestV2(b));
@@ -950,11 +938,10 @@ TEST(CudaCodec, FormatTwoGoldenVectorsOnTheDevice) {
   ASSERT_TRUE(in.good()) << "patch_v2_golden.txt not found";
   std::stringstream text;
   text << in.rdbuf();
-  auto cases = ParseGoldenPatches(text.str());
-  ASSERT_TRUE(cases.ok()) << cases.status();
-  ASSERT_FALSE(cases->empty());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto cases, ParseGoldenPatches(text.str()));
+  ASSERT_FALSE(cases.empty());
   DeviceCodec codec;
-  for (const GoldenPatchCase& c : *cases) {
+  for (const GoldenPatchCase& c : cases) {
     SCOPED_TRACE(c.name);
     const ChangeRecord record = c.conditioned ? GoldenRecord(c) : ChangeRecord{};
     const ChangeRecord* prev = c.conditioned ? &record : nullptr;
@@ -962,12 +949,13 @@ TEST(CudaCodec, FormatTwoGoldenVectorsOnTheDevice) {
     opt.block_log2 = c.block_log2;
     opt.format = c.format;
     DeviceBuffer da = Upload(c.base), db = Upload(c.target);
-    auto patch = codec.Encode(c.dtype, da.data(), db.data(), c.base.size(), opt, nullptr, nullptr, prev);
-    ASSERT_TRUE(patch.ok()) << patch.status();
-    EXPECT_EQ(FirstDiff(*patch, c.patch), -1);
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto patch,
+        codec.Encode(c.dtype, da.data(), db.data(), c.base.size(), opt, nullptr, nullptr, prev));
+    EXPECT_EQ(FirstDiff(patch, c.patch), -1);
     DeviceBuffer out = Upload(Bytes(c.base.size(), 0));
     absl::Status st = codec.Apply(c.patch, c.dtype, da.data(), out.data(), c.base.size(), nullptr, prev);
-    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_THAT(st, IsOk());
     EXPECT_EQ(FirstDiff(Download(out, c.base.size()), c.target), -1);
   }
 }
@@ -987,20 +975,19 @@ TEST(CudaCodec, FormatTwoResignedGarbageMatchesCpuDecoder) {
     const ChangeRecord* prev = conditioned ? &rec : nullptr;
     PatchStats stats;
     const Bytes patch = CpuFormatTwo(DType::kBF16, v[1], v[2], kLog2, prev, &stats);
-    auto layout = ParsePatch(patch);
-    ASSERT_TRUE(layout.ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto layout, ParsePatch(patch));
     std::vector<size_t> ctx;
-    for (size_t i = 0; i < layout->blocks.size(); ++i) {
-      if (layout->blocks[i].mode == format::kContext) ctx.push_back(i);
+    for (size_t i = 0; i < layout.blocks.size(); ++i) {
+      if (layout.blocks[i].mode == format::kContext) ctx.push_back(i);
     }
     ASSERT_FALSE(ctx.empty());
     const int trials = kEmulated ? 40 : 300;
     for (int trial = 0; trial < trials; ++trial) {
       SCOPED_TRACE(::testing::Message() << "conditioned=" << conditioned << " trial " << trial);
       Bytes bad = patch;
-      const BlockDesc& d = layout->blocks[ctx[rng() % ctx.size()]];
+      const BlockDesc& d = layout.blocks[ctx[rng() % ctx.size()]];
       CorruptPayload(bad.data() + d.payload_offset, d.payload_bytes, trial, rng);
-      ASSERT_TRUE(testing::ResignPatch(bad).ok());
+      ASSERT_THAT(testing::ResignPatch(bad), IsOk());
       ++(ExpectDeviceVerdictIsCpus(codec, bad, DType::kBF16, v[1], v[2], block, prev) ? accepted
                                                                                      : rejected);
     }
@@ -1054,21 +1041,19 @@ TEST(CudaCodec, MoreThanFourGiElements) {
   b[n - 1] ^= 0x5a;  // the very last element, past 2^32
   EncodeOptions opt;
   PatchStats cpu_stats, gpu_stats;
-  auto cpu = EncodePatch(DType::kU8, a, b, opt, &cpu_stats);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto cpu, EncodePatch(DType::kU8, a, b, opt, &cpu_stats));
   DeviceBuffer da = Upload(a), db = Upload(b);
   DeviceCodec codec;
-  auto gpu = codec.Encode(DType::kU8, da.data(), db.data(), n, opt, &gpu_stats);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  ASSERT_EQ(FirstDiff(*gpu, *cpu), -1);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto gpu,
+                             codec.Encode(DType::kU8, da.data(), db.data(), n, opt, &gpu_stats));
+  ASSERT_EQ(FirstDiff(gpu, cpu), -1);
   ExpectSameStats(gpu_stats, cpu_stats);
   db = DeviceBuffer();  // make room
-  ASSERT_TRUE(codec.Apply(*cpu, DType::kU8, da.data(), da.data(), n).ok());
-  auto digest = codec.Digest(da.data(), n);
-  ASSERT_TRUE(digest.ok()) << digest.status();
-  EXPECT_EQ(*digest, TensorDigest(b));
+  ASSERT_THAT(codec.Apply(cpu, DType::kU8, da.data(), da.data(), n), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto digest, codec.Digest(da.data(), n));
+  EXPECT_EQ(digest, TensorDigest(b));
   std::printf("%llu elements, %llu changes, patch %zu bytes\n", static_cast<unsigned long long>(n),
-              static_cast<unsigned long long>(changes), cpu->size());
+              static_cast<unsigned long long>(changes), cpu.size());
 }
 
 }  // namespace

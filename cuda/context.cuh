@@ -358,12 +358,12 @@ REFIT_DEV void PutValue(Encoder& e, ClassModels& m, int bits, uint64_t a, uint64
 }
 
 // [context_block.cc GetValue], returning what the SPARSE decoder stores (kernels.h ApplyArgs):
-// the difference modulo 2^bits, or (raw coding) the target value. kErrNone or the error.
+// the difference modulo 2^bits, or (raw coding) the target value. kNone or the error.
 template <int kCoding>
 REFIT_DEV uint32_t GetValue(Decoder& d, ClassModels& m, int bits, uint64_t a, int ps, uint64_t* v) {
   if constexpr (kCoding == kCodingRaw) {
     *v = GetLong(d, bits);
-    return *v == a ? kErrRawEqualsBase : kErrNone;
+    return *v == a ? decode_error::kRawEqualsBase : decode_error::kNone;
   } else {
     const uint64_t mask = f::WidthMask(bits);
     const int neg = d.Bit(m.sign[ps]);
@@ -375,9 +375,9 @@ REFIT_DEV uint32_t GetValue(Decoder& d, ClassModels& m, int bits, uint64_t a, in
       mag = ((uint64_t{1} << l1) | GetLong(d, l1)) + 1;
     }
     const uint64_t half = uint64_t{1} << (bits - 1);
-    if (mag > half || (mag == half && !neg)) return kErrDiffRange;
+    if (mag > half || (mag == half && !neg)) return decode_error::kDiffRange;
     *v = neg ? ((0 - mag) & mask) : mag;
-    return kErrNone;
+    return decode_error::kNone;
   }
 }
 
@@ -444,7 +444,7 @@ REFIT_DEV uint32_t MaxField(const ContextField& fl, const T* base, uint32_t len)
 
 // ---- decoder [context_block.cc DecodeContextBlock] ----------------------------------------------
 
-// Where a failure was found, for ApplyError (see kernels.h kErrCtx*).
+// Where a failure was found, for ApplyError (decode_error.h kCtx*).
 struct DecodeAt {
   int cls = -1;
   uint32_t decoded = 0;
@@ -453,23 +453,23 @@ struct DecodeAt {
 // [context_block.cc DecodeHeader]: e_top, the class mask and the gap parameters.
 REFIT_DEV uint32_t DecodeHeader(Decoder& d, const ContextField& fl, uint32_t* top, uint32_t* active,
                                 int* k) {
-  if (d.bad_start) return kErrCtxNotStream;
+  if (d.bad_start) return decode_error::kCtxNotStream;
   *top = d.Direct(16);
   *active = d.Direct(kClasses);
-  if (fl.is_float && *top > fl.mask) return kErrCtxAnchorExp;
-  if (!fl.is_float && *top > static_cast<uint32_t>(fl.bits)) return kErrCtxAnchorWidth;
-  if (*active == 0) return kErrCtxNoClass;
+  if (fl.is_float && *top > fl.mask) return decode_error::kCtxAnchorExp;
+  if (!fl.is_float && *top > static_cast<uint32_t>(fl.bits)) return decode_error::kCtxAnchorWidth;
+  if (*active == 0) return decode_error::kCtxNoClass;
   KModels km;
   Reset(km);
   int last = -1;
   for (uint32_t a = *active; a != 0; a &= a - 1) {
     const int c = dev::Ctz64(a);
     k[c] = GetK(d, km, KPrediction(k, last, c));
-    if (k[c] < 0 || k[c] > kMaxK) return kErrCtxK;
+    if (k[c] < 0 || k[c] > kMaxK) return decode_error::kCtxK;
     last = c;
   }
-  if (!d.ok()) return kErrCtxTruncated;
-  return kErrNone;
+  if (!d.ok()) return decode_error::kCtxTruncated;
+  return decode_error::kNone;
 }
 
 // What the decoder's word loop works with.
@@ -515,18 +515,18 @@ REFIT_DEV uint32_t DecodeChanges(DecodeJob<T>& job, Decoder& d, DecodeAt* at, ui
       const uint64_t cnt = static_cast<uint64_t>(dev::Popc64(mask));
       uint64_t r = job.r[c];
       while (r < cnt) {
-        if (at->decoded + in_word == job.count) return kErrCtxMore;
+        if (at->decoded + in_word == job.count) return decode_error::kCtxMore;
         const int bit = SelectBit(mask, r);
         const uint32_t p = 64 * w + static_cast<uint32_t>(bit);
         uint64_t v = 0;
         const uint32_t e = GetValue<kCoding>(d, job.m[c], kBits, static_cast<uint64_t>(scan.base[p]),
                                              PrevContext(scan.prev, job.prev_down, p), &v);
-        if (e != kErrNone) return e;
+        if (e != decode_error::kNone) return e;
         word_val[bit] = v;
         hit |= uint64_t{1} << bit;
         ++in_word;
         uint64_t g;
-        if (!GetGap(d, job.m[c], job.k[c], scan.len, &g)) return kErrCtxGap;
+        if (!GetGap(d, job.m[c], job.k[c], scan.len, &g)) return decode_error::kCtxGap;
         r += 1 + g;
       }
       seen |= 1u << c;
@@ -541,17 +541,17 @@ REFIT_DEV uint32_t DecodeChanges(DecodeJob<T>& job, Decoder& d, DecodeAt* at, ui
   }
   for (uint32_t a = job.active; a != 0; a &= a - 1) {
     at->cls = dev::Ctz64(a);
-    if (job.r[at->cls] != 0) return kErrCtxLastGap;
-    if (((seen >> at->cls) & 1) == 0) return kErrCtxEmptyClass;
+    if (job.r[at->cls] != 0) return decode_error::kCtxLastGap;
+    if (((seen >> at->cls) & 1) == 0) return decode_error::kCtxEmptyClass;
   }
   at->cls = -1;
-  return kErrNone;
+  return decode_error::kNone;
 }
 
 // One CONTEXT block of `len` elements with `count` changes from its staged payload: positions
 // (increasing) and values (as ApplyArgs' scratch: differences, raw coding target values) into
 // pos_out / val_out. prev_changed / prev_down: the block's words of the previous-change record
-// (null: not conditioned). Returns kErrNone or the error, *at where it was found and *consumed
+// (null: not conditioned). Returns kNone or the error, *at where it was found and *consumed
 // the bytes the decoder had read.
 template <typename T, int kCoding>
 REFIT_DEV uint32_t DecodeContextBlock(const uint8_t* payload, uint64_t bytes, const T* base,
@@ -566,23 +566,23 @@ REFIT_DEV uint32_t DecodeContextBlock(const uint8_t* payload, uint64_t bytes, co
   uint32_t e = DecodeHeader(d, fl, &top, &active, k);
   ClassModels m[kClasses];
   uint64_t r[kClasses];
-  if (e == kErrNone) {
+  if (e == decode_error::kNone) {
     for (uint32_t a = active; a != 0; a &= a - 1) Reset(m[dev::Ctz64(a)]);
     // [context_kernels.inc DecodeBlock] each class's first gap, then the changes.
-    for (uint32_t a = active; a != 0 && e == kErrNone; a &= a - 1) {
+    for (uint32_t a = active; a != 0 && e == decode_error::kNone; a &= a - 1) {
       at->cls = dev::Ctz64(a);
       uint64_t g = 0;
-      if (!GetGap(d, m[at->cls], k[at->cls], len, &g)) e = kErrCtxGap;
+      if (!GetGap(d, m[at->cls], k[at->cls], len, &g)) e = decode_error::kCtxGap;
       r[at->cls] = g;
     }
   }
-  if (e == kErrNone) {
+  if (e == decode_error::kNone) {
     DecodeJob<T> job{WordScan<T>{base, prev_changed, len, top, fl, {}, 0}, prev_down, count, active,
                      k, m, r};
     e = DecodeChanges<T, kCoding>(job, d, at, pos_out, val_out);
   }
-  if (e == kErrNone && at->decoded != count) e = kErrCtxFewer;
-  if (e == kErrNone && !d.Finished()) e = kErrCtxEnd;
+  if (e == decode_error::kNone && at->decoded != count) e = decode_error::kCtxFewer;
+  if (e == decode_error::kNone && !d.Finished()) e = decode_error::kCtxEnd;
   *consumed = d.pos;
   return e;
 }

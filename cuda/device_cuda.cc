@@ -57,9 +57,7 @@ class DeviceImpl final : public Device {
                                                         : rt::HostAlloc(&ptr, bytes == 0 ? 1 : bytes);
     if (!st.ok()) {
       const char* what = kind == Allocation::Kind::kDevice ? "device memory" : "pinned host memory";
-      return absl::Status(st.code(), absl::StrCat("allocating ", bytes, " bytes of ", what,
-                                                  " on ", FormatUuid(info_.uuid), ": ",
-                                                  st.message()));
+      return Annotate(st, "allocating ", bytes, " bytes of ", what, " on ", FormatUuid(info_.uuid));
     }
     return Allocation(ptr, bytes, kind, info_.ordinal, &FreeAllocation);
   }

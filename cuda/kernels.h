@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "daemon/codec/decode_error.h"
+
 namespace refit::cuda::kern {
 
 // Threads per thread block of every block-level kernel. Equal to format::kHashLanes: thread t of a
@@ -176,45 +178,16 @@ struct ApplyDesc {
 };
 static_assert(sizeof(ApplyDesc) == 64, "ApplyDesc layout");
 
-// Decoder failure of one block, mirroring DecodeSparse's messages (codec_cuda.cc maps codes).
+// Decoder failure of one block: a daemon/codec/decode_error.h code (the CPU decoder's texts) and
+// where it was found. CONTEXT blocks: .change = changes decoded before the failing 64-element
+// word, .bit = bytes the range decoder had consumed, .used = class + 1 or 0.
 struct ApplyError {
-  uint32_t code;    // ApplyErrorCode
+  uint32_t code;    // decode_error::Code
   uint32_t change;  // j
   uint64_t bit;     // reader bit position at the failure
   uint64_t used;    // kBadSize: bits the changes used
 };
 static_assert(sizeof(ApplyError) == 24, "ApplyError layout");
-
-enum ApplyErrorCode : uint32_t {
-  kErrNone = 0,
-  kErrRunTruncated = 1,      // "truncated or oversized run length"
-  kErrRunPastCount = 2,      // "run length runs past the block's change count"
-  kErrGapTruncated = 3,      // "truncated or oversized position gap"
-  kErrPosPastEnd = 4,        // "position beyond the end of the block"
-  kErrValueTruncated = 5,    // "truncated value"
-  kErrRawEqualsBase = 6,     // "raw value equals the base value (not a change)"
-  kErrExcPrefix = 7,         // "truncated or oversized exception prefix"
-  kErrExcTooLarge = 8,       // "exception magnitude too large for the dtype"
-  kErrExcTruncated = 9,      // "truncated exception magnitude"
-  kErrDiffRange = 10,        // "difference out of range for the dtype"
-  kErrBadSize = 11,          // payload size != bits used
-  kErrPadding = 12,          // nonzero padding bits
-  // CONTEXT blocks (context_block.cc's messages; ApplyError.change = changes decoded before the
-  // failing 64-element word, .bit = bytes the range decoder had consumed, .used = class + 1 or 0).
-  kErrCtxNotStream = 13,     // "not a range-coded stream (too short or bad first bytes)"
-  kErrCtxAnchorExp = 14,     // "the class anchor exceeds the dtype's exponent field"
-  kErrCtxAnchorWidth = 15,   // "the class anchor exceeds the dtype's width"
-  kErrCtxNoClass = 16,       // "no class has a change"
-  kErrCtxK = 17,             // "a class's gap parameter is out of [0, 24]"
-  kErrCtxTruncated = 18,     // "truncated stream"
-  kErrCtxGap = 19,           // "truncated or oversized gap"
-  kErrCtxMore = 20,          // "more changes than the block's count"
-  kErrCtxLastGap = 21,       // "the class's last gap runs past its elements"
-  kErrCtxEmptyClass = 22,    // "a class in the mask has no change"
-  kErrCtxFewer = 23,         // "fewer changes than the block's count"
-  kErrCtxEnd = 24,           // "the stream does not end where its last symbol does"
-  // (kErrRawEqualsBase and kErrDiffRange are shared with SPARSE blocks.)
-};
 
 struct ApplyArgs {
   const uint8_t* patch = nullptr;  // device copy of the whole patch

@@ -22,12 +22,12 @@ declare -A SEEDS=(
   [patch_fuzzer]="$BUILD_DIR/daemon/codec/make_fuzz_corpus"
   [safetensors_fuzzer]="$BUILD_DIR/daemon/model/make_safetensors_corpus"
   [config_fuzzer]="cp config/*.yaml"
-  [data_plane_fuzzer]="$BUILD_DIR/daemon/publisher/make_data_plane_corpus"
+  [data_plane_fuzzer]="$BUILD_DIR/daemon/serving/make_data_plane_corpus"
   [subscriber_fuzzer]="$BUILD_DIR/daemon/subscriber/make_subscriber_corpus"
 )
 declare -A DIRS=(
   [patch_fuzzer]=daemon/codec [safetensors_fuzzer]=daemon/model [config_fuzzer]=daemon/config
-  [data_plane_fuzzer]=daemon/publisher [subscriber_fuzzer]=daemon/subscriber
+  [data_plane_fuzzer]=daemon/serving [subscriber_fuzzer]=daemon/subscriber
 )
 
 build_targets=()

@@ -6,7 +6,8 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake ninja-build pkg-config git ca-certificates
-  clang libclang-rt-14-dev            # libFuzzer target and sanitizers
+  clang libclang-rt-14-dev            # libFuzzer target and sanitizers; -Wthread-safety
+  clang-format clang-tidy             # scripts/check-style.sh: changed lines formatted, tidy checks
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev liblz4-dev libzstd-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -30,6 +30,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
 #include "grpcpp/grpcpp.h"
@@ -40,6 +41,9 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 bool ContainsAny(const std::string& text, const std::vector<std::string>& needles) {
   const std::string lower = absl::AsciiStrToLower(text);
@@ -258,10 +262,9 @@ TEST_F(E2EBadInput, ControlAndConsumerApiRejectMalformedRequests) {
                      {"does-not-exist.safetensors"}});
   }
   {
-    absl::StatusOr<std::string> path = WriteModelFile(m1, "again");
-    ASSERT_TRUE(path.ok()) << path.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(std::string path, WriteModelFile(m1, "again"));
     v1::PublishRequest req;
-    req.add_safetensors(*path);
+    req.add_safetensors(path);
     req.set_version(1);
     v1::PublishResponse resp;
     cases.push_back({"Publish of a version that is not above the newest",
@@ -270,7 +273,7 @@ TEST_F(E2EBadInput, ControlAndConsumerApiRejectMalformedRequests) {
   }
   {
     absl::StatusOr<std::string> path = WriteModelFile(m1, "relative-publish");
-    ASSERT_TRUE(path.ok()) << path.status();
+    ASSERT_THAT(path, IsOk());
     v1::PublishRequest req;
     req.add_safetensors("relative-publish.safetensors");
     v1::PublishResponse resp;
@@ -313,7 +316,7 @@ TEST_F(E2EBadInput, ControlAndConsumerApiRejectMalformedRequests) {
   }
   for (const RpcCase& c : cases) {
     std::printf("[e2e] %s -> %s\n", c.what.c_str(), c.status.ToString().c_str());
-    EXPECT_FALSE(c.status.ok()) << c.what << " succeeded";
+    EXPECT_THAT(c.status, Not(IsOk())) << c.what << " succeeded";
     EXPECT_TRUE(std::find(c.codes.begin(), c.codes.end(), c.status.code()) != c.codes.end())
         << c.what << ": " << c.status;
     EXPECT_TRUE(ContainsAny(std::string(c.status.message()), c.words))

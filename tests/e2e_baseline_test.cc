@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -11,11 +12,12 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+
 class E2EBaselineTest : public E2ETest {
  protected:
   void Run(bool sigkill) {
-    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(41);
-    ASSERT_TRUE(traj.ok()) << traj.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(41));
 
     PublisherSpec ps;
     ps.name = "pub";
@@ -34,8 +36,8 @@ class E2EBaselineTest : public E2ETest {
     }
     Model m;
     for (uint64_t v = 1; v <= 3; ++v) {
-      if (v > 1) (*traj)->Step();
-      m = ModelFromTrajectory(**traj);
+      if (v > 1) (traj)->Step();
+      m = ModelFromTrajectory(*traj);
       E2E_ASSERT_OK(Publish(pub, m, v));
       for (DaemonProcess* sub : subs) E2E_ASSERT_OK(WaitVersion(*sub, v));
     }
@@ -45,20 +47,18 @@ class E2EBaselineTest : public E2ETest {
         pub.control_target(),
         [](const v1::StatusResponse& s) { return s.baseline().persisted_version() >= 3; },
         absl::Seconds(30), "version 3 persisted");
-    ASSERT_TRUE(before.ok()) << before.status();
+    ASSERT_THAT(before, IsOk());
 
     if (sigkill) {
       E2E_ASSERT_OK(pub.Kill());
     } else {
-      absl::StatusOr<int> code = pub.Terminate();
-      ASSERT_TRUE(code.ok()) << code.status();
-      EXPECT_EQ(*code, 0) << "publisher exit code after SIGTERM\n" << pub.LogTail();
+      REFIT_ASSERT_OK_AND_ASSIGN(int code, pub.Terminate());
+      EXPECT_EQ(code, 0) << "publisher exit code after SIGTERM\n" << pub.LogTail();
     }
     E2E_ASSERT_OK(pub.Start());
-    absl::StatusOr<v1::StatusResponse> after = RpcStatus(pub.control_target());
-    ASSERT_TRUE(after.ok()) << after.status();
-    EXPECT_EQ(after->version(), 3u) << "restarted publisher loaded its baseline";
-    EXPECT_EQ(after->version_digest(), before->version_digest())
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse after, RpcStatus(pub.control_target()));
+    EXPECT_EQ(after.version(), 3u) << "restarted publisher loaded its baseline";
+    EXPECT_EQ(after.version_digest(), before->version_digest())
         << "restarted publisher's baseline digest";
 
     // Both subscribers reconnect by themselves (backoff) and report v3.
@@ -70,18 +70,17 @@ class E2EBaselineTest : public E2ETest {
           return at3 == 2;
         },
         absl::Seconds(30), "both subscribers reconnected at v3");
-    ASSERT_TRUE(sessions.ok()) << sessions.status();
+    ASSERT_THAT(sessions, IsOk());
 
-    (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    traj->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, 4));
     for (DaemonProcess* sub : subs) {
       E2E_ASSERT_OK(WaitVersion(*sub, 4));
       E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
       E2E_ASSERT_OK(ExpectVerified(*sub));
-      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub->control_target(), 4);
-      ASSERT_TRUE(st.ok()) << st.status();
-      const v1::RefitStats& r = st->last_refit();
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), 4));
+      const v1::RefitStats& r = st.last_refit();
       std::printf("[e2e] %s after publisher restart: %s\n", sub->name().c_str(),
                   DescribeRefit(r).c_str());
       EXPECT_EQ(r.version(), 4u) << sub->name();

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -12,11 +13,12 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+
 using E2EDigestV2 = E2ETest;
 
 TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(17);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(17));
   PublisherSpec ps;
   ps.name = "pub";
   DaemonProcess& pub = NewPublisher(ps);
@@ -35,27 +37,26 @@ TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
 
   for (uint64_t v = 1; v <= 10; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
-    const Model m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    const Model m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     absl::StatusOr<v1::StatusResponse> pst;
     for (DaemonProcess* sub : {&v2, &v1sub}) {
       E2E_ASSERT_OK(WaitVersion(*sub, v));
       E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
       E2E_ASSERT_OK(ExpectVerified(*sub));  // recomputed in the session's format
-      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub->control_target(), v);
-      ASSERT_TRUE(st.ok()) << st.status();
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
       pst = RpcStatus(pub.control_target());
-      ASSERT_TRUE(pst.ok()) << pst.status();
+      ASSERT_THAT(pst, IsOk());
       ASSERT_EQ(pst->version(), v);
       const bool is_v2 = sub == &v2;
-      EXPECT_EQ(st->digest_format(), is_v2 ? 2u : 1u) << sub->name();
-      EXPECT_EQ(st->version_digest(), is_v2 ? pst->version_digest_v2() : pst->version_digest())
+      EXPECT_EQ(st.digest_format(), is_v2 ? 2u : 1u) << sub->name();
+      EXPECT_EQ(st.version_digest(), is_v2 ? pst->version_digest_v2() : pst->version_digest())
           << sub->name();
-      EXPECT_TRUE(st->last_refit().digests_verified()) << sub->name();
+      EXPECT_TRUE(st.last_refit().digests_verified()) << sub->name();
       if (v > 1) {
-        EXPECT_EQ(st->last_refit().base_version(), v - 1) << sub->name();
-        EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << sub->name();
+        EXPECT_EQ(st.last_refit().base_version(), v - 1) << sub->name();
+        EXPECT_EQ(st.last_refit().keyframe_tensors(), 0u) << sub->name();
       }
     }
     for (const v1::SessionStatus& s : pst->sessions()) {

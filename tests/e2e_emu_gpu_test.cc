@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -43,8 +44,7 @@ class E2EEmulatedGpu : public E2ETest, public ::testing::WithParamInterface<GpuC
 TEST_P(E2EEmulatedGpu, GpuEncodeGpuStoresAndAPeerBootstrapBitExact) {
   const std::string baseline = GetParam().baseline;
   const std::string patch_format = GetParam().patch_format;
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(44);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(44));
 
   PublisherSpec ps;
   ps.codec_device = "cuda";
@@ -62,8 +62,8 @@ TEST_P(E2EEmulatedGpu, GpuEncodeGpuStoresAndAPeerBootstrapBitExact) {
 
   Model m;
   for (uint64_t v = 1; v <= 2; ++v) {
-    if (v > 1) (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(peer, v));
     E2E_ASSERT_OK(ExpectExportEquals(peer, m));
@@ -82,17 +82,16 @@ TEST_P(E2EEmulatedGpu, GpuEncodeGpuStoresAndAPeerBootstrapBitExact) {
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
 
   for (uint64_t v = 3; v <= 4; ++v) {
-    (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    traj->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     for (DaemonProcess* sub : {&peer, &late}) {
       E2E_ASSERT_OK(WaitVersion(*sub, v));
       E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
       E2E_ASSERT_OK(ExpectVerified(*sub));
     }
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(late.control_target(), v);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->last_refit().base_version(), v - 1) << DescribeRefit(st->last_refit());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(late.control_target(), v));
+    EXPECT_EQ(st.last_refit().base_version(), v - 1) << DescribeRefit(st.last_refit());
   }
   // The work really ran on the (emulated) GPU.
   const std::string pub_log = pub.LogTail(400);

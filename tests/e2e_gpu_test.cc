@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/sync/version_digest.h"
 #include "grpcpp/grpcpp.h"
@@ -25,14 +26,15 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+
 class E2EGpu : public E2ETest {
  protected:
   void SetUp() override {
     E2ETest::SetUp();
     if (auto why = cuda::testing::NoUsableDevice()) GTEST_SKIP() << "no CUDA device (" << *why << ")";
-    auto dev = cuda::OpenDevice({});
-    ASSERT_TRUE(dev.ok()) << dev.status();
-    device_ = std::move(*dev);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto dev, cuda::OpenDevice({}));
+    device_ = std::move(dev);
   }
   std::unique_ptr<cuda::Device> device_;
 };
@@ -44,9 +46,8 @@ std::unique_ptr<grpc::ClientContext> Ctx() {
 }
 
 TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(21);
-  ASSERT_TRUE(traj.ok()) << traj.status();
-  const auto& specs = (*traj)->tensors();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(21));
+  const auto& specs = traj->tensors();
 
   PublisherSpec ps;
   ps.local_socket = true;
@@ -65,21 +66,20 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
   v1::RegisterTensorsRequest reg;
   reg.set_client("rank0");
   for (size_t i = 0; i < specs.size(); ++i) {
-    auto a = device_->Allocate((*traj)->bf16(i).size(), cuda::Allocation::Kind::kDevice);
-    ASSERT_TRUE(a.ok()) << a.status();
-    auto handle = device_->ExportIpc(a->data());
-    ASSERT_TRUE(handle.ok()) << handle.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto a, device_->Allocate(traj->bf16(i).size(), cuda::Allocation::Kind::kDevice));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto handle, device_->ExportIpc(a.data()));
     v1::TensorLocation* loc = reg.add_tensors();
     loc->mutable_spec()->set_name(specs[i].name);
     loc->mutable_spec()->set_dtype(sync::ToProtoDType(specs[i].dtype));
     for (int64_t d : specs[i].shape) loc->mutable_spec()->add_shape(static_cast<uint64_t>(d));
     v1::CudaIpcRegion* r = loc->mutable_cuda_ipc();
-    r->set_ipc_handle(handle->data(), handle->size());
+    r->set_ipc_handle(handle.data(), handle.size());
     r->set_device_uuid(device_->info().uuid.data(), cuda::kUuidBytes);
     r->set_offset(0);
-    r->set_size_bytes((*traj)->bf16(i).size());
-    r->set_allocation_bytes(a->size());
-    weights.push_back(std::move(*a));
+    r->set_size_bytes(traj->bf16(i).size());
+    r->set_allocation_bytes(a.size());
+    weights.push_back(std::move(a));
   }
   auto trainer = v1::TrainerApi::NewStub(
       grpc::CreateChannel(pub.local_target(), grpc::InsecureChannelCredentials()));
@@ -88,10 +88,10 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
 
   for (uint64_t v = 1; v <= 6; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
+    if (v > 1) (traj)->Step();
     for (size_t i = 0; i < specs.size(); ++i) {
-      std::span<const uint8_t> src = (*traj)->bf16(i);
-      ASSERT_TRUE(device_->CopyToDevice(weights[i].data(), src.data(), src.size()).ok());
+      std::span<const uint8_t> src = traj->bf16(i);
+      ASSERT_THAT(device_->CopyToDevice(weights[i].data(), src.data(), src.size()), IsOk());
     }
     if (v == 1) {
       v1::RegisterTensorsResponse rr;
@@ -108,7 +108,7 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
     // The snapshot is taken: scribbling over the trainer's weights now must not reach version v.
     for (cuda::Allocation& a : weights) {
       std::vector<uint8_t> junk(a.size(), 0xA5);
-      ASSERT_TRUE(device_->CopyToDevice(a.data(), junk.data(), junk.size()).ok());
+      ASSERT_THAT(device_->CopyToDevice(a.data(), junk.data(), junk.size()), IsOk());
     }
 
     E2E_ASSERT_OK(WaitVersion(sub, v));
@@ -128,32 +128,32 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
     for (const v1::TensorLocation& loc : lease.layout().tensors()) {
       ASSERT_TRUE(loc.has_cuda_ipc()) << loc.spec().name();
       const v1::CudaIpcRegion& r = loc.cuda_ipc();
-      auto uuid = cuda::UuidFromBytes(r.device_uuid());
-      ASSERT_TRUE(uuid.ok());
-      ASSERT_EQ(*uuid, device_->info().uuid);
+      REFIT_ASSERT_OK_AND_ASSIGN(auto uuid, cuda::UuidFromBytes(r.device_uuid()));
+      ASSERT_EQ(uuid, device_->info().uuid);
       void*& base = opened[r.ipc_handle()];
       if (base == nullptr) {
         cuda::IpcHandle h;
         ASSERT_EQ(r.ipc_handle().size(), h.size());
         std::memcpy(h.data(), r.ipc_handle().data(), h.size());
         auto b = device_->OpenIpc(h);
-        ASSERT_TRUE(b.ok()) << "opening the subscriber's slot: " << b.status();
+        ASSERT_THAT(b, IsOk()) << "opening the subscriber's slot: " << b.status();
         base = *b;
       }
       std::vector<uint8_t> got(r.size_bytes());
-      ASSERT_TRUE(device_->CopyToHost(got.data(), static_cast<uint8_t*>(base) + r.offset(),
-                                      got.size()).ok());
-      std::span<const uint8_t> want = (*traj)->bf16(index.at(loc.spec().name()));
+      ASSERT_THAT(
+          device_->CopyToHost(got.data(), static_cast<uint8_t*>(base) + r.offset(), got.size()),
+          IsOk());
+      std::span<const uint8_t> want = traj->bf16(index.at(loc.spec().name()));
       ASSERT_TRUE(std::equal(want.begin(), want.end(), got.begin(), got.end()))
           << loc.spec().name() << " differs from the dense copy at version " << v;
     }
-    for (auto& [h, base] : opened) EXPECT_TRUE(device_->CloseIpc(base).ok());
+    for (auto& [h, base] : opened) EXPECT_THAT(device_->CloseIpc(base), IsOk());
     v1::ReleaseLeaseRequest rel;
     rel.set_lease_id(lease.lease_id());
     v1::ReleaseLeaseResponse relr;
     ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
   }
-  E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(**traj)));
+  E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(*traj)));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "tests/harness/consumer.h"
@@ -17,6 +18,8 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 // A read-only mapping of a ShmRegion's object.
 class Mapping {
@@ -115,17 +118,16 @@ TEST_F(E2ELeases, LeasedVersionStaysReadableWhileTheNextArrives) {
   E2E_ASSERT_OK(WaitVersion(*sub_, 1));
 
   absl::StatusOr<v1::Lease> lease = Acquire(std::nullopt);
-  ASSERT_TRUE(lease.ok()) << "AcquireLease: " << lease.status();
+  ASSERT_THAT(lease, IsOk()) << "AcquireLease: " << lease.status();
   EXPECT_EQ(lease->version(), 1u);
   EXPECT_EQ(lease->layout().version(), 1u);
   ASSERT_EQ(lease->layout().tensors_size(), 3) << lease->layout().ShortDebugString();
   EXPECT_EQ(ReadAndCompare(lease->layout(), m1), "") << "v1 through the lease";
   // The lease shows in Status.
-  absl::StatusOr<v1::StatusResponse> st = RpcStatus(sub_->control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
-  ASSERT_EQ(st->leases_size(), 1) << st->ShortDebugString();
-  EXPECT_EQ(st->leases(0).consumer(), "e2e-consumer");
-  EXPECT_EQ(st->leases(0).version(), 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(sub_->control_target()));
+  ASSERT_EQ(st.leases_size(), 1) << st.ShortDebugString();
+  EXPECT_EQ(st.leases(0).consumer(), "e2e-consumer");
+  EXPECT_EQ(st.leases(0).version(), 1u);
 
   // Map the leased regions once, as a consumer does, then let v2 arrive.
   // A consumer following announcements: WatchVersions after v1 yields v2 once it is applied.
@@ -137,14 +139,14 @@ TEST_F(E2ELeases, LeasedVersionStaysReadableWhileTheNextArrives) {
   Model m2 = m1;
   PerturbModel(m2, 0.05, 2);
   E2E_ASSERT_OK(Publish(*pub_, m2, 2));
-  absl::StatusOr<v1::WaitVersionResponse> w = RpcWaitVersion(sub_->control_target(), 2, absl::Seconds(60));
-  ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_EQ(w->version(), 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::WaitVersionResponse w,
+                             RpcWaitVersion(sub_->control_target(), 2, absl::Seconds(60)));
+  EXPECT_EQ(w.version(), 2u);
   v1::VersionEvent event;
   ASSERT_TRUE(watch->Read(&event)) << "WatchVersions ended without announcing v2: "
                                    << watch->Finish().error_message();
   EXPECT_EQ(event.version(), 2u) << event.ShortDebugString();
-  EXPECT_EQ(event.version_digest(), w->version_digest()) << event.ShortDebugString();
+  EXPECT_EQ(event.version_digest(), w.version_digest()) << event.ShortDebugString();
   EXPECT_FALSE(event.layout_changed()) << "same manifest: " << event.ShortDebugString();
   watch_ctx.TryCancel();
   v1::VersionEvent ignored;
@@ -157,7 +159,7 @@ TEST_F(E2ELeases, LeasedVersionStaysReadableWhileTheNextArrives) {
 
   E2E_ASSERT_OK(Release(lease->lease_id()));
   absl::StatusOr<v1::Lease> lease2 = Acquire(std::nullopt);
-  ASSERT_TRUE(lease2.ok()) << "AcquireLease after release: " << lease2.status();
+  ASSERT_THAT(lease2, IsOk()) << "AcquireLease after release: " << lease2.status();
   EXPECT_EQ(lease2->version(), 2u);
   EXPECT_EQ(ReadAndCompare(lease2->layout(), m2), "") << "v2 through the new lease";
   E2E_ASSERT_OK(Release(lease2->lease_id()));
@@ -172,8 +174,7 @@ TEST_F(E2ELeases, LeaseHoldsBackAVersionThatNeedsItsSlotUntilReleased) {
   Model m1 = LeaseModel(11);
   E2E_ASSERT_OK(Publish(*pub_, m1, 1));
   E2E_ASSERT_OK(WaitVersion(*sub_, 1));
-  absl::StatusOr<v1::Lease> lease = Acquire(1);
-  ASSERT_TRUE(lease.ok()) << lease.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::Lease lease, Acquire(1));
   Model m2 = m1;
   PerturbModel(m2, 0.05, 12);
   E2E_ASSERT_OK(Publish(*pub_, m2, 2));
@@ -186,8 +187,8 @@ TEST_F(E2ELeases, LeaseHoldsBackAVersionThatNeedsItsSlotUntilReleased) {
       RpcWaitVersion(sub_->control_target(), 3, absl::Seconds(2));
   EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded)
       << "v3 applied over a leased slot: " << early.status();
-  EXPECT_EQ(ReadAndCompare(lease->layout(), m1), "") << "v1 under its lease while v3 waits";
-  E2E_ASSERT_OK(Release(lease->lease_id()));
+  EXPECT_EQ(ReadAndCompare(lease.layout(), m1), "") << "v1 under its lease while v3 waits";
+  E2E_ASSERT_OK(Release(lease.lease_id()));
   E2E_ASSERT_OK(WaitVersion(*sub_, 3));
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, m3));
   E2E_ASSERT_OK(ExpectVerified(*sub_));

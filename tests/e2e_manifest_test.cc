@@ -6,11 +6,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 using E2EManifest = E2ETest;
 
@@ -46,7 +49,7 @@ TEST_F(E2EManifest, AddedRemovedFrozenAndChangedTensorsRefitExactly) {
   E2E_ASSERT_OK(ExpectVerified(sub));
 
   absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), 2);
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   const v1::RefitStats& r = st->last_refit();
   const uint64_t patches = PatchBytes(*v1.Find("a.changed"), *v2.Find("a.changed")) +
                            PatchBytes(*v1.Find("d.changed"), *v2.Find("d.changed"));
@@ -75,7 +78,7 @@ TEST_F(E2EManifest, AddedRemovedFrozenAndChangedTensorsRefitExactly) {
   E2E_ASSERT_OK(ExpectExportEquals(sub, v3));
   E2E_ASSERT_OK(ExpectVerified(sub));
   st = StatusAfterRefit(sub.control_target(), 3);
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->last_refit().keyframe_tensors(), 1u) << DescribeRefit(st->last_refit());
   EXPECT_LE(st->last_refit().wire_bytes(),
             PatchBytes(*v2.Find("a.changed"), *v3.Find("a.changed")) + (2u << 18))

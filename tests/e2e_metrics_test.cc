@@ -1,4 +1,4 @@
-// Issue 13: the daemons' Prometheus metrics, read by a real Prometheus server (Debian's
+// Operations: the daemons' Prometheus metrics, read by a real Prometheus server (Debian's
 // `prometheus` package) and cross-checked against `refitctl status --json`; the exposition of
 // both daemons passes `promtool check metrics`, fetched by `refitctl metrics`.
 #include <sys/stat.h>
@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/metrics/http_get.h"
 #include "daemon/model/trajectory.h"
 #include "google/protobuf/struct.pb.h"
@@ -25,6 +26,8 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 constexpr char kMetrics[] = "  metrics: {listen: \"127.0.0.1:0\"}\n";
 constexpr uint64_t kVersions = 3;
@@ -102,11 +105,10 @@ class E2EMetricsTest : public E2ETest {
     E2E_ASSERT_OK(sub_->Start());
     ASSERT_FALSE(pub_->ready().metrics.empty()) << "no \"metrics\" in the publisher's ready file";
     ASSERT_FALSE(sub_->ready().metrics.empty()) << "no \"metrics\" in the subscriber's ready file";
-    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(13);
-    ASSERT_TRUE(traj.ok()) << traj.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(13));
     for (uint64_t v = 1; v <= kVersions; ++v) {
-      if (v > 1) (*traj)->Step();
-      E2E_ASSERT_OK(Publish(*pub_, ModelFromTrajectory(**traj), v));
+      if (v > 1) (traj)->Step();
+      E2E_ASSERT_OK(Publish(*pub_, ModelFromTrajectory(*traj), v));
       E2E_ASSERT_OK(WaitVersion(*pub_, v, absl::Seconds(60), /*all_subscribers=*/true));
     }
     E2E_ASSERT_OK(StatusAfterRefit(sub_->control_target(), kVersions));
@@ -121,37 +123,35 @@ TEST_F(E2EMetricsTest, PrometheusScrapesBothDaemonsAndAgreesWithStatus) {
   ASSERT_NO_FATAL_FAILURE(StartAndPublish());
   absl::StatusOr<std::unique_ptr<PrometheusServer>> prom = PrometheusServer::Start(
       dir(), {{"publisher", pub_->ready().metrics}, {"subscriber", sub_->ready().metrics}});
-  ASSERT_TRUE(prom.ok()) << prom.status();
+  ASSERT_THAT(prom, IsOk());
 
   // Status is settled once every version is acked: each figure Prometheus reports must become
   // Status's (the scrape after the last change).
-  absl::StatusOr<v1::StatusResponse> ps = CtlStatus(*pub_);
-  ASSERT_TRUE(ps.ok()) << ps.status();
-  absl::StatusOr<v1::StatusResponse> ss = CtlStatus(*sub_);
-  ASSERT_TRUE(ss.ok()) << ss.status();
-  ASSERT_EQ(ps->version(), kVersions);
-  ASSERT_EQ(ss->version(), kVersions);
-  ASSERT_EQ(ps->sessions_size(), 1);
-  EXPECT_EQ(ps->metrics_address(), pub_->ready().metrics);
-  EXPECT_EQ(ss->metrics_address(), sub_->ready().metrics);
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse ps, CtlStatus(*pub_));
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse ss, CtlStatus(*sub_));
+  ASSERT_EQ(ps.version(), kVersions);
+  ASSERT_EQ(ss.version(), kVersions);
+  ASSERT_EQ(ps.sessions_size(), 1);
+  EXPECT_EQ(ps.metrics_address(), pub_->ready().metrics);
+  EXPECT_EQ(ss.metrics_address(), sub_->ready().metrics);
   const PrometheusServer& p = **prom;
   const auto d = [](uint64_t v) { return static_cast<double>(v); };
   const std::pair<std::string, double> checks[] = {
-      {"refitd_current_version{job=\"publisher\"}", d(ps->version())},
-      {"refitd_current_version{job=\"subscriber\"}", d(ss->version())},
+      {"refitd_current_version{job=\"publisher\"}", d(ps.version())},
+      {"refitd_current_version{job=\"subscriber\"}", d(ss.version())},
       {"refitd_publisher_versions_published_total", d(kVersions)},
-      {"refitd_model_bytes{job=\"publisher\"}", d(ps->model_bytes())},
-      {"refitd_model_bytes{job=\"subscriber\"}", d(ss->model_bytes())},
-      {"refitd_data_plane_sent_bytes_total{job=\"publisher\"}", d(ps->bytes_sent())},
-      {"refitd_data_plane_received_bytes_total{job=\"subscriber\"}", d(ss->bytes_received())},
+      {"refitd_model_bytes{job=\"publisher\"}", d(ps.model_bytes())},
+      {"refitd_model_bytes{job=\"subscriber\"}", d(ss.model_bytes())},
+      {"refitd_data_plane_sent_bytes_total{job=\"publisher\"}", d(ps.bytes_sent())},
+      {"refitd_data_plane_received_bytes_total{job=\"subscriber\"}", d(ss.bytes_received())},
       {"refitd_session_acked_version{job=\"publisher\",session=\"sub\"}",
-       d(ps->sessions(0).acked_version())},
+       d(ps.sessions(0).acked_version())},
       {"refitd_session_sent_bytes{job=\"publisher\",session=\"sub\"}",
-       d(ps->sessions(0).bytes_sent())},
+       d(ps.sessions(0).bytes_sent())},
       {"refitd_session_lag_versions{job=\"publisher\",session=\"sub\"}", 0},
       {"refitd_sessions{job=\"publisher\",state=\"idle\"}", 1},
-      {"refitd_last_refit_wire_bytes{job=\"subscriber\"}", d(ss->last_refit().wire_bytes())},
-      {"refitd_last_refit_version{job=\"subscriber\"}", d(ss->last_refit().version())},
+      {"refitd_last_refit_wire_bytes{job=\"subscriber\"}", d(ss.last_refit().wire_bytes())},
+      {"refitd_last_refit_version{job=\"subscriber\"}", d(ss.last_refit().version())},
       {"sum(refitd_transfers_applied_total{job=\"subscriber\"})", d(kVersions)},
       {"sum(refitd_transfers_applied_total{job=\"publisher\"})", d(kVersions)},
       {"refitd_transfer_duration_seconds_count{job=\"subscriber\"}", d(kVersions)},
@@ -159,7 +159,7 @@ TEST_F(E2EMetricsTest, PrometheusScrapesBothDaemonsAndAgreesWithStatus) {
       {"refitd_transfers_rejected_total{job=\"subscriber\"}", 0},
       {"refitd_subscriber_upstream_state{state=\"idle\"}", 1},
       {absl::StrCat("refitd_build_info{job=\"subscriber\",role=\"subscriber\",version=\"",
-                    ss->build_version(), "\"}"),
+                    ss.build_version(), "\"}"),
        1},
   };
   for (const auto& [query, want] : checks) {
@@ -171,7 +171,7 @@ TEST_F(E2EMetricsTest, PrometheusScrapesBothDaemonsAndAgreesWithStatus) {
   // Every query of the shipped dashboard is valid PromQL over these series.
   absl::StatusOr<std::vector<std::string>> queries =
       DashboardQueries(REFIT_SOURCE_DIR "/deploy/grafana/refitd-dashboard.json");
-  ASSERT_TRUE(queries.ok()) << queries.status();
+  ASSERT_THAT(queries, IsOk());
   EXPECT_GE(queries->size(), 10u);
   for (const std::string& q : *queries) E2E_EXPECT_OK(p.Query(q));
 }
@@ -190,7 +190,7 @@ TEST_F(E2EMetricsTest, RefitctlMetricsPassesPromtoolCheck) {
     // The same endpoint as the ready file names.
     absl::StatusOr<metrics::HttpResponse> direct =
         metrics::HttpGet(d->ready().metrics, "/metrics", absl::Seconds(10));
-    ASSERT_TRUE(direct.ok()) << direct.status();
+    ASSERT_THAT(direct, IsOk());
     EXPECT_TRUE(absl::StrContains(direct->body, "refitd_build_info{")) << direct->body;
     const std::string file = Path(d->name() + ".prom");
     std::ofstream(file) << r.out;
@@ -214,9 +214,8 @@ TEST_F(E2EMetricsTest, RefitctlMetricsPassesPromtoolCheck) {
 }
 
 TEST_F(E2EMetricsTest, RefitctlMetricsWithoutAnEndpointSaysSo) {
-  absl::StatusOr<PubSub> ps = StartPubSub("sub");
-  ASSERT_TRUE(ps.ok()) << ps.status();
-  const CommandResult r = RunRefitctl({"--target", ps->pub->control_target(), "metrics"});
+  REFIT_ASSERT_OK_AND_ASSIGN(PubSub ps, StartPubSub("sub"));
+  const CommandResult r = RunRefitctl({"--target", ps.pub->control_target(), "metrics"});
   EXPECT_EQ(r.exit_code, 1) << r.Describe();
   EXPECT_TRUE(absl::StrContains(r.err, "metrics.listen is empty")) << r.Describe();
 }

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -13,12 +14,13 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+
 using E2EPatchFormat = E2ETest;
 
 TEST_F(E2EPatchFormat, V2DeltasAreSmallerThanV1AndBitExact) {
   // Two trajectories from the same seed: the same versions for both publishers.
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(23);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(23));
   PublisherSpec p1;
   p1.name = "pub-v1";
   DaemonProcess& pub1 = NewPublisher(p1);
@@ -44,8 +46,8 @@ TEST_F(E2EPatchFormat, V2DeltasAreSmallerThanV1AndBitExact) {
   constexpr uint64_t kVersions = 8, kLateJoin = 4;
   for (uint64_t v = 1; v <= kVersions; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
-    const Model m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    const Model m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub1, m, v));
     E2E_ASSERT_OK(Publish(pub2, m, v));
     if (v == kLateJoin) {
@@ -60,9 +62,8 @@ TEST_F(E2EPatchFormat, V2DeltasAreSmallerThanV1AndBitExact) {
       E2E_ASSERT_OK(WaitVersion(*sub, v));
       E2E_ASSERT_OK(ExpectExportEquals(*sub, m));  // bit-exact against the dense copy
       E2E_ASSERT_OK(ExpectVerified(*sub));
-      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub->control_target(), v);
-      ASSERT_TRUE(st.ok()) << st.status();
-      const v1::RefitStats& r = st->last_refit();
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
+      const v1::RefitStats& r = st.last_refit();
       EXPECT_TRUE(r.digests_verified()) << sub->name();
       if (sub == late && v == kLateJoin) {
         EXPECT_EQ(r.base_version(), 0u) << "a late joiner bootstraps: " << DescribeRefit(r);
@@ -89,8 +90,7 @@ TEST_F(E2EPatchFormat, V2DeltasAreSmallerThanV1AndBitExact) {
 // each refit measured (snapshot -> acked); then the format with the lower median is kept.
 // Every version arrives bit-exact whichever format it went in.
 TEST_F(E2EPatchFormat, AutoMeasuresBothFormatsThenKeepsTheFasterOne) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(31);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(31));
   PublisherSpec ps;
   ps.extra = "    patch_format: auto\n";
   DaemonProcess& pub = NewPublisher(ps);
@@ -102,16 +102,15 @@ TEST_F(E2EPatchFormat, AutoMeasuresBothFormatsThenKeepsTheFasterOne) {
   std::vector<uint32_t> formats;
   auto publish = [&](uint64_t v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
-    const Model m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    const Model m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(sub, v));
     E2E_ASSERT_OK(ExpectExportEquals(sub, m));
     E2E_ASSERT_OK(ExpectVerified(sub));
-    absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
-    ASSERT_TRUE(pst.ok()) << pst.status();
-    ASSERT_TRUE(pst->patch_format().auto_choice());
-    if (v > 1) formats.push_back(pst->patch_format().last());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse pst, RpcStatus(pub.control_target()));
+    ASSERT_TRUE(pst.patch_format().auto_choice());
+    if (v > 1) formats.push_back(pst.patch_format().last());
   };
   for (uint64_t v = 1; v <= 7; ++v) ASSERT_NO_FATAL_FAILURE(publish(v));
   EXPECT_EQ(formats, (std::vector<uint32_t>{1, 2, 1, 2, 1, 2})) << "the trial alternates";
@@ -121,7 +120,7 @@ TEST_F(E2EPatchFormat, AutoMeasuresBothFormatsThenKeepsTheFasterOne) {
       pub.control_target(),
       [](const v1::StatusResponse& s) { return s.patch_format().chosen() != 0; },
       absl::Seconds(30), "the publisher's choice");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   const v1::PatchFormatStatus& pf = st->patch_format();
   std::printf("[e2e] auto: chose v%u; v1 median %llu us over %u, v2 median %llu us over %u\n",
               pf.chosen(), static_cast<unsigned long long>(pf.median_refit_micros_v1()),
@@ -139,8 +138,7 @@ TEST_F(E2EPatchFormat, AutoMeasuresBothFormatsThenKeepsTheFasterOne) {
 // A relay (serve_peers) forwards the v2 publisher's patches: its peer follows with deltas only,
 // bit-exact, and the relay's history serves it the same format-2 patches.
 TEST_F(E2EPatchFormat, ARelayForwardsFormatTwoPatches) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(29);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(29));
   PublisherSpec ps;
   ps.extra = "    patch_format: v2\n";
   DaemonProcess& pub = NewPublisher(ps);
@@ -158,20 +156,19 @@ TEST_F(E2EPatchFormat, ARelayForwardsFormatTwoPatches) {
   E2E_ASSERT_OK(peer.Start());
   for (uint64_t v = 1; v <= 5; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
-    const Model m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    const Model m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     for (DaemonProcess* x : {&relay, &peer}) {
       E2E_ASSERT_OK(WaitVersion(*x, v));
       E2E_ASSERT_OK(ExpectExportEquals(*x, m));
       E2E_ASSERT_OK(ExpectVerified(*x));
-      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(x->control_target(), v);
-      ASSERT_TRUE(st.ok()) << st.status();
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(x->control_target(), v));
       if (v == 1) continue;
-      EXPECT_EQ(st->last_refit().base_version(), v - 1) << x->name() << ": "
-                                                        << DescribeRefit(st->last_refit());
-      EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << x->name() << ": "
-                                                         << DescribeRefit(st->last_refit());
+      EXPECT_EQ(st.last_refit().base_version(), v - 1)
+          << x->name() << ": " << DescribeRefit(st.last_refit());
+      EXPECT_EQ(st.last_refit().keyframe_tensors(), 0u)
+          << x->name() << ": " << DescribeRefit(st.last_refit());
     }
   }
 }

@@ -1,9 +1,9 @@
-// Persistence off the critical path (issue 10): the publisher appends every version to its patch
+// Persistence off the critical path: the publisher appends every version to its patch
 // log in the background and a restart replays baseline + log.
 //   - SIGKILL right after publishes (once Status says they are persisted), restart: the
 //     subscriber that was up to date and one that was paused two versions behind both get
 //     deltas (no keyframes) from the replayed history, bit-exact;
-//   - with persistence stalled (REFITD_TEST_HOOK_STALL_PERSIST), a version still reaches the
+//   - with persistence stalled (test hook stall_persist), a version still reaches the
 //     subscriber; it is persisted once the disk moves again.
 // The publisher listens on a unix socket in the test directory so that its address survives the
 // restart.
@@ -13,6 +13,8 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
@@ -20,13 +22,21 @@
 namespace refit::e2e {
 namespace {
 
-constexpr char kStallPersistEnv[] = "REFITD_TEST_HOOK_STALL_PERSIST";
+using ::refit::testing::IsOk;
 
 class E2EPatchLogTest : public E2ETest {
  protected:
   void TearDown() override {
-    unsetenv(kStallPersistEnv);
+    unsetenv(TestHooks::kEnv);
     E2ETest::TearDown();
+  }
+
+  // Arms the test hooks (test_hooks.h) of the daemons started from now on: their directory.
+  TestHooks ArmHooks() {
+    const std::string dir = Path("hooks");
+    std::filesystem::create_directories(dir);
+    setenv(TestHooks::kEnv, dir.c_str(), 1);
+    return TestHooks(dir);
   }
 
   DaemonProcess& StartPublisher() {
@@ -35,7 +45,7 @@ class E2EPatchLogTest : public E2ETest {
     ps.listen = absl::StrCat("unix:", dir(), "/pub.sock");
     ps.persist_dir = Path("persist");
     DaemonProcess& pub = NewPublisher(ps);
-    EXPECT_TRUE(pub.Start().ok()) << pub.LogTail();
+    EXPECT_THAT(pub.Start(), IsOk()) << pub.LogTail();
     return pub;
   }
 
@@ -44,7 +54,7 @@ class E2EPatchLogTest : public E2ETest {
     ss.name = name;
     ss.upstream = {pub.listen_target()};
     DaemonProcess& sub = NewSubscriber(ss);
-    EXPECT_TRUE(sub.Start().ok()) << sub.LogTail();
+    EXPECT_THAT(sub.Start(), IsOk()) << sub.LogTail();
     return sub;
   }
 
@@ -62,9 +72,9 @@ class E2EPatchLogTest : public E2ETest {
   void ExpectDelta(const DaemonProcess& sub, uint64_t version, uint64_t min_base, const Model& m) {
     E2E_EXPECT_OK(ExpectExportEquals(sub, m));
     E2E_EXPECT_OK(ExpectVerified(sub));
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), version);
-    ASSERT_TRUE(st.ok()) << st.status();
-    const v1::RefitStats& r = st->last_refit();
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st,
+                               StatusAfterRefit(sub.control_target(), version));
+    const v1::RefitStats& r = st.last_refit();
     std::printf("[e2e] %s: %s\n", sub.name().c_str(), DescribeRefit(r).c_str());
     EXPECT_EQ(r.version(), version) << sub.name();
     EXPECT_GE(r.base_version(), min_base) << sub.name() << ": a delta, not a bootstrap";
@@ -75,33 +85,30 @@ class E2EPatchLogTest : public E2ETest {
 };
 
 TEST_F(E2EPatchLogTest, SigkilledPublisherRestartsFromBaselineAndLogAndServesDeltas) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(43);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(43));
   DaemonProcess& pub = StartPublisher();
   DaemonProcess& live = StartSubscriber(pub, "live");
   DaemonProcess& paused = StartSubscriber(pub, "paused");
   std::vector<Model> models(1);
   for (uint64_t v = 1; v <= 4; ++v) {
-    if (v > 1) (*traj)->Step();
-    models.push_back(ModelFromTrajectory(**traj));
+    if (v > 1) (traj)->Step();
+    models.push_back(ModelFromTrajectory(*traj));
     E2E_ASSERT_OK(Publish(pub, models[v], v));
     E2E_ASSERT_OK(WaitVersion(live, v));
     if (v <= 2) E2E_ASSERT_OK(WaitVersion(paused, v));
     if (v == 2) E2E_ASSERT_OK(paused.Pause());  // stays at version 2
   }
-  absl::StatusOr<v1::StatusResponse> before = WaitPersisted(pub, 4);
-  ASSERT_TRUE(before.ok()) << before.status();
-  EXPECT_EQ(before->baseline().baseline_version(), 1u) << before->baseline().ShortDebugString();
-  EXPECT_EQ(before->baseline().log_versions(), 3u) << "versions 2..4 in the patch log";
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse before, WaitPersisted(pub, 4));
+  EXPECT_EQ(before.baseline().baseline_version(), 1u) << before.baseline().ShortDebugString();
+  EXPECT_EQ(before.baseline().log_versions(), 3u) << "versions 2..4 in the patch log";
 
   E2E_ASSERT_OK(pub.Kill());
   E2E_ASSERT_OK(pub.Start());
-  absl::StatusOr<v1::StatusResponse> after = RpcStatus(pub.control_target());
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->version(), 4u) << "baseline version 1 + log records 2..4";
-  EXPECT_EQ(after->version_digest(), before->version_digest());
-  EXPECT_EQ(after->baseline().state(), v1::BASELINE_STATE_LOADED);
-  EXPECT_EQ(after->history().oldest_version(), 1u) << "history refilled from the log";
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse after, RpcStatus(pub.control_target()));
+  EXPECT_EQ(after.version(), 4u) << "baseline version 1 + log records 2..4";
+  EXPECT_EQ(after.version_digest(), before.version_digest());
+  EXPECT_EQ(after.baseline().state(), v1::BASELINE_STATE_LOADED);
+  EXPECT_EQ(after.history().oldest_version(), 1u) << "history refilled from the log";
 
   // The paused subscriber wakes at version 2 (or 3: that transfer may have been sitting in its
   // socket buffer): patches to 4 from the replayed history, where a baseline-only restart
@@ -111,8 +118,8 @@ TEST_F(E2EPatchLogTest, SigkilledPublisherRestartsFromBaselineAndLogAndServesDel
   ASSERT_NO_FATAL_FAILURE(ExpectDelta(paused, 4, 2, models[4]));
 
   // Both follow the next version with deltas.
-  (*traj)->Step();
-  models.push_back(ModelFromTrajectory(**traj));
+  traj->Step();
+  models.push_back(ModelFromTrajectory(*traj));
   E2E_ASSERT_OK(Publish(pub, models[5], 5));
   for (DaemonProcess* sub : {&live, &paused}) {
     E2E_ASSERT_OK(WaitVersion(*sub, 5));
@@ -121,14 +128,13 @@ TEST_F(E2EPatchLogTest, SigkilledPublisherRestartsFromBaselineAndLogAndServesDel
 }
 
 TEST_F(E2EPatchLogTest, VersionReachesSubscribersWhilePersistenceIsStalled) {
-  const std::string stall = Path("stall-persist");
-  setenv(kStallPersistEnv, stall.c_str(), 1);
+  const std::string stall = ArmHooks().File(TestHook::kStallPersist);
   DaemonProcess& pub = StartPublisher();
   DaemonProcess& sub = StartSubscriber(pub, "sub");
   const Model m1 = RandomModel(1, {{"w.a", 40000}, {"w.b", 3000}});
   E2E_ASSERT_OK(Publish(pub, m1, 1));
   E2E_ASSERT_OK(WaitVersion(sub, 1));
-  ASSERT_TRUE(WaitPersisted(pub, 1).ok());
+  ASSERT_THAT(WaitPersisted(pub, 1), IsOk());
 
   { std::ofstream(stall) << "stall\n"; }  // the disk stops
   Model m2 = m1;
@@ -137,12 +143,12 @@ TEST_F(E2EPatchLogTest, VersionReachesSubscribersWhilePersistenceIsStalled) {
   E2E_ASSERT_OK(WaitVersion(sub, 2));
   E2E_ASSERT_OK(ExpectExportEquals(sub, m2));
   absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->baseline().persisted_version(), 1u) << "version 2 went out before its persist";
 
   std::filesystem::remove(stall);  // the disk moves again
   st = WaitPersisted(pub, 2);
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->baseline().log_versions(), 1u);
 }
 

@@ -4,13 +4,16 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
-#include "tests/harness/relay.h"
 #include "tests/harness/e2e.h"
+#include "tests/harness/relay.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 using E2ERecovery = E2ETest;
 
@@ -24,7 +27,7 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
   // bootstrap lasts seconds and the kill lands in the middle of it on any machine.
   absl::StatusOr<std::unique_ptr<ThrottledRelay>> relay =
       ThrottledRelay::Start(pub.listen_target(), 16 << 20);
-  ASSERT_TRUE(relay.ok()) << relay.status();
+  ASSERT_THAT(relay, IsOk());
   SubscriberSpec vs;
   vs.name = "victim";
   vs.upstream = {(*relay)->target()};
@@ -49,7 +52,7 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
         return s.upstream().state() == v1::SESSION_STATE_TRANSFERRING || s.version() >= 1;
       },
       absl::Seconds(30), "victim transferring v1");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   const bool mid_transfer = st->version() == 0;
   E2E_ASSERT_OK(victim.Kill());
   std::printf("[e2e] victim killed %s\n",
@@ -84,23 +87,22 @@ TEST_F(E2ERecovery, SubscriberKilledMidRefitRestartsAndConverges) {
   E2E_ASSERT_OK(ExpectVerified(victim));
   E2E_ASSERT_OK(WaitVersion(bystander, 4));
   E2E_ASSERT_OK(ExpectExportEquals(bystander, m4));
-  absl::StatusOr<v1::StatusResponse> bst = StatusAfterRefit(bystander.control_target(), 4);
-  ASSERT_TRUE(bst.ok()) << bst.status();
-  EXPECT_EQ(bst->last_refit().base_version(), 3u)
-      << "the bystander got v4 as a delta: " << DescribeRefit(bst->last_refit());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse bst,
+                             StatusAfterRefit(bystander.control_target(), 4));
+  EXPECT_EQ(bst.last_refit().base_version(), 3u)
+      << "the bystander got v4 as a delta: " << DescribeRefit(bst.last_refit());
 }
 
 TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(21);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(21));
   absl::StatusOr<PubSub> daemons = StartPubSub("early");
   E2E_ASSERT_OK(daemons);
   DaemonProcess& pub = *daemons->pub;
   DaemonProcess& early = *daemons->sub;
   Model m;
   for (uint64_t v = 1; v <= 10; ++v) {
-    if (v > 1) (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(early, v));
   }
@@ -113,19 +115,19 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
   E2E_ASSERT_OK(ExpectVerified(late));
   absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(late.control_target(), 10);
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   std::printf("[e2e] late joiner: %s\n", DescribeRefit(st->last_refit()).c_str());
   EXPECT_EQ(st->last_refit().version(), 10u);
   EXPECT_EQ(st->last_refit().base_version(), 0u) << "a late joiner bootstraps from keyframes";
   EXPECT_EQ(st->last_refit().keyframe_tensors(), m.tensors.size());
 
-  (*traj)->Step();
-  m = ModelFromTrajectory(**traj);
+  traj->Step();
+  m = ModelFromTrajectory(*traj);
   E2E_ASSERT_OK(Publish(pub, m, 11));
   E2E_ASSERT_OK(WaitVersion(late, 11));
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
   st = StatusAfterRefit(late.control_target(), 11);
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->last_refit().base_version(), 10u) << DescribeRefit(st->last_refit());
   EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << DescribeRefit(st->last_refit());
 }
@@ -133,8 +135,7 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromKeyframesThenFollowsDeltas) {
 // A late joiner with bootstrap_peers takes its keyframes from an in-region peer (serve_peers), not
 // across the "region link" from the publisher, then follows the publisher's deltas.
 TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(22);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(22));
   PublisherSpec ps;
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
@@ -146,13 +147,12 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
   E2E_ASSERT_OK(peer.Start());
   Model m;
   for (uint64_t v = 1; v <= 3; ++v) {
-    if (v > 1) (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(peer, v));
   }
-  absl::StatusOr<v1::StatusResponse> before = RpcStatus(pub.control_target());
-  ASSERT_TRUE(before.ok()) << before.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse before, RpcStatus(pub.control_target()));
 
   SubscriberSpec late_spec;
   late_spec.name = "late";
@@ -163,27 +163,25 @@ TEST_F(E2ERecovery, LateJoinerBootstrapsFromAnInRegionPeer) {
   E2E_ASSERT_OK(WaitVersion(late, 3));
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
   E2E_ASSERT_OK(ExpectVerified(late));
-  absl::StatusOr<v1::StatusResponse> peer_st = RpcStatus(peer.control_target());
-  ASSERT_TRUE(peer_st.ok()) << peer_st.status();
-  absl::StatusOr<v1::StatusResponse> after = RpcStatus(pub.control_target());
-  ASSERT_TRUE(after.ok()) << after.status();
-  const uint64_t from_publisher = after->bytes_sent() - before->bytes_sent();
-  std::printf("[e2e] late joiner bootstrap: publisher sent %llu B, peer sent %llu B, model %llu B\n",
-              static_cast<unsigned long long>(from_publisher),
-              static_cast<unsigned long long>(peer_st->bytes_sent()),
-              static_cast<unsigned long long>(m.bytes()));
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse peer_st, RpcStatus(peer.control_target()));
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse after, RpcStatus(pub.control_target()));
+  const uint64_t from_publisher = after.bytes_sent() - before.bytes_sent();
+  std::printf(
+      "[e2e] late joiner bootstrap: publisher sent %llu B, peer sent %llu B, model %llu B\n",
+      static_cast<unsigned long long>(from_publisher),
+      static_cast<unsigned long long>(peer_st.bytes_sent()),
+      static_cast<unsigned long long>(m.bytes()));
   EXPECT_LT(from_publisher, m.bytes() / 4) << "the bootstrap crossed from the publisher";
-  EXPECT_GE(peer_st->bytes_sent(), m.bytes() / 2) << "the peer did not serve the bootstrap";
+  EXPECT_GE(peer_st.bytes_sent(), m.bytes() / 2) << "the peer did not serve the bootstrap";
 
   // Then it follows the publisher.
-  (*traj)->Step();
-  m = ModelFromTrajectory(**traj);
+  traj->Step();
+  m = ModelFromTrajectory(*traj);
   E2E_ASSERT_OK(Publish(pub, m, 4));
   E2E_ASSERT_OK(WaitVersion(late, 4));
   E2E_ASSERT_OK(ExpectExportEquals(late, m));
-  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(late.control_target(), 4);
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->last_refit().base_version(), 3u) << DescribeRefit(st->last_refit());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(late.control_target(), 4));
+  EXPECT_EQ(st.last_refit().base_version(), 3u) << DescribeRefit(st.last_refit());
 }
 
 class E2EPartition : public E2ETest {
@@ -191,8 +189,7 @@ class E2EPartition : public E2ETest {
   // Runs the partition scenario against a publisher with `ps`; fills the lagging subscriber's
   // status at v10.
   void Run(const PublisherSpec& ps, v1::StatusResponse* lagging_status, size_t* tensors) {
-    absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(31);
-    ASSERT_TRUE(traj.ok()) << traj.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(31));
     DaemonProcess& pub = NewPublisher(ps);
     E2E_ASSERT_OK(pub.Start());
     SubscriberSpec es;
@@ -206,29 +203,28 @@ class E2EPartition : public E2ETest {
     E2E_ASSERT_OK(lagging.Start());
     Model m;
     for (uint64_t v = 1; v <= 10; ++v) {
-      if (v > 1) (*traj)->Step();
-      m = ModelFromTrajectory(**traj);
+      if (v > 1) (traj)->Step();
+      m = ModelFromTrajectory(*traj);
       E2E_ASSERT_OK(Publish(pub, m, v));
       E2E_ASSERT_OK(WaitVersion(steady, v));
       if (v <= 5) E2E_ASSERT_OK(WaitVersion(lagging, v));
       if (v == 5) E2E_ASSERT_OK(lagging.Pause());  // partitioned for v6..v10
     }
-    absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
-    ASSERT_TRUE(pst.ok()) << pst.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse pst, RpcStatus(pub.control_target()));
     std::printf("[e2e] publisher history while partitioned: %s\n",
-                pst->history().ShortDebugString().c_str());
+                pst.history().ShortDebugString().c_str());
     E2E_ASSERT_OK(lagging.Resume());
     E2E_ASSERT_OK(WaitVersion(lagging, 10));
     E2E_ASSERT_OK(ExpectExportEquals(lagging, m));
     E2E_ASSERT_OK(ExpectVerified(lagging));
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(lagging.control_target(), 10);
-    ASSERT_TRUE(st.ok()) << st.status();
-    std::printf("[e2e] lagging subscriber caught up: %s\n", DescribeRefit(st->last_refit()).c_str());
-    *lagging_status = *st;
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st,
+                               StatusAfterRefit(lagging.control_target(), 10));
+    std::printf("[e2e] lagging subscriber caught up: %s\n", DescribeRefit(st.last_refit()).c_str());
+    *lagging_status = st;
     *tensors = m.tensors.size();
     // Both are served on afterwards.
-    (*traj)->Step();
-    m = ModelFromTrajectory(**traj);
+    traj->Step();
+    m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, 11));
     E2E_ASSERT_OK(WaitVersion(lagging, 11));
     E2E_ASSERT_OK(WaitVersion(steady, 11));

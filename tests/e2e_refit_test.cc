@@ -5,12 +5,13 @@
 
 #include <map>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/trainer_client.h"
-#include "daemon/sync/version_digest.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
+#include "daemon/sync/version_digest.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -19,11 +20,12 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+
 using E2ERefit = E2ETest;
 
 TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(11);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(11));
 
   PublisherSpec ps;
   ps.name = "pub";
@@ -40,28 +42,26 @@ TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
     subs.push_back(&sub);
   }
 
-  const size_t tensors = (*traj)->tensors().size();
+  const size_t tensors = traj->tensors().size();
   for (uint64_t v = 1; v <= 20; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
-    const Model m = ModelFromTrajectory(**traj);
+    if (v > 1) (traj)->Step();
+    const Model m = ModelFromTrajectory(*traj);
     E2E_ASSERT_OK(Publish(pub, m, v));
     for (DaemonProcess* sub : subs) E2E_ASSERT_OK(WaitVersion(*sub, v));
-    absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
-    ASSERT_TRUE(pst.ok()) << pst.status();
-    EXPECT_EQ(pst->version(), v) << "publisher Status.version";
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse pst, RpcStatus(pub.control_target()));
+    EXPECT_EQ(pst.version(), v) << "publisher Status.version";
     for (DaemonProcess* sub : subs) {
       E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
       E2E_ASSERT_OK(ExpectVerified(*sub));
-      absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub->control_target(), v);
-      ASSERT_TRUE(st.ok()) << st.status();
-      const v1::RefitStats& r = st->last_refit();
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
+      const v1::RefitStats& r = st.last_refit();
       std::printf("[e2e] %s v%llu: %s\n", sub->name().c_str(), static_cast<unsigned long long>(v),
                   DescribeRefit(r).c_str());
-      EXPECT_EQ(st->version(), v) << sub->name() << " Status.version";
-      EXPECT_EQ(st->version_digest(), pst->version_digest())
+      EXPECT_EQ(st.version(), v) << sub->name() << " Status.version";
+      EXPECT_EQ(st.version_digest(), pst.version_digest())
           << sub->name() << " version digest differs from the publisher's at v" << v;
-      EXPECT_EQ(st->tensors(), tensors) << sub->name();
+      EXPECT_EQ(st.tensors(), tensors) << sub->name();
       EXPECT_EQ(r.version(), v) << sub->name() << " last_refit.version";
       EXPECT_TRUE(r.digests_verified()) << sub->name() << " last_refit.digests_verified";
       EXPECT_EQ(r.dense_bytes(), m.bytes()) << sub->name() << " last_refit.dense_bytes";
@@ -80,10 +80,9 @@ TEST_F(E2ERefit, ThreeSubscribersFollowTwentyTrajectoryVersionsBitExact) {
     }
   }
   // The publisher's view: three sessions, all at version 20, none lagging.
-  absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
-  ASSERT_TRUE(pst.ok()) << pst.status();
-  EXPECT_EQ(pst->sessions_size(), 3) << pst->ShortDebugString();
-  for (const v1::SessionStatus& s : pst->sessions()) {
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse pst, RpcStatus(pub.control_target()));
+  EXPECT_EQ(pst.sessions_size(), 3) << pst.ShortDebugString();
+  for (const v1::SessionStatus& s : pst.sessions()) {
     EXPECT_EQ(s.acked_version(), 20u) << s.name();
     EXPECT_EQ(s.lag_versions(), 0u) << s.name();
   }
@@ -143,7 +142,8 @@ TEST_F(E2ERefit, StatusJsonAndResync) {
   E2E_ASSERT_OK(next(3));
   absl::StatusOr<v1::StatusResponse> a = StatusAfterRefit(subs[0]->control_target(), 3);
   absl::StatusOr<v1::StatusResponse> b = StatusAfterRefit(subs[1]->control_target(), 3);
-  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " / " << b.status();
+  ASSERT_THAT(a, IsOk()) << a.status() << " / " << b.status();
+  ASSERT_THAT(b, IsOk()) << a.status() << " / " << b.status();
   EXPECT_EQ(a->last_refit().keyframe_tensors(), 3u) << "sub-a after resync: " << DescribeRefit(a->last_refit());
   EXPECT_EQ(b->last_refit().keyframe_tensors(), 0u) << "sub-b: " << DescribeRefit(b->last_refit());
 
@@ -152,11 +152,11 @@ TEST_F(E2ERefit, StatusJsonAndResync) {
   ASSERT_EQ(r.exit_code, 0) << r.Describe();
   E2E_ASSERT_OK(next(4));
   b = StatusAfterRefit(subs[1]->control_target(), 4);
-  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_THAT(b, IsOk());
   EXPECT_EQ(b->last_refit().keyframe_tensors(), 1u) << "sub-b after resync of y.weight: "
                                                     << DescribeRefit(b->last_refit());
   a = StatusAfterRefit(subs[0]->control_target(), 4);
-  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_THAT(a, IsOk());
   EXPECT_EQ(a->last_refit().keyframe_tensors(), 0u) << "sub-a: " << DescribeRefit(a->last_refit());
   for (DaemonProcess* sub : subs) E2E_ASSERT_OK(ExpectVerified(*sub));
 }
@@ -180,8 +180,7 @@ TEST_F(E2ERefit, JsonLogsCarryThePerRefitFields) {
     E2E_ASSERT_OK(Publish(pub, m, v));
     E2E_ASSERT_OK(WaitVersion(sub, v));
   }
-  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), 2);
-  ASSERT_TRUE(st.ok()) << st.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub.control_target(), 2));
   // The events of `d`'s log named `event`, by version.
   auto events = [](DaemonProcess& d, const std::string& event) {
     std::map<uint64_t, google::protobuf::Struct> out;
@@ -213,8 +212,9 @@ TEST_F(E2ERefit, JsonLogsCarryThePerRefitFields) {
   EXPECT_EQ(p2.at("tensors").number_value(), 2);
   EXPECT_EQ(p2.at("patch_format").number_value(), 1);
   EXPECT_EQ(a2.at("base_version").number_value(), 1);
-  EXPECT_EQ(a2.at("wire_bytes").number_value(), static_cast<double>(st->last_refit().wire_bytes()));
-  EXPECT_EQ(a2.at("dense_bytes").number_value(), static_cast<double>(st->last_refit().dense_bytes()));
+  EXPECT_EQ(a2.at("wire_bytes").number_value(), static_cast<double>(st.last_refit().wire_bytes()));
+  EXPECT_EQ(a2.at("dense_bytes").number_value(),
+            static_cast<double>(st.last_refit().dense_bytes()));
   EXPECT_TRUE(a2.at("digests_verified").bool_value());
   EXPECT_FALSE(a2.at("reason").string_value().empty());
 }
@@ -223,8 +223,7 @@ TEST_F(E2ERefit, JsonLogsCarryThePerRefitFields) {
 // over the publisher's local socket), split over two ranks: a version becomes visible once both
 // ranks published it.
 TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
-  absl::StatusOr<std::unique_ptr<model::Trajectory>> traj = TinyTrajectory(12);
-  ASSERT_TRUE(traj.ok()) << traj.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(12));
 
   PublisherSpec ps;
   ps.local_socket = true;
@@ -238,7 +237,7 @@ TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
   E2E_ASSERT_OK(sub.Start());
 
   // Rank r owns the tensors with index % 2 == r.
-  const auto& specs = (*traj)->tensors();
+  const auto& specs = traj->tensors();
   std::vector<std::unique_ptr<client::TrainerClient>> ranks;
   std::vector<std::vector<size_t>> owned(2);
   for (int r = 0; r < 2; ++r) {
@@ -253,15 +252,15 @@ TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
     }
     absl::StatusOr<std::unique_ptr<client::TrainerClient>> c =
         client::TrainerClient::Create(pub.local_target(), absl::StrCat("rank", r), mine);
-    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_THAT(c, IsOk());
     ranks.push_back(std::move(*c));
   }
   for (uint64_t v = 1; v <= 5; ++v) {
     SCOPED_TRACE(absl::StrCat("version ", v));
-    if (v > 1) (*traj)->Step();
+    if (v > 1) (traj)->Step();
     for (int r = 0; r < 2; ++r) {
       for (size_t k = 0; k < owned[r].size(); ++k) {
-        std::span<const uint8_t> src = (*traj)->bf16(owned[r][k]);
+        std::span<const uint8_t> src = traj->bf16(owned[r][k]);
         std::span<uint8_t> dst = ranks[r]->tensor(k);
         ASSERT_EQ(src.size(), dst.size()) << specs[owned[r][k]].name;
         std::copy(src.begin(), src.end(), dst.begin());
@@ -269,18 +268,17 @@ TEST_F(E2ERefit, TwoTrainerRanksPublishThroughTheTrainerApi) {
       if (v == 1) E2E_ASSERT_OK(ranks[r]->Register());
     }
     absl::StatusOr<v1::LocalPublishResponse> p0 = ranks[0]->Publish(v);
-    ASSERT_TRUE(p0.ok()) << "rank0 Publish: " << p0.status();
+    ASSERT_THAT(p0, IsOk()) << "rank0 Publish: " << p0.status();
     EXPECT_FALSE(p0->committed()) << "committed before rank1 published";
     absl::StatusOr<v1::LocalPublishResponse> p1 = ranks[1]->Publish(v);
-    ASSERT_TRUE(p1.ok()) << "rank1 Publish: " << p1.status();
+    ASSERT_THAT(p1, IsOk()) << "rank1 Publish: " << p1.status();
     EXPECT_TRUE(p1->committed()) << "the last rank's Publish completes the version";
     E2E_ASSERT_OK(WaitVersion(sub, v));
-    E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(**traj)));
+    E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(*traj)));
     E2E_ASSERT_OK(ExpectVerified(sub));
   }
-  absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(sub.control_target(), 5);
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->last_refit().base_version(), 4u) << DescribeRefit(st->last_refit());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub.control_target(), 5));
+  EXPECT_EQ(st.last_refit().base_version(), 4u) << DescribeRefit(st.last_refit());
 }
 
 }  // namespace

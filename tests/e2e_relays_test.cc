@@ -1,4 +1,4 @@
-// Issue 11, region relays: a relay that dies in the middle of forwarding a version is replaced.
+// Region relays: a relay that dies in the middle of forwarding a version is replaced.
 // Its downstream subscribers fail over to their next upstream address (another relay), take the
 // version from there, and converge bit-exact; until then they keep the version before, whole.
 #include <cstdio>
@@ -6,12 +6,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
 #include "tests/harness/relay.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 using E2ERelays = E2ETest;
 
@@ -44,7 +47,7 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
   E2E_ASSERT_OK(relay_b.Start());
   absl::StatusOr<std::unique_ptr<ThrottledRelay>> link =
       ThrottledRelay::Start(relay_b.listen_target(), 16 << 20);
-  ASSERT_TRUE(link.ok()) << link.status();
+  ASSERT_THAT(link, IsOk());
   DaemonProcess& c = NewSubscriber(DownstreamSpec("sub-c", (*link)->target(),
                                                   relay_a.listen_target()));
   DaemonProcess& d = NewSubscriber(DownstreamSpec("sub-d", (*link)->target(),
@@ -56,9 +59,8 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
   E2E_ASSERT_OK(Publish(pub, m1, 1));
   for (DaemonProcess* x : {&relay_a, &relay_b, &c, &d}) E2E_ASSERT_OK(ExpectHolds(*x, m1, 1));
   for (DaemonProcess* x : {&c, &d}) {
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(x->control_target(), 1);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->upstream().name(), "relay-b") << x->name() << " is not behind relay-b";
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(x->control_target(), 1));
+    EXPECT_EQ(st.upstream().name(), "relay-b") << x->name() << " is not behind relay-b";
   }
 
   // Version 2 changes every element; relay-b forwards it through the slow link. Kill relay-b
@@ -74,7 +76,7 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
                s.version() >= 2;
       },
       absl::Seconds(30), "sub-c transferring v2 from relay-b");
-  ASSERT_TRUE(mid.ok()) << mid.status();
+  ASSERT_THAT(mid, IsOk());
   const bool mid_transfer = mid->version() == 1;
   E2E_ASSERT_OK(relay_b.Kill());
   const absl::Time killed = absl::Now();
@@ -86,11 +88,10 @@ TEST_F(E2ERelays, ARelayKilledMidTransferIsReplacedAndItsDownstreamConverges) {
   const absl::Duration converged = absl::Now() - killed;
   for (DaemonProcess* x : {&c, &d}) E2E_ASSERT_OK(ExpectHolds(*x, m2, 2));
   for (DaemonProcess* x : {&c, &d}) {
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(x->control_target(), 2);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->upstream().name(), "relay-a") << x->name() << " did not fail over";
-    EXPECT_EQ(st->last_refit().base_version(), 1u)
-        << x->name() << " got v2 as keyframes: " << DescribeRefit(st->last_refit());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(x->control_target(), 2));
+    EXPECT_EQ(st.upstream().name(), "relay-a") << x->name() << " did not fail over";
+    EXPECT_EQ(st.last_refit().base_version(), 1u)
+        << x->name() << " got v2 as keyframes: " << DescribeRefit(st.last_refit());
   }
   std::printf("[e2e] relay-b killed after forwarding %llu bytes of v2 through the link; sub-c and "
               "sub-d converged through relay-a %s later (backoff 20 .. 300 ms)\n",

@@ -1,4 +1,4 @@
-// Issue 10: the subscriber's background scrub heals a corrupted tensor by keyframe. A byte of the
+// The subscriber's background scrub heals a corrupted tensor by keyframe. A byte of the
 // committed version is flipped in the subscriber's store after verification (written into the
 // daemon's own writable mapping through /proc/<pid>/mem, as a stray write would land: the store
 // is sealed against new writable mappings, F_SEAL_FUTURE_WRITE). The scrub finds it, Control
@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "tests/harness/consumer.h"
@@ -24,6 +25,8 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 // Flips one bit of the byte at `offset` of the object at `path` (a ShmRegion) inside process
 // `pid`'s shared writable mapping of it.
@@ -85,44 +88,39 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   E2E_ASSERT_OK(Publish(pub, m, 2));
   E2E_ASSERT_OK(WaitVersion(sub, 2));
 
-  absl::StatusOr<v1::Lease> lease = Acquire();
-  ASSERT_TRUE(lease.ok()) << lease.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::Lease lease, Acquire());
   const v1::TensorLocation* b = nullptr;
-  for (const v1::TensorLocation& t : lease->layout().tensors()) {
+  for (const v1::TensorLocation& t : lease.layout().tensors()) {
     if (t.spec().name() == "b.weight") b = &t;
   }
   ASSERT_NE(b, nullptr);
   absl::Status flipped = FlipInDaemonMapping(sub.pid(), b->shm().path(), b->shm().offset() + 999);
   if (absl::IsPermissionDenied(flipped)) GTEST_SKIP() << "cannot write the daemon's memory: " << flipped;
   E2E_ASSERT_OK(flipped);
-  absl::StatusOr<std::vector<uint8_t>> corrupt = ReadTensor(lease->layout(), "b.weight");
-  ASSERT_TRUE(corrupt.ok()) << corrupt.status();
-  ASSERT_NE(*corrupt, m.Find("b.weight")->data) << "the flip did not land";
+  REFIT_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> corrupt, ReadTensor(lease.layout(), "b.weight"));
+  ASSERT_NE(corrupt, m.Find("b.weight")->data) << "the flip did not land";
 
   // The scrub counts the mismatch in Status.
   absl::StatusOr<v1::StatusResponse> st = PollStatus(
       sub.control_target(),
       [](const v1::StatusResponse& s) { return s.scrub_mismatches() >= 1; }, absl::Seconds(60),
       "a scrub mismatch");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_GE(st->scrub_mismatches(), 1u);
   EXPECT_EQ(st->version(), 2u);
   // The lease taken before still reads the bytes it had (its slot is never written).
-  absl::StatusOr<std::vector<uint8_t>> still = ReadTensor(lease->layout(), "b.weight");
-  ASSERT_TRUE(still.ok());
-  EXPECT_EQ(*still, *corrupt);
-  E2E_ASSERT_OK(Release(lease->lease_id()));
+  REFIT_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> still, ReadTensor(lease.layout(), "b.weight"));
+  EXPECT_EQ(still, corrupt);
+  E2E_ASSERT_OK(Release(lease.lease_id()));
 
   // New leases read the repaired bytes: the publisher's dense copy of version 2.
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   std::vector<uint8_t> got;
   do {
-    absl::StatusOr<v1::Lease> l = Acquire();
-    ASSERT_TRUE(l.ok()) << l.status();
-    absl::StatusOr<std::vector<uint8_t>> r = ReadTensor(l->layout(), "b.weight");
-    ASSERT_TRUE(r.ok()) << r.status();
-    got = *r;
-    E2E_ASSERT_OK(Release(l->lease_id()));
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::Lease l, Acquire());
+    REFIT_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> r, ReadTensor(l.layout(), "b.weight"));
+    got = r;
+    E2E_ASSERT_OK(Release(l.lease_id()));
     if (got == m.Find("b.weight")->data) break;
     absl::SleepFor(absl::Milliseconds(20));  // polling interval
   } while (absl::Now() < deadline);
@@ -133,7 +131,7 @@ TEST_F(E2EScrub, FlippedByteInTheStoreIsFoundAndHealedByKeyframe) {
   st = PollStatus(
       sub.control_target(), [](const v1::StatusResponse& s) { return s.scrub_passes() >= 1; },
       absl::Seconds(60), "a complete scrub pass");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->version(), 2u);
   EXPECT_GE(st->scrub_passes(), 1u);
   EXPECT_NE(st->last_scrub_unix_nanos(), 0u);

@@ -1,4 +1,4 @@
-// Issue 9, Control and local-API authorization, with real daemon processes. Every call that must
+// Control and local-API authorization, with real daemon processes. Every call that must
 // be refused is made by an unprivileged user: refitctl (or tests/tools/local_api_probe) runs under
 // `setpriv --reuid=65534` (CI runs as root; without root these tests skip). The daemons run as
 // the test's user, so the implicit grant (root and the daemon's own uid: write on unix sockets)
@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/certs.h"
 #include "tests/harness/e2e.h"
@@ -137,34 +138,33 @@ TEST_F(E2ESecurityControl, UnauthenticatedTcpControlIsRefusedUnlessConfigured) {
 // A subscriber's certificate is allowed on the publisher's listener (for DataPlane) but gets no
 // Control rights there; the operator's certificate has a write grant.
 TEST_F(E2ESecurityControl, DataPlaneIdentitiesGetNoControlRights) {
-  absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "sub-good");
-  ASSERT_TRUE(pki.ok()) << pki.status();
-  absl::StatusOr<CertPair> op = MakeClientCert(dir(), "operator");
-  ASSERT_TRUE(op.ok()) << op.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir(), "sub-good"));
+  REFIT_ASSERT_OK_AND_ASSIGN(CertPair op, MakeClientCert(dir(), "operator"));
   PublisherSpec ps;
-  ps.tls = {pki->server.cert, pki->server.key, pki->ca, {"sub-good", "operator"}};
+  ps.tls = {pki.server.cert, pki.server.key, pki.ca, {"sub-good", "operator"}};
   ps.control_access = "{grants: [{role: write, identities: [operator]}]}";
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
   SubscriberSpec ss;
   ss.name = "sub-good";
   ss.upstream = {pub.listen_target()};
-  ss.tls = {pki->client.cert, pki->client.key, pki->ca, ""};
+  ss.tls = {pki.client.cert, pki.client.key, pki.ca, ""};
   DaemonProcess& sub = NewSubscriber(ss);
   E2E_ASSERT_OK(sub.Start());
 
   const auto as = [&](const CertPair& c, std::vector<std::string> args) {
-    std::vector<std::string> argv = {"--target", pub.control_target(), "--tls-cert", c.cert,
-                                     "--tls-key", c.key, "--tls-ca", pki->ca};
+    std::vector<std::string> argv = {
+        "--target", pub.control_target(), "--tls-cert", c.cert, "--tls-key",
+        c.key,      "--tls-ca",           pki.ca};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunRefitctl(argv);
   };
-  absl::StatusOr<std::string> file = WriteModelFile(RandomModel(5, {{"w", 8192}}), "tls-v1");
-  ASSERT_TRUE(file.ok()) << file.status();
-  ExpectDenied(as(pki->client, {"publish", "--safetensors", *file}), "Publish", "write",
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string file,
+                             WriteModelFile(RandomModel(5, {{"w", 8192}}), "tls-v1"));
+  ExpectDenied(as(pki.client, {"publish", "--safetensors", file}), "Publish", "write",
                "TLS peer \"sub-good\"");
-  ExpectDenied(as(pki->client, {"status"}), "Status", "read", "has role none");
-  const CommandResult ok = as(*op, {"publish", "--safetensors", *file});
+  ExpectDenied(as(pki.client, {"status"}), "Status", "read", "has role none");
+  const CommandResult ok = as(op, {"publish", "--safetensors", file});
   EXPECT_EQ(ok.exit_code, 0) << ok.Describe();
   E2E_ASSERT_OK(WaitVersion(sub, 1));  // the data plane still serves the subscriber's identity
 }
@@ -258,9 +258,8 @@ TEST_F(E2ESecurityControl, ShippedLoopbackExamplesGiveAnUnprivilegedUserNothing)
   const std::string out = demo + "/export/v1.safetensors";
   r = RunRefitctl({"--target", sub.control_target(), "export", "--safetensors", out});
   ASSERT_EQ(r.exit_code, 0) << r.Describe();
-  absl::StatusOr<Model> exported = ReadModel(out);
-  ASSERT_TRUE(exported.ok()) << exported.status();
-  EXPECT_EQ(DiffModels(m1, *exported), "") << "export differs from the published model";
+  REFIT_ASSERT_OK_AND_ASSIGN(Model exported, ReadModel(out));
+  EXPECT_EQ(DiffModels(m1, exported), "") << "export differs from the published model";
   // The store's memory object cannot be opened through /proc by another user.
   const std::string fds = absl::StrCat("/proc/", sub.ready().pid, "/fd");
   r = AsNobody({"/bin/ls", fds});

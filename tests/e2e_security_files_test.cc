@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
 
@@ -107,10 +108,9 @@ TEST_F(E2ESecurityFiles, NoPublishDirsMeansControlFilePublishIsRefused) {
   ps.publish_dirs.emplace();  // present and empty
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
-  absl::StatusOr<std::string> file = WriteModelFile(TinyModel(2), "m");
-  ASSERT_TRUE(file.ok()) << file.status();
-  CommandResult r = RefitctlUnprivileged(
-      {"--target", pub.control_target(), "publish", "--safetensors", *file});
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string file, WriteModelFile(TinyModel(2), "m"));
+  CommandResult r =
+      RefitctlUnprivileged({"--target", pub.control_target(), "publish", "--safetensors", file});
   EXPECT_NE(r.exit_code, 0) << r.Describe();
   EXPECT_TRUE(Contains(r.err, "publisher.files.publish_dirs is empty")) << r.Describe();
 }
@@ -133,11 +133,10 @@ TEST_F(E2ESecurityFiles, PublishOfAFifoFailsPromptlyAndTheNextPublishWorks) {
 TEST_F(E2ESecurityFiles, ExportWritesOnlyBeneathExportDirNeverOverAFifoOrSymlinkMode0600) {
   PublisherSpec ps;
   ps.persist_dir = Path("baseline");
-  absl::StatusOr<PubSub> ps_pair = StartPubSub("sub", ps);
-  ASSERT_TRUE(ps_pair.ok()) << ps_pair.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(PubSub ps_pair, StartPubSub("sub", ps));
   const Model m = TinyModel(4);
-  E2E_ASSERT_OK(Publish(*ps_pair->pub, m, 1));
-  E2E_ASSERT_OK(WaitVersion(*ps_pair->sub, 1));
+  E2E_ASSERT_OK(Publish(*ps_pair.pub, m, 1));
+  E2E_ASSERT_OK(WaitVersion(*ps_pair.sub, 1));
   const std::string export_dir = DefaultExportDir(dir());
   const std::string victim = Path("victim.txt");
   std::ofstream(victim) << "keep";
@@ -147,7 +146,7 @@ TEST_F(E2ESecurityFiles, ExportWritesOnlyBeneathExportDirNeverOverAFifoOrSymlink
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0666), 0);
   ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
 
-  for (DaemonProcess* d : {ps_pair->pub, ps_pair->sub}) {
+  for (DaemonProcess* d : {ps_pair.pub, ps_pair.sub}) {
     SCOPED_TRACE(d->name());
     const std::string field = absl::StrCat(d->role(), ".files.export_dir");
     // Outside export_dir: over a root-owned file, and a new file in a root-only directory.
@@ -174,16 +173,15 @@ TEST_F(E2ESecurityFiles, ExportWritesOnlyBeneathExportDirNeverOverAFifoOrSymlink
     r = ExportTo(*d, out);
     EXPECT_EQ(r.exit_code, 0) << r.Describe();
     EXPECT_EQ(LstatMode(out) & 07777, 0600u);
-    absl::StatusOr<Model> got = ReadModel(out);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(DiffModels(m, *got), "");
+    REFIT_ASSERT_OK_AND_ASSIGN(Model got, ReadModel(out));
+    EXPECT_EQ(DiffModels(m, got), "");
   }
 
   // The persisted baseline is never an export target.
   const std::string baseline = Path("baseline/baseline.safetensors");
   const std::string before = ReadText(baseline);
   ASSERT_FALSE(before.empty());
-  CommandResult r = ExportTo(*ps_pair->pub, baseline);
+  CommandResult r = ExportTo(*ps_pair.pub, baseline);
   EXPECT_NE(r.exit_code, 0) << r.Describe();
   EXPECT_EQ(ReadText(baseline), before);
 }

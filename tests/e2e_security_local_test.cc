@@ -19,12 +19,18 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 Model SecModel(uint64_t seed) {
   return RandomModel(seed, {{"a.weight", 200000}, {"b.weight", 50001}, {"c.bias", 1000}});
@@ -111,17 +117,16 @@ TEST_F(E2ESecurityLocal, ConsumerCannotWriteOrTruncateTheSubscribersStore) {
   Model m1 = SecModel(1);
   E2E_ASSERT_OK(Publish(*pub_, m1, 1));
   E2E_ASSERT_OK(WaitVersion(*sub_, 1));
-  absl::StatusOr<v1::Lease> lease = Acquire("hostile", std::nullopt);
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  ASSERT_GT(lease->layout().tensors_size(), 0);
-  const std::string path = lease->layout().tensors(0).shm().path();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::Lease lease, Acquire("hostile", std::nullopt));
+  ASSERT_GT(lease.layout().tensors_size(), 0);
+  const std::string path = lease.layout().tensors(0).shm().path();
   ASSERT_TRUE(absl::StartsWith(path, "/proc/")) << path;
   // Same uid as the daemon (CI is root), then as another user.
   EXPECT_EQ(InChild([&] { return TryToCorruptStore(path); }, false), 0)
       << "a same-uid consumer wrote or resized " << path;
   EXPECT_EQ(InChild([&] { return TryToCorruptStore(path); }, true), 0)
       << "a uid-65534 consumer wrote or resized " << path;
-  E2E_ASSERT_OK(Release(lease->lease_id()));
+  E2E_ASSERT_OK(Release(lease.lease_id()));
   // The subscriber keeps serving, bit-exact.
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, m1));
   Model m2 = m1;
@@ -175,7 +180,7 @@ TEST_F(E2ESecurityLocal, TrainerShrinkingItsRegionGetsAnErrorAndThePublisherKeep
   close(fd);
   // The publisher is alive and publishes (the next file-based version).
   absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub_->control_target());
-  ASSERT_TRUE(st.ok()) << "publisher gone after the shrunk publish: " << st.status();
+  ASSERT_THAT(st, IsOk()) << "publisher gone after the shrunk publish: " << st.status();
   Model m = RandomModel(7, {{"w", 8192}});
   E2E_ASSERT_OK(Publish(*pub_, m, st->version() + 1));
   E2E_ASSERT_OK(WaitVersion(*sub_, st->version() + 1));
@@ -188,17 +193,16 @@ TEST_F(E2ESecurityLocal, DegeneratePublishIsRefusedUnlessAllowed) {
   E2E_ASSERT_OK(Publish(*pub_, m1, 1));
   E2E_ASSERT_OK(WaitVersion(*sub_, 1));
   Model remnant = RandomModel(4, {{"c.bias", 1000}});  // 2 of 3 tensors gone
-  absl::StatusOr<std::string> file = WriteModelFile(remnant, "remnant");
-  ASSERT_TRUE(file.ok()) << file.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string file, WriteModelFile(remnant, "remnant"));
   CommandResult r = RunRefitctl(
-      {"--target", pub_->control_target(), "publish", "--safetensors", *file, "--version", "2"});
+      {"--target", pub_->control_target(), "publish", "--safetensors", file, "--version", "2"});
   EXPECT_NE(r.exit_code, 0) << r.Describe();
   EXPECT_TRUE(absl::StrContains(r.err + r.out, "degenerate")) << r.Describe();
   EXPECT_TRUE(absl::StrContains(r.err + r.out, "max_removed_tensor_fraction")) << r.Describe();
   EXPECT_TRUE(absl::StrContains(r.err + r.out, "--allow-degenerate")) << r.Describe();
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, m1));
   CommandResult ok = RunRefitctl({"--target", pub_->control_target(), "publish", "--safetensors",
-                                  *file, "--version", "3", "--allow-degenerate"});
+                                  file, "--version", "3", "--allow-degenerate"});
   ASSERT_EQ(ok.exit_code, 0) << ok.Describe();
   E2E_ASSERT_OK(WaitVersion(*sub_, 3));
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, remnant));
@@ -211,14 +215,12 @@ TEST_F(E2ESecurityLocal, LeaseQuotaAndBlockedOnLeasesInStatus) {
   E2E_ASSERT_OK(WaitVersion(*sub_, 1));
   absl::StatusOr<v1::Lease> l1 = Acquire("greedy", 1);
   absl::StatusOr<v1::Lease> l2 = Acquire("greedy", 1);
-  ASSERT_TRUE(l1.ok() && l2.ok()) << l1.status() << " " << l2.status();
+  ASSERT_THAT(l1, IsOk()) << l1.status() << " " << l2.status();
+  ASSERT_THAT(l2, IsOk()) << l1.status() << " " << l2.status();
   absl::StatusOr<v1::Lease> l3 = Acquire("greedy", 1);
-  ASSERT_FALSE(l3.ok());
-  EXPECT_EQ(l3.status().code(), absl::StatusCode::kResourceExhausted) << l3.status();
-  EXPECT_TRUE(absl::StrContains(l3.status().message(), "greedy")) << l3.status();
-  EXPECT_TRUE(absl::StrContains(l3.status().message(), "holds 2 leases")) << l3.status();
-  EXPECT_TRUE(absl::StrContains(l3.status().message(), "max_leases_per_consumer: 2"))
-      << l3.status();
+  ASSERT_THAT(l3, StatusIs(absl::StatusCode::kResourceExhausted,
+                           AllOf(HasSubstr("greedy"), HasSubstr("holds 2 leases"),
+                                 HasSubstr("max_leases_per_consumer: 2"))));
 
   // v1 leased, v2 current: v3 has no slot and waits, visibly.
   Model m2 = m1;
@@ -232,7 +234,7 @@ TEST_F(E2ESecurityLocal, LeaseQuotaAndBlockedOnLeasesInStatus) {
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   do {
     st = RpcStatus(sub_->control_target());
-    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_THAT(st, IsOk());
     if (st->has_blocked_on_leases()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling, deadline-bounded
   } while (absl::Now() < deadline);
@@ -253,7 +255,7 @@ TEST_F(E2ESecurityLocal, LeaseQuotaAndBlockedOnLeasesInStatus) {
   E2E_ASSERT_OK(WaitVersion(*sub_, 3));
   E2E_ASSERT_OK(ExpectExportEquals(*sub_, m3));
   st = RpcStatus(sub_->control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_FALSE(st->has_blocked_on_leases()) << st->ShortDebugString();
 }
 

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/config/tls_material.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -27,6 +28,8 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 namespace fs = std::filesystem;
 
@@ -150,12 +153,11 @@ class E2ESecurityTls : public E2ETest {
  protected:
   void SetUp() override {
     E2ETest::SetUp();
-    absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "sub-tls");
-    ASSERT_TRUE(pki.ok()) << pki.status();
-    pki_ = *pki;
-    absl::StatusOr<CertPair> next = MakeServerCert(dir(), "server-next", "refit-e2e-server-next");
-    ASSERT_TRUE(next.ok()) << next.status();
-    next_ = *next;
+    REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir(), "sub-tls"));
+    pki_ = pki;
+    REFIT_ASSERT_OK_AND_ASSIGN(CertPair next,
+                               MakeServerCert(dir(), "server-next", "refit-e2e-server-next"));
+    next_ = next;
     certs_ = std::make_unique<CertDir>(Path("tls"));
     certs_->Install(pki_.server.cert, pki_.server.key, pki_.ca);
   }
@@ -168,7 +170,7 @@ class E2ESecurityTls : public E2ETest {
     ps.control_listen = absl::StrCat("unix:", dir(), "/pub-control.sock");
     DaemonProcess& pub = NewPublisher(ps);
     absl::Status started = pub.Start();
-    EXPECT_TRUE(started.ok()) << started;
+    EXPECT_THAT(started, IsOk());
     return pub;
   }
 
@@ -179,7 +181,7 @@ class E2ESecurityTls : public E2ETest {
     s.tls = {pki_.client.cert, pki_.client.key, pki_.ca, ""};
     DaemonProcess& sub = NewSubscriber(s);
     absl::Status started = sub.Start();
-    EXPECT_TRUE(started.ok()) << started;
+    EXPECT_THAT(started, IsOk());
     return sub;
   }
 
@@ -206,15 +208,14 @@ TEST_F(E2ESecurityTls, SighupRotatesTheServerCertificateAndTheLiveSessionContinu
   certs_->Install(next_.cert, next_.key, pki_.ca);
   ASSERT_EQ(kill(pub.pid(), SIGHUP), 0);
   E2E_ASSERT_OK(WaitServerName(pub.listen_target(), pki_.client, pki_.ca, "refit-e2e-server-next"));
-  absl::StatusOr<v1::TlsMaterialStatus> tls = PublisherTls(pub);
-  ASSERT_TRUE(tls.ok()) << tls.status();
-  EXPECT_EQ(tls->sha256_fingerprint(), Fingerprint(next_.cert));
-  EXPECT_EQ(tls->subject(), "CN=refit-e2e-server-next");
-  EXPECT_EQ(tls->reloads(), 1u);
-  EXPECT_EQ(tls->last_reload_error(), "");
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::TlsMaterialStatus tls, PublisherTls(pub));
+  EXPECT_EQ(tls.sha256_fingerprint(), Fingerprint(next_.cert));
+  EXPECT_EQ(tls.subject(), "CN=refit-e2e-server-next");
+  EXPECT_EQ(tls.reloads(), 1u);
+  EXPECT_EQ(tls.last_reload_error(), "");
   // Parsed from the certificate (not compared with the clock): after 2026-01-01, when the test
   // PKI's certificates cannot have expired.
-  EXPECT_GT(tls->not_after_unix_seconds(), 1767225600);
+  EXPECT_GT(tls.not_after_unix_seconds(), 1767225600);
 
   // The session that began under the old certificate goes on delivering bit-exact versions.
   Model m2 = m1;
@@ -233,7 +234,7 @@ TEST_F(E2ESecurityTls, SighupRotatesTheServerCertificateAndTheLiveSessionContinu
         return r.tls_size() > 0 && !r.tls(0).last_reload_error().empty();
       },
       absl::Seconds(20), "publisher.tls reports the refused key");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_TRUE(absl::StrContains(st->tls(0).last_reload_error(),
                                 absl::StrCat("publisher.tls.key \"", certs_->key(),
                                              "\" is not a PEM private key")))
@@ -267,7 +268,7 @@ TEST_F(E2ESecurityTls, FileChangeIsPickedUpWithoutASignalAndAMismatchedKeyIsRefu
         return r.tls_size() > 0 && !r.tls(0).last_reload_error().empty();
       },
       absl::Seconds(20), "publisher.tls reports the mismatched key");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_TRUE(absl::StrContains(st->tls(0).last_reload_error(),
                                 absl::StrCat("publisher.tls.key \"", certs_->key(),
                                              "\" does not match the certificate publisher.tls.cert "
@@ -317,7 +318,7 @@ TEST_F(E2ESecurityTls, UpstreamThatIsNotADataPlaneServerIsNamedAndBackedOff) {
         return absl::StrContains(r.upstream().last_error(), "does not serve refit.v1.DataPlane");
       },
       absl::Seconds(20), "upstream.last_error names the wrong server");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_TRUE(absl::StrContains(st->upstream().last_error(),
                                 absl::StrCat("upstream ", pub.control_target(),
                                              " does not serve refit.v1.DataPlane (UNIMPLEMENTED): "
@@ -325,7 +326,7 @@ TEST_F(E2ESecurityTls, UpstreamThatIsNotADataPlaneServerIsNamedAndBackedOff) {
       << st->upstream().ShortDebugString();
   E2E_EXPECT_OK(WaitLog(sub, "does not serve refit.v1.DataPlane", 3));  // keeps retrying
   st = RpcStatus(sub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_TRUE(st->upstream().state() == v1::SESSION_STATE_BACKOFF ||
               st->upstream().state() == v1::SESSION_STATE_CONNECTING)
       << st->upstream().ShortDebugString();

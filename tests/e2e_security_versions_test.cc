@@ -26,6 +26,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_matchers.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/sync/versions.h"
 #include "gtest/gtest.h"
 #include "refit/v1/data.grpc.pb.h"
@@ -34,6 +36,9 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::testing::Not;
+
 namespace fs = std::filesystem;
 
 // refitd's documented shutdown bound (daemon/cli/shutdown_watcher.h kShutdownWatchdog) and the
@@ -41,8 +46,6 @@ namespace fs = std::filesystem;
 constexpr absl::Duration kShutdownBound = absl::Seconds(10);
 constexpr int kExitShutdownTimedOut = 3;
 constexpr absl::Duration kSlack = absl::Seconds(15);
-constexpr char kStallHookEnv[] = "REFITD_TEST_HOOK_STALL_PUBLISH";
-constexpr char kStartHookEnv[] = "REFITD_TEST_HOOK_STALL_START";
 
 Model SmallModel(uint64_t seed) { return RandomModel(seed, {{"w.a", 20000}, {"w.b", 3000}}); }
 
@@ -114,9 +117,16 @@ absl::Status RpcPublish(const std::string& target, const std::string& file,
 class E2ESecurityVersionsTest : public E2ETest {
  protected:
   void TearDown() override {
-    unsetenv(kStallHookEnv);
-    unsetenv(kStartHookEnv);
+    unsetenv(TestHooks::kEnv);
     E2ETest::TearDown();
+  }
+
+  // Arms the test hooks (test_hooks.h) of the daemons started from now on: their directory.
+  TestHooks ArmHooks() {
+    const std::string dir = Path("hooks");
+    fs::create_directories(dir);
+    setenv(TestHooks::kEnv, dir.c_str(), 1);
+    return TestHooks(dir);
   }
 
   CommandResult Refitctl(const DaemonProcess& d, std::vector<std::string> args) {
@@ -133,22 +143,21 @@ class E2ESecurityVersionsTest : public E2ETest {
 TEST_F(E2ESecurityVersionsTest, VersionAboveTheBoundIsRefusedAndNumberingSurvives) {
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   E2E_ASSERT_OK(pub.Start());
-  absl::StatusOr<std::string> file = WriteModelFile(SmallModel(1), "m1");
-  ASSERT_TRUE(file.ok()) << file.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string file, WriteModelFile(SmallModel(1), "m1"));
 
-  CommandResult huge = Refitctl(pub, {"publish", "--safetensors", *file, "--version",
-                                      "18446744073709551615"});
+  CommandResult huge =
+      Refitctl(pub, {"publish", "--safetensors", file, "--version", "18446744073709551615"});
   EXPECT_NE(huge.exit_code, 0) << huge.Describe();
   EXPECT_TRUE(absl::StrContains(huge.err, "INVALID_ARGUMENT")) << huge.Describe();
   EXPECT_TRUE(absl::StrContains(huge.err, absl::StrCat(sync::kMaxVersion))) << huge.Describe();
-  CommandResult above = Refitctl(pub, {"publish", "--safetensors", *file, "--version",
-                                       absl::StrCat(sync::kMaxVersion + 1)});
+  CommandResult above = Refitctl(
+      pub, {"publish", "--safetensors", file, "--version", absl::StrCat(sync::kMaxVersion + 1)});
   EXPECT_NE(above.exit_code, 0) << above.Describe();
 
-  CommandResult next = Refitctl(pub, {"publish", "--safetensors", *file});
+  CommandResult next = Refitctl(pub, {"publish", "--safetensors", file});
   ASSERT_EQ(next.exit_code, 0) << next.Describe();
   EXPECT_TRUE(absl::StrContains(next.out, "published version 1 ")) << next.Describe();
-  CommandResult again = Refitctl(pub, {"publish", "--safetensors", *file});
+  CommandResult again = Refitctl(pub, {"publish", "--safetensors", file});
   ASSERT_EQ(again.exit_code, 0) << again.Describe();
   EXPECT_TRUE(absl::StrContains(again.out, "published version 2 ")) << again.Describe();
 }
@@ -162,30 +171,27 @@ TEST_F(E2ESecurityVersionsTest, HelloAtMaxVersionOrForeignLineageGetsKeyframesNo
        std::vector<std::pair<uint64_t, bool>>{{UINT64_MAX, false}, {5, true}}) {
     SCOPED_TRACE(absl::StrCat("Hello version ", version, foreign ? " of a foreign lineage" : ""));
     RawSubscriber raw(pub.listen_target());
-    absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-    ASSERT_TRUE(st.ok()) << st.status();
-    ASSERT_NE(st->lineage(), 0u);
-    const uint64_t lineage = foreign ? st->lineage() ^ 0x5a5a5a5a5a5a5a5aull : st->lineage();
-    absl::StatusOr<v1::Welcome> welcome = raw.Hello(version, 0x1234, lineage);
-    ASSERT_TRUE(welcome.ok()) << welcome.status();
-    EXPECT_EQ(welcome->lineage(), st->lineage());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(pub.control_target()));
+    ASSERT_NE(st.lineage(), 0u);
+    const uint64_t lineage = foreign ? st.lineage() ^ 0x5a5a5a5a5a5a5a5aull : st.lineage();
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::Welcome welcome, raw.Hello(version, 0x1234, lineage));
+    EXPECT_EQ(welcome.lineage(), st.lineage());
     // It holds nothing of this publisher's: a full keyframe of the newest version.
-    absl::StatusOr<v1::VersionHeader> header = raw.NextHeader();
-    ASSERT_TRUE(header.ok()) << header.status();
-    EXPECT_EQ(header->base_version(), 0u);
-    EXPECT_EQ(header->version(), st->version());
-    EXPECT_EQ(header->lineage(), st->lineage());
-    for (const v1::TensorPlan& t : header->tensors()) {
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::VersionHeader header, raw.NextHeader());
+    EXPECT_EQ(header.base_version(), 0u);
+    EXPECT_EQ(header.version(), st.version());
+    EXPECT_EQ(header.lineage(), st.lineage());
+    for (const v1::TensorPlan& t : header.tensors()) {
       EXPECT_EQ(t.delivery(), v1::DELIVERY_KEYFRAME) << t.spec().name();
     }
     // The numbering did not move: the next automatic version is newest + 1.
     absl::StatusOr<std::string> file =
-        WriteModelFile(SmallModel(10 + st->version()), absl::StrCat("next-", st->version()));
-    ASSERT_TRUE(file.ok()) << file.status();
+        WriteModelFile(SmallModel(10 + st.version()), absl::StrCat("next-", st.version()));
+    ASSERT_THAT(file, IsOk());
     CommandResult next = Refitctl(pub, {"publish", "--safetensors", *file});
     ASSERT_EQ(next.exit_code, 0) << next.Describe();
-    EXPECT_TRUE(absl::StrContains(next.out, absl::StrCat("published version ", st->version() + 1,
-                                                         " ")))
+    EXPECT_TRUE(
+        absl::StrContains(next.out, absl::StrCat("published version ", st.version() + 1, " ")))
         << next.Describe();
   }
 }
@@ -194,17 +200,16 @@ TEST_F(E2ESecurityVersionsTest, WaitAllSubscribersFailsWhileOneHoldsTheNumberWit
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   E2E_ASSERT_OK(pub.Start());
   E2E_ASSERT_OK(Publish(pub, SmallModel(1), 1));
-  absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(pub.control_target()));
 
   // Same lineage, same number, another digest (a subscriber that failed over from a publisher
   // that reused the number): it is not caught up.
   RawSubscriber raw(pub.listen_target());
-  ASSERT_TRUE(raw.Hello(1, st->version_digest() ^ 1, st->lineage()).ok());
+  ASSERT_THAT(raw.Hello(1, st.version_digest() ^ 1, st.lineage()), IsOk());
   absl::StatusOr<v1::StatusResponse> with = PollStatus(
       pub.control_target(), [](const v1::StatusResponse& s) { return s.sessions_size() == 1; },
       absl::Seconds(20), "the raw session is listed");
-  ASSERT_TRUE(with.ok()) << with.status();
+  ASSERT_THAT(with, IsOk());
   EXPECT_EQ(with->sessions(0).lag_versions(), 1u) << "lag of a subscriber with another digest";
 
   CommandResult wait = Refitctl(pub, {"wait", "--version", "1", "--all-subscribers", "--timeout",
@@ -237,11 +242,10 @@ TEST_F(E2ESecurityVersionsTest, FailoverToAPublisherOfAnotherLineageReplacesTheV
   absl::StatusOr<v1::StatusResponse> st = PollStatus(
       sub.control_target(), [](const v1::StatusResponse& s) { return s.version() == 1; },
       absl::Seconds(30), "the subscriber holds B's version 1");
-  ASSERT_TRUE(st.ok()) << st.status() << "\n" << sub.LogTail();
-  absl::StatusOr<v1::StatusResponse> bst = RpcStatus(b.control_target());
-  ASSERT_TRUE(bst.ok()) << bst.status();
-  EXPECT_EQ(st->version_digest(), bst->version_digest());
-  EXPECT_EQ(st->lineage(), bst->lineage());
+  ASSERT_THAT(st, IsOk()) << st.status() << "\n" << sub.LogTail();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse bst, RpcStatus(b.control_target()));
+  EXPECT_EQ(st->version_digest(), bst.version_digest());
+  EXPECT_EQ(st->lineage(), bst.lineage());
   E2E_EXPECT_OK(ExpectExportEquals(sub, other));
   EXPECT_TRUE(LogContains(sub, "the upstream changed lineage")) << sub.LogTail();
 }
@@ -249,36 +253,33 @@ TEST_F(E2ESecurityVersionsTest, FailoverToAPublisherOfAnotherLineageReplacesTheV
 TEST_F(E2ESecurityVersionsTest, RetryWithTheSameRequestIdPublishesOnce) {
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   E2E_ASSERT_OK(pub.Start());
-  absl::StatusOr<std::string> file = WriteModelFile(SmallModel(1), "m1");
-  ASSERT_TRUE(file.ok()) << file.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string file, WriteModelFile(SmallModel(1), "m1"));
   for (int i = 0; i < 2; ++i) {
-    CommandResult r = Refitctl(pub, {"publish", "--safetensors", *file, "--request-id", "job-42"});
+    CommandResult r = Refitctl(pub, {"publish", "--safetensors", file, "--request-id", "job-42"});
     ASSERT_EQ(r.exit_code, 0) << r.Describe();
     EXPECT_TRUE(absl::StrContains(r.out, "published version 1 ")) << "attempt " << i << ": "
                                                                    << r.Describe();
   }
-  absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->version(), 1u);
-  EXPECT_EQ(st->history().versions(), 1u) << "published once";
-  absl::StatusOr<std::string> other = WriteModelFile(SmallModel(2), "m2");
-  ASSERT_TRUE(other.ok());
-  CommandResult misuse = Refitctl(pub, {"publish", "--safetensors", *other, "--request-id",
-                                        "job-42"});
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(pub.control_target()));
+  EXPECT_EQ(st.version(), 1u);
+  EXPECT_EQ(st.history().versions(), 1u) << "published once";
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string other, WriteModelFile(SmallModel(2), "m2"));
+  CommandResult misuse =
+      Refitctl(pub, {"publish", "--safetensors", other, "--request-id", "job-42"});
   EXPECT_NE(misuse.exit_code, 0) << misuse.Describe();
   EXPECT_TRUE(absl::StrContains(misuse.err, "INVALID_ARGUMENT")) << misuse.Describe();
 }
 
 TEST_F(E2ESecurityVersionsTest, ExpiredPublishIsNotRunAndAFullQueueIsResourceExhausted) {
-  const std::string stall = Path("stall");
-  setenv(kStallHookEnv, stall.c_str(), 1);
+  const std::string stall = ArmHooks().File(TestHook::kStallPublish);
   PublisherSpec spec;
   spec.extra = "  publish_queue:\n    max_pending: 2\n";
   DaemonProcess& pub = NewPublisher(spec);
   E2E_ASSERT_OK(pub.Start());
   absl::StatusOr<std::string> a = WriteModelFile(SmallModel(1), "a");
   absl::StatusOr<std::string> b = WriteModelFile(SmallModel(2), "b");
-  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
   { std::ofstream(stall) << "stall\n"; }
 
   // A starts and sticks; its caller gives up (the job keeps running: it completes later).
@@ -288,7 +289,7 @@ TEST_F(E2ESecurityVersionsTest, ExpiredPublishIsNotRunAndAFullQueueIsResourceExh
       pub.control_target(),
       [](const v1::StatusResponse& s) { return s.publish_queue().pending() == 1; },
       absl::Seconds(20), "A running");
-  ASSERT_TRUE(running.ok()) << running.status();
+  ASSERT_THAT(running, IsOk());
   // B queues behind it; its deadline passes before it starts.
   EXPECT_EQ(RpcPublish(pub.control_target(), *b, "b", absl::Seconds(1)).code(),
             absl::StatusCode::kDeadlineExceeded);
@@ -299,7 +300,7 @@ TEST_F(E2ESecurityVersionsTest, ExpiredPublishIsNotRunAndAFullQueueIsResourceExh
         return s.publish_queue().dropped_expired() == 1 && s.publish_queue().pending() == 1;
       },
       absl::Seconds(20), "B dropped");
-  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  ASSERT_THAT(dropped, IsOk());
   // C waits long, D finds the queue full (A running + C queued = max_pending 2).
   absl::Status c_status;
   std::thread c([&] { c_status = RpcPublish(pub.control_target(), *b, "c", absl::Seconds(60)); });
@@ -312,14 +313,13 @@ TEST_F(E2ESecurityVersionsTest, ExpiredPublishIsNotRunAndAFullQueueIsResourceExh
   EXPECT_TRUE(absl::StrContains(d.message(), "max_pending")) << d;
   std::filesystem::remove(stall);
   c.join();
-  ASSERT_TRUE(full.ok()) << full.status();
-  EXPECT_TRUE(c_status.ok()) << c_status;
+  ASSERT_THAT(full, IsOk());
+  EXPECT_THAT(c_status, IsOk());
 
-  absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
-  EXPECT_EQ(st->publish_queue().dropped_expired(), 1u) << "B was dropped";
-  EXPECT_EQ(st->publish_queue().refused_full(), 1u) << "D was refused";
-  EXPECT_EQ(st->history().versions(), 2u) << "A and C ran, B did not";
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(pub.control_target()));
+  EXPECT_EQ(st.publish_queue().dropped_expired(), 1u) << "B was dropped";
+  EXPECT_EQ(st.publish_queue().refused_full(), 1u) << "D was refused";
+  EXPECT_EQ(st.history().versions(), 2u) << "A and C ran, B did not";
   // (gRPC may cancel the call at its deadline before the publisher's own deadline check: the
   // log then says "call was cancelled"; either way B never ran.)
   EXPECT_TRUE(LogContains(pub, "from control (" + *b + ") request b not published: its caller's"))
@@ -327,22 +327,20 @@ TEST_F(E2ESecurityVersionsTest, ExpiredPublishIsNotRunAndAFullQueueIsResourceExh
 }
 
 TEST_F(E2ESecurityVersionsTest, SigtermDuringAStuckPublishExitsWithinTheBound) {
-  const std::string stall = Path("stall");
-  setenv(kStallHookEnv, stall.c_str(), 1);
+  const std::string stall = ArmHooks().File(TestHook::kStallPublish);
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   E2E_ASSERT_OK(pub.Start());
-  absl::StatusOr<std::string> a = WriteModelFile(SmallModel(1), "a");
-  ASSERT_TRUE(a.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string a, WriteModelFile(SmallModel(1), "a"));
   { std::ofstream(stall) << "stall\n"; }
-  EXPECT_EQ(RpcPublish(pub.control_target(), *a, "a", absl::Seconds(1)).code(),
+  EXPECT_EQ(RpcPublish(pub.control_target(), a, "a", absl::Seconds(1)).code(),
             absl::StatusCode::kDeadlineExceeded);
-  ASSERT_TRUE(PollStatus(
+  ASSERT_THAT(PollStatus(
                   pub.control_target(),
                   [](const v1::StatusResponse& s) { return s.publish_queue().pending() == 1; },
-                  absl::Seconds(20), "the publish is stuck")
-                  .ok());
+                  absl::Seconds(20), "the publish is stuck"),
+              IsOk());
   absl::StatusOr<int> code = pub.Terminate(kShutdownBound + kSlack);
-  ASSERT_TRUE(code.ok()) << code.status() << "\n" << pub.LogTail();
+  ASSERT_THAT(code, IsOk()) << code.status() << "\n" << pub.LogTail();
   EXPECT_EQ(*code, kExitShutdownTimedOut) << pub.LogTail();
   EXPECT_TRUE(LogContains(pub, "shutdown did not finish")) << pub.LogTail();
 }
@@ -351,12 +349,11 @@ TEST_F(E2ESecurityVersionsTest, SigtermWhileStartingExitsAtOnce) {
   // Nothing in start-up blocks by itself any more (a FIFO as --config is refused at once:
   // e2e_security_files_test), so the start-up hook holds refitd before it reads its config while
   // the file exists; SIGTERM must end it then (it used to be blocked until serving).
-  const std::string stall = Path("stall-start");
+  const std::string stall = ArmHooks().File(TestHook::kStallStart);
   { std::ofstream(stall) << "stall\n"; }
-  setenv(kStartHookEnv, stall.c_str(), 1);
   DaemonProcess& pub = NewPublisher(PublisherSpec());
   (void)pub.Start(absl::Milliseconds(1));  // spawns; no ready file will come
-  unsetenv(kStartHookEnv);
+  unsetenv(TestHooks::kEnv);
   // The hook logs when it holds start-up: poll the log (no event announces it).
   for (const absl::Time until = absl::Now() + absl::Seconds(30);
        absl::Now() < until && pub.running() && !LogContains(pub, "start-up waits");) {
@@ -364,7 +361,7 @@ TEST_F(E2ESecurityVersionsTest, SigtermWhileStartingExitsAtOnce) {
   }
   ASSERT_TRUE(LogContains(pub, "start-up waits")) << pub.LogTail();
   absl::StatusOr<int> code = pub.Terminate(kShutdownBound + kSlack);
-  ASSERT_TRUE(code.ok()) << code.status() << "\n" << pub.LogTail();
+  ASSERT_THAT(code, IsOk()) << code.status() << "\n" << pub.LogTail();
   EXPECT_EQ(*code, 128 + SIGTERM) << pub.LogTail();
   EXPECT_TRUE(LogContains(pub, "shutdown signal while starting")) << pub.LogTail();
 }
@@ -376,7 +373,8 @@ TEST_F(E2ESecurityVersionsTest, CorruptBaselineIsMovedAsideAndStaleTempFilesRemo
   E2E_ASSERT_OK(pub.Start());
   E2E_ASSERT_OK(Publish(pub, SmallModel(1), 1));
   absl::StatusOr<int> stopped = pub.Terminate();
-  ASSERT_TRUE(stopped.ok() && *stopped == 0) << pub.LogTail();
+  ASSERT_THAT(stopped, IsOk()) << pub.LogTail();
+  ASSERT_EQ(*stopped, 0) << pub.LogTail();
 
   const std::string baseline = spec.persist_dir + "/baseline.safetensors";
   {  // flip bytes near the end (tensor data): the digest check fails
@@ -389,7 +387,7 @@ TEST_F(E2ESecurityVersionsTest, CorruptBaselineIsMovedAsideAndStaleTempFilesRemo
 
   E2E_ASSERT_OK(pub.Start());
   absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->baseline().state(), v1::BASELINE_STATE_MOVED_ASIDE) << st->DebugString();
   EXPECT_FALSE(st->baseline().load_error().empty());
   EXPECT_TRUE(fs::exists(st->baseline().moved_to())) << st->baseline().moved_to();
@@ -411,7 +409,7 @@ TEST_F(E2ESecurityVersionsTest, CorruptBaselineIsMovedAsideAndStaleTempFilesRemo
         return s.baseline().state() == v1::BASELINE_STATE_PERSISTED;
       },
       absl::Seconds(30), "version 1 persisted");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
 }
 
 TEST_F(E2ESecurityVersionsTest, SecondPublisherOnTheSamePersistDirIsRefused) {
@@ -422,7 +420,7 @@ TEST_F(E2ESecurityVersionsTest, SecondPublisherOnTheSamePersistDirIsRefused) {
   spec.name = "pub2";
   DaemonProcess& second = NewPublisher(spec);
   absl::Status started = second.Start();
-  ASSERT_FALSE(started.ok());
+  ASSERT_THAT(started, Not(IsOk()));
   EXPECT_TRUE(absl::StrContains(started.message(), "in use by another publisher")) << started;
   EXPECT_TRUE(absl::StrContains(started.message(), spec.persist_dir)) << started;
 }
@@ -442,7 +440,7 @@ TEST_F(E2ESecurityVersionsTest, FailedPersistShowsInStatus) {
         return s.baseline().state() == v1::BASELINE_STATE_PERSIST_FAILED;
       },
       absl::Seconds(30), "the persist of version 1 failed");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->version(), 1u) << "served from memory";
   EXPECT_EQ(st->baseline().state(), v1::BASELINE_STATE_PERSIST_FAILED) << st->DebugString();
   EXPECT_FALSE(st->baseline().last_persist_error().empty());

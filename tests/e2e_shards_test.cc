@@ -1,4 +1,4 @@
-// Issue 11, sharded versions: K publisher daemons each own a disjoint part of the model and
+// Sharded versions: K publisher daemons each own a disjoint part of the model and
 // publish the same version numbers; subscribers listing them in upstream.shards commit a version
 // only when every shard's part arrived and verified. A shard publisher that dies during a
 // version holds every subscriber at the version before (no torn mix, read under leases), and
@@ -9,11 +9,14 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/e2e.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 constexpr uint32_t kShards = 3;
 constexpr int kTensors = 9;
@@ -96,14 +99,14 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
     for (DaemonProcess* s : subs) E2E_ASSERT_OK(ExpectHolds(*s, models.back(), v));
   }
   for (DaemonProcess* s : subs) {
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(s->control_target(), 2);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->last_refit().base_version(), 1u) << "v2 as a delta: " << DescribeRefit(st->last_refit());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(s->control_target(), 2));
+    EXPECT_EQ(st.last_refit().base_version(), 1u)
+        << "v2 as a delta: " << DescribeRefit(st.last_refit());
     if (s == subs[sharded]) {
-      EXPECT_FALSE(st->has_shards());
+      EXPECT_FALSE(st.has_shards());
       continue;
     }
-    const v1::ShardsStatus& sh = st->shards();
+    const v1::ShardsStatus& sh = st.shards();
     EXPECT_EQ(sh.set(), "policy");
     EXPECT_EQ(sh.count(), kShards);
     EXPECT_EQ(sh.joined_versions(), 2u);
@@ -128,24 +131,22 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
                  r.shards().waiting_for(0) == 2;
         },
         absl::Seconds(30), "shards 0 and 1 offering v3, waiting for shard 2");
-    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_THAT(st, IsOk());
   }
   E2E_ASSERT_OK(pubs_[2]->Kill());
   // Consumers keep reading v2, whole: every export (under a lease) is exactly v2's tensors.
   for (int round = 0; round < 3; ++round) {
     for (DaemonProcess* s : subs) {
       E2E_ASSERT_OK(ExpectExportEquals(*s, models[1]));
-      absl::StatusOr<v1::StatusResponse> st = RpcStatus(s->control_target());
-      ASSERT_TRUE(st.ok()) << st.status();
-      EXPECT_EQ(st->version(), 2u);
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(s->control_target()));
+      EXPECT_EQ(st.version(), 2u);
     }
   }
   for (DaemonProcess* s : subs) E2E_ASSERT_OK(ExpectVerified(*s));
-  absl::StatusOr<v1::StatusResponse> relay_status = RpcStatus(relay.control_target());
-  ASSERT_TRUE(relay_status.ok()) << relay_status.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse relay_status, RpcStatus(relay.control_target()));
   // v1 (keyframes) was encoded again for the peers; the joined delta v2 went through as
   // received, while arriving, and was installed from its patches.
-  const v1::RelayStatus& rr = relay_status->relay();
+  const v1::RelayStatus& rr = relay_status.relay();
   EXPECT_EQ(rr.completed(), 1u) << rr.ShortDebugString();
   EXPECT_EQ(rr.streamed(), 1u) << rr.ShortDebugString();
   EXPECT_EQ(rr.failed(), 0u) << rr.ShortDebugString();
@@ -162,11 +163,11 @@ TEST_F(E2EShards, EveryVersionCommitsWholeAndADeadShardHoldsItBackUntilItReturns
   E2E_ASSERT_OK(PublishShards(models.back(), 4, {2, 0, 1}));
   for (DaemonProcess* s : subs) {
     E2E_ASSERT_OK(ExpectHolds(*s, models.back(), 4));
-    absl::StatusOr<v1::StatusResponse> st = StatusAfterRefit(s->control_target(), 4);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->last_refit().base_version(), 3u) << DescribeRefit(st->last_refit());
-    EXPECT_LT(st->last_refit().wire_bytes(), models.back().bytes() / 4) << DescribeRefit(st->last_refit());
-    std::printf("[e2e] %s: %s\n", s->name().c_str(), DescribeRefit(st->last_refit()).c_str());
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(s->control_target(), 4));
+    EXPECT_EQ(st.last_refit().base_version(), 3u) << DescribeRefit(st.last_refit());
+    EXPECT_LT(st.last_refit().wire_bytes(), models.back().bytes() / 4)
+        << DescribeRefit(st.last_refit());
+    std::printf("[e2e] %s: %s\n", s->name().c_str(), DescribeRefit(st.last_refit()).c_str());
   }
 }
 
@@ -201,7 +202,8 @@ TEST_F(E2EShards, ASelectionAcrossShardsTakesEachShardsPartOfIt) {
     E2E_ASSERT_OK(ExpectHolds(s_all, selected(m, {"layers.w0", "layers.w1", "layers.w2"}), v));
     absl::StatusOr<v1::StatusResponse> f = StatusAfterRefit(full.control_target(), v);
     absl::StatusOr<v1::StatusResponse> o = StatusAfterRefit(s_one.control_target(), v);
-    ASSERT_TRUE(f.ok() && o.ok()) << f.status() << " " << o.status();
+    ASSERT_THAT(f, IsOk()) << f.status() << " " << o.status();
+    ASSERT_THAT(o, IsOk()) << f.status() << " " << o.status();
     EXPECT_EQ(o->tensors(), 2u);
     EXPECT_LT(o->last_refit().wire_bytes(), f->last_refit().wire_bytes() / 3)
         << "sel-one: " << DescribeRefit(o->last_refit()) << "; full: "
@@ -223,7 +225,7 @@ TEST_F(E2EShards, ASelectionAcrossShardsTakesEachShardsPartOfIt) {
         return false;
       },
       absl::Seconds(30), "sel-none refused for a pattern no shard holds");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_EQ(st->version(), 0u);
   for (const v1::ShardStatus& p : st->shards().shards()) {
     if (p.last_error().empty()) continue;
@@ -263,7 +265,7 @@ TEST_F(E2EShards, APublisherOfTheWrongKindOrShardIsAClearErrorAndCommitsNothing)
                !r.shards().shards(2).session().last_error().empty();
       },
       absl::Seconds(30), "shard sessions 0 and 2 refused");
-  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_THAT(st, IsOk());
   EXPECT_TRUE(absl::StrContains(st->shards().shards(0).session().last_error(),
                                 "serves shard 1 of the 3 shards of set \"policy\", but "
                                 "subscriber.upstream.shards[0] expects shard 0"))
@@ -277,7 +279,7 @@ TEST_F(E2EShards, APublisherOfTheWrongKindOrShardIsAClearErrorAndCommitsNothing)
       wsub.control_target(),
       [](const v1::StatusResponse& r) { return !r.upstream().last_error().empty(); },
       absl::Seconds(30), "the unsharded subscriber's session refused");
-  ASSERT_TRUE(wst.ok()) << wst.status();
+  ASSERT_THAT(wst, IsOk());
   EXPECT_TRUE(absl::StrContains(wst->upstream().last_error(), "subscriber.upstream.shards"))
       << wst->upstream().ShortDebugString();
   EXPECT_EQ(wst->version(), 0u);

@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "tests/harness/certs.h"
 #include "tests/harness/e2e.h"
@@ -15,18 +16,19 @@
 namespace refit::e2e {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::testing::Not;
+
 using E2ETls = E2ETest;
 
 TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
-  absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "sub-good");
-  ASSERT_TRUE(pki.ok()) << pki.status();
-  absl::StatusOr<CertPair> stranger = MakeClientCert(dir(), "sub-stranger");
-  ASSERT_TRUE(stranger.ok()) << stranger.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir(), "sub-good"));
+  REFIT_ASSERT_OK_AND_ASSIGN(CertPair stranger, MakeClientCert(dir(), "sub-stranger"));
 
   PublisherSpec ps;
   ps.name = "pub";
   ps.listen = "127.0.0.1:0";
-  ps.tls = {pki->server.cert, pki->server.key, pki->ca, {"sub-good"}};
+  ps.tls = {pki.server.cert, pki.server.key, pki.ca, {"sub-good"}};
   ps.control_listen = absl::StrCat("unix:", dir(), "/pub-control.sock");
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
@@ -35,7 +37,7 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
   // The data-plane port refuses plaintext (no client certificate at all).
   {
     absl::StatusOr<v1::StatusResponse> plain = RpcStatus(pub.listen_target(), absl::Seconds(5));
-    EXPECT_FALSE(plain.ok()) << "plaintext Control call on the TLS port succeeded";
+    EXPECT_THAT(plain, Not(IsOk())) << "plaintext Control call on the TLS port succeeded";
   }
 
   auto sub_spec = [&](const std::string& name) {
@@ -46,15 +48,15 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
     return s;
   };
   SubscriberSpec good_spec = sub_spec("sub-good");
-  good_spec.tls = {pki->client.cert, pki->client.key, pki->ca, ""};
+  good_spec.tls = {pki.client.cert, pki.client.key, pki.ca, ""};
   DaemonProcess& good = NewSubscriber(good_spec);
   SubscriberSpec plain_spec = sub_spec("sub-plain");  // no tls block: plaintext to a TLS port
   DaemonProcess& plain = NewSubscriber(plain_spec);
   SubscriberSpec other_spec = sub_spec("sub-other-ca");
-  other_spec.tls = {pki->other_client.cert, pki->other_client.key, pki->ca, ""};
+  other_spec.tls = {pki.other_client.cert, pki.other_client.key, pki.ca, ""};
   DaemonProcess& other = NewSubscriber(other_spec);
   SubscriberSpec stranger_spec = sub_spec("sub-stranger");
-  stranger_spec.tls = {stranger->cert, stranger->key, pki->ca, ""};
+  stranger_spec.tls = {stranger.cert, stranger.key, pki.ca, ""};
   DaemonProcess& outsider = NewSubscriber(stranger_spec);
   for (DaemonProcess* d : {&good, &plain, &other, &outsider}) E2E_ASSERT_OK(d->Start());
 
@@ -63,13 +65,12 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
   E2E_ASSERT_OK(WaitVersion(good, 1));
   E2E_ASSERT_OK(ExpectExportEquals(good, m1));
   E2E_ASSERT_OK(ExpectVerified(good));
-  absl::StatusOr<v1::StatusResponse> gst = RpcStatus(good.control_target());
-  ASSERT_TRUE(gst.ok()) << gst.status();
-  std::printf("[e2e] sub-good upstream: %s\n", gst->upstream().ShortDebugString().c_str());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse gst, RpcStatus(good.control_target()));
+  std::printf("[e2e] sub-good upstream: %s\n", gst.upstream().ShortDebugString().c_str());
 
   // The publisher authenticated the good subscriber by its certificate.
   absl::StatusOr<v1::StatusResponse> pst = RpcStatus(pub.control_target());
-  ASSERT_TRUE(pst.ok()) << pst.status();
+  ASSERT_THAT(pst, IsOk());
   ASSERT_EQ(pst->sessions_size(), 1) << "only sub-good has a session: " << pst->ShortDebugString();
   EXPECT_EQ(pst->sessions(0).identity(), "sub-good") << pst->sessions(0).ShortDebugString();
 
@@ -87,7 +88,7 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
         r.d->control_target(),
         [](const v1::StatusResponse& s) { return !s.upstream().last_error().empty(); },
         absl::Seconds(30), absl::StrCat(r.d->name(), " reports an upstream error"));
-    ASSERT_TRUE(st.ok()) << st.status();
+    ASSERT_THAT(st, IsOk());
     const std::string err = st->upstream().last_error();
     std::printf("[e2e] %s refused: %s\n", r.d->name().c_str(), err.c_str());
     EXPECT_EQ(st->version(), 0u) << r.d->name() << " got a version despite being refused";
@@ -102,12 +103,11 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
   E2E_ASSERT_OK(WaitVersion(good, 2));
   E2E_ASSERT_OK(ExpectExportEquals(good, m2));
   for (const Refused& r : refused) {
-    absl::StatusOr<v1::StatusResponse> st = RpcStatus(r.d->control_target());
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_EQ(st->version(), 0u) << r.d->name();
+    REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, RpcStatus(r.d->control_target()));
+    EXPECT_EQ(st.version(), 0u) << r.d->name();
   }
   pst = RpcStatus(pub.control_target());
-  ASSERT_TRUE(pst.ok()) << pst.status();
+  ASSERT_THAT(pst, IsOk());
   EXPECT_EQ(pst->sessions_size(), 1) << pst->ShortDebugString();
 }
 
@@ -115,21 +115,20 @@ TEST_F(E2ETls, OnlySubscribersWithAValidAllowedClientCertificateGetVersions) {
 // certificate it publishes and reads status; without one, or with another CA's, it fails (exit 1)
 // with one line saying why.
 TEST_F(E2ETls, RefitctlSpeaksMtlsToControl) {
-  absl::StatusOr<TestPki> pki = MakeTestPki(dir(), "operator");
-  ASSERT_TRUE(pki.ok()) << pki.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir(), "operator"));
   PublisherSpec ps;
   ps.name = "pub";
-  ps.tls = {pki->server.cert, pki->server.key, pki->ca, {}};
+  ps.tls = {pki.server.cert, pki.server.key, pki.ca, {}};
   ps.control_access = "{grants: [{role: write, identities: [operator]}]}";  // the client's CN
   DaemonProcess& pub = NewPublisher(ps);
   E2E_ASSERT_OK(pub.Start());
-  const std::vector<std::string> tls = {"--target", pub.control_target(), "--tls-cert",
-                                        pki->client.cert, "--tls-key", pki->client.key,
-                                        "--tls-ca", pki->ca};
-  absl::StatusOr<std::string> path = WriteModelFile(RandomModel(9, {{"w", 4096}}), "tls-v1");
-  ASSERT_TRUE(path.ok()) << path.status();
+  const std::vector<std::string> tls = {
+      "--target",  pub.control_target(), "--tls-cert", pki.client.cert,
+      "--tls-key", pki.client.key,       "--tls-ca",   pki.ca};
+  REFIT_ASSERT_OK_AND_ASSIGN(std::string path,
+                             WriteModelFile(RandomModel(9, {{"w", 4096}}), "tls-v1"));
   std::vector<std::string> publish = tls;
-  publish.insert(publish.end(), {"publish", "--safetensors", *path});
+  publish.insert(publish.end(), {"publish", "--safetensors", path});
   CommandResult r = RunRefitctl(publish);
   EXPECT_EQ(r.exit_code, 0) << "publish over mTLS: " << r.Describe();
   std::vector<std::string> status = tls;
@@ -141,8 +140,8 @@ TEST_F(E2ETls, RefitctlSpeaksMtlsToControl) {
   r = RunRefitctl({"--target", pub.control_target(), "status"});
   EXPECT_EQ(r.exit_code, 1) << "plaintext status to an mTLS port: " << r.Describe();
   EXPECT_FALSE(r.err.empty());
-  r = RunRefitctl({"--target", pub.control_target(), "--tls-cert", pki->other_client.cert,
-                   "--tls-key", pki->other_client.key, "--tls-ca", pki->ca, "status"});
+  r = RunRefitctl({"--target", pub.control_target(), "--tls-cert", pki.other_client.cert,
+                   "--tls-key", pki.other_client.key, "--tls-ca", pki.ca, "status"});
   EXPECT_EQ(r.exit_code, 1) << "status with another CA's certificate: " << r.Describe();
   EXPECT_FALSE(r.err.empty());
 }

@@ -3,10 +3,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::wan {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 constexpr uint64_t kMs = 1'000'000;
 
@@ -102,10 +106,10 @@ TEST(LinkModel, RandomLossMatchesItsProbabilityAndSeed) {
 TEST(LinkOptions, RejectsBadRanges) {
   LinkOptions o;
   o.rate_bits_per_s = 0;
-  EXPECT_FALSE(ResolveLinkOptions(o).ok());
+  EXPECT_THAT(ResolveLinkOptions(o), Not(IsOk()));
   o.rate_bits_per_s = 1;
   o.loss = 1.0;
-  EXPECT_FALSE(ResolveLinkOptions(o).ok());
+  EXPECT_THAT(ResolveLinkOptions(o), Not(IsOk()));
 }
 
 TEST(LinkQueue, HoldsPacketsUntilTheirDeliveryInOrder) {

@@ -410,8 +410,8 @@ def wait_connected(bins: dict, pub: Daemon, subs: int, timeout=60.0) -> None:
 # The sources that determine a trajectory's bytes: a cached directory is keyed by their hash, so
 # a changed generator never serves a stale trajectory (the old directory is removed).
 GENERATOR_SOURCES = ["daemon/model/trajectory.h", "daemon/model/trajectory.cc",
-                     "daemon/model/safetensors.h", "daemon/model/safetensors.cc",
-                     "bench/wan/make_trajectory.cc"]
+                     "daemon/model/safetensors.h", "daemon/model/safetensors_format.cc",
+                     "daemon/model/safetensors_writer.cc", "bench/wan/make_trajectory.cc"]
 
 
 def generator_fingerprint(bins: dict) -> str:

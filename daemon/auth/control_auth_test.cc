@@ -4,10 +4,13 @@
 
 #include <string>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::auth {
 namespace {
+
+using ::refit::testing::IsOk;
 
 v1::ControlAccess Access() {
   v1::ControlAccess a;
@@ -50,14 +53,14 @@ TEST(ControlAuthTest, RolesAreCumulativeAndPerMethod) {
   EXPECT_EQ(RequiredRole("SomethingNew"), Role::kWrite);
   const ControlAuthorizer a(Access(), "publisher.control_access");
   const Caller ops = Unix(2000, 4242);
-  EXPECT_TRUE(a.Authorize(ops, "Status").ok());
-  EXPECT_TRUE(a.Authorize(ops, "Resync").ok());
+  EXPECT_THAT(a.Authorize(ops, "Status"), IsOk());
+  EXPECT_THAT(a.Authorize(ops, "Resync"), IsOk());
   const absl::Status denied = a.Authorize(ops, "Publish");
   EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(denied.message(),
             "Control Publish needs role write; unix peer uid 2000 gid 4242 pid 99 has role "
             "operate (grant it in publisher.control_access.grants)");
-  EXPECT_TRUE(a.Authorize(Unix(1001, 1001), "Export").ok());
+  EXPECT_THAT(a.Authorize(Unix(1001, 1001), "Export"), IsOk());
 }
 
 TEST(ControlAuthTest, UnixPeersWithoutAGrantGetNothingButRootAndOurUidGetWrite) {
@@ -97,7 +100,7 @@ TEST(ControlAuthTest, UnauthenticatedTcpOnlyWhenConfigured) {
   v1::ControlAccess read = Access();
   read.set_unauthenticated_tcp_role(v1::CONTROL_ROLE_READ);
   const ControlAuthorizer r(read, "subscriber.control_access");
-  EXPECT_TRUE(r.Authorize(tcp, "Status").ok());
+  EXPECT_THAT(r.Authorize(tcp, "Status"), IsOk());
   EXPECT_EQ(r.Authorize(tcp, "Verify").code(), absl::StatusCode::kPermissionDenied);
 }
 
@@ -106,9 +109,9 @@ TEST(LocalAuthTest, OnlyListedPeersRootAndOurUid) {
   access.add_uids(1001);
   access.add_gids(5000);
   const LocalAuthorizer a(access, "publisher.local_access", "TrainerApi");
-  EXPECT_TRUE(a.Authorize(PeerCred{.pid = 1, .uid = 1001, .gid = 1001}, "Publish").ok());
-  EXPECT_TRUE(a.Authorize(PeerCred{.pid = 1, .uid = 7, .gid = 5000}, "Publish").ok());
-  EXPECT_TRUE(a.Authorize(PeerCred{.pid = 1, .uid = 0, .gid = 0}, "Publish").ok());
+  EXPECT_THAT(a.Authorize(PeerCred{.pid = 1, .uid = 1001, .gid = 1001}, "Publish"), IsOk());
+  EXPECT_THAT(a.Authorize(PeerCred{.pid = 1, .uid = 7, .gid = 5000}, "Publish"), IsOk());
+  EXPECT_THAT(a.Authorize(PeerCred{.pid = 1, .uid = 0, .gid = 0}, "Publish"), IsOk());
   const absl::Status s = a.Authorize(PeerCred{.pid = 3, .uid = 65534, .gid = 65534},
                                      "RegisterTensors");
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);

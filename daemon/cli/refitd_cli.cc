@@ -1,9 +1,6 @@
 #include "daemon/cli/refitd_cli.h"
 
-#include <unistd.h>
-
 #include <csignal>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -15,12 +12,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/cli/shutdown_watcher.h"
-#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/arg_cursor.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/common/systemd_notify.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/config/config.h"
 #include "daemon/publisher/publisher_daemon.h"
+#include "daemon/runtime/daemon_config.h"
+#include "daemon/runtime/daemon_runtime.h"
 #include "daemon/subscriber/subscriber_daemon.h"
+#include "refit/version.h"
 
 namespace refit {
 namespace {
@@ -90,46 +92,30 @@ int Fail(std::ostream& err, int code, const std::string& message) {
   return code;
 }
 
-// Parses the flags after the role. InvalidArgument naming the flag.
+// Parses the flags after the role (arg_cursor.h). InvalidArgument naming the flag.
 absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
-  for (int i = 2; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&](const std::string& flag, std::string* v) -> absl::StatusOr<bool> {
-      if (arg == flag) {
-        if (i + 1 >= argc || absl::StartsWith(argv[i + 1], "--")) {
-          return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
-        }
-        *v = argv[++i];
-        return true;
-      }
-      if (absl::StartsWith(arg, flag + "=")) {
-        *v = arg.substr(flag.size() + 1);
-        if (v->empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
-        return true;
-      }
-      return false;
-    };
-    if (arg == "--help" || arg == "-h") {
+  const std::string where = absl::StrCat("refitd ", opts->role);
+  ArgCursor args(argc, argv, /*first=*/2);
+  while (!args.Done()) {
+    if (args.Help()) {
       opts->help = true;
       return absl::OkStatus();
     }
-    if (arg == "--validate") {
+    if (args.Switch("--validate")) {
       opts->validate = true;
       continue;
     }
     std::string v;
-    absl::StatusOr<bool> m = value("--config", &v);
-    if (!m.ok()) return m.status();
-    if (*m) {
+    ASSIGN_OR_RETURN(bool found, args.Value("--config", &v));
+    if (found) {
       if (!opts->config_path.empty()) {
         return absl::InvalidArgumentError("--config given twice: one config file per daemon");
       }
       opts->config_path = v;
       continue;
     }
-    m = value("--log-level", &v);
-    if (!m.ok()) return m.status();
-    if (*m) {
+    ASSIGN_OR_RETURN(found, args.Value("--log-level", &v));
+    if (found) {
       absl::StatusOr<spdlog::level::level_enum> level = ParseLogLevel(v);
       if (!level.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("--log-level: ", level.status().message()));
@@ -137,32 +123,28 @@ absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
       opts->log_level = *level;
       continue;
     }
-    if (absl::StartsWith(arg, "-")) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown option ", arg, " for refitd ",
-                                                     opts->role, " (see refitd ", opts->role,
-                                                     " --help)"));
-    }
-    return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg,
-                                                   "\" for refitd ", opts->role, " (see refitd ",
-                                                   opts->role, " --help)"));
+    return UnknownArgument(args.Cur(), where);
   }
   if (opts->config_path.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("refitd ", opts->role, " needs --config FILE (examples: config/",
-                     opts->role, ".loopback.yaml)"));
+    return absl::InvalidArgumentError(absl::StrCat(where, " needs --config FILE (examples: config/",
+                                                   opts->role, ".loopback.yaml)"));
   }
   return absl::OkStatus();
 }
 
-// Test hook (the security tests' "signal while starting"): while the file named by
-// REFITD_TEST_HOOK_STALL_START exists, start-up waits before reading the config; nothing in
-// start-up blocks by itself (every open is non-blocking), so a test needs this to signal a
-// starting daemon deterministically. Whoever sets the daemon's environment controls it anyway.
-void StallWhileStartingForTests() {
-  const char* stall = std::getenv("REFITD_TEST_HOOK_STALL_START");
-  if (stall == nullptr || *stall == '\0') return;
-  Logger("refitd")->warn("test hook: start-up waits while \"{}\" exists", stall);
-  while (access(stall, F_OK) == 0) absl::SleepFor(absl::Milliseconds(10));
+// Test hooks (test_hooks.h), when REFITD_TEST_HOOKS_DIR arms them: logged loudly, then the
+// stall_start hook (the security tests' "signal while starting"): while its file exists,
+// start-up waits before reading the config; nothing in start-up blocks by itself (every open is
+// non-blocking), so a test needs this to signal a starting daemon deterministically.
+void TestHooksAtStart() {
+  const TestHooks hooks = TestHooks::FromEnvironment();
+  if (!hooks.enabled()) return;
+  auto log = Logger("refitd");
+  log->warn("{}", hooks.Banner());
+  if (hooks.Stalled(TestHook::kStallStart)) {
+    log->warn("test hook: start-up waits while \"{}\" exists", hooks.File(TestHook::kStallStart));
+    hooks.WaitWhileStalled(TestHook::kStallStart);
+  }
 }
 
 std::string OrDash(const std::string& s, const std::string& dash) { return s.empty() ? dash : s; }
@@ -212,7 +194,7 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
   SetLogFormat(LogFormatFromConfig(cfg.log_format()));
   auto log = Logger("refitd");
   const std::string name = cfg.name().empty() ? HostName() : cfg.name();
-  log->info("refitd {} {} \"{}\" starting (config {})", kBuildVersion, opts.role, name,
+  log->info("refitd {} {} \"{}\" starting (config {})", kRefitVersion, opts.role, name,
             opts.config_path);
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(cfg, std::move(open_device));
   if (!daemon.ok()) {
@@ -283,7 +265,7 @@ int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream
     return 0;
   }
   if (first == "--version") {
-    out << "refitd " << kBuildVersion << "\n";
+    out << "refitd " << kRefitVersion << "\n";
     return 0;
   }
   if (first != "publisher" && first != "subscriber") {
@@ -303,13 +285,15 @@ int RunRefitd(int argc, const char* const* argv, std::ostream& out, std::ostream
     out << (opts.role == "publisher" ? kPublisherUsage : kSubscriberUsage);
     return 0;
   }
-  StallWhileStartingForTests();
+  TestHooksAtStart();
   if (opts.role == "publisher") {
-    return RunRole<publisher::PublisherDaemon>(opts, config::LoadPublisherConfig(opts.config_path),
+    return RunRole<publisher::PublisherDaemon>(opts,
+                                               runtime::LoadPublisherDaemonConfig(opts.config_path),
                                                out, err, std::move(open_device));
   }
   return RunRole<subscriber::SubscriberDaemon>(
-      opts, config::LoadSubscriberConfig(opts.config_path), out, err, std::move(open_device));
+      opts, runtime::LoadSubscriberDaemonConfig(opts.config_path), out, err,
+      std::move(open_device));
 }
 
 }  // namespace refit

@@ -4,7 +4,8 @@
 //   refitd subscriber --config FILE [--validate] [--log-level LEVEL]
 //   refitd --help | --version | <role> --help
 //
-// Loads and checks the role's section of the config (config::Load*Config, CheckConfigFiles);
+// Loads and checks the role's section of the config (runtime::Load*DaemonConfig: every
+// config rule, GPU UUIDs and the tensor selection included; config::CheckConfigFiles);
 // --validate prints "config OK: FILE (ROLE section)" and the effective config, and exits.
 // Otherwise it sets the log level (--log-level overrides the config's log_level), starts the
 // daemon, logs its bound addresses, waits for SIGTERM / SIGINT (SIGHUP: reload TLS files), shuts

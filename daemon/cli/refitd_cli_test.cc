@@ -22,9 +22,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/common/daemon_runtime.h"
+#include "daemon/runtime/daemon_runtime.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "refit/version.h"
 
 namespace refit {
 namespace {
@@ -93,7 +94,7 @@ TEST(RefitdCli, HelpAndVersion) {
   EXPECT_THAT(r.out, HasSubstr("usage: refitd publisher  --config FILE"));
   r = RunCli({"--version"});
   EXPECT_EQ(r.rc, 0);
-  EXPECT_EQ(r.out, absl::StrCat("refitd ", kBuildVersion, "\n"));
+  EXPECT_EQ(r.out, absl::StrCat("refitd ", kRefitVersion, "\n"));
   r = RunCli({"publisher", "--help"});
   EXPECT_EQ(r.rc, 0);
   EXPECT_THAT(r.out, HasSubstr("usage: refitd publisher --config FILE"));

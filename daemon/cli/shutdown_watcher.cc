@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
-#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
+#include "daemon/runtime/daemon_runtime.h"
 
 namespace refit {
 namespace {

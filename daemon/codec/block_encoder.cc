@@ -24,7 +24,6 @@ using format::kUnchanged;
 
 namespace {
 
-
 // From the changed positions, computes each change's gap and value, the run lengths between
 // exceptions and the exceptions' magnitudes minus two, branch-free. Resumable: the encoder calls
 // it for the changes of each chunk right after scanning that chunk, while its bytes are in L1.
@@ -81,8 +80,9 @@ void ComputeValues(const T* a, const T* b, const uint32_t* pos, size_t j0, size_
     const uint32_t p = pos[j];
     const uint64_t o = static_cast<uint64_t>(a[p]);
     const uint64_t t = static_cast<uint64_t>(b[p]);
-    const uint64_t d = ordered ? (format::OrderedImage(t, kBits) - format::OrderedImage(o, kBits)) & kMask
-                               : (t - o) & kMask;
+    const uint64_t d =
+        ordered ? (format::OrderedImage(t, kBits) - format::OrderedImage(o, kBits)) & kMask
+                : (t - o) & kMask;
     const uint64_t neg = (d & kSign) ? 1 : 0;
     rec.Add(j, p, neg, neg ? (0 - d) & kMask : d);  // m == kSign for the most negative d
   }
@@ -231,8 +231,8 @@ struct BlockChanges {
 // `digest` (if any) right after its scan. The per-change arrays are sized for the worst case
 // (every element changed).
 template <typename T>
-BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
-                       EncodeScratch& s, ChunkHasher* digest, ScanLog* log) {
+BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding, EncodeScratch& s,
+                       ChunkHasher* digest, ScanLog* log) {
   constexpr uint32_t kChunk = 16384 / sizeof(T);
   const size_t cap = static_cast<size_t>(len) + 64;  // scan slack
   uint32_t* pos = s.pos.Get(cap);
@@ -282,8 +282,7 @@ BlockChanges ScanBlock(const T* a, const T* b, uint32_t len, ValueCoding coding,
 // EncodeBlock's second step: the Rice / Exp-Golomb parameters of a block with changes (into
 // `eb`) and the size of its sparse payload in bytes.
 template <typename T>
-uint64_t ChooseSparseCoding(BlockChanges& c, int block_log2, ValueCoding coding,
-                            BlockRecord& eb) {
+uint64_t ChooseSparseCoding(BlockChanges& c, int block_log2, ValueCoding coding, BlockRecord& eb) {
   ValueCounts vc;
   vc.exceptions = c.vstate.exceptions;
   vc.runs = FinishRuns(c.n, coding, c.run, c.vstate);
@@ -392,9 +391,9 @@ bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, 
   const uint64_t capacity = std::min(v1_total - least_entry - 1, dense_bytes - 1);
   if (capacity == 0) return false;
   out.resize(start + capacity);
-  const size_t bytes = EncodeContextBlock(cx.dtype, a, b, len, s.pos.Get(n), n,
-                                          cx.prev.known() ? &cx.prev : nullptr, s.ctx,
-                                          out.data() + start, capacity);
+  const size_t bytes =
+      EncodeContextBlock(cx.dtype, a, b, len, s.pos.Get(n), n, cx.prev.known() ? &cx.prev : nullptr,
+                         s.ctx, out.data() + start, capacity);
   if (bytes == 0) return false;
   ctx.payload_bytes = bytes;
   if (EntryBytes(ctx) + bytes >= v1_total) return false;
@@ -409,8 +408,8 @@ bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, 
 // `cx` (format 2), the block is context coded where that is smaller than its v1 form.
 template <typename T>
 BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, ValueCoding coding,
-                         uint64_t block_index, EncodeScratch& s, ByteSink& out,
-                         ChunkHasher* digest, ScanLog* log, const ContextArgs* cx) {
+                        uint64_t block_index, EncodeScratch& s, ByteSink& out, ChunkHasher* digest,
+                        ScanLog* log, const ContextArgs* cx) {
   BlockRecord eb;
   BlockChanges changes = ScanBlock(a, b, len, coding, s, digest, log);
   if (changes.n == 0) return eb;
@@ -423,9 +422,9 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
     v1.mode = dense ? kDense : kSparse;
     v1.count = static_cast<uint32_t>(changes.n);
     v1.payload_bytes = dense ? dense_bytes : sparse_bytes;
-    if (TryContextBlock(*cx, reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b),
-                        len, static_cast<uint32_t>(changes.n), EntryBytes(v1) + v1.payload_bytes,
-                        s, out, start, eb)) {
+    if (TryContextBlock(*cx, reinterpret_cast<const uint8_t*>(a),
+                        reinterpret_cast<const uint8_t*>(b), len, static_cast<uint32_t>(changes.n),
+                        EntryBytes(v1) + v1.payload_bytes, s, out, start, eb)) {
       eb.checksum = BlockChecksum(std::span<const uint8_t>(out.data() + start, eb.payload_bytes),
                                   block_index);
       return eb;
@@ -455,11 +454,10 @@ BlockRecord EncodeBlock(const T* a, const T* b, uint32_t len, int block_log2, Va
       eb.payload_bytes = sparse_bytes;
     }
   }
-  eb.checksum = BlockChecksum(std::span<const uint8_t>(out.data() + start, eb.payload_bytes),
-                              block_index);
+  eb.checksum =
+      BlockChecksum(std::span<const uint8_t>(out.data() + start, eb.payload_bytes), block_index);
   return eb;
 }
-
 
 }  // namespace
 
@@ -511,14 +509,14 @@ absl::Status CheckEncodeInput(const EncodeInput& in, size_t index, size_t count)
                                                    DTypeName(in.dtype), " elements"));
   }
   if (in.prev != nullptr && !in.prev->Covers(in.base.size() / w)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "the previous-change record covers ", in.prev->num_elements,
-        " elements (", in.prev->changed.size(), " and ", in.prev->down.size(),
-        " words), the tensor ", in.base.size() / w));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "the previous-change record covers ", in.prev->num_elements,
+                     " elements (", in.prev->changed.size(), " and ", in.prev->down.size(),
+                     " words), the tensor ", in.base.size() / w));
   }
-  const uintptr_t misalign =
-      (reinterpret_cast<uintptr_t>(in.base.data()) | reinterpret_cast<uintptr_t>(in.target.data())) %
-      static_cast<uintptr_t>(w);
+  const uintptr_t misalign = (reinterpret_cast<uintptr_t>(in.base.data()) |
+                              reinterpret_cast<uintptr_t>(in.target.data())) %
+                             static_cast<uintptr_t>(w);
   if (misalign != 0 && !in.base.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "buffers must be aligned to the element size (", w, " bytes)"));

@@ -17,7 +17,6 @@ namespace refit {
 namespace codec_internal {
 namespace {
 
-
 // Scanning for changed elements: the encoder's hot loop (it reads both buffers once).
 // Each variant writes the block-relative positions of elements that differ to `pos` (capacity >=
 // len) and returns how many. A vector compare of 64 bytes of each buffer gives a byte mask; the
@@ -57,8 +56,9 @@ uint32_t FindChangesScalar(const T* a, const T* b, uint32_t begin, uint32_t len,
 // out-of-group value that is overwritten later) and the count advances by the popcount; only a
 // group with more than four changes takes the loop. `pos` needs 4 entries of slack.
 template <typename T>
-__attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(
-    const T* a, const T* b, uint32_t begin, uint32_t len, uint32_t* pos, uint32_t n) {
+__attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(const T* a, const T* b,
+                                                                    uint32_t begin, uint32_t len,
+                                                                    uint32_t* pos, uint32_t n) {
   constexpr uint32_t kGroup = 64 / sizeof(T);
   constexpr uint32_t kShift = sizeof(T) == 1 ? 0 : sizeof(T) == 2 ? 1 : sizeof(T) == 4 ? 2 : 3;
   uint32_t i = begin;
@@ -80,8 +80,9 @@ __attribute__((target("avx2,bmi,popcnt"))) uint32_t FindChangesAvx2(
       e0 = _mm256_cmpeq_epi32(_mm256_loadu_si256(pa), _mm256_loadu_si256(pb));
       e1 = _mm256_cmpeq_epi32(_mm256_loadu_si256(pa + 1), _mm256_loadu_si256(pb + 1));
     }
-    const uint64_t eq = static_cast<uint32_t>(_mm256_movemask_epi8(e0)) |
-                        (static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(e1))) << 32);
+    const uint64_t eq =
+        static_cast<uint32_t>(_mm256_movemask_epi8(e0)) |
+        (static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(e1))) << 32);
     uint64_t ne = ElementBits<T>(~eq);
     const uint32_t count = static_cast<uint32_t>(_mm_popcnt_u64(ne));
     uint32_t* o = pos + n;
@@ -152,7 +153,8 @@ uint32_t FindChangesSse2(const T* a, const T* b, uint32_t begin, uint32_t len, u
     const auto* pa = reinterpret_cast<const __m128i*>(a + i);
     const auto* pb = reinterpret_cast<const __m128i*>(b + i);
     __m128i x[4];
-    for (int k = 0; k < 4; ++k) x[k] = _mm_xor_si128(_mm_loadu_si128(pa + k), _mm_loadu_si128(pb + k));
+    for (int k = 0; k < 4; ++k)
+      x[k] = _mm_xor_si128(_mm_loadu_si128(pa + k), _mm_loadu_si128(pb + k));
     const __m128i any = _mm_or_si128(_mm_or_si128(x[0], x[1]), _mm_or_si128(x[2], x[3]));
     const __m128i z = _mm_setzero_si128();
     if (_mm_movemask_epi8(_mm_cmpeq_epi8(any, z)) == 0xffff) continue;
@@ -176,7 +178,6 @@ uint32_t FindChangesSse2(const T* a, const T* b, uint32_t begin, uint32_t len, u
 
 }  // namespace
 
-
 int BestScanIsa() {
 #if defined(__x86_64__)
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -190,7 +191,6 @@ int BestScanIsa() {
 #endif
   return kIsaPortable;
 }
-
 
 std::atomic<int> g_scan_isa{BestScanIsa()};
 
@@ -227,8 +227,8 @@ template uint32_t FindChanges<uint64_t>(int, const uint64_t*, const uint64_t*, u
 #endif
 template <bool kOrdered>
 __attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs16(
-    const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end, uint32_t* pos,
-    int32_t* dv, uint32_t n) {
+    const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end, uint32_t* pos, int32_t* dv,
+    uint32_t n) {
   constexpr uint32_t kGroup = 32;
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i low15 = _mm512_set1_epi16(0x7fff);
@@ -241,19 +241,23 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs1
     __m512i y = _mm512_loadu_si512(b + i);
     const uint32_t mask = _mm512_cmpneq_epi16_mask(x, y);
     if constexpr (kOrdered) {  // format::OrderedImage: x ^ ((x >> 15 arithmetic) & 0x7fff) ^ 0x8000
-      x = _mm512_xor_si512(_mm512_xor_si512(x, _mm512_and_si512(_mm512_srai_epi16(x, 15), low15)), sign);
-      y = _mm512_xor_si512(_mm512_xor_si512(y, _mm512_and_si512(_mm512_srai_epi16(y, 15), low15)), sign);
+      x = _mm512_xor_si512(_mm512_xor_si512(x, _mm512_and_si512(_mm512_srai_epi16(x, 15), low15)),
+                           sign);
+      y = _mm512_xor_si512(_mm512_xor_si512(y, _mm512_and_si512(_mm512_srai_epi16(y, 15), low15)),
+                           sign);
     }
     const __m512i d = _mm512_sub_epi16(y, x);  // modulo 2^16
     const __m512i d_lo = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(d));
     const __m512i d_hi = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(d, 1));
     const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
-    _mm512_storeu_si512(pos + n, _mm512_maskz_compress_epi32(
-                                     m0, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), iota)));
+    _mm512_storeu_si512(pos + n,
+                        _mm512_maskz_compress_epi32(
+                            m0, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), iota)));
     _mm512_storeu_si512(dv + n, _mm512_maskz_compress_epi32(m0, d_lo));
     n += static_cast<uint32_t>(_mm_popcnt_u32(m0));
-    _mm512_storeu_si512(pos + n, _mm512_maskz_compress_epi32(
-                                     m1, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i + 16)), iota)));
+    _mm512_storeu_si512(
+        pos + n, _mm512_maskz_compress_epi32(
+                     m1, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i + 16)), iota)));
     _mm512_storeu_si512(dv + n, _mm512_maskz_compress_epi32(m1, d_hi));
     n += static_cast<uint32_t>(_mm_popcnt_u32(m1));
   }

@@ -28,8 +28,9 @@ uint32_t FindChanges(int isa, const T* a, const T* b, uint32_t begin, uint32_t e
 // 16-bit dtypes on AVX-512: also each changed lane's difference (of ordered images for floats
 // when kOrdered), sign-extended to 32 bits, into dv[n..].
 template <bool kOrdered>
-__attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs16(const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end,
-                               uint32_t* pos, int32_t* dv, uint32_t n);
+__attribute__((target("avx512f,avx512bw,popcnt"))) uint32_t FindChangesAndDiffs16(
+    const uint16_t* a, const uint16_t* b, uint32_t begin, uint32_t end, uint32_t* pos, int32_t* dv,
+    uint32_t n);
 #endif
 
 }  // namespace refit::codec_internal

@@ -95,7 +95,7 @@ absl::Status WriteChangesOfTensors(std::span<const TensorChanges* const> sets,
     absl::Status st = CheckChanges(*sets[i], sets[i]->dtype, data[i].size());
     if (st.ok() && old_values) st = CheckOldValues(*sets[i]);
     if (!st.ok() && sets.size() > 1) {
-      return absl::Status(st.code(), absl::StrCat("tensor ", i, ": ", st.message()));
+      return Annotate(st, "tensor ", i);
     }
     RETURN_IF_ERROR(st);
     first[i + 1] = first[i] + sets[i]->count();

@@ -16,6 +16,7 @@ namespace {
 using ::refit::testing::IsOk;
 using ::refit::testing::StatusIs;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Case {
   DType dtype;
@@ -84,7 +85,7 @@ TEST(ChangeSet, CorruptPatchIsRefusedLikeApply) {
   patch[patch.size() - 3] ^= 0x40;  // a payload byte: its block checksum no longer matches
   std::vector<uint8_t> out(base.size());
   const absl::Status apply = ApplyPatch(patch, DType::kBF16, base, out);
-  ASSERT_FALSE(apply.ok());
+  ASSERT_THAT(apply, Not(IsOk()));
   EXPECT_THAT(ChangesOfPatch(patch, DType::kBF16, base), StatusIs(apply.code(), HasSubstr("patch")));
   // A patch for another size or dtype.
   std::span<const uint8_t> shorter(base.data(), base.size() - 2);

@@ -40,8 +40,8 @@ inline uint32_t BlockChecksum(std::span<const uint8_t> payload, uint64_t block_i
 // Per-thread scratch reused across blocks.
 // Decoder scratch.
 struct Scratch {
-  std::vector<uint32_t> pos;   // block-relative positions of changed elements
-  std::vector<uint64_t> val;   // target bits
+  std::vector<uint32_t> pos;  // block-relative positions of changed elements
+  std::vector<uint64_t> val;  // target bits
   // CONTEXT blocks: the tensor's dtype, its previous-change record (a conditioned patch only,
   // checked against the patch's fingerprint) and the context decoder's memory.
   DType dtype = DType::kBF16;
@@ -153,7 +153,6 @@ inline ChangeLogPool& GetChangeLogPool() {
   static ChangeLogPool* const pool = new ChangeLogPool();
   return *pool;
 }
-
 
 // A block's change log as the scan writes it (EncodePatchesWithChanges): per change its
 // block-relative position and target value, and the block's digest-v2 delta (the mix sums of the

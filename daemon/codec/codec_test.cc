@@ -9,10 +9,14 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 using Bytes = std::vector<uint8_t>;
 
@@ -31,31 +35,28 @@ void ExpectRoundTrip(DType t, const Bytes& a, const Bytes& b, int block_log2, in
   opt.block_log2 = block_log2;
   opt.threads = threads;
   PatchStats stats;
-  auto patch = EncodePatch(t, a, b, opt, &stats);
-  ASSERT_TRUE(patch.ok()) << patch.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(t, a, b, opt, &stats));
   // Deterministic regardless of thread count.
   opt.threads = 1;
-  auto again = EncodePatch(t, a, b, opt);
-  ASSERT_TRUE(again.ok());
-  ASSERT_EQ(*patch, *again);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto again, EncodePatch(t, a, b, opt));
+  ASSERT_EQ(patch, again);
 
   Bytes out(a.size(), 0xAB);
-  ASSERT_TRUE(ApplyPatch(*patch, t, a, out, threads).ok());
+  ASSERT_THAT(ApplyPatch(patch, t, a, out, threads), IsOk());
   ASSERT_EQ(out, b);
   EXPECT_EQ(TensorDigest(out), TensorDigest(b));
   // In place.
   Bytes in_place = a;
-  ASSERT_TRUE(ApplyPatch(*patch, t, in_place, in_place, threads).ok());
+  ASSERT_THAT(ApplyPatch(patch, t, in_place, in_place, threads), IsOk());
   ASSERT_EQ(in_place, b);
 
-  auto inspected = InspectPatch(*patch);
-  ASSERT_TRUE(inspected.ok()) << inspected.status();
-  EXPECT_EQ(inspected->changed_elements, stats.changed_elements);
-  EXPECT_EQ(inspected->patch_bytes, patch->size());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto inspected, InspectPatch(patch));
+  EXPECT_EQ(inspected.changed_elements, stats.changed_elements);
+  EXPECT_EQ(inspected.patch_bytes, patch.size());
   // Dense bound: never more than the raw size plus header and a few bytes per block.
   const size_t w = DTypeSize(t);
   const size_t blocks = ((a.size() / w) + (size_t{1} << block_log2) - 1) >> block_log2;
-  EXPECT_LE(patch->size(), a.size() + format::kHeaderBytes + 16 * blocks);
+  EXPECT_LE(patch.size(), a.size() + format::kHeaderBytes + 16 * blocks);
 }
 
 const DType kAll[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
@@ -84,9 +85,8 @@ TEST(Codec, EveryElementChangedCostsAtMostOnePercentOverRaw) {
     Bytes a = RandomBytes(1 << 20, rng), b = RandomBytes(1 << 20, rng);
     for (size_t i = 0; i < a.size(); ++i) if (a[i] == b[i]) b[i] ^= 0x5a;
     ExpectRoundTrip(t, a, b, format::kDefaultBlockLog2, 2, "all-changed");
-    auto patch = EncodePatch(t, a, b);
-    ASSERT_TRUE(patch.ok());
-    EXPECT_LE(static_cast<double>(patch->size()), 1.01 * a.size());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(t, a, b));
+    EXPECT_LE(static_cast<double>(patch.size()), 1.01 * a.size());
   }
 }
 
@@ -94,10 +94,9 @@ TEST(Codec, NothingChangedCostsOnlyHeaders) {
   std::mt19937_64 rng(6);
   Bytes a = RandomBytes(2 << 20, rng);
   PatchStats st;
-  auto patch = EncodePatch(DType::kBF16, a, a, {}, &st);
-  ASSERT_TRUE(patch.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, a, a, {}, &st));
   EXPECT_EQ(st.changed_elements, 0u);
-  EXPECT_EQ(patch->size(), format::kHeaderBytes + st.blocks_unchanged);  // one byte per block
+  EXPECT_EQ(patch.size(), format::kHeaderBytes + st.blocks_unchanged);  // one byte per block
   ExpectRoundTrip(DType::kBF16, a, a, 18, 2, "unchanged");
 }
 
@@ -165,9 +164,8 @@ TEST(Codec, OneUlpChangesCostAboutOneBitOfValue) {
     std::memcpy(&b[2 * i], &v, 2);
     ++changed;
   }
-  auto patch = EncodePatch(DType::kBF16, a, b);
-  ASSERT_TRUE(patch.ok());
-  const double bits_per_change = 8.0 * patch->size() / changed;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, a, b));
+  const double bits_per_change = 8.0 * patch.size() / changed;
   EXPECT_LT(bits_per_change, (8.08 + 1.0) * 1.05);
   EXPECT_GT(bits_per_change, 8.08 + 1.0 - 0.2);  // cannot beat the bound by much (sampling)
 }
@@ -180,14 +178,13 @@ TEST(Codec, RejectsMismatchedInputs) {
   bad.block_log2 = 30;
   EXPECT_EQ(EncodePatch(DType::kBF16, a, a, bad).status().code(),
             absl::StatusCode::kInvalidArgument);
-  auto patch = EncodePatch(DType::kBF16, a, a);
-  ASSERT_TRUE(patch.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, a, a));
   Bytes out(100);
-  auto st = ApplyPatch(*patch, DType::kF16, a, out);
+  auto st = ApplyPatch(patch, DType::kF16, a, out);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("bf16"), absl::string_view::npos) << st;
   Bytes small(98), out98(98);
-  st = ApplyPatch(*patch, DType::kBF16, small, out98);
+  st = ApplyPatch(patch, DType::kBF16, small, out98);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("50 elements"), absl::string_view::npos) << st;
 }
@@ -202,12 +199,10 @@ class HostilePatch : public ::testing::Test {
     for (size_t i = 2048; i < 2560; ++i) target_[i] = static_cast<uint8_t>(~base_[i]);
     EncodeOptions opt;
     opt.block_log2 = 8;
-    auto p = EncodePatch(DType::kBF16, base_, target_, opt);
-    ASSERT_TRUE(p.ok());
-    patch_ = *p;
-    auto layout = ParsePatch(patch_);
-    ASSERT_TRUE(layout.ok());
-    layout_ = *layout;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto p, EncodePatch(DType::kBF16, base_, target_, opt));
+    patch_ = p;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto layout, ParsePatch(patch_));
+    layout_ = layout;
   }
   // Applies a (possibly corrupt) patch in place to a copy of the base; expects failure with
   // the base untouched except for whole, correctly applied blocks.
@@ -215,11 +210,11 @@ class HostilePatch : public ::testing::Test {
     SCOPED_TRACE(what);
     Bytes out(base_.size(), 0);
     absl::Status st = ApplyPatch(bad, DType::kBF16, base_, out);
-    EXPECT_FALSE(st.ok());
+    EXPECT_THAT(st, Not(IsOk()));
     EXPECT_FALSE(st.message().empty());
     Bytes in_place = base_;
     st = ApplyPatch(bad, DType::kBF16, in_place, in_place);
-    EXPECT_FALSE(st.ok());
+    EXPECT_THAT(st, Not(IsOk()));
     // Each block of the in-place buffer is either the base's or the target's, never a mix.
     for (size_t blk = 0; blk * 256 < 5000; ++blk) {
       size_t lo = blk * 512, hi = std::min<size_t>(lo + 512, base_.size());
@@ -235,7 +230,7 @@ class HostilePatch : public ::testing::Test {
 
 TEST_F(HostilePatch, ValidPatchApplies) {
   Bytes out(base_.size());
-  ASSERT_TRUE(ApplyPatch(patch_, DType::kBF16, base_, out).ok());
+  ASSERT_THAT(ApplyPatch(patch_, DType::kBF16, base_, out), IsOk());
   EXPECT_EQ(out, target_);
   int dense = 0;
   for (auto& b : layout_.blocks) dense += b.mode == format::kDense;
@@ -246,7 +241,7 @@ TEST_F(HostilePatch, TruncationAtEveryLengthIsRejected) {
   for (size_t len = 0; len < patch_.size(); len += (len < 64 ? 1 : 37)) {
     Bytes bad(patch_.begin(), patch_.begin() + len);
     Bytes out(base_.size());
-    EXPECT_FALSE(ApplyPatch(bad, DType::kBF16, base_, out).ok()) << len;
+    EXPECT_THAT(ApplyPatch(bad, DType::kBF16, base_, out), Not(IsOk())) << len;
   }
 }
 
@@ -277,7 +272,7 @@ TEST_F(HostilePatch, HeaderFieldsAreChecked) {
     bad[c.off] = c.val;
     if (bad == patch_) bad[c.off] ^= 1;
     auto st = ParsePatch(bad).status();
-    EXPECT_FALSE(st.ok()) << c.off;
+    EXPECT_THAT(st, Not(IsOk())) << c.off;
     EXPECT_NE(st.message().find(c.expect), absl::string_view::npos) << st;
     ExpectRejected(bad, c.expect);
   }
@@ -288,7 +283,7 @@ TEST_F(HostilePatch, GarbageIsRejected) {
   for (int i = 0; i < 200; ++i) {
     Bytes junk = RandomBytes(rng() % 300, rng);
     Bytes out(base_.size());
-    EXPECT_FALSE(ApplyPatch(junk, DType::kBF16, base_, out).ok());
+    EXPECT_THAT(ApplyPatch(junk, DType::kBF16, base_, out), Not(IsOk()));
   }
   // Garbage after a valid header: keep magic..reserved, randomise the rest.
   for (int i = 0; i < 200; ++i) {
@@ -310,8 +305,8 @@ TEST_F(HostilePatch, ValidChecksumsButHostileStreamsAreRejected) {
     for (int rep = 0; rep < 50; ++rep) {
       Bytes bad = patch_;
       for (uint64_t k = 0; k < d.payload_bytes; ++k) bad[d.payload_offset + k] = static_cast<uint8_t>(rng());
-      ASSERT_TRUE(testing::ResignPatch(bad).ok());
-      ASSERT_TRUE(ParsePatch(bad).ok());
+      ASSERT_THAT(testing::ResignPatch(bad), IsOk());
+      ASSERT_THAT(ParsePatch(bad), IsOk());
       Bytes out(base_.size());
       absl::Status st = ApplyPatch(bad, DType::kBF16, base_, out);
       if (st.ok()) continue;  // garbage that happens to decode to a valid change set is fine
@@ -351,18 +346,17 @@ TEST(EncodePatches, EachPatchEqualsEncodePatchAcrossMixedTensorsAndThreads) {
     opt.block_log2 = 9;
     opt.threads = threads;
     std::vector<PatchStats> stats;
-    auto patches = EncodePatches(inputs, opt, &stats);
-    ASSERT_TRUE(patches.ok()) << patches.status();
-    ASSERT_EQ(patches->size(), inputs.size());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patches, EncodePatches(inputs, opt, &stats));
+    ASSERT_EQ(patches.size(), inputs.size());
     for (size_t t = 0; t < inputs.size(); ++t) {
       PatchStats one;
-      auto single = EncodePatch(types[t], bases[t], targets[t], opt, &one);
-      ASSERT_TRUE(single.ok());
-      ASSERT_EQ((*patches)[t], *single) << "tensor " << t << " threads " << threads;
+      REFIT_ASSERT_OK_AND_ASSIGN(auto single,
+                                 EncodePatch(types[t], bases[t], targets[t], opt, &one));
+      ASSERT_EQ(patches[t], single) << "tensor " << t << " threads " << threads;
       EXPECT_EQ(stats[t].changed_elements, one.changed_elements);
-      EXPECT_EQ(stats[t].patch_bytes, (*patches)[t].size());
+      EXPECT_EQ(stats[t].patch_bytes, patches[t].size());
       Bytes out(bases[t].size());
-      ASSERT_TRUE(ApplyPatch((*patches)[t], types[t], bases[t], out).ok());
+      ASSERT_THAT(ApplyPatch(patches[t], types[t], bases[t], out), IsOk());
       ASSERT_EQ(out, targets[t]);
     }
   }
@@ -372,9 +366,9 @@ TEST(EncodePatches, ErrorsNameTheTensor) {
   Bytes a(10), b(12);
   std::vector<EncodeInput> inputs = {{DType::kU8, a, a}, {DType::kU8, a, b}};
   auto r = EncodePatches(inputs);
-  ASSERT_FALSE(r.ok());
+  ASSERT_THAT(r, Not(IsOk()));
   EXPECT_NE(r.status().message().find("tensor 1"), absl::string_view::npos) << r.status();
-  EXPECT_TRUE(EncodePatches({}).ok());
+  EXPECT_THAT(EncodePatches({}), IsOk());
 }
 
 TEST(EncodePatches, MisalignedBuffersAreRejected) {
@@ -383,7 +377,7 @@ TEST(EncodePatches, MisalignedBuffersAreRejected) {
   auto r = EncodePatch(DType::kBF16, ma, mb);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   auto ok = EncodePatch(DType::kU8, ma, mb);
-  ASSERT_TRUE(ok.ok());
+  ASSERT_THAT(ok, IsOk());
   Bytes out(101);
   std::span<uint8_t> mo(out.data() + 1, 100);
   EXPECT_EQ(ApplyPatch(*EncodePatch(DType::kBF16, std::span<const uint8_t>(a.data(), 100),
@@ -414,17 +408,15 @@ TEST(Codec, EveryScanImplementationGivesTheSamePatch) {
         EncodeOptions opt;
         opt.block_log2 = 12;
         testing::SetEncoderScanLevel(0);
-        auto want = EncodePatch(t, a, b, opt);
-        ASSERT_TRUE(want.ok());
+        REFIT_ASSERT_OK_AND_ASSIGN(auto want, EncodePatch(t, a, b, opt));
         for (int level = 1; level < levels; ++level) {
           testing::SetEncoderScanLevel(level);
-          auto got = EncodePatch(t, a, b, opt);
-          ASSERT_TRUE(got.ok());
-          ASSERT_EQ(*got, *want) << DTypeName(t) << " n=" << n << " p=" << p << " level=" << level;
+          REFIT_ASSERT_OK_AND_ASSIGN(auto got, EncodePatch(t, a, b, opt));
+          ASSERT_EQ(got, want) << DTypeName(t) << " n=" << n << " p=" << p << " level=" << level;
         }
         testing::SetEncoderScanLevel(-1);
         Bytes out(a.size());
-        ASSERT_TRUE(ApplyPatch(*want, t, a, out).ok());
+        ASSERT_THAT(ApplyPatch(want, t, a, out), IsOk());
         ASSERT_EQ(out, b);
       }
     }
@@ -489,7 +481,8 @@ TEST(EncodePatchesWithDigests, PatchesEqualEncodePatchesAndDigestsEqualTensorDig
     auto want = EncodePatches(inputs, opt, &want_stats);
     std::vector<uint64_t> digests;
     auto got = EncodePatchesWithDigests(inputs, opt, &got_stats, &digests);
-    ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+    ASSERT_THAT(want, IsOk()) << got.status();
+    ASSERT_THAT(got, IsOk()) << got.status();
     ASSERT_EQ(digests.size(), inputs.size());
     for (size_t t = 0; t < inputs.size(); ++t) {
       ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
@@ -506,7 +499,7 @@ TEST(EncodePatchesWithDigests, NeedsTheDigestsOutput) {
   EXPECT_EQ(EncodePatchesWithDigests(inputs, {}, nullptr, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
   std::vector<uint64_t> digests;
-  ASSERT_TRUE(EncodePatchesWithDigests({}, {}, nullptr, &digests).ok());
+  ASSERT_THAT(EncodePatchesWithDigests({}, {}, nullptr, &digests), IsOk());
   EXPECT_TRUE(digests.empty());
 }
 
@@ -542,7 +535,8 @@ TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDig
     std::vector<uint64_t> digests;
     EncodedChanges changes;
     auto got = EncodePatchesWithChanges(inputs, opt, nullptr, &digests, &changes);
-    ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+    ASSERT_THAT(want, IsOk()) << got.status();
+    ASSERT_THAT(got, IsOk()) << got.status();
     ASSERT_EQ(changes.tensors(), inputs.size());
     for (size_t t = 0; t < inputs.size(); ++t) {
       ASSERT_EQ((*got)[t], (*want)[t]) << "tensor " << t;
@@ -553,7 +547,7 @@ TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDig
                 want_v2)
           << "tensor " << t;
       Bytes b = bases[t];
-      ASSERT_TRUE(changes.ApplyTo(t, b, targets[t]).ok());
+      ASSERT_THAT(changes.ApplyTo(t, b, targets[t]), IsOk());
       ASSERT_EQ(b, targets[t]) << "tensor " << t;
     }
   });
@@ -567,9 +561,9 @@ TEST(EncodePatchesWithChanges, ApplyToWritesOnlyTheChangedElements) {
   Bytes b = Mutate(a, DType::kBF16, 0.01, rng);
   std::vector<EncodeInput> inputs = {{DType::kBF16, a, b}};
   EncodedChanges changes;
-  ASSERT_TRUE(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes).ok());
+  ASSERT_THAT(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes), IsOk());
   Bytes other(a.size(), 0xAB);
-  ASSERT_TRUE(changes.ApplyTo(0, other, b).ok());
+  ASSERT_THAT(changes.ApplyTo(0, other, b), IsOk());
   size_t kept = 0;
   for (size_t i = 0; i < a.size(); i += 2) {
     const bool changed = a[i] != b[i] || a[i + 1] != b[i + 1];
@@ -591,7 +585,7 @@ TEST(EncodePatchesWithChanges, BadArgumentsSayWhat) {
   EXPECT_EQ(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
   EncodedChanges changes;
-  ASSERT_TRUE(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes).ok());
+  ASSERT_THAT(EncodePatchesWithChanges(inputs, {}, nullptr, nullptr, &changes), IsOk());
   const absl::Status size = changes.ApplyTo(0, c, a);
   EXPECT_EQ(size.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(size.message().find("encoded with 16 bytes"), std::string::npos) << size;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/codec/decode_error.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/range_coder.h"
@@ -305,7 +306,7 @@ struct ValueResult {
   ValueResult r;
   if (coding == ValueCoding::kRaw) {
     r.target = GetLong(d, bits);
-    if (r.target == a) r = ValueResult{false, 0, "raw value equals the base value (not a change)"};
+    if (r.target == a) r = ValueResult{false, 0, DecodeErrorText(decode_error::kRawEqualsBase)};
     return r;
   }
   const int neg = d.Bit(m.sign[ps]);
@@ -319,7 +320,7 @@ struct ValueResult {
   }
   const uint64_t half = 1ull << (bits - 1);
   if (mag > half || (mag == half && !neg)) {
-    return ValueResult{false, 0, "difference out of range for the dtype"};
+    return ValueResult{false, 0, DecodeErrorText(decode_error::kDiffRange)};
   }
   r.target = AddDifference(coding, bits, a, neg ? ((0 - mag) & mask) : mag);
   return r;
@@ -711,21 +712,22 @@ ScanSetup SetupOf(DType dtype, const uint8_t* base, uint32_t len, const PrevSign
 // The header: e_top, the class mask and each class's gap parameter. nullptr, or what is wrong.
 const char* DecodeHeader(rc::Decoder& d, const ClassField& f, int width, uint32_t* top,
                          uint32_t* active, int* k) {
-  if (!d.started()) return "not a range-coded stream (too short or bad first bytes)";
+  if (!d.started()) return DecodeErrorText(decode_error::kCtxNotStream);
   *top = d.Direct(16);
   *active = d.Direct(kContextClasses);
-  if (f.is_float && *top > f.mask) return "the class anchor exceeds the dtype's exponent field";
-  if (!f.is_float && *top > static_cast<uint32_t>(8 * width)) return "the class anchor exceeds the dtype's width";
-  if (*active == 0) return "no class has a change";
+  if (f.is_float && *top > f.mask) return DecodeErrorText(decode_error::kCtxAnchorExp);
+  if (!f.is_float && *top > static_cast<uint32_t>(8 * width))
+    return DecodeErrorText(decode_error::kCtxAnchorWidth);
+  if (*active == 0) return DecodeErrorText(decode_error::kCtxNoClass);
   KModels km;
   int last = -1;
   for (uint32_t a = *active; a != 0; a &= a - 1) {
     const int c = std::countr_zero(a);
     k[c] = GetK(d, km, KPrediction(k, last, c));
-    if (k[c] < 0 || k[c] > kMaxK) return "a class's gap parameter is out of [0, 24]";
+    if (k[c] < 0 || k[c] > kMaxK) return DecodeErrorText(decode_error::kCtxK);
     last = c;
   }
-  if (!d.ok()) return "truncated stream";
+  if (!d.ok()) return DecodeErrorText(decode_error::kCtxTruncated);
   return nullptr;
 }
 
@@ -774,8 +776,8 @@ absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t byte
   ClassModels m[kContextClasses];
   const char* bad = DecodeBlock(ss, Avx512Scan(ss.f, ss.width, s), d, ds, m, &state, pos_out, val_out);
   if (bad != nullptr) return fail(bad);
-  if (state.decoded != count) return fail("fewer changes than the block's count");
-  if (!d.Finished()) return fail("the stream does not end where its last symbol does");
+  if (state.decoded != count) return fail(DecodeErrorText(decode_error::kCtxFewer));
+  if (!d.Finished()) return fail(DecodeErrorText(decode_error::kCtxEnd));
   return absl::OkStatus();
 }
 

@@ -8,10 +8,14 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/codec/patch_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 const DType kAllTypes[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
                            DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
@@ -96,7 +100,7 @@ TEST(ContextBlock, RoundTripsEveryDtypeRateAndSizeWithAndWithoutThePreviousSigns
           const Coded c = Encode(t, v1, v2, ps);
           std::vector<uint8_t> out;
           absl::Status st = Decode(t, c.payload, v1, static_cast<uint32_t>(c.pos.size()), ps, &out);
-          ASSERT_TRUE(st.ok()) << DTypeName(t) << " len " << len << " p " << p << ": " << st;
+          ASSERT_THAT(st, IsOk()) << DTypeName(t) << " len " << len << " p " << p << ": " << st;
           ASSERT_EQ(out, v2) << DTypeName(t) << " len " << len << " p " << p;
         }
       }
@@ -145,7 +149,7 @@ TEST(ContextBlock, ScannersAgree) {
             for (bool portable : {false, true}) {
               std::vector<uint8_t> out;
               absl::Status st = Decode(t, fast.payload, v1, n, ps, &out, portable);
-              ASSERT_TRUE(st.ok()) << what << ": " << st;
+              ASSERT_THAT(st, IsOk()) << what << ": " << st;
               ASSERT_EQ(out, v2) << what;
             }
           }
@@ -191,7 +195,7 @@ TEST(ContextBlock, ExtremeDifferencesRoundTrip) {
     std::memcpy(b.data() + 5 * w, &x5, w);
     const Coded c = Encode(t, a, b, nullptr);
     std::vector<uint8_t> out;
-    ASSERT_TRUE(Decode(t, c.payload, a, static_cast<uint32_t>(c.pos.size()), nullptr, &out).ok())
+    ASSERT_THAT(Decode(t, c.payload, a, static_cast<uint32_t>(c.pos.size()), nullptr, &out), IsOk())
         << DTypeName(t);
     EXPECT_EQ(out, b) << DTypeName(t);
   }
@@ -206,18 +210,18 @@ TEST(ContextBlock, HostilePayloadsAreRejectedWithTheirPlace) {
   const Coded c = Encode(t, a, b, nullptr);
   const uint32_t n = static_cast<uint32_t>(c.pos.size());
   std::vector<uint8_t> out;
-  ASSERT_TRUE(Decode(t, c.payload, a, n, nullptr, &out).ok());
+  ASSERT_THAT(Decode(t, c.payload, a, n, nullptr, &out), IsOk());
   // Wrong counts, truncation, an extra byte, every single-byte corruption: an error, never a
   // crash or a silent success with other bytes.
-  EXPECT_FALSE(Decode(t, c.payload, a, n + 1, nullptr, &out).ok());
-  EXPECT_FALSE(Decode(t, c.payload, a, n - 1, nullptr, &out).ok());
+  EXPECT_THAT(Decode(t, c.payload, a, n + 1, nullptr, &out), Not(IsOk()));
+  EXPECT_THAT(Decode(t, c.payload, a, n - 1, nullptr, &out), Not(IsOk()));
   for (size_t cut = 0; cut < c.payload.size(); cut += 7) {
     std::vector<uint8_t> p(c.payload.begin(), c.payload.begin() + static_cast<ptrdiff_t>(cut));
-    EXPECT_FALSE(Decode(t, p, a, n, nullptr, &out).ok()) << "cut " << cut;
+    EXPECT_THAT(Decode(t, p, a, n, nullptr, &out), Not(IsOk())) << "cut " << cut;
   }
   std::vector<uint8_t> longer = c.payload;
   longer.push_back(0);
-  EXPECT_FALSE(Decode(t, longer, a, n, nullptr, &out).ok());
+  EXPECT_THAT(Decode(t, longer, a, n, nullptr, &out), Not(IsOk()));
   size_t accepted_wrong = 0;
   for (size_t i = 0; i < c.payload.size(); ++i) {
     std::vector<uint8_t> p = c.payload;

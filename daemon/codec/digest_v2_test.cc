@@ -11,10 +11,14 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
   std::mt19937_64 rng(seed);
@@ -159,16 +163,15 @@ TEST(DigestV2Delta, RandomSparseUpdatesEqualFullRecompute) {
         std::memcpy(&b, next.data() + 8 * w, len);
         if (a != b) delta.Add(w, a, b);
       }
-      auto ref = DigestV2DeltaOf(data, next, 2);
-      ASSERT_TRUE(ref.ok());
-      EXPECT_EQ(*ref, delta);
+      REFIT_ASSERT_OK_AND_ASSIGN(auto ref, DigestV2DeltaOf(data, next, 2));
+      EXPECT_EQ(ref, delta);
       digest = delta.ApplyTo(digest, n);
       EXPECT_EQ(digest, TensorDigestV2(next)) << n << " bytes, round " << round;
       data = std::move(next);
     }
     EXPECT_EQ(DigestV2Delta().ApplyTo(digest, n), digest);
   }
-  EXPECT_FALSE(DigestV2DeltaOf(RandomBytes(3, 1), RandomBytes(4, 1)).ok());
+  EXPECT_THAT(DigestV2DeltaOf(RandomBytes(3, 1), RandomBytes(4, 1)), Not(IsOk()));
 }
 
 TEST(DigestV2Delta, MergesInAnyOrder) {
@@ -226,25 +229,22 @@ TEST(ApplyPatchDigestV2, InPlaceAndOutOfPlaceEqualFullRecomputeForEveryDtype) {
         const auto target = Mutate(base, w, rate, n * 7 + w, dtype);
         EncodeOptions eo;
         eo.block_log2 = 8;  // many blocks, so several threads share the work
-        auto patch = EncodePatch(dtype, base, target, eo);
-        ASSERT_TRUE(patch.ok()) << patch.status();
+        REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(dtype, base, target, eo));
         const uint64_t d0 = TensorDigestV2(base), d1 = TensorDigestV2(target);
         const std::string what = absl::StrFormat("%s, %d elements, rate %g", DTypeName(dtype), n, rate);
         for (int threads : {1, 3}) {
           std::vector<uint8_t> out(base.size(), 0xee);
-          auto oop = ApplyPatchDigestV2(*patch, dtype, base, out, threads);
-          ASSERT_TRUE(oop.ok()) << oop.status();
+          REFIT_ASSERT_OK_AND_ASSIGN(auto oop,
+                                     ApplyPatchDigestV2(patch, dtype, base, out, threads));
           EXPECT_EQ(out, target) << what;
-          EXPECT_EQ(oop->ApplyTo(d0, base.size()), d1) << what << " out of place";
+          EXPECT_EQ(oop.ApplyTo(d0, base.size()), d1) << what << " out of place";
           auto in = base;
-          auto inp = ApplyPatchDigestV2(*patch, dtype, in, in, threads);
-          ASSERT_TRUE(inp.ok()) << inp.status();
+          REFIT_ASSERT_OK_AND_ASSIGN(auto inp, ApplyPatchDigestV2(patch, dtype, in, in, threads));
           EXPECT_EQ(in, target) << what;
-          EXPECT_EQ(*inp, *oop) << what << " in place";
-          auto dry = DigestV2DeltaOfPatch(*patch, dtype, base, threads);
-          ASSERT_TRUE(dry.ok()) << dry.status();
-          EXPECT_EQ(*dry, *oop) << what << " delta of patch";
-          EXPECT_EQ(*DigestV2DeltaOf(base, target), *oop) << what;
+          EXPECT_EQ(inp, oop) << what << " in place";
+          REFIT_ASSERT_OK_AND_ASSIGN(auto dry, DigestV2DeltaOfPatch(patch, dtype, base, threads));
+          EXPECT_EQ(dry, oop) << what << " delta of patch";
+          EXPECT_EQ(*DigestV2DeltaOf(base, target), oop) << what;
         }
       }
     }
@@ -254,15 +254,14 @@ TEST(ApplyPatchDigestV2, InPlaceAndOutOfPlaceEqualFullRecomputeForEveryDtype) {
 TEST(ApplyPatchDigestV2, KeepsApplyPatchValidation) {
   const auto base = BaseFor(DType::kBF16, 5000, 1);
   const auto target = Mutate(base, 2, 0.02, 2, DType::kBF16);
-  auto patch = EncodePatch(DType::kBF16, base, target);
-  ASSERT_TRUE(patch.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, base, target));
   std::vector<uint8_t> out(base.size());
   std::vector<uint8_t> small(base.size() - 2);
-  EXPECT_EQ(ApplyPatchDigestV2(*patch, DType::kF16, base, out).status().code(),
+  EXPECT_EQ(ApplyPatchDigestV2(patch, DType::kF16, base, out).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ApplyPatchDigestV2(*patch, DType::kBF16, base, small).status().code(),
+  EXPECT_EQ(ApplyPatchDigestV2(patch, DType::kBF16, base, small).status().code(),
             absl::StatusCode::kInvalidArgument);
-  auto corrupt = *patch;
+  auto corrupt = patch;
   corrupt.back() ^= 0x10;  // a payload byte: checksum mismatch, nothing written
   auto in = base;
   auto st = ApplyPatchDigestV2(corrupt, DType::kBF16, in, in);
@@ -276,13 +275,11 @@ TEST(ApplyPatchDigestV2, KeepsApplyPatchValidation) {
 TEST(ApplyPatchDigestV2, DetectsACorruptedWordInTheResult) {
   const auto base = BaseFor(DType::kBF16, 100000, 4);
   const auto target = Mutate(base, 2, 0.016, 5, DType::kBF16);
-  auto patch = EncodePatch(DType::kBF16, base, target);
-  ASSERT_TRUE(patch.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, base, target));
   auto in = base;
-  auto delta = ApplyPatchDigestV2(*patch, DType::kBF16, in, in);
-  ASSERT_TRUE(delta.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto delta, ApplyPatchDigestV2(patch, DType::kBF16, in, in));
   const uint64_t published = TensorDigestV2(target);
-  EXPECT_EQ(delta->ApplyTo(TensorDigestV2(base), base.size()), published);
+  EXPECT_EQ(delta.ApplyTo(TensorDigestV2(base), base.size()), published);
   // The subscriber's copy is damaged (a bit flip in memory, an unchanged word): the updated
   // digest still says what the bytes should be, and the scrub's full recompute disagrees.
   in[12345] ^= 0x04;
@@ -290,9 +287,8 @@ TEST(ApplyPatchDigestV2, DetectsACorruptedWordInTheResult) {
   // A wrong base: the delta applied to the base's digest no longer matches the published one.
   auto bad_base = base;
   bad_base[2 * 777] ^= 0x80;
-  auto bad = DigestV2DeltaOfPatch(*patch, DType::kBF16, bad_base);
-  ASSERT_TRUE(bad.ok());
-  EXPECT_NE(bad->ApplyTo(TensorDigestV2(bad_base), base.size()), published);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto bad, DigestV2DeltaOfPatch(patch, DType::kBF16, bad_base));
+  EXPECT_NE(bad.ApplyTo(TensorDigestV2(bad_base), base.size()), published);
 }
 
 // ---- golden values (testdata/digest_golden.txt) --------------------------------------------------

@@ -1,9 +1,13 @@
 #include "daemon/codec/dtype.h"
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 TEST(DType, ParseNamesAndSafetensorsNames) {
   EXPECT_EQ(*ParseDType("bf16"), DType::kBF16);
@@ -13,7 +17,7 @@ TEST(DType, ParseNamesAndSafetensorsNames) {
   EXPECT_EQ(*ParseDType("BOOL"), DType::kBool);
   EXPECT_EQ(*ParseDType("float32"), DType::kF32);
   auto bad = ParseDType("complex64");
-  ASSERT_FALSE(bad.ok());
+  ASSERT_THAT(bad, Not(IsOk()));
   EXPECT_NE(bad.status().message().find("complex64"), absl::string_view::npos);
 }
 

@@ -6,6 +6,7 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
@@ -27,14 +28,12 @@ TEST(EncodeFusedCpu, PatchDigestAndUpdateMatchTheSeparateCalls) {
     for (size_t i = 0; i < target.size(); i += 37) target[i] ^= 0x5a;
     EncodeOptions eo;
     eo.block_log2 = 10;
-    auto want = EncodePatch(DType::kBF16, base, target, eo);
-    ASSERT_TRUE(want.ok()) << want.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto want, EncodePatch(DType::kBF16, base, target, eo));
     for (bool update : {false, true}) {
       std::vector<uint8_t> b = base;
-      auto got = EncodeFusedCpu(DType::kBF16, b, target, eo, update);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(got->patch, *want) << elems;
-      EXPECT_EQ(got->digest_v2, TensorDigestV2(target)) << elems;
+      REFIT_ASSERT_OK_AND_ASSIGN(auto got, EncodeFusedCpu(DType::kBF16, b, target, eo, update));
+      EXPECT_EQ(got.patch, want) << elems;
+      EXPECT_EQ(got.digest_v2, TensorDigestV2(target)) << elems;
       EXPECT_EQ(b, update ? target : base) << elems << " update " << update;
     }
   }

@@ -11,6 +11,7 @@
 #include "daemon/codec/bitstream.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/codec_internal.h"
+#include "daemon/codec/decode_error.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/parallel.h"
@@ -88,7 +89,8 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
     if (coded_diffs && !run_due && j != next_exception &&
         FastGapAndSign(r, d.kg, max_gap_q, &gap, &negative)) {
       pos += static_cast<int64_t>(gap) + 1;
-      if (pos >= static_cast<int64_t>(len)) return fail(j, "position beyond the end of the block");
+      if (pos >= static_cast<int64_t>(len))
+        return fail(j, DecodeErrorText(decode_error::kPosPastEnd));
       s.pos[j] = static_cast<uint32_t>(pos);
       s.val[j] = negative ? kMask : 1;
       continue;
@@ -96,22 +98,23 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
     if (run_due) {
       const uint64_t q = r.GetUnary(max_run_q);
       const uint64_t run = (q << d.kr) | r.Get(d.kr);
-      if (r.overrun()) return fail(j, "truncated or oversized run length");
-      if (run > n - j) return fail(j, "run length runs past the block's change count");
+      if (r.overrun()) return fail(j, DecodeErrorText(decode_error::kRunTruncated));
+      if (run > n - j) return fail(j, DecodeErrorText(decode_error::kRunPastCount));
       next_exception = j + run;
       run_due = false;
     }
     const uint64_t q = r.GetUnary(max_gap_q);
     gap = (q << d.kg) | r.Get(d.kg);
-    if (r.overrun()) return fail(j, "truncated or oversized position gap");
+    if (r.overrun()) return fail(j, DecodeErrorText(decode_error::kGapTruncated));
     pos += static_cast<int64_t>(gap) + 1;
-    if (pos >= static_cast<int64_t>(len)) return fail(j, "position beyond the end of the block");
+    if (pos >= static_cast<int64_t>(len))
+      return fail(j, DecodeErrorText(decode_error::kPosPastEnd));
     s.pos[j] = static_cast<uint32_t>(pos);
     if (!coded_diffs) {
       const uint64_t v = r.Get(kBits);
-      if (r.overrun()) return fail(j, "truncated value");
+      if (r.overrun()) return fail(j, DecodeErrorText(decode_error::kValueTruncated));
       if (base != nullptr && static_cast<uint64_t>(base[pos]) == v) {
-        return fail(j, "raw value equals the base value (not a change)");
+        return fail(j, DecodeErrorText(decode_error::kRawEqualsBase));
       }
       s.val[j] = v;
       continue;
@@ -120,18 +123,18 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
     uint64_t m = 1;
     if (j == next_exception) {
       const uint64_t zeros = r.GetUnary(static_cast<uint64_t>(kBits));
-      if (r.overrun()) return fail(j, "truncated or oversized exception prefix");
+      if (r.overrun()) return fail(j, DecodeErrorText(decode_error::kExcPrefix));
       const int nbits = static_cast<int>(zeros) + d.ke;
-      if (nbits > 63) return fail(j, "exception magnitude too large for the dtype");
+      if (nbits > 63) return fail(j, DecodeErrorText(decode_error::kExcTooLarge));
       const uint64_t y = (1ull << nbits) | r.Get(nbits);
-      if (r.overrun()) return fail(j, "truncated exception magnitude");
+      if (r.overrun()) return fail(j, DecodeErrorText(decode_error::kExcTruncated));
       const uint64_t x = y - (1ull << d.ke);
-      if (x > kMask - 1) return fail(j, "exception magnitude too large for the dtype");
+      if (x > kMask - 1) return fail(j, DecodeErrorText(decode_error::kExcTooLarge));
       m = x + 2;
       run_due = true;
     }
     if (m > kSignBit || (m == kSignBit && sign == 0) || m > kMask) {
-      return fail(j, "difference out of range for the dtype");
+      return fail(j, DecodeErrorText(decode_error::kDiffRange));
     }
     s.val[j] = sign ? ((0 - m) & kMask) : m;
   }
@@ -142,13 +145,13 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
 absl::Status CheckPayloadEnd(const uint8_t* payload, const BlockDesc& d, uint64_t block_index,
                              uint64_t used_bits) {
   if ((used_bits + 7) / 8 != d.payload_bytes) {
-    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ": payload has ",
-                                            d.payload_bytes, " bytes but its ", d.count,
-                                            " changes use ", (used_bits + 7) / 8));
+    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d),
+                                            ": payload has ", d.payload_bytes, " bytes but its ",
+                                            d.count, " changes use ", (used_bits + 7) / 8));
   }
   if (used_bits % 8 != 0 && (payload[used_bits / 8] >> (used_bits % 8)) != 0) {
-    return absl::DataLossError(
-        absl::StrCat("patch ", DescribeBlock(block_index, d), ": nonzero padding bits"));
+    return absl::DataLossError(absl::StrCat("patch ", DescribeBlock(block_index, d), ": ",
+                                            DecodeErrorText(decode_error::kPadding)));
   }
   return absl::OkStatus();
 }
@@ -207,11 +210,8 @@ absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint
     case kUnchanged:
       if (ob != bb) std::memcpy(ob, bb, bytes);
       return absl::OkStatus();
-    case kDense:
-      std::memcpy(ob, patch.data() + d.payload_offset, bytes);
-      return absl::OkStatus();
-    default:
-      break;
+    case kDense: std::memcpy(ob, patch.data() + d.payload_offset, bytes); return absl::OkStatus();
+    default: break;
   }
   RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s));
   if (ob != bb) std::memcpy(ob, bb, bytes);
@@ -232,9 +232,9 @@ absl::Status VerifyPayloadChecksums(std::span<const uint8_t> patch, const PatchL
       if (sum != d.checksum) {
         absl::MutexLock lock(&mu);
         if (first_error.ok()) {
-          first_error = absl::DataLossError(
-              absl::StrCat("patch ", DescribeBlock(i, d), ": payload checksum mismatch (table says ",
-                           d.checksum, ", payload hashes to ", sum, ")"));
+          first_error = absl::DataLossError(absl::StrCat(
+              "patch ", DescribeBlock(i, d), ": payload checksum mismatch (table says ", d.checksum,
+              ", payload hashes to ", sum, ")"));
         }
         return;
       }
@@ -322,11 +322,10 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
       if (ob != nullptr) std::memcpy(ob, payload, bytes);
       return absl::OkStatus();
     }
-    default:
-      break;
+    default: break;
   }
   RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
-                                       reinterpret_cast<const T*>(bb), s));
+                                        reinterpret_cast<const T*>(bb), s));
   AddSparseDelta<T>(s, d.count, base.data(), first_byte, base.size(), delta);
   if (ob == nullptr) return absl::OkStatus();
   if (ob != bb) std::memcpy(ob, bb, bytes);
@@ -369,14 +368,10 @@ absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
                                                  std::span<const uint8_t> base, uint8_t* out,
                                                  int threads, const ChangeRecord* prev) {
   switch (DTypeSize(layout.dtype)) {
-    case 1:
-      return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads, prev);
-    case 2:
-      return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads, prev);
-    case 4:
-      return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads, prev);
-    default:
-      return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads, prev);
+    case 1: return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads, prev);
+    case 2: return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads, prev);
+    case 4: return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads, prev);
+    default: return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads, prev);
   }
 }
 
@@ -389,10 +384,11 @@ absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uin
         absl::StrCat(who, ": output has ", out.size(), " bytes, base has ", base.size()));
   }
   if ((reinterpret_cast<uintptr_t>(base.data()) | reinterpret_cast<uintptr_t>(out.data())) %
-          static_cast<uintptr_t>(w) != 0 &&
+              static_cast<uintptr_t>(w) !=
+          0 &&
       !base.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": base and output must be aligned to the element size (", w, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": base and output must be aligned to the element size (", w, " bytes)"));
   }
   if (out.data() != base.data() && out.data() < base.data() + base.size() &&
       base.data() < out.data() + out.size()) {
@@ -400,7 +396,6 @@ absl::Status CheckApplyBuffers(const char* who, DType dtype, std::span<const uin
   }
   return absl::OkStatus();
 }
-
 
 }  // namespace
 
@@ -425,12 +420,13 @@ absl::StatusOr<Prepared> Prepare(const char* who, std::span<const uint8_t> patch
 
 }  // namespace
 
-absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout, const ChangeRecord* prev) {
+absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout,
+                                                   const ChangeRecord* prev) {
   if (!layout.conditioned) return nullptr;
   if (prev == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "patch is coded given the previous-change record with fingerprint ",
-        layout.prev_fingerprint, ", and none was given"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("patch is coded given the previous-change record with fingerprint ",
+                     layout.prev_fingerprint, ", and none was given"));
   }
   if (!prev->Covers(layout.num_elements)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -439,9 +435,9 @@ absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout, co
   }
   const uint32_t fp = prev->Fingerprint();
   if (fp != layout.prev_fingerprint) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "patch is coded given the previous-change record with fingerprint ",
-        layout.prev_fingerprint, ", the one given has ", fp));
+    return absl::FailedPreconditionError(
+        absl::StrCat("patch is coded given the previous-change record with fingerprint ",
+                     layout.prev_fingerprint, ", the one given has ", fp));
   }
   return prev;
 }
@@ -450,14 +446,10 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<c
                         std::span<uint8_t> out, int threads, const ChangeRecord* prev) {
   ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatch", patch, dtype, base, out, prev));
   switch (DTypeSize(dtype)) {
-    case 1:
-      return ApplyTyped<uint8_t>(patch, prep.layout, base, out, threads, prep.record);
-    case 2:
-      return ApplyTyped<uint16_t>(patch, prep.layout, base, out, threads, prep.record);
-    case 4:
-      return ApplyTyped<uint32_t>(patch, prep.layout, base, out, threads, prep.record);
-    default:
-      return ApplyTyped<uint64_t>(patch, prep.layout, base, out, threads, prep.record);
+    case 1: return ApplyTyped<uint8_t>(patch, prep.layout, base, out, threads, prep.record);
+    case 2: return ApplyTyped<uint16_t>(patch, prep.layout, base, out, threads, prep.record);
+    case 4: return ApplyTyped<uint32_t>(patch, prep.layout, base, out, threads, prep.record);
+    default: return ApplyTyped<uint64_t>(patch, prep.layout, base, out, threads, prep.record);
   }
 }
 
@@ -601,18 +593,10 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
     const uint8_t* p = patch.data() + d.payload_offset;
     absl::Status status;
     switch (w) {
-      case 1:
-        status = DecodeSparse<uint8_t>(p, d, i, coding, nullptr, s);
-        break;
-      case 2:
-        status = DecodeSparse<uint16_t>(p, d, i, coding, nullptr, s);
-        break;
-      case 4:
-        status = DecodeSparse<uint32_t>(p, d, i, coding, nullptr, s);
-        break;
-      default:
-        status = DecodeSparse<uint64_t>(p, d, i, coding, nullptr, s);
-        break;
+      case 1: status = DecodeSparse<uint8_t>(p, d, i, coding, nullptr, s); break;
+      case 2: status = DecodeSparse<uint16_t>(p, d, i, coding, nullptr, s); break;
+      case 4: status = DecodeSparse<uint32_t>(p, d, i, coding, nullptr, s); break;
+      default: status = DecodeSparse<uint64_t>(p, d, i, coding, nullptr, s); break;
     }
     RETURN_IF_ERROR(status);
   }

@@ -86,7 +86,6 @@ struct PayloadAt {
   uint64_t offset;
 };
 
-
 // Points `sl` at the end of `buf` for block `block_index` of `in`, whose entry is `bl`.
 void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, ChangeLogBuf& buf,
                    ScanLog& sl, BlockLog& bl) {
@@ -130,7 +129,8 @@ void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int
       ChunkHasher hasher;
       ScanLog sl;
       uint64_t g = part_begin[p];
-      size_t t = std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
+      size_t t =
+          std::upper_bound(first_block.begin(), first_block.end(), g) - first_block.begin() - 1;
       for (; g < part_begin[p + 1]; ++g) {
         while (g >= first_block[t + 1]) ++t;
         if (out.chunk_hashes != nullptr && (g == part_begin[p] || g == first_block[t])) {
@@ -177,7 +177,8 @@ std::vector<std::vector<uint8_t>> AssemblePatches(
       for (uint64_t g = first_block[t]; g < first_block[t + 1]; ++g) {
         const uint64_t len = records[g].payload_bytes;
         if (len) {
-          std::memcpy(patch.data() + off, scratch[where[g].part]->out.data() + where[g].offset, len);
+          std::memcpy(patch.data() + off, scratch[where[g].part]->out.data() + where[g].offset,
+                      len);
         }
         off += len;
       }
@@ -201,9 +202,9 @@ absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, const EncodeOp
   const int log2 = options.block_log2;
   const char* who = inputs.size() == 1 ? "EncodePatch" : "EncodePatches";
   if (log2 < format::kMinBlockLog2 || log2 > format::kMaxBlockLog2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        who, ": block_log2 ", log2, " outside [", format::kMinBlockLog2, ", ",
-        format::kMaxBlockLog2, "]"));
+    return absl::InvalidArgumentError(absl::StrCat(who, ": block_log2 ", log2, " outside [",
+                                                   format::kMinBlockLog2, ", ",
+                                                   format::kMaxBlockLog2, "]"));
   }
   if (options.format != 1 && options.format != 2) {
     return absl::InvalidArgumentError(
@@ -233,10 +234,11 @@ namespace {
 
 // EncodePatches, with `digests` (if non-null) the targets' v1 digests and with `changes` (if
 // non-null) the change logs, both from the same pass.
-absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
-    std::span<const EncodeInput> inputs, const EncodeOptions& options,
-    std::vector<PatchStats>* stats, std::vector<uint64_t>* digests,
-    EncodedChanges::Impl* changes) {
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(std::span<const EncodeInput> inputs,
+                                                            const EncodeOptions& options,
+                                                            std::vector<PatchStats>* stats,
+                                                            std::vector<uint64_t>* digests,
+                                                            EncodedChanges::Impl* changes) {
   const int log2 = options.block_log2;
   RETURN_IF_ERROR(CheckEncodeArgs(inputs, options));
   const BlockGrid grid = MakeGrid(inputs, log2);
@@ -271,10 +273,10 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(
   if (digests != nullptr) {
     digests->resize(inputs.size());
     for (size_t t = 0; t < inputs.size(); ++t) {
-      (*digests)[t] = CombineChunkHashes(
-          std::span<const uint64_t>(chunk_hashes.data() + chunk_base[t],
-                                    chunk_base[t + 1] - chunk_base[t]),
-          inputs[t].target.size());
+      (*digests)[t] =
+          CombineChunkHashes(std::span<const uint64_t>(chunk_hashes.data() + chunk_base[t],
+                                                       chunk_base[t + 1] - chunk_base[t]),
+                             inputs[t].target.size());
     }
   }
   return patches;
@@ -326,14 +328,14 @@ uint64_t EncodedChanges::log_bytes() const {
 absl::Status EncodedChanges::ApplyTo(size_t tensor, std::span<uint8_t> base,
                                      std::span<const uint8_t> target) const {
   if (impl_ == nullptr || tensor >= tensors()) {
-    return absl::OutOfRangeError(absl::StrCat("EncodedChanges::ApplyTo: tensor ", tensor,
-                                              " of ", tensors()));
+    return absl::OutOfRangeError(
+        absl::StrCat("EncodedChanges::ApplyTo: tensor ", tensor, " of ", tensors()));
   }
   const uint64_t bytes = impl_->bytes[tensor];
   if (base.size() != bytes || target.size() != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "EncodedChanges::ApplyTo: tensor ", tensor, " was encoded with ", bytes,
-        " bytes; base has ", base.size(), ", target ", target.size()));
+    return absl::InvalidArgumentError(absl::StrCat("EncodedChanges::ApplyTo: tensor ", tensor,
+                                                   " was encoded with ", bytes, " bytes; base has ",
+                                                   base.size(), ", target ", target.size()));
   }
   const int w = impl_->width[tensor];
   const uint64_t block_bytes = (uint64_t{1} << impl_->log2) * w;
@@ -341,8 +343,7 @@ absl::Status EncodedChanges::ApplyTo(size_t tensor, std::span<uint8_t> base,
     const BlockLog& b = impl_->blocks[g];
     const uint64_t first = (g - impl_->first_block[tensor]) * block_bytes;
     if (b.whole) {
-      std::memcpy(base.data() + first, target.data() + first,
-                  std::min(block_bytes, bytes - first));
+      std::memcpy(base.data() + first, target.data() + first, std::min(block_bytes, bytes - first));
       continue;
     }
     if (b.count == 0) continue;
@@ -359,9 +360,9 @@ absl::Status EncodedChanges::ApplyTo(size_t tensor, std::span<uint8_t> base,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(
-    std::span<const EncodeInput> inputs, const EncodeOptions& options,
-    std::vector<PatchStats>* stats) {
+absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(std::span<const EncodeInput> inputs,
+                                                                const EncodeOptions& options,
+                                                                std::vector<PatchStats>* stats) {
   return EncodeAll(inputs, options, stats, nullptr, nullptr);
 }
 

@@ -12,13 +12,17 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/context_block.h"
-#include "daemon/codec/format.h"
 #include "daemon/codec/digest_v2.h"
+#include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 std::vector<GoldenPatchCase> LoadGolden(const char* file = "patch_v1_golden.txt") {
   const std::string path = std::string(REFIT_CODEC_TESTDATA) + "/" + file;
@@ -27,7 +31,7 @@ std::vector<GoldenPatchCase> LoadGolden(const char* file = "patch_v1_golden.txt"
   std::stringstream ss;
   ss << in.rdbuf();
   auto cases = ParseGoldenPatches(ss.str());
-  EXPECT_TRUE(cases.ok()) << cases.status();
+  EXPECT_THAT(cases, IsOk());
   return cases.ok() ? *cases : std::vector<GoldenPatchCase>{};
 }
 
@@ -36,36 +40,35 @@ void ExpectCasesRoundTrip(const std::vector<GoldenPatchCase>& cases) {
   ASSERT_FALSE(cases.empty());
   for (const GoldenPatchCase& c : cases) {
     SCOPED_TRACE(c.name);
-    auto layout = ParsePatchFor(c.patch, c.dtype, c.base.size());
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    EXPECT_EQ(layout->block_log2, c.block_log2);
-    EXPECT_EQ(BlockModes(*layout), c.modes);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto layout, ParsePatchFor(c.patch, c.dtype, c.base.size()));
+    EXPECT_EQ(layout.block_log2, c.block_log2);
+    EXPECT_EQ(BlockModes(layout), c.modes);
     const bool has_context = c.modes.find('C') != std::string::npos;
-    EXPECT_EQ(layout->version, has_context ? format::kVersion2 : format::kVersion);
-    EXPECT_EQ(layout->conditioned, has_context && c.conditioned);
+    EXPECT_EQ(layout.version, has_context ? format::kVersion2 : format::kVersion);
+    EXPECT_EQ(layout.conditioned, has_context && c.conditioned);
     const ChangeRecord record = c.conditioned ? GoldenRecord(c) : ChangeRecord{};
     const ChangeRecord* prev = c.conditioned ? &record : nullptr;
-    if (layout->conditioned) {
-      EXPECT_EQ(layout->prev_fingerprint, record.Fingerprint());
+    if (layout.conditioned) {
+      EXPECT_EQ(layout.prev_fingerprint, record.Fingerprint());
     }
     for (int threads : {1, 3}) {
       std::vector<uint8_t> out(c.base.size());
-      ASSERT_TRUE(ApplyPatch(c.patch, c.dtype, c.base, out, threads, prev).ok());
+      ASSERT_THAT(ApplyPatch(c.patch, c.dtype, c.base, out, threads, prev), IsOk());
       EXPECT_EQ(out, c.target) << "decoded with " << threads << " threads";
       EncodeOptions opts;
       opts.block_log2 = c.block_log2;
       opts.threads = threads;
       opts.format = c.format;
       const EncodeInput in{c.dtype, c.base, c.target, prev};
-      auto again = EncodePatches(std::span<const EncodeInput>(&in, 1), opts);
-      ASSERT_TRUE(again.ok()) << again.status();
-      EXPECT_EQ((*again)[0], c.patch) << "encoded with " << threads << " threads";
+      REFIT_ASSERT_OK_AND_ASSIGN(auto again,
+                                 EncodePatches(std::span<const EncodeInput>(&in, 1), opts));
+      EXPECT_EQ(again[0], c.patch) << "encoded with " << threads << " threads";
     }
     std::vector<uint8_t> in_place = c.base;
-    auto delta = ApplyPatchDigestV2(c.patch, c.dtype, in_place, in_place, 1, prev);
-    ASSERT_TRUE(delta.ok()) << delta.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto delta,
+                               ApplyPatchDigestV2(c.patch, c.dtype, in_place, in_place, 1, prev));
     EXPECT_EQ(in_place, c.target);
-    EXPECT_EQ(delta->ApplyTo(c.base_digest_v2, c.base.size()), c.target_digest_v2);
+    EXPECT_EQ(delta.ApplyTo(c.base_digest_v2, c.base.size()), c.target_digest_v2);
     EXPECT_EQ(TensorDigest(c.base, 1), c.base_digest);
     EXPECT_EQ(TensorDigestV2(c.base, 1), c.base_digest_v2);
     EXPECT_EQ(TensorDigest(c.target, 1), c.target_digest);
@@ -147,15 +150,15 @@ TEST(PatchGolden, TheFileIsTheCasesInputs) {
 
 TEST(PatchGolden, AMalformedFileIsRefusedWithItsLine) {
   auto bad = ParseGoldenPatches("# c\ncase x\ndtype 99 block_log2 8 elements 1\n");
-  ASSERT_FALSE(bad.ok());
+  ASSERT_THAT(bad, Not(IsOk()));
   EXPECT_NE(bad.status().message().find("line 3"), std::string::npos) << bad.status();
   auto bad_format = ParseGoldenPatches(
       "case x\ndtype 1 block_log2 8 elements 1\nformat 3 conditioned 0\nmodes S\n");
-  ASSERT_FALSE(bad_format.ok());
+  ASSERT_THAT(bad_format, Not(IsOk()));
   EXPECT_NE(bad_format.status().message().find("line 3"), std::string::npos) << bad_format.status();
   auto short_hex = ParseGoldenPatches(
       "case x\ndtype 1 block_log2 8 elements 1\nmodes S\ndigests 0 0 0 0\nbase 2\nzz\n");
-  ASSERT_FALSE(short_hex.ok());
+  ASSERT_THAT(short_hex, Not(IsOk()));
   EXPECT_NE(short_hex.status().message().find("not hex"), std::string::npos);
 }
 

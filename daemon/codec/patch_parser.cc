@@ -64,8 +64,6 @@ class TableReader {
   size_t off_ = 0;
 };
 
-
-
 }  // namespace
 
 std::string DescribeBlock(uint64_t index, const BlockDesc& d) {
@@ -80,8 +78,8 @@ namespace {
 // Returns the table's size; `layout` gets dtype, block_log2 and num_elements.
 absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchLayout& layout) {
   if (patch.size() < static_cast<size_t>(format::kHeaderBytes)) {
-    return absl::DataLossError(absl::StrCat("patch: ", patch.size(),
-                                            " bytes is shorter than the 32-byte header"));
+    return absl::DataLossError(
+        absl::StrCat("patch: ", patch.size(), " bytes is shorter than the 32-byte header"));
   }
   const uint8_t* h = patch.data();
   if (LoadU32(h) != format::kMagic) {
@@ -93,7 +91,8 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
   }
   layout.version = h[4];
   if (!IsValidDType(h[5])) {
-    return absl::DataLossError(absl::StrCat("patch: unknown dtype code ", int{h[5]}, " at offset 5"));
+    return absl::DataLossError(
+        absl::StrCat("patch: unknown dtype code ", int{h[5]}, " at offset 5"));
   }
   layout.dtype = static_cast<DType>(h[5]);
   layout.block_log2 = h[6];
@@ -123,8 +122,8 @@ absl::StatusOr<uint64_t> ParsePatchHeader(std::span<const uint8_t> patch, PatchL
   const uint64_t table_bytes = LoadU64(h + 16);
   if (table_bytes > patch.size() - format::kHeaderBytes) {
     return absl::DataLossError(absl::StrCat("patch: block table of ", table_bytes,
-                                            " bytes (offset 16) exceeds the patch's ",
-                                            patch.size(), " bytes"));
+                                            " bytes (offset 16) exceeds the patch's ", patch.size(),
+                                            " bytes"));
   }
   const uint64_t block = 1ull << layout.block_log2;
   const uint64_t num_blocks = (layout.num_elements + block - 1) / block;
@@ -172,7 +171,8 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
                              size_t patch_size, BlockDesc& d, uint64_t* payload_off) {
   const uint64_t block = 1ull << layout.block_log2;
   d.first_element = i * block;
-  d.num_elements = static_cast<uint32_t>(std::min<uint64_t>(block, layout.num_elements - i * block));
+  d.num_elements =
+      static_cast<uint32_t>(std::min<uint64_t>(block, layout.num_elements - i * block));
   const uint64_t dense_bytes = static_cast<uint64_t>(d.num_elements) * DTypeSize(layout.dtype);
   const size_t entry_off = format::kHeaderBytes + tr.offset();
   auto bad = [&](const std::string& what) {
@@ -248,9 +248,8 @@ absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType 
                                           uint64_t tensor_bytes) {
   ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   if (layout.dtype != dtype) {
-    return absl::FailedPreconditionError(absl::StrCat("patch is for dtype ",
-                                                      DTypeName(layout.dtype), " but the tensor is ",
-                                                      DTypeName(dtype)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "patch is for dtype ", DTypeName(layout.dtype), " but the tensor is ", DTypeName(dtype)));
   }
   const int w = DTypeSize(dtype);
   if (tensor_bytes % w != 0 || tensor_bytes / w != layout.num_elements) {

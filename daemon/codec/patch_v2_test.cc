@@ -15,10 +15,14 @@
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 using Bytes = std::vector<uint8_t>;
 
@@ -65,7 +69,7 @@ Conditioned MakeConditioned(std::mt19937_64& rng) {
   EncodeInput cond{DType::kBF16, c.tr.v1, c.tr.v2, &c.rec};
   auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 14));
   if (cp.ok()) c.patch = (*cp)[0];
-  EXPECT_TRUE(cp.ok()) << cp.status();
+  EXPECT_THAT(cp, IsOk());
   return c;
 }
 
@@ -74,14 +78,14 @@ Conditioned MakeConditioned(std::mt19937_64& rng) {
 void ExpectAppliesTo(const Bytes& patch, DType t, const Bytes& base, const Bytes& target,
                      const ChangeRecord* prev, const std::string& what) {
   Bytes out(base.size());
-  ASSERT_TRUE(ApplyPatch(patch, t, base, out, 2, prev).ok()) << what;
+  ASSERT_THAT(ApplyPatch(patch, t, base, out, 2, prev), IsOk()) << what;
   ASSERT_EQ(out, target) << what;
   Bytes in_place = base;
   auto d = ApplyPatchDigestV2(patch, t, in_place, in_place, 2, prev);
-  ASSERT_TRUE(d.ok()) << what << ": " << d.status();
+  ASSERT_THAT(d, IsOk()) << what << ": " << d.status();
   ASSERT_EQ(in_place, target) << what;
   auto only = DigestV2DeltaOfPatch(patch, t, base, 2, prev);
-  ASSERT_TRUE(only.ok()) << what << ": " << only.status();
+  ASSERT_THAT(only, IsOk()) << what << ": " << only.status();
   EXPECT_EQ(only->ApplyTo(TensorDigestV2(base), base.size()), TensorDigestV2(target)) << what;
   EXPECT_EQ(d->ApplyTo(TensorDigestV2(base), base.size()), TensorDigestV2(target)) << what;
 }
@@ -101,26 +105,25 @@ TEST(PatchV2, RoundTripsEveryDtypeSizeAndRateWithAndWithoutTheRecord) {
           EncodeInput in{t, v1, v2, prev};
           PatchStats st;
           auto patch = EncodePatch(t, v1, v2, Opts(2, 8), &st);  // unconditioned via EncodePatch
-          ASSERT_TRUE(patch.ok()) << what << ": " << patch.status();
+          ASSERT_THAT(patch, IsOk()) << what << ": " << patch.status();
           auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 8));
-          ASSERT_TRUE(patches.ok()) << what << ": " << patches.status();
+          ASSERT_THAT(patches, IsOk()) << what << ": " << patches.status();
           const Bytes& p2 = (*patches)[0];
           if (prev == nullptr) {
             EXPECT_EQ(p2, *patch) << what;
           }
-          auto v1_patch = EncodePatch(t, v1, v2, Opts(1, 8));
-          ASSERT_TRUE(v1_patch.ok());
-          EXPECT_LE(p2.size(), v1_patch->size()) << what << ": the choice never costs bytes";
+          REFIT_ASSERT_OK_AND_ASSIGN(auto v1_patch, EncodePatch(t, v1, v2, Opts(1, 8)));
+          EXPECT_LE(p2.size(), v1_patch.size()) << what << ": the choice never costs bytes";
           auto info = InspectPatch(p2);
-          ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+          ASSERT_THAT(info, IsOk()) << what << ": " << info.status();
           EXPECT_EQ(p2[4], info->blocks_context > 0 ? 2 : 1) << what;
           if (info->blocks_context == 0) {
-            EXPECT_EQ(p2, *v1_patch) << what;
+            EXPECT_EQ(p2, v1_patch) << what;
           }
           EXPECT_EQ(p2[7], info->blocks_context > 0 && prev != nullptr ? 1 : 0) << what;
           ExpectAppliesTo(p2, t, v1, v2, prev, what);
           auto next = ChangeRecordOfPatch(p2, t, v1, 2, prev);
-          ASSERT_TRUE(next.ok()) << what << ": " << next.status();
+          ASSERT_THAT(next, IsOk()) << what << ": " << next.status();
           const ChangeRecord want = ChangeRecord::Compare(t, v1.data(), v2.data(), n);
           EXPECT_EQ(next->changed, want.changed) << what;
           EXPECT_EQ(next->down, want.down) << what;
@@ -150,9 +153,9 @@ TEST(PatchV2, ANearDenseBlockStaysValid) {
   for (size_t i = 0; i < before.size(); i += 3) before[i] = static_cast<uint8_t>(before[i] + 1);
   const ChangeRecord rec = ChangeRecord::Compare(DType::kBF16, before.data(), base.data(), 51);
   EncodeInput in{DType::kBF16, base, target, &rec};
-  auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 9, 1));
-  ASSERT_TRUE(patches.ok()) << patches.status();
-  ExpectAppliesTo((*patches)[0], DType::kBF16, base, target, &rec, "near dense");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patches,
+                             EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 9, 1)));
+  ExpectAppliesTo(patches[0], DType::kBF16, base, target, &rec, "near dense");
 }
 
 TEST(PatchV2, TrainedWeightsAreContextCodedAndSmallerThanV1) {
@@ -166,37 +169,40 @@ TEST(PatchV2, TrainedWeightsAreContextCodedAndSmallerThanV1) {
   std::vector<PatchStats> st;
   auto v1p = EncodePatches(std::span<const EncodeInput>(&plain, 1), Opts(1, 16));
   auto ctx = EncodePatches(std::span<const EncodeInput>(&plain, 1), Opts(2, 16), &st);
-  ASSERT_TRUE(v1p.ok() && ctx.ok());
+  ASSERT_THAT(v1p, IsOk());
+  ASSERT_THAT(ctx, IsOk());
   EXPECT_EQ(st[0].blocks_context, 4u);
   EXPECT_LT((*ctx)[0].size(), (*v1p)[0].size() * 95 / 100) << "exponent classes alone";
-  auto cp = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), &st);
-  ASSERT_TRUE(cp.ok());
-  EXPECT_LT((*cp)[0].size(), (*ctx)[0].size() * 9 / 10) << "the record helps further";
-  std::printf("v1 %zu B, context %zu B, with the record %zu B\n", (*v1p)[0].size(), (*ctx)[0].size(),
-              (*cp)[0].size());
-  EXPECT_EQ((*cp)[0][7], format::kFlagConditioned);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto cp, EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), &st));
+  EXPECT_LT(cp[0].size(), (*ctx)[0].size() * 9 / 10) << "the record helps further";
+  std::printf("v1 %zu B, context %zu B, with the record %zu B\n", (*v1p)[0].size(),
+              (*ctx)[0].size(), cp[0].size());
+  EXPECT_EQ(cp[0][7], format::kFlagConditioned);
   uint32_t fp;
-  std::memcpy(&fp, (*cp)[0].data() + 28, 4);
+  std::memcpy(&fp, cp[0].data() + 28, 4);
   EXPECT_EQ(fp, rec.Fingerprint());
   ExpectAppliesTo((*ctx)[0], DType::kBF16, v1, v2, nullptr, "unconditioned");
-  ExpectAppliesTo((*cp)[0], DType::kBF16, v1, v2, &rec, "conditioned");
+  ExpectAppliesTo(cp[0], DType::kBF16, v1, v2, &rec, "conditioned");
   // Thread counts and the fused encode paths give the same bytes.
   for (int threads : {1, 3, 8}) {
-    auto again = EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16, threads));
-    ASSERT_TRUE(again.ok());
-    EXPECT_EQ((*again)[0], (*cp)[0]) << threads << " threads";
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto again, EncodePatches(std::span<const EncodeInput>(&cond, 1), Opts(2, 16, threads)));
+    EXPECT_EQ(again[0], cp[0]) << threads << " threads";
   }
   std::vector<uint64_t> digests;
-  auto fused = EncodePatchesWithDigests(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), nullptr, &digests);
-  ASSERT_TRUE(fused.ok());
-  EXPECT_EQ((*fused)[0], (*cp)[0]);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto fused, EncodePatchesWithDigests(std::span<const EncodeInput>(&cond, 1), Opts(2, 16),
+                                           nullptr, &digests));
+  EXPECT_EQ(fused[0], cp[0]);
   EXPECT_EQ(digests[0], TensorDigest(v2));
   EncodedChanges changes;
-  auto logged = EncodePatchesWithChanges(std::span<const EncodeInput>(&cond, 1), Opts(2, 16), nullptr, nullptr, &changes);
-  ASSERT_TRUE(logged.ok());
-  EXPECT_EQ((*logged)[0], (*cp)[0]);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto logged, EncodePatchesWithChanges(std::span<const EncodeInput>(&cond, 1), Opts(2, 16),
+                                            nullptr, nullptr, &changes));
+  EXPECT_EQ(logged[0], cp[0]);
   Bytes committed = v1;
-  ASSERT_TRUE(changes.ApplyTo(0, committed, v2).ok());
+  ASSERT_THAT(changes.ApplyTo(0, committed, v2), IsOk());
   EXPECT_EQ(committed, v2);
 }
 
@@ -213,12 +219,12 @@ TEST(PatchV2, AChainOfConditionedPatchesAppliesWithRecordsTakenFromThePatches) {
     const ChangeRecord pub_record =
         ChangeRecord::Compare(DType::kBF16, versions[v - 2].data(), versions[v - 1].data(), n);
     EncodeInput in{DType::kBF16, versions[v - 1], versions[v], &pub_record};
-    auto patches = EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 14));
-    ASSERT_TRUE(patches.ok());
-    ASSERT_EQ((*patches)[0][7], format::kFlagConditioned) << v;
-    auto next = ChangeRecordOfPatch((*patches)[0], DType::kBF16, held, 2, &sub_record);
-    ASSERT_TRUE(next.ok()) << v << ": " << next.status();
-    ASSERT_TRUE(ApplyPatch((*patches)[0], DType::kBF16, held, held, 2, &sub_record).ok()) << v;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patches,
+                               EncodePatches(std::span<const EncodeInput>(&in, 1), Opts(2, 14)));
+    ASSERT_EQ(patches[0][7], format::kFlagConditioned) << v;
+    auto next = ChangeRecordOfPatch(patches[0], DType::kBF16, held, 2, &sub_record);
+    ASSERT_THAT(next, IsOk()) << v << ": " << next.status();
+    ASSERT_THAT(ApplyPatch(patches[0], DType::kBF16, held, held, 2, &sub_record), IsOk()) << v;
     ASSERT_EQ(held, versions[v]) << v;
     sub_record = std::move(*next);
   }
@@ -267,14 +273,13 @@ TEST(PatchV2, HostileVersion2PatchesAreRejected) {
   const Bytes& v1 = c.tr.v1;
   const ChangeRecord& rec = c.rec;
   const Bytes& patch = c.patch;
-  auto layout = ParsePatch(patch);
-  ASSERT_TRUE(layout.ok());
-  ASSERT_TRUE(layout->conditioned);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto layout, ParsePatch(patch));
+  ASSERT_TRUE(layout.conditioned);
   auto expect_bad = [&](Bytes bad, const char* expect, bool resign) {
     if (resign) (void)testing::ResignPatch(bad);
     Bytes out = v1;
     absl::Status st = ApplyPatch(bad, DType::kBF16, out, out, 1, &rec);
-    EXPECT_FALSE(st.ok()) << expect;
+    EXPECT_THAT(st, Not(IsOk())) << expect;
     EXPECT_NE(st.message().find(expect), absl::string_view::npos) << st;
     EXPECT_EQ(out, v1) << expect << ": written before the failure was found";
   };
@@ -297,7 +302,7 @@ TEST(PatchV2, HostileVersion2PatchesAreRejected) {
   // Every single-byte corruption of a CONTEXT payload, checksums recomputed: rejected with the
   // block named, or decoded into other bytes (never a crash, never writing before the check).
   const BlockDesc* ctx = nullptr;
-  for (const BlockDesc& d : layout->blocks) {
+  for (const BlockDesc& d : layout.blocks) {
     if (d.mode == format::kContext) ctx = &d;
   }
   ASSERT_NE(ctx, nullptr);
@@ -305,7 +310,7 @@ TEST(PatchV2, HostileVersion2PatchesAreRejected) {
   for (uint64_t i = 0; i < ctx->payload_bytes; ++i) {
     Bytes b = patch;
     b[ctx->payload_offset + i] ^= static_cast<uint8_t>(1 + rng() % 255);
-    ASSERT_TRUE(testing::ResignPatch(b).ok());
+    ASSERT_THAT(testing::ResignPatch(b), IsOk());
     Bytes out(v1.size());
     absl::Status st = ApplyPatch(b, DType::kBF16, v1, out, 1, &rec);
     if (!st.ok()) {

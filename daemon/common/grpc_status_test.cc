@@ -4,10 +4,13 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
 
 const std::vector<std::pair<absl::StatusCode, grpc::StatusCode>>& AllCodes() {
   static const auto* codes = new std::vector<std::pair<absl::StatusCode, grpc::StatusCode>>{
@@ -57,9 +60,9 @@ TEST(GrpcStatusTest, ErrorsRoundTripWithMessage) {
 
 TEST(GrpcStatusTest, OkStatuses) {
   EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
-  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  EXPECT_THAT(FromGrpcStatus(grpc::Status::OK), IsOk());
   // gRPC allows a message on OK; absl does not keep one.
-  EXPECT_TRUE(FromGrpcStatus(grpc::Status(grpc::StatusCode::OK, "fine")).ok());
+  EXPECT_THAT(FromGrpcStatus(grpc::Status(grpc::StatusCode::OK, "fine")), IsOk());
 }
 
 TEST(GrpcStatusTest, EmptyMessage) {

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "daemon/common/json_string.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_sinks.h"
 
@@ -56,7 +57,7 @@ const char* LevelName(spdlog::level::level_enum l) {
 
 std::string JsonValue(const LogField& f) {
   struct Visit {
-    std::string operator()(const std::string& s) const { return JsonQuote(s); }
+    std::string operator()(const std::string& s) const { return JsonString(s); }
     std::string operator()(int64_t v) const { return absl::StrCat(v); }
     std::string operator()(uint64_t v) const { return absl::StrCat(v); }
     std::string operator()(bool v) const { return v ? "true" : "false"; }
@@ -78,11 +79,11 @@ class JsonFormatter final : public spdlog::formatter {
     std::string out = absl::StrCat(
         "{\"ts\":\"", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", t, absl::UTCTimeZone()),
         "\",\"level\":\"", LevelName(msg.level), "\",\"logger\":",
-        JsonQuote(absl::string_view(msg.logger_name.data(), msg.logger_name.size())), ",\"msg\":",
-        JsonQuote(absl::string_view(msg.payload.data(), msg.payload.size())));
+        JsonString(absl::string_view(msg.logger_name.data(), msg.logger_name.size())),
+        ",\"msg\":", JsonString(absl::string_view(msg.payload.data(), msg.payload.size())));
     if (t_event_fields != nullptr) {
       for (const LogField& f : *t_event_fields) {
-        absl::StrAppend(&out, ",", JsonQuote(f.key), ":", JsonValue(f));
+        absl::StrAppend(&out, ",", JsonString(f.key), ":", JsonValue(f));
       }
     }
     out.append("}\n");
@@ -94,26 +95,6 @@ class JsonFormatter final : public spdlog::formatter {
 };
 
 }  // namespace
-
-size_t Utf8CharLength(absl::string_view text, size_t i, uint32_t* code_point) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
-  const unsigned char c0 = b(i);
-  const size_t n = c0 < 0x80 ? 1
-                   : (c0 >> 5) == 0x6 ? 2
-                   : (c0 >> 4) == 0xe ? 3
-                   : (c0 >> 3) == 0x1e ? 4
-                                        : 0;
-  if (n == 0 || i + n > text.size()) return 0;
-  uint32_t v = n == 1 ? c0 : (c0 & (0x7f >> n));
-  for (size_t k = 1; k < n; ++k) {
-    if ((b(i + k) & 0xc0) != 0x80) return 0;
-    v = (v << 6) | (b(i + k) & 0x3f);
-  }
-  static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
-  if (v < kMin[n] || v > 0x10ffff || (v >= 0xd800 && v <= 0xdfff)) return 0;
-  *code_point = v;
-  return n;
-}
 
 std::string Printable(absl::string_view text, size_t max_bytes) {
   std::string out;
@@ -179,34 +160,6 @@ void LogEvent(spdlog::logger& log, spdlog::level::level_enum level, absl::string
   t_event_fields = &fields;
   log.log(level, "{}", fmt::string_view(message.data(), message.size()));
   t_event_fields = nullptr;
-}
-
-std::string JsonQuote(absl::string_view text) {
-  std::string out = "\"";
-  for (size_t i = 0; i < text.size();) {
-    uint32_t cp = 0;
-    const size_t n = Utf8CharLength(text, i, &cp);
-    if (n == 0) {  // not UTF-8: the byte as a code point, so the line stays valid JSON
-      absl::StrAppend(&out, "\\u00", absl::Hex(static_cast<unsigned char>(text[i]), absl::kZeroPad2));
-      ++i;
-      continue;
-    }
-    if (cp == '"' || cp == '\\') {
-      out.push_back('\\');
-      out.push_back(static_cast<char>(cp));
-    } else if (cp == '\n') {
-      out.append("\\n");
-    } else if (cp == '\t') {
-      out.append("\\t");
-    } else if (cp < 0x20 || cp == 0x7f) {
-      absl::StrAppend(&out, "\\u00", absl::Hex(cp, absl::kZeroPad2));
-    } else {
-      out.append(text.data() + i, n);
-    }
-    i += n;
-  }
-  out.push_back('"');
-  return out;
 }
 
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text) {

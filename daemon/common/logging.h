@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/utf8.h"  // Utf8CharLength, IsControlCodePoint (users of Printable)
 #include "spdlog/spdlog.h"
 
 namespace refit {
@@ -52,20 +53,9 @@ struct LogField {
 void LogEvent(spdlog::logger& log, spdlog::level::level_enum level, absl::string_view message,
               const std::vector<LogField>& fields);
 
-// `text` as a JSON string literal (quotes included): ", \ and control characters escaped,
-// bytes that are not valid UTF-8 written as \u00XX.
-std::string JsonQuote(absl::string_view text);
-
 // Parses "trace|debug|info|warn|error|critical|off" (case-insensitive). InvalidArgument naming
 // the accepted values otherwise.
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text);
-
-// Length of the UTF-8 character starting at text[i] (1..4), or 0 when the bytes there are not
-// valid UTF-8 (truncated, overlong, surrogates, above U+10FFFF); *code_point gets its value.
-size_t Utf8CharLength(absl::string_view text, size_t i, uint32_t* code_point);
-
-// True for C0 controls, DEL and C1 controls.
-inline bool IsControlCodePoint(uint32_t cp) { return cp < 0x20 || (cp >= 0x7f && cp < 0xa0); }
 
 // `text` safe for one log line: control characters (C0, DEL, C1), backslashes and bytes that are
 // not valid UTF-8 become escapes ("\n", "\x1b", "\\"); capped at `max_bytes` of input ("..."

@@ -12,13 +12,6 @@
 namespace refit {
 namespace {
 
-TEST(JsonQuoteTest, EscapesWhatJsonNeedsAndKeepsUtf8) {
-  EXPECT_EQ(JsonQuote("plain \u00e9"), "\"plain \u00e9\"");
-  EXPECT_EQ(JsonQuote("q\"b\\n\nt\t"), "\"q\\\"b\\\\n\\nt\\t\"");
-  EXPECT_EQ(JsonQuote(std::string("c\x01\x7f\0", 4)), "\"c\\u0001\\u007f\\u0000\"");
-  EXPECT_EQ(JsonQuote("bad\xff"), "\"bad\\u00ff\"");
-}
-
 // Lines written to stderr by `fn`, with the shared sink in `format` (text again afterwards).
 std::vector<std::string> CapturedLines(LogFormat format, const std::function<void()>& fn) {
   SetLogFormat(format);

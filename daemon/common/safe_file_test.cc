@@ -11,12 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
 
+using ::refit::testing::IsOk;
 using ::testing::HasSubstr;
 
 class TempTree {
@@ -72,11 +74,9 @@ class SafeReadTest : public ::testing::TestWithParam<bool> {
 };
 
 TEST_P(SafeReadTest, ReadsARegularFileInsideARoot) {
-  auto fd = Open(t_ / "root/sub/ok.bin");
-  ASSERT_TRUE(fd.ok()) << fd.status();
-  auto bytes = ReadWholeFile(fd->get(), "ok.bin");
-  ASSERT_TRUE(bytes.ok()) << bytes.status();
-  EXPECT_EQ(std::string(bytes->begin(), bytes->end()), "hello");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto fd, Open(t_ / "root/sub/ok.bin"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto bytes, ReadWholeFile(fd.get(), "ok.bin"));
+  EXPECT_EQ(std::string(bytes.begin(), bytes.end()), "hello");
 }
 
 TEST_P(SafeReadTest, RefusesAPathOutsideEveryRootNamingTheField) {
@@ -155,10 +155,9 @@ TEST(ReadAtTest, AFileThatShrinksWhileReadIsAnErrorNotACrash) {
   TempTree t;
   const std::string path = t / "big";
   WriteText(path, std::string(1 << 20, 'x'));
-  auto fd = OpenRegularFile(path);
-  ASSERT_TRUE(fd.ok()) << fd.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto fd, OpenRegularFile(path));
   SetReadHookForTesting([&](const std::string&, uint64_t) { ::truncate(path.c_str(), 100); });
-  auto bytes = ReadWholeFile(fd->get(), path);
+  auto bytes = ReadWholeFile(fd.get(), path);
   SetReadHookForTesting(nullptr);
   EXPECT_EQ(bytes.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(bytes.status().message(), HasSubstr(path + "\" shrank while being read"));
@@ -173,28 +172,23 @@ TEST(ReadWholeFileImageTest, ShrinkingIsAnErrorAndReusedImagesHoldTheNewBytes) {
   for (size_t i = 0; i < text.size(); i += 4096) text[i] = static_cast<char>('a' + i % 26);
   WriteText(path, text);
   {
-    auto fd = OpenRegularFile(path);
-    ASSERT_TRUE(fd.ok()) << fd.status();
-    auto image = ReadWholeFileImage(fd->get(), path, 2);
-    ASSERT_TRUE(image.ok()) << image.status();
-    ASSERT_EQ(image->size(), text.size());
-    EXPECT_EQ(std::memcmp(image->data(), text.data(), text.size()), 0);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto fd, OpenRegularFile(path));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto image, ReadWholeFileImage(fd.get(), path, 2));
+    ASSERT_EQ(image.size(), text.size());
+    EXPECT_EQ(std::memcmp(image.data(), text.data(), text.size()), 0);
   }  // released: kept for reuse
   std::string other(text.size(), 'y');
   WriteText(path, other);
   {
-    auto fd = OpenRegularFile(path);
-    ASSERT_TRUE(fd.ok()) << fd.status();
-    auto image = ReadWholeFileImage(fd->get(), path, 2);
-    ASSERT_TRUE(image.ok()) << image.status();
-    EXPECT_EQ(std::memcmp(image->data(), other.data(), other.size()), 0);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto fd, OpenRegularFile(path));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto image, ReadWholeFileImage(fd.get(), path, 2));
+    EXPECT_EQ(std::memcmp(image.data(), other.data(), other.size()), 0);
   }
-  auto fd = OpenRegularFile(path);
-  ASSERT_TRUE(fd.ok()) << fd.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto fd, OpenRegularFile(path));
   SetReadHookForTesting([&](const std::string&, uint64_t offset) {
     if (offset >= (8u << 20)) ::truncate(path.c_str(), 100);
   });
-  auto shrunk = ReadWholeFileImage(fd->get(), path, 2);
+  auto shrunk = ReadWholeFileImage(fd.get(), path, 2);
   SetReadHookForTesting(nullptr);
   EXPECT_EQ(shrunk.status().code(), absl::StatusCode::kDataLoss) << shrunk.status();
   EXPECT_THAT(shrunk.status().message(), HasSubstr(path + "\" shrank while being read"));
@@ -203,9 +197,8 @@ TEST(ReadWholeFileImageTest, ShrinkingIsAnErrorAndReusedImagesHoldTheNewBytes) {
 TEST(ReadWholeFileTest, RefusesAFileOverTheLimit) {
   TempTree t;
   WriteText(t / "f", "0123456789");
-  auto fd = OpenRegularFile(t / "f");
-  ASSERT_TRUE(fd.ok());
-  EXPECT_EQ(ReadWholeFile(fd->get(), t / "f", 4).status().code(),
+  REFIT_ASSERT_OK_AND_ASSIGN(auto fd, OpenRegularFile(t / "f"));
+  EXPECT_EQ(ReadWholeFile(fd.get(), t / "f", 4).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -233,14 +226,14 @@ class AtomicFileTest : public ::testing::Test {
 TEST_F(AtomicFileTest, WritesMode0600WhateverTheUmask) {
   for (const mode_t umask_value : {mode_t{0}, mode_t{077}, mode_t{022}}) {
     const mode_t old = ::umask(umask_value);
-    ASSERT_TRUE(WriteFile(t_ / "export/out", options_).ok());
+    ASSERT_THAT(WriteFile(t_ / "export/out", options_), IsOk());
     ::umask(old);
     struct stat st;
     ASSERT_EQ(::stat((t_ / "export/out").c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 07777, 0600u) << "umask " << umask_value;
   }
   options_.mode = 0640;
-  ASSERT_TRUE(WriteFile(t_ / "export/out", options_).ok());
+  ASSERT_THAT(WriteFile(t_ / "export/out", options_), IsOk());
   struct stat st;
   ASSERT_EQ(::stat((t_ / "export/out").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 07777, 0640u);
@@ -248,7 +241,7 @@ TEST_F(AtomicFileTest, WritesMode0600WhateverTheUmask) {
 
 TEST_F(AtomicFileTest, AcceptsAPathRelativeToTheRootAndReplacesARegularFile) {
   WriteText(t_ / "export/sub/out", "old");
-  ASSERT_TRUE(WriteFile("sub/out", options_, "new").ok());
+  ASSERT_THAT(WriteFile("sub/out", options_, "new"), IsOk());
   EXPECT_EQ(ReadText(t_ / "export/sub/out"), "new");
   EXPECT_EQ(DirEntries(t_ / "export/sub"), std::vector<std::string>{"out"});
 }
@@ -298,7 +291,7 @@ TEST_F(AtomicFileTest, RefusesADirectoryTarget) {
 TEST_F(AtomicFileTest, TempFileIsRemovedWhenNotCommitted) {
   {
     auto f = AtomicFile::Create(t_ / "export/out", options_);
-    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_THAT(f, IsOk());
     EXPECT_EQ(DirEntries(t_ / "export").size(), 2u);  // sub and the temporary file
   }
   EXPECT_EQ(DirEntries(t_ / "export"), std::vector<std::string>{"sub"});
@@ -315,7 +308,7 @@ TEST_F(AtomicFileTest, RefusesAForbiddenDirectory) {
 
 TEST(AtomicFileUnconfinedTest, WritesAnyDirectoryButStillNeverReplacesAFifo) {
   TempTree t;
-  ASSERT_TRUE(WriteFile(t / "plain", {}).ok());
+  ASSERT_THAT(WriteFile(t / "plain", {}), IsOk());
   EXPECT_EQ(ReadText(t / "plain"), "data");
   ASSERT_EQ(::mkfifo((t / "fifo").c_str(), 0600), 0);
   EXPECT_EQ(WriteFile(t / "fifo", {}).code(), absl::StatusCode::kFailedPrecondition);

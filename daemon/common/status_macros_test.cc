@@ -2,10 +2,14 @@
 
 #include <string>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 
 absl::StatusOr<int> Half(int x) {
   if (x % 2 != 0) return absl::InvalidArgumentError("odd");
@@ -30,9 +34,21 @@ TEST(StatusMacros, AssignOrReturnPropagatesValueAndError) {
 }
 
 TEST(StatusMacros, ReturnIfError) {
-  EXPECT_TRUE(CheckEven(4).ok());
+  EXPECT_THAT(CheckEven(4), IsOk());
   EXPECT_EQ(CheckEven(5).code(), absl::StatusCode::kInvalidArgument);
 }
+
+TEST(Annotate, PrefixesTheContextKeepingCodeAndPayloads) {
+  absl::Status st = absl::DataLossError("checksum mismatch");
+  st.SetPayload("type.refit/tensor", absl::Cord("w1"));
+  const absl::Status out = Annotate(st, "tensor ", 3, " of version ", 7);
+  EXPECT_THAT(out, StatusIs(absl::StatusCode::kDataLoss,
+                            ::testing::Eq("tensor 3 of version 7: checksum mismatch")));
+  ASSERT_TRUE(out.GetPayload("type.refit/tensor").has_value());
+  EXPECT_EQ(std::string(*out.GetPayload("type.refit/tensor")), "w1");
+}
+
+TEST(Annotate, OkStaysOk) { EXPECT_THAT(Annotate(absl::OkStatus(), "anything"), IsOk()); }
 
 }  // namespace
 }  // namespace refit

@@ -11,11 +11,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
 
 // A datagram socket standing in for systemd's: bound at `name` (a path, or "@name").
 class FakeSystemd {
@@ -56,11 +59,10 @@ TEST(SystemdNotifier, SendsStatesToAPathAndToAnAbstractSocket) {
        {dir.path() + "/notify", absl::StrCat("@refit-test-notify-", getpid())}) {
     SCOPED_TRACE(name);
     FakeSystemd systemd(name);
-    auto n = SystemdNotifier::Create(name, std::nullopt);
-    ASSERT_TRUE(n.ok()) << n.status();
-    ASSERT_TRUE((*n)->Notify("READY=1\nSTATUS=serving").ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto n, SystemdNotifier::Create(name, std::nullopt));
+    ASSERT_THAT(n->Notify("READY=1\nSTATUS=serving"), IsOk());
     EXPECT_EQ(systemd.Receive(), "READY=1\nSTATUS=serving");
-    ASSERT_TRUE((*n)->Notify("STOPPING=1").ok());
+    ASSERT_THAT(n->Notify("STOPPING=1"), IsOk());
     EXPECT_EQ(systemd.Receive(), "STOPPING=1");
   }
 }
@@ -72,9 +74,8 @@ TEST(SystemdNotifier, TheEnvironmentSaysWhetherAndWhere) {
   unsetenv("NOTIFY_SOCKET");
   unsetenv("WATCHDOG_USEC");
   unsetenv("WATCHDOG_PID");
-  auto none = SystemdNotifier::FromEnvironment();
-  ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_EQ(*none, nullptr) << "not under systemd: no notifier";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto none, SystemdNotifier::FromEnvironment());
+  EXPECT_EQ(none, nullptr) << "not under systemd: no notifier";
 
   setenv("NOTIFY_SOCKET", path.c_str(), 1);
   auto plain = SystemdNotifier::FromEnvironment();
@@ -82,9 +83,8 @@ TEST(SystemdNotifier, TheEnvironmentSaysWhetherAndWhere) {
   EXPECT_FALSE((*plain)->watchdog_interval().has_value());
 
   setenv("WATCHDOG_USEC", "30000000", 1);
-  auto wd = SystemdNotifier::FromEnvironment();
-  ASSERT_TRUE(wd.ok()) << wd.status();
-  EXPECT_EQ((*wd)->watchdog_interval(), absl::Seconds(30));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto wd, SystemdNotifier::FromEnvironment());
+  EXPECT_EQ(wd->watchdog_interval(), absl::Seconds(30));
   setenv("WATCHDOG_PID", std::to_string(getpid()).c_str(), 1);
   EXPECT_EQ((*SystemdNotifier::FromEnvironment())->watchdog_interval(), absl::Seconds(30));
   setenv("WATCHDOG_PID", "1", 1);  // another process's watchdog
@@ -111,12 +111,11 @@ TEST(WatchdogPinger, PingsOnlyWhileTheDaemonMakesProgress) {
   testing::TempDir dir("sdnotify-wd");
   const std::string path = dir.path() + "/notify";
   FakeSystemd systemd(path);
-  auto n = SystemdNotifier::Create(path, absl::Seconds(1));
-  ASSERT_TRUE(n.ok()) << n.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto n, SystemdNotifier::Create(path, absl::Seconds(1)));
   absl::Mutex mu;
   int calls = 0;
   {
-    WatchdogPinger pinger(n->get(), absl::Milliseconds(1), [&]() -> absl::Status {
+    WatchdogPinger pinger(n.get(), absl::Milliseconds(1), [&]() -> absl::Status {
       absl::MutexLock lock(&mu);
       ++calls;
       if (calls <= 2) return absl::OkStatus();

@@ -6,10 +6,13 @@
 #include <vector>
 
 #include "daemon/common/parallel.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
 
 // Each case runs on a thread of its own: the nice value it lowers is that thread's alone.
 template <typename Fn>
@@ -22,7 +25,7 @@ TEST(ThreadPriority, LowersOnlyTheCallingThread) {
   const int main_nice = *ThisThreadNice();
   OnOwnThread([&] {
     const int before = *ThisThreadNice();
-    ASSERT_TRUE(LowerThisThreadPriority(5).ok());
+    ASSERT_THAT(LowerThisThreadPriority(5), IsOk());
     EXPECT_EQ(*ThisThreadNice(), std::min(before + 5, kMaxNice));
   });
   EXPECT_EQ(*ThisThreadNice(), main_nice);
@@ -30,7 +33,7 @@ TEST(ThreadPriority, LowersOnlyTheCallingThread) {
 
 TEST(ThreadPriority, ThreadsStartedAfterwardsInheritIt) {
   OnOwnThread([] {
-    ASSERT_TRUE(LowerThisThreadPriority(3).ok());
+    ASSERT_THAT(LowerThisThreadPriority(3), IsOk());
     const int lowered = *ThisThreadNice();
     std::vector<int> seen(4, -100);
     ParallelFor(seen.size(), 4, 1, [&](size_t b, size_t e) {
@@ -42,9 +45,9 @@ TEST(ThreadPriority, ThreadsStartedAfterwardsInheritIt) {
 
 TEST(ThreadPriority, CapsAtTheLowestPriority) {
   OnOwnThread([] {
-    ASSERT_TRUE(LowerThisThreadPriority(39).ok());
+    ASSERT_THAT(LowerThisThreadPriority(39), IsOk());
     EXPECT_EQ(*ThisThreadNice(), kMaxNice);
-    ASSERT_TRUE(LowerThisThreadPriority(1).ok());
+    ASSERT_THAT(LowerThisThreadPriority(1), IsOk());
     EXPECT_EQ(*ThisThreadNice(), kMaxNice);
   });
 }
@@ -52,7 +55,7 @@ TEST(ThreadPriority, CapsAtTheLowestPriority) {
 TEST(ThreadPriority, ZeroChangesNothingAndOutOfRangeIsRefused) {
   OnOwnThread([] {
     const int before = *ThisThreadNice();
-    EXPECT_TRUE(LowerThisThreadPriority(0).ok());
+    EXPECT_THAT(LowerThisThreadPriority(0), IsOk());
     EXPECT_EQ(*ThisThreadNice(), before);
     for (int bad : {-1, 40}) {
       absl::Status st = LowerThisThreadPriority(bad);

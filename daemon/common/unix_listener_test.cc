@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/peer_cred.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -21,6 +22,11 @@
 
 namespace refit {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 // Answers Status with the caller's credentials as PeerCredOf sees them.
 class WhoAmI final : public v1::Control::Service {
@@ -46,7 +52,7 @@ std::unique_ptr<Served> Serve(const std::string& path, mode_t mode) {
   s->server = builder.BuildAndStart();
   absl::StatusOr<std::unique_ptr<UnixListener>> l =
       UnixListener::Start({.name = "test.listen", .path = path, .mode = mode}, s->server.get());
-  EXPECT_TRUE(l.ok()) << l.status();
+  EXPECT_THAT(l, IsOk());
   if (l.ok()) s->listener = std::move(*l);
   return s;
 }
@@ -128,12 +134,9 @@ TEST(UnixListenerTest, MissingDirectoryIsNamed) {
   absl::StatusOr<std::unique_ptr<UnixListener>> l = UnixListener::Start(
       {.name = "publisher.control_listen", .path = "/nonexistent-refit-dir/c.sock"},
       server.get());
-  ASSERT_FALSE(l.ok());
-  EXPECT_EQ(l.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(l.status().message().find("publisher.control_listen"), std::string::npos);
-  EXPECT_NE(l.status().message().find("directory \"/nonexistent-refit-dir\" does not exist"),
-            std::string::npos)
-      << l.status();
+  ASSERT_THAT(l, StatusIs(absl::StatusCode::kNotFound,
+                          AllOf(HasSubstr("publisher.control_listen"),
+                                HasSubstr("directory \"/nonexistent-refit-dir\" does not exist"))));
   server->Shutdown(testing::Deadline(5));
 }
 

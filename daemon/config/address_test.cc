@@ -2,10 +2,15 @@
 
 #include <string>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::config {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::Not;
 
 struct Case {
   const char* text;
@@ -20,7 +25,7 @@ TEST(AddressTest, LoopbackAddresses) {
         Case{"unix:/run/refitd.sock", true}, Case{"unix:///run/refitd.sock", true}}) {
     for (AddressUse use : {AddressUse::kListen, AddressUse::kConnect}) {
       auto a = ParseAddress(c.text, use);
-      ASSERT_TRUE(a.ok()) << c.text << ": " << a.status();
+      ASSERT_THAT(a, IsOk()) << c.text << ": " << a.status();
       EXPECT_EQ(a->loopback, c.loopback) << c.text;
     }
   }
@@ -32,65 +37,61 @@ TEST(AddressTest, NonLoopbackAddresses) {
         "[2001:db8::1]:7000", "[::ffff:10.0.0.1]:7000", "pub.example.com:7000",
         "localhost.example.com:7000", "mylocalhost:700", "127.0.0.1.nip.io:700"}) {
     auto a = ParseAddress(text, AddressUse::kListen);
-    ASSERT_TRUE(a.ok()) << text << ": " << a.status();
+    ASSERT_THAT(a, IsOk()) << text << ": " << a.status();
     EXPECT_FALSE(a->loopback) << text;
     EXPECT_EQ(a->kind, AddressKind::kTcp);
   }
 }
 
 TEST(AddressTest, ConnectSchemes) {
-  auto dns = ParseAddress("dns:///pub.example.com:7000", AddressUse::kConnect);
-  ASSERT_TRUE(dns.ok()) << dns.status();
-  EXPECT_EQ(dns->host, "pub.example.com");
-  EXPECT_EQ(dns->port, 7000);
-  EXPECT_EQ(dns->grpc_target, "dns:///pub.example.com:7000");
-  EXPECT_FALSE(dns->loopback);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto dns,
+                             ParseAddress("dns:///pub.example.com:7000", AddressUse::kConnect));
+  EXPECT_EQ(dns.host, "pub.example.com");
+  EXPECT_EQ(dns.port, 7000);
+  EXPECT_EQ(dns.grpc_target, "dns:///pub.example.com:7000");
+  EXPECT_FALSE(dns.loopback);
 
-  auto dns_local = ParseAddress("dns:localhost:700", AddressUse::kConnect);
-  ASSERT_TRUE(dns_local.ok()) << dns_local.status();
-  EXPECT_TRUE(dns_local->loopback);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto dns_local,
+                             ParseAddress("dns:localhost:700", AddressUse::kConnect));
+  EXPECT_TRUE(dns_local.loopback);
 
-  auto v4 = ParseAddress("ipv4:127.0.0.1:9", AddressUse::kConnect);
-  ASSERT_TRUE(v4.ok()) << v4.status();
-  EXPECT_TRUE(v4->loopback);
-  EXPECT_EQ(v4->port, 9);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v4, ParseAddress("ipv4:127.0.0.1:9", AddressUse::kConnect));
+  EXPECT_TRUE(v4.loopback);
+  EXPECT_EQ(v4.port, 9);
 
-  auto v6 = ParseAddress("ipv6:[::1]:9", AddressUse::kConnect);
-  ASSERT_TRUE(v6.ok()) << v6.status();
-  EXPECT_TRUE(v6->loopback);
-  EXPECT_EQ(v6->host, "::1");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v6, ParseAddress("ipv6:[::1]:9", AddressUse::kConnect));
+  EXPECT_TRUE(v6.loopback);
+  EXPECT_EQ(v6.host, "::1");
 
   // Scheme forms are for connections only.
-  EXPECT_FALSE(ParseAddress("dns:///pub:7000", AddressUse::kListen).ok());
+  EXPECT_THAT(ParseAddress("dns:///pub:7000", AddressUse::kListen), Not(IsOk()));
 }
 
 TEST(AddressTest, UnixForms) {
-  auto a = ParseAddress("unix:///run/x.sock", AddressUse::kListen);
-  ASSERT_TRUE(a.ok());
-  EXPECT_EQ(a->kind, AddressKind::kUnix);
-  EXPECT_EQ(a->path, "/run/x.sock");
-  EXPECT_EQ(a->grpc_target, "unix:/run/x.sock");
-  auto b = ParseAddress("unix-abstract:refit", AddressUse::kConnect);
-  ASSERT_TRUE(b.ok());
-  EXPECT_EQ(b->kind, AddressKind::kUnixAbstract);
-  EXPECT_EQ(b->grpc_target, "unix-abstract:refit");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto a, ParseAddress("unix:///run/x.sock", AddressUse::kListen));
+  EXPECT_EQ(a.kind, AddressKind::kUnix);
+  EXPECT_EQ(a.path, "/run/x.sock");
+  EXPECT_EQ(a.grpc_target, "unix:/run/x.sock");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto b, ParseAddress("unix-abstract:refit", AddressUse::kConnect));
+  EXPECT_EQ(b.kind, AddressKind::kUnixAbstract);
+  EXPECT_EQ(b.grpc_target, "unix-abstract:refit");
   // Longest accepted path, then one byte more.
-  EXPECT_TRUE(
-      ParseAddress("unix:/" + std::string(kMaxUnixPathBytes - 1, 'a'), AddressUse::kListen).ok());
+  EXPECT_THAT(ParseAddress("unix:/" + std::string(kMaxUnixPathBytes - 1, 'a'), AddressUse::kListen),
+              IsOk());
   auto too_long = ParseAddress("unix:/" + std::string(kMaxUnixPathBytes, 'a'), AddressUse::kListen);
-  ASSERT_FALSE(too_long.ok());
+  ASSERT_THAT(too_long, Not(IsOk()));
   EXPECT_NE(too_long.status().message().find("the limit is 107"), std::string::npos);
 }
 
 TEST(AddressTest, Ports) {
-  EXPECT_TRUE(ParseAddress("127.0.0.1:0", AddressUse::kListen).ok());
-  EXPECT_TRUE(ParseAddress("127.0.0.2:65535", AddressUse::kConnect).ok());
+  EXPECT_THAT(ParseAddress("127.0.0.1:0", AddressUse::kListen), IsOk());
+  EXPECT_THAT(ParseAddress("127.0.0.2:65535", AddressUse::kConnect), IsOk());
   auto zero = ParseAddress("127.0.0.1:0", AddressUse::kConnect);
-  ASSERT_FALSE(zero.ok());
+  ASSERT_THAT(zero, Not(IsOk()));
   EXPECT_NE(zero.status().message().find("port 0 is out of range (1..65535"), std::string::npos)
       << zero.status();
   auto big = ParseAddress("127.0.0.2:65536", AddressUse::kListen);
-  ASSERT_FALSE(big.ok());
+  ASSERT_THAT(big, Not(IsOk()));
   EXPECT_NE(big.status().message().find("65536"), std::string::npos);
 }
 
@@ -122,8 +123,7 @@ TEST(AddressTest, Errors) {
                        Bad{"dns://8.8.8.8/pub:7000", "authority"},
                        Bad{"http://pub:7000", "unexpected '/'"}}) {
     auto a = ParseAddress(b.text, AddressUse::kConnect);
-    ASSERT_FALSE(a.ok()) << b.text;
-    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_THAT(a, StatusIs(absl::StatusCode::kInvalidArgument)) << b.text;
     EXPECT_NE(a.status().message().find(b.message), std::string::npos)
         << b.text << " -> " << a.status();
     EXPECT_EQ(a.status().message().find('\n'), std::string::npos);
@@ -133,27 +133,23 @@ TEST(AddressTest, Errors) {
 // Abstract sockets have no file permissions: anyone in the network namespace can connect.
 TEST(AddressTest, AbstractUnixSocketsAreNotLoopback) {
   for (AddressUse use : {AddressUse::kListen, AddressUse::kConnect}) {
-    auto a = ParseAddress("unix-abstract:refitd", use);
-    ASSERT_TRUE(a.ok()) << a.status();
-    EXPECT_EQ(a->kind, AddressKind::kUnixAbstract);
-    EXPECT_FALSE(a->loopback);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto a, ParseAddress("unix-abstract:refitd", use));
+    EXPECT_EQ(a.kind, AddressKind::kUnixAbstract);
+    EXPECT_FALSE(a.loopback);
   }
 }
 
 TEST(AddressTest, UnixSocketDirectoryProblem) {
-  auto missing = ParseAddress("unix:/nonexistent-refit-dir/x.sock", AddressUse::kListen);
-  ASSERT_TRUE(missing.ok());
-  EXPECT_EQ(UnixSocketDirectoryProblem(*missing),
-            "directory /nonexistent-refit-dir does not exist");
-  auto file = ParseAddress("unix:/proc/self/status/x.sock", AddressUse::kListen);
-  ASSERT_TRUE(file.ok());
-  EXPECT_EQ(UnixSocketDirectoryProblem(*file), "/proc/self/status is not a directory");
-  auto ok = ParseAddress("unix:/tmp/x.sock", AddressUse::kListen);
-  ASSERT_TRUE(ok.ok());
-  EXPECT_EQ(UnixSocketDirectoryProblem(*ok), "");
-  auto tcp = ParseAddress("127.0.0.1:0", AddressUse::kListen);
-  ASSERT_TRUE(tcp.ok());
-  EXPECT_EQ(UnixSocketDirectoryProblem(*tcp), "");
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto missing, ParseAddress("unix:/nonexistent-refit-dir/x.sock", AddressUse::kListen));
+  EXPECT_EQ(UnixSocketDirectoryProblem(missing), "directory /nonexistent-refit-dir does not exist");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto file,
+                             ParseAddress("unix:/proc/self/status/x.sock", AddressUse::kListen));
+  EXPECT_EQ(UnixSocketDirectoryProblem(file), "/proc/self/status is not a directory");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ok, ParseAddress("unix:/tmp/x.sock", AddressUse::kListen));
+  EXPECT_EQ(UnixSocketDirectoryProblem(ok), "");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto tcp, ParseAddress("127.0.0.1:0", AddressUse::kListen));
+  EXPECT_EQ(UnixSocketDirectoryProblem(tcp), "");
 }
 
 TEST(AddressTest, IsLoopbackHost) {

@@ -10,13 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "cuda/device.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/config/tls_material.h"
-#include "daemon/sync/selection.h"
 
 namespace refit::config {
 namespace {
@@ -279,16 +277,15 @@ absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMa
   return file;
 }
 
-// A cuda_device_uuid field: a GPU UUID, and not together with cuda_device.
-absl::Status CheckGpuUuid(const Checker& c, absl::string_view section, const std::string& text,
-                          bool has_ordinal) {
-  const std::string path = absl::StrCat(section, ".cuda_device_uuid");
+// A cuda_device_uuid field: not together with cuda_device. (Its syntax, a GPU UUID, is checked
+// where the daemon assembles its config: daemon/runtime/daemon_config.h.)
+absl::Status CheckGpuUuidNotWithOrdinal(const Checker& c, absl::string_view section,
+                                        bool has_ordinal) {
   if (has_ordinal) {
-    return c.Fail(path, absl::StrCat("is set together with ", section,
-                                     ".cuda_device: name the GPU by ordinal or by UUID, not both"));
+    return c.Fail(absl::StrCat(section, ".cuda_device_uuid"),
+                  absl::StrCat("is set together with ", section,
+                               ".cuda_device: name the GPU by ordinal or by UUID, not both"));
   }
-  auto uuid = cuda::ParseUuid(text);
-  if (!uuid.ok()) return c.Fail(path, uuid.status().message());
   return absl::OkStatus();
 }
 
@@ -459,8 +456,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
     if (p.codec().device() == v1::DEVICE_CPU) {
       return c.Fail("publisher.codec.cuda_device_uuid", "is set, but codec.device is cpu");
     }
-    RETURN_IF_ERROR(CheckGpuUuid(c, "publisher.codec", p.codec().cuda_device_uuid(),
-                                 p.codec().has_cuda_device()));
+    RETURN_IF_ERROR(CheckGpuUuidNotWithOrdinal(c, "publisher.codec", p.codec().has_cuda_device()));
   }
   RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
   RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
@@ -556,11 +552,6 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
     }
   }
   RETURN_IF_ERROR(CheckClientTls(c, "subscriber.upstream.tls", up.tls(), upstream_addresses));
-  if (absl::StatusOr<sync::TensorSelection> sel = sync::TensorSelection::Make(
-          std::vector<std::string>(up.tensors().begin(), up.tensors().end()), "tensors");
-      !sel.ok()) {
-    return c.Fail("subscriber.upstream.tensors", sel.status().message());
-  }
   if (up.backoff().initial_ms() > up.backoff().max_ms()) {
     return c.Fail("subscriber.upstream.backoff.initial_ms",
                   absl::StrCat(up.backoff().initial_ms(), " exceeds backoff.max_ms (",
@@ -604,8 +595,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
     if (store.kind() != v1::STORE_KIND_CUDA) {
       return c.Fail("subscriber.store.cuda_device_uuid", "is set, but store.kind is not cuda");
     }
-    RETURN_IF_ERROR(CheckGpuUuid(c, "subscriber.store", store.cuda_device_uuid(),
-                                 store.has_cuda_device()));
+    RETURN_IF_ERROR(CheckGpuUuidNotWithOrdinal(c, "subscriber.store", store.has_cuda_device()));
   }
   RETURN_IF_ERROR(CheckSingleCopy(c, s));
   if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
@@ -647,31 +637,63 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path, const std::st
   return std::string(bytes->begin(), bytes->end());
 }
 
-absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(const std::string& yaml_text,
-                                                        const std::string& source_name) {
-  SourceMap map(source_name);
-  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+absl::Status FieldError(const SourceMap* source_map, const std::string& path,
+                        absl::string_view problem) {
+  return Checker(source_map).Fail(path, problem);
+}
+
+absl::StatusOr<LoadedSection<v1::ConfigFile>> LoadConfigFileSections(
+    const std::string& yaml_text, const std::string& source_name) {
+  LoadedSection<v1::ConfigFile> loaded{.section = {}, .source_map = SourceMap(source_name)};
+  SourceMap& map = loaded.source_map;
+  ASSIGN_OR_RETURN(loaded.section, ParseConfigFile(yaml_text, &map));
+  const v1::ConfigFile& file = loaded.section;
   if (file.has_publisher()) RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
   if (file.has_subscriber()) RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
-  return file;
+  return loaded;
+}
+
+absl::StatusOr<LoadedSection<v1::PublisherConfig>> LoadPublisherSection(
+    const std::string& yaml_text, const std::string& source_name) {
+  LoadedSection<v1::PublisherConfig> loaded{.section = {}, .source_map = SourceMap(source_name)};
+  SourceMap& map = loaded.source_map;
+  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  if (!file.has_publisher()) return MissingSection(map, file, "publisher");
+  RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
+  loaded.section = std::move(*file.mutable_publisher());
+  return loaded;
+}
+
+absl::StatusOr<LoadedSection<v1::SubscriberConfig>> LoadSubscriberSection(
+    const std::string& yaml_text, const std::string& source_name) {
+  LoadedSection<v1::SubscriberConfig> loaded{.section = {}, .source_map = SourceMap(source_name)};
+  SourceMap& map = loaded.source_map;
+  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  if (!file.has_subscriber()) return MissingSection(map, file, "subscriber");
+  RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
+  loaded.section = std::move(*file.mutable_subscriber());
+  return loaded;
+}
+
+absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(const std::string& yaml_text,
+                                                        const std::string& source_name) {
+  ASSIGN_OR_RETURN(LoadedSection<v1::ConfigFile> loaded,
+                   LoadConfigFileSections(yaml_text, source_name));
+  return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::PublisherConfig> LoadPublisherConfigFromString(const std::string& yaml_text,
                                                                   const std::string& source_name) {
-  SourceMap map(source_name);
-  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
-  if (!file.has_publisher()) return MissingSection(map, file, "publisher");
-  RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
-  return std::move(*file.mutable_publisher());
+  ASSIGN_OR_RETURN(LoadedSection<v1::PublisherConfig> loaded,
+                   LoadPublisherSection(yaml_text, source_name));
+  return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfigFromString(
     const std::string& yaml_text, const std::string& source_name) {
-  SourceMap map(source_name);
-  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
-  if (!file.has_subscriber()) return MissingSection(map, file, "subscriber");
-  RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
-  return std::move(*file.mutable_subscriber());
+  ASSIGN_OR_RETURN(LoadedSection<v1::SubscriberConfig> loaded,
+                   LoadSubscriberSection(yaml_text, source_name));
+  return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::ConfigFile> LoadConfigFile(const std::string& path) {

@@ -11,6 +11,11 @@
 // Loading does not touch the files a config names (TLS PEM files, directories): CheckConfigFiles
 // does, so a config can be validated on a machine other than the one it runs on. Daemons call
 // both at start; `refitd ... --validate` should too.
+//
+// This layer depends on daemon/common only (no cuda/, no daemon/sync/). The rules that need
+// those (a cuda_device_uuid is a GPU UUID; subscriber.upstream.tensors is a valid tensor
+// selection) are checked where the daemon assembles its config, daemon/runtime/daemon_config.h,
+// with errors of the same form (FieldError); refitd loads its config through that.
 #ifndef REFIT_DAEMON_CONFIG_CONFIG_H_
 #define REFIT_DAEMON_CONFIG_CONFIG_H_
 
@@ -43,6 +48,26 @@ absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfigFromString(
 absl::StatusOr<v1::ConfigFile> LoadConfigFile(const std::string& path);
 absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(
     const std::string& yaml_text, const std::string& source_name = "<config>");
+
+// A loaded section (or file) with the source map of its text: for the checks a layer above adds
+// (daemon/runtime/daemon_config.h), so that their errors carry the file and line as well.
+template <typename Section>
+struct LoadedSection {
+  Section section;
+  SourceMap source_map;
+};
+absl::StatusOr<LoadedSection<v1::PublisherConfig>> LoadPublisherSection(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+absl::StatusOr<LoadedSection<v1::SubscriberConfig>> LoadSubscriberSection(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+absl::StatusOr<LoadedSection<v1::ConfigFile>> LoadConfigFileSections(
+    const std::string& yaml_text, const std::string& source_name = "<config>");
+
+// An error of the form every config error has, InvalidArgument
+// "<file>:<line>:<col>: <path>: <problem>" (the location from `source_map`; without one,
+// "<path>: <problem>"), the problem made one line.
+absl::Status FieldError(const SourceMap* source_map, const std::string& path,
+                        absl::string_view problem);
 
 // Cross-field rules of a section whose defaults are filled (ApplyDefaults). Errors name fields
 // by path ("publisher.listen"); with a source map they also carry the file and line. For code

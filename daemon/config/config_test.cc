@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "daemon/common/status_matchers.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 
@@ -15,6 +16,11 @@ namespace refit::config {
 namespace {
 
 using google::protobuf::util::MessageDifferencer;
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 #define EXPECT_CONTAINS(haystack, needle)                          \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
@@ -38,7 +44,7 @@ std::string SubscriberError(const std::string& yaml) {
 
 std::string WriteFile(const std::string& name, const std::string& text) {
   const std::string path =
-      testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_" + name;
+      ::testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_" + name;
   std::ofstream(path) << text;
   return path;
 }
@@ -57,59 +63,58 @@ constexpr char kTlsServer[] =
 // ---- valid configs ---------------------------------------------------------------------------
 
 TEST(ConfigTest, MinimalPublisherGetsDefaults) {
-  auto c = LoadPublisherConfigFromString("publisher:\n  listen: \"127.0.0.1:0\"\n");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->listen(), "127.0.0.1:0");
-  EXPECT_EQ(c->name(), "");
-  EXPECT_EQ(c->log_level(), v1::LOG_LEVEL_INFO);
-  EXPECT_EQ(c->control_listen(), "");
-  EXPECT_EQ(c->transport().frame_bytes(), 4u << 20);
-  EXPECT_EQ(c->transport().max_streams_per_subscriber(), 8u);
-  EXPECT_EQ(c->transport().keepalive_time_ms(), 10000u);
-  EXPECT_EQ(c->transport().stream_window_bytes(), 32u << 20);
-  EXPECT_EQ(c->transport().single_stream_below_bytes(), 0u);
-  EXPECT_EQ(c->history().memory_budget_bytes(), 4ull << 30);
-  EXPECT_EQ(c->history().max_versions(), 64u);
-  EXPECT_EQ(c->baseline().persist_dir(), "");
-  EXPECT_TRUE(c->baseline().fsync());
-  EXPECT_EQ(c->baseline().compact_log_versions(), 64u);
-  EXPECT_EQ(c->baseline().compact_log_bytes(), 1ull << 30);
-  EXPECT_EQ(c->baseline().max_queued_versions(), 8u);
-  EXPECT_EQ(c->baseline().max_queued_bytes(), 1ull << 30);
-  EXPECT_EQ(c->publish_queue().max_pending(), 16u);
-  EXPECT_EQ(c->codec().block_log2(), 18u);
-  EXPECT_EQ(c->codec().device(), v1::DEVICE_CPU);
-  EXPECT_FALSE(c->tls().insecure());
-  EXPECT_DOUBLE_EQ(c->publish_guard().max_removed_tensor_fraction(), 0.5);
-  EXPECT_DOUBLE_EQ(c->publish_guard().max_removed_byte_fraction(), 0.5);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto c, LoadPublisherConfigFromString("publisher:\n  listen: \"127.0.0.1:0\"\n"));
+  EXPECT_EQ(c.listen(), "127.0.0.1:0");
+  EXPECT_EQ(c.name(), "");
+  EXPECT_EQ(c.log_level(), v1::LOG_LEVEL_INFO);
+  EXPECT_EQ(c.control_listen(), "");
+  EXPECT_EQ(c.transport().frame_bytes(), 4u << 20);
+  EXPECT_EQ(c.transport().max_streams_per_subscriber(), 8u);
+  EXPECT_EQ(c.transport().keepalive_time_ms(), 10000u);
+  EXPECT_EQ(c.transport().stream_window_bytes(), 32u << 20);
+  EXPECT_EQ(c.transport().single_stream_below_bytes(), 0u);
+  EXPECT_EQ(c.history().memory_budget_bytes(), 4ull << 30);
+  EXPECT_EQ(c.history().max_versions(), 64u);
+  EXPECT_EQ(c.baseline().persist_dir(), "");
+  EXPECT_TRUE(c.baseline().fsync());
+  EXPECT_EQ(c.baseline().compact_log_versions(), 64u);
+  EXPECT_EQ(c.baseline().compact_log_bytes(), 1ull << 30);
+  EXPECT_EQ(c.baseline().max_queued_versions(), 8u);
+  EXPECT_EQ(c.baseline().max_queued_bytes(), 1ull << 30);
+  EXPECT_EQ(c.publish_queue().max_pending(), 16u);
+  EXPECT_EQ(c.codec().block_log2(), 18u);
+  EXPECT_EQ(c.codec().device(), v1::DEVICE_CPU);
+  EXPECT_FALSE(c.tls().insecure());
+  EXPECT_DOUBLE_EQ(c.publish_guard().max_removed_tensor_fraction(), 0.5);
+  EXPECT_DOUBLE_EQ(c.publish_guard().max_removed_byte_fraction(), 0.5);
 }
 
 TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
-  auto c = LoadSubscriberConfigFromString(Sub(""));
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->upstream().connections(), 4u);
-  EXPECT_TRUE(c->upstream().stream_progress());
-  EXPECT_EQ(c->upstream().max_frame_bytes(), 16u << 20);
-  EXPECT_EQ(c->upstream().backoff().initial_ms(), 100u);
-  EXPECT_EQ(c->upstream().backoff().max_ms(), 10000u);
-  EXPECT_DOUBLE_EQ(c->upstream().backoff().multiplier(), 2.0);
-  EXPECT_DOUBLE_EQ(c->upstream().backoff().jitter(), 0.2);
-  EXPECT_FALSE(c->serve_peers());
-  EXPECT_EQ(c->store().kind(), v1::STORE_KIND_SHM);
-  EXPECT_EQ(c->store().shm_prefix(), "/refitd-");
-  EXPECT_EQ(c->store().slots(), 2u);
-  EXPECT_EQ(c->staging().max_bytes(), 0u);
-  EXPECT_EQ(c->leases().default_ttl_ms(), 60000u);
-  EXPECT_EQ(c->leases().max_ttl_ms(), 600000u);
-  EXPECT_EQ(c->leases().max_leases_per_consumer(), 64u);
-  EXPECT_FALSE(c->store().allow_unsealed());
-  EXPECT_EQ(c->store().retained_patch_bytes(), 256u << 20);
-  EXPECT_TRUE(c->store().prefault());
-  EXPECT_EQ(c->store().scrub_bytes_per_second(), 256u << 20);
-  EXPECT_EQ(c->store().scrub_interval_ms(), 300000u);
-  EXPECT_TRUE(c->refresh_standby());
-  EXPECT_EQ(c->refresh_wait_ms(), 10000u);
-  EXPECT_EQ(c->background_nice(), 10u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto c, LoadSubscriberConfigFromString(Sub("")));
+  EXPECT_EQ(c.upstream().connections(), 4u);
+  EXPECT_TRUE(c.upstream().stream_progress());
+  EXPECT_EQ(c.upstream().max_frame_bytes(), 16u << 20);
+  EXPECT_EQ(c.upstream().backoff().initial_ms(), 100u);
+  EXPECT_EQ(c.upstream().backoff().max_ms(), 10000u);
+  EXPECT_DOUBLE_EQ(c.upstream().backoff().multiplier(), 2.0);
+  EXPECT_DOUBLE_EQ(c.upstream().backoff().jitter(), 0.2);
+  EXPECT_FALSE(c.serve_peers());
+  EXPECT_EQ(c.store().kind(), v1::STORE_KIND_SHM);
+  EXPECT_EQ(c.store().shm_prefix(), "/refitd-");
+  EXPECT_EQ(c.store().slots(), 2u);
+  EXPECT_EQ(c.staging().max_bytes(), 0u);
+  EXPECT_EQ(c.leases().default_ttl_ms(), 60000u);
+  EXPECT_EQ(c.leases().max_ttl_ms(), 600000u);
+  EXPECT_EQ(c.leases().max_leases_per_consumer(), 64u);
+  EXPECT_FALSE(c.store().allow_unsealed());
+  EXPECT_EQ(c.store().retained_patch_bytes(), 256u << 20);
+  EXPECT_TRUE(c.store().prefault());
+  EXPECT_EQ(c.store().scrub_bytes_per_second(), 256u << 20);
+  EXPECT_EQ(c.store().scrub_interval_ms(), 300000u);
+  EXPECT_TRUE(c.refresh_standby());
+  EXPECT_EQ(c.refresh_wait_ms(), 10000u);
+  EXPECT_EQ(c.background_nice(), 10u);
 }
 
 constexpr char kFullPublisher[] = R"(# a full publisher
@@ -162,38 +167,34 @@ constexpr char kFullSubscriber[] = R"(subscriber:
 )";
 
 TEST(ConfigTest, FullConfigsLoadAndRoundTrip) {
-  auto p = LoadPublisherConfigFromString(kFullPublisher);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->tls().allowed_identities_size(), 2);
-  EXPECT_EQ(p->codec().cuda_device(), 1u);
-  EXPECT_EQ(p->history().memory_budget_bytes(), 0u);
-  auto p2 = LoadPublisherConfigFromString(ConfigToYaml(*p));
-  ASSERT_TRUE(p2.ok()) << p2.status() << "\n" << ConfigToYaml(*p);
-  EXPECT_TRUE(MessageDifferencer::Equals(*p, *p2));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, LoadPublisherConfigFromString(kFullPublisher));
+  EXPECT_EQ(p.tls().allowed_identities_size(), 2);
+  EXPECT_EQ(p.codec().cuda_device(), 1u);
+  EXPECT_EQ(p.history().memory_budget_bytes(), 0u);
+  auto p2 = LoadPublisherConfigFromString(ConfigToYaml(p));
+  ASSERT_THAT(p2, IsOk()) << p2.status() << "\n" << ConfigToYaml(p);
+  EXPECT_TRUE(MessageDifferencer::Equals(p, *p2));
 
-  auto s = LoadSubscriberConfigFromString(kFullSubscriber);
-  ASSERT_TRUE(s.ok()) << s.status();
-  EXPECT_EQ(s->store().kind(), v1::STORE_KIND_CUDA);
-  EXPECT_EQ(s->upstream().tls().server_name(), "pub.example.com");
-  auto s2 = LoadSubscriberConfigFromString(ConfigToYaml(*s));
-  ASSERT_TRUE(s2.ok()) << s2.status();
-  EXPECT_TRUE(MessageDifferencer::Equals(*s, *s2));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto s, LoadSubscriberConfigFromString(kFullSubscriber));
+  EXPECT_EQ(s.store().kind(), v1::STORE_KIND_CUDA);
+  EXPECT_EQ(s.upstream().tls().server_name(), "pub.example.com");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto s2, LoadSubscriberConfigFromString(ConfigToYaml(s)));
+  EXPECT_TRUE(MessageDifferencer::Equals(s, s2));
 }
 
 TEST(ConfigTest, OneFileForBothRoles) {
   const std::string both = std::string(kFullPublisher) + kFullSubscriber;
-  EXPECT_TRUE(LoadPublisherConfigFromString(both).ok());
-  EXPECT_TRUE(LoadSubscriberConfigFromString(both).ok());
-  auto file = LoadConfigFileFromString(both);
-  ASSERT_TRUE(file.ok()) << file.status();
-  EXPECT_TRUE(file->has_publisher() && file->has_subscriber());
+  EXPECT_THAT(LoadPublisherConfigFromString(both), IsOk());
+  EXPECT_THAT(LoadSubscriberConfigFromString(both), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto file, LoadConfigFileFromString(both));
+  EXPECT_TRUE(file.has_publisher() && file.has_subscriber());
   // The other role's section is still schema-checked...
   EXPECT_CONTAINS(PublisherError(std::string(kFullPublisher) + "subscriber: {bogus: 1}\n"),
                   "subscriber.bogus: unknown key");
   // ...but not semantically: a publisher starts even if the subscriber section is inconsistent.
   const std::string bad_sub = Sub("", "\"0.0.0.0:1\"");
-  EXPECT_TRUE(LoadPublisherConfigFromString(std::string(kFullPublisher) + bad_sub).ok());
-  EXPECT_FALSE(LoadConfigFileFromString(std::string(kFullPublisher) + bad_sub).ok());
+  EXPECT_THAT(LoadPublisherConfigFromString(std::string(kFullPublisher) + bad_sub), IsOk());
+  EXPECT_THAT(LoadConfigFileFromString(std::string(kFullPublisher) + bad_sub), Not(IsOk()));
 }
 
 TEST(ConfigTest, WrongOrMissingSection) {
@@ -273,10 +274,9 @@ TEST(ConfigTest, ControlListener) {
 
 TEST(ConfigTest, MetricsListener) {
   // Off by default; loopback TCP with port 0 is fine on both roles.
-  auto pub = LoadPublisherConfigFromString(kPubListen, "pub.yaml");
-  ASSERT_TRUE(pub.ok()) << pub.status();
-  EXPECT_EQ(pub->metrics().listen(), "");
-  EXPECT_EQ(pub->metrics().max_session_series(), 16u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto pub, LoadPublisherConfigFromString(kPubListen, "pub.yaml"));
+  EXPECT_EQ(pub.metrics().listen(), "");
+  EXPECT_EQ(pub.metrics().max_session_series(), 16u);
   EXPECT_EQ(PublisherError(kPubListen + "  metrics: {listen: \"127.0.0.1:0\"}\n"), "");
   EXPECT_EQ(SubscriberError(Sub("  metrics: {listen: \"[::1]:0\"}\n")), "");
   // No TLS on the endpoint: a non-loopback address needs insecure: true, named by field.
@@ -413,8 +413,7 @@ TEST(ConfigTest, SubscriberRules) {
   EXPECT_EQ(SubscriberError(Sub("") + "  store: {kind: cuda, cuda_device_uuid: "
                                       "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
             "");
-  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {kind: cuda, cuda_device_uuid: GPU-12}\n"),
-                  "subscriber.store.cuda_device_uuid: \"GPU-12\" is not a GPU UUID");
+  // (That the UUID is one, "GPU-12" is not: daemon/runtime/daemon_config_test.cc.)
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {cuda_device_uuid: "
                                             "GPU-8b1f0011-2233-4455-6677-8899aabbccdd}\n"),
                   "subscriber.store.cuda_device_uuid: is set, but store.kind is not cuda");
@@ -452,9 +451,7 @@ TEST(ConfigTest, PublisherRules) {
   EXPECT_EQ(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                            "  codec: {device: auto, cuda_device: 1}\n"),
             "");
-  EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
-                                 "  codec: {device: cuda, cuda_device_uuid: nope}\n"),
-                  "publisher.codec.cuda_device_uuid: \"nope\" is not a GPU UUID");
+  // (A cuda_device_uuid that is not a UUID: daemon/runtime/daemon_config_test.cc.)
   EXPECT_CONTAINS(PublisherError("publisher:\n  listen: \"127.0.0.1:1\"\n"
                                  "  codec: {cuda_device_uuid: GPU-8b1f0011-2233-4455-6677-"
                                  "8899aabbccdd}\n"),
@@ -509,9 +506,9 @@ TEST(ConfigTest, ShardRules) {
   const std::string shards =
       "    shards:\n    - addresses: [\"127.0.0.1:7400\", \"127.0.0.1:7410\"]\n"
       "    - addresses: [\"127.0.0.1:7401\"]\n";
-  auto ok = LoadSubscriberConfigFromString(head + shards + "    shard_set: policy\n", "sub.yaml");
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(ok->upstream().shards_size(), 2);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ok, LoadSubscriberConfigFromString(
+                                          head + shards + "    shard_set: policy\n", "sub.yaml"));
+  EXPECT_EQ(ok.upstream().shards_size(), 2);
   EXPECT_CONTAINS(SubscriberError(head + shards), "subscriber.upstream.shard_set: is 0 bytes");
   EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
                                   "    addresses: [\"127.0.0.1:7400\"]\n"),
@@ -527,11 +524,9 @@ TEST(ConfigTest, ShardRules) {
   // A selection with shards: every shard's publisher is asked for its part of it.
   auto sel = LoadSubscriberConfigFromString(
       head + shards + "    shard_set: policy\n    tensors: [\"layers.*\"]\n", "sub.yaml");
-  ASSERT_TRUE(sel.ok()) << sel.status();
+  ASSERT_THAT(sel, IsOk());
   EXPECT_EQ(sel->upstream().tensors_size(), 1);
-  EXPECT_CONTAINS(SubscriberError(head + shards + "    shard_set: policy\n"
-                                  "    tensors: [\"layers.*\", \"layers.*\"]\n"),
-                  "subscriber.upstream.tensors: tensors[1]: \"layers.*\" is given twice");
+  // (An invalid selection, a pattern given twice: daemon/runtime/daemon_config_test.cc.)
   // A shard's addresses are checked like the others, under their own key.
   EXPECT_CONTAINS(SubscriberError(head + "    shards:\n    - addresses: [\"10.0.0.1:7400\"]\n"
                                   "    shard_set: policy\n"),
@@ -545,39 +540,35 @@ TEST(ConfigTest, ShardRules) {
 
 TEST(ConfigTest, LoadsFromFiles) {
   const std::string path = WriteFile("pub.yaml", kFullPublisher);
-  auto p = LoadPublisherConfig(path);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->name(), "trainer-a");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, LoadPublisherConfig(path));
+  EXPECT_EQ(p.name(), "trainer-a");
   const std::string bad = WriteFile("bad.yaml", "publisher:\n  listen: \"0.0.0.0:1\"\n");
   auto b = LoadPublisherConfig(bad);
-  ASSERT_FALSE(b.ok());
+  ASSERT_THAT(b, Not(IsOk()));
   EXPECT_CONTAINS(b.status().message(), bad + ":2:11: publisher.listen:");
   auto f = LoadConfigFile(path);
-  EXPECT_TRUE(f.ok()) << f.status();
+  EXPECT_THAT(f, IsOk());
   unlink(path.c_str());
   unlink(bad.c_str());
 }
 
 TEST(ConfigTest, MissingAndUnreadableFiles) {
   auto missing = LoadPublisherConfig("/nonexistent/dir/publisher.yaml");
-  ASSERT_FALSE(missing.ok());
-  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_CONTAINS(missing.status().message(),
-                  "cannot read config \"/nonexistent/dir/publisher.yaml\": No such file or "
-                  "directory");
-  auto dir = LoadSubscriberConfig(testing::TempDir());
-  ASSERT_FALSE(dir.ok());
-  EXPECT_EQ(dir.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_CONTAINS(dir.status().message(), "not a regular file");
+  ASSERT_THAT(
+      missing,
+      StatusIs(absl::StatusCode::kNotFound,
+               HasSubstr("cannot read config \"/nonexistent/dir/publisher.yaml\": No such file or "
+                         "directory")));
+  auto dir = LoadSubscriberConfig(::testing::TempDir());
+  ASSERT_THAT(dir, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a regular file")));
   auto empty = LoadPublisherConfig("");
-  ASSERT_FALSE(empty.ok());
+  ASSERT_THAT(empty, Not(IsOk()));
   EXPECT_CONTAINS(empty.status().message(), "empty path");
   if (geteuid() != 0) {  // root reads anything
     const std::string locked = WriteFile("locked.yaml", kFullPublisher);
     ASSERT_EQ(chmod(locked.c_str(), 0), 0);
     auto denied = LoadPublisherConfig(locked);
-    ASSERT_FALSE(denied.ok());
-    EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
+    ASSERT_THAT(denied, StatusIs(absl::StatusCode::kPermissionDenied));
     unlink(locked.c_str());
   }
 }
@@ -610,11 +601,10 @@ TEST(ConfigTest, FileAccessRules) {
   EXPECT_CONTAINS(files("    export_dir: /srv/state\n", persist), "persist_dir");
   EXPECT_CONTAINS(files("    export_dir: /srv/state/baseline/x\n", persist), "persist_dir");
   EXPECT_EQ(files("    export_dir: /srv/state/export\n", persist), "");
-  auto c = LoadPublisherConfigFromString(pub, "pub.yaml");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->files().export_mode(), "0600");
-  EXPECT_EQ(c->files().export_dir(), "");
-  EXPECT_EQ(c->files().publish_dirs_size(), 0);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto c, LoadPublisherConfigFromString(pub, "pub.yaml"));
+  EXPECT_EQ(c.files().export_mode(), "0600");
+  EXPECT_EQ(c.files().export_dir(), "");
+  EXPECT_EQ(c.files().publish_dirs_size(), 0);
   EXPECT_CONTAINS(SubscriberError("subscriber:\n  upstream: {addresses: [\"127.0.0.1:1\"]}\n"
                                   "  listen: \"127.0.0.1:0\"\n  files: {publish_dirs: [/x]}\n"),
                   "subscriber.files.publish_dirs[0]");
@@ -623,13 +613,11 @@ TEST(ConfigTest, FileAccessRules) {
 // A FIFO as --config (or a PEM file) is an error at once, not an open() that blocks forever.
 TEST(ConfigTest, AFifoIsRefusedWithoutBlocking) {
   const std::string fifo =
-      testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_fifo.yaml";
+      ::testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_fifo.yaml";
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
   auto c = LoadPublisherConfig(fifo);
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_CONTAINS(c.status().message(), "is a FIFO");
-  EXPECT_CONTAINS(c.status().message(), fifo);
+  ASSERT_THAT(c, StatusIs(absl::StatusCode::kInvalidArgument,
+                          AllOf(HasSubstr("is a FIFO"), HasSubstr(fifo))));
   unlink(fifo.c_str());
 }
 
@@ -638,11 +626,10 @@ TEST(ConfigTest, CheckConfigFiles) {
   if (cert.empty()) GTEST_SKIP() << "openssl CLI unavailable";
   const std::string yaml = "publisher:\n  listen: \"0.0.0.0:0\"\n  tls: {cert: " + cert +
                            ", key: " + key + ", ca: " + cert + "}\n";
-  auto p = LoadPublisherConfigFromString(yaml);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_TRUE(CheckConfigFiles(*p).ok()) << CheckConfigFiles(*p);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, LoadPublisherConfigFromString(yaml));
+  EXPECT_THAT(CheckConfigFiles(p), IsOk());
 
-  v1::PublisherConfig swapped = *p;
+  v1::PublisherConfig swapped = p;
   swapped.mutable_tls()->set_cert(key);
   swapped.mutable_tls()->set_key(cert);
   absl::Status s = CheckConfigFiles(swapped);
@@ -651,7 +638,7 @@ TEST(ConfigTest, CheckConfigFiles) {
 
   // A key that parses but belongs to another certificate.
   const auto [other_cert, other_key] = SelfSigned("other");
-  v1::PublisherConfig mismatch = *p;
+  v1::PublisherConfig mismatch = p;
   mismatch.mutable_tls()->set_key(other_key);
   s = CheckConfigFiles(mismatch);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -661,7 +648,7 @@ TEST(ConfigTest, CheckConfigFiles) {
   unlink(other_cert.c_str());
   unlink(other_key.c_str());
 
-  v1::PublisherConfig gone = *p;
+  v1::PublisherConfig gone = p;
   gone.mutable_tls()->set_ca("/nonexistent/ca.crt");
   s = CheckConfigFiles(gone);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
@@ -671,14 +658,13 @@ TEST(ConfigTest, CheckConfigFiles) {
       "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n    addresses: [\"10.0.0.1:1\"]\n"
       "    tls: {cert: " +
       cert + ", key: /nonexistent/k.key, ca: " + cert + "}\n");
-  ASSERT_TRUE(sub.ok()) << sub.status();
+  ASSERT_THAT(sub, IsOk());
   s = CheckConfigFiles(*sub);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_CONTAINS(s.message(), "subscriber.upstream.tls.key");
   // No TLS: nothing to check.
-  auto plain = LoadSubscriberConfigFromString(Sub(""));
-  ASSERT_TRUE(plain.ok());
-  EXPECT_TRUE(CheckConfigFiles(*plain).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto plain, LoadSubscriberConfigFromString(Sub("")));
+  EXPECT_THAT(CheckConfigFiles(plain), IsOk());
   unlink(cert.c_str());
   unlink(key.c_str());
 }
@@ -686,12 +672,12 @@ TEST(ConfigTest, CheckConfigFiles) {
 TEST(ConfigTest, ValidateDirectlyWithoutSourceMap) {
   v1::PublisherConfig p;
   p.set_listen("10.0.0.1:7000");
-  ASSERT_TRUE(ApplyDefaults(&p).ok());
+  ASSERT_THAT(ApplyDefaults(&p), IsOk());
   absl::Status s = ValidatePublisherConfig(p);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message().substr(0, 17), "publisher.listen:");
   p.mutable_tls()->set_insecure(true);
-  EXPECT_TRUE(ValidatePublisherConfig(p).ok());
+  EXPECT_THAT(ValidatePublisherConfig(p), IsOk());
 }
 
 TEST(ConfigTest, PatchLogBoundsAreRangeChecked) {
@@ -700,7 +686,7 @@ TEST(ConfigTest, PatchLogBoundsAreRangeChecked) {
                                           "    compact_log_bytes: 1048576\n"
                                           "    max_queued_versions: 2\n"
                                           "    max_queued_bytes: 1000\n");
-  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_THAT(ok, IsOk());
   EXPECT_EQ(ok->baseline().compact_log_versions(), 3u);
   EXPECT_EQ(ok->baseline().max_queued_bytes(), 1000u);
   EXPECT_CONTAINS(PublisherError(head + "    compact_log_versions: 0\n"),

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/config/config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
@@ -26,6 +27,12 @@
 namespace refit::config {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::Eq;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
 std::string g_dir;  // certificates; empty when openssl is unavailable
 
 // Answers Status with the caller's TLS identity as `name`.
@@ -38,11 +45,11 @@ class EchoIdentity final : public v1::Control::Service {
   }
 };
 
-class CredentialsTest : public testing::Test {
+class CredentialsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (std::system("openssl version >/dev/null 2>&1") != 0) return;
-    std::string dir = testing::TempDir() + "refit_credentials_test_XXXXXX";
+    std::string dir = ::testing::TempDir() + "refit_credentials_test_XXXXXX";
     if (mkdtemp(dir.data()) == nullptr) return;
     const std::string script = "set -e; cd '" + dir + R"(';
 ec="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
@@ -103,9 +110,8 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
   }
 
   void Start(const v1::ServerTls& tls) {
-    auto creds = MakeServerCredentials(tls, "publisher.tls");
-    ASSERT_TRUE(creds.ok()) << creds.status();
-    StartWith(*creds);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto creds, MakeServerCredentials(tls, "publisher.tls"));
+    StartWith(creds);
   }
 
   void StartWith(const std::shared_ptr<grpc::ServerCredentials>& creds) {
@@ -173,7 +179,7 @@ TEST_F(CredentialsTest, MutualTlsAcceptsAValidClientCertificate) {
   Start(ServerTls());
   std::string identity;
   const absl::Status s = Call(ClientTls("client"), &identity);
-  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_THAT(s, IsOk());
   EXPECT_EQ(identity, "subscriber-1.refit.test");  // SAN first
 }
 
@@ -184,9 +190,8 @@ TEST_F(CredentialsTest, RefusesAClientWithoutCertificate) {
   no_cert.clear_key();
   // The config validator would refuse this; build the credentials by hand.
   grpc::SslCredentialsOptions options;
-  auto ca = ReadSmallFile(P("ca.crt"), "ca");
-  ASSERT_TRUE(ca.ok());
-  options.pem_root_certs = *ca;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ca, ReadSmallFile(P("ca.crt"), "ca"));
+  options.pem_root_certs = ca;
   grpc::ChannelArguments args;
   args.SetSslTargetNameOverride("publisher.test");
   auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port_),
@@ -214,7 +219,7 @@ TEST_F(CredentialsTest, PlaintextClientCannotTalkToTls) {
 
 TEST_F(CredentialsTest, AllowedIdentities) {
   Start(ServerTls({"subscriber-1", "someone-else"}));  // matches the client's CN
-  EXPECT_TRUE(Call(ClientTls("client")).ok());
+  EXPECT_THAT(Call(ClientTls("client")), IsOk());
   const absl::Status s = Call(ClientTls("intruder"));
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_NE(s.message().find("client certificate identity [intruder.refit.test, intruder] is "
@@ -239,7 +244,7 @@ TEST_F(CredentialsTest, PlaintextWhenNotConfigured) {
   Start(plain_server);
   v1::ClientTls plain;
   std::string identity = "unset";
-  ASSERT_TRUE(Call(plain, &identity).ok());
+  ASSERT_THAT(Call(plain, &identity), IsOk());
   EXPECT_EQ(identity, "");
   EXPECT_FALSE(UsesTls(plain));
   EXPECT_FALSE(UsesTls(plain_server));
@@ -249,15 +254,12 @@ TEST_F(CredentialsTest, MissingFilesNameTheField) {
   v1::ServerTls tls = ServerTls();
   tls.set_key("/nonexistent/server.key");
   auto s = MakeServerCredentials(tls, "publisher.tls");
-  ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(s.status().message().find("cannot read publisher.tls.key \"/nonexistent/server.key\""),
-            std::string::npos)
-      << s.status();
+  ASSERT_THAT(s, StatusIs(absl::StatusCode::kNotFound,
+                          HasSubstr("cannot read publisher.tls.key \"/nonexistent/server.key\"")));
   v1::ClientTls c = ClientTls("client");
   c.set_ca("/nonexistent/ca.crt");
   auto cc = MakeChannelCredentials(c, "subscriber.upstream.tls");
-  ASSERT_FALSE(cc.ok());
+  ASSERT_THAT(cc, Not(IsOk()));
   EXPECT_NE(cc.status().message().find("subscriber.upstream.tls.ca"), std::string::npos);
 }
 
@@ -321,11 +323,11 @@ class ReloaderTest : public CredentialsTest {
 
 TEST_F(ReloaderTest, ServesMutualTlsWithAllowedIdentities) {
   TlsReloader reloader;
-  auto creds = reloader.ServerCredentials(LiveTls(0, {"subscriber-1"}), "publisher.tls");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  StartWith(*creds);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto creds, reloader.ServerCredentials(LiveTls(0, {"subscriber-1"}), "publisher.tls"));
+  StartWith(creds);
   std::string identity;
-  ASSERT_TRUE(Call(ClientTls("client"), &identity).ok());
+  ASSERT_THAT(Call(ClientTls("client"), &identity), IsOk());
   EXPECT_EQ(identity, "subscriber-1.refit.test");
   EXPECT_EQ(Call(ClientTls("intruder")).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(Call(ClientTls("stranger")).code(), absl::StatusCode::kUnavailable);
@@ -342,15 +344,14 @@ TEST_F(ReloaderTest, ServesMutualTlsWithAllowedIdentities) {
 
 TEST_F(ReloaderTest, ReloadServesNewMaterialAndKeepsTheOldOnBadFiles) {
   TlsReloader reloader;
-  auto creds = reloader.ServerCredentials(LiveTls(0), "publisher.tls");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  StartWith(*creds);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto creds, reloader.ServerCredentials(LiveTls(0), "publisher.tls"));
+  StartWith(creds);
   ExpectServerCn("publisher.test");
-  EXPECT_TRUE(reloader.Reload().ok());  // unchanged
+  EXPECT_THAT(reloader.Reload(), IsOk());  // unchanged
   EXPECT_EQ(reloader.Status()[0].reloads(), 0u);
 
   Install("server2.crt", "server2.key", "ca.crt");
-  ASSERT_TRUE(reloader.Reload().ok());
+  ASSERT_THAT(reloader.Reload(), IsOk());
   ExpectServerCn("publisher-2.test");
   EXPECT_EQ(reloader.Status()[0].reloads(), 1u);
   EXPECT_EQ(reloader.Status()[0].sha256_fingerprint(), Fingerprint("server2.crt"));
@@ -386,16 +387,15 @@ TEST_F(ReloaderTest, ReloadServesNewMaterialAndKeepsTheOldOnBadFiles) {
     ExpectServerCn("publisher-2.test");
   }
   Install("server2.crt", "server2.key", "ca.crt");  // fixed: the error clears
-  EXPECT_TRUE(reloader.Reload().ok());
+  EXPECT_THAT(reloader.Reload(), IsOk());
   EXPECT_EQ(reloader.Status()[0].last_reload_error(), "");
   EXPECT_EQ(reloader.Status()[0].reloads(), 1u);
 }
 
 TEST_F(ReloaderTest, FilesAreCheckedEveryInterval) {
   TlsReloader reloader;
-  auto creds = reloader.ServerCredentials(LiveTls(20), "publisher.tls");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  StartWith(*creds);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto creds, reloader.ServerCredentials(LiveTls(20), "publisher.tls"));
+  StartWith(creds);
   ExpectServerCn("publisher.test");
   Install("server2.crt", "server2.key", "ca.crt");
   ExpectServerCn("publisher-2.test");
@@ -405,15 +405,15 @@ TEST_F(ReloaderTest, FilesAreCheckedEveryInterval) {
 TEST_F(ReloaderTest, ChannelCredentialsPresentTheReloadedClientCertificate) {
   Start(ServerTls());
   TlsReloader reloader;
-  auto creds = reloader.ChannelCredentials(ClientTls("client"), "subscriber.upstream.tls");
-  ASSERT_TRUE(creds.ok()) << creds.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto creds, reloader.ChannelCredentials(ClientTls("client"), "subscriber.upstream.tls"));
   std::string identity;
-  ASSERT_TRUE(Call(ClientTls("client"), &identity, nullptr, *creds).ok());
+  ASSERT_THAT(Call(ClientTls("client"), &identity, nullptr, creds), IsOk());
   EXPECT_EQ(identity, "subscriber-1.refit.test");
   // The server name is verified as with SslCredentials.
   v1::ClientTls wrong = ClientTls("client");
   wrong.set_server_name("other.test");
-  EXPECT_EQ(Call(wrong, nullptr, nullptr, *creds).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Call(wrong, nullptr, nullptr, creds).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(reloader.Status()[0].field(), "subscriber.upstream.tls");
 }
 
@@ -425,16 +425,16 @@ TEST_F(ReloaderTest, ChannelCredentialsPresentARotatedClientCertificateOnNewConn
   tls.set_key(live_ + "/key.pem");
   tls.set_ca(live_ + "/ca.pem");
   TlsReloader reloader;
-  auto creds = reloader.ChannelCredentials(tls, "subscriber.upstream.tls");
-  ASSERT_TRUE(creds.ok()) << creds.status();
-  ASSERT_TRUE(Call(tls, nullptr, nullptr, *creds).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto creds,
+                             reloader.ChannelCredentials(tls, "subscriber.upstream.tls"));
+  ASSERT_THAT(Call(tls, nullptr, nullptr, creds), IsOk());
   // The intruder's certificate (not allowed) is presented once reloaded: refused by identity.
   Install("intruder.crt", "intruder.key", "ca.crt");
-  ASSERT_TRUE(reloader.Reload().ok());
+  ASSERT_THAT(reloader.Reload(), IsOk());
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   absl::Status s;
   while (std::chrono::steady_clock::now() < deadline) {
-    s = Call(tls, nullptr, nullptr, *creds);
+    s = Call(tls, nullptr, nullptr, creds);
     if (s.code() == absl::StatusCode::kPermissionDenied) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // polling interval
   }
@@ -446,28 +446,26 @@ TEST_F(CredentialsTest, KeyNotMatchingTheCertificateIsNamed) {
   v1::ServerTls tls = ServerTls();
   tls.set_key(P("server2.key"));
   auto s = MakeServerCredentials(tls, "publisher.tls");
-  ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.status().message(), "publisher.tls.key \"" + P("server2.key") +
-                                      "\" does not match the certificate publisher.tls.cert \"" +
-                                      P("server.crt") + "\"");
+  ASSERT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                          Eq("publisher.tls.key \"" + P("server2.key") +
+                             "\" does not match the certificate publisher.tls.cert \"" +
+                             P("server.crt") + "\"")));
   TlsReloader reloader;
   EXPECT_EQ(reloader.ServerCredentials(tls, "publisher.tls").status(), s.status());
 }
 
 TEST_F(CredentialsTest, SummaryMatchesOpenssl) {
-  auto m = LoadTlsMaterial({"publisher.tls", P("server.crt"), P("server.key"), P("ca.crt")});
-  ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_EQ(m->leaf.subject, "CN=publisher.test");
-  EXPECT_GT(m->leaf.not_after_unix, time(nullptr));
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto m, LoadTlsMaterial({"publisher.tls", P("server.crt"), P("server.key"), P("ca.crt")}));
+  EXPECT_EQ(m.leaf.subject, "CN=publisher.test");
+  EXPECT_GT(m.leaf.not_after_unix, time(nullptr));
   const std::string out = P("fp.txt");
   ASSERT_EQ(std::system(("openssl x509 -in '" + P("server.crt") +
                          "' -noout -fingerprint -sha256 > '" + out + "'").c_str()),
             0);
-  auto fp = ReadSmallFile(out, "fingerprint");
-  ASSERT_TRUE(fp.ok());
-  EXPECT_NE(fp->find(m->leaf.sha256_fingerprint), std::string::npos) << *fp;
-  EXPECT_EQ(m->leaf.sha256_fingerprint.size(), 32u * 3 - 1);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto fp, ReadSmallFile(out, "fingerprint"));
+  EXPECT_NE(fp.find(m.leaf.sha256_fingerprint), std::string::npos) << fp;
+  EXPECT_EQ(m.leaf.sha256_fingerprint.size(), 32u * 3 - 1);
 }
 
 }  // namespace

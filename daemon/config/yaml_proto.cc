@@ -596,7 +596,7 @@ class DocumentRoots : public YAML::EventHandler {
 
 // A config is one YAML document. Counted with a bounded loop rather than YAML::LoadAll, which in
 // yaml-cpp 0.7 loops forever, allocating, on a stray ',' (the parser returns the same empty
-// document again and again without consuming it: yaml-cpp issue 1040). May throw YAML::Exception.
+// document again and again without consuming it: a yaml-cpp bug). May throw YAML::Exception.
 absl::Status CheckOneDocument(const std::string& yaml_text, const std::string& source) {
   std::istringstream in(yaml_text);
   YAML::Parser parser(in);

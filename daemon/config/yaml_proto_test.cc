@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "daemon/common/status_matchers.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/wrappers.pb.h"
 #include "gtest/gtest.h"
@@ -17,6 +18,7 @@ using google::protobuf::Descriptor;
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
 using google::protobuf::util::MessageDifferencer;
+using ::refit::testing::IsOk;
 
 absl::Status Parse(const std::string& yaml, Message* msg) {
   SourceMap map("test.yaml");
@@ -40,7 +42,7 @@ std::string ErrorOf(const std::string& yaml) {
 
 TEST(YamlProtoTest, NestedMessagesSequencesAndScalars) {
   v1::ConfigFile file;
-  ASSERT_TRUE(Parse(R"(
+  ASSERT_THAT(Parse(R"(
 subscriber:
   name: rollout-0
   log_level: debug
@@ -52,8 +54,8 @@ subscriber:
   staging:
     max_bytes: 18446744073709551615
 )",
-                    &file)
-                  .ok());
+                    &file),
+              IsOk());
   const v1::SubscriberConfig& s = file.subscriber();
   EXPECT_EQ(s.name(), "rollout-0");
   EXPECT_EQ(s.log_level(), v1::LOG_LEVEL_DEBUG);
@@ -117,7 +119,7 @@ TEST(YamlProtoTest, WrongTypes) {
 
 TEST(YamlProtoTest, StringsAcceptPlainAndQuotedScalars) {
   v1::PublisherConfig p;
-  ASSERT_TRUE(Parse("name: 007\nlisten: 'true'\nlocal_socket: \"\"\n", &p).ok());
+  ASSERT_THAT(Parse("name: 007\nlisten: 'true'\nlocal_socket: \"\"\n", &p), IsOk());
   EXPECT_EQ(p.name(), "007");
   EXPECT_EQ(p.listen(), "true");
   EXPECT_TRUE(p.has_local_socket());
@@ -138,9 +140,9 @@ TEST(YamlProtoTest, NullsAreErrors) {
 
 TEST(YamlProtoTest, BooleansAreStrict) {
   v1::ServerTls tls;
-  ASSERT_TRUE(Parse("insecure: true\n", &tls).ok());
+  ASSERT_THAT(Parse("insecure: true\n", &tls), IsOk());
   EXPECT_TRUE(tls.insecure());
-  ASSERT_TRUE(Parse("insecure: false\n", &(tls = {})).ok());
+  ASSERT_THAT(Parse("insecure: false\n", &(tls = {})), IsOk());
   EXPECT_TRUE(tls.has_insecure());
   for (const char* bad : {"yes", "no", "on", "True", "1", "y"}) {
     EXPECT_CONTAINS(ErrorOf<v1::ServerTls>(std::string("insecure: ") + bad + "\n"),
@@ -151,13 +153,13 @@ TEST(YamlProtoTest, BooleansAreStrict) {
 
 TEST(YamlProtoTest, IntegerRangesOfEveryWidth) {
   google::protobuf::Int32Value i32;
-  ASSERT_TRUE(Parse("value: -2147483648\n", &i32).ok());
+  ASSERT_THAT(Parse("value: -2147483648\n", &i32), IsOk());
   EXPECT_EQ(i32.value(), INT32_MIN);
   EXPECT_CONTAINS(ErrorOf<google::protobuf::Int32Value>("value: 2147483648\n"),
                   "value: 2147483648 is out of range for a 32-bit integer [-2147483648, "
                   "2147483647]");
   google::protobuf::Int64Value i64;
-  ASSERT_TRUE(Parse("value: -9223372036854775808\n", &i64).ok());
+  ASSERT_THAT(Parse("value: -9223372036854775808\n", &i64), IsOk());
   EXPECT_EQ(i64.value(), INT64_MIN);
   EXPECT_CONTAINS(ErrorOf<google::protobuf::Int64Value>("value: 9223372036854775808\n"),
                   "out of range for a 64-bit integer");
@@ -179,8 +181,8 @@ TEST(YamlProtoTest, SchemaBoundsFromRules) {
   EXPECT_CONTAINS(ErrorOf<v1::PublisherTransport>("frame_bytes: 67108865\n"),
                   "67108865 is out of range [65536, 67108864]");
   v1::PublisherTransport t;
-  ASSERT_TRUE(Parse("frame_bytes: 65536\n", &t).ok());
-  ASSERT_TRUE(Parse("frame_bytes: 67108864\n", &(t = {})).ok());
+  ASSERT_THAT(Parse("frame_bytes: 65536\n", &t), IsOk());
+  ASSERT_THAT(Parse("frame_bytes: 67108864\n", &(t = {})), IsOk());
   EXPECT_CONTAINS(ErrorOf<v1::CodecConfig>("block_log2: 7\n"), "7 is out of range [8, 24]");
   EXPECT_CONTAINS(ErrorOf<v1::BackoffConfig>("multiplier: 0.5\n"),
                   "multiplier: 0.5 is out of range [1.0, 10.0]");
@@ -189,7 +191,7 @@ TEST(YamlProtoTest, SchemaBoundsFromRules) {
 
 TEST(YamlProtoTest, FloatingPoint) {
   v1::BackoffConfig b;
-  ASSERT_TRUE(Parse("multiplier: 2\njitter: 5e-1\n", &b).ok());
+  ASSERT_THAT(Parse("multiplier: 2\njitter: 5e-1\n", &b), IsOk());
   EXPECT_EQ(b.multiplier(), 2.0);
   EXPECT_EQ(b.jitter(), 0.5);
   for (const char* bad : {".inf", "nan", ".nan", "inf", "1.5x", "0x1p3", "", "1e"}) {
@@ -201,20 +203,20 @@ TEST(YamlProtoTest, FloatingPoint) {
   EXPECT_CONTAINS(ErrorOf<v1::BackoffConfig>("multiplier: 1e999\n"), "1e999 is out of range");
   google::protobuf::FloatValue f;
   EXPECT_CONTAINS(ErrorOf<google::protobuf::FloatValue>("value: 1e39\n"), "out of range");
-  ASSERT_TRUE(Parse("value: -1.25\n", &f).ok());
+  ASSERT_THAT(Parse("value: -1.25\n", &f), IsOk());
   EXPECT_EQ(f.value(), -1.25f);
 }
 
 TEST(YamlProtoTest, Enums) {
   // PublisherConfig requires `listen`.
   v1::PublisherConfig p;
-  ASSERT_TRUE(Parse("listen: a\nlog_level: warn\n", &p).ok());
+  ASSERT_THAT(Parse("listen: a\nlog_level: warn\n", &p), IsOk());
   EXPECT_EQ(p.log_level(), v1::LOG_LEVEL_WARN);
-  ASSERT_TRUE(Parse("listen: a\nlog_level: ERROR\n", &(p = {})).ok());
+  ASSERT_THAT(Parse("listen: a\nlog_level: ERROR\n", &(p = {})), IsOk());
   EXPECT_EQ(p.log_level(), v1::LOG_LEVEL_ERROR);
-  ASSERT_TRUE(Parse("listen: a\nlog_level: LOG_LEVEL_TRACE\n", &(p = {})).ok());
+  ASSERT_THAT(Parse("listen: a\nlog_level: LOG_LEVEL_TRACE\n", &(p = {})), IsOk());
   EXPECT_EQ(p.log_level(), v1::LOG_LEVEL_TRACE);
-  ASSERT_TRUE(Parse("listen: a\nlog_level: 'off'\n", &(p = {})).ok());
+  ASSERT_THAT(Parse("listen: a\nlog_level: 'off'\n", &(p = {})), IsOk());
   EXPECT_EQ(p.log_level(), v1::LOG_LEVEL_OFF);
   EXPECT_CONTAINS(ErrorOf<v1::PublisherConfig>("log_level: verbose\n"),
                   "test.yaml:1:12: log_level: unknown value \"verbose\"; expected one of: trace, "
@@ -224,10 +226,10 @@ TEST(YamlProtoTest, Enums) {
                   "unknown value");
   EXPECT_CONTAINS(ErrorOf<v1::PublisherConfig>("log_level: 3\n"), "unknown value \"3\"");
   v1::CodecConfig c;
-  ASSERT_TRUE(Parse("device: cuda\n", &c).ok());
+  ASSERT_THAT(Parse("device: cuda\n", &c), IsOk());
   EXPECT_EQ(c.device(), v1::DEVICE_CUDA);
   v1::StoreConfig s;
-  ASSERT_TRUE(Parse("kind: shm\n", &s).ok());
+  ASSERT_THAT(Parse("kind: shm\n", &s), IsOk());
   EXPECT_EQ(s.kind(), v1::STORE_KIND_SHM);
 }
 
@@ -243,7 +245,7 @@ tensors:
     delivery: keyframe
 )",
                                 &h);
-  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_THAT(st, IsOk());
   ASSERT_EQ(h.tensors_size(), 2);
   EXPECT_EQ(h.tensors(0).spec().shape_size(), 2);
   EXPECT_EQ(h.tensors(0).steps(1).target_version(), 7u);
@@ -255,7 +257,7 @@ tensors:
                   "test.yaml:2:1: path: cannot be combined with 'shm_name' (only one of them "
                   "may be set)");
   v1::ShmRegion r;
-  ASSERT_TRUE(Parse("path: /dev/shm/a\noffset: 4096\n", &r).ok());
+  ASSERT_THAT(Parse("path: /dev/shm/a\noffset: 4096\n", &r), IsOk());
   EXPECT_EQ(r.object_case(), v1::ShmRegion::kPath);
 }
 
@@ -276,7 +278,7 @@ TEST(YamlProtoTest, RequiredKeys) {
                   "subscriber.upstream.shards[0].addresses: must not be empty");
   // Required keys of an absent section are not required.
   v1::ConfigFile file;
-  EXPECT_TRUE(Parse("publisher: {listen: \"127.0.0.1:1\"}\n", &file).ok());
+  EXPECT_THAT(Parse("publisher: {listen: \"127.0.0.1:1\"}\n", &file), IsOk());
 }
 
 // Found by config_fuzzer: yaml-cpp 0.7's LoadAll never returned (allocating without bound) on a
@@ -339,16 +341,16 @@ TEST(YamlProtoTest, HostileNestingDoesNotCrash) {
 
 TEST(YamlProtoTest, AliasesResolve) {
   v1::UpstreamConfig u;
-  ASSERT_TRUE(Parse("addresses: [&p \"127.0.0.1:1\"]\nbootstrap_peers: [*p]\n", &u).ok());
+  ASSERT_THAT(Parse("addresses: [&p \"127.0.0.1:1\"]\nbootstrap_peers: [*p]\n", &u), IsOk());
   EXPECT_EQ(u.bootstrap_peers(0), "127.0.0.1:1");
 }
 
 TEST(YamlProtoTest, ApplyDefaultsFillsEverySectionAndKeepsSetValues) {
   v1::ConfigFile file;
-  ASSERT_TRUE(
-      Parse("publisher:\n  listen: \"127.0.0.1:1\"\n  transport: {frame_bytes: 65536}\n", &file)
-          .ok());
-  ASSERT_TRUE(ApplyDefaults(file.mutable_publisher()).ok());
+  ASSERT_THAT(
+      Parse("publisher:\n  listen: \"127.0.0.1:1\"\n  transport: {frame_bytes: 65536}\n", &file),
+      IsOk());
+  ASSERT_THAT(ApplyDefaults(file.mutable_publisher()), IsOk());
   const v1::PublisherConfig& p = file.publisher();
   EXPECT_EQ(p.transport().frame_bytes(), 65536u);             // kept
   EXPECT_EQ(p.transport().max_streams_per_subscriber(), 8u);  // default
@@ -386,7 +388,7 @@ void CheckSchema(const Descriptor* d) {
 TEST(YamlProtoTest, ConfigSchemaIsConsistent) {
   CheckSchema(v1::ConfigFile::descriptor());
   v1::ConfigFile all;
-  ASSERT_TRUE(ApplyDefaults(&all).ok());  // every default parses within its bounds
+  ASSERT_THAT(ApplyDefaults(&all), IsOk());  // every default parses within its bounds
   EXPECT_TRUE(all.has_publisher());
   EXPECT_TRUE(all.subscriber().upstream().backoff().has_multiplier());
 }
@@ -394,12 +396,12 @@ TEST(YamlProtoTest, ConfigSchemaIsConsistent) {
 TEST(YamlProtoTest, ApplyDefaultsRejectsDefaultsWithoutPresence) {
   // DataFrame has no rules at all: defaults are a no-op.
   v1::DataFrame frame;
-  EXPECT_TRUE(ApplyDefaults(&frame).ok());
+  EXPECT_THAT(ApplyDefaults(&frame), IsOk());
 }
 
 TEST(YamlProtoTest, MessageToYamlRoundTrips) {
   v1::ConfigFile file;
-  ASSERT_TRUE(ApplyDefaults(file.mutable_subscriber()).ok());
+  ASSERT_THAT(ApplyDefaults(file.mutable_subscriber()), IsOk());
   v1::SubscriberConfig& s = *file.mutable_subscriber();
   s.set_name("we\"ird\\name\n\ttab \x01 \xc3\xa9 # not a comment");
   s.mutable_upstream()->add_addresses("127.0.0.1:1");
@@ -411,7 +413,7 @@ TEST(YamlProtoTest, MessageToYamlRoundTrips) {
   const std::string yaml = MessageToYaml(file);
   v1::ConfigFile back;
   absl::Status st = Parse(yaml, &back);
-  ASSERT_TRUE(st.ok()) << st << "\n" << yaml;
+  ASSERT_THAT(st, IsOk()) << st << "\n" << yaml;
   EXPECT_TRUE(MessageDifferencer::Equals(file, back)) << yaml;
 
   v1::VersionHeader h;
@@ -419,16 +421,16 @@ TEST(YamlProtoTest, MessageToYamlRoundTrips) {
   h.add_tensors()->mutable_spec()->set_name("a");
   h.add_tensors()->add_steps()->set_target_version(9);
   v1::VersionHeader h2;
-  ASSERT_TRUE(Parse(MessageToYaml(h), &h2).ok()) << MessageToYaml(h);
+  ASSERT_THAT(Parse(MessageToYaml(h), &h2), IsOk()) << MessageToYaml(h);
   EXPECT_TRUE(MessageDifferencer::Equals(h, h2)) << MessageToYaml(h);
 }
 
 TEST(YamlProtoTest, SourceMapRecordsLocations) {
   v1::ConfigFile file;
   SourceMap map("f.yaml");
-  ASSERT_TRUE(ParseYamlInto("publisher:\n  listen: \"127.0.0.1:1\"\n  tls:\n    insecure: true\n",
-                            &file, &map)
-                  .ok());
+  ASSERT_THAT(ParseYamlInto("publisher:\n  listen: \"127.0.0.1:1\"\n  tls:\n    insecure: true\n",
+                            &file, &map),
+              IsOk());
   ASSERT_NE(map.Find("publisher.listen"), nullptr);
   EXPECT_EQ(map.Find("publisher.listen")->line, 2);
   EXPECT_EQ(map.Find("publisher.listen")->column, 11);

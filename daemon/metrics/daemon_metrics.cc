@@ -17,7 +17,7 @@ absl::StatusOr<DaemonMetrics> DaemonMetrics::Start(v1::Role role, const std::str
       MetricsServer::Start(absl::StrCat(field, ".listen"), config.listen());
   if (!server.ok()) return server.status();
   m.server_ = std::move(*server);
-  m.refit_ = std::make_unique<RefitMetrics>(role);
+  m.refit_ = std::make_unique<PrometheusRefitMetrics>(role);
   m.max_session_series_ = config.max_session_series();
   return m;
 }

@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/metrics/metrics_server.h"
-#include "daemon/metrics/refit_metrics.h"
+#include "daemon/metrics/prometheus_refit_metrics.h"
 #include "refit/v1/config.pb.h"
 #include "refit/v1/control.pb.h"
 
@@ -42,7 +42,7 @@ class DaemonMetrics {
   void Stop() { server_.reset(); }
 
  private:
-  std::unique_ptr<RefitMetrics> refit_;
+  std::unique_ptr<PrometheusRefitMetrics> refit_;
   std::unique_ptr<MetricsServer> server_;
   size_t max_session_series_ = 0;
 };

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 
 namespace refit::metrics {
@@ -175,7 +176,7 @@ absl::StatusOr<HttpResponse> HttpGet(const std::string& host_port, const std::st
       : a->kind != config::AddressKind::kTcp ? absl::InvalidArgumentError("not a TCP host:port")
                                              : Get(*a, host_port, path, timeout, max_bytes);
   if (!r.ok()) {
-    return absl::Status(r.status().code(), absl::StrCat("GET ", url, ": ", r.status().message()));
+    return Annotate(r.status(), "GET ", url);
   }
   return r;
 }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/metrics/http_get.h"
 #include "gtest/gtest.h"
 #include "prometheus/counter.h"
@@ -17,10 +18,14 @@
 namespace refit::metrics {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::StartsWith;
+
 TEST(MetricsServerTest, ServesRegisteredMetricsOnAnOsChosenPort) {
   absl::StatusOr<std::unique_ptr<MetricsServer>> server =
       MetricsServer::Start("publisher.metrics.listen", "127.0.0.1:0");
-  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_THAT(server, IsOk());
   const std::string addr = (*server)->bound_address();
   ASSERT_TRUE(absl::StartsWith(addr, "127.0.0.1:")) << addr;
   EXPECT_NE(addr, "127.0.0.1:0");
@@ -31,21 +36,19 @@ TEST(MetricsServerTest, ServesRegisteredMetricsOnAnOsChosenPort) {
       .Increment(3);
   (*server)->Register(registry);
 
-  absl::StatusOr<HttpResponse> r = HttpGet(addr, "/metrics", absl::Seconds(10));
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->status, 200);
-  EXPECT_TRUE(absl::StartsWith(r->content_type, "text/plain")) << r->content_type;
-  EXPECT_TRUE(absl::StrContains(r->body, "refitd_test_total{k=\"v\"} 3")) << r->body;
+  REFIT_ASSERT_OK_AND_ASSIGN(HttpResponse r, HttpGet(addr, "/metrics", absl::Seconds(10)));
+  EXPECT_EQ(r.status, 200);
+  EXPECT_TRUE(absl::StartsWith(r.content_type, "text/plain")) << r.content_type;
+  EXPECT_TRUE(absl::StrContains(r.body, "refitd_test_total{k=\"v\"} 3")) << r.body;
 
-  absl::StatusOr<HttpResponse> other = HttpGet(addr, "/nothing", absl::Seconds(10));
-  ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_EQ(other->status, 404);
+  REFIT_ASSERT_OK_AND_ASSIGN(HttpResponse other, HttpGet(addr, "/nothing", absl::Seconds(10)));
+  EXPECT_EQ(other.status, 404);
 }
 
 TEST(MetricsServerTest, LocalhostBindsTheLoopbackAddress) {
   absl::StatusOr<std::unique_ptr<MetricsServer>> server =
       MetricsServer::Start("publisher.metrics.listen", "localhost:0");
-  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_THAT(server, IsOk());
   EXPECT_TRUE(absl::StartsWith((*server)->bound_address(), "127.0.0.1:"))
       << (*server)->bound_address();
 }
@@ -53,20 +56,17 @@ TEST(MetricsServerTest, LocalhostBindsTheLoopbackAddress) {
 TEST(MetricsServerTest, AnAddressInUseIsAnErrorNamingTheField) {
   absl::StatusOr<std::unique_ptr<MetricsServer>> first =
       MetricsServer::Start("subscriber.metrics.listen", "127.0.0.1:0");
-  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_THAT(first, IsOk());
   const std::string taken = (*first)->bound_address();
   absl::StatusOr<std::unique_ptr<MetricsServer>> second =
       MetricsServer::Start("subscriber.metrics.listen", taken);
-  ASSERT_FALSE(second.ok());
-  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StartsWith(second.status().message(),
-                               "subscriber.metrics.listen \"" + taken + "\": cannot serve"))
-      << second.status();
+  ASSERT_THAT(second,
+              StatusIs(absl::StatusCode::kUnavailable,
+                       StartsWith("subscriber.metrics.listen \"" + taken + "\": cannot serve")));
 
   absl::StatusOr<std::unique_ptr<MetricsServer>> bad =
       MetricsServer::Start("publisher.metrics.listen", "unix:/tmp/x.sock");
-  ASSERT_FALSE(bad.ok());
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_THAT(bad, StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 TEST(HttpGetTest, ErrorsNameTheUrl) {
@@ -82,10 +82,8 @@ TEST(HttpGetTest, ErrorsNameTheUrl) {
   const std::string addr = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
   close(fd);
   absl::StatusOr<HttpResponse> r = HttpGet(addr, "/metrics", absl::Seconds(5));
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StartsWith(r.status().message(), "GET http://" + addr + "/metrics: "))
-      << r.status();
+  ASSERT_THAT(
+      r, StatusIs(absl::StatusCode::kUnavailable, StartsWith("GET http://" + addr + "/metrics: ")));
   EXPECT_EQ(HttpGet("example.com:80", "/", absl::Seconds(1)).status().code(),
             absl::StatusCode::kInvalidArgument);
 }

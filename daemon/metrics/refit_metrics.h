@@ -1,25 +1,20 @@
-// Metrics observed when a refit completes (the counters and histograms that Status has no
-// running figure for), exported by the daemon's metrics endpoint (metrics_server.h) beside the
-// figures StatusCollector reads from Status at scrape time.
+// The metrics interface the daemons' data paths report to: what is observed when a refit
+// completes (the counters and histograms that Status has no running figure for). Only
+// daemon/metrics implements it (PrometheusRefitMetrics, with prometheus-cpp, exported by the
+// daemon's metrics endpoint beside the figures StatusCollector reads from Status at scrape time);
+// the cores and services see this header alone.
 //
 // The daemons call these where they write their per-refit log line: the publisher's publish
 // queue (Published / PublishFailed), its data plane per session (TransferApplied /
 // TransferRejected, FullyAcked), the subscriber's upstream (TransferApplied / TransferRejected).
 // Every label takes a bounded set of values (a TransferReason name, a stage name), so the series
-// count does not grow with traffic. Thread-safe (prometheus-cpp's metrics are).
+// count does not grow with traffic. Implementations are thread-safe.
 #ifndef REFIT_DAEMON_METRICS_REFIT_METRICS_H_
 #define REFIT_DAEMON_METRICS_REFIT_METRICS_H_
 
-#include <array>
 #include <cstdint>
-#include <memory>
-#include <string>
 
 #include "absl/time/time.h"
-#include "prometheus/counter.h"
-#include "prometheus/family.h"
-#include "prometheus/histogram.h"
-#include "prometheus/registry.h"
 #include "refit/v1/control.pb.h"
 #include "refit/v1/data.pb.h"
 
@@ -49,67 +44,28 @@ struct ApplyStages {
 
 class RefitMetrics {
  public:
-  // Registers the role's metrics: publisher_* on a publisher, subscriber_* on a subscriber, the
-  // transfer metrics on both. The other role's calls are no-ops.
-  explicit RefitMetrics(v1::Role role);
-
-  // What the exposer collects.
-  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  virtual ~RefitMetrics() = default;
 
   // Publisher: a version published, or a publish that failed.
-  void Published(const PublishFigures& f);
-  void PublishFailed();
+  virtual void Published(const PublishFigures& f) = 0;
+  virtual void PublishFailed() = 0;
   // Publisher: every session connected when `version` was snapshot acked it; `latency` =
   // snapshot -> last ack (publish -> applied everywhere).
-  void FullyAcked(absl::Duration latency);
+  virtual void FullyAcked(absl::Duration latency) = 0;
 
   // A transfer applied (publisher: a session's Ack; subscriber: its upstream's version applied):
   // by TransferReason; `stats` gives bytes, elements, keyframe tensors and its latency
   // (publisher: transfer start -> Ack; subscriber: VersionHeader -> announced). `stages`: the
   // subscriber's split of that latency (null on the publisher).
-  void TransferApplied(v1::TransferReason reason, const v1::RefitStats& stats,
-                       const ApplyStages* stages);
+  virtual void TransferApplied(v1::TransferReason reason, const v1::RefitStats& stats,
+                               const ApplyStages* stages) = 0;
   // A transfer rejected by the subscriber (its digest check or apply failed), with the tensors
   // whose digests did not match.
-  void TransferRejected(uint64_t mismatched_tensors);
+  virtual void TransferRejected(uint64_t mismatched_tensors) = 0;
   // Subscriber, single-copy store: a version written in place. `wait`: verified -> the last
   // consumer lease released; `pause`: then -> committed (consumers are without weights).
-  void InPlaceUpdate(absl::Duration wait, absl::Duration pause);
-
- private:
-  void RegisterPublisher();
-  void RegisterTransfers(v1::Role role);
-  void RegisterSubscriber();
-
-  std::shared_ptr<prometheus::Registry> registry_;
-  prometheus::Counter* published_ = nullptr;
-  prometheus::Counter* publish_failures_ = nullptr;
-  prometheus::Counter* published_wire_bytes_ = nullptr;
-  prometheus::Counter* published_dense_bytes_ = nullptr;
-  prometheus::Counter* published_changed_elements_ = nullptr;
-  prometheus::Counter* published_elements_ = nullptr;
-  prometheus::Counter* published_keyframe_tensors_ = nullptr;
-  // encode, digest, persist, total.
-  std::array<prometheus::Histogram*, 4> publish_stages_{};
-  prometheus::Histogram* fully_acked_ = nullptr;
-  prometheus::Family<prometheus::Counter>* applied_ = nullptr;
-  prometheus::Family<prometheus::Counter>* keyframe_tensors_ = nullptr;
-  prometheus::Counter* wire_bytes_ = nullptr;
-  prometheus::Counter* dense_bytes_ = nullptr;
-  prometheus::Counter* changed_elements_ = nullptr;
-  prometheus::Counter* elements_ = nullptr;
-  prometheus::Histogram* refit_ = nullptr;
-  // receive, stage, verify, apply.
-  std::array<prometheus::Histogram*, 4> apply_stages_{};
-  prometheus::Histogram* pause_wait_ = nullptr;
-  prometheus::Histogram* pause_ = nullptr;
-  prometheus::Counter* rejected_ = nullptr;
-  prometheus::Counter* mismatched_tensors_ = nullptr;
+  virtual void InPlaceUpdate(absl::Duration wait, absl::Duration pause) = 0;
 };
-
-// The label value of a TransferReason: its name without the prefix, lower case
-// ("next_version", "bootstrap", ...).
-std::string ReasonLabel(v1::TransferReason reason);
 
 }  // namespace refit::metrics
 

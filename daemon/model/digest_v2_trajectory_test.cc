@@ -6,6 +6,7 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 
@@ -18,9 +19,8 @@ TEST(RealisticTrajectory, IncrementalDigestV2EqualsFullRecomputeEveryVersion) {
   opt.seed = 11;
   opt.warmup_steps = 3;
   opt.threads = 2;
-  auto traj = Trajectory::Create(opt);
-  ASSERT_TRUE(traj.ok()) << traj.status();
-  Trajectory& tr = **traj;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto traj, Trajectory::Create(opt));
+  Trajectory& tr = *traj;
   const size_t nt = tr.tensors().size();
   std::vector<std::vector<uint8_t>> replica(nt);
   std::vector<uint64_t> digest(nt);
@@ -35,14 +35,13 @@ TEST(RealisticTrajectory, IncrementalDigestV2EqualsFullRecomputeEveryVersion) {
       EncodeOptions eo;
       eo.block_log2 = 12;
       eo.threads = 2;
-      auto patch = EncodePatch(DType::kBF16, replica[t], tr.bf16(t), eo);
-      ASSERT_TRUE(patch.ok()) << patch.status();
-      auto publisher = DigestV2DeltaOfPatch(*patch, DType::kBF16, replica[t], 2);
-      ASSERT_TRUE(publisher.ok()) << publisher.status();
-      auto subscriber = ApplyPatchDigestV2(*patch, DType::kBF16, replica[t], replica[t], 2);
-      ASSERT_TRUE(subscriber.ok()) << subscriber.status();
-      EXPECT_EQ(*subscriber, *publisher) << tr.tensors()[t].name;
-      const uint64_t updated = subscriber->ApplyTo(digest[t], replica[t].size());
+      REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, replica[t], tr.bf16(t), eo));
+      REFIT_ASSERT_OK_AND_ASSIGN(auto publisher,
+                                 DigestV2DeltaOfPatch(patch, DType::kBF16, replica[t], 2));
+      REFIT_ASSERT_OK_AND_ASSIGN(
+          auto subscriber, ApplyPatchDigestV2(patch, DType::kBF16, replica[t], replica[t], 2));
+      EXPECT_EQ(subscriber, publisher) << tr.tensors()[t].name;
+      const uint64_t updated = subscriber.ApplyTo(digest[t], replica[t].size());
       changed_tensors += updated != digest[t];
       digest[t] = updated;
       ASSERT_EQ(digest[t], TensorDigestV2(tr.bf16(t), 1)) << tr.tensors()[t].name << " step " << step;

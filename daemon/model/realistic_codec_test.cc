@@ -5,11 +5,14 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "gtest/gtest.h"
 
 namespace refit::model {
 namespace {
+
+using ::refit::testing::IsOk;
 
 TEST(RealisticTrajectory, EveryVersionRoundTripsBitExactWithMatchingDigests) {
   TrajectoryOptions opt;
@@ -17,9 +20,8 @@ TEST(RealisticTrajectory, EveryVersionRoundTripsBitExactWithMatchingDigests) {
   opt.seed = 7;
   opt.warmup_steps = 3;
   opt.threads = 2;
-  auto traj = Trajectory::Create(opt);
-  ASSERT_TRUE(traj.ok()) << traj.status();
-  Trajectory& tr = **traj;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto traj, Trajectory::Create(opt));
+  Trajectory& tr = *traj;
   const size_t nt = tr.tensors().size();
   std::vector<std::vector<uint8_t>> subscriber(nt);
   for (size_t t = 0; t < nt; ++t) subscriber[t].assign(tr.bf16(t).begin(), tr.bf16(t).end());
@@ -32,15 +34,13 @@ TEST(RealisticTrajectory, EveryVersionRoundTripsBitExactWithMatchingDigests) {
     eo.block_log2 = 12;  // several blocks per tensor even at this size
     eo.threads = 2;
     std::vector<PatchStats> stats;
-    auto patches = EncodePatches(inputs, eo, &stats);
-    ASSERT_TRUE(patches.ok()) << patches.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto patches, EncodePatches(inputs, eo, &stats));
     uint64_t changed = 0, elements = 0;
     for (size_t t = 0; t < nt; ++t) {
-      auto single = EncodePatch(DType::kBF16, base[t], tr.bf16(t), eo);
-      ASSERT_TRUE(single.ok());
-      ASSERT_EQ(*single, (*patches)[t]) << tr.tensors()[t].name;
+      REFIT_ASSERT_OK_AND_ASSIGN(auto single, EncodePatch(DType::kBF16, base[t], tr.bf16(t), eo));
+      ASSERT_EQ(single, patches[t]) << tr.tensors()[t].name;
       std::vector<uint8_t> staged(base[t].size());
-      ASSERT_TRUE(ApplyPatch((*patches)[t], DType::kBF16, base[t], staged, 2).ok());
+      ASSERT_THAT(ApplyPatch(patches[t], DType::kBF16, base[t], staged, 2), IsOk());
       auto want = tr.bf16(t);
       ASSERT_TRUE(std::equal(staged.begin(), staged.end(), want.begin(), want.end()))
           << tr.tensors()[t].name << " step " << step;

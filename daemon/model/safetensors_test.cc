@@ -11,14 +11,20 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::model {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
 std::string TempPath(absl::string_view name) {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  return absl::StrCat(testing::TempDir(), "refit_st_", info->name(), "_", getpid(), "_", name);
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return absl::StrCat(::testing::TempDir(), "refit_st_", info->name(), "_", getpid(), "_", name);
 }
 
 std::vector<uint8_t> ReadFile(const std::string& path) {
@@ -52,9 +58,8 @@ std::vector<uint8_t> Bytes(size_t n, uint8_t seed) {
 // Expects FromBytes to fail with InvalidArgument and a message containing every `needle`.
 void ExpectRejected(const std::vector<uint8_t>& image, std::vector<std::string> needles) {
   auto f = SafetensorsFile::FromBytes(image, "bad.safetensors");
-  ASSERT_FALSE(f.ok()) << "accepted: " << std::string(image.begin(), image.end());
-  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << f.status();
-  EXPECT_NE(f.status().message().find("bad.safetensors"), absl::string_view::npos) << f.status();
+  ASSERT_THAT(f, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad.safetensors")))
+      << "accepted: " << std::string(image.begin(), image.end());
   for (const auto& n : needles) {
     EXPECT_NE(f.status().message().find(n), absl::string_view::npos)
         << "message lacks '" << n << "': " << f.status().message();
@@ -94,59 +99,55 @@ TEST(Safetensors, RoundTripManyDtypesAndShapes) {
   const std::map<std::string, std::string> meta = {
       {"format", "pt"}, {"step", "42"}, {"k\"ey\t", "välue\x01"}};
   const std::string path = TempPath("rt.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, refs, meta).ok());
+  ASSERT_THAT(WriteSafetensors(path, refs, meta), IsOk());
 
-  auto f = SafetensorsFile::Open(path);
-  ASSERT_TRUE(f.ok()) << f.status();
-  EXPECT_EQ(f->path(), path);
-  EXPECT_EQ(f->header_size() % 8, 0u);
-  EXPECT_EQ(f->metadata(), meta);
-  ASSERT_EQ(f->tensors().size(), specs.size());
-  uint64_t expect_offset = 8 + f->header_size();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto f, SafetensorsFile::Open(path));
+  EXPECT_EQ(f.path(), path);
+  EXPECT_EQ(f.header_size() % 8, 0u);
+  EXPECT_EQ(f.metadata(), meta);
+  ASSERT_EQ(f.tensors().size(), specs.size());
+  uint64_t expect_offset = 8 + f.header_size();
   for (size_t i = 0; i < specs.size(); ++i) {
-    const SafetensorsEntry& e = f->tensors()[i];
+    const SafetensorsEntry& e = f.tensors()[i];
     EXPECT_EQ(e.name, specs[i].name);
     EXPECT_EQ(e.dtype, specs[i].dtype);
     EXPECT_EQ(e.shape, specs[i].shape);
     EXPECT_EQ(e.offset, expect_offset) << e.name;  // written in the given order
     EXPECT_EQ(e.size, data[i].size());
     EXPECT_EQ(e.num_elements() * DTypeSize(e.dtype), e.size);
-    auto d = f->data(i);
+    auto d = f.data(i);
     EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), data[i]) << e.name;
-    auto found = f->Find(specs[i].name);
-    ASSERT_TRUE(found.ok());
-    EXPECT_EQ(*found, i);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto found, f.Find(specs[i].name));
+    EXPECT_EQ(found, i);
     expect_offset += e.size;
   }
-  EXPECT_EQ(f->file_size(), expect_offset);
-  EXPECT_EQ(f->Find("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(f.file_size(), expect_offset);
+  EXPECT_EQ(f.Find("nope").status().code(), absl::StatusCode::kNotFound);
 
   // Moving keeps the mapping valid.
-  SafetensorsFile moved = std::move(*f);
+  SafetensorsFile moved = std::move(f);
   EXPECT_EQ(moved.tensors().size(), specs.size());
   EXPECT_EQ(moved.data(0)[0], data[0][0]);
   SafetensorsFile again = std::move(moved);
   EXPECT_EQ(again.data(4).size(), 5u);
 
   // The same bytes parse from memory too.
-  auto mem = SafetensorsFile::FromBytes(ReadFile(path));
-  ASSERT_TRUE(mem.ok()) << mem.status();
-  EXPECT_EQ(mem->tensors().size(), specs.size());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto mem, SafetensorsFile::FromBytes(ReadFile(path)));
+  EXPECT_EQ(mem.tensors().size(), specs.size());
   std::remove(path.c_str());
 }
 
 TEST(Safetensors, EmptyFileAndNoMetadata) {
   const std::string path = TempPath("empty.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {}).ok());
+  ASSERT_THAT(WriteSafetensors(path, {}), IsOk());
   const std::vector<uint8_t> bytes = ReadFile(path);
   // {} padded with spaces to 8 bytes.
   const std::vector<uint8_t> want = {8,   0,   0,   0,   0,   0,   0,   0,
                                      '{', '}', ' ', ' ', ' ', ' ', ' ', ' '};
   EXPECT_EQ(bytes, want);
-  auto f = SafetensorsFile::Open(path);
-  ASSERT_TRUE(f.ok()) << f.status();
-  EXPECT_TRUE(f->tensors().empty());
-  EXPECT_TRUE(f->metadata().empty());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto f, SafetensorsFile::Open(path));
+  EXPECT_TRUE(f.tensors().empty());
+  EXPECT_TRUE(f.metadata().empty());
   std::remove(path.c_str());
 }
 
@@ -156,7 +157,7 @@ TEST(Safetensors, WritesTheReferenceLayout) {
   const std::vector<uint8_t> data = {0, 0, 128, 63, 0, 0, 0, 64};  // 1.0f, 2.0f
   const std::string path = TempPath("ref.safetensors");
   const SafetensorsTensorRef t{"a", DType::kF32, {2}, data};
-  ASSERT_TRUE(WriteSafetensors(path, {&t, 1}, {{"format", "pt"}}).ok());
+  ASSERT_THAT(WriteSafetensors(path, {&t, 1}, {{"format", "pt"}}), IsOk());
   const std::string json =
       R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
   std::string padded = json;
@@ -176,14 +177,13 @@ TEST(Safetensors, ParsesAHandWrittenFile) {
       "\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x00";
   std::vector<uint8_t> bytes(kFile, kFile + sizeof(kFile) - 1);
   ASSERT_EQ(bytes.size(), 8u + 60u + 16u);
-  auto f = SafetensorsFile::FromBytes(bytes);
-  ASSERT_TRUE(f.ok()) << f.status();
-  ASSERT_EQ(f->tensors().size(), 1u);
-  EXPECT_EQ(f->tensors()[0].name, "test");
-  EXPECT_EQ(f->tensors()[0].dtype, DType::kI32);
-  EXPECT_EQ(f->tensors()[0].shape, (std::vector<int64_t>{2, 2}));
-  EXPECT_EQ(f->tensors()[0].offset, 68u);
-  EXPECT_EQ(f->data(0)[4], 2);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto f, SafetensorsFile::FromBytes(bytes));
+  ASSERT_EQ(f.tensors().size(), 1u);
+  EXPECT_EQ(f.tensors()[0].name, "test");
+  EXPECT_EQ(f.tensors()[0].dtype, DType::kI32);
+  EXPECT_EQ(f.tensors()[0].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(f.tensors()[0].offset, 68u);
+  EXPECT_EQ(f.data(0)[4], 2);
 
   // Whitespace, escapes, surrogate pairs, null metadata, tensors listed out of offset order.
   const std::string header =
@@ -191,15 +191,14 @@ TEST(Safetensors, ParsesAHandWrittenFile) {
       " \"dtype\":\"U8\",\"data_offsets\":[2,3]},\r\n "
       "\"a\":{\"data_offsets\":[0,2],\"dtype\":\"BF16\","
       "\"shape\":[]}   }    ";
-  auto g = SafetensorsFile::FromBytes(Image(header, 3));
-  ASSERT_TRUE(g.ok()) << g.status();
-  ASSERT_EQ(g->tensors().size(), 2u);
-  EXPECT_EQ(g->tensors()[0].name, "b\xC3\xA9\xF0\x9F\x98\x80/");
-  EXPECT_EQ(g->tensors()[0].offset, 8 + header.size() + 2);
-  EXPECT_EQ(g->tensors()[1].name, "a");
-  EXPECT_TRUE(g->tensors()[1].shape.empty());
-  EXPECT_EQ(g->tensors()[1].size, 2u);
-  EXPECT_TRUE(g->metadata().empty());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto g, SafetensorsFile::FromBytes(Image(header, 3)));
+  ASSERT_EQ(g.tensors().size(), 2u);
+  EXPECT_EQ(g.tensors()[0].name, "b\xC3\xA9\xF0\x9F\x98\x80/");
+  EXPECT_EQ(g.tensors()[0].offset, 8 + header.size() + 2);
+  EXPECT_EQ(g.tensors()[1].name, "a");
+  EXPECT_TRUE(g.tensors()[1].shape.empty());
+  EXPECT_EQ(g.tensors()[1].size, 2u);
+  EXPECT_TRUE(g.metadata().empty());
 }
 
 TEST(Safetensors, RejectsBadLengthsAndLimits) {
@@ -210,8 +209,8 @@ TEST(Safetensors, RejectsBadLengthsAndLimits) {
 TEST(Safetensors, RejectsMalformedFiles) {
   const std::string ok_a = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
   // Sanity: the building blocks are valid.
-  ASSERT_TRUE(SafetensorsFile::FromBytes(Image("{" + ok_a + "}", 8)).ok());
-  ASSERT_TRUE(SafetensorsFile::FromBytes(Image("{}", 0)).ok());
+  ASSERT_THAT(SafetensorsFile::FromBytes(Image("{" + ok_a + "}", 8)), IsOk());
+  ASSERT_THAT(SafetensorsFile::FromBytes(Image("{}", 0)), IsOk());
 
   // Header length.
   {
@@ -319,7 +318,7 @@ TEST(Safetensors, RejectsMalformedFiles) {
 
   // Layout across tensors.
   const std::string b_ok = R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]})";
-  ASSERT_TRUE(SafetensorsFile::FromBytes(Image("{" + ok_a + "," + b_ok + "}", 12)).ok());
+  ASSERT_THAT(SafetensorsFile::FromBytes(Image("{" + ok_a + "," + b_ok + "}", 12)), IsOk());
   ExpectRejected(Image("{" + ok_a + "," + ok_a + "}", 8), {"duplicate tensor name", "\"a\""});
   ExpectRejected(Image("{" + ok_a + R"(,"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
                  {"overlaps", "\"a\""});
@@ -328,22 +327,21 @@ TEST(Safetensors, RejectsMalformedFiles) {
       {"hole", "[8, 12)"});
   ExpectRejected(Image("{" + ok_a + R"(,"z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})", 8),
                  {"overlaps"});  // a zero-sized tensor inside another one
-  ASSERT_TRUE(
-      SafetensorsFile::FromBytes(
-          Image("{" + ok_a + R"(,"z":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})", 8))
-          .ok());
+  ASSERT_THAT(SafetensorsFile::FromBytes(Image(
+                  "{" + ok_a + R"(,"z":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})", 8)),
+              IsOk());
 }
 
 TEST(Safetensors, OpenReportsFileErrors) {
   auto missing = SafetensorsFile::Open(TempPath("does-not-exist"));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("does-not-exist"), absl::string_view::npos);
-  auto dir = SafetensorsFile::Open(testing::TempDir());
-  EXPECT_FALSE(dir.ok());
+  auto dir = SafetensorsFile::Open(::testing::TempDir());
+  EXPECT_THAT(dir, Not(IsOk()));
   const std::string path = TempPath("zero.safetensors");
   WriteFile(path, {});
   auto zero = SafetensorsFile::Open(path);
-  ASSERT_FALSE(zero.ok());
+  ASSERT_THAT(zero, Not(IsOk()));
   EXPECT_NE(zero.status().message().find(path), absl::string_view::npos) << zero.status();
   EXPECT_NE(zero.status().message().find("too short"), absl::string_view::npos) << zero.status();
   std::remove(path.c_str());
@@ -354,15 +352,15 @@ TEST(Safetensors, EveryTruncationIsRejected) {
   const SafetensorsTensorRef refs[] = {
       {"a", DType::kBF16, {3}, a}, {"b", DType::kF32, {1}, b}, {"c", DType::kU8, {0}, {}}};
   const std::string path = TempPath("full.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, refs, {{"k", "v"}}).ok());
+  ASSERT_THAT(WriteSafetensors(path, refs, {{"k", "v"}}), IsOk());
   const std::vector<uint8_t> full = ReadFile(path);
-  ASSERT_TRUE(SafetensorsFile::FromBytes(full).ok());
+  ASSERT_THAT(SafetensorsFile::FromBytes(full), IsOk());
   const std::string cut = TempPath("cut.safetensors");
   for (size_t len = 0; len < full.size(); ++len) {
     std::vector<uint8_t> prefix(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(len));
-    EXPECT_FALSE(SafetensorsFile::FromBytes(prefix).ok()) << "len " << len;
+    EXPECT_THAT(SafetensorsFile::FromBytes(prefix), Not(IsOk())) << "len " << len;
     WriteFile(cut, prefix);
-    EXPECT_FALSE(SafetensorsFile::Open(cut).ok()) << "len " << len;
+    EXPECT_THAT(SafetensorsFile::Open(cut), Not(IsOk())) << "len " << len;
   }
   // Flipping any byte to a few values never crashes (it may or may not stay valid).
   for (size_t i = 0; i < full.size(); ++i) {
@@ -403,16 +401,15 @@ TEST(Safetensors, WriteValidatesAndIsAtomic) {
   EXPECT_NE(::stat(path.c_str(), &st), 0) << "a rejected write must not create the file";
 
   // Overwrite: the new contents replace the old, no temporary files remain.
-  ASSERT_TRUE(write({{"x", DType::kBF16, {2}, four}}).ok());
-  ASSERT_TRUE(write({{"y", DType::kU8, {4}, four}}).ok());
-  auto f = SafetensorsFile::Open(path);
-  ASSERT_TRUE(f.ok()) << f.status();
-  ASSERT_EQ(f->tensors().size(), 1u);
-  EXPECT_EQ(f->tensors()[0].name, "y");
+  ASSERT_THAT(write({{"x", DType::kBF16, {2}, four}}), IsOk());
+  ASSERT_THAT(write({{"y", DType::kU8, {4}, four}}), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto f, SafetensorsFile::Open(path));
+  ASSERT_EQ(f.tensors().size(), 1u);
+  EXPECT_EQ(f.tensors()[0].name, "y");
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   const std::string base = path.substr(path.rfind('/') + 1);
-  DIR* d = ::opendir(testing::TempDir().c_str());
+  DIR* d = ::opendir(::testing::TempDir().c_str());
   ASSERT_NE(d, nullptr);
   while (dirent* ent = ::readdir(d)) {
     const std::string name = ent->d_name;
@@ -422,7 +419,7 @@ TEST(Safetensors, WriteValidatesAndIsAtomic) {
 
   // A directory that does not exist: error, nothing written.
   const absl::Status s = WriteSafetensors(TempPath("no-such-dir") + "/x.safetensors", {});
-  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s, Not(IsOk()));
   EXPECT_NE(s.message().find("no-such-dir"), absl::string_view::npos) << s;
   std::remove(path.c_str());
 }
@@ -435,7 +432,7 @@ TEST(Safetensors, ErrorsNeverQuoteTheLengthFieldOfAForeignFile) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
   auto f = SafetensorsFile::FromBytes(bytes, "foreign");
-  ASSERT_FALSE(f.ok());
+  ASSERT_THAT(f, Not(IsOk()));
   EXPECT_EQ(f.status().message().find(absl::StrCat(n)), absl::string_view::npos) << f.status();
   EXPECT_EQ(f.status().message().find("root"), absl::string_view::npos) << f.status();
   EXPECT_NE(f.status().message().find("header length field exceeds"), absl::string_view::npos)
@@ -443,7 +440,7 @@ TEST(Safetensors, ErrorsNeverQuoteTheLengthFieldOfAForeignFile) {
   // Small enough to pass the 100 MiB limit, larger than the file.
   std::vector<uint8_t> mid = {0x10, 0x27, 0, 0, 0, 0, 0, 0, 'x', 'y'};  // 10000
   auto g = SafetensorsFile::FromBytes(mid, "foreign");
-  ASSERT_FALSE(g.ok());
+  ASSERT_THAT(g, Not(IsOk()));
   EXPECT_EQ(g.status().message().find("10000"), absl::string_view::npos) << g.status();
 }
 
@@ -453,16 +450,13 @@ TEST(Safetensors, AFileTruncatedWhileReadIsAnErrorNotACrash) {
   const std::vector<uint8_t> big = Bytes(4 << 20, 5);
   const SafetensorsTensorRef refs[] = {{"w", DType::kU8, {4 << 20}, big}};
   const std::string path = TempPath("shrinking.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, refs).ok());
+  ASSERT_THAT(WriteSafetensors(path, refs), IsOk());
   SetReadHookForTesting([&](const std::string& p, uint64_t) {
     if (p == path) ::truncate(path.c_str(), 64);
   });
   auto f = SafetensorsFile::Open(path);
   SetReadHookForTesting(nullptr);
-  ASSERT_FALSE(f.ok());
-  EXPECT_EQ(f.status().code(), absl::StatusCode::kDataLoss) << f.status();
-  EXPECT_NE(f.status().message().find("shrank while being read"), absl::string_view::npos)
-      << f.status();
+  ASSERT_THAT(f, StatusIs(absl::StatusCode::kDataLoss, HasSubstr("shrank while being read")));
   std::remove(path.c_str());
 }
 
@@ -470,7 +464,7 @@ TEST(Safetensors, AFifoIsRefusedWithoutBlocking) {
   const std::string path = TempPath("fifo");
   ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
   auto f = SafetensorsFile::Open(path);  // no writer: a blocking open() would hang here
-  ASSERT_FALSE(f.ok());
+  ASSERT_THAT(f, Not(IsOk()));
   EXPECT_NE(f.status().message().find("is a FIFO"), absl::string_view::npos) << f.status();
   std::remove(path.c_str());
 }

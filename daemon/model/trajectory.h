@@ -1,5 +1,5 @@
 // Realistic RL policy trajectory: AdamW on fp32 master weights shaped and initialised like a
-// transformer, publishing the BF16 rounding of every step (../shared/BRIEF.md section 5).
+// transformer, publishing the BF16 rounding of every step.
 // Deterministic for a given seed, independent of thread count. Used by tests, benchmarks and the
 // demo as the source of "what a real trainer publishes".
 #ifndef REFIT_DAEMON_MODEL_TRAJECTORY_H_

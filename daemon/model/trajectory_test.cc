@@ -8,10 +8,14 @@
 #include <set>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::model {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 using Snapshot = std::vector<std::vector<uint8_t>>;
 
@@ -32,7 +36,7 @@ TrajectoryOptions Tiny() {
 
 std::unique_ptr<Trajectory> MustCreate(const TrajectoryOptions& o) {
   auto t = Trajectory::Create(o);
-  EXPECT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(t, IsOk());
   return t.ok() ? std::move(t).value() : nullptr;
 }
 
@@ -50,12 +54,11 @@ TEST(PresetShape, SizesMatchTheirPurpose) {
   for (const Want& w :
        {Want{"tiny", 1'000'000, 2'000'000}, Want{"small", 25'000'000, 40'000'000},
         Want{"medium", 110'000'000, 140'000'000}, Want{"500m", 500'000'000, 600'000'000}}) {
-    auto s = PresetShape(w.name);
-    ASSERT_TRUE(s.ok()) << s.status();
-    EXPECT_GE(s->num_parameters(), w.lo) << w.name;
-    EXPECT_LE(s->num_parameters(), w.hi) << w.name;
-    EXPECT_EQ(s->hidden % s->heads, 0) << w.name;
-    EXPECT_EQ(s->heads % s->kv_heads, 0) << w.name;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto s, PresetShape(w.name));
+    EXPECT_GE(s.num_parameters(), w.lo) << w.name;
+    EXPECT_LE(s.num_parameters(), w.hi) << w.name;
+    EXPECT_EQ(s.hidden % s.heads, 0) << w.name;
+    EXPECT_EQ(s.heads % s.kv_heads, 0) << w.name;
   }
   auto bad = PresetShape("huge");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
@@ -254,7 +257,7 @@ TEST(Trajectory, BadOptionsNameTheField) {
     TrajectoryOptions o = Tiny();
     c.edit(o);
     auto t = Trajectory::Create(o);
-    ASSERT_FALSE(t.ok()) << c.field;
+    ASSERT_THAT(t, Not(IsOk())) << c.field;
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_NE(t.status().message().find(c.field), absl::string_view::npos)
         << c.field << ": " << t.status().message();

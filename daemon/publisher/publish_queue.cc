@@ -12,6 +12,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/serving/publish_files.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
@@ -351,7 +352,7 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
     absl::StatusOr<UniqueFd> fd = OpenRegularFileBeneath(p, publish.publish_dirs,
                                                          kPublishDirsField);
     if (!fd.ok()) {
-      return absl::Status(fd.status().code(), absl::StrCat("publish: ", fd.status().message()));
+      return Annotate(fd.status(), "publish");
     }
   }
   if (publish.request_id.size() > kMaxRequestIdBytes) {
@@ -366,8 +367,8 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
 
 absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
   if (!job.paths.empty()) {
-    return core_->PublishSafetensors(job.version, job.paths, &job.publish_dirs,
-                                     job.allow_degenerate);
+    return PublishSafetensors(*core_, job.version, job.paths, &job.publish_dirs,
+                              job.allow_degenerate);
   }
   std::vector<TensorInput> inputs;
   inputs.reserve(job.tensors.size());

@@ -35,8 +35,8 @@
 #include "daemon/codec/dtype.h"
 #include "daemon/common/logging.h"
 #include "daemon/metrics/refit_metrics.h"
-#include "daemon/publisher/data_plane_service.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
 #include "refit/v1/control.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -108,9 +108,9 @@ struct PublishQueueOptions {
   uint32_t max_pending = 16;
   // Request ids remembered (with their outcome) for idempotent retries.
   size_t remembered_requests = 1024;
-  // Test hook (refitd: environment REFITD_TEST_HOOK_STALL_PUBLISH): while a file exists at this
-  // path the worker stalls inside every job it has started, as a job stuck in I/O would. "" =
-  // off.
+  // Test hook (refitd: the stall_publish file of daemon/common/test_hooks.h): while a file
+  // exists at this path the worker stalls inside every job it has started, as a job stuck in I/O
+  // would. "" = off.
   std::string stall_file;
   // Test hook: called by the worker with the job's version after the job started (a lender's
   // InputsRelease::Start) and before the pass reads its inputs; the pass waits for it to return.

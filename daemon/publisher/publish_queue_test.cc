@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/versions.h"
 #include "gmock/gmock.h"
@@ -16,7 +17,9 @@
 namespace refit::publisher {
 namespace {
 
+using ::refit::testing::IsOk;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class PublishQueueTest : public ::testing::Test {
  protected:
@@ -25,9 +28,8 @@ class PublishQueueTest : public ::testing::Test {
                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
-    auto core = PublisherCore::Open(PublisherOptions());
-    ASSERT_TRUE(core.ok()) << core.status();
-    core_ = std::move(*core);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(PublisherOptions()));
+    core_ = std::move(core);
   }
   void TearDown() override {
     std::filesystem::remove(stall());
@@ -49,7 +51,7 @@ class PublishQueueTest : public ::testing::Test {
     refs[0].name = "w";
     refs[0].shape = {32};
     refs[0].data = data;
-    EXPECT_TRUE(model::WriteSafetensors(path, refs).ok());
+    EXPECT_THAT(model::WriteSafetensors(path, refs), IsOk());
     return path;
   }
   FilesPublish Request(int seed, const std::string& id, absl::Duration timeout) {
@@ -68,18 +70,18 @@ class PublishQueueTest : public ::testing::Test {
 
 TEST_F(PublishQueueTest, RepeatedRequestIdGetsTheOriginalOutcome) {
   MakeQueue(4);
-  auto first = queue_->PublishFiles(Request(1, "id-1", absl::Seconds(30)));
-  ASSERT_TRUE(first.ok()) << first.status();
-  auto again = queue_->PublishFiles(Request(1, "id-1", absl::Seconds(30)));
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->version, first->version);
-  EXPECT_EQ(again->version_digest, first->version_digest);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto first,
+                             queue_->PublishFiles(Request(1, "id-1", absl::Seconds(30))));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto again,
+                             queue_->PublishFiles(Request(1, "id-1", absl::Seconds(30))));
+  EXPECT_EQ(again.version, first.version);
+  EXPECT_EQ(again.version_digest, first.version_digest);
   EXPECT_EQ(core_->newest_version(), 1u) << "published once";
   auto misuse = queue_->PublishFiles(Request(2, "id-1", absl::Seconds(30)));
   EXPECT_EQ(misuse.status().code(), absl::StatusCode::kInvalidArgument);
-  auto other = queue_->PublishFiles(Request(2, "id-2", absl::Seconds(30)));
-  ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_EQ(other->version, 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto other,
+                             queue_->PublishFiles(Request(2, "id-2", absl::Seconds(30))));
+  EXPECT_EQ(other.version, 2u);
 }
 
 TEST_F(PublishQueueTest, AFailedPublishIsNotRememberedSoItsRetryRuns) {
@@ -87,11 +89,10 @@ TEST_F(PublishQueueTest, AFailedPublishIsNotRememberedSoItsRetryRuns) {
   FilesPublish p = Request(1, "id-f", absl::Seconds(30));
   const std::string path = p.paths[0];
   std::filesystem::rename(path, path + ".later");
-  EXPECT_FALSE(queue_->PublishFiles(p).ok());
+  EXPECT_THAT(queue_->PublishFiles(p), Not(IsOk()));
   std::filesystem::rename(path + ".later", path);
-  auto retry = queue_->PublishFiles(p);
-  ASSERT_TRUE(retry.ok()) << retry.status();
-  EXPECT_EQ(core_->newest_version(), retry->version);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto retry, queue_->PublishFiles(p));
+  EXPECT_EQ(core_->newest_version(), retry.version);
 }
 
 TEST_F(PublishQueueTest, ExpiredOrCancelledJobsDoNotRunAndTheQueueIsBounded) {
@@ -124,11 +125,11 @@ TEST_F(PublishQueueTest, ExpiredOrCancelledJobsDoNotRunAndTheQueueIsBounded) {
   EXPECT_THAT(std::string(e.status().message()), HasSubstr("max_pending"));
   std::filesystem::remove(stall());
   waiter.join();
-  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_THAT(d, IsOk());
   // A ran (its caller was told it timed out while running), B and C never did.
-  auto a_again = queue_->PublishFiles(Request(1, "a", absl::Seconds(30)));
-  ASSERT_TRUE(a_again.ok()) << a_again.status();
-  EXPECT_EQ(a_again->version, 1u) << "the retry of A gets A's outcome";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto a_again,
+                             queue_->PublishFiles(Request(1, "a", absl::Seconds(30))));
+  EXPECT_EQ(a_again.version, 1u) << "the retry of A gets A's outcome";
   EXPECT_EQ(core_->HistoryStats().versions, 2u) << "A and D only";
   EXPECT_EQ(queue_->Status().refused_full(), 1u);
 }
@@ -140,7 +141,7 @@ TEST_F(PublishQueueTest, VersionBound) {
   EXPECT_THAT(std::string(above.status().message()), HasSubstr("9007199254740991"));
   FilesPublish last = Request(1, "", absl::Seconds(30));
   last.version = sync::kMaxVersion;
-  ASSERT_TRUE(queue_->PublishFiles(last).ok());
+  ASSERT_THAT(queue_->PublishFiles(last), IsOk());
   auto next = queue_->PublishFiles(Request(2, "", absl::Seconds(30)));
   EXPECT_EQ(next.status().code(), absl::StatusCode::kResourceExhausted) << next.status();
 }

@@ -9,13 +9,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/codec/hash.h"
-#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/sync/version_digest.h"
+#include "refit/version.h"
 
 namespace refit::publisher {
 namespace {
@@ -74,7 +74,7 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   v1::StatusResponse r;
   r.set_role(v1::ROLE_PUBLISHER);
   r.set_name(options_.name);
-  r.set_build_version(kBuildVersion);
+  r.set_build_version(kRefitVersion);
   r.set_metrics_address(options_.metrics_address);
   const Snapshot baseline = ConsistentBaseline(*core_);
   r.set_version(baseline.version);
@@ -225,9 +225,7 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
   }
   absl::Status written = model::WriteSafetensors(path, refs, {}, ExportWriteOptions(options_));
   if (!written.ok()) {
-    return absl::Status(written.code(), absl::StrCat("export of version ", baseline.version,
-                                                     " to ", Quoted(path), ": ",
-                                                     written.message()));
+    return Annotate(written, "export of version ", baseline.version, " to ", Quoted(path));
   }
   v1::ExportResponse r;
   r.set_version(baseline.version);

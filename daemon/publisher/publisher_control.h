@@ -22,9 +22,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/codec/dtype.h"
-#include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/publish_queue.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
 #include "refit/v1/control.grpc.pb.h"
 #include "spdlog/spdlog.h"
 

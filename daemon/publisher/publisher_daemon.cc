@@ -15,18 +15,20 @@
 #include "absl/time/clock.h"
 #include "cuda/device.h"
 #include "daemon/auth/authorized_services.h"
-#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/metrics/daemon_metrics.h"
-#include "daemon/publisher/data_plane_service.h"
 #include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
-#include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
+#include "daemon/runtime/daemon_runtime.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
 #include "daemon/sync/versions.h"
+#include "refit/version.h"
 
 namespace refit::publisher {
 namespace {
@@ -129,23 +131,17 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
   return *device;
 }
 
-// Test hook: see PublishQueueOptions::stall_file.
-constexpr char kStallHookEnv[] = "REFITD_TEST_HOOK_STALL_PUBLISH";
-// Test hook: while a file exists at this path, the persister stalls before every write (a slow
-// or stuck disk): PublisherOptions::persist_hook.
-constexpr char kStallPersistHookEnv[] = "REFITD_TEST_HOOK_STALL_PERSIST";
-
+// Test hook stall_persist (test_hooks.h): while its file exists, the persister stalls before
+// every write (a slow or stuck disk): PublisherOptions::persist_hook.
 std::function<void(uint64_t)> StallPersistHook(spdlog::logger& log) {
-  const char* hook = std::getenv(kStallPersistHookEnv);
-  if (hook == nullptr || hook[0] == '\0') return nullptr;
-  log.warn("test hook {}={}: persistence stalls while that file exists", kStallPersistHookEnv,
-           hook);
-  return [path = std::string(hook)](uint64_t version) {
-    bool logged = false;
-    while (::access(path.c_str(), F_OK) == 0) {
-      if (!logged) Logger("persist")->warn("test hook: persisting version {} stalled", version);
-      logged = true;
-      absl::SleepFor(absl::Milliseconds(20));
+  const TestHooks hooks = TestHooks::FromEnvironment();
+  if (!hooks.enabled()) return nullptr;
+  const std::string file = hooks.File(TestHook::kStallPersist);
+  log.warn("test hook: persistence stalls while \"{}\" exists", file);
+  return [hooks](uint64_t version) {
+    if (hooks.Stalled(TestHook::kStallPersist)) {
+      Logger("persist")->warn("test hook: persisting version {} stalled", version);
+      hooks.WaitWhileStalled(TestHook::kStallPersist, absl::Milliseconds(20));
     }
   };
 }
@@ -295,9 +291,9 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
   PublishQueueOptions queue_options;
   queue_options.max_pending = config.publish_queue().max_pending();
   queue_options.metrics = d.metrics_.refit();
-  if (const char* hook = std::getenv(kStallHookEnv); hook != nullptr && hook[0] != '\0') {
-    queue_options.stall_file = hook;
-    d.log_->warn("test hook {}={}: publishes stall while that file exists", kStallHookEnv, hook);
+  if (const TestHooks hooks = TestHooks::FromEnvironment(); hooks.enabled()) {
+    queue_options.stall_file = hooks.File(TestHook::kStallPublish);
+    d.log_->warn("test hook: publishes stall while \"{}\" exists", queue_options.stall_file);
   }
   d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
   d.control_service_ = std::make_unique<PublisherControl>(
@@ -339,7 +335,7 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
   d.log_->info(
       "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
       "(history budget {}, codec {}, persist dir \"{}\"){}",
-      name, kBuildVersion, d.listen_.bound_address,
+      name, kRefitVersion, d.listen_.bound_address,
       separate_control ? d.control_.bound_address : d.listen_.bound_address,
       config.local_socket().empty() ? std::string("(none)") : d.local_.bound_address,
       FormatBytes(options.history_budget_bytes),
@@ -363,7 +359,7 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
                                        {"metrics", d.metrics_.address()},
                                        {"pid", absl::StrCat(getpid())}});
   if (!ready.ok()) {
-    return absl::Status(ready.code(), absl::StrCat("publisher.ready_file: ", ready.message()));
+    return Annotate(ready, "publisher.ready_file");
   }
   return absl::OkStatus();
 }
@@ -393,9 +389,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   options.device = codec_device;
   absl::StatusOr<std::unique_ptr<PublisherCore>> core = PublisherCore::Open(options);
   if (!core.ok()) {
-    return absl::Status(core.status().code(),
-                        absl::StrCat("publisher.baseline.persist_dir \"", options.persist_dir,
-                                     "\": ", core.status().message()));
+    return Annotate(core.status(), "publisher.baseline.persist_dir \"", options.persist_dir, "\"");
   }
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);

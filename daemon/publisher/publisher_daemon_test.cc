@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -25,15 +26,21 @@
 #include "gtest/gtest.h"
 #include "refit/v1/control.grpc.pb.h"
 #include "refit/v1/local.grpc.pb.h"
+#include "refit/version.h"
 
 namespace refit::publisher {
 namespace {
 
 using refit::testing::Deadline;
+using ::refit::testing::IsOk;
 using refit::testing::Location;
 using refit::testing::Memfd;
 using refit::testing::ReadFile;
+using ::refit::testing::StatusIs;
 using refit::testing::TempDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 // The value of "key" in the flat JSON object of the ready file.
 std::string JsonField(const std::string& json, const std::string& key) {
@@ -66,7 +73,7 @@ void WriteTensors(const std::string& path, const std::vector<TestTensor>& tensor
   for (const TestTensor& t : tensors) {
     refs.push_back({t.name, t.dtype, t.shape, std::span<const uint8_t>(t.bytes)});
   }
-  ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
+  ASSERT_THAT(model::WriteSafetensors(path, refs), IsOk());
 }
 
 class PublisherDaemonTest : public ::testing::Test {
@@ -86,12 +93,11 @@ class PublisherDaemonTest : public ::testing::Test {
         "  files:\n"
         "    publish_dirs: [\"", dir_.path(), "\"]\n"
         "    export_dir: \"", dir_.path(), "\"\n");
-    auto config = config::LoadPublisherConfigFromString(yaml, "test.yaml");
-    ASSERT_TRUE(config.ok()) << config.status();
-    config_ = *config;
-    auto daemon = PublisherDaemon::Start(config_);
-    ASSERT_TRUE(daemon.ok()) << daemon.status();
-    daemon_ = std::move(*daemon);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto config,
+                               config::LoadPublisherConfigFromString(yaml, "test.yaml"));
+    config_ = config;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto daemon, PublisherDaemon::Start(config_));
+    daemon_ = std::move(daemon);
     control_ = v1::Control::NewStub(
         grpc::CreateChannel(daemon_->listen_address(), grpc::InsecureChannelCredentials()));
     trainer_ = v1::TrainerApi::NewStub(
@@ -147,7 +153,7 @@ class PublisherDaemonTest : public ::testing::Test {
   std::map<std::string, std::vector<uint8_t>> ReadExport(const std::string& path) {
     std::map<std::string, std::vector<uint8_t>> out;
     auto file = model::SafetensorsFile::Open(path);
-    EXPECT_TRUE(file.ok()) << file.status();
+    EXPECT_THAT(file, IsOk());
     if (!file.ok()) return out;
     std::string previous;
     for (size_t i = 0; i < file->tensors().size(); ++i) {
@@ -187,7 +193,7 @@ TEST_F(PublisherDaemonTest, ReadyFileAndHealth) {
   v1::StatusResponse status = Status();
   EXPECT_EQ(status.role(), v1::ROLE_PUBLISHER);
   EXPECT_EQ(status.name(), "test-publisher");
-  EXPECT_EQ(status.build_version(), "0.1.0");
+  EXPECT_EQ(status.build_version(), kRefitVersion);
   EXPECT_EQ(status.version(), 0u);
   EXPECT_EQ(status.history().budget_bytes(), 1000000u);
 }
@@ -202,27 +208,25 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
   WriteTensors(f0, shard0);
   WriteTensors(f1, shard1);
 
-  auto v1r = Publish({f0, f1});
-  ASSERT_TRUE(v1r.ok()) << v1r.status();
-  EXPECT_EQ(v1r->version(), 1u);
-  EXPECT_EQ(v1r->tensors(), 4u);
-  EXPECT_EQ(v1r->change_rate(), 0.0);
-  EXPECT_NE(v1r->version_digest(), 0u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v1r, Publish({f0, f1}));
+  EXPECT_EQ(v1r.version(), 1u);
+  EXPECT_EQ(v1r.tensors(), 4u);
+  EXPECT_EQ(v1r.change_rate(), 0.0);
+  EXPECT_NE(v1r.version_digest(), 0u);
 
   // Version 2: one tensor changes a few elements.
   std::vector<TestTensor> shard0b = shard0;
   shard0b[0].bytes[10] ^= 1;
   shard0b[0].bytes[100] ^= 1;
   WriteTensors(f0, shard0b);
-  auto v2r = Publish({f0, f1});
-  ASSERT_TRUE(v2r.ok()) << v2r.status();
-  EXPECT_EQ(v2r->version(), 2u);
-  EXPECT_GT(v2r->change_rate(), 0.0);
-  EXPECT_LT(v2r->change_rate(), 0.01);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v2r, Publish({f0, f1}));
+  EXPECT_EQ(v2r.version(), 2u);
+  EXPECT_GT(v2r.change_rate(), 0.0);
+  EXPECT_LT(v2r.change_rate(), 0.01);
 
   v1::StatusResponse status = Status();
   EXPECT_EQ(status.version(), 2u);
-  EXPECT_EQ(status.version_digest(), v2r->version_digest());
+  EXPECT_EQ(status.version_digest(), v2r.version_digest());
   EXPECT_EQ(status.tensors(), 4u);
   uint64_t model_bytes = 0;
   for (const auto& t : shard0b) model_bytes += t.bytes.size();
@@ -241,19 +245,18 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
 
   // Export: byte-equal to the inputs, in name order.
   const std::string out = dir_.path() + "/export.safetensors";
-  auto exported = Export(out);
-  ASSERT_TRUE(exported.ok()) << exported.status();
-  EXPECT_EQ(exported->version(), 2u);
-  EXPECT_EQ(exported->version_digest(), v2r->version_digest());
-  EXPECT_EQ(exported->tensors(), 4u);
-  EXPECT_EQ(exported->bytes(), model_bytes);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto exported, Export(out));
+  EXPECT_EQ(exported.version(), 2u);
+  EXPECT_EQ(exported.version_digest(), v2r.version_digest());
+  EXPECT_EQ(exported.tensors(), 4u);
+  EXPECT_EQ(exported.bytes(), model_bytes);
   auto tensors = ReadExport(out);
   ASSERT_EQ(tensors.size(), 4u);
   for (const auto& t : shard0b) EXPECT_EQ(tensors[t.name], t.bytes) << t.name;
   for (const auto& t : shard1) EXPECT_EQ(tensors[t.name], t.bytes) << t.name;
   auto old = Export(out, 1);
   EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
-  EXPECT_TRUE(Export(out, 2).ok());
+  EXPECT_THAT(Export(out, 2), IsOk());
   EXPECT_EQ(Export("../relative.safetensors").status().code(),
             absl::StatusCode::kInvalidArgument);
 
@@ -266,15 +269,14 @@ TEST_F(PublisherDaemonTest, ControlPublishStatusExportVerify) {
   }
   EXPECT_TRUE(verify.ok());
   EXPECT_EQ(verify.version(), 2u);
-  EXPECT_EQ(verify.version_digest(), v2r->version_digest());
+  EXPECT_EQ(verify.version_digest(), v2r.version_digest());
   ASSERT_EQ(verify.tensors_size(), 4);
   EXPECT_EQ(verify.tensors(0).name(), "embed");
   for (const auto& t : verify.tensors()) EXPECT_EQ(t.expected(), t.actual()) << t.name();
 
   // WaitVersion: reached, and timed out with the documented message.
-  auto reached = WaitVersion(2, 1000);
-  ASSERT_TRUE(reached.ok()) << reached.status();
-  EXPECT_EQ(reached->version(), 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto reached, WaitVersion(2, 1000));
+  EXPECT_EQ(reached.version(), 2u);
   auto timeout = WaitVersion(7, 200);
   ASSERT_EQ(timeout.status().code(), absl::StatusCode::kDeadlineExceeded) << timeout.status();
   EXPECT_EQ(timeout.status().message(), "version 7 not reached after 200 ms, at version 2");
@@ -326,19 +328,17 @@ TEST_F(PublisherDaemonTest, PublishErrors) {
   EXPECT_EQ(Publish({}).status().code(), absl::StatusCode::kInvalidArgument);
   const std::string missing = dir_.path() + "/missing.safetensors";
   auto gone = Publish({missing});
-  ASSERT_FALSE(gone.ok());
+  ASSERT_THAT(gone, Not(IsOk()));
   EXPECT_TRUE(absl::StrContains(gone.status().message(), missing)) << gone.status();
 
-  auto v5 = Publish({f0}, 5);
-  ASSERT_TRUE(v5.ok()) << v5.status();
-  EXPECT_EQ(v5->version(), 5u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v5, Publish({f0}, 5));
+  EXPECT_EQ(v5.version(), 5u);
   auto again = Publish({f0}, 5);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(again.status().message(), "version 5 must exceed 5"))
       << again.status();
-  auto next = Publish({f0});
-  ASSERT_TRUE(next.ok()) << next.status();
-  EXPECT_EQ(next->version(), 6u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto next, Publish({f0}));
+  EXPECT_EQ(next.version(), 6u);
 }
 
 TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
@@ -370,14 +370,13 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
     return response;
   };
 
-  ASSERT_TRUE(register_client("rank0", {Location("a.w", v1::DTYPE_BF16, {32, 32}, rank0.path(), 0,
-                                                 2048),
-                                        Location("a.b", v1::DTYPE_F32, {16}, rank0.path(), 4096,
-                                                 64)})
-                  .ok());
-  ASSERT_TRUE(
-      register_client("rank1", {Location("b.w", v1::DTYPE_BF16, {1024}, rank1.path(), 10, 2048)})
-          .ok());
+  ASSERT_THAT(
+      register_client("rank0", {Location("a.w", v1::DTYPE_BF16, {32, 32}, rank0.path(), 0, 2048),
+                                Location("a.b", v1::DTYPE_F32, {16}, rank0.path(), 4096, 64)}),
+      IsOk());
+  ASSERT_THAT(
+      register_client("rank1", {Location("b.w", v1::DTYPE_BF16, {1024}, rank1.path(), 10, 2048)}),
+      IsOk());
 
   // Bad regions over the socket: codes and messages.
   absl::Status range =
@@ -397,10 +396,9 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
       register_client("rank2", {Location("a.w", v1::DTYPE_U8, {4}, rank1.path(), 0, 4)});
   EXPECT_EQ(dup.code(), absl::StatusCode::kAlreadyExists) << dup;
 
-  auto first = publish("rank0", 3);
-  ASSERT_TRUE(first.ok()) << first.status();
-  EXPECT_FALSE(first->committed());
-  EXPECT_EQ(first->version(), 3u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto first, publish("rank0", 3));
+  EXPECT_FALSE(first.committed());
+  EXPECT_EQ(first.version(), 3u);
   const std::vector<uint8_t> snap_aw(rank0.data(), rank0.data() + 2048);
   const std::vector<uint8_t> snap_ab(rank0.data() + 4096, rank0.data() + 4096 + 64);
   std::memset(rank0.data(), 0x55, 8192);  // the trainer moves on right after Publish
@@ -409,18 +407,16 @@ TEST_F(PublisherDaemonTest, TrainerApiTwoClients) {
 
   auto wrong = publish("rank1", 4);
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
-  auto second = publish("rank1", std::nullopt);
-  ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_TRUE(second->committed());
-  EXPECT_EQ(second->version(), 3u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto second, publish("rank1", std::nullopt));
+  EXPECT_TRUE(second.committed());
+  EXPECT_EQ(second.version(), 3u);
   const std::vector<uint8_t> snap_bw(rank1.data() + 10, rank1.data() + 10 + 2048);
   std::memset(rank1.data(), 0x66, 8192);
 
-  auto reached = WaitVersion(3, 30000);
-  ASSERT_TRUE(reached.ok()) << reached.status();
-  EXPECT_EQ(reached->version(), 3u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto reached, WaitVersion(3, 30000));
+  EXPECT_EQ(reached.version(), 3u);
   const std::string out = dir_.path() + "/trainer-export.safetensors";
-  ASSERT_TRUE(Export(out).ok());
+  ASSERT_THAT(Export(out), IsOk());
   auto tensors = ReadExport(out);
   ASSERT_EQ(tensors.size(), 3u);
   EXPECT_EQ(tensors["a.w"], snap_aw);
@@ -437,11 +433,10 @@ TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
                    "  codec:\n    threads: 1\n    block_log2: 10\n"
                    "  files: {publish_dirs: [\"", dir.path(), "\"]}\n"),
       "history.yaml");
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto daemon = PublisherDaemon::Start(*config);
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_THAT(config, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto daemon, PublisherDaemon::Start(*config));
   auto control = v1::Control::NewStub(
-      grpc::CreateChannel((*daemon)->listen_address(), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(daemon->listen_address(), grpc::InsecureChannelCredentials()));
   const std::string file = dir.path() + "/m.safetensors";
   TestTensor t = MakeTensor("w", DType::kBF16, {4096}, 1);
   for (int v = 1; v <= 4; ++v) {
@@ -461,28 +456,25 @@ TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
   EXPECT_EQ(status.version(), 4u);
   EXPECT_EQ(status.history().newest_version(), 4u);
   EXPECT_LE(status.history().versions(), 2u) << status.history().ShortDebugString();
-  (*daemon)->Shutdown();
+  daemon->Shutdown();
 }
 
 TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   TempDir dir("refit-pubd");
   auto cuda = config::LoadPublisherConfigFromString(
       "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n", "cuda.yaml");
-  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  ASSERT_THAT(cuda, IsOk());
   auto listed = cuda::ListDevices();
   if (listed.ok() && !listed->empty()) {
     // A GPU: device cuda starts (publisher_gpu_test covers encoding on it).
     auto started = PublisherDaemon::Start(*cuda, &cuda::OpenDevice);
-    EXPECT_TRUE(started.ok()) << started.status();
+    EXPECT_THAT(started, IsOk());
   } else {
     // No GPU (or built without CUDA): refused, naming the field and the cause.
     auto refused = PublisherDaemon::Start(*cuda, &cuda::OpenDevice);
-    ASSERT_FALSE(refused.ok());
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(absl::StrContains(refused.status().message(), "publisher.codec.device: cuda"))
-        << refused.status();
-    EXPECT_TRUE(absl::StrContains(refused.status().message(), "cannot use the GPU"))
-        << refused.status();
+    ASSERT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                  AllOf(HasSubstr("publisher.codec.device: cuda"),
+                                        HasSubstr("cannot use the GPU"))));
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "no CUDA device") ||
                 absl::StrContains(refused.status().message(), "no usable CUDA device"))
         << refused.status();
@@ -491,17 +483,16 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
         "publisher:\n  listen: \"127.0.0.1:0\"\n  codec:\n    device: cuda\n"
         "    cuda_device_uuid: GPU-8b1f0011-2233-4455-6677-8899aabbccdd\n",
         "uuid.yaml");
-    ASSERT_TRUE(by_uuid.ok()) << by_uuid.status();
+    ASSERT_THAT(by_uuid, IsOk());
     auto refused_uuid = PublisherDaemon::Start(*by_uuid, &cuda::OpenDevice);
-    ASSERT_FALSE(refused_uuid.ok());
-    EXPECT_EQ(refused_uuid.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(absl::StrContains(refused_uuid.status().message(),
-                                  "codec.cuda_device_uuid GPU-8b1f0011-2233-4455-6677-8899aabbccdd"))
-        << refused_uuid.status();
+    ASSERT_THAT(
+        refused_uuid,
+        StatusIs(absl::StatusCode::kFailedPrecondition,
+                 HasSubstr("codec.cuda_device_uuid GPU-8b1f0011-2233-4455-6677-8899aabbccdd")));
   }
   // A process without GPU support (no opener) refuses codec.device cuda whatever the machine.
   auto unsupported = PublisherDaemon::Start(*cuda);
-  ASSERT_FALSE(unsupported.ok());
+  ASSERT_THAT(unsupported, Not(IsOk()));
   EXPECT_TRUE(absl::StrContains(unsupported.status().message(), "this process has no GPU support"))
       << unsupported.status();
 
@@ -509,14 +500,13 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
       absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir.path(),
                    "/control.sock\"\n  codec:\n    device: auto\n    threads: 1\n"),
       "split.yaml");
-  ASSERT_TRUE(split.ok()) << split.status();
-  auto daemon = PublisherDaemon::Start(*split);
-  ASSERT_TRUE(daemon.ok()) << daemon.status();
-  EXPECT_EQ((*daemon)->control_address(), absl::StrCat("unix:", dir.path(), "/control.sock"));
-  EXPECT_EQ((*daemon)->local_address(), "");
+  ASSERT_THAT(split, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto daemon, PublisherDaemon::Start(*split));
+  EXPECT_EQ(daemon->control_address(), absl::StrCat("unix:", dir.path(), "/control.sock"));
+  EXPECT_EQ(daemon->local_address(), "");
   {
     auto control = v1::Control::NewStub(
-        grpc::CreateChannel((*daemon)->control_address(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(daemon->control_address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
     v1::StatusResponse status;
@@ -526,15 +516,15 @@ TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   {
     // Control is not on the data-plane address then.
     auto control = v1::Control::NewStub(
-        grpc::CreateChannel((*daemon)->listen_address(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(daemon->listen_address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
     v1::StatusResponse status;
     EXPECT_EQ(control->Status(&ctx, v1::StatusRequest(), &status).error_code(),
               grpc::StatusCode::UNIMPLEMENTED);
   }
-  (*daemon)->Shutdown();
-  (*daemon)->Shutdown();  // idempotent
+  daemon->Shutdown();
+  daemon->Shutdown();  // idempotent
 }
 
 }  // namespace

@@ -23,12 +23,13 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/publisher/device_cache.h"
 #include "daemon/publisher/publisher_control.h"
-#include "daemon/publisher/publisher_core.h"
 #include "daemon/publisher/trainer_api.h"
+#include "daemon/serving/publisher_core.h"
 #include "daemon/sync/sync_testing.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
@@ -37,8 +38,10 @@
 namespace refit::publisher {
 namespace {
 
-using ::testing::HasSubstr;
+using ::refit::testing::IsOk;
 using sync::testing::Tensor;
+using ::testing::HasSubstr;
+using ::testing::Not;
 using Kind = cuda::Allocation::Kind;
 
 #define REQUIRE_DEVICE()                                                         \
@@ -51,7 +54,7 @@ using Kind = cuda::Allocation::Kind;
 
 std::unique_ptr<cuda::Device> OpenTestDevice() {
   auto d = cuda::OpenDevice({});
-  EXPECT_TRUE(d.ok()) << d.status();
+  EXPECT_THAT(d, IsOk());
   return d.ok() ? std::move(*d) : nullptr;
 }
 
@@ -75,7 +78,7 @@ std::vector<std::vector<Tensor>> ModelVersions() {
   o.threads = 1;
   o.seed = 7;
   auto traj = model::Trajectory::Create(o);
-  EXPECT_TRUE(traj.ok()) << traj.status();
+  EXPECT_THAT(traj, IsOk());
   if (!traj.ok()) return {};
   std::mt19937 rng(11);
   std::map<std::string, Tensor> extra;
@@ -135,11 +138,11 @@ std::shared_ptr<const DeviceBytes> ToDevice(cuda::Device* device, Kind kind,
   auto out = std::make_shared<DeviceBytes>();
   out->device = device;
   auto memory = device->Allocate(bytes.size(), kind);
-  EXPECT_TRUE(memory.ok()) << memory.status();
+  EXPECT_THAT(memory, IsOk());
   if (!memory.ok()) return nullptr;
   out->memory = std::move(*memory);
   if (!bytes.empty()) {
-    EXPECT_TRUE(device->CopyToDevice(out->memory.data(), bytes.data(), bytes.size()).ok());
+    EXPECT_THAT(device->CopyToDevice(out->memory.data(), bytes.data(), bytes.size()), IsOk());
   }
   return out;
 }
@@ -189,21 +192,21 @@ std::unique_ptr<PublisherCore> OpenCore(cuda::Device* device, Kind baseline,
   o.gpu_baseline = baseline;
   o.persist_dir = persist_dir;
   auto core = PublisherCore::Open(o);
-  EXPECT_TRUE(core.ok()) << core.status();
+  EXPECT_THAT(core, IsOk());
   return core.ok() ? std::move(*core) : nullptr;
 }
 
 // Every frame of the transfer from `from` (digest `from_digest`) to the newest version.
 std::vector<std::string> Frames(const PublisherCore& core, uint64_t from, uint64_t from_digest) {
   auto t = core.MakeTransfer(from, from_digest);
-  EXPECT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(t, IsOk());
   std::vector<std::string> frames;
   if (!t.ok()) return frames;
   frames.push_back(absl::StrCat("reason ", (*t)->plan().reason, " base ", (*t)->base_version(),
                                 " objects ", (*t)->object_bytes()));
   for (uint64_t i = 0; i < (*t)->frame_count(); ++i) {
     auto f = (*t)->Frame(i);
-    EXPECT_TRUE(f.ok()) << f.status();
+    EXPECT_THAT(f, IsOk());
     if (f.ok()) frames.push_back(f->SerializeAsString());
   }
   return frames;
@@ -228,7 +231,7 @@ void ExpectGpuCoresEncodeLikeTheCpu(int patch_format) {
         eo.block_log2 = 12;
         eo.format = 2;
         PatchStats st;
-        ASSERT_TRUE(EncodePatch(DTypeOf(a.spec), a.bytes, b.bytes, eo, &st).ok());
+        ASSERT_THAT(EncodePatch(DTypeOf(a.spec), a.bytes, b.bytes, eo, &st), IsOk());
         context_blocks += st.blocks_context;
       }
     }
@@ -255,7 +258,7 @@ void ExpectGpuCoresEncodeLikeTheCpu(int patch_format) {
     for (auto& c : cores) {
       auto in = Inputs(versions[v], version, c.feed, device.get(), c.kind);
       auto s = c.core->Publish(version, in);
-      ASSERT_TRUE(s.ok()) << c.name << ": " << s.status();
+      ASSERT_THAT(s, IsOk()) << c.name << ": " << s.status();
       sums.push_back(*s);
       if (c.gpu) {
         EXPECT_EQ(s->encode_device, device->Describe()) << c.name;
@@ -342,23 +345,23 @@ TEST(PublisherGpuCoreTest, ReloadedBaselineIsUploadedAsTheBase) {
 
   auto ref = OpenCore(nullptr, Kind::kDevice);
   ASSERT_NE(ref, nullptr);
-  auto s1 = ref->Publish(1, Inputs(v1, 1, Feed::kHost, nullptr, Kind::kDevice));
-  ASSERT_TRUE(s1.ok()) << s1.status();
-  ASSERT_TRUE(ref->Publish(2, Inputs(v2, 2, Feed::kHost, nullptr, Kind::kDevice)).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto s1,
+                             ref->Publish(1, Inputs(v1, 1, Feed::kHost, nullptr, Kind::kDevice)));
+  ASSERT_THAT(ref->Publish(2, Inputs(v2, 2, Feed::kHost, nullptr, Kind::kDevice)), IsOk());
   for (Kind kind : {Kind::kDevice, Kind::kPinnedHost}) {
     testing::TempDir dir("refit-pub-gpu");
     {
       auto writer = OpenCore(nullptr, Kind::kDevice, dir.path());
       ASSERT_NE(writer, nullptr);
-      ASSERT_TRUE(writer->Publish(1, Inputs(v1, 1, Feed::kHost, nullptr, Kind::kDevice)).ok());
+      ASSERT_THAT(writer->Publish(1, Inputs(v1, 1, Feed::kHost, nullptr, Kind::kDevice)), IsOk());
     }
     auto gpu = OpenCore(device.get(), kind, dir.path());
     ASSERT_NE(gpu, nullptr);
     ASSERT_EQ(gpu->newest_version(), 1u);
-    auto s = gpu->Publish(2, Inputs(v2, 2, Feed::kDevice, device.get(), kind));
-    ASSERT_TRUE(s.ok()) << s.status();
-    EXPECT_EQ(s->patched_tensors, 1u);
-    EXPECT_EQ(Frames(*gpu, 1, s1->version_digest), Frames(*ref, 1, s1->version_digest));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto s,
+                               gpu->Publish(2, Inputs(v2, 2, Feed::kDevice, device.get(), kind)));
+    EXPECT_EQ(s.patched_tensors, 1u);
+    EXPECT_EQ(Frames(*gpu, 1, s1.version_digest), Frames(*ref, 1, s1.version_digest));
     EXPECT_EQ(gpu->newest_version_digest(), ref->newest_version_digest());
   }
 }
@@ -372,20 +375,17 @@ TEST(DeviceCacheTest, OpensEachGpuOnceAndNamesUnknownOnes) {
     ++opened;
     return cuda::OpenDevice(selector);
   });
-  auto first = cache.Open({});
-  ASSERT_TRUE(first.ok()) << first.status();
-  const cuda::Uuid uuid = (*first)->info().uuid;
-  auto again = cache.Get(uuid);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(*again, *first);
-  auto by_provider = cache.Provider()(uuid);
-  ASSERT_TRUE(by_provider.ok());
-  EXPECT_EQ(*by_provider, *first);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto first, cache.Open({}));
+  const cuda::Uuid uuid = first->info().uuid;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto again, cache.Get(uuid));
+  EXPECT_EQ(again, first);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto by_provider, cache.Provider()(uuid));
+  EXPECT_EQ(by_provider, first);
   EXPECT_EQ(opened, 1);
   cuda::Uuid unknown = uuid;
   unknown[0] ^= 0xff;
   auto missing = cache.Get(unknown);
-  ASSERT_FALSE(missing.ok());
+  ASSERT_THAT(missing, Not(IsOk()));
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr(cuda::FormatUuid(unknown)));
 }
 
@@ -491,8 +491,8 @@ struct Trainer {
     std::mt19937 rng(seed);
     for (size_t i = 0; i < kA; i += every) host_a[i] = static_cast<uint8_t>(rng());
     for (size_t i = 0; i < kB; i += every) host_b[i] = static_cast<uint8_t>(rng());
-    ASSERT_TRUE(d.CopyToDevice(a.data(), host_a.data(), kA).ok());
-    ASSERT_TRUE(d.CopyToDevice(b.data(), host_b.data(), kB).ok());
+    ASSERT_THAT(d.CopyToDevice(a.data(), host_a.data(), kA), IsOk());
+    ASSERT_THAT(d.CopyToDevice(b.data(), host_b.data(), kB), IsOk());
   }
 };
 
@@ -512,9 +512,8 @@ class TrainerApiCudaTest : public ::testing::TestWithParam<CudaApiParam> {
       ASSIGN_OR_RETURN(std::unique_ptr<cuda::Device> d, cuda::OpenDevice(selector));
       return std::unique_ptr<cuda::Device>(new CountingDevice(std::move(d)));
     });
-    auto opened = cache_->Open({});
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    dev_ = static_cast<CountingDevice*>(*opened);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto opened, cache_->Open({}));
+    dev_ = static_cast<CountingDevice*>(opened);
     uuid_ = dev_->info().uuid;
     const CudaApiParam& p = GetParam();
     core_ = OpenCore(p.gpu_codec ? dev_ : nullptr,
@@ -529,12 +528,14 @@ class TrainerApiCudaTest : public ::testing::TestWithParam<CudaApiParam> {
 
     auto a = dev_->Allocate(Trainer::kA, Kind::kDevice);
     auto b = dev_->Allocate(Trainer::kB, Kind::kDevice);
-    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_THAT(a, IsOk());
+    ASSERT_THAT(b, IsOk());
     trainer_.a = std::move(*a);
     trainer_.b = std::move(*b);
     auto ha = dev_->ExportIpc(trainer_.a.data());
     auto hb = dev_->ExportIpc(trainer_.b.data());
-    ASSERT_TRUE(ha.ok() && hb.ok());
+    ASSERT_THAT(ha, IsOk());
+    ASSERT_THAT(hb, IsOk());
     trainer_.ha = *ha;
     trainer_.hb = *hb;
   }
@@ -555,12 +556,10 @@ class TrainerApiCudaTest : public ::testing::TestWithParam<CudaApiParam> {
     v1::LocalPublishRequest r;
     r.set_client("rank0");
     r.set_version(version);
-    auto response = api_->DoPublish(r);
-    ASSERT_TRUE(response.ok()) << response.status();
-    EXPECT_TRUE(response->committed());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto response, api_->DoPublish(r));
+    EXPECT_TRUE(response.committed());
     if (after_return) after_return();
-    ASSERT_TRUE(
-        queue_->WaitPublished(version, absl::Now() + absl::Seconds(30), nullptr).ok());
+    ASSERT_THAT(queue_->WaitPublished(version, absl::Now() + absl::Seconds(30), nullptr), IsOk());
     ASSERT_EQ(core_->newest_version(), version);
   }
   std::map<std::string, BaselineTensor> Baseline() const {
@@ -584,7 +583,7 @@ TEST_P(TrainerApiCudaTest, PublishSnapshotsCudaTensorsBeforeReturning) {
   for (size_t i = 0; i < 4096; ++i) shm.data()[i] = static_cast<uint8_t>(i * 13);
   auto locations = trainer_.Locations(uuid_);
   locations.push_back(refit::testing::Location("s", v1::DTYPE_BF16, {512}, shm.path(), 0, 1024));
-  ASSERT_TRUE(Register("rank0", locations).ok());
+  ASSERT_THAT(Register("rank0", locations), IsOk());
   EXPECT_EQ(dev_->opens, 2);  // two allocations: each handle opened once
 
   // Version 1; the trainer overwrites its weights as soon as Publish returns.
@@ -637,8 +636,8 @@ TEST_P(TrainerApiCudaTest, PublishSnapshotsCudaTensorsBeforeReturning) {
                                  host("w2", DType::kF32, {500}, w2_v2),
                                  host("w3", DType::kU8, {3000}, w3_v2),
                                  host("s", DType::kBF16, {512}, s_v2)};
-  ASSERT_TRUE(ref->Publish(1, r1).ok());
-  ASSERT_TRUE(ref->Publish(2, r2).ok());
+  ASSERT_THAT(ref->Publish(1, r1), IsOk());
+  ASSERT_THAT(ref->Publish(2, r2), IsOk());
   EXPECT_EQ(ref->newest_version_digest(), core_->newest_version_digest());
   EXPECT_EQ(Frames(*core_, 1, digest1), Frames(*ref, 1, digest1));
 
@@ -649,13 +648,13 @@ TEST_P(TrainerApiCudaTest, PublishSnapshotsCudaTensorsBeforeReturning) {
   EXPECT_EQ(last->summary.unchanged_tensors, 4u);
 
   // Registering again opens the handles anew and closes the old mappings; Unregister closes.
-  ASSERT_TRUE(Register("rank0", trainer_.Locations(uuid_)).ok());
+  ASSERT_THAT(Register("rank0", trainer_.Locations(uuid_)), IsOk());
   EXPECT_EQ(dev_->opens, 4);
   EXPECT_EQ(dev_->closes, 2);
-  ASSERT_TRUE(api_->DoUnregister("rank0").ok());
+  ASSERT_THAT(api_->DoUnregister("rank0"), IsOk());
   EXPECT_EQ(dev_->closes, 4);
   // And the service's destruction closes what is still open.
-  ASSERT_TRUE(Register("rank1", trainer_.Locations(uuid_)).ok());
+  ASSERT_THAT(Register("rank1", trainer_.Locations(uuid_)), IsOk());
   EXPECT_EQ(dev_->opens, 6);
   api_.reset();
   EXPECT_EQ(dev_->closes, 6);
@@ -671,20 +670,17 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(TrainerApiCudaRegionTest, BadRegionsHaveClearErrors) {
   REQUIRE_EMULATOR();
   DeviceCache cache(&cuda::OpenDevice);
-  auto dev = cache.Open({});
-  ASSERT_TRUE(dev.ok()) << dev.status();
-  auto core = OpenCore(*dev, Kind::kDevice);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto dev, cache.Open({}));
+  auto core = OpenCore(dev, Kind::kDevice);
   ASSERT_NE(core, nullptr);
   PublishQueue queue(core.get(), nullptr);
   TrainerApiOptions o;
   o.devices = cache.Provider();
   o.cuda_snapshot = CudaSnapshot::kDevice;
   TrainerApiService api(&queue, std::move(o));
-  auto memory = (*dev)->Allocate(8192, Kind::kDevice);
-  ASSERT_TRUE(memory.ok());
-  auto handle = (*dev)->ExportIpc(memory->data());
-  ASSERT_TRUE(handle.ok());
-  const cuda::Uuid uuid = (*dev)->info().uuid;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto memory, dev->Allocate(8192, Kind::kDevice));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto handle, dev->ExportIpc(memory.data()));
+  const cuda::Uuid uuid = dev->info().uuid;
 
   auto expect = [&](v1::TensorLocation location, absl::StatusCode code,
                     std::vector<std::string> parts, TrainerApiService* service = nullptr) {
@@ -692,7 +688,7 @@ TEST(TrainerApiCudaRegionTest, BadRegionsHaveClearErrors) {
     r.set_client("rank0");
     *r.add_tensors() = std::move(location);
     auto got = (service != nullptr ? service : &api)->DoRegister(r);
-    ASSERT_FALSE(got.ok());
+    ASSERT_THAT(got, Not(IsOk()));
     EXPECT_EQ(got.status().code(), code) << got.status();
     parts.push_back("client \"rank0\": tensor 0 'w'");
     for (const std::string& part : parts) {
@@ -703,33 +699,33 @@ TEST(TrainerApiCudaRegionTest, BadRegionsHaveClearErrors) {
   {
     v1::RegisterTensorsRequest r;
     r.set_client("ok");
-    *r.add_tensors() = CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 4096, 2048, 8192);
-    ASSERT_TRUE(api.DoRegister(r).ok());
+    *r.add_tensors() = CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 4096, 2048, 8192);
+    ASSERT_THAT(api.DoRegister(r), IsOk());
   }
   // Size not the tensor's.
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 0, 1024),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 0, 1024),
          absl::StatusCode::kInvalidArgument, {"cuda_ipc.size_bytes is 1024", "needs 2048"});
   // Outside the allocation: by the given allocation_bytes, and by the driver's size.
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 7000, 2048, 8192),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 7000, 2048, 8192),
          absl::StatusCode::kOutOfRange, {"outside its allocation of 8192 bytes"});
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 7000, 2048),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 7000, 2048),
          absl::StatusCode::kOutOfRange, {"outside the allocation of 8192 bytes"});
   // allocation_bytes larger than the allocation the handle opens.
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 0, 2048, 1 << 20),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 0, 2048, 1 << 20),
          absl::StatusCode::kInvalidArgument, {"allocation_bytes is 1048576", "8192"});
   // Malformed handle and UUID.
   {
-    auto l = CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 0, 2048);
+    auto l = CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 0, 2048);
     l.mutable_cuda_ipc()->set_ipc_handle("short");
     expect(l, absl::StatusCode::kInvalidArgument, {"ipc_handle has 5 bytes", "64"});
-    l = CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 0, 2048);
+    l = CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 0, 2048);
     l.mutable_cuda_ipc()->set_device_uuid("GPU-1234");
     expect(l, absl::StatusCode::kInvalidArgument, {"device_uuid has 8 bytes", "16"});
   }
   // A GPU this process does not have.
   cuda::Uuid unknown = uuid;
   unknown[15] ^= 0x5a;
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, unknown, 0, 2048),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, unknown, 0, 2048),
          absl::StatusCode::kFailedPrecondition,
          {"CUDA IPC region on " + cuda::FormatUuid(unknown), "cannot use"});
   // A handle that is not one (right length).
@@ -738,16 +734,14 @@ TEST(TrainerApiCudaRegionTest, BadRegionsHaveClearErrors) {
          {"cannot open the CUDA IPC handle on " + cuda::FormatUuid(uuid)});
   // A service without GPU support.
   TrainerApiService no_gpu(&queue, 1);
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *handle, uuid, 0, 2048),
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, handle, uuid, 0, 2048),
          absl::StatusCode::kFailedPrecondition, {"no GPU support", cuda::FormatUuid(uuid)},
          &no_gpu);
   // The trainer freed the allocation: its handle no longer opens.
-  auto freed = (*dev)->Allocate(4096, Kind::kDevice);
-  ASSERT_TRUE(freed.ok());
-  auto freed_handle = (*dev)->ExportIpc(freed->data());
-  ASSERT_TRUE(freed_handle.ok());
-  *freed = cuda::Allocation();
-  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, *freed_handle, uuid, 0, 2048),
+  REFIT_ASSERT_OK_AND_ASSIGN(auto freed, dev->Allocate(4096, Kind::kDevice));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto freed_handle, dev->ExportIpc(freed.data()));
+  freed = cuda::Allocation();
+  expect(CudaLocation("w", v1::DTYPE_BF16, {1024}, freed_handle, uuid, 0, 2048),
          absl::StatusCode::kInvalidArgument, {"cannot open the CUDA IPC handle", "freed"});
 }
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -28,7 +29,9 @@ namespace refit::publisher {
 namespace {
 
 using refit::testing::Deadline;
+using ::refit::testing::IsOk;
 using refit::testing::TempDir;
+using ::testing::Not;
 
 std::unique_ptr<v1::Control::Stub> ControlStub(const std::string& target) {
   return v1::Control::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -88,7 +91,7 @@ void WriteModel(const std::string& path, const std::vector<uint8_t>& w,
   std::vector<model::SafetensorsTensorRef> refs = {
       {"w", DType::kBF16, {static_cast<int64_t>(w.size() / 2)}, std::span<const uint8_t>(w)},
       {"b", DType::kF32, {static_cast<int64_t>(b.size() / 4)}, std::span<const uint8_t>(b)}};
-  ASSERT_TRUE(model::WriteSafetensors(path, refs).ok());
+  ASSERT_THAT(model::WriteSafetensors(path, refs), IsOk());
 }
 
 TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
@@ -98,30 +101,28 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
                    "  control_access: {unauthenticated_tcp_role: write}\n  codec:\n    threads: 1\n"
                    "  files: {publish_dirs: [\"", dir.path(), "\"]}\n"),
       "pub.yaml");
-  ASSERT_TRUE(pub_config.ok()) << pub_config.status();
-  auto pub = PublisherDaemon::Start(*pub_config);
-  ASSERT_TRUE(pub.ok()) << pub.status();
-  auto pub_control = ControlStub((*pub)->listen_address());
+  ASSERT_THAT(pub_config, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto pub, PublisherDaemon::Start(*pub_config));
+  auto pub_control = ControlStub(pub->listen_address());
 
   auto sub_config = config::LoadSubscriberConfigFromString(
       absl::StrCat("subscriber:\n  name: sub-a\n  listen: \"127.0.0.1:0\"\n"
                    "  control_access: {unauthenticated_tcp_role: write}\n  upstream:\n"
                    "    addresses: [\"",
-                   (*pub)->listen_address(),
+                   pub->listen_address(),
                    "\"]\n    connections: 2\n    backoff:\n      initial_ms: 20\n"
                    "  store:\n    shm_prefix: /refit-pubsub-",
                    getpid(), "-\n"),
       "sub.yaml");
-  ASSERT_TRUE(sub_config.ok()) << sub_config.status();
-  auto sub = subscriber::SubscriberDaemon::Start(*sub_config);
-  ASSERT_TRUE(sub.ok()) << sub.status();
-  auto sub_control = ControlStub((*sub)->listen_address());
+  ASSERT_THAT(sub_config, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto sub, subscriber::SubscriberDaemon::Start(*sub_config));
+  auto sub_control = ControlStub(sub->listen_address());
 
   // The subscriber's session is live before the first version.
   auto live = PollStatus(*pub_control, [](const v1::StatusResponse& s) {
     return s.sessions_size() == 1 && s.sessions(0).state() == v1::SESSION_STATE_IDLE;
   });
-  ASSERT_TRUE(live.ok()) << live.status();
+  ASSERT_THAT(live, IsOk());
   EXPECT_EQ(live->sessions(0).name(), "sub-a");
 
   std::vector<uint8_t> w(4096), b(256);
@@ -129,16 +130,15 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i * 5);
   const std::string file = dir.path() + "/model.safetensors";
   WriteModel(file, w, b);
-  auto v1r = Publish(*pub_control, file);
-  ASSERT_TRUE(v1r.ok()) << v1r.status();
-  ASSERT_TRUE(WaitVersion(*pub_control, 1, 30000, /*all=*/true).ok());
-  auto held = WaitVersion(*sub_control, 1, 30000, false);
-  ASSERT_TRUE(held.ok()) << held.status();
-  EXPECT_EQ(held->version_digest(), v1r->version_digest());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto v1r, Publish(*pub_control, file));
+  ASSERT_THAT(WaitVersion(*pub_control, 1, 30000, /*all=*/true), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto held, WaitVersion(*sub_control, 1, 30000, false));
+  EXPECT_EQ(held.version_digest(), v1r.version_digest());
   // store.digest_v2 off (the default): a v1 session; the publisher reports both digests.
   auto pub_status = GetStatus(*pub_control);
   auto sub_status = GetStatus(*sub_control);
-  ASSERT_TRUE(pub_status.ok() && sub_status.ok());
+  ASSERT_THAT(pub_status, IsOk());
+  ASSERT_THAT(sub_status, IsOk());
   EXPECT_EQ(sub_status->digest_format(), 1u);
   EXPECT_NE(pub_status->version_digest_v2(), 0u);
   EXPECT_NE(pub_status->version_digest_v2(), pub_status->version_digest());
@@ -146,13 +146,13 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   w[100] ^= 1;
   WriteModel(file, w, b);
   auto v2r = Publish(*pub_control, file);
-  ASSERT_TRUE(v2r.ok()) << v2r.status();
-  ASSERT_TRUE(WaitVersion(*pub_control, 2, 30000, /*all=*/true).ok());
+  ASSERT_THAT(v2r, IsOk());
+  ASSERT_THAT(WaitVersion(*pub_control, 2, 30000, /*all=*/true), IsOk());
   auto acked = PollStatus(*pub_control, [](const v1::StatusResponse& s) {
     return s.last_refit().version() == 2 && s.last_refit().digests_verified() &&
            s.sessions_size() == 1 && s.sessions(0).acked_version() == 2;
   });
-  ASSERT_TRUE(acked.ok()) << acked.status();
+  ASSERT_THAT(acked, IsOk());
   EXPECT_EQ(acked->last_refit().base_version(), 1u);
   EXPECT_EQ(acked->last_refit().changed_elements(), 1u);
   EXPECT_GT(acked->last_refit().latency_micros(), 0u);
@@ -172,13 +172,13 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   // The resync goes with the next version: every tensor as a keyframe.
   b[0] ^= 1;
   WriteModel(file, w, b);
-  ASSERT_TRUE(Publish(*pub_control, file).ok());
-  ASSERT_TRUE(WaitVersion(*pub_control, 3, 30000, /*all=*/true).ok());
+  ASSERT_THAT(Publish(*pub_control, file), IsOk());
+  ASSERT_THAT(WaitVersion(*pub_control, 3, 30000, /*all=*/true), IsOk());
   auto v3 = WaitVersion(*sub_control, 3, 30000, false);
-  ASSERT_TRUE(v3.ok()) << v3.status();
+  ASSERT_THAT(v3, IsOk());
 
-  (*sub)->Shutdown();
-  (*pub)->Shutdown();
+  sub->Shutdown();
+  pub->Shutdown();
 }
 
 TEST(PublisherShutdownTest, DoesNotWaitForBlockedWaitVersion) {
@@ -186,10 +186,9 @@ TEST(PublisherShutdownTest, DoesNotWaitForBlockedWaitVersion) {
       "publisher:\n  listen: \"127.0.0.1:0\"\n  control_access: {unauthenticated_tcp_role: write}\n"
       "  codec:\n    threads: 1\n",
       "pub.yaml");
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto pub = PublisherDaemon::Start(*config);
-  ASSERT_TRUE(pub.ok()) << pub.status();
-  auto control = ControlStub((*pub)->listen_address());
+  ASSERT_THAT(config, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto pub, PublisherDaemon::Start(*config));
+  auto control = ControlStub(pub->listen_address());
   absl::Status waited;
   std::thread waiter([&] {
     // timeout 0: until the RPC deadline (60 s).
@@ -197,13 +196,13 @@ TEST(PublisherShutdownTest, DoesNotWaitForBlockedWaitVersion) {
   });
   // The wait is in place once the server has it; give it the chance to arrive, then stop.
   auto status = GetStatus(*control);
-  ASSERT_TRUE(status.ok());
+  ASSERT_THAT(status, IsOk());
   const absl::Time start = absl::Now();
-  (*pub)->Shutdown();
+  pub->Shutdown();
   waiter.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   RecordProperty("wait_status", waited.ToString());
-  EXPECT_FALSE(waited.ok());
+  EXPECT_THAT(waited, Not(IsOk()));
   EXPECT_TRUE(waited.code() == absl::StatusCode::kUnavailable ||
               waited.code() == absl::StatusCode::kCancelled)
       << waited;

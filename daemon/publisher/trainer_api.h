@@ -74,119 +74,12 @@
 #include "daemon/codec/dtype.h"
 #include "daemon/common/peer_cred.h"
 #include "daemon/publisher/device_cache.h"
+#include "daemon/publisher/mapped_tensor.h"
 #include "daemon/publisher/publisher_control.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
 namespace refit::publisher {
-
-// A trainer's CUDA allocation opened from its IPC handle (Device::OpenIpc); closed on
-// destruction.
-class OpenedIpc {
- public:
-  ~OpenedIpc();
-  OpenedIpc(const OpenedIpc&) = delete;
-  OpenedIpc& operator=(const OpenedIpc&) = delete;
-
-  // Opens `handle` on `device` and asks the driver for the allocation's size.
-  static absl::StatusOr<std::shared_ptr<const OpenedIpc>> Open(cuda::Device* device,
-                                                               const cuda::IpcHandle& handle);
-
-  cuda::Device* device() const { return device_; }
-  const uint8_t* base() const { return base_; }
-  size_t size() const { return size_; }  // of the allocation, from its base
-
- private:
-  OpenedIpc() = default;
-  cuda::Device* device_ = nullptr;
-  uint8_t* base_ = nullptr;
-  size_t size_ = 0;
-};
-
-// Opens the CUDA IPC regions of one registration: the GPU by UUID through a DeviceProvider, and
-// each distinct (GPU, handle) once. Not thread-safe (one per RegisterTensors call).
-class CudaRegionOpener {
- public:
-  // `devices` may be null or empty: CUDA regions are then refused (FAILED_PRECONDITION).
-  explicit CudaRegionOpener(const DeviceProvider* devices) : devices_(devices) {}
-
-  // The opened allocation holding `region` (checks nothing about offset and size). `what`
-  // prefixes errors.
-  absl::StatusOr<std::shared_ptr<const OpenedIpc>> Open(const v1::CudaIpcRegion& region,
-                                                        const std::string& what);
-
- private:
-  const DeviceProvider* const devices_;
-  std::map<std::pair<cuda::Uuid, cuda::IpcHandle>, std::shared_ptr<const OpenedIpc>> opened_;
-};
-
-// A shared-memory object a ShmRegion names, opened read-only and checked (see the top comment).
-struct ShmObject {
-  int fd = -1;       // owned by the caller
-  std::string name;  // "file \"/proc/12/fd/5\"", "shm object \"/w\"", for messages
-  struct stat st = {};
-};
-// `what` prefixes errors. Codes: InvalidArgument (malformed name or path, not a regular file),
-// NotFound, PermissionDenied (another process's fd, a path outside /proc/<pid>/fd and /dev/shm,
-// not shared memory, another owner, world-writable).
-absl::StatusOr<ShmObject> OpenShmObject(const v1::ShmRegion& region, const std::string& what,
-                                        const std::optional<PeerCred>& peer);
-// Makes sure the object behind `fd` can never shrink: true when it is sealed F_SEAL_SHRINK
-// already or the seals F_SEAL_SHRINK | F_SEAL_GROW could be added now.
-bool SealAgainstShrinking(int fd);
-
-// One registered tensor: its spec and its region, mapped read-only (a shm object sealed against
-// shrinking), kept open for pread (any other shm object) or opened (CUDA IPC).
-class MappedTensor {
- public:
-  ~MappedTensor();
-  MappedTensor(const MappedTensor&) = delete;
-  MappedTensor& operator=(const MappedTensor&) = delete;
-
-  // Validates `location` and maps (shm) or opens (cuda_ipc, through `cuda`) its region. `what`
-  // prefixes errors ("client \"rank0\": tensor 2 'w'"). Codes: InvalidArgument (spec, missing
-  // region, size mismatch, relative path, malformed handle or UUID), NotFound (shm object / file
-  // missing), PermissionDenied, OutOfRange (region outside the object or allocation),
-  // FailedPrecondition (CUDA region without a usable GPU, or `cuda` null).
-  // `peer`: the calling trainer (see OpenShmObject).
-  static absl::StatusOr<std::unique_ptr<MappedTensor>> Map(
-      const v1::TensorLocation& location, const std::string& what,
-      CudaRegionOpener* cuda = nullptr, const std::optional<PeerCred>& peer = std::nullopt);
-
-  const v1::TensorSpec& spec() const { return spec_; }
-  DType dtype() const { return dtype_; }
-  size_t size() const { return size_; }  // bytes
-  // shm, mapped: the mapped bytes. Read through pread, or cuda_ipc: empty (use CopyTo / gpu()).
-  std::span<const uint8_t> bytes() const {
-    return ipc_ != nullptr || fd_ >= 0 ? std::span<const uint8_t>()
-                                       : std::span<const uint8_t>(data_, size_);
-  }
-  // shm: whether the region is mapped (sealed against shrinking) rather than read with pread.
-  bool mapped() const { return fd_ < 0 && ipc_ == nullptr; }
-  // shm: copies bytes [offset, offset + len) of the tensor to `dst`. FAILED_PRECONDITION naming
-  // client, tensor and object when the object shrank under the region.
-  absl::Status CopyTo(uint8_t* dst, size_t offset, size_t len) const;
-  // cuda_ipc: the opened allocation (null for shm) and the region's device pointer.
-  const OpenedIpc* gpu() const { return ipc_.get(); }
-  const uint8_t* device_data() const { return ipc_ != nullptr ? data_ : nullptr; }
-
- private:
-  MappedTensor() = default;
-  static absl::StatusOr<std::unique_ptr<MappedTensor>> MapShm(
-      const v1::ShmRegion& region, const v1::TensorSpec& spec, DType dtype, uint64_t elements,
-      uint64_t size, const std::string& what, const std::optional<PeerCred>& peer);
-
-  v1::TensorSpec spec_;
-  std::string what_;  // client, tensor and object, for errors
-  int fd_ = -1;       // shm read with pread: the object, and the region's offset in it
-  uint64_t offset_ = 0;
-  DType dtype_ = DType::kBF16;
-  void* map_ = nullptr;
-  size_t map_len_ = 0;
-  const uint8_t* data_ = nullptr;
-  size_t size_ = 0;
-  std::shared_ptr<const OpenedIpc> ipc_;
-};
 
 // Where Publish snapshots CUDA tensors.
 enum class CudaSnapshot {

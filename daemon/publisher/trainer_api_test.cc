@@ -16,13 +16,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "absl/strings/str_cat.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/publisher/publisher_control.h"
-#include "daemon/publisher/publisher_core.h"
-#include "daemon/codec/hash.h"
+#include "daemon/serving/publisher_core.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
@@ -32,7 +33,12 @@
 namespace refit::publisher {
 namespace {
 
+using ::refit::testing::IsOk;
 using refit::testing::Location;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A memfd of `bytes` holding a pattern, addressed as /proc/self/fd/N.
 class Memfd : public refit::testing::Memfd {
@@ -45,13 +51,13 @@ class Memfd : public refit::testing::Memfd {
 
 TEST(MappedTensorTest, MapsAnUnalignedRegionReadOnly) {
   Memfd m(3 * 4096);
-  auto t = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {2, 50}, m.path(), 4097, 200), "t");
-  ASSERT_TRUE(t.ok()) << t.status();
-  ASSERT_EQ((*t)->bytes().size(), 200u);
-  EXPECT_EQ(std::memcmp((*t)->bytes().data(), m.data() + 4097, 200), 0);
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto t, MappedTensor::Map(Location("w", v1::DTYPE_BF16, {2, 50}, m.path(), 4097, 200), "t"));
+  ASSERT_EQ((t)->bytes().size(), 200u);
+  EXPECT_EQ(std::memcmp((t)->bytes().data(), m.data() + 4097, 200), 0);
   // MAP_SHARED: later writes are visible through the mapping.
   m.data()[4097] ^= 0xff;
-  EXPECT_EQ((*t)->bytes()[0], m.data()[4097]);
+  EXPECT_EQ((t)->bytes()[0], m.data()[4097]);
 }
 
 TEST(MappedTensorTest, ShmObjectByName) {
@@ -66,7 +72,7 @@ TEST(MappedTensorTest, ShmObjectByName) {
   l.mutable_shm()->set_shm_name(name);
   l.mutable_shm()->set_size_bytes(64);
   auto t = MappedTensor::Map(l, "t");
-  EXPECT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT(t, IsOk());
   close(fd);
   shm_unlink(name.c_str());
 }
@@ -76,18 +82,12 @@ TEST(MappedTensorTest, BadRegionsHaveSpecificCodesAndMessages) {
   const std::string what = "client \"rank0\": tensor 0 'w'";
   // Region beyond the end of the object.
   auto out = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {1024}, m.path(), 4000, 2048), what);
-  ASSERT_FALSE(out.ok());
-  EXPECT_EQ(out.status().code(), absl::StatusCode::kOutOfRange) << out.status();
-  EXPECT_TRUE(absl::StrContains(out.status().message(), "outside")) << out.status();
-  EXPECT_TRUE(absl::StrContains(out.status().message(), m.path())) << out.status();
-  EXPECT_TRUE(absl::StrContains(out.status().message(), what)) << out.status();
+  ASSERT_THAT(out, StatusIs(absl::StatusCode::kOutOfRange,
+                            AllOf(HasSubstr("outside"), HasSubstr(m.path()), HasSubstr(what))));
   // size_bytes that does not match dtype x shape.
   auto size = MappedTensor::Map(Location("w", v1::DTYPE_BF16, {1024}, m.path(), 0, 1024), what);
-  ASSERT_FALSE(size.ok());
-  EXPECT_EQ(size.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(size.status().message(), "size_bytes is 1024"))
-      << size.status();
-  EXPECT_TRUE(absl::StrContains(size.status().message(), "2048")) << size.status();
+  ASSERT_THAT(size, StatusIs(absl::StatusCode::kInvalidArgument,
+                             AllOf(HasSubstr("size_bytes is 1024"), HasSubstr("2048"))));
   // Missing shm object.
   v1::TensorLocation missing;
   missing.mutable_spec()->set_name("w");
@@ -96,19 +96,15 @@ TEST(MappedTensorTest, BadRegionsHaveSpecificCodesAndMessages) {
   missing.mutable_shm()->set_shm_name("/refit-no-such-object-xyz");
   missing.mutable_shm()->set_size_bytes(4);
   auto gone = MappedTensor::Map(missing, what);
-  ASSERT_FALSE(gone.ok());
-  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(absl::StrContains(gone.status().message(), "/refit-no-such-object-xyz"))
-      << gone.status();
-  EXPECT_TRUE(absl::StrContains(gone.status().message(), "does not exist")) << gone.status();
+  ASSERT_THAT(gone,
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("/refit-no-such-object-xyz"), HasSubstr("does not exist"))));
   // Relative path.
   auto rel = MappedTensor::Map(Location("w", v1::DTYPE_U8, {4}, "rel/path", 0, 4), what);
-  ASSERT_FALSE(rel.ok());
-  EXPECT_EQ(rel.status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_THAT(rel, StatusIs(absl::StatusCode::kInvalidArgument));
   // Unspecified dtype.
   auto dtype = MappedTensor::Map(Location("w", v1::DTYPE_UNSPECIFIED, {4}, m.path(), 0, 4), what);
-  ASSERT_FALSE(dtype.ok());
-  EXPECT_EQ(dtype.status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_THAT(dtype, StatusIs(absl::StatusCode::kInvalidArgument));
   // CUDA IPC without a device provider (publisher_gpu_test.cc covers CUDA regions).
   v1::TensorLocation cuda;
   *cuda.mutable_spec() = missing.spec();
@@ -116,18 +112,15 @@ TEST(MappedTensorTest, BadRegionsHaveSpecificCodesAndMessages) {
   cuda.mutable_cuda_ipc()->set_ipc_handle(std::string(64, '\1'));
   cuda.mutable_cuda_ipc()->set_device_uuid(std::string(16, '\2'));
   auto gpu = MappedTensor::Map(cuda, what);
-  ASSERT_FALSE(gpu.ok());
-  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "no GPU support")) << gpu.status();
-  EXPECT_TRUE(absl::StrContains(gpu.status().message(), "GPU-02020202-0202-0202-0202-020202020202"))
-      << gpu.status();
-  EXPECT_TRUE(absl::StrContains(gpu.status().message(), what)) << gpu.status();
+  ASSERT_THAT(
+      gpu, StatusIs(absl::StatusCode::kFailedPrecondition,
+                    AllOf(HasSubstr("no GPU support"),
+                          HasSubstr("GPU-02020202-0202-0202-0202-020202020202"), HasSubstr(what))));
   // No region.
   v1::TensorLocation none;
   *none.mutable_spec() = missing.spec();
   auto no_region = MappedTensor::Map(none, what);
-  ASSERT_FALSE(no_region.ok());
-  EXPECT_EQ(no_region.status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_THAT(no_region, StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 class TrainerApiTest : public ::testing::Test {
@@ -136,9 +129,8 @@ class TrainerApiTest : public ::testing::Test {
     PublisherOptions options;
     options.encode_threads = 1;
     options.digest_threads = 1;
-    auto core = PublisherCore::Open(options);
-    ASSERT_TRUE(core.ok()) << core.status();
-    core_ = std::move(*core);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(options));
+    core_ = std::move(core);
     queue_ = std::make_unique<PublishQueue>(core_.get(), nullptr);
     api_ = std::make_unique<TrainerApiService>(queue_.get());
   }
@@ -174,38 +166,36 @@ class TrainerApiTest : public ::testing::Test {
 
 TEST_F(TrainerApiTest, VersionCommitsOnlyWhenEveryClientPublished) {
   Memfd a(4096, 3), b(4096, 9);
-  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {1024}, a.path(), 0, 2048)}).ok());
-  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_F32, {256}, b.path(), 1024, 1024)}).ok());
+  ASSERT_THAT(Register("rank0", {Location("a", v1::DTYPE_BF16, {1024}, a.path(), 0, 2048)}),
+              IsOk());
+  ASSERT_THAT(Register("rank1", {Location("b", v1::DTYPE_F32, {256}, b.path(), 1024, 1024)}),
+              IsOk());
 
-  auto first = Publish("rank0");
-  ASSERT_TRUE(first.ok()) << first.status();
-  EXPECT_EQ(first->version(), 1u);
-  EXPECT_FALSE(first->committed());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto first, Publish("rank0"));
+  EXPECT_EQ(first.version(), 1u);
+  EXPECT_FALSE(first.committed());
   // rank0's memory changes right after its Publish returned: the snapshot is what counts.
   const std::vector<uint8_t> a_snapshot(a.data(), a.data() + 2048);
   std::memset(a.data(), 0xAB, 4096);
   EXPECT_EQ(core_->newest_version(), 0u);
 
-  auto second = Publish("rank1");
-  ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_EQ(second->version(), 1u);
-  EXPECT_TRUE(second->committed());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto second, Publish("rank1"));
+  EXPECT_EQ(second.version(), 1u);
+  EXPECT_TRUE(second.committed());
   const std::vector<uint8_t> b_snapshot(b.data() + 1024, b.data() + 2048);
   std::memset(b.data(), 0xCD, 4096);
 
-  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_THAT(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr), IsOk());
   EXPECT_EQ(core_->newest_version(), 1u);
   EXPECT_EQ(PublishedBytes("a"), a_snapshot);
   EXPECT_EQ(PublishedBytes("b"), b_snapshot);
 
   // Next round: absent versions continue at 2.
-  auto next = Publish("rank1");
-  ASSERT_TRUE(next.ok());
-  EXPECT_EQ(next->version(), 2u);
-  auto done = Publish("rank0");
-  ASSERT_TRUE(done.ok());
-  EXPECT_TRUE(done->committed());
-  ASSERT_TRUE(queue_->WaitPublished(2, absl::Now() + absl::Seconds(30), nullptr).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto next, Publish("rank1"));
+  EXPECT_EQ(next.version(), 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto done, Publish("rank0"));
+  EXPECT_TRUE(done.committed());
+  ASSERT_THAT(queue_->WaitPublished(2, absl::Now() + absl::Seconds(30), nullptr), IsOk());
   std::vector<uint8_t> a_now(a.data(), a.data() + 2048);
   EXPECT_EQ(PublishedBytes("a"), a_now);
 }
@@ -213,22 +203,22 @@ TEST_F(TrainerApiTest, VersionCommitsOnlyWhenEveryClientPublished) {
 TEST_F(TrainerApiTest, LargeTensorSnapshotIsCopiedInChunks) {
   const size_t bytes = (20u << 20) + 6;  // several 8 MiB chunks and a tail
   Memfd m(bytes + 4096, 5);
-  ASSERT_TRUE(
-      Register("rank0", {Location("big", v1::DTYPE_BF16, {bytes / 2}, m.path(), 123, bytes)}).ok());
-  auto p = Publish("rank0");
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_TRUE(p->committed());
+  ASSERT_THAT(
+      Register("rank0", {Location("big", v1::DTYPE_BF16, {bytes / 2}, m.path(), 123, bytes)}),
+      IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, Publish("rank0"));
+  EXPECT_TRUE(p.committed());
   const std::vector<uint8_t> expected(m.data() + 123, m.data() + 123 + bytes);
   std::memset(m.data(), 0, bytes + 4096);
-  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(60), nullptr).ok());
+  ASSERT_THAT(queue_->WaitPublished(1, absl::Now() + absl::Seconds(60), nullptr), IsOk());
   EXPECT_TRUE(PublishedBytes("big") == expected);
 }
 
 TEST_F(TrainerApiTest, ConcurrentClientsCommitEachRoundOnce) {
   constexpr int kRounds = 20;
   Memfd a(4096, 1), b(4096, 2);
-  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {512}, a.path(), 0, 1024)}).ok());
-  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_BF16, {512}, b.path(), 0, 1024)}).ok());
+  ASSERT_THAT(Register("rank0", {Location("a", v1::DTYPE_BF16, {512}, a.path(), 0, 1024)}), IsOk());
+  ASSERT_THAT(Register("rank1", {Location("b", v1::DTYPE_BF16, {512}, b.path(), 0, 1024)}), IsOk());
   std::barrier sync(2);
   std::atomic<int> committed{0};
   std::vector<std::vector<uint64_t>> versions(2);
@@ -236,7 +226,7 @@ TEST_F(TrainerApiTest, ConcurrentClientsCommitEachRoundOnce) {
     for (int round = 0; round < kRounds; ++round) {
       m->data()[round] ^= 1;  // the step's update
       auto r = Publish(rank == 0 ? "rank0" : "rank1");
-      EXPECT_TRUE(r.ok()) << r.status();
+      EXPECT_THAT(r, IsOk());
       if (r.ok()) {
         versions[rank].push_back(r->version());
         if (r->committed()) committed.fetch_add(1);
@@ -253,39 +243,34 @@ TEST_F(TrainerApiTest, ConcurrentClientsCommitEachRoundOnce) {
     EXPECT_EQ(versions[0][i], static_cast<uint64_t>(i + 1));
     EXPECT_EQ(versions[1][i], static_cast<uint64_t>(i + 1));
   }
-  ASSERT_TRUE(queue_->WaitPublished(kRounds, absl::Now() + absl::Seconds(60), nullptr).ok());
+  ASSERT_THAT(queue_->WaitPublished(kRounds, absl::Now() + absl::Seconds(60), nullptr), IsOk());
   EXPECT_EQ(PublishedBytes("a"), std::vector<uint8_t>(a.data(), a.data() + 1024));
   EXPECT_EQ(PublishedBytes("b"), std::vector<uint8_t>(b.data(), b.data() + 1024));
 }
 
 TEST_F(TrainerApiTest, ClientsMustPublishTheSameVersion) {
   Memfd a(4096), b(4096);
-  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
-  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}).ok());
-  ASSERT_TRUE(Publish("rank0", 7).ok());
+  ASSERT_THAT(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}), IsOk());
+  ASSERT_THAT(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}), IsOk());
+  ASSERT_THAT(Publish("rank0", 7), IsOk());
   auto mismatch = Publish("rank1", 8);
-  ASSERT_FALSE(mismatch.ok());
-  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "version 8")) << mismatch.status();
-  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "version 7")) << mismatch.status();
-  EXPECT_TRUE(absl::StrContains(mismatch.status().message(), "rank0")) << mismatch.status();
-  auto ok = Publish("rank1");
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(ok->version(), 7u);
-  EXPECT_TRUE(ok->committed());
-  ASSERT_TRUE(queue_->WaitPublished(7, absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_THAT(mismatch,
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("version 8"), HasSubstr("version 7"), HasSubstr("rank0"))));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ok, Publish("rank1"));
+  EXPECT_EQ(ok.version(), 7u);
+  EXPECT_TRUE(ok.committed());
+  ASSERT_THAT(queue_->WaitPublished(7, absl::Now() + absl::Seconds(30), nullptr), IsOk());
 
   // Not above the newest published version.
   auto old = Publish("rank0", 7);
-  ASSERT_FALSE(old.ok());
-  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(absl::StrContains(old.status().message(), "version 7 must exceed 7"))
-      << old.status();
+  ASSERT_THAT(
+      old, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("version 7 must exceed 7")));
 }
 
 TEST_F(TrainerApiTest, NamesAreUniqueAcrossClientsAndReRegisterReplaces) {
   Memfd a(4096);
-  ASSERT_TRUE(Register("rank0", {Location("w", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
+  ASSERT_THAT(Register("rank0", {Location("w", v1::DTYPE_U8, {16}, a.path(), 0, 16)}), IsOk());
   absl::Status dup = Register("rank1", {Location("w", v1::DTYPE_U8, {16}, a.path(), 16, 16)});
   EXPECT_EQ(dup.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_TRUE(absl::StrContains(dup.message(), "\"rank0\"")) << dup;
@@ -294,21 +279,20 @@ TEST_F(TrainerApiTest, NamesAreUniqueAcrossClientsAndReRegisterReplaces) {
                                           Location("x", v1::DTYPE_U8, {16}, a.path(), 16, 16)});
   EXPECT_EQ(twice.code(), absl::StatusCode::kInvalidArgument);
   // rank0 replaces its tensors: "w" is free again, "v" is rank0's now.
-  ASSERT_TRUE(Register("rank0", {Location("v", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
-  ASSERT_TRUE(Register("rank1", {Location("w", v1::DTYPE_U8, {16}, a.path(), 16, 16)}).ok());
+  ASSERT_THAT(Register("rank0", {Location("v", v1::DTYPE_U8, {16}, a.path(), 0, 16)}), IsOk());
+  ASSERT_THAT(Register("rank1", {Location("w", v1::DTYPE_U8, {16}, a.path(), 16, 16)}), IsOk());
   EXPECT_EQ(api_->DoUnregister("nobody").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Publish("nobody").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(TrainerApiTest, UnregisterCompletesARoundTheOthersFinished) {
   Memfd a(4096), b(4096);
-  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}).ok());
-  ASSERT_TRUE(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}).ok());
-  auto p = Publish("rank0");
-  ASSERT_TRUE(p.ok());
-  EXPECT_FALSE(p->committed());
-  ASSERT_TRUE(api_->DoUnregister("rank1").ok());
-  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_THAT(Register("rank0", {Location("a", v1::DTYPE_U8, {16}, a.path(), 0, 16)}), IsOk());
+  ASSERT_THAT(Register("rank1", {Location("b", v1::DTYPE_U8, {16}, b.path(), 0, 16)}), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, Publish("rank0"));
+  EXPECT_FALSE(p.committed());
+  ASSERT_THAT(api_->DoUnregister("rank1"), IsOk());
+  ASSERT_THAT(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr), IsOk());
   ASSERT_EQ(core_->Baseline().size(), 1u);
   EXPECT_EQ(core_->Baseline()[0].spec.name(), "a");
 }
@@ -324,14 +308,14 @@ struct RemoveOnExit {
 // is committed (its bytes read by the pass, no snapshot copy), so the trainer may overwrite them.
 TEST_F(TrainerApiTest, CompletingClientReturnsOnceItsMemoryIsReadAndCommitted) {
   Memfd a(8192, 4);
-  ASSERT_TRUE(Register("rank0", {Location("a", v1::DTYPE_BF16, {4096}, a.path(), 0, 8192)}).ok());
+  ASSERT_THAT(Register("rank0", {Location("a", v1::DTYPE_BF16, {4096}, a.path(), 0, 8192)}),
+              IsOk());
   for (uint64_t v = 1; v <= 3; ++v) {
     a.data()[v * 16] ^= 0x5A;  // the step's update
     const std::vector<uint8_t> expected(a.data(), a.data() + 8192);
-    auto p = Publish("rank0");
-    ASSERT_TRUE(p.ok()) << p.status();
-    EXPECT_EQ(p->version(), v);
-    EXPECT_TRUE(p->committed());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto p, Publish("rank0"));
+    EXPECT_EQ(p.version(), v);
+    EXPECT_TRUE(p.committed());
     EXPECT_EQ(core_->newest_version(), v);  // no WaitPublished: committed before the return
     std::memset(a.data(), static_cast<int>(v), 8192);  // the trainer writes right away
     EXPECT_EQ(PublishedBytes("a"), expected);
@@ -343,35 +327,31 @@ TEST_F(TrainerApiTest, CompletingClientReturnsOnceItsMemoryIsReadAndCommitted) {
 // and the job is not run (its memory may change); once the worker moves again, publishing works.
 TEST(TrainerApiLendTest, CancelBeforeTheJobStartsAbandonsIt) {
   const std::string stall = absl::StrCat(::testing::TempDir(), "/refit_lend_stall_", getpid());
-  auto core = PublisherCore::Open({});
-  ASSERT_TRUE(core.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open({}));
   PublishQueueOptions qo;
   qo.stall_file = stall;
-  PublishQueue queue(core->get(), nullptr, qo);
+  PublishQueue queue(core.get(), nullptr, qo);
   const RemoveOnExit unstall{stall};
   TrainerApiService api(&queue);
   Memfd a(4096, 2);
   v1::RegisterTensorsRequest reg;
   reg.set_client("rank0");
   *reg.add_tensors() = Location("a", v1::DTYPE_U8, {4096}, a.path(), 0, 4096);
-  ASSERT_TRUE(api.DoRegister(reg).ok());
+  ASSERT_THAT(api.DoRegister(reg), IsOk());
   v1::LocalPublishRequest pub;
   pub.set_client("rank0");
 
   { std::ofstream(stall).put('x'); }
   auto gave_up = api.DoPublish(pub, absl::InfiniteFuture(), [] { return true; });
-  ASSERT_FALSE(gave_up.ok());
-  EXPECT_EQ(gave_up.status().code(), absl::StatusCode::kCancelled) << gave_up.status();
-  EXPECT_TRUE(absl::StrContains(gave_up.status().message(), "not run")) << gave_up.status();
+  ASSERT_THAT(gave_up, StatusIs(absl::StatusCode::kCancelled, HasSubstr("not run")));
   std::memset(a.data(), 0xEE, 4096);  // allowed: the publish will not read it
   std::filesystem::remove(stall);
 
-  auto p = api.DoPublish(pub);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->version(), 2u);  // version 1 was numbered, then dropped
-  EXPECT_EQ((*core)->newest_version(), 2u);
-  ASSERT_EQ((*core)->Baseline().size(), 1u);
-  EXPECT_EQ(*(*core)->Baseline()[0].bytes, std::vector<uint8_t>(4096, 0xEE));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, api.DoPublish(pub));
+  EXPECT_EQ(p.version(), 2u);  // version 1 was numbered, then dropped
+  EXPECT_EQ((core)->newest_version(), 2u);
+  ASSERT_EQ((core)->Baseline().size(), 1u);
+  EXPECT_EQ(*(core)->Baseline()[0].bytes, std::vector<uint8_t>(4096, 0xEE));
   EXPECT_EQ(queue.Status().dropped_expired(), 1u);
 }
 
@@ -407,9 +387,8 @@ class PassGate {
 class TrainerApiGrpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto core = PublisherCore::Open({});
-    ASSERT_TRUE(core.ok()) << core.status();
-    core_ = std::move(*core);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open({}));
+    core_ = std::move(core);
     PublishQueueOptions qo;
     qo.before_pass = gate_.Hook();
     queue_ = std::make_unique<PublishQueue>(core_.get(), nullptr, qo);
@@ -436,7 +415,7 @@ class TrainerApiGrpcTest : public ::testing::Test {
     v1::RegisterTensorsRequest reg;
     reg.set_client("rank0");
     *reg.add_tensors() = Location("a", v1::DTYPE_BF16, {1 << 15}, a.path(), 0, 1 << 16);
-    ASSERT_TRUE(api_->DoRegister(reg).ok());
+    ASSERT_THAT(api_->DoRegister(reg), IsOk());
   }
   // The version's tensor "a" once published: its bytes, and whether its digest is theirs.
   void ExpectPublished(uint64_t version, const std::vector<uint8_t>& expected) {
@@ -520,23 +499,22 @@ TEST_F(TrainerApiGrpcTest, LendingCallReturnsOnlyAfterThePass) {
 // A lending client is never left waiting: a queue that stops before running its job answers it.
 TEST(TrainerApiLendTest, ShutdownAnswersAWaitingLender) {
   const std::string stall = absl::StrCat(::testing::TempDir(), "/refit_lend_stop_", getpid());
-  auto core = PublisherCore::Open({});
-  ASSERT_TRUE(core.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open({}));
   PublishQueueOptions qo;
   qo.stall_file = stall;
-  PublishQueue queue(core->get(), nullptr, qo);
+  PublishQueue queue(core.get(), nullptr, qo);
   const RemoveOnExit unstall{stall};
   TrainerApiService api(&queue);
   Memfd a(4096, 2), b(4096, 3);
   v1::RegisterTensorsRequest reg;
   reg.set_client("rank0");
   *reg.add_tensors() = Location("a", v1::DTYPE_U8, {4096}, a.path(), 0, 4096);
-  ASSERT_TRUE(api.DoRegister(reg).ok());
+  ASSERT_THAT(api.DoRegister(reg), IsOk());
   v1::LocalPublishRequest pub;
   pub.set_client("rank0");
   // The worker stalls in version 1 (a copied snapshot: another client completes nothing yet).
   { std::ofstream(stall).put('x'); }
-  ASSERT_TRUE(queue.EnqueueTensors(1, {}, "test").ok());
+  ASSERT_THAT(queue.EnqueueTensors(1, {}, "test"), IsOk());
   absl::StatusOr<v1::LocalPublishResponse> answer;
   std::thread lender([&] { answer = api.DoPublish(pub); });  // version 2, queued behind
   const absl::Time limit = absl::Now() + absl::Seconds(60);
@@ -545,8 +523,7 @@ TEST(TrainerApiLendTest, ShutdownAnswersAWaitingLender) {
   queue.BeginStop();
   std::filesystem::remove(stall);
   lender.join();
-  ASSERT_FALSE(answer.ok());
-  EXPECT_EQ(answer.status().code(), absl::StatusCode::kUnavailable) << answer.status();
+  ASSERT_THAT(answer, StatusIs(absl::StatusCode::kUnavailable));
   queue.Stop();
 }
 
@@ -573,39 +550,36 @@ class TrainerApiSecurityTest : public TrainerApiTest {
 TEST_F(TrainerApiSecurityTest, ShrunkUnsealableMemfdIsAClearPublishError) {
   Memfd m(8192, 3, /*allow_sealing=*/false);
   const std::string path = ProcPath(m.fd());
-  ASSERT_TRUE(
-      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, path, 4096, 4096), Self()).ok());
+  ASSERT_THAT(RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, path, 4096, 4096), Self()),
+              IsOk());
   ASSERT_EQ(ftruncate(m.fd(), 100), 0);
   auto p = Publish("rank0");
-  ASSERT_FALSE(p.ok());
-  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
-  EXPECT_TRUE(absl::StrContains(p.status().message(), "client \"rank0\"")) << p.status();
-  EXPECT_TRUE(absl::StrContains(p.status().message(), "'w'")) << p.status();
-  EXPECT_TRUE(absl::StrContains(p.status().message(), path)) << p.status();
-  EXPECT_TRUE(absl::StrContains(p.status().message(), "shrank to 100 bytes")) << p.status();
+  ASSERT_THAT(p, StatusIs(absl::StatusCode::kFailedPrecondition,
+                          AllOf(HasSubstr("client \"rank0\""), HasSubstr("'w'"), HasSubstr(path),
+                                HasSubstr("shrank to 100 bytes"))));
   // Still serving: a fresh registration publishes.
   Memfd fresh(4096, 7);
-  ASSERT_TRUE(Register("rank0", {Location("w", v1::DTYPE_U8, {4096}, fresh.path(), 0, 4096)}).ok());
-  auto again = Publish("rank0");
-  ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE(
-      queue_->WaitPublished(again->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
+  ASSERT_THAT(Register("rank0", {Location("w", v1::DTYPE_U8, {4096}, fresh.path(), 0, 4096)}),
+              IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto again, Publish("rank0"));
+  ASSERT_THAT(queue_->WaitPublished(again.version(), absl::Now() + absl::Seconds(30), nullptr),
+              IsOk());
   EXPECT_EQ(PublishedBytes("w"), std::vector<uint8_t>(fresh.data(), fresh.data() + 4096));
 }
 
 // A memfd that allows sealing is sealed at registration: the trainer can no longer shrink it.
 TEST_F(TrainerApiSecurityTest, SealableMemfdIsSealedAgainstResizing) {
   Memfd m(4096, 5);
-  ASSERT_TRUE(
-      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, ProcPath(m.fd()), 0, 4096), Self())
-          .ok());
+  ASSERT_THAT(
+      RegisterAs("rank0", Location("w", v1::DTYPE_U8, {4096}, ProcPath(m.fd()), 0, 4096), Self()),
+      IsOk());
   EXPECT_NE(ftruncate(m.fd(), 100), 0);
   EXPECT_EQ(errno, EPERM);
   const int seals = fcntl(m.fd(), F_GET_SEALS);
   EXPECT_NE(seals & F_SEAL_SHRINK, 0);
   EXPECT_NE(seals & F_SEAL_GROW, 0);
   auto p = Publish("rank0");
-  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_THAT(p, IsOk());
 }
 
 TEST_F(TrainerApiSecurityTest, RefusesPathsThatAreNotTheTrainersSharedMemory) {
@@ -648,10 +622,10 @@ TEST_F(TrainerApiSecurityTest, DevShmObjectsMustBeTheCallersAndPrivate) {
     return Location("w", v1::DTYPE_U8, {64}, p, 0, 64);
   };
   // Owned by this uid: accepted by path and by shm name.
-  ASSERT_TRUE(RegisterAs("t", loc(path), Self()).ok());
+  ASSERT_THAT(RegisterAs("t", loc(path), Self()), IsOk());
   v1::TensorLocation by_name = loc(path);
   by_name.mutable_shm()->set_shm_name("/" + name);
-  ASSERT_TRUE(RegisterAs("t", by_name, Self()).ok());
+  ASSERT_THAT(RegisterAs("t", by_name, Self()), IsOk());
   // Another uid's caller (as if uid 65534 registered root's 0600 object).
   PeerCred other = Self();
   other.uid = 65534;
@@ -670,10 +644,10 @@ TEST_F(TrainerApiSecurityTest, DevShmObjectsMustBeTheCallersAndPrivate) {
   const std::string link = path + "-link";
   ASSERT_EQ(symlink(path.c_str(), link.c_str()), 0);
   st = RegisterAs("u", loc(link), Self());
-  EXPECT_FALSE(st.ok());
+  EXPECT_THAT(st, Not(IsOk()));
   unlink(link.c_str());
   // Registered without sealing: shrinking it makes Publish fail cleanly, never SIGBUS.
-  ASSERT_TRUE(RegisterAs("t", loc(path), Self()).ok());
+  ASSERT_THAT(RegisterAs("t", loc(path), Self()), IsOk());
   ASSERT_EQ(ftruncate(fd, 0), 0);
   auto p = Publish("t");
   EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
@@ -689,13 +663,13 @@ TEST_F(TrainerApiSecurityTest, AFifoRegionIsRefusedPromptly) {
   const std::string path = absl::StrCat("/dev/shm/refit-sec-fifo-", getpid());
   ASSERT_EQ(mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
   const absl::Status st = RegisterAs("t", Location("w", v1::DTYPE_U8, {64}, path, 0, 64), Self());
-  EXPECT_FALSE(st.ok());
+  EXPECT_THAT(st, Not(IsOk()));
   EXPECT_TRUE(absl::StrContains(st.message(), "not a regular file")) << st;
   const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   const absl::Status by_fd = RegisterAs(
       "t", Location("w", v1::DTYPE_U8, {64}, absl::StrCat("/proc/self/fd/", fd), 0, 64), Self());
-  EXPECT_FALSE(by_fd.ok());
+  EXPECT_THAT(by_fd, Not(IsOk()));
   EXPECT_TRUE(absl::StrContains(by_fd.message(), "not a regular file")) << by_fd;
   close(fd);
   unlink(path.c_str());
@@ -707,24 +681,21 @@ TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
   for (int i = 0; i < 4; ++i) {
     all.push_back(Location(absl::StrCat("t", i), v1::DTYPE_U8, {4096}, m.path(), i * 4096, 4096));
   }
-  ASSERT_TRUE(Register("rank0", all).ok());
+  ASSERT_THAT(Register("rank0", all), IsOk());
   auto first = Publish("rank0");
-  ASSERT_TRUE(first.ok()) << first.status();
-  ASSERT_TRUE(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr).ok());
-  ASSERT_TRUE(Register("rank0", {all[0]}).ok());
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(queue_->WaitPublished(1, absl::Now() + absl::Seconds(30), nullptr), IsOk());
+  ASSERT_THAT(Register("rank0", {all[0]}), IsOk());
   auto refused = Publish("rank0");
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "removes 3 of the current version's 4"))
-      << refused.status();
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "allow_degenerate"))
-      << refused.status();
+  ASSERT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                AllOf(HasSubstr("removes 3 of the current version's 4"),
+                                      HasSubstr("allow_degenerate"))));
   v1::LocalPublishRequest allowed;
   allowed.set_client("rank0");
   allowed.set_allow_degenerate(true);
-  auto ok = api_->DoPublish(allowed);
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  ASSERT_TRUE(queue_->WaitPublished(ok->version(), absl::Now() + absl::Seconds(30), nullptr).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ok, api_->DoPublish(allowed));
+  ASSERT_THAT(queue_->WaitPublished(ok.version(), absl::Now() + absl::Seconds(30), nullptr),
+              IsOk());
   EXPECT_EQ(core_->Baseline().size(), 1u);
   // The refused version 2 never became current: the allowed one was published on top of 1.
   ASSERT_TRUE(queue_->last_publish().has_value());

@@ -28,8 +28,7 @@ absl::StatusOr<std::unique_ptr<CudaStore>> CudaStore::Create(Layout layout,
     }
     auto h = options.device->ExportIpc(a->data());
     if (!h.ok()) {
-      return absl::Status(h.status().code(), absl::StrCat("cuda store: IPC handle of slot ", s,
-                                                          ": ", h.status().message()));
+      return Annotate(h.status(), "cuda store: IPC handle of slot ", s);
     }
     bases.push_back(static_cast<uint8_t*>(a->data()));
     slots.push_back(std::move(*a));
@@ -95,6 +94,17 @@ absl::Status DeviceMemory::WriteChanges(std::span<uint8_t> data, const TensorCha
 
 absl::Status DeviceMemory::RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) {
   return device_->RevertChanges(changes, data.data(), data.size());
+}
+
+StoreFactory DeviceStoreFactory(cuda::Device* device) {
+  return [device](const Layout& layout,
+                  const StoreOptions& options) -> absl::StatusOr<std::shared_ptr<SlottedStore>> {
+    CudaStoreOptions o;
+    static_cast<StoreOptions&>(o) = options;
+    o.device = device;
+    ASSIGN_OR_RETURN(std::unique_ptr<CudaStore> created, CudaStore::Create(layout, o));
+    return std::shared_ptr<SlottedStore>(std::move(created));
+  };
 }
 
 }  // namespace refit::store

@@ -12,8 +12,8 @@
 // (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) would need SCM_RIGHTS and the consumer's own
 // cuMemMap; refitd does not use them (docs/CUDA_IPC.md).
 //
-// No pre-faulting (issue 10 item 5): cudaMalloc backs an allocation with device memory when it
-// returns, so the first staging into a slot pays no first-touch cost, unlike host pages.
+// No pre-faulting (unlike ShmStore's prefault): cudaMalloc backs an allocation with device memory
+// when it returns, so the first staging into a slot pays no first-touch cost, unlike host pages.
 //
 // The daemon touches slots only through memory() (the codec's kernels and device copies on the
 // store's Device): never dereference a span of this store on the CPU.
@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "cuda/device.h"
 #include "daemon/store/slotted_store.h"
+#include "daemon/store/store_factory.h"
 
 namespace refit::store {
 
@@ -89,6 +90,10 @@ class DeviceMemory final : public TensorMemory {
  private:
   cuda::Device* const device_;
 };
+
+// A factory of CudaStores on `device` for a subscriber core (store_factory.h; config store.kind
+// cuda). `device` must outlive every store the factory makes.
+StoreFactory DeviceStoreFactory(cuda::Device* device);
 
 }  // namespace refit::store
 

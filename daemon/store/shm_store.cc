@@ -10,9 +10,10 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 
 // Linux >= 5.1 (older libc headers lack it).
 #ifndef F_SEAL_FUTURE_WRITE
@@ -175,5 +176,16 @@ ShmStore::~ShmStore() {
 }
 
 std::string ShmStore::ProcPath() const { return absl::StrCat("/proc/", getpid(), "/fd/", fd_); }
+
+StoreFactory HostStoreFactory(ShmStoreOptions host) {
+  return [host = std::move(host)](
+             const Layout& layout,
+             const StoreOptions& options) -> absl::StatusOr<std::shared_ptr<SlottedStore>> {
+    ShmStoreOptions o = host;
+    static_cast<StoreOptions&>(o) = options;
+    ASSIGN_OR_RETURN(std::unique_ptr<ShmStore> created, ShmStore::Create(layout, o));
+    return std::shared_ptr<SlottedStore>(std::move(created));
+  };
+}
 
 }  // namespace refit::store

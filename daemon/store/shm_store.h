@@ -6,7 +6,7 @@
 // Slot s starts at SlotOffset(s) = s * slot_bytes; tensor i of slot s at
 // SlotOffset(s) + layout().tensor(i).offset. Every offset is a multiple of the layout's alignment
 // (256 by default, cudaMalloc's, so a consumer can cudaHostRegister/cudaMemcpy the mapping and the
-// CUDA store of issue 4 shares the same Layout); mmap bases are page aligned.
+// CUDA store shares the same Layout); mmap bases are page aligned.
 //
 // The object is a memfd (memfd_create, MFD_CLOEXEC | MFD_ALLOW_SEALING), sized, mapped read-write
 // by the daemon and then sealed with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
@@ -43,6 +43,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/store/slotted_store.h"
+#include "daemon/store/store_factory.h"
 
 namespace refit::store {
 
@@ -55,7 +56,7 @@ struct ShmStoreOptions : StoreOptions {
   // Keep a store that cannot be sealed (config store.allow_unsealed), with a warning.
   bool allow_unsealed = false;
   // Pre-fault every page of every slot at creation (config store.prefault): the first staging
-  // into a slot then pays no first-touch page faults (issue 10: versions 2-3 after a keyframe
+  // into a slot then pays no first-touch page faults (measured: versions 2-3 after a keyframe
   // were 2-4x slower). Costs at creation: the whole object (num_slots * slot_bytes) becomes
   // resident at once, where it would otherwise become resident as versions are staged, and the
   // time of the page faults (MADV_POPULATE_WRITE, Linux >= 5.14, else one write per page):
@@ -103,6 +104,10 @@ class ShmStore final : public SlottedStore {
   const bool sealed_;
   const char* const prefault_;
 };
+
+// A factory of ShmStores for a subscriber core (store_factory.h). `host` gives the host-specific
+// options (shm_prefix, sealing, prefault); its generic StoreOptions part is replaced by the call's.
+StoreFactory HostStoreFactory(ShmStoreOptions host = {});
 
 }  // namespace refit::store
 

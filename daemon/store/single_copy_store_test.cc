@@ -16,6 +16,7 @@ using ::refit::testing::IsOk;
 using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::unique_ptr<ShmStore> MakeSingleCopy(Clock* clock) {
   ShmStoreOptions o;
@@ -36,11 +37,10 @@ void Fill(const std::vector<std::span<uint8_t>>& spans, uint8_t byte) {
 
 // Commits version 1 (every byte 0x11) by a staging into the empty slot.
 void CommitFirst(ShmStore& store) {
-  absl::StatusOr<StagingHandle> h = store.BeginStage(1);
-  ASSERT_THAT(h, IsOk());
-  EXPECT_EQ(h->base_version, 0u);
-  Fill(h->out, 0x11);
-  ASSERT_THAT(store.Commit(*h), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store.BeginStage(1));
+  EXPECT_EQ(h.base_version, 0u);
+  Fill(h.out, 0x11);
+  ASSERT_THAT(store.Commit(h), IsOk());
 }
 
 TEST(SingleCopyStoreTest, FirstVersionIsStagedLaterOnesAreUpdatedInPlace) {
@@ -52,10 +52,9 @@ TEST(SingleCopyStoreTest, FirstVersionIsStagedLaterOnesAreUpdatedInPlace) {
   // No second slot to stage into: a staging is refused, naming the slot.
   EXPECT_THAT(store->BeginStage(2),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("slot 0: v1 (current)")));
-  absl::StatusOr<UpdateHandle> u = store->BeginUpdate(2);
-  ASSERT_THAT(u, IsOk());
-  EXPECT_EQ(u->from_version, 1u);
-  EXPECT_EQ(u->slot, 0);
+  REFIT_ASSERT_OK_AND_ASSIGN(UpdateHandle u, store->BeginUpdate(2));
+  EXPECT_EQ(u.from_version, 1u);
+  EXPECT_EQ(u.slot, 0);
   // While open: v1 is still the committed version, no lease can be taken, nothing else opens.
   EXPECT_EQ(store->current_version(), 1u);
   EXPECT_THAT(store->AcquireLease("c"), StatusIs(absl::StatusCode::kUnavailable,
@@ -65,14 +64,13 @@ TEST(SingleCopyStoreTest, FirstVersionIsStagedLaterOnesAreUpdatedInPlace) {
   EXPECT_THAT(store->BeginStage(3), StatusIs(absl::StatusCode::kFailedPrecondition,
                                              HasSubstr("being updated in place")));
   EXPECT_EQ(store->Slots()[0].state, SlotStatus::State::kUpdating);
-  Fill(u->out, 0x22);
-  ASSERT_THAT(store->CommitUpdate(*u), IsOk());
+  Fill(u.out, 0x22);
+  ASSERT_THAT(store->CommitUpdate(u), IsOk());
   EXPECT_EQ(store->current_version(), 2u);
-  absl::StatusOr<Lease> lease = store->AcquireLease("c");
-  ASSERT_THAT(lease, IsOk());
-  EXPECT_EQ(lease->version, 2u);
-  EXPECT_EQ(lease->spans[0][0], 0x22);
-  EXPECT_THAT(store->CommitUpdate(*u), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store->AcquireLease("c"));
+  EXPECT_EQ(lease.version, 2u);
+  EXPECT_EQ(lease.spans[0][0], 0x22);
+  EXPECT_THAT(store->CommitUpdate(u), StatusIs(absl::StatusCode::kNotFound, HasSubstr("not open")));
 }
 
 TEST(SingleCopyStoreTest, LeasesHoldTheUpdateBackUntilReleasedOrExpired) {
@@ -91,9 +89,8 @@ TEST(SingleCopyStoreTest, LeasesHoldTheUpdateBackUntilReleasedOrExpired) {
   EXPECT_EQ(store->current_version(), 1u) << "a refused update changes nothing";
   EXPECT_EQ(store->Slots()[0].state, SlotStatus::State::kHeld);
   clock.Advance(absl::Seconds(51));  // b expires: expiry bounds how long a holder delays v2
-  absl::StatusOr<UpdateHandle> u = store->BeginUpdate(2);
-  ASSERT_THAT(u, IsOk());
-  ASSERT_THAT(store->CommitUpdate(*u), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(UpdateHandle u, store->BeginUpdate(2));
+  ASSERT_THAT(store->CommitUpdate(u), IsOk());
 }
 
 TEST(SingleCopyStoreTest, RestoredAbortKeepsTheVersionAnUnrestoredOneHoldsNothing) {
@@ -104,10 +101,9 @@ TEST(SingleCopyStoreTest, RestoredAbortKeepsTheVersionAnUnrestoredOneHoldsNothin
   ASSERT_THAT(u, IsOk());
   ASSERT_THAT(store->AbortUpdate(*u, /*restored=*/true), IsOk());
   EXPECT_EQ(store->current_version(), 1u);
-  absl::StatusOr<Lease> lease = store->AcquireLease("c");
-  ASSERT_THAT(lease, IsOk());
-  EXPECT_EQ(lease->version, 1u);
-  ASSERT_THAT(store->ReleaseLease(lease->lease_id), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store->AcquireLease("c"));
+  EXPECT_EQ(lease.version, 1u);
+  ASSERT_THAT(store->ReleaseLease(lease.lease_id), IsOk());
   // The same version may be tried again after a restored abort.
   u = store->BeginUpdate(2);
   ASSERT_THAT(u, IsOk());
@@ -119,11 +115,10 @@ TEST(SingleCopyStoreTest, RestoredAbortKeepsTheVersionAnUnrestoredOneHoldsNothin
   // Only a staging (a keyframe) brings a version back; versions still only grow.
   EXPECT_THAT(store->BeginStage(1), StatusIs(absl::StatusCode::kFailedPrecondition,
                                              HasSubstr("already committed")));
-  absl::StatusOr<StagingHandle> h = store->BeginStage(3);
-  ASSERT_THAT(h, IsOk());
-  EXPECT_EQ(h->previous_version, 0u);
-  Fill(h->out, 0x33);
-  ASSERT_THAT(store->Commit(*h), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store->BeginStage(3));
+  EXPECT_EQ(h.previous_version, 0u);
+  Fill(h.out, 0x33);
+  ASSERT_THAT(store->Commit(h), IsOk());
   EXPECT_EQ(store->current_version(), 3u);
 }
 
@@ -131,7 +126,7 @@ TEST(SingleCopyStoreTest, NoRefreshOrRepairWithoutASecondSlot) {
   FakeClock clock;
   auto store = MakeSingleCopy(&clock);
   CommitFirst(*store);
-  EXPECT_FALSE(store->BeginRefresh(0).ok());
+  EXPECT_THAT(store->BeginRefresh(0), Not(IsOk()));
   EXPECT_THAT(store->BeginRepair(1), StatusIs(absl::StatusCode::kResourceExhausted,
                                               HasSubstr("slots are busy")));
 }

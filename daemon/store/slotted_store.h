@@ -1,5 +1,5 @@
 // SlottedStore: the memory-kind-independent half of a TensorStore (slot states, staging, leases,
-// expiry). A concrete store (ShmStore; the CUDA store of issue 4) owns the memory and hands the
+// expiry). A concrete store (ShmStore; CudaStore) owns the memory and hands the
 // base address of each slot to the constructor.
 #ifndef REFIT_DAEMON_STORE_SLOTTED_STORE_H_
 #define REFIT_DAEMON_STORE_SLOTTED_STORE_H_
@@ -46,7 +46,7 @@ class SlottedStore : public TensorStore {
   TensorMemory& memory() const override { return *memory_; }
 
   absl::StatusOr<StagingHandle> BeginStage(uint64_t version) override;
-  // A repair of the current version (issue 10, background scrub): opens a staging of `version`
+  // A repair of the current version (background scrub): opens a staging of `version`
   // == the current version into another slot, exactly as BeginStage picks one (base = the
   // current slot). Its Commit makes the repaired slot current; the slot it replaces keeps its
   // leases until they are released but is never leased again, and its bytes count as unknown

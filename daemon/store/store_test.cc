@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/store/shm_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -20,6 +21,9 @@
 namespace refit::store {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::vector<TensorDesc> SmallManifest() {
@@ -30,7 +34,7 @@ std::vector<TensorDesc> SmallManifest() {
 
 Layout SmallLayout() {
   absl::StatusOr<Layout> l = Layout::Build(SmallManifest());
-  EXPECT_TRUE(l.ok()) << l.status();
+  EXPECT_THAT(l, IsOk());
   return *l;
 }
 
@@ -42,7 +46,7 @@ std::unique_ptr<ShmStore> MakeStore(int slots, Clock* clock = nullptr, int max_l
   o.max_ttl = absl::Seconds(100);
   o.max_leases = max_leases;
   absl::StatusOr<std::unique_ptr<ShmStore>> s = ShmStore::Create(SmallLayout(), o);
-  EXPECT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s, IsOk());
   return std::move(*s);
 }
 
@@ -82,10 +86,10 @@ bool Equal(const std::vector<std::span<const uint8_t>>& spans,
 // Stages `version` filled with its stamp and commits it; returns the slot used.
 int StageAndCommit(TensorStore& store, uint64_t version) {
   absl::StatusOr<StagingHandle> h = store.BeginStage(version);
-  EXPECT_TRUE(h.ok()) << h.status();
+  EXPECT_THAT(h, IsOk());
   if (!h.ok()) return -1;
   Fill(*h, Stamp(version));
-  EXPECT_TRUE(store.Commit(*h).ok());
+  EXPECT_THAT(store.Commit(*h), IsOk());
   return h->slot;
 }
 
@@ -108,11 +112,10 @@ TEST(LayoutTest, SortsAlignsAndSizes) {
   EXPECT_EQ(l.Find("nope"), std::nullopt);
   EXPECT_TRUE(l.SameManifest(SmallLayout()));
 
-  absl::StatusOr<Layout> l64 = Layout::Build(SmallManifest(), 64);
-  ASSERT_TRUE(l64.ok());
-  EXPECT_EQ(l64->tensor(1).offset, 64u);
-  EXPECT_EQ(l64->tensor(2).offset, 512u);
-  EXPECT_EQ(l64->slot_bytes(), 576u);
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout l64, Layout::Build(SmallManifest(), 64));
+  EXPECT_EQ(l64.tensor(1).offset, 64u);
+  EXPECT_EQ(l64.tensor(2).offset, 512u);
+  EXPECT_EQ(l64.slot_bytes(), 576u);
 }
 
 TEST(LayoutTest, RejectsBadManifests) {
@@ -127,9 +130,8 @@ TEST(LayoutTest, RejectsBadManifests) {
                   .message(),
               HasSubstr("too many elements"));
   EXPECT_THAT(Layout::Build(SmallManifest(), 48).status().message(), HasSubstr("power of two"));
-  absl::StatusOr<Layout> changed = Layout::Build({{"a.weight", DType::kBF16, {3, 6}}});
-  ASSERT_TRUE(changed.ok());
-  EXPECT_FALSE(SmallLayout().SameManifest(*changed));
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout changed, Layout::Build({{"a.weight", DType::kBF16, {3, 6}}}));
+  EXPECT_FALSE(SmallLayout().SameManifest(changed));
 }
 
 TEST(ShmStoreTest, RejectsBadOptions) {
@@ -151,56 +153,52 @@ TEST(ShmStoreTest, CommitSwitchesCurrentAndBaseIsPreviousVersion) {
   EXPECT_EQ(store->current_version(), 0u);
   EXPECT_EQ(store->AcquireLease("c").status().code(), absl::StatusCode::kFailedPrecondition);
 
-  absl::StatusOr<StagingHandle> h1 = store->BeginStage(1);
-  ASSERT_TRUE(h1.ok()) << h1.status();
-  EXPECT_EQ(h1->base_version, 0u);
-  EXPECT_TRUE(h1->base.empty());
-  ASSERT_EQ(h1->out.size(), 3u);
-  EXPECT_EQ(h1->out[1].size(), 400u);
-  Fill(*h1, 5);
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h1, store->BeginStage(1));
+  EXPECT_EQ(h1.base_version, 0u);
+  EXPECT_TRUE(h1.base.empty());
+  ASSERT_EQ(h1.out.size(), 3u);
+  EXPECT_EQ(h1.out[1].size(), 400u);
+  Fill(h1, 5);
   EXPECT_EQ(store->current_version(), 0u);  // not visible before Commit
-  ASSERT_TRUE(store->Commit(*h1).ok());
+  ASSERT_THAT(store->Commit(h1), IsOk());
   EXPECT_EQ(store->current_version(), 1u);
 
   // v2 out of place from v1: out = base + 1.
-  absl::StatusOr<StagingHandle> h2 = store->BeginStage(2);
-  ASSERT_TRUE(h2.ok()) << h2.status();
-  EXPECT_NE(h2->slot, h1->slot);
-  EXPECT_EQ(h2->base_version, 1u);
-  ASSERT_EQ(h2->base.size(), 3u);
-  EXPECT_TRUE(Uniform(h2->base, 5));
-  for (size_t i = 0; i < h2->out.size(); ++i) {
-    for (size_t j = 0; j < h2->out[i].size(); ++j) h2->out[i][j] = h2->base[i][j] + 1;
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h2, store->BeginStage(2));
+  EXPECT_NE(h2.slot, h1.slot);
+  EXPECT_EQ(h2.base_version, 1u);
+  ASSERT_EQ(h2.base.size(), 3u);
+  EXPECT_TRUE(Uniform(h2.base, 5));
+  for (size_t i = 0; i < h2.out.size(); ++i) {
+    for (size_t j = 0; j < h2.out[i].size(); ++j) h2.out[i][j] = h2.base[i][j] + 1;
   }
-  ASSERT_TRUE(store->Commit(*h2).ok());
+  ASSERT_THAT(store->Commit(h2), IsOk());
   EXPECT_EQ(store->current_version(), 2u);
-  absl::StatusOr<Lease> lease = store->AcquireLease("c");
-  ASSERT_TRUE(lease.ok());
-  EXPECT_EQ(lease->version, 2u);
-  EXPECT_EQ(lease->slot, h2->slot);
-  EXPECT_TRUE(Uniform(lease->spans, 6));
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store->AcquireLease("c"));
+  EXPECT_EQ(lease.version, 2u);
+  EXPECT_EQ(lease.slot, h2.slot);
+  EXPECT_TRUE(Uniform(lease.spans, 6));
 }
 
 TEST(ShmStoreTest, AbortLeavesCurrentIntact) {
   auto store = MakeStore(2);
   const int s1 = StageAndCommit(*store, 1);
-  absl::StatusOr<StagingHandle> h = store->BeginStage(2);
-  ASSERT_TRUE(h.ok());
-  EXPECT_NE(h->slot, s1);
-  Fill(*h, 0xEE);
-  ASSERT_TRUE(store->Abort(*h).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store->BeginStage(2));
+  EXPECT_NE(h.slot, s1);
+  Fill(h, 0xEE);
+  ASSERT_THAT(store->Abort(h), IsOk());
   EXPECT_EQ(store->current_version(), 1u);
   absl::StatusOr<Lease> lease = store->AcquireLease("c");
-  ASSERT_TRUE(lease.ok());
+  ASSERT_THAT(lease, IsOk());
   EXPECT_EQ(lease->version, 1u);
   EXPECT_TRUE(Uniform(lease->spans, Stamp(1)));
   std::vector<SlotStatus> slots = store->Slots();
-  EXPECT_EQ(slots[h->slot].state, SlotStatus::State::kEmpty);
+  EXPECT_EQ(slots[h.slot].state, SlotStatus::State::kEmpty);
   EXPECT_TRUE(slots[s1].current);
   // The handle is spent; the version can be staged again.
-  EXPECT_EQ(store->Commit(*h).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(store->Abort(*h).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+  EXPECT_EQ(store->Commit(h).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Abort(h).code(), absl::StatusCode::kNotFound);
+  ASSERT_THAT(store->ReleaseLease(lease->lease_id), IsOk());
   EXPECT_NE(StageAndCommit(*store, 2), -1);
   EXPECT_EQ(store->current_version(), 2u);
 }
@@ -213,74 +211,69 @@ TEST(ShmStoreTest, VersionsOnlyGrowAndOneStagingAtATime) {
   EXPECT_EQ(dup.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(dup.message(), HasSubstr("v5 is already committed"));
   EXPECT_EQ(store->BeginStage(4).status().code(), absl::StatusCode::kFailedPrecondition);
-  absl::StatusOr<StagingHandle> h = store->BeginStage(6);
-  ASSERT_TRUE(h.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store->BeginStage(6));
   absl::Status second = store->BeginStage(7).status();
   EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(second.message(), HasSubstr("v6 is being staged"));
-  StagingHandle forged = *h;
+  StagingHandle forged = h;
   forged.stage_id += 100;
   EXPECT_EQ(store->Commit(forged).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(store->Commit(*h).ok());
-  EXPECT_EQ(store->Commit(*h).code(), absl::StatusCode::kNotFound);  // never twice
+  ASSERT_THAT(store->Commit(h), IsOk());
+  EXPECT_EQ(store->Commit(h).code(), absl::StatusCode::kNotFound);  // never twice
 }
 
 TEST(ShmStoreTest, StagingNeverTouchesCurrentOrLeasedSlots) {
   auto store = MakeStore(3);
   const int s1 = StageAndCommit(*store, 1);
-  absl::StatusOr<Lease> l1 = store->AcquireLease("reader");
-  ASSERT_TRUE(l1.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease l1, store->AcquireLease("reader"));
   const int s2 = StageAndCommit(*store, 2);
   EXPECT_NE(s2, s1);
   // v1 leased, v2 current: only the third slot is free, and stays the only choice.
   absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
-  ASSERT_TRUE(h3.ok());
+  ASSERT_THAT(h3, IsOk());
   EXPECT_NE(h3->slot, s1);
   EXPECT_NE(h3->slot, s2);
   Fill(*h3, Stamp(3));
-  ASSERT_TRUE(store->Commit(*h3).ok());
+  ASSERT_THAT(store->Commit(*h3), IsOk());
   // v4: v3 current, v1 leased -> v2's slot (oldest unleased non-current).
   absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
-  ASSERT_TRUE(h4.ok());
+  ASSERT_THAT(h4, IsOk());
   EXPECT_EQ(h4->slot, s2);
   EXPECT_EQ(h4->base_version, 3u);
   EXPECT_TRUE(Uniform(h4->base, Stamp(3)));
-  EXPECT_TRUE(Uniform(l1->spans, Stamp(1)));
-  ASSERT_TRUE(store->Abort(*h4).ok());
+  EXPECT_TRUE(Uniform(l1.spans, Stamp(1)));
+  ASSERT_THAT(store->Abort(*h4), IsOk());
 }
 
-// previous_version: what a staging slot still holds intact (issue 10, in-place staging). Empty
+// previous_version: what a staging slot still holds intact (in-place staging). Empty
 // slots and aborted ones report 0 (unknown); a held one its version, with its bytes as committed.
 TEST(ShmStoreInPlaceTest, StagingReportsTheVersionItsSlotStillHolds) {
   auto store = MakeStore(3);
   const int s1 = StageAndCommit(*store, 1);
-  absl::StatusOr<Lease> l1 = store->AcquireLease("reader");
-  ASSERT_TRUE(l1.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease l1, store->AcquireLease("reader"));
   const int s2 = StageAndCommit(*store, 2);
   const int s3 = StageAndCommit(*store, 3);
   // v3 current, v1 leased: v2's slot, holding v2's bytes.
   absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
-  ASSERT_TRUE(h4.ok());
+  ASSERT_THAT(h4, IsOk());
   EXPECT_EQ(h4->slot, s2);
   EXPECT_EQ(h4->previous_version, 2u);
   EXPECT_TRUE(Uniform(std::vector<std::span<const uint8_t>>(h4->out.begin(), h4->out.end()),
                       Stamp(2)));
   // A torn staging: aborted part-way, the slot's contents are unknown from now on.
   std::memset(h4->out[0].data(), 0xEE, h4->out[0].size());
-  ASSERT_TRUE(store->Abort(*h4).ok());
-  absl::StatusOr<StagingHandle> again = store->BeginStage(4);
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->slot, s2);  // the empty slot first
-  EXPECT_EQ(again->previous_version, 0u);
-  Fill(*again, Stamp(4));
-  ASSERT_TRUE(store->Commit(*again).ok());
+  ASSERT_THAT(store->Abort(*h4), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle again, store->BeginStage(4));
+  EXPECT_EQ(again.slot, s2);  // the empty slot first
+  EXPECT_EQ(again.previous_version, 0u);
+  Fill(again, Stamp(4));
+  ASSERT_THAT(store->Commit(again), IsOk());
   // v4 current, v1 leased, v3 held: the slot of v3.
-  ASSERT_TRUE(store->ReleaseLease(l1->lease_id).ok());
-  absl::StatusOr<StagingHandle> h5 = store->BeginStage(5);
-  ASSERT_TRUE(h5.ok());
-  EXPECT_EQ(h5->slot, s1);  // oldest unleased non-current: v1's, released
-  EXPECT_EQ(h5->previous_version, 1u);
-  ASSERT_TRUE(store->Abort(*h5).ok());
+  ASSERT_THAT(store->ReleaseLease(l1.lease_id), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h5, store->BeginStage(5));
+  EXPECT_EQ(h5.slot, s1);  // oldest unleased non-current: v1's, released
+  EXPECT_EQ(h5.previous_version, 1u);
+  ASSERT_THAT(store->Abort(h5), IsOk());
   (void)s3;
 }
 
@@ -291,43 +284,38 @@ TEST(ShmStoreRefreshTest, RefreshedSlotIsNeverLeasableThenTheNextStagingTakesIt)
   auto store = MakeStore(2);
   const int s1 = StageAndCommit(*store, 1);
   const int s2 = StageAndCommit(*store, 2);
-  absl::StatusOr<RefreshHandle> r = store->BeginRefresh(1);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->slot, s1);
-  EXPECT_EQ(r->from_version, 1u);
-  EXPECT_EQ(r->to_version, 2u);
-  EXPECT_TRUE(Uniform(std::vector<std::span<const uint8_t>>(r->out.begin(), r->out.end()),
-                      Stamp(1)));
-  EXPECT_TRUE(Uniform(r->current, Stamp(2)));
+  REFIT_ASSERT_OK_AND_ASSIGN(RefreshHandle r, store->BeginRefresh(1));
+  EXPECT_EQ(r.slot, s1);
+  EXPECT_EQ(r.from_version, 1u);
+  EXPECT_EQ(r.to_version, 2u);
+  EXPECT_TRUE(Uniform(std::vector<std::span<const uint8_t>>(r.out.begin(), r.out.end()), Stamp(1)));
+  EXPECT_TRUE(Uniform(r.current, Stamp(2)));
   EXPECT_EQ(store->Slots()[s1].state, SlotStatus::State::kRefreshing);
   // v1 is not held any more; leases go to the current slot only.
   EXPECT_EQ(store->AcquireLease("reader", 1).status().code(),
             absl::StatusCode::kFailedPrecondition);
   for (int k = 0; k < 3; ++k) {
-    absl::StatusOr<Lease> l = store->AcquireLease("reader");
-    ASSERT_TRUE(l.ok());
-    EXPECT_EQ(l->slot, s2);
-    ASSERT_TRUE(store->ReleaseLease(l->lease_id).ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(Lease l, store->AcquireLease("reader"));
+    EXPECT_EQ(l.slot, s2);
+    ASSERT_THAT(store->ReleaseLease(l.lease_id), IsOk());
   }
   // No second refresh; a staging cannot take the refreshing slot (2 slots: none free).
   EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
-  for (std::span<uint8_t> t : r->out) std::memset(t.data(), Stamp(2), t.size());
-  ASSERT_TRUE(store->CompleteRefresh(*r).ok());
-  EXPECT_EQ(store->CompleteRefresh(*r).code(), absl::StatusCode::kNotFound);
+  for (std::span<uint8_t> t : r.out) std::memset(t.data(), Stamp(2), t.size());
+  ASSERT_THAT(store->CompleteRefresh(r), IsOk());
+  EXPECT_EQ(store->CompleteRefresh(r).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store->Slots()[s1].state, SlotStatus::State::kStandby);
   EXPECT_EQ(store->Slots()[s1].version, 2u);
-  absl::StatusOr<Lease> l2 = store->AcquireLease("reader", 2);
-  ASSERT_TRUE(l2.ok());
-  EXPECT_EQ(l2->slot, s2);  // the standby slot is never leased
-  ASSERT_TRUE(store->ReleaseLease(l2->lease_id).ok());
-  absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
-  ASSERT_TRUE(h3.ok()) << h3.status();
-  EXPECT_EQ(h3->slot, s1);
-  EXPECT_EQ(h3->previous_version, 2u);
-  EXPECT_EQ(h3->base_version, 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease l2, store->AcquireLease("reader", 2));
+  EXPECT_EQ(l2.slot, s2);  // the standby slot is never leased
+  ASSERT_THAT(store->ReleaseLease(l2.lease_id), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h3, store->BeginStage(3));
+  EXPECT_EQ(h3.slot, s1);
+  EXPECT_EQ(h3.previous_version, 2u);
+  EXPECT_EQ(h3.base_version, 2u);
   EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE(store->Abort(*h3).ok());
+  ASSERT_THAT(store->Abort(h3), IsOk());
 }
 
 // BeginRepair: a second slot of the current version; the replaced slot keeps its lease, is never
@@ -338,39 +326,34 @@ TEST(ShmStoreRepairTest, RepairReplacesTheCurrentSlotAndLeasesKeepTheOldOne) {
   const int s2 = StageAndCommit(*store, 2);
   EXPECT_EQ(store->BeginRepair(1).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(store->BeginStage(2).status().code(), absl::StatusCode::kFailedPrecondition);
-  absl::StatusOr<Lease> old = store->AcquireLease("reader");
-  ASSERT_TRUE(old.ok());
-  ASSERT_EQ(old->slot, s2);
-  absl::StatusOr<StagingHandle> r = store->BeginRepair(2);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_NE(r->slot, s2);
-  EXPECT_EQ(r->version, 2u);
-  EXPECT_EQ(r->base_version, 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease old, store->AcquireLease("reader"));
+  ASSERT_EQ(old.slot, s2);
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle r, store->BeginRepair(2));
+  EXPECT_NE(r.slot, s2);
+  EXPECT_EQ(r.version, 2u);
+  EXPECT_EQ(r.base_version, 2u);
   EXPECT_EQ(store->BeginRepair(2).status().code(), absl::StatusCode::kFailedPrecondition);
-  Fill(*r, 0x5a);
-  ASSERT_TRUE(store->Commit(*r).ok());
+  Fill(r, 0x5a);
+  ASSERT_THAT(store->Commit(r), IsOk());
   EXPECT_EQ(store->current_version(), 2u);
-  EXPECT_TRUE(Uniform(old->spans, Stamp(2)));  // the lease still reads the old slot
+  EXPECT_TRUE(Uniform(old.spans, Stamp(2)));  // the lease still reads the old slot
   for (std::optional<uint64_t> v : {std::optional<uint64_t>(), std::optional<uint64_t>(2)}) {
-    absl::StatusOr<Lease> l = store->AcquireLease("reader", v);
-    ASSERT_TRUE(l.ok());
-    EXPECT_EQ(l->slot, r->slot);
-    EXPECT_TRUE(Uniform(l->spans, 0x5a));
-    ASSERT_TRUE(store->ReleaseLease(l->lease_id).ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(Lease l, store->AcquireLease("reader", v));
+    EXPECT_EQ(l.slot, r.slot);
+    EXPECT_TRUE(Uniform(l.spans, 0x5a));
+    ASSERT_THAT(store->ReleaseLease(l.lease_id), IsOk());
   }
-  ASSERT_TRUE(store->ReleaseLease(old->lease_id).ok());
+  ASSERT_THAT(store->ReleaseLease(old.lease_id), IsOk());
   // Slot of v1 is older: the first staging takes it; the replaced slot is never "v2, intact".
-  absl::StatusOr<StagingHandle> h3 = store->BeginStage(3);
-  ASSERT_TRUE(h3.ok()) << h3.status();
-  Fill(*h3, Stamp(3));
-  ASSERT_TRUE(store->Commit(*h3).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h3, store->BeginStage(3));
+  Fill(h3, Stamp(3));
+  ASSERT_THAT(store->Commit(h3), IsOk());
   EXPECT_EQ(store->BeginRefresh(1).status().code(), absl::StatusCode::kFailedPrecondition)
       << "the replaced slot is next and must not be refreshed as v2";
-  absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
-  ASSERT_TRUE(h4.ok()) << h4.status();
-  EXPECT_EQ(h4->slot, s2);
-  EXPECT_EQ(h4->previous_version, 0u);
-  ASSERT_TRUE(store->Abort(*h4).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h4, store->BeginStage(4));
+  EXPECT_EQ(h4.slot, s2);
+  EXPECT_EQ(h4.previous_version, 0u);
+  ASSERT_THAT(store->Abort(h4), IsOk());
 }
 
 // BeginRefresh changes nothing when it refuses (leased standby slot, an empty slot next, a slot
@@ -383,35 +366,32 @@ TEST(ShmStoreRefreshTest, RefusalsChangeNothingAndAbortLeavesTheSlotUnknown) {
   // The third slot is empty: the next staging takes it, nothing to refresh.
   EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kFailedPrecondition);
   const int s3 = StageAndCommit(*store, 3);
-  absl::StatusOr<Lease> l1 = store->AcquireLease("reader", 1);
-  ASSERT_TRUE(l1.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease l1, store->AcquireLease("reader", 1));
   EXPECT_EQ(store->BeginRefresh(3).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(store->Slots()[s2].state, SlotStatus::State::kHeld);
   absl::StatusOr<Lease> l2 = store->AcquireLease("reader", 2);
-  ASSERT_TRUE(l2.ok());
+  ASSERT_THAT(l2, IsOk());
   EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kResourceExhausted);
-  ASSERT_TRUE(store->ReleaseLease(l2->lease_id).ok());
-  absl::StatusOr<RefreshHandle> r = store->BeginRefresh(2);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->slot, s2);
-  EXPECT_EQ(r->to_version, 3u);
-  std::memset(r->out[0].data(), 0xEE, r->out[0].size());  // torn part-way
-  ASSERT_TRUE(store->AbortRefresh(*r).ok());
+  ASSERT_THAT(store->ReleaseLease(l2->lease_id), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(RefreshHandle r, store->BeginRefresh(2));
+  EXPECT_EQ(r.slot, s2);
+  EXPECT_EQ(r.to_version, 3u);
+  std::memset(r.out[0].data(), 0xEE, r.out[0].size());  // torn part-way
+  ASSERT_THAT(store->AbortRefresh(r), IsOk());
   EXPECT_EQ(store->Slots()[s2].state, SlotStatus::State::kEmpty);
   absl::StatusOr<StagingHandle> h4 = store->BeginStage(4);
-  ASSERT_TRUE(h4.ok());
+  ASSERT_THAT(h4, IsOk());
   EXPECT_EQ(h4->slot, s2);
   EXPECT_EQ(h4->previous_version, 0u);
-  ASSERT_TRUE(store->Abort(*h4).ok());
-  EXPECT_TRUE(Uniform(l1->spans, Stamp(1)));
+  ASSERT_THAT(store->Abort(*h4), IsOk());
+  EXPECT_TRUE(Uniform(l1.spans, Stamp(1)));
   (void)s3;
 }
 
 // Slots are resident from creation (MADV_POPULATE_WRITE or one write per page), still zero and
 // still sealed; without prefault nothing is resident before the first staging.
 TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {
-  absl::StatusOr<Layout> layout = Layout::Build({{"big", DType::kBF16, {3, 1 << 20}}});
-  ASSERT_TRUE(layout.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout layout, Layout::Build({{"big", DType::kBF16, {3, 1 << 20}}}));
   auto resident = [](const ShmStore& st) {
     void* map = mmap(nullptr, st.total_bytes(), PROT_READ, MAP_SHARED, st.fd(), 0);
     EXPECT_NE(map, MAP_FAILED);
@@ -428,46 +408,42 @@ TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {
     ShmStoreOptions o;
     o.slots = 2;
     o.prefault = prefault;
-    absl::StatusOr<std::unique_ptr<ShmStore>> st = ShmStore::Create(*layout, o);
-    ASSERT_TRUE(st.ok()) << st.status();
-    EXPECT_TRUE((*st)->sealed());
-    const size_t bytes = resident(**st);
+    REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> st, ShmStore::Create(layout, o));
+    EXPECT_TRUE(st->sealed());
+    const size_t bytes = resident(*st);
     if (prefault) {
-      EXPECT_THAT(std::string((*st)->prefault()), ::testing::AnyOf("madvise", "touch"));
-      EXPECT_GE(bytes, (*st)->total_bytes());
+      EXPECT_THAT(std::string(st->prefault()), ::testing::AnyOf("madvise", "touch"));
+      EXPECT_GE(bytes, st->total_bytes());
     } else {
-      EXPECT_EQ(std::string((*st)->prefault()), "");
+      EXPECT_EQ(std::string(st->prefault()), "");
       EXPECT_EQ(bytes, 0u);
     }
-    absl::StatusOr<StagingHandle> h = (*st)->BeginStage(1);
-    ASSERT_TRUE(h.ok());
-    EXPECT_TRUE(std::all_of(h->out[0].begin(), h->out[0].end(), [](uint8_t b) { return b == 0; }));
-    ASSERT_TRUE((*st)->Abort(*h).ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, st->BeginStage(1));
+    EXPECT_TRUE(std::all_of(h.out[0].begin(), h.out[0].end(), [](uint8_t b) { return b == 0; }));
+    ASSERT_THAT(st->Abort(h), IsOk());
   }
 }
 
 TEST(ShmStoreTest, LeaseKeepsItsVersionWhileLaterVersionsCommit) {
   auto store = MakeStore(3);
   StageAndCommit(*store, 1);
-  absl::StatusOr<Lease> lease = store->AcquireLease("vllm-0");
-  ASSERT_TRUE(lease.ok());
-  ASSERT_EQ(lease->version, 1u);
-  const auto snap = Snapshot(lease->spans);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store->AcquireLease("vllm-0"));
+  ASSERT_EQ(lease.version, 1u);
+  const auto snap = Snapshot(lease.spans);
   for (uint64_t v = 2; v <= 4; ++v) {
     const int slot = StageAndCommit(*store, v);
-    EXPECT_NE(slot, lease->slot) << "v" << v << " staged into the leased slot";
+    EXPECT_NE(slot, lease.slot) << "v" << v << " staged into the leased slot";
     EXPECT_EQ(store->current_version(), v);
-    EXPECT_TRUE(Equal(lease->spans, snap)) << "leased v1 changed while v" << v << " committed";
+    EXPECT_TRUE(Equal(lease.spans, snap)) << "leased v1 changed while v" << v << " committed";
   }
   // The leased version is still held and can be leased by version.
-  absl::StatusOr<Lease> again = store->AcquireLease("vllm-1", 1);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->slot, lease->slot);
-  ASSERT_TRUE(store->ReleaseLease(again->lease_id).ok());
-  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
-  EXPECT_EQ(store->ReleaseLease(lease->lease_id).code(), absl::StatusCode::kNotFound);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease again, store->AcquireLease("vllm-1", 1));
+  EXPECT_EQ(again.slot, lease.slot);
+  ASSERT_THAT(store->ReleaseLease(again.lease_id), IsOk());
+  ASSERT_THAT(store->ReleaseLease(lease.lease_id), IsOk());
+  EXPECT_EQ(store->ReleaseLease(lease.lease_id).code(), absl::StatusCode::kNotFound);
   // Released: v1 (oldest, unleased, non-current) is the slot reused now.
-  EXPECT_EQ(StageAndCommit(*store, 5), lease->slot);
+  EXPECT_EQ(StageAndCommit(*store, 5), lease.slot);
   EXPECT_EQ(store->AcquireLease("c", 1).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
@@ -475,17 +451,16 @@ TEST(ShmStoreTest, AllSlotsBusyNamesHolders) {
   FakeClock clock;
   auto store = MakeStore(2, &clock);
   StageAndCommit(*store, 1);
-  absl::StatusOr<Lease> lease = store->AcquireLease("vllm-worker-3");
-  ASSERT_TRUE(lease.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store->AcquireLease("vllm-worker-3"));
   StageAndCommit(*store, 2);
   absl::Status busy = store->BeginStage(3).status();
   EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(busy.message(), HasSubstr("all 2 slots are busy"));
   EXPECT_THAT(busy.message(), HasSubstr("v1 leased by vllm-worker-3"));
   EXPECT_THAT(busy.message(), HasSubstr("v2 (current)"));
-  EXPECT_TRUE(Uniform(lease->spans, Stamp(1)));
-  ASSERT_TRUE(store->ReleaseLease(lease->lease_id).ok());
-  EXPECT_EQ(StageAndCommit(*store, 3), lease->slot);
+  EXPECT_TRUE(Uniform(lease.spans, Stamp(1)));
+  ASSERT_THAT(store->ReleaseLease(lease.lease_id), IsOk());
+  EXPECT_EQ(StageAndCommit(*store, 3), lease.slot);
 }
 
 TEST(ShmStoreTest, LeasesExpireByClockAndRenew) {
@@ -493,30 +468,27 @@ TEST(ShmStoreTest, LeasesExpireByClockAndRenew) {
   auto store = MakeStore(2, &clock);  // default ttl 10 s, max 100 s
   StageAndCommit(*store, 1);
   absl::StatusOr<Lease> lease = store->AcquireLease("c");  // ttl 0 -> default
-  ASSERT_TRUE(lease.ok());
+  ASSERT_THAT(lease, IsOk());
   EXPECT_EQ(lease->expires, clock.Now() + absl::Seconds(10));
-  absl::StatusOr<Lease> capped = store->AcquireLease("d", std::nullopt, absl::Hours(5));
-  ASSERT_TRUE(capped.ok());
-  EXPECT_EQ(capped->expires, clock.Now() + absl::Seconds(100));
-  ASSERT_TRUE(store->ReleaseLease(capped->lease_id).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease capped, store->AcquireLease("d", std::nullopt, absl::Hours(5)));
+  EXPECT_EQ(capped.expires, clock.Now() + absl::Seconds(100));
+  ASSERT_THAT(store->ReleaseLease(capped.lease_id), IsOk());
   StageAndCommit(*store, 2);
 
   clock.Advance(absl::Seconds(8));
   EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
-  absl::StatusOr<Lease> renewed = store->RenewLease(lease->lease_id, absl::Seconds(10));
-  ASSERT_TRUE(renewed.ok());
-  EXPECT_EQ(renewed->version, 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease renewed, store->RenewLease(lease->lease_id, absl::Seconds(10)));
+  EXPECT_EQ(renewed.version, 1u);
   clock.Advance(absl::Seconds(8));  // 16 s after acquire, 8 s after renew: still held
   EXPECT_EQ(store->BeginStage(3).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(store->Slots()[lease->slot].leases, 1);
   clock.Advance(absl::Seconds(2));  // exactly at expiry: expired
   EXPECT_EQ(store->Slots()[lease->slot].leases, 0);
-  absl::StatusOr<StagingHandle> h = store->BeginStage(3);
-  ASSERT_TRUE(h.ok()) << h.status();
-  EXPECT_EQ(h->slot, lease->slot);
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store->BeginStage(3));
+  EXPECT_EQ(h.slot, lease->slot);
   EXPECT_EQ(store->RenewLease(lease->lease_id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store->ReleaseLease(lease->lease_id).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(store->Abort(*h).ok());
+  ASSERT_THAT(store->Abort(h), IsOk());
 }
 
 TEST(ShmStoreTest, LeasesListsUnexpiredLeases) {
@@ -526,7 +498,8 @@ TEST(ShmStoreTest, LeasesListsUnexpiredLeases) {
   StageAndCommit(*store, 1);
   absl::StatusOr<Lease> a = store->AcquireLease("worker-a");
   absl::StatusOr<Lease> b = store->AcquireLease("worker-b", 1, absl::Seconds(30));
-  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
   clock.Advance(absl::Seconds(4));
   std::vector<LeaseInfo> leases = store->Leases();
   ASSERT_EQ(leases.size(), 2u);
@@ -553,11 +526,12 @@ TEST(ShmStoreTest, MaxLeases) {
   StageAndCommit(*store, 1);
   absl::StatusOr<Lease> a = store->AcquireLease("a");
   absl::StatusOr<Lease> b = store->AcquireLease("b");
-  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
   EXPECT_NE(a->lease_id, b->lease_id);
   EXPECT_EQ(store->AcquireLease("c").status().code(), absl::StatusCode::kResourceExhausted);
-  ASSERT_TRUE(store->ReleaseLease(a->lease_id).ok());
-  EXPECT_TRUE(store->AcquireLease("c").ok());
+  ASSERT_THAT(store->ReleaseLease(a->lease_id), IsOk());
+  EXPECT_THAT(store->AcquireLease("c"), IsOk());
 }
 
 // ---- concurrency ---------------------------------------------------------------------------
@@ -583,11 +557,11 @@ TEST(ShmStoreTest, ConcurrentStagerAndReadersNeverSeeATornVersion) {
         busy.fetch_add(1);
         std::this_thread::yield();
       }
-      ASSERT_TRUE(h.ok()) << h.status();
+      ASSERT_THAT(h, IsOk());
       writing[h->slot].store(1);
       Fill(*h, Stamp(v));
       writing[h->slot].store(0);
-      ASSERT_TRUE(store->Commit(*h).ok());
+      ASSERT_THAT(store->Commit(*h), IsOk());
       // Let the readers in before the next version (bounded; on a busy machine the stager could
       // otherwise finish before any reader runs).
       const int seen = reads.load();
@@ -605,7 +579,7 @@ TEST(ShmStoreTest, ConcurrentStagerAndReadersNeverSeeATornVersion) {
         if (!Uniform(lease->spans, Stamp(lease->version))) torn.fetch_add(1);
         if (writing[lease->slot].load() != 0) overlapped.fetch_add(1);
         reads.fetch_add(1);
-        EXPECT_TRUE(store->ReleaseLease(lease->lease_id).ok());
+        EXPECT_THAT(store->ReleaseLease(lease->lease_id), IsOk());
       }
     });
   }
@@ -628,23 +602,21 @@ TEST_P(ShmStoreProcessTest, SecondProcessMapsCommittedBytes) {
   o.slots = 2;
   o.force_shm_open = GetParam();
   o.allow_unsealed = GetParam();
-  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
-  ASSERT_TRUE(created.ok()) << created.status();
-  ShmStore& store = **created;
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> created, ShmStore::Create(SmallLayout(), o));
+  ShmStore& store = *created;
   EXPECT_STREQ(store.backing(), GetParam() ? "shm_open" : "memfd");
   EXPECT_EQ(store.sealed(), !GetParam());
   StageAndCommit(store, 1);
-  absl::StatusOr<StagingHandle> h = store.BeginStage(2);
-  ASSERT_TRUE(h.ok());
-  for (size_t i = 0; i < h->out.size(); ++i) {
-    for (size_t j = 0; j < h->out[i].size(); ++j) h->out[i][j] = static_cast<uint8_t>(i * 31 + j);
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h, store.BeginStage(2));
+  for (size_t i = 0; i < h.out.size(); ++i) {
+    for (size_t j = 0; j < h.out[i].size(); ++j) h.out[i][j] = static_cast<uint8_t>(i * 31 + j);
   }
-  ASSERT_TRUE(store.Commit(*h).ok());
-  absl::StatusOr<Lease> lease = store.AcquireLease("child");
-  ASSERT_TRUE(lease.ok());
+  ASSERT_THAT(store.Commit(h), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store.AcquireLease("child"));
   const std::string path = store.ProcPath();
   std::vector<uint64_t> offsets;
-  for (size_t i = 0; i < store.layout().size(); ++i) offsets.push_back(store.TensorOffset(lease->slot, i));
+  for (size_t i = 0; i < store.layout().size(); ++i)
+    offsets.push_back(store.TensorOffset(lease.slot, i));
   EXPECT_EQ(store.total_bytes(), 2 * store.layout().slot_bytes());
 
   pid_t pid = fork();
@@ -656,7 +628,7 @@ TEST_P(ShmStoreProcessTest, SecondProcessMapsCommittedBytes) {
       if (m == MAP_FAILED) return 10;
       const auto* base = static_cast<const uint8_t*>(m);
       for (size_t i = 0; i < offsets.size(); ++i) {
-        const std::span<const uint8_t> want = lease->spans[i];
+        const std::span<const uint8_t> want = lease.spans[i];
         if (std::memcmp(base + offsets[i], want.data(), want.size()) != 0) return 11;
         for (size_t j = 0; j < want.size(); ++j) {
           if (base[offsets[i] + j] != static_cast<uint8_t>(i * 31 + j)) return 12;
@@ -711,9 +683,8 @@ class ShmStoreSecurityTest : public ::testing::TestWithParam<int> {};
 TEST_P(ShmStoreSecurityTest, ConsumerCannotWriteOrTruncateAndDaemonKeepsServing) {
   ShmStoreOptions o;
   o.slots = 2;
-  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
-  ASSERT_TRUE(created.ok()) << created.status();
-  ShmStore& store = **created;
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> created, ShmStore::Create(SmallLayout(), o));
+  ShmStore& store = *created;
   ASSERT_TRUE(store.sealed());
   StageAndCommit(store, 1);
   const std::string path = store.ProcPath();
@@ -736,13 +707,11 @@ TEST_P(ShmStoreSecurityTest, ConsumerCannotWriteOrTruncateAndDaemonKeepsServing)
   struct stat st;
   ASSERT_EQ(fstat(store.fd(), &st), 0);
   EXPECT_EQ(static_cast<uint64_t>(st.st_size), store.total_bytes());
-  absl::StatusOr<Lease> v1 = store.AcquireLease("reader");
-  ASSERT_TRUE(v1.ok());
-  EXPECT_TRUE(Uniform(v1->spans, Stamp(1)));
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease v1, store.AcquireLease("reader"));
+  EXPECT_TRUE(Uniform(v1.spans, Stamp(1)));
   StageAndCommit(store, 2);
-  absl::StatusOr<Lease> v2 = store.AcquireLease("reader");
-  ASSERT_TRUE(v2.ok());
-  EXPECT_TRUE(Uniform(v2->spans, Stamp(2)));
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease v2, store.AcquireLease("reader"));
+  EXPECT_TRUE(Uniform(v2.spans, Stamp(2)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Ways, ShmStoreSecurityTest, ::testing::Values(0, 1, 2),
@@ -758,32 +727,30 @@ TEST(StoreSecurityTest, LeaseQuotaPerConsumerIdentity) {
   o.slots = 2;
   o.max_leases = 10;
   o.max_leases_per_consumer = 3;
-  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(SmallLayout(), o);
-  ASSERT_TRUE(created.ok()) << created.status();
-  ShmStore& store = **created;
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> created, ShmStore::Create(SmallLayout(), o));
+  ShmStore& store = *created;
   StageAndCommit(store, 1);
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(store.AcquireLease(absl::StrCat("name-", i), std::nullopt, absl::ZeroDuration(),
-                                   "uid 1000")
-                    .ok());
+    ASSERT_THAT(store.AcquireLease(absl::StrCat("name-", i), std::nullopt, absl::ZeroDuration(),
+                                   "uid 1000"),
+                IsOk());
   }
   absl::StatusOr<Lease> refused =
       store.AcquireLease("fresh-name", std::nullopt, absl::ZeroDuration(), "uid 1000");
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(refused.status().message(), HasSubstr("fresh-name"));
-  EXPECT_THAT(refused.status().message(), HasSubstr("uid 1000 holds 3 leases"));
-  EXPECT_THAT(refused.status().message(), HasSubstr("leases.max_leases_per_consumer: 3"));
+  ASSERT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                AllOf(HasSubstr("fresh-name"), HasSubstr("uid 1000 holds 3 leases"),
+                                      HasSubstr("leases.max_leases_per_consumer: 3"))));
   absl::StatusOr<Lease> other =
       store.AcquireLease("vllm", std::nullopt, absl::ZeroDuration(), "uid 1001");
-  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_THAT(other, IsOk());
   // A released lease frees its identity's quota.
-  ASSERT_TRUE(store.ReleaseLease(other->lease_id).ok());
+  ASSERT_THAT(store.ReleaseLease(other->lease_id), IsOk());
   std::vector<LeaseInfo> leases = store.Leases();
   ASSERT_EQ(leases.size(), 3u);
   EXPECT_EQ(leases[0].quota_key, "uid 1000");
   // The daemon's own leases (no quota key) only count against max_leases.
-  for (int i = 0; i < 7; ++i) ASSERT_TRUE(store.AcquireLease("refitd-subscriber/peers").ok()) << i;
+  for (int i = 0; i < 7; ++i)
+    ASSERT_THAT(store.AcquireLease("refitd-subscriber/peers"), IsOk()) << i;
   absl::StatusOr<Lease> full = store.AcquireLease("refitd-subscriber/peers");
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(full.status().message(), HasSubstr("leases.max_leases"));
@@ -794,13 +761,11 @@ TEST(StoreSecurityTest, UnsealableStoreIsRefusedUnlessAllowed) {
   o.slots = 2;
   o.force_shm_open = true;
   absl::StatusOr<std::unique_ptr<ShmStore>> refused = ShmStore::Create(SmallLayout(), o);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(refused.status().message(), HasSubstr("store.allow_unsealed"));
+  ASSERT_THAT(refused,
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("store.allow_unsealed")));
   o.allow_unsealed = true;
-  absl::StatusOr<std::unique_ptr<ShmStore>> kept = ShmStore::Create(SmallLayout(), o);
-  ASSERT_TRUE(kept.ok()) << kept.status();
-  EXPECT_FALSE((*kept)->sealed());
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> kept, ShmStore::Create(SmallLayout(), o));
+  EXPECT_FALSE(kept->sealed());
 }
 
 // ---- manifest change: new store generation -------------------------------------------------
@@ -811,43 +776,40 @@ TEST(StoreSecurityTest, UnsealableStoreIsRefusedUnlessAllowed) {
 TEST(ShmStoreTest, ManifestChangeMigratesToNewStore) {
   auto old_store = MakeStore(2);
   StageAndCommit(*old_store, 1);
-  absl::StatusOr<Lease> old_lease = old_store->AcquireLease("daemon-migrate");
-  ASSERT_TRUE(old_lease.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease old_lease, old_store->AcquireLease("daemon-migrate"));
   absl::StatusOr<Layout> next = Layout::Build({{"a.weight", DType::kBF16, {3, 5}},  // frozen
                                                {"b.weight", DType::kF32, {200}},    // resized
                                                {"d.new", DType::kU8, {7}}});        // added
-  ASSERT_TRUE(next.ok());                                                           // c removed
+  ASSERT_THAT(next, IsOk());                                                        // c removed
   ASSERT_FALSE(old_store->layout().SameManifest(*next));
 
   ShmStoreOptions o;
   o.slots = 2;
-  absl::StatusOr<std::unique_ptr<ShmStore>> created = ShmStore::Create(*next, o);
-  ASSERT_TRUE(created.ok());
-  ShmStore& store = **created;
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> created, ShmStore::Create(*next, o));
+  ShmStore& store = *created;
   absl::StatusOr<StagingHandle> h = store.BeginStage(2);
-  ASSERT_TRUE(h.ok());
+  ASSERT_THAT(h, IsOk());
   EXPECT_TRUE(h->base.empty());  // a new store has no base: the daemon takes it from the old one
   const Layout& ol = old_store->layout();
   for (size_t i = 0; i < next->size(); ++i) {
     const TensorInfo& t = next->tensor(i);
     std::optional<size_t> j = ol.Find(t.name);
     if (j && ol.tensor(*j).dtype == t.dtype && ol.tensor(*j).shape == t.shape) {
-      std::memcpy(h->out[i].data(), old_lease->spans[*j].data(), t.size_bytes);
+      std::memcpy(h->out[i].data(), old_lease.spans[*j].data(), t.size_bytes);
     } else {
       std::memset(h->out[i].data(), 0x42, t.size_bytes);
     }
   }
-  ASSERT_TRUE(store.Commit(*h).ok());
-  absl::StatusOr<Lease> lease = store.AcquireLease("vllm");
-  ASSERT_TRUE(lease.ok());
-  EXPECT_EQ(lease->version, 2u);
-  EXPECT_TRUE(Uniform({lease->spans[0]}, Stamp(1)));
-  EXPECT_EQ(lease->spans[1].size(), 800u);
-  EXPECT_TRUE(Uniform({lease->spans[1], lease->spans[2]}, 0x42));
-  EXPECT_TRUE(Uniform(old_lease->spans, Stamp(1)));  // the old generation is intact
-  ASSERT_TRUE(old_store->ReleaseLease(old_lease->lease_id).ok());
+  ASSERT_THAT(store.Commit(*h), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease lease, store.AcquireLease("vllm"));
+  EXPECT_EQ(lease.version, 2u);
+  EXPECT_TRUE(Uniform({lease.spans[0]}, Stamp(1)));
+  EXPECT_EQ(lease.spans[1].size(), 800u);
+  EXPECT_TRUE(Uniform({lease.spans[1], lease.spans[2]}, 0x42));
+  EXPECT_TRUE(Uniform(old_lease.spans, Stamp(1)));  // the old generation is intact
+  ASSERT_THAT(old_store->ReleaseLease(old_lease.lease_id), IsOk());
   old_store.reset();
-  EXPECT_TRUE(Uniform({lease->spans[0]}, Stamp(1)));
+  EXPECT_TRUE(Uniform({lease.spans[0]}, Stamp(1)));
 }
 
 }  // namespace

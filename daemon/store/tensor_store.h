@@ -2,8 +2,9 @@
 // consumers (inference processes) that read under leases.
 //
 // This header is the interface the subscriber daemon programs against. It names no memory kind:
-// spans point at host memory for the shm store (shm_store.h) and, in issue 4, at device memory
-// for the CUDA store (the daemon then must use device copies / kernels on them, never memcpy).
+// spans point at host memory for the shm store (shm_store.h) and, for the CUDA store, at device
+// memory for the CUDA store (the daemon then must use device copies / kernels on them, never
+// memcpy).
 //
 // Life of a version (see docs in daemon/store/README.md):
 //   BeginStage(v)  -> a free slot (never the current one, one being staged, or one any unexpired
@@ -83,7 +84,7 @@ struct TensorInfo {
 // order ConsumerApi.Layout lists them in); every index below is into that order.
 class Layout {
  public:
-  // 256 bytes: cudaMalloc alignment, so the CUDA store (issue 4) can use the same layout and
+  // 256 bytes: cudaMalloc alignment, so the CUDA store can use the same layout and
   // consumers can hand any tensor to CUDA/vectorised kernels. Also a multiple of the cache line.
   static constexpr uint64_t kDefaultAlignment = 256;
 

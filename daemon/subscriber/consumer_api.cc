@@ -10,6 +10,9 @@
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/peer_cred.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/store/cuda_store.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {
@@ -85,10 +88,6 @@ uint64_t RemainingMs(absl::Time expires) {
 // A requested TTL (ms) as a duration; absurd values saturate (the store caps at max_ttl anyway).
 absl::Duration Ttl(uint64_t ttl_ms) {
   return absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(ttl_ms, uint64_t{1} << 50)));
-}
-
-absl::Status Annotate(const absl::Status& st, absl::string_view what) {
-  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
 
 }  // namespace

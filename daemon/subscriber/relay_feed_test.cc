@@ -6,7 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/common/status_matchers.h"
+#include "daemon/serving/publisher_core.h"
 #include "daemon/sync/sync_testing.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
@@ -18,9 +19,11 @@ namespace {
 using publisher::LiveVersion;
 using publisher::PublisherCore;
 using publisher::TensorInput;
+using ::refit::testing::IsOk;
 using sync::DigestFormat;
 using sync::testing::Model;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::vector<TensorInput> Inputs(const Model& m) {
   std::vector<TensorInput> in;
@@ -37,7 +40,7 @@ std::vector<TensorInput> Inputs(const Model& m) {
 
 std::unique_ptr<PublisherCore> OpenCore() {
   auto core = PublisherCore::Open(publisher::PublisherOptions());
-  EXPECT_TRUE(core.ok()) << core.status();
+  EXPECT_THAT(core, IsOk());
   return core.ok() ? *std::move(core) : nullptr;
 }
 
@@ -59,12 +62,12 @@ class RelayFeedTest : public ::testing::Test {
     v2_["d.bias"] = sync::testing::RandomTensor(BF16("d.bias", {96}), rng);
     up_ = OpenCore();
     peer_ = OpenCore();
-    ASSERT_TRUE(up_->Publish(1, Inputs(v1_)).ok());
-    ASSERT_TRUE(peer_->Reset(up_->lineage()).ok());
-    ASSERT_TRUE(peer_->Publish(1, Inputs(v1_)).ok());
+    ASSERT_THAT(up_->Publish(1, Inputs(v1_)), IsOk());
+    ASSERT_THAT(peer_->Reset(up_->lineage()), IsOk());
+    ASSERT_THAT(peer_->Publish(1, Inputs(v1_)), IsOk());
     peer_->SetLiveListener(
         [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
-    ASSERT_TRUE(up_->Publish(2, Inputs(v2_)).ok());
+    ASSERT_THAT(up_->Publish(2, Inputs(v2_)), IsOk());
   }
 
   // The upstream's transfer 1 -> 2 in `format`, fed to `feed` (frames in reverse order).
@@ -74,14 +77,14 @@ class RelayFeedTest : public ::testing::Test {
     opts.plan.digest_format = format;
     opts.frame_bytes = 4096;  // several frames per patch
     auto digest = up_->VersionDigestOf(1, format);
-    EXPECT_TRUE(digest.ok());
+    EXPECT_THAT(digest, IsOk());
     auto t = up_->MakeTransfer(1, *digest, opts);
-    EXPECT_TRUE(t.ok()) << t.status();
+    EXPECT_THAT(t, IsOk());
     feed.OnHeader((*t)->Header());
     uint64_t wire = 0;
     for (uint64_t i = (*t)->frame_count(); i-- > 0;) {
       auto f = (*t)->Frame(i);
-      EXPECT_TRUE(f.ok());
+      EXPECT_THAT(f, IsOk());
       if (static_cast<int>(i) == corrupt_frame) (*f->mutable_payload())[0] ^= 1;
       wire += f->payload().size();
       feed.OnFrame(*f);
@@ -128,11 +131,10 @@ TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEnco
       }
     }
     // The End is the upstream's (in its format); the other format's peers take the history.
-    auto end = live->end(format);
-    ASSERT_TRUE(end.ok()) << end.status();
-    EXPECT_EQ(end->version_digest(), *up_->VersionDigestOf(2, format));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto end, live->end(format));
+    EXPECT_EQ(end.version_digest(), *up_->VersionDigestOf(2, format));
     if (format == DigestFormat::kV2) {
-      EXPECT_FALSE(live->end(DigestFormat::kV1).ok());
+      EXPECT_THAT(live->end(DigestFormat::kV1), Not(IsOk()));
     }
 
     // Installed without encoding: the same version digests in both formats, the same patches.
@@ -141,24 +143,24 @@ TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEnco
     // in place.
     std::vector<publisher::BaselineTensor> held;
     if (format == DigestFormat::kV2) held = peer_->Baseline();
-    auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
-    ASSERT_TRUE(adopted.ok()) << adopted.status();
-    EXPECT_EQ(adopted->baseline_in_place_tensors, format == DigestFormat::kV2 ? 0u : 2u);
-    EXPECT_EQ(adopted->baseline_copied_tensors, format == DigestFormat::kV2 ? 2u : 0u);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto adopted, peer_->AdoptRelayed(*live, Inputs(v2_)));
+    EXPECT_EQ(adopted.baseline_in_place_tensors, format == DigestFormat::kV2 ? 0u : 2u);
+    EXPECT_EQ(adopted.baseline_copied_tensors, format == DigestFormat::kV2 ? 2u : 0u);
     for (const publisher::BaselineTensor& bt : held) {
       EXPECT_EQ(*bt.bytes, v1_[bt.spec.name()].bytes) << bt.spec.name();
     }
-    EXPECT_EQ(adopted->encode_micros, 0u);
-    EXPECT_EQ(adopted->patched_tensors, 2u);
-    EXPECT_EQ(adopted->unchanged_tensors, 1u);
-    EXPECT_EQ(adopted->keyframe_tensors, 1u);
+    EXPECT_EQ(adopted.encode_micros, 0u);
+    EXPECT_EQ(adopted.patched_tensors, 2u);
+    EXPECT_EQ(adopted.unchanged_tensors, 1u);
+    EXPECT_EQ(adopted.keyframe_tensors, 1u);
     EXPECT_EQ(peer_->newest_version(), 2u);
     for (DigestFormat f : {DigestFormat::kV1, DigestFormat::kV2}) {
       EXPECT_EQ(*peer_->VersionDigestOf(2, f), *up_->VersionDigestOf(2, f));
     }
     auto relayed = peer_->MakeTransfer(1, *up_->VersionDigestOf(1));
     auto direct = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
-    ASSERT_TRUE(relayed.ok() && direct.ok());
+    ASSERT_THAT(relayed, IsOk());
+    ASSERT_THAT(direct, IsOk());
     ASSERT_EQ((*relayed)->plan().tensors.size(), (*direct)->plan().tensors.size());
     for (size_t i = 0; i < (*direct)->plan().tensors.size(); ++i) {
       const auto& a = (*relayed)->plan().tensors[i];
@@ -192,10 +194,9 @@ TEST_F(RelayFeedTest, ACorruptFrameFailsTheRelayedVersionAndNothingIsAdopted) {
 
 TEST_F(RelayFeedTest, AnAbortUpstreamAbortsThePeers) {
   RelayFeed feed(peer_.get(), 1 << 20);
-  auto t = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
-  ASSERT_TRUE(t.ok());
-  feed.OnHeader((*t)->Header());
-  feed.OnFrame(*(*t)->Frame(0));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto t, up_->MakeTransfer(1, *up_->VersionDigestOf(1)));
+  feed.OnHeader(t->Header());
+  feed.OnFrame(*t->Frame(0));
   feed.OnAbort(absl::AbortedError("the upstream aborted version 2"));
   ASSERT_EQ(offered_.size(), 1u);
   EXPECT_EQ(offered_[0]->state(), LiveVersion::State::kFailed);
@@ -204,7 +205,7 @@ TEST_F(RelayFeedTest, AnAbortUpstreamAbortsThePeers) {
 
 TEST_F(RelayFeedTest, NotAtTheBaseTheVersionIsNotStreamedAndCannotBeAdopted) {
   peer_ = OpenCore();  // holds nothing
-  ASSERT_TRUE(peer_->Reset(up_->lineage()).ok());
+  ASSERT_THAT(peer_->Reset(up_->lineage()), IsOk());
   peer_->SetLiveListener(
       [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
   RelayFeed feed(peer_.get(), 1 << 20);
@@ -222,14 +223,13 @@ TEST_F(RelayFeedTest, AChainOfPatchesIsNotRelayed) {
   Model v3 = v2_;
   std::mt19937 rng(11);
   sync::testing::Perturb(v3["a.weight"], 0.02, rng);
-  ASSERT_TRUE(up_->Publish(3, Inputs(v3)).ok());
+  ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
   RelayFeed feed(peer_.get(), 1 << 20);
-  auto t = up_->MakeTransfer(1, *up_->VersionDigestOf(1));
-  ASSERT_TRUE(t.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto t, up_->MakeTransfer(1, *up_->VersionDigestOf(1)));
   bool chain = false;
-  for (const auto& d : (*t)->plan().tensors) chain |= d.plan.steps_size() > 1;
+  for (const auto& d : t->plan().tensors) chain |= d.plan.steps_size() > 1;
   ASSERT_TRUE(chain);
-  feed.OnHeader((*t)->Header());
+  feed.OnHeader(t->Header());
   EXPECT_TRUE(offered_.empty());
   EXPECT_EQ(feed.stats().not_relayable, 1u);
   EXPECT_THAT(feed.stats().last_error, HasSubstr("chain of 2 patches"));
@@ -256,10 +256,9 @@ TEST_F(RelayFeedTest, AnInPlaceAdoptionThatMissesTheVersionsBytesCopiesThem) {
   }
   ASSERT_NE(flipped, nullptr);  // the Baseline() copies are gone: the core holds it alone
   *flipped ^= 0x01;
-  auto adopted = peer_->AdoptRelayed(*live, Inputs(v2_));
-  ASSERT_TRUE(adopted.ok()) << adopted.status();
-  EXPECT_EQ(adopted->baseline_in_place_tensors, 1u);  // c.norm
-  EXPECT_EQ(adopted->baseline_copied_tensors, 1u);    // a.weight
+  REFIT_ASSERT_OK_AND_ASSIGN(auto adopted, peer_->AdoptRelayed(*live, Inputs(v2_)));
+  EXPECT_EQ(adopted.baseline_in_place_tensors, 1u);  // c.norm
+  EXPECT_EQ(adopted.baseline_copied_tensors, 1u);    // a.weight
   for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
     EXPECT_EQ(*bt.bytes, v2_[bt.spec.name()].bytes) << bt.spec.name();
   }

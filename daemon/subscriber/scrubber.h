@@ -1,4 +1,4 @@
-// Scrubber: the subscriber's background scrub (issue 10 item 3). It walks the committed
+// Scrubber: the subscriber's background scrub. It walks the committed
 // version's tensors, hashes each one again at low priority and compares it with the digest the
 // core verified at commit (SubscriberCore::record). A mismatch means the held bytes changed after
 // verification (memory error, a stray write through a consumer's mapping, a bug): it is counted,

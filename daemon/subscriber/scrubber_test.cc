@@ -7,6 +7,7 @@
 
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
@@ -16,6 +17,7 @@
 namespace refit::subscriber {
 namespace {
 
+using ::refit::testing::IsOk;
 using sync::testing::BF16;
 using sync::testing::Model;
 using sync::testing::Perturb;
@@ -34,22 +36,22 @@ class Publisher {
       u.digest = TensorDigest(t.bytes, 1);
       if (prev != nullptr) {
         const std::vector<EncodeInput> in = {{DType::kBF16, prev->at(name).bytes, t.bytes}};
-        auto patches = EncodePatches(in, {.block_log2 = 12, .threads = 1});
-        ASSERT_TRUE(patches.ok()) << patches.status();
-        u.patch = std::make_shared<const std::vector<uint8_t>>(std::move((*patches)[0]));
+        REFIT_ASSERT_OK_AND_ASSIGN(auto patches,
+                                   EncodePatches(in, {.block_log2 = 12, .threads = 1}));
+        u.patch = std::make_shared<const std::vector<uint8_t>>(std::move(patches[0]));
       }
       updates.push_back(std::move(u));
     }
-    ASSERT_TRUE(history_.Add(version, std::move(updates)).ok());
+    ASSERT_THAT(history_.Add(version, std::move(updates)), IsOk());
     models_[version] = m;
   }
 
   // Opens the transfer to `target` on `core` and feeds its frames (not its end).
   void Begin(SubscriberCore& core, uint64_t target) {
-    auto plan = history_.Plan(core.applied_version(), core.applied_digest(), target);
-    ASSERT_TRUE(plan.ok()) << plan.status();
-    plan_ = *plan;
-    ASSERT_TRUE(core.OnHeader(plan_.Header()).ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto plan, history_.Plan(core.applied_version(), core.applied_digest(), target));
+    plan_ = plan;
+    ASSERT_THAT(core.OnHeader(plan_.Header()), IsOk());
     const Model& m = models_.at(target);
     for (size_t i = 0; i < plan_.tensors.size(); ++i) {
       const sync::TensorDelivery& td = plan_.tensors[i];
@@ -63,8 +65,8 @@ class Publisher {
       for (size_t p = 0; p < objects.size(); ++p) {
         auto frames = sync::SplitObject(objects[p], {target, ti, static_cast<uint32_t>(p)},
                                         {4096, td.plan.delivery() == v1::DELIVERY_KEYFRAME});
-        ASSERT_TRUE(frames.ok()) << frames.status();
-        for (const v1::DataFrame& f : *frames) ASSERT_TRUE(core.OnFrame(f).ok());
+        ASSERT_THAT(frames, IsOk());
+        for (const v1::DataFrame& f : *frames) ASSERT_THAT(core.OnFrame(f), IsOk());
       }
     }
   }
@@ -127,12 +129,11 @@ class ScrubberTest : public ::testing::Test {
   // Flips one bit of `tensor` in the committed slot, as a stray write through a writable
   // mapping would.
   void FlipCommitted(const std::string& tensor) {
-    auto lease = core_->AcquireLease("test-writer");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    auto i = lease->store->layout().Find(tensor);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_->AcquireLease("test-writer"));
+    auto i = lease.store->layout().Find(tensor);
     ASSERT_TRUE(i.has_value());
-    const_cast<uint8_t*>(lease->lease.spans[*i].data())[77] ^= 0x10;
-    ASSERT_TRUE(core_->ReleaseLease(lease->lease.lease_id).ok());
+    const_cast<uint8_t*>(lease.lease.spans[*i].data())[77] ^= 0x10;
+    ASSERT_THAT(core_->ReleaseLease(lease.lease.lease_id), IsOk());
   }
 
   store::FakeClock clock_;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/sync_testing.h"
@@ -18,11 +19,13 @@
 namespace refit::subscriber {
 namespace {
 
+using ::refit::testing::IsOk;
 using sync::testing::BF16;
 using sync::testing::Model;
 using sync::testing::Perturb;
 using sync::testing::RandomTensor;
 using testing::FakePublisher;
+using ::testing::Not;
 using testing::Read;
 using testing::Wire;
 
@@ -343,18 +346,18 @@ TEST_F(ShardJoinTest, WelcomeMustNameTheSetItsCountAndThePortsIndex) {
   EXPECT_TRUE(absl::StrContains(st.message(), "serves shard 2 of the 3 shards of set \"policy\""))
       << st;
   w.mutable_shard()->set_index(1);
-  EXPECT_TRUE(join_->port(1)->CheckWelcome(w).ok());
+  EXPECT_THAT(join_->port(1)->CheckWelcome(w), IsOk());
   w.mutable_shard()->set_set("other");
-  EXPECT_FALSE(join_->port(1)->CheckWelcome(w).ok());
+  EXPECT_THAT(join_->port(1)->CheckWelcome(w), Not(IsOk()));
   w.mutable_shard()->set_set("policy");
   w.mutable_shard()->set_count(4);
-  EXPECT_FALSE(join_->port(1)->CheckWelcome(w).ok());
+  EXPECT_THAT(join_->port(1)->CheckWelcome(w), Not(IsOk()));
 
   // An unsharded subscriber refuses a shard's publisher.
   CoreSink whole(core_.get());
   st = whole.CheckWelcome(w);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(whole.CheckWelcome(v1::Welcome()).ok());
+  EXPECT_THAT(whole.CheckWelcome(v1::Welcome()), IsOk());
 }
 
 }  // namespace

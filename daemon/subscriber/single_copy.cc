@@ -67,7 +67,7 @@ absl::StatusOr<SingleCopyTensor> StageSingleCopyTensor(store::TensorMemory& memo
     for (size_t p = 0; p < in.patches.size(); ++p) {
       absl::Status st = ApplyPatch(in.patches[p], in.dtype, target, target, threads);
       if (!st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("patch step ", p, ": ", st.message()));
+        return Annotate(st, "patch step ", p);
       }
     }
     ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, target, threads));
@@ -112,8 +112,7 @@ absl::Status WriteSingleCopy(store::TensorMemory& memory,
     if (staged[i].changes.count() == 0) continue;
     if (!memory.RevertChanges(out[i], staged[i].changes).ok()) *restored = false;
   }
-  return absl::Status(failure.code(), absl::StrCat("in-place write of tensor ", written, ": ",
-                                                   failure.message()));
+  return Annotate(failure, "in-place write of tensor ", written);
 }
 
 }  // namespace refit::subscriber

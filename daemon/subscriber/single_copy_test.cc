@@ -13,6 +13,7 @@
 #include "cuda/device.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/store/cuda_store.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/sync_testing.h"
@@ -52,7 +53,7 @@ class SingleCopyTest : public ::testing::Test {
       auto dev = cuda::OpenDevice({});
       ASSERT_THAT(dev, IsOk());
       device_ = std::move(*dev);
-      opts_.device = device_.get();
+      opts_.make_store = store::DeviceStoreFactory(device_.get());
     }
   }
   std::unique_ptr<SubscriberCore> MakeCore() {

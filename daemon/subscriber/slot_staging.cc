@@ -46,8 +46,7 @@ absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
     for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
       st = ApplyTracked(t.target->memory(), patch, t.dtypes[i], out, out, &t.v2[i]);
       if (!st.ok()) {
-        st = absl::Status(st.code(), absl::StrCat("catch-up patch of the standby slot (", r->base,
-                                                  " -> ", r->version, "): ", st.message()));
+        st = Annotate(st, "catch-up patch of the standby slot (", r->base, " -> ", r->version, ")");
         break;
       }
       ++t.stats.catch_up_patches;
@@ -58,7 +57,7 @@ absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
 }
 
 // Stages tensor i. In place when the slot already holds the base (after CatchUpTensorLocked):
-// UNCHANGED writes nothing, PATCH applies its steps in place. Otherwise as before issue 10:
+// UNCHANGED writes nothing, PATCH applies its steps in place. Otherwise (no in-place staging):
 // UNCHANGED copies the base, PATCH applies step 0 out of place from the base. A failed step only
 // spoils the staging slot, which is then aborted (and marked unknown by the store).
 absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_place) {
@@ -107,10 +106,8 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
             ApplyTracked(mem, patch, t.dtypes[i],
                          from_base ? t.Base(i) : std::span<const uint8_t>(out), out, &t.v2[i]);
         if (!st.ok()) {
-          return absl::Status(st.code(), absl::StrCat("patch step ", p, " (",
-                                                      tp.steps(p).base_version(), " -> ",
-                                                      tp.steps(p).target_version(), "): ",
-                                                      st.message()));
+          return Annotate(st, "patch step ", p, " (", tp.steps(p).base_version(), " -> ",
+                          tp.steps(p).target_version(), ")");
         }
       }
       return absl::OkStatus();

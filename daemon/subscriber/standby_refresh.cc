@@ -111,9 +111,8 @@ absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
       for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
         if (absl::Status st = ApplyTracked(mem, patch, layout.tensor(li).dtype, out, out, &digest);
             !st.ok()) {
-          return absl::Status(st.code(), absl::StrCat("refresh of slot ", job.handle.slot, ", '",
-                                                      layout.tensor(li).name, "' (", r->base,
-                                                      " -> ", r->version, "): ", st.message()));
+          return Annotate(st, "refresh of slot ", job.handle.slot, ", '", layout.tensor(li).name,
+                          "' (", r->base, " -> ", r->version, ")");
         }
         ++job.stats.patches;
       }

@@ -11,10 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/sync/version_digest.h"
+#include "refit/version.h"
 
 namespace refit::subscriber {
 namespace {
@@ -52,7 +52,7 @@ v1::StatusResponse SubscriberControlService::GetStatus() const {
   v1::StatusResponse r;
   r.set_role(v1::ROLE_SUBSCRIBER);
   r.set_name(options_.name);
-  r.set_build_version(kBuildVersion);
+  r.set_build_version(kRefitVersion);
   const VersionRecord applied = core_->applied_record();
   r.set_version(applied.version);
   r.set_version_digest(applied.version_digest);

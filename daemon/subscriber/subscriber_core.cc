@@ -18,14 +18,6 @@
 
 namespace refit::subscriber {
 
-namespace {
-
-bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedField<uint64_t>& b) {
-  return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
-}
-
-}  // namespace
-
 absl::StatusOr<uint64_t> StoreDigestOf(store::TensorMemory& memory, sync::DigestFormat format,
                                        std::span<const uint8_t> data) {
   return format == sync::DigestFormat::kV2 ? memory.DigestV2(data) : memory.Digest(data);
@@ -104,17 +96,13 @@ bool SubscriberCore::transfer_open() const {
 
 absl::StatusOr<std::shared_ptr<store::SlottedStore>> SubscriberCore::CreateStoreLocked(
     const store::Layout& layout) {
-  if (options_.device != nullptr) {
-    store::CudaStoreOptions o;
-    static_cast<store::StoreOptions&>(o) = options_.store;
-    o.device = options_.device;
-    ASSIGN_OR_RETURN(std::unique_ptr<store::CudaStore> created, store::CudaStore::Create(layout, o));
-    return std::shared_ptr<store::SlottedStore>(std::move(created));
+  if (!options_.make_store) {
+    return absl::FailedPreconditionError(
+        "subscriber core: no store factory (SubscriberOptions::make_store is empty)");
   }
-  store::ShmStoreOptions o = options_.store;
+  store::StoreOptions o = options_.store;
   o.threads = options_.threads;
-  ASSIGN_OR_RETURN(std::unique_ptr<store::ShmStore> created, store::ShmStore::Create(layout, o));
-  return std::shared_ptr<store::SlottedStore>(std::move(created));
+  return options_.make_store(layout, o);
 }
 
 absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
@@ -155,216 +143,6 @@ std::optional<LeaseBlock> SubscriberCore::blocked_on_leases() const {
 
 // The header's version against the applied one: in range, above it (or of another lineage, as
 // keyframes from base 0), based on it or on nothing. Returns whether the lineage changes.
-absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader& header) const {
-  const uint64_t v = header.version();
-  const uint64_t base = header.base_version();
-  const uint64_t applied = applied_version();
-  if (v == 0) return absl::InvalidArgumentError("header: version 0 is not a valid target");
-  if (v > sync::kMaxVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("header for version ", v,
-                                                   ": above the largest version ",
-                                                   sync::kMaxVersion));
-  }
-  if (header.tensors_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, " lists no tensors"));
-  }
-  bool all_keyframes = true;
-  for (const v1::TensorPlan& tp : header.tensors()) {
-    all_keyframes = all_keyframes && tp.delivery() == v1::DELIVERY_KEYFRAME;
-  }
-  // Another lineage: version numbers are not comparable, so a lower one is accepted, but only
-  // as a full keyframe into a new store generation (data.proto "Versions and lineage").
-  const bool lineage_change = applied != 0 && header.lineage() != applied_lineage();
-  if (lineage_change && !(base == 0 && all_keyframes)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header for version ", v, " of ", sync::DescribeLineage(header.lineage()),
-        " has base version ", base, " but the applied version ", applied, " is of ",
-        sync::DescribeLineage(applied_lineage()), " (a lineage change needs keyframes)"));
-  }
-  if (v <= applied && !lineage_change && !IsRepairLocked(header)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header for version ", v, " is not above the applied version ", applied,
-                     " (a version is never applied twice)"));
-  }
-  if (base != applied && !(base == 0 && all_keyframes)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "header for version ", v, " has base version ", base, " but the applied version is ",
-        applied, base == 0 ? " (base 0 requires every tensor to be a keyframe)" : ""));
-  }
-  return lineage_change;
-}
-
-namespace {
-
-// One tensor's delivery and patch chain against the header's base (OnHeader). `where` names the
-// tensor for errors.
-absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t version,
-                             const std::string& where) {
-  switch (tp.delivery()) {
-    case v1::DELIVERY_KEYFRAME:
-    case v1::DELIVERY_UNCHANGED:
-      if (tp.steps_size() != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": steps given for a ",
-                                                       v1::Delivery_Name(tp.delivery())));
-      }
-      break;
-    case v1::DELIVERY_PATCH: {
-      if (tp.steps_size() == 0) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": DELIVERY_PATCH without steps"));
-      }
-      uint64_t at = base;
-      for (int s = 0; s < tp.steps_size(); ++s) {
-        const v1::PatchStep& step = tp.steps(s);
-        if (step.base_version() != at || step.target_version() <= step.base_version()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": patch step ", s, " goes ", step.base_version(), " -> ",
-                           step.target_version(), ", expected a step from ", at));
-        }
-        at = step.target_version();
-      }
-      if (at != version) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": patch chain ends at version ", at, ", not ", version));
-      }
-      break;
-    }
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": invalid delivery ", static_cast<int>(tp.delivery())));
-  }
-  if (tp.delivery() != v1::DELIVERY_KEYFRAME && base == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", v1::Delivery_Name(tp.delivery()), " needs a base version"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-// OnHeader's per-tensor checks: specs, deliveries, chains. Fills t's dtypes and sizes and the
-// layout of the target version; `needs_base` when some tensor is UNCHANGED or PATCH.
-absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& needs_base) const {
-  const v1::VersionHeader& header = t.header;
-  const uint64_t v = header.version();
-  std::vector<v1::TensorSpec> specs;
-  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
-  if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, ": ", st.message()));
-  }
-  std::vector<store::TensorDesc> descs;
-  needs_base = false;
-  for (int i = 0; i < header.tensors_size(); ++i) {
-    const v1::TensorPlan& tp = header.tensors(i);
-    const std::string where = absl::StrCat(
-        "header for version ", v, ", ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
-    auto dtype = sync::FromProtoDType(tp.spec().dtype());
-    auto bytes = sync::TensorByteSize(tp.spec());
-    if (!dtype.ok() || !bytes.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": invalid spec"));
-    }
-    t.dtypes.push_back(*dtype);
-    t.bytes.push_back(*bytes);
-    descs.push_back({tp.spec().name(), *dtype,
-                     std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
-    RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
-    if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
-                              (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": a streamed transfer has only PATCH tensors of one step and KEYFRAMEs"));
-    }
-    needs_base = needs_base || tp.delivery() != v1::DELIVERY_KEYFRAME;
-  }
-  auto layout = store::Layout::Build(std::move(descs));
-  if (!layout.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header for version ", v, ": ", layout.status().message()));
-  }
-  if (layout->slot_bytes() > options_.max_slot_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("header for version ", v, ": the version needs ", layout->slot_bytes(),
-                     " bytes per slot, above the limit of ", options_.max_slot_bytes));
-  }
-  return layout;
-}
-
-// Target store: the current one when the manifest is unchanged, else a new generation.
-absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout& layout) {
-  if (store_ != nullptr && !t.lineage_change && store_->layout().SameManifest(layout)) {
-    t.target = store_;
-  } else {
-    auto created = CreateStoreLocked(layout);
-    if (!created.ok()) {
-      return absl::Status(created.status().code(),
-                          absl::StrCat("header for version ", t.header.version(),
-                                       ": cannot create a store: ", created.status().message()));
-    }
-    t.target = std::move(*created);
-    t.new_generation = true;
-  }
-  for (const v1::TensorPlan& tp : t.header.tensors()) {
-    t.layout_index.push_back(*t.target->layout().Find(tp.spec().name()));
-  }
-  return absl::OkStatus();
-}
-
-// Bases across generations: by name, under a lease on the old store's applied version.
-absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
-  const uint64_t v = t.header.version();
-  const uint64_t applied = applied_version();
-  if (store_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
-  }
-  const store::Layout& old = store_->layout();
-  t.old_index.assign(static_cast<size_t>(t.header.tensors_size()), 0);
-  for (int i = 0; i < t.header.tensors_size(); ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(i);
-    if (tp.delivery() == v1::DELIVERY_KEYFRAME) continue;
-    auto idx = old.Find(tp.spec().name());
-    if (!idx.has_value() || old.tensor(*idx).dtype != t.dtypes[static_cast<size_t>(i)] ||
-        !SameShape(old.tensor(*idx).shape, tp.spec().shape())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "header for version ", v, ", ",
-          sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
-          ": no tensor of that name, dtype and shape in the applied version ", applied,
-          " to use as base"));
-    }
-    t.old_index[static_cast<size_t>(i)] = *idx;
-  }
-  t.old_store = store_;
-  auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
-  if (!lease.ok()) {
-    return absl::Status(lease.status().code(),
-                        absl::StrCat("header for version ", v,
-                                     ": cannot lease the base version: ", lease.status().message()));
-  }
-  t.old_lease = std::move(*lease);
-  return absl::OkStatus();
-}
-
-// The objects the transfer's frames carry; a keyframe goes straight into the staged slot when
-// there is one the CPU can write.
-absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.assembler = std::make_unique<sync::FrameAssembler>(t.header.version(), max_frame_bytes_);
-  t.in_slot.assign(n, false);
-  for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
-                     sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
-    for (sync::ObjectSpec& spec : objects) {
-      // A keyframe lands straight in the staged slot when the store is host memory.
-      if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
-          t.target->memory().host_accessible()) {
-        spec.buffer = t.handle->out[t.layout_index[i]];
-        t.in_slot[i] = true;
-      }
-      RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   absl::MutexLock lock(&mu_);
   AwaitRefreshLocked();  // the slot it brings forward is the one this staging takes
@@ -401,7 +179,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   if (absl::Status st = t->in_place ? absl::OkStatus() : BeginStageLocked(*t); !st.ok()) {
     if (st.code() != absl::StatusCode::kResourceExhausted || t->new_generation) {
       t->Release();
-      return absl::Status(st.code(), absl::StrCat("header for version ", v, ": ", st.message()));
+      return Annotate(st, "header for version ", v);
     }
   }
   if (absl::Status st = ExpectObjectsLocked(*t); !st.ok()) {
@@ -451,141 +229,6 @@ v1::Ack SubscriberCore::Reject(uint64_t version, std::string error,
 
 // OnEnd's checks before staging: the VersionEnd matches the transfer, no frame failed, every
 // object is complete; then a slot (retried here when every slot was leased at the header).
-absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& end) {
-  const uint64_t v = t.header.version();
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  const std::string what = absl::StrCat("version ", v, ": ");
-  if (end.version() != v) {
-    return absl::InvalidArgumentError(absl::StrCat(what, "VersionEnd names version ", end.version()));
-  }
-  if (!t.failed.ok()) {
-    return absl::Status(t.failed.code(),
-                        absl::StrCat(what, t.failed.message(),
-                                     t.dropped_frames > 0
-                                         ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)")
-                                         : ""));
-  }
-  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
-    return absl::Status(st.code(), absl::StrCat(what, st.message()));
-  }
-  if (static_cast<size_t>(end.digests_size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat(what, "VersionEnd has ", end.digests_size(),
-                                                   " digests for ", n, " tensors"));
-  }
-  if (!t.handle.has_value() && !t.in_place) {
-    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat(what, "cannot stage: ", st.message()));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then
-// the version digest, in the session's format. In v2 a tensor staged in place from a slot whose
-// digests were verified has its digest already (the slot's plus the deltas of every patch
-// applied): it is not read again. Every other tensor (keyframes, copies, a slot without known
-// digests, v1 sessions) is read in full.
-absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
-    Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  std::vector<uint64_t> digests(n);
-  for (size_t i = 0; i < n; ++i) {
-    absl::StatusOr<uint64_t> digest = StagedDigest(t, i);
-    if (!digest.ok()) {
-      return absl::Status(
-          digest.status().code(),
-          absl::StrCat("version ", t.header.version(), ": digest of ",
-                       sync::DescribeTensor(static_cast<uint32_t>(i),
-                                            t.header.tensors(static_cast<int>(i)).spec().name()),
-                       " failed: ", digest.status().message()));
-    }
-    digests[i] = *digest;
-  }
-  return CheckDigests(t.header, end, std::move(digests), mismatched);
-}
-
-absl::StatusOr<SubscriberCore::Verified> SubscriberCore::CheckDigests(
-    const v1::VersionHeader& header, const v1::VersionEnd& end, std::vector<uint64_t> digests,
-    std::vector<std::string>& mismatched) {
-  const std::string what = absl::StrCat("version ", header.version(), ": ");
-  std::vector<std::string> mismatch_desc;
-  for (size_t i = 0; i < digests.size(); ++i) {
-    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
-    if (digests[i] == end.digests(static_cast<int>(i))) continue;
-    mismatched.push_back(tp.spec().name());
-    mismatch_desc.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i),
-                                                              tp.spec().name()),
-                                         " (", v1::Delivery_Name(tp.delivery()), ")"));
-  }
-  if (!mismatched.empty()) {
-    return absl::DataLossError(absl::StrCat(what, "digest mismatch on ", mismatched.size(),
-                                            " tensor(s): ", absl::StrJoin(mismatch_desc, ", ")));
-  }
-  std::vector<v1::TensorSpec> specs;
-  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
-  auto vdigest = sync::VersionDigest(specs, digests);
-  if (!vdigest.ok() || *vdigest != end.version_digest()) {
-    return absl::DataLossError(absl::StrCat(
-        what, "version digest mismatch: staged ",
-        vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?", ", VersionEnd says ",
-        absl::Hex(end.version_digest())));
-  }
-  Verified out;
-  out.digests = std::move(digests);
-  out.version_digest = *vdigest;
-  return out;
-}
-
-v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
-                                   absl::Time start, absl::Time received, absl::Time staged,
-                                   absl::Time verified, absl::Time applied) {
-  v1::Ack ack;
-  ack.set_version(version);
-  ack.set_result(v1::ACK_RESULT_APPLIED);
-  ack.set_applied_version(version);
-  ack.set_applied_version_digest(version_digest);
-  ack.set_wire_bytes(wire_bytes);
-  v1::TransferTimings* tm = ack.mutable_timings();
-  tm->set_receive_micros(Micros(received - start));
-  tm->set_stage_micros(Micros(staged - received));
-  tm->set_verify_micros(Micros(verified - staged));
-  tm->set_apply_micros(Micros(applied - verified));
-  tm->set_total_micros(Micros(applied - start));
-  return ack;
-}
-
-// Tensor i's digest as staged, in the transfer's format: tracked (v2, no read) or full.
-absl::StatusOr<uint64_t> SubscriberCore::StagedDigest(Transfer& t, size_t i) {
-  if (t.format == sync::DigestFormat::kV2 && i < t.v2.size() && t.v2[i].has_value()) {
-    ++t.stats.digests_incremental;
-    return *t.v2[i];
-  }
-  ++t.stats.digests_full;
-  return StoreDigestOf(t.target->memory(), t.format, t.handle->out[t.layout_index[i]]);
-}
-
-// PlanStagingLocked: the staged slot's verified v2 digests (taken out of slot_digests_: the slot
-// is being written), by header index, when they are of the slot's version and the session is v2.
-void SubscriberCore::TakeSlotDigestsLocked(Transfer& t) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.v2.assign(n, std::nullopt);
-  auto it = slot_digests_.find(t.handle->slot);
-  if (it == slot_digests_.end()) return;
-  SlotDigests sd = std::move(it->second);
-  slot_digests_.erase(it);
-  if (t.format != sync::DigestFormat::kV2 || t.new_generation ||
-      sd.version != t.handle->previous_version || sd.version == 0) {
-    return;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (t.layout_index[i] < sd.digests.size()) t.v2[i] = sd.digests[t.layout_index[i]];
-  }
-}
-
-// After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
-// standing by (the previous current one, or older) can be brought forward by them later. Entries
-// no held slot can use any more are dropped, then the oldest while over the byte budget; a
-// transfer above the whole budget empties the retention (the next staging copies in full).
 void SubscriberCore::RetainLocked(Transfer& t) {
   if (t.new_generation || options_.retained_patch_bytes == 0) {
     retained_.clear();

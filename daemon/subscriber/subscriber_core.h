@@ -4,7 +4,7 @@
 // and only then commits (proto/refit/v1/data.proto, session steps 3-4). No gRPC here: the gRPC
 // client feeds it and sends the Ack it returns.
 //
-// Invariants it keeps (docs: /work/shared/BRIEF.md section 3):
+// Invariants it keeps (docs/ARCHITECTURE.md "Invariants"):
 //   - never double-apply: OnHeader refuses a base other than the applied version (base 0 is
 //     accepted only when every tensor is a keyframe) and a target not above the applied version.
 //   - no torn version: all work goes to a staging slot; the store's Commit is the only thing that
@@ -12,9 +12,9 @@
 //     object, patch that does not apply, digest mismatch, Abort) aborts the staging: the previous
 //     version stays current and readable.
 //   - manifest changes: a header whose manifest differs from the store's layout stages into a new
-//     store (ShmStore or CudaStore: a new "generation"); bases of UNCHANGED/PATCH tensors are read, by name, under a
-//     lease the core holds on the old store. The old store is retired on commit and destroyed once
-//     no consumer lease remains on it.
+//     store (ShmStore or CudaStore: a new "generation"); bases of UNCHANGED/PATCH tensors are read,
+//     by name, under a lease the core holds on the old store. The old store is retired on commit
+//     and destroyed once no consumer lease remains on it.
 //
 // Thread safety: every method may be called from any thread; they serialise on one mutex
 // (OnEnd holds it while applying and verifying; OnFrame while applying a PATCH tensor whose
@@ -43,10 +43,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "cuda/device.h"
 #include "daemon/common/safe_file.h"
-#include "daemon/store/cuda_store.h"
-#include "daemon/store/shm_store.h"
+#include "daemon/store/slotted_store.h"
+#include "daemon/store/store_factory.h"
 #include "daemon/subscriber/change_log.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/frames.h"
@@ -57,13 +56,13 @@ namespace refit::subscriber {
 struct SingleCopyTensor;  // single_copy.h
 
 struct SubscriberOptions {
-  // Options of every store generation the core creates (slots, clock, lease TTLs; shm_prefix for
-  // shared memory). Its `threads` is ignored: `threads` below is used.
-  store::ShmStoreOptions store;
-  // The GPU of the store (config store.kind cuda): every generation is then a CudaStore on it,
-  // and patches are applied and verified by its kernels. nullptr: ShmStore generations and the
-  // CPU codec. Must outlive the core.
-  cuda::Device* device = nullptr;
+  // Options of every store generation the core creates (slots, clock, lease TTLs). Its `threads`
+  // is ignored: `threads` below is used.
+  store::StoreOptions store;
+  // Makes each store generation (required): host memory (store::HostStoreFactory: ShmStore,
+  // patches applied and verified by the CPU codec) or a GPU (store::DeviceStoreFactory: CudaStore,
+  // by its kernels; config store.kind cuda). The core knows only the SlottedStore it returns.
+  store::StoreFactory make_store;
   // Welcome.frame_bytes: largest DataFrame payload / raw chunk accepted.
   uint32_t max_frame_bytes = 4u << 20;
   // Threads for ApplyPatch and TensorDigest on host memory (0 = all hardware threads).
@@ -75,7 +74,7 @@ struct SubscriberOptions {
   std::string self_consumer = "refitd-subscriber";
   // Patch bytes of the last applied transfers kept to bring a standby slot forward in place
   // (config store.retained_patch_bytes). 0: every delta is staged by copying the current
-  // version into the staging slot (the path before issue 10; benchmarks compare the two).
+  // version into the staging slot (the full-copy path; benchmarks compare the two).
   uint64_t retained_patch_bytes = 256ull << 20;
   // Apply a PATCH tensor as soon as its last frame arrives (OnFrame) rather than at OnEnd, so
   // applying overlaps receiving. Off: everything is applied at OnEnd (benchmarks, tests).

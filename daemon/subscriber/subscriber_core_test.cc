@@ -17,19 +17,23 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/model/trajectory.h"
+#include "daemon/store/cuda_store.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
-#include "daemon/sync/version_digest.h"
 #include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
 #include "gtest/gtest.h"
 
 namespace refit::subscriber {
 namespace {
 
+using ::refit::testing::IsOk;
 using sync::PatchHistory;
 using sync::PlanOptions;
 using sync::TransferPlan;
@@ -66,10 +70,9 @@ class SubscriberCoreTest : public ::testing::Test {
   SubscriberCoreTest() : opts_(testing::SmallCoreOptions(&clock_, 2)) {}
   void SetUp() override {
     if (kDeviceStore) {
-      auto dev = cuda::OpenDevice({});
-      ASSERT_TRUE(dev.ok()) << dev.status();
-      device_ = std::move(*dev);
-      opts_.device = device_.get();
+      REFIT_ASSERT_OK_AND_ASSIGN(auto dev, cuda::OpenDevice({}));
+      device_ = std::move(dev);
+      opts_.make_store = store::DeviceStoreFactory(device_.get());
     }
   }
   std::unique_ptr<cuda::Device> device_;  // outlives the cores the tests create
@@ -147,13 +150,12 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
 // Overwrites one byte of tensor `name` of the applied version in its slot (a stray write
 // through a writable mapping, a memory error), through the store's memory.
 void CorruptApplied(SubscriberCore& core, const std::string& name, uint64_t offset) {
-  auto lease = core.AcquireLease("test-writer");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  const size_t i = *lease->store->layout().Find(name);
-  std::vector<uint8_t> byte = {static_cast<uint8_t>(HostCopy(*lease, i)[offset] ^ 0x40)};
-  std::span<uint8_t> dst(const_cast<uint8_t*>(lease->lease.spans[i].data()) + offset, 1);
-  ASSERT_TRUE(lease->store->memory().Upload(dst, byte).ok());
-  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("test-writer"));
+  const size_t i = *lease.store->layout().Find(name);
+  std::vector<uint8_t> byte = {static_cast<uint8_t>(HostCopy(lease, i)[offset] ^ 0x40)};
+  std::span<uint8_t> dst(const_cast<uint8_t*>(lease.lease.spans[i].data()) + offset, 1);
+  ASSERT_THAT(lease.store->memory().Upload(dst, byte), IsOk());
+  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
 // Scrub repair (docs/ARCHITECTURE.md "Scrub and repair"): a byte flipped in the committed slot;
@@ -168,10 +170,9 @@ TEST_F(SubscriberCoreTest, RepairOfTheAppliedVersionHealsAFlippedByteAndKeepsOld
   Sync(core, 3);
   ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
   CorruptApplied(core, "b.weight", 1234);
-  auto old = core.AcquireLease("consumer");
-  ASSERT_TRUE(old.ok());
-  const size_t bi = *old->store->layout().Find("b.weight");
-  const std::vector<uint8_t> corrupt = HostCopy(*old, bi);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto old, core.AcquireLease("consumer"));
+  const size_t bi = *old.store->layout().Find("b.weight");
+  const std::vector<uint8_t> corrupt = HostCopy(old, bi);
   ASSERT_NE(corrupt, pub_.model(3).at("b.weight").bytes);
 
   PlanOptions bad;
@@ -191,8 +192,8 @@ TEST_F(SubscriberCoreTest, RepairOfTheAppliedVersionHealsAFlippedByteAndKeepsOld
   EXPECT_EQ(core.generation(), 1u);
   EXPECT_EQ(core.last_stage().tensors_keyframe, 1u);
   ExpectHolds(core, pub_, 3);
-  EXPECT_EQ(HostCopy(*old, bi), corrupt) << "the old lease's slot must stay untouched";
-  ASSERT_TRUE(core.ReleaseLease(old->lease.lease_id).ok());
+  EXPECT_EQ(HostCopy(old, bi), corrupt) << "the old lease's slot must stay untouched";
+  ASSERT_THAT(core.ReleaseLease(old.lease.lease_id), IsOk());
   // A second repair header without ExpectRepair is refused again.
   EXPECT_EQ(core.OnHeader(w.header).code(), absl::StatusCode::kFailedPrecondition);
   // Later deltas apply on the repaired bytes; the replaced slot is never taken as intact.
@@ -266,11 +267,12 @@ TEST_F(SubscriberCoreTest, FramesFromSeveralStreamsConcurrently) {
   SubscriberCore core(opts_);
   for (uint64_t v = 1; v <= 3; ++v) {
     Wire w = pub_.Transfer(core.applied_version(), core.applied_digest(), v);
-    ASSERT_TRUE(core.OnHeader(w.header).ok());
+    ASSERT_THAT(core.OnHeader(w.header), IsOk());
     std::vector<std::thread> streams;
     for (size_t s = 0; s < 3; ++s) {
       streams.emplace_back([&, s] {
-        for (size_t i = s; i < w.frames.size(); i += 3) EXPECT_TRUE(core.OnFrame(w.frames[i]).ok());
+        for (size_t i = s; i < w.frames.size(); i += 3)
+          EXPECT_THAT(core.OnFrame(w.frames[i]), IsOk());
       });
     }
     for (auto& t : streams) t.join();
@@ -287,9 +289,8 @@ TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
   Sync(core, 2);
   auto gen1 = core.store();
   // A consumer holds version 2 on generation 1 across the change.
-  auto lease = core.AcquireLease("vllm-0");
-  ASSERT_TRUE(lease.ok());
-  EXPECT_EQ(lease->generation, 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  EXPECT_EQ(lease.generation, 1u);
 
   Model m = Next(current_);
   m.erase("c.bias");                                          // removed
@@ -309,13 +310,13 @@ TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
 
   // The old generation lives on for its consumer, with version 2's bytes.
   EXPECT_EQ(core.retired_stores(), 1u);
-  const store::Layout& old = lease->store->layout();
+  const store::Layout& old = lease.store->layout();
   for (size_t i = 0; i < old.size(); ++i) {
     const auto& want = pub_.model(2).at(old.tensor(i).name).bytes;
-    EXPECT_TRUE(want == HostCopy(*lease, i)) << old.tensor(i).name;
+    EXPECT_TRUE(want == HostCopy(lease, i)) << old.tensor(i).name;
   }
   gen1.reset();
-  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
   EXPECT_EQ(core.retired_stores(), 0u);
 
   // Deltas continue on the new generation.
@@ -329,7 +330,7 @@ TEST_F(SubscriberCoreTest, CorruptFrameRejectsAndKeepsThePreviousVersion) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Wire w = pub_.Transfer(1, core.applied_digest(), 2);
-  ASSERT_TRUE(core.OnHeader(w.header).ok());
+  ASSERT_THAT(core.OnHeader(w.header), IsOk());
   size_t bad = 0;
   while (w.frames[bad].payload().empty()) ++bad;
   v1::DataFrame corrupt = w.frames[bad];
@@ -340,7 +341,7 @@ TEST_F(SubscriberCoreTest, CorruptFrameRejectsAndKeepsThePreviousVersion) {
       EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
       EXPECT_NE(st.message().find("checksum"), std::string::npos) << st;
     } else {
-      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_THAT(st, IsOk());
     }
   }
   // Previous version readable while the failed transfer is still open.
@@ -426,7 +427,7 @@ TEST_F(SubscriberCoreTest, WrongBaseOrOldTargetIsFailedPrecondition) {
   // A second header while one is open.
   PublishRun(4, 4);
   Wire w34 = pub_.Transfer(3, pub_.digest(3), 4);
-  ASSERT_TRUE(core.OnHeader(w34.header).ok());
+  ASSERT_THAT(core.OnHeader(w34.header), IsOk());
   EXPECT_EQ(core.OnHeader(w34.header).code(), absl::StatusCode::kFailedPrecondition);
   core.Abort();
   EXPECT_EQ(Feed(core, w34).result(), v1::ACK_RESULT_APPLIED);
@@ -468,14 +469,14 @@ TEST_F(SubscriberCoreTest, AbortMidTransferChangesNothing) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Wire w = pub_.Transfer(1, pub_.digest(1), 2);
-  ASSERT_TRUE(core.OnHeader(w.header).ok());
-  for (size_t i = 0; i < w.frames.size() / 2; ++i) ASSERT_TRUE(core.OnFrame(w.frames[i]).ok());
+  ASSERT_THAT(core.OnHeader(w.header), IsOk());
+  for (size_t i = 0; i < w.frames.size() / 2; ++i) ASSERT_THAT(core.OnFrame(w.frames[i]), IsOk());
   core.Abort();
   EXPECT_FALSE(core.transfer_open());
   ExpectHolds(core, pub_, 1);
   // Missing frames at VersionEnd: rejected, naming what is incomplete.
-  ASSERT_TRUE(core.OnHeader(w.header).ok());
-  for (size_t i = 1; i < w.frames.size(); ++i) ASSERT_TRUE(core.OnFrame(w.frames[i]).ok());
+  ASSERT_THAT(core.OnHeader(w.header), IsOk());
+  for (size_t i = 1; i < w.frames.size(); ++i) ASSERT_THAT(core.OnFrame(w.frames[i]), IsOk());
   v1::Ack ack = core.OnEnd(w.end);
   EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
   EXPECT_FALSE(ack.error().empty());
@@ -488,18 +489,17 @@ TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
   PublishRun(1, 4);
   SubscriberCore core(opts_);  // 2 slots
   Sync(core, 1);
-  auto lease = core.AcquireLease("vllm-0");
-  ASSERT_TRUE(lease.ok());
-  EXPECT_EQ(lease->lease.version, 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  EXPECT_EQ(lease.lease.version, 1u);
   auto snapshot = [&] {
     std::vector<std::vector<uint8_t>> s;
-    for (size_t i = 0; i < lease->lease.spans.size(); ++i) s.push_back(HostCopy(*lease, i));
+    for (size_t i = 0; i < lease.lease.spans.size(); ++i) s.push_back(HostCopy(lease, i));
     return s;
   };
   const auto before = snapshot();
   Sync(core, 2);
   EXPECT_EQ(snapshot(), before);  // still version 1's bytes
-  const store::Layout& layout = lease->store->layout();
+  const store::Layout& layout = lease.store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     EXPECT_EQ(before[i], pub_.model(1).at(layout.tensor(i).name).bytes);
   }
@@ -514,9 +514,9 @@ TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
   EXPECT_EQ(snapshot(), before);
   ExpectHolds(core, pub_, 2);
   // Released between header and end: the deferred staging succeeds.
-  ASSERT_TRUE(core.OnHeader(w.header).ok());
-  for (const auto& f : w.frames) ASSERT_TRUE(core.OnFrame(f).ok());
-  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  ASSERT_THAT(core.OnHeader(w.header), IsOk());
+  for (const auto& f : w.frames) ASSERT_THAT(core.OnFrame(f), IsOk());
+  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
   ack = core.OnEnd(w.end);
   ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
   ExpectHolds(core, pub_, 3);
@@ -532,21 +532,20 @@ TEST_F(SubscriberCoreTest, ExportEqualsThePublishedSafetensors) {
   EXPECT_EQ(core.Export(got).code(), absl::StatusCode::kFailedPrecondition);
   Sync(core, 1);
   Sync(core, 3);
-  ASSERT_TRUE(core.Export(got).ok());
+  ASSERT_THAT(core.Export(got), IsOk());
   // The publisher's input file: the model in name order.
   std::vector<model::SafetensorsTensorRef> refs;
   for (const auto& [name, t] : pub_.model(3)) {
     refs.push_back({name, DType::kBF16,
                     std::vector<int64_t>(t.spec.shape().begin(), t.spec.shape().end()), t.bytes});
   }
-  ASSERT_TRUE(model::WriteSafetensors(want, refs).ok());
+  ASSERT_THAT(model::WriteSafetensors(want, refs), IsOk());
   EXPECT_EQ(ReadFile(got), ReadFile(want));
-  auto f = model::SafetensorsFile::Open(got);
-  ASSERT_TRUE(f.ok()) << f.status();
-  ASSERT_EQ(f->tensors().size(), pub_.model(3).size());
-  for (size_t i = 0; i < f->tensors().size(); ++i) {
-    const auto& want_bytes = pub_.model(3).at(f->tensors()[i].name).bytes;
-    auto data = f->data(i);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto f, model::SafetensorsFile::Open(got));
+  ASSERT_EQ(f.tensors().size(), pub_.model(3).size());
+  for (size_t i = 0; i < f.tensors().size(); ++i) {
+    const auto& want_bytes = pub_.model(3).at(f.tensors()[i].name).bytes;
+    auto data = f.data(i);
     EXPECT_TRUE(std::equal(data.begin(), data.end(), want_bytes.begin(), want_bytes.end()));
   }
   std::remove(got.c_str());
@@ -562,22 +561,20 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  auto lease = core.AcquireLease("vllm-0");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  const v1::Layout layout = LeaseLayout(core, *lease);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  const v1::Layout layout = LeaseLayout(core, lease);
   EXPECT_EQ(layout.version(), 2u);
   EXPECT_EQ(layout.version_digest(), pub_.digest(2));
   ASSERT_EQ(layout.tensors_size(), 4);
-  const auto* cs = dynamic_cast<const store::CudaStore*>(lease->store.get());
+  const auto* cs = dynamic_cast<const store::CudaStore*>(lease.store.get());
   ASSERT_NE(cs, nullptr);
   for (int i = 0; i < layout.tensors_size(); ++i) {
     const v1::TensorLocation& loc = layout.tensors(i);
     ASSERT_TRUE(loc.has_cuda_ipc()) << loc.spec().name();
     const v1::CudaIpcRegion& r = loc.cuda_ipc();
     ASSERT_EQ(r.ipc_handle().size(), cuda::kIpcHandleBytes);
-    auto uuid = cuda::UuidFromBytes(r.device_uuid());
-    ASSERT_TRUE(uuid.ok());
-    EXPECT_EQ(*uuid, device_->info().uuid);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto uuid, cuda::UuidFromBytes(r.device_uuid()));
+    EXPECT_EQ(uuid, device_->info().uuid);
     EXPECT_EQ(r.allocation_bytes(), cs->allocation_bytes());
     EXPECT_LE(r.offset() + r.size_bytes(), r.allocation_bytes());
     EXPECT_EQ(r.offset() % 256, 0u);
@@ -586,18 +583,18 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
     EXPECT_EQ(loc.digest(), TensorDigest(want, 1));
     cuda::IpcHandle handle;
     std::memcpy(handle.data(), r.ipc_handle().data(), handle.size());
-    auto base = device_->OpenIpc(handle);
-    ASSERT_TRUE(base.ok()) << base.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto base, device_->OpenIpc(handle));
     std::vector<uint8_t> got(r.size_bytes());
-    ASSERT_TRUE(
-        device_->CopyToHost(got.data(), static_cast<uint8_t*>(*base) + r.offset(), got.size()).ok());
+    ASSERT_THAT(
+        device_->CopyToHost(got.data(), static_cast<uint8_t*>(base) + r.offset(), got.size()),
+        IsOk());
     EXPECT_TRUE(got == want) << loc.spec().name();
-    ASSERT_TRUE(device_->CloseIpc(*base).ok());
+    ASSERT_THAT(device_->CloseIpc(base), IsOk());
   }
-  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
-// ---- in-place staging (issue 10): the standby slot brought forward by retained patches -------
+// ---- in-place staging: the standby slot brought forward by retained patches -------
 
 class SubscriberCoreInPlaceTest : public SubscriberCoreTest {
  protected:
@@ -631,16 +628,15 @@ class SubscriberCoreInPlaceTest : public SubscriberCoreTest {
     o.seed = 11;
     o.warmup_steps = 2;
     o.threads = 2;
-    auto traj = model::Trajectory::Create(o);
-    ASSERT_TRUE(traj.ok()) << traj.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto traj, model::Trajectory::Create(o));
     for (uint64_t v = 1; v <= versions; ++v) {
-      if (v > 1) (*traj)->Step();
+      if (v > 1) (traj)->Step();
       Model m;
-      for (size_t i = 0; i < (*traj)->tensors().size(); ++i) {
-        const model::TensorSpec& ts = (*traj)->tensors()[i];
+      for (size_t i = 0; i < traj->tensors().size(); ++i) {
+        const model::TensorSpec& ts = traj->tensors()[i];
         Tensor t;
         t.spec = BF16(ts.name, std::vector<uint64_t>(ts.shape.begin(), ts.shape.end()));
-        t.bytes.assign((*traj)->bf16(i).begin(), (*traj)->bf16(i).end());
+        t.bytes.assign(traj->bf16(i).begin(), traj->bf16(i).end());
         m[ts.name] = std::move(t);
       }
       pub_.Publish(v, m);
@@ -700,30 +696,28 @@ TEST_F(SubscriberCoreInPlaceTest, LeasedStandbySlotGoesToAnotherSlotOrAFullCopy)
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  auto l1 = core.AcquireLease("vllm-0", 1);
-  ASSERT_TRUE(l1.ok()) << l1.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(auto l1, core.AcquireLease("vllm-0", 1));
   auto snapshot = [](const SubscriberLease& l) {
     std::vector<std::vector<uint8_t>> s;
     for (size_t i = 0; i < l.lease.spans.size(); ++i) s.push_back(HostCopy(l, i));
     return s;
   };
-  const auto v1_bytes = snapshot(*l1);
+  const auto v1_bytes = snapshot(l1);
   ExpectFullCopy(SyncStats(core, 3));  // v1 leased: the empty third slot
   const StageStats s4 = SyncStats(core, 4);  // v1 leased, v3 current: v2's slot, 2 -> 3 retained
   ExpectInPlace(s4, 2);
   EXPECT_GT(s4.catch_up_patches, 0u);
-  EXPECT_EQ(snapshot(*l1), v1_bytes);
-  ASSERT_TRUE(core.ReleaseLease(l1->lease.lease_id).ok());
+  EXPECT_EQ(snapshot(l1), v1_bytes);
+  ASSERT_THAT(core.ReleaseLease(l1.lease.lease_id), IsOk());
   // v3 leased, v4 current: v1's slot, brought forward over three retained transfers
   // 1 -> 2 -> 3 -> 4.
-  auto l3 = core.AcquireLease("vllm-1", 3);
-  ASSERT_TRUE(l3.ok()) << l3.status();
-  const auto v3_bytes = snapshot(*l3);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto l3, core.AcquireLease("vllm-1", 3));
+  const auto v3_bytes = snapshot(l3);
   const StageStats s5 = SyncStats(core, 5);
   ExpectInPlace(s5, 1);
-  EXPECT_EQ(snapshot(*l3), v3_bytes);
-  EXPECT_EQ(v3_bytes.size(), l3->store->layout().size());
-  ASSERT_TRUE(core.ReleaseLease(l3->lease.lease_id).ok());
+  EXPECT_EQ(snapshot(l3), v3_bytes);
+  EXPECT_EQ(v3_bytes.size(), l3.store->layout().size());
+  ASSERT_THAT(core.ReleaseLease(l3.lease.lease_id), IsOk());
   ExpectInPlace(SyncStats(core, 6), 3);
   ExpectInPlace(SyncStats(core, 7), 4);
 }
@@ -802,9 +796,8 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
   Sync(core, 1);
   Sync(core, 2);
   ExpectInPlace(SyncStats(core, 3), 1);
-  auto lease = core.AcquireLease("vllm-0");
-  ASSERT_TRUE(lease.ok());
-  const std::vector<uint8_t> old_a = HostCopy(*lease, 0);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  const std::vector<uint8_t> old_a = HostCopy(lease, 0);
   Model m = Next(current_);
   m["d.new"] = RandomTensor(BF16("d.new", {70, 10}), rng_);
   current_ = m;
@@ -817,8 +810,8 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
   ExpectFullCopy(SyncStats(core, 5));  // the new generation's empty second slot
   ExpectInPlace(SyncStats(core, 6), 4);
   ExpectInPlace(SyncStats(core, 7), 5);
-  EXPECT_EQ(HostCopy(*lease, 0), old_a);
-  ASSERT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  EXPECT_EQ(HostCopy(lease, 0), old_a);
+  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
 // ---- refresh of the standby slot after each commit (off the critical path) ---------------
@@ -981,20 +974,18 @@ TEST_F(SubscriberCoreRefreshTest, LeaseDuringARefreshNeverSeesTheRefreshingSlot)
   ASSERT_GE(refreshing, 0);
   std::vector<SubscriberLease> leases;
   for (int k = 0; k < 4; ++k) {
-    auto l = core.AcquireLease(absl::StrCat("vllm-", k));
-    ASSERT_TRUE(l.ok()) << l.status();
-    EXPECT_NE(l->lease.slot, refreshing);
-    EXPECT_EQ(l->lease.version, 3u);
-    leases.push_back(std::move(*l));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto l, core.AcquireLease(absl::StrCat("vllm-", k)));
+    EXPECT_NE(l.lease.slot, refreshing);
+    EXPECT_EQ(l.lease.version, 3u);
+    leases.push_back(std::move(l));
   }
   EXPECT_EQ(core.AcquireLease("old", 2).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core.AcquireLease("refreshed", 3)->lease.slot, leases[0].lease.slot);
   release_.store(true);
   ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 2; }));
   EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), refreshing);
-  auto after = core.AcquireLease("after", 3);
-  ASSERT_TRUE(after.ok());
-  EXPECT_NE(after->lease.slot, refreshing);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto after, core.AcquireLease("after", 3));
+  EXPECT_NE(after.lease.slot, refreshing);
   for (const SubscriberLease& l : leases) {
     for (size_t i = 0; i < l.lease.spans.size(); ++i) EXPECT_EQ(HostCopy(l, i), HostCopy(leases[0], i));
   }

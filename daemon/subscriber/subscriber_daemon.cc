@@ -25,17 +25,20 @@
 #include "absl/time/clock.h"
 #include "cuda/device.h"
 #include "daemon/auth/authorized_services.h"
-#include "daemon/common/daemon_runtime.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/common/thread_priority.h"
 #include "daemon/config/address.h"
-#include "daemon/metrics/daemon_metrics.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
-#include "daemon/publisher/data_plane_service.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/metrics/daemon_metrics.h"
+#include "daemon/runtime/daemon_runtime.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
+#include "daemon/store/cuda_store.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/relay_feed.h"
 #include "daemon/subscriber/scrubber.h"
@@ -71,7 +74,7 @@ std::string HumanBytes(uint64_t bytes) {
 
 uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
 
-// Config of the in-place machinery (issue 10): refresh_standby, refresh_wait_ms.
+// Config of the in-place staging machinery: refresh_standby, refresh_wait_ms.
 void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
   o.refresh_standby = c.refresh_standby();
   o.refresh_wait = absl::Milliseconds(c.refresh_wait_ms());
@@ -193,7 +196,7 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   // Versions installed for peers from the relayed patches / by encoding them again.
   std::atomic<uint64_t> adopted_versions_{0};
   std::atomic<uint64_t> reencoded_versions_{0};
-  std::string stall_peers_file_;  // test hook REFITD_TEST_HOOK_STALL_PEERS
+  TestHooks hooks_;  // test hook stall_peers (test_hooks.h), read at start
   std::thread peer_thread_;
   absl::Mutex peer_mu_;
   uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // versions applied so far
@@ -266,18 +269,21 @@ absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
   return absl::OkStatus();
 }
 
-// The core's options from the config (store, leases, staging); the device is set by OpenDevice.
+// The core's options from the config (store, leases, staging): host-memory stores; a GPU store's
+// factory is set once OpenDevice has the device.
 SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
   SubscriberOptions o;
   o.store.slots = static_cast<int>(c.store().slots());
-  o.store.shm_prefix = c.store().shm_prefix();
   o.store.default_ttl = absl::Milliseconds(c.leases().default_ttl_ms());
   o.store.max_ttl = absl::Milliseconds(c.leases().max_ttl_ms());
   o.store.max_leases = static_cast<int>(c.leases().max_leases());
   o.store.max_leases_per_consumer = static_cast<int>(
       std::min(c.leases().max_leases_per_consumer(), c.leases().max_leases()));
-  o.store.allow_unsealed = c.store().allow_unsealed();
-  o.store.prefault = c.store().prefault();
+  store::ShmStoreOptions host;
+  host.shm_prefix = c.store().shm_prefix();
+  host.allow_unsealed = c.store().allow_unsealed();
+  host.prefault = c.store().prefault();
+  o.make_store = store::HostStoreFactory(std::move(host));
   o.retained_patch_bytes = c.store().retained_patch_bytes();
   o.single_copy_staging_bytes = c.store().single_copy_staging_bytes();
   o.pause_wait = absl::Milliseconds(c.store().pause_wait_ms());
@@ -322,9 +328,7 @@ absl::Status SubscriberDaemonImpl::OpenDevice(const cuda::DeviceOpener& open_dev
           : absl::UnavailableError(absl::StrCat("no CUDA device for ", selector.ToString(),
                                                 ": this process has no GPU support"));
   if (!device.ok()) {
-    return absl::Status(device.status().code(),
-                        absl::StrCat("subscriber.store.kind: cuda needs a usable GPU: ",
-                                     device.status().message()));
+    return Annotate(device.status(), "subscriber.store.kind: cuda needs a usable GPU");
   }
   device_ = std::move(*device);
   log_->info("tensor store on {} (CUDA IPC)", device_->Describe());
@@ -384,10 +388,10 @@ absl::Status SubscriberDaemonImpl::MakePeers() {
   dpo.name = name_;
   dpo.logger = "peers";
   peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
-  if (const char* hook = std::getenv("REFITD_TEST_HOOK_STALL_PEERS"); hook != nullptr) {
-    stall_peers_file_ = hook;
-    log_->warn("test hook REFITD_TEST_HOOK_STALL_PEERS={}: peers get no installed version while "
-               "that file exists", stall_peers_file_);
+  hooks_ = TestHooks::FromEnvironment();
+  if (hooks_.enabled()) {
+    log_->warn("test hook: peers get no installed version while \"{}\" exists",
+               hooks_.File(TestHook::kStallPeers));
   }
   if (config_.relay_cut_through()) {
     relay_ = std::make_unique<RelayFeed>(peer_core_.get(), config_.upstream().max_frame_bytes());
@@ -470,7 +474,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
                                                            "subscriber.metrics",
                                                            config_.metrics()));
   RETURN_IF_ERROR(OpenDevice(open_device));
-  core_options.device = device_.get();
+  if (device_ != nullptr) core_options.make_store = store::DeviceStoreFactory(device_.get());
   // A single-copy store's verified version waits for the consumers: WatchVersions tells them.
   core_options.on_pause_pending = [this](uint64_t version, uint64_t digest) {
     board_.AnnouncePending(version, digest);
@@ -602,12 +606,12 @@ void SubscriberDaemonImpl::PeerPublishLoop() {
   }
 }
 
-// Test hook: while the file REFITD_TEST_HOOK_STALL_PEERS names (read at start) exists, the peer
-// loop installs nothing for the peers, so only relayed streams reach them. False on shutdown.
+// Test hook stall_peers (test_hooks.h): while its file exists, the peer loop installs nothing
+// for the peers, so only relayed streams reach them. False on shutdown.
 bool SubscriberDaemonImpl::StallPeersHook() {
-  if (stall_peers_file_.empty()) return true;
+  if (!hooks_.enabled()) return true;
   bool logged = false;
-  while (::access(stall_peers_file_.c_str(), F_OK) == 0) {
+  while (hooks_.Stalled(TestHook::kStallPeers)) {
     if (!logged) log_->warn("test hook: installing versions for peers stalled");
     logged = true;
     absl::MutexLock lock(&peer_mu_);

@@ -1,11 +1,12 @@
 // `refitd subscriber`: the subscriber daemon assembled from its parts. Start() builds everything
 // from a validated config (config::LoadSubscriberConfig + CheckConfigFiles already passed):
-//   SubscriberCore (ShmStore slots, lease TTLs, staging threads/limit), Upstream (sessions with
-//   the publisher or bootstrap peers), the Control service (Status, Export, WaitVersion, Verify,
-//   Resync; Publish is FAILED_PRECONDITION), the ConsumerApi on local_socket (layout, version
-//   announcements, leases), with serve_peers a DataPlaneService fed with every applied version,
-//   gRPC health, the servers, and finally the ready file.
-// store.kind cuda is refused with Unimplemented until the GPU path lands (issue 4).
+//   SubscriberCore (ShmStore or CudaStore slots, lease TTLs, staging threads/limit), Upstream
+//   (sessions with the publisher or bootstrap peers), the Control service (Status, Export,
+//   WaitVersion, Verify, Resync; Publish is FAILED_PRECONDITION), the ConsumerApi on local_socket
+//   (layout, version announcements, leases), with serve_peers a DataPlaneService fed with every
+//   applied version, gRPC health, the servers, and finally the ready file.
+// store.kind cuda opens the configured GPU (CudaStore generations); start fails with the
+// device's error when there is none usable.
 #ifndef REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_DAEMON_H_
 #define REFIT_DAEMON_SUBSCRIBER_SUBSCRIBER_DAEMON_H_
 

@@ -3,6 +3,7 @@
 // the first, which serves peers). Everything over real gRPC: Control on `listen`, ConsumerApi on
 // a unix socket, the consumer reading the store through its ShmRegion path.
 #include "daemon/subscriber/subscriber_daemon.h"
+#include "daemon/common/status_matchers.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -25,12 +26,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cuda/device.h"
-#include "daemon/common/daemon_runtime.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
-#include "daemon/publisher/data_plane_service.h"
-#include "daemon/publisher/publisher_core.h"
-#include "daemon/publisher/publisher_testing.h"
+#include "daemon/runtime/daemon_runtime.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/sync/selection.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
@@ -42,8 +44,11 @@
 namespace refit::subscriber {
 namespace {
 
-using ::testing::HasSubstr;
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using sync::testing::Model;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 // The publisher: PublisherCore versions of a small BF16 model, served by DataPlaneService.
 class TestPublisher {
@@ -65,7 +70,7 @@ class TestPublisher {
     spec.services = {service_.get()};
     spec.max_receive_bytes = 2 << 20;
     auto server = StartServer(spec);
-    EXPECT_TRUE(server.ok()) << server.status();
+    EXPECT_THAT(server, IsOk());
     server_ = std::move(*server);
   }
 
@@ -147,7 +152,7 @@ class SubscriberDaemonTest : public ::testing::Test {
         "  leases: {default_ttl_ms: 30000, max_ttl_ms: 60000}\n"
         "  files: {export_dir: \"", dir_.string(), "\"}\n");
     auto c = config::LoadSubscriberConfigFromString(yaml, name + ".yaml");
-    EXPECT_TRUE(c.ok()) << c.status() << "\n" << yaml;
+    EXPECT_THAT(c, IsOk()) << c.status() << "\n" << yaml;
     return c.ok() ? *c : v1::SubscriberConfig();
   }
 
@@ -183,14 +188,13 @@ class SubscriberDaemonTest : public ::testing::Test {
     grpc::Status st = control.Export(Ctx().get(), req, &resp);
     ASSERT_TRUE(st.ok()) << st.error_message();
     EXPECT_EQ(resp.version(), v);
-    auto f = model::SafetensorsFile::Open(req.safetensors());
-    ASSERT_TRUE(f.ok()) << f.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto f, model::SafetensorsFile::Open(req.safetensors()));
     const Model& m = pub_.model(v);
-    ASSERT_EQ(f->tensors().size(), m.size());
-    for (size_t i = 0; i < f->tensors().size(); ++i) {
-      auto d = f->data(i);
-      EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), m.at(f->tensors()[i].name).bytes)
-          << "version " << v << " tensor " << f->tensors()[i].name;
+    ASSERT_EQ(f.tensors().size(), m.size());
+    for (size_t i = 0; i < f.tensors().size(); ++i) {
+      auto d = f.data(i);
+      EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), m.at(f.tensors()[i].name).bytes)
+          << "version " << v << " tensor " << f.tensors()[i].name;
     }
   }
 
@@ -201,12 +205,11 @@ class SubscriberDaemonTest : public ::testing::Test {
     req.set_safetensors((dir_ / file).string());
     v1::ExportResponse resp;
     ASSERT_TRUE(control.Export(Ctx().get(), req, &resp).ok());
-    auto f = model::SafetensorsFile::Open(req.safetensors());
-    ASSERT_TRUE(f.ok()) << f.status();
-    ASSERT_EQ(f->tensors().size(), names.size());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto f, model::SafetensorsFile::Open(req.safetensors()));
+    ASSERT_EQ(f.tensors().size(), names.size());
     for (size_t i = 0; i < names.size(); ++i) {
-      auto data = f->data(i);
-      EXPECT_EQ(f->tensors()[i].name, names[i]);
+      auto data = f.data(i);
+      EXPECT_EQ(f.tensors()[i].name, names[i]);
       EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()), pub_.model(v).at(names[i]).bytes)
           << "version " << v << " tensor " << names[i];
     }
@@ -237,9 +240,9 @@ class SubscriberDaemonTest : public ::testing::Test {
 
 TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   const uint64_t v1 = pub_.PublishNext();
-  auto a = SubscriberDaemon::Start(Config("sub-a", /*serve_peers=*/true));
-  ASSERT_TRUE(a.ok()) << a.status();
-  SubscriberDaemon& da = **a;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto a,
+                             SubscriberDaemon::Start(Config("sub-a", /*serve_peers=*/true)));
+  SubscriberDaemon& da = *a;
   EXPECT_FALSE(da.listen_address().empty());
   EXPECT_EQ(da.control_address(), "");
   EXPECT_EQ(da.local_address(), absl::StrCat("unix:", (dir_ / "sub-a.sock").string()));
@@ -316,9 +319,9 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
 
   // A late joiner bootstraps from sub-a (bootstrap_peers), then follows.
-  auto b = SubscriberDaemon::Start(Config("sub-b", false, da.listen_address()));
-  ASSERT_TRUE(b.ok()) << b.status();
-  auto control_b = ControlOf(**b);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto b,
+                             SubscriberDaemon::Start(Config("sub-b", false, da.listen_address())));
+  auto control_b = ControlOf(*b);
   WaitFor(*control_b, v2);
   ExpectExportEquals(*control_b, "b-v2.safetensors", v2);
   ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
@@ -332,7 +335,7 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   EXPECT_EQ(ev.version(), v3);
 
   // Shutdown ends the watch stream.
-  (*b)->Shutdown();
+  b->Shutdown();
   da.Shutdown();
   while (watch->Read(&ev)) {
   }
@@ -361,27 +364,28 @@ v1::RelayStatus AwaitPeersInstalled(v1::Control::Stub& control, uint64_t applied
 // version arrives bit-exact everywhere; the relays stream each delta to their peer while it
 // arrives and install it from the patches received (no encoding) after the first version.
 TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
-  stall_file_ = (dir_ / "stall-peers").string();
-  setenv("REFITD_TEST_HOOK_STALL_PEERS", stall_file_.c_str(), 1);
-  absl::Cleanup unset = [] { unsetenv("REFITD_TEST_HOOK_STALL_PEERS"); };
+  const std::filesystem::path hooks_dir = dir_ / "hooks";
+  std::filesystem::create_directories(hooks_dir);
+  stall_file_ = TestHooks(hooks_dir.string()).File(TestHook::kStallPeers);
+  setenv(TestHooks::kEnv, hooks_dir.c_str(), 1);
+  absl::Cleanup unset = [] { unsetenv(TestHooks::kEnv); };
   for (bool cut_through : {true, false}) {
     SCOPED_TRACE(cut_through ? "cut-through" : "re-encoding relays");
     uint64_t v = pub_.PublishNext();
     const std::string tag = cut_through ? "ct" : "re";
-    auto a = SubscriberDaemon::Start(Config("relay-a-" + tag, true, "", "", cut_through));
-    ASSERT_TRUE(a.ok()) << a.status();
-    auto control_a = ControlOf(**a);
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto a, SubscriberDaemon::Start(Config("relay-a-" + tag, true, "", "", cut_through)));
+    auto control_a = ControlOf(*a);
     WaitFor(*control_a, v);
     auto b = SubscriberDaemon::Start(
-        Config("relay-b-" + tag, true, "", (*a)->listen_address(), cut_through));
-    ASSERT_TRUE(b.ok()) << b.status();
+        Config("relay-b-" + tag, true, "", a->listen_address(), cut_through));
+    ASSERT_THAT(b, IsOk());
     auto control_b = ControlOf(**b);
-    auto c = SubscriberDaemon::Start(Config("sub-c-" + tag, false, "", (*b)->listen_address()));
-    ASSERT_TRUE(c.ok()) << c.status();
-    auto control_c = ControlOf(**c);
-    auto d = SubscriberDaemon::Start(Config("sub-d-" + tag, false));
-    ASSERT_TRUE(d.ok()) << d.status();
-    auto control_d = ControlOf(**d);
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto c, SubscriberDaemon::Start(Config("sub-c-" + tag, false, "", (*b)->listen_address())));
+    auto control_c = ControlOf(*c);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto d, SubscriberDaemon::Start(Config("sub-d-" + tag, false)));
+    auto control_d = ControlOf(*d);
     WaitFor(*control_c, v);
     uint64_t applied = 1;
     for (int k = 0; k < 4; ++k) {
@@ -434,10 +438,10 @@ TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
       }
     }
     ExpectExportEquals(*control_b, absl::StrCat("b-", tag, "-", v, ".safetensors"), v);
-    (*c)->Shutdown();
-    (*d)->Shutdown();
+    c->Shutdown();
+    d->Shutdown();
     (*b)->Shutdown();
-    (*a)->Shutdown();
+    a->Shutdown();
   }
 }
 
@@ -445,23 +449,22 @@ TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
 // converges there, bit-exact, within its backoff; the relay left keeps relaying.
 TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
   uint64_t v = pub_.PublishNext();
-  auto a = SubscriberDaemon::Start(Config("relay-a", true));
-  ASSERT_TRUE(a.ok()) << a.status();
-  auto control_a = ControlOf(**a);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto a, SubscriberDaemon::Start(Config("relay-a", true)));
+  auto control_a = ControlOf(*a);
   WaitFor(*control_a, v);
-  auto b = SubscriberDaemon::Start(Config("relay-b", true, "", (*a)->listen_address()));
-  ASSERT_TRUE(b.ok()) << b.status();
-  auto control_b = ControlOf(**b);
-  auto c = SubscriberDaemon::Start(Config(
-      "sub-c", false, "", absl::StrCat((*b)->listen_address(), ",", (*a)->listen_address())));
-  ASSERT_TRUE(c.ok()) << c.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto b, SubscriberDaemon::Start(Config("relay-b", true, "", a->listen_address())));
+  auto control_b = ControlOf(*b);
+  auto c = SubscriberDaemon::Start(
+      Config("sub-c", false, "", absl::StrCat(b->listen_address(), ",", a->listen_address())));
+  ASSERT_THAT(c, IsOk());
   auto control_c = ControlOf(**c);
   WaitFor(*control_c, v);
   v1::StatusResponse s;
   ASSERT_TRUE(control_c->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
   EXPECT_EQ(s.upstream().name(), "relay-b");
   AwaitPeersInstalled(*control_a, 1);
-  (*b)->Shutdown();
+  b->Shutdown();
   for (int k = 0; k < 3; ++k) {
     v = pub_.PublishNext();
     WaitFor(*control_c, v);
@@ -474,7 +477,7 @@ TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
   EXPECT_EQ(r.adopted_versions(), 3u) << r.ShortDebugString();
   EXPECT_EQ(r.failed(), 0u) << r.ShortDebugString();
   (*c)->Shutdown();
-  (*a)->Shutdown();
+  a->Shutdown();
 }
 
 // upstream.tensors: the subscriber receives only the selected tensors' patches (exactly their
@@ -484,12 +487,10 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
   uint64_t v = pub_.PublishNext();
   v1::SubscriberConfig cfg = Config("sub-sel", false);
   cfg.mutable_upstream()->add_tensors("*.weight");
-  auto d = SubscriberDaemon::Start(cfg);
-  ASSERT_TRUE(d.ok()) << d.status();
-  auto control = ControlOf(**d);
-  auto consumer = ConsumerOf(**d);
-  auto sel = sync::TensorSelection::Make({"*.weight"}, "tensors");
-  ASSERT_TRUE(sel.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto d, SubscriberDaemon::Start(cfg));
+  auto control = ControlOf(*d);
+  auto consumer = ConsumerOf(*d);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto sel, sync::TensorSelection::Make({"*.weight"}, "tensors"));
   WaitFor(*control, v);
   for (int k = 0; k < 3; ++k) {
     const uint64_t prev = v;
@@ -500,14 +501,14 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
     EXPECT_EQ(s.version(), v);
     EXPECT_EQ(s.tensors(), 2u);
     const sync::DigestFormat format = *sync::DigestFormatFromWire(s.digest_format());
-    EXPECT_EQ(s.version_digest(), *pub_.core().VersionDigestOf(v, format, &*sel));
+    EXPECT_EQ(s.version_digest(), *pub_.core().VersionDigestOf(v, format, &sel));
     EXPECT_NE(s.version_digest(), *pub_.core().VersionDigestOf(v, format));  // not the whole's
     publisher::TransferOptions topts;
     topts.plan.digest_format = format;
-    topts.plan.selection = &*sel;
-    auto t = pub_.core().MakeTransfer(prev, *pub_.core().VersionDigestOf(prev, format, &*sel),
-                                      topts);
-    ASSERT_TRUE(t.ok()) << t.status();
+    topts.plan.selection = &sel;
+    auto t =
+        pub_.core().MakeTransfer(prev, *pub_.core().VersionDigestOf(prev, format, &sel), topts);
+    ASSERT_THAT(t, IsOk());
     EXPECT_EQ(s.last_refit().wire_bytes(), (*t)->object_bytes());  // only the selected patches
     EXPECT_GT(s.last_refit().wire_bytes(), 0u);
 
@@ -517,24 +518,22 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
   v1::Layout layout;
   ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
   ASSERT_EQ(layout.tensors_size(), 2);
-  ExpectSelectedLayout(layout, v, *sel);
+  ExpectSelectedLayout(layout, v, sel);
   v1::VerifyResponse vr;
   ASSERT_TRUE(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
   EXPECT_TRUE(vr.ok());
-  (*d)->Shutdown();
+  d->Shutdown();
 
   // A relay selecting the union ("*.weight") serves a peer selecting a part of it ("attn.*"):
   // the relay installs its selection from the relayed patches, the peer gets its part.
   v1::SubscriberConfig rc = Config("relay-sel", true);
   rc.mutable_upstream()->add_tensors("*.weight");
-  auto r = SubscriberDaemon::Start(rc);
-  ASSERT_TRUE(r.ok()) << r.status();
-  v1::SubscriberConfig pc = Config("peer-sel", false, "", (*r)->listen_address());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto r, SubscriberDaemon::Start(rc));
+  v1::SubscriberConfig pc = Config("peer-sel", false, "", r->listen_address());
   pc.mutable_upstream()->add_tensors("attn.*");
-  auto p = SubscriberDaemon::Start(pc);
-  ASSERT_TRUE(p.ok()) << p.status();
-  auto control_r = ControlOf(**r);
-  auto control_p = ControlOf(**p);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, SubscriberDaemon::Start(pc));
+  auto control_r = ControlOf(*r);
+  auto control_p = ControlOf(*p);
   WaitFor(*control_p, v);
   for (int k = 0; k < 3; ++k) {
     AwaitPeersInstalled(*control_r, 1 + static_cast<uint64_t>(k));
@@ -545,15 +544,14 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
   }
   const v1::RelayStatus rs = AwaitPeersInstalled(*control_r, 4);
   EXPECT_EQ(rs.adopted_versions(), 3u) << rs.ShortDebugString();
-  (*p)->Shutdown();
-  (*r)->Shutdown();
+  p->Shutdown();
+  r->Shutdown();
 
   // A pattern that selects nothing: every session ends with an error naming it.
   v1::SubscriberConfig bad = Config("sub-bad-sel", false);
   bad.mutable_upstream()->add_tensors("lm_head.*");
-  auto b = SubscriberDaemon::Start(bad);
-  ASSERT_TRUE(b.ok()) << b.status();
-  auto control_b = ControlOf(**b);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto b, SubscriberDaemon::Start(bad));
+  auto control_b = ControlOf(*b);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   v1::StatusResponse sb;
   while (absl::Now() < deadline) {
@@ -566,7 +564,7 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
                         "\"lm_head.*\" "
                         "match none of the 3 tensors of version"));
   EXPECT_EQ(sb.version(), 0u);
-  (*b)->Shutdown();
+  b->Shutdown();
 }
 
 TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
@@ -574,18 +572,17 @@ TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
   v1::SubscriberConfig c = Config("sub-d", false);
   c.set_listen("");
   c.set_control_listen("127.0.0.1:0");
-  auto d = SubscriberDaemon::Start(c);
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ((*d)->listen_address(), "");
-  ASSERT_FALSE((*d)->control_address().empty());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto d, SubscriberDaemon::Start(c));
+  EXPECT_EQ(d->listen_address(), "");
+  ASSERT_FALSE(d->control_address().empty());
   {
     std::ifstream ready(dir_ / "sub-d.ready");
     std::stringstream text;
     text << ready.rdbuf();
-    EXPECT_THAT(text.str(), HasSubstr((*d)->control_address()));
+    EXPECT_THAT(text.str(), HasSubstr(d->control_address()));
   }
   auto control = v1::Control::NewStub(
-      grpc::CreateChannel((*d)->control_address(), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(d->control_address(), grpc::InsecureChannelCredentials()));
   WaitFor(*control, v1);
   // A waiter for a version that never comes is released by Shutdown, not by its timeout.
   v1::WaitVersionRequest req;
@@ -595,7 +592,7 @@ TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
   grpc::Status waited;
   std::thread waiter([&] { waited = control->WaitVersion(Ctx().get(), req, &resp); });
   // The waiter is in (or about to be in) its wait; Shutdown ends it either way.
-  (*d)->Shutdown();
+  d->Shutdown();
   waiter.join();
   EXPECT_FALSE(waited.ok());
   EXPECT_NE(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
@@ -603,10 +600,9 @@ TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
 
 TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLeases) {
   const uint64_t v1 = pub_.PublishNext();
-  auto d = SubscriberDaemon::Start(Config("sub-e", false));
-  ASSERT_TRUE(d.ok()) << d.status();
-  auto control = ControlOf(**d);
-  auto consumer = ConsumerOf(**d);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto d, SubscriberDaemon::Start(Config("sub-e", false)));
+  auto control = ControlOf(*d);
+  auto consumer = ConsumerOf(*d);
   WaitFor(*control, v1);
   grpc::ClientContext watch_ctx;
   v1::WatchVersionsRequest wreq;
@@ -654,29 +650,26 @@ TEST_F(SubscriberDaemonTest, CudaStoreNeedsAUsableGpuAndBadAddressesAreRefused) 
   auto d = SubscriberDaemon::Start(c, &cuda::OpenDevice);
   auto devices = cuda::ListDevices();
   if (!devices.ok() || devices->empty()) {
-    ASSERT_FALSE(d.ok());
-    EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable) << d.status();
-    EXPECT_THAT(d.status().message(), HasSubstr("subscriber.store.kind: cuda needs a usable GPU"));
+    ASSERT_THAT(d, StatusIs(absl::StatusCode::kUnavailable,
+                            HasSubstr("subscriber.store.kind: cuda needs a usable GPU")));
   } else {
-    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_THAT(d, IsOk());
     d->reset();
   }
   // Without GPU support in the process (no opener): refused whatever the machine has.
   d = SubscriberDaemon::Start(c);
-  ASSERT_FALSE(d.ok());
-  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable) << d.status();
-  EXPECT_THAT(d.status().message(), HasSubstr("this process has no GPU support"));
+  ASSERT_THAT(
+      d, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("this process has no GPU support")));
   c.mutable_store()->set_cuda_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
   d = SubscriberDaemon::Start(c, &cuda::OpenDevice);
-  ASSERT_FALSE(d.ok());
+  ASSERT_THAT(d, Not(IsOk()));
   EXPECT_THAT(d.status().message(), HasSubstr("GPU-00000000-0000-0000-0000-000000000000"));
 
   c = Config("sub-c", false);
   c.mutable_upstream()->set_addresses(0, "127.0.0.1:99999");
   d = SubscriberDaemon::Start(c);
-  ASSERT_FALSE(d.ok());
-  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(d.status().message(), HasSubstr("subscriber.upstream.addresses[0]"));
+  ASSERT_THAT(d, StatusIs(absl::StatusCode::kInvalidArgument,
+                          HasSubstr("subscriber.upstream.addresses[0]")));
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "daemon/publisher/publisher_testing.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/sync/sync_testing.h"
 
 namespace refit::subscriber::fuzz {

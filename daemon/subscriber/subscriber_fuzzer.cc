@@ -22,6 +22,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "daemon/codec/hash.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/subscriber_fuzz_input.h"
 #include "daemon/sync/version_digest.h"
@@ -284,6 +285,7 @@ class Run {
   static SubscriberOptions Options() {
     SubscriberOptions o;
     o.store.slots = 2;
+    o.make_store = store::HostStoreFactory();
     o.max_frame_bytes = kFrameBytes;
     o.threads = 1;
     o.max_slot_bytes = 1 << 20;

@@ -18,9 +18,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/model/safetensors.h"
-#include "daemon/publisher/publisher_core.h"
-#include "daemon/publisher/publisher_testing.h"
+#include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
@@ -30,12 +32,14 @@
 #include "gtest/gtest.h"
 #include "refit/v1/control.grpc.pb.h"
 #include "refit/v1/local.grpc.pb.h"
+#include "refit/version.h"
 
 namespace refit::subscriber {
 namespace {
 
-using ::testing::HasSubstr;
+using ::refit::testing::IsOk;
 using sync::testing::Model;
+using ::testing::HasSubstr;
 
 // A publisher side without the network: PublisherCore versions of a small BF16 model.
 class Source : public refit::testing::ModelPublisher {
@@ -54,14 +58,14 @@ class Source : public refit::testing::ModelPublisher {
   // Feeds the newest version to `sub` (one transfer); returns the Ack.
   v1::Ack Feed(SubscriberCore& sub) {
     auto t = core().MakeTransfer(sub.applied_version(), sub.applied_digest());
-    EXPECT_TRUE(t.ok()) << t.status();
-    EXPECT_TRUE(sub.OnHeader((*t)->Header()).ok());
+    EXPECT_THAT(t, IsOk());
+    EXPECT_THAT(sub.OnHeader((*t)->Header()), IsOk());
     uint64_t wire = 0;
     for (uint64_t i = 0; i < (*t)->frame_count(); ++i) {
       auto f = (*t)->Frame(i);
-      EXPECT_TRUE(f.ok()) << f.status();
+      EXPECT_THAT(f, IsOk());
       wire += f->payload().size();
-      EXPECT_TRUE(sub.OnFrame(*f).ok());
+      EXPECT_THAT(sub.OnFrame(*f), IsOk());
     }
     return sub.OnEnd((*t)->End(wire));
   }
@@ -113,6 +117,7 @@ class ServicesTest : public ::testing::Test {
   static SubscriberOptions Options() {
     SubscriberOptions o;
     o.store.slots = 3;
+    o.make_store = store::HostStoreFactory();
     o.store.default_ttl = absl::Seconds(30);
     o.store.max_ttl = absl::Seconds(60);
     o.store.max_leases = 8;
@@ -300,11 +305,10 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   ASSERT_TRUE(control_stub_->Export(Ctx().get(), ex, &exr).ok());
   EXPECT_EQ(exr.version(), v1);
   EXPECT_EQ(exr.tensors(), 3u);
-  auto file = model::SafetensorsFile::Open(ex.safetensors());
-  ASSERT_TRUE(file.ok()) << file.status();
-  for (size_t i = 0; i < file->tensors().size(); ++i) {
-    const auto& t = source_.model(v1).at(file->tensors()[i].name);
-    auto d = file->data(i);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto file, model::SafetensorsFile::Open(ex.safetensors()));
+  for (size_t i = 0; i < file.tensors().size(); ++i) {
+    const auto& t = source_.model(v1).at(file.tensors()[i].name);
+    auto d = file.data(i);
     EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()), t.bytes);
   }
 
@@ -430,7 +434,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
   EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
   EXPECT_EQ(s.name(), "sub-test");
-  EXPECT_EQ(s.build_version(), "0.1.0");
+  EXPECT_EQ(s.build_version(), kRefitVersion);
   EXPECT_EQ(s.version(), v2);
   EXPECT_EQ(s.version_digest(), source_.digest());
   EXPECT_EQ(s.tensors(), 3u);
@@ -456,13 +460,12 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   EXPECT_EQ(exr.version(), v2);
   EXPECT_EQ(exr.version_digest(), source_.digest());
   EXPECT_EQ(exr.bytes(), s.model_bytes());
-  auto file = model::SafetensorsFile::Open(ex.safetensors());
-  ASSERT_TRUE(file.ok()) << file.status();
-  ASSERT_EQ(file->tensors().size(), 3u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto file, model::SafetensorsFile::Open(ex.safetensors()));
+  ASSERT_EQ(file.tensors().size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
-    auto d = file->data(i);
+    auto d = file.data(i);
     EXPECT_EQ(std::vector<uint8_t>(d.begin(), d.end()),
-              source_.model(v2).at(file->tensors()[i].name).bytes);
+              source_.model(v2).at(file.tensors()[i].name).bytes);
   }
 
   v1::VerifyResponse vr;
@@ -495,11 +498,10 @@ TEST_F(ServicesTest, VerifyDetectsCorruptedMemory) {
   const uint64_t v = Apply();
   {
     // Corrupt one byte of the current slot behind the store's back (as a rogue writer would).
-    auto lease = core_.AcquireLease("corrupter");
-    ASSERT_TRUE(lease.ok());
-    auto* p = const_cast<uint8_t*>(lease->lease.spans[1].data());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_.AcquireLease("corrupter"));
+    auto* p = const_cast<uint8_t*>(lease.lease.spans[1].data());
     p[3] ^= 0x40;
-    ASSERT_TRUE(core_.ReleaseLease(lease->lease.lease_id).ok());
+    ASSERT_THAT(core_.ReleaseLease(lease.lease.lease_id), IsOk());
   }
   v1::VerifyResponse vr;
   ASSERT_TRUE(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
@@ -569,7 +571,8 @@ TEST_F(ServicesTest, StatusListsConsumerLeasesOnly) {
   Apply();
   auto own = core_.AcquireLease("refitd-subscriber/peers");
   auto other = core_.AcquireLease("refitd-subscriber-lookalike");
-  ASSERT_TRUE(own.ok() && other.ok());
+  ASSERT_THAT(own, IsOk());
+  ASSERT_THAT(other, IsOk());
   v1::StatusResponse s;
   ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
   ASSERT_EQ(s.leases_size(), 1);
@@ -580,6 +583,7 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   Source source;
   SubscriberOptions o;
   o.store.slots = 2;
+  o.make_store = store::HostStoreFactory();
   o.threads = 1;
   SubscriberCore core(o);
   EXPECT_EQ(core.applied_record().version, 0u);
@@ -589,7 +593,7 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   EXPECT_EQ(core.applied_record().version_digest, core.applied_digest());
   EXPECT_EQ(core.applied_record().tensors.size(), 3u);
   auto lease = core.AcquireLease("keep-1");
-  ASSERT_TRUE(lease.ok());
+  ASSERT_THAT(lease, IsOk());
   source.Next(/*extra=*/true);  // generation 2
   ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
   source.Next();
@@ -602,7 +606,7 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   EXPECT_TRUE(core.record(3).has_value());
   EXPECT_EQ(core.record(4)->version_digest, core.applied_digest());
   auto mine = core.AcquireLease("keep-4");
-  ASSERT_TRUE(mine.ok());
+  ASSERT_THAT(mine, IsOk());
   std::vector<LeaseEntry> leases = core.Leases();
   ASSERT_EQ(leases.size(), 2u);
   EXPECT_EQ(leases[0].generation, 1u);
@@ -611,11 +615,10 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   EXPECT_EQ(leases[1].lease.version, 4u);
   // ExportVersion finds version 1 in the retired generation.
   const std::string path = ::testing::TempDir() + "/refit-export-v1.safetensors";
-  auto summary = core.ExportVersion(path, 1);
-  ASSERT_TRUE(summary.ok()) << summary.status();
-  EXPECT_EQ(summary->version, 1u);
-  EXPECT_EQ(summary->tensors, 3u);
-  EXPECT_EQ(summary->version_digest, core.record(1)->version_digest);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto summary, core.ExportVersion(path, 1));
+  EXPECT_EQ(summary.version, 1u);
+  EXPECT_EQ(summary.tensors, 3u);
+  EXPECT_EQ(summary.version_digest, core.record(1)->version_digest);
   EXPECT_EQ(core.ExportVersion(path, 2).status().code(), absl::StatusCode::kFailedPrecondition);
   std::remove(path.c_str());
 }

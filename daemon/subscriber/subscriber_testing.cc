@@ -7,6 +7,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
 #include "gtest/gtest.h"
@@ -82,6 +83,7 @@ SubscriberOptions SmallCoreOptions(store::FakeClock* clock, int threads) {
   o.store.clock = clock;
   o.max_frame_bytes = 4096;
   o.threads = threads;
+  o.make_store = store::HostStoreFactory();
   return o;
 }
 

@@ -2,6 +2,7 @@
 // a PublisherCore on 127.0.0.1:0, and subscribers (SubscriberCore + Upstream) connecting to it
 // over real connections with stripes. Daemon processes are tested in tests/.
 #include "daemon/subscriber/upstream.h"
+#include "daemon/common/status_matchers.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -21,8 +22,9 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "daemon/publisher/data_plane_service.h"
-#include "daemon/publisher/publisher_core.h"
+#include "daemon/serving/data_plane_service.h"
+#include "daemon/serving/publisher_core.h"
+#include "daemon/store/shm_store.h"
 #include "daemon/sync/sync_testing.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
@@ -33,8 +35,17 @@
 namespace refit::subscriber {
 namespace {
 
-using ::testing::HasSubstr;
+using ::refit::testing::IsOk;
 using sync::testing::Model;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Host-memory store generations under shm names starting with `prefix`.
+store::StoreFactory HostStores(const char* prefix) {
+  store::ShmStoreOptions o;
+  o.shm_prefix = prefix;
+  return store::HostStoreFactory(o);
+}
 
 struct Publisher {
   std::unique_ptr<publisher::PublisherCore> core;
@@ -61,7 +72,7 @@ struct Publisher {
     dopts.stream_window_bytes = stream_window_bytes;
     if (tweak) tweak(opts, dopts);
     auto core = publisher::PublisherCore::Open(opts);
-    EXPECT_TRUE(core.ok()) << core.status();
+    EXPECT_THAT(core, IsOk());
     p->core = *std::move(core);
     p->service = std::make_unique<publisher::DataPlaneService>(p->core.get(), dopts);
     grpc::ServerBuilder builder;
@@ -89,7 +100,7 @@ struct Publisher {
       inputs.push_back(std::move(in));
     }
     auto s = core->Publish(version, inputs);
-    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_THAT(s, IsOk());
     service->NotifyPublished();
   }
 };
@@ -112,7 +123,7 @@ struct Subscriber {
     s->stream_progress = stream_progress;
     SubscriberOptions opts;
     opts.threads = 2;
-    opts.store.shm_prefix = "/refit-upstream-test-";
+    opts.make_store = HostStores("/refit-upstream-test-");
     s->core = std::make_unique<SubscriberCore>(opts);
     s->Connect(name, std::move(addresses), connections, std::move(peers));
     return s;
@@ -157,11 +168,10 @@ struct Subscriber {
   }
   // Flips a bit of `tensor` in the committed slot (a stray write through a writable mapping).
   void Corrupt(const std::string& tensor) {
-    auto lease = core->AcquireLease("test-writer");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    const size_t i = *lease->store->layout().Find(tensor);
-    const_cast<uint8_t*>(lease->lease.spans[i].data())[100] ^= 0x08;
-    ASSERT_TRUE(core->ReleaseLease(lease->lease.lease_id).ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core->AcquireLease("test-writer"));
+    const size_t i = *lease.store->layout().Find(tensor);
+    const_cast<uint8_t*>(lease.lease.spans[i].data())[100] ^= 0x08;
+    ASSERT_THAT(core->ReleaseLease(lease.lease.lease_id), IsOk());
   }
   AppliedEvent Last() {
     absl::MutexLock lock(&mu);
@@ -171,14 +181,14 @@ struct Subscriber {
   std::map<std::string, std::vector<uint8_t>> Read() {
     std::map<std::string, std::vector<uint8_t>> out;
     auto lease = core->AcquireLease("test");
-    EXPECT_TRUE(lease.ok()) << lease.status();
+    EXPECT_THAT(lease, IsOk());
     if (!lease.ok()) return out;
     const store::Layout& layout = lease->store->layout();
     for (size_t i = 0; i < layout.size(); ++i) {
       auto span = lease->lease.spans[i];
       out[layout.tensor(i).name].assign(span.begin(), span.end());
     }
-    EXPECT_TRUE(core->ReleaseLease(lease->lease.lease_id).ok());
+    EXPECT_THAT(core->ReleaseLease(lease->lease.lease_id), IsOk());
     return out;
   }
 };
@@ -237,7 +247,7 @@ TEST(UpstreamTest, SubscribersFollowEveryVersionBitExactOverStripes) {
   EXPECT_EQ(sessions[0].name(), "sub-a");
   EXPECT_EQ(sessions[0].streams(), 4u);
   EXPECT_EQ(sessions[1].streams(), 1u);
-  EXPECT_TRUE(pub->service->WaitAllAcked(6, absl::Now() + absl::Seconds(10)).ok());
+  EXPECT_THAT(pub->service->WaitAllAcked(6, absl::Now() + absl::Seconds(10)), IsOk());
   EXPECT_GT(pub->service->bytes_sent(), 0u);
   EXPECT_EQ(a->upstream->Status().state(), v1::SESSION_STATE_IDLE);
   EXPECT_EQ(a->upstream->Status().name(), "test-publisher");
@@ -261,7 +271,7 @@ TEST(UpstreamTest, DigestFormatNegotiatedWithOldPeersInBothDirections) {
   {
     SubscriberOptions opts;
     opts.threads = 2;
-    opts.store.shm_prefix = "/refit-upstream-test-";
+    opts.make_store = HostStores("/refit-upstream-test-");
     old_sub->core = std::make_unique<SubscriberCore>(opts);
     old_sub->digest_v2 = false;
     old_sub->Connect("sub-old", {pub->address}, 2);
@@ -417,7 +427,7 @@ TEST(UpstreamTest, ACommittedVersionWhoseAckCannotBeSentIsStillAnnounced) {
   pub->Publish(1, model);
   SubscriberOptions opts;
   opts.threads = 2;
-  opts.store.shm_prefix = "/refit-upstream-test-ack-";
+  opts.make_store = HostStores("/refit-upstream-test-ack-");
   SubscriberCore core(opts);
   BreakAfterCommitSink sink(&core, 1);
   UpstreamOptions u;
@@ -795,7 +805,7 @@ std::unique_ptr<Subscriber> StartSubscriber(const std::string& name, const std::
   s->streamed_transfers = streamed_transfers;
   SubscriberOptions opts;
   opts.threads = 2;
-  opts.store.shm_prefix = "/refit-upstream-test-";
+  opts.make_store = HostStores("/refit-upstream-test-");
   s->core = std::make_unique<SubscriberCore>(opts);
   s->Connect(name, {address}, 3);
   return s;
@@ -844,7 +854,7 @@ TEST(StreamedTransferTest, ManyVersionsBitExactAllStreamed) {
   auto pub = StartGated(gate);
   std::mt19937 rng(7);
   Model m = MakeModel(rng);
-  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
   auto sub = StartSubscriber("s1", pub->address, true);
   ASSERT_TRUE(sub->WaitVersion(1));
   for (uint64_t v = 2; v <= 9; ++v) {
@@ -856,9 +866,9 @@ TEST(StreamedTransferTest, ManyVersionsBitExactAllStreamed) {
           sync::testing::Spec("layers.1.new", v1::DTYPE_F32, {128, 64}), rng);
     }
     // The session is idle at v - 1 (acked) before the publish starts.
-    ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
+    ASSERT_THAT(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)), IsOk());
     gate.wanted = v - 1;  // transfers of versions 2..v
-    ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+    ASSERT_THAT(PublishModel(*pub, v, m), IsOk());
     ASSERT_TRUE(sub->WaitVersion(v)) << "version " << v;
     ExpectEqual(*sub, m, absl::StrCat("version ", v));
     EXPECT_EQ(pub->service->streamed_transfers(), v - 1) << "version " << v;
@@ -893,15 +903,15 @@ TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
   std::mt19937 rng(11);
   Model m = MakeModel(rng);
   last = m.size() - 1;
-  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
   auto sub = StartSubscriber("s1", pub->address, true);
   ASSERT_TRUE(sub->WaitVersion(1));
   service = pub->service.get();
   for (uint64_t v = 2; v <= 4; ++v) {
     for (auto& [name, t] : m) sync::testing::Perturb(t, 0.02, rng);  // every tensor changes
-    ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
+    ASSERT_THAT(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)), IsOk());
     sent_before = pub->service->bytes_sent();
-    ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+    ASSERT_THAT(PublishModel(*pub, v, m), IsOk());
     ASSERT_TRUE(sub->WaitVersion(v));
     ExpectEqual(*sub, m, absl::StrCat("version ", v));
   }
@@ -917,15 +927,15 @@ TEST(StreamedTransferTest, FailedPublishAbortsAndTheNextVersionApplies) {
   std::mt19937 rng(5);
   Model m = MakeModel(rng);
   gate.last = m.size() - 1;
-  ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+  ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
   auto sub = StartSubscriber("s1", pub->address, true);
   ASSERT_TRUE(sub->WaitVersion(1));
   const Model v1_model = m;
-  ASSERT_TRUE(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)).ok());
+  ASSERT_THAT(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)), IsOk());
   Step(m, rng);
   gate.wanted = 1;
   gate.fail_last = true;
-  EXPECT_FALSE(PublishModel(*pub, 2, m).ok());
+  EXPECT_THAT(PublishModel(*pub, 2, m), Not(IsOk()));
   ASSERT_TRUE(PollUntil([&] { return pub->service->streamed_aborts() == 1; }));
   EXPECT_EQ(sub->core->applied_version(), 1u);
   ExpectEqual(*sub, v1_model, "after the aborted version 2");
@@ -939,7 +949,7 @@ TEST(StreamedTransferTest, FailedPublishAbortsAndTheNextVersionApplies) {
   }));
   gate.fail_last = false;
   gate.wanted = 2;
-  ASSERT_TRUE(PublishModel(*pub, 2, m).ok());
+  ASSERT_THAT(PublishModel(*pub, 2, m), IsOk());
   ASSERT_TRUE(sub->WaitVersion(2));
   ExpectEqual(*sub, m, "version 2 after the abort");
   EXPECT_EQ(pub->service->streamed_transfers(), 2u);
@@ -954,12 +964,12 @@ TEST(StreamedTransferTest, PeersWithoutStreamingInteroperate) {
     gate.service = nullptr;  // no gate: nothing streams
     std::mt19937 rng(3);
     Model m = MakeModel(rng);
-    ASSERT_TRUE(PublishModel(*pub, 1, m).ok());
+    ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
     auto sub = StartSubscriber("old", pub->address, subscriber_asks);
     for (uint64_t v = 2; v <= 4; ++v) {
       Step(m, rng);
-      ASSERT_TRUE(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)).ok());
-      ASSERT_TRUE(PublishModel(*pub, v, m).ok());
+      ASSERT_THAT(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)), IsOk());
+      ASSERT_THAT(PublishModel(*pub, v, m), IsOk());
       ASSERT_TRUE(sub->WaitVersion(v));
       ExpectEqual(*sub, m, absl::StrCat("version ", v, subscriber_asks ? " (publisher grants none)"
                                                                        : " (old subscriber)"));

@@ -78,8 +78,7 @@ absl::StatusOr<ExportSummary> SubscriberCore::ExportVersion(const std::string& p
     CollectRetiredLocked();
   }
   if (!written.ok()) {
-    return absl::Status(written.code(), absl::StrCat("export of version ", lease->version, " to ",
-                                                     path, ": ", written.message()));
+    return Annotate(written, "export of version ", lease->version, " to ", path);
   }
   return summary;
 }

@@ -6,11 +6,15 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/status_matchers.h"
 #include "daemon/sync/version_digest.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -45,27 +49,23 @@ TEST(Frames, RoundTripAroundFrameBoundaries) {
     for (size_t n : {0, 1, 15, 16, 17, 31, 32, 33, 100, 1000}) {
       for (bool shuffle : {false, true}) {
         const auto obj = lz4 ? Compressible(n) : RandomBytes(n, static_cast<uint32_t>(n));
-        auto frames = SplitObject(obj, {7, 2, 0}, {kFrame, lz4});
-        ASSERT_TRUE(frames.ok()) << frames.status();
-        EXPECT_EQ(frames->size(), n == 0 ? 1 : (n + kFrame - 1) / kFrame);
-        if (shuffle) std::shuffle(frames->begin(), frames->end(), rng);
+        REFIT_ASSERT_OK_AND_ASSIGN(auto frames, SplitObject(obj, {7, 2, 0}, {kFrame, lz4}));
+        EXPECT_EQ(frames.size(), n == 0 ? 1 : (n + kFrame - 1) / kFrame);
+        if (shuffle) std::shuffle(frames.begin(), frames.end(), rng);
         FrameAssembler a(7, kFrame);
-        ASSERT_TRUE(a.Expect(Spec(2, 0, n, /*exact=*/true, lz4)).ok());
-        for (size_t i = 0; i < frames->size(); ++i) {
-          const auto& f = (*frames)[i];
+        ASSERT_THAT(a.Expect(Spec(2, 0, n, /*exact=*/true, lz4)), IsOk());
+        for (size_t i = 0; i < frames.size(); ++i) {
+          const auto& f = frames[i];
           EXPECT_LE(f.payload().size(), kFrame);
-          auto done = a.Add(f);
-          ASSERT_TRUE(done.ok()) << done.status();
-          EXPECT_EQ(*done, i + 1 == frames->size());
+          REFIT_ASSERT_OK_AND_ASSIGN(auto done, a.Add(f));
+          EXPECT_EQ(done, i + 1 == frames.size());
         }
         EXPECT_TRUE(a.AllComplete());
-        EXPECT_TRUE(a.CheckAllComplete().ok());
-        auto got = a.Object(2, 0);
-        ASSERT_TRUE(got.ok());
-        EXPECT_TRUE(std::equal(got->begin(), got->end(), obj.begin(), obj.end()));
-        auto owned = a.TakeObject(2, 0);
-        ASSERT_TRUE(owned.ok());
-        EXPECT_EQ(*owned, obj);
+        EXPECT_THAT(a.CheckAllComplete(), IsOk());
+        REFIT_ASSERT_OK_AND_ASSIGN(auto got, a.Object(2, 0));
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), obj.begin(), obj.end()));
+        REFIT_ASSERT_OK_AND_ASSIGN(auto owned, a.TakeObject(2, 0));
+        EXPECT_EQ(owned, obj);
       }
     }
   }
@@ -74,14 +74,14 @@ TEST(Frames, RoundTripAroundFrameBoundaries) {
 TEST(Frames, Lz4CompressesKeyframesAndFallsBackWhenNotSmaller) {
   const auto dense = Compressible(4096);
   auto frames = SplitObject(dense, {1, 0, 0}, {1024, true});
-  ASSERT_TRUE(frames.ok());
+  ASSERT_THAT(frames, IsOk());
   for (const auto& f : *frames) {
     EXPECT_EQ(f.compression(), v1::COMPRESSION_LZ4);
     EXPECT_LT(f.payload().size(), f.raw_bytes());
   }
   const auto noise = RandomBytes(4096, 3);
   frames = SplitObject(noise, {1, 0, 0}, {1024, true});
-  ASSERT_TRUE(frames.ok());
+  ASSERT_THAT(frames, IsOk());
   for (const auto& f : *frames) EXPECT_EQ(f.compression(), v1::COMPRESSION_NONE);
   // Patches never compress.
   frames = SplitObject(dense, {1, 0, 0}, {1024, false});
@@ -118,18 +118,16 @@ TEST(Frames, Lz4OnlyWhereASampleShrinks) {
   for (size_t c = 0; c < cases.size(); ++c) {
     const auto& [obj, compressible] = cases[c];
     EXPECT_EQ(Lz4Pays(obj), compressible) << "case " << c;
-    auto frames = SplitObject(obj, {4, 0, 0}, {kChunk, true});
-    ASSERT_TRUE(frames.ok());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto frames, SplitObject(obj, {4, 0, 0}, {kChunk, true}));
     FrameAssembler a(4, kChunk);
-    ASSERT_TRUE(a.Expect(Spec(0, 0, obj.size(), true, true)).ok());
-    for (const auto& f : *frames) {
+    ASSERT_THAT(a.Expect(Spec(0, 0, obj.size(), true, true)), IsOk());
+    for (const auto& f : frames) {
       EXPECT_EQ(f.compression(), compressible ? v1::COMPRESSION_LZ4 : v1::COMPRESSION_NONE)
           << "case " << c << " chunk " << f.chunk_index();
-      ASSERT_TRUE(a.Add(f).ok());
+      ASSERT_THAT(a.Add(f), IsOk());
     }
-    auto got = a.Object(0, 0);
-    ASSERT_TRUE(got.ok());
-    EXPECT_TRUE(std::equal(got->begin(), got->end(), obj.begin(), obj.end())) << "case " << c;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got, a.Object(0, 0));
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), obj.begin(), obj.end())) << "case " << c;
   }
   EXPECT_FALSE(Lz4Pays({}));
 }
@@ -138,27 +136,25 @@ TEST(Frames, InterleavedObjectsIntoCallerBuffer) {
   const auto a0 = RandomBytes(300, 1), b0 = Compressible(257), b1 = RandomBytes(1, 2);
   std::vector<uint8_t> staging(257);
   FrameAssembler asmb(3, 64);
-  ASSERT_TRUE(asmb.Expect(Spec(0, 0, 1000, false)).ok());
+  ASSERT_THAT(asmb.Expect(Spec(0, 0, 1000, false)), IsOk());
   ObjectSpec kf = Spec(1, 0, 257, true, true);
   kf.buffer = staging;
-  ASSERT_TRUE(asmb.Expect(kf).ok());
-  ASSERT_TRUE(asmb.Expect(Spec(1, 1, 1000, false)).ok());
+  ASSERT_THAT(asmb.Expect(kf), IsOk());
+  ASSERT_THAT(asmb.Expect(Spec(1, 1, 1000, false)), IsOk());
   EXPECT_EQ(asmb.Expect(Spec(1, 1, 1000, false)).code(), absl::StatusCode::kInvalidArgument);
   std::vector<v1::DataFrame> all;
   for (auto [obj, t, p, lz4] : {std::tuple{&a0, 0u, 0u, false}, std::tuple{&b0, 1u, 0u, true},
                                 std::tuple{&b1, 1u, 1u, false}}) {
-    auto fr = SplitObject(*obj, {3, t, p}, {64, lz4});
-    ASSERT_TRUE(fr.ok());
-    all.insert(all.end(), fr->begin(), fr->end());
+    REFIT_ASSERT_OK_AND_ASSIGN(auto fr, SplitObject(*obj, {3, t, p}, {64, lz4}));
+    all.insert(all.end(), fr.begin(), fr.end());
   }
   std::mt19937 rng(5);
   std::shuffle(all.begin(), all.end(), rng);
   int completed = 0;
   for (const auto& f : all) {
     EXPECT_FALSE(asmb.AllComplete());
-    auto r = asmb.Add(f);
-    ASSERT_TRUE(r.ok()) << r.status();
-    completed += *r;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto r, asmb.Add(f));
+    completed += r;
   }
   EXPECT_EQ(completed, 3);
   EXPECT_TRUE(asmb.AllComplete());
@@ -173,7 +169,7 @@ TEST(Frames, InterleavedObjectsIntoCallerBuffer) {
 void ExpectReject(FrameAssembler& a, const v1::DataFrame& f, absl::StatusCode code,
                   std::vector<std::string> needles) {
   auto r = a.Add(f);
-  ASSERT_FALSE(r.ok()) << "accepted: " << f.ShortDebugString();
+  ASSERT_THAT(r, Not(IsOk())) << "accepted: " << f.ShortDebugString();
   EXPECT_EQ(r.status().code(), code) << r.status();
   for (const auto& n : needles) {
     EXPECT_NE(r.status().message().find(n), absl::string_view::npos)
@@ -187,7 +183,7 @@ class Malformed : public ::testing::Test {
     obj_ = RandomBytes(100, 9);
     frames_ = *SplitObject(obj_, {5, 1, 0}, {32, false});  // 4 chunks: 32, 32, 32, 4
     ASSERT_EQ(frames_.size(), 4u);
-    ASSERT_TRUE(a_.Expect(Spec(1, 0, 100, true, false)).ok());
+    ASSERT_THAT(a_.Expect(Spec(1, 0, 100, true, false)), IsOk());
   }
   v1::DataFrame F(int i) const { return frames_[i]; }
   std::vector<uint8_t> obj_;
@@ -217,9 +213,9 @@ TEST_F(Malformed, UnknownTensorOrPart) {
 }
 
 TEST_F(Malformed, DuplicateChunkAndDuplicateAfterComplete) {
-  ASSERT_TRUE(a_.Add(F(1)).ok());
+  ASSERT_THAT(a_.Add(F(1)), IsOk());
   ExpectReject(a_, F(1), absl::StatusCode::kInvalidArgument, {"chunk 1/4", "duplicate"});
-  for (int i : {0, 2, 3}) ASSERT_TRUE(a_.Add(F(i)).ok());
+  for (int i : {0, 2, 3}) ASSERT_THAT(a_.Add(F(i)), IsOk());
   ExpectReject(a_, F(3), absl::StatusCode::kInvalidArgument, {"already complete"});
 }
 
@@ -247,7 +243,7 @@ TEST_F(Malformed, SizeMismatches) {
   f = F(0);
   f.set_raw_bytes(40);
   ExpectReject(a_, f, absl::StatusCode::kInvalidArgument, {"exceeds frame size"});
-  ASSERT_TRUE(a_.Add(F(0)).ok());
+  ASSERT_THAT(a_.Add(F(0)), IsOk());
   f = F(1);
   f.set_chunk_count(5);
   ExpectReject(a_, f, absl::StatusCode::kInvalidArgument, {"differ from earlier"});
@@ -255,7 +251,7 @@ TEST_F(Malformed, SizeMismatches) {
 
 TEST_F(Malformed, HostileSizesAreCappedBeforeAllocation) {
   FrameAssembler a(5, 32);
-  ASSERT_TRUE(a.Expect(Spec(0, 0, MaxPatchBytes(50, 100), false)).ok());
+  ASSERT_THAT(a.Expect(Spec(0, 0, MaxPatchBytes(50, 100), false)), IsOk());
   auto f = F(0);
   f.set_tensor_index(0);
   f.set_object_bytes(1ull << 60);
@@ -268,7 +264,7 @@ TEST_F(Malformed, HostileSizesAreCappedBeforeAllocation) {
 }
 
 TEST_F(Malformed, OverlapAndOrder) {
-  ASSERT_TRUE(a_.Add(F(1)).ok());  // [32, 64)
+  ASSERT_THAT(a_.Add(F(1)), IsOk());  // [32, 64)
   auto f = F(0);
   f.set_offset(16);
   ExpectReject(a_, f, absl::StatusCode::kInvalidArgument, {"overlaps chunk 1"});
@@ -280,15 +276,15 @@ TEST_F(Malformed, OverlapAndOrder) {
 TEST_F(Malformed, GapLeftIsDetectedAtCompletion) {
   // Chunks that do not overlap but leave a hole: sizes sum short of the object.
   auto f3 = F(3);
-  ASSERT_TRUE(a_.Add(F(0)).ok());
-  ASSERT_TRUE(a_.Add(F(1)).ok());
+  ASSERT_THAT(a_.Add(F(0)), IsOk());
+  ASSERT_THAT(a_.Add(F(1)), IsOk());
   auto f2 = F(2);
   f2.set_raw_bytes(20);
   f2.mutable_payload()->resize(20);
   Reseal(f2);
-  ASSERT_TRUE(a_.Add(f2).ok());
+  ASSERT_THAT(a_.Add(f2), IsOk());
   auto r = a_.Add(f3);
-  ASSERT_FALSE(r.ok());
+  ASSERT_THAT(r, Not(IsOk()));
   EXPECT_NE(r.status().message().find("cover 88 of 100"), absl::string_view::npos) << r.status();
   EXPECT_FALSE(a_.AllComplete());
 }
@@ -314,7 +310,7 @@ TEST(Frames, CorruptLz4IsDataLoss) {
   bad.push_back(flipped);
   for (const auto& payload : bad) {
     FrameAssembler a(2, 100);
-    ASSERT_TRUE(a.Expect(Spec(0, 0, 200, true, true)).ok());
+    ASSERT_THAT(a.Expect(Spec(0, 0, 200, true, true)), IsOk());
     auto f = frames[0];
     f.set_payload(payload);
     Reseal(f);
@@ -322,7 +318,7 @@ TEST(Frames, CorruptLz4IsDataLoss) {
   }
   // A valid block that decodes to fewer bytes than raw_bytes.
   FrameAssembler a(2, 100);
-  ASSERT_TRUE(a.Expect(Spec(0, 0, 200, true, true)).ok());
+  ASSERT_THAT(a.Expect(Spec(0, 0, 200, true, true)), IsOk());
   auto f = frames[0];
   auto other = *SplitObject(Compressible(50), {2, 0, 0}, {100, true});
   ASSERT_EQ(other[0].compression(), v1::COMPRESSION_LZ4);
@@ -333,14 +329,14 @@ TEST(Frames, CorruptLz4IsDataLoss) {
 
 TEST(Frames, IncompleteIsReported) {
   FrameAssembler a(1, 10);
-  ASSERT_TRUE(a.Expect(Spec(0, 0, 25, true)).ok());
-  ASSERT_TRUE(a.Expect(Spec(1, 0, 0, true)).ok());
+  ASSERT_THAT(a.Expect(Spec(0, 0, 25, true)), IsOk());
+  ASSERT_THAT(a.Expect(Spec(1, 0, 0, true)), IsOk());
   auto st = a.CheckAllComplete();
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("no frames received"), absl::string_view::npos) << st;
   auto obj = RandomBytes(25, 1);
   auto fr = *SplitObject(obj, {1, 0, 0}, {10, false});
-  ASSERT_TRUE(a.Add(fr[1]).ok());
+  ASSERT_THAT(a.Add(fr[1]), IsOk());
   st = a.CheckAllComplete();
   EXPECT_NE(st.message().find("1 of 3 chunks"), absl::string_view::npos) << st;
   EXPECT_EQ(a.Object(0, 0).status().code(), absl::StatusCode::kFailedPrecondition);

@@ -11,14 +11,16 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/sync/frames.h"
-#include "daemon/sync/version_digest.h"
 #include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
 
+using ::refit::testing::IsOk;
 using testing::BF16;
 using testing::Model;
 using testing::Perturb;
@@ -38,7 +40,7 @@ std::vector<TensorUpdate> Updates(const Model* prev, const Model& next) {
       auto it = prev->find(name);
       if (it != prev->end() && SameSpec(it->second.spec, t.spec)) {
         auto p = EncodePatch(DType::kBF16, it->second.bytes, t.bytes, {.block_log2 = 12, .threads = 1});
-        EXPECT_TRUE(p.ok()) << p.status();
+        EXPECT_THAT(p, IsOk());
         u.patch = std::make_shared<const std::vector<uint8_t>>(std::move(*p));
       }
     }
@@ -143,9 +145,8 @@ class HistoryTest : public ::testing::Test {
   // Publishes `m` as `version` into history_.
   void Publish(uint64_t version, const Model& m) {
     const Model* prev = models_.empty() ? nullptr : &models_.rbegin()->second;
-    auto d = history_.Add(version, Updates(prev, m));
-    ASSERT_TRUE(d.ok()) << d.status();
-    EXPECT_EQ(*d, ModelDigest(m));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto d, history_.Add(version, Updates(prev, m)));
+    EXPECT_EQ(d, ModelDigest(m));
     models_[version] = m;
   }
   std::mt19937 rng_{42};
@@ -167,12 +168,12 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   const uint64_t d5 = ModelDigest(models_[5]);
   // Up to date.
   auto p = history_.Plan(5, d5, 5);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_TRUE(p->up_to_date);
   for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_UNCHANGED) << n;
   // One behind.
   p = history_.Plan(4, ModelDigest(models_[4]), 5);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->reason, v1::TRANSFER_REASON_NEXT_VERSION);
   EXPECT_EQ(p->base_version, 4u);
   EXPECT_EQ(Deliveries(*p), (std::map<std::string, v1::Delivery>{
@@ -181,7 +182,7 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   EXPECT_EQ(p->tensors[0].plan.steps_size(), 1);
   // Four behind: a chains 4 patches, b chains 3 (v3 absorbed), frozen unchanged.
   p = history_.Plan(1, ModelDigest(models_[1]), 5);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->reason, v1::TRANSFER_REASON_CATCH_UP);
   EXPECT_EQ(p->tensors[0].plan.steps_size(), 4);
   const auto& b = p->tensors[1].plan;
@@ -194,10 +195,9 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   EXPECT_EQ(p->tensors[2].plan.delivery(), v1::DELIVERY_UNCHANGED);
   // Chains reproduce the newest version bit for bit, from every retained version.
   for (uint64_t v = 1; v <= 5; ++v) {
-    auto plan = history_.Plan(v, ModelDigest(models_[v]), 5);
-    ASSERT_TRUE(plan.ok());
-    auto got = Receive(models_[v], *plan, models_[5], rng_);
-    ASSERT_TRUE(got.ok()) << "from v" << v << ": " << got.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto plan, history_.Plan(v, ModelDigest(models_[v]), 5));
+    auto got = Receive(models_[v], plan, models_[5], rng_);
+    ASSERT_THAT(got, IsOk()) << "from v" << v << ": " << got.status();
     EXPECT_EQ(ModelDigest(*got), d5);
     for (const auto& [n, t] : models_[5]) EXPECT_EQ(got->at(n).bytes, t.bytes) << n;
   }
@@ -205,13 +205,12 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   for (auto [ver, dig, reason] : {std::tuple{3ull, 12345ull, v1::TRANSFER_REASON_DIVERGED},
                                   std::tuple{0ull, 0ull, v1::TRANSFER_REASON_BOOTSTRAP}}) {
     p = history_.Plan(ver, dig, 5);
-    ASSERT_TRUE(p.ok());
+    ASSERT_THAT(p, IsOk());
     EXPECT_EQ(p->reason, reason);
     EXPECT_EQ(p->base_version, 0u);
     for (auto& [n, d] : Deliveries(*p)) EXPECT_EQ(d, v1::DELIVERY_KEYFRAME) << n;
-    auto got = Receive({}, *p, models_[5], rng_);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(ModelDigest(*got), d5);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto got, Receive({}, *p, models_[5], rng_));
+    EXPECT_EQ(ModelDigest(got), d5);
   }
   // Errors.
   EXPECT_EQ(history_.Plan(6, 0, 5).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -220,7 +219,7 @@ TEST_F(HistoryTest, PlansForEverySubscriberPosition) {
   PlanOptions opt;
   opt.keyframe_tensors = {"b"};
   p = history_.Plan(4, ModelDigest(models_[4]), 5, opt);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->reason, v1::TRANSFER_REASON_REQUESTED);
   EXPECT_EQ(Deliveries(*p)["b"], v1::DELIVERY_KEYFRAME);
   EXPECT_EQ(Deliveries(*p)["a"], v1::DELIVERY_PATCH);
@@ -239,31 +238,28 @@ TEST_F(HistoryTest, ASelectionGetsOnlyItsTensorsAndDigestsOverThem) {
   Model m2 = m;
   for (auto& [name, t] : m2) Perturb(t, 0.02, rng_);
   Publish(2, m2);
-  auto sel = TensorSelection::Make({"*.weight"}, "tensors");
-  ASSERT_TRUE(sel.ok());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto sel, TensorSelection::Make({"*.weight"}, "tensors"));
   Model held, target;
   for (const char* name : {"a.weight", "b.weight"}) {
     held[name] = m[name];
     target[name] = m2[name];
   }
   PlanOptions po;
-  po.selection = &*sel;
+  po.selection = &sel;
   // The subscriber's digest of version 1 is over its selection: a delta of the two tensors.
-  auto plan = history_.Plan(1, ModelDigest(held), 2, po);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_NEXT_VERSION);
-  ASSERT_EQ(plan->tensors.size(), 2u);
-  EXPECT_EQ(plan->version_digest, ModelDigest(target));
-  EXPECT_EQ(*history_.VersionDigestOf(2, DigestFormat::kV1, &*sel), ModelDigest(target));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto plan, history_.Plan(1, ModelDigest(held), 2, po));
+  EXPECT_EQ(plan.reason, v1::TRANSFER_REASON_NEXT_VERSION);
+  ASSERT_EQ(plan.tensors.size(), 2u);
+  EXPECT_EQ(plan.version_digest, ModelDigest(target));
+  EXPECT_EQ(*history_.VersionDigestOf(2, DigestFormat::kV1, &sel), ModelDigest(target));
   uint64_t wire = 0;
-  auto got = Receive(held, *plan, target, rng_, &wire);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(wire, plan->tensors[0].patches[0]->size() + plan->tensors[1].patches[0]->size());
+  auto got = Receive(held, plan, target, rng_, &wire);
+  ASSERT_THAT(got, IsOk());
+  EXPECT_EQ(wire, plan.tensors[0].patches[0]->size() + plan.tensors[1].patches[0]->size());
   // The whole version's digest is not the selection's: diverged, keyframes of the selection.
-  auto full = history_.Plan(1, ModelDigest(m), 2, po);
-  ASSERT_TRUE(full.ok());
-  EXPECT_EQ(full->reason, v1::TRANSFER_REASON_DIVERGED);
-  EXPECT_EQ(full->tensors.size(), 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto full, history_.Plan(1, ModelDigest(m), 2, po));
+  EXPECT_EQ(full.reason, v1::TRANSFER_REASON_DIVERGED);
+  EXPECT_EQ(full.tensors.size(), 2u);
   // A pattern selecting nothing is an error naming it.
   auto none = TensorSelection::Make({"*.weight", "lm_head"}, "tensors");
   po.selection = &*none;
@@ -286,16 +282,15 @@ TEST_F(HistoryTest, ManifestChanges) {
   m["reshaped"].spec = BF16("reshaped", {100});
   Publish(2, m);
   auto p = history_.Plan(1, ModelDigest(models_[1]), 2);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(Deliveries(*p), (std::map<std::string, v1::Delivery>{
                                 {"added", v1::DELIVERY_KEYFRAME},
                                 {"frozen", v1::DELIVERY_UNCHANGED},
                                 {"keep", v1::DELIVERY_PATCH},
                                 {"reshaped", v1::DELIVERY_KEYFRAME}}));
-  auto got = Receive(models_[1], *p, models_[2], rng_);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->count("gone"), 0u);
-  EXPECT_EQ(ModelDigest(*got), ModelDigest(models_[2]));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto got, Receive(models_[1], *p, models_[2], rng_));
+  EXPECT_EQ(got.count("gone"), 0u);
+  EXPECT_EQ(ModelDigest(got), ModelDigest(models_[2]));
   // A tensor removed and re-added with the same spec is a keyframe across that span.
   Perturb(m["keep"], 0.01, rng_);
   m["gone"] = models_[1]["gone"];
@@ -320,7 +315,7 @@ TEST_F(HistoryTest, ChainLargerThanTensorBecomesKeyframe) {
   p = history_.Plan(1, ModelDigest(models_[1]), 3, opt);
   EXPECT_EQ(Deliveries(*p)["x"], v1::DELIVERY_PATCH);
   auto got = Receive(models_[1], *p, models_[3], rng_);
-  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_THAT(got, IsOk());
 }
 
 // A subscriber without patch format 2 (PlanOptions::max_patch_format 1) gets a keyframe for a
@@ -337,28 +332,27 @@ TEST(PatchHistory, ChainsWithANewerPatchFormatThanTheSubscriberAppliesBecomeKeyf
   m1["plain"] = m0["plain"];
   Perturb(m1["plain"], 0.3, rng32);
   PatchHistory h(1ull << 30);
-  ASSERT_TRUE(h.Add(1, Updates(nullptr, m0)).ok());
+  ASSERT_THAT(h.Add(1, Updates(nullptr, m0)), IsOk());
   std::vector<TensorUpdate> u = Updates(&m0, m1);
   for (TensorUpdate& t : u) {
     if (t.spec.name() != "ctx") continue;
-    auto p = EncodePatch(DType::kBF16, ctx[0], ctx[1], {.block_log2 = 14, .threads = 1, .format = 2});
-    ASSERT_TRUE(p.ok()) << p.status();
-    auto stats = InspectPatch(*p);
-    ASSERT_TRUE(stats.ok() && stats->blocks_context > 0) << "the test needs a format-2 patch";
-    t.patch = std::make_shared<const std::vector<uint8_t>>(std::move(*p));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto p, EncodePatch(DType::kBF16, ctx[0], ctx[1],
+                                                   {.block_log2 = 14, .threads = 1, .format = 2}));
+    auto stats = InspectPatch(p);
+    ASSERT_THAT(stats, IsOk()) << "the test needs a format-2 patch";
+    ASSERT_GT(stats->blocks_context, 0u) << "the test needs a format-2 patch";
+    t.patch = std::make_shared<const std::vector<uint8_t>>(std::move(p));
   }
-  ASSERT_TRUE(h.Add(2, std::move(u)).ok());
+  ASSERT_THAT(h.Add(2, std::move(u)), IsOk());
   const uint64_t d0 = ModelDigest(m0);
-  auto all = h.Plan(1, d0, 2);
-  ASSERT_TRUE(all.ok()) << all.status();
-  EXPECT_EQ(Deliveries(*all)["ctx"], v1::DELIVERY_PATCH);
-  EXPECT_EQ(Deliveries(*all)["plain"], v1::DELIVERY_PATCH);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto all, h.Plan(1, d0, 2));
+  EXPECT_EQ(Deliveries(all)["ctx"], v1::DELIVERY_PATCH);
+  EXPECT_EQ(Deliveries(all)["plain"], v1::DELIVERY_PATCH);
   PlanOptions v1_only;
   v1_only.max_patch_format = 1;
-  auto old = h.Plan(1, d0, 2, v1_only);
-  ASSERT_TRUE(old.ok()) << old.status();
-  EXPECT_EQ(Deliveries(*old)["ctx"], v1::DELIVERY_KEYFRAME);
-  EXPECT_EQ(Deliveries(*old)["plain"], v1::DELIVERY_PATCH);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto old, h.Plan(1, d0, 2, v1_only));
+  EXPECT_EQ(Deliveries(old)["ctx"], v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(Deliveries(old)["plain"], v1::DELIVERY_PATCH);
 }
 
 TEST_F(HistoryTest, AddRejectsBadInputWithoutChangingAnything) {
@@ -410,8 +404,8 @@ TEST(PatchHistory, PendingV1DigestsAreCompletedLater) {
     return u;
   };
   PatchHistory h(1 << 20), ref(1 << 20);
-  ASSERT_TRUE(h.Add(1, with_v2(Updates(nullptr, m), m)).ok());
-  ASSERT_TRUE(ref.Add(1, with_v2(Updates(nullptr, m), m)).ok());
+  ASSERT_THAT(h.Add(1, with_v2(Updates(nullptr, m), m)), IsOk());
+  ASSERT_THAT(ref.Add(1, with_v2(Updates(nullptr, m), m)), IsOk());
   const Model prev = m;
   Perturb(m["a"], 0.05, rng);
   std::vector<TensorUpdate> full = with_v2(Updates(&prev, m), m);
@@ -419,32 +413,30 @@ TEST(PatchHistory, PendingV1DigestsAreCompletedLater) {
   pending[0].digest = 0;
   pending[0].digest_pending = true;  // "a" changed: its v1 digest comes later
   pending[1].patch = nullptr;        // "b" unchanged: known digest
-  auto d = h.Add(2, pending);
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(*d, 0u);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto d, h.Add(2, pending));
+  EXPECT_EQ(d, 0u);
   EXPECT_EQ(h.VersionDigestOf(2).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(h.Plan(1, *h.VersionDigestOf(1), 2).status().code(),
             absl::StatusCode::kFailedPrecondition);
   PlanOptions v2;
   v2.digest_format = DigestFormat::kV2;
-  auto plan_v2 = h.Plan(1, *h.VersionDigestOf(1, DigestFormat::kV2), 2, v2);
-  ASSERT_TRUE(plan_v2.ok()) << plan_v2.status();
-  EXPECT_EQ(plan_v2->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto plan_v2,
+                             h.Plan(1, *h.VersionDigestOf(1, DigestFormat::kV2), 2, v2));
+  EXPECT_EQ(plan_v2.tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
   const std::vector<uint64_t> v1 = {full[0].digest, full[1].digest};
   EXPECT_EQ(h.CompleteV1Digests(2, {v1[0]}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(h.CompleteV1Digests(2, {v1[0], v1[1] ^ 1}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(h.CompleteV1Digests(3, v1).status().code(), absl::StatusCode::kNotFound);
-  auto want = ref.Add(2, full);
-  ASSERT_TRUE(want.ok());
-  auto got = h.CompleteV1Digests(2, v1);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(*got, *want);
-  EXPECT_EQ(*h.VersionDigestOf(2), *want);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto want, ref.Add(2, full));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto got, h.CompleteV1Digests(2, v1));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(*h.VersionDigestOf(2), want);
   EXPECT_EQ(h.CompleteV1Digests(2, v1).status().code(), absl::StatusCode::kFailedPrecondition);
   auto plan = h.Plan(1, *h.VersionDigestOf(1), 2);
   auto ref_plan = ref.Plan(1, *ref.VersionDigestOf(1), 2);
-  ASSERT_TRUE(plan.ok() && ref_plan.ok());
+  ASSERT_THAT(plan, IsOk());
+  ASSERT_THAT(ref_plan, IsOk());
   EXPECT_EQ(plan->End().SerializeAsString(), ref_plan->End().SerializeAsString());
 }
 
@@ -458,7 +450,7 @@ TEST(PatchHistory, EvictsOldestWithinBudget) {
   Model prev;
   for (uint64_t v = 1; v <= 30; ++v) {
     if (v > 1) Perturb(m["w"], 0.05, rng);
-    ASSERT_TRUE(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)).ok());
+    ASSERT_THAT(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)), IsOk());
     models[v] = prev = m;
     const HistoryStats s = h.Stats();
     EXPECT_TRUE(s.bytes <= budget || s.versions == 1) << s.bytes;
@@ -470,20 +462,19 @@ TEST(PatchHistory, EvictsOldestWithinBudget) {
   EXPECT_GT(s.versions, 2u);
   // The oldest retained version can still chain; one below it is behind the history.
   auto p = h.Plan(s.oldest_version, ModelDigest(models[s.oldest_version]), 30);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
   EXPECT_EQ(p->tensors[0].plan.steps_size(), static_cast<int>(30 - s.oldest_version));
-  auto got = Receive(models[s.oldest_version], *p, models[30], rng);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->at("w").bytes, models[30].at("w").bytes);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto got, Receive(models[s.oldest_version], *p, models[30], rng));
+  EXPECT_EQ(got.at("w").bytes, models[30].at("w").bytes);
   p = h.Plan(s.oldest_version - 1, ModelDigest(models[s.oldest_version - 1]), 30);
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
   EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_KEYFRAME);
   EXPECT_FALSE(h.Contains(1));
   // A single version above budget is still kept.
   PatchHistory tiny(1);
-  ASSERT_TRUE(tiny.Add(1, Updates(nullptr, m)).ok());
+  ASSERT_THAT(tiny.Add(1, Updates(nullptr, m)), IsOk());
   EXPECT_TRUE(tiny.Contains(1));
 }
 
@@ -496,21 +487,21 @@ TEST(PatchHistory, KeepsAtMostMaxVersions) {
   Model prev;
   for (uint64_t v = 1; v <= 6; ++v) {
     if (v > 1) Perturb(m["w"], 0.05, rng);
-    ASSERT_TRUE(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)).ok());
+    ASSERT_THAT(h.Add(v, Updates(v == 1 ? nullptr : &prev, m)), IsOk());
     models[v] = prev = m;
     EXPECT_LE(h.Stats().versions, 3u);
   }
   EXPECT_EQ(h.Stats().oldest_version, 4u);
   auto p = h.Plan(4, ModelDigest(models[4]), 6);  // 2 behind: chained patches
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->tensors[0].plan.delivery(), v1::DELIVERY_PATCH);
   p = h.Plan(3, ModelDigest(models[3]), 6);  // 3 behind: keyframe
-  ASSERT_TRUE(p.ok());
+  ASSERT_THAT(p, IsOk());
   EXPECT_EQ(p->reason, v1::TRANSFER_REASON_BEHIND_HISTORY);
   // 0 is treated as 1: only the newest version (no patches).
   PatchHistory one(1ull << 30, 0);
-  ASSERT_TRUE(one.Add(1, Updates(nullptr, models[1])).ok());
-  ASSERT_TRUE(one.Add(2, Updates(&models[1], models[2])).ok());
+  ASSERT_THAT(one.Add(1, Updates(nullptr, models[1])), IsOk());
+  ASSERT_THAT(one.Add(2, Updates(&models[1], models[2])), IsOk());
   EXPECT_EQ(one.Stats().versions, 1u);
   EXPECT_EQ(one.Stats().oldest_version, 2u);
 }
@@ -541,22 +532,21 @@ TEST(EndToEnd, SubscribersConvergeFromEveryVersion) {
     if (v == 12) {
       m["lora.extra"] = RandomTensor(BF16("lora.extra", {128, 8}), rng);  // resized
     }
-    auto d = history.Add(v, Updates(prev, m));
-    ASSERT_TRUE(d.ok()) << d.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto d, history.Add(v, Updates(prev, m)));
     models[v] = m;
     prev = &models[v];
 
-    auto plan = history.Plan(follower_version, follower_version ? ModelDigest(follower) : 0, v);
-    ASSERT_TRUE(plan.ok()) << plan.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto plan, history.Plan(follower_version, follower_version ? ModelDigest(follower) : 0, v));
     uint64_t wire = 0;
-    auto got = Receive(follower, *plan, m, rng, &wire);
-    ASSERT_TRUE(got.ok()) << "v" << v << ": " << got.status();
+    auto got = Receive(follower, plan, m, rng, &wire);
+    ASSERT_THAT(got, IsOk()) << "v" << v << ": " << got.status();
     follower = std::move(*got);
     follower_version = v;
-    EXPECT_EQ(ModelDigest(follower), *d);
+    EXPECT_EQ(ModelDigest(follower), d);
     if (v > 1 && v != 6 && v != 12) {
-      EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_NEXT_VERSION);
-      EXPECT_LT(wire, plan->End().dense_bytes() / 5) << "v" << v;
+      EXPECT_EQ(plan.reason, v1::TRANSFER_REASON_NEXT_VERSION);
+      EXPECT_LT(wire, plan.End().dense_bytes() / 5) << "v" << v;
     }
   }
   const HistoryStats s = history.Stats();
@@ -566,13 +556,12 @@ TEST(EndToEnd, SubscribersConvergeFromEveryVersion) {
   const uint64_t newest_digest = ModelDigest(newest);
   for (uint64_t v = 0; v <= 16; ++v) {
     const Model held = v == 0 ? Model{} : models[v];
-    auto plan = history.Plan(v, v == 0 ? 0 : ModelDigest(held), 16);
-    ASSERT_TRUE(plan.ok()) << plan.status();
+    REFIT_ASSERT_OK_AND_ASSIGN(auto plan, history.Plan(v, v == 0 ? 0 : ModelDigest(held), 16));
     if (v != 0 && v < s.oldest_version) {
-      EXPECT_EQ(plan->reason, v1::TRANSFER_REASON_BEHIND_HISTORY) << v;
+      EXPECT_EQ(plan.reason, v1::TRANSFER_REASON_BEHIND_HISTORY) << v;
     }
-    auto got = Receive(held, *plan, newest, rng);
-    ASSERT_TRUE(got.ok()) << "from v" << v << ": " << got.status();
+    auto got = Receive(held, plan, newest, rng);
+    ASSERT_THAT(got, IsOk()) << "from v" << v << ": " << got.status();
     ASSERT_EQ(got->size(), newest.size());
     for (const auto& [name, t] : newest) {
       ASSERT_EQ(got->count(name), 1u) << name;

@@ -4,12 +4,15 @@
 #include <vector>
 
 #include "daemon/codec/hash.h"
+#include "daemon/common/status_matchers.h"
 #include "daemon/sync/sync_testing.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
 
+using ::refit::testing::IsOk;
+using ::testing::Not;
 using testing::Spec;
 
 TEST(FrameChecksum, IsHash64WithFrameSeed) {
@@ -34,9 +37,8 @@ TEST(VersionDigest, MatchesTheNormativeByteLayout) {
   u64(0x1122334455667788ull);
   for (int b : {2, 0, 0, 0, int('b'), int('b'), 3, 0}) buf.push_back(static_cast<uint8_t>(b));
   u64(42);
-  auto got = VersionDigest(m, d);
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(*got, Hash64(buf, 0x5265666974566572ull));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto got, VersionDigest(m, d));
+  EXPECT_EQ(got, Hash64(buf, 0x5265666974566572ull));
 }
 
 TEST(VersionDigest, EmptyIsZeroAndEveryFieldMatters) {
@@ -68,17 +70,18 @@ void ExpectInvalid(const v1::TensorSpec& s, const std::string& needle) {
 }
 
 TEST(Manifest, ValidationNamesTheProblem) {
-  EXPECT_TRUE(ValidateTensorSpec(Spec("ok", v1::DTYPE_BOOL, {1, 2})).ok());
+  EXPECT_THAT(ValidateTensorSpec(Spec("ok", v1::DTYPE_BOOL, {1, 2})), IsOk());
   ExpectInvalid(Spec("", v1::DTYPE_BF16, {1}), "empty");
   ExpectInvalid(Spec(std::string(4097, 'x'), v1::DTYPE_BF16, {1}), "4097 bytes");
-  EXPECT_TRUE(ValidateTensorSpec(Spec(std::string(4096, 'x'), v1::DTYPE_BF16, {1})).ok());
+  EXPECT_THAT(ValidateTensorSpec(Spec(std::string(4096, 'x'), v1::DTYPE_BF16, {1})), IsOk());
   ExpectInvalid(Spec("bad\xff", v1::DTYPE_BF16, {1}), "UTF-8");
   ExpectInvalid(Spec("overlong\xc0\x80", v1::DTYPE_BF16, {1}), "UTF-8");
-  EXPECT_TRUE(ValidateTensorSpec(Spec("caf\xc3\xa9", v1::DTYPE_BF16, {1})).ok());
+  EXPECT_THAT(ValidateTensorSpec(Spec("caf\xc3\xa9", v1::DTYPE_BF16, {1})), IsOk());
   ExpectInvalid(Spec("nodtype", v1::DTYPE_UNSPECIFIED, {1}), "dtype");
   ExpectInvalid(Spec("baddtype", static_cast<v1::DType>(99), {1}), "dtype");
   ExpectInvalid(Spec("rank", v1::DTYPE_U8, std::vector<uint64_t>(256, 1)), "rank 256");
-  EXPECT_TRUE(ValidateTensorSpec(Spec("rank", v1::DTYPE_U8, std::vector<uint64_t>(255, 1))).ok());
+  EXPECT_THAT(ValidateTensorSpec(Spec("rank", v1::DTYPE_U8, std::vector<uint64_t>(255, 1))),
+              IsOk());
   ExpectInvalid(Spec("big", v1::DTYPE_U8, {1ull << 32, 1ull << 31}), "63 bits");
   ExpectInvalid(Spec("bytes", v1::DTYPE_F64, {1ull << 62}), "overflows");
 }
@@ -91,7 +94,7 @@ TEST(Manifest, SortedUniqueAndSortHelper) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("ascending"), absl::string_view::npos) << st;
   SortManifest(m, &d);
-  ASSERT_TRUE(ValidateManifest(m).ok());
+  ASSERT_THAT(ValidateManifest(m), IsOk());
   EXPECT_EQ(m[0].name(), "B");  // bytewise: uppercase first
   EXPECT_EQ(m[1].name(), "a");
   EXPECT_EQ(d, (std::vector<uint64_t>{3, 2, 1}));
@@ -101,16 +104,15 @@ TEST(Manifest, SortedUniqueAndSortHelper) {
   EXPECT_NE(st.message().find("index 3"), absl::string_view::npos) << st;
   // Bytewise order treats UTF-8 bytes as unsigned.
   std::vector<v1::TensorSpec> u = {Spec("z", v1::DTYPE_BF16, {1}), Spec("\xc3\xa9", v1::DTYPE_BF16, {1})};
-  EXPECT_TRUE(ValidateManifest(u).ok());
+  EXPECT_THAT(ValidateManifest(u), IsOk());
 }
 
 TEST(DType, ProtoRoundTrip) {
   for (int c = 1; c <= 15; ++c) {
-    auto d = FromProtoDType(static_cast<v1::DType>(c));
-    ASSERT_TRUE(d.ok());
-    EXPECT_EQ(ToProtoDType(*d), static_cast<v1::DType>(c));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto d, FromProtoDType(static_cast<v1::DType>(c)));
+    EXPECT_EQ(ToProtoDType(d), static_cast<v1::DType>(c));
   }
-  EXPECT_FALSE(FromProtoDType(v1::DTYPE_UNSPECIFIED).ok());
+  EXPECT_THAT(FromProtoDType(v1::DTYPE_UNSPECIFIED), Not(IsOk()));
 }
 
 }  // namespace

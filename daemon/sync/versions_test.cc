@@ -2,10 +2,13 @@
 
 #include <set>
 
+#include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
 
 namespace refit::sync {
 namespace {
+
+using ::refit::testing::IsOk;
 
 TEST(VersionsTest, MaxVersionIsJsonSafe) {
   EXPECT_EQ(kMaxVersion, 9007199254740991ull);
@@ -13,8 +16,8 @@ TEST(VersionsTest, MaxVersionIsJsonSafe) {
 }
 
 TEST(VersionsTest, CheckVersionNamesTheBound) {
-  EXPECT_TRUE(CheckVersion(1, "publish").ok());
-  EXPECT_TRUE(CheckVersion(kMaxVersion, "publish").ok());
+  EXPECT_THAT(CheckVersion(1, "publish"), IsOk());
+  EXPECT_THAT(CheckVersion(kMaxVersion, "publish"), IsOk());
   absl::Status zero = CheckVersion(0, "publish");
   EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument);
   absl::Status above = CheckVersion(UINT64_MAX, "publish");

@@ -14,9 +14,12 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/status_matchers.h"
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
@@ -175,7 +178,7 @@ void E2ETest::TearDown() {
       if ((d->role() == "subscriber") != (pass == 0)) continue;
       if (!d->running()) continue;
       absl::StatusOr<int> code = d->Terminate(absl::Seconds(20));
-      EXPECT_TRUE(code.ok()) << d->name() << " at teardown: " << code.status();
+      EXPECT_THAT(code, IsOk()) << d->name() << " at teardown: " << code.status();
       if (code.ok()) {
         EXPECT_EQ(*code, 0) << d->name() << " exited with " << *code << " after SIGTERM\n"
                             << d->LogTail();

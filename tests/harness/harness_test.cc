@@ -7,10 +7,11 @@
 
 #include <thread>
 
+#include <stdlib.h>
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_matchers.h"
 #include "tests/harness/relay.h"
-#include <stdlib.h>
 
 #include <filesystem>
 
@@ -24,6 +25,9 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 class TempDir {
  public:
@@ -63,16 +67,16 @@ TEST(RunCommand, MissingBinaryIsReported) {
 TEST(ReadyFile, Parses) {
   absl::StatusOr<ReadyInfo> r = ParseReadyFile(
       R"({"listen": "127.0.0.1:41234", "control_listen": "", "local_socket": "unix:/tmp/x.sock", "pid": "1234"})");
-  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->listen, "127.0.0.1:41234");
   EXPECT_EQ(r->control_listen, "");
   EXPECT_EQ(r->local_socket, "unix:/tmp/x.sock");
   EXPECT_EQ(r->pid, 1234);
   r = ParseReadyFile(R"({"listen":"unix:/a","pid":77})");
-  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_THAT(r, IsOk());
   EXPECT_EQ(r->pid, 77);
-  EXPECT_FALSE(ParseReadyFile("{").ok());
-  EXPECT_FALSE(ParseReadyFile(R"({"control_listen": ""})").ok()) << "no listen";
+  EXPECT_THAT(ParseReadyFile("{"), Not(IsOk()));
+  EXPECT_THAT(ParseReadyFile(R"({"control_listen": ""})"), Not(IsOk())) << "no listen";
 }
 
 TEST(DaemonProcess, EarlyExitIsReportedWithLogTail) {
@@ -82,29 +86,28 @@ TEST(DaemonProcess, EarlyExitIsReportedWithLogTail) {
   DaemonProcess d("publisher", dir.path(), "p");
   d.set_config("publisher:\n  listen: \"not an address\"\n");
   absl::Status s = d.Start(absl::Seconds(20));
-  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s, Not(IsOk()));
   EXPECT_FALSE(d.running());
 }
 
 TEST(Pki, OpensslMakesAVerifiableChain) {
   TempDir dir;
-  absl::StatusOr<TestPki> pki = MakeTestPki(dir.path(), "sub-a");
-  ASSERT_TRUE(pki.ok()) << pki.status();
-  CommandResult ok = RunCommand({"/usr/bin/openssl", "verify", "-CAfile", pki->ca, pki->server.cert,
-                                 pki->client.cert});
+  REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir.path(), "sub-a"));
+  CommandResult ok = RunCommand(
+      {"/usr/bin/openssl", "verify", "-CAfile", pki.ca, pki.server.cert, pki.client.cert});
   EXPECT_EQ(ok.exit_code, 0) << ok.Describe();
   CommandResult bad =
-      RunCommand({"/usr/bin/openssl", "verify", "-CAfile", pki->ca, pki->other_client.cert});
+      RunCommand({"/usr/bin/openssl", "verify", "-CAfile", pki.ca, pki.other_client.cert});
   EXPECT_NE(bad.exit_code, 0) << "a certificate of the other CA must not verify: " << bad.Describe();
-  CommandResult text = RunCommand({"/usr/bin/openssl", "x509", "-in", pki->server.cert, "-noout", "-text"});
+  CommandResult text =
+      RunCommand({"/usr/bin/openssl", "x509", "-in", pki.server.cert, "-noout", "-text"});
   EXPECT_TRUE(absl::StrContains(text.out, "IP Address:127.0.0.1")) << text.out;
   EXPECT_TRUE(absl::StrContains(text.out, "DNS:localhost")) << text.out;
 }
 
 TEST(Configs, LoaderAcceptsGeneratedConfigs) {
   TempDir dir;
-  absl::StatusOr<TestPki> pki = MakeTestPki(dir.path(), "sub-a");
-  ASSERT_TRUE(pki.ok()) << pki.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(TestPki pki, MakeTestPki(dir.path(), "sub-a"));
   PublisherSpec p;
   p.local_socket = true;
   p.history_budget_bytes = 1 << 20;
@@ -112,26 +115,26 @@ TEST(Configs, LoaderAcceptsGeneratedConfigs) {
   p.persist_dir = dir.path() + "/baseline";
   p.frame_bytes = 65536;
   p.max_streams = 4;
-  p.tls = {pki->server.cert, pki->server.key, pki->ca, {"sub-a"}};
+  p.tls = {pki.server.cert, pki.server.key, pki.ca, {"sub-a"}};
   const std::string py = PublisherYaml(p, dir.path(), dir.path() + "/pub.ready");
   absl::StatusOr<v1::PublisherConfig> pc = config::LoadPublisherConfigFromString(py, "pub.yaml");
-  ASSERT_TRUE(pc.ok()) << pc.status() << "\n" << py;
-  EXPECT_TRUE(config::CheckConfigFiles(*pc).ok()) << config::CheckConfigFiles(*pc);
+  ASSERT_THAT(pc, IsOk()) << pc.status() << "\n" << py;
+  EXPECT_THAT(config::CheckConfigFiles(*pc), IsOk());
   EXPECT_EQ(pc->history().max_versions(), 2u);
   EXPECT_EQ(pc->tls().allowed_identities_size(), 1);
 
   SubscriberSpec s;
   s.name = "sub-a";
   s.upstream = {"127.0.0.1:1", "unix:" + dir.path() + "/pub.sock"};
-  s.tls = {pki->client.cert, pki->client.key, pki->ca, "localhost"};
+  s.tls = {pki.client.cert, pki.client.key, pki.ca, "localhost"};
   s.lease_default_ttl_ms = 5000;
   s.slots = 3;
   s.bootstrap_peers = {"127.0.0.1:2"};
   s.serve_peers = true;
   const std::string sy = SubscriberYaml(s, dir.path(), dir.path() + "/sub.ready");
   absl::StatusOr<v1::SubscriberConfig> sc = config::LoadSubscriberConfigFromString(sy, "sub.yaml");
-  ASSERT_TRUE(sc.ok()) << sc.status() << "\n" << sy;
-  EXPECT_TRUE(config::CheckConfigFiles(*sc).ok()) << config::CheckConfigFiles(*sc);
+  ASSERT_THAT(sc, IsOk()) << sc.status() << "\n" << sy;
+  EXPECT_THAT(config::CheckConfigFiles(*sc), IsOk());
   EXPECT_EQ(sc->upstream().addresses_size(), 2);
   EXPECT_EQ(sc->upstream().bootstrap_peers_size(), 1);
   EXPECT_TRUE(sc->serve_peers());
@@ -142,11 +145,10 @@ TEST(Models, RoundTripAndDiff) {
   TempDir dir;
   Model m = RandomModel(5, {{"b", 1000}, {"a", 333}});
   const std::string path = dir.path() + "/m.safetensors";
-  ASSERT_TRUE(WriteModel(path, m).ok());
-  absl::StatusOr<Model> back = ReadModel(path);
-  ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->tensors[0].name, "a") << "written in name order";
-  EXPECT_EQ(DiffModels(m, *back), "");
+  ASSERT_THAT(WriteModel(path, m), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(Model back, ReadModel(path));
+  EXPECT_EQ(back.tensors[0].name, "a") << "written in name order";
+  EXPECT_EQ(DiffModels(m, back), "");
   Model changed = m;
   PerturbTensor(changed.tensors[0], 0.05, 9);
   EXPECT_NE(changed.tensors[0].data, m.tensors[0].data) << "perturbation changed nothing";
@@ -173,8 +175,8 @@ TEST(ThrottledRelay, ForwardsBytesAtTheRate) {
   ASSERT_EQ(::listen(srv, 1), 0);
   socklen_t len = sizeof(addr);
   ASSERT_EQ(::getsockname(srv, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  auto relay = ThrottledRelay::Start(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), 1 << 20);
-  ASSERT_TRUE(relay.ok()) << relay.status();
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto relay, ThrottledRelay::Start(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), 1 << 20));
   std::vector<char> payload(256 << 10);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 131 + 7);
   std::thread server([&] {
@@ -196,7 +198,7 @@ TEST(ThrottledRelay, ForwardsBytesAtTheRate) {
   raddr.sin_family = AF_INET;
   raddr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   uint32_t rport = 0;
-  ASSERT_TRUE(absl::SimpleAtoi((*relay)->target().substr(10), &rport));
+  ASSERT_TRUE(absl::SimpleAtoi(relay->target().substr(10), &rport));
   raddr.sin_port = htons(static_cast<uint16_t>(rport));
   const absl::Time start = absl::Now();
   ASSERT_EQ(::connect(cli, reinterpret_cast<sockaddr*>(&raddr), sizeof(raddr)), 0);
@@ -211,7 +213,7 @@ TEST(ThrottledRelay, ForwardsBytesAtTheRate) {
   ASSERT_EQ(::send(cli, "x", 1, MSG_NOSIGNAL), 1);
   server.join();
   EXPECT_TRUE(got == payload);
-  EXPECT_EQ((*relay)->downstream_bytes(), payload.size());
+  EXPECT_EQ(relay->downstream_bytes(), payload.size());
   EXPECT_GE(took, absl::Milliseconds(150)) << "the relay did not throttle";
   ::close(cli);
   ::close(srv);

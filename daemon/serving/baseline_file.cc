@@ -1,0 +1,176 @@
+// The persisted baseline's file (baseline_file.h): a safetensors file whose metadata records the
+// version, its digest, each tensor's v1 digest, the snapshot time and the lineage.
+#include "daemon/serving/baseline_file.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/model/safetensors.h"
+#include "daemon/serving/publisher_core_internal.h"
+#include "daemon/sync/versions.h"
+
+namespace refit::publisher {
+namespace {
+
+constexpr char kMetaFormat[] = "refit.format";
+constexpr char kMetaVersion[] = "refit.version";
+constexpr char kMetaVersionDigest[] = "refit.version_digest";
+constexpr char kMetaDigests[] = "refit.digests";
+constexpr char kMetaSnapshot[] = "refit.snapshot_unix_nanos";
+constexpr char kMetaLineage[] = "refit.lineage";
+constexpr char kFormatValue[] = "1";
+
+bool ParseHex64(const std::string& s, uint64_t* out) {
+  if (s.size() != 16) return false;
+  return absl::SimpleHexAtoi(s, out);
+}
+
+// A persisted baseline's metadata (ReadBaselineFile).
+struct PersistedMeta {
+  uint64_t version = 0;
+  uint64_t version_digest = 0;
+  uint64_t snapshot_unix_nanos = 0;
+  uint64_t lineage = 0;              // 0: a file from before lineages
+  std::vector<std::string> digests;  // per tensor, file order, hex
+};
+
+absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& file,
+                                                 const std::string& where) {
+  const auto& meta = file.metadata();
+  auto get = [&](const char* key) -> absl::StatusOr<std::string> {
+    auto it = meta.find(key);
+    if (it == meta.end()) {
+      return absl::DataLossError(absl::StrCat(where, ": metadata key '", key, "' missing"));
+    }
+    return it->second;
+  };
+  ASSIGN_OR_RETURN(std::string format, get(kMetaFormat));
+  if (format != kFormatValue) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": unsupported format '", format, "' (expected ", kFormatValue, ")"));
+  }
+  ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
+  ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
+  ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
+  PersistedMeta m;
+  if (!absl::SimpleAtoi(version_s, &m.version) || m.version == 0) {
+    return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " '", version_s, "'"));
+  }
+  if (!ParseHex64(vdigest_s, &m.version_digest)) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": bad ", kMetaVersionDigest, " '", vdigest_s, "'"));
+  }
+  if (auto it = meta.find(kMetaSnapshot); it != meta.end()) {
+    if (!absl::SimpleAtoi(it->second, &m.snapshot_unix_nanos)) m.snapshot_unix_nanos = 0;
+  }
+  if (m.version > sync::kMaxVersion) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaVersion, " ", m.version,
+                                            " is above the largest version ", sync::kMaxVersion));
+  }
+  if (auto it = meta.find(kMetaLineage); it != meta.end()) {
+    if (!ParseHex64(it->second, &m.lineage) || m.lineage == 0) {
+      return absl::DataLossError(
+          absl::StrCat(where, ": bad ", kMetaLineage, " '", it->second, "'"));
+    }
+  }
+  if (!digests_s.empty()) m.digests = absl::StrSplit(digests_s, ',');
+  if (m.digests.size() != file.tensors().size()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", kMetaDigests, " has ", m.digests.size(),
+                                            " entries for ", file.tensors().size(), " tensors"));
+  }
+  if (file.tensors().empty()) return absl::DataLossError(absl::StrCat(where, ": no tensors"));
+  return m;
+}
+
+// The persisted tensors, each checked against its recorded v1 digest (v2 computed), name order.
+absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::SafetensorsFile& file,
+                                                                 const PersistedMeta& meta,
+                                                                 const std::string& where,
+                                                                 int threads) {
+  const auto& entries = file.tensors();
+  std::vector<BaselineTensor> tensors;
+  tensors.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const model::SafetensorsEntry& e = entries[i];
+    const std::string what =
+        absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), e.name));
+    uint64_t want = 0;
+    if (!ParseHex64(meta.digests[i], &want)) {
+      return absl::DataLossError(absl::StrCat(what, ": bad digest '", meta.digests[i], "'"));
+    }
+    BaselineTensor t;
+    t.spec.set_name(e.name);
+    t.spec.set_dtype(sync::ToProtoDType(e.dtype));
+    for (int64_t d : e.shape) t.spec.add_shape(static_cast<uint64_t>(d));
+    t.dtype = e.dtype;
+    std::span<const uint8_t> data = file.data(i);
+    auto bytes = std::make_shared<std::vector<uint8_t>>(data.begin(), data.end());
+    t.digest = TensorDigest(*bytes, threads);
+    if (t.digest != want) {
+      return absl::DataLossError(absl::StrCat(what, ": digest ", Hex64(t.digest),
+                                              " does not match the recorded ", Hex64(want),
+                                              " (corrupt file)"));
+    }
+    t.digest_v2 = TensorDigestV2(*bytes, threads);
+    t.bytes = std::move(bytes);
+    tensors.push_back(std::move(t));
+  }
+  std::sort(tensors.begin(), tensors.end(), [](const BaselineTensor& a, const BaselineTensor& b) {
+    return a.spec.name() < b.spec.name();
+  });
+  return tensors;
+}
+
+}  // namespace
+
+absl::StatusOr<PersistedBaseline> ReadBaselineFile(const std::string& path,
+                                                   const std::string& where, int threads) {
+  auto file = model::SafetensorsFile::Open(path);
+  if (!file.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
+  }
+  ASSIGN_OR_RETURN(const PersistedMeta meta, ParsePersistedMeta(*file, where));
+  PersistedBaseline out;
+  out.version = meta.version;
+  out.version_digest = meta.version_digest;
+  out.snapshot_unix_nanos = meta.snapshot_unix_nanos;
+  out.lineage = meta.lineage;
+  ASSIGN_OR_RETURN(out.tensors, LoadPersistedTensors(*file, meta, where, threads));
+  return out;
+}
+
+absl::Status WriteBaselineFile(const std::string& path, const BaselineSnapshot& s, bool durable) {
+  std::vector<model::SafetensorsTensorRef> refs;
+  std::vector<std::string> digests;
+  refs.reserve(s.tensors.size());
+  for (const BaselineTensor& t : s.tensors) {
+    model::SafetensorsTensorRef r;
+    r.name = t.spec.name();
+    r.dtype = t.dtype;
+    for (uint64_t d : t.spec.shape()) r.shape.push_back(static_cast<int64_t>(d));
+    r.data = *t.bytes;
+    refs.push_back(std::move(r));
+    digests.push_back(Hex64(t.digest));
+  }
+  std::map<std::string, std::string> meta;
+  meta[kMetaFormat] = std::string(kFormatValue);
+  meta[kMetaVersion] = absl::StrCat(s.version);
+  meta[kMetaVersionDigest] = Hex64(s.version_digest);
+  meta[kMetaDigests] = absl::StrJoin(digests, ",");
+  meta[kMetaSnapshot] = absl::StrCat(s.snapshot_unix_nanos);
+  meta[kMetaLineage] = Hex64(s.lineage);
+  SafeWriteOptions write;
+  write.durable = durable;
+  return model::WriteSafetensors(path, refs, meta, write);
+}
+
+}  // namespace refit::publisher

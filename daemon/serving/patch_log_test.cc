@@ -1,0 +1,322 @@
+// The patch log format (patch_log.h; docs/ARCHITECTURE.md "Patch log format, version 1"):
+// round trip, torn tails, corrupt records, the golden file, and ReplayLog's lineage and chain
+// checks.
+#include "daemon/common/status_matchers.h"
+#include "daemon/serving/patch_log.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/serving/baseline_persister.h"
+#include "daemon/sync/version_digest.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace refit::publisher {
+namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::string TempDir(const std::string& name) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / absl::StrCat("patch_log_test-", name, "-", ::getpid()))
+          .string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::vector<uint8_t> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
+}
+
+void WriteFile(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::shared_ptr<const std::vector<uint8_t>> Bytes(std::vector<uint8_t> v) {
+  return std::make_shared<const std::vector<uint8_t>>(std::move(v));
+}
+
+v1::TensorSpec Spec(const std::string& name, std::vector<uint64_t> shape) {
+  v1::TensorSpec s;
+  s.set_name(name);
+  s.set_dtype(v1::DTYPE_BF16);
+  for (uint64_t d : shape) s.add_shape(d);
+  return s;
+}
+
+// The golden log's content: lineage 0x1122334455667788 after baseline version 1; version 2
+// (one patch, one unchanged, one dense tensor) and version 5 (the dense one patched). The
+// "patch" bytes are opaque to the log (the history checks them on replay).
+LogHeader GoldenHeader() { return {.lineage = 0x1122334455667788ull, .base_version = 1}; }
+
+std::vector<LogRecord> GoldenRecords() {
+  LogRecord a;
+  a.version = 2;
+  a.base_version = 1;
+  a.version_digest = 0x0102030405060708ull;
+  a.lineage = 0x1122334455667788ull;
+  a.snapshot_unix_nanos = 1764590400000000000ull;
+  a.tensors.push_back({.spec = Spec("a.weight", {2, 3}), .kind = LogTensorKind::kPatch,
+                       .digest = 0xa1, .changed_elements = 2, .bytes = Bytes({9, 8, 7, 6, 5})});
+  a.tensors.push_back({.spec = Spec("b.bias", {3}), .kind = LogTensorKind::kUnchanged,
+                       .digest = 0xb2, .changed_elements = 0, .bytes = nullptr});
+  a.tensors.push_back({.spec = Spec("c.new", {2}), .kind = LogTensorKind::kDense, .digest = 0xc3,
+                       .changed_elements = 2, .bytes = Bytes({1, 2, 3, 4})});
+  LogRecord b = a;
+  b.version = 5;
+  b.base_version = 2;
+  b.version_digest = 0x1020304050607080ull;
+  b.snapshot_unix_nanos += 1000;
+  b.tensors[0] = {.spec = Spec("a.weight", {2, 3}), .kind = LogTensorKind::kUnchanged,
+                  .digest = 0xa1, .changed_elements = 0, .bytes = nullptr};
+  b.tensors[2] = {.spec = Spec("c.new", {2}), .kind = LogTensorKind::kPatch, .digest = 0xc4,
+                  .changed_elements = 1, .bytes = Bytes({0xff})};
+  return {a, b};
+}
+
+// Writes the golden content with PatchLogWriter.
+void WriteGolden(const std::string& path) {
+  REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::Create(path, GoldenHeader(), /*fsync=*/false));
+  for (const LogRecord& r : GoldenRecords()) ASSERT_THAT(w->Append(r), IsOk());
+}
+
+void ExpectSameRecord(const LogRecord& got, const LogRecord& want) {
+  EXPECT_EQ(got.version, want.version);
+  EXPECT_EQ(got.base_version, want.base_version);
+  EXPECT_EQ(got.version_digest, want.version_digest);
+  EXPECT_EQ(got.lineage, want.lineage);
+  EXPECT_EQ(got.snapshot_unix_nanos, want.snapshot_unix_nanos);
+  ASSERT_EQ(got.tensors.size(), want.tensors.size());
+  for (size_t i = 0; i < want.tensors.size(); ++i) {
+    const LogTensor& g = got.tensors[i];
+    const LogTensor& w = want.tensors[i];
+    EXPECT_TRUE(sync::SameSpec(g.spec, w.spec)) << g.spec.ShortDebugString();
+    EXPECT_EQ(g.kind, w.kind) << w.spec.name();
+    EXPECT_EQ(g.digest, w.digest) << w.spec.name();
+    EXPECT_EQ(g.changed_elements, w.changed_elements) << w.spec.name();
+    EXPECT_EQ(g.bytes == nullptr, w.bytes == nullptr) << w.spec.name();
+    if (g.bytes != nullptr && w.bytes != nullptr) {
+      EXPECT_EQ(*g.bytes, *w.bytes) << w.spec.name();
+    }
+  }
+}
+
+TEST(PatchLogTest, RoundTrip) {
+  const std::string path = TempDir("roundtrip") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(path));
+  auto read = ReadPatchLog(path);
+  ASSERT_THAT(read, IsOk());
+  EXPECT_EQ(read->header.lineage, GoldenHeader().lineage);
+  EXPECT_EQ(read->header.base_version, 1u);
+  EXPECT_FALSE(read->torn_tail);
+  EXPECT_THAT(read->corrupt, IsOk());
+  EXPECT_EQ(read->valid_end, read->file_bytes);
+  ASSERT_EQ(read->records.size(), 2u);
+  EXPECT_EQ(read->offsets[0], kPatchLogHeaderBytes);
+  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read->records[i], GoldenRecords()[i]);
+
+  // Appending continues the same file.
+  REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::OpenForAppend(path, read->valid_end, false));
+  LogRecord c = GoldenRecords()[1];
+  c.version = 6;
+  c.base_version = 5;
+  ASSERT_THAT(w->Append(c), IsOk());
+  read = ReadPatchLog(path);
+  ASSERT_THAT(read, IsOk());
+  ASSERT_EQ(read->records.size(), 3u);
+  EXPECT_EQ(read->records[2].version, 6u);
+}
+
+TEST(PatchLogTest, GoldenFileIsFormatVersion1) {
+  const std::string golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/patch_log_v1.bin";
+  const std::string fresh = TempDir("golden") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(fresh));
+  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
+    std::filesystem::copy_file(fresh, golden, std::filesystem::copy_options::overwrite_existing);
+  }
+  // The checked-in bytes decode to the golden content...
+  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(golden));
+  ASSERT_EQ(read.records.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read.records[i], GoldenRecords()[i]);
+  // ... and a freshly written log is byte for byte the same.
+  EXPECT_EQ(ReadFile(fresh), ReadFile(golden))
+      << "the patch log format changed: version 1 is frozen (docs/ARCHITECTURE.md)";
+  // Spot checks of the normative layout.
+  const std::vector<uint8_t> bytes = ReadFile(golden);
+  ASSERT_GE(bytes.size(), 72u);
+  EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 8), "REFITLOG");
+  EXPECT_EQ(bytes[8], 1);  // format version, little-endian
+  EXPECT_EQ(std::string(bytes.begin() + 40, bytes.begin() + 44), "RREC");
+  EXPECT_EQ(bytes[68], 2);  // the first record body starts with its version
+}
+
+TEST(PatchLogTest, TornTailIsTruncatedNotAnError) {
+  const std::string dir = TempDir("torn");
+  const std::string path = dir + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(path));
+  const std::vector<uint8_t> full = ReadFile(path);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(path));
+  const uint64_t second = read.offsets[1];
+  // Cut inside the second record's frame, inside its body, and one byte short of its end.
+  for (uint64_t cut : {second + 3, second + kPatchRecordFrameBytes + 4, full.size() - 1}) {
+    WriteFile(path, std::vector<uint8_t>(full.begin(), full.begin() + static_cast<long>(cut)));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto torn, ReadPatchLog(path));
+    EXPECT_TRUE(torn.torn_tail) << "cut at " << cut;
+    EXPECT_THAT(torn.corrupt, IsOk());
+    ASSERT_EQ(torn.records.size(), 1u) << "cut at " << cut;
+    EXPECT_EQ(torn.valid_end, second);
+  }
+  // A complete last record whose bytes did not all reach the disk (its body checksum fails and
+  // nothing follows it).
+  std::vector<uint8_t> zeroed = full;
+  zeroed[full.size() - 2] ^= 0x5a;
+  WriteFile(path, zeroed);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto last, ReadPatchLog(path));
+  EXPECT_TRUE(last.torn_tail);
+  EXPECT_EQ(last.records.size(), 1u);
+  // Space allocated but never written (all zeros) after the last record.
+  std::vector<uint8_t> padded = full;
+  padded.resize(full.size() + 100, 0);
+  WriteFile(path, padded);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto pad, ReadPatchLog(path));
+  EXPECT_TRUE(pad.torn_tail);
+  EXPECT_EQ(pad.records.size(), 2u);
+  // Appending after a torn tail truncates it first.
+  REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::OpenForAppend(path, pad.valid_end, false));
+  LogRecord c = GoldenRecords()[1];
+  c.version = 7;
+  c.base_version = 5;
+  ASSERT_THAT(w->Append(c), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto after, ReadPatchLog(path));
+  EXPECT_FALSE(after.torn_tail);
+  ASSERT_EQ(after.records.size(), 3u);
+  EXPECT_EQ(after.records[2].version, 7u);
+}
+
+TEST(PatchLogTest, CorruptRecordStopsReadingThereNamingFileAndOffset) {
+  const std::string path = TempDir("corrupt") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(path));
+  const std::vector<uint8_t> full = ReadFile(path);
+  // A flipped byte in the first record's body (the second follows it: not a torn tail).
+  std::vector<uint8_t> body = full;
+  body[kPatchLogHeaderBytes + kPatchRecordFrameBytes + 10] ^= 1;
+  WriteFile(path, body);
+  auto read = ReadPatchLog(path);
+  ASSERT_THAT(read, IsOk());
+  EXPECT_THAT(read->corrupt,
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(path), HasSubstr("at offset 40"), HasSubstr("checksum"))));
+  EXPECT_TRUE(read->records.empty());
+  EXPECT_EQ(read->valid_end, kPatchLogHeaderBytes);
+  // A flipped byte in the second record's frame (its length).
+  std::vector<uint8_t> frame = full;
+  WriteFile(path, full);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto good, ReadPatchLog(path));
+  frame[good.offsets[1] + 5] ^= 0x10;
+  WriteFile(path, frame);
+  read = ReadPatchLog(path);
+  ASSERT_THAT(read, IsOk());
+  EXPECT_THAT(std::string(read->corrupt.message()),
+              HasSubstr(absl::StrCat("at offset ", good.offsets[1])));
+  EXPECT_EQ(read->records.size(), 1u);
+  // A bad header: nothing usable.
+  std::vector<uint8_t> header = full;
+  header[20] ^= 1;
+  WriteFile(path, header);
+  auto bad = ReadPatchLog(path);
+  ASSERT_THAT(bad, StatusIs(absl::StatusCode::kDataLoss, HasSubstr("header checksum")));
+  EXPECT_EQ(ReadPatchLog(path + ".absent").status().code(), absl::StatusCode::kNotFound);
+}
+
+// ReplayLog on a one-tensor baseline: a real codec patch replays; another lineage's record or
+// one that does not chain stops the replay there, naming file, offset and the reason.
+TEST(PatchLogTest, ReplayChecksLineageAndChain) {
+  const uint64_t lineage = 0xabcdef0123456789ull;
+  std::vector<uint8_t> v1(64), v2(64);
+  for (size_t i = 0; i < v1.size(); ++i) v1[i] = static_cast<uint8_t>(i * 7 + 3);
+  v2 = v1;
+  v2[10] ^= 1;
+  v2[33] ^= 2;
+  BaselineTensor base{.spec = Spec("w", {32}), .dtype = DType::kBF16,
+                      .digest = TensorDigest(v1), .bytes = Bytes(v1)};
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, v1, v2));
+  LogRecord r;
+  r.version = 2;
+  r.base_version = 1;
+  r.lineage = lineage;
+  r.tensors.push_back({.spec = base.spec,
+                       .kind = LogTensorKind::kPatch,
+                       .digest = TensorDigest(v2),
+                       .changed_elements = 2,
+                       .bytes = Bytes(patch)});
+  const std::vector<v1::TensorSpec> manifest = {base.spec};
+  const std::vector<uint64_t> digests = {TensorDigest(v2)};
+  r.version_digest = *sync::VersionDigest(manifest, digests);
+
+  auto replay = [&](std::vector<LogRecord> records) {
+    LogReadResult log;
+    uint64_t off = kPatchLogHeaderBytes;
+    for (LogRecord& x : records) {
+      log.offsets.push_back(off);
+      off += 1000;
+      log.records.push_back(std::move(x));
+    }
+    return ReplayLog({base}, 1, lineage, log, "/p/patches.log", 1);
+  };
+  LogReplay ok = replay({r});
+  ASSERT_THAT(ok.stopped, IsOk());
+  ASSERT_EQ(ok.versions.size(), 1u);
+  EXPECT_EQ(*ok.tensors[0].bytes, v2);
+
+  LogRecord foreign = r;
+  foreign.lineage = lineage + 1;
+  LogReplay wrong = replay({foreign});
+  EXPECT_TRUE(wrong.versions.empty());
+  EXPECT_THAT(std::string(wrong.stopped.message()), HasSubstr("lineage"));
+  EXPECT_THAT(std::string(wrong.stopped.message()), HasSubstr("/p/patches.log"));
+  EXPECT_THAT(std::string(wrong.stopped.message()), HasSubstr("offset 40"));
+  EXPECT_EQ(*wrong.tensors[0].bytes, v1);
+
+  LogRecord gap = r;
+  gap.version = 4;
+  gap.base_version = 3;
+  LogReplay unchained = replay({r, gap});
+  EXPECT_EQ(unchained.versions.size(), 1u) << "version 2 replays, 4 does not follow it";
+  EXPECT_THAT(std::string(unchained.stopped.message()), HasSubstr("does not follow version 2"));
+
+  LogRecord wrong_digest = r;
+  wrong_digest.tensors[0].digest ^= 1;
+  wrong_digest.version_digest =
+      *sync::VersionDigest(manifest, std::vector<uint64_t>{wrong_digest.tensors[0].digest});
+  LogReplay refused = replay({wrong_digest});
+  EXPECT_TRUE(refused.versions.empty());
+  EXPECT_THAT(std::string(refused.stopped.message()), HasSubstr("digest"));
+  EXPECT_EQ(*refused.tensors[0].bytes, v1) << "nothing replayed";
+
+  LogRecord old = r;  // at or below the baseline: skipped
+  old.version = 1;
+  old.base_version = 0;
+  LogReplay skipped = replay({old, r});
+  EXPECT_THAT(skipped.stopped, IsOk());
+  EXPECT_EQ(skipped.skipped, 1u);
+  EXPECT_EQ(skipped.versions.size(), 1u);
+}
+
+}  // namespace
+}  // namespace refit::publisher

@@ -1,0 +1,129 @@
+// PublisherCore's construction, state accessors and Reset. Its other members:
+// publisher_core_publish.cc (Publish), transfer.cc (MakeTransfer), publisher_core_live.cc (live
+// versions), publisher_core_relay.cc (relayed versions), publisher_core_persist.cc (persistence,
+// restart).
+#include "daemon/serving/publisher_core.h"
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/serving/baseline_persister.h"
+#include "daemon/serving/version_inputs.h"
+#include "daemon/sync/versions.h"
+
+namespace refit::publisher {
+
+PublisherCore::PublisherCore(const PublisherOptions& options)
+    : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {
+  if (options_.patch_format_auto)
+    chooser_ = std::make_unique<FormatChooser>(options_.format_chooser);
+}
+
+std::optional<PublisherOptions> PublisherCore::AutoFormatOptions(uint64_t version,
+                                                                 uint64_t prev_version) const {
+  if (chooser_ == nullptr || prev_version == 0) return std::nullopt;  // a first version: keyframes
+  PublisherOptions o = options_;
+  o.patch_format = chooser_->FormatFor(version);
+  return o;
+}
+
+void PublisherCore::NoteRefitLatency(uint64_t version, uint64_t micros) {
+  if (chooser_ != nullptr) chooser_->Observe(version, micros);
+}
+
+std::optional<FormatChooser::State> PublisherCore::format_choice() const {
+  if (chooser_ == nullptr) return std::nullopt;
+  return chooser_->state();
+}
+
+absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
+    const PublisherOptions& options) {
+  if (options.patch_format != 1 && options.patch_format != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
+  }
+  if (options.persist_dir.empty()) {
+    std::unique_ptr<PublisherCore> core(new PublisherCore(options));
+    absl::MutexLock lock(&core->mu_);
+    core->lineage_ = options.lineage != 0 ? options.lineage : sync::NewLineage();
+    core->baseline_status_.set_state(v1::BASELINE_STATE_DISABLED);
+    return core;
+  }
+  std::vector<std::string> removed;
+  ASSIGN_OR_RETURN(std::unique_ptr<PersistDir> dir,
+                   PersistDir::Open(options.persist_dir, &removed));
+  ASSIGN_OR_RETURN(std::unique_ptr<PublisherCore> core, OpenPersisted(options, std::move(dir)));
+  core->removed_temps_ = std::move(removed);
+  return core;
+}
+
+PublisherCore::~PublisherCore() { persister_.reset(); }
+
+uint64_t PublisherCore::newest_version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return newest_version_;
+}
+
+uint64_t PublisherCore::numbered_version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return std::max(numbered_, newest_version_);
+}
+
+uint64_t PublisherCore::lineage() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return lineage_;
+}
+
+absl::Status PublisherCore::Reset(uint64_t lineage) {
+  if (dir_ != nullptr) {
+    return absl::FailedPreconditionError("a publisher with a persist_dir keeps its lineage");
+  }
+  absl::MutexLock publish_lock(&publish_mu_);
+  absl::MutexLock lock(&mu_);
+  history_.Clear();
+  newest_version_ = 0;
+  newest_digest_ = 0;
+  snapshot_unix_nanos_ = 0;
+  encode_micros_ = 0;
+  pass_micros_ = 0;
+  baseline_update_micros_ = 0;
+  baseline_.clear();
+  counts_.clear();
+  gpu_baseline_.clear();
+  lineage_ = lineage != 0 ? lineage : sync::NewLineage();
+  numbered_ = 0;
+  return absl::OkStatus();
+}
+
+uint64_t PublisherCore::newest_version_digest() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return newest_digest_;
+}
+
+uint64_t PublisherCore::newest_snapshot_unix_nanos() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return snapshot_unix_nanos_;
+}
+
+std::vector<BaselineTensor> PublisherCore::Baseline() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return baseline_;
+}
+
+absl::Status PublisherCore::CheckPublishGuard(const std::vector<GuardTensor>& next,
+                                              bool allow_degenerate,
+                                              absl::string_view where) const {
+  std::vector<GuardTensor> current;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    current = GuardTensorsOf(baseline_);
+  }
+  return publisher::CheckPublishGuard(options_.publish_guard, current, next, allow_degenerate,
+                                      where);
+}
+
+}  // namespace refit::publisher

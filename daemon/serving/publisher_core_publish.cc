@@ -1,0 +1,244 @@
+// PublisherCore::Publish and its commit: checks, the encode (CPU codec or GPU), the history and
+// the streamed version's Ends, the baseline installed .
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/serving/baseline_persister.h"
+#include "daemon/serving/cpu_encode.h"
+#include "daemon/serving/encoded_version.h"
+#include "daemon/serving/gpu_encode.h"
+#include "daemon/serving/patch_log.h"
+#include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_core_internal.h"
+#include "daemon/serving/version_inputs.h"
+#include "daemon/sync/versions.h"
+
+namespace refit::publisher {
+namespace {
+
+// Publish, the encode: on the devices (GPU encoding) or the CPU codec (one pass or copying).
+absl::Status EncodeVersion(const PublisherOptions& options, std::span<const TensorInput> given,
+                           const std::vector<size_t>& order,
+                           const std::vector<v1::TensorSpec>& specs,
+                           const std::vector<BaselineTensor>& prev, const std::string& where,
+                           std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline,
+                           const StreamPass& stream, Encoded* enc, PublishSummary* sum) {
+  if (options.device != nullptr) {
+    RETURN_IF_ERROR(
+        EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum));
+    return absl::OkStatus();  // v2 digests from the fused device encode (EncodeOnDevices)
+  }
+  // The CPU codec reads host bytes: device snapshots (CUDA tensors registered with a CPU codec)
+  // come to the host first.
+  std::span<const TensorInput> inputs = given;
+  std::vector<TensorInput> downloaded;
+  if (std::any_of(given.begin(), given.end(),
+                  [](const TensorInput& in) { return in.device_bytes != nullptr; })) {
+    ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, sum));
+    inputs = downloaded;
+  }
+  if (!options.cpu_one_pass) {
+    RETURN_IF_ERROR(EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum));
+    FillDigestsV2(options, prev, enc, sum);
+    return absl::OkStatus();
+  }
+  return EncodeOnCpuOnePass(options, inputs, order, specs, prev, where, stream, enc, sum);
+}
+
+// Publish, after the commit: streamed sessions send VersionEnd; without an end (the history
+// could not plan it) they abort and the committed path serves the version.
+// `v1_pending`: the v1 End comes later (StreamPass::defer_v1), so v2 sessions end now.
+void SettleLive(LiveVersion* live, absl::StatusOr<v1::VersionEnd> end,
+                std::optional<v1::VersionEnd> end_v2, bool v1_pending) {
+  if (live == nullptr) return;
+  if (end.ok()) {
+    live->Commit(*std::move(end), std::move(end_v2));
+  } else if (v1_pending && end_v2.has_value()) {
+    live->CommitV2First(*std::move(end_v2));
+  } else {
+    live->Fail(end.status());
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
+                                                      std::span<const TensorInput> given,
+                                                      bool allow_degenerate,
+                                                      const std::function<void()>& inputs_read) {
+  const auto start = Clock::now();
+  absl::MutexLock publish_lock(&publish_mu_);
+  PublishSummary sum;
+  sum.version = version;
+  sum.tensors = given.size();
+
+  std::vector<BaselineTensor> prev;
+  uint64_t prev_version = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    prev = baseline_;
+    prev_version = newest_version_;
+  }
+  const std::string where = absl::StrCat("publish version ", version);
+  std::vector<v1::TensorSpec> specs;
+  std::vector<size_t> order;
+  RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate, where,
+                                   &specs, &order));
+
+  sum.snapshot_unix_nanos = UnixNanosNow();
+  // Streamed transfers: sessions idle at prev_version send this version's frames as the pass
+  // produces them; any failure from here to the commit aborts them (VersionAbort).
+  std::shared_ptr<LiveVersion> live =
+      OpenLive(version, prev_version, prev, specs, order, sum.snapshot_unix_nanos);
+  absl::Cleanup fail_live = [&] {
+    if (live != nullptr) live->Fail(absl::AbortedError(absl::StrCat(where, " failed")));
+  };
+  const bool defer_v1 = live != nullptr && options_.v1_after_end &&
+                        live->base_version_digest(sync::DigestFormat::kV2) != 0;
+  const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
+                          defer_v1};
+  const std::optional<PublisherOptions> chosen = AutoFormatOptions(version, prev_version);
+  sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
+  Encoded enc;
+  RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs, prev,
+                                where, &gpu_baseline_, stream, &enc, &sum));
+  std::vector<sync::TensorUpdate> updates;
+  VersionCounts counts;
+  counts.version = version;
+  SummarizeVersion(enc, prev, &sum, &updates, &counts.changed);
+  // The log record decides UNCHANGED against the previous version (as the history does); it
+  // shares the patches and the dense tensors' buffers, never the caller's bytes.
+  std::optional<LogRecord> record;
+  if (persister_ != nullptr) {
+    record = MakeLogRecord(version, prev_version, /*version_digest=*/0, /*lineage=*/0,
+                           sum.snapshot_unix_nanos, prev, enc.next, enc.patches, enc.changed);
+  }
+  // From here on the baseline buffers are referenced only by baseline_, the pending updates and
+  // transfers or other holders (which the one pass's copy-on-write respects).
+  prev.clear();
+  CopySharedPending(&enc, &sum);
+
+  RecordNumbered(version);
+  uint64_t lineage = 0;
+  LiveEnds live_ends;
+  RETURN_IF_ERROR(RecordInHistory(version, prev_version, std::move(updates), live != nullptr, where,
+                                  &sum, &lineage, &live_ends));
+  // The streamed version's End goes out before the baseline update: a subscriber's refit does
+  // not wait for the publisher's own bookkeeping.
+  std::move(fail_live).Cancel();
+  const bool v1_pending = enc.v1_deferred && !enc.pending.empty();
+  SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
+  if (v1_pending) {
+    const std::vector<uint64_t> v1 = FillDeferredV1(&enc, options_.digest_threads, &record, &sum);
+    if (absl::Status st = RecordV1(version, prev_version, v1, live.get(), &sum); !st.ok()) {
+      // The v2 End is out and subscribers may hold the version: it is installed regardless
+      // (the core stays consistent with them); only v1 sessions cannot be sent it.
+      Logger("publisher")->error("{}", st.ToString());
+    }
+  }
+  InstallVersion(
+      version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
+      std::move(counts), sum);
+  if (inputs_read) inputs_read();  // the caller's bytes are not read any more
+
+  if (record.has_value()) EnqueueRecord(*std::move(record), lineage, &sum);
+  sum.total_micros = MicrosSince(start);
+  return sum;
+}
+
+absl::Status PublisherCore::CheckPublishable(uint64_t version, uint64_t prev_version,
+                                             std::span<const TensorInput> given,
+                                             const std::vector<BaselineTensor>& prev,
+                                             bool allow_degenerate, const std::string& where,
+                                             std::vector<v1::TensorSpec>* specs,
+                                             std::vector<size_t>* order) const {
+  RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
+  if (version <= prev_version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, ": not above the newest published version ", prev_version));
+  }
+  if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
+  RETURN_IF_ERROR(ValidateInputs(given, where, specs, order));
+  return publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
+                                      GuardTensorsOf(*specs), allow_degenerate, where);
+}
+
+absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_version,
+                                            std::vector<sync::TensorUpdate> updates, bool live,
+                                            const std::string& where, PublishSummary* sum,
+                                            uint64_t* lineage, LiveEnds* live_ends) {
+  absl::MutexLock lock(&mu_);
+  *lineage = lineage_;
+  // history_.Add only fails on inputs ValidateInputs and the encoder already guarantee.
+  auto vdigest = history_.Add(version, std::move(updates));
+  if (!vdigest.ok()) {
+    return absl::Status(absl::StatusCode::kInternal,
+                        absl::StrCat(where, ": ", vdigest.status().message()));
+  }
+  sum->version_digest = *vdigest;
+  if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
+  return absl::OkStatus();
+}
+
+absl::Status PublisherCore::RecordV1(uint64_t version, uint64_t prev_version,
+                                     const std::vector<uint64_t>& digests, LiveVersion* live,
+                                     PublishSummary* sum) {
+  absl::StatusOr<v1::VersionEnd> end = absl::UnknownError("no live version");
+  absl::Status st;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto vdigest = history_.CompleteV1Digests(version, digests);
+    if (vdigest.ok()) {
+      sum->version_digest = *vdigest;
+      if (live != nullptr)
+        end = LiveEndLocked(prev_version, version, *sum, sync::DigestFormat::kV1);
+    } else {
+      // Cannot happen (one digest per tensor, of the bytes the pass encoded).
+      st = absl::Status(absl::StatusCode::kInternal,
+                        absl::StrCat("publish version ", version,
+                                     ": recording the v1 digests: ", vdigest.status().message()));
+      end = st;
+    }
+  }
+  // Outside mu_: the live version's listener takes the service's lock.
+  if (live != nullptr) live->CompleteV1(std::move(end));
+  return st;
+}
+
+void PublisherCore::InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
+                                   std::vector<BaselineTensor>& next,
+                                   std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,
+                                   VersionCounts counts, const PublishSummary& sum) {
+  absl::MutexLock lock(&mu_);
+  update_baseline();
+  SetNewestLocked(version, sum);
+  baseline_ = std::move(next);
+  if (options_.device != nullptr) gpu_baseline_ = std::move(gpu);
+  RecordCountsLocked(std::move(counts));
+}
+
+void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum) {
+  newest_version_ = version;
+  newest_digest_ = sum.version_digest;
+  snapshot_unix_nanos_ = sum.snapshot_unix_nanos;
+  encode_micros_ = sum.encode_micros;
+  pass_micros_ = sum.pass_micros;
+  baseline_update_micros_ = sum.baseline_update_micros;
+  newest_wire_bytes_ = sum.wire_bytes;
+}
+
+void PublisherCore::RecordCountsLocked(VersionCounts counts) {
+  counts_.push_back(std::move(counts));
+  counts_.erase(
+      std::remove_if(counts_.begin(), counts_.end(),
+                     [&](const VersionCounts& c) { return !history_.Contains(c.version); }),
+      counts_.end());
+}
+
+}  // namespace refit::publisher

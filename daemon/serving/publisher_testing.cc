@@ -1,0 +1,44 @@
+#include "daemon/serving/publisher_testing.h"
+
+#include <utility>
+
+#include "gtest/gtest.h"
+
+namespace refit::testing {
+
+ModelPublisher::ModelPublisher(const std::vector<v1::TensorSpec>& tensors, uint32_t seed,
+                               double change)
+    : rng_(seed), change_(change) {
+  publisher::PublisherOptions o;
+  o.encode_threads = 1;
+  o.digest_threads = 1;
+  auto core = publisher::PublisherCore::Open(o);
+  EXPECT_TRUE(core.ok()) << core.status();
+  if (core.ok()) core_ = std::move(*core);
+  for (const v1::TensorSpec& spec : tensors) {
+    model_[spec.name()] = sync::testing::RandomTensor(spec, rng_);
+  }
+}
+
+uint64_t ModelPublisher::PublishNext(const std::optional<v1::TensorSpec>& extra) {
+  if (version_ > 0) {
+    for (auto& [name, t] : model_) sync::testing::Perturb(t, change_, rng_);
+  }
+  if (extra.has_value()) model_[extra->name()] = sync::testing::RandomTensor(*extra, rng_);
+  ++version_;
+  std::vector<publisher::TensorInput> in;
+  for (const auto& [name, t] : model_) {
+    publisher::TensorInput input;
+    input.name = name;
+    input.dtype = DType::kBF16;
+    input.shape.assign(t.spec.shape().begin(), t.spec.shape().end());
+    input.data = t.bytes;
+    in.push_back(std::move(input));
+  }
+  auto s = core_->Publish(version_, in);
+  EXPECT_TRUE(s.ok()) << s.status();
+  models_[version_] = model_;
+  return version_;
+}
+
+}  // namespace refit::testing

@@ -1,0 +1,46 @@
+// For tests (not for production code): a PublisherCore publishing versions of a small random BF16
+// model, as the upstream of subscriber tests.
+#ifndef REFIT_DAEMON_SERVING_PUBLISHER_TESTING_H_
+#define REFIT_DAEMON_SERVING_PUBLISHER_TESTING_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "daemon/serving/publisher_core.h"
+#include "daemon/sync/sync_testing.h"
+#include "refit/v1/common.pb.h"
+
+namespace refit::testing {
+
+// A PublisherCore (one encode and one digest thread) publishing versions of a random BF16 model:
+// the first as generated, each later one perturbed. Every published model is kept.
+class ModelPublisher {
+ public:
+  // `tensors`: the model's BF16 tensors, generated in this order from `seed`; `change`: the
+  // fraction of values each later version perturbs.
+  ModelPublisher(const std::vector<v1::TensorSpec>& tensors, uint32_t seed, double change);
+
+  // Publishes the next version; with `extra`, that tensor is added to the model (a manifest
+  // change).
+  uint64_t PublishNext(const std::optional<v1::TensorSpec>& extra = std::nullopt);
+
+  publisher::PublisherCore& core() const { return *core_; }
+  const sync::testing::Model& model(uint64_t version) const { return models_.at(version); }
+  uint64_t digest() const { return core_->newest_version_digest(); }
+
+ private:
+  std::mt19937 rng_;
+  double change_;
+  std::unique_ptr<publisher::PublisherCore> core_;
+  sync::testing::Model model_;
+  uint64_t version_ = 0;
+  std::map<uint64_t, sync::testing::Model> models_;
+};
+
+}  // namespace refit::testing
+
+#endif  // REFIT_DAEMON_SERVING_PUBLISHER_TESTING_H_

@@ -1,0 +1,238 @@
+// SubscriberCore, a transfer's header: its versions checked against what is held, each tensor's
+// plan checked and the layout derived, the target store chosen (the current generation, or a
+// new one for a new layout), old bases leased, and the objects the frames must bring listed.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/subscriber/staged_transfer.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/version_digest.h"
+#include "daemon/sync/versions.h"
+
+namespace refit::subscriber {
+
+namespace {
+
+bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedField<uint64_t>& b) {
+  return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
+}
+
+}  // namespace
+
+absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader& header) const {
+  const uint64_t v = header.version();
+  const uint64_t base = header.base_version();
+  const uint64_t applied = applied_version();
+  if (v == 0) return absl::InvalidArgumentError("header: version 0 is not a valid target");
+  if (v > sync::kMaxVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header for version ", v, ": above the largest version ", sync::kMaxVersion));
+  }
+  if (header.tensors_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, " lists no tensors"));
+  }
+  bool all_keyframes = true;
+  for (const v1::TensorPlan& tp : header.tensors()) {
+    all_keyframes = all_keyframes && tp.delivery() == v1::DELIVERY_KEYFRAME;
+  }
+  // Another lineage: version numbers are not comparable, so a lower one is accepted, but only
+  // as a full keyframe into a new store generation (data.proto "Versions and lineage").
+  const bool lineage_change = applied != 0 && header.lineage() != applied_lineage();
+  if (lineage_change && !(base == 0 && all_keyframes)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, " of ", sync::DescribeLineage(header.lineage()),
+        " has base version ", base, " but the applied version ", applied, " is of ",
+        sync::DescribeLineage(applied_lineage()), " (a lineage change needs keyframes)"));
+  }
+  if (v <= applied && !lineage_change && !IsRepairLocked(header)) {
+    return absl::FailedPreconditionError(absl::StrCat("header for version ", v,
+                                                      " is not above the applied version ", applied,
+                                                      " (a version is never applied twice)"));
+  }
+  if (base != applied && !(base == 0 && all_keyframes)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "header for version ", v, " has base version ", base, " but the applied version is ",
+        applied, base == 0 ? " (base 0 requires every tensor to be a keyframe)" : ""));
+  }
+  return lineage_change;
+}
+
+namespace {
+
+// One tensor's delivery and patch chain against the header's base (OnHeader). `where` names the
+// tensor for errors.
+absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t version,
+                             const std::string& where) {
+  switch (tp.delivery()) {
+    case v1::DELIVERY_KEYFRAME:
+    case v1::DELIVERY_UNCHANGED:
+      if (tp.steps_size() != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": steps given for a ", v1::Delivery_Name(tp.delivery())));
+      }
+      break;
+    case v1::DELIVERY_PATCH: {
+      if (tp.steps_size() == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": DELIVERY_PATCH without steps"));
+      }
+      uint64_t at = base;
+      for (int s = 0; s < tp.steps_size(); ++s) {
+        const v1::PatchStep& step = tp.steps(s);
+        if (step.base_version() != at || step.target_version() <= step.base_version()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": patch step ", s, " goes ", step.base_version(), " -> ",
+                           step.target_version(), ", expected a step from ", at));
+        }
+        at = step.target_version();
+      }
+      if (at != version) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": patch chain ends at version ", at, ", not ", version));
+      }
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": invalid delivery ", static_cast<int>(tp.delivery())));
+  }
+  if (tp.delivery() != v1::DELIVERY_KEYFRAME && base == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", v1::Delivery_Name(tp.delivery()), " needs a base version"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// OnHeader's per-tensor checks: specs, deliveries, chains. Fills t's dtypes and sizes and the
+// layout of the target version; `needs_base` when some tensor is UNCHANGED or PATCH.
+absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& needs_base) const {
+  const v1::VersionHeader& header = t.header;
+  const uint64_t v = header.version();
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
+  if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, ": ", st.message()));
+  }
+  std::vector<store::TensorDesc> descs;
+  needs_base = false;
+  for (int i = 0; i < header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = header.tensors(i);
+    const std::string where =
+        absl::StrCat("header for version ", v, ", ",
+                     sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
+    auto dtype = sync::FromProtoDType(tp.spec().dtype());
+    auto bytes = sync::TensorByteSize(tp.spec());
+    if (!dtype.ok() || !bytes.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": invalid spec"));
+    }
+    t.dtypes.push_back(*dtype);
+    t.bytes.push_back(*bytes);
+    descs.push_back({tp.spec().name(), *dtype,
+                     std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
+    RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
+    if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
+                              (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": a streamed transfer has only PATCH tensors of one step and KEYFRAMEs"));
+    }
+    needs_base = needs_base || tp.delivery() != v1::DELIVERY_KEYFRAME;
+  }
+  auto layout = store::Layout::Build(std::move(descs));
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header for version ", v, ": ", layout.status().message()));
+  }
+  if (layout->slot_bytes() > options_.max_slot_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("header for version ", v, ": the version needs ", layout->slot_bytes(),
+                     " bytes per slot, above the limit of ", options_.max_slot_bytes));
+  }
+  return layout;
+}
+
+// Target store: the current one when the manifest is unchanged, else a new generation.
+absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout& layout) {
+  if (store_ != nullptr && !t.lineage_change && store_->layout().SameManifest(layout)) {
+    t.target = store_;
+  } else {
+    auto created = CreateStoreLocked(layout);
+    if (!created.ok()) {
+      return absl::Status(created.status().code(),
+                          absl::StrCat("header for version ", t.header.version(),
+                                       ": cannot create a store: ", created.status().message()));
+    }
+    t.target = std::move(*created);
+    t.new_generation = true;
+  }
+  for (const v1::TensorPlan& tp : t.header.tensors()) {
+    t.layout_index.push_back(*t.target->layout().Find(tp.spec().name()));
+  }
+  return absl::OkStatus();
+}
+
+// Bases across generations: by name, under a lease on the old store's applied version.
+absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
+  const uint64_t v = t.header.version();
+  const uint64_t applied = applied_version();
+  if (store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
+  }
+  const store::Layout& old = store_->layout();
+  t.old_index.assign(static_cast<size_t>(t.header.tensors_size()), 0);
+  for (int i = 0; i < t.header.tensors_size(); ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(i);
+    if (tp.delivery() == v1::DELIVERY_KEYFRAME) continue;
+    auto idx = old.Find(tp.spec().name());
+    if (!idx.has_value() || old.tensor(*idx).dtype != t.dtypes[static_cast<size_t>(i)] ||
+        !SameShape(old.tensor(*idx).shape, tp.spec().shape())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("header for version ", v, ", ",
+                       sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
+                       ": no tensor of that name, dtype and shape in the applied version ", applied,
+                       " to use as base"));
+    }
+    t.old_index[static_cast<size_t>(i)] = *idx;
+  }
+  t.old_store = store_;
+  auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
+  if (!lease.ok()) {
+    return absl::Status(lease.status().code(),
+                        absl::StrCat("header for version ", v, ": cannot lease the base version: ",
+                                     lease.status().message()));
+  }
+  t.old_lease = std::move(*lease);
+  return absl::OkStatus();
+}
+
+// The objects the transfer's frames carry; a keyframe goes straight into the staged slot when
+// there is one the CPU can write.
+absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.assembler = std::make_unique<sync::FrameAssembler>(t.header.version(), max_frame_bytes_);
+  t.in_slot.assign(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
+                     sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
+    for (sync::ObjectSpec& spec : objects) {
+      // A keyframe lands straight in the staged slot when the store is host memory.
+      if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
+          t.target->memory().host_accessible()) {
+        spec.buffer = t.handle->out[t.layout_index[i]];
+        t.in_slot[i] = true;
+      }
+      RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit::subscriber

@@ -1,0 +1,155 @@
+// SubscriberCore, a transfer's end: the VersionEnd checked against what arrived, every staged
+// tensor's digest (v1, or v2 tracked while applying) compared with the publisher's, and the Ack
+// of an applied version.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/hash.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/subscriber/staged_transfer.h"
+#include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/version_digest.h"
+#include "daemon/sync/versions.h"
+
+namespace refit::subscriber {
+
+absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& end) {
+  const uint64_t v = t.header.version();
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  const std::string what = absl::StrCat("version ", v, ": ");
+  if (end.version() != v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "VersionEnd names version ", end.version()));
+  }
+  if (!t.failed.ok()) {
+    return absl::Status(t.failed.code(),
+                        absl::StrCat(what, t.failed.message(),
+                                     t.dropped_frames > 0 ? absl::StrCat(" (", t.dropped_frames,
+                                                                         " later frames dropped)")
+                                                          : ""));
+  }
+  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat(what, st.message()));
+  }
+  if (static_cast<size_t>(end.digests_size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "VersionEnd has ", end.digests_size(), " digests for ", n, " tensors"));
+  }
+  if (!t.handle.has_value() && !t.in_place) {
+    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(what, "cannot stage: ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Verification, one step: every tensor's digest of the staged slot against the VersionEnd, then
+// the version digest, in the session's format. In v2 a tensor staged in place from a slot whose
+// digests were verified has its digest already (the slot's plus the deltas of every patch
+// applied): it is not read again. Every other tensor (keyframes, copies, a slot without known
+// digests, v1 sessions) is read in full.
+absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
+    Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  std::vector<uint64_t> digests(n);
+  for (size_t i = 0; i < n; ++i) {
+    absl::StatusOr<uint64_t> digest = StagedDigest(t, i);
+    if (!digest.ok()) {
+      return absl::Status(
+          digest.status().code(),
+          absl::StrCat("version ", t.header.version(), ": digest of ",
+                       sync::DescribeTensor(static_cast<uint32_t>(i),
+                                            t.header.tensors(static_cast<int>(i)).spec().name()),
+                       " failed: ", digest.status().message()));
+    }
+    digests[i] = *digest;
+  }
+  return CheckDigests(t.header, end, std::move(digests), mismatched);
+}
+
+absl::StatusOr<SubscriberCore::Verified> SubscriberCore::CheckDigests(
+    const v1::VersionHeader& header, const v1::VersionEnd& end, std::vector<uint64_t> digests,
+    std::vector<std::string>& mismatched) {
+  const std::string what = absl::StrCat("version ", header.version(), ": ");
+  std::vector<std::string> mismatch_desc;
+  for (size_t i = 0; i < digests.size(); ++i) {
+    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
+    if (digests[i] == end.digests(static_cast<int>(i))) continue;
+    mismatched.push_back(tp.spec().name());
+    mismatch_desc.push_back(
+        absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()), " (",
+                     v1::Delivery_Name(tp.delivery()), ")"));
+  }
+  if (!mismatched.empty()) {
+    return absl::DataLossError(absl::StrCat(what, "digest mismatch on ", mismatched.size(),
+                                            " tensor(s): ", absl::StrJoin(mismatch_desc, ", ")));
+  }
+  std::vector<v1::TensorSpec> specs;
+  for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
+  auto vdigest = sync::VersionDigest(specs, digests);
+  if (!vdigest.ok() || *vdigest != end.version_digest()) {
+    return absl::DataLossError(absl::StrCat(what, "version digest mismatch: staged ",
+                                            vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
+                                            ", VersionEnd says ", absl::Hex(end.version_digest())));
+  }
+  Verified out;
+  out.digests = std::move(digests);
+  out.version_digest = *vdigest;
+  return out;
+}
+
+v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
+                                   absl::Time start, absl::Time received, absl::Time staged,
+                                   absl::Time verified, absl::Time applied) {
+  v1::Ack ack;
+  ack.set_version(version);
+  ack.set_result(v1::ACK_RESULT_APPLIED);
+  ack.set_applied_version(version);
+  ack.set_applied_version_digest(version_digest);
+  ack.set_wire_bytes(wire_bytes);
+  v1::TransferTimings* tm = ack.mutable_timings();
+  tm->set_receive_micros(Micros(received - start));
+  tm->set_stage_micros(Micros(staged - received));
+  tm->set_verify_micros(Micros(verified - staged));
+  tm->set_apply_micros(Micros(applied - verified));
+  tm->set_total_micros(Micros(applied - start));
+  return ack;
+}
+
+// Tensor i's digest as staged, in the transfer's format: tracked (v2, no read) or full.
+absl::StatusOr<uint64_t> SubscriberCore::StagedDigest(Transfer& t, size_t i) {
+  if (t.format == sync::DigestFormat::kV2 && i < t.v2.size() && t.v2[i].has_value()) {
+    ++t.stats.digests_incremental;
+    return *t.v2[i];
+  }
+  ++t.stats.digests_full;
+  return StoreDigestOf(t.target->memory(), t.format, t.handle->out[t.layout_index[i]]);
+}
+
+// PlanStagingLocked: the staged slot's verified v2 digests (taken out of slot_digests_: the slot
+// is being written), by header index, when they are of the slot's version and the session is v2.
+void SubscriberCore::TakeSlotDigestsLocked(Transfer& t) {
+  const size_t n = static_cast<size_t>(t.header.tensors_size());
+  t.v2.assign(n, std::nullopt);
+  auto it = slot_digests_.find(t.handle->slot);
+  if (it == slot_digests_.end()) return;
+  SlotDigests sd = std::move(it->second);
+  slot_digests_.erase(it);
+  if (t.format != sync::DigestFormat::kV2 || t.new_generation ||
+      sd.version != t.handle->previous_version || sd.version == 0) {
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (t.layout_index[i] < sd.digests.size()) t.v2[i] = sd.digests[t.layout_index[i]];
+  }
+}
+
+// After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
+// standing by (the previous current one, or older) can be brought forward by them later. Entries
+// no held slot can use any more are dropped, then the oldest while over the byte budget; a
+// transfer above the whole budget empties the retention (the next staging copies in full).
+}  // namespace refit::subscriber
