@@ -12,13 +12,12 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/serving/publish_files.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
-
-uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
 
 std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 

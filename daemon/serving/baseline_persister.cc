@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
@@ -14,13 +15,10 @@
 namespace refit::publisher {
 namespace {
 
-std::string Hex64(uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); }
-
 const BaselineTensor* Find(const std::vector<BaselineTensor>& v, const std::string& name) {
-  auto it = std::lower_bound(v.begin(), v.end(), name,
-                             [](const BaselineTensor& t, const std::string& n) {
-                               return t.spec.name() < n;
-                             });
+  auto it = std::lower_bound(
+      v.begin(), v.end(), name,
+      [](const BaselineTensor& t, const std::string& n) { return t.spec.name() < n; });
   return it != v.end() && it->spec.name() == name ? &*it : nullptr;
 }
 
@@ -80,8 +78,8 @@ absl::Status BaselinePersister::WaitPersisted(uint64_t version, absl::Time deadl
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
   if (persisted_ >= version) return absl::OkStatus();
   if (attempted_ >= version && !last_error_.ok()) return last_error_;
-  return absl::DeadlineExceededError(absl::StrCat("version ", version, " not persisted (files at ",
-                                                  persisted_, ")"));
+  return absl::DeadlineExceededError(
+      absl::StrCat("version ", version, " not persisted (files at ", persisted_, ")"));
 }
 
 PersisterStats BaselinePersister::Stats() const {
@@ -127,9 +125,10 @@ void BaselinePersister::Run() {
 void BaselinePersister::Noted(uint64_t version, const absl::Status& st) {
   // The core's status first: whoever WaitPersisted wakes sees it.
   if (!st.ok()) {
-    Logger("persist")->error("version {} not persisted (served from memory; a restart falls back "
-                             "to version {}): {}",
-                             version, Stats().persisted_version, st.ToString());
+    Logger("persist")->error(
+        "version {} not persisted (served from memory; a restart falls back "
+        "to version {}): {}",
+        version, Stats().persisted_version, st.ToString());
   }
   if (note_) note_(version, st);
   absl::MutexLock lock(&mu_);
@@ -148,9 +147,8 @@ void BaselinePersister::PersistRecord(const LogRecord& record) {
   if (log_ == nullptr && baseline != 0 && baseline == persisted &&
       record.base_version == persisted) {
     // The baseline is current but no log follows it (none yet, or starting one failed).
-    auto log = PatchLogWriter::Create(options_.log_path,
-                                      {.lineage = record.lineage, .base_version = baseline},
-                                      options_.fsync);
+    auto log = PatchLogWriter::Create(
+        options_.log_path, {.lineage = record.lineage, .base_version = baseline}, options_.fsync);
     if (log.ok()) log_ = std::move(*log);
   }
   if (log_ == nullptr || record.base_version != persisted) {
@@ -197,9 +195,8 @@ void BaselinePersister::Compact() {
   // Step 2: a new log after it (temporary file, rename over the old log). The baseline holds
   // the version either way; a log that could not be started is retried by the next record.
   log_.reset();
-  auto log = PatchLogWriter::Create(options_.log_path,
-                                    {.lineage = s.lineage, .base_version = s.version},
-                                    options_.fsync);
+  auto log = PatchLogWriter::Create(
+      options_.log_path, {.lineage = s.lineage, .base_version = s.version}, options_.fsync);
   if (log.ok()) log_ = std::move(*log);
   const absl::Status st = log.ok() ? absl::OkStatus() : log.status();
   if (!st.ok()) {
@@ -289,8 +286,8 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
     switch (e.kind) {
       case LogTensorKind::kUnchanged:
         if (!same || p->tensor.digest != e.digest) {
-          return absl::DataLossError(
-              absl::StrCat(what, ": unchanged, but the previous version has another spec or digest"));
+          return absl::DataLossError(absl::StrCat(
+              what, ": unchanged, but the previous version has another spec or digest"));
         }
         s = *p;
         break;
@@ -359,19 +356,16 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
       ++out.skipped;
       continue;
     }
-    const std::string where =
-        absl::StrCat("patch log \"", path, "\" at offset ", log.offsets[i], " (version ",
-                     rec.version, ")");
+    const std::string where = absl::StrCat("patch log \"", path, "\" at offset ", log.offsets[i],
+                                           " (version ", rec.version, ")");
     if (rec.lineage != lineage) {
-      out.stopped = absl::DataLossError(absl::StrCat(where, ": record of ",
-                                                     sync::DescribeLineage(rec.lineage),
-                                                     ", the baseline's is ",
-                                                     sync::DescribeLineage(lineage)));
+      out.stopped = absl::DataLossError(
+          absl::StrCat(where, ": record of ", sync::DescribeLineage(rec.lineage),
+                       ", the baseline's is ", sync::DescribeLineage(lineage)));
       break;
     }
     if (rec.base_version != at) {
-      out.stopped = absl::DataLossError(absl::StrCat(where, ": its base version ",
-                                                     rec.base_version,
+      out.stopped = absl::DataLossError(absl::StrCat(where, ": its base version ", rec.base_version,
                                                      " does not follow version ", at));
       break;
     }
@@ -393,10 +387,10 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
       LogReplay refused;
       refused.tensors = base;
       refused.skipped = out.skipped;
-      refused.stopped = absl::DataLossError(absl::StrCat(
-          "patch log \"", path, "\": after replaying to version ", at, ", tensor '",
-          s.tensor.spec.name(), "' has digest ", Hex64(d), ", the log records ",
-          Hex64(s.tensor.digest), " (nothing replayed)"));
+      refused.stopped = absl::DataLossError(
+          absl::StrCat("patch log \"", path, "\": after replaying to version ", at, ", tensor '",
+                       s.tensor.spec.name(), "' has digest ", Hex64(d), ", the log records ",
+                       Hex64(s.tensor.digest), " (nothing replayed)"));
       return refused;
     }
   }

@@ -15,15 +15,13 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/codec/format.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/serving/data_plane_service.h"
 #include "daemon/serving/live_version.h"
 #include "daemon/serving/transfer.h"
 #include "daemon/sync/digest_format.h"
 
 namespace refit::publisher {
-
-// Wall clock, Unix epoch ns (connections, Acks, fully acked versions).
-inline uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
 
 // The kind of a subscriber message, for errors.
 inline const char* MessageKind(const v1::SubscriberMessage& m) {

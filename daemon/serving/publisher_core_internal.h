@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/hex.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -22,14 +24,6 @@ inline uint64_t MicrosSince(Clock::time_point start) {
   return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
 }
-
-inline uint64_t UnixNanosNow() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::system_clock::now().time_since_epoch())
-                                   .count());
-}
-
-inline std::string Hex64(uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); }
 
 inline const BaselineTensor* FindByName(const std::vector<BaselineTensor>& v,
                                         const std::string& name) {

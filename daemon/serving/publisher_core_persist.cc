@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
   }
   if (absl::Status st = dir->WriteLineage(state, options.persist_fsync); !st.ok()) {
     status.set_last_persist_error(std::string(st.message()));
-    status.set_last_persist_error_unix_nanos(UnixNanosNow());
+    status.set_last_persist_error_unix_nanos(NowUnixNanos());
   }
   {
     absl::MutexLock lock(&core->mu_);
@@ -316,7 +316,7 @@ void PublisherCore::RecordNumbered(uint64_t version) {
   // subscribers detect by its digest (DIVERGED). Reported like a failed baseline persist.
   baseline_status_.set_last_persist_error(
       absl::StrCat("recording version ", version, ": ", st.message()));
-  baseline_status_.set_last_persist_error_unix_nanos(UnixNanosNow());
+  baseline_status_.set_last_persist_error_unix_nanos(NowUnixNanos());
   baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
 }
 
@@ -333,7 +333,7 @@ void PublisherCore::NotePersist(uint64_t version, const absl::Status& st) {
   }
   baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
   baseline_status_.set_last_persist_error(std::string(st.message()));
-  baseline_status_.set_last_persist_error_unix_nanos(UnixNanosNow());
+  baseline_status_.set_last_persist_error_unix_nanos(NowUnixNanos());
 }
 
 }  // namespace refit::publisher

@@ -91,7 +91,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate, where,
                                    &specs, &order));
 
-  sum.snapshot_unix_nanos = UnixNanosNow();
+  sum.snapshot_unix_nanos = NowUnixNanos();
   // Streamed transfers: sessions idle at prev_version send this version's frames as the pass
   // produces them; any failure from here to the commit aborts them (VersionAbort).
   std::shared_ptr<LiveVersion> live =

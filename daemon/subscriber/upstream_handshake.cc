@@ -10,6 +10,7 @@
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/subscriber/upstream.h"
 #include "daemon/subscriber/upstream_session.h"
 #include "daemon/sync/digest_format.h"
@@ -19,7 +20,6 @@
 
 namespace refit::subscriber {
 
-using upstream_internal::NowUnixNanos;
 using upstream_internal::PublisherMessageKind;
 using upstream_internal::WaitConnected;
 

@@ -34,8 +34,6 @@ inline bool WaitConnected(grpc::Channel& channel, absl::Duration timeout) {
   }
 }
 
-inline uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
-
 inline const char* PublisherMessageKind(const v1::PublisherMessage& m) {
   switch (m.msg_case()) {
     case v1::PublisherMessage::kWelcome: return "Welcome";

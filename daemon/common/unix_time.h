@@ -1,0 +1,17 @@
+// The wall clock as the Unix-epoch nanoseconds that Status and the protos carry (connection,
+// Ack and snapshot times). Durations are measured with absl::Now / steady clocks, not this.
+#ifndef REFIT_DAEMON_COMMON_UNIX_TIME_H_
+#define REFIT_DAEMON_COMMON_UNIX_TIME_H_
+
+#include <cstdint>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace refit {
+
+inline uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
+
+}  // namespace refit
+
+#endif  // REFIT_DAEMON_COMMON_UNIX_TIME_H_
