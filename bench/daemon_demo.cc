@@ -338,13 +338,13 @@ class Demo {
 absl::StatusOr<std::string> Demo::StartDaemon(const std::string& name, const std::string& role,
                                               const std::string& config_text) {
   const std::string config = absl::StrCat(dir_, "/", name, ".yaml");
-  RETURN_IF_ERROR(WriteFile(config, config_text));
+  REFIT_RETURN_IF_ERROR(WriteFile(config, config_text));
   children_.push_back(std::make_unique<Child>(name, absl::StrCat(dir_, "/", name, ".log")));
   Child& child = *children_.back();
-  RETURN_IF_ERROR(child.Start({o_.refitd, role, "--config", config}));
-  ASSIGN_OR_RETURN(std::string ready,
-                   WaitReady(child, absl::StrCat(dir_, "/", name, ".ready.json"),
-                             absl::Seconds(120)));
+  REFIT_RETURN_IF_ERROR(child.Start({o_.refitd, role, "--config", config}));
+  REFIT_ASSIGN_OR_RETURN(
+      std::string ready,
+      WaitReady(child, absl::StrCat(dir_, "/", name, ".ready.json"), absl::Seconds(120)));
   return ready;
 }
 
@@ -357,13 +357,14 @@ absl::StatusOr<std::unique_ptr<v1::Control::Stub>> ControlStub(const std::string
   }
   refit::client::ControlTarget target;
   target.address = *control;
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
-                   refit::client::MakeControlChannel(target, absl::StrCat(who, " control")));
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
+                         refit::client::MakeControlChannel(target, absl::StrCat(who, " control")));
   return v1::Control::NewStub(channel);
 }
 
 absl::Status Demo::Run() {
-  ASSIGN_OR_RETURN(refit::model::TransformerShape shape, refit::model::PresetShape(o_.preset));
+  REFIT_ASSIGN_OR_RETURN(refit::model::TransformerShape shape,
+                         refit::model::PresetShape(o_.preset));
   if (access(o_.refitd.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("--refitd \"", o_.refitd,
                                             "\" is not an executable file"));
@@ -376,11 +377,11 @@ absl::Status Demo::Run() {
   std::printf("daemon_demo: refitd %s, working directory %s%s\n", o_.refitd.c_str(), dir_.c_str(),
               o_.keep ? " (kept)" : "");
 
-  ASSIGN_OR_RETURN(const std::string pub_local, StartDaemons());
-  RETURN_IF_ERROR(StartTrainer(shape, pub_local));
+  REFIT_ASSIGN_OR_RETURN(const std::string pub_local, StartDaemons());
+  REFIT_RETURN_IF_ERROR(StartTrainer(shape, pub_local));
   for (uint64_t v = 1; v <= static_cast<uint64_t>(o_.versions) + 1; ++v) {
     if (v > 1) traj_->Step();
-    RETURN_IF_ERROR(StepVersion(v));
+    REFIT_RETURN_IF_ERROR(StepVersion(v));
   }
 
   PrintSummary();
@@ -391,15 +392,15 @@ absl::Status Demo::Run() {
 // The publisher and two subscribers (processes started before this one has threads), their
 // Control stubs, both connected. Returns the publisher's TrainerApi socket.
 absl::StatusOr<std::string> Demo::StartDaemons() {
-  ASSIGN_OR_RETURN(
+  REFIT_ASSIGN_OR_RETURN(
       std::string pub_ready,
       StartDaemon("publisher", "publisher",
                   absl::StrCat("publisher:\n  name: demo-publisher\n  log_level: ", o_.log_level,
                                "\n  listen: \"127.0.0.1:0\"\n  control_listen: \"unix:", dir_,
                                "/publisher-control.sock\"\n  control_access: {socket_mode: "
                                "\"0600\"}\n  local_access: {socket_mode: \"0600\"}\n"
-                               "  local_socket: ", dir_,
-                               "/publisher.sock\n  ready_file: ", dir_,
+                               "  local_socket: ",
+                               dir_, "/publisher.sock\n  ready_file: ", dir_,
                                "/publisher.ready.json\n  history:\n    max_versions: 16\n"
                                "  codec:\n    device: cpu\n    threads: ",
                                o_.threads, "\n")));
@@ -414,37 +415,38 @@ absl::StatusOr<std::string> Demo::StartDaemons() {
   std::vector<std::string> sub_ready;
   for (int i = 0; i < 2; ++i) {
     const std::string name = absl::StrCat("subscriber-", i);
-    ASSIGN_OR_RETURN(
+    REFIT_ASSIGN_OR_RETURN(
         std::string ready,
         StartDaemon(name, "subscriber",
                     absl::StrCat("subscriber:\n  name: demo-", name, "\n  log_level: ",
                                  o_.log_level, "\n  upstream:\n    addresses: [\"", *pub_listen,
                                  "\"]\n    connections: 2\n    backoff:\n      initial_ms: 50\n"
-                                 "      max_ms: 1000\n  control_listen: \"unix:", dir_, "/", name,
+                                 "      max_ms: 1000\n  control_listen: \"unix:",
+                                 dir_, "/", name,
                                  "-control.sock\"\n  control_access: {socket_mode: \"0600\"}\n"
                                  "  local_access: {socket_mode: \"0600\"}\n  local_socket: ",
                                  dir_, "/", name, ".sock\n  ready_file: ", dir_, "/", name,
                                  ".ready.json\n  store:\n    kind: shm\n    shm_prefix: "
                                  "/refitd-demo-",
-                                 getpid(), "-", i, "-\n    slots: 2\n  staging:\n    threads: ",
-                                 o_.threads, "\n")));
+                                 getpid(), "-", i,
+                                 "-\n    slots: 2\n  staging:\n    threads: ", o_.threads, "\n")));
     std::printf("%s: control %s\n", name.c_str(),
                 JsonField(ready, "control_listen").value_or("?").c_str());
     sub_ready.push_back(ready);
   }
-  ASSIGN_OR_RETURN(publisher_.control, ControlStub(pub_ready, "publisher"));
+  REFIT_ASSIGN_OR_RETURN(publisher_.control, ControlStub(pub_ready, "publisher"));
   publisher_.name = "publisher";
   for (int i = 0; i < 2; ++i) {
     Daemon d;
     d.name = absl::StrCat("subscriber-", i);
-    ASSIGN_OR_RETURN(d.control, ControlStub(sub_ready[i], d.name));
+    REFIT_ASSIGN_OR_RETURN(d.control, ControlStub(sub_ready[i], d.name));
     subscribers_.push_back(std::move(d));
   }
 
   // Both subscribers connected (publisher Status lists them): polled with a deadline.
   const absl::Time connect_deadline = absl::Now() + absl::Seconds(60);
   for (;;) {
-    ASSIGN_OR_RETURN(v1::StatusResponse st, GetStatus(publisher_));
+    REFIT_ASSIGN_OR_RETURN(v1::StatusResponse st, GetStatus(publisher_));
     if (st.sessions_size() >= 2) break;
     if (absl::Now() > connect_deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -466,7 +468,7 @@ absl::Status Demo::StartTrainer(const refit::model::TransformerShape& shape,
               o_.preset.c_str(), shape.num_parameters(), topt.lr);
   std::fflush(stdout);
   const auto t_create = Clock::now();
-  ASSIGN_OR_RETURN(traj_, refit::model::Trajectory::Create(topt));
+  REFIT_ASSIGN_OR_RETURN(traj_, refit::model::Trajectory::Create(topt));
   std::vector<v1::TensorSpec> specs;
   for (const refit::model::TensorSpec& t : traj_->tensors()) {
     v1::TensorSpec s;
@@ -475,9 +477,9 @@ absl::Status Demo::StartTrainer(const refit::model::TransformerShape& shape,
     for (int64_t d : t.shape) s.add_shape(static_cast<uint64_t>(d));
     specs.push_back(std::move(s));
   }
-  ASSIGN_OR_RETURN(trainer_,
-                   refit::client::TrainerClient::Create(pub_local, "demo-trainer", specs));
-  ASSIGN_OR_RETURN(v1::RegisterTensorsResponse reg, trainer_->Register());
+  REFIT_ASSIGN_OR_RETURN(trainer_,
+                         refit::client::TrainerClient::Create(pub_local, "demo-trainer", specs));
+  REFIT_ASSIGN_OR_RETURN(v1::RegisterTensorsResponse reg, trainer_->Register());
   std::printf("trainer:      %u tensors, %s registered from memfd %s (%.1f s to build the model)\n\n",
               reg.tensors(), refit::client::FormatBytes(reg.bytes()).c_str(),
               trainer_->ProcPath().c_str(), Ms(t_create, Clock::now()) / 1e3);
@@ -532,16 +534,16 @@ absl::Status Demo::StepVersion(uint64_t v) {
     std::memcpy(trainer_->tensor(i).data(), src.data(), src.size());
   }
   const auto t0 = Clock::now();
-  ASSIGN_OR_RETURN(v1::LocalPublishResponse pub, trainer_->Publish(v));
+  REFIT_ASSIGN_OR_RETURN(v1::LocalPublishResponse pub, trainer_->Publish(v));
   if (pub.version() != v || !pub.committed()) {
     return absl::InternalError(absl::StrFormat(
         "trainer Publish of version %u answered version %u, committed %s", v, pub.version(),
         pub.committed() ? "true" : "false"));
   }
-  ASSIGN_OR_RETURN(v1::WaitVersionResponse pub_wait, WaitVersion(publisher_, v, true));
+  REFIT_ASSIGN_OR_RETURN(v1::WaitVersionResponse pub_wait, WaitVersion(publisher_, v, true));
   std::vector<v1::WaitVersionResponse> sub_wait;
   for (Daemon& s : subscribers_) {
-    ASSIGN_OR_RETURN(v1::WaitVersionResponse w, WaitVersion(s, v, false));
+    REFIT_ASSIGN_OR_RETURN(v1::WaitVersionResponse w, WaitVersion(s, v, false));
     sub_wait.push_back(w);
   }
   const double e2e_ms = Ms(t0, Clock::now());
@@ -551,14 +553,14 @@ absl::Status Demo::StepVersion(uint64_t v) {
   if (!ok) problems.push_back(absl::StrCat("publisher holds version ", pub_wait.version()));
   std::vector<v1::RefitStats> refits;
   // A subscriber's version digest is in the format it verified the version in
-  // (Status.digest_format); the publisher's Status has both.
-  ASSIGN_OR_RETURN(v1::StatusResponse pub_st, GetStatus(publisher_));
+  // (Status.digest_format); the publisher's Status has v2 (its identity) and v1.
+  REFIT_ASSIGN_OR_RETURN(v1::StatusResponse pub_st, GetStatus(publisher_));
   for (size_t i = 0; i < subscribers_.size(); ++i) {
     Daemon& s = subscribers_[i];
-    ASSIGN_OR_RETURN(v1::StatusResponse st, GetStatus(s));
+    REFIT_ASSIGN_OR_RETURN(v1::StatusResponse st, GetStatus(s));
     const uint64_t expected_digest =
-        st.digest_format() == 2 ? pub_st.version_digest_v2() : pub_wait.version_digest();
-    ASSIGN_OR_RETURN(v1::VerifyResponse ver, Verify(s));
+        st.digest_format() == 2 ? pub_st.version_digest() : pub_st.version_digest_v1();
+    REFIT_ASSIGN_OR_RETURN(v1::VerifyResponse ver, Verify(s));
     refits.push_back(st.last_refit());
     if (sub_wait[i].version() != v || st.version() != v || ver.version() != v) {
       problems.push_back(absl::StrCat(s.name, " at version ", ver.version(), " not ", v));

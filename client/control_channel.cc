@@ -42,19 +42,19 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
   }
   if (config::UsesTls(tls)) {
     // Read and checked here too so that errors name the flags.
-    ASSIGN_OR_RETURN(const std::string cert, config::ReadSmallFile(tls.cert(), "--tls-cert"));
-    ASSIGN_OR_RETURN(const std::string key, config::ReadSmallFile(tls.key(), "--tls-key"));
-    ASSIGN_OR_RETURN(const std::string ca, config::ReadSmallFile(tls.ca(), "--tls-ca"));
+    REFIT_ASSIGN_OR_RETURN(const std::string cert, config::ReadSmallFile(tls.cert(), "--tls-cert"));
+    REFIT_ASSIGN_OR_RETURN(const std::string key, config::ReadSmallFile(tls.key(), "--tls-key"));
+    REFIT_ASSIGN_OR_RETURN(const std::string ca, config::ReadSmallFile(tls.ca(), "--tls-ca"));
     auto named = [](const char* flag, const std::string& path) {
       return absl::StrCat(flag, " \"", path, "\"");
     };
-    RETURN_IF_ERROR(config::CheckTlsMaterialNamed(cert, key, ca, named("--tls-cert", tls.cert()),
-                                                  named("--tls-key", tls.key()),
-                                                  named("--tls-ca", tls.ca()))
-                        .status());
+    REFIT_RETURN_IF_ERROR(
+        config::CheckTlsMaterialNamed(cert, key, ca, named("--tls-cert", tls.cert()),
+                                      named("--tls-key", tls.key()), named("--tls-ca", tls.ca()))
+            .status());
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
-                   config::MakeChannelCredentials(tls, "tls"));
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
+                         config::MakeChannelCredentials(tls, "tls"));
   grpc::ChannelArguments args;
   config::ApplyClientTlsArgs(tls, &args);
   args.SetMaxReceiveMessageSize(-1);

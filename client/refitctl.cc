@@ -56,15 +56,15 @@ absl::Status ParseGlobalOption(ArgCursor& args, GlobalOptions& g) {
   };
   std::string v;
   for (const StringFlag& f : flags) {
-    ASSIGN_OR_RETURN(const bool matched, args.Value(f.name, &v));
+    REFIT_ASSIGN_OR_RETURN(const bool matched, args.Value(f.name, &v));
     if (matched) {
       f.set(v);
       return absl::OkStatus();
     }
   }
-  ASSIGN_OR_RETURN(const bool matched, args.Value("--timeout", &v));
+  REFIT_ASSIGN_OR_RETURN(const bool matched, args.Value("--timeout", &v));
   if (!matched) return UnknownArgument(args.Cur(), "refitctl");
-  ASSIGN_OR_RETURN(g.timeout, ParseSeconds("--timeout", v));
+  REFIT_ASSIGN_OR_RETURN(g.timeout, ParseSeconds("--timeout", v));
   return absl::OkStatus();
 }
 

@@ -234,6 +234,17 @@ std::string FormatPatchFormat(const v1::PatchFormatStatus& p) {
   return out;
 }
 
+// "12 (digest 0x…, v2; v1 0x…)": the version digest, the tensor digest format it is in (when the
+// daemon says), and a publisher's v1 digest for comparing with subscribers that asked for v1.
+std::string FormatStatusVersion(const v1::StatusResponse& st) {
+  std::string out = absl::StrCat(st.version(), " (digest ", FormatDigest(st.version_digest()));
+  if (st.digest_format() != 0) absl::StrAppend(&out, ", v", st.digest_format());
+  if (st.version_digest_v1() != 0) {
+    absl::StrAppend(&out, "; v1 ", FormatDigest(st.version_digest_v1()));
+  }
+  return absl::StrCat(out, ")");
+}
+
 // The status table's first part: one "key: value" line each.
 std::string FormatStatusLines(const v1::StatusResponse& st) {
   std::string out;
@@ -244,9 +255,7 @@ std::string FormatStatusLines(const v1::StatusResponse& st) {
   line("name", st.name().empty() ? "-" : st.name());
   line("build", st.build_version().empty() ? "-" : st.build_version());
   line("uptime", FormatUptime(st.uptime_ms()));
-  line("version", st.version() == 0 ? std::string("none")
-                                    : absl::StrCat(st.version(), " (digest ",
-                                                   FormatDigest(st.version_digest()), ")"));
+  line("version", st.version() == 0 ? std::string("none") : FormatStatusVersion(st));
   line("model", absl::StrCat(st.tensors(), " tensors, ", FormatBytes(st.model_bytes())));
   line("traffic", absl::StrCat("sent ", FormatBytes(st.bytes_sent()), ", received ",
                                FormatBytes(st.bytes_received())));

@@ -410,6 +410,16 @@ TEST_F(RefitctlFake, StatusWatchRefreshesEachView) {
   EXPECT_THAT(r.err, StartsWith("refitctl: status: UNIMPLEMENTED: "));
 }
 
+TEST(RefitctlFormat, VersionLineNamesTheDigestFormatAndAPublishersV1Digest) {
+  v1::StatusResponse st = SampleSubscriberStatus();
+  st.set_digest_format(2);
+  EXPECT_THAT(FormatStatusTable(st), HasSubstr("version:    12 (digest 0x0123456789abcdef, v2)\n"));
+  st.set_role(v1::ROLE_PUBLISHER);
+  st.set_version_digest_v1(0xfedcba9876543210ull);
+  EXPECT_THAT(FormatStatusTable(st), HasSubstr("version:    12 (digest 0x0123456789abcdef, v2; "
+                                               "v1 0xfedcba9876543210)\n"));
+}
+
 TEST(RefitctlFormat, SubscriberTable) {
   const std::string t = FormatStatusTable(SampleSubscriberStatus());
   EXPECT_THAT(t, HasSubstr("role:       subscriber\n"));

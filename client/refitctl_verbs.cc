@@ -46,7 +46,7 @@ absl::Status ParseOptions(ArgCursor& args, const std::string& verb, Parsed* p,
       p->help = true;
       return absl::OkStatus();
     }
-    ASSIGN_OR_RETURN(bool taken, option());
+    REFIT_ASSIGN_OR_RETURN(bool taken, option());
     if (!taken) return UnknownArgument(args.Cur(), verb);
   }
   return absl::OkStatus();
@@ -56,9 +56,9 @@ absl::Status ParseOptions(ArgCursor& args, const std::string& verb, Parsed* p,
 template <typename Request>
 absl::StatusOr<bool> VersionOption(ArgCursor& args, Request* req) {
   std::string v;
-  ASSIGN_OR_RETURN(bool found, args.Value("--version", &v));
+  REFIT_ASSIGN_OR_RETURN(bool found, args.Value("--version", &v));
   if (!found) return false;
-  ASSIGN_OR_RETURN(uint64_t version, ParseVersionFlag("--version", v));
+  REFIT_ASSIGN_OR_RETURN(uint64_t version, ParseVersionFlag("--version", v));
   req->set_version(version);
   return true;
 }
@@ -95,7 +95,7 @@ absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
   bool json = false, watch = false;
   absl::Duration interval = absl::Seconds(2);
   uint64_t count = 0;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl status", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl status", &p, [&]() -> absl::StatusOr<bool> {
     if (args.Switch("--json")) {
       json = true;
       return true;
@@ -105,12 +105,12 @@ absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
       return true;
     }
     std::string v;
-    ASSIGN_OR_RETURN(bool found, args.Value("--interval", &v));
+    REFIT_ASSIGN_OR_RETURN(bool found, args.Value("--interval", &v));
     if (found) {
-      ASSIGN_OR_RETURN(interval, ParseSeconds("--interval", v, /*allow_zero=*/true));
+      REFIT_ASSIGN_OR_RETURN(interval, ParseSeconds("--interval", v, /*allow_zero=*/true));
       return true;
     }
-    ASSIGN_OR_RETURN(found, args.Value("--count", &v));
+    REFIT_ASSIGN_OR_RETURN(found, args.Value("--count", &v));
     if (found && !absl::SimpleAtoi(v, &count)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--count \"", v, "\" is not a number of views"));
@@ -128,9 +128,9 @@ absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
   }
   p.run = [json](Session& s) -> absl::StatusOr<int> {
     v1::StatusResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &resp));
+    REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &resp));
     if (json) {
-      ASSIGN_OR_RETURN(std::string text, FormatStatusJson(resp));
+      REFIT_ASSIGN_OR_RETURN(std::string text, FormatStatusJson(resp));
       s.out << text;
     } else {
       s.out << FormatStatusTable(resp);
@@ -144,15 +144,15 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
   v1::PublishRequest req;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl publish", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl publish", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
-    ASSIGN_OR_RETURN(bool files, args.Value("--safetensors", &v));
+    REFIT_ASSIGN_OR_RETURN(bool files, args.Value("--safetensors", &v));
     if (files) {
       req.add_safetensors(AbsolutePath(v));
       for (const std::string& more : args.TakeOperands()) req.add_safetensors(AbsolutePath(more));
       return true;
     }
-    ASSIGN_OR_RETURN(bool id, args.Value("--request-id", &v));
+    REFIT_ASSIGN_OR_RETURN(bool id, args.Value("--request-id", &v));
     if (id) {
       if (v.empty() || v.size() > 128) {
         return absl::InvalidArgumentError("--request-id needs 1 to 128 bytes");
@@ -174,7 +174,7 @@ absl::StatusOr<Parsed> ParsePublish(ArgCursor& args) {
   if (req.request_id().empty()) req.set_request_id(RandomRequestId());
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::PublishResponse resp;
-    RETURN_IF_ERROR(CallWithRetries(s, &v1::Control::Stub::Publish, req, &resp, "publish"));
+    REFIT_RETURN_IF_ERROR(CallWithRetries(s, &v1::Control::Stub::Publish, req, &resp, "publish"));
     s.out << absl::StrFormat(
         "published version %u digest %s: %u tensors, %s, change rate %s, publish time %s\n",
         resp.version(), FormatDigest(resp.version_digest()), resp.tensors(),
@@ -189,9 +189,9 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
   v1::ExportRequest req;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl export", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl export", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
-    ASSIGN_OR_RETURN(bool file, args.Value("--safetensors", &v));
+    REFIT_ASSIGN_OR_RETURN(bool file, args.Value("--safetensors", &v));
     if (file) {
       if (!req.safetensors().empty()) {
         return absl::InvalidArgumentError("refitctl export takes one --safetensors PATH");
@@ -207,7 +207,7 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
   }
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::ExportResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Export, req, &resp));
+    REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Export, req, &resp));
     s.out << absl::StrFormat("exported version %u digest %s to %s: %u tensors, %s\n",
                              resp.version(), FormatDigest(resp.version_digest()), req.safetensors(),
                              resp.tensors(), FormatBytes(resp.bytes()));
@@ -219,17 +219,18 @@ absl::StatusOr<Parsed> ParseExport(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
   Parsed p;
   v1::WaitVersionRequest req;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl wait", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl wait", &p, [&]() -> absl::StatusOr<bool> {
     if (args.Switch("--all-subscribers")) {
       req.set_all_subscribers(true);
       return true;
     }
-    ASSIGN_OR_RETURN(bool version, VersionOption(args, &req));
+    REFIT_ASSIGN_OR_RETURN(bool version, VersionOption(args, &req));
     if (version) return true;
     std::string v;
-    ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
+    REFIT_ASSIGN_OR_RETURN(bool timeout, args.Value("--timeout", &v));
     if (timeout) {
-      ASSIGN_OR_RETURN(absl::Duration d, ParseSeconds("wait --timeout", v, /*allow_zero=*/true));
+      REFIT_ASSIGN_OR_RETURN(absl::Duration d,
+                             ParseSeconds("wait --timeout", v, /*allow_zero=*/true));
       // 0: until the RPC deadline (the connection --timeout).
       req.set_timeout_ms(
           d == absl::ZeroDuration() ? 0 : std::max<uint64_t>(1, absl::ToInt64Milliseconds(d)));
@@ -243,7 +244,7 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
   }
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::WaitVersionResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::WaitVersion, req, &resp));
+    REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::WaitVersion, req, &resp));
     s.out << absl::StrFormat("version %u digest %s%s\n", resp.version(),
                              FormatDigest(resp.version_digest()),
                              req.all_subscribers() ? " (acknowledged by every subscriber)" : "");
@@ -255,12 +256,12 @@ absl::StatusOr<Parsed> ParseWait(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseVerify(ArgCursor& args) {
   Parsed p;
   p.default_timeout = absl::Seconds(600);
-  RETURN_IF_ERROR(
+  REFIT_RETURN_IF_ERROR(
       ParseOptions(args, "refitctl verify", &p, []() -> absl::StatusOr<bool> { return false; }));
   if (p.help) return p;
   p.run = [](Session& s) -> absl::StatusOr<int> {
     v1::VerifyResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Verify, v1::VerifyRequest(), &resp));
+    REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Verify, v1::VerifyRequest(), &resp));
     int bad = 0;
     for (const v1::TensorVerification& t : resp.tensors()) {
       if (t.expected() != t.actual()) {
@@ -285,21 +286,21 @@ absl::StatusOr<Parsed> ParseVerify(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseResync(ArgCursor& args) {
   Parsed p;
   v1::ResyncRequest req;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl resync", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl resync", &p, [&]() -> absl::StatusOr<bool> {
     std::string v;
-    ASSIGN_OR_RETURN(bool tensor, args.Value("--tensor", &v));
+    REFIT_ASSIGN_OR_RETURN(bool tensor, args.Value("--tensor", &v));
     if (tensor) {
       req.add_tensors(v);
       return true;
     }
-    ASSIGN_OR_RETURN(bool sub, args.Value("--subscriber", &v));
+    REFIT_ASSIGN_OR_RETURN(bool sub, args.Value("--subscriber", &v));
     if (sub) req.set_subscriber(v);
     return sub;
   }));
   if (p.help) return p;
   p.run = [req](Session& s) -> absl::StatusOr<int> {
     v1::ResyncResponse resp;
-    RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Resync, req, &resp));
+    REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Resync, req, &resp));
     s.out << absl::StrFormat(
         "resync: %u session(s) will receive keyframes for %s\n", resp.sessions(),
         req.tensors_size() == 0 ? std::string("every tensor")
@@ -312,7 +313,7 @@ absl::StatusOr<Parsed> ParseResync(ArgCursor& args) {
 absl::StatusOr<Parsed> ParseMetrics(ArgCursor& args) {
   Parsed p;
   std::string address;
-  RETURN_IF_ERROR(ParseOptions(args, "refitctl metrics", &p, [&]() -> absl::StatusOr<bool> {
+  REFIT_RETURN_IF_ERROR(ParseOptions(args, "refitctl metrics", &p, [&]() -> absl::StatusOr<bool> {
     return args.Value("--address", &address);
   }));
   if (p.help) return p;
@@ -320,15 +321,15 @@ absl::StatusOr<Parsed> ParseMetrics(ArgCursor& args) {
     std::string endpoint = address;
     if (endpoint.empty()) {
       v1::StatusResponse status;
-      RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &status));
+      REFIT_RETURN_IF_ERROR(Call(s, &v1::Control::Stub::Status, v1::StatusRequest(), &status));
       endpoint = status.metrics_address();
       if (endpoint.empty()) {
         return absl::FailedPreconditionError(
             "the daemon serves no metrics (its config's metrics.listen is empty)");
       }
     }
-    ASSIGN_OR_RETURN(const metrics::HttpResponse r,
-                     metrics::HttpGet(endpoint, "/metrics", s.timeout));
+    REFIT_ASSIGN_OR_RETURN(const metrics::HttpResponse r,
+                           metrics::HttpGet(endpoint, "/metrics", s.timeout));
     if (r.status != 200) {
       return absl::UnavailableError(
           absl::StrCat("GET http://", endpoint, "/metrics: HTTP ", r.status));

@@ -74,13 +74,13 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
   uint64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const v1::TensorSpec& spec = tensors[i];
-    RETURN_IF_ERROR(sync::ValidateTensorSpec(spec));
+    REFIT_RETURN_IF_ERROR(sync::ValidateTensorSpec(spec));
     if (!names.insert(spec.name()).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("trainer client \"", client_name, "\": tensor '", spec.name(),
                        "' appears twice (tensor ", i, ")"));
     }
-    ASSIGN_OR_RETURN(uint64_t bytes, sync::TensorByteSize(spec));
+    REFIT_ASSIGN_OR_RETURN(uint64_t bytes, sync::TensorByteSize(spec));
     offset = AlignUp(offset, options.alignment);
     c->specs_.push_back(spec);
     c->offsets_.push_back(offset);
@@ -175,10 +175,8 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerClient::Publish(std::optional<ui
   v1::LocalPublishResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Publish(&ctx, req, &resp));
   if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("Publish of trainer client \"", name_, "\"",
-                                               version ? absl::StrCat(" (version ", *version, ")")
-                                                       : std::string(),
-                                               ": ", s.message()));
+    return Annotate(s, "Publish of trainer client \"", name_, "\"",
+                    version ? absl::StrCat(" (version ", *version, ")") : std::string());
   }
   return resp;
 }

@@ -8,11 +8,11 @@
 // the publisher snapshot them as (its share of) a version; after Publish returns the spans may be
 // modified again.
 //
-//   ASSIGN_OR_RETURN(auto trainer, TrainerClient::Create("unix:/run/refitd/publisher.sock",
+//   REFIT_ASSIGN_OR_RETURN(auto trainer, TrainerClient::Create("unix:/run/refitd/publisher.sock",
 //                                                        "rank0", specs));
 //   std::memcpy(trainer->tensor(0).data(), weights, trainer->tensor(0).size());
-//   RETURN_IF_ERROR(trainer->Register().status());
-//   ASSIGN_OR_RETURN(v1::LocalPublishResponse r, trainer->Publish());
+//   REFIT_RETURN_IF_ERROR(trainer->Register().status());
+//   REFIT_ASSIGN_OR_RETURN(v1::LocalPublishResponse r, trainer->Publish());
 //
 // Not thread-safe: one thread drives a client (the spans may be written from any thread between
 // calls).

@@ -125,14 +125,16 @@ absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan&
   const uint64_t stage_total = plan.stage_total;
   const uint64_t max_wave_changes = plan.max_wave_changes;
   const int w = DTypeSize(dtype);
-  RETURN_IF_ERROR(Reserve(ap_patch, patch_bytes));
-  RETURN_IF_ERROR(Reserve(ap_descs, nd * sizeof(kern::ApplyDesc)));
-  RETURN_IF_ERROR(Reserve(ap_stage, stage_total));
-  RETURN_IF_ERROR(Reserve(ap_computed, nd * sizeof(uint32_t)));
-  RETURN_IF_ERROR(Reserve(ap_first_bad, sizeof(unsigned long long)));
-  RETURN_IF_ERROR(Reserve(ap_errors, nd * sizeof(kern::ApplyError)));
-  RETURN_IF_ERROR(Reserve(ap_pos, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint32_t)));
-  RETURN_IF_ERROR(Reserve(ap_val, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint64_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_patch, patch_bytes));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_descs, nd * sizeof(kern::ApplyDesc)));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_stage, stage_total));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_computed, nd * sizeof(uint32_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_first_bad, sizeof(unsigned long long)));
+  REFIT_RETURN_IF_ERROR(Reserve(ap_errors, nd * sizeof(kern::ApplyError)));
+  REFIT_RETURN_IF_ERROR(
+      Reserve(ap_pos, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint32_t)));
+  REFIT_RETURN_IF_ERROR(
+      Reserve(ap_val, std::max<uint64_t>(max_wave_changes, 1) * sizeof(uint64_t)));
 
   kern::ApplyArgs a;
   a.patch = Ptr<uint8_t>(ap_patch);
@@ -151,9 +153,9 @@ absl::StatusOr<kern::ApplyArgs> DeviceCodec::Impl::ApplyArgsFor(const ApplyPlan&
   a.field = FieldArgs(dtype);
   a.tensor_bytes = bytes;
   if (want_delta) {
-    RETURN_IF_ERROR(Reserve(ap_delta, sizeof(unsigned long long)));
+    REFIT_RETURN_IF_ERROR(Reserve(ap_delta, sizeof(unsigned long long)));
     a.digest_delta = Ptr<unsigned long long>(ap_delta);
-    RETURN_IF_ERROR(rt::MemsetAsync(a.digest_delta, 0, sizeof(unsigned long long), stream));
+    REFIT_RETURN_IF_ERROR(rt::MemsetAsync(a.digest_delta, 0, sizeof(unsigned long long), stream));
   }
 
   return a;
@@ -164,23 +166,23 @@ absl::Status DeviceCodec::Impl::ApplyVerify(const kern::ApplyArgs& a, const Appl
                                             std::span<const uint8_t> patch, StageClock& clock) {
   const std::vector<kern::ApplyDesc>& descs = plan.descs;
   const uint64_t nd = descs.size();
-  RETURN_IF_ERROR(clock.Begin("h2d"));
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_patch.data(), patch.data(), patch.size(), stream));
-  RETURN_IF_ERROR(
+  REFIT_RETURN_IF_ERROR(clock.Begin("h2d"));
+  REFIT_RETURN_IF_ERROR(rt::CopyToDeviceAsync(ap_patch.data(), patch.data(), patch.size(), stream));
+  REFIT_RETURN_IF_ERROR(
       rt::CopyToDeviceAsync(ap_descs.data(), descs.data(), nd * sizeof(kern::ApplyDesc), stream));
-  RETURN_IF_ERROR(clock.End());
-  RETURN_IF_ERROR(clock.Begin("verify"));
-  RETURN_IF_ERROR(rt::MemsetAsync(a.first_bad, 0xff, sizeof(unsigned long long), stream));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyStage(a, stream), "ApplyStageKernel"));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyVerify(a, stream), "ApplyVerifyKernel"));
-  RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(clock.Begin("verify"));
+  REFIT_RETURN_IF_ERROR(rt::MemsetAsync(a.first_bad, 0xff, sizeof(unsigned long long), stream));
+  REFIT_RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyStage(a, stream), "ApplyStageKernel"));
+  REFIT_RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyVerify(a, stream), "ApplyVerifyKernel"));
+  REFIT_RETURN_IF_ERROR(clock.End());
   unsigned long long first_bad = 0;
-  RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
-  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   if (first_bad == ~0ull) return absl::OkStatus();
   if (first_bad >= nd) return absl::InternalError("ApplyPatchDevice: bad checksum index (bug)");
   uint32_t computed = 0;
-  RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
+  REFIT_RETURN_IF_ERROR(rt::CopyToHost(&computed, a.computed + first_bad, sizeof computed));
   const kern::ApplyDesc& d = descs[first_bad];
   return absl::DataLossError(
       absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index]),
@@ -191,38 +193,40 @@ absl::Status DeviceCodec::Impl::ApplyVerify(const kern::ApplyArgs& a, const Appl
 absl::Status DeviceCodec::Impl::ApplyWave(const kern::ApplyArgs& a, const ApplyPlan& plan,
                                           const PatchLayout& layout, uint64_t lo, uint64_t hi,
                                           StageClock& clock) {
-  RETURN_IF_ERROR(clock.Begin("decode"));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDecode(a, lo, hi, stream), "ApplyDecodeKernel"));
-  RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(clock.Begin("decode"));
+  REFIT_RETURN_IF_ERROR(
+      rt::CheckLaunch(kern::LaunchApplyDecode(a, lo, hi, stream), "ApplyDecodeKernel"));
+  REFIT_RETURN_IF_ERROR(clock.End());
   unsigned long long first_bad = 0;
-  RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
-  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(&first_bad, a.first_bad, sizeof first_bad, stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   if (first_bad != ~0ull) {
     if (first_bad < lo || first_bad >= hi) {
       return absl::InternalError("ApplyPatchDevice: bad decoder error index (bug)");
     }
     kern::ApplyError e{};
-    RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
+    REFIT_RETURN_IF_ERROR(rt::CopyToHost(&e, a.errors + first_bad, sizeof e));
     const kern::ApplyDesc& d = plan.descs[first_bad];
     return absl::DataLossError(DecodeFailure(
         absl::StrCat("patch ", DescribeBlock(d.block_index, layout.blocks[d.block_index])), d, e));
   }
   if (a.digest_delta != nullptr) {  // reads the wave's old words before the write below
-    RETURN_IF_ERROR(clock.Begin("digest_delta"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDigestV2Delta(a, lo, hi, stream),
-                                    "ApplyDigestV2DeltaKernel"));
-    RETURN_IF_ERROR(clock.End());
+    REFIT_RETURN_IF_ERROR(clock.Begin("digest_delta"));
+    REFIT_RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyDigestV2Delta(a, lo, hi, stream),
+                                          "ApplyDigestV2DeltaKernel"));
+    REFIT_RETURN_IF_ERROR(clock.End());
   }
-  RETURN_IF_ERROR(clock.Begin("write"));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
+  REFIT_RETURN_IF_ERROR(clock.Begin("write"));
+  REFIT_RETURN_IF_ERROR(
+      rt::CheckLaunch(kern::LaunchApplyWrite(a, lo, hi, stream), "ApplyWriteKernel"));
   return clock.End();
 }
 
 absl::Status DeviceCodec::Impl::CopyBase(const void* d_base, void* d_out, uint64_t bytes,
                                          StageClock& clock) {
   if (d_out == d_base || bytes == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(clock.Begin("copy"));
-  RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
+  REFIT_RETURN_IF_ERROR(clock.Begin("copy"));
+  REFIT_RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_out, d_base, bytes, stream));
   return clock.End();
 }
 
@@ -230,45 +234,45 @@ absl::Status DeviceCodec::Impl::Apply(std::span<const uint8_t> patch, DType dtyp
                                       const void* d_base, void* d_out, uint64_t bytes,
                                       DeviceTimings* timings, uint64_t* digest_delta,
                                       const ChangeRecord* prev) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   // The same checks, in the same order and with the same messages, as ApplyPatch.
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, bytes));
   const int w = DTypeSize(dtype);
-  RETURN_IF_ERROR(CheckApplyPointers(d_base, d_out, bytes, w));
-  ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
+  REFIT_RETURN_IF_ERROR(CheckApplyPointers(d_base, d_out, bytes, w));
+  REFIT_ASSIGN_OR_RETURN(const ChangeRecord* record, RecordForPatch(layout, prev));
   StageClock clock(timings, stream);
 
   // Descriptors of the changed blocks; decode waves over them.
   ApplyPlan plan = PlanApply(layout, decode_limit);
   if (digest_delta != nullptr) *digest_delta = 0;
   if (plan.descs.empty()) {
-    RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    REFIT_RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
+    REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
     return clock.Finish();
   }
   if (plan.descs.size() > kern::kMaxGrid) {
     return absl::InvalidArgumentError("ApplyPatchDevice: too many changed blocks for one launch");
   }
-  ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes, dtype,
-                                                   digest_delta != nullptr));
+  REFIT_ASSIGN_OR_RETURN(kern::ApplyArgs a, ApplyArgsFor(plan, patch.size(), d_base, d_out, bytes,
+                                                         dtype, digest_delta != nullptr));
   if (record != nullptr) {
-    RETURN_IF_ERROR(UploadRecord(*record, ap_prev, stream));
+    REFIT_RETURN_IF_ERROR(UploadRecord(*record, ap_prev, stream));
     a.prev_changed = Ptr<uint64_t>(ap_prev);
     a.prev_down = Ptr<uint64_t>(ap_prev) + record->changed.size();
   }
   // Phase 1: upload, stage, verify every checksum. Nothing is written to d_out.
-  RETURN_IF_ERROR(ApplyVerify(a, plan, layout, patch, clock));
+  REFIT_RETURN_IF_ERROR(ApplyVerify(a, plan, layout, patch, clock));
   // Phase 2: out of place, out = base; then per wave: decode and validate, and only if the whole
   // wave is valid, write it.
-  RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
+  REFIT_RETURN_IF_ERROR(CopyBase(d_base, d_out, bytes, clock));
   for (const auto& [lo, hi] : plan.waves) {
-    RETURN_IF_ERROR(ApplyWave(a, plan, layout, lo, hi, clock));
+    REFIT_RETURN_IF_ERROR(ApplyWave(a, plan, layout, lo, hi, clock));
   }
   unsigned long long sum = 0;
   if (digest_delta != nullptr) {
-    RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, a.digest_delta, sizeof sum, stream));
+    REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, a.digest_delta, sizeof sum, stream));
   }
-  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   if (digest_delta != nullptr) *digest_delta = sum;
   return clock.Finish();
 }

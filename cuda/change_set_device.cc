@@ -21,12 +21,12 @@ using internal::Reserve;
 // (the CPU twin's check and messages), then the pointer.
 static absl::Status CheckChangeArgs(const TensorChanges& changes, const void* d_data,
                                     uint64_t bytes, const char* what) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   if (!IsValidDType(static_cast<uint8_t>(changes.dtype))) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " (device): invalid dtype code ", static_cast<int>(changes.dtype)));
   }
-  RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, bytes));
+  REFIT_RETURN_IF_ERROR(CheckChanges(changes, changes.dtype, bytes));
   const int w = DTypeSize(changes.dtype);
   if (bytes > 0 && d_data == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(what, " (device): null device pointer"));
@@ -39,12 +39,12 @@ static absl::Status CheckChangeArgs(const TensorChanges& changes, const void* d_
 }
 
 absl::Status DeviceCodec::WriteChanges(const TensorChanges& changes, void* d_data, uint64_t bytes) {
-  RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "WriteChanges"));
+  REFIT_RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "WriteChanges"));
   return impl_->ScatterChanges(changes, changes.values, d_data);
 }
 absl::Status DeviceCodec::RevertChanges(const TensorChanges& changes, void* d_data,
                                         uint64_t bytes) {
-  RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "RevertChanges"));
+  REFIT_RETURN_IF_ERROR(CheckChangeArgs(changes, d_data, bytes, "RevertChanges"));
   if (changes.old_values.size() != changes.values.size()) {  // refit::RevertChanges' message
     return absl::InvalidArgumentError(
         absl::StrCat("change set has ", changes.old_values.size(),
@@ -61,7 +61,7 @@ absl::Status DeviceCodec::Impl::ScatterChanges(const TensorChanges& changes,
   // [positions: 8n][values: wn]; both parts stay aligned to w (cudaMalloc: 256).
   const uint64_t pos_bytes = n * sizeof(uint64_t);
   const uint64_t val_bytes = n * static_cast<uint64_t>(w);
-  RETURN_IF_ERROR(Reserve(cs_stage, pos_bytes + val_bytes));
+  REFIT_RETURN_IF_ERROR(Reserve(cs_stage, pos_bytes + val_bytes));
   uint8_t* d_stage = Ptr<uint8_t>(cs_stage);
   kern::ScatterChangesArgs a;
   a.data = d_data;
@@ -69,9 +69,12 @@ absl::Status DeviceCodec::Impl::ScatterChanges(const TensorChanges& changes,
   a.values = d_stage + pos_bytes;
   a.count = n;
   a.width = w;
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(d_stage, changes.positions.data(), pos_bytes, stream));
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(d_stage + pos_bytes, values.data(), val_bytes, stream));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchScatterChanges(a, stream), "ScatterChangesKernel"));
+  REFIT_RETURN_IF_ERROR(
+      rt::CopyToDeviceAsync(d_stage, changes.positions.data(), pos_bytes, stream));
+  REFIT_RETURN_IF_ERROR(
+      rt::CopyToDeviceAsync(d_stage + pos_bytes, values.data(), val_bytes, stream));
+  REFIT_RETURN_IF_ERROR(
+      rt::CheckLaunch(kern::LaunchScatterChanges(a, stream), "ScatterChangesKernel"));
   return rt::StreamSynchronize(stream);
 }
 

@@ -72,22 +72,22 @@ absl::StatusOr<DigestV2Delta> DeviceCodec::ApplyDigestV2(std::span<const uint8_t
                                                          DeviceTimings* timings,
                                                          const ChangeRecord* prev) {
   uint64_t sum = 0;
-  RETURN_IF_ERROR(impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, &sum, prev));
+  REFIT_RETURN_IF_ERROR(impl_->Apply(patch, dtype, d_base, d_out, bytes, timings, &sum, prev));
   return DigestV2Delta::FromSum(sum);
 }
 absl::StatusOr<uint64_t> DeviceCodec::DigestV2(const void* d_data, uint64_t bytes) {
   return impl_->DigestV2(d_data, bytes);
 }
 absl::StatusOr<double> DeviceCodec::DeviceCopy(void* d_dst, const void* d_src, uint64_t bytes) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   if (bytes > 0 && (d_dst == nullptr || d_src == nullptr)) {
     return absl::InvalidArgumentError("DeviceCopy: null device pointer");
   }
   rt::Timer timer;
-  RETURN_IF_ERROR(timer.Start(impl_->stream));
-  RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_dst, d_src, bytes, impl_->stream));
-  RETURN_IF_ERROR(timer.Stop(impl_->stream));
-  RETURN_IF_ERROR(rt::StreamSynchronize(impl_->stream));
+  REFIT_RETURN_IF_ERROR(timer.Start(impl_->stream));
+  REFIT_RETURN_IF_ERROR(rt::CopyOnDeviceAsync(d_dst, d_src, bytes, impl_->stream));
+  REFIT_RETURN_IF_ERROR(timer.Stop(impl_->stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(impl_->stream));
   return timer.ElapsedMs();
 }
 void DeviceCodec::set_decode_scratch_limit(size_t bytes) { impl_->decode_limit = bytes; }
@@ -107,8 +107,9 @@ absl::StatusOr<FusedEncoding> DeviceCodec::EncodeFused(DType dtype, void* d_base
                                                        const ChangeRecord* prev) {
   FusedEncoding out;
   uint64_t sum = 0;
-  ASSIGN_OR_RETURN(out.patch, impl_->Encode(dtype, d_base, d_target, bytes, options, &out.stats,
-                                            timings, &sum, update_base ? d_base : nullptr, prev));
+  REFIT_ASSIGN_OR_RETURN(
+      out.patch, impl_->Encode(dtype, d_base, d_target, bytes, options, &out.stats, timings, &sum,
+                               update_base ? d_base : nullptr, prev));
   out.digest_v2 = format::DigestV2Final(sum, bytes);
   return out;
 }

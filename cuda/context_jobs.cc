@@ -32,9 +32,9 @@ kern::ContextField FieldArgs(DType dtype) {
 // A previous-change record's words on the device: changed[], then down[].
 absl::Status UploadRecord(const ChangeRecord& r, DeviceBuffer& buf, void* stream) {
   const uint64_t words = r.changed.size();
-  RETURN_IF_ERROR(Reserve(buf, std::max<uint64_t>(2 * words, 1) * sizeof(uint64_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(buf, std::max<uint64_t>(2 * words, 1) * sizeof(uint64_t)));
   if (words == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(
+  REFIT_RETURN_IF_ERROR(
       rt::CopyToDeviceAsync(buf.data(), r.changed.data(), words * sizeof(uint64_t), stream));
   return rt::CopyToDeviceAsync(Ptr<uint64_t>(buf) + words, r.down.data(), words * sizeof(uint64_t),
                                stream);
@@ -108,12 +108,12 @@ absl::Status DeviceCodec::Impl::ContextBlocks(DType dtype, const ChangeRecord* p
   const auto waves =
       PlanContextWaves(jobs, std::max<uint64_t>(1, decode_limit / kContextChangeBytes), &max_wave);
   const uint64_t nj = jobs.size();
-  RETURN_IF_ERROR(Reserve(cx_jobs, nj * sizeof(kern::ContextJob)));
-  RETURN_IF_ERROR(Reserve(cx_out, std::max<uint64_t>(out_total, 8)));
-  RETURN_IF_ERROR(Reserve(cx_bytes, nj * sizeof(uint64_t)));
-  RETURN_IF_ERROR(Reserve(cx_pos, max_wave * sizeof(uint32_t)));
-  RETURN_IF_ERROR(Reserve(cx_rank, max_wave * sizeof(uint32_t)));
-  RETURN_IF_ERROR(Reserve(cx_cls, max_wave));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_jobs, nj * sizeof(kern::ContextJob)));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_out, std::max<uint64_t>(out_total, 8)));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_bytes, nj * sizeof(uint64_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_pos, max_wave * sizeof(uint32_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_rank, max_wave * sizeof(uint32_t)));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_cls, max_wave));
   kern::ContextEncodeArgs ca;
   ca.base = a.base;
   ca.target = a.target;
@@ -123,7 +123,7 @@ absl::Status DeviceCodec::Impl::ContextBlocks(DType dtype, const ChangeRecord* p
   ca.block_log2 = a.block_log2;
   ca.field = FieldArgs(dtype);
   if (prev != nullptr) {
-    RETURN_IF_ERROR(UploadRecord(*prev, ap_prev, stream));
+    REFIT_RETURN_IF_ERROR(UploadRecord(*prev, ap_prev, stream));
     ca.prev_changed = Ptr<uint64_t>(ap_prev);
     ca.prev_down = Ptr<uint64_t>(ap_prev) + prev->changed.size();
   }
@@ -133,18 +133,18 @@ absl::Status DeviceCodec::Impl::ContextBlocks(DType dtype, const ChangeRecord* p
   ca.scratch_cls = Ptr<uint8_t>(cx_cls);
   ca.out = Ptr<uint8_t>(cx_out);
   ca.out_bytes = Ptr<uint64_t>(cx_bytes);
-  RETURN_IF_ERROR(
+  REFIT_RETURN_IF_ERROR(
       rt::CopyToDeviceAsync(cx_jobs.data(), jobs.data(), nj * sizeof(kern::ContextJob), stream));
-  RETURN_IF_ERROR(clock.Begin("context"));
+  REFIT_RETURN_IF_ERROR(clock.Begin("context"));
   for (const auto& [lo, hi] : waves) {
-    RETURN_IF_ERROR(
+    REFIT_RETURN_IF_ERROR(
         rt::CheckLaunch(kern::LaunchContextEncode(ca, lo, hi, stream), "ContextEncodeKernel"));
   }
-  RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(clock.End());
   std::vector<uint64_t> out_bytes(nj);
-  RETURN_IF_ERROR(
+  REFIT_RETURN_IF_ERROR(
       rt::CopyToHostAsync(out_bytes.data(), ca.out_bytes, nj * sizeof(uint64_t), stream));
-  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   return AdoptContextBlocks(jobs, v1_total, out_bytes, a);
 }
 
@@ -170,11 +170,11 @@ absl::Status DeviceCodec::Impl::AdoptContextBlocks(const std::vector<kern::Conte
     any = true;
   }
   if (!any) return absl::OkStatus();
-  RETURN_IF_ERROR(Reserve(cx_off, ctx_off.size() * sizeof(uint64_t)));
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(cx_off.data(), ctx_off.data(),
-                                        ctx_off.size() * sizeof(uint64_t), stream));
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(a.blocks, host_blocks.data(),
-                                        host_blocks.size() * sizeof(kern::EncBlock), stream));
+  REFIT_RETURN_IF_ERROR(Reserve(cx_off, ctx_off.size() * sizeof(uint64_t)));
+  REFIT_RETURN_IF_ERROR(rt::CopyToDeviceAsync(cx_off.data(), ctx_off.data(),
+                                              ctx_off.size() * sizeof(uint64_t), stream));
+  REFIT_RETURN_IF_ERROR(rt::CopyToDeviceAsync(a.blocks, host_blocks.data(),
+                                              host_blocks.size() * sizeof(kern::EncBlock), stream));
   a.ctx_out = Ptr<uint8_t>(cx_out);
   a.ctx_off = Ptr<uint64_t>(cx_off);
   return absl::OkStatus();

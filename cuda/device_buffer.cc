@@ -26,7 +26,7 @@ absl::Status CheckDevice() {
 absl::Status Reserve(DeviceBuffer& buf, size_t bytes) {
   if (buf.size() >= bytes) return absl::OkStatus();
   buf = DeviceBuffer();  // free first: lower peak memory
-  ASSIGN_OR_RETURN(buf, DeviceBuffer::Allocate(bytes));
+  REFIT_ASSIGN_OR_RETURN(buf, DeviceBuffer::Allocate(bytes));
   return absl::OkStatus();
 }
 
@@ -37,7 +37,7 @@ using internal::CheckDevice;
 bool DeviceAvailable() { return CheckDevice().ok(); }
 
 absl::StatusOr<std::string> DeviceDescription() {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   return rt::Describe();
 }
 
@@ -56,7 +56,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
 }
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   DeviceBuffer b;
   if (bytes == 0) return b;
   void* p = nullptr;

@@ -30,8 +30,8 @@ void FreeAllocation(void* ptr, Allocation::Kind kind, int ordinal) noexcept {
 class DeviceImpl final : public Device {
  public:
   static absl::StatusOr<std::unique_ptr<Device>> Create(DeviceInfo info) {
-    RETURN_IF_ERROR(rt::SetDevice(info.ordinal));
-    ASSIGN_OR_RETURN(void* stream, rt::StreamCreate());
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info.ordinal));
+    REFIT_ASSIGN_OR_RETURN(void* stream, rt::StreamCreate());
     return std::unique_ptr<Device>(new DeviceImpl(std::move(info), stream));
   }
 
@@ -51,7 +51,7 @@ class DeviceImpl final : public Device {
 
   absl::StatusOr<Allocation> Allocate(size_t bytes, Allocation::Kind kind) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     void* ptr = nullptr;
     absl::Status st = kind == Allocation::Kind::kDevice ? rt::Malloc(&ptr, bytes == 0 ? 1 : bytes)
                                                         : rt::HostAlloc(&ptr, bytes == 0 ? 1 : bytes);
@@ -74,27 +74,27 @@ class DeviceImpl final : public Device {
 
   absl::StatusOr<IpcHandle> ExportIpc(void* d_base) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     IpcHandle handle{};
-    RETURN_IF_ERROR(rt::IpcGetMemHandle(d_base, &handle));
+    REFIT_RETURN_IF_ERROR(rt::IpcGetMemHandle(d_base, &handle));
     return handle;
   }
 
   absl::StatusOr<void*> OpenIpc(const IpcHandle& handle) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return rt::IpcOpenMemHandle(handle);
   }
 
   absl::Status CloseIpc(void* d_base) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return rt::IpcCloseMemHandle(d_base);
   }
 
   absl::StatusOr<std::pair<void*, size_t>> AddressRange(const void* d_ptr) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return rt::MemGetAddressRange(d_ptr);
   }
 
@@ -103,7 +103,7 @@ class DeviceImpl final : public Device {
                                               const EncodeOptions& options,
                                               PatchStats* stats) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.Encode(dtype, d_base, d_target, bytes, options, stats);
   }
 
@@ -111,26 +111,26 @@ class DeviceImpl final : public Device {
                                             uint64_t bytes, const EncodeOptions& options,
                                             bool update_base) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.EncodeFused(dtype, d_base, d_target, bytes, options, update_base);
   }
 
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, const void* d_base, void* d_out,
                      uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.Apply(patch, dtype, d_base, d_out, bytes);
   }
 
   absl::StatusOr<uint64_t> Digest(const void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.Digest(d_data, bytes);
   }
 
   absl::StatusOr<uint64_t> DigestV2(const void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.DigestV2(d_data, bytes);
   }
 
@@ -138,19 +138,19 @@ class DeviceImpl final : public Device {
                                               const void* d_base, void* d_out,
                                               uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.ApplyDigestV2(patch, dtype, d_base, d_out, bytes);
   }
 
   absl::Status WriteChanges(const TensorChanges& changes, void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.WriteChanges(changes, d_data, bytes);
   }
 
   absl::Status RevertChanges(const TensorChanges& changes, void* d_data, uint64_t bytes) override {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
     return codec_.RevertChanges(changes, d_data, bytes);
   }
 
@@ -166,8 +166,8 @@ class DeviceImpl final : public Device {
 
   absl::Status Copy(void* dst, const void* src, size_t bytes) {
     absl::MutexLock l(&mu_);
-    RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
-    RETURN_IF_ERROR(rt::CopyAsync(dst, src, bytes, stream_));
+    REFIT_RETURN_IF_ERROR(rt::SetDevice(info_.ordinal));
+    REFIT_RETURN_IF_ERROR(rt::CopyAsync(dst, src, bytes, stream_));
     return rt::StreamSynchronize(stream_);
   }
 
@@ -180,10 +180,10 @@ class DeviceImpl final : public Device {
 }  // namespace
 
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
-  ASSIGN_OR_RETURN(const int n, rt::DeviceCount());
+  REFIT_ASSIGN_OR_RETURN(const int n, rt::DeviceCount());
   std::vector<DeviceInfo> out;
   for (int i = 0; i < n; ++i) {
-    ASSIGN_OR_RETURN(DeviceInfo info, rt::GetDeviceInfo(i));
+    REFIT_ASSIGN_OR_RETURN(DeviceInfo info, rt::GetDeviceInfo(i));
     out.push_back(std::move(info));
   }
   return out;
@@ -200,9 +200,10 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const DeviceSelector& selecto
         absl::StrCat("no CUDA device is visible to this process (", selector.ToString(), ")"));
   }
   const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
-  ASSIGN_OR_RETURN(const int ordinal,
-                   ResolveDevice(selector, *devices,
-                                 env == nullptr ? std::nullopt : std::optional<std::string>(env)));
+  REFIT_ASSIGN_OR_RETURN(
+      const int ordinal,
+      ResolveDevice(selector, *devices,
+                    env == nullptr ? std::nullopt : std::optional<std::string>(env)));
   return DeviceImpl::Create((*devices)[static_cast<size_t>(ordinal)]);
 }
 

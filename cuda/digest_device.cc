@@ -18,7 +18,7 @@ using internal::Ptr;
 using internal::Reserve;
 
 absl::StatusOr<uint64_t> DeviceCodec::Impl::Digest(const void* d_data, uint64_t bytes) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   if (bytes > 0 && d_data == nullptr) {
     return absl::InvalidArgumentError("TensorDigestDevice: null device pointer");
   }
@@ -27,19 +27,19 @@ absl::StatusOr<uint64_t> DeviceCodec::Impl::Digest(const void* d_data, uint64_t 
     return absl::InvalidArgumentError("TensorDigestDevice: tensor too large");
   std::vector<uint64_t> hashes(chunks);
   if (chunks > 0) {
-    RETURN_IF_ERROR(Reserve(digest_hashes, chunks * sizeof(uint64_t)));
-    RETURN_IF_ERROR(rt::CheckLaunch(
+    REFIT_RETURN_IF_ERROR(Reserve(digest_hashes, chunks * sizeof(uint64_t)));
+    REFIT_RETURN_IF_ERROR(rt::CheckLaunch(
         kern::LaunchDigestChunks(d_data, bytes, chunks, Ptr<uint64_t>(digest_hashes), stream),
         "DigestChunksKernel"));
-    RETURN_IF_ERROR(rt::CopyToHostAsync(hashes.data(), digest_hashes.data(),
-                                        chunks * sizeof(uint64_t), stream));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(hashes.data(), digest_hashes.data(),
+                                              chunks * sizeof(uint64_t), stream));
+    REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   }
   return CombineChunkHashes(hashes, bytes);
 }
 
 absl::StatusOr<uint64_t> DeviceCodec::Impl::DigestV2(const void* d_data, uint64_t bytes) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   if (bytes > 0 && d_data == nullptr) {
     return absl::InvalidArgumentError("DigestV2 (device): null device pointer");
   }
@@ -49,13 +49,13 @@ absl::StatusOr<uint64_t> DeviceCodec::Impl::DigestV2(const void* d_data, uint64_
     return absl::InvalidArgumentError("DigestV2 (device): tensor too large");
   unsigned long long sum = 0;
   if (grid > 0) {
-    RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
+    REFIT_RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
     auto* d_sum = Ptr<unsigned long long>(digest_v2_sum);
-    RETURN_IF_ERROR(rt::MemsetAsync(d_sum, 0, sizeof(unsigned long long), stream));
-    RETURN_IF_ERROR(
+    REFIT_RETURN_IF_ERROR(rt::MemsetAsync(d_sum, 0, sizeof(unsigned long long), stream));
+    REFIT_RETURN_IF_ERROR(
         rt::CheckLaunch(kern::LaunchDigestV2(d_data, bytes, d_sum, stream), "DigestV2Kernel"));
-    RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, d_sum, sizeof sum, stream));
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(&sum, d_sum, sizeof sum, stream));
+    REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   }
   return format::DigestV2Final(sum, bytes);
 }

@@ -122,26 +122,30 @@ absl::Status DeviceCodec::Impl::EncodeAnalyze(DType dtype, const EncodeOptions& 
   unsigned long long host_sum = 0;
   host_blocks.resize(num_blocks);
   if (num_blocks > 0) {
-    RETURN_IF_ERROR(Reserve(enc_blocks, num_blocks * sizeof(kern::EncBlock)));
-    RETURN_IF_ERROR(Reserve(enc_tiles, num_blocks * a.tiles_per_block * sizeof(kern::TileCarry)));
-    RETURN_IF_ERROR(Reserve(enc_offsets, 2 * num_blocks * sizeof(uint64_t)));
+    REFIT_RETURN_IF_ERROR(Reserve(enc_blocks, num_blocks * sizeof(kern::EncBlock)));
+    REFIT_RETURN_IF_ERROR(
+        Reserve(enc_tiles, num_blocks * a.tiles_per_block * sizeof(kern::TileCarry)));
+    REFIT_RETURN_IF_ERROR(Reserve(enc_offsets, 2 * num_blocks * sizeof(uint64_t)));
     a.blocks = Ptr<kern::EncBlock>(enc_blocks);
     a.tiles = Ptr<kern::TileCarry>(enc_tiles);
     if (digest_sum != nullptr) {
-      RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
+      REFIT_RETURN_IF_ERROR(Reserve(digest_v2_sum, sizeof(unsigned long long)));
       a.digest_v2_sum = Ptr<unsigned long long>(digest_v2_sum);
-      RETURN_IF_ERROR(rt::MemsetAsync(a.digest_v2_sum, 0, sizeof(unsigned long long), stream));
+      REFIT_RETURN_IF_ERROR(
+          rt::MemsetAsync(a.digest_v2_sum, 0, sizeof(unsigned long long), stream));
     }
-    RETURN_IF_ERROR(clock.Begin("analyze"));
-    RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeAnalyze(a, stream), "EncodeAnalyzeKernel"));
-    RETURN_IF_ERROR(clock.End());
-    RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
-                                        num_blocks * sizeof(kern::EncBlock), stream));
+    REFIT_RETURN_IF_ERROR(clock.Begin("analyze"));
+    REFIT_RETURN_IF_ERROR(
+        rt::CheckLaunch(kern::LaunchEncodeAnalyze(a, stream), "EncodeAnalyzeKernel"));
+    REFIT_RETURN_IF_ERROR(clock.End());
+    REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
+                                              num_blocks * sizeof(kern::EncBlock), stream));
     if (digest_sum != nullptr) {
-      RETURN_IF_ERROR(rt::CopyToHostAsync(&host_sum, a.digest_v2_sum, sizeof host_sum, stream));
+      REFIT_RETURN_IF_ERROR(
+          rt::CopyToHostAsync(&host_sum, a.digest_v2_sum, sizeof host_sum, stream));
     }
-    RETURN_IF_ERROR(rt::StreamSynchronize(stream));
-    if (options.format == 2) RETURN_IF_ERROR(ContextBlocks(dtype, prev, a, clock));
+    REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+    if (options.format == 2) REFIT_RETURN_IF_ERROR(ContextBlocks(dtype, prev, a, clock));
   }
   if (digest_sum != nullptr) *digest_sum = host_sum;
   return absl::OkStatus();
@@ -152,26 +156,28 @@ absl::Status DeviceCodec::Impl::EncodeEmit(kern::EncodeArgs& a, uint64_t stage_t
                                            StageClock& clock) {
   const uint64_t num_blocks = a.num_blocks;
   if (num_blocks == 0) return absl::OkStatus();
-  RETURN_IF_ERROR(Reserve(enc_stage, std::max<uint64_t>(stage_total, 8)));
-  RETURN_IF_ERROR(Reserve(enc_out, std::max<uint64_t>(payload_total, 8)));
+  REFIT_RETURN_IF_ERROR(Reserve(enc_stage, std::max<uint64_t>(stage_total, 8)));
+  REFIT_RETURN_IF_ERROR(Reserve(enc_out, std::max<uint64_t>(payload_total, 8)));
   a.stage_off = Ptr<uint64_t>(enc_offsets);
   a.out_off = Ptr<uint64_t>(enc_offsets) + num_blocks;
   a.stage = Ptr<uint8_t>(enc_stage);
   a.out = Ptr<uint8_t>(enc_out);
-  RETURN_IF_ERROR(rt::CopyToDeviceAsync(enc_offsets.data(), host_offsets.data(),
-                                        2 * num_blocks * sizeof(uint64_t), stream));
-  RETURN_IF_ERROR(clock.Begin("emit"));
-  RETURN_IF_ERROR(rt::MemsetAsync(a.stage, 0, stage_total, stream));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeWrite(a, stream), "EncodeWriteKernel"));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeChecksum(a, stream), "EncodeChecksumKernel"));
-  RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeCompact(a, stream), "EncodeCompactKernel"));
-  RETURN_IF_ERROR(clock.End());
-  RETURN_IF_ERROR(clock.Begin("d2h"));
-  RETURN_IF_ERROR(rt::CopyToHostAsync(payload, a.out, payload_total, stream));
-  RETURN_IF_ERROR(clock.End());
-  RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
-                                      num_blocks * sizeof(kern::EncBlock), stream));
-  RETURN_IF_ERROR(rt::StreamSynchronize(stream));
+  REFIT_RETURN_IF_ERROR(rt::CopyToDeviceAsync(enc_offsets.data(), host_offsets.data(),
+                                              2 * num_blocks * sizeof(uint64_t), stream));
+  REFIT_RETURN_IF_ERROR(clock.Begin("emit"));
+  REFIT_RETURN_IF_ERROR(rt::MemsetAsync(a.stage, 0, stage_total, stream));
+  REFIT_RETURN_IF_ERROR(rt::CheckLaunch(kern::LaunchEncodeWrite(a, stream), "EncodeWriteKernel"));
+  REFIT_RETURN_IF_ERROR(
+      rt::CheckLaunch(kern::LaunchEncodeChecksum(a, stream), "EncodeChecksumKernel"));
+  REFIT_RETURN_IF_ERROR(
+      rt::CheckLaunch(kern::LaunchEncodeCompact(a, stream), "EncodeCompactKernel"));
+  REFIT_RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(clock.Begin("d2h"));
+  REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(payload, a.out, payload_total, stream));
+  REFIT_RETURN_IF_ERROR(clock.End());
+  REFIT_RETURN_IF_ERROR(rt::CopyToHostAsync(host_blocks.data(), a.blocks,
+                                            num_blocks * sizeof(kern::EncBlock), stream));
+  REFIT_RETURN_IF_ERROR(rt::StreamSynchronize(stream));
   return clock.Finish();
 }
 
@@ -193,14 +199,14 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
     DType dtype, const void* d_base, const void* d_target, uint64_t bytes,
     const EncodeOptions& options, PatchStats* stats, DeviceTimings* timings, uint64_t* digest_sum,
     void* update_base, const ChangeRecord* prev) {
-  RETURN_IF_ERROR(CheckDevice());
+  REFIT_RETURN_IF_ERROR(CheckDevice());
   const int log2 = options.block_log2;
-  RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
+  REFIT_RETURN_IF_ERROR(CheckEncodeArgs(dtype, d_base, d_target, bytes, log2));
   const uint64_t n = bytes / DTypeSize(dtype);
-  RETURN_IF_ERROR(CheckEncodeFormat(options, prev, n));
+  REFIT_RETURN_IF_ERROR(CheckEncodeFormat(options, prev, n));
   StageClock clock(timings, stream);
   kern::EncodeArgs a = EncodeArgsFor(dtype, d_base, d_target, n, log2, update_base);
-  RETURN_IF_ERROR(EncodeAnalyze(dtype, options, prev, a, clock, digest_sum));
+  REFIT_RETURN_IF_ERROR(EncodeAnalyze(dtype, options, prev, a, clock, digest_sum));
 
   // Plan: payload offsets in the compacted output and, for SPARSE blocks, 8-aligned slots in the
   // staging buffer; the table's size (its contents wait for the checksums).
@@ -208,14 +214,14 @@ absl::StatusOr<std::vector<uint8_t>> DeviceCodec::Impl::Encode(
   host_offsets.resize(2 * num_blocks);
   uint64_t stage_total = 0, payload_total = 0;
   std::vector<BlockRecord> records(num_blocks);
-  RETURN_IF_ERROR(PlanEncodeOutput(host_blocks, host_offsets.data(),
-                                   host_offsets.data() + num_blocks, records, &stage_total,
-                                   &payload_total));
+  REFIT_RETURN_IF_ERROR(PlanEncodeOutput(host_blocks, host_offsets.data(),
+                                         host_offsets.data() + num_blocks, records, &stage_total,
+                                         &payload_total));
   const uint64_t table_bytes = BlockTableBytes(records);
   std::vector<uint8_t> patch(format::kHeaderBytes + table_bytes + payload_total);
-  RETURN_IF_ERROR(EncodeEmit(a, stage_total, payload_total,
-                             patch.data() + format::kHeaderBytes + table_bytes, clock));
-  RETURN_IF_ERROR(TakeChecksums(host_blocks, records));
+  REFIT_RETURN_IF_ERROR(EncodeEmit(a, stage_total, payload_total,
+                                   patch.data() + format::kHeaderBytes + table_bytes, clock));
+  REFIT_RETURN_IF_ERROR(TakeChecksums(host_blocks, records));
   PatchStats st;
   WritePatchHead(dtype, log2, n, records, patch, &st, ConditionedFingerprint(records, prev));
   if (stats != nullptr) *stats = st;

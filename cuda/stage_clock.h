@@ -34,7 +34,7 @@ class StageClock {
   absl::Status Finish() {
     if (out_ == nullptr) return absl::OkStatus();
     for (auto& [name, timer] : timers_) {
-      ASSIGN_OR_RETURN(double ms, timer->ElapsedMs());
+      REFIT_ASSIGN_OR_RETURN(double ms, timer->ElapsedMs());
       bool merged = false;
       for (auto& s : out_->stages) {
         if (s.name == name) {

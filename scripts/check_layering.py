@@ -52,6 +52,10 @@ CORE_FILES = re.compile(
     r"standby_refresh|single_copy|single_copy_refit|change_log|staged_transfer)|"
     r"serving/publisher_core[a-z_]*)\.(h|cc)$")
 CONCRETE = re.compile(r'^daemon/(store/(shm_store|cuda_store)\.h|model/)')
+# Concrete stores: above daemon/store only a daemon's top level names them (it builds the store
+# factory); cores and services use the TensorStore interface (TensorStore::Region for consumers).
+CONCRETE_STORE = re.compile(r'^daemon/store/(shm_store|cuda_store)\.h$')
+STORE_USERS = {"serving", "subscriber", "publisher"}
 # A daemon's top level (it assembles the stores, services and the metrics endpoint).
 DAEMON_FILES = re.compile(r"^daemon/(publisher|subscriber)/[a-z_]+_daemon\.(h|cc)$")
 
@@ -108,6 +112,11 @@ def main():
                         if not test and CORE_FILES.match(path) and CONCRETE.match(inc):
                             bad.append(f"{where}: includes {inc}: a core knows the store "
                                        "interface and no file format")
+                            continue
+                        if (not test and comp in STORE_USERS and CONCRETE_STORE.match(inc)
+                                and not DAEMON_FILES.match(path)):
+                            bad.append(f"{where}: includes {inc}: only a daemon's top level "
+                                       "names a concrete store (others use TensorStore)")
                             continue
                         if test and comp not in ("common",):
                             continue  # tests and tools may use any lower or sibling layer

@@ -51,6 +51,17 @@ class CheckLayeringTest(unittest.TestCase):
         self.assertEqual(code, 1)
         self.assertEqual(out.count("a core knows the store interface"), 2, out)
 
+    def test_services_naming_a_concrete_store_fail_and_the_daemon_may(self):
+        code, out = run({"daemon/subscriber/consumer_api.cc": '#include "daemon/store/cuda_store.h"\n',
+                         "daemon/subscriber/subscriber_daemon.cc":
+                         '#include "daemon/store/shm_store.h"\n',
+                         "daemon/subscriber/b.cc": '#include "daemon/store/tensor_store.h"\n'})
+        self.assertEqual(code, 1)
+        self.assertIn("daemon/subscriber/consumer_api.cc:1: includes daemon/store/cuda_store.h: "
+                      "only a daemon's top level", out)
+        self.assertNotIn("subscriber_daemon.cc", out)
+        self.assertNotIn("b.cc", out)
+
     def test_services_may_use_the_metrics_interface_only(self):
         code, out = run({"daemon/serving/a.cc": '#include "daemon/metrics/refit_metrics.h"\n',
                          "daemon/serving/b.cc": '#include "daemon/metrics/daemon_metrics.h"\n'})

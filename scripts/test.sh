@@ -13,7 +13,11 @@ extra=()
 if [ "${REFIT_STOCK_CMAKE_MODULES:-0}" = 1 ]; then
   extra+=("-DCMAKE_MODULE_PATH=$(scripts/stock-cmake-modules.sh "$BUILD_DIR-stock-cmake")")
 fi
+# Optimised as a release, with line tables (-g1) rather than full debug information: a crash's
+# backtrace still names file and line, and the build is a quarter faster (full -g costs about
+# 25% of each translation unit with GCC). Configure build/ yourself for a debugger session.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DREFIT_CUDA="${REFIT_CUDA:-AUTO}" \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DREFIT_WERROR=ON "${extra[@]}"
 cmake --build "$BUILD_DIR" -j "$JOBS"
 ctest --test-dir "$BUILD_DIR" -j "$JOBS" --output-on-failure --timeout 600

@@ -1,7 +1,8 @@
-// Tensor digest v2 on the wire with real daemons: a subscriber with store.digest_v2 and one
-// without (an older subscriber: no Hello.digest_formats) follow the same publisher over a
-// realistic trajectory. Both stay bit-exact with deltas only; the v2 session's digests (Status,
-// Verify) are the publisher's v2 digests, the v1 session's its v1 digests.
+// Tensor digest v2 on the wire with real daemons: a subscriber with the default store.digest_v2
+// and one with digest_v2: false (asks for v1, as an older subscriber: no Hello.digest_formats)
+// follow the same publisher over a realistic trajectory. Both stay bit-exact with deltas only;
+// the v2 session's digests (Status, Verify) are the publisher's identity (Status.version_digest,
+// digest_format 2), the v1 session's its version_digest_v1.
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -26,12 +27,12 @@ TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
   SubscriberSpec v2s;
   v2s.name = "sub-v2";
   v2s.upstream = {pub.listen_target()};
-  v2s.digest_v2 = true;
   DaemonProcess& v2 = NewSubscriber(v2s);
   E2E_ASSERT_OK(v2.Start());
   SubscriberSpec v1s;
   v1s.name = "sub-v1";
   v1s.upstream = {pub.listen_target()};
+  v1s.digest_v2 = false;
   DaemonProcess& v1sub = NewSubscriber(v1s);
   E2E_ASSERT_OK(v1sub.Start());
 
@@ -51,7 +52,8 @@ TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
       ASSERT_EQ(pst->version(), v);
       const bool is_v2 = sub == &v2;
       EXPECT_EQ(st.digest_format(), is_v2 ? 2u : 1u) << sub->name();
-      EXPECT_EQ(st.version_digest(), is_v2 ? pst->version_digest_v2() : pst->version_digest())
+      EXPECT_EQ(pst->digest_format(), 2u);
+      EXPECT_EQ(st.version_digest(), is_v2 ? pst->version_digest() : pst->version_digest_v1())
           << sub->name();
       EXPECT_TRUE(st.last_refit().digests_verified()) << sub->name();
       if (v > 1) {

@@ -150,7 +150,7 @@ def check_digests(k: int, raw: dict, digests: dict) -> None:
     want = {1: wan.i64(exp.get("version_digest")), 2: wan.i64(exp.get("version_digest_v2"))}
     if raw.get("shards", 0) == 0:
         pub = raw.get("publisher_status", {})
-        if (wan.i64(pub.get("version_digest")), wan.i64(pub.get("version_digest_v2"))) != \
+        if (wan.i64(pub.get("version_digest_v1")), wan.i64(pub.get("version_digest"))) != \
                 (want[1], want[2]):
             raise wan.Failure(f"version {k + 1}: the publisher's digests differ from the file's")
     bad = [n for n, (dg, fmt) in digests.items() if dg != want.get(fmt if fmt else 1)]

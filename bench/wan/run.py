@@ -623,11 +623,12 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     slogs = [parse_sub_log(s.log_text(), version) for s in subs]
     pub_digest = i64(pubresp.get("version_digest"))
     # A subscriber reports its version digest in the format it verified the version in
-    # (Status.digest_format: 2 = tensor digest v2); the publisher reports both.
-    pub_digest_v2 = i64(pubst.get("version_digest_v2"))
-    digests_equal = all(
+    # (Status.digest_format: 2 = tensor digest v2); the publisher reports v2, the version's
+    # identity (version_digest, also in its Publish response), and v1 (version_digest_v1).
+    pub_digest_v1 = i64(pubst.get("version_digest_v1"))
+    digests_equal = pub_digest == i64(pubst.get("version_digest")) and all(
         i64(s.get("version_digest")) ==
-        (pub_digest_v2 if i64(s.get("digest_format")) == 2 else pub_digest) and
+        (pub_digest if i64(s.get("digest_format")) == 2 else pub_digest_v1) and
         i64(s.get("version")) == version for s in subst)
     verified = [v.get("ok") for v in raw.get("verify", [])]
     sub_latency = max((i64(s.get("last_refit", {}).get("latency_micros")) for s in subst),

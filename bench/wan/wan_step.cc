@@ -242,7 +242,7 @@ class Trainer {
                                                      " tensors: none for shard ", index_, " of ",
                                                      count_));
     }
-    if (client_ == nullptr) RETURN_IF_ERROR(Register(f, owned));
+    if (client_ == nullptr) REFIT_RETURN_IF_ERROR(Register(f, owned));
     if (owned.size() != client_->num_tensors()) {
       return absl::FailedPreconditionError(
           absl::StrCat(file, " holds ", owned.size(), " tensors for shard ", index_,
@@ -276,8 +276,8 @@ class Trainer {
   absl::Status Register(const refit::model::SafetensorsFile& f, const std::vector<size_t>& owned) {
     std::vector<v1::TensorSpec> specs;
     for (size_t i : owned) specs.push_back(SpecOf(f.tensors()[i]));
-    ASSIGN_OR_RETURN(client_, refit::client::TrainerClient::Create(
-                                  socket_, absl::StrCat("wan-trainer-", index_), specs));
+    REFIT_ASSIGN_OR_RETURN(client_, refit::client::TrainerClient::Create(
+                                        socket_, absl::StrCat("wan-trainer-", index_), specs));
     return client_->Register().status();
   }
 
@@ -307,8 +307,8 @@ absl::StatusOr<uint64_t> VersionDigestOf(const refit::model::SafetensorsFile& f,
 
 absl::StatusOr<Expected> ExpectedOf(const refit::model::SafetensorsFile& f) {
   Expected out;
-  ASSIGN_OR_RETURN(out.version_digest, VersionDigestOf(f, refit::sync::DigestFormat::kV1));
-  ASSIGN_OR_RETURN(out.version_digest_v2, VersionDigestOf(f, refit::sync::DigestFormat::kV2));
+  REFIT_ASSIGN_OR_RETURN(out.version_digest, VersionDigestOf(f, refit::sync::DigestFormat::kV1));
+  REFIT_ASSIGN_OR_RETURN(out.version_digest_v2, VersionDigestOf(f, refit::sync::DigestFormat::kV2));
   return out;
 }
 
@@ -343,8 +343,8 @@ absl::StatusOr<uint64_t> SelectedPatchBytes(const refit::model::SafetensorsFile&
     }
     inputs.push_back({e.dtype, Aligned(base.data(i), &copies), Aligned(target.data(i), &copies)});
   }
-  ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> patches,
-                   refit::EncodePatches(inputs));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::vector<uint8_t>> patches,
+                         refit::EncodePatches(inputs));
   uint64_t bytes = 0;
   for (const std::vector<uint8_t>& p : patches) bytes += p.size();
   return bytes;

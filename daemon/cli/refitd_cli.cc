@@ -106,7 +106,7 @@ absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
       continue;
     }
     std::string v;
-    ASSIGN_OR_RETURN(bool found, args.Value("--config", &v));
+    REFIT_ASSIGN_OR_RETURN(bool found, args.Value("--config", &v));
     if (found) {
       if (!opts->config_path.empty()) {
         return absl::InvalidArgumentError("--config given twice: one config file per daemon");
@@ -114,7 +114,7 @@ absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
       opts->config_path = v;
       continue;
     }
-    ASSIGN_OR_RETURN(found, args.Value("--log-level", &v));
+    REFIT_ASSIGN_OR_RETURN(found, args.Value("--log-level", &v));
     if (found) {
       absl::StatusOr<spdlog::level::level_enum> level = ParseLogLevel(v);
       if (!level.ok()) {

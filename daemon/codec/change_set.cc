@@ -97,7 +97,7 @@ absl::Status WriteChangesOfTensors(std::span<const TensorChanges* const> sets,
     if (!st.ok() && sets.size() > 1) {
       return Annotate(st, "tensor ", i);
     }
-    RETURN_IF_ERROR(st);
+    REFIT_RETURN_IF_ERROR(st);
     first[i + 1] = first[i] + sets[i]->count();
   }
   ParallelFor(first.back(), threads, kWriteChunk, [&](size_t lo, size_t hi) {
@@ -115,10 +115,10 @@ absl::Status WriteChangesOfTensors(std::span<const TensorChanges* const> sets,
 
 absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DType dtype,
                                              std::span<const uint8_t> base, int threads) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
   const int w = DTypeSize(dtype);
   std::vector<BlockPart> parts(layout.blocks.size());
-  RETURN_IF_ERROR(VisitPatchChanges(
+  REFIT_RETURN_IF_ERROR(VisitPatchChanges(
       patch, dtype, base,
       [&](const PatchBlockChanges& c) {
         BlockPart& part = parts[c.block_index];  // each block is visited once
@@ -161,7 +161,7 @@ absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_
     }
   });
   TensorChanges out = Join(dtype, n, parts);
-  ASSIGN_OR_RETURN(out.digest_delta, DigestV2DeltaOf(base, target, threads));
+  REFIT_ASSIGN_OR_RETURN(out.digest_delta, DigestV2DeltaOf(base, target, threads));
   return out;
 }
 

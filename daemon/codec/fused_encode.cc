@@ -12,7 +12,7 @@ absl::StatusOr<FusedEncoding> EncodeFusedCpu(DType dtype, std::span<uint8_t> bas
                                              std::span<const uint8_t> target,
                                              const EncodeOptions& options, bool update_base) {
   FusedEncoding out;
-  ASSIGN_OR_RETURN(out.patch, EncodePatch(dtype, base, target, options, &out.stats));
+  REFIT_ASSIGN_OR_RETURN(out.patch, EncodePatch(dtype, base, target, options, &out.stats));
   out.digest_v2 = TensorDigestV2(target, options.threads);
   if (update_base && out.stats.changed_elements > 0) {
     // Our own patch of these sizes: a failure here is a codec bug, reported as such.

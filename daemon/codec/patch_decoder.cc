@@ -178,8 +178,8 @@ absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t b
   s.pos.resize(d.count);
   s.val.resize(d.count);
   BitReader r(payload, d.payload_bytes);
-  RETURN_IF_ERROR(DecodeChanges<T>(r, d, block_index, coding, base, s));
-  RETURN_IF_ERROR(CheckPayloadEnd(payload, d, block_index, r.bit_position()));
+  REFIT_RETURN_IF_ERROR(DecodeChanges<T>(r, d, block_index, coding, base, s));
+  REFIT_RETURN_IF_ERROR(CheckPayloadEnd(payload, d, block_index, r.bit_position()));
   if (base != nullptr && coding != ValueCoding::kRaw) ResolveTargets<T>(s, d.count, base, coding);
   return absl::OkStatus();
 }
@@ -213,7 +213,8 @@ absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint
     case kDense: std::memcpy(ob, patch.data() + d.payload_offset, bytes); return absl::OkStatus();
     default: break;
   }
-  RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s));
+  REFIT_RETURN_IF_ERROR(
+      DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s));
   if (ob != bb) std::memcpy(ob, bb, bytes);
   for (uint32_t j = 0; j < d.count; ++j) ob[s.pos[j]] = static_cast<T>(s.val[j]);
   return absl::OkStatus();
@@ -258,7 +259,7 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
     if (first_error.ok()) first_error = std::move(st);
   };
   // Phase 1: every payload's checksum, before anything is written.
-  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
+  REFIT_RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   // Phase 2: decode and write, block by block.
   ParallelFor(nb, threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
@@ -324,8 +325,8 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
     }
     default: break;
   }
-  RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
-                                        reinterpret_cast<const T*>(bb), s));
+  REFIT_RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
+                                              reinterpret_cast<const T*>(bb), s));
   AddSparseDelta<T>(s, d.count, base.data(), first_byte, base.size(), delta);
   if (ob == nullptr) return absl::OkStatus();
   if (ob != bb) std::memcpy(ob, bb, bytes);
@@ -342,7 +343,7 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
                                               std::span<const uint8_t> base, uint8_t* out,
                                               int threads, const ChangeRecord* prev) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
-  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
+  REFIT_RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   absl::Mutex mu;
   absl::Status first_error;
   DigestV2Delta total;
@@ -359,7 +360,7 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
     if (!st.ok() && first_error.ok()) first_error = std::move(st);
     total.Merge(delta);
   });
-  RETURN_IF_ERROR(first_error);
+  REFIT_RETURN_IF_ERROR(first_error);
   return total;
 }
 
@@ -412,9 +413,9 @@ absl::StatusOr<Prepared> Prepare(const char* who, std::span<const uint8_t> patch
                                  std::span<const uint8_t> base, std::span<const uint8_t> out,
                                  const ChangeRecord* prev) {
   Prepared p;
-  ASSIGN_OR_RETURN(p.layout, ParsePatchFor(patch, dtype, base.size()));
-  RETURN_IF_ERROR(CheckApplyBuffers(who, dtype, base, out));
-  ASSIGN_OR_RETURN(p.record, RecordForPatch(p.layout, prev));
+  REFIT_ASSIGN_OR_RETURN(p.layout, ParsePatchFor(patch, dtype, base.size()));
+  REFIT_RETURN_IF_ERROR(CheckApplyBuffers(who, dtype, base, out));
+  REFIT_ASSIGN_OR_RETURN(p.record, RecordForPatch(p.layout, prev));
   return p;
 }
 
@@ -444,7 +445,7 @@ absl::StatusOr<const ChangeRecord*> RecordForPatch(const PatchLayout& layout,
 
 absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,
                         std::span<uint8_t> out, int threads, const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatch", patch, dtype, base, out, prev));
+  REFIT_ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatch", patch, dtype, base, out, prev));
   switch (DTypeSize(dtype)) {
     case 1: return ApplyTyped<uint8_t>(patch, prep.layout, base, out, threads, prep.record);
     case 2: return ApplyTyped<uint16_t>(patch, prep.layout, base, out, threads, prep.record);
@@ -457,14 +458,16 @@ absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch,
                                                  std::span<const uint8_t> base,
                                                  std::span<uint8_t> out, int threads,
                                                  const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(Prepared prep, Prepare("ApplyPatchDigestV2", patch, dtype, base, out, prev));
+  REFIT_ASSIGN_OR_RETURN(Prepared prep,
+                         Prepare("ApplyPatchDigestV2", patch, dtype, base, out, prev));
   return ApplyDeltaForWidth(patch, prep.layout, base, out.data(), threads, prep.record);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,
                                                    std::span<const uint8_t> base, int threads,
                                                    const ChangeRecord* prev) {
-  ASSIGN_OR_RETURN(Prepared prep, Prepare("DigestV2DeltaOfPatch", patch, dtype, base, base, prev));
+  REFIT_ASSIGN_OR_RETURN(Prepared prep,
+                         Prepare("DigestV2DeltaOfPatch", patch, dtype, base, base, prev));
   return ApplyDeltaForWidth(patch, prep.layout, base, nullptr, threads, prep.record);
 }
 
@@ -477,7 +480,7 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
                         std::span<const uint8_t> base, int threads, const ChangeRecord* prev,
                         const PatchChangeVisitor& visit, bool digest_delta) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
-  RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
+  REFIT_RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   const T* b = reinterpret_cast<const T*>(base.data());
   absl::Mutex mu;
   absl::Status first_error;
@@ -528,7 +531,8 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
 absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
                                std::span<const uint8_t> base, const PatchChangeVisitor& visit,
                                int threads, const ChangeRecord* prev, bool digest_delta) {
-  ASSIGN_OR_RETURN(Prepared prep, Prepare("VisitPatchChanges", patch, dtype, base, base, prev));
+  REFIT_ASSIGN_OR_RETURN(Prepared prep,
+                         Prepare("VisitPatchChanges", patch, dtype, base, base, prev));
   const PatchLayout& l = prep.layout;
   switch (DTypeSize(dtype)) {
     case 1: return VisitTyped<uint8_t>(patch, l, base, threads, prep.record, visit, digest_delta);
@@ -544,7 +548,7 @@ absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch,
   ChangeRecord rec = ChangeRecord::Unchanged(base.size() / std::max(1, DTypeSize(dtype)));
   const int w = DTypeSize(dtype);
   // Blocks own whole words of the record, so the workers never share one.
-  RETURN_IF_ERROR(VisitPatchChanges(
+  REFIT_RETURN_IF_ERROR(VisitPatchChanges(
       patch, dtype, base,
       [&](const PatchBlockChanges& c) {
         for (size_t j = 0; j < c.positions.size(); ++j) {
@@ -560,7 +564,7 @@ absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch,
 }
 
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   PatchStats st;
   st.num_elements = layout.num_elements;
   st.patch_bytes = patch.size();
@@ -598,7 +602,7 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
       case 4: status = DecodeSparse<uint32_t>(p, d, i, coding, nullptr, s); break;
       default: status = DecodeSparse<uint64_t>(p, d, i, coding, nullptr, s); break;
     }
-    RETURN_IF_ERROR(status);
+    REFIT_RETURN_IF_ERROR(status);
   }
   return st;
 }

@@ -211,7 +211,7 @@ absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, const EncodeOp
         absl::StrCat(who, ": patch format ", options.format, " (this build writes 1 and 2)"));
   }
   for (size_t t = 0; t < inputs.size(); ++t) {
-    RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
+    REFIT_RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
   }
   return absl::OkStatus();
 }
@@ -240,7 +240,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(std::span<const Enco
                                                             std::vector<uint64_t>* digests,
                                                             EncodedChanges::Impl* changes) {
   const int log2 = options.block_log2;
-  RETURN_IF_ERROR(CheckEncodeArgs(inputs, options));
+  REFIT_RETURN_IF_ERROR(CheckEncodeArgs(inputs, options));
   const BlockGrid grid = MakeGrid(inputs, log2);
   const size_t parts = static_cast<size_t>(std::max<uint64_t>(
       1, std::min<uint64_t>(ResolveThreads(options.threads), grid.total_blocks())));
@@ -382,7 +382,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithChanges(
     return absl::InvalidArgumentError("EncodePatchesWithChanges: no changes output given");
   }
   auto impl = std::make_unique<EncodedChanges::Impl>();
-  ASSIGN_OR_RETURN(auto patches, EncodeAll(inputs, options, stats, digests, impl.get()));
+  REFIT_ASSIGN_OR_RETURN(auto patches, EncodeAll(inputs, options, stats, digests, impl.get()));
   changes->impl_ = std::move(impl);
   return patches;
 }
@@ -392,7 +392,7 @@ absl::StatusOr<std::vector<uint8_t>> EncodePatch(DType dtype, std::span<const ui
                                                  const EncodeOptions& options, PatchStats* stats) {
   const EncodeInput input{dtype, base, target};
   std::vector<PatchStats> st;
-  ASSIGN_OR_RETURN(auto patches, EncodePatches({&input, 1}, options, stats ? &st : nullptr));
+  REFIT_ASSIGN_OR_RETURN(auto patches, EncodePatches({&input, 1}, options, stats ? &st : nullptr));
   if (stats != nullptr) *stats = st[0];
   return std::move(patches[0]);
 }

@@ -190,7 +190,7 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
     if (!tr.U32(&d.checksum)) return bad("truncated checksum");
     d.payload_bytes = dense_bytes;
   } else if (d.mode == kSparse) {
-    RETURN_IF_ERROR(ParseCount(head, d, bad));
+    REFIT_RETURN_IF_ERROR(ParseCount(head, d, bad));
     uint16_t params;
     if (!tr.U16(&params)) return bad("truncated parameters");
     d.kg = params & 31;
@@ -203,10 +203,10 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
     if (DTypeValueCoding(layout.dtype) == ValueCoding::kRaw && (d.kr != 0 || d.ke != 0)) {
       return bad("raw-coded dtype with run/exception parameters");
     }
-    RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "sparse", dense_bytes, d, bad));
+    REFIT_RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "sparse", dense_bytes, d, bad));
   } else if (layout.version == format::kVersion2) {  // CONTEXT
-    RETURN_IF_ERROR(ParseCount(head, d, bad));
-    RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "context", dense_bytes, d, bad));
+    REFIT_RETURN_IF_ERROR(ParseCount(head, d, bad));
+    REFIT_RETURN_IF_ERROR(ParseSizeAndChecksum(tr, "context", dense_bytes, d, bad));
   } else {
     return bad("block mode 3 (CONTEXT) in a version-1 patch");
   }
@@ -223,14 +223,15 @@ absl::Status ParseBlockEntry(TableReader& tr, const PatchLayout& layout, uint64_
 
 absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
   PatchLayout layout;
-  ASSIGN_OR_RETURN(const uint64_t table_bytes, ParsePatchHeader(patch, layout));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t table_bytes, ParsePatchHeader(patch, layout));
   const uint64_t block = 1ull << layout.block_log2;
   const uint64_t num_blocks = (layout.num_elements + block - 1) / block;
   TableReader tr(patch.data() + format::kHeaderBytes, table_bytes);
   layout.blocks.resize(num_blocks);
   uint64_t payload_off = format::kHeaderBytes + table_bytes;
   for (uint64_t i = 0; i < num_blocks; ++i) {
-    RETURN_IF_ERROR(ParseBlockEntry(tr, layout, i, patch.size(), layout.blocks[i], &payload_off));
+    REFIT_RETURN_IF_ERROR(
+        ParseBlockEntry(tr, layout, i, patch.size(), layout.blocks[i], &payload_off));
   }
   if (tr.offset() != table_bytes) {
     return absl::DataLossError(absl::StrCat("patch: block table has ", table_bytes - tr.offset(),
@@ -246,7 +247,7 @@ absl::StatusOr<PatchLayout> ParsePatch(std::span<const uint8_t> patch) {
 
 absl::StatusOr<PatchLayout> ParsePatchFor(std::span<const uint8_t> patch, DType dtype,
                                           uint64_t tensor_bytes) {
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   if (layout.dtype != dtype) {
     return absl::FailedPreconditionError(absl::StrCat(
         "patch is for dtype ", DTypeName(layout.dtype), " but the tensor is ", DTypeName(dtype)));

@@ -70,8 +70,8 @@ std::vector<uint8_t> MutateElements(const std::vector<uint8_t>& base, DType t, d
 }
 
 absl::Status ResignPatch(std::span<uint8_t> patch) {
-  RETURN_IF_ERROR(ResignHeader(patch));
-  ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
+  REFIT_RETURN_IF_ERROR(ResignHeader(patch));
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   for (size_t i = 0; i < layout.blocks.size(); ++i) {
     const BlockDesc& d = layout.blocks[i];
     if (d.mode == format::kUnchanged) continue;

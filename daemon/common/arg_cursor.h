@@ -9,7 +9,7 @@
 //     if (args.Help()) { ... }                  // --help or -h
 //     if (args.Switch("--validate")) { ...; continue; }
 //     std::string v;
-//     ASSIGN_OR_RETURN(bool found, args.Value("--config", &v));   // --config V or --config=V
+//     REFIT_ASSIGN_OR_RETURN(bool found, args.Value("--config", &v));   // --config V or --config=V
 //     if (found) { ...; continue; }
 //     return UnknownArgument(args.Cur(), "refitd publisher");
 //   }

@@ -2,7 +2,7 @@
 //
 // refitd code returns absl::Status everywhere; RPC handlers convert at the gRPC boundary
 // (`return ToGrpcStatus(status);`) and clients convert what a call returns
-// (`RETURN_IF_ERROR(FromGrpcStatus(stub->Status(&ctx, req, &resp)));`).
+// (`REFIT_RETURN_IF_ERROR(FromGrpcStatus(stub->Status(&ctx, req, &resp)));`).
 //
 // Codes map one to one (gRPC and absl share the canonical code space). Messages are preserved,
 // except that ToGrpcStatus shortens a message whose gRPC wire form (the percent-encoded

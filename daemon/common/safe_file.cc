@@ -113,7 +113,7 @@ absl::StatusOr<UniqueFd> ReopenRegular(const struct stat& seen, const std::strin
   if (!fd.valid()) return SysError(errno, "open", path);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return SysError(errno, "stat", path);
-  RETURN_IF_ERROR(CheckRegular(st, path));
+  REFIT_RETURN_IF_ERROR(CheckRegular(st, path));
   if (st.st_dev != seen.st_dev || st.st_ino != seen.st_ino) {
     return absl::AbortedError(absl::StrCat(Quoted(path), " was replaced while being opened"));
   }
@@ -130,7 +130,7 @@ absl::StatusOr<UniqueFd> OpenInspected(const std::string& path,
   struct stat st;
   if (::fstat(probe.get(), &st) != 0) return SysError(errno, "stat", path);
   if (S_ISLNK(st.st_mode)) return on_error(ELOOP);  // the walk's O_PATH | O_NOFOLLOW: a symlink
-  RETURN_IF_ERROR(CheckRegular(st, path));
+  REFIT_RETURN_IF_ERROR(CheckRegular(st, path));
   return ReopenRegular(st, path, [&] { return open_with(O_RDONLY | O_NONBLOCK | O_CLOEXEC); });
 }
 
@@ -160,7 +160,8 @@ absl::StatusOr<UniqueFd> OpenTargetDir(const std::string& path, const SafeWriteO
     if (!fd.valid()) return SysError(errno, "open directory of", path);
     return fd;
   }
-  ASSIGN_OR_RETURN(const std::string rel, PathBeneath(path, options.root, options.root_field));
+  REFIT_ASSIGN_OR_RETURN(const std::string rel,
+                         PathBeneath(path, options.root, options.root_field));
   auto [dir, name] = SplitDirBase(rel);
   *base = name;
   UniqueFd root(::open(options.root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
@@ -236,7 +237,7 @@ absl::StatusOr<std::string> PathBeneath(const std::string& path, const std::stri
     rel = path;
   }
   while (!rel.empty() && rel.back() == '/') rel.pop_back();
-  RETURN_IF_ERROR(CheckComponents(path, rel));
+  REFIT_RETURN_IF_ERROR(CheckComponents(path, rel));
   return rel;
 }
 
@@ -254,7 +255,7 @@ absl::StatusOr<UniqueFd> OpenRegularFileBeneath(const std::string& path,
   for (const std::string& root : roots) {
     absl::StatusOr<std::string> rel = PathBeneath(path, root, roots_field);
     if (rel.status().code() == absl::StatusCode::kPermissionDenied) continue;
-    RETURN_IF_ERROR(rel.status());
+    REFIT_RETURN_IF_ERROR(rel.status());
     UniqueFd root_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
     if (!root_fd.valid()) return SysError(errno, absl::StrCat("open ", roots_field), root);
     return OpenInspected(
@@ -306,7 +307,7 @@ namespace {
 absl::StatusOr<uint64_t> RegularFileSize(int fd, const std::string& path, uint64_t max_bytes) {
   struct stat st;
   if (::fstat(fd, &st) != 0) return SysError(errno, "stat", path);
-  RETURN_IF_ERROR(CheckRegular(st, path));
+  REFIT_RETURN_IF_ERROR(CheckRegular(st, path));
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size > max_bytes) {
     return absl::InvalidArgumentError(
@@ -319,9 +320,9 @@ absl::StatusOr<uint64_t> RegularFileSize(int fd, const std::string& path, uint64
 
 absl::StatusOr<std::vector<uint8_t>> ReadWholeFile(int fd, const std::string& path,
                                                    uint64_t max_bytes) {
-  ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
   std::vector<uint8_t> bytes(size);
-  RETURN_IF_ERROR(ReadAt(fd, path, 0, bytes));
+  REFIT_RETURN_IF_ERROR(ReadAt(fd, path, 0, bytes));
   return bytes;
 }
 
@@ -435,8 +436,8 @@ absl::StatusOr<FileImage> FileImage::Allocate(uint64_t size) {
 
 absl::StatusOr<FileImage> ReadWholeFileImage(int fd, const std::string& path, int threads,
                                              uint64_t max_bytes) {
-  ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
-  ASSIGN_OR_RETURN(FileImage image, FileImage::Allocate(size));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t size, RegularFileSize(fd, path, max_bytes));
+  REFIT_ASSIGN_OR_RETURN(FileImage image, FileImage::Allocate(size));
   constexpr uint64_t kChunk = uint64_t{8} << 20;
   const size_t chunks = static_cast<size_t>((size + kChunk - 1) / kChunk);
   std::vector<absl::Status> read(chunks);
@@ -449,7 +450,7 @@ absl::StatusOr<FileImage> ReadWholeFileImage(int fd, const std::string& path, in
       if (!read[c].ok()) return;  // later chunks of this range would fail the same way
     }
   });
-  for (const absl::Status& st : read) RETURN_IF_ERROR(st);
+  for (const absl::Status& st : read) REFIT_RETURN_IF_ERROR(st);
   return image;
 }
 
@@ -465,8 +466,8 @@ absl::StatusOr<AtomicFile> AtomicFile::Create(const std::string& path,
   f.path_ = path;
   f.mode_ = options.mode;
   f.durable_ = options.durable;
-  ASSIGN_OR_RETURN(f.dir_, OpenTargetDir(path, options, &f.base_name_));
-  RETURN_IF_ERROR(CheckNotForbidden(f.dir_.get(), path, options));
+  REFIT_ASSIGN_OR_RETURN(f.dir_, OpenTargetDir(path, options, &f.base_name_));
+  REFIT_RETURN_IF_ERROR(CheckNotForbidden(f.dir_.get(), path, options));
   for (int attempt = 0; attempt < 16 && !f.fd_.valid(); ++attempt) {
     const std::string tmp = absl::StrCat(".", f.base_name_, ".tmp-", RandomSuffix());
     const int fd = ::openat(f.dir_.get(), tmp.c_str(),
@@ -534,7 +535,7 @@ absl::Status AtomicFile::CheckTargetReplaceable() const {
 }
 
 absl::Status AtomicFile::RenameOverTarget() {
-  RETURN_IF_ERROR(CheckTargetReplaceable());
+  REFIT_RETURN_IF_ERROR(CheckTargetReplaceable());
   // Where the target is absent, RENAME_NOREPLACE keeps anything created meanwhile.
   struct stat st;
   const bool absent = ::fstatat(dir_.get(), base_name_.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0;
@@ -543,7 +544,7 @@ absl::Status AtomicFile::RenameOverTarget() {
                              base_name_.c_str(), RENAME_NOREPLACE);
     if (r == 0) return absl::OkStatus();
     if (errno == EEXIST) {
-      RETURN_IF_ERROR(CheckTargetReplaceable());
+      REFIT_RETURN_IF_ERROR(CheckTargetReplaceable());
     } else if (errno != EINVAL && errno != ENOSYS) {
       return SysError(errno, "rename over", path_);
     }

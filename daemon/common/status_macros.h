@@ -1,5 +1,5 @@
-// Status propagation: RETURN_IF_ERROR / ASSIGN_OR_RETURN for absl::Status and absl::StatusOr,
-// and the one way to add context to a failed status, refit::Annotate.
+// Status propagation: REFIT_RETURN_IF_ERROR / REFIT_ASSIGN_OR_RETURN for absl::Status and
+// absl::StatusOr, and the one way to add context to a failed status, refit::Annotate.
 //
 // Debian 12's abseil (20220623) predates ABSL_RETURN_IF_ERROR, so refitd carries its own.
 #ifndef REFIT_DAEMON_COMMON_STATUS_MACROS_H_
@@ -33,16 +33,16 @@ absl::Status Annotate(const absl::Status& status, const Context&... context) {
 #define REFIT_STATUS_CONCAT_(a, b) REFIT_STATUS_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the enclosing function if not OK.
-#define RETURN_IF_ERROR(expr)                                            \
-  do {                                                                   \
-    ::absl::Status refit_status_ = (expr);                               \
-    if (!refit_status_.ok()) return refit_status_;                       \
+#define REFIT_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status refit_status_ = (expr);         \
+    if (!refit_status_.ok()) return refit_status_; \
   } while (0)
 
-// ASSIGN_OR_RETURN(lhs, expr): evaluates `expr` (an absl::StatusOr<T>); on error returns the
+// REFIT_ASSIGN_OR_RETURN(lhs, expr): evaluates `expr` (an absl::StatusOr<T>); on error returns the
 // status from the enclosing function, otherwise moves the value into `lhs` (which may be a
 // declaration such as `auto x`).
-#define ASSIGN_OR_RETURN(lhs, expr) \
+#define REFIT_ASSIGN_OR_RETURN(lhs, expr) \
   REFIT_ASSIGN_OR_RETURN_IMPL_(REFIT_STATUS_CONCAT_(refit_statusor_, __LINE__), lhs, expr)
 
 #define REFIT_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \

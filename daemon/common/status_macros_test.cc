@@ -17,13 +17,13 @@ absl::StatusOr<int> Half(int x) {
 }
 
 absl::StatusOr<int> Quarter(int x) {
-  ASSIGN_OR_RETURN(int h, Half(x));
-  ASSIGN_OR_RETURN(auto q, Half(h));
+  REFIT_ASSIGN_OR_RETURN(int h, Half(x));
+  REFIT_ASSIGN_OR_RETURN(auto q, Half(h));
   return q;
 }
 
 absl::Status CheckEven(int x) {
-  RETURN_IF_ERROR(Half(x).status());
+  REFIT_RETURN_IF_ERROR(Half(x).status());
   return absl::OkStatus();
 }
 

@@ -42,10 +42,14 @@ bool TestHooks::Stalled(TestHook hook) const {
 }
 
 bool TestHooks::WaitWhileStalled(TestHook hook, absl::Duration poll) const {
+  return WaitWhileStalled(hook, [poll] { absl::SleepFor(poll); });
+}
+
+bool TestHooks::WaitWhileStalled(TestHook hook, const std::function<void()>& pause) const {
   bool waited = false;
   while (Stalled(hook)) {
     waited = true;
-    absl::SleepFor(poll);
+    pause();
   }
   return waited;
 }

@@ -24,6 +24,7 @@
 #ifndef REFIT_DAEMON_COMMON_TEST_HOOKS_H_
 #define REFIT_DAEMON_COMMON_TEST_HOOKS_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/strings/string_view.h"
@@ -57,6 +58,9 @@ class TestHooks {
   bool Stalled(TestHook hook) const;
   // Blocks while the hook's file exists, checking every `poll`; true when it waited at all.
   bool WaitWhileStalled(TestHook hook, absl::Duration poll = absl::Milliseconds(10)) const;
+  // The same with the pause between two checks given (a test's clock): `pause` runs once each
+  // time the file is found, before the next check.
+  bool WaitWhileStalled(TestHook hook, const std::function<void()>& pause) const;
 
   // The line daemons log (as a warning) when hooks are on: the directory and every hook file.
   std::string Banner() const;

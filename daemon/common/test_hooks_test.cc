@@ -5,9 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
-#include <thread>
 
-#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -58,15 +56,15 @@ TEST(TestHooksTest, WaitsUntilTheFileIsRemoved) {
   const TestHooks hooks(dir);
   const std::string file = hooks.File(TestHook::kStallStart);
   { std::ofstream(file) << "x"; }
-  // The file exists when the wait starts, so it waits (true) and returns only once the other
-  // thread has removed it (the test would hang otherwise); no duration is asserted. The delay
-  // only gives the wait time to start: it decides nothing the test checks beyond that.
-  std::thread remover([&] {
-    absl::SleepFor(absl::Milliseconds(50));
-    std::filesystem::remove(file);
+  // The file exists when the wait starts, so it waits (true); each pause finds it still there
+  // until the third removes it, and the wait returns at the next check, not before.
+  int pauses = 0;
+  const bool waited = hooks.WaitWhileStalled(TestHook::kStallStart, [&] {
+    EXPECT_TRUE(hooks.Stalled(TestHook::kStallStart)) << "paused without the file";
+    if (++pauses == 3) std::filesystem::remove(file);
   });
-  EXPECT_TRUE(hooks.WaitWhileStalled(TestHook::kStallStart, absl::Milliseconds(1)));
-  remover.join();
+  EXPECT_TRUE(waited);
+  EXPECT_EQ(pauses, 3);
   EXPECT_FALSE(hooks.Stalled(TestHook::kStallStart));
   EXPECT_FALSE(hooks.WaitWhileStalled(TestHook::kStallStart));
   std::filesystem::remove_all(dir);

@@ -97,8 +97,8 @@ absl::StatusOr<int> BindAndListen(const UnixListenerOptions& o) {
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(
     const UnixListenerOptions& options, grpc::Server* server) {
-  RETURN_IF_ERROR(CheckSocketDirectory(options));
-  ASSIGN_OR_RETURN(const int listen_fd, BindAndListen(options));
+  REFIT_RETURN_IF_ERROR(CheckSocketDirectory(options));
+  REFIT_ASSIGN_OR_RETURN(const int listen_fd, BindAndListen(options));
   const int wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd < 0) {
     const int err = errno;

@@ -2,7 +2,7 @@
 // its peer's SO_PEERCRED credentials (peer_cred.h: PeerCredOf), which gRPC alone does not expose.
 //
 //   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();   // no listening port
-//   ASSIGN_OR_RETURN(auto listener, UnixListener::Start({.name = "publisher.control_listen",
+//   REFIT_ASSIGN_OR_RETURN(auto listener, UnixListener::Start({.name = "publisher.control_listen",
 //                                                       .path = "/run/refitd/control.sock",
 //                                                       .mode = 0660}, server.get()));
 //   ...

@@ -167,16 +167,17 @@ absl::Status CheckControlAndLocal(const Checker& c, const std::string& role,
                                   const std::string& local_socket,
                                   std::vector<Endpoint>& endpoints) {
   if (!control_listen.empty()) {
-    ASSIGN_OR_RETURN(const Address control,
-                     CheckListener(c, role + ".control_listen", control_listen,
-                                   role + ".control_tls", control_tls));
+    REFIT_ASSIGN_OR_RETURN(const Address control,
+                           CheckListener(c, role + ".control_listen", control_listen,
+                                         role + ".control_tls", control_tls));
     endpoints.push_back(EndpointOf(role + ".control_listen", control));
   } else {
-    RETURN_IF_ERROR(CheckUnusedTls(c, role + ".control_tls", control_tls,
-                                   "control_listen is empty (Control is served on listen, with "
-                                   "tls)"));
+    REFIT_RETURN_IF_ERROR(
+        CheckUnusedTls(c, role + ".control_tls", control_tls,
+                       "control_listen is empty (Control is served on listen, with "
+                       "tls)"));
   }
-  RETURN_IF_ERROR(CheckLocalSocket(c, role + ".local_socket", local_socket));
+  REFIT_RETURN_IF_ERROR(CheckLocalSocket(c, role + ".local_socket", local_socket));
   if (!local_socket.empty()) {
     endpoints.push_back({role + ".local_socket", absl::StrCat("unix:", local_socket)});
   }
@@ -267,13 +268,13 @@ absl::Status CheckClientTlsFiles(const std::string& tls_path, const v1::ClientTl
 // Parses `text` into a ConfigFile with defaults filled in the sections present.
 absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMap* map) {
   v1::ConfigFile file;
-  RETURN_IF_ERROR(ParseYamlInto(text, &file, map));
+  REFIT_RETURN_IF_ERROR(ParseYamlInto(text, &file, map));
   if (!file.has_publisher() && !file.has_subscriber()) {
     return absl::InvalidArgumentError(
         absl::StrCat(map->source_name(), ": expected a 'publisher:' or 'subscriber:' section"));
   }
-  if (file.has_publisher()) RETURN_IF_ERROR(ApplyDefaults(file.mutable_publisher()));
-  if (file.has_subscriber()) RETURN_IF_ERROR(ApplyDefaults(file.mutable_subscriber()));
+  if (file.has_publisher()) REFIT_RETURN_IF_ERROR(ApplyDefaults(file.mutable_publisher()));
+  if (file.has_subscriber()) REFIT_RETURN_IF_ERROR(ApplyDefaults(file.mutable_subscriber()));
   return file;
 }
 
@@ -333,7 +334,7 @@ absl::Status CheckPublisherShard(const Checker& c, const v1::ShardConfig& shard)
     }
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(CheckShardSet(c, "publisher.shard.set", shard.set()));
+  REFIT_RETURN_IF_ERROR(CheckShardSet(c, "publisher.shard.set", shard.set()));
   if (shard.index() >= shard.count()) {
     return c.Fail("publisher.shard.index", absl::StrCat(shard.index(), " is not below shard.count (",
                                                         shard.count(), ")"));
@@ -377,7 +378,7 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
     if (role != "publisher") {
       return c.Fail(field, "a subscriber publishes nothing (leave it empty)");
     }
-    RETURN_IF_ERROR(CheckFilesDir(c, field, f.publish_dirs(i)));
+    REFIT_RETURN_IF_ERROR(CheckFilesDir(c, field, f.publish_dirs(i)));
   }
   const absl::StatusOr<unsigned> mode = ParseFileMode(f.export_mode(), prefix + "export_mode");
   if (!mode.ok() || (*mode & ~0666u) != 0) {
@@ -386,7 +387,7 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
                                " is not an octal file mode up to 0666 (e.g. \"0600\", \"0640\")"));
   }
   if (f.export_dir().empty()) return absl::OkStatus();
-  RETURN_IF_ERROR(CheckFilesDir(c, prefix + "export_dir", f.export_dir()));
+  REFIT_RETURN_IF_ERROR(CheckFilesDir(c, prefix + "export_dir", f.export_dir()));
   if (persist_dir.empty()) return absl::OkStatus();
   std::error_code ec;  // the non-throwing overload (no exceptions); on error compare as given
   std::string persist = std::filesystem::absolute(persist_dir, ec).string();
@@ -440,15 +441,15 @@ absl::Status CheckAccess(const Checker& c, const std::string& role, const v1::Co
 
 absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceMap* map) {
   const Checker c(map);
-  RETURN_IF_ERROR(CheckName(c, "publisher.name", p.name()));
+  REFIT_RETURN_IF_ERROR(CheckName(c, "publisher.name", p.name()));
   std::vector<Endpoint> endpoints;
-  ASSIGN_OR_RETURN(const Address listen,
-                   CheckListener(c, "publisher.listen", p.listen(), "publisher.tls", p.tls()));
+  REFIT_ASSIGN_OR_RETURN(const Address listen, CheckListener(c, "publisher.listen", p.listen(),
+                                                             "publisher.tls", p.tls()));
   endpoints.push_back(EndpointOf("publisher.listen", listen));
-  RETURN_IF_ERROR(CheckControlAndLocal(c, "publisher", p.control_listen(), p.control_tls(),
-                                       p.local_socket(), endpoints));
-  RETURN_IF_ERROR(CheckMetrics(c, "publisher", p.metrics(), endpoints));
-  RETURN_IF_ERROR(CheckAccess(c, "publisher", p.control_access(), p.local_access()));
+  REFIT_RETURN_IF_ERROR(CheckControlAndLocal(c, "publisher", p.control_listen(), p.control_tls(),
+                                             p.local_socket(), endpoints));
+  REFIT_RETURN_IF_ERROR(CheckMetrics(c, "publisher", p.metrics(), endpoints));
+  REFIT_RETURN_IF_ERROR(CheckAccess(c, "publisher", p.control_access(), p.local_access()));
   if (p.codec().has_cuda_device() && p.codec().device() == v1::DEVICE_CPU) {
     return c.Fail("publisher.codec.cuda_device", "is set, but codec.device is cpu");
   }
@@ -456,10 +457,11 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
     if (p.codec().device() == v1::DEVICE_CPU) {
       return c.Fail("publisher.codec.cuda_device_uuid", "is set, but codec.device is cpu");
     }
-    RETURN_IF_ERROR(CheckGpuUuidNotWithOrdinal(c, "publisher.codec", p.codec().has_cuda_device()));
+    REFIT_RETURN_IF_ERROR(
+        CheckGpuUuidNotWithOrdinal(c, "publisher.codec", p.codec().has_cuda_device()));
   }
-  RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
-  RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
+  REFIT_RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
+  REFIT_RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
   return absl::OkStatus();
 }
 
@@ -486,7 +488,7 @@ absl::Status CollectUpstreamAddresses(const Checker& c, const v1::UpstreamConfig
     }
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(CheckShardSet(c, "subscriber.upstream.shard_set", up.shard_set()));
+  REFIT_RETURN_IF_ERROR(CheckShardSet(c, "subscriber.upstream.shard_set", up.shard_set()));
   if (up.shards_size() > 1024) {
     return c.Fail("subscriber.upstream.shards", absl::StrCat("lists ", up.shards_size(),
                                                              " shards; at most 1024"));
@@ -514,7 +516,7 @@ absl::Status CheckSingleCopy(const Checker& c, const v1::SubscriberConfig& s) {
   if (!store.digest_v2()) {
     return c.Fail("subscriber.store.slots",
                   "1 (a single copy, updated in place) verifies every version from tensor digest "
-                  "v2 before writing it: set store.digest_v2: true");
+                  "v2 before writing it: store.digest_v2 must be true (its default)");
   }
   if (s.serve_peers()) {
     return c.Fail("subscriber.serve_peers",
@@ -532,10 +534,10 @@ absl::Status CheckSingleCopy(const Checker& c, const v1::SubscriberConfig& s) {
 
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
   const Checker c(map);
-  RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
+  REFIT_RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
   const v1::UpstreamConfig& up = s.upstream();
   std::vector<std::pair<std::string, std::string>> upstream_addresses;
-  RETURN_IF_ERROR(CollectUpstreamAddresses(c, up, upstream_addresses));
+  REFIT_RETURN_IF_ERROR(CollectUpstreamAddresses(c, up, upstream_addresses));
   for (int i = 0; i < up.bootstrap_peers_size(); ++i) {
     upstream_addresses.emplace_back(absl::StrCat("subscriber.upstream.bootstrap_peers[", i, "]"),
                                     up.bootstrap_peers(i));
@@ -551,7 +553,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
       }
     }
   }
-  RETURN_IF_ERROR(CheckClientTls(c, "subscriber.upstream.tls", up.tls(), upstream_addresses));
+  REFIT_RETURN_IF_ERROR(CheckClientTls(c, "subscriber.upstream.tls", up.tls(), upstream_addresses));
   if (up.backoff().initial_ms() > up.backoff().max_ms()) {
     return c.Fail("subscriber.upstream.backoff.initial_ms",
                   absl::StrCat(up.backoff().initial_ms(), " exceeds backoff.max_ms (",
@@ -565,19 +567,19 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
                   "subscriber");
   }
   if (!s.listen().empty()) {
-    ASSIGN_OR_RETURN(const Address listen,
-                     CheckListener(c, "subscriber.listen", s.listen(), "subscriber.tls", s.tls()));
+    REFIT_ASSIGN_OR_RETURN(const Address listen, CheckListener(c, "subscriber.listen", s.listen(),
+                                                               "subscriber.tls", s.tls()));
     endpoints.push_back(EndpointOf("subscriber.listen", listen));
   } else {
-    RETURN_IF_ERROR(CheckUnusedTls(c, "subscriber.tls", s.tls(), "listen is empty"));
+    REFIT_RETURN_IF_ERROR(CheckUnusedTls(c, "subscriber.tls", s.tls(), "listen is empty"));
     if (s.serve_peers()) {
       return c.Fail("subscriber.serve_peers", "true needs a listen address to serve peers on");
     }
   }
-  RETURN_IF_ERROR(CheckControlAndLocal(c, "subscriber", s.control_listen(), s.control_tls(),
-                                       s.local_socket(), endpoints));
-  RETURN_IF_ERROR(CheckMetrics(c, "subscriber", s.metrics(), endpoints));
-  RETURN_IF_ERROR(CheckAccess(c, "subscriber", s.control_access(), s.local_access()));
+  REFIT_RETURN_IF_ERROR(CheckControlAndLocal(c, "subscriber", s.control_listen(), s.control_tls(),
+                                             s.local_socket(), endpoints));
+  REFIT_RETURN_IF_ERROR(CheckMetrics(c, "subscriber", s.metrics(), endpoints));
+  REFIT_RETURN_IF_ERROR(CheckAccess(c, "subscriber", s.control_access(), s.local_access()));
 
   const v1::StoreConfig& store = s.store();
   const std::string& prefix = store.shm_prefix();
@@ -595,15 +597,16 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
     if (store.kind() != v1::STORE_KIND_CUDA) {
       return c.Fail("subscriber.store.cuda_device_uuid", "is set, but store.kind is not cuda");
     }
-    RETURN_IF_ERROR(CheckGpuUuidNotWithOrdinal(c, "subscriber.store", store.has_cuda_device()));
+    REFIT_RETURN_IF_ERROR(
+        CheckGpuUuidNotWithOrdinal(c, "subscriber.store", store.has_cuda_device()));
   }
-  RETURN_IF_ERROR(CheckSingleCopy(c, s));
+  REFIT_RETURN_IF_ERROR(CheckSingleCopy(c, s));
   if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
     return c.Fail("subscriber.leases.default_ttl_ms",
                   absl::StrCat(s.leases().default_ttl_ms(), " exceeds leases.max_ttl_ms (",
                                s.leases().max_ttl_ms(), ")"));
   }
-  RETURN_IF_ERROR(CheckFileAccess(c, "subscriber", s.files(), ""));
+  REFIT_RETURN_IF_ERROR(CheckFileAccess(c, "subscriber", s.files(), ""));
   return absl::OkStatus();
 }
 
@@ -646,10 +649,11 @@ absl::StatusOr<LoadedSection<v1::ConfigFile>> LoadConfigFileSections(
     const std::string& yaml_text, const std::string& source_name) {
   LoadedSection<v1::ConfigFile> loaded{.section = {}, .source_map = SourceMap(source_name)};
   SourceMap& map = loaded.source_map;
-  ASSIGN_OR_RETURN(loaded.section, ParseConfigFile(yaml_text, &map));
+  REFIT_ASSIGN_OR_RETURN(loaded.section, ParseConfigFile(yaml_text, &map));
   const v1::ConfigFile& file = loaded.section;
-  if (file.has_publisher()) RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
-  if (file.has_subscriber()) RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
+  if (file.has_publisher()) REFIT_RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
+  if (file.has_subscriber())
+    REFIT_RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
   return loaded;
 }
 
@@ -657,9 +661,9 @@ absl::StatusOr<LoadedSection<v1::PublisherConfig>> LoadPublisherSection(
     const std::string& yaml_text, const std::string& source_name) {
   LoadedSection<v1::PublisherConfig> loaded{.section = {}, .source_map = SourceMap(source_name)};
   SourceMap& map = loaded.source_map;
-  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  REFIT_ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
   if (!file.has_publisher()) return MissingSection(map, file, "publisher");
-  RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
+  REFIT_RETURN_IF_ERROR(ValidatePublisherConfig(file.publisher(), &map));
   loaded.section = std::move(*file.mutable_publisher());
   return loaded;
 }
@@ -668,57 +672,57 @@ absl::StatusOr<LoadedSection<v1::SubscriberConfig>> LoadSubscriberSection(
     const std::string& yaml_text, const std::string& source_name) {
   LoadedSection<v1::SubscriberConfig> loaded{.section = {}, .source_map = SourceMap(source_name)};
   SourceMap& map = loaded.source_map;
-  ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
+  REFIT_ASSIGN_OR_RETURN(v1::ConfigFile file, ParseConfigFile(yaml_text, &map));
   if (!file.has_subscriber()) return MissingSection(map, file, "subscriber");
-  RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
+  REFIT_RETURN_IF_ERROR(ValidateSubscriberConfig(file.subscriber(), &map));
   loaded.section = std::move(*file.mutable_subscriber());
   return loaded;
 }
 
 absl::StatusOr<v1::ConfigFile> LoadConfigFileFromString(const std::string& yaml_text,
                                                         const std::string& source_name) {
-  ASSIGN_OR_RETURN(LoadedSection<v1::ConfigFile> loaded,
-                   LoadConfigFileSections(yaml_text, source_name));
+  REFIT_ASSIGN_OR_RETURN(LoadedSection<v1::ConfigFile> loaded,
+                         LoadConfigFileSections(yaml_text, source_name));
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::PublisherConfig> LoadPublisherConfigFromString(const std::string& yaml_text,
                                                                   const std::string& source_name) {
-  ASSIGN_OR_RETURN(LoadedSection<v1::PublisherConfig> loaded,
-                   LoadPublisherSection(yaml_text, source_name));
+  REFIT_ASSIGN_OR_RETURN(LoadedSection<v1::PublisherConfig> loaded,
+                         LoadPublisherSection(yaml_text, source_name));
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfigFromString(
     const std::string& yaml_text, const std::string& source_name) {
-  ASSIGN_OR_RETURN(LoadedSection<v1::SubscriberConfig> loaded,
-                   LoadSubscriberSection(yaml_text, source_name));
+  REFIT_ASSIGN_OR_RETURN(LoadedSection<v1::SubscriberConfig> loaded,
+                         LoadSubscriberSection(yaml_text, source_name));
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::ConfigFile> LoadConfigFile(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
   return LoadConfigFileFromString(text, path);
 }
 
 absl::StatusOr<v1::PublisherConfig> LoadPublisherConfig(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
   return LoadPublisherConfigFromString(text, path);
 }
 
 absl::StatusOr<v1::SubscriberConfig> LoadSubscriberConfig(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "config"));
   return LoadSubscriberConfigFromString(text, path);
 }
 
 absl::Status CheckConfigFiles(const v1::PublisherConfig& config) {
-  RETURN_IF_ERROR(CheckServerTlsFiles("publisher.tls", config.tls()));
+  REFIT_RETURN_IF_ERROR(CheckServerTlsFiles("publisher.tls", config.tls()));
   return CheckServerTlsFiles("publisher.control_tls", config.control_tls());
 }
 
 absl::Status CheckConfigFiles(const v1::SubscriberConfig& config) {
-  RETURN_IF_ERROR(CheckClientTlsFiles("subscriber.upstream.tls", config.upstream().tls()));
-  RETURN_IF_ERROR(CheckServerTlsFiles("subscriber.tls", config.tls()));
+  REFIT_RETURN_IF_ERROR(CheckClientTlsFiles("subscriber.upstream.tls", config.upstream().tls()));
+  REFIT_RETURN_IF_ERROR(CheckServerTlsFiles("subscriber.tls", config.tls()));
   return CheckServerTlsFiles("subscriber.control_tls", config.control_tls());
 }
 

@@ -384,9 +384,12 @@ TEST(ConfigTest, SingleCopyStoreNeedsDigestV2AndNoSecondSlotFeatures) {
   EXPECT_EQ(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: true, kind: cuda, "
                                       "single_copy_staging_bytes: 0, pause_wait_ms: 0}\n"),
             "");
-  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1}\n"),
+  // digest_v2 defaults to true: only an explicit false is refused.
+  EXPECT_EQ(SubscriberError(Sub("") + "  store: {slots: 1}\n"), "");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {slots: 1, digest_v2: false}\n"),
                   "subscriber.store.slots: 1 (a single copy, updated in place) verifies every "
-                  "version from tensor digest v2 before writing it: set store.digest_v2: true");
+                  "version from tensor digest v2 before writing it: store.digest_v2 must be true "
+                  "(its default)");
   EXPECT_CONTAINS(
       SubscriberError(Sub("") + "  serve_peers: true\n  store: {slots: 1, digest_v2: true}\n"),
       "subscriber.serve_peers: true cannot be combined with store.slots 1");

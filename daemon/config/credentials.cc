@@ -66,7 +66,7 @@ uint64_t UnixNanos(absl::Time t) { return static_cast<uint64_t>(absl::ToUnixNano
 class MemFile {
  public:
   static absl::StatusOr<std::unique_ptr<MemFile>> Create(const std::string& data, time_t mtime) {
-    ASSIGN_OR_RETURN(const int fd, NewMemfd(data, mtime));
+    REFIT_ASSIGN_OR_RETURN(const int fd, NewMemfd(data, mtime));
     return std::unique_ptr<MemFile>(new MemFile(fd));
   }
   ~MemFile() { close(fd_); }
@@ -74,7 +74,7 @@ class MemFile {
   MemFile& operator=(const MemFile&) = delete;
 
   absl::Status Replace(const std::string& data, time_t mtime) {
-    ASSIGN_OR_RETURN(const int fd, NewMemfd(data, mtime));
+    REFIT_ASSIGN_OR_RETURN(const int fd, NewMemfd(data, mtime));
     const int rc = dup3(fd, fd_, O_CLOEXEC);
     const int err = errno;
     close(fd);
@@ -126,12 +126,12 @@ class ReloadableTls {
         log_(Logger("tls")) {}
 
   absl::Status Init() {
-    ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial(files_));
+    REFIT_ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial(files_));
     absl::MutexLock lock(&mu_);
     mtime_ = time(nullptr);
-    ASSIGN_OR_RETURN(key_, MemFile::Create(m.key_pem, mtime_));
-    ASSIGN_OR_RETURN(cert_, MemFile::Create(m.cert_pem, mtime_));
-    ASSIGN_OR_RETURN(ca_, MemFile::Create(m.ca_pem, mtime_));
+    REFIT_ASSIGN_OR_RETURN(key_, MemFile::Create(m.key_pem, mtime_));
+    REFIT_ASSIGN_OR_RETURN(cert_, MemFile::Create(m.cert_pem, mtime_));
+    REFIT_ASSIGN_OR_RETURN(ca_, MemFile::Create(m.ca_pem, mtime_));
     if (access(key_->path().c_str(), R_OK) != 0) {  // gRPC reads them by these paths
       return absl::FailedPreconditionError(
           absl::StrCat(files_.field, ": cannot hand TLS material to gRPC: ", key_->path(),
@@ -179,7 +179,7 @@ class ReloadableTls {
  private:
   // The files' material when it differs from the loaded one; empty material when unchanged.
   absl::StatusOr<TlsMaterial> ReadChanged() {
-    ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files_));
+    REFIT_ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files_));
     {
       absl::MutexLock lock(&mu_);
       if (m.cert_pem == loaded_.cert_pem && m.key_pem == loaded_.key_pem &&
@@ -187,7 +187,7 @@ class ReloadableTls {
         return TlsMaterial{};
       }
     }
-    ASSIGN_OR_RETURN(m.leaf, CheckTlsMaterial(files_, m.cert_pem, m.key_pem, m.ca_pem));
+    REFIT_ASSIGN_OR_RETURN(m.leaf, CheckTlsMaterial(files_, m.cert_pem, m.key_pem, m.ca_pem));
     return m;
   }
 
@@ -246,7 +246,7 @@ TlsReloader::~TlsReloader() {
 
 absl::StatusOr<ReloadableTls*> TlsReloader::Add(const TlsFiles& files, uint32_t interval_ms) {
   auto block = std::make_unique<ReloadableTls>(files, interval_ms);
-  RETURN_IF_ERROR(block->Init());
+  REFIT_RETURN_IF_ERROR(block->Init());
   absl::MutexLock lock(&mu_);
   block->next_check = absl::Now() + block->interval();
   ReloadableTls* raw = block.get();
@@ -258,8 +258,9 @@ absl::StatusOr<ReloadableTls*> TlsReloader::Add(const TlsFiles& files, uint32_t 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsReloader::ServerCredentials(
     const v1::ServerTls& tls, const std::string& field_path) {
   if (!UsesTls(tls)) return grpc::InsecureServerCredentials();
-  ASSIGN_OR_RETURN(ReloadableTls* const block,
-                   Add({field_path, tls.cert(), tls.key(), tls.ca()}, tls.reload_interval_ms()));
+  REFIT_ASSIGN_OR_RETURN(
+      ReloadableTls* const block,
+      Add({field_path, tls.cert(), tls.key(), tls.ca()}, tls.reload_interval_ms()));
   grpc::experimental::TlsServerCredentialsOptions options(block->provider());
   options.watch_root_certs();
   options.watch_identity_key_cert_pairs();
@@ -277,8 +278,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsReloader::ServerCred
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsReloader::ChannelCredentials(
     const v1::ClientTls& tls, const std::string& field_path) {
   if (!UsesTls(tls)) return grpc::InsecureChannelCredentials();
-  ASSIGN_OR_RETURN(ReloadableTls* const block,
-                   Add({field_path, tls.cert(), tls.key(), tls.ca()}, tls.reload_interval_ms()));
+  REFIT_ASSIGN_OR_RETURN(
+      ReloadableTls* const block,
+      Add({field_path, tls.cert(), tls.key(), tls.ca()}, tls.reload_interval_ms()));
   grpc::experimental::TlsChannelCredentialsOptions options;
   options.set_certificate_provider(block->provider());
   options.watch_root_certs();
@@ -351,7 +353,8 @@ bool UsesTls(const v1::ClientTls& tls) {
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const v1::ServerTls& tls, const std::string& field_path) {
   if (!UsesTls(tls)) return grpc::InsecureServerCredentials();
-  ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial({field_path, tls.cert(), tls.key(), tls.ca()}));
+  REFIT_ASSIGN_OR_RETURN(TlsMaterial m,
+                         LoadTlsMaterial({field_path, tls.cert(), tls.key(), tls.ca()}));
   grpc::SslServerCredentialsOptions options(
       GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   options.pem_root_certs = std::move(m.ca_pem);
@@ -368,7 +371,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const v1::ClientTls& tls, const std::string& field_path) {
   if (!UsesTls(tls)) return grpc::InsecureChannelCredentials();
-  ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial({field_path, tls.cert(), tls.key(), tls.ca()}));
+  REFIT_ASSIGN_OR_RETURN(TlsMaterial m,
+                         LoadTlsMaterial({field_path, tls.cert(), tls.key(), tls.ca()}));
   grpc::SslCredentialsOptions options;
   options.pem_cert_chain = std::move(m.cert_pem);
   options.pem_private_key = std::move(m.key_pem);

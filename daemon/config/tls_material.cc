@@ -135,7 +135,7 @@ std::string What(const TlsFiles& f, const char* which, const std::string& path) 
 }  // namespace
 
 absl::StatusOr<CertSummary> CheckPemCertificates(const std::string& pem, const std::string& what) {
-  ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, CertificatesOf(pem, what));
+  REFIT_ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, CertificatesOf(pem, what));
   return Summarize(certs.front().get());
 }
 
@@ -156,29 +156,29 @@ absl::StatusOr<CertSummary> CheckTlsMaterialNamed(const std::string& cert_pem,
                                                   const std::string& cert_what,
                                                   const std::string& key_what,
                                                   const std::string& ca_what) {
-  ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, CertificatesOf(cert_pem, cert_what));
-  ASSIGN_OR_RETURN(PkeyPtr key, PrivateKeyOf(key_pem, key_what));
+  REFIT_ASSIGN_OR_RETURN(std::vector<X509Ptr> certs, CertificatesOf(cert_pem, cert_what));
+  REFIT_ASSIGN_OR_RETURN(PkeyPtr key, PrivateKeyOf(key_pem, key_what));
   if (X509_check_private_key(certs.front().get(), key.get()) != 1) {
     ERR_clear_error();
     return absl::InvalidArgumentError(
         absl::StrCat(key_what, " does not match the certificate ", cert_what));
   }
   ERR_clear_error();
-  RETURN_IF_ERROR(CertificatesOf(ca_pem, ca_what).status());
+  REFIT_RETURN_IF_ERROR(CertificatesOf(ca_pem, ca_what).status());
   return Summarize(certs.front().get());
 }
 
 absl::StatusOr<TlsMaterial> ReadTlsFiles(const TlsFiles& files) {
   TlsMaterial m;
-  ASSIGN_OR_RETURN(m.cert_pem, ReadSmallFile(files.cert, absl::StrCat(files.field, ".cert")));
-  ASSIGN_OR_RETURN(m.key_pem, ReadSmallFile(files.key, absl::StrCat(files.field, ".key")));
-  ASSIGN_OR_RETURN(m.ca_pem, ReadSmallFile(files.ca, absl::StrCat(files.field, ".ca")));
+  REFIT_ASSIGN_OR_RETURN(m.cert_pem, ReadSmallFile(files.cert, absl::StrCat(files.field, ".cert")));
+  REFIT_ASSIGN_OR_RETURN(m.key_pem, ReadSmallFile(files.key, absl::StrCat(files.field, ".key")));
+  REFIT_ASSIGN_OR_RETURN(m.ca_pem, ReadSmallFile(files.ca, absl::StrCat(files.field, ".ca")));
   return m;
 }
 
 absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
-  ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files));
-  ASSIGN_OR_RETURN(m.leaf, CheckTlsMaterial(files, m.cert_pem, m.key_pem, m.ca_pem));
+  REFIT_ASSIGN_OR_RETURN(TlsMaterial m, ReadTlsFiles(files));
+  REFIT_ASSIGN_OR_RETURN(m.leaf, CheckTlsMaterial(files, m.cert_pem, m.key_pem, m.ca_pem));
   return m;
 }
 

@@ -2,7 +2,7 @@
 // OpenSSL before anything hands them to gRPC, so that a bad file is reported by refitd with the
 // field and the path, not by gRPC's internal log or a failed bind.
 //
-//   ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial({"publisher.tls", cert, key, ca}));
+//   REFIT_ASSIGN_OR_RETURN(TlsMaterial m, LoadTlsMaterial({"publisher.tls", cert, key, ca}));
 //   m.leaf.subject  // "CN=refit-e2e-server"
 //
 // Checks: cert holds one or more parsable PEM certificates (every "BEGIN CERTIFICATE" block

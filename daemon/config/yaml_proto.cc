@@ -202,7 +202,7 @@ absl::StatusOr<T> ParseInteger(const FieldDescriptor* f, absl::string_view text)
                                                    std::numeric_limits<T>::min(), ", ",
                                                    std::numeric_limits<T>::max(), "]"));
   }
-  RETURN_IF_ERROR(CheckIntegerRules<T>(f, value));
+  REFIT_RETURN_IF_ERROR(CheckIntegerRules<T>(f, value));
   return value;
 }
 
@@ -260,32 +260,32 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
   }
   switch (cpp) {
     case FieldDescriptor::CPPTYPE_INT32: {
-      ASSIGN_OR_RETURN(const int32_t v, ParseInteger<int32_t>(f, text));
+      REFIT_ASSIGN_OR_RETURN(const int32_t v, ParseInteger<int32_t>(f, text));
       add ? r->AddInt32(msg, f, v) : r->SetInt32(msg, f, v);
       break;
     }
     case FieldDescriptor::CPPTYPE_INT64: {
-      ASSIGN_OR_RETURN(const int64_t v, ParseInteger<int64_t>(f, text));
+      REFIT_ASSIGN_OR_RETURN(const int64_t v, ParseInteger<int64_t>(f, text));
       add ? r->AddInt64(msg, f, v) : r->SetInt64(msg, f, v);
       break;
     }
     case FieldDescriptor::CPPTYPE_UINT32: {
-      ASSIGN_OR_RETURN(const uint32_t v, ParseInteger<uint32_t>(f, text));
+      REFIT_ASSIGN_OR_RETURN(const uint32_t v, ParseInteger<uint32_t>(f, text));
       add ? r->AddUInt32(msg, f, v) : r->SetUInt32(msg, f, v);
       break;
     }
     case FieldDescriptor::CPPTYPE_UINT64: {
-      ASSIGN_OR_RETURN(const uint64_t v, ParseInteger<uint64_t>(f, text));
+      REFIT_ASSIGN_OR_RETURN(const uint64_t v, ParseInteger<uint64_t>(f, text));
       add ? r->AddUInt64(msg, f, v) : r->SetUInt64(msg, f, v);
       break;
     }
     case FieldDescriptor::CPPTYPE_DOUBLE: {
-      ASSIGN_OR_RETURN(const double v, ParseDouble(f, text));
+      REFIT_ASSIGN_OR_RETURN(const double v, ParseDouble(f, text));
       add ? r->AddDouble(msg, f, v) : r->SetDouble(msg, f, v);
       break;
     }
     case FieldDescriptor::CPPTYPE_FLOAT: {
-      ASSIGN_OR_RETURN(const double v, ParseDouble(f, text));
+      REFIT_ASSIGN_OR_RETURN(const double v, ParseDouble(f, text));
       add ? r->AddFloat(msg, f, static_cast<float>(v)) : r->SetFloat(msg, f, static_cast<float>(v));
       break;
     }
@@ -306,7 +306,7 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
       break;
     }
     case FieldDescriptor::CPPTYPE_ENUM: {
-      ASSIGN_OR_RETURN(const EnumValueDescriptor* v, ParseEnum(f, text));
+      REFIT_ASSIGN_OR_RETURN(const EnumValueDescriptor* v, ParseEnum(f, text));
       add ? r->AddEnum(msg, f, v) : r->SetEnum(msg, f, v);
       break;
     }
@@ -355,7 +355,7 @@ class Walker {
       }
       // Null values have no useful mark of their own: point at the key then.
       map_->Set(fpath, LocationOf(value.IsNull() ? key : value));
-      RETURN_IF_ERROR(SetField(value, key, msg, f, fpath));
+      REFIT_RETURN_IF_ERROR(SetField(value, key, msg, f, fpath));
     }
     // Required keys of this (present) message.
     for (int i = 0; i < desc->field_count(); ++i) {
@@ -386,9 +386,9 @@ class Walker {
         const std::string epath = absl::StrCat(path, "[", i, "]");
         map_->Set(epath, LocationOf(element));
         if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
-          RETURN_IF_ERROR(MapMessage(element, r->AddMessage(msg, f), epath));
+          REFIT_RETURN_IF_ERROR(MapMessage(element, r->AddMessage(msg, f), epath));
         } else {
-          RETURN_IF_ERROR(Scalar(element, element, msg, f, epath));
+          REFIT_RETURN_IF_ERROR(Scalar(element, element, msg, f, epath));
         }
       }
       if (i == 0 && RulesOf(f).required()) return Error(value, path, "must not be empty");
@@ -660,7 +660,7 @@ absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, Sourc
         source, ": ", yaml_text.size(), " bytes; a config may be at most ", kMaxConfigBytes));
   }
   try {
-    RETURN_IF_ERROR(CheckOneDocument(yaml_text, source));
+    REFIT_RETURN_IF_ERROR(CheckOneDocument(yaml_text, source));
     const YAML::Node doc = YAML::Load(yaml_text);
     if (doc.IsNull()) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": the configuration is empty"));
@@ -695,7 +695,7 @@ absl::Status ApplyDefaults(Message* message) {
     }
     if (f->real_containing_oneof() != nullptr) continue;
     if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
-      RETURN_IF_ERROR(ApplyDefaults(r->MutableMessage(message, f)));
+      REFIT_RETURN_IF_ERROR(ApplyDefaults(r->MutableMessage(message, f)));
       continue;
     }
     if (!rules.has_default_value() || r->HasField(*message, f)) continue;

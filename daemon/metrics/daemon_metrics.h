@@ -1,6 +1,6 @@
 // A daemon's metrics as its Start assembles them (config MetricsConfig):
 //
-//   ASSIGN_OR_RETURN(DaemonMetrics m, DaemonMetrics::Start(v1::ROLE_PUBLISHER,
+//   REFIT_ASSIGN_OR_RETURN(DaemonMetrics m, DaemonMetrics::Start(v1::ROLE_PUBLISHER,
 //                                                          "publisher.metrics", config.metrics()));
 //   options.metrics = m.refit();             // null when metrics.listen is empty
 //   ... construct the services, then:

@@ -1,7 +1,7 @@
 // The daemon's Prometheus endpoint: GET /metrics (text exposition format 0.0.4) on config
 // metrics.listen, served by prometheus-cpp's Exposer (embedded civetweb, its own threads).
 //
-//   ASSIGN_OR_RETURN(std::unique_ptr<MetricsServer> m,
+//   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<MetricsServer> m,
 //                    MetricsServer::Start("publisher.metrics.listen", "127.0.0.1:0"));
 //   m->Register(refit_metrics.registry());                     // refit_metrics.h
 //   m->Register(std::make_shared<StatusCollector>(...));       // status_collector.h

@@ -44,14 +44,14 @@ std::span<const uint8_t> SafetensorsFile::data(size_t i) const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFile(path));
+  REFIT_ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFile(path));
   return FromFd(fd.get(), path);
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::OpenBeneath(const std::string& path,
                                                              std::span<const std::string> roots,
                                                              absl::string_view roots_field) {
-  ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFileBeneath(path, roots, roots_field));
+  REFIT_ASSIGN_OR_RETURN(const UniqueFd fd, OpenRegularFileBeneath(path, roots, roots_field));
   return FromFd(fd.get(), path);
 }
 
@@ -59,9 +59,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromFd(int fd, const std::strin
                                                         int read_threads) {
   SafetensorsFile f;
   f.path_ = path;
-  ASSIGN_OR_RETURN(f.file_, ReadWholeFileImage(fd, path, read_threads));
+  REFIT_ASSIGN_OR_RETURN(f.file_, ReadWholeFileImage(fd, path, read_threads));
   f.image_ = {f.file_.data(), static_cast<size_t>(f.file_.size())};
-  RETURN_IF_ERROR(f.Parse());
+  REFIT_RETURN_IF_ERROR(f.Parse());
   return f;
 }
 
@@ -71,7 +71,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::vector<uint8_t> 
   f.path_ = std::move(name);
   f.owned_ = std::move(bytes);
   f.image_ = f.owned_;
-  RETURN_IF_ERROR(f.Parse());
+  REFIT_RETURN_IF_ERROR(f.Parse());
   return f;
 }
 
@@ -124,18 +124,18 @@ absl::Status ParseMetadata(JsonReader& r, std::map<std::string, std::string>* me
     return r.Error(r.pos(), absl::StrCat("\"__metadata__\" must be an object of strings, found ",
                                          r.DescribeNext()));
   }
-  RETURN_IF_ERROR(r.Expect('{', "'{'"));
+  REFIT_RETURN_IF_ERROR(r.Expect('{', "'{'"));
   bool first = true;
   std::string key, value;
   size_t key_pos = 0;
   while (true) {
-    ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
+    REFIT_ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
     if (!more) return absl::OkStatus();
     if (r.Peek() != '"') {
       return r.Error(r.pos(), absl::StrCat("\"__metadata__\" value for ", SafetensorsQuote(key),
                                            " must be a string, found ", r.DescribeNext()));
     }
-    RETURN_IF_ERROR(r.ReadString(&value));
+    REFIT_RETURN_IF_ERROR(r.ReadString(&value));
     if (!metadata->emplace(key, value).second) {
       return r.Error(key_pos,
                      absl::StrCat("duplicate \"__metadata__\" key ", SafetensorsQuote(key)));
@@ -163,7 +163,7 @@ absl::Status ParseDTypeField(JsonReader& r, size_t value_pos, TensorFields& t) {
                    absl::StrCat("expected a string, found ", r.DescribeNext()));
   }
   std::string text;
-  RETURN_IF_ERROR(r.ReadString(&text));
+  REFIT_RETURN_IF_ERROR(r.ReadString(&text));
   auto dt = ParseDType(text);
   if (!dt.ok() || SafetensorsDTypeName(*dt) != text) {
     return t.Error(r, "dtype", value_pos,
@@ -181,18 +181,19 @@ absl::Status ParseShapeField(JsonReader& r, size_t value_pos, TensorFields& t) {
     return t.Error(r, "shape", value_pos,
                    absl::StrCat("expected an array, found ", r.DescribeNext()));
   }
-  RETURN_IF_ERROR(r.Expect('[', "'['"));
+  REFIT_RETURN_IF_ERROR(r.Expect('[', "'['"));
   std::vector<int64_t>& shape = t.entry.shape;
   bool first = true;
   while (true) {
-    ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
+    REFIT_ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
     if (!more) return absl::OkStatus();
     if (shape.size() >= static_cast<size_t>(kSafetensorsMaxRank)) {
       return t.Error(r, "shape", value_pos,
                      absl::StrCat("more than ", kSafetensorsMaxRank, " dimensions"));
     }
     uint64_t d;
-    RETURN_IF_ERROR(r.ReadUint64(&d, absl::StrCat(t.where, ": shape dimension ", shape.size())));
+    REFIT_RETURN_IF_ERROR(
+        r.ReadUint64(&d, absl::StrCat(t.where, ": shape dimension ", shape.size())));
     if (d > static_cast<uint64_t>(INT64_MAX)) {
       return t.Error(r, "shape", value_pos,
                      absl::StrCat("dimension ", shape.size(), " = ", d, " is too large"));
@@ -207,15 +208,15 @@ absl::Status ParseOffsetsField(JsonReader& r, size_t value_pos, TensorFields& t)
     return t.Error(r, "data_offsets", value_pos,
                    absl::StrCat("expected an array of two integers, found ", r.DescribeNext()));
   }
-  RETURN_IF_ERROR(r.Expect('[', "'['"));
+  REFIT_RETURN_IF_ERROR(r.Expect('[', "'['"));
   bool first = true;
   int count = 0;
   while (true) {
-    ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
+    REFIT_ASSIGN_OR_RETURN(bool more, r.NextElement(&first));
     if (!more) break;
     if (count == 2) return t.Error(r, "data_offsets", value_pos, "more than two offsets");
-    RETURN_IF_ERROR(r.ReadUint64(count == 0 ? &t.range.begin : &t.range.end,
-                                 absl::StrCat(t.where, ": data_offsets[", count, "]")));
+    REFIT_RETURN_IF_ERROR(r.ReadUint64(count == 0 ? &t.range.begin : &t.range.end,
+                                       absl::StrCat(t.where, ": data_offsets[", count, "]")));
     ++count;
   }
   if (count != 2) {
@@ -231,7 +232,7 @@ absl::Status ParseTensorFields(JsonReader& r, size_t key_pos, TensorFields& t) {
   std::string field;
   size_t field_pos = 0;
   while (true) {
-    ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &field, &field_pos));
+    REFIT_ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &field, &field_pos));
     if (!more) break;
     r.SkipWhitespace();
     const size_t value_pos = r.pos();
@@ -245,9 +246,9 @@ absl::Status ParseTensorFields(JsonReader& r, size_t key_pos, TensorFields& t) {
     }
     if (*seen) return t.Error(r, field, field_pos, "duplicate field");
     *seen = true;
-    RETURN_IF_ERROR(field == "dtype"   ? ParseDTypeField(r, value_pos, t)
-                    : field == "shape" ? ParseShapeField(r, value_pos, t)
-                                       : ParseOffsetsField(r, value_pos, t));
+    REFIT_RETURN_IF_ERROR(field == "dtype"   ? ParseDTypeField(r, value_pos, t)
+                          : field == "shape" ? ParseShapeField(r, value_pos, t)
+                                             : ParseOffsetsField(r, value_pos, t));
   }
   if (!t.have_dtype || !t.have_shape || !t.have_offsets) {
     return r.Error(key_pos, absl::StrCat(t.where, ": missing field \"",
@@ -305,10 +306,10 @@ absl::Status ParseTensorEntry(JsonReader& r, const std::string& name, size_t key
     return r.Error(r.pos(),
                    absl::StrCat(t.where, ": expected an object, found ", r.DescribeNext()));
   }
-  RETURN_IF_ERROR(r.Expect('{', "'{'"));
+  REFIT_RETURN_IF_ERROR(r.Expect('{', "'{'"));
   t.entry.name = name;
-  RETURN_IF_ERROR(ParseTensorFields(r, key_pos, t));
-  RETURN_IF_ERROR(CheckTensorExtent(r, data, t));
+  REFIT_RETURN_IF_ERROR(ParseTensorFields(r, key_pos, t));
+  REFIT_RETURN_IF_ERROR(CheckTensorExtent(r, data, t));
   out.index.emplace(name, out.tensors.size());
   out.tensors.push_back(std::move(t.entry));
   out.ranges.push_back(t.range);
@@ -321,22 +322,22 @@ absl::StatusOr<ParsedHeader> ParseHeaderObject(JsonReader& r, const DataRegion& 
     return r.Error(r.pos(),
                    absl::StrCat("the header must be a JSON object, found ", r.DescribeNext()));
   }
-  RETURN_IF_ERROR(r.Expect('{', "'{'"));
+  REFIT_RETURN_IF_ERROR(r.Expect('{', "'{'"));
   ParsedHeader out;
   bool seen_metadata = false;
   bool first = true;
   std::string key;
   size_t key_pos = 0;
   while (true) {
-    ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
+    REFIT_ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
     if (!more) break;
     if (key != kSafetensorsMetadataKey) {
-      RETURN_IF_ERROR(ParseTensorEntry(r, key, key_pos, data, out));
+      REFIT_RETURN_IF_ERROR(ParseTensorEntry(r, key, key_pos, data, out));
       continue;
     }
     if (seen_metadata) return r.Error(key_pos, "duplicate \"__metadata__\"");
     seen_metadata = true;
-    RETURN_IF_ERROR(ParseMetadata(r, &out.metadata));
+    REFIT_RETURN_IF_ERROR(ParseMetadata(r, &out.metadata));
   }
   if (!r.AtEnd()) return r.SyntaxError(r.pos(), "unexpected content after the header object");
   return out;
@@ -379,14 +380,14 @@ absl::Status CheckTiling(const std::string& path, const ParsedHeader& h, uint64_
 }  // namespace
 
 absl::Status SafetensorsFile::Parse() {
-  ASSIGN_OR_RETURN(header_size_, ReadHeaderLength(image_, path_));
+  REFIT_ASSIGN_OR_RETURN(header_size_, ReadHeaderLength(image_, path_));
   DataRegion data;
   data.start = 8 + header_size_;
   data.size = image_.size() - data.start;
   const absl::string_view header(reinterpret_cast<const char*>(image_.data() + 8), header_size_);
   JsonReader r(header, path_);
-  ASSIGN_OR_RETURN(ParsedHeader h, ParseHeaderObject(r, data));
-  RETURN_IF_ERROR(CheckTiling(path_, h, data.size));
+  REFIT_ASSIGN_OR_RETURN(ParsedHeader h, ParseHeaderObject(r, data));
+  REFIT_RETURN_IF_ERROR(CheckTiling(path_, h, data.size));
   tensors_ = std::move(h.tensors);
   index_ = std::move(h.index);
   metadata_ = std::move(h.metadata);

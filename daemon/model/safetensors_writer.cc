@@ -82,7 +82,7 @@ absl::StatusOr<std::string> BuildHeader(const std::string& path,
       return absl::InvalidArgumentError(
           absl::StrCat("write ", path, ": tensor ", SafetensorsQuote(t.name), ": duplicate name"));
     }
-    RETURN_IF_ERROR(AppendTensorHeader(path, t, &offset, &header));
+    REFIT_RETURN_IF_ERROR(AppendTensorHeader(path, t, &offset, &header));
   }
   header += '}';
   while (header.size() % 8 != 0) header += ' ';
@@ -100,14 +100,15 @@ absl::Status WriteSafetensors(const std::string& path,
                               std::span<const SafetensorsTensorRef> tensors,
                               const std::map<std::string, std::string>& metadata,
                               const SafeWriteOptions& options) {
-  ASSIGN_OR_RETURN(const std::string header, BuildHeader(path, tensors, metadata));
-  ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, options));
+  REFIT_ASSIGN_OR_RETURN(const std::string header, BuildHeader(path, tensors, metadata));
+  REFIT_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, options));
   uint8_t len[8];
   for (int i = 0; i < 8; ++i)
     len[i] = static_cast<uint8_t>(static_cast<uint64_t>(header.size()) >> (8 * i));
-  RETURN_IF_ERROR(file.Write(len));
-  RETURN_IF_ERROR(file.Write({reinterpret_cast<const uint8_t*>(header.data()), header.size()}));
-  for (const SafetensorsTensorRef& t : tensors) RETURN_IF_ERROR(file.Write(t.data));
+  REFIT_RETURN_IF_ERROR(file.Write(len));
+  REFIT_RETURN_IF_ERROR(
+      file.Write({reinterpret_cast<const uint8_t*>(header.data()), header.size()}));
+  for (const SafetensorsTensorRef& t : tensors) REFIT_RETURN_IF_ERROR(file.Write(t.data));
   return file.Commit();
 }
 

@@ -128,13 +128,13 @@ class JsonReader {
       ++pos_;
       return false;
     }
-    if (!*first) RETURN_IF_ERROR(Expect(',', "',' or '}' in object"));
+    if (!*first) REFIT_RETURN_IF_ERROR(Expect(',', "',' or '}' in object"));
     *first = false;
     if (Peek() != '"')
       return SyntaxError(pos_, absl::StrCat("expected a string key, found ", DescribeNext()));
     *key_pos = pos_;
-    RETURN_IF_ERROR(ReadString(key));
-    RETURN_IF_ERROR(Expect(':', "':' after object key"));
+    REFIT_RETURN_IF_ERROR(ReadString(key));
+    REFIT_RETURN_IF_ERROR(Expect(':', "':' after object key"));
     return true;
   }
 
@@ -144,14 +144,14 @@ class JsonReader {
       ++pos_;
       return false;
     }
-    if (!*first) RETURN_IF_ERROR(Expect(',', "',' or ']' in array"));
+    if (!*first) REFIT_RETURN_IF_ERROR(Expect(',', "',' or ']' in array"));
     *first = false;
     return true;
   }
 
   absl::Status ReadString(std::string* out) {
     out->clear();
-    RETURN_IF_ERROR(Expect('"', "a string"));
+    REFIT_RETURN_IF_ERROR(Expect('"', "a string"));
     while (true) {
       if (pos_ >= s_.size()) return SyntaxError(pos_, "unterminated string");
       const uint8_t c = static_cast<uint8_t>(s_[pos_]);
@@ -164,7 +164,7 @@ class JsonReader {
                            absl::StrCat("raw control character 0x", absl::Hex(c), " in string"));
       }
       if (c == '\\') {
-        RETURN_IF_ERROR(ReadEscape(out));
+        REFIT_RETURN_IF_ERROR(ReadEscape(out));
         continue;
       }
       const size_t n = Utf8SequenceLength(s_, pos_);
@@ -256,7 +256,7 @@ class JsonReader {
                            absl::StrCat("invalid escape ", SafetensorsQuote(s_.substr(start, 2))));
     }
     uint32_t cp = 0;
-    RETURN_IF_ERROR(ReadHex4(&cp));
+    REFIT_RETURN_IF_ERROR(ReadHex4(&cp));
     if (cp >= 0xDC00 && cp <= 0xDFFF)
       return SyntaxError(start, "unpaired low surrogate in \\u escape");
     if (cp >= 0xD800 && cp <= 0xDBFF) {
@@ -264,7 +264,7 @@ class JsonReader {
         return SyntaxError(start, "high surrogate not followed by a \\u low surrogate");
       pos_ += 2;
       uint32_t lo = 0;
-      RETURN_IF_ERROR(ReadHex4(&lo));
+      REFIT_RETURN_IF_ERROR(ReadHex4(&lo));
       if (lo < 0xDC00 || lo > 0xDFFF)
         return SyntaxError(start, "high surrogate not followed by a low surrogate");
       cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);

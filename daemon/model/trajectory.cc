@@ -116,12 +116,12 @@ absl::Status ValidateShape(const TransformerShape& s) {
     }
     return absl::OkStatus();
   };
-  RETURN_IF_ERROR(positive("vocab", s.vocab));
-  RETURN_IF_ERROR(positive("hidden", s.hidden));
-  RETURN_IF_ERROR(positive("layers", s.layers));
-  RETURN_IF_ERROR(positive("ffn", s.ffn));
-  RETURN_IF_ERROR(positive("heads", s.heads));
-  RETURN_IF_ERROR(positive("kv_heads", s.kv_heads));
+  REFIT_RETURN_IF_ERROR(positive("vocab", s.vocab));
+  REFIT_RETURN_IF_ERROR(positive("hidden", s.hidden));
+  REFIT_RETURN_IF_ERROR(positive("layers", s.layers));
+  REFIT_RETURN_IF_ERROR(positive("ffn", s.ffn));
+  REFIT_RETURN_IF_ERROR(positive("heads", s.heads));
+  REFIT_RETURN_IF_ERROR(positive("kv_heads", s.kv_heads));
   if (s.hidden % s.heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("TrajectoryOptions.shape.heads (", s.heads,
                                                    ") must divide shape.hidden (", s.hidden, ")"));
@@ -145,7 +145,7 @@ absl::Status ValidateShape(const TransformerShape& s) {
 }
 
 absl::Status ValidateOptions(const TrajectoryOptions& o) {
-  RETURN_IF_ERROR(ValidateShape(o.shape));
+  REFIT_RETURN_IF_ERROR(ValidateShape(o.shape));
   auto bad = [](const char* field, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("TrajectoryOptions.", field, " ", why));
   };
@@ -156,10 +156,10 @@ absl::Status ValidateOptions(const TrajectoryOptions& o) {
   };
   if (o.warmup_steps < 0)
     return bad("warmup_steps", absl::StrCat("must be >= 0 (got ", o.warmup_steps, ")"));
-  RETURN_IF_ERROR(finite_nonneg("warmup_lr", o.warmup_lr));
-  RETURN_IF_ERROR(finite_nonneg("lr", o.lr));
-  RETURN_IF_ERROR(finite_nonneg("weight_decay", o.weight_decay));
-  RETURN_IF_ERROR(finite_nonneg("grad_noise", o.grad_noise));
+  REFIT_RETURN_IF_ERROR(finite_nonneg("warmup_lr", o.warmup_lr));
+  REFIT_RETURN_IF_ERROR(finite_nonneg("lr", o.lr));
+  REFIT_RETURN_IF_ERROR(finite_nonneg("weight_decay", o.weight_decay));
+  REFIT_RETURN_IF_ERROR(finite_nonneg("grad_noise", o.grad_noise));
   if (!(o.beta1 >= 0 && o.beta1 < 1))
     return bad("beta1", absl::StrCat("must be in [0, 1) (got ", o.beta1, ")"));
   if (!(o.beta2 >= 0 && o.beta2 < 1))
@@ -516,9 +516,9 @@ uint64_t Trajectory::total_elements() const {
 }
 
 absl::StatusOr<std::unique_ptr<Trajectory>> Trajectory::Create(const TrajectoryOptions& options) {
-  RETURN_IF_ERROR(ValidateOptions(options));
+  REFIT_RETURN_IF_ERROR(ValidateOptions(options));
   auto t = std::make_unique<TrajectoryImpl>(options);
-  RETURN_IF_ERROR(t->Init(PlanTensors(options.shape)));
+  REFIT_RETURN_IF_ERROR(t->Init(PlanTensors(options.shape)));
   return std::unique_ptr<Trajectory>(std::move(t));
 }
 

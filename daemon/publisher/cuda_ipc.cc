@@ -21,7 +21,7 @@ OpenedIpc::~OpenedIpc() {
 
 absl::StatusOr<std::shared_ptr<const OpenedIpc>> OpenedIpc::Open(cuda::Device* device,
                                                                  const cuda::IpcHandle& handle) {
-  ASSIGN_OR_RETURN(void* base, device->OpenIpc(handle));
+  REFIT_ASSIGN_OR_RETURN(void* base, device->OpenIpc(handle));
   std::shared_ptr<OpenedIpc> opened(new OpenedIpc());
   opened->device_ = device;
   opened->base_ = static_cast<uint8_t*>(base);  // closed by the destructor from here on
@@ -52,7 +52,7 @@ absl::StatusOr<std::shared_ptr<const OpenedIpc>> CudaRegionOpener::Open(
         absl::StrCat(what, ": cuda_ipc.device_uuid has ", region.device_uuid().size(),
                      " bytes; a GPU UUID (cudaDeviceProp.uuid) has ", cuda::kUuidBytes));
   }
-  ASSIGN_OR_RETURN(const cuda::Uuid uuid, cuda::UuidFromBytes(region.device_uuid()));
+  REFIT_ASSIGN_OR_RETURN(const cuda::Uuid uuid, cuda::UuidFromBytes(region.device_uuid()));
   cuda::IpcHandle handle;
   std::memcpy(handle.data(), region.ipc_handle().data(), handle.size());
   const std::string gpu = cuda::FormatUuid(uuid);

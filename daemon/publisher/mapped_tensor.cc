@@ -52,8 +52,8 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
                                                   " bytes (cuda_ipc.allocation_bytes)"));
       }
       CudaRegionOpener none(nullptr);
-      ASSIGN_OR_RETURN(std::shared_ptr<const OpenedIpc> ipc,
-                       (cuda != nullptr ? cuda : &none)->Open(region, what));
+      REFIT_ASSIGN_OR_RETURN(std::shared_ptr<const OpenedIpc> ipc,
+                             (cuda != nullptr ? cuda : &none)->Open(region, what));
       if (offset > ipc->size() || *size > ipc->size() - offset) {
         return absl::OutOfRangeError(absl::StrCat(what, ": CUDA region [", offset, ", ", offset,
                                                   " + ", *size, ") is outside the allocation of ",
@@ -89,7 +89,7 @@ absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::MapShm(
         absl::StrCat(what, ": shm.size_bytes is ", region.size_bytes(), " but the tensor needs ",
                      size, " bytes (", DTypeName(dtype), ", ", elements, " elements)"));
   }
-  ASSIGN_OR_RETURN(ShmObject object, OpenShmObject(region, what, peer));
+  REFIT_ASSIGN_OR_RETURN(ShmObject object, OpenShmObject(region, what, peer));
   FdCloser closer{object.fd};
   const uint64_t object_size = static_cast<uint64_t>(object.st.st_size);
   if (region.offset() > object_size || size > object_size - region.offset()) {

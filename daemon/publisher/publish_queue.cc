@@ -158,7 +158,7 @@ absl::StatusOr<uint64_t> PublishQueue::ChooseLocked(std::optional<uint64_t> requ
     }
     return floor + 1;
   }
-  RETURN_IF_ERROR(sync::CheckVersion(*requested, "publish"));
+  REFIT_RETURN_IF_ERROR(sync::CheckVersion(*requested, "publish"));
   if (*requested <= floor) {
     std::string what = absl::StrCat("newest published version is ", core_->newest_version());
     if (core_->numbered_version() > core_->newest_version()) {
@@ -235,8 +235,8 @@ absl::Status PublishQueue::EnqueueTensors(uint64_t version, std::vector<OwnedTen
                                           std::string source, bool allow_degenerate,
                                           std::shared_ptr<InputsRelease> release) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckRoomLocked());
-  ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
+  REFIT_RETURN_IF_ERROR(CheckRoomLocked());
+  REFIT_ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(version));
   Job job;
   job.version = chosen;
   job.tensors = std::move(tensors);
@@ -275,11 +275,11 @@ absl::StatusOr<std::shared_ptr<PublishQueue::Waiter>> PublishQueue::QueueFiles(
       return it->second;
     }
   }
-  RETURN_IF_ERROR(CheckRoomLocked());
+  REFIT_RETURN_IF_ERROR(CheckRoomLocked());
   if (absl::Now() >= publish.deadline) {
     return absl::DeadlineExceededError("publish: the call's deadline passed before it was queued");
   }
-  ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(publish.version));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t chosen, ChooseLocked(publish.version));
   auto waiter = std::make_shared<Waiter>();
   waiter->fingerprint = fingerprint;
   waiter->request_id = publish.request_id;
@@ -360,7 +360,7 @@ absl::StatusOr<PublishSummary> PublishQueue::PublishFiles(FilesPublish publish) 
                                                    " bytes, at most ", kMaxRequestIdBytes));
   }
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(std::shared_ptr<Waiter> waiter, QueueFiles(publish));
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<Waiter> waiter, QueueFiles(publish));
   return Await(waiter, publish);
 }
 

@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/codec/hash.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
+#include "daemon/sync/digest_format.h"
 #include "daemon/sync/version_digest.h"
 #include "refit/version.h"
 
@@ -41,9 +41,13 @@ uint64_t BaselineBytes(const std::vector<BaselineTensor>& baseline) {
 }
 
 // The newest version and its tensors, read consistently (a publish may run concurrently).
+// `version_digest` is v1 (the core's record); `version_digest_v2`, the version's identity in
+// every response of this service (Status.digest_format 2), is computed from the tensors' v2
+// digests, which the core always holds.
 struct Snapshot {
   uint64_t version = 0;
   uint64_t version_digest = 0;
+  uint64_t version_digest_v2 = 0;
   std::vector<BaselineTensor> tensors;
 };
 Snapshot ConsistentBaseline(const PublisherCore& core) {
@@ -53,10 +57,23 @@ Snapshot ConsistentBaseline(const PublisherCore& core) {
     s.version_digest = core.newest_version_digest();
     s.tensors = core.Baseline();
     if (core.newest_version() == s.version && core.newest_version_digest() == s.version_digest) {
-      return s;
+      break;
     }
   }
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  manifest.reserve(s.tensors.size());
+  digests.reserve(s.tensors.size());
+  for (const BaselineTensor& t : s.tensors) {
+    manifest.push_back(t.spec);
+    digests.push_back(t.digest_v2);
+  }
+  // The baseline's manifest is validated and sorted when it is published.
+  s.version_digest_v2 = sync::VersionDigest(manifest, digests).value_or(0);
+  return s;
 }
+
+constexpr sync::DigestFormat kIdentityFormat = sync::DigestFormat::kV2;
 
 }  // namespace
 
@@ -78,11 +95,9 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   r.set_metrics_address(options_.metrics_address);
   const Snapshot baseline = ConsistentBaseline(*core_);
   r.set_version(baseline.version);
-  r.set_version_digest(baseline.version_digest);
-  r.set_digest_format(sync::DigestFormatToWire(sync::DigestFormat::kV1));
-  if (auto v2 = core_->VersionDigestOf(baseline.version, sync::DigestFormat::kV2); v2.ok()) {
-    r.set_version_digest_v2(*v2);
-  }
+  r.set_version_digest(baseline.version_digest_v2);
+  r.set_digest_format(sync::DigestFormatToWire(kIdentityFormat));
+  r.set_version_digest_v1(baseline.version_digest);
   r.set_tensors(static_cast<uint32_t>(baseline.tensors.size()));
   r.set_model_bytes(BaselineBytes(baseline.tensors));
   if (data_plane_ != nullptr) {
@@ -161,10 +176,10 @@ absl::StatusOr<v1::PublishResponse> PublisherControl::DoPublish(
   publish.cancelled = cancelled;
   publish.publish_dirs = options_.publish_dirs;
   publish.allow_degenerate = request.allow_degenerate();
-  ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(std::move(publish)));
+  REFIT_ASSIGN_OR_RETURN(const PublishSummary s, queue_->PublishFiles(std::move(publish)));
   v1::PublishResponse r;
   r.set_version(s.version);
-  r.set_version_digest(s.version_digest);
+  r.set_version_digest(s.version_digest_v2);
   r.set_tensors(static_cast<uint32_t>(s.tensors));
   r.set_bytes(s.dense_bytes);
   r.set_publish_micros(s.total_micros);
@@ -200,7 +215,8 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
         "export to ", Quoted(path), " is disabled: publisher.files.export_dir is not set"));
   }
   // Checked before the snapshot is taken; AtomicFile checks again where it writes.
-  RETURN_IF_ERROR(PathBeneath(path, options_.export_dir, "publisher.files.export_dir").status());
+  REFIT_RETURN_IF_ERROR(
+      PathBeneath(path, options_.export_dir, "publisher.files.export_dir").status());
   const Snapshot baseline = ConsistentBaseline(*core_);
   if (baseline.version == 0) {
     return absl::FailedPreconditionError("export: nothing published yet (no version to export)");
@@ -229,7 +245,7 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
   }
   v1::ExportResponse r;
   r.set_version(baseline.version);
-  r.set_version_digest(baseline.version_digest);
+  r.set_version_digest(baseline.version_digest_v2);
   r.set_tensors(static_cast<uint32_t>(baseline.tensors.size()));
   r.set_bytes(bytes);
   return r;
@@ -244,13 +260,14 @@ absl::StatusOr<v1::WaitVersionResponse> PublisherControl::DoWaitVersion(
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     return wait.NotReached(request.version(), core_->newest_version());
   }
-  RETURN_IF_ERROR(status);
+  REFIT_RETURN_IF_ERROR(status);
   if (request.all_subscribers() && data_plane_ != nullptr) {
-    RETURN_IF_ERROR(data_plane_->WaitAllAcked(request.version(), deadline));
+    REFIT_RETURN_IF_ERROR(data_plane_->WaitAllAcked(request.version(), deadline));
   }
+  const auto [version, digest] = core_->NewestVersionAndDigest(kIdentityFormat);
   v1::WaitVersionResponse r;
-  r.set_version(core_->newest_version());
-  r.set_version_digest(core_->newest_version_digest());
+  r.set_version(version);
+  r.set_version_digest(digest);
   return r;
 }
 
@@ -261,29 +278,35 @@ absl::StatusOr<v1::VerifyResponse> PublisherControl::DoVerify() const {
   }
   v1::VerifyResponse r;
   r.set_version(baseline.version);
+  // Each tensor's bytes against both recorded digests: v2, the version's identity (reported), and
+  // v1, which sessions that ask for v1 are sent.
   bool ok = true;
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
   manifest.reserve(baseline.tensors.size());
   digests.reserve(baseline.tensors.size());
   for (const BaselineTensor& t : baseline.tensors) {
-    const uint64_t actual = TensorDigest(std::span<const uint8_t>(*t.bytes),
-                                         options_.digest_threads);
+    const std::span<const uint8_t> bytes(*t.bytes);
+    const uint64_t actual = sync::TensorDigestOf(kIdentityFormat, bytes, options_.digest_threads);
+    const uint64_t actual_v1 =
+        sync::TensorDigestOf(sync::DigestFormat::kV1, bytes, options_.digest_threads);
     v1::TensorVerification* v = r.add_tensors();
     v->set_name(t.spec.name());
-    v->set_expected(t.digest);
+    v->set_expected(t.digest_v2);
     v->set_actual(actual);
-    if (actual != t.digest) {
+    if (actual != t.digest_v2 || actual_v1 != t.digest) {
       ok = false;
-      log_->error("verify: version {} tensor '{}' digest {:016x} != recorded {:016x}",
-                  baseline.version, t.spec.name(), actual, t.digest);
+      log_->error(
+          "verify: version {} tensor '{}' digest v2 {:016x} (recorded {:016x}), v1 {:016x} "
+          "(recorded {:016x})",
+          baseline.version, t.spec.name(), actual, t.digest_v2, actual_v1, t.digest);
     }
     manifest.push_back(t.spec);
     digests.push_back(actual);
   }
-  ASSIGN_OR_RETURN(const uint64_t version_digest, sync::VersionDigest(manifest, digests));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t version_digest, sync::VersionDigest(manifest, digests));
   r.set_version_digest(version_digest);
-  if (version_digest != baseline.version_digest) ok = false;
+  if (version_digest != baseline.version_digest_v2) ok = false;
   r.set_ok(ok);
   return r;
 }

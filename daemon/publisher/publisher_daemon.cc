@@ -190,7 +190,8 @@ absl::Status StartListenAndControl(const v1::PublisherConfig& config, PublisherD
   listen.address = config.listen();
   listen.tls = config.tls();
   listen.tls_field = "publisher.tls";
-  ASSIGN_OR_RETURN(listen.credentials, d.tls_->ServerCredentials(config.tls(), "publisher.tls"));
+  REFIT_ASSIGN_OR_RETURN(listen.credentials,
+                         d.tls_->ServerCredentials(config.tls(), "publisher.tls"));
   listen.services = {d.data_plane_.get()};
   if (!separate_control) listen.services.push_back(d.authorized_control_.get());
   listen.unix_mode = socket_mode;
@@ -198,18 +199,18 @@ absl::Status StartListenAndControl(const v1::PublisherConfig& config, PublisherD
   listen.max_send_bytes = -1;
   listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
   listen.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
-  ASSIGN_OR_RETURN(d.listen_, StartServer(listen));
+  REFIT_ASSIGN_OR_RETURN(d.listen_, StartServer(listen));
   if (!separate_control) return absl::OkStatus();
   ServerSpec control;
   control.name = "publisher.control_listen";
   control.address = config.control_listen();
   control.tls = config.control_tls();
   control.tls_field = "publisher.control_tls";
-  ASSIGN_OR_RETURN(control.credentials,
-                   d.tls_->ServerCredentials(config.control_tls(), "publisher.control_tls"));
+  REFIT_ASSIGN_OR_RETURN(control.credentials,
+                         d.tls_->ServerCredentials(config.control_tls(), "publisher.control_tls"));
   control.services = {d.authorized_control_.get()};
   control.unix_mode = socket_mode;
-  ASSIGN_OR_RETURN(d.control_, StartServer(control));
+  REFIT_ASSIGN_OR_RETURN(d.control_, StartServer(control));
   return absl::OkStatus();
 }
 
@@ -228,7 +229,7 @@ absl::Status StartTrainerApi(const v1::PublisherConfig& config, TrainerApiOption
   local.unix_mode = config::FileModeOr(config.local_access().socket_mode(), 0660);
   // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
   local.max_receive_bytes = 64 << 20;
-  ASSIGN_OR_RETURN(d.local_, StartServer(local));
+  REFIT_ASSIGN_OR_RETURN(d.local_, StartServer(local));
   return absl::OkStatus();
 }
 
@@ -378,8 +379,8 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
     };
   }
   auto devices = std::make_unique<DeviceCache>(std::move(open_device));
-  ASSIGN_OR_RETURN(cuda::Device* const codec_device,
-                   OpenCodecDevice(config.codec(), devices.get(), *Logger("publisher")));
+  REFIT_ASSIGN_OR_RETURN(cuda::Device* const codec_device,
+                         OpenCodecDevice(config.codec(), devices.get(), *Logger("publisher")));
   auto daemon = std::make_unique<PublisherDaemonImpl>();
   daemon->devices_ = std::move(devices);
   const std::string name = config.name().empty() ? HostName() : config.name();
@@ -394,19 +395,19 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);
 
-  ASSIGN_OR_RETURN(daemon->metrics_,
-                   metrics::DaemonMetrics::Start(v1::ROLE_PUBLISHER, "publisher.metrics",
-                                                 config.metrics()));
+  REFIT_ASSIGN_OR_RETURN(
+      daemon->metrics_,
+      metrics::DaemonMetrics::Start(v1::ROLE_PUBLISHER, "publisher.metrics", config.metrics()));
   DataPlaneOptions data_plane_options = DataPlaneOptionsOf(config, name);
   data_plane_options.metrics = daemon->metrics_.refit();
   daemon->data_plane_ =
       std::make_unique<DataPlaneService>(daemon->core_.get(), std::move(data_plane_options));
   MakeQueueAndControl(config, name, options, started, *daemon);
-  RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
+  REFIT_RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {
-    RETURN_IF_ERROR(StartTrainerApi(config, TrainerApiOptionsOf(options, *daemon), *daemon));
+    REFIT_RETURN_IF_ERROR(StartTrainerApi(config, TrainerApiOptionsOf(options, *daemon), *daemon));
   }
-  RETURN_IF_ERROR(AnnounceServing(config, name, options, *daemon));
+  REFIT_RETURN_IF_ERROR(AnnounceServing(config, name, options, *daemon));
   return std::unique_ptr<PublisherDaemon>(std::move(daemon));
 }
 

@@ -507,11 +507,11 @@ class TrainerApiCudaTest : public ::testing::TestWithParam<CudaApiParam> {
  protected:
   void SetUp() override {
     REQUIRE_EMULATOR();
-    cache_ = std::make_unique<DeviceCache>([](const cuda::DeviceSelector& selector)
-                                               -> absl::StatusOr<std::unique_ptr<cuda::Device>> {
-      ASSIGN_OR_RETURN(std::unique_ptr<cuda::Device> d, cuda::OpenDevice(selector));
-      return std::unique_ptr<cuda::Device>(new CountingDevice(std::move(d)));
-    });
+    cache_ = std::make_unique<DeviceCache>(
+        [](const cuda::DeviceSelector& selector) -> absl::StatusOr<std::unique_ptr<cuda::Device>> {
+          REFIT_ASSIGN_OR_RETURN(std::unique_ptr<cuda::Device> d, cuda::OpenDevice(selector));
+          return std::unique_ptr<cuda::Device>(new CountingDevice(std::move(d)));
+        });
     REFIT_ASSERT_OK_AND_ASSIGN(auto opened, cache_->Open({}));
     dev_ = static_cast<CountingDevice*>(opened);
     uuid_ = dev_->info().uuid;

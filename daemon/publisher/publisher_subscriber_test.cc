@@ -134,14 +134,18 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
   ASSERT_THAT(WaitVersion(*pub_control, 1, 30000, /*all=*/true), IsOk());
   REFIT_ASSERT_OK_AND_ASSIGN(auto held, WaitVersion(*sub_control, 1, 30000, false));
   EXPECT_EQ(held.version_digest(), v1r.version_digest());
-  // store.digest_v2 off (the default): a v1 session; the publisher reports both digests.
+  // store.digest_v2 on (the default): a v2 session. Both daemons report the version's identity,
+  // its v2 digest; the publisher also reports v1 for subscribers that ask for it.
   auto pub_status = GetStatus(*pub_control);
   auto sub_status = GetStatus(*sub_control);
   ASSERT_THAT(pub_status, IsOk());
   ASSERT_THAT(sub_status, IsOk());
-  EXPECT_EQ(sub_status->digest_format(), 1u);
-  EXPECT_NE(pub_status->version_digest_v2(), 0u);
-  EXPECT_NE(pub_status->version_digest_v2(), pub_status->version_digest());
+  EXPECT_EQ(sub_status->digest_format(), 2u);
+  EXPECT_EQ(pub_status->digest_format(), 2u);
+  EXPECT_EQ(sub_status->version_digest(), pub_status->version_digest());
+  EXPECT_EQ(pub_status->version_digest(), v1r.version_digest());
+  EXPECT_NE(pub_status->version_digest_v1(), 0u);
+  EXPECT_NE(pub_status->version_digest_v1(), pub_status->version_digest());
 
   w[100] ^= 1;
   WriteModel(file, w, b);

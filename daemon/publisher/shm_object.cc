@@ -132,7 +132,7 @@ absl::StatusOr<int> OpenObjectFd(const v1::ShmRegion& region, const std::string&
 absl::StatusOr<ShmObject> OpenShmObject(const v1::ShmRegion& region, const std::string& what,
                                         const std::optional<PeerCred>& peer) {
   ShmObject out;
-  ASSIGN_OR_RETURN(out.fd, OpenObjectFd(region, what, peer, &out.name));
+  REFIT_ASSIGN_OR_RETURN(out.fd, OpenObjectFd(region, what, peer, &out.name));
   FdCloser closer{out.fd};
   if (fstat(out.fd, &out.st) != 0) {
     return absl::InternalError(

@@ -70,8 +70,8 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
       return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate name (also tensor ",
                                                      it->second, ")"));
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t,
-                     MappedTensor::Map(location, what, &cuda, peer));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t,
+                           MappedTensor::Map(location, what, &cuda, peer));
     mapped.push_back(std::move(t));
   }
 
@@ -159,7 +159,7 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
   for (const OwnedTensor& t : tensors) {
     guard.push_back({t.name, t.size()});
   }
-  RETURN_IF_ERROR(queue_->CheckPublishGuard(
+  REFIT_RETURN_IF_ERROR(queue_->CheckPublishGuard(
       guard, round.allow_degenerate, absl::StrCat("version ", round.version, " from ", source)));
   absl::Status queued =
       queue_->EnqueueTensors(round.version, std::move(tensors), source, round.allow_degenerate,
@@ -233,7 +233,7 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
       // CUDA tensors: one copy each on the tensor's device.
       const std::string what = absl::StrCat(
           "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), o.name));
-      RETURN_IF_ERROR(SnapshotCuda(t, what, &o));
+      REFIT_RETURN_IF_ERROR(SnapshotCuda(t, what, &o));
     } else if (lend && t.mapped()) {
       // Sealed against shrinking and mapped: read in place by the publish.
       o.borrowed = t.bytes();
@@ -280,7 +280,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     }
     tensors = it->second.tensors;
     generation = it->second.generation;
-    ASSIGN_OR_RETURN(version, ChooseRoundVersion(request, who, &completes));
+    REFIT_ASSIGN_OR_RETURN(version, ChooseRoundVersion(request, who, &completes));
   }
 
   // The snapshot (or the loan), outside the lock: other clients take theirs at the same time.
@@ -289,7 +289,8 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   // pass may still read (gRPC ends the call on the client's side, whatever the server does),
   // and its trainer would then write under the pass. A call with a deadline gets a copy.
   const bool lend = completes && deadline == absl::InfiniteFuture();
-  ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot, TakeTensors(tensors, who, version, lend));
+  REFIT_ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot,
+                         TakeTensors(tensors, who, version, lend));
   const bool lent = std::any_of(snapshot.begin(), snapshot.end(),
                                 [](const OwnedTensor& t) { return t.keep != nullptr; });
   std::shared_ptr<InputsRelease> release =
@@ -317,7 +318,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     }
     round_->snapshots[name] = std::move(snapshot);
     round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
-    ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
+    REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
     response.set_committed(committed);
     if (!committed) {
       // A round holds lent memory only inside the call that commits it.

@@ -29,7 +29,8 @@ absl::Status CheckGpuUuid(const config::SourceMap* map, absl::string_view sectio
 absl::Status CheckPublisherDaemonConfig(const v1::PublisherConfig& config,
                                         const config::SourceMap* source_map) {
   if (config.codec().has_cuda_device_uuid()) {
-    RETURN_IF_ERROR(CheckGpuUuid(source_map, "publisher.codec", config.codec().cuda_device_uuid()));
+    REFIT_RETURN_IF_ERROR(
+        CheckGpuUuid(source_map, "publisher.codec", config.codec().cuda_device_uuid()));
   }
   return absl::OkStatus();
 }
@@ -43,7 +44,7 @@ absl::Status CheckSubscriberDaemonConfig(const v1::SubscriberConfig& config,
     return config::FieldError(source_map, "subscriber.upstream.tensors", sel.status().message());
   }
   if (config.store().has_cuda_device_uuid()) {
-    RETURN_IF_ERROR(
+    REFIT_RETURN_IF_ERROR(
         CheckGpuUuid(source_map, "subscriber.store", config.store().cuda_device_uuid()));
   }
   return absl::OkStatus();
@@ -51,46 +52,46 @@ absl::Status CheckSubscriberDaemonConfig(const v1::SubscriberConfig& config,
 
 absl::StatusOr<v1::PublisherConfig> LoadPublisherDaemonConfigFromString(
     const std::string& yaml_text, const std::string& source_name) {
-  ASSIGN_OR_RETURN(config::LoadedSection<v1::PublisherConfig> loaded,
-                   config::LoadPublisherSection(yaml_text, source_name));
-  RETURN_IF_ERROR(CheckPublisherDaemonConfig(loaded.section, &loaded.source_map));
+  REFIT_ASSIGN_OR_RETURN(config::LoadedSection<v1::PublisherConfig> loaded,
+                         config::LoadPublisherSection(yaml_text, source_name));
+  REFIT_RETURN_IF_ERROR(CheckPublisherDaemonConfig(loaded.section, &loaded.source_map));
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::SubscriberConfig> LoadSubscriberDaemonConfigFromString(
     const std::string& yaml_text, const std::string& source_name) {
-  ASSIGN_OR_RETURN(config::LoadedSection<v1::SubscriberConfig> loaded,
-                   config::LoadSubscriberSection(yaml_text, source_name));
-  RETURN_IF_ERROR(CheckSubscriberDaemonConfig(loaded.section, &loaded.source_map));
+  REFIT_ASSIGN_OR_RETURN(config::LoadedSection<v1::SubscriberConfig> loaded,
+                         config::LoadSubscriberSection(yaml_text, source_name));
+  REFIT_RETURN_IF_ERROR(CheckSubscriberDaemonConfig(loaded.section, &loaded.source_map));
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::ConfigFile> LoadDaemonConfigFileFromString(const std::string& yaml_text,
                                                               const std::string& source_name) {
-  ASSIGN_OR_RETURN(config::LoadedSection<v1::ConfigFile> loaded,
-                   config::LoadConfigFileSections(yaml_text, source_name));
+  REFIT_ASSIGN_OR_RETURN(config::LoadedSection<v1::ConfigFile> loaded,
+                         config::LoadConfigFileSections(yaml_text, source_name));
   const v1::ConfigFile& file = loaded.section;
   if (file.has_publisher()) {
-    RETURN_IF_ERROR(CheckPublisherDaemonConfig(file.publisher(), &loaded.source_map));
+    REFIT_RETURN_IF_ERROR(CheckPublisherDaemonConfig(file.publisher(), &loaded.source_map));
   }
   if (file.has_subscriber()) {
-    RETURN_IF_ERROR(CheckSubscriberDaemonConfig(file.subscriber(), &loaded.source_map));
+    REFIT_RETURN_IF_ERROR(CheckSubscriberDaemonConfig(file.subscriber(), &loaded.source_map));
   }
   return std::move(loaded.section);
 }
 
 absl::StatusOr<v1::PublisherConfig> LoadPublisherDaemonConfig(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
   return LoadPublisherDaemonConfigFromString(text, path);
 }
 
 absl::StatusOr<v1::SubscriberConfig> LoadSubscriberDaemonConfig(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
   return LoadSubscriberDaemonConfigFromString(text, path);
 }
 
 absl::StatusOr<v1::ConfigFile> LoadDaemonConfigFile(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
+  REFIT_ASSIGN_OR_RETURN(const std::string text, config::ReadSmallFile(path, "config"));
   return LoadDaemonConfigFileFromString(text, path);
 }
 

@@ -50,9 +50,9 @@ absl::Status PrepareUnixSocketPath(const ServerSpec& spec, const std::string& pa
                                                    ErrnoText(errno)));
   }
   if (!S_ISSOCK(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        spec.name, " ", Quoted(spec.address), ": ", Quoted(path),
-        " exists and is not a socket; refusing to replace it"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.name, " ", Quoted(spec.address), ": ", Quoted(path),
+                     " exists and is not a socket; refusing to replace it"));
   }
   // Is someone still serving on it?
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -144,10 +144,8 @@ std::string BoundAddress(const config::Address& address, int selected_port) {
       return address.host.find(':') != std::string::npos
                  ? absl::StrCat("[", address.host, "]:", selected_port)
                  : absl::StrCat(address.host, ":", selected_port);
-    case config::AddressKind::kUnix:
-      return absl::StrCat("unix:", address.path);
-    case config::AddressKind::kUnixAbstract:
-      return absl::StrCat("unix-abstract:", address.path);
+    case config::AddressKind::kUnix: return absl::StrCat("unix:", address.path);
+    case config::AddressKind::kUnixAbstract: return absl::StrCat("unix-abstract:", address.path);
   }
   return address.grpc_target;
 }
@@ -156,20 +154,20 @@ std::string BoundAddress(const config::Address& address, int selected_port) {
 
 absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
   if (spec.services.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(spec.name, " ", Quoted(spec.address),
-                                                   ": no services to serve"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.name, " ", Quoted(spec.address), ": no services to serve"));
   }
   absl::StatusOr<config::Address> address =
       config::ParseAddress(spec.address, config::AddressUse::kListen);
   if (!address.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(spec.name, " ", Quoted(spec.address), ": ",
-                                                   address.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.name, " ", Quoted(spec.address), ": ", address.status().message()));
   }
   if (address->kind == config::AddressKind::kUnix) {
     if (const std::string why = config::UnixSocketDirectoryProblem(*address); !why.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(spec.name, " ", spec.address, ": ", why));
     }
-    RETURN_IF_ERROR(PrepareUnixSocketPath(spec, address->path));
+    REFIT_RETURN_IF_ERROR(PrepareUnixSocketPath(spec, address->path));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       spec.credentials != nullptr ? spec.credentials
@@ -178,8 +176,7 @@ absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
     return Annotate(credentials.status(), spec.name, " ", Quoted(spec.address));
   }
   // Plaintext unix sockets are accepted by our own listener (peer credentials per call).
-  const bool own_unix =
-      address->kind == config::AddressKind::kUnix && !config::UsesTls(spec.tls);
+  const bool own_unix = address->kind == config::AddressKind::kUnix && !config::UsesTls(spec.tls);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -191,8 +188,8 @@ absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || (!own_unix && selected_port == 0)) {
     if (server != nullptr) server->Shutdown();
-    return absl::UnavailableError(absl::StrCat(spec.name, " ", Quoted(spec.address),
-                                               ": cannot bind (address in use?)"));
+    return absl::UnavailableError(
+        absl::StrCat(spec.name, " ", Quoted(spec.address), ": cannot bind (address in use?)"));
   }
   RunningServer running;
   if (own_unix) {

@@ -5,8 +5,8 @@
 //   ServerSpec spec{.name = "listen", .address = cfg.listen(), .tls = cfg.tls(),
 //                   .tls_field = "publisher.tls", .services = {&data_plane, &control},
 //                   .max_receive_bytes = frame_bytes + (1 << 20)};
-//   ASSIGN_OR_RETURN(RunningServer server, StartServer(spec));   // health service included
-//   RETURN_IF_ERROR(WriteReadyFile(path, {{"listen", server.bound_address}, ...}));
+//   REFIT_ASSIGN_OR_RETURN(RunningServer server, StartServer(spec));   // health service included
+//   REFIT_RETURN_IF_ERROR(WriteReadyFile(path, {{"listen", server.bound_address}, ...}));
 //   WaitForShutdownSignal();                                     // SIGTERM / SIGINT
 #ifndef REFIT_DAEMON_RUNTIME_DAEMON_RUNTIME_H_
 #define REFIT_DAEMON_RUNTIME_DAEMON_RUNTIME_H_

@@ -53,14 +53,14 @@ absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& f
     }
     return it->second;
   };
-  ASSIGN_OR_RETURN(std::string format, get(kMetaFormat));
+  REFIT_ASSIGN_OR_RETURN(std::string format, get(kMetaFormat));
   if (format != kFormatValue) {
     return absl::FailedPreconditionError(
         absl::StrCat(where, ": unsupported format '", format, "' (expected ", kFormatValue, ")"));
   }
-  ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
-  ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
-  ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
+  REFIT_ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
+  REFIT_ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
+  REFIT_ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
   PersistedMeta m;
   if (!absl::SimpleAtoi(version_s, &m.version) || m.version == 0) {
     return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " '", version_s, "'"));
@@ -138,13 +138,13 @@ absl::StatusOr<PersistedBaseline> ReadBaselineFile(const std::string& path,
   if (!file.ok()) {
     return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
   }
-  ASSIGN_OR_RETURN(const PersistedMeta meta, ParsePersistedMeta(*file, where));
+  REFIT_ASSIGN_OR_RETURN(const PersistedMeta meta, ParsePersistedMeta(*file, where));
   PersistedBaseline out;
   out.version = meta.version;
   out.version_digest = meta.version_digest;
   out.snapshot_unix_nanos = meta.snapshot_unix_nanos;
   out.lineage = meta.lineage;
-  ASSIGN_OR_RETURN(out.tensors, LoadPersistedTensors(*file, meta, where, threads));
+  REFIT_ASSIGN_OR_RETURN(out.tensors, LoadPersistedTensors(*file, meta, where, threads));
   return out;
 }
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
@@ -263,7 +264,9 @@ struct Staged {
   bool replaced = false;  // bytes not from the baseline: digest checked at the end
 };
 
-// `cur` after `rec` (name order), or why `rec` does not apply.
+// `cur` after `rec` (name order), or why `rec` does not apply. Each tensor's v2 digest follows
+// its bytes (the log records v1 only): carried when unchanged, brought forward by the patch's
+// delta (reading only the changed words), computed for dense bytes.
 absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
                                                 const LogRecord& rec, const std::string& where,
                                                 int threads) {
@@ -278,7 +281,7 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
     auto it = by_name.find(e.spec.name());
     const Staged* p = it != by_name.end() ? it->second : nullptr;
     const bool same = p != nullptr && sync::SameSpec(p->tensor.spec, e.spec);
-    ASSIGN_OR_RETURN(const DType dtype, sync::FromProtoDType(e.spec.dtype()));
+    REFIT_ASSIGN_OR_RETURN(const DType dtype, sync::FromProtoDType(e.spec.dtype()));
     Staged s;
     s.tensor.spec = e.spec;
     s.tensor.dtype = dtype;
@@ -297,14 +300,19 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
               absl::StrCat(what, ": a patch, but the previous version has no such tensor"));
         }
         auto out = std::make_shared<std::vector<uint8_t>>(p->tensor.bytes->size());
-        absl::Status st = ApplyPatch(*e.bytes, dtype, *p->tensor.bytes, *out, threads);
-        if (!st.ok()) return absl::DataLossError(absl::StrCat(what, ": ", st.message()));
+        absl::StatusOr<DigestV2Delta> delta =
+            ApplyPatchDigestV2(*e.bytes, dtype, *p->tensor.bytes, *out, threads);
+        if (!delta.ok()) {
+          return absl::DataLossError(absl::StrCat(what, ": ", delta.status().message()));
+        }
+        s.tensor.digest_v2 = delta->ApplyTo(p->tensor.digest_v2, out->size());
         s.tensor.bytes = std::move(out);
         s.replaced = true;
         break;
       }
       case LogTensorKind::kDense:
         s.tensor.bytes = e.bytes;
+        s.tensor.digest_v2 = TensorDigestV2(*e.bytes, threads);
         s.replaced = true;
         break;
     }
@@ -316,7 +324,7 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
     manifest.push_back(s.tensor.spec);
     digests.push_back(s.tensor.digest);
   }
-  ASSIGN_OR_RETURN(const uint64_t vdigest, sync::VersionDigest(manifest, digests));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t vdigest, sync::VersionDigest(manifest, digests));
   if (vdigest != rec.version_digest) {
     return absl::DataLossError(absl::StrCat(where, ": version digest ", Hex64(vdigest),
                                             " does not match the recorded ",
@@ -325,15 +333,18 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
   return next;
 }
 
-ReplayedVersion VersionOf(const LogRecord& rec) {
+// The version `rec` made, whose tensors are `staged` (ApplyRecord's result, rec's order).
+ReplayedVersion VersionOf(const LogRecord& rec, const std::vector<Staged>& staged) {
   ReplayedVersion v;
   v.version = rec.version;
   v.version_digest = rec.version_digest;
   v.snapshot_unix_nanos = rec.snapshot_unix_nanos;
-  for (const LogTensor& e : rec.tensors) {
+  for (size_t i = 0; i < rec.tensors.size(); ++i) {
+    const LogTensor& e = rec.tensors[i];
     sync::TensorUpdate u;
     u.spec = e.spec;
     u.digest = e.digest;
+    u.digest_v2 = staged[i].tensor.digest_v2;
     if (e.kind == LogTensorKind::kPatch) u.patch = e.bytes;
     v.updates.push_back(std::move(u));
     v.changed.emplace_back(e.spec.name(), e.changed_elements);
@@ -376,7 +387,7 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
     }
     cur = std::move(*next);
     at = rec.version;
-    out.versions.push_back(VersionOf(rec));
+    out.versions.push_back(VersionOf(rec, cur));
   }
   if (out.stopped.ok() && !log.corrupt.ok()) out.stopped = log.corrupt;
   // Every tensor whose bytes came from the log: its digest at the last replayed version.

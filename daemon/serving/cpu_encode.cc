@@ -233,10 +233,11 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   for (size_t b = 0; b < ks.size();) {
     const size_t e = BatchEnd(stream, inputs, order, ks, b);
     if (stream.live != nullptr && stream.hook != nullptr && *stream.hook) {
-      RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
+      REFIT_RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
     }
     const std::span<const size_t> batch(ks.data() + b, e - b);
-    RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, stream.defer_v1, out));
+    REFIT_RETURN_IF_ERROR(
+        EncodeBatch(options, inputs, order, bases, batch, where, stream.defer_v1, out));
     for (size_t k : batch) {
       if (stream.live == nullptr) break;
       stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);

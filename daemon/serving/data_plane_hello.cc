@@ -180,7 +180,7 @@ std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
 // nothing here.
 absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
     const v1::Hello& hello) const {
-  ASSIGN_OR_RETURN(
+  REFIT_ASSIGN_OR_RETURN(
       sync::TensorSelection selection,
       sync::TensorSelection::Make(std::vector<std::string>(hello.tensors_selected().begin(),
                                                            hello.tensors_selected().end()),
@@ -189,6 +189,7 @@ absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
   const std::vector<BaselineTensor> newest = core_->Baseline();
   if (selection.all() || newest.empty()) return selection;
   std::vector<v1::TensorSpec> manifest;
+  manifest.reserve(newest.size());
   for (const BaselineTensor& t : newest) manifest.push_back(t.spec);
   absl::Status st = selection.CheckCovered(
       manifest, absl::StrCat("version ", core_->newest_version(), " of publisher ", options_.name));

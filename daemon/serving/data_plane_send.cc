@@ -163,7 +163,7 @@ absl::Status DataPlaneService::SendFrames(SyncStream* stream,
       session->name, work->known_frames(), work->streams, work->window);
   {
     absl::MutexLock lock(&mu_);
-    if (work->streamed) RETURN_IF_ERROR(work->streamed->Extend());
+    if (work->streamed) REFIT_RETURN_IF_ERROR(work->streamed->Extend());
     work->active_streams = 1 + static_cast<int>(session->granted_stripes);
     session->work = work;
     ++session->work_seq;
@@ -192,7 +192,7 @@ absl::StatusOr<v1::VersionEnd> DataPlaneService::SendTransfer(
   work->window = session->progress
                      ? StreamWindowBytes(t->object_bytes(), streams, options_.stream_window_bytes)
                      : 0;
-  RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
+  REFIT_RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
   v1::PublisherMessage end_msg;
   *end_msg.mutable_end() = t->End(work->bytes.load());
   if (!stream->Write(end_msg)) {
@@ -244,7 +244,7 @@ absl::StatusOr<std::optional<v1::VersionEnd>> DataPlaneService::SendStreamed(
                                    : 0;
   v1::PublisherMessage header_msg;
   *header_msg.mutable_header() = live.header();
-  RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
+  REFIT_RETURN_IF_ERROR(SendFrames(stream, session, work, header_msg));
   {
     absl::MutexLock lock(&mu_);
     auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -294,8 +294,8 @@ absl::Status DataPlaneService::RunStreamed(SyncStream* stream,
   auto st = std::make_shared<StreamedTransfer>(
       live, TransferFrameBytes(expected, streams, session->frame_bytes), session->lz4);
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(const std::optional<v1::VersionEnd> end,
-                   SendStreamed(stream, session, st, streams));
+  REFIT_ASSIGN_OR_RETURN(const std::optional<v1::VersionEnd> end,
+                         SendStreamed(stream, session, st, streams));
   if (!end.has_value()) {  // aborted: no Ack comes
     // Stripe frames carry only the version number: a frame of the next transfer of this same
     // version (the committed path) could reach the subscriber before the VersionAbort on Sync
@@ -306,7 +306,7 @@ absl::Status DataPlaneService::RunStreamed(SyncStream* stream,
                                            " was aborted; the session restarts so that no "
                                            "frame of a later transfer is taken for it"));
   }
-  ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
+  REFIT_ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
   const absl::Duration took = absl::Now() - start;
   if (ack.result() == v1::ACK_RESULT_APPLIED) {
     return NoteApplied(session, live->version(), end->version_digest(), live->header(), *end, ack,
@@ -322,14 +322,14 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
     TransferOptions topts;
     uint64_t base_version = 0;
     uint64_t base_digest = 0;
-    RETURN_IF_ERROR(AwaitTurn(session, loop, &topts, &base_version, &base_digest));
+    REFIT_RETURN_IF_ERROR(AwaitTurn(session, loop, &topts, &base_version, &base_digest));
     if (std::shared_ptr<const LiveVersion> live =
             StreamableLive(*session, loop, topts, base_version, base_digest)) {
-      RETURN_IF_ERROR(RunStreamed(stream, session, live, base_version, loop));
+      REFIT_RETURN_IF_ERROR(RunStreamed(stream, session, live, base_version, loop));
       continue;
     }
     uint32_t streams = 1;
-    ASSIGN_OR_RETURN(
+    REFIT_ASSIGN_OR_RETURN(
         std::shared_ptr<const Transfer> t,
         MakeSessionTransfer(*session, base_version, base_digest, topts, &streams, loop.repair));
     if (t == nullptr) {  // nothing to send: wait for a publish (or a resync)
@@ -338,15 +338,15 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
     }
     const v1::PublisherMessage header_msg = HeaderMessage(*t, loop, topts);
     const absl::Time start = absl::Now();
-    ASSIGN_OR_RETURN(const v1::VersionEnd end,
-                     SendTransfer(stream, session, t, header_msg, streams));
-    ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
+    REFIT_ASSIGN_OR_RETURN(const v1::VersionEnd end,
+                           SendTransfer(stream, session, t, header_msg, streams));
+    REFIT_ASSIGN_OR_RETURN(const v1::Ack ack, AwaitAck(session));
     const absl::Duration took = absl::Now() - start;
     if (ack.result() == v1::ACK_RESULT_APPLIED) {
-      RETURN_IF_ERROR(NoteApplied(session, t->version(), t->plan().version_digest,
-                                  header_msg.header(), end, ack, took, loop));
+      REFIT_RETURN_IF_ERROR(NoteApplied(session, t->version(), t->plan().version_digest,
+                                        header_msg.header(), end, ack, took, loop));
     } else {
-      RETURN_IF_ERROR(NoteRejected(session, t->version(), base_version, ack, loop));
+      REFIT_RETURN_IF_ERROR(NoteRejected(session, t->version(), base_version, ack, loop));
     }
   }
 }

@@ -28,8 +28,9 @@ namespace refit::publisher {
 DataPlaneService::DataPlaneService(PublisherCore* core, DataPlaneOptions options)
     : core_(core), options_(std::move(options)), log_(Logger(options_.logger)) {
   if (options_.streamed_transfers) {
-    core_->SetLiveListener([this](std::shared_ptr<const LiveVersion> live) { OnLiveOpened(live); },
-                           [this] { OnLiveChanged(); });
+    core_->SetLiveListener(
+        [this](std::shared_ptr<const LiveVersion> live) { OnLiveOpened(std::move(live)); },
+        [this] { OnLiveChanged(); });
   }
 }
 

@@ -41,8 +41,8 @@ absl::StatusOr<std::shared_ptr<const DeviceBytes>> Upload(cuda::Device* device,
                                                           std::span<const uint8_t> host) {
   auto out = std::make_shared<DeviceBytes>();
   out->device = device;
-  ASSIGN_OR_RETURN(out->memory, device->Allocate(host.size(), kind));
-  RETURN_IF_ERROR(ToMemory(*out, host.data(), host.size()));
+  REFIT_ASSIGN_OR_RETURN(out->memory, device->Allocate(host.size(), kind));
+  REFIT_RETURN_IF_ERROR(ToMemory(*out, host.data(), host.size()));
   return std::shared_ptr<const DeviceBytes>(std::move(out));
 }
 
@@ -132,7 +132,8 @@ absl::StatusOr<bool> EncodeFusedOnDevice(const PublisherOptions& options, Device
                                          PublishSummary* sum) {
   cuda::Device* const dev = target->device;
   bool own = false;
-  ASSIGN_OR_RETURN(std::shared_ptr<const DeviceBytes> base, DeviceBase(job, *target, &own, sum));
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<const DeviceBytes> base,
+                         DeviceBase(job, *target, &own, sum));
   EncodeOptions eo;
   eo.block_log2 = options.block_log2;
   eo.format = options.patch_format;
@@ -206,21 +207,22 @@ absl::Status EncodeTensorOnDevice(const PublisherOptions& options, DeviceTensorJ
     return absl::OkStatus();
   }
   if (HostInputUnchanged(job, k, out)) return absl::OkStatus();
-  ASSIGN_OR_RETURN(std::shared_ptr<const DeviceBytes> target, DeviceTarget(options, job, t, sum));
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<const DeviceBytes> target,
+                         DeviceTarget(options, job, t, sum));
   cuda::Device* const dev = target->device;
   if (std::find(used->begin(), used->end(), dev) == used->end()) used->push_back(dev);
   std::shared_ptr<const DeviceBytes> now = std::move(target);
   if (job.same_spec) {
     std::shared_ptr<const DeviceBytes> next;
-    ASSIGN_OR_RETURN(const bool unchanged,
-                     EncodeFusedOnDevice(options, job, std::move(now), k, out, &next, sum));
+    REFIT_ASSIGN_OR_RETURN(const bool unchanged,
+                           EncodeFusedOnDevice(options, job, std::move(now), k, out, &next, sum));
     now = std::move(next);
     if (unchanged) {
       out->gpu[job.in->name] = std::move(now);
       return absl::OkStatus();
     }
   }
-  RETURN_IF_ERROR(DigestAndDownload(job, *now, job.same_spec, t, sum));
+  REFIT_RETURN_IF_ERROR(DigestAndDownload(job, *now, job.same_spec, t, sum));
   out->gpu[job.in->name] = std::move(now);
   return absl::OkStatus();
 }
@@ -278,9 +280,10 @@ absl::Status EncodeOnDevices(
       job.old_gpu = std::move(it->second);
       gpu_baseline->erase(it);
     }
-    RETURN_IF_ERROR(EncodeTensorOnDevice(options, job, k, out, &used, sum));
+    REFIT_RETURN_IF_ERROR(EncodeTensorOnDevice(options, job, k, out, &used, sum));
   }
   std::vector<std::string> names;
+  names.reserve(used.size());
   for (cuda::Device* d : used) names.push_back(d->Describe());
   sum->encode_device = names.empty() ? options.device->Describe() : absl::StrJoin(names, "; ");
   return absl::OkStatus();

@@ -26,8 +26,8 @@ void LiveVersion::Ready(uint32_t tensor_index, std::shared_ptr<const std::vector
     if (objects_.size() >= tensor_count()) return;  // each tensor once
     Object o;
     o.tensor_index = tensor_index;
-    o.keyframe = header_.tensors(static_cast<int>(tensor_index)).delivery() ==
-                 v1::DELIVERY_KEYFRAME;
+    o.keyframe =
+        header_.tensors(static_cast<int>(tensor_index)).delivery() == v1::DELIVERY_KEYFRAME;
     if (bytes != nullptr) {
       o.bytes = *bytes;
       keep_.push_back(std::move(bytes));
@@ -91,12 +91,9 @@ void LiveVersion::Fail(absl::Status why) {
 
 bool LiveVersion::settled(sync::DigestFormat format) const {
   switch (state()) {
-    case State::kEncoding:
-      return false;
-    case State::kFailed:
-      return true;
-    case State::kCommitted:
-      break;
+    case State::kEncoding: return false;
+    case State::kFailed: return true;
+    case State::kCommitted: break;
   }
   return format == sync::DigestFormat::kV2 || v1_.load(std::memory_order_acquire) != kV1Pending;
 }
@@ -112,18 +109,16 @@ absl::StatusOr<v1::VersionEnd> LiveVersion::end(sync::DigestFormat format) const
   absl::MutexLock lock(&mu_);
   if (format != sync::DigestFormat::kV2) {
     switch (v1_.load(std::memory_order_relaxed)) {
-      case kV1Ready:
-        return end_;
-      case kV1Failed:
-        return v1_failure_;
+      case kV1Ready: return end_;
+      case kV1Failed: return v1_failure_;
       default:
-        return absl::UnavailableError(absl::StrCat("streamed version ", version(),
-                                                   ": its v1 End is not made yet"));
+        return absl::UnavailableError(
+            absl::StrCat("streamed version ", version(), ": its v1 End is not made yet"));
     }
   }
   if (!end_v2_.has_value()) {
-    return absl::NotFoundError(absl::StrCat("streamed version ", version(),
-                                            " has no tensor digests v2"));
+    return absl::NotFoundError(
+        absl::StrCat("streamed version ", version(), " has no tensor digests v2"));
   }
   return *end_v2_;
 }
@@ -143,7 +138,8 @@ absl::Status StreamedTransfer::Extend() {
     c.object = live_->object(have);
     c.lz4 = c.object.keyframe && lz4_ && sync::Lz4Pays(c.object.bytes);
     c.first_frame = frames;
-    ASSIGN_OR_RETURN(const uint32_t chunks, sync::ChunkCount(c.object.bytes.size(), frame_bytes_));
+    REFIT_ASSIGN_OR_RETURN(const uint32_t chunks,
+                           sync::ChunkCount(c.object.bytes.size(), frame_bytes_));
     frames += chunks;
     object_bytes_.fetch_add(c.object.bytes.size(), std::memory_order_relaxed);
     cuts_.push_back(c);
@@ -160,8 +156,8 @@ absl::StatusOr<v1::DataFrame> StreamedTransfer::Frame(uint64_t i) const {
   const uint64_t frames = frames_.load(std::memory_order_acquire);
   const size_t n = cut_count_.load(std::memory_order_acquire);
   if (i >= frames || n == 0) {
-    return absl::OutOfRangeError(absl::StrCat("frame ", i, " of streamed version ", version(),
-                                              " does not exist yet"));
+    return absl::OutOfRangeError(
+        absl::StrCat("frame ", i, " of streamed version ", version(), " does not exist yet"));
   }
   auto it = std::upper_bound(cuts_.begin(), cuts_.begin() + static_cast<ptrdiff_t>(n), i,
                              [](uint64_t f, const Cut& c) { return f < c.first_frame; });

@@ -49,12 +49,18 @@ uint32_t GetU32(const uint8_t* p) {
 class Reader {
  public:
   explicit Reader(std::span<const uint8_t> data) : data_(data) {}
-  bool U8(uint8_t* v) { return Take(1, [&](const uint8_t* p) { *v = p[0]; }); }
+  bool U8(uint8_t* v) {
+    return Take(1, [&](const uint8_t* p) { *v = p[0]; });
+  }
   bool U16(uint16_t* v) {
     return Take(2, [&](const uint8_t* p) { *v = static_cast<uint16_t>(p[0] | p[1] << 8); });
   }
-  bool U32(uint32_t* v) { return Take(4, [&](const uint8_t* p) { *v = GetU32(p); }); }
-  bool U64(uint64_t* v) { return Take(8, [&](const uint8_t* p) { *v = GetU64(p); }); }
+  bool U32(uint32_t* v) {
+    return Take(4, [&](const uint8_t* p) { *v = GetU32(p); });
+  }
+  bool U64(uint64_t* v) {
+    return Take(8, [&](const uint8_t* p) { *v = GetU64(p); });
+  }
   bool Bytes(uint64_t n, std::span<const uint8_t>* out) {
     if (n > data_.size() - pos_) return false;
     *out = data_.subspan(pos_, n);
@@ -79,8 +85,8 @@ absl::Status WriteAll(int fd, std::span<const uint8_t> data, uint64_t offset,
                       const std::string& path) {
   size_t done = 0;
   while (done < data.size()) {
-    const ssize_t n = ::pwrite(fd, data.data() + done, data.size() - done,
-                               static_cast<off_t>(offset + done));
+    const ssize_t n =
+        ::pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       return absl::InternalError(absl::StrCat("write ", Quoted(path), ": ", ErrnoText(errno)));
@@ -95,8 +101,8 @@ absl::StatusOr<bool> ReadAt(int fd, std::span<uint8_t> data, uint64_t offset,
                             const std::string& path) {
   size_t done = 0;
   while (done < data.size()) {
-    const ssize_t n = ::pread(fd, data.data() + done, data.size() - done,
-                              static_cast<off_t>(offset + done));
+    const ssize_t n =
+        ::pread(fd, data.data() + done, data.size() - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       return absl::DataLossError(absl::StrCat("read ", Quoted(path), ": ", ErrnoText(errno)));
@@ -110,11 +116,13 @@ absl::StatusOr<bool> ReadAt(int fd, std::span<uint8_t> data, uint64_t offset,
 absl::Status SyncDir(const std::string& path) {
   const std::string dir = std::filesystem::path(path).parent_path().string();
   const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return absl::InternalError(absl::StrCat("open ", Quoted(dir), ": ", ErrnoText(errno)));
+  if (dfd < 0)
+    return absl::InternalError(absl::StrCat("open ", Quoted(dir), ": ", ErrnoText(errno)));
   const int rc = ::fsync(dfd);
   const int err = errno;
   ::close(dfd);
-  if (rc != 0) return absl::InternalError(absl::StrCat("fsync ", Quoted(dir), ": ", ErrnoText(err)));
+  if (rc != 0)
+    return absl::InternalError(absl::StrCat("fsync ", Quoted(dir), ": ", ErrnoText(err)));
   return absl::OkStatus();
 }
 
@@ -165,7 +173,8 @@ absl::StatusOr<LogTensor> DecodeTensor(Reader& in, uint32_t index, const std::st
   }
   uint64_t n = 0;
   if (!in.U64(&t.digest) || !in.U64(&t.changed_elements) || !in.U64(&n)) return bad("truncated");
-  if (absl::Status st = sync::ValidateTensorSpec(t.spec); !st.ok()) return bad(std::string(st.message()));
+  if (absl::Status st = sync::ValidateTensorSpec(t.spec); !st.ok())
+    return bad(std::string(st.message()));
   if (kind > static_cast<uint8_t>(LogTensorKind::kDense)) return bad(absl::StrCat("kind ", kind));
   t.kind = static_cast<LogTensorKind>(kind);
   const uint64_t tensor_bytes = *sync::TensorByteSize(t.spec);
@@ -232,7 +241,7 @@ absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
   }
   r.tensors.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    ASSIGN_OR_RETURN(LogTensor t, DecodeTensor(in, i, where));
+    REFIT_ASSIGN_OR_RETURN(LogTensor t, DecodeTensor(in, i, where));
     if (i > 0 && !(r.tensors.back().spec.name() < t.spec.name())) {
       return absl::DataLossError(
           absl::StrCat(where, ": tensor entry ", i, ": names not in ascending order"));
@@ -316,7 +325,7 @@ namespace {
 
 absl::StatusOr<LogHeader> ReadHeader(int fd, const std::string& path) {
   std::vector<uint8_t> h(kPatchLogHeaderBytes);
-  ASSIGN_OR_RETURN(bool full, ReadAt(fd, h, 0, path));
+  REFIT_ASSIGN_OR_RETURN(bool full, ReadAt(fd, h, 0, path));
   const auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat("patch log ", Quoted(path), ": ", why));
   };
@@ -324,7 +333,8 @@ absl::StatusOr<LogHeader> ReadHeader(int fd, const std::string& path) {
   if (std::memcmp(h.data(), kPatchLogMagic, sizeof(kPatchLogMagic)) != 0) {
     return bad("not a patch log (bad magic)");
   }
-  if (GetU64(h.data() + 32) != Hash64(std::span<const uint8_t>(h.data(), 32), kPatchLogHeaderSeed)) {
+  if (GetU64(h.data() + 32) !=
+      Hash64(std::span<const uint8_t>(h.data(), 32), kPatchLogHeaderSeed)) {
     return bad("header checksum mismatch");
   }
   if (GetU32(h.data() + 8) != kPatchLogFormat || GetU32(h.data() + 12) != 0) {
@@ -341,7 +351,7 @@ absl::StatusOr<bool> AllZero(int fd, uint64_t offset, uint64_t end, const std::s
   std::vector<uint8_t> buf(1 << 16);
   while (offset < end) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - offset));
-    ASSIGN_OR_RETURN(bool full, ReadAt(fd, std::span<uint8_t>(buf.data(), n), offset, path));
+    REFIT_ASSIGN_OR_RETURN(bool full, ReadAt(fd, std::span<uint8_t>(buf.data(), n), offset, path));
     if (!full) return true;
     if (std::any_of(buf.begin(), buf.begin() + n, [](uint8_t b) { return b != 0; })) return false;
     offset += n;
@@ -356,10 +366,10 @@ absl::StatusOr<Next> ReadFrame(int fd, uint64_t offset, uint64_t file_bytes,
                                const std::string& path, std::vector<uint8_t>* body,
                                std::string* why) {
   if (offset == file_bytes) return Next::kEnd;
-  ASSIGN_OR_RETURN(bool zeros, AllZero(fd, offset, file_bytes, path));
+  REFIT_ASSIGN_OR_RETURN(bool zeros, AllZero(fd, offset, file_bytes, path));
   if (zeros || file_bytes - offset < kPatchRecordFrameBytes) return Next::kTorn;
   uint8_t f[kPatchRecordFrameBytes];
-  ASSIGN_OR_RETURN(bool full, ReadAt(fd, f, offset, path));
+  REFIT_ASSIGN_OR_RETURN(bool full, ReadAt(fd, f, offset, path));
   if (!full) return Next::kTorn;
   if (std::memcmp(f, kPatchRecordMagic, sizeof(kPatchRecordMagic)) != 0 ||
       GetU64(f + 20) != Hash64(std::span<const uint8_t>(f, 20), kPatchRecordFrameSeed)) {
@@ -374,7 +384,7 @@ absl::StatusOr<Next> ReadFrame(int fd, uint64_t offset, uint64_t file_bytes,
   const uint64_t end = offset + kPatchRecordFrameBytes + len;
   if (end > file_bytes) return Next::kTorn;
   body->resize(len);
-  ASSIGN_OR_RETURN(full, ReadAt(fd, *body, offset + kPatchRecordFrameBytes, path));
+  REFIT_ASSIGN_OR_RETURN(full, ReadAt(fd, *body, offset + kPatchRecordFrameBytes, path));
   if (!full) return Next::kTorn;
   if (GetU64(f + 12) != Hash64(*body, kPatchRecordBodySeed)) {
     if (end == file_bytes) return Next::kTorn;  // the last record, not completely on disk
@@ -389,8 +399,10 @@ absl::StatusOr<Next> ReadFrame(int fd, uint64_t offset, uint64_t file_bytes,
 absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("patch log ", Quoted(path), " absent"));
-    return absl::DataLossError(absl::StrCat("patch log ", Quoted(path), ": cannot open: ", ErrnoText(errno)));
+    if (errno == ENOENT)
+      return absl::NotFoundError(absl::StrCat("patch log ", Quoted(path), " absent"));
+    return absl::DataLossError(
+        absl::StrCat("patch log ", Quoted(path), ": cannot open: ", ErrnoText(errno)));
   }
   struct Closer {
     int fd;
@@ -402,12 +414,12 @@ absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path) {
   }
   LogReadResult out;
   out.file_bytes = static_cast<uint64_t>(st.st_size);
-  ASSIGN_OR_RETURN(out.header, ReadHeader(fd, path));
+  REFIT_ASSIGN_OR_RETURN(out.header, ReadHeader(fd, path));
   uint64_t offset = kPatchLogHeaderBytes;
   std::vector<uint8_t> body;
   for (;;) {
     std::string why;
-    ASSIGN_OR_RETURN(Next next, ReadFrame(fd, offset, out.file_bytes, path, &body, &why));
+    REFIT_ASSIGN_OR_RETURN(Next next, ReadFrame(fd, offset, out.file_bytes, path, &body, &why));
     if (next == Next::kEnd) break;
     if (next == Next::kTorn) {
       out.torn_tail = true;
@@ -415,8 +427,9 @@ absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path) {
     }
     const std::string where = absl::StrCat("patch log ", Quoted(path), " at offset ", offset);
     absl::StatusOr<LogRecord> rec =
-        next == Next::kRecord ? DecodeLogRecordBody(body, where)
-                              : absl::StatusOr<LogRecord>(absl::DataLossError(absl::StrCat(where, ": ", why)));
+        next == Next::kRecord
+            ? DecodeLogRecordBody(body, where)
+            : absl::StatusOr<LogRecord>(absl::DataLossError(absl::StrCat(where, ": ", why)));
     if (!rec.ok()) {
       out.corrupt = rec.status();
       break;

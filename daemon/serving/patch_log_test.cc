@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/serving/baseline_persister.h"
 #include "daemon/sync/version_digest.h"
@@ -316,6 +317,51 @@ TEST(PatchLogTest, ReplayChecksLineageAndChain) {
   EXPECT_THAT(skipped.stopped, IsOk());
   EXPECT_EQ(skipped.skipped, 1u);
   EXPECT_EQ(skipped.versions.size(), 1u);
+}
+
+// The log records v1 digests only; every replayed version still gets its tensors' v2 digests
+// (a patch's delta, a dense tensor's bytes, an unchanged tensor's carried), each equal to the
+// digest of the bytes at that version, so v2 sessions at any replayed version get deltas.
+TEST(PatchLogTest, ReplayGivesEveryVersionItsDigestV2) {
+  const uint64_t lineage = 0x1122334455667788ull;
+  std::vector<uint8_t> b1(4096), b2, b3(4096);
+  for (size_t i = 0; i < b1.size(); ++i) b1[i] = static_cast<uint8_t>(i * 13 + 1);
+  b2 = b1;
+  for (size_t i = 0; i < b2.size(); i += 97) b2[i] ^= 0x21;
+  for (size_t i = 0; i < b3.size(); ++i) b3[i] = static_cast<uint8_t>(i * 5 + 9);
+  BaselineTensor base{.spec = Spec("w", {2048}), .dtype = DType::kBF16,
+                      .digest = TensorDigest(b1), .digest_v2 = TensorDigestV2(b1),
+                      .bytes = Bytes(b1)};
+  const std::vector<v1::TensorSpec> manifest = {base.spec};
+  auto record = [&](uint64_t version, LogTensorKind kind, const std::vector<uint8_t>& target,
+                    std::shared_ptr<const std::vector<uint8_t>> bytes) {
+    LogRecord r;
+    r.version = version;
+    r.base_version = version - 1;
+    r.lineage = lineage;
+    r.tensors.push_back(
+        {.spec = base.spec, .kind = kind, .digest = TensorDigest(target), .bytes = bytes});
+    r.version_digest = *sync::VersionDigest(manifest, std::vector<uint64_t>{TensorDigest(target)});
+    return r;
+  };
+  REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, b1, b2));
+  LogReadResult log;
+  log.records = {record(2, LogTensorKind::kPatch, b2, Bytes(patch)),
+                 record(3, LogTensorKind::kDense, b3, Bytes(b3)),
+                 record(4, LogTensorKind::kUnchanged, b3, nullptr)};
+  log.offsets = {kPatchLogHeaderBytes, kPatchLogHeaderBytes + 1000, kPatchLogHeaderBytes + 2000};
+  const LogReplay replay = ReplayLog({base}, 1, lineage, log, "/p/patches.log", 2);
+  ASSERT_THAT(replay.stopped, IsOk());
+  ASSERT_EQ(replay.versions.size(), 3u);
+  const uint64_t want[] = {TensorDigestV2(b2), TensorDigestV2(b3), TensorDigestV2(b3)};
+  for (size_t k = 0; k < 3; ++k) {
+    ASSERT_EQ(replay.versions[k].updates.size(), 1u);
+    ASSERT_TRUE(replay.versions[k].updates[0].digest_v2.has_value()) << "version " << k + 2;
+    EXPECT_EQ(*replay.versions[k].updates[0].digest_v2, want[k]) << "version " << k + 2;
+  }
+  ASSERT_EQ(replay.tensors.size(), 1u);
+  EXPECT_EQ(*replay.tensors[0].bytes, b3);
+  EXPECT_EQ(replay.tensors[0].digest_v2, TensorDigestV2(b3));
 }
 
 }  // namespace

@@ -54,9 +54,10 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     return core;
   }
   std::vector<std::string> removed;
-  ASSIGN_OR_RETURN(std::unique_ptr<PersistDir> dir,
-                   PersistDir::Open(options.persist_dir, &removed));
-  ASSIGN_OR_RETURN(std::unique_ptr<PublisherCore> core, OpenPersisted(options, std::move(dir)));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<PersistDir> dir,
+                         PersistDir::Open(options.persist_dir, &removed));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<PublisherCore> core,
+                         OpenPersisted(options, std::move(dir)));
   core->removed_temps_ = std::move(removed);
   return core;
 }
@@ -102,6 +103,16 @@ absl::Status PublisherCore::Reset(uint64_t lineage) {
 uint64_t PublisherCore::newest_version_digest() const {
   absl::ReaderMutexLock lock(&mu_);
   return newest_digest_;
+}
+
+std::pair<uint64_t, uint64_t> PublisherCore::NewestVersionAndDigest(
+    sync::DigestFormat format) const {
+  for (;;) {
+    const uint64_t version = newest_version();
+    if (version == 0) return {0, 0};
+    const uint64_t digest = history_.VersionDigestOf(version, format).value_or(0);
+    if (newest_version() == version) return {version, digest};  // else a publish ran: again
+  }
 }
 
 uint64_t PublisherCore::newest_snapshot_unix_nanos() const {

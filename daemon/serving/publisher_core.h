@@ -18,6 +18,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -138,21 +139,22 @@ struct PublisherOptions {
 // What Publish did (one log line per refit).
 struct PublishSummary {
   uint64_t version = 0;
-  uint64_t version_digest = 0;
+  uint64_t version_digest = 0;     // v1 (0 until the deferred v1 digests are recorded)
+  uint64_t version_digest_v2 = 0;  // v2: the version's identity (Control, Status.digest_format)
   size_t tensors = 0;
-  size_t unchanged_tensors = 0;  // same spec and bytes as the previous version
-  size_t patched_tensors = 0;    // encoded against the previous version
-  size_t keyframe_tensors = 0;   // added, or dtype/shape changed (or the first version)
-  size_t removed_tensors = 0;    // in the previous version, not in this one
+  size_t unchanged_tensors = 0;   // same spec and bytes as the previous version
+  size_t patched_tensors = 0;     // encoded against the previous version
+  size_t keyframe_tensors = 0;    // added, or dtype/shape changed (or the first version)
+  size_t removed_tensors = 0;     // in the previous version, not in this one
   uint64_t changed_elements = 0;  // encoder counts + every element of keyframe tensors
   uint64_t total_elements = 0;
   // What a subscriber at the previous version receives: patch bytes + dense bytes of the
   // keyframe tensors (before LZ4); and the dense size of the whole version.
   uint64_t wire_bytes = 0;
   uint64_t dense_bytes = 0;
-  uint64_t encode_micros = 0;   // EncodePatches, or the sum of the Device::Encode calls
-  int patch_format = 1;         // the format the patches were encoded in (EncodeOptions::format)
-  uint64_t digest_micros = 0;   // tensor digests (one pass: keyframe tensors only)
+  uint64_t encode_micros = 0;  // EncodePatches, or the sum of the Device::Encode calls
+  int patch_format = 1;        // the format the patches were encoded in (EncodeOptions::format)
+  uint64_t digest_micros = 0;  // tensor digests (one pass: keyframe tensors only)
   // CPU one pass: the read of (baseline, new bytes) that compared, encoded and digested every
   // tensor with a base (also counted in encode_micros), then the baseline update: changed
   // elements patched in place (baseline_in_place_tensors) or copy-on-write of a tensor something
@@ -171,7 +173,7 @@ struct PublishSummary {
   // shows in baseline_status() and the "persist" log.
   uint64_t persist_micros = 0;
   absl::Status persist_status;
-  uint64_t total_micros = 0;    // whole Publish
+  uint64_t total_micros = 0;  // whole Publish
   uint64_t snapshot_unix_nanos = 0;
 };
 
@@ -199,11 +201,10 @@ struct BaselineTensor {
 // Device::EncodeFused: the patch, the target's digest v2 (BaselineTensor::digest_v2) and, when
 // the publisher holds that GPU baseline alone, the baseline brought up to the target in place by
 // the changed elements (kept as the next baseline; otherwise the snapshot becomes it). A changed
-// tensor's v1 digest comes from Device::Digest and its host bytes (keyframes for new subscribers, persistence) from one D2H
-// copy of its snapshot, done here, i.e. after the TrainerApi has answered the trainer. An
-// unchanged tensor (host input: memcmp; device input: the encoder finds no changed element)
-// reuses the previous host bytes and digest.
-// Memory, with M = one copy of the model:
+// tensor's v1 digest comes from Device::Digest and its host bytes (keyframes for new subscribers,
+// persistence) from one D2H copy of its snapshot, done here, i.e. after the TrainerApi has answered
+// the trainer. An unchanged tensor (host input: memcmp; device input: the encoder finds no changed
+// element) reuses the previous host bytes and digest. Memory, with M = one copy of the model:
 //   GPU baseline device: steady state M of device memory (per GPU, for the tensors it holds) plus
 //     the codec's scratch; the host keeps M (the baseline bytes, shared with transfers in flight)
 //     plus the patch history. During a Publish the new snapshot (M, taken by the caller) exists
@@ -246,8 +247,8 @@ class PublisherCore {
   // the next version; keeps the lineage. A torn last record (a crash mid-append) is truncated
   // (logged); a corrupt record, another lineage's or one that does not chain stops the replay
   // there: the log is moved aside (patches.corrupt-<unix seconds>.log), load_error names file
-  // and offset, and the newest replayed version is compacted into a new baseline. A corrupt baseline,
-  // or one of another lineage than persist_dir/lineage, is moved aside
+  // and offset, and the newest replayed version is compacted into a new baseline. A corrupt
+  // baseline, or one of another lineage than persist_dir/lineage, is moved aside
   // (baseline.corrupt-<unix seconds>.safetensors) and the core starts empty with a new lineage:
   // baseline_status() says so (MOVED_ASIDE, the error, the new path). Without a baseline the
   // lineage is new.
@@ -279,7 +280,7 @@ class PublisherCore {
       uint64_t subscriber_version, uint64_t subscriber_version_digest,
       const TransferOptions& options = {}) const;
 
-  uint64_t newest_version() const;         // 0 when nothing is published
+  uint64_t newest_version() const;  // 0 when nothing is published
   // The highest version ever numbered in this lineage (>= newest_version(): with persistence,
   // versions published before a restart whose baseline was not persisted count too).
   uint64_t numbered_version() const;
@@ -305,7 +306,10 @@ class PublisherCore {
   // Without persistence only (a subscriber serving peers whose upstream changed lineage):
   // forgets every version and takes `lineage`. FailedPrecondition with a persist_dir.
   absl::Status Reset(uint64_t lineage);
-  uint64_t newest_version_digest() const;  // 0 when nothing is published
+  uint64_t newest_version_digest() const;  // v1; 0 when nothing is published
+  // The newest version and its version digest in `format`, read together ({0, 0} when nothing
+  // is published; digest 0 while the version has no digest in `format` yet).
+  std::pair<uint64_t, uint64_t> NewestVersionAndDigest(sync::DigestFormat format) const;
   // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
   uint64_t newest_snapshot_unix_nanos() const;
   // The newest version's tensors, name order.

@@ -79,12 +79,13 @@ absl::StatusOr<v1::VersionEnd> PublisherCore::LiveEndLocked(uint64_t prev_versio
                                                             const PublishSummary& sum,
                                                             sync::DigestFormat format) const {
   // The same digests and version digest as the committed path's End (Transfer::End).
-  ASSIGN_OR_RETURN(const uint64_t prev_digest, history_.VersionDigestOf(prev_version, format));
-  RETURN_IF_ERROR(history_.VersionDigestOf(version, format).status());
+  REFIT_ASSIGN_OR_RETURN(const uint64_t prev_digest,
+                         history_.VersionDigestOf(prev_version, format));
+  REFIT_RETURN_IF_ERROR(history_.VersionDigestOf(version, format).status());
   sync::PlanOptions po;
   po.digest_format = format;
-  ASSIGN_OR_RETURN(const sync::TransferPlan plan,
-                   history_.Plan(prev_version, prev_digest, version, po));
+  REFIT_ASSIGN_OR_RETURN(const sync::TransferPlan plan,
+                         history_.Plan(prev_version, prev_digest, version, po));
   v1::VersionEnd e = plan.End();
   e.set_version(version);
   e.set_changed_elements(sum.changed_elements);

@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
@@ -150,26 +149,18 @@ void PublisherCore::ReplayPersistedLog(const PersistDir& dir, uint64_t base_vers
 
 absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogReplay& replay) {
   if (replay.versions.empty()) return absl::OkStatus();
-  // v2 digests are not logged: the newest replayed version gets them from its bytes (one full
-  // pass); older replayed versions stay without (a v2 session at one of them gets keyframes).
+  // Every replayed version has v2 digests (the log records v1; ReplayLog brings v2 forward with
+  // the patches' deltas), so a v2 session at any of them gets a delta after the restart.
   std::vector<BaselineTensor> tensors = replay.tensors;
-  for (BaselineTensor& t : tensors) {
-    t.digest_v2 = TensorDigestV2(*t.bytes, options_.digest_threads);
-  }
   for (const ReplayedVersion& v : replay.versions) {
     std::vector<sync::TensorUpdate> updates = v.updates;
-    if (&v == &replay.versions.back()) {
-      for (sync::TensorUpdate& u : updates) {
-        const BaselineTensor* b = FindByName(tensors, u.spec.name());
-        if (b != nullptr) u.digest_v2 = b->digest_v2;
-      }
-    }
     auto added = history_.Add(v.version, std::move(updates));
     if (!added.ok() || *added != v.version_digest) {
       // Not expected (ReplayLog checked what Add checks): back to the baseline alone.
       history_.Clear();
       const std::vector<BaselineTensor> base = Baseline();
       std::vector<sync::TensorUpdate> updates;
+      updates.reserve(base.size());
       for (const BaselineTensor& t : base)
         updates.push_back({t.spec, t.digest, false, t.digest_v2, nullptr});
       if (absl::Status st = history_.Add(base_version, std::move(updates)).status(); !st.ok()) {
@@ -221,7 +212,8 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
     return absl::OkStatus();  // nothing persisted yet: start empty
   }
   const std::string where = absl::StrCat("persisted baseline ", path);
-  ASSIGN_OR_RETURN(PersistedBaseline read, ReadBaselineFile(path, where, options_.digest_threads));
+  REFIT_ASSIGN_OR_RETURN(PersistedBaseline read,
+                         ReadBaselineFile(path, where, options_.digest_threads));
   const PersistedBaseline& meta = read;
   std::vector<BaselineTensor>& tensors = read.tensors;
   std::vector<sync::TensorUpdate> updates;

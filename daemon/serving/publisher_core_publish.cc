@@ -30,7 +30,7 @@ absl::Status EncodeVersion(const PublisherOptions& options, std::span<const Tens
                            std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline,
                            const StreamPass& stream, Encoded* enc, PublishSummary* sum) {
   if (options.device != nullptr) {
-    RETURN_IF_ERROR(
+    REFIT_RETURN_IF_ERROR(
         EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum));
     return absl::OkStatus();  // v2 digests from the fused device encode (EncodeOnDevices)
   }
@@ -40,11 +40,11 @@ absl::Status EncodeVersion(const PublisherOptions& options, std::span<const Tens
   std::vector<TensorInput> downloaded;
   if (std::any_of(given.begin(), given.end(),
                   [](const TensorInput& in) { return in.device_bytes != nullptr; })) {
-    ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, sum));
+    REFIT_ASSIGN_OR_RETURN(downloaded, DownloadDeviceInputs(given, where, sum));
     inputs = downloaded;
   }
   if (!options.cpu_one_pass) {
-    RETURN_IF_ERROR(EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum));
+    REFIT_RETURN_IF_ERROR(EncodeOnCpuCopying(options, inputs, order, specs, prev, where, enc, sum));
     FillDigestsV2(options, prev, enc, sum);
     return absl::OkStatus();
   }
@@ -88,8 +88,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const std::string where = absl::StrCat("publish version ", version);
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
-  RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate, where,
-                                   &specs, &order));
+  REFIT_RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate,
+                                         where, &specs, &order));
 
   sum.snapshot_unix_nanos = NowUnixNanos();
   // Streamed transfers: sessions idle at prev_version send this version's frames as the pass
@@ -106,8 +106,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const std::optional<PublisherOptions> chosen = AutoFormatOptions(version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
-  RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs, prev,
-                                where, &gpu_baseline_, stream, &enc, &sum));
+  REFIT_RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs,
+                                      prev, where, &gpu_baseline_, stream, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
   counts.version = version;
@@ -127,8 +127,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   RecordNumbered(version);
   uint64_t lineage = 0;
   LiveEnds live_ends;
-  RETURN_IF_ERROR(RecordInHistory(version, prev_version, std::move(updates), live != nullptr, where,
-                                  &sum, &lineage, &live_ends));
+  REFIT_RETURN_IF_ERROR(RecordInHistory(version, prev_version, std::move(updates), live != nullptr,
+                                        where, &sum, &lineage, &live_ends));
   // The streamed version's End goes out before the baseline update: a subscriber's refit does
   // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
@@ -158,13 +158,13 @@ absl::Status PublisherCore::CheckPublishable(uint64_t version, uint64_t prev_ver
                                              bool allow_degenerate, const std::string& where,
                                              std::vector<v1::TensorSpec>* specs,
                                              std::vector<size_t>* order) const {
-  RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
+  REFIT_RETURN_IF_ERROR(sync::CheckVersion(version, "publish"));
   if (version <= prev_version) {
     return absl::FailedPreconditionError(
         absl::StrCat(where, ": not above the newest published version ", prev_version));
   }
   if (given.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": no tensors"));
-  RETURN_IF_ERROR(ValidateInputs(given, where, specs, order));
+  REFIT_RETURN_IF_ERROR(ValidateInputs(given, where, specs, order));
   return publisher::CheckPublishGuard(options_.publish_guard, GuardTensorsOf(prev),
                                       GuardTensorsOf(*specs), allow_degenerate, where);
 }
@@ -182,6 +182,7 @@ absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_vers
                         absl::StrCat(where, ": ", vdigest.status().message()));
   }
   sum->version_digest = *vdigest;
+  sum->version_digest_v2 = history_.VersionDigestOf(version, sync::DigestFormat::kV2).value_or(0);
   if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
   return absl::OkStatus();
 }

@@ -174,7 +174,7 @@ absl::Status CheckAdoptedDigest(const v1::VersionHeader& h, const std::vector<Ad
                                                         : a[i].update.digest);
   }
   sync::SortManifest(specs, &digests);
-  ASSIGN_OR_RETURN(const uint64_t vd, sync::VersionDigest(specs, digests));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t vd, sync::VersionDigest(specs, digests));
   if (vd != end->version_digest()) {
     return absl::DataLossError(absl::StrCat(
         where, ": the version digest of its tensors' ", sync::DigestFormatName(format),
@@ -209,7 +209,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
           where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
           " given with another dtype or shape than the version's"));
     }
-    ASSIGN_OR_RETURN(
+    REFIT_ASSIGN_OR_RETURN(
         AdoptedTensor a,
         AdoptTensor(tp, i, *objects[i], *in, FindByName(prev, tp.spec().name()), e1, e2, where));
     sum->changed_elements += a.changed;
@@ -284,7 +284,7 @@ absl::StatusOr<std::shared_ptr<LiveVersion>> PublisherCore::OpenRelayed(
   *streaming = false;
   const std::string where = absl::StrCat("relaying version ", upstream.version(), " (base ",
                                          upstream.base_version(), ")");
-  ASSIGN_OR_RETURN(v1::VersionHeader h, RelayedHeader(upstream, where));
+  REFIT_ASSIGN_OR_RETURN(v1::VersionHeader h, RelayedHeader(upstream, where));
   bool at_base = false;
   uint64_t expected = 0, base_digest = 0, base_digest_v2 = 0;
   {
@@ -338,10 +338,10 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   if (live.state() != LiveVersion::State::kCommitted) {
     return absl::FailedPreconditionError(absl::StrCat(where, ": its transfer did not complete"));
   }
-  RETURN_IF_ERROR(sync::CheckVersion(h.version(), "adopt"));
+  REFIT_RETURN_IF_ERROR(sync::CheckVersion(h.version(), "adopt"));
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
-  RETURN_IF_ERROR(ValidateInputs(given, where, &specs, &order));
+  REFIT_RETURN_IF_ERROR(ValidateInputs(given, where, &specs, &order));
   if (given.size() != live.tensor_count()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, ": ", given.size(), " tensors given, the version has ", live.tensor_count()));
@@ -355,11 +355,11 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   sum.version = h.version();
   sum.tensors = given.size();
   sum.snapshot_unix_nanos = h.snapshot_unix_nanos();
-  ASSIGN_OR_RETURN(std::vector<AdoptedTensor> adopted,
-                   AdoptTensors(live, given, specs, order, prev, e1, e2, where, &sum));
+  REFIT_ASSIGN_OR_RETURN(std::vector<AdoptedTensor> adopted,
+                         AdoptTensors(live, given, specs, order, prev, e1, e2, where, &sum));
   FillAdoptedDigests(adopted, options_.digest_threads);
-  RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e1, sync::DigestFormat::kV1, where));
-  RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e2, sync::DigestFormat::kV2, where));
+  REFIT_RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e1, sync::DigestFormat::kV1, where));
+  REFIT_RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e2, sync::DigestFormat::kV2, where));
   std::vector<sync::TensorUpdate> updates;
   VersionCounts counts;
   counts.version = h.version();
@@ -375,8 +375,8 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   RecordNumbered(h.version());  // no-op: a relay's core does not persist
   uint64_t lineage = 0;
   LiveEnds ends;
-  RETURN_IF_ERROR(RecordInHistory(h.version(), prev_version, std::move(updates), /*live=*/false,
-                                  where, &sum, &lineage, &ends));
+  REFIT_RETURN_IF_ERROR(RecordInHistory(h.version(), prev_version, std::move(updates),
+                                        /*live=*/false, where, &sum, &lineage, &ends));
   std::map<std::string, std::shared_ptr<const DeviceBytes>> no_gpu;
   std::vector<BaselineTensor> next;
   InstallVersion(

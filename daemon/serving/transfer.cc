@@ -59,7 +59,7 @@ absl::Status Transfer::AddObject(uint32_t tensor_index, uint32_t part,
   o.bytes = bytes;
   o.lz4 = lz4;
   o.first_frame = total_frames_;
-  ASSIGN_OR_RETURN(o.chunks, sync::ChunkCount(bytes.size(), frame_bytes_));
+  REFIT_ASSIGN_OR_RETURN(o.chunks, sync::ChunkCount(bytes.size(), frame_bytes_));
   total_frames_ += o.chunks;
   object_bytes_ += bytes.size();
   objects_.push_back(o);
@@ -116,20 +116,21 @@ absl::Status PublisherCore::AddTransferObjects(const std::vector<BaselineTensor>
   for (size_t i = 0; i < plan.tensors.size(); ++i, ++j) {
     const sync::TensorDelivery& d = plan.tensors[i];
     const uint32_t index = static_cast<uint32_t>(i);
-    ASSIGN_OR_RETURN(const BaselineTensor* b,
-                     PlannedBaseline(plan, index, baseline, options.plan.digest_format, &j));
+    REFIT_ASSIGN_OR_RETURN(const BaselineTensor* b,
+                           PlannedBaseline(plan, index, baseline, options.plan.digest_format, &j));
     const uint64_t elems = ElementsOf(d.plan.spec());
     t.total_elements_ += elems;
     switch (d.plan.delivery()) {
       case v1::DELIVERY_KEYFRAME:
         t.keep_.push_back(b->bytes);
         // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
-        RETURN_IF_ERROR(t.AddObject(index, 0, *b->bytes, options.lz4 && sync::Lz4Pays(*b->bytes)));
+        REFIT_RETURN_IF_ERROR(
+            t.AddObject(index, 0, *b->bytes, options.lz4 && sync::Lz4Pays(*b->bytes)));
         t.changed_elements_ += elems;
         break;
       case v1::DELIVERY_PATCH:
         for (size_t s = 0; s < d.patches.size(); ++s) {
-          RETURN_IF_ERROR(t.AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
+          REFIT_RETURN_IF_ERROR(t.AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
         }
         t.changed_elements_ += ChainChangedElements(counts, plan, d.plan.spec().name());
         break;
@@ -153,8 +154,8 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     if (newest_version_ == 0) {
       return absl::FailedPreconditionError("no version has been published yet");
     }
-    ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
-                                             newest_version_, options.plan));
+    REFIT_ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
+                                                   newest_version_, options.plan));
     baseline = baseline_;
     counts = counts_;
     t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
@@ -167,7 +168,7 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
-  RETURN_IF_ERROR(AddTransferObjects(baseline, counts, options, *t));
+  REFIT_RETURN_IF_ERROR(AddTransferObjects(baseline, counts, options, *t));
   return std::shared_ptr<const Transfer>(std::move(t));
 }
 

@@ -11,7 +11,7 @@
 namespace refit::store {
 absl::StatusOr<std::unique_ptr<CudaStore>> CudaStore::Create(Layout layout,
                                                              const CudaStoreOptions& options) {
-  RETURN_IF_ERROR(CheckOptions(options));
+  REFIT_RETURN_IF_ERROR(CheckOptions(options));
   if (options.device == nullptr) {
     return absl::InvalidArgumentError("cuda store: no device");
   }
@@ -22,9 +22,8 @@ absl::StatusOr<std::unique_ptr<CudaStore>> CudaStore::Create(Layout layout,
   for (int s = 0; s < options.slots; ++s) {
     auto a = options.device->Allocate(slot_bytes, cuda::Allocation::Kind::kDevice);
     if (!a.ok()) {
-      return absl::Status(a.status().code(),
-                          absl::StrCat("cuda store: slot ", s, " of ", options.slots, " (",
-                                       slot_bytes, " bytes each): ", a.status().message()));
+      return Annotate(a.status(), "cuda store: slot ", s, " of ", options.slots, " (", slot_bytes,
+                      " bytes each)");
     }
     auto h = options.device->ExportIpc(a->data());
     if (!h.ok()) {
@@ -48,27 +47,40 @@ CudaStore::CudaStore(Layout layout, std::vector<uint8_t*> bases, const CudaStore
 
 CudaStore::~CudaStore() = default;
 
+TensorRegion CudaStore::Region(int slot, size_t index) const {
+  TensorRegion r;
+  r.kind = TensorRegion::Kind::kCudaIpc;
+  const cuda::IpcHandle& handle = slot_handle(slot);
+  r.ipc_handle.assign(reinterpret_cast<const char*>(handle.data()), handle.size());
+  const cuda::Uuid& uuid = device().info().uuid;
+  r.device_uuid.assign(reinterpret_cast<const char*>(uuid.data()), uuid.size());
+  r.offset = TensorOffset(index);
+  r.size_bytes = layout().tensor(index).size_bytes;
+  r.allocation_bytes = allocation_bytes();
+  return r;
+}
+
 absl::Status DeviceMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
-  RETURN_IF_ERROR(CheckSameSize(dst.size(), src.size(), "device copy"));
+  REFIT_RETURN_IF_ERROR(CheckSameSize(dst.size(), src.size(), "device copy"));
   if (dst.empty() || dst.data() == src.data()) return absl::OkStatus();
   return device_->CopyOnDevice(dst.data(), src.data(), dst.size());
 }
 
 absl::Status DeviceMemory::Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) {
-  RETURN_IF_ERROR(CheckSameSize(dst.size(), host.size(), "upload"));
+  REFIT_RETURN_IF_ERROR(CheckSameSize(dst.size(), host.size(), "upload"));
   if (dst.empty()) return absl::OkStatus();
   return device_->CopyToDevice(dst.data(), host.data(), dst.size());
 }
 
 absl::Status DeviceMemory::Download(std::span<uint8_t> host, std::span<const uint8_t> src) {
-  RETURN_IF_ERROR(CheckSameSize(host.size(), src.size(), "download"));
+  REFIT_RETURN_IF_ERROR(CheckSameSize(host.size(), src.size(), "download"));
   if (host.empty()) return absl::OkStatus();
   return device_->CopyToHost(host.data(), src.data(), host.size());
 }
 
 absl::Status DeviceMemory::Apply(std::span<const uint8_t> patch, DType dtype,
                                  std::span<const uint8_t> base, std::span<uint8_t> out) {
-  RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
+  REFIT_RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
   return device_->Apply(patch, dtype, base.data(), out.data(), out.size());
 }
 
@@ -84,7 +96,7 @@ absl::StatusOr<DigestV2Delta> DeviceMemory::ApplyDigestV2(std::span<const uint8_
                                                           DType dtype,
                                                           std::span<const uint8_t> base,
                                                           std::span<uint8_t> out) {
-  RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
+  REFIT_RETURN_IF_ERROR(CheckSameSize(out.size(), base.size(), "apply"));
   return device_->ApplyDigestV2(patch, dtype, base.data(), out.data(), out.size());
 }
 
@@ -102,7 +114,7 @@ StoreFactory DeviceStoreFactory(cuda::Device* device) {
     CudaStoreOptions o;
     static_cast<StoreOptions&>(o) = options;
     o.device = device;
-    ASSIGN_OR_RETURN(std::unique_ptr<CudaStore> created, CudaStore::Create(layout, o));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<CudaStore> created, CudaStore::Create(layout, o));
     return std::shared_ptr<SlottedStore>(std::move(created));
   };
 }

@@ -152,6 +152,7 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
   }
   auto* base = static_cast<uint8_t*>(map);
   std::vector<uint8_t*> bases;
+  bases.reserve(static_cast<size_t>(options.slots));
   for (int s = 0; s < options.slots; ++s) bases.push_back(base + static_cast<uint64_t>(s) * slot_bytes);
   return std::unique_ptr<ShmStore>(
       new ShmStore(std::move(layout), std::move(bases), options, fd, base, total, backing, sealed,
@@ -177,13 +178,22 @@ ShmStore::~ShmStore() {
 
 std::string ShmStore::ProcPath() const { return absl::StrCat("/proc/", getpid(), "/fd/", fd_); }
 
+TensorRegion ShmStore::Region(int slot, size_t index) const {
+  TensorRegion r;
+  r.kind = TensorRegion::Kind::kFile;
+  r.path = ProcPath();
+  r.offset = TensorOffset(slot, index);
+  r.size_bytes = layout().tensor(index).size_bytes;
+  return r;
+}
+
 StoreFactory HostStoreFactory(ShmStoreOptions host) {
   return [host = std::move(host)](
              const Layout& layout,
              const StoreOptions& options) -> absl::StatusOr<std::shared_ptr<SlottedStore>> {
     ShmStoreOptions o = host;
     static_cast<StoreOptions&>(o) = options;
-    ASSIGN_OR_RETURN(std::unique_ptr<ShmStore> created, ShmStore::Create(layout, o));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ShmStore> created, ShmStore::Create(layout, o));
     return std::shared_ptr<SlottedStore>(std::move(created));
   };
 }

@@ -358,7 +358,7 @@ absl::Status SlottedStore::CheckOpenRefreshLocked(const RefreshHandle& handle,
 
 absl::Status SlottedStore::CompleteRefresh(const RefreshHandle& handle) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "completing the refresh"));
+  REFIT_RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "completing the refresh"));
   slots_[open_refresh_slot_] = Slot{SlotStatus::State::kStandby, handle.to_version};
   open_refresh_id_ = 0;
   open_refresh_slot_ = -1;
@@ -367,7 +367,7 @@ absl::Status SlottedStore::CompleteRefresh(const RefreshHandle& handle) {
 
 absl::Status SlottedStore::AbortRefresh(const RefreshHandle& handle) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "aborting the refresh"));
+  REFIT_RETURN_IF_ERROR(CheckOpenRefreshLocked(handle, "aborting the refresh"));
   slots_[open_refresh_slot_] = Slot{};  // empty: a failed apply may have torn it
   open_refresh_id_ = 0;
   open_refresh_slot_ = -1;
@@ -428,7 +428,7 @@ absl::Status SlottedStore::CheckOpenUpdateLocked(const UpdateHandle& handle,
 
 absl::Status SlottedStore::CommitUpdate(const UpdateHandle& handle) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "committing the update"));
+  REFIT_RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "committing the update"));
   slots_[current_slot_] = Slot{SlotStatus::State::kHeld, handle.version};
   newest_committed_ = handle.version;
   open_update_id_ = 0;
@@ -438,7 +438,7 @@ absl::Status SlottedStore::CommitUpdate(const UpdateHandle& handle) {
 
 absl::Status SlottedStore::AbortUpdate(const UpdateHandle& handle, bool restored) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "aborting the update"));
+  REFIT_RETURN_IF_ERROR(CheckOpenUpdateLocked(handle, "aborting the update"));
   if (restored) {
     slots_[current_slot_] = Slot{SlotStatus::State::kHeld, open_update_from_};
   } else {
@@ -521,7 +521,7 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
     }
   }
   const std::string key(quota_key);
-  RETURN_IF_ERROR(CheckLeaseLimitsLocked(consumer, key));
+  REFIT_RETURN_IF_ERROR(CheckLeaseLimitsLocked(consumer, key));
   uint64_t id = 0;
   while (id == 0 || leases_.count(id) != 0) id = absl::Uniform<uint64_t>(bitgen_);
   LeaseRec rec{std::string(consumer), key, slots_[slot].version, slot,

@@ -70,9 +70,9 @@ absl::Status TensorMemory::WriteChangesOfTensors(std::span<const std::span<uint8
                                                    " change sets for ", data.size(), " tensors"));
   }
   for (size_t i = 0; i < sets.size(); ++i) {
-    RETURN_IF_ERROR(CheckChanges(*sets[i], sets[i]->dtype, data[i].size()));
+    REFIT_RETURN_IF_ERROR(CheckChanges(*sets[i], sets[i]->dtype, data[i].size()));
   }
-  for (size_t i = 0; i < sets.size(); ++i) RETURN_IF_ERROR(WriteChanges(data[i], *sets[i]));
+  for (size_t i = 0; i < sets.size(); ++i) REFIT_RETURN_IF_ERROR(WriteChanges(data[i], *sets[i]));
   return absl::OkStatus();
 }
 

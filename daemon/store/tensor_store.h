@@ -183,6 +183,22 @@ struct SlotStatus {
   int leases = 0;        // unexpired leases on this slot
 };
 
+// Where another process finds one tensor of one slot (the consumer API's TensorLocation).
+struct TensorRegion {
+  enum class Kind {
+    kNone,     // the store cannot share its memory
+    kFile,     // host memory: `path`, opened read-only and mapped
+    kCudaIpc,  // device memory: the slot's allocation, opened on the GPU `device_uuid`
+  };
+  Kind kind = Kind::kNone;
+  uint64_t offset = 0;  // bytes from the start of the file / allocation
+  uint64_t size_bytes = 0;
+  std::string path;               // kFile
+  std::string ipc_handle;         // kCudaIpc: the allocation's IPC handle (its bytes)
+  std::string device_uuid;        // kCudaIpc: the GPU's UUID (16 bytes)
+  uint64_t allocation_bytes = 0;  // kCudaIpc: the allocation's size
+};
+
 class TensorStore {
  public:
   virtual ~TensorStore() = default;
@@ -256,6 +272,9 @@ class TensorStore {
   virtual absl::Status ReleaseLease(uint64_t lease_id) = 0;
 
   virtual std::vector<SlotStatus> Slots() const = 0;
+
+  // Where tensor `index` (layout order) of `slot` is for a consumer process; kNone by default.
+  virtual TensorRegion Region(int slot, size_t index) const { return TensorRegion(); }
 };
 
 }  // namespace refit::store

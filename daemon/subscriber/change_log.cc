@@ -72,7 +72,7 @@ absl::StatusOr<VersionChanges> ChangeLog::Changes(uint64_t from, uint64_t to) co
     for (const TensorChangeEntry& t : log_[i].tensors) {
       auto [it, inserted] = composed.emplace(t.name, t);
       if (inserted) continue;
-      ASSIGN_OR_RETURN(it->second.changes, ComposeChanges(it->second.changes, t.changes));
+      REFIT_ASSIGN_OR_RETURN(it->second.changes, ComposeChanges(it->second.changes, t.changes));
       it->second.digest = t.digest;
     }
   }

@@ -64,10 +64,11 @@ absl::StatusOr<std::unique_ptr<ExportedChanges>> ExportedChanges::Create(
     out->set_count(c.count());
     out->set_digest(t.digest);
     out->set_positions_offset(at);
-    RETURN_IF_ERROR(WriteAll(e->fd_, c.positions.data(), c.positions.size() * sizeof(uint64_t), at));
+    REFIT_RETURN_IF_ERROR(
+        WriteAll(e->fd_, c.positions.data(), c.positions.size() * sizeof(uint64_t), at));
     at = AlignUp(at + c.positions.size() * sizeof(uint64_t));
     out->set_values_offset(at);
-    RETURN_IF_ERROR(WriteAll(e->fd_, c.values.data(), c.values.size(), at));
+    REFIT_RETURN_IF_ERROR(WriteAll(e->fd_, c.values.data(), c.values.size(), at));
     at = AlignUp(at + c.values.size());
   }
   const uint64_t size = std::max<uint64_t>(at, kAlign);  // never an empty object
@@ -102,8 +103,9 @@ absl::StatusOr<v1::ChangeSet> ExportCache::Get(const ChangeLog& log, uint64_t fr
     entries_.push_back(std::move(e));
     return entries_.back().exported->message();
   }
-  ASSIGN_OR_RETURN(VersionChanges changes, log.Changes(from, to));
-  ASSIGN_OR_RETURN(std::unique_ptr<ExportedChanges> exported, ExportedChanges::Create(changes));
+  REFIT_ASSIGN_OR_RETURN(VersionChanges changes, log.Changes(from, to));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ExportedChanges> exported,
+                         ExportedChanges::Create(changes));
   entries_.push_back(Entry{from, to, now, std::move(exported)});
   ExpireLocked(now);
   return entries_.back().exported->message();

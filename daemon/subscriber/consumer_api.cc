@@ -11,8 +11,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/peer_cred.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/store/cuda_store.h"
-#include "daemon/store/shm_store.h"
+#include "daemon/store/tensor_store.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {
@@ -97,10 +96,6 @@ std::string ConsumerIdentity(const std::optional<PeerCred>& peer, absl::string_v
   return absl::StrCat("consumer \"", consumer, "\"");
 }
 
-namespace {
-
-}  // namespace
-
 v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease) {
   v1::Layout out;
   out.set_version(lease.lease.version);
@@ -109,9 +104,6 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
   }
-  const auto* shm_store = dynamic_cast<const store::ShmStore*>(lease.store.get());
-  const auto* cuda_store = dynamic_cast<const store::CudaStore*>(lease.store.get());
-  const std::string path = shm_store != nullptr ? shm_store->ProcPath() : std::string();
   const store::Layout& layout = lease.store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
@@ -120,22 +112,21 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     spec->set_name(ti.name);
     spec->set_dtype(sync::ToProtoDType(ti.dtype));
     for (uint64_t d : ti.shape) spec->add_shape(d);
-    if (cuda_store != nullptr) {
+    const store::TensorRegion region = lease.store->Region(lease.lease.slot, i);
+    if (region.kind == store::TensorRegion::Kind::kCudaIpc) {
       // The leased slot's allocation; the consumer opens it on the GPU with this UUID, whatever
       // that GPU's ordinal is in its own process.
       v1::CudaIpcRegion* ipc = loc->mutable_cuda_ipc();
-      const cuda::IpcHandle& handle = cuda_store->slot_handle(lease.lease.slot);
-      ipc->set_ipc_handle(handle.data(), handle.size());
-      const cuda::Uuid& uuid = cuda_store->device().info().uuid;
-      ipc->set_device_uuid(uuid.data(), uuid.size());
-      ipc->set_offset(cuda_store->TensorOffset(i));
-      ipc->set_size_bytes(ti.size_bytes);
-      ipc->set_allocation_bytes(cuda_store->allocation_bytes());
-    } else if (shm_store != nullptr) {
+      ipc->set_ipc_handle(region.ipc_handle);
+      ipc->set_device_uuid(region.device_uuid);
+      ipc->set_offset(region.offset);
+      ipc->set_size_bytes(region.size_bytes);
+      ipc->set_allocation_bytes(region.allocation_bytes);
+    } else if (region.kind == store::TensorRegion::Kind::kFile) {
       v1::ShmRegion* shm = loc->mutable_shm();
-      shm->set_path(path);
-      shm->set_offset(shm_store->TensorOffset(lease.lease.slot, i));
-      shm->set_size_bytes(ti.size_bytes);
+      shm->set_path(region.path);
+      shm->set_offset(region.offset);
+      shm->set_size_bytes(region.size_bytes);
     }
     auto it = digests.find(ti.name);
     if (it != digests.end()) loc->set_digest(it->second);

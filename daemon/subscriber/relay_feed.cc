@@ -42,8 +42,9 @@ absl::Status RelayFeed::ExpectObjectsLocked(const v1::VersionHeader& upstream) {
       continue;
     }
     // A relayable transfer has one object per tensor (OpenRelayed refused chains).
-    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects, sync::ObjectsOf(tp, index));
-    for (sync::ObjectSpec& spec : objects) RETURN_IF_ERROR(assembler_->Expect(std::move(spec)));
+    REFIT_ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects, sync::ObjectsOf(tp, index));
+    for (sync::ObjectSpec& spec : objects)
+      REFIT_RETURN_IF_ERROR(assembler_->Expect(std::move(spec)));
   }
   return absl::OkStatus();
 }

@@ -149,7 +149,7 @@ absl::Status ShardJoin::OnHeader(uint32_t k, const v1::VersionHeader& header) {
   absl::MutexLock lock(&mu_);
   Part& p = parts_[k];
   if (p.interrupted) return absl::CancelledError(absl::StrCat(Shard(k), ": session ending"));
-  RETURN_IF_ERROR(CheckPartHeader(k, header));
+  REFIT_RETURN_IF_ERROR(CheckPartHeader(k, header));
   p.header = header;
   p.state = PartState::kWaiting;
   p.transfer_wire_bytes = 0;
@@ -315,7 +315,7 @@ absl::Status ShardJoin::StreamTensorLocked(uint32_t part, uint32_t joined_index,
 absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
     std::vector<v1::DataFrame>& synthetic) {
   v1::VersionHeader out;
-  RETURN_IF_ERROR(JoinHeaderFieldsLocked(out));
+  REFIT_RETURN_IF_ERROR(JoinHeaderFieldsLocked(out));
   struct Entry {
     const v1::TensorPlan* plan;
     uint32_t part;
@@ -344,7 +344,8 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
     v1::TensorPlan* tp = out.add_tensors();
     *tp = *e.plan;
     if (out.streamed() && !parts_[e.part].header->streamed()) {
-      RETURN_IF_ERROR(StreamTensorLocked(e.part, static_cast<uint32_t>(j), out, *tp, synthetic));
+      REFIT_RETURN_IF_ERROR(
+          StreamTensorLocked(e.part, static_cast<uint32_t>(j), out, *tp, synthetic));
     }
   }
   out.set_lineage(JoinedLineageLocked(out.version()));

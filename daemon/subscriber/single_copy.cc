@@ -18,7 +18,7 @@ absl::StatusOr<std::span<const uint8_t>> HostHeld(store::TensorMemory& memory,
                                                   std::vector<uint8_t>& scratch) {
   if (memory.host_accessible()) return held;
   scratch.resize(held.size());
-  RETURN_IF_ERROR(memory.Download(scratch, held));
+  REFIT_RETURN_IF_ERROR(memory.Download(scratch, held));
   return std::span<const uint8_t>(scratch);
 }
 
@@ -43,7 +43,7 @@ absl::StatusOr<SingleCopyTensor> StageSingleCopyTensor(store::TensorMemory& memo
   if (in.held_digest.has_value()) {
     out.digest = *in.held_digest;
   } else {
-    ASSIGN_OR_RETURN(out.digest, memory.DigestV2(in.held));
+    REFIT_ASSIGN_OR_RETURN(out.digest, memory.DigestV2(in.held));
     out.held_digest_read = true;
   }
   const int w = DTypeSize(in.dtype);
@@ -52,15 +52,15 @@ absl::StatusOr<SingleCopyTensor> StageSingleCopyTensor(store::TensorMemory& memo
   if (in.kind == SingleCopyInput::Kind::kUnchanged) return out;
 
   std::vector<uint8_t> held_scratch;
-  ASSIGN_OR_RETURN(std::span<const uint8_t> held, HostHeld(memory, in.held, held_scratch));
+  REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> held, HostHeld(memory, in.held, held_scratch));
   if (in.kind == SingleCopyInput::Kind::kKeyframe) {
     if (in.keyframe.size() != bytes) {
       return absl::InvalidArgumentError(absl::StrCat("keyframe has ", in.keyframe.size(),
                                                      " bytes, the tensor ", bytes));
     }
-    ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, in.keyframe, threads));
+    REFIT_ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, in.keyframe, threads));
   } else if (in.patches.size() == 1) {
-    ASSIGN_OR_RETURN(out.changes, ChangesOfPatch(in.patches[0], in.dtype, held, threads));
+    REFIT_ASSIGN_OR_RETURN(out.changes, ChangesOfPatch(in.patches[0], in.dtype, held, threads));
   } else {
     // A chain: its intermediate versions are needed in full to decode the next step.
     std::vector<uint8_t> target(held.begin(), held.end());
@@ -70,7 +70,7 @@ absl::StatusOr<SingleCopyTensor> StageSingleCopyTensor(store::TensorMemory& memo
         return Annotate(st, "patch step ", p);
       }
     }
-    ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, target, threads));
+    REFIT_ASSIGN_OR_RETURN(out.changes, ChangesBetween(in.dtype, held, target, threads));
   }
   out.digest = out.changes.digest_delta.ApplyTo(out.digest, bytes);
   return out;

@@ -63,12 +63,10 @@ absl::Status SubscriberCore::PlanSingleCopyLocked(Transfer& t, const store::Layo
   // manifest change.
   auto created = CreateStoreLocked(layout);
   if (!created.ok()) {
-    return absl::Status(created.status().code(),
-                        absl::StrCat("header for version ", v, ": its keyframes and patch chains need ",
-                                     scratch, " bytes of staging, above store.single_copy_staging_bytes (",
-                                     options_.single_copy_staging_bytes,
-                                     "), and a second store cannot be created: ",
-                                     created.status().message()));
+    return Annotate(created.status(), "header for version ", v,
+                    ": its keyframes and patch chains need ", scratch,
+                    " bytes of staging, above store.single_copy_staging_bytes (",
+                    options_.single_copy_staging_bytes, "), and a second store cannot be created");
   }
   t.target = std::move(*created);
   t.new_generation = true;
@@ -80,8 +78,8 @@ absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLoc
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   const uint64_t applied = applied_version();
   // The daemon's own lease pins the held spans while they are read (released before the pause).
-  ASSIGN_OR_RETURN(store::Lease held,
-                   t.target->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration()));
+  REFIT_ASSIGN_OR_RETURN(store::Lease held, t.target->AcquireLease(options_.self_consumer, applied,
+                                                                   absl::InfiniteDuration()));
   std::optional<SlotDigests> digests;
   if (auto it = slot_digests_.find(held.slot);
       it != slot_digests_.end() && it->second.version == applied) {
@@ -166,10 +164,8 @@ absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(Transfer& t
                                              "waiting for the consumers to release the held version"));
   }
   if (!h.ok()) {
-    return absl::Status(h.status().code(),
-                        absl::StrCat("version ", v, " is verified but waited ",
-                                     absl::FormatDuration(options_.pause_wait),
-                                     " for the consumers' pause: ", h.status().message()));
+    return Annotate(h.status(), "version ", v, " is verified but waited ",
+                    absl::FormatDuration(options_.pause_wait), " for the consumers' pause");
   }
   blocked_.reset();
   return h;

@@ -70,7 +70,7 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
       ++t.stats.tensors_keyframe;
       t.v2[i].reset();
       if (t.in_slot[i]) return absl::OkStatus();
-      ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
+      REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
       return mem.Upload(out, obj);
     }
     case v1::DELIVERY_UNCHANGED: {
@@ -90,7 +90,7 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
       if (!in_place) t.stats.bytes_copied += out.size();
       if (t.header.streamed()) {
         // A zero-byte object: the tensor is unchanged (data.proto VersionHeader.streamed).
-        ASSIGN_OR_RETURN(std::span<const uint8_t> patch, t.assembler->Object(ti, 0));
+        REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> patch, t.assembler->Object(ti, 0));
         if (patch.empty()) {
           if (in_place) return absl::OkStatus();
           if (t.Base(i).size() != out.size()) return absl::InternalError("base size differs");
@@ -98,8 +98,8 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
         }
       }
       for (int p = 0; p < tp.steps_size(); ++p) {
-        ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
-                         t.assembler->Object(ti, static_cast<uint32_t>(p)));
+        REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
+                               t.assembler->Object(ti, static_cast<uint32_t>(p)));
         const bool from_base = p == 0 && !in_place;
         if (from_base) t.v2[i].reset();  // the base's digest is not tracked: full at verify
         absl::Status st =
@@ -150,7 +150,7 @@ absl::Status SubscriberCore::StageOneLocked(Transfer& t, size_t i) {
   if (in_place && !t.caught_up[i] &&
       t.header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
     t.caught_up[i] = true;
-    RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
+    REFIT_RETURN_IF_ERROR(CatchUpTensorLocked(t, i, *t.chain));
   }
   return StageTensorLocked(t, i, in_place);
 }

@@ -103,7 +103,7 @@ absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
     std::optional<uint64_t>& digest = li < job.digests.size() ? job.digests[li] : unknown;
     if (!kept) {
       ++job.stats.tensors_copied;
-      RETURN_IF_ERROR(mem.Copy(out, job.handle.current[li]));
+      REFIT_RETURN_IF_ERROR(mem.Copy(out, job.handle.current[li]));
       digest = li < job.current_digests.size() ? job.current_digests[li] : std::nullopt;
       continue;
     }

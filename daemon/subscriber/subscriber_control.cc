@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/subscriber/version_export.h"
 #include "daemon/sync/version_digest.h"
 #include "refit/version.h"
 
@@ -25,7 +26,7 @@ uint64_t ToMs(absl::Duration d) {
   return static_cast<uint64_t>(absl::ToInt64Milliseconds(d));
 }
 
-grpc::Status Error(absl::StatusCode code, std::string message) {
+grpc::Status Error(absl::StatusCode code, absl::string_view message) {
   return ToGrpcStatus(absl::Status(code, message));
 }
 
@@ -124,7 +125,7 @@ grpc::Status SubscriberControlService::Export(grpc::ServerContext* context,
   }
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
-  absl::StatusOr<ExportSummary> summary = core_->ExportVersion(path, version, write);
+  absl::StatusOr<ExportSummary> summary = ExportVersion(*core_, path, version, write);
   if (!summary.ok()) return ToGrpcStatus(summary.status());
   response->set_version(summary->version);
   response->set_version_digest(summary->version_digest);

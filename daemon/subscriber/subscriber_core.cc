@@ -152,7 +152,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
         absl::StrCat("header for version ", v, ": the transfer of version ",
                      transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
   }
-  ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
+  REFIT_ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
   auto t = std::make_unique<Transfer>();
   t->header = header;
   t->start = absl::Now();
@@ -161,9 +161,9 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
   t->format = digest_format_;
   t->v2.assign(static_cast<size_t>(header.tensors_size()), std::nullopt);
   bool needs_base = false;
-  ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
-  RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
-  RETURN_IF_ERROR(PlanSingleCopyLocked(*t, layout, needs_base));
+  REFIT_ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
+  REFIT_RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
+  REFIT_RETURN_IF_ERROR(PlanSingleCopyLocked(*t, layout, needs_base));
   if (t->repair && t->new_generation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "header for version ", v, ": a repair must have the applied version's manifest"));
@@ -290,7 +290,7 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
         absl::Hex(applied_digest()), ", not ", absl::Hex(verified.version_digest)));
   }
   const int slot = t.handle->slot;
-  RETURN_IF_ERROR(t.target->Commit(*t.handle));
+  REFIT_RETURN_IF_ERROR(t.target->Commit(*t.handle));
   t.handle.reset();
   if (t.new_generation) slot_digests_.clear();  // slots of the old store
   if (t.format == sync::DigestFormat::kV2) {
@@ -477,6 +477,31 @@ absl::StatusOr<SubscriberLease> SubscriberCore::AcquireLease(absl::string_view c
   auto lease = store_->AcquireLease(consumer, version, ttl, quota_key);
   if (!lease.ok()) return lease.status();
   return SubscriberLease{generation_, store_, std::move(*lease)};
+}
+
+absl::StatusOr<SubscriberLease> SubscriberCore::LeaseHeldVersion(absl::string_view purpose,
+                                                                 std::optional<uint64_t> version) {
+  absl::MutexLock lock(&mu_);
+  // The stores that may hold the version: the current one first, then retired generations.
+  std::vector<std::pair<uint64_t, std::shared_ptr<store::SlottedStore>>> stores;
+  if (store_ != nullptr) stores.emplace_back(generation_, store_);
+  for (const Retired& r : retired_) stores.emplace_back(r.generation, r.store);
+  if (stores.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(purpose, ": no version applied yet"));
+  }
+  const std::string consumer = absl::StrCat(options_.self_consumer, "/", purpose);
+  for (const auto& [generation, candidate] : stores) {
+    // ttl: capped at the store's max TTL.
+    absl::StatusOr<store::Lease> lease =
+        candidate->AcquireLease(consumer, version, absl::InfiniteDuration());
+    if (lease.ok()) return SubscriberLease{generation, candidate, std::move(*lease)};
+    if (!version.has_value() || lease.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return Annotate(lease.status(), purpose);
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat(purpose, ": version ", *version,
+                                                    " is not held any more (applied version ",
+                                                    applied_version(), ")"));
 }
 
 absl::Status SubscriberCore::ReleaseLease(uint64_t lease_id) {

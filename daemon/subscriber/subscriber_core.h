@@ -43,7 +43,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/common/safe_file.h"
 #include "daemon/store/slotted_store.h"
 #include "daemon/store/store_factory.h"
 #include "daemon/subscriber/change_log.h"
@@ -182,14 +181,6 @@ struct VersionRecord {
   std::vector<v1::TensorDigest> tensors;
 };
 
-// What Export wrote.
-struct ExportSummary {
-  uint64_t version = 0;
-  uint64_t version_digest = 0;
-  uint32_t tensors = 0;
-  uint64_t bytes = 0;  // sum of the tensors' sizes
-};
-
 // A version waiting for a free slot because consumers' leases hold every other one (Control
 // Status blocked_on_leases).
 struct LeaseBlock {
@@ -266,17 +257,13 @@ class SubscriberCore {
   // Digests of the applied version's tensors, manifest order (Hello.tensors).
   std::vector<v1::TensorDigest> applied_tensor_digests() const;
 
-  // Writes the applied version as a safetensors file: tensors in name order, no metadata
-  // (WriteSafetensors: atomic). FAILED_PRECONDITION before the first commit. Reads under a lease,
-  // so it may run concurrently with a transfer.
-  absl::Status Export(const std::string& path);
-  // Export of `version` (nullopt: the applied one), found in the current generation or a retired
-  // one still alive, held under a lease while writing. FAILED_PRECONDITION when nothing is
-  // applied or `version` is not held any more. `write` confines and sets the mode of the file
-  // (SafeWriteOptions; the default writes `path` as given, mode 0600).
-  absl::StatusOr<ExportSummary> ExportVersion(const std::string& path,
-                                              std::optional<uint64_t> version = std::nullopt,
-                                              const SafeWriteOptions& write = {});
+  // The core's own lease (consumer "<self_consumer>/<purpose>", no quota, the store's longest
+  // TTL) on `version` (nullopt: the applied one), found in the current generation or a retired
+  // one still alive: how code outside the core reads a held version (version_export.h).
+  // FAILED_PRECONDITION when nothing is applied or `version` is not held any more. Give it back
+  // with ReleaseLease.
+  absl::StatusOr<SubscriberLease> LeaseHeldVersion(absl::string_view purpose,
+                                                   std::optional<uint64_t> version = std::nullopt);
 
   // The applied version's record (version 0 before the first commit), consistent with
   // applied_version() at the time of the call.

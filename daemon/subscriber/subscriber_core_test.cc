@@ -24,6 +24,7 @@
 #include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_testing.h"
+#include "daemon/subscriber/version_export.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/sync_testing.h"
@@ -34,6 +35,7 @@ namespace refit::subscriber {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using sync::PatchHistory;
 using sync::PlanOptions;
 using sync::TransferPlan;
@@ -529,10 +531,10 @@ TEST_F(SubscriberCoreTest, ExportEqualsThePublishedSafetensors) {
   const std::string dir = ::testing::TempDir();
   const std::string got = dir + "/sub_export_" + std::to_string(getpid()) + ".safetensors";
   const std::string want = dir + "/pub_input_" + std::to_string(getpid()) + ".safetensors";
-  EXPECT_EQ(core.Export(got).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ExportVersion(core, got), StatusIs(absl::StatusCode::kFailedPrecondition));
   Sync(core, 1);
   Sync(core, 3);
-  ASSERT_THAT(core.Export(got), IsOk());
+  ASSERT_THAT(ExportVersion(core, got), IsOk());
   // The publisher's input file: the model in name order.
   std::vector<model::SafetensorsTensorRef> refs;
   for (const auto& [name, t] : pub_.model(3)) {

@@ -237,14 +237,14 @@ absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
     spec.address = c.listen();
     spec.tls = c.tls();
     spec.tls_field = "subscriber.tls";
-    ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
+    REFIT_ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
     if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
     spec.unix_mode = control_mode;
     if (peer_service_ != nullptr) {
       spec.services.push_back(peer_service_.get());
       spec.max_receive_bytes = kPeerMaxReceiveBytes;
     }
-    ASSIGN_OR_RETURN(listen_, StartServer(spec));
+    REFIT_ASSIGN_OR_RETURN(listen_, StartServer(spec));
   }
   if (!c.control_listen().empty()) {
     ServerSpec spec;
@@ -252,11 +252,11 @@ absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
     spec.address = c.control_listen();
     spec.tls = c.control_tls();
     spec.tls_field = "subscriber.control_tls";
-    ASSIGN_OR_RETURN(spec.credentials,
-                     tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
+    REFIT_ASSIGN_OR_RETURN(spec.credentials,
+                           tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
     spec.services.push_back(authorized_control_.get());
     spec.unix_mode = control_mode;
-    ASSIGN_OR_RETURN(control_server_, StartServer(spec));
+    REFIT_ASSIGN_OR_RETURN(control_server_, StartServer(spec));
   }
   if (!c.local_socket().empty()) {
     ServerSpec spec;
@@ -264,7 +264,7 @@ absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
     spec.address = absl::StrCat("unix:", c.local_socket());
     spec.services.push_back(authorized_consumer_.get());
     spec.unix_mode = config::FileModeOr(c.local_access().socket_mode(), 0660);
-    ASSIGN_OR_RETURN(local_, StartServer(spec));
+    REFIT_ASSIGN_OR_RETURN(local_, StartServer(spec));
   }
   return absl::OkStatus();
 }
@@ -320,7 +320,7 @@ absl::Status SubscriberDaemonImpl::OpenDevice(const cuda::DeviceOpener& open_dev
   cuda::DeviceSelector selector;
   if (store.has_cuda_device()) selector.ordinal = static_cast<int>(store.cuda_device());
   if (store.has_cuda_device_uuid()) {
-    ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(store.cuda_device_uuid()));
+    REFIT_ASSIGN_OR_RETURN(selector.uuid, cuda::ParseUuid(store.cuda_device_uuid()));
   }
   absl::StatusOr<std::unique_ptr<cuda::Device>> device =
       open_device != nullptr
@@ -340,15 +340,16 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   UpstreamOptions up = UpstreamTimingOf(u);
   up.metrics = metrics_.refit();
   up.name = name_;
-  ASSIGN_OR_RETURN(up.credentials, tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
+  REFIT_ASSIGN_OR_RETURN(up.credentials,
+                         tls_->ChannelCredentials(u.tls(), "subscriber.upstream.tls"));
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
   up.tensors.assign(u.tensors().begin(), u.tensors().end());
   scrubber_ = MakeScrubber(config_.store());
   if (u.shards_size() > 0) return MakeShardUpstreams(std::move(up));
-  ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
-  ASSIGN_OR_RETURN(up.bootstrap_peers,
-                   Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
+  REFIT_ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
+  REFIT_ASSIGN_OR_RETURN(up.bootstrap_peers,
+                         Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
   up.tap = relay_.get();
   upstreams_.push_back(std::make_unique<Upstream>(
       core_.get(), std::move(up), [this](const AppliedEvent& ev) { OnApplied(ev); }));
@@ -362,15 +363,15 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   jo.count = static_cast<uint32_t>(u.shards_size());
   jo.tap = relay_.get();
   jo.on_applied = [this](const AppliedEvent& ev) { OnApplied(ev); };
-  ASSIGN_OR_RETURN(jo.selection,
-                   sync::TensorSelection::Make(base.tensors, "subscriber.upstream.tensors"));
+  REFIT_ASSIGN_OR_RETURN(jo.selection,
+                         sync::TensorSelection::Make(base.tensors, "subscriber.upstream.tensors"));
   shards_ = std::make_unique<ShardJoin>(core_.get(), std::move(jo));
   base.tensors_partial = true;  // each shard's publisher holds a part of the selection
   for (int k = 0; k < u.shards_size(); ++k) {
     UpstreamOptions up = base;
-    ASSIGN_OR_RETURN(up.addresses, Targets(u.shards(k).addresses(),
-                                           absl::StrCat("subscriber.upstream.shards[", k,
-                                                        "].addresses")));
+    REFIT_ASSIGN_OR_RETURN(up.addresses,
+                           Targets(u.shards(k).addresses(),
+                                   absl::StrCat("subscriber.upstream.shards[", k, "].addresses")));
     upstreams_.push_back(std::make_unique<Upstream>(
         shards_->port(static_cast<uint32_t>(k)), std::move(up), Upstream::AppliedCallback()));
   }
@@ -383,7 +384,7 @@ absl::Status SubscriberDaemonImpl::MakePeers() {
   publisher::PublisherOptions po;
   po.encode_threads = static_cast<int>(config_.staging().threads());
   po.digest_threads = static_cast<int>(config_.staging().threads());
-  ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
+  REFIT_ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
   publisher::DataPlaneOptions dpo;
   dpo.name = name_;
   dpo.logger = "peers";
@@ -470,20 +471,20 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   // paths allocate per transfer, not per element, so the arenas are not contended.
   mallopt(M_ARENA_MAX, 2);
   SubscriberOptions core_options = CoreOptionsOf(config_);
-  ASSIGN_OR_RETURN(metrics_, metrics::DaemonMetrics::Start(v1::ROLE_SUBSCRIBER,
-                                                           "subscriber.metrics",
-                                                           config_.metrics()));
-  RETURN_IF_ERROR(OpenDevice(open_device));
+  REFIT_ASSIGN_OR_RETURN(
+      metrics_,
+      metrics::DaemonMetrics::Start(v1::ROLE_SUBSCRIBER, "subscriber.metrics", config_.metrics()));
+  REFIT_RETURN_IF_ERROR(OpenDevice(open_device));
   if (device_ != nullptr) core_options.make_store = store::DeviceStoreFactory(device_.get());
   // A single-copy store's verified version waits for the consumers: WatchVersions tells them.
   core_options.on_pause_pending = [this](uint64_t version, uint64_t digest) {
     board_.AnnouncePending(version, digest);
   };
   core_ = std::make_unique<SubscriberCore>(core_options);
-  RETURN_IF_ERROR(MakePeers());
-  RETURN_IF_ERROR(MakeUpstream());
+  REFIT_RETURN_IF_ERROR(MakePeers());
+  REFIT_RETURN_IF_ERROR(MakeUpstream());
   MakeServices();
-  RETURN_IF_ERROR(StartServers(config_));
+  REFIT_RETURN_IF_ERROR(StartServers(config_));
   if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
   for (const auto& up : upstreams_) up->Start();
   scrubber_->Start();
@@ -622,9 +623,9 @@ bool SubscriberDaemonImpl::StallPeersHook() {
 }
 
 absl::Status SubscriberDaemonImpl::PublishToPeers() {
-  ASSIGN_OR_RETURN(SubscriberLease lease,
-                   core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
-                                       absl::InfiniteDuration()));
+  REFIT_ASSIGN_OR_RETURN(SubscriberLease lease,
+                         core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
+                                             absl::InfiniteDuration()));
   absl::Status result = FollowUpstreamLineage();
   if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
     std::vector<publisher::TensorInput> inputs;
@@ -638,9 +639,7 @@ absl::Status SubscriberDaemonImpl::PublishToPeers() {
                   summary->version, summary->tensors, HumanBytes(summary->wire_bytes),
                   Ms(summary->total_micros));
     } else {
-      result = absl::Status(summary.status().code(),
-                            absl::StrCat("publishing version ", lease.lease.version,
-                                         " to peers: ", summary.status().message()));
+      result = Annotate(summary.status(), "publishing version ", lease.lease.version, " to peers");
     }
   }
   (void)core_->ReleaseLease(lease.lease.lease_id);
@@ -708,7 +707,7 @@ absl::Status SubscriberDaemonImpl::FollowUpstreamLineage() {
   const uint64_t lineage = core_->applied_lineage();
   if (lineage == peer_core_->lineage()) return absl::OkStatus();
   const bool had_versions = peer_core_->newest_version() != 0;
-  RETURN_IF_ERROR(peer_core_->Reset(lineage));
+  REFIT_RETURN_IF_ERROR(peer_core_->Reset(lineage));
   if (had_versions) {
     log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
                sync::DescribeLineage(lineage));
@@ -733,7 +732,7 @@ absl::Status SubscriberDaemonImpl::PeerInputsOf(const SubscriberLease& lease,
     in.data = lease.lease.spans[i];
     if (!host) {
       auto buf = std::make_shared<std::vector<uint8_t>>(lease.lease.spans[i].size());
-      RETURN_IF_ERROR(lease.store->memory().Download(*buf, lease.lease.spans[i]));
+      REFIT_RETURN_IF_ERROR(lease.store->memory().Download(*buf, lease.lease.spans[i]));
       in.data = *buf;
       in.owned = std::move(buf);
     }
@@ -790,7 +789,7 @@ void SubscriberDaemonImpl::Shutdown() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SubscriberDaemon>> SubscriberDaemon::Start(
-    const v1::SubscriberConfig& config, cuda::DeviceOpener open_device) {
+    const v1::SubscriberConfig& config, const cuda::DeviceOpener& open_device) {
   auto daemon = std::make_unique<SubscriberDaemonImpl>(config);
   if (absl::Status st = daemon->Init(open_device); !st.ok()) {
     daemon->Shutdown();

@@ -24,7 +24,7 @@ class SubscriberDaemon {
   // `open_device` opens the GPU of store.kind cuda; null: no GPU support in this process (a
   // cuda store is refused).
   static absl::StatusOr<std::unique_ptr<SubscriberDaemon>> Start(
-      const v1::SubscriberConfig& config, cuda::DeviceOpener open_device = nullptr);
+      const v1::SubscriberConfig& config, const cuda::DeviceOpener& open_device = nullptr);
   virtual ~SubscriberDaemon() = default;
 
   // Stops the upstream session, ends peer sessions, shuts the servers down. Idempotent; the

@@ -90,7 +90,10 @@ class TestPublisher {
   const std::string& address() const { return server_.bound_address; }
   const Model& model(uint64_t v) const { return source_.model(v); }
   publisher::PublisherCore& core() const { return source_.core(); }
-  uint64_t digest() const { return source_.digest(); }
+  // The newest version's digest in v2: the daemons' sessions are v2 (store.digest_v2 default).
+  uint64_t digest() const {
+    return source_.core().NewestVersionAndDigest(sync::DigestFormat::kV2).second;
+  }
 
  private:
   refit::testing::ModelPublisher source_;

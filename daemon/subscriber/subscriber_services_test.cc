@@ -26,6 +26,7 @@
 #include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_control.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "daemon/subscriber/version_export.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -38,6 +39,7 @@ namespace refit::subscriber {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using sync::testing::Model;
 using ::testing::HasSubstr;
 
@@ -615,11 +617,11 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   EXPECT_EQ(leases[1].lease.version, 4u);
   // ExportVersion finds version 1 in the retired generation.
   const std::string path = ::testing::TempDir() + "/refit-export-v1.safetensors";
-  REFIT_ASSERT_OK_AND_ASSIGN(auto summary, core.ExportVersion(path, 1));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto summary, ExportVersion(core, path, 1));
   EXPECT_EQ(summary.version, 1u);
   EXPECT_EQ(summary.tensors, 3u);
   EXPECT_EQ(summary.version_digest, core.record(1)->version_digest);
-  EXPECT_EQ(core.ExportVersion(path, 2).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ExportVersion(core, path, 2), StatusIs(absl::StatusCode::kFailedPrecondition));
   std::remove(path.c_str());
 }
 

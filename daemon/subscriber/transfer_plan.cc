@@ -136,7 +136,7 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
     t.bytes.push_back(*bytes);
     descs.push_back({tp.spec().name(), *dtype,
                      std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
-    RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
+    REFIT_RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
     if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
                               (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -164,9 +164,8 @@ absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout
   } else {
     auto created = CreateStoreLocked(layout);
     if (!created.ok()) {
-      return absl::Status(created.status().code(),
-                          absl::StrCat("header for version ", t.header.version(),
-                                       ": cannot create a store: ", created.status().message()));
+      return Annotate(created.status(), "header for version ", t.header.version(),
+                      ": cannot create a store");
     }
     t.target = std::move(*created);
     t.new_generation = true;
@@ -204,9 +203,7 @@ absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
   t.old_store = store_;
   auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
   if (!lease.ok()) {
-    return absl::Status(lease.status().code(),
-                        absl::StrCat("header for version ", v, ": cannot lease the base version: ",
-                                     lease.status().message()));
+    return Annotate(lease.status(), "header for version ", v, ": cannot lease the base version");
   }
   t.old_lease = std::move(*lease);
   return absl::OkStatus();
@@ -220,8 +217,8 @@ absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
   t.in_slot.assign(n, false);
   for (size_t i = 0; i < n; ++i) {
     const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
-    ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
-                     sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
+    REFIT_ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
+                           sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
     for (sync::ObjectSpec& spec : objects) {
       // A keyframe lands straight in the staged slot when the store is host memory.
       if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
@@ -229,7 +226,7 @@ absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
         spec.buffer = t.handle->out[t.layout_index[i]];
         t.in_slot[i] = true;
       }
-      RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
+      REFIT_RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
     }
   }
   return absl::OkStatus();

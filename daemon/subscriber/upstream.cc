@@ -231,8 +231,7 @@ absl::Status Upstream::FinishStatus(Session& session, const std::string& what) {
         "upstream ", session.target, " does not serve refit.v1.DataPlane (UNIMPLEMENTED): is it "
         "a publisher or a relay subscriber (serve_peers: true)?"));
   }
-  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message(),
-                                              session.connected ? "" : " (not connected)"));
+  return Annotate(st, what, session.connected ? "" : " (not connected)");
 }
 
 bool Upstream::OnStreamFrame(const std::shared_ptr<Session>& session, v1::DataFrame& frame,
@@ -488,7 +487,7 @@ absl::Status Upstream::AwaitFrames(Session& session, const v1::VersionEnd& end) 
 }
 
 absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionEnd& end) {
-  RETURN_IF_ERROR(AwaitFrames(session, end));
+  REFIT_RETURN_IF_ERROR(AwaitFrames(session, end));
   if (session.tapped) {  // cut-through: peers get the End while this subscriber verifies
     session.tapped = false;
     options_.tap->OnEnd(end, session.digest_format);
@@ -507,7 +506,7 @@ absl::StatusOr<bool> Upstream::OnVersionEnd(Session& session, const v1::VersionE
   const bool ack_sent = session.Write(ack_msg);
   if (ack.result() != v1::ACK_RESULT_APPLIED) {
     if (!ack_sent) return FinishStatus(session, "sending Ack failed");
-    RETURN_IF_ERROR(OnRejected(session, end, ack));
+    REFIT_RETURN_IF_ERROR(OnRejected(session, end, ack));
     return false;
   }
   // The version is committed whatever becomes of its Ack: it is announced (waiters, consumers,

@@ -136,7 +136,7 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
     return absl::UnavailableError(
         absl::StrCat("bootstrap peer ", welcome.name(), " holds no version yet"));
   }
-  RETURN_IF_ERROR(core_->CheckWelcome(welcome));
+  REFIT_RETURN_IF_ERROR(core_->CheckWelcome(welcome));
   return welcome;
 }
 

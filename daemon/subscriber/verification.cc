@@ -26,14 +26,12 @@ absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& e
         absl::StrCat(what, "VersionEnd names version ", end.version()));
   }
   if (!t.failed.ok()) {
-    return absl::Status(t.failed.code(),
-                        absl::StrCat(what, t.failed.message(),
-                                     t.dropped_frames > 0 ? absl::StrCat(" (", t.dropped_frames,
-                                                                         " later frames dropped)")
-                                                          : ""));
+    return Annotate(
+        t.failed, "version ", v,
+        t.dropped_frames > 0 ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)") : "");
   }
   if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
-    return absl::Status(st.code(), absl::StrCat(what, st.message()));
+    return Annotate(st, "version ", v);
   }
   if (static_cast<size_t>(end.digests_size()) != n) {
     return absl::InvalidArgumentError(
@@ -41,7 +39,7 @@ absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& e
   }
   if (!t.handle.has_value() && !t.in_place) {
     if (absl::Status st = BeginStageLocked(t); !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat(what, "cannot stage: ", st.message()));
+      return Annotate(st, "version ", v, ": cannot stage");
     }
   }
   return absl::OkStatus();

@@ -113,13 +113,13 @@ uint64_t MaxPatchBytes(uint64_t num_elements, uint64_t tensor_bytes) {
 absl::StatusOr<std::vector<ObjectSpec>> ObjectsOf(const v1::TensorPlan& tp, uint32_t tensor_index) {
   std::vector<ObjectSpec> out;
   if (tp.delivery() != v1::DELIVERY_KEYFRAME && tp.delivery() != v1::DELIVERY_PATCH) return out;
-  ASSIGN_OR_RETURN(const uint64_t bytes, TensorByteSize(tp.spec()));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t bytes, TensorByteSize(tp.spec()));
   if (tp.delivery() == v1::DELIVERY_KEYFRAME) {
     out.push_back({tensor_index, 0, tp.spec().name(), bytes, /*exact_size=*/true,
                    /*allow_lz4=*/true, {}});
     return out;
   }
-  ASSIGN_OR_RETURN(const uint64_t elements, ElementCount(tp.spec()));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t elements, ElementCount(tp.spec()));
   for (int p = 0; p < tp.steps_size(); ++p) {
     out.push_back({tensor_index, static_cast<uint32_t>(p), tp.spec().name(),
                    MaxPatchBytes(elements, bytes), false, false, {}});
@@ -296,10 +296,10 @@ absl::StatusOr<bool> FrameAssembler::Add(const v1::DataFrame& f) {
   }
   if (st == nullptr) return Invalid(where, "no such object in this transfer");
   if (st->complete) return Invalid(where, "object already complete (duplicate frame)");
-  RETURN_IF_ERROR(CheckObjectFields(*st, f, where));
-  RETURN_IF_ERROR(CheckChunk(*st, f, where));
-  RETURN_IF_ERROR(CheckPlacement(*st, f, where));
-  RETURN_IF_ERROR(WriteChunk(*st, f, where));
+  REFIT_RETURN_IF_ERROR(CheckObjectFields(*st, f, where));
+  REFIT_RETURN_IF_ERROR(CheckChunk(*st, f, where));
+  REFIT_RETURN_IF_ERROR(CheckPlacement(*st, f, where));
+  REFIT_RETURN_IF_ERROR(WriteChunk(*st, f, where));
   st->received[f.chunk_index()] = true;
   st->by_offset.emplace(f.offset(), std::make_pair(f.chunk_index(), f.raw_bytes()));
   ++st->chunks_received;

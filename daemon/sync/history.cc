@@ -155,7 +155,7 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   // The v2 version digest: the same function over the v2 tensor digests (manifest validated).
   if (all_v2) rec.version_digest_v2 = *VersionDigest(manifest, digests_v2);
   for (size_t k = 0; k < order.size(); ++k) {
-    ASSIGN_OR_RETURN(TensorEntry e, MakeEntry(version, k, prev, tensors[order[k]]));
+    REFIT_ASSIGN_OR_RETURN(TensorEntry e, MakeEntry(version, k, prev, tensors[order[k]]));
     rec.tensors.push_back(std::move(e));
   }
   rec.bytes = RecordBytes(rec);
@@ -194,7 +194,7 @@ absl::StatusOr<uint64_t> PatchHistory::CompleteV1Digests(uint64_t version,
     }
     manifest.push_back(e.spec);
   }
-  ASSIGN_OR_RETURN(const uint64_t vdigest, VersionDigest(manifest, digests));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t vdigest, VersionDigest(manifest, digests));
   for (size_t k = 0; k < r.tensors.size(); ++k) {
     r.tensors[k].digest = digests[k];
     r.tensors[k].digest_pending = false;
@@ -224,7 +224,7 @@ absl::Status PatchHistory::PlanTarget(const Record& target, const PlanOptions& o
   if (options.selection != nullptr && !options.selection->all()) {
     std::vector<v1::TensorSpec> manifest;
     for (const TensorEntry& t : target.tensors) manifest.push_back(t.spec);
-    RETURN_IF_ERROR(
+    REFIT_RETURN_IF_ERROR(
         options.selection->CheckCovered(manifest, absl::StrCat("version ", target.version)));
   }
   return absl::OkStatus();
@@ -328,7 +328,7 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
         "subscriber version ", sub_version, " is ahead of target version ", target_version));
   }
   TransferPlan plan;
-  RETURN_IF_ERROR(PlanTarget(*target, options, plan));
+  REFIT_RETURN_IF_ERROR(PlanTarget(*target, options, plan));
   const Record* base = PlanBase(sub_version, sub_digest, *target, options, plan);
   // Records strictly after the base up to the target (contiguous: only the oldest is evicted).
   std::vector<const Record*> span;

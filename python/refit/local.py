@@ -142,12 +142,12 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     control_tls: Optional[dict] = None,
                     control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
                     cuda_device_uuid: Optional[str] = None,
-                    export_dir: Optional[str] = None, digest_v2: bool = False,
+                    export_dir: Optional[str] = None, digest_v2: bool = True,
                     store_extra: Optional[dict] = None) -> str:
     """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
-    max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (needed by
-    a single-copy store, slots 1); `store_extra`: more store fields (key -> value)."""
+    max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (False: the
+    subscriber asks for tensor digest v1; a single-copy store, slots 1, needs v2); `store_extra`: more store fields (key -> value)."""
     leases = ""
     if lease_default_ttl_ms is not None or lease_max_ttl_ms is not None:
         leases = "  leases:\n"
@@ -160,8 +160,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
         store += f"    shm_prefix: \"/refit-py-{os.getpid()}-{name}-\"\n"
     if cuda_device_uuid:
         store += f"    cuda_device_uuid: {json.dumps(cuda_device_uuid)}\n"
-    if digest_v2:
-        store += "    digest_v2: true\n"
+    if not digest_v2:
+        store += "    digest_v2: false\n"
     for key, value in (store_extra or {}).items():  # more store fields, e.g. change_set_bytes
         store += f"    {key}: {json.dumps(value)}\n"
     return (f"subscriber:\n"

@@ -150,7 +150,7 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
   absl::StrAppend(&y, "  store:\n    kind: ", s.store_kind, "\n    shm_prefix: ",
                   Q(UniqueShmPrefix(s.name)),
                   "\n    slots: ", s.slots, "\n", s.store_extra);
-  if (s.digest_v2) absl::StrAppend(&y, "    digest_v2: true\n");
+  if (!s.digest_v2) absl::StrAppend(&y, "    digest_v2: false\n");
   absl::StrAppend(&y, "  staging:\n    threads: ", s.staging_threads, "\n");
   if (!s.control_access.empty()) absl::StrAppend(&y, "  control_access: ", s.control_access, "\n");
   if (s.lease_default_ttl_ms != 0) {

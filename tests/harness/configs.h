@@ -68,7 +68,7 @@ struct SubscriberSpec {
   uint32_t slots = 2;
   std::string store_kind = "shm";  // store.kind: shm | cuda
   std::string store_extra;  // more store fields, each line "    key: value\n"
-  bool digest_v2 = false;          // store.digest_v2: offer tensor digest v2 upstream
+  bool digest_v2 = true;    // store.digest_v2 (false: ask the upstream for v1)
   ClientTlsSpec tls;
   uint32_t staging_threads = 2;
   uint32_t lease_default_ttl_ms = 0;  // 0 = default

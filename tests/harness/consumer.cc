@@ -21,7 +21,7 @@ absl::StatusOr<v1::Lease> AcquireLease(v1::ConsumerApi::Stub& stub, const std::s
   if (version.has_value()) req.set_version(*version);
   req.set_ttl_ms(ttl_ms);
   v1::Lease lease;
-  RETURN_IF_ERROR(FromGrpcStatus(stub.AcquireLease(&ctx, req, &lease)));
+  REFIT_RETURN_IF_ERROR(FromGrpcStatus(stub.AcquireLease(&ctx, req, &lease)));
   return lease;
 }
 

@@ -213,12 +213,12 @@ DaemonProcess& E2ETest::NewSubscriber(const SubscriberSpec& spec) {
 absl::StatusOr<E2ETest::PubSub> E2ETest::StartPubSub(const std::string& subscriber,
                                                      const PublisherSpec& publisher) {
   DaemonProcess& pub = NewPublisher(publisher);
-  RETURN_IF_ERROR(pub.Start());
+  REFIT_RETURN_IF_ERROR(pub.Start());
   SubscriberSpec ss;
   ss.name = subscriber;
   ss.upstream = {pub.listen_target()};
   DaemonProcess& sub = NewSubscriber(ss);
-  RETURN_IF_ERROR(sub.Start());
+  REFIT_RETURN_IF_ERROR(sub.Start());
   return PubSub{&pub, &sub};
 }
 

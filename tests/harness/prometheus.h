@@ -1,8 +1,8 @@
 // A real Prometheus server (Debian's `prometheus` package) for the ops tests: scrapes the given
 // metrics endpoints every second and answers instant queries through its HTTP API.
 //
-//   ASSIGN_OR_RETURN(auto prom, PrometheusServer::Start(dir, {{"publisher", pub_metrics}}));
-//   RETURN_IF_ERROR(prom->WaitForValue("refitd_current_version{job=\"publisher\"}", 3, 20s));
+//   REFIT_ASSIGN_OR_RETURN(auto prom, PrometheusServer::Start(dir, {{"publisher", pub_metrics}}));
+//   REFIT_RETURN_IF_ERROR(prom->WaitForValue("refitd_current_version{job=\"publisher\"}", 3, 20s));
 #ifndef REFIT_TESTS_HARNESS_PROMETHEUS_H_
 #define REFIT_TESTS_HARNESS_PROMETHEUS_H_
 
