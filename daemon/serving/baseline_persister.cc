@@ -359,6 +359,7 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
                     int threads) {
   LogReplay out;
   std::vector<Staged> cur;
+  cur.reserve(base.size());
   for (const BaselineTensor& t : base) cur.push_back({t, false});
   uint64_t at = base_version;
   for (size_t i = 0; i < log.records.size(); ++i) {
