@@ -114,6 +114,11 @@ struct Subscriber {
   bool digest_v2 = true;        // UpstreamOptions.digest_v2 of the next Connect (false: older)
   bool streamed_transfers = true;  // UpstreamOptions.streamed_transfers of the next Connect
 
+  // The upstream's thread announces into `events`: it stops before `events` and `mu` go (they
+  // are destroyed before `upstream` in member order). Without this, a version still arriving
+  // when a test ends was announced into a destroyed vector (a double free under load).
+  ~Subscriber() { upstream.reset(); }
+
   static std::unique_ptr<Subscriber> Start(const std::string& name,
                                            std::vector<std::string> addresses,
                                            uint32_t connections = 3,
