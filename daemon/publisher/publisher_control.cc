@@ -41,9 +41,8 @@ uint64_t BaselineBytes(const std::vector<BaselineTensor>& baseline) {
 }
 
 // The newest version and its tensors, read consistently (a publish may run concurrently).
-// `version_digest` is v1 (the core's record); `version_digest_v2`, the version's identity in
-// every response of this service (Status.digest_format 2), is computed from the tensors' v2
-// digests, which the core always holds.
+// `version_digest` is v1 (the core's record); `version_digest_v2` is the version's identity in
+// every response of this service (Status.digest_format 2), from the core's history.
 struct Snapshot {
   uint64_t version = 0;
   uint64_t version_digest = 0;
@@ -55,22 +54,12 @@ Snapshot ConsistentBaseline(const PublisherCore& core) {
   for (;;) {
     s.version = core.newest_version();
     s.version_digest = core.newest_version_digest();
+    s.version_digest_v2 = core.VersionDigestOf(s.version, sync::DigestFormat::kV2).value_or(0);
     s.tensors = core.Baseline();
     if (core.newest_version() == s.version && core.newest_version_digest() == s.version_digest) {
-      break;
+      return s;
     }
   }
-  std::vector<v1::TensorSpec> manifest;
-  std::vector<uint64_t> digests;
-  manifest.reserve(s.tensors.size());
-  digests.reserve(s.tensors.size());
-  for (const BaselineTensor& t : s.tensors) {
-    manifest.push_back(t.spec);
-    digests.push_back(t.digest_v2);
-  }
-  // The baseline's manifest is validated and sorted when it is published.
-  s.version_digest_v2 = sync::VersionDigest(manifest, digests).value_or(0);
-  return s;
 }
 
 constexpr sync::DigestFormat kIdentityFormat = sync::DigestFormat::kV2;

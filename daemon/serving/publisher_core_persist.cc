@@ -151,7 +151,6 @@ absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogRepla
   if (replay.versions.empty()) return absl::OkStatus();
   // Every replayed version has v2 digests (the log records v1; ReplayLog brings v2 forward with
   // the patches' deltas), so a v2 session at any of them gets a delta after the restart.
-  std::vector<BaselineTensor> tensors = replay.tensors;
   for (const ReplayedVersion& v : replay.versions) {
     std::vector<sync::TensorUpdate> updates = v.updates;
     auto added = history_.Add(v.version, std::move(updates));
@@ -183,7 +182,7 @@ absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogRepla
   newest_version_ = replay.versions.back().version;
   newest_digest_ = replay.versions.back().version_digest;
   snapshot_unix_nanos_ = replay.versions.back().snapshot_unix_nanos;
-  baseline_ = std::move(tensors);
+  baseline_ = replay.tensors;
   return absl::OkStatus();
 }
 

@@ -47,15 +47,13 @@ CudaStore::CudaStore(Layout layout, std::vector<uint8_t*> bases, const CudaStore
 
 CudaStore::~CudaStore() = default;
 
-TensorRegion CudaStore::Region(int slot, size_t index) const {
-  TensorRegion r;
-  r.kind = TensorRegion::Kind::kCudaIpc;
+SlotRegion CudaStore::Region(int slot) const {
+  SlotRegion r;
+  r.kind = SlotRegion::Kind::kCudaIpc;
   const cuda::IpcHandle& handle = slot_handle(slot);
   r.ipc_handle.assign(reinterpret_cast<const char*>(handle.data()), handle.size());
   const cuda::Uuid& uuid = device().info().uuid;
   r.device_uuid.assign(reinterpret_cast<const char*>(uuid.data()), uuid.size());
-  r.offset = TensorOffset(index);
-  r.size_bytes = layout().tensor(index).size_bytes;
   r.allocation_bytes = allocation_bytes();
   return r;
 }

@@ -57,8 +57,8 @@ class CudaStore final : public SlottedStore {
   uint64_t TensorOffset(size_t index) const { return layout().tensor(index).offset; }
   // Bytes of each slot's allocation.
   uint64_t allocation_bytes() const { return layout().slot_bytes(); }
-  // kCudaIpc: the slot's allocation (slot_handle) on device(), at TensorOffset(index).
-  TensorRegion Region(int slot, size_t index) const override;
+  // kCudaIpc: the slot's allocation (slot_handle) on device(); the slot starts at its offset 0.
+  SlotRegion Region(int slot) const override;
 
  private:
   CudaStore(Layout layout, std::vector<uint8_t*> bases, const CudaStoreOptions& options,

@@ -178,12 +178,11 @@ ShmStore::~ShmStore() {
 
 std::string ShmStore::ProcPath() const { return absl::StrCat("/proc/", getpid(), "/fd/", fd_); }
 
-TensorRegion ShmStore::Region(int slot, size_t index) const {
-  TensorRegion r;
-  r.kind = TensorRegion::Kind::kFile;
+SlotRegion ShmStore::Region(int slot) const {
+  SlotRegion r;
+  r.kind = SlotRegion::Kind::kFile;
   r.path = ProcPath();
-  r.offset = TensorOffset(slot, index);
-  r.size_bytes = layout().tensor(index).size_bytes;
+  r.slot_offset = SlotOffset(slot);
   return r;
 }
 

@@ -84,8 +84,8 @@ class ShmStore final : public SlottedStore {
   uint64_t TensorOffset(int slot, size_t index) const {
     return SlotOffset(slot) + layout().tensor(index).offset;
   }
-  // kFile: ProcPath() at TensorOffset(slot, index).
-  TensorRegion Region(int slot, size_t index) const override;
+  // kFile: ProcPath() from SlotOffset(slot).
+  SlotRegion Region(int slot) const override;
   // "memfd" or "shm_open".
   const char* backing() const { return backing_; }
   // Whether consumers cannot write or resize the object (a sealed memfd).

@@ -183,16 +183,16 @@ struct SlotStatus {
   int leases = 0;        // unexpired leases on this slot
 };
 
-// Where another process finds one tensor of one slot (the consumer API's TensorLocation).
-struct TensorRegion {
+// Where another process finds a slot's memory (the consumer API's TensorLocation): tensor i of
+// the slot is at slot_offset + layout().tensor(i).offset in it.
+struct SlotRegion {
   enum class Kind {
     kNone,     // the store cannot share its memory
     kFile,     // host memory: `path`, opened read-only and mapped
     kCudaIpc,  // device memory: the slot's allocation, opened on the GPU `device_uuid`
   };
   Kind kind = Kind::kNone;
-  uint64_t offset = 0;  // bytes from the start of the file / allocation
-  uint64_t size_bytes = 0;
+  uint64_t slot_offset = 0;       // where the slot starts in the file / allocation
   std::string path;               // kFile
   std::string ipc_handle;         // kCudaIpc: the allocation's IPC handle (its bytes)
   std::string device_uuid;        // kCudaIpc: the GPU's UUID (16 bytes)
@@ -273,8 +273,8 @@ class TensorStore {
 
   virtual std::vector<SlotStatus> Slots() const = 0;
 
-  // Where tensor `index` (layout order) of `slot` is for a consumer process; kNone by default.
-  virtual TensorRegion Region(int slot, size_t index) const { return TensorRegion(); }
+  // Where `slot`'s memory is for a consumer process; kNone by default.
+  virtual SlotRegion Region(int slot) const { return SlotRegion(); }
 };
 
 }  // namespace refit::store

@@ -104,6 +104,8 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
   }
+  // Where the leased slot is, once per lease; each tensor adds its offset in the slot.
+  const store::SlotRegion region = lease.store->Region(lease.lease.slot);
   const store::Layout& layout = lease.store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
@@ -112,21 +114,21 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     spec->set_name(ti.name);
     spec->set_dtype(sync::ToProtoDType(ti.dtype));
     for (uint64_t d : ti.shape) spec->add_shape(d);
-    const store::TensorRegion region = lease.store->Region(lease.lease.slot, i);
-    if (region.kind == store::TensorRegion::Kind::kCudaIpc) {
+    const uint64_t offset = region.slot_offset + ti.offset;
+    if (region.kind == store::SlotRegion::Kind::kCudaIpc) {
       // The leased slot's allocation; the consumer opens it on the GPU with this UUID, whatever
       // that GPU's ordinal is in its own process.
       v1::CudaIpcRegion* ipc = loc->mutable_cuda_ipc();
       ipc->set_ipc_handle(region.ipc_handle);
       ipc->set_device_uuid(region.device_uuid);
-      ipc->set_offset(region.offset);
-      ipc->set_size_bytes(region.size_bytes);
+      ipc->set_offset(offset);
+      ipc->set_size_bytes(ti.size_bytes);
       ipc->set_allocation_bytes(region.allocation_bytes);
-    } else if (region.kind == store::TensorRegion::Kind::kFile) {
+    } else if (region.kind == store::SlotRegion::Kind::kFile) {
       v1::ShmRegion* shm = loc->mutable_shm();
       shm->set_path(region.path);
-      shm->set_offset(region.offset);
-      shm->set_size_bytes(region.size_bytes);
+      shm->set_offset(offset);
+      shm->set_size_bytes(ti.size_bytes);
     }
     auto it = digests.find(ti.name);
     if (it != digests.end()) loc->set_digest(it->second);
