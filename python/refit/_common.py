@@ -1,10 +1,11 @@
 """Shared helpers: dtype mapping, socket addresses, gRPC errors, mapping shared memory."""
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import warnings
-from typing import Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import grpc
 import torch
@@ -112,3 +113,94 @@ def map_file(path: str, writable: bool) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
     finally:
         os.close(fd)
+
+
+# ---- tied tensors ---------------------------------------------------------------------------
+#
+# A model with tied weights (`tie_word_embeddings`: lm_head.weight IS model.embed_tokens.weight)
+# holds one tensor under several names. The Trainer publishes such a tensor once, under the first
+# name the caller's dict gives it (the canonical name); the other names are aliases, known to the
+# trainer (`Trainer.aliases`) and never sent: the wire format has no place for them. A consumer
+# learns them from its own module, whose tied parameters are one Parameter (or one storage) under
+# several names: every module name of a tied group is satisfied by any published name of that
+# group. Versions from trainers that published every name (both names, equal bytes) still load.
+
+
+def storage_key(t: torch.Tensor):
+    """What makes two tensors the same memory seen the same way: device, address, dtype, shape
+    and strides. None for empty tensors (no memory to share)."""
+    if t.numel() == 0:
+        return None
+    return (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def module_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` under EVERY name it has: a tied parameter appears
+    once per name (named_parameters() lists it once; torch 1.13 has no remove_duplicate=False
+    there)."""
+    out: Dict[str, torch.Tensor] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[pre + n] = p
+        for n, b in m._buffers.items():
+            if b is not None:
+                out[pre + n] = b
+    return out
+
+
+def tie_groups(tensors: Mapping[str, torch.Tensor]) -> List[List[str]]:
+    """The names of `tensors` grouped by the memory they are (one group per tensor, in first-seen
+    order; a tied tensor's group has several names)."""
+    groups: Dict[object, List[str]] = {}
+    for n, t in tensors.items():
+        k = storage_key(t)
+        groups.setdefault(("name", n) if k is None else k, []).append(n)
+    return list(groups.values())
+
+
+@dataclasses.dataclass
+class Resolution:
+    """How a version's (or change set's) tensor names land on a module's tensors.
+
+    `targets`: one entry per module tensor (tie group) that at least one published name reaches:
+    (the module's tensor, its module names, the published names that reach it, in the order
+    given). `not_in_module`: published names the module has under no name. `not_published`:
+    module names whose whole tie group no published name reaches."""
+    targets: List[Tuple[torch.Tensor, List[str], List[str]]]
+    not_in_module: List[str]
+    not_published: List[str]
+
+
+def resolve(published: Iterable[str], module_entries: Mapping[str, torch.Tensor]) -> Resolution:
+    """Maps published names onto a module's tensors through the module's own tying (see above)."""
+    group_of: Dict[str, int] = {}
+    groups = tie_groups(module_entries)
+    for i, g in enumerate(groups):
+        for n in g:
+            group_of[n] = i
+    reached: Dict[int, List[str]] = {}
+    not_in_module = []
+    for n in published:
+        i = group_of.get(n)
+        if i is None:
+            not_in_module.append(n)
+        else:
+            reached.setdefault(i, []).append(n)
+    targets = [(module_entries[groups[i][0]], groups[i], names) for i, names in reached.items()]
+    not_published = [n for i, g in enumerate(groups) if i not in reached for n in g]
+    return Resolution(targets, sorted(not_in_module), sorted(not_published))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs and -0.0 included) of two tensors of one dtype and shape."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.device != b.device:
+        b = b.to(a.device)
+    a, b = a.contiguous(), b.contiguous()
+    if a.dtype == torch.bool or a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))

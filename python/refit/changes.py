@@ -23,13 +23,16 @@ versions. Memory: O(changed) (8 bytes per changed element for the index, plus th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Dict, Tuple
 
 import grpc
 import torch
 
-from refit._common import RefitError, map_file, torch_dtype
+from refit._common import RefitError, map_file, module_tensors, resolve, same_bits, torch_dtype
 from refit._proto import local_pb2
+
+_log = logging.getLogger("refit")
 
 
 @dataclasses.dataclass
@@ -94,34 +97,47 @@ def get_changes(consumer, from_version: int, to_version: int = 0) -> ChangeSet:
 
 def apply_changes(module: torch.nn.Module, changes: ChangeSet, *, strict: bool = True) -> int:
     """Writes each tensor's changed elements into the module's parameter or buffer of the same
-    (checkpoint) name: `flat[indices] = values`. ValueError (nothing written) for a change set
-    that says reload_fully, a tensor the module lacks (strict), or a shape/dtype mismatch.
-    Returns the number of elements written."""
+    (checkpoint) name: `flat[indices] = values`. Returns the number of elements written.
+
+    Tied parameters (one Parameter, or one memory, under several module names) are one target,
+    written once: through whichever of their names the change set holds (a trainer publishes a
+    tied tensor once); a change set naming it several times (older trainers) must give the same
+    indices and values under each.
+
+    ValueError (nothing written) for a change set that says reload_fully, a tensor the module
+    lacks (strict; strict=False skips it, logged), a shape/dtype mismatch, or tied names given
+    different changes."""
     if changes.reload_fully:
         raise ValueError(f"apply_changes: the subscriber cannot give the changes from version "
                          f"{changes.from_version}: {changes.reason}; reload fully")
-    targets: Dict[str, torch.Tensor] = dict(module.named_parameters())
-    targets.update(dict(module.named_buffers()))
+    r = resolve(changes.tensors.keys(), module_tensors(module))
     problems = []
-    for name, c in changes.tensors.items():
-        t = targets.get(name)
-        if t is None:
-            if strict:
-                problems.append(f"{name}: not in the module")
-            continue
-        if tuple(t.shape) != c.shape or t.dtype != c.values.dtype or not t.is_contiguous():
-            problems.append(f"{name}: module has {t.dtype} {tuple(t.shape)}"
-                            f"{'' if t.is_contiguous() else ' (not contiguous)'}, the change set "
-                            f"{c.values.dtype} {c.shape}")
+    if strict:
+        problems += [f"{name}: not in the module" for name in r.not_in_module]
+    for t, _, names in r.targets:
+        for name in names:
+            c = changes.tensors[name]
+            if tuple(t.shape) != c.shape or t.dtype != c.values.dtype or not t.is_contiguous():
+                problems.append(f"{name}: module has {t.dtype} {tuple(t.shape)}"
+                                f"{'' if t.is_contiguous() else ' (not contiguous)'}, the change "
+                                f"set {c.values.dtype} {c.shape}")
+        first = changes.tensors[names[0]]
+        for name in names[1:]:
+            c = changes.tensors[name]
+            if not (torch.equal(c.indices, first.indices) and same_bits(c.values, first.values)):
+                problems.append(f"{name}: tied in the module with {names[0]}, but its changes "
+                                "differ")
     if problems:
         raise ValueError(f"apply_changes {type(module).__name__} (version {changes.from_version} "
                          f"-> {changes.to_version}): {'; '.join(problems)}")
+    if r.not_in_module:
+        _log.debug("apply_changes %s (version %d -> %d): skipped %d tensors the module lacks: %s",
+                   type(module).__name__, changes.from_version, changes.to_version,
+                   len(r.not_in_module), ", ".join(r.not_in_module))
     n = 0
     with torch.no_grad():
-        for name, c in changes.tensors.items():
-            t = targets.get(name)
-            if t is None:
-                continue
+        for t, _, names in r.targets:
+            c = changes.tensors[names[0]]
             flat = t.data.view(-1)
             flat[c.indices.to(flat.device)] = c.values.to(flat.device)
             n += int(c.indices.numel())

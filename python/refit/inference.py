@@ -25,19 +25,22 @@ thread-safe: one thread per Consumer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import grpc
 import torch
 
 from refit import _cuda
-from refit._common import (LeaseLostError, RefitError, channel_target, map_file, tensor_views,
-                           torch_dtype)
+from refit._common import (LeaseLostError, RefitError, channel_target, map_file, module_tensors,
+                           resolve, same_bits, tensor_views, tie_groups, torch_dtype)
 from refit._proto import local_pb2, local_pb2_grpc
+
+_log = logging.getLogger("refit")
 
 # Renew a held lease this often, as a fraction of its TTL; never more often than every 5 ms.
 RENEW_FRACTION = 1.0 / 3.0
@@ -168,6 +171,9 @@ class Consumer:
         self._ipc: Dict[Tuple[bytes, int], _cuda.IpcMapping] = {}
         self._lease_keys: Dict[int, Set[Tuple[bytes, int]]] = {}
         self._devices: Optional[List[Tuple[int, bytes]]] = None  # (ordinal, UUID), lazily
+        # The last load_into(strict=False)'s version tensors that the module lacks (skipped).
+        self.skipped: Tuple[str, ...] = ()
+        self._skipped_seen: Set[Tuple[str, ...]] = set()
 
     # ---- versions ---------------------------------------------------------------------------
 
@@ -204,7 +210,9 @@ class Consumer:
 
     @contextlib.contextmanager
     def attach(self, version: Optional[int] = None, ttl_ms: int = 0, *,
-               auto_renew: bool = True) -> Iterator[Weights]:
+               auto_renew: bool = True,
+               aliases: Union[None, Mapping[str, str], torch.nn.Module] = None
+               ) -> Iterator[Weights]:
         """Takes a read lease on `version` (None: the current one) and yields its tensors
         (name -> torch.Tensor, zero copy: CPU tensors for a host store, CUDA tensors for a CUDA
         store); releases the lease on exit.
@@ -213,7 +221,12 @@ class Consumer:
         thread renews the lease every ttl/3 while the block runs. A lease lost meanwhile (or,
         without auto_renew, expired) raises LeaseLostError when the block ends, unless the block
         raised an exception of its own. With CUDA tensors, exiting first waits for the work
-        queued on their devices (kernels still reading the weights) before releasing."""
+        queued on their devices (kernels still reading the weights) before releasing.
+
+        `aliases`: the names of tied tensors the version holds once (a trainer publishes a tied
+        tensor under its first name only), also yielded, as the same view: a mapping alias ->
+        published name (`Trainer.aliases`), or a module whose tied parameters give them (each
+        of its names of one tied parameter maps to the one the version holds)."""
         req = local_pb2.AcquireLeaseRequest(consumer=self.name, ttl_ms=int(ttl_ms))
         if version is not None:
             req.version = int(version)
@@ -225,7 +238,7 @@ class Consumer:
                              e) from None
         try:
             tensors, keys = self._tensors_of(lease.layout)
-            weights = Weights(self, lease, tensors)
+            weights = Weights(self, lease, with_aliases(tensors, aliases))
         except BaseException:
             self._release(lease.lease_id, lease.version, quiet=True)
             raise
@@ -243,31 +256,46 @@ class Consumer:
     def load_into(self, module: torch.nn.Module, version: Optional[int] = None, *,
                   strict: bool = True, ttl_ms: int = 0) -> int:
         """Copies every tensor of `version` (None: current) into the module's parameter or
-        buffer of the same name, under a lease; returns the version. ValueError naming the
-        tensors missing from the module, (strict) the module's parameters/buffers the version
-        lacks, and shape mismatches; nothing is copied then."""
-        targets: Dict[str, torch.Tensor] = dict(module.named_parameters())
-        targets.update(dict(module.named_buffers()))
+        buffer of the same name, under a lease; returns the version.
+
+        Tied parameters (one Parameter, or one memory, under several module names) are one
+        target: any of their names in the version fills it, and the module's other names of it
+        need not be in the version (a trainer publishes a tied tensor once). A version that
+        names it several times (older trainers) must hold the same bits under each.
+
+        ValueError, before anything is copied, naming: (strict) the version's tensors the module
+        lacks, (strict) the module's parameters/buffers no tensor of the version fills, shape
+        mismatches, and tied targets given different bits. With strict=False the version's
+        tensors the module lacks are skipped: their names are in `self.skipped` (and logged)."""
+        entries = module_tensors(module)
         with self.attach(version, ttl_ms=ttl_ms) as w:
+            r = resolve(w.keys(), entries)
             problems = []
-            missing = sorted(n for n in w if n not in targets)
-            if missing:
-                problems.append(f"not in the module: {', '.join(missing)}")
-            if strict:
-                absent = sorted(n for n in targets if n not in w)
-                if absent:
-                    problems.append(f"not in version {w.version}: {', '.join(absent)}")
-            shapes = [f"{n} {tuple(t.shape)} (module {tuple(targets[n].shape)})"
-                      for n, t in sorted(w.items())
-                      if n in targets and tuple(t.shape) != tuple(targets[n].shape)]
+            if strict and r.not_in_module:
+                problems.append(f"not in the module: {', '.join(r.not_in_module)}")
+            if strict and r.not_published:
+                problems.append(f"not in version {w.version}: {', '.join(r.not_published)}")
+            shapes, untied = [], []
+            for target, names, published in r.targets:
+                ok = []
+                for n in published:
+                    if tuple(w[n].shape) != tuple(target.shape):
+                        shapes.append(f"{n} {tuple(w[n].shape)} (module {tuple(target.shape)})")
+                    else:
+                        ok.append(n)
+                untied += [f"{ok[0]} != {n}" for n in ok[1:] if not same_bits(w[ok[0]], w[n])]
             if shapes:
-                problems.append(f"shape mismatch: {'; '.join(shapes)}")
+                problems.append(f"shape mismatch: {'; '.join(sorted(shapes))}")
+            if untied:
+                problems.append(f"tied in the module but different in the version: "
+                                f"{'; '.join(untied)}")
             if problems:
                 raise ValueError(f"Consumer '{self.name}': load_into {type(module).__name__} "
                                  f"(version {w.version}): {' | '.join(problems)}")
             with torch.no_grad():
-                for n, t in w.items():
-                    targets[n].copy_(t)
+                for target, _, published in r.targets:
+                    target.copy_(w[published[0]])
+            self._note_skipped("load_into", type(module).__name__, w.version, r.not_in_module)
             return w.version
 
     def close(self) -> None:
@@ -285,6 +313,17 @@ class Consumer:
         self.close()
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _note_skipped(self, what: str, module: str, version: int, names: List[str]) -> None:
+        """strict=False: the version's tensors the module lacks, kept in `skipped`; logged at
+        WARNING the first time a set of them is skipped, at DEBUG after that."""
+        self.skipped = tuple(names)
+        if not names:
+            return
+        level = logging.DEBUG if self.skipped in self._skipped_seen else logging.WARNING
+        self._skipped_seen.add(self.skipped)
+        _log.log(level, "Consumer '%s': %s %s (version %d): skipped %d tensors the module lacks: "
+                 "%s", self.name, what, module, version, len(names), ", ".join(names))
 
     def _end_lease(self, weights: Weights, keeper: Optional[_LeaseKeeper], quiet: bool) -> None:
         """Stops the renewals, waits for the CUDA work that may still read the tensors, releases
@@ -432,6 +471,26 @@ class Consumer:
             del self._ipc[k]
 
 
+def with_aliases(tensors: Dict[str, torch.Tensor],
+                 aliases: Union[None, Mapping[str, str], torch.nn.Module]) -> Dict[str, torch.Tensor]:
+    """`tensors` plus, for every alias whose tensor `tensors` holds under another name, the
+    alias -> that same tensor (see Consumer.attach). Names `tensors` has are never replaced."""
+    if aliases is None:
+        return tensors
+    out = dict(tensors)
+    if isinstance(aliases, torch.nn.Module):
+        for group in tie_groups(module_tensors(aliases)):
+            held = [n for n in group if n in tensors]
+            if held:
+                for n in group:
+                    out.setdefault(n, tensors[held[0]])
+        return out
+    for alias, name in aliases.items():
+        if name in tensors:
+            out.setdefault(alias, tensors[name])
+    return out
+
+
 class _EndedStream(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
@@ -440,4 +499,4 @@ class _EndedStream(grpc.RpcError):
         return "the version stream ended (daemon shutting down?)"
 
 
-__all__ = ["Consumer", "Weights"]
+__all__ = ["Consumer", "Weights", "with_aliases"]

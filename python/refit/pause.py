@@ -38,9 +38,9 @@ from typing import Dict, Iterator, Optional
 import grpc
 import torch
 
-from refit._common import RefitError
+from refit._common import RefitError, module_tensors, resolve
 from refit._proto import local_pb2
-from refit.inference import Consumer, Weights, _LeaseKeeper
+from refit.inference import Consumer, Weights, _LeaseKeeper, with_aliases
 
 
 class Pauser:
@@ -211,7 +211,8 @@ class Pauser:
             c._release(lease.lease_id, lease.version, quiet=True)
             raise
         c._lease_keys[lease.lease_id] = keys
-        self._weights = Weights(c, lease, tensors)
+        # With a module, its tied names the version holds once are in the weights too.
+        self._weights = Weights(c, lease, with_aliases(tensors, self.module))
         self._keeper = _LeaseKeeper(self._weights, self.ttl_ms).start()
         with self._cv:
             self._released_for_pause = False
@@ -244,20 +245,28 @@ class Pauser:
 def bind_module(module: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> int:
     """Makes the module's parameters and buffers named like `tensors` views of them (zero copy:
     `param.data = view`). Shapes must match (ValueError naming the mismatches, nothing bound);
-    returns how many were bound."""
-    targets = dict(module.named_parameters())
-    targets.update(dict(module.named_buffers()))
-    bad = [f"{n} {tuple(t.shape)} (module {tuple(targets[n].shape)})"
-           for n, t in sorted(tensors.items())
-           if n in targets and (tuple(t.shape) != tuple(targets[n].shape) or
-                                t.dtype != targets[n].dtype)]
+    returns how many of `tensors` were bound.
+
+    Tied parameters (one Parameter, or one memory, under several module names) are bound as one,
+    every name of them to the same view: that of the first of their names in `tensors` (a
+    trainer publishes a tied tensor once; an older one, every name with the same bytes)."""
+    entries = module_tensors(module)
+    r = resolve(tensors.keys(), entries)
+    bad = [f"{n} {tuple(tensors[n].shape)} (module {tuple(t.shape)})"
+           for t, _, names in r.targets for n in names
+           if tuple(tensors[n].shape) != tuple(t.shape) or tensors[n].dtype != t.dtype]
     if bad:
         raise ValueError(f"bind_module {type(module).__name__}: shape or dtype mismatch: "
-                         f"{'; '.join(bad)}")
+                         f"{'; '.join(sorted(bad))}")
     n = 0
     with torch.no_grad():
-        for name, view in tensors.items():
-            if name in targets:
-                targets[name].data = view
-                n += 1
+        for _, module_names, names in r.targets:
+            view = tensors[names[0]]
+            done = set()
+            for m in module_names:  # each distinct tensor object of the tie group
+                t = entries[m]
+                if id(t) not in done:
+                    done.add(id(t))
+                    t.data = view
+            n += len(names)
     return n

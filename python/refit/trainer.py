@@ -18,6 +18,11 @@ registered tensors alive until the next register() or close(); the caller keeps 
 (an optimizer stepping its parameters in place, or update()). See docs/CUDA_IPC.md for what the
 trainer's and the daemon's containers must share.
 
+Tied tensors (one memory under several names: a tied model's state_dict() gives lm_head.weight
+beside model.embed_tokens.weight, the same tensor) are published once, under the first name given;
+the others are aliases (`trainer.aliases`), which update() accepts. Consumers map them back through
+their own module's tying (refit._common.resolve): no alias travels on the wire.
+
 After publish() returns, the tensors may be modified again. Not thread-safe: one thread drives a
 Trainer.
 """
@@ -33,7 +38,8 @@ import grpc
 import torch
 
 from refit import _cuda
-from refit._common import RefitError, channel_target, refit_dtype, tensor_views
+from refit._common import (RefitError, channel_target, refit_dtype, same_bits, storage_key,
+                           tensor_views)
 from refit._proto import local_pb2, local_pb2_grpc
 
 
@@ -70,6 +76,7 @@ class Trainer:
         self._fd: Optional[int] = None
         self._map: Optional[mmap.mmap] = None
         self._tensors: Dict[str, torch.Tensor] = {}
+        self._aliases: Dict[str, str] = {}  # alias -> canonical (published) name
         self._request: Optional[local_pb2.RegisterTensorsRequest] = None
         self._registered = False
         # CUDA devices holding registered tensors: synchronized before each Publish.
@@ -90,12 +97,22 @@ class Trainer:
         layout = []      # CPU (and empty) tensors: (name, tensor, dtype, memfd offset, bytes)
         cuda = []        # CUDA tensors: (name, tensor, dtype)
         offset = 0
+        # Tied tensors (one memory under several names, as a tied model's state_dict() gives
+        # them): published once, under the first name; the others are aliases of it.
+        canonical_of: Dict[object, str] = {}
+        aliases: Dict[str, str] = {}
         for name, t in tensors.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"Trainer.register: tensor name {name!r} is not a non-empty string")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"Trainer.register: tensor '{name}' is a {type(t).__name__}, "
                                 "not a torch.Tensor")
+            key = storage_key(t)
+            if key is not None:
+                if key in canonical_of:
+                    aliases[name] = canonical_of[key]
+                    continue
+                canonical_of[key] = name
             dtype = refit_dtype(name, t.dtype)
             size = t.numel() * t.element_size()
             if t.device.type == "cuda" and size > 0:
@@ -138,6 +155,8 @@ class Trainer:
         cpu_index = {entry[0]: entry for entry in layout}
         cuda_index = {entry[0]: entry for entry in cuda}
         for name in tensors:
+            if name in aliases:
+                continue
             loc = req.tensors.add()
             loc.spec.name = name
             if name in cuda_index:
@@ -177,14 +196,24 @@ class Trainer:
         # The new registration replaced the old one: drop the old memfd and CUDA tensors.
         self._drop_memory()
         self._fd, self._map, self._tensors, self._request = fd, mm, views, req
+        self._aliases = aliases
         self._registered = True
         self._cuda_devices = sorted({t.device for _, t, _ in cuda}, key=lambda d: d.index or 0)
         return RegisterResult(resp.clients, resp.tensors, resp.bytes)
 
     @property
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """The registered tensors (views of the shared memory; write to update the weights)."""
+        """The published tensors by the names consumers see (views of the shared memory; write
+        to update the weights). A tied tensor is here once, under its canonical name."""
         return dict(self._tensors)
+
+    @property
+    def aliases(self) -> Dict[str, str]:
+        """Tied names of the registration: alias -> the canonical (published) name of the same
+        tensor. register() found them as names of one memory (same device, address, dtype,
+        shape and strides: what a tied model's state_dict() gives); only the canonical name,
+        the first of them in the dict given, is published. update() accepts either name."""
+        return dict(self._aliases)
 
     @property
     def proc_path(self) -> str:
@@ -196,18 +225,35 @@ class Trainer:
 
     def update(self, values: Mapping[str, torch.Tensor]) -> None:
         """Copies `values` (name -> tensor, a subset of the registered names, same shapes) into
-        the shared tensors. dtype conversion follows torch's copy_."""
+        the shared tensors. dtype conversion follows torch's copy_.
+
+        An alias (see `aliases`) writes its canonical tensor. Given with its canonical name too
+        (a tied model's state_dict()), it must be the same memory, or hold the same bits: tied
+        tensors are published once (ValueError naming both otherwise)."""
         self._need_registered("update")
-        unknown = [n for n in values if n not in self._tensors]
+        unknown = [n for n in values if n not in self._tensors and n not in self._aliases]
         if unknown:
             raise KeyError(f"Trainer.update: not registered: {', '.join(sorted(unknown))}")
-        bad = [f"{n} {tuple(v.shape)} != {tuple(self._tensors[n].shape)}"
-               for n, v in values.items() if tuple(v.shape) != tuple(self._tensors[n].shape)]
+        target = {n: self._aliases.get(n, n) for n in values}
+        bad = [f"{n} {tuple(v.shape)} != {tuple(self._tensors[target[n]].shape)}"
+               for n, v in values.items() if tuple(v.shape) != tuple(self._tensors[target[n]].shape)]
         if bad:
             raise ValueError(f"Trainer.update: shape mismatch: {'; '.join(bad)}")
+        # One write per published tensor: the first name given for it.
+        writes: Dict[str, str] = {}
+        untied = []
+        for n, v in values.items():
+            first = writes.setdefault(target[n], n)
+            if first != n:
+                w = values[first]
+                if storage_key(v) != storage_key(w) and not same_bits(v.detach(), w.detach()):
+                    untied.append(f"{n} and {first}")
+        if untied:
+            raise ValueError(f"Trainer.update: tied at register() (published once) but given "
+                             f"different values: {'; '.join(untied)} (register again to untie)")
         with torch.no_grad():
-            for n, v in values.items():
-                self._tensors[n].copy_(v.detach())
+            for canonical, n in writes.items():
+                self._tensors[canonical].copy_(values[n].detach())
 
     # ---- publishing -------------------------------------------------------------------------
 
