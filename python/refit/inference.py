@@ -472,7 +472,8 @@ class Consumer:
 
 
 def with_aliases(tensors: Dict[str, torch.Tensor],
-                 aliases: Union[None, Mapping[str, str], torch.nn.Module]) -> Dict[str, torch.Tensor]:
+                 aliases: Union[None, Mapping[str, str], torch.nn.Module]
+                 ) -> Dict[str, torch.Tensor]:
     """`tensors` plus, for every alias whose tensor `tensors` holds under another name, the
     alias -> that same tensor (see Consumer.attach). Names `tensors` has are never replaced."""
     if aliases is None:

@@ -236,7 +236,8 @@ class Trainer:
             raise KeyError(f"Trainer.update: not registered: {', '.join(sorted(unknown))}")
         target = {n: self._aliases.get(n, n) for n in values}
         bad = [f"{n} {tuple(v.shape)} != {tuple(self._tensors[target[n]].shape)}"
-               for n, v in values.items() if tuple(v.shape) != tuple(self._tensors[target[n]].shape)]
+               for n, v in values.items()
+               if tuple(v.shape) != tuple(self._tensors[target[n]].shape)]
         if bad:
             raise ValueError(f"Trainer.update: shape mismatch: {'; '.join(bad)}")
         # One write per published tensor: the first name given for it.
