@@ -12,7 +12,10 @@ published as BF16 through the TrainerApi every step. Two inference processes fol
 
 Every version, both return their logits and greedy generations for fixed prompts, which must be
 bit-identical to those of a model loaded densely from the trainer's published BF16 state. The
-test also shows that its comparison catches a dropped change set.
+test also shows that its comparison catches a dropped change set. It runs twice: with untied
+embeddings, and with `tie_word_embeddings=True` (lm_head.weight IS model.embed_tokens.weight: the
+trainer registers the state_dict(), which names it twice, and publishes it once; both engines'
+tied modules fill both names from it).
 Runs with the project's venv python (scripts/install-deps.sh puts transformers there).
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import multiprocessing as mp
 import time
 
+import pytest
 import torch
 import transformers  # the venv of scripts/install-deps.sh; a missing one fails the test
 
@@ -36,17 +40,17 @@ CORPUS = "/usr/share/common-licenses/GPL-3"
 PROMPTS = [b"This License ", b"the Program "]
 
 
-def config():
+def config(tied=False):
     return transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
                                     num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, max_position_embeddings=128,
-                                    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                                    tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1,
                                     eos_token_id=2)
 
 
-def bf16_model():
+def bf16_model(tied=False):
     torch.manual_seed(0)  # any init: every published parameter is overwritten or bound
-    return transformers.LlamaForCausalLM(config()).to(torch.bfloat16).eval()
+    return transformers.LlamaForCausalLM(config(tied)).to(torch.bfloat16).eval()
 
 
 def run_prompts(model):
@@ -62,9 +66,9 @@ def run_prompts(model):
     return out
 
 
-def zero_copy_engine(sub_sock, conn):
+def zero_copy_engine(sub_sock, conn, tied):
     torch.set_num_threads(1)
-    model = bf16_model()
+    model = bf16_model(tied)
     with Pauser(Consumer(sub_sock, name="zero-copy"), module=model, timeout=WAIT_S) as pauser:
         while True:
             v = conn.recv()
@@ -80,9 +84,9 @@ def zero_copy_engine(sub_sock, conn):
             conn.send((held, res, pauser.pauses))
 
 
-def change_set_engine(sub_sock, conn):
+def change_set_engine(sub_sock, conn, tied):
     torch.set_num_threads(1)
-    model = bf16_model()
+    model = bf16_model(tied)
     consumer = Consumer(sub_sock, name="change-sets")
     held = None
     while True:
@@ -101,6 +105,8 @@ def change_set_engine(sub_sock, conn):
                 dropped = run_prompts(model)
             elements = apply_changes(model, changes)
             held = changes.to_version
+        if tied:  # still one tensor under both names
+            assert model.lm_head.weight is model.model.embed_tokens.weight
         conn.send((held, run_prompts(model), elements, dropped))
 
 
@@ -112,28 +118,41 @@ def daemons(tmp_path_factory):
         yield pub.ready["local_socket"], sub.ready["local_socket"]
 
 
-def test_a_llama_follows_the_trainer_bit_exactly_by_views_and_by_change_sets(tmp_path_factory):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tie_word_embeddings"])
+def test_a_llama_follows_the_trainer_bit_exactly_by_views_and_by_change_sets(tmp_path_factory,
+                                                                             tied):
     torch.set_num_threads(1)
     torch.manual_seed(1234)
-    master = transformers.LlamaForCausalLM(config())  # fp32 master weights
-    names = [n for n, _ in master.named_parameters()]
+    master = transformers.LlamaForCausalLM(config(tied))  # fp32 master weights
+    names = list(master.state_dict())
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    assert (master.lm_head.weight is master.model.embed_tokens.weight) == tied
+    # The published BF16 model: a module of its own (tied like the master), so that its
+    # state_dict() is what a trainer registers and updates, tied names included.
+    published = transformers.LlamaForCausalLM(config(tied)).to(torch.bfloat16)
     with open(CORPUS, "rb") as f:
         text = torch.tensor(list(f.read()), dtype=torch.long)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
 
     def bf16_state():
-        return {n: p.detach().to(torch.bfloat16).contiguous() for n, p in master.named_parameters()}
+        with torch.no_grad():
+            for (n, p), (m, q) in zip(published.named_parameters(), master.named_parameters()):
+                assert n == m
+                p.copy_(q)
+        return published.state_dict()
 
     ctx = mp.get_context("spawn")
     with daemons(tmp_path_factory) as (pub_sock, sub_sock):
         trainer = Trainer(pub_sock, client="rank0")
         trainer.register(bf16_state())
+        # A tied model's state_dict() names the embedding twice: published once.
+        assert trainer.aliases == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+        assert "lm_head.weight" in trainer.tensors or tied
         assert trainer.publish().version == 1
         engines = []
         for target in (zero_copy_engine, change_set_engine):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(sub_sock, child), daemon=True)
+            proc = ctx.Process(target=target, args=(sub_sock, child, tied), daemon=True)
             proc.start()
             engines.append((parent, proc))
         try:
@@ -155,7 +174,7 @@ def test_a_llama_follows_the_trainer_bit_exactly_by_views_and_by_change_sets(tmp
                                        before[n].view(torch.int16)).sum()) for n in before)
                     rates.append(changed / sum(t.numel() for t in before.values()))
                     assert trainer.publish().version == v
-                reference = bf16_model()
+                reference = bf16_model(tied)
                 reference.load_state_dict(bf16_state(), strict=False)
                 want = run_prompts(reference)
                 for conn, _ in engines:
