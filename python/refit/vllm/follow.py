@@ -1,0 +1,169 @@
+"""Drivers that make a vLLM engine follow the versions of the local refitd subscriber through the
+`refitd` weight-transfer backend: `Follower` for an `LLM` in this process, `HttpFollower` for a
+vLLM HTTP server started with VLLM_SERVER_DEV_MODE=1 (its /pause, /init_weight_transfer_engine,
+/start_weight_update, /update_weights, /finish_weight_update, /resume and /weight_info routes).
+
+Each update names an explicit version (the newest verified one unless asked otherwise), applies it
+between a pause and a resume, and records it as the engine's weight_version only once the engine
+applied and verified it; a failed update leaves the engine on its previous version (the backend
+undoes it) and its weight_version unchanged, and raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import socket as socketlib
+import time
+import urllib.parse
+from typing import Optional
+
+from refit.inference import Consumer
+
+
+@dataclasses.dataclass
+class UpdateResult:
+    version: int          # the refitd version the engine serves now
+    seconds: float        # the whole update, pause to resume
+    applied: bool         # False when the engine already served that version
+
+
+def _init_info(socket: str, consumer: str, mode: str, verify: str) -> dict:
+    return {"socket": socket, "consumer": consumer, "mode": mode, "verify": verify}
+
+
+class _Base:
+    def __init__(self, socket: str, consumer: str, mode: str, verify: str, timeout: float):
+        self.socket = socket
+        self.init_info = _init_info(socket, consumer, mode, verify)
+        self.timeout = timeout
+        # The driver's own consumer: only to learn versions (no lease is taken with it).
+        self._watch = Consumer(socket, name=consumer + "-driver", timeout=timeout)
+
+    def newest_version(self) -> Optional[int]:
+        return self._watch.current_version()
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
+        return self._watch.wait_for_version(version, timeout=timeout or self.timeout)
+
+    def _target(self, version: int) -> int:
+        if version:
+            return int(version)
+        v = self.newest_version()
+        if not v:
+            raise RuntimeError(f"refitd subscriber at {self.socket} holds no verified version "
+                               f"yet")
+        return v
+
+    def close(self) -> None:
+        self._watch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Follower(_Base):
+    """Follows the subscriber with a `vllm.LLM` of this process (created with
+    weight_transfer_config={"backend": "refitd"}). Updates run between generate() calls: an
+    offline LLM has no request in flight then, which is its pause."""
+
+    def __init__(self, llm, socket: str, *, consumer: str = "vllm", mode: str = "auto",
+                 verify: str = "every", timeout: float = 60.0):
+        super().__init__(socket, consumer, mode, verify, timeout)
+        self.llm = llm
+        llm.init_weight_transfer_engine({"init_info": self.init_info})
+
+    def weight_version(self) -> Optional[int]:
+        v = self.llm.get_weight_version()
+        return int(v) if v not in (None, "") and str(v).isdigit() else None
+
+    def update(self, version: int = 0) -> UpdateResult:
+        t0 = time.monotonic()
+        target = self._target(version)
+        if self.weight_version() == target:
+            return UpdateResult(target, time.monotonic() - t0, False)
+        self.llm.start_weight_update()
+        # A failure raises here: the worker ends the update itself and the engine has restored
+        # the previous version, so there is nothing to finish and weight_version stays.
+        self.llm.update_weights({"update_info": {"version": target}})
+        self.llm.finish_weight_update(weight_version=str(target))
+        return UpdateResult(target, time.monotonic() - t0, True)
+
+    def verify(self) -> None:
+        """Checks in the engine that its runtime parameters hold its version (digest v2 against
+        the subscriber's); a mismatch is reloaded, and raises if it persists."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"verify_only": True}})
+        self.llm.finish_weight_update()
+
+
+class HttpFollower(_Base):
+    """Follows the subscriber with a vLLM HTTP server at `base_url` ("http://host:port", or
+    "unix:/path" for a server started with --uds; VLLM_SERVER_DEV_MODE=1,
+    weight_transfer_config backend refitd): /pause (mode `pause_mode`), the weight-transfer
+    routes, /resume."""
+
+    def __init__(self, base_url: str, socket: str, *, consumer: str = "vllm",
+                 mode: str = "auto", verify: str = "every", timeout: float = 60.0,
+                 pause_mode: str = "wait"):
+        super().__init__(socket, consumer, mode, verify, timeout)
+        self.base = base_url.rstrip("/")
+        self.pause_mode = pause_mode
+        self._post("/init_weight_transfer_engine", {"init_info": self.init_info})
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.base.startswith("unix:"):
+            return _UnixHTTPConnection(self.base[len("unix:"):], self.timeout)
+        u = urllib.parse.urlsplit(self.base)
+        if u.scheme == "https":
+            return http.client.HTTPSConnection(u.hostname, u.port or 443, timeout=self.timeout)
+        return http.client.HTTPConnection(u.hostname, u.port or 80, timeout=self.timeout)
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        conn = self._connection()
+        try:
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            text = r.read().decode(errors="replace")
+        finally:
+            conn.close()
+        if r.status != 200:
+            raise RuntimeError(f"vLLM {method} {path} at {self.base}: HTTP {r.status}: "
+                               f"{text[:2000]}")
+        return json.loads(text) if text else {}
+
+    def _post(self, path: str, body: Optional[dict] = None) -> dict:
+        return self._call("POST", path, body)
+
+    def weight_version(self) -> Optional[int]:
+        v = self._call("GET", "/weight_info").get("weight_version")
+        return int(v) if v not in (None, "") and str(v).isdigit() else None
+
+    def update(self, version: int = 0) -> UpdateResult:
+        t0 = time.monotonic()
+        target = self._target(version)
+        if self.weight_version() == target:
+            return UpdateResult(target, time.monotonic() - t0, False)
+        self._post(f"/pause?mode={self.pause_mode}")
+        try:
+            self._post("/start_weight_update")
+            self._post("/update_weights", {"update_info": {"version": target}})
+            self._post("/finish_weight_update", {"weight_version": str(target)})
+        finally:
+            self._post("/resume")
+        return UpdateResult(target, time.monotonic() - t0, True)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self):
+        self.sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
