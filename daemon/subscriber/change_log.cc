@@ -1,9 +1,14 @@
 #include "daemon/subscriber/change_log.h"
 
+#include <signal.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::subscriber {
@@ -14,6 +19,13 @@ uint64_t VersionChanges::bytes() const {
   return n;
 }
 
+namespace {
+
+// A claim's process is gone (kill(pid, 0) says no such process; EPERM: it exists).
+bool ProcessGone(int pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
+
+}  // namespace
+
 void ChangeLog::Record(VersionChanges changes) {
   for (TensorChangeEntry& t : changes.tensors) {
     t.changes.old_values.clear();
@@ -21,21 +33,56 @@ void ChangeLog::Record(VersionChanges changes) {
   }
   const uint64_t bytes = changes.bytes();
   absl::MutexLock lock(&mu_);
-  if (!log_.empty() && log_.back().to_version != changes.from_version) {
+  if ((!log_.empty() && log_.back().to_version != changes.from_version) || bytes > budget_) {
     log_.clear();
     bytes_ = 0;
   }
-  if (bytes > budget_) {
-    log_.clear();
-    bytes_ = 0;
-    return;
-  }
+  if (bytes > budget_) return;
   bytes_ += bytes;
   log_.push_back(std::move(changes));
-  while (bytes_ > budget_) {
+  PruneLocked(/*keep_newest=*/true);
+}
+
+uint64_t ChangeLog::PruneLocked(bool keep_newest) {
+  const absl::Time now = absl::Now();
+  uint64_t floor = UINT64_MAX;  // the oldest version a live claim holds
+  for (auto it = claims_.begin(); it != claims_.end();) {
+    if (now >= it->second.expires || ProcessGone(it->second.pid)) {
+      it = claims_.erase(it);
+      continue;
+    }
+    floor = std::min(floor, it->second.held);
+    ++it;
+  }
+  const uint64_t before = bytes_;
+  auto drop_front = [this] {
     bytes_ -= log_.front().bytes();
     log_.pop_front();
+  };
+  while (!log_.empty() && log_.front().from_version < floor && !(keep_newest && log_.size() == 1)) {
+    drop_front();
   }
+  while (bytes_ > budget_) drop_front();
+  return before - bytes_;
+}
+
+uint64_t ChangeLog::DropUnclaimed() {
+  absl::MutexLock lock(&mu_);
+  return PruneLocked(/*keep_newest=*/false);
+}
+
+uint64_t ChangeLog::Claim(const std::string& consumer, uint64_t held, int pid) {
+  absl::MutexLock lock(&mu_);
+  claims_[consumer] = ClaimEntry{held, absl::Now() + claim_ttl_, pid};
+  return PruneLocked(/*keep_newest=*/true);
+}
+
+size_t ChangeLog::consumers() const {
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [key, c] : claims_) n += now < c.expires && !ProcessGone(c.pid) ? 1 : 0;
+  return n;
 }
 
 void ChangeLog::Clear() {
@@ -48,8 +95,10 @@ absl::StatusOr<VersionChanges> ChangeLog::Changes(uint64_t from, uint64_t to) co
   absl::MutexLock lock(&mu_);
   if (log_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "no change sets are kept (the last version was not written in place, or they exceed the "
-        "budget): reload version ", to, " fully"));
+        "no change sets are kept (the last version was not written in place, they exceed the "
+        "budget, or no consumer took change sets: they are kept from the version a consumer "
+        "held when it last called GetChanges): reload version ",
+        to, " fully"));
   }
   if (to != log_.back().to_version || from >= to) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -63,7 +112,10 @@ absl::StatusOr<VersionChanges> ChangeLog::Changes(uint64_t from, uint64_t to) co
   if (first == log_.size()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "changes from version ", from, " to ", to, ": the change log reaches back to version ",
-        log_.front().from_version, " only; reload version ", to, " fully"));
+        log_.front().from_version,
+        " only (change sets are kept from the version a consumer "
+        "held when it last called GetChanges, within store.change_set_bytes); reload version ",
+        to, " fully"));
   }
   if (first + 1 == log_.size()) return log_.back();
   // Compose tensor by tensor, oldest first.

@@ -1,12 +1,14 @@
 #include "daemon/subscriber/change_log.h"
 
-#include <sys/mman.h>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <random>
 
+#include "absl/time/clock.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/subscriber/change_set_export.h"
@@ -51,11 +53,18 @@ class ChangeLogTest : public ::testing::Test {
     }
     return vc;
   }
+  // The bytes the log holds for Set(v): no undo records.
+  uint64_t Kept(uint64_t v) {
+    VersionChanges vc = Set(v);
+    for (TensorChangeEntry& t : vc.tensors) t.changes.old_values.clear();
+    return vc.bytes();
+  }
   std::vector<std::vector<uint8_t>> a_, b_;
 };
 
 TEST_F(ChangeLogTest, ComposedChangesLeadFromAnyLoggedVersionToTheNewest) {
   ChangeLog log(1 << 20);
+  log.Claim("engine", 0);  // a change-set consumer holds version 0: every set from there is kept
   for (uint64_t v = 1; v <= 5; ++v) log.Record(Set(v));
   EXPECT_EQ(log.oldest_base(), 0u);
   EXPECT_EQ(log.newest(), 5u);
@@ -83,6 +92,7 @@ TEST_F(ChangeLogTest, ComposedChangesLeadFromAnyLoggedVersionToTheNewest) {
 TEST_F(ChangeLogTest, TheBudgetDropsTheOldestAndAGapStartsAnew) {
   const uint64_t one = Set(1).bytes();
   ChangeLog log(one * 2 + one / 2);  // about two sets
+  log.Claim("engine", 0);            // the cap binds even so
   for (uint64_t v = 1; v <= 4; ++v) log.Record(Set(v));
   EXPECT_LE(log.bytes(), one * 2 + one / 2);
   EXPECT_GE(log.oldest_base(), 1u) << "version 1's set (from 0) was dropped";
@@ -105,6 +115,7 @@ TEST_F(ChangeLogTest, TheBudgetDropsTheOldestAndAGapStartsAnew) {
 
 TEST_F(ChangeLogTest, AnExportedSetIsASealedRegionWithTheDocumentedLayout) {
   ChangeLog log(1 << 20);
+  log.Claim("engine", 1);
   for (uint64_t v = 1; v <= 3; ++v) log.Record(Set(v));
   ExportCache cache;
   absl::StatusOr<v1::ChangeSet> m = cache.Get(log, 1, 3);
@@ -139,6 +150,87 @@ TEST_F(ChangeLogTest, AnExportedSetIsASealedRegionWithTheDocumentedLayout) {
   ASSERT_THAT(again, IsOk());
   EXPECT_EQ(again->region().path(), m->region().path());
   EXPECT_THAT(cache.Get(log, 0, 2), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(ChangeLogTest, WithoutChangeSetConsumersOnlyTheNewestSetIsKeptUntilTheNextIsStaged) {
+  ChangeLog log(1 << 20);  // a budget far above what is kept: retention is by consumers, not it
+  for (uint64_t v = 1; v <= 5; ++v) {
+    log.Record(Set(v));
+    EXPECT_EQ(log.bytes(), Kept(v)) << "version " << v << ": only its own set is kept";
+    EXPECT_EQ(log.oldest_base(), v - 1);
+  }
+  EXPECT_EQ(log.consumers(), 0u);
+  // A consumer that loaded version 4 fully and asks for the first time gets the newest set.
+  EXPECT_THAT(log.Changes(4, 5), IsOk());
+  EXPECT_THAT(log.Changes(3, 5),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("reload version 5 fully")));
+  // The next version is staged: the newest set goes first, and nothing adds up.
+  EXPECT_EQ(log.DropUnclaimed(), Kept(5));
+  EXPECT_EQ(log.bytes(), 0u);
+  EXPECT_THAT(log.Changes(4, 5), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          HasSubstr("no consumer took change sets")));
+}
+
+TEST_F(ChangeLogTest, AConsumersSetsAreKeptFromItsVersionAndLetGoAsItAdvances) {
+  ChangeLog log(1 << 20);
+  log.Claim("engine", 2);
+  for (uint64_t v = 1; v <= 5; ++v) {
+    // Version v - 2 -> v - 1 is not needed by a consumer at 2 (kept as the newest until now).
+    const uint64_t unneeded = v == 2 || v == 3 ? Kept(v - 1) : 0u;
+    EXPECT_EQ(log.DropUnclaimed(), unneeded) << "before version " << v;
+    log.Record(Set(v));
+  }
+  EXPECT_EQ(log.oldest_base(), 2u) << "the sets from the consumer's version on, none before";
+  EXPECT_EQ(log.bytes(), Kept(3) + Kept(4) + Kept(5));
+  // Composed from the consumer's version, bit-exact.
+  absl::StatusOr<VersionChanges> c = log.Changes(2, 5);
+  ASSERT_THAT(c, IsOk());
+  std::vector<uint8_t> a = a_[2], b = b_[2];
+  for (const TensorChangeEntry& t : c->tensors) {
+    ASSERT_THAT(
+        WriteChanges(t.changes, t.name == "a" ? std::span<uint8_t>(a) : std::span<uint8_t>(b)),
+        IsOk());
+  }
+  EXPECT_TRUE(a == a_[5]);
+  EXPECT_TRUE(b == b_[5]);
+  // A second consumer further ahead keeps nothing the first does not; the oldest one binds.
+  log.Claim("other", 4);
+  EXPECT_EQ(log.oldest_base(), 2u);
+  EXPECT_EQ(log.consumers(), 2u);
+  // The first advances to 4: the sets before it are let go.
+  EXPECT_EQ(log.Claim("engine", 4), Kept(3) + Kept(4));
+  EXPECT_EQ(log.oldest_base(), 4u);
+  EXPECT_EQ(log.DropUnclaimed(), 0u) << "4 -> 5 is still needed";
+  // Both hold 5: nothing is needed once the next version is staged.
+  log.Claim("engine", 5);
+  log.Claim("other", 5);
+  EXPECT_EQ(log.bytes(), Kept(5)) << "the newest is kept until the next staging";
+  EXPECT_EQ(log.DropUnclaimed(), Kept(5));
+  log.Record(Set(5));  // (again, after the log emptied)
+  EXPECT_THAT(log.Changes(4, 5), IsOk());
+}
+
+TEST_F(ChangeLogTest, AClaimEndsWhenItExpiresOrItsProcessIsGone) {
+  std::vector<VersionChanges> sets;
+  for (uint64_t v = 1; v <= 3; ++v) sets.push_back(Set(v));
+  ChangeLog log(1 << 20, absl::Milliseconds(200));
+  log.Claim("engine", 0);
+  for (VersionChanges& s : sets) log.Record(std::move(s));
+  EXPECT_EQ(log.oldest_base(), 0u);
+  absl::SleepFor(absl::Milliseconds(250));
+  EXPECT_EQ(log.consumers(), 0u);
+  EXPECT_EQ(log.DropUnclaimed(), Kept(1) + Kept(2) + Kept(3));
+  // A process that exited.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  ChangeLog forever(1 << 20, absl::InfiniteDuration());
+  forever.Claim("gone", 0, child);
+  forever.Claim("alive", 1, getpid());
+  EXPECT_EQ(forever.consumers(), 1u);
+  for (uint64_t v = 1; v <= 3; ++v) forever.Record(Set(v));
+  EXPECT_EQ(forever.oldest_base(), 1u) << "only the live consumer's version binds";
 }
 
 }  // namespace

@@ -84,30 +84,46 @@ absl::StatusOr<std::unique_ptr<ExportedChanges>> ExportedChanges::Create(
   return e;
 }
 
-void ExportCache::ExpireLocked(absl::Time now) {
+void ExportCache::ExpireLocked(absl::Time now, const std::string& taker, uint64_t from,
+                               uint64_t to) {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (!taker.empty() && (it->from != from || it->to != to) && it->takers.erase(taker) > 0 &&
+        it->takers.empty() && !it->unnamed) {
+      it = entries_.erase(it);
+      continue;
+    }
+    ++it;
+  }
   while (!entries_.empty() &&
          (entries_.size() > max_entries_ || now - entries_.front().served > keep_)) {
     entries_.pop_front();
   }
 }
 
-absl::StatusOr<v1::ChangeSet> ExportCache::Get(const ChangeLog& log, uint64_t from, uint64_t to) {
+absl::StatusOr<v1::ChangeSet> ExportCache::Get(const ChangeLog& log, uint64_t from, uint64_t to,
+                                               const std::string& taker) {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
-  ExpireLocked(now);
+  ExpireLocked(now, taker, from, to);
+  auto served = [&](Entry& e) {
+    e.served = now;
+    if (taker.empty()) e.unnamed = true;
+    if (!taker.empty()) e.takers.insert(taker);
+  };
   for (auto it = entries_.begin(); it != entries_.end(); ++it) {
     if (it->from != from || it->to != to) continue;
     Entry e = std::move(*it);  // served again: kept as the newest
     entries_.erase(it);
-    e.served = now;
+    served(e);
     entries_.push_back(std::move(e));
     return entries_.back().exported->message();
   }
   REFIT_ASSIGN_OR_RETURN(VersionChanges changes, log.Changes(from, to));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ExportedChanges> exported,
                          ExportedChanges::Create(changes));
-  entries_.push_back(Entry{from, to, now, std::move(exported)});
-  ExpireLocked(now);
+  entries_.push_back(Entry{from, to, now, std::move(exported), {}, false});
+  served(entries_.back());
+  ExpireLocked(now, {}, from, to);
   return entries_.back().exported->message();
 }
 

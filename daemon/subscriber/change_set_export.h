@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -41,14 +42,18 @@ class ExportedChanges {
 };
 
 // The change sets served lately, kept open for `keep` after each was served (and at most
-// `max_entries`), so that the consumer can map the region it was given. Thread-safe.
+// `max_entries`), so that the consumer can map the region it was given; or until every consumer
+// it was served to has called again (for another set: it has mapped or copied this one by then,
+// and a mapping outlives the fd). Thread-safe.
 class ExportCache {
  public:
   explicit ExportCache(absl::Duration keep = absl::Seconds(60), size_t max_entries = 8)
       : keep_(keep), max_entries_(max_entries) {}
 
   // The change set from..to, exported once and shared by consumers asking for the same one.
-  absl::StatusOr<v1::ChangeSet> Get(const ChangeLog& log, uint64_t from, uint64_t to);
+  // `taker` names the consumer (empty: unnamed, the set is kept for `keep`).
+  absl::StatusOr<v1::ChangeSet> Get(const ChangeLog& log, uint64_t from, uint64_t to,
+                                    const std::string& taker = {});
   uint64_t bytes() const;
 
  private:
@@ -56,8 +61,13 @@ class ExportCache {
     uint64_t from = 0, to = 0;
     absl::Time served;
     std::unique_ptr<ExportedChanges> exported;
+    std::set<std::string> takers;  // named consumers served it that have not called again
+    bool unnamed = false;          // served to an unnamed one: kept for `keep`
   };
-  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the entries served longest ago, beyond `keep` or `max_entries`, and those every taker
+  // has moved on from (`taker` calls again, for another set than from..to).
+  void ExpireLocked(absl::Time now, const std::string& taker, uint64_t from, uint64_t to)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const absl::Duration keep_;
   const size_t max_entries_;

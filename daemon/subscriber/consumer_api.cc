@@ -1,5 +1,7 @@
 #include "daemon/subscriber/consumer_api.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <map>
 #include <utility>
@@ -254,8 +256,15 @@ grpc::Status ConsumerApiService::GetChanges(grpc::ServerContext* context,
   if (to == 0) {
     return ToGrpcStatus(absl::FailedPreconditionError("GetChanges: no version is applied yet"));
   }
+  // The caller (its process) takes change sets: from here on it holds `to` (it applies this
+  // set, or reloads `to` fully), and the sets after `to` are kept for it (ChangeLog::Claim).
+  // Those it took are let go, and their memory handed back to the system.
+  const std::optional<PeerCred> peer = PeerCredOf(*context);
+  const std::string key = peer.has_value() ? absl::StrCat("pid ", peer->pid) : context->peer();
+  absl::StatusOr<v1::ChangeSet> set = v1::ChangeSet();
+  if (from != to) set = exports_.Get(core_->change_log(), from, to, key);
+  if (core_->change_log().Claim(key, to, peer.has_value() ? peer->pid : 0) > 0) malloc_trim(0);
   if (from == to) return grpc::Status::OK;  // nothing changed: no tensors, no region
-  absl::StatusOr<v1::ChangeSet> set = exports_.Get(core_->change_log(), from, to);
   if (!set.ok() && set.status().code() == absl::StatusCode::kFailedPrecondition) {
     response->set_reload_fully(true);
     response->set_reason(std::string(set.status().message()));

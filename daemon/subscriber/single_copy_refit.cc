@@ -77,6 +77,10 @@ absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLoc
     Transfer& t, std::vector<std::string>& failed) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   const uint64_t applied = applied_version();
+  // This version's change sets are staged next: the logged ones no change-set consumer needs
+  // (the newest one included) are let go first, so that they and these do not add up (the
+  // staging reuses their memory; the daemon trims the heap after each applied version).
+  (void)change_log_.DropUnclaimed();
   // The daemon's own lease pins the held spans while they are read (released before the pause).
   REFIT_ASSIGN_OR_RETURN(store::Lease held, t.target->AcquireLease(options_.self_consumer, applied,
                                                                    absl::InfiniteDuration()));

@@ -309,6 +309,7 @@ TEST_F(SingleCopyTest, ADigestV1SessionIsRefusedWithTheReason) {
 TEST_F(SingleCopyTest, TheChangeSetsOfVersionsWrittenInPlaceAreKeptForConsumers) {
   PublishRun(1, 5);
   auto core = MakeCore();
+  core->change_log().Claim("engine", 1);  // a change-set consumer holds version 1
   for (uint64_t v = 1; v <= 5; ++v) Apply(*core, v);
   const ChangeLog& log = core->change_log();
   EXPECT_EQ(log.oldest_base(), 1u) << "version 1 was staged, not written in place";
@@ -332,6 +333,53 @@ TEST_F(SingleCopyTest, TheChangeSetsOfVersionsWrittenInPlaceAreKeptForConsumers)
   pub_.Publish(6, current_);
   Apply(*core, 6);
   EXPECT_THAT(log.Changes(5, 6), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(SingleCopyTest, WithOnlyZeroCopyConsumersTheLogHoldsTheNewestVersionsSetAtMost) {
+  PublishRun(1, 20);
+  SubscriberCore* raw = nullptr;
+  std::vector<uint64_t> during_write;  // the log's bytes inside each pause
+  opts_.in_place_write_hook = [&](size_t i) {
+    if (i == 0) during_write.push_back(raw->change_log().bytes());
+    return absl::OkStatus();
+  };
+  ASSERT_GT(opts_.change_set_bytes, ModelBytes(pub_.model(1)) * 20) << "the default budget";
+  auto core = MakeCore();
+  raw = core.get();
+  const ChangeLog& log = core->change_log();
+  for (uint64_t v = 1; v <= 20; ++v) {
+    Apply(*core, v);
+    if (v == 1) continue;
+    const StageStats st = core->last_stage();
+    ASSERT_TRUE(st.in_place_update) << v;
+    EXPECT_GT(log.bytes(), 0u) << "the newest set is kept for a consumer one version behind";
+    EXPECT_LE(log.bytes(), st.change_set_bytes) << "version " << v << ": its own set only";
+    EXPECT_EQ(log.oldest_base(), v - 1);
+  }
+  ASSERT_EQ(during_write.size(), 19u);
+  for (uint64_t b : during_write) EXPECT_EQ(b, 0u) << "a staged set never adds to a kept one";
+}
+
+TEST_F(SingleCopyTest, TheChangeLogKeepsWhatTheChangeSetConsumerHasNotTaken) {
+  PublishRun(1, 8);
+  auto core = MakeCore();
+  ChangeLog& log = core->change_log();
+  for (uint64_t v = 1; v <= 3; ++v) Apply(*core, v);
+  log.Claim("engine", 3);
+  for (uint64_t v = 4; v <= 6; ++v) Apply(*core, v);
+  EXPECT_EQ(log.oldest_base(), 3u);
+  EXPECT_THAT(log.Changes(2, 6),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("reload version 6 fully")));
+  log.Claim("engine", 5);  // it took 3 -> 5 and asks from there next
+  EXPECT_EQ(log.oldest_base(), 5u);
+  for (uint64_t v = 7; v <= 8; ++v) Apply(*core, v);
+  absl::StatusOr<VersionChanges> c = log.Changes(5, 8);
+  ASSERT_THAT(c, IsOk());
+  Model m = pub_.model(5);
+  for (const TensorChangeEntry& t : c->tensors) {
+    ASSERT_THAT(WriteChanges(t.changes, std::span<uint8_t>(m[t.name].bytes)), IsOk());
+  }
+  for (const auto& [name, t] : pub_.model(8)) EXPECT_TRUE(m[name].bytes == t.bytes) << name;
 }
 
 }  // namespace

@@ -96,7 +96,9 @@ struct SubscriberOptions {
   // copies for that version).
   uint64_t single_copy_staging_bytes = 1ull << 30;
   // Host memory for the change sets of the last versions written in place, served to consumers
-  // that keep their own weights (ConsumerApi.GetChanges; change_log.h). 0: none kept.
+  // that keep their own weights (ConsumerApi.GetChanges; change_log.h): a cap; only the sets some
+  // change-set consumer still needs are kept (and the newest, until the next is staged). 0:
+  // none kept.
   uint64_t change_set_bytes = 512ull << 20;
   // How long a verified version waits for the consumers' leases on the held version (the pause)
   // before the transfer is rejected (RESOURCE_EXHAUSTED, naming the holders) and asked again.
@@ -300,6 +302,7 @@ class SubscriberCore {
   RefreshStats refresh_stats() const;
   // The change sets of the last versions written in place (single-copy store).
   const ChangeLog& change_log() const { return change_log_; }
+  ChangeLog& change_log() { return change_log_; }
   // Waits until no refresh is asked for or running (benchmarks: the idle time between
   // versions); false when `timeout` passed first.
   bool WaitRefreshIdle(absl::Duration timeout) const;
@@ -433,7 +436,8 @@ class SubscriberCore {
   uint64_t lease_releases_ ABSL_GUARDED_BY(mu_) = 0;
 
   const SubscriberOptions options_;
-  ChangeLog change_log_{options_.change_set_bytes};  // after options_
+  // After options_. A change-set consumer's claim lasts as long as the longest lease.
+  ChangeLog change_log_{options_.change_set_bytes, options_.store.max_ttl};
   mutable absl::Mutex mu_;
   std::shared_ptr<store::SlottedStore> store_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
