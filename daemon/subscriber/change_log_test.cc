@@ -152,6 +152,23 @@ TEST_F(ChangeLogTest, AnExportedSetIsASealedRegionWithTheDocumentedLayout) {
   EXPECT_THAT(cache.Get(log, 0, 2), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
+TEST_F(ChangeLogTest, AServedRegionIsLetGoOnceItsConsumerCallsAgain) {
+  ChangeLog log(1 << 20);
+  log.Claim("engine", 0);
+  for (uint64_t v = 1; v <= 3; ++v) log.Record(Set(v));
+  ExportCache cache;
+  ASSERT_THAT(cache.Get(log, 0, 3), IsOk());  // an unnamed caller: kept for a minute
+  const uint64_t unnamed = cache.bytes();
+  ASSERT_THAT(cache.Get(log, 1, 3, "pid 1"), IsOk());
+  ASSERT_THAT(cache.Get(log, 1, 3, "pid 2"), IsOk());  // the same region for both
+  const uint64_t shared = cache.bytes() - unnamed;
+  ASSERT_THAT(cache.Get(log, 2, 3, "pid 1"), IsOk());
+  const uint64_t last = cache.bytes() - unnamed - shared;
+  EXPECT_GT(last, 0u);
+  ASSERT_THAT(cache.Get(log, 2, 3, "pid 2"), IsOk());
+  EXPECT_EQ(cache.bytes(), unnamed + last) << "1 -> 3 is let go once both have called again";
+}
+
 TEST_F(ChangeLogTest, WithoutChangeSetConsumersOnlyTheNewestSetIsKeptUntilTheNextIsStaged) {
   ChangeLog log(1 << 20);  // a budget far above what is kept: retention is by consumers, not it
   for (uint64_t v = 1; v <= 5; ++v) {
