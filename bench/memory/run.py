@@ -10,6 +10,10 @@ same window), each with a real publisher, a real subscriber and one inference pr
   views1      store.slots 1, the consumer's tensors are views of the one copy (refit.pause);
   changes1    store.slots 1, the consumer keeps its own weights, updated by change sets.
 
+Every set-up runs with the subscriber's default config (store.change_set_bytes included). A mode
+with the suffix "-cs0" (e.g. views1-cs0) runs the same set-up with store.change_set_bytes: 0 (no
+change set kept at all), the baseline a default run is compared with.
+
 The trainer (this process) publishes BF16 tensors of 4M elements through the TrainerApi, about
 --rate of the elements moved by one ULP per version. After each version every consumer holds it
 (and has touched every byte of its weights); then each process's PSS, USS (private) and RSS are
@@ -20,6 +24,7 @@ this process is the yardstick. Prints one JSON object per line; exits 1 if a con
 end with the trainer's exact bytes.
 
     bench/memory/run.py --build build [--sizes-mb 254,1100] [--versions 6] [--rate 0.0165]
+        [--modes copy,views2,views1,changes1,views1-cs0]
 """
 from __future__ import annotations
 
@@ -54,8 +59,10 @@ def memory_of(pid: int) -> dict:
             if len(parts) >= 2 and parts[0].rstrip(":") in ("Pss", "Rss", "Private_Clean",
                                                              "Private_Dirty"):
                 out[parts[0].rstrip(":")] = int(parts[1]) / 1024.0
+    with open(f"/proc/{pid}/status") as f:  # the peak resident memory since the process began
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0
     return {"pss": out["Pss"], "uss": out["Private_Clean"] + out["Private_Dirty"],
-            "rss": out["Rss"]}
+            "rss": out["Rss"], "hwm": hwm}
 
 
 class Net(torch.nn.Module):
@@ -132,11 +139,12 @@ def run(args, size_mb: int, mode: str, memcpy_ms: float) -> list:
     gen = torch.Generator().manual_seed(size_mb)
     model = {n: (torch.randn(k, generator=gen) * 0.02).to(torch.bfloat16)
              for n, k in zip(names, numels)}
-    slots = 1 if mode.endswith("1") else 2
+    kind = mode.split("-")[0]  # the consumer's set-up; "-cs0": no change sets kept
+    slots = 1 if kind.endswith("1") else 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="refit-mem-") as d, contextlib.ExitStack() as stack:
-        # Change sets are kept only where a consumer uses them.
-        extra = {"change_set_bytes": 0 if mode != "changes1" else 512 << 20} if slots == 1 else None
+        # The defaults, unless the mode asks for no change sets (the baseline).
+        extra = {"change_set_bytes": 0} if mode.endswith("-cs0") else None
         pub, sub = stack.enter_context(daemon_pair(d, slots=slots, digest_v2=True,
                                                    store_extra=extra))
         pub_ready, sub_ready = pub.ready, sub.ready
@@ -146,12 +154,14 @@ def run(args, size_mb: int, mode: str, memcpy_ms: float) -> list:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=consumer_main,
-                           args=(mode, args.build, sub_ready["local_socket"], names, numels, child))
+                           args=(kind, args.build, sub_ready["local_socket"], names, numels, child))
         proc.start()
         stack.callback(lambda: (parent.send(None), proc.join(30)))
         cons_base = memory_of(parent.recv())
         parent.send("baseline taken")
+        largest_staged = 0
         for v in range(1, args.versions + 1):
+            changed = 0
             if v > 1:
                 changed = 0
                 for n, t in trainer.tensors.items():
@@ -169,6 +179,8 @@ def run(args, size_mb: int, mode: str, memcpy_ms: float) -> list:
                                open(sub.log_path).read())
             pause_ms = float(dict(pause).get(str(v), "nan"))
             model_mib = sum(numels) * 2 / 2**20
+            # A version's change set as staged: positions (8 bytes), new and old values (2 + 2).
+            largest_staged = max(largest_staged, changed * 12 / 2**20)
             s, c = memory_of(sub.proc.pid), memory_of(cpid)
 
             def x(mib):
@@ -180,6 +192,8 @@ def run(args, size_mb: int, mode: str, memcpy_ms: float) -> list:
                    # shares with the consumer.
                    "sub_rss_x": x(s["rss"]), "sub_rss_above_idle_x": x(s["rss"] - sub_base["rss"]),
                    "sub_pss_x": x(s["pss"]), "sub_base_mib": round(sub_base["rss"], 1),
+                   # Its peak resident memory so far (VmHWM): the staging included.
+                   "sub_peak_rss_x": x(s["hwm"]),
                    # The consumer above its own baseline (interpreter and torch, measured before
                    # its first version): what the weights cost it.
                    "consumer_extra_pss_x": x(c["pss"] - cons_base["pss"]),
@@ -187,6 +201,9 @@ def run(args, size_mb: int, mode: str, memcpy_ms: float) -> list:
                    # The node: subscriber + consumer (shared pages counted once), without the
                    # consumer's interpreter baseline.
                    "node_x": x(s["pss"] + c["pss"] - cons_base["pss"]),
+                   # The largest change set staged so far (single-copy set-ups): what the
+                   # subscriber may hold beyond the store while a version is staged.
+                   "largest_staged_change_set_x": x(largest_staged),
                    "pause_ms": pause_ms, "memcpy_ms": round(memcpy_ms, 2),
                    "pause_over_memcpy": round(pause_ms / memcpy_ms, 3)}
             rows.append(row)
@@ -231,7 +248,10 @@ def main() -> int:
             pauses = sorted(r["pause_ms"] for r in rows[1:] if r["pause_ms"] == r["pause_ms"])
             summary[mode] = {k: last[k] for k in ("sub_rss_x", "sub_rss_above_idle_x", "sub_pss_x",
                                                    "consumer_extra_pss_x", "consumer_extra_uss_x",
-                                                   "node_x")}
+                                                   "node_x", "largest_staged_change_set_x",
+                                                   "sub_peak_rss_x")}
+            summary[mode]["max_sub_rss_above_idle_x"] = max(r["sub_rss_above_idle_x"]
+                                                            for r in rows)
             summary[mode]["median_pause_ms"] = pauses[len(pauses) // 2] if pauses else None
         summary["loadavg"] = open("/proc/loadavg").read().split()[:3]
         print(json.dumps(summary), flush=True)
