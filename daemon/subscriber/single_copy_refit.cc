@@ -118,6 +118,12 @@ absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLoc
     absl::StatusOr<SingleCopyTensor> one = st.ok() ? StageSingleCopyTensor(t.target->memory(), in,
                                                                            options_.threads)
                                                    : absl::StatusOr<SingleCopyTensor>(st);
+    // Its received objects are decoded into `one` (nothing reads them after this): let them go,
+    // so that the version's wire bytes and its change sets are not held whole at once.
+    for (int p = 0;
+         in.kind != SingleCopyInput::Kind::kUnchanged && p < std::max(1, tp.steps_size()); ++p) {
+      (void)t.assembler->TakeObject(ti, static_cast<uint32_t>(p));
+    }
     if (!one.ok()) {
       failed.push_back(tp.spec().name());
       errors.push_back(absl::StrCat(sync::DescribeTensor(ti, tp.spec().name()), ": ",
