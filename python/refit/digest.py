@@ -78,3 +78,41 @@ def digest_v2(t: torch.Tensor) -> int:
         tail[:n % 8] = data[8 * full:]
         s = (s + _mix_sum(tail.view(torch.int64), full)) & _M
     return _finish(s, n)
+
+
+def _inv_xs(x: int, r: int) -> int:
+    y = x
+    for _ in range(64 // r + 1):
+        y = x ^ (y >> r)
+    return y
+
+
+_F1_INV = pow(_F1, -1, 1 << 64)
+_F2_INV = pow(_F2, -1, 1 << 64)
+
+
+def _unfinish(d: int, n: int) -> int:
+    x = _inv_xs(d, 32)
+    x = (x * _F2_INV) & _M
+    x = _inv_xs(x, 29)
+    x = (x * _F1_INV) & _M
+    x = _inv_xs(x, 31)
+    return x ^ _avalanche(n ^ _SEED)
+
+
+def word_sum(word_index: torch.Tensor, words: torch.Tensor) -> int:
+    """Sum of Mix(i, w) over the given words (int64 tensors of equal length), mod 2^64."""
+    if word_index.numel() == 0:
+        return 0
+    i = word_index.to(torch.int64)
+    z = (words ^ (i * _s(_A))) * _s(_M1)
+    z = (_xs(z, 32) + i * _s(_B)) * _s(_M2)
+    z = _xs(z, 29) * _s(_M3)
+    return int(_xs(z, 32).sum()) & _M
+
+
+def apply_delta(digest: int, nbytes: int, delta: int) -> int:
+    """The digest v2 of a tensor of `nbytes` bytes whose digest was `digest` after its words
+    changed with mix-sum difference `delta` (word_sum(new) - word_sum(old) of the changed
+    words, each word once)."""
+    return _finish((_unfinish(digest, nbytes) + delta) & _M, nbytes)

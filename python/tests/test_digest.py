@@ -48,3 +48,18 @@ def test_digest_v2_reads_dtype_and_layout_as_bytes():
     y = x.clone()
     y.view(torch.int16)[5, 3] += 1  # one ULP
     assert digest_v2(y) != digest_v2(x)
+
+
+def test_digest_v2_updates_from_the_changed_words_alone():
+    from refit.digest import apply_delta, word_sum
+    x = torch.randn(1000, 3).to(torch.bfloat16)  # 6000 bytes: 750 words
+    y = x.clone()
+    flat = y.view(-1).view(torch.int16)
+    changed = torch.tensor([0, 5, 6, 7, 2999])
+    flat[changed] += 1
+    words = torch.unique(changed // 4)  # 4 bf16 elements per 8-byte word
+    old = x.view(-1).view(torch.int64)[words]
+    new = y.view(-1).view(torch.int64)[words]
+    delta = (word_sum(words, new) - word_sum(words, old)) & ((1 << 64) - 1)
+    assert apply_delta(digest_v2(x), 6000, delta) == digest_v2(y)
+    assert apply_delta(digest_v2(x), 6000, 0) == digest_v2(x)

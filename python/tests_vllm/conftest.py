@@ -6,3 +6,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# vLLM's spawned workers import worker_fns (functions the tests run there) from this directory.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [os.path.dirname(os.path.abspath(__file__))] +
+    [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

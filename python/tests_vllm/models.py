@@ -48,9 +48,11 @@ def config(arch: str):
                   max_position_embeddings=MAX_LEN, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, torch_dtype="bfloat16")
     if arch == "qwen2":
-        return transformers.Qwen2Config(tie_word_embeddings=True, **common)
+        return transformers.Qwen2Config(tie_word_embeddings=True,
+                                        architectures=["Qwen2ForCausalLM"], **common)
     if arch == "phi3":
-        return transformers.Phi3Config(tie_word_embeddings=False, **common)
+        return transformers.Phi3Config(tie_word_embeddings=False,
+                                       architectures=["Phi3ForCausalLM"], **common)
     raise ValueError(f"unknown architecture {arch!r} (qwen2, phi3)")
 
 

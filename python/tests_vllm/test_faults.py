@@ -15,25 +15,13 @@ from __future__ import annotations
 import os
 import signal
 
-import torch
-
 import models
 import test_engine as common
 from refit.local import daemon_pair
 from refit.trainer import Trainer
+from worker_fns import corrupt_embedding, last_update
 
 ARCH = "qwen2"
-
-
-def corrupt_embedding(worker):
-    w = worker.model_runner.get_model().model.embed_tokens.weight
-    with torch.no_grad():
-        w[:64].view(torch.int16).add_(7)
-    return True
-
-
-def last_update(worker):
-    return dict(worker.weight_transfer_engine.last_update)
 
 
 def test_faults_leave_the_previous_version_and_converge(tmp_path, monkeypatch):

@@ -1,15 +1,31 @@
 """The `refitd` vLLM weight-transfer engine (worker side): each update takes a version from the
 local refitd subscriber, never from the trainer, applies it atomically and proves it.
 
-A version is applied by vLLM's own layerwise reload, fed zero-copy views of the subscriber's
+Two ways to apply a version, chosen per model and runtime (init_info mode "auto"), the reason
+logged and reported in `last_update`:
+
+In place, O(changed): when every checkpoint tensor reaches the runtime parameters unchanged
+(refit.vllm.param_map: the model's own load_weights run once on probe tensors maps checkpoint
+elements to runtime storage, through fused qkv/gate_up and shards), the change set from the held
+version (GetChanges, composed by the subscriber for skipped versions; a single-copy subscriber,
+store.slots 1) is written straight into the parameters (refit.vllm.inplace), verified from the
+touched words by digest v2, and undone from the overwritten values on any failure. A first load,
+or a change set the subscriber cannot give, copies every tensor through the same map from a
+lease of the version and verifies each tensor read back from the runtime.
+
+Layerwise reload, for runtimes that repack or quantize weights after loading (vLLM on CPU packs
+linear weights out of the parameters; online FP8). A version is applied by vLLM's own layerwise
+reload, fed zero-copy views of the subscriber's
 store (a read lease), and only for the layers the version touches: the tensors whose digests
 differ from those of the version the engine holds. vLLM then re-runs its per-layer processing
 (on CPU it repacks linear weights out of the parameters; online quantization runs there too), so
 this is correct whatever the runtime does to weights after loading. Nothing of the model is
 copied in this process beyond vLLM's own weights.
 
-Atomic: the engine keeps a read lease on the version it serves (a subscriber with store.slots
->= 2, the default, stages the next version beside it). If loading, processing or verification
+Atomic: on this path the engine keeps a read lease on the version it serves (init_info
+hold_version, default on; a subscriber with store.slots >= 2, the default, stages the next
+version beside it; a single-copy subscriber needs hold_version off, and a failed reload is then
+retried from the new version rather than undone). If loading, processing or verification
 of a new version fails part way, the same layers are reloaded from the held version, so the
 engine serves the previous version bit for bit, and the error is raised naming what failed.
 
@@ -37,7 +53,7 @@ from refit.digest import digest_v2
 
 logger = logging.getLogger("refit.vllm")
 
-MODES = ("auto", "reload")
+MODES = ("auto", "reload", "in_place")
 VERIFY = ("every", "off")
 
 
@@ -46,9 +62,10 @@ class RefitInitInfo(WeightTransferInitInfo):
     """init_info of the `refitd` backend."""
     socket: str                 # the subscriber's local socket (subscriber.local_socket)
     consumer: str = "vllm"      # this engine's consumer name at the subscriber
-    mode: str = "auto"          # how versions are applied: auto | reload
+    mode: str = "auto"          # how versions are applied: auto | reload | in_place
     verify: str = "every"       # in-engine verification after each update: every | off
     timeout: float = 60.0       # seconds for each call to the subscriber
+    hold_version: bool = True   # reload path: keep a lease on the served version (the undo)
 
     def __post_init__(self):
         if not isinstance(self.socket, str) or not self.socket:
@@ -87,11 +104,21 @@ class _Held:
     weights: Dict[str, torch.Tensor]
     digests: Dict[str, int]
     specs: Dict[str, tuple]
-    stack: contextlib.ExitStack
+    stack: Optional[contextlib.ExitStack]   # the lease, when one is held
 
 
 def _specs(weights) -> Dict[str, tuple]:
     return {n: (t.dtype, tuple(t.shape)) for n, t in weights.items()}
+
+
+def _whole_groups(names: Set[str], specs: Dict[str, tuple]) -> Set[str]:
+    """`names` grown to whole layer groups (vLLM's layerwise_groups: a layer is processed once
+    all its tensors arrived, so a reload loads all of them)."""
+    out: Set[str] = set()
+    for group in layerwise_groups(sorted(specs)):
+        if names.intersection(group):
+            out.update(group)
+    return out
 
 
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
@@ -105,6 +132,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._consumer = None
         self._held: Optional[_Held] = None
         self._digest_v2: Optional[bool] = None  # whether the subscriber's digests are v2
+        self._map = None       # refit.vllm.param_map.ParamMap of self.model
+        self._map_key = None
         self.last_update: dict = {}
 
     # ---- the WeightTransferEngine interface ------------------------------------------------
@@ -152,6 +181,20 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def _update(self, version: int) -> None:
         t0 = time.monotonic()
+        held = self._held
+        note = ""
+        if held is not None and self._path_for(held.specs)[0] == "in_place":
+            from refit.changes import get_changes
+            changes = get_changes(self._consumer, held.version, version)
+            if not changes.reload_fully:
+                self._apply_change_set(changes, t0)
+                return
+            note = f"; the subscriber gives no change set ({changes.reason})"
+        self._update_from_lease(version, t0, note)
+
+    def _update_from_lease(self, version: int, t0: float, note: str) -> None:
+        """Applies a version from a lease of it: the layers it touches by layerwise reload, or
+        (in place) its changed tensors copied through the map."""
         stack = contextlib.ExitStack()
         try:
             new = stack.enter_context(self._consumer.attach(version or None))
@@ -161,48 +204,124 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         held = self._held
         if held is not None and new.version == held.version:
             stack.close()
-            self.last_update = {"version": new.version, "path": "none", "reloaded": [],
+            self.last_update = {"version": new.version, "path": "none", "loaded": [],
                                 "seconds": time.monotonic() - t0}
             return
         new_held = _Held(new.version, dict(new), dict(new.digests), _specs(new), stack)
-        names, reason = self._plan(new_held)
+        path, why = self._path_for(new_held.specs)
+        names, reason = self._plan(new_held, path)
         try:
             self._check_digest_format(new_held)
-            self._reload(new_held, names)
-            self._synchronize()
+            self._load(path, new_held, names)
             covered = self._verify(new_held, fix=True)
         except BaseException as err:
-            self._undo(names, new_held, err)
+            self._undo(path, names, new_held, err)
             stack.close()
             raise
         self._release_held()
+        if path == "in_place" or not self._info.hold_version:
+            new_held.weights, new_held.stack = {}, None
+            stack.close()
         self._held = new_held
-        self.last_update = {"version": new.version, "path": "reload", "reason": reason,
-                            "reloaded": sorted(names), "verified": covered,
-                            "tensors": len(new_held.weights),
-                            "seconds": time.monotonic() - t0}
-        logger.info("refitd: version %d applied by layerwise reload of %d of %d tensors (%s); "
-                    "%d verified in the runtime by digest v2, %.3f s", new.version, len(names),
-                    len(new_held.weights), reason, len(covered), self.last_update["seconds"])
+        self._report(new.version, path, why + note, reason, names, covered, t0)
 
-    def _plan(self, new: _Held):
-        """The checkpoint tensors to load: every tensor of each layer group (vLLM's
-        layerwise_groups: one per decoder layer, plus the pre and post blocks) that holds a
-        tensor whose digest changed since the held version; all of them for a first load or a
-        changed manifest."""
+    def _report(self, version, path, why, reason, names, covered, t0, **extra) -> None:
+        self.last_update = dict({"version": version, "path": path, "why": why,
+                                 "reason": reason, "loaded": sorted(names),
+                                 "verified": covered, "seconds": time.monotonic() - t0},
+                                **extra)
+        logger.info("refitd: version %d applied %s (%s): %d tensors (%s); %d verified in the "
+                    "runtime by digest v2, %.3f s", version, path.replace("_", " "), why,
+                    len(names), reason, len(covered), self.last_update["seconds"])
+
+    # ---- in place ---------------------------------------------------------------------------
+
+    def _path_for(self, specs: Dict[str, tuple]) -> tuple:
+        """("in_place" | "reload", why) for the engine's model and a version of `specs`."""
+        mode = self._info.mode
+        if mode == "reload":
+            return "reload", "init_info mode reload"
+        pmap = self._param_map(specs)
+        if pmap.complete():
+            return "in_place", "every tensor reaches the runtime parameters unchanged"
+        why = f"not every tensor reaches the runtime parameters unchanged: {pmap.why_not()}"
+        if mode == "in_place":
+            raise ValueError(f"refitd: init_info mode in_place: {why}")
+        return "reload", why
+
+    def _param_map(self, specs: Dict[str, tuple]):
+        from refit.vllm import param_map
+        key = (id(self.model), tuple(sorted((n, str(d), s) for n, (d, s) in specs.items())))
+        if self._map_key != key:
+            self._map = param_map.build(self.model, specs)
+            self._map_key = key
+            logger.info("refitd: checkpoint -> runtime map: %d of %d tensors reachable in place%s",
+                        len(specs) - len(self._map.unreachable), len(specs),
+                        "" if self._map.complete() else f" ({self._map.why_not()})")
+        return self._map
+
+    def _apply_change_set(self, changes, t0: float) -> None:
+        from refit.vllm.inplace import InPlaceWriter
+        held = self._held
+        if changes.to_version == held.version:
+            self.last_update = {"version": held.version, "path": "none", "loaded": [],
+                                "seconds": time.monotonic() - t0}
+            return
+        writer = InPlaceWriter(self._map)
+        writer.check(changes)  # nothing is written unless every tensor can be
+        undo, digests, bad = writer.apply(changes, held.digests)
+        try:
+            if bad and self._info.verify != "off":
+                raise VerificationError(
+                    f"refitd: version {changes.to_version}: after writing the change set from "
+                    f"version {changes.from_version}, the runtime words of {len(bad)} tensors "
+                    f"do not give the subscriber's digest v2: {', '.join(bad)}")
+            self._synchronize()
+        except BaseException:
+            writer.undo(undo)
+            self._synchronize()
+            logger.error("refitd: change set %d -> %d undone", changes.from_version,
+                         changes.to_version)
+            raise
+        new_digests = dict(held.digests)
+        new_digests.update(digests)
+        self._held = _Held(changes.to_version, {}, new_digests, held.specs, None)
+        nbytes = sum(c.indices.numel() * (8 + c.values.element_size())
+                     for c in changes.tensors.values())
+        self._report(changes.to_version, "in_place", "change set from version "
+                     f"{changes.from_version}", f"{changes.changed_elements()} elements changed",
+                     [n for n, c in changes.tensors.items() if c.indices.numel()],
+                     [] if self._info.verify == "off" else sorted(digests), t0,
+                     change_set_bytes=nbytes, undo_bytes=sum(
+                         a.numel() * 8 + o.numel() * o.element_size() for _, a, o in undo))
+
+    def _plan(self, new: _Held, path: str):
+        """The checkpoint tensors to load: those whose digest changed since the held version (in
+        place), or every tensor of each layer group (vLLM's layerwise_groups: one per decoder
+        layer, plus the pre and post blocks) holding one (reload); all of them for a first load
+        or a changed manifest."""
         held = self._held
         if held is None:
             return set(new.weights), "first load"
         if held.specs != new.specs:
             return set(new.weights), "the tensors' names, dtypes or shapes changed"
         changed = {n for n, d in new.digests.items() if held.digests.get(n) != d}
-        names: Set[str] = set()
-        for group in layerwise_groups(sorted(new.weights)):
-            if changed.intersection(group):
-                names.update(group)
-        return names, f"{len(changed)} tensors changed since version {held.version}"
+        reason = f"{len(changed)} tensors changed since version {held.version}"
+        if path == "in_place":
+            return changed, reason
+        return _whole_groups(changed, new.specs), reason
 
-    # ---- applying: vLLM's layerwise reload --------------------------------------------------
+    # ---- applying from a lease -------------------------------------------------------------
+
+    def _load(self, path: str, source: _Held, names: Set[str]) -> None:
+        if path == "in_place":
+            from refit.vllm.inplace import InPlaceWriter
+            writer = InPlaceWriter(self._param_map(source.specs))
+            for n in sorted(names):
+                writer.write_full(n, source.weights[n])
+        else:
+            self._reload(source, _whole_groups(names, source.specs))
+        self._synchronize()
 
     def _reload(self, source: _Held, names: Set[str]) -> None:
         from vllm.model_executor.model_loader.mtp_validation import (
@@ -249,22 +368,31 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _undo(self, names: Set[str], failed: _Held, err: BaseException) -> None:
+    def _undo(self, path: str, names: Set[str], failed: _Held, err: BaseException) -> None:
+        """After a failed load of `failed`: the same tensors again from the held version's lease
+        (bit for bit the previous version), or, with no lease held, from `failed` once more
+        (rolling forward: never a mix). Raises when neither works; the engine then holds no
+        refitd version and the next update loads every tensor."""
         held = self._held
-        if held is None:
-            logger.error("refitd: version %d failed on first load (%s); the engine holds no "
-                         "refitd version", failed.version, err)
-            return
+        source = held if held is not None and held.weights else failed
         try:
-            self._reload(held, names)
-            self._synchronize()
-            self._verify(held, fix=False)
+            if held is None:
+                raise RuntimeError("no version was held before")
+            self._load(path, source, names)
+            self._verify(source, fix=False)
         except BaseException as undo_err:
             self._release_held()
-            raise RuntimeError(f"refitd: version {failed.version} failed ({err!r}) and "
-                               f"restoring version {held.version} failed too ({undo_err!r}): "
-                               f"the next update reloads every tensor") from err
-        logger.error("refitd: version %d failed (%s); version %d restored in the %d reloaded "
+            raise RuntimeError(f"refitd: version {failed.version} failed ({err!r}); restoring "
+                               f"a whole version failed too ({undo_err!r}): the engine holds no "
+                               f"refitd version, the next update loads every tensor") from err
+        if source is failed:
+            # Rolled forward: the engine holds `failed` now, complete and verified.
+            logger.error("refitd: version %d failed once (%s); loaded again and verified",
+                         failed.version, err)
+            self._release_held()
+            self._held = _Held(failed.version, {}, dict(failed.digests), failed.specs, None)
+            return
+        logger.error("refitd: version %d failed (%s); version %d restored in the %d loaded "
                      "tensors and verified", failed.version, err, held.version, len(names))
 
     # ---- verification -----------------------------------------------------------------------
@@ -281,20 +409,24 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 f"that verifies with digest v2 (store.digest_v2: true, the default); or set "
                 f"init_info verify: off")
 
-    def _runtime_tensors(self, v: _Held) -> Dict[str, torch.Tensor]:
-        """Checkpoint name -> the runtime parameter or buffer holding it as it is."""
+    def _runtime_tensors(self, v: _Held) -> Dict[str, object]:
+        """Checkpoint name -> a callable giving the tensor as the runtime holds it: read back
+        through the map (in place), or the runtime parameter or buffer holding it as it is."""
+        path = self._path_for(v.specs)[0]
+        if path == "in_place":
+            return {n: (lambda n=n: self._map.gather(n)) for n in v.specs}
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         out = {}
         for name, (dtype, shape) in v.specs.items():
             p = params.get(name)
             if p is not None and p.dtype == dtype and tuple(p.shape) == shape and p.numel():
-                out[name] = p
+                out[name] = (lambda p=p: p)
         return out
 
     def _mismatches(self, v: _Held) -> tuple:
         runtime = self._runtime_tensors(v)
-        bad = sorted(n for n, p in runtime.items() if digest_v2(p) != v.digests[n])
+        bad = sorted(n for n, read in runtime.items() if digest_v2(read()) != v.digests[n])
         return sorted(runtime), bad
 
     def _verify(self, v: _Held, *, fix: bool) -> List[str]:
@@ -302,10 +434,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             return []
         covered, bad = self._mismatches(v)
         if bad and fix:
-            logger.error("refitd: version %d: digest mismatch in the runtime for %s; reloading "
-                         "them", v.version, ", ".join(bad))
-            self._reload(v, set(bad))
-            self._synchronize()
+            logger.error("refitd: version %d: digest mismatch in the runtime for %s; loading "
+                         "them again", v.version, ", ".join(bad))
+            self._load(self._path_for(v.specs)[0], v, set(bad))
             covered, bad = self._mismatches(v)
         if bad:
             raise VerificationError(
@@ -315,17 +446,26 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return covered
 
     def _verify_held(self) -> None:
-        if self._held is None:
+        """Checks every tensor the runtime holds as it is (or, in place, all of them) against
+        the held version's digests; mismatches are loaded again from a lease of that version."""
+        held = self._held
+        if held is None:
             raise RuntimeError("refitd: verify: the engine holds no refitd version yet")
         if self._info.verify == "off":
             raise RuntimeError("refitd: verify: init_info verify is 'off'")
-        covered = self._verify(self._held, fix=True)
-        self.last_update = dict(self.last_update, verified=covered,
-                                verify_version=self._held.version)
+        if held.weights:
+            covered = self._verify(held, fix=True)
+        else:
+            with self._consumer.attach(held.version) as w:
+                leased = _Held(held.version, dict(w), held.digests, held.specs, None)
+                covered = self._verify(leased, fix=True)
+        self.last_update = dict(self.last_update, verified=covered, verify_version=held.version)
 
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is None:
+            return
+        if held.stack is None:
             return
         try:
             held.stack.close()

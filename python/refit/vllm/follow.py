@@ -28,14 +28,16 @@ class UpdateResult:
     applied: bool         # False when the engine already served that version
 
 
-def _init_info(socket: str, consumer: str, mode: str, verify: str) -> dict:
-    return {"socket": socket, "consumer": consumer, "mode": mode, "verify": verify}
+def _init_info(socket: str, consumer: str, mode: str, verify: str, hold_version: bool) -> dict:
+    return {"socket": socket, "consumer": consumer, "mode": mode, "verify": verify,
+            "hold_version": hold_version}
 
 
 class _Base:
-    def __init__(self, socket: str, consumer: str, mode: str, verify: str, timeout: float):
+    def __init__(self, socket: str, consumer: str, mode: str, verify: str, timeout: float,
+                 hold_version: bool = True):
         self.socket = socket
-        self.init_info = _init_info(socket, consumer, mode, verify)
+        self.init_info = _init_info(socket, consumer, mode, verify, hold_version)
         self.timeout = timeout
         # The driver's own consumer: only to learn versions (no lease is taken with it).
         self._watch = Consumer(socket, name=consumer + "-driver", timeout=timeout)
@@ -71,8 +73,8 @@ class Follower(_Base):
     offline LLM has no request in flight then, which is its pause."""
 
     def __init__(self, llm, socket: str, *, consumer: str = "vllm", mode: str = "auto",
-                 verify: str = "every", timeout: float = 60.0):
-        super().__init__(socket, consumer, mode, verify, timeout)
+                 verify: str = "every", timeout: float = 60.0, hold_version: bool = True):
+        super().__init__(socket, consumer, mode, verify, timeout, hold_version)
         self.llm = llm
         llm.init_weight_transfer_engine({"init_info": self.init_info})
 
@@ -108,8 +110,8 @@ class HttpFollower(_Base):
 
     def __init__(self, base_url: str, socket: str, *, consumer: str = "vllm",
                  mode: str = "auto", verify: str = "every", timeout: float = 60.0,
-                 pause_mode: str = "wait"):
-        super().__init__(socket, consumer, mode, verify, timeout)
+                 pause_mode: str = "wait", hold_version: bool = True):
+        super().__init__(socket, consumer, mode, verify, timeout, hold_version)
         self.base = base_url.rstrip("/")
         self.pause_mode = pause_mode
         self._post("/init_weight_transfer_engine", {"init_info": self.init_info})
