@@ -38,7 +38,7 @@ def test_in_place_updates_equal_the_models_own_full_load(arch, tmp_path, monkeyp
     model = models.create(arch)
     models.save_version(model, tok, os.path.join(root, "v0"))
     os.makedirs(os.path.join(root, "d"))
-    steps = models.training_steps(model, tok, 6)
+    steps = models.training_steps(model, tok, 7)
     dirs = {}
     with daemon_pair(os.path.join(root, "d"), slots=1) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")

@@ -26,9 +26,12 @@ def _plain_model(worker, model_dir, prefix):
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
     cfg = worker.vllm_config
-    with set_current_vllm_config(cfg):
-        model = initialize_model(vllm_config=cfg, prefix=prefix)
+    # As vLLM's loader does (BaseModelLoader.load_model), before its post-load processing.
+    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), \
+            torch.device(cfg.device_config.device):
+        model = initialize_model(vllm_config=cfg, model_config=cfg.model_config, prefix=prefix)
     state = {}
     for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         state.update(load_file(f))
@@ -84,6 +87,8 @@ def plain_compare(worker, model_dir):
     got.update(worker._refit_plain.named_buffers(remove_duplicate=False))
     want = dict(ref.named_parameters(remove_duplicate=False))
     want.update(ref.named_buffers(remove_duplicate=False))
+    assert all(t.dtype != torch.float32 for n, t in want.items() if n.endswith("weight")), \
+        "the loader-built model is not in the engine's dtype"
     bad = sorted(n for n in want if n not in got or got[n].dtype != want[n].dtype
                  or got[n].shape != want[n].shape
                  or not torch.equal(got[n].reshape(-1).view(torch.uint8),
