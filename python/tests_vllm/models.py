@@ -41,12 +41,17 @@ def train_tokenizer(out_dir: str):
     return fast
 
 
-def config(arch: str):
+def config(arch: str, **sizes):
+    """The model's config; `sizes` override hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads (the tests' defaults: 4 heads of 80: vLLM's CPU
+    attention takes its AMX kernel for head sizes divisible by 32, which needs AMX enabled for
+    the process)."""
     import transformers
     common = dict(vocab_size=VOCAB, hidden_size=320, intermediate_size=640,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=MAX_LEN, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, torch_dtype="bfloat16")
+    common.update(sizes)
     if arch == "qwen2":
         return transformers.Qwen2Config(tie_word_embeddings=True,
                                         architectures=["Qwen2ForCausalLM"], **common)
@@ -56,10 +61,10 @@ def config(arch: str):
     raise ValueError(f"unknown architecture {arch!r} (qwen2, phi3)")
 
 
-def create(arch: str, seed: int = 0):
+def create(arch: str, seed: int = 0, **sizes):
     import transformers
     torch.manual_seed(seed)
-    cfg = config(arch)
+    cfg = config(arch, **sizes)
     cls = {"qwen2": transformers.Qwen2ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[arch]
     model = cls(cfg).float()
     return model

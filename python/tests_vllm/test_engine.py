@@ -40,17 +40,22 @@ FOLLOW = [1, 2, 3, "restart", 4, "behind", 8]
 
 
 def engine_kwargs():
-    return dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0)
+    return dict(dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
+                enable_prefix_caching=False)
 
 
-def run_prompts(llm):
+def run_prompts(llm, one_by_one=False):
+    """[(token ids, logprobs)] of greedy generations for PROMPTS: one batch, or (one_by_one)
+    one generate() per prompt."""
     from vllm import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, seed=0)
+    batches = [[p] for p in PROMPTS] if one_by_one else [PROMPTS]
     out = []
-    for o in llm.generate(PROMPTS, sp, use_tqdm=False):
-        c = o.outputs[0]
-        lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
-        out.append((list(c.token_ids), lps))
+    for batch in batches:
+        for o in llm.generate(batch, sp, use_tqdm=False):
+            c = o.outputs[0]
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
+            out.append((list(c.token_ids), lps))
     return out
 
 
@@ -60,9 +65,11 @@ def shutdown(llm):
     del llm
 
 
-def references(dirs):
-    """Outputs of a fresh LLM per model dir, each in a process of its own (reference.py)."""
-    out = subprocess.run([sys.executable, os.path.join(HERE, "reference.py"), *dirs],
+def references(dirs, one_by_one=False):
+    """Outputs of a fresh LLM per model dir, one after the other in a process of their own
+    (reference.py)."""
+    flags = ["--one-by-one"] if one_by_one else []
+    out = subprocess.run([sys.executable, os.path.join(HERE, "reference.py"), *flags, *dirs],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("REFERENCE ")][-1]

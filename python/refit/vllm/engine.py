@@ -179,13 +179,30 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             raise RuntimeError("refitd weight transfer engine: init_weight_transfer_engine "
                                "has not been called")
 
+    def _reconnecting(self, call):
+        """call(consumer); once more on a new channel when the subscriber was unreachable (a
+        restarted subscriber: gRPC's channel may still be backing off from the dead one)."""
+        import grpc
+        from refit._common import RefitError
+        try:
+            return call(self._consumer)
+        except RefitError as e:
+            if e.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+        from refit.inference import Consumer
+        with contextlib.suppress(Exception):
+            self._consumer.close()
+        info = self._info
+        self._consumer = Consumer(info.socket, name=info.consumer, timeout=info.timeout)
+        return call(self._consumer)
+
     def _update(self, version: int) -> None:
         t0 = time.monotonic()
         held = self._held
         note = ""
         if held is not None and self._path_for(held.specs)[0] == "in_place":
             from refit.changes import get_changes
-            changes = get_changes(self._consumer, held.version, version)
+            changes = self._reconnecting(lambda c: get_changes(c, held.version, version))
             if not changes.reload_fully:
                 self._apply_change_set(changes, t0)
                 return
@@ -197,7 +214,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         (in place) its changed tensors copied through the map."""
         stack = contextlib.ExitStack()
         try:
-            new = stack.enter_context(self._consumer.attach(version or None))
+            new = self._reconnecting(
+                lambda c: stack.enter_context(c.attach(version or None)))
         except BaseException:
             stack.close()
             raise
@@ -223,6 +241,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             new_held.weights, new_held.stack = {}, None
             stack.close()
         self._held = new_held
+        if path == "in_place":
+            # Registers as a change-set consumer holding this version: a single-copy subscriber
+            # keeps the change sets from here on for it.
+            from refit.changes import get_changes
+            self._reconnecting(lambda c: get_changes(c, new.version, new.version))
         self._report(new.version, path, why + note, reason, names, covered, t0)
 
     def _report(self, version, path, why, reason, names, covered, t0, **extra) -> None:

@@ -18,6 +18,9 @@ import time
 import urllib.parse
 from typing import Optional
 
+import grpc
+
+from refit._common import RefitError
 from refit.inference import Consumer
 
 
@@ -40,13 +43,33 @@ class _Base:
         self.init_info = _init_info(socket, consumer, mode, verify, hold_version)
         self.timeout = timeout
         # The driver's own consumer: only to learn versions (no lease is taken with it).
-        self._watch = Consumer(socket, name=consumer + "-driver", timeout=timeout)
+        self._watch_name = consumer + "-driver"
+        self._watch = Consumer(socket, name=self._watch_name, timeout=timeout)
+
+    def _watching(self, call, deadline: float):
+        """call(consumer), on a new channel whenever the subscriber is unreachable (restarting:
+        a channel to a dead subscriber keeps backing off after it is back), until `deadline`."""
+        pause = 0.05
+        while True:
+            try:
+                return call(self._watch)
+            except RefitError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+            self._watch.close()
+            self._watch = Consumer(self.socket, name=self._watch_name, timeout=self.timeout)
+            time.sleep(pause)  # the subscriber is down: retry with a growing pause
+            pause = min(pause * 2, 1.0)
 
     def newest_version(self) -> Optional[int]:
-        return self._watch.current_version()
+        return self._watching(lambda c: c.current_version(), time.monotonic() + self.timeout)
 
     def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
-        return self._watch.wait_for_version(version, timeout=timeout or self.timeout)
+        t = timeout or self.timeout
+        deadline = time.monotonic() + t
+        return self._watching(
+            lambda c: c.wait_for_version(version, timeout=max(0.0, deadline - time.monotonic())),
+            deadline)
 
     def _target(self, version: int) -> int:
         if version:
