@@ -114,3 +114,13 @@ def save_version(model, tokenizer, out_dir: str) -> Dict[str, torch.Tensor]:
     tokenizer.save_pretrained(out_dir)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return state
+
+
+def start(arch: str, root: str, steps: int, **sizes):
+    """A test's starting point: the tokenizer and the initial weights in root/v0, root/d for the
+    daemons; returns (tokenizer, model, its training steps: an iterator of `steps`)."""
+    tok = train_tokenizer(os.path.join(root, "v0"))
+    model = create(arch, **sizes)
+    save_version(model, tok, os.path.join(root, "v0"))
+    os.makedirs(os.path.join(root, "d"))
+    return tok, model, training_steps(model, tok, steps)

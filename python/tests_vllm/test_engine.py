@@ -15,12 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -80,11 +78,8 @@ def references(dirs, one_by_one=False):
 def test_llm_follows_refitd_versions_bit_exact(arch, tmp_path):
     from vllm import LLM
     root = str(tmp_path)
-    tok = models.train_tokenizer(os.path.join(root, "v0"))
-    model = models.create(arch)
+    tok, model, steps = models.start(arch, root, STEPS)
     dirs = {0: os.path.join(root, "v0")}
-    models.save_version(model, tok, dirs[0])
-    os.makedirs(os.path.join(root, "d"))
     with daemon_pair(os.path.join(root, "d"), slots=2) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")
         trainer = Trainer(pub.ready["local_socket"].removeprefix("unix:"), client="rank0")
@@ -99,7 +94,6 @@ def test_llm_follows_refitd_versions_bit_exact(arch, tmp_path):
             dirs[step] = os.path.join(root, f"v{step}")
             models.save_version(model, tok, dirs[step])
 
-        steps = models.training_steps(model, tok, STEPS)
         import refit.vllm
         llm = LLM(model=dirs[0], weight_transfer_config={"backend": "refitd"},
                   **engine_kwargs())

@@ -29,12 +29,8 @@ def test_faults_leave_the_previous_version_and_converge(tmp_path, monkeypatch):
     from vllm import LLM
     import refit.vllm
     root = str(tmp_path)
-    tok = models.train_tokenizer(os.path.join(root, "v0"))
-    model = models.create(ARCH)
+    tok, model, steps = models.start(ARCH, root, 4)
     dirs = {}
-    models.save_version(model, tok, os.path.join(root, "v0"))
-    os.makedirs(os.path.join(root, "d"))
-    steps = models.training_steps(model, tok, 4)
     got = {}
     with daemon_pair(os.path.join(root, "d"), slots=2) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")

@@ -59,11 +59,7 @@ def completions(uds, model_dir):
 
 def test_http_server_follows_refitd(tmp_path):
     root = str(tmp_path)
-    tok = models.train_tokenizer(os.path.join(root, "v0"))
-    model = models.create(ARCH)
-    models.save_version(model, tok, os.path.join(root, "v0"))
-    os.makedirs(os.path.join(root, "d"))
-    steps = models.training_steps(model, tok, 2)
+    tok, model, steps = models.start(ARCH, root, 2)
     dirs, got = {}, {}
     uds = os.path.join(root, "vllm.sock")
     log = os.path.join(root, "vllm.log")

@@ -34,11 +34,7 @@ def test_in_place_updates_equal_the_models_own_full_load(arch, tmp_path, monkeyp
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
     root = str(tmp_path)
-    tok = models.train_tokenizer(os.path.join(root, "v0"))
-    model = models.create(arch)
-    models.save_version(model, tok, os.path.join(root, "v0"))
-    os.makedirs(os.path.join(root, "d"))
-    steps = models.training_steps(model, tok, 7)
+    tok, model, steps = models.start(arch, root, 7)
     dirs = {}
     with daemon_pair(os.path.join(root, "d"), slots=1) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")

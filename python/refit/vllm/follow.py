@@ -80,6 +80,20 @@ class _Base:
                                f"yet")
         return v
 
+    def weight_version(self) -> Optional[int]:
+        """The refitd version the engine serves (its weight_version), None before the first."""
+        v = self._weight_version()
+        return int(v) if v not in (None, "") and str(v).isdigit() else None
+
+    def update(self, version: int = 0) -> UpdateResult:
+        """Brings the engine to `version` (0: the subscriber's newest verified version)."""
+        t0 = time.monotonic()
+        target = self._target(version)
+        if self.weight_version() == target:
+            return UpdateResult(target, time.monotonic() - t0, False)
+        self._apply(target)
+        return UpdateResult(target, time.monotonic() - t0, True)
+
     def close(self) -> None:
         self._watch.close()
 
@@ -101,21 +115,15 @@ class Follower(_Base):
         self.llm = llm
         llm.init_weight_transfer_engine({"init_info": self.init_info})
 
-    def weight_version(self) -> Optional[int]:
-        v = self.llm.get_weight_version()
-        return int(v) if v not in (None, "") and str(v).isdigit() else None
+    def _weight_version(self):
+        return self.llm.get_weight_version()
 
-    def update(self, version: int = 0) -> UpdateResult:
-        t0 = time.monotonic()
-        target = self._target(version)
-        if self.weight_version() == target:
-            return UpdateResult(target, time.monotonic() - t0, False)
+    def _apply(self, target: int) -> None:
         self.llm.start_weight_update()
         # A failure raises here: the worker ends the update itself and the engine has restored
         # the previous version, so there is nothing to finish and weight_version stays.
         self.llm.update_weights({"update_info": {"version": target}})
         self.llm.finish_weight_update(weight_version=str(target))
-        return UpdateResult(target, time.monotonic() - t0, True)
 
     def verify(self) -> None:
         """Checks in the engine that its runtime parameters hold its version (digest v2 against
@@ -164,15 +172,10 @@ class HttpFollower(_Base):
     def _post(self, path: str, body: Optional[dict] = None) -> dict:
         return self._call("POST", path, body)
 
-    def weight_version(self) -> Optional[int]:
-        v = self._call("GET", "/weight_info").get("weight_version")
-        return int(v) if v not in (None, "") and str(v).isdigit() else None
+    def _weight_version(self):
+        return self._call("GET", "/weight_info").get("weight_version")
 
-    def update(self, version: int = 0) -> UpdateResult:
-        t0 = time.monotonic()
-        target = self._target(version)
-        if self.weight_version() == target:
-            return UpdateResult(target, time.monotonic() - t0, False)
+    def _apply(self, target: int) -> None:
         self._post(f"/pause?mode={self.pause_mode}")
         try:
             self._post("/start_weight_update")
@@ -180,7 +183,6 @@ class HttpFollower(_Base):
             self._post("/finish_weight_update", {"weight_version": str(target)})
         finally:
             self._post("/resume")
-        return UpdateResult(target, time.monotonic() - t0, True)
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
