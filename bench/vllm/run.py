@@ -3,7 +3,7 @@
 to apply a version, on the same model and versions, in one run.
 
 A Qwen2-architecture model (tied embeddings, q/k/v biases; `--hidden`, `--layers`; a tokenizer
-trained locally on the GPL-3 text) is trained with AdamW on that text (warm-up, then lr 1e-5) and
+trained locally on the GPL-3 text) is trained with AdamW on that text (warm-up, then `--lr`) and
 published every step through a real refitd publisher to two subscribers: one with the default
 two slots for a real vLLM LLM following it with the `refitd` backend (vLLM's CPU runtime repacks
 linear weights, so the engine applies each version by layerwise reload of the changed layers),
@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1280, help="hidden size (16 heads of 80)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--versions", type=int, default=6, help="measured versions after the first")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW's lr after the warm-up")
     ap.add_argument("--out", help="JSON lines: one per version, then a summary")
     args = ap.parse_args()
     os.environ["REFITD_BIN"] = args.refitd
@@ -93,7 +94,7 @@ def run(args, root):
     tok = models.train_tokenizer(os.path.join(root, "v0"))
     model = models.create("qwen2", **models_cfg)
     models.save_version(model, tok, os.path.join(root, "v0"))
-    steps = models.training_steps(model, tok, args.versions + 1)
+    steps = models.training_steps(model, tok, args.versions + 1, lr=args.lr)
     rows = []
     with contextlib.ExitStack() as stack:
         pub_sock, (sub2, sub1) = start_daemons(stack, root)

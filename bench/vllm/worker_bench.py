@@ -1,10 +1,13 @@
 """What bench/vllm/run.py measures inside the vLLM worker process (LLM.collective_rpc with
 VLLM_ALLOW_INSECURE_SERIALIZATION=1; run.py puts this directory on the workers' PYTHONPATH). Each
 function takes the worker first. Peak extra memory: the process's peak RSS (VmHWM) is reset
-(/proc/self/clear_refs 5) before the measured step and read after it, minus the RSS before."""
+(/proc/self/clear_refs 5) before the measured step and read after it, minus the RSS before.
+REFIT_BENCH_PROFILE=1 prints a cProfile of the in-place apply."""
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
 import time
 
 import torch
@@ -20,8 +23,11 @@ def _status_kb(field: str) -> int:
 
 
 def hwm_reset(worker=None) -> int:
-    """Resets the peak RSS; returns the RSS now, in bytes."""
+    """Returns freed heap memory to the system (malloc_trim: otherwise a step's allocations reuse
+    pages an earlier step left and do not show), resets the peak RSS; returns the RSS now, in
+    bytes."""
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_kb("VmRSS") * 1024
@@ -88,7 +94,15 @@ def update_all(worker, version):
     out = {"version": version, "changed_elements": cs.changed_elements(),
            "change_set_bytes": nbytes}
     eng = worker._b_engine
+    if os.environ.get("REFIT_BENCH_PROFILE"):
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
     _, sec, peak = _measure(lambda: eng._apply_change_set(cs, time.monotonic()))
+    if os.environ.get("REFIT_BENCH_PROFILE"):
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     assert eng.last_update["path"] == "in_place", eng.last_update
     out["refitd_in_place"] = {"seconds": sec, "peak_extra_bytes": peak,
                               "undo_bytes": eng.last_update["undo_bytes"],

@@ -233,9 +233,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             self._load(path, new_held, names)
             covered = self._verify(new_held, fix=True)
         except BaseException as err:
-            self._undo(path, names, new_held, err)
+            rolled_forward = self._undo(path, names, new_held, err)
             stack.close()
-            raise
+            if not rolled_forward:
+                raise
+            self._report(new.version, path, why + note, f"{reason}; loaded twice, the first "
+                         f"attempt failed: {err!r}", names, self._runtime_names(new_held), t0)
+            return
         self._release_held()
         if path == "in_place" or not self._info.hold_version:
             new_held.weights, new_held.stack = {}, None
@@ -391,32 +395,33 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _undo(self, path: str, names: Set[str], failed: _Held, err: BaseException) -> None:
+    def _undo(self, path: str, names: Set[str], failed: _Held, err: BaseException) -> bool:
         """After a failed load of `failed`: the same tensors again from the held version's lease
-        (bit for bit the previous version), or, with no lease held, from `failed` once more
-        (rolling forward: never a mix). Raises when neither works; the engine then holds no
-        refitd version and the next update loads every tensor."""
+        (bit for bit the previous version; returns False), or, with no lease held, from `failed`
+        once more (rolling forward, never a mix; returns True: the engine holds `failed` now,
+        complete and verified). Raises when neither works; the engine then holds no refitd
+        version and the next update loads every tensor."""
         held = self._held
-        source = held if held is not None and held.weights else failed
+        back = held is not None and bool(held.weights)
+        source = held if back else failed
         try:
-            if held is None:
-                raise RuntimeError("no version was held before")
             self._load(path, source, names)
             self._verify(source, fix=False)
         except BaseException as undo_err:
             self._release_held()
-            raise RuntimeError(f"refitd: version {failed.version} failed ({err!r}); restoring "
-                               f"a whole version failed too ({undo_err!r}): the engine holds no "
-                               f"refitd version, the next update loads every tensor") from err
-        if source is failed:
-            # Rolled forward: the engine holds `failed` now, complete and verified.
-            logger.error("refitd: version %d failed once (%s); loaded again and verified",
-                         failed.version, err)
-            self._release_held()
-            self._held = _Held(failed.version, {}, dict(failed.digests), failed.specs, None)
-            return
-        logger.error("refitd: version %d failed (%s); version %d restored in the %d loaded "
-                     "tensors and verified", failed.version, err, held.version, len(names))
+            what = f"restoring version {held.version}" if back else "loading it again"
+            raise RuntimeError(f"refitd: version {failed.version} failed ({err!r}); {what} "
+                               f"failed too ({undo_err!r}): the engine holds no refitd version, "
+                               f"the next update loads every tensor") from err
+        if back:
+            logger.error("refitd: version %d failed (%s); version %d restored in the %d loaded "
+                         "tensors and verified", failed.version, err, held.version, len(names))
+            return False
+        logger.error("refitd: version %d failed once (%s); loaded again and verified",
+                     failed.version, err)
+        self._release_held()
+        self._held = _Held(failed.version, {}, dict(failed.digests), failed.specs, None)
+        return True
 
     # ---- verification -----------------------------------------------------------------------
 
@@ -446,6 +451,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             if p is not None and p.dtype == dtype and tuple(p.shape) == shape and p.numel():
                 out[name] = (lambda p=p: p)
         return out
+
+    def _runtime_names(self, v: _Held) -> List[str]:
+        return [] if self._info.verify == "off" else sorted(self._runtime_tensors(v))
 
     def _mismatches(self, v: _Held) -> tuple:
         runtime = self._runtime_tensors(v)

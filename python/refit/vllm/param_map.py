@@ -32,9 +32,23 @@ class Runs:
     dst: torch.Tensor      # int64 [R]: first flat element in that parameter
     covered: int           # checkpoint elements placed in this process
 
+    def single(self) -> Optional[Tuple[int, int, int, int]]:
+        """(checkpoint start, length, parameter, flat start) when the tensor lies in one run (a
+        plain or fused parameter, one shard): positions are then a shift of the indices."""
+        if self.src.numel() != 1:
+            return None
+        return (int(self.src[0]), int(self.length[0]), int(self.param[0]), int(self.dst[0]))
+
     def locate(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mask of the indices placed here, their parameter index, their flat position)."""
         idx = indices.to(torch.int64)
+        one = self.single()
+        if one is not None:
+            s, n, p, d = one
+            ok = (idx >= s) & (idx < s + n)
+            if bool(ok.all()):
+                return ok, torch.full_like(idx, p), idx + (d - s)
+            return ok, torch.full((int(ok.sum()),), p, dtype=torch.int64), idx[ok] + (d - s)
         r = torch.searchsorted(self.src, idx, right=True) - 1
         rc = r.clamp(min=0)
         ok = (r >= 0) & (idx < self.src[rc] + self.length[rc])
