@@ -6,18 +6,23 @@ One engine, in turn:
 - a version the model cannot load (a tensor of another shape) fails part way through the
   layerwise reload: the update raises, weight_version stays, and the engine serves the previous
   version bit for bit (the backend reloaded it from its lease);
+- a patch damaged on the wire (a proxy flips a byte of it between publisher and subscriber): the
+  subscriber rejects it and fetches the version again, the engine serves the previous version
+  until it updates to the intact one;
 - the subscriber is SIGKILLed: an update raises and changes nothing; after the subscriber restarts
   and catches up by itself, the engine converges to the newest version.
 Every "serves version v" is checked against a fresh LLM loaded from v's file.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
 import models
 import test_engine as common
-from refit.local import daemon_pair
+from corrupting_proxy import CorruptingProxy
+from refit.local import Daemon, publisher_yaml, subscriber_yaml
 from refit.trainer import Trainer
 from worker_fns import corrupt_embedding, last_update
 
@@ -32,7 +37,17 @@ def test_faults_leave_the_previous_version_and_converge(tmp_path, monkeypatch):
     tok, model, steps = models.start(ARCH, root, 4)
     dirs = {}
     got = {}
-    with daemon_pair(os.path.join(root, "d"), slots=2) as (pub, sub):
+    d = os.path.join(root, "d")
+    with contextlib.ExitStack() as daemons:
+        pub = Daemon("publisher", "pub", d, publisher_yaml("pub", d))
+        daemons.callback(pub.stop)
+        pub.start()
+        # The subscriber reaches the publisher through a proxy that can damage a patch in flight.
+        proxy = CorruptingProxy(pub.ready["listen"])
+        daemons.callback(proxy.close)
+        sub = Daemon("subscriber", "sub", d, subscriber_yaml("sub", d, proxy.address, slots=2))
+        daemons.callback(sub.stop)
+        sub.start()
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")
         trainer = Trainer(pub.ready["local_socket"].removeprefix("unix:"), client="rank0")
         trainer.register(models.bf16_state(model))
@@ -82,12 +97,20 @@ def test_faults_leave_the_previous_version_and_converge(tmp_path, monkeypatch):
                     "size" in str(e).lower(), e
             assert follower.weight_version() == v1
             assert common.run_prompts(llm) == got[v1]
+            # 3. A patch damaged on the wire: the subscriber rejects it and fetches the version
+            #    again by itself; the engine never sees the damaged bytes.
+            proxy.arm()
             v3 = publish(next(steps))
             follower.wait_for_version(v3)
+            assert proxy.corrupted == 1, "no patch was damaged in flight"
+            with open(sub.log_path, errors="replace") as f:
+                log = f.read()
+            assert "checksum" in log or "DATA_LOSS" in log, sub.log_tail()
+            assert common.run_prompts(llm) == got[v1]  # still v1 until it updates
             follower.update(v3)
             got[v3] = common.run_prompts(llm)
 
-            # 3. The subscriber SIGKILLed: an update fails and changes nothing; it converges
+            # 4. The subscriber SIGKILLed: an update fails and changes nothing; it converges
             #    after the subscriber restarts.
             sub.proc.send_signal(signal.SIGKILL)
             sub.proc.wait()
