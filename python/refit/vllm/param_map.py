@@ -10,7 +10,9 @@ loader that transforms values (scales, quantizes, permutes bits) leaves non-inte
 that tensor is not reachable in place and says why. An element placed twice (a replicated shard)
 is not reachable either. The result is kept as runs: (checkpoint start, length, parameter, flat
 start), one per contiguous stretch (one per fused part, one per row of a dim-1 slice).
-Init costs 8 bytes per runtime element transiently, once; lookups cost O(changed).
+Init costs 8 bytes per runtime element of this process's parameters transiently, once, in host
+memory (the swapped parameters and the probes live on the CPU whatever the model's device);
+lookups cost O(changed).
 """
 from __future__ import annotations
 
@@ -117,13 +119,12 @@ def build(model: torch.nn.Module, specs: Dict[str, Tuple[torch.dtype, tuple]]) -
         raise ValueError(f"param_map: {base - 1} checkpoint elements exceed the probe's range "
                          f"(2^53)")
     try:
-        for p in params:
-            p.data = torch.zeros(p.data.shape, dtype=torch.float64, device=p.data.device)
+        for p in params:  # in host memory, whatever the device: no device memory is needed
+            p.data = torch.zeros(p.data.shape, dtype=torch.float64)
         for name in order:
             dtype, shape = specs[name]
             n = math.prod(shape)
-            probe = torch.arange(bases[name], bases[name] + n, dtype=torch.float64,
-                                 device=params[0].device if params else None).reshape(shape)
+            probe = torch.arange(bases[name], bases[name] + n, dtype=torch.float64).reshape(shape)
             try:
                 model.load_weights([(name, probe)])
             except Exception as e:  # the loader refuses the probe: not reachable in place
