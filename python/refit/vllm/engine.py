@@ -288,7 +288,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         return self._map
 
     def _apply_change_set(self, changes, t0: float) -> None:
-        from refit.vllm.inplace import InPlaceWriter
+        from refit.vllm.inplace import InPlaceWriter, undo_bytes
         held = self._held
         if changes.to_version == held.version:
             self.last_update = {"version": held.version, "path": "none", "loaded": [],
@@ -319,8 +319,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                      f"{changes.from_version}", f"{changes.changed_elements()} elements changed",
                      [n for n, c in changes.tensors.items() if c.indices.numel()],
                      [] if self._info.verify == "off" else sorted(digests), t0,
-                     change_set_bytes=nbytes, undo_bytes=sum(
-                         a.numel() * 8 + o.numel() * o.element_size() for _, a, o in undo))
+                     change_set_bytes=nbytes, undo_bytes=undo_bytes(undo))
 
     def _plan(self, new: _Held, path: str):
         """The checkpoint tensors to load: those whose digest changed since the held version (in

@@ -19,7 +19,16 @@ from refit.vllm.param_map import ParamMap, Runs
 
 _MASK = (1 << 64) - 1
 
-Undo = List[Tuple[int, torch.Tensor, torch.Tensor]]  # (parameter index, positions, old values)
+# (parameter index, positions - shift, shift, old values, whether the record owns the positions):
+# in one run the positions are the change set's own indices shifted, so the record adds only the
+# old values.
+Undo = List[Tuple[int, torch.Tensor, int, torch.Tensor, bool]]
+
+
+def undo_bytes(record: Undo) -> int:
+    """The memory an undo record adds to the change set it undoes."""
+    return sum(o.numel() * o.element_size() + (a.numel() * a.element_size() if owned else 0)
+               for _, a, _, o, owned in record)
 
 
 class InPlaceWriter:
@@ -75,7 +84,26 @@ class InPlaceWriter:
             out[where[m]] = self.map.params[p].data.reshape(-1)[pos[m]].to(dtype).cpu()
         return out
 
-    def _words(self, runs: Runs, words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _word_view(self, runs: Runs, dtype: torch.dtype, n: int):
+        """(the parameter's storage as u64 words, the word offset of the tensor's first word)
+        when the tensor lies in one run of a parameter of its own dtype, word-aligned, a whole
+        number of words long: its words are then the parameter's words, read 8 bytes each."""
+        one = runs.single()
+        per = 8 // dtype.itemsize
+        if one is None or n % per:
+            return None
+        s, _, p, d = one
+        flat = self.map.params[p].data.reshape(-1)
+        if flat.dtype != dtype or (d - s) % per or flat.numel() % per or \
+                flat.data_ptr() % 8:
+            return None
+        return flat.view(torch.int64), (d - s) // per
+
+    def _words(self, runs: Runs, words: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+        aligned = self._word_view(runs, dtype, n)
+        if aligned is not None:
+            view, offset = aligned
+            return view[words + offset].cpu()
         per = 8 // dtype.itemsize
         elems = (words.unsqueeze(1) * per + torch.arange(per)).reshape(-1)
         return self._read(runs, elems, dtype).view(torch.int64)
@@ -93,30 +121,45 @@ class InPlaceWriter:
                     continue
                 runs = self.map.tensors[name]
                 dtype, shape = self.map.shapes[name]
+                n = math.prod(shape)
                 per = 8 // dtype.itemsize
                 words = torch.unique_consecutive(c.indices // per)  # indices are increasing
-                old = self._words(runs, words, dtype)
-                ok, pidx, pos = runs.locate(c.indices)
-                vals = c.values[ok]
-                one = runs.single()
-                for p in ([one[2]] if one is not None else torch.unique(pidx).tolist()):
-                    m = slice(None) if one is not None else pidx == p
-                    flat = self.map.params[p].data.reshape(-1)
-                    at = pos[m].to(flat.device)
-                    undo.append((p, at, flat[at].clone()))
-                    flat[at] = vals[m].to(device=flat.device, dtype=flat.dtype)
-                new = self._words(runs, words, dtype)
+                old = self._words(runs, words, dtype, n)
+                self._write(runs, c, undo)
+                del c  # the change set's own tensors stay with the caller
+                new = self._words(runs, words, dtype, n)
                 delta = (word_sum(words, new) - word_sum(words, old)) & _MASK
-                nbytes = math.prod(shape) * dtype.itemsize
-                new_digests[name] = apply_delta(digests[name], nbytes, delta)
-                if new_digests[name] != c.digest:
+                new_digests[name] = apply_delta(digests[name], n * dtype.itemsize, delta)
+                if new_digests[name] != changes.tensors[name].digest:
                     bad.append(name)
         return undo, new_digests, bad
 
+    def _write(self, runs: Runs, c, undo: Undo) -> None:
+        """Writes one tensor's changes, appending (parameter, positions, old values) to `undo`.
+        In one run the positions are the indices shifted (no mask, no copy of the values)."""
+        one = runs.single()
+        if one is not None and int(c.indices[0]) >= one[0] and \
+                int(c.indices[-1]) < one[0] + one[1]:
+            s, _, p, d = one
+            flat = self.map.params[p].data.reshape(-1)
+            at = (c.indices + (d - s)).to(flat.device)
+            undo.append((p, c.indices, d - s, flat[at].clone(), False))
+            flat[at] = c.values.to(device=flat.device, dtype=flat.dtype)
+            return
+        ok, pidx, pos = runs.locate(c.indices)
+        vals = c.values[ok]
+        for p in torch.unique(pidx).tolist():
+            m = pidx == p
+            flat = self.map.params[p].data.reshape(-1)
+            at = pos[m].to(flat.device)
+            undo.append((p, at, 0, flat[at].clone(), True))
+            flat[at] = vals[m].to(device=flat.device, dtype=flat.dtype)
+
     def undo(self, record: Undo) -> None:
         with torch.no_grad():
-            for p, at, old in reversed(record):
-                self.map.params[p].data.reshape(-1)[at] = old
+            for p, at, shift, old, _ in reversed(record):
+                flat = self.map.params[p].data.reshape(-1)
+                flat[(at + shift).to(flat.device)] = old
 
     def write_full(self, name: str, value: torch.Tensor) -> None:
         """Copies a whole checkpoint tensor into its runtime places, run by run."""
