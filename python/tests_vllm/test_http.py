@@ -79,15 +79,20 @@ def test_http_server_follows_refitd(tmp_path):
         try:
             wait_healthy(uds, proc, log)
             follower = HttpFollower("unix:" + uds, sub_sock, consumer="vllm-http")
-            for _ in range(2):
+            for i in range(2):
                 step = next(steps)
                 trainer.update(models.bf16_state(model))
                 v = trainer.publish().version
                 dirs[v] = os.path.join(root, f"v{step}")
                 models.save_version(model, tok, dirs[v])
-                follower.wait_for_version(v)
-                r = follower.update()
-                assert r.version == v and r.applied
+                if i == 0:
+                    follower.wait_for_version(v)
+                    r = follower.update()
+                    assert r.version == v and r.applied
+                else:  # the follow loop: waits for the announcement, applies it
+                    applied = []
+                    assert follower.follow(count=1, on_update=applied.append) == v
+                    assert [r.version for r in applied] == [v]
                 assert follower.weight_version() == v  # GET /weight_info
                 got[v] = completions(uds, os.path.join(root, "v0"))
             follower.close()

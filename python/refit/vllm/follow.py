@@ -16,7 +16,7 @@ import json
 import socket as socketlib
 import time
 import urllib.parse
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -93,6 +93,27 @@ class _Base:
             return UpdateResult(target, time.monotonic() - t0, False)
         self._apply(target)
         return UpdateResult(target, time.monotonic() - t0, True)
+
+    def follow(self, count: Optional[int] = None,
+               on_update: Optional[Callable[[UpdateResult], None]] = None) -> int:
+        """Applies each version the subscriber announces, as it comes (a version that arrives
+        while an update runs is taken by the next one), until `count` updates were applied (None:
+        until interrupted); calls on_update(result) after each. Returns the version served."""
+        done = 0
+        while count is None or done < count:
+            held = self.weight_version() or 0
+            while True:
+                try:
+                    self.wait_for_version(held + 1)
+                    break
+                except TimeoutError:
+                    continue  # nothing new yet: keep waiting
+            r = self.update()
+            if r.applied:
+                done += 1
+                if on_update is not None:
+                    on_update(r)
+        return self.weight_version()
 
     def close(self) -> None:
         self._watch.close()
