@@ -161,17 +161,24 @@ def single_copy_pair(tmp_path_factory):
         yield pub.ready["local_socket"], sub.ready["local_socket"]
 
 
+
+def first_version(pub_sock, sub_sock, model, style, name):
+    """A trainer that registered `model` (style) and published version 1, and a consumer `name`
+    of the subscriber that applied it."""
+    trainer = Trainer(pub_sock, client="rank0")
+    register(trainer, model, style)
+    assert trainer.publish().version == 1
+    consumer = Consumer(sub_sock, name=name)
+    assert consumer.wait_for_version(1, timeout=WAIT_S) == 1
+    return trainer, consumer
+
 @pytest.mark.parametrize("style", STYLES)
 def test_pauser_serves_a_tied_module_from_the_one_copy(tmp_path_factory, style):
     torch.manual_seed(5)
     model, engine = TiedLM(), TiedLM()
     ids = torch.arange(0, 512, 7)
     with single_copy_pair(tmp_path_factory) as (pub_sock, sub_sock):
-        trainer = Trainer(pub_sock, client="rank0")
-        register(trainer, model, style)
-        assert trainer.publish().version == 1
-        consumer = Consumer(sub_sock, name=f"tied-pauser-{style}")
-        assert consumer.wait_for_version(1, timeout=WAIT_S) == 1
+        trainer, consumer = first_version(pub_sock, sub_sock, model, style, f"tied-pauser-{style}")
         with Pauser(consumer, module=engine, timeout=WAIT_S) as pauser:
             ptr = None
             for v in range(1, 6):
@@ -211,11 +218,7 @@ def test_change_sets_follow_a_tied_trainer(tmp_path_factory, style):
     torch.manual_seed(9)
     model, engine = TiedLM(), TiedLM()
     with single_copy_pair(tmp_path_factory) as (pub_sock, sub_sock):
-        trainer = Trainer(pub_sock, client="rank0")
-        register(trainer, model, style)
-        assert trainer.publish().version == 1
-        consumer = Consumer(sub_sock, name=f"tied-changes-{style}")
-        assert consumer.wait_for_version(1, timeout=WAIT_S) == 1
+        trainer, consumer = first_version(pub_sock, sub_sock, model, style, f"tied-changes-{style}")
         held = consumer.load_into(engine)
         assert_bits(every_name(engine), every_name(model), "load_into v1")
         loose = loose_module()
