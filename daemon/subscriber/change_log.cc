@@ -55,14 +55,14 @@ uint64_t ChangeLog::PruneLocked(bool keep_newest) {
     ++it;
   }
   const uint64_t before = bytes_;
-  auto drop_front = [this] {
+  // The oldest sets no claim needs, then as many more as the budget requires (no lambda here:
+  // clang's thread-safety analysis does not see mu_ held inside one).
+  while (!log_.empty() &&
+         ((log_.front().from_version < floor && !(keep_newest && log_.size() == 1)) ||
+          bytes_ > budget_)) {
     bytes_ -= log_.front().bytes();
     log_.pop_front();
-  };
-  while (!log_.empty() && log_.front().from_version < floor && !(keep_newest && log_.size() == 1)) {
-    drop_front();
   }
-  while (bytes_ > budget_) drop_front();
   return before - bytes_;
 }
 
