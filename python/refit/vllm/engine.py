@@ -15,9 +15,8 @@ lease of the version and verifies each tensor read back from the runtime.
 
 Layerwise reload, for runtimes that repack or quantize weights after loading (vLLM on CPU packs
 linear weights out of the parameters; online FP8). A version is applied by vLLM's own layerwise
-reload, fed zero-copy views of the subscriber's
-store (a read lease), and only for the layers the version touches: the tensors whose digests
-differ from those of the version the engine holds. vLLM then re-runs its per-layer processing
+reload, fed zero-copy views of the subscriber's store (a read lease), and only for the layers the
+version touches: the tensors whose digests differ from those of the version the engine holds. vLLM then re-runs its per-layer processing
 (on CPU it repacks linear weights out of the parameters; online quantization runs there too), so
 this is correct whatever the runtime does to weights after loading. Nothing of the model is
 copied in this process beyond vLLM's own weights.
@@ -29,10 +28,11 @@ retried from the new version rather than undone). If loading, processing or veri
 of a new version fails part way, the same layers are reloaded from the held version, so the
 engine serves the previous version bit for bit, and the error is raised naming what failed.
 
-Verified: after every update (verify "every", the default) each runtime parameter that holds a
-checkpoint tensor as it is (same name, shape and dtype: embeddings, norms, and on GPU the
-unfused weights) is hashed with tensor digest v2 and compared with the subscriber's digest of
-that tensor; a mismatch reloads those tensors once and fails the update if it persists. The
+Verified: after every update (verify "every", the default) the runtime tensors are hashed with
+tensor digest v2 and compared with the subscriber's digests: in place every tensor, read back
+through the map (a change set: from its touched words alone); on the reload path each runtime
+parameter that holds a checkpoint tensor as it is (same name, shape and dtype: embeddings,
+norms); a mismatch reloads those tensors once and fails the update if it persists. The
 tensors vLLM repacks, fuses or converts are verified as the store's views they were loaded from
 (the subscriber verified them). `last_update` reports the coverage.
 """
