@@ -89,8 +89,7 @@ def update_all(worker, version):
     cs = get_changes(worker._b_consumer, worker._b_version, version)
     if cs.reload_fully:
         raise RuntimeError(f"no change set {worker._b_version} -> {version}: {cs.reason}")
-    nbytes = sum(c.indices.numel() * (8 + c.values.element_size())
-                 for c in cs.tensors.values())
+    nbytes = cs.nbytes()
     out = {"version": version, "changed_elements": cs.changed_elements(),
            "change_set_bytes": nbytes}
     eng = worker._b_engine

@@ -56,6 +56,11 @@ class ChangeSet:
     def changed_elements(self) -> int:
         return sum(int(t.indices.numel()) for t in self.tensors.values())
 
+    def nbytes(self) -> int:
+        """The bytes of the set's indices and values."""
+        return sum(int(t.indices.numel()) * (t.indices.element_size() + t.values.element_size())
+                   for t in self.tensors.values())
+
 
 def get_changes(consumer, from_version: int, to_version: int = 0) -> ChangeSet:
     """The changes from `from_version` (what the caller's weights hold) to `to_version` (0: the

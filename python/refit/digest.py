@@ -30,11 +30,9 @@ def _xs(x: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def _mix_sum(words: torch.Tensor, first: int) -> int:
+    """Sum of Mix(i, w) over consecutive words numbered from `first`."""
     i = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device)
-    z = (words ^ (i * _s(_A))) * _s(_M1)
-    z = (_xs(z, 32) + i * _s(_B)) * _s(_M2)
-    z = _xs(z, 29) * _s(_M3)
-    return int(_xs(z, 32).sum()) & _M
+    return word_sum(i, words)
 
 
 def _xs_int(x: int, r: int) -> int:
@@ -104,7 +102,7 @@ def word_sum(word_index: torch.Tensor, words: torch.Tensor) -> int:
     """Sum of Mix(i, w) over the given words (int64 tensors of equal length), mod 2^64."""
     if word_index.numel() == 0:
         return 0
-    i = word_index.to(torch.int64)
+    i = word_index.to(device=words.device, dtype=torch.int64)
     z = (words ^ (i * _s(_A))) * _s(_M1)
     z = (_xs(z, 32) + i * _s(_B)) * _s(_M2)
     z = _xs(z, 29) * _s(_M3)

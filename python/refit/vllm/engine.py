@@ -313,8 +313,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         new_digests = dict(held.digests)
         new_digests.update(digests)
         self._held = _Held(changes.to_version, {}, new_digests, held.specs, None)
-        nbytes = sum(c.indices.numel() * (8 + c.values.element_size())
-                     for c in changes.tensors.values())
+        nbytes = changes.nbytes()
         self._report(changes.to_version, "in_place", "change set from version "
                      f"{changes.from_version}", f"{changes.changed_elements()} elements changed",
                      [n for n, c in changes.tensors.items() if c.indices.numel()],
