@@ -232,6 +232,7 @@ int Serve(const Options& opts, const Config& cfg, std::ostream& err,
   systemd.Stopping();
   (*daemon)->Shutdown();
   daemon->reset();
+  if (ShutdownWatcher::installed()) ShutdownWatcher::Finished();
   log->info("{} \"{}\" stopped", opts.role, name);
   return 0;
 }

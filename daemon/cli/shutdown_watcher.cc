@@ -27,6 +27,8 @@ struct State {
   absl::Mutex reload_mu;
   std::function<void()> reload ABSL_GUARDED_BY(mu);
   absl::Duration watchdog = kShutdownWatchdog;
+  bool finished ABSL_GUARDED_BY(mu) = false;  // the shutdown completed (Finished)
+  std::thread watchdog_thread;                // armed by Wait, joined by Finished
 };
 
 State& Global() {
@@ -40,8 +42,11 @@ State& Global() {
   std::_Exit(code);
 }
 
-void Watchdog(absl::Duration limit, int sig) {
-  absl::SleepFor(limit);
+// Ends the process unless Finished() comes first. The lock is held from the decision to the
+// exit, so a Finished() that loses the race never returns into a process being torn down.
+void Watchdog(State* s, absl::Duration limit, int sig) {
+  absl::MutexLock lock(&s->mu);
+  if (s->mu.AwaitWithTimeout(absl::Condition(&s->finished), limit)) return;
   Logger("refitd")->error("shutdown did not finish within {} after {}",
                           absl::FormatDuration(limit), strsignal(sig));
   ExitNow(kExitShutdownTimedOut, "shutdown watchdog", sig);
@@ -123,8 +128,17 @@ int ShutdownWatcher::Wait() {
     sig = s.signal;
     s.phase = Phase::kStopping;
   }
-  std::thread(Watchdog, s.watchdog, sig).detach();
+  s.watchdog_thread = std::thread(Watchdog, &s, s.watchdog, sig);
   return sig;
+}
+
+void ShutdownWatcher::Finished() {
+  State& s = Global();
+  {
+    absl::MutexLock lock(&s.mu);
+    s.finished = true;
+  }
+  if (s.watchdog_thread.joinable()) s.watchdog_thread.join();
 }
 
 void ShutdownWatcher::SetReloadHandler(std::function<void()> reload) {

@@ -36,6 +36,10 @@ class ShutdownWatcher {
   static int BeginServing();
   // Blocks until a shutdown signal arrives; returns its number and arms the watchdog.
   static int Wait();
+  // The shutdown completed: disarms the watchdog and waits for its thread to end, so that the
+  // process can exit normally without the watchdog firing into its exit (static destructors).
+  // Call from the thread that called Wait(), once.
+  static void Finished();
   // What SIGHUP does while serving (replaces any previous handler; empty = log and ignore).
   static void SetReloadHandler(std::function<void()> reload);
 };
