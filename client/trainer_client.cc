@@ -145,8 +145,18 @@ v1::RegisterTensorsRequest TrainerClient::RegisterRequest() const {
     shm->set_path(path);
     shm->set_offset(offsets_[i]);
     shm->set_size_bytes(sizes_[i]);
+    if (i < slices_.size() && slices_[i].has_value()) *loc->mutable_slice() = *slices_[i];
   }
   return req;
+}
+
+void TrainerClient::SetSlice(size_t i, std::vector<uint64_t> global_shape,
+                             std::vector<uint64_t> offsets) {
+  if (slices_.size() < specs_.size()) slices_.resize(specs_.size());
+  v1::TensorSlice slice;
+  for (uint64_t d : global_shape) slice.add_global_shape(d);
+  for (uint64_t d : offsets) slice.add_offsets(d);
+  slices_[i] = std::move(slice);
 }
 
 absl::StatusOr<v1::RegisterTensorsResponse> TrainerClient::Register() {

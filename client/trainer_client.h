@@ -59,6 +59,12 @@ class TrainerClient {
   TrainerClient(const TrainerClient&) = delete;
   TrainerClient& operator=(const TrainerClient&) = delete;
 
+  // Makes tensor i (spec = the block's name, dtype and shape) a block of a larger tensor: its
+  // whole shape and the block's first index in each dimension (TensorLocation.slice; a sharded
+  // trainer's local piece, e.g. FSDP2's Shard(0) rows). The publisher checks it against the
+  // other clients' blocks at Register and joins the blocks into the whole tensor at the commit
+  // of each version. Takes effect at the next Register.
+  void SetSlice(size_t i, std::vector<uint64_t> global_shape, std::vector<uint64_t> offsets);
   // RegisterTensors with every tensor (replaces this client's earlier registration).
   absl::StatusOr<v1::RegisterTensorsResponse> Register();
   // Publish: the publisher snapshots the current bytes. `version` absent: newest + 1.
@@ -90,6 +96,7 @@ class TrainerClient {
   std::string name_;
   TrainerClientOptions options_;
   std::vector<v1::TensorSpec> specs_;
+  std::vector<std::optional<v1::TensorSlice>> slices_;  // SetSlice; empty: all whole
   std::vector<uint64_t> offsets_;
   std::vector<uint64_t> sizes_;
   int fd_ = -1;

@@ -25,6 +25,18 @@ MappedTensor::~MappedTensor() {
 absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::Map(
     const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda,
     const std::optional<PeerCred>& peer) {
+  std::optional<TensorBlock> block;
+  if (location.has_slice()) {
+    REFIT_ASSIGN_OR_RETURN(block, TensorBlock::FromLocation(location, what));
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t, MapRegion(location, what, cuda, peer));
+  t->block_ = std::move(block);
+  return t;
+}
+
+absl::StatusOr<std::unique_ptr<MappedTensor>> MappedTensor::MapRegion(
+    const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda,
+    const std::optional<PeerCred>& peer) {
   const v1::TensorSpec& spec = location.spec();
   absl::Status valid = sync::ValidateTensorSpec(spec);
   if (!valid.ok()) return Annotate(valid, what);

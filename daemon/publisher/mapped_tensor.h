@@ -14,6 +14,7 @@
 #include "daemon/codec/dtype.h"
 #include "daemon/common/peer_cred.h"
 #include "daemon/publisher/cuda_ipc.h"
+#include "daemon/publisher/tensor_slice.h"
 #include "refit/v1/local.pb.h"
 
 namespace refit::publisher {
@@ -30,13 +31,16 @@ class MappedTensor {
   // prefixes errors ("client \"rank0\": tensor 2 'w'"). Codes: InvalidArgument (spec, missing
   // region, size mismatch, relative path, malformed handle or UUID), NotFound (shm object / file
   // missing), PermissionDenied, OutOfRange (region outside the object or allocation),
-  // FailedPrecondition (CUDA region without a usable GPU, or `cuda` null).
+  // FailedPrecondition (CUDA region without a usable GPU, or `cuda` null). A sliced location
+  // (location.slice) is checked first (TensorBlock::FromLocation); spec is then the block's.
   // `peer`: the calling trainer (see OpenShmObject).
   static absl::StatusOr<std::unique_ptr<MappedTensor>> Map(
       const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda = nullptr,
       const std::optional<PeerCred>& peer = std::nullopt);
 
   const v1::TensorSpec& spec() const { return spec_; }
+  // Where the region lies in its whole tensor (a sliced location); nullopt for a whole tensor.
+  const std::optional<TensorBlock>& block() const { return block_; }
   DType dtype() const { return dtype_; }
   size_t size() const { return size_; }  // bytes
   // shm, mapped: the mapped bytes. Read through pread, or cuda_ipc: empty (use CopyTo / gpu()).
@@ -55,11 +59,15 @@ class MappedTensor {
 
  private:
   MappedTensor() = default;
+  static absl::StatusOr<std::unique_ptr<MappedTensor>> MapRegion(
+      const v1::TensorLocation& location, const std::string& what, CudaRegionOpener* cuda,
+      const std::optional<PeerCred>& peer);
   static absl::StatusOr<std::unique_ptr<MappedTensor>> MapShm(
       const v1::ShmRegion& region, const v1::TensorSpec& spec, DType dtype, uint64_t elements,
       uint64_t size, const std::string& what, const std::optional<PeerCred>& peer);
 
   v1::TensorSpec spec_;
+  std::optional<TensorBlock> block_;
   std::string what_;  // client, tensor and object, for errors
   int fd_ = -1;       // shm read with pread: the object, and the region's offset in it
   uint64_t offset_ = 0;

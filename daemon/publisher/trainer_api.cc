@@ -14,6 +14,7 @@
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/publisher/shm_object.h"
+#include "daemon/publisher/tensor_slice.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::publisher {
@@ -67,32 +68,46 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
                                                      location.spec().name()));
     auto [it, inserted] = seen.emplace(location.spec().name(), i);
     if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": duplicate name (also tensor ",
-                                                     it->second, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": duplicate name (also tensor ", it->second, ")",
+          location.has_slice() ? "; each client registers at most one block of a tensor" : ""));
     }
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<MappedTensor> t,
                            MappedTensor::Map(location, what, &cuda, peer));
     mapped.push_back(std::move(t));
   }
 
-  absl::MutexLock lock(&mu_);
-  for (const auto& t : mapped) {
-    auto owner = owners_.find(t->spec().name());
-    if (owner != owners_.end() && owner->second != name) {
-      return absl::AlreadyExistsError(absl::StrCat(who, ": tensor '", t->spec().name(),
-                                                   "' is already registered by client ",
-                                                   Quoted(owner->second)));
+  if (options_.cuda_snapshot != CudaSnapshot::kHost) {
+    for (const auto& t : mapped) {
+      if (t->block().has_value() && t->gpu() != nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            who, ": tensor '", t->spec().name(),
+            "' is a block in CUDA memory; blocks are joined "
+            "on the host, and this publisher snapshots CUDA tensors on the GPU for GPU encoding "
+            "(register whole CUDA tensors, or use codec.device cpu)"));
+      }
     }
   }
+
+  absl::MutexLock lock(&mu_);
+  for (const auto& t : mapped) REFIT_RETURN_IF_ERROR(CheckAgainstOthersLocked(name, *t));
   auto existing = clients_.find(name);
   const bool replaced = existing != clients_.end();
   if (replaced) {
-    for (const auto& t : existing->second.tensors) owners_.erase(t->spec().name());
+    for (const auto& t : existing->second.tensors) ForgetLocked(name, *t);
   }
   Client& client = clients_[name];
   client.generation = next_generation_++;
   client.tensors = std::move(mapped);
-  for (const auto& t : client.tensors) owners_[t->spec().name()] = name;
+  for (const auto& t : client.tensors) {
+    if (!t->block().has_value()) {
+      owners_[t->spec().name()] = name;
+      continue;
+    }
+    SlicedTensor& sliced = sliced_[t->spec().name()];
+    sliced.dtype = t->dtype();
+    sliced.blocks[name] = *t->block();
+  }
   // A snapshot of the replaced tensors no longer counts: the client publishes again.
   if (round_.has_value() && round_->snapshots.erase(name) > 0) {
     log_->warn("{} re-registered while version {} was being assembled: its snapshot is dropped, "
@@ -119,7 +134,7 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
     return absl::NotFoundError(absl::StrCat("Unregister: client ", Quoted(name),
                                             " is not registered"));
   }
-  for (const auto& t : it->second.tensors) owners_.erase(t->spec().name());
+  for (const auto& t : it->second.tensors) ForgetLocked(name, *t);
   clients_.erase(it);
   log_->info("client {} unregistered; now {} clients", Quoted(name), clients_.size());
   if (round_.has_value()) {
@@ -138,6 +153,105 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::Status TrainerApiService::CheckAgainstOthersLocked(const std::string& client,
+                                                         const MappedTensor& t) const {
+  const std::string& tensor = t.spec().name();
+  const std::string who = absl::StrCat("client ", Quoted(client), ": tensor '", tensor, "'");
+  auto owner = owners_.find(tensor);
+  if (owner != owners_.end() && owner->second != client) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(who, " is already registered by client ", Quoted(owner->second)));
+  }
+  auto sliced = sliced_.find(tensor);
+  if (sliced == sliced_.end()) return absl::OkStatus();
+  for (const auto& [other, block] : sliced->second.blocks) {
+    if (other == client) continue;  // replaced by this registration
+    if (!t.block().has_value()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          who, " is registered whole, but client ", Quoted(other), " registered block ",
+          block.Describe(), " of it (a tensor is either whole or sliced)"));
+    }
+    const TensorBlock& mine = *t.block();
+    if (t.dtype() != sliced->second.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": block ", mine.Describe(), " is ", DTypeName(t.dtype()), " but client ",
+          Quoted(other), "'s block ", block.Describe(), " is ", DTypeName(sliced->second.dtype)));
+    }
+    if (mine.global_shape != block.global_shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": block ", mine.Describe(), " is of a tensor of shape ",
+                       DescribeShape(mine.global_shape), " but client ", Quoted(other), "'s block ",
+                       block.Describe(), " is of shape ", DescribeShape(block.global_shape)));
+    }
+    if (mine.Overlaps(block)) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": block ", mine.Describe(),
+                                                     " overlaps client ", Quoted(other),
+                                                     "'s block ", block.Describe()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void TrainerApiService::ForgetLocked(const std::string& client, const MappedTensor& t) {
+  const std::string& tensor = t.spec().name();
+  if (!t.block().has_value()) {
+    owners_.erase(tensor);
+    return;
+  }
+  auto sliced = sliced_.find(tensor);
+  if (sliced == sliced_.end()) return;
+  sliced->second.blocks.erase(client);
+  if (sliced->second.blocks.empty()) sliced_.erase(sliced);
+}
+
+absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& round) const {
+  struct Piece {
+    std::string client;
+    const TensorBlock* block;
+    OwnedTensor* tensor;
+  };
+  std::vector<OwnedTensor> tensors;
+  std::map<std::string, std::vector<Piece>> sliced;
+  for (auto& [client, share] : round.snapshots) {
+    for (size_t i = 0; i < share.tensors.size(); ++i) {
+      const std::optional<TensorBlock>& block = share.sources[i]->block();
+      if (block.has_value()) {
+        sliced[share.tensors[i].name].push_back({client, &*block, &share.tensors[i]});
+      } else {
+        tensors.push_back(std::move(share.tensors[i]));
+      }
+    }
+  }
+  // Every tiling first: a round that cannot be joined copies nothing.
+  for (const auto& [name, pieces] : sliced) {
+    std::vector<std::pair<std::string, const TensorBlock*>> blocks;
+    for (const Piece& p : pieces) blocks.emplace_back(p.client, p.block);
+    REFIT_RETURN_IF_ERROR(CheckTiling(name, blocks));
+  }
+  for (auto& entry : sliced) {
+    const std::string& name = entry.first;
+    std::vector<Piece>& pieces = entry.second;  // not a binding: the lambda below captures it
+    const TensorBlock& first = *pieces.front().block;
+    OwnedTensor whole;
+    whole.name = name;
+    whole.dtype = pieces.front().tensor->dtype;
+    whole.shape = first.global_shape;
+    const size_t element_bytes = static_cast<size_t>(DTypeSize(whole.dtype));
+    whole.bytes.resize(static_cast<size_t>(first.global_elements()) * element_bytes);
+    ParallelFor(pieces.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
+      for (size_t p = begin; p < end; ++p) {
+        OwnedTensor& piece = *pieces[p].tensor;
+        const std::span<const uint8_t> src =
+            piece.keep != nullptr ? piece.borrowed : std::span<const uint8_t>(piece.bytes);
+        ScatterBlock(*pieces[p].block, element_bytes, src, whole.bytes);
+        std::vector<uint8_t>().swap(piece.bytes);  // freed as soon as it is in place
+      }
+    });
+    tensors.push_back(std::move(whole));
+  }
+  return tensors;
+}
+
 absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
     std::shared_ptr<InputsRelease> release) {
   if (!round_.has_value()) return false;
@@ -146,13 +260,15 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
   }
   Round round = std::move(*round_);
   round_.reset();
-  std::vector<OwnedTensor> tensors;
   std::vector<std::string> names;
-  for (auto& [name, snapshot] : round.snapshots) {
-    names.push_back(name);
-    for (OwnedTensor& t : snapshot) tensors.push_back(std::move(t));
-  }
+  for (const auto& [name, share] : round.snapshots) names.push_back(name);
   const std::string source = absl::StrCat("trainer-api clients ", absl::StrJoin(names, ", "));
+  absl::StatusOr<std::vector<OwnedTensor>> joined = JoinRound(round);
+  if (!joined.ok()) {
+    return Annotate(joined.status(), "version ", round.version, " from ", source,
+                    " was not published");
+  }
+  std::vector<OwnedTensor> tensors = *std::move(joined);
   // Refused now, so the completing client hears it (the core checks again when publishing).
   std::vector<GuardTensor> guard;
   guard.reserve(tensors.size());
@@ -316,13 +432,13 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
           Quoted(round_->first_client), " published version ", round_->version,
           " at the same time; every client must publish the same version"));
     }
-    round_->snapshots[name] = std::move(snapshot);
+    round_->snapshots[name] = Share{std::move(snapshot), std::move(tensors)};
     round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
     REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
     response.set_committed(committed);
     if (!committed) {
       // A round holds lent memory only inside the call that commits it.
-      if (lent) CopyLent(round_->snapshots[name]);
+      if (lent) CopyLent(round_->snapshots[name].tensors);
       release.reset();
       log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
                   round_->snapshots.size(), clients_.size());

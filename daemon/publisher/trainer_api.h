@@ -53,6 +53,19 @@
 // All clients must publish the same number: the first client of a round fixes it (its request,
 // or PublishQueue::ChooseVersion), later ones must match or omit it.
 //
+// Sliced tensors (TensorLocation.slice: a sharded trainer's local blocks, tensor_slice.h): any
+// clients register blocks of one tensor name; RegisterTensors refuses a block whose dtype or
+// whole shape differs from another client's block of that tensor, or that overlaps one
+// (InvalidArgument naming the tensor and both clients), and a name registered whole by one
+// client and sliced by another (AlreadyExists). Each client's Publish snapshots (or lends) its
+// blocks like whole tensors; the commit of the round checks that every sliced tensor's blocks
+// tile it (FailedPrecondition naming the tensor, what is uncovered and the blocks: the round is
+// dropped and nothing is queued), then joins each into one whole tensor (the blocks copied into
+// place, then freed), which is published as any whole tensor: encoding, the wire, subscribers and
+// consumers see only whole tensors, and a new block layout (a resized job) is still a delta.
+// CUDA blocks are joined on the host: they need cuda_snapshot kHost (FailedPrecondition at
+// RegisterTensors otherwise).
+//
 // Thread-safe.
 #ifndef REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
 #define REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
@@ -131,15 +144,34 @@ class TrainerApiService final : public v1::TrainerApi::Service {
     uint64_t generation = 0;  // changes on every (re-)registration
     std::vector<std::shared_ptr<const MappedTensor>> tensors;
   };
+  // One client's part of a round: its snapshot, and the registered tensors it was taken from
+  // (same order: their blocks place the sliced ones).
+  struct Share {
+    std::vector<OwnedTensor> tensors;
+    std::vector<std::shared_ptr<const MappedTensor>> sources;
+  };
   // The version being assembled: the clients that published it so far and their snapshots.
   struct Round {
     uint64_t version = 0;
     std::string first_client;
-    std::map<std::string, std::vector<OwnedTensor>> snapshots;
+    std::map<std::string, Share> snapshots;
     bool allow_degenerate = false;  // some client's LocalPublishRequest.allow_degenerate
+  };
+  // A sliced tensor's registered blocks (client -> block), all of one dtype and whole shape.
+  struct SlicedTensor {
+    DType dtype = DType::kBF16;
+    std::map<std::string, TensorBlock> blocks;
   };
 
   v1::RegisterTensorsResponse CountsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `client` may register `t` beside the other clients' tensors (see the top comment).
+  absl::Status CheckAgainstOthersLocked(const std::string& client, const MappedTensor& t) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `client`'s registration of `t` from owners_ / sliced_.
+  void ForgetLocked(const std::string& client, const MappedTensor& t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The round's tensors: whole ones as taken, sliced ones joined (every tiling checked first).
+  absl::StatusOr<std::vector<OwnedTensor>> JoinRound(Round& round) const;
   // Queues the round when every registered client has published it; true when it did. A round
   // holding lent tensors is queued with their lender's `release`.
   absl::StatusOr<bool> MaybeCommitLocked(std::shared_ptr<InputsRelease> release = nullptr)
@@ -162,8 +194,10 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   mutable absl::Mutex mu_;
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, Client> clients_ ABSL_GUARDED_BY(mu_);
-  // Tensor name -> client.
+  // Whole tensor name -> client.
   std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
+  // Sliced tensor name -> its blocks.
+  std::map<std::string, SlicedTensor> sliced_ ABSL_GUARDED_BY(mu_);
   std::optional<Round> round_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,0 +1,57 @@
+// TensorBlock: where a trainer's local piece of a sliced tensor lies in the whole tensor
+// (TensorLocation.slice, proto/refit/v1/local.proto), and what the TrainerApi does with blocks:
+// checks one (FromLocation), checks two against each other (Overlaps), checks that a tensor's
+// blocks tile it exactly once (CheckTiling), and copies a block into its place in the whole
+// tensor (ScatterBlock: the join of a round, inside the publisher, so no trainer gathers).
+#ifndef REFIT_DAEMON_PUBLISHER_TENSOR_SLICE_H_
+#define REFIT_DAEMON_PUBLISHER_TENSOR_SLICE_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "refit/v1/local.pb.h"
+
+namespace refit::publisher {
+
+struct TensorBlock {
+  std::vector<uint64_t> global_shape;  // the whole tensor's
+  std::vector<uint64_t> offsets;       // the block's first index in each dimension
+  std::vector<uint64_t> shape;         // the block's
+
+  // The block of a sliced location (location.has_slice()). InvalidArgument, prefixed by `what`,
+  // when the ranks differ, the rank is 0, a dimension of the block leaves the whole tensor, or
+  // the whole tensor's element count does not fit in 63 bits.
+  static absl::StatusOr<TensorBlock> FromLocation(const v1::TensorLocation& location,
+                                                  const std::string& what);
+
+  uint64_t elements() const;         // the block's
+  uint64_t global_elements() const;  // the whole tensor's
+  // Whether the two blocks (of one tensor) share an element.
+  bool Overlaps(const TensorBlock& other) const;
+  // "[0:64, 32:64]": the block's index ranges, per dimension.
+  std::string Describe() const;
+};
+
+// "[128, 64]".
+std::string DescribeShape(std::span<const uint64_t> shape);
+
+// Checks that `blocks` (client name, block), pairwise disjoint and of the same whole shape,
+// cover `tensor` exactly once. FailedPrecondition naming the tensor, what is not covered (the
+// missing index ranges when every block splits one dimension, else the element count) and the
+// blocks by client.
+absl::Status CheckTiling(const std::string& tensor,
+                         const std::vector<std::pair<std::string, const TensorBlock*>>& blocks);
+
+// Copies `block` (its elements row-major, `element_bytes` each, in `src`) into its place in
+// `whole` (the whole tensor, row-major). The sizes must match (checked by the caller).
+void ScatterBlock(const TensorBlock& block, size_t element_bytes, std::span<const uint8_t> src,
+                  std::span<uint8_t> whole);
+
+}  // namespace refit::publisher
+
+#endif  // REFIT_DAEMON_PUBLISHER_TENSOR_SLICE_H_
