@@ -23,6 +23,12 @@ beside model.embed_tokens.weight, the same tensor) are published once, under the
 the others are aliases (`trainer.aliases`), which update() accepts. Consumers map them back through
 their own module's tying (refit._common.resolve): no alias travels on the wire.
 
+Sharded trainers register blocks of whole tensors instead (FSDP2's DTensors, Megatron's tensor
+parallel splits): a DTensor value registers its local shard, a refit.slices.Slice an explicit
+block (`Slice(local, global_shape, offsets)`, `Slice.along(local, global_shape, dim, offset)`);
+the publisher joins the blocks of all clients into the whole tensor when a version completes.
+`trainer.tensors[name]` is then this client's block, `trainer.slices[name]` where it lies.
+
 After publish() returns, the tensors may be modified again. Not thread-safe: one thread drives a
 Trainer.
 """
@@ -32,7 +38,7 @@ import dataclasses
 import fcntl
 import mmap
 import os
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Union
 
 import grpc
 import torch
@@ -41,6 +47,11 @@ from refit import _cuda
 from refit._common import (RefitError, channel_target, refit_dtype, same_bits, storage_key,
                            tensor_views)
 from refit._proto import local_pb2, local_pb2_grpc
+from refit.slices import Slice, is_dtensor, primary_replica, slice_of_dtensor
+
+# What register() and update() take per name: a whole tensor, an explicit block of one, or a
+# DTensor (its local shard).
+TensorLike = Union[torch.Tensor, Slice]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +88,8 @@ class Trainer:
         self._map: Optional[mmap.mmap] = None
         self._tensors: Dict[str, torch.Tensor] = {}
         self._aliases: Dict[str, str] = {}  # alias -> canonical (published) name
+        self._slices: Dict[str, Slice] = {}  # sliced names -> (the block's view, its place)
+        self._replicas: List[str] = []       # DTensor replicas another rank registers
         self._request: Optional[local_pb2.RegisterTensorsRequest] = None
         self._registered = False
         # CUDA devices holding registered tensors: synchronized before each Publish.
@@ -85,13 +98,25 @@ class Trainer:
 
     # ---- registration -----------------------------------------------------------------------
 
-    def register(self, tensors: Mapping[str, torch.Tensor]) -> RegisterResult:
+    def register(self, tensors: Mapping[str, TensorLike]) -> RegisterResult:
         """Registers `tensors` (name -> tensor), replacing this client's earlier registration.
 
         CPU tensors are copied into a new memfd; CUDA tensors (contiguous) are shared in place
         through CUDA IPC and must stay where they are (the Trainer holds a reference). The tensors
         to write into are `self.tensors`: the memfd views for CPU tensors, the very tensors given
-        for CUDA ones. Whatever they hold is what the next publish() snapshots."""
+        for CUDA ones. Whatever they hold is what the next publish() snapshots.
+
+        Blocks of larger tensors (sharded trainers): a `refit.slices.Slice` registers its local
+        tensor as the block at its offsets of a whole tensor of its global shape; a DTensor
+        (torch.distributed.tensor) registers its local shard (`to_local()`) with the global shape
+        and the offsets its Shard placements give. The name is the whole tensor's; other clients
+        register the other blocks, and the publisher joins them when a version completes.
+        `self.tensors[name]` is the block, `self.slices[name]` where it lies. A DTensor block
+        replicated over a mesh dim (Replicate placement, HSDP's replica groups) is registered by
+        the first replica only (coordinate 0 along the replicated mesh dims); on the others its
+        name goes to `self.replicas` and update() ignores it. ValueError names the tensor for a
+        block that does not fit its whole tensor, for placements that are not a block (Partial,
+        _StridedShard), and when every tensor given is another rank's replica."""
         if not tensors:
             raise ValueError("Trainer.register: no tensors (at least one is needed)")
         layout = []      # CPU (and empty) tensors: (name, tensor, dtype, memfd offset, bytes)
@@ -101,18 +126,27 @@ class Trainer:
         # them): published once, under the first name; the others are aliases of it.
         canonical_of: Dict[object, str] = {}
         aliases: Dict[str, str] = {}
-        for name, t in tensors.items():
+        blocks: Dict[str, Slice] = {}   # sliced names -> the block as given
+        replicas: List[str] = []
+        for name, value in tensors.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"Trainer.register: tensor name {name!r} is not a non-empty string")
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"Trainer.register: tensor '{name}' is a {type(t).__name__}, "
-                                "not a torch.Tensor")
+            blk = _as_block("Trainer.register", name, value)
+            if blk is not None and blk[1] is None:
+                replicas.append(name)  # another rank's replica registers this block
+                continue
+            t = value if blk is None else blk[0].local
             key = storage_key(t)
+            if key is not None and blk is not None:
+                # Tied blocks: the same memory at the same place of the same whole tensor.
+                key = key + (blk[0].global_shape, blk[0].offsets)
             if key is not None:
                 if key in canonical_of:
                     aliases[name] = canonical_of[key]
                     continue
                 canonical_of[key] = name
+            if blk is not None:
+                blocks[name] = blk[0]
             dtype = refit_dtype(name, t.dtype)
             size = t.numel() * t.element_size()
             if t.device.type == "cuda" and size > 0:
@@ -128,6 +162,11 @@ class Trainer:
             offset = (offset + self.alignment - 1) & ~(self.alignment - 1)
             layout.append((name, t, dtype, offset, size))
             offset += size
+        if not layout and not cuda:
+            raise ValueError(f"Trainer.register: every tensor given is a DTensor block that "
+                             f"another rank registers (replicated on this rank: "
+                             f"{', '.join(replicas)}); register from the first replica only "
+                             "(coordinate 0 along the DTensor mesh's replicated dims)")
 
         req = local_pb2.RegisterTensorsRequest(client=self.client)
         views: Dict[str, torch.Tensor] = {}
@@ -155,10 +194,13 @@ class Trainer:
         cpu_index = {entry[0]: entry for entry in layout}
         cuda_index = {entry[0]: entry for entry in cuda}
         for name in tensors:
-            if name in aliases:
+            if name in aliases or name in replicas:
                 continue
             loc = req.tensors.add()
             loc.spec.name = name
+            if name in blocks:
+                loc.slice.global_shape.extend(blocks[name].global_shape)
+                loc.slice.offsets.extend(blocks[name].offsets)
             if name in cuda_index:
                 _, t, dtype = cuda_index[name]
                 r = cuda_regions[name]
@@ -190,13 +232,16 @@ class Trainer:
             views.clear()
             if fd is not None:
                 os.close(fd)
-            what = f"{len(req.tensors)} tensors" + (f", {len(cuda)} on CUDA" if cuda else "")
+            what = (f"{len(req.tensors)} tensors" + (f", {len(cuda)} on CUDA" if cuda else "")
+                    + (f", {len(blocks)} sliced" if blocks else ""))
             raise RefitError(f"Trainer '{self.client}': RegisterTensors ({what})",
                              self.target, e) from None
         # The new registration replaced the old one: drop the old memfd and CUDA tensors.
         self._drop_memory()
         self._fd, self._map, self._tensors, self._request = fd, mm, views, req
         self._aliases = aliases
+        self._slices = {n: Slice(views[n], b.global_shape, b.offsets) for n, b in blocks.items()}
+        self._replicas = replicas
         self._registered = True
         self._cuda_devices = sorted({t.device for _, t, _ in cuda}, key=lambda d: d.index or 0)
         return RegisterResult(resp.clients, resp.tensors, resp.bytes)
@@ -216,6 +261,19 @@ class Trainer:
         return dict(self._aliases)
 
     @property
+    def slices(self) -> Dict[str, Slice]:
+        """The sliced names of the registration: name -> Slice whose `local` is this client's
+        block (the same view as `tensors[name]`) and whose global_shape / offsets say where it
+        lies in the whole tensor (`whole[s.index]`)."""
+        return dict(self._slices)
+
+    @property
+    def replicas(self) -> List[str]:
+        """DTensor names register() left to another rank: blocks replicated over a mesh dim,
+        registered by the first replica only. update() ignores them."""
+        return list(self._replicas)
+
+    @property
     def proc_path(self) -> str:
         """The memfd's /proc path (CPU tensors); RuntimeError if no CPU tensor is registered."""
         self._need_registered("proc_path")
@@ -223,17 +281,24 @@ class Trainer:
             raise RuntimeError(f"Trainer '{self.client}': proc_path: no CPU tensor is registered")
         return f"/proc/{os.getpid()}/fd/{self._fd}"
 
-    def update(self, values: Mapping[str, torch.Tensor]) -> None:
+    def update(self, values: Mapping[str, TensorLike]) -> None:
         """Copies `values` (name -> tensor, a subset of the registered names, same shapes) into
         the shared tensors. dtype conversion follows torch's copy_.
+
+        A sliced name takes its block: a tensor of the block's shape, a Slice, or a DTensor (its
+        to_local()); a Slice or DTensor must describe the registered block (same global shape and
+        offsets: ValueError otherwise; register() again to re-slice). Names register() left to
+        another replica (`replicas`) are ignored.
 
         An alias (see `aliases`) writes its canonical tensor. Given with its canonical name too
         (a tied model's state_dict()), it must be the same memory, or hold the same bits: tied
         tensors are published once (ValueError naming both otherwise)."""
         self._need_registered("update")
-        unknown = [n for n in values if n not in self._tensors and n not in self._aliases]
+        unknown = [n for n in values if n not in self._tensors and n not in self._aliases
+                   and n not in self._replicas]
         if unknown:
             raise KeyError(f"Trainer.update: not registered: {', '.join(sorted(unknown))}")
+        values = self._block_values(values)
         target = {n: self._aliases.get(n, n) for n in values}
         bad = [f"{n} {tuple(v.shape)} != {tuple(self._tensors[target[n]].shape)}"
                for n, v in values.items()
@@ -308,6 +373,31 @@ class Trainer:
 
     # ---- internals --------------------------------------------------------------------------
 
+    def _block_values(self, values: Mapping[str, TensorLike]) -> Dict[str, torch.Tensor]:
+        """update()'s values as plain tensors: Slices and DTensors checked against the
+        registered blocks and replaced by their local tensors; replicas dropped."""
+        out: Dict[str, torch.Tensor] = {}
+        for n, v in values.items():
+            if n in self._replicas:
+                continue
+            blk = _as_block("Trainer.update", n, v)
+            if blk is None:
+                out[n] = v
+                continue
+            given = blk[0]
+            have = self._slices.get(self._aliases.get(n, n))
+            if have is None:
+                raise ValueError(f"Trainer.update: tensor '{n}' was registered whole, but the "
+                                 f"value is a block ({given!r}); register() again to slice it")
+            if (given.global_shape, given.offsets) != (have.global_shape, have.offsets):
+                raise ValueError(
+                    f"Trainer.update: tensor '{n}': the value is the block at offsets "
+                    f"{given.offsets} of a whole tensor {given.global_shape}, but this client "
+                    f"registered the block at offsets {have.offsets} of {have.global_shape} "
+                    "(register() again to re-slice)")
+            out[n] = given.local
+        return out
+
     def _need_registered(self, what: str) -> None:
         if not self._registered:
             raise RuntimeError(f"Trainer '{self.client}': {what} before register()")
@@ -322,4 +412,18 @@ class Trainer:
         self._cuda_devices = []
 
 
-__all__ = ["Trainer", "PublishResult", "RegisterResult"]
+def _as_block(what: str, name: str, value):
+    """None for a plain tensor; (Slice, True) for a Slice or a DTensor this rank registers;
+    (Slice, None) for a DTensor block another replica registers. TypeError for anything else."""
+    if isinstance(value, Slice):
+        return value, True
+    if is_dtensor(value):
+        blk, replicated = slice_of_dtensor(name, value)
+        return blk, (True if not replicated or primary_replica(value, replicated) else None)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: tensor '{name}' is a {type(value).__name__}, not a "
+                        "torch.Tensor, a DTensor or a refit.slices.Slice")
+    return None
+
+
+__all__ = ["Trainer", "PublishResult", "RegisterResult", "Slice"]
