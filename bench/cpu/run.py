@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""CPU per version on each side, with the example loopback configs (bench/cpu).
+
+A user's first set-up: config/publisher.loopback.yaml and config/subscriber.loopback.yaml (unix
+sockets, no TLS; paths moved into a temporary directory, `store.slots` set per run), a realistic
+safetensors pair (bench's make_safetensors_pair: AdamW on fp32 masters of a transformer-shaped
+model, BF16 versions 0 and 1, 1.65% of the elements changed), published alternately with
+`refitctl publish`, so every version after the first is a delta of the same size. Per version the
+process CPU time (user + sys, /proc/<pid>/stat) of the publisher and the subscriber is read before
+the publish and once the subscriber holds the version (`refitctl wait`), and divided by the changed
+elements and by the model's bytes. A plain read pass of the two files (bench/wan's read_pass,
+`--threads 1`: CPU seconds of one core) is measured in the same run as the yardstick of the
+publisher's figure. The first version (a keyframe) is reported apart: subscriber CPU per byte.
+
+    bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
+        [--out bench/results/cpu-...jsonl]
+
+One JSON object per line: per version, then a summary per slot count (medians of the deltas).
+Exits 1 if the subscriber does not end with the published bytes (refitctl verify).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pair(build: str, preset: str) -> tuple[str, str]:
+    cache = os.environ.get("REFIT_CPU_CACHE", "/var/tmp/refit-cpu-cache")
+    d = os.path.join(cache, preset)
+    v0, v1 = os.path.join(d, "v0.safetensors"), os.path.join(d, "v1.safetensors")
+    if not (os.path.exists(v0) and os.path.exists(v1)):
+        subprocess.run([os.path.join(build, "bench", "make_safetensors_pair"), d, preset],
+                       check=True)
+    return v0, v1
+
+
+def read_pass_seconds(build: str, a: str, b: str) -> float:
+    """Seconds of one plain read pass over both files (one thread), the median of 3."""
+    out = subprocess.run([os.path.join(build, "bench", "wan", "read_pass"), "--threads", "1",
+                          "--reps", "3", a, b], check=True, capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        try:
+            j = json.loads(line)
+        except ValueError:
+            continue
+        if "pass_ms_median" in j:
+            return float(j["pass_ms_median"]) / 1e3
+    raise RuntimeError(f"read_pass printed no time: {out.stdout!r} {out.stderr!r}")
+
+
+def config(src: str, run_dir: str, slots: int | None = None) -> str:
+    with open(os.path.join(ROOT, "config", src)) as f:
+        text = f.read().replace("/tmp/refitd-demo", run_dir)
+    text = text.replace("shm_prefix: /refitd-demo-0-",
+                        f"shm_prefix: /refit-cpu-{os.getpid()}-")
+    if slots is not None:
+        text = text.replace("slots: 2", f"slots: {slots}")
+    path = os.path.join(run_dir, src)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def start(build: str, role: str, cfg: str, log: str) -> subprocess.Popen:
+    return subprocess.Popen([os.path.join(build, "daemon", "cli", "refitd"), role, "--config", cfg],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def ctl(build: str, target: str, *args: str, timeout: float = 600) -> str:
+    r = subprocess.run([os.path.join(build, "client", "refitctl"), "--target", target, *args],
+                       capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"refitctl {' '.join(args)}: {r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def wait_socket(path: str, proc: subprocess.Popen, log: str) -> None:
+    deadline = time.time() + 120
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"daemon did not come up: {open(log).read()[-2000:]}")
+        time.sleep(0.05)
+
+
+def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
+              read_s: float, model_bytes: int, out) -> dict:
+    run_dir = tempfile.mkdtemp(prefix="refit-cpu-")
+    os.makedirs(os.path.join(run_dir, "publish"))
+    pub_cfg = config("publisher.loopback.yaml", run_dir)
+    sub_cfg = config("subscriber.loopback.yaml", run_dir, slots)
+    pub_log, sub_log = os.path.join(run_dir, "pub.log"), os.path.join(run_dir, "sub.log")
+    # The publisher reads only files under its publish_dirs.
+    local = []
+    for i, f in enumerate(files):
+        dst = os.path.join(run_dir, "publish", f"v{i}.safetensors")
+        shutil.copyfile(f, dst)
+        local.append(dst)
+    pub = start(build, "publisher", pub_cfg, pub_log)
+    sub = None
+    rows = []
+    try:
+        wait_socket(os.path.join(run_dir, "publisher-control.sock"), pub, pub_log)
+        sub = start(build, "subscriber", sub_cfg, sub_log)
+        pub_t = "unix:" + os.path.join(run_dir, "publisher-control.sock")
+        sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
+        wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
+        for v in range(1, versions + 2):
+            p0, s0 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
+            t0 = time.perf_counter()
+            ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version", str(v))
+            ctl(build, sub_t, "wait", "--version", str(v), "--timeout", "600")
+            wall = time.perf_counter() - t0
+            p1, s1 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
+            st = json.loads(ctl(build, sub_t, "status", "--json"))
+            lr = st.get("lastRefit", st.get("last_refit", {}))
+            changed = int(lr.get("changedElements", lr.get("changed_elements", 0)))
+            row = {
+                "bench": "cpu", "slots": slots, "version": v, "keyframe": v == 1,
+                "changed_elements": changed, "model_bytes": model_bytes,
+                "wire_bytes": int(lr.get("wireBytes", lr.get("wire_bytes", 0))),
+                "publisher_cpu_s": round(p1 - p0, 4), "subscriber_cpu_s": round(s1 - s0, 4),
+                "wall_s": round(wall, 4), "read_pass_s": round(read_s, 4),
+            }
+            if v == 1:
+                row["subscriber_ns_per_byte"] = round((s1 - s0) * 1e9 / model_bytes, 3)
+            elif changed > 0:
+                row["subscriber_ns_per_changed"] = round((s1 - s0) * 1e9 / changed, 2)
+                row["publisher_ns_per_changed"] = round((p1 - p0) * 1e9 / changed, 2)
+                row["publisher_cpu_over_read_pass"] = round((p1 - p0) / read_s, 3)
+            rows.append(row)
+            print(json.dumps(row), file=out, flush=True)
+        ctl(build, sub_t, "verify", timeout=600)
+    finally:
+        for p in (sub, pub):
+            if p is not None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    # /proc's CPU times tick at 1/CLK_TCK (10 ms): the summary divides the deltas' total CPU by
+    # their total changed elements, not a median of per-version ratios.
+    deltas = [r for r in rows if not r["keyframe"]]
+    changed = sum(r["changed_elements"] for r in deltas)
+    sub_cpu = sum(r["subscriber_cpu_s"] for r in deltas)
+    pub_cpu = sum(r["publisher_cpu_s"] for r in deltas)
+    summary = {
+        "bench": "cpu-summary", "slots": slots, "versions": len(deltas),
+        "model_bytes": model_bytes, "changed_elements_per_version": changed // len(deltas),
+        "change_rate": round(changed / len(deltas) / (model_bytes / 2), 5),
+        "subscriber_ns_per_changed": round(sub_cpu * 1e9 / changed, 2),
+        "publisher_ns_per_changed": round(pub_cpu * 1e9 / changed, 2),
+        "publisher_cpu_over_read_pass": round(pub_cpu / len(deltas) / read_s, 3),
+        "delta_wall_s_median": statistics.median(r["wall_s"] for r in deltas),
+        "keyframe_subscriber_ns_per_byte": rows[0]["subscriber_ns_per_byte"],
+        "read_pass_s": round(read_s, 4),
+    }
+    print(json.dumps(summary), file=out, flush=True)
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--preset", default="medium", help="trajectory preset (medium: 254 MB)")
+    ap.add_argument("--versions", type=int, default=10, help="delta versions per slot count")
+    ap.add_argument("--slots", default="2,1")
+    ap.add_argument("--out", default="", help="also append the JSON lines to this file")
+    args = ap.parse_args()
+    files = pair(args.build, args.preset)
+    model_bytes = os.path.getsize(files[0])
+    read_s = read_pass_seconds(args.build, *files)
+    sinks = [sys.stdout]
+    if args.out:
+        sinks.append(open(args.out, "a"))
+
+    class Tee:
+        def write(self, s):
+            for k in sinks:
+                k.write(s)
+
+        def flush(self):
+            for k in sinks:
+                k.flush()
+
+    for slots in (int(s) for s in args.slots.split(",")):
+        run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
