@@ -147,8 +147,8 @@ absl::Status CheckTiling(const std::string& tensor,
                    " (blocks: ", absl::StrJoin(held, ", "), ")"));
 }
 
-void ScatterBlock(const TensorBlock& block, size_t element_bytes, std::span<const uint8_t> src,
-                  std::span<uint8_t> whole) {
+void ForEachBlockRun(const TensorBlock& block, size_t element_bytes,
+                     const std::function<void(size_t, size_t, size_t)>& fn) {
   const size_t rank = block.shape.size();
   if (block.elements() == 0) return;
   // The outermost dimension k from which the block is one contiguous run per index of the
@@ -157,25 +157,29 @@ void ScatterBlock(const TensorBlock& block, size_t element_bytes, std::span<cons
   while (k > 0 && block.offsets[k] == 0 && block.shape[k] == block.global_shape[k]) --k;
   std::vector<uint64_t> stride(rank, 1);  // of the whole tensor, in elements
   for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * block.global_shape[d];
-  const uint64_t run = block.shape[k] * stride[k];  // elements
-  const size_t run_bytes = static_cast<size_t>(run) * element_bytes;
+  const size_t run_bytes = static_cast<size_t>(block.shape[k] * stride[k]) * element_bytes;
   std::vector<uint64_t> index(k, 0);  // over dimensions 0..k-1 of the block
   size_t from = 0;
   for (;;) {
     uint64_t at = block.offsets[k] * stride[k];
     for (size_t d = 0; d < k; ++d) at += (block.offsets[d] + index[d]) * stride[d];
-    std::memcpy(whole.data() + static_cast<size_t>(at) * element_bytes, src.data() + from,
-                run_bytes);
+    fn(static_cast<size_t>(at) * element_bytes, from, run_bytes);
     from += run_bytes;
+    // The next index of dimensions 0..k-1, last dimension fastest; done after the last.
     size_t d = k;
-    while (d > 0) {
-      --d;
-      if (++index[d] < block.shape[d]) break;
-      index[d] = 0;
-      if (d == 0) return;
+    for (; d > 0; --d) {
+      if (++index[d - 1] < block.shape[d - 1]) break;
+      index[d - 1] = 0;
     }
-    if (k == 0) return;
+    if (d == 0) return;
   }
+}
+
+void ScatterBlock(const TensorBlock& block, size_t element_bytes, std::span<const uint8_t> src,
+                  std::span<uint8_t> whole) {
+  ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
+    std::memcpy(whole.data() + to, src.data() + from, bytes);
+  });
 }
 
 }  // namespace refit::publisher

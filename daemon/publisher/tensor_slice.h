@@ -7,6 +7,7 @@
 #define REFIT_DAEMON_PUBLISHER_TENSOR_SLICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -46,6 +47,13 @@ std::string DescribeShape(std::span<const uint64_t> shape);
 // blocks by client.
 absl::Status CheckTiling(const std::string& tensor,
                          const std::vector<std::pair<std::string, const TensorBlock*>>& blocks);
+
+// The block's contiguous runs in the whole tensor, in the block's own row-major order: for each,
+// fn(byte offset in the whole tensor, byte offset in the block, bytes). One run per index of the
+// dimensions before the outermost one the block does not span entirely.
+void ForEachBlockRun(
+    const TensorBlock& block, size_t element_bytes,
+    const std::function<void(size_t whole_offset, size_t block_offset, size_t bytes)>& fn);
 
 // Copies `block` (its elements row-major, `element_bytes` each, in `src`) into its place in
 // `whole` (the whole tensor, row-major). The sizes must match (checked by the caller).

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <set>
 #include <utility>
 
@@ -90,6 +91,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
   }
 
   absl::MutexLock lock(&mu_);
+  AwaitNotPublishingLocked(name);
   for (const auto& t : mapped) REFIT_RETURN_IF_ERROR(CheckAgainstOthersLocked(name, *t));
   auto existing = clients_.find(name);
   const bool replaced = existing != clients_.end();
@@ -108,6 +110,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
     sliced.dtype = t->dtype();
     sliced.blocks[name] = *t->block();
   }
+  SizeJoinPoolLocked();
   // A snapshot of the replaced tensors no longer counts: the client publishes again.
   if (round_.has_value() && round_->snapshots.erase(name) > 0) {
     log_->warn("{} re-registered while version {} was being assembled: its snapshot is dropped, "
@@ -129,6 +132,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
 
 absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   absl::MutexLock lock(&mu_);
+  AwaitNotPublishingLocked(name);
   auto it = clients_.find(name);
   if (it == clients_.end()) {
     return absl::NotFoundError(absl::StrCat("Unregister: client ", Quoted(name),
@@ -136,6 +140,7 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   }
   for (const auto& t : it->second.tensors) ForgetLocked(name, *t);
   clients_.erase(it);
+  SizeJoinPoolLocked();
   log_->info("client {} unregistered; now {} clients", Quoted(name), clients_.size());
   if (round_.has_value()) {
     round_->snapshots.erase(name);
@@ -204,11 +209,55 @@ void TrainerApiService::ForgetLocked(const std::string& client, const MappedTens
   if (sliced->second.blocks.empty()) sliced_.erase(sliced);
 }
 
+void TrainerApiService::AwaitNotPublishingLocked(const std::string& client) {
+  auto idle = [this, &client]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = publishing_.find(client);
+    return it == publishing_.end() || it->second == 0;
+  };
+  mu_.Await(absl::Condition(&idle));
+}
+
+std::vector<std::shared_ptr<uint8_t>> TrainerApiService::JoinBuffersLocked(
+    uint64_t version, const std::vector<std::shared_ptr<const MappedTensor>>& tensors) {
+  std::vector<std::shared_ptr<uint8_t>> joins(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::optional<TensorBlock>& block = tensors[i]->block();
+    if (!block.has_value()) continue;
+    if (!join_.has_value() || join_->version != version) {
+      join_.emplace(PendingJoin{});
+      join_->version = version;
+    }
+    std::shared_ptr<uint8_t>& buffer = join_->buffers[tensors[i]->spec().name()];
+    if (buffer == nullptr) {
+      buffer = join_pool_->Take(static_cast<size_t>(block->global_elements()) *
+                                static_cast<size_t>(DTypeSize(tensors[i]->dtype())));
+    }
+    joins[i] = buffer;
+  }
+  return joins;
+}
+
+void TrainerApiService::EndPublishingLocked(const std::string& client) {
+  auto it = publishing_.find(client);
+  if (it != publishing_.end() && --it->second == 0) publishing_.erase(it);
+}
+
+void TrainerApiService::SizeJoinPoolLocked() {
+  size_t bytes = 0;
+  for (const auto& [name, sliced] : sliced_) {
+    if (sliced.blocks.empty()) continue;
+    bytes += static_cast<size_t>(sliced.blocks.begin()->second.global_elements()) *
+             static_cast<size_t>(DTypeSize(sliced.dtype));
+  }
+  join_pool_->set_max_free_bytes(bytes);
+}
+
 absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& round) const {
   struct Piece {
     std::string client;
     const TensorBlock* block;
-    OwnedTensor* tensor;
+    DType dtype;
+    const std::shared_ptr<uint8_t>* buffer;
   };
   std::vector<OwnedTensor> tensors;
   std::map<std::string, std::vector<Piece>> sliced;
@@ -216,37 +265,40 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& rou
     for (size_t i = 0; i < share.tensors.size(); ++i) {
       const std::optional<TensorBlock>& block = share.sources[i]->block();
       if (block.has_value()) {
-        sliced[share.tensors[i].name].push_back({client, &*block, &share.tensors[i]});
+        sliced[share.tensors[i].name].push_back(
+            {client, &*block, share.tensors[i].dtype, &share.joins[i]});
       } else {
         tensors.push_back(std::move(share.tensors[i]));
       }
     }
   }
-  // Every tiling first: a round that cannot be joined copies nothing.
+  // Every tiling first: a round that cannot be joined publishes nothing.
   for (const auto& [name, pieces] : sliced) {
     std::vector<std::pair<std::string, const TensorBlock*>> blocks;
     for (const Piece& p : pieces) blocks.emplace_back(p.client, p.block);
     REFIT_RETURN_IF_ERROR(CheckTiling(name, blocks));
+    for (const Piece& p : pieces) {
+      if (*p.buffer != *pieces.front().buffer) {  // only after a round was given up meanwhile
+        return absl::AbortedError(
+            absl::StrCat("client ", Quoted(p.client), "'s block of tensor '", name,
+                         "' was taken for a round "
+                         "that was given up while it copied; publish version ",
+                         round.version, " again"));
+      }
+    }
   }
-  for (auto& entry : sliced) {
-    const std::string& name = entry.first;
-    std::vector<Piece>& pieces = entry.second;  // not a binding: the lambda below captures it
+  // The blocks are in place already (TakeTensors copied each into the round's buffer): the
+  // whole tensor is that buffer, read by the publish in place and recycled afterwards.
+  for (const auto& [name, pieces] : sliced) {
     const TensorBlock& first = *pieces.front().block;
     OwnedTensor whole;
     whole.name = name;
-    whole.dtype = pieces.front().tensor->dtype;
+    whole.dtype = pieces.front().dtype;
     whole.shape = first.global_shape;
-    const size_t element_bytes = static_cast<size_t>(DTypeSize(whole.dtype));
-    whole.bytes.resize(static_cast<size_t>(first.global_elements()) * element_bytes);
-    ParallelFor(pieces.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
-      for (size_t p = begin; p < end; ++p) {
-        OwnedTensor& piece = *pieces[p].tensor;
-        const std::span<const uint8_t> src =
-            piece.keep != nullptr ? piece.borrowed : std::span<const uint8_t>(piece.bytes);
-        ScatterBlock(*pieces[p].block, element_bytes, src, whole.bytes);
-        std::vector<uint8_t>().swap(piece.bytes);  // freed as soon as it is in place
-      }
-    });
+    const size_t bytes =
+        static_cast<size_t>(first.global_elements()) * static_cast<size_t>(DTypeSize(whole.dtype));
+    whole.borrowed = std::span<const uint8_t>(pieces.front().buffer->get(), bytes);
+    whole.keep = *pieces.front().buffer;
     tensors.push_back(std::move(whole));
   }
   return tensors;
@@ -264,6 +316,7 @@ absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
   for (const auto& [name, share] : round.snapshots) names.push_back(name);
   const std::string source = absl::StrCat("trainer-api clients ", absl::StrJoin(names, ", "));
   absl::StatusOr<std::vector<OwnedTensor>> joined = JoinRound(round);
+  if (join_.has_value() && join_->version == round.version) join_.reset();  // done either way
   if (!joined.ok()) {
     return Annotate(joined.status(), "version ", round.version, " from ", source,
                     " was not published");
@@ -327,9 +380,34 @@ void CopyLent(std::vector<OwnedTensor>& tensors) {
 
 }  // namespace
 
+absl::Status TrainerApiService::CopyBlock(const MappedTensor& t, const std::string& what,
+                                          uint8_t* whole) const {
+  const TensorBlock& block = *t.block();
+  const size_t element_bytes = static_cast<size_t>(DTypeSize(t.dtype()));
+  if (t.gpu() != nullptr) {  // to the host first (cuda_snapshot kHost: RegisterTensors checked)
+    OwnedTensor host;
+    REFIT_RETURN_IF_ERROR(SnapshotCuda(t, what, &host));
+    ScatterBlock(block, element_bytes, host.bytes, {whole, host.bytes.size()});
+    return absl::OkStatus();
+  }
+  if (t.mapped()) {
+    const std::span<const uint8_t> src = t.bytes();
+    ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
+      std::memcpy(whole + to, src.data() + from, bytes);
+    });
+    return absl::OkStatus();
+  }
+  absl::Status status;  // pread, run by run: a shrunk object is an error, not SIGBUS
+  ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
+    if (status.ok()) status = t.CopyTo(whole + to, from, bytes);
+  });
+  return status;
+}
+
 absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
-    const std::vector<std::shared_ptr<const MappedTensor>>& tensors, const std::string& who,
-    uint64_t version, bool lend) const {
+    const std::vector<std::shared_ptr<const MappedTensor>>& tensors,
+    const std::vector<std::shared_ptr<uint8_t>>& joins, const std::string& who, uint64_t version,
+    bool lend) const {
   std::vector<OwnedTensor> snapshot;
   snapshot.reserve(tensors.size());
   struct Chunk {
@@ -339,13 +417,16 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
   };
   constexpr size_t kChunkBytes = 8u << 20;
   std::vector<Chunk> chunks;
+  std::vector<size_t> blocks;  // indices of the blocks, copied into their join buffers
   for (size_t i = 0; i < tensors.size(); ++i) {
     const MappedTensor& t = *tensors[i];
     OwnedTensor o;
     o.name = t.spec().name();
     o.dtype = t.dtype();
     o.shape.assign(t.spec().shape().begin(), t.spec().shape().end());
-    if (t.gpu() != nullptr) {
+    if (t.block().has_value()) {
+      blocks.push_back(i);
+    } else if (t.gpu() != nullptr) {
       // CUDA tensors: one copy each on the tensor's device.
       const std::string what = absl::StrCat(
           "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), o.name));
@@ -375,6 +456,18 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
   for (const absl::Status& st : copied) {
     if (!st.ok()) return Annotate(st, "Publish of version ", version);
   }
+  std::vector<absl::Status> placed(blocks.size());
+  ParallelFor(blocks.size(), options_.copy_threads, 1, [&](size_t begin, size_t end) {
+    for (size_t b = begin; b < end; ++b) {
+      const size_t i = blocks[b];
+      const std::string what = absl::StrCat(
+          "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), snapshot[i].name));
+      placed[b] = CopyBlock(*tensors[i], what, joins[i].get());
+    }
+  });
+  for (const absl::Status& st : placed) {
+    if (!st.ok()) return Annotate(st, "Publish of version ", version);
+  }
   return snapshot;
 }
 
@@ -384,6 +477,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   const std::string& name = request.client();
   const std::string who = absl::StrCat("client ", Quoted(name));
   std::vector<std::shared_ptr<const MappedTensor>> tensors;
+  std::vector<std::shared_ptr<uint8_t>> joins;
   uint64_t generation = 0;
   uint64_t version = 0;
   bool completes = false;
@@ -397,7 +491,22 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     tensors = it->second.tensors;
     generation = it->second.generation;
     REFIT_ASSIGN_OR_RETURN(version, ChooseRoundVersion(request, who, &completes));
+    joins = JoinBuffersLocked(version, tensors);
+    ++publishing_[name];
   }
+  // Until this client's share is in the round (or the call failed): its registration waits.
+  struct Publishing {
+    TrainerApiService* service;
+    const std::string& client;
+    bool ended = false;
+    void End() {
+      if (ended) return;
+      ended = true;
+      absl::MutexLock lock(&service->mu_);
+      service->EndPublishingLocked(client);
+    }
+    ~Publishing() { End(); }
+  } publishing{this, name};
 
   // The snapshot (or the loan), outside the lock: other clients take theirs at the same time.
   const absl::Time start = absl::Now();
@@ -406,7 +515,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   // and its trainer would then write under the pass. A call with a deadline gets a copy.
   const bool lend = completes && deadline == absl::InfiniteFuture();
   REFIT_ASSIGN_OR_RETURN(std::vector<OwnedTensor> snapshot,
-                         TakeTensors(tensors, who, version, lend));
+                         TakeTensors(tensors, joins, who, version, lend));
   const bool lent = std::any_of(snapshot.begin(), snapshot.end(),
                                 [](const OwnedTensor& t) { return t.keep != nullptr; });
   std::shared_ptr<InputsRelease> release =
@@ -416,6 +525,8 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   response.set_version(version);
   {
     absl::MutexLock lock(&mu_);
+    publishing.ended = true;
+    EndPublishingLocked(name);
     auto it = clients_.find(name);
     if (it == clients_.end() || it->second.generation != generation) {
       return absl::AbortedError(absl::StrCat("Publish: ", who,
@@ -432,7 +543,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
           Quoted(round_->first_client), " published version ", round_->version,
           " at the same time; every client must publish the same version"));
     }
-    round_->snapshots[name] = Share{std::move(snapshot), std::move(tensors)};
+    round_->snapshots[name] = Share{std::move(snapshot), std::move(tensors), std::move(joins)};
     round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
     REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
     response.set_committed(committed);

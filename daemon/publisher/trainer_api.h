@@ -87,6 +87,7 @@
 #include "daemon/codec/dtype.h"
 #include "daemon/common/peer_cred.h"
 #include "daemon/publisher/device_cache.h"
+#include "daemon/publisher/join_buffers.h"
 #include "daemon/publisher/mapped_tensor.h"
 #include "daemon/publisher/publisher_control.h"
 #include "refit/v1/local.grpc.pb.h"
@@ -144,11 +145,19 @@ class TrainerApiService final : public v1::TrainerApi::Service {
     uint64_t generation = 0;  // changes on every (re-)registration
     std::vector<std::shared_ptr<const MappedTensor>> tensors;
   };
-  // One client's part of a round: its snapshot, and the registered tensors it was taken from
-  // (same order: their blocks place the sliced ones).
+  // One client's part of a round: its snapshot, the registered tensors it was taken from and,
+  // for its blocks, the round's whole-tensor buffer each was copied into (same order; null for
+  // whole tensors, whose snapshot is in `tensors`).
   struct Share {
     std::vector<OwnedTensor> tensors;
     std::vector<std::shared_ptr<const MappedTensor>> sources;
+    std::vector<std::shared_ptr<uint8_t>> joins;
+  };
+  // The whole-tensor buffers of the version being published, by tensor name: every client's
+  // blocks of a tensor are copied straight into the same one.
+  struct PendingJoin {
+    uint64_t version = 0;
+    std::map<std::string, std::shared_ptr<uint8_t>> buffers;
   };
   // The version being assembled: the clients that published it so far and their snapshots.
   struct Round {
@@ -170,6 +179,17 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   // Drops `client`'s registration of `t` from owners_ / sliced_.
   void ForgetLocked(const std::string& client, const MappedTensor& t)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until no Publish of `client` is copying (so a new registration of it never races a
+  // copy of its previous blocks into a join buffer).
+  void AwaitNotPublishingLocked(const std::string& client) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndPublishingLocked(const std::string& client) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The round's join buffers of `tensors`' blocks at `version` (null for whole tensors), made
+  // when the version's first block is taken.
+  std::vector<std::shared_ptr<uint8_t>> JoinBuffersLocked(
+      uint64_t version, const std::vector<std::shared_ptr<const MappedTensor>>& tensors)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pool keeps one round's worth of free join buffers: the bytes of the sliced tensors.
+  void SizeJoinPoolLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The round's tensors: whole ones as taken, sliced ones joined (every tiling checked first).
   absl::StatusOr<std::vector<OwnedTensor>> JoinRound(Round& round) const;
   // Queues the round when every registered client has published it; true when it did. A round
@@ -181,9 +201,14 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   absl::StatusOr<uint64_t> ChooseRoundVersion(const v1::LocalPublishRequest& request,
                                               const std::string& who, bool* completes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks are copied into their `joins` buffer (same order as `tensors`); their entry in the
+  // result only names them.
   absl::StatusOr<std::vector<OwnedTensor>> TakeTensors(
-      const std::vector<std::shared_ptr<const MappedTensor>>& tensors, const std::string& who,
-      uint64_t version, bool lend) const;
+      const std::vector<std::shared_ptr<const MappedTensor>>& tensors,
+      const std::vector<std::shared_ptr<uint8_t>>& joins, const std::string& who, uint64_t version,
+      bool lend) const;
+  // Copies one block into its place in the whole tensor at `whole`.
+  absl::Status CopyBlock(const MappedTensor& t, const std::string& what, uint8_t* whole) const;
 
   // The snapshot of one CUDA tensor (options_.cuda_snapshot). `what` prefixes errors.
   absl::Status SnapshotCuda(const MappedTensor& t, const std::string& what, OwnedTensor* out) const;
@@ -198,6 +223,11 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
   // Sliced tensor name -> its blocks.
   std::map<std::string, SlicedTensor> sliced_ ABSL_GUARDED_BY(mu_);
+  std::optional<PendingJoin> join_ ABSL_GUARDED_BY(mu_);
+  // Publish calls of each client between their version's choice and their share's entry into
+  // the round (AwaitNotPublishingLocked).
+  std::map<std::string, int> publishing_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<JoinBufferPool> join_pool_ = std::make_shared<JoinBufferPool>();
   std::optional<Round> round_ ABSL_GUARDED_BY(mu_);
 };
 

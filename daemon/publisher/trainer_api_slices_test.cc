@@ -35,11 +35,15 @@ std::vector<uint8_t> Bytes(const std::vector<uint16_t>& v) {
 }
 
 // One client's block [r0, r0 + rows) x [c0, c0 + cols) of a [R, C] tensor, in a memfd of its
-// own holding the block row-major.
+// own holding the block row-major (`sealable` false: the publisher reads it with pread).
 struct Block {
   Block(const std::vector<uint16_t>& whole, uint64_t R, uint64_t C, uint64_t r0, uint64_t c0,
-        uint64_t rows, uint64_t cols, const std::string& name = "w")
-      : memfd(std::max<size_t>(rows * cols * 2, 1)), r0(r0), c0(c0), rows(rows), cols(cols) {
+        uint64_t rows, uint64_t cols, const std::string& name = "w", bool sealable = true)
+      : memfd(std::max<size_t>(rows * cols * 2, 1), 1, sealable),
+        r0(r0),
+        c0(c0),
+        rows(rows),
+        cols(cols) {
     location = refit::testing::Location(name, v1::DTYPE_BF16, {rows, cols}, memfd.path(), 0,
                                         rows * cols * 2);
     location.mutable_slice()->add_global_shape(R);
@@ -102,7 +106,8 @@ TEST_F(TrainerApiSlicesTest, UnevenRowBlocksJoinIntoTheWholeTensor) {
 TEST_F(TrainerApiSlicesTest, ColumnAndTwoDimensionalBlocksJoin) {
   // Row parallel (dim 1) blocks of "o", and a 2 x 2 grid of blocks of "g".
   const std::vector<uint16_t> o = Whole(6, 10), g = Whole(7, 5, 9);
-  Block o0(o, 6, 10, 0, 0, 6, 3, "o"), o1(o, 6, 10, 0, 3, 6, 7, "o");
+  // o1 is read with pread, run by run.
+  Block o0(o, 6, 10, 0, 0, 6, 3, "o"), o1(o, 6, 10, 0, 3, 6, 7, "o", /*sealable=*/false);
   Block g00(g, 7, 5, 0, 0, 3, 2, "g"), g01(g, 7, 5, 0, 2, 3, 3, "g"), g10(g, 7, 5, 3, 0, 4, 2, "g"),
       g11(g, 7, 5, 3, 2, 4, 3, "g");
   // One block of a tensor per client.
