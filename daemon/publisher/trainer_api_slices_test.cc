@@ -144,7 +144,7 @@ TEST_F(TrainerApiSlicesTest, BlocksThatDisagreeAreRefusedNamingBothClients) {
   EXPECT_THAT(Register("rank1", {other_dtype.location}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("is f16"), HasSubstr("rank0"), HasSubstr("is bf16"))));
-  Block outside(w, 8, 4, 6, 0, 4, 4);
+  Block outside(Whole(10, 4), 8, 4, 6, 0, 4, 4);  // rows 6..10 of an 8-row tensor
   EXPECT_THAT(Register("rank1", {outside.location}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("client \"rank1\""), HasSubstr("leaves the tensor"))));
