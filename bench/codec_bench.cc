@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -39,7 +40,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Bytes = std::vector<uint8_t>;
 
-constexpr int kElemBytes = 2;  // BF16
+constexpr int kElemBytes = 2;  // BF16 (the generated datasets; --safetensors pairs carry their dtype)
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -55,6 +56,9 @@ struct Options {
   int reps = 7;
   uint64_t seed = 1;
   std::string safetensors_a, safetensors_b;
+  // dtypes whose tensors --safetensors compares (--safetensors-dtypes); {BF16} by default.
+  std::vector<DType> safetensors_dtypes = {DType::kBF16};
+  bool safetensors_dtypes_given = false;
 };
 
 const char* const kUniformNames[] = {"uniform_p0.6", "uniform_p1", "uniform_p3", "uniform_p5"};
@@ -65,6 +69,8 @@ void Usage(FILE* f) {
                "usage: codec_bench [--json] [--dataset NAME] [--threads N] [--reps N]\n"
                "                   [--elements N] [--preset NAME] [--steps N] [--seed N]\n"
                "                   [--safetensors A.safetensors B.safetensors]\n"
+               "                   [--safetensors-dtypes LIST (default bf16; of bf16, f16, f32,\n"
+               "                    f8e4m3, f8e5m2)]\n"
                "datasets: realistic, uniform_p0.6, uniform_p1, uniform_p3, uniform_p5, safetensors\n"
                "          (default: all but safetensors; safetensors runs when --safetensors is "
                "given)\n");
@@ -138,6 +144,31 @@ bool ParseArgs(int argc, char** argv, Options* o) {
       }
       o->safetensors_a = argv[++i];
       o->safetensors_b = argv[++i];
+    } else if (a == "--safetensors-dtypes") {
+      if (!(s = need(i, "--safetensors-dtypes"))) return false;
+      o->safetensors_dtypes.clear();
+      o->safetensors_dtypes_given = true;
+      std::string list = s;
+      for (size_t pos = 0; pos <= list.size();) {
+        const size_t comma = std::min(list.find(',', pos), list.size());
+        const std::string name = list.substr(pos, comma - pos);
+        pos = comma + 1;
+        auto t = ParseDType(name);
+        // Floating-point types of 1, 2 or 4 bytes: the ones AccumulateDiffs and the DCR
+        // reference compare as ordered images.
+        if (!t.ok() || !(*t == DType::kBF16 || *t == DType::kF16 || *t == DType::kF32 ||
+                         *t == DType::kF8E4M3 || *t == DType::kF8E5M2)) {
+          std::fprintf(stderr,
+                       "codec_bench: --safetensors-dtypes: '%s' is not one of bf16, f16, f32, "
+                       "f8e4m3, f8e5m2\n",
+                       name.c_str());
+          return false;
+        }
+        if (std::find(o->safetensors_dtypes.begin(), o->safetensors_dtypes.end(), *t) ==
+            o->safetensors_dtypes.end()) {
+          o->safetensors_dtypes.push_back(*t);
+        }
+      }
     } else {
       std::fprintf(stderr, "codec_bench: unknown argument '%s'\n", a.c_str());
       Usage(stderr);
@@ -265,6 +296,8 @@ struct TensorPair {
   std::span<const uint8_t> base, target;
   std::string name;
   std::span<const uint8_t> prev = {};  // the version before base, when the dataset has it
+  DType dtype = DType::kBF16;          // every generated dataset is BF16
+  int elem_bytes() const { return DTypeSize(dtype); }
 };
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -336,7 +369,7 @@ void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
   std::vector<double> enc, dec, rd, rdpf, inplace;
   std::vector<Bytes> work(pairs.size());
   std::vector<EncodeInput> inputs;
-  for (const TensorPair& tp : pairs) inputs.push_back({DType::kBF16, tp.base, tp.target});
+  for (const TensorPair& tp : pairs) inputs.push_back({tp.dtype, tp.base, tp.target});
   for (int r = 0; r <= reps; ++r) {
     const auto t0 = Clock::now();
     auto encoded = EncodePatches(inputs, eo);
@@ -344,7 +377,7 @@ void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
     if (!encoded.ok()) Fail(absl::StrCat(dataset, ": EncodePatches failed while timing"));
     std::vector<Bytes>& patches = *encoded;
     for (size_t t = 0; t < pairs.size(); ++t) {
-      absl::Status s = ApplyPatch(patches[t], DType::kBF16, pairs[t].base, outs[t], threads);
+      absl::Status s = ApplyPatch(patches[t], pairs[t].dtype, pairs[t].base, outs[t], threads);
       if (!s.ok()) Fail(absl::StrCat(dataset, ": ApplyPatch failed while timing: ", s.ToString()));
     }
     const auto t3 = Clock::now();
@@ -355,7 +388,7 @@ void TimeUnit(const std::string& dataset, const std::vector<TensorPair>& pairs,
     for (size_t t = 0; t < pairs.size(); ++t) work[t].assign(pairs[t].base.begin(), pairs[t].base.end());
     const auto t6 = Clock::now();
     for (size_t t = 0; t < pairs.size(); ++t) {
-      auto d = ApplyPatchDigestV2(patches[t], DType::kBF16, work[t], work[t], threads);
+      auto d = ApplyPatchDigestV2(patches[t], pairs[t].dtype, work[t], work[t], threads);
       if (!d.ok()) Fail(absl::StrCat(dataset, ": in-place ApplyPatchDigestV2: ", d.status().ToString()));
     }
     const auto t7 = Clock::now();
@@ -406,10 +439,10 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
   for (size_t t = 0; t < pairs.size(); ++t) {
     const TensorPair& tp = pairs[t];
     if (!tp.prev.empty()) {
-      records[t] = ChangeRecord::Compare(DType::kBF16, tp.prev.data(), tp.base.data(),
-                                         tp.base.size() / kElemBytes);
+      records[t] = ChangeRecord::Compare(tp.dtype, tp.prev.data(), tp.base.data(),
+                                         tp.base.size() / tp.elem_bytes());
     }
-    inputs.push_back({DType::kBF16, tp.base, tp.target, tp.prev.empty() ? nullptr : &records[t]});
+    inputs.push_back({tp.dtype, tp.base, tp.target, tp.prev.empty() ? nullptr : &records[t]});
   }
   EncodeOptions eo;
   eo.threads = threads;
@@ -424,7 +457,7 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
     const auto t1 = Clock::now();
     if (!encoded.ok()) Fail(absl::StrCat(dataset, ": format-2 EncodePatches: ", encoded.status().ToString()));
     for (size_t t = 0; t < pairs.size(); ++t) {
-      auto d = ApplyPatchDigestV2((*encoded)[t], DType::kBF16, work[t], work[t], threads, inputs[t].prev);
+      auto d = ApplyPatchDigestV2((*encoded)[t], pairs[t].dtype, work[t], work[t], threads, inputs[t].prev);
       if (!d.ok()) Fail(absl::StrCat(dataset, ": format-2 in-place apply: ", d.status().ToString()));
     }
     const auto t2 = Clock::now();
@@ -460,15 +493,15 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
   for (size_t t = 0; t < pairs.size(); ++t) {
     const TensorPair& tp = pairs[t];
     const std::string where = absl::StrCat(dataset, " tensor '", tp.name, "'");
-    rep.elements += tp.base.size() / kElemBytes;
-    rep.changed += AccumulateDiffs(tp.base, tp.target, kElemBytes, &rep.hist, threads);
+    rep.elements += tp.base.size() / tp.elem_bytes();
+    rep.changed += AccumulateDiffs(tp.base, tp.target, tp.elem_bytes(), &rep.hist, threads);
     unit_bytes += tp.base.size();
 
     PatchStats st;
-    auto patch = EncodePatch(DType::kBF16, tp.base, tp.target, eo, &st);
+    auto patch = EncodePatch(tp.dtype, tp.base, tp.target, eo, &st);
     if (!patch.ok()) Fail(absl::StrCat(where, ": EncodePatch: ", patch.status().ToString()));
     outs[t].assign(tp.base.size(), 0);
-    absl::Status s = ApplyPatch(*patch, DType::kBF16, tp.base, outs[t], threads);
+    absl::Status s = ApplyPatch(*patch, tp.dtype, tp.base, outs[t], threads);
     if (!s.ok()) Fail(absl::StrCat(where, ": ApplyPatch: ", s.ToString()));
     if (outs[t].size() != tp.target.size() ||
         std::memcmp(outs[t].data(), tp.target.data(), tp.target.size()) != 0) {
@@ -483,10 +516,10 @@ UnitReport MeasureUnit(const std::string& dataset, const std::vector<TensorPair>
     tot->blocks_sparse += st.blocks_sparse;
     tot->blocks_dense += st.blocks_dense;
 
-    auto ref = DcrEncode(tp.base, tp.target, kElemBytes);
+    auto ref = DcrEncode(tp.base, tp.target, tp.elem_bytes());
     if (!ref.ok()) Fail(absl::StrCat(where, ": DcrEncode: ", ref.status().ToString()));
     Bytes ref_out(tp.base.size());
-    s = DcrApply(*ref, tp.base, ref_out, kElemBytes);
+    s = DcrApply(*ref, tp.base, ref_out, tp.elem_bytes());
     if (!s.ok() || std::memcmp(ref_out.data(), tp.target.data(), tp.target.size()) != 0) {
       Fail(absl::StrCat(where, ": the DCR reference does not round-trip: ", s.ToString()));
     }
@@ -517,6 +550,9 @@ struct Result {
   std::string preset;
   int steps = 0;
   std::vector<double> step_rate, step_d1, step_d2, step_d3, step_dgt3;
+  // safetensors with --safetensors-dtypes only: the dtypes of the compared pairs, e.g.
+  // "f8e4m3" (printed as "dtypes"; the context bound then covers the BF16 pairs alone).
+  std::string dtypes;
   std::shared_ptr<ContextHistogram> ctx = std::make_shared<ContextHistogram>();
 
   double change_rate() const {
@@ -624,6 +660,9 @@ void PrintJson(const Result& r) {
   num("share_d2", r.share(2));
   num("share_d3", r.share(3));
   num("share_dgt3", r.share(4));
+  if (!r.dtypes.empty()) {
+    s += absl::StrCat(",\"dtypes\":\"", r.dtypes, "\",\"context_bf16_only\":true");
+  }
   if (!r.preset.empty()) s += absl::StrCat(",\"preset\":\"", r.preset, "\"");
   if (r.steps > 0) {
     u64("steps", static_cast<uint64_t>(r.steps));
@@ -775,7 +814,10 @@ Result RunRealistic(const Options& o, int threads) {
   return r;
 }
 
-// Every BF16 tensor present in both files with the same shape forms a pair; one unit.
+// Every BF16 tensor present in both files with the same shape forms a pair; one unit. With
+// --safetensors-dtypes, every tensor of one of those dtypes (the same in both files) does; the
+// codec then runs on each pair's own dtype, and the context bound (BF16 exponents) only counts
+// the BF16 pairs.
 Result RunSafetensors(const Options& o, int threads) {
   Result r;
   r.dataset = "safetensors";
@@ -792,25 +834,51 @@ Result RunSafetensors(const Options& o, int threads) {
     std::exit(2);
   }
   std::vector<TensorPair> pairs;
+  std::vector<std::unique_ptr<Bytes>> copies;  // tensors whose file offset is not element-aligned
+  auto aligned = [&](std::span<const uint8_t> d, int elem) -> std::span<const uint8_t> {
+    if (reinterpret_cast<uintptr_t>(d.data()) % static_cast<uintptr_t>(elem) == 0) return d;
+    copies.push_back(std::make_unique<Bytes>(d.begin(), d.end()));  // the codec wants alignment
+    return *copies.back();
+  };
   size_t skipped = 0;
   for (size_t i = 0; i < a->tensors().size(); ++i) {
     const model::SafetensorsEntry& ea = a->tensors()[i];
     auto j = b->Find(ea.name);
-    if (ea.dtype != DType::kBF16 || !j.ok() || b->tensors()[*j].dtype != DType::kBF16 ||
+    const bool wanted = std::find(o.safetensors_dtypes.begin(), o.safetensors_dtypes.end(),
+                                  ea.dtype) != o.safetensors_dtypes.end();
+    if (!wanted || !j.ok() || b->tensors()[*j].dtype != ea.dtype ||
         b->tensors()[*j].shape != ea.shape) {
       ++skipped;
       continue;
     }
-    pairs.push_back({a->data(i), b->data(*j), ea.name});
+    const int elem = DTypeSize(ea.dtype);
+    TensorPair tp{aligned(a->data(i), elem), aligned(b->data(*j), elem), ea.name};
+    tp.dtype = ea.dtype;
+    pairs.push_back(tp);
   }
-  Progress(o, absl::StrCat("safetensors: ", pairs.size(), " BF16 tensor pairs (", skipped,
-                           " tensors skipped: not BF16, or not in both files with one shape)"));
+  std::string kinds = "BF16";
+  if (o.safetensors_dtypes_given) {
+    kinds.clear();
+    for (DType t : o.safetensors_dtypes) {
+      const bool seen = std::any_of(pairs.begin(), pairs.end(),
+                                    [t](const TensorPair& p) { return p.dtype == t; });
+      if (seen) r.dtypes += absl::StrCat(r.dtypes.empty() ? "" : ",", DTypeName(t));
+      kinds += absl::StrCat(kinds.empty() ? "" : "/", DTypeName(t));
+    }
+  }
+  Progress(o, absl::StrCat("safetensors: ", pairs.size(), " ", kinds, " tensor pairs (", skipped,
+                           " tensors skipped: not ", kinds,
+                           o.safetensors_dtypes_given
+                               ? ", or not in both files with one dtype and shape)"
+                               : ", or not in both files with one shape)"));
   if (pairs.empty()) {
-    std::fprintf(stderr, "codec_bench: %s and %s share no BF16 tensor\n", o.safetensors_a.c_str(),
-                 o.safetensors_b.c_str());
+    std::fprintf(stderr, "codec_bench: %s and %s share no %s tensor\n", o.safetensors_a.c_str(),
+                 o.safetensors_b.c_str(), kinds.c_str());
     std::exit(2);
   }
-  for (const TensorPair& tp : pairs) r.ctx->AddBF16(tp.base, tp.target, {}, threads);
+  for (const TensorPair& tp : pairs) {
+    if (tp.dtype == DType::kBF16) r.ctx->AddBF16(tp.base, tp.target, {}, threads);
+  }
   MeasureUnit(r.dataset, pairs, threads, o.reps, &r.tot);
   return r;
 }
