@@ -7,16 +7,16 @@
 // exits 1.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -40,7 +40,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Bytes = std::vector<uint8_t>;
 
-constexpr int kElemBytes = 2;  // BF16 (the generated datasets; --safetensors pairs carry their dtype)
+// BF16 (the generated datasets; --safetensors pairs carry their dtype).
+constexpr int kElemBytes = 2;
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -65,15 +66,16 @@ const char* const kUniformNames[] = {"uniform_p0.6", "uniform_p1", "uniform_p3",
 const double kUniformRates[] = {0.006, 0.01, 0.03, 0.05};
 
 void Usage(FILE* f) {
-  std::fprintf(f,
-               "usage: codec_bench [--json] [--dataset NAME] [--threads N] [--reps N]\n"
-               "                   [--elements N] [--preset NAME] [--steps N] [--seed N]\n"
-               "                   [--safetensors A.safetensors B.safetensors]\n"
-               "                   [--safetensors-dtypes LIST (default bf16; of bf16, f16, f32,\n"
-               "                    f8e4m3, f8e5m2)]\n"
-               "datasets: realistic, uniform_p0.6, uniform_p1, uniform_p3, uniform_p5, safetensors\n"
-               "          (default: all but safetensors; safetensors runs when --safetensors is "
-               "given)\n");
+  std::fprintf(
+      f,
+      "usage: codec_bench [--json] [--dataset NAME] [--threads N] [--reps N]\n"
+      "                   [--elements N] [--preset NAME] [--steps N] [--seed N]\n"
+      "                   [--safetensors A.safetensors B.safetensors]\n"
+      "                   [--safetensors-dtypes LIST (default bf16; of bf16, f16, f32,\n"
+      "                    f8e4m3, f8e5m2)]\n"
+      "datasets: realistic, uniform_p0.6, uniform_p1, uniform_p3, uniform_p5, safetensors\n"
+      "          (default: all but safetensors; safetensors runs when --safetensors is "
+      "given)\n");
 }
 
 bool ParseU64(const char* s, uint64_t* v) {
@@ -457,7 +459,8 @@ void MeasureContext(const std::string& dataset, const std::vector<TensorPair>& p
     const auto t1 = Clock::now();
     if (!encoded.ok()) Fail(absl::StrCat(dataset, ": format-2 EncodePatches: ", encoded.status().ToString()));
     for (size_t t = 0; t < pairs.size(); ++t) {
-      auto d = ApplyPatchDigestV2((*encoded)[t], pairs[t].dtype, work[t], work[t], threads, inputs[t].prev);
+      auto d = ApplyPatchDigestV2((*encoded)[t], pairs[t].dtype, work[t], work[t], threads,
+                                  inputs[t].prev);
       if (!d.ok()) Fail(absl::StrCat(dataset, ": format-2 in-place apply: ", d.status().ToString()));
     }
     const auto t2 = Clock::now();
