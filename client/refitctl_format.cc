@@ -121,6 +121,21 @@ std::string SessionErrors(const std::vector<const v1::SessionStatus*>& sessions)
   return out;
 }
 
+// "4 clients (rank0, rank1, rank2, rank3), 18 sliced tensors; version 7: waits for rank3
+// (3 of 4 published)": the TrainerApi's clients and the round they are assembling.
+std::string FormatTrainers(const v1::TrainerApiStatus& t) {
+  std::vector<std::string> names;
+  for (const v1::TrainerApiStatus::Client& c : t.clients()) names.push_back(c.name());
+  std::string out =
+      absl::StrCat(t.clients_size(), t.clients_size() == 1 ? " client (" : " clients (",
+                   absl::StrJoin(names, ", "), ")");
+  if (t.sliced_tensors() > 0) absl::StrAppend(&out, ", ", t.sliced_tensors(), " sliced tensors");
+  if (t.round_version() == 0) return absl::StrCat(out, "; no version being assembled");
+  return absl::StrCat(out, "; version ", t.round_version(), ": waits for ",
+                      absl::StrJoin(t.waiting_for(), ", "), " (", t.published_size(), " of ",
+                      t.published_size() + t.waiting_for_size(), " published)");
+}
+
 // "persisted (version 7) at /var/lib/refitd/baseline.safetensors", with the errors in full.
 std::string FormatBaseline(const v1::BaselineStatus& b) {
   std::string state;
@@ -282,6 +297,10 @@ std::string FormatStatusLines(const v1::StatusResponse& st) {
     line("publish q",
          absl::StrCat(q.pending(), " pending of at most ", q.max_pending(), ", ", q.refused_full(),
                       " refused (full), ", q.dropped_expired(), " dropped (caller gone)"));
+  }
+
+  if (st.role() == v1::ROLE_PUBLISHER && st.trainer_api().clients_size() > 0) {
+    line("trainers", FormatTrainers(st.trainer_api()));
   }
 
   if (st.role() == v1::ROLE_SUBSCRIBER && st.has_relay()) line("relay", FormatRelay(st.relay()));

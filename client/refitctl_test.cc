@@ -482,6 +482,24 @@ TEST(RefitctlFormat, MetricsLineShowsTheEndpointOrThatThereIsNone) {
   EXPECT_THAT(FormatStatusTable(st), HasSubstr("metrics:    http://[::1]:39001/metrics\n"));
 }
 
+TEST(RefitctlFormat, TrainersLineNamesTheClientsARoundWaitsFor) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_PUBLISHER);
+  EXPECT_THAT(FormatStatusTable(st), Not(HasSubstr("trainers:")));  // no TrainerApi client
+  v1::TrainerApiStatus* t = st.mutable_trainer_api();
+  for (const char* name : {"rank0", "rank1", "rank2"}) t->add_clients()->set_name(name);
+  t->set_sliced_tensors(18);
+  EXPECT_THAT(FormatStatusTable(st),
+              HasSubstr("trainers:   3 clients (rank0, rank1, rank2), 18 sliced tensors; no "
+                        "version being assembled\n"));
+  t->set_round_version(7);
+  t->add_published("rank0");
+  t->add_published("rank2");
+  t->add_waiting_for("rank1");
+  EXPECT_THAT(FormatStatusTable(st),
+              HasSubstr("; version 7: waits for rank1 (2 of 3 published)\n"));
+}
+
 TEST(RefitctlFormat, RelayLine) {
   v1::StatusResponse st;
   st.set_role(v1::ROLE_SUBSCRIBER);

@@ -143,6 +143,15 @@ TEST_F(E2ESlices, ShardedRanksPublishBlocksAndTheSubscriberHoldsWholeTensors) {
       absl::StatusOr<v1::LocalPublishResponse> p = ranks[r]->Publish(v);
       ASSERT_THAT(p, IsOk()) << "rank " << r;
       EXPECT_EQ(p->committed(), r + 1 == ranks.size()) << "rank " << r;
+      if (r == 0 && ranks.size() > 1) {
+        // The publisher's Status names the ranks the version still waits for.
+        absl::StatusOr<v1::StatusResponse> st = RpcStatus(pub.control_target());
+        ASSERT_THAT(st, IsOk());
+        EXPECT_EQ(st->trainer_api().round_version(), v);
+        EXPECT_EQ(st->trainer_api().waiting_for_size(), static_cast<int>(ranks.size()) - 1);
+        EXPECT_EQ(st->trainer_api().published_size(), 1);
+        EXPECT_GT(st->trainer_api().sliced_tensors(), 0u);
+      }
     }
     E2E_ASSERT_OK(WaitVersion(sub, v));
     E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(*traj)));

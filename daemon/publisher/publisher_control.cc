@@ -82,6 +82,7 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   r.set_name(options_.name);
   r.set_build_version(kRefitVersion);
   r.set_metrics_address(options_.metrics_address);
+  if (options_.trainer_status) *r.mutable_trainer_api() = options_.trainer_status();
   const Snapshot baseline = ConsistentBaseline(*core_);
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest_v2);

@@ -41,6 +41,8 @@ struct ControlOptions {
   absl::Time started = absl::Now();
   // Status.tls: the listeners' TLS material (TlsReloader::Status); empty = none.
   std::function<std::vector<v1::TlsMaterialStatus>()> tls_status;
+  // Status.trainer_api (the TrainerApi's clients and round); empty: not reported.
+  std::function<v1::TrainerApiStatus()> trainer_status;
   // publisher.files: Publish reads only beneath publish_dirs (none: file publish refused);
   // Export writes only beneath export_dir ("": refused), files get exactly export_mode, and
   // never into persist_dir (publisher.baseline.persist_dir).

@@ -215,9 +215,7 @@ absl::Status StartListenAndControl(const v1::PublisherConfig& config, PublisherD
 }
 
 // The TrainerApi on local_socket, behind its peer check.
-absl::Status StartTrainerApi(const v1::PublisherConfig& config, TrainerApiOptions api,
-                             PublisherDaemonImpl& d) {
-  d.trainer_api_ = std::make_unique<TrainerApiService>(d.queue_.get(), std::move(api));
+absl::Status StartTrainerApi(const v1::PublisherConfig& config, PublisherDaemonImpl& d) {
   d.authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
       d.trainer_api_.get(),
       auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
@@ -285,35 +283,6 @@ DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherConfig& config, const std
   return dp;
 }
 
-// The publish queue (with its test hook) and the Control service around the core.
-void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& name,
-                         const PublisherOptions& options, absl::Time started,
-                         PublisherDaemonImpl& d) {
-  PublishQueueOptions queue_options;
-  queue_options.max_pending = config.publish_queue().max_pending();
-  queue_options.metrics = d.metrics_.refit();
-  if (const TestHooks hooks = TestHooks::FromEnvironment(); hooks.enabled()) {
-    queue_options.stall_file = hooks.File(TestHook::kStallPublish);
-    d.log_->warn("test hook: publishes stall while \"{}\" exists", queue_options.stall_file);
-  }
-  d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
-  d.control_service_ = std::make_unique<PublisherControl>(
-      d.core_.get(), d.data_plane_.get(), d.queue_.get(),
-      ControlOptions{.name = name,
-                     .history_budget_bytes = options.history_budget_bytes,
-                     .digest_threads = options.digest_threads,
-                     .started = started,
-                     .tls_status = [tls = d.tls_.get()] { return tls->Status(); },
-                     .publish_dirs = {config.files().publish_dirs().begin(),
-                                      config.files().publish_dirs().end()},
-                     .export_dir = config.files().export_dir(),
-                     .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
-                     .persist_dir = options.persist_dir,
-                     .shard = ShardIdentityOf(config.shard()),
-                     .metrics_address = d.metrics_.address()});
-  d.metrics_.Serve([control = d.control_service_.get()] { return control->GetStatus(); });
-}
-
 // The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache
 // whatever the codec device, and snapshot to the host for the CPU codec, else where the GPU
 // baseline lives.
@@ -326,6 +295,45 @@ TrainerApiOptions TrainerApiOptionsOf(const PublisherOptions& options, Publisher
                           ? CudaSnapshot::kPinned
                           : CudaSnapshot::kDevice;
   return api;
+}
+
+// The publish queue (with its test hook) and the Control service around the core.
+void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& name,
+                         const PublisherOptions& options, absl::Time started,
+                         PublisherDaemonImpl& d) {
+  PublishQueueOptions queue_options;
+  queue_options.max_pending = config.publish_queue().max_pending();
+  queue_options.metrics = d.metrics_.refit();
+  if (const TestHooks hooks = TestHooks::FromEnvironment(); hooks.enabled()) {
+    queue_options.stall_file = hooks.File(TestHook::kStallPublish);
+    d.log_->warn("test hook: publishes stall while \"{}\" exists", queue_options.stall_file);
+  }
+  d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
+  // The TrainerApi service (served by StartTrainerApi) exists before Control, which reports it.
+  if (!config.local_socket().empty()) {
+    d.trainer_api_ =
+        std::make_unique<TrainerApiService>(d.queue_.get(), TrainerApiOptionsOf(options, d));
+  }
+  std::function<v1::TrainerApiStatus()> trainer_status;
+  if (d.trainer_api_ != nullptr) {
+    trainer_status = [api = d.trainer_api_.get()] { return api->TrainerStatus(); };
+  }
+  d.control_service_ = std::make_unique<PublisherControl>(
+      d.core_.get(), d.data_plane_.get(), d.queue_.get(),
+      ControlOptions{.name = name,
+                     .history_budget_bytes = options.history_budget_bytes,
+                     .digest_threads = options.digest_threads,
+                     .started = started,
+                     .tls_status = [tls = d.tls_.get()] { return tls->Status(); },
+                     .trainer_status = std::move(trainer_status),
+                     .publish_dirs = {config.files().publish_dirs().begin(),
+                                      config.files().publish_dirs().end()},
+                     .export_dir = config.files().export_dir(),
+                     .export_mode = config::FileModeOr(config.files().export_mode(), 0600),
+                     .persist_dir = options.persist_dir,
+                     .shard = ShardIdentityOf(config.shard()),
+                     .metrics_address = d.metrics_.address()});
+  d.metrics_.Serve([control = d.control_service_.get()] { return control->GetStatus(); });
 }
 
 // The "serving" log line and the ready file, once every server is bound.
@@ -405,7 +413,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   MakeQueueAndControl(config, name, options, started, *daemon);
   REFIT_RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
   if (!config.local_socket().empty()) {
-    REFIT_RETURN_IF_ERROR(StartTrainerApi(config, TrainerApiOptionsOf(options, *daemon), *daemon));
+    REFIT_RETURN_IF_ERROR(StartTrainerApi(config, *daemon));
   }
   REFIT_RETURN_IF_ERROR(AnnounceServing(config, name, options, *daemon));
   return std::unique_ptr<PublisherDaemon>(std::move(daemon));

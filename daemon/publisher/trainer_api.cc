@@ -209,6 +209,35 @@ void TrainerApiService::ForgetLocked(const std::string& client, const MappedTens
   if (sliced->second.blocks.empty()) sliced_.erase(sliced);
 }
 
+v1::TrainerApiStatus TrainerApiService::TrainerStatus() const {
+  v1::TrainerApiStatus st;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, client] : clients_) {
+    v1::TrainerApiStatus::Client* c = st.add_clients();
+    c->set_name(name);
+    for (const auto& t : client.tensors) {
+      if (t->block().has_value()) {
+        c->set_blocks(c->blocks() + 1);
+      } else {
+        c->set_tensors(c->tensors() + 1);
+      }
+      c->set_bytes(c->bytes() + t->size());
+    }
+  }
+  st.set_sliced_tensors(static_cast<uint32_t>(sliced_.size()));
+  if (round_.has_value()) {
+    st.set_round_version(round_->version);
+    for (const auto& [name, client] : clients_) {
+      if (round_->snapshots.contains(name)) {
+        st.add_published(name);
+      } else {
+        st.add_waiting_for(name);
+      }
+    }
+  }
+  return st;
+}
+
 void TrainerApiService::AwaitNotPublishingLocked(const std::string& client) {
   auto idle = [this, &client]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = publishing_.find(client);

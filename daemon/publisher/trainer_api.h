@@ -90,6 +90,7 @@
 #include "daemon/publisher/join_buffers.h"
 #include "daemon/publisher/mapped_tensor.h"
 #include "daemon/publisher/publisher_control.h"
+#include "refit/v1/control.pb.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -133,6 +134,8 @@ class TrainerApiService final : public v1::TrainerApi::Service {
       const v1::RegisterTensorsRequest& request,
       const std::optional<PeerCred>& peer = std::nullopt);
   absl::Status DoUnregister(const std::string& client);
+  // Control Status: the clients, the sliced tensors and the round being assembled.
+  v1::TrainerApiStatus TrainerStatus() const;
   // `deadline` / `cancelled` (may be null): the call's (gRPC: its deadline, InfiniteFuture when
   // the client set none, and its cancellation). Only a call with an infinite deadline lends its
   // memory (see the top comment); `cancelled` then abandons its job if it has not started.

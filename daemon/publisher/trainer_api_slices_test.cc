@@ -103,6 +103,32 @@ TEST_F(TrainerApiSlicesTest, UnevenRowBlocksJoinIntoTheWholeTensor) {
   EXPECT_EQ(PublishedBytes("w"), Bytes(w));
 }
 
+TEST_F(TrainerApiSlicesTest, StatusNamesTheClientsAVersionWaitsFor) {
+  const std::vector<uint16_t> w = Whole(8, 4);
+  Block b0(w, 8, 4, 0, 0, 4, 4), b1(w, 8, 4, 4, 0, 4, 4);
+  Memfd norm(64, 5);
+  ASSERT_THAT(Register("rank0", {b0.location, refit::testing::Location("norm", v1::DTYPE_BF16, {8},
+                                                                       norm.path(), 0, 16)}),
+              IsOk());
+  ASSERT_THAT(Register("rank1", {b1.location}), IsOk());
+  v1::TrainerApiStatus st = api_->TrainerStatus();
+  ASSERT_EQ(st.clients_size(), 2);
+  EXPECT_EQ(st.clients(0).name(), "rank0");
+  EXPECT_EQ(st.clients(0).tensors(), 1u);
+  EXPECT_EQ(st.clients(0).blocks(), 1u);
+  EXPECT_EQ(st.clients(0).bytes(), 32u + 16u);
+  EXPECT_EQ(st.clients(1).blocks(), 1u);
+  EXPECT_EQ(st.sliced_tensors(), 1u);
+  EXPECT_EQ(st.round_version(), 0u);
+  ASSERT_THAT(Publish("rank1", 1), IsOk());
+  st = api_->TrainerStatus();
+  EXPECT_EQ(st.round_version(), 1u);
+  EXPECT_THAT(st.published(), ::testing::ElementsAre("rank1"));
+  EXPECT_THAT(st.waiting_for(), ::testing::ElementsAre("rank0"));
+  ASSERT_THAT(Publish("rank0", 1), IsOk());
+  EXPECT_EQ(api_->TrainerStatus().round_version(), 0u);
+}
+
 TEST_F(TrainerApiSlicesTest, ColumnAndTwoDimensionalBlocksJoin) {
   // Row parallel (dim 1) blocks of "o", and a 2 x 2 grid of blocks of "g".
   const std::vector<uint16_t> o = Whole(6, 10), g = Whole(7, 5, 9);
