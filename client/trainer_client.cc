@@ -85,6 +85,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
     c->specs_.push_back(spec);
     c->offsets_.push_back(offset);
     c->sizes_.push_back(bytes);
+    c->slices_.emplace_back();  // whole until SetSlice
     offset += bytes;
   }
   c->total_bytes_ = offset;
@@ -145,14 +146,13 @@ v1::RegisterTensorsRequest TrainerClient::RegisterRequest() const {
     shm->set_path(path);
     shm->set_offset(offsets_[i]);
     shm->set_size_bytes(sizes_[i]);
-    if (i < slices_.size() && slices_[i].has_value()) *loc->mutable_slice() = *slices_[i];
+    if (slices_[i].has_value()) *loc->mutable_slice() = *slices_[i];
   }
   return req;
 }
 
 void TrainerClient::SetSlice(size_t i, std::vector<uint64_t> global_shape,
                              std::vector<uint64_t> offsets) {
-  if (slices_.size() < specs_.size()) slices_.resize(specs_.size());
   v1::TensorSlice slice;
   for (uint64_t d : global_shape) slice.add_global_shape(d);
   for (uint64_t d : offsets) slice.add_offsets(d);

@@ -96,7 +96,7 @@ class TrainerClient {
   std::string name_;
   TrainerClientOptions options_;
   std::vector<v1::TensorSpec> specs_;
-  std::vector<std::optional<v1::TensorSlice>> slices_;  // SetSlice; empty: all whole
+  std::vector<std::optional<v1::TensorSlice>> slices_;  // by tensor; SetSlice's, else whole
   std::vector<uint64_t> offsets_;
   std::vector<uint64_t> sizes_;
   int fd_ = -1;

@@ -30,15 +30,13 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import procfs  # noqa: E402  (bench/procfs.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return procfs.cpu_ms(pid) / 1000.0
 
 
 def pair(build: str, preset: str) -> tuple[str, str]:
@@ -156,7 +154,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 except subprocess.TimeoutExpired:
                     p.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
-    # /proc's CPU times tick at 1/CLK_TCK (10 ms): the summary divides the deltas' total CPU by
+    # /proc's CPU times tick at 1/CLK_TCK (procfs: 10 ms): the summary divides the deltas' total CPU by
     # their total changed elements, not a median of per-version ratios.
     deltas = [r for r in rows if not r["keyframe"]]
     changed = sum(r["changed_elements"] for r in deltas)

@@ -38,6 +38,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import procfs  # noqa: E402  (bench/procfs.py)
+
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,17 +55,9 @@ def setup_paths(build: str) -> None:
 
 def memory_of(pid: int) -> dict:
     """PSS, private (USS) and RSS of a process, MiB."""
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 2 and parts[0].rstrip(":") in ("Pss", "Rss", "Private_Clean",
-                                                             "Private_Dirty"):
-                out[parts[0].rstrip(":")] = int(parts[1]) / 1024.0
-    with open(f"/proc/{pid}/status") as f:  # the peak resident memory since the process began
-        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0
+    out = procfs.rollup_mib(pid)
     return {"pss": out["Pss"], "uss": out["Private_Clean"] + out["Private_Dirty"],
-            "rss": out["Rss"], "hwm": hwm}
+            "rss": out["Rss"], "hwm": procfs.status_mib(pid)["hwm"]}
 
 
 class Net(torch.nn.Module):

@@ -60,6 +60,9 @@ import tempfile
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import procfs  # noqa: E402  (bench/procfs.py)
+
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,12 +87,12 @@ def model_shapes(tensors: int, rows: int, cols: int):
     return shapes
 
 
-def chunk_bounds(size: int, parts: int, index: int):
-    """torch.chunk's piece `index` of `size` split in `parts` (DTensor Shard(0)): (start, stop);
-    the last pieces may be shorter or empty."""
-    step = -(-size // parts)
-    start = min(index * step, size)
-    return start, min(size, start + step)
+def rows_of(size: int, parts: int, index: int):
+    """Rank `index`'s rows [start, stop) of `size` split over `parts` ranks: torch.chunk's split,
+    as DTensor Shard(0) (refit.slices.chunk_bounds); the last pieces may be shorter or empty."""
+    from refit.slices import chunk_bounds
+    start, length = chunk_bounds(size, parts, index)
+    return start, start + length
 
 
 def _seed(*parts) -> int:
@@ -124,7 +127,7 @@ def whole_model(shapes, k: int, seed: int, versions: int, rate: float):
     for name, shape in shapes.items():
         whole = torch.empty(shape, dtype=torch.bfloat16)
         for r in range(k):
-            a, b = chunk_bounds(shape[0], k, r)
+            a, b = rows_of(shape[0], k, r)
             whole[a:b] = block_init(seed, name, a, b, shape)
             for v in range(2, versions + 1):
                 block_update(whole[a:b], seed, v, name, a, rate)
@@ -132,35 +135,11 @@ def whole_model(shapes, k: int, seed: int, versions: int, rate: float):
     return out
 
 
-def proc_memory(pid: int) -> dict:
-    """VmRSS and VmHWM (peak resident) of a process, MiB."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024.0
-    return {"rss": out["VmRSS"], "hwm": out["VmHWM"]}
-
-
-def proc_counters(pid: int) -> dict:
-    """Minor page faults, CPU time (user + system) and its system part (ms) of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return {"minflt": int(fields[7]), "cpu_ms": (int(fields[11]) + int(fields[12])) * 1e3 / tick,
-            "sys_ms": int(fields[12]) * 1e3 / tick}
-
-
 def pss_of(pid: int) -> dict:
     """Pss, Pss_Anon (heap: snapshots, joins, the baseline) and Pss_Shmem (the mapped memfds,
     split with the trainers) of a process, MiB."""
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File"):
-                out[key.lower()] = int(line.split()[1]) / 1024.0
-    return out
+    r = procfs.rollup_mib(pid)
+    return {k.lower(): r[k] for k in ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File") if k in r}
 
 
 # ---- trainer ranks -------------------------------------------------------------------------
@@ -185,7 +164,7 @@ def _rank(rank, world, mode, port, pub_sock, shapes, seed, rate, cmd, out):
         from refit.slices import Slice
         from refit.trainer import Trainer
         # This rank's rows of every tensor: its shard, what the optimizer updates.
-        bounds = {n: chunk_bounds(s[0], world, rank) for n, s in shapes.items()}
+        bounds = {n: rows_of(s[0], world, rank) for n, s in shapes.items()}
         local = {n: block_init(seed, n, a, b, shapes[n]) for n, (a, b) in bounds.items()}
         dist.barrier()
         out.put(("ready", rank, os.getpid()))
@@ -378,12 +357,12 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
         ranks = Ranks(ctx, k, mode, pub.ready["local_socket"], shapes, args.seed, args.rate)
         stack.callback(ranks.close)
         pids = {r: i[2] for r, i in ranks.get_all("ready", k).items()}
-        before = {r: proc_memory(pid) for r, pid in pids.items()}
-        pub_before = proc_memory(pub.proc.pid)
+        before = {r: procfs.status_mib(pid) for r, pid in pids.items()}
+        pub_before = procfs.status_mib(pub.proc.pid)
         ranks.send("setup")
         ranks.get_all("registered", k)
         for v in range(1, versions + 1):
-            pub_c0 = proc_counters(pub.proc.pid)
+            pub_c0 = procfs.counters(pub.proc.pid)
             ranks.send("step", v)
             while True:
                 try:
@@ -393,7 +372,7 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
                     ranks.drain()
                     ranks.check()
             t_sub = time.monotonic()
-            pub_c1 = proc_counters(pub.proc.pid)
+            pub_c1 = procfs.counters(pub.proc.pid)
             steps = {r: i[3] for r, i in ranks.get_all("step", k).items()}
             st = sub_control.status()
             refit = st.last_refit
@@ -406,7 +385,7 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
                 print(f"FAIL {mode} K={k} version {v}: committed by ranks {committing}")
                 sys.exit(1)
             t0 = min(s["t0"] for s in steps.values())
-            mem = {r: proc_memory(pid) for r, pid in pids.items()}
+            mem = {r: procfs.status_mib(pid) for r, pid in pids.items()}
             log = log_events(sub.log_path, "applied").get(v, {})
             row = {
                 "row": "version", "mode": mode, "ranks": k, "version": v,
@@ -445,7 +424,7 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
             }
             rows.append(row)
         pub_pss = pss_of(pub.proc.pid)
-        pub_mem = proc_memory(pub.proc.pid)
+        pub_mem = procfs.status_mib(pub.proc.pid)
         sub_pss = pss_of(sub.proc.pid)
         # The subscriber must hold exactly the whole tensors.
         consumer = Consumer(sub.ready["local_socket"], name="bench-sharded")
@@ -464,7 +443,7 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
             print(f"FAIL {mode} K={k}: the subscriber's version {versions} differs from the whole "
                   f"tensors: {', '.join(bad)}", flush=True)
             sys.exit(1)
-        end = {r: proc_memory(pid) for r, pid in pids.items()}
+        end = {r: procfs.status_mib(pid) for r, pid in pids.items()}
         # The publisher's own figures per version (its "publish" log line; read at the end:
         # its log is not flushed line by line).
         plog = log_events(pub.log_path, "publish")

@@ -33,6 +33,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+import procfs  # noqa: E402  (bench/procfs.py)
+
 EXIT_SKIP = 77
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -675,20 +678,15 @@ def record(link: dict, kind: str, version: int, raw: dict, pub: Daemon, subs: li
     return rec
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_ms(proc) -> float:
     """User + system CPU of a running process (all its threads, live or ended), in ms; `ip netns
     exec` execs its command, so the Popen's pid is the daemon's."""
     if proc is None or proc.poll() is not None:
         return 0.0
     try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return procfs.cpu_ms(proc.pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) * 1000.0 / CLK_TCK  # utime, stime
 
 
 def cpu_snapshot(link, pub, subs) -> dict:

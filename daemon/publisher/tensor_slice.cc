@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/publisher/shm_object.h"
 
 namespace refit::publisher {
 namespace {
@@ -137,7 +138,8 @@ absl::Status CheckTiling(const std::string& tensor,
   std::vector<std::string> held;
   constexpr size_t kListed = 8;
   for (size_t i = 0; i < blocks.size() && i < kListed; ++i) {
-    held.push_back(absl::StrCat("client \"", blocks[i].first, "\" ", blocks[i].second->Describe()));
+    held.push_back(
+        absl::StrCat("client ", Quoted(blocks[i].first), " ", blocks[i].second->Describe()));
   }
   if (blocks.size() > kListed)
     held.push_back(absl::StrCat("and ", blocks.size() - kListed, " more"));

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <set>
 #include <utility>
 
@@ -158,6 +157,15 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Bytes of the whole tensor a block of `dtype` belongs to.
+size_t WholeBytes(const TensorBlock& block, DType dtype) {
+  return static_cast<size_t>(block.global_elements()) * static_cast<size_t>(DTypeSize(dtype));
+}
+
+}  // namespace
+
 absl::Status TrainerApiService::CheckAgainstOthersLocked(const std::string& client,
                                                          const MappedTensor& t) const {
   const std::string& tensor = t.spec().name();
@@ -258,8 +266,7 @@ std::vector<std::shared_ptr<uint8_t>> TrainerApiService::JoinBuffersLocked(
     }
     std::shared_ptr<uint8_t>& buffer = join_->buffers[tensors[i]->spec().name()];
     if (buffer == nullptr) {
-      buffer = join_pool_->Take(static_cast<size_t>(block->global_elements()) *
-                                static_cast<size_t>(DTypeSize(tensors[i]->dtype())));
+      buffer = join_pool_->Take(WholeBytes(*block, tensors[i]->dtype()));
     }
     joins[i] = buffer;
   }
@@ -273,10 +280,8 @@ void TrainerApiService::EndPublishingLocked(const std::string& client) {
 
 void TrainerApiService::SizeJoinPoolLocked() {
   size_t bytes = 0;
-  for (const auto& [name, sliced] : sliced_) {
-    if (sliced.blocks.empty()) continue;
-    bytes += static_cast<size_t>(sliced.blocks.begin()->second.global_elements()) *
-             static_cast<size_t>(DTypeSize(sliced.dtype));
+  for (const auto& [name, sliced] : sliced_) {  // never empty: ForgetLocked erases those
+    bytes += WholeBytes(sliced.blocks.begin()->second, sliced.dtype);
   }
   join_pool_->set_max_free_bytes(bytes);
 }
@@ -324,9 +329,8 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& rou
     whole.name = name;
     whole.dtype = pieces.front().dtype;
     whole.shape = first.global_shape;
-    const size_t bytes =
-        static_cast<size_t>(first.global_elements()) * static_cast<size_t>(DTypeSize(whole.dtype));
-    whole.borrowed = std::span<const uint8_t>(pieces.front().buffer->get(), bytes);
+    whole.borrowed =
+        std::span<const uint8_t>(pieces.front().buffer->get(), WholeBytes(first, whole.dtype));
     whole.keep = *pieces.front().buffer;
     tensors.push_back(std::move(whole));
   }
@@ -410,25 +414,23 @@ void CopyLent(std::vector<OwnedTensor>& tensors) {
 }  // namespace
 
 absl::Status TrainerApiService::CopyBlock(const MappedTensor& t, const std::string& what,
-                                          uint8_t* whole) const {
+                                          uint8_t* whole_data) const {
   const TensorBlock& block = *t.block();
   const size_t element_bytes = static_cast<size_t>(DTypeSize(t.dtype()));
+  const std::span<uint8_t> whole(whole_data, WholeBytes(block, t.dtype()));
   if (t.gpu() != nullptr) {  // to the host first (cuda_snapshot kHost: RegisterTensors checked)
     OwnedTensor host;
     REFIT_RETURN_IF_ERROR(SnapshotCuda(t, what, &host));
-    ScatterBlock(block, element_bytes, host.bytes, {whole, host.bytes.size()});
+    ScatterBlock(block, element_bytes, host.bytes, whole);
     return absl::OkStatus();
   }
   if (t.mapped()) {
-    const std::span<const uint8_t> src = t.bytes();
-    ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
-      std::memcpy(whole + to, src.data() + from, bytes);
-    });
+    ScatterBlock(block, element_bytes, t.bytes(), whole);
     return absl::OkStatus();
   }
   absl::Status status;  // pread, run by run: a shrunk object is an error, not SIGBUS
   ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
-    if (status.ok()) status = t.CopyTo(whole + to, from, bytes);
+    if (status.ok()) status = t.CopyTo(whole.data() + to, from, bytes);
   });
   return status;
 }

@@ -47,7 +47,7 @@ class Slice:
 
     def __init__(self, local: torch.Tensor, global_shape: Sequence[int],
                  offsets: Sequence[int]):
-        if not isinstance(local, torch.Tensor) or _is_dtensor(local):
+        if not isinstance(local, torch.Tensor) or is_dtensor(local):
             raise TypeError(f"Slice: local must be a plain torch.Tensor, not "
                             f"{type(local).__name__} (give a DTensor to Trainer.register "
                             "directly, or its to_local())")
@@ -121,17 +121,13 @@ def _dtensor_type():
     return DTensor
 
 
-def _is_dtensor(x) -> bool:
+def is_dtensor(x) -> bool:
+    """Whether `x` is a torch.distributed.tensor.DTensor (False where torch has none)."""
     t = _dtensor_type()
     return t is not None and isinstance(x, t)
 
 
-def is_dtensor(x) -> bool:
-    """Whether `x` is a torch.distributed.tensor.DTensor (False where torch has none)."""
-    return _is_dtensor(x)
-
-
-def _chunk_bounds(size: int, parts: int, index: int) -> Tuple[int, int]:
+def chunk_bounds(size: int, parts: int, index: int) -> Tuple[int, int]:
     """torch.chunk's split of `size` into `parts` (DTensor Shard): (start, length) of piece
     `index`; the last pieces may be shorter or empty."""
     step = -(-size // parts) if parts else 0
@@ -155,7 +151,7 @@ def _shard_geometry(global_shape, mesh, placements) -> Tuple[Tuple[int, ...], Tu
     for mesh_dim, p in enumerate(placements):
         if not p.is_shard():
             continue
-        start, length = _chunk_bounds(shape[p.dim], mesh.size(mesh_dim), coord[mesh_dim])
+        start, length = chunk_bounds(shape[p.dim], mesh.size(mesh_dim), coord[mesh_dim])
         offs[p.dim] += start
         shape[p.dim] = length
     return tuple(shape), tuple(offs)
@@ -201,5 +197,5 @@ def primary_replica(dt, replicated: Sequence[int]) -> bool:
     return all(coord[i] == 0 for i in replicated)
 
 
-__all__ = ["Slice", "is_dtensor", "slice_of_dtensor"]
+__all__ = ["Slice", "chunk_bounds", "is_dtensor", "slice_of_dtensor"]
 

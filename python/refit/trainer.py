@@ -38,7 +38,7 @@ import dataclasses
 import fcntl
 import mmap
 import os
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import grpc
 import torch
@@ -131,22 +131,22 @@ class Trainer:
         for name, value in tensors.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"Trainer.register: tensor name {name!r} is not a non-empty string")
-            blk = _as_block("Trainer.register", name, value)
-            if blk is not None and blk[1] is None:
+            block, mine = _as_block("Trainer.register", name, value)
+            if not mine:
                 replicas.append(name)  # another rank's replica registers this block
                 continue
-            t = value if blk is None else blk[0].local
+            t = value if block is None else block.local
             key = storage_key(t)
-            if key is not None and blk is not None:
+            if key is not None and block is not None:
                 # Tied blocks: the same memory at the same place of the same whole tensor.
-                key = key + (blk[0].global_shape, blk[0].offsets)
+                key = key + (block.global_shape, block.offsets)
             if key is not None:
                 if key in canonical_of:
                     aliases[name] = canonical_of[key]
                     continue
                 canonical_of[key] = name
-            if blk is not None:
-                blocks[name] = blk[0]
+            if block is not None:
+                blocks[name] = block
             dtype = refit_dtype(name, t.dtype)
             size = t.numel() * t.element_size()
             if t.device.type == "cuda" and size > 0:
@@ -380,11 +380,10 @@ class Trainer:
         for n, v in values.items():
             if n in self._replicas:
                 continue
-            blk = _as_block("Trainer.update", n, v)
-            if blk is None:
+            given, _ = _as_block("Trainer.update", n, v)
+            if given is None:
                 out[n] = v
                 continue
-            given = blk[0]
             have = self._slices.get(self._aliases.get(n, n))
             if have is None:
                 raise ValueError(f"Trainer.update: tensor '{n}' was registered whole, but the "
@@ -412,18 +411,19 @@ class Trainer:
         self._cuda_devices = []
 
 
-def _as_block(what: str, name: str, value):
-    """None for a plain tensor; (Slice, True) for a Slice or a DTensor this rank registers;
-    (Slice, None) for a DTensor block another replica registers. TypeError for anything else."""
+def _as_block(what: str, name: str, value) -> Tuple[Optional[Slice], bool]:
+    """(block, mine): block None for a plain tensor, else the Slice a Slice or DTensor value
+    describes; mine False only for a DTensor block another replica registers. TypeError for
+    anything else."""
     if isinstance(value, Slice):
         return value, True
     if is_dtensor(value):
-        blk, replicated = slice_of_dtensor(name, value)
-        return blk, (True if not replicated or primary_replica(value, replicated) else None)
+        block, replicated = slice_of_dtensor(name, value)
+        return block, not replicated or primary_replica(value, replicated)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: tensor '{name}' is a {type(value).__name__}, not a "
                         "torch.Tensor, a DTensor or a refit.slices.Slice")
-    return None
+    return None, True
 
 
 __all__ = ["Trainer", "PublishResult", "RegisterResult", "Slice"]

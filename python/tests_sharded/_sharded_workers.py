@@ -165,30 +165,44 @@ def _requested(req):
             for loc in req.tensors}
 
 
+def _fully_sharded_tinylm(mesh):
+    """TinyLM (seed 0) with fully_shard on each layer and the whole model, over `mesh`."""
+    from torch.distributed.fsdp import fully_shard
+
+    from _sharded_common import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _recording_trainer(rank):
+    """A Trainer whose RegisterTensors requests are recorded, not sent (no daemon)."""
+    from refit.trainer import Trainer
+
+    trainer = Trainer("/nonexistent/refit.sock", client=f"rank{rank}")
+    trainer._stub = _Recorder()
+    return trainer
+
+
 def _dtensor_blocks(rank, out, world, store_path):
     """No daemon: what Trainer.register makes of FSDP2 DTensors (1-D mesh) and of HSDP ones
     (2-D mesh: Replicate over the first dim, Shard(0) over the second). Reports ("fsdp", rank,
     requested, views, full) and ("hsdp", rank, requested or the ValueError's text)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial
-
-    from _sharded_common import TinyLM
-    from refit.trainer import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0)
-        model = TinyLM()
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        trainer = Trainer("/nonexistent/refit.sock", client=f"rank{rank}")
-        trainer._stub = _Recorder()
+        model = _fully_sharded_tinylm(mesh)
+        trainer = _recording_trainer(rank)
         trainer.register({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()})
         views = {n: t.clone() for n, t in trainer.tensors.items()}
         where = {n: (s.global_shape, s.offsets) for n, s in trainer.slices.items()}
@@ -208,13 +222,8 @@ def _dtensor_blocks(rank, out, world, store_path):
 
         if world == 4:
             mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-            torch.manual_seed(0)
-            hsdp = TinyLM()
-            for layer in hsdp.layers:
-                fully_shard(layer, mesh=mesh2)
-            fully_shard(hsdp, mesh=mesh2)
-            t2 = Trainer("/nonexistent/refit.sock", client=f"rank{rank}")
-            t2._stub = _Recorder()
+            hsdp = _fully_sharded_tinylm(mesh2)
+            t2 = _recording_trainer(rank)
             try:
                 t2.register({n: p.detach().to(torch.bfloat16) for n, p in hsdp.named_parameters()})
                 got = _requested(t2._stub.requests[0])

@@ -67,6 +67,23 @@ def publish_all(trainers, version):
     return results
 
 
+def reslice(env, trainers, prefix, blocks_of, state, version):
+    """The job resized: `trainers` leave, one new client per block set of blocks_of(state)
+    registers (after a ~1% nudge of `state`) and they publish `version`, which must arrive as a
+    bit-exact delta. Returns the new trainers."""
+    for t in trainers:
+        t.unregister()
+        t.close()
+    nudge(state, seed=100 + version)
+    blocks = blocks_of(state)
+    trainers = [Trainer(env.pub_local, client=f"{prefix}-rank{r}") for r in range(len(blocks))]
+    for t, b in zip(trainers, blocks):
+        t.register(b)
+    publish_all(trainers, version)
+    check_version(env, version, state, delta=True, max_wire_fraction=0.25)
+    return trainers
+
+
 def test_megatron_tensor_parallel_and_reslicing(tmp_path_factory, tmp_path):
     torch.manual_seed(0)
     state = bf16_state(TinyLM())
@@ -92,28 +109,12 @@ def test_megatron_tensor_parallel_and_reslicing(tmp_path_factory, tmp_path):
         env.sub_control.export(str(export), version=version)
         assert_bits_equal(read_safetensors(str(export)), state, f"export of version {version}")
 
-        # Re-slicing: the two ranks leave, three register everything along dim 0.
-        for t in trainers:
-            t.unregister()
-            t.close()
-        trainers = [Trainer(env.pub_local, client=f"rows-rank{r}") for r in range(3)]
-        nudge(state, seed=100)
-        for t, b in zip(trainers, rows_blocks(state, 3)):
-            t.register(b)
-        version += 1
-        publish_all(trainers, version)
-        check_version(env, version, state, delta=True, max_wire_fraction=0.25)
-
-        # And four with 2-D blocks (the 1-D tensors from two of them).
-        for t in trainers:
-            t.unregister()
-            t.close()
-        trainers = [Trainer(env.pub_local, client=f"grid-rank{r}") for r in range(4)]
-        nudge(state, seed=101)
-        for t, b in zip(trainers, grid_blocks(state)):
-            t.register(b)
-        version += 1
-        publish_all(trainers, version)
-        check_version(env, version, state, delta=True, max_wire_fraction=0.25)
+        # Re-slicing: the two ranks leave, three register everything along dim 0; then four
+        # with 2-D blocks (the 1-D tensors from two of them).
+        trainers = reslice(env, trainers, "rows", lambda st: rows_blocks(st, 3), state,
+                           version + 1)
+        assert len(trainers) == 3
+        trainers = reslice(env, trainers, "grid", grid_blocks, state, version + 2)
+        assert len(trainers) == 4
         for t in trainers:
             t.close()
