@@ -134,6 +134,10 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self._digest_v2: Optional[bool] = None  # whether the subscriber's digests are v2
         self._map = None       # refit.vllm.param_map.ParamMap of self.model
         self._map_key = None
+        self._fp8_key = None   # id of the model _fp8_any was found for
+        self._fp8_any = False  # whether the model holds FP8 block-quantized weights
+        self._fp8_map = None   # (specs key, refit.vllm.fp8.Fp8Map)
+        self._fp8_torn = False  # tests only: write FP8 codes without their scales
         self.last_update: dict = {}
 
     # ---- the WeightTransferEngine interface ------------------------------------------------
@@ -200,6 +204,9 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         t0 = time.monotonic()
         held = self._held
         note = ""
+        if self._serves_fp8():
+            self._update_fp8(version, t0)
+            return
         if held is not None and self._path_for(held.specs)[0] == "in_place":
             from refit.changes import get_changes
             changes = self._reconnecting(lambda c: get_changes(c, held.version, version))
@@ -335,6 +342,144 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         if path == "in_place":
             return changed, reason
         return _whole_groups(changed, new.specs), reason
+
+    # ---- FP8 delivery -----------------------------------------------------------------------
+
+    def _serves_fp8(self) -> bool:
+        """Whether the model holds FP8 block-quantized weights that versions are delivered to as
+        FP8 codes and scales (refit.vllm.fp8), unless init_info mode is reload."""
+        if self._info.mode == "reload":
+            return False
+        if self._fp8_key != id(self.model):
+            from refit.vllm.fp8 import Fp8Map
+            self._fp8_key = id(self.model)
+            self._fp8_any = bool(Fp8Map.fp8_modules(self.model))
+            self._fp8_map = None
+        return self._fp8_any
+
+    def _fp8_writer(self, specs: Dict[str, tuple]):
+        from refit.vllm.fp8 import Fp8Map, Fp8Writer
+        key = tuple(sorted((n, str(d), s) for n, (d, s) in specs.items()))
+        if self._fp8_map is None or self._fp8_map[0] != key:
+            fmap = Fp8Map.build(self.model, specs)
+            self._fp8_map = (key, fmap)
+            logger.info("refitd: FP8 delivery: %d FP8 block-quantized modules (%s), %d tensors "
+                        "kept in BF16", len(fmap.modules),
+                        ", ".join(sorted({m.layout.name for m in fmap.modules.values()})),
+                        len(fmap.bf16))
+        return Fp8Writer(self._fp8_map[1])
+
+    def _update_fp8(self, version: int, t0: float) -> None:
+        """A version as FP8 codes and scales of the blocks it touches (the change set from the
+        held version; every block of the changed tensors without one; all for a first load),
+        quantized from the subscriber's BF16 version, plus the changed BF16-kept tensors, all
+        written in place in this one call (the engine is paused) and undone on any failure."""
+        from refit.changes import get_changes
+        from refit.vllm.fp8 import Stats
+        held = self._held
+        changes, note = None, ""
+        if held is not None:
+            changes = self._reconnecting(lambda c: get_changes(c, held.version, version))
+            if changes.reload_fully:
+                note = f"; no change set ({changes.reason}): every block of the changed tensors"
+                changes = None
+            elif changes.to_version == held.version:
+                self.last_update = {"version": held.version, "path": "none", "loaded": [],
+                                    "seconds": time.monotonic() - t0}
+                return
+        target = changes.to_version if changes is not None else version
+        with contextlib.ExitStack() as stack:
+            new = self._reconnecting(lambda c: stack.enter_context(c.attach(target or None)))
+            if held is not None and new.version == held.version:
+                self.last_update = {"version": new.version, "path": "none", "loaded": [],
+                                    "seconds": time.monotonic() - t0}
+                return
+            specs = _specs(new)
+            writer = self._fp8_writer(specs)
+            fmap = writer.map
+            full = held is None or held.specs != specs
+            if full:
+                changed = set(specs)
+                reason = "first load" if held is None else "the tensors' names, dtypes or " \
+                                                           "shapes changed"
+            else:
+                changed = {n for n, d in new.digests.items() if held.digests.get(n) != d}
+                reason = f"{len(changed)} tensors changed since version {held.version}"
+            if changes is not None:
+                blocks = writer.touched_blocks(changes)
+            else:
+                blocks = writer.all_blocks(sorted({fmap.of_tensor[n][0] for n in changed
+                                                   if n in fmap.of_tensor}))
+            stats = Stats(blocks_total=writer.blocks_total())
+            undo, undo16 = [], []
+            bf16 = sorted(n for n in changed if n in fmap.bf16)
+            try:
+                self._check_digest_format(_Held(new.version, dict(new), dict(new.digests),
+                                                specs, None))
+                undo, bad = writer.write(blocks, new, stats,
+                                         write_scales=not self._fp8_torn)
+                for n in bf16:
+                    c = changes.tensors.get(n) if changes is not None else None
+                    if c is None:
+                        stats.bf16_elements += writer.write_bf16(n, None, new[n], undo16)
+                    elif c.indices.numel():
+                        stats.bf16_elements += writer.write_bf16(n, c.indices, c.values, undo16)
+                self._synchronize()
+                covered = self._verify_fp8(new, writer, bad, bf16, full)
+                reprocessed = writer.reprocess(bf16)
+                self._reprocess_tied(self._tied_modules(), set(bf16))
+                self._synchronize()
+            except BaseException:
+                writer.undo(undo)
+                writer.undo_bf16(undo16)
+                writer.reprocess(bf16)
+                self._reprocess_tied(self._tied_modules(), set(bf16))
+                self._synchronize()
+                logger.error("refitd: FP8 delivery of version %d undone", new.version)
+                raise
+        self._release_held()
+        self._held = _Held(new.version, {}, dict(new.digests), specs, None)
+        # Registers as a change-set consumer holding this version (a single-copy subscriber then
+        # keeps the change sets from here on for it).
+        self._reconnecting(lambda c: get_changes(c, new.version, new.version))
+        self._report(new.version, "fp8_in_place",
+                     "FP8 block-quantized weights: codes and scales of the touched blocks" + note,
+                     reason, sorted(changed), covered, t0,
+                     fp8=dict(dataclasses.asdict(stats), reprocessed=reprocessed,
+                              change_set_bytes=changes.nbytes() if changes is not None else None,
+                              layouts=sorted({m.layout.name for m in fmap.modules.values()})))
+
+    def _verify_fp8(self, new, writer, bad: List[str], bf16: List[str], full: bool) -> List[str]:
+        """The written blocks read back equal the quantizer's output (`bad` lists the modules
+        where they do not: codes without their scale, a lost write); the written BF16-kept
+        tensors' digests v2 equal the subscriber's; after a full load, the digests of every FP8
+        tensor's codes and scales equal those of the quantized BF16 version."""
+        if self._info.verify == "off":
+            return []
+        if bad:
+            raise VerificationError(
+                f"refitd: version {new.version}: the FP8 codes and scales read back from "
+                f"{len(bad)} modules are not the quantizer's output for the version's BF16 "
+                f"weights (a torn or lost write): {', '.join(bad)}")
+        wrong = sorted(n for n in bf16 if digest_v2(writer.bf16_runtime(n)) != new.digests[n])
+        if wrong:
+            raise VerificationError(
+                f"refitd: version {new.version}: the runtime parameters of {len(wrong)} tensors "
+                f"kept in BF16 do not hold the version's bytes: {', '.join(wrong)}")
+        covered = list(bf16)
+        if full:
+            covered += self._fp8_full_check(new, writer)
+        return covered
+
+    def _fp8_full_check(self, weights, writer) -> List[str]:
+        want, got = writer.digests(weights)
+        wrong = sorted(p for p in want if want[p] != got[p])
+        if wrong:
+            raise VerificationError(
+                f"refitd: version {weights.version}: digests of the runtime FP8 codes/scales of "
+                f"{len(wrong)} modules differ from those of the version's BF16 weights quantized "
+                f"as the engine does: {', '.join(wrong)}")
+        return [f"{p}.weight" for p in want] + [f"{p}.weight_scale_inv" for p in want]
 
     # ---- applying from a lease -------------------------------------------------------------
 
@@ -482,6 +627,20 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             raise RuntimeError("refitd: verify: the engine holds no refitd version yet")
         if self._info.verify == "off":
             raise RuntimeError("refitd: verify: init_info verify is 'off'")
+        if self._serves_fp8():
+            with self._consumer.attach(held.version) as w:
+                writer = self._fp8_writer(held.specs)
+                covered = self._fp8_full_check(w, writer)
+                bf16 = sorted(writer.map.bf16)
+                wrong = [n for n in bf16 if digest_v2(writer.bf16_runtime(n)) != held.digests[n]]
+                if wrong:
+                    raise VerificationError(
+                        f"refitd: version {held.version}: the runtime parameters of "
+                        f"{len(wrong)} tensors kept in BF16 do not hold the version's bytes: "
+                        f"{', '.join(wrong)}")
+            self.last_update = dict(self.last_update, verified=covered + bf16,
+                                    verify_version=held.version)
+            return
         if held.weights:
             covered = self._verify(held, fix=True)
         else:
