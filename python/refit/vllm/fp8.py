@@ -22,7 +22,8 @@ FP8 load of the same BF16 weights.
   snapshot and written together (the undo record keeps the old codes and scale of each block); the
   runtime bytes of every written block and scale are read back and compared with the quantizer's
   output, so a block whose codes and scale disagree (a torn write) is found and the whole update
-  undone. Work and extra memory: O(touched blocks).
+  undone. Work: O(touched blocks); extra memory: the undo record (one byte per touched code, four
+  per touched scale) plus one chunk of CHUNK_BLOCKS blocks staged at a time.
 - `Fp8Writer.digests(weights)`: digest v2 of every FP8 tensor's codes (row-major [N, K] bytes)
   and scales, computed from the BF16 version by the quantizer and from the runtime tensors read
   through the layout: the full check, O(model).
@@ -346,15 +347,20 @@ def _placement(name, packed, modules, fp8, runtime):
 
 # ---- writing -----------------------------------------------------------------------------------
 
-# (module prefix, flat code positions, old codes, block (bi, bj) list, old scales)
-Undo = List[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+# (module prefix, blocks [nb, 2], their old codes in block order, old scales): the positions are
+# recomputed from the blocks, so the record costs one byte per code plus 4 per scale.
+Undo = List[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+CHUNK_BLOCKS = 64  # blocks quantized and written at a time: bounds the staged bytes
 
 
 @dataclasses.dataclass
 class Stats:
     blocks: int = 0           # blocks written
     blocks_total: int = 0     # blocks of the FP8 tensors
-    staged_bytes: int = 0     # peak bytes staged for one module (BF16 blocks, codes, positions)
+    staged_bytes: int = 0     # one chunk's transient tensors, estimated: per code 2 x 2 (BF16
+    #                           blocks side by side), 4 (vLLM's fp32 product), 2 x 1 (codes),
+    #                           1 (the values written), 8 (their positions)
     undo_bytes: int = 0
     bf16_elements: int = 0
 
@@ -365,35 +371,28 @@ class Fp8Writer:
 
     # -- blocks of a version --
 
-    def _band(self, mod: Fp8Module, bi: int, weights: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Rows [bi*128, bi*128+128) of the module's BF16 weight [<=128, K] from the version's
-        tensors (a band may span fused parts)."""
-        r0, r1 = bi * BLOCK, min(mod.n, (bi + 1) * BLOCK)
-        band = torch.empty(r1 - r0, mod.k, dtype=torch.bfloat16)
-        for p in mod.parts:
-            a, b = max(r0, p.row), min(r1, p.row + p.rows)
-            if a < b:
-                band[a - r0:b - r0] = weights[p.name][a - p.row:b - p.row]
-        return band
-
     def quantize_module(self, mod: Fp8Module, blocks: torch.Tensor,
                         weights: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """blocks: int64 [nb, 2] (bi, bj), sorted. (codes [nb, 128, 128] uint8, scales [nb])."""
         buf = torch.zeros(blocks.shape[0], BLOCK, BLOCK, dtype=torch.bfloat16)
-        i = 0
-        for bi in torch.unique_consecutive(blocks[:, 0]).tolist():
-            band = self._band(mod, bi, weights)
-            while i < blocks.shape[0] and int(blocks[i, 0]) == bi:
-                c0 = int(blocks[i, 1]) * BLOCK
-                c1 = min(mod.k, c0 + BLOCK)
-                buf[i, :band.shape[0], :c1 - c0] = band[:, c0:c1]
-                i += 1
+        for i, (bi, bj) in enumerate(blocks.tolist()):
+            r0, r1 = bi * BLOCK, min(mod.n, (bi + 1) * BLOCK)
+            c0, c1 = bj * BLOCK, min(mod.k, (bj + 1) * BLOCK)
+            for p in mod.parts:
+                a, b = max(r0, p.row), min(r1, p.row + p.rows)
+                if a < b:
+                    buf[i, a - r0:b - r0, :c1 - c0] = weights[p.name][a - p.row:b - p.row, c0:c1]
         return quantize_blocks(buf)
 
-    def _positions(self, mod: Fp8Module, bi: int, bj: int) -> torch.Tensor:
-        rows = torch.arange(bi * BLOCK, min(mod.n, (bi + 1) * BLOCK))
-        cols = torch.arange(bj * BLOCK, min(mod.k, (bj + 1) * BLOCK))
-        return mod.layout.index(rows, cols)
+    def _positions(self, mod: Fp8Module, blocks: torch.Tensor) -> torch.Tensor:
+        """Flat runtime byte positions of the blocks' codes, block after block, row-major in a
+        block (an edge block has fewer)."""
+        out = []
+        for bi, bj in blocks.tolist():
+            rows = torch.arange(bi * BLOCK, min(mod.n, (bi + 1) * BLOCK))
+            cols = torch.arange(bj * BLOCK, min(mod.k, (bj + 1) * BLOCK))
+            out.append(mod.layout.index(rows, cols).reshape(-1))
+        return torch.cat(out)
 
     def touched_blocks(self, changes) -> Dict[str, torch.Tensor]:
         """module prefix -> int64 [nb, 2] blocks (bi, bj) holding a changed element, sorted."""
@@ -421,53 +420,49 @@ class Fp8Writer:
 
     def write(self, blocks: Dict[str, torch.Tensor], weights: Dict[str, torch.Tensor],
               stats: Stats, *, write_scales: bool = True) -> Tuple[Undo, List[str]]:
-        """Quantizes and writes `blocks` from the version `weights` (BF16 views); codes and scale
-        of each block are written together. Returns (undo record, the modules whose runtime
-        bytes, read back, are not the quantizer's output: a torn or lost write).
-        `write_scales=False` exists only so that a test can show a torn write being caught."""
+        """Quantizes and writes `blocks` from the version `weights` (BF16 views), CHUNK_BLOCKS at
+        a time; codes and scale of each block are written together. Returns (undo record, the
+        modules whose runtime bytes, read back, are not the quantizer's output: a torn or lost
+        write). `write_scales=False` exists only so that a test can show a torn write caught."""
         undo: Undo = []
         bad: List[str] = []
         with torch.no_grad():
             for prefix in sorted(blocks):
-                blk = blocks[prefix]
-                if blk.shape[0] == 0:
-                    continue
                 mod = self.map.modules[prefix]
-                codes, scales = self.quantize_module(mod, blk, weights)
-                pos = torch.cat([self._positions(mod, int(bi), int(bj)).reshape(-1)
-                                 for bi, bj in blk.tolist()])
-                vals = torch.cat([codes[i, :min(BLOCK, mod.n - int(bi) * BLOCK),
-                                        :min(BLOCK, mod.k - int(bj) * BLOCK)].reshape(-1)
-                                  for i, (bi, bj) in enumerate(blk.tolist())])
                 flat = mod.weight.data.reshape(-1).view(torch.uint8)
                 sflat = mod.scale.data.view(-1)
-                sidx = blk[:, 0] * mod.grid()[1] + blk[:, 1]
                 dev = flat.device
-                old = flat[pos.to(dev)].cpu()
-                old_s = sflat[sidx.to(dev)].cpu()
-                undo.append((prefix, pos, old, sidx, old_s))
-                flat[pos.to(dev)] = vals.to(dev)
-                if write_scales:
-                    sflat[sidx.to(dev)] = scales.to(dev)
-                stats.blocks += int(blk.shape[0])
-                stats.staged_bytes = max(stats.staged_bytes, codes.numel() * 3 + pos.numel() * 8 +
-                                         vals.numel() + mod.k * BLOCK * 2)
-                stats.undo_bytes += old.numel() + old_s.numel() * 4 + pos.numel() * 8 + \
-                    sidx.numel() * 8
-                got = flat[pos.to(dev)].cpu()
-                got_s = sflat[sidx.to(dev)].cpu()
-                if not (torch.equal(got, vals) and
-                        torch.equal(got_s.view(torch.int32), scales.view(torch.int32))):
-                    bad.append(prefix)
+                for at in range(0, blocks[prefix].shape[0], CHUNK_BLOCKS):
+                    blk = blocks[prefix][at:at + CHUNK_BLOCKS]
+                    codes, scales = self.quantize_module(mod, blk, weights)
+                    vals = torch.cat([codes[i, :min(BLOCK, mod.n - bi * BLOCK),
+                                            :min(BLOCK, mod.k - bj * BLOCK)].reshape(-1)
+                                      for i, (bi, bj) in enumerate(blk.tolist())])
+                    pos = self._positions(mod, blk).to(dev)
+                    sidx = (blk[:, 0] * mod.grid()[1] + blk[:, 1]).to(dev)
+                    old, old_s = flat[pos].cpu(), sflat[sidx].cpu()
+                    undo.append((prefix, blk, old, old_s))
+                    flat[pos] = vals.to(dev)
+                    if write_scales:
+                        sflat[sidx] = scales.to(dev)
+                    stats.blocks += int(blk.shape[0])
+                    stats.staged_bytes = max(stats.staged_bytes, codes.numel() * 10 +
+                                             vals.numel() + pos.numel() * 8)
+                    stats.undo_bytes += old.numel() + old_s.numel() * 4 + blk.numel() * 8
+                    if not (torch.equal(flat[pos].cpu(), vals) and torch.equal(
+                            sflat[sidx].cpu().view(torch.int32), scales.view(torch.int32))):
+                        if prefix not in bad:
+                            bad.append(prefix)
         return undo, bad
 
     def undo(self, record: Undo) -> None:
         with torch.no_grad():
-            for prefix, pos, old, sidx, old_s in reversed(record):
+            for prefix, blk, old, old_s in reversed(record):
                 mod = self.map.modules[prefix]
                 flat = mod.weight.data.reshape(-1).view(torch.uint8)
-                flat[pos.to(flat.device)] = old.to(flat.device)
+                flat[self._positions(mod, blk).to(flat.device)] = old.to(flat.device)
                 sflat = mod.scale.data.view(-1)
+                sidx = blk[:, 0] * mod.grid()[1] + blk[:, 1]
                 sflat[sidx.to(sflat.device)] = old_s.to(sflat.device)
 
     # -- tensors kept in BF16 --
