@@ -54,6 +54,7 @@
 #include "client/trainer_client.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/units.h"
 #include "daemon/model/trajectory.h"
 #include "refit/v1/control.grpc.pb.h"
 
@@ -480,9 +481,10 @@ absl::Status Demo::StartTrainer(const refit::model::TransformerShape& shape,
   REFIT_ASSIGN_OR_RETURN(trainer_,
                          refit::client::TrainerClient::Create(pub_local, "demo-trainer", specs));
   REFIT_ASSIGN_OR_RETURN(v1::RegisterTensorsResponse reg, trainer_->Register());
-  std::printf("trainer:      %u tensors, %s registered from memfd %s (%.1f s to build the model)\n\n",
-              reg.tensors(), refit::client::FormatBytes(reg.bytes()).c_str(),
-              trainer_->ProcPath().c_str(), Ms(t_create, Clock::now()) / 1e3);
+  std::printf(
+      "trainer:      %u tensors, %s registered from memfd %s (%.1f s to build the model)\n\n",
+      reg.tensors(), refit::FormatBytes(reg.bytes()).c_str(), trainer_->ProcPath().c_str(),
+      Ms(t_create, Clock::now()) / 1e3);
   std::printf("%7s %8s %9s %8s %12s %12s %8s %10s %10s %10s %8s\n", "version", "change%",
               "bits/chg", "H(p)/p", "wire_bytes", "dense_bytes", "wire%", "latency0", "latency1",
               "e2e", "digests");
@@ -496,13 +498,14 @@ void Demo::PrintSummary() const {
   if (delta_versions_ > 0) {
     const double rate = elements_ ? static_cast<double>(changed_) / elements_ : 0;
     std::printf(
-        "summary: %" PRIu64 " delta versions at a mean change rate of %.3f%%: %s on the wire "
+        "summary: %" PRIu64
+        " delta versions at a mean change rate of %.3f%%: %s on the wire "
         "instead of %s dense (%.2f%%, %.1fx less), %.2f bits per changed element (entropy bound "
         "of positions at that rate %.2f)\n",
-        delta_versions_, 100 * rate, refit::client::FormatBytes(wire_).c_str(),
-        refit::client::FormatBytes(dense_).c_str(), dense_ ? 100.0 * wire_ / dense_ : 0.0,
-        wire_ ? static_cast<double>(dense_) / wire_ : 0.0,
-        changed_ ? 8.0 * wire_ / changed_ : 0.0, bound_bits_sum_ / delta_versions_);
+        delta_versions_, 100 * rate, refit::FormatBytes(wire_).c_str(),
+        refit::FormatBytes(dense_).c_str(), dense_ ? 100.0 * wire_ / dense_ : 0.0,
+        wire_ ? static_cast<double>(dense_) / wire_ : 0.0, changed_ ? 8.0 * wire_ / changed_ : 0.0,
+        bound_bits_sum_ / delta_versions_);
     std::printf(
         "         refit latency (subscriber: header received -> version announced) mean %.1f ms, "
         "max %.1f ms; publish -> every subscriber acknowledged mean %.1f ms\n",

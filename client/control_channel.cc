@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/config/config.h"
@@ -18,8 +19,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
   absl::StatusOr<config::Address> addr =
       config::ParseAddress(target.address, config::AddressUse::kConnect);
   if (!addr.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " \"", target.address, "\": ", addr.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, addr.status(), flag, " ",
+                      Quoted(target.address));
   }
   const v1::ClientTls& tls = target.tls;
   const bool any_file = !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty();

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "daemon/common/hex.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace refit::client {
@@ -289,7 +290,7 @@ std::string FormatStatusLines(const v1::StatusResponse& st) {
   if (st.role() == v1::ROLE_PUBLISHER && st.has_patch_format()) {
     line("patch fmt", FormatPatchFormat(st.patch_format()));
   }
-  if (st.lineage() != 0) line("lineage", absl::StrFormat("%016x", st.lineage()));
+  if (st.lineage() != 0) line("lineage", Hex64(st.lineage()));
   if (st.role() == v1::ROLE_PUBLISHER && st.has_baseline())
     line("baseline", FormatBaseline(st.baseline()));
   if (st.role() == v1::ROLE_PUBLISHER && st.has_publish_queue()) {
@@ -345,8 +346,8 @@ std::string FormatLeases(const v1::StatusResponse& st) {
     if (st.leases_size() > 0) {
       std::vector<std::vector<std::string>> rows = {{"ID", "CONSUMER", "VERSION", "REMAINING"}};
       for (const v1::LeaseStatus& l : st.leases()) {
-        rows.push_back({absl::StrFormat("%016x", l.lease_id()),
-                        l.consumer().empty() ? "-" : l.consumer(), absl::StrCat(l.version()),
+        rows.push_back({Hex64(l.lease_id()), l.consumer().empty() ? "-" : l.consumer(),
+                        absl::StrCat(l.version()),
                         absl::StrFormat("%.1f s", l.remaining_ms() / 1000.0)});
       }
       out += RenderTable(rows);
@@ -371,25 +372,7 @@ std::string FormatLeaseBlock(const v1::StatusResponse& st) {
 
 }  // namespace
 
-std::string FormatBytes(uint64_t bytes) {
-  if (bytes < 1000) return absl::StrCat(bytes, " B");
-  const char* units[] = {"kB", "MB", "GB", "TB", "PB"};
-  double v = static_cast<double>(bytes);
-  int u = -1;
-  while (v >= 1000 && u < 4) {
-    v /= 1000;
-    ++u;
-  }
-  return absl::StrFormat("%.2f %s", v, units[u]);
-}
-
-std::string FormatDigest(uint64_t digest) { return absl::StrFormat("0x%016x", digest); }
-
-std::string FormatMicros(uint64_t micros) {
-  if (micros < 1000) return absl::StrCat(micros, " us");
-  if (micros < 1000000) return absl::StrFormat("%.1f ms", micros / 1e3);
-  return absl::StrFormat("%.2f s", micros / 1e6);
-}
+std::string FormatDigest(uint64_t digest) { return absl::StrCat("0x", Hex64(digest)); }
 
 std::string FormatPercent(double rate) { return absl::StrFormat("%.3f%%", 100.0 * rate); }
 

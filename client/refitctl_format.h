@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/units.h"
 #include "refit/v1/control.pb.h"
 
 namespace refit::client {
@@ -16,11 +17,9 @@ namespace refit::client {
 std::string FormatStatusTable(const v1::StatusResponse& status);
 absl::StatusOr<std::string> FormatStatusJson(const v1::StatusResponse& status);
 
-// Small formatting helpers: "1.23 GB", "0x0123456789abcdef", "12.3 ms", "1.500%" (of a rate
-// in [0, 1]).
-std::string FormatBytes(uint64_t bytes);
+// Small formatting helpers: "0x0123456789abcdef", "1.500%" (of a rate in [0, 1]); sizes and
+// durations with daemon/common/units.h (FormatBytes, FormatMicros).
 std::string FormatDigest(uint64_t digest);
-std::string FormatMicros(uint64_t micros);
 std::string FormatPercent(double rate);
 
 }  // namespace refit::client

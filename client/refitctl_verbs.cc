@@ -15,6 +15,7 @@
 #include "client/refitctl_format.h"
 #include "client/refitctl_usage.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/units.h"
 #include "daemon/metrics/http_get.h"
 
 namespace refit::client {

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/sync/version_digest.h"
@@ -59,8 +60,8 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
   absl::StatusOr<config::Address> addr =
       config::ParseAddress(target, config::AddressUse::kConnect);
   if (!addr.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("publisher local socket \"", local_socket,
-                                                   "\": ", addr.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, addr.status(), "publisher local socket ",
+                      Quoted(local_socket));
   }
   if (addr->kind == config::AddressKind::kTcp) {
     return absl::InvalidArgumentError(absl::StrCat("publisher local socket \"", local_socket,
@@ -132,7 +133,7 @@ absl::StatusOr<size_t> TrainerClient::Find(const std::string& name) const {
     if (specs_[i].name() == name) return i;
   }
   return absl::NotFoundError(
-      absl::StrCat("trainer client \"", name_, "\" has no tensor '", name, "'"));
+      absl::StrCat("trainer client \"", name_, "\" has no tensor ", Quoted(name)));
 }
 
 v1::RegisterTensorsRequest TrainerClient::RegisterRequest() const {

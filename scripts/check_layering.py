@@ -7,7 +7,10 @@ a component may include only from the components listed as below it. Also:
   - the cores (the subscriber and the serving/publisher cores) include no concrete store and no
     file format (daemon/model);
   - the metrics implementation (the rest of daemon/metrics) only in a daemon's top level
-    (…_daemon.cc), which assembles the endpoint.
+    (…_daemon.cc), which assembles the endpoint;
+  - includes are followed: a header of an allowed component that itself includes (directly or
+    further down) a header of a component the file may not use is a violation of the file too
+    ("through" names the chain), so a layer cannot be reached through another's header.
 Prints each violation as FILE:LINE: what and why, and exits 1 if there is any; 0 otherwise.
 Usage: scripts/check_layering.py [REPO_ROOT]
 """
@@ -29,13 +32,14 @@ ALLOWED = {
     "store": {"common", "codec", "cuda"},
     "serving": {"common", "codec", "cuda", "sync", "store", "metrics_api", "config", "auth",
                 "model"},
+    # The daemons reach file formats only through serving (version_file.h writes an export).
     "subscriber": {"common", "codec", "cuda", "sync", "store", "serving", "metrics_api", "config",
-                   "auth", "model", "runtime"},
+                   "auth", "runtime"},
     "publisher": {"common", "codec", "cuda", "sync", "store", "serving", "metrics_api", "config",
-                  "auth", "model", "runtime"},
+                  "auth", "runtime"},
     # The daemon's runtime: servers, signals, and the whole config's checks (GPU UUIDs through
-    # cuda/device.h, tensor selections through sync).
-    "runtime": {"common", "config", "metrics", "metrics_api", "auth", "cuda", "sync"},
+    # cuda/device.h, which names the codec's types; tensor selections through sync).
+    "runtime": {"common", "config", "metrics", "metrics_api", "auth", "cuda", "sync", "codec"},
     "cli": {"common", "config", "runtime", "publisher", "subscriber", "serving", "metrics", "auth",
             "sync", "store", "codec", "cuda", "model", "metrics_api"},
     "client": {"common", "config", "runtime", "sync", "codec", "model", "metrics", "auth"},
@@ -79,11 +83,48 @@ def is_test_file(path):
             or "/emu/" in path or base.endswith("_test.cu"))
 
 
+INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
+
+
+def includes_of(root, path, cache):
+    """[(line, included path)] of the project headers `path` includes (those that exist)."""
+    if path not in cache:
+        found = []
+        full = os.path.join(root, path)
+        if os.path.isfile(full):
+            with open(full, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    m = INCLUDE.match(line)
+                    if m and os.path.isfile(os.path.join(root, m.group(1))):
+                        found.append((lineno, m.group(1)))
+        cache[path] = found
+    return cache[path]
+
+
+def reached_through(root, header, allowed, comp, cache):
+    """The first header below `header` (transitively) of a component `comp` may not use, as the
+    chain of includes from `header` to it; None when there is none."""
+    seen = {header}
+    stack = [(header, [header])]
+    while stack:
+        path, chain = stack.pop()
+        for _, inc in includes_of(root, path, cache):
+            if inc in seen:
+                continue
+            seen.add(inc)
+            target = component(inc)
+            if target is not None and target != comp and target not in allowed:
+                return chain + [inc]
+            stack.append((inc, chain + [inc]))
+    return None
+
+
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
                            os.path.join(os.path.dirname(__file__), ".."))
     bad = []
     files = 0
+    cache = {}
     for top in ("daemon", "cuda", "client"):
         for dirpath, _, names in os.walk(os.path.join(root, top)):
             for name in names:
@@ -122,9 +163,16 @@ def main():
                             continue  # tests and tools may use any lower or sibling layer
                         if DAEMON_FILES.match(path) and target == "metrics":
                             continue  # a daemon assembles its metrics endpoint
-                        if target not in ALLOWED.get(comp, set()):
+                        allowed = ALLOWED.get(comp, set())
+                        if target not in allowed:
                             bad.append(f"{where}: includes {inc}: {comp} may not depend on "
-                                       f"{target} (allowed: {', '.join(sorted(ALLOWED[comp])) or 'nothing'})")
+                                       f"{target} (allowed: {', '.join(sorted(allowed)) or 'nothing'})")
+                            continue
+                        chain = reached_through(root, inc, allowed, comp, cache)
+                        if chain is not None:
+                            bad.append(f"{where}: includes {inc}, which reaches {chain[-1]} "
+                                       f"(through {' -> '.join(chain)}): {comp} may not depend "
+                                       f"on {component(chain[-1])}")
     for b in bad:
         print(b)
     print(f"check_layering: {files} files, {len(bad)} violations")

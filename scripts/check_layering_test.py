@@ -69,6 +69,43 @@ class CheckLayeringTest(unittest.TestCase):
         self.assertNotIn("serving/a.cc", out)
         self.assertIn("daemon/serving/b.cc:1", out)
 
+    def test_daemons_including_a_file_format_fail(self):
+        code, out = run({"daemon/publisher/a.cc": '#include "daemon/model/safetensors.h"\n',
+                         "daemon/subscriber/b.cc": '#include "daemon/serving/version_file.h"\n',
+                         "daemon/serving/version_file.h": '#include "daemon/common/x.h"\n',
+                         "daemon/common/x.h": "\n"})
+        self.assertEqual(code, 1)
+        self.assertIn("daemon/publisher/a.cc:1: includes daemon/model/safetensors.h: publisher "
+                      "may not depend on model", out)
+        self.assertNotIn("subscriber/b.cc", out)
+
+    def test_an_upward_include_through_an_allowed_header_fails(self):
+        # serving may use sync; a sync header that includes a publisher header drags the
+        # publisher into every serving file that includes it.
+        files = {"daemon/serving/a.cc": '#include <vector>\n#include "daemon/sync/s.h"\n',
+                 "daemon/sync/s.h": '#include "daemon/sync/t.h"\n',
+                 "daemon/sync/t.h": '#include "daemon/publisher/trainer_api.h"\n',
+                 "daemon/publisher/trainer_api.h": "\n"}
+        code, out = run(files)
+        self.assertEqual(code, 1)
+        self.assertIn("daemon/serving/a.cc:2: includes daemon/sync/s.h, which reaches "
+                      "daemon/publisher/trainer_api.h (through daemon/sync/s.h -> "
+                      "daemon/sync/t.h -> daemon/publisher/trainer_api.h): serving may not "
+                      "depend on publisher", out)
+        # The sync header itself is reported for its own direct include.
+        self.assertIn("daemon/sync/t.h:1: includes daemon/publisher/trainer_api.h", out)
+        # Without the planted include the same tree passes.
+        files["daemon/sync/t.h"] = '#include "daemon/common/c.h"\n'
+        files["daemon/common/c.h"] = "\n"
+        code, out = run(files)
+        self.assertEqual(code, 0, out)
+
+    def test_include_cycles_terminate(self):
+        code, out = run({"daemon/serving/a.cc": '#include "daemon/sync/s.h"\n',
+                         "daemon/sync/s.h": '#include "daemon/sync/t.h"\n',
+                         "daemon/sync/t.h": '#include "daemon/sync/s.h"\n'})
+        self.assertEqual(code, 0, out)
+
 
 if __name__ == "__main__":
     unittest.main()

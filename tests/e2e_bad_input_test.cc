@@ -30,7 +30,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/common/grpc_status.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
 #include "grpcpp/grpcpp.h"
@@ -43,6 +43,7 @@ namespace refit::e2e {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using ::testing::Not;
 
 bool ContainsAny(const std::string& text, const std::vector<std::string>& needles) {
@@ -151,7 +152,7 @@ TEST_F(E2EBadInput, PublisherRejectsMalformedDataPlaneMessagesAndKeepsServing) {
     const grpc::Status st = RunSync(pub.listen_target(), c.msgs);
     std::printf("[e2e] %s -> %d: %s\n", c.what.c_str(), static_cast<int>(st.error_code()),
                 st.error_message().c_str());
-    EXPECT_FALSE(st.ok()) << c.what << ": the publisher accepted it";
+    EXPECT_THAT(st, Not(IsOk())) << c.what << ": the publisher accepted it";
     EXPECT_TRUE(std::find(c.codes.begin(), c.codes.end(), st.error_code()) != c.codes.end())
         << c.what << ": code " << st.error_code() << " (" << st.error_message() << ")";
     EXPECT_TRUE(ContainsAny(st.error_message(), c.words))
@@ -170,7 +171,7 @@ TEST_F(E2EBadInput, PublisherRejectsMalformedDataPlaneMessagesAndKeepsServing) {
     while (reader->Read(&f)) {
     }
     const grpc::Status st = reader->Finish();
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kNotFound));
     EXPECT_TRUE(ContainsAny(st.error_message(), {"session"})) << st.error_message();
   }
 

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/device.h"
 #include "cuda/device_testing.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/model/trajectory.h"
 #include "daemon/sync/version_digest.h"
 #include "grpcpp/grpcpp.h"
@@ -96,14 +96,14 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
     if (v == 1) {
       v1::RegisterTensorsResponse rr;
       grpc::Status rs = trainer->RegisterTensors(Ctx().get(), reg, &rr);
-      ASSERT_TRUE(rs.ok()) << "RegisterTensors: " << rs.error_message();
+      ASSERT_THAT(rs, IsOk()) << "RegisterTensors: ";
     }
     v1::LocalPublishRequest preq;
     preq.set_client("rank0");
     preq.set_version(v);
     v1::LocalPublishResponse presp;
     grpc::Status ps_st = trainer->Publish(Ctx().get(), preq, &presp);
-    ASSERT_TRUE(ps_st.ok()) << "Publish: " << ps_st.error_message();
+    ASSERT_THAT(ps_st, IsOk()) << "Publish: ";
     ASSERT_TRUE(presp.committed());
     // The snapshot is taken: scribbling over the trainer's weights now must not reach version v.
     for (cuda::Allocation& a : weights) {
@@ -120,7 +120,7 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
     lreq.set_version(v);
     v1::Lease lease;
     grpc::Status ls = consumer->AcquireLease(Ctx().get(), lreq, &lease);
-    ASSERT_TRUE(ls.ok()) << "AcquireLease: " << ls.error_message();
+    ASSERT_THAT(ls, IsOk()) << "AcquireLease: ";
     std::map<std::string, void*> opened;
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < specs.size(); ++i) index[specs[i].name] = i;
@@ -151,7 +151,7 @@ TEST_F(E2EGpu, TrainerGpuToSubscriberGpuByCudaIpcBitExact) {
     v1::ReleaseLeaseRequest rel;
     rel.set_lease_id(lease.lease_id());
     v1::ReleaseLeaseResponse relr;
-    ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+    ASSERT_THAT(consumer->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
   }
   E2E_ASSERT_OK(ExpectExportEquals(sub, ModelFromTrajectory(*traj)));
 }

@@ -175,7 +175,7 @@ TEST_F(E2ESecurityLocal, TrainerShrinkingItsRegionGetsAnErrorAndThePublisherKeep
   absl::Status shrunk = FromGrpcStatus(trainer->Publish(Ctx().get(), pub_req, &pub_resp));
   EXPECT_EQ(shrunk.code(), absl::StatusCode::kFailedPrecondition) << shrunk;
   EXPECT_TRUE(absl::StrContains(shrunk.message(), "client \"rank0\"")) << shrunk;
-  EXPECT_TRUE(absl::StrContains(shrunk.message(), "'w'")) << shrunk;
+  EXPECT_TRUE(absl::StrContains(shrunk.message(), "\"w\"")) << shrunk;
   EXPECT_TRUE(absl::StrContains(shrunk.message(), path)) << shrunk;
   close(fd);
   // The publisher is alive and publishes (the next file-based version).

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "gtest/gtest.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "tests/harness/consumer.h"
@@ -18,6 +19,9 @@
 
 namespace refit::e2e {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 Model SingleCopyModel(uint64_t seed) {
   return RandomModel(seed, {{"a.weight", 300000}, {"b.weight", 123457}, {"c.bias", 1000}});
@@ -167,7 +171,7 @@ TEST_F(E2ESingleCopy, ASubscriberKilledDuringThePauseEndsTheConsumersStreamAndCo
   // the weights were whole; either way the consumer must re-attach to the new process.)
   while (watch->reader->Read(&ev)) EXPECT_FALSE(ev.pending());
   const grpc::Status end = watch->reader->Finish();
-  EXPECT_FALSE(end.ok()) << "the stream ended cleanly although the subscriber died";
+  EXPECT_THAT(end, Not(IsOk())) << "the stream ended cleanly although the subscriber died";
   // Restarted, it converges by itself (a new store: keyframes from the publisher).
   E2E_ASSERT_OK(sub_->Start());
   Connect();

@@ -509,15 +509,24 @@ def version_file(d: str, k: int) -> str:
 
 # ---- one model on one link ------------------------------------------------------------------
 
-LOG_SUB = re.compile(r"version (\d+) applied \(.*?latency (\d+) ms \(([^)]*)\)")
+# The subscriber's "applied" line gives durations as the daemons format them ("812 us",
+# "123.4 ms", "2.50 s").
+DURATION = r"([\d.]+) (us|ms|s)\b"
+LOG_SUB = re.compile(r"version (\d+) applied \(.*?latency " + DURATION + r" \(([^)]*)\)")
 LOG_PUB = re.compile(r"version (\d+) published: (.*)$")
+
+
+def duration_ms(value: str, unit: str) -> float:
+    return round(float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit], 3)
 
 
 def parse_sub_log(text: str, version: int) -> dict:
     for m in LOG_SUB.finditer(text):
         if int(m.group(1)) == version:
-            parts = dict((k, int(v)) for k, v in re.findall(r"(\w+) (\d+)", m.group(3)))
-            return {"latency_ms": int(m.group(2)), **{f"{k}_ms": v for k, v in parts.items()}}
+            parts = {k: duration_ms(v, u) for k, v, u in re.findall(r"(\w+) " + DURATION,
+                                                                 m.group(4))}
+            return {"latency_ms": duration_ms(m.group(2), m.group(3)),
+                    **{f"{k}_ms": v for k, v in parts.items()}}
     return {}
 
 

@@ -118,7 +118,7 @@ absl::Status ParseRoleFlags(int argc, const char* const* argv, Options* opts) {
     if (found) {
       absl::StatusOr<spdlog::level::level_enum> level = ParseLogLevel(v);
       if (!level.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("--log-level: ", level.status().message()));
+        return AnnotateAs(absl::StatusCode::kInvalidArgument, level.status(), "--log-level");
       }
       opts->log_level = *level;
       continue;

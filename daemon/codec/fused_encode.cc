@@ -18,8 +18,8 @@ absl::StatusOr<FusedEncoding> EncodeFusedCpu(DType dtype, std::span<uint8_t> bas
     // Our own patch of these sizes: a failure here is a codec bug, reported as such.
     absl::Status st = ApplyPatch(out.patch, dtype, base, base, options.threads);
     if (!st.ok()) {
-      return absl::InternalError(
-          absl::StrCat("EncodeFusedCpu: applying its own patch in place failed: ", st.message()));
+      return AnnotateAs(absl::StatusCode::kInternal, st,
+                        "EncodeFusedCpu: applying its own patch in place failed");
     }
   }
   return out;

@@ -12,6 +12,7 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/hex.h"
 
 namespace refit {
 namespace {
@@ -402,7 +403,7 @@ std::string FormatGoldenPatches(const std::vector<GoldenPatchCase>& cases, int f
     absl::StrAppend(&out, "modes ", c.modes.empty() ? "-" : c.modes, "\n");
     out += "digests";
     for (uint64_t d : {c.base_digest, c.base_digest_v2, c.target_digest, c.target_digest_v2}) {
-      absl::StrAppend(&out, " ", absl::Hex(d, absl::kZeroPad16));
+      absl::StrAppend(&out, " ", Hex64(d));
     }
     absl::StrAppend(&out, "\n");
     if (c.conditioned) AppendHex(out, "before", c.before);

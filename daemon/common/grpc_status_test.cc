@@ -4,13 +4,17 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace refit {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::vector<std::pair<absl::StatusCode, grpc::StatusCode>>& AllCodes() {
   static const auto* codes = new std::vector<std::pair<absl::StatusCode, grpc::StatusCode>>{
@@ -150,6 +154,23 @@ TEST(GrpcStatusTest, TruncationKeepsUtf8Whole) {
 TEST(GrpcStatusTest, TinyBudget) {
   const std::string cut = TruncateForGrpc(std::string(100, 'z'), 4);
   EXPECT_EQ(cut, " [... 100 bytes truncated]");
+}
+
+// The matchers take grpc::Status, so a failed assertion on a call prints its code and message.
+TEST(GrpcStatusMatchersTest, MatchGrpcStatus) {
+  EXPECT_THAT(grpc::Status::OK, IsOk());
+  const grpc::Status denied(grpc::StatusCode::PERMISSION_DENIED, "client \"x\" may not");
+  EXPECT_THAT(denied, Not(IsOk()));
+  EXPECT_THAT(denied, StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(denied, StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("may not")));
+  EXPECT_THAT(denied, Not(StatusIs(absl::StatusCode::kNotFound)));
+  EXPECT_THAT(denied, Not(StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("other"))));
+  const std::string printed = ::testing::DescribeMatcher<grpc::Status>(IsOk());
+  EXPECT_EQ(printed, "is OK");
+  ::testing::StringMatchResultListener listener;
+  EXPECT_FALSE(::testing::ExplainMatchResult(IsOk(), denied, &listener));
+  EXPECT_THAT(listener.str(), HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(listener.str(), HasSubstr("may not"));
 }
 
 }  // namespace

@@ -96,34 +96,6 @@ class JsonFormatter final : public spdlog::formatter {
 
 }  // namespace
 
-std::string Printable(absl::string_view text, size_t max_bytes) {
-  std::string out;
-  const size_t end = std::min(text.size(), max_bytes);
-  for (size_t i = 0; i < end;) {
-    uint32_t cp = 0;
-    const size_t n = Utf8CharLength(text, i, &cp);
-    if (n == 0 || IsControlCodePoint(cp) || cp == '\\') {
-      const size_t bytes = n == 0 ? 1 : n;
-      for (size_t k = 0; k < bytes; ++k) {
-        const unsigned char c = static_cast<unsigned char>(text[i + k]);
-        switch (c) {
-          case '\n': out.append("\\n"); break;
-          case '\r': out.append("\\r"); break;
-          case '\t': out.append("\\t"); break;
-          case '\\': out.append("\\\\"); break;
-          default: absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
-        }
-      }
-      i += bytes;
-      continue;
-    }
-    out.append(text.data() + i, n);
-    i += n;
-  }
-  if (end < text.size()) out.append("...");
-  return out;
-}
-
 std::shared_ptr<spdlog::logger> Logger(const std::string& component) {
   Registry& reg = GetRegistry();
   absl::MutexLock lock(&reg.mu);

@@ -22,7 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "daemon/common/utf8.h"  // Utf8CharLength, IsControlCodePoint (users of Printable)
+#include "daemon/common/printable.h"  // Printable, Quoted: for what reaches a log line
 #include "spdlog/spdlog.h"
 
 namespace refit {
@@ -56,12 +56,6 @@ void LogEvent(spdlog::logger& log, spdlog::level::level_enum level, absl::string
 // Parses "trace|debug|info|warn|error|critical|off" (case-insensitive). InvalidArgument naming
 // the accepted values otherwise.
 absl::StatusOr<spdlog::level::level_enum> ParseLogLevel(absl::string_view text);
-
-// `text` safe for one log line: control characters (C0, DEL, C1), backslashes and bytes that are
-// not valid UTF-8 become escapes ("\n", "\x1b", "\\"); capped at `max_bytes` of input ("..."
-// appended). For names that come from clients at run time (Hello.name, TrainerApi client names,
-// consumer names) before they reach a log line.
-std::string Printable(absl::string_view text, size_t max_bytes = 256);
 
 // Maps a config LogLevel enum value (refit.v1.LogLevel, 1..7) to spdlog's; unknown -> info.
 spdlog::level::level_enum LogLevelFromConfig(int config_log_level);

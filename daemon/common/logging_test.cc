@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "daemon/common/utf8.h"
 #include "gtest/gtest.h"
 
 namespace refit {
@@ -55,27 +56,6 @@ TEST(LogFormatTest, TextKeepsTheMessageAloneAndSkipsFilteredEvents) {
   EXPECT_EQ(LogFormatFromConfig(2), LogFormat::kJson);
   EXPECT_EQ(LogFormatFromConfig(1), LogFormat::kText);
   EXPECT_EQ(LogFormatFromConfig(0), LogFormat::kText);
-}
-
-TEST(PrintableTest, KeepsPrintableUtf8) {
-  EXPECT_EQ(Printable("sub-1 \u00e9\u4e2d\U0001F600"), "sub-1 \u00e9\u4e2d\U0001F600");
-  EXPECT_EQ(Printable(""), "");
-}
-
-TEST(PrintableTest, EscapesControlCharactersAndBadBytes) {
-  EXPECT_EQ(Printable("a\nb\r\tc"), "a\\nb\\r\\tc");
-  EXPECT_EQ(Printable("\x1b[31mred"), "\\x1b[31mred");
-  EXPECT_EQ(Printable(std::string("nul\0x", 5)), "nul\\x00x");
-  EXPECT_EQ(Printable("del\x7f"), "del\\x7f");
-  EXPECT_EQ(Printable("c1\u0085"), "c1\\xc2\\x85");  // NEL
-  EXPECT_EQ(Printable("back\\slash"), "back\\\\slash");
-  EXPECT_EQ(Printable("bad\xff\xc0\xaf"), "bad\\xff\\xc0\\xaf");  // invalid and overlong
-  EXPECT_EQ(Printable("cut\xe4\xb8"), "cut\\xe4\\xb8");             // truncated sequence
-}
-
-TEST(PrintableTest, CapsLength) {
-  EXPECT_EQ(Printable(std::string(300, 'a'), 10), "aaaaaaaaaa...");
-  EXPECT_EQ(Printable("abc", 3), "abc");
 }
 
 TEST(Utf8Test, CharLength) {

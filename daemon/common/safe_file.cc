@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "daemon/common/parallel.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit {
@@ -28,8 +29,6 @@ namespace {
 std::atomic<bool> g_openat2_disabled{false};
 std::mutex g_hook_mu;
 std::function<void(const std::string&, uint64_t)>* g_read_hook = nullptr;
-
-std::string Quoted(absl::string_view s) { return absl::StrCat("\"", s, "\""); }
 
 // The status for a failed system call on `path`: the errno's code, "<what> <path>: <strerror>".
 absl::Status SysError(int err, absl::string_view what, const std::string& path) {

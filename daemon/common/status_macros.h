@@ -1,5 +1,6 @@
 // Status propagation: REFIT_RETURN_IF_ERROR / REFIT_ASSIGN_OR_RETURN for absl::Status and
-// absl::StatusOr, and the one way to add context to a failed status, refit::Annotate.
+// absl::StatusOr, and the one way to add context to a failed status, refit::Annotate (AnnotateAs
+// when the code changes too).
 //
 // Debian 12's abseil (20220623) predates ABSL_RETURN_IF_ERROR, so refitd carries its own.
 #ifndef REFIT_DAEMON_COMMON_STATUS_MACROS_H_
@@ -14,17 +15,26 @@
 
 namespace refit {
 
+// Annotate (below) with another code: for a failure whose meaning changes as it travels up (a parse
+// error, INVALID_ARGUMENT where it was found, is DATA_LOSS for the file it was read from). The
+// context and payloads as Annotate; OK stays OK.
+template <typename... Context>
+absl::Status AnnotateAs(absl::StatusCode code, const absl::Status& status,
+                        const Context&... context) {
+  if (status.ok()) return status;
+  absl::Status out(code, absl::StrCat(context..., ": ", status.message()));
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 // Annotate(status, context...): the status with "<context>: " before its message (the context's
 // parts are joined as by absl::StrCat), the same code and payloads. OK stays OK. The project's
 // one idiom for saying where a failure happened as it travels up:
 //   return Annotate(st, "tensor ", name);  // -> "tensor w1: checksum mismatch"
 template <typename... Context>
 absl::Status Annotate(const absl::Status& status, const Context&... context) {
-  if (status.ok()) return status;
-  absl::Status out(status.code(), absl::StrCat(context..., ": ", status.message()));
-  status.ForEachPayload(
-      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return AnnotateAs(status.code(), status, context...);
 }
 
 }  // namespace refit

@@ -50,5 +50,16 @@ TEST(Annotate, PrefixesTheContextKeepingCodeAndPayloads) {
 
 TEST(Annotate, OkStaysOk) { EXPECT_THAT(Annotate(absl::OkStatus(), "anything"), IsOk()); }
 
+TEST(AnnotateAs, ChangesTheCodeKeepingContextAndPayloads) {
+  absl::Status st = absl::InvalidArgumentError("bad varint at byte 9");
+  st.SetPayload("refit.dev/where", absl::Cord("block 3"));
+  const absl::Status out = AnnotateAs(absl::StatusCode::kDataLoss, st, "baseline file ", "b.bin");
+  EXPECT_THAT(out, StatusIs(absl::StatusCode::kDataLoss,
+                            ::testing::Eq("baseline file b.bin: bad varint at byte 9")));
+  ASSERT_TRUE(out.GetPayload("refit.dev/where").has_value());
+  EXPECT_EQ(std::string(*out.GetPayload("refit.dev/where")), "block 3");
+  EXPECT_THAT(AnnotateAs(absl::StatusCode::kDataLoss, absl::OkStatus(), "x"), IsOk());
+}
+
 }  // namespace
 }  // namespace refit

@@ -4,7 +4,7 @@
 //   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss, HasSubstr("checksum")));
 //   EXPECT_THAT(s, StatusIs(absl::StatusCode::kNotFound));
 //   REFIT_ASSERT_OK_AND_ASSIGN(auto v, MakeThing());
-// Header-only; tests link GTest::gmock.
+// Header-only; tests link GTest::gmock. For grpc::Status include grpc_status_matchers.h.
 #ifndef REFIT_DAEMON_COMMON_STATUS_MATCHERS_H_
 #define REFIT_DAEMON_COMMON_STATUS_MATCHERS_H_
 
@@ -19,23 +19,35 @@
 namespace refit::testing {
 namespace internal {
 
-inline const absl::Status& GetStatus(const absl::Status& s) { return s; }
+// The absl::Status a matched value carries. Specialise StatusOf for other status types (as
+// grpc_status_matchers.h does for grpc::Status) before the matchers are used on them.
 template <typename T>
-const absl::Status& GetStatus(const absl::StatusOr<T>& s) {
-  return s.status();
+struct StatusOf;
+template <>
+struct StatusOf<absl::Status> {
+  static absl::Status Get(const absl::Status& s) { return s; }
+};
+template <typename T>
+struct StatusOf<absl::StatusOr<T>> {
+  static absl::Status Get(const absl::StatusOr<T>& s) { return s.status(); }
+};
+
+template <typename T>
+absl::Status GetStatus(const T& value) {
+  return StatusOf<T>::Get(value);
 }
 
 }  // namespace internal
 
 MATCHER(IsOk, negation ? "is not OK" : "is OK") {
-  const absl::Status& s = internal::GetStatus(arg);
+  const absl::Status s = internal::GetStatus(arg);
   if (!s.ok()) *result_listener << "status: " << s;
   return s.ok();
 }
 
 MATCHER_P(StatusIs, code, std::string(negation ? "does not have" : "has") + " code " +
                                absl::StatusCodeToString(code)) {
-  const absl::Status& s = internal::GetStatus(arg);
+  const absl::Status s = internal::GetStatus(arg);
   *result_listener << "status: " << s;
   return s.code() == code;
 }
@@ -43,7 +55,7 @@ MATCHER_P(StatusIs, code, std::string(negation ? "does not have" : "has") + " co
 MATCHER_P2(StatusIs, code, message_matcher,
            std::string("has code ") + absl::StatusCodeToString(code) + " and a message that " +
                ::testing::DescribeMatcher<std::string>(message_matcher, negation)) {
-  const absl::Status& s = internal::GetStatus(arg);
+  const absl::Status s = internal::GetStatus(arg);
   *result_listener << "status: " << s;
   return s.code() == code &&
          ::testing::Matches(message_matcher)(std::string(s.message()));

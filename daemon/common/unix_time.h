@@ -10,7 +10,13 @@
 
 namespace refit {
 
-inline uint64_t NowUnixNanos() { return static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())); }
+// `t` as Unix-epoch nanoseconds (0 for times before 1970).
+inline uint64_t UnixNanos(absl::Time t) {
+  const int64_t ns = absl::ToUnixNanos(t);
+  return ns < 0 ? 0 : static_cast<uint64_t>(ns);
+}
+
+inline uint64_t NowUnixNanos() { return UnixNanos(absl::Now()); }
 
 }  // namespace refit
 

@@ -11,15 +11,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/utf8.h"
 #include "daemon/config/address.h"
 #include "daemon/config/tls_material.h"
 
 namespace refit::config {
 namespace {
-
-std::string Quote(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 
 // Builds one-line errors "<file>:<line>:<col>: <path>: <problem>".
 class Checker {
@@ -66,7 +66,7 @@ absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_
                                       const v1::ServerTls& tls) {
   auto addr = ParseAddress(addr_text, AddressUse::kListen);
   if (!addr.ok())
-    return c.Fail(addr_path, absl::StrCat(Quote(addr_text), ": ", addr.status().message()));
+    return c.Fail(addr_path, absl::StrCat(Quoted(addr_text), ": ", addr.status().message()));
   const bool any_file = !tls.cert().empty() || !tls.key().empty() || !tls.ca().empty();
   if (tls.insecure()) {
     if (any_file || tls.allowed_identities_size() > 0) {
@@ -90,7 +90,7 @@ absl::StatusOr<Address> CheckListener(const Checker& c, const std::string& addr_
                     "needs TLS: set cert, key and ca too");
     }
     if (!addr->loopback) {
-      return c.Fail(addr_path, absl::StrCat(Quote(addr_text), " is not a loopback address",
+      return c.Fail(addr_path, absl::StrCat(Quoted(addr_text), " is not a loopback address",
                                             NotLoopbackWhy(*addr), ", so ", tls_path,
                                             " needs cert, key and ca (mTLS), or set ", tls_path,
                                             ".insecure: true explicitly"));
@@ -115,12 +115,12 @@ absl::Status CheckLocalSocket(const Checker& c, const std::string& path,
                               const std::string& socket) {
   if (socket.empty()) return absl::OkStatus();
   if (absl::StartsWith(socket, "unix:")) {
-    return c.Fail(path, absl::StrCat(Quote(socket),
+    return c.Fail(path, absl::StrCat(Quoted(socket),
                                      ": give a filesystem path, not a gRPC address (drop "
                                      "\"unix:\")"));
   }
   if (socket[0] != '/') {
-    return c.Fail(path, absl::StrCat(Quote(socket),
+    return c.Fail(path, absl::StrCat(Quoted(socket),
                                      " is relative: give an absolute path; a relative one "
                                      "depends on the daemon's working directory"));
   }
@@ -197,18 +197,19 @@ absl::Status CheckMetrics(const Checker& c, const std::string& role,
   }
   auto addr = ParseAddress(metrics.listen(), AddressUse::kListen);
   if (!addr.ok()) {
-    return c.Fail(path, absl::StrCat(Quote(metrics.listen()), ": ", addr.status().message()));
+    return c.Fail(path, absl::StrCat(Quoted(metrics.listen()), ": ", addr.status().message()));
   }
   if (addr->kind != AddressKind::kTcp) {
-    return c.Fail(path, absl::StrCat(Quote(metrics.listen()),
+    return c.Fail(path, absl::StrCat(Quoted(metrics.listen()),
                                      ": the metrics endpoint is HTTP over TCP (host:port), not a "
                                      "unix socket"));
   }
   if (!addr->loopback && !metrics.insecure()) {
-    return c.Fail(path, absl::StrCat(Quote(metrics.listen()), " is not a loopback address",
-                                     NotLoopbackWhy(*addr), ", and the metrics endpoint has no "
-                                     "TLS: use a loopback address, or set ", role,
-                                     ".metrics.insecure: true explicitly"));
+    return c.Fail(path, absl::StrCat(Quoted(metrics.listen()), " is not a loopback address",
+                                     NotLoopbackWhy(*addr),
+                                     ", and the metrics endpoint has no "
+                                     "TLS: use a loopback address, or set ",
+                                     role, ".metrics.insecure: true explicitly"));
   }
   endpoints.push_back(EndpointOf(path, *addr));
   return CheckDistinct(c, endpoints);
@@ -241,10 +242,10 @@ absl::Status CheckClientTls(const Checker& c, const std::string& tls_path, const
   for (const auto& [path, text] : addresses) {
     auto addr = ParseAddress(text, AddressUse::kConnect);
     if (addr.ok() && !addr->loopback) {
-      return c.Fail(path, absl::StrCat(Quote(text), " is not a loopback address",
-                                       NotLoopbackWhy(*addr), ", so ", tls_path,
-                                       " needs cert, key and ca (mTLS), or set ", tls_path,
-                                       ".insecure: true explicitly"));
+      return c.Fail(
+          path, absl::StrCat(Quoted(text), " is not a loopback address", NotLoopbackWhy(*addr),
+                             ", so ", tls_path, " needs cert, key and ca (mTLS), or set ", tls_path,
+                             ".insecure: true explicitly"));
     }
   }
   return absl::OkStatus();
@@ -319,7 +320,8 @@ absl::Status CheckShardSet(const Checker& c, const std::string& path, const std:
     const char ch = set[i];
     if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' &&
         ch != '-') {
-      return c.Fail(path, absl::StrCat(Quote(set), ": byte ", i, " is not a letter, digit, '.', "
+      return c.Fail(path, absl::StrCat(Quoted(set), ": byte ", i,
+                                       " is not a letter, digit, '.', "
                                        "'_' or '-'"));
     }
   }
@@ -345,12 +347,12 @@ absl::Status CheckPublisherShard(const Checker& c, const v1::ShardConfig& shard)
 // A directory of publisher/subscriber.files: absolute, no "." or ".." components, not "/".
 absl::Status CheckFilesDir(const Checker& c, const std::string& field, const std::string& dir) {
   if (dir.empty() || dir[0] != '/') {
-    return c.Fail(field, absl::StrCat(Quote(dir), " must be an absolute directory path"));
+    return c.Fail(field, absl::StrCat(Quoted(dir), " must be an absolute directory path"));
   }
   const std::string normal = std::filesystem::path(dir).lexically_normal().string();
   for (const auto& part : std::filesystem::path(dir)) {
     if (part == "." || part == "..") {
-      return c.Fail(field, absl::StrCat(Quote(dir), " has a \"", part.string(),
+      return c.Fail(field, absl::StrCat(Quoted(dir), " has a \"", part.string(),
                                         "\" component (write the directory plainly)"));
     }
   }
@@ -383,7 +385,7 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
   const absl::StatusOr<unsigned> mode = ParseFileMode(f.export_mode(), prefix + "export_mode");
   if (!mode.ok() || (*mode & ~0666u) != 0) {
     return c.Fail(prefix + "export_mode",
-                  absl::StrCat(Quote(f.export_mode()),
+                  absl::StrCat(Quoted(f.export_mode()),
                                " is not an octal file mode up to 0666 (e.g. \"0600\", \"0640\")"));
   }
   if (f.export_dir().empty()) return absl::OkStatus();
@@ -394,8 +396,8 @@ absl::Status CheckFileAccess(const Checker& c, const std::string& role, const v1
   if (ec) persist = persist_dir;
   if (PathWithin(persist, f.export_dir()) || PathWithin(f.export_dir(), persist)) {
     return c.Fail(prefix + "export_dir",
-                  absl::StrCat(Quote(f.export_dir()), " overlaps publisher.baseline.persist_dir ",
-                               Quote(persist_dir), " (the persisted baseline is never an export ",
+                  absl::StrCat(Quoted(f.export_dir()), " overlaps publisher.baseline.persist_dir ",
+                               Quoted(persist_dir), " (the persisted baseline is never an export ",
                                "target: use separate directories)"));
   }
   return absl::OkStatus();
@@ -430,7 +432,7 @@ absl::Status CheckAccess(const Checker& c, const std::string& role, const v1::Co
        {std::pair<std::string, const std::string*>{field + ".socket_mode", &control.socket_mode()},
         {role + ".local_access.socket_mode", &local.socket_mode()}}) {
     if (!ParseFileMode(*text, path).ok()) {
-      return c.Fail(path, absl::StrCat(Quote(*text),
+      return c.Fail(path, absl::StrCat(Quoted(*text),
                                        " is not an octal file mode up to 0777 (e.g. \"0660\")"));
     }
   }
@@ -545,10 +547,10 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
   for (size_t i = 0; i < upstream_addresses.size(); ++i) {
     const auto& [path, text] = upstream_addresses[i];
     auto addr = ParseAddress(text, AddressUse::kConnect);
-    if (!addr.ok()) return c.Fail(path, absl::StrCat(Quote(text), ": ", addr.status().message()));
+    if (!addr.ok()) return c.Fail(path, absl::StrCat(Quoted(text), ": ", addr.status().message()));
     for (size_t j = 0; j < i; ++j) {
       if (upstream_addresses[j].second == text) {
-        return c.Fail(path, absl::StrCat(Quote(text), " is listed twice (also ",
+        return c.Fail(path, absl::StrCat(Quoted(text), " is listed twice (also ",
                                          upstream_addresses[j].first, ")"));
       }
     }
@@ -586,7 +588,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
   if (prefix.size() < 2 || prefix[0] != '/' || prefix.find('/', 1) != std::string::npos ||
       prefix.size() > 200) {
     return c.Fail("subscriber.store.shm_prefix",
-                  absl::StrCat(Quote(prefix),
+                  absl::StrCat(Quoted(prefix),
                                ": a POSIX shm name prefix starts with '/', has no other '/' and "
                                "is 2..200 bytes"));
   }
@@ -615,9 +617,9 @@ namespace {
 // `s` (from safe_file.h, which names the path itself) as "<where>: <reason>", the path said once.
 absl::Status WithoutPath(const absl::Status& s, const std::string& where, const std::string& path) {
   absl::string_view m = s.message();
-  for (const std::string& prefix : {absl::StrCat("open ", Quote(path), ": "),
-                                    absl::StrCat("read ", Quote(path), ": "),
-                                    absl::StrCat(Quote(path), " ")}) {
+  for (const std::string& prefix :
+       {absl::StrCat("open ", Quoted(path), ": "), absl::StrCat("read ", Quoted(path), ": "),
+        absl::StrCat(Quoted(path), " ")}) {
     if (absl::StartsWith(m, prefix)) {
       m.remove_prefix(prefix.size());
       break;
@@ -630,7 +632,7 @@ absl::Status WithoutPath(const absl::Status& s, const std::string& where, const 
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, const std::string& what,
                                           size_t max_bytes) {
-  const std::string where = absl::StrCat("cannot read ", what, " ", Quote(path));
+  const std::string where = absl::StrCat("cannot read ", what, " ", Quoted(path));
   if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty path"));
   // A FIFO or device is refused without blocking in open() (safe_file.h).
   absl::StatusOr<UniqueFd> fd = OpenRegularFile(path);

@@ -705,7 +705,7 @@ TEST(ConfigTest, PatchLogBoundsAreRangeChecked) {
 // quote in their error, here an address with a line break, keeps the error one line.
 TEST(ConfigTest, ControlCharactersInValuesAreEscapedInErrors) {
   const std::string e = PublisherError("publisher:\n  listen: \"0.0.0.0:7400\\nx\"\n");
-  EXPECT_CONTAINS(e, "pub.yaml:2:11: publisher.listen: \"0.0.0.0:7400\\x0ax\"");
+  EXPECT_CONTAINS(e, "pub.yaml:2:11: publisher.listen: \"0.0.0.0:7400\\nx\"");
 }
 
 

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/config/config.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/auth_metadata_processor.h"
@@ -58,8 +59,6 @@ void AuthorizeIdentities(const v1::ServerTls& tls, const std::string& field_path
   creds->SetAuthMetadataProcessor(
       std::make_shared<IdentityAuthorizer>(std::move(allowed), field_path));
 }
-
-uint64_t UnixNanos(absl::Time t) { return static_cast<uint64_t>(absl::ToUnixNanos(t)); }
 
 // An anonymous in-memory file (memfd) at a fixed descriptor, reachable by path as
 // /proc/self/fd/N; Replace swaps its contents atomically (dup3 of a new memfd onto N).
@@ -216,7 +215,7 @@ class ReloadableTls {
                   files_.field, status_.subject(), status_.sha256_fingerprint(), why);
     }
     status_.set_last_reload_error(why);
-    status_.set_last_reload_error_unix_nanos(UnixNanos(absl::Now()));
+    status_.set_last_reload_error_unix_nanos(NowUnixNanos());
     return st;
   }
 

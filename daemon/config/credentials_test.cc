@@ -13,7 +13,7 @@
 #include <string>
 
 #include "daemon/common/grpc_status.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/config/config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
@@ -200,7 +200,7 @@ TEST_F(CredentialsTest, RefusesAClientWithoutCertificate) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
   v1::StatusResponse response;
   const grpc::Status s = v1::Control::NewStub(channel)->Status(&ctx, {}, &response);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable));
 }
 
 TEST_F(CredentialsTest, RefusesACertificateFromAnotherCa) {

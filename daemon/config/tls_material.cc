@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/config.h"
 
@@ -31,8 +32,6 @@ struct PkeyFree {
 using BioPtr = std::unique_ptr<BIO, BioFree>;
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
-
-std::string Quote(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 
 // Never prompts for a passphrase: an encrypted key is an error, not a hang.
 int NoPassphrase(char* /*buf*/, int /*size*/, int /*rwflag*/, void* /*u*/) { return -1; }
@@ -129,7 +128,7 @@ absl::StatusOr<PkeyPtr> PrivateKeyOf(const std::string& pem, const std::string& 
 }
 
 std::string What(const TlsFiles& f, const char* which, const std::string& path) {
-  return absl::StrCat(f.field, ".", which, " ", Quote(path));
+  return absl::StrCat(f.field, ".", which, " ", Quoted(path));
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "google/protobuf/descriptor.h"
 #include "refit/v1/options.pb.h"
@@ -107,23 +108,14 @@ std::string Expected(const FieldDescriptor* f) {
   return "a value";
 }
 
-std::string Quote(absl::string_view text) {
-  constexpr size_t kMaxShown = 80;
-  std::string shown(text.substr(0, kMaxShown));
-  for (char& c : shown) {
-    if (static_cast<unsigned char>(c) < 0x20) c = '?';
-  }
-  return absl::StrCat("\"", shown, text.size() > kMaxShown ? "...\"" : "\"");
-}
-
 std::string Describe(const YAML::Node& node) {
   switch (node.Type()) {
     case YAML::NodeType::Null: return "null";
     case YAML::NodeType::Map: return "a mapping";
     case YAML::NodeType::Sequence: return "a sequence";
     case YAML::NodeType::Scalar:
-      return node.Tag() == "!" ? absl::StrCat("the quoted string ", Quote(node.Scalar()))
-                               : Quote(node.Scalar());
+      return node.Tag() == "!" ? absl::StrCat("the quoted string ", Quoted(node.Scalar(), 80))
+                               : Quoted(node.Scalar(), 80);
     case YAML::NodeType::Undefined: break;
   }
   return "nothing";
@@ -194,7 +186,7 @@ template <typename T>
 absl::StatusOr<T> ParseInteger(const FieldDescriptor* f, absl::string_view text) {
   if (!IsDecimalInteger(text)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("expected ", Expected(f), " (decimal digits), got ", Quote(text)));
+        absl::StrCat("expected ", Expected(f), " (decimal digits), got ", Quoted(text, 80)));
   }
   T value{};
   if (!absl::SimpleAtoi(text, &value)) {
@@ -209,7 +201,8 @@ absl::StatusOr<T> ParseInteger(const FieldDescriptor* f, absl::string_view text)
 absl::StatusOr<double> ParseDouble(const FieldDescriptor* f, absl::string_view text) {
   double value = 0;
   if (!IsDecimalNumber(text) || !absl::SimpleAtod(text, &value)) {
-    return absl::InvalidArgumentError(absl::StrCat("expected a decimal number, got ", Quote(text)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected a decimal number, got ", Quoted(text, 80)));
   }
   if (!std::isfinite(value) || (f->cpp_type() == FieldDescriptor::CPPTYPE_FLOAT &&
                                 std::fabs(value) > std::numeric_limits<float>::max())) {
@@ -238,7 +231,7 @@ absl::StatusOr<const EnumValueDescriptor*> ParseEnum(const FieldDescriptor* f,
     if (text == v->name() || absl::EqualsIgnoreCase(text, ShortName(v))) return v;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown value ", Quote(text), "; expected one of: ", EnumChoices(e)));
+      absl::StrCat("unknown value ", Quoted(text, 80), "; expected one of: ", EnumChoices(e)));
 }
 
 enum class Style { kPlain, kQuoted };
@@ -255,8 +248,9 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
       cpp == FieldDescriptor::CPPTYPE_DOUBLE || cpp == FieldDescriptor::CPPTYPE_FLOAT ||
       cpp == FieldDescriptor::CPPTYPE_BOOL;
   if (numeric && style == Style::kQuoted) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "expected ", Expected(f), ", got the quoted string ", Quote(text), " (remove the quotes)"));
+    return absl::InvalidArgumentError(absl::StrCat("expected ", Expected(f),
+                                                   ", got the quoted string ", Quoted(text, 80),
+                                                   " (remove the quotes)"));
   }
   switch (cpp) {
     case FieldDescriptor::CPPTYPE_INT32: {
@@ -292,7 +286,7 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
     case FieldDescriptor::CPPTYPE_BOOL: {
       if (text != "true" && text != "false") {
         return absl::InvalidArgumentError(
-            absl::StrCat("expected true or false, got ", Quote(text)));
+            absl::StrCat("expected true or false, got ", Quoted(text, 80)));
       }
       add ? r->AddBool(msg, f, text == "true") : r->SetBool(msg, f, text == "true");
       break;
@@ -425,7 +419,7 @@ class Walker {
     absl::Status s = SetScalar(msg, f, value.Scalar(), style);
     if (!s.ok()) {
       if (s.code() == absl::StatusCode::kInternal) {
-        return absl::InternalError(absl::StrCat(path, ": ", s.message()));
+        return AnnotateAs(absl::StatusCode::kInternal, s, path);
       }
       return Error(value, path, s.message());
     }
@@ -456,7 +450,7 @@ class Walker {
       }
     }
     return absl::StrCat("unknown key",
-                        best.empty() ? "" : absl::StrCat(" (did you mean '", best, "'?)"),
+                        best.empty() ? "" : absl::StrCat(" (did you mean ", Quoted(best), "?)"),
                         "; expected one of: ", absl::StrJoin(names, ", "));
   }
 
@@ -472,6 +466,9 @@ class Walker {
 
 // ---- message -> YAML ---------------------------------------------------------------------------
 
+// A string as a YAML double-quoted scalar that reads back to the same bytes: the emitter's
+// serializer, not a display escaper (Printable/Quoted escape for people and may change bytes
+// that are not UTF-8; this keeps every byte, escaping only what YAML requires).
 std::string YamlQuote(absl::string_view s) {
   std::string out = "\"";
   for (unsigned char c : s) {
@@ -640,19 +637,6 @@ std::string SourceMap::Prefix(const std::string& path) const {
   return absl::StrCat(source_name_, ": ");
 }
 
-std::string OneLine(absl::string_view text) {
-  std::string out;
-  for (char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 absl::Status ParseYamlInto(const std::string& yaml_text, Message* message, SourceMap* source_map) {
   const std::string& source = source_map->source_name();
   if (yaml_text.size() > kMaxConfigBytes) {
@@ -705,8 +689,8 @@ absl::Status ApplyDefaults(Message* message) {
     }
     absl::Status s = SetScalar(message, f, rules.default_value(), Style::kPlain);
     if (!s.ok()) {
-      return absl::InternalError(absl::StrCat("schema: default of ", f->full_name(), " (",
-                                              rules.default_value(), "): ", s.message()));
+      return AnnotateAs(absl::StatusCode::kInternal, s, "schema: default of ", f->full_name(), " (",
+                        rules.default_value(), ")");
     }
   }
   return absl::OkStatus();

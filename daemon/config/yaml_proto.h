@@ -65,10 +65,6 @@ absl::Status ParseYamlInto(const std::string& yaml_text, google::protobuf::Messa
 // parse or is out of its bounds, a default on a field without presence).
 absl::Status ApplyDefaults(google::protobuf::Message* message);
 
-// `text` with every control character (and DEL) written as \xNN: keys and values a config error
-// names come from the file, and the error must stay one line.
-std::string OneLine(absl::string_view text);
-
 // Renders `message` (fields that are present, declaration order) as YAML that ParseYamlInto reads
 // back to an equal message. Strings are double-quoted, enums use their short lower-case names.
 std::string MessageToYaml(const google::protobuf::Message& message);

@@ -78,7 +78,7 @@ TEST(YamlProtoTest, UnknownKeyNamesPathLineAndSuggestion) {
       "  listen: \"127.0.0.1:1\"\n"
       "  tls:\n"
       "    cret: /x.pem\n");
-  EXPECT_CONTAINS(e, "test.yaml:4:5: publisher.tls.cret: unknown key (did you mean 'cert'?)");
+  EXPECT_CONTAINS(e, "test.yaml:4:5: publisher.tls.cret: unknown key (did you mean \"cert\"?)");
   EXPECT_CONTAINS(e, "expected one of: cert, key, ca, allowed_identities, insecure");
   // No suggestion when nothing is close.
   EXPECT_EQ(ErrorOf<v1::ConfigFile>("zebra: 1\n").find("did you mean"), std::string::npos);
@@ -312,7 +312,6 @@ TEST(YamlProtoTest, ControlCharactersInKeysAreEscapedInErrors) {
   EXPECT_CONTAINS(e, "test.yaml:2:3: publisher.");
   EXPECT_CONTAINS(e, "unknown key");
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
-  EXPECT_EQ(OneLine("a\nb\x7f\tc"), "a\\x0ab\\x7f\\x09c");
 }
 
 TEST(YamlProtoTest, DocumentLevelErrors) {

@@ -7,6 +7,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/printable.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 
 namespace refit::metrics {
@@ -27,8 +29,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
                                                                      const std::string& listen) {
   absl::StatusOr<config::Address> addr = config::ParseAddress(listen, config::AddressUse::kListen);
   if (!addr.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " \"", listen, "\": ", addr.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, addr.status(), field, " ",
+                      Quoted(listen));
   }
   if (addr->kind != config::AddressKind::kTcp) {
     return absl::InvalidArgumentError(

@@ -14,6 +14,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
+#include "daemon/common/unix_time.h"
+
 namespace refit::metrics {
 namespace {
 
@@ -205,7 +207,7 @@ void Subscriber(const v1::StatusResponse& s, Families& f) {
           D(up.bytes_received()));
   f.Gauge("refitd_subscriber_leases", "Read leases held by local consumers.", s.leases_size());
   const uint64_t blocked_since = s.blocked_on_leases().since_unix_nanos();
-  const uint64_t now = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  const uint64_t now = NowUnixNanos();
   f.Gauge("refitd_subscriber_blocked_on_leases_seconds",
           "How long a received version has waited for a slot that leases hold (0 = none).",
           blocked_since == 0 || blocked_since > now ? 0.0 : Nanos(now - blocked_since));

@@ -26,11 +26,4 @@ absl::string_view SafetensorsDTypeName(DType t) {
   return "?";
 }
 
-std::string SafetensorsQuote(absl::string_view s) {
-  constexpr size_t kMax = 200;
-  std::string q = absl::StrCat("\"", absl::CHexEscape(s.substr(0, kMax)), "\"");
-  if (s.size() > kMax) absl::StrAppend(&q, "...");
-  return q;
-}
-
 }  // namespace refit::model

@@ -27,10 +27,6 @@ inline constexpr absl::string_view kSafetensorsMetadataKey = "__metadata__";
 // The safetensors name of a dtype ("BF16", "F8_E4M3", "BOOL", ...).
 absl::string_view SafetensorsDTypeName(DType t);
 
-// A tensor name or key as it appears in error messages: quoted, non-printable bytes escaped
-// (C escapes), cut after 200 bytes ("...").
-std::string SafetensorsQuote(absl::string_view s);
-
 }  // namespace refit::model
 
 #endif  // REFIT_DAEMON_MODEL_SAFETENSORS_FORMAT_H_

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/strict_json_reader.h"
@@ -33,7 +34,7 @@ uint64_t SafetensorsEntry::num_elements() const {
 absl::StatusOr<size_t> SafetensorsFile::Find(absl::string_view name) const {
   auto it = index_.find(name);
   if (it == index_.end()) {
-    return absl::NotFoundError(absl::StrCat(path_, ": no tensor named ", SafetensorsQuote(name)));
+    return absl::NotFoundError(absl::StrCat(path_, ": no tensor named ", Quoted(name)));
   }
   return it->second;
 }
@@ -132,13 +133,12 @@ absl::Status ParseMetadata(JsonReader& r, std::map<std::string, std::string>* me
     REFIT_ASSIGN_OR_RETURN(bool more, r.NextMember(&first, &key, &key_pos));
     if (!more) return absl::OkStatus();
     if (r.Peek() != '"') {
-      return r.Error(r.pos(), absl::StrCat("\"__metadata__\" value for ", SafetensorsQuote(key),
+      return r.Error(r.pos(), absl::StrCat("\"__metadata__\" value for ", Quoted(key),
                                            " must be a string, found ", r.DescribeNext()));
     }
     REFIT_RETURN_IF_ERROR(r.ReadString(&value));
     if (!metadata->emplace(key, value).second) {
-      return r.Error(key_pos,
-                     absl::StrCat("duplicate \"__metadata__\" key ", SafetensorsQuote(key)));
+      return r.Error(key_pos, absl::StrCat("duplicate \"__metadata__\" key ", Quoted(key)));
     }
   }
 }
@@ -167,7 +167,7 @@ absl::Status ParseDTypeField(JsonReader& r, size_t value_pos, TensorFields& t) {
   auto dt = ParseDType(text);
   if (!dt.ok() || SafetensorsDTypeName(*dt) != text) {
     return t.Error(r, "dtype", value_pos,
-                   absl::StrCat("unknown or unsupported dtype ", SafetensorsQuote(text),
+                   absl::StrCat("unknown or unsupported dtype ", Quoted(text),
                                 " (supported: BF16 F16 F32 F64 F8_E4M3 F8_E5M2 I8 I16 I32 "
                                 "I64 U8 U16 U32 U64 BOOL)"));
   }
@@ -241,7 +241,7 @@ absl::Status ParseTensorFields(JsonReader& r, size_t key_pos, TensorFields& t) {
                  : field == "data_offsets" ? &t.have_offsets
                                            : nullptr;
     if (seen == nullptr) {
-      return r.Error(field_pos, absl::StrCat(t.where, ": unknown field ", SafetensorsQuote(field),
+      return r.Error(field_pos, absl::StrCat(t.where, ": unknown field ", Quoted(field),
                                              " (expected dtype, shape, data_offsets)"));
     }
     if (*seen) return t.Error(r, field, field_pos, "duplicate field");
@@ -299,7 +299,7 @@ absl::Status CheckTensorExtent(const JsonReader& r, const DataRegion& data, Tens
 absl::Status ParseTensorEntry(JsonReader& r, const std::string& name, size_t key_pos,
                               const DataRegion& data, ParsedHeader& out) {
   TensorFields t;
-  t.where = absl::StrCat("tensor ", SafetensorsQuote(name));
+  t.where = absl::StrCat("tensor ", Quoted(name));
   if (out.index.contains(name))
     return r.Error(key_pos, absl::StrCat(t.where, ": duplicate tensor name"));
   if (r.Peek() != '{') {
@@ -354,12 +354,11 @@ absl::Status CheckTiling(const std::string& path, const ParsedHeader& h, uint64_
   uint64_t covered = 0;
   for (size_t k = 0; k < order.size(); ++k) {
     const TensorRange& rg = h.ranges[order[k]];
-    const std::string where =
-        absl::StrCat(path, ": tensor ", SafetensorsQuote(h.tensors[order[k]].name),
-                     ": data_offsets [", rg.begin, ", ", rg.end, ")");
+    const std::string where = absl::StrCat(path, ": tensor ", Quoted(h.tensors[order[k]].name),
+                                           ": data_offsets [", rg.begin, ", ", rg.end, ")");
     if (rg.begin < covered) {
       return absl::InvalidArgumentError(absl::StrCat(where, " overlaps tensor ",
-                                                     SafetensorsQuote(h.tensors[order[k - 1]].name),
+                                                     Quoted(h.tensors[order[k - 1]].name),
                                                      " (which ends at ", covered, ")"));
     }
     if (rg.begin > covered) {

@@ -5,6 +5,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/json_string.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/utf8.h"
 
@@ -15,7 +16,7 @@ namespace {
 // Appends one tensor's header entry; checks the name, dtype, shape and data size.
 absl::Status AppendTensorHeader(const std::string& path, const SafetensorsTensorRef& t,
                                 uint64_t* offset, std::string* header) {
-  const std::string where = absl::StrCat("write ", path, ": tensor ", SafetensorsQuote(t.name));
+  const std::string where = absl::StrCat("write ", path, ": tensor ", Quoted(t.name));
   if (t.name == kSafetensorsMetadataKey)
     return absl::InvalidArgumentError(absl::StrCat(where, ": reserved name"));
   if (!IsValidUtf8(t.name))
@@ -63,8 +64,7 @@ absl::StatusOr<std::string> BuildHeader(const std::string& path,
     bool first = true;
     for (const auto& [k, v] : metadata) {
       if (!IsValidUtf8(k) || !IsValidUtf8(v)) {
-        return absl::InvalidArgumentError(absl::StrCat("write ", path, ": metadata key ",
-                                                       SafetensorsQuote(k),
+        return absl::InvalidArgumentError(absl::StrCat("write ", path, ": metadata key ", Quoted(k),
                                                        " or its value is not valid UTF-8"));
       }
       if (!first) header += ',';
@@ -80,7 +80,7 @@ absl::StatusOr<std::string> BuildHeader(const std::string& path,
   for (const SafetensorsTensorRef& t : tensors) {
     if (!seen.insert(t.name).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat("write ", path, ": tensor ", SafetensorsQuote(t.name), ": duplicate name"));
+          absl::StrCat("write ", path, ": tensor ", Quoted(t.name), ": duplicate name"));
     }
     REFIT_RETURN_IF_ERROR(AppendTensorHeader(path, t, &offset, &header));
   }

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors_format.h"
 
@@ -111,7 +112,7 @@ class JsonReader {
       default: break;
     }
     if (c == '-' || (c >= '0' && c <= '9')) return "a number";
-    return absl::StrCat("unexpected character ", SafetensorsQuote(absl::string_view(&s_[pos_], 1)));
+    return absl::StrCat("unexpected character ", Quoted(absl::string_view(&s_[pos_], 1)));
   }
 
   absl::Status Expect(char c, absl::string_view what) {
@@ -252,8 +253,7 @@ class JsonReader {
       case 't': out->push_back('\t'); return absl::OkStatus();
       case 'u': break;
       default:
-        return SyntaxError(start,
-                           absl::StrCat("invalid escape ", SafetensorsQuote(s_.substr(start, 2))));
+        return SyntaxError(start, absl::StrCat("invalid escape ", Quoted(s_.substr(start, 2))));
     }
     uint32_t cp = 0;
     REFIT_RETURN_IF_ERROR(ReadHex4(&cp));

@@ -41,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/parallel.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 static_assert(std::endian::native == std::endian::little, "BF16 bytes are published little-endian");
@@ -503,8 +504,8 @@ absl::StatusOr<TransformerShape> PresetShape(absl::string_view name) {
   } else if (name == "500m") {  // ~551M
     s.vocab = 32000, s.hidden = 1536, s.layers = 18, s.ffn = 4096, s.heads = 12, s.kv_heads = 4;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown model preset '", name, "' (expected tiny, small, medium or 500m)"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown model preset ", Quoted(name),
+                                                   " (expected tiny, small, medium or 500m)"));
   }
   return s;
 }

@@ -10,11 +10,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/arg_cursor.h"
+#include "daemon/common/hex.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/model/trajectory.h"
 
 namespace {
@@ -49,40 +57,68 @@ void Print(const char* label, const refit::model::BF16ChangeStats& s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+struct Args {
   std::string preset = "small";
   int steps = 5;
   bool per_tensor = false;
-  refit::model::TrajectoryOptions o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto eq = a.find('=');
-    std::string key = a.substr(0, eq), val = eq == std::string::npos ? "" : a.substr(eq + 1);
-    bool ok = true;
-    if (key == "--preset")
-      preset = val;
-    else if (key == "--steps")
-      ok = absl::SimpleAtoi(val, &steps);
-    else if (key == "--lr")
-      ok = absl::SimpleAtod(val, &o.lr);
-    else if (key == "--warmup_steps")
-      ok = absl::SimpleAtoi(val, &o.warmup_steps);
-    else if (key == "--warmup_lr")
-      ok = absl::SimpleAtod(val, &o.warmup_lr);
-    else if (key == "--seed")
-      ok = absl::SimpleAtoi(val, &o.seed);
-    else if (key == "--threads")
-      ok = absl::SimpleAtoi(val, &o.threads);
-    else if (key == "--grad_noise")
-      ok = absl::SimpleAtod(val, &o.grad_noise);
-    else if (key == "--drift_period")
-      ok = absl::SimpleAtod(val, &o.drift_period);
-    else if (key == "--per_tensor")
-      per_tensor = true;
-    else
-      return Usage("unknown flag " + a);
-    if (!ok) return Usage("bad value in " + a);
+  refit::model::TrajectoryOptions options;
+};
+
+// One numeric flag: absent (false), parsed (true) or an error naming it.
+template <typename T>
+absl::StatusOr<bool> NumberFlag(refit::ArgCursor& args, absl::string_view name, T* out) {
+  std::string text;
+  REFIT_ASSIGN_OR_RETURN(const bool found, args.Value(name, &text));
+  if (!found) return false;
+  bool ok = false;
+  if constexpr (std::is_same_v<T, double>) {
+    ok = absl::SimpleAtod(text, out);
+  } else {
+    ok = absl::SimpleAtoi(text, out);
   }
+  if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", name, ": ", text));
+  return true;
+}
+
+absl::Status ParseArgs(int argc, char** argv, Args* a) {
+  refit::ArgCursor args(argc, argv);
+  refit::model::TrajectoryOptions& o = a->options;
+  while (!args.Done()) {
+    if (args.Switch("--per_tensor")) {
+      a->per_tensor = true;
+      continue;
+    }
+    REFIT_ASSIGN_OR_RETURN(bool found, args.Value("--preset", &a->preset));
+    for (auto [name, value] : {std::pair<const char*, int*>{"--steps", &a->steps},
+                               {"--warmup_steps", &o.warmup_steps},
+                               {"--threads", &o.threads}}) {
+      if (found) break;
+      REFIT_ASSIGN_OR_RETURN(found, NumberFlag(args, name, value));
+    }
+    for (auto [name, value] : {std::pair<const char*, double*>{"--lr", &o.lr},
+                               {"--warmup_lr", &o.warmup_lr},
+                               {"--grad_noise", &o.grad_noise},
+                               {"--drift_period", &o.drift_period}}) {
+      if (found) break;
+      REFIT_ASSIGN_OR_RETURN(found, NumberFlag(args, name, value));
+    }
+    if (!found) {
+      REFIT_ASSIGN_OR_RETURN(found, NumberFlag(args, "--seed", &o.seed));
+    }
+    if (!found) return refit::UnknownArgument(args.Cur(), "refit_trajectory_stats");
+  }
+  return absl::OkStatus();
+}
+
+int main(int argc, char** argv) {
+  Args args;
+  if (absl::Status st = ParseArgs(argc, argv, &args); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  const std::string& preset = args.preset;
+  const int steps = args.steps;
+  const bool per_tensor = args.per_tensor;
+  refit::model::TrajectoryOptions& o = args.options;
   auto shape = refit::model::PresetShape(preset);
   if (!shape.ok()) return Usage(std::string(shape.status().message()));
   o.shape = *shape;
@@ -142,7 +178,7 @@ int main(int argc, char** argv) {
   uint64_t digest = 0;
   for (size_t i = 0; i < tr.tensors().size(); ++i)
     digest = digest * 31 + refit::TensorDigest(tr.bf16(i));
-  std::printf("digest of v%llu: %016llx\n", static_cast<unsigned long long>(tr.version()),
-              static_cast<unsigned long long>(digest));
+  std::printf("digest of v%llu: %s\n", static_cast<unsigned long long>(tr.version()),
+              refit::Hex64(digest).c_str());
   return 0;
 }

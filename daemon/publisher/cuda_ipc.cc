@@ -66,9 +66,8 @@ absl::StatusOr<std::shared_ptr<const OpenedIpc>> CudaRegionOpener::Open(
   }
   absl::StatusOr<cuda::Device*> device = (*devices_)(uuid);
   if (!device.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, ": CUDA IPC region on ", gpu,
-                     ", which this publisher cannot use: ", device.status().message()));
+    return AnnotateAs(absl::StatusCode::kFailedPrecondition, device.status(), what,
+                      ": CUDA IPC region on ", gpu, ", which this publisher cannot use");
   }
   absl::StatusOr<std::shared_ptr<const OpenedIpc>> opened = OpenedIpc::Open(*device, handle);
   if (!opened.ok()) {

@@ -10,16 +10,16 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/units.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/serving/publish_files.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
-
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 
 std::string Percent(double fraction) {
   char buf[32];
@@ -53,26 +53,6 @@ metrics::PublishFigures FiguresOf(const PublishSummary& s) {
 }
 
 }  // namespace
-
-std::string FormatBytes(uint64_t bytes) {
-  static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB"};
-  if (bytes < 1000) return absl::StrCat(bytes, " B");
-  double v = static_cast<double>(bytes);
-  int unit = 0;
-  while (v >= 1000.0 && unit < 6) {
-    v /= 1000.0;
-    ++unit;
-  }
-  char buf[32];
-  if (v >= 99.95) {
-    std::snprintf(buf, sizeof(buf), "%.0f %s", v, kUnits[unit]);
-  } else if (v >= 9.995) {
-    std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[unit]);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  }
-  return buf;
-}
 
 std::string DescribePublish(const PublishSummary& s) {
   return absl::StrCat("version ", s.version, " published: change ",

@@ -94,8 +94,6 @@ struct LastPublish {
   std::string source;
 };
 
-// "1.23 MB", "254 MB", "512 B" (decimal units, three significant digits).
-std::string FormatBytes(uint64_t bytes);
 // The one log line of a published version.
 std::string DescribePublish(const PublishSummary& summary);
 // The same numbers as log fields (LogEvent; the JSON log's keys): event "publish", version,

@@ -1,4 +1,3 @@
-#include "daemon/common/wait_deadline.h"
 #include "daemon/publisher/publisher_control.h"
 
 #include <algorithm>
@@ -9,18 +8,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/safe_file.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/model/safetensors.h"
+#include "daemon/common/units.h"
+#include "daemon/common/wait_deadline.h"
+#include "daemon/serving/version_file.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/version_digest.h"
 #include "refit/version.h"
 
 namespace refit::publisher {
 namespace {
-
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 
 double Ratio(uint64_t a, uint64_t b) {
   return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b);
@@ -217,22 +218,18 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
                      " is not held: the publisher holds only its newest version ",
                      baseline.version));
   }
-  std::vector<model::SafetensorsTensorRef> refs;
-  refs.reserve(baseline.tensors.size());
+  std::vector<VersionFileTensor> tensors;
+  tensors.reserve(baseline.tensors.size());
   uint64_t bytes = 0;
   for (const BaselineTensor& t : baseline.tensors) {
-    model::SafetensorsTensorRef ref;
-    ref.name = t.spec.name();
-    ref.dtype = t.dtype;
-    for (const uint64_t d : t.spec.shape()) ref.shape.push_back(static_cast<int64_t>(d));
-    ref.data = std::span<const uint8_t>(*t.bytes);
+    tensors.push_back({t.spec.name(),
+                       t.dtype,
+                       {t.spec.shape().begin(), t.spec.shape().end()},
+                       std::span<const uint8_t>(*t.bytes)});
     bytes += t.bytes->size();
-    refs.push_back(std::move(ref));
   }
-  absl::Status written = model::WriteSafetensors(path, refs, {}, ExportWriteOptions(options_));
-  if (!written.ok()) {
-    return Annotate(written, "export of version ", baseline.version, " to ", Quoted(path));
-  }
+  REFIT_RETURN_IF_ERROR(
+      WriteVersionFile(path, baseline.version, tensors, ExportWriteOptions(options_)));
   v1::ExportResponse r;
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest_v2);
@@ -287,9 +284,10 @@ absl::StatusOr<v1::VerifyResponse> PublisherControl::DoVerify() const {
     if (actual != t.digest_v2 || actual_v1 != t.digest) {
       ok = false;
       log_->error(
-          "verify: version {} tensor '{}' digest v2 {:016x} (recorded {:016x}), v1 {:016x} "
-          "(recorded {:016x})",
-          baseline.version, t.spec.name(), actual, t.digest_v2, actual_v1, t.digest);
+          "verify: version {} tensor '{}' digest v2 {} (recorded {}), v1 {} "
+          "(recorded {})",
+          baseline.version, t.spec.name(), Hex64(actual), Hex64(t.digest_v2), Hex64(actual_v1),
+          Hex64(t.digest));
     }
     manifest.push_back(t.spec);
     digests.push_back(actual);
@@ -312,8 +310,8 @@ absl::StatusOr<v1::ResyncResponse> PublisherControl::DoResync(const v1::ResyncRe
       const bool known = std::any_of(baseline.tensors.begin(), baseline.tensors.end(),
                                      [&](const BaselineTensor& t) { return t.spec.name() == name; });
       if (!known) {
-        return absl::NotFoundError(absl::StrCat("resync: tensor '", name, "' is not in version ",
-                                                baseline.version));
+        return absl::NotFoundError(
+            absl::StrCat("resync: tensor ", Quoted(name), " is not in version ", baseline.version));
       }
     }
   }
@@ -355,8 +353,8 @@ grpc::Status PublisherControl::Export(grpc::ServerContext*, const v1::ExportRequ
                                       v1::ExportResponse* response) {
   absl::StatusOr<v1::ExportResponse> r = DoExport(*request);
   if (!r.ok()) return ToGrpcStatus(r.status());
-  log_->info("exported version {} ({} tensors, {}) to \"{}\"", r->version(), r->tensors(),
-             FormatBytes(r->bytes()), request->safetensors());
+  log_->info("exported version {} ({} tensors, {}) to {}", r->version(), r->tensors(),
+             FormatBytes(r->bytes()), Quoted(request->safetensors()));
   *response = std::move(*r);
   return grpc::Status::OK;
 }

@@ -18,6 +18,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
+#include "daemon/common/units.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -25,6 +26,7 @@
 #include "daemon/publisher/publisher_control.h"
 #include "daemon/publisher/trainer_api.h"
 #include "daemon/runtime/daemon_runtime.h"
+#include "daemon/runtime/daemon_servers.h"
 #include "daemon/serving/data_plane_service.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/sync/versions.h"
@@ -49,19 +51,15 @@ class PublisherDaemonImpl final : public PublisherDaemon {
     if (data_plane_) data_plane_->Shutdown();
     if (queue_) queue_->BeginStop();  // wakes WaitVersion calls
     const auto deadline = std::chrono::system_clock::now() + kShutdownGrace;
-    for (RunningServer* server : {&local_, &control_, &listen_}) {
-      server->Shutdown(deadline);
-    }
-    for (RunningServer* server : {&local_, &control_, &listen_}) {
-      server->Wait();
-    }
+    servers_.Shutdown(deadline);
+    servers_.Wait();
     if (queue_) queue_->Stop();
     log_->info("stopped");
   }
 
-  std::string listen_address() const override { return listen_.bound_address; }
-  std::string control_address() const override { return control_.bound_address; }
-  std::string local_address() const override { return local_.bound_address; }
+  std::string listen_address() const override { return servers_.listen.bound_address; }
+  std::string control_address() const override { return servers_.control.bound_address; }
+  std::string local_address() const override { return servers_.local.bound_address; }
 
   absl::Status ReloadTls() override { return tls_->Reload(); }
   absl::Status CheckProgress() override {
@@ -85,9 +83,7 @@ class PublisherDaemonImpl final : public PublisherDaemon {
   // What the servers register: the services behind their authorization (daemon/auth).
   std::unique_ptr<auth::AuthorizedControl> authorized_control_;
   std::unique_ptr<auth::AuthorizedTrainerApi> authorized_trainer_api_;
-  RunningServer listen_;
-  RunningServer control_;
-  RunningServer local_;
+  DaemonServers servers_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
@@ -107,8 +103,8 @@ absl::StatusOr<cuda::Device*> OpenCodecDevice(const v1::CodecConfig& codec, Devi
   } else if (codec.has_cuda_device_uuid()) {
     absl::StatusOr<cuda::Uuid> uuid = cuda::ParseUuid(codec.cuda_device_uuid());
     if (!uuid.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("publisher.codec.cuda_device_uuid: ", uuid.status().message()));
+      return AnnotateAs(absl::StatusCode::kInvalidArgument, uuid.status(),
+                        "publisher.codec.cuda_device_uuid");
     }
     selector.uuid = *uuid;
     field = absl::StrCat("publisher.codec.device: ", mode, " with codec.cuda_device_uuid ",
@@ -177,57 +173,37 @@ void LogBaseline(const PublisherCore& core, spdlog::logger& log) {
   }
 }
 
-// The data-plane listener, and Control (on it or on control_listen) behind its authorization.
-absl::Status StartListenAndControl(const v1::PublisherConfig& config, PublisherDaemonImpl& d) {
+// The servers (daemon_servers.h): the data plane on listen, Control behind its authorization (on
+// listen or control_listen), the TrainerApi behind its peer check on local_socket.
+absl::Status StartServers(const v1::PublisherConfig& config, PublisherDaemonImpl& d) {
   d.authorized_control_ = std::make_unique<auth::AuthorizedControl>(
       d.control_service_.get(),
       auth::ControlAuthorizer(config.control_access(), "publisher.control_access"));
-  const unsigned socket_mode = config::FileModeOr(config.control_access().socket_mode(), 0660);
   const v1::PublisherTransport& transport = config.transport();
-  const bool separate_control = !config.control_listen().empty();
-  ServerSpec listen;
-  listen.name = "publisher.listen";
-  listen.address = config.listen();
-  listen.tls = config.tls();
-  listen.tls_field = "publisher.tls";
-  REFIT_ASSIGN_OR_RETURN(listen.credentials,
-                         d.tls_->ServerCredentials(config.tls(), "publisher.tls"));
-  listen.services = {d.data_plane_.get()};
-  if (!separate_control) listen.services.push_back(d.authorized_control_.get());
-  listen.unix_mode = socket_mode;
-  listen.max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
-  listen.max_send_bytes = -1;
-  listen.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
-  listen.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
-  REFIT_ASSIGN_OR_RETURN(d.listen_, StartServer(listen));
-  if (!separate_control) return absl::OkStatus();
-  ServerSpec control;
-  control.name = "publisher.control_listen";
-  control.address = config.control_listen();
-  control.tls = config.control_tls();
-  control.tls_field = "publisher.control_tls";
-  REFIT_ASSIGN_OR_RETURN(control.credentials,
-                         d.tls_->ServerCredentials(config.control_tls(), "publisher.control_tls"));
-  control.services = {d.authorized_control_.get()};
-  control.unix_mode = socket_mode;
-  REFIT_ASSIGN_OR_RETURN(d.control_, StartServer(control));
-  return absl::OkStatus();
-}
-
-// The TrainerApi on local_socket, behind its peer check.
-absl::Status StartTrainerApi(const v1::PublisherConfig& config, PublisherDaemonImpl& d) {
-  d.authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
-      d.trainer_api_.get(),
-      auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
-  ServerSpec local;
-  local.name = "publisher.local_socket";
-  local.address = absl::StrCat("unix:", config.local_socket());
-  local.tls_field = "publisher.local_socket";
-  local.services = {d.authorized_trainer_api_.get()};
-  local.unix_mode = config::FileModeOr(config.local_access().socket_mode(), 0660);
-  // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
-  local.max_receive_bytes = 64 << 20;
-  REFIT_ASSIGN_OR_RETURN(d.local_, StartServer(local));
+  DaemonServersSpec spec;
+  spec.role = "publisher";
+  spec.tls = d.tls_.get();
+  spec.listen = config.listen();
+  spec.listen_tls = config.tls();
+  spec.data_plane = {d.data_plane_.get()};
+  spec.listen_max_receive_bytes = static_cast<int64_t>(transport.frame_bytes()) + (1 << 20);
+  spec.keepalive_time = absl::Milliseconds(transport.keepalive_time_ms());
+  spec.keepalive_timeout = absl::Milliseconds(transport.keepalive_timeout_ms());
+  spec.control = d.authorized_control_.get();
+  spec.control_listen = config.control_listen();
+  spec.control_tls = config.control_tls();
+  spec.control_socket_mode = config::FileModeOr(config.control_access().socket_mode(), 0660);
+  if (d.trainer_api_ != nullptr) {
+    d.authorized_trainer_api_ = std::make_unique<auth::AuthorizedTrainerApi>(
+        d.trainer_api_.get(),
+        auth::LocalAuthorizer(config.local_access(), "publisher.local_access", "TrainerApi"));
+    spec.local = d.authorized_trainer_api_.get();
+    spec.local_socket = config.local_socket();
+    spec.local_socket_mode = config::FileModeOr(config.local_access().socket_mode(), 0660);
+    // RegisterTensors of a model with very many tensors exceeds gRPC's 4 MiB default.
+    spec.local_max_receive_bytes = 64 << 20;
+  }
+  REFIT_ASSIGN_OR_RETURN(d.servers_, StartDaemonServers(spec));
   return absl::OkStatus();
 }
 
@@ -309,7 +285,7 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
     d.log_->warn("test hook: publishes stall while \"{}\" exists", queue_options.stall_file);
   }
   d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
-  // The TrainerApi service (served by StartTrainerApi) exists before Control, which reports it.
+  // The TrainerApi service (served by StartServers) exists before Control, which reports it.
   if (!config.local_socket().empty()) {
     d.trainer_api_ =
         std::make_unique<TrainerApiService>(d.queue_.get(), TrainerApiOptionsOf(options, d));
@@ -344,9 +320,9 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
   d.log_->info(
       "publisher \"{}\" {} serving: data plane on {}, control on {}, trainer api on {} "
       "(history budget {}, codec {}, persist dir \"{}\"){}",
-      name, kRefitVersion, d.listen_.bound_address,
-      separate_control ? d.control_.bound_address : d.listen_.bound_address,
-      config.local_socket().empty() ? std::string("(none)") : d.local_.bound_address,
+      name, kRefitVersion, d.servers_.listen.bound_address,
+      separate_control ? d.servers_.control.bound_address : d.servers_.listen.bound_address,
+      config.local_socket().empty() ? std::string("(none)") : d.servers_.local.bound_address,
       FormatBytes(options.history_budget_bytes),
       options.device == nullptr
           ? absl::StrCat("on the CPU (",
@@ -361,12 +337,12 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
           ? std::string()
           : absl::StrCat(", metrics on http://", d.metrics_.address(), "/metrics"));
   if (config.ready_file().empty()) return absl::OkStatus();
-  absl::Status ready = WriteReadyFile(config.ready_file(),
-                                      {{"listen", d.listen_.bound_address},
-                                       {"control_listen", d.control_.bound_address},
-                                       {"local_socket", d.local_.bound_address},
-                                       {"metrics", d.metrics_.address()},
-                                       {"pid", absl::StrCat(getpid())}});
+  absl::Status ready =
+      WriteReadyFile(config.ready_file(), {{"listen", d.servers_.listen.bound_address},
+                                           {"control_listen", d.servers_.control.bound_address},
+                                           {"local_socket", d.servers_.local.bound_address},
+                                           {"metrics", d.metrics_.address()},
+                                           {"pid", absl::StrCat(getpid())}});
   if (!ready.ok()) {
     return Annotate(ready, "publisher.ready_file");
   }
@@ -411,10 +387,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   daemon->data_plane_ =
       std::make_unique<DataPlaneService>(daemon->core_.get(), std::move(data_plane_options));
   MakeQueueAndControl(config, name, options, started, *daemon);
-  REFIT_RETURN_IF_ERROR(StartListenAndControl(config, *daemon));
-  if (!config.local_socket().empty()) {
-    REFIT_RETURN_IF_ERROR(StartTrainerApi(config, *daemon));
-  }
+  REFIT_RETURN_IF_ERROR(StartServers(config, *daemon));
   REFIT_RETURN_IF_ERROR(AnnounceServing(config, name, options, *daemon));
   return std::unique_ptr<PublisherDaemon>(std::move(daemon));
 }

@@ -690,7 +690,7 @@ TEST(TrainerApiCudaRegionTest, BadRegionsHaveClearErrors) {
     auto got = (service != nullptr ? service : &api)->DoRegister(r);
     ASSERT_THAT(got, Not(IsOk()));
     EXPECT_EQ(got.status().code(), code) << got.status();
-    parts.push_back("client \"rank0\": tensor 0 'w'");
+    parts.push_back("client \"rank0\": tensor 0 \"w\"");
     for (const std::string& part : parts) {
       EXPECT_THAT(std::string(got.status().message()), HasSubstr(part));
     }

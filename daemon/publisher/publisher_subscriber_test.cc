@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -170,7 +170,7 @@ TEST(PublisherWithSubscriberTest, StatusWaitAllAndResync) {
     v1::ResyncResponse response;
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline());
-    ASSERT_TRUE(pub_control->Resync(&ctx, request, &response).ok());
+    ASSERT_THAT(pub_control->Resync(&ctx, request, &response), IsOk());
     EXPECT_EQ(response.sessions(), 1u);
   }
   // The resync goes with the next version: every tensor as a keyframe.

@@ -16,11 +16,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::publisher {
-
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", Printable(s), "\""); }
 
 namespace {
 

@@ -1,6 +1,6 @@
 // A trainer's shared-memory object (ShmRegion of local.proto) opened read-only and checked
 // (OpenShmObject: the rules in trainer_api.h's top comment), sealed against shrinking
-// (SealAgainstShrinking); and the small helpers of opening it (FdCloser, Quoted).
+// (SealAgainstShrinking); and the small helpers of opening it (FdCloser).
 #ifndef REFIT_DAEMON_PUBLISHER_SHM_OBJECT_H_
 #define REFIT_DAEMON_PUBLISHER_SHM_OBJECT_H_
 
@@ -15,9 +15,6 @@
 #include "refit/v1/local.pb.h"
 
 namespace refit::publisher {
-
-// Client-supplied text (names, paths) escaped for logs and messages (logging.h Printable).
-std::string Quoted(const std::string& s);
 
 // Closes a file descriptor on scope exit.
 struct FdCloser {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/printable.h"
 #include "daemon/publisher/shm_object.h"
 
 namespace refit::publisher {
@@ -144,7 +145,7 @@ absl::Status CheckTiling(const std::string& tensor,
   if (blocks.size() > kListed)
     held.push_back(absl::StrCat("and ", blocks.size() - kListed, " more"));
   return absl::FailedPreconditionError(
-      absl::StrCat("tensor '", tensor, "' of shape ", DescribeShape(first.global_shape),
+      absl::StrCat("tensor ", Quoted(tensor), " of shape ", DescribeShape(first.global_shape),
                    " is not covered by its blocks: no client holds ", missing,
                    " (blocks: ", absl::StrJoin(held, ", "), ")"));
 }

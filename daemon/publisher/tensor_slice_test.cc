@@ -67,7 +67,7 @@ TEST(TensorBlockTest, TilingNamesTheMissingRangeAndTheClients) {
   EXPECT_THAT(CheckTiling("w", {{"rank0", &a}, {"rank1", &b}, {"rank2", &c}}), IsOk());
   EXPECT_THAT(CheckTiling("w", {{"rank0", &a}, {"rank2", &c}}),
               StatusIs(absl::StatusCode::kFailedPrecondition,
-                       AllOf(HasSubstr("tensor 'w' of shape [10, 4]"),
+                       AllOf(HasSubstr("tensor \"w\" of shape [10, 4]"),
                              HasSubstr("index range 4:8 of dimension 0"),
                              HasSubstr("client \"rank0\" [0:4, 0:4]"),
                              HasSubstr("client \"rank2\" [8:10, 0:4]"))));

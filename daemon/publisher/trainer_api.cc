@@ -9,10 +9,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/parallel.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/units.h"
 #include "daemon/publisher/shm_object.h"
 #include "daemon/publisher/tensor_slice.h"
 #include "daemon/sync/version_digest.h"
@@ -45,18 +48,9 @@ v1::RegisterTensorsResponse TrainerApiService::CountsLocked() const {
   return r;
 }
 
-absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
-    const v1::RegisterTensorsRequest& request, const std::optional<PeerCred>& peer) {
-  const std::string& name = request.client();
-  if (name.empty()) {
-    return absl::InvalidArgumentError("RegisterTensors: client is empty (name the process, e.g. "
-                                      "\"rank0\")");
-  }
-  const std::string who = absl::StrCat("client ", Quoted(name));
-  if (request.tensors().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": no tensors to register"));
-  }
-  // Validate and map outside the lock (opening objects may be slow).
+absl::StatusOr<std::vector<std::shared_ptr<const MappedTensor>>> TrainerApiService::MapTensors(
+    const v1::RegisterTensorsRequest& request, const std::string& who,
+    const std::optional<PeerCred>& peer) const {
   std::vector<std::shared_ptr<const MappedTensor>> mapped;
   mapped.reserve(request.tensors().size());
   std::map<std::string, int> seen;
@@ -88,6 +82,24 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
       }
     }
   }
+  return mapped;
+}
+
+absl::StatusOr<v1::RegisterTensorsResponse> TrainerApiService::DoRegister(
+    const v1::RegisterTensorsRequest& request, const std::optional<PeerCred>& peer) {
+  const std::string& name = request.client();
+  if (name.empty()) {
+    return absl::InvalidArgumentError(
+        "RegisterTensors: client is empty (name the process, e.g. "
+        "\"rank0\")");
+  }
+  const std::string who = absl::StrCat("client ", Quoted(name));
+  if (request.tensors().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": no tensors to register"));
+  }
+  // Validate and map outside the lock (opening objects may be slow).
+  REFIT_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<const MappedTensor>> mapped,
+                         MapTensors(request, who, peer));
 
   absl::MutexLock lock(&mu_);
   AwaitNotPublishingLocked(name);
@@ -169,7 +181,7 @@ size_t WholeBytes(const TensorBlock& block, DType dtype) {
 absl::Status TrainerApiService::CheckAgainstOthersLocked(const std::string& client,
                                                          const MappedTensor& t) const {
   const std::string& tensor = t.spec().name();
-  const std::string who = absl::StrCat("client ", Quoted(client), ": tensor '", tensor, "'");
+  const std::string who = absl::StrCat("client ", Quoted(client), ": tensor ", Quoted(tensor));
   auto owner = owners_.find(tensor);
   if (owner != owners_.end() && owner->second != client) {
     return absl::AlreadyExistsError(
@@ -558,33 +570,12 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
     absl::MutexLock lock(&mu_);
     publishing.ended = true;
     EndPublishingLocked(name);
-    auto it = clients_.find(name);
-    if (it == clients_.end() || it->second.generation != generation) {
-      return absl::AbortedError(absl::StrCat("Publish: ", who,
-                                             " re-registered or unregistered during the snapshot; "
-                                             "publish again"));
-    }
-    if (!round_.has_value()) {
-      round_.emplace(Round{});  // Round{}: clang cannot default-construct it in emplace() here
-      round_->version = version;
-      round_->first_client = name;
-    } else if (round_->version != version) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "Publish: ", who, " publishes version ", version, " but client ",
-          Quoted(round_->first_client), " published version ", round_->version,
-          " at the same time; every client must publish the same version"));
-    }
-    round_->snapshots[name] = Share{std::move(snapshot), std::move(tensors), std::move(joins)};
-    round_->allow_degenerate = round_->allow_degenerate || request.allow_degenerate();
-    REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
+    REFIT_ASSIGN_OR_RETURN(
+        const bool committed,
+        AddShareLocked(name, who, generation, version,
+                       Share{std::move(snapshot), std::move(tensors), std::move(joins)},
+                       request.allow_degenerate(), lent, release));
     response.set_committed(committed);
-    if (!committed) {
-      // A round holds lent memory only inside the call that commits it.
-      if (lent) CopyLent(round_->snapshots[name].tensors);
-      release.reset();
-      log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
-                  round_->snapshots.size(), clients_.size());
-    }
   }
   if (release != nullptr) {
     absl::Status read = release->Wait(deadline, cancelled);
@@ -592,9 +583,42 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
       return Annotate(read, "Publish of version ", version, " by ", who);
     }
   }
-  const int64_t micros = absl::ToInt64Microseconds(absl::Now() - start);
-  response.set_snapshot_micros(micros < 0 ? 0 : static_cast<uint64_t>(micros));
+  response.set_snapshot_micros(WholeMicros(absl::Now() - start));
   return response;
+}
+
+absl::StatusOr<bool> TrainerApiService::AddShareLocked(const std::string& name,
+                                                       const std::string& who, uint64_t generation,
+                                                       uint64_t version, Share share,
+                                                       bool allow_degenerate, bool lent,
+                                                       std::shared_ptr<InputsRelease>& release) {
+  auto it = clients_.find(name);
+  if (it == clients_.end() || it->second.generation != generation) {
+    return absl::AbortedError(absl::StrCat("Publish: ", who,
+                                           " re-registered or unregistered during the snapshot; "
+                                           "publish again"));
+  }
+  if (!round_.has_value()) {
+    round_.emplace(Round{});  // Round{}: clang cannot default-construct it in emplace() here
+    round_->version = version;
+    round_->first_client = name;
+  } else if (round_->version != version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Publish: ", who, " publishes version ", version, " but client ",
+                     Quoted(round_->first_client), " published version ", round_->version,
+                     " at the same time; every client must publish the same version"));
+  }
+  round_->snapshots[name] = std::move(share);
+  round_->allow_degenerate = round_->allow_degenerate || allow_degenerate;
+  REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
+  if (!committed) {
+    // A round holds lent memory only inside the call that commits it.
+    if (lent) CopyLent(round_->snapshots[name].tensors);
+    release.reset();
+    log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
+                round_->snapshots.size(), clients_.size());
+  }
+  return committed;
 }
 
 absl::Status TrainerApiService::SnapshotCuda(const MappedTensor& t, const std::string& what,

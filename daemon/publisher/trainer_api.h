@@ -204,6 +204,19 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   absl::StatusOr<uint64_t> ChooseRoundVersion(const v1::LocalPublishRequest& request,
                                               const std::string& who, bool* completes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The client's share joins the round (re-registered meanwhile: ABORTED; another version in
+  // the round: FAILED_PRECONDITION) and the round is committed when it is complete: true. A share
+  // that does not commit gives back what it borrowed (its lent tensors copied, `release` reset).
+  absl::StatusOr<bool> AddShareLocked(const std::string& name, const std::string& who,
+                                      uint64_t generation, uint64_t version, Share share,
+                                      bool allow_degenerate, bool lent,
+                                      std::shared_ptr<InputsRelease>& release)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DoRegister's first step, outside the lock: every location validated and mapped (a
+  // duplicate name, a CUDA block this publisher cannot join: errors naming the tensor).
+  absl::StatusOr<std::vector<std::shared_ptr<const MappedTensor>>> MapTensors(
+      const v1::RegisterTensorsRequest& request, const std::string& who,
+      const std::optional<PeerCred>& peer) const;
   // Blocks are copied into their `joins` buffer (same order as `tensors`); their entry in the
   // result only names them.
   absl::StatusOr<std::vector<OwnedTensor>> TakeTensors(

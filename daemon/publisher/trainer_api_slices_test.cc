@@ -139,7 +139,7 @@ TEST_F(TrainerApiSlicesTest, ColumnAndTwoDimensionalBlocksJoin) {
   // One block of a tensor per client.
   EXPECT_THAT(Register("rank0", {o0.location, g00.location, g11.location}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("tensor 2 'g': duplicate name"),
+                       AllOf(HasSubstr("tensor 2 \"g\": duplicate name"),
                              HasSubstr("at most one block of a tensor"))));
   ASSERT_THAT(Register("rank0", {o0.location, g00.location}), IsOk());
   ASSERT_THAT(Register("rank1", {o1.location, g01.location}), IsOk());
@@ -157,7 +157,7 @@ TEST_F(TrainerApiSlicesTest, BlocksThatDisagreeAreRefusedNamingBothClients) {
   Block overlap(w, 8, 4, 3, 0, 5, 4);
   EXPECT_THAT(Register("rank1", {overlap.location}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("client \"rank1\": tensor 'w'"),
+                       AllOf(HasSubstr("client \"rank1\": tensor \"w\""),
                              HasSubstr("block [3:8, 0:4] overlaps client \"rank0\"'s block "
                                        "[0:4, 0:4]"))));
   Block other_shape(Whole(9, 4), 9, 4, 4, 0, 4, 4);
@@ -207,7 +207,7 @@ TEST_F(TrainerApiSlicesTest, AGapFailsTheCommitAndPublishesNothing) {
   EXPECT_THAT(Publish("rank2", 2),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("version 2"), HasSubstr("not published"),
-                             HasSubstr("tensor 'w' of shape [12, 4]"),
+                             HasSubstr("tensor \"w\" of shape [12, 4]"),
                              HasSubstr("index range 4:8 of dimension 0"),
                              HasSubstr("client \"rank0\" [0:4, 0:4]"),
                              HasSubstr("client \"rank2\" [8:12, 0:4]"))));

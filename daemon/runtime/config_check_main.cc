@@ -6,26 +6,32 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "daemon/common/arg_cursor.h"
 #include "daemon/config/config.h"
 #include "daemon/runtime/daemon_config.h"
 
 int main(int argc, char** argv) {
   bool print = false;
   std::vector<std::string> files;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--print") {
-      print = true;
-    } else if (arg == "--help" || arg == "-h") {
+  refit::ArgCursor args(argc, argv);
+  while (!args.Done()) {
+    if (args.Help()) {
       std::printf("usage: %s [--print] FILE...\n", argv[0]);
       return 0;
-    } else if (!arg.empty() && arg[0] == '-') {
-      std::fprintf(stderr, "%s: unknown option '%s' (usage: %s [--print] FILE...)\n", argv[0],
-                   arg.c_str(), argv[0]);
-      return 2;
-    } else {
-      files.push_back(arg);
     }
+    if (args.Switch("--print")) {
+      print = true;
+      continue;
+    }
+    if (absl::StartsWith(args.Cur(), "-")) {
+      const absl::Status st = refit::UnknownArgument(args.Cur(), "refit_config_check");
+      std::fprintf(stderr, "%s: error: %s\n", argv[0], std::string(st.message()).c_str());
+      return 2;
+    }
+    files.push_back(args.Cur());
+    args.Next();
   }
   if (files.empty()) {
     std::fprintf(stderr, "%s: no config files given (usage: %s [--print] FILE...)\n", argv[0],

@@ -14,7 +14,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/json_string.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 #include "daemon/config/credentials.h"
@@ -24,19 +26,12 @@
 namespace refit {
 namespace {
 
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
-
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 int ClampToInt(int64_t v) {
   if (v > INT_MAX) return INT_MAX;
   if (v < INT_MIN) return INT_MIN;
   return static_cast<int>(v);
-}
-
-int DurationToMillisInt(absl::Duration d) {
-  const int64_t ms = absl::ToInt64Milliseconds(d);
-  return ms < 1 ? 1 : ClampToInt(ms);
 }
 
 // A unix socket path left over from a previous run is removed, unless a server still accepts
@@ -124,13 +119,11 @@ void AddChannelArguments(const ServerSpec& spec, grpc::ServerBuilder* builder) {
   // Two servers on one port must be an error, not a silent SO_REUSEPORT share.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   if (spec.keepalive_time > absl::ZeroDuration()) {
-    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
-                                DurationToMillisInt(spec.keepalive_time));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, MillisArg(spec.keepalive_time));
     builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   }
   if (spec.keepalive_timeout > absl::ZeroDuration()) {
-    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                                DurationToMillisInt(spec.keepalive_timeout));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, MillisArg(spec.keepalive_timeout));
   }
   // Clients keep their connections warm with pings between steps (every >= 1 s by config); do
   // not answer them with GOAWAY "too_many_pings".
@@ -160,8 +153,8 @@ absl::StatusOr<RunningServer> StartServer(const ServerSpec& spec) {
   absl::StatusOr<config::Address> address =
       config::ParseAddress(spec.address, config::AddressUse::kListen);
   if (!address.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(spec.name, " ", Quoted(spec.address), ": ", address.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, address.status(), spec.name, " ",
+                      Quoted(spec.address));
   }
   if (address->kind == config::AddressKind::kUnix) {
     if (const std::string why = config::UnixSocketDirectoryProblem(*address); !why.empty()) {

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/serving/publisher_core_internal.h"
@@ -49,25 +50,25 @@ absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& f
   auto get = [&](const char* key) -> absl::StatusOr<std::string> {
     auto it = meta.find(key);
     if (it == meta.end()) {
-      return absl::DataLossError(absl::StrCat(where, ": metadata key '", key, "' missing"));
+      return absl::DataLossError(absl::StrCat(where, ": metadata key ", Quoted(key), " missing"));
     }
     return it->second;
   };
   REFIT_ASSIGN_OR_RETURN(std::string format, get(kMetaFormat));
   if (format != kFormatValue) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(where, ": unsupported format '", format, "' (expected ", kFormatValue, ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, ": unsupported format ", Quoted(format), " (expected ", kFormatValue, ")"));
   }
   REFIT_ASSIGN_OR_RETURN(std::string version_s, get(kMetaVersion));
   REFIT_ASSIGN_OR_RETURN(std::string vdigest_s, get(kMetaVersionDigest));
   REFIT_ASSIGN_OR_RETURN(std::string digests_s, get(kMetaDigests));
   PersistedMeta m;
   if (!absl::SimpleAtoi(version_s, &m.version) || m.version == 0) {
-    return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " '", version_s, "'"));
+    return absl::DataLossError(absl::StrCat(where, ": bad ", kMetaVersion, " ", Quoted(version_s)));
   }
   if (!ParseHex64(vdigest_s, &m.version_digest)) {
     return absl::DataLossError(
-        absl::StrCat(where, ": bad ", kMetaVersionDigest, " '", vdigest_s, "'"));
+        absl::StrCat(where, ": bad ", kMetaVersionDigest, " ", Quoted(vdigest_s)));
   }
   if (auto it = meta.find(kMetaSnapshot); it != meta.end()) {
     if (!absl::SimpleAtoi(it->second, &m.snapshot_unix_nanos)) m.snapshot_unix_nanos = 0;
@@ -79,7 +80,7 @@ absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& f
   if (auto it = meta.find(kMetaLineage); it != meta.end()) {
     if (!ParseHex64(it->second, &m.lineage) || m.lineage == 0) {
       return absl::DataLossError(
-          absl::StrCat(where, ": bad ", kMetaLineage, " '", it->second, "'"));
+          absl::StrCat(where, ": bad ", kMetaLineage, " ", Quoted(it->second)));
     }
   }
   if (!digests_s.empty()) m.digests = absl::StrSplit(digests_s, ',');
@@ -105,7 +106,7 @@ absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::Sa
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), e.name));
     uint64_t want = 0;
     if (!ParseHex64(meta.digests[i], &want)) {
-      return absl::DataLossError(absl::StrCat(what, ": bad digest '", meta.digests[i], "'"));
+      return absl::DataLossError(absl::StrCat(what, ": bad digest ", Quoted(meta.digests[i])));
     }
     BaselineTensor t;
     t.spec.set_name(e.name);
@@ -136,7 +137,7 @@ absl::StatusOr<PersistedBaseline> ReadBaselineFile(const std::string& path,
                                                    const std::string& where, int threads) {
   auto file = model::SafetensorsFile::Open(path);
   if (!file.ok()) {
-    return absl::DataLossError(absl::StrCat(where, ": ", file.status().message()));
+    return AnnotateAs(absl::StatusCode::kDataLoss, file.status(), where);
   }
   REFIT_ASSIGN_OR_RETURN(const PersistedMeta meta, ParsePersistedMeta(*file, where));
   PersistedBaseline out;

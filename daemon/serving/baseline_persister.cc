@@ -303,7 +303,7 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
         absl::StatusOr<DigestV2Delta> delta =
             ApplyPatchDigestV2(*e.bytes, dtype, *p->tensor.bytes, *out, threads);
         if (!delta.ok()) {
-          return absl::DataLossError(absl::StrCat(what, ": ", delta.status().message()));
+          return AnnotateAs(absl::StatusCode::kDataLoss, delta.status(), what);
         }
         s.tensor.digest_v2 = delta->ApplyTo(p->tensor.digest_v2, out->size());
         s.tensor.bytes = std::move(out);

@@ -85,8 +85,7 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
   auto encoded = EncodePatchesWithChanges(enc, CodecOptionsOf(options), &stats,
                                           defer_v1 ? nullptr : &digests, changes.get());
   if (!encoded.ok()) {
-    return absl::InternalError(
-        absl::StrCat(where, ": encoding failed: ", encoded.status().message()));
+    return AnnotateAs(absl::StatusCode::kInternal, encoded.status(), where, ": encoding failed");
   }
   for (size_t j = 0; j < ks.size(); ++j) {
     const size_t k = ks[j];
@@ -193,8 +192,7 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options,
   std::vector<PatchStats> stats;
   auto encoded = EncodePatches(enc, eo, &stats);
   if (!encoded.ok()) {
-    return absl::InternalError(
-        absl::StrCat(where, ": encoding failed: ", encoded.status().message()));
+    return AnnotateAs(absl::StatusCode::kInternal, encoded.status(), where, ": encoding failed");
   }
   sum->encode_micros = MicrosSince(encode_start);
   for (size_t j = 0; j < enc_index.size(); ++j) {

@@ -12,7 +12,9 @@
 #include "absl/strings/str_join.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
 #include "daemon/serving/data_plane_service.h"
@@ -29,71 +31,17 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
     if (m.has_progress()) {
       absl::MutexLock lock(&mu_);
       error = NoteProgressLocked(*session, m.progress());
-      if (error.ok()) continue;
     } else if (m.has_ack()) {
-      const v1::Ack& ack = m.ack();
       absl::MutexLock lock(&mu_);
-      if (session->awaiting_ack == 0 || session->ack.has_value()) {
-        error = absl::FailedPreconditionError(
-            absl::StrCat("Ack for version ", ack.version(), " but no transfer awaits an Ack"));
-      } else if (ack.version() != session->awaiting_ack) {
-        error = absl::FailedPreconditionError(absl::StrCat("Ack for version ", ack.version(),
-                                                           " but the transfer in flight is ",
-                                                           "version ", session->awaiting_ack));
-      } else if (ack.result() != v1::ACK_RESULT_APPLIED &&
-                 ack.result() != v1::ACK_RESULT_REJECTED) {
-        error = absl::InvalidArgumentError(
-            absl::StrCat("Ack for version ", ack.version(), " has result ",
-                         static_cast<int>(ack.result()), " (expected APPLIED or REJECTED)"));
-      } else {
-        session->ack = ack;
-        continue;
-      }
+      error = NoteAckLocked(*session, m.ack());
     } else if (m.has_keyframe_request()) {
-      const v1::KeyframeRequest& req = m.keyframe_request();
-      if (req.tensors().empty() && !req.all_tensors()) {
-        error =
-            absl::InvalidArgumentError("KeyframeRequest names no tensor and all_tensors is false");
-      } else {
-        std::set<std::string> known;
-        for (const BaselineTensor& t : core_->Baseline()) known.insert(t.spec.name());
-        for (const std::string& name : req.tensors()) {
-          if (known.count(name) == 0) {
-            error = absl::InvalidArgumentError(
-                absl::StrCat("KeyframeRequest names tensor \"", name, "\", which version ",
-                             core_->newest_version(), " does not contain"));
-            break;
-          }
-        }
-        if (error.ok()) {
-          absl::MutexLock lock(&mu_);
-          if (req.all_tensors()) {
-            session->all_keyframes = true;
-          } else {
-            session->keyframe_tensors.insert(req.tensors().begin(), req.tensors().end());
-          }
-          // A repair when it names the acked version at the next turn (AwaitTurn): the Ack of
-          // that version may still be on its way through TransferLoop.
-          if (options_.serve_repairs && req.version() != 0) {
-            session->repair_version = req.version();
-          }
-          session->keyframe_reason =
-              req.reason().empty() ? "KeyframeRequest" : "KeyframeRequest: " + req.reason();
-          ++epoch_;
-          log_->info("session {:016x}: subscriber {} asks for keyframes of {}: {}", session->id,
-                     session->name,
-                     req.all_tensors() ? std::string("all tensors")
-                                       : absl::StrCat(req.tensors_size(), " tensors"),
-                     req.reason());
-          continue;
-        }
-      }
+      error = NoteKeyframeRequest(*session, m.keyframe_request());
     } else {
       error = absl::InvalidArgumentError(
           absl::StrCat("unexpected ", MessageKind(m), " on an established Sync stream",
                        m.has_hello() ? " (Hello is sent once)" : ""));
     }
-    break;
+    if (!error.ok()) break;
   }
   absl::MutexLock lock(&mu_);
   if (!session->ended) {
@@ -103,6 +51,58 @@ void DataPlaneService::ReaderLoop(SyncStream* stream, const std::shared_ptr<Sess
   }
   session->reader_done = true;
   ++epoch_;
+}
+
+absl::Status DataPlaneService::NoteAckLocked(Session& session, const v1::Ack& ack) {
+  if (session.awaiting_ack == 0 || session.ack.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Ack for version ", ack.version(), " but no transfer awaits an Ack"));
+  }
+  if (ack.version() != session.awaiting_ack) {
+    return absl::FailedPreconditionError(absl::StrCat("Ack for version ", ack.version(),
+                                                      " but the transfer in flight is ", "version ",
+                                                      session.awaiting_ack));
+  }
+  if (ack.result() != v1::ACK_RESULT_APPLIED && ack.result() != v1::ACK_RESULT_REJECTED) {
+    return absl::InvalidArgumentError(absl::StrCat("Ack for version ", ack.version(),
+                                                   " has result ", static_cast<int>(ack.result()),
+                                                   " (expected APPLIED or REJECTED)"));
+  }
+  session.ack = ack;
+  return absl::OkStatus();
+}
+
+absl::Status DataPlaneService::NoteKeyframeRequest(Session& session,
+                                                   const v1::KeyframeRequest& req) {
+  if (req.tensors().empty() && !req.all_tensors()) {
+    return absl::InvalidArgumentError("KeyframeRequest names no tensor and all_tensors is false");
+  }
+  std::set<std::string> known;
+  for (const BaselineTensor& t : core_->Baseline()) known.insert(t.spec.name());
+  for (const std::string& name : req.tensors()) {
+    if (known.count(name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("KeyframeRequest names tensor ", Quoted(name),
+                                                     ", which version ", core_->newest_version(),
+                                                     " does not contain"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (req.all_tensors()) {
+    session.all_keyframes = true;
+  } else {
+    session.keyframe_tensors.insert(req.tensors().begin(), req.tensors().end());
+  }
+  // A repair when it names the acked version at the next turn (AwaitTurn): the Ack of that
+  // version may still be on its way through TransferLoop.
+  if (options_.serve_repairs && req.version() != 0) session.repair_version = req.version();
+  session.keyframe_reason =
+      req.reason().empty() ? "KeyframeRequest" : "KeyframeRequest: " + req.reason();
+  ++epoch_;
+  log_->info(
+      "session {}: subscriber {} asks for keyframes of {}: {}", Hex64(session.id), session.name,
+      req.all_tensors() ? std::string("all tensors") : absl::StrCat(req.tensors_size(), " tensors"),
+      req.reason());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Ack> DataPlaneService::AwaitAck(const std::shared_ptr<Session>& session) {
@@ -133,9 +133,9 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
   loop.rejections = 0;
   loop.retry_at = absl::InfinitePast();
   log_->info(
-      "session {:016x}: {} applied version {} (base {}, {}{}): wire {} of dense {} "
+      "session {}: {} applied version {} (base {}, {}{}): wire {} of dense {} "
       "bytes, {} keyframe tensors, {} ms",
-      session->id, session->name, version, header.base_version(),
+      Hex64(session->id), session->name, version, header.base_version(),
       v1::TransferReason_Name(header.reason()), header.streamed() ? ", streamed" : "",
       end.wire_bytes(), end.dense_bytes(), stats.keyframe_tensors(),
       absl::ToInt64Milliseconds(took));
@@ -169,8 +169,8 @@ absl::Status DataPlaneService::NoteRejected(const std::shared_ptr<Session>& sess
   const absl::Duration delay = std::min(
       options_.retry_max, options_.retry_initial * (1 << std::min(loop.rejections - 1, 16u)));
   loop.retry_at = absl::Now() + delay;
-  log_->warn("session {:016x}: {} rejected version {} (base {}): {}{}; retry {} in {}", session->id,
-             session->name, version, base_version, ack.error(),
+  log_->warn("session {}: {} rejected version {} (base {}): {}{}; retry {} in {}",
+             Hex64(session->id), session->name, version, base_version, ack.error(),
              ack.mismatched_tensors().empty()
                  ? std::string()
                  : absl::StrCat(" (", ack.mismatched_tensors_size(),

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
@@ -194,29 +195,29 @@ absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
   absl::Status st = selection.CheckCovered(
       manifest, absl::StrCat("version ", core_->newest_version(), " of publisher ", options_.name));
   if (!st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("Hello.tensors_selected: ", st.message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "Hello.tensors_selected");
   }
   return selection;
 }
 
 void DataPlaneService::LogHello(const Session& s, const v1::Hello& hello) const {
   log_->info(
-      "session {:016x}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
+      "session {}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
       "granted, frames of {} bytes{}{}{}",
-      s.id, s.name, s.address, s.identity.empty() ? "" : ", identity " + s.identity,
+      Hex64(s.id), s.name, s.address, s.identity.empty() ? "" : ", identity " + s.identity,
       hello.version(), sync::DescribeLineage(hello.lineage()), s.granted_stripes, s.frame_bytes,
       s.lz4 ? ", lz4" : "", s.progress ? ", paced by progress" : "",
       s.selection.all() ? "" : ", selects " + Printable(s.selection.Describe(), 200));
   if (!s.diverged.empty()) {
     log_->warn(
-        "session {:016x}: subscriber {} diverged: {}: it gets keyframes; its version "
+        "session {}: subscriber {} diverged: {}: it gets keyframes; its version "
         "does not change this publisher's numbering",
-        s.id, s.name, s.diverged);
+        Hex64(s.id), s.name, s.diverged);
   } else if (!s.verified) {
     log_->warn(
-        "session {:016x}: subscriber {} holds version {} with digest {:016x}, not this "
+        "session {}: subscriber {} holds version {} with digest {}, not this "
         "publisher's: diverged, it gets keyframes of the next version",
-        s.id, s.name, hello.version(), hello.version_digest());
+        Hex64(s.id), s.name, hello.version(), Hex64(hello.version_digest()));
   }
 }
 

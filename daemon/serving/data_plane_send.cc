@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
@@ -156,9 +157,9 @@ absl::Status DataPlaneService::SendFrames(SyncStream* stream,
   }
   if (work->streamed) streamed_.fetch_add(1, std::memory_order_relaxed);
   log_->debug(
-      "session {:016x}: version {} (base {}, {}{}) to {}: {} frames so far, {} "
+      "session {}: version {} (base {}, {}{}) to {}: {} frames so far, {} "
       "streams, window {}",
-      session->id, version, header_msg.header().base_version(),
+      Hex64(session->id), version, header_msg.header().base_version(),
       v1::TransferReason_Name(header_msg.header().reason()), work->streamed ? ", streamed" : "",
       session->name, work->known_frames(), work->streams, work->window);
   {
@@ -272,8 +273,8 @@ absl::StatusOr<std::optional<v1::VersionEnd>> DataPlaneService::SendStreamed(
   }
   if (msg.has_end()) return std::optional<v1::VersionEnd>(msg.end());
   streamed_aborts_.fetch_add(1, std::memory_order_relaxed);
-  log_->warn("session {:016x}: streamed version {} to {} aborted: {}", session->id, live.version(),
-             session->name, msg.abort().reason());
+  log_->warn("session {}: streamed version {} to {} aborted: {}", Hex64(session->id),
+             live.version(), session->name, msg.abort().reason());
   absl::MutexLock lock(&mu_);
   session->awaiting_ack = 0;
   session->state = v1::SESSION_STATE_IDLE;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
@@ -238,10 +239,10 @@ void DataPlaneService::EndSession(Session& s, const grpc::Status& status) {
     NoteAckedLocked();
   }
   if (status.ok() || status.error_code() == grpc::StatusCode::CANCELLED) {
-    log_->info("session {:016x}: subscriber {} left at version {}: {}", s.id, s.name,
+    log_->info("session {}: subscriber {} left at version {}: {}", Hex64(s.id), s.name,
                s.acked_version, status.ok() ? "ok" : status.error_message());
   } else {
-    log_->warn("session {:016x}: subscriber {} ended: {}: {}", s.id, s.name,
+    log_->warn("session {}: subscriber {} ended: {}: {}", Hex64(s.id), s.name,
                absl::StatusCodeToString(FromGrpcCode(status.error_code())), status.error_message());
   }
 }

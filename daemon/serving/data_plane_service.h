@@ -246,6 +246,14 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // A StreamProgress from the subscriber (data.proto): raises the stream's acked bytes.
   absl::Status NoteProgressLocked(Session& session, const v1::StreamProgress& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The subscriber's Ack of the transfer in flight (an Ack nothing awaits, of another version
+  // or with another result: the session's error).
+  absl::Status NoteAckLocked(Session& session, const v1::Ack& ack)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A KeyframeRequest (scrub repairs, Resync): the named tensors (or all) go as keyframes at the
+  // next turn. A tensor this publisher does not hold: INVALID_ARGUMENT.
+  absl::Status NoteKeyframeRequest(Session& session, const v1::KeyframeRequest& req)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void NoteAckedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hello's version, digest and lineage against this publisher's (data.proto "Versions and
   // lineage"): sets the session's base (0 when diverged) and whether it holds our version.

@@ -1,7 +1,6 @@
 // DataPlaneService frame scheduling against a hand-driven subscriber (raw gRPC stubs on
 // 127.0.0.1:0): which streams carry a transfer, pacing by StreamProgress, and peers that do not
 // speak it. Full sessions with the real Upstream are in daemon/subscriber/upstream_test.cc.
-#include "daemon/common/status_matchers.h"
 #include "daemon/serving/data_plane_service.h"
 
 #include <initializer_list>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/sync/sync_testing.h"
 #include "grpcpp/grpcpp.h"
@@ -22,6 +22,7 @@ namespace refit::publisher {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 
 constexpr uint32_t kFrame = 64 * 1024;
 
@@ -244,7 +245,7 @@ TEST(DataPlaneServiceTest, PatchFormatTwoNeedsASubscriberThatAppliesIt) {
     }
     EXPECT_FALSE(sync->Read(&m));
     const grpc::Status st = sync->Finish();
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
     EXPECT_NE(st.error_message().find("does not include format 2"), std::string::npos)
         << st.error_message();
     EXPECT_NE(st.error_message().find("codec.patch_format"), std::string::npos)

@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/common/testing.h"
 #include "daemon/serving/data_plane_service.h"
 #include "daemon/serving/publisher_testing.h"
@@ -15,6 +16,9 @@
 
 namespace refit::publisher {
 namespace {
+
+using ::refit::testing::IsOk;
+using ::testing::Not;
 
 TEST(DataPlaneTickTest, IdleSessionPicksUpAVersionPublishedWithoutNotification) {
   testing::ModelPublisher model({sync::testing::BF16("w", {64, 64})}, /*seed=*/3, /*change=*/0.02);
@@ -50,7 +54,7 @@ TEST(DataPlaneTickTest, IdleSessionPicksUpAVersionPublishedWithoutNotification) 
   EXPECT_EQ(m.header().base_version(), 1u);
   service.Shutdown();
   ctx.TryCancel();
-  EXPECT_FALSE(stream->Finish().ok());
+  EXPECT_THAT(stream->Finish(), Not(IsOk()));
   server->Shutdown();
 }
 

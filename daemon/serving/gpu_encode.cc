@@ -143,8 +143,8 @@ absl::StatusOr<bool> EncodeFusedOnDevice(const PublisherOptions& options, Device
                                 job.bytes, eo, /*update_base=*/own);
   sum->encode_micros += MicrosSince(encode_start);
   if (!fused.ok()) {
-    return absl::InternalError(absl::StrCat(job.what, ": encoding on ", dev->Describe(),
-                                            " failed: ", fused.status().message()));
+    return AnnotateAs(absl::StatusCode::kInternal, fused.status(), job.what, ": encoding on ",
+                      dev->Describe(), " failed");
   }
   BaselineTensor& t = out->next[k];
   t.digest_v2 = fused->digest_v2;

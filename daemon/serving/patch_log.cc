@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -18,7 +19,6 @@
 namespace refit::publisher {
 namespace {
 
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 void PutU8(std::vector<uint8_t>& out, uint8_t v) { out.push_back(v); }

@@ -17,6 +17,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "daemon/common/hex.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::publisher {
@@ -31,7 +33,6 @@ constexpr const char* kTempPrefixes[] = {"baseline.safetensors.tmp-", "lineage.t
                                          "patches.log.tmp-"};
 constexpr char kLogFile[] = "patches.log";
 
-std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 std::string Join(const std::string& dir, const char* name) {
@@ -163,9 +164,8 @@ absl::Status PersistDir::WriteLineage(const LineageState& state, bool fsync) con
     return absl::InternalError(absl::StrCat("lineage file ", Quoted(path), ": cannot create ",
                                             Quoted(tmp), ": ", ErrnoText(errno)));
   }
-  const std::string text =
-      absl::StrCat(kLineageMagic, "\nlineage ", absl::Hex(state.lineage, absl::kZeroPad16),
-                   "\nnumbered ", state.numbered, "\n");
+  const std::string text = absl::StrCat(kLineageMagic, "\nlineage ", Hex64(state.lineage),
+                                        "\nnumbered ", state.numbered, "\n");
   absl::Status st = WriteFd(fd, text, tmp);
   if (st.ok() && fsync && ::fsync(fd) != 0) {
     st = absl::InternalError(absl::StrCat("fsync ", tmp, ": ", ErrnoText(errno)));

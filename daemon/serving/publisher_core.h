@@ -234,6 +234,7 @@ struct BaselineSnapshot;
 struct PersisterStart;
 struct LogReplay;
 struct LogRecord;
+struct Encoded;
 
 class PublisherCore {
  public:
@@ -431,6 +432,11 @@ class PublisherCore {
   absl::Status RecordV1(uint64_t version, uint64_t prev_version,
                         const std::vector<uint64_t>& digests, LiveVersion* live,
                         PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
+  // With the v1 digests deferred: computes them (FillDeferredV1) and records them (RecordV1);
+  // a failure is logged, the version installed regardless.
+  void CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live, Encoded* enc,
+                          std::optional<LogRecord>* record, PublishSummary* sum)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Publish's last step with persistence: the version's log record to the persister.
   void EnqueueRecord(LogRecord&& record, uint64_t lineage, PublishSummary* sum);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,

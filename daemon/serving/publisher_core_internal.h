@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/hex.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/serving/publisher_core.h"
@@ -19,11 +20,6 @@
 namespace refit::publisher {
 
 using Clock = std::chrono::steady_clock;
-
-inline uint64_t MicrosSince(Clock::time_point start) {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
-}
 
 inline const BaselineTensor* FindByName(const std::vector<BaselineTensor>& v,
                                         const std::string& name) {

@@ -225,7 +225,7 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
   }
   auto added = history_.Add(meta.version, std::move(updates));
   if (!added.ok()) {
-    return absl::DataLossError(absl::StrCat(where, ": ", added.status().message()));
+    return AnnotateAs(absl::StatusCode::kDataLoss, added.status(), where);
   }
   if (*added != meta.version_digest) {
     return absl::DataLossError(absl::StrCat(where, ": version digest ", Hex64(*added),

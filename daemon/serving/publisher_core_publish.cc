@@ -134,14 +134,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   std::move(fail_live).Cancel();
   const bool v1_pending = enc.v1_deferred && !enc.pending.empty();
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
-  if (v1_pending) {
-    const std::vector<uint64_t> v1 = FillDeferredV1(&enc, options_.digest_threads, &record, &sum);
-    if (absl::Status st = RecordV1(version, prev_version, v1, live.get(), &sum); !st.ok()) {
-      // The v2 End is out and subscribers may hold the version: it is installed regardless
-      // (the core stays consistent with them); only v1 sessions cannot be sent it.
-      Logger("publisher")->error("{}", st.ToString());
-    }
-  }
+  if (v1_pending) CompleteDeferredV1(version, prev_version, live.get(), &enc, &record, &sum);
   InstallVersion(
       version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
       std::move(counts), sum);
@@ -150,6 +143,17 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   if (record.has_value()) EnqueueRecord(*std::move(record), lineage, &sum);
   sum.total_micros = MicrosSince(start);
   return sum;
+}
+
+void PublisherCore::CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live,
+                                       Encoded* enc, std::optional<LogRecord>* record,
+                                       PublishSummary* sum) {
+  const std::vector<uint64_t> v1 = FillDeferredV1(enc, options_.digest_threads, record, sum);
+  if (absl::Status st = RecordV1(version, prev_version, v1, live, sum); !st.ok()) {
+    // The v2 End is out and subscribers may hold the version: it is installed regardless (the
+    // core stays consistent with them); only v1 sessions cannot be sent it.
+    Logger("publisher")->error("{}", st.ToString());
+  }
 }
 
 absl::Status PublisherCore::CheckPublishable(uint64_t version, uint64_t prev_version,

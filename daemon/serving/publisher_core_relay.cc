@@ -127,9 +127,8 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
   if (patch) {
     absl::StatusOr<PatchStats> ps = InspectPatch(object);
     if (!ps.ok()) {
-      return absl::DataLossError(absl::StrCat(
-          where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()), ": ",
-          ps.status().message()));
+      return AnnotateAs(absl::StatusCode::kDataLoss, ps.status(), where, ": ",
+                        sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
     }
     a.changed = ps->changed_elements;
     a.update.patch = std::make_shared<const std::vector<uint8_t>>(object.begin(), object.end());
@@ -349,7 +348,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   const absl::StatusOr<v1::VersionEnd> e1 = live.end(sync::DigestFormat::kV1);
   const absl::StatusOr<v1::VersionEnd> e2 = live.end(sync::DigestFormat::kV2);
   if (!e1.ok() && !e2.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(where, ": no End: ", e1.status().message()));
+    return AnnotateAs(absl::StatusCode::kFailedPrecondition, e1.status(), where, ": no End");
   }
   PublishSummary sum;
   sum.version = h.version();

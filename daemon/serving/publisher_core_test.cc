@@ -489,7 +489,7 @@ TEST(PublisherCoreTest, BadInputIsRejectedWithoutChange) {
   expect_error(4, ok, "not above");
   expect_error(6, {}, "no tensors");
   expect_error(6, {in("a", {10, 10}, 200), in("b", {4}, 8), in("a", {2}, 4)},
-               "tensor 2 'a' has the same name as tensor 0");
+               "tensor 2 \"a\" has the same name as tensor 0");
   expect_error(6, {in("a", {10, 10}, 200), in("bad.size", {10, 11}, 200)}, "bad.size");
   expect_error(6, {in("bad.size", {10, 11}, 200)}, "200 bytes given");
   expect_error(6, {in("", {2}, 4)}, "tensor 0");

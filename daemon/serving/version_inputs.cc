@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/serving/publisher_core_internal.h"
 #include "daemon/sync/versions.h"
 
@@ -29,7 +30,7 @@ absl::Status ValidateInputs(std::span<const TensorInput> given, const std::strin
     s.set_dtype(sync::ToProtoDType(in.dtype));
     for (uint64_t d : in.shape) s.add_shape(d);
     absl::Status st = sync::ValidateTensorSpec(s);
-    if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", st.message()));
+    if (!st.ok()) return AnnotateAs(absl::StatusCode::kInvalidArgument, st, what);
     const uint64_t bytes = *sync::TensorByteSize(s);
     if (in.device_bytes != nullptr && (in.device_bytes->device == nullptr || !in.data.empty())) {
       return absl::InvalidArgumentError(

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 // Linux >= 5.1 (older libc headers lack it).
@@ -39,7 +40,7 @@ absl::StatusOr<int> CreateShmOpen(const std::string& prefix) {
   static std::atomic<uint64_t> counter{0};
   if (prefix.empty() || prefix[0] != '/' || prefix.find('/', 1) != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "store.shm_prefix must start with '/' and contain no other '/', got '", prefix, "'"));
+        "store.shm_prefix must start with '/' and contain no other '/', got ", Quoted(prefix)));
   }
   for (int attempt = 0; attempt < 100; ++attempt) {
     const std::string name = absl::StrCat(prefix, getpid(), "-", counter.fetch_add(1));

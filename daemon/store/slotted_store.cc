@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/hex.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::store {
@@ -46,24 +48,27 @@ absl::StatusOr<Layout> Layout::Build(std::vector<TensorDesc> tensors, uint64_t a
     TensorDesc& t = tensors[i];
     if (t.name.empty()) return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
     if (i > 0 && t.name == layout.tensors_.back().name) {  // sorted: duplicates are adjacent
-      return absl::InvalidArgumentError(absl::StrCat("layout: duplicate tensor name '", t.name, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout: duplicate tensor name ", Quoted(t.name)));
     }
     if (!IsValidDType(static_cast<uint8_t>(t.dtype))) {
-      return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' has invalid dtype code ",
+      return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(t.name),
+                                                     " has invalid dtype code ",
                                                      static_cast<int>(t.dtype)));
     }
     uint64_t elements = 1;
     for (uint64_t d : t.shape) {
       if (d != 0 && elements > kMax / d) {
-        return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' shape [",
-                                                       absl::StrJoin(t.shape, ","),
+        return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(t.name),
+                                                       " shape [", absl::StrJoin(t.shape, ","),
                                                        "] has too many elements"));
       }
       elements *= d;
     }
     const uint64_t esize = static_cast<uint64_t>(DTypeSize(t.dtype));
     if (elements > kMax / esize) {
-      return absl::InvalidArgumentError(absl::StrCat("layout: tensor '", t.name, "' is too large"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout: tensor ", Quoted(t.name), " is too large"));
     }
     TensorInfo info;
     info.size_bytes = elements * esize;
@@ -166,7 +171,7 @@ std::string SlottedStore::DescribeSlotsLocked() const {
     }
     std::vector<std::string> holders;
     for (const auto& [id, rec] : leases_) {
-      if (rec.slot == s) holders.push_back(absl::StrFormat("%s (lease %016x)", rec.consumer, id));
+      if (rec.slot == s) holders.push_back(absl::StrCat(rec.consumer, " (lease ", Hex64(id), ")"));
     }
     if (!holders.empty()) absl::StrAppend(&d, " leased by ", absl::StrJoin(holders, ", "));
     parts.push_back(std::move(d));
@@ -476,13 +481,13 @@ absl::Status SlottedStore::CheckLeaseLimitsLocked(absl::string_view consumer,
   int consumer_leases = 0;
   for (const auto& [id, rec] : leases_) consumer_leases += rec.quota_key == quota_key ? 1 : 0;
   if (!quota_key.empty() && consumer_leases >= max_leases_per_consumer_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "lease for '", consumer, "' (", quota_key, "): ", quota_key, " holds ", consumer_leases,
-        " leases, its quota (leases.max_leases_per_consumer: ", max_leases_per_consumer_,
-        "); release some first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("lease for ", Quoted(consumer), " (", quota_key, "): ", quota_key, " holds ",
+                     consumer_leases, " leases, its quota (leases.max_leases_per_consumer: ",
+                     max_leases_per_consumer_, "); release some first"));
   }
   if (static_cast<int>(leases_.size()) >= max_leases_) {
-    return absl::ResourceExhaustedError(absl::StrCat("lease for '", consumer, "': ",
+    return absl::ResourceExhaustedError(absl::StrCat("lease for ", Quoted(consumer), ": ",
                                                      leases_.size(), " leases held, the maximum ",
                                                      "(leases.max_leases)"));
   }
@@ -498,11 +503,11 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
   ExpireLocked(now);
   if (current_slot_ < 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("lease for '", consumer, "': no version has been committed yet"));
+        absl::StrCat("lease for ", Quoted(consumer), ": no version has been committed yet"));
   }
   if (open_update_id_ != 0) {
     return absl::UnavailableError(absl::StrCat(
-        "lease for '", consumer, "': v", open_update_from_, " is being updated in place to v",
+        "lease for ", Quoted(consumer), ": v", open_update_from_, " is being updated in place to v",
         slots_[current_slot_].version, " (a pause); lease again once it is committed"));
   }
   int slot = current_slot_;
@@ -515,8 +520,8 @@ absl::StatusOr<Lease> SlottedStore::AcquireLease(absl::string_view consumer,
       }
     }
     if (slot < 0) {
-      return absl::FailedPreconditionError(absl::StrCat("lease for '", consumer, "': v", *version,
-                                                        " is not held (current is v",
+      return absl::FailedPreconditionError(absl::StrCat("lease for ", Quoted(consumer), ": v",
+                                                        *version, " is not held (current is v",
                                                         slots_[current_slot_].version, ")"));
     }
   }
@@ -537,7 +542,8 @@ absl::StatusOr<Lease> SlottedStore::RenewLease(uint64_t lease_id, absl::Duration
   ExpireLocked(now);
   auto it = leases_.find(lease_id);
   if (it == leases_.end()) {
-    return absl::NotFoundError(absl::StrFormat("lease %016x is unknown, released or expired", lease_id));
+    return absl::NotFoundError(
+        absl::StrCat("lease ", Hex64(lease_id), " is unknown, released or expired"));
   }
   it->second.expires = now + EffectiveTtl(ttl);
   return MakeLease(it->first, it->second);
@@ -547,7 +553,8 @@ absl::Status SlottedStore::ReleaseLease(uint64_t lease_id) {
   absl::MutexLock lock(&mu_);
   ExpireLocked(clock_->Now());
   if (leases_.erase(lease_id) == 0) {
-    return absl::NotFoundError(absl::StrFormat("lease %016x is unknown, released or expired", lease_id));
+    return absl::NotFoundError(
+        absl::StrCat("lease ", Hex64(lease_id), " is unknown, released or expired"));
   }
   return absl::OkStatus();
 }

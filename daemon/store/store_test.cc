@@ -121,7 +121,7 @@ TEST(LayoutTest, SortsAlignsAndSizes) {
 TEST(LayoutTest, RejectsBadManifests) {
   EXPECT_THAT(Layout::Build({}).status().message(), HasSubstr("no tensors"));
   EXPECT_THAT(Layout::Build({{"x", DType::kF32, {1}}, {"x", DType::kF32, {2}}}).status().message(),
-              HasSubstr("duplicate tensor name 'x'"));
+              HasSubstr("duplicate tensor name \"x\""));
   EXPECT_THAT(Layout::Build({{"", DType::kF32, {1}}}).status().message(), HasSubstr("empty name"));
   EXPECT_THAT(Layout::Build({{"x", static_cast<DType>(0), {1}}}).status().message(),
               HasSubstr("invalid dtype"));

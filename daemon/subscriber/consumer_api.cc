@@ -9,10 +9,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/peer_cred.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/store/tensor_store.h"
 #include "daemon/sync/version_digest.h"
 
@@ -33,7 +36,7 @@ void VersionBoard::AnnouncePending(uint64_t version, uint64_t version_digest) {
   pending_ = AppliedVersion{};
   pending_.version = version;
   pending_.version_digest = version_digest;
-  pending_.applied_unix_nanos = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  pending_.applied_unix_nanos = NowUnixNanos();
 }
 
 AppliedVersion VersionBoard::pending() const {
@@ -78,13 +81,6 @@ AppliedVersion VersionBoard::WaitAbove(uint64_t after_version, absl::Time deadli
 // ---- layouts ------------------------------------------------------------------------------------
 
 namespace {
-
-uint64_t RemainingMs(absl::Time expires) {
-  const absl::Duration left = expires - absl::Now();
-  if (left <= absl::ZeroDuration()) return 0;
-  if (left == absl::InfiniteDuration()) return UINT64_MAX;
-  return static_cast<uint64_t>(absl::ToInt64Milliseconds(left));
-}
 
 // A requested TTL (ms) as a duration; absurd values saturate (the store caps at max_ttl anyway).
 absl::Duration Ttl(uint64_t ttl_ms) {
@@ -149,7 +145,7 @@ v1::Lease ConsumerApiService::MakeLease(const SubscriberLease& lease) const {
   out.set_lease_id(lease.lease.lease_id);
   out.set_version(lease.lease.version);
   *out.mutable_layout() = LeaseLayout(*core_, lease);
-  out.set_ttl_ms(RemainingMs(lease.lease.expires));
+  out.set_ttl_ms(WholeMillis(lease.lease.expires - absl::Now()));
   return out;
 }
 
@@ -232,7 +228,7 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
                                                               consumer, "\"")));
   }
   *response = MakeLease(*lease);
-  log_->debug("lease {:016x} for {}: version {} (slot {}), ttl {} ms", lease->lease.lease_id,
+  log_->debug("lease {} for {}: version {} (slot {}), ttl {} ms", Hex64(lease->lease.lease_id),
               Printable(consumer), lease->lease.version, lease->lease.slot, response->ttl_ms());
   return grpc::Status::OK;
 }
@@ -281,7 +277,7 @@ grpc::Status ConsumerApiService::ReleaseLease(grpc::ServerContext* context,
                                               v1::ReleaseLeaseResponse* response) {
   absl::Status st = core_->ReleaseLease(request->lease_id());
   if (!st.ok()) return ToGrpcStatus(Annotate(st, "ReleaseLease"));
-  log_->debug("lease {:016x} released", request->lease_id());
+  log_->debug("lease {} released", Hex64(request->lease_id()));
   return grpc::Status::OK;
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/thread_priority.h"
 
@@ -108,8 +109,8 @@ void Scrubber::NoteMismatch(const ScrubMismatch& m) {
   }
   Logger("scrub")->error(
       "tensor \"{}\" of version {} (generation {}) no longer matches its verified digest "
-      "({:016x}, now {:016x}): its held bytes changed after verification; asking for a keyframe",
-      m.tensor, m.version, m.generation, m.expected, m.found);
+      "({}, now {}): its held bytes changed after verification; asking for a keyframe",
+      m.tensor, m.version, m.generation, Hex64(m.expected), Hex64(m.found));
   if (options_.on_mismatch) options_.on_mismatch(m);
 }
 

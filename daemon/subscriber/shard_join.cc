@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/transfer_stats.h"
 #include "daemon/sync/version_digest.h"
@@ -335,10 +336,10 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
   for (size_t j = 0; j < entries.size(); ++j) {
     const Entry& e = entries[j];
     if (j > 0 && entries[j - 1].plan->spec().name() == e.plan->spec().name()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "version ", out.version(), ": tensor '", e.plan->spec().name(), "' is published by ",
-          Shard(entries[j - 1].part), " and ", Shard(e.part),
-          "; the shards of a set must own disjoint tensors"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("version ", out.version(), ": tensor ", Quoted(e.plan->spec().name()),
+                       " is published by ", Shard(entries[j - 1].part), " and ", Shard(e.part),
+                       "; the shards of a set must own disjoint tensors"));
     }
     parts_[e.part].map[e.index] = static_cast<uint32_t>(j);
     v1::TensorPlan* tp = out.add_tensors();
@@ -361,7 +362,7 @@ absl::Status ShardJoin::CheckSelectionCoveredLocked(const v1::VersionHeader& joi
   absl::Status st = options_.selection.CheckCovered(
       specs, absl::StrCat("version ", joined.version(), " over all ", parts_.size(), " shards"));
   if (st.ok()) return st;
-  return absl::InvalidArgumentError(absl::StrCat("subscriber.upstream.tensors: ", st.message()));
+  return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "subscriber.upstream.tensors");
 }
 
 // ---- frames -------------------------------------------------------------------------------------

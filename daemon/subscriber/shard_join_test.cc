@@ -265,7 +265,8 @@ TEST_F(ShardJoinTest, ATensorOfTwoShardsIsRejectedNamingBoth) {
   std::vector<v1::Ack> acks = SendAll(2, {{1, claim}});
   for (uint32_t k = 0; k < kShards; ++k) {
     EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
-    EXPECT_TRUE(absl::StrContains(acks[k].error(), "'a.weight' is published by shard 0 and shard 1"))
+    EXPECT_TRUE(
+        absl::StrContains(acks[k].error(), "\"a.weight\" is published by shard 0 and shard 1"))
         << acks[k].error();
   }
   ExpectHolds(1);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/single_copy.h"
 #include "daemon/subscriber/staged_transfer.h"
@@ -258,18 +259,17 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   for (size_t i = 0; i < verified.digests.size(); ++i) sd.digests[t.layout_index[i]] = verified.digests[i];
   slot_digests_[update->slot] = std::move(sd);
   applied_format_ = t.format;
-  retained_.clear();  // no second slot to bring forward
-  retained_bytes_ = 0;
+  retained_.Clear();  // no second slot to bring forward
   LogChangesLocked(t, *staged, verified);
   RecordAppliedLocked(t, verified);
   PruneRecordsLocked();
 
   t.stats.slot = update->slot;
   t.stats.slot_version = update->from_version;
-  t.stats.stage_micros = Micros(staged_at - received);
-  t.stats.verify_micros = Micros(verified_at - staged_at);
-  t.stats.pause_wait_micros = Micros(paused - verified_at);
-  t.stats.pause_micros = Micros(committed - paused);
+  t.stats.stage_micros = WholeMicros(staged_at - received);
+  t.stats.verify_micros = WholeMicros(verified_at - staged_at);
+  t.stats.pause_wait_micros = WholeMicros(paused - verified_at);
+  t.stats.pause_micros = WholeMicros(committed - paused);
   last_stage_ = t.stats;
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;

@@ -8,30 +8,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/staged_transfer.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {
-
-// The retained transfers that lead from `from` (a standby slot's version) to `to` (the base of
-// the transfer being staged), oldest first; nullopt when they do not (from unknown, a gap, a
-// resync from base 0 in between, or pruned by the byte budget).
-std::optional<std::vector<const SubscriberCore::RetainedTransfer*>>
-SubscriberCore::CatchUpChainLocked(uint64_t from, uint64_t to) const {
-  if (from == 0 || to == 0 || from > to) return std::nullopt;
-  std::vector<const RetainedTransfer*> chain;
-  uint64_t at = from;
-  for (const RetainedTransfer& r : retained_) {
-    if (at == to) break;
-    if (r.base != at) continue;
-    chain.push_back(&r);
-    at = r.version;
-  }
-  if (at != to) return std::nullopt;
-  return chain;
-}
 
 // Brings tensor `li` of the staged slot from the slot's version to the base in place by the
 // retained patches of `chain` (UNCHANGED steps need nothing).
@@ -52,7 +35,7 @@ absl::Status SubscriberCore::CatchUpTensorLocked(Transfer& t, size_t i,
       ++t.stats.catch_up_patches;
     }
   }
-  t.stats.catch_up_micros += Micros(absl::Now() - start);
+  t.stats.catch_up_micros += WholeMicros(absl::Now() - start);
   return st;
 }
 
@@ -166,7 +149,7 @@ void SubscriberCore::PlanStagingLocked(Transfer& t) {
   t.stats.slot_version = t.handle->previous_version;
   t.chain.reset();
   if (!t.new_generation && options_.retained_patch_bytes > 0) {
-    t.chain = CatchUpChainLocked(t.handle->previous_version, t.header.base_version());
+    t.chain = retained_.Chain(t.handle->previous_version, t.header.base_version());
   }
   t.stats.caught_up = t.chain.has_value();
   const size_t n = static_cast<size_t>(t.header.tensors_size());

@@ -19,11 +19,6 @@
 
 namespace refit::subscriber {
 
-// A duration in whole microseconds, 0 when negative (timings in Acks and StageStats).
-inline uint64_t Micros(absl::Duration d) {
-  return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Microseconds(d)));
-}
-
 struct SubscriberCore::Transfer {
   v1::VersionHeader header;
   absl::Time start;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
@@ -39,7 +40,7 @@ void SubscriberCore::RefreshLoop() {
     absl::Status st = ApplyRefresh(job);
     st = st.ok() ? job.store->CompleteRefresh(job.handle) : st;
     if (!st.ok()) (void)job.store->AbortRefresh(job.handle);  // the slot is unknown now
-    job.stats.micros = Micros(absl::Now() - start);
+    job.stats.micros = WholeMicros(absl::Now() - start);
     absl::MutexLock lock(&mu_);
     if (st.ok() && !job.digests.empty() && store_ == job.store) {
       slot_digests_[job.handle.slot] = {job.handle.to_version, std::move(job.digests)};
@@ -60,9 +61,9 @@ void SubscriberCore::RefreshLoop() {
 // staging takes an empty or standby slot, every other slot leased).
 bool SubscriberCore::PrepareRefreshLocked(RefreshJob& job) {
   if (store_ == nullptr || retained_.empty() || transfer_ != nullptr) return false;
-  auto handle = store_->BeginRefresh(retained_.front().base);
+  auto handle = store_->BeginRefresh(retained_.oldest().base);
   if (!handle.ok()) return false;
-  auto chain = CatchUpChainLocked(handle->from_version, handle->to_version);
+  auto chain = retained_.Chain(handle->from_version, handle->to_version);
   if (!chain.has_value() || handle->to_version != applied_version()) {
     (void)store_->AbortRefresh(*handle);  // not expected: retained_ ends at the applied version
     return false;

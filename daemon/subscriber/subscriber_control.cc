@@ -1,4 +1,3 @@
-#include "daemon/common/wait_deadline.h"
 #include "daemon/subscriber/subscriber_control.h"
 
 #include <algorithm>
@@ -11,20 +10,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/common/unix_time.h"
+#include "daemon/common/wait_deadline.h"
 #include "daemon/subscriber/version_export.h"
 #include "daemon/sync/version_digest.h"
 #include "refit/version.h"
 
 namespace refit::subscriber {
 namespace {
-
-uint64_t ToMs(absl::Duration d) {
-  if (d <= absl::ZeroDuration()) return 0;
-  if (d == absl::InfiniteDuration()) return UINT64_MAX;
-  return static_cast<uint64_t>(absl::ToInt64Milliseconds(d));
-}
 
 grpc::Status Error(absl::StatusCode code, absl::string_view message) {
   return ToGrpcStatus(absl::Status(code, message));
@@ -87,15 +86,15 @@ v1::StatusResponse SubscriberControlService::GetStatus() const {
     l->set_lease_id(e.lease.lease_id);
     l->set_consumer(e.lease.consumer);
     l->set_version(e.lease.version);
-    l->set_remaining_ms(ToMs(e.lease.remaining));
+    l->set_remaining_ms(WholeMillis(e.lease.remaining));
   }
   if (std::optional<LeaseBlock> block = core_->blocked_on_leases(); block.has_value()) {
     v1::LeaseBlockStatus* b = r.mutable_blocked_on_leases();
     b->set_version(block->version);
-    b->set_since_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(block->since)));
+    b->set_since_unix_nanos(UnixNanos(block->since));
     for (const std::string& h : block->holders) b->add_holders(h);
   }
-  r.set_uptime_ms(ToMs(absl::Now() - options_.start_time));
+  r.set_uptime_ms(WholeMillis(absl::Now() - options_.start_time));
   r.set_metrics_address(options_.metrics_address);
   return r;
 }
@@ -168,31 +167,29 @@ grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+// The applied version's record and a lease on exactly that version; if a newer version replaced
+// it in between (and took its slot), tries again with the newer one.
+absl::StatusOr<SubscriberLease> SubscriberControlService::LeaseApplied(VersionRecord* rec) {
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    *rec = core_->applied_record();
+    if (rec->version == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Verify: subscriber ", options_.name, " holds no version yet"));
+    }
+    absl::StatusOr<SubscriberLease> l = core_->AcquireLease(
+        absl::StrCat(options_.self_consumer, "/verify"), rec->version, absl::InfiniteDuration());
+    if (l.ok() || l.status().code() != absl::StatusCode::kFailedPrecondition) return l;
+  }
+  return absl::UnavailableError("Verify: versions are being applied too fast to lease one; retry");
+}
+
 grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
                                               const v1::VerifyRequest* request,
                                               v1::VerifyResponse* response) {
-  // The applied version's record and a lease on exactly that version; if a newer version
-  // replaced it in between (and took its slot), try again with the newer one.
-  std::optional<SubscriberLease> lease;
   VersionRecord rec;
-  for (int attempt = 0; attempt < 5 && !lease.has_value(); ++attempt) {
-    rec = core_->applied_record();
-    if (rec.version == 0) {
-      return Error(absl::StatusCode::kFailedPrecondition,
-                   absl::StrCat("Verify: subscriber ", options_.name, " holds no version yet"));
-    }
-    auto l = core_->AcquireLease(absl::StrCat(options_.self_consumer, "/verify"), rec.version,
-                                 absl::InfiniteDuration());
-    if (l.ok()) {
-      lease = std::move(*l);
-    } else if (l.status().code() != absl::StatusCode::kFailedPrecondition) {
-      return ToGrpcStatus(l.status());
-    }
-  }
-  if (!lease.has_value()) {
-    return Error(absl::StatusCode::kUnavailable,
-                 "Verify: versions are being applied too fast to lease one; retry");
-  }
+  absl::StatusOr<SubscriberLease> leased = LeaseApplied(&rec);
+  if (!leased.ok()) return ToGrpcStatus(leased.status());
+  std::optional<SubscriberLease> lease = *std::move(leased);
   std::map<std::string, uint64_t> expected;
   for (const v1::TensorDigest& d : rec.tensors) expected[d.name()] = d.digest();
   const store::Layout& layout = lease->store->layout();
@@ -208,8 +205,7 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
         StoreDigestOf(lease->store->memory(), rec.digest_format, lease->lease.spans[i]);
     if (!d.ok()) {
       (void)core_->ReleaseLease(lease->lease.lease_id);
-      return ToGrpcStatus(absl::Status(
-          d.status().code(), absl::StrCat("Verify: digest of '", ti.name, "': ", d.status().message())));
+      return ToGrpcStatus(Annotate(d.status(), "Verify: digest of ", Quoted(ti.name)));
     }
     const uint64_t actual = *d;
     v1::TensorVerification* tv = response->add_tensors();
@@ -244,9 +240,10 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
     log_->info("verify: version {} ok ({} tensors)", rec.version, layout.size());
   } else {
     if (bad.size() > 8) bad.resize(8);
-    log_->error("verify: version {} FAILED: recomputed version digest {:016x}, expected {:016x}; "
-                "mismatched tensors (first 8): {}",
-                rec.version, *vd, rec.version_digest, absl::StrJoin(bad, ", "));
+    log_->error(
+        "verify: version {} FAILED: recomputed version digest {}, expected {}; "
+        "mismatched tensors (first 8): {}",
+        rec.version, Hex64(*vd), Hex64(rec.version_digest), absl::StrJoin(bad, ", "));
   }
   return grpc::Status::OK;
 }

@@ -77,6 +77,9 @@ class SubscriberControlService final : public v1::Control::Service {
                       v1::ResyncResponse* response) override;
 
  private:
+  // Verify's lease on the applied version, whose record it fills in.
+  absl::StatusOr<SubscriberLease> LeaseApplied(VersionRecord* rec);
+
   SubscriberCore* const core_;
   const VersionBoard* const board_;
   const SubscriberControlHooks hooks_;

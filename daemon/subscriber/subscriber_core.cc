@@ -9,12 +9,13 @@
 #include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
+#include "daemon/subscriber/staged_transfer.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
-#include "daemon/subscriber/staged_transfer.h"
 
 namespace refit::subscriber {
 
@@ -230,28 +231,23 @@ v1::Ack SubscriberCore::Reject(uint64_t version, std::string error,
 // OnEnd's checks before staging: the VersionEnd matches the transfer, no frame failed, every
 // object is complete; then a slot (retried here when every slot was leased at the header).
 void SubscriberCore::RetainLocked(Transfer& t) {
-  if (t.new_generation || options_.retained_patch_bytes == 0) {
-    retained_.clear();
-    retained_bytes_ = 0;
-  }
-  if (options_.retained_patch_bytes == 0) return;
+  if (t.new_generation) retained_.Clear();
+  if (retained_.budget() == 0) return;
   RetainedTransfer r;
   r.base = t.header.base_version();
   r.version = t.header.version();
   r.tensors.resize(t.target->layout().size());
-  uint64_t bytes = 0;
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     const v1::TensorPlan& tp = t.header.tensors(i);
     if (tp.delivery() == v1::DELIVERY_PATCH) {
       for (int p = 0; p < tp.steps_size(); ++p) {
         auto patch = t.assembler->Object(static_cast<uint32_t>(i), static_cast<uint32_t>(p));
-        bytes += patch.ok() ? patch->size() : 0;
+        r.bytes += patch.ok() ? patch->size() : 0;
       }
     }
   }
-  if (r.base == 0 || bytes > options_.retained_patch_bytes) {
-    retained_.clear();
-    retained_bytes_ = 0;
+  if (r.base == 0 || r.bytes > retained_.budget()) {
+    retained_.Clear();
     return;
   }
   for (int i = 0; i < t.header.tensors_size(); ++i) {
@@ -267,19 +263,11 @@ void SubscriberCore::RetainLocked(Transfer& t) {
       if (patch.ok() && options_.retained_patch_hook) options_.retained_patch_hook(rt.steps.back());
     }
   }
-  r.bytes = bytes;
-  const uint64_t version = r.version;
-  retained_bytes_ += bytes;
-  retained_.push_back(std::move(r));
-  uint64_t oldest_held = version;
+  uint64_t oldest_held = r.version;
   for (const store::SlotStatus& s : t.target->Slots()) {
     if (s.state == store::SlotStatus::State::kHeld) oldest_held = std::min(oldest_held, s.version);
   }
-  while (!retained_.empty() &&
-         (retained_.front().base < oldest_held || retained_bytes_ > options_.retained_patch_bytes)) {
-    retained_bytes_ -= retained_.front().bytes;
-    retained_.pop_front();
-  }
+  retained_.Add(std::move(r), oldest_held);
 }
 
 // Commit, then switch generations and record the applied version.
@@ -364,8 +352,8 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   const uint64_t wire = t.wire_bytes;
   const absl::Time start = t.start;
   last_stage_ = t.stats;
-  last_stage_.stage_micros = Micros(staged - received);
-  last_stage_.verify_micros = Micros(verified_at - staged);
+  last_stage_.stage_micros = WholeMicros(staged - received);
+  last_stage_.verify_micros = WholeMicros(verified_at - staged);
   DropTransferLocked();  // releases the migration lease
   CollectRetiredLocked();
   PruneRecordsLocked();
@@ -414,7 +402,7 @@ StageStats SubscriberCore::last_stage() const {
 
 uint64_t SubscriberCore::retained_patch_bytes() const {
   absl::MutexLock lock(&mu_);
-  return retained_bytes_;
+  return retained_.bytes();
 }
 
 size_t SubscriberCore::retired_stores() const {

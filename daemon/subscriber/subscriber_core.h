@@ -46,6 +46,7 @@
 #include "daemon/store/slotted_store.h"
 #include "daemon/store/store_factory.h"
 #include "daemon/subscriber/change_log.h"
+#include "daemon/subscriber/retained_patches.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/frames.h"
 #include "refit/v1/data.pb.h"
@@ -309,19 +310,6 @@ class SubscriberCore {
 
  private:
   struct Transfer;
-  // A tensor of a retained transfer: `kept` when the transfer moved it by patches (`steps`, in
-  // order) or left it UNCHANGED (no steps); a keyframe's bytes are not kept.
-  struct RetainedTensor {
-    bool kept = false;
-    std::vector<std::vector<uint8_t>> steps;
-  };
-  // An applied transfer base -> version, its tensors by layout index of the current store.
-  struct RetainedTransfer {
-    uint64_t base = 0;
-    uint64_t version = 0;
-    std::vector<RetainedTensor> tensors;
-    uint64_t bytes = 0;
-  };
   struct Verified {
     std::vector<uint64_t> digests;  // header order
     uint64_t version_digest = 0;
@@ -372,9 +360,6 @@ class SubscriberCore {
   absl::Status ExpectObjectsLocked(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OnEnd's steps: checks, stage (in place or by copy), verify, commit (and retain).
   absl::Status CheckEndLocked(Transfer& t, const v1::VersionEnd& end)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::optional<std::vector<const RetainedTransfer*>> CatchUpChainLocked(uint64_t from,
-                                                                         uint64_t to) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CatchUpTensorLocked(Transfer& t, size_t i,
                                    const std::vector<const RetainedTransfer*>& chain)
@@ -457,8 +442,7 @@ class SubscriberCore {
   // Verified v2 digests of the current generation's slots (v2 sessions), by slot.
   std::map<int, SlotDigests> slot_digests_ ABSL_GUARDED_BY(mu_);
   // Patches of the last applied transfers (oldest first), a chain ending at the applied version.
-  std::deque<RetainedTransfer> retained_ ABSL_GUARDED_BY(mu_);
-  uint64_t retained_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  RetainedPatches retained_ ABSL_GUARDED_BY(mu_){options_.retained_patch_bytes};
   StageStats last_stage_ ABSL_GUARDED_BY(mu_);
   // Refresh thread state: a refresh asked for by a commit, one running, shutting down.
   bool refresh_requested_ ABSL_GUARDED_BY(mu_) = false;

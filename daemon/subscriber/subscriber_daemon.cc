@@ -27,20 +27,24 @@
 #include "daemon/auth/authorized_services.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/common/thread_priority.h"
+#include "daemon/common/units.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/config/address.h"
 #include "daemon/config/config.h"
 #include "daemon/config/credentials.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "daemon/runtime/daemon_runtime.h"
+#include "daemon/runtime/daemon_servers.h"
 #include "daemon/serving/data_plane_service.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
-#include "daemon/subscriber/relay_feed.h"
+#include "daemon/subscriber/peer_server.h"
 #include "daemon/subscriber/scrubber.h"
 #include "daemon/subscriber/shard_join.h"
 #include "daemon/subscriber/subscriber_control.h"
@@ -56,23 +60,6 @@ namespace {
 // most the config maximum, 64 MiB) plus envelope room.
 constexpr int64_t kPeerMaxReceiveBytes = (64 << 20) + (1 << 20);
 constexpr char kSelfConsumer[] = "refitd-subscriber";
-
-// "1.23 MB", "254 MB", "812 B": three significant digits, decimal units.
-std::string HumanBytes(uint64_t bytes) {
-  static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1000.0 && u < 5) {
-    v /= 1000.0;
-    ++u;
-  }
-  if (u == 0) return absl::StrCat(bytes, " B");
-  if (v >= 100.0) return absl::StrFormat("%.0f %s", v, kUnits[u]);
-  if (v >= 10.0) return absl::StrFormat("%.1f %s", v, kUnits[u]);
-  return absl::StrFormat("%.2f %s", v, kUnits[u]);
-}
-
-uint64_t Ms(uint64_t micros) { return (micros + 500) / 1000; }
 
 // Config of the in-place staging machinery: refresh_standby, refresh_wait_ms.
 void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
@@ -97,7 +84,7 @@ void ScrubStatus(const Scrubber& scrub, v1::StatusResponse& r) {
   r.set_scrub_passes(s.passes);
   r.set_scrub_mismatches(s.mismatches);
   if (s.last_pass_end != absl::InfinitePast()) {
-    r.set_last_scrub_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(s.last_pass_end)));
+    r.set_last_scrub_unix_nanos(UnixNanos(s.last_pass_end));
   }
 }
 
@@ -115,8 +102,8 @@ absl::StatusOr<std::vector<std::string>> Targets(
   for (int i = 0; i < addresses.size(); ++i) {
     auto a = config::ParseAddress(addresses[i], config::AddressUse::kConnect);
     if (!a.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "] \"", addresses[i], "\": ", a.status().message()));
+      return AnnotateAs(absl::StatusCode::kInvalidArgument, a.status(), field, "[", i, "] ",
+                        Quoted(addresses[i]));
     }
     out.push_back(a->grpc_target);
   }
@@ -137,9 +124,9 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   absl::Status StartServers(const v1::SubscriberConfig& c);
   void Shutdown() override;
 
-  std::string listen_address() const override { return listen_.bound_address; }
-  std::string control_address() const override { return control_server_.bound_address; }
-  std::string local_address() const override { return local_.bound_address; }
+  std::string listen_address() const override { return servers_.listen.bound_address; }
+  std::string control_address() const override { return servers_.control.bound_address; }
+  std::string local_address() const override { return servers_.local.bound_address; }
   absl::Status ReloadTls() override { return tls_->Reload(); }
   absl::Status CheckProgress() override {
     v1::StatusRequest request;
@@ -160,19 +147,9 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   void OnApplied(const AppliedEvent& ev);
   // The background scrub (store.scrub_*): mismatches become repair requests upstream.
   std::unique_ptr<Scrubber> MakeScrubber(const v1::StoreConfig& store);
-  void PeerPublishLoop();
-  bool StallPeersHook();
-  absl::Status PublishToPeers();
-  v1::RelayStatus RelayStatusOf() const;
   v1::ShardsStatus ShardsStatusOf() const;
   v1::RefitStats LastRefit() const;
   uint64_t BytesReceived() const;
-  // PublishToPeers' steps.
-  absl::Status FollowUpstreamLineage();
-  absl::Status PeerInputsOf(const SubscriberLease& lease,
-                            std::vector<publisher::TensorInput>* inputs);
-  absl::StatusOr<publisher::PublishSummary> InstallForPeers(
-      uint64_t version, const std::vector<publisher::TensorInput>& inputs);
 
   const v1::SubscriberConfig config_;
   const std::string name_;
@@ -187,20 +164,8 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   std::unique_ptr<SubscriberCore> core_;
   VersionBoard board_;
 
-  // serve_peers: every applied version republished to a PublisherCore served on `listen`.
-  std::unique_ptr<publisher::PublisherCore> peer_core_;
-  std::unique_ptr<publisher::DataPlaneService> peer_service_;
-  // relay_cut_through: upstream transfers handed to peer_core_ as they arrive (the Upstream's
-  // tap), then adopted by it without encoding.
-  std::unique_ptr<RelayFeed> relay_;
-  // Versions installed for peers from the relayed patches / by encoding them again.
-  std::atomic<uint64_t> adopted_versions_{0};
-  std::atomic<uint64_t> reencoded_versions_{0};
-  TestHooks hooks_;  // test hook stall_peers (test_hooks.h), read at start
-  std::thread peer_thread_;
-  absl::Mutex peer_mu_;
-  uint64_t peer_wanted_ ABSL_GUARDED_BY(peer_mu_) = 0;  // versions applied so far
-  bool peer_stop_ ABSL_GUARDED_BY(peer_mu_) = false;
+  // serve_peers: every applied version republished, served on `listen` (and the relay).
+  std::unique_ptr<PeerServer> peers_;
 
   // upstream.shards: joins the shards' parts into one transfer of core_ (before upstreams_:
   // destroyed after them).
@@ -213,59 +178,37 @@ class SubscriberDaemonImpl final : public SubscriberDaemon {
   // What the servers register: the services behind their authorization (daemon/auth).
   std::unique_ptr<auth::AuthorizedControl> authorized_control_;
   std::unique_ptr<auth::AuthorizedConsumerApi> authorized_consumer_;
-  RunningServer listen_;
-  RunningServer control_server_;
-  RunningServer local_;
+  DaemonServers servers_;
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
-// Control (on listen or control_listen) and the ConsumerApi behind their authorization, the
-// peers' DataPlane on listen.
+// The servers (daemon_servers.h): Control behind its authorization (on listen or control_listen),
+// the ConsumerApi behind its peer check on local_socket, the peers' DataPlane on listen.
 absl::Status SubscriberDaemonImpl::StartServers(const v1::SubscriberConfig& c) {
   authorized_control_ = std::make_unique<auth::AuthorizedControl>(
       control_.get(), auth::ControlAuthorizer(c.control_access(), "subscriber.control_access"));
   authorized_consumer_ = std::make_unique<auth::AuthorizedConsumerApi>(
       consumer_.get(),
       auth::LocalAuthorizer(c.local_access(), "subscriber.local_access", "ConsumerApi"));
-  const unsigned control_mode = config::FileModeOr(c.control_access().socket_mode(), 0660);
-
-  if (!c.listen().empty()) {
-    ServerSpec spec;
-    spec.name = "listen";
-    spec.address = c.listen();
-    spec.tls = c.tls();
-    spec.tls_field = "subscriber.tls";
-    REFIT_ASSIGN_OR_RETURN(spec.credentials, tls_->ServerCredentials(c.tls(), "subscriber.tls"));
-    if (c.control_listen().empty()) spec.services.push_back(authorized_control_.get());
-    spec.unix_mode = control_mode;
-    if (peer_service_ != nullptr) {
-      spec.services.push_back(peer_service_.get());
-      spec.max_receive_bytes = kPeerMaxReceiveBytes;
-    }
-    REFIT_ASSIGN_OR_RETURN(listen_, StartServer(spec));
+  DaemonServersSpec spec;
+  spec.role = "subscriber";
+  spec.tls = tls_.get();
+  spec.listen = c.listen();
+  spec.listen_tls = c.tls();
+  if (peers_ != nullptr) {
+    spec.data_plane = {peers_->service()};
+    spec.listen_max_receive_bytes = kPeerMaxReceiveBytes;
   }
-  if (!c.control_listen().empty()) {
-    ServerSpec spec;
-    spec.name = "control_listen";
-    spec.address = c.control_listen();
-    spec.tls = c.control_tls();
-    spec.tls_field = "subscriber.control_tls";
-    REFIT_ASSIGN_OR_RETURN(spec.credentials,
-                           tls_->ServerCredentials(c.control_tls(), "subscriber.control_tls"));
-    spec.services.push_back(authorized_control_.get());
-    spec.unix_mode = control_mode;
-    REFIT_ASSIGN_OR_RETURN(control_server_, StartServer(spec));
-  }
-  if (!c.local_socket().empty()) {
-    ServerSpec spec;
-    spec.name = "local_socket";
-    spec.address = absl::StrCat("unix:", c.local_socket());
-    spec.services.push_back(authorized_consumer_.get());
-    spec.unix_mode = config::FileModeOr(c.local_access().socket_mode(), 0660);
-    REFIT_ASSIGN_OR_RETURN(local_, StartServer(spec));
-  }
+  spec.control = authorized_control_.get();
+  spec.control_listen = c.control_listen();
+  spec.control_tls = c.control_tls();
+  spec.control_socket_mode = config::FileModeOr(c.control_access().socket_mode(), 0660);
+  spec.local = authorized_consumer_.get();
+  spec.local_socket = c.local_socket();
+  spec.local_socket_mode = config::FileModeOr(c.local_access().socket_mode(), 0660);
+  REFIT_ASSIGN_OR_RETURN(servers_, StartDaemonServers(spec));
   return absl::OkStatus();
 }
 
@@ -350,7 +293,7 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   REFIT_ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));
   REFIT_ASSIGN_OR_RETURN(up.bootstrap_peers,
                          Targets(u.bootstrap_peers(), "subscriber.upstream.bootstrap_peers"));
-  up.tap = relay_.get();
+  up.tap = peers_ != nullptr ? peers_->relay() : nullptr;
   upstreams_.push_back(std::make_unique<Upstream>(
       core_.get(), std::move(up), [this](const AppliedEvent& ev) { OnApplied(ev); }));
   return absl::OkStatus();
@@ -361,7 +304,7 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   ShardJoinOptions jo;
   jo.set = u.shard_set();
   jo.count = static_cast<uint32_t>(u.shards_size());
-  jo.tap = relay_.get();
+  jo.tap = peers_ != nullptr ? peers_->relay() : nullptr;
   jo.on_applied = [this](const AppliedEvent& ev) { OnApplied(ev); };
   REFIT_ASSIGN_OR_RETURN(jo.selection,
                          sync::TensorSelection::Make(base.tensors, "subscriber.upstream.tensors"));
@@ -381,22 +324,15 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
 // serve_peers: a PublisherCore every applied version is republished to, served on `listen`.
 absl::Status SubscriberDaemonImpl::MakePeers() {
   if (!config_.serve_peers()) return absl::OkStatus();
-  publisher::PublisherOptions po;
-  po.encode_threads = static_cast<int>(config_.staging().threads());
-  po.digest_threads = static_cast<int>(config_.staging().threads());
-  REFIT_ASSIGN_OR_RETURN(peer_core_, publisher::PublisherCore::Open(po));
-  publisher::DataPlaneOptions dpo;
-  dpo.name = name_;
-  dpo.logger = "peers";
-  peer_service_ = std::make_unique<publisher::DataPlaneService>(peer_core_.get(), dpo);
-  hooks_ = TestHooks::FromEnvironment();
-  if (hooks_.enabled()) {
-    log_->warn("test hook: peers get no installed version while \"{}\" exists",
-               hooks_.File(TestHook::kStallPeers));
-  }
-  if (config_.relay_cut_through()) {
-    relay_ = std::make_unique<RelayFeed>(peer_core_.get(), config_.upstream().max_frame_bytes());
-  }
+  REFIT_ASSIGN_OR_RETURN(
+      peers_, PeerServer::Create(
+                  core_.get(),
+                  PeerServerOptions{.name = name_,
+                                    .threads = static_cast<int>(config_.staging().threads()),
+                                    .cut_through = config_.relay_cut_through(),
+                                    .max_frame_bytes = config_.upstream().max_frame_bytes(),
+                                    .background_nice = static_cast<int>(config_.background_nice()),
+                                    .consumer = absl::StrCat(kSelfConsumer, "/peers")}));
   return absl::OkStatus();
 }
 
@@ -418,11 +354,11 @@ void SubscriberDaemonImpl::MakeServices() {
   if (shards_ != nullptr) hooks.shards = [this] { return ShardsStatusOf(); };
   hooks.tls_status = [tls = tls_.get()] { return tls->Status(); };
   hooks.scrub_status = [scrub = scrubber_.get()](v1::StatusResponse& r) { ScrubStatus(*scrub, r); };
-  if (peer_service_ != nullptr) {
-    publisher::DataPlaneService* peers = peer_service_.get();
-    hooks.peer_sessions = [peers] { return peers->Sessions(); };
-    hooks.bytes_sent = [peers] { return peers->bytes_sent(); };
-    hooks.relay = [this] { return RelayStatusOf(); };
+  if (peers_ != nullptr) {
+    PeerServer* peers = peers_.get();
+    hooks.peer_sessions = [peers] { return peers->service()->Sessions(); };
+    hooks.bytes_sent = [peers] { return peers->service()->bytes_sent(); };
+    hooks.relay = [peers] { return peers->RelayStatus(); };
   }
   SubscriberControlOptions co;
   co.name = name_;
@@ -439,27 +375,27 @@ void SubscriberDaemonImpl::MakeServices() {
 // The "started" log line and the ready file (once every server is bound).
 absl::Status SubscriberDaemonImpl::AnnounceStarted() {
   const v1::SubscriberConfig& c = config_;
-  log_->info("subscriber {} started: listen {}, control {}, local {}, store {} slots, serve_peers "
-             "{}, upstream {}{}{}",
-             name_, listen_.bound_address.empty() ? "-" : listen_.bound_address,
-             control_server_.bound_address.empty() ? "(on listen)" : control_server_.bound_address,
-             local_.bound_address.empty() ? "-" : local_.bound_address, c.store().slots(),
-             c.serve_peers(),
-             c.upstream().shards_size() > 0
-                 ? absl::StrCat(c.upstream().shards_size(), " shards of set ",
-                                c.upstream().shard_set())
-                 : absl::StrJoin(c.upstream().addresses(), ","),
-             c.upstream().bootstrap_peers().empty()
-                 ? std::string()
-                 : absl::StrCat(" (bootstrap peers ",
-                                absl::StrJoin(c.upstream().bootstrap_peers(), ","), ")"),
-             metrics_.address().empty()
-                 ? std::string()
-                 : absl::StrCat(", metrics on http://", metrics_.address(), "/metrics"));
+  log_->info(
+      "subscriber {} started: listen {}, control {}, local {}, store {} slots, serve_peers "
+      "{}, upstream {}{}{}",
+      name_, servers_.listen.bound_address.empty() ? "-" : servers_.listen.bound_address,
+      servers_.control.bound_address.empty() ? "(on listen)" : servers_.control.bound_address,
+      servers_.local.bound_address.empty() ? "-" : servers_.local.bound_address, c.store().slots(),
+      c.serve_peers(),
+      c.upstream().shards_size() > 0
+          ? absl::StrCat(c.upstream().shards_size(), " shards of set ", c.upstream().shard_set())
+          : absl::StrJoin(c.upstream().addresses(), ","),
+      c.upstream().bootstrap_peers().empty()
+          ? std::string()
+          : absl::StrCat(" (bootstrap peers ", absl::StrJoin(c.upstream().bootstrap_peers(), ","),
+                         ")"),
+      metrics_.address().empty()
+          ? std::string()
+          : absl::StrCat(", metrics on http://", metrics_.address(), "/metrics"));
   if (c.ready_file().empty()) return absl::OkStatus();
-  return WriteReadyFile(c.ready_file(), {{"listen", listen_.bound_address},
-                                         {"control_listen", control_server_.bound_address},
-                                         {"local_socket", local_.bound_address},
+  return WriteReadyFile(c.ready_file(), {{"listen", servers_.listen.bound_address},
+                                         {"control_listen", servers_.control.bound_address},
+                                         {"local_socket", servers_.local.bound_address},
                                          {"metrics", metrics_.address()},
                                          {"pid", std::to_string(getpid())}});
 }
@@ -485,7 +421,7 @@ absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {
   REFIT_RETURN_IF_ERROR(MakeUpstream());
   MakeServices();
   REFIT_RETURN_IF_ERROR(StartServers(config_));
-  if (peer_service_ != nullptr) peer_thread_ = std::thread([this] { PeerPublishLoop(); });
+  if (peers_ != nullptr) peers_->Start();
   for (const auto& up : upstreams_) up->Start();
   scrubber_->Start();
   return AnnounceStarted();
@@ -514,10 +450,12 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
       s.dense_bytes() > 0 ? 100.0 * static_cast<double>(s.wire_bytes()) / s.dense_bytes() : 0.0;
   const std::string text = fmt::format(
       "version {} applied (base {}, {}): change {:.2f}%, wire {} vs dense {} ({:.2f}%), latency "
-      "{} ms (receive {}, stage {}, verify {}, apply {}), {}",
+      "{} (receive {}, stage {}, verify {}, apply {}), {}",
       s.version(), s.base_version(), ReasonName(ev.reason), 100.0 * s.change_rate(),
-      HumanBytes(s.wire_bytes()), HumanBytes(s.dense_bytes()), wire_pct, Ms(s.latency_micros()),
-      Ms(t.receive_micros()), Ms(t.stage_micros()), Ms(t.verify_micros()), Ms(t.apply_micros()),
+      FormatBytes(s.wire_bytes()), FormatBytes(s.dense_bytes()), wire_pct,
+      FormatMicros(s.latency_micros()), FormatMicros(t.receive_micros()),
+      FormatMicros(t.stage_micros()), FormatMicros(t.verify_micros()),
+      FormatMicros(t.apply_micros()),
       s.digests_verified() ? absl::StrCat("digests verified (", ev.tensors, " tensors)")
                            : std::string("digests NOT verified"));
   auto ms = [](uint64_t micros) { return static_cast<double>(micros) / 1000.0; };
@@ -569,82 +507,13 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
   AppliedVersion applied;
   applied.version = s.version();
   applied.version_digest = ev.ack.applied_version_digest();
-  applied.applied_unix_nanos = s.finished_unix_nanos() != 0
-                                   ? s.finished_unix_nanos()
-                                   : static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  applied.applied_unix_nanos =
+      s.finished_unix_nanos() != 0 ? s.finished_unix_nanos() : NowUnixNanos();
   applied.generation = core_->generation();
   applied.layout_changed = ev.layout_changed;
   board_.Announce(applied);
 
-  if (peer_service_ != nullptr) {
-    absl::MutexLock lock(&peer_mu_);
-    ++peer_wanted_;  // counts applied versions (a lineage change may lower the number)
-  }
-}
-
-void SubscriberDaemonImpl::PeerPublishLoop() {
-  // Installs for peers are adopted after the refit they follow; the threads they start inherit.
-  if (absl::Status st = LowerThisThreadPriority(static_cast<int>(config_.background_nice()));
-      !st.ok()) {
-    log_->warn("serving peers: the install thread keeps its priority: {}", st.ToString());
-  }
-  uint64_t done = 0;
-  while (true) {
-    {
-      absl::MutexLock lock(&peer_mu_);
-      auto ready = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
-        return peer_stop_ || peer_wanted_ > done;
-      };
-      peer_mu_.Await(absl::Condition(&ready));
-      if (peer_stop_) return;
-      done = peer_wanted_;
-    }
-    if (!StallPeersHook()) return;
-    // Always the newest applied version: intermediate ones that arrived meanwhile are skipped.
-    if (absl::Status st = PublishToPeers(); !st.ok()) {
-      log_->warn("serving peers: {}", st.ToString());
-    }
-  }
-}
-
-// Test hook stall_peers (test_hooks.h): while its file exists, the peer loop installs nothing
-// for the peers, so only relayed streams reach them. False on shutdown.
-bool SubscriberDaemonImpl::StallPeersHook() {
-  if (!hooks_.enabled()) return true;
-  bool logged = false;
-  while (hooks_.Stalled(TestHook::kStallPeers)) {
-    if (!logged) log_->warn("test hook: installing versions for peers stalled");
-    logged = true;
-    absl::MutexLock lock(&peer_mu_);
-    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return peer_stop_; };
-    if (peer_mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(10))) return false;
-  }
-  return true;
-}
-
-absl::Status SubscriberDaemonImpl::PublishToPeers() {
-  REFIT_ASSIGN_OR_RETURN(SubscriberLease lease,
-                         core_->AcquireLease(absl::StrCat(kSelfConsumer, "/peers"), std::nullopt,
-                                             absl::InfiniteDuration()));
-  absl::Status result = FollowUpstreamLineage();
-  if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
-    std::vector<publisher::TensorInput> inputs;
-    result = PeerInputsOf(lease, &inputs);
-    absl::StatusOr<publisher::PublishSummary> summary =
-        result.ok() ? InstallForPeers(lease.lease.version, inputs)
-                    : absl::StatusOr<publisher::PublishSummary>(result);
-    if (summary.ok()) {
-      log_->debug("serving peers: version {} ({} tensors, wire {} for a peer at the previous "
-                  "version) in {} ms",
-                  summary->version, summary->tensors, HumanBytes(summary->wire_bytes),
-                  Ms(summary->total_micros));
-    } else {
-      result = Annotate(summary.status(), "publishing version ", lease.lease.version, " to peers");
-    }
-  }
-  (void)core_->ReleaseLease(lease.lease.lease_id);
-  if (result.ok()) peer_service_->NotifyPublished();
-  return result;
+  if (peers_ != nullptr) peers_->OnApplied();
 }
 
 v1::RefitStats SubscriberDaemonImpl::LastRefit() const {
@@ -682,83 +551,6 @@ v1::ShardsStatus SubscriberDaemonImpl::ShardsStatusOf() const {
   return out;
 }
 
-v1::RelayStatus SubscriberDaemonImpl::RelayStatusOf() const {
-  v1::RelayStatus out;
-  out.set_cut_through(relay_ != nullptr);
-  if (relay_ != nullptr) {
-    const RelayStats s = relay_->stats();
-    out.set_transfers(s.transfers);
-    out.set_streamed(s.streamed);
-    out.set_completed(s.completed);
-    out.set_failed(s.failed);
-    out.set_not_relayable(s.not_relayable);
-    out.set_object_bytes(s.object_bytes);
-    out.set_last_error(s.last_error);
-  }
-  out.set_adopted_versions(adopted_versions_.load(std::memory_order_relaxed));
-  out.set_reencoded_versions(reencoded_versions_.load(std::memory_order_relaxed));
-  out.set_peer_streamed_transfers(peer_service_->streamed_transfers());
-  return out;
-}
-
-// Peers see the upstream's lineage: a subscriber bootstrapped from a peer keeps deltas from the
-// publisher. A lineage change upstream starts the peer core afresh.
-absl::Status SubscriberDaemonImpl::FollowUpstreamLineage() {
-  const uint64_t lineage = core_->applied_lineage();
-  if (lineage == peer_core_->lineage()) return absl::OkStatus();
-  const bool had_versions = peer_core_->newest_version() != 0;
-  REFIT_RETURN_IF_ERROR(peer_core_->Reset(lineage));
-  if (had_versions) {
-    log_->warn("serving peers: upstream changed to {}: peers reconnect and get keyframes",
-               sync::DescribeLineage(lineage));
-    peer_service_->EndSessions("the upstream changed lineage");
-  }
-  return absl::OkStatus();
-}
-
-// The leased version's tensors as publisher inputs (a GPU store's are downloaded: the peer
-// publisher keeps host bytes anyway, and takes the buffers over without a second copy).
-absl::Status SubscriberDaemonImpl::PeerInputsOf(const SubscriberLease& lease,
-                                                std::vector<publisher::TensorInput>* inputs) {
-  const store::Layout& layout = lease.store->layout();
-  inputs->reserve(layout.size());
-  const bool host = lease.store->memory().host_accessible();
-  for (size_t i = 0; i < layout.size(); ++i) {
-    const store::TensorInfo& ti = layout.tensor(i);
-    publisher::TensorInput in;
-    in.name = ti.name;
-    in.dtype = ti.dtype;
-    in.shape = ti.shape;
-    in.data = lease.lease.spans[i];
-    if (!host) {
-      auto buf = std::make_shared<std::vector<uint8_t>>(lease.lease.spans[i].size());
-      REFIT_RETURN_IF_ERROR(lease.store->memory().Download(*buf, lease.lease.spans[i]));
-      in.data = *buf;
-      in.owned = std::move(buf);
-    }
-    inputs->push_back(std::move(in));
-  }
-  return absl::OkStatus();
-}
-
-// The version relayed to the peers is adopted from the patches received; any other (not
-// relayable, not the next one for the peer core, relays off) is encoded again.
-absl::StatusOr<publisher::PublishSummary> SubscriberDaemonImpl::InstallForPeers(
-    uint64_t version, const std::vector<publisher::TensorInput>& inputs) {
-  std::shared_ptr<const publisher::LiveVersion> relayed =
-      relay_ != nullptr ? relay_->Completed(version) : nullptr;
-  if (relayed != nullptr && relayed->base_version() == peer_core_->newest_version()) {
-    absl::StatusOr<publisher::PublishSummary> adopted = peer_core_->AdoptRelayed(*relayed, inputs);
-    if (adopted.ok()) {
-      adopted_versions_.fetch_add(1, std::memory_order_relaxed);
-      return adopted;
-    }
-    log_->warn("serving peers: {}; encoding it instead", adopted.status().ToString());
-  }
-  reencoded_versions_.fetch_add(1, std::memory_order_relaxed);
-  return peer_core_->Publish(version, inputs);
-}
-
 void SubscriberDaemonImpl::Shutdown() {
   {
     absl::MutexLock lock(&shutdown_mu_);
@@ -769,19 +561,10 @@ void SubscriberDaemonImpl::Shutdown() {
   board_.Close();  // ends WatchVersions streams and WaitVersion calls
   if (scrubber_ != nullptr) scrubber_->Stop();
   for (const auto& up : upstreams_) up->Stop();
-  if (peer_service_ != nullptr) peer_service_->Shutdown();
-  {
-    absl::MutexLock lock(&peer_mu_);
-    peer_stop_ = true;
-  }
-  if (peer_thread_.joinable()) peer_thread_.join();
+  if (peers_ != nullptr) peers_->Stop();
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(1);
-  for (RunningServer* s : {&listen_, &control_server_, &local_}) {
-    s->Shutdown(deadline);
-  }
-  for (RunningServer* s : {&listen_, &control_server_, &local_}) {
-    s->Wait();
-  }
+  servers_.Shutdown(deadline);
+  servers_.Wait();
   log_->info("subscriber {} stopped at version {}", name_,
              core_ != nullptr ? core_->applied_version() : 0);
 }

@@ -3,7 +3,6 @@
 // the first, which serves peers). Everything over real gRPC: Control on `listen`, ConsumerApi on
 // a unix socket, the consumer reading the store through its ShmRegion path.
 #include "daemon/subscriber/subscriber_daemon.h"
-#include "daemon/common/status_matchers.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -26,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "cuda/device.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/config/config.h"
 #include "daemon/model/safetensors.h"
@@ -180,7 +180,7 @@ class SubscriberDaemonTest : public ::testing::Test {
     req.set_timeout_ms(30000);
     v1::WaitVersionResponse resp;
     grpc::Status st = control.WaitVersion(Ctx().get(), req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_THAT(st, IsOk());
     ASSERT_GE(resp.version(), version);
   }
 
@@ -189,7 +189,7 @@ class SubscriberDaemonTest : public ::testing::Test {
     req.set_safetensors((dir_ / file).string());
     v1::ExportResponse resp;
     grpc::Status st = control.Export(Ctx().get(), req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_THAT(st, IsOk());
     EXPECT_EQ(resp.version(), v);
     REFIT_ASSERT_OK_AND_ASSIGN(auto f, model::SafetensorsFile::Open(req.safetensors()));
     const Model& m = pub_.model(v);
@@ -207,7 +207,7 @@ class SubscriberDaemonTest : public ::testing::Test {
     v1::ExportRequest req;
     req.set_safetensors((dir_ / file).string());
     v1::ExportResponse resp;
-    ASSERT_TRUE(control.Export(Ctx().get(), req, &resp).ok());
+    ASSERT_THAT(control.Export(Ctx().get(), req, &resp), IsOk());
     REFIT_ASSERT_OK_AND_ASSIGN(auto f, model::SafetensorsFile::Open(req.safetensors()));
     ASSERT_EQ(f.tensors().size(), names.size());
     for (size_t i = 0; i < names.size(); ++i) {
@@ -273,7 +273,7 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("vllm-0");
   v1::Lease lease;
-  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &lease).ok());
+  ASSERT_THAT(consumer->AcquireLease(Ctx().get(), acq, &lease), IsOk());
   EXPECT_EQ(lease.version(), v1);
   ExpectLayoutHolds(lease.layout(), v1);
 
@@ -285,13 +285,13 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   EXPECT_FALSE(ev.layout_changed());
   ExpectLayoutHolds(lease.layout(), v1);
   v1::Layout layout;
-  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  ASSERT_THAT(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout), IsOk());
   EXPECT_EQ(layout.version(), v2);
   ExpectLayoutHolds(layout, v2);
   ExpectExportEquals(*control, "a-v2.safetensors", v2);
 
   v1::StatusResponse s;
-  ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
   EXPECT_EQ(s.name(), "sub-a");
   EXPECT_EQ(s.version(), v2);
@@ -305,7 +305,7 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   EXPECT_EQ(s.leases(0).version(), v1);
 
   v1::VerifyResponse vr;
-  ASSERT_TRUE(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  ASSERT_THAT(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr), IsOk());
   EXPECT_TRUE(vr.ok());
   EXPECT_EQ(vr.version(), v2);
   EXPECT_EQ(vr.version_digest(), pub_.digest());
@@ -314,12 +314,12 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   v1::ReleaseLeaseRequest rel;
   rel.set_lease_id(lease.lease_id());
   v1::ReleaseLeaseResponse relr;
-  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
-  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &lease).ok());
+  ASSERT_THAT(consumer->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
+  ASSERT_THAT(consumer->AcquireLease(Ctx().get(), acq, &lease), IsOk());
   EXPECT_EQ(lease.version(), v2);
   ExpectLayoutHolds(lease.layout(), v2);
   rel.set_lease_id(lease.lease_id());
-  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  ASSERT_THAT(consumer->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
 
   // A late joiner bootstraps from sub-a (bootstrap_peers), then follows.
   REFIT_ASSERT_OK_AND_ASSIGN(auto b,
@@ -327,7 +327,7 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   auto control_b = ControlOf(*b);
   WaitFor(*control_b, v2);
   ExpectExportEquals(*control_b, "b-v2.safetensors", v2);
-  ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_GT(s.bytes_sent(), 0u);  // sub-a served sub-b
 
   const uint64_t v3 = pub_.PublishNext();
@@ -342,7 +342,7 @@ TEST_F(SubscriberDaemonTest, RefitsLeasesAnnouncesAndServesPeers) {
   da.Shutdown();
   while (watch->Read(&ev)) {
   }
-  EXPECT_FALSE(watch->Finish().ok());
+  EXPECT_THAT(watch->Finish(), Not(IsOk()));
   da.Shutdown();  // idempotent
 }
 
@@ -353,7 +353,7 @@ v1::RelayStatus AwaitPeersInstalled(v1::Control::Stub& control, uint64_t applied
   v1::StatusResponse s;
   for (;;) {
     grpc::ClientContext ctx;
-    EXPECT_TRUE(control.Status(&ctx, v1::StatusRequest(), &s).ok());
+    EXPECT_THAT(control.Status(&ctx, v1::StatusRequest(), &s), IsOk());
     const v1::RelayStatus& r = s.relay();
     if (r.adopted_versions() + r.reencoded_versions() >= applied_versions ||
         absl::Now() > deadline) {
@@ -413,7 +413,7 @@ TEST_F(SubscriberDaemonTest, RelaysForwardTheUpstreamsPatchesOverTwoHops) {
       for (auto [relay, before] : {std::pair(control_a.get(), streamed_a),
                                    std::pair(control_b.get(), streamed_b)}) {
         v1::StatusResponse s;
-        ASSERT_TRUE(relay->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+        ASSERT_THAT(relay->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
         EXPECT_EQ(s.relay().adopted_versions() + s.relay().reencoded_versions(), applied);
         EXPECT_EQ(s.relay().peer_streamed_transfers(), before + 1);
       }
@@ -464,7 +464,7 @@ TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
   auto control_c = ControlOf(**c);
   WaitFor(*control_c, v);
   v1::StatusResponse s;
-  ASSERT_TRUE(control_c->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_c->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_EQ(s.upstream().name(), "relay-b");
   AwaitPeersInstalled(*control_a, 1);
   b->Shutdown();
@@ -474,7 +474,7 @@ TEST_F(SubscriberDaemonTest, ASubscriberFailsOverWhenItsRelayDies) {
     ExpectExportEquals(*control_c, absl::StrCat("c-failover-", v, ".safetensors"), v);
     AwaitPeersInstalled(*control_a, 2 + static_cast<uint64_t>(k));
   }
-  ASSERT_TRUE(control_c->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_c->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_EQ(s.upstream().name(), "relay-a");
   const v1::RelayStatus r = AwaitPeersInstalled(*control_a, 4);
   EXPECT_EQ(r.adopted_versions(), 3u) << r.ShortDebugString();
@@ -500,7 +500,7 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
     v = pub_.PublishNext();
     WaitFor(*control, v);
     v1::StatusResponse s;
-    ASSERT_TRUE(control->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+    ASSERT_THAT(control->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
     EXPECT_EQ(s.version(), v);
     EXPECT_EQ(s.tensors(), 2u);
     const sync::DigestFormat format = *sync::DigestFormatFromWire(s.digest_format());
@@ -519,11 +519,11 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
                       {"attn.weight", "mlp.weight"});
   }
   v1::Layout layout;
-  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  ASSERT_THAT(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout), IsOk());
   ASSERT_EQ(layout.tensors_size(), 2);
   ExpectSelectedLayout(layout, v, sel);
   v1::VerifyResponse vr;
-  ASSERT_TRUE(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  ASSERT_THAT(control->Verify(Ctx().get(), v1::VerifyRequest(), &vr), IsOk());
   EXPECT_TRUE(vr.ok());
   d->Shutdown();
 
@@ -558,7 +558,7 @@ TEST_F(SubscriberDaemonTest, ASelectionReceivesStoresAndExposesOnlyItsTensors) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   v1::StatusResponse sb;
   while (absl::Now() < deadline) {
-    ASSERT_TRUE(control_b->Status(Ctx().get(), v1::StatusRequest(), &sb).ok());
+    ASSERT_THAT(control_b->Status(Ctx().get(), v1::StatusRequest(), &sb), IsOk());
     if (!sb.upstream().last_error().empty()) break;
     absl::SleepFor(absl::Milliseconds(5));  // polls a condition, with a deadline
   }
@@ -597,7 +597,7 @@ TEST_F(SubscriberDaemonTest, ControlOnControlListenAndShutdownEndsWaits) {
   // The waiter is in (or about to be in) its wait; Shutdown ends it either way.
   d->Shutdown();
   waiter.join();
-  EXPECT_FALSE(waited.ok());
+  EXPECT_THAT(waited, Not(IsOk()));
   EXPECT_NE(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
 }
 
@@ -614,7 +614,7 @@ TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLease
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("vllm-1");
   v1::Lease old;
-  ASSERT_TRUE(consumer->AcquireLease(Ctx().get(), acq, &old).ok());
+  ASSERT_THAT(consumer->AcquireLease(Ctx().get(), acq, &old), IsOk());
 
   const uint64_t v2 = pub_.PublishNext(/*extra=*/true);
   WaitFor(*control, v2);
@@ -623,7 +623,7 @@ TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLease
   EXPECT_EQ(ev.version(), v2);
   EXPECT_TRUE(ev.layout_changed());
   v1::Layout layout;
-  ASSERT_TRUE(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  ASSERT_THAT(consumer->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout), IsOk());
   EXPECT_EQ(layout.tensors_size(), 4);
   ExpectLayoutHolds(layout, v2);
   ExpectLayoutHolds(old.layout(), v1);  // the old generation lives on under the lease
@@ -637,7 +637,7 @@ TEST_F(SubscriberDaemonTest, ManifestChangeAnnouncesLayoutChangeAndKeepsOldLease
   v1::ReleaseLeaseRequest rel;
   rel.set_lease_id(old.lease_id());
   v1::ReleaseLeaseResponse relr;
-  ASSERT_TRUE(consumer->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  ASSERT_THAT(consumer->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
   watch_ctx.TryCancel();
   while (watch->Read(&ev)) {
   }

@@ -18,7 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/common/status_matchers.h"
+#include "daemon/common/grpc_status_matchers.h"
+#include "daemon/common/unix_time.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_testing.h"
@@ -176,8 +177,8 @@ class ServicesTest : public ::testing::Test {
     const uint64_t v = source_.Next(extra);
     v1::Ack ack = source_.Feed(core_);
     EXPECT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
-    board_.Announce({v, core_.applied_digest(), static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())),
-                     core_.generation(), core_.generation() != gen && gen != 0});
+    board_.Announce({v, core_.applied_digest(), NowUnixNanos(), core_.generation(),
+                     core_.generation() != gen && gen != 0});
     return v;
   }
 
@@ -216,13 +217,13 @@ class ServicesTest : public ::testing::Test {
 TEST_F(ServicesTest, NothingAppliedYet) {
   v1::Layout layout;
   grpc::Status st = consumer_stub_->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(st.error_message(), HasSubstr("GetLayout"));
   v1::Lease lease;
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("vllm-0");
   st = consumer_stub_->AcquireLease(Ctx().get(), acq, &lease);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(st.error_message(), HasSubstr("vllm-0"));
   v1::VerifyResponse vr;
   EXPECT_EQ(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).error_code(),
@@ -233,7 +234,7 @@ TEST_F(ServicesTest, NothingAppliedYet) {
   EXPECT_EQ(control_stub_->Export(Ctx().get(), ex, &exr).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
   v1::StatusResponse s;
-  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
   EXPECT_EQ(s.version(), 0u);
 }
@@ -242,7 +243,7 @@ TEST_F(ServicesTest, GetLayoutLocatesTheAppliedVersion) {
   Apply();
   const uint64_t v2 = Apply();
   v1::Layout layout;
-  ASSERT_TRUE(consumer_stub_->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout).ok());
+  ASSERT_THAT(consumer_stub_->GetLayout(Ctx().get(), v1::GetLayoutRequest(), &layout), IsOk());
   EXPECT_EQ(layout.version(), v2);
   EXPECT_EQ(layout.version_digest(), source_.digest());
   ExpectLayoutHolds(layout, v2);
@@ -257,11 +258,11 @@ TEST_F(ServicesTest, GetLayoutLocatesTheAppliedVersion) {
   v1::GetLayoutRequest req;
   req.set_version(1);
   v1::Layout old;
-  ASSERT_TRUE(consumer_stub_->GetLayout(Ctx().get(), req, &old).ok());
+  ASSERT_THAT(consumer_stub_->GetLayout(Ctx().get(), req, &old), IsOk());
   ExpectLayoutHolds(old, 1);
   req.set_version(9);
   grpc::Status st = consumer_stub_->GetLayout(Ctx().get(), req, &old);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(st.error_message(), HasSubstr("version 9"));
 }
 
@@ -270,7 +271,7 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("vllm-worker-3");
   v1::Lease lease;
-  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok());
+  ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease), IsOk());
   EXPECT_EQ(lease.version(), v1);
   EXPECT_NE(lease.lease_id(), 0u);
   EXPECT_GT(lease.ttl_ms(), 29000u);  // default ttl 30 s
@@ -282,7 +283,7 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   ExpectLayoutHolds(lease.layout(), v1);  // the consumer's bytes stay v1's
 
   v1::StatusResponse s;
-  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   ASSERT_EQ(s.leases_size(), 1);  // the daemon's own leases are not listed
   EXPECT_EQ(s.leases(0).lease_id(), lease.lease_id());
   EXPECT_EQ(s.leases(0).consumer(), "vllm-worker-3");
@@ -294,7 +295,7 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   renew.set_lease_id(lease.lease_id());
   renew.set_ttl_ms(3'600'000);
   v1::Lease renewed;
-  ASSERT_TRUE(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).ok());
+  ASSERT_THAT(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed), IsOk());
   EXPECT_EQ(renewed.version(), v1);
   EXPECT_GT(renewed.ttl_ms(), 59000u);
   EXPECT_LE(renewed.ttl_ms(), 60000u);
@@ -304,7 +305,7 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   ex.set_safetensors((socket_dir_ / "v1.safetensors").string());
   ex.set_version(v1);
   v1::ExportResponse exr;
-  ASSERT_TRUE(control_stub_->Export(Ctx().get(), ex, &exr).ok());
+  ASSERT_THAT(control_stub_->Export(Ctx().get(), ex, &exr), IsOk());
   EXPECT_EQ(exr.version(), v1);
   EXPECT_EQ(exr.tensors(), 3u);
   REFIT_ASSERT_OK_AND_ASSIGN(auto file, model::SafetensorsFile::Open(ex.safetensors()));
@@ -317,9 +318,9 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   v1::ReleaseLeaseRequest rel;
   rel.set_lease_id(lease.lease_id());
   v1::ReleaseLeaseResponse relr;
-  ASSERT_TRUE(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  ASSERT_THAT(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
   grpc::Status again = consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr);
-  EXPECT_EQ(again.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(again, StatusIs(absl::StatusCode::kNotFound));
   EXPECT_EQ(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).error_code(),
             grpc::StatusCode::NOT_FOUND);
 
@@ -327,16 +328,16 @@ TEST_F(ServicesTest, LeasePinsItsVersionWhileNewerOnesArrive) {
   Apply();
   Apply();
   acq.clear_version();
-  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok());
+  ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease), IsOk());
   EXPECT_EQ(lease.version(), 6u);
   ExpectLayoutHolds(lease.layout(), 6);
   acq.set_version(v1);
   v1::Lease gone;
   grpc::Status st = consumer_stub_->AcquireLease(Ctx().get(), acq, &gone);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   ex.set_version(v1);
   st = control_stub_->Export(Ctx().get(), ex, &exr);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(st.error_message(), HasSubstr("version 1"));
 }
 
@@ -347,12 +348,12 @@ TEST_F(ServicesTest, MaxLeasesIsResourceExhausted) {
   acq.set_ttl_ms(UINT64_MAX);  // saturates, then capped at the max TTL (60 s)
   v1::Lease lease;
   for (int i = 0; i < 8; ++i) {
-    ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease).ok()) << i;
+    ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &lease), IsOk()) << i;
     EXPECT_GT(lease.ttl_ms(), 59000u);
     EXPECT_LE(lease.ttl_ms(), 60000u);
   }
   grpc::Status st = consumer_stub_->AcquireLease(Ctx().get(), acq, &lease);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kResourceExhausted));
 }
 
 // The quota key: the peer uid when the socket knows it (new names do not evade the quota).
@@ -386,7 +387,7 @@ TEST_F(ServicesTest, WatchVersionsAnnouncesCurrentThenEveryApplied) {
   ctx.TryCancel();
   while (reader->Read(&ev)) {
   }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_THAT(reader->Finish(), StatusIs(absl::StatusCode::kCancelled));
 
   // after_version skips what the consumer already has; the board's Close ends the stream.
   grpc::ClientContext ctx2;
@@ -397,7 +398,7 @@ TEST_F(ServicesTest, WatchVersionsAnnouncesCurrentThenEveryApplied) {
   EXPECT_EQ(ev.version(), v5);
   board_.Close();
   EXPECT_FALSE(reader2->Read(&ev));
-  EXPECT_EQ(reader2->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(reader2->Finish(), StatusIs(absl::StatusCode::kUnavailable));
 }
 
 TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
@@ -405,11 +406,11 @@ TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
   v1::AcquireLeaseRequest acq;
   acq.set_consumer("c");
   v1::Lease old;
-  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &old).ok());
+  ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &old), IsOk());
   const uint64_t v2 = Apply(/*extra=*/true);
   EXPECT_EQ(core_.retired_stores(), 1u);
   v1::Lease now;
-  ASSERT_TRUE(consumer_stub_->AcquireLease(Ctx().get(), acq, &now).ok());
+  ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &now), IsOk());
   EXPECT_EQ(now.version(), v2);
   EXPECT_EQ(now.layout().tensors_size(), 4);
   EXPECT_NE(now.layout().tensors(0).shm().path(), old.layout().tensors(0).shm().path());
@@ -419,13 +420,13 @@ TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
   v1::RenewLeaseRequest renew;
   renew.set_lease_id(old.lease_id());
   v1::Lease renewed;
-  ASSERT_TRUE(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed).ok());
+  ASSERT_THAT(consumer_stub_->RenewLease(Ctx().get(), renew, &renewed), IsOk());
   EXPECT_EQ(renewed.version(), v1);
   EXPECT_EQ(renewed.layout().tensors(0).shm().path(), old.layout().tensors(0).shm().path());
   v1::ReleaseLeaseRequest rel;
   rel.set_lease_id(old.lease_id());
   v1::ReleaseLeaseResponse relr;
-  ASSERT_TRUE(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr).ok());
+  ASSERT_THAT(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
   EXPECT_EQ(core_.retired_stores(), 0u);
 }
 
@@ -433,7 +434,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   Apply();
   const uint64_t v2 = Apply();
   v1::StatusResponse s;
-  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   EXPECT_EQ(s.role(), v1::ROLE_SUBSCRIBER);
   EXPECT_EQ(s.name(), "sub-test");
   EXPECT_EQ(s.build_version(), kRefitVersion);
@@ -448,17 +449,17 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
 
   v1::PublishResponse pr;
   grpc::Status st = control_stub_->Publish(Ctx().get(), v1::PublishRequest(), &pr);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_EQ(st.error_message(), "Publish is a publisher verb; sub-test is a subscriber");
 
   v1::ExportRequest ex;
   ex.set_safetensors("../relative.safetensors");  // export paths stay beneath export_dir
   v1::ExportResponse exr;
   st = control_stub_->Export(Ctx().get(), ex, &exr);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(st.error_message(), HasSubstr("relative.safetensors"));
   ex.set_safetensors((socket_dir_ / "cur.safetensors").string());
-  ASSERT_TRUE(control_stub_->Export(Ctx().get(), ex, &exr).ok());
+  ASSERT_THAT(control_stub_->Export(Ctx().get(), ex, &exr), IsOk());
   EXPECT_EQ(exr.version(), v2);
   EXPECT_EQ(exr.version_digest(), source_.digest());
   EXPECT_EQ(exr.bytes(), s.model_bytes());
@@ -471,7 +472,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   }
 
   v1::VerifyResponse vr;
-  ASSERT_TRUE(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  ASSERT_THAT(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr), IsOk());
   EXPECT_TRUE(vr.ok());
   EXPECT_EQ(vr.version(), v2);
   EXPECT_EQ(vr.version_digest(), source_.digest());
@@ -481,7 +482,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   v1::ResyncRequest rs;
   rs.add_tensors("b.bias");
   v1::ResyncResponse rsr;
-  ASSERT_TRUE(control_stub_->Resync(Ctx().get(), rs, &rsr).ok());
+  ASSERT_THAT(control_stub_->Resync(Ctx().get(), rs, &rsr), IsOk());
   EXPECT_EQ(rsr.sessions(), 1u);
   ASSERT_EQ(resync_calls_.size(), 1u);
   EXPECT_EQ(resync_calls_[0], std::vector<std::string>{"b.bias"});
@@ -491,7 +492,7 @@ TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
   v1::ResyncRequest unknown;
   unknown.add_tensors("no.such.tensor");
   const grpc::Status unknown_st = control_stub_->Resync(Ctx().get(), unknown, &rsr);
-  EXPECT_EQ(unknown_st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(unknown_st, StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(unknown_st.error_message(), ::testing::HasSubstr("\"no.such.tensor\" is not in version"));
   EXPECT_EQ(resync_calls_.size(), 1u) << "an unknown tensor must not reach the upstream";
 }
@@ -506,7 +507,7 @@ TEST_F(ServicesTest, VerifyDetectsCorruptedMemory) {
     ASSERT_THAT(core_.ReleaseLease(lease.lease.lease_id), IsOk());
   }
   v1::VerifyResponse vr;
-  ASSERT_TRUE(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr).ok());
+  ASSERT_THAT(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr), IsOk());
   EXPECT_FALSE(vr.ok());
   EXPECT_EQ(vr.version(), v);
   EXPECT_NE(vr.version_digest(), source_.digest());
@@ -520,14 +521,14 @@ TEST_F(ServicesTest, WaitVersion) {
   v1::WaitVersionRequest req;
   req.set_version(1);
   v1::WaitVersionResponse resp;
-  ASSERT_TRUE(control_stub_->WaitVersion(Ctx().get(), req, &resp).ok());
+  ASSERT_THAT(control_stub_->WaitVersion(Ctx().get(), req, &resp), IsOk());
   EXPECT_EQ(resp.version(), 1u);
   EXPECT_EQ(resp.version_digest(), core_.applied_digest());
 
   req.set_version(7);
   req.set_timeout_ms(50);
   grpc::Status st = control_stub_->WaitVersion(Ctx().get(), req, &resp);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(st, StatusIs(absl::StatusCode::kDeadlineExceeded));
   EXPECT_EQ(st.error_message(), "version 7 not reached after 50 ms, at version 1");
 
   // Without timeout_ms the RPC's own deadline ends the wait.
@@ -536,7 +537,7 @@ TEST_F(ServicesTest, WaitVersion) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
     st = control_stub_->WaitVersion(&ctx, req, &resp);
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kDeadlineExceeded));
   }
 
   req.set_all_subscribers(true);
@@ -557,7 +558,7 @@ TEST_F(ServicesTest, WaitVersion) {
   EXPECT_FALSE(done.load());
   Apply();
   waiter.join();
-  ASSERT_TRUE(waited.ok()) << waited.error_message();
+  ASSERT_THAT(waited, IsOk());
   EXPECT_EQ(resp.version(), 3u);
 
   // Shutdown (the board closes) releases a waiter with UNAVAILABLE.
@@ -565,7 +566,7 @@ TEST_F(ServicesTest, WaitVersion) {
   std::thread waiter2([&] { waited = control_stub_->WaitVersion(Ctx(30).get(), req, &resp); });
   board_.Close();
   waiter2.join();
-  EXPECT_EQ(waited.error_code(), grpc::StatusCode::UNAVAILABLE) << waited.error_message();
+  EXPECT_THAT(waited, StatusIs(absl::StatusCode::kUnavailable));
   EXPECT_THAT(waited.error_message(), HasSubstr("shutting down"));
 }
 
@@ -576,7 +577,7 @@ TEST_F(ServicesTest, StatusListsConsumerLeasesOnly) {
   ASSERT_THAT(own, IsOk());
   ASSERT_THAT(other, IsOk());
   v1::StatusResponse s;
-  ASSERT_TRUE(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s).ok());
+  ASSERT_THAT(control_stub_->Status(Ctx().get(), v1::StatusRequest(), &s), IsOk());
   ASSERT_EQ(s.leases_size(), 1);
   EXPECT_EQ(s.leases(0).consumer(), "refitd-subscriber-lookalike");
 }

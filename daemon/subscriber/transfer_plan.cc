@@ -118,7 +118,7 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
   std::vector<v1::TensorSpec> specs;
   for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
   if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("header for version ", v, ": ", st.message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "header for version ", v);
   }
   std::vector<store::TensorDesc> descs;
   needs_base = false;
@@ -146,8 +146,8 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
   }
   auto layout = store::Layout::Build(std::move(descs));
   if (!layout.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header for version ", v, ": ", layout.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, layout.status(), "header for version ",
+                      v);
   }
   if (layout->slot_bytes() > options_.max_slot_bytes) {
     return absl::ResourceExhaustedError(

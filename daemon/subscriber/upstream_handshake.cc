@@ -7,7 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/codec/format.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/unix_time.h"
@@ -27,10 +29,8 @@ std::shared_ptr<grpc::Channel> Upstream::MakeChannel(const std::string& target, 
   grpc::ChannelArguments args = options_.channel_args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_frame_bytes) + (1 << 20));
   args.SetMaxSendMessageSize(-1);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
-              static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_time)));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-              static_cast<int>(absl::ToInt64Milliseconds(options_.keepalive_timeout)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, MillisArg(options_.keepalive_time));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, MillisArg(options_.keepalive_timeout));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   // A distinct argument per stream gives each its own subchannel, i.e. its own TCP
@@ -146,9 +146,9 @@ void Upstream::NoteWelcome(Session& session, const v1::Welcome& welcome) {
       *sync::DigestFormatFromWire(welcome.digest_format());  // Handshake checked
   core_->SetDigestFormat(session.digest_format);
   log_->info(
-      "connected to {} ({}): session {:016x}, {} stripes, frames of {} bytes{}, its "
+      "connected to {} ({}): session {}, {} stripes, frames of {} bytes{}, its "
       "newest version {} ({}), ours {} ({})",
-      session.target, Printable(welcome.name()), welcome.session_id(), welcome.stripes(),
+      session.target, Printable(welcome.name()), Hex64(welcome.session_id()), welcome.stripes(),
       welcome.frame_bytes(), welcome.progress_bytes() > 0 ? ", paced" : "",
       welcome.newest_version(), sync::DescribeLineage(welcome.lineage()), core_->applied_version(),
       sync::DescribeLineage(core_->applied_lineage()));

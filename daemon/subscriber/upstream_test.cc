@@ -2,7 +2,6 @@
 // a PublisherCore on 127.0.0.1:0, and subscribers (SubscriberCore + Upstream) connecting to it
 // over real connections with stripes. Daemon processes are tested in tests/.
 #include "daemon/subscriber/upstream.h"
-#include "daemon/common/status_matchers.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -22,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/common/grpc_status_matchers.h"
 #include "daemon/serving/data_plane_service.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/store/shm_store.h"
@@ -36,6 +36,7 @@ namespace refit::subscriber {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using sync::testing::Model;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -556,35 +557,35 @@ TEST(UpstreamTest, MalformedSessionsGetClearErrors) {
     v1::SubscriberMessage ack;
     ack.mutable_ack()->set_version(1);
     grpc::Status st = run({ack});
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
     EXPECT_THAT(st.error_message(), HasSubstr("first message of a Sync stream must be Hello"));
   }
   {
     v1::SubscriberMessage bad = hello;
     bad.mutable_hello()->set_protocol(v1::PROTOCOL_VERSION_UNSPECIFIED);
     grpc::Status st = run({bad});
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
     EXPECT_THAT(st.error_message(), HasSubstr("protocol 0 is not supported"));
   }
   {
     v1::SubscriberMessage req;
     req.mutable_keyframe_request()->set_reason("x");
     grpc::Status st = run({hello, req});
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
     EXPECT_THAT(st.error_message(), HasSubstr("names no tensor"));
   }
   {
     v1::SubscriberMessage req;
     req.mutable_keyframe_request()->add_tensors("no.such.tensor");
     grpc::Status st = run({hello, req});
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument));
     EXPECT_THAT(st.error_message(), HasSubstr("\"no.such.tensor\""));
   }
   {
     v1::SubscriberMessage ack;
     ack.mutable_ack()->set_version(7);
     grpc::Status st = run({hello, ack});
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kFailedPrecondition));
     EXPECT_THAT(st.error_message(), HasSubstr("Ack for version 7"));
   }
   {
@@ -597,7 +598,7 @@ TEST(UpstreamTest, MalformedSessionsGetClearErrors) {
     while (reader->Read(&f)) {
     }
     grpc::Status st = reader->Finish();
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kNotFound));
   }
   // A well-behaved subscriber is unaffected.
   auto a = Subscriber::Start("sub-a", {pub->address});

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/staged_transfer.h"
@@ -110,11 +111,11 @@ v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, ui
   ack.set_applied_version_digest(version_digest);
   ack.set_wire_bytes(wire_bytes);
   v1::TransferTimings* tm = ack.mutable_timings();
-  tm->set_receive_micros(Micros(received - start));
-  tm->set_stage_micros(Micros(staged - received));
-  tm->set_verify_micros(Micros(verified - staged));
-  tm->set_apply_micros(Micros(applied - verified));
-  tm->set_total_micros(Micros(applied - start));
+  tm->set_receive_micros(WholeMicros(received - start));
+  tm->set_stage_micros(WholeMicros(staged - received));
+  tm->set_verify_micros(WholeMicros(verified - staged));
+  tm->set_apply_micros(WholeMicros(applied - verified));
+  tm->set_total_micros(WholeMicros(applied - start));
   return ack;
 }
 

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/model/safetensors.h"
+#include "daemon/serving/version_file.h"
 
 namespace refit::subscriber {
 
@@ -32,20 +32,21 @@ absl::StatusOr<ExportSummary> ExportVersion(SubscriberCore& core, const std::str
       written = st.memory().Download(downloaded[i], lease.spans[i]);
     }
   }
-  std::vector<model::SafetensorsTensorRef> refs;
-  refs.reserve(layout.size());
+  std::vector<publisher::VersionFileTensor> tensors;
+  tensors.reserve(layout.size());
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
-    refs.push_back({ti.name, ti.dtype, std::vector<int64_t>(ti.shape.begin(), ti.shape.end()),
-                    downloaded.empty() ? lease.spans[i] : std::span<const uint8_t>(downloaded[i])});
+    tensors.push_back(
+        {ti.name, ti.dtype, std::vector<uint64_t>(ti.shape.begin(), ti.shape.end()),
+         downloaded.empty() ? lease.spans[i] : std::span<const uint8_t>(downloaded[i])});
     summary.bytes += ti.size_bytes;
   }
   summary.tensors = static_cast<uint32_t>(layout.size());
-  if (written.ok()) written = model::WriteSafetensors(path, refs, {}, write);
+  if (written.ok()) written = publisher::WriteVersionFile(path, lease.version, tensors, write);
   // The core's own lease: released through the core, which also frees a retired generation the
   // lease kept alive and wakes an in-place update waiting for it.
   (void)core.ReleaseLease(lease.lease_id);
-  if (!written.ok()) return Annotate(written, "export of version ", lease.version, " to ", path);
+  REFIT_RETURN_IF_ERROR(written);
   return summary;
 }
 

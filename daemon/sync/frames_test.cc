@@ -200,7 +200,8 @@ TEST_F(Malformed, WrongVersion) {
 TEST_F(Malformed, BadChecksumIsDataLoss) {
   auto f = F(2);
   f.mutable_payload()->at(3) ^= 1;
-  ExpectReject(a_, f, absl::StatusCode::kDataLoss, {"version 5 tensor 1 't1' part 0 chunk 2/4", "checksum"});
+  ExpectReject(a_, f, absl::StatusCode::kDataLoss,
+               {"version 5 tensor 1 \"t1\" part 0 chunk 2/4", "checksum"});
 }
 
 TEST_F(Malformed, UnknownTensorOrPart) {
@@ -314,7 +315,7 @@ TEST(Frames, CorruptLz4IsDataLoss) {
     auto f = frames[0];
     f.set_payload(payload);
     Reseal(f);
-    ExpectReject(a, f, absl::StatusCode::kDataLoss, {"tensor 0 't0' part 0 chunk 0/2", "LZ4"});
+    ExpectReject(a, f, absl::StatusCode::kDataLoss, {"tensor 0 \"t0\" part 0 chunk 0/2", "LZ4"});
   }
   // A valid block that decodes to fewer bytes than raw_bytes.
   FrameAssembler a(2, 100);

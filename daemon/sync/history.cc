@@ -99,7 +99,7 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
   }
   auto layout = ParsePatch(std::span<const uint8_t>(*u.patch));
   if (!layout.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": bad patch: ", layout.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, layout.status(), where, ": bad patch");
   }
   const uint64_t elems = *ElementCount(e.spec);
   if (ToProtoDType(layout->dtype) != e.spec.dtype() || layout->num_elements != elems) {
@@ -136,8 +136,7 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   }
   auto vdigest = VersionDigest(manifest, digests);
   if (!vdigest.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("version ", version, ": ", vdigest.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, vdigest.status(), "version ", version);
   }
 
   absl::MutexLock lock(&mu_);

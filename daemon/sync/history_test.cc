@@ -374,7 +374,7 @@ TEST_F(HistoryTest, AddRejectsBadInputWithoutChangingAnything) {
   withy[0].digest ^= 1;
   st = history_.Add(2, withy).status();
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("'y'"), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("\"y\""), absl::string_view::npos) << st;
   // A patch of the wrong size / garbage.
   Model z = m;
   Perturb(z["x"], 0.05, rng_);

@@ -2,6 +2,9 @@
 
 #include "absl/time/clock.h"
 
+#include "daemon/common/durations.h"
+#include "daemon/common/unix_time.h"
+
 namespace refit::sync {
 
 v1::RefitStats TransferStats(const v1::VersionHeader& header, const v1::VersionEnd& end,
@@ -22,9 +25,9 @@ v1::RefitStats TransferStats(const v1::VersionHeader& header, const v1::VersionE
     keyframes += tp.delivery() == v1::DELIVERY_KEYFRAME ? 1 : 0;
   }
   stats.set_keyframe_tensors(keyframes);
-  stats.set_latency_micros(static_cast<uint64_t>(absl::ToInt64Microseconds(latency)));
+  stats.set_latency_micros(WholeMicros(latency));
   stats.set_digests_verified(true);
-  stats.set_finished_unix_nanos(static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  stats.set_finished_unix_nanos(NowUnixNanos());
   return stats;
 }
 

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/printable.h"
+#include "daemon/common/status_macros.h"
 
 namespace refit::sync {
 namespace {
@@ -46,12 +48,6 @@ bool IsValidUtf8(const std::string& s) {
     i += len;
   }
   return true;
-}
-
-std::string Quoted(const std::string& name) {
-  // Names in errors are truncated so a hostile 4 KiB name does not flood logs.
-  if (name.size() > 200) return absl::StrCat("'", name.substr(0, 200), "...'");
-  return absl::StrCat("'", name, "'");
 }
 
 void PutU64(std::string& out, uint64_t v) {
@@ -104,8 +100,8 @@ absl::StatusOr<uint64_t> ElementCount(const v1::TensorSpec& spec) {
 absl::StatusOr<uint64_t> TensorByteSize(const v1::TensorSpec& spec) {
   auto dtype = FromProtoDType(spec.dtype());
   if (!dtype.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", Quoted(spec.name()), ": ", dtype.status().message()));
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, dtype.status(), "tensor ",
+                      Quoted(spec.name()));
   }
   auto count = ElementCount(spec);
   if (!count.ok()) return count.status();
@@ -140,7 +136,7 @@ absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest) {
   for (size_t i = 0; i < manifest.size(); ++i) {
     absl::Status s = ValidateTensorSpec(manifest[i]);
     if (!s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("manifest index ", i, ": ", s.message()));
+      return AnnotateAs(absl::StatusCode::kInvalidArgument, s, "manifest index ", i);
     }
     if (i > 0 && !(manifest[i - 1].name() < manifest[i].name())) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -3,6 +3,8 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 
+#include "daemon/common/hex.h"
+
 namespace refit::sync {
 
 absl::Status CheckVersion(uint64_t version, const std::string& what) {
@@ -22,7 +24,7 @@ uint64_t NewLineage() {
 
 std::string DescribeLineage(uint64_t lineage) {
   if (lineage == 0) return "no lineage";
-  return absl::StrCat("lineage ", absl::Hex(lineage, absl::kZeroPad16));
+  return absl::StrCat("lineage ", Hex64(lineage));
 }
 
 }  // namespace refit::sync

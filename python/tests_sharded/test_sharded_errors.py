@@ -34,27 +34,27 @@ def test_register_refuses_conflicting_blocks(tmp_path_factory):
         r0.register({"w": rows(w, 0, 6), "b": torch.ones(3)})
 
         msg = refused(r1, {"w": rows(w, 5, 10)}, grpc.StatusCode.INVALID_ARGUMENT)
-        assert "'w'" in msg and "rank0" in msg and "rank1" in msg and "overlaps" in msg, msg
+        assert '"w"' in msg and "rank0" in msg and "rank1" in msg and "overlaps" in msg, msg
         msg = refused(r1, {"w": Slice.along(torch.zeros(6, 4), (12, 4), 0, 6)},
                       grpc.StatusCode.INVALID_ARGUMENT)
-        assert "'w'" in msg and "rank0" in msg and "rank1" in msg and "12" in msg, msg
+        assert '"w"' in msg and "rank0" in msg and "rank1" in msg and "12" in msg, msg
         msg = refused(r1, {"w": rows(w.to(torch.bfloat16), 6, 10)},
                       grpc.StatusCode.INVALID_ARGUMENT)
-        assert "'w'" in msg and "rank0" in msg and "rank1" in msg and "bf16" in msg, msg
+        assert '"w"' in msg and "rank0" in msg and "rank1" in msg and "bf16" in msg, msg
         msg = refused(r2, {"w": w}, grpc.StatusCode.ALREADY_EXISTS)
-        assert "'w'" in msg and "rank0" in msg, msg
+        assert '"w"' in msg and "rank0" in msg, msg
         msg = refused(r2, {"b": Slice.along(torch.ones(2), (3,), 0, 1)},
                       grpc.StatusCode.ALREADY_EXISTS)
-        assert "'b'" in msg and "rank0" in msg, msg
+        assert '"b"' in msg and "rank0" in msg, msg
         # The publisher checks the geometry itself too (here past Slice's own checks).
         outside = rows(w, 6, 10)
         outside.offsets = (7, 0)
         msg = refused(r1, {"w": outside}, grpc.StatusCode.INVALID_ARGUMENT)
-        assert "'w'" in msg, msg
+        assert '"w"' in msg, msg
         rank = rows(w, 6, 10)
         rank.offsets = (6,)
         msg = refused(r1, {"w": rank}, grpc.StatusCode.INVALID_ARGUMENT)
-        assert "'w'" in msg, msg
+        assert '"w"' in msg, msg
 
         # The refused registrations left nothing behind: the right block completes the tensor.
         r1.register({"w": rows(w, 6, 10)})
@@ -83,7 +83,7 @@ def test_gap_fails_the_completing_publish(tmp_path_factory):
             r1.publish(version=2)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, str(e.value)
         msg = e.value.details
-        assert "'w'" in msg and "rank0" in msg and "rank1" in msg, msg
+        assert '"w"' in msg and "rank0" in msg and "rank1" in msg, msg
         assert "index range 32:33 of dimension 0" in msg, msg  # the uncovered row
         # Nothing was published: the publisher and the subscriber are at version 1.
         assert env.pub_control.status().version == 1
