@@ -152,8 +152,8 @@ v1::RegisterTensorsRequest TrainerClient::RegisterRequest() const {
   return req;
 }
 
-void TrainerClient::SetSlice(size_t i, std::vector<uint64_t> global_shape,
-                             std::vector<uint64_t> offsets) {
+void TrainerClient::SetSlice(size_t i, const std::vector<uint64_t>& global_shape,
+                             const std::vector<uint64_t>& offsets) {
   v1::TensorSlice slice;
   for (uint64_t d : global_shape) slice.add_global_shape(d);
   for (uint64_t d : offsets) slice.add_offsets(d);

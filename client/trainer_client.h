@@ -64,7 +64,8 @@ class TrainerClient {
   // trainer's local piece, e.g. FSDP2's Shard(0) rows). The publisher checks it against the
   // other clients' blocks at Register and joins the blocks into the whole tensor at the commit
   // of each version. Takes effect at the next Register.
-  void SetSlice(size_t i, std::vector<uint64_t> global_shape, std::vector<uint64_t> offsets);
+  void SetSlice(size_t i, const std::vector<uint64_t>& global_shape,
+                const std::vector<uint64_t>& offsets);
   // RegisterTensors with every tensor (replaces this client's earlier registration).
   absl::StatusOr<v1::RegisterTensorsResponse> Register();
   // Publish: the publisher snapshots the current bytes. `version` absent: newest + 1.

@@ -119,7 +119,7 @@ TEST_F(E2EBadInput, PublisherRejectsMalformedDataPlaneMessagesAndKeepsServing) {
     m.mutable_ack()->set_applied_version(v);
     return m;
   };
-  auto keyframe_req = [](std::vector<std::string> tensors) {
+  auto keyframe_req = [](const std::vector<std::string>& tensors) {
     v1::SubscriberMessage m;
     v1::KeyframeRequest* req = m.mutable_keyframe_request();
     for (const std::string& t : tensors) req->add_tensors(t);

@@ -315,8 +315,7 @@ std::vector<GoldenPatchCase> GoldenPatchInputs() {
       for (size_t i = 0; i < 256; i += 9) {
         Move(t, target, i, static_cast<int64_t>(rng.Next() >> 2) | (int64_t{1} << 60));
       }
-      out.push_back(Case(absl::StrCat("huge_moves_", DTypeName(t)), t, 8, std::move(base),
-                         std::move(target)));
+      out.push_back(Case(absl::StrCat("huge_moves_", DTypeName(t)), t, 8, base, std::move(target)));
     }
   }
   return out;

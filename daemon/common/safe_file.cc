@@ -513,7 +513,7 @@ absl::Status AtomicFile::Write(std::span<const uint8_t> bytes) {
     const ssize_t n = ::write(fd_.get(), bytes.data() + done, bytes.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      const absl::Status s = SysError(errno, "write", path_);
+      absl::Status s = SysError(errno, "write", path_);
       Discard();
       return s;
     }

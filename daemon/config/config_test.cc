@@ -43,7 +43,7 @@ std::string SubscriberError(const std::string& yaml) {
 }
 
 std::string WriteFile(const std::string& name, const std::string& text) {
-  const std::string path =
+  std::string path =
       ::testing::TempDir() + "refit_config_test_" + std::to_string(getpid()) + "_" + name;
   std::ofstream(path) << text;
   return path;

@@ -313,6 +313,7 @@ std::vector<v1::TlsMaterialStatus> TlsReloader::Status() const {
     for (const auto& b : blocks_) blocks.push_back(b.get());
   }
   std::vector<v1::TlsMaterialStatus> out;
+  out.reserve(blocks.size());
   for (ReloadableTls* b : blocks) out.push_back(b->Status());
   return out;
 }

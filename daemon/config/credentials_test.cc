@@ -134,7 +134,7 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
   // *server_cn gets the common name of the server's certificate.
   absl::Status Call(const v1::ClientTls& tls, std::string* identity = nullptr,
                     std::string* server_cn = nullptr,
-                    std::shared_ptr<grpc::ChannelCredentials> channel_creds = nullptr) {
+                    const std::shared_ptr<grpc::ChannelCredentials>& channel_creds = nullptr) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = channel_creds;
     if (channel_creds == nullptr) creds = MakeChannelCredentials(tls, "subscriber.upstream.tls");
     if (!creds.ok()) return creds.status();
@@ -154,7 +154,7 @@ leaf stranger subscriber-1 DNS:subscriber-1.refit.test other-ca
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline);
     v1::StatusResponse response;
-    const absl::Status status =
+    absl::Status status =
         FromGrpcStatus(v1::Control::NewStub(channel)->Status(&ctx, v1::StatusRequest(), &response));
     EXPECT_EQ(health_status.code(), status.code()) << health_status << " vs " << status;
     if (health_status.ok()) {

@@ -133,7 +133,8 @@ absl::Status ValidateShape(const TransformerShape& s) {
   }
   // Every dimension is an int, so a tensor has < 2^62 elements; cap the model at 2^40 parameters
   // so that sums cannot overflow either (and an absurd shape fails here, not in an allocation).
-  const double h = s.hidden, head_dim = static_cast<double>(s.hidden / s.heads);
+  const int head_dim_int = s.hidden / s.heads;  // whole: heads divide hidden
+  const double h = s.hidden, head_dim = head_dim_int;
   const double params = 2.0 * s.vocab * h + h +
                         static_cast<double>(s.layers) *
                             (2.0 * s.heads * head_dim * h + 2.0 * s.kv_heads * head_dim * h +

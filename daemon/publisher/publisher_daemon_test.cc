@@ -61,7 +61,7 @@ struct TestTensor {
   std::vector<uint8_t> bytes;
 };
 
-TestTensor MakeTensor(const std::string& name, DType dtype, std::vector<int64_t> shape,
+TestTensor MakeTensor(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
                       uint8_t seed) {
   TestTensor t{name, dtype, shape, {}};
   int64_t n = 1;
@@ -73,6 +73,7 @@ TestTensor MakeTensor(const std::string& name, DType dtype, std::vector<int64_t>
 
 void WriteTensors(const std::string& path, const std::vector<TestTensor>& tensors) {
   std::vector<model::SafetensorsTensorRef> refs;
+  refs.reserve(tensors.size());
   for (const TestTensor& t : tensors) {
     refs.push_back({t.name, t.dtype, t.shape, std::span<const uint8_t>(t.bytes)});
   }
@@ -110,7 +111,7 @@ class PublisherDaemonTest : public ::testing::Test {
     if (daemon_) daemon_->Shutdown();
   }
 
-  absl::StatusOr<v1::PublishResponse> Publish(std::vector<std::string> files,
+  absl::StatusOr<v1::PublishResponse> Publish(const std::vector<std::string>& files,
                                               std::optional<uint64_t> version = {}) {
     v1::PublishRequest request;
     for (auto& f : files) request.add_safetensors(f);

@@ -18,8 +18,9 @@ using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-v1::TensorLocation Location(std::vector<uint64_t> global, std::vector<uint64_t> offsets,
-                            std::vector<uint64_t> shape) {
+v1::TensorLocation Location(const std::vector<uint64_t>& global,
+                            const std::vector<uint64_t>& offsets,
+                            const std::vector<uint64_t>& shape) {
   v1::TensorLocation l;
   l.mutable_spec()->set_name("w");
   for (uint64_t d : shape) l.mutable_spec()->add_shape(d);
@@ -28,8 +29,8 @@ v1::TensorLocation Location(std::vector<uint64_t> global, std::vector<uint64_t> 
   return l;
 }
 
-TensorBlock Block(std::vector<uint64_t> global, std::vector<uint64_t> offsets,
-                  std::vector<uint64_t> shape) {
+TensorBlock Block(const std::vector<uint64_t>& global, const std::vector<uint64_t>& offsets,
+                  const std::vector<uint64_t>& shape) {
   absl::StatusOr<TensorBlock> b =
       TensorBlock::FromLocation(Location(global, offsets, shape), "test");
   EXPECT_THAT(b, IsOk());

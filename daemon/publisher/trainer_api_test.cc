@@ -630,6 +630,7 @@ TEST_F(TrainerApiSecurityTest, AFifoRegionIsRefusedPromptly) {
 TEST_F(TrainerApiSecurityTest, DegeneratePublishNeedsAllowDegenerate) {
   Memfd m(4 * 4096);
   std::vector<v1::TensorLocation> all;
+  all.reserve(4);
   for (int i = 0; i < 4; ++i) {
     all.push_back(Location(absl::StrCat("t", i), v1::DTYPE_U8, {4096}, m.path(), i * 4096, 4096));
   }

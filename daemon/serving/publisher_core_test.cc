@@ -216,7 +216,7 @@ v1::Delivery DeliveryOf(const Transfer& t, const std::string& name) {
 }
 
 std::string TempDir(const std::string& name) {
-  const std::string d = absl::StrCat(::testing::TempDir(), "/refit_pub_", getpid(), "_", name);
+  std::string d = absl::StrCat(::testing::TempDir(), "/refit_pub_", getpid(), "_", name);
   std::filesystem::remove_all(d);
   return d;
 }
@@ -1020,7 +1020,7 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(opts));
   std::vector<std::shared_ptr<const LiveVersion>> opened;
   int changes = 0;
-  core->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); },
+  core->SetLiveListener([&](const std::shared_ptr<const LiveVersion>& l) { opened.push_back(l); },
                         [&] { ++changes; });
   std::mt19937_64 rng(3);
   Model m;
@@ -1112,7 +1112,8 @@ TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
   };
   std::vector<Seen> seen;
   PublisherCore* core = late->get();
-  (*late)->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); },
+  (*late)->SetLiveListener([&](const std::shared_ptr<const LiveVersion>&
+                                   l) { opened.push_back(l); },
                            [&] {
                              if (opened.empty() || opened.back()->state() !=
                                                        LiveVersion::State::kCommitted) {
@@ -1126,7 +1127,7 @@ TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
                                              core->newest_version()});
                            });
   (*early)->SetLiveListener(
-      [&](std::shared_ptr<const LiveVersion> l) { opened_early.push_back(l); }, [] {});
+      [&](const std::shared_ptr<const LiveVersion>& l) { opened_early.push_back(l); }, [] {});
   std::mt19937_64 rng(9);
   Model m;
   m["a"] = RandomTensor(DType::kBF16, {5000}, rng);
@@ -1226,7 +1227,8 @@ TEST(LiveVersionTest, FailureAfterFramesMarksTheLiveVersionFailed) {
   };
   REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(opts));
   std::vector<std::shared_ptr<const LiveVersion>> opened;
-  core->SetLiveListener([&](std::shared_ptr<const LiveVersion> l) { opened.push_back(l); }, [] {});
+  core->SetLiveListener([&](const std::shared_ptr<const LiveVersion>& l) { opened.push_back(l); },
+                        [] {});
   std::mt19937_64 rng(4);
   Model m;
   m["a"] = RandomTensor(DType::kBF16, {4096}, rng);

@@ -67,6 +67,7 @@ bool Uniform(const std::vector<std::span<const uint8_t>>& spans, uint8_t byte) {
 
 std::vector<std::vector<uint8_t>> Snapshot(const std::vector<std::span<const uint8_t>>& spans) {
   std::vector<std::vector<uint8_t>> out;
+  out.reserve(spans.size());
   for (std::span<const uint8_t> s : spans) out.emplace_back(s.begin(), s.end());
   return out;
 }
@@ -570,6 +571,7 @@ TEST(ShmStoreTest, ConcurrentStagerAndReadersNeverSeeATornVersion) {
     done.store(true);
   });
   std::vector<std::thread> readers;
+  readers.reserve(kReaders);
   for (int r = 0; r < kReaders; ++r) {
     readers.emplace_back([&, r] {
       for (int i = 0; i < 2'000'000 && !done.load(); ++i) {

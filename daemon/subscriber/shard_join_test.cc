@@ -115,10 +115,10 @@ class ShardJoinTest : public ::testing::Test {
   }
 
   // Every shard's session at once (each port waits for the others in OnHeader).
-  std::vector<v1::Ack> SendAll(uint64_t target, std::map<uint32_t, PartPlan> plans = {}) {
+  std::vector<v1::Ack> SendAll(uint64_t target, const std::map<uint32_t, PartPlan>& plans = {}) {
     std::vector<v1::Ack> acks(kShards);
     std::vector<PartPlan> plan(kShards);  // filled before the threads read it
-    for (auto& [k, p] : plans) plan.at(k) = std::move(p);
+    for (const auto& [k, p] : plans) plan.at(k) = p;
     std::vector<std::thread> threads;
     for (uint32_t k = 0; k < kShards; ++k) {
       threads.emplace_back([&, k] { acks[k] = SendPart(k, target, plan[k]); });

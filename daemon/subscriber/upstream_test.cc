@@ -538,7 +538,7 @@ TEST(UpstreamTest, MalformedSessionsGetClearErrors) {
   pub->Publish(1, model);
   auto channel = grpc::CreateChannel(pub->address, grpc::InsecureChannelCredentials());
   auto stub = v1::DataPlane::NewStub(channel);
-  auto run = [&](std::vector<v1::SubscriberMessage> msgs) {
+  auto run = [&](const std::vector<v1::SubscriberMessage>& msgs) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     auto stream = stub->Sync(&ctx);

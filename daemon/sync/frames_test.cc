@@ -167,7 +167,7 @@ TEST(Frames, InterleavedObjectsIntoCallerBuffer) {
 // Expects `f` (after mutation and optional reseal) to be rejected with `code` and a message
 // containing every needle.
 void ExpectReject(FrameAssembler& a, const v1::DataFrame& f, absl::StatusCode code,
-                  std::vector<std::string> needles) {
+                  const std::vector<std::string>& needles) {
   auto r = a.Add(f);
   ASSERT_THAT(r, Not(IsOk())) << "accepted: " << f.ShortDebugString();
   EXPECT_EQ(r.status().code(), code) << r.status();
