@@ -8,7 +8,6 @@ on that text so that consecutive BF16 versions differ as RL steps do.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Iterator
 
@@ -124,3 +123,25 @@ def start(arch: str, root: str, steps: int, **sizes):
     save_version(model, tok, os.path.join(root, "v0"))
     os.makedirs(os.path.join(root, "d"))
     return tok, model, training_steps(model, tok, steps)
+
+
+class Versions:
+    """Rank 0 of a trainer publishing `model` through the publisher daemon `pub`: registers the
+    model's BF16 state, then each publish() trains one of `steps`, sends the state as the next
+    version and saves it as the checkpoint directory root/v<step> (`dirs[version]`, what a fresh
+    load of that version reads)."""
+
+    def __init__(self, pub, model, tokenizer, root: str, steps: Iterator[int]):
+        from refit.trainer import Trainer
+        self.trainer = Trainer(pub.ready["local_socket"].removeprefix("unix:"), client="rank0")
+        self.trainer.register(bf16_state(model))
+        self._model, self._tokenizer, self._root, self._steps = model, tokenizer, root, steps
+        self.dirs: Dict[int, str] = {}
+
+    def publish(self) -> int:
+        step = next(self._steps)
+        self.trainer.update(bf16_state(self._model))
+        v = self.trainer.publish().version
+        self.dirs[v] = os.path.join(self._root, f"v{step}")
+        save_version(self._model, self._tokenizer, self.dirs[v])
+        return v

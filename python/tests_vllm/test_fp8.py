@@ -174,23 +174,13 @@ def test_fp8_engine_follows_versions_bit_exact(tmp_path, monkeypatch):
     import test_engine as common
     from fp8_worker_fns import compare_with_fresh_load, last_update, layouts, map_error, set_torn
     from refit.local import daemon_pair
-    from refit.trainer import Trainer
     import refit.vllm
     root = str(tmp_path)
     tok, model, steps = models.start("phi3", root, 10)
-    dirs = {}
     with daemon_pair(os.path.join(root, "d"), slots=1) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")
-        trainer = Trainer(pub.ready["local_socket"].removeprefix("unix:"), client="rank0")
-        trainer.register(models.bf16_state(model))
-
-        def publish():
-            step = next(steps)
-            trainer.update(models.bf16_state(model))
-            v = trainer.publish().version
-            dirs[v] = os.path.join(root, f"v{step}")
-            models.save_version(model, tok, dirs[v])
-            return v
+        versions = models.Versions(pub, model, tok, root, steps)
+        publish, dirs = versions.publish, versions.dirs
 
         llm = LLM(model=os.path.join(root, "v0"), weight_transfer_config={"backend": "refitd"},
                   quantization="fp8_per_block", **common.engine_kwargs())
@@ -251,4 +241,4 @@ def test_fp8_engine_follows_versions_bit_exact(tmp_path, monkeypatch):
         finally:
             common.shutdown(llm)
             follower.close()
-            trainer.close()
+            versions.trainer.close()

@@ -21,7 +21,6 @@ import pytest
 import models
 import test_engine as common
 from refit.local import daemon_pair
-from refit.trainer import Trainer
 from worker_fns import plain_apply, plain_compare, plain_start
 
 
@@ -35,19 +34,10 @@ def test_in_place_updates_equal_the_models_own_full_load(arch, tmp_path, monkeyp
     from vllm import LLM
     root = str(tmp_path)
     tok, model, steps = models.start(arch, root, 7)
-    dirs = {}
     with daemon_pair(os.path.join(root, "d"), slots=1) as (pub, sub):
         sub_sock = sub.ready["local_socket"].removeprefix("unix:")
-        trainer = Trainer(pub.ready["local_socket"].removeprefix("unix:"), client="rank0")
-        trainer.register(models.bf16_state(model))
-
-        def publish():
-            step = next(steps)
-            trainer.update(models.bf16_state(model))
-            v = trainer.publish().version
-            dirs[v] = os.path.join(root, f"v{step}")
-            models.save_version(model, tok, dirs[v])
-            return v
+        versions = models.Versions(pub, model, tok, root, steps)
+        publish, dirs = versions.publish, versions.dirs
 
         llm = LLM(model=os.path.join(root, "v0"), weight_transfer_config={"backend": "refitd"},
                   **common.engine_kwargs())
@@ -87,4 +77,4 @@ def test_in_place_updates_equal_the_models_own_full_load(arch, tmp_path, monkeyp
         finally:
             common.shutdown(llm)
             follower.close()
-            trainer.close()
+            versions.trainer.close()
