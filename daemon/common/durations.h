@@ -33,9 +33,10 @@ inline uint64_t MicrosSince(std::chrono::steady_clock::time_point start) {
   return us <= 0 ? 0 : static_cast<uint64_t>(us);
 }
 
-// `d` as an int millisecond argument (gRPC channel arguments, poll timeouts): at least 1, at most
-// INT_MAX.
+// `d` as an int millisecond argument (gRPC channel arguments, poll timeouts): 0 when d <= 0, at
+// least 1 for a positive duration (a sub-millisecond one does not become 0), at most INT_MAX.
 inline int MillisArg(absl::Duration d) {
+  if (d <= absl::ZeroDuration()) return 0;
   const uint64_t ms = WholeMillis(d);
   if (ms < 1) return 1;
   return ms > static_cast<uint64_t>(INT_MAX) ? INT_MAX : static_cast<int>(ms);

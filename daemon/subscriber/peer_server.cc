@@ -47,7 +47,7 @@ void PeerServer::Start() {
 }
 
 void PeerServer::Stop() {
-  service_->Shutdown();
+  if (service_ != nullptr) service_->Shutdown();
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
