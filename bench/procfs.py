@@ -1,6 +1,7 @@
 """What /proc says about a process, for the benchmarks (bench/*/run.py import it): CPU time and
 page faults (/proc/<pid>/stat: every thread, live or ended), resident memory and its peak
-(/proc/<pid>/status), proportional and private memory (/proc/<pid>/smaps_rollup)."""
+(/proc/<pid>/status, its peak reset through /proc/<pid>/clear_refs), proportional and private
+memory (/proc/<pid>/smaps_rollup)."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,13 @@ def status_mib(pid: int) -> dict:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 out[line.split(":")[0]] = int(line.split()[1]) / 1024.0
     return {"rss": out["VmRSS"], "hwm": out["VmHWM"]}
+
+
+def reset_hwm(pid: int) -> None:
+    """Resets VmHWM to the current VmRSS (clear_refs 5), so that the next status_mib's hwm is
+    the peak from here on."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
 
 
 def rollup_mib(pid: int) -> dict:

@@ -47,7 +47,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeControlChannel(const ControlT
     REFIT_ASSIGN_OR_RETURN(const std::string key, config::ReadSmallFile(tls.key(), "--tls-key"));
     REFIT_ASSIGN_OR_RETURN(const std::string ca, config::ReadSmallFile(tls.ca(), "--tls-ca"));
     auto named = [](const char* flag, const std::string& path) {
-      return absl::StrCat(flag, " \"", path, "\"");
+      return absl::StrCat(flag, " ", Quoted(path));
     };
     REFIT_RETURN_IF_ERROR(
         config::CheckTlsMaterialNamed(cert, key, ca, named("--tls-cert", tls.cert()),

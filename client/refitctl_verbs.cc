@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "client/refitctl_format.h"
 #include "client/refitctl_usage.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/units.h"
 #include "daemon/metrics/http_get.h"
@@ -25,7 +26,7 @@ absl::StatusOr<uint64_t> ParseVersionFlag(const std::string& flag, const std::st
   uint64_t v = 0;
   if (!absl::SimpleAtoi(text, &v) || v == 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(flag, " \"", text, "\" is not a version number (an integer >= 1)"));
+        absl::StrCat(flag, " ", Quoted(text), " is not a version number (an integer >= 1)"));
   }
   return v;
 }
@@ -114,7 +115,7 @@ absl::StatusOr<Parsed> ParseStatus(ArgCursor& args) {
     REFIT_ASSIGN_OR_RETURN(found, args.Value("--count", &v));
     if (found && !absl::SimpleAtoi(v, &count)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--count \"", v, "\" is not a number of views"));
+          absl::StrCat("--count ", Quoted(v), " is not a number of views"));
     }
     return found;
   }));
@@ -357,8 +358,9 @@ absl::StatusOr<absl::Duration> ParseSeconds(const std::string& flag, const std::
                                             bool allow_zero) {
   double s = 0;
   if (!absl::SimpleAtod(text, &s) || !(allow_zero ? s >= 0 : s > 0) || s > 1e7) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, " \"", text, "\" is not a number of seconds (", allow_zero ? ">= 0" : "> 0", ")"));
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", Quoted(text),
+                                                   " is not a number of seconds (",
+                                                   allow_zero ? ">= 0" : "> 0", ")"));
   }
   return absl::Seconds(s);
 }

@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
   }
   if (tensors.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("trainer client \"", client_name, "\": no tensors to register"));
+        absl::StrCat("trainer client ", Quoted(client_name), ": no tensors to register"));
   }
   if (options.alignment == 0 || (options.alignment & (options.alignment - 1)) != 0) {
     return absl::InvalidArgumentError(
@@ -77,9 +77,9 @@ absl::StatusOr<std::unique_ptr<TrainerClient>> TrainerClient::Create(
     const v1::TensorSpec& spec = tensors[i];
     REFIT_RETURN_IF_ERROR(sync::ValidateTensorSpec(spec));
     if (!names.insert(spec.name()).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("trainer client \"", client_name, "\": tensor '", spec.name(),
-                       "' appears twice (tensor ", i, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("trainer client ", Quoted(client_name),
+                                                     ": tensor ", Quoted(spec.name()),
+                                                     " appears twice (tensor ", i, ")"));
     }
     REFIT_ASSIGN_OR_RETURN(uint64_t bytes, sync::TensorByteSize(spec));
     offset = AlignUp(offset, options.alignment);
@@ -133,7 +133,7 @@ absl::StatusOr<size_t> TrainerClient::Find(const std::string& name) const {
     if (specs_[i].name() == name) return i;
   }
   return absl::NotFoundError(
-      absl::StrCat("trainer client \"", name_, "\" has no tensor ", Quoted(name)));
+      absl::StrCat("trainer client ", Quoted(name_), " has no tensor ", Quoted(name)));
 }
 
 v1::RegisterTensorsRequest TrainerClient::RegisterRequest() const {
@@ -166,7 +166,7 @@ absl::StatusOr<v1::RegisterTensorsResponse> TrainerClient::Register() {
   v1::RegisterTensorsResponse resp;
   absl::Status s = FromGrpcStatus(stub_->RegisterTensors(&ctx, RegisterRequest(), &resp));
   if (!s.ok()) {
-    return Annotate(s, "RegisterTensors of trainer client \"", name_, "\"");
+    return Annotate(s, "RegisterTensors of trainer client ", Quoted(name_));
   }
   return resp;
 }
@@ -186,7 +186,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerClient::Publish(std::optional<ui
   v1::LocalPublishResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Publish(&ctx, req, &resp));
   if (!s.ok()) {
-    return Annotate(s, "Publish of trainer client \"", name_, "\"",
+    return Annotate(s, "Publish of trainer client ", Quoted(name_),
                     version ? absl::StrCat(" (version ", *version, ")") : std::string());
   }
   return resp;
@@ -200,7 +200,7 @@ absl::Status TrainerClient::Unregister() {
   v1::UnregisterResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Unregister(&ctx, req, &resp));
   if (!s.ok()) {
-    return Annotate(s, "Unregister of trainer client \"", name_, "\"");
+    return Annotate(s, "Unregister of trainer client ", Quoted(name_));
   }
   return absl::OkStatus();
 }

@@ -60,7 +60,7 @@ TEST(TrainerClient, RejectsBadInput) {
   absl::Status dup =
       TrainerClient::Create("unix:/tmp/x.sock", "r", {one[0], one[0]}).status();
   EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(dup.message()), HasSubstr("'w' appears twice"));
+  EXPECT_THAT(std::string(dup.message()), HasSubstr("\"w\" appears twice"));
   EXPECT_EQ(TrainerClient::Create("unix:/tmp/x.sock", "r", {Spec("w", v1::DTYPE_UNSPECIFIED, {4})})
                 .status()
                 .code(),

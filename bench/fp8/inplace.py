@@ -35,27 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TESTS = os.path.join(ROOT, "python", "tests_vllm")
 sys.path.insert(0, TESTS)
 sys.path.insert(0, os.path.dirname(HERE))
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def hwm_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+import procfs  # noqa: E402  (bench/procfs.py)
 
 
 def run(args, scenario: str, out) -> None:
@@ -101,12 +81,12 @@ def run(args, scenario: str, out) -> None:
                     models.save_version(model, tok, last_dir)
                 follower.wait_for_version(v)
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
-                before = rss_kib()
-                reset_hwm()
+                before = procfs.status_mib(os.getpid())["rss"]
+                procfs.reset_hwm(os.getpid())
                 t = time.monotonic()
                 follower.update(v)
                 wall = time.monotonic() - t
-                peak = hwm_kib() - before
+                peak = procfs.status_mib(os.getpid())["hwm"] - before
                 rep = rpc(llm, last_update)
                 f = rep["fp8"]
                 row = {"scenario": scenario, "version": v, "first_load": i == 0,
@@ -118,7 +98,7 @@ def run(args, scenario: str, out) -> None:
                        "staged_bytes_peak_module": f["staged_bytes"],
                        "undo_bytes": f["undo_bytes"],
                        "engine_s": round(rep["seconds"], 4), "update_s": round(wall, 4),
-                       "peak_extra_rss_mib": round(peak / 1024, 1),
+                       "peak_extra_rss_mib": round(peak, 1),
                        "hidden": args.hidden, "intermediate": args.intermediate,
                        "layers": args.layers, "lr": args.lr}
                 print(json.dumps(row), flush=True)

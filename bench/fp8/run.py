@@ -142,8 +142,7 @@ def check_cast_exhaustive() -> dict:
     return {"values": int(xs.size), "mismatches": int((got != reference_e4m3(xs)).sum())}
 
 
-def check_layout(w: torch.Tensor, layout: str, codes: torch.Tensor, s: torch.Tensor,
-                 x: torch.Tensor) -> dict:
+def check_layout(codes: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> dict:
     """Per tensor: the cast against the reference, the dequantization error bound and the scale
     rules. Returns counts to add up. x: w / scale before the clamp."""
     clamped = int((x.abs() > E4M3_MAX).sum())
@@ -152,11 +151,6 @@ def check_layout(w: torch.Tensor, layout: str, codes: torch.Tensor, s: torch.Ten
     xn = x.numpy().ravel()
     mism = int((codes.numpy().ravel() != reference_e4m3(xn)).sum())
     deq = codes.view(FP8).float()
-    if layout.startswith("block128"):
-        out_f, in_f = w.shape
-        sb = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out_f, :in_f]
-    else:
-        sb = s.repeat_interleave(32, 1)
     # |w/s - code| <= half an e4m3 step at that magnitude (2^-10 below the normal range).
     ax = x.abs().double()
     step = torch.where(ax < 2.0 ** -6, torch.full_like(ax, 2.0 ** -9),
@@ -388,7 +382,7 @@ def run_model(args, label: str, lr: float, versions, log) -> List[dict]:
                 codes, s, x = quantize(wb.float(), layout)
                 cur_q[layout][n] = (codes, s)
                 if v == 0:
-                    c = check_layout(wb.float(), layout, codes, s, x)
+                    c = check_layout(codes, s, x)
                     for k in chk:
                         chk[k] = (chk[k] and c[k]) if k == "scales_pow2" else chk[k] + c[k]
             if v == 0:
@@ -504,10 +498,6 @@ def summarize(rows: List[dict]) -> List[dict]:
             "patch_vs_bf16_patch": a["patch"] / a["bf16_patch"],
         })
     return res
-
-
-def pct(x, nd=3):
-    return "-" if x is None else f"{100 * x:.{nd}f}%"
 
 
 def num(x, fmt="{:.2f}"):
@@ -639,7 +629,7 @@ def main() -> int:
         rows += run_model(args, "traj", args.traj_lr, traj_versions(args, log), log)
     if "qwen2" in models_:
         for lr in [float(x) for x in args.qwen_lrs.split(",")]:
-            rows += run_model(args, f"qwen2", lr, qwen_versions(args, lr, log), log)
+            rows += run_model(args, "qwen2", lr, qwen_versions(args, lr, log), log)
     for r in summarize(rows):
         log({"kind": "summary", **r})
     log({"kind": "done", "seconds": round(time.time() - t0, 1)})

@@ -306,26 +306,6 @@ def median(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
-def json_log(yaml: str) -> str:
-    """A refit.local config with log_format json (the per-refit lines carry their numbers)."""
-    return yaml.replace("  log_level: info\n", "  log_level: info\n  log_format: json\n", 1)
-
-
-@contextlib.contextmanager
-def daemon_pair(directory: str):
-    """A publisher and a subscriber (store.slots 2), JSON logs; yields (publisher, subscriber)."""
-    from refit.local import Daemon, publisher_yaml, subscriber_yaml
-    with contextlib.ExitStack() as stack:
-        pub = Daemon("publisher", "pub", directory, json_log(publisher_yaml("pub", directory)))
-        stack.callback(pub.stop)
-        pub.start()
-        sub = Daemon("subscriber", "sub", directory,
-                     json_log(subscriber_yaml("sub", directory, pub.ready["listen"], slots=2)))
-        stack.callback(sub.stop)
-        sub.start()
-        yield pub, sub
-
-
 def log_events(log_path: str, event: str) -> dict:
     """version -> the fields of the daemon's JSON log line of `event` ("applied", "publish")."""
     out = {}
@@ -345,11 +325,12 @@ def log_events(log_path: str, event: str) -> dict:
 def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
     from refit.control import Control
     from refit.inference import Consumer
+    from refit.local import daemon_pair
     rows = []
     versions = args.versions + 1
     with tempfile.TemporaryDirectory(prefix=f"refit-sharded-{mode}{k}-") as d, \
             contextlib.ExitStack() as stack:
-        pub, sub = stack.enter_context(daemon_pair(d))
+        pub, sub = stack.enter_context(daemon_pair(d, slots=2, json_log=True))
         sub_control = Control(sub.ready["listen"])
         stack.callback(sub_control.close)
         pub_control = Control(pub.ready["listen"])

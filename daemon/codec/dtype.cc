@@ -5,6 +5,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
+#include "daemon/common/printable.h"
+
 namespace refit {
 namespace {
 
@@ -53,8 +55,8 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (lower == "float32" || lower == "float") return DType::kF32;
   if (lower == "float64" || lower == "double") return DType::kF64;
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown dtype '", name,
-      "' (expected one of bf16 f16 f32 f64 f8e4m3 f8e5m2 i8 i16 i32 i64 u8 u16 u32 u64 bool, "
+      "unknown dtype ", Quoted(name),
+      " (expected one of bf16 f16 f32 f64 f8e4m3 f8e5m2 i8 i16 i32 i64 u8 u16 u32 u64 bool, "
       "or a safetensors dtype such as BF16)"));
 }
 

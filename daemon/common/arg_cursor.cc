@@ -3,6 +3,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
+#include "daemon/common/printable.h"
+
 namespace refit {
 
 ArgCursor::ArgCursor(int argc, const char* const* argv, int first) {
@@ -46,8 +48,8 @@ absl::Status UnknownArgument(const std::string& arg, const std::string& where) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown option ", arg, " for ", where, " (see ", where, " --help)"));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unexpected argument \"", arg, "\" for ", where, " (see ", where, " --help)"));
+  return absl::InvalidArgumentError(absl::StrCat("unexpected argument ", Quoted(arg), " for ",
+                                                 where, " (see ", where, " --help)"));
 }
 
 }  // namespace refit

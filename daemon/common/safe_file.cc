@@ -46,7 +46,7 @@ absl::Status CheckComponents(const std::string& path, absl::string_view rel) {
   for (absl::string_view c : absl::StrSplit(rel, '/')) {
     if (c == "." || c == "..") {
       return absl::InvalidArgumentError(
-          absl::StrCat(Quoted(path), ": has a \"", c, "\" component (not allowed)"));
+          absl::StrCat(Quoted(path), ": has a ", Quoted(c), " component (not allowed)"));
     }
   }
   return absl::OkStatus();

@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 
 namespace refit {
 namespace {
@@ -21,12 +22,13 @@ absl::StatusOr<std::pair<sockaddr_un, socklen_t>> AddressOf(const std::string& s
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket.size() < 2 || (socket[0] != '/' && socket[0] != '@')) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "NOTIFY_SOCKET \"", socket, "\" is neither an absolute path nor an abstract \"@name\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("NOTIFY_SOCKET ", Quoted(socket),
+                     " is neither an absolute path nor an abstract \"@name\""));
   }
   if (socket.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("NOTIFY_SOCKET \"", socket, "\" is longer than ",
-                                                   sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "NOTIFY_SOCKET ", Quoted(socket), " is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
   }
   std::memcpy(addr.sun_path, socket.data(), socket.size());
   if (socket[0] == '@') addr.sun_path[0] = '\0';
@@ -42,7 +44,7 @@ absl::StatusOr<std::optional<absl::Duration>> WatchdogFromEnvironment() {
   uint64_t us = 0;
   if (!absl::SimpleAtoi(usec, &us) || us == 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("WATCHDOG_USEC \"", usec, "\" is not a positive number of microseconds"));
+        absl::StrCat("WATCHDOG_USEC ", Quoted(usec), " is not a positive number of microseconds"));
   }
   if (const char* pid = std::getenv("WATCHDOG_PID"); pid != nullptr && *pid != '\0') {
     int64_t p = 0;
@@ -74,7 +76,7 @@ absl::StatusOr<std::unique_ptr<SystemdNotifier>> SystemdNotifier::Create(
     const int e = errno;
     ::close(fd);
     return absl::UnavailableError(
-        absl::StrCat("NOTIFY_SOCKET \"", socket, "\": connect: ", std::strerror(e)));
+        absl::StrCat("NOTIFY_SOCKET ", Quoted(socket), ": connect: ", std::strerror(e)));
   }
   return std::unique_ptr<SystemdNotifier>(new SystemdNotifier(socket, fd, watchdog));
 }
@@ -87,7 +89,7 @@ SystemdNotifier::~SystemdNotifier() { ::close(fd_); }
 absl::Status SystemdNotifier::Notify(std::string_view state) {
   const ssize_t n = ::send(fd_, state.data(), state.size(), MSG_NOSIGNAL);
   if (n < 0 || static_cast<size_t>(n) != state.size()) {
-    return absl::UnavailableError(absl::StrCat("NOTIFY_SOCKET \"", socket_, "\": send: ",
+    return absl::UnavailableError(absl::StrCat("NOTIFY_SOCKET ", Quoted(socket_), ": send: ",
                                                n < 0 ? std::strerror(errno) : "short write"));
   }
   return absl::OkStatus();

@@ -17,6 +17,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
+#include "daemon/common/printable.h"
+
 namespace refit::config {
 namespace {
 
@@ -52,7 +54,7 @@ absl::StatusOr<uint16_t> ParsePort(absl::string_view text, AddressUse use) {
   if (text.empty()) return absl::InvalidArgumentError("missing port number after ':'");
   if (text.size() > 5 || !std::all_of(text.begin(), text.end(), absl::ascii_isdigit)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("port \"", text, "\" is not a number in 0..65535"));
+        absl::StrCat("port ", Quoted(text), " is not a number in 0..65535"));
   }
   const int port = std::stoi(std::string(text));
   const int min_port = use == AddressUse::kListen ? 0 : 1;
@@ -105,18 +107,18 @@ absl::StatusOr<Address> ParseHostPort(absl::string_view text, AddressUse use, in
   in6_addr v6;
   if (bracketed) {
     if (!ParseIpv6(a.host, &v6)) {
-      return absl::InvalidArgumentError(absl::StrCat("\"", host, "\" is not an IPv6 address"));
+      return absl::InvalidArgumentError(absl::StrCat(Quoted(host), " is not an IPv6 address"));
     }
     a.loopback = IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
   } else if (ParseIpv4(a.host, &v4)) {
     a.loopback = (ntohl(v4.s_addr) >> 24) == 127;
   } else if (require_kind == 4) {
-    return absl::InvalidArgumentError(absl::StrCat("\"", host, "\" is not an IPv4 address"));
+    return absl::InvalidArgumentError(absl::StrCat(Quoted(host), " is not an IPv4 address"));
   } else if (IsHostName(host)) {
     a.loopback = IsLoopbackHost(a.host);
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("\"", host, "\" is not an IP address or host name"));
+        absl::StrCat(Quoted(host), " is not an IP address or host name"));
   }
   if (require_kind == 6 && !bracketed) {
     return absl::InvalidArgumentError("ipv6: addresses are written ipv6:[addr]:port");
@@ -163,9 +165,10 @@ absl::StatusOr<Address> ParseAddress(const std::string& text, AddressUse use) {
     }
     if (t.empty()) return absl::InvalidArgumentError("missing socket path after 'unix:'");
     if (t[0] != '/') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unix socket path \"", t, "\" is relative: give an absolute path (unix:/run/x.sock); "
-          "a relative one depends on the daemon's working directory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unix socket path ", Quoted(t),
+                       " is relative: give an absolute path (unix:/run/x.sock); "
+                       "a relative one depends on the daemon's working directory"));
     }
     if (t.size() > kMaxUnixPathBytes) {
       return absl::InvalidArgumentError(absl::StrCat("unix socket path is ", t.size(),

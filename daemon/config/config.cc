@@ -748,8 +748,8 @@ absl::StatusOr<unsigned> ParseFileMode(const std::string& text, const std::strin
     mode = mode * 8 + static_cast<unsigned>(ch - '0');
   }
   if (!ok || mode > 0777) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": \"", text, "\" is not an octal file mode up to 0777 (e.g. \"0660\")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", Quoted(text), " is not an octal file mode up to 0777 (e.g. \"0660\")"));
   }
   return mode;
 }

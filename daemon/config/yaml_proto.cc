@@ -28,6 +28,9 @@
 namespace refit::config {
 namespace {
 
+// How much of a value from the file an error shows (Quoted cuts the rest).
+constexpr size_t kValueShown = 80;
+
 using google::protobuf::Descriptor;
 using google::protobuf::EnumDescriptor;
 using google::protobuf::EnumValueDescriptor;
@@ -114,8 +117,9 @@ std::string Describe(const YAML::Node& node) {
     case YAML::NodeType::Map: return "a mapping";
     case YAML::NodeType::Sequence: return "a sequence";
     case YAML::NodeType::Scalar:
-      return node.Tag() == "!" ? absl::StrCat("the quoted string ", Quoted(node.Scalar(), 80))
-                               : Quoted(node.Scalar(), 80);
+      return node.Tag() == "!"
+                 ? absl::StrCat("the quoted string ", Quoted(node.Scalar(), kValueShown))
+                 : Quoted(node.Scalar(), kValueShown);
     case YAML::NodeType::Undefined: break;
   }
   return "nothing";
@@ -171,10 +175,10 @@ absl::Status CheckIntegerRules(const FieldDescriptor* f, T value) {
   const v1::FieldRules& rules = RulesOf(f);
   T lo = std::numeric_limits<T>::min(), hi = std::numeric_limits<T>::max();
   if (rules.has_min() && !absl::SimpleAtoi(rules.min(), &lo)) {
-    return absl::InternalError(absl::StrCat("schema: bad min \"", rules.min(), "\""));
+    return absl::InternalError(absl::StrCat("schema: bad min ", Quoted(rules.min())));
   }
   if (rules.has_max() && !absl::SimpleAtoi(rules.max(), &hi)) {
-    return absl::InternalError(absl::StrCat("schema: bad max \"", rules.max(), "\""));
+    return absl::InternalError(absl::StrCat("schema: bad max ", Quoted(rules.max())));
   }
   if (value < lo || value > hi) {
     return absl::InvalidArgumentError(absl::StrCat(value, " is out of range [", lo, ", ", hi, "]"));
@@ -185,8 +189,8 @@ absl::Status CheckIntegerRules(const FieldDescriptor* f, T value) {
 template <typename T>
 absl::StatusOr<T> ParseInteger(const FieldDescriptor* f, absl::string_view text) {
   if (!IsDecimalInteger(text)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("expected ", Expected(f), " (decimal digits), got ", Quoted(text, 80)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expected ", Expected(f), " (decimal digits), got ", Quoted(text, kValueShown)));
   }
   T value{};
   if (!absl::SimpleAtoi(text, &value)) {
@@ -202,7 +206,7 @@ absl::StatusOr<double> ParseDouble(const FieldDescriptor* f, absl::string_view t
   double value = 0;
   if (!IsDecimalNumber(text) || !absl::SimpleAtod(text, &value)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("expected a decimal number, got ", Quoted(text, 80)));
+        absl::StrCat("expected a decimal number, got ", Quoted(text, kValueShown)));
   }
   if (!std::isfinite(value) || (f->cpp_type() == FieldDescriptor::CPPTYPE_FLOAT &&
                                 std::fabs(value) > std::numeric_limits<float>::max())) {
@@ -230,8 +234,8 @@ absl::StatusOr<const EnumValueDescriptor*> ParseEnum(const FieldDescriptor* f,
     if (IsUnspecified(v)) continue;
     if (text == v->name() || absl::EqualsIgnoreCase(text, ShortName(v))) return v;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown value ", Quoted(text, 80), "; expected one of: ", EnumChoices(e)));
+  return absl::InvalidArgumentError(absl::StrCat("unknown value ", Quoted(text, kValueShown),
+                                                 "; expected one of: ", EnumChoices(e)));
 }
 
 enum class Style { kPlain, kQuoted };
@@ -248,9 +252,9 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
       cpp == FieldDescriptor::CPPTYPE_DOUBLE || cpp == FieldDescriptor::CPPTYPE_FLOAT ||
       cpp == FieldDescriptor::CPPTYPE_BOOL;
   if (numeric && style == Style::kQuoted) {
-    return absl::InvalidArgumentError(absl::StrCat("expected ", Expected(f),
-                                                   ", got the quoted string ", Quoted(text, 80),
-                                                   " (remove the quotes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected ", Expected(f), ", got the quoted string ",
+                     Quoted(text, kValueShown), " (remove the quotes)"));
   }
   switch (cpp) {
     case FieldDescriptor::CPPTYPE_INT32: {
@@ -286,7 +290,7 @@ absl::Status SetScalar(Message* msg, const FieldDescriptor* f, absl::string_view
     case FieldDescriptor::CPPTYPE_BOOL: {
       if (text != "true" && text != "false") {
         return absl::InvalidArgumentError(
-            absl::StrCat("expected true or false, got ", Quoted(text, 80)));
+            absl::StrCat("expected true or false, got ", Quoted(text, kValueShown)));
       }
       add ? r->AddBool(msg, f, text == "true") : r->SetBool(msg, f, text == "true");
       break;

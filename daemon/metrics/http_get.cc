@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/address.h"
 
@@ -66,7 +67,7 @@ absl::StatusOr<sockaddr_storage> SockAddrOf(const config::Address& a, socklen_t*
     v6->sin6_port = htons(a.port);
     *len = sizeof(sockaddr_in6);
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("\"", a.host, "\" is not a numeric address"));
+    return absl::InvalidArgumentError(absl::StrCat(Quoted(a.host), " is not a numeric address"));
   }
   return ss;
 }
@@ -119,7 +120,7 @@ absl::StatusOr<HttpResponse> Parse(const std::string& raw) {
   HttpResponse r;
   if (first.size() < 2 || !absl::StartsWith(first[0], "HTTP/") ||
       !absl::SimpleAtoi(first[1], &r.status)) {
-    return absl::DataLossError(absl::StrCat("not an HTTP status line: \"", lines[0], "\""));
+    return absl::DataLossError(absl::StrCat("not an HTTP status line: ", Quoted(lines[0])));
   }
   size_t length = std::string::npos;
   for (size_t i = 1; i < lines.size(); ++i) {
@@ -132,7 +133,7 @@ absl::StatusOr<HttpResponse> Parse(const std::string& raw) {
       return absl::DataLossError(absl::StrCat("unsupported Transfer-Encoding ", value));
     }
     if (name == "content-length" && !absl::SimpleAtoi(value, &length)) {
-      return absl::DataLossError(absl::StrCat("bad Content-Length \"", value, "\""));
+      return absl::DataLossError(absl::StrCat("bad Content-Length ", Quoted(value)));
     }
   }
   r.body = raw.substr(end + 4);

@@ -34,7 +34,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   }
   if (addr->kind != config::AddressKind::kTcp) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, " \"", listen, "\": the metrics endpoint is HTTP over TCP"));
+        absl::StrCat(field, " ", Quoted(listen), ": the metrics endpoint is HTTP over TCP"));
   }
   const std::string host = HostForCivetweb(*addr);
   std::unique_ptr<prometheus::Exposer> exposer;
@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   const std::vector<int> ports = exposer->GetListeningPorts();
   if (ports.empty() || ports[0] <= 0) {
     return absl::InternalError(
-        absl::StrCat(field, " \"", listen, "\": the metrics server reports no bound port"));
+        absl::StrCat(field, " ", Quoted(listen), ": the metrics server reports no bound port"));
   }
   return std::unique_ptr<MetricsServer>(
       new MetricsServer(std::move(exposer), absl::StrCat(host, ":", ports[0])));

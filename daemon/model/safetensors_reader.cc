@@ -153,7 +153,7 @@ struct TensorFields {
 
   absl::Status Error(const JsonReader& r, absl::string_view field, size_t at,
                      absl::string_view what) const {
-    return r.Error(at, absl::StrCat(where, ": field \"", field, "\": ", what));
+    return r.Error(at, absl::StrCat(where, ": field ", Quoted(field), ": ", what));
   }
 };
 

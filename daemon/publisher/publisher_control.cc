@@ -222,9 +222,8 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
   tensors.reserve(baseline.tensors.size());
   uint64_t bytes = 0;
   for (const BaselineTensor& t : baseline.tensors) {
-    tensors.push_back({t.spec.name(),
-                       t.dtype,
-                       {t.spec.shape().begin(), t.spec.shape().end()},
+    tensors.push_back({t.spec.name(), t.dtype,
+                       std::span<const uint64_t>(t.spec.shape().data(), t.spec.shape().size()),
                        std::span<const uint8_t>(*t.bytes)});
     bytes += t.bytes->size();
   }
@@ -284,10 +283,10 @@ absl::StatusOr<v1::VerifyResponse> PublisherControl::DoVerify() const {
     if (actual != t.digest_v2 || actual_v1 != t.digest) {
       ok = false;
       log_->error(
-          "verify: version {} tensor '{}' digest v2 {} (recorded {}), v1 {} "
+          "verify: version {} tensor {} digest v2 {} (recorded {}), v1 {} "
           "(recorded {})",
-          baseline.version, t.spec.name(), Hex64(actual), Hex64(t.digest_v2), Hex64(actual_v1),
-          Hex64(t.digest));
+          baseline.version, Quoted(t.spec.name()), Hex64(actual), Hex64(t.digest_v2),
+          Hex64(actual_v1), Hex64(t.digest));
     }
     manifest.push_back(t.spec);
     digests.push_back(actual);

@@ -16,6 +16,7 @@
 #include "cuda/device.h"
 #include "daemon/auth/authorized_services.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/common/units.h"
@@ -337,16 +338,8 @@ absl::Status AnnounceServing(const v1::PublisherConfig& config, const std::strin
           ? std::string()
           : absl::StrCat(", metrics on http://", d.metrics_.address(), "/metrics"));
   if (config.ready_file().empty()) return absl::OkStatus();
-  absl::Status ready =
-      WriteReadyFile(config.ready_file(), {{"listen", d.servers_.listen.bound_address},
-                                           {"control_listen", d.servers_.control.bound_address},
-                                           {"local_socket", d.servers_.local.bound_address},
-                                           {"metrics", d.metrics_.address()},
-                                           {"pid", absl::StrCat(getpid())}});
-  if (!ready.ok()) {
-    return Annotate(ready, "publisher.ready_file");
-  }
-  return absl::OkStatus();
+  return WriteServersReadyFile(config.ready_file(), "publisher.ready_file", d.servers_,
+                               d.metrics_.address());
 }
 
 }  // namespace
@@ -374,7 +367,7 @@ absl::StatusOr<std::unique_ptr<PublisherDaemon>> PublisherDaemon::Start(
   options.device = codec_device;
   absl::StatusOr<std::unique_ptr<PublisherCore>> core = PublisherCore::Open(options);
   if (!core.ok()) {
-    return Annotate(core.status(), "publisher.baseline.persist_dir \"", options.persist_dir, "\"");
+    return Annotate(core.status(), "publisher.baseline.persist_dir ", Quoted(options.persist_dir));
   }
   daemon->core_ = std::move(*core);
   LogBaseline(*daemon->core_, *daemon->log_);

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/printable.h"
-#include "daemon/publisher/shm_object.h"
 
 namespace refit::publisher {
 namespace {

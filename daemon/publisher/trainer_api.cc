@@ -75,8 +75,8 @@ absl::StatusOr<std::vector<std::shared_ptr<const MappedTensor>>> TrainerApiServi
     for (const auto& t : mapped) {
       if (t->block().has_value() && t->gpu() != nullptr) {
         return absl::FailedPreconditionError(absl::StrCat(
-            who, ": tensor '", t->spec().name(),
-            "' is a block in CUDA memory; blocks are joined "
+            who, ": tensor ", Quoted(t->spec().name()),
+            " is a block in CUDA memory; blocks are joined "
             "on the host, and this publisher snapshots CUDA tensors on the GPU for GPU encoding "
             "(register whole CUDA tensors, or use codec.device cpu)"));
       }
@@ -325,11 +325,10 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& rou
     REFIT_RETURN_IF_ERROR(CheckTiling(name, blocks));
     for (const Piece& p : pieces) {
       if (*p.buffer != *pieces.front().buffer) {  // only after a round was given up meanwhile
-        return absl::AbortedError(
-            absl::StrCat("client ", Quoted(p.client), "'s block of tensor '", name,
-                         "' was taken for a round "
-                         "that was given up while it copied; publish version ",
-                         round.version, " again"));
+        return absl::AbortedError(absl::StrCat(
+            "client ", Quoted(p.client), "'s block of tensor ", Quoted(name),
+            " was taken for a round that was given up while it copied; publish version ",
+            round.version, " again"));
       }
     }
   }
@@ -574,7 +573,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
         const bool committed,
         AddShareLocked(name, who, generation, version,
                        Share{std::move(snapshot), std::move(tensors), std::move(joins)},
-                       request.allow_degenerate(), lent, release));
+                       request.allow_degenerate(), release));
     response.set_committed(committed);
   }
   if (release != nullptr) {
@@ -590,7 +589,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
 absl::StatusOr<bool> TrainerApiService::AddShareLocked(const std::string& name,
                                                        const std::string& who, uint64_t generation,
                                                        uint64_t version, Share share,
-                                                       bool allow_degenerate, bool lent,
+                                                       bool allow_degenerate,
                                                        std::shared_ptr<InputsRelease>& release) {
   auto it = clients_.find(name);
   if (it == clients_.end() || it->second.generation != generation) {
@@ -612,8 +611,9 @@ absl::StatusOr<bool> TrainerApiService::AddShareLocked(const std::string& name,
   round_->allow_degenerate = round_->allow_degenerate || allow_degenerate;
   REFIT_ASSIGN_OR_RETURN(const bool committed, MaybeCommitLocked(release));
   if (!committed) {
-    // A round holds lent memory only inside the call that commits it.
-    if (lent) CopyLent(round_->snapshots[name].tensors);
+    // A round holds lent memory only inside the call that commits it (`release` is set exactly
+    // when this share lent its tensors).
+    if (release != nullptr) CopyLent(round_->snapshots[name].tensors);
     release.reset();
     log_->debug("{} published its share of version {} ({}/{} clients)", who, version,
                 round_->snapshots.size(), clients_.size());

@@ -205,11 +205,12 @@ class TrainerApiService final : public v1::TrainerApi::Service {
                                               const std::string& who, bool* completes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The client's share joins the round (re-registered meanwhile: ABORTED; another version in
-  // the round: FAILED_PRECONDITION) and the round is committed when it is complete: true. A share
-  // that does not commit gives back what it borrowed (its lent tensors copied, `release` reset).
+  // the round: FAILED_PRECONDITION) and the round is committed when it is complete: true.
+  // `release` is set when the share lent its tensors; a share that does not commit gives back
+  // what it borrowed (its lent tensors copied, `release` reset).
   absl::StatusOr<bool> AddShareLocked(const std::string& name, const std::string& who,
                                       uint64_t generation, uint64_t version, Share share,
-                                      bool allow_degenerate, bool lent,
+                                      bool allow_degenerate,
                                       std::shared_ptr<InputsRelease>& release)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // DoRegister's first step, outside the lock: every location validated and mapped (a

@@ -1,5 +1,7 @@
 #include "daemon/runtime/daemon_servers.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <utility>
 
@@ -66,6 +68,17 @@ void DaemonServers::Shutdown(std::chrono::system_clock::time_point deadline) {
 
 void DaemonServers::Wait() {
   for (RunningServer* server : {&local, &control, &listen}) server->Wait();
+}
+
+absl::Status WriteServersReadyFile(const std::string& path, const std::string& field,
+                                   const DaemonServers& servers,
+                                   const std::string& metrics_address) {
+  return Annotate(WriteReadyFile(path, {{"listen", servers.listen.bound_address},
+                                        {"control_listen", servers.control.bound_address},
+                                        {"local_socket", servers.local.bound_address},
+                                        {"metrics", metrics_address},
+                                        {"pid", absl::StrCat(getpid())}}),
+                  field);
 }
 
 absl::StatusOr<DaemonServers> StartDaemonServers(const DaemonServersSpec& spec) {

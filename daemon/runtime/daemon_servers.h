@@ -59,6 +59,12 @@ struct DaemonServers {
   RunningServer local;
 };
 
+// The daemon's ready file (ready_file; WriteReadyFile): the servers' bound addresses, the
+// metrics endpoint and the pid. Errors name `field` ("publisher.ready_file").
+absl::Status WriteServersReadyFile(const std::string& path, const std::string& field,
+                                   const DaemonServers& servers,
+                                   const std::string& metrics_address);
+
 // Starts the servers `spec` asks for, listen first. On an error the ones already started are
 // shut down (they are returned only all together).
 absl::StatusOr<DaemonServers> StartDaemonServers(const DaemonServersSpec& spec);

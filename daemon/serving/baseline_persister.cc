@@ -9,6 +9,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -368,8 +369,8 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
       ++out.skipped;
       continue;
     }
-    const std::string where = absl::StrCat("patch log \"", path, "\" at offset ", log.offsets[i],
-                                           " (version ", rec.version, ")");
+    const std::string where = absl::StrCat("patch log ", Quoted(path), " at offset ",
+                                           log.offsets[i], " (version ", rec.version, ")");
     if (rec.lineage != lineage) {
       out.stopped = absl::DataLossError(
           absl::StrCat(where, ": record of ", sync::DescribeLineage(rec.lineage),
@@ -400,8 +401,8 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
       refused.tensors = base;
       refused.skipped = out.skipped;
       refused.stopped = absl::DataLossError(
-          absl::StrCat("patch log \"", path, "\": after replaying to version ", at, ", tensor '",
-                       s.tensor.spec.name(), "' has digest ", Hex64(d), ", the log records ",
+          absl::StrCat("patch log ", Quoted(path), ": after replaying to version ", at, ", tensor ",
+                       Quoted(s.tensor.spec.name()), " has digest ", Hex64(d), ", the log records ",
                        Hex64(s.tensor.digest), " (nothing replayed)"));
       return refused;
     }

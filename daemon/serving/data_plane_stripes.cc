@@ -13,6 +13,7 @@
 #include "daemon/codec/format.h"
 #include "daemon/common/grpc_status.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/config/credentials.h"
 #include "daemon/serving/data_plane_service.h"
@@ -135,8 +136,8 @@ grpc::Status DataPlaneService::Stripe(grpc::ServerContext* context,
     }
     if (identity != session->identity) {
       return ToGrpcStatus(absl::PermissionDeniedError(
-          absl::StrCat("stripe identity \"", identity, "\" differs from the session's \"",
-                       session->identity, "\"")));
+          absl::StrCat("stripe identity ", Quoted(identity), " differs from the session's ",
+                       Quoted(session->identity))));
     }
     const uint32_t index = request->stripe_index();
     if (index == 0 || index > session->granted_stripes) {

@@ -13,7 +13,7 @@ absl::Status WriteVersionFile(const std::string& path, uint64_t version,
   refs.reserve(tensors.size());
   for (const VersionFileTensor& t : tensors) {
     model::SafetensorsTensorRef ref;
-    ref.name = t.name;
+    ref.name = std::string(t.name);
     ref.dtype = t.dtype;
     ref.shape.assign(t.shape.begin(), t.shape.end());
     ref.data = t.data;

@@ -7,19 +7,20 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/common/safe_file.h"
 
 namespace refit::publisher {
 
-// One tensor of the version, in file order: its bytes are read while the file is written.
+// One tensor of the version, in file order: views of what the caller holds (name, shape and
+// bytes are read while the file is written).
 struct VersionFileTensor {
-  std::string name;
+  absl::string_view name;
   DType dtype = DType::kBF16;
-  std::vector<uint64_t> shape;
+  std::span<const uint64_t> shape;
   std::span<const uint8_t> data;
 };
 

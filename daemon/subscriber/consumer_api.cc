@@ -14,6 +14,7 @@
 #include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/peer_cred.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/store/tensor_store.h"
@@ -91,7 +92,7 @@ absl::Duration Ttl(uint64_t ttl_ms) {
 
 std::string ConsumerIdentity(const std::optional<PeerCred>& peer, absl::string_view consumer) {
   if (peer.has_value()) return absl::StrCat("uid ", peer->uid);
-  return absl::StrCat("consumer \"", consumer, "\"");
+  return absl::StrCat("consumer ", Quoted(consumer));
 }
 
 v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease) {
@@ -224,8 +225,8 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
                                    ConsumerIdentity(PeerCredOf(*context), consumer));
   if (!lease.ok()) {
     log_->debug("lease for {} refused: {}", Printable(consumer), lease.status().ToString());
-    return ToGrpcStatus(Annotate(lease.status(), absl::StrCat("AcquireLease for consumer \"",
-                                                              consumer, "\"")));
+    return ToGrpcStatus(
+        Annotate(lease.status(), absl::StrCat("AcquireLease for consumer ", Quoted(consumer))));
   }
   *response = MakeLease(*lease);
   log_->debug("lease {} for {}: version {} (slot {}), ttl {} ms", Hex64(lease->lease.lease_id),

@@ -10,7 +10,7 @@ void RetainedPatches::Clear() {
 }
 
 void RetainedPatches::Add(RetainedTransfer transfer, uint64_t oldest_held) {
-  if (budget_ == 0 || transfer.base == 0 || transfer.bytes > budget_) {
+  if (!Accepts(transfer.base, transfer.bytes)) {
     Clear();
     return;
   }

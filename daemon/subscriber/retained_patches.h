@@ -41,6 +41,12 @@ class RetainedPatches {
   const RetainedTransfer& oldest() const { return transfers_.front(); }
   void Clear();
 
+  // Whether a transfer from `base` holding `bytes` of patches would be kept: a budget, a base
+  // (not keyframes) and no more bytes than the budget. Add clears the chain for any other.
+  bool Accepts(uint64_t base, uint64_t bytes) const {
+    return budget_ != 0 && base != 0 && bytes <= budget_;
+  }
+
   // Appends `transfer` (the next link: its base is the last one's version), then drops the
   // oldest transfers while they start below `oldest_held` (no slot can use them) or the bytes
   // exceed the budget. A transfer above the budget by itself, one without a base (keyframes)

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/hex.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/thread_priority.h"
 
 namespace refit::subscriber {
@@ -88,8 +89,8 @@ uint64_t Scrubber::CheckNext() {
     ++stats_.tensors_checked;
     stats_.bytes_checked += bytes.size();
     if (!found.ok()) {
-      stats_.last_error = absl::StrCat("digest of tensor \"", name, "\" (version ", pass.version,
-                                       "): ", found.status().message());
+      stats_.last_error = absl::StrCat("digest of tensor ", Quoted(name), " (version ",
+                                       pass.version, "): ", found.status().message());
     }
   }
   if (found.ok() && pass.digests[i].has_value() && *found != *pass.digests[i]) {

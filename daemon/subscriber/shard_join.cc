@@ -73,7 +73,7 @@ TransferSink* ShardJoin::port(uint32_t index) { return ports_.at(index).get(); }
 
 absl::Status ShardJoin::CheckWelcome(uint32_t k, const v1::Welcome& welcome) {
   const std::string expected = absl::StrCat("shard ", k, " of the ", options_.count,
-                                            " shards of set \"", options_.set, "\"");
+                                            " shards of set ", Quoted(options_.set));
   if (!welcome.has_shard()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the upstream publishes whole versions, not ", expected,
@@ -82,8 +82,8 @@ absl::Status ShardJoin::CheckWelcome(uint32_t k, const v1::Welcome& welcome) {
   const v1::ShardIdentity& s = welcome.shard();
   if (s.set() != options_.set || s.index() != k || s.count() != options_.count) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the upstream serves shard ", s.index(), " of the ", s.count(), " shards of set \"",
-        s.set(), "\", but subscriber.upstream.shards[", k, "] expects ", expected));
+        "the upstream serves shard ", s.index(), " of the ", s.count(), " shards of set ",
+        Quoted(s.set()), ", but subscriber.upstream.shards[", k, "] expects ", expected));
   }
   return absl::OkStatus();
 }
@@ -295,8 +295,8 @@ absl::Status ShardJoin::StreamTensorLocked(uint32_t part, uint32_t joined_index,
                                            std::vector<v1::DataFrame>& synthetic) const {
   if (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "version ", out.version(), ": ", Shard(part), " sends '", tp.spec().name(),
-        "' as a chain of ", tp.steps_size(), " patches while another shard streams"));
+        "version ", out.version(), ": ", Shard(part), " sends ", Quoted(tp.spec().name()),
+        " as a chain of ", tp.steps_size(), " patches while another shard streams"));
   }
   if (tp.delivery() != v1::DELIVERY_UNCHANGED) return absl::OkStatus();
   tp.set_delivery(v1::DELIVERY_PATCH);

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/thread_priority.h"
 #include "daemon/subscriber/staged_transfer.h"
@@ -112,8 +113,8 @@ absl::Status SubscriberCore::ApplyRefresh(RefreshJob& job) {
       for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
         if (absl::Status st = ApplyTracked(mem, patch, layout.tensor(li).dtype, out, out, &digest);
             !st.ok()) {
-          return Annotate(st, "refresh of slot ", job.handle.slot, ", '", layout.tensor(li).name,
-                          "' (", r->base, " -> ", r->version, ")");
+          return Annotate(st, "refresh of slot ", job.handle.slot, ", ",
+                          Quoted(layout.tensor(li).name), " (", r->base, " -> ", r->version, ")");
         }
         ++job.stats.patches;
       }

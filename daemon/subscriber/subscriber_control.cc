@@ -189,10 +189,10 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
   VersionRecord rec;
   absl::StatusOr<SubscriberLease> leased = LeaseApplied(&rec);
   if (!leased.ok()) return ToGrpcStatus(leased.status());
-  std::optional<SubscriberLease> lease = *std::move(leased);
+  const SubscriberLease& lease = *leased;
   std::map<std::string, uint64_t> expected;
   for (const v1::TensorDigest& d : rec.tensors) expected[d.name()] = d.digest();
-  const store::Layout& layout = lease->store->layout();
+  const store::Layout& layout = lease.store->layout();
   std::vector<v1::TensorSpec> specs;
   std::vector<uint64_t> digests;
   bool ok = true;
@@ -202,9 +202,9 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
     // The store's own digest, in the format the record was verified in: the CPU codec with
     // staging.threads threads on host memory, the digest kernel on a GPU store.
     absl::StatusOr<uint64_t> d =
-        StoreDigestOf(lease->store->memory(), rec.digest_format, lease->lease.spans[i]);
+        StoreDigestOf(lease.store->memory(), rec.digest_format, lease.lease.spans[i]);
     if (!d.ok()) {
-      (void)core_->ReleaseLease(lease->lease.lease_id);
+      (void)core_->ReleaseLease(lease.lease.lease_id);
       return ToGrpcStatus(Annotate(d.status(), "Verify: digest of ", Quoted(ti.name)));
     }
     const uint64_t actual = *d;
@@ -229,7 +229,7 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
     specs.push_back(std::move(spec));
     digests.push_back(actual);
   }
-  (void)core_->ReleaseLease(lease->lease.lease_id);
+  (void)core_->ReleaseLease(lease.lease.lease_id);
   ok = ok && expected.size() == layout.size();
   absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
   if (!vd.ok()) return ToGrpcStatus(vd.status());
@@ -269,7 +269,7 @@ grpc::Status SubscriberControlService::Resync(grpc::ServerContext* context,
     for (const std::string& t : tensors) {
       if (known.count(t) == 0) {
         return Error(absl::StatusCode::kNotFound,
-                     absl::StrCat("Resync: tensor \"", t, "\" is not in version ",
+                     absl::StrCat("Resync: tensor ", Quoted(t), " is not in version ",
                                   core_->applied_version(), " held by ", options_.name));
       }
     }

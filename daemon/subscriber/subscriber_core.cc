@@ -246,7 +246,7 @@ void SubscriberCore::RetainLocked(Transfer& t) {
       }
     }
   }
-  if (r.base == 0 || r.bytes > retained_.budget()) {
+  if (!retained_.Accepts(r.base, r.bytes)) {  // before the patches are taken out of the frames
     retained_.Clear();
     return;
   }

@@ -4,13 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,7 +17,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -29,8 +26,6 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/common/test_hooks.h"
-#include "daemon/common/thread_priority.h"
 #include "daemon/common/units.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/config/address.h"
@@ -39,8 +34,6 @@
 #include "daemon/metrics/daemon_metrics.h"
 #include "daemon/runtime/daemon_runtime.h"
 #include "daemon/runtime/daemon_servers.h"
-#include "daemon/serving/data_plane_service.h"
-#include "daemon/serving/publisher_core.h"
 #include "daemon/store/cuda_store.h"
 #include "daemon/store/shm_store.h"
 #include "daemon/subscriber/consumer_api.h"
@@ -51,7 +44,6 @@
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/upstream.h"
 #include "daemon/sync/selection.h"
-#include "daemon/sync/versions.h"
 
 namespace refit::subscriber {
 namespace {
@@ -321,7 +313,7 @@ absl::Status SubscriberDaemonImpl::MakeShardUpstreams(UpstreamOptions base) {
   return absl::OkStatus();
 }
 
-// serve_peers: a PublisherCore every applied version is republished to, served on `listen`.
+// serve_peers: a PeerServer (peer_server.h) republishing every applied version on `listen`.
 absl::Status SubscriberDaemonImpl::MakePeers() {
   if (!config_.serve_peers()) return absl::OkStatus();
   REFIT_ASSIGN_OR_RETURN(
@@ -393,11 +385,8 @@ absl::Status SubscriberDaemonImpl::AnnounceStarted() {
           ? std::string()
           : absl::StrCat(", metrics on http://", metrics_.address(), "/metrics"));
   if (c.ready_file().empty()) return absl::OkStatus();
-  return WriteReadyFile(c.ready_file(), {{"listen", servers_.listen.bound_address},
-                                         {"control_listen", servers_.control.bound_address},
-                                         {"local_socket", servers_.local.bound_address},
-                                         {"metrics", metrics_.address()},
-                                         {"pid", std::to_string(getpid())}});
+  return WriteServersReadyFile(c.ready_file(), "subscriber.ready_file", servers_,
+                               metrics_.address());
 }
 
 absl::Status SubscriberDaemonImpl::Init(const cuda::DeviceOpener& open_device) {

@@ -37,7 +37,7 @@ absl::StatusOr<ExportSummary> ExportVersion(SubscriberCore& core, const std::str
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
     tensors.push_back(
-        {ti.name, ti.dtype, std::vector<uint64_t>(ti.shape.begin(), ti.shape.end()),
+        {ti.name, ti.dtype, ti.shape,
          downloaded.empty() ? lease.spans[i] : std::span<const uint8_t>(downloaded[i])});
     summary.bytes += ti.size_bytes;
   }

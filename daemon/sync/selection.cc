@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
+#include "daemon/common/printable.h"
+
 namespace refit::sync {
 
 absl::StatusOr<TensorSelection> TensorSelection::Make(std::vector<std::string> patterns,
@@ -63,10 +65,10 @@ absl::Status TensorSelection::CheckCovered(std::span<const v1::TensorSpec> manif
       return PatternMatches(i, t.name());
     });
     if (!any) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "selected tensor", glob_[i] ? "s \"" : " \"", patterns_[i], "\"",
-          glob_[i] ? " match none" : " is not one", " of the ", manifest.size(),
-          " tensors of ", what));
+      return absl::InvalidArgumentError(
+          absl::StrCat("selected tensor", glob_[i] ? "s " : " ", Quoted(patterns_[i]),
+                       glob_[i] ? " match none" : " is not one", " of the ", manifest.size(),
+                       " tensors of ", what));
     }
   }
   return absl::OkStatus();

@@ -229,8 +229,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         held = self._held
         if held is not None and new.version == held.version:
             stack.close()
-            self.last_update = {"version": new.version, "path": "none", "loaded": [],
-                                "seconds": time.monotonic() - t0}
+            self._report_nothing_to_do(new.version, t0)
             return
         new_held = _Held(new.version, dict(new), dict(new.digests), _specs(new), stack)
         path, why = self._path_for(new_held.specs)
@@ -268,6 +267,11 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     "runtime by digest v2, %.3f s", version, path.replace("_", " "), why,
                     len(names), reason, len(covered), self.last_update["seconds"])
 
+    def _report_nothing_to_do(self, version: int, t0: float) -> None:
+        """The engine holds `version` already: nothing loaded."""
+        self.last_update = {"version": version, "path": "none", "loaded": [],
+                            "seconds": time.monotonic() - t0}
+
     # ---- in place ---------------------------------------------------------------------------
 
     def _path_for(self, specs: Dict[str, tuple]) -> tuple:
@@ -298,8 +302,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         from refit.vllm.inplace import InPlaceWriter, undo_bytes
         held = self._held
         if changes.to_version == held.version:
-            self.last_update = {"version": held.version, "path": "none", "loaded": [],
-                                "seconds": time.monotonic() - t0}
+            self._report_nothing_to_do(held.version, t0)
             return
         writer = InPlaceWriter(self._map)
         writer.check(changes)  # nothing is written unless every tensor can be
@@ -384,15 +387,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 note = f"; no change set ({changes.reason}): every block of the changed tensors"
                 changes = None
             elif changes.to_version == held.version:
-                self.last_update = {"version": held.version, "path": "none", "loaded": [],
-                                    "seconds": time.monotonic() - t0}
+                self._report_nothing_to_do(held.version, t0)
                 return
         target = changes.to_version if changes is not None else version
         with contextlib.ExitStack() as stack:
             new = self._reconnecting(lambda c: stack.enter_context(c.attach(target or None)))
             if held is not None and new.version == held.version:
-                self.last_update = {"version": new.version, "path": "none", "loaded": [],
-                                    "seconds": time.monotonic() - t0}
+                self._report_nothing_to_do(new.version, t0)
                 return
             specs = _specs(new)
             writer = self._fp8_writer(specs)
@@ -449,6 +450,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                               change_set_bytes=changes.nbytes() if changes is not None else None,
                               layouts=sorted({m.layout.name for m in fmap.modules.values()})))
 
+    def _check_bf16_kept(self, version: int, writer, names, digests: Dict[str, int]) -> None:
+        """The runtime parameters of the tensors the engine keeps in BF16 (`names`) hold the
+        version's bytes: their digests v2 equal the subscriber's (`digests`)."""
+        wrong = sorted(n for n in names if digest_v2(writer.bf16_runtime(n)) != digests[n])
+        if wrong:
+            raise VerificationError(
+                f"refitd: version {version}: the runtime parameters of {len(wrong)} tensors "
+                f"kept in BF16 do not hold the version's bytes: {', '.join(wrong)}")
+
     def _verify_fp8(self, new, writer, bad: List[str], bf16: List[str], full: bool) -> List[str]:
         """The written blocks read back equal the quantizer's output (`bad` lists the modules
         where they do not: codes without their scale, a lost write); the written BF16-kept
@@ -461,11 +471,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 f"refitd: version {new.version}: the FP8 codes and scales read back from "
                 f"{len(bad)} modules are not the quantizer's output for the version's BF16 "
                 f"weights (a torn or lost write): {', '.join(bad)}")
-        wrong = sorted(n for n in bf16 if digest_v2(writer.bf16_runtime(n)) != new.digests[n])
-        if wrong:
-            raise VerificationError(
-                f"refitd: version {new.version}: the runtime parameters of {len(wrong)} tensors "
-                f"kept in BF16 do not hold the version's bytes: {', '.join(wrong)}")
+        self._check_bf16_kept(new.version, writer, bf16, new.digests)
         covered = list(bf16)
         if full:
             covered += self._fp8_full_check(new, writer)
@@ -632,12 +638,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                 writer = self._fp8_writer(held.specs)
                 covered = self._fp8_full_check(w, writer)
                 bf16 = sorted(writer.map.bf16)
-                wrong = [n for n in bf16 if digest_v2(writer.bf16_runtime(n)) != held.digests[n]]
-                if wrong:
-                    raise VerificationError(
-                        f"refitd: version {held.version}: the runtime parameters of "
-                        f"{len(wrong)} tensors kept in BF16 do not hold the version's bytes: "
-                        f"{', '.join(wrong)}")
+                self._check_bf16_kept(held.version, writer, bf16, held.digests)
             self.last_update = dict(self.last_update, verified=covered + bf16,
                                     verify_version=held.version)
             return

@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -119,6 +119,7 @@ def probe_layout(module: torch.nn.Module, n: int, k: int) -> Tuple[Optional[Layo
     if kernel is None:
         return None, f"{type(module.quant_method).__name__} has no fp8_linear kernel"
     sshape = tuple(module.weight_scale_inv.shape)
+    first: Optional[Layout] = None  # the layout the first pattern showed
     for seed in (1, 2):
         codes = _pattern((n, k), seed)
         scales = (_pattern(sshape, seed + 10).float() + 1) / 64
@@ -153,7 +154,7 @@ def probe_layout(module: torch.nn.Module, n: int, k: int) -> Tuple[Optional[Layo
         if found is None:
             return None, f"{type(kernel).__name__} lays the codes out in a way refitd does " \
                          f"not know"
-        if seed == 2 and found.name != first.name:
+        if first is not None and found.name != first.name:
             return None, f"{type(kernel).__name__}: inconsistent layouts"
         first = found
     return first, f"{type(kernel).__name__}: {first.name}"
@@ -394,6 +395,11 @@ class Fp8Writer:
             out.append(mod.layout.index(rows, cols).reshape(-1))
         return torch.cat(out)
 
+    @staticmethod
+    def _scale_index(mod: Fp8Module, blocks: torch.Tensor) -> torch.Tensor:
+        """Flat positions of the blocks' scales in weight_scale_inv [grid rows, grid cols]."""
+        return blocks[:, 0] * mod.grid()[1] + blocks[:, 1]
+
     def touched_blocks(self, changes) -> Dict[str, torch.Tensor]:
         """module prefix -> int64 [nb, 2] blocks (bi, bj) holding a changed element, sorted."""
         out: Dict[str, List[torch.Tensor]] = {}
@@ -439,7 +445,7 @@ class Fp8Writer:
                                             :min(BLOCK, mod.k - bj * BLOCK)].reshape(-1)
                                       for i, (bi, bj) in enumerate(blk.tolist())])
                     pos = self._positions(mod, blk).to(dev)
-                    sidx = (blk[:, 0] * mod.grid()[1] + blk[:, 1]).to(dev)
+                    sidx = self._scale_index(mod, blk).to(dev)
                     old, old_s = flat[pos].cpu(), sflat[sidx].cpu()
                     undo.append((prefix, blk, old, old_s))
                     flat[pos] = vals.to(dev)
@@ -462,8 +468,7 @@ class Fp8Writer:
                 flat = mod.weight.data.reshape(-1).view(torch.uint8)
                 flat[self._positions(mod, blk).to(flat.device)] = old.to(flat.device)
                 sflat = mod.scale.data.view(-1)
-                sidx = blk[:, 0] * mod.grid()[1] + blk[:, 1]
-                sflat[sidx.to(sflat.device)] = old_s.to(sflat.device)
+                sflat[self._scale_index(mod, blk).to(sflat.device)] = old_s.to(sflat.device)
 
     # -- tensors kept in BF16 --
 
