@@ -13,7 +13,10 @@ elements and by the model's bytes. A plain read pass of the two files (bench/wan
 publisher's figure. The first version (a keyframe) is reported apart: subscriber CPU per byte.
 
     bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
-        [--out bench/results/cpu-...jsonl]
+        [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
+
+With --perf-dir, `perf record -g` samples each daemon during the deltas (or, with --perf-keyframe,
+during the first version only) into DIR/{publisher,subscriber}-slots<N>.perf, for `perf report`.
 
 One JSON object per line: per version, then a summary per slot count (medians of the deltas).
 Exits 1 if the subscriber does not end with the published bytes (refitctl verify).
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,8 +101,14 @@ def wait_socket(path: str, proc: subprocess.Popen, log: str) -> None:
         time.sleep(0.05)
 
 
+def perf_record(pid: int, path: str) -> subprocess.Popen:
+    return subprocess.Popen(["perf", "record", "-g", "-F", "999", "-p", str(pid), "-o", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
-              read_s: float, model_bytes: int, out) -> dict:
+              read_s: float, model_bytes: int, out, perf_dir: str = "",
+              perf_keyframe: bool = False) -> dict:
     run_dir = tempfile.mkdtemp(prefix="refit-cpu-")
     os.makedirs(os.path.join(run_dir, "publish"))
     pub_cfg = config("publisher.loopback.yaml", run_dir)
@@ -113,6 +123,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
     pub = start(build, "publisher", pub_cfg, pub_log)
     sub = None
     rows = []
+    perfs: list[subprocess.Popen] = []
     try:
         wait_socket(os.path.join(run_dir, "publisher-control.sock"), pub, pub_log)
         sub = start(build, "subscriber", sub_cfg, sub_log)
@@ -120,6 +131,10 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
         wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
         for v in range(1, versions + 2):
+            if perf_dir and v == (1 if perf_keyframe else 2):
+                perfs = [perf_record(p.pid, os.path.join(perf_dir, f"{name}-slots{slots}.perf"))
+                         for name, p in (("publisher", pub), ("subscriber", sub))]
+                time.sleep(1)  # perf attaches asynchronously
             p0, s0 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
             t0 = time.perf_counter()
             ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version", str(v))
@@ -144,6 +159,14 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 row["publisher_cpu_over_read_pass"] = round((p1 - p0) / read_s, 3)
             rows.append(row)
             print(json.dumps(row), file=out, flush=True)
+            if perf_keyframe and v == 1:
+                for p in perfs:
+                    p.send_signal(signal.SIGINT)
+                    p.wait(60)
+                perfs = []
+        for p in perfs:
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
         ctl(build, sub_t, "verify", timeout=600)
     finally:
         for p in (sub, pub):
@@ -182,6 +205,9 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=10, help="delta versions per slot count")
     ap.add_argument("--slots", default="2,1")
     ap.add_argument("--out", default="", help="also append the JSON lines to this file")
+    ap.add_argument("--perf-dir", default="", help="perf record each daemon's deltas here")
+    ap.add_argument("--perf-keyframe", action="store_true",
+                    help="with --perf-dir: record the first version (the keyframe) instead")
     args = ap.parse_args()
     files = pair(args.build, args.preset)
     model_bytes = os.path.getsize(files[0])
@@ -200,7 +226,8 @@ def main() -> int:
                 k.flush()
 
     for slots in (int(s) for s in args.slots.split(",")):
-        run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee())
+        run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee(),
+                  args.perf_dir, args.perf_keyframe)
     return 0
 
 

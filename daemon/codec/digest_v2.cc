@@ -42,6 +42,13 @@ uint64_t SumScalar(const uint8_t* p, uint64_t words, uint64_t first) {
   return s;
 }
 
+// Sum over k < n of Mix(index[k], nw[k]) - Mix(index[k], ow[k]).
+uint64_t DeltaScalar(const uint64_t* index, const uint64_t* ow, const uint64_t* nw, size_t n) {
+  uint64_t s = 0;
+  for (size_t k = 0; k < n; ++k) s += DigestV2Mix(index[k], nw[k]) - DigestV2Mix(index[k], ow[k]);
+  return s;
+}
+
 #if defined(__x86_64__)
 
 // ---- AVX-512 (F + DQ: vpmullq) --------------------------------------------------------------------
@@ -88,6 +95,25 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t SumAvx512(const uint8_t* p,
   uint64_t s = 0;
   for (uint64_t v : lanes) s += v;
   return s + SumScalar(p + 8 * k, words - k, first + k);
+}
+__attribute__((target("avx512f,avx512dq"))) uint64_t DeltaAvx512(const uint64_t* index,
+                                                                 const uint64_t* ow,
+                                                                 const uint64_t* nw, size_t n) {
+  const __m512i a = _mm512_set1_epi64(static_cast<long long>(format::kV2IndexA));
+  const __m512i b = _mm512_set1_epi64(static_cast<long long>(format::kV2IndexB));
+  __m512i acc = _mm512_setzero_si512();
+  size_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m512i idx = _mm512_loadu_si512(index + k);
+    const __m512i ka = _mm512_mullo_epi64(idx, a), kb = _mm512_mullo_epi64(idx, b);
+    acc = _mm512_add_epi64(acc, _mm512_sub_epi64(Mix8(_mm512_loadu_si512(nw + k), ka, kb),
+                                                 Mix8(_mm512_loadu_si512(ow + k), ka, kb)));
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, acc);
+  uint64_t s = 0;
+  for (uint64_t v : lanes) s += v;
+  return s + DeltaScalar(index + k, ow + k, nw + k, n - k);
 }
 #pragma GCC diagnostic pop
 
@@ -140,6 +166,35 @@ __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t word
   return lanes[0] + lanes[1] + lanes[2] + lanes[3] + SumScalar(p + 8 * k, words - k, first + k);
 }
 
+__attribute__((target("avx2"))) inline __m256i Mix4(__m256i w, __m256i ka, __m256i kb,
+                                                     const Const256& m1, const Const256& m2,
+                                                     const Const256& m3) {
+  __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
+  z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
+  z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 32));
+}
+
+__attribute__((target("avx2"))) uint64_t DeltaAvx2(const uint64_t* index, const uint64_t* ow,
+                                                   const uint64_t* nw, size_t n) {
+  const Const256 a = MakeConst(format::kV2IndexA), b = MakeConst(format::kV2IndexB);
+  const Const256 m1 = MakeConst(format::kV2M1), m2 = MakeConst(format::kV2M2),
+                 m3 = MakeConst(format::kV2M3);
+  __m256i acc = _mm256_setzero_si256();
+  size_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256i idx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + k));
+    const __m256i ka = MulConst(idx, a), kb = MulConst(idx, b);
+    const __m256i nv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nw + k));
+    const __m256i ov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ow + k));
+    acc = _mm256_add_epi64(acc, _mm256_sub_epi64(Mix4(nv, ka, kb, m1, m2, m3),
+                                                 Mix4(ov, ka, kb, m1, m2, m3)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + DeltaScalar(index + k, ow + k, nw + k, n - k);
+}
+
 #endif  // __x86_64__
 
 // Sum over `words` whole words at p, the first being word `first`.
@@ -187,6 +242,23 @@ uint64_t TensorDigestV2(std::span<const uint8_t> data, int threads) {
 void DigestV2Delta::AddRange(std::span<const uint8_t> old_bytes, std::span<const uint8_t> new_bytes,
                              uint64_t first_word) {
   sum_ += DigestV2Sum(new_bytes, first_word) - DigestV2Sum(old_bytes, first_word);
+}
+
+void DigestV2Delta::AddWords(const uint64_t* index, const uint64_t* old_words,
+                             const uint64_t* new_words, size_t n) {
+#if defined(__x86_64__)
+  switch (g_level.load(std::memory_order_relaxed)) {
+    case kAvx512:
+      sum_ += DeltaAvx512(index, old_words, new_words, n);
+      return;
+    case kAvx2:
+      sum_ += DeltaAvx2(index, old_words, new_words, n);
+      return;
+    default:
+      break;
+  }
+#endif
+  sum_ += DeltaScalar(index, old_words, new_words, n);
 }
 
 uint64_t DigestV2Delta::ApplyTo(uint64_t digest, uint64_t tensor_bytes) const {

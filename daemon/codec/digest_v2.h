@@ -40,6 +40,10 @@ class DigestV2Delta {
   void Add(uint64_t word_index, uint64_t old_word, uint64_t new_word) {
     sum_ += format::DigestV2Mix(word_index, new_word) - format::DigestV2Mix(word_index, old_word);
   }
+  // Add(index[k], old_words[k], new_words[k]) for k < n, vectorised (AVX-512 or AVX2) where
+  // the CPU has it: the same sum, several words at a time.
+  void AddWords(const uint64_t* index, const uint64_t* old_words, const uint64_t* new_words,
+                size_t n);
   // Adds DigestV2Sum(new_bytes, first_word) - DigestV2Sum(old_bytes, first_word) (equal sizes).
   void AddRange(std::span<const uint8_t> old_bytes, std::span<const uint8_t> new_bytes,
                 uint64_t first_word);
@@ -61,7 +65,7 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOf(std::span<const uint8_t> base,
 
 namespace testing {
 // Vector variants this CPU can run (1 = scalar only, 2 = + AVX2, 3 = + AVX-512), and forcing the
-// one TensorDigestV2 / DigestV2Sum use (level 0 .. levels-1; -1 = the best again).
+// one TensorDigestV2 / DigestV2Sum / DigestV2Delta::AddWords use (level 0 .. levels-1; -1 = the best again).
 int DigestV2Levels();
 void SetDigestV2Level(int level);
 }  // namespace testing

@@ -45,21 +45,49 @@ inline uint64_t ApplyDiff(uint64_t o, uint64_t diff, ValueCoding coding) {
   return (o + diff) & kMask;
 }
 
-// The fast path of a change of difference +-1 (the common case): its gap and sign read from one
-// 57-bit window of the stream. Reads and checks exactly what the general path of DecodeChanges
-// would; false (nothing consumed) when the code does not fit the window or the stream's last 8
-// bytes are reached, and the general path decides.
-inline bool FastGapAndSign(BitReader& r, int kg, uint64_t max_gap_q, uint64_t* gap,
-                           bool* negative) {
+// The fast path of changes of difference +-1 (the common case): changes j, j+1, ... before
+// `stop` decoded from one window of the stream while their codes lie wholly inside it (one
+// load for several changes: the serial chain per change is a count and a shift). Reads and
+// checks exactly what the general path of DecodeChanges would; stops (consuming only the
+// changes it decoded) at the first code that does not fit the window or whose unary part is
+// too long, and when the stream's last 8 bytes are reached, and the general path decides there.
+// Returns the changes decoded before a stop; a change past the block's end sets *past_end (its
+// code consumed, as the general path would).
+template <typename T>
+inline uint32_t FastChanges(BitReader& r, int kg, uint64_t max_gap_q, uint32_t len, uint32_t j,
+                            uint32_t stop, const T* base, int64_t* pos, Scratch& s,
+                            bool* past_end) {
+  constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
   uint64_t w;
-  if (!r.PeekFast(&w)) return false;
-  const unsigned tz = static_cast<unsigned>(__builtin_ctzll(w | (1ull << 63)));
-  const unsigned used = tz + static_cast<unsigned>(kg) + 2;
-  if (used > 57 || tz > max_gap_q) return false;
-  r.Advance(used);
-  *gap = (static_cast<uint64_t>(tz) << kg) | ((w >> (tz + 1)) & ((1ull << kg) - 1));
-  *negative = ((w >> (tz + 1 + kg)) & 1) != 0;
-  return true;
+  if (!r.PeekFast(&w)) return 0;
+  // Valid bits in w (at least 57), capped at 63 so that every shift stays below 64.
+  unsigned avail = std::min(63u, 64 - static_cast<unsigned>(r.bit_position() & 7));
+  const uint64_t gap_low = (1ull << kg) - 1;
+  unsigned consumed = 0;
+  const uint32_t first = j;
+  int64_t p = *pos;
+  for (; j < stop; ++j) {
+    const unsigned tz = static_cast<unsigned>(__builtin_ctzll(w | (1ull << 63)));
+    const unsigned used = tz + static_cast<unsigned>(kg) + 2;
+    if (used > avail || tz > max_gap_q) break;
+    p += static_cast<int64_t>((static_cast<uint64_t>(tz) << kg) | ((w >> (tz + 1)) & gap_low)) + 1;
+    if (p >= static_cast<int64_t>(len)) {
+      *past_end = true;
+      consumed += used;
+      break;
+    }
+    s.pos[j] = static_cast<uint32_t>(p);
+    s.val[j] = ((w >> (tz + 1 + kg)) & 1) != 0 ? kMask : 1;
+    // The base element is read (and written, in place) once the block is decoded: its cache
+    // line is fetched now, while the decode goes on.
+    if (base != nullptr) __builtin_prefetch(base + p, 1);
+    w >>= used;
+    avail -= used;
+    consumed += used;
+  }
+  r.Advance(consumed);
+  *pos = p;
+  return j - first;
 }
 
 // Decodes a SPARSE block's bitstream into s.pos (increasing positions) and s.val: the raw target
@@ -84,17 +112,17 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
   bool run_due = coded_diffs;
   uint64_t next_exception = n;
   for (uint32_t j = 0; j < n; ++j) {
-    uint64_t gap;
-    bool negative;
-    if (coded_diffs && !run_due && j != next_exception &&
-        FastGapAndSign(r, d.kg, max_gap_q, &gap, &negative)) {
-      pos += static_cast<int64_t>(gap) + 1;
-      if (pos >= static_cast<int64_t>(len))
-        return fail(j, DecodeErrorText(decode_error::kPosPastEnd));
-      s.pos[j] = static_cast<uint32_t>(pos);
-      s.val[j] = negative ? kMask : 1;
-      continue;
+    if (coded_diffs && !run_due && j != next_exception) {
+      bool past_end = false;
+      const uint32_t stop = static_cast<uint32_t>(std::min<uint64_t>(n, next_exception));
+      const uint32_t k = FastChanges<T>(r, d.kg, max_gap_q, len, j, stop, base, &pos, s, &past_end);
+      if (past_end) return fail(j + k, DecodeErrorText(decode_error::kPosPastEnd));
+      if (k > 0) {
+        j += k - 1;
+        continue;
+      }
     }
+    uint64_t gap;
     if (run_due) {
       const uint64_t q = r.GetUnary(max_run_q);
       const uint64_t run = (q << d.kr) | r.Get(d.kr);
@@ -172,15 +200,19 @@ void ResolveTargets(Scratch& s, uint32_t n, const T* base, ValueCoding coding) {
 // Decodes a SPARSE block's payload into (position, target bits) pairs. `base` may be null (then
 // s.val holds the coded differences, or raw values not compared with a base). Returns a precise
 // error on any malformation.
+// With `resolve` false, coded differences stay in s.val even with a base (the caller resolves
+// them: ResolveDeltaWrite).
 template <typename T>
 absl::Status DecodeSparse(const uint8_t* payload, const BlockDesc& d, uint64_t block_index,
-                          ValueCoding coding, const T* base, Scratch& s) {
+                          ValueCoding coding, const T* base, Scratch& s, bool resolve = true) {
   s.pos.resize(d.count);
   s.val.resize(d.count);
   BitReader r(payload, d.payload_bytes);
   REFIT_RETURN_IF_ERROR(DecodeChanges<T>(r, d, block_index, coding, base, s));
   REFIT_RETURN_IF_ERROR(CheckPayloadEnd(payload, d, block_index, r.bit_position()));
-  if (base != nullptr && coding != ValueCoding::kRaw) ResolveTargets<T>(s, d.count, base, coding);
+  if (resolve && base != nullptr && coding != ValueCoding::kRaw) {
+    ResolveTargets<T>(s, d.count, base, coding);
+  }
   return absl::OkStatus();
 }
 
@@ -304,6 +336,62 @@ void AddSparseDelta(const Scratch& s, uint32_t count, const uint8_t* base, uint6
   }
 }
 
+// AddSparseDelta and the write fused, for a decoded SPARSE block whose s.val holds coded
+// differences (not raw values): one pass over the changed words, each read once from the base
+// (a tensor of tensor_bytes at `base`), its changed elements resolved (s.val becomes the target
+// bits), its delta added and, unless `out` (the output tensor, a copy of the base or the base
+// itself) is null, the new word written whole (element by element in the tensor's last,
+// partial word). The whole block was decoded and validated before: nothing written can be torn.
+template <typename T>
+void ResolveDeltaWrite(Scratch& s, uint32_t count, ValueCoding coding, const uint8_t* base,
+                       uint64_t first_byte, uint64_t tensor_bytes, uint8_t* out,
+                       DigestV2Delta& delta) {
+  constexpr uint64_t w = sizeof(T);
+  constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
+  // Locals, not the scratch's vectors or `delta`: stores through `out` may alias anything.
+  const uint32_t* pos = s.pos.data();
+  uint64_t* val = s.val.data();
+  // The changed words' (index, old, new) go to the digest in batches (vectorised mixes).
+  constexpr size_t kBatch = 64;
+  uint64_t index[kBatch], old_words[kBatch], new_words[kBatch];
+  size_t batched = 0;
+  DigestV2Delta sum;
+  const uint8_t* block = base + first_byte;
+  constexpr uint32_t kAhead = 64;  // loads independent of each other overlap their misses
+  for (uint32_t k = 0; k < kAhead && k < count; ++k) __builtin_prefetch(block + pos[k] * w, 1);
+  uint32_t j = 0;
+  while (j < count) {
+    if (j + kAhead < count) __builtin_prefetch(block + pos[j + kAhead] * w, 1);
+    const uint64_t word = (first_byte + pos[j] * w) / 8;
+    const uint64_t old_word = WordAt(base, 8 * word, tensor_bytes);  // zero-padded last word
+    uint64_t new_word = old_word;
+    const uint32_t first = j;
+    do {  // every change in this word (at most 8 / w of them)
+      const unsigned shift = static_cast<unsigned>(((first_byte + pos[j] * w) & 7) * 8);
+      const uint64_t target = ApplyDiff<T>((old_word >> shift) & kMask, val[j], coding);
+      val[j] = target;
+      new_word = (new_word & ~(kMask << shift)) | (target << shift);
+      ++j;
+    } while (j < count && (first_byte + pos[j] * w) / 8 == word);
+    index[batched] = word;
+    old_words[batched] = old_word;
+    new_words[batched] = new_word;
+    if (++batched == kBatch) {
+      sum.AddWords(index, old_words, new_words, kBatch);
+      batched = 0;
+    }
+    if (out == nullptr) continue;
+    if (8 * word + 8 <= tensor_bytes) {
+      std::memcpy(out + 8 * word, &new_word, 8);
+    } else {
+      T* ot = reinterpret_cast<T*>(out + first_byte);
+      for (uint32_t k = first; k < j; ++k) ot[pos[k]] = static_cast<T>(val[k]);
+    }
+  }
+  sum.AddWords(index, old_words, new_words, batched);
+  delta.Merge(sum);
+}
+
 // ApplyBlock that also adds the block's delta; writes nothing when `out` is null.
 template <typename T>
 absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d, uint64_t i,
@@ -324,6 +412,13 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
       return absl::OkStatus();
     }
     default: break;
+  }
+  if (d.mode == kSparse && coding != ValueCoding::kRaw) {
+    REFIT_RETURN_IF_ERROR(DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding,
+                                          reinterpret_cast<const T*>(bb), s, /*resolve=*/false));
+    if (ob != nullptr && ob != bb) std::memcpy(ob, bb, bytes);
+    ResolveDeltaWrite<T>(s, d.count, coding, base.data(), first_byte, base.size(), out, delta);
+    return absl::OkStatus();
   }
   REFIT_RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
                                               reinterpret_cast<const T*>(bb), s));

@@ -1,7 +1,8 @@
 // Background threads below the data path: a higher nice value for the calling thread.
 //
 // On Linux the nice value is an attribute of each thread, not of the process (sched(7)), and a
-// thread created later (ParallelFor's workers, say) inherits its creator's. A daemon lowers the
+// thread created later inherits its creator's (ParallelFor keeps a pool of workers per nice
+// value, so a call's parts run at its caller's). A daemon lowers the
 // threads whose work nobody waits for (a subscriber's standby refresh, its installs for peers,
 // its scrub) so that on a shared host the work a refit waits for (receive, apply, verify,
 // forward) is scheduled first. Raising a priority again needs CAP_SYS_NICE and is not offered.

@@ -1,0 +1,280 @@
+// apply_bench: the subscriber's CPU cost per changed element of applying a version's patches in
+// place, stage by stage, on a real pair of checkpoints (bench/README.md "Apply benchmark").
+//
+// Both files' tensors of one dtype and shape are laid out in one slot-like arena holding the
+// first version; the patches A -> B and B -> A are encoded once (default EncodeOptions), then
+// applied alternately in place, so that every round starts from the version its patch is for.
+// Each stage is timed over all tensors as process CPU time (every thread) and wall time:
+//   read           a plain read pass of the arena (the yardstick: memory bandwidth)
+//   scatter        writing the known target bits of every changed element from (position, bits)
+//                  arrays (no decode: the floor of an in-place apply, what the single-copy
+//                  pause costs)
+//   inspect        InspectPatch: checksums and bitstream decode without the base
+//   apply          ApplyPatch in place
+//   apply_digest   ApplyPatchDigestV2 in place (what a subscriber slot does)
+// The arena is checked against the version it should hold after every stage (byte for byte, and
+// the tracked digest v2 against a recomputed one); a mismatch prints FAIL and exits 1.
+#include <sys/mman.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
+#include "daemon/codec/dtype.h"
+#include "daemon/model/safetensors.h"
+
+namespace refit::bench {
+namespace {
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "FAIL apply_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+double Seconds(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+struct Tensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  size_t offset = 0;  // in the arena
+  size_t bytes = 0;
+  std::span<const uint8_t> a, b;          // the two versions, in the mapped files
+  std::vector<uint8_t> forward, backward;  // patches A -> B and B -> A
+  std::vector<uint32_t> changed;           // element indices that differ
+  std::vector<uint64_t> bits_a, bits_b;    // their bits in A and in B (as a decoder holds them)
+  uint64_t digest_a = 0, digest_b = 0;
+};
+
+struct Model {
+  std::vector<Tensor> tensors;
+  size_t arena_bytes = 0;
+  uint64_t changed = 0;
+};
+
+Model Load(const model::SafetensorsFile& a, const model::SafetensorsFile& b, int threads) {
+  Model m;
+  for (size_t i = 0; i < a.tensors().size(); ++i) {
+    const model::SafetensorsEntry& ea = a.tensors()[i];
+    auto j = b.Find(ea.name);
+    if (!j.ok() || b.tensors()[*j].dtype != ea.dtype || b.tensors()[*j].shape != ea.shape) continue;
+    Tensor t;
+    t.name = ea.name;
+    t.dtype = ea.dtype;
+    t.a = a.data(i);
+    t.b = b.data(*j);
+    t.bytes = t.a.size();
+    t.offset = m.arena_bytes;
+    m.arena_bytes += (t.bytes + 63) / 64 * 64;
+    m.tensors.push_back(std::move(t));
+  }
+  if (m.tensors.empty()) Fail("the files share no tensor of one dtype and shape");
+  EncodeOptions opt;
+  opt.threads = threads;
+  for (Tensor& t : m.tensors) {
+    // Unaligned file data is copied (the codec wants element-aligned buffers).
+    auto enc = [&](std::span<const uint8_t> from, std::span<const uint8_t> to) {
+      std::vector<uint8_t> x(from.begin(), from.end()), y(to.begin(), to.end());
+      auto p = EncodePatch(t.dtype, x, y, opt);
+      if (!p.ok()) Fail(t.name + ": " + p.status().ToString());
+      return *std::move(p);
+    };
+    t.forward = enc(t.a, t.b);
+    t.backward = enc(t.b, t.a);
+    const size_t w = static_cast<size_t>(DTypeSize(t.dtype));
+    for (size_t e = 0; e < t.bytes / w; ++e) {
+      if (std::memcmp(t.a.data() + e * w, t.b.data() + e * w, w) != 0) {
+        t.changed.push_back(static_cast<uint32_t>(e));
+        uint64_t x = 0, y = 0;
+        std::memcpy(&x, t.a.data() + e * w, w);
+        std::memcpy(&y, t.b.data() + e * w, w);
+        t.bits_a.push_back(x);
+        t.bits_b.push_back(y);
+      }
+    }
+    m.changed += t.changed.size();
+    t.digest_a = TensorDigestV2(t.a, threads);
+    t.digest_b = TensorDigestV2(t.b, threads);
+  }
+  return m;
+}
+
+template <typename T>
+void Scatter(const std::vector<uint32_t>& at, const std::vector<uint64_t>& bits, uint8_t* dst) {
+  T* out = reinterpret_cast<T*>(dst);
+  for (size_t k = 0; k < at.size(); ++k) out[at[k]] = static_cast<T>(bits[k]);
+}
+
+struct Timing {
+  double cpu = 0, wall = 0;
+};
+
+Timing Time(const std::function<void()>& fn) {
+  const double c0 = Seconds(CLOCK_PROCESS_CPUTIME_ID), w0 = Seconds(CLOCK_MONOTONIC);
+  fn();
+  return {Seconds(CLOCK_PROCESS_CPUTIME_ID) - c0, Seconds(CLOCK_MONOTONIC) - w0};
+}
+
+// The arena must hold version B (to_b) or A, byte for byte.
+void Check(const Model& m, const uint8_t* arena, bool to_b, const char* stage) {
+  for (const Tensor& t : m.tensors) {
+    const std::span<const uint8_t> want = to_b ? t.b : t.a;
+    if (std::memcmp(arena + t.offset, want.data(), t.bytes) != 0) {
+      Fail(std::string(stage) + ": tensor " + t.name + " differs from the version applied");
+    }
+  }
+}
+
+int Main(int argc, char** argv) {
+  std::vector<std::string> files;
+  int threads = 1, reps = 6;
+  bool huge = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if ((arg == "--threads" || arg == "--reps") && i + 1 < argc) {
+      int v = 0;
+      if (!absl::SimpleAtoi(argv[++i], &v) || v < 1 || v > 1024) Fail(arg + " wants 1..1024");
+      (arg == "--threads" ? threads : reps) = v;
+    } else if (arg == "--huge-pages") {
+      huge = true;
+    } else if (arg.rfind("--", 0) == 0) {
+      std::fprintf(stderr, "usage: apply_bench A.safetensors B.safetensors [--threads N] "
+                           "[--reps N (even)] [--huge-pages]\n");
+      return 2;
+    } else {
+      files.push_back(arg);
+    }
+  }
+  if (files.size() != 2) Fail("wants two safetensors files (A, B)");
+  reps += reps % 2;  // an even count ends every stage on version A
+  auto fa = model::SafetensorsFile::Open(files[0]);
+  auto fb = model::SafetensorsFile::Open(files[1]);
+  if (!fa.ok()) Fail(fa.status().ToString());
+  if (!fb.ok()) Fail(fb.status().ToString());
+  const Model m = Load(*fa, *fb, threads);
+  // The arena: anonymous memory, with transparent huge pages asked for by --huge-pages.
+  const size_t map_bytes = (m.arena_bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map == MAP_FAILED) Fail("mmap of the arena failed");
+  if (huge && madvise(map, map_bytes, MADV_HUGEPAGE) != 0) Fail("madvise(MADV_HUGEPAGE) failed");
+  uint8_t* s = static_cast<uint8_t*>(map);
+  for (const Tensor& t : m.tensors) std::memcpy(s + t.offset, t.a.data(), t.bytes);
+
+  auto report = [&](const char* stage, Timing sum, int rounds, double per) {
+    std::printf(
+        "{\"bench\": \"apply\", \"stage\": \"%s\", \"threads\": %d, \"huge_pages\": %s, "
+        "\"rounds\": %d, "
+        "\"tensors\": %zu, \"model_bytes\": %zu, \"changed_elements\": %" PRIu64
+        ", \"cpu_ns_per_changed\": %.2f, \"wall_ns_per_changed\": %.2f}\n",
+        stage, threads, huge ? "true" : "false", rounds, m.tensors.size(), m.arena_bytes, m.changed,
+        sum.cpu * 1e9 / per / rounds, sum.wall * 1e9 / per / rounds);
+    std::fflush(stdout);
+  };
+  const double per = static_cast<double>(m.changed);
+  // read: XOR of every word (the compiler cannot drop it: the result is printed on mismatch).
+  {
+    Timing sum;
+    uint64_t x = 0;
+    for (int r = 0; r < reps; ++r) {
+      const Timing t = Time([&] {
+        const uint64_t* w = reinterpret_cast<const uint64_t*>(s);
+        for (size_t i = 0; i < m.arena_bytes / 8; ++i) x ^= w[i];
+      });
+      sum.cpu += t.cpu;
+      sum.wall += t.wall;
+    }
+    if (x == 0x5eed) std::printf("#\n");
+    report("read", sum, reps, per);
+  }
+  // scatter: the changed elements' target bits written in place, A <-> B.
+  {
+    Timing sum;
+    for (int r = 0; r < reps; ++r) {
+      const bool to_b = r % 2 == 0;
+      const Timing t = Time([&] {
+        for (const Tensor& tt : m.tensors) {
+          const std::vector<uint64_t>& bits = to_b ? tt.bits_b : tt.bits_a;
+          uint8_t* dst = s + tt.offset;
+          switch (DTypeSize(tt.dtype)) {
+            case 1: Scatter<uint8_t>(tt.changed, bits, dst); break;
+            case 2: Scatter<uint16_t>(tt.changed, bits, dst); break;
+            case 4: Scatter<uint32_t>(tt.changed, bits, dst); break;
+            default: Scatter<uint64_t>(tt.changed, bits, dst); break;
+          }
+        }
+      });
+      sum.cpu += t.cpu;
+      sum.wall += t.wall;
+    }
+    Check(m, s, false, "scatter");
+    report("scatter", sum, reps, per);
+  }
+  // inspect: decode without the base.
+  {
+    Timing sum;
+    for (int r = 0; r < reps; ++r) {
+      const Timing t = Time([&] {
+        for (const Tensor& tt : m.tensors) {
+          auto st = InspectPatch(r % 2 == 0 ? tt.forward : tt.backward);
+          if (!st.ok()) Fail(tt.name + ": InspectPatch: " + st.status().ToString());
+        }
+      });
+      sum.cpu += t.cpu;
+      sum.wall += t.wall;
+    }
+    report("inspect", sum, reps, per);
+  }
+  // apply and apply_digest, in place.
+  for (const bool digest : {false, true}) {
+    Timing sum;
+    std::vector<uint64_t> tracked;
+    for (const Tensor& tt : m.tensors) tracked.push_back(tt.digest_a);
+    for (int r = 0; r < reps; ++r) {
+      const bool to_b = r % 2 == 0;
+      const Timing t = Time([&] {
+        for (size_t k = 0; k < m.tensors.size(); ++k) {
+          const Tensor& tt = m.tensors[k];
+          std::span<uint8_t> slot(s + tt.offset, tt.bytes);
+          const std::vector<uint8_t>& patch = to_b ? tt.forward : tt.backward;
+          if (!digest) {
+            absl::Status st = ApplyPatch(patch, tt.dtype, slot, slot, threads);
+            if (!st.ok()) Fail(tt.name + ": ApplyPatch: " + st.ToString());
+            continue;
+          }
+          auto d = ApplyPatchDigestV2(patch, tt.dtype, slot, slot, threads);
+          if (!d.ok()) Fail(tt.name + ": ApplyPatchDigestV2: " + d.status().ToString());
+          tracked[k] = d->ApplyTo(tracked[k], tt.bytes);
+        }
+      });
+      sum.cpu += t.cpu;
+      sum.wall += t.wall;
+      if (r == 0) Check(m, s, true, digest ? "apply_digest" : "apply");
+    }
+    Check(m, s, false, digest ? "apply_digest" : "apply");
+    for (size_t k = 0; digest && k < m.tensors.size(); ++k) {
+      if (tracked[k] != m.tensors[k].digest_a) {
+        Fail(m.tensors[k].name + ": the tracked digest v2 differs from the version's");
+      }
+    }
+    report(digest ? "apply_digest" : "apply", sum, reps, per);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace refit::bench
+
+int main(int argc, char** argv) { return refit::bench::Main(argc, argv); }
