@@ -52,7 +52,7 @@ struct Tensor {
   DType dtype = DType::kBF16;
   size_t offset = 0;  // in the arena
   size_t bytes = 0;
-  std::span<const uint8_t> a, b;          // the two versions, in the mapped files
+  std::span<const uint8_t> a, b;           // the two versions, in the mapped files
   std::vector<uint8_t> forward, backward;  // patches A -> B and B -> A
   std::vector<uint32_t> changed;           // element indices that differ
   std::vector<uint64_t> bits_a, bits_b;    // their bits in A and in B (as a decoder holds them)
@@ -151,8 +151,9 @@ int Main(int argc, char** argv) {
     } else if (arg == "--huge-pages") {
       huge = true;
     } else if (arg.rfind("--", 0) == 0) {
-      std::fprintf(stderr, "usage: apply_bench A.safetensors B.safetensors [--threads N] "
-                           "[--reps N (even)] [--huge-pages]\n");
+      std::fprintf(stderr,
+                   "usage: apply_bench A.safetensors B.safetensors [--threads N] "
+                   "[--reps N (even)] [--huge-pages]\n");
       return 2;
     } else {
       files.push_back(arg);
@@ -166,7 +167,8 @@ int Main(int argc, char** argv) {
   if (!fb.ok()) Fail(fb.status().ToString());
   const Model m = Load(*fa, *fb, threads);
   // The arena: anonymous memory, with transparent huge pages asked for by --huge-pages.
-  const size_t map_bytes = (m.arena_bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  const size_t map_bytes =
+      (m.arena_bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
   void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (map == MAP_FAILED) Fail("mmap of the arena failed");
   if (huge && madvise(map, map_bytes, MADV_HUGEPAGE) != 0) Fail("madvise(MADV_HUGEPAGE) failed");

@@ -167,8 +167,8 @@ __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t word
 }
 
 __attribute__((target("avx2"))) inline __m256i Mix4(__m256i w, __m256i ka, __m256i kb,
-                                                     const Const256& m1, const Const256& m2,
-                                                     const Const256& m3) {
+                                                    const Const256& m1, const Const256& m2,
+                                                    const Const256& m3) {
   __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
   z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
   z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
@@ -187,8 +187,8 @@ __attribute__((target("avx2"))) uint64_t DeltaAvx2(const uint64_t* index, const 
     const __m256i ka = MulConst(idx, a), kb = MulConst(idx, b);
     const __m256i nv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nw + k));
     const __m256i ov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ow + k));
-    acc = _mm256_add_epi64(acc, _mm256_sub_epi64(Mix4(nv, ka, kb, m1, m2, m3),
-                                                 Mix4(ov, ka, kb, m1, m2, m3)));
+    acc = _mm256_add_epi64(
+        acc, _mm256_sub_epi64(Mix4(nv, ka, kb, m1, m2, m3), Mix4(ov, ka, kb, m1, m2, m3)));
   }
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
@@ -248,14 +248,9 @@ void DigestV2Delta::AddWords(const uint64_t* index, const uint64_t* old_words,
                              const uint64_t* new_words, size_t n) {
 #if defined(__x86_64__)
   switch (g_level.load(std::memory_order_relaxed)) {
-    case kAvx512:
-      sum_ += DeltaAvx512(index, old_words, new_words, n);
-      return;
-    case kAvx2:
-      sum_ += DeltaAvx2(index, old_words, new_words, n);
-      return;
-    default:
-      break;
+    case kAvx512: sum_ += DeltaAvx512(index, old_words, new_words, n); return;
+    case kAvx2: sum_ += DeltaAvx2(index, old_words, new_words, n); return;
+    default: break;
   }
 #endif
   sum_ += DeltaScalar(index, old_words, new_words, n);

@@ -65,7 +65,8 @@ absl::StatusOr<DigestV2Delta> DigestV2DeltaOf(std::span<const uint8_t> base,
 
 namespace testing {
 // Vector variants this CPU can run (1 = scalar only, 2 = + AVX2, 3 = + AVX-512), and forcing the
-// one TensorDigestV2 / DigestV2Sum / DigestV2Delta::AddWords use (level 0 .. levels-1; -1 = the best again).
+// one TensorDigestV2 / DigestV2Sum / DigestV2Delta::AddWords use (level 0 .. levels-1; -1 = the
+// best again).
 int DigestV2Levels();
 void SetDigestV2Level(int level);
 }  // namespace testing
