@@ -30,6 +30,9 @@ int BestLevel() {
 
 std::atomic<int> g_level{BestLevel()};
 
+// A 64-bit lane value for the _mm*_set* intrinsics (two's complement: the same bits).
+inline long long Lane(uint64_t v) { return static_cast<long long>(v); }
+
 uint64_t LoadWord(const uint8_t* p) {
   uint64_t w;
   std::memcpy(&w, p, 8);  // little-endian host
@@ -59,9 +62,9 @@ uint64_t DeltaScalar(const uint64_t* index, const uint64_t* ow, const uint64_t* 
 #endif
 
 __attribute__((target("avx512f,avx512dq"))) inline __m512i Mix8(__m512i w, __m512i ka, __m512i kb) {
-  const __m512i m1 = _mm512_set1_epi64(static_cast<long long>(format::kV2M1));
-  const __m512i m2 = _mm512_set1_epi64(static_cast<long long>(format::kV2M2));
-  const __m512i m3 = _mm512_set1_epi64(static_cast<long long>(format::kV2M3));
+  const __m512i m1 = _mm512_set1_epi64(Lane(format::kV2M1));
+  const __m512i m2 = _mm512_set1_epi64(Lane(format::kV2M2));
+  const __m512i m3 = _mm512_set1_epi64(Lane(format::kV2M3));
   __m512i z = _mm512_mullo_epi64(_mm512_xor_si512(w, ka), m1);
   z = _mm512_mullo_epi64(_mm512_add_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 32)), kb), m2);
   z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 29)), m3);
@@ -72,11 +75,11 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t SumAvx512(const uint8_t* p,
                                                                uint64_t first) {
   const uint64_t a = format::kV2IndexA, b = format::kV2IndexB;
   const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(first)), lane);
-  __m512i ka = _mm512_mullo_epi64(idx, _mm512_set1_epi64(static_cast<long long>(a)));
-  __m512i kb = _mm512_mullo_epi64(idx, _mm512_set1_epi64(static_cast<long long>(b)));
-  const __m512i step_a = _mm512_set1_epi64(static_cast<long long>(8 * a));
-  const __m512i step_b = _mm512_set1_epi64(static_cast<long long>(8 * b));
+  const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(Lane(first)), lane);
+  __m512i ka = _mm512_mullo_epi64(idx, _mm512_set1_epi64(Lane(a)));
+  __m512i kb = _mm512_mullo_epi64(idx, _mm512_set1_epi64(Lane(b)));
+  const __m512i step_a = _mm512_set1_epi64(Lane(8 * a));
+  const __m512i step_b = _mm512_set1_epi64(Lane(8 * b));
   __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
   uint64_t k = 0;
   for (; k + 16 <= words; k += 16) {
@@ -99,8 +102,8 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t SumAvx512(const uint8_t* p,
 __attribute__((target("avx512f,avx512dq"))) uint64_t DeltaAvx512(const uint64_t* index,
                                                                  const uint64_t* ow,
                                                                  const uint64_t* nw, size_t n) {
-  const __m512i a = _mm512_set1_epi64(static_cast<long long>(format::kV2IndexA));
-  const __m512i b = _mm512_set1_epi64(static_cast<long long>(format::kV2IndexB));
+  const __m512i a = _mm512_set1_epi64(Lane(format::kV2IndexA));
+  const __m512i b = _mm512_set1_epi64(Lane(format::kV2IndexB));
   __m512i acc = _mm512_setzero_si512();
   size_t k = 0;
   for (; k + 8 <= n; k += 8) {
@@ -124,8 +127,7 @@ struct Const256 {
 };
 
 __attribute__((target("avx2"))) inline Const256 MakeConst(uint64_t k) {
-  return {_mm256_set1_epi64x(static_cast<long long>(k & 0xffffffffu)),
-          _mm256_set1_epi64x(static_cast<long long>(k >> 32))};
+  return {_mm256_set1_epi64x(Lane(k & 0xffffffffu)), _mm256_set1_epi64x(Lane(k >> 32))};
 }
 
 // x * k mod 2^64 = xl kl + ((xh kl + xl kh) << 32).
@@ -140,16 +142,12 @@ __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t word
   const uint64_t a = format::kV2IndexA, b = format::kV2IndexB;
   const Const256 m1 = MakeConst(format::kV2M1), m2 = MakeConst(format::kV2M2),
                  m3 = MakeConst(format::kV2M3);
-  __m256i ka = _mm256_set_epi64x(static_cast<long long>((first + 3) * a),
-                                 static_cast<long long>((first + 2) * a),
-                                 static_cast<long long>((first + 1) * a),
-                                 static_cast<long long>(first * a));
-  __m256i kb = _mm256_set_epi64x(static_cast<long long>((first + 3) * b),
-                                 static_cast<long long>((first + 2) * b),
-                                 static_cast<long long>((first + 1) * b),
-                                 static_cast<long long>(first * b));
-  const __m256i step_a = _mm256_set1_epi64x(static_cast<long long>(4 * a));
-  const __m256i step_b = _mm256_set1_epi64x(static_cast<long long>(4 * b));
+  __m256i ka = _mm256_set_epi64x(Lane((first + 3) * a), Lane((first + 2) * a),
+                                 Lane((first + 1) * a), Lane(first * a));
+  __m256i kb = _mm256_set_epi64x(Lane((first + 3) * b), Lane((first + 2) * b),
+                                 Lane((first + 1) * b), Lane(first * b));
+  const __m256i step_a = _mm256_set1_epi64x(Lane(4 * a));
+  const __m256i step_b = _mm256_set1_epi64x(Lane(4 * b));
   __m256i acc = _mm256_setzero_si256();
   uint64_t k = 0;
   for (; k + 4 <= words; k += 4) {

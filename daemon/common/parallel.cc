@@ -54,7 +54,8 @@ class Pool {
     static constexpr int kNices = 40;  // -20 .. 19
     static std::array<std::atomic<Pool*>, kNices> pools{};
     const int nice = ThisThreadNice().value_or(0);
-    std::atomic<Pool*>& slot = pools[static_cast<size_t>(std::clamp(nice, -20, kMaxNice) + 20)];
+    const int index = std::clamp(nice, -20, kMaxNice) + 20;
+    std::atomic<Pool*>& slot = pools[static_cast<size_t>(index)];
     Pool* pool = slot.load(std::memory_order_acquire);
     if (pool != nullptr) return *pool;
     Pool* fresh = new Pool;

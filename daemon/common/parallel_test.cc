@@ -53,6 +53,7 @@ TEST(ParallelFor, NestedAndConcurrentCallsComplete) {
     });
   };
   std::vector<std::thread> callers;
+  callers.reserve(4);
   for (int c = 0; c < 4; ++c) callers.emplace_back(outer);
   for (std::thread& t : callers) t.join();
   for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i].load(), 4) << "i=" << i;
