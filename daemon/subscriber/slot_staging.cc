@@ -51,7 +51,8 @@ absl::Status SubscriberCore::StageTensorLocked(Transfer& t, size_t i, bool in_pl
   switch (tp.delivery()) {
     case v1::DELIVERY_KEYFRAME: {
       ++t.stats.tensors_keyframe;
-      t.v2[i].reset();
+      // Landed in the slot: its digest as its frames were written (nullopt: read at verify).
+      t.v2[i] = t.in_slot[i] ? t.assembler->ObjectDigestV2(ti, 0) : std::nullopt;
       if (t.in_slot[i]) return absl::OkStatus();
       REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> obj, t.assembler->Object(ti, 0));
       return mem.Upload(out, obj);

@@ -147,9 +147,11 @@ struct StageStats {
   uint32_t tensors_on_arrival = 0;  // staged by OnFrame as their last frame arrived
   uint64_t catch_up_micros = 0;     // applying the retained patches (part of staging)
   // Verification (digest format of the session): tensors whose digest came from the slot's
-  // verified digest and the deltas of what was applied (v2, no read of the tensor), and tensors
-  // whose digest was computed by reading the whole staged tensor.
+  // verified digest and the deltas of what was applied (v2, no read of the tensor), keyframes
+  // whose digest v2 was summed as their frames were written into the slot (no second read), and
+  // tensors whose digest was computed by reading the whole staged tensor.
   uint32_t digests_incremental = 0;
+  uint32_t digests_received = 0;
   uint32_t digests_full = 0;
   uint64_t stage_micros = 0;      // as the Ack's timings
   uint64_t verify_micros = 0;

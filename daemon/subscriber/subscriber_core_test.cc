@@ -909,7 +909,8 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
     EXPECT_EQ(core.applied_digest_format(), sync::DigestFormat::kV2);
     const uint32_t n = static_cast<uint32_t>(pub_.model(v).size());
     if (v == 1) {
-      EXPECT_EQ(s.digests_full, n) << "keyframes are read";
+      EXPECT_EQ(s.digests_received, n) << "keyframes are summed as they land in the slot";
+      EXPECT_EQ(s.digests_full, 0u) << "keyframes are not read again";
     } else if (v > 2) {
       ExpectOwnStepsOnly(s, v - 1);
       EXPECT_EQ(s.digests_full, 0u) << "v" << v;

@@ -210,7 +210,7 @@ absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
 }
 
 // The objects the transfer's frames carry; a keyframe goes straight into the staged slot when
-// there is one the CPU can write.
+// there is one the CPU can write, its digest v2 summed as its frames land (no second read).
 absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   t.assembler = std::make_unique<sync::FrameAssembler>(t.header.version(), max_frame_bytes_);
@@ -224,6 +224,7 @@ absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
       if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
           t.target->memory().host_accessible()) {
         spec.buffer = t.handle->out[t.layout_index[i]];
+        spec.digest_v2 = t.format == sync::DigestFormat::kV2;  // summed as it lands
         t.in_slot[i] = true;
       }
       REFIT_RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));

@@ -119,10 +119,11 @@ v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, ui
   return ack;
 }
 
-// Tensor i's digest as staged, in the transfer's format: tracked (v2, no read) or full.
+// Tensor i's digest as staged, in the transfer's format: tracked or summed on arrival (v2, no
+// read) or full.
 absl::StatusOr<uint64_t> SubscriberCore::StagedDigest(Transfer& t, size_t i) {
   if (t.format == sync::DigestFormat::kV2 && i < t.v2.size() && t.v2[i].has_value()) {
-    ++t.stats.digests_incremental;
+    ++(t.in_slot[i] ? t.stats.digests_received : t.stats.digests_incremental);
     return *t.v2[i];
   }
   ++t.stats.digests_full;

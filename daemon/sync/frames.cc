@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sync/version_digest.h"
@@ -268,15 +269,24 @@ absl::Status FrameAssembler::WriteChunk(State& st, const v1::DataFrame& f,
   uint8_t* dst = st.dest.data() + f.offset();
   if (f.compression() == v1::COMPRESSION_NONE) {
     std::memcpy(dst, f.payload().data(), f.raw_bytes());
-    return absl::OkStatus();
+  } else {
+    const int n = LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
+                                      static_cast<int>(f.payload().size()),
+                                      static_cast<int>(f.raw_bytes()));
+    if (n < 0 || static_cast<uint64_t>(n) != f.raw_bytes()) {
+      return absl::DataLossError(absl::StrCat(where, "corrupt LZ4 block (", f.payload().size(),
+                                              " bytes, decoded ", n < 0 ? 0 : n, " of ",
+                                              f.raw_bytes(), ")"));
+    }
   }
-  const int n = LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
-                                    static_cast<int>(f.payload().size()),
-                                    static_cast<int>(f.raw_bytes()));
-  if (n < 0 || static_cast<uint64_t>(n) != f.raw_bytes()) {
-    return absl::DataLossError(absl::StrCat(where, "corrupt LZ4 block (", f.payload().size(),
-                                            " bytes, decoded ", n < 0 ? 0 : n, " of ",
-                                            f.raw_bytes(), ")"));
+  if (st.spec.digest_v2) {
+    // Chunks tile the object (checked when the last arrives), so the sums add up to the
+    // object's when each starts on a word: only the object's last chunk may end mid-word.
+    if (f.offset() % 8 == 0) {
+      st.v2_sum += DigestV2Sum(std::span<const uint8_t>(dst, f.raw_bytes()), f.offset() / 8);
+    } else {
+      st.v2_exact = false;
+    }
   }
   return absl::OkStatus();
 }
@@ -333,6 +343,14 @@ absl::Status FrameAssembler::CheckAllComplete() const {
                    : std::string("no frames received")));
   }
   return absl::OkStatus();
+}
+
+std::optional<uint64_t> FrameAssembler::ObjectDigestV2(uint32_t tensor_index, uint32_t part) const {
+  auto it = objects_.find(Key(tensor_index, part));
+  if (it == objects_.end()) return std::nullopt;
+  const State& st = it->second;
+  if (!st.spec.digest_v2 || !st.complete || !st.v2_exact) return std::nullopt;
+  return format::DigestV2Final(st.v2_sum, st.object_bytes);
 }
 
 absl::StatusOr<std::span<const uint8_t>> FrameAssembler::Object(uint32_t tensor_index,

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -70,6 +71,10 @@ struct ObjectSpec {
   // Optional destination (e.g. the staging area of a keyframe tensor); must hold `bytes` bytes.
   // Empty: the assembler allocates object_bytes on the first valid frame.
   std::span<uint8_t> buffer;
+  // Sum the object's digest v2 (codec/digest_v2.h) as its chunks are written, reading each
+  // chunk back from the destination right after writing it (while it is in cache): the digest
+  // of what the destination holds, without a second pass over the object (ObjectDigestV2).
+  bool digest_v2 = false;
 };
 
 // The objects a receiver expects for tensor `tensor_index` of a VersionHeader: a KEYFRAME's
@@ -109,6 +114,10 @@ class FrameAssembler {
   // The bytes of a complete object (a view of the caller's buffer or the internal one).
   // FailedPrecondition if incomplete, NotFound if not expected.
   absl::StatusOr<std::span<const uint8_t>> Object(uint32_t tensor_index, uint32_t part) const;
+  // The digest v2 of a complete object whose spec asked for it (ObjectSpec::digest_v2), as its
+  // destination held each chunk once written; nullopt when not asked for, incomplete, or when a
+  // chunk did not start on an 8-byte word of the object (then the caller reads it whole).
+  std::optional<uint64_t> ObjectDigestV2(uint32_t tensor_index, uint32_t part) const;
   // Moves out an internally owned complete object (empty vector for caller-provided buffers).
   absl::StatusOr<std::vector<uint8_t>> TakeObject(uint32_t tensor_index, uint32_t part);
 
@@ -128,6 +137,8 @@ class FrameAssembler {
     std::vector<uint8_t> owned;
     std::span<uint8_t> dest;
     bool complete = false;
+    uint64_t v2_sum = 0;     // spec.digest_v2: the mix sums of the chunks written so far
+    bool v2_exact = true;    // false once a chunk did not start on a word of the object
   };
   static uint64_t Key(uint32_t tensor_index, uint32_t part) {
     return (static_cast<uint64_t>(tensor_index) << 32) | part;
