@@ -270,9 +270,9 @@ absl::Status FrameAssembler::WriteChunk(State& st, const v1::DataFrame& f,
   if (f.compression() == v1::COMPRESSION_NONE) {
     std::memcpy(dst, f.payload().data(), f.raw_bytes());
   } else {
-    const int n = LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
-                                      static_cast<int>(f.payload().size()),
-                                      static_cast<int>(f.raw_bytes()));
+    const int n =
+        LZ4_decompress_safe(f.payload().data(), reinterpret_cast<char*>(dst),
+                            static_cast<int>(f.payload().size()), static_cast<int>(f.raw_bytes()));
     if (n < 0 || static_cast<uint64_t>(n) != f.raw_bytes()) {
       return absl::DataLossError(absl::StrCat(where, "corrupt LZ4 block (", f.payload().size(),
                                               " bytes, decoded ", n < 0 ? 0 : n, " of ",

@@ -137,8 +137,8 @@ class FrameAssembler {
     std::vector<uint8_t> owned;
     std::span<uint8_t> dest;
     bool complete = false;
-    uint64_t v2_sum = 0;     // spec.digest_v2: the mix sums of the chunks written so far
-    bool v2_exact = true;    // false once a chunk did not start on a word of the object
+    uint64_t v2_sum = 0;   // spec.digest_v2: the mix sums of the chunks written so far
+    bool v2_exact = true;  // false once a chunk did not start on a word of the object
   };
   static uint64_t Key(uint32_t tensor_index, uint32_t part) {
     return (static_cast<uint64_t>(tensor_index) << 32) | part;
