@@ -589,7 +589,21 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
       const T* bb = b + d.first_element;
       if (d.mode == kUnchanged) continue;
       uint32_t count = d.count;
-      if (d.mode == kDense) {
+      bool delta_done = false;  // the fused pass below gave the block's delta already
+      if (d.mode == kSparse && digest_delta && coding != ValueCoding::kRaw) {
+        // Decoded, then resolved and its delta added in one pass over the changed words.
+        st = DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding, bb, s,
+                             /*resolve=*/false);
+        if (st.ok()) {
+          DigestV2Delta block_delta;
+          ResolveDeltaWrite<T>(s, count, coding, base.data(), d.first_element * sizeof(T),
+                               base.size(), nullptr, block_delta);
+          PatchBlockChanges c{i, d.first_element, {s.pos.data(), count}, {s.val.data(), count},
+                              block_delta};
+          if (count > 0) st = visit(c);
+        }
+        delta_done = true;
+      } else if (d.mode == kDense) {
         const uint8_t* payload = patch.data() + d.payload_offset;
         s.pos.resize(d.num_elements);
         s.val.resize(d.num_elements);
@@ -604,7 +618,7 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
       } else {
         st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
       }
-      if (st.ok() && count > 0) {
+      if (st.ok() && count > 0 && !delta_done) {
         PatchBlockChanges c{i, d.first_element, {s.pos.data(), count}, {s.val.data(), count}, {}};
         if (digest_delta) {
           AddSparseDelta<T>(s, count, base.data(), d.first_element * sizeof(T), base.size(),
