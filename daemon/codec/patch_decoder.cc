@@ -598,8 +598,8 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
           DigestV2Delta block_delta;
           ResolveDeltaWrite<T>(s, count, coding, base.data(), d.first_element * sizeof(T),
                                base.size(), nullptr, block_delta);
-          PatchBlockChanges c{i, d.first_element, {s.pos.data(), count}, {s.val.data(), count},
-                              block_delta};
+          PatchBlockChanges c{
+              i, d.first_element, {s.pos.data(), count}, {s.val.data(), count}, block_delta};
           if (count > 0) st = visit(c);
         }
         delta_done = true;
