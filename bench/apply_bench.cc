@@ -138,141 +138,168 @@ void Check(const Model& m, const uint8_t* arena, bool to_b, const char* stage) {
   }
 }
 
-int Main(int argc, char** argv) {
+struct Options {
   std::vector<std::string> files;
   int threads = 1, reps = 6;
   bool huge = false;
+};
+
+// Exits 2 with the usage on an unknown flag; Fail on a bad value or file count.
+Options ParseArgs(int argc, char** argv) {
+  Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if ((arg == "--threads" || arg == "--reps") && i + 1 < argc) {
       int v = 0;
       if (!absl::SimpleAtoi(argv[++i], &v) || v < 1 || v > 1024) Fail(arg + " wants 1..1024");
-      (arg == "--threads" ? threads : reps) = v;
+      (arg == "--threads" ? o.threads : o.reps) = v;
     } else if (arg == "--huge-pages") {
-      huge = true;
+      o.huge = true;
     } else if (arg.rfind("--", 0) == 0) {
       std::fprintf(stderr,
                    "usage: apply_bench A.safetensors B.safetensors [--threads N] "
                    "[--reps N (even)] [--huge-pages]\n");
-      return 2;
+      std::exit(2);
     } else {
-      files.push_back(arg);
+      o.files.push_back(arg);
     }
   }
-  if (files.size() != 2) Fail("wants two safetensors files (A, B)");
-  reps += reps % 2;  // an even count ends every stage on version A
-  auto fa = model::SafetensorsFile::Open(files[0]);
-  auto fb = model::SafetensorsFile::Open(files[1]);
-  if (!fa.ok()) Fail(fa.status().ToString());
-  if (!fb.ok()) Fail(fb.status().ToString());
-  const Model m = Load(*fa, *fb, threads);
-  // The arena: anonymous memory, with transparent huge pages asked for by --huge-pages.
-  const size_t map_bytes =
-      (m.arena_bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20);
+  if (o.files.size() != 2) Fail("wants two safetensors files (A, B)");
+  o.reps += o.reps % 2;  // an even count ends every stage on version A
+  return o;
+}
+
+// The arena: anonymous memory (transparent huge pages asked for with `huge`) holding version A.
+uint8_t* MapArena(const Model& m, bool huge) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t map_bytes = (m.arena_bytes + kHuge - 1) / kHuge * kHuge;
   void* map = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (map == MAP_FAILED) Fail("mmap of the arena failed");
   if (huge && madvise(map, map_bytes, MADV_HUGEPAGE) != 0) Fail("madvise(MADV_HUGEPAGE) failed");
-  uint8_t* s = static_cast<uint8_t*>(map);
-  for (const Tensor& t : m.tensors) std::memcpy(s + t.offset, t.a.data(), t.bytes);
+  uint8_t* arena = static_cast<uint8_t*>(map);
+  for (const Tensor& t : m.tensors) std::memcpy(arena + t.offset, t.a.data(), t.bytes);
+  return arena;
+}
 
-  auto report = [&](const char* stage, Timing sum, int rounds, double per) {
+// One run: the model, its arena and the options; each stage times `reps` rounds (round r
+// applies A -> B when r is even) and prints one JSON line.
+struct Bench {
+  const Options& o;
+  const Model& m;
+  uint8_t* arena;
+
+  // `after` runs after each round, off the clock.
+  Timing Rounds(const std::function<void(int round)>& round,
+                const std::function<void(int round)>& after = nullptr) const {
+    Timing sum;
+    for (int r = 0; r < o.reps; ++r) {
+      const Timing t = Time([&] { round(r); });
+      sum.cpu += t.cpu;
+      sum.wall += t.wall;
+      if (after) after(r);
+    }
+    return sum;
+  }
+
+  void Report(const char* stage, Timing sum) const {
+    const double per = static_cast<double>(m.changed) * o.reps;
     std::printf(
         "{\"bench\": \"apply\", \"stage\": \"%s\", \"threads\": %d, \"huge_pages\": %s, "
-        "\"rounds\": %d, "
-        "\"tensors\": %zu, \"model_bytes\": %zu, \"changed_elements\": %" PRIu64
+        "\"rounds\": %d, \"tensors\": %zu, \"model_bytes\": %zu, \"changed_elements\": %" PRIu64
         ", \"cpu_ns_per_changed\": %.2f, \"wall_ns_per_changed\": %.2f}\n",
-        stage, threads, huge ? "true" : "false", rounds, m.tensors.size(), m.arena_bytes, m.changed,
-        sum.cpu * 1e9 / per / rounds, sum.wall * 1e9 / per / rounds);
+        stage, o.threads, o.huge ? "true" : "false", o.reps, m.tensors.size(), m.arena_bytes,
+        m.changed, sum.cpu * 1e9 / per, sum.wall * 1e9 / per);
     std::fflush(stdout);
-  };
-  const double per = static_cast<double>(m.changed);
-  // read: XOR of every word (the compiler cannot drop it: the result is printed on mismatch).
-  {
-    Timing sum;
+  }
+
+  // read: XOR of every word (the compiler cannot drop it: the result is printed on a match).
+  void Read() const {
     uint64_t x = 0;
-    for (int r = 0; r < reps; ++r) {
-      const Timing t = Time([&] {
-        const uint64_t* w = reinterpret_cast<const uint64_t*>(s);
-        for (size_t i = 0; i < m.arena_bytes / 8; ++i) x ^= w[i];
-      });
-      sum.cpu += t.cpu;
-      sum.wall += t.wall;
-    }
+    const Timing sum = Rounds([&](int) {
+      const uint64_t* w = reinterpret_cast<const uint64_t*>(arena);
+      for (size_t i = 0; i < m.arena_bytes / 8; ++i) x ^= w[i];
+    });
     if (x == 0x5eed) std::printf("#\n");
-    report("read", sum, reps, per);
+    Report("read", sum);
   }
+
   // scatter: the changed elements' target bits written in place, A <-> B.
-  {
-    Timing sum;
-    for (int r = 0; r < reps; ++r) {
-      const bool to_b = r % 2 == 0;
-      const Timing t = Time([&] {
-        for (const Tensor& tt : m.tensors) {
-          const std::vector<uint64_t>& bits = to_b ? tt.bits_b : tt.bits_a;
-          uint8_t* dst = s + tt.offset;
-          switch (DTypeSize(tt.dtype)) {
-            case 1: Scatter<uint8_t>(tt.changed, bits, dst); break;
-            case 2: Scatter<uint16_t>(tt.changed, bits, dst); break;
-            case 4: Scatter<uint32_t>(tt.changed, bits, dst); break;
-            default: Scatter<uint64_t>(tt.changed, bits, dst); break;
-          }
+  void ScatterStage() const {
+    const Timing sum = Rounds([&](int r) {
+      for (const Tensor& t : m.tensors) {
+        const std::vector<uint64_t>& bits = r % 2 == 0 ? t.bits_b : t.bits_a;
+        uint8_t* dst = arena + t.offset;
+        switch (DTypeSize(t.dtype)) {
+          case 1: Scatter<uint8_t>(t.changed, bits, dst); break;
+          case 2: Scatter<uint16_t>(t.changed, bits, dst); break;
+          case 4: Scatter<uint32_t>(t.changed, bits, dst); break;
+          default: Scatter<uint64_t>(t.changed, bits, dst); break;
         }
-      });
-      sum.cpu += t.cpu;
-      sum.wall += t.wall;
-    }
-    Check(m, s, false, "scatter");
-    report("scatter", sum, reps, per);
+      }
+    });
+    Check(m, arena, false, "scatter");
+    Report("scatter", sum);
   }
+
   // inspect: decode without the base.
-  {
-    Timing sum;
-    for (int r = 0; r < reps; ++r) {
-      const Timing t = Time([&] {
-        for (const Tensor& tt : m.tensors) {
-          auto st = InspectPatch(r % 2 == 0 ? tt.forward : tt.backward);
-          if (!st.ok()) Fail(tt.name + ": InspectPatch: " + st.status().ToString());
-        }
-      });
-      sum.cpu += t.cpu;
-      sum.wall += t.wall;
-    }
-    report("inspect", sum, reps, per);
+  void Inspect() const {
+    const Timing sum = Rounds([&](int r) {
+      for (const Tensor& t : m.tensors) {
+        auto st = InspectPatch(r % 2 == 0 ? t.forward : t.backward);
+        if (!st.ok()) Fail(t.name + ": InspectPatch: " + st.status().ToString());
+      }
+    });
+    Report("inspect", sum);
   }
-  // apply and apply_digest, in place.
-  for (const bool digest : {false, true}) {
-    Timing sum;
+
+  // apply (digest false) or apply_digest, in place; the arena is checked after the first round
+  // and the last, and the tracked digests against version A's.
+  void Apply(bool digest) const {
+    const char* stage = digest ? "apply_digest" : "apply";
     std::vector<uint64_t> tracked;
-    for (const Tensor& tt : m.tensors) tracked.push_back(tt.digest_a);
-    for (int r = 0; r < reps; ++r) {
-      const bool to_b = r % 2 == 0;
-      const Timing t = Time([&] {
-        for (size_t k = 0; k < m.tensors.size(); ++k) {
-          const Tensor& tt = m.tensors[k];
-          std::span<uint8_t> slot(s + tt.offset, tt.bytes);
-          const std::vector<uint8_t>& patch = to_b ? tt.forward : tt.backward;
-          if (!digest) {
-            absl::Status st = ApplyPatch(patch, tt.dtype, slot, slot, threads);
-            if (!st.ok()) Fail(tt.name + ": ApplyPatch: " + st.ToString());
-            continue;
+    for (const Tensor& t : m.tensors) tracked.push_back(t.digest_a);
+    const Timing sum = Rounds(
+        [&](int r) {
+          for (size_t k = 0; k < m.tensors.size(); ++k) {
+            const Tensor& t = m.tensors[k];
+            std::span<uint8_t> slot(arena + t.offset, t.bytes);
+            const std::vector<uint8_t>& patch = r % 2 == 0 ? t.forward : t.backward;
+            if (!digest) {
+              absl::Status st = ApplyPatch(patch, t.dtype, slot, slot, o.threads);
+              if (!st.ok()) Fail(t.name + ": ApplyPatch: " + st.ToString());
+              continue;
+            }
+            auto d = ApplyPatchDigestV2(patch, t.dtype, slot, slot, o.threads);
+            if (!d.ok()) Fail(t.name + ": ApplyPatchDigestV2: " + d.status().ToString());
+            tracked[k] = d->ApplyTo(tracked[k], t.bytes);
           }
-          auto d = ApplyPatchDigestV2(patch, tt.dtype, slot, slot, threads);
-          if (!d.ok()) Fail(tt.name + ": ApplyPatchDigestV2: " + d.status().ToString());
-          tracked[k] = d->ApplyTo(tracked[k], tt.bytes);
-        }
-      });
-      sum.cpu += t.cpu;
-      sum.wall += t.wall;
-      if (r == 0) Check(m, s, true, digest ? "apply_digest" : "apply");
-    }
-    Check(m, s, false, digest ? "apply_digest" : "apply");
+        },
+        [&](int r) {
+          if (r == 0) Check(m, arena, true, stage);
+        });
+    Check(m, arena, false, stage);
     for (size_t k = 0; digest && k < m.tensors.size(); ++k) {
       if (tracked[k] != m.tensors[k].digest_a) {
         Fail(m.tensors[k].name + ": the tracked digest v2 differs from the version's");
       }
     }
-    report(digest ? "apply_digest" : "apply", sum, reps, per);
+    Report(stage, sum);
   }
+};
+
+int Main(int argc, char** argv) {
+  const Options o = ParseArgs(argc, argv);
+  auto fa = model::SafetensorsFile::Open(o.files[0]);
+  auto fb = model::SafetensorsFile::Open(o.files[1]);
+  if (!fa.ok()) Fail(fa.status().ToString());
+  if (!fb.ok()) Fail(fb.status().ToString());
+  const Model m = Load(*fa, *fb, o.threads);
+  const Bench bench{o, m, MapArena(m, o.huge)};
+  bench.Read();
+  bench.ScatterStage();
+  bench.Inspect();
+  bench.Apply(/*digest=*/false);
+  bench.Apply(/*digest=*/true);
   return 0;
 }
 

@@ -138,6 +138,15 @@ __attribute__((target("avx2"))) inline __m256i MulConst(__m256i x, const Const25
   return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
 }
 
+__attribute__((target("avx2"))) inline __m256i Mix4(__m256i w, __m256i ka, __m256i kb,
+                                                    const Const256& m1, const Const256& m2,
+                                                    const Const256& m3) {
+  __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
+  z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
+  z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 32));
+}
+
 __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t words, uint64_t first) {
   const uint64_t a = format::kV2IndexA, b = format::kV2IndexB;
   const Const256 m1 = MakeConst(format::kV2M1), m2 = MakeConst(format::kV2M2),
@@ -152,25 +161,13 @@ __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, uint64_t word
   uint64_t k = 0;
   for (; k + 4 <= words; k += 4) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * k));
-    __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
-    z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
-    z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
-    acc = _mm256_add_epi64(acc, _mm256_xor_si256(z, _mm256_srli_epi64(z, 32)));
+    acc = _mm256_add_epi64(acc, Mix4(w, ka, kb, m1, m2, m3));
     ka = _mm256_add_epi64(ka, step_a);
     kb = _mm256_add_epi64(kb, step_b);
   }
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
   return lanes[0] + lanes[1] + lanes[2] + lanes[3] + SumScalar(p + 8 * k, words - k, first + k);
-}
-
-__attribute__((target("avx2"))) inline __m256i Mix4(__m256i w, __m256i ka, __m256i kb,
-                                                    const Const256& m1, const Const256& m2,
-                                                    const Const256& m3) {
-  __m256i z = MulConst(_mm256_xor_si256(w, ka), m1);
-  z = MulConst(_mm256_add_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 32)), kb), m2);
-  z = MulConst(_mm256_xor_si256(z, _mm256_srli_epi64(z, 29)), m3);
-  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 32));
 }
 
 __attribute__((target("avx2"))) uint64_t DeltaAvx2(const uint64_t* index, const uint64_t* ow,

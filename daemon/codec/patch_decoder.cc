@@ -5,6 +5,7 @@
 // InspectPatch, a patch's statistics from its table and decoded payloads.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -315,37 +316,17 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
 // values before any of its bytes are written, which makes in place safe.
 static_assert(format::kMinBlockLog2 >= 3, "blocks must start on word boundaries");
 
-// Adds the delta of a decoded SPARSE block (s.pos, s.val: target values, increasing positions)
-// of a tensor at `base` (tensor_bytes long) whose block starts at byte first_byte.
+// The digest-v2 delta of a decoded block's changes (s.pos increasing) and their write, in one
+// pass over the changed words, each read once from the base (a tensor of tensor_bytes at
+// `base`). With `coding`, s.val holds coded differences, resolved here against the old word (s.val
+// becomes the target bits); without, s.val already holds the targets. Unless `out` (the output
+// tensor, a copy of the base or the base itself) is null, each new word is written whole
+// (element by element in the tensor's last, partial word). The whole block was decoded and
+// validated before: nothing written can be torn.
 template <typename T>
-void AddSparseDelta(const Scratch& s, uint32_t count, const uint8_t* base, uint64_t first_byte,
-                    uint64_t tensor_bytes, DigestV2Delta& delta) {
-  constexpr uint64_t w = sizeof(T);
-  constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
-  uint32_t j = 0;
-  while (j < count) {
-    const uint64_t word = (first_byte + s.pos[j] * w) / 8;
-    const uint64_t old_word = WordAt(base, 8 * word, tensor_bytes);  // zero-padded last word
-    uint64_t new_word = old_word;
-    do {  // every change in this word (at most 8 / w of them)
-      const unsigned shift = static_cast<unsigned>(((first_byte + s.pos[j] * w) & 7) * 8);
-      new_word = (new_word & ~(kMask << shift)) | ((s.val[j] & kMask) << shift);
-      ++j;
-    } while (j < count && (first_byte + s.pos[j] * w) / 8 == word);
-    delta.Add(word, old_word, new_word);
-  }
-}
-
-// AddSparseDelta and the write fused, for a decoded SPARSE block whose s.val holds coded
-// differences (not raw values): one pass over the changed words, each read once from the base
-// (a tensor of tensor_bytes at `base`), its changed elements resolved (s.val becomes the target
-// bits), its delta added and, unless `out` (the output tensor, a copy of the base or the base
-// itself) is null, the new word written whole (element by element in the tensor's last,
-// partial word). The whole block was decoded and validated before: nothing written can be torn.
-template <typename T>
-void ResolveDeltaWrite(Scratch& s, uint32_t count, ValueCoding coding, const uint8_t* base,
-                       uint64_t first_byte, uint64_t tensor_bytes, uint8_t* out,
-                       DigestV2Delta& delta) {
+void ResolveDeltaWrite(Scratch& s, uint32_t count, std::optional<ValueCoding> coding,
+                       const uint8_t* base, uint64_t first_byte, uint64_t tensor_bytes,
+                       uint8_t* out, DigestV2Delta& delta) {
   constexpr uint64_t w = sizeof(T);
   constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
   // Locals, not the scratch's vectors or `delta`: stores through `out` may alias anything.
@@ -368,7 +349,9 @@ void ResolveDeltaWrite(Scratch& s, uint32_t count, ValueCoding coding, const uin
     const uint32_t first = j;
     do {  // every change in this word (at most 8 / w of them)
       const unsigned shift = static_cast<unsigned>(((first_byte + pos[j] * w) & 7) * 8);
-      const uint64_t target = ApplyDiff<T>((old_word >> shift) & kMask, val[j], coding);
+      const uint64_t target = coding.has_value()
+                                  ? ApplyDiff<T>((old_word >> shift) & kMask, val[j], *coding)
+                                  : val[j] & kMask;
       val[j] = target;
       new_word = (new_word & ~(kMask << shift)) | (target << shift);
       ++j;
@@ -392,6 +375,22 @@ void ResolveDeltaWrite(Scratch& s, uint32_t count, ValueCoding coding, const uin
   delta.Merge(sum);
 }
 
+// A SPARSE or CONTEXT block decoded for ResolveDeltaWrite: a SPARSE block with coded differences
+// leaves them unresolved (returns the coding: the word pass resolves them, reading each base word
+// once); otherwise s.val holds the targets (nullopt).
+template <typename T>
+absl::StatusOr<std::optional<ValueCoding>> DecodeForWordPass(const uint8_t* payload,
+                                                             const BlockDesc& d, uint64_t i,
+                                                             ValueCoding coding, const T* bb,
+                                                             Scratch& s) {
+  if (d.mode == kSparse && coding != ValueCoding::kRaw) {
+    REFIT_RETURN_IF_ERROR(DecodeSparse<T>(payload, d, i, coding, bb, s, /*resolve=*/false));
+    return coding;
+  }
+  REFIT_RETURN_IF_ERROR(DecodeBlockChanges<T>(payload, d, i, coding, bb, s));
+  return std::nullopt;
+}
+
 // ApplyBlock that also adds the block's delta; writes nothing when `out` is null.
 template <typename T>
 absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d, uint64_t i,
@@ -413,20 +412,11 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
     }
     default: break;
   }
-  if (d.mode == kSparse && coding != ValueCoding::kRaw) {
-    REFIT_RETURN_IF_ERROR(DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding,
-                                          reinterpret_cast<const T*>(bb), s, /*resolve=*/false));
-    if (ob != nullptr && ob != bb) std::memcpy(ob, bb, bytes);
-    ResolveDeltaWrite<T>(s, d.count, coding, base.data(), first_byte, base.size(), out, delta);
-    return absl::OkStatus();
-  }
-  REFIT_RETURN_IF_ERROR(DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding,
+  REFIT_ASSIGN_OR_RETURN(const std::optional<ValueCoding> unresolved,
+                         DecodeForWordPass<T>(patch.data() + d.payload_offset, d, i, coding,
                                               reinterpret_cast<const T*>(bb), s));
-  AddSparseDelta<T>(s, d.count, base.data(), first_byte, base.size(), delta);
-  if (ob == nullptr) return absl::OkStatus();
-  if (ob != bb) std::memcpy(ob, bb, bytes);
-  T* ot = reinterpret_cast<T*>(ob);
-  for (uint32_t j = 0; j < d.count; ++j) ot[s.pos[j]] = static_cast<T>(s.val[j]);
+  if (ob != nullptr && ob != bb) std::memcpy(ob, bb, bytes);
+  ResolveDeltaWrite<T>(s, d.count, unresolved, base.data(), first_byte, base.size(), out, delta);
   return absl::OkStatus();
 }
 
@@ -589,21 +579,8 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
       const T* bb = b + d.first_element;
       if (d.mode == kUnchanged) continue;
       uint32_t count = d.count;
-      bool delta_done = false;  // the fused pass below gave the block's delta already
-      if (d.mode == kSparse && digest_delta && coding != ValueCoding::kRaw) {
-        // Decoded, then resolved and its delta added in one pass over the changed words.
-        st = DecodeSparse<T>(patch.data() + d.payload_offset, d, i, coding, bb, s,
-                             /*resolve=*/false);
-        if (st.ok()) {
-          DigestV2Delta block_delta;
-          ResolveDeltaWrite<T>(s, count, coding, base.data(), d.first_element * sizeof(T),
-                               base.size(), nullptr, block_delta);
-          PatchBlockChanges c{
-              i, d.first_element, {s.pos.data(), count}, {s.val.data(), count}, block_delta};
-          if (count > 0) st = visit(c);
-        }
-        delta_done = true;
-      } else if (d.mode == kDense) {
+      std::optional<ValueCoding> unresolved;  // s.val holds targets unless set
+      if (d.mode == kDense) {
         const uint8_t* payload = patch.data() + d.payload_offset;
         s.pos.resize(d.num_elements);
         s.val.resize(d.num_elements);
@@ -615,14 +592,19 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
           s.pos[count] = j;
           s.val[count++] = t;
         }
+      } else if (digest_delta) {
+        // Resolved and summed in one pass over the changed words.
+        auto decoded = DecodeForWordPass<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
+        if (decoded.ok()) unresolved = *decoded;
+        st = decoded.status();
       } else {
         st = DecodeBlockChanges<T>(patch.data() + d.payload_offset, d, i, coding, bb, s);
       }
-      if (st.ok() && count > 0 && !delta_done) {
+      if (st.ok() && count > 0) {
         PatchBlockChanges c{i, d.first_element, {s.pos.data(), count}, {s.val.data(), count}, {}};
         if (digest_delta) {
-          AddSparseDelta<T>(s, count, base.data(), d.first_element * sizeof(T), base.size(),
-                            c.digest_delta);
+          ResolveDeltaWrite<T>(s, count, unresolved, base.data(), d.first_element * sizeof(T),
+                               base.size(), nullptr, c.digest_delta);
         }
         st = visit(c);
       }
