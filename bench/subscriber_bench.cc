@@ -153,8 +153,8 @@ absl::StatusOr<Run> Feed(refit::subscriber::SubscriberCore& core,
   // The idle time before the next transfer: the refresh thread brings the standby slot forward
   // (SubscriberOptions::refresh_standby). Waited for here, untimed, so that it neither counts in
   // this transfer nor disturbs the other core's.
-  if (!core.WaitRefreshIdle(absl::Seconds(120))) return absl::DeadlineExceededError("refresh");
-  const refit::subscriber::RefreshStats rs = core.refresh_stats();
+  if (!core.standby().WaitIdle(absl::Seconds(120))) return absl::DeadlineExceededError("refresh");
+  const refit::subscriber::RefreshStats rs = core.standby().stats();
   if (rs.to_version == end.version()) r.refresh_ms = rs.micros / 1e3;
   return r;
 }

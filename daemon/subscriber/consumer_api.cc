@@ -99,7 +99,8 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
   v1::Layout out;
   out.set_version(lease.lease.version);
   std::map<std::string, uint64_t> digests;
-  if (std::optional<VersionRecord> rec = core.record(lease.lease.version); rec.has_value()) {
+  if (std::optional<VersionRecord> rec = core.records().Find(lease.lease.version);
+      rec.has_value()) {
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
   }
@@ -156,15 +157,16 @@ grpc::Status ConsumerApiService::GetLayout(grpc::ServerContext* context,
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
   // A short lease pins the version's slot while its offsets are read.
-  auto lease = core_->AcquireLease(options_.layout_consumer, version, absl::Seconds(10),
-                                   ConsumerIdentity(PeerCredOf(*context), "GetLayout"));
+  auto lease =
+      core_->generations().AcquireLease(options_.layout_consumer, version, absl::Seconds(10),
+                                        ConsumerIdentity(PeerCredOf(*context), "GetLayout"));
   if (!lease.ok()) {
     return ToGrpcStatus(Annotate(
         lease.status(), version.has_value() ? absl::StrCat("GetLayout of version ", *version)
                                             : std::string("GetLayout of the current version")));
   }
   *response = LeaseLayout(*core_, *lease);
-  (void)core_->ReleaseLease(lease->lease.lease_id);
+  (void)core_->generations().ReleaseLease(lease->lease.lease_id);
   return grpc::Status::OK;
 }
 
@@ -221,8 +223,8 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
   std::optional<uint64_t> version;
   if (request->has_version()) version = request->version();
   const std::string consumer = request->consumer().empty() ? "unnamed" : request->consumer();
-  auto lease = core_->AcquireLease(consumer, version, Ttl(request->ttl_ms()),
-                                   ConsumerIdentity(PeerCredOf(*context), consumer));
+  auto lease = core_->generations().AcquireLease(consumer, version, Ttl(request->ttl_ms()),
+                                                 ConsumerIdentity(PeerCredOf(*context), consumer));
   if (!lease.ok()) {
     log_->debug("lease for {} refused: {}", Printable(consumer), lease.status().ToString());
     return ToGrpcStatus(
@@ -237,7 +239,7 @@ grpc::Status ConsumerApiService::AcquireLease(grpc::ServerContext* context,
 grpc::Status ConsumerApiService::RenewLease(grpc::ServerContext* context,
                                             const v1::RenewLeaseRequest* request,
                                             v1::Lease* response) {
-  auto lease = core_->RenewLease(request->lease_id(), Ttl(request->ttl_ms()));
+  auto lease = core_->generations().RenewLease(request->lease_id(), Ttl(request->ttl_ms()));
   if (!lease.ok()) return ToGrpcStatus(Annotate(lease.status(), "RenewLease"));
   *response = MakeLease(*lease);
   return grpc::Status::OK;
@@ -276,7 +278,7 @@ grpc::Status ConsumerApiService::GetChanges(grpc::ServerContext* context,
 grpc::Status ConsumerApiService::ReleaseLease(grpc::ServerContext* context,
                                               const v1::ReleaseLeaseRequest* request,
                                               v1::ReleaseLeaseResponse* response) {
-  absl::Status st = core_->ReleaseLease(request->lease_id());
+  absl::Status st = core_->generations().ReleaseLease(request->lease_id());
   if (!st.ok()) return ToGrpcStatus(Annotate(st, "ReleaseLease"));
   log_->debug("lease {} released", Hex64(request->lease_id()));
   return grpc::Status::OK;

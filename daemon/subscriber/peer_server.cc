@@ -99,8 +99,9 @@ bool PeerServer::StallHook() {
 }
 
 absl::Status PeerServer::PublishNewest() {
-  REFIT_ASSIGN_OR_RETURN(SubscriberLease lease, core_->AcquireLease(options_.consumer, std::nullopt,
-                                                                    absl::InfiniteDuration()));
+  REFIT_ASSIGN_OR_RETURN(
+      SubscriberLease lease,
+      core_->generations().AcquireLease(options_.consumer, std::nullopt, absl::InfiniteDuration()));
   absl::Status result = FollowUpstreamLineage();
   if (result.ok() && lease.lease.version > peer_core_->newest_version()) {
     std::vector<publisher::TensorInput> inputs;
@@ -118,7 +119,7 @@ absl::Status PeerServer::PublishNewest() {
       result = Annotate(summary.status(), "publishing version ", lease.lease.version, " to peers");
     }
   }
-  (void)core_->ReleaseLease(lease.lease.lease_id);
+  (void)core_->generations().ReleaseLease(lease.lease.lease_id);
   if (result.ok()) service_->NotifyPublished();
   return result;
 }

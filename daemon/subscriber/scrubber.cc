@@ -26,12 +26,12 @@ ScrubStats Scrubber::stats() const {
 bool Scrubber::BeginPass() {
   const uint64_t version = core_->applied_version();
   if (version == 0) return false;
-  std::optional<VersionRecord> record = core_->record(version);
-  std::shared_ptr<store::SlottedStore> st = core_->store();
+  std::optional<VersionRecord> record = core_->records().Find(version);
+  std::shared_ptr<store::SlottedStore> st = core_->generations().current();
   if (!record.has_value() || st == nullptr) return false;
   Pass pass;
   pass.version = version;
-  pass.generation = core_->generation();
+  pass.generation = core_->generations().generation();
   pass.format = record->digest_format;
   const store::Layout& layout = st->layout();
   pass.digests.resize(layout.size());
@@ -64,10 +64,11 @@ uint64_t Scrubber::CheckNext() {
   Pass& pass = *pass_;
   // Only the committed version is leased: a lease on an older slot could keep the next staging
   // from finding a free one.
-  absl::StatusOr<SubscriberLease> lease = core_->AcquireLease(options_.consumer, pass.version);
+  absl::StatusOr<SubscriberLease> lease =
+      core_->generations().AcquireLease(options_.consumer, pass.version);
   if (!lease.ok()) return 0;  // a commit in between (FollowCommit next step), or no lease now
   if (lease->generation != pass.generation || pass.next >= lease->lease.spans.size()) {
-    (void)core_->ReleaseLease(lease->lease.lease_id);  // a new generation: start over
+    (void)core_->generations().ReleaseLease(lease->lease.lease_id);  // a new generation: start over
     pass_.reset();
     absl::MutexLock lock(&mu_);
     ++stats_.restarts;
@@ -80,7 +81,7 @@ uint64_t Scrubber::CheckNext() {
       options_.digest ? options_.digest(memory, pass.format, bytes)
                       : StoreDigestOf(memory, pass.format, bytes);
   const std::string name = lease->store->layout().tensor(i).name;
-  if (absl::Status st = core_->ReleaseLease(lease->lease.lease_id); !st.ok()) {
+  if (absl::Status st = core_->generations().ReleaseLease(lease->lease.lease_id); !st.ok()) {
     Logger("scrub")->warn("releasing the scrub lease on version {}: {}", pass.version,
                           st.ToString());
   }

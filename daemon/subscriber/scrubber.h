@@ -1,6 +1,6 @@
 // Scrubber: the subscriber's background scrub. It walks the committed
 // version's tensors, hashes each one again at low priority and compares it with the digest the
-// core verified at commit (SubscriberCore::record). A mismatch means the held bytes changed after
+// core verified at commit (VersionRecords::Find). A mismatch means the held bytes changed after
 // verification (memory error, a stray write through a consumer's mapping, a bug): it is counted,
 // logged and reported to `on_mismatch` (the daemon sends a KeyframeRequest for the tensor, so the
 // next transfer carries it dense).

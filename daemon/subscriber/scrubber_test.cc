@@ -104,7 +104,7 @@ class ScrubberTest : public ::testing::Test {
     ++version_;
     pub_.Publish(version_, model_);
     pub_.Send(*core_, version_);
-    ASSERT_TRUE(core_->WaitRefreshIdle(absl::Seconds(30)));
+    ASSERT_TRUE(core_->standby().WaitIdle(absl::Seconds(30)));
   }
 
   ScrubberOptions Options() {
@@ -129,11 +129,11 @@ class ScrubberTest : public ::testing::Test {
   // Flips one bit of `tensor` in the committed slot, as a stray write through a writable
   // mapping would.
   void FlipCommitted(const std::string& tensor) {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_->AcquireLease("test-writer"));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_->generations().AcquireLease("test-writer"));
     auto i = lease.store->layout().Find(tensor);
     ASSERT_TRUE(i.has_value());
     const_cast<uint8_t*>(lease.lease.spans[*i].data())[77] ^= 0x10;
-    ASSERT_THAT(core_->ReleaseLease(lease.lease.lease_id), IsOk());
+    ASSERT_THAT(core_->generations().ReleaseLease(lease.lease.lease_id), IsOk());
   }
 
   store::FakeClock clock_;

@@ -50,7 +50,7 @@ class ShardJoin::Port final : public TransferSink {
   std::vector<v1::TensorDigest> applied_tensor_digests() const override {
     return join_->AppliedTensors(k_);
   }
-  uint64_t generation() const override { return join_->core_->generation(); }
+  uint64_t generation() const override { return join_->core_->generations().generation(); }
   bool ExpectRepair(uint64_t) override { return false; }  // not joined yet (header comment)
   uint64_t pending_repair() const override { return 0; }
 
@@ -460,7 +460,7 @@ v1::Ack ShardJoin::OnEnd(uint32_t k, const v1::VersionEnd& end) {
 void ShardJoin::FinishJoinedLocked(std::optional<AppliedEvent>& event) {
   const v1::VersionEnd end = JoinEndsLocked();
   if (options_.tap != nullptr) options_.tap->OnEnd(end, parts_[0].format);
-  const uint64_t prev_generation = core_->generation();
+  const uint64_t prev_generation = core_->generations().generation();
   const uint64_t prev_version = core_->applied_version();
   const uint64_t prev_lineage = core_->applied_lineage();
   const v1::Ack joined = core_->OnEnd(end);
@@ -473,7 +473,7 @@ void ShardJoin::FinishJoinedLocked(std::optional<AppliedEvent>& event) {
     last_refit_ = ev.stats;
     ev.ack = joined;
     ev.ack.set_applied_version_digest(core_->applied_digest());
-    ev.layout_changed = core_->generation() != prev_generation;
+    ev.layout_changed = core_->generations().generation() != prev_generation;
     ev.upstream = absl::StrCat(parts_.size(), " shards of set ", options_.set);
     ev.reason = joined_.reason();
     ev.tensors = static_cast<uint32_t>(joined_.tensors_size());

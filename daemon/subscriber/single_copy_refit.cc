@@ -33,8 +33,8 @@ constexpr absl::Duration kPauseRecheck = absl::Milliseconds(100);
 
 }  // namespace
 
-absl::Status SubscriberCore::PlanSingleCopyLocked(Transfer& t, const store::Layout& layout,
-                                                  bool needs_base) {
+absl::Status SubscriberCore::PlanSingleCopy(StagedTransfer& t, const store::Layout& layout,
+                                            bool needs_base) {
   if (t.new_generation || t.repair || t.target->num_slots() != 1 ||
       t.target->current_version() == 0) {
     return absl::OkStatus();  // a first version or a new manifest: staged into an empty store
@@ -62,7 +62,7 @@ absl::Status SubscriberCore::PlanSingleCopyLocked(Transfer& t, const store::Layo
   }
   // Above the budget (or keyframes in a digest v1 session): a second store generation, as for a
   // manifest change.
-  auto created = CreateStoreLocked(layout);
+  auto created = generations_.Create(layout);
   if (!created.ok()) {
     return Annotate(created.status(), "header for version ", v,
                     ": its keyframes and patch chains need ", scratch,
@@ -75,7 +75,7 @@ absl::Status SubscriberCore::PlanSingleCopyLocked(Transfer& t, const store::Layo
 }
 
 absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLocked(
-    Transfer& t, std::vector<std::string>& failed) {
+    StagedTransfer& t, std::vector<std::string>& failed) {
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   const uint64_t applied = applied_version();
   // This version's change sets are staged next: the logged ones no change-set consumer needs
@@ -147,26 +147,28 @@ absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLoc
   return staged;
 }
 
-absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(Transfer& t,
-                                                                   uint64_t version_digest) {
+absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(StagedTransfer& t,
+                                                                     uint64_t version_digest) {
   const uint64_t v = t.header.version();
   const absl::Time deadline = absl::Now() + options_.pause_wait;
   bool announced = false;
   t.awaiting_pause = true;
   absl::StatusOr<store::UpdateHandle> h;
   while (true) {
+    // Read before the attempt: a release after it changes the count, so the wait below ends.
+    const uint64_t seen = generations_.releases();
     h = t.target->BeginUpdate(v);
     if (h.ok() || h.status().code() != absl::StatusCode::kResourceExhausted) break;
-    NoteBlockedLocked(*t.target, v);
+    generations_.NoteBlocked(*t.target, v);
     if (!announced && options_.on_pause_pending) options_.on_pause_pending(v, version_digest);
     announced = true;
     const absl::Time now = absl::Now();
     if (now >= deadline || stopping_ || t.cancelled) break;
-    const uint64_t seen = lease_releases_;
-    auto woken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return lease_releases_ != seen || stopping_ || t.cancelled;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&woken), std::min(kPauseRecheck, deadline - now));
+    // Leases are released without the core's mutex: wait outside it (Abort and the destructor
+    // wake the wait after marking the transfer).
+    mu_.Unlock();
+    generations_.AwaitRelease(seen, std::min(kPauseRecheck, deadline - now));
+    mu_.Lock();
   }
   t.awaiting_pause = false;
   if (t.cancelled || stopping_) {
@@ -178,15 +180,17 @@ absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(Transfer& t
     return Annotate(h.status(), "version ", v, " is verified but waited ",
                     absl::FormatDuration(options_.pause_wait), " for the consumers' pause");
   }
-  blocked_.reset();
+  generations_.ClearBlocked();
   return h;
 }
 
-void SubscriberCore::LogChangesLocked(Transfer& t, std::vector<SingleCopyTensor>& staged,
-                                      const Verified& verified) {
-  if (options_.change_set_bytes == 0) return;
+namespace {
+
+// Records the change sets of version t (written in place over `from_version`) for consumers.
+void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
+                std::vector<SingleCopyTensor>& staged, const VerifiedDigests& verified) {
   VersionChanges vc;
-  vc.from_version = applied_version();
+  vc.from_version = from_version;
   vc.to_version = t.header.version();
   vc.version_digest = verified.version_digest;
   for (size_t i = 0; i < staged.size(); ++i) {
@@ -201,10 +205,12 @@ void SubscriberCore::LogChangesLocked(Transfer& t, std::vector<SingleCopyTensor>
   }
   std::sort(vc.tensors.begin(), vc.tensors.end(),
             [](const TensorChangeEntry& a, const TensorChangeEntry& b) { return a.name < b.name; });
-  change_log_.Record(std::move(vc));
+  log.Record(std::move(vc));
 }
 
-v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& end,
+}  // namespace
+
+v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::VersionEnd& end,
                                             absl::Time received) {
   const uint64_t v = t.header.version();
   t.stats = StageStats{};
@@ -219,12 +225,13 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   std::vector<uint64_t> digests;
   for (const SingleCopyTensor& st : *staged) digests.push_back(st.digest);
   std::vector<std::string> mismatched;
-  absl::StatusOr<Verified> checked = CheckDigests(t.header, end, std::move(digests), mismatched);
+  absl::StatusOr<VerifiedDigests> checked =
+      CheckTensorDigests(t.header, end, std::move(digests), mismatched);
   if (!checked.ok()) {
     return Reject(v, std::string(checked.status().message()), std::move(mismatched),
                   t.wire_bytes);
   }
-  const Verified& verified = *checked;
+  const VerifiedDigests& verified = *checked;
   const absl::Time verified_at = absl::Now();
 
   // The pause: every consumer lease on the held version released (or expired).
@@ -244,9 +251,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
     if (!restored) {
       // Nothing is held now: the next transfer must bring keyframes (the upstream plans from the
       // applied version 0).
-      applied_version_.store(0, std::memory_order_release);
-      applied_digest_.store(0, std::memory_order_release);
-      records_.clear();
+      records_.Forget();
     }
     return Reject(v, absl::StrCat("version ", v, ": ", wrote.message(),
                                   restored ? " (version " : " (restoring failed: version ",
@@ -258,11 +263,12 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(Transfer& t, const v1::VersionEnd& e
   SlotDigests sd{v, std::vector<std::optional<uint64_t>>(t.target->layout().size())};
   for (size_t i = 0; i < verified.digests.size(); ++i) sd.digests[t.layout_index[i]] = verified.digests[i];
   slot_digests_[update->slot] = std::move(sd);
-  applied_format_ = t.format;
   retained_.Clear();  // no second slot to bring forward
-  LogChangesLocked(t, *staged, verified);
-  RecordAppliedLocked(t, verified);
-  PruneRecordsLocked();
+  if (options_.change_set_bytes > 0) {
+    LogChanges(change_log_, applied_version(), t, *staged, verified);
+  }
+  records_.Commit(t.Record(verified), t.header.lineage(), t.lineage_change);
+  records_.Prune(generations_.HeldVersions());
 
   t.stats.slot = update->slot;
   t.stats.slot_version = update->from_version;

@@ -111,7 +111,7 @@ TEST_F(SingleCopyTest, DeltaChainIsWrittenInPlaceIntoTheOneSlot) {
   auto core = MakeCore();
   Apply(*core, 1);  // the first version is staged into the empty slot
   EXPECT_FALSE(core->last_stage().in_place_update);
-  ASSERT_EQ(core->store()->num_slots(), 1);
+  ASSERT_EQ(core->generations().current()->num_slots(), 1);
   for (uint64_t v = 2; v <= 6; ++v) {
     Apply(*core, v);
     const StageStats st = core->last_stage();
@@ -122,8 +122,8 @@ TEST_F(SingleCopyTest, DeltaChainIsWrittenInPlaceIntoTheOneSlot) {
     EXPECT_LT(st.change_set_bytes, ModelBytes(pub_.model(v)) / 4);
     EXPECT_EQ(st.digests_full, 0u) << "the held digests are known: nothing is re-read";
   }
-  EXPECT_EQ(core->generation(), 1u);
-  EXPECT_EQ(core->retired_stores(), 0u);
+  EXPECT_EQ(core->generations().generation(), 1u);
+  EXPECT_EQ(core->generations().retired_count(), 0u);
 }
 
 TEST_F(SingleCopyTest, KeyframesWithinTheBudgetAreWrittenInTheSamePause) {
@@ -136,7 +136,7 @@ TEST_F(SingleCopyTest, KeyframesWithinTheBudgetAreWrittenInTheSamePause) {
   Apply(*core, 3, o);
   EXPECT_TRUE(core->last_stage().in_place_update);
   EXPECT_EQ(core->last_stage().tensors_keyframe, 1u);
-  EXPECT_EQ(core->generation(), 1u);
+  EXPECT_EQ(core->generations().generation(), 1u);
 }
 
 TEST_F(SingleCopyTest, KeyframesAboveTheBudgetGoToASecondStore) {
@@ -152,8 +152,8 @@ TEST_F(SingleCopyTest, KeyframesAboveTheBudgetGoToASecondStore) {
   o.all_keyframes = true;
   Apply(*core, 3, o);
   EXPECT_FALSE(core->last_stage().in_place_update);
-  EXPECT_EQ(core->generation(), 2u) << "staged into a new store generation";
-  EXPECT_EQ(core->store()->num_slots(), 1);
+  EXPECT_EQ(core->generations().generation(), 2u) << "staged into a new store generation";
+  EXPECT_EQ(core->generations().current()->num_slots(), 1);
   Apply(*core, 4);
   EXPECT_TRUE(core->last_stage().in_place_update);
 }
@@ -181,7 +181,7 @@ TEST_F(SingleCopyTest, ALeaseHoldsTheVerifiedVersionBackUntilReleased) {
   Apply(*core, 1);
   Apply(*core, 2);
   absl::StatusOr<SubscriberLease> lease =
-      core->AcquireLease("vllm-0", std::nullopt, absl::ZeroDuration(), "uid 1000");
+      core->generations().AcquireLease("vllm-0", std::nullopt, absl::ZeroDuration(), "uid 1000");
   ASSERT_THAT(lease, IsOk());
   const std::vector<uint8_t> before = testing::HostCopy(*lease, 0);
   Wire w = TransferTo(*core, 3);
@@ -192,16 +192,16 @@ TEST_F(SingleCopyTest, ALeaseHoldsTheVerifiedVersionBackUntilReleased) {
   // Verified and waiting: the consumer still reads version 2, untouched; status names it.
   EXPECT_EQ(core->applied_version(), 2u);
   EXPECT_TRUE(testing::HostCopy(*lease, 0) == before);
-  std::optional<LeaseBlock> block = core->blocked_on_leases();
+  std::optional<LeaseBlock> block = core->generations().blocked();
   ASSERT_TRUE(block.has_value());
   EXPECT_EQ(block->version, 3u);
   ASSERT_EQ(block->holders.size(), 1u);
   EXPECT_THAT(block->holders[0], HasSubstr("vllm-0 (uid 1000) on v2"));
-  ASSERT_THAT(core->ReleaseLease(lease->lease.lease_id), IsOk());
+  ASSERT_THAT(core->generations().ReleaseLease(lease->lease.lease_id), IsOk());
   feeder.join();
   ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
   ExpectHolds(*core, 3);
-  EXPECT_FALSE(core->blocked_on_leases().has_value());
+  EXPECT_FALSE(core->generations().blocked().has_value());
 }
 
 TEST_F(SingleCopyTest, APauseNotGrantedInTimeRejectsAndTheVersionIsAskedAgain) {
@@ -210,14 +210,14 @@ TEST_F(SingleCopyTest, APauseNotGrantedInTimeRejectsAndTheVersionIsAskedAgain) {
   auto core = MakeCore();
   Apply(*core, 1);
   Apply(*core, 2);
-  absl::StatusOr<SubscriberLease> lease = core->AcquireLease("sglang", std::nullopt);
+  absl::StatusOr<SubscriberLease> lease = core->generations().AcquireLease("sglang", std::nullopt);
   ASSERT_THAT(lease, IsOk());
   v1::Ack ack = Feed(*core, TransferTo(*core, 3));
   EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
   EXPECT_THAT(ack.error(), HasSubstr("is verified but waited"));
   EXPECT_THAT(ack.error(), HasSubstr("sglang"));
   ExpectHolds(*core, 2);
-  ASSERT_THAT(core->ReleaseLease(lease->lease.lease_id), IsOk());
+  ASSERT_THAT(core->generations().ReleaseLease(lease->lease.lease_id), IsOk());
   Apply(*core, 3);
 }
 
@@ -286,7 +286,7 @@ TEST_F(SingleCopyTest, AManifestChangeIsStagedIntoANewStore) {
   current_["d.new"] = RandomTensor(BF16("d.new", {10, 100}), rng_);
   pub_.Publish(3, current_);
   Apply(*core, 3);
-  EXPECT_EQ(core->generation(), 2u);
+  EXPECT_EQ(core->generations().generation(), 2u);
   EXPECT_FALSE(core->last_stage().in_place_update);
   for (auto& [name, t] : current_) Perturb(t, 0.0165, rng_);
   pub_.Publish(4, current_);

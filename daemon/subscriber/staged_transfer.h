@@ -1,6 +1,11 @@
-// SubscriberCore::Transfer: the state of the one transfer a SubscriberCore has open, from
-// OnHeader to OnEnd (header, target store, staging handle or in-place plan, frame assembler).
-// Internal to the core's implementation files (subscriber_core.cc, single_copy_refit.cc).
+// StagedTransfer: the one transfer a SubscriberCore has open, from OnHeader to OnEnd (header,
+// target store, staging handle or in-place plan, frame assembler), and the steps that need
+// nothing but the transfer itself: its tensors planned, its objects expected, each tensor
+// staged into the slot (caught up by the retained chain, patched, copied), its digests checked.
+// The core decides what needs its own state (the slot, the retained chain, the commit).
+//
+// Thread safety: none. The core owns the open transfer and reaches it only under its mutex.
+// Internal to the core's implementation files.
 #ifndef REFIT_DAEMON_SUBSCRIBER_STAGED_TRANSFER_H_
 #define REFIT_DAEMON_SUBSCRIBER_STAGED_TRANSFER_H_
 
@@ -13,13 +18,39 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/frames.h"
 
 namespace refit::subscriber {
 
-struct SubscriberCore::Transfer {
+// A transfer's tensor digests (header order) and their version digest, checked against the
+// publisher's VersionEnd.
+struct VerifiedDigests {
+  std::vector<uint64_t> digests;
+  uint64_t version_digest = 0;
+};
+
+// The tensors' `digests` (header order) and their version digest against `end`: DATA_LOSS
+// naming every mismatched tensor (also added to `mismatched`).
+absl::StatusOr<VerifiedDigests> CheckTensorDigests(const v1::VersionHeader& header,
+                                                   const v1::VersionEnd& end,
+                                                   std::vector<uint64_t> digests,
+                                                   std::vector<std::string>& mismatched);
+
+// The Ack of an applied version, with its stage timings.
+v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes, absl::Time start,
+                   absl::Time received, absl::Time staged, absl::Time verified, absl::Time applied);
+
+// Applies `patch` (base -> out) and brings the tracked v2 digest forward by its delta, or, when
+// no digest is tracked, applies it plainly (the digest stays unknown).
+absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch, DType dtype,
+                          std::span<const uint8_t> base, std::span<uint8_t> out,
+                          std::optional<uint64_t>* digest);
+
+class StagedTransfer {
+ public:
   v1::VersionHeader header;
   absl::Time start;
   std::vector<DType> dtypes;         // by header index
@@ -41,7 +72,7 @@ struct SubscriberCore::Transfer {
   absl::Status failed;        // first error of the transfer
   uint64_t wire_bytes = 0;    // payload bytes of accepted frames
   uint64_t dropped_frames = 0;
-  StageStats stats;           // how StageLocked staged it
+  StageStats stats;  // how Stage staged it
   // Decided when the slot is known (PlanStagingLocked): the retained transfers from the slot's
   // version to the base (nullopt: the copy path), and which tensors are staged already.
   std::optional<std::vector<const RetainedTransfer*>> chain;
@@ -49,7 +80,7 @@ struct SubscriberCore::Transfer {
   std::vector<bool> caught_up;  // retained patches already applied to the tensor
   // The session's digest format when the header came, and in v2 each tensor's digest as staged
   // so far (header index): the slot's verified digest brought forward by the deltas of the
-  // patches applied in place; nullopt where unknown (VerifyLocked then reads the tensor).
+  // patches applied in place; nullopt where unknown (Verify then reads the tensor).
   sync::DigestFormat format = sync::DigestFormat::kV1;
   std::vector<std::optional<uint64_t>> v2;
   // Single-copy: the held version is updated in place at OnEnd (no staging handle); while
@@ -78,6 +109,39 @@ struct SubscriberCore::Transfer {
     if (new_generation) return old_lease->spans[old_index[i]];
     return handle->base[layout_index[i]];
   }
+
+  // OnHeader (transfer_plan.cc). Each tensor's spec, delivery and chain checked; fills dtypes
+  // and sizes and returns the layout of the target version; `needs_base` when some tensor is
+  // UNCHANGED or PATCH. RESOURCE_EXHAUSTED above `max_slot_bytes`.
+  absl::StatusOr<store::Layout> PlanTensors(uint64_t max_slot_bytes, bool& needs_base);
+  // The objects the frames carry (target, layout_index and handle known); a keyframe goes
+  // straight into the staged slot when the CPU can write it.
+  absl::Status ExpectObjects(uint32_t max_frame_bytes);
+
+  // Staging into the slot (slot_staging.cc), once `chain` is decided: in place where the
+  // retained chain covers a tensor, else by the copy path.
+  // Brings every tensor the chain covers forward now (stage on arrival: while frames arrive).
+  void CatchUpCovered();
+  // A PATCH tensor whose every step has arrived, staged at once; failures are kept for OnEnd.
+  void StageOnArrival(uint32_t ti);
+  // Every tensor not staged yet. DATA_LOSS naming the tensors that failed (also in `failed`).
+  absl::Status Stage(std::vector<std::string>& failed);
+
+  // OnEnd (verification.cc). The VersionEnd against what arrived: its version, no failed frame,
+  // every object complete, one digest per tensor.
+  absl::Status CheckEnd(const v1::VersionEnd& end) const;
+  // Every staged tensor's digest (tracked, summed on arrival, or read) against `end`.
+  absl::StatusOr<VerifiedDigests> Verify(const v1::VersionEnd& end,
+                                         std::vector<std::string>& mismatched);
+  // The record of this version once committed with `verified` digests.
+  VersionRecord Record(const VerifiedDigests& verified) const;
+
+ private:
+  absl::Status CatchUpTensor(size_t i);
+  absl::Status StageTensor(size_t i, bool in_place);
+  absl::Status StageOne(size_t i);
+  void NoteEarlyFailure(size_t i, const absl::Status& st);
+  absl::StatusOr<uint64_t> StagedDigest(size_t i);
 };
 
 }  // namespace refit::subscriber

@@ -53,12 +53,12 @@ v1::StatusResponse SubscriberControlService::GetStatus() const {
   r.set_role(v1::ROLE_SUBSCRIBER);
   r.set_name(options_.name);
   r.set_build_version(kRefitVersion);
-  const VersionRecord applied = core_->applied_record();
+  const VersionRecord applied = core_->records().applied();
   r.set_version(applied.version);
   r.set_version_digest(applied.version_digest);
   r.set_digest_format(sync::DigestFormatToWire(applied.digest_format));
   r.set_lineage(core_->applied_lineage());
-  if (std::shared_ptr<store::SlottedStore> st = core_->store(); st != nullptr) {
+  if (std::shared_ptr<store::SlottedStore> st = core_->generations().current(); st != nullptr) {
     uint64_t bytes = 0;
     for (const store::TensorInfo& ti : st->layout().tensors()) bytes += ti.size_bytes;
     r.set_tensors(static_cast<uint32_t>(st->layout().size()));
@@ -77,7 +77,7 @@ v1::StatusResponse SubscriberControlService::GetStatus() const {
   if (hooks_.tls_status) {
     for (v1::TlsMaterialStatus& t : hooks_.tls_status()) *r.add_tls() = std::move(t);
   }
-  for (const LeaseEntry& e : core_->Leases()) {
+  for (const LeaseEntry& e : core_->generations().Leases()) {
     if (e.lease.consumer == options_.self_consumer ||
         absl::StartsWith(e.lease.consumer, absl::StrCat(options_.self_consumer, "/"))) {
       continue;  // the daemon's own (migration base, export, layout, peers)
@@ -88,7 +88,7 @@ v1::StatusResponse SubscriberControlService::GetStatus() const {
     l->set_version(e.lease.version);
     l->set_remaining_ms(WholeMillis(e.lease.remaining));
   }
-  if (std::optional<LeaseBlock> block = core_->blocked_on_leases(); block.has_value()) {
+  if (std::optional<LeaseBlock> block = core_->generations().blocked(); block.has_value()) {
     v1::LeaseBlockStatus* b = r.mutable_blocked_on_leases();
     b->set_version(block->version);
     b->set_since_unix_nanos(UnixNanos(block->since));
@@ -171,12 +171,12 @@ grpc::Status SubscriberControlService::WaitVersion(grpc::ServerContext* context,
 // it in between (and took its slot), tries again with the newer one.
 absl::StatusOr<SubscriberLease> SubscriberControlService::LeaseApplied(VersionRecord* rec) {
   for (int attempt = 0; attempt < 5; ++attempt) {
-    *rec = core_->applied_record();
+    *rec = core_->records().applied();
     if (rec->version == 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("Verify: subscriber ", options_.name, " holds no version yet"));
     }
-    absl::StatusOr<SubscriberLease> l = core_->AcquireLease(
+    absl::StatusOr<SubscriberLease> l = core_->generations().AcquireLease(
         absl::StrCat(options_.self_consumer, "/verify"), rec->version, absl::InfiniteDuration());
     if (l.ok() || l.status().code() != absl::StatusCode::kFailedPrecondition) return l;
   }
@@ -204,7 +204,7 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
     absl::StatusOr<uint64_t> d =
         StoreDigestOf(lease.store->memory(), rec.digest_format, lease.lease.spans[i]);
     if (!d.ok()) {
-      (void)core_->ReleaseLease(lease.lease.lease_id);
+      (void)core_->generations().ReleaseLease(lease.lease.lease_id);
       return ToGrpcStatus(Annotate(d.status(), "Verify: digest of ", Quoted(ti.name)));
     }
     const uint64_t actual = *d;
@@ -229,7 +229,7 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
     specs.push_back(std::move(spec));
     digests.push_back(actual);
   }
-  (void)core_->ReleaseLease(lease.lease.lease_id);
+  (void)core_->generations().ReleaseLease(lease.lease.lease_id);
   ok = ok && expected.size() == layout.size();
   absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
   if (!vd.ok()) return ToGrpcStatus(vd.status());
@@ -265,7 +265,7 @@ grpc::Status SubscriberControlService::Resync(grpc::ServerContext* context,
     // Names must be tensors of the held version (the publisher would refuse the request and
     // end the session otherwise).
     std::set<std::string> known;
-    for (const v1::TensorDigest& d : core_->applied_tensor_digests()) known.insert(d.name());
+    for (const v1::TensorDigest& d : core_->records().tensor_digests()) known.insert(d.name());
     for (const std::string& t : tensors) {
       if (known.count(t) == 0) {
         return Error(absl::StatusCode::kNotFound,

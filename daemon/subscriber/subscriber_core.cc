@@ -24,11 +24,24 @@ absl::StatusOr<uint64_t> StoreDigestOf(store::TensorMemory& memory, sync::Digest
   return format == sync::DigestFormat::kV2 ? memory.DigestV2(data) : memory.Digest(data);
 }
 
+namespace {
+
+StoreGenerationsOptions GenerationsOptions(const SubscriberOptions& o) {
+  return {o.make_store, o.store, o.threads, o.self_consumer};
+}
+
+}  // namespace
+
 SubscriberCore::SubscriberCore(SubscriberOptions options)
-    : options_(std::move(options)), max_frame_bytes_(options_.max_frame_bytes) {
-  if (options_.refresh_standby && options_.retained_patch_bytes > 0) {
-    refresher_ = std::thread([this] { RefreshLoop(); });
-  }
+    : options_(std::move(options)),
+      generations_(GenerationsOptions(options_)),
+      max_frame_bytes_(options_.max_frame_bytes) {
+  refresher_ = std::make_unique<StandbyRefresher>(
+      options_.refresh_standby && options_.retained_patch_bytes > 0, options_.background_nice,
+      [this]() {
+        absl::MutexLock lock(&mu_);
+        return ClaimRefreshLocked();
+      });
 }
 
 void SubscriberCore::SetDigestFormat(sync::DigestFormat format) {
@@ -36,16 +49,9 @@ void SubscriberCore::SetDigestFormat(sync::DigestFormat format) {
   digest_format_ = format;
 }
 
-sync::DigestFormat SubscriberCore::applied_digest_format() const {
-  absl::MutexLock lock(&mu_);
-  return applied_format_;
-}
-
-// Applies `patch` (base -> out) and brings the tracked v2 digest forward by its delta, or, when
-// no digest is tracked, applies it plainly (the digest stays unknown).
-absl::Status SubscriberCore::ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch,
-                                          DType dtype, std::span<const uint8_t> base,
-                                          std::span<uint8_t> out, std::optional<uint64_t>* digest) {
+absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch, DType dtype,
+                          std::span<const uint8_t> base, std::span<uint8_t> out,
+                          std::optional<uint64_t>* digest) {
   if (!digest->has_value()) return mem.Apply(patch, dtype, base, out);
   absl::StatusOr<DigestV2Delta> d = mem.ApplyDigestV2(patch, dtype, base, out);
   if (!d.ok()) {
@@ -65,29 +71,20 @@ SubscriberCore::~SubscriberCore() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    if (refresh_running_) ++refresh_stats_.cancelled;
-    refresh_cancel_.store(true, std::memory_order_release);
     DropTransferLocked();
   }
-  if (refresher_.joinable()) refresher_.join();  // a running refresh stops at its next tensor
+  generations_.Wake();  // a pause wait sees stopping_
+  refresher_.reset();   // cancels a running refresh and joins the thread
 }
 
 void SubscriberCore::DropTransferLocked() {
   if (transfer_ != nullptr && transfer_->awaiting_pause) {
     transfer_->cancelled = true;  // OnEnd is waiting for the pause: it rejects and drops it
+    generations_.Wake();
     return;
   }
   if (transfer_ != nullptr) transfer_->Release();
   transfer_.reset();
-}
-
-void SubscriberCore::CollectRetiredLocked() {
-  std::erase_if(retired_, [](const Retired& r) {
-    for (const store::SlotStatus& s : r.store->Slots()) {
-      if (s.leases > 0) return false;
-    }
-    return true;
-  });
 }
 
 bool SubscriberCore::transfer_open() const {
@@ -95,82 +92,45 @@ bool SubscriberCore::transfer_open() const {
   return transfer_ != nullptr;
 }
 
-absl::StatusOr<std::shared_ptr<store::SlottedStore>> SubscriberCore::CreateStoreLocked(
-    const store::Layout& layout) {
-  if (!options_.make_store) {
-    return absl::FailedPreconditionError(
-        "subscriber core: no store factory (SubscriberOptions::make_store is empty)");
-  }
-  store::StoreOptions o = options_.store;
-  o.threads = options_.threads;
-  return options_.make_store(layout, o);
-}
-
-absl::Status SubscriberCore::BeginStageLocked(Transfer& t) {
-  auto handle = t.repair ? t.target->BeginRepair(t.header.version())
-                         : t.target->BeginStage(t.header.version());
-  if (!handle.ok()) {
-    if (handle.status().code() == absl::StatusCode::kResourceExhausted) {
-      NoteBlockedLocked(*t.target, t.header.version());
-    }
-    return handle.status();
-  }
-  t.handle = std::move(*handle);
-  blocked_.reset();
-  PlanStagingLocked(t);
-  return absl::OkStatus();
-}
-
-void SubscriberCore::NoteBlockedLocked(const store::SlottedStore& target, uint64_t version) {
-  const uint64_t current = target.current_version();
-  LeaseBlock block;
-  block.version = version;
-  block.since = blocked_.has_value() ? blocked_->since : absl::Now();
-  const bool single_copy = target.num_slots() == 1;
-  for (const store::LeaseInfo& l : target.Leases()) {
-    // The current slot is never staged into, except in place (single copy).
-    if (l.version == current && !single_copy) continue;
-    block.holders.push_back(absl::StrCat(l.consumer, " (",
-                                         l.quota_key.empty() ? "daemon" : l.quota_key, ") on v",
-                                         l.version));
-  }
-  blocked_ = std::move(block);
-}
-
-std::optional<LeaseBlock> SubscriberCore::blocked_on_leases() const {
-  absl::MutexLock lock(&mu_);
-  return blocked_;
-}
-
-// The header's version against the applied one: in range, above it (or of another lineage, as
-// keyframes from base 0), based on it or on nothing. Returns whether the lineage changes.
 absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
-  absl::MutexLock lock(&mu_);
-  AwaitRefreshLocked();  // the slot it brings forward is the one this staging takes
+  // The slot a refresh brings forward is the one this staging takes: wait for it (bounded, then
+  // cancelled) outside the mutex, which its claim and finish take; again if a commit in between
+  // asked for another.
+  mu_.Lock();
+  while (refresher_->busy()) {
+    mu_.Unlock();
+    refresher_->AwaitIdleOrCancel(options_.refresh_wait);
+    mu_.Lock();
+  }
+  absl::Status st = OpenTransferLocked(header);
+  mu_.Unlock();
+  return st;
+}
+
+absl::Status SubscriberCore::OpenTransferLocked(const v1::VersionHeader& header) {
   const uint64_t v = header.version();
   if (transfer_ != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("header for version ", v, ": the transfer of version ",
                      transfer_->header.version(), " is still open (no VersionEnd/Abort)"));
   }
-  REFIT_ASSIGN_OR_RETURN(const bool lineage_change, CheckHeaderVersions(header));
-  auto t = std::make_unique<Transfer>();
+  auto t = std::make_unique<StagedTransfer>();
   t->header = header;
   t->start = absl::Now();
-  t->lineage_change = lineage_change;
-  t->repair = IsRepairLocked(header);
   t->format = digest_format_;
   t->v2.assign(static_cast<size_t>(header.tensors_size()), std::nullopt);
+  REFIT_RETURN_IF_ERROR(CheckHeader(*t));
   bool needs_base = false;
-  REFIT_ASSIGN_OR_RETURN(const store::Layout layout, PlanTensors(*t, needs_base));
-  REFIT_RETURN_IF_ERROR(ChooseTargetLocked(*t, layout));
-  REFIT_RETURN_IF_ERROR(PlanSingleCopyLocked(*t, layout, needs_base));
+  REFIT_ASSIGN_OR_RETURN(const store::Layout layout,
+                         t->PlanTensors(options_.max_slot_bytes, needs_base));
+  REFIT_RETURN_IF_ERROR(ChooseTarget(*t, layout));
+  REFIT_RETURN_IF_ERROR(PlanSingleCopy(*t, layout, needs_base));
   if (t->repair && t->new_generation) {
     return absl::FailedPreconditionError(absl::StrCat(
         "header for version ", v, ": a repair must have the applied version's manifest"));
   }
   if (t->new_generation && needs_base) {
-    if (absl::Status st = LeaseOldBasesLocked(*t); !st.ok()) {
+    if (absl::Status st = LeaseOldBases(*t); !st.ok()) {
       t->Release();
       return st;
     }
@@ -183,7 +143,7 @@ absl::Status SubscriberCore::OnHeader(const v1::VersionHeader& header) {
       return Annotate(st, "header for version ", v);
     }
   }
-  if (absl::Status st = ExpectObjectsLocked(*t); !st.ok()) {
+  if (absl::Status st = t->ExpectObjects(max_frame_bytes_); !st.ok()) {
     t->Release();
     return st;
   }
@@ -198,7 +158,7 @@ absl::Status SubscriberCore::OnFrame(const v1::DataFrame& frame) {
         "frame of version ", frame.version(), " (tensor ", frame.tensor_index(), ", part ",
         frame.part(), ", chunk ", frame.chunk_index(), ") without an open transfer"));
   }
-  Transfer& t = *transfer_;
+  StagedTransfer& t = *transfer_;
   if (!t.failed.ok()) {
     ++t.dropped_frames;
     return absl::OkStatus();
@@ -210,7 +170,7 @@ absl::Status SubscriberCore::OnFrame(const v1::DataFrame& frame) {
     return added.status();
   }
   t.wire_bytes += frame.payload().size();
-  if (*added && options_.stage_on_arrival) StageOnArrivalLocked(t, frame.tensor_index());
+  if (*added && options_.stage_on_arrival) t.StageOnArrival(frame.tensor_index());
   return absl::OkStatus();
 }
 
@@ -228,9 +188,11 @@ v1::Ack SubscriberCore::Reject(uint64_t version, std::string error,
   return ack;
 }
 
-// OnEnd's checks before staging: the VersionEnd matches the transfer, no frame failed, every
-// object is complete; then a slot (retried here when every slot was leased at the header).
-void SubscriberCore::RetainLocked(Transfer& t) {
+// After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
+// standing by (the previous current one, or older) can be brought forward by them later. Entries
+// no held slot can use any more are dropped, then the oldest while over the byte budget; a
+// transfer above the whole budget empties the retention (the next staging copies in full).
+void SubscriberCore::RetainLocked(StagedTransfer& t) {
   if (t.new_generation) retained_.Clear();
   if (retained_.budget() == 0) return;
   RetainedTransfer r;
@@ -271,7 +233,7 @@ void SubscriberCore::RetainLocked(Transfer& t) {
 }
 
 // Commit, then switch generations and record the applied version.
-absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified) {
+absl::Status SubscriberCore::CommitLocked(StagedTransfer& t, const VerifiedDigests& verified) {
   if (t.repair && verified.version_digest != applied_digest()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "a repair of version ", t.header.version(), " must have its version digest ",
@@ -289,35 +251,14 @@ absl::Status SubscriberCore::CommitLocked(Transfer& t, const Verified& verified)
     }
     slot_digests_[slot] = std::move(sd);
   }
-  applied_format_ = t.format;
-  if (t.new_generation) {
-    if (store_ != nullptr) retired_.push_back({generation_, store_});
-    store_ = t.target;
-    ++generation_;
-  }
+  if (t.new_generation) generations_.Install(t.target);
   repair_version_.store(0, std::memory_order_release);
   if (t.repair) return absl::OkStatus();  // same version: records and retained chain stand
   change_log_.Clear();  // not written in place: no change set continues from here
   RetainLocked(t);
-  refresh_requested_ = refresher_.joinable() && !retained_.empty();
-  RecordAppliedLocked(t, verified);
+  if (!retained_.empty()) refresher_->Request();
+  records_.Commit(t.Record(verified), t.header.lineage(), t.lineage_change);
   return absl::OkStatus();
-}
-
-void SubscriberCore::RecordAppliedLocked(Transfer& t, const Verified& verified) {
-  applied_tensors_.clear();
-  for (int i = 0; i < t.header.tensors_size(); ++i) {
-    v1::TensorDigest d;
-    d.set_name(t.header.tensors(i).spec().name());
-    d.set_digest(verified.digests[static_cast<size_t>(i)]);
-    applied_tensors_.push_back(std::move(d));
-  }
-  const uint64_t v = t.header.version();
-  if (t.lineage_change) records_.clear();  // numbers of the old lineage mean nothing now
-  records_.push_back({v, t.format, verified.version_digest, applied_tensors_});
-  applied_digest_.store(verified.version_digest, std::memory_order_release);
-  applied_lineage_.store(t.header.lineage(), std::memory_order_release);
-  applied_version_.store(v, std::memory_order_release);
 }
 
 v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
@@ -328,19 +269,24 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
                   absl::StrCat("VersionEnd of version ", end.version(), " without an open transfer"),
                   {}, 0);
   }
-  Transfer& t = *transfer_;
+  StagedTransfer& t = *transfer_;
   const uint64_t v = t.header.version();
-  if (absl::Status st = CheckEndLocked(t, end); !st.ok()) {
+  if (absl::Status st = t.CheckEnd(end); !st.ok()) {
     return Reject(v, std::string(st.message()), {}, t.wire_bytes);
   }
   if (t.in_place) return EndSingleCopyLocked(t, end, received);
+  // A slot, retried here when every slot was leased at the header.
+  if (absl::Status st = t.handle.has_value() ? absl::OkStatus() : BeginStageLocked(t); !st.ok()) {
+    return Reject(v, absl::StrCat("version ", v, ": cannot stage: ", st.message()), {},
+                  t.wire_bytes);
+  }
   std::vector<std::string> failed;
-  if (absl::Status st = StageLocked(t, failed); !st.ok()) {
+  if (absl::Status st = t.Stage(failed); !st.ok()) {
     return Reject(v, std::string(st.message()), std::move(failed), t.wire_bytes);
   }
   const absl::Time staged = absl::Now();
   std::vector<std::string> mismatched;
-  absl::StatusOr<Verified> verified = VerifyLocked(t, end, mismatched);
+  absl::StatusOr<VerifiedDigests> verified = t.Verify(end, mismatched);
   if (!verified.ok()) {
     return Reject(v, std::string(verified.status().message()), std::move(mismatched), t.wire_bytes);
   }
@@ -355,11 +301,12 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   last_stage_.stage_micros = WholeMicros(staged - received);
   last_stage_.verify_micros = WholeMicros(verified_at - staged);
   DropTransferLocked();  // releases the migration lease
-  CollectRetiredLocked();
-  PruneRecordsLocked();
+  generations_.CollectRetired();
+  records_.Prune(generations_.HeldVersions());
   return AppliedAck(v, verified->version_digest, wire, start, received, staged, verified_at,
                     absl::Now());
 }
+
 void SubscriberCore::Abort() {
   absl::MutexLock lock(&mu_);
   DropTransferLocked();
@@ -372,29 +319,6 @@ bool SubscriberCore::ExpectRepair(uint64_t version) {
   return true;
 }
 
-bool SubscriberCore::IsRepairLocked(const v1::VersionHeader& header) const {
-  const uint64_t v = header.version();
-  return v != 0 && v == repair_version_.load(std::memory_order_acquire) &&
-         v == applied_version() && header.base_version() == v &&
-         header.lineage() == applied_lineage() &&
-         header.reason() == v1::TRANSFER_REASON_REQUESTED;
-}
-
-std::vector<v1::TensorDigest> SubscriberCore::applied_tensor_digests() const {
-  absl::MutexLock lock(&mu_);
-  return applied_tensors_;
-}
-
-std::shared_ptr<store::SlottedStore> SubscriberCore::store() const {
-  absl::MutexLock lock(&mu_);
-  return store_;
-}
-
-uint64_t SubscriberCore::generation() const {
-  absl::MutexLock lock(&mu_);
-  return generation_;
-}
-
 StageStats SubscriberCore::last_stage() const {
   absl::MutexLock lock(&mu_);
   return last_stage_;
@@ -403,118 +327,6 @@ StageStats SubscriberCore::last_stage() const {
 uint64_t SubscriberCore::retained_patch_bytes() const {
   absl::MutexLock lock(&mu_);
   return retained_.bytes();
-}
-
-size_t SubscriberCore::retired_stores() const {
-  absl::MutexLock lock(&mu_);
-  return retired_.size();
-}
-
-VersionRecord SubscriberCore::applied_record() const {
-  absl::MutexLock lock(&mu_);
-  const uint64_t v = applied_version_.load(std::memory_order_acquire);
-  for (const VersionRecord& r : records_) {
-    if (r.version == v) return r;
-  }
-  return VersionRecord{};
-}
-
-std::optional<VersionRecord> SubscriberCore::record(uint64_t version) const {
-  absl::MutexLock lock(&mu_);
-  for (const VersionRecord& r : records_) {
-    if (r.version == version) return r;
-  }
-  return std::nullopt;
-}
-
-void SubscriberCore::PruneRecordsLocked() {
-  const uint64_t applied = applied_version_.load(std::memory_order_acquire);
-  std::vector<uint64_t> held;
-  auto note = [&held](const std::shared_ptr<store::SlottedStore>& st) {
-    for (const store::SlotStatus& s : st->Slots()) {
-      if (s.state == store::SlotStatus::State::kHeld) held.push_back(s.version);
-    }
-  };
-  if (store_ != nullptr) note(store_);
-  for (const Retired& r : retired_) note(r.store);
-  std::erase_if(records_, [&](const VersionRecord& r) {
-    return r.version != applied && std::find(held.begin(), held.end(), r.version) == held.end();
-  });
-}
-
-std::vector<LeaseEntry> SubscriberCore::Leases() const {
-  std::vector<std::pair<uint64_t, std::shared_ptr<store::SlottedStore>>> stores;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const Retired& r : retired_) stores.emplace_back(r.generation, r.store);
-    if (store_ != nullptr) stores.emplace_back(generation_, store_);
-  }
-  std::vector<LeaseEntry> out;
-  for (const auto& [generation, st] : stores) {
-    for (store::LeaseInfo& l : st->Leases()) out.push_back({generation, std::move(l)});
-  }
-  return out;
-}
-
-absl::StatusOr<SubscriberLease> SubscriberCore::AcquireLease(absl::string_view consumer,
-                                                             std::optional<uint64_t> version,
-                                                             absl::Duration ttl,
-                                                             absl::string_view quota_key) {
-  absl::MutexLock lock(&mu_);
-  if (store_ == nullptr) return absl::FailedPreconditionError("no version applied yet");
-  auto lease = store_->AcquireLease(consumer, version, ttl, quota_key);
-  if (!lease.ok()) return lease.status();
-  return SubscriberLease{generation_, store_, std::move(*lease)};
-}
-
-absl::StatusOr<SubscriberLease> SubscriberCore::LeaseHeldVersion(absl::string_view purpose,
-                                                                 std::optional<uint64_t> version) {
-  absl::MutexLock lock(&mu_);
-  // The stores that may hold the version: the current one first, then retired generations.
-  std::vector<std::pair<uint64_t, std::shared_ptr<store::SlottedStore>>> stores;
-  if (store_ != nullptr) stores.emplace_back(generation_, store_);
-  for (const Retired& r : retired_) stores.emplace_back(r.generation, r.store);
-  if (stores.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(purpose, ": no version applied yet"));
-  }
-  const std::string consumer = absl::StrCat(options_.self_consumer, "/", purpose);
-  for (const auto& [generation, candidate] : stores) {
-    // ttl: capped at the store's max TTL.
-    absl::StatusOr<store::Lease> lease =
-        candidate->AcquireLease(consumer, version, absl::InfiniteDuration());
-    if (lease.ok()) return SubscriberLease{generation, candidate, std::move(*lease)};
-    if (!version.has_value() || lease.status().code() != absl::StatusCode::kFailedPrecondition) {
-      return Annotate(lease.status(), purpose);
-    }
-  }
-  return absl::FailedPreconditionError(absl::StrCat(purpose, ": version ", *version,
-                                                    " is not held any more (applied version ",
-                                                    applied_version(), ")"));
-}
-
-absl::Status SubscriberCore::ReleaseLease(uint64_t lease_id) {
-  absl::MutexLock lock(&mu_);
-  absl::Status st = absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id), " not found"));
-  if (store_ != nullptr) st = store_->ReleaseLease(lease_id);
-  for (size_t i = 0; !st.ok() && i < retired_.size(); ++i) {
-    st = retired_[i].store->ReleaseLease(lease_id);
-  }
-  CollectRetiredLocked();
-  ++lease_releases_;
-  return st;
-}
-
-absl::StatusOr<SubscriberLease> SubscriberCore::RenewLease(uint64_t lease_id, absl::Duration ttl) {
-  absl::MutexLock lock(&mu_);
-  if (store_ != nullptr) {
-    auto lease = store_->RenewLease(lease_id, ttl);
-    if (lease.ok()) return SubscriberLease{generation_, store_, std::move(*lease)};
-  }
-  for (const Retired& r : retired_) {
-    auto lease = r.store->RenewLease(lease_id, ttl);
-    if (lease.ok()) return SubscriberLease{r.generation, r.store, std::move(*lease)};
-  }
-  return absl::NotFoundError(absl::StrCat("lease ", absl::Hex(lease_id), " not found or expired"));
 }
 
 }  // namespace refit::subscriber

@@ -127,7 +127,7 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
   EXPECT_EQ(core.applied_version(), 0u);
   Sync(core, 1);  // keyframes
   EXPECT_EQ(pub_.last_plan().reason, v1::TRANSFER_REASON_BOOTSTRAP);
-  EXPECT_EQ(core.generation(), 1u);
+  EXPECT_EQ(core.generations().generation(), 1u);
   for (uint64_t v = 2; v <= 6; ++v) {
     Sync(core, v);
     EXPECT_EQ(pub_.last_plan().reason, v1::TRANSFER_REASON_NEXT_VERSION);
@@ -136,14 +136,14 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
     EXPECT_EQ(d["frozen"], v1::DELIVERY_UNCHANGED);
     EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);
   }
-  EXPECT_EQ(core.generation(), 1u);  // same manifest: same store throughout
+  EXPECT_EQ(core.generations().generation(), 1u);  // same manifest: same store throughout
   if (kDeviceStore) {
-    EXPECT_NE(dynamic_cast<store::CudaStore*>(core.store().get()), nullptr);
-    EXPECT_FALSE(core.store()->memory().host_accessible());
+    EXPECT_NE(dynamic_cast<store::CudaStore*>(core.generations().current().get()), nullptr);
+    EXPECT_FALSE(core.generations().current()->memory().host_accessible());
   } else {
-    EXPECT_NE(dynamic_cast<store::ShmStore*>(core.store().get()), nullptr);
+    EXPECT_NE(dynamic_cast<store::ShmStore*>(core.generations().current().get()), nullptr);
   }
-  auto td = core.applied_tensor_digests();
+  auto td = core.records().tensor_digests();
   ASSERT_EQ(td.size(), 4u);
   EXPECT_EQ(td[0].name(), "a.weight");
   EXPECT_EQ(td[0].digest(), TensorDigest(pub_.model(6).at("a.weight").bytes, 1));
@@ -152,12 +152,12 @@ TEST_F(SubscriberCoreTest, BootstrapThenSequentialVersions) {
 // Overwrites one byte of tensor `name` of the applied version in its slot (a stray write
 // through a writable mapping, a memory error), through the store's memory.
 void CorruptApplied(SubscriberCore& core, const std::string& name, uint64_t offset) {
-  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("test-writer"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.generations().AcquireLease("test-writer"));
   const size_t i = *lease.store->layout().Find(name);
   std::vector<uint8_t> byte = {static_cast<uint8_t>(HostCopy(lease, i)[offset] ^ 0x40)};
   std::span<uint8_t> dst(const_cast<uint8_t*>(lease.lease.spans[i].data()) + offset, 1);
   ASSERT_THAT(lease.store->memory().Upload(dst, byte), IsOk());
-  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
 // Scrub repair (docs/ARCHITECTURE.md "Scrub and repair"): a byte flipped in the committed slot;
@@ -170,9 +170,9 @@ TEST_F(SubscriberCoreTest, RepairOfTheAppliedVersionHealsAFlippedByteAndKeepsOld
   Sync(core, 1);
   Sync(core, 2);
   Sync(core, 3);
-  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
   CorruptApplied(core, "b.weight", 1234);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto old, core.AcquireLease("consumer"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto old, core.generations().AcquireLease("consumer"));
   const size_t bi = *old.store->layout().Find("b.weight");
   const std::vector<uint8_t> corrupt = HostCopy(old, bi);
   ASSERT_NE(corrupt, pub_.model(3).at("b.weight").bytes);
@@ -191,18 +191,18 @@ TEST_F(SubscriberCoreTest, RepairOfTheAppliedVersionHealsAFlippedByteAndKeepsOld
   ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
   EXPECT_EQ(ack.applied_version(), 3u);
   EXPECT_EQ(core.pending_repair(), 0u);
-  EXPECT_EQ(core.generation(), 1u);
+  EXPECT_EQ(core.generations().generation(), 1u);
   EXPECT_EQ(core.last_stage().tensors_keyframe, 1u);
   ExpectHolds(core, pub_, 3);
   EXPECT_EQ(HostCopy(old, bi), corrupt) << "the old lease's slot must stay untouched";
-  ASSERT_THAT(core.ReleaseLease(old.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(old.lease.lease_id), IsOk());
   // A second repair header without ExpectRepair is refused again.
   EXPECT_EQ(core.OnHeader(w.header).code(), absl::StatusCode::kFailedPrecondition);
   // Later deltas apply on the repaired bytes; the replaced slot is never taken as intact.
   PublishRun(4, 6);
   for (uint64_t v = 4; v <= 6; ++v) {
     Sync(core, v);
-    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+    ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
   }
 }
 
@@ -289,9 +289,9 @@ TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  auto gen1 = core.store();
+  auto gen1 = core.generations().current();
   // A consumer holds version 2 on generation 1 across the change.
-  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.generations().AcquireLease("vllm-0"));
   EXPECT_EQ(lease.generation, 1u);
 
   Model m = Next(current_);
@@ -306,25 +306,25 @@ TEST_F(SubscriberCoreTest, ManifestChangeMovesToANewStoreGeneration) {
   EXPECT_EQ(d["d.new"], v1::DELIVERY_KEYFRAME);
   EXPECT_EQ(d["a.weight"], v1::DELIVERY_PATCH);    // base read from generation 1
   EXPECT_EQ(d["frozen"], v1::DELIVERY_UNCHANGED);  // copied from generation 1
-  EXPECT_EQ(core.generation(), 2u);
-  EXPECT_NE(core.store(), gen1);
-  EXPECT_EQ(core.store()->layout().size(), 4u);
+  EXPECT_EQ(core.generations().generation(), 2u);
+  EXPECT_NE(core.generations().current(), gen1);
+  EXPECT_EQ(core.generations().current()->layout().size(), 4u);
 
   // The old generation lives on for its consumer, with version 2's bytes.
-  EXPECT_EQ(core.retired_stores(), 1u);
+  EXPECT_EQ(core.generations().retired_count(), 1u);
   const store::Layout& old = lease.store->layout();
   for (size_t i = 0; i < old.size(); ++i) {
     const auto& want = pub_.model(2).at(old.tensor(i).name).bytes;
     EXPECT_TRUE(want == HostCopy(lease, i)) << old.tensor(i).name;
   }
   gen1.reset();
-  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
-  EXPECT_EQ(core.retired_stores(), 0u);
+  ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
+  EXPECT_EQ(core.generations().retired_count(), 0u);
 
   // Deltas continue on the new generation.
   PublishRun(4, 4);
   Sync(core, 4);
-  EXPECT_EQ(core.generation(), 2u);
+  EXPECT_EQ(core.generations().generation(), 2u);
 }
 
 TEST_F(SubscriberCoreTest, CorruptFrameRejectsAndKeepsThePreviousVersion) {
@@ -355,7 +355,8 @@ TEST_F(SubscriberCoreTest, CorruptFrameRejectsAndKeepsThePreviousVersion) {
   EXPECT_NE(ack.error().find("checksum"), std::string::npos) << ack.error();
   EXPECT_FALSE(core.transfer_open());
   ExpectHolds(core, pub_, 1);
-  for (const auto& s : core.store()->Slots()) EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
+  for (const auto& s : core.generations().current()->Slots())
+    EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
   // The retry succeeds.
   Sync(core, 2);
 }
@@ -440,7 +441,7 @@ TEST_F(SubscriberCoreTest, AnotherLineageReplacesByKeyframesEvenAtALowerVersion)
   SubscriberCore core(opts_);
   Sync(core, 3);
   EXPECT_EQ(core.applied_lineage(), 0u);
-  const uint64_t generation = core.generation();
+  const uint64_t generation = core.generations().generation();
   // Version 2 of lineage 7: a patch chain is refused (its base belongs to another lineage) ...
   Wire patch = pub_.Transfer(1, pub_.digest(1), 2);
   patch.header.set_lineage(7);
@@ -454,7 +455,7 @@ TEST_F(SubscriberCoreTest, AnotherLineageReplacesByKeyframesEvenAtALowerVersion)
   ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
   ExpectHolds(core, pub_, 2);
   EXPECT_EQ(core.applied_lineage(), 7u);
-  EXPECT_GT(core.generation(), generation);
+  EXPECT_GT(core.generations().generation(), generation);
   // Within lineage 7 versions only grow again.
   Wire lower = pub_.Transfer(0, 0, 1);
   lower.header.set_lineage(7);
@@ -491,7 +492,7 @@ TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
   PublishRun(1, 4);
   SubscriberCore core(opts_);  // 2 slots
   Sync(core, 1);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.generations().AcquireLease("vllm-0"));
   EXPECT_EQ(lease.lease.version, 1u);
   auto snapshot = [&] {
     std::vector<std::vector<uint8_t>> s;
@@ -518,7 +519,7 @@ TEST_F(SubscriberCoreTest, LeaseKeepsItsVersionWhileNextCommits) {
   // Released between header and end: the deferred staging succeeds.
   ASSERT_THAT(core.OnHeader(w.header), IsOk());
   for (const auto& f : w.frames) ASSERT_THAT(core.OnFrame(f), IsOk());
-  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
   ack = core.OnEnd(w.end);
   ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
   ExpectHolds(core, pub_, 3);
@@ -563,7 +564,7 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.generations().AcquireLease("vllm-0"));
   const v1::Layout layout = LeaseLayout(core, lease);
   EXPECT_EQ(layout.version(), 2u);
   EXPECT_EQ(layout.version_digest(), pub_.digest(2));
@@ -593,7 +594,7 @@ TEST_F(SubscriberCoreTest, ConsumerLayoutOfAGpuStoreIsCudaIpcRegions) {
     EXPECT_TRUE(got == want) << loc.spec().name();
     ASSERT_THAT(device_->CloseIpc(base), IsOk());
   }
-  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
 // ---- in-place staging: the standby slot brought forward by retained patches -------
@@ -698,7 +699,7 @@ TEST_F(SubscriberCoreInPlaceTest, LeasedStandbySlotGoesToAnotherSlotOrAFullCopy)
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto l1, core.AcquireLease("vllm-0", 1));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto l1, core.generations().AcquireLease("vllm-0", 1));
   auto snapshot = [](const SubscriberLease& l) {
     std::vector<std::vector<uint8_t>> s;
     for (size_t i = 0; i < l.lease.spans.size(); ++i) s.push_back(HostCopy(l, i));
@@ -710,16 +711,16 @@ TEST_F(SubscriberCoreInPlaceTest, LeasedStandbySlotGoesToAnotherSlotOrAFullCopy)
   ExpectInPlace(s4, 2);
   EXPECT_GT(s4.catch_up_patches, 0u);
   EXPECT_EQ(snapshot(l1), v1_bytes);
-  ASSERT_THAT(core.ReleaseLease(l1.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(l1.lease.lease_id), IsOk());
   // v3 leased, v4 current: v1's slot, brought forward over three retained transfers
   // 1 -> 2 -> 3 -> 4.
-  REFIT_ASSERT_OK_AND_ASSIGN(auto l3, core.AcquireLease("vllm-1", 3));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto l3, core.generations().AcquireLease("vllm-1", 3));
   const auto v3_bytes = snapshot(l3);
   const StageStats s5 = SyncStats(core, 5);
   ExpectInPlace(s5, 1);
   EXPECT_EQ(snapshot(l3), v3_bytes);
   EXPECT_EQ(v3_bytes.size(), l3.store->layout().size());
-  ASSERT_THAT(core.ReleaseLease(l3.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(l3.lease.lease_id), IsOk());
   ExpectInPlace(SyncStats(core, 6), 3);
   ExpectInPlace(SyncStats(core, 7), 4);
 }
@@ -751,7 +752,8 @@ TEST_F(SubscriberCoreInPlaceTest, FailedApplyMidChainRejectsThenTheNextStagingCo
   ASSERT_EQ(ack.mismatched_tensors_size(), 1);
   EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
   ExpectHolds(core, pub_, 3);
-  for (const auto& s : core.store()->Slots()) EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
+  for (const auto& s : core.generations().current()->Slots())
+    EXPECT_NE(s.state, store::SlotStatus::State::kStaging);
   // The torn slot: contents unknown, so the retry copies in full.
   const StageStats retry = SyncStats(core, 5);
   EXPECT_EQ(retry.slot_version, 0u);
@@ -798,14 +800,14 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
   Sync(core, 1);
   Sync(core, 2);
   ExpectInPlace(SyncStats(core, 3), 1);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.AcquireLease("vllm-0"));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core.generations().AcquireLease("vllm-0"));
   const std::vector<uint8_t> old_a = HostCopy(lease, 0);
   Model m = Next(current_);
   m["d.new"] = RandomTensor(BF16("d.new", {70, 10}), rng_);
   current_ = m;
   pub_.Publish(4, m);
   const StageStats s4 = SyncStats(core, 4);
-  EXPECT_EQ(core.generation(), 2u);
+  EXPECT_EQ(core.generations().generation(), 2u);
   ExpectFullCopy(s4);
   EXPECT_EQ(s4.tensors_keyframe, 1u);
   PublishRun(5, 7);
@@ -813,7 +815,7 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
   ExpectInPlace(SyncStats(core, 6), 4);
   ExpectInPlace(SyncStats(core, 7), 5);
   EXPECT_EQ(HostCopy(lease, 0), old_a);
-  ASSERT_THAT(core.ReleaseLease(lease.lease.lease_id), IsOk());
+  ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
 // ---- refresh of the standby slot after each commit (off the critical path) ---------------
@@ -843,7 +845,7 @@ class SubscriberCoreRefreshTest : public SubscriberCoreInPlaceTest {
     return true;
   }
   static int SlotIn(SubscriberCore& core, store::SlotStatus::State state) {
-    for (const auto& s : core.store()->Slots()) {
+    for (const auto& s : core.generations().current()->Slots()) {
       if (s.state == state) return s.slot;
     }
     return -1;
@@ -881,15 +883,16 @@ TEST_F(SubscriberCoreRefreshTest, NextTransferAppliesOnlyItsOwnStepsBitExactAgai
       }
     }
     // The refresh after the last commit, then its slot stands by at the applied version.
-    ASSERT_TRUE(PollUntil([&] { return a.refresh_stats().completed ==
-                                       kVersions - static_cast<uint64_t>(slots) + 1; }));
-    const RefreshStats rs = a.refresh_stats();
+    ASSERT_TRUE(PollUntil([&] {
+      return a.standby().stats().completed == kVersions - static_cast<uint64_t>(slots) + 1;
+    }));
+    const RefreshStats rs = a.standby().stats();
     EXPECT_EQ(rs.to_version, kVersions);
     EXPECT_EQ(rs.from_version, kVersions - static_cast<uint64_t>(slots) + 1);
     EXPECT_GT(rs.patches, 0u);
     EXPECT_EQ(rs.failed, 0u);
     EXPECT_GE(SlotIn(a, store::SlotStatus::State::kStandby), 0);
-    EXPECT_EQ(b.refresh_stats().started, 0u);
+    EXPECT_EQ(b.standby().stats().started, 0u);
   }
 }
 
@@ -906,7 +909,7 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
   core.SetDigestFormat(sync::DigestFormat::kV2);
   for (uint64_t v = 1; v <= kVersions; ++v) {
     const StageStats s = SyncStats(core, v);
-    EXPECT_EQ(core.applied_digest_format(), sync::DigestFormat::kV2);
+    EXPECT_EQ(core.records().format(), sync::DigestFormat::kV2);
     const uint32_t n = static_cast<uint32_t>(pub_.model(v).size());
     if (v == 1 && kDeviceStore) {
       EXPECT_EQ(s.digests_full, n) << "keyframes uploaded to a device store are read";
@@ -919,7 +922,7 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
       EXPECT_EQ(s.digests_full, 0u) << "v" << v;
       EXPECT_EQ(s.digests_incremental, n) << "v" << v;
     }
-    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+    ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
   }
   // A wrong v2 digest for a patched tensor: rejected, naming it; a keyframe of it heals.
   Wire w = pub_.Transfer(kVersions, core.applied_digest(), kVersions + 1);
@@ -939,7 +942,7 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
   PlanOptions heal;
   heal.keyframe_tensors.assign(ack.mismatched_tensors().begin(), ack.mismatched_tensors().end());
   Sync(core, kVersions + 1, heal);
-  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(30)));
+  ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
   // A corrupted patch byte: rejected (the patch's checksum or the digest), then a keyframe of
   // every tensor heals it.
   pub_.mutate_patch = [&](const std::string& tensor, uint32_t, std::vector<uint8_t>& patch) {
@@ -960,7 +963,7 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
     const StageStats s = SyncStats(v1core, v);
     EXPECT_EQ(s.digests_incremental, 0u);
     EXPECT_EQ(s.digests_full, static_cast<uint32_t>(pub_.model(v).size()));
-    ASSERT_TRUE(v1core.WaitRefreshIdle(absl::Seconds(30)));
+    ASSERT_TRUE(v1core.standby().WaitIdle(absl::Seconds(30)));
   }
 }
 
@@ -972,7 +975,7 @@ TEST_F(SubscriberCoreRefreshTest, LeaseDuringARefreshNeverSeesTheRefreshingSlot)
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(core, 3);  // the refresh of v2's slot to v3 starts and blocks
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
@@ -980,17 +983,18 @@ TEST_F(SubscriberCoreRefreshTest, LeaseDuringARefreshNeverSeesTheRefreshingSlot)
   ASSERT_GE(refreshing, 0);
   std::vector<SubscriberLease> leases;
   for (int k = 0; k < 4; ++k) {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto l, core.AcquireLease(absl::StrCat("vllm-", k)));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto l, core.generations().AcquireLease(absl::StrCat("vllm-", k)));
     EXPECT_NE(l.lease.slot, refreshing);
     EXPECT_EQ(l.lease.version, 3u);
     leases.push_back(std::move(l));
   }
-  EXPECT_EQ(core.AcquireLease("old", 2).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(core.AcquireLease("refreshed", 3)->lease.slot, leases[0].lease.slot);
+  EXPECT_EQ(core.generations().AcquireLease("old", 2).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core.generations().AcquireLease("refreshed", 3)->lease.slot, leases[0].lease.slot);
   release_.store(true);
-  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 2; }));
+  ASSERT_TRUE(PollUntil([&] { return core.standby().stats().completed == 2; }));
   EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), refreshing);
-  REFIT_ASSERT_OK_AND_ASSIGN(auto after, core.AcquireLease("after", 3));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto after, core.generations().AcquireLease("after", 3));
   EXPECT_NE(after.lease.slot, refreshing);
   for (const SubscriberLease& l : leases) {
     for (size_t i = 0; i < l.lease.spans.size(); ++i) EXPECT_EQ(HostCopy(l, i), HostCopy(leases[0], i));
@@ -1007,8 +1011,8 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
     SubscriberCore core(opts_);
     Sync(core, 1);
     Sync(core, 2);
-    ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
-  block_.store(true);
+    ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(20)));  // block only the next refresh
+    block_.store(true);
     Sync(core, 3);
     ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
     block_.store(false);
@@ -1017,7 +1021,7 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
     release_.store(true);  // before or after OnHeader began waiting: the same outcome
     feeder.join();
     ExpectOwnStepsOnly(s4, 3);
-    EXPECT_EQ(core.refresh_stats().cancelled, 0u);
+    EXPECT_EQ(core.standby().stats().cancelled, 0u);
   }
   entered_.store(false);
   release_.store(false);
@@ -1025,8 +1029,8 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
   SubscriberCore core(opts_);
   Sync(core, 1);
   Sync(core, 2);
-  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 1; }));
-  ASSERT_TRUE(core.WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  ASSERT_TRUE(PollUntil([&] { return core.standby().stats().completed == 1; }));
+  ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(core, 3);
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));
@@ -1034,10 +1038,10 @@ TEST_F(SubscriberCoreRefreshTest, TransferRacingARefreshWaitsForItOrCancelsIt) {
   // The hook returns only once cancelled: OnHeader's wait runs out and cancels the refresh.
   const StageStats s4 = SyncStats(core, 4);
   EXPECT_TRUE(saw_cancel_.load());
-  EXPECT_EQ(core.refresh_stats().cancelled, 1u);
+  EXPECT_EQ(core.standby().stats().cancelled, 1u);
   EXPECT_EQ(s4.slot_version, 0u);  // the cancelled refresh left its slot unknown
   ExpectFullCopy(s4);
-  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().completed == 2; }));
+  ASSERT_TRUE(PollUntil([&] { return core.standby().stats().completed == 2; }));
   ExpectOwnStepsOnly(SyncStats(core, 5), 4);
 }
 
@@ -1055,16 +1059,16 @@ TEST_F(SubscriberCoreRefreshTest, RefreshFailureLeavesTheSlotUnknownNextStagingC
   corrupt.store(true);
   ExpectOwnStepsOnly(SyncStats(core, 3), 2);  // its patches are retained corrupted
   corrupt.store(false);
-  ASSERT_TRUE(PollUntil([&] { return core.refresh_stats().failed == 1; }));
-  EXPECT_NE(core.refresh_stats().error.find("refresh of slot"), std::string::npos)
-      << core.refresh_stats().error;
+  ASSERT_TRUE(PollUntil([&] { return core.standby().stats().failed == 1; }));
+  EXPECT_NE(core.standby().stats().error.find("refresh of slot"), std::string::npos)
+      << core.standby().stats().error;
   EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kRefreshing), -1);
   EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), -1);
   const StageStats s4 = SyncStats(core, 4);
   EXPECT_EQ(s4.slot_version, 0u);
   ExpectFullCopy(s4);
   ExpectOwnStepsOnly(SyncStats(core, 5), 4);
-  EXPECT_EQ(core.refresh_stats().failed, 1u);
+  EXPECT_EQ(core.standby().stats().failed, 1u);
 }
 
 // Destroying the core while a refresh runs cancels it and returns.
@@ -1073,7 +1077,7 @@ TEST_F(SubscriberCoreRefreshTest, ShutdownDuringARefreshCancelsIt) {
   PublishRun(1, 2);
   auto core = std::make_unique<SubscriberCore>(opts_);
   Sync(*core, 1);
-  ASSERT_TRUE(core->WaitRefreshIdle(absl::Seconds(20)));  // block only the next refresh
+  ASSERT_TRUE(core->standby().WaitIdle(absl::Seconds(20)));  // block only the next refresh
   block_.store(true);
   Sync(*core, 2);  // the refresh of v1's slot starts and blocks until cancelled
   ASSERT_TRUE(PollUntil([&] { return entered_.load(); }));

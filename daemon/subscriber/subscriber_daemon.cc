@@ -498,7 +498,7 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
   applied.version_digest = ev.ack.applied_version_digest();
   applied.applied_unix_nanos =
       s.finished_unix_nanos() != 0 ? s.finished_unix_nanos() : NowUnixNanos();
-  applied.generation = core_->generation();
+  applied.generation = core_->generations().generation();
   applied.layout_changed = ev.layout_changed;
   board_.Announce(applied);
 

@@ -54,7 +54,7 @@ Snapshot Read(SubscriberCore& core) {
   Snapshot s;
   s.version = core.applied_version();
   s.digest = core.applied_digest();
-  auto lease = core.AcquireLease("fuzz-reader");
+  auto lease = core.generations().AcquireLease("fuzz-reader");
   if (!lease.ok()) Fail("no lease on the current version: " + lease.status().ToString());
   if (lease->lease.version != s.version) Fail("the lease is not on the applied version");
   const store::Layout& layout = lease->store->layout();
@@ -64,7 +64,7 @@ Snapshot Read(SubscriberCore& core) {
     if (!st.ok()) Fail("reading " + layout.tensor(i).name + ": " + st.ToString());
     s.tensors[layout.tensor(i).name] = std::move(bytes);
   }
-  if (!core.ReleaseLease(lease->lease.lease_id).ok()) Fail("lease release");
+  if (!core.generations().ReleaseLease(lease->lease.lease_id).ok()) Fail("lease release");
   return s;
 }
 
@@ -83,7 +83,7 @@ Snapshot ExpectCommitted(SubscriberCore& core, const v1::Ack& ack) {
       s.digest != ack.applied_version_digest()) {
     Fail("APPLIED ack disagrees with the core's applied version");
   }
-  VersionRecord rec = core.applied_record();
+  VersionRecord rec = core.records().applied();
   if (rec.version != s.version || rec.version_digest != s.digest ||
       rec.tensors.size() != s.tensors.size()) {
     Fail("applied record disagrees with the store");

@@ -173,12 +173,12 @@ class ServicesTest : public ::testing::Test {
 
   // Publishes and applies the next version, announcing it like the daemon does.
   uint64_t Apply(bool extra = false) {
-    const uint64_t gen = core_.generation();
+    const uint64_t gen = core_.generations().generation();
     const uint64_t v = source_.Next(extra);
     v1::Ack ack = source_.Feed(core_);
     EXPECT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
-    board_.Announce({v, core_.applied_digest(), NowUnixNanos(), core_.generation(),
-                     core_.generation() != gen && gen != 0});
+    board_.Announce({v, core_.applied_digest(), NowUnixNanos(), core_.generations().generation(),
+                     core_.generations().generation() != gen && gen != 0});
     return v;
   }
 
@@ -379,7 +379,7 @@ TEST_F(ServicesTest, WatchVersionsAnnouncesCurrentThenEveryApplied) {
   EXPECT_EQ(ev.version(), v3);
   EXPECT_FALSE(ev.layout_changed());
   const uint64_t v4 = Apply(/*extra=*/true);  // manifest change: new store generation
-  EXPECT_EQ(core_.generation(), 2u);
+  EXPECT_EQ(core_.generations().generation(), 2u);
   ASSERT_TRUE(reader->Read(&ev));
   EXPECT_EQ(ev.version(), v4);
   EXPECT_TRUE(ev.layout_changed());
@@ -408,7 +408,7 @@ TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
   v1::Lease old;
   ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &old), IsOk());
   const uint64_t v2 = Apply(/*extra=*/true);
-  EXPECT_EQ(core_.retired_stores(), 1u);
+  EXPECT_EQ(core_.generations().retired_count(), 1u);
   v1::Lease now;
   ASSERT_THAT(consumer_stub_->AcquireLease(Ctx().get(), acq, &now), IsOk());
   EXPECT_EQ(now.version(), v2);
@@ -427,7 +427,7 @@ TEST_F(ServicesTest, LayoutChangeKeepsOldLeaseValid) {
   rel.set_lease_id(old.lease_id());
   v1::ReleaseLeaseResponse relr;
   ASSERT_THAT(consumer_stub_->ReleaseLease(Ctx().get(), rel, &relr), IsOk());
-  EXPECT_EQ(core_.retired_stores(), 0u);
+  EXPECT_EQ(core_.generations().retired_count(), 0u);
 }
 
 TEST_F(ServicesTest, ControlStatusExportVerifyResyncPublish) {
@@ -501,10 +501,10 @@ TEST_F(ServicesTest, VerifyDetectsCorruptedMemory) {
   const uint64_t v = Apply();
   {
     // Corrupt one byte of the current slot behind the store's back (as a rogue writer would).
-    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_.AcquireLease("corrupter"));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core_.generations().AcquireLease("corrupter"));
     auto* p = const_cast<uint8_t*>(lease.lease.spans[1].data());
     p[3] ^= 0x40;
-    ASSERT_THAT(core_.ReleaseLease(lease.lease.lease_id), IsOk());
+    ASSERT_THAT(core_.generations().ReleaseLease(lease.lease.lease_id), IsOk());
   }
   v1::VerifyResponse vr;
   ASSERT_THAT(control_stub_->Verify(Ctx().get(), v1::VerifyRequest(), &vr), IsOk());
@@ -572,8 +572,8 @@ TEST_F(ServicesTest, WaitVersion) {
 
 TEST_F(ServicesTest, StatusListsConsumerLeasesOnly) {
   Apply();
-  auto own = core_.AcquireLease("refitd-subscriber/peers");
-  auto other = core_.AcquireLease("refitd-subscriber-lookalike");
+  auto own = core_.generations().AcquireLease("refitd-subscriber/peers");
+  auto other = core_.generations().AcquireLease("refitd-subscriber-lookalike");
   ASSERT_THAT(own, IsOk());
   ASSERT_THAT(other, IsOk());
   v1::StatusResponse s;
@@ -589,13 +589,13 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   o.make_store = store::HostStoreFactory();
   o.threads = 1;
   SubscriberCore core(o);
-  EXPECT_EQ(core.applied_record().version, 0u);
+  EXPECT_EQ(core.records().applied().version, 0u);
   source.Next();
   ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
-  EXPECT_EQ(core.applied_record().version, 1u);
-  EXPECT_EQ(core.applied_record().version_digest, core.applied_digest());
-  EXPECT_EQ(core.applied_record().tensors.size(), 3u);
-  auto lease = core.AcquireLease("keep-1");
+  EXPECT_EQ(core.records().applied().version, 1u);
+  EXPECT_EQ(core.records().applied().version_digest, core.applied_digest());
+  EXPECT_EQ(core.records().applied().tensors.size(), 3u);
+  auto lease = core.generations().AcquireLease("keep-1");
   ASSERT_THAT(lease, IsOk());
   source.Next(/*extra=*/true);  // generation 2
   ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
@@ -604,13 +604,13 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   source.Next();
   ASSERT_EQ(source.Feed(core).result(), v1::ACK_RESULT_APPLIED);
   // Version 2's slot was reused by version 4; version 1 lives on in the retired generation.
-  EXPECT_TRUE(core.record(1).has_value());
-  EXPECT_FALSE(core.record(2).has_value());
-  EXPECT_TRUE(core.record(3).has_value());
-  EXPECT_EQ(core.record(4)->version_digest, core.applied_digest());
-  auto mine = core.AcquireLease("keep-4");
+  EXPECT_TRUE(core.records().Find(1).has_value());
+  EXPECT_FALSE(core.records().Find(2).has_value());
+  EXPECT_TRUE(core.records().Find(3).has_value());
+  EXPECT_EQ(core.records().Find(4)->version_digest, core.applied_digest());
+  auto mine = core.generations().AcquireLease("keep-4");
   ASSERT_THAT(mine, IsOk());
-  std::vector<LeaseEntry> leases = core.Leases();
+  std::vector<LeaseEntry> leases = core.generations().Leases();
   ASSERT_EQ(leases.size(), 2u);
   EXPECT_EQ(leases[0].generation, 1u);
   EXPECT_EQ(leases[0].lease.consumer, "keep-1");
@@ -621,7 +621,7 @@ TEST(SubscriberCoreAdditionsTest, RecordsFollowHeldSlotsAndLeasesSpanGenerations
   REFIT_ASSERT_OK_AND_ASSIGN(auto summary, ExportVersion(core, path, 1));
   EXPECT_EQ(summary.version, 1u);
   EXPECT_EQ(summary.tensors, 3u);
-  EXPECT_EQ(summary.version_digest, core.record(1)->version_digest);
+  EXPECT_EQ(summary.version_digest, core.records().Find(1)->version_digest);
   EXPECT_THAT(ExportVersion(core, path, 2), StatusIs(absl::StatusCode::kFailedPrecondition));
   std::remove(path.c_str());
 }

@@ -106,14 +106,14 @@ v1::Ack Feed(SubscriberCore& core, const Wire& w) {
 
 std::map<std::string, std::vector<uint8_t>> Read(SubscriberCore& core) {
   std::map<std::string, std::vector<uint8_t>> out;
-  auto lease = core.AcquireLease("test-reader");
+  auto lease = core.generations().AcquireLease("test-reader");
   EXPECT_TRUE(lease.ok()) << lease.status();
   if (!lease.ok()) return out;
   const store::Layout& layout = lease->store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     out[layout.tensor(i).name] = HostCopy(*lease, i);
   }
-  EXPECT_TRUE(core.ReleaseLease(lease->lease.lease_id).ok());
+  EXPECT_TRUE(core.generations().ReleaseLease(lease->lease.lease_id).ok());
   return out;
 }
 

@@ -25,7 +25,11 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
 
 }  // namespace
 
-absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader& header) const {
+// The header's version against the applied one: in range, above it (or of another lineage, as
+// keyframes from base 0, or the repair ExpectRepair armed), based on it or on nothing. Sets t's
+// lineage_change and repair.
+absl::Status SubscriberCore::CheckHeader(StagedTransfer& t) const {
+  const v1::VersionHeader& header = t.header;
   const uint64_t v = header.version();
   const uint64_t base = header.base_version();
   const uint64_t applied = applied_version();
@@ -50,7 +54,11 @@ absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader
         " has base version ", base, " but the applied version ", applied, " is of ",
         sync::DescribeLineage(applied_lineage()), " (a lineage change needs keyframes)"));
   }
-  if (v <= applied && !lineage_change && !IsRepairLocked(header)) {
+  const uint64_t armed = repair_version_.load(std::memory_order_acquire);
+  t.repair = v == armed && v == applied && base == v && header.lineage() == applied_lineage() &&
+             header.reason() == v1::TRANSFER_REASON_REQUESTED;
+  t.lineage_change = lineage_change;
+  if (v <= applied && !lineage_change && !t.repair) {
     return absl::FailedPreconditionError(absl::StrCat("header for version ", v,
                                                       " is not above the applied version ", applied,
                                                       " (a version is never applied twice)"));
@@ -60,7 +68,7 @@ absl::StatusOr<bool> SubscriberCore::CheckHeaderVersions(const v1::VersionHeader
         "header for version ", v, " has base version ", base, " but the applied version is ",
         applied, base == 0 ? " (base 0 requires every tensor to be a keyframe)" : ""));
   }
-  return lineage_change;
+  return absl::OkStatus();
 }
 
 namespace {
@@ -110,10 +118,8 @@ absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t v
 
 }  // namespace
 
-// OnHeader's per-tensor checks: specs, deliveries, chains. Fills t's dtypes and sizes and the
-// layout of the target version; `needs_base` when some tensor is UNCHANGED or PATCH.
-absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& needs_base) const {
-  const v1::VersionHeader& header = t.header;
+absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_bytes,
+                                                          bool& needs_base) {
   const uint64_t v = header.version();
   std::vector<v1::TensorSpec> specs;
   for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
@@ -128,12 +134,12 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
         absl::StrCat("header for version ", v, ", ",
                      sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
     auto dtype = sync::FromProtoDType(tp.spec().dtype());
-    auto bytes = sync::TensorByteSize(tp.spec());
-    if (!dtype.ok() || !bytes.ok()) {
+    auto size = sync::TensorByteSize(tp.spec());
+    if (!dtype.ok() || !size.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": invalid spec"));
     }
-    t.dtypes.push_back(*dtype);
-    t.bytes.push_back(*bytes);
+    dtypes.push_back(*dtype);
+    bytes.push_back(*size);
     descs.push_back({tp.spec().name(), *dtype,
                      std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
     REFIT_RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
@@ -149,20 +155,21 @@ absl::StatusOr<store::Layout> SubscriberCore::PlanTensors(Transfer& t, bool& nee
     return AnnotateAs(absl::StatusCode::kInvalidArgument, layout.status(), "header for version ",
                       v);
   }
-  if (layout->slot_bytes() > options_.max_slot_bytes) {
+  if (layout->slot_bytes() > max_slot_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("header for version ", v, ": the version needs ", layout->slot_bytes(),
-                     " bytes per slot, above the limit of ", options_.max_slot_bytes));
+                     " bytes per slot, above the limit of ", max_slot_bytes));
   }
   return layout;
 }
 
 // Target store: the current one when the manifest is unchanged, else a new generation.
-absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout& layout) {
-  if (store_ != nullptr && !t.lineage_change && store_->layout().SameManifest(layout)) {
-    t.target = store_;
+absl::Status SubscriberCore::ChooseTarget(StagedTransfer& t, const store::Layout& layout) {
+  std::shared_ptr<store::SlottedStore> current = generations_.current();
+  if (current != nullptr && !t.lineage_change && current->layout().SameManifest(layout)) {
+    t.target = std::move(current);
   } else {
-    auto created = CreateStoreLocked(layout);
+    auto created = generations_.Create(layout);
     if (!created.ok()) {
       return Annotate(created.status(), "header for version ", t.header.version(),
                       ": cannot create a store");
@@ -177,14 +184,15 @@ absl::Status SubscriberCore::ChooseTargetLocked(Transfer& t, const store::Layout
 }
 
 // Bases across generations: by name, under a lease on the old store's applied version.
-absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
+absl::Status SubscriberCore::LeaseOldBases(StagedTransfer& t) {
   const uint64_t v = t.header.version();
   const uint64_t applied = applied_version();
-  if (store_ == nullptr) {
+  std::shared_ptr<store::SlottedStore> current = generations_.current();
+  if (current == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("header for version ", v, ": patches/unchanged tensors but no version held"));
   }
-  const store::Layout& old = store_->layout();
+  const store::Layout& old = current->layout();
   t.old_index.assign(static_cast<size_t>(t.header.tensors_size()), 0);
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     const v1::TensorPlan& tp = t.header.tensors(i);
@@ -200,8 +208,8 @@ absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
     }
     t.old_index[static_cast<size_t>(i)] = *idx;
   }
-  t.old_store = store_;
-  auto lease = store_->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
+  t.old_store = current;
+  auto lease = current->AcquireLease(options_.self_consumer, applied, absl::InfiniteDuration());
   if (!lease.ok()) {
     return Annotate(lease.status(), "header for version ", v, ": cannot lease the base version");
   }
@@ -211,23 +219,23 @@ absl::Status SubscriberCore::LeaseOldBasesLocked(Transfer& t) {
 
 // The objects the transfer's frames carry; a keyframe goes straight into the staged slot when
 // there is one the CPU can write, its digest v2 summed as its frames land (no second read).
-absl::Status SubscriberCore::ExpectObjectsLocked(Transfer& t) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.assembler = std::make_unique<sync::FrameAssembler>(t.header.version(), max_frame_bytes_);
-  t.in_slot.assign(n, false);
+absl::Status StagedTransfer::ExpectObjects(uint32_t max_frame_bytes) {
+  const size_t n = static_cast<size_t>(header.tensors_size());
+  assembler = std::make_unique<sync::FrameAssembler>(header.version(), max_frame_bytes);
+  in_slot.assign(n, false);
   for (size_t i = 0; i < n; ++i) {
-    const v1::TensorPlan& tp = t.header.tensors(static_cast<int>(i));
+    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
     REFIT_ASSIGN_OR_RETURN(std::vector<sync::ObjectSpec> objects,
                            sync::ObjectsOf(tp, static_cast<uint32_t>(i)));
     for (sync::ObjectSpec& spec : objects) {
       // A keyframe lands straight in the staged slot when the store is host memory.
-      if (tp.delivery() == v1::DELIVERY_KEYFRAME && t.handle.has_value() &&
-          t.target->memory().host_accessible()) {
-        spec.buffer = t.handle->out[t.layout_index[i]];
-        spec.digest_v2 = t.format == sync::DigestFormat::kV2;  // summed as it lands
-        t.in_slot[i] = true;
+      if (tp.delivery() == v1::DELIVERY_KEYFRAME && handle.has_value() &&
+          target->memory().host_accessible()) {
+        spec.buffer = handle->out[layout_index[i]];
+        spec.digest_v2 = format == sync::DigestFormat::kV2;  // summed as it lands
+        in_slot[i] = true;
       }
-      REFIT_RETURN_IF_ERROR(t.assembler->Expect(std::move(spec)));
+      REFIT_RETURN_IF_ERROR(assembler->Expect(std::move(spec)));
     }
   }
   return absl::OkStatus();

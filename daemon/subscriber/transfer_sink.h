@@ -70,9 +70,9 @@ class CoreSink : public TransferSink {
   uint64_t applied_digest() const override { return core_->applied_digest(); }
   uint64_t applied_lineage() const override { return core_->applied_lineage(); }
   std::vector<v1::TensorDigest> applied_tensor_digests() const override {
-    return core_->applied_tensor_digests();
+    return core_->records().tensor_digests();
   }
-  uint64_t generation() const override { return core_->generation(); }
+  uint64_t generation() const override { return core_->generations().generation(); }
   bool ExpectRepair(uint64_t version) override { return core_->ExpectRepair(version); }
   uint64_t pending_repair() const override { return core_->pending_repair(); }
 

@@ -174,10 +174,10 @@ struct Subscriber {
   }
   // Flips a bit of `tensor` in the committed slot (a stray write through a writable mapping).
   void Corrupt(const std::string& tensor) {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core->AcquireLease("test-writer"));
+    REFIT_ASSERT_OK_AND_ASSIGN(auto lease, core->generations().AcquireLease("test-writer"));
     const size_t i = *lease.store->layout().Find(tensor);
     const_cast<uint8_t*>(lease.lease.spans[i].data())[100] ^= 0x08;
-    ASSERT_THAT(core->ReleaseLease(lease.lease.lease_id), IsOk());
+    ASSERT_THAT(core->generations().ReleaseLease(lease.lease.lease_id), IsOk());
   }
   AppliedEvent Last() {
     absl::MutexLock lock(&mu);
@@ -186,7 +186,7 @@ struct Subscriber {
   // Tensor bytes of the applied version, by name.
   std::map<std::string, std::vector<uint8_t>> Read() {
     std::map<std::string, std::vector<uint8_t>> out;
-    auto lease = core->AcquireLease("test");
+    auto lease = core->generations().AcquireLease("test");
     EXPECT_THAT(lease, IsOk());
     if (!lease.ok()) return out;
     const store::Layout& layout = lease->store->layout();
@@ -194,7 +194,7 @@ struct Subscriber {
       auto span = lease->lease.spans[i];
       out[layout.tensor(i).name].assign(span.begin(), span.end());
     }
-    EXPECT_THAT(core->ReleaseLease(lease->lease.lease_id), IsOk());
+    EXPECT_THAT(core->generations().ReleaseLease(lease->lease.lease_id), IsOk());
     return out;
   }
 };
@@ -295,18 +295,18 @@ TEST(UpstreamTest, DigestFormatNegotiatedWithOldPeersInBothDirections) {
         EXPECT_EQ(s->Last().stats.keyframe_tensors(), 0u) << "version " << v;
       }
     }
-    EXPECT_EQ(v2->core->applied_digest_format(), sync::DigestFormat::kV2);
+    EXPECT_EQ(v2->core->records().format(), sync::DigestFormat::kV2);
     EXPECT_EQ(v2->core->applied_digest(), *pub->core->VersionDigestOf(v, sync::DigestFormat::kV2));
-    EXPECT_EQ(old_sub->core->applied_digest_format(), sync::DigestFormat::kV1);
+    EXPECT_EQ(old_sub->core->records().format(), sync::DigestFormat::kV1);
     EXPECT_EQ(old_sub->core->applied_digest(), *pub->core->VersionDigestOf(v));
-    EXPECT_EQ(to_old_pub->core->applied_digest_format(), sync::DigestFormat::kV1);
+    EXPECT_EQ(to_old_pub->core->records().format(), sync::DigestFormat::kV1);
     EXPECT_EQ(to_old_pub->core->applied_digest(), *old_pub->core->VersionDigestOf(v));
     const StageStats st = v2->core->last_stage();
     if (v > 2 && st.caught_up && st.digests_full == 0) ++incremental_versions;
     if (v > 1) {
       EXPECT_EQ(old_sub->core->last_stage().digests_incremental, 0u) << "v1 reads in full";
     }
-    ASSERT_TRUE(v2->core->WaitRefreshIdle(absl::Seconds(30)));
+    ASSERT_TRUE(v2->core->standby().WaitIdle(absl::Seconds(30)));
   }
   // With the standby slot refreshed between versions, every steady delta is verified from the
   // slots' digests and the patches' deltas alone.

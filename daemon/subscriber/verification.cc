@@ -18,30 +18,25 @@
 
 namespace refit::subscriber {
 
-absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& end) {
-  const uint64_t v = t.header.version();
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
+absl::Status StagedTransfer::CheckEnd(const v1::VersionEnd& end) const {
+  const uint64_t v = header.version();
+  const size_t n = static_cast<size_t>(header.tensors_size());
   const std::string what = absl::StrCat("version ", v, ": ");
   if (end.version() != v) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, "VersionEnd names version ", end.version()));
   }
-  if (!t.failed.ok()) {
+  if (!failed.ok()) {
     return Annotate(
-        t.failed, "version ", v,
-        t.dropped_frames > 0 ? absl::StrCat(" (", t.dropped_frames, " later frames dropped)") : "");
+        failed, "version ", v,
+        dropped_frames > 0 ? absl::StrCat(" (", dropped_frames, " later frames dropped)") : "");
   }
-  if (absl::Status st = t.assembler->CheckAllComplete(); !st.ok()) {
+  if (absl::Status st = assembler->CheckAllComplete(); !st.ok()) {
     return Annotate(st, "version ", v);
   }
   if (static_cast<size_t>(end.digests_size()) != n) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, "VersionEnd has ", end.digests_size(), " digests for ", n, " tensors"));
-  }
-  if (!t.handle.has_value() && !t.in_place) {
-    if (absl::Status st = BeginStageLocked(t); !st.ok()) {
-      return Annotate(st, "version ", v, ": cannot stage");
-    }
   }
   return absl::OkStatus();
 }
@@ -51,28 +46,29 @@ absl::Status SubscriberCore::CheckEndLocked(Transfer& t, const v1::VersionEnd& e
 // digests were verified has its digest already (the slot's plus the deltas of every patch
 // applied): it is not read again. Every other tensor (keyframes, copies, a slot without known
 // digests, v1 sessions) is read in full.
-absl::StatusOr<SubscriberCore::Verified> SubscriberCore::VerifyLocked(
-    Transfer& t, const v1::VersionEnd& end, std::vector<std::string>& mismatched) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
+absl::StatusOr<VerifiedDigests> StagedTransfer::Verify(const v1::VersionEnd& end,
+                                                       std::vector<std::string>& mismatched) {
+  const size_t n = static_cast<size_t>(header.tensors_size());
   std::vector<uint64_t> digests(n);
   for (size_t i = 0; i < n; ++i) {
-    absl::StatusOr<uint64_t> digest = StagedDigest(t, i);
+    absl::StatusOr<uint64_t> digest = StagedDigest(i);
     if (!digest.ok()) {
       return absl::Status(
           digest.status().code(),
-          absl::StrCat("version ", t.header.version(), ": digest of ",
+          absl::StrCat("version ", header.version(), ": digest of ",
                        sync::DescribeTensor(static_cast<uint32_t>(i),
-                                            t.header.tensors(static_cast<int>(i)).spec().name()),
+                                            header.tensors(static_cast<int>(i)).spec().name()),
                        " failed: ", digest.status().message()));
     }
     digests[i] = *digest;
   }
-  return CheckDigests(t.header, end, std::move(digests), mismatched);
+  return CheckTensorDigests(header, end, std::move(digests), mismatched);
 }
 
-absl::StatusOr<SubscriberCore::Verified> SubscriberCore::CheckDigests(
-    const v1::VersionHeader& header, const v1::VersionEnd& end, std::vector<uint64_t> digests,
-    std::vector<std::string>& mismatched) {
+absl::StatusOr<VerifiedDigests> CheckTensorDigests(const v1::VersionHeader& header,
+                                                   const v1::VersionEnd& end,
+                                                   std::vector<uint64_t> digests,
+                                                   std::vector<std::string>& mismatched) {
   const std::string what = absl::StrCat("version ", header.version(), ": ");
   std::vector<std::string> mismatch_desc;
   for (size_t i = 0; i < digests.size(); ++i) {
@@ -95,15 +91,25 @@ absl::StatusOr<SubscriberCore::Verified> SubscriberCore::CheckDigests(
                                             vdigest.ok() ? absl::StrCat(absl::Hex(*vdigest)) : "?",
                                             ", VersionEnd says ", absl::Hex(end.version_digest())));
   }
-  Verified out;
+  VerifiedDigests out;
   out.digests = std::move(digests);
   out.version_digest = *vdigest;
   return out;
 }
 
-v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
-                                   absl::Time start, absl::Time received, absl::Time staged,
-                                   absl::Time verified, absl::Time applied) {
+VersionRecord StagedTransfer::Record(const VerifiedDigests& verified) const {
+  VersionRecord r{header.version(), format, verified.version_digest, {}};
+  for (int i = 0; i < header.tensors_size(); ++i) {
+    v1::TensorDigest& d = r.tensors.emplace_back();
+    d.set_name(header.tensors(i).spec().name());
+    d.set_digest(verified.digests[static_cast<size_t>(i)]);
+  }
+  return r;
+}
+
+v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes, absl::Time start,
+                   absl::Time received, absl::Time staged, absl::Time verified,
+                   absl::Time applied) {
   v1::Ack ack;
   ack.set_version(version);
   ack.set_result(v1::ACK_RESULT_APPLIED);
@@ -121,35 +127,13 @@ v1::Ack SubscriberCore::AppliedAck(uint64_t version, uint64_t version_digest, ui
 
 // Tensor i's digest as staged, in the transfer's format: tracked or summed on arrival (v2, no
 // read) or full.
-absl::StatusOr<uint64_t> SubscriberCore::StagedDigest(Transfer& t, size_t i) {
-  if (t.format == sync::DigestFormat::kV2 && i < t.v2.size() && t.v2[i].has_value()) {
-    ++(t.in_slot[i] ? t.stats.digests_received : t.stats.digests_incremental);
-    return *t.v2[i];
+absl::StatusOr<uint64_t> StagedTransfer::StagedDigest(size_t i) {
+  if (format == sync::DigestFormat::kV2 && i < v2.size() && v2[i].has_value()) {
+    ++(in_slot[i] ? stats.digests_received : stats.digests_incremental);
+    return *v2[i];
   }
-  ++t.stats.digests_full;
-  return StoreDigestOf(t.target->memory(), t.format, t.handle->out[t.layout_index[i]]);
+  ++stats.digests_full;
+  return StoreDigestOf(target->memory(), format, handle->out[layout_index[i]]);
 }
 
-// PlanStagingLocked: the staged slot's verified v2 digests (taken out of slot_digests_: the slot
-// is being written), by header index, when they are of the slot's version and the session is v2.
-void SubscriberCore::TakeSlotDigestsLocked(Transfer& t) {
-  const size_t n = static_cast<size_t>(t.header.tensors_size());
-  t.v2.assign(n, std::nullopt);
-  auto it = slot_digests_.find(t.handle->slot);
-  if (it == slot_digests_.end()) return;
-  SlotDigests sd = std::move(it->second);
-  slot_digests_.erase(it);
-  if (t.format != sync::DigestFormat::kV2 || t.new_generation ||
-      sd.version != t.handle->previous_version || sd.version == 0) {
-    return;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (t.layout_index[i] < sd.digests.size()) t.v2[i] = sd.digests[t.layout_index[i]];
-  }
-}
-
-// After a commit: keeps the transfer's patches (moved out of the assembler) so that the slot now
-// standing by (the previous current one, or older) can be brought forward by them later. Entries
-// no held slot can use any more are dropped, then the oldest while over the byte budget; a
-// transfer above the whole budget empties the retention (the next staging copies in full).
 }  // namespace refit::subscriber

@@ -13,12 +13,13 @@ namespace refit::subscriber {
 absl::StatusOr<ExportSummary> ExportVersion(SubscriberCore& core, const std::string& path,
                                             std::optional<uint64_t> version,
                                             const SafeWriteOptions& write) {
-  REFIT_ASSIGN_OR_RETURN(const SubscriberLease held, core.LeaseHeldVersion("export", version));
+  REFIT_ASSIGN_OR_RETURN(const SubscriberLease held,
+                         core.generations().LeaseHeldVersion("export", version));
   const store::Lease& lease = held.lease;
   store::SlottedStore& st = *held.store;
   ExportSummary summary;
   summary.version = lease.version;
-  if (std::optional<VersionRecord> rec = core.record(lease.version); rec.has_value()) {
+  if (std::optional<VersionRecord> rec = core.records().Find(lease.version); rec.has_value()) {
     summary.version_digest = rec->version_digest;
   }
   const store::Layout& layout = st.layout();
@@ -45,7 +46,7 @@ absl::StatusOr<ExportSummary> ExportVersion(SubscriberCore& core, const std::str
   if (written.ok()) written = publisher::WriteVersionFile(path, lease.version, tensors, write);
   // The core's own lease: released through the core, which also frees a retired generation the
   // lease kept alive and wakes an in-place update waiting for it.
-  (void)core.ReleaseLease(lease.lease_id);
+  (void)core.generations().ReleaseLease(lease.lease_id);
   REFIT_RETURN_IF_ERROR(written);
   return summary;
 }

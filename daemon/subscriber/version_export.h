@@ -23,7 +23,7 @@ struct ExportSummary {
 
 // Writes `version` (nullopt: the applied one) of `core` as a safetensors file: tensors in name
 // order, no metadata, atomically (model::WriteSafetensors), read under the core's own lease
-// (SubscriberCore::LeaseHeldVersion), so it may run concurrently with a transfer; a GPU store is
+// (StoreGenerations::LeaseHeldVersion), so it may run concurrently with a transfer; a GPU store is
 // downloaded to host memory first. FAILED_PRECONDITION when nothing is applied or `version` is
 // not held any more. `write` confines the file and sets its mode (SafeWriteOptions; the default
 // writes `path` as given, mode 0600).
