@@ -150,10 +150,9 @@ absl::Status DataPlaneService::NoteApplied(const std::shared_ptr<Session>& sessi
   session->diverged.clear();
   session->last_refit = stats;
   session->state = v1::SESSION_STATE_IDLE;
-  for (PendingVersion& p : pending_) {
-    if (p.version == version) p.wire_bytes += end.wire_bytes();
-  }
-  NoteAckedLocked();
+  acked_.AddWireBytes(version, end.wire_bytes());
+  acked_.Update([&](uint64_t id)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return SessionAckOf(sessions_, id); });
   return absl::OkStatus();
 }
 

@@ -24,6 +24,8 @@
 namespace refit::publisher {
 namespace {
 
+using Session = DataPlaneService::Session;
+
 // Smallest frame size a subscriber may ask for (Hello.max_frame_bytes): the config minimum.
 constexpr uint32_t kMinFrameBytes = 64 * 1024;
 
@@ -69,15 +71,15 @@ absl::Status CheckHello(const v1::Hello& hello, int writes_format) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-void DataPlaneService::ClassifyHello(const v1::Hello& hello, Session& session) const {
+// Hello's version, digest and lineage against this publisher's (data.proto "Versions and
+// lineage"): sets the session's base (0 when diverged) and whether it holds our version.
+void ClassifyHello(const PublisherCore& core, const v1::Hello& hello, Session& session) {
   const uint64_t v = hello.version();
   session.acked_version = v;
   session.acked_digest = hello.version_digest();
   if (v == 0) return;
-  const uint64_t ours = core_->lineage();
-  const uint64_t numbered = core_->numbered_version();
+  const uint64_t ours = core.lineage();
+  const uint64_t numbered = core.numbered_version();
   if (v > sync::kMaxVersion) {
     session.diverged =
         absl::StrCat("Hello version ", v, " is above the largest version ", sync::kMaxVersion);
@@ -100,16 +102,106 @@ void DataPlaneService::ClassifyHello(const v1::Hello& hello, Session& session) c
   // its own format.
   for (sync::DigestFormat f :
        {session.digest_format, sync::DigestFormat::kV1, sync::DigestFormat::kV2}) {
-    absl::StatusOr<uint64_t> known = core_->VersionDigestOf(v, f, &session.selection);
+    absl::StatusOr<uint64_t> known = core.VersionDigestOf(v, f, &session.selection);
     if (!known.ok() || hello.version_digest() != *known) continue;
     absl::StatusOr<uint64_t> ours_digest =
-        core_->VersionDigestOf(v, session.digest_format, &session.selection);
+        core.VersionDigestOf(v, session.digest_format, &session.selection);
     session.verified = ours_digest.ok();
     if (ours_digest.ok()) session.acked_digest = *ours_digest;
     return;
   }
-  if (core_->VersionDigestOf(v).ok()) session.verified = false;  // known, with another digest
+  if (core.VersionDigestOf(v).ok()) session.verified = false;  // known, with another digest
 }
+
+// The session a Hello asks for: its id, peer, grants (stripes, pacing, digest format,
+// streaming) and how its held version relates to this publisher's history.
+std::shared_ptr<Session> NewSession(const PublisherCore& core, const DataPlaneOptions& options,
+                                    grpc::ServerContext* context, const v1::Hello& hello,
+                                    sync::TensorSelection selection) {
+  auto session = std::make_shared<Session>();
+  {
+    absl::BitGen gen;
+    session->id = absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
+  }
+  // Logged and shown in Status: control characters escaped (a client chose it).
+  session->name = hello.name().empty() ? context->peer() : Printable(hello.name(), 128);
+  if (auto auth = context->auth_context(); auth != nullptr) {
+    session->identity = config::PeerIdentity(*auth);
+  }
+  session->address = context->peer();
+  session->connected_unix_nanos = NowUnixNanos();
+  session->context = context;
+  session->lz4 = options.lz4 && std::find(hello.compressions().begin(), hello.compressions().end(),
+                                          v1::COMPRESSION_LZ4) != hello.compressions().end();
+  session->frame_bytes = std::min(options.frame_bytes, hello.max_frame_bytes());
+  session->granted_stripes = std::min(hello.stripes(), options.max_streams_per_subscriber > 0
+                                                           ? options.max_streams_per_subscriber - 1
+                                                           : 0u);
+  session->stripe_joined.assign(session->granted_stripes + 1, false);
+  session->stream_bytes_sent.assign(session->granted_stripes + 1, 0);
+  session->progress = hello.stream_progress() && options.stream_window_bytes > 0;
+  session->digest_format = sync::ChooseDigestFormat(
+      std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
+      options.digest_v2);
+  session->streamed = hello.streamed_transfers() && options.streamed_transfers;
+  session->max_patch_format = MaxPatchFormat(hello);
+  session->selection = std::move(selection);
+  ClassifyHello(core, hello, *session);
+  if (hello.want_keyframe()) {
+    session->all_keyframes = true;
+    session->keyframe_reason = "Hello.want_keyframe";
+  }
+  return session;
+}
+
+// Hello.tensors_selected, valid and selecting something of the newest version (every plan
+// checks again against its target); a shard's part (tensors_selected_partial) may select
+// nothing here.
+absl::StatusOr<sync::TensorSelection> HelloSelection(const PublisherCore& core,
+                                                     const std::string& publisher,
+                                                     const v1::Hello& hello) {
+  REFIT_ASSIGN_OR_RETURN(
+      sync::TensorSelection selection,
+      sync::TensorSelection::Make(std::vector<std::string>(hello.tensors_selected().begin(),
+                                                           hello.tensors_selected().end()),
+                                  "Hello.tensors_selected"));
+  if (hello.tensors_selected_partial() && !selection.all()) selection = selection.AsPart();
+  const std::vector<BaselineTensor> newest = core.Baseline();
+  if (selection.all() || newest.empty()) return selection;
+  std::vector<v1::TensorSpec> manifest;
+  manifest.reserve(newest.size());
+  for (const BaselineTensor& t : newest) manifest.push_back(t.spec);
+  absl::Status st = selection.CheckCovered(
+      manifest, absl::StrCat("version ", core.newest_version(), " of publisher ", publisher));
+  if (!st.ok()) {
+    return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "Hello.tensors_selected");
+  }
+  return selection;
+}
+
+// Sync's log lines for a new session (and why it gets keyframes).
+void LogHello(spdlog::logger& log, const Session& s, const v1::Hello& hello) {
+  log.info(
+      "session {}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
+      "granted, frames of {} bytes{}{}{}",
+      Hex64(s.id), s.name, s.address, s.identity.empty() ? "" : ", identity " + s.identity,
+      hello.version(), sync::DescribeLineage(hello.lineage()), s.granted_stripes, s.frame_bytes,
+      s.lz4 ? ", lz4" : "", s.progress ? ", paced by progress" : "",
+      s.selection.all() ? "" : ", selects " + Printable(s.selection.Describe(), 200));
+  if (!s.diverged.empty()) {
+    log.warn(
+        "session {}: subscriber {} diverged: {}: it gets keyframes; its version "
+        "does not change this publisher's numbering",
+        Hex64(s.id), s.name, s.diverged);
+  } else if (!s.verified) {
+    log.warn(
+        "session {}: subscriber {} holds version {} with digest {}, not this "
+        "publisher's: diverged, it gets keyframes of the next version",
+        Hex64(s.id), s.name, hello.version(), Hex64(hello.version_digest()));
+  }
+}
+
+}  // namespace
 
 grpc::Status DataPlaneService::Sync(
     grpc::ServerContext* context,
@@ -126,99 +218,15 @@ grpc::Status DataPlaneService::Sync(
   if (absl::Status st = CheckHello(hello, core_->patch_format()); !st.ok()) {
     return ToGrpcStatus(st);
   }
-  absl::StatusOr<sync::TensorSelection> selection = HelloSelection(hello);
+  absl::StatusOr<sync::TensorSelection> selection = HelloSelection(*core_, options_.name, hello);
   if (!selection.ok()) return ToGrpcStatus(selection.status());
-  std::shared_ptr<Session> session = NewSession(context, hello, *std::move(selection));
+  std::shared_ptr<Session> session =
+      NewSession(*core_, options_, context, hello, *std::move(selection));
   if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);
-  LogHello(*session, hello);
+  LogHello(*log_, *session, hello);
   grpc::Status status = RunSession(context, stream, session);
   EndSession(*session, status);
   return status;
-}
-
-// The session a Hello asks for: its id, peer, grants (stripes, pacing, digest format,
-// streaming) and how its held version relates to this publisher's history.
-std::shared_ptr<DataPlaneService::Session> DataPlaneService::NewSession(
-    grpc::ServerContext* context, const v1::Hello& hello, sync::TensorSelection selection) const {
-  auto session = std::make_shared<Session>();
-  {
-    absl::BitGen gen;
-    session->id = absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
-  }
-  // Logged and shown in Status: control characters escaped (a client chose it).
-  session->name = hello.name().empty() ? context->peer() : Printable(hello.name(), 128);
-  if (auto auth = context->auth_context(); auth != nullptr) {
-    session->identity = config::PeerIdentity(*auth);
-  }
-  session->address = context->peer();
-  session->connected_unix_nanos = NowUnixNanos();
-  session->context = context;
-  session->lz4 = options_.lz4 && std::find(hello.compressions().begin(), hello.compressions().end(),
-                                           v1::COMPRESSION_LZ4) != hello.compressions().end();
-  session->frame_bytes = std::min(options_.frame_bytes, hello.max_frame_bytes());
-  session->granted_stripes = std::min(hello.stripes(), options_.max_streams_per_subscriber > 0
-                                                           ? options_.max_streams_per_subscriber - 1
-                                                           : 0u);
-  session->stripe_joined.assign(session->granted_stripes + 1, false);
-  session->stream_bytes_sent.assign(session->granted_stripes + 1, 0);
-  session->progress = hello.stream_progress() && options_.stream_window_bytes > 0;
-  session->digest_format = sync::ChooseDigestFormat(
-      std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
-      options_.digest_v2);
-  session->streamed = hello.streamed_transfers() && options_.streamed_transfers;
-  session->max_patch_format = MaxPatchFormat(hello);
-  session->selection = std::move(selection);
-  ClassifyHello(hello, *session);
-  if (hello.want_keyframe()) {
-    session->all_keyframes = true;
-    session->keyframe_reason = "Hello.want_keyframe";
-  }
-  return session;
-}
-
-// Hello.tensors_selected, valid and selecting something of the newest version (every plan
-// checks again against its target); a shard's part (tensors_selected_partial) may select
-// nothing here.
-absl::StatusOr<sync::TensorSelection> DataPlaneService::HelloSelection(
-    const v1::Hello& hello) const {
-  REFIT_ASSIGN_OR_RETURN(
-      sync::TensorSelection selection,
-      sync::TensorSelection::Make(std::vector<std::string>(hello.tensors_selected().begin(),
-                                                           hello.tensors_selected().end()),
-                                  "Hello.tensors_selected"));
-  if (hello.tensors_selected_partial() && !selection.all()) selection = selection.AsPart();
-  const std::vector<BaselineTensor> newest = core_->Baseline();
-  if (selection.all() || newest.empty()) return selection;
-  std::vector<v1::TensorSpec> manifest;
-  manifest.reserve(newest.size());
-  for (const BaselineTensor& t : newest) manifest.push_back(t.spec);
-  absl::Status st = selection.CheckCovered(
-      manifest, absl::StrCat("version ", core_->newest_version(), " of publisher ", options_.name));
-  if (!st.ok()) {
-    return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "Hello.tensors_selected");
-  }
-  return selection;
-}
-
-void DataPlaneService::LogHello(const Session& s, const v1::Hello& hello) const {
-  log_->info(
-      "session {}: subscriber {} ({}{}) hello at version {} ({}), {} stripes "
-      "granted, frames of {} bytes{}{}{}",
-      Hex64(s.id), s.name, s.address, s.identity.empty() ? "" : ", identity " + s.identity,
-      hello.version(), sync::DescribeLineage(hello.lineage()), s.granted_stripes, s.frame_bytes,
-      s.lz4 ? ", lz4" : "", s.progress ? ", paced by progress" : "",
-      s.selection.all() ? "" : ", selects " + Printable(s.selection.Describe(), 200));
-  if (!s.diverged.empty()) {
-    log_->warn(
-        "session {}: subscriber {} diverged: {}: it gets keyframes; its version "
-        "does not change this publisher's numbering",
-        Hex64(s.id), s.name, s.diverged);
-  } else if (!s.verified) {
-    log_->warn(
-        "session {}: subscriber {} holds version {} with digest {}, not this "
-        "publisher's: diverged, it gets keyframes of the next version",
-        Hex64(s.id), s.name, hello.version(), Hex64(hello.version_digest()));
-  }
 }
 
 grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStream* stream,

@@ -26,6 +26,21 @@ namespace {
 // How often an idle session looks for a newer version without being notified.
 constexpr absl::Duration kIdleTick = absl::Seconds(1);
 
+// The header message of transfer `t`: its reason RETRY after a rejection (`retry`), REQUESTED
+// when the session asked for keyframes (unless it bootstraps).
+v1::PublisherMessage HeaderMessage(const Transfer& t, bool retry, const TransferOptions& topts) {
+  v1::PublisherMessage header_msg;
+  *header_msg.mutable_header() = t.Header();
+  if (retry && header_msg.header().reason() == v1::TRANSFER_REASON_NEXT_VERSION) {
+    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_RETRY);
+  }
+  if ((!topts.plan.keyframe_tensors.empty() || topts.plan.all_keyframes) &&
+      header_msg.header().reason() != v1::TRANSFER_REASON_BOOTSTRAP) {
+    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
+  }
+  return header_msg;
+}
+
 }  // namespace
 
 void DataPlaneService::OnLiveOpened(std::shared_ptr<const LiveVersion> live) {
@@ -117,20 +132,6 @@ absl::StatusOr<std::shared_ptr<const Transfer>> DataPlaneService::MakeSessionTra
   }
   if (made.ok() && (*made)->up_to_date()) return std::shared_ptr<const Transfer>();
   return made;
-}
-
-v1::PublisherMessage DataPlaneService::HeaderMessage(const Transfer& t, const LoopState& loop,
-                                                     const TransferOptions& topts) {
-  v1::PublisherMessage header_msg;
-  *header_msg.mutable_header() = t.Header();
-  if (loop.rejections > 0 && header_msg.header().reason() == v1::TRANSFER_REASON_NEXT_VERSION) {
-    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_RETRY);
-  }
-  if ((!topts.plan.keyframe_tensors.empty() || topts.plan.all_keyframes) &&
-      header_msg.header().reason() != v1::TRANSFER_REASON_BOOTSTRAP) {
-    header_msg.mutable_header()->set_reason(v1::TRANSFER_REASON_REQUESTED);
-  }
-  return header_msg;
 }
 
 absl::Status DataPlaneService::SendFrames(SyncStream* stream,
@@ -337,7 +338,7 @@ absl::Status DataPlaneService::TransferLoop(SyncStream* stream,
       loop.idle = true;
       continue;
     }
-    const v1::PublisherMessage header_msg = HeaderMessage(*t, loop, topts);
+    const v1::PublisherMessage header_msg = HeaderMessage(*t, loop.rejections > 0, topts);
     const absl::Time start = absl::Now();
     REFIT_ASSIGN_OR_RETURN(const v1::VersionEnd end,
                            SendTransfer(stream, session, t, header_msg, streams));

@@ -1,8 +1,8 @@
 // DataPlaneService's session registry and status: construction and shutdown, the sessions'
 // registration and end, the publish notifications and the versions every session acked
-// (WaitAllAcked, LastFullyAcked), Control's Sessions and Resync. The other members:
-// data_plane_hello.cc (Hello, Welcome), data_plane_send.cc (the transfer loop, plain and
-// streamed), data_plane_stripes.cc (frames over the streams, Stripe), data_plane_acks.cc (the
+// (WaitAllAcked; LastFullyAcked through FullyAckedTracker), Control's Sessions and Resync. The
+// other members: data_plane_hello.cc (Hello, Welcome), data_plane_send.cc (the transfer loop, plain
+// and streamed), data_plane_stripes.cc (frames over the streams, Stripe), data_plane_acks.cc (the
 // subscriber's messages, Acks and retries).
 #include <algorithm>
 #include <set>
@@ -27,7 +27,16 @@
 namespace refit::publisher {
 
 DataPlaneService::DataPlaneService(PublisherCore* core, DataPlaneOptions options)
-    : core_(core), options_(std::move(options)), log_(Logger(options_.logger)) {
+    : core_(core),
+      options_(std::move(options)),
+      log_(Logger(options_.logger)),
+      acked_([this](const v1::RefitStats& stats, std::optional<uint64_t> refit_micros) {
+        // codec.patch_format auto learns from it (the chooser's own leaf lock, not the core's).
+        if (refit_micros.has_value()) core_->NoteRefitLatency(stats.version(), *refit_micros);
+        if (options_.metrics != nullptr) {
+          options_.metrics->FullyAcked(absl::Microseconds(stats.latency_micros()));
+        }
+      }) {
   if (options_.streamed_transfers) {
     core_->SetLiveListener(
         [this](std::shared_ptr<const LiveVersion> live) { OnLiveOpened(std::move(live)); },
@@ -72,64 +81,17 @@ void DataPlaneService::NotifyPublished() {
   absl::MutexLock lock(&mu_);
   ++epoch_;
   if (version == 0) return;
-  PendingVersion p;
-  p.version = version;
-  p.snapshot_unix_nanos = snapshot;
-  // A streamed version may be acked before this runs (the End leaves before the publisher's
-  // bookkeeping): such sessions count as acked at their Ack's time.
-  bool any_session = false;
+  std::vector<std::pair<uint64_t, FullyAckedTracker::SessionAck>> live;
   for (const auto& [id, s] : sessions_) {
     if (s->ended) continue;
-    any_session = true;
-    if (s->acked_version < version) {
-      p.waiting.insert(id);
-    } else {
-      p.last_ack_unix_nanos = std::max(p.last_ack_unix_nanos, s->acked_unix_nanos);
-    }
+    live.push_back({id,
+                    {.ended = false,
+                     .acked_version = s->acked_version,
+                     .acked_unix_nanos = s->acked_unix_nanos}});
   }
-  p.measured = any_session;
-  pending_.push_back(std::move(p));
-  while (pending_.size() > 64) pending_.pop_front();
-  NoteAckedLocked();
-}
-
-void DataPlaneService::NoteAckedLocked() {
-  // Drop sessions that acked or ended from every pending version; a version whose waiting set
-  // empties is fully acked (they complete in order because sessions ack in version order).
-  while (!pending_.empty()) {
-    PendingVersion& p = pending_.front();
-    for (auto it = p.waiting.begin(); it != p.waiting.end();) {
-      auto s = sessions_.find(*it);
-      if (s == sessions_.end() || s->second->ended || s->second->acked_version >= p.version) {
-        if (s == sessions_.end() || s->second->acked_version < p.version) {
-          p.measured = false;
-        } else {
-          p.last_ack_unix_nanos = std::max(p.last_ack_unix_nanos, s->second->acked_unix_nanos);
-        }
-        it = p.waiting.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (!p.waiting.empty()) break;
-    v1::RefitStats stats;
-    stats.set_version(p.version);
-    stats.set_wire_bytes(p.wire_bytes);
-    const uint64_t now = NowUnixNanos();
-    stats.set_latency_micros(now > p.snapshot_unix_nanos ? (now - p.snapshot_unix_nanos) / 1000
-                                                         : 0);
-    stats.set_digests_verified(true);
-    stats.set_finished_unix_nanos(now);
-    // codec.patch_format auto learns from it (the chooser's own leaf lock, not the core's).
-    if (p.measured && p.last_ack_unix_nanos > p.snapshot_unix_nanos) {
-      core_->NoteRefitLatency(p.version, (p.last_ack_unix_nanos - p.snapshot_unix_nanos) / 1000);
-    }
-    if (options_.metrics != nullptr) {
-      options_.metrics->FullyAcked(absl::Microseconds(stats.latency_micros()));
-    }
-    last_fully_acked_ = stats;
-    pending_.pop_front();
-  }
+  acked_.Published(version, snapshot, live, [&](uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return SessionAckOf(sessions_, id);
+  });
 }
 
 std::vector<v1::SessionStatus> DataPlaneService::Sessions() const {
@@ -185,7 +147,7 @@ absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadlin
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (shutdown_) return true;
     for (const auto& [id, s] : sessions_) {
-      if (!s->ended && !CaughtUp(*s, version)) return false;
+      if (!s->ended && !s->CaughtUp(version)) return false;
     }
     return true;
   };
@@ -193,7 +155,7 @@ absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadlin
   if (shutdown_) return absl::UnavailableError("publisher shutting down");
   std::vector<std::string> behind;
   for (const auto& [id, s] : sessions_) {
-    if (s->ended || CaughtUp(*s, version)) continue;
+    if (s->ended || s->CaughtUp(version)) continue;
     std::string why = absl::StrCat("subscriber ", s->name, " at version ", s->acked_version);
     if (!s->verified) absl::StrAppend(&why, " with another digest (diverged)");
     if (!s->diverged.empty()) absl::StrAppend(&why, " (", s->diverged, ")");
@@ -204,14 +166,7 @@ absl::Status DataPlaneService::WaitAllAcked(uint64_t version, absl::Time deadlin
                                                   ": ", absl::StrJoin(behind, ", ")));
 }
 
-bool DataPlaneService::CaughtUp(const Session& s, uint64_t version) {
-  return s.verified && s.acked_version >= version;
-}
-
-v1::RefitStats DataPlaneService::LastFullyAcked() const {
-  absl::MutexLock lock(&mu_);
-  return last_fully_acked_;
-}
+v1::RefitStats DataPlaneService::LastFullyAcked() const { return acked_.LastFullyAcked(); }
 
 // Adds the session unless shutting down or at transport.max_subscribers.
 absl::Status DataPlaneService::RegisterSession(const std::shared_ptr<Session>& session) {
@@ -236,7 +191,8 @@ void DataPlaneService::EndSession(Session& s, const grpc::Status& status) {
     s.context = nullptr;
     sessions_.erase(s.id);
     ++epoch_;
-    NoteAckedLocked();
+    acked_.Update([&](uint64_t id)
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return SessionAckOf(sessions_, id); });
   }
   if (status.ok() || status.error_code() == grpc::StatusCode::CANCELLED) {
     log_->info("session {}: subscriber {} left at version {}: {}", Hex64(s.id), s.name,

@@ -27,12 +27,10 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -41,10 +39,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/metrics/refit_metrics.h"
+#include "daemon/serving/fully_acked_tracker.h"
 #include "daemon/serving/publisher_core.h"
-#include "spdlog/spdlog.h"
 #include "refit/v1/control.pb.h"
 #include "refit/v1/data.grpc.pb.h"
+#include "spdlog/spdlog.h"
 
 namespace refit::publisher {
 
@@ -113,9 +112,9 @@ class DataPlaneService final : public v1::DataPlane::Service {
   DataPlaneService(PublisherCore* core, DataPlaneOptions options);
   ~DataPlaneService() override;
 
-  grpc::Status Sync(grpc::ServerContext* context,
-                    grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream)
-      override;
+  grpc::Status Sync(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>* stream) override;
   grpc::Status Stripe(grpc::ServerContext* context, const v1::StripeRequest* request,
                       grpc::ServerWriter<v1::DataFrame>* writer) override;
 
@@ -156,30 +155,20 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // Empty RefitStats (version 0) until then.
   v1::RefitStats LastFullyAcked() const;
 
- private:
+  // The state of one Sync session (data_plane_session.h, shared by the service's .cc files
+  // only). Named here so that the Hello helpers of data_plane_hello.cc can be free functions.
   struct Session;
+
+ private:
   struct Work;
-  // A published version waiting for the sessions live at publish time to ack it.
-  struct PendingVersion {
-    uint64_t version = 0;
-    uint64_t snapshot_unix_nanos = 0;
-    std::set<uint64_t> waiting;  // session ids
-    uint64_t wire_bytes = 0;
-    // Every session it waited for acked it (none ended first, and there was one): the last of
-    // their Acks (last_ack_unix_nanos) minus the snapshot measures a refit
-    // (PublisherCore::NoteRefitLatency). Sessions that acked a streamed version before it was
-    // noted here count with their Ack's time.
-    bool measured = true;
-    uint64_t last_ack_unix_nanos = 0;
-  };
   using SyncStream = grpc::ServerReaderWriter<v1::PublisherMessage, v1::SubscriberMessage>;
   // TransferLoop's state between transfers.
   struct LoopState {
     uint32_t rejections = 0;  // consecutive
     absl::Time retry_at = absl::InfinitePast();
-    bool idle = false;        // nothing to send as of idle_epoch
+    bool idle = false;  // nothing to send as of idle_epoch
     uint64_t idle_epoch = 0;
-    bool repair = false;      // AwaitTurn: a repair of the acked version is asked for
+    bool repair = false;  // AwaitTurn: a repair of the acked version is asked for
   };
 
   grpc::Status RunSession(grpc::ServerContext* context, SyncStream* stream,
@@ -197,8 +186,6 @@ class DataPlaneService final : public v1::DataPlane::Service {
   absl::StatusOr<std::shared_ptr<const Transfer>> MakeSessionTransfer(
       const Session& session, uint64_t base_version, uint64_t base_digest, TransferOptions topts,
       uint32_t* streams, bool repair = false) const;
-  static v1::PublisherMessage HeaderMessage(const Transfer& t, const LoopState& loop,
-                                            const TransferOptions& topts);
   // VersionHeader, every frame over the carrying streams, VersionEnd (returned).
   absl::StatusOr<v1::VersionEnd> SendTransfer(SyncStream* stream,
                                               const std::shared_ptr<Session>& session,
@@ -208,7 +195,8 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // SendTransfer's and SendStreamed's common part: marks the transfer in flight, writes the
   // header, then every frame of `work` over its streams; OK once all are written.
   absl::Status SendFrames(SyncStream* stream, const std::shared_ptr<Session>& session,
-                          const std::shared_ptr<Work>& work, const v1::PublisherMessage& header_msg);
+                          const std::shared_ptr<Work>& work,
+                          const v1::PublisherMessage& header_msg);
   absl::StatusOr<v1::Ack> AwaitAck(const std::shared_ptr<Session>& session);
   // After an Ack of `version` (target digest `version_digest`).
   absl::Status NoteApplied(const std::shared_ptr<Session>& session, uint64_t version,
@@ -254,20 +242,10 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // next turn. A tensor this publisher does not hold: INVALID_ARGUMENT.
   absl::Status NoteKeyframeRequest(Session& session, const v1::KeyframeRequest& req)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void NoteAckedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hello's version, digest and lineage against this publisher's (data.proto "Versions and
-  // lineage"): sets the session's base (0 when diverged) and whether it holds our version.
-  void ClassifyHello(const v1::Hello& hello, Session& session) const;
-  // Sync's steps (after CheckHello): the session a Hello asks for, its registration (refused
-  // while shutting down or at max_subscribers), its log lines, and its end.
-  std::shared_ptr<Session> NewSession(grpc::ServerContext* context, const v1::Hello& hello,
-                                      sync::TensorSelection selection) const;
-  absl::StatusOr<sync::TensorSelection> HelloSelection(const v1::Hello& hello) const;
+  // Sync's steps (after the Hello's checks and the session it asks for, data_plane_hello.cc):
+  // its registration (refused while shutting down or at max_subscribers), and its end.
   absl::Status RegisterSession(const std::shared_ptr<Session>& session);
-  void LogHello(const Session& s, const v1::Hello& hello) const;
   void EndSession(Session& s, const grpc::Status& status);
-  // The session holds a version >= `version` of this publisher (lineage and digest).
-  static bool CaughtUp(const Session& s, uint64_t version);
 
   PublisherCore* const core_;
   const DataPlaneOptions options_;
@@ -278,8 +256,8 @@ class DataPlaneService final : public v1::DataPlane::Service {
   // Incremented by NotifyPublished / Shutdown / Resync; sessions wait on mu_ for a change.
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  v1::RefitStats last_fully_acked_ ABSL_GUARDED_BY(mu_);
-  std::deque<PendingVersion> pending_ ABSL_GUARDED_BY(mu_);
+  // The published versions waiting for the sessions' Acks (its own lock, after mu_).
+  FullyAckedTracker acked_;
   // The newest live version the core opened (streamed transfers); null before any.
   std::shared_ptr<const LiveVersion> live_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> bytes_sent_{0};

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -116,7 +117,20 @@ struct DataPlaneService::Session {
   uint64_t bytes_sent = 0;
   std::vector<uint64_t> stream_bytes_sent;  // index 0 = Sync, i = stripe i
   v1::RefitStats last_refit;
+
+  // It holds a version >= `version` of this publisher (lineage and digest).
+  bool CaughtUp(uint64_t version) const { return verified && acked_version >= version; }
 };
+
+// The registered session `id` as the FullyAckedTracker sees it (read under the service's mu_).
+inline std::optional<FullyAckedTracker::SessionAck> SessionAckOf(
+    const std::map<uint64_t, std::shared_ptr<DataPlaneService::Session>>& sessions, uint64_t id) {
+  auto it = sessions.find(id);
+  if (it == sessions.end()) return std::nullopt;
+  const DataPlaneService::Session& s = *it->second;
+  return FullyAckedTracker::SessionAck{
+      .ended = s.ended, .acked_version = s.acked_version, .acked_unix_nanos = s.acked_unix_nanos};
+}
 
 }  // namespace refit::publisher
 

@@ -1,7 +1,7 @@
 // PublisherCore's construction, state accessors and Reset. Its other members:
 // publisher_core_publish.cc (Publish), transfer.cc (MakeTransfer), publisher_core_live.cc (live
-// versions), publisher_core_relay.cc (relayed versions), publisher_core_persist.cc (persistence,
-// restart).
+// versions), publisher_core_relay.cc (relayed versions), publisher_core_persist.cc (restart; the
+// persistence itself is publisher_persistence.cc).
 #include "daemon/serving/publisher_core.h"
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/serving/baseline_persister.h"
+#include "daemon/serving/publisher_persistence.h"
 #include "daemon/serving/version_inputs.h"
 #include "daemon/sync/versions.h"
 
@@ -21,14 +21,6 @@ PublisherCore::PublisherCore(const PublisherOptions& options)
     : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {
   if (options_.patch_format_auto)
     chooser_ = std::make_unique<FormatChooser>(options_.format_chooser);
-}
-
-std::optional<PublisherOptions> PublisherCore::AutoFormatOptions(uint64_t version,
-                                                                 uint64_t prev_version) const {
-  if (chooser_ == nullptr || prev_version == 0) return std::nullopt;  // a first version: keyframes
-  PublisherOptions o = options_;
-  o.patch_format = chooser_->FormatFor(version);
-  return o;
 }
 
 void PublisherCore::NoteRefitLatency(uint64_t version, uint64_t micros) {
@@ -50,19 +42,15 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));
     absl::MutexLock lock(&core->mu_);
     core->lineage_ = options.lineage != 0 ? options.lineage : sync::NewLineage();
-    core->baseline_status_.set_state(v1::BASELINE_STATE_DISABLED);
     return core;
   }
   std::vector<std::string> removed;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<PersistDir> dir,
                          PersistDir::Open(options.persist_dir, &removed));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<PublisherCore> core,
-                         OpenPersisted(options, std::move(dir)));
-  core->removed_temps_ = std::move(removed);
-  return core;
+  return OpenPersisted(options, std::move(dir), std::move(removed));
 }
 
-PublisherCore::~PublisherCore() { persister_.reset(); }
+PublisherCore::~PublisherCore() { persistence_.reset(); }
 
 uint64_t PublisherCore::newest_version() const {
   absl::ReaderMutexLock lock(&mu_);
@@ -80,7 +68,7 @@ uint64_t PublisherCore::lineage() const {
 }
 
 absl::Status PublisherCore::Reset(uint64_t lineage) {
-  if (dir_ != nullptr) {
+  if (persistence_ != nullptr) {
     return absl::FailedPreconditionError("a publisher with a persist_dir keeps its lineage");
   }
   absl::MutexLock publish_lock(&publish_mu_);

@@ -30,6 +30,7 @@
 #include "cuda/device.h"
 #include "daemon/codec/dtype.h"
 #include "daemon/serving/format_chooser.h"
+#include "daemon/serving/live_listener.h"
 #include "daemon/serving/live_version.h"
 #include "daemon/serving/persist_dir.h"
 #include "daemon/serving/publish_guard.h"
@@ -229,12 +230,11 @@ struct BaselineTensor {
 // persistence still holds it, the tensor gets a new buffer copied from the caller's bytes
 // (copy-on-write), so every holder keeps seeing the version it took.
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
-class BaselinePersister;
-struct BaselineSnapshot;
-struct PersisterStart;
+class PublisherPersistence;
 struct LogReplay;
 struct LogRecord;
 struct Encoded;
+struct LiveEnds;
 
 class PublisherCore {
  public:
@@ -303,7 +303,7 @@ class PublisherCore {
   // FailedPrecondition without persistence.
   absl::Status WaitPersisted(uint64_t version, absl::Time deadline) const;
   // Temporary files of interrupted writes removed from persist_dir at Open.
-  const std::vector<std::string>& removed_temp_files() const { return removed_temps_; }
+  const std::vector<std::string>& removed_temp_files() const;
   // Without persistence only (a subscriber serving peers whose upstream changed lineage):
   // forgets every version and takes `lineage`. FailedPrecondition with a persist_dir.
   absl::Status Reset(uint64_t lineage);
@@ -327,9 +327,6 @@ class PublisherCore {
                                            const sync::TensorSelection* selection = nullptr) const {
     return history_.VersionDigestOf(version, format, selection);
   }
-
-  // Where the baseline is persisted (persist_dir/baseline.safetensors).
-  static std::string BaselinePath(const std::string& persist_dir);
 
   // Streamed transfers: `on_open` is called when a Publish starts its pass over a version with a
   // base (the CPU one pass, a previous version published), with the LiveVersion of that version;
@@ -366,35 +363,23 @@ class PublisherCore {
 
  private:
   explicit PublisherCore(const PublisherOptions& options);
-  // Writes baseline.safetensors at `s` (the persister's compaction).
-  absl::Status Persist(const BaselineSnapshot& s) const;
-  // The newest version for a compaction.
-  BaselineSnapshot PersistSnapshot() const;
-  // After the baseline at `base_version` (lineage `lineage`) is loaded: replays
-  // persist_dir/patches.log (records above it) into the baseline and the history; fills the
-  // persister's start state and `status` (load_error when the log was unusable).
-  void ReplayPersistedLog(const PersistDir& dir, uint64_t base_version, uint64_t lineage,
-                          v1::BaselineStatus* status, PersisterStart* start);
   // The replayed versions into the history (with their patches), the baseline and the newest.
   absl::Status RecordReplayed(uint64_t base_version, const LogReplay& replay);
-  void StartPersister(PersisterStart start);
   // Loads `path` (absent: OK, nothing loaded); *lineage = its refit.lineage (0 when absent).
   absl::Status LoadPersisted(const std::string& path, uint64_t* lineage);
-  // Open with persist_dir: the baseline and lineage from `dir`.
+  // Open with persist_dir: the baseline and lineage from `dir` (PersistDir::Open removed
+  // `removed_temps`), then the persistence started.
   static absl::StatusOr<std::unique_ptr<PublisherCore>> OpenPersisted(
-      const PublisherOptions& options, std::unique_ptr<PersistDir> dir);
+      const PublisherOptions& options, std::unique_ptr<PersistDir> dir,
+      std::vector<std::string> removed_temps);
   // Publish: the lineage file records `version` before it becomes visible.
   void RecordNumbered(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
-  void NotePersist(uint64_t version, const absl::Status& st);
   // Publish: the live version of `version` on top of `prev` (null without a listener, a base or
   // the CPU one pass), announced to the listener.
   std::shared_ptr<LiveVersion> OpenLive(uint64_t version, uint64_t prev_version,
                                         const std::vector<BaselineTensor>& prev,
                                         const std::vector<v1::TensorSpec>& specs,
                                         const std::vector<size_t>& order, uint64_t snapshot_nanos);
-  void NotifyLiveChange();
-  // The VersionEnd of `prev_version` -> `version` (just committed) for the live version, with
-  // its digests in `format` (NotFound for v2 when either version has no v2 digests).
   // Publish's steps. The checks of a version number and its inputs before any encoding (specs
   // and name order out).
   absl::Status CheckPublishable(uint64_t version, uint64_t prev_version,
@@ -405,17 +390,6 @@ class PublisherCore {
   // The newest version's fields once `version` is recorded (digest and figures from `sum`).
   void SetNewestLocked(uint64_t version, const PublishSummary& sum)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Keeps `counts` and forgets those of versions the history no longer holds.
-  struct VersionCounts;
-  void RecordCountsLocked(VersionCounts counts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The live version's VersionEnd in both digest formats (v2 absent when either version lacks
-  // v2 digests).
-  struct LiveEnds {
-    absl::StatusOr<v1::VersionEnd> v1 = absl::UnknownError("no live version");
-    std::optional<v1::VersionEnd> v2;
-  };
-  LiveEnds LiveEndsLocked(uint64_t prev_version, uint64_t version, const PublishSummary& sum) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Publish's commit, in two steps under mu_. First the version's digests go into the history
   // (its version digest into `sum`) and, with a live version, its Ends are made; the newest
   // version and the baseline stay the previous ones, so nothing can ask for the new version's
@@ -437,21 +411,13 @@ class PublisherCore {
   void CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live, Encoded* enc,
                           std::optional<LogRecord>* record, PublishSummary* sum)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Publish's last step with persistence: the version's log record to the persister.
-  void EnqueueRecord(LogRecord&& record, uint64_t lineage, PublishSummary* sum);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
                       std::vector<BaselineTensor>& next,
                       std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,
                       VersionCounts counts, const PublishSummary& sum)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<v1::VersionEnd> LiveEndLocked(uint64_t prev_version, uint64_t version,
-                                               const PublishSummary& sum,
-                                               sync::DigestFormat format) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const PublisherOptions options_;
-  std::unique_ptr<PersistDir> dir_;  // with persist_dir
-  std::vector<std::string> removed_temps_;
   sync::PatchHistory history_;
   absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serialises Publish
   mutable absl::Mutex mu_;
@@ -464,37 +430,21 @@ class PublisherCore {
   std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // name order
   uint64_t lineage_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;
-  mutable v1::BaselineStatus baseline_status_ ABSL_GUARDED_BY(mu_);
   // Encoder changed-element counts per retained version and tensor (for VersionEnd).
-  struct VersionCounts {
-    uint64_t version = 0;
-    std::vector<std::pair<std::string, uint64_t>> changed;  // name order
-  };
   std::vector<VersionCounts> counts_ ABSL_GUARDED_BY(mu_);
-  // MakeTransfer's steps: the encoder's changed elements of tensor `name` summed over the
-  // plan's chain (base_version, version]; every planned tensor's objects (keyframe or patch
-  // chain) added to `t` from the baseline and counts copied under the lock.
-  static uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
-                                       const sync::TransferPlan& plan, const std::string& name);
-  static absl::Status AddTransferObjects(const std::vector<BaselineTensor>& baseline,
-                                         const std::vector<VersionCounts>& counts,
-                                         const TransferOptions& options, Transfer& t);
   // GPU encoding: the newest version's tensors on their devices (or pinned), by name; a subset
   // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
   std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
       ABSL_GUARDED_BY(publish_mu_);
   // Wire bytes of the newest version from its previous one (a live version's size estimate).
   uint64_t newest_wire_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  mutable absl::Mutex live_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::function<void(std::shared_ptr<const LiveVersion>)> live_open_ ABSL_GUARDED_BY(live_mu_);
-  std::function<void()> live_change_ ABSL_GUARDED_BY(live_mu_);
-  // With persist_dir: the background persister (patch log + compaction). Destroyed first.
-  std::unique_ptr<BaselinePersister> persister_;
+  // The streamed transfers' listener (its own lock; ordered after mu_ where both are held).
+  LiveListener live_listener_;
+  // With persist_dir: the lineage file, the background persister (patch log + compaction) and
+  // the baseline status. Destroyed first (~PublisherCore).
+  std::unique_ptr<PublisherPersistence> persistence_;
   // patch_format_auto only (thread-safe itself).
   std::unique_ptr<FormatChooser> chooser_;
-  // patch_format_auto: the options delta version `version` is encoded with (the chooser's
-  // format); nullopt without auto or for a first version (keyframes only).
-  std::optional<PublisherOptions> AutoFormatOptions(uint64_t version, uint64_t prev_version) const;
 };
 
 }  // namespace refit::publisher

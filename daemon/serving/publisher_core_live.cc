@@ -10,14 +10,7 @@ namespace refit::publisher {
 
 void PublisherCore::SetLiveListener(std::function<void(std::shared_ptr<const LiveVersion>)> on_open,
                                     std::function<void()> on_change) {
-  absl::MutexLock lock(&live_mu_);
-  live_open_ = std::move(on_open);
-  live_change_ = std::move(on_change);
-}
-
-void PublisherCore::NotifyLiveChange() {
-  absl::MutexLock lock(&live_mu_);
-  if (live_change_) live_change_();
+  live_listener_.Set(std::move(on_open), std::move(on_change));
 }
 
 std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t prev_version,
@@ -26,10 +19,7 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
                                                      const std::vector<size_t>& order,
                                                      uint64_t snapshot_nanos) {
   if (prev_version == 0 || options_.device != nullptr || !options_.cpu_one_pass) return nullptr;
-  {
-    absl::MutexLock lock(&live_mu_);
-    if (!live_open_) return nullptr;
-  }
+  if (!live_listener_.listening()) return nullptr;
   v1::VersionHeader h;
   uint64_t expected = 0;
   uint64_t base_digest = 0;
@@ -58,34 +48,33 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
       tp->set_delivery(v1::DELIVERY_KEYFRAME);
     }
   }
-  auto live = std::make_shared<LiveVersion>(std::move(h), expected, [this] { NotifyLiveChange(); });
+  auto live =
+      std::make_shared<LiveVersion>(std::move(h), expected, [this] { live_listener_.Changed(); });
   live->set_base_version_digests(base_digest, base_digest_v2);
-  absl::MutexLock lock(&live_mu_);
-  if (live_open_) live_open_(live);
+  live_listener_.Opened(live);
   return live;
 }
 
-PublisherCore::LiveEnds PublisherCore::LiveEndsLocked(uint64_t prev_version, uint64_t version,
-                                                      const PublishSummary& sum) const {
+LiveEnds LiveEndsOf(const sync::PatchHistory& history, uint64_t prev_version, uint64_t version,
+                    const PublishSummary& sum) {
   LiveEnds ends;
-  ends.v1 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV1);
-  if (auto v2 = LiveEndLocked(prev_version, version, sum, sync::DigestFormat::kV2); v2.ok()) {
+  ends.v1 = LiveEndOf(history, prev_version, version, sum, sync::DigestFormat::kV1);
+  if (auto v2 = LiveEndOf(history, prev_version, version, sum, sync::DigestFormat::kV2); v2.ok()) {
     ends.v2 = *std::move(v2);
   }
   return ends;
 }
 
-absl::StatusOr<v1::VersionEnd> PublisherCore::LiveEndLocked(uint64_t prev_version, uint64_t version,
-                                                            const PublishSummary& sum,
-                                                            sync::DigestFormat format) const {
+absl::StatusOr<v1::VersionEnd> LiveEndOf(const sync::PatchHistory& history, uint64_t prev_version,
+                                         uint64_t version, const PublishSummary& sum,
+                                         sync::DigestFormat format) {
   // The same digests and version digest as the committed path's End (Transfer::End).
-  REFIT_ASSIGN_OR_RETURN(const uint64_t prev_digest,
-                         history_.VersionDigestOf(prev_version, format));
-  REFIT_RETURN_IF_ERROR(history_.VersionDigestOf(version, format).status());
+  REFIT_ASSIGN_OR_RETURN(const uint64_t prev_digest, history.VersionDigestOf(prev_version, format));
+  REFIT_RETURN_IF_ERROR(history.VersionDigestOf(version, format).status());
   sync::PlanOptions po;
   po.digest_format = format;
   REFIT_ASSIGN_OR_RETURN(const sync::TransferPlan plan,
-                         history_.Plan(prev_version, prev_digest, version, po));
+                         history.Plan(prev_version, prev_digest, version, po));
   v1::VersionEnd e = plan.End();
   e.set_version(version);
   e.set_changed_elements(sum.changed_elements);

@@ -1,5 +1,6 @@
-// PublisherCore's persistence and restart: the baseline reloaded and the patch log replayed at
-// Open, the persister's callbacks (baseline files, snapshots, results), the lineage file.
+// PublisherCore's restart from its persist_dir: the baseline reloaded and the patch log replayed
+// at Open, then the persistence (publisher_persistence.h) started; its figures and the lineage
+// file's numbering through it.
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -19,20 +20,14 @@
 #include "daemon/serving/patch_log.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_core_internal.h"
+#include "daemon/serving/publisher_persistence.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
-namespace {
-
-constexpr char kBaselineFile[] = "baseline.safetensors";
-}  // namespace
-
-std::string PublisherCore::BaselinePath(const std::string& persist_dir) {
-  return (std::filesystem::path(persist_dir) / kBaselineFile).string();
-}
 
 absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
-    const PublisherOptions& options, std::unique_ptr<PersistDir> dir) {
+    const PublisherOptions& options, std::unique_ptr<PersistDir> dir,
+    std::vector<std::string> removed_temps) {
   const std::string path = dir->baseline_path();
   // A malformed lineage file counts as absent: the baseline's own lineage decides.
   absl::StatusOr<std::optional<LineageState>> recorded = dir->ReadLineage();
@@ -65,7 +60,11 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
   if (core->newest_version() > 0) {
     status.set_state(v1::BASELINE_STATE_LOADED);
     state.lineage = lineage != 0 ? lineage : has_file ? file.lineage : sync::NewLineage();
-    core->ReplayPersistedLog(*dir, core->newest_version(), state.lineage, &status, &start);
+    const uint64_t base_version = core->newest_version();
+    start = PublisherPersistence::Replay(
+        *dir, core->Baseline(), base_version, state.lineage, options,
+        [&](const LogReplay& replay) { return core->RecordReplayed(base_version, replay); },
+        &status);
     status.set_persisted_version(start.persisted_version);
     state.numbered = core->newest_version();
     if (has_file && file.lineage == state.lineage) {
@@ -75,13 +74,7 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
     if (status.state() == v1::BASELINE_STATE_UNSPECIFIED)
       status.set_state(v1::BASELINE_STATE_EMPTY);
     state.lineage = sync::NewLineage();
-    // A log without a usable baseline cannot be replayed: kept for inspection.
-    if (std::filesystem::exists(dir->log_path())) {
-      absl::StatusOr<std::string> moved = dir->MoveLogAside(dir->log_path());
-      Logger("persist")->warn("patch log {} has no usable baseline: {}", dir->log_path(),
-                              moved.ok() ? absl::StrCat("moved aside to ", *moved)
-                                         : std::string(moved.status().message()));
-    }
+    PublisherPersistence::MoveOrphanLogAside(*dir);
   }
   if (absl::Status st = dir->WriteLineage(state, options.persist_fsync); !st.ok()) {
     status.set_last_persist_error(std::string(st.message()));
@@ -91,60 +84,20 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
     absl::MutexLock lock(&core->mu_);
     core->lineage_ = state.lineage;
     core->numbered_ = state.numbered;
-    core->baseline_status_ = status;
-    core->dir_ = std::move(dir);
   }
-  core->StartPersister(std::move(start));
+  core->persistence_ = std::make_unique<PublisherPersistence>(
+      options, std::move(dir), std::move(removed_temps), std::move(status), state.numbered);
+  // The persister's compaction: the newest version, read together under the core's lock.
+  PublisherCore* c = core.get();
+  core->persistence_->Start(std::move(start), [c]() {
+    absl::ReaderMutexLock lock(&c->mu_);
+    return BaselineSnapshot{.version = c->newest_version_,
+                            .version_digest = c->newest_digest_,
+                            .snapshot_unix_nanos = c->snapshot_unix_nanos_,
+                            .lineage = c->lineage_,
+                            .tensors = c->baseline_};
+  });
   return core;
-}
-
-void PublisherCore::ReplayPersistedLog(const PersistDir& dir, uint64_t base_version,
-                                       uint64_t lineage, v1::BaselineStatus* status,
-                                       PersisterStart* start) {
-  auto log = Logger("persist");
-  const std::string log_path = dir.log_path();
-  start->baseline_version = base_version;
-  start->persisted_version = base_version;
-  absl::StatusOr<LogReadResult> read = ReadPatchLog(log_path);
-  if (absl::IsNotFound(read.status())) return;  // none yet: the first record starts one
-  LogReplay replay;
-  if (read.ok()) {
-    replay = ReplayLog(Baseline(), base_version, lineage, *read, log_path, options_.encode_threads);
-    if (absl::Status st = RecordReplayed(base_version, replay); !st.ok()) replay.stopped = st;
-  } else {
-    replay.stopped = read.status();
-  }
-  const uint64_t newest = newest_version();
-  if (!replay.versions.empty()) {
-    log->info(
-        "patch log {}: replayed versions {}..{} onto the baseline of version {} ({} "
-        "records at or below it skipped)",
-        log_path, replay.versions.front().version, newest, base_version, replay.skipped);
-  }
-  if (read.ok() && read->torn_tail) {
-    log->warn("patch log {}: torn record at offset {} (a crash while appending it): truncated",
-              log_path, read->valid_end);
-  }
-  if (replay.stopped.ok()) {
-    auto writer = PatchLogWriter::OpenForAppend(log_path, read->valid_end, options_.persist_fsync);
-    if (writer.ok()) {
-      start->log = std::move(*writer);
-      start->log_versions = static_cast<uint32_t>(replay.versions.size());
-      start->persisted_version = newest;
-      return;
-    }
-    replay.stopped = writer.status();
-  }
-  // Unusable from some record on: keep the file for inspection, write the newest replayed
-  // version as a baseline (the persister's first work), start a new log.
-  absl::StatusOr<std::string> moved = dir.MoveLogAside(log_path);
-  const std::string error = absl::StrCat(
-      replay.stopped.message(), "; the log ",
-      moved.ok() ? absl::StrCat("moved aside to ", *moved) : std::string(moved.status().message()),
-      "; serving version ", newest);
-  log->error("{}", error);
-  status->set_load_error(error);
-  start->compact_now = newest > base_version;
 }
 
 absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogReplay& replay) {
@@ -175,33 +128,13 @@ absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogRepla
   for (const ReplayedVersion& v : replay.versions) {
     counts_.push_back({.version = v.version, .changed = v.changed});
   }
-  counts_.erase(
-      std::remove_if(counts_.begin(), counts_.end(),
-                     [&](const VersionCounts& c) { return !history_.Contains(c.version); }),
-      counts_.end());
+  PruneCounts(history_, &counts_);
   newest_version_ = replay.versions.back().version;
   newest_digest_ = replay.versions.back().version_digest;
   snapshot_unix_nanos_ = replay.versions.back().snapshot_unix_nanos;
   baseline_ = replay.tensors;
   return absl::OkStatus();
 }
-
-void PublisherCore::StartPersister(PersisterStart start) {
-  PersisterOptions po;
-  po.log_path = dir_->log_path();
-  po.fsync = options_.persist_fsync;
-  po.compact_versions = options_.compact_log_versions;
-  po.compact_bytes = options_.compact_log_bytes;
-  po.max_queued_versions = options_.persist_max_queued_versions;
-  po.max_queued_bytes = options_.persist_max_queued_bytes;
-  po.before_write = options_.persist_hook;
-  persister_ = std::make_unique<BaselinePersister>(
-      std::move(po), std::move(start), [this](const BaselineSnapshot& s) { return Persist(s); },
-      [this] { return PersistSnapshot(); },
-      [this](uint64_t version, const absl::Status& st) { NotePersist(version, st); });
-}
-
-namespace {}  // namespace
 
 absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lineage_out) {
   *lineage_out = 0;
@@ -241,90 +174,36 @@ absl::Status PublisherCore::LoadPersisted(const std::string& path, uint64_t* lin
   return absl::OkStatus();
 }
 
-absl::Status PublisherCore::Persist(const BaselineSnapshot& s) const {
-  absl::Status st = WriteBaselineFile(dir_->baseline_path(), s, options_.persist_fsync);
-  if (!st.ok()) {
-    return Annotate(st, "persisting the baseline of version ", s.version);
-  }
-  return absl::OkStatus();
-}
-
-BaselineSnapshot PublisherCore::PersistSnapshot() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return {.version = newest_version_,
-          .version_digest = newest_digest_,
-          .snapshot_unix_nanos = snapshot_unix_nanos_,
-          .lineage = lineage_,
-          .tensors = baseline_};
-}
-
 absl::Status PublisherCore::WaitPersisted(uint64_t version, absl::Time deadline) const {
-  if (persister_ == nullptr) return absl::FailedPreconditionError("no baseline persistence");
-  return persister_->WaitPersisted(version, deadline);
-}
-
-void PublisherCore::EnqueueRecord(LogRecord&& record, uint64_t lineage, PublishSummary* sum) {
-  // After the commit, off this path: the persister's thread appends the record (or compacts);
-  // Publish returns, and subscribers are woken, without waiting for the disk.
-  const auto persist_start = Clock::now();
-  record.version_digest = sum->version_digest;
-  record.lineage = lineage;
-  persister_->Enqueue(std::move(record));
-  sum->persist_micros = MicrosSince(persist_start);
+  if (persistence_ == nullptr) return absl::FailedPreconditionError("no baseline persistence");
+  return persistence_->WaitPersisted(version, deadline);
 }
 
 v1::BaselineStatus PublisherCore::baseline_status() const {
+  if (persistence_ != nullptr) return persistence_->Status();
   v1::BaselineStatus out;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    out = baseline_status_;
-  }
-  if (persister_ != nullptr) {
-    const PersisterStats s = persister_->Stats();
-    out.set_persisted_version(s.persisted_version);
-    out.set_baseline_version(s.baseline_version);
-    out.set_log_versions(s.log_versions);
-    out.set_log_bytes(s.log_bytes);
-  }
+  out.set_state(v1::BASELINE_STATE_DISABLED);
   return out;
 }
 
+const std::vector<std::string>& PublisherCore::removed_temp_files() const {
+  static const std::vector<std::string>* const kNone = new std::vector<std::string>();
+  return persistence_ != nullptr ? persistence_->removed_temp_files() : *kNone;
+}
+
 void PublisherCore::RecordNumbered(uint64_t version) {
+  if (persistence_ == nullptr) return;
   uint64_t lineage = 0;
   {
     absl::ReaderMutexLock lock(&mu_);
-    if (dir_ == nullptr || version <= numbered_) return;
+    if (version <= numbered_) return;
     lineage = lineage_;
   }
-  absl::Status st =
-      dir_->WriteLineage({.lineage = lineage, .numbered = version}, options_.persist_fsync);
+  // A failed write leaves the version unnumbered; the persistence reports it in
+  // baseline_status() and the version is still published.
+  if (!persistence_->RecordNumbered(lineage, version).ok()) return;
   absl::MutexLock lock(&mu_);
-  if (st.ok()) {
-    numbered_ = version;
-    return;
-  }
-  // The version is still published: a restart may then number it again in this lineage, which
-  // subscribers detect by its digest (DIVERGED). Reported like a failed baseline persist.
-  baseline_status_.set_last_persist_error(
-      absl::StrCat("recording version ", version, ": ", st.message()));
-  baseline_status_.set_last_persist_error_unix_nanos(NowUnixNanos());
-  baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
-}
-
-void PublisherCore::NotePersist(uint64_t version, const absl::Status& st) {
-  absl::MutexLock lock(&mu_);
-  if (st.ok()) {
-    baseline_status_.set_persisted_version(version);
-    if (numbered_ >= version) {  // the lineage file is current too
-      baseline_status_.set_state(v1::BASELINE_STATE_PERSISTED);
-      baseline_status_.clear_last_persist_error();
-      baseline_status_.clear_last_persist_error_unix_nanos();
-    }
-    return;
-  }
-  baseline_status_.set_state(v1::BASELINE_STATE_PERSIST_FAILED);
-  baseline_status_.set_last_persist_error(std::string(st.message()));
-  baseline_status_.set_last_persist_error_unix_nanos(NowUnixNanos());
+  numbered_ = version;
 }
 
 }  // namespace refit::publisher

@@ -16,6 +16,7 @@
 #include "daemon/serving/patch_log.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_core_internal.h"
+#include "daemon/serving/publisher_persistence.h"
 #include "daemon/serving/version_inputs.h"
 #include "daemon/sync/versions.h"
 
@@ -66,6 +67,17 @@ void SettleLive(LiveVersion* live, absl::StatusOr<v1::VersionEnd> end,
   }
 }
 
+// patch_format_auto: the options delta version `version` is encoded with (the chooser's
+// format); nullopt without auto (no chooser) or for a first version (keyframes only).
+std::optional<PublisherOptions> AutoFormatOptions(const PublisherOptions& options,
+                                                  FormatChooser* chooser, uint64_t version,
+                                                  uint64_t prev_version) {
+  if (chooser == nullptr || prev_version == 0) return std::nullopt;  // a first version: keyframes
+  PublisherOptions o = options;
+  o.patch_format = chooser->FormatFor(version);
+  return o;
+}
+
 }  // namespace
 
 absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
@@ -103,7 +115,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
   const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
                           defer_v1};
-  const std::optional<PublisherOptions> chosen = AutoFormatOptions(version, prev_version);
+  const std::optional<PublisherOptions> chosen =
+      AutoFormatOptions(options_, chooser_.get(), version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
   REFIT_RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs,
@@ -115,7 +128,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   // The log record decides UNCHANGED against the previous version (as the history does); it
   // shares the patches and the dense tensors' buffers, never the caller's bytes.
   std::optional<LogRecord> record;
-  if (persister_ != nullptr) {
+  if (persistence_ != nullptr) {
     record = MakeLogRecord(version, prev_version, /*version_digest=*/0, /*lineage=*/0,
                            sum.snapshot_unix_nanos, prev, enc.next, enc.patches, enc.changed);
   }
@@ -140,7 +153,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
       std::move(counts), sum);
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
-  if (record.has_value()) EnqueueRecord(*std::move(record), lineage, &sum);
+  if (record.has_value()) persistence_->Enqueue(*std::move(record), lineage, &sum);
   sum.total_micros = MicrosSince(start);
   return sum;
 }
@@ -187,7 +200,7 @@ absl::Status PublisherCore::RecordInHistory(uint64_t version, uint64_t prev_vers
   }
   sum->version_digest = *vdigest;
   sum->version_digest_v2 = history_.VersionDigestOf(version, sync::DigestFormat::kV2).value_or(0);
-  if (live) *live_ends = LiveEndsLocked(prev_version, version, *sum);
+  if (live) *live_ends = LiveEndsOf(history_, prev_version, version, *sum);
   return absl::OkStatus();
 }
 
@@ -202,7 +215,7 @@ absl::Status PublisherCore::RecordV1(uint64_t version, uint64_t prev_version,
     if (vdigest.ok()) {
       sum->version_digest = *vdigest;
       if (live != nullptr)
-        end = LiveEndLocked(prev_version, version, *sum, sync::DigestFormat::kV1);
+        end = LiveEndOf(history_, prev_version, version, *sum, sync::DigestFormat::kV1);
     } else {
       // Cannot happen (one digest per tensor, of the bytes the pass encoded).
       st = absl::Status(absl::StatusCode::kInternal,
@@ -225,7 +238,8 @@ void PublisherCore::InstallVersion(uint64_t version, absl::FunctionRef<void()> u
   SetNewestLocked(version, sum);
   baseline_ = std::move(next);
   if (options_.device != nullptr) gpu_baseline_ = std::move(gpu);
-  RecordCountsLocked(std::move(counts));
+  counts_.push_back(std::move(counts));
+  PruneCounts(history_, &counts_);
 }
 
 void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum) {
@@ -236,14 +250,6 @@ void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum)
   pass_micros_ = sum.pass_micros;
   baseline_update_micros_ = sum.baseline_update_micros;
   newest_wire_bytes_ = sum.wire_bytes;
-}
-
-void PublisherCore::RecordCountsLocked(VersionCounts counts) {
-  counts_.push_back(std::move(counts));
-  counts_.erase(
-      std::remove_if(counts_.begin(), counts_.end(),
-                     [&](const VersionCounts& c) { return !history_.Contains(c.version); }),
-      counts_.end());
 }
 
 }  // namespace refit::publisher

@@ -297,7 +297,8 @@ absl::StatusOr<std::shared_ptr<LiveVersion>> PublisherCore::OpenRelayed(
           history_.VersionDigestOf(newest_version_, sync::DigestFormat::kV2).value_or(0);
     }
   }
-  auto live = std::make_shared<LiveVersion>(std::move(h), expected, [this] { NotifyLiveChange(); });
+  auto live =
+      std::make_shared<LiveVersion>(std::move(h), expected, [this] { live_listener_.Changed(); });
   live->set_base_version_digests(base_digest, base_digest_v2);
   if (!at_base) return live;
   {
@@ -306,11 +307,7 @@ absl::StatusOr<std::shared_ptr<LiveVersion>> PublisherCore::OpenRelayed(
     absl::MutexLock lock(&mu_);
     numbered_ = std::max(numbered_, live->version());
   }
-  absl::MutexLock lock(&live_mu_);
-  if (live_open_) {
-    live_open_(live);
-    *streaming = true;
-  }
+  *streaming = live_listener_.Opened(live);
   return live;
 }
 
@@ -326,7 +323,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
     absl::ReaderMutexLock lock(&mu_);
     prev = baseline_;
     prev_version = newest_version_;
-    if (lineage_ != h.lineage() || prev_version != h.base_version() || persister_ != nullptr ||
+    if (lineage_ != h.lineage() || prev_version != h.base_version() || persistence_ != nullptr ||
         options_.device != nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": needs the newest version to be its base ", h.base_version(), " of ",

@@ -20,6 +20,7 @@
 #include "daemon/common/status_matchers.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/serving/publish_files.h"
+#include "daemon/serving/publisher_persistence.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -726,7 +727,7 @@ TEST(PublisherCoreTest, CorruptPersistedBaselineIsMovedAside) {
   Model model;
   Step(model, 1, rng);
   uint64_t lineage = 0;
-  const std::string path = PublisherCore::BaselinePath(dir);
+  const std::string path = PublisherPersistence::BaselinePath(dir);
   auto publish = [&] {
     REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(po));
     ASSERT_THAT(core->Publish(1, Inputs(model)), IsOk());
@@ -770,7 +771,7 @@ TEST(PublisherCoreTest, LineageAndNumberingSurviveARestart) {
   po.persist_dir = dir;
   std::mt19937_64 rng(3);
   Model model;
-  const std::string path = PublisherCore::BaselinePath(dir);
+  const std::string path = PublisherPersistence::BaselinePath(dir);
   const std::string saved = path + ".v1";
   uint64_t lineage = 0;
   {
@@ -826,10 +827,11 @@ TEST(PublisherCoreTest, BaselineOfAnotherLineageIsMovedAside) {
     if (p == &po) lineage = core->lineage();
   }
   // Another publisher's baseline copied into this persist_dir.
-  std::filesystem::copy_file(PublisherCore::BaselinePath(other), PublisherCore::BaselinePath(dir),
+  std::filesystem::copy_file(PublisherPersistence::BaselinePath(other),
+                             PublisherPersistence::BaselinePath(dir),
                              std::filesystem::copy_options::overwrite_existing);
   ASSERT_NO_FATAL_FAILURE(
-      ExpectMovedAside(po, PublisherCore::BaselinePath(dir), lineage, "another publisher"));
+      ExpectMovedAside(po, PublisherPersistence::BaselinePath(dir), lineage, "another publisher"));
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(other);
 }
@@ -889,15 +891,23 @@ namespace {
 TEST(PublisherCoreTest, OwnedBuffersBecomeTheSnapshotWithoutACopy) {
   REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open({}));
   auto owned = std::make_shared<const std::vector<uint8_t>>(std::vector<uint8_t>(4096, 7));
-  TensorInput in{.name = "w", .dtype = DType::kBF16, .shape = {2048}, .data = *owned,
-                 .owned = owned, .device_bytes = nullptr};
+  TensorInput in{.name = "w",
+                 .dtype = DType::kBF16,
+                 .shape = {2048},
+                 .data = *owned,
+                 .owned = owned,
+                 .device_bytes = nullptr};
   ASSERT_THAT(core->Publish(1, std::span<const TensorInput>(&in, 1)), IsOk());
   ASSERT_EQ(core->Baseline().size(), 1u);
   EXPECT_EQ(core->Baseline()[0].bytes.get(), owned.get());
   // A span that is not the owned buffer's whole content is copied.
   std::vector<uint8_t> other(4096, 9);
-  TensorInput mismatched{.name = "w", .dtype = DType::kBF16, .shape = {2048}, .data = other,
-                         .owned = owned, .device_bytes = nullptr};
+  TensorInput mismatched{.name = "w",
+                         .dtype = DType::kBF16,
+                         .shape = {2048},
+                         .data = other,
+                         .owned = owned,
+                         .device_bytes = nullptr};
   ASSERT_THAT(core->Publish(2, std::span<const TensorInput>(&mismatched, 1)), IsOk());
   EXPECT_NE(core->Baseline()[0].bytes.get(), owned.get());
   EXPECT_EQ(*core->Baseline()[0].bytes, other);
@@ -1030,10 +1040,10 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   ASSERT_THAT(core->Publish(1, Inputs(m)), IsOk());
   EXPECT_TRUE(opened.empty()) << "no base: nothing to stream";
   const Model base = m;
-  Mutate(m["a"], 0.01, rng);                                // patched
-  m["c"] = RandomTensor(DType::kF32, {32}, rng);             // re-typed: keyframe
-  m["d"] = RandomTensor(DType::kBF16, {128}, rng);            // new: keyframe
-  ASSERT_THAT(core->Publish(2, Inputs(m)), IsOk());           // "b" unchanged
+  Mutate(m["a"], 0.01, rng);                         // patched
+  m["c"] = RandomTensor(DType::kF32, {32}, rng);     // re-typed: keyframe
+  m["d"] = RandomTensor(DType::kBF16, {128}, rng);   // new: keyframe
+  ASSERT_THAT(core->Publish(2, Inputs(m)), IsOk());  // "b" unchanged
   ASSERT_EQ(opened.size(), 1u);
   const LiveVersion& live = *opened[0];
   ASSERT_EQ(live.state(), LiveVersion::State::kCommitted);
@@ -1112,20 +1122,18 @@ TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
   };
   std::vector<Seen> seen;
   PublisherCore* core = late->get();
-  (*late)->SetLiveListener([&](const std::shared_ptr<const LiveVersion>&
-                                   l) { opened.push_back(l); },
-                           [&] {
-                             if (opened.empty() || opened.back()->state() !=
-                                                       LiveVersion::State::kCommitted) {
-                               return;
-                             }
-                             const LiveVersion& l = *opened.back();
-                             seen.push_back({l.settled(sync::DigestFormat::kV2),
-                                             l.settled(sync::DigestFormat::kV1),
-                                             l.end(sync::DigestFormat::kV1).status().code(),
-                                             core->VersionDigestOf(l.version()).status().code(),
-                                             core->newest_version()});
-                           });
+  (*late)->SetLiveListener(
+      [&](const std::shared_ptr<const LiveVersion>& l) { opened.push_back(l); },
+      [&] {
+        if (opened.empty() || opened.back()->state() != LiveVersion::State::kCommitted) {
+          return;
+        }
+        const LiveVersion& l = *opened.back();
+        seen.push_back({l.settled(sync::DigestFormat::kV2), l.settled(sync::DigestFormat::kV1),
+                        l.end(sync::DigestFormat::kV1).status().code(),
+                        core->VersionDigestOf(l.version()).status().code(),
+                        core->newest_version()});
+      });
   (*early)->SetLiveListener(
       [&](const std::shared_ptr<const LiveVersion>& l) { opened_early.push_back(l); }, [] {});
   std::mt19937_64 rng(9);
@@ -1163,8 +1171,8 @@ TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
       ASSERT_THAT(got, IsOk()) << got.status() << want.status();
       ASSERT_THAT(want, IsOk()) << got.status() << want.status();
       EXPECT_EQ(got->version_digest(), want->version_digest());
-      EXPECT_TRUE(std::equal(got->digests().begin(), got->digests().end(),
-                             want->digests().begin(), want->digests().end()));
+      EXPECT_TRUE(std::equal(got->digests().begin(), got->digests().end(), want->digests().begin(),
+                             want->digests().end()));
     }
   }
   const std::vector<BaselineTensor> ba = (*late)->Baseline(), bb = (*early)->Baseline();

@@ -88,9 +88,12 @@ static absl::StatusOr<const BaselineTensor*> PlannedBaseline(
   return &b;
 }
 
-uint64_t PublisherCore::ChainChangedElements(const std::vector<VersionCounts>& counts,
-                                             const sync::TransferPlan& plan,
-                                             const std::string& name) {
+namespace {
+
+// The encoder's changed elements of tensor `name` summed over the plan's chain
+// (base_version, version].
+uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
+                              const sync::TransferPlan& plan, const std::string& name) {
   uint64_t changed = 0;
   for (const VersionCounts& c : counts) {
     if (c.version <= plan.base_version || c.version > plan.version) continue;
@@ -103,10 +106,12 @@ uint64_t PublisherCore::ChainChangedElements(const std::vector<VersionCounts>& c
   return changed;
 }
 
-absl::Status PublisherCore::AddTransferObjects(const std::vector<BaselineTensor>& baseline,
-                                               const std::vector<VersionCounts>& counts,
-                                               const TransferOptions& options, Transfer& t) {
-  const sync::TransferPlan& plan = t.plan_;
+}  // namespace
+
+absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
+                                  const std::vector<VersionCounts>& counts,
+                                  const TransferOptions& options) {
+  const sync::TransferPlan& plan = plan_;
   if (baseline.size() < plan.tensors.size()) {
     return absl::InternalError(absl::StrCat("version ", plan.version, ": plan has ",
                                             plan.tensors.size(), " tensors, baseline ",
@@ -119,20 +124,20 @@ absl::Status PublisherCore::AddTransferObjects(const std::vector<BaselineTensor>
     REFIT_ASSIGN_OR_RETURN(const BaselineTensor* b,
                            PlannedBaseline(plan, index, baseline, options.plan.digest_format, &j));
     const uint64_t elems = ElementsOf(d.plan.spec());
-    t.total_elements_ += elems;
+    total_elements_ += elems;
     switch (d.plan.delivery()) {
       case v1::DELIVERY_KEYFRAME:
-        t.keep_.push_back(b->bytes);
+        keep_.push_back(b->bytes);
         // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
         REFIT_RETURN_IF_ERROR(
-            t.AddObject(index, 0, *b->bytes, options.lz4 && sync::Lz4Pays(*b->bytes)));
-        t.changed_elements_ += elems;
+            AddObject(index, 0, *b->bytes, options.lz4 && sync::Lz4Pays(*b->bytes)));
+        changed_elements_ += elems;
         break;
       case v1::DELIVERY_PATCH:
         for (size_t s = 0; s < d.patches.size(); ++s) {
-          REFIT_RETURN_IF_ERROR(t.AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
+          REFIT_RETURN_IF_ERROR(AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
         }
-        t.changed_elements_ += ChainChangedElements(counts, plan, d.plan.spec().name());
+        changed_elements_ += ChainChangedElements(counts, plan, d.plan.spec().name());
         break;
       default: break;  // unchanged: no frames
     }
@@ -168,7 +173,7 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
-  REFIT_RETURN_IF_ERROR(AddTransferObjects(baseline, counts, options, *t));
+  REFIT_RETURN_IF_ERROR(t->AddObjects(baseline, counts, options));
   return std::shared_ptr<const Transfer>(std::move(t));
 }
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,6 +20,14 @@
 namespace refit::publisher {
 
 class PublisherCore;
+struct BaselineTensor;
+
+// The encoder's changed-element counts of one version retained by a PublisherCore, per tensor
+// (for the VersionEnd of the transfers that carry it).
+struct VersionCounts {
+  uint64_t version = 0;
+  std::vector<std::pair<std::string, uint64_t>> changed;  // name order
+};
 
 struct TransferOptions {
   sync::PlanOptions plan;
@@ -60,6 +70,11 @@ class Transfer {
   // Appends an object after the others: its frames follow theirs, cut at frame_bytes_.
   absl::Status AddObject(uint32_t tensor_index, uint32_t part, std::span<const uint8_t> bytes,
                          bool lz4);
+  // MakeTransfer's last step: every planned tensor's objects (keyframe or patch chain) from
+  // `baseline`, and the changed elements of its chain from `counts` (both copied under the
+  // core's lock).
+  absl::Status AddObjects(const std::vector<BaselineTensor>& baseline,
+                          const std::vector<VersionCounts>& counts, const TransferOptions& options);
   struct Object {
     uint32_t tensor_index = 0;
     uint32_t part = 0;
