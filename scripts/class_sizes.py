@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHOD_KINDS = ('CXXMethodDecl', 'CXXConstructorDecl', 'CXXDestructorDecl',
                 'CXXConversionDecl')
-RECORD = re.compile(r"CXXRecordDecl 0x[0-9a-f]+ <[^>]*>.* (class|struct) (\w+) definition")
+RECORD = re.compile(r"CXXRecordDecl 0x[0-9a-f]+ (?:prev 0x[0-9a-f]+ )?<[^>]*>.* "
+                    r"(class|struct) (\w+) definition")
 KIND = re.compile(r"[A-Za-z]")
 FILE_LOC = re.compile(r"[<, ](/[^:<>, ]+):\d+:\d+")
 REQUIRES_MEMBER = re.compile(r"MemberExpr .* (->|\.)(\w+) ")
