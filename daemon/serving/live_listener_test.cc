@@ -32,7 +32,7 @@ TEST(LiveListenerTest, DeliversToTheFunctionsSet) {
   LiveListener listener;
   uint64_t opened = 0;
   int changes = 0;
-  listener.Set([&](std::shared_ptr<const LiveVersion> live) { opened = live->version(); },
+  listener.Set([&](const std::shared_ptr<const LiveVersion>& live) { opened = live->version(); },
                [&] { ++changes; });
   EXPECT_TRUE(listener.listening());
   EXPECT_TRUE(listener.Opened(SomeLive(7)));
@@ -45,7 +45,7 @@ TEST(LiveListenerTest, DeliversToTheFunctionsSet) {
 TEST(LiveListenerTest, RemovedFunctionsAreNotCalled) {
   LiveListener listener;
   int calls = 0;
-  listener.Set([&](std::shared_ptr<const LiveVersion>) { ++calls; }, [&] { ++calls; });
+  listener.Set([&](const std::shared_ptr<const LiveVersion>&) { ++calls; }, [&] { ++calls; });
   listener.Set(nullptr, nullptr);
   EXPECT_FALSE(listener.listening());
   EXPECT_FALSE(listener.Opened(SomeLive(3)));
@@ -56,7 +56,7 @@ TEST(LiveListenerTest, RemovedFunctionsAreNotCalled) {
 TEST(LiveListenerTest, OpenWithoutChangeFunction) {
   LiveListener listener;
   bool opened = false;
-  listener.Set([&](std::shared_ptr<const LiveVersion>) { opened = true; }, nullptr);
+  listener.Set([&](const std::shared_ptr<const LiveVersion>&) { opened = true; }, nullptr);
   listener.Changed();
   EXPECT_TRUE(listener.Opened(SomeLive(2)));
   EXPECT_TRUE(opened);

@@ -35,7 +35,7 @@ using ::testing::HasSubstr;
 constexpr uint64_t kLineage = 0x1234;
 
 std::string TempDir(const std::string& name) {
-  const std::string dir =
+  std::string dir =
       (fs::temp_directory_path() / absl::StrCat("persistence_test-", name, "-", ::getpid()))
           .string();
   fs::remove_all(dir);
