@@ -204,6 +204,34 @@ TEST_F(SingleCopyTest, ALeaseHoldsTheVerifiedVersionBackUntilReleased) {
   EXPECT_FALSE(core->generations().blocked().has_value());
 }
 
+// The session drops while the verified version waits for the pause: the wait ends (Abort wakes
+// it; the lease is still held), the version is rejected with nothing written, and the same
+// version applies once asked again.
+TEST_F(SingleCopyTest, AnAbortDuringThePauseEndsTheWaitAndWritesNothing) {
+  PublishRun(1, 3);
+  absl::Notification pending;
+  opts_.on_pause_pending = [&](uint64_t, uint64_t) { pending.Notify(); };
+  auto core = MakeCore();
+  Apply(*core, 1);
+  Apply(*core, 2);
+  absl::StatusOr<SubscriberLease> lease = core->generations().AcquireLease("vllm-0");
+  ASSERT_THAT(lease, IsOk());
+  const std::vector<uint8_t> before = testing::HostCopy(*lease, 0);
+  v1::Ack ack;
+  Wire w = TransferTo(*core, 3);
+  std::thread feeder([&] { ack = Feed(*core, w); });
+  pending.WaitForNotification();
+  core->Abort();
+  feeder.join();
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED);
+  EXPECT_THAT(ack.error(), HasSubstr("aborted while waiting"));
+  EXPECT_FALSE(core->transfer_open());
+  EXPECT_EQ(core->applied_version(), 2u);
+  EXPECT_TRUE(testing::HostCopy(*lease, 0) == before);
+  ASSERT_THAT(core->generations().ReleaseLease(lease->lease.lease_id), IsOk());
+  Apply(*core, 3);
+}
+
 TEST_F(SingleCopyTest, APauseNotGrantedInTimeRejectsAndTheVersionIsAskedAgain) {
   opts_.pause_wait = absl::ZeroDuration();
   PublishRun(1, 3);
