@@ -4,6 +4,13 @@
 
 namespace refit::subscriber {
 
+bool ChainKeeps(const std::vector<const RetainedTransfer*>& chain, size_t li) {
+  for (const RetainedTransfer* r : chain) {
+    if (!r->tensors[li].kept) return false;
+  }
+  return true;
+}
+
 void RetainedPatches::Clear() {
   transfers_.clear();
   bytes_ = 0;

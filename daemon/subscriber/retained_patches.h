@@ -29,6 +29,10 @@ struct RetainedTransfer {
   uint64_t bytes = 0;  // the patch bytes it holds
 };
 
+// Whether every transfer of `chain` kept tensor `li` (by patches or unchanged, not as a
+// keyframe): only then do its patches bring the tensor forward in place.
+bool ChainKeeps(const std::vector<const RetainedTransfer*>& chain, size_t li);
+
 class RetainedPatches {
  public:
   explicit RetainedPatches(uint64_t budget_bytes) : budget_(budget_bytes) {}

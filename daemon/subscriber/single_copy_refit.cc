@@ -260,9 +260,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
                   {}, t.wire_bytes);
   }
   const absl::Time committed = absl::Now();
-  SlotDigests sd{v, std::vector<std::optional<uint64_t>>(t.target->layout().size())};
-  for (size_t i = 0; i < verified.digests.size(); ++i) sd.digests[t.layout_index[i]] = verified.digests[i];
-  slot_digests_[update->slot] = std::move(sd);
+  slot_digests_[update->slot] = {v, t.ByLayout(verified)};
   retained_.Clear();  // no second slot to bring forward
   if (options_.change_set_bytes > 0) {
     LogChanges(change_log_, applied_version(), t, *staged, verified);

@@ -19,24 +19,12 @@ namespace refit::subscriber {
 // Brings tensor `li` of the staged slot from the slot's version to the base in place by the
 // retained patches of `chain` (UNCHANGED steps need nothing).
 absl::Status StagedTransfer::CatchUpTensor(size_t i) {
-  const std::vector<const RetainedTransfer*>& chain = *this->chain;
   const size_t li = layout_index[i];
-  std::span<uint8_t> out = handle->out[li];
   const absl::Time start = absl::Now();
-  absl::Status st;
-  for (size_t k = 0; k < chain.size() && st.ok(); ++k) {
-    const RetainedTransfer* r = chain[k];
-    for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-      st = ApplyTracked(target->memory(), patch, dtypes[i], out, out, &v2[i]);
-      if (!st.ok()) {
-        st = Annotate(st, "catch-up patch of the standby slot (", r->base, " -> ", r->version, ")");
-        break;
-      }
-      ++stats.catch_up_patches;
-    }
-  }
+  absl::Status st = ApplyChain(target->memory(), *chain, li, dtypes[i], handle->out[li], &v2[i],
+                               &stats.catch_up_patches);
   stats.catch_up_micros += WholeMicros(absl::Now() - start);
-  return st;
+  return st.ok() ? st : Annotate(st, "catch-up of the standby slot");
 }
 
 // Stages tensor i. In place when the slot already holds the base (after CatchUpTensor):
@@ -103,34 +91,24 @@ absl::Status StagedTransfer::StageTensor(size_t i, bool in_place) {
 // Stage: every byte of every tensor of the slot is written (or already right) here. The standby
 // slot is brought forward in place where the retained patches cover its version -> the base for
 // a tensor; every other tensor falls back to a copy of the current version.
-absl::Status StagedTransfer::Stage(std::vector<std::string>& failed_tensors) {
+absl::Status StagedTransfer::Stage(std::vector<std::string>& failed) {
   const size_t n = static_cast<size_t>(header.tensors_size());
-  failed_tensors = early_failed;
-  std::vector<std::string> errors = early_errors;
   for (size_t i = 0; i < n; ++i) {
     if (staged[i]) continue;  // applied as its frames completed (OnFrame)
-    if (absl::Status st = StageOne(i); !st.ok()) {
-      const std::string& name = header.tensors(static_cast<int>(i)).spec().name();
-      failed_tensors.push_back(name);
-      errors.push_back(absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), name), ": ",
-                                    st.message()));
-    }
+    if (absl::Status st = StageOne(i); !st.ok()) NoteFailure(i, st);
   }
-  if (failed_tensors.empty()) return absl::OkStatus();
+  failed = failed_tensors;
+  if (failed.empty()) return absl::OkStatus();
   return absl::DataLossError(absl::StrCat("version ", header.version(), ": apply failed on ",
-                                          failed_tensors.size(),
-                                          " tensor(s): ", absl::StrJoin(errors, "; ")));
+                                          failed.size(),
+                                          " tensor(s): ", absl::StrJoin(failure_errors, "; ")));
 }
 
 // Tensor i, in place when the retained chain covers it (CatchUpTensor first), else by the
 // copy path. Marks it staged whatever the outcome (a failure rejects the whole transfer).
 absl::Status StagedTransfer::StageOne(size_t i) {
   staged[i] = true;
-  const size_t li = layout_index[i];
-  bool in_place = chain.has_value();
-  for (size_t k = 0; in_place && k < chain->size(); ++k) {
-    in_place = (*chain)[k]->tensors[li].kept;
-  }
+  const bool in_place = chain.has_value() && ChainKeeps(*chain, layout_index[i]);
   if (in_place && !caught_up[i] &&
       header.tensors(static_cast<int>(i)).delivery() != v1::DELIVERY_KEYFRAME) {
     caught_up[i] = true;
@@ -149,14 +127,14 @@ void StagedTransfer::StageOnArrival(uint32_t ti) {
   for (int p = 0; p < tp.steps_size(); ++p) {
     if (!assembler->ObjectComplete(ti, static_cast<uint32_t>(p))) return;
   }
-  if (absl::Status st = StageOne(ti); !st.ok()) NoteEarlyFailure(ti, st);
+  if (absl::Status st = StageOne(ti); !st.ok()) NoteFailure(ti, st);
   ++stats.tensors_on_arrival;
 }
 
-void StagedTransfer::NoteEarlyFailure(size_t i, const absl::Status& st) {
+void StagedTransfer::NoteFailure(size_t i, const absl::Status& st) {
   const std::string& name = header.tensors(static_cast<int>(i)).spec().name();
-  early_failed.push_back(name);
-  early_errors.push_back(
+  failed_tensors.push_back(name);
+  failure_errors.push_back(
       absl::StrCat(sync::DescribeTensor(static_cast<uint32_t>(i), name), ": ", st.message()));
 }
 
@@ -165,16 +143,14 @@ void StagedTransfer::NoteEarlyFailure(size_t i, const absl::Status& st) {
 // catch-up fails is staged (failed) already: OnEnd reports it.
 void StagedTransfer::CatchUpCovered() {
   for (size_t i = 0; i < staged.size(); ++i) {
-    const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
-    bool kept = tp.delivery() != v1::DELIVERY_KEYFRAME;
-    for (size_t k = 0; kept && k < chain->size(); ++k) {
-      kept = (*chain)[k]->tensors[layout_index[i]].kept;
+    if (header.tensors(static_cast<int>(i)).delivery() == v1::DELIVERY_KEYFRAME ||
+        !ChainKeeps(*chain, layout_index[i])) {
+      continue;
     }
-    if (!kept) continue;
     caught_up[i] = true;
     if (absl::Status st = CatchUpTensor(i); !st.ok()) {
       staged[i] = true;
-      NoteEarlyFailure(i, st);
+      NoteFailure(i, st);
     }
   }
 }

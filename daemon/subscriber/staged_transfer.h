@@ -49,6 +49,12 @@ absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> pat
                           std::span<const uint8_t> base, std::span<uint8_t> out,
                           std::optional<uint64_t>* digest);
 
+// Tensor `li`'s patches of every transfer of `chain` (oldest first, ChainKeeps) applied in place
+// on `out`, each as ApplyTracked; *patches counts them. An error names the transfer.
+absl::Status ApplyChain(store::TensorMemory& mem, const std::vector<const RetainedTransfer*>& chain,
+                        size_t li, DType dtype, std::span<uint8_t> out,
+                        std::optional<uint64_t>* digest, uint64_t* patches);
+
 class StagedTransfer {
  public:
   v1::VersionHeader header;
@@ -88,9 +94,9 @@ class StagedTransfer {
   bool in_place = false;
   bool awaiting_pause = false;
   bool cancelled = false;
-  // Tensors whose staging on arrival failed (reported by OnEnd).
-  std::vector<std::string> early_failed;
-  std::vector<std::string> early_errors;
+  // Tensors whose staging failed, and why (NoteFailure; reported by Stage at OnEnd).
+  std::vector<std::string> failed_tensors;
+  std::vector<std::string> failure_errors;
 
   // Aborts the staging and releases the base lease; the transfer stays (failed) for OnEnd.
   void Release() {
@@ -135,12 +141,15 @@ class StagedTransfer {
                                          std::vector<std::string>& mismatched);
   // The record of this version once committed with `verified` digests.
   VersionRecord Record(const VerifiedDigests& verified) const;
+  // The `verified` tensor digests by the target's layout index (a slot's digests).
+  std::vector<std::optional<uint64_t>> ByLayout(const VerifiedDigests& verified) const;
 
  private:
   absl::Status CatchUpTensor(size_t i);
   absl::Status StageTensor(size_t i, bool in_place);
   absl::Status StageOne(size_t i);
-  void NoteEarlyFailure(size_t i, const absl::Status& st);
+  // Tensor i failed to stage (on arrival or in Stage).
+  void NoteFailure(size_t i, const absl::Status& st);
   absl::StatusOr<uint64_t> StagedDigest(size_t i);
 };
 

@@ -42,25 +42,18 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
       return absl::CancelledError("refresh of the standby slot cancelled");
     }
     std::span<uint8_t> out = w.handle.out[li];
-    bool kept = true;
-    for (const RetainedTransfer* r : w.chain) kept = kept && r->tensors[li].kept;
     std::optional<uint64_t> unknown;
     std::optional<uint64_t>& digest = li < w.digests.size() ? w.digests[li] : unknown;
-    if (!kept) {
+    if (!ChainKeeps(w.chain, li)) {
       ++stats.tensors_copied;
       REFIT_RETURN_IF_ERROR(mem.Copy(out, w.handle.current[li]));
       digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
       continue;
     }
-    for (const RetainedTransfer* r : w.chain) {
-      for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
-        if (absl::Status st = ApplyTracked(mem, patch, layout.tensor(li).dtype, out, out, &digest);
-            !st.ok()) {
-          return Annotate(st, "refresh of slot ", w.handle.slot, ", ",
-                          Quoted(layout.tensor(li).name), " (", r->base, " -> ", r->version, ")");
-        }
-        ++stats.patches;
-      }
+    if (absl::Status st =
+            ApplyChain(mem, w.chain, li, layout.tensor(li).dtype, out, &digest, &stats.patches);
+        !st.ok()) {
+      return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(layout.tensor(li).name));
     }
   }
   return absl::OkStatus();

@@ -62,6 +62,20 @@ absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> pat
   return absl::OkStatus();
 }
 
+absl::Status ApplyChain(store::TensorMemory& mem, const std::vector<const RetainedTransfer*>& chain,
+                        size_t li, DType dtype, std::span<uint8_t> out,
+                        std::optional<uint64_t>* digest, uint64_t* patches) {
+  for (const RetainedTransfer* r : chain) {
+    for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
+      if (absl::Status st = ApplyTracked(mem, patch, dtype, out, out, digest); !st.ok()) {
+        return Annotate(st, "retained patch ", r->base, " -> ", r->version);
+      }
+      ++*patches;
+    }
+  }
+  return absl::OkStatus();
+}
+
 void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
   absl::MutexLock lock(&mu_);
   max_frame_bytes_ = frame_bytes;
@@ -244,12 +258,7 @@ absl::Status SubscriberCore::CommitLocked(StagedTransfer& t, const VerifiedDiges
   t.handle.reset();
   if (t.new_generation) slot_digests_.clear();  // slots of the old store
   if (t.format == sync::DigestFormat::kV2) {
-    SlotDigests sd{t.header.version(), {}};
-    sd.digests.resize(t.target->layout().size());
-    for (size_t i = 0; i < verified.digests.size(); ++i) {
-      sd.digests[t.layout_index[i]] = verified.digests[i];
-    }
-    slot_digests_[slot] = std::move(sd);
+    slot_digests_[slot] = {t.header.version(), t.ByLayout(verified)};
   }
   if (t.new_generation) generations_.Install(t.target);
   repair_version_.store(0, std::memory_order_release);

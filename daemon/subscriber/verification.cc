@@ -107,6 +107,13 @@ VersionRecord StagedTransfer::Record(const VerifiedDigests& verified) const {
   return r;
 }
 
+std::vector<std::optional<uint64_t>> StagedTransfer::ByLayout(
+    const VerifiedDigests& verified) const {
+  std::vector<std::optional<uint64_t>> out(target->layout().size());
+  for (size_t i = 0; i < verified.digests.size(); ++i) out[layout_index[i]] = verified.digests[i];
+  return out;
+}
+
 v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes, absl::Time start,
                    absl::Time received, absl::Time staged, absl::Time verified,
                    absl::Time applied) {

@@ -5,37 +5,39 @@
 
 namespace refit::subscriber {
 
+const VersionRecord* VersionRecords::FindLocked(uint64_t version) const {
+  for (const VersionRecord& r : records_) {
+    if (r.version == version) return &r;
+  }
+  return nullptr;
+}
+
 sync::DigestFormat VersionRecords::format() const {
   absl::MutexLock lock(&mu_);
-  return format_;
+  const VersionRecord* r = FindLocked(version());
+  return r != nullptr ? r->digest_format : sync::DigestFormat::kV1;
 }
 
 std::vector<v1::TensorDigest> VersionRecords::tensor_digests() const {
   absl::MutexLock lock(&mu_);
-  return tensors_;
+  const VersionRecord* r = FindLocked(version());
+  return r != nullptr ? r->tensors : std::vector<v1::TensorDigest>{};
 }
 
 VersionRecord VersionRecords::applied() const {
   absl::MutexLock lock(&mu_);
-  const uint64_t v = version();
-  for (const VersionRecord& r : records_) {
-    if (r.version == v) return r;
-  }
-  return VersionRecord{};
+  const VersionRecord* r = FindLocked(version());
+  return r != nullptr ? *r : VersionRecord{};
 }
 
 std::optional<VersionRecord> VersionRecords::Find(uint64_t version) const {
   absl::MutexLock lock(&mu_);
-  for (const VersionRecord& r : records_) {
-    if (r.version == version) return r;
-  }
-  return std::nullopt;
+  const VersionRecord* r = FindLocked(version);
+  return r != nullptr ? std::optional<VersionRecord>(*r) : std::nullopt;
 }
 
 void VersionRecords::Commit(VersionRecord record, uint64_t lineage, bool lineage_change) {
   absl::MutexLock lock(&mu_);
-  tensors_ = record.tensors;
-  format_ = record.digest_format;
   if (lineage_change) records_.clear();
   const uint64_t v = record.version;
   const uint64_t digest = record.version_digest;

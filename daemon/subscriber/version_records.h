@@ -51,17 +51,19 @@ class VersionRecords {
   // `record` is the applied version now, of `lineage`; a lineage change forgets the records of
   // the old lineage (their numbers mean nothing any more).
   void Commit(VersionRecord record, uint64_t lineage, bool lineage_change);
-  // Nothing is held any more (applied version and digest 0, no records): the next transfer must
-  // bring keyframes.
+  // Nothing is held any more (applied version and digest 0, no records, so no tensor digests in
+  // the next Hello): the next transfer must bring keyframes.
   void Forget();
   // Drops the records of versions neither applied nor in `held`.
   void Prune(const std::vector<uint64_t>& held);
 
  private:
+  // The record of `version`, or null; the applied version's is always there (none for 0), and
+  // it is where format() and tensor_digests() come from.
+  const VersionRecord* FindLocked(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   std::vector<VersionRecord> records_ ABSL_GUARDED_BY(mu_);
-  std::vector<v1::TensorDigest> tensors_ ABSL_GUARDED_BY(mu_);
-  sync::DigestFormat format_ ABSL_GUARDED_BY(mu_) = sync::DigestFormat::kV1;
   std::atomic<uint64_t> version_{0};
   std::atomic<uint64_t> digest_{0};
   std::atomic<uint64_t> lineage_{0};

@@ -65,6 +65,7 @@ TEST(VersionRecordsTest, ForgetLeavesNothingHeld) {
   EXPECT_EQ(r.digest(), 0u);
   EXPECT_FALSE(r.Find(4).has_value());
   EXPECT_EQ(r.applied().version, 0u);
+  EXPECT_TRUE(r.tensor_digests().empty());
 }
 
 }  // namespace
