@@ -8,6 +8,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/sync/tensor_part.h"
 
 namespace refit::sync {
 namespace {
@@ -129,7 +130,8 @@ absl::Status ValidateTensorSpec(const v1::TensorSpec& spec) {
                                                    spec.shape_size(), " exceeds ", kMaxRank));
   }
   auto bytes = TensorByteSize(spec);
-  return bytes.status();
+  if (!bytes.ok()) return bytes.status();
+  return IsPart(spec) ? ValidatePart(spec) : absl::OkStatus();
 }
 
 absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest) {
@@ -137,6 +139,12 @@ absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest) {
     absl::Status s = ValidateTensorSpec(manifest[i]);
     if (!s.ok()) {
       return AnnotateAs(absl::StatusCode::kInvalidArgument, s, "manifest index ", i);
+    }
+    if (i > 0 && manifest[i - 1].name() == manifest[i].name()) {
+      if (absl::Status p = CheckNextPart(manifest[i - 1], manifest[i]); !p.ok()) {
+        return AnnotateAs(absl::StatusCode::kInvalidArgument, p, "manifest index ", i);
+      }
+      continue;
     }
     if (i > 0 && !(manifest[i - 1].name() < manifest[i].name())) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -152,7 +160,7 @@ void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* 
   std::vector<size_t> order(manifest.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return manifest[a].name() < manifest[b].name();
+    return SpecBefore(manifest[a], manifest[b]);
   });
   std::vector<v1::TensorSpec> sorted;
   sorted.reserve(manifest.size());
@@ -168,7 +176,10 @@ void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* 
 
 bool SameSpec(const v1::TensorSpec& a, const v1::TensorSpec& b) {
   return a.name() == b.name() && a.dtype() == b.dtype() &&
-         std::equal(a.shape().begin(), a.shape().end(), b.shape().begin(), b.shape().end());
+         std::equal(a.shape().begin(), a.shape().end(), b.shape().begin(), b.shape().end()) &&
+         IsPart(a) == IsPart(b) && a.part().first_row() == b.part().first_row() &&
+         std::equal(a.part().whole_shape().begin(), a.part().whole_shape().end(),
+                    b.part().whole_shape().begin(), b.part().whole_shape().end());
 }
 
 absl::StatusOr<uint64_t> VersionDigest(std::span<const v1::TensorSpec> manifest,
@@ -183,12 +194,20 @@ absl::StatusOr<uint64_t> VersionDigest(std::span<const v1::TensorSpec> manifest,
   std::string buf;
   for (size_t i = 0; i < manifest.size(); ++i) {
     const v1::TensorSpec& t = manifest[i];
-    const uint32_t n = static_cast<uint32_t>(t.name().size());
+    // A part sets bit 31 of the name length (names are at most 4096 bytes) and follows its
+    // dimensions with its place in the whole tensor.
+    const uint32_t n =
+        static_cast<uint32_t>(t.name().size()) | (IsPart(t) ? uint32_t{1} << 31 : uint32_t{0});
     for (int k = 0; k < 4; ++k) buf.push_back(static_cast<char>((n >> (8 * k)) & 0xFF));
     buf.append(t.name());
     buf.push_back(static_cast<char>(static_cast<uint8_t>(t.dtype())));
     buf.push_back(static_cast<char>(static_cast<uint8_t>(t.shape_size())));
     for (uint64_t d : t.shape()) PutU64(buf, d);
+    if (IsPart(t)) {
+      PutU64(buf, t.part().first_row());
+      buf.push_back(static_cast<char>(static_cast<uint8_t>(t.part().whole_shape_size())));
+      for (uint64_t d : t.part().whole_shape()) PutU64(buf, d);
+    }
     PutU64(buf, tensor_digests[i]);
   }
   return Hash64(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(buf.data()), buf.size()),

@@ -38,15 +38,17 @@ absl::StatusOr<uint64_t> TensorByteSize(const v1::TensorSpec& spec);
 // < 2^63, byte size fits in u64. Errors name the tensor.
 absl::Status ValidateTensorSpec(const v1::TensorSpec& spec);
 
-// Checks every spec and that names are strictly ascending in bytewise order (sorted, unique).
-// Errors name the offending tensor and its index.
+// Checks every spec and that names are strictly ascending in bytewise order (sorted, unique),
+// except that parts of one tensor (TensorSpec.part) share its name, in ascending rows without
+// overlap (CheckNextPart). Errors name the offending tensor and its index.
 absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest);
 
-// Sorts specs by name (bytewise). With `digests` (same length) the digests are permuted along.
+// Sorts specs by name (bytewise), parts of one name by first row. With `digests` (same length) the digests are permuted along.
 // Does not check uniqueness: call ValidateManifest afterwards.
 void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* digests = nullptr);
 
-// Same name, dtype and shape.
+// Same name, dtype, shape and part (TensorSpec.part: both none, or the same rows of the same
+// whole shape).
 bool SameSpec(const v1::TensorSpec& a, const v1::TensorSpec& b);
 
 // The version digest (common.proto) of a manifest with its tensors' full-tensor digests

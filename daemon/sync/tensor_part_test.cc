@@ -1,0 +1,127 @@
+#include "daemon/sync/tensor_part.h"
+
+#include <string>
+#include <vector>
+
+#include "daemon/common/status_matchers.h"
+#include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
+#include "gtest/gtest.h"
+
+namespace refit::sync {
+namespace {
+
+using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
+using ::testing::HasSubstr;
+using testing::Spec;
+
+// Rows [first, first + rows) of a BF16 tensor `name` of shape [whole_rows, cols].
+v1::TensorSpec Part(const std::string& name, uint64_t first, uint64_t rows, uint64_t whole_rows,
+                    uint64_t cols = 4) {
+  v1::TensorSpec s = Spec(name, v1::DTYPE_BF16, {rows, cols});
+  s.mutable_part()->set_first_row(first);
+  s.mutable_part()->add_whole_shape(whole_rows);
+  s.mutable_part()->add_whole_shape(cols);
+  return s;
+}
+
+TEST(TensorPart, ValidPartsAndTheirPlace) {
+  const v1::TensorSpec p = Part("w", 3, 5, 10);
+  EXPECT_THAT(ValidateTensorSpec(p), IsOk());
+  EXPECT_EQ(PartByteOffset(p), 3u * 4 * 2);
+  EXPECT_EQ(PartByteOffset(Spec("w", v1::DTYPE_BF16, {10, 4})), 0u);
+  const v1::TensorSpec whole = WholeSpec(p);
+  EXPECT_FALSE(IsPart(whole));
+  EXPECT_EQ(std::vector<uint64_t>(whole.shape().begin(), whole.shape().end()),
+            (std::vector<uint64_t>{10, 4}));
+  EXPECT_EQ(DescribeSpec(p), R"("w" rows [3, 8) of 10)");
+  // An empty part (an uneven split's last rank) is a valid part too.
+  EXPECT_THAT(ValidateTensorSpec(Part("w", 10, 0, 10)), IsOk());
+}
+
+TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
+  EXPECT_THAT(ValidateTensorSpec(Part("w", 8, 5, 10)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rows [8, 13) beyond")));
+  v1::TensorSpec cols = Part("w", 0, 5, 10);
+  cols.mutable_part()->set_whole_shape(1, 8);
+  EXPECT_THAT(ValidateTensorSpec(cols),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dim 1 differs")));
+  v1::TensorSpec rank = Part("w", 0, 5, 10);
+  rank.mutable_part()->add_whole_shape(2);
+  EXPECT_THAT(ValidateTensorSpec(rank),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 2 in a whole tensor")));
+  v1::TensorSpec scalar = Spec("s", v1::DTYPE_F32, {});
+  scalar.mutable_part()->set_first_row(0);
+  EXPECT_THAT(ValidateTensorSpec(scalar),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("scalar")));
+  v1::TensorSpec huge = Part("w", 0, 1, 1ull << 62, 4);
+  EXPECT_THAT(ValidateTensorSpec(huge), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 HasSubstr("whole tensor")));
+}
+
+TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
+  std::vector<v1::TensorSpec> m = {Spec("a", v1::DTYPE_F32, {2}), Part("w", 0, 4, 10),
+                                   Part("w", 4, 6, 10), Spec("z", v1::DTYPE_F32, {1})};
+  EXPECT_THAT(ValidateManifest(m), IsOk());
+  EXPECT_THAT(CheckPartsTile(m), IsOk());
+
+  std::vector<v1::TensorSpec> overlap = {Part("w", 0, 5, 10), Part("w", 4, 6, 10)};
+  EXPECT_THAT(ValidateManifest(overlap),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("part rows [4, 10) overlaps rows [0, 5)")));
+  std::vector<v1::TensorSpec> order = {Part("w", 4, 6, 10), Part("w", 0, 4, 10)};
+  EXPECT_THAT(ValidateManifest(order), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 HasSubstr("not in ascending row order")));
+  std::vector<v1::TensorSpec> mixed = {Spec("w", v1::DTYPE_BF16, {10, 4}), Part("w", 0, 4, 10)};
+  EXPECT_THAT(ValidateManifest(mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("a whole tensor and a part of it")));
+  std::vector<v1::TensorSpec> shape = {Part("w", 0, 4, 10), Part("w", 4, 6, 11)};
+  EXPECT_THAT(ValidateManifest(shape), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 HasSubstr("disagree on dtype or whole shape")));
+  std::vector<v1::TensorSpec> dup = {Spec("w", v1::DTYPE_F32, {1}), Spec("w", v1::DTYPE_F32, {1})};
+  EXPECT_THAT(ValidateManifest(dup),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate name")));
+}
+
+TEST(TensorPart, GapsAreNamedByTheirRows) {
+  std::vector<v1::TensorSpec> m = {Part("w", 2, 3, 10), Part("w", 6, 2, 10)};
+  ASSERT_THAT(ValidateManifest(m), IsOk());
+  EXPECT_THAT(CheckPartsTile(m), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                          HasSubstr(R"("w": its parts do not cover rows [0, 2), )"
+                                                    "[5, 6), [8, 10) of its 10")));
+}
+
+TEST(TensorPart, SortingAndSameSpecSeeTheRows) {
+  std::vector<v1::TensorSpec> m = {Part("w", 5, 5, 10), Spec("a", v1::DTYPE_F32, {1}),
+                                   Part("w", 0, 5, 10)};
+  std::vector<uint64_t> d = {3, 1, 2};
+  SortManifest(m, &d);
+  EXPECT_EQ(m[1].part().first_row(), 0u);
+  EXPECT_EQ(d, (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_TRUE(SameSpec(Part("w", 0, 5, 10), Part("w", 0, 5, 10)));
+  EXPECT_FALSE(SameSpec(Part("w", 0, 5, 10), Part("w", 5, 5, 10)));
+  EXPECT_FALSE(SameSpec(Part("w", 0, 5, 10), Part("w", 0, 5, 12)));
+  EXPECT_FALSE(SameSpec(Part("w", 0, 5, 5), Spec("w", v1::DTYPE_BF16, {5, 4})));
+}
+
+TEST(TensorPart, TheVersionDigestCoversThePartsPlace) {
+  // Same bytes, same part shape, other rows or whole shape: another version digest. A whole
+  // tensor's entry is unchanged by the part encoding.
+  const std::vector<uint64_t> d = {7};
+  std::vector<v1::TensorSpec> a = {Part("w", 0, 5, 10)};
+  std::vector<v1::TensorSpec> b = {Part("w", 5, 5, 10)};
+  std::vector<v1::TensorSpec> c = {Part("w", 0, 5, 5)};
+  std::vector<v1::TensorSpec> whole = {Spec("w", v1::DTYPE_BF16, {5, 4})};
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t da, VersionDigest(a, d));
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t db, VersionDigest(b, d));
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t dc, VersionDigest(c, d));
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t dw, VersionDigest(whole, d));
+  EXPECT_NE(da, db);
+  EXPECT_NE(da, dc);
+  EXPECT_NE(da, dw);
+}
+
+}  // namespace
+}  // namespace refit::sync
