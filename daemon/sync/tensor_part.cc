@@ -14,8 +14,8 @@ namespace {
 uint64_t Rows(const v1::TensorSpec& spec) { return spec.shape_size() > 0 ? spec.shape(0) : 0; }
 
 std::string RowRange(const v1::TensorSpec& spec) {
-  return absl::StrCat("rows [", spec.part().first_row(), ", ",
-                      spec.part().first_row() + Rows(spec), ")");
+  return absl::StrCat("rows [", spec.part().first_row(), ", ", spec.part().first_row() + Rows(spec),
+                      ")");
 }
 
 }  // namespace
@@ -33,23 +33,22 @@ absl::Status ValidatePart(const v1::TensorSpec& spec) {
   }
   for (int d = 1; d < spec.shape_size(); ++d) {
     if (spec.shape(d) != part.whole_shape(d)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " of shape [", absl::StrJoin(spec.shape(), ", "), "] in a whole tensor of shape [",
-          absl::StrJoin(part.whole_shape(), ", "), "]: dim ", d,
-          " differs (a part is whole rows along dim 0)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " of shape [", absl::StrJoin(spec.shape(), ", "),
+                       "] in a whole tensor of shape [", absl::StrJoin(part.whole_shape(), ", "),
+                       "]: dim ", d, " differs (a part is whole rows along dim 0)"));
     }
   }
   uint64_t end;
-  if (__builtin_add_overflow(part.first_row(), spec.shape(0), &end) ||
-      end > part.whole_shape(0)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " rows [", part.first_row(), ", ",
-                                                   part.first_row() + spec.shape(0),
-                                                   ") beyond the whole tensor's ",
-                                                   part.whole_shape(0), " rows"));
+  if (__builtin_add_overflow(part.first_row(), spec.shape(0), &end) || end > part.whole_shape(0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " rows [", part.first_row(), ", ", part.first_row() + spec.shape(0),
+                     ") beyond the whole tensor's ", part.whole_shape(0), " rows"));
   }
   auto whole = TensorByteSize(WholeSpec(spec));
   if (!whole.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": whole tensor: ", whole.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": whole tensor: ", whole.status().message()));
   }
   return absl::OkStatus();
 }
@@ -80,26 +79,24 @@ bool SpecBefore(const v1::TensorSpec& a, const v1::TensorSpec& b) {
 absl::Status CheckNextPart(const v1::TensorSpec& a, const v1::TensorSpec& b) {
   const std::string what = absl::StrCat("tensor ", Quoted(b.name()));
   if (!IsPart(a) || !IsPart(b)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " is a duplicate name",
-                                                   IsPart(a) || IsPart(b)
-                                                       ? " (a whole tensor and a part of it)"
-                                                       : ""));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is a duplicate name",
+                     IsPart(a) || IsPart(b) ? " (a whole tensor and a part of it)" : ""));
   }
   if (a.dtype() != b.dtype() ||
       !std::equal(a.part().whole_shape().begin(), a.part().whole_shape().end(),
                   b.part().whole_shape().begin(), b.part().whole_shape().end())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": parts disagree on dtype or whole shape (", RowRange(a), " of [",
-                     absl::StrJoin(a.part().whole_shape(), ", "), "] dtype ", a.dtype(), ", ",
-                     RowRange(b), " of [", absl::StrJoin(b.part().whole_shape(), ", "),
-                     "] dtype ", b.dtype(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": parts disagree on dtype or whole shape (", RowRange(a), " of [",
+        absl::StrJoin(a.part().whole_shape(), ", "), "] dtype ", a.dtype(), ", ", RowRange(b),
+        " of [", absl::StrJoin(b.part().whole_shape(), ", "), "] dtype ", b.dtype(), ")"));
   }
   if (b.part().first_row() < a.part().first_row() + Rows(a)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": part ", RowRange(b), b.part().first_row() < a.part().first_row()
-                                          ? " is not in ascending row order after "
-                                          : " overlaps ",
-        RowRange(a)));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": part ", RowRange(b),
+                                                   b.part().first_row() < a.part().first_row()
+                                                       ? " is not in ascending row order after "
+                                                       : " overlaps ",
+                                                   RowRange(a)));
   }
   return absl::OkStatus();
 }

@@ -56,8 +56,8 @@ TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
   EXPECT_THAT(ValidateTensorSpec(scalar),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("scalar")));
   v1::TensorSpec huge = Part("w", 0, 1, 1ull << 62, 4);
-  EXPECT_THAT(ValidateTensorSpec(huge), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                 HasSubstr("whole tensor")));
+  EXPECT_THAT(ValidateTensorSpec(huge),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("whole tensor")));
 }
 
 TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
@@ -72,14 +72,13 @@ TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
                        HasSubstr("part rows [4, 10) overlaps rows [0, 5)")));
   std::vector<v1::TensorSpec> order = {Part("w", 4, 6, 10), Part("w", 0, 4, 10)};
   EXPECT_THAT(ValidateManifest(order), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                 HasSubstr("not in ascending row order")));
+                                                HasSubstr("not in ascending row order")));
   std::vector<v1::TensorSpec> mixed = {Spec("w", v1::DTYPE_BF16, {10, 4}), Part("w", 0, 4, 10)};
-  EXPECT_THAT(ValidateManifest(mixed),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("a whole tensor and a part of it")));
+  EXPECT_THAT(ValidateManifest(mixed), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                HasSubstr("a whole tensor and a part of it")));
   std::vector<v1::TensorSpec> shape = {Part("w", 0, 4, 10), Part("w", 4, 6, 11)};
   EXPECT_THAT(ValidateManifest(shape), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                 HasSubstr("disagree on dtype or whole shape")));
+                                                HasSubstr("disagree on dtype or whole shape")));
   std::vector<v1::TensorSpec> dup = {Spec("w", v1::DTYPE_F32, {1}), Spec("w", v1::DTYPE_F32, {1})};
   EXPECT_THAT(ValidateManifest(dup),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate name")));

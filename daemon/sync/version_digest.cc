@@ -159,9 +159,8 @@ absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest) {
 void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* digests) {
   std::vector<size_t> order(manifest.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return SpecBefore(manifest[a], manifest[b]);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return SpecBefore(manifest[a], manifest[b]); });
   std::vector<v1::TensorSpec> sorted;
   sorted.reserve(manifest.size());
   for (size_t i : order) sorted.push_back(std::move(manifest[i]));

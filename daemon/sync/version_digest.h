@@ -43,8 +43,8 @@ absl::Status ValidateTensorSpec(const v1::TensorSpec& spec);
 // overlap (CheckNextPart). Errors name the offending tensor and its index.
 absl::Status ValidateManifest(std::span<const v1::TensorSpec> manifest);
 
-// Sorts specs by name (bytewise), parts of one name by first row. With `digests` (same length) the digests are permuted along.
-// Does not check uniqueness: call ValidateManifest afterwards.
+// Sorts specs by name (bytewise), parts of one name by first row. With `digests` (same length) the
+// digests are permuted along. Does not check uniqueness: call ValidateManifest afterwards.
 void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* digests = nullptr);
 
 // Same name, dtype, shape and part (TensorSpec.part: both none, or the same rows of the same
