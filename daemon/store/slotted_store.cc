@@ -32,58 +32,144 @@ void FakeClock::Advance(absl::Duration d) { now_ns_.fetch_add(absl::ToInt64Nanos
 
 // ---- layout --------------------------------------------------------------------------------
 
+namespace {
+
+constexpr uint64_t kMaxLayoutBytes = uint64_t{1} << 62;  // keeps every sum below overflow
+
+// Bytes of a tensor of `dtype` and `shape`, or an error naming it.
+absl::StatusOr<uint64_t> DescBytes(const std::string& name, DType dtype,
+                                   const std::vector<uint64_t>& shape) {
+  if (!IsValidDType(static_cast<uint8_t>(dtype))) {
+    return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(name),
+                                                   " has invalid dtype code ",
+                                                   static_cast<int>(dtype)));
+  }
+  uint64_t elements = 1;
+  for (uint64_t d : shape) {
+    if (d != 0 && elements > kMaxLayoutBytes / d) {
+      return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(name), " shape [",
+                                                     absl::StrJoin(shape, ","),
+                                                     "] has too many elements"));
+    }
+    elements *= d;
+  }
+  const uint64_t esize = static_cast<uint64_t>(DTypeSize(dtype));
+  if (elements > kMaxLayoutBytes / esize) {
+    return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(name), " is too large"));
+  }
+  return elements * esize;
+}
+
+// The entries [first, last) of one name: a whole tensor, or parts tiling it by rows. Returns the
+// whole tensor's shape and appends the units (tensor index `tensor`).
+absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group, size_t tensor,
+                                                std::vector<UnitInfo>& units) {
+  const TensorDesc& head = group.front().desc;
+  const std::optional<PartDesc>& head_part = group.front().part;
+  if (group.size() == 1 && !head_part.has_value()) {
+    REFIT_ASSIGN_OR_RETURN(uint64_t bytes, DescBytes(head.name, head.dtype, head.shape));
+    units.push_back({tensor, 0, bytes, head.shape, std::nullopt});
+    return head.shape;
+  }
+  const std::string what = absl::StrCat("layout: tensor ", Quoted(head.name));
+  uint64_t row = 0;
+  for (const UnitDesc& u : group) {
+    const TensorDesc& d = u.desc;
+    if (!u.part.has_value() || !head_part.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("layout: duplicate tensor name ", Quoted(d.name)));
+    }
+    const std::vector<uint64_t>& whole = head_part->whole_shape;
+    if (d.dtype != head.dtype || u.part->whole_shape != whole || d.shape.empty() ||
+        d.shape.size() != whole.size() || !std::equal(d.shape.begin() + 1, d.shape.end(),
+                                                      whole.begin() + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": part at row ", u.part->first_row, " of shape [", absl::StrJoin(d.shape, ","),
+          "] does not fit the whole shape [", absl::StrJoin(whole, ","), "] of the first part"));
+    }
+    if (u.part->first_row != row) {
+      const bool gap = u.part->first_row > row;
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": parts do not tile its rows (rows [", std::min(row, u.part->first_row), ", ",
+          std::max(row, u.part->first_row), ") ", gap ? "missing" : "twice", ")"));
+    }
+    REFIT_ASSIGN_OR_RETURN(uint64_t bytes, DescBytes(d.name, d.dtype, d.shape));
+    REFIT_ASSIGN_OR_RETURN(uint64_t row_bytes,
+                           DescBytes(d.name, d.dtype, [&] {
+                             std::vector<uint64_t> one = d.shape;
+                             one[0] = 1;
+                             return one;
+                           }()));
+    units.push_back({tensor, row * row_bytes, bytes, d.shape, u.part->first_row});
+    row += d.shape[0];
+  }
+  if (row != head_part->whole_shape[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": parts do not tile its rows (rows [",
+                                                   row, ", ", head_part->whole_shape[0],
+                                                   ") missing)"));
+  }
+  return head_part->whole_shape;
+}
+
+}  // namespace
+
 absl::StatusOr<Layout> Layout::Build(std::vector<TensorDesc> tensors, uint64_t alignment) {
+  std::vector<UnitDesc> units;
+  units.reserve(tensors.size());
+  for (TensorDesc& t : tensors) units.push_back({std::move(t), std::nullopt});
+  return BuildUnits(std::move(units), alignment);
+}
+
+absl::StatusOr<Layout> Layout::BuildUnits(std::vector<UnitDesc> tensors, uint64_t alignment) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("layout alignment must be a power of two, got ", alignment));
   }
   if (tensors.empty()) return absl::InvalidArgumentError("layout has no tensors");
-  std::sort(tensors.begin(), tensors.end(),
-            [](const TensorDesc& a, const TensorDesc& b) { return a.name < b.name; });
+  std::sort(tensors.begin(), tensors.end(), [](const UnitDesc& a, const UnitDesc& b) {
+    if (a.desc.name != b.desc.name) return a.desc.name < b.desc.name;
+    return (a.part ? a.part->first_row : 0) < (b.part ? b.part->first_row : 0);
+  });
   Layout layout;
   layout.alignment_ = alignment;
-  constexpr uint64_t kMax = uint64_t{1} << 62;  // keeps every sum below overflow
   uint64_t offset = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TensorDesc& t = tensors[i];
-    if (t.name.empty()) return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
-    if (i > 0 && t.name == layout.tensors_.back().name) {  // sorted: duplicates are adjacent
-      return absl::InvalidArgumentError(
-          absl::StrCat("layout: duplicate tensor name ", Quoted(t.name)));
+  for (size_t i = 0; i < tensors.size();) {
+    size_t end = i + 1;
+    while (end < tensors.size() && tensors[end].desc.name == tensors[i].desc.name) ++end;
+    TensorDesc& t = tensors[i].desc;
+    if (t.name.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
     }
-    if (!IsValidDType(static_cast<uint8_t>(t.dtype))) {
-      return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(t.name),
-                                                     " has invalid dtype code ",
-                                                     static_cast<int>(t.dtype)));
-    }
-    uint64_t elements = 1;
-    for (uint64_t d : t.shape) {
-      if (d != 0 && elements > kMax / d) {
-        return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(t.name),
-                                                       " shape [", absl::StrJoin(t.shape, ","),
-                                                       "] has too many elements"));
-      }
-      elements *= d;
-    }
-    const uint64_t esize = static_cast<uint64_t>(DTypeSize(t.dtype));
-    if (elements > kMax / esize) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layout: tensor ", Quoted(t.name), " is too large"));
-    }
+    REFIT_ASSIGN_OR_RETURN(
+        std::vector<uint64_t> shape,
+        JoinUnits(std::span<const UnitDesc>(tensors).subspan(i, end - i), layout.tensors_.size(),
+                  layout.units_));
     TensorInfo info;
-    info.size_bytes = elements * esize;
+    REFIT_ASSIGN_OR_RETURN(info.size_bytes, DescBytes(t.name, t.dtype, shape));
     info.offset = offset;
-    if (info.size_bytes > kMax - offset) {
+    if (info.size_bytes > kMaxLayoutBytes - offset) {
       return absl::InvalidArgumentError("layout: total size too large");
     }
     offset = (offset + info.size_bytes + alignment - 1) & ~(alignment - 1);
     info.name = std::move(t.name);
     info.dtype = t.dtype;
-    info.shape = std::move(t.shape);
+    info.shape = std::move(shape);
     layout.tensors_.push_back(std::move(info));
+    i = end;
   }
   layout.slot_bytes_ = std::max(offset, alignment);
   return layout;
+}
+
+std::optional<size_t> Layout::FindUnit(absl::string_view name,
+                                       std::optional<uint64_t> first_row) const {
+  auto t = Find(name);
+  if (!t.has_value()) return std::nullopt;
+  auto it = std::lower_bound(units_.begin(), units_.end(), *t,
+                             [](const UnitInfo& u, size_t tensor) { return u.tensor < tensor; });
+  for (; it != units_.end() && it->tensor == *t; ++it) {
+    if (it->first_row == first_row) return static_cast<size_t>(it - units_.begin());
+  }
+  return std::nullopt;
 }
 
 std::optional<size_t> Layout::Find(absl::string_view name) const {
@@ -99,6 +185,12 @@ bool Layout::SameManifest(const Layout& other) const {
     const TensorInfo& a = tensors_[i];
     const TensorInfo& b = other.tensors_[i];
     if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) return false;
+  }
+  if (units_.size() != other.units_.size()) return false;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].first_row != other.units_[u].first_row || units_[u].shape != other.units_[u].shape) {
+      return false;
+    }
   }
   return true;
 }

@@ -119,6 +119,60 @@ TEST(LayoutTest, SortsAlignsAndSizes) {
   EXPECT_EQ(l64.slot_bytes(), 576u);
 }
 
+// Rows [first, first + rows) of a [whole, 4] tensor of `dtype`.
+UnitDesc PartOf(const std::string& name, uint64_t first, uint64_t rows, uint64_t whole,
+                DType dtype = DType::kBF16) {
+  return {{name, dtype, {rows, 4}}, PartDesc{first, {whole, 4}}};
+}
+UnitDesc Whole(const std::string& name, std::vector<uint64_t> shape, DType dtype = DType::kBF16) {
+  return {{name, dtype, std::move(shape)}, std::nullopt};
+}
+
+TEST(LayoutTest, PartsJoinIntoTheirWholeTensor) {
+  // Rows [0, 3) and [3, 10) of a [10, 4] BF16 tensor (8 bytes a row), given out of order.
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      Layout l, Layout::BuildUnits({PartOf("w", 3, 7, 10), Whole("a", {2}, DType::kF32),
+                                    PartOf("w", 0, 3, 10)}));
+  ASSERT_EQ(l.size(), 2u);
+  EXPECT_EQ(l.tensor(1).shape, (std::vector<uint64_t>{10, 4}));
+  EXPECT_EQ(l.tensor(1).size_bytes, 80u);
+  ASSERT_EQ(l.units().size(), 3u);
+  EXPECT_EQ(l.unit(0).tensor, 0u);
+  EXPECT_EQ(l.unit(1).tensor, 1u);
+  EXPECT_EQ(l.unit(1).offset_in_tensor, 0u);
+  EXPECT_EQ(l.unit(1).size_bytes, 24u);
+  EXPECT_EQ(l.unit(2).offset_in_tensor, 24u);
+  EXPECT_EQ(l.unit(2).size_bytes, 56u);
+  EXPECT_EQ(l.FindUnit("w", 3), std::optional<size_t>(2));
+  EXPECT_EQ(l.FindUnit("w", std::nullopt), std::nullopt);
+  EXPECT_EQ(l.FindUnit("a", std::nullopt), std::optional<size_t>(0));
+  std::vector<uint8_t> slot(l.slot_bytes());
+  std::vector<std::span<uint8_t>> spans;
+  for (const TensorInfo& t : l.tensors()) spans.push_back({slot.data() + t.offset, t.size_bytes});
+  EXPECT_EQ(l.UnitOf(spans, 2).data(), slot.data() + l.tensor(1).offset + 24);
+
+  // The same whole tensor split elsewhere is another manifest (another store generation).
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      Layout other, Layout::BuildUnits({PartOf("w", 5, 5, 10), Whole("a", {2}, DType::kF32),
+                                        PartOf("w", 0, 5, 10)}));
+  EXPECT_FALSE(l.SameManifest(other));
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout whole,
+                             Layout::BuildUnits({Whole("w", {10, 4}), Whole("a", {2}, DType::kF32)}));
+  EXPECT_FALSE(l.SameManifest(whole));
+  EXPECT_TRUE(whole.SameManifest(whole));
+}
+
+TEST(LayoutTest, PartsThatDoNotTileAreRefused) {
+  EXPECT_THAT(Layout::BuildUnits({PartOf("w", 0, 3, 10)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rows [3, 10) missing")));
+  EXPECT_THAT(Layout::BuildUnits({PartOf("w", 0, 3, 10), PartOf("w", 2, 8, 10)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rows [2, 3) twice")));
+  EXPECT_THAT(Layout::BuildUnits({PartOf("w", 0, 3, 10), PartOf("w", 3, 7, 10, DType::kF32)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("does not fit")));
+  EXPECT_THAT(Layout::BuildUnits({Whole("w", {10, 4}), PartOf("w", 3, 7, 10)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate tensor name")));
+}
+
 TEST(LayoutTest, RejectsBadManifests) {
   EXPECT_THAT(Layout::Build({}).status().message(), HasSubstr("no tensors"));
   EXPECT_THAT(Layout::Build({{"x", DType::kF32, {1}}, {"x", DType::kF32, {2}}}).status().message(),

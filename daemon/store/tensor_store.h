@@ -64,11 +64,36 @@ class FakeClock : public Clock {
   mutable std::atomic<int64_t> now_ns_;
 };
 
+// Where a part of a tensor lies in it: rows [first_row, first_row + shape[0]) of the whole
+// tensor of shape `whole_shape` (TensorSpec.part).
+struct PartDesc {
+  uint64_t first_row = 0;
+  std::vector<uint64_t> whole_shape;
+};
+
 // What a tensor is (the manifest entry), before placement.
 struct TensorDesc {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // outermost first; {} = scalar
+};
+
+// A manifest entry: a whole tensor, or (with `part`) one part of a tensor whose other parts other
+// entries of the same name describe (a joined sharded version); `desc.shape` is the part's.
+struct UnitDesc {
+  TensorDesc desc;
+  std::optional<PartDesc> part;
+};
+
+// One entry of the manifest a layout was built from, placed: a whole tensor, or a part of one
+// (its bytes a contiguous range of the whole tensor's). Transfers stage, verify and retain
+// patches per unit; consumers see the whole tensors.
+struct UnitInfo {
+  size_t tensor = 0;              // index of its tensor in Layout::tensors()
+  uint64_t offset_in_tensor = 0;  // bytes
+  uint64_t size_bytes = 0;
+  std::vector<uint64_t> shape;        // the unit's own (the tensor's when whole)
+  std::optional<uint64_t> first_row;  // set for a part
 };
 
 // A tensor placed in a slot.
@@ -93,22 +118,40 @@ class Layout {
   // >= 1). At least one tensor.
   static absl::StatusOr<Layout> Build(std::vector<TensorDesc> tensors,
                                       uint64_t alignment = kDefaultAlignment);
+  // The same for entries that may be parts: the parts of one name are joined into their whole
+  // tensor, which they must tile exactly by rows, agreeing on dtype and whole shape.
+  static absl::StatusOr<Layout> BuildUnits(std::vector<UnitDesc> units,
+                                           uint64_t alignment = kDefaultAlignment);
 
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   size_t size() const { return tensors_.size(); }
   const TensorInfo& tensor(size_t i) const { return tensors_[i]; }
+  // The entries it was built from, in (name, first row) order: one per tensor, or its parts.
+  const std::vector<UnitInfo>& units() const { return units_; }
+  const UnitInfo& unit(size_t u) const { return units_[u]; }
+  // Index of the unit of tensor `name` (the part starting at `first_row`, or the whole tensor
+  // when nullopt), or nullopt.
+  std::optional<size_t> FindUnit(absl::string_view name, std::optional<uint64_t> first_row) const;
+  // Unit u's bytes within its tensor's span (`tensor_spans` in tensor order: a staging handle's
+  // or a lease's spans).
+  template <typename T>
+  std::span<T> UnitOf(const std::vector<std::span<T>>& tensor_spans, size_t u) const {
+    const UnitInfo& unit = units_[u];
+    return tensor_spans[unit.tensor].subspan(unit.offset_in_tensor, unit.size_bytes);
+  }
   // Bytes of one slot: end of the last tensor rounded up to the alignment (>= alignment).
   uint64_t slot_bytes() const { return slot_bytes_; }
   uint64_t alignment() const { return alignment_; }
   // Index of the tensor named `name`, or nullopt.
   std::optional<size_t> Find(absl::string_view name) const;
-  // Same manifest (names, dtypes, shapes): versions of one can be staged in a store of the other
+  // Same manifest (names, dtypes, shapes, and the same parts): versions of one can be staged in a store of the other
   // without a relayout. Placement is a function of the manifest and alignment, so equal manifests
   // with equal alignment have equal offsets too.
   bool SameManifest(const Layout& other) const;
 
  private:
   std::vector<TensorInfo> tensors_;
+  std::vector<UnitInfo> units_;
   uint64_t slot_bytes_ = 0;
   uint64_t alignment_ = kDefaultAlignment;
 };

@@ -103,6 +103,8 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
       rec.has_value()) {
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
+    // A tensor joined from parts: its whole-tensor digest, not a part's.
+    for (const v1::TensorDigest& d : rec->joined) digests[d.name()] = d.digest();
   }
   // Where the leased slot is, once per lease; each tensor adds its offset in the slot.
   const store::SlotRegion region = lease.store->Region(lease.lease.slot);

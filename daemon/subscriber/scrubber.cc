@@ -8,6 +8,8 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/thread_priority.h"
+#include "daemon/subscriber/unit_spec.h"
+#include "daemon/sync/tensor_part.h"
 
 namespace refit::subscriber {
 
@@ -34,10 +36,11 @@ bool Scrubber::BeginPass() {
   pass.generation = core_->generations().generation();
   pass.format = record->digest_format;
   const store::Layout& layout = st->layout();
-  pass.digests.resize(layout.size());
-  for (const v1::TensorDigest& d : record->tensors) {
-    if (std::optional<size_t> i = layout.Find(d.name()); i.has_value()) {
-      pass.digests[*i] = d.digest();
+  // The record lists the units (whole tensors or parts) in the layout's unit order.
+  pass.digests.resize(layout.units().size());
+  for (size_t u = 0; u < record->tensors.size() && u < pass.digests.size(); ++u) {
+    if (record->tensors[u].name() == layout.tensor(layout.unit(u).tensor).name) {
+      pass.digests[u] = record->tensors[u].digest();
     }
   }
   pass_ = std::move(pass);
@@ -67,7 +70,8 @@ uint64_t Scrubber::CheckNext() {
   absl::StatusOr<SubscriberLease> lease =
       core_->generations().AcquireLease(options_.consumer, pass.version);
   if (!lease.ok()) return 0;  // a commit in between (FollowCommit next step), or no lease now
-  if (lease->generation != pass.generation || pass.next >= lease->lease.spans.size()) {
+  const store::Layout& layout = lease->store->layout();
+  if (lease->generation != pass.generation || pass.next >= layout.units().size()) {
     (void)core_->generations().ReleaseLease(lease->lease.lease_id);  // a new generation: start over
     pass_.reset();
     absl::MutexLock lock(&mu_);
@@ -75,12 +79,13 @@ uint64_t Scrubber::CheckNext() {
     return 0;
   }
   const size_t i = pass.next++;
-  const std::span<const uint8_t> bytes = lease->lease.spans[i];
+  const std::span<const uint8_t> bytes = layout.UnitOf(lease->lease.spans, i);
   store::TensorMemory& memory = lease->store->memory();
   absl::StatusOr<uint64_t> found =
       options_.digest ? options_.digest(memory, pass.format, bytes)
                       : StoreDigestOf(memory, pass.format, bytes);
-  const std::string name = lease->store->layout().tensor(i).name;
+  const v1::TensorSpec spec = UnitSpec(layout, i);
+  const std::string& name = spec.name();
   if (absl::Status st = core_->generations().ReleaseLease(lease->lease.lease_id); !st.ok()) {
     Logger("scrub")->warn("releasing the scrub lease on version {}: {}", pass.version,
                           st.ToString());
@@ -90,7 +95,7 @@ uint64_t Scrubber::CheckNext() {
     ++stats_.tensors_checked;
     stats_.bytes_checked += bytes.size();
     if (!found.ok()) {
-      stats_.last_error = absl::StrCat("digest of tensor ", Quoted(name), " (version ",
+      stats_.last_error = absl::StrCat("digest of tensor ", sync::DescribeSpec(spec), " (version ",
                                        pass.version, "): ", found.status().message());
     }
   }

@@ -4,10 +4,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/transfer_stats.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -330,17 +332,30 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
     }
   }
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.plan->spec().name() < b.plan->spec().name();
+    return sync::SpecBefore(a.plan->spec(), b.plan->spec());
   });
   for (Part& p : parts_) p.map.assign(p.header->tensors_size(), 0);
+  std::vector<v1::TensorSpec> specs;
   for (size_t j = 0; j < entries.size(); ++j) {
     const Entry& e = entries[j];
-    if (j > 0 && entries[j - 1].plan->spec().name() == e.plan->spec().name()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("version ", out.version(), ": tensor ", Quoted(e.plan->spec().name()),
-                       " is published by ", Shard(entries[j - 1].part), " and ", Shard(e.part),
-                       "; the shards of a set must own disjoint tensors"));
+    const v1::TensorSpec& spec = e.plan->spec();
+    if (j > 0 && entries[j - 1].plan->spec().name() == spec.name()) {
+      const v1::TensorSpec& prev = entries[j - 1].plan->spec();
+      if (!sync::IsPart(prev) || !sync::IsPart(spec)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("version ", out.version(), ": tensor ", Quoted(spec.name()),
+                         " is published by ", Shard(entries[j - 1].part), " and ", Shard(e.part),
+                         "; the shards of a set must own disjoint tensors or disjoint rows of "
+                         "one (TensorSpec.part)"));
+      }
+      if (absl::Status st = sync::CheckNextPart(prev, spec); !st.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "version ", out.version(), ": ", Shard(entries[j - 1].part), "'s part ",
+            sync::DescribeSpec(prev), " and ", Shard(e.part), "'s part ", sync::DescribeSpec(spec),
+            " do not join: ", st.message()));
+      }
     }
+    specs.push_back(spec);
     parts_[e.part].map[e.index] = static_cast<uint32_t>(j);
     v1::TensorPlan* tp = out.add_tensors();
     *tp = *e.plan;
@@ -349,8 +364,31 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
           StreamTensorLocked(e.part, static_cast<uint32_t>(j), out, *tp, synthetic));
     }
   }
+  // Every tensor whole: the parts of each sliced tensor, over all shards, tile its rows.
+  if (absl::Status st = sync::CheckPartsTile(specs); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version ", out.version(), " over all ", parts_.size(), " shards: ",
+                     st.message(), " (", PartOwnersLocked(), ")"));
+  }
   out.set_lineage(JoinedLineageLocked(out.version()));
   return out;
+}
+
+// "shard 0 (set s) rows [0, 63) of 'w', ...": which shard sent which part, for errors.
+std::string ShardJoin::PartOwnersLocked() const {
+  std::vector<std::string> owners;
+  for (uint32_t k = 0; k < parts_.size(); ++k) {
+    for (const v1::TensorPlan& tp : parts_[k].header->tensors()) {
+      if (sync::IsPart(tp.spec())) {
+        owners.push_back(absl::StrCat(Shard(k), ": ", sync::DescribeSpec(tp.spec())));
+      }
+    }
+  }
+  if (owners.size() > 16) {
+    owners.resize(16);
+    owners.push_back("...");
+  }
+  return absl::StrCat("parts: ", absl::StrJoin(owners, "; "));
 }
 
 // upstream.tensors with shards: each shard sent its part; together they must hold a tensor for

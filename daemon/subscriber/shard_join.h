@@ -150,6 +150,7 @@ class ShardJoin {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status JoinHeaderFieldsLocked(v1::VersionHeader& out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string PartOwnersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckSelectionCoveredLocked(const v1::VersionHeader& joined) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t JoinedLineageLocked(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

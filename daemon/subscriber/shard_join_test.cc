@@ -10,10 +10,14 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "daemon/codec/change_set.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/subscriber/change_log.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/subscriber_testing.h"
+#include "daemon/sync/digest_format.h"
 #include "daemon/sync/sync_testing.h"
+#include "daemon/sync/version_digest.h"
 #include "gtest/gtest.h"
 
 namespace refit::subscriber {
@@ -46,10 +50,20 @@ struct PartPlan {
   size_t abort_after_frames = SIZE_MAX;       // Abort (session ends) after this many frames
 };
 
-class ShardJoinTest : public ::testing::Test {
+// kSlots 2: staged into a spare slot (digest v1 sessions); 1: the single-copy store, written
+// in place (digest v2 sessions, as that store needs).
+template <int kSlots>
+class ShardJoinFixture : public ::testing::Test {
  protected:
-  ShardJoinTest() {
-    core_ = std::make_unique<SubscriberCore>(testing::SmallCoreOptions(&clock_, 2));
+  static constexpr sync::DigestFormat kFormat =
+      kSlots == 1 ? sync::DigestFormat::kV2 : sync::DigestFormat::kV1;
+  static SubscriberOptions CoreOptions(store::FakeClock* clock) {
+    SubscriberOptions o = testing::SmallCoreOptions(clock, 2);
+    o.store.slots = kSlots;
+    return o;
+  }
+  ShardJoinFixture() {
+    core_ = std::make_unique<SubscriberCore>(CoreOptions(&clock_));
     join_ = std::make_unique<ShardJoin>(
         core_.get(), ShardJoinOptions{.set = "policy",
                                       .count = kShards,
@@ -58,8 +72,10 @@ class ShardJoinTest : public ::testing::Test {
                                       }});
     for (uint32_t k = 0; k < kShards; ++k) {
       join_->port(k)->SetMaxFrameBytes(4096);
-      join_->port(k)->SetDigestFormat(sync::DigestFormat::kV1);
+      join_->port(k)->SetDigestFormat(kFormat);
+      shards_[k].set_format(kFormat);
     }
+    whole_.set_format(kFormat);
   }
 
   Model Initial() {
@@ -67,6 +83,7 @@ class ShardJoinTest : public ::testing::Test {
     for (const auto& [name, shard] : Owners()) {
       m[name] = RandomTensor(BF16(name, {40, 100 + 10 * shard}), rng_);
     }
+    if (!rows_.empty()) m[kSliced] = RandomTensor(BF16(kSliced, {rows_.back(), 24}), rng_);
     return m;
   }
   // Version v of the whole model (~1% of elements change per version, "frozen" never).
@@ -81,12 +98,39 @@ class ShardJoinTest : public ::testing::Test {
     whole_.Publish(v, current_);
     for (uint32_t k = 0; k < kShards; ++k) shards_[k].Publish(v, Part(current_, k));
   }
-  static Model Part(const Model& m, uint32_t k) {
+  // Shard k's tensors, and with rows_ its rows [rows_[k], rows_[k + 1]) of kSliced as a part.
+  Model Part(const Model& m, uint32_t k) const {
     Model out;
     for (const auto& [name, t] : m) {
+      if (name == kSliced) continue;
       if (Owners().at(name) == k) out[name] = t;
     }
+    if (!rows_.empty() && rows_[k + 1] > rows_[k]) {  // no rows: no part
+      const sync::testing::Tensor& whole = m.at(kSliced);
+      const uint64_t row_bytes = whole.bytes.size() / rows_.back();
+      sync::testing::Tensor& part = out[kSliced];
+      part.spec = BF16(kSliced, {rows_[k + 1] - rows_[k], 24});
+      part.spec.mutable_part()->set_first_row(rows_[k]);
+      *part.spec.mutable_part()->mutable_whole_shape() = whole.spec.shape();
+      part.bytes.assign(whole.bytes.begin() + rows_[k] * row_bytes,
+                        whole.bytes.begin() + rows_[k + 1] * row_bytes);
+    }
     return out;
+  }
+  // The joined version digest: over every shard's tensors and parts, in manifest order.
+  uint64_t JoinedDigest(uint64_t v) const {
+    std::vector<v1::TensorSpec> specs;
+    std::vector<uint64_t> digests;
+    for (uint32_t k = 0; k < kShards; ++k) {
+      for (const auto& [name, t] : Part(current_versions_.at(v), k)) {
+        specs.push_back(t.spec);
+        digests.push_back(sync::TensorDigestOf(kFormat, t.bytes));
+      }
+    }
+    sync::SortManifest(specs, &digests);
+    absl::StatusOr<uint64_t> d = sync::VersionDigest(specs, digests);
+    EXPECT_THAT(d.status(), IsOk());
+    return d.ok() ? *d : 0;
   }
 
   // Shard k's session: the transfer from what its port holds to `target`, delivered to the
@@ -131,7 +175,10 @@ class ShardJoinTest : public ::testing::Test {
   // port answers for its own shard.
   void ExpectHolds(uint64_t v) {
     EXPECT_EQ(core_->applied_version(), v);
-    EXPECT_EQ(core_->applied_digest(), whole_.digest(v));
+    EXPECT_EQ(core_->applied_digest(), JoinedDigest(v));
+    if (rows_.empty()) {
+      EXPECT_EQ(core_->applied_digest(), whole_.digest(v));
+    }
     auto got = Read(*core_);
     ASSERT_EQ(got.size(), current_versions_.at(v).size());
     for (const auto& [name, t] : current_versions_.at(v)) {
@@ -158,6 +205,8 @@ class ShardJoinTest : public ::testing::Test {
     while (join_->Status().shards[k].offered_version != v) std::this_thread::yield();
   }
 
+  static constexpr const char* kSliced = "m.sliced";
+  std::vector<uint64_t> rows_;  // with K + 1 row bounds: kSliced's parts, one per shard
   std::mt19937 rng_{99};
   store::FakeClock clock_;
   std::unique_ptr<SubscriberCore> core_;
@@ -169,6 +218,9 @@ class ShardJoinTest : public ::testing::Test {
   Model current_;
   std::map<uint64_t, Model> current_versions_;
 };
+
+using ShardJoinTest = ShardJoinFixture<2>;
+using ShardJoinSingleCopyTest = ShardJoinFixture<1>;
 
 TEST_F(ShardJoinTest, ThreeShardsBootstrapThenDeltasCommitTheWholeModelOnce) {
   for (uint64_t v = 1; v <= 4; ++v) {
@@ -269,6 +321,123 @@ TEST_F(ShardJoinTest, ATensorOfTwoShardsIsRejectedNamingBoth) {
         absl::StrContains(acks[k].error(), "\"a.weight\" is published by shard 0 and shard 1"))
         << acks[k].error();
   }
+  ExpectHolds(1);
+  CommitAll(2);
+}
+
+TEST_F(ShardJoinTest, PartsOfOneTensorFromEveryShardJoinIntoTheWholeTensor) {
+  rows_ = {0, 13, 13, 40};  // uneven, and shard 1's part is empty
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Publish(v);
+    CommitAll(v);
+  }
+  EXPECT_EQ(frame_errors_.load(), 0);
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(shards_[k].last_plan().Header().base_version(), 3u) << "shard " << k;
+  }
+  // Consumers see the whole tensor; the store keeps its parts as units.
+  auto lease = core_->generations().AcquireLease("test", 4);
+  ASSERT_THAT(lease.status(), IsOk());
+  const store::Layout& layout = lease->store->layout();
+  const size_t t = *layout.Find(kSliced);
+  EXPECT_EQ(layout.tensor(t).shape, (std::vector<uint64_t>{40, 24}));
+  EXPECT_EQ(layout.units().size(), layout.size() + 1);  // two parts of m.sliced
+  ASSERT_THAT(core_->generations().ReleaseLease(lease->lease.lease_id), IsOk());
+  // Its whole-tensor digest, for consumers, read once joined.
+  const VersionRecord rec = core_->records().applied();
+  ASSERT_EQ(rec.joined.size(), 1u);
+  EXPECT_EQ(rec.joined[0].digest(),
+            sync::TensorDigestOf(kFormat, current_versions_.at(4).at(kSliced).bytes));
+}
+
+TEST_F(ShardJoinTest, ANewSplitOfTheRowsKeyframesTheMovedPartsAndKeepsTheOthersDeltas) {
+  rows_ = {0, 13, 27, 40};
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  CommitAll(2);
+  const uint64_t generation = core_->generations().generation();
+  // The job is resized: shard 0 keeps rows [0, 13), shards 1 and 2 split the rest anew.
+  rows_ = {0, 13, 30, 40};
+  Publish(3);
+  CommitAll(3);
+  EXPECT_NE(core_->generations().generation(), generation);  // a new layout of units
+  for (uint32_t k = 0; k < kShards; ++k) {
+    const v1::VersionHeader header = shards_[k].last_plan().Header();
+    for (const v1::TensorPlan& tp : header.tensors()) {
+      const bool moved = tp.spec().name() == kSliced && k > 0;
+      EXPECT_EQ(tp.delivery() == v1::DELIVERY_KEYFRAME, moved)
+          << "shard " << k << " " << tp.spec().name();
+    }
+  }
+  Publish(4);
+  CommitAll(4);
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(shards_[k].last_plan().Header().base_version(), 3u) << "shard " << k;
+  }
+}
+
+TEST_F(ShardJoinSingleCopyTest, PartsAreWrittenInPlaceAndTheirChangesGoToConsumersWhole) {
+  rows_ = {0, 13, 27, 40};
+  core_->change_log().Claim("engine", 1);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Publish(v);
+    CommitAll(v);
+    EXPECT_EQ(core_->last_stage().in_place_update, v > 1) << "version " << v;
+  }
+  // The layout gives consumers the whole tensor's digest, not a part's.
+  const VersionRecord rec = core_->records().applied();
+  ASSERT_EQ(rec.joined.size(), 1u);
+  EXPECT_EQ(rec.joined[0].name(), kSliced);
+  EXPECT_EQ(rec.joined[0].digest(),
+            sync::TensorDigestOf(sync::DigestFormat::kV2, current_versions_.at(4).at(kSliced).bytes));
+  // Change sets are in whole-tensor coordinates: version 1 plus them is version 4.
+  for (uint64_t from = 1; from < 4; ++from) {
+    absl::StatusOr<VersionChanges> c = core_->change_log().Changes(from, 4);
+    ASSERT_THAT(c.status(), IsOk());
+    Model m = current_versions_.at(from);
+    for (const TensorChangeEntry& t : c->tensors) {
+      ASSERT_TRUE(m.count(t.name)) << t.name;
+      ASSERT_THAT(WriteChanges(t.changes, std::span<uint8_t>(m[t.name].bytes)), IsOk());
+      if (t.name == kSliced) {
+        EXPECT_EQ(t.shape, (std::vector<uint64_t>{40, 24}));
+        EXPECT_EQ(t.digest, rec.joined[0].digest());
+      }
+    }
+    for (const auto& [name, t] : current_versions_.at(4)) {
+      EXPECT_TRUE(m[name].bytes == t.bytes) << name << " from version " << from;
+    }
+  }
+}
+
+TEST_F(ShardJoinTest, PartsThatLeaveRowsUncoveredCommitNothingAndNameTheRowsAndShards) {
+  rows_ = {0, 13, 27, 40};
+  Publish(1);
+  CommitAll(1);
+  Publish(2);
+  // Shard 2's publisher now holds rows [27, 39) only (a rank left its node).
+  PartPlan shrink{.mutate = [](Wire& w) {
+    for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
+      if (tp.spec().name() == kSliced) tp.mutable_spec()->set_shape(0, 12);
+    }
+  }, .abort_after_frames = SIZE_MAX};
+  std::vector<v1::Ack> acks = SendAll(2, {{2, shrink}});
+  for (uint32_t k = 0; k < kShards; ++k) {
+    EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
+    EXPECT_TRUE(absl::StrContains(acks[k].error(), "do not cover rows [39, 40) of its 40"))
+        << acks[k].error();
+    EXPECT_TRUE(absl::StrContains(acks[k].error(), "shard 2: \"m.sliced\" rows [27, 39) of 40"))
+        << acks[k].error();
+  }
+  ExpectHolds(1);
+  // Overlapping parts are refused too.
+  PartPlan overlap{.mutate = [](Wire& w) {
+    for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
+      if (tp.spec().name() == kSliced) tp.mutable_spec()->mutable_part()->set_first_row(26);
+    }
+  }, .abort_after_frames = SIZE_MAX};
+  acks = SendAll(2, {{2, overlap}});
+  EXPECT_TRUE(absl::StrContains(acks[0].error(), "overlaps rows [13, 27)")) << acks[0].error();
   ExpectHolds(1);
   CommitAll(2);
 }

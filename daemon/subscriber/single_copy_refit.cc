@@ -14,6 +14,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/single_copy.h"
 #include "daemon/subscriber/staged_transfer.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/version_digest.h"
 
@@ -98,7 +99,7 @@ absl::StatusOr<std::vector<SingleCopyTensor>> SubscriberCore::StageChangeSetsLoc
     SingleCopyInput in;
     in.kind = KindOf(tp);
     in.dtype = t.dtypes[i];
-    in.held = held.spans[li];
+    in.held = t.target->layout().UnitOf(held.spans, li);
     if (digests.has_value() && li < digests->digests.size()) in.held_digest = digests->digests[li];
     absl::Status st;
     const uint32_t ti = static_cast<uint32_t>(i);
@@ -186,6 +187,30 @@ absl::StatusOr<store::UpdateHandle> SubscriberCore::AwaitPauseLocked(StagedTrans
 
 namespace {
 
+// A part's changes in its whole tensor's coordinates (positions from the part's first element),
+// added to the whole tensor's entry (the last one when an earlier part of it changed too), with
+// the whole tensor's digest from `joined`.
+void AddPartChanges(VersionChanges& vc, const v1::TensorSpec& spec, TensorChanges changes,
+                    const std::vector<v1::TensorDigest>& joined) {
+  uint64_t row_elements = 1;
+  for (int d = 1; d < spec.shape_size(); ++d) row_elements *= spec.shape(d);
+  const uint64_t first = spec.part().first_row() * row_elements;
+  for (uint64_t& p : changes.positions) p += first;
+  if (vc.tensors.empty() || vc.tensors.back().name != spec.name()) {
+    TensorChangeEntry& e = vc.tensors.emplace_back();
+    e.name = spec.name();
+    e.shape.assign(spec.part().whole_shape().begin(), spec.part().whole_shape().end());
+    e.changes.dtype = changes.dtype;
+    e.changes.num_elements = row_elements * spec.part().whole_shape(0);
+    for (const v1::TensorDigest& d : joined) {
+      if (d.name() == spec.name()) e.digest = d.digest();
+    }
+  }
+  TensorChanges& whole = vc.tensors.back().changes;
+  whole.positions.insert(whole.positions.end(), changes.positions.begin(), changes.positions.end());
+  whole.values.insert(whole.values.end(), changes.values.begin(), changes.values.end());
+}
+
 // Records the change sets of version t (written in place over `from_version`) for consumers.
 void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
                 std::vector<SingleCopyTensor>& staged, const VerifiedDigests& verified) {
@@ -196,6 +221,10 @@ void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
   for (size_t i = 0; i < staged.size(); ++i) {
     if (staged[i].changes.count() == 0) continue;
     const v1::TensorSpec& spec = t.header.tensors(static_cast<int>(i)).spec();
+    if (sync::IsPart(spec)) {
+      AddPartChanges(vc, spec, std::move(staged[i].changes), verified.joined);
+      continue;
+    }
     TensorChangeEntry e;
     e.name = spec.name();
     e.shape.assign(spec.shape().begin(), spec.shape().end());
@@ -203,8 +232,7 @@ void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
     e.digest = verified.digests[i];
     vc.tensors.push_back(std::move(e));
   }
-  std::sort(vc.tensors.begin(), vc.tensors.end(),
-            [](const TensorChangeEntry& a, const TensorChangeEntry& b) { return a.name < b.name; });
+  // Header order is name order, parts of a name in row order: already sorted.
   log.Record(std::move(vc));
 }
 
@@ -231,7 +259,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
     return Reject(v, std::string(checked.status().message()), std::move(mismatched),
                   t.wire_bytes);
   }
-  const VerifiedDigests& verified = *checked;
+  VerifiedDigests& verified = *checked;
   const absl::Time verified_at = absl::Now();
 
   // The pause: every consumer lease on the held version released (or expired).
@@ -239,10 +267,19 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
   if (!update.ok()) return Reject(v, std::string(update.status().message()), {}, t.wire_bytes);
   const absl::Time paused = absl::Now();
   std::vector<std::span<uint8_t>> out(staged->size());
-  for (size_t i = 0; i < staged->size(); ++i) out[i] = update->out[t.layout_index[i]];
+  for (size_t i = 0; i < staged->size(); ++i) {
+    out[i] = t.target->layout().UnitOf(update->out, t.layout_index[i]);
+  }
   bool restored = true;
   absl::Status wrote = WriteSingleCopy(t.target->memory(), out, *staged,
                                        options_.in_place_write_hook, &restored);
+  if (wrote.ok()) {
+    // Tensors joined from parts: their whole-tensor digests, read from the slot as written.
+    absl::StatusOr<std::vector<v1::TensorDigest>> joined =
+        JoinedDigests(t.target->layout(), t.target->memory(), t.format, update->out);
+    if (joined.ok()) verified.joined = std::move(*joined);
+    wrote = joined.status();
+  }
   if (wrote.ok()) wrote = t.target->CommitUpdate(*update);
   if (!wrote.ok()) {
     (void)t.target->AbortUpdate(*update, restored);

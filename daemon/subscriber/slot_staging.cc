@@ -21,7 +21,7 @@ namespace refit::subscriber {
 absl::Status StagedTransfer::CatchUpTensor(size_t i) {
   const size_t li = layout_index[i];
   const absl::Time start = absl::Now();
-  absl::Status st = ApplyChain(target->memory(), *chain, li, dtypes[i], handle->out[li], &v2[i],
+  absl::Status st = ApplyChain(target->memory(), *chain, li, dtypes[i], Out(i), &v2[i],
                                &stats.catch_up_patches);
   stats.catch_up_micros += WholeMicros(absl::Now() - start);
   return st.ok() ? st : Annotate(st, "catch-up of the standby slot");
@@ -34,7 +34,7 @@ absl::Status StagedTransfer::CatchUpTensor(size_t i) {
 absl::Status StagedTransfer::StageTensor(size_t i, bool in_place) {
   const v1::TensorPlan& tp = header.tensors(static_cast<int>(i));
   const uint32_t ti = static_cast<uint32_t>(i);
-  std::span<uint8_t> out = handle->out[layout_index[i]];
+  std::span<uint8_t> out = Out(i);
   store::TensorMemory& mem = target->memory();
   switch (tp.delivery()) {
     case v1::DELIVERY_KEYFRAME: {

@@ -30,7 +30,16 @@ namespace refit::subscriber {
 struct VerifiedDigests {
   std::vector<uint64_t> digests;
   uint64_t version_digest = 0;
+  // The whole-tensor digests of the tensors joined from parts (JoinedDigests), name order.
+  std::vector<v1::TensorDigest> joined;
 };
+
+// The digest (in `format`) of every tensor of `layout` that is joined from parts, read whole from
+// `spans` (a slot's, tensor order): no publisher holds the whole tensor, so none sends its
+// digest, and consumers verify whole tensors. Empty when no tensor has parts.
+absl::StatusOr<std::vector<v1::TensorDigest>> JoinedDigests(
+    const store::Layout& layout, store::TensorMemory& memory, sync::DigestFormat format,
+    const std::vector<std::span<uint8_t>>& spans);
 
 // The tensors' `digests` (header order) and their version digest against `end`: DATA_LOSS
 // naming every mismatched tensor (also added to `mismatched`).
@@ -61,14 +70,15 @@ class StagedTransfer {
   absl::Time start;
   std::vector<DType> dtypes;         // by header index
   std::vector<uint64_t> bytes;       // by header index
-  std::vector<size_t> layout_index;  // header index -> index in target->layout()
+  // header index -> its unit in target->layout() (a whole tensor or a part of one).
+  std::vector<size_t> layout_index;
   std::shared_ptr<store::SlottedStore> target;  // the store staged into
   bool new_generation = false;
   bool repair = false;  // SubscriberCore::ExpectRepair: the applied version again, repaired
   // The header's lineage differs from the applied version's (keyframes into a new generation).
   bool lineage_change = false;
   // New generation with bases: a lease on the old store's applied version, and for each header
-  // index the old layout index of its base (UNCHANGED / PATCH only).
+  // index the old layout's unit of its base (UNCHANGED / PATCH only).
   std::shared_ptr<store::SlottedStore> old_store;
   std::optional<store::Lease> old_lease;
   std::vector<size_t> old_index;
@@ -111,9 +121,13 @@ class StagedTransfer {
     }
   }
 
+  // Tensor i's bytes in the base version and in the staged slot (its unit's).
   std::span<const uint8_t> Base(size_t i) const {
-    if (new_generation) return old_lease->spans[old_index[i]];
-    return handle->base[layout_index[i]];
+    if (new_generation) return old_store->layout().UnitOf(old_lease->spans, old_index[i]);
+    return target->layout().UnitOf(handle->base, layout_index[i]);
+  }
+  std::span<uint8_t> Out(size_t i) const {
+    return target->layout().UnitOf(handle->out, layout_index[i]);
   }
 
   // OnHeader (transfer_plan.cc). Each tensor's spec, delivery and chain checked; fills dtypes

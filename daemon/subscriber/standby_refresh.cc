@@ -36,24 +36,25 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
                           const SubscriberOptions& options) {
   const store::Layout& layout = w.store->layout();
   store::TensorMemory& mem = w.store->memory();
-  for (size_t li = 0; li < layout.size(); ++li) {
+  for (size_t li = 0; li < layout.units().size(); ++li) {
     if (options.refresh_tensor_hook) options.refresh_tensor_hook(li, cancel);
     if (cancel.load(std::memory_order_acquire)) {
       return absl::CancelledError("refresh of the standby slot cancelled");
     }
-    std::span<uint8_t> out = w.handle.out[li];
+    std::span<uint8_t> out = layout.UnitOf(w.handle.out, li);
+    const store::TensorInfo& tensor = layout.tensor(layout.unit(li).tensor);
     std::optional<uint64_t> unknown;
     std::optional<uint64_t>& digest = li < w.digests.size() ? w.digests[li] : unknown;
     if (!ChainKeeps(w.chain, li)) {
       ++stats.tensors_copied;
-      REFIT_RETURN_IF_ERROR(mem.Copy(out, w.handle.current[li]));
+      REFIT_RETURN_IF_ERROR(mem.Copy(out, layout.UnitOf(w.handle.current, li)));
       digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
       continue;
     }
     if (absl::Status st =
-            ApplyChain(mem, w.chain, li, layout.tensor(li).dtype, out, &digest, &stats.patches);
+            ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
         !st.ok()) {
-      return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(layout.tensor(li).name));
+      return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
     }
   }
   return absl::OkStatus();

@@ -19,6 +19,8 @@
 #include "daemon/common/unix_time.h"
 #include "daemon/common/wait_deadline.h"
 #include "daemon/subscriber/version_export.h"
+#include "daemon/subscriber/unit_spec.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "refit/version.h"
 
@@ -190,47 +192,41 @@ grpc::Status SubscriberControlService::Verify(grpc::ServerContext* context,
   absl::StatusOr<SubscriberLease> leased = LeaseApplied(&rec);
   if (!leased.ok()) return ToGrpcStatus(leased.status());
   const SubscriberLease& lease = *leased;
-  std::map<std::string, uint64_t> expected;
-  for (const v1::TensorDigest& d : rec.tensors) expected[d.name()] = d.digest();
   const store::Layout& layout = lease.store->layout();
   std::vector<v1::TensorSpec> specs;
   std::vector<uint64_t> digests;
   bool ok = true;
   std::vector<std::string> bad;
-  for (size_t i = 0; i < layout.size(); ++i) {
-    const store::TensorInfo& ti = layout.tensor(i);
+  // Per unit (a whole tensor or a part of one), in the record's order.
+  for (size_t u = 0; u < layout.units().size(); ++u) {
+    v1::TensorSpec spec = UnitSpec(layout, u);
     // The store's own digest, in the format the record was verified in: the CPU codec with
     // staging.threads threads on host memory, the digest kernel on a GPU store.
-    absl::StatusOr<uint64_t> d =
-        StoreDigestOf(lease.store->memory(), rec.digest_format, lease.lease.spans[i]);
+    absl::StatusOr<uint64_t> d = StoreDigestOf(lease.store->memory(), rec.digest_format,
+                                               layout.UnitOf(lease.lease.spans, u));
     if (!d.ok()) {
       (void)core_->generations().ReleaseLease(lease.lease.lease_id);
-      return ToGrpcStatus(Annotate(d.status(), "Verify: digest of ", Quoted(ti.name)));
+      return ToGrpcStatus(Annotate(d.status(), "Verify: digest of ", sync::DescribeSpec(spec)));
     }
     const uint64_t actual = *d;
     v1::TensorVerification* tv = response->add_tensors();
-    tv->set_name(ti.name);
+    tv->set_name(spec.name());
     tv->set_actual(actual);
-    auto it = expected.find(ti.name);
-    if (it == expected.end()) {
+    if (u >= rec.tensors.size() || rec.tensors[u].name() != spec.name()) {
       ok = false;  // no record of the publisher's digest: cannot vouch for it
-      bad.push_back(ti.name);
+      bad.push_back(sync::DescribeSpec(spec));
     } else {
-      tv->set_expected(it->second);
-      if (it->second != actual) {
+      tv->set_expected(rec.tensors[u].digest());
+      if (rec.tensors[u].digest() != actual) {
         ok = false;
-        bad.push_back(ti.name);
+        bad.push_back(sync::DescribeSpec(spec));
       }
     }
-    v1::TensorSpec spec;
-    spec.set_name(ti.name);
-    spec.set_dtype(sync::ToProtoDType(ti.dtype));
-    for (uint64_t d : ti.shape) spec.add_shape(d);
     specs.push_back(std::move(spec));
     digests.push_back(actual);
   }
   (void)core_->generations().ReleaseLease(lease.lease.lease_id);
-  ok = ok && expected.size() == layout.size();
+  ok = ok && rec.tensors.size() == layout.units().size();
   absl::StatusOr<uint64_t> vd = sync::VersionDigest(specs, digests);
   if (!vd.ok()) return ToGrpcStatus(vd.status());
   response->set_version(rec.version);

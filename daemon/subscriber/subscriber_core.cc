@@ -212,7 +212,7 @@ void SubscriberCore::RetainLocked(StagedTransfer& t) {
   RetainedTransfer r;
   r.base = t.header.base_version();
   r.version = t.header.version();
-  r.tensors.resize(t.target->layout().size());
+  r.tensors.resize(t.target->layout().units().size());
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     const v1::TensorPlan& tp = t.header.tensors(i);
     if (tp.delivery() == v1::DELIVERY_PATCH) {

@@ -12,6 +12,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/staged_transfer.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 
@@ -21,6 +22,19 @@ namespace {
 
 bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedField<uint64_t>& b) {
   return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// The store's description of a spec's part (TensorSpec.part), or nullopt for a whole tensor.
+std::optional<store::PartDesc> PartOf(const v1::TensorSpec& spec) {
+  if (!sync::IsPart(spec)) return std::nullopt;
+  return store::PartDesc{spec.part().first_row(), std::vector<uint64_t>(
+                                                      spec.part().whole_shape().begin(),
+                                                      spec.part().whole_shape().end())};
+}
+
+std::optional<uint64_t> FirstRow(const v1::TensorSpec& spec) {
+  if (!sync::IsPart(spec)) return std::nullopt;
+  return spec.part().first_row();
 }
 
 }  // namespace
@@ -126,7 +140,7 @@ absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_byte
   if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
     return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "header for version ", v);
   }
-  std::vector<store::TensorDesc> descs;
+  std::vector<store::UnitDesc> descs;
   needs_base = false;
   for (int i = 0; i < header.tensors_size(); ++i) {
     const v1::TensorPlan& tp = header.tensors(i);
@@ -140,8 +154,9 @@ absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_byte
     }
     dtypes.push_back(*dtype);
     bytes.push_back(*size);
-    descs.push_back({tp.spec().name(), *dtype,
-                     std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())});
+    descs.push_back({{tp.spec().name(), *dtype,
+                      std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())},
+                     PartOf(tp.spec())});
     REFIT_RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
     if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
                               (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {
@@ -150,7 +165,7 @@ absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_byte
     }
     needs_base = needs_base || tp.delivery() != v1::DELIVERY_KEYFRAME;
   }
-  auto layout = store::Layout::Build(std::move(descs));
+  auto layout = store::Layout::BuildUnits(std::move(descs));
   if (!layout.ok()) {
     return AnnotateAs(absl::StatusCode::kInvalidArgument, layout.status(), "header for version ",
                       v);
@@ -178,7 +193,7 @@ absl::Status SubscriberCore::ChooseTarget(StagedTransfer& t, const store::Layout
     t.new_generation = true;
   }
   for (const v1::TensorPlan& tp : t.header.tensors()) {
-    t.layout_index.push_back(*t.target->layout().Find(tp.spec().name()));
+    t.layout_index.push_back(*t.target->layout().FindUnit(tp.spec().name(), FirstRow(tp.spec())));
   }
   return absl::OkStatus();
 }
@@ -197,14 +212,15 @@ absl::Status SubscriberCore::LeaseOldBases(StagedTransfer& t) {
   for (int i = 0; i < t.header.tensors_size(); ++i) {
     const v1::TensorPlan& tp = t.header.tensors(i);
     if (tp.delivery() == v1::DELIVERY_KEYFRAME) continue;
-    auto idx = old.Find(tp.spec().name());
-    if (!idx.has_value() || old.tensor(*idx).dtype != t.dtypes[static_cast<size_t>(i)] ||
-        !SameShape(old.tensor(*idx).shape, tp.spec().shape())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("header for version ", v, ", ",
-                       sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
-                       ": no tensor of that name, dtype and shape in the applied version ", applied,
-                       " to use as base"));
+    auto idx = old.FindUnit(tp.spec().name(), FirstRow(tp.spec()));
+    if (!idx.has_value() || old.tensor(old.unit(*idx).tensor).dtype != t.dtypes[static_cast<size_t>(i)] ||
+        !SameShape(old.unit(*idx).shape, tp.spec().shape())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "header for version ", v, ", ",
+          sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
+          sync::IsPart(tp.spec()) ? absl::StrCat(" (", sync::DescribeSpec(tp.spec()), ")") : "",
+          ": no tensor of that name, dtype and shape in the applied version ", applied,
+          " to use as base"));
     }
     t.old_index[static_cast<size_t>(i)] = *idx;
   }
@@ -231,7 +247,7 @@ absl::Status StagedTransfer::ExpectObjects(uint32_t max_frame_bytes) {
       // A keyframe lands straight in the staged slot when the store is host memory.
       if (tp.delivery() == v1::DELIVERY_KEYFRAME && handle.has_value() &&
           target->memory().host_accessible()) {
-        spec.buffer = handle->out[layout_index[i]];
+        spec.buffer = Out(i);
         spec.digest_v2 = format == sync::DigestFormat::kV2;  // summed as it lands
         in_slot[i] = true;
       }

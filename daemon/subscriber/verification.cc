@@ -62,7 +62,33 @@ absl::StatusOr<VerifiedDigests> StagedTransfer::Verify(const v1::VersionEnd& end
     }
     digests[i] = *digest;
   }
-  return CheckTensorDigests(header, end, std::move(digests), mismatched);
+  REFIT_ASSIGN_OR_RETURN(VerifiedDigests verified,
+                         CheckTensorDigests(header, end, std::move(digests), mismatched));
+  absl::StatusOr<std::vector<v1::TensorDigest>> joined =
+      JoinedDigests(target->layout(), target->memory(), format, handle->out);
+  if (!joined.ok()) return Annotate(joined.status(), "version ", header.version());
+  verified.joined = std::move(*joined);
+  return verified;
+}
+
+absl::StatusOr<std::vector<v1::TensorDigest>> JoinedDigests(
+    const store::Layout& layout, store::TensorMemory& memory, sync::DigestFormat format,
+    const std::vector<std::span<uint8_t>>& spans) {
+  std::vector<v1::TensorDigest> out;
+  if (layout.units().size() == layout.size()) return out;  // every unit a whole tensor
+  for (const store::UnitInfo& unit : layout.units()) {
+    if (!unit.first_row.has_value() || unit.offset_in_tensor != 0) continue;  // first part
+    const store::TensorInfo& tensor = layout.tensor(unit.tensor);
+    absl::StatusOr<uint64_t> d = StoreDigestOf(memory, format, spans[unit.tensor]);
+    if (!d.ok()) {
+      return Annotate(d.status(), "whole-tensor digest of ", Quoted(tensor.name),
+                      " (joined from parts)");
+    }
+    v1::TensorDigest& td = out.emplace_back();
+    td.set_name(tensor.name);
+    td.set_digest(*d);
+  }
+  return out;
 }
 
 absl::StatusOr<VerifiedDigests> CheckTensorDigests(const v1::VersionHeader& header,
@@ -98,7 +124,7 @@ absl::StatusOr<VerifiedDigests> CheckTensorDigests(const v1::VersionHeader& head
 }
 
 VersionRecord StagedTransfer::Record(const VerifiedDigests& verified) const {
-  VersionRecord r{header.version(), format, verified.version_digest, {}};
+  VersionRecord r{header.version(), format, verified.version_digest, {}, verified.joined};
   for (int i = 0; i < header.tensors_size(); ++i) {
     v1::TensorDigest& d = r.tensors.emplace_back();
     d.set_name(header.tensors(i).spec().name());
@@ -109,7 +135,7 @@ VersionRecord StagedTransfer::Record(const VerifiedDigests& verified) const {
 
 std::vector<std::optional<uint64_t>> StagedTransfer::ByLayout(
     const VerifiedDigests& verified) const {
-  std::vector<std::optional<uint64_t>> out(target->layout().size());
+  std::vector<std::optional<uint64_t>> out(target->layout().units().size());
   for (size_t i = 0; i < verified.digests.size(); ++i) out[layout_index[i]] = verified.digests[i];
   return out;
 }
@@ -140,7 +166,7 @@ absl::StatusOr<uint64_t> StagedTransfer::StagedDigest(size_t i) {
     return *v2[i];
   }
   ++stats.digests_full;
-  return StoreDigestOf(target->memory(), format, handle->out[layout_index[i]]);
+  return StoreDigestOf(target->memory(), format, Out(i));
 }
 
 }  // namespace refit::subscriber

@@ -28,7 +28,10 @@ struct VersionRecord {
   // The format of version_digest and tensors' digests (the session's Welcome.digest_format).
   sync::DigestFormat digest_format = sync::DigestFormat::kV1;
   uint64_t version_digest = 0;
+  // Header order: one per whole tensor or part of one (TensorSpec.part).
   std::vector<v1::TensorDigest> tensors;
+  // Whole-tensor digests of the tensors joined from parts (JoinedDigests), name order.
+  std::vector<v1::TensorDigest> joined;
 };
 
 class VersionRecords {

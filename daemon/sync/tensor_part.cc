@@ -39,6 +39,11 @@ absl::Status ValidatePart(const v1::TensorSpec& spec) {
                        "]: dim ", d, " differs (a part is whole rows along dim 0)"));
     }
   }
+  if (spec.shape(0) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " of no rows at row ", part.first_row(),
+        " (a publisher that holds no rows of a tensor publishes no part of it)"));
+  }
   uint64_t end;
   if (__builtin_add_overflow(part.first_row(), spec.shape(0), &end) || end > part.whole_shape(0)) {
     return absl::InvalidArgumentError(

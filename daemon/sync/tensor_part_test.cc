@@ -36,8 +36,9 @@ TEST(TensorPart, ValidPartsAndTheirPlace) {
   EXPECT_EQ(std::vector<uint64_t>(whole.shape().begin(), whole.shape().end()),
             (std::vector<uint64_t>{10, 4}));
   EXPECT_EQ(DescribeSpec(p), R"("w" rows [3, 8) of 10)");
-  // An empty part (an uneven split's last rank) is a valid part too.
-  EXPECT_THAT(ValidateTensorSpec(Part("w", 10, 0, 10)), IsOk());
+  // A publisher without rows of a tensor publishes no part of it: an empty part is refused.
+  EXPECT_THAT(ValidateTensorSpec(Part("w", 10, 0, 10)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("of no rows at row 10")));
 }
 
 TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
