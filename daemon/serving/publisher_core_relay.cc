@@ -18,6 +18,7 @@
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_core_internal.h"
 #include "daemon/serving/version_inputs.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 
@@ -42,6 +43,12 @@ absl::StatusOr<v1::VersionHeader> RelayedHeader(const v1::VersionHeader& up,
     const v1::TensorPlan& tp = up.tensors(i);
     const std::string what =
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()));
+    if (sync::IsPart(tp.spec())) {
+      // A version joined from shards' parts: the peers get whole tensors, encoded again from the
+      // store (a relay serves as one unsharded publisher).
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " is ", sync::DescribeSpec(tp.spec()), " (joined from parts: encoded again whole)"));
+    }
     v1::TensorPlan* out = h.add_tensors();
     *out->mutable_spec() = tp.spec();
     if (tp.delivery() == v1::DELIVERY_KEYFRAME) {

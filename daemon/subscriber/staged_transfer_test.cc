@@ -144,7 +144,7 @@ TEST(StagedTransferTest, CheckTensorDigestsNamesEveryMismatchAndChecksTheVersion
 TEST(StagedTransferTest, RecordCarriesTheVerifiedDigestsInManifestOrder) {
   StagedTransfer t = Delta();
   t.format = sync::DigestFormat::kV2;
-  const VersionRecord r = t.Record({{7, 8, 9}, 0x99});
+  const VersionRecord r = t.Record({{7, 8, 9}, 0x99, {}});
   EXPECT_EQ(r.version, 3u);
   EXPECT_EQ(r.digest_format, sync::DigestFormat::kV2);
   EXPECT_EQ(r.version_digest, 0x99u);

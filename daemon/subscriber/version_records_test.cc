@@ -9,7 +9,7 @@ namespace refit::subscriber {
 namespace {
 
 VersionRecord Record(uint64_t version, uint64_t digest, sync::DigestFormat format) {
-  VersionRecord r{version, format, digest, {}};
+  VersionRecord r{version, format, digest, {}, {}};
   v1::TensorDigest& d = r.tensors.emplace_back();
   d.set_name("w");
   d.set_digest(digest * 10);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/codec.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::sync {
@@ -33,10 +34,14 @@ v1::VersionEnd TransferPlan::End() const {
   return e;
 }
 
-const PatchHistory::TensorEntry* PatchHistory::Record::Find(const std::string& name) const {
-  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
-                             [](const TensorEntry& e, const std::string& n) { return e.spec.name() < n; });
-  return it != tensors.end() && it->spec.name() == name ? &*it : nullptr;
+const PatchHistory::TensorEntry* PatchHistory::Record::Find(const v1::TensorSpec& spec) const {
+  auto it = std::lower_bound(
+      tensors.begin(), tensors.end(), spec,
+      [](const TensorEntry& e, const v1::TensorSpec& s) { return SpecBefore(e.spec, s); });
+  return it != tensors.end() && it->spec.name() == spec.name() &&
+                 it->spec.part().first_row() == spec.part().first_row()
+             ? &*it
+             : nullptr;
 }
 
 PatchHistory::PatchHistory(uint64_t budget_bytes, uint32_t max_versions)
@@ -80,7 +85,7 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
   e.digest_pending = u.digest_pending;
   e.digest_v2 = u.digest_v2;
   e.tensor_bytes = *TensorByteSize(e.spec);  // validated by Add
-  const TensorEntry* p = prev != nullptr ? prev->Find(e.spec.name()) : nullptr;
+  const TensorEntry* p = prev != nullptr ? prev->Find(e.spec) : nullptr;
   const bool same = p != nullptr && SameSpec(p->spec, e.spec);
   const std::string where =
       absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
@@ -260,12 +265,12 @@ const PatchHistory::Record* PatchHistory::PlanBase(uint64_t sub_version, uint64_
 std::optional<PatchHistory::Chain> PatchHistory::PatchChain(
     const TensorEntry& t, const Record& base, const std::vector<const Record*>& span,
     const PlanOptions& options) {
-  const TensorEntry* b = base.Find(t.spec.name());
+  const TensorEntry* b = base.Find(t.spec);
   if (b == nullptr || !SameSpec(b->spec, t.spec)) return std::nullopt;
   Chain chain;
   uint64_t chain_bytes = 0;
   for (const Record* r : span) {
-    const TensorEntry* e = r->Find(t.spec.name());
+    const TensorEntry* e = r->Find(t.spec);
     if (e == nullptr || !SameSpec(e->spec, t.spec) || e->kind == TensorEntry::kKeyframe ||
         (e->kind == TensorEntry::kPatch && e->patch_format > options.max_patch_format)) {
       return std::nullopt;

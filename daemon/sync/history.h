@@ -160,7 +160,8 @@ class PatchHistory {
       return v1_pending ? std::nullopt : std::optional<uint64_t>(version_digest);
     }
     uint64_t bytes = 0;
-    const TensorEntry* Find(const std::string& name) const;
+    // The entry of `spec`'s tensor: by name, and for a part (TensorSpec.part) by its first row.
+    const TensorEntry* Find(const v1::TensorSpec& spec) const;
   };
   static uint64_t RecordBytes(const Record& r);
   // The version digest of `r` in `f` over the tensors `selection` selects (all: the record's).
