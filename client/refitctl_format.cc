@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "daemon/common/hex.h"
+#include "daemon/common/printable.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace refit::client {
@@ -135,6 +136,30 @@ std::string FormatTrainers(const v1::TrainerApiStatus& t) {
   return absl::StrCat(out, "; version ", t.round_version(), ": waits for ",
                       absl::StrJoin(t.waiting_for(), ", "), " (", t.published_size(), " of ",
                       t.published_size() + t.waiting_for_size(), " published)");
+}
+
+// A shard publisher's parts of its sliced tensors: "\"w\" rows [40, 100) of 250, \"b\" whole,
+// \"e\" none" (the first eight, then a count); empty on any other publisher.
+std::string FormatShardParts(const v1::TrainerApiStatus& t) {
+  std::vector<std::string> parts;
+  constexpr int kListed = 8;
+  for (const v1::TrainerApiStatus::Sliced& s : t.sliced()) {
+    if (!s.shard_part()) continue;
+    if (static_cast<int>(parts.size()) == kListed) {
+      parts.push_back(absl::StrCat("and ", t.sliced_size() - kListed, " more"));
+      break;
+    }
+    const uint64_t whole_rows = s.whole_shape_size() > 0 ? s.whole_shape(0) : 0;
+    if (s.rows() == 0) {
+      parts.push_back(absl::StrCat(Quoted(s.name()), " none"));
+    } else if (s.first_row() == 0 && s.rows() == whole_rows) {
+      parts.push_back(absl::StrCat(Quoted(s.name()), " whole"));
+    } else {
+      parts.push_back(absl::StrCat(Quoted(s.name()), " rows [", s.first_row(), ", ",
+                                   s.first_row() + s.rows(), ") of ", whole_rows));
+    }
+  }
+  return absl::StrJoin(parts, ", ");
 }
 
 // "persisted (version 7) at /var/lib/refitd/baseline.safetensors", with the errors in full.
@@ -302,6 +327,9 @@ std::string FormatStatusLines(const v1::StatusResponse& st) {
 
   if (st.role() == v1::ROLE_PUBLISHER && st.trainer_api().clients_size() > 0) {
     line("trainers", FormatTrainers(st.trainer_api()));
+    if (std::string parts = FormatShardParts(st.trainer_api()); !parts.empty()) {
+      line("parts", parts);
+    }
   }
 
   if (st.role() == v1::ROLE_SUBSCRIBER && st.has_relay()) line("relay", FormatRelay(st.relay()));

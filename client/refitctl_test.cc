@@ -500,6 +500,32 @@ TEST(RefitctlFormat, TrainersLineNamesTheClientsARoundWaitsFor) {
               HasSubstr("; version 7: waits for rank1 (2 of 3 published)\n"));
 }
 
+TEST(RefitctlFormat, PartsLineShowsAShardPublishersRowsOfEachSlicedTensor) {
+  v1::StatusResponse st;
+  st.set_role(v1::ROLE_PUBLISHER);
+  v1::TrainerApiStatus* t = st.mutable_trainer_api();
+  t->add_clients()->set_name("rank0");
+  v1::TrainerApiStatus::Sliced* unsharded = t->add_sliced();
+  unsharded->set_name("w");
+  unsharded->add_whole_shape(250);
+  EXPECT_THAT(FormatStatusTable(st), Not(HasSubstr("parts:")));  // not a shard publisher
+  t->clear_sliced();
+  auto add = [&](const char* name, uint64_t first, uint64_t rows) {
+    v1::TrainerApiStatus::Sliced* s = t->add_sliced();
+    s->set_name(name);
+    s->add_whole_shape(250);
+    s->add_whole_shape(8);
+    s->set_shard_part(true);
+    s->set_first_row(first);
+    s->set_rows(rows);
+  };
+  add("b", 0, 250);
+  add("e", 0, 0);
+  add("w", 40, 60);
+  EXPECT_THAT(FormatStatusTable(st),
+              HasSubstr("parts:      \"b\" whole, \"e\" none, \"w\" rows [40, 100) of 250\n"));
+}
+
 TEST(RefitctlFormat, RelayLine) {
   v1::StatusResponse st;
   st.set_role(v1::ROLE_SUBSCRIBER);

@@ -358,6 +358,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
       in.name = t.name;
       in.dtype = t.dtype;
       in.shape = t.shape;
+      in.part = t.part;
       in.data = t.borrowed;
       inputs.push_back(std::move(in));
       lent.push_back(std::move(t.keep));
@@ -368,6 +369,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
       in.name = t.name;
       in.dtype = t.dtype;
       in.shape = t.shape;
+      in.part = t.part;
       in.device_bytes = std::move(t.device_bytes);
       inputs.push_back(std::move(in));
       continue;
@@ -377,6 +379,7 @@ absl::StatusOr<PublishSummary> PublishQueue::Execute(Job& job) {
     in.name = t.name;
     in.dtype = t.dtype;
     in.shape = t.shape;
+    in.part = t.part;
     in.data = *owned;
     in.owned = std::move(owned);
     inputs.push_back(std::move(in));

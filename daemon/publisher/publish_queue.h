@@ -50,6 +50,7 @@ struct OwnedTensor {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;
+  std::optional<v1::TensorPart> part = std::nullopt;  // TensorInput::part
   std::vector<uint8_t> bytes;
   std::shared_ptr<const DeviceBytes> device_bytes;
   std::span<const uint8_t> borrowed;

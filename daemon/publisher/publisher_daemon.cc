@@ -263,8 +263,10 @@ DataPlaneOptions DataPlaneOptionsOf(const v1::PublisherConfig& config, const std
 // The TrainerApi's options: CUDA tensors of trainers are opened on their GPUs through the cache
 // whatever the codec device, and snapshot to the host for the CPU codec, else where the GPU
 // baseline lives.
-TrainerApiOptions TrainerApiOptionsOf(const PublisherOptions& options, PublisherDaemonImpl& d) {
+TrainerApiOptions TrainerApiOptionsOf(const v1::PublisherConfig& config,
+                                      const PublisherOptions& options, PublisherDaemonImpl& d) {
   TrainerApiOptions api;
+  api.parts = config.shard().count() > 0;  // a shard publisher publishes its rows of a tensor
   api.copy_threads = options.encode_threads;
   api.devices = d.devices_->Provider();
   api.cuda_snapshot = options.device == nullptr ? CudaSnapshot::kHost
@@ -288,8 +290,8 @@ void MakeQueueAndControl(const v1::PublisherConfig& config, const std::string& n
   d.queue_ = std::make_unique<PublishQueue>(d.core_.get(), d.data_plane_.get(), queue_options);
   // The TrainerApi service (served by StartServers) exists before Control, which reports it.
   if (!config.local_socket().empty()) {
-    d.trainer_api_ =
-        std::make_unique<TrainerApiService>(d.queue_.get(), TrainerApiOptionsOf(options, d));
+    d.trainer_api_ = std::make_unique<TrainerApiService>(d.queue_.get(),
+                                                         TrainerApiOptionsOf(config, options, d));
   }
   std::function<v1::TrainerApiStatus()> trainer_status;
   if (d.trainer_api_ != nullptr) {

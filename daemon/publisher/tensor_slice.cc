@@ -115,38 +115,47 @@ std::string DescribeShape(std::span<const uint64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::Status CheckTiling(const std::string& tensor,
-                         const std::vector<std::pair<std::string, const TensorBlock*>>& blocks) {
-  if (blocks.empty()) return absl::OkStatus();
+std::string DescribeUncovered(const std::vector<std::pair<std::string, const TensorBlock*>>& blocks,
+                              uint64_t first_row) {
   const TensorBlock& first = *blocks.front().second;
   uint64_t covered = 0;
   for (const auto& [client, b] : blocks) covered += b->elements();
   const uint64_t total = first.global_elements();
-  if (covered == total) return absl::OkStatus();
-  std::string missing;
   const int split = SplitDimension(blocks);
-  if (split >= 0) {
-    std::vector<std::string> gaps;
-    for (const auto& [begin, end] : Gaps(blocks, static_cast<size_t>(split))) {
-      gaps.push_back(absl::StrCat(begin, ":", end));
-    }
-    missing = absl::StrCat("index ", gaps.size() > 1 ? "ranges " : "range ",
-                           absl::StrJoin(gaps, ", "), " of dimension ", split);
-  } else {
-    missing = absl::StrCat(total - covered, " of its ", total, " elements");
+  if (split < 0) return absl::StrCat(total - covered, " of its ", total, " elements");
+  const uint64_t shift = split == 0 ? first_row : 0;
+  std::vector<std::string> gaps;
+  for (const auto& [begin, end] : Gaps(blocks, static_cast<size_t>(split))) {
+    gaps.push_back(absl::StrCat(begin + shift, ":", end + shift));
   }
+  return absl::StrCat("index ", gaps.size() > 1 ? "ranges " : "range ", absl::StrJoin(gaps, ", "),
+                      " of dimension ", split);
+}
+
+std::string DescribeBlocks(const std::vector<std::pair<std::string, const TensorBlock*>>& blocks) {
   std::vector<std::string> held;
   constexpr size_t kListed = 8;
   for (size_t i = 0; i < blocks.size() && i < kListed; ++i) {
     held.push_back(
         absl::StrCat("client ", Quoted(blocks[i].first), " ", blocks[i].second->Describe()));
   }
-  if (blocks.size() > kListed)
+  if (blocks.size() > kListed) {
     held.push_back(absl::StrCat("and ", blocks.size() - kListed, " more"));
+  }
+  return absl::StrJoin(held, ", ");
+}
+
+absl::Status CheckTiling(const std::string& tensor,
+                         const std::vector<std::pair<std::string, const TensorBlock*>>& blocks) {
+  if (blocks.empty()) return absl::OkStatus();
+  const TensorBlock& first = *blocks.front().second;
+  uint64_t covered = 0;
+  for (const auto& [client, b] : blocks) covered += b->elements();
+  if (covered == first.global_elements()) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("tensor ", Quoted(tensor), " of shape ", DescribeShape(first.global_shape),
-                   " is not covered by its blocks: no client holds ", missing,
-                   " (blocks: ", absl::StrJoin(held, ", "), ")"));
+                   " is not covered by its blocks: no client holds ", DescribeUncovered(blocks),
+                   " (blocks: ", DescribeBlocks(blocks), ")"));
 }
 
 void ForEachBlockRun(const TensorBlock& block, size_t element_bytes,

@@ -48,6 +48,16 @@ std::string DescribeShape(std::span<const uint64_t> shape);
 absl::Status CheckTiling(const std::string& tensor,
                          const std::vector<std::pair<std::string, const TensorBlock*>>& blocks);
 
+// What the blocks (pairwise disjoint, of one whole shape, not covering it) leave uncovered: "index
+// range 4:8 of dimension 1" (the missing ranges when every block splits one dimension; ranges of
+// dimension 0 shifted by `first_row`, for blocks seen within rows, WithinRows) or "12 of its 48
+// elements".
+std::string DescribeUncovered(const std::vector<std::pair<std::string, const TensorBlock*>>& blocks,
+                              uint64_t first_row = 0);
+
+// `client "rank0" [0:4, 0:8], client "rank1" [4:8, 0:8]` (the first eight, then a count).
+std::string DescribeBlocks(const std::vector<std::pair<std::string, const TensorBlock*>>& blocks);
+
 // The block's contiguous runs in the whole tensor, in the block's own row-major order: for each,
 // fn(byte offset in the whole tensor, byte offset in the block, bytes). One run per index of the
 // dimensions before the outermost one the block does not span entirely.

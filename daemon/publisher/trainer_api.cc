@@ -169,15 +169,6 @@ absl::Status TrainerApiService::DoUnregister(const std::string& name) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// Bytes of the whole tensor a block of `dtype` belongs to.
-size_t WholeBytes(const TensorBlock& block, DType dtype) {
-  return static_cast<size_t>(block.global_elements()) * static_cast<size_t>(DTypeSize(dtype));
-}
-
-}  // namespace
-
 absl::Status TrainerApiService::CheckAgainstOthersLocked(const std::string& client,
                                                          const MappedTensor& t) const {
   const std::string& tensor = t.spec().name();
@@ -245,6 +236,19 @@ v1::TrainerApiStatus TrainerApiService::TrainerStatus() const {
     }
   }
   st.set_sliced_tensors(static_cast<uint32_t>(sliced_.size()));
+  for (const auto& [name, sliced] : sliced_) {
+    v1::TrainerApiStatus::Sliced* t = st.add_sliced();
+    t->set_name(name);
+    const TensorBlock& any = sliced.blocks.begin()->second;  // never empty: see ForgetLocked
+    for (uint64_t d : any.global_shape) t->add_whole_shape(d);
+    t->set_blocks(static_cast<uint32_t>(sliced.blocks.size()));
+    if (options_.parts) {
+      const RowRange rows = JoinRowsLocked(name);
+      t->set_shard_part(true);
+      t->set_first_row(rows.first);
+      t->set_rows(rows.rows());
+    }
+  }
   if (round_.has_value()) {
     st.set_round_version(round_->version);
     for (const auto& [name, client] : clients_) {
@@ -266,86 +270,9 @@ void TrainerApiService::AwaitNotPublishingLocked(const std::string& client) {
   mu_.Await(absl::Condition(&idle));
 }
 
-std::vector<std::shared_ptr<uint8_t>> TrainerApiService::JoinBuffersLocked(
-    uint64_t version, const std::vector<std::shared_ptr<const MappedTensor>>& tensors) {
-  std::vector<std::shared_ptr<uint8_t>> joins(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::optional<TensorBlock>& block = tensors[i]->block();
-    if (!block.has_value()) continue;
-    if (!join_.has_value() || join_->version != version) {
-      join_.emplace(PendingJoin{});
-      join_->version = version;
-    }
-    std::shared_ptr<uint8_t>& buffer = join_->buffers[tensors[i]->spec().name()];
-    if (buffer == nullptr) {
-      buffer = join_pool_->Take(WholeBytes(*block, tensors[i]->dtype()));
-    }
-    joins[i] = buffer;
-  }
-  return joins;
-}
-
 void TrainerApiService::EndPublishingLocked(const std::string& client) {
   auto it = publishing_.find(client);
   if (it != publishing_.end() && --it->second == 0) publishing_.erase(it);
-}
-
-void TrainerApiService::SizeJoinPoolLocked() {
-  size_t bytes = 0;
-  for (const auto& [name, sliced] : sliced_) {  // never empty: ForgetLocked erases those
-    bytes += WholeBytes(sliced.blocks.begin()->second, sliced.dtype);
-  }
-  join_pool_->set_max_free_bytes(bytes);
-}
-
-absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::JoinRound(Round& round) const {
-  struct Piece {
-    std::string client;
-    const TensorBlock* block;
-    DType dtype;
-    const std::shared_ptr<uint8_t>* buffer;
-  };
-  std::vector<OwnedTensor> tensors;
-  std::map<std::string, std::vector<Piece>> sliced;
-  for (auto& [client, share] : round.snapshots) {
-    for (size_t i = 0; i < share.tensors.size(); ++i) {
-      const std::optional<TensorBlock>& block = share.sources[i]->block();
-      if (block.has_value()) {
-        sliced[share.tensors[i].name].push_back(
-            {client, &*block, share.tensors[i].dtype, &share.joins[i]});
-      } else {
-        tensors.push_back(std::move(share.tensors[i]));
-      }
-    }
-  }
-  // Every tiling first: a round that cannot be joined publishes nothing.
-  for (const auto& [name, pieces] : sliced) {
-    std::vector<std::pair<std::string, const TensorBlock*>> blocks;
-    for (const Piece& p : pieces) blocks.emplace_back(p.client, p.block);
-    REFIT_RETURN_IF_ERROR(CheckTiling(name, blocks));
-    for (const Piece& p : pieces) {
-      if (*p.buffer != *pieces.front().buffer) {  // only after a round was given up meanwhile
-        return absl::AbortedError(absl::StrCat(
-            "client ", Quoted(p.client), "'s block of tensor ", Quoted(name),
-            " was taken for a round that was given up while it copied; publish version ",
-            round.version, " again"));
-      }
-    }
-  }
-  // The blocks are in place already (TakeTensors copied each into the round's buffer): the
-  // whole tensor is that buffer, read by the publish in place and recycled afterwards.
-  for (const auto& [name, pieces] : sliced) {
-    const TensorBlock& first = *pieces.front().block;
-    OwnedTensor whole;
-    whole.name = name;
-    whole.dtype = pieces.front().dtype;
-    whole.shape = first.global_shape;
-    whole.borrowed =
-        std::span<const uint8_t>(pieces.front().buffer->get(), WholeBytes(first, whole.dtype));
-    whole.keep = *pieces.front().buffer;
-    tensors.push_back(std::move(whole));
-  }
-  return tensors;
 }
 
 absl::StatusOr<bool> TrainerApiService::MaybeCommitLocked(
@@ -424,31 +351,9 @@ void CopyLent(std::vector<OwnedTensor>& tensors) {
 
 }  // namespace
 
-absl::Status TrainerApiService::CopyBlock(const MappedTensor& t, const std::string& what,
-                                          uint8_t* whole_data) const {
-  const TensorBlock& block = *t.block();
-  const size_t element_bytes = static_cast<size_t>(DTypeSize(t.dtype()));
-  const std::span<uint8_t> whole(whole_data, WholeBytes(block, t.dtype()));
-  if (t.gpu() != nullptr) {  // to the host first (cuda_snapshot kHost: RegisterTensors checked)
-    OwnedTensor host;
-    REFIT_RETURN_IF_ERROR(SnapshotCuda(t, what, &host));
-    ScatterBlock(block, element_bytes, host.bytes, whole);
-    return absl::OkStatus();
-  }
-  if (t.mapped()) {
-    ScatterBlock(block, element_bytes, t.bytes(), whole);
-    return absl::OkStatus();
-  }
-  absl::Status status;  // pread, run by run: a shrunk object is an error, not SIGBUS
-  ForEachBlockRun(block, element_bytes, [&](size_t to, size_t from, size_t bytes) {
-    if (status.ok()) status = t.CopyTo(whole.data() + to, from, bytes);
-  });
-  return status;
-}
-
 absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
     const std::vector<std::shared_ptr<const MappedTensor>>& tensors,
-    const std::vector<std::shared_ptr<uint8_t>>& joins, const std::string& who, uint64_t version,
+    const std::vector<JoinTarget>& joins, const std::string& who, uint64_t version,
     bool lend) const {
   std::vector<OwnedTensor> snapshot;
   snapshot.reserve(tensors.size());
@@ -504,7 +409,7 @@ absl::StatusOr<std::vector<OwnedTensor>> TrainerApiService::TakeTensors(
       const size_t i = blocks[b];
       const std::string what = absl::StrCat(
           "Publish: ", who, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), snapshot[i].name));
-      placed[b] = CopyBlock(*tensors[i], what, joins[i].get());
+      placed[b] = CopyBlock(*tensors[i], what, joins[i]);
     }
   });
   for (const absl::Status& st : placed) {
@@ -519,7 +424,7 @@ absl::StatusOr<v1::LocalPublishResponse> TrainerApiService::DoPublish(
   const std::string& name = request.client();
   const std::string who = absl::StrCat("client ", Quoted(name));
   std::vector<std::shared_ptr<const MappedTensor>> tensors;
-  std::vector<std::shared_ptr<uint8_t>> joins;
+  std::vector<JoinTarget> joins;
   uint64_t generation = 0;
   uint64_t version = 0;
   bool completes = false;

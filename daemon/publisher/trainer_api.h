@@ -65,6 +65,11 @@
 // consumers see only whole tensors, and a new block layout (a resized job) is still a delta.
 // CUDA blocks are joined on the host: they need cuda_snapshot kHost (FailedPrecondition at
 // RegisterTensors otherwise).
+// On a shard publisher (TrainerApiOptions::parts) a tensor's blocks need only tile the whole rows
+// [a, b) along dim 0 that they span: they are joined into a buffer of those rows and published as
+// a part (TensorSpec.part), or as the whole tensor when [a, b) is every row; blocks that do not
+// tile whole rows fail the commit (FailedPrecondition, nothing queued); a tensor whose blocks here
+// hold no elements is not published by this publisher (shard_part.h, trainer_api_join.cc).
 //
 // Thread-safe.
 #ifndef REFIT_DAEMON_PUBLISHER_TRAINER_API_H_
@@ -90,6 +95,7 @@
 #include "daemon/publisher/join_buffers.h"
 #include "daemon/publisher/mapped_tensor.h"
 #include "daemon/publisher/publisher_control.h"
+#include "daemon/publisher/shard_part.h"
 #include "refit/v1/control.pb.h"
 #include "refit/v1/local.grpc.pb.h"
 #include "spdlog/spdlog.h"
@@ -109,6 +115,10 @@ struct TrainerApiOptions {
   // Opens GPUs by UUID for CUDA IPC regions; empty: CUDA regions are refused.
   DeviceProvider devices;
   CudaSnapshot cuda_snapshot = CudaSnapshot::kHost;
+  // A shard publisher's (publisher.shard count > 0): a sliced tensor's blocks may tile whole rows
+  // [a, b) of it instead of all of it; they are joined into a buffer of those rows only and
+  // published as a part (TensorSpec.part; shard_part.h). False: the blocks must tile the tensor.
+  bool parts = false;
 };
 
 class TrainerApiService final : public v1::TrainerApi::Service {
@@ -148,19 +158,33 @@ class TrainerApiService final : public v1::TrainerApi::Service {
     uint64_t generation = 0;  // changes on every (re-)registration
     std::vector<std::shared_ptr<const MappedTensor>> tensors;
   };
+  // Where a client's block of a sliced tensor is copied in a round: the round's buffer of rows
+  // `rows` of the tensor (all of its rows unless options_.parts: then the rows its registered
+  // blocks spanned when the buffer was made, shard_part.h).
+  struct JoinTarget {
+    std::shared_ptr<uint8_t> buffer;
+    RowRange rows;
+  };
   // One client's part of a round: its snapshot, the registered tensors it was taken from and,
-  // for its blocks, the round's whole-tensor buffer each was copied into (same order; null for
+  // for its blocks, the round's join buffer each was copied into (same order; no buffer for
   // whole tensors, whose snapshot is in `tensors`).
   struct Share {
     std::vector<OwnedTensor> tensors;
     std::vector<std::shared_ptr<const MappedTensor>> sources;
-    std::vector<std::shared_ptr<uint8_t>> joins;
+    std::vector<JoinTarget> joins;
   };
-  // The whole-tensor buffers of the version being published, by tensor name: every client's
-  // blocks of a tensor are copied straight into the same one.
+  // The join buffers of the version being published, by tensor name: every client's blocks of a
+  // tensor are copied straight into the same one.
   struct PendingJoin {
     uint64_t version = 0;
-    std::map<std::string, std::shared_ptr<uint8_t>> buffers;
+    std::map<std::string, JoinTarget> buffers;
+  };
+  // One client's block of a sliced tensor in a round being committed.
+  struct Piece {
+    std::string client;
+    const TensorBlock* block;
+    DType dtype;
+    const JoinTarget* target;
   };
   // The version being assembled: the clients that published it so far and their snapshots.
   struct Round {
@@ -186,15 +210,26 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   // copy of its previous blocks into a join buffer).
   void AwaitNotPublishingLocked(const std::string& client) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndPublishingLocked(const std::string& client) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The round's join buffers of `tensors`' blocks at `version` (null for whole tensors), made
-  // when the version's first block is taken.
-  std::vector<std::shared_ptr<uint8_t>> JoinBuffersLocked(
+  // The round's join buffers of `tensors`' blocks at `version` (none for whole tensors), made
+  // when the version's first block is taken, and made anew when a block lies outside the rows of
+  // the buffer made before it (a shard publisher's blocks changed meanwhile).
+  std::vector<JoinTarget> JoinBuffersLocked(
       uint64_t version, const std::vector<std::shared_ptr<const MappedTensor>>& tensors)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The pool keeps one round's worth of free join buffers: the bytes of the sliced tensors.
+  // The rows of `tensor` its join buffer holds: all of them, or with options_.parts the rows its
+  // registered blocks span.
+  RowRange JoinRowsLocked(const std::string& tensor) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pool keeps one round's worth of free join buffers: the bytes of the sliced tensors (of
+  // their parts with options_.parts).
   void SizeJoinPoolLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The round's tensors: whole ones as taken, sliced ones joined (every tiling checked first).
   absl::StatusOr<std::vector<OwnedTensor>> JoinRound(Round& round) const;
+  // One sliced tensor of a round, its tiling checked: the whole tensor, its part (options_.parts,
+  // when its blocks tile whole rows that are not all of its rows), or nothing (options_.parts,
+  // every block empty).
+  absl::StatusOr<std::optional<OwnedTensor>> JoinTensor(const std::string& name,
+                                                        const std::vector<Piece>& pieces,
+                                                        uint64_t version) const;
   // Queues the round when every registered client has published it; true when it did. A round
   // holding lent tensors is queued with their lender's `release`.
   absl::StatusOr<bool> MaybeCommitLocked(std::shared_ptr<InputsRelease> release = nullptr)
@@ -222,10 +257,11 @@ class TrainerApiService final : public v1::TrainerApi::Service {
   // result only names them.
   absl::StatusOr<std::vector<OwnedTensor>> TakeTensors(
       const std::vector<std::shared_ptr<const MappedTensor>>& tensors,
-      const std::vector<std::shared_ptr<uint8_t>>& joins, const std::string& who, uint64_t version,
+      const std::vector<JoinTarget>& joins, const std::string& who, uint64_t version,
       bool lend) const;
-  // Copies one block into its place in the whole tensor at `whole`.
-  absl::Status CopyBlock(const MappedTensor& t, const std::string& what, uint8_t* whole) const;
+  // Copies one block into its place in its join buffer.
+  absl::Status CopyBlock(const MappedTensor& t, const std::string& what,
+                         const JoinTarget& target) const;
 
   // The snapshot of one CUDA tensor (options_.cuda_snapshot). `what` prefixes errors.
   absl::Status SnapshotCuda(const MappedTensor& t, const std::string& what, OwnedTensor* out) const;

@@ -21,49 +21,6 @@ using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-// A 2-d BF16 tensor's elements, each its own row-major index plus `step` (distinct values).
-std::vector<uint16_t> Whole(uint64_t rows, uint64_t cols, uint16_t step = 0) {
-  std::vector<uint16_t> w(rows * cols);
-  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint16_t>(i * 3 + step);
-  return w;
-}
-
-std::vector<uint8_t> Bytes(const std::vector<uint16_t>& v) {
-  std::vector<uint8_t> b(v.size() * 2);
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
-// One client's block [r0, r0 + rows) x [c0, c0 + cols) of a [R, C] tensor, in a memfd of its
-// own holding the block row-major (`sealable` false: the publisher reads it with pread).
-struct Block {
-  Block(const std::vector<uint16_t>& whole, uint64_t R, uint64_t C, uint64_t r0, uint64_t c0,
-        uint64_t rows, uint64_t cols, const std::string& name = "w", bool sealable = true)
-      : memfd(std::max<size_t>(rows * cols * 2, 1), 1, sealable),
-        r0(r0),
-        c0(c0),
-        rows(rows),
-        cols(cols) {
-    location = refit::testing::Location(name, v1::DTYPE_BF16, {rows, cols}, memfd.path(), 0,
-                                        rows * cols * 2);
-    location.mutable_slice()->add_global_shape(R);
-    location.mutable_slice()->add_global_shape(C);
-    location.mutable_slice()->add_offsets(r0);
-    location.mutable_slice()->add_offsets(c0);
-    Write(whole, C);
-  }
-  // The block's part of `whole` (a [R, C] tensor) into the memfd: the trainer's step.
-  void Write(const std::vector<uint16_t>& whole, uint64_t C) {
-    auto* out = reinterpret_cast<uint16_t*>(memfd.data());
-    for (uint64_t r = 0; r < rows; ++r) {
-      for (uint64_t c = 0; c < cols; ++c) out[r * cols + c] = whole[(r0 + r) * C + c0 + c];
-    }
-  }
-  Memfd memfd;
-  uint64_t r0, c0, rows, cols;
-  v1::TensorLocation location;
-};
-
 class TrainerApiSlicesTest : public TrainerApiTest {
  protected:
   void PublishAll(const std::vector<std::string>& clients, uint64_t version) {

@@ -17,6 +17,8 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/model/safetensors.h"
 #include "daemon/serving/publisher_core_internal.h"
+#include "daemon/sync/tensor_part.h"
+#include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
@@ -29,6 +31,28 @@ constexpr char kMetaDigests[] = "refit.digests";
 constexpr char kMetaSnapshot[] = "refit.snapshot_unix_nanos";
 constexpr char kMetaLineage[] = "refit.lineage";
 constexpr char kFormatValue[] = "1";
+// Per tensor that is a part (TensorSpec.part): `refit.part.<name>` = "<first_row>:<whole dims
+// joined by ','>", e.g. "40:250,8"; the tensor in the file holds the part's rows.
+constexpr char kMetaPartPrefix[] = "refit.part.";
+
+std::string EncodePart(const v1::TensorPart& part) {
+  return absl::StrCat(part.first_row(), ":", absl::StrJoin(part.whole_shape(), ","));
+}
+
+bool ParsePart(const std::string& s, v1::TensorPart* part) {
+  std::vector<std::string> fields = absl::StrSplit(s, ':');
+  uint64_t first_row = 0;
+  if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &first_row) || fields[1].empty()) {
+    return false;
+  }
+  part->set_first_row(first_row);
+  for (const absl::string_view d : absl::StrSplit(fields[1], ',')) {
+    uint64_t v = 0;
+    if (!absl::SimpleAtoi(d, &v)) return false;
+    part->add_whole_shape(v);
+  }
+  return true;
+}
 
 bool ParseHex64(const std::string& s, uint64_t* out) {
   if (s.size() != 16) return false;
@@ -40,8 +64,9 @@ struct PersistedMeta {
   uint64_t version = 0;
   uint64_t version_digest = 0;
   uint64_t snapshot_unix_nanos = 0;
-  uint64_t lineage = 0;              // 0: a file from before lineages
-  std::vector<std::string> digests;  // per tensor, file order, hex
+  uint64_t lineage = 0;                      // 0: a file from before lineages
+  std::vector<std::string> digests;          // per tensor, file order, hex
+  std::map<std::string, std::string> parts;  // tensor name -> kMetaPartPrefix value
 };
 
 absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& file,
@@ -89,6 +114,17 @@ absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& f
                                             " entries for ", file.tensors().size(), " tensors"));
   }
   if (file.tensors().empty()) return absl::DataLossError(absl::StrCat(where, ": no tensors"));
+  for (auto it = meta.lower_bound(kMetaPartPrefix);
+       it != meta.end() && it->first.starts_with(kMetaPartPrefix); ++it) {
+    const std::string name = it->first.substr(sizeof(kMetaPartPrefix) - 1);
+    const bool held = std::any_of(file.tensors().begin(), file.tensors().end(),
+                                  [&](const model::SafetensorsEntry& e) { return e.name == name; });
+    if (!held) {
+      return absl::DataLossError(absl::StrCat(where, ": metadata key ", Quoted(it->first),
+                                              " names no tensor of the file"));
+    }
+    m.parts[name] = it->second;
+  }
   return m;
 }
 
@@ -112,6 +148,14 @@ absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::Sa
     t.spec.set_name(e.name);
     t.spec.set_dtype(sync::ToProtoDType(e.dtype));
     for (int64_t d : e.shape) t.spec.add_shape(static_cast<uint64_t>(d));
+    if (auto part = meta.parts.find(e.name); part != meta.parts.end()) {
+      if (!ParsePart(part->second, t.spec.mutable_part())) {
+        return absl::DataLossError(absl::StrCat(what, ": bad part ", Quoted(part->second)));
+      }
+      if (absl::Status st = sync::ValidateTensorSpec(t.spec); !st.ok()) {
+        return AnnotateAs(absl::StatusCode::kDataLoss, st, what);
+      }
+    }
     t.dtype = e.dtype;
     std::span<const uint8_t> data = file.data(i);
     auto bytes = std::make_shared<std::vector<uint8_t>>(data.begin(), data.end());
@@ -163,6 +207,10 @@ absl::Status WriteBaselineFile(const std::string& path, const BaselineSnapshot& 
     digests.push_back(Hex64(t.digest));
   }
   std::map<std::string, std::string> meta;
+  for (const BaselineTensor& t : s.tensors) {
+    if (sync::IsPart(t.spec))
+      meta[absl::StrCat(kMetaPartPrefix, t.spec.name())] = EncodePart(t.spec.part());
+  }
   meta[kMetaFormat] = std::string(kFormatValue);
   meta[kMetaVersion] = absl::StrCat(s.version);
   meta[kMetaVersionDigest] = Hex64(s.version_digest);

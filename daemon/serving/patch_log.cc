@@ -13,6 +13,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 
@@ -126,7 +127,25 @@ absl::Status SyncDir(const std::string& path) {
   return absl::OkStatus();
 }
 
-std::vector<uint8_t> EncodeBody(const LogRecord& r) {
+// Record version 2 when a tensor of the record is a part, else 1 (patch_log.h).
+uint32_t RecordVersion(const LogRecord& r) {
+  for (const LogTensor& t : r.tensors) {
+    if (sync::IsPart(t.spec)) return 2;
+  }
+  return 1;
+}
+
+// A tensor entry's part (record version 2): u8 0 (none) or 1, then u64 first_row, u8 whole rank
+// and the whole dimensions.
+void PutPart(std::vector<uint8_t>& out, const v1::TensorSpec& spec) {
+  PutU8(out, sync::IsPart(spec) ? 1 : 0);
+  if (!sync::IsPart(spec)) return;
+  PutU64(out, spec.part().first_row());
+  PutU8(out, static_cast<uint8_t>(spec.part().whole_shape_size()));
+  for (uint64_t d : spec.part().whole_shape()) PutU64(out, d);
+}
+
+std::vector<uint8_t> EncodeBody(const LogRecord& r, uint32_t record_version) {
   std::vector<uint8_t> out;
   out.reserve(64 + r.payload_bytes() + 64 * r.tensors.size());
   PutU64(out, r.version);
@@ -142,6 +161,7 @@ std::vector<uint8_t> EncodeBody(const LogRecord& r) {
     PutU8(out, static_cast<uint8_t>(t.kind));
     PutU8(out, static_cast<uint8_t>(t.spec.shape_size()));
     for (uint64_t d : t.spec.shape()) PutU64(out, d);
+    if (record_version >= 2) PutPart(out, t.spec);
     PutU64(out, t.digest);
     PutU64(out, t.changed_elements);
     const uint64_t n = t.bytes != nullptr ? t.bytes->size() : 0;
@@ -151,8 +171,27 @@ std::vector<uint8_t> EncodeBody(const LogRecord& r) {
   return out;
 }
 
+// A tensor entry's part (PutPart); false when truncated or the flag is neither 0 nor 1.
+bool GetPart(Reader& in, v1::TensorSpec& spec) {
+  uint8_t flag = 0;
+  if (!in.U8(&flag) || flag > 1) return false;
+  if (flag == 0) return true;
+  uint64_t first_row = 0;
+  uint8_t rank = 0;
+  if (!in.U64(&first_row) || !in.U8(&rank)) return false;
+  v1::TensorPart* part = spec.mutable_part();
+  part->set_first_row(first_row);
+  for (uint8_t i = 0; i < rank; ++i) {
+    uint64_t d = 0;
+    if (!in.U64(&d)) return false;
+    part->add_whole_shape(d);
+  }
+  return true;
+}
+
 // One tensor entry of a record body (see EncodeBody).
-absl::StatusOr<LogTensor> DecodeTensor(Reader& in, uint32_t index, const std::string& where) {
+absl::StatusOr<LogTensor> DecodeTensor(Reader& in, uint32_t index, const std::string& where,
+                                       uint32_t record_version) {
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat(where, ": tensor entry ", index, ": ", why));
   };
@@ -171,6 +210,7 @@ absl::StatusOr<LogTensor> DecodeTensor(Reader& in, uint32_t index, const std::st
     if (!in.U64(&d)) return bad("truncated shape");
     t.spec.add_shape(d);
   }
+  if (record_version >= 2 && !GetPart(in, t.spec)) return bad("truncated or bad part");
   uint64_t n = 0;
   if (!in.U64(&t.digest) || !in.U64(&t.changed_elements) || !in.U64(&n)) return bad("truncated");
   if (absl::Status st = sync::ValidateTensorSpec(t.spec); !st.ok())
@@ -211,10 +251,12 @@ std::vector<uint8_t> EncodeLogHeader(const LogHeader& header) {
 }
 
 std::vector<uint8_t> EncodeLogRecord(const LogRecord& record) {
-  const std::vector<uint8_t> body = EncodeBody(record);
+  const uint32_t record_version = RecordVersion(record);
+  const std::vector<uint8_t> body = EncodeBody(record, record_version);
   std::vector<uint8_t> out;
   out.reserve(kPatchRecordFrameBytes + body.size());
-  PutBytes(out, kPatchRecordMagic, sizeof(kPatchRecordMagic));
+  PutBytes(out, record_version == 1 ? kPatchRecordMagic : kPatchRecordMagicV2,
+           sizeof(kPatchRecordMagic));
   PutU64(out, body.size());
   PutU64(out, Hash64(body, kPatchRecordBodySeed));
   PutU64(out, Hash64(out, kPatchRecordFrameSeed));
@@ -223,7 +265,10 @@ std::vector<uint8_t> EncodeLogRecord(const LogRecord& record) {
 }
 
 absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
-                                              const std::string& where) {
+                                              const std::string& where, uint32_t record_version) {
+  if (record_version != 1 && record_version != 2) {
+    return absl::DataLossError(absl::StrCat(where, ": unknown record version ", record_version));
+  }
   Reader in(body);
   LogRecord r;
   uint32_t count = 0;
@@ -241,7 +286,7 @@ absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
   }
   r.tensors.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
-    REFIT_ASSIGN_OR_RETURN(LogTensor t, DecodeTensor(in, i, where));
+    REFIT_ASSIGN_OR_RETURN(LogTensor t, DecodeTensor(in, i, where, record_version));
     if (i > 0 && !(r.tensors.back().spec.name() < t.spec.name())) {
       return absl::DataLossError(
           absl::StrCat(where, ": tensor entry ", i, ": names not in ascending order"));
@@ -364,14 +409,17 @@ enum class Next { kRecord, kEnd, kTorn, kCorrupt };
 // Classifies what starts at `offset` (docs: "Reading a log"); on kRecord fills *body.
 absl::StatusOr<Next> ReadFrame(int fd, uint64_t offset, uint64_t file_bytes,
                                const std::string& path, std::vector<uint8_t>* body,
-                               std::string* why) {
+                               uint32_t* record_version, std::string* why) {
   if (offset == file_bytes) return Next::kEnd;
   REFIT_ASSIGN_OR_RETURN(bool zeros, AllZero(fd, offset, file_bytes, path));
   if (zeros || file_bytes - offset < kPatchRecordFrameBytes) return Next::kTorn;
   uint8_t f[kPatchRecordFrameBytes];
   REFIT_ASSIGN_OR_RETURN(bool full, ReadAt(fd, f, offset, path));
   if (!full) return Next::kTorn;
-  if (std::memcmp(f, kPatchRecordMagic, sizeof(kPatchRecordMagic)) != 0 ||
+  *record_version = std::memcmp(f, kPatchRecordMagic, sizeof(kPatchRecordMagic)) == 0       ? 1
+                    : std::memcmp(f, kPatchRecordMagicV2, sizeof(kPatchRecordMagicV2)) == 0 ? 2
+                                                                                            : 0;
+  if (*record_version == 0 ||
       GetU64(f + 20) != Hash64(std::span<const uint8_t>(f, 20), kPatchRecordFrameSeed)) {
     *why = "bad record frame (magic or frame checksum)";
     return Next::kCorrupt;
@@ -419,7 +467,9 @@ absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path) {
   std::vector<uint8_t> body;
   for (;;) {
     std::string why;
-    REFIT_ASSIGN_OR_RETURN(Next next, ReadFrame(fd, offset, out.file_bytes, path, &body, &why));
+    uint32_t record_version = 0;
+    REFIT_ASSIGN_OR_RETURN(
+        Next next, ReadFrame(fd, offset, out.file_bytes, path, &body, &record_version, &why));
     if (next == Next::kEnd) break;
     if (next == Next::kTorn) {
       out.torn_tail = true;
@@ -428,7 +478,7 @@ absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path) {
     const std::string where = absl::StrCat("patch log ", Quoted(path), " at offset ", offset);
     absl::StatusOr<LogRecord> rec =
         next == Next::kRecord
-            ? DecodeLogRecordBody(body, where)
+            ? DecodeLogRecordBody(body, where, record_version)
             : absl::StatusOr<LogRecord>(absl::DataLossError(absl::StrCat(where, ": ", why)));
     if (!rec.ok()) {
       out.corrupt = rec.status();

@@ -3,7 +3,8 @@
 // the codec patch from the previous version, or the dense bytes of a keyframe tensor). A
 // restarted publisher loads persist_dir/baseline.safetensors (version b) and replays the records
 // above b in order. The format, version 1, is specified normatively in docs/ARCHITECTURE.md
-// ("Patch log format, version 1"); a golden file freezes it (testdata/patch_log_v1.bin).
+// ("Patch log format, version 1", with record version 2 for parts); a golden file freezes it
+// (testdata/patch_log_v1.bin).
 //
 // This file only encodes, writes and reads the format; BaselinePersister decides when to append
 // and when to compact, PublisherCore replays.
@@ -24,7 +25,11 @@ namespace refit::publisher {
 
 inline constexpr char kPatchLogFile[] = "patches.log";
 inline constexpr char kPatchLogMagic[8] = {'R', 'E', 'F', 'I', 'T', 'L', 'O', 'G'};
+// A record's frame magic is its record version: "RREC" version 1, "RRE2" version 2 (tensor
+// entries may be parts, TensorSpec.part). A record is written as version 1 unless it holds a part,
+// so a log without parts is byte for byte a version-1 log; readers take both in any mix.
 inline constexpr char kPatchRecordMagic[4] = {'R', 'R', 'E', 'C'};
+inline constexpr char kPatchRecordMagicV2[4] = {'R', 'R', 'E', '2'};
 inline constexpr uint32_t kPatchLogFormat = 1;
 inline constexpr uint64_t kPatchLogHeaderBytes = 40;
 inline constexpr uint64_t kPatchRecordFrameBytes = 28;
@@ -43,7 +48,7 @@ enum class LogTensorKind : uint8_t {
 };
 
 struct LogTensor {
-  v1::TensorSpec spec;  // name, dtype, shape
+  v1::TensorSpec spec;  // name, dtype, shape, part
   LogTensorKind kind = LogTensorKind::kUnchanged;
   uint64_t digest = 0;            // full-tensor digest at this version
   uint64_t changed_elements = 0;  // encoder's count (patch), every element (dense), 0 unchanged
@@ -121,9 +126,11 @@ struct LogReadResult {
 // version-1 patch log header (nothing usable).
 absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path);
 
-// Decodes one record body (the bytes after the frame). DataLoss naming `where` when malformed.
+// Decodes one record body (the bytes after the frame) of record version `record_version` (1 or
+// 2: the frame's magic). DataLoss naming `where` when malformed.
 absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
-                                              const std::string& where);
+                                              const std::string& where,
+                                              uint32_t record_version = 1);
 
 }  // namespace refit::publisher
 

@@ -1,8 +1,8 @@
 // The patch log format (patch_log.h; docs/ARCHITECTURE.md "Patch log format, version 1"):
 // round trip, torn tails, corrupt records, the golden file, and ReplayLog's lineage and chain
 // checks.
-#include "daemon/common/status_matchers.h"
 #include "daemon/serving/patch_log.h"
+#include "daemon/common/status_matchers.h"
 
 #include <unistd.h>
 
@@ -18,6 +18,7 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/serving/baseline_persister.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -31,9 +32,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::string TempDir(const std::string& name) {
-  const std::string dir =
-      (std::filesystem::temp_directory_path() / absl::StrCat("patch_log_test-", name, "-", ::getpid()))
-          .string();
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           absl::StrCat("patch_log_test-", name, "-", ::getpid()))
+                              .string();
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
@@ -73,21 +74,36 @@ std::vector<LogRecord> GoldenRecords() {
   a.version_digest = 0x0102030405060708ull;
   a.lineage = 0x1122334455667788ull;
   a.snapshot_unix_nanos = 1764590400000000000ull;
-  a.tensors.push_back({.spec = Spec("a.weight", {2, 3}), .kind = LogTensorKind::kPatch,
-                       .digest = 0xa1, .changed_elements = 2, .bytes = Bytes({9, 8, 7, 6, 5})});
-  a.tensors.push_back({.spec = Spec("b.bias", {3}), .kind = LogTensorKind::kUnchanged,
-                       .digest = 0xb2, .changed_elements = 0, .bytes = nullptr});
-  a.tensors.push_back({.spec = Spec("c.new", {2}), .kind = LogTensorKind::kDense, .digest = 0xc3,
-                       .changed_elements = 2, .bytes = Bytes({1, 2, 3, 4})});
+  a.tensors.push_back({.spec = Spec("a.weight", {2, 3}),
+                       .kind = LogTensorKind::kPatch,
+                       .digest = 0xa1,
+                       .changed_elements = 2,
+                       .bytes = Bytes({9, 8, 7, 6, 5})});
+  a.tensors.push_back({.spec = Spec("b.bias", {3}),
+                       .kind = LogTensorKind::kUnchanged,
+                       .digest = 0xb2,
+                       .changed_elements = 0,
+                       .bytes = nullptr});
+  a.tensors.push_back({.spec = Spec("c.new", {2}),
+                       .kind = LogTensorKind::kDense,
+                       .digest = 0xc3,
+                       .changed_elements = 2,
+                       .bytes = Bytes({1, 2, 3, 4})});
   LogRecord b = a;
   b.version = 5;
   b.base_version = 2;
   b.version_digest = 0x1020304050607080ull;
   b.snapshot_unix_nanos += 1000;
-  b.tensors[0] = {.spec = Spec("a.weight", {2, 3}), .kind = LogTensorKind::kUnchanged,
-                  .digest = 0xa1, .changed_elements = 0, .bytes = nullptr};
-  b.tensors[2] = {.spec = Spec("c.new", {2}), .kind = LogTensorKind::kPatch, .digest = 0xc4,
-                  .changed_elements = 1, .bytes = Bytes({0xff})};
+  b.tensors[0] = {.spec = Spec("a.weight", {2, 3}),
+                  .kind = LogTensorKind::kUnchanged,
+                  .digest = 0xa1,
+                  .changed_elements = 0,
+                  .bytes = nullptr};
+  b.tensors[2] = {.spec = Spec("c.new", {2}),
+                  .kind = LogTensorKind::kPatch,
+                  .digest = 0xc4,
+                  .changed_elements = 1,
+                  .bytes = Bytes({0xff})};
   return {a, b};
 }
 
@@ -165,6 +181,54 @@ TEST(PatchLogTest, GoldenFileIsFormatVersion1) {
   EXPECT_EQ(bytes[8], 1);  // format version, little-endian
   EXPECT_EQ(std::string(bytes.begin() + 40, bytes.begin() + 44), "RREC");
   EXPECT_EQ(bytes[68], 2);  // the first record body starts with its version
+}
+
+TEST(PatchLogTest, ARecordWithAPartIsRecordVersion2AndMixesWithVersion1) {
+  const std::string path = TempDir("parts") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(path));  // two version-1 records
+  const uint64_t v1_end = ReadFile(path).size();
+  LogRecord c = GoldenRecords()[1];
+  c.version = 6;
+  c.base_version = 5;
+  v1::TensorSpec part = Spec("a.weight", {2, 3});  // rows [4, 6) of a [10, 3] tensor
+  part.mutable_part()->add_whole_shape(10);
+  part.mutable_part()->add_whole_shape(3);
+  part.mutable_part()->set_first_row(4);
+  c.tensors[0] = {.spec = part,
+                  .kind = LogTensorKind::kDense,
+                  .digest = 0xa7,
+                  .changed_elements = 6,
+                  .bytes = Bytes(std::vector<uint8_t>(12, 3))};
+  LogRecord d = GoldenRecords()[1];  // no part: version 1 again
+  d.version = 7;
+  d.base_version = 6;
+  {
+    REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::OpenForAppend(path, v1_end, false));
+    ASSERT_THAT(w->Append(c), IsOk());
+    ASSERT_THAT(w->Append(d), IsOk());
+  }
+  const std::vector<uint8_t> bytes = ReadFile(path);
+  EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(v1_end),
+                        bytes.begin() + static_cast<ptrdiff_t>(v1_end) + 4),
+            "RRE2");
+  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(path));
+  EXPECT_THAT(read.corrupt, IsOk());
+  ASSERT_EQ(read.records.size(), 4u);
+  EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(read.offsets[3]),
+                        bytes.begin() + static_cast<ptrdiff_t>(read.offsets[3]) + 4),
+            "RREC");
+  ExpectSameRecord(read.records[2], c);
+  ExpectSameRecord(read.records[3], d);
+  ASSERT_TRUE(sync::IsPart(read.records[2].tensors[0].spec));
+  EXPECT_EQ(read.records[2].tensors[0].spec.part().first_row(), 4u);
+  EXPECT_FALSE(sync::IsPart(read.records[2].tensors[1].spec));
+  // A part that leaves its whole tensor does not decode.
+  c.tensors[0].spec.mutable_part()->set_first_row(9);
+  const std::vector<uint8_t> record = EncodeLogRecord(c);
+  EXPECT_THAT(DecodeLogRecordBody(std::span<const uint8_t>(record).subspan(kPatchRecordFrameBytes),
+                                  "here", 2),
+              StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr("here: tensor entry 0"),
+                                                          HasSubstr("beyond the whole tensor"))));
 }
 
 TEST(PatchLogTest, TornTailIsTruncatedNotAnError) {
@@ -254,8 +318,10 @@ TEST(PatchLogTest, ReplayChecksLineageAndChain) {
   v2 = v1;
   v2[10] ^= 1;
   v2[33] ^= 2;
-  BaselineTensor base{.spec = Spec("w", {32}), .dtype = DType::kBF16,
-                      .digest = TensorDigest(v1), .bytes = Bytes(v1)};
+  BaselineTensor base{.spec = Spec("w", {32}),
+                      .dtype = DType::kBF16,
+                      .digest = TensorDigest(v1),
+                      .bytes = Bytes(v1)};
   REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, v1, v2));
   LogRecord r;
   r.version = 2;
@@ -329,8 +395,10 @@ TEST(PatchLogTest, ReplayGivesEveryVersionItsDigestV2) {
   b2 = b1;
   for (size_t i = 0; i < b2.size(); i += 97) b2[i] ^= 0x21;
   for (size_t i = 0; i < b3.size(); ++i) b3[i] = static_cast<uint8_t>(i * 5 + 9);
-  BaselineTensor base{.spec = Spec("w", {2048}), .dtype = DType::kBF16,
-                      .digest = TensorDigest(b1), .digest_v2 = TensorDigestV2(b1),
+  BaselineTensor base{.spec = Spec("w", {2048}),
+                      .dtype = DType::kBF16,
+                      .digest = TensorDigest(b1),
+                      .digest_v2 = TensorDigestV2(b1),
                       .bytes = Bytes(b1)};
   const std::vector<v1::TensorSpec> manifest = {base.spec};
   auto record = [&](uint64_t version, LogTensorKind kind, const std::vector<uint8_t>& target,

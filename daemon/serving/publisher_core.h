@@ -62,6 +62,9 @@ struct TensorInput {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // empty for a scalar
+  // Set for a part of a larger tensor (TensorSpec.part: a shard publisher's rows of it; `shape`
+  // is the part's). Encoded, digested, kept and persisted like any tensor of `shape`.
+  std::optional<v1::TensorPart> part = std::nullopt;
   std::span<const uint8_t> data;
   // Optional: a buffer holding exactly `data` that the caller hands over. Where Publish would
   // copy `data` it keeps this buffer instead (the caller must not modify it afterwards).

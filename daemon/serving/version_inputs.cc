@@ -29,6 +29,7 @@ absl::Status ValidateInputs(std::span<const TensorInput> given, const std::strin
     s.set_name(in.name);
     s.set_dtype(sync::ToProtoDType(in.dtype));
     for (uint64_t d : in.shape) s.add_shape(d);
+    if (in.part.has_value()) *s.mutable_part() = *in.part;
     absl::Status st = sync::ValidateTensorSpec(s);
     if (!st.ok()) return AnnotateAs(absl::StatusCode::kInvalidArgument, st, what);
     const uint64_t bytes = *sync::TensorByteSize(s);
