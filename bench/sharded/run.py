@@ -12,6 +12,11 @@ publisher + subscriber (store.slots 2), alternated within one run:
            offset)) under client "rank<r>"; per version each rank copies its rows into them
            (trainer.update) and publishes the same explicit version; the publisher joins the
            blocks into whole tensors when the last rank's publish completes the version.
+  nodes    the sliced ranks spread over --nodes trainer nodes: each node's ranks (consecutive
+           ranks, so consecutive rows) register with their node's shard publisher
+           (publisher.shard), which joins them into its rows of each tensor (a part); the
+           subscriber (upstream.shards) joins the nodes' parts. Wire bytes are compared with
+           sliced's (within 2%), each publisher's PSS with the bytes of its own rows.
   gather   what sharded trainers do today (Megatron-Bridge / NeMo-DCR export): per version the
            ranks dist.gather their rows into preallocated whole buffers on rank 0 (per tensor,
            padded to K equal chunks as FSDP pads), rank 0 (which registered the whole tensors
@@ -172,7 +177,7 @@ def _rank(rank, world, mode, port, pub_sock, shapes, seed, rate, cmd, out):
 
         trainer = None
         padded, gather_lists, send_pad = {}, {}, {}
-        if mode == "sliced":
+        if mode in ("sliced", "nodes"):
             trainer = Trainer(pub_sock, client=f"rank{rank}")
             trainer.register({n: Slice.along(t, shapes[n], 0, bounds[n][0])
                               for n, t in local.items()})
@@ -249,8 +254,9 @@ class Ranks:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.procs = [ctx.Process(target=rank_main, daemon=True,
-                                  args=(r, world, mode, port, pub_sock, shapes, seed, rate,
-                                        self.cmds[r], self.out))
+                                  args=(r, world, mode, port,
+                                        pub_sock[r] if isinstance(pub_sock, list) else pub_sock,
+                                        shapes, seed, rate, self.cmds[r], self.out))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -322,6 +328,47 @@ def log_events(log_path: str, event: str) -> dict:
     return out
 
 
+def node_of(rank: int, k: int, nodes: int) -> int:
+    """The node of `rank`: consecutive ranks per node."""
+    return rank * nodes // k
+
+
+def node_bytes(shapes, k: int, nodes: int, node: int) -> int:
+    """Bytes of the rows the ranks of `node` hold, over every tensor."""
+    total = 0
+    for s in shapes.values():
+        rows = [rows_of(s[0], k, r) for r in range(k) if node_of(r, k, nodes) == node]
+        row_bytes = 2 * int(torch.Size(s[1:]).numel())
+        total += sum(b - a for a, b in rows) * row_bytes
+    return total
+
+
+def pub_counters(pubs) -> dict:
+    """The publishers' /proc counters, summed."""
+    cs = [procfs.counters(p.proc.pid) for p in pubs]
+    return {key: sum(c[key] for c in cs) for key in cs[0]}
+
+
+@contextlib.contextmanager
+def node_daemons(d: str, nodes: int):
+    """`nodes` shard publishers (set "bench") and a subscriber joining them (store.slots 2),
+    logging JSON; yields (publishers, subscriber)."""
+    from refit.local import Daemon, json_logs, publisher_yaml, subscriber_yaml
+    with contextlib.ExitStack() as stack:
+        pubs = []
+        for n in range(nodes):
+            p = Daemon("publisher", f"node{n}", d, json_logs(
+                publisher_yaml(f"node{n}", d, shard=("bench", n, nodes))))
+            stack.callback(p.stop)
+            p.start()
+            pubs.append(p)
+        sub = Daemon("subscriber", "sub", d, json_logs(subscriber_yaml(
+            "sub", d, "", slots=2, shard_set="bench", shards=[p.ready["listen"] for p in pubs])))
+        stack.callback(sub.stop)
+        sub.start()
+        yield pubs, sub
+
+
 def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
     from refit.control import Control
     from refit.inference import Consumer
@@ -330,20 +377,24 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
     versions = args.versions + 1
     with tempfile.TemporaryDirectory(prefix=f"refit-sharded-{mode}{k}-") as d, \
             contextlib.ExitStack() as stack:
-        pub, sub = stack.enter_context(daemon_pair(d, slots=2, json_log=True))
+        if mode == "nodes":
+            pubs, sub = stack.enter_context(node_daemons(d, args.nodes))
+            socks = [pubs[node_of(r, k, args.nodes)].ready["local_socket"] for r in range(k)]
+            part_bytes = [node_bytes(shapes, k, args.nodes, n) for n in range(args.nodes)]
+        else:
+            pub, sub = stack.enter_context(daemon_pair(d, slots=2, json_log=True))
+            pubs, socks, part_bytes = [pub], pub.ready["local_socket"], [model_bytes]
         sub_control = Control(sub.ready["listen"])
         stack.callback(sub_control.close)
-        pub_control = Control(pub.ready["listen"])
-        stack.callback(pub_control.close)
-        ranks = Ranks(ctx, k, mode, pub.ready["local_socket"], shapes, args.seed, args.rate)
+        ranks = Ranks(ctx, k, mode, socks, shapes, args.seed, args.rate)
         stack.callback(ranks.close)
         pids = {r: i[2] for r, i in ranks.get_all("ready", k).items()}
         before = {r: procfs.status_mib(pid) for r, pid in pids.items()}
-        pub_before = procfs.status_mib(pub.proc.pid)
+        pub_before = procfs.status_mib(pubs[0].proc.pid)
         ranks.send("setup")
         ranks.get_all("registered", k)
         for v in range(1, versions + 1):
-            pub_c0 = procfs.counters(pub.proc.pid)
+            pub_c0 = pub_counters(pubs)
             ranks.send("step", v)
             while True:
                 try:
@@ -353,7 +404,7 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
                     ranks.drain()
                     ranks.check()
             t_sub = time.monotonic()
-            pub_c1 = procfs.counters(pub.proc.pid)
+            pub_c1 = pub_counters(pubs)
             steps = {r: i[3] for r, i in ranks.get_all("step", k).items()}
             st = sub_control.status()
             refit = st.last_refit
@@ -361,8 +412,8 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
                 print(f"FAIL {mode} K={k}: subscriber at {st.version}, last refit "
                       f"{refit.version}, expected {v}", flush=True)
                 sys.exit(1)
-            committing = [r for r, s in steps.items() if s["committed"]]
-            if len(committing) != 1:
+            committing = sorted(r for r, s in steps.items() if s["committed"])
+            if len(committing) != len(pubs):  # one round per publisher
                 print(f"FAIL {mode} K={k} version {v}: committed by ranks {committing}")
                 sys.exit(1)
             t0 = min(s["t0"] for s in steps.values())
@@ -404,8 +455,12 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
                                                        for r in mem), 1),
             }
             rows.append(row)
-        pub_pss = pss_of(pub.proc.pid)
-        pub_mem = procfs.status_mib(pub.proc.pid)
+        pub_psses = [pss_of(p.proc.pid) for p in pubs]
+        # The publisher with the most memory for the bytes of its rows (sliced, gather: the
+        # one publisher and the whole model).
+        worst = max(range(len(pubs)), key=lambda i: pub_psses[i]["pss"] * MIB / part_bytes[i])
+        pub_pss, pub_part_bytes = pub_psses[worst], part_bytes[worst]
+        pub_mem = procfs.status_mib(pubs[worst].proc.pid)
         sub_pss = pss_of(sub.proc.pid)
         # The subscriber must hold exactly the whole tensors.
         consumer = Consumer(sub.ready["local_socket"], name="bench-sharded")
@@ -427,15 +482,15 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
         end = {r: procfs.status_mib(pid) for r, pid in pids.items()}
         # The publisher's own figures per version (its "publish" log line; read at the end:
         # its log is not flushed line by line).
-        plog = log_events(pub.log_path, "publish")
+        plogs = [log_events(p.log_path, "publish") for p in pubs]
         for row in rows:
-            p = plog.get(row["version"], {})
-            row["pub_encode_ms"] = p.get("encode_ms")
-            row["pub_total_ms"] = p.get("total_ms")
+            ps = [pl.get(row["version"], {}) for pl in plogs]
+            row["pub_encode_ms"] = max((p.get("encode_ms") or 0 for p in ps), default=None)
+            row["pub_total_ms"] = max((p.get("total_ms") or 0 for p in ps), default=None)
             emit(row)
         if args.keep_logs:
             os.makedirs(args.keep_logs, exist_ok=True)
-            for dmn in (pub, sub):
+            for dmn in pubs + [sub]:
                 with open(dmn.log_path, "rb") as src, open(os.path.join(
                         args.keep_logs, f"{mode}-{k}-{len(rows)}-{dmn.name}.log"), "wb") as dst:
                     dst.write(src.read())
@@ -475,12 +530,15 @@ def run_mode(args, ctx, mode, k, shapes, model_bytes, want, emit):
         "sum_rank_hwm_increase_mib": round(sum(incr.values()), 1),
         "max_rank_rss_increase_mib": round(max(end[r]["rss"] - before[r]["rss"] for r in end), 1),
         "max_rank_hwm_increase_x": round(max(incr.values()) * MIB / model_bytes, 3),
+        "publishers": len(pubs),
         "pub_pss_mib": round(pub_pss["pss"], 1),
-        "pub_pss_x": round(pub_pss["pss"] * MIB / model_bytes, 3),
+        # Over the bytes of the rows that publisher holds (sliced, gather: the model).
+        "pub_part_mib": round(pub_part_bytes / MIB, 1),
+        "pub_pss_x": round(pub_pss["pss"] * MIB / pub_part_bytes, 3),
         "pub_pss_anon_mib": round(pub_pss.get("pss_anon", 0), 1),
         "pub_pss_shmem_mib": round(pub_pss.get("pss_shmem", 0), 1),
         "pub_hwm_mib": round(pub_mem["hwm"], 1),
-        "pub_hwm_x": round(pub_mem["hwm"] * MIB / model_bytes, 3),
+        "pub_hwm_x": round(pub_mem["hwm"] * MIB / pub_part_bytes, 3),
         "pub_idle_rss_mib": round(pub_before["rss"], 1),
         "sub_pss_x": round(sub_pss["pss"] * MIB / model_bytes, 3),
         "verified": True,
@@ -502,7 +560,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--modes", default="sliced,gather", help="for diagnosis: one mode only")
+    p.add_argument("--modes", default="sliced,gather,nodes",
+                   help="sliced, gather, nodes (sliced over --nodes shard publishers)")
+    p.add_argument("--nodes", type=int, default=2, help="trainer nodes of the nodes mode")
     p.add_argument("--keep-logs", default=None, help="copy the daemons' logs to this directory")
     p.add_argument("--out", default=None,
                    help="JSON lines file (default bench/results/sharded-publish-<ks>ranks-"
@@ -515,6 +575,8 @@ def main() -> int:
         [gen, pydir] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])
     os.environ.setdefault("REFITD_BIN", os.path.join(build, "daemon", "cli", "refitd"))
     ks = [int(x) for x in args.ks.split(",")]
+    if "nodes" in args.modes and min(ks) < args.nodes:
+        p.error(f"--nodes {args.nodes} needs at least as many ranks (--ks {args.ks})")
     modes = args.modes.split(",")
     out_path = args.out or os.path.join(
         ROOT, "bench", "results",
@@ -543,7 +605,8 @@ def main() -> int:
     failed = False
     for rep in range(args.repeats):
         for k in ks:
-            order = ("sliced", "gather") if rep % 2 == 0 else ("gather", "sliced")
+            order = ("sliced", "gather", "nodes") if rep % 2 == 0 else ("nodes", "gather",
+                                                                         "sliced")
             for mode in (m for m in order if m in modes):
                 results.setdefault((k, mode), []).append(
                     run_mode(args, ctx, mode, k, shapes, model_bytes, wants[k], emit))
@@ -599,6 +662,28 @@ def main() -> int:
         if not wire_equal or not digest_equal:
             print(f"FAIL K={k}: the modes' versions differ (wire bytes equal: {wire_equal}, "
                   f"version digests equal: {digest_equal})", flush=True)
+            failed = True
+    for k in (ks if set(modes) >= {"sliced", "nodes"} else []):
+        med = {}
+        for m in ("sliced", "nodes"):
+            rs = results[(k, m)]
+            deltas = [r for rows, _ in rs for r in rows if r["delta"]]
+            med[m] = {key: median(r[key] for r in deltas)
+                      for key in ("commit_ms", "sub_ms", "pub_cpu_ms", "sub_apply_ms",
+                                  "wire_bytes", "change_rate")}
+            med[m]["pub_pss_x"] = median(s["pub_pss_x"] for _, s in rs)
+            med[m]["pub_hwm_x"] = median(s["pub_hwm_x"] for _, s in rs)
+            med[m]["pub_part_mib"] = median(s["pub_part_mib"] for _, s in rs)
+        wire = med["nodes"]["wire_bytes"] / med["sliced"]["wire_bytes"]
+        emit({"row": "compare_nodes", "ranks": k, "nodes": args.nodes,
+              "model_mib": round(model_bytes / MIB, 1), "rate": args.rate,
+              "sliced": med["sliced"], "nodes_mode": med["nodes"],
+              "ratio_nodes_over_sliced": {key: round(med["nodes"][key] / med["sliced"][key], 3)
+                                          for key in med["sliced"] if med["sliced"][key]},
+              "loadavg": open("/proc/loadavg").read().split()[:3]})
+        if not 0.98 <= wire <= 1.02:
+            print(f"FAIL K={k}: the nodes mode's wire bytes are {wire:.3f}x the sliced mode's",
+                  flush=True)
             failed = True
     if sink:
         sink.close()

@@ -136,7 +136,9 @@ absl::StatusOr<std::optional<OwnedTensor>> TrainerApiService::JoinTensor(
   if (first.global_elements() == 0) {
     rows = AllRows(first);  // nothing to join: published whole
   } else if (rows.rows() == 0) {
-    log_->info(
+    // Routine for small tensors on many nodes (the other shards' parts cover it; the
+    // subscribers' join checks that they do): debug, not info, every version.
+    log_->debug(
         "version {}: tensor {} is not published by this shard publisher (its blocks here "
         "hold no elements)",
         version, Quoted(name));

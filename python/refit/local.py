@@ -119,11 +119,18 @@ def _files_yaml(publish_dirs: Optional[list], export_dir: Optional[str]) -> str:
 def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] = None,
                    control_tls: Optional[dict] = None,
                    control_access: str = LOOPBACK_CONTROL_ACCESS,
-                   publish_dirs: Optional[list] = None, export_dir: Optional[str] = None) -> str:
+                   publish_dirs: Optional[list] = None, export_dir: Optional[str] = None,
+                   shard: Optional[tuple] = None) -> str:
     """A publisher on 127.0.0.1:0 with its local socket in `directory`; optionally a separate
     Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths), who may
-    call Control (`control_access`, a YAML flow mapping; "" = the daemon's default), and the
-    directories Control publish may read (publish_dirs) and export may write (export_dir)."""
+    call Control (`control_access`, a YAML flow mapping; "" = the daemon's default), the
+    directories Control publish may read (publish_dirs) and export may write (export_dir), and
+    `shard` = (set, index, count): publisher.shard, one shard publisher of a sharded version."""
+    shard_yaml = ""
+    if shard is not None:
+        shard_set, index, count = shard
+        shard_yaml = (f"  shard: {{set: {json.dumps(shard_set)}, index: {int(index)}, "
+                      f"count: {int(count)}}}\n")
     return (f"publisher:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
@@ -132,7 +139,16 @@ def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] =
             f"  ready_file: @READY@\n"
             f"{_control_yaml(control_listen, control_tls, control_access)}"
             f"{_files_yaml(publish_dirs, export_dir)}"
+            f"{shard_yaml}"
             f"  codec:\n    device: cpu\n    threads: 2\n")
+
+
+def _upstream_yaml(upstream: str, shards: Optional[list], shard_set: str) -> str:
+    """upstream.addresses, or upstream.shard_set and upstream.shards."""
+    if not shards:
+        return f"    addresses: [{json.dumps(upstream)}]\n"
+    y = f"    shard_set: {json.dumps(shard_set)}\n    shards:\n"
+    return y + "".join(f"    - addresses: [{json.dumps(a)}]\n" for a in shards)
 
 
 def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
@@ -143,8 +159,11 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     control_access: str = LOOPBACK_CONTROL_ACCESS, store_kind: str = "shm",
                     cuda_device_uuid: Optional[str] = None,
                     export_dir: Optional[str] = None, digest_v2: bool = True,
-                    store_extra: Optional[dict] = None) -> str:
-    """A subscriber of `upstream` with a store of `slots` slots (`store_kind` "shm", or "cuda":
+                    store_extra: Optional[dict] = None,
+                    shards: Optional[list] = None, shard_set: str = "") -> str:
+    """A subscriber of `upstream` (or, with `shards`, of every shard publisher of `shard_set`:
+    one address per shard, in index order; `upstream` is then unused) with a store of `slots`
+    slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
     max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (False: the
     subscriber asks for tensor digest v1; a single-copy store, slots 1, needs v2); `store_extra`: more store fields (key -> value)."""
@@ -167,7 +186,7 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
     return (f"subscriber:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
-            f"  upstream:\n    addresses: [{json.dumps(upstream)}]\n    connections: 2\n"
+            f"  upstream:\n{_upstream_yaml(upstream, shards, shard_set)}    connections: 2\n"
             f"    backoff:\n      initial_ms: 20\n      max_ms: 300\n"
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"

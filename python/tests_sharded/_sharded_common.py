@@ -134,7 +134,42 @@ def daemons(tmp_path_factory):
         yield types.SimpleNamespace(pub=pub, sub=sub, pub_local=pub_ready["local_socket"],
                                     sub_local=sub_ready["local_socket"],
                                     pub_control=pub_control, sub_control=sub_control,
-                                    consumer=consumer, dir=d)
+                                    consumer=consumer, dir=d, logs=[pub, sub])
+
+
+@contextlib.contextmanager
+def node_daemons(tmp_path_factory, nodes: int):
+    """One shard publisher per trainer node (publisher.shard: set "fsdp", index n of `nodes`) and
+    a subscriber joining every shard (store.slots 3), in a fresh tmp dir. Yields a namespace:
+    pubs (Daemons), pub_locals (their unix sockets, by node), pub_controls, sub, sub_local,
+    sub_control, consumer, logs."""
+    d = str(tmp_path_factory.mktemp("refitd"))
+    base = str(tmp_path_factory.getbasetemp())
+    with contextlib.ExitStack() as stack:
+        pubs, readies = [], []
+        for n in range(nodes):
+            pub = Daemon("publisher", f"node{n}", d,
+                         publisher_yaml(f"node{n}", d, export_dir=base, shard=("fsdp", n, nodes)))
+            stack.callback(pub.stop)
+            readies.append(pub.start())
+            pubs.append(pub)
+        sub = Daemon("subscriber", "sub", d,
+                     subscriber_yaml("sub", d, "", slots=3, export_dir=base, shard_set="fsdp",
+                                     shards=[r["listen"] for r in readies]))
+        stack.callback(sub.stop)
+        sub_ready = sub.start()
+        pub_controls = []
+        for r in readies:
+            pub_controls.append(Control(r["listen"]))
+            stack.callback(pub_controls[-1].close)
+        sub_control = Control(sub_ready["listen"])
+        stack.callback(sub_control.close)
+        consumer = Consumer(sub_ready["local_socket"], name="pytest-nodes")
+        stack.callback(consumer.close)
+        yield types.SimpleNamespace(pubs=pubs, pub_locals=[r["local_socket"] for r in readies],
+                                    pub_controls=pub_controls, sub=sub,
+                                    sub_local=sub_ready["local_socket"], sub_control=sub_control,
+                                    consumer=consumer, dir=d, logs=pubs + [sub])
 
 
 def assert_bits_equal(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
@@ -192,7 +227,7 @@ def check_keyframes_of_delta(env, version: int, keyframes: int,
     tensor (a norm, a scale) can meet at these change rates. Keyframes for any other reason (a
     digest mismatch, a requested repair) fail, with the daemons' lines about it."""
     lines = []
-    for d in (env.pub, env.sub):
+    for d in env.logs:
         with open(d.log_path, encoding="utf-8", errors="replace") as f:
             lines += [l.rstrip() for l in f
                       if "keyframe" in l or "reject" in l or "mismatch" in l or "scrub" in l]
