@@ -50,8 +50,8 @@ std::pair<uint64_t, uint64_t> NodeRows(uint64_t rows, int node, uint64_t share, 
 
 // The blocks of node `node`'s ranks: its rows of every tensor, split over the node's ranks by
 // rows (even index, and 1-d tensors) or by columns (odd index).
-std::vector<std::vector<Piece>> NodeLayout(const model::Trajectory& traj, int node,
-                                           uint64_t share, uint64_t gap) {
+std::vector<std::vector<Piece>> NodeLayout(const model::Trajectory& traj, int node, uint64_t share,
+                                           uint64_t gap) {
   std::vector<std::vector<Piece>> out(kRanksPerNode);
   const auto& specs = traj.tensors();
   for (size_t i = 0; i < specs.size(); ++i) {

@@ -46,8 +46,9 @@ absl::StatusOr<v1::VersionHeader> RelayedHeader(const v1::VersionHeader& up,
     if (sync::IsPart(tp.spec())) {
       // A version joined from shards' parts: the peers get whole tensors, encoded again from the
       // store (a relay serves as one unsharded publisher).
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " is ", sync::DescribeSpec(tp.spec()), " (joined from parts: encoded again whole)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " is ", sync::DescribeSpec(tp.spec()),
+                       " (joined from parts: encoded again whole)"));
     }
     v1::TensorPlan* out = h.add_tensors();
     *out->mutable_spec() = tp.spec();

@@ -40,9 +40,8 @@ constexpr uint64_t kMaxLayoutBytes = uint64_t{1} << 62;  // keeps every sum belo
 absl::StatusOr<uint64_t> DescBytes(const std::string& name, DType dtype,
                                    const std::vector<uint64_t>& shape) {
   if (!IsValidDType(static_cast<uint8_t>(dtype))) {
-    return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(name),
-                                                   " has invalid dtype code ",
-                                                   static_cast<int>(dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout: tensor ", Quoted(name), " has invalid dtype code ", static_cast<int>(dtype)));
   }
   uint64_t elements = 1;
   for (uint64_t d : shape) {
@@ -55,7 +54,8 @@ absl::StatusOr<uint64_t> DescBytes(const std::string& name, DType dtype,
   }
   const uint64_t esize = static_cast<uint64_t>(DTypeSize(dtype));
   if (elements > kMaxLayoutBytes / esize) {
-    return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", Quoted(name), " is too large"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: tensor ", Quoted(name), " is too large"));
   }
   return elements * esize;
 }
@@ -76,12 +76,13 @@ absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group,
   for (const UnitDesc& u : group) {
     const TensorDesc& d = u.desc;
     if (!u.part.has_value() || !head_part.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat("layout: duplicate tensor name ", Quoted(d.name)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout: duplicate tensor name ", Quoted(d.name)));
     }
     const std::vector<uint64_t>& whole = head_part->whole_shape;
     if (d.dtype != head.dtype || u.part->whole_shape != whole || d.shape.empty() ||
-        d.shape.size() != whole.size() || !std::equal(d.shape.begin() + 1, d.shape.end(),
-                                                      whole.begin() + 1)) {
+        d.shape.size() != whole.size() ||
+        !std::equal(d.shape.begin() + 1, d.shape.end(), whole.begin() + 1)) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": part at row ", u.part->first_row, " of shape [", absl::StrJoin(d.shape, ","),
           "] does not fit the whole shape [", absl::StrJoin(whole, ","), "] of the first part"));
@@ -93,8 +94,7 @@ absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group,
           std::max(row, u.part->first_row), ") ", gap ? "missing" : "twice", ")"));
     }
     REFIT_ASSIGN_OR_RETURN(uint64_t bytes, DescBytes(d.name, d.dtype, d.shape));
-    REFIT_ASSIGN_OR_RETURN(uint64_t row_bytes,
-                           DescBytes(d.name, d.dtype, [&] {
+    REFIT_ASSIGN_OR_RETURN(uint64_t row_bytes, DescBytes(d.name, d.dtype, [&] {
                              std::vector<uint64_t> one = d.shape;
                              one[0] = 1;
                              return one;
@@ -139,10 +139,9 @@ absl::StatusOr<Layout> Layout::BuildUnits(std::vector<UnitDesc> tensors, uint64_
     if (t.name.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
     }
-    REFIT_ASSIGN_OR_RETURN(
-        std::vector<uint64_t> shape,
-        JoinUnits(std::span<const UnitDesc>(tensors).subspan(i, end - i), layout.tensors_.size(),
-                  layout.units_));
+    REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> shape,
+                           JoinUnits(std::span<const UnitDesc>(tensors).subspan(i, end - i),
+                                     layout.tensors_.size(), layout.units_));
     TensorInfo info;
     REFIT_ASSIGN_OR_RETURN(info.size_bytes, DescBytes(t.name, t.dtype, shape));
     info.offset = offset;
@@ -188,7 +187,8 @@ bool Layout::SameManifest(const Layout& other) const {
   }
   if (units_.size() != other.units_.size()) return false;
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (units_[u].first_row != other.units_[u].first_row || units_[u].shape != other.units_[u].shape) {
+    if (units_[u].first_row != other.units_[u].first_row ||
+        units_[u].shape != other.units_[u].shape) {
       return false;
     }
   }

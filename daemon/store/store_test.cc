@@ -131,8 +131,8 @@ UnitDesc Whole(const std::string& name, std::vector<uint64_t> shape, DType dtype
 TEST(LayoutTest, PartsJoinIntoTheirWholeTensor) {
   // Rows [0, 3) and [3, 10) of a [10, 4] BF16 tensor (8 bytes a row), given out of order.
   REFIT_ASSERT_OK_AND_ASSIGN(
-      Layout l, Layout::BuildUnits({PartOf("w", 3, 7, 10), Whole("a", {2}, DType::kF32),
-                                    PartOf("w", 0, 3, 10)}));
+      Layout l, Layout::BuildUnits(
+                    {PartOf("w", 3, 7, 10), Whole("a", {2}, DType::kF32), PartOf("w", 0, 3, 10)}));
   ASSERT_EQ(l.size(), 2u);
   EXPECT_EQ(l.tensor(1).shape, (std::vector<uint64_t>{10, 4}));
   EXPECT_EQ(l.tensor(1).size_bytes, 80u);
@@ -156,8 +156,8 @@ TEST(LayoutTest, PartsJoinIntoTheirWholeTensor) {
       Layout other, Layout::BuildUnits({PartOf("w", 5, 5, 10), Whole("a", {2}, DType::kF32),
                                         PartOf("w", 0, 5, 10)}));
   EXPECT_FALSE(l.SameManifest(other));
-  REFIT_ASSERT_OK_AND_ASSIGN(Layout whole,
-                             Layout::BuildUnits({Whole("w", {10, 4}), Whole("a", {2}, DType::kF32)}));
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      Layout whole, Layout::BuildUnits({Whole("w", {10, 4}), Whole("a", {2}, DType::kF32)}));
   EXPECT_FALSE(l.SameManifest(whole));
   EXPECT_TRUE(whole.SameManifest(whole));
 }

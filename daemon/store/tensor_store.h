@@ -144,9 +144,9 @@ class Layout {
   uint64_t alignment() const { return alignment_; }
   // Index of the tensor named `name`, or nullopt.
   std::optional<size_t> Find(absl::string_view name) const;
-  // Same manifest (names, dtypes, shapes, and the same parts): versions of one can be staged in a store of the other
-  // without a relayout. Placement is a function of the manifest and alignment, so equal manifests
-  // with equal alignment have equal offsets too.
+  // Same manifest (names, dtypes, shapes, and the same parts): versions of one can be staged in a
+  // store of the other without a relayout. Placement is a function of the manifest and alignment,
+  // so equal manifests with equal alignment have equal offsets too.
   bool SameManifest(const Layout& other) const;
 
  private:

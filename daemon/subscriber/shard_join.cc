@@ -349,10 +349,10 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
                          "one (TensorSpec.part)"));
       }
       if (absl::Status st = sync::CheckNextPart(prev, spec); !st.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "version ", out.version(), ": ", Shard(entries[j - 1].part), "'s part ",
-            sync::DescribeSpec(prev), " and ", Shard(e.part), "'s part ", sync::DescribeSpec(spec),
-            " do not join: ", st.message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("version ", out.version(), ": ", Shard(entries[j - 1].part), "'s part ",
+                         sync::DescribeSpec(prev), " and ", Shard(e.part), "'s part ",
+                         sync::DescribeSpec(spec), " do not join: ", st.message()));
       }
     }
     specs.push_back(spec);
@@ -366,9 +366,9 @@ absl::StatusOr<v1::VersionHeader> ShardJoin::JoinHeadersLocked(
   }
   // Every tensor whole: the parts of each sliced tensor, over all shards, tile its rows.
   if (absl::Status st = sync::CheckPartsTile(specs); !st.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("version ", out.version(), " over all ", parts_.size(), " shards: ",
-                     st.message(), " (", PartOwnersLocked(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("version ", out.version(), " over all ",
+                                                   parts_.size(), " shards: ", st.message(), " (",
+                                                   PartOwnersLocked(), ")"));
   }
   out.set_lineage(JoinedLineageLocked(out.version()));
   return out;

@@ -389,8 +389,9 @@ TEST_F(ShardJoinSingleCopyTest, PartsAreWrittenInPlaceAndTheirChangesGoToConsume
   const VersionRecord rec = core_->records().applied();
   ASSERT_EQ(rec.joined.size(), 1u);
   EXPECT_EQ(rec.joined[0].name(), kSliced);
-  EXPECT_EQ(rec.joined[0].digest(),
-            sync::TensorDigestOf(sync::DigestFormat::kV2, current_versions_.at(4).at(kSliced).bytes));
+  EXPECT_EQ(
+      rec.joined[0].digest(),
+      sync::TensorDigestOf(sync::DigestFormat::kV2, current_versions_.at(4).at(kSliced).bytes));
   // Change sets are in whole-tensor coordinates: version 1 plus them is version 4.
   for (uint64_t from = 1; from < 4; ++from) {
     absl::StatusOr<VersionChanges> c = core_->change_log().Changes(from, 4);
@@ -416,11 +417,13 @@ TEST_F(ShardJoinTest, PartsThatLeaveRowsUncoveredCommitNothingAndNameTheRowsAndS
   CommitAll(1);
   Publish(2);
   // Shard 2's publisher now holds rows [27, 39) only (a rank left its node).
-  PartPlan shrink{.mutate = [](Wire& w) {
-    for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
-      if (tp.spec().name() == kSliced) tp.mutable_spec()->set_shape(0, 12);
-    }
-  }, .abort_after_frames = SIZE_MAX};
+  PartPlan shrink{.mutate =
+                      [](Wire& w) {
+                        for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
+                          if (tp.spec().name() == kSliced) tp.mutable_spec()->set_shape(0, 12);
+                        }
+                      },
+                  .abort_after_frames = SIZE_MAX};
   std::vector<v1::Ack> acks = SendAll(2, {{2, shrink}});
   for (uint32_t k = 0; k < kShards; ++k) {
     EXPECT_EQ(acks[k].result(), v1::ACK_RESULT_REJECTED) << "shard " << k;
@@ -431,11 +434,14 @@ TEST_F(ShardJoinTest, PartsThatLeaveRowsUncoveredCommitNothingAndNameTheRowsAndS
   }
   ExpectHolds(1);
   // Overlapping parts are refused too.
-  PartPlan overlap{.mutate = [](Wire& w) {
-    for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
-      if (tp.spec().name() == kSliced) tp.mutable_spec()->mutable_part()->set_first_row(26);
-    }
-  }, .abort_after_frames = SIZE_MAX};
+  PartPlan overlap{.mutate =
+                       [](Wire& w) {
+                         for (v1::TensorPlan& tp : *w.header.mutable_tensors()) {
+                           if (tp.spec().name() == kSliced)
+                             tp.mutable_spec()->mutable_part()->set_first_row(26);
+                         }
+                       },
+                   .abort_after_frames = SIZE_MAX};
   acks = SendAll(2, {{2, overlap}});
   EXPECT_TRUE(absl::StrContains(acks[0].error(), "overlaps rows [13, 27)")) << acks[0].error();
   ExpectHolds(1);

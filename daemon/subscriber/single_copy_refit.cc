@@ -14,8 +14,8 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/subscriber/single_copy.h"
 #include "daemon/subscriber/staged_transfer.h"
-#include "daemon/sync/tensor_part.h"
 #include "daemon/subscriber/subscriber_core.h"
+#include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::subscriber {

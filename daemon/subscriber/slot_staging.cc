@@ -21,8 +21,8 @@ namespace refit::subscriber {
 absl::Status StagedTransfer::CatchUpTensor(size_t i) {
   const size_t li = layout_index[i];
   const absl::Time start = absl::Now();
-  absl::Status st = ApplyChain(target->memory(), *chain, li, dtypes[i], Out(i), &v2[i],
-                               &stats.catch_up_patches);
+  absl::Status st =
+      ApplyChain(target->memory(), *chain, li, dtypes[i], Out(i), &v2[i], &stats.catch_up_patches);
   stats.catch_up_micros += WholeMicros(absl::Now() - start);
   return st.ok() ? st : Annotate(st, "catch-up of the standby slot");
 }

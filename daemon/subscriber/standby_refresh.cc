@@ -51,8 +51,7 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
       digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
       continue;
     }
-    if (absl::Status st =
-            ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
+    if (absl::Status st = ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
         !st.ok()) {
       return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
     }

@@ -27,9 +27,9 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
 // The store's description of a spec's part (TensorSpec.part), or nullopt for a whole tensor.
 std::optional<store::PartDesc> PartOf(const v1::TensorSpec& spec) {
   if (!sync::IsPart(spec)) return std::nullopt;
-  return store::PartDesc{spec.part().first_row(), std::vector<uint64_t>(
-                                                      spec.part().whole_shape().begin(),
-                                                      spec.part().whole_shape().end())};
+  return store::PartDesc{
+      spec.part().first_row(),
+      std::vector<uint64_t>(spec.part().whole_shape().begin(), spec.part().whole_shape().end())};
 }
 
 std::optional<uint64_t> FirstRow(const v1::TensorSpec& spec) {
@@ -213,7 +213,8 @@ absl::Status SubscriberCore::LeaseOldBases(StagedTransfer& t) {
     const v1::TensorPlan& tp = t.header.tensors(i);
     if (tp.delivery() == v1::DELIVERY_KEYFRAME) continue;
     auto idx = old.FindUnit(tp.spec().name(), FirstRow(tp.spec()));
-    if (!idx.has_value() || old.tensor(old.unit(*idx).tensor).dtype != t.dtypes[static_cast<size_t>(i)] ||
+    if (!idx.has_value() ||
+        old.tensor(old.unit(*idx).tensor).dtype != t.dtypes[static_cast<size_t>(i)] ||
         !SameShape(old.unit(*idx).shape, tp.spec().shape())) {
       return absl::FailedPreconditionError(absl::StrCat(
           "header for version ", v, ", ",

@@ -40,9 +40,9 @@ absl::Status ValidatePart(const v1::TensorSpec& spec) {
     }
   }
   if (spec.shape(0) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " of no rows at row ", part.first_row(),
-        " (a publisher that holds no rows of a tensor publishes no part of it)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " of no rows at row ", part.first_row(),
+                     " (a publisher that holds no rows of a tensor publishes no part of it)"));
   }
   uint64_t end;
   if (__builtin_add_overflow(part.first_row(), spec.shape(0), &end) || end > part.whole_shape(0)) {
