@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/codec/hash.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/sync/sync_testing.h"
 #include "daemon/sync/version_digest.h"
@@ -104,6 +105,29 @@ TEST(TensorPart, SortingAndSameSpecSeeTheRows) {
   EXPECT_FALSE(SameSpec(Part("w", 0, 5, 10), Part("w", 5, 5, 10)));
   EXPECT_FALSE(SameSpec(Part("w", 0, 5, 10), Part("w", 0, 5, 12)));
   EXPECT_FALSE(SameSpec(Part("w", 0, 5, 5), Spec("w", v1::DTYPE_BF16, {5, 4})));
+}
+
+TEST(TensorPart, TheVersionDigestOfAPartMatchesTheNormativeByteLayout) {
+  // Rows [3, 8) of a [10, 4] BF16 tensor "w", digest 0x1122334455667788, then a whole tensor
+  // "x": the hand-written encoding of common.proto's definition.
+  std::vector<v1::TensorSpec> m = {Part("w", 3, 5, 10), Spec("x", v1::DTYPE_F32, {2})};
+  std::vector<uint64_t> d = {0x1122334455667788ull, 42};
+  std::vector<uint8_t> buf = {1, 0, 0, 0x80, 'w', 1, 2};  // name length with bit 31 set
+  auto u64 = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) buf.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  };
+  u64(5);  // the part's shape
+  u64(4);
+  u64(3);            // first_row
+  buf.push_back(2);  // whole rank, whole shape
+  u64(10);
+  u64(4);
+  u64(0x1122334455667788ull);
+  for (int b : {1, 0, 0, 0, int('x'), 3, 1}) buf.push_back(static_cast<uint8_t>(b));
+  u64(2);
+  u64(42);
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t got, VersionDigest(m, d));
+  EXPECT_EQ(got, Hash64(buf, 0x5265666974566572ull));
 }
 
 TEST(TensorPart, TheVersionDigestCoversThePartsPlace) {
