@@ -61,14 +61,6 @@ class TrainerApiPartsTest : public TrainerApiTest {
     options.parts = true;
     api_ = std::make_unique<TrainerApiService>(queue_.get(), options);
   }
-  void PublishAll(const std::vector<std::string>& clients, uint64_t version) {
-    for (size_t i = 0; i < clients.size(); ++i) {
-      absl::StatusOr<v1::LocalPublishResponse> r = Publish(clients[i], version);
-      ASSERT_THAT(r, IsOk()) << clients[i];
-      EXPECT_EQ(r->committed(), i + 1 == clients.size()) << clients[i];
-    }
-    ASSERT_THAT(queue_->WaitPublished(version, absl::Now() + absl::Seconds(30), nullptr), IsOk());
-  }
   std::optional<v1::TensorSpec> PublishedSpec(const std::string& name) {
     for (const BaselineTensor& t : core_->Baseline()) {
       if (t.spec.name() == name) return t.spec;

@@ -21,17 +21,7 @@ using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-class TrainerApiSlicesTest : public TrainerApiTest {
- protected:
-  void PublishAll(const std::vector<std::string>& clients, uint64_t version) {
-    for (size_t i = 0; i < clients.size(); ++i) {
-      absl::StatusOr<v1::LocalPublishResponse> r = Publish(clients[i], version);
-      ASSERT_THAT(r, IsOk()) << clients[i];
-      EXPECT_EQ(r->committed(), i + 1 == clients.size()) << clients[i];
-    }
-    ASSERT_THAT(queue_->WaitPublished(version, absl::Now() + absl::Seconds(30), nullptr), IsOk());
-  }
-};
+using TrainerApiSlicesTest = TrainerApiTest;
 
 TEST_F(TrainerApiSlicesTest, UnevenRowBlocksJoinIntoTheWholeTensor) {
   // FSDP2's Shard(0) of 10 rows over 3 ranks: 4, 4, 2; a fourth rank with no rows.

@@ -103,6 +103,17 @@ class TrainerApiTest : public ::testing::Test {
     if (version) r.set_version(*version);
     return api_->DoPublish(r);
   }
+  // Every client publishes `version` in turn (the last one completes the round), then waits
+  // until the version is published.
+  void PublishAll(const std::vector<std::string>& clients, uint64_t version) {
+    for (size_t i = 0; i < clients.size(); ++i) {
+      absl::StatusOr<v1::LocalPublishResponse> r = Publish(clients[i], version);
+      ASSERT_THAT(r, ::refit::testing::IsOk()) << clients[i];
+      EXPECT_EQ(r->committed(), i + 1 == clients.size()) << clients[i];
+    }
+    ASSERT_THAT(queue_->WaitPublished(version, absl::Now() + absl::Seconds(30), nullptr),
+                ::refit::testing::IsOk());
+  }
   std::vector<uint8_t> PublishedBytes(const std::string& name) {
     for (const BaselineTensor& t : core_->Baseline()) {
       if (t.spec.name() == name) return *t.bytes;

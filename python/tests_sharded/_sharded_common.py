@@ -250,6 +250,39 @@ def wait_until(pred, what: str, timeout: float = WAIT_S, every: float = 0.02):
         time.sleep(every)
 
 
+def run_fsdp(env, tmp_path, world: int, sockets, versions: int, lr: float):
+    """FSDP2 ranks (`_sharded_workers.fsdp_rank`) training and publishing `versions` versions,
+    rank r to publisher socket sockets[r]: checks every version on the subscriber (bit-exact,
+    deltas after the first) and that each publisher's round completed once per version (one
+    committing Publish per distinct socket). Returns the subscriber's last_refit per version."""
+    import _sharded_workers as workers
+    names = [n for n, _ in TinyLM().named_parameters()]
+    procs = Procs()
+    try:
+        ack = procs.queue()
+        for rank in range(world):
+            procs.start(rank, workers.fsdp_rank, world, str(tmp_path / "store"), sockets[rank],
+                        versions, lr, ack)
+        refits = []
+        for version in range(1, versions + 1):
+            _, v, full = procs.get("full")
+            assert v == version
+            assert sorted(full) == sorted(names)
+            published = [procs.get("published") for _ in range(world)]
+            assert sorted(p[1] for p in published) == list(range(world))
+            assert all(p[2] == version for p in published), published
+            assert sum(p[3] for p in published) == len(set(sockets)), \
+                f"version {version}: {published}"
+            refits.append(check_version(env, version, full, delta=version > 1))
+            ack.put(version)
+        for _ in range(world):
+            procs.get("done")
+        procs.join()
+    finally:
+        procs.close()
+    return refits
+
+
 def _unpack(data):
     from _sharded_workers import unpack
     return unpack(data)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import _sharded_workers as workers
-from _sharded_common import Procs, TinyLM, check_version, daemons
+from _sharded_common import TinyLM, daemons, run_fsdp
 
 VERSIONS = 5
 LR = 1e-3
@@ -18,29 +17,7 @@ LR = 1e-3
 def test_fsdp2_ranks_publish_their_shards(tmp_path_factory, tmp_path, world):
     names = [n for n, _ in TinyLM().named_parameters()]
     with daemons(tmp_path_factory) as env:
-        procs = Procs()
-        try:
-            ack = procs.queue()
-            for rank in range(world):
-                procs.start(rank, workers.fsdp_rank, world, str(tmp_path / "store"), env.pub_local,
-                            VERSIONS, LR, ack)
-            refits = []
-            for version in range(1, VERSIONS + 1):
-                _, v, full = procs.get("full")
-                assert v == version
-                assert sorted(full) == sorted(names)
-                # Exactly one rank's Publish completed the round, each rank published once.
-                published = [procs.get("published") for _ in range(world)]
-                assert sorted(p[1] for p in published) == list(range(world))
-                assert all(p[2] == version for p in published), published
-                assert sum(p[3] for p in published) == 1, f"version {version}: {published}"
-                refits.append(check_version(env, version, full, delta=version > 1))
-                ack.put(version)
-            for _ in range(world):
-                procs.get("done")
-            procs.join()
-        finally:
-            procs.close()
+        refits = run_fsdp(env, tmp_path, world, [env.pub_local] * world, VERSIONS, LR)
         # The publisher holds whole tensors (one per parameter), no blocks.
         st = env.pub_control.status()
         assert st.version == VERSIONS and st.tensors == len(names)

@@ -7,8 +7,7 @@ the whole tensors (`full_tensor()`, gathered by the test only), versions after t
 deltas."""
 from __future__ import annotations
 
-import _sharded_workers as workers
-from _sharded_common import Procs, TinyLM, check_version, node_daemons
+from _sharded_common import TinyLM, node_daemons, run_fsdp
 
 VERSIONS = 4
 LR = 1e-3
@@ -19,30 +18,10 @@ def test_fsdp2_ranks_on_two_nodes_publish_their_rows_to_their_nodes_publisher(
         tmp_path_factory, tmp_path):
     names = [n for n, _ in TinyLM().named_parameters()]
     with node_daemons(tmp_path_factory, NODES) as env:
-        procs = Procs()
-        try:
-            ack = procs.queue()
-            per_node = WORLD // NODES
-            for rank in range(WORLD):
-                procs.start(rank, workers.fsdp_rank, WORLD, str(tmp_path / "store"),
-                            env.pub_locals[rank // per_node], VERSIONS, LR, ack)
-            refits = []
-            for version in range(1, VERSIONS + 1):
-                _, v, full = procs.get("full")
-                assert v == version
-                assert sorted(full) == sorted(names)
-                # Each node's round completes on its own publisher: one committing Publish each.
-                published = [procs.get("published") for _ in range(WORLD)]
-                assert sorted(p[1] for p in published) == list(range(WORLD))
-                assert all(p[2] == version for p in published), published
-                assert sum(p[3] for p in published) == NODES, f"version {version}: {published}"
-                refits.append(check_version(env, version, full, delta=version > 1))
-                ack.put(version)
-            for _ in range(WORLD):
-                procs.get("done")
-            procs.join()
-        finally:
-            procs.close()
+        per_node = WORLD // NODES
+        sockets = [env.pub_locals[rank // per_node] for rank in range(WORLD)]
+        # Each node's round completes on its own publisher: one committing Publish each.
+        refits = run_fsdp(env, tmp_path, WORLD, sockets, VERSIONS, LR)
         # Every parameter is split over both nodes: each publisher holds rows of it, never all.
         for n, control in enumerate(env.pub_controls):
             st = control.status()
