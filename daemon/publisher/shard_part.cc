@@ -55,6 +55,7 @@ absl::Status CheckPartTiling(
     const std::vector<std::pair<std::string, const TensorBlock*>>& blocks) {
   if (blocks.empty()) return absl::OkStatus();
   std::vector<const TensorBlock*> all;
+  all.reserve(blocks.size());
   for (const auto& [client, b] : blocks) all.push_back(b);
   const RowRange rows = SpannedRows(all);
   std::vector<TensorBlock> within;

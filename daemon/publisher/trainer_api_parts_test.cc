@@ -84,7 +84,7 @@ class TrainerApiPartsTest : public TrainerApiTest {
 };
 
 void ExpectPart(const std::optional<v1::TensorSpec>& spec, uint64_t first_row,
-                std::vector<uint64_t> shape, std::vector<uint64_t> whole) {
+                const std::vector<uint64_t>& shape, const std::vector<uint64_t>& whole) {
   ASSERT_TRUE(spec.has_value());
   ASSERT_TRUE(sync::IsPart(*spec)) << spec->DebugString();
   EXPECT_EQ(spec->part().first_row(), first_row);

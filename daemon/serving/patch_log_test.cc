@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -32,9 +33,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::string TempDir(const std::string& name) {
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           absl::StrCat("patch_log_test-", name, "-", ::getpid()))
-                              .string();
+  std::string dir = (std::filesystem::temp_directory_path() /
+                     absl::StrCat("patch_log_test-", name, "-", ::getpid()))
+                        .string();
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
@@ -54,7 +55,7 @@ std::shared_ptr<const std::vector<uint8_t>> Bytes(std::vector<uint8_t> v) {
   return std::make_shared<const std::vector<uint8_t>>(std::move(v));
 }
 
-v1::TensorSpec Spec(const std::string& name, std::vector<uint64_t> shape) {
+v1::TensorSpec Spec(const std::string& name, const std::vector<uint64_t>& shape) {
   v1::TensorSpec s;
   s.set_name(name);
   s.set_dtype(v1::DTYPE_BF16);
@@ -407,8 +408,10 @@ TEST(PatchLogTest, ReplayGivesEveryVersionItsDigestV2) {
     r.version = version;
     r.base_version = version - 1;
     r.lineage = lineage;
-    r.tensors.push_back(
-        {.spec = base.spec, .kind = kind, .digest = TensorDigest(target), .bytes = bytes});
+    r.tensors.push_back({.spec = base.spec,
+                         .kind = kind,
+                         .digest = TensorDigest(target),
+                         .bytes = std::move(bytes)});
     r.version_digest = *sync::VersionDigest(manifest, std::vector<uint64_t>{TensorDigest(target)});
     return r;
   };

@@ -72,6 +72,7 @@ Input Make(const std::string& name, uint64_t rows, uint64_t cols, uint64_t first
 absl::StatusOr<PublishSummary> PublishInputs(PublisherCore& core, uint64_t version,
                                              const std::vector<Input>& inputs) {
   std::vector<TensorInput> in;
+  in.reserve(inputs.size());
   for (const Input& i : inputs) in.push_back(i.Get());
   return core.Publish(version, in);
 }
