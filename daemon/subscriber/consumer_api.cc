@@ -99,16 +99,24 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
   v1::Layout out;
   out.set_version(lease.lease.version);
   std::map<std::string, uint64_t> digests;
-  if (std::optional<VersionRecord> rec = core.records().Find(lease.lease.version);
-      rec.has_value()) {
+  const std::optional<VersionRecord> rec = core.records().Find(lease.lease.version);
+  if (rec.has_value()) {
     out.set_version_digest(rec->version_digest);
     for (const v1::TensorDigest& d : rec->tensors) digests[d.name()] = d.digest();
-    // A tensor joined from parts: its whole-tensor digest, not a part's.
-    for (const v1::TensorDigest& d : rec->joined) digests[d.name()] = d.digest();
+  }
+  const store::Layout& layout = lease.store->layout();
+  if (layout.units().size() != layout.size()) {
+    // A tensor joined from parts: its whole-tensor digest (VersionRecord::joined), never a
+    // part's; none when it is not known.
+    for (const store::UnitInfo& u : layout.units()) {
+      if (u.first_row.has_value()) digests.erase(layout.tensor(u.tensor).name);
+    }
+    if (rec.has_value()) {
+      for (const v1::TensorDigest& d : rec->joined) digests[d.name()] = d.digest();
+    }
   }
   // Where the leased slot is, once per lease; each tensor adds its offset in the slot.
   const store::SlotRegion region = lease.store->Region(lease.lease.slot);
-  const store::Layout& layout = lease.store->layout();
   for (size_t i = 0; i < layout.size(); ++i) {
     const store::TensorInfo& ti = layout.tensor(i);
     v1::TensorLocation* loc = out.add_tensors();

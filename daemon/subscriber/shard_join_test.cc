@@ -13,6 +13,7 @@
 #include "daemon/codec/change_set.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/subscriber/change_log.h"
+#include "daemon/subscriber/consumer_api.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/subscriber/subscriber_testing.h"
 #include "daemon/sync/digest_format.h"
@@ -342,6 +343,14 @@ TEST_F(ShardJoinTest, PartsOfOneTensorFromEveryShardJoinIntoTheWholeTensor) {
   const size_t t = *layout.Find(kSliced);
   EXPECT_EQ(layout.tensor(t).shape, (std::vector<uint64_t>{40, 24}));
   EXPECT_EQ(layout.units().size(), layout.size() + 1);  // two parts of m.sliced
+  // The consumers' layout: whole tensors, each with its whole-tensor digest.
+  const v1::Layout consumer = LeaseLayout(*core_, *lease);
+  ASSERT_EQ(consumer.tensors_size(), static_cast<int>(layout.size()));
+  for (const v1::TensorLocation& loc : consumer.tensors()) {
+    EXPECT_EQ(loc.digest(),
+              sync::TensorDigestOf(kFormat, current_versions_.at(4).at(loc.spec().name()).bytes))
+        << loc.spec().name();
+  }
   ASSERT_THAT(core_->generations().ReleaseLease(lease->lease.lease_id), IsOk());
   // Its whole-tensor digest, for consumers, read once joined.
   const VersionRecord rec = core_->records().applied();

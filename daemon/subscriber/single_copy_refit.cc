@@ -271,15 +271,8 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
     out[i] = t.target->layout().UnitOf(update->out, t.layout_index[i]);
   }
   bool restored = true;
-  absl::Status wrote = WriteSingleCopy(t.target->memory(), out, *staged,
-                                       options_.in_place_write_hook, &restored);
-  if (wrote.ok()) {
-    // Tensors joined from parts: their whole-tensor digests, read from the slot as written.
-    absl::StatusOr<std::vector<v1::TensorDigest>> joined =
-        JoinedDigests(t.target->layout(), t.target->memory(), t.format, update->out);
-    if (joined.ok()) verified.joined = std::move(*joined);
-    wrote = joined.status();
-  }
+  absl::Status wrote =
+      WriteSingleCopy(t.target->memory(), out, *staged, options_.in_place_write_hook, &restored);
   if (wrote.ok()) wrote = t.target->CommitUpdate(*update);
   if (!wrote.ok()) {
     (void)t.target->AbortUpdate(*update, restored);
@@ -297,6 +290,14 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
                   {}, t.wire_bytes);
   }
   const absl::Time committed = absl::Now();
+  // Tensors joined from parts: their whole-tensor digests for consumers, read from the slot as
+  // written, after the pause (nothing writes the slot while the core's mutex is held). Each part
+  // was verified before the write; a failed read leaves those tensors without a layout digest.
+  if (absl::StatusOr<std::vector<v1::TensorDigest>> joined =
+          JoinedDigests(t.target->layout(), t.target->memory(), t.format, update->out);
+      joined.ok()) {
+    verified.joined = std::move(*joined);
+  }
   slot_digests_[update->slot] = {v, t.ByLayout(verified)};
   retained_.Clear();  // no second slot to bring forward
   if (options_.change_set_bytes > 0) {
