@@ -275,7 +275,15 @@ absl::StatusOr<v1::ConfigFile> ParseConfigFile(const std::string& text, SourceMa
         absl::StrCat(map->source_name(), ": expected a 'publisher:' or 'subscriber:' section"));
   }
   if (file.has_publisher()) REFIT_RETURN_IF_ERROR(ApplyDefaults(file.mutable_publisher()));
-  if (file.has_subscriber()) REFIT_RETURN_IF_ERROR(ApplyDefaults(file.mutable_subscriber()));
+  if (file.has_subscriber()) {
+    REFIT_RETURN_IF_ERROR(ApplyDefaults(file.mutable_subscriber()));
+    // With store.slots 1 the scrub is off unless given (it repairs into a second slot): the
+    // loaded config says so, so that the config written out (ConfigToYaml) loads back the same.
+    v1::StoreConfig* store = file.mutable_subscriber()->mutable_store();
+    if (store->slots() == 1 && !Checker(map).Given("subscriber.store.scrub_bytes_per_second")) {
+      store->set_scrub_bytes_per_second(0);
+    }
+  }
   return file;
 }
 

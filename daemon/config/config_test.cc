@@ -182,6 +182,19 @@ TEST(ConfigTest, FullConfigsLoadAndRoundTrip) {
   EXPECT_TRUE(MessageDifferencer::Equals(s, s2));
 }
 
+TEST(ConfigTest, ASingleCopyStoreRoundTripsWithItsScrubOff) {
+  // store.slots 1 turns the scrub off unless given: the loaded config says 0, so that the config
+  // written out loads back (an explicit non-zero rate with one slot is refused).
+  REFIT_ASSERT_OK_AND_ASSIGN(auto s, LoadSubscriberConfigFromString(Sub("  store: {slots: 1}\n")));
+  EXPECT_EQ(s.store().scrub_bytes_per_second(), 0u);
+  auto s2 = LoadSubscriberConfigFromString(ConfigToYaml(s));
+  ASSERT_THAT(s2, IsOk()) << ConfigToYaml(s);
+  EXPECT_TRUE(MessageDifferencer::Equals(s, *s2));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto two,
+                             LoadSubscriberConfigFromString(Sub("  store: {slots: 2}\n")));
+  EXPECT_EQ(two.store().scrub_bytes_per_second(), 268435456u);
+}
+
 TEST(ConfigTest, OneFileForBothRoles) {
   const std::string both = std::string(kFullPublisher) + kFullSubscriber;
   EXPECT_THAT(LoadPublisherConfigFromString(both), IsOk());
