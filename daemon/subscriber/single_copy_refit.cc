@@ -192,16 +192,15 @@ namespace {
 // the whole tensor's digest from `joined`.
 void AddPartChanges(VersionChanges& vc, const v1::TensorSpec& spec, TensorChanges changes,
                     const std::vector<v1::TensorDigest>& joined) {
-  uint64_t row_elements = 1;
-  for (int d = 1; d < spec.shape_size(); ++d) row_elements *= spec.shape(d);
-  const uint64_t first = spec.part().first_row() * row_elements;
+  // The spec was validated with its header: its part's offset and whole size are exact.
+  const uint64_t first = sync::PartByteOffset(spec) / DTypeSize(changes.dtype);
   for (uint64_t& p : changes.positions) p += first;
   if (vc.tensors.empty() || vc.tensors.back().name != spec.name()) {
     TensorChangeEntry& e = vc.tensors.emplace_back();
     e.name = spec.name();
     e.shape.assign(spec.part().whole_shape().begin(), spec.part().whole_shape().end());
     e.changes.dtype = changes.dtype;
-    e.changes.num_elements = row_elements * spec.part().whole_shape(0);
+    e.changes.num_elements = *sync::ElementCount(sync::WholeSpec(spec));
     for (const v1::TensorDigest& d : joined) {
       if (d.name() == spec.name()) e.digest = d.digest();
     }
