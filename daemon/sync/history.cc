@@ -38,10 +38,7 @@ const PatchHistory::TensorEntry* PatchHistory::Record::Find(const v1::TensorSpec
   auto it = std::lower_bound(
       tensors.begin(), tensors.end(), spec,
       [](const TensorEntry& e, const v1::TensorSpec& s) { return SpecBefore(e.spec, s); });
-  return it != tensors.end() && it->spec.name() == spec.name() &&
-                 it->spec.part().first_row() == spec.part().first_row()
-             ? &*it
-             : nullptr;
+  return it != tensors.end() && SamePlace(it->spec, spec) ? &*it : nullptr;
 }
 
 PatchHistory::PatchHistory(uint64_t budget_bytes, uint32_t max_versions)

@@ -11,14 +11,39 @@
 namespace refit::sync {
 namespace {
 
-uint64_t Rows(const v1::TensorSpec& spec) { return spec.shape_size() > 0 ? spec.shape(0) : 0; }
+// The part's length along its dim (0 for an invalid spec).
+uint64_t Rows(const v1::TensorSpec& spec) {
+  const uint32_t dim = spec.part().dim();
+  return dim < static_cast<uint32_t>(spec.shape_size()) ? spec.shape(static_cast<int>(dim)) : 0;
+}
+
+uint64_t WholeRows(const v1::TensorSpec& spec) {
+  const uint32_t dim = spec.part().dim();
+  return dim < static_cast<uint32_t>(spec.part().whole_shape_size())
+             ? spec.part().whole_shape(static_cast<int>(dim))
+             : 0;
+}
 
 std::string RowRange(const v1::TensorSpec& spec) {
-  return absl::StrCat("rows [", spec.part().first_row(), ", ", spec.part().first_row() + Rows(spec),
-                      ")");
+  return absl::StrCat(DimWord(spec.part().dim()), " [", spec.part().first_row(), ", ",
+                      spec.part().first_row() + Rows(spec), ")");
 }
 
 }  // namespace
+
+std::string DimWord(uint32_t dim) {
+  if (dim == 0) return "rows";
+  if (dim == 1) return "columns";
+  return absl::StrCat("dim ", dim, " indices");
+}
+
+IndexRange RankRange(uint64_t size, uint32_t rank, uint32_t ranks) {
+  if (ranks == 0 || rank >= ranks) return {0, 0};
+  const auto at = [&](uint64_t r) {
+    return static_cast<uint64_t>(static_cast<unsigned __int128>(size) * r / ranks);
+  };
+  return {at(rank), at(uint64_t{rank} + 1)};
+}
 
 absl::Status ValidatePart(const v1::TensorSpec& spec) {
   const v1::TensorPart& part = spec.part();
@@ -31,24 +56,31 @@ absl::Status ValidatePart(const v1::TensorSpec& spec) {
                                                    " in a whole tensor of rank ",
                                                    part.whole_shape_size()));
   }
-  for (int d = 1; d < spec.shape_size(); ++d) {
-    if (spec.shape(d) != part.whole_shape(d)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " of shape [", absl::StrJoin(spec.shape(), ", "),
-                       "] in a whole tensor of shape [", absl::StrJoin(part.whole_shape(), ", "),
-                       "]: dim ", d, " differs (a part is whole rows along dim 0)"));
+  const uint32_t dim = part.dim();
+  if (dim >= static_cast<uint32_t>(spec.shape_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " along dim ", dim, " of a tensor of rank ", spec.shape_size()));
+  }
+  for (int d = 0; d < spec.shape_size(); ++d) {
+    if (static_cast<uint32_t>(d) != dim && spec.shape(d) != part.whole_shape(d)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " of shape [", absl::StrJoin(spec.shape(), ", "), "] in a whole tensor of shape [",
+          absl::StrJoin(part.whole_shape(), ", "), "]: dim ", d, " differs (a part along dim ",
+          dim, " holds every index of the other dims)"));
     }
   }
-  if (spec.shape(0) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " of no rows at row ", part.first_row(),
-                     " (a publisher that holds no rows of a tensor publishes no part of it)"));
+  const std::string rows = DimWord(dim);
+  if (Rows(spec) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " of no ", rows, " at ", part.first_row(),
+        " (a publisher that holds none of a tensor publishes no part of it)"));
   }
   uint64_t end;
-  if (__builtin_add_overflow(part.first_row(), spec.shape(0), &end) || end > part.whole_shape(0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " rows [", part.first_row(), ", ", part.first_row() + spec.shape(0),
-                     ") beyond the whole tensor's ", part.whole_shape(0), " rows"));
+  if (__builtin_add_overflow(part.first_row(), Rows(spec), &end) || end > WholeRows(spec)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", rows, " [", part.first_row(), ", ",
+                                                   part.first_row() + Rows(spec),
+                                                   ") beyond the whole tensor's ", WholeRows(spec),
+                                                   " ", rows));
   }
   auto whole = TensorByteSize(WholeSpec(spec));
   if (!whole.ok()) {
@@ -68,7 +100,7 @@ v1::TensorSpec WholeSpec(const v1::TensorSpec& spec) {
 }
 
 uint64_t PartByteOffset(const v1::TensorSpec& spec) {
-  if (!IsPart(spec)) return 0;
+  if (!IsRowPart(spec)) return 0;
   v1::TensorSpec row = spec;
   row.clear_part();
   row.set_shape(0, 1);
@@ -78,7 +110,13 @@ uint64_t PartByteOffset(const v1::TensorSpec& spec) {
 
 bool SpecBefore(const v1::TensorSpec& a, const v1::TensorSpec& b) {
   if (a.name() != b.name()) return a.name() < b.name();
+  if (a.part().dim() != b.part().dim()) return a.part().dim() < b.part().dim();
   return a.part().first_row() < b.part().first_row();
+}
+
+bool SamePlace(const v1::TensorSpec& a, const v1::TensorSpec& b) {
+  return a.name() == b.name() && IsPart(a) == IsPart(b) && a.part().dim() == b.part().dim() &&
+         a.part().first_row() == b.part().first_row();
 }
 
 absl::Status CheckNextPart(const v1::TensorSpec& a, const v1::TensorSpec& b) {
@@ -87,6 +125,10 @@ absl::Status CheckNextPart(const v1::TensorSpec& a, const v1::TensorSpec& b) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is a duplicate name",
                      IsPart(a) || IsPart(b) ? " (a whole tensor and a part of it)" : ""));
+  }
+  if (a.part().dim() != b.part().dim()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": parts along different dims (",
+                                                   RowRange(a), ", ", RowRange(b), ")"));
   }
   if (a.dtype() != b.dtype() ||
       !std::equal(a.part().whole_shape().begin(), a.part().whole_shape().end(),
@@ -99,7 +141,7 @@ absl::Status CheckNextPart(const v1::TensorSpec& a, const v1::TensorSpec& b) {
   if (b.part().first_row() < a.part().first_row() + Rows(a)) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": part ", RowRange(b),
                                                    b.part().first_row() < a.part().first_row()
-                                                       ? " is not in ascending row order after "
+                                                       ? " is not in ascending order after "
                                                        : " overlaps ",
                                                    RowRange(a)));
   }
@@ -121,12 +163,12 @@ absl::Status CheckPartsTile(std::span<const v1::TensorSpec> manifest) {
       if (row > at) gaps.push_back(absl::StrCat("[", at, ", ", row, ")"));
       at = std::max(at, row + Rows(manifest[i]));
     }
-    const uint64_t rows = first.part().whole_shape(0);
+    const uint64_t rows = WholeRows(first);
     if (at < rows) gaps.push_back(absl::StrCat("[", at, ", ", rows, ")"));
     if (!gaps.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("tensor ", Quoted(first.name()), ": its parts do not cover rows ",
-                       absl::StrJoin(gaps, ", "), " of its ", rows));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor ", Quoted(first.name()), ": its parts do not cover ", DimWord(first.part().dim()),
+          " ", absl::StrJoin(gaps, ", "), " of its ", rows));
     }
   }
   return absl::OkStatus();
@@ -134,7 +176,7 @@ absl::Status CheckPartsTile(std::span<const v1::TensorSpec> manifest) {
 
 std::string DescribeSpec(const v1::TensorSpec& spec) {
   if (!IsPart(spec)) return Quoted(spec.name());
-  return absl::StrCat(Quoted(spec.name()), " ", RowRange(spec), " of ", spec.part().whole_shape(0));
+  return absl::StrCat(Quoted(spec.name()), " ", RowRange(spec), " of ", WholeRows(spec));
 }
 
 }  // namespace refit::sync

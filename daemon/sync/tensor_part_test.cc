@@ -39,7 +39,7 @@ TEST(TensorPart, ValidPartsAndTheirPlace) {
   EXPECT_EQ(DescribeSpec(p), R"("w" rows [3, 8) of 10)");
   // A publisher without rows of a tensor publishes no part of it: an empty part is refused.
   EXPECT_THAT(ValidateTensorSpec(Part("w", 10, 0, 10)),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("of no rows at row 10")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("of no rows at 10")));
 }
 
 TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
@@ -62,6 +62,69 @@ TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("whole tensor")));
 }
 
+// Columns [first, first + cols) of a BF16 tensor `name` of shape [rows, whole_cols].
+v1::TensorSpec Cols(const std::string& name, uint64_t first, uint64_t cols, uint64_t whole_cols,
+                    uint64_t rows = 3) {
+  v1::TensorSpec s = Spec(name, v1::DTYPE_BF16, {rows, cols});
+  s.mutable_part()->set_first_row(first);
+  s.mutable_part()->set_dim(1);
+  s.mutable_part()->add_whole_shape(rows);
+  s.mutable_part()->add_whole_shape(whole_cols);
+  return s;
+}
+
+TEST(TensorPart, PartsAlongDimOneAreColumns) {
+  const v1::TensorSpec p = Cols("o", 4, 4, 8);
+  EXPECT_THAT(ValidateTensorSpec(p), IsOk());
+  EXPECT_TRUE(IsPart(p));
+  EXPECT_FALSE(IsRowPart(p));
+  EXPECT_TRUE(IsRowPart(Part("w", 3, 5, 10)));
+  EXPECT_EQ(DescribeSpec(p), R"("o" columns [4, 8) of 8)");
+  EXPECT_EQ(std::vector<uint64_t>(WholeSpec(p).shape().begin(), WholeSpec(p).shape().end()),
+            (std::vector<uint64_t>{3, 8}));
+  EXPECT_THAT(ValidateTensorSpec(Cols("o", 6, 4, 8)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("columns [6, 10) beyond")));
+  v1::TensorSpec rows = Cols("o", 0, 4, 8);
+  rows.mutable_part()->set_whole_shape(0, 5);
+  EXPECT_THAT(ValidateTensorSpec(rows),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dim 0 differs")));
+  v1::TensorSpec deep = Cols("o", 0, 4, 8);
+  deep.mutable_part()->set_dim(2);
+  EXPECT_THAT(ValidateTensorSpec(deep), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 HasSubstr("along dim 2 of a tensor of rank 2")));
+  std::vector<v1::TensorSpec> m = {Cols("o", 0, 4, 8), Cols("o", 4, 4, 8)};
+  EXPECT_THAT(ValidateManifest(m), IsOk());
+  EXPECT_THAT(CheckPartsTile(m), IsOk());
+  std::vector<v1::TensorSpec> gap = {Cols("o", 0, 3, 8), Cols("o", 4, 4, 8)};
+  EXPECT_THAT(CheckPartsTile(gap), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                            HasSubstr("do not cover columns [3, 4) of its 8")));
+  // A row part and a column part of one tensor never join.
+  std::vector<v1::TensorSpec> mixed = {Part("o", 0, 3, 3, 8), Cols("o", 4, 4, 8)};
+  EXPECT_THAT(ValidateManifest(mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("along different dims")));
+  EXPECT_FALSE(SameSpec(Part("o", 0, 3, 3, 4), Cols("o", 0, 4, 4)));
+  EXPECT_FALSE(SamePlace(Part("o", 0, 3, 3, 4), Cols("o", 0, 4, 4)));
+  EXPECT_TRUE(SamePlace(Cols("o", 4, 4, 8), Cols("o", 4, 2, 6)));
+}
+
+TEST(TensorPart, RankRangesSplitLikeTensorParallelEngines) {
+  EXPECT_EQ(RankRange(8, 0, 2), (IndexRange{0, 4}));
+  EXPECT_EQ(RankRange(8, 1, 2), (IndexRange{4, 8}));
+  // Uneven: every index once, sizes differing by at most one.
+  uint64_t at = 0;
+  for (uint32_t r = 0; r < 3; ++r) {
+    const IndexRange range = RankRange(10, r, 3);
+    EXPECT_EQ(range.begin, at);
+    EXPECT_GE(range.size(), 3u);
+    EXPECT_LE(range.size(), 4u);
+    at = range.end;
+  }
+  EXPECT_EQ(at, 10u);
+  EXPECT_EQ(RankRange(1ull << 62, 3, 4), (IndexRange{3ull << 60, 1ull << 62}));
+  EXPECT_EQ(RankRange(8, 2, 2).size(), 0u);
+  EXPECT_EQ(RankRange(8, 0, 0).size(), 0u);
+}
+
 TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
   std::vector<v1::TensorSpec> m = {Spec("a", v1::DTYPE_F32, {2}), Part("w", 0, 4, 10),
                                    Part("w", 4, 6, 10), Spec("z", v1::DTYPE_F32, {1})};
@@ -74,7 +137,7 @@ TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
                        HasSubstr("part rows [4, 10) overlaps rows [0, 5)")));
   std::vector<v1::TensorSpec> order = {Part("w", 4, 6, 10), Part("w", 0, 4, 10)};
   EXPECT_THAT(ValidateManifest(order), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                HasSubstr("not in ascending row order")));
+                                                HasSubstr("not in ascending order")));
   std::vector<v1::TensorSpec> mixed = {Spec("w", v1::DTYPE_BF16, {10, 4}), Part("w", 0, 4, 10)};
   EXPECT_THAT(ValidateManifest(mixed), StatusIs(absl::StatusCode::kInvalidArgument,
                                                 HasSubstr("a whole tensor and a part of it")));
@@ -126,6 +189,26 @@ TEST(TensorPart, TheVersionDigestOfAPartMatchesTheNormativeByteLayout) {
   for (int b : {1, 0, 0, 0, int('x'), 3, 1}) buf.push_back(static_cast<uint8_t>(b));
   u64(2);
   u64(42);
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t got, VersionDigest(m, d));
+  EXPECT_EQ(got, Hash64(buf, 0x5265666974566572ull));
+}
+
+TEST(TensorPart, TheVersionDigestOfAColumnPartMatchesTheNormativeByteLayout) {
+  // Columns [4, 8) of a [3, 8] BF16 tensor "o": bit 30 set too, and the dim after first_row.
+  std::vector<v1::TensorSpec> m = {Cols("o", 4, 4, 8)};
+  std::vector<uint64_t> d = {0x0102030405060708ull};
+  std::vector<uint8_t> buf = {1, 0, 0, 0xC0, 'o', 1, 2};
+  auto u64 = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) buf.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  };
+  u64(3);  // the part's shape
+  u64(4);
+  u64(4);            // first index along dim 1
+  buf.push_back(1);  // dim
+  buf.push_back(2);  // whole rank, whole shape
+  u64(3);
+  u64(8);
+  u64(0x0102030405060708ull);
   REFIT_ASSERT_OK_AND_ASSIGN(uint64_t got, VersionDigest(m, d));
   EXPECT_EQ(got, Hash64(buf, 0x5265666974566572ull));
 }

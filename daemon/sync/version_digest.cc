@@ -176,7 +176,7 @@ void SortManifest(std::vector<v1::TensorSpec>& manifest, std::vector<uint64_t>* 
 bool SameSpec(const v1::TensorSpec& a, const v1::TensorSpec& b) {
   return a.name() == b.name() && a.dtype() == b.dtype() &&
          std::equal(a.shape().begin(), a.shape().end(), b.shape().begin(), b.shape().end()) &&
-         IsPart(a) == IsPart(b) && a.part().first_row() == b.part().first_row() &&
+         SamePlace(a, b) &&
          std::equal(a.part().whole_shape().begin(), a.part().whole_shape().end(),
                     b.part().whole_shape().begin(), b.part().whole_shape().end());
 }
@@ -194,9 +194,12 @@ absl::StatusOr<uint64_t> VersionDigest(std::span<const v1::TensorSpec> manifest,
   for (size_t i = 0; i < manifest.size(); ++i) {
     const v1::TensorSpec& t = manifest[i];
     // A part sets bit 31 of the name length (names are at most 4096 bytes) and follows its
-    // dimensions with its place in the whole tensor.
-    const uint32_t n =
-        static_cast<uint32_t>(t.name().size()) | (IsPart(t) ? uint32_t{1} << 31 : uint32_t{0});
+    // dimensions with its place in the whole tensor; a part along a dim other than 0 also sets
+    // bit 30 and puts that dim (one byte) after its first index.
+    const bool other_dim = IsPart(t) && t.part().dim() != 0;
+    const uint32_t n = static_cast<uint32_t>(t.name().size()) |
+                       (IsPart(t) ? uint32_t{1} << 31 : uint32_t{0}) |
+                       (other_dim ? uint32_t{1} << 30 : uint32_t{0});
     for (int k = 0; k < 4; ++k) buf.push_back(static_cast<char>((n >> (8 * k)) & 0xFF));
     buf.append(t.name());
     buf.push_back(static_cast<char>(static_cast<uint8_t>(t.dtype())));
@@ -204,6 +207,7 @@ absl::StatusOr<uint64_t> VersionDigest(std::span<const v1::TensorSpec> manifest,
     for (uint64_t d : t.shape()) PutU64(buf, d);
     if (IsPart(t)) {
       PutU64(buf, t.part().first_row());
+      if (other_dim) buf.push_back(static_cast<char>(static_cast<uint8_t>(t.part().dim())));
       buf.push_back(static_cast<char>(static_cast<uint8_t>(t.part().whole_shape_size())));
       for (uint64_t d : t.part().whole_shape()) PutU64(buf, d);
     }
