@@ -542,6 +542,34 @@ absl::Status CheckSingleCopy(const Checker& c, const v1::SubscriberConfig& s) {
   return absl::OkStatus();
 }
 
+// upstream.slice, a tensor-parallel rank (docs/ARCHITECTURE.md "Tensor-parallel slices").
+absl::Status CheckSlice(const Checker& c, const v1::SubscriberConfig& s) {
+  const v1::SliceConfig& slice = s.upstream().slice();
+  if (slice.ranks() == 0) {
+    if (slice.rank() > 0) {
+      return c.Fail("subscriber.upstream.slice.rank",
+                    absl::StrCat(slice.rank(), " is given without slice.ranks"));
+    }
+    return absl::OkStatus();
+  }
+  if (slice.rank() >= slice.ranks()) {
+    return c.Fail("subscriber.upstream.slice.rank",
+                  absl::StrCat(slice.rank(), " is not below slice.ranks (", slice.ranks(), ")"));
+  }
+  if (s.upstream().shards_size() > 0) {
+    return c.Fail("subscriber.upstream.slice",
+                  "is not supported with upstream.shards yet (a shard publisher's parts are its "
+                  "rows, not tensor-parallel shares)");
+  }
+  if (s.serve_peers()) {
+    return c.Fail("subscriber.upstream.slice",
+                  "cannot be combined with serve_peers: a relay republishes whole tensors, and a "
+                  "tensor-parallel subscriber holds one share of each; relay from a subscriber "
+                  "without a slice");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const SourceMap* map) {
   const Checker c(map);
   REFIT_RETURN_IF_ERROR(CheckName(c, "subscriber.name", s.name()));
@@ -611,6 +639,7 @@ absl::Status ValidateSubscriberConfig(const v1::SubscriberConfig& s, const Sourc
         CheckGpuUuidNotWithOrdinal(c, "subscriber.store", store.has_cuda_device()));
   }
   REFIT_RETURN_IF_ERROR(CheckSingleCopy(c, s));
+  REFIT_RETURN_IF_ERROR(CheckSlice(c, s));
   if (s.leases().default_ttl_ms() > s.leases().max_ttl_ms()) {
     return c.Fail("subscriber.leases.default_ttl_ms",
                   absl::StrCat(s.leases().default_ttl_ms(), " exceeds leases.max_ttl_ms (",

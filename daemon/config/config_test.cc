@@ -552,6 +552,29 @@ TEST(ConfigTest, ShardRules) {
                   "addresses");
 }
 
+TEST(ConfigTest, SliceRules) {
+  const std::string head =
+      "subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+      "    addresses: [\"127.0.0.1:7400\"]\n";
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto ok, LoadSubscriberConfigFromString(head + "    slice: {rank: 1, ranks: 2}\n", "s.yaml"));
+  EXPECT_EQ(ok.upstream().slice().rank(), 1u);
+  EXPECT_EQ(ok.upstream().slice().ranks(), 2u);
+  EXPECT_CONTAINS(SubscriberError(head + "    slice: {rank: 2, ranks: 2}\n"),
+                  "subscriber.upstream.slice.rank: 2 is not below slice.ranks (2)");
+  EXPECT_CONTAINS(SubscriberError(head + "    slice: {rank: 1}\n"),
+                  "subscriber.upstream.slice.rank: 1 is given without slice.ranks");
+  EXPECT_CONTAINS(SubscriberError(head + "    slice: {ranks: 1025}\n"),
+                  "subscriber.upstream.slice.ranks: 1025 is out of range");
+  EXPECT_CONTAINS(SubscriberError(head + "    slice: {ranks: 2}\n  serve_peers: true\n"),
+                  "subscriber.upstream.slice: cannot be combined with serve_peers");
+  EXPECT_CONTAINS(
+      SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                      "    shards:\n    - addresses: [\"127.0.0.1:7400\"]\n"
+                      "    shard_set: policy\n    slice: {ranks: 2}\n"),
+      "subscriber.upstream.slice: is not supported with upstream.shards");
+}
+
 // ---- files -----------------------------------------------------------------------------------
 
 TEST(ConfigTest, LoadsFromFiles) {

@@ -166,6 +166,13 @@ absl::StatusOr<sync::TensorSelection> HelloSelection(const PublisherCore& core,
                                                            hello.tensors_selected().end()),
                                   "Hello.tensors_selected"));
   if (hello.tensors_selected_partial() && !selection.all()) selection = selection.AsPart();
+  if (hello.slice_ranks() > 0) {
+    REFIT_ASSIGN_OR_RETURN(selection,
+                           selection.WithSlice(hello.slice_rank(), hello.slice_ranks(), "Hello"));
+  } else if (hello.slice_rank() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Hello.slice_rank is ", hello.slice_rank(),
+                                                   " without slice_ranks"));
+  }
   const std::vector<BaselineTensor> newest = core.Baseline();
   if (selection.all() || newest.empty()) return selection;
   std::vector<v1::TensorSpec> manifest;
@@ -247,7 +254,8 @@ grpc::Status DataPlaneService::RunSession(grpc::ServerContext* context, SyncStre
       w->set_digest_format(sync::DigestFormatToWire(session->digest_format));
     }
     w->set_streamed_transfers(session->streamed);
-    w->set_selection(!session->selection.all());
+    w->set_selection(!session->selection.patterns().empty());
+    w->set_slice(session->selection.slice_ranks() > 0);
     if (options_.shard.count() > 0) *w->mutable_shard() = options_.shard;
     if (!stream->Write(m)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "subscriber left before Welcome");

@@ -60,15 +60,20 @@ absl::StatusOr<uint64_t> DescBytes(const std::string& name, DType dtype,
   return elements * esize;
 }
 
-// The entries [first, last) of one name: a whole tensor, or parts tiling it by rows. Returns the
-// whole tensor's shape and appends the units (tensor index `tensor`).
+// The entries [first, last) of one name: a whole tensor, a part held alone (its own tensor:
+// `slice` is set), or parts tiling it by rows. Returns the tensor's shape and appends the units
+// (tensor index `tensor`).
 absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group, size_t tensor,
-                                                std::vector<UnitInfo>& units) {
+                                                std::vector<UnitInfo>& units,
+                                                std::optional<PartDesc>& slice) {
   const TensorDesc& head = group.front().desc;
   const std::optional<PartDesc>& head_part = group.front().part;
-  if (group.size() == 1 && !head_part.has_value()) {
+  const bool alone = head_part.has_value() && head_part->alone;
+  if (group.size() == 1 && (!head_part.has_value() || alone)) {
     REFIT_ASSIGN_OR_RETURN(uint64_t bytes, DescBytes(head.name, head.dtype, head.shape));
-    units.push_back({tensor, 0, bytes, head.shape, std::nullopt});
+    units.push_back({tensor, 0, bytes, head.shape,
+                     alone ? std::optional<uint64_t>(head_part->first_row) : std::nullopt});
+    if (alone) slice = head_part;
     return head.shape;
   }
   const std::string what = absl::StrCat("layout: tensor ", Quoted(head.name));
@@ -78,6 +83,17 @@ absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group,
     if (!u.part.has_value() || !head_part.has_value()) {
       return absl::InvalidArgumentError(
           absl::StrCat("layout: duplicate tensor name ", Quoted(d.name)));
+    }
+    if (u.part->alone) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", group.size(), " parts, but a part held alone (a tensor-parallel share) is "
+          "the only entry of its tensor"));
+    }
+    if (u.part->dim != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": parts along dim ", u.part->dim,
+          " do not join into the whole tensor here (only row parts do); a tensor-parallel "
+          "subscriber (upstream.slice) holds one of them"));
     }
     const std::vector<uint64_t>& whole = head_part->whole_shape;
     if (d.dtype != head.dtype || u.part->whole_shape != whole || d.shape.empty() ||
@@ -139,10 +155,10 @@ absl::StatusOr<Layout> Layout::BuildUnits(std::vector<UnitDesc> tensors, uint64_
     if (t.name.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("layout: tensor ", i, " has an empty name"));
     }
+    TensorInfo info;
     REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> shape,
                            JoinUnits(std::span<const UnitDesc>(tensors).subspan(i, end - i),
-                                     layout.tensors_.size(), layout.units_));
-    TensorInfo info;
+                                     layout.tensors_.size(), layout.units_, info.slice));
     REFIT_ASSIGN_OR_RETURN(info.size_bytes, DescBytes(t.name, t.dtype, shape));
     info.offset = offset;
     if (info.size_bytes > kMaxLayoutBytes - offset) {
@@ -183,7 +199,9 @@ bool Layout::SameManifest(const Layout& other) const {
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const TensorInfo& a = tensors_[i];
     const TensorInfo& b = other.tensors_[i];
-    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) return false;
+    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape || a.slice != b.slice) {
+      return false;
+    }
   }
   if (units_.size() != other.units_.size()) return false;
   for (size_t u = 0; u < units_.size(); ++u) {

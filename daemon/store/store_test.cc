@@ -173,6 +173,48 @@ TEST(LayoutTest, PartsThatDoNotTileAreRefused) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate tensor name")));
 }
 
+TEST(LayoutTest, APartHeldAloneIsItsOwnTensor) {
+  // Columns [4, 8) of a [3, 8] BF16 tensor, a tensor-parallel share: the tensor the consumers
+  // see is the part, and the layout says where it lies.
+  UnitDesc share{{"o", DType::kBF16, {3, 4}}, PartDesc{.first_row = 4, .whole_shape = {3, 8},
+                                                         .dim = 1, .alone = true}};
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout l,
+                             Layout::BuildUnits({share, Whole("a", {2}, DType::kF32)}));
+  ASSERT_EQ(l.size(), 2u);
+  const TensorInfo& o = l.tensor(1);
+  EXPECT_EQ(o.shape, (std::vector<uint64_t>{3, 4}));
+  EXPECT_EQ(o.size_bytes, 24u);
+  ASSERT_TRUE(o.slice.has_value());
+  EXPECT_EQ(o.slice->dim, 1u);
+  EXPECT_EQ(o.slice->first_row, 4u);
+  EXPECT_EQ(o.slice->whole_shape, (std::vector<uint64_t>{3, 8}));
+  EXPECT_FALSE(l.tensor(0).slice.has_value());
+  ASSERT_EQ(l.units().size(), 2u);
+  EXPECT_EQ(l.unit(1).size_bytes, 24u);
+  EXPECT_EQ(l.FindUnit("o", 4), std::optional<size_t>(1));
+  // Another rank's share is another manifest.
+  UnitDesc other = share;
+  other.part->first_row = 0;
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout l0,
+                             Layout::BuildUnits({other, Whole("a", {2}, DType::kF32)}));
+  EXPECT_FALSE(l.SameManifest(l0));
+  // One share per tensor.
+  UnitDesc second = share;
+  second.part->first_row = 0;
+  EXPECT_THAT(Layout::BuildUnits({second, share}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("held alone")));
+}
+
+TEST(LayoutTest, ColumnPartsDoNotJoin) {
+  UnitDesc left{{"o", DType::kBF16, {3, 4}}, PartDesc{.first_row = 0, .whole_shape = {3, 8},
+                                                        .dim = 1}};
+  UnitDesc right = left;
+  right.part->first_row = 4;
+  EXPECT_THAT(Layout::BuildUnits({left, right}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parts along dim 1 do not join into the whole tensor here")));
+}
+
 TEST(LayoutTest, RejectsBadManifests) {
   EXPECT_THAT(Layout::Build({}).status().message(), HasSubstr("no tensors"));
   EXPECT_THAT(Layout::Build({{"x", DType::kF32, {1}}, {"x", DType::kF32, {2}}}).status().message(),

@@ -64,11 +64,17 @@ class FakeClock : public Clock {
   mutable std::atomic<int64_t> now_ns_;
 };
 
-// Where a part of a tensor lies in it: rows [first_row, first_row + shape[0]) of the whole
-// tensor of shape `whole_shape` (TensorSpec.part).
+// Where a part of a tensor lies in it: indices [first_row, first_row + shape[dim]) along `dim` of
+// the whole tensor of shape `whole_shape` (TensorSpec.part).
 struct PartDesc {
   uint64_t first_row = 0;
   std::vector<uint64_t> whole_shape;
+  uint32_t dim = 0;
+  // The part is held alone, as the tensor itself: a tensor-parallel subscriber's share of it
+  // (config upstream.slice). Otherwise the parts of a name are joined into the whole tensor,
+  // which only row parts (dim 0) can be.
+  bool alone = false;
+  bool operator==(const PartDesc&) const = default;
 };
 
 // What a tensor is (the manifest entry), before placement.
@@ -103,6 +109,9 @@ struct TensorInfo {
   std::vector<uint64_t> shape;
   uint64_t size_bytes = 0;  // DTypeSize(dtype) * product(shape)
   uint64_t offset = 0;      // from the start of a slot; a multiple of Layout::alignment()
+  // Set when the tensor is a part held alone (PartDesc::alone): `shape` is the part's, and this
+  // says where it lies in the whole tensor (ConsumerApi TensorLocation.slice).
+  std::optional<PartDesc> slice;
 };
 
 // The placement of a manifest in a slot. Immutable once built. Tensors are sorted by name (the
@@ -119,7 +128,8 @@ class Layout {
   static absl::StatusOr<Layout> Build(std::vector<TensorDesc> tensors,
                                       uint64_t alignment = kDefaultAlignment);
   // The same for entries that may be parts: the parts of one name are joined into their whole
-  // tensor, which they must tile exactly by rows, agreeing on dtype and whole shape.
+  // tensor, which they must tile exactly by rows, agreeing on dtype and whole shape; a part held
+  // alone (PartDesc::alone, one per name) is its own tensor.
   static absl::StatusOr<Layout> BuildUnits(std::vector<UnitDesc> units,
                                            uint64_t alignment = kDefaultAlignment);
 

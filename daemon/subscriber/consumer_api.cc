@@ -109,7 +109,9 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     // A tensor joined from parts: its whole-tensor digest (VersionRecord::joined), never a
     // part's; none when it is not known.
     for (const store::UnitInfo& u : layout.units()) {
-      if (u.first_row.has_value()) digests.erase(layout.tensor(u.tensor).name);
+      if (u.first_row.has_value() && !layout.tensor(u.tensor).slice.has_value()) {
+        digests.erase(layout.tensor(u.tensor).name);
+      }
     }
     if (rec.has_value()) {
       for (const v1::TensorDigest& d : rec->joined) digests[d.name()] = d.digest();
@@ -124,6 +126,13 @@ v1::Layout LeaseLayout(const SubscriberCore& core, const SubscriberLease& lease)
     spec->set_name(ti.name);
     spec->set_dtype(sync::ToProtoDType(ti.dtype));
     for (uint64_t d : ti.shape) spec->add_shape(d);
+    if (ti.slice.has_value()) {  // a tensor-parallel share: where it lies in the whole tensor
+      v1::TensorSlice* slice = loc->mutable_slice();
+      for (size_t d = 0; d < ti.slice->whole_shape.size(); ++d) {
+        slice->add_global_shape(ti.slice->whole_shape[d]);
+        slice->add_offsets(d == ti.slice->dim ? ti.slice->first_row : 0);
+      }
+    }
     const uint64_t offset = region.slot_offset + ti.offset;
     if (region.kind == store::SlotRegion::Kind::kCudaIpc) {
       // The leased slot's allocation; the consumer opens it on the GPU with this UUID, whatever

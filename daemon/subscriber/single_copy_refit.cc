@@ -211,8 +211,11 @@ void AddPartChanges(VersionChanges& vc, const v1::TensorSpec& spec, TensorChange
 }
 
 // Records the change sets of version t (written in place over `from_version`) for consumers.
+// A part held alone (a tensor-parallel share, `parts_alone`) is its own tensor: its change set
+// is in its own coordinates.
 void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
-                std::vector<SingleCopyTensor>& staged, const VerifiedDigests& verified) {
+                std::vector<SingleCopyTensor>& staged, const VerifiedDigests& verified,
+                bool parts_alone) {
   VersionChanges vc;
   vc.from_version = from_version;
   vc.to_version = t.header.version();
@@ -220,7 +223,7 @@ void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
   for (size_t i = 0; i < staged.size(); ++i) {
     if (staged[i].changes.count() == 0) continue;
     const v1::TensorSpec& spec = t.header.tensors(static_cast<int>(i)).spec();
-    if (sync::IsPart(spec)) {
+    if (sync::IsPart(spec) && !parts_alone) {
       AddPartChanges(vc, spec, std::move(staged[i].changes), verified.joined);
       continue;
     }
@@ -300,7 +303,8 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
   slot_digests_[update->slot] = {v, t.ByLayout(verified)};
   retained_.Clear();  // no second slot to bring forward
   if (options_.change_set_bytes > 0) {
-    LogChanges(change_log_, applied_version(), t, *staged, verified);
+    LogChanges(change_log_, applied_version(), t, *staged, verified,
+               options_.slice.slice_ranks() > 0);
   }
   records_.Commit(t.Record(verified), t.header.lineage(), t.lineage_change);
   records_.Prune(generations_.HeldVersions());

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/frames.h"
+#include "daemon/sync/selection.h"
 
 namespace refit::subscriber {
 
@@ -132,8 +133,10 @@ class StagedTransfer {
 
   // OnHeader (transfer_plan.cc). Each tensor's spec, delivery and chain checked; fills dtypes
   // and sizes and returns the layout of the target version; `needs_base` when some tensor is
-  // UNCHANGED or PATCH. RESOURCE_EXHAUSTED above `max_slot_bytes`.
-  absl::StatusOr<store::Layout> PlanTensors(uint64_t max_slot_bytes, bool& needs_base);
+  // UNCHANGED or PATCH. RESOURCE_EXHAUSTED above `max_slot_bytes`. With a tensor-parallel
+  // `slice` (TensorSelection::WithSlice) every part must be the rank's share, and is held alone.
+  absl::StatusOr<store::Layout> PlanTensors(uint64_t max_slot_bytes, bool& needs_base,
+                                            const sync::TensorSelection& slice = {});
   // The objects the frames carry (target, layout_index and handle known); a keyframe goes
   // straight into the staged slot when the CPU can write it.
   absl::Status ExpectObjects(uint32_t max_frame_bytes);

@@ -136,7 +136,7 @@ absl::Status SubscriberCore::OpenTransferLocked(const v1::VersionHeader& header)
   REFIT_RETURN_IF_ERROR(CheckHeader(*t));
   bool needs_base = false;
   REFIT_ASSIGN_OR_RETURN(const store::Layout layout,
-                         t->PlanTensors(options_.max_slot_bytes, needs_base));
+                         t->PlanTensors(options_.max_slot_bytes, needs_base, options_.slice));
   REFIT_RETURN_IF_ERROR(ChooseTarget(*t, layout));
   REFIT_RETURN_IF_ERROR(PlanSingleCopy(*t, layout, needs_base));
   if (t->repair && t->new_generation) {

@@ -51,6 +51,7 @@
 #include "daemon/subscriber/version_records.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/frames.h"
+#include "daemon/sync/selection.h"
 #include "refit/v1/data.pb.h"
 
 namespace refit::subscriber {
@@ -69,6 +70,10 @@ struct SubscriberOptions {
   uint32_t max_frame_bytes = 4u << 20;
   // Threads for ApplyPatch and TensorDigest on host memory (0 = all hardware threads).
   int threads = 0;
+  // A tensor-parallel rank (config upstream.slice; sync::TensorSelection::WithSlice, no
+  // patterns): every part a header lists must be the rank's share, held alone as its tensor.
+  // Default: whole tensors (parts are joined).
+  sync::TensorSelection slice;
   // Largest slot (sum of the aligned tensor sizes of one version) a header may ask for; a
   // bigger manifest is refused with RESOURCE_EXHAUSTED before any memory is reserved.
   uint64_t max_slot_bytes = 64ull << 30;

@@ -227,6 +227,10 @@ SubscriberOptions CoreOptionsOf(const v1::SubscriberConfig& c) {
   if (c.staging().max_bytes() > 0) o.max_slot_bytes = c.staging().max_bytes();
   o.max_frame_bytes = c.upstream().max_frame_bytes();
   o.self_consumer = kSelfConsumer;
+  // upstream.slice, validated by the config (CheckSlice) before the daemon starts.
+  absl::StatusOr<sync::TensorSelection> slice = sync::TensorSelection().WithSlice(
+      c.upstream().slice().rank(), c.upstream().slice().ranks(), "upstream.slice");
+  if (c.upstream().slice().ranks() > 0 && slice.ok()) o.slice = *std::move(slice);
   ApplyRefreshConfig(c, o);
   return o;
 }
@@ -280,6 +284,8 @@ absl::Status SubscriberDaemonImpl::MakeUpstream() {
   config::ApplyClientTlsArgs(u.tls(), &up.channel_args);
   up.digest_v2 = config_.store().digest_v2();
   up.tensors.assign(u.tensors().begin(), u.tensors().end());
+  up.slice_rank = u.slice().rank();
+  up.slice_ranks = u.slice().ranks();
   scrubber_ = MakeScrubber(config_.store());
   if (u.shards_size() > 0) return MakeShardUpstreams(std::move(up));
   REFIT_ASSIGN_OR_RETURN(up.addresses, Targets(u.addresses(), "subscriber.upstream.addresses"));

@@ -24,12 +24,16 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
   return a.size() == static_cast<size_t>(b.size()) && std::equal(a.begin(), a.end(), b.begin());
 }
 
-// The store's description of a spec's part (TensorSpec.part), or nullopt for a whole tensor.
-std::optional<store::PartDesc> PartOf(const v1::TensorSpec& spec) {
+// The store's description of a spec's part (TensorSpec.part), or nullopt for a whole tensor;
+// held `alone` by a tensor-parallel subscriber.
+std::optional<store::PartDesc> PartOf(const v1::TensorSpec& spec, bool alone) {
   if (!sync::IsPart(spec)) return std::nullopt;
   return store::PartDesc{
-      spec.part().first_row(),
-      std::vector<uint64_t>(spec.part().whole_shape().begin(), spec.part().whole_shape().end())};
+      .first_row = spec.part().first_row(),
+      .whole_shape =
+          std::vector<uint64_t>(spec.part().whole_shape().begin(), spec.part().whole_shape().end()),
+      .dim = spec.part().dim(),
+      .alone = alone};
 }
 
 std::optional<uint64_t> FirstRow(const v1::TensorSpec& spec) {
@@ -133,12 +137,21 @@ absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t v
 }  // namespace
 
 absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_bytes,
-                                                          bool& needs_base) {
+                                                          bool& needs_base,
+                                                          const sync::TensorSelection& slice) {
   const uint64_t v = header.version();
   std::vector<v1::TensorSpec> specs;
   for (const v1::TensorPlan& tp : header.tensors()) specs.push_back(tp.spec());
   if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
     return AnnotateAs(absl::StatusCode::kInvalidArgument, st, "header for version ", v);
+  }
+  const bool sliced = slice.slice_ranks() > 0;
+  for (const v1::TensorSpec& spec : specs) {
+    if (sliced && sync::IsPart(spec) && !slice.Takes(spec)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header for version ", v, ": ", sync::DescribeSpec(spec), " is not the share of ",
+          slice.Describe(), " (the upstream sent another rank's part)"));
+    }
   }
   std::vector<store::UnitDesc> descs;
   needs_base = false;
@@ -156,7 +169,7 @@ absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_byte
     bytes.push_back(*size);
     descs.push_back({{tp.spec().name(), *dtype,
                       std::vector<uint64_t>(tp.spec().shape().begin(), tp.spec().shape().end())},
-                     PartOf(tp.spec())});
+                     PartOf(tp.spec(), sliced)});
     REFIT_RETURN_IF_ERROR(CheckTensorPlan(tp, header.base_version(), v, where));
     if (header.streamed() && (tp.delivery() == v1::DELIVERY_UNCHANGED ||
                               (tp.delivery() == v1::DELIVERY_PATCH && tp.steps_size() != 1))) {

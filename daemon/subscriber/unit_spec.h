@@ -18,7 +18,11 @@ inline v1::TensorSpec UnitSpec(const store::Layout& layout, size_t u) {
   spec.set_name(tensor.name);
   spec.set_dtype(sync::ToProtoDType(tensor.dtype));
   for (uint64_t d : unit.shape) spec.add_shape(d);
-  if (unit.first_row.has_value()) {
+  if (tensor.slice.has_value()) {  // a part held alone: the tensor is the part
+    spec.mutable_part()->set_first_row(tensor.slice->first_row);
+    spec.mutable_part()->set_dim(tensor.slice->dim);
+    for (uint64_t d : tensor.slice->whole_shape) spec.mutable_part()->add_whole_shape(d);
+  } else if (unit.first_row.has_value()) {
     spec.mutable_part()->set_first_row(*unit.first_row);
     for (uint64_t d : tensor.shape) spec.mutable_part()->add_whole_shape(d);
   }

@@ -91,6 +91,9 @@ struct UpstreamOptions {
   // One shard's session of a sharded subscriber: `tensors` is the whole selection, of which
   // this shard holds a part (Hello.tensors_selected_partial).
   bool tensors_partial = false;
+  // upstream.slice: Hello.slice_rank / slice_ranks (ranks 0 = whole tensors).
+  uint32_t slice_rank = 0;
+  uint32_t slice_ranks = 0;
   // Optional (must outlive the Upstream): sees every transfer as it arrives.
   TransferTap* tap = nullptr;
   // Optional (must outlive the Upstream): counts rejected transfers and mismatched digests

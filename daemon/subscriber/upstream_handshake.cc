@@ -69,6 +69,8 @@ v1::SubscriberMessage Upstream::MakeHello(Session& session) {
   hello->set_streamed_transfers(options_.streamed_transfers);
   for (const std::string& t : options_.tensors) hello->add_tensors_selected(t);
   hello->set_tensors_selected_partial(options_.tensors_partial && !options_.tensors.empty());
+  hello->set_slice_rank(options_.slice_rank);
+  hello->set_slice_ranks(options_.slice_ranks);
   absl::MutexLock lock(&mu_);
   if (resync_pending_) {
     session.resync = true;
@@ -117,6 +119,16 @@ absl::StatusOr<v1::Welcome> Upstream::Handshake(Session& session,
   }
   if (welcome.selection() && hello.tensors_selected_size() == 0) {
     return absl::FailedPreconditionError("Welcome.selection is true but Hello selected nothing");
+  }
+  if (hello.slice_ranks() > 0 && !welcome.slice()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the upstream does not grant a tensor-parallel slice (Welcome.slice): it would send every "
+        "part, not rank ",
+        hello.slice_rank(), " of ", hello.slice_ranks(),
+        "'s share (subscriber.upstream.slice); upgrade it or clear the slice"));
+  }
+  if (welcome.slice() && hello.slice_ranks() == 0) {
+    return absl::FailedPreconditionError("Welcome.slice is true but Hello asked for no slice");
   }
   if (welcome.progress_bytes() > 0 && !hello.stream_progress()) {
     return absl::FailedPreconditionError(absl::StrCat("Welcome.progress_bytes is ",

@@ -79,6 +79,7 @@ absl::StatusOr<std::vector<v1::TensorDigest>> JoinedDigests(
   for (const store::UnitInfo& unit : layout.units()) {
     if (!unit.first_row.has_value() || unit.offset_in_tensor != 0) continue;  // first part
     const store::TensorInfo& tensor = layout.tensor(unit.tensor);
+    if (tensor.slice.has_value()) continue;  // held alone: the part's digest is the tensor's
     absl::StatusOr<uint64_t> d = StoreDigestOf(memory, format, spans[unit.tensor]);
     if (!d.ok()) {
       return Annotate(d.status(), "whole-tensor digest of ", Quoted(tensor.name),

@@ -339,7 +339,7 @@ absl::StatusOr<TransferPlan> PatchHistory::Plan(uint64_t sub_version, uint64_t s
     }
   }
   for (const TensorEntry& t : target->tensors) {
-    if (options.selection != nullptr && !options.selection->Matches(t.spec.name())) continue;
+    if (options.selection != nullptr && !options.selection->Takes(t.spec)) continue;
     plan.tensors.push_back(PlanTensor(t, base, span, target_version, options));
   }
   return plan;
@@ -367,7 +367,7 @@ std::optional<uint64_t> PatchHistory::SelectedDigest(const Record& r, DigestForm
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
   for (const TensorEntry& t : r.tensors) {  // name order
-    if (!selection->Matches(t.spec.name())) continue;
+    if (!selection->Takes(t.spec)) continue;
     manifest.push_back(t.spec);
     digests.push_back(f == DigestFormat::kV2 ? t.digest_v2.value_or(0) : t.digest);
   }

@@ -12,6 +12,7 @@ namespace refit::sync {
 namespace {
 
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -74,6 +75,54 @@ TEST(TensorSelection, APartMaySelectNothingHere) {
   EXPECT_TRUE(part.Matches("c.weight"));
   EXPECT_FALSE(part.Matches("b.weight"));
   EXPECT_THAT(part.Describe(), HasSubstr("a shard's part"));
+}
+
+// Indices [first, first + n) along `dim` of a BF16 [rows, cols] tensor.
+v1::TensorSpec Cut(const std::string& name, uint32_t dim, uint64_t first, uint64_t n,
+                   uint64_t rows, uint64_t cols) {
+  v1::TensorSpec s = testing::Spec(name, v1::DTYPE_BF16, {dim == 0 ? n : rows, dim == 0 ? cols : n});
+  s.mutable_part()->set_dim(dim);
+  s.mutable_part()->set_first_row(first);
+  s.mutable_part()->add_whole_shape(rows);
+  s.mutable_part()->add_whole_shape(cols);
+  return s;
+}
+
+TEST(TensorSelection, ASliceTakesItsRanksShareOfEveryCutTensor) {
+  REFIT_ASSERT_OK_AND_ASSIGN(TensorSelection s, TensorSelection().WithSlice(1, 2, "slice"));
+  EXPECT_FALSE(s.all());
+  EXPECT_EQ(s.Describe(), "all tensors, tensor-parallel rank 1 of 2");
+  const std::vector<v1::TensorSpec> m = {
+      testing::Spec("norm", v1::DTYPE_F32, {8}), Cut("o", 1, 0, 3, 4, 7), Cut("o", 1, 3, 4, 4, 7),
+      Cut("q", 0, 0, 5, 10, 4), Cut("q", 0, 5, 5, 10, 4)};
+  EXPECT_TRUE(s.Takes(m[0]));   // whole: every rank holds it
+  EXPECT_FALSE(s.Takes(m[1]));  // rank 0's columns [0, 3)
+  EXPECT_TRUE(s.Takes(m[2]));   // rank 1's columns [3, 7) of 7
+  EXPECT_FALSE(s.Takes(m[3]));
+  EXPECT_TRUE(s.Takes(m[4]));
+  EXPECT_THAT(s.CheckCovered(m, "version 3"), IsOk());
+  // A cut into another number of parts has no part that is this rank's share.
+  const std::vector<v1::TensorSpec> thirds = {Cut("q", 0, 0, 3, 10, 4), Cut("q", 0, 3, 3, 10, 4),
+                                              Cut("q", 0, 6, 4, 10, 4)};
+  EXPECT_THAT(s.CheckCovered(thirds, "version 3"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(R"(tensor "q" of version 3 is in 3 parts (first "q" rows [0, 3) )"
+                                 "of 10), none of which is rows [5, 10), the share of rank 1 of "
+                                 "2")));
+  // Patterns and a slice combine; a pattern's tensors outside the selection are not checked.
+  REFIT_ASSERT_OK_AND_ASSIGN(TensorSelection n, TensorSelection::Make({"norm"}, "tensors"));
+  REFIT_ASSERT_OK_AND_ASSIGN(n, n.WithSlice(0, 3, "slice"));
+  EXPECT_THAT(n.CheckCovered(thirds, "v"), Not(IsOk()));  // "norm" is not in it
+  EXPECT_THAT(n.CheckCovered(m, "v"), IsOk());
+  EXPECT_FALSE(n.Takes(m[4]));
+}
+
+TEST(TensorSelection, BadSlicesAreRefused) {
+  EXPECT_THAT(TensorSelection().WithSlice(2, 2, "upstream.slice"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("upstream.slice: tensor-parallel rank 2 of 2")));
+  EXPECT_THAT(TensorSelection().WithSlice(0, 0, "x"), Not(IsOk()));
+  EXPECT_THAT(TensorSelection().WithSlice(0, kMaxSliceRanks + 1, "x"), Not(IsOk()));
 }
 
 }  // namespace

@@ -63,6 +63,12 @@ class Weights(dict):
         self.version_digest: int = lease.layout.version_digest
         # The publisher's per-tensor digest (proto TensorLocation.digest).
         self.digests: Dict[str, int] = {t.spec.name: t.digest for t in lease.layout.tensors}
+        # Tensor-parallel shares (subscriber config upstream.slice): name -> (whole shape, first
+        # index of the share in each dim) for every tensor that is one rank's share of a larger
+        # one (proto TensorLocation.slice); tensors held whole are not in it.
+        self.slices: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {
+            t.spec.name: (tuple(t.slice.global_shape), tuple(t.slice.offsets))
+            for t in lease.layout.tensors if len(t.slice.global_shape) > 0}
         # CUDA devices the tensors live on (empty for a host store).
         self.devices: List[torch.device] = sorted(
             {t.device for t in tensors.values() if t.device.type == "cuda"},

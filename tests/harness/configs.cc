@@ -122,6 +122,9 @@ std::string SubscriberYaml(const SubscriberSpec& s, const std::string& dir,
     absl::StrAppend(&y, "    bootstrap_peers: ", list(s.bootstrap_peers), "\n");
   }
   if (!s.tensors.empty()) absl::StrAppend(&y, "    tensors: ", list(s.tensors), "\n");
+  if (s.slice_ranks > 0) {
+    absl::StrAppend(&y, "    slice: {rank: ", s.slice_rank, ", ranks: ", s.slice_ranks, "}\n");
+  }
   const ClientTlsSpec& t = s.tls;
   if (!t.cert.empty() || !t.key.empty() || !t.ca.empty() || !t.server_name.empty()) {
     absl::StrAppend(&y, "    tls:\n");

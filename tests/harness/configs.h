@@ -57,6 +57,8 @@ struct SubscriberSpec {
   bool streamed_transfers = true;     // upstream.streamed_transfers (written only when false)
   std::vector<std::string> bootstrap_peers;
   std::vector<std::string> tensors;  // upstream.tensors (names and globs; empty = every tensor)
+  uint32_t slice_rank = 0;           // upstream.slice (written when slice_ranks > 0)
+  uint32_t slice_ranks = 0;
   bool serve_peers = false;
   uint32_t connections = 2;
   uint32_t backoff_initial_ms = 20;
