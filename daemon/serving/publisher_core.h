@@ -64,8 +64,9 @@ struct TensorInput {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // empty for a scalar
-  // Set for a part of a larger tensor (TensorSpec.part: a shard publisher's rows of it; `shape`
-  // is the part's). Encoded, digested, kept and persisted like any tensor of `shape`.
+  // Set for a part of a larger tensor (TensorSpec.part: a shard publisher's rows of it, or one of
+  // the parts PublisherOptions::cut makes; `shape` is the part's). Encoded, digested, kept and
+  // persisted like any tensor of `shape`, keyed by its place (name, part dim, first index).
   std::optional<v1::TensorPart> part = std::nullopt;
   std::span<const uint8_t> data;
   // Optional: a buffer holding exactly `data` that the caller hands over. Where Publish would
@@ -154,7 +155,7 @@ struct PublishSummary {
   uint64_t version = 0;
   uint64_t version_digest = 0;     // v1 (0 until the deferred v1 digests are recorded)
   uint64_t version_digest_v2 = 0;  // v2: the version's identity (Control, Status.digest_format)
-  size_t tensors = 0;
+  size_t tensors = 0;              // the version's tensors, each part counted (after cuts)
   size_t unchanged_tensors = 0;   // same spec and bytes as the previous version
   size_t patched_tensors = 0;     // encoded against the previous version
   size_t keyframe_tensors = 0;    // added, or dtype/shape changed (or the first version)

@@ -9,12 +9,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/serving/live_version.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
@@ -148,6 +150,45 @@ TEST(PublisherCoreCutTest, CutTensorsArePartsAndASecondVersionPatchesOnlyTheChan
   EXPECT_EQ(DeliveryOf(*t, "norm", 0), v1::DELIVERY_UNCHANGED);
   EXPECT_EQ(t->End(0).changed_elements(), 2u);
   EXPECT_EQ(core->newest_version_digest(), ManifestDigest(*core));
+}
+
+TEST(PublisherCoreCutTest, StreamedAndCopyingPathsCarryEveryPart) {
+  for (const bool one_pass : {true, false}) {
+    SCOPED_TRACE(one_pass ? "one pass (streamed)" : "copying path");
+    PublisherOptions po = CutOptionsFor();
+    po.cpu_one_pass = one_pass;
+    po.stream_batch_bytes = 1;  // one part per batch
+    REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(po));
+    std::vector<std::shared_ptr<const LiveVersion>> opened;
+    core->SetLiveListener([&](const std::shared_ptr<const LiveVersion>& l) { opened.push_back(l); },
+                          [] {});
+    std::vector<Whole> model = Model();
+    ASSERT_THAT(PublishModel(*core, 1, model), IsOk());
+    const uint64_t digest1 = core->newest_version_digest();
+    model[1].bytes[9 * 4] ^= 1;  // o row 0 column 9: part 2
+    REFIT_ASSERT_OK_AND_ASSIGN(PublishSummary s2, PublishModel(*core, 2, model));
+    EXPECT_EQ(s2.patched_tensors, 1u);
+    EXPECT_EQ(s2.unchanged_tensors, 6u);
+    REFIT_ASSERT_OK_AND_ASSIGN(auto t, core->MakeTransfer(1, digest1));
+    EXPECT_EQ(DeliveryOf(*t, "o", 6), v1::DELIVERY_PATCH);
+    EXPECT_EQ(DeliveryOf(*t, "o", 3), v1::DELIVERY_UNCHANGED);
+    EXPECT_EQ(core->newest_version_digest(), ManifestDigest(*core));
+    if (!one_pass) {
+      EXPECT_TRUE(opened.empty());  // only the one pass streams
+      continue;
+    }
+    ASSERT_EQ(opened.size(), 1u);
+    const LiveVersion& live = *opened[0];
+    ASSERT_EQ(live.state(), LiveVersion::State::kCommitted);
+    ASSERT_EQ(live.header().tensors_size(), 7);
+    for (int i = 0; i < 7; ++i) {
+      EXPECT_TRUE(sync::SameSpec(live.header().tensors(i).spec(), t->plan().tensors[i].plan.spec()))
+          << i;
+    }
+    EXPECT_EQ(live.ready_objects(), 7u);
+    REFIT_ASSERT_OK_AND_ASSIGN(const v1::VersionEnd end, live.end(sync::DigestFormat::kV1));
+    EXPECT_EQ(end.version_digest(), t->End(0).version_digest());
+  }
 }
 
 TEST(PublisherCoreCutTest, RefusedCutsPublishNothing) {
