@@ -1,5 +1,6 @@
 #include "daemon/config/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <string>
@@ -352,6 +353,57 @@ absl::Status CheckPublisherShard(const Checker& c, const v1::ShardConfig& shard)
   return absl::OkStatus();
 }
 
+// publisher.cut: with parts > 0 at least one pattern; every pattern non-empty printable UTF-8
+// (CheckName), none twice in one list; no patterns without parts; not with shard.count > 0 (a
+// shard publisher's tensors already are parts).
+absl::Status CheckPublisherCut(const Checker& c, const v1::CutConfig& cut,
+                               const v1::ShardConfig& shard) {
+  const int patterns = cut.rows_size() + cut.columns_size();
+  if (cut.parts() == 0) {
+    if (patterns > 0) {
+      return c.Fail("publisher.cut.parts",
+                    "is 0 (no cuts) but cut.rows or cut.columns lists "
+                    "patterns: give the number of parts");
+    }
+    return absl::OkStatus();
+  }
+  if (shard.count() > 0) {
+    return c.Fail("publisher.cut.parts",
+                  "is set together with publisher.shard.count: a shard "
+                  "publisher's tensors are parts already and are not cut");
+  }
+  if (patterns == 0) {
+    return c.Fail("publisher.cut.parts", absl::StrCat("is ", cut.parts(),
+                                                      " but cut.rows and cut.columns are empty: "
+                                                      "list the tensors to cut"));
+  }
+  for (const auto& [field, list] :
+       {std::pair<std::string, const google::protobuf::RepeatedPtrField<std::string>*>{
+            "publisher.cut.rows", &cut.rows()},
+        {"publisher.cut.columns", &cut.columns()}}) {
+    for (int i = 0; i < list->size(); ++i) {
+      const std::string path = absl::StrCat(field, "[", i, "]");
+      const std::string& pattern = list->Get(i);
+      if (pattern.empty()) return c.Fail(path, "is empty: give a tensor name or glob");
+      REFIT_RETURN_IF_ERROR(CheckName(c, path, pattern));
+      for (int j = 0; j < i; ++j) {
+        if (list->Get(j) == pattern) {
+          return c.Fail(path,
+                        absl::StrCat(Quoted(pattern), " is listed twice (also at index ", j, ")"));
+        }
+      }
+    }
+  }
+  for (int i = 0; i < cut.columns_size(); ++i) {
+    if (std::find(cut.rows().begin(), cut.rows().end(), cut.columns(i)) != cut.rows().end()) {
+      return c.Fail(absl::StrCat("publisher.cut.columns[", i, "]"),
+                    absl::StrCat(Quoted(cut.columns(i)),
+                                 " is also in cut.rows: a tensor is cut along one dim"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // A directory of publisher/subscriber.files: absolute, no "." or ".." components, not "/".
 absl::Status CheckFilesDir(const Checker& c, const std::string& field, const std::string& dir) {
   if (dir.empty() || dir[0] != '/') {
@@ -472,6 +524,7 @@ absl::Status ValidatePublisherConfig(const v1::PublisherConfig& p, const SourceM
   }
   REFIT_RETURN_IF_ERROR(CheckFileAccess(c, "publisher", p.files(), p.baseline().persist_dir()));
   REFIT_RETURN_IF_ERROR(CheckPublisherShard(c, p.shard()));
+  REFIT_RETURN_IF_ERROR(CheckPublisherCut(c, p.cut(), p.shard()));
   return absl::OkStatus();
 }
 

@@ -577,6 +577,42 @@ TEST(ConfigTest, SliceRules) {
 
 // ---- files -----------------------------------------------------------------------------------
 
+TEST(ConfigTest, CutRules) {
+  const std::string& pub = kPubListen;
+  const std::string ok = pub +
+                         "  cut:\n    parts: 4\n    rows: [\"layers.*.q_proj.weight\", "
+                         "\"lm_head.weight\"]\n    columns: [\"layers.*.o_proj.weight\"]\n";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto p, LoadPublisherConfigFromString(ok, "pub.yaml"));
+  EXPECT_EQ(p.cut().parts(), 4u);
+  EXPECT_EQ(p.cut().rows_size(), 2);
+  EXPECT_EQ(p.cut().columns(0), "layers.*.o_proj.weight");
+  // The effective config written out loads back the same.
+  auto p2 = LoadPublisherConfigFromString(ConfigToYaml(p));
+  ASSERT_THAT(p2, IsOk()) << ConfigToYaml(p);
+  EXPECT_TRUE(MessageDifferencer::Equals(p, *p2));
+  EXPECT_EQ(PublisherError(pub + "  cut: {parts: 2, columns: [o]}\n"), "");
+  EXPECT_EQ(PublisherError(pub + "  cut: {parts: 0}\n"), "");
+
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 2}\n"),
+                  "publisher.cut.parts: is 2 but cut.rows and cut.columns are empty");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {rows: [w]}\n"),
+                  "publisher.cut.parts: is 0 (no cuts) but cut.rows or cut.columns lists "
+                  "patterns");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 2, rows: [w, \"\"]}\n"),
+                  "publisher.cut.rows[1]: is empty");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 2, columns: [\"a\\tb\"]}\n"),
+                  "publisher.cut.columns[0]: contains a control character");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 2, columns: [o, x, o]}\n"),
+                  "publisher.cut.columns[2]: \"o\" is listed twice (also at index 0)");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 2, rows: [w], columns: [w]}\n"),
+                  "publisher.cut.columns[0]: \"w\" is also in cut.rows");
+  EXPECT_CONTAINS(PublisherError(pub + "  cut: {parts: 1025, rows: [w]}\n"),
+                  "publisher.cut.parts: 1025 is out of range");
+  EXPECT_CONTAINS(
+      PublisherError(pub + "  shard: {set: policy, count: 2}\n  cut: {parts: 2, rows: [w]}\n"),
+      "publisher.cut.parts: is set together with publisher.shard.count");
+}
+
 TEST(ConfigTest, LoadsFromFiles) {
   const std::string path = WriteFile("pub.yaml", kFullPublisher);
   REFIT_ASSERT_OK_AND_ASSIGN(auto p, LoadPublisherConfig(path));

@@ -15,6 +15,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/common/units.h"
 #include "daemon/common/wait_deadline.h"
+#include "daemon/serving/tensor_join.h"
 #include "daemon/serving/version_file.h"
 #include "daemon/sync/digest_format.h"
 #include "daemon/sync/version_digest.h"
@@ -218,10 +219,14 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
                      " is not held: the publisher holds only its newest version ",
                      baseline.version));
   }
+  // A cut version (publisher.cut) is exported as the model it was cut from: each name's parts
+  // joined into the whole tensor (a shard publisher's part is written as it is).
+  REFIT_ASSIGN_OR_RETURN(const std::vector<BaselineTensor> joined,
+                         JoinTilingParts(baseline.tensors));
   std::vector<VersionFileTensor> tensors;
-  tensors.reserve(baseline.tensors.size());
+  tensors.reserve(joined.size());
   uint64_t bytes = 0;
-  for (const BaselineTensor& t : baseline.tensors) {
+  for (const BaselineTensor& t : joined) {
     tensors.push_back({t.spec.name(), t.dtype,
                        std::span<const uint64_t>(t.spec.shape().data(), t.spec.shape().size()),
                        std::span<const uint8_t>(*t.bytes)});
@@ -232,7 +237,7 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
   v1::ExportResponse r;
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest_v2);
-  r.set_tensors(static_cast<uint32_t>(baseline.tensors.size()));
+  r.set_tensors(static_cast<uint32_t>(joined.size()));
   r.set_bytes(bytes);
   return r;
 }

@@ -232,6 +232,9 @@ PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
   options.gpu_baseline = config.codec().gpu_baseline() == v1::GPU_BASELINE_PINNED
                              ? cuda::Allocation::Kind::kPinnedHost
                              : cuda::Allocation::Kind::kDevice;
+  options.cut.parts = config.cut().parts();
+  options.cut.rows.assign(config.cut().rows().begin(), config.cut().rows().end());
+  options.cut.columns.assign(config.cut().columns().begin(), config.cut().columns().end());
   return options;
 }
 
@@ -269,7 +272,9 @@ TrainerApiOptions TrainerApiOptionsOf(const v1::PublisherConfig& config,
   api.parts = config.shard().count() > 0;  // a shard publisher publishes its rows of a tensor
   api.copy_threads = options.encode_threads;
   api.devices = d.devices_->Provider();
-  api.cuda_snapshot = options.device == nullptr ? CudaSnapshot::kHost
+  // Cuts (publisher.cut) read host bytes (PublisherCore cuts before encoding): with cuts, CUDA
+  // tensors are snapshot to the host, and GPU encoding uploads their parts.
+  api.cuda_snapshot = options.device == nullptr || options.cut.parts > 0 ? CudaSnapshot::kHost
                       : options.gpu_baseline == cuda::Allocation::Kind::kPinnedHost
                           ? CudaSnapshot::kPinned
                           : CudaSnapshot::kDevice;

@@ -486,6 +486,70 @@ TEST(PublisherDaemonStartTest, HistoryMaxVersionsFromConfig) {
   daemon->Shutdown();
 }
 
+TEST(PublisherDaemonStartTest, CutConfigPublishesPartsAndExportsTheWholeTensors) {
+  TempDir dir("refit-pubd");
+  auto config = config::LoadPublisherConfigFromString(
+      absl::StrCat("publisher:\n  listen: \"127.0.0.1:0\"\n"
+                   "  control_access: {unauthenticated_tcp_role: write}\n"
+                   "  codec:\n    threads: 1\n"
+                   "  cut: {parts: 2, rows: [\"w*\"], columns: [o]}\n"
+                   "  files: {publish_dirs: [\"",
+                   dir.path(), "\"], export_dir: \"", dir.path(), "\"}\n"),
+      "cut.yaml");
+  ASSERT_THAT(config, IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(auto daemon, PublisherDaemon::Start(*config));
+  auto control = v1::Control::NewStub(
+      grpc::CreateChannel(daemon->listen_address(), grpc::InsecureChannelCredentials()));
+  const std::string file = dir.path() + "/m.safetensors";
+  std::vector<TestTensor> model = {MakeTensor("b", DType::kBF16, {3}, 1),
+                                   MakeTensor("o", DType::kF32, {4, 5}, 2),
+                                   MakeTensor("w", DType::kBF16, {7, 4}, 3)};
+  auto publish = [&]() -> v1::PublishResponse {
+    WriteTensors(file, model);
+    v1::PublishRequest request;
+    request.add_safetensors(file);
+    v1::PublishResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    EXPECT_THAT(control->Publish(&ctx, request, &response), IsOk());
+    return response;
+  };
+  auto status = [&]() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    v1::StatusResponse r;
+    EXPECT_THAT(control->Status(&ctx, v1::StatusRequest(), &r), IsOk());
+    return r;
+  };
+  publish();
+  EXPECT_EQ(status().tensors(), 5u);  // b, o's two column parts, w's two row parts
+  model[2].bytes[1] ^= 1;             // w's first part
+  publish();
+  const v1::StatusResponse s2 = status();
+  EXPECT_EQ(s2.version(), 2u);
+  EXPECT_EQ(s2.last_refit().keyframe_tensors(), 0u);
+  EXPECT_EQ(s2.last_refit().changed_elements(), 1u);
+  // Export writes the whole tensors, bit-equal to the published file's.
+  const std::string exported = dir.path() + "/export.safetensors";
+  v1::ExportRequest request;
+  request.set_safetensors(exported);
+  v1::ExportResponse response;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  ASSERT_THAT(control->Export(&ctx, request, &response), IsOk());
+  EXPECT_EQ(response.tensors(), 3u);
+  auto read = model::SafetensorsFile::Open(exported);
+  ASSERT_THAT(read, IsOk());
+  ASSERT_EQ(read->tensors().size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(read->tensors()[i].name, model[i].name);
+    EXPECT_EQ(read->tensors()[i].shape, model[i].shape);
+    const std::span<const uint8_t> data = read->data(i);
+    EXPECT_EQ(std::vector<uint8_t>(data.begin(), data.end()), model[i].bytes) << model[i].name;
+  }
+  daemon->Shutdown();
+}
+
 TEST(PublisherDaemonStartTest, RefusesCudaAndServesControlSeparately) {
   TempDir dir("refit-pubd");
   auto cuda = config::LoadPublisherConfigFromString(

@@ -31,27 +31,54 @@ constexpr char kMetaDigests[] = "refit.digests";
 constexpr char kMetaSnapshot[] = "refit.snapshot_unix_nanos";
 constexpr char kMetaLineage[] = "refit.lineage";
 constexpr char kFormatValue[] = "1";
-// Per tensor that is a part (TensorSpec.part): `refit.part.<name>` = "<first_row>:<whole dims
-// joined by ','>", e.g. "40:250,8"; the tensor in the file holds the part's rows.
+// Per entry that is a part (TensorSpec.part): `refit.part.<entry name>` =
+// "<first_row>:<whole dims joined by ','>:<dim>:<tensor name>", e.g. "64:256,512:1:o", or, for a
+// part along dim 0 whose entry is named after its tensor (one part of that name; all that files
+// written before parts had a dim hold), "<first_row>:<whole dims>", e.g. "40:250,8". The entry
+// holds the part's own elements (row-major in the part's shape).
 constexpr char kMetaPartPrefix[] = "refit.part.";
 
-std::string EncodePart(const v1::TensorPart& part) {
-  return absl::StrCat(part.first_row(), ":", absl::StrJoin(part.whole_shape(), ","));
+// A row part whose entry is named after its tensor keeps the two-field format (what shard
+// publishers wrote before parts had a dim); every other part gets all four fields.
+std::string EncodePart(const v1::TensorSpec& spec, const std::string& entry) {
+  const v1::TensorPart& part = spec.part();
+  const std::string head =
+      absl::StrCat(part.first_row(), ":", absl::StrJoin(part.whole_shape(), ","));
+  if (part.dim() == 0 && entry == spec.name()) return head;
+  return absl::StrCat(head, ":", part.dim(), ":", spec.name());
 }
 
-bool ParsePart(const std::string& s, v1::TensorPart* part) {
-  std::vector<std::string> fields = absl::StrSplit(s, ':');
+// The part of entry `entry` (EncodePart, or the two-field format of older files) into `spec`,
+// whose name it sets.
+bool ParsePart(const std::string& s, const std::string& entry, v1::TensorSpec* spec) {
+  std::vector<std::string> fields = absl::StrSplit(s, absl::MaxSplits(':', 3));
   uint64_t first_row = 0;
-  if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &first_row) || fields[1].empty()) {
+  uint32_t dim = 0;
+  if ((fields.size() != 2 && fields.size() != 4) || !absl::SimpleAtoi(fields[0], &first_row) ||
+      fields[1].empty()) {
     return false;
   }
+  if (fields.size() == 4 && (!absl::SimpleAtoi(fields[2], &dim) || fields[3].empty())) return false;
+  spec->set_name(fields.size() == 4 ? fields[3] : entry);
+  v1::TensorPart* part = spec->mutable_part();
   part->set_first_row(first_row);
+  part->set_dim(dim);
   for (const absl::string_view d : absl::StrSplit(fields[1], ',')) {
     uint64_t v = 0;
     if (!absl::SimpleAtoi(d, &v)) return false;
     part->add_whole_shape(v);
   }
   return true;
+}
+
+// The safetensors entry name of baseline tensor `k` (manifest order): the tensor's name, or for
+// one of several parts of a name "<name>@<dim>.<first_row>" (the part metadata names the tensor).
+std::string EntryName(const std::vector<BaselineTensor>& tensors, size_t k) {
+  const v1::TensorSpec& s = tensors[k].spec;
+  const bool shared = (k > 0 && tensors[k - 1].spec.name() == s.name()) ||
+                      (k + 1 < tensors.size() && tensors[k + 1].spec.name() == s.name());
+  if (!shared) return s.name();
+  return absl::StrCat(s.name(), "@", s.part().dim(), ".", s.part().first_row());
 }
 
 bool ParseHex64(const std::string& s, uint64_t* out) {
@@ -66,7 +93,7 @@ struct PersistedMeta {
   uint64_t snapshot_unix_nanos = 0;
   uint64_t lineage = 0;                      // 0: a file from before lineages
   std::vector<std::string> digests;          // per tensor, file order, hex
-  std::map<std::string, std::string> parts;  // tensor name -> kMetaPartPrefix value
+  std::map<std::string, std::string> parts;  // entry name -> kMetaPartPrefix value
 };
 
 absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& file,
@@ -149,7 +176,7 @@ absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::Sa
     t.spec.set_dtype(sync::ToProtoDType(e.dtype));
     for (int64_t d : e.shape) t.spec.add_shape(static_cast<uint64_t>(d));
     if (auto part = meta.parts.find(e.name); part != meta.parts.end()) {
-      if (!ParsePart(part->second, t.spec.mutable_part())) {
+      if (!ParsePart(part->second, e.name, &t.spec)) {
         return absl::DataLossError(absl::StrCat(what, ": bad part ", Quoted(part->second)));
       }
       if (absl::Status st = sync::ValidateTensorSpec(t.spec); !st.ok()) {
@@ -170,8 +197,14 @@ absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::Sa
     tensors.push_back(std::move(t));
   }
   std::sort(tensors.begin(), tensors.end(), [](const BaselineTensor& a, const BaselineTensor& b) {
-    return a.spec.name() < b.spec.name();
+    return sync::SpecBefore(a.spec, b.spec);
   });
+  std::vector<v1::TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const BaselineTensor& t : tensors) specs.push_back(t.spec);
+  if (absl::Status st = sync::ValidateManifest(specs); !st.ok()) {
+    return AnnotateAs(absl::StatusCode::kDataLoss, st, where);
+  }
   return tensors;
 }
 
@@ -197,19 +230,18 @@ absl::Status WriteBaselineFile(const std::string& path, const BaselineSnapshot& 
   std::vector<model::SafetensorsTensorRef> refs;
   std::vector<std::string> digests;
   refs.reserve(s.tensors.size());
-  for (const BaselineTensor& t : s.tensors) {
+  std::map<std::string, std::string> meta;
+  for (size_t k = 0; k < s.tensors.size(); ++k) {
+    const BaselineTensor& t = s.tensors[k];
     model::SafetensorsTensorRef r;
-    r.name = t.spec.name();
+    r.name = EntryName(s.tensors, k);
+    if (sync::IsPart(t.spec))
+      meta[absl::StrCat(kMetaPartPrefix, r.name)] = EncodePart(t.spec, r.name);
     r.dtype = t.dtype;
     for (uint64_t d : t.spec.shape()) r.shape.push_back(static_cast<int64_t>(d));
     r.data = *t.bytes;
     refs.push_back(std::move(r));
     digests.push_back(Hex64(t.digest));
-  }
-  std::map<std::string, std::string> meta;
-  for (const BaselineTensor& t : s.tensors) {
-    if (sync::IsPart(t.spec))
-      meta[absl::StrCat(kMetaPartPrefix, t.spec.name())] = EncodePart(t.spec.part());
   }
   meta[kMetaFormat] = std::string(kFormatValue);
   meta[kMetaVersion] = absl::StrCat(s.version);

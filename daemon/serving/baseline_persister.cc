@@ -11,17 +11,16 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/serving/tensor_place.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
 
 namespace refit::publisher {
 namespace {
 
-const BaselineTensor* Find(const std::vector<BaselineTensor>& v, const std::string& name) {
-  auto it = std::lower_bound(
-      v.begin(), v.end(), name,
-      [](const BaselineTensor& t, const std::string& n) { return t.spec.name() < n; });
-  return it != v.end() && it->spec.name() == name ? &*it : nullptr;
+const BaselineTensor* Find(const std::vector<BaselineTensor>& v, const v1::TensorSpec& spec) {
+  return FindAtPlace(v, spec,
+                     [](const BaselineTensor& t) -> const v1::TensorSpec& { return t.spec; });
 }
 
 }  // namespace
@@ -239,7 +238,7 @@ LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t versio
     LogTensor e;
     e.spec = t.spec;
     e.digest = t.digest;
-    const BaselineTensor* p = Find(prev, t.spec.name());
+    const BaselineTensor* p = Find(prev, t.spec);
     if (p != nullptr && sync::SameSpec(p->spec, t.spec) && p->digest == t.digest) {
       e.kind = LogTensorKind::kUnchanged;  // as PatchHistory::Add decides
     } else if (k < patches.size() && patches[k] != nullptr) {
@@ -265,22 +264,22 @@ struct Staged {
   bool replaced = false;  // bytes not from the baseline: digest checked at the end
 };
 
-// `cur` after `rec` (name order), or why `rec` does not apply. Each tensor's v2 digest follows
+// `cur` after `rec` (manifest order), or why `rec` does not apply. Each tensor's v2 digest follows
 // its bytes (the log records v1 only): carried when unchanged, brought forward by the patch's
 // delta (reading only the changed words), computed for dense bytes.
 absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
                                                 const LogRecord& rec, const std::string& where,
                                                 int threads) {
-  std::map<std::string, const Staged*> by_name;
-  for (const Staged& s : cur) by_name[s.tensor.spec.name()] = &s;
+  std::map<TensorPlace, const Staged*> by_place;
+  for (const Staged& s : cur) by_place[TensorPlace::Of(s.tensor.spec)] = &s;
   std::vector<Staged> next;
   next.reserve(rec.tensors.size());
   for (size_t i = 0; i < rec.tensors.size(); ++i) {
     const LogTensor& e = rec.tensors[i];
     const std::string what =
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), e.spec.name()));
-    auto it = by_name.find(e.spec.name());
-    const Staged* p = it != by_name.end() ? it->second : nullptr;
+    auto it = by_place.find(TensorPlace::Of(e.spec));
+    const Staged* p = it != by_place.end() ? it->second : nullptr;
     const bool same = p != nullptr && sync::SameSpec(p->tensor.spec, e.spec);
     REFIT_ASSIGN_OR_RETURN(const DType dtype, sync::FromProtoDType(e.spec.dtype()));
     Staged s;
@@ -348,7 +347,7 @@ ReplayedVersion VersionOf(const LogRecord& rec, const std::vector<Staged>& stage
     u.digest_v2 = staged[i].tensor.digest_v2;
     if (e.kind == LogTensorKind::kPatch) u.patch = e.bytes;
     v.updates.push_back(std::move(u));
-    v.changed.emplace_back(e.spec.name(), e.changed_elements);
+    v.changed.emplace_back(TensorPlace::Of(e.spec), e.changed_elements);
   }
   return v;
 }
@@ -402,8 +401,8 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
       refused.skipped = out.skipped;
       refused.stopped = absl::DataLossError(
           absl::StrCat("patch log ", Quoted(path), ": after replaying to version ", at, ", tensor ",
-                       Quoted(s.tensor.spec.name()), " has digest ", Hex64(d), ", the log records ",
-                       Hex64(s.tensor.digest), " (nothing replayed)"));
+                       sync::DescribeSpec(s.tensor.spec), " has digest ", Hex64(d),
+                       ", the log records ", Hex64(s.tensor.digest), " (nothing replayed)"));
       return refused;
     }
   }

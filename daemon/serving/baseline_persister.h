@@ -133,7 +133,7 @@ struct ReplayedVersion {
   uint64_t version_digest = 0;
   uint64_t snapshot_unix_nanos = 0;
   std::vector<sync::TensorUpdate> updates;
-  std::vector<std::pair<std::string, uint64_t>> changed;  // name order
+  std::vector<std::pair<TensorPlace, uint64_t>> changed;  // place order
 };
 
 struct LogReplay {
@@ -153,7 +153,7 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
 
 // The record of a committed version: `next` (name order) with, per tensor, its patch from the
 // previous version (null: dense unless unchanged), the encoder's changed-element counts, and
-// the previous version's tensors `prev` (name order) for the unchanged ones.
+// the previous version's tensors `prev` (manifest order) for the unchanged ones.
 LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t version_digest,
                         uint64_t lineage, uint64_t snapshot_unix_nanos,
                         const std::vector<BaselineTensor>& prev,

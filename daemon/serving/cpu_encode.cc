@@ -52,7 +52,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
     BaselineTensor& t = out->next[k];
     t.spec = specs[order[k]];
     t.dtype = in.dtype;
-    const BaselineTensor* p = FindByName(prev, in.name);
+    const BaselineTensor* p = FindByPlace(prev, t.spec);
     if (SameSpecAs(p, t.spec) && !in.data.empty()) {
       bases[k] = p;
     } else if (SameSpecAs(p, t.spec)) {  // no bytes: nothing can differ
@@ -149,7 +149,7 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options,
     BaselineTensor& t = out->next[k];
     t.spec = specs[order[k]];
     t.dtype = in.dtype;
-    const BaselineTensor* p = FindByName(prev, in.name);
+    const BaselineTensor* p = FindByPlace(prev, t.spec);
     const bool same_spec = SameSpecAs(p, t.spec);
     if (same_spec &&
         (in.data.empty() || std::memcmp(p->bytes->data(), in.data.data(), in.data.size()) == 0)) {
@@ -299,7 +299,7 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
                    Encoded* enc, PublishSummary* sum) {
   const auto start = Clock::now();
   for (BaselineTensor& t : enc->next) {
-    const BaselineTensor* p = FindByName(prev, t.spec.name());
+    const BaselineTensor* p = FindByPlace(prev, t.spec);
     if (p != nullptr && p->bytes == t.bytes) {
       t.digest_v2 = p->digest_v2;
     } else if (t.bytes != nullptr) {

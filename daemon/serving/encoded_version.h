@@ -29,8 +29,8 @@ struct Encoded {
   // StreamPass::defer_v1: the patched tensors' (`pending`) v1 digests are not computed yet
   // (digest 0) until FillDeferredV1.
   bool v1_deferred = false;
-  // GPU encoding: the GPU baseline of `next` (every tensor that has one), by name.
-  std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu;
+  // GPU encoding: the GPU baseline of `next` (every tensor that has one), by place.
+  GpuBaselineMap gpu;
   // CPU one pass: changed tensors whose next[k].bytes is still null. Each becomes its previous
   // baseline buffer patched in place, or a copy of the caller's bytes (UpdateBaselineBytes).
   struct Pending {

@@ -72,7 +72,7 @@ bool HostInputUnchanged(DeviceTensorJob& job, size_t k, Encoded* out) {
   t.digest = job.prev->digest;
   t.digest_v2 = job.prev->digest_v2;
   out->unchanged[k] = true;
-  if (job.old_gpu != nullptr) out->gpu[in.name] = std::move(job.old_gpu);
+  if (job.old_gpu != nullptr) out->gpu[TensorPlace::Of(t.spec)] = std::move(job.old_gpu);
   return true;
 }
 
@@ -218,12 +218,12 @@ absl::Status EncodeTensorOnDevice(const PublisherOptions& options, DeviceTensorJ
                            EncodeFusedOnDevice(options, job, std::move(now), k, out, &next, sum));
     now = std::move(next);
     if (unchanged) {
-      out->gpu[job.in->name] = std::move(now);
+      out->gpu[TensorPlace::Of(t.spec)] = std::move(now);
       return absl::OkStatus();
     }
   }
   REFIT_RETURN_IF_ERROR(DigestAndDownload(job, *now, job.same_spec, t, sum));
-  out->gpu[job.in->name] = std::move(now);
+  out->gpu[TensorPlace::Of(t.spec)] = std::move(now);
   return absl::OkStatus();
 }
 
@@ -256,12 +256,11 @@ absl::StatusOr<std::vector<TensorInput>> DownloadDeviceInputs(std::span<const Te
   return out;
 }
 
-absl::Status EncodeOnDevices(
-    const PublisherOptions& options, std::span<const TensorInput> inputs,
-    const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
-    const std::vector<BaselineTensor>& prev, const std::string& where,
-    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* out,
-    PublishSummary* sum) {
+absl::Status EncodeOnDevices(const PublisherOptions& options, std::span<const TensorInput> inputs,
+                             const std::vector<size_t>& order,
+                             const std::vector<v1::TensorSpec>& specs,
+                             const std::vector<BaselineTensor>& prev, const std::string& where,
+                             GpuBaselineMap* gpu_baseline, Encoded* out, PublishSummary* sum) {
   ResizeEncoded(order.size(), out);
   std::vector<cuda::Device*> used;
   for (size_t k = 0; k < order.size(); ++k) {
@@ -271,12 +270,12 @@ absl::Status EncodeOnDevices(
     t.dtype = in.dtype;
     DeviceTensorJob job;
     job.in = &in;
-    job.prev = FindByName(prev, in.name);
+    job.prev = FindByPlace(prev, t.spec);
     job.same_spec = SameSpecAs(job.prev, t.spec);
     job.bytes = static_cast<size_t>(*sync::TensorByteSize(t.spec));
     job.what =
         absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(order[k]), in.name));
-    if (auto it = gpu_baseline->find(in.name); it != gpu_baseline->end()) {
+    if (auto it = gpu_baseline->find(TensorPlace::Of(t.spec)); it != gpu_baseline->end()) {
       job.old_gpu = std::move(it->second);
       gpu_baseline->erase(it);
     }

@@ -20,12 +20,11 @@ namespace refit::publisher {
 // GPU encoding (PublisherCore's class comment): every tensor encoded and digested on its device
 // against its GPU baseline (`gpu_baseline`, whose entries are taken out as the tensors are
 // encoded; the caller installs out->gpu once the version is committed).
-absl::Status EncodeOnDevices(
-    const PublisherOptions& options, std::span<const TensorInput> inputs,
-    const std::vector<size_t>& order, const std::vector<v1::TensorSpec>& specs,
-    const std::vector<BaselineTensor>& prev, const std::string& where,
-    std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline, Encoded* out,
-    PublishSummary* sum);
+absl::Status EncodeOnDevices(const PublisherOptions& options, std::span<const TensorInput> inputs,
+                             const std::vector<size_t>& order,
+                             const std::vector<v1::TensorSpec>& specs,
+                             const std::vector<BaselineTensor>& prev, const std::string& where,
+                             GpuBaselineMap* gpu_baseline, Encoded* out, PublishSummary* sum);
 
 // CPU codec with DeviceBytes inputs: the same inputs with those copied to host buffers.
 absl::StatusOr<std::vector<TensorInput>> DownloadDeviceInputs(std::span<const TensorInput> given,

@@ -135,12 +135,18 @@ uint32_t RecordVersion(const LogRecord& r) {
   return 1;
 }
 
-// A tensor entry's part (record version 2): u8 0 (none) or 1, then u64 first_row, u8 whole rank
-// and the whole dimensions.
+// A tensor entry's part (record version 2): u8 flag 0 (none), 1 (a part along dim 0) or 2 (a
+// part along another dim), then u64 first_row, with flag 2 a u8 dim, then u8 whole rank and the
+// whole dimensions. Row parts keep flag 1, so logs written before parts had a dim read unchanged.
 void PutPart(std::vector<uint8_t>& out, const v1::TensorSpec& spec) {
-  PutU8(out, sync::IsPart(spec) ? 1 : 0);
-  if (!sync::IsPart(spec)) return;
+  if (!sync::IsPart(spec)) {
+    PutU8(out, 0);
+    return;
+  }
+  const uint32_t dim = spec.part().dim();
+  PutU8(out, dim == 0 ? 1 : 2);
   PutU64(out, spec.part().first_row());
+  if (dim != 0) PutU8(out, static_cast<uint8_t>(dim));
   PutU8(out, static_cast<uint8_t>(spec.part().whole_shape_size()));
   for (uint64_t d : spec.part().whole_shape()) PutU64(out, d);
 }
@@ -171,22 +177,43 @@ std::vector<uint8_t> EncodeBody(const LogRecord& r, uint32_t record_version) {
   return out;
 }
 
-// A tensor entry's part (PutPart); false when truncated or the flag is neither 0 nor 1.
+// A tensor entry's part (PutPart); false when truncated, the flag is not 0, 1 or 2, or flag 2
+// gives dim 0 (which flag 1 encodes).
 bool GetPart(Reader& in, v1::TensorSpec& spec) {
   uint8_t flag = 0;
-  if (!in.U8(&flag) || flag > 1) return false;
+  if (!in.U8(&flag) || flag > 2) return false;
   if (flag == 0) return true;
   uint64_t first_row = 0;
+  uint8_t dim = 0;
   uint8_t rank = 0;
-  if (!in.U64(&first_row) || !in.U8(&rank)) return false;
+  if (!in.U64(&first_row)) return false;
+  if (flag == 2 && (!in.U8(&dim) || dim == 0)) return false;
+  if (!in.U8(&rank)) return false;
   v1::TensorPart* part = spec.mutable_part();
   part->set_first_row(first_row);
+  part->set_dim(dim);
   for (uint8_t i = 0; i < rank; ++i) {
     uint64_t d = 0;
     if (!in.U64(&d)) return false;
     part->add_whole_shape(d);
   }
   return true;
+}
+
+// Entry `i` after the one before it: manifest order (name, then parts by dim and first index;
+// sync::SpecBefore), several entries of one name only as parts that tile along one dim without
+// overlapping (sync::CheckNextPart).
+absl::Status CheckEntryOrder(const v1::TensorSpec& before, const v1::TensorSpec& spec, uint32_t i,
+                             const std::string& where) {
+  if (before.name() != spec.name()) {
+    if (before.name() < spec.name()) return absl::OkStatus();
+    return absl::DataLossError(
+        absl::StrCat(where, ": tensor entry ", i, ": names not in ascending order"));
+  }
+  if (absl::Status st = sync::CheckNextPart(before, spec); !st.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": tensor entry ", i, ": ", st.message()));
+  }
+  return absl::OkStatus();
 }
 
 // One tensor entry of a record body (see EncodeBody).
@@ -287,10 +314,7 @@ absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
   r.tensors.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
     REFIT_ASSIGN_OR_RETURN(LogTensor t, DecodeTensor(in, i, where, record_version));
-    if (i > 0 && !(r.tensors.back().spec.name() < t.spec.name())) {
-      return absl::DataLossError(
-          absl::StrCat(where, ": tensor entry ", i, ": names not in ascending order"));
-    }
+    if (i > 0) REFIT_RETURN_IF_ERROR(CheckEntryOrder(r.tensors.back().spec, t.spec, i, where));
     r.tensors.push_back(std::move(t));
   }
   if (!in.done()) return absl::DataLossError(absl::StrCat(where, ": trailing bytes in the record"));

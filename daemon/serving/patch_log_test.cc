@@ -232,6 +232,77 @@ TEST(PatchLogTest, ARecordWithAPartIsRecordVersion2AndMixesWithVersion1) {
                                                           HasSubstr("beyond the whole tensor"))));
 }
 
+// Columns [first, first + cols) of the BF16 tensor "o" of shape [4, 6] (a part along dim 1).
+v1::TensorSpec ColumnPart(uint64_t first, uint64_t cols) {
+  v1::TensorSpec s = Spec("o", {4, cols});
+  s.mutable_part()->add_whole_shape(4);
+  s.mutable_part()->add_whole_shape(6);
+  s.mutable_part()->set_first_row(first);
+  s.mutable_part()->set_dim(1);
+  return s;
+}
+
+uint64_t U64At(const std::vector<uint8_t>& b, size_t at) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < 8; ++i) v |= static_cast<uint64_t>(b[at + i]) << (8 * i);
+  return v;
+}
+
+TEST(PatchLogTest, PartsAlongDim1AreFlag2WithADimByteAndSeveralPartsOfANameRoundTrip) {
+  LogRecord r = GoldenRecords()[0];
+  r.tensors.clear();
+  r.tensors.push_back({.spec = ColumnPart(0, 3),
+                       .kind = LogTensorKind::kDense,
+                       .digest = 0x11,
+                       .changed_elements = 12,
+                       .bytes = Bytes(std::vector<uint8_t>(24, 1))});
+  r.tensors.push_back({.spec = ColumnPart(3, 3),
+                       .kind = LogTensorKind::kDense,
+                       .digest = 0x12,
+                       .changed_elements = 12,
+                       .bytes = Bytes(std::vector<uint8_t>(24, 2))});
+  const std::vector<uint8_t> record = EncodeLogRecord(r);
+  EXPECT_EQ(std::string(record.begin(), record.begin() + 4), "RRE2");
+  const std::vector<uint8_t> body(record.begin() + kPatchRecordFrameBytes, record.end());
+  // Body: 5 u64 + u32 count; entry 0 at byte 44: u16 name length, "o", dtype, kind, rank 2, 2 u64
+  // dims, then the part at byte 66: flag 2, u64 first index, u8 dim, u8 whole rank, whole dims.
+  ASSERT_GE(body.size(), 93u);
+  EXPECT_EQ(body[44], 1);          // name length
+  EXPECT_EQ(body[46], 'o');        // name
+  EXPECT_EQ(body[48], 2);          // kind dense
+  EXPECT_EQ(body[49], 2);          // rank
+  EXPECT_EQ(U64At(body, 58), 3u);  // shape[1] (the part's columns)
+  EXPECT_EQ(body[66], 2);          // part flag: along a dim other than 0
+  EXPECT_EQ(U64At(body, 67), 0u);  // first index
+  EXPECT_EQ(body[75], 1);          // dim
+  EXPECT_EQ(body[76], 2);          // whole rank
+  EXPECT_EQ(U64At(body, 77), 4u);  // whole dims
+  EXPECT_EQ(U64At(body, 85), 6u);
+  REFIT_ASSERT_OK_AND_ASSIGN(LogRecord back, DecodeLogRecordBody(body, "here", 2));
+  ExpectSameRecord(back, r);
+  EXPECT_EQ(back.tensors[1].spec.part().dim(), 1u);
+  EXPECT_EQ(back.tensors[1].spec.part().first_row(), 3u);
+
+  // Flag 2 never encodes dim 0 (flag 1 does, as before parts had a dim).
+  std::vector<uint8_t> bad = body;
+  bad[75] = 0;
+  EXPECT_THAT(DecodeLogRecordBody(bad, "here", 2),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("bad part")));
+  // Parts of one name out of order, or overlapping, do not decode.
+  std::swap(r.tensors[0], r.tensors[1]);
+  std::vector<uint8_t> swapped = EncodeLogRecord(r);
+  EXPECT_THAT(DecodeLogRecordBody(std::span<const uint8_t>(swapped).subspan(kPatchRecordFrameBytes),
+                                  "here", 2),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("here: tensor entry 1")));
+  r.tensors[0].spec = ColumnPart(0, 4);
+  r.tensors[0].bytes = Bytes(std::vector<uint8_t>(32, 1));
+  r.tensors[1].spec = ColumnPart(2, 3);
+  const std::vector<uint8_t> overlap = EncodeLogRecord(r);
+  EXPECT_THAT(DecodeLogRecordBody(std::span<const uint8_t>(overlap).subspan(kPatchRecordFrameBytes),
+                                  "here", 2),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("here: tensor entry 1")));
+}
+
 TEST(PatchLogTest, TornTailIsTruncatedNotAnError) {
   const std::string dir = TempDir("torn");
   const std::string path = dir + "/patches.log";

@@ -22,18 +22,21 @@ struct Removal {
 };
 
 Removal Measure(const std::vector<GuardTensor>& current, const std::vector<GuardTensor>& next) {
+  // By name: the parts of one tensor (several entries of a name) count as that tensor.
   std::map<absl::string_view, uint64_t> next_bytes;
   for (const GuardTensor& t : next) next_bytes[t.name] += t.bytes;
+  std::map<absl::string_view, uint64_t> current_bytes;
+  for (const GuardTensor& t : current) current_bytes[t.name] += t.bytes;
   Removal r;
-  for (const GuardTensor& t : current) {
+  for (const auto& [name, bytes] : current_bytes) {
     ++r.current_tensors;
-    r.current_bytes += t.bytes;
-    auto it = next_bytes.find(t.name);
+    r.current_bytes += bytes;
+    auto it = next_bytes.find(name);
     if (it == next_bytes.end()) {
       ++r.removed_tensors;
-      r.removed_bytes += t.bytes;
-    } else if (it->second < t.bytes) {
-      r.removed_bytes += t.bytes - it->second;
+      r.removed_bytes += bytes;
+    } else if (it->second < bytes) {
+      r.removed_bytes += bytes - it->second;
     }
   }
   return r;

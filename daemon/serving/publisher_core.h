@@ -34,6 +34,8 @@
 #include "daemon/serving/live_version.h"
 #include "daemon/serving/persist_dir.h"
 #include "daemon/serving/publish_guard.h"
+#include "daemon/serving/tensor_cut.h"
+#include "daemon/serving/tensor_place.h"
 #include "daemon/serving/transfer.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
@@ -62,8 +64,9 @@ struct TensorInput {
   std::string name;
   DType dtype = DType::kBF16;
   std::vector<uint64_t> shape;  // empty for a scalar
-  // Set for a part of a larger tensor (TensorSpec.part: a shard publisher's rows of it; `shape`
-  // is the part's). Encoded, digested, kept and persisted like any tensor of `shape`.
+  // Set for a part of a larger tensor (TensorSpec.part: a shard publisher's rows of it, or one of
+  // the parts PublisherOptions::cut makes; `shape` is the part's). Encoded, digested, kept and
+  // persisted like any tensor of `shape`, keyed by its place (name, part dim, first index).
   std::optional<v1::TensorPart> part = std::nullopt;
   std::span<const uint8_t> data;
   // Optional: a buffer holding exactly `data` that the caller hands over. Where Publish would
@@ -74,6 +77,9 @@ struct TensorInput {
   // tensor's GPU baseline (no copy); with the CPU codec Publish copies it to host memory first.
   std::shared_ptr<const DeviceBytes> device_bytes;
 };
+
+// GPU encoding: tensors on their devices (or pinned), by place.
+using GpuBaselineMap = std::map<TensorPlace, std::shared_ptr<const DeviceBytes>>;
 
 struct PublisherOptions {
   // Memory budget of the patch history (sync::PatchHistory); the newest version is always kept.
@@ -121,6 +127,10 @@ struct PublisherOptions {
   cuda::Allocation::Kind gpu_baseline = cuda::Allocation::Kind::kDevice;
   // Degenerate versions are refused (config publisher.publish_guard; see publish_guard.h).
   PublishGuardOptions publish_guard;
+  // Tensor-parallel cuts (config publisher.cut; tensor_cut.h): Publish replaces every matched
+  // input by its parts before anything else, so each part is a tensor of the version (its own
+  // delta, digest and persisted entry). parts 0: none.
+  CutOptions cut;
   // CPU codec: the one pass per version (PublisherCore "CPU one pass"). false: the copying path
   // (memcmp, snapshot copy, digest, encode: four reads), kept for benchmarks (publish_bench).
   bool cpu_one_pass = true;
@@ -145,7 +155,7 @@ struct PublishSummary {
   uint64_t version = 0;
   uint64_t version_digest = 0;     // v1 (0 until the deferred v1 digests are recorded)
   uint64_t version_digest_v2 = 0;  // v2: the version's identity (Control, Status.digest_format)
-  size_t tensors = 0;
+  size_t tensors = 0;              // the version's tensors, each part counted (after cuts)
   size_t unchanged_tensors = 0;   // same spec and bytes as the previous version
   size_t patched_tensors = 0;     // encoded against the previous version
   size_t keyframe_tensors = 0;    // added, or dtype/shape changed (or the first version)
@@ -264,15 +274,16 @@ class PublisherCore {
   PublisherCore& operator=(const PublisherCore&) = delete;
 
   // Publishes `version` (> every version numbered so far, <= sync::kMaxVersion) made of
-  // `tensors` (names unique,
-  // non-empty list, sizes matching dtype and shape). Returns once the snapshot is taken, the
-  // patches encoded and the history updated: with persistence, after the lineage file records
-  // the number and the version's patch log record is queued for the persister (no baseline or
-  // log I/O on this path; see WaitPersisted). On error nothing changes.
-  // A degenerate version (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`.
-  // `inputs_read` (may be null) is called once the version is committed and the tensors' bytes
-  // are no longer read (before persisting): a caller lending its memory may then reuse it
-  // (on an error it may once Publish returns).
+  // `tensors` (non-empty list, sizes matching dtype and shape; each name one whole tensor or
+  // parts of it along one dim that do not overlap), after options.cut replaced the matched
+  // inputs by their parts (tensor_cut.h; its errors publish nothing). Returns once the snapshot is
+  // taken, the patches encoded and the history updated: with persistence, after the lineage file
+  // records the number and the version's patch log record is queued for the persister (no baseline
+  // or log I/O on this path; see WaitPersisted). On error nothing changes. A degenerate version
+  // (publish_guard.h) is FAILED_PRECONDITION unless `allow_degenerate`. `inputs_read` (may be null)
+  // is called once the version is committed and the tensors' bytes are no longer read (before
+  // persisting): a caller lending its memory may then reuse it (on an error it may once Publish
+  // returns).
   absl::StatusOr<PublishSummary> Publish(uint64_t version, std::span<const TensorInput> tensors,
                                          bool allow_degenerate = false,
                                          const std::function<void()>& inputs_read = nullptr);
@@ -415,10 +426,9 @@ class PublisherCore {
                           std::optional<LogRecord>* record, PublishSummary* sum)
       ABSL_LOCKS_EXCLUDED(mu_);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
-                      std::vector<BaselineTensor>& next,
-                      std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,
-                      VersionCounts counts, const PublishSummary& sum)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+                      std::vector<BaselineTensor>& next, GpuBaselineMap& gpu, VersionCounts counts,
+                      const PublishSummary& sum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const PublisherOptions options_;
   sync::PatchHistory history_;
@@ -435,10 +445,10 @@ class PublisherCore {
   uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;
   // Encoder changed-element counts per retained version and tensor (for VersionEnd).
   std::vector<VersionCounts> counts_ ABSL_GUARDED_BY(mu_);
-  // GPU encoding: the newest version's tensors on their devices (or pinned), by name; a subset
-  // of baseline_ (missing entries are uploaded from baseline_ when needed). Only Publish uses it.
-  std::map<std::string, std::shared_ptr<const DeviceBytes>> gpu_baseline_
-      ABSL_GUARDED_BY(publish_mu_);
+  // GPU encoding: the newest version's tensors on their devices (or pinned), by place
+  // (TensorPlace); a subset of baseline_ (missing entries are uploaded from baseline_ when
+  // needed). Only Publish uses it.
+  GpuBaselineMap gpu_baseline_ ABSL_GUARDED_BY(publish_mu_);
   // Wire bytes of the newest version from its previous one (a live version's size estimate).
   uint64_t newest_wire_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The streamed transfers' listener (its own lock; ordered after mu_ where both are held).

@@ -1,5 +1,5 @@
 // Small helpers shared by the .cc files that implement PublisherCore (clock, tensor lookup by
-// name, the retained versions' counts, a live version's Ends); not part of the core's interface.
+// place, the retained versions' counts, a live version's Ends); not part of the core's interface.
 #ifndef REFIT_DAEMON_SERVING_PUBLISHER_CORE_INTERNAL_H_
 #define REFIT_DAEMON_SERVING_PUBLISHER_CORE_INTERNAL_H_
 
@@ -16,6 +16,7 @@
 #include "daemon/common/hex.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/serving/tensor_place.h"
 #include "daemon/sync/history.h"
 #include "daemon/sync/version_digest.h"
 #include "daemon/sync/versions.h"
@@ -24,12 +25,12 @@ namespace refit::publisher {
 
 using Clock = std::chrono::steady_clock;
 
-inline const BaselineTensor* FindByName(const std::vector<BaselineTensor>& v,
-                                        const std::string& name) {
-  auto it = std::lower_bound(
-      v.begin(), v.end(), name,
-      [](const BaselineTensor& t, const std::string& n) { return t.spec.name() < n; });
-  return it != v.end() && it->spec.name() == name ? &*it : nullptr;
+// The tensor of `v` (manifest order) at `spec`'s place (name, and part dim and first index);
+// null when none.
+inline const BaselineTensor* FindByPlace(const std::vector<BaselineTensor>& v,
+                                         const v1::TensorSpec& spec) {
+  return FindAtPlace(v, spec,
+                     [](const BaselineTensor& t) -> const v1::TensorSpec& { return t.spec; });
 }
 
 inline uint64_t ElementsOf(const v1::TensorSpec& spec) {

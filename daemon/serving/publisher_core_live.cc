@@ -39,7 +39,7 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
   for (size_t k = 0; k < order.size(); ++k) {
     v1::TensorPlan* tp = h.add_tensors();
     *tp->mutable_spec() = specs[order[k]];
-    if (SameSpecAs(FindByName(prev, tp->spec().name()), tp->spec())) {
+    if (SameSpecAs(FindByPlace(prev, tp->spec()), tp->spec())) {
       tp->set_delivery(v1::DELIVERY_PATCH);
       v1::PatchStep* step = tp->add_steps();
       step->set_base_version(prev_version);

@@ -17,6 +17,7 @@
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_core_internal.h"
 #include "daemon/serving/publisher_persistence.h"
+#include "daemon/serving/tensor_cut.h"
 #include "daemon/serving/version_inputs.h"
 #include "daemon/sync/versions.h"
 
@@ -28,8 +29,8 @@ absl::Status EncodeVersion(const PublisherOptions& options, std::span<const Tens
                            const std::vector<size_t>& order,
                            const std::vector<v1::TensorSpec>& specs,
                            const std::vector<BaselineTensor>& prev, const std::string& where,
-                           std::map<std::string, std::shared_ptr<const DeviceBytes>>* gpu_baseline,
-                           const StreamPass& stream, Encoded* enc, PublishSummary* sum) {
+                           GpuBaselineMap* gpu_baseline, const StreamPass& stream, Encoded* enc,
+                           PublishSummary* sum) {
   if (options.device != nullptr) {
     REFIT_RETURN_IF_ERROR(
         EncodeOnDevices(options, given, order, specs, prev, where, gpu_baseline, enc, sum));
@@ -88,6 +89,14 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
   sum.version = version;
+  const std::string where = absl::StrCat("publish version ", version);
+  // Tensor-parallel cuts: the matched inputs become their parts (views or gathered buffers that
+  // live until Publish returns).
+  std::vector<TensorInput> cut;
+  if (options_.cut.parts > 0) {
+    REFIT_ASSIGN_OR_RETURN(cut, CutInputs(options_.cut, given, where));
+    given = cut;
+  }
   sum.tensors = given.size();
 
   std::vector<BaselineTensor> prev;
@@ -97,7 +106,6 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     prev = baseline_;
     prev_version = newest_version_;
   }
-  const std::string where = absl::StrCat("publish version ", version);
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
   REFIT_RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate,
@@ -230,8 +238,7 @@ absl::Status PublisherCore::RecordV1(uint64_t version, uint64_t prev_version,
 }
 
 void PublisherCore::InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
-                                   std::vector<BaselineTensor>& next,
-                                   std::map<std::string, std::shared_ptr<const DeviceBytes>>& gpu,
+                                   std::vector<BaselineTensor>& next, GpuBaselineMap& gpu,
                                    VersionCounts counts, const PublishSummary& sum) {
   absl::MutexLock lock(&mu_);
   update_baseline();

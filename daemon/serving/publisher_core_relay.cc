@@ -190,6 +190,17 @@ absl::Status CheckAdoptedDigest(const v1::VersionHeader& h, const std::vector<Ad
   return absl::OkStatus();
 }
 
+// The position in `order` (input indices in manifest order of `specs`) of the input at `spec`'s
+// place; order.end() when none.
+std::vector<size_t>::const_iterator GivenAtPlace(const std::vector<v1::TensorSpec>& specs,
+                                                 const std::vector<size_t>& order,
+                                                 const v1::TensorSpec& spec) {
+  auto it = std::lower_bound(
+      order.begin(), order.end(), spec,
+      [&](size_t k, const v1::TensorSpec& s) { return sync::SpecBefore(specs[k], s); });
+  return it != order.end() && sync::SamePlace(specs[*it], spec) ? it : order.end();
+}
+
 absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
     const LiveVersion& live, std::span<const TensorInput> given,
     const std::vector<v1::TensorSpec>& specs, const std::vector<size_t>& order,
@@ -201,11 +212,9 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
   out.reserve(given.size());
   for (size_t i = 0; i < given.size(); ++i) {
     const v1::TensorPlan& tp = h.tensors(static_cast<int>(i));
-    // The header is in name order (a relayed header keeps the upstream's manifest order).
-    auto it = std::lower_bound(order.begin(), order.end(), tp.spec().name(),
-                               [&](size_t k, const std::string& n) { return given[k].name < n; });
-    const TensorInput* in =
-        it != order.end() && given[*it].name == tp.spec().name() ? &given[*it] : nullptr;
+    // The header is in manifest order (a relayed header keeps the upstream's manifest order).
+    auto it = GivenAtPlace(specs, order, tp.spec());
+    const TensorInput* in = it != order.end() ? &given[*it] : nullptr;
     if (in == nullptr || !objects[i].has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": ", sync::DescribeTensor(static_cast<uint32_t>(i), tp.spec().name()),
@@ -218,7 +227,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
     }
     REFIT_ASSIGN_OR_RETURN(
         AdoptedTensor a,
-        AdoptTensor(tp, i, *objects[i], *in, FindByName(prev, tp.spec().name()), e1, e2, where));
+        AdoptTensor(tp, i, *objects[i], *in, FindByPlace(prev, tp.spec()), e1, e2, where));
     sum->changed_elements += a.changed;
     sum->unchanged_tensors += a.unchanged ? 1 : 0;
     sum->patched_tensors += a.update.patch != nullptr ? 1 : 0;
@@ -229,9 +238,7 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
     out.push_back(std::move(a));
   }
   for (const BaselineTensor& p : prev) {
-    auto it = std::lower_bound(order.begin(), order.end(), p.spec.name(),
-                               [&](size_t k, const std::string& n) { return given[k].name < n; });
-    if (it == order.end() || given[*it].name != p.spec.name()) ++sum->removed_tensors;
+    if (GivenAtPlace(specs, order, p.spec) == order.end()) ++sum->removed_tensors;
   }
   return out;
 }
@@ -368,11 +375,11 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   VersionCounts counts;
   counts.version = h.version();
   for (AdoptedTensor& a : adopted) {
-    counts.changed.emplace_back(a.tensor.spec.name(), a.changed);
+    counts.changed.emplace_back(TensorPlace::Of(a.tensor.spec), a.changed);
     updates.push_back(a.update);  // a copy: the install applies a.update.patch in place
   }
   std::sort(adopted.begin(), adopted.end(), [](const AdoptedTensor& a, const AdoptedTensor& b) {
-    return a.tensor.spec.name() < b.tensor.spec.name();
+    return sync::SpecBefore(a.tensor.spec, b.tensor.spec);
   });
   std::sort(counts.changed.begin(), counts.changed.end());
   prev.clear();  // the previous buffers are now referenced by baseline_, adopted and transfers
@@ -381,7 +388,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   LiveEnds ends;
   REFIT_RETURN_IF_ERROR(RecordInHistory(h.version(), prev_version, std::move(updates),
                                         /*live=*/false, where, &sum, &lineage, &ends));
-  std::map<std::string, std::shared_ptr<const DeviceBytes>> no_gpu;
+  GpuBaselineMap no_gpu;
   std::vector<BaselineTensor> next;
   InstallVersion(
       h.version(), [&] { AdoptBaselineBytes(adopted, options_.encode_threads, &next, &sum); }, next,

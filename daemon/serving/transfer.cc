@@ -66,13 +66,13 @@ absl::Status Transfer::AddObject(uint32_t tensor_index, uint32_t part,
   return absl::OkStatus();
 }
 
-// Plan tensor `index`'s baseline tensor, from *j on (both in name order; a selection skips
+// Plan tensor `index`'s baseline tensor, from *j on (both in manifest order; a selection skips
 // some); Internal when it is missing or its digest is not the plan's.
 static absl::StatusOr<const BaselineTensor*> PlannedBaseline(
     const sync::TransferPlan& plan, uint32_t index, const std::vector<BaselineTensor>& baseline,
     sync::DigestFormat format, size_t* j) {
   const sync::TensorDelivery& d = plan.tensors[index];
-  while (*j < baseline.size() && baseline[*j].spec.name() < d.plan.spec().name()) ++*j;
+  while (*j < baseline.size() && sync::SpecBefore(baseline[*j].spec, d.plan.spec())) ++*j;
   if (*j == baseline.size()) {
     return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
                                             sync::DescribeTensor(index, d.plan.spec().name()),
@@ -80,7 +80,7 @@ static absl::StatusOr<const BaselineTensor*> PlannedBaseline(
   }
   const BaselineTensor& b = baseline[*j];
   const uint64_t b_digest = format == sync::DigestFormat::kV2 ? b.digest_v2 : b.digest;
-  if (b.spec.name() != d.plan.spec().name() || b_digest != d.digest) {
+  if (!sync::SamePlace(b.spec, d.plan.spec()) || b_digest != d.digest) {
     return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
                                             sync::DescribeTensor(index, d.plan.spec().name()),
                                             " of the plan does not match the baseline"));
@@ -90,18 +90,18 @@ static absl::StatusOr<const BaselineTensor*> PlannedBaseline(
 
 namespace {
 
-// The encoder's changed elements of tensor `name` summed over the plan's chain
+// The encoder's changed elements of the tensor at `place` summed over the plan's chain
 // (base_version, version].
 uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
-                              const sync::TransferPlan& plan, const std::string& name) {
+                              const sync::TransferPlan& plan, const TensorPlace& place) {
   uint64_t changed = 0;
   for (const VersionCounts& c : counts) {
     if (c.version <= plan.base_version || c.version > plan.version) continue;
-    auto it = std::lower_bound(c.changed.begin(), c.changed.end(), name,
-                               [](const std::pair<std::string, uint64_t>& e, const std::string& n) {
-                                 return e.first < n;
+    auto it = std::lower_bound(c.changed.begin(), c.changed.end(), place,
+                               [](const std::pair<TensorPlace, uint64_t>& e, const TensorPlace& p) {
+                                 return e.first < p;
                                });
-    if (it != c.changed.end() && it->first == name) changed += it->second;
+    if (it != c.changed.end() && it->first == place) changed += it->second;
   }
   return changed;
 }
@@ -137,7 +137,7 @@ absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
         for (size_t s = 0; s < d.patches.size(); ++s) {
           REFIT_RETURN_IF_ERROR(AddObject(index, static_cast<uint32_t>(s), *d.patches[s], false));
         }
-        changed_elements_ += ChainChangedElements(counts, plan, d.plan.spec().name());
+        changed_elements_ += ChainChangedElements(counts, plan, TensorPlace::Of(d.plan.spec()));
         break;
       default: break;  // unchanged: no frames
     }

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/serving/tensor_place.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/history.h"
 #include "refit/v1/data.pb.h"
@@ -23,10 +24,10 @@ class PublisherCore;
 struct BaselineTensor;
 
 // The encoder's changed-element counts of one version retained by a PublisherCore, per tensor
-// (for the VersionEnd of the transfers that carry it).
+// place (for the VersionEnd of the transfers that carry it).
 struct VersionCounts {
   uint64_t version = 0;
-  std::vector<std::pair<std::string, uint64_t>> changed;  // name order
+  std::vector<std::pair<TensorPlace, uint64_t>> changed;  // place order
 };
 
 struct TransferOptions {

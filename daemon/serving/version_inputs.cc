@@ -52,13 +52,20 @@ absl::Status ValidateInputs(std::span<const TensorInput> given, const std::strin
   order.resize(given.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return given[a].name < given[b].name; });
+            [&](size_t a, size_t b) { return sync::SpecBefore(specs[a], specs[b]); });
   for (size_t k = 1; k < order.size(); ++k) {
-    if (given[order[k]].name == given[order[k - 1]].name) {
-      const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
+    const v1::TensorSpec& x = specs[order[k - 1]];
+    const v1::TensorSpec& y = specs[order[k]];
+    if (x.name() != y.name()) continue;
+    const size_t a = std::min(order[k], order[k - 1]), b = std::max(order[k], order[k - 1]);
+    if (!sync::IsPart(x) && !sync::IsPart(y)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": ", sync::DescribeTensor(static_cast<uint32_t>(b), given[b].name),
                        " has the same name as tensor ", a));
+    }
+    // Several parts of one name: along one dim, same dtype and whole shape, not overlapping.
+    if (absl::Status st = sync::CheckNextPart(x, y); !st.ok()) {
+      return AnnotateAs(absl::StatusCode::kInvalidArgument, st, where, ": tensors ", a, " and ", b);
     }
   }
 
@@ -67,7 +74,7 @@ absl::Status ValidateInputs(std::span<const TensorInput> given, const std::strin
 
 void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, PublishSummary* sum,
                       std::vector<sync::TensorUpdate>* updates,
-                      std::vector<std::pair<std::string, uint64_t>>* counts) {
+                      std::vector<std::pair<TensorPlace, uint64_t>>* counts) {
   for (size_t k = 0; k < enc.next.size(); ++k) {
     const BaselineTensor& t = enc.next[k];
     const uint64_t elems = ElementsOf(t.spec);
@@ -86,7 +93,7 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
       sum->changed_elements += elems;
       sum->wire_bytes += bytes;
     }
-    counts->emplace_back(t.spec.name(), enc.changed[k]);
+    counts->emplace_back(TensorPlace::Of(t.spec), enc.changed[k]);
     sync::TensorUpdate u;
     u.spec = t.spec;
     u.digest = t.digest;
@@ -96,7 +103,7 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
     updates->push_back(std::move(u));
   }
   for (const BaselineTensor& p : prev) {
-    if (FindByName(enc.next, p.spec.name()) == nullptr) ++sum->removed_tensors;
+    if (FindByPlace(enc.next, p.spec) == nullptr) ++sum->removed_tensors;
   }
 }
 

@@ -17,16 +17,18 @@
 
 namespace refit::publisher {
 
-// Publish, step 1: every input valid (dtype, spec, size, data), names unique. Fills the specs
-// (input order) and `order` (input indices in name order).
+// Publish, step 1: every input valid (dtype, spec, size, data), places unique: a name is one
+// whole tensor or parts along one dim with the same dtype and whole shape that do not overlap
+// (sync::CheckNextPart). Fills the specs (input order) and `order` (input indices in manifest
+// order, sync::SpecBefore).
 absl::Status ValidateInputs(std::span<const TensorInput> given, const std::string& where,
                             std::vector<v1::TensorSpec>* specs_out, std::vector<size_t>* order_out);
 
 // Publish, the summary's counts of an encoded version; the history's updates and the changed
-// element counts per tensor (name order) for VersionEnd.
+// element counts per tensor (place order) for VersionEnd.
 void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, PublishSummary* sum,
                       std::vector<sync::TensorUpdate>* updates,
-                      std::vector<std::pair<std::string, uint64_t>>* counts);
+                      std::vector<std::pair<TensorPlace, uint64_t>>* counts);
 
 // The guard's view of a version: names and byte sizes.
 std::vector<GuardTensor> GuardTensorsOf(const std::vector<v1::TensorSpec>& specs);
