@@ -126,7 +126,7 @@ absl::StatusOr<uint64_t> PatchHistory::Add(uint64_t version, std::vector<TensorU
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return tensors[a].spec.name() < tensors[b].spec.name();
+    return SpecBefore(tensors[a].spec, tensors[b].spec);  // parts of a name by dim, first index
   });
   for (size_t i : order) {
     if (tensors[i].digest_pending) tensors[i].digest = 0;  // ignored until CompleteV1Digests

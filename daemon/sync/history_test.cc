@@ -440,6 +440,34 @@ TEST(PatchHistory, PendingV1DigestsAreCompletedLater) {
   EXPECT_EQ(plan->End().SerializeAsString(), ref_plan->End().SerializeAsString());
 }
 
+TEST(PatchHistory, ManyPartsOfANameAreRecordedInManifestOrder) {
+  // 40 column parts of one tensor given last part first (a sort by name alone may leave them in
+  // any order): the record's manifest, and so its version digest, is by first index.
+  constexpr uint64_t kParts = 40;
+  std::vector<TensorUpdate> updates;
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  for (uint64_t k = 0; k < kParts; ++k) {
+    v1::TensorSpec s = BF16("w", {3, 1});
+    s.mutable_part()->set_dim(1);
+    s.mutable_part()->set_first_row(k);
+    s.mutable_part()->add_whole_shape(3);
+    s.mutable_part()->add_whole_shape(kParts);
+    manifest.push_back(s);
+    digests.push_back(1000 + k);
+  }
+  for (uint64_t k = kParts; k-- > 0;) {
+    TensorUpdate u;
+    u.spec = manifest[k];
+    u.digest = digests[k];
+    updates.push_back(std::move(u));
+  }
+  PatchHistory h(1 << 20);
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t got, h.Add(1, std::move(updates)));
+  REFIT_ASSERT_OK_AND_ASSIGN(uint64_t want, VersionDigest(manifest, digests));
+  EXPECT_EQ(got, want);
+}
+
 TEST(PatchHistory, EvictsOldestWithinBudget) {
   std::mt19937 rng(7);
   Model m;

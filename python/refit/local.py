@@ -120,13 +120,19 @@ def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] =
                    control_tls: Optional[dict] = None,
                    control_access: str = LOOPBACK_CONTROL_ACCESS,
                    publish_dirs: Optional[list] = None, export_dir: Optional[str] = None,
-                   shard: Optional[tuple] = None) -> str:
+                   shard: Optional[tuple] = None, cut: Optional[dict] = None) -> str:
     """A publisher on 127.0.0.1:0 with its local socket in `directory`; optionally a separate
     Control listener (e.g. "127.0.0.1:0") with TLS ({"cert", "key", "ca"} PEM paths), who may
     call Control (`control_access`, a YAML flow mapping; "" = the daemon's default), the
     directories Control publish may read (publish_dirs) and export may write (export_dir), and
-    `shard` = (set, index, count): publisher.shard, one shard publisher of a sharded version."""
+    `shard` = (set, index, count): publisher.shard, one shard publisher of a sharded version;
+    `cut` = {"parts": R, "rows": [patterns], "columns": [patterns]}: publisher.cut, tensors
+    published as one part per tensor-parallel rank."""
     shard_yaml = ""
+    if cut is not None:
+        shard_yaml += (f"  cut:\n    parts: {int(cut['parts'])}\n"
+                       f"    rows: {json.dumps(list(cut.get('rows', [])))}\n"
+                       f"    columns: {json.dumps(list(cut.get('columns', [])))}\n")
     if shard is not None:
         shard_set, index, count = shard
         shard_yaml = (f"  shard: {{set: {json.dumps(shard_set)}, index: {int(index)}, "
@@ -143,10 +149,14 @@ def publisher_yaml(name: str, directory: str, *, control_listen: Optional[str] =
             f"  codec:\n    device: cpu\n    threads: 2\n")
 
 
-def _upstream_yaml(upstream: str, shards: Optional[list], shard_set: str) -> str:
-    """upstream.addresses, or upstream.shard_set and upstream.shards."""
+def _upstream_yaml(upstream: str, shards: Optional[list], shard_set: str,
+                   tp_slice: Optional[tuple] = None) -> str:
+    """upstream.addresses (and upstream.slice), or upstream.shard_set and upstream.shards."""
     if not shards:
-        return f"    addresses: [{json.dumps(upstream)}]\n"
+        y = f"    addresses: [{json.dumps(upstream)}]\n"
+        if tp_slice is not None:
+            y += f"    slice: {{rank: {int(tp_slice[0])}, ranks: {int(tp_slice[1])}}}\n"
+        return y
     y = f"    shard_set: {json.dumps(shard_set)}\n    shards:\n"
     return y + "".join(f"    - addresses: [{json.dumps(a)}]\n" for a in shards)
 
@@ -160,13 +170,16 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
                     cuda_device_uuid: Optional[str] = None,
                     export_dir: Optional[str] = None, digest_v2: bool = True,
                     store_extra: Optional[dict] = None,
-                    shards: Optional[list] = None, shard_set: str = "") -> str:
+                    shards: Optional[list] = None, shard_set: str = "",
+                    tp_slice: Optional[tuple] = None) -> str:
     """A subscriber of `upstream` (or, with `shards`, of every shard publisher of `shard_set`:
     one address per shard, in index order; `upstream` is then unused) with a store of `slots`
     slots (`store_kind` "shm", or "cuda":
     device memory on GPU 0 or `cuda_device_uuid`); optionally lease TTLs (leases.default_ttl_ms /
     max_ttl_ms) and a separate Control listener with TLS. `digest_v2`: store.digest_v2 (False: the
-    subscriber asks for tensor digest v1; a single-copy store, slots 1, needs v2); `store_extra`: more store fields (key -> value)."""
+    subscriber asks for tensor digest v1; a single-copy store, slots 1, needs v2); `store_extra`: more store fields (key -> value);
+    `tp_slice` = (rank, ranks): upstream.slice, only that tensor-parallel rank's share of each
+    tensor the publisher cuts."""
     leases = ""
     if lease_default_ttl_ms is not None or lease_max_ttl_ms is not None:
         leases = "  leases:\n"
@@ -186,7 +199,8 @@ def subscriber_yaml(name: str, directory: str, upstream: str, slots: int = 3, *,
     return (f"subscriber:\n"
             f"  name: {json.dumps(name)}\n"
             f"  log_level: info\n"
-            f"  upstream:\n{_upstream_yaml(upstream, shards, shard_set)}    connections: 2\n"
+            f"  upstream:\n{_upstream_yaml(upstream, shards, shard_set, tp_slice)}"
+            f"    connections: 2\n"
             f"    backoff:\n      initial_ms: 20\n      max_ms: 300\n"
             f"  listen: \"127.0.0.1:0\"\n"
             f"  local_socket: {json.dumps(os.path.join(directory, name + '-local.sock'))}\n"

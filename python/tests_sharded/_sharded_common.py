@@ -250,11 +250,13 @@ def wait_until(pred, what: str, timeout: float = WAIT_S, every: float = 0.02):
         time.sleep(every)
 
 
-def run_fsdp(env, tmp_path, world: int, sockets, versions: int, lr: float):
+def run_fsdp(env, tmp_path, world: int, sockets, versions: int, lr: float, check=None):
     """FSDP2 ranks (`_sharded_workers.fsdp_rank`) training and publishing `versions` versions,
     rank r to publisher socket sockets[r]: checks every version on the subscriber (bit-exact,
-    deltas after the first) and that each publisher's round completed once per version (one
+    deltas after the first; `check(env, version, full tensors, delta=...)` instead of
+    check_version when given) and that each publisher's round completed once per version (one
     committing Publish per distinct socket). Returns the subscriber's last_refit per version."""
+    check = check or check_version
     import _sharded_workers as workers
     names = [n for n, _ in TinyLM().named_parameters()]
     procs = Procs()
@@ -273,7 +275,7 @@ def run_fsdp(env, tmp_path, world: int, sockets, versions: int, lr: float):
             assert all(p[2] == version for p in published), published
             assert sum(p[3] for p in published) == len(set(sockets)), \
                 f"version {version}: {published}"
-            refits.append(check_version(env, version, full, delta=version > 1))
+            refits.append(check(env, version, full, delta=version > 1))
             ack.put(version)
         for _ in range(world):
             procs.get("done")
