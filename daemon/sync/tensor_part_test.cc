@@ -80,7 +80,8 @@ TEST(TensorPart, PartsAlongDimOneAreColumns) {
   EXPECT_FALSE(IsRowPart(p));
   EXPECT_TRUE(IsRowPart(Part("w", 3, 5, 10)));
   EXPECT_EQ(DescribeSpec(p), R"("o" columns [4, 8) of 8)");
-  EXPECT_EQ(std::vector<uint64_t>(WholeSpec(p).shape().begin(), WholeSpec(p).shape().end()),
+  const v1::TensorSpec whole = WholeSpec(p);  // one object: both iterators from its shape
+  EXPECT_EQ(std::vector<uint64_t>(whole.shape().begin(), whole.shape().end()),
             (std::vector<uint64_t>{3, 8}));
   EXPECT_THAT(ValidateTensorSpec(Cols("o", 6, 4, 8)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("columns [6, 10) beyond")));
