@@ -330,6 +330,73 @@ TEST(PublisherGpuCoreTest, FormatTwoOnTheGpuEncodesLikeTheCpu) {
   ExpectGpuCoresEncodeLikeTheCpu(2);
 }
 
+// Tensor-parallel cuts (PublisherOptions::cut) with GPU encoding: the host parts are uploaded
+// and encoded per place (several parts of a name in the GPU baseline), giving the CPU core's
+// baselines and wire frames; device snapshots cannot be cut (FAILED_PRECONDITION).
+TEST(PublisherGpuCoreTest, CutVersionsEncodeOnTheGpuLikeTheCpu) {
+  REQUIRE_DEVICE();
+  auto device = OpenTestDevice();
+  ASSERT_NE(device, nullptr);
+  auto cut_core = [&](cuda::Device* d, Kind kind) {
+    PublisherOptions o;
+    o.encode_threads = 1;
+    o.digest_threads = 1;
+    o.block_log2 = 12;
+    o.device = d;
+    o.gpu_baseline = kind;
+    o.cut = CutOptions{3, {"w"}, {"o"}};
+    auto core = PublisherCore::Open(o);
+    EXPECT_THAT(core, IsOk());
+    return core.ok() ? std::move(*core) : nullptr;
+  };
+  std::vector<std::unique_ptr<PublisherCore>> cores;
+  cores.push_back(cut_core(nullptr, Kind::kDevice));
+  cores.push_back(cut_core(device.get(), Kind::kDevice));
+  cores.push_back(cut_core(device.get(), Kind::kPinnedHost));
+  for (const auto& c : cores) ASSERT_NE(c, nullptr);
+  std::mt19937 rng(11);
+  std::vector<Tensor> model = {
+      sync::testing::RandomTensor(sync::testing::BF16("b", {10}), rng),
+      sync::testing::RandomTensor(sync::testing::BF16("o", {40, 96}), rng),
+      sync::testing::RandomTensor(sync::testing::BF16("w", {64, 48}), rng)};
+  std::vector<uint64_t> digests;
+  for (uint64_t version = 1; version <= 3; ++version) {
+    if (version > 1) {
+      sync::testing::Perturb(model[1], 0.01, rng);
+      if (version == 3) sync::testing::Perturb(model[2], 0.01, rng);
+    }
+    for (auto& c : cores) {
+      ASSERT_THAT(c->Publish(version, Inputs(model, version, Feed::kHost, nullptr, Kind::kDevice)),
+                  IsOk())
+          << "version " << version;
+    }
+    digests.push_back(cores[0]->newest_version_digest());
+    const std::vector<BaselineTensor> want = cores[0]->Baseline();
+    ASSERT_EQ(want.size(), 7u);
+    for (size_t k = 1; k < cores.size(); ++k) {
+      SCOPED_TRACE(::testing::Message() << "core " << k << " version " << version);
+      EXPECT_EQ(cores[k]->newest_version_digest(), digests.back());
+      const std::vector<BaselineTensor> got = cores[k]->Baseline();
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(sync::SameSpec(got[i].spec, want[i].spec)) << i;
+        EXPECT_EQ(*got[i].bytes, *want[i].bytes) << i;
+      }
+      EXPECT_EQ(Frames(*cores[k], 0, 0), Frames(*cores[0], 0, 0));
+      for (uint64_t from = 1; from < version; ++from) {
+        EXPECT_EQ(Frames(*cores[k], from, digests[from - 1]),
+                  Frames(*cores[0], from, digests[from - 1]))
+            << "from " << from;
+      }
+    }
+  }
+  // Device snapshots are not cut.
+  EXPECT_THAT(cores[1]->Publish(4, Inputs(model, 4, Feed::kDevice, device.get(), Kind::kDevice)),
+              ::refit::testing::StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("cuts need host inputs")));
+  EXPECT_EQ(cores[1]->newest_version(), 3u);
+}
+
 // A GPU core reloading a persisted baseline has no GPU baseline yet: it uploads the host
 // baseline as the base of its first encode, with the CPU core's patches.
 TEST(PublisherGpuCoreTest, ReloadedBaselineIsUploadedAsTheBase) {

@@ -155,7 +155,7 @@ absl::StatusOr<PersistedMeta> ParsePersistedMeta(const model::SafetensorsFile& f
   return m;
 }
 
-// The persisted tensors, each checked against its recorded v1 digest (v2 computed), name order.
+// The persisted tensors, each checked against its recorded v1 digest (v2 computed), manifest order.
 absl::StatusOr<std::vector<BaselineTensor>> LoadPersistedTensors(const model::SafetensorsFile& file,
                                                                  const PersistedMeta& meta,
                                                                  const std::string& where,

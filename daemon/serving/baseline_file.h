@@ -1,5 +1,5 @@
 // The persisted baseline's file format: the publisher's newest version written as a safetensors
-// file (tensors in name order) whose metadata holds the version, its digest, each tensor's v1
+// file (tensors in manifest order) whose metadata holds the version, its digest, each tensor's v1
 // digest (hex), the snapshot time, the lineage and, per tensor that is a part (TensorSpec.part),
 // `refit.part.<name>` (its first row and whole shape; the file holds the part's rows); read back
 // with every tensor checked against its recorded digest. The file format lives here, outside

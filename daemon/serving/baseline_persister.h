@@ -43,7 +43,7 @@ struct BaselineSnapshot {
   uint64_t version_digest = 0;
   uint64_t snapshot_unix_nanos = 0;
   uint64_t lineage = 0;
-  std::vector<BaselineTensor> tensors;  // name order
+  std::vector<BaselineTensor> tensors;  // manifest order
 };
 
 struct PersisterOptions {
@@ -137,7 +137,7 @@ struct ReplayedVersion {
 };
 
 struct LogReplay {
-  std::vector<BaselineTensor> tensors;    // after the last replayed version (name order)
+  std::vector<BaselineTensor> tensors;    // after the last replayed version (manifest order)
   std::vector<ReplayedVersion> versions;  // ascending
   uint32_t skipped = 0;  // records at or below the baseline's version
   // Why replay stopped before the end of the log (OK: every record replayed): a corrupt
@@ -146,12 +146,12 @@ struct LogReplay {
   absl::Status stopped;
 };
 
-// Replays `log`'s records above `base_version` onto `base` (the baseline, name order).
+// Replays `log`'s records above `base_version` onto `base` (the baseline, manifest order).
 LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_version,
                     uint64_t lineage, const LogReadResult& log, const std::string& path,
                     int threads);
 
-// The record of a committed version: `next` (name order) with, per tensor, its patch from the
+// The record of a committed version: `next` (manifest order) with, per tensor, its patch from the
 // previous version (null: dense unless unchanged), the encoder's changed-element counts, and
 // the previous version's tensors `prev` (manifest order) for the unchanged ones.
 LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t version_digest,

@@ -70,7 +70,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
   return bases;
 }
 
-// CPU one pass, one batch: the tensors `ks` (name-order indices, each with a base) compared,
+// CPU one pass, one batch: the tensors `ks` (manifest-order indices, each with a base) compared,
 // encoded and digested by one EncodePatchesWithDigests.
 absl::Status EncodeBatch(const PublisherOptions& options, std::span<const TensorInput> inputs,
                          const std::vector<size_t>& order,
@@ -311,7 +311,7 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
 
 // StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
 // caller's bytes (valid until Publish returns), into enc->next and the log record. Returns every
-// tensor's v1 digest in name order.
+// tensor's v1 digest in manifest order.
 std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<LogRecord>* record,
                                      PublishSummary* sum) {
   const auto start = Clock::now();

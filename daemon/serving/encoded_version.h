@@ -1,4 +1,4 @@
-// What the encoding of one version produced (Encoded, tensors in name order) and how a pass is
+// What the encoding of one version produced (Encoded, tensors in manifest order) and how a pass is
 // streamed (StreamPass): the data PublisherCore::Publish hands between its encode steps (CPU
 // codec, GPU encoding, summary, commit).
 #ifndef REFIT_DAEMON_SERVING_ENCODED_VERSION_H_
@@ -20,7 +20,7 @@
 
 namespace refit::publisher {
 
-// What the encoding of one version produced, tensors in name order.
+// What the encoding of one version produced, tensors in manifest order.
 struct Encoded {
   std::vector<BaselineTensor> next;
   std::vector<bool> unchanged;            // same spec and bytes as the previous version

@@ -194,7 +194,7 @@ absl::Status DigestAndDownload(const DeviceTensorJob& job, const DeviceBytes& no
   return absl::OkStatus();
 }
 
-// GPU encoding of one tensor (name order k): steps 1-5.
+// GPU encoding of one tensor (manifest order k): steps 1-5.
 absl::Status EncodeTensorOnDevice(const PublisherOptions& options, DeviceTensorJob& job, size_t k,
                                   Encoded* out, std::vector<cuda::Device*>* used,
                                   PublishSummary* sum) {

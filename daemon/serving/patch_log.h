@@ -62,7 +62,7 @@ struct LogRecord {
   uint64_t version_digest = 0;
   uint64_t lineage = 0;
   uint64_t snapshot_unix_nanos = 0;
-  std::vector<LogTensor> tensors;  // the whole manifest, name order
+  std::vector<LogTensor> tensors;  // the whole manifest, manifest order
 
   // Bytes the record holds (patch + dense bytes), for queue bounds.
   uint64_t payload_bytes() const;

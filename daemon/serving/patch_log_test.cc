@@ -303,6 +303,69 @@ TEST(PatchLogTest, PartsAlongDim1AreFlag2WithADimByteAndSeveralPartsOfANameRound
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("here: tensor entry 1")));
 }
 
+// The golden content of record version 2 with every part flag: version 6 after version 5 of the
+// golden log holds "a.weight" rows [4, 6) of [10, 3] (flag 1), "o" as two column parts of [4, 6]
+// (flag 2, dim 1) and "z" whole (flag 0).
+LogRecord GoldenPartsRecord() {
+  LogRecord r;
+  r.version = 6;
+  r.base_version = 5;
+  r.version_digest = 0x0605040302010009ull;
+  r.lineage = GoldenHeader().lineage;
+  r.snapshot_unix_nanos = 1764590400000002000ull;
+  v1::TensorSpec rows = Spec("a.weight", {2, 3});
+  rows.mutable_part()->add_whole_shape(10);
+  rows.mutable_part()->add_whole_shape(3);
+  rows.mutable_part()->set_first_row(4);
+  r.tensors.push_back({.spec = rows,
+                       .kind = LogTensorKind::kDense,
+                       .digest = 0xa8,
+                       .changed_elements = 6,
+                       .bytes = Bytes(std::vector<uint8_t>(12, 7))});
+  r.tensors.push_back({.spec = ColumnPart(0, 3),
+                       .kind = LogTensorKind::kPatch,
+                       .digest = 0xd1,
+                       .changed_elements = 1,
+                       .bytes = Bytes({0xee, 0x01})});
+  r.tensors.push_back({.spec = ColumnPart(3, 3),
+                       .kind = LogTensorKind::kUnchanged,
+                       .digest = 0xd2,
+                       .changed_elements = 0,
+                       .bytes = nullptr});
+  r.tensors.push_back({.spec = Spec("z", {1}),
+                       .kind = LogTensorKind::kDense,
+                       .digest = 0xf1,
+                       .changed_elements = 1,
+                       .bytes = Bytes({0x3f, 0x80})});
+  return r;
+}
+
+// testdata/patch_log_v2_parts.bin: the golden log followed by GoldenPartsRecord (an "RRE2" record
+// whose entries use part flags 0, 1 and 2). Regenerate with REFIT_UPDATE_GOLDEN=1 only for a
+// deliberate format change.
+TEST(PatchLogTest, GoldenFileWithPartsAlongTwoDimsIsFrozen) {
+  const std::string golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/patch_log_v2_parts.bin";
+  const std::string fresh = TempDir("golden_parts") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(fresh));
+  {
+    REFIT_ASSERT_OK_AND_ASSIGN(auto w,
+                               PatchLogWriter::OpenForAppend(fresh, ReadFile(fresh).size(), false));
+    ASSERT_THAT(w->Append(GoldenPartsRecord()), IsOk());
+  }
+  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
+    std::filesystem::copy_file(fresh, golden, std::filesystem::copy_options::overwrite_existing);
+  }
+  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(golden));
+  EXPECT_THAT(read.corrupt, IsOk());
+  ASSERT_EQ(read.records.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read.records[i], GoldenRecords()[i]);
+  ExpectSameRecord(read.records[2], GoldenPartsRecord());
+  EXPECT_EQ(read.records[2].tensors[1].spec.part().dim(), 1u);
+  EXPECT_EQ(read.records[2].tensors[2].spec.part().first_row(), 3u);
+  EXPECT_EQ(ReadFile(fresh), ReadFile(golden))
+      << "the patch log format changed: part flags are frozen (docs/ARCHITECTURE.md)";
+}
+
 TEST(PatchLogTest, TornTailIsTruncatedNotAnError) {
   const std::string dir = TempDir("torn");
   const std::string path = dir + "/patches.log";

@@ -135,7 +135,7 @@ struct PublisherOptions {
   // (memcmp, snapshot copy, digest, encode: four reads), kept for benchmarks (publish_bench).
   bool cpu_one_pass = true;
   // Streamed transfers (LiveVersion; only the CPU one pass streams): the pass encodes the tensors
-  // in name order in batches of about this many target bytes and hands each batch's objects to
+  // in manifest order in batches of about this many target bytes and hands each batch's objects to
   // the live version as soon as the batch is done (0: one batch, i.e. nothing leaves before the
   // whole pass).
   uint64_t stream_batch_bytes = 16ull << 20;
@@ -145,7 +145,7 @@ struct PublisherOptions {
   // false: v1 in the pass, one End for both (what publish_bench compares against).
   bool v1_after_end = true;
   // Test gate: called on the publishing thread before each batch of a streamed pass with the
-  // name-order indices [first, end) of its tensors (it may block); an error fails the publish
+  // manifest-order indices [first, end) of its tensors (it may block); an error fails the publish
   // there (fault injection). Null: none.
   std::function<absl::Status(size_t first, size_t end)> stream_batch_hook;
 };
@@ -327,7 +327,7 @@ class PublisherCore {
   std::pair<uint64_t, uint64_t> NewestVersionAndDigest(sync::DigestFormat format) const;
   // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
   uint64_t newest_snapshot_unix_nanos() const;
-  // The newest version's tensors, name order.
+  // The newest version's tensors, manifest order.
   std::vector<BaselineTensor> Baseline() const;
   // The degenerate-publish guard of Publish against the current baseline, for callers that want
   // to refuse early (TrainerApi); Publish checks again against the baseline it publishes on.
@@ -395,7 +395,7 @@ class PublisherCore {
                                         const std::vector<v1::TensorSpec>& specs,
                                         const std::vector<size_t>& order, uint64_t snapshot_nanos);
   // Publish's steps. The checks of a version number and its inputs before any encoding (specs
-  // and name order out).
+  // and manifest order out).
   absl::Status CheckPublishable(uint64_t version, uint64_t prev_version,
                                 std::span<const TensorInput> given,
                                 const std::vector<BaselineTensor>& prev, bool allow_degenerate,
@@ -440,7 +440,7 @@ class PublisherCore {
   uint64_t encode_micros_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t pass_micros_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t baseline_update_micros_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // name order
+  std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // manifest order
   uint64_t lineage_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;
   // Encoder changed-element counts per retained version and tensor (for VersionEnd).

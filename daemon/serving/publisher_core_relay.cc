@@ -260,7 +260,7 @@ bool ApplyAdoptedInPlace(const AdoptedTensor& a) {
   return false;
 }
 
-// The new baseline (name order; under the core's lock, as UpdateBaselineBytes): a changed
+// The new baseline (manifest order; under the core's lock, as UpdateBaselineBytes): a changed
 // tensor's previous buffer is brought forward in place when nothing but the core's baseline and
 // `adopted` holds it (a transfer in flight may still read it: then a copy of the version's bytes).
 void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
