@@ -29,9 +29,9 @@ using ::refit::testing::IsOk;
 using E2ETpSlices = E2ETest;
 
 constexpr uint32_t kRanks = 2;
-const std::vector<std::string> kRows = {"*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight",
-                                        "*.gate_proj.weight", "*.up_proj.weight",
-                                        "model.embed_tokens.weight", "lm_head.weight"};
+const std::vector<std::string> kRows = {
+    "*.q_proj.weight",  "*.k_proj.weight",           "*.v_proj.weight", "*.gate_proj.weight",
+    "*.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"};
 const std::vector<std::string> kColumns = {"*.o_proj.weight", "*.down_proj.weight"};
 
 // The dim tensor `name` is cut along (0 rows, 1 columns), or -1 when it is published whole.
@@ -46,7 +46,8 @@ int CutDim(const std::string& name) {
 
 std::string Quote(const std::vector<std::string>& patterns) {
   std::string out;
-  for (const std::string& p : patterns) absl::StrAppend(&out, out.empty() ? "" : ", ", "\"", p, "\"");
+  for (const std::string& p : patterns)
+    absl::StrAppend(&out, out.empty() ? "" : ", ", "\"", p, "\"");
   return out;
 }
 

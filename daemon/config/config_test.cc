@@ -568,11 +568,10 @@ TEST(ConfigTest, SliceRules) {
                   "subscriber.upstream.slice.ranks: 1025 is out of range");
   EXPECT_CONTAINS(SubscriberError(head + "    slice: {ranks: 2}\n  serve_peers: true\n"),
                   "subscriber.upstream.slice: cannot be combined with serve_peers");
-  EXPECT_CONTAINS(
-      SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
-                      "    shards:\n    - addresses: [\"127.0.0.1:7400\"]\n"
-                      "    shard_set: policy\n    slice: {ranks: 2}\n"),
-      "subscriber.upstream.slice: is not supported with upstream.shards");
+  EXPECT_CONTAINS(SubscriberError("subscriber:\n  listen: \"127.0.0.1:0\"\n  upstream:\n"
+                                  "    shards:\n    - addresses: [\"127.0.0.1:7400\"]\n"
+                                  "    shard_set: policy\n    slice: {ranks: 2}\n"),
+                  "subscriber.upstream.slice: is not supported with upstream.shards");
 }
 
 // ---- files -----------------------------------------------------------------------------------

@@ -170,8 +170,8 @@ absl::StatusOr<sync::TensorSelection> HelloSelection(const PublisherCore& core,
     REFIT_ASSIGN_OR_RETURN(selection,
                            selection.WithSlice(hello.slice_rank(), hello.slice_ranks(), "Hello"));
   } else if (hello.slice_rank() > 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Hello.slice_rank is ", hello.slice_rank(),
-                                                   " without slice_ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Hello.slice_rank is ", hello.slice_rank(), " without slice_ranks"));
   }
   const std::vector<BaselineTensor> newest = core.Baseline();
   if (selection.all() || newest.empty()) return selection;

@@ -85,9 +85,10 @@ absl::StatusOr<std::vector<uint64_t>> JoinUnits(std::span<const UnitDesc> group,
           absl::StrCat("layout: duplicate tensor name ", Quoted(d.name)));
     }
     if (u.part->alone) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": ", group.size(), " parts, but a part held alone (a tensor-parallel share) is "
-          "the only entry of its tensor"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": ", group.size(),
+                       " parts, but a part held alone (a tensor-parallel share) is "
+                       "the only entry of its tensor"));
     }
     if (u.part->dim != 0) {
       return absl::InvalidArgumentError(absl::StrCat(

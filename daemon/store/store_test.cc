@@ -176,10 +176,9 @@ TEST(LayoutTest, PartsThatDoNotTileAreRefused) {
 TEST(LayoutTest, APartHeldAloneIsItsOwnTensor) {
   // Columns [4, 8) of a [3, 8] BF16 tensor, a tensor-parallel share: the tensor the consumers
   // see is the part, and the layout says where it lies.
-  UnitDesc share{{"o", DType::kBF16, {3, 4}}, PartDesc{.first_row = 4, .whole_shape = {3, 8},
-                                                         .dim = 1, .alone = true}};
-  REFIT_ASSERT_OK_AND_ASSIGN(Layout l,
-                             Layout::BuildUnits({share, Whole("a", {2}, DType::kF32)}));
+  UnitDesc share{{"o", DType::kBF16, {3, 4}},
+                 PartDesc{.first_row = 4, .whole_shape = {3, 8}, .dim = 1, .alone = true}};
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout l, Layout::BuildUnits({share, Whole("a", {2}, DType::kF32)}));
   ASSERT_EQ(l.size(), 2u);
   const TensorInfo& o = l.tensor(1);
   EXPECT_EQ(o.shape, (std::vector<uint64_t>{3, 4}));
@@ -195,8 +194,7 @@ TEST(LayoutTest, APartHeldAloneIsItsOwnTensor) {
   // Another rank's share is another manifest.
   UnitDesc other = share;
   other.part->first_row = 0;
-  REFIT_ASSERT_OK_AND_ASSIGN(Layout l0,
-                             Layout::BuildUnits({other, Whole("a", {2}, DType::kF32)}));
+  REFIT_ASSERT_OK_AND_ASSIGN(Layout l0, Layout::BuildUnits({other, Whole("a", {2}, DType::kF32)}));
   EXPECT_FALSE(l.SameManifest(l0));
   // One share per tensor.
   UnitDesc second = share;
@@ -206,8 +204,8 @@ TEST(LayoutTest, APartHeldAloneIsItsOwnTensor) {
 }
 
 TEST(LayoutTest, ColumnPartsDoNotJoin) {
-  UnitDesc left{{"o", DType::kBF16, {3, 4}}, PartDesc{.first_row = 0, .whole_shape = {3, 8},
-                                                        .dim = 1}};
+  UnitDesc left{{"o", DType::kBF16, {3, 4}},
+                PartDesc{.first_row = 0, .whole_shape = {3, 8}, .dim = 1}};
   UnitDesc right = left;
   right.part->first_row = 4;
   EXPECT_THAT(Layout::BuildUnits({left, right}),

@@ -28,12 +28,11 @@ bool SameShape(const std::vector<uint64_t>& a, const google::protobuf::RepeatedF
 // held `alone` by a tensor-parallel subscriber.
 std::optional<store::PartDesc> PartOf(const v1::TensorSpec& spec, bool alone) {
   if (!sync::IsPart(spec)) return std::nullopt;
-  return store::PartDesc{
-      .first_row = spec.part().first_row(),
-      .whole_shape =
-          std::vector<uint64_t>(spec.part().whole_shape().begin(), spec.part().whole_shape().end()),
-      .dim = spec.part().dim(),
-      .alone = alone};
+  return store::PartDesc{.first_row = spec.part().first_row(),
+                         .whole_shape = std::vector<uint64_t>(spec.part().whole_shape().begin(),
+                                                              spec.part().whole_shape().end()),
+                         .dim = spec.part().dim(),
+                         .alone = alone};
 }
 
 std::optional<uint64_t> FirstRow(const v1::TensorSpec& spec) {
@@ -136,8 +135,7 @@ absl::Status CheckTensorPlan(const v1::TensorPlan& tp, uint64_t base, uint64_t v
 
 }  // namespace
 
-absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_bytes,
-                                                          bool& needs_base,
+absl::StatusOr<store::Layout> StagedTransfer::PlanTensors(uint64_t max_slot_bytes, bool& needs_base,
                                                           const sync::TensorSelection& slice) {
   const uint64_t v = header.version();
   std::vector<v1::TensorSpec> specs;

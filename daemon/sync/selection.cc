@@ -63,8 +63,8 @@ absl::StatusOr<TensorSelection> TensorSelection::WithSlice(uint32_t rank, uint32
                                                            absl::string_view where) const {
   if (ranks == 0 || ranks > kMaxSliceRanks || rank >= ranks) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor-parallel rank ", rank, " of ",
-                                                   ranks, " (need rank < ranks <= ",
-                                                   kMaxSliceRanks, ")"));
+                                                   ranks, " (need rank < ranks <= ", kMaxSliceRanks,
+                                                   ")"));
   }
   TensorSelection s = *this;
   s.slice_rank_ = rank;
@@ -92,10 +92,10 @@ absl::Status TensorSelection::CheckSliceCovered(std::span<const v1::TensorSpec> 
         std::none_of(manifest.begin() + i, manifest.begin() + end,
                      [&](const v1::TensorSpec& t) { return Takes(t); })) {
       const int dim = static_cast<int>(first.part().dim());
-      const IndexRange share = dim < first.part().whole_shape_size()
-                                   ? RankRange(first.part().whole_shape(dim), slice_rank_,
-                                               slice_ranks_)
-                                   : IndexRange{};
+      const IndexRange share =
+          dim < first.part().whole_shape_size()
+              ? RankRange(first.part().whole_shape(dim), slice_rank_, slice_ranks_)
+              : IndexRange{};
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", Quoted(first.name()), " of ", what, " is in ", end - i, " part",
           end - i == 1 ? "" : "s", " (first ", DescribeSpec(first), "), none of which is ",

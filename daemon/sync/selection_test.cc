@@ -78,9 +78,10 @@ TEST(TensorSelection, APartMaySelectNothingHere) {
 }
 
 // Indices [first, first + n) along `dim` of a BF16 [rows, cols] tensor.
-v1::TensorSpec Cut(const std::string& name, uint32_t dim, uint64_t first, uint64_t n,
-                   uint64_t rows, uint64_t cols) {
-  v1::TensorSpec s = testing::Spec(name, v1::DTYPE_BF16, {dim == 0 ? n : rows, dim == 0 ? cols : n});
+v1::TensorSpec Cut(const std::string& name, uint32_t dim, uint64_t first, uint64_t n, uint64_t rows,
+                   uint64_t cols) {
+  v1::TensorSpec s =
+      testing::Spec(name, v1::DTYPE_BF16, {dim == 0 ? n : rows, dim == 0 ? cols : n});
   s.mutable_part()->set_dim(dim);
   s.mutable_part()->set_first_row(first);
   s.mutable_part()->add_whole_shape(rows);
@@ -92,9 +93,9 @@ TEST(TensorSelection, ASliceTakesItsRanksShareOfEveryCutTensor) {
   REFIT_ASSERT_OK_AND_ASSIGN(TensorSelection s, TensorSelection().WithSlice(1, 2, "slice"));
   EXPECT_FALSE(s.all());
   EXPECT_EQ(s.Describe(), "all tensors, tensor-parallel rank 1 of 2");
-  const std::vector<v1::TensorSpec> m = {
-      testing::Spec("norm", v1::DTYPE_F32, {8}), Cut("o", 1, 0, 3, 4, 7), Cut("o", 1, 3, 4, 4, 7),
-      Cut("q", 0, 0, 5, 10, 4), Cut("q", 0, 5, 5, 10, 4)};
+  const std::vector<v1::TensorSpec> m = {testing::Spec("norm", v1::DTYPE_F32, {8}),
+                                         Cut("o", 1, 0, 3, 4, 7), Cut("o", 1, 3, 4, 4, 7),
+                                         Cut("q", 0, 0, 5, 10, 4), Cut("q", 0, 5, 5, 10, 4)};
   EXPECT_TRUE(s.Takes(m[0]));   // whole: every rank holds it
   EXPECT_FALSE(s.Takes(m[1]));  // rank 0's columns [0, 3)
   EXPECT_TRUE(s.Takes(m[2]));   // rank 1's columns [3, 7) of 7

@@ -65,22 +65,21 @@ absl::Status ValidatePart(const v1::TensorSpec& spec) {
     if (static_cast<uint32_t>(d) != dim && spec.shape(d) != part.whole_shape(d)) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, " of shape [", absl::StrJoin(spec.shape(), ", "), "] in a whole tensor of shape [",
-          absl::StrJoin(part.whole_shape(), ", "), "]: dim ", d, " differs (a part along dim ",
-          dim, " holds every index of the other dims)"));
+          absl::StrJoin(part.whole_shape(), ", "), "]: dim ", d, " differs (a part along dim ", dim,
+          " holds every index of the other dims)"));
     }
   }
   const std::string rows = DimWord(dim);
   if (Rows(spec) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " of no ", rows, " at ", part.first_row(),
-        " (a publisher that holds none of a tensor publishes no part of it)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " of no ", rows, " at ", part.first_row(),
+                     " (a publisher that holds none of a tensor publishes no part of it)"));
   }
   uint64_t end;
   if (__builtin_add_overflow(part.first_row(), Rows(spec), &end) || end > WholeRows(spec)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", rows, " [", part.first_row(), ", ",
-                                                   part.first_row() + Rows(spec),
-                                                   ") beyond the whole tensor's ", WholeRows(spec),
-                                                   " ", rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " ", rows, " [", part.first_row(), ", ", part.first_row() + Rows(spec),
+                     ") beyond the whole tensor's ", WholeRows(spec), " ", rows));
   }
   auto whole = TensorByteSize(WholeSpec(spec));
   if (!whole.ok()) {
@@ -127,8 +126,8 @@ absl::Status CheckNextPart(const v1::TensorSpec& a, const v1::TensorSpec& b) {
                      IsPart(a) || IsPart(b) ? " (a whole tensor and a part of it)" : ""));
   }
   if (a.part().dim() != b.part().dim()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": parts along different dims (",
-                                                   RowRange(a), ", ", RowRange(b), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": parts along different dims (", RowRange(a), ", ", RowRange(b), ")"));
   }
   if (a.dtype() != b.dtype() ||
       !std::equal(a.part().whole_shape().begin(), a.part().whole_shape().end(),

@@ -137,8 +137,8 @@ TEST(TensorPart, AManifestHoldsPartsOfANameInRowOrder) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("part rows [4, 10) overlaps rows [0, 5)")));
   std::vector<v1::TensorSpec> order = {Part("w", 4, 6, 10), Part("w", 0, 4, 10)};
-  EXPECT_THAT(ValidateManifest(order), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                HasSubstr("not in ascending order")));
+  EXPECT_THAT(ValidateManifest(order),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not in ascending order")));
   std::vector<v1::TensorSpec> mixed = {Spec("w", v1::DTYPE_BF16, {10, 4}), Part("w", 0, 4, 10)};
   EXPECT_THAT(ValidateManifest(mixed), StatusIs(absl::StatusCode::kInvalidArgument,
                                                 HasSubstr("a whole tensor and a part of it")));
