@@ -11,6 +11,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/live_version.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
@@ -42,20 +44,10 @@ std::string FileText(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-struct Whole {
-  std::string name;
-  DType dtype = DType::kBF16;
-  std::vector<uint64_t> shape;
-  std::vector<uint8_t> bytes;
-};
+using Whole = ::refit::testing::WholeTensor;
 
 Whole MakeWhole(const std::string& name, DType dtype, std::vector<uint64_t> shape, uint8_t seed) {
-  Whole w{name, dtype, std::move(shape), {}};
-  uint64_t n = static_cast<uint64_t>(DTypeSize(dtype));
-  for (uint64_t d : w.shape) n *= d;
-  w.bytes.resize(n);
-  for (size_t i = 0; i < n; ++i) w.bytes[i] = static_cast<uint8_t>(i * 13 + seed);
-  return w;
+  return ::refit::testing::MakeWholeTensor(name, dtype, std::move(shape), seed);
 }
 
 // norm [8] BF16 (not cut), w [10, 8] BF16 (rows), o [6, 10] F32 (columns); 3 parts.
@@ -75,16 +67,7 @@ PublisherOptions CutOptionsFor(const std::string& persist_dir = "") {
 
 absl::StatusOr<PublishSummary> PublishModel(PublisherCore& core, uint64_t version,
                                             const std::vector<Whole>& model) {
-  std::vector<TensorInput> in;
-  for (const Whole& w : model) {
-    TensorInput t;
-    t.name = w.name;
-    t.dtype = w.dtype;
-    t.shape = w.shape;
-    t.data = w.bytes;
-    in.push_back(std::move(t));
-  }
-  return core.Publish(version, in);
+  return core.Publish(version, ::refit::testing::InputsOf(model));
 }
 
 // The delivery of the part of `name` starting at `first` in `t`'s plan (UNSPECIFIED: none).

@@ -6,6 +6,32 @@
 
 namespace refit::testing {
 
+publisher::TensorInput WholeTensor::Input() const {
+  publisher::TensorInput in;
+  in.name = name;
+  in.dtype = dtype;
+  in.shape = shape;
+  in.data = bytes;
+  return in;
+}
+
+WholeTensor MakeWholeTensor(const std::string& name, DType dtype, std::vector<uint64_t> shape,
+                            uint8_t seed) {
+  WholeTensor w{name, dtype, std::move(shape), {}};
+  uint64_t n = static_cast<uint64_t>(DTypeSize(dtype));
+  for (uint64_t d : w.shape) n *= d;
+  w.bytes.resize(n);
+  for (size_t i = 0; i < n; ++i) w.bytes[i] = static_cast<uint8_t>(i * 13 + seed);
+  return w;
+}
+
+std::vector<publisher::TensorInput> InputsOf(const std::vector<WholeTensor>& model) {
+  std::vector<publisher::TensorInput> in;
+  in.reserve(model.size());
+  for (const WholeTensor& w : model) in.push_back(w.Input());
+  return in;
+}
+
 ModelPublisher::ModelPublisher(const std::vector<v1::TensorSpec>& tensors, uint32_t seed,
                                double change)
     : rng_(seed), change_(change) {

@@ -1,5 +1,5 @@
 // For tests (not for production code): a PublisherCore publishing versions of a small random BF16
-// model, as the upstream of subscriber tests.
+// model, as the upstream of subscriber tests; whole test tensors with patterned bytes.
 #ifndef REFIT_DAEMON_SERVING_PUBLISHER_TESTING_H_
 #define REFIT_DAEMON_SERVING_PUBLISHER_TESTING_H_
 
@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "daemon/serving/publisher_core.h"
@@ -15,6 +16,24 @@
 #include "refit/v1/common.pb.h"
 
 namespace refit::testing {
+
+// A whole tensor of a test model and its bytes.
+struct WholeTensor {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  std::vector<uint8_t> bytes;
+
+  // A publish input viewing `bytes` (valid while this is).
+  publisher::TensorInput Input() const;
+};
+
+// A tensor of `shape` whose byte i is (i * 13 + seed) mod 256.
+WholeTensor MakeWholeTensor(const std::string& name, DType dtype, std::vector<uint64_t> shape,
+                            uint8_t seed = 3);
+
+// The publish inputs of `model`, in its order.
+std::vector<publisher::TensorInput> InputsOf(const std::vector<WholeTensor>& model);
 
 // A PublisherCore (one encode and one digest thread) publishing versions of a random BF16 model:
 // the first as generated, each later one perturbed. Every published model is kept.

@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/sync/tensor_part.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,29 +23,10 @@ using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-struct Whole {
-  std::string name;
-  DType dtype = DType::kBF16;
-  std::vector<uint64_t> shape;
-  std::vector<uint8_t> bytes;
-
-  TensorInput Get() const {
-    TensorInput in;
-    in.name = name;
-    in.dtype = dtype;
-    in.shape = shape;
-    in.data = bytes;
-    return in;
-  }
-};
+using Whole = ::refit::testing::WholeTensor;
 
 Whole MakeWhole(const std::string& name, DType dtype, std::vector<uint64_t> shape) {
-  Whole w{name, dtype, std::move(shape), {}};
-  uint64_t n = static_cast<uint64_t>(DTypeSize(dtype));
-  for (uint64_t d : w.shape) n *= d;
-  w.bytes.resize(n);
-  for (size_t i = 0; i < n; ++i) w.bytes[i] = static_cast<uint8_t>(i * 7 + 3);
-  return w;
+  return ::refit::testing::MakeWholeTensor(name, dtype, std::move(shape));
 }
 
 // The bytes of indices [first, first + count) along `dim` of `w`, gathered element by element.
@@ -92,7 +75,7 @@ void ExpectParts(const std::vector<TensorInput>& parts, size_t at, const Whole& 
 TEST(TensorCutTest, RowPartsAreViewsOfTheInputSplitAsRankRange) {
   const Whole w = MakeWhole("layers.0.w", DType::kF32, {10, 3});
   const Whole b = MakeWhole("layers.0.b", DType::kBF16, {7});
-  const std::vector<TensorInput> in = {b.Get(), w.Get()};
+  const std::vector<TensorInput> in = {b.Input(), w.Input()};
   REFIT_ASSERT_OK_AND_ASSIGN(std::vector<TensorInput> out,
                              CutInputs(Cut(3, {"layers.*.w"}, {}), in, "publish version 1"));
   ASSERT_EQ(out.size(), 4u);
@@ -114,7 +97,7 @@ TEST(TensorCutTest, ColumnPartsAreGatheredIntoOwnedBuffers) {
   const Whole o = MakeWhole("o_proj", DType::kBF16, {4, 10});
   const Whole f = MakeWhole("f32", DType::kF32, {5, 7});
   const Whole r3 = MakeWhole("cube", DType::kBF16, {2, 9, 3});
-  const std::vector<TensorInput> in = {o.Get(), f.Get(), r3.Get()};
+  const std::vector<TensorInput> in = {o.Input(), f.Input(), r3.Input()};
   REFIT_ASSERT_OK_AND_ASSIGN(std::vector<TensorInput> out,
                              CutInputs(Cut(3, {}, {"o_proj", "f32", "c*"}), in, "here"));
   ASSERT_EQ(out.size(), 9u);
@@ -131,7 +114,7 @@ TEST(TensorCutTest, ColumnPartsAreGatheredIntoOwnedBuffers) {
 
 TEST(TensorCutTest, WithoutPartsNothingIsCut) {
   const Whole w = MakeWhole("w", DType::kBF16, {4, 4});
-  const std::vector<TensorInput> in = {w.Get()};
+  const std::vector<TensorInput> in = {w.Input()};
   REFIT_ASSERT_OK_AND_ASSIGN(std::vector<TensorInput> out, CutInputs(Cut(0, {"*"}, {}), in, "x"));
   ASSERT_EQ(out.size(), 1u);
   EXPECT_FALSE(out[0].part.has_value());
@@ -141,16 +124,16 @@ TEST(TensorCutTest, RefusedCutsNameTheTensorAndThePattern) {
   const Whole vec = MakeWhole("bias", DType::kBF16, {8});
   const Whole scalar = MakeWhole("scale", DType::kF32, {});
   const Whole thin = MakeWhole("thin", DType::kBF16, {2, 8});
-  const std::vector<TensorInput> v = {vec.Get()};
+  const std::vector<TensorInput> v = {vec.Input()};
   EXPECT_THAT(CutInputs(Cut(2, {}, {"b*"}), v, "publish version 3"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("publish version 3: tensor 0 \"bias\""),
                              HasSubstr("rank 1 and no dim 1"), HasSubstr("\"b*\""))));
-  const std::vector<TensorInput> s = {scalar.Get()};
+  const std::vector<TensorInput> s = {scalar.Input()};
   EXPECT_THAT(CutInputs(Cut(2, {"scale"}, {}), s, "p"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("\"scale\""), HasSubstr("rank 0 and no dim 0"))));
-  const std::vector<TensorInput> t = {thin.Get()};
+  const std::vector<TensorInput> t = {thin.Input()};
   EXPECT_THAT(CutInputs(Cut(3, {"thin"}, {}), t, "p"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("\"thin\" has 2 rows, fewer than the 3 parts"),
@@ -159,7 +142,7 @@ TEST(TensorCutTest, RefusedCutsNameTheTensorAndThePattern) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("\"thin\" is matched by rows pattern \"th*\""),
                              HasSubstr("columns pattern \"*in\""))));
-  std::vector<TensorInput> part = {thin.Get()};
+  std::vector<TensorInput> part = {thin.Input()};
   v1::TensorPart p;
   p.add_whole_shape(4);
   p.add_whole_shape(8);
@@ -167,13 +150,13 @@ TEST(TensorCutTest, RefusedCutsNameTheTensorAndThePattern) {
   EXPECT_THAT(CutInputs(Cut(2, {}, {"thin"}), part, "p"),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("\"thin\" already is a part"), HasSubstr("\"thin\""))));
-  std::vector<TensorInput> dev = {thin.Get()};
+  std::vector<TensorInput> dev = {thin.Input()};
   dev[0].data = {};
   dev[0].device_bytes = std::make_shared<DeviceBytes>();
   EXPECT_THAT(CutInputs(Cut(2, {"thin"}, {}), dev, "p"),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        AllOf(HasSubstr("\"thin\""), HasSubstr("cuts need host inputs"))));
-  std::vector<TensorInput> shortin = {thin.Get()};
+  std::vector<TensorInput> shortin = {thin.Input()};
   shortin[0].data = shortin[0].data.subspan(2);
   EXPECT_THAT(CutInputs(Cut(2, {"thin"}, {}), shortin, "p"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("30 bytes given")));

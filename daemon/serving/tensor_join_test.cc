@@ -5,9 +5,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "daemon/common/status_matchers.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/serving/tensor_cut.h"
 #include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
@@ -17,20 +19,10 @@
 namespace refit::publisher {
 namespace {
 
-struct Whole {
-  std::string name;
-  DType dtype = DType::kBF16;
-  std::vector<uint64_t> shape;
-  std::vector<uint8_t> bytes;
-};
+using Whole = ::refit::testing::WholeTensor;
 
 Whole MakeWhole(const std::string& name, DType dtype, std::vector<uint64_t> shape) {
-  Whole w{name, dtype, std::move(shape), {}};
-  uint64_t n = static_cast<uint64_t>(DTypeSize(dtype));
-  for (uint64_t d : w.shape) n *= d;
-  w.bytes.resize(n);
-  for (size_t i = 0; i < n; ++i) w.bytes[i] = static_cast<uint8_t>(i * 11 + 5);
-  return w;
+  return ::refit::testing::MakeWholeTensor(name, dtype, std::move(shape), 5);
 }
 
 BaselineTensor ToBaseline(const TensorInput& in) {
@@ -49,15 +41,7 @@ TEST(TensorJoinTest, TheCutPartsJoinBackIntoTheWholeTensors) {
   const std::vector<Whole> model = {
       MakeWhole("a", DType::kBF16, {5}), MakeWhole("o", DType::kBF16, {4, 10}),
       MakeWhole("s", DType::kF32, {3, 2}), MakeWhole("w", DType::kF32, {10, 3})};
-  std::vector<TensorInput> in;
-  for (const Whole& w : model) {
-    TensorInput t;
-    t.name = w.name;
-    t.dtype = w.dtype;
-    t.shape = w.shape;
-    t.data = w.bytes;
-    in.push_back(t);
-  }
+  std::vector<TensorInput> in = ::refit::testing::InputsOf(model);
   v1::TensorPart shard;  // rows [5, 8) of an [8, 2] tensor
   shard.add_whole_shape(8);
   shard.add_whole_shape(2);

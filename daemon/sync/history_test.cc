@@ -448,12 +448,7 @@ TEST(PatchHistory, ManyPartsOfANameAreRecordedInManifestOrder) {
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
   for (uint64_t k = 0; k < kParts; ++k) {
-    v1::TensorSpec s = BF16("w", {3, 1});
-    s.mutable_part()->set_dim(1);
-    s.mutable_part()->set_first_row(k);
-    s.mutable_part()->add_whole_shape(3);
-    s.mutable_part()->add_whole_shape(kParts);
-    manifest.push_back(s);
+    manifest.push_back(testing::BF16Part("w", 1, k, 1, {3, kParts}));
     digests.push_back(1000 + k);
   }
   for (uint64_t k = kParts; k-- > 0;) {

@@ -80,13 +80,7 @@ TEST(TensorSelection, APartMaySelectNothingHere) {
 // Indices [first, first + n) along `dim` of a BF16 [rows, cols] tensor.
 v1::TensorSpec Cut(const std::string& name, uint32_t dim, uint64_t first, uint64_t n, uint64_t rows,
                    uint64_t cols) {
-  v1::TensorSpec s =
-      testing::Spec(name, v1::DTYPE_BF16, {dim == 0 ? n : rows, dim == 0 ? cols : n});
-  s.mutable_part()->set_dim(dim);
-  s.mutable_part()->set_first_row(first);
-  s.mutable_part()->add_whole_shape(rows);
-  s.mutable_part()->add_whole_shape(cols);
-  return s;
+  return testing::BF16Part(name, dim, first, n, {rows, cols});
 }
 
 TEST(TensorSelection, ASliceTakesItsRanksShareOfEveryCutTensor) {

@@ -20,6 +20,17 @@ v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
   return Spec(name, v1::DTYPE_BF16, std::move(shape));
 }
 
+v1::TensorSpec BF16Part(const std::string& name, uint32_t dim, uint64_t first, uint64_t count,
+                        std::vector<uint64_t> whole) {
+  std::vector<uint64_t> shape = whole;
+  shape.at(dim) = count;
+  v1::TensorSpec s = BF16(name, std::move(shape));
+  s.mutable_part()->set_dim(dim);
+  s.mutable_part()->set_first_row(first);
+  for (uint64_t d : whole) s.mutable_part()->add_whole_shape(d);
+  return s;
+}
+
 Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng) {
   Tensor t{spec, std::vector<uint8_t>(*TensorByteSize(spec))};
   for (size_t i = 0; i + 1 < t.bytes.size(); i += 2) {

@@ -20,11 +20,7 @@ using testing::Spec;
 // Rows [first, first + rows) of a BF16 tensor `name` of shape [whole_rows, cols].
 v1::TensorSpec Part(const std::string& name, uint64_t first, uint64_t rows, uint64_t whole_rows,
                     uint64_t cols = 4) {
-  v1::TensorSpec s = Spec(name, v1::DTYPE_BF16, {rows, cols});
-  s.mutable_part()->set_first_row(first);
-  s.mutable_part()->add_whole_shape(whole_rows);
-  s.mutable_part()->add_whole_shape(cols);
-  return s;
+  return testing::BF16Part(name, 0, first, rows, {whole_rows, cols});
 }
 
 TEST(TensorPart, ValidPartsAndTheirPlace) {
@@ -65,12 +61,7 @@ TEST(TensorPart, BadPartsAreRefusedWithTheirRows) {
 // Columns [first, first + cols) of a BF16 tensor `name` of shape [rows, whole_cols].
 v1::TensorSpec Cols(const std::string& name, uint64_t first, uint64_t cols, uint64_t whole_cols,
                     uint64_t rows = 3) {
-  v1::TensorSpec s = Spec(name, v1::DTYPE_BF16, {rows, cols});
-  s.mutable_part()->set_first_row(first);
-  s.mutable_part()->set_dim(1);
-  s.mutable_part()->add_whole_shape(rows);
-  s.mutable_part()->add_whole_shape(whole_cols);
-  return s;
+  return testing::BF16Part(name, 1, first, cols, {rows, whole_cols});
 }
 
 TEST(TensorPart, PartsAlongDimOneAreColumns) {
