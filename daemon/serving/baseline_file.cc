@@ -42,8 +42,7 @@ constexpr char kMetaPartPrefix[] = "refit.part.";
 // publishers wrote before parts had a dim); every other part gets all four fields.
 std::string EncodePart(const v1::TensorSpec& spec, const std::string& entry) {
   const v1::TensorPart& part = spec.part();
-  const std::string head =
-      absl::StrCat(part.first_row(), ":", absl::StrJoin(part.whole_shape(), ","));
+  std::string head = absl::StrCat(part.first_row(), ":", absl::StrJoin(part.whole_shape(), ","));
   if (part.dim() == 0 && entry == spec.name()) return head;
   return absl::StrCat(head, ":", part.dim(), ":", spec.name());
 }

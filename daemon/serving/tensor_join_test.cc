@@ -51,6 +51,7 @@ TEST(TensorJoinTest, TheCutPartsJoinBackIntoTheWholeTensors) {
   REFIT_ASSERT_OK_AND_ASSIGN(std::vector<TensorInput> parts, CutInputs(cut, in, "here"));
   ASSERT_EQ(parts.size(), 8u);
   std::vector<BaselineTensor> baseline;
+  baseline.reserve(parts.size());
   for (const TensorInput& p : parts) baseline.push_back(ToBaseline(p));
   REFIT_ASSERT_OK_AND_ASSIGN(std::vector<BaselineTensor> joined, JoinTilingParts(baseline));
   ASSERT_EQ(joined.size(), 4u);
