@@ -8,7 +8,7 @@
 
 namespace refit::sync::testing {
 
-v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape) {
+v1::TensorSpec Spec(const std::string& name, v1::DType dtype, const std::vector<uint64_t>& shape) {
   v1::TensorSpec s;
   s.set_name(name);
   s.set_dtype(dtype);
@@ -16,15 +16,15 @@ v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64
   return s;
 }
 
-v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape) {
-  return Spec(name, v1::DTYPE_BF16, std::move(shape));
+v1::TensorSpec BF16(const std::string& name, const std::vector<uint64_t>& shape) {
+  return Spec(name, v1::DTYPE_BF16, shape);
 }
 
 v1::TensorSpec BF16Part(const std::string& name, uint32_t dim, uint64_t first, uint64_t count,
-                        std::vector<uint64_t> whole) {
+                        const std::vector<uint64_t>& whole) {
   std::vector<uint64_t> shape = whole;
   shape.at(dim) = count;
-  v1::TensorSpec s = BF16(name, std::move(shape));
+  v1::TensorSpec s = BF16(name, shape);
   s.mutable_part()->set_dim(dim);
   s.mutable_part()->set_first_row(first);
   for (uint64_t d : whole) s.mutable_part()->add_whole_shape(d);

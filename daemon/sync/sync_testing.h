@@ -20,15 +20,15 @@ struct Tensor {
 using Model = std::map<std::string, Tensor>;  // sorted by name = manifest order
 
 // A tensor spec.
-v1::TensorSpec Spec(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape);
+v1::TensorSpec Spec(const std::string& name, v1::DType dtype, const std::vector<uint64_t>& shape);
 
 // A BF16 tensor spec.
-v1::TensorSpec BF16(const std::string& name, std::vector<uint64_t> shape);
+v1::TensorSpec BF16(const std::string& name, const std::vector<uint64_t>& shape);
 
 // The BF16 part spec of indices [first, first + count) along `dim` of tensor `name` of shape
 // `whole` (TensorSpec.part).
 v1::TensorSpec BF16Part(const std::string& name, uint32_t dim, uint64_t first, uint64_t count,
-                        std::vector<uint64_t> whole);
+                        const std::vector<uint64_t>& whole);
 
 // Random BF16 values around N(0, 0.02): exponent ~ 2^-6 .. 2^-9, random sign and mantissa.
 Tensor RandomTensor(const v1::TensorSpec& spec, std::mt19937& rng);
