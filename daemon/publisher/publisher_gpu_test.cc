@@ -82,9 +82,9 @@ std::vector<std::vector<Tensor>> ModelVersions() {
   if (!traj.ok()) return {};
   std::mt19937 rng(11);
   std::map<std::string, Tensor> extra;
-  auto random = [&](const std::string& name, v1::DType dtype, std::vector<uint64_t> shape) {
+  auto random = [&](const std::string& name, v1::DType dtype, const std::vector<uint64_t>& shape) {
     Tensor t;
-    t.spec = sync::testing::Spec(name, dtype, std::move(shape));
+    t.spec = sync::testing::Spec(name, dtype, shape);
     t.bytes.resize(*sync::TensorByteSize(t.spec));
     for (uint8_t& b : t.bytes) b = static_cast<uint8_t>(rng());
     extra[name] = std::move(t);
@@ -521,11 +521,11 @@ class CountingDevice final : public cuda::Device {
 std::string Bytes(const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); }
 
 v1::TensorLocation CudaLocation(const std::string& name, v1::DType dtype,
-                                std::vector<uint64_t> shape, const cuda::IpcHandle& handle,
+                                const std::vector<uint64_t>& shape, const cuda::IpcHandle& handle,
                                 const cuda::Uuid& uuid, uint64_t offset, uint64_t size,
                                 uint64_t allocation_bytes = 0) {
   v1::TensorLocation l;
-  *l.mutable_spec() = sync::testing::Spec(name, dtype, std::move(shape));
+  *l.mutable_spec() = sync::testing::Spec(name, dtype, shape);
   v1::CudaIpcRegion* r = l.mutable_cuda_ipc();
   r->set_ipc_handle(Bytes(handle.data(), handle.size()));
   r->set_device_uuid(Bytes(uuid.data(), uuid.size()));
