@@ -3,20 +3,16 @@
 // from the previous version's part at the same place; persisted (baseline file entries and patch
 // log records with the part's dim) and recovered bit-exact by a restarted publisher, which then
 // serves deltas.
-#include <unistd.h>
 
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/common/testing.h"
 #include "daemon/serving/live_version.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_testing.h"
@@ -33,16 +29,7 @@ using ::refit::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::string TempDir(const std::string& name) {
-  std::string d = absl::StrCat(::testing::TempDir(), "/refit_pub_cut_", getpid(), "_", name);
-  std::filesystem::remove_all(d);
-  return d;
-}
-
-std::string FileText(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
+using ::refit::testing::ReadFile;
 
 using Whole = ::refit::testing::WholeTensor;
 
@@ -192,7 +179,8 @@ TEST(PublisherCoreCutTest, RefusedCutsPublishNothing) {
 }
 
 TEST(PublisherCoreCutTest, ARestartRecoversCutPartsBitExactAndServesDeltas) {
-  const std::string dir = TempDir("restart");
+  const ::refit::testing::TempDir tmp("refit-pub-cut");
+  const std::string dir = tmp.path() + "/persist";  // made by the core
   const PublisherOptions po = CutOptionsFor(dir);
   std::vector<Whole> model = Model();
   uint64_t digest2 = 0, digest2_v2 = 0;
@@ -210,10 +198,10 @@ TEST(PublisherCoreCutTest, ARestartRecoversCutPartsBitExactAndServesDeltas) {
     before = core->Baseline();
   }
   // Several parts of a name: distinct entries, the part metadata naming tensor and dim.
-  const std::string file = FileText(dir + "/baseline.safetensors");
+  const std::string file = ReadFile(dir + "/baseline.safetensors");
   EXPECT_THAT(file, HasSubstr("\"refit.part.o@1.3\":\"3:6,10:1:o\""));
   EXPECT_THAT(file, HasSubstr("\"refit.part.w@0.6\":\"6:10,8:0:w\""));
-  EXPECT_THAT(FileText(dir + "/patches.log"), HasSubstr("RRE2"));
+  EXPECT_THAT(ReadFile(dir + "/patches.log"), HasSubstr("RRE2"));
 
   auto expect_recovered = [&](const PublisherCore& core) {
     const std::vector<BaselineTensor> after = core.Baseline();
@@ -254,7 +242,6 @@ TEST(PublisherCoreCutTest, ARestartRecoversCutPartsBitExactAndServesDeltas) {
   REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(po));
   EXPECT_EQ(core->newest_version(), 4u);
   ASSERT_NO_FATAL_FAILURE(expect_recovered(*core));
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -81,12 +81,7 @@ TensorInput CutPart(const TensorInput& in, uint32_t dim, uint32_t r, uint32_t pa
   part.set_first_row(range.begin);
   part.set_dim(dim);
   out.part = std::move(part);
-  // Bytes of one index of `dim` (the dims after it), and the count of slabs before it.
-  uint64_t inner = DTypeSize(in.dtype);
-  for (size_t d = dim + 1; d < in.shape.size(); ++d) inner *= in.shape[d];
-  uint64_t outer = 1;
-  for (size_t d = 0; d < dim; ++d) outer *= in.shape[d];
-  const uint64_t slab = in.shape[dim] * inner;
+  const auto [outer, inner, slab] = StridesAlong(in.shape, dim, DTypeSize(in.dtype));
   const uint64_t take = range.size() * inner;
   if (outer == 1) {  // a contiguous range (always for dim 0)
     out.data = in.data.subspan(range.begin * inner, take);
@@ -125,6 +120,15 @@ absl::Status CheckCutInput(const TensorInput& in, const std::string& what) {
 }
 
 }  // namespace
+
+DimStrides StridesAlong(std::span<const uint64_t> shape, uint32_t dim, uint64_t element_bytes) {
+  DimStrides s;
+  s.inner = element_bytes;
+  for (size_t d = dim + 1; d < shape.size(); ++d) s.inner *= shape[d];
+  for (size_t d = 0; d < dim; ++d) s.outer *= shape[d];
+  s.slab = shape[dim] * s.inner;
+  return s;
+}
 
 absl::StatusOr<std::vector<TensorInput>> CutInputs(const CutOptions& cut,
                                                    std::span<const TensorInput> given,

@@ -34,6 +34,17 @@ struct CutOptions {
 // INVALID_ARGUMENT for a matched tensor whose rank does not have the dim, whose dim has fewer
 // indices than parts, that both lists match, or that already is a part; FAILED_PRECONDITION for
 // a matched input in device memory (cuts need host inputs). `where` prefixes messages.
+// How a row-major tensor of `shape` (elements of `element_bytes`) lies along `dim`: `outer`
+// slabs (the product of the dims before it), each `slab` bytes, in which one index of `dim` is
+// `inner` bytes (the dims after it). A part along `dim` is `outer` runs of (its count x inner)
+// bytes, one per slab. `dim` < shape.size().
+struct DimStrides {
+  uint64_t outer = 1;
+  uint64_t inner = 0;
+  uint64_t slab = 0;
+};
+DimStrides StridesAlong(std::span<const uint64_t> shape, uint32_t dim, uint64_t element_bytes);
+
 absl::StatusOr<std::vector<TensorInput>> CutInputs(const CutOptions& cut,
                                                    std::span<const TensorInput> given,
                                                    const std::string& where);

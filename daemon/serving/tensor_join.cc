@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/serving/tensor_cut.h"
 #include "daemon/sync/tensor_part.h"
 #include "daemon/sync/version_digest.h"
 
@@ -22,14 +23,9 @@ absl::StatusOr<BaselineTensor> JoinParts(std::span<const BaselineTensor> parts) 
   whole.dtype = parts.front().dtype;
   const uint64_t whole_bytes = *sync::TensorByteSize(whole.spec);
   auto buf = std::make_shared<std::vector<uint8_t>>(whole_bytes);
-  // Bytes of one index of `dim` and the slabs before it, as in the cut.
-  uint64_t inner = static_cast<uint64_t>(DTypeSize(whole.dtype));
-  for (int d = static_cast<int>(dim) + 1; d < whole.spec.shape_size(); ++d) {
-    inner *= whole.spec.shape(d);
-  }
-  uint64_t outer = 1;
-  for (uint32_t d = 0; d < dim; ++d) outer *= whole.spec.shape(static_cast<int>(d));
-  const uint64_t slab = whole.spec.shape(static_cast<int>(dim)) * inner;
+  const std::vector<uint64_t> shape(whole.spec.shape().begin(), whole.spec.shape().end());
+  const auto [outer, inner, slab] =
+      StridesAlong(shape, dim, static_cast<uint64_t>(DTypeSize(whole.dtype)));
   for (const BaselineTensor& p : parts) {
     const uint64_t take = p.spec.shape(static_cast<int>(dim)) * inner;
     if (p.bytes == nullptr || p.bytes->size() != outer * take) {
