@@ -63,7 +63,9 @@ std::string FormatRefit(const v1::RefitStats& r) {
     absl::StrAppend(&s, absl::StrFormat(" (%.2f%%)", 100.0 * r.wire_bytes() / r.dense_bytes()));
   }
   absl::StrAppend(&s, ", ", r.keyframe_tensors(), " keyframe tensors, latency ",
-                  FormatMicros(r.latency_micros()), ", digests ",
+                  FormatMicros(r.latency_micros()));
+  if (r.cpu_micros() != 0) absl::StrAppend(&s, ", cpu ", FormatMicros(r.cpu_micros()));
+  absl::StrAppend(&s, ", digests ",
                   r.digests_verified() ? "verified" : "not verified", ", finished ",
                   FormatUnixNanos(r.finished_unix_nanos()));
   return s;

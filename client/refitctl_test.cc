@@ -344,6 +344,7 @@ v1::StatusResponse SampleSubscriberStatus() {
   r->set_wire_bytes(12'300'000);
   r->set_dense_bytes(1'020'000'000);
   r->set_latency_micros(123'400);
+  r->set_cpu_micros(98'700);
   r->set_digests_verified(true);
   r->set_finished_unix_nanos(1'796'000'000'000'000'000ull);
   v1::SessionStatus* up = st.mutable_upstream();
@@ -429,7 +430,7 @@ TEST(RefitctlFormat, SubscriberTable) {
   EXPECT_THAT(t, HasSubstr("uptime:     1h02m03s\n"));
   EXPECT_THAT(t, HasSubstr("last refit: version 12 from 11, change 1.623%, wire 12.3 MB of "
                            "1.02 GB dense (1.21%), 0 keyframe tensors, latency 123.4 ms, "
-                           "digests verified, finished 2026-"));
+                           "cpu 98.7 ms, digests verified, finished 2026-"));
   EXPECT_THAT(t, HasSubstr("upstream:\n  NAME"));
   EXPECT_THAT(t, HasSubstr("trainer-a (publisher.region-a)  idle"));
   EXPECT_THAT(t, HasSubstr("ipv4:10.0.0.7:7400"));

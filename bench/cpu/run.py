@@ -74,6 +74,9 @@ def config(src: str, run_dir: str, slots: int | None = None) -> str:
                         f"shm_prefix: /refit-cpu-{os.getpid()}-")
     if slots is not None:
         text = text.replace("slots: 2", f"slots: {slots}")
+    # JSON log lines: the per-version CPU split by stage is read from their fields.
+    for name in ("demo-publisher", "demo-subscriber-0"):
+        text = text.replace(f"  name: {name}\n", f"  name: {name}\n  log_format: json\n")
     path = os.path.join(run_dir, src)
     with open(path, "w") as f:
         f.write(text)
@@ -101,6 +104,63 @@ def wait_socket(path: str, proc: subprocess.Popen, log: str) -> None:
         time.sleep(0.05)
 
 
+# The CPU fields of the daemons' per-version log events (process CPU time, every thread, ms):
+# the publisher's `publish` event and the subscriber's `applied` and `refresh` events.
+PUBLISH_CPU = ("cpu_ms", "pass_cpu_ms", "digest_cpu_ms", "baseline_update_cpu_ms")
+APPLIED_CPU = ("cpu_ms", "receive_cpu_ms", "stage_cpu_ms", "verify_cpu_ms", "apply_cpu_ms")
+
+
+def log_events(path: str, event: str) -> dict[int, dict]:
+    """The JSON log events named `event` of a daemon's log, by version (the last one wins)."""
+    found: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            try:
+                j = json.loads(line)
+            except ValueError:
+                continue
+            if j.get("event") == event and "version" in j:
+                found[int(j["version"])] = j
+    return found
+
+
+def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
+    """Per changed element (ns), each stage's CPU summed over the delta versions: the publisher's
+    publish event (the rest of its process CPU is `other`: sends, the persister, gRPC) and the
+    subscriber's applied and refresh events (the rest: `other`)."""
+    publish, applied = log_events(pub_log, "publish"), log_events(sub_log, "applied")
+    refresh = log_events(sub_log, "refresh")
+    deltas = [r for r in rows if not r["keyframe"]]
+    changed = sum(r["changed_elements"] for r in deltas)
+    if changed == 0:
+        return {}
+    def ns(ms: float) -> float:
+        return round(ms * 1e6 / changed, 2)
+    pub = {k: sum(float(publish.get(r["version"], {}).get(k, 0.0)) for r in deltas)
+           for k in PUBLISH_CPU}
+    sub = {k: sum(float(applied.get(r["version"], {}).get(k, 0.0)) for r in deltas)
+           for k in APPLIED_CPU}
+    sub["refresh_cpu_ms"] = sum(float(refresh.get(r["version"], {}).get("refresh_cpu_ms", 0.0))
+                                for r in deltas)
+    pub_total = sum(r["publisher_cpu_s"] for r in deltas) * 1e3
+    sub_total = sum(r["subscriber_cpu_s"] for r in deltas) * 1e3
+    return {
+        "publisher_stage_ns_per_changed": {
+            "publish": ns(pub["cpu_ms"]), "pass": ns(pub["pass_cpu_ms"]),
+            "digest": ns(pub["digest_cpu_ms"]), "baseline_update": ns(pub["baseline_update_cpu_ms"]),
+            "read_and_rest_of_publish": ns(pub["cpu_ms"] - pub["pass_cpu_ms"] - pub["digest_cpu_ms"]
+                                           - pub["baseline_update_cpu_ms"]),
+            "other": ns(pub_total - pub["cpu_ms"])},
+        "subscriber_stage_ns_per_changed": {
+            "transfer": ns(sub["cpu_ms"]), "receive": ns(sub["receive_cpu_ms"]),
+            "stage": ns(sub["stage_cpu_ms"]), "verify": ns(sub["verify_cpu_ms"]),
+            "apply": ns(sub["apply_cpu_ms"]), "refresh": ns(sub["refresh_cpu_ms"]),
+            "other": ns(sub_total - sub["cpu_ms"] - sub["refresh_cpu_ms"])},
+    }
+
+
 def perf_record(pid: int, path: str) -> subprocess.Popen:
     return subprocess.Popen(["perf", "record", "-g", "-F", "999", "-p", str(pid), "-o", path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -123,6 +183,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
     pub = start(build, "publisher", pub_cfg, pub_log)
     sub = None
     rows = []
+    split: dict = {}
     perfs: list[subprocess.Popen] = []
     try:
         wait_socket(os.path.join(run_dir, "publisher-control.sock"), pub, pub_log)
@@ -168,6 +229,11 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             p.send_signal(signal.SIGINT)
             p.wait(60)
         ctl(build, sub_t, "verify", timeout=600)
+        if slots >= 2:  # the standby refresh after the last version: its log event
+            deadline = time.time() + 60
+            while versions + 1 not in log_events(sub_log, "refresh") and time.time() < deadline:
+                time.sleep(0.1)
+        split = stage_split(rows, pub_log, sub_log)
     finally:
         for p in (sub, pub):
             if p is not None:
@@ -193,6 +259,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         "delta_wall_s_median": statistics.median(r["wall_s"] for r in deltas),
         "keyframe_subscriber_ns_per_byte": rows[0]["subscriber_ns_per_byte"],
         "read_pass_s": round(read_s, 4),
+        **split,
     }
     print(json.dumps(summary), file=out, flush=True)
     return summary

@@ -83,6 +83,15 @@ void PrometheusRefitMetrics::RegisterPublisher() {
   for (size_t i = 0; i < publish_stages_.size(); ++i) {
     publish_stages_[i] = &stages.Add({{"stage", names[i]}}, SecondsBuckets());
   }
+  Family<Counter>& cpu = CounterFamily(
+      r, "refitd_publisher_publish_cpu_seconds_total",
+      "CPU time of the publisher process (user + system, every thread) spent publishing, by "
+      "stage: pass (scan, encode, v2 digests), digest (digests outside the pass), "
+      "baseline_update, total (the whole publish with its input read).");
+  const char* const cpu_names[] = {"pass", "digest", "baseline_update", "total"};
+  for (size_t i = 0; i < publish_cpu_.size(); ++i) {
+    publish_cpu_[i] = &cpu.Add({{"stage", cpu_names[i]}});
+  }
   fully_acked_ = &HistogramFamily(r, "refitd_publisher_refit_duration_seconds",
                                   "Publish -> applied everywhere: version snapshot taken -> the "
                                   "last connected subscriber acked it.")
@@ -133,6 +142,11 @@ void PrometheusRefitMetrics::RegisterSubscriber() {
   for (size_t i = 0; i < apply_stages_.size(); ++i) {
     apply_stages_[i] = &stages.Add({{"stage", names[i]}}, SecondsBuckets());
   }
+  Family<Counter>& cpu = CounterFamily(
+      *registry_, "refitd_subscriber_apply_cpu_seconds_total",
+      "CPU time of the subscriber process (user + system, every thread) over the stages of "
+      "applied transfers: receive, stage, verify, apply.");
+  for (size_t i = 0; i < apply_cpu_.size(); ++i) apply_cpu_[i] = &cpu.Add({{"stage", names[i]}});
   pause_wait_ = &HistogramFamily(*registry_, "refitd_subscriber_pause_wait_seconds",
                                  "Single-copy store: from a version verified to the last consumer "
                                  "lease on the held version released.")
@@ -161,6 +175,8 @@ void PrometheusRefitMetrics::Published(const PublishFigures& f) {
   for (size_t i = 0; i < publish_stages_.size(); ++i) {
     publish_stages_[i]->Observe(Seconds(stages[i]));
   }
+  const absl::Duration cpu[] = {f.pass_cpu, f.digest_cpu, f.baseline_update_cpu, f.cpu};
+  for (size_t i = 0; i < publish_cpu_.size(); ++i) publish_cpu_[i]->Increment(Seconds(cpu[i]));
 }
 
 void PrometheusRefitMetrics::PublishFailed() {
@@ -184,6 +200,9 @@ void PrometheusRefitMetrics::TransferApplied(v1::TransferReason reason, const v1
   if (stages == nullptr || apply_stages_[0] == nullptr) return;
   const absl::Duration split[] = {stages->receive, stages->stage, stages->verify, stages->apply};
   for (size_t i = 0; i < apply_stages_.size(); ++i) apply_stages_[i]->Observe(Seconds(split[i]));
+  const absl::Duration cpu[] = {stages->receive_cpu, stages->stage_cpu, stages->verify_cpu,
+                                stages->apply_cpu};
+  for (size_t i = 0; i < apply_cpu_.size(); ++i) apply_cpu_[i]->Increment(Seconds(cpu[i]));
 }
 
 void PrometheusRefitMetrics::TransferRejected(uint64_t mismatched_tensors) {

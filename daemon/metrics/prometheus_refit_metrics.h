@@ -64,6 +64,8 @@ class PrometheusRefitMetrics final : public RefitMetrics {
   prometheus::Counter* published_keyframe_tensors_ = nullptr;
   // encode, digest, persist, total.
   std::array<prometheus::Histogram*, 4> publish_stages_{};
+  // CPU seconds: pass, digest, baseline_update, total.
+  std::array<prometheus::Counter*, 4> publish_cpu_{};
   prometheus::Histogram* fully_acked_ = nullptr;
   prometheus::Family<prometheus::Counter>* applied_ = nullptr;
   prometheus::Family<prometheus::Counter>* keyframe_tensors_ = nullptr;
@@ -74,6 +76,8 @@ class PrometheusRefitMetrics final : public RefitMetrics {
   prometheus::Histogram* refit_ = nullptr;
   // receive, stage, verify, apply.
   std::array<prometheus::Histogram*, 4> apply_stages_{};
+  // CPU seconds: receive, stage, verify, apply.
+  std::array<prometheus::Counter*, 4> apply_cpu_{};
   prometheus::Histogram* pause_wait_ = nullptr;
   prometheus::Histogram* pause_ = nullptr;
   prometheus::Counter* rejected_ = nullptr;

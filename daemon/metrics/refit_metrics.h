@@ -32,6 +32,12 @@ struct PublishFigures {
   absl::Duration digest = absl::ZeroDuration();
   absl::Duration persist = absl::ZeroDuration();
   absl::Duration total = absl::ZeroDuration();
+  // The publisher process's CPU time (every thread): the one pass (scan, encode, v2 digests),
+  // digests outside it, the baseline update, and the whole publish with its input read.
+  absl::Duration pass_cpu = absl::ZeroDuration();
+  absl::Duration digest_cpu = absl::ZeroDuration();
+  absl::Duration baseline_update_cpu = absl::ZeroDuration();
+  absl::Duration cpu = absl::ZeroDuration();
 };
 
 // Subscriber: the stages of one applied transfer (TransferTimings).
@@ -40,6 +46,11 @@ struct ApplyStages {
   absl::Duration stage = absl::ZeroDuration();
   absl::Duration verify = absl::ZeroDuration();
   absl::Duration apply = absl::ZeroDuration();
+  // The subscriber process's CPU time over the same stages (every thread).
+  absl::Duration receive_cpu = absl::ZeroDuration();
+  absl::Duration stage_cpu = absl::ZeroDuration();
+  absl::Duration verify_cpu = absl::ZeroDuration();
+  absl::Duration apply_cpu = absl::ZeroDuration();
 };
 
 class RefitMetrics {

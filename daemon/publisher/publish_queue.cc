@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/safe_file.h"
@@ -49,7 +50,11 @@ metrics::PublishFigures FiguresOf(const PublishSummary& s) {
           .encode = absl::Microseconds(s.encode_micros),
           .digest = absl::Microseconds(s.digest_micros),
           .persist = absl::Microseconds(s.persist_micros),
-          .total = absl::Microseconds(s.total_micros)};
+          .total = absl::Microseconds(s.total_micros),
+          .pass_cpu = absl::Microseconds(s.pass_cpu_micros),
+          .digest_cpu = absl::Microseconds(s.digest_cpu_micros),
+          .baseline_update_cpu = absl::Microseconds(s.baseline_update_cpu_micros),
+          .cpu = absl::Microseconds(s.cpu_micros)};
 }
 
 }  // namespace
@@ -70,7 +75,10 @@ std::string DescribePublish(const PublishSummary& s) {
                                          s.upload_micros / 1000, " ms, digest ",
                                          s.digest_micros / 1000, " ms, to host ",
                                          s.download_micros / 1000, " ms)"),
-                      ", total ", s.total_micros / 1000, " ms");
+                      ", total ", s.total_micros / 1000, " ms, cpu ", FormatMicros(s.cpu_micros),
+                      " (pass ", FormatMicros(s.pass_cpu_micros), ", digest ",
+                      FormatMicros(s.digest_cpu_micros), ", baseline update ",
+                      FormatMicros(s.baseline_update_cpu_micros), ")");
 }
 
 std::vector<LogField> PublishFields(const PublishSummary& s) {
@@ -95,6 +103,10 @@ std::vector<LogField> PublishFields(const PublishSummary& s) {
       {"digest_ms", ms(s.digest_micros)},
       {"download_ms", ms(s.download_micros)},
       {"total_ms", ms(s.total_micros)},
+      {"cpu_ms", ms(s.cpu_micros)},
+      {"pass_cpu_ms", ms(s.pass_cpu_micros)},
+      {"digest_cpu_ms", ms(s.digest_cpu_micros)},
+      {"baseline_update_cpu_ms", ms(s.baseline_update_cpu_micros)},
   };
 }
 
@@ -492,7 +504,10 @@ void PublishQueue::Run() {
     }
     if (options_.before_pass) options_.before_pass(job.version);
     const uint64_t base = core_->newest_version();
+    const absl::Duration cpu_start = ProcessCpuTime();
     absl::StatusOr<PublishSummary> result = Execute(job);
+    // The publish's CPU with the reading of its input files (Execute reads them).
+    if (result.ok()) result->cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
     // Released already when the core committed; otherwise (an error) with the reason.
     if (job.release != nullptr) job.release->Release(result.status());
     if (result.ok()) {

@@ -108,6 +108,7 @@ v1::StatusResponse PublisherControl::GetStatus() const {
     refit->set_dense_bytes(s.dense_bytes);
     refit->set_keyframe_tensors(static_cast<uint32_t>(s.keyframe_tensors));
     refit->set_finished_unix_nanos(last->finished_unix_nanos);
+    refit->set_cpu_micros(s.cpu_micros);
     r.mutable_patch_format()->set_last(static_cast<uint32_t>(s.patch_format));
     if (data_plane_ != nullptr) {
       const v1::RefitStats acked = data_plane_->LastFullyAcked();

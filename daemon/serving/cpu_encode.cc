@@ -9,6 +9,7 @@
 
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/serving/publisher_core_internal.h"
@@ -46,7 +47,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
                                                    const std::vector<BaselineTensor>& prev,
                                                    Encoded* out, PublishSummary* sum) {
   std::vector<const BaselineTensor*> bases(order.size(), nullptr);
-  const auto digest_start = Clock::now();
+  const StageMark digest_start = StageMark::Now();
   for (size_t k = 0; k < order.size(); ++k) {
     const TensorInput& in = inputs[order[k]];
     BaselineTensor& t = out->next[k];
@@ -66,7 +67,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
       t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
     }
   }
-  sum->digest_micros += MicrosSince(digest_start);
+  AddSince(digest_start, &sum->digest_micros, &sum->digest_cpu_micros);
   return bases;
 }
 
@@ -166,13 +167,13 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options,
   }
   // From here on only our own copies are read: the caller's buffers are free.
 
-  const auto digest_start = Clock::now();
+  const StageMark digest_start = StageMark::Now();
   for (size_t k = 0; k < out->next.size(); ++k) {
     if (!out->unchanged[k]) {
       out->next[k].digest = TensorDigest(*out->next[k].bytes, options.digest_threads);
     }
   }
-  sum->digest_micros += MicrosSince(digest_start);
+  AddSince(digest_start, &sum->digest_micros, &sum->digest_cpu_micros);
 
   // Encode every changed tensor with a usable base in one call.
   std::vector<EncodeInput> enc;
@@ -227,7 +228,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     }
   }
   if (ks.empty()) return absl::OkStatus();
-  const auto pass_start = Clock::now();
+  const StageMark pass_start = StageMark::Now();
   for (size_t b = 0; b < ks.size();) {
     const size_t e = BatchEnd(stream, inputs, order, ks, b);
     if (stream.live != nullptr && stream.hook != nullptr && *stream.hook) {
@@ -242,18 +243,18 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     }
     b = e;
   }
-  sum->pass_micros = MicrosSince(pass_start);
+  AddSince(pass_start, &sum->pass_micros, &sum->pass_cpu_micros);
   sum->encode_micros = sum->pass_micros;
   return absl::OkStatus();
 }
 
 void CopySharedPending(Encoded* enc, PublishSummary* sum) {
-  const auto start = Clock::now();
+  const StageMark start = StageMark::Now();
   for (Encoded::Pending& u : enc->pending) {
     if (u.base.use_count() <= kSoleBaselineOwners) continue;
     CopyPending(u, enc, sum);
   }
-  sum->baseline_update_micros += MicrosSince(start);
+  AddSince(start, &sum->baseline_update_micros, &sum->baseline_update_cpu_micros);
 }
 
 // CPU one pass, at the commit. Must run with the core's mu_ held exclusively, before the new
@@ -262,7 +263,7 @@ void CopySharedPending(Encoded* enc, PublishSummary* sum) {
 // Such a buffer gets the pass's logged changes written in place (O(changed): no decode, no
 // read of unchanged words); the others are copied from the caller's bytes.
 void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
-  const auto start = Clock::now();
+  const StageMark start = StageMark::Now();
   std::vector<Encoded::Pending*> in_place;
   for (Encoded::Pending& u : enc->pending) {
     if (enc->next[u.k].bytes != nullptr) continue;  // copied before the lock
@@ -290,14 +291,14 @@ void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   });
   for (Encoded::Pending* u : in_place) enc->next[u->k].bytes = std::move(u->base);
   sum->baseline_in_place_tensors += in_place.size();
-  sum->baseline_update_micros += MicrosSince(start);
+  AddSince(start, &sum->baseline_update_micros, &sum->baseline_update_cpu_micros);
 }
 
 // The copying path: each tensor's v2 digest, the previous one where the buffer is the
 // previous version's, else TensorDigestV2 of the host bytes (a full read of changed tensors).
 void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTensor>& prev,
                    Encoded* enc, PublishSummary* sum) {
-  const auto start = Clock::now();
+  const StageMark start = StageMark::Now();
   for (BaselineTensor& t : enc->next) {
     const BaselineTensor* p = FindByPlace(prev, t.spec);
     if (p != nullptr && p->bytes == t.bytes) {
@@ -306,7 +307,7 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
       t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
     }
   }
-  sum->digest_micros += MicrosSince(start);
+  AddSince(start, &sum->digest_micros, &sum->digest_cpu_micros);
 }
 
 // StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
@@ -314,7 +315,7 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
 // tensor's v1 digest in manifest order.
 std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<LogRecord>* record,
                                      PublishSummary* sum) {
-  const auto start = Clock::now();
+  const StageMark start = StageMark::Now();
   std::vector<size_t> ks;
   std::vector<std::span<const uint8_t>> targets;
   for (const Encoded::Pending& u : enc->pending) {
@@ -330,7 +331,7 @@ std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<Lo
   std::vector<uint64_t> all;
   all.reserve(enc->next.size());
   for (const BaselineTensor& t : enc->next) all.push_back(t.digest);
-  sum->digest_micros += MicrosSince(start);
+  AddSince(start, &sum->digest_micros, &sum->digest_cpu_micros);
   return all;
 }
 

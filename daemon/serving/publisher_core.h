@@ -169,12 +169,16 @@ struct PublishSummary {
   uint64_t encode_micros = 0;  // EncodePatches, or the sum of the Device::Encode calls
   int patch_format = 1;        // the format the patches were encoded in (EncodeOptions::format)
   uint64_t digest_micros = 0;  // tensor digests (one pass: keyframe tensors only)
+  uint64_t digest_cpu_micros = 0;
   // CPU one pass: the read of (baseline, new bytes) that compared, encoded and digested every
   // tensor with a base (also counted in encode_micros), then the baseline update: changed
   // elements patched in place (baseline_in_place_tensors) or copy-on-write of a tensor something
   // else still references (baseline_copied_tensors).
   uint64_t pass_micros = 0;
   uint64_t baseline_update_micros = 0;
+  // The process's CPU time (every thread) over the pass and the baseline update.
+  uint64_t pass_cpu_micros = 0;
+  uint64_t baseline_update_cpu_micros = 0;
   size_t baseline_in_place_tensors = 0;
   size_t baseline_copied_tensors = 0;
   // Where the patches were encoded: "" = the CPU codec; else the Describe() of every device that
@@ -188,6 +192,9 @@ struct PublishSummary {
   uint64_t persist_micros = 0;
   absl::Status persist_status;
   uint64_t total_micros = 0;  // whole Publish
+  // The process's CPU time over the whole Publish (every thread: sends to sessions meanwhile
+  // included); the publish queue adds the reading of the input files.
+  uint64_t cpu_micros = 0;
   uint64_t snapshot_unix_nanos = 0;
 };
 

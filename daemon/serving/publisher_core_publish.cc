@@ -7,6 +7,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/serving/baseline_persister.h"
@@ -86,6 +87,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
                                                       bool allow_degenerate,
                                                       const std::function<void()>& inputs_read) {
   const auto start = Clock::now();
+  const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
   PublishSummary sum;
   sum.version = version;
@@ -163,6 +165,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 
   if (record.has_value()) persistence_->Enqueue(*std::move(record), lineage, &sum);
   sum.total_micros = MicrosSince(start);
+  sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
 }
 

@@ -12,6 +12,7 @@
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
@@ -265,7 +266,7 @@ bool ApplyAdoptedInPlace(const AdoptedTensor& a) {
 // `adopted` holds it (a transfer in flight may still read it: then a copy of the version's bytes).
 void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
                         std::vector<BaselineTensor>* next, PublishSummary* sum) {
-  const auto start = Clock::now();
+  const StageMark start = StageMark::Now();
   std::vector<AdoptedTensor*> in_place;
   for (AdoptedTensor& a : adopted) {
     if (a.tensor.bytes != nullptr || a.base == nullptr) continue;
@@ -288,7 +289,7 @@ void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
   sum->baseline_copied_tensors += repaired.load();
   next->reserve(adopted.size());
   for (AdoptedTensor& a : adopted) next->push_back(std::move(a.tensor));
-  sum->baseline_update_micros += MicrosSince(start);
+  AddSince(start, &sum->baseline_update_micros, &sum->baseline_update_cpu_micros);
 }
 
 }  // namespace
@@ -329,6 +330,7 @@ absl::StatusOr<std::shared_ptr<LiveVersion>> PublisherCore::OpenRelayed(
 absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& live,
                                                            std::span<const TensorInput> given) {
   const auto start = Clock::now();
+  const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
   const v1::VersionHeader& h = live.header();
   const std::string where = absl::StrCat("adopting relayed version ", h.version());
@@ -394,6 +396,7 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
       h.version(), [&] { AdoptBaselineBytes(adopted, options_.encode_threads, &next, &sum); }, next,
       no_gpu, std::move(counts), sum);
   sum.total_micros = MicrosSince(start);
+  sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
 }
 

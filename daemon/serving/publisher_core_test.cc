@@ -988,6 +988,11 @@ TEST(PublisherCoreTest, OnePassPublishesWhatTheCopyingPathPublishes) {
     EXPECT_EQ(a->keyframe_tensors, b->keyframe_tensors) << "version " << v;
     EXPECT_EQ(a->changed_elements, b->changed_elements) << "version " << v;
     EXPECT_EQ(a->wire_bytes, b->wire_bytes) << "version " << v;
+    // The publish's CPU covers its stages (disjoint intervals within it).
+    EXPECT_GT(a->cpu_micros, 0u) << "version " << v;
+    EXPECT_GE(a->cpu_micros,
+              a->pass_cpu_micros + a->digest_cpu_micros + a->baseline_update_cpu_micros)
+        << "version " << v;
     if (v > 1) {
       EXPECT_GE(a->unchanged_tensors, 1u) << "embed.frozen, version " << v;
     }

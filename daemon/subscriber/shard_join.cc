@@ -508,6 +508,7 @@ void ShardJoin::FinishJoinedLocked(std::optional<AppliedEvent>& event) {
     ++joined_versions_;
     AppliedEvent& ev = event.emplace();
     ev.stats = sync::TransferStats(joined_, end, joined.wire_bytes(), absl::Now() - joined_time_);
+    ev.stats.set_cpu_micros(joined.timings().total_cpu_micros());
     last_refit_ = ev.stats;
     ev.ack = joined;
     ev.ack.set_applied_version_digest(core_->applied_digest());

@@ -241,7 +241,7 @@ void LogChanges(ChangeLog& log, uint64_t from_version, const StagedTransfer& t,
 }  // namespace
 
 v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::VersionEnd& end,
-                                            absl::Time received) {
+                                            const StageMark& received) {
   const uint64_t v = t.header.version();
   t.stats = StageStats{};
   t.stats.version = v;
@@ -249,7 +249,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
   std::vector<std::string> failed;
   absl::StatusOr<std::vector<SingleCopyTensor>> staged = StageChangeSetsLocked(t, failed);
   if (!staged.ok()) return Reject(v, std::string(staged.status().message()), std::move(failed), t.wire_bytes);
-  const absl::Time staged_at = absl::Now();
+  const StageMark staged_at = StageMark::Now();
 
   // Verification, before anything is written: each digest from the held one and the changes.
   std::vector<uint64_t> digests;
@@ -262,7 +262,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
                   t.wire_bytes);
   }
   VerifiedDigests& verified = *checked;
-  const absl::Time verified_at = absl::Now();
+  const StageMark verified_at = StageMark::Now();
 
   // The pause: every consumer lease on the held version released (or expired).
   absl::StatusOr<store::UpdateHandle> update = AwaitPauseLocked(t, verified.version_digest);
@@ -291,7 +291,7 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
                                            : "none held; keyframes needed)"),
                   {}, t.wire_bytes);
   }
-  const absl::Time committed = absl::Now();
+  const StageMark committed = StageMark::Now();
   // Tensors joined from parts: their whole-tensor digests for consumers, read from the slot as
   // written, after the pause (nothing writes the slot while the core's mutex is held). Each part
   // was verified before the write; a failed read leaves those tensors without a layout digest.
@@ -311,13 +311,13 @@ v1::Ack SubscriberCore::EndSingleCopyLocked(StagedTransfer& t, const v1::Version
 
   t.stats.slot = update->slot;
   t.stats.slot_version = update->from_version;
-  t.stats.stage_micros = WholeMicros(staged_at - received);
-  t.stats.verify_micros = WholeMicros(verified_at - staged_at);
-  t.stats.pause_wait_micros = WholeMicros(paused - verified_at);
-  t.stats.pause_micros = WholeMicros(committed - paused);
+  t.stats.stage_micros = WholeMicros(staged_at.wall - received.wall);
+  t.stats.verify_micros = WholeMicros(verified_at.wall - staged_at.wall);
+  t.stats.pause_wait_micros = WholeMicros(paused - verified_at.wall);
+  t.stats.pause_micros = WholeMicros(committed.wall - paused);
   last_stage_ = t.stats;
   const uint64_t wire = t.wire_bytes;
-  const absl::Time start = t.start;
+  const StageMark start = t.start;
   DropTransferLocked();  // `t` is gone from here on: the figures below are copies
   return AppliedAck(v, verified.version_digest, wire, start, received, staged_at, verified_at,
                     committed);

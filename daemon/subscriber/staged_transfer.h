@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/subscriber/subscriber_core.h"
 #include "daemon/sync/frames.h"
 #include "daemon/sync/selection.h"
@@ -49,9 +50,11 @@ absl::StatusOr<VerifiedDigests> CheckTensorDigests(const v1::VersionHeader& head
                                                    std::vector<uint64_t> digests,
                                                    std::vector<std::string>& mismatched);
 
-// The Ack of an applied version, with its stage timings.
-v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes, absl::Time start,
-                   absl::Time received, absl::Time staged, absl::Time verified, absl::Time applied);
+// The Ack of an applied version, with its stage timings: wall and process CPU time between the
+// marks.
+v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
+                   const StageMark& start, const StageMark& received, const StageMark& staged,
+                   const StageMark& verified, const StageMark& applied);
 
 // Applies `patch` (base -> out) and brings the tracked v2 digest forward by its delta, or, when
 // no digest is tracked, applies it plainly (the digest stays unknown).
@@ -68,7 +71,7 @@ absl::Status ApplyChain(store::TensorMemory& mem, const std::vector<const Retain
 class StagedTransfer {
  public:
   v1::VersionHeader header;
-  absl::Time start;
+  StageMark start;  // the header's arrival
   std::vector<DType> dtypes;         // by header index
   std::vector<uint64_t> bytes;       // by header index
   // header index -> its unit in target->layout() (a whole tensor or a part of one).

@@ -2,10 +2,13 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/thread_priority.h"
+#include "daemon/common/units.h"
 
 namespace refit::subscriber {
 
@@ -57,17 +60,36 @@ void StandbyRefresher::Loop(int nice) {
       absl::MutexLock lock(&mu_);
       ++stats_.started;
     }
-    const absl::Time start = absl::Now();
+    const StageMark start = StageMark::Now();
     const absl::Status st = job->run(job->stats, cancel_);
     job->finish(st);
-    Record(*job, st, absl::Now() - start);
+    const StageMark end = StageMark::Now();
+    Record(*job, st, end.wall - start.wall, end.cpu - start.cpu);
   }
 }
 
-void StandbyRefresher::Record(Job& job, const absl::Status& st, absl::Duration took) {
+void StandbyRefresher::Record(Job& job, const absl::Status& st, absl::Duration took,
+                              absl::Duration cpu) {
+  if (st.ok()) {
+    LogEvent(*Logger("subscriber"), spdlog::level::info,
+             absl::StrCat("standby slot ", job.stats.slot, " refreshed from version ",
+                          job.stats.from_version, " to ", job.stats.to_version, ": ",
+                          job.stats.patches, " retained patches, ", job.stats.tensors_copied,
+                          " tensors copied, ", FormatMicros(WholeMicros(took)), " (cpu ",
+                          FormatMicros(WholeMicros(cpu)), ")"),
+             {{"event", std::string("refresh")},
+              {"slot", static_cast<int64_t>(job.stats.slot)},
+              {"from_version", job.stats.from_version},
+              {"version", job.stats.to_version},
+              {"patches", job.stats.patches},
+              {"tensors_copied", static_cast<uint64_t>(job.stats.tensors_copied)},
+              {"refresh_ms", static_cast<double>(WholeMicros(took)) / 1000.0},
+              {"refresh_cpu_ms", static_cast<double>(WholeMicros(cpu)) / 1000.0}});
+  }
   absl::MutexLock lock(&mu_);
   const bool cancelled = absl::IsCancelled(st);
   job.stats.micros = WholeMicros(took);
+  job.stats.cpu_micros = WholeMicros(cpu);
   job.stats.started = stats_.started;
   job.stats.completed = stats_.completed + (st.ok() ? 1 : 0);
   job.stats.cancelled = stats_.cancelled;

@@ -41,6 +41,7 @@ struct RefreshStats {
   uint64_t patches = 0;         // retained patches applied in place
   uint32_t tensors_copied = 0;  // tensors some retained transfer delivered as a keyframe
   uint64_t micros = 0;
+  uint64_t cpu_micros = 0;  // the process's CPU time meanwhile (every thread)
   std::string error;  // of the last failed refresh
 };
 
@@ -83,7 +84,7 @@ class StandbyRefresher {
  private:
   void Loop(int nice);
   bool IdleLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !requested_ && !running_; }
-  void Record(Job& job, const absl::Status& st, absl::Duration took);
+  void Record(Job& job, const absl::Status& st, absl::Duration took, absl::Duration cpu);
 
   const Claim claim_;
   mutable absl::Mutex mu_;

@@ -130,7 +130,7 @@ absl::Status SubscriberCore::OpenTransferLocked(const v1::VersionHeader& header)
   }
   auto t = std::make_unique<StagedTransfer>();
   t->header = header;
-  t->start = absl::Now();
+  t->start = StageMark::Now();
   t->format = digest_format_;
   t->v2.assign(static_cast<size_t>(header.tensors_size()), std::nullopt);
   REFIT_RETURN_IF_ERROR(CheckHeader(*t));
@@ -272,7 +272,7 @@ absl::Status SubscriberCore::CommitLocked(StagedTransfer& t, const VerifiedDiges
 
 v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   absl::MutexLock lock(&mu_);
-  const absl::Time received = absl::Now();
+  const StageMark received = StageMark::Now();
   if (transfer_ == nullptr) {
     return Reject(end.version(),
                   absl::StrCat("VersionEnd of version ", end.version(), " without an open transfer"),
@@ -293,27 +293,27 @@ v1::Ack SubscriberCore::OnEnd(const v1::VersionEnd& end) {
   if (absl::Status st = t.Stage(failed); !st.ok()) {
     return Reject(v, std::string(st.message()), std::move(failed), t.wire_bytes);
   }
-  const absl::Time staged = absl::Now();
+  const StageMark staged = StageMark::Now();
   std::vector<std::string> mismatched;
   absl::StatusOr<VerifiedDigests> verified = t.Verify(end, mismatched);
   if (!verified.ok()) {
     return Reject(v, std::string(verified.status().message()), std::move(mismatched), t.wire_bytes);
   }
-  const absl::Time verified_at = absl::Now();
+  const StageMark verified_at = StageMark::Now();
   if (absl::Status st = CommitLocked(t, *verified); !st.ok()) {
     return Reject(v, absl::StrCat("version ", v, ": commit failed: ", st.message()), {},
                   t.wire_bytes);
   }
   const uint64_t wire = t.wire_bytes;
-  const absl::Time start = t.start;
+  const StageMark start = t.start;
   last_stage_ = t.stats;
-  last_stage_.stage_micros = WholeMicros(staged - received);
-  last_stage_.verify_micros = WholeMicros(verified_at - staged);
+  last_stage_.stage_micros = WholeMicros(staged.wall - received.wall);
+  last_stage_.verify_micros = WholeMicros(verified_at.wall - staged.wall);
   DropTransferLocked();  // releases the migration lease
   generations_.CollectRetired();
   records_.Prune(generations_.HeldVersions());
   return AppliedAck(v, verified->version_digest, wire, start, received, staged, verified_at,
-                    absl::Now());
+                    StageMark::Now());
 }
 
 void SubscriberCore::Abort() {

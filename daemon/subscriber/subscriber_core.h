@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/cpu_time.h"
 #include "daemon/store/slotted_store.h"
 #include "daemon/store/store_factory.h"
 #include "daemon/subscriber/change_log.h"
@@ -274,7 +275,8 @@ class SubscriberCore {
   // t to a new generation instead.
   absl::Status PlanSingleCopy(StagedTransfer& t, const store::Layout& layout, bool needs_base);
   // OnEnd of such a transfer: change sets, verification, the pause, the write, the commit.
-  v1::Ack EndSingleCopyLocked(StagedTransfer& t, const v1::VersionEnd& end, absl::Time received)
+  v1::Ack EndSingleCopyLocked(StagedTransfer& t, const v1::VersionEnd& end,
+                              const StageMark& received)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<SingleCopyTensor>> StageChangeSetsLocked(
       StagedTransfer& t, std::vector<std::string>& failed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -111,6 +111,12 @@ class SubscriberCoreTest : public ::testing::Test {
     EXPECT_EQ(ack.applied_version_digest(), pub_.digest(target));
     EXPECT_GT(ack.wire_bytes(), 0u);
     EXPECT_GE(ack.timings().total_micros(), ack.timings().stage_micros());
+    // The process's CPU over the transfer, and its stages within it (disjoint intervals).
+    const v1::TransferTimings& tm = ack.timings();
+    EXPECT_GT(tm.total_cpu_micros(), 0u);
+    EXPECT_LE(tm.receive_cpu_micros() + tm.stage_cpu_micros() + tm.verify_cpu_micros() +
+                  tm.apply_cpu_micros(),
+              tm.total_cpu_micros());
     ExpectHolds(core, pub_, target);
   }
 

@@ -445,12 +445,15 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
       s.dense_bytes() > 0 ? 100.0 * static_cast<double>(s.wire_bytes()) / s.dense_bytes() : 0.0;
   const std::string text = fmt::format(
       "version {} applied (base {}, {}): change {:.2f}%, wire {} vs dense {} ({:.2f}%), latency "
-      "{} (receive {}, stage {}, verify {}, apply {}), {}",
+      "{} (receive {}, stage {}, verify {}, apply {}), cpu {} (receive {}, stage {}, verify {}, "
+      "apply {}), {}",
       s.version(), s.base_version(), ReasonName(ev.reason), 100.0 * s.change_rate(),
       FormatBytes(s.wire_bytes()), FormatBytes(s.dense_bytes()), wire_pct,
       FormatMicros(s.latency_micros()), FormatMicros(t.receive_micros()),
       FormatMicros(t.stage_micros()), FormatMicros(t.verify_micros()),
-      FormatMicros(t.apply_micros()),
+      FormatMicros(t.apply_micros()), FormatMicros(t.total_cpu_micros()),
+      FormatMicros(t.receive_cpu_micros()), FormatMicros(t.stage_cpu_micros()),
+      FormatMicros(t.verify_cpu_micros()), FormatMicros(t.apply_cpu_micros()),
       s.digests_verified() ? absl::StrCat("digests verified (", ev.tensors, " tensors)")
                            : std::string("digests NOT verified"));
   auto ms = [](uint64_t micros) { return static_cast<double>(micros) / 1000.0; };
@@ -473,6 +476,11 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
             {"stage_ms", ms(t.stage_micros())},
             {"verify_ms", ms(t.verify_micros())},
             {"apply_ms", ms(t.apply_micros())},
+            {"cpu_ms", ms(t.total_cpu_micros())},
+            {"receive_cpu_ms", ms(t.receive_cpu_micros())},
+            {"stage_cpu_ms", ms(t.stage_cpu_micros())},
+            {"verify_cpu_ms", ms(t.verify_cpu_micros())},
+            {"apply_cpu_ms", ms(t.apply_cpu_micros())},
             {"digests_verified", s.digests_verified()},
             {"in_place", in_place}};
   if (in_place) {
@@ -491,7 +499,11 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
     const metrics::ApplyStages stages{.receive = absl::Microseconds(t.receive_micros()),
                                       .stage = absl::Microseconds(t.stage_micros()),
                                       .verify = absl::Microseconds(t.verify_micros()),
-                                      .apply = absl::Microseconds(t.apply_micros())};
+                                      .apply = absl::Microseconds(t.apply_micros()),
+                                      .receive_cpu = absl::Microseconds(t.receive_cpu_micros()),
+                                      .stage_cpu = absl::Microseconds(t.stage_cpu_micros()),
+                                      .verify_cpu = absl::Microseconds(t.verify_cpu_micros()),
+                                      .apply_cpu = absl::Microseconds(t.apply_cpu_micros())};
     m->TransferApplied(ev.reason, s, &stages);
     if (in_place) {
       m->InPlaceUpdate(absl::Microseconds(stage.pause_wait_micros),

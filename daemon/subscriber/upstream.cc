@@ -556,6 +556,7 @@ void Upstream::Announce(Session& session, const v1::VersionEnd& end, const v1::A
   AppliedEvent ev;
   ev.lineage_changed = lineage_changed;
   ev.stats = sync::TransferStats(header, end, ack.wire_bytes(), took);
+  ev.stats.set_cpu_micros(ack.timings().total_cpu_micros());
   ev.ack = ack;
   ev.upstream = session.target;
   ev.reason = header.reason();

@@ -141,9 +141,9 @@ std::vector<std::optional<uint64_t>> StagedTransfer::ByLayout(
   return out;
 }
 
-v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes, absl::Time start,
-                   absl::Time received, absl::Time staged, absl::Time verified,
-                   absl::Time applied) {
+v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_bytes,
+                   const StageMark& start, const StageMark& received, const StageMark& staged,
+                   const StageMark& verified, const StageMark& applied) {
   v1::Ack ack;
   ack.set_version(version);
   ack.set_result(v1::ACK_RESULT_APPLIED);
@@ -151,11 +151,16 @@ v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_byte
   ack.set_applied_version_digest(version_digest);
   ack.set_wire_bytes(wire_bytes);
   v1::TransferTimings* tm = ack.mutable_timings();
-  tm->set_receive_micros(WholeMicros(received - start));
-  tm->set_stage_micros(WholeMicros(staged - received));
-  tm->set_verify_micros(WholeMicros(verified - staged));
-  tm->set_apply_micros(WholeMicros(applied - verified));
-  tm->set_total_micros(WholeMicros(applied - start));
+  tm->set_receive_micros(WholeMicros(received.wall - start.wall));
+  tm->set_stage_micros(WholeMicros(staged.wall - received.wall));
+  tm->set_verify_micros(WholeMicros(verified.wall - staged.wall));
+  tm->set_apply_micros(WholeMicros(applied.wall - verified.wall));
+  tm->set_total_micros(WholeMicros(applied.wall - start.wall));
+  tm->set_receive_cpu_micros(WholeMicros(received.cpu - start.cpu));
+  tm->set_stage_cpu_micros(WholeMicros(staged.cpu - received.cpu));
+  tm->set_verify_cpu_micros(WholeMicros(verified.cpu - staged.cpu));
+  tm->set_apply_cpu_micros(WholeMicros(applied.cpu - verified.cpu));
+  tm->set_total_cpu_micros(WholeMicros(applied.cpu - start.cpu));
   return ack;
 }
 
