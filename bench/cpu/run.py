@@ -18,7 +18,8 @@ publisher's figure. The first version (a keyframe) is reported apart: subscriber
 With --perf-dir, `perf record -g` samples each daemon during the deltas (or, with --perf-keyframe,
 during the first version only) into DIR/{publisher,subscriber}-slots<N>.perf, for `perf report`.
 
-One JSON object per line: per version, then a summary per slot count (medians of the deltas).
+One JSON object per line: per version, then a summary per slot count (medians of the deltas),
+with each side's CPU split by stage from the daemons' JSON log events (stage_split).
 Exits 1 if the subscriber does not end with the published bytes (refitctl verify).
 """
 from __future__ import annotations
