@@ -68,6 +68,11 @@ absl::Status ApplyChain(store::TensorMemory& mem, const std::vector<const Retain
                         size_t li, DType dtype, std::span<uint8_t> out,
                         std::optional<uint64_t>* digest, uint64_t* patches);
 
+// Elements tensor `li`'s patches of every transfer of `chain` change, summed over the steps,
+// from the patches' block tables (no payload is decoded); nullopt when a patch does not parse.
+std::optional<uint64_t> ChainChangedElements(const std::vector<const RetainedTransfer*>& chain,
+                                             size_t li);
+
 class StagedTransfer {
  public:
   v1::VersionHeader header;

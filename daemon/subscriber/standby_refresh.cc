@@ -2,6 +2,7 @@
 // slots, the slot the next staging takes is brought forward to the committed version by the
 // retained patches, off the critical path, so that the next delta applies only its own patches.
 // The thread, its requests and cancellation are StandbyRefresher's; here is what a refresh is.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/codec/dtype.h"
 #include "daemon/subscriber/staged_transfer.h"
 #include "daemon/subscriber/subscriber_core.h"
 
@@ -29,9 +31,21 @@ struct RefreshWork {
   std::vector<std::optional<uint64_t>> current_digests;
 };
 
+// Whether tensor `li` is copied from the current slot rather than brought forward by the chain:
+// some retained transfer delivered it as a keyframe, or the chain changes more than
+// `copy_density` of its elements (a patch that does not parse is left to ApplyChain's error).
+bool CopyFromCurrent(const std::vector<const RetainedTransfer*>& chain, size_t li,
+                     uint64_t elements, double copy_density) {
+  if (!ChainKeeps(chain, li)) return true;
+  if (copy_density >= 1.0 || elements == 0) return false;
+  const std::optional<uint64_t> changed = ChainChangedElements(chain, li);
+  return changed.has_value() &&
+         static_cast<double>(*changed) > copy_density * static_cast<double>(elements);
+}
+
 // Every tensor of the claimed slot to the applied version: the retained patches in place, or a
-// copy of the current version where some retained transfer delivered the tensor as a keyframe.
-// Stops with CANCELLED between tensors when cancelled.
+// copy of the current version (CopyFromCurrent), with the current version's digest. Stops with
+// CANCELLED between tensors when cancelled.
 absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic<bool>& cancel,
                           const SubscriberOptions& options) {
   const store::Layout& layout = w.store->layout();
@@ -45,7 +59,8 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     const store::TensorInfo& tensor = layout.tensor(layout.unit(li).tensor);
     std::optional<uint64_t> unknown;
     std::optional<uint64_t>& digest = li < w.digests.size() ? w.digests[li] : unknown;
-    if (!ChainKeeps(w.chain, li)) {
+    const uint64_t elements = out.size() / std::max<size_t>(1, DTypeSize(tensor.dtype));
+    if (CopyFromCurrent(w.chain, li, elements, options.refresh_copy_density)) {
       ++stats.tensors_copied;
       REFIT_RETURN_IF_ERROR(mem.Copy(out, layout.UnitOf(w.handle.current, li)));
       digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;

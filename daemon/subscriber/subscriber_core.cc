@@ -76,6 +76,21 @@ absl::Status ApplyChain(store::TensorMemory& mem, const std::vector<const Retain
   return absl::OkStatus();
 }
 
+std::optional<uint64_t> ChainChangedElements(const std::vector<const RetainedTransfer*>& chain,
+                                             size_t li) {
+  uint64_t changed = 0;
+  for (const RetainedTransfer* r : chain) {
+    for (const std::vector<uint8_t>& patch : r->tensors[li].steps) {
+      absl::StatusOr<PatchLayout> layout = ParsePatch(patch);
+      if (!layout.ok()) return std::nullopt;
+      for (const BlockDesc& b : layout->blocks) {
+        changed += b.mode == format::kDense ? b.num_elements : b.count;
+      }
+    }
+  }
+  return changed;
+}
+
 void SubscriberCore::SetMaxFrameBytes(uint32_t frame_bytes) {
   absl::MutexLock lock(&mu_);
   max_frame_bytes_ = frame_bytes;

@@ -95,6 +95,12 @@ struct SubscriberOptions {
   // How long OnHeader waits for a running refresh before cancelling it (the slot is then
   // unknown: that staging copies in full).
   absl::Duration refresh_wait = absl::Seconds(10);
+  // The refresh copies a tensor from the current slot instead of applying its retained patches
+  // when they change more than this fraction of its elements: applying a change in place costs
+  // about as much CPU as copying a few hundred bytes sequentially (bench/cpu), so above it the
+  // copy is cheaper, and it is exact by construction (the current slot was verified). >= 1:
+  // always the patches.
+  double refresh_copy_density = 0.005;
   // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
   // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
   int background_nice = 0;

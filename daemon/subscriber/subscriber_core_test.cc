@@ -828,7 +828,12 @@ TEST_F(SubscriberCoreInPlaceTest, ManifestChangeCopiesThenTheNewGenerationGoesIn
 
 class SubscriberCoreRefreshTest : public SubscriberCoreInPlaceTest {
  protected:
-  SubscriberCoreRefreshTest() { opts_.refresh_standby = true; }
+  SubscriberCoreRefreshTest() {
+    opts_.refresh_standby = true;
+    // Every tensor by its retained patches (the trajectory changes about 1% of each tensor,
+    // above the default copy density); DenselyChangedTensorsAreCopied covers the copy.
+    opts_.refresh_copy_density = 1.0;
+  }
   // Refresh hook: while `block_` is set, the refresh thread waits before its first tensor until
   // `release_` or a cancel (deadline 20 s, so a broken test fails instead of hanging).
   void InstallBlockingHook() {
@@ -899,6 +904,46 @@ TEST_F(SubscriberCoreRefreshTest, NextTransferAppliesOnlyItsOwnStepsBitExactAgai
     EXPECT_EQ(rs.failed, 0u);
     EXPECT_GE(SlotIn(a, store::SlotStatus::State::kStandby), 0);
     EXPECT_EQ(b.standby().stats().started, 0u);
+  }
+}
+
+// A tensor whose retained patches change more than refresh_copy_density of its elements is
+// copied from the current slot instead, with its digest: the next delta still applies only its
+// own steps in place, verified from the slot's digests (v2, no tensor read), bit-exact against
+// the dense copy; with a density no tensor reaches, the same refreshes apply patches.
+TEST_F(SubscriberCoreRefreshTest, DenselyChangedTensorsAreCopiedFromTheCurrentSlot) {
+  constexpr uint64_t kVersions = 6;
+  PublishTrajectory(kVersions);
+  pub_.set_format(sync::DigestFormat::kV2);
+  for (double density : {0.0, 0.5}) {
+    SCOPED_TRACE(absl::StrCat("density ", density));
+    SubscriberOptions o = opts_;
+    o.refresh_copy_density = density;
+    SubscriberOptions dense = opts_;
+    dense.retained_patch_bytes = 0;
+    SubscriberCore a(o);
+    SubscriberCore b(dense);
+    a.SetDigestFormat(sync::DigestFormat::kV2);
+    for (uint64_t v = 1; v <= kVersions; ++v) {
+      const StageStats sa = SyncStats(a, v);
+      SyncStats(b, v);
+      EXPECT_EQ(Read(a), Read(b)) << "v" << v;
+      if (v > 2) {
+        ExpectOwnStepsOnly(sa, v - 1);
+        EXPECT_EQ(sa.digests_full, 0u) << "v" << v;
+      }
+      ASSERT_TRUE(a.standby().WaitIdle(absl::Seconds(20)));
+      const RefreshStats rs = a.standby().stats();
+      if (v < 2) continue;
+      EXPECT_EQ(rs.to_version, v);
+      EXPECT_EQ(rs.failed, 0u);
+      if (density == 0.0) {
+        EXPECT_EQ(rs.patches, 0u) << "v" << v;
+        EXPECT_GT(rs.tensors_copied, 0u) << "v" << v;
+      } else {
+        EXPECT_GT(rs.patches, 0u) << "v" << v;
+      }
+    }
   }
 }
 
