@@ -924,6 +924,7 @@ TEST_F(SubscriberCoreRefreshTest, DenselyChangedTensorsAreCopiedFromTheCurrentSl
     SubscriberCore a(o);
     SubscriberCore b(dense);
     a.SetDigestFormat(sync::DigestFormat::kV2);
+    b.SetDigestFormat(sync::DigestFormat::kV2);
     for (uint64_t v = 1; v <= kVersions; ++v) {
       const StageStats sa = SyncStats(a, v);
       SyncStats(b, v);
