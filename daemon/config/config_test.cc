@@ -114,6 +114,7 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_EQ(c.store().scrub_interval_ms(), 300000u);
   EXPECT_TRUE(c.refresh_standby());
   EXPECT_EQ(c.refresh_wait_ms(), 10000u);
+  EXPECT_EQ(c.refresh_copy_density(), 0.005);
   EXPECT_EQ(c.background_nice(), 10u);
 }
 
@@ -443,6 +444,8 @@ TEST(ConfigTest, SubscriberRules) {
                   "subscriber.store.scrub_interval_ms: 0 is out of range");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  refresh_wait_ms: 600001\n"),
                   "subscriber.refresh_wait_ms: 600001 is out of range");
+  EXPECT_CONTAINS(SubscriberError(Sub("") + "  refresh_copy_density: 1.5\n"),
+                  "subscriber.refresh_copy_density: 1.5 is out of range");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  background_nice: 20\n"),
                   "subscriber.background_nice: 20 is out of range [0, 19]");
   EXPECT_CONTAINS(SubscriberError(Sub("") + "  store: {retained_patch_bytes: 68719476737}\n"),

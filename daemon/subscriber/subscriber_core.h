@@ -99,7 +99,7 @@ struct SubscriberOptions {
   // when they change more than this fraction of its elements: applying a change in place costs
   // about as much CPU as copying a few hundred bytes sequentially (bench/cpu), so above it the
   // copy is cheaper, and it is exact by construction (the current slot was verified). >= 1:
-  // always the patches.
+  // always the patches. Config subscriber.refresh_copy_density.
   double refresh_copy_density = 0.005;
   // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
   // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
