@@ -68,7 +68,7 @@ def read_pass_seconds(build: str, a: str, b: str) -> float:
     raise RuntimeError(f"read_pass printed no time: {out.stdout!r} {out.stderr!r}")
 
 
-def config(src: str, run_dir: str, slots: int | None = None) -> str:
+def config(src: str, run_dir: str, slots: int | None = None, fields: list[str] = ()) -> str:
     with open(os.path.join(ROOT, "config", src)) as f:
         text = f.read().replace("/tmp/refitd-demo", run_dir)
     text = text.replace("shm_prefix: /refitd-demo-0-",
@@ -77,7 +77,8 @@ def config(src: str, run_dir: str, slots: int | None = None) -> str:
         text = text.replace("slots: 2", f"slots: {slots}")
     # JSON log lines: the per-version CPU split by stage is read from their fields.
     for name in ("demo-publisher", "demo-subscriber-0"):
-        text = text.replace(f"  name: {name}\n", f"  name: {name}\n  log_format: json\n")
+        extra = "".join(f"  {f.split('=', 1)[0]}: {f.split('=', 1)[1]}\n" for f in fields)
+        text = text.replace(f"  name: {name}\n", f"  name: {name}\n  log_format: json\n{extra}")
     path = os.path.join(run_dir, src)
     with open(path, "w") as f:
         f.write(text)
@@ -169,11 +170,11 @@ def perf_record(pid: int, path: str) -> subprocess.Popen:
 
 def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
               read_s: float, model_bytes: int, out, perf_dir: str = "",
-              perf_keyframe: bool = False) -> dict:
+              perf_keyframe: bool = False, sub_fields: list[str] = ()) -> dict:
     run_dir = tempfile.mkdtemp(prefix="refit-cpu-")
     os.makedirs(os.path.join(run_dir, "publish"))
     pub_cfg = config("publisher.loopback.yaml", run_dir)
-    sub_cfg = config("subscriber.loopback.yaml", run_dir, slots)
+    sub_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields)
     pub_log, sub_log = os.path.join(run_dir, "pub.log"), os.path.join(run_dir, "sub.log")
     # The publisher reads only files under its publish_dirs.
     local = []
@@ -276,6 +277,9 @@ def main() -> int:
     ap.add_argument("--perf-dir", default="", help="perf record each daemon's deltas here")
     ap.add_argument("--perf-keyframe", action="store_true",
                     help="with --perf-dir: record the first version (the keyframe) instead")
+    ap.add_argument("--sub-field", action="append", default=[], metavar="KEY=VALUE",
+                    help="a top-level subscriber config field (e.g. refresh_copy_density=1)")
+    ap.add_argument("--label", default="", help="a label added to every JSON line")
     args = ap.parse_args()
     files = pair(args.build, args.preset)
     model_bytes = os.path.getsize(files[0])
@@ -286,6 +290,8 @@ def main() -> int:
 
     class Tee:
         def write(self, s):
+            if args.label and s.startswith("{"):
+                s = json.dumps({"label": args.label, **json.loads(s)})
             for k in sinks:
                 k.write(s)
 
@@ -295,7 +301,7 @@ def main() -> int:
 
     for slots in (int(s) for s in args.slots.split(",")):
         run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee(),
-                  args.perf_dir, args.perf_keyframe)
+                  args.perf_dir, args.perf_keyframe, args.sub_field)
     return 0
 
 
