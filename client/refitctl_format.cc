@@ -65,9 +65,8 @@ std::string FormatRefit(const v1::RefitStats& r) {
   absl::StrAppend(&s, ", ", r.keyframe_tensors(), " keyframe tensors, latency ",
                   FormatMicros(r.latency_micros()));
   if (r.cpu_micros() != 0) absl::StrAppend(&s, ", cpu ", FormatMicros(r.cpu_micros()));
-  absl::StrAppend(&s, ", digests ",
-                  r.digests_verified() ? "verified" : "not verified", ", finished ",
-                  FormatUnixNanos(r.finished_unix_nanos()));
+  absl::StrAppend(&s, ", digests ", r.digests_verified() ? "verified" : "not verified",
+                  ", finished ", FormatUnixNanos(r.finished_unix_nanos()));
   return s;
 }
 

@@ -15,11 +15,18 @@ std::string Text(const PrometheusRefitMetrics& m) {
 
 TEST(RefitMetricsTest, PublisherCountsPublishesAndAppliedTransfers) {
   PrometheusRefitMetrics m(v1::ROLE_PUBLISHER);
-  m.Published({.wire_bytes = 100, .dense_bytes = 1000, .changed_elements = 5,
-               .total_elements = 50, .keyframe_tensors = 2, .encode = absl::Milliseconds(3),
-               .total = absl::Milliseconds(7), .pass_cpu = absl::Milliseconds(4),
+  m.Published({.wire_bytes = 100,
+               .dense_bytes = 1000,
+               .changed_elements = 5,
+               .total_elements = 50,
+               .keyframe_tensors = 2,
+               .encode = absl::Milliseconds(3),
+               .total = absl::Milliseconds(7),
+               .pass_cpu = absl::Milliseconds(4),
                .cpu = absl::Milliseconds(9)});
-  m.Published({.wire_bytes = 10, .dense_bytes = 1000, .pass_cpu = absl::Milliseconds(2),
+  m.Published({.wire_bytes = 10,
+               .dense_bytes = 1000,
+               .pass_cpu = absl::Milliseconds(2),
                .cpu = absl::Milliseconds(3)});
   m.PublishFailed();
   v1::RefitStats stats;
@@ -55,10 +62,14 @@ TEST(RefitMetricsTest, SubscriberHasTheStageSplitAndNoPublisherSeries) {
   m.Published({.wire_bytes = 1});  // not a subscriber's: ignored
   v1::RefitStats stats;
   stats.set_latency_micros(5000);
-  const ApplyStages stages{.receive = absl::Milliseconds(1), .stage = absl::Milliseconds(2),
-                           .verify = absl::Milliseconds(1), .apply = absl::Milliseconds(1),
-                           .receive_cpu = absl::Milliseconds(3), .stage_cpu = absl::Milliseconds(4),
-                           .verify_cpu = absl::Milliseconds(1), .apply_cpu = absl::Milliseconds(2)};
+  const ApplyStages stages{.receive = absl::Milliseconds(1),
+                           .stage = absl::Milliseconds(2),
+                           .verify = absl::Milliseconds(1),
+                           .apply = absl::Milliseconds(1),
+                           .receive_cpu = absl::Milliseconds(3),
+                           .stage_cpu = absl::Milliseconds(4),
+                           .verify_cpu = absl::Milliseconds(1),
+                           .apply_cpu = absl::Milliseconds(2)};
   m.TransferApplied(v1::TRANSFER_REASON_NEXT_VERSION, stats, &stages);
   const std::string t = Text(m);
   EXPECT_FALSE(absl::StrContains(t, "refitd_publisher_")) << t;

@@ -60,25 +60,23 @@ metrics::PublishFigures FiguresOf(const PublishSummary& s) {
 }  // namespace
 
 std::string DescribePublish(const PublishSummary& s) {
-  return absl::StrCat("version ", s.version, " published: change ",
-                      Percent(Ratio(s.changed_elements, s.total_elements)), " (",
-                      s.changed_elements, "/", s.total_elements, " elements), wire ",
-                      FormatBytes(s.wire_bytes), " (patches+keyframes) vs dense ",
-                      FormatBytes(s.dense_bytes), " (", Percent(Ratio(s.wire_bytes, s.dense_bytes)),
-                      "), tensors ", s.tensors, " (", s.patched_tensors, " patched, ",
-                      s.keyframe_tensors, " keyframe, ", s.unchanged_tensors, " unchanged, ",
-                      s.removed_tensors, " removed), patch format ", s.patch_format, ", encode ",
-                      s.encode_micros / 1000, " ms",
-                      s.encode_device.empty()
-                          ? std::string()
-                          : absl::StrCat(" on ", s.encode_device, " (upload ",
-                                         s.upload_micros / 1000, " ms, digest ",
-                                         s.digest_micros / 1000, " ms, to host ",
-                                         s.download_micros / 1000, " ms)"),
-                      ", total ", s.total_micros / 1000, " ms, cpu ", FormatMicros(s.cpu_micros),
-                      " (pass ", FormatMicros(s.pass_cpu_micros), ", digest ",
-                      FormatMicros(s.digest_cpu_micros), ", baseline update ",
-                      FormatMicros(s.baseline_update_cpu_micros), ")");
+  return absl::StrCat(
+      "version ", s.version, " published: change ",
+      Percent(Ratio(s.changed_elements, s.total_elements)), " (", s.changed_elements, "/",
+      s.total_elements, " elements), wire ", FormatBytes(s.wire_bytes),
+      " (patches+keyframes) vs dense ", FormatBytes(s.dense_bytes), " (",
+      Percent(Ratio(s.wire_bytes, s.dense_bytes)), "), tensors ", s.tensors, " (",
+      s.patched_tensors, " patched, ", s.keyframe_tensors, " keyframe, ", s.unchanged_tensors,
+      " unchanged, ", s.removed_tensors, " removed), patch format ", s.patch_format, ", encode ",
+      s.encode_micros / 1000, " ms",
+      s.encode_device.empty()
+          ? std::string()
+          : absl::StrCat(" on ", s.encode_device, " (upload ", s.upload_micros / 1000,
+                         " ms, digest ", s.digest_micros / 1000, " ms, to host ",
+                         s.download_micros / 1000, " ms)"),
+      ", total ", s.total_micros / 1000, " ms, cpu ", FormatMicros(s.cpu_micros), " (pass ",
+      FormatMicros(s.pass_cpu_micros), ", digest ", FormatMicros(s.digest_cpu_micros),
+      ", baseline update ", FormatMicros(s.baseline_update_cpu_micros), ")");
 }
 
 std::vector<LogField> PublishFields(const PublishSummary& s) {

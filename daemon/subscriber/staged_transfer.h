@@ -76,7 +76,7 @@ std::optional<uint64_t> ChainChangedElements(const std::vector<const RetainedTra
 class StagedTransfer {
  public:
   v1::VersionHeader header;
-  StageMark start;  // the header's arrival
+  StageMark start;                   // the header's arrival
   std::vector<DType> dtypes;         // by header index
   std::vector<uint64_t> bytes;       // by header index
   // header index -> its unit in target->layout() (a whole tensor or a part of one).

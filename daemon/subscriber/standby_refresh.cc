@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/codec/dtype.h"
 #include "daemon/common/printable.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/codec/dtype.h"
 #include "daemon/subscriber/staged_transfer.h"
 #include "daemon/subscriber/subscriber_core.h"
 

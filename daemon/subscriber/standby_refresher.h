@@ -39,10 +39,12 @@ struct RefreshStats {
   uint64_t to_version = 0;
   int slot = -1;
   uint64_t patches = 0;         // retained patches applied in place
-  uint32_t tensors_copied = 0;  // tensors some retained transfer delivered as a keyframe
+  // Tensors copied from the current slot: some retained transfer delivered them as a keyframe,
+  // or their patches change more than SubscriberOptions::refresh_copy_density of them.
+  uint32_t tensors_copied = 0;
   uint64_t micros = 0;
   uint64_t cpu_micros = 0;  // the process's CPU time meanwhile (every thread)
-  std::string error;  // of the last failed refresh
+  std::string error;        // of the last failed refresh
 };
 
 class StandbyRefresher {

@@ -282,8 +282,7 @@ class SubscriberCore {
   absl::Status PlanSingleCopy(StagedTransfer& t, const store::Layout& layout, bool needs_base);
   // OnEnd of such a transfer: change sets, verification, the pause, the write, the commit.
   v1::Ack EndSingleCopyLocked(StagedTransfer& t, const v1::VersionEnd& end,
-                              const StageMark& received)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                              const StageMark& received) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<SingleCopyTensor>> StageChangeSetsLocked(
       StagedTransfer& t, std::vector<std::string>& failed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (releasing mu_) until no lease holds the current version, then opens the update.

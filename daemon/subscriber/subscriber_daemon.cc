@@ -462,29 +462,28 @@ void SubscriberDaemonImpl::OnApplied(const AppliedEvent& ev) {
   // A single-copy store's in-place write: the pause it took (StageStats of this version).
   const StageStats stage = core_->last_stage();
   const bool in_place = stage.version == s.version() && stage.in_place_update;
-  std::vector<LogField> fields = {
-            {"event", std::string("applied")},
-            {"version", s.version()},
-            {"base_version", s.base_version()},
-            {"reason", std::string(ReasonName(ev.reason))},
-            {"upstream", ev.upstream},
-            {"change_rate", s.change_rate()},
-            {"wire_bytes", s.wire_bytes()},
-            {"dense_bytes", s.dense_bytes()},
-            {"keyframe_tensors", static_cast<uint64_t>(s.keyframe_tensors())},
-            {"tensors", static_cast<uint64_t>(ev.tensors)},
-            {"latency_ms", ms(s.latency_micros())},
-            {"receive_ms", ms(t.receive_micros())},
-            {"stage_ms", ms(t.stage_micros())},
-            {"verify_ms", ms(t.verify_micros())},
-            {"apply_ms", ms(t.apply_micros())},
-            {"cpu_ms", ms(t.total_cpu_micros())},
-            {"receive_cpu_ms", ms(t.receive_cpu_micros())},
-            {"stage_cpu_ms", ms(t.stage_cpu_micros())},
-            {"verify_cpu_ms", ms(t.verify_cpu_micros())},
-            {"apply_cpu_ms", ms(t.apply_cpu_micros())},
-            {"digests_verified", s.digests_verified()},
-            {"in_place", in_place}};
+  std::vector<LogField> fields = {{"event", std::string("applied")},
+                                  {"version", s.version()},
+                                  {"base_version", s.base_version()},
+                                  {"reason", std::string(ReasonName(ev.reason))},
+                                  {"upstream", ev.upstream},
+                                  {"change_rate", s.change_rate()},
+                                  {"wire_bytes", s.wire_bytes()},
+                                  {"dense_bytes", s.dense_bytes()},
+                                  {"keyframe_tensors", static_cast<uint64_t>(s.keyframe_tensors())},
+                                  {"tensors", static_cast<uint64_t>(ev.tensors)},
+                                  {"latency_ms", ms(s.latency_micros())},
+                                  {"receive_ms", ms(t.receive_micros())},
+                                  {"stage_ms", ms(t.stage_micros())},
+                                  {"verify_ms", ms(t.verify_micros())},
+                                  {"apply_ms", ms(t.apply_micros())},
+                                  {"cpu_ms", ms(t.total_cpu_micros())},
+                                  {"receive_cpu_ms", ms(t.receive_cpu_micros())},
+                                  {"stage_cpu_ms", ms(t.stage_cpu_micros())},
+                                  {"verify_cpu_ms", ms(t.verify_cpu_micros())},
+                                  {"apply_cpu_ms", ms(t.apply_cpu_micros())},
+                                  {"digests_verified", s.digests_verified()},
+                                  {"in_place", in_place}};
   if (in_place) {
     fields.push_back({"pause_wait_ms", ms(stage.pause_wait_micros)});
     fields.push_back({"pause_ms", ms(stage.pause_micros)});
