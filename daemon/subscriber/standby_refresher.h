@@ -38,7 +38,7 @@ struct RefreshStats {
   uint64_t from_version = 0;
   uint64_t to_version = 0;
   int slot = -1;
-  uint64_t patches = 0;         // retained patches applied in place
+  uint64_t patches = 0;  // retained patches applied in place
   // Tensors copied from the current slot: some retained transfer delivered them as a keyframe,
   // or their patches change more than SubscriberOptions::refresh_copy_density of them.
   uint32_t tensors_copied = 0;
