@@ -114,7 +114,7 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_EQ(c.store().scrub_interval_ms(), 300000u);
   EXPECT_TRUE(c.refresh_standby());
   EXPECT_EQ(c.refresh_wait_ms(), 10000u);
-  EXPECT_EQ(c.refresh_copy_density(), 0.005);
+  EXPECT_EQ(c.refresh_copy_density(), 0.01);
   EXPECT_EQ(c.background_nice(), 10u);
 }
 

@@ -100,7 +100,7 @@ struct SubscriberOptions {
   // about as much CPU as copying a few hundred bytes sequentially (bench/cpu), so above it the
   // copy is cheaper, and it is exact by construction (the current slot was verified). >= 1:
   // always the patches. Config subscriber.refresh_copy_density.
-  double refresh_copy_density = 0.005;
+  double refresh_copy_density = 0.01;
   // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
   // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
   int background_nice = 0;
