@@ -667,10 +667,15 @@ TEST(FormatTest, PublishLogLine) {
   s.unchanged_tensors = 5;
   s.encode_micros = 412000;
   s.total_micros = 530000;
+  s.cpu_micros = 700000;
+  s.pass_cpu_micros = 410500;
+  s.digest_cpu_micros = 90000;
+  s.baseline_update_cpu_micros = 800;
   EXPECT_EQ(DescribePublish(s),
             "version 12 published: change 1.65% (165/10000 elements), wire 1.23 MB "
             "(patches+keyframes) vs dense 254 MB (0.48%), tensors 290 (285 patched, 0 keyframe, "
-            "5 unchanged, 0 removed), patch format 1, encode 412 ms, total 530 ms");
+            "5 unchanged, 0 removed), patch format 1, encode 412 ms, total 530 ms, cpu 700.0 ms "
+            "(pass 410.5 ms, digest 90.0 ms, baseline update 800 us)");
 }
 
 }  // namespace
