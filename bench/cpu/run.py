@@ -15,8 +15,11 @@ publisher's figure. The first version (a keyframe) is reported apart: subscriber
     bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
         [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
 
-With --perf-dir, `perf record -g` samples each daemon during the deltas (or, with --perf-keyframe,
-during the first version only) into DIR/{publisher,subscriber}-slots<N>.perf, for `perf report`.
+With --perf-dir, `perf record` samples each daemon during the deltas (or, with --perf-keyframe,
+during the first version only) into DIR/{publisher,subscriber}-slots<N>.perf, for `perf report`;
+REFIT_PERF_CALL_GRAPH=dwarf records whole call stacks (the default, frame pointers, loses them in
+a build without -fno-omit-frame-pointer). REFIT_BENCH_KEEP=1 keeps each run's directory (the
+daemons' configs and JSON logs) and prints its path.
 
 One JSON object per line: per version, then a summary per slot count (medians of the deltas),
 with each side's CPU split by stage from the daemons' JSON log events (stage_split).
@@ -164,7 +167,10 @@ def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
 
 
 def perf_record(pid: int, path: str) -> subprocess.Popen:
-    return subprocess.Popen(["perf", "record", "-g", "-F", "999", "-p", str(pid), "-o", path],
+    # REFIT_PERF_CALL_GRAPH=dwarf gives whole call stacks from a build without frame pointers.
+    graph = os.environ.get("REFIT_PERF_CALL_GRAPH", "fp")
+    return subprocess.Popen(["perf", "record", "--call-graph", graph, "-F", "999", "-p", str(pid),
+                             "-o", path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -244,7 +250,10 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if os.environ.get("REFIT_BENCH_KEEP"):  # the daemons' logs and configs, for a look
+            print(f"kept {run_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
     # /proc's CPU times tick at 1/CLK_TCK (procfs: 10 ms): the summary divides the deltas' total CPU by
     # their total changed elements, not a median of per-version ratios.
     deltas = [r for r in rows if not r["keyframe"]]

@@ -46,48 +46,91 @@ inline uint64_t ApplyDiff(uint64_t o, uint64_t diff, ValueCoding coding) {
   return (o + diff) & kMask;
 }
 
-// The fast path of changes of difference +-1 (the common case): changes j, j+1, ... before
-// `stop` decoded from one window of the stream while their codes lie wholly inside it (one
-// load for several changes: the serial chain per change is a count and a shift). Reads and
-// checks exactly what the general path of DecodeChanges would; stops (consuming only the
-// changes it decoded) at the first code that does not fit the window or whose unary part is
-// too long, and when the stream's last 8 bytes are reached, and the general path decides there.
-// Returns the changes decoded before a stop; a change past the block's end sets *past_end (its
-// code consumed, as the general path would).
+// The fast path of coded differences: changes j, j+1, ... decoded from one window of the stream
+// while their codes lie wholly inside it (one load for several changes: the serial chain per
+// change is a count and a shift), the run before a change and an exception's magnitude
+// included. Reads and checks exactly what the general path of DecodeChanges would; a change is
+// taken whole or not at all (its run too): it stops, consuming only the changes it decoded, at
+// the first code that does not fit the window, and at anything the general path would report
+// as an error (an overlong unary part, a run past the count, a position past the block, a value
+// out of range), which the general path then decides and reports. Stops too when the stream's
+// last 8 bytes are reached. Returns the changes decoded; *pos, *next_exception and *run_due
+// follow them as in the general path.
 template <typename T>
-inline uint32_t FastChanges(BitReader& r, int kg, uint64_t max_gap_q, uint32_t len, uint32_t j,
-                            uint32_t stop, const T* base, int64_t* pos, Scratch& s,
-                            bool* past_end) {
-  constexpr uint64_t kMask = format::WidthMask(8 * sizeof(T));
+inline uint32_t FastChanges(BitReader& r, const BlockDesc& d, uint64_t max_gap_q,
+                            uint64_t max_run_q, uint32_t j, const T* base, int64_t* pos,
+                            uint64_t* next_exception, bool* run_due, Scratch& s) {
+  constexpr int kBits = 8 * sizeof(T);
+  constexpr uint64_t kMask = format::WidthMask(kBits);
+  constexpr uint64_t kSignBit = 1ull << (kBits - 1);
+  constexpr uint64_t kTop = 1ull << 63;  // bounds every count of zeros to 63
   uint64_t w;
   if (!r.PeekFast(&w)) return 0;
   // Valid bits in w (at least 57), capped at 63 so that every shift stays below 64.
   unsigned avail = std::min(63u, 64 - static_cast<unsigned>(r.bit_position() & 7));
-  const uint64_t gap_low = (1ull << kg) - 1;
+  const unsigned kg = d.kg, kr = d.kr, ke = d.ke;
+  const uint64_t gap_low = (1ull << kg) - 1, run_low = (1ull << kr) - 1;
+  const uint32_t n = d.count, len = d.num_elements;
   unsigned consumed = 0;
   const uint32_t first = j;
   int64_t p = *pos;
-  for (; j < stop; ++j) {
-    const unsigned tz = static_cast<unsigned>(__builtin_ctzll(w | (1ull << 63)));
-    const unsigned used = tz + static_cast<unsigned>(kg) + 2;
-    if (used > avail || tz > max_gap_q) break;
-    p += static_cast<int64_t>((static_cast<uint64_t>(tz) << kg) | ((w >> (tz + 1)) & gap_low)) + 1;
-    if (p >= static_cast<int64_t>(len)) {
-      *past_end = true;
-      consumed += used;
-      break;
+  uint64_t exception = *next_exception;
+  bool due = *run_due;
+  for (; j < n; ++j) {
+    uint64_t x = w;
+    unsigned used = 0;
+    uint64_t nexc = exception;
+    if (due) {  // the run of +-1 changes before the next exception
+      const unsigned tz = static_cast<unsigned>(__builtin_ctzll(x | kTop));
+      const unsigned u = tz + 1 + kr;
+      if (u > avail || tz > max_run_q) break;
+      const uint64_t run = (static_cast<uint64_t>(tz) << kr) | ((x >> (tz + 1)) & run_low);
+      if (run > n - j) break;
+      nexc = j + run;
+      x >>= u;
+      used = u;
     }
-    s.pos[j] = static_cast<uint32_t>(p);
-    s.val[j] = ((w >> (tz + 1 + kg)) & 1) != 0 ? kMask : 1;
+    const unsigned tz = static_cast<unsigned>(__builtin_ctzll(x | kTop));
+    const unsigned u = tz + kg + 2;  // the gap and the sign
+    if (used + u > avail || tz > max_gap_q) break;
+    const int64_t np =
+        p + static_cast<int64_t>((static_cast<uint64_t>(tz) << kg) | ((x >> (tz + 1)) & gap_low)) +
+        1;
+    if (np >= static_cast<int64_t>(len)) break;
+    const bool negative = ((x >> (tz + 1 + kg)) & 1) != 0;
+    x >>= u;
+    used += u;
+    uint64_t m = 1;
+    if (j == nexc) {  // an exception: Exp-Golomb(ke) of the magnitude - 2
+      const unsigned zeros = static_cast<unsigned>(__builtin_ctzll(x | kTop));
+      const unsigned nbits = zeros + ke;
+      if (zeros > static_cast<unsigned>(kBits) || nbits > 63) break;
+      const unsigned ue = zeros + 1 + nbits;
+      if (used + ue > avail) break;
+      const uint64_t y = (1ull << nbits) | ((x >> (zeros + 1)) & ((1ull << nbits) - 1));
+      const uint64_t mag = y - (1ull << ke);
+      if (mag > kMask - 1) break;
+      m = mag + 2;
+      if (m > kSignBit || (m == kSignBit && !negative)) break;
+      x >>= ue;
+      used += ue;
+    }
+    s.pos[j] = static_cast<uint32_t>(np);
+    s.val[j] = negative ? ((0 - m) & kMask) : m;
     // The base element is read (and written, in place) once the block is decoded: its cache
     // line is fetched now, while the decode goes on.
-    if (base != nullptr) __builtin_prefetch(base + p, 1);
-    w >>= used;
+    if (base != nullptr) __builtin_prefetch(base + np, 1);
+    p = np;
+    w = x;
     avail -= used;
     consumed += used;
+    exception = nexc;
+    due = j == nexc;
   }
   r.Advance(consumed);
   *pos = p;
+  *next_exception = exception;
+  *run_due = due;
   return j - first;
 }
 
@@ -113,15 +156,11 @@ absl::Status DecodeChanges(BitReader& r, const BlockDesc& d, uint64_t block_inde
   bool run_due = coded_diffs;
   uint64_t next_exception = n;
   for (uint32_t j = 0; j < n; ++j) {
-    if (coded_diffs && !run_due && j != next_exception) {
-      bool past_end = false;
-      const uint32_t stop = static_cast<uint32_t>(std::min<uint64_t>(n, next_exception));
-      const uint32_t k = FastChanges<T>(r, d.kg, max_gap_q, len, j, stop, base, &pos, s, &past_end);
-      if (past_end) return fail(j + k, DecodeErrorText(decode_error::kPosPastEnd));
-      if (k > 0) {
-        j += k - 1;
-        continue;
-      }
+    if (coded_diffs) {
+      const uint32_t k =
+          FastChanges<T>(r, d, max_gap_q, max_run_q, j, base, &pos, &next_exception, &run_due, s);
+      j += k;
+      if (j == n) break;
     }
     uint64_t gap;
     if (run_due) {

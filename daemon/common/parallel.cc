@@ -108,8 +108,13 @@ class Pool {
 
 int ResolveThreads(int requested) {
   if (requested > 0) return requested;
-  unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+  // glibc reads sysfs for every hardware_concurrency() call: read once, as the thread pools are
+  // sized once.
+  static const int kHardware = [] {
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(hw);
+  }();
+  return kHardware;
 }
 
 void ParallelFor(size_t n, int threads, size_t min_chunk,
