@@ -3,6 +3,7 @@
 // the sparse payload; the change log and digest-v2 delta taken during the scan; a block's
 // record. EncodeAnyBlock is what the multi-tensor driver (patch_encoder.cc) calls per block.
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -158,7 +159,9 @@ int ChooseRiceK(std::span<const uint32_t> xs, int kmax, uint64_t* cost_out) {
   }
 }
 
-int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
+}  // namespace
+
+int ChooseEgKByTrial(std::span<const uint64_t> xs, uint64_t* cost_out) {
   uint64_t best = std::numeric_limits<uint64_t>::max();
   int best_k = 0;
   if (xs.empty()) {
@@ -181,6 +184,58 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
   *cost_out = best;
   return best_k;
 }
+
+// EgBits(x, k) = 2 L - 1 - k with L = bit_width(x + 2^k). With b = bit_width(x) and r the run of
+// ones from x's top bit down (s = b - r): L = k + 1 when b <= k, k + 2 when b = k + 1, and
+// b + [bits k..b-1 of x are all ones] = b + [s <= k] when b > k + 1 (and s <= k always holds
+// for b <= k + 1). So sum L over the xs follows from counts by b and by s, for every k, in one
+// pass over the xs: the same costs and the same k as trying each k (ties to the smaller k).
+// Values of 2^62 or more (x + 2^k could wrap) take the trial loop.
+int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
+  if (xs.empty()) {
+    *cost_out = 0;
+    return 0;
+  }
+  uint64_t by_b[65] = {}, by_s[65] = {};
+  uint64_t largest = 0;
+  for (const uint64_t x : xs) {
+    largest = std::max(largest, x);
+    const int b = std::bit_width(x);
+    const int r = b == 0 ? 0 : std::countl_one(x << (64 - b));
+    ++by_b[b];
+    ++by_s[b - r];
+  }
+  if (largest >= (uint64_t{1} << 62)) return ChooseEgKByTrial(xs, cost_out);
+  const int kmax = std::min(format::kMaxKe, static_cast<int>(std::bit_width(largest)));
+  // Prefix sums: b_le[i] = #{b <= i}, s_le[i] = #{s <= i}, bsum_le[i] = sum of b over b <= i.
+  uint64_t b_le[65], s_le[65], bsum_le[65];
+  uint64_t cb = 0, cs = 0, sb = 0;
+  for (int i = 0; i <= 64; ++i) {
+    cb += by_b[i];
+    cs += by_s[i];
+    sb += static_cast<uint64_t>(i) * by_b[i];
+    b_le[i] = cb;
+    s_le[i] = cs;
+    bsum_le[i] = sb;
+  }
+  const uint64_t n = xs.size();
+  uint64_t best = std::numeric_limits<uint64_t>::max();
+  int best_k = 0;
+  for (int k = 0; k <= kmax; ++k) {  // kmax <= 31: k + 1 indexes the arrays
+    const uint64_t ku = static_cast<uint64_t>(k);
+    const uint64_t sum_l = (ku + 1) * b_le[k] + (ku + 2) * by_b[k + 1] +
+                           (sb - bsum_le[k + 1]) + (s_le[k] - b_le[k + 1]);
+    const uint64_t cost = 2 * sum_l - n * (1 + ku);
+    if (cost < best) {
+      best = cost;
+      best_k = k;
+    }
+  }
+  *cost_out = best;
+  return best_k;
+}
+
+namespace {
 
 // and new bytes `b`: positions and values (until the block turns out to be copied whole), and
 // each changed word's delta once. The log grows by chunk, so it holds about its changes' bytes.

@@ -196,6 +196,13 @@ BlockRecord EncodeAnyBlock(const EncodeInput& in, uint64_t block_index, int log2
 // EncodePatches' checks of input `index` of `count`: sizes, dtype, alignment (block_encoder.cc).
 absl::Status CheckEncodeInput(const EncodeInput& in, size_t index, size_t count);
 
+// The Exp-Golomb parameter k in [0, min(kMaxKe, bit_width(max x))] with the fewest bits for
+// `xs` (format::EgBits summed; ties go to the smaller k), and that cost in *cost_out (0 and 0
+// for none). ChooseEgK counts the xs once by bit length; ChooseEgKByTrial sums every k's costs
+// (its reference, and its path for values of 2^62 or more).
+int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out);
+int ChooseEgKByTrial(std::span<const uint64_t> xs, uint64_t* cost_out);
+
 }  // namespace refit::codec_internal
 
 #endif  // REFIT_DAEMON_CODEC_CODEC_INTERNAL_H_

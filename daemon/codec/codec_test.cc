@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "daemon/codec/codec_internal.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/codec/patch_testing.h"
@@ -62,6 +63,38 @@ void ExpectRoundTrip(DType t, const Bytes& a, const Bytes& b, int block_log2, in
 const DType kAll[] = {DType::kBF16, DType::kF16,  DType::kF32, DType::kF64, DType::kF8E4M3,
                       DType::kF8E5M2, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
                       DType::kU8,   DType::kU16,  DType::kU32, DType::kU64, DType::kBool};
+
+// The one-pass Exp-Golomb parameter choice gives the same k and cost as trying every k: empty,
+// zeros, powers of two and their neighbours, runs of ones at the top (the carry of + 2^k),
+// geometric magnitudes like a block's exceptions, and values from 2^62 up (the trial path).
+TEST(ChooseEgK, MatchesTryingEveryK) {
+  std::mt19937_64 rng(42);
+  std::vector<std::vector<uint64_t>> sets = {{}, {0}, {0, 0, 0}, {1}, {3}, {5, 6, 7}};
+  for (int b = 1; b < 64; ++b) {
+    const uint64_t p = uint64_t{1} << b;
+    sets.push_back({p - 1, p, p + 1});
+    sets.push_back({p - 1});
+    sets.push_back({~uint64_t{0} >> (64 - b)});
+  }
+  for (int t = 0; t < 2000; ++t) {
+    std::vector<uint64_t> xs(1 + rng() % 300);
+    const int scale = static_cast<int>(rng() % 40);
+    for (uint64_t& x : xs) {
+      x = rng() % 3 == 0 ? (rng() >> (64 - 1 - scale)) : (rng() % (uint64_t{4} << (scale % 16)));
+      if (rng() % 17 == 0) x = (~uint64_t{0} >> (63 - scale)) & ~(uint64_t{1} << (rng() % 4));
+    }
+    sets.push_back(std::move(xs));
+  }
+  sets.push_back({uint64_t{1} << 62, 5});
+  sets.push_back({~uint64_t{0} - 1, 0, 77});
+  for (const std::vector<uint64_t>& xs : sets) {
+    uint64_t fast_cost = 1, trial_cost = 2;
+    const int fast = codec_internal::ChooseEgK(xs, &fast_cost);
+    const int trial = codec_internal::ChooseEgKByTrial(xs, &trial_cost);
+    ASSERT_EQ(fast, trial) << xs.size() << " values, the first " << (xs.empty() ? 0 : xs[0]);
+    ASSERT_EQ(fast_cost, trial_cost) << xs.size() << " values";
+  }
+}
 
 TEST(Codec, RoundTripAllDTypesShapesAndRates) {
   std::mt19937_64 rng(1234);
