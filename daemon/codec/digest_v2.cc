@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/codec/avx2_mul64.h"
 #include "daemon/codec/format.h"
 #include "daemon/common/parallel.h"
 
@@ -17,6 +18,11 @@ namespace refit {
 namespace {
 
 using format::DigestV2Mix;
+#if defined(__x86_64__)
+using codec_internal::Const256;
+using codec_internal::MakeConst;
+using codec_internal::MulConst;
+#endif
 
 enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -121,22 +127,6 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t DeltaAvx512(const uint64_t*
 #pragma GCC diagnostic pop
 
 // ---- AVX2 (64-bit products from three 32 x 32 -> 64 multiplies) -----------------------------------
-
-struct Const256 {
-  __m256i lo, hi;  // the constant's low and high 32 bits in every 64-bit lane
-};
-
-__attribute__((target("avx2"))) inline Const256 MakeConst(uint64_t k) {
-  return {_mm256_set1_epi64x(Lane(k & 0xffffffffu)), _mm256_set1_epi64x(Lane(k >> 32))};
-}
-
-// x * k mod 2^64 = xl kl + ((xh kl + xl kh) << 32).
-__attribute__((target("avx2"))) inline __m256i MulConst(__m256i x, const Const256& k) {
-  const __m256i lo = _mm256_mul_epu32(x, k.lo);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k.lo),
-                                         _mm256_mul_epu32(x, k.hi));
-  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
-}
 
 __attribute__((target("avx2"))) inline __m256i Mix4(__m256i w, __m256i ka, __m256i kb,
                                                     const Const256& m1, const Const256& m2,

@@ -1,12 +1,79 @@
 #include "daemon/codec/hash_stream.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstring>
+
+#include "daemon/codec/avx2_mul64.h"
 
 namespace refit {
 
 using namespace format;  // NOLINT: the constants are the format's vocabulary.
+
+namespace {
+
+enum Level : int { kScalar = 0, kAvx2 = 1 };
+
+int BestLevel() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+std::atomic<int> g_level{BestLevel()};
+
+// `rounds` whole rounds (kHashLanes words each, word l into lane l) from p into acc.
+void RoundsScalar(uint64_t* acc, const uint8_t* p, size_t rounds) {
+  for (size_t r = 0; r < rounds; ++r) {
+    const uint8_t* q = p + r * 8 * kHashLanes;
+    for (int l = 0; l < kHashLanes; ++l) {
+      uint64_t w;
+      std::memcpy(&w, q + 8 * l, 8);
+      acc[l] = HashRound(acc[l], w);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// HashRound in four lanes at a time: acc = rotl(acc + w * kP2, 31) * kP1.
+__attribute__((target("avx2"))) void RoundsAvx2(uint64_t* acc, const uint8_t* p, size_t rounds) {
+  using codec_internal::MulConst;
+  const codec_internal::Const256 p1 = codec_internal::MakeConst(kP1);
+  const codec_internal::Const256 p2 = codec_internal::MakeConst(kP2);
+  static_assert(kHashLanes % 16 == 0);
+  for (size_t r = 0; r < rounds; ++r) {
+    const uint8_t* q = p + r * 8 * kHashLanes;
+    for (int l = 0; l < kHashLanes; l += 16) {  // four registers in flight
+      __m256i a[4];
+      for (int v = 0; v < 4; ++v) {
+        a[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + l + 4 * v));
+        const __m256i w =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * (l + 4 * v)));
+        a[v] = _mm256_add_epi64(a[v], MulConst(w, p2));
+        a[v] = _mm256_or_si256(_mm256_slli_epi64(a[v], 31), _mm256_srli_epi64(a[v], 33));
+        a[v] = MulConst(a[v], p1);
+      }
+      for (int v = 0; v < 4; ++v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + l + 4 * v), a[v]);
+      }
+    }
+  }
+}
+#endif
+
+void Rounds(uint64_t* acc, const uint8_t* p, size_t rounds) {
+#if defined(__x86_64__)
+  if (g_level.load(std::memory_order_relaxed) == kAvx2) {
+    RoundsAvx2(acc, p, rounds);
+    return;
+  }
+#endif
+  RoundsScalar(acc, p, rounds);
+}
+
+}  // namespace
 
 void Hash64Stream::Reset(uint64_t seed) {
   seed_ = seed;
@@ -27,14 +94,9 @@ void Hash64Stream::Update(std::span<const uint8_t> piece) {
     acc_[lane] = HashRound(acc_[lane], w);
     lane = (lane + 1) % kHashLanes;
   }
-  for (; i + kHashLanes <= words; i += kHashLanes) {
-    const uint8_t* q = p + i * 8;
-    for (int l = 0; l < kHashLanes; ++l) {
-      uint64_t w;
-      std::memcpy(&w, q + 8 * l, 8);
-      acc_[l] = HashRound(acc_[l], w);
-    }
-  }
+  const size_t rounds = (words - i) / kHashLanes;
+  Rounds(acc_, p + i * 8, rounds);
+  i += rounds * kHashLanes;
   for (; i < words; ++i) {
     uint64_t w;
     std::memcpy(&w, p + i * 8, 8);
@@ -76,4 +138,13 @@ void ChunkHasher::Feed(const uint8_t* p, size_t n) {
   }
 }
 
+namespace testing {
+
+int Hash64Levels() { return BestLevel() + 1; }
+
+void SetHash64Level(int level) {
+  g_level.store(level < 0 ? BestLevel() : std::min(level, BestLevel()));
+}
+
+}  // namespace testing
 }  // namespace refit

@@ -47,6 +47,13 @@ class ChunkHasher {
   Hash64Stream chunk_;
 };
 
+namespace testing {
+// Vector variants of Hash64Stream's rounds this CPU can run (1 = scalar only, 2 = + AVX2), and
+// forcing the one used (level 0 .. levels-1; -1 = the best again).
+int Hash64Levels();
+void SetHash64Level(int level);
+}  // namespace testing
+
 }  // namespace refit
 
 #endif  // REFIT_DAEMON_CODEC_HASH_STREAM_H_
