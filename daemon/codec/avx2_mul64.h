@@ -23,8 +23,8 @@ __attribute__((target("avx2"))) inline Const256 MakeConst(uint64_t k) {
 // x * k mod 2^64 = xl kl + ((xh kl + xl kh) << 32).
 __attribute__((target("avx2"))) inline __m256i MulConst(__m256i x, const Const256& k) {
   const __m256i lo = _mm256_mul_epu32(x, k.lo);
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k.lo),
-                                         _mm256_mul_epu32(x, k.hi));
+  const __m256i cross =
+      _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k.lo), _mm256_mul_epu32(x, k.hi));
   return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
 }
 

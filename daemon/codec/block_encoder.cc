@@ -223,8 +223,8 @@ int ChooseEgK(std::span<const uint64_t> xs, uint64_t* cost_out) {
   int best_k = 0;
   for (int k = 0; k <= kmax; ++k) {  // kmax <= 31: k + 1 indexes the arrays
     const uint64_t ku = static_cast<uint64_t>(k);
-    const uint64_t sum_l = (ku + 1) * b_le[k] + (ku + 2) * by_b[k + 1] +
-                           (sb - bsum_le[k + 1]) + (s_le[k] - b_le[k + 1]);
+    const uint64_t sum_l = (ku + 1) * b_le[k] + (ku + 2) * by_b[k + 1] + (sb - bsum_le[k + 1]) +
+                           (s_le[k] - b_le[k + 1]);
     const uint64_t cost = 2 * sum_l - n * (1 + ku);
     if (cost < best) {
       best = cost;

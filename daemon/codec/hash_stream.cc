@@ -49,8 +49,7 @@ __attribute__((target("avx2"))) void RoundsAvx2(uint64_t* acc, const uint8_t* p,
       __m256i a[4];
       for (int v = 0; v < 4; ++v) {
         a[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + l + 4 * v));
-        const __m256i w =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * (l + 4 * v)));
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * (l + 4 * v)));
         a[v] = _mm256_add_epi64(a[v], MulConst(w, p2));
         a[v] = _mm256_or_si256(_mm256_slli_epi64(a[v], 31), _mm256_srli_epi64(a[v], 33));
         a[v] = MulConst(a[v], p1);
