@@ -30,7 +30,7 @@ TEST(CpuTime, TheProcessClockCountsOtherThreadsAndTheThreadClockDoesNot) {
   const absl::Duration thread_used = ThreadCpuTime() - thread_before;
   const absl::Duration process_used = ProcessCpuTime() - process_before;
   // What the worker's clock counted is in the process clock, not in this thread's.
-  ASSERT_GE(worker_used, absl::Milliseconds(2));
+  ASSERT_GT(worker_used, absl::ZeroDuration());  // the loop above ran on the worker's clock
   EXPECT_GE(process_used, worker_used) << "thread " << thread_used;
   EXPECT_GE(process_used - thread_used, worker_used) << "process " << process_used;
   EXPECT_GT(sink.load(), 0u);
@@ -41,6 +41,7 @@ TEST(CpuTime, AStageMarkReadsBothClocks) {
   const StageMark b = StageMark::Now();
   EXPECT_GE(b.wall, a.wall);
   EXPECT_GE(b.cpu, a.cpu);
+  EXPECT_GT(a.cpu, absl::ZeroDuration());  // the process has run to get here
   // The process clock at least counts this thread's (the same kernel accounting): this
   // thread's clock read first, so that its CPU between the two reads counts only in the
   // process clock.
