@@ -10,7 +10,11 @@ process CPU time (user + sys, /proc/<pid>/stat) of the publisher and the subscri
 the publish and once the subscriber holds the version (`refitctl wait`), and divided by the changed
 elements and by the model's bytes. A plain read pass of the two files (bench/wan's read_pass,
 `--threads 1`: CPU seconds of one core) is measured in the same run as the yardstick of the
-publisher's figure. The first version (a keyframe) is reported apart: subscriber CPU per byte.
+publisher's figure. The first version (a keyframe) is reported apart: subscriber CPU per byte,
+with and without the store's creation (its slots allocated and pre-faulted once; the creating
+thread's CPU from the subscriber's store_created log event). After the deltas, one more version
+follows `refitctl resync` on the subscriber: a dense resync into the existing store, reported as
+subscriber CPU per byte too.
 
     bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
         [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
@@ -131,13 +135,22 @@ def log_events(path: str, event: str) -> dict[int, dict]:
     return found
 
 
+def store_created_cpu_s(sub_log: str) -> float:
+    """CPU seconds of the subscriber's first store creation (its store_created log event)."""
+    with open(sub_log) as f:
+        for line in f:
+            if line.startswith("{") and '"store_created"' in line:
+                return float(json.loads(line).get("cpu_ms", 0.0)) / 1e3
+    return 0.0
+
+
 def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
     """Per changed element (ns), each stage's CPU summed over the delta versions: the publisher's
     publish event (the rest of its process CPU is `other`: sends, the persister, gRPC) and the
     subscriber's applied and refresh events (the rest: `other`)."""
     publish, applied = log_events(pub_log, "publish"), log_events(sub_log, "applied")
     refresh = log_events(sub_log, "refresh")
-    deltas = [r for r in rows if not r["keyframe"]]
+    deltas = [r for r in rows if not r["keyframe"] and not r["resync"]]
     changed = sum(r["changed_elements"] for r in deltas)
     if changed == 0:
         return {}
@@ -199,7 +212,11 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         pub_t = "unix:" + os.path.join(run_dir, "publisher-control.sock")
         sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
         wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
-        for v in range(1, versions + 2):
+        last = versions + 2  # after the deltas: a dense resync into the existing store
+        for v in range(1, last + 1):
+            resync = v == last
+            if resync:
+                ctl(build, sub_t, "resync")
             if perf_dir and v == (1 if perf_keyframe else 2):
                 perfs = [perf_record(p.pid, os.path.join(perf_dir, f"{name}-slots{slots}.perf"))
                          for name, p in (("publisher", pub), ("subscriber", sub))]
@@ -215,13 +232,21 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             changed = int(lr.get("changedElements", lr.get("changed_elements", 0)))
             row = {
                 "bench": "cpu", "slots": slots, "version": v, "keyframe": v == 1,
+                "resync": resync,
                 "changed_elements": changed, "model_bytes": model_bytes,
                 "wire_bytes": int(lr.get("wireBytes", lr.get("wire_bytes", 0))),
                 "publisher_cpu_s": round(p1 - p0, 4), "subscriber_cpu_s": round(s1 - s0, 4),
                 "wall_s": round(wall, 4), "read_pass_s": round(read_s, 4),
             }
-            if v == 1:
+            if v == 1 or resync:
                 row["subscriber_ns_per_byte"] = round((s1 - s0) * 1e9 / model_bytes, 3)
+            if v == 1:
+                # The store's creation (its slots allocated and pre-faulted), once per store:
+                # the creating thread's CPU from the subscriber's store_created event.
+                created = store_created_cpu_s(sub_log)
+                row["store_created_cpu_s"] = round(created, 4)
+                row["subscriber_ns_per_byte_without_store"] = round(
+                    (s1 - s0 - created) * 1e9 / model_bytes, 3)
             elif changed > 0:
                 row["subscriber_ns_per_changed"] = round((s1 - s0) * 1e9 / changed, 2)
                 row["publisher_ns_per_changed"] = round((p1 - p0) * 1e9 / changed, 2)
@@ -237,7 +262,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             p.send_signal(signal.SIGINT)
             p.wait(60)
         ctl(build, sub_t, "verify", timeout=600)
-        if slots >= 2:  # the standby refresh after the last version: its log event
+        if slots >= 2:  # the standby refresh after the last delta: its log event
             deadline = time.time() + 60
             while versions + 1 not in log_events(sub_log, "refresh") and time.time() < deadline:
                 time.sleep(0.1)
@@ -256,7 +281,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             shutil.rmtree(run_dir, ignore_errors=True)
     # /proc's CPU times tick at 1/CLK_TCK (procfs: 10 ms): the summary divides the deltas' total CPU by
     # their total changed elements, not a median of per-version ratios.
-    deltas = [r for r in rows if not r["keyframe"]]
+    deltas = [r for r in rows if not r["keyframe"] and not r["resync"]]
     changed = sum(r["changed_elements"] for r in deltas)
     sub_cpu = sum(r["subscriber_cpu_s"] for r in deltas)
     pub_cpu = sum(r["publisher_cpu_s"] for r in deltas)
@@ -269,6 +294,12 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         "publisher_cpu_over_read_pass": round(pub_cpu / len(deltas) / read_s, 3),
         "delta_wall_s_median": statistics.median(r["wall_s"] for r in deltas),
         "keyframe_subscriber_ns_per_byte": rows[0]["subscriber_ns_per_byte"],
+        "keyframe_store_created_cpu_s": rows[0]["store_created_cpu_s"],
+        "keyframe_subscriber_ns_per_byte_without_store":
+            rows[0]["subscriber_ns_per_byte_without_store"],
+        "resync_subscriber_ns_per_byte": rows[-1]["subscriber_ns_per_byte"],
+        "resync_wall_s": rows[-1]["wall_s"],
+        "keyframe_wall_s": rows[0]["wall_s"],
         "read_pass_s": round(read_s, 4),
         **split,
     }
