@@ -28,6 +28,11 @@ class TempDir {
   std::string path_;
 };
 
+// A fresh, empty directory <system temp>/<prefix>-XXXXXX for tests that hand a path around
+// rather than hold a TempDir: removed with everything in it when the test binary exits
+// normally (so repeated runs leave nothing behind; a crashed run may).
+std::string ScratchDir(const std::string& prefix);
+
 // The contents of the file at `path` ("" when it cannot be read).
 std::string ReadFile(const std::string& path);
 

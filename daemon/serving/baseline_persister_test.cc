@@ -1,8 +1,9 @@
 // PublisherCore persistence through BaselinePersister: transfers while a write is held, restart
 // from baseline + patch log (deltas from the refilled history, bit-exact), compaction at every
 // crash point, torn tails, corrupt records, coalescing on a slow disk.
-#include "daemon/common/status_matchers.h"
 #include "daemon/serving/baseline_persister.h"
+#include "daemon/common/status_matchers.h"
+#include "daemon/common/testing.h"
 
 #include <unistd.h>
 
@@ -38,11 +39,9 @@ namespace fs = std::filesystem;
 using sync::testing::Model;
 using ::testing::HasSubstr;
 
+// A path that does not exist yet (the persister creates it).
 std::string TempDir(const std::string& name) {
-  const std::string dir =
-      (fs::temp_directory_path() / absl::StrCat("persister_test-", name, "-", ::getpid())).string();
-  fs::remove_all(dir);
-  return dir;
+  return testing::ScratchDir(absl::StrCat("persister_test-", name)) + "/dir";
 }
 
 // Versions 1..n of a small model: two tensors change (~2% of elements) every version, one is

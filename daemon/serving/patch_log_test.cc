@@ -3,6 +3,7 @@
 // checks.
 #include "daemon/serving/patch_log.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/common/testing.h"
 
 #include <unistd.h>
 
@@ -33,12 +34,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::string TempDir(const std::string& name) {
-  std::string dir = (std::filesystem::temp_directory_path() /
-                     absl::StrCat("patch_log_test-", name, "-", ::getpid()))
-                        .string();
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
+  return testing::ScratchDir(absl::StrCat("patch_log_test-", name));
 }
 
 std::vector<uint8_t> ReadFile(const std::string& path) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/common/testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -19,10 +20,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 std::string NewDir(const std::string& tag) {
-  std::string tmpl =
-      (std::filesystem::temp_directory_path() / absl::StrCat("refit-persist-", tag, "-XXXXXX"))
-          .string();
-  return mkdtemp(tmpl.data());
+  return testing::ScratchDir(absl::StrCat("refit-persist-", tag));
 }
 
 TEST(PersistDirTest, OnePublisherPerDirectory) {

@@ -19,6 +19,7 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_matchers.h"
+#include "daemon/common/testing.h"
 #include "daemon/serving/baseline_file.h"
 #include "daemon/sync/sync_testing.h"
 #include "gmock/gmock.h"
@@ -34,12 +35,9 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kLineage = 0x1234;
 
+// A path that does not exist yet (PersistDir creates it).
 std::string TempDir(const std::string& name) {
-  std::string dir =
-      (fs::temp_directory_path() / absl::StrCat("persistence_test-", name, "-", ::getpid()))
-          .string();
-  fs::remove_all(dir);
-  return dir;
+  return testing::ScratchDir(absl::StrCat("persistence_test-", name)) + "/dir";
 }
 
 std::unique_ptr<PersistDir> OpenDir(const std::string& path) {
