@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -80,20 +81,20 @@ int Reserve(int fd, uint64_t bytes) {
   return EINTR;
 }
 
-// Makes every page of a fresh writable mapping resident (write faults taken now, not on the
-// first staging). MADV_POPULATE_WRITE where the kernel has it (EINVAL before 5.14), else one
-// write per page (the object is zero-filled, so writing zero keeps its contents), but only over
-// pages Reserve allocated (`reserved`): a write to a page the filesystem cannot back is a
-// SIGBUS. Returns how ("" when it could not), or errno in *err when the kernel refused a page.
+// How a fresh writable mapping gets its pages mapped ahead of the first staging: "madvise"
+// when MADV_POPULATE_WRITE works (the caller runs it over the rest in the background); where
+// the kernel lacks it (EINVAL before 5.14), one write per page now, but only over pages Reserve
+// allocated (`reserved`: a write to a page the filesystem cannot back is a SIGBUS), else "".
+// On any other refusal, "" and errno in *err (EFAULT: a page could not be backed; ENOMEM).
 const char* Prefault(uint8_t* map, uint64_t bytes, bool reserved, int* err) {
-  if (madvise(map, bytes, MADV_POPULATE_WRITE) == 0) return "madvise";
-  if (errno != EINVAL) {  // EFAULT: a page could not be backed; ENOMEM
+  const long page = sysconf(_SC_PAGESIZE);
+  const uint64_t step = page > 0 ? static_cast<uint64_t>(page) : 4096;
+  if (madvise(map, std::min(bytes, step), MADV_POPULATE_WRITE) == 0) return "madvise";
+  if (errno != EINVAL) {
     *err = errno;
     return "";
   }
   if (!reserved) return "";
-  const long page = sysconf(_SC_PAGESIZE);
-  const uint64_t step = page > 0 ? static_cast<uint64_t>(page) : 4096;
   volatile uint8_t* p = map;
   for (uint64_t off = 0; off < bytes; off += step) p[off] = 0;
   return "touch";
@@ -203,8 +204,9 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
     return absl::ResourceExhaustedError(
         absl::StrCat("shm store: mmap of ", total, " bytes: ", Errno(err)));
   }
-  // Pre-faulted before sealing, through the daemon's own writable mapping (F_SEAL_FUTURE_WRITE
-  // would not stop that mapping, but faulting first keeps the order obviously safe).
+  // Pre-faulted through the daemon's own writable mapping: its first page here (or every page,
+  // the "touch" way) before sealing, the rest in the background (F_SEAL_FUTURE_WRITE does not
+  // stop a writable mapping that exists before the seal).
   int prefault_err = 0;
   const char* prefault = options.prefault ? Prefault(static_cast<uint8_t*>(map), total,
                                                      reserve_err == 0, &prefault_err)
@@ -229,9 +231,45 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
   bases.reserve(static_cast<size_t>(options.slots));
   for (int s = 0; s < options.slots; ++s) bases.push_back(base + static_cast<uint64_t>(s) * slot_bytes);
   LogCreated(backing, options.slots, total, prefault, start, ThreadCpuTime() - thread_start);
-  return std::unique_ptr<ShmStore>(
-      new ShmStore(std::move(layout), std::move(bases), options, fd, base, total, backing, sealed,
-                   prefault));
+  std::unique_ptr<ShmStore> store(new ShmStore(std::move(layout), std::move(bases), options, fd,
+                                               base, total, backing, sealed, prefault));
+  if (std::strcmp(prefault, "madvise") == 0) {
+    store->prefault_thread_ = std::thread([s = store.get()] { s->PrefaultInBackground(); });
+  }
+  return store;
+}
+
+void ShmStore::PrefaultInBackground() {
+  constexpr uint64_t kPiece = uint64_t{64} << 20;  // the destructor waits for one piece at most
+  const StageMark start = StageMark::Now();
+  const absl::Duration thread_start = ThreadCpuTime();
+  uint64_t done = 0;
+  int err = 0;
+  while (done < total_bytes_ && !stop_prefault_.load(std::memory_order_relaxed)) {
+    const uint64_t len = std::min(kPiece, total_bytes_ - done);
+    if (madvise(map_ + done, len, MADV_POPULATE_WRITE) != 0) {
+      err = errno;
+      break;
+    }
+    done += len;
+  }
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start.wall);
+  const double cpu_ms = absl::ToDoubleMilliseconds(ThreadCpuTime() - thread_start);
+  if (err != 0) {  // the pages exist (Reserve); the first writes map them instead
+    Logger("store")->warn("shm store: pre-faulting stopped at byte {} of {}: {}", done,
+                          total_bytes_, Errno(err));
+  }
+  LogEvent(*Logger("store"), spdlog::level::info,
+           absl::StrFormat("shm store pre-faulted: %d of %d bytes mapped in %.1f ms (CPU %.1f ms)",
+                           done, total_bytes_, ms, cpu_ms),
+           {{"event", std::string("store_prefaulted")},
+            {"bytes", done},
+            {"ms", ms},
+            {"cpu_ms", cpu_ms}});
+}
+
+void ShmStore::WaitPrefaulted() {
+  if (prefault_thread_.joinable()) prefault_thread_.join();
 }
 
 ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
@@ -247,6 +285,8 @@ ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOption
       prefault_(prefault) {}
 
 ShmStore::~ShmStore() {
+  stop_prefault_.store(true, std::memory_order_relaxed);
+  WaitPrefaulted();
   munmap(map_, total_bytes_);
   close(fd_);
 }
