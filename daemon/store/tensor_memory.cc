@@ -7,6 +7,7 @@
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/stream_copy.h"
 
 namespace refit::store {
 
@@ -18,7 +19,15 @@ absl::Status CheckSameSize(size_t dst, size_t src, const char* what) {
 
 absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
   if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
-  if (!dst.empty() && dst.data() != src.data()) std::memmove(dst.data(), src.data(), dst.size());
+  if (dst.empty() || dst.data() == src.data()) return absl::OkStatus();
+  const bool overlap = dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
+  if (overlap) {
+    std::memmove(dst.data(), src.data(), dst.size());
+  } else {
+    // Slot to slot (a refresh, a base) or a received keyframe into its slot: not read again
+    // before the next version's staging, so written past the caches.
+    StreamCopy(dst.data(), src.data(), dst.size());
+  }
   return absl::OkStatus();
 }
 
