@@ -448,7 +448,7 @@ bool TryContextBlock(const ContextArgs& cx, const uint8_t* a, const uint8_t* b, 
   out.resize(start + capacity);
   const size_t bytes =
       EncodeContextBlock(cx.dtype, a, b, len, s.pos.Get(n), n, cx.prev.known() ? &cx.prev : nullptr,
-                         s.ctx, out.data() + start, capacity);
+                         s.ctx, out.data() + start, capacity, s.vs.Get(n));
   if (bytes == 0) return false;
   ctx.payload_bytes = bytes;
   if (EntryBytes(ctx) + bytes >= v1_total) return false;

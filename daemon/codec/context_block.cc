@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/decode_error.h"
@@ -112,61 +113,18 @@ uint32_t MaxField(const ClassField& f, int width, const uint8_t* base, uint32_t 
   return top;
 }
 
-// cls[i] for the block under anchor `top`. cls has 64 bytes of padding set to 0xFF (no class)
-// so that masks of the last partial word stay exact.
+// cls[i] for the block under anchor `top`, for the dtypes other than 2-byte floats (those are
+// classified word by word as the scanner loads them: ClassifyWord16). cls has 64 bytes of
+// padding set to 0xFF (no class) so that masks of the last partial word stay exact.
 void ClassifyBlock(const ClassField& f, int width, const uint8_t* base, uint32_t len,
                    uint32_t top, std::vector<uint8_t>& cls) {
   cls.resize(static_cast<size_t>(len) + 64);
-  if (width == 2 && f.is_float) {
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(base);
-    const uint16_t t = static_cast<uint16_t>(top);
-    uint32_t i = 0;
-#if defined(REFIT_CONTEXT_SSE41)
-    const __m128i vt = _mm_set1_epi16(static_cast<short>(t));
-    const __m128i vmask = _mm_set1_epi16(static_cast<short>(f.mask));
-    const __m128i vmax = _mm_set1_epi16(kExponentClasses - 1);
-    const __m128i sh = _mm_cvtsi32_si128(f.shift);
-    for (; i + 16 <= len; i += 16) {
-      const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
-      const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i + 8));
-      const __m128i e0 = _mm_and_si128(_mm_srl_epi16(x0, sh), vmask);
-      const __m128i e1 = _mm_and_si128(_mm_srl_epi16(x1, sh), vmask);
-      const __m128i c0 = _mm_min_epu16(_mm_subs_epu16(vt, e0), vmax);
-      const __m128i c1 = _mm_min_epu16(_mm_subs_epu16(vt, e1), vmax);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(cls.data() + i), _mm_packus_epi16(c0, c1));
-    }
-#endif
-    for (; i < len; ++i) {
-      const uint16_t e = static_cast<uint16_t>((b[i] >> f.shift) & f.mask);
-      const uint16_t d = e > t ? uint16_t{0} : static_cast<uint16_t>(t - e);
-      cls[i] = static_cast<uint8_t>(std::min<uint16_t>(d, kExponentClasses - 1));
-    }
-  } else {
-    for (uint32_t i = 0; i < len; ++i) {
-      const uint32_t e = FieldValue(f, Load(base, width, i));
-      const uint32_t d = e > top ? 0 : top - e;
-      cls[i] = static_cast<uint8_t>(std::min<uint32_t>(d, kExponentClasses - 1));
-    }
+  for (uint32_t i = 0; i < len; ++i) {
+    const uint32_t e = FieldValue(f, Load(base, width, i));
+    const uint32_t d = e > top ? 0 : top - e;
+    cls[i] = static_cast<uint8_t>(std::min<uint32_t>(d, kExponentClasses - 1));
   }
   std::memset(cls.data() + len, 0xFF, 64);
-}
-
-// Bit j set when cls[64 w + j] == c.
-inline uint64_t ClassMask(const uint8_t* p, uint8_t c) {
-#if defined(__x86_64__) || defined(REFIT_CONTEXT_SSE41)
-  const __m128i k = _mm_set1_epi8(static_cast<char>(c));
-  uint64_t m = 0;
-  for (int q = 0; q < 4; ++q) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q));
-    m |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(v, k))))
-         << (16 * q);
-  }
-  return m;
-#else
-  uint64_t m = 0;
-  for (int j = 0; j < 64; ++j) m |= static_cast<uint64_t>(p[j] == c) << j;
-  return m;
-#endif
 }
 
 // The models of one class.
@@ -189,15 +147,6 @@ inline int PrevContext(const PrevSigns* prev, uint32_t pos) {
 bool PrevCovers(const PrevSigns* prev, uint32_t len) {
   if (prev == nullptr || !prev->known()) return true;
   return prev->words >= (static_cast<size_t>(len) + 63) / 64;
-}
-
-// With the previous version known, an element that changed in it moves to class + 16: positions
-// are coded given whether the element changed last time as well.
-void SplitByPrev(const PrevSigns* prev, uint32_t len, std::vector<uint8_t>& cls) {
-  if (prev == nullptr || !prev->known()) return;
-  for (uint32_t w = 0; w < (len + 63) / 64; ++w) {
-    for (uint64_t m = prev->changed[w]; m; m &= m - 1) cls[64 * w + std::countr_zero(m)] |= kExponentClasses;
-  }
 }
 
 constexpr int kMaxK = kMaxGapK;
@@ -273,16 +222,25 @@ uint64_t GetLong(rc::Decoder& d, int nbits) {
   return d.Direct(nbits);
 }
 
-[[gnu::always_inline]] inline void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding, int bits, uint64_t a,
-              uint64_t b, int ps) {
+// A change's value symbol, as v1's scan records it (EncodeContextBlock's `values`): raw coding,
+// the target bits; difference codings, (magnitude << 1) | negative, where a magnitude of 2^63
+// (64-bit types only) has lost its top bit.
+inline uint64_t ValueSymbol(ValueCoding coding, int bits, uint64_t a, uint64_t b) {
+  if (coding == ValueCoding::kRaw) return b;
   const uint64_t mask = format::WidthMask(bits);
+  const uint64_t d = Difference(coding, bits, a, b);
+  const uint64_t neg = (d >> (bits - 1)) & 1;
+  return ((neg ? ((0 - d) & mask) : d) << 1) | neg;
+}
+
+[[gnu::always_inline]] inline void PutValue(rc::Encoder& e, ClassModels& m, ValueCoding coding,
+                                            int bits, uint64_t symbol, int ps) {
   if (coding == ValueCoding::kRaw) {
-    PutLong(e, b, bits);
+    PutLong(e, symbol, bits);
     return;
   }
-  const uint64_t d = Difference(coding, bits, a, b);
-  const int neg = static_cast<int>((d >> (bits - 1)) & 1);
-  const uint64_t mag = neg ? ((0 - d) & mask) : d;
+  const int neg = static_cast<int>(symbol & 1);
+  const uint64_t mag = (symbol >> 1) | (bits == 64 && (symbol >> 1) == 0 ? (1ull << 63) : 0);
   e.Bit(m.sign[ps], neg);
   e.Bit(m.big[ps * 2 + neg], mag >= 2 ? 1 : 0);
   if (mag < 2) return;
@@ -369,64 +327,7 @@ struct ScanSetup {
   std::vector<uint8_t>* cls = nullptr;  // the portable scanner's class bytes
 };
 
-constexpr uint64_t kNever = uint64_t{1} << 62;  // a counter no word reaches
-
-// The portable scanner: every element's class as a byte (ClassifyBlock), counted per word.
-namespace portable {
-
-class WordScan {
- public:
-  explicit WordScan(const ScanSetup& ss) {
-    ClassifyBlock(ss.f, ss.width, ss.base, ss.len, ss.top, *ss.cls);
-    SplitByPrev(ss.prev, ss.len, *ss.cls);
-    cls_ = ss.cls->data();
-  }
-  // Counters of `classes` start at 0; the others are never hot.
-  void ClearCounters(uint32_t classes) {
-    active_ = classes;
-    for (int c = 0; c < kContextClasses; ++c) r_[c] = ((classes >> c) & 1) ? 0 : kNever;
-  }
-  void Load(uint32_t w) {
-    p_ = cls_ + 64 * static_cast<size_t>(w);
-    uint32_t h[64] = {};
-    for (int i = 0; i < 64; ++i) ++h[p_[i] & 63];  // padding (0xFF) lands in h[63]
-    std::copy(h, h + kContextClasses, cnt_);
-  }
-  uint64_t Mask(int c) const { return ClassMask(p_, static_cast<uint8_t>(c)); }
-  int ClassAt(int bit) const { return p_[bit]; }
-  uint64_t R(int c) const { return r_[c]; }
-  void SetR(int c, uint64_t v) { r_[c] = v; }
-  void AddCounts() {
-    for (int c = 0; c < kContextClasses; ++c) r_[c] += cnt_[c];
-  }
-  uint32_t Hot() {
-    uint32_t hot = 0;
-    for (uint32_t a = active_; a != 0; a &= a - 1) {
-      const int c = std::countr_zero(a);
-      if (r_[c] < cnt_[c]) {
-        hot |= 1u << c;
-      } else {
-        r_[c] -= cnt_[c];
-      }
-    }
-    return hot;
-  }
-  static int SelectBit(uint64_t m, uint64_t r) {  // the r-th (from 0) set bit of m; r < popcount
-    for (uint64_t i = 0; i < r; ++i) m &= m - 1;
-    return std::countr_zero(m);
-  }
-
- private:
-  const uint8_t* cls_ = nullptr;
-  const uint8_t* p_ = nullptr;
-  uint32_t active_ = 0;
-  uint64_t r_[kContextClasses] = {};
-  uint32_t cnt_[kContextClasses] = {};
-};
-
-#include "daemon/codec/context_kernels.inc"
-
-}  // namespace portable
+#include "daemon/codec/context_scan_portable.inc"
 
 #if defined(REFIT_CONTEXT_AVX512)
 #pragma GCC push_options
@@ -435,6 +336,8 @@ class WordScan {
 // (bits 0-3: the exponent class, bit 4: changed in the previous version), every class's count
 // in one pass of four 8-lane popcounts, and the counters in four 8-lane registers.
 namespace avx512 {
+
+constexpr uint64_t kNever = uint64_t{1} << 62;  // a counter no word reaches
 
 class WordScan {
  public:
@@ -658,8 +561,9 @@ StreamPlan PlanStream(ContextScratch& s, uint32_t n, const uint64_t* total) {
 
 // Writes the header (e_top, class mask, gap parameters), each class's first gap, then per change
 // in stream order its value and the gap to its class's next change (or its closing gap).
-size_t EmitStream(const ScanSetup& ss, const uint8_t* target, const uint32_t* pos, uint32_t n,
-                  const StreamPlan& plan, const ContextScratch& s, uint8_t* out, size_t capacity) {
+size_t EmitStream(const ScanSetup& ss, const uint8_t* target, const uint32_t* pos,
+                  const uint64_t* values, uint32_t n, const StreamPlan& plan,
+                  const ContextScratch& s, uint8_t* out, size_t capacity) {
   const ValueCoding coding = DTypeValueCoding(ss.dtype);
   const int bits = 8 * ss.width;
   rc::Encoder e(out, capacity);
@@ -684,8 +588,11 @@ size_t EmitStream(const ScanSetup& ss, const uint8_t* target, const uint32_t* po
     const uint32_t j = s.order[t];
     const int c = s.cls_of[j];
     const uint32_t p = pos[j];
-    PutValue(e, m[c], coding, bits, Load(ss.base, ss.width, p), Load(target, ss.width, p),
-             PrevContext(ss.prev, p));
+    const uint64_t symbol =
+        values != nullptr
+            ? values[j]
+            : ValueSymbol(coding, bits, Load(ss.base, ss.width, p), Load(target, ss.width, p));
+    PutValue(e, m[c], coding, bits, symbol, PrevContext(ss.prev, p));
     const uint32_t nx = s.next[j];
     const uint64_t g = nx < n ? uint64_t{s.rank[nx]} - s.rank[j] - 1 : plan.total[c] - s.rank[j] - 1;
     if (g >= plan.total[c]) return 0;  // ranks out of order: never for a consistent scan
@@ -734,8 +641,8 @@ const char* DecodeHeader(rc::Decoder& d, const ClassField& f, int width, uint32_
 }  // namespace
 
 size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
-                          const uint32_t* pos, uint32_t n, const PrevSigns* prev,
-                          ContextScratch& s, uint8_t* out, size_t capacity) {
+                          const uint32_t* pos, uint32_t n, const PrevSigns* prev, ContextScratch& s,
+                          uint8_t* out, size_t capacity, const uint64_t* values) {
   if (!PrevCovers(prev, len)) return 0;
   ScanSetup ss = SetupOf(dtype, base, len, prev, s);
   ss.top = MaxField(ss.f, ss.width, base, len);
@@ -746,7 +653,7 @@ size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* targe
   RankBlock(ss, Avx512Scan(ss.f, ss.width, s), pos, n, s.cls_of.data(), s.rank.data(),
             s.order.data(), total);
   const StreamPlan plan = PlanStream(s, n, total);
-  return EmitStream(ss, target, pos, n, plan, s, out, capacity);
+  return EmitStream(ss, target, pos, values, n, plan, s, out, capacity);
 }
 
 absl::Status DecodeContextBlock(DType dtype, const uint8_t* payload, size_t bytes,

@@ -84,7 +84,7 @@ struct ChangeRecord {
 
 // Per-thread working memory, reused across blocks.
 struct ContextScratch {
-  std::vector<uint8_t> cls;     // portable scanner: class of each element (+ 64 bytes of padding)
+  std::vector<uint8_t> cls;     // portable scanner, all but 2-byte floats: each element's class
   std::vector<uint8_t> cls_of;  // encoder: each change's class
   std::vector<uint32_t> rank;   // encoder: each change's rank among its class's elements
   std::vector<uint32_t> order;  // encoder: changes in stream order
@@ -94,10 +94,13 @@ struct ContextScratch {
 
 // Encodes the changes of a block (`pos`: the n >= 1 changed positions, increasing) into
 // out[0, capacity). Returns the payload's bytes, or 0 when it would not fit in `capacity` or a
-// known `prev` does not cover the block's len elements.
+// known `prev` does not cover the block's len elements. `values`, if given, holds each change's
+// value as v1's scan records it (raw coding: the target bits; else (magnitude << 1) | negative,
+// a 64-bit magnitude of 2^63 stored as 0): the coder then reads neither base nor target at the
+// changes (in a block larger than L2 each such read is a miss). Same bytes either way.
 size_t EncodeContextBlock(DType dtype, const uint8_t* base, const uint8_t* target, uint32_t len,
-                          const uint32_t* pos, uint32_t n, const PrevSigns* prev,
-                          ContextScratch& s, uint8_t* out, size_t capacity);
+                          const uint32_t* pos, uint32_t n, const PrevSigns* prev, ContextScratch& s,
+                          uint8_t* out, size_t capacity, const uint64_t* values = nullptr);
 
 // Decodes a payload of `bytes` bytes for a block of `len` elements with `count` changes against
 // its base: positions (increasing) into pos_out and target bits into val_out (count entries

@@ -1,5 +1,6 @@
 #include "daemon/codec/context_block.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -7,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/dtype.h"
+#include "daemon/codec/format.h"
 #include "daemon/codec/patch_testing.h"
 #include "daemon/common/status_matchers.h"
 #include "gtest/gtest.h"
@@ -198,6 +200,63 @@ TEST(ContextBlock, ExtremeDifferencesRoundTrip) {
     ASSERT_THAT(Decode(t, c.payload, a, static_cast<uint32_t>(c.pos.size()), nullptr, &out), IsOk())
         << DTypeName(t);
     EXPECT_EQ(out, b) << DTypeName(t);
+  }
+}
+
+// The value symbol EncodeContextBlock's `values` carries, computed here from the documented rule
+// (not from the coder's helpers): raw coding, the target bits; else (magnitude << 1) | negative.
+uint64_t ValueSymbolOf(DType t, uint64_t a, uint64_t b) {
+  const int bits = 8 * DTypeSize(t);
+  const ValueCoding coding = DTypeValueCoding(t);
+  if (coding == ValueCoding::kRaw) return b;
+  const uint64_t mask = format::WidthMask(bits);
+  const uint64_t d = coding == ValueCoding::kOrderedDiff
+                         ? (format::OrderedImage(b, bits) - format::OrderedImage(a, bits)) & mask
+                         : (b - a) & mask;
+  const uint64_t neg = (d >> (bits - 1)) & 1;
+  return ((neg ? (0 - d) & mask : d) << 1) | neg;  // a magnitude of 2^63 loses its top bit
+}
+
+// Given the scan's values, the coder writes the same bytes as when it reads base and target
+// itself: every dtype, the extreme differences (a 64-bit magnitude of 2^63 included), with and
+// without the previous version's signs.
+TEST(ContextBlock, ScanValuesGiveTheSameBytes) {
+  std::mt19937_64 rng(23);
+  for (DType t : kAllTypes) {
+    const size_t w = static_cast<size_t>(DTypeSize(t));
+    for (uint32_t len : {8u, 65u, 1000u}) {
+      for (double p : {0.02, 0.3, 1.0}) {
+        Steps st2 = TwoSteps(t, testing::RandomBytes(len * w, rng), p, rng);
+        if (len == 8) {  // the extremes of a signed difference, and all ones from zero
+          std::fill(st2.v1.begin(), st2.v1.end(), 0);
+          std::fill(st2.v2.begin(), st2.v2.end(), 0);
+          const uint64_t half = 1ull << (8 * w - 1), x1 = half - 1, x3 = half, x5 = ~0ull;
+          std::memcpy(st2.v2.data() + 1 * w, &x1, w);
+          std::memcpy(st2.v2.data() + 3 * w, &x3, w);
+          std::memcpy(st2.v2.data() + 5 * w, &x5, w);
+        }
+        const std::vector<uint32_t> pos = Changed(t, st2.v1, st2.v2);
+        if (pos.empty()) continue;
+        std::vector<uint64_t> values;
+        for (uint32_t q : pos) {
+          uint64_t a = 0, b = 0;
+          std::memcpy(&a, st2.v1.data() + q * w, w);
+          std::memcpy(&b, st2.v2.data() + q * w, w);
+          values.push_back(ValueSymbolOf(t, a, b));
+        }
+        const PrevSigns prev = st2.rec.Block(0, len);
+        const PrevSigns* const choices[] = {nullptr, &prev};
+        for (const PrevSigns* ps : choices) {
+          const Coded c = Encode(t, st2.v1, st2.v2, ps);
+          ContextScratch s;
+          std::vector<uint8_t> out(c.payload.size() + 64);
+          out.resize(EncodeContextBlock(t, st2.v1.data(), st2.v2.data(), len, pos.data(),
+                                        static_cast<uint32_t>(pos.size()), ps, s, out.data(),
+                                        out.size(), values.data()));
+          EXPECT_EQ(out, c.payload) << DTypeName(t) << " len " << len << " p " << p;
+        }
+      }
+    }
   }
 }
 

@@ -54,11 +54,30 @@ constexpr int AdaptShift(uint8_t n) {
   return s < kMaxShift ? s : kMaxShift;
 }
 
+// AdaptShift of every count, and the next count: Update runs once per coded bit, and a table
+// lookup is cheaper than bit_width (no lzcnt in the baseline x86-64 ISA) plus a clamp.
+struct AdaptStep {
+  uint8_t shift[kCountCap + 1];
+  uint8_t next[kCountCap + 1];
+};
+constexpr AdaptStep MakeAdaptStep() {
+  AdaptStep t{};
+  for (int n = 0; n <= kCountCap; ++n) {
+    t.shift[n] = static_cast<uint8_t>(AdaptShift(static_cast<uint8_t>(n)));
+    t.next[n] = static_cast<uint8_t>(n < kCountCap ? n + 1 : n);
+  }
+  return t;
+}
+inline constexpr AdaptStep kAdaptStep = MakeAdaptStep();
+
 constexpr void Update(BitModel& m, int bit) {
-  const int s = AdaptShift(m.n);
+  const int s = kAdaptStep.shift[m.n & kCountCap];  // n <= kCountCap always; the mask keeps
+                                                    // the lookup in bounds for any byte
   const uint32_t p = m.p;
-  m.p = static_cast<uint16_t>(bit == 0 ? p + ((65536u - p) >> s) : p - (p >> s));
-  m.n = static_cast<uint8_t>(m.n + (m.n < kCountCap ? 1 : 0));
+  const uint32_t up = p + ((65536u - p) >> s);
+  const uint32_t down = p - (p >> s);
+  m.p = static_cast<uint16_t>(bit == 0 ? up : down);
+  m.n = kAdaptStep.next[m.n & kCountCap];
 }
 
 class Encoder {
@@ -66,13 +85,11 @@ class Encoder {
   Encoder(uint8_t* out, size_t capacity) : out_(out), cap_(capacity) {}
 
   inline void Bit(BitModel& m, int bit) {
+    // Branch-free: coded bits are close to unpredictable (that is what coding them is for).
     const uint32_t bound = (range_ >> kProbBits) * m.p;
-    if (bit == 0) {
-      range_ = bound;
-    } else {
-      low_ += bound;
-      range_ -= bound;
-    }
+    const uint32_t one = 0u - static_cast<uint32_t>(bit != 0);
+    low_ += bound & one;
+    range_ = (bound & ~one) | ((range_ - bound) & one);
     Update(m, bit);
     Normalize();
   }

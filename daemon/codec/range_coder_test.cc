@@ -1,5 +1,7 @@
 #include "daemon/codec/range_coder.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -193,6 +195,26 @@ TEST(RangeCoder, ModelStaysInRangeAndAdaptsFastFirst) {
   EXPECT_EQ(AdaptShift(0), 1);
   EXPECT_EQ(AdaptShift(1), 2);
   EXPECT_EQ(AdaptShift(kCountCap), kMaxShift);
+}
+
+// Update takes its shifts and next counts from a table: it must be the documented rule, for
+// every count and both bits, across the whole probability range.
+TEST(RangeCoder, UpdateIsTheDocumentedRule) {
+  for (int n = 0; n <= kCountCap; ++n) {
+    const int width = static_cast<int>(std::bit_width(static_cast<unsigned>(n) + 1));
+    const int s = std::min(kMaxShift, width);
+    for (uint32_t p = 1; p <= 65535; p += (p < 300 || p > 65235) ? 1 : 97) {
+      for (int bit = 0; bit < 2; ++bit) {
+        BitModel m;
+        m.p = static_cast<uint16_t>(p);
+        m.n = static_cast<uint8_t>(n);
+        Update(m, bit);
+        const uint32_t want = bit == 0 ? p + ((65536 - p) >> s) : p - (p >> s);
+        ASSERT_EQ(m.p, want) << "n " << n << " p " << p << " bit " << bit;
+        ASSERT_EQ(m.n, std::min(n + 1, static_cast<int>(kCountCap))) << "n " << n;
+      }
+    }
+  }
 }
 
 }  // namespace
