@@ -11,11 +11,10 @@ the publish and once the subscriber holds the version (`refitctl wait`), and div
 elements and by the model's bytes. A plain read pass of the two files (bench/wan's read_pass,
 `--threads 1`: CPU seconds of one core) is measured in the same run as the yardstick of the
 publisher's figure. The first version (a keyframe) is reported apart: subscriber CPU per byte,
-with and without the store's set-up (its slots allocated, then pre-faulted on a background
-thread, once per store; those threads' CPU from the subscriber's store_created and
-store_prefaulted log events, waited for before the next version). After the deltas, one more version
-follows `refitctl resync` on the subscriber: a dense resync into the existing store, reported as
-subscriber CPU per byte too.
+with and without the store's set-up (its slots allocated and pre-faulted, once per store; the
+creating thread's CPU from the subscriber's store_created log event). After the deltas, one more
+version follows `refitctl resync` on the subscriber: a dense resync into the existing store,
+reported as subscriber CPU per byte too.
 
     bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
         [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
@@ -136,23 +135,14 @@ def log_events(path: str, event: str) -> dict[int, dict]:
     return found
 
 
-def store_setup_cpu_s(sub_log: str) -> float | None:
-    """CPU seconds of the subscriber's first store: its creation (the store_created log event)
-    and its pre-fault on a background thread (store_prefaulted); None until both are logged
-    (or the creation, with prefault off)."""
-    created = prefaulted = None
+def store_setup_cpu_s(sub_log: str) -> float:
+    """CPU seconds of the subscriber's first store set-up (its slots allocated and pre-faulted):
+    the creating thread's CPU from its store_created log event (0 from a daemon older than it)."""
     with open(sub_log) as f:
         for line in f:
-            if not line.startswith("{"):
-                continue
-            if created is None and '"store_created"' in line:
-                j = json.loads(line)
-                created = float(j.get("cpu_ms", 0.0)) / 1e3
-                if j.get("prefault") != "madvise":
-                    prefaulted = 0.0
-            elif prefaulted is None and '"store_prefaulted"' in line:
-                prefaulted = float(json.loads(line).get("cpu_ms", 0.0)) / 1e3
-    return None if created is None or prefaulted is None else created + prefaulted
+            if line.startswith("{") and '"store_created"' in line:
+                return float(json.loads(line).get("cpu_ms", 0.0)) / 1e3
+    return 0.0
 
 
 def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
@@ -241,10 +231,6 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version", str(v))
             ctl(build, sub_t, "wait", "--version", str(v), "--timeout", "600")
             wall = time.perf_counter() - t0
-            if v == 1:  # the store's background pre-fault belongs to the keyframe's CPU
-                deadline = time.time() + 120
-                while store_setup_cpu_s(sub_log) is None and time.time() < deadline:
-                    time.sleep(0.02)
             p1, s1 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
             st = json.loads(ctl(build, sub_t, "status", "--json"))
             lr = st.get("lastRefit", st.get("last_refit", {}))
@@ -260,9 +246,9 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             if v == 1 or resync:
                 row["subscriber_ns_per_byte"] = round((s1 - s0) * 1e9 / model_bytes, 3)
             if v == 1:
-                # The store's set-up (its slots allocated, then pre-faulted in the background),
-                # once per store: those threads' CPU from the subscriber's log events.
-                created = store_setup_cpu_s(sub_log) or 0.0
+                # The store's set-up (its slots allocated and pre-faulted), once per store: the
+                # creating thread's CPU from the subscriber's store_created event.
+                created = store_setup_cpu_s(sub_log)
                 row["store_setup_cpu_s"] = round(created, 4)
                 row["subscriber_ns_per_byte_without_store"] = round(
                     (s1 - s0 - created) * 1e9 / model_bytes, 3)

@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -66,13 +65,8 @@ absl::StatusOr<int> CreateShmOpen(const std::string& prefix) {
 #define MADV_POPULATE_WRITE 23
 #endif
 
-// Allocates every page of a fresh object now (fallocate), so that a tmpfs without room for it
-// (a small /dev/shm behind the shm_open fallback: a Kubernetes pod's is 64 MiB by default; a
-// memory limit behind the memfd) is an error here rather than a SIGBUS when a write or the
-// prefault reaches a page that cannot be backed. Allocating before mapping also makes the
-// prefault cheaper: it then only maps pages that exist (measured on the 2-core VM, 508 MiB:
-// 0.31 s of CPU against 0.36 s for the prefault allocating them). Returns 0 or errno
-// (EOPNOTSUPP: a filesystem that cannot; tmpfs and memfd can).
+// Allocates every page of a fresh object (fallocate), so that writing them cannot fail with a
+// SIGBUS on a tmpfs without room. Returns 0 or errno (EOPNOTSUPP: a filesystem that cannot).
 int Reserve(int fd, uint64_t bytes) {
   for (int attempt = 0; attempt < 16; ++attempt) {
     if (fallocate(fd, 0, 0, static_cast<off_t>(bytes)) == 0) return 0;
@@ -81,20 +75,29 @@ int Reserve(int fd, uint64_t bytes) {
   return EINTR;
 }
 
-// How a fresh writable mapping gets its pages mapped ahead of the first staging: "madvise"
-// when MADV_POPULATE_WRITE works (the caller runs it over the rest in the background); where
-// the kernel lacks it (EINVAL before 5.14), one write per page now, but only over pages Reserve
-// allocated (`reserved`: a write to a page the filesystem cannot back is a SIGBUS), else "".
-// On any other refusal, "" and errno in *err (EFAULT: a page could not be backed; ENOMEM).
-const char* Prefault(uint8_t* map, uint64_t bytes, bool reserved, int* err) {
-  const long page = sysconf(_SC_PAGESIZE);
-  const uint64_t step = page > 0 ? static_cast<uint64_t>(page) : 4096;
-  if (madvise(map, std::min(bytes, step), MADV_POPULATE_WRITE) == 0) return "madvise";
+// Makes every page of a fresh writable mapping resident (write faults taken now, not on the
+// first staging) with MADV_POPULATE_WRITE. A page the object's tmpfs cannot back (a small
+// /dev/shm behind the shm_open fallback: a Kubernetes pod's is 64 MiB by default; a memory
+// limit behind the memfd) fails it with EFAULT or ENOMEM: that errno goes to *err, and nothing
+// touches the pages (a write to such a page is a SIGBUS). Where the kernel lacks it (EINVAL
+// before 5.14): the pages are allocated first (Reserve: a clear error if they cannot be), then
+// written once each (the object is zero-filled, so writing zero keeps its contents). Returns
+// how: "madvise", "touch" or "" (not pre-faulted; *err set on a refusal).
+// (Allocating every page with fallocate before MADV_POPULATE_WRITE costs less CPU, 0.31 s
+// against 0.36 s for 508 MiB on the 2-core VM, but the first keyframe over bench/wan's link took
+// longer with it: docs/ARCHITECTURE.md, the store's pre-fault.)
+const char* Prefault(int fd, uint8_t* map, uint64_t bytes, int* err) {
+  if (madvise(map, bytes, MADV_POPULATE_WRITE) == 0) return "madvise";
   if (errno != EINVAL) {
     *err = errno;
     return "";
   }
-  if (!reserved) return "";
+  if (const int reserve_err = Reserve(fd, bytes); reserve_err != 0) {
+    if (reserve_err != EOPNOTSUPP) *err = reserve_err;
+    return "";
+  }
+  const long page = sysconf(_SC_PAGESIZE);
+  const uint64_t step = page > 0 ? static_cast<uint64_t>(page) : 4096;
   volatile uint8_t* p = map;
   for (uint64_t off = 0; off < bytes; off += step) p[off] = 0;
   return "touch";
@@ -104,7 +107,7 @@ const char* Prefault(uint8_t* map, uint64_t bytes, bool reserved, int* err) {
 absl::Status NoRoom(const char* backing, const char* step, uint64_t total, int slots, int err) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "shm store: ", step, " ", total, " bytes (", slots, " slots) of the ", backing,
-      " object: ", Errno(err),
+      " object: ", Errno(err), err == EFAULT ? " (a page could not be backed)" : "",
       std::strcmp(backing, "memfd") == 0
           ? "; the daemon's memory limit (its cgroup) or the host's memory holds less"
           : "; /dev/shm holds less (on Kubernetes mount an emptyDir with medium: Memory and a "
@@ -191,12 +194,6 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
   }
   const StageMark start = StageMark::Now();
   const absl::Duration thread_start = ThreadCpuTime();
-  // Without prefault the pages stay unallocated until staged (the point of turning it off).
-  const int reserve_err = options.prefault ? Reserve(fd, total) : EOPNOTSUPP;
-  if (reserve_err != 0 && reserve_err != EOPNOTSUPP) {
-    close(fd);
-    return NoRoom(backing, "allocating", total, options.slots, reserve_err);
-  }
   void* map = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) {
     const int err = errno;
@@ -204,13 +201,11 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
     return absl::ResourceExhaustedError(
         absl::StrCat("shm store: mmap of ", total, " bytes: ", Errno(err)));
   }
-  // Pre-faulted through the daemon's own writable mapping: its first page here (or every page,
-  // the "touch" way) before sealing, the rest in the background (F_SEAL_FUTURE_WRITE does not
-  // stop a writable mapping that exists before the seal).
+  // Pre-faulted before sealing, through the daemon's own writable mapping (F_SEAL_FUTURE_WRITE
+  // would not stop that mapping, but faulting first keeps the order obviously safe).
   int prefault_err = 0;
-  const char* prefault = options.prefault ? Prefault(static_cast<uint8_t*>(map), total,
-                                                     reserve_err == 0, &prefault_err)
-                                          : "";
+  const char* prefault =
+      options.prefault ? Prefault(fd, static_cast<uint8_t*>(map), total, &prefault_err) : "";
   if (prefault_err != 0) {
     munmap(map, total);
     close(fd);
@@ -231,45 +226,8 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
   bases.reserve(static_cast<size_t>(options.slots));
   for (int s = 0; s < options.slots; ++s) bases.push_back(base + static_cast<uint64_t>(s) * slot_bytes);
   LogCreated(backing, options.slots, total, prefault, start, ThreadCpuTime() - thread_start);
-  std::unique_ptr<ShmStore> store(new ShmStore(std::move(layout), std::move(bases), options, fd,
-                                               base, total, backing, sealed, prefault));
-  if (std::strcmp(prefault, "madvise") == 0) {
-    store->prefault_thread_ = std::thread([s = store.get()] { s->PrefaultInBackground(); });
-  }
-  return store;
-}
-
-void ShmStore::PrefaultInBackground() {
-  constexpr uint64_t kPiece = uint64_t{64} << 20;  // the destructor waits for one piece at most
-  const StageMark start = StageMark::Now();
-  const absl::Duration thread_start = ThreadCpuTime();
-  uint64_t done = 0;
-  int err = 0;
-  while (done < total_bytes_ && !stop_prefault_.load(std::memory_order_relaxed)) {
-    const uint64_t len = std::min(kPiece, total_bytes_ - done);
-    if (madvise(map_ + done, len, MADV_POPULATE_WRITE) != 0) {
-      err = errno;
-      break;
-    }
-    done += len;
-  }
-  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start.wall);
-  const double cpu_ms = absl::ToDoubleMilliseconds(ThreadCpuTime() - thread_start);
-  if (err != 0) {  // the pages exist (Reserve); the first writes map them instead
-    Logger("store")->warn("shm store: pre-faulting stopped at byte {} of {}: {}", done,
-                          total_bytes_, Errno(err));
-  }
-  LogEvent(*Logger("store"), spdlog::level::info,
-           absl::StrFormat("shm store pre-faulted: %d of %d bytes mapped in %.1f ms (CPU %.1f ms)",
-                           done, total_bytes_, ms, cpu_ms),
-           {{"event", std::string("store_prefaulted")},
-            {"bytes", done},
-            {"ms", ms},
-            {"cpu_ms", cpu_ms}});
-}
-
-void ShmStore::WaitPrefaulted() {
-  if (prefault_thread_.joinable()) prefault_thread_.join();
+  return std::unique_ptr<ShmStore>(new ShmStore(std::move(layout), std::move(bases), options, fd,
+                                                base, total, backing, sealed, prefault));
 }
 
 ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
@@ -285,8 +243,6 @@ ShmStore::ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOption
       prefault_(prefault) {}
 
 ShmStore::~ShmStore() {
-  stop_prefault_.store(true, std::memory_order_relaxed);
-  WaitPrefaulted();
   munmap(map_, total_bytes_);
   close(fd_);
 }

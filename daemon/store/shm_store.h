@@ -37,11 +37,9 @@
 #ifndef REFIT_DAEMON_STORE_SHM_STORE_H_
 #define REFIT_DAEMON_STORE_SHM_STORE_H_
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "daemon/store/slotted_store.h"
@@ -81,9 +79,7 @@ class ShmStore final : public SlottedStore {
   std::string ProcPath() const;
   // Bytes of the object: num_slots() * layout().slot_bytes().
   uint64_t total_bytes() const { return total_bytes_; }
-  uint64_t SlotOffset(int slot) const {
-    return static_cast<uint64_t>(slot) * layout().slot_bytes();
-  }
+  uint64_t SlotOffset(int slot) const { return static_cast<uint64_t>(slot) * layout().slot_bytes(); }
   // Offset of tensor `index` of `slot` within the object.
   uint64_t TensorOffset(int slot, size_t index) const {
     return SlotOffset(slot) + layout().tensor(index).offset;
@@ -94,21 +90,14 @@ class ShmStore final : public SlottedStore {
   const char* backing() const { return backing_; }
   // Whether consumers cannot write or resize the object (a sealed memfd).
   bool sealed() const { return sealed_; }
-  // How the slots are pre-faulted: "madvise" (MADV_POPULATE_WRITE, on a background thread that
-  // Create starts), "touch" (one write per page, in Create, where the kernel lacks it) or ""
-  // (ShmStoreOptions::prefault off).
+  // How the slots were pre-faulted: "madvise" (MADV_POPULATE_WRITE), "touch" (one write per
+  // page) or "" (ShmStoreOptions::prefault off).
   const char* prefault() const { return prefault_; }
-  // Waits until the background prefault (if any) has mapped every page or given up.
-  void WaitPrefaulted();
 
  private:
   ShmStore(Layout layout, std::vector<uint8_t*> bases, const StoreOptions& options, int fd,
            uint8_t* map, uint64_t total_bytes, const char* backing, bool sealed,
            const char* prefault);
-  // The background prefault: maps the pages Create allocated into this process, slot by slot in
-  // pieces, while the first version may already be staged (a write to a page not mapped yet
-  // faults it in itself; MADV_POPULATE_WRITE never changes a page's bytes).
-  void PrefaultInBackground();
 
   const int fd_;
   uint8_t* const map_;
@@ -116,8 +105,6 @@ class ShmStore final : public SlottedStore {
   const char* const backing_;
   const bool sealed_;
   const char* const prefault_;
-  std::atomic<bool> stop_prefault_{false};
-  std::thread prefault_thread_;
 };
 
 // A factory of ShmStores for a subscriber core (store_factory.h). `host` gives the host-specific

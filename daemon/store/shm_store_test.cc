@@ -36,9 +36,10 @@ bool CanMountSmallDevShm() {
 }
 
 // The shm_open fallback on a /dev/shm smaller than the store (a Kubernetes pod's is 64 MiB by
-// default): ResourceExhausted naming the backing and what to do, where prefaulting pages the
-// tmpfs cannot back used to end the daemon with SIGBUS. Run in a child process (a death test)
-// that mounts a 1 MiB tmpfs over /dev/shm in its own mount namespace.
+// default): ResourceExhausted naming the backing and what to do, where the prefault used to fall
+// back to writing pages the tmpfs cannot back when MADV_POPULATE_WRITE refused them: SIGBUS. Run in
+// a child process (a death test) that mounts a 1 MiB tmpfs over /dev/shm in its own mount
+// namespace.
 TEST(ShmStoreTest, AStoreLargerThanItsTmpfsIsAnErrorNotASigbus) {
   if (!CanMountSmallDevShm()) {
     GTEST_SKIP() << "cannot mount a tmpfs in a new mount namespace here (needs root or "
@@ -61,7 +62,7 @@ TEST(ShmStoreTest, AStoreLargerThanItsTmpfsIsAnErrorNotASigbus) {
                            absl::StrContains(st.status().message(), "/dev/shm holds less");
         _exit(st.status().code() == absl::StatusCode::kResourceExhausted && named ? 0 : 6);
       },
-      ::testing::ExitedWithCode(0), "RESOURCE_EXHAUSTED: shm store: allocating 16777216 bytes");
+      ::testing::ExitedWithCode(0), "RESOURCE_EXHAUSTED: shm store: pre-faulting 16777216 bytes");
 }
 
 // The memfd backing, the default, on the same small tmpfs: unaffected by /dev/shm.

@@ -483,9 +483,8 @@ TEST(ShmStoreRefreshTest, RefusalsChangeNothingAndAbortLeavesTheSlotUnknown) {
   (void)s3;
 }
 
-// Slots are resident once the prefault is done (MADV_POPULATE_WRITE in the background or one
-// write per page), still zero and still sealed; without prefault nothing is resident before the
-// first staging.
+// Slots are resident from creation (MADV_POPULATE_WRITE or one write per page), still zero and
+// still sealed; without prefault nothing is resident before the first staging.
 TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {
   REFIT_ASSERT_OK_AND_ASSIGN(Layout layout, Layout::Build({{"big", DType::kBF16, {3, 1 << 20}}}));
   auto resident = [](const ShmStore& st) {
@@ -506,7 +505,6 @@ TEST(ShmStoreInPlaceTest, PrefaultMakesEverySlotResidentAtCreation) {
     o.prefault = prefault;
     REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<ShmStore> st, ShmStore::Create(layout, o));
     EXPECT_TRUE(st->sealed());
-    st->WaitPrefaulted();  // mapped in the background
     const size_t bytes = resident(*st);
     if (prefault) {
       EXPECT_THAT(std::string(st->prefault()), ::testing::AnyOf("madvise", "touch"));
