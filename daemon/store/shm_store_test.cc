@@ -18,44 +18,49 @@ namespace {
 
 // In a new mount namespace of this process (root, or an unprivileged user namespace where the
 // kernel allows them, which needs a single-threaded process): mounts are made private first, so
-// nothing propagates back to the host, then a tmpfs of `bytes` is put over /dev/shm.
-bool MountSmallDevShm(const char* size_option) {
+// nothing propagates back to the host, then a 1 MiB tmpfs is put over /dev/shm.
+bool MountSmallDevShm() {
   if (unshare(CLONE_NEWNS) != 0 && unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return false;
-  return mount("tmpfs", "/dev/shm", "tmpfs", 0, size_option) == 0;
+  return mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") == 0;
 }
 
 // Whether a child process can do MountSmallDevShm (it changes nothing here).
 bool CanMountSmallDevShm() {
   const pid_t pid = fork();
   if (pid < 0) return false;
-  if (pid == 0) _exit(MountSmallDevShm("size=1m") ? 0 : 1);
+  if (pid == 0) _exit(MountSmallDevShm() ? 0 : 1);
   int status = 0;
   if (waitpid(pid, &status, 0) != pid) return false;
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
+constexpr char kNoMountNamespace[] =
+    "cannot mount a tmpfs in a new mount namespace here (needs root or unprivileged user "
+    "namespaces)";
+
+// In a death test's child: a 1 MiB tmpfs over /dev/shm, then a store of 2 slots of 8 MiB
+// (memfd, or the shm_open fallback). Exits 3 or 4 where that set-up fails.
+absl::StatusOr<std::unique_ptr<ShmStore>> CreateOnSmallDevShm(bool force_shm_open) {
+  if (!MountSmallDevShm()) _exit(3);
+  absl::StatusOr<Layout> layout = Layout::Build({{"big", DType::kBF16, {4, 1 << 20}}});
+  if (!layout.ok()) _exit(4);
+  ShmStoreOptions o;
+  o.slots = 2;
+  o.force_shm_open = force_shm_open;
+  o.allow_unsealed = force_shm_open;  // the fallback cannot be sealed
+  return ShmStore::Create(*layout, o);
+}
+
 // The shm_open fallback on a /dev/shm smaller than the store (a Kubernetes pod's is 64 MiB by
-// default): ResourceExhausted naming the backing and what to do, where the prefault used to fall
-// back to writing pages the tmpfs cannot back when MADV_POPULATE_WRITE refused them: SIGBUS. Run in
-// a child process (a death test) that mounts a 1 MiB tmpfs over /dev/shm in its own mount
-// namespace.
+// default): ResourceExhausted naming the backing and what to do. When MADV_POPULATE_WRITE
+// refused a page, the prefault used to fall back to writing every page: SIGBUS.
 TEST(ShmStoreTest, AStoreLargerThanItsTmpfsIsAnErrorNotASigbus) {
-  if (!CanMountSmallDevShm()) {
-    GTEST_SKIP() << "cannot mount a tmpfs in a new mount namespace here (needs root or "
-                    "unprivileged user namespaces)";
-  }
+  if (!CanMountSmallDevShm()) GTEST_SKIP() << kNoMountNamespace;
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
-        if (!MountSmallDevShm("size=1m")) _exit(3);
-        absl::StatusOr<Layout> layout = Layout::Build({{"big", DType::kBF16, {4, 1 << 20}}});
-        if (!layout.ok()) _exit(4);
-        ShmStoreOptions o;
-        o.slots = 2;  // 16 MiB
-        o.force_shm_open = true;
-        o.allow_unsealed = true;
-        absl::StatusOr<std::unique_ptr<ShmStore>> st = ShmStore::Create(*layout, o);
+        absl::StatusOr<std::unique_ptr<ShmStore>> st = CreateOnSmallDevShm(true);
         if (st.ok()) _exit(5);
         std::fprintf(stderr, "%s\n", st.status().ToString().c_str());
         const bool named = absl::StrContains(st.status().message(), "shm_open object") &&
@@ -67,19 +72,11 @@ TEST(ShmStoreTest, AStoreLargerThanItsTmpfsIsAnErrorNotASigbus) {
 
 // The memfd backing, the default, on the same small tmpfs: unaffected by /dev/shm.
 TEST(ShmStoreTest, TheMemfdBackingDoesNotDependOnDevShm) {
-  if (!CanMountSmallDevShm()) {
-    GTEST_SKIP() << "cannot mount a tmpfs in a new mount namespace here (needs root or "
-                    "unprivileged user namespaces)";
-  }
+  if (!CanMountSmallDevShm()) GTEST_SKIP() << kNoMountNamespace;
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
-        if (!MountSmallDevShm("size=1m")) _exit(3);
-        absl::StatusOr<Layout> layout = Layout::Build({{"big", DType::kBF16, {4, 1 << 20}}});
-        if (!layout.ok()) _exit(4);
-        ShmStoreOptions o;
-        o.slots = 2;
-        absl::StatusOr<std::unique_ptr<ShmStore>> st = ShmStore::Create(*layout, o);
+        absl::StatusOr<std::unique_ptr<ShmStore>> st = CreateOnSmallDevShm(false);
         if (!st.ok()) {
           std::fprintf(stderr, "%s\n", st.status().ToString().c_str());
           _exit(5);
