@@ -344,7 +344,7 @@ TEST(ContextBlock, ClassedPositionsCostLessThanUniformOnes) {
   const double bits = 8.0 * static_cast<double>(c.payload.size()) / changes;
   // Each change's sign is a fair coin (the flipped low bit moves either way): one bit.
   const double order0 = h(q) / q + 1;
-  const double classed = (h(0.2) + h(0.002)) * (len / 2) / changes + 1;
+  const double classed = (h(0.2) + h(0.002)) * (static_cast<double>(len) / 2) / changes + 1;
   EXPECT_LT(bits, 1.05 * classed) << "order-0 bound " << order0 << ", classed " << classed;
   EXPECT_LT(bits, 0.9 * order0) << "classed bound " << classed;
 }

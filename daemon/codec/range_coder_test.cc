@@ -96,6 +96,7 @@ TEST(RangeCoder, EmptyStreamIsFiveBytes) {
 TEST(RangeCoder, CarriesPropagateThroughRunsOfFF) {
   // Bits that keep low near the top of its range produce 0xFF runs and carries.
   std::vector<Symbol> syms;
+  syms.reserve(8000);
   for (int i = 0; i < 5000; ++i) syms.push_back(Symbol{false, 3, 1u, 1});
   for (int i = 0; i < 3000; ++i) syms.push_back(Symbol{true, 0, 0xFFFFFFFFu, 32});
   for (int i = 0; i < 5000; ++i) syms.push_back(Symbol{false, 2, 1u, 1});

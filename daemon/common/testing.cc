@@ -82,8 +82,9 @@ Memfd::~Memfd() {
 
 std::string Memfd::path() const { return absl::StrCat("/proc/self/fd/", fd_); }
 
-v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
-                            const std::string& path, uint64_t offset, uint64_t size) {
+v1::TensorLocation Location(const std::string& name, v1::DType dtype,
+                            const std::vector<uint64_t>& shape, const std::string& path,
+                            uint64_t offset, uint64_t size) {
   v1::TensorLocation l;
   l.mutable_spec()->set_name(name);
   l.mutable_spec()->set_dtype(dtype);

@@ -63,8 +63,9 @@ class Memfd {
 
 // A TensorApi/ConsumerApi tensor location: `size` bytes at `offset` of the shared-memory file
 // `path`, holding tensor `name` of `dtype` and `shape`.
-v1::TensorLocation Location(const std::string& name, v1::DType dtype, std::vector<uint64_t> shape,
-                            const std::string& path, uint64_t offset, uint64_t size);
+v1::TensorLocation Location(const std::string& name, v1::DType dtype,
+                            const std::vector<uint64_t>& shape, const std::string& path,
+                            uint64_t offset, uint64_t size);
 
 }  // namespace refit::testing
 
