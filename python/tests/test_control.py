@@ -74,6 +74,8 @@ def test_publish_wait_status_export_verify_resync(pair, tmp_path, monkeypatch):
     s = p.sub_ctl.status()
     assert s.role == common_pb2.ROLE_SUBSCRIBER and s.version == 3 and s.tensors == 4
     assert s.version_digest == r3.version_digest and s.upstream.acked_version == 3
+    # The subscriber has sent its Ack; the publisher records it when it arrives.
+    p.pub_ctl.wait_version(3, timeout=WAIT_S, all_subscribers=True)
     ps = p.pub_ctl.status()
     assert ps.version == 3 and [x.acked_version for x in ps.sessions] == [3]
 
