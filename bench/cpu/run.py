@@ -252,7 +252,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 row["store_setup_cpu_s"] = round(created, 4)
                 row["subscriber_ns_per_byte_without_store"] = round(
                     (s1 - s0 - created) * 1e9 / model_bytes, 3)
-            elif changed > 0:
+            elif changed > 0 and not resync:
                 row["subscriber_ns_per_changed"] = round((s1 - s0) * 1e9 / changed, 2)
                 row["publisher_ns_per_changed"] = round((p1 - p0) * 1e9 / changed, 2)
                 row["publisher_cpu_over_read_pass"] = round((p1 - p0) / read_s, 3)

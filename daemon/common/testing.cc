@@ -3,9 +3,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <system_error>
@@ -27,32 +27,15 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
-namespace {
-
-std::mutex scratch_mu;
-std::vector<std::string>* scratch_dirs = nullptr;  // leaked on purpose: read at exit
-
-void RemoveScratchDirs() {
-  std::lock_guard<std::mutex> lock(scratch_mu);
-  for (const std::string& dir : *scratch_dirs) {
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
-  }
-  scratch_dirs->clear();
-}
-
-}  // namespace
-
 std::string ScratchDir(const std::string& prefix) {
-  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
-  EXPECT_NE(mkdtemp(tmpl.data()), nullptr) << tmpl;
-  std::lock_guard<std::mutex> lock(scratch_mu);
-  if (scratch_dirs == nullptr) {
-    scratch_dirs = new std::vector<std::string>;
-    std::atexit(RemoveScratchDirs);
-  }
-  scratch_dirs->push_back(tmpl);
-  return tmpl;
+  // Destroyed at a normal exit: each TempDir removes its directory then.
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<TempDir>> dirs;
+  auto dir = std::make_unique<TempDir>(prefix);
+  std::string path = dir->path();
+  std::lock_guard<std::mutex> lock(mu);
+  dirs.push_back(std::move(dir));
+  return path;
 }
 
 std::string ReadFile(const std::string& path) {

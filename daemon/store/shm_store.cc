@@ -103,10 +103,10 @@ const char* Prefault(int fd, uint8_t* map, uint64_t bytes, int* err) {
   return "touch";
 }
 
-// The ResourceExhausted of a store its backing cannot hold.
-absl::Status NoRoom(const char* backing, const char* step, uint64_t total, int slots, int err) {
+// The ResourceExhausted of a store its backing cannot hold (Prefault's refusal `err`).
+absl::Status NoRoom(const char* backing, uint64_t total, int slots, int err) {
   return absl::ResourceExhaustedError(absl::StrCat(
-      "shm store: ", step, " ", total, " bytes (", slots, " slots) of the ", backing,
+      "shm store: pre-faulting ", total, " bytes (", slots, " slots) of the ", backing,
       " object: ", Errno(err), err == EFAULT ? " (a page could not be backed)" : "",
       std::strcmp(backing, "memfd") == 0
           ? "; the daemon's memory limit (its cgroup) or the host's memory holds less"
@@ -149,8 +149,8 @@ absl::Status CheckUnsealed(const ShmStoreOptions& options, const char* backing, 
 // transfer (with prefault, allocating and mapping every slot's pages is most of it). `cpu` is
 // the creating thread's CPU (the process clock would also count the transfer meanwhile).
 void LogCreated(const char* backing, int slots, uint64_t total, const char* prefault,
-                const StageMark& start, absl::Duration cpu) {
-  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start.wall);
+                absl::Time start, absl::Duration cpu) {
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   const double cpu_ms = absl::ToDoubleMilliseconds(cpu);
   LogEvent(*Logger("store"), spdlog::level::info,
            absl::StrFormat("shm store created: %d slots, %d bytes (%s), prefault %s in %.1f ms "
@@ -192,7 +192,7 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
     return absl::ResourceExhaustedError(absl::StrCat("shm store: sizing the ", backing, " to ",
                                                      total, " bytes: ", Errno(err)));
   }
-  const StageMark start = StageMark::Now();
+  const absl::Time start = absl::Now();
   const absl::Duration thread_start = ThreadCpuTime();
   void* map = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) {
@@ -209,7 +209,7 @@ absl::StatusOr<std::unique_ptr<ShmStore>> ShmStore::Create(Layout layout,
   if (prefault_err != 0) {
     munmap(map, total);
     close(fd);
-    return NoRoom(backing, "pre-faulting", total, options.slots, prefault_err);
+    return NoRoom(backing, total, options.slots, prefault_err);
   }
   // Sealed after the daemon's own writable mapping exists (that one stays writable).
   const int seal_err = std::strcmp(backing, "memfd") == 0 ? SealStore(fd) : 0;
