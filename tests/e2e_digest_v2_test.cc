@@ -68,5 +68,56 @@ TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
   E2E_EXPECT_OK(ExpectVerified(pub));
 }
 
+// A relay behind a v2 publisher leaves the v1 digests of the versions it relays uncomputed
+// while its peers verify v2. A v1 peer (as an older subscriber) that joins later makes it
+// compute them: the peer gets the newest version (keyframes), then follows with deltas,
+// bit-exact, verified in v1, next to a v2 peer that stays on deltas throughout.
+TEST_F(E2EDigestV2, AV1PeerJoiningARelayLaterFollowsItBitExact) {
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(23));
+  PublisherSpec ps;
+  ps.name = "pub";
+  DaemonProcess& pub = NewPublisher(ps);
+  E2E_ASSERT_OK(pub.Start());
+  SubscriberSpec rs;
+  rs.name = "relay";
+  rs.upstream = {pub.listen_target()};
+  rs.serve_peers = true;
+  DaemonProcess& relay = NewSubscriber(rs);
+  E2E_ASSERT_OK(relay.Start());
+  SubscriberSpec v2s;
+  v2s.name = "peer-v2";
+  v2s.upstream = {relay.listen_target()};
+  DaemonProcess& v2 = NewSubscriber(v2s);
+  E2E_ASSERT_OK(v2.Start());
+  SubscriberSpec v1s;
+  v1s.name = "peer-v1";
+  v1s.upstream = {relay.listen_target()};
+  v1s.digest_v2 = false;
+  DaemonProcess& v1peer = NewSubscriber(v1s);
+  constexpr uint64_t kJoin = 4;
+  for (uint64_t v = 1; v <= 8; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v));
+    if (v > 1) traj->Step();
+    const Model m = ModelFromTrajectory(*traj);
+    E2E_ASSERT_OK(Publish(pub, m, v));
+    std::vector<DaemonProcess*> subs = {&relay, &v2};
+    if (v >= kJoin) subs.push_back(&v1peer);
+    for (DaemonProcess* sub : subs) {
+      if (sub == &v1peer && v == kJoin) E2E_ASSERT_OK(v1peer.Start());
+      E2E_ASSERT_OK(WaitVersion(*sub, v));
+      E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
+      E2E_ASSERT_OK(ExpectVerified(*sub));  // recomputed in the session's format
+      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
+      EXPECT_EQ(st.digest_format(), sub == &v1peer ? 1u : 2u) << sub->name();
+      EXPECT_TRUE(st.last_refit().digests_verified()) << sub->name();
+      const bool deltas = sub == &v1peer ? v > kJoin : v > 1;
+      if (deltas) {
+        EXPECT_EQ(st.last_refit().base_version(), v - 1) << sub->name();
+        EXPECT_EQ(st.last_refit().keyframe_tensors(), 0u) << sub->name();
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace refit::e2e

@@ -16,8 +16,16 @@ creating thread's CPU from the subscriber's store_created log event). After the 
 version follows `refitctl resync` on the subscriber: a dense resync into the existing store,
 reported as subscriber CPU per byte too.
 
-    bench/cpu/run.py --build build [--preset medium] [--versions 6] [--slots 2,1]
-        [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
+    bench/cpu/run.py --build build [--preset medium|500m] [--versions 6] [--slots 2,1]
+        [--relay] [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
+
+With --relay, subscriber-0 serves peers (serve_peers, a data socket of its own: a relay) and a
+second subscriber (subscriber-1, the same example config) follows it. Both do the same subscriber
+work per version; the relay also forwards the transfer (cut-through) and installs the version
+for its peers. Per version: the peer's CPU and wire bytes (what the relay forwarded), and the
+relay's CPU beyond the peer's per forwarded byte (relay_extra_ns_per_forwarded_byte; the
+summary's is over all deltas' totals). The relay's CPU is read once it has installed the version
+for its peers (Status.relay adopted + re-encoded versions).
 
 With --perf-dir, `perf record` samples each daemon during the deltas (or, with --perf-keyframe,
 during the first version only) into DIR/{publisher,subscriber}-slots<N>.perf, for `perf report`;
@@ -75,18 +83,33 @@ def read_pass_seconds(build: str, a: str, b: str) -> float:
     raise RuntimeError(f"read_pass printed no time: {out.stdout!r} {out.stderr!r}")
 
 
-def config(src: str, run_dir: str, slots: int | None = None, fields: list[str] = ()) -> str:
+def config(src: str, run_dir: str, slots: int | None = None, fields: list[str] = (),
+           role: str = "") -> str:
+    """The example config `src` moved into run_dir. role "relay": subscriber-0 also serves peers
+    on subscriber-0-data.sock; role "peer": a second subscriber (subscriber-1) whose upstream is
+    that relay."""
     with open(os.path.join(ROOT, "config", src)) as f:
         text = f.read().replace("/tmp/refitd-demo", run_dir)
+    if role == "peer":
+        text = text.replace("subscriber-0", "subscriber-1").replace("/refitd-demo-0-",
+                                                                     "/refitd-demo-1-")
+        text = text.replace(f"unix:{run_dir}/publisher-data.sock",
+                            f"unix:{run_dir}/subscriber-0-data.sock")
+    if role == "relay":
+        text = text.replace("  name: demo-subscriber-0\n",
+                            "  name: demo-subscriber-0\n  serve_peers: true\n"
+                            f"  listen: \"unix:{run_dir}/subscriber-0-data.sock\"\n")
     text = text.replace("shm_prefix: /refitd-demo-0-",
                         f"shm_prefix: /refit-cpu-{os.getpid()}-")
+    text = text.replace("shm_prefix: /refitd-demo-1-",
+                        f"shm_prefix: /refit-cpu-peer-{os.getpid()}-")
     if slots is not None:
         text = text.replace("slots: 2", f"slots: {slots}")
     # JSON log lines: the per-version CPU split by stage is read from their fields.
-    for name in ("demo-publisher", "demo-subscriber-0"):
+    for name in ("demo-publisher", "demo-subscriber-0", "demo-subscriber-1"):
         extra = "".join(f"  {f.split('=', 1)[0]}: {f.split('=', 1)[1]}\n" for f in fields)
         text = text.replace(f"  name: {name}\n", f"  name: {name}\n  log_format: json\n{extra}")
-    path = os.path.join(run_dir, src)
+    path = os.path.join(run_dir, (role + "." if role else "") + src)
     with open(path, "w") as f:
         f.write(text)
     return path
@@ -180,6 +203,53 @@ def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
     }
 
 
+def wait_installed_for_peers(build: str, relay_t: str, version: int) -> None:
+    """Until the relay has installed `version` for its peers (adopted from the relayed patches
+    or encoded again: its peer core's own work for the version, done after its commit)."""
+    deadline = time.time() + 120
+    while True:
+        st = json.loads(ctl(build, relay_t, "status", "--json"))
+        r = st.get("relay", {})
+        done = (int(r.get("adopted_versions", r.get("adoptedVersions", 0))) +
+                int(r.get("reencoded_versions", r.get("reencodedVersions", 0))))
+        if done >= version or time.time() > deadline:
+            if done < version:
+                raise RuntimeError(f"the relay did not install version {version} for its peers: {r}")
+            return
+        time.sleep(0.02)
+
+
+def add_relay_fields(row: dict, build: str, peer_t: str, peer_cpu_s: float) -> None:
+    """The peer's CPU and wire bytes (what the relay forwarded to it) for the version, and the
+    relay's CPU beyond the peer's (the same subscriber work plus serving) per forwarded byte."""
+    st = json.loads(ctl(build, peer_t, "status", "--json"))
+    lr = st.get("lastRefit", st.get("last_refit", {}))
+    forwarded = int(lr.get("wireBytes", lr.get("wire_bytes", 0)))
+    row["peer_cpu_s"] = round(peer_cpu_s, 4)
+    row["forwarded_bytes"] = forwarded
+    if forwarded > 0:
+        row["relay_extra_ns_per_forwarded_byte"] = round(
+            (row["subscriber_cpu_s"] - peer_cpu_s) * 1e9 / forwarded, 3)
+
+
+def relay_summary(rows: list[dict], deltas: list[dict]) -> dict:
+    """Over the deltas: the relay's CPU beyond its peer's per forwarded byte (totals, not a
+    median of per-version ratios: /proc ticks at 10 ms), the peer's ns per changed element, and
+    the keyframe's figure."""
+    fwd = sum(r["forwarded_bytes"] for r in deltas)
+    extra = sum(r["subscriber_cpu_s"] - r["peer_cpu_s"] for r in deltas)
+    changed = sum(r["changed_elements"] for r in deltas)
+    key = rows[0]
+    return {
+        "relay_forwarded_bytes_per_version": fwd // max(1, len(deltas)),
+        "relay_extra_ns_per_forwarded_byte": round(extra * 1e9 / max(1, fwd), 3),
+        "relay_extra_cpu_ms_per_version": round(extra * 1e3 / max(1, len(deltas)), 2),
+        "peer_ns_per_changed": round(sum(r["peer_cpu_s"] for r in deltas) * 1e9 / max(1, changed),
+                                     2),
+        "keyframe_relay_extra_ns_per_forwarded_byte": key.get("relay_extra_ns_per_forwarded_byte"),
+    }
+
+
 def perf_record(pid: int, path: str) -> subprocess.Popen:
     # REFIT_PERF_CALL_GRAPH=dwarf gives whole call stacks from a build without frame pointers.
     graph = os.environ.get("REFIT_PERF_CALL_GRAPH", "fp")
@@ -190,12 +260,16 @@ def perf_record(pid: int, path: str) -> subprocess.Popen:
 
 def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
               read_s: float, model_bytes: int, out, perf_dir: str = "",
-              perf_keyframe: bool = False, sub_fields: list[str] = ()) -> dict:
+              perf_keyframe: bool = False, sub_fields: list[str] = (),
+              relay: bool = False) -> dict:
     run_dir = tempfile.mkdtemp(prefix="refit-cpu-")
     os.makedirs(os.path.join(run_dir, "publish"))
     pub_cfg = config("publisher.loopback.yaml", run_dir)
-    sub_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields)
+    sub_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields,
+                     role="relay" if relay else "")
+    peer_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields, role="peer")
     pub_log, sub_log = os.path.join(run_dir, "pub.log"), os.path.join(run_dir, "sub.log")
+    peer_log = os.path.join(run_dir, "peer.log")
     # The publisher reads only files under its publish_dirs.
     local = []
     for i, f in enumerate(files):
@@ -203,7 +277,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         shutil.copyfile(f, dst)
         local.append(dst)
     pub = start(build, "publisher", pub_cfg, pub_log)
-    sub = None
+    sub = peer = None
     rows = []
     split: dict = {}
     perfs: list[subprocess.Popen] = []
@@ -213,6 +287,10 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         pub_t = "unix:" + os.path.join(run_dir, "publisher-control.sock")
         sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
         wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
+        peer_t = "unix:" + os.path.join(run_dir, "subscriber-1-control.sock")
+        if relay:  # a peer behind the relay (subscriber-0)
+            peer = start(build, "subscriber", peer_cfg, peer_log)
+            wait_socket(os.path.join(run_dir, "subscriber-1-control.sock"), peer, peer_log)
         last = versions + 2  # after the deltas: a dense resync into the existing store
         for v in range(1, last + 1):
             resync = v == last
@@ -227,11 +305,16 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                          for name, p in (("publisher", pub), ("subscriber", sub))]
                 time.sleep(1)  # perf attaches asynchronously
             p0, s0 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
+            q0 = cpu_seconds(peer.pid) if relay else 0.0
             t0 = time.perf_counter()
             ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version", str(v))
             ctl(build, sub_t, "wait", "--version", str(v), "--timeout", "600")
             wall = time.perf_counter() - t0
+            if relay:
+                ctl(build, peer_t, "wait", "--version", str(v), "--timeout", "300")
+                wait_installed_for_peers(build, sub_t, v)
             p1, s1 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
+            q1 = cpu_seconds(peer.pid) if relay else 0.0
             st = json.loads(ctl(build, sub_t, "status", "--json"))
             lr = st.get("lastRefit", st.get("last_refit", {}))
             changed = int(lr.get("changedElements", lr.get("changed_elements", 0)))
@@ -243,6 +326,8 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 "publisher_cpu_s": round(p1 - p0, 4), "subscriber_cpu_s": round(s1 - s0, 4),
                 "wall_s": round(wall, 4), "read_pass_s": round(read_s, 4),
             }
+            if relay:
+                add_relay_fields(row, build, peer_t, q1 - q0)
             if v == 1 or resync:
                 row["subscriber_ns_per_byte"] = round((s1 - s0) * 1e9 / model_bytes, 3)
             if v == 1:
@@ -273,7 +358,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 time.sleep(0.1)
         split = stage_split(rows, pub_log, sub_log)
     finally:
-        for p in (sub, pub):
+        for p in (peer, sub, pub):
             if p is not None:
                 p.terminate()
                 try:
@@ -308,6 +393,8 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         "read_pass_s": round(read_s, 4),
         **split,
     }
+    if relay:
+        summary.update(relay_summary(rows, deltas))
     print(json.dumps(summary), file=out, flush=True)
     return summary
 
@@ -325,6 +412,9 @@ def main() -> int:
     ap.add_argument("--sub-field", action="append", default=[], metavar="KEY=VALUE",
                     help="a top-level subscriber config field (e.g. refresh_copy_density=1)")
     ap.add_argument("--label", default="", help="a label added to every JSON line")
+    ap.add_argument("--relay", action="store_true",
+                    help="subscriber-0 serves peers (a relay) and a second subscriber follows "
+                         "it: the relay's CPU beyond its peer's per forwarded byte")
     args = ap.parse_args()
     files = pair(args.build, args.preset)
     model_bytes = os.path.getsize(files[0])
@@ -346,7 +436,7 @@ def main() -> int:
 
     for slots in (int(s) for s in args.slots.split(",")):
         run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee(),
-                  args.perf_dir, args.perf_keyframe, args.sub_field)
+                  args.perf_dir, args.perf_keyframe, args.sub_field, args.relay)
     return 0
 
 

@@ -227,6 +227,12 @@ grpc::Status DataPlaneService::Sync(
   }
   absl::StatusOr<sync::TensorSelection> selection = HelloSelection(*core_, options_.name, hello);
   if (!selection.ok()) return ToGrpcStatus(selection.status());
+  // A session in v1: a core that leaves v1 digests pending (a relay's) computes them from now on.
+  if (sync::ChooseDigestFormat(
+          std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
+          options_.digest_v2) == sync::DigestFormat::kV1) {
+    core_->NeedV1Digests();
+  }
   std::shared_ptr<Session> session =
       NewSession(*core_, options_, context, hello, *std::move(selection));
   if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);

@@ -18,7 +18,9 @@
 namespace refit::publisher {
 
 PublisherCore::PublisherCore(const PublisherOptions& options)
-    : options_(options), history_(options.history_budget_bytes, options.history_max_versions) {
+    : options_(options),
+      v1_wanted_(!options.lazy_v1_digests),
+      history_(options.history_budget_bytes, options.history_max_versions) {
   if (options_.patch_format_auto)
     chooser_ = std::make_unique<FormatChooser>(options_.format_chooser);
 }
@@ -37,6 +39,10 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
   if (options.patch_format != 1 && options.patch_format != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
+  }
+  if (options.lazy_v1_digests && !options.persist_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "PublisherOptions.lazy_v1_digests is for a core without persist_dir (a relay's peers)");
   }
   if (options.persist_dir.empty()) {
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));

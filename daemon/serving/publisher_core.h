@@ -11,6 +11,7 @@
 #ifndef REFIT_DAEMON_SERVING_PUBLISHER_CORE_H_
 #define REFIT_DAEMON_SERVING_PUBLISHER_CORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -144,6 +145,11 @@ struct PublisherOptions {
   // v2 End is out: v2 sessions end without waiting for them, v1 sessions get their End after.
   // false: v1 in the pass, one End for both (what publish_bench compares against).
   bool v1_after_end = true;
+  // A relay's peer core: a relayed version adopted from a v2 upstream (AdoptRelayed) leaves the
+  // v1 digests it lacks pending instead of reading the changed tensors for them, until a v1
+  // session is first admitted (NeedV1Digests: the newest version's are computed then, and every
+  // later version's eagerly). Peers that verify v2 never need them. Needs no persist_dir.
+  bool lazy_v1_digests = false;
   // Test gate: called on the publishing thread before each batch of a streamed pass with the
   // manifest-order indices [first, end) of its tensors (it may block); an error fails the publish
   // there (fault injection). Null: none.
@@ -207,6 +213,8 @@ struct BaselineTensor {
   DType dtype = DType::kBF16;
   uint64_t digest = 0;     // tensor digest v1 (TensorDigest)
   uint64_t digest_v2 = 0;  // tensor digest v2 (TensorDigestV2) of the same bytes
+  // `digest` not computed yet (PublisherOptions::lazy_v1_digests; 0 meanwhile).
+  bool digest_pending = false;
   std::shared_ptr<const std::vector<uint8_t>> bytes;
 };
 
@@ -382,6 +390,15 @@ class PublisherCore {
   absl::StatusOr<PublishSummary> AdoptRelayed(const LiveVersion& live,
                                               std::span<const TensorInput> tensors);
 
+  // A session that verifies v1 digests was admitted (DataPlane Hello): from now on v1 digests
+  // are computed eagerly, and the newest version's pending ones (lazy_v1_digests) are computed
+  // from the baseline now and recorded, so that its transfers can be planned in v1. Older
+  // versions whose v1 digests were left pending stay without them (a v1 session at one of them
+  // gets keyframes). Cheap once done; waits for a running Publish or adopt.
+  void NeedV1Digests();
+  // Tensors of the newest version whose v1 digest is pending (lazy_v1_digests).
+  size_t pending_v1_digests() const;
+
  private:
   explicit PublisherCore(const PublisherOptions& options);
   // The replayed versions into the history (with their patches), the baseline and the newest.
@@ -393,6 +410,9 @@ class PublisherCore {
   static absl::StatusOr<std::unique_ptr<PublisherCore>> OpenPersisted(
       const PublisherOptions& options, std::unique_ptr<PersistDir> dir,
       std::vector<std::string> removed_temps);
+  // The newest version's pending v1 digests computed from the baseline bytes and recorded
+  // (history, baseline, newest digest); nothing when none is pending.
+  void CompletePendingV1Locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
   // Publish: the lineage file records `version` before it becomes visible.
   void RecordNumbered(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
   // Publish: the live version of `version` on top of `prev` (null without a listener, a base or
@@ -438,6 +458,9 @@ class PublisherCore {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   const PublisherOptions options_;
+  // v1 digests are computed as versions are installed (always, unless lazy_v1_digests and no v1
+  // session was admitted yet: NeedV1Digests).
+  std::atomic<bool> v1_wanted_;
   sync::PatchHistory history_;
   absl::Mutex publish_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serialises Publish
   mutable absl::Mutex mu_;

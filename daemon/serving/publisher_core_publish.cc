@@ -89,6 +89,9 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const auto start = Clock::now();
   const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
+  // A relay's peer core encoding a version itself: its base's v1 digests first (they carry over
+  // to unchanged tensors).
+  if (options_.lazy_v1_digests) CompletePendingV1Locked();
   PublishSummary sum;
   sum.version = version;
   const std::string where = absl::StrCat("publish version ", version);

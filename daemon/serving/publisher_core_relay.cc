@@ -101,11 +101,12 @@ std::vector<std::optional<std::span<const uint8_t>>> ObjectsByTensor(const LiveV
 
 // Tensor i of the relayed version: unchanged (a zero-byte PATCH object: the previous baseline
 // tensor is kept) or its new bytes with the End's digests (the other format computed later).
+// Without `v1_wanted` a v1 digest the End lacks is left pending (lazy_v1_digests).
 absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
                                           std::span<const uint8_t> object, const TensorInput& in,
                                           const BaselineTensor* prev,
                                           const absl::StatusOr<v1::VersionEnd>& e1,
-                                          const absl::StatusOr<v1::VersionEnd>& e2,
+                                          const absl::StatusOr<v1::VersionEnd>& e2, bool v1_wanted,
                                           const std::string& where) {
   AdoptedTensor a;
   a.update.spec = tp.spec();
@@ -119,6 +120,7 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     a.unchanged = true;
     a.tensor = *prev;
     a.update.digest = prev->digest;
+    a.update.digest_pending = prev->digest_pending;
     a.update.digest_v2 = prev->digest_v2;
     return a;
   }
@@ -145,7 +147,9 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     a.changed = ElementsOf(tp.spec());
   }
   const int k = static_cast<int>(i);
-  a.need_v1 = !e1.ok();
+  a.need_v1 = !e1.ok() && v1_wanted;
+  a.tensor.digest_pending = !e1.ok() && !v1_wanted;
+  a.update.digest_pending = a.tensor.digest_pending;
   a.need_v2 = !e2.ok();
   if (e1.ok()) a.tensor.digest = e1->digests(k);
   if (e2.ok()) a.tensor.digest_v2 = e2->digests(k);
@@ -206,7 +210,8 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
     const LiveVersion& live, std::span<const TensorInput> given,
     const std::vector<v1::TensorSpec>& specs, const std::vector<size_t>& order,
     const std::vector<BaselineTensor>& prev, const absl::StatusOr<v1::VersionEnd>& e1,
-    const absl::StatusOr<v1::VersionEnd>& e2, const std::string& where, PublishSummary* sum) {
+    const absl::StatusOr<v1::VersionEnd>& e2, bool v1_wanted, const std::string& where,
+    PublishSummary* sum) {
   const v1::VersionHeader& h = live.header();
   const auto objects = ObjectsByTensor(live);
   std::vector<AdoptedTensor> out;
@@ -227,8 +232,8 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
           " given with another dtype or shape than the version's"));
     }
     REFIT_ASSIGN_OR_RETURN(
-        AdoptedTensor a,
-        AdoptTensor(tp, i, *objects[i], *in, FindByPlace(prev, tp.spec()), e1, e2, where));
+        AdoptedTensor a, AdoptTensor(tp, i, *objects[i], *in, FindByPlace(prev, tp.spec()), e1, e2,
+                                     v1_wanted, where));
     sum->changed_elements += a.changed;
     sum->unchanged_tensors += a.unchanged ? 1 : 0;
     sum->patched_tensors += a.update.patch != nullptr ? 1 : 0;
@@ -368,8 +373,11 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   sum.version = h.version();
   sum.tensors = given.size();
   sum.snapshot_unix_nanos = h.snapshot_unix_nanos();
-  REFIT_ASSIGN_OR_RETURN(std::vector<AdoptedTensor> adopted,
-                         AdoptTensors(live, given, specs, order, prev, e1, e2, where, &sum));
+  // lazy_v1_digests: v1 digests left pending until a v1 session needs them (NeedV1Digests).
+  const bool v1_wanted = v1_wanted_.load(std::memory_order_acquire);
+  REFIT_ASSIGN_OR_RETURN(
+      std::vector<AdoptedTensor> adopted,
+      AdoptTensors(live, given, specs, order, prev, e1, e2, v1_wanted, where, &sum));
   FillAdoptedDigests(adopted, options_.digest_threads);
   REFIT_RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e1, sync::DigestFormat::kV1, where));
   REFIT_RETURN_IF_ERROR(CheckAdoptedDigest(h, adopted, e2, sync::DigestFormat::kV2, where));
@@ -395,9 +403,60 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   InstallVersion(
       h.version(), [&] { AdoptBaselineBytes(adopted, options_.encode_threads, &next, &sum); }, next,
       no_gpu, std::move(counts), sum);
+  // A v1 session admitted while this adopt ran found nothing pending yet: complete it now.
+  if (!v1_wanted && v1_wanted_.load(std::memory_order_acquire)) CompletePendingV1Locked();
   sum.total_micros = MicrosSince(start);
   sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
+}
+
+void PublisherCore::NeedV1Digests() {
+  if (v1_wanted_.exchange(true, std::memory_order_acq_rel)) return;
+  absl::MutexLock publish_lock(&publish_mu_);
+  CompletePendingV1Locked();
+}
+
+size_t PublisherCore::pending_v1_digests() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return static_cast<size_t>(
+      std::count_if(baseline_.begin(), baseline_.end(),
+                    [](const BaselineTensor& t) { return t.digest_pending; }));
+}
+
+void PublisherCore::CompletePendingV1Locked() {
+  std::vector<BaselineTensor> base;
+  uint64_t version = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    base = baseline_;
+    version = newest_version_;
+  }
+  std::vector<std::span<const uint8_t>> pending;
+  for (const BaselineTensor& t : base) {
+    if (t.digest_pending) pending.emplace_back(*t.bytes);
+  }
+  if (pending.empty()) return;
+  // The baseline buffers change only under publish_mu_ (held): these are the newest bytes.
+  const std::vector<uint64_t> computed = TensorDigests(pending, options_.digest_threads);
+  std::vector<uint64_t> digests;
+  size_t next = 0;
+  for (BaselineTensor& t : base) {
+    if (t.digest_pending) t.digest = computed[next++];
+    digests.push_back(t.digest);  // manifest order, as the history's record
+  }
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<uint64_t> vdigest = history_.CompleteV1Digests(version, digests);
+  if (!vdigest.ok()) {
+    // Cannot happen (the newest version is recorded with these tensors, its v1 pending).
+    Logger("publisher")
+        ->error("version {}: recording its v1 digests: {}", version, vdigest.status().ToString());
+    return;
+  }
+  newest_digest_ = *vdigest;
+  for (size_t k = 0; k < baseline_.size(); ++k) {
+    baseline_[k].digest = base[k].digest;
+    baseline_[k].digest_pending = false;
+  }
 }
 
 }  // namespace refit::publisher

@@ -19,6 +19,9 @@ absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Create(SubscriberCore* c
   publisher::PublisherOptions po;
   po.encode_threads = s->options_.threads;
   po.digest_threads = s->options_.threads;
+  // Peers verify v2: relayed versions from a v2 upstream need no v1 digests until a v1 peer
+  // comes (PublisherCore::NeedV1Digests).
+  po.lazy_v1_digests = true;
   REFIT_ASSIGN_OR_RETURN(s->peer_core_, publisher::PublisherCore::Open(po));
   publisher::DataPlaneOptions dpo;
   dpo.name = s->options_.name;

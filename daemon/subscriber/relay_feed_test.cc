@@ -1,6 +1,7 @@
 #include "daemon/subscriber/relay_feed.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -72,13 +73,13 @@ class RelayFeedTest : public ::testing::Test {
 
   // The upstream's transfer 1 -> 2 in `format`, fed to `feed` (frames in reverse order).
   std::shared_ptr<const publisher::Transfer> Feed(RelayFeed& feed, DigestFormat format,
-                                                  int corrupt_frame = -1) {
+                                                  int corrupt_frame = -1, uint64_t base = 1) {
     publisher::TransferOptions opts;
     opts.plan.digest_format = format;
     opts.frame_bytes = 4096;  // several frames per patch
-    auto digest = up_->VersionDigestOf(1, format);
+    auto digest = up_->VersionDigestOf(base, format);
     EXPECT_THAT(digest, IsOk());
-    auto t = up_->MakeTransfer(1, *digest, opts);
+    auto t = up_->MakeTransfer(base, *digest, opts);
     EXPECT_THAT(t, IsOk());
     feed.OnHeader((*t)->Header());
     uint64_t wire = 0;
@@ -97,6 +98,83 @@ class RelayFeedTest : public ::testing::Test {
   std::unique_ptr<PublisherCore> up_, peer_;
   std::vector<std::shared_ptr<const LiveVersion>> offered_;
 };
+
+// A relay's peer core (lazy_v1_digests) at version 1 of the upstream, as the fixture's.
+std::unique_ptr<PublisherCore> OpenLazyPeer(const PublisherCore& up, const Model& v1) {
+  publisher::PublisherOptions lazy;
+  lazy.lazy_v1_digests = true;
+  auto core = PublisherCore::Open(lazy);
+  EXPECT_THAT(core, IsOk());
+  if (!core.ok()) return nullptr;
+  EXPECT_THAT((*core)->Reset(up.lineage()), IsOk());
+  EXPECT_THAT((*core)->Publish(1, Inputs(v1)), IsOk());
+  return *std::move(core);
+}
+
+// The upstream's version `v` (from v - 1, in v2) relayed to `peer` and adopted there.
+void RelayAndAdopt(PublisherCore& peer, uint64_t v, const Model& m,
+                   const std::function<void(RelayFeed&)>& feed_it) {
+  RelayFeed feed(&peer, 1 << 20);
+  feed_it(feed);
+  std::shared_ptr<const LiveVersion> live = feed.Completed(v);
+  ASSERT_NE(live, nullptr) << feed.stats().last_error;
+  ASSERT_THAT(peer.AdoptRelayed(*live, Inputs(m)), IsOk());
+}
+
+// A relay's peer core adopting versions from a v2 upstream reads nothing for v1 digests: the
+// versions have none (their v2 identity is the upstream's), unchanged tensors carry the pending
+// state, until a v1 session needs them (NeedV1Digests): then the newest version's are computed
+// from its bytes and equal the upstream's, older ones stay without, and later versions get
+// theirs as they are adopted.
+TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem) {
+  peer_ = OpenLazyPeer(*up_, v1_);
+  ASSERT_NE(peer_, nullptr);
+  RelayAndAdopt(*peer_, 2, v2_, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2); });
+  EXPECT_EQ(*peer_->VersionDigestOf(2, DigestFormat::kV2),
+            *up_->VersionDigestOf(2, DigestFormat::kV2));
+  EXPECT_THAT(peer_->VersionDigestOf(2, DigestFormat::kV1), Not(IsOk()));
+  EXPECT_EQ(peer_->pending_v1_digests(), 3u) << "a.weight, c.norm patched, d.bias new";
+  std::mt19937 rng(11);
+  Model v3 = v2_;
+  sync::testing::Perturb(v3["a.weight"], 0.02, rng);  // c.norm, b.weight, d.bias unchanged
+  ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
+  RelayAndAdopt(*peer_, 3, v3, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2, -1, 2); });
+  EXPECT_EQ(peer_->pending_v1_digests(), 3u) << "c.norm and d.bias carry theirs over";
+  EXPECT_THAT(peer_->VersionDigestOf(3, DigestFormat::kV1), Not(IsOk()));
+
+  peer_->NeedV1Digests();
+  EXPECT_EQ(peer_->pending_v1_digests(), 0u);
+  EXPECT_EQ(*peer_->VersionDigestOf(3, DigestFormat::kV1), *up_->VersionDigestOf(3));
+  EXPECT_THAT(peer_->VersionDigestOf(2, DigestFormat::kV1), Not(IsOk()));
+  Model v4 = v3;
+  sync::testing::Perturb(v4["b.weight"], 0.02, rng);
+  ASSERT_THAT(up_->Publish(4, Inputs(v4)), IsOk());
+  RelayAndAdopt(*peer_, 4, v4, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2, -1, 3); });
+  EXPECT_EQ(*peer_->VersionDigestOf(4, DigestFormat::kV1), *up_->VersionDigestOf(4))
+      << "computed as it is adopted once wanted";
+  EXPECT_EQ(*peer_->VersionDigestOf(4, DigestFormat::kV2),
+            *up_->VersionDigestOf(4, DigestFormat::kV2));
+}
+
+// A version the lazy peer core encodes itself (not relayable: Publish) first completes its
+// base's pending v1 digests, so its own carry the right ones over: both formats equal the
+// upstream's.
+TEST_F(RelayFeedTest, ALazyPeerCoreEncodingAVersionItselfGetsItsV1DigestsRight) {
+  peer_ = OpenLazyPeer(*up_, v1_);
+  ASSERT_NE(peer_, nullptr);
+  RelayAndAdopt(*peer_, 2, v2_, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2); });
+  ASSERT_GT(peer_->pending_v1_digests(), 0u);
+  std::mt19937 rng(5);
+  Model v3 = v2_;
+  sync::testing::Perturb(v3["b.weight"], 0.02, rng);  // a.weight, c.norm, d.bias unchanged
+  ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
+  ASSERT_THAT(peer_->Publish(3, Inputs(v3)), IsOk());
+  EXPECT_EQ(peer_->pending_v1_digests(), 0u);
+  for (DigestFormat f : {DigestFormat::kV1, DigestFormat::kV2}) {
+    EXPECT_EQ(*peer_->VersionDigestOf(3, f), *up_->VersionDigestOf(3, f))
+        << sync::DigestFormatName(f);
+  }
+}
 
 TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEncoding) {
   for (DigestFormat format : {DigestFormat::kV1, DigestFormat::kV2}) {
