@@ -113,28 +113,96 @@ absl::Status WriteChangesOfTensors(std::span<const TensorChanges* const> sets,
   return absl::OkStatus();
 }
 
+namespace {
+
+// A decoded block's changes written into `out` from change `at` on: positions, the new values
+// (T each, little-endian) and the old ones read from `base` (the undo record).
+template <typename T>
+void FillBlock(const PatchBlockChanges& c, const uint8_t* base, uint64_t at, TensorChanges& out) {
+  uint64_t* pos = out.positions.data() + at;
+  uint8_t* val = out.values.data() + at * sizeof(T);
+  uint8_t* old = out.old_values.data() + at * sizeof(T);
+  for (size_t j = 0; j < c.positions.size(); ++j) {
+    const uint64_t e = c.first_element + c.positions[j];
+    pos[j] = e;
+    const T v = static_cast<T>(c.values[j]);
+    std::memcpy(val + j * sizeof(T), &v, sizeof(T));
+    std::memcpy(old + j * sizeof(T), base + e * sizeof(T), sizeof(T));
+  }
+}
+
+void FillBlockOf(int width, const PatchBlockChanges& c, const uint8_t* base, uint64_t at,
+                 TensorChanges& out) {
+  switch (width) {
+    case 1: FillBlock<uint8_t>(c, base, at, out); break;
+    case 2: FillBlock<uint16_t>(c, base, at, out); break;
+    case 4: FillBlock<uint32_t>(c, base, at, out); break;
+    default: FillBlock<uint64_t>(c, base, at, out); break;
+  }
+}
+
+// Closes the gaps of blocks that changed fewer elements than their room (DENSE blocks are
+// compared with the base), keeping block order; `room[b]` and `got[b]` per block.
+void Compact(const std::vector<uint64_t>& room, const std::vector<uint64_t>& got, int width,
+             TensorChanges& out) {
+  uint64_t from = 0, to = 0;
+  for (size_t b = 0; b < room.size(); ++b) {
+    if (to != from && got[b] > 0) {
+      std::memmove(&out.positions[to], &out.positions[from], got[b] * sizeof(uint64_t));
+      std::memmove(&out.values[to * width], &out.values[from * width], got[b] * width);
+      std::memmove(&out.old_values[to * width], &out.old_values[from * width], got[b] * width);
+    }
+    from += room[b];
+    to += got[b];
+  }
+  out.positions.resize(to);
+  out.values.resize(to * width);
+  out.old_values.resize(to * width);
+}
+
+}  // namespace
+
+// The change set is sized from the block table (a SPARSE or CONTEXT block's count, a DENSE
+// block's elements at most) and each block's changes are written straight into their place by
+// the thread that decoded it: no per-block buffers to join.
 absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DType dtype,
                                              std::span<const uint8_t> base, int threads) {
   REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatchFor(patch, dtype, base.size()));
   const int w = DTypeSize(dtype);
-  std::vector<BlockPart> parts(layout.blocks.size());
+  const size_t nb = layout.blocks.size();
+  std::vector<uint64_t> first(nb + 1, 0), room(nb, 0), got(nb, 0);
+  for (size_t b = 0; b < nb; ++b) {
+    const BlockDesc& d = layout.blocks[b];
+    room[b] = d.mode == format::kUnchanged ? 0
+              : d.mode == format::kDense   ? d.num_elements
+                                           : d.count;
+    first[b + 1] = first[b] + room[b];
+  }
+  TensorChanges out;
+  out.dtype = dtype;
+  out.num_elements = layout.num_elements;
+  out.positions.resize(first[nb]);
+  out.values.resize(first[nb] * w);
+  out.old_values.resize(first[nb] * w);
+  std::vector<DigestV2Delta> deltas(nb);
   REFIT_RETURN_IF_ERROR(VisitPatchChanges(
       patch, dtype, base,
       [&](const PatchBlockChanges& c) {
-        BlockPart& part = parts[c.block_index];  // each block is visited once
-        part.positions.resize(c.positions.size());
-        part.values.resize(c.positions.size() * w);
-        part.old_values.resize(c.positions.size() * w);
-        for (size_t j = 0; j < c.positions.size(); ++j) {
-          part.positions[j] = c.first_element + c.positions[j];
-          std::memcpy(part.values.data() + j * w, &c.values[j], w);  // little-endian
-          std::memcpy(part.old_values.data() + j * w, base.data() + part.positions[j] * w, w);
+        const size_t b = c.block_index;  // each block is visited once
+        if (b >= nb || c.positions.size() > room[b]) {
+          return absl::InternalError(absl::StrCat("block ", b, " decoded ", c.positions.size(),
+                                                  " changes, its table entry allows ",
+                                                  b < nb ? room[b] : 0));
         }
-        part.delta = c.digest_delta;
+        FillBlockOf(w, c, base.data(), first[b], out);
+        got[b] = c.positions.size();
+        deltas[b] = c.digest_delta;
         return absl::OkStatus();
       },
       threads, /*prev=*/nullptr, /*digest_delta=*/true));
-  return Join(dtype, layout.num_elements, parts);
+  if (got != room) Compact(room, got, w, out);
+  for (const DigestV2Delta& d : deltas) out.digest_delta.Merge(d);
+  return out;
 }
 
 absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_t> base,

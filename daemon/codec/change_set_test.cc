@@ -77,6 +77,40 @@ TEST(ChangeSet, UnchangedTensorHasNoChanges) {
   EXPECT_EQ(c.digest_delta.sum(), 0u);
 }
 
+// DENSE blocks list only the elements that really differ from the base (fewer than the block's
+// elements), between SPARSE ones and unchanged stretches: the same set as the comparison.
+TEST(ChangeSet, DenseBlocksAmongOthersListOnlyRealDifferences) {
+  std::mt19937_64 rng(9);
+  constexpr size_t kBlock = size_t{1} << 16;
+  std::vector<uint8_t> base = testing::RandomBytes(6 * kBlock * 4, rng);
+  std::vector<uint8_t> target = base;
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::bernoulli_distribution dense(0.98), sparse(0.001);
+  for (size_t e = 0; e < 6 * kBlock; ++e) {
+    const size_t block = e / kBlock;  // 0, 3: dense; 1, 4: sparse; 2, 5: unchanged
+    const bool change = block % 3 == 0 ? dense(rng) : block % 3 == 1 ? sparse(rng) : false;
+    if (!change) continue;  // a random new value (another top byte: it really changes)
+    for (int k = 0; k < 3; ++k) target[4 * e + k] = static_cast<uint8_t>(byte(rng));
+    target[4 * e + 3] = static_cast<uint8_t>(target[4 * e + 3] ^ (1 + byte(rng) % 255));
+  }
+  EncodeOptions opt;
+  opt.block_log2 = 16;
+  REFIT_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> patch,
+                             EncodePatch(DType::kF32, base, target, opt));
+  REFIT_ASSERT_OK_AND_ASSIGN(PatchStats st, InspectPatch(patch));
+  ASSERT_EQ(st.blocks_dense, 2u);
+  ASSERT_EQ(st.blocks_sparse, 2u);
+  REFIT_ASSERT_OK_AND_ASSIGN(TensorChanges expected, ChangesBetween(DType::kF32, base, target));
+  for (int threads : {1, 3}) {
+    REFIT_ASSERT_OK_AND_ASSIGN(TensorChanges got,
+                               ChangesOfPatch(patch, DType::kF32, base, threads));
+    EXPECT_EQ(got.positions, expected.positions) << "threads " << threads;
+    EXPECT_EQ(got.values, expected.values) << "threads " << threads;
+    EXPECT_EQ(got.old_values, expected.old_values) << "threads " << threads;
+    EXPECT_EQ(got.digest_delta, expected.digest_delta);
+  }
+}
+
 TEST(ChangeSet, CorruptPatchIsRefusedLikeApply) {
   std::mt19937_64 rng(2);
   std::vector<uint8_t> base = testing::TrainedBF16(100'000, rng);
