@@ -205,6 +205,68 @@ absl::StatusOr<TensorChanges> ChangesOfPatch(std::span<const uint8_t> patch, DTy
   return out;
 }
 
+namespace {
+
+// The little-endian bytes of `v`'s low sizeof(T) bytes appended to `out`.
+template <typename T>
+void AppendValue(std::vector<uint8_t>& out, uint64_t v) {
+  const T t = static_cast<T>(v);
+  const size_t at = out.size();
+  out.resize(at + sizeof(T));
+  std::memcpy(out.data() + at, &t, sizeof(T));
+}
+
+// Words [first, end) of two versions of a tensor of `bytes` bytes compared: each differing
+// element listed in `part` (with its new and old value) and each differing word's digest-v2
+// term added to part.delta. Runs of four equal words are skipped with one test.
+template <typename T>
+void CompareWords(const uint8_t* base, const uint8_t* target, uint64_t bytes, uint64_t first,
+                  uint64_t end, BlockPart& part) {
+  constexpr uint64_t kPer = 8 / sizeof(T);
+  const uint64_t whole = bytes / 8;
+  const uint64_t elements = bytes / sizeof(T);
+  auto word = [&](const uint8_t* p, uint64_t k) {
+    uint64_t w = 0;
+    if (k < whole) {
+      std::memcpy(&w, p + 8 * k, 8);
+    } else {
+      std::memcpy(&w, p + 8 * k, bytes - 8 * k);  // the last, partial word, zero-padded
+    }
+    return w;
+  };
+  uint64_t k = first;
+  while (k < end) {
+    if (k + 4 <= end && k + 4 <= whole) {
+      uint64_t o[4], n[4];
+      std::memcpy(o, base + 8 * k, 32);
+      std::memcpy(n, target + 8 * k, 32);
+      if (((o[0] ^ n[0]) | (o[1] ^ n[1]) | (o[2] ^ n[2]) | (o[3] ^ n[3])) == 0) {
+        k += 4;
+        continue;
+      }
+    }
+    const uint64_t ow = word(base, k), nw = word(target, k);
+    if (ow != nw) {
+      part.delta.Add(k, ow, nw);
+      for (uint64_t j = 0; j < kPer; ++j) {
+        const unsigned shift = static_cast<unsigned>(j * 8 * sizeof(T)) % 64;
+        const uint64_t o = ow >> shift, t = nw >> shift;
+        if (static_cast<T>(o) == static_cast<T>(t)) continue;
+        const uint64_t e = k * kPer + j;
+        if (e >= elements) break;  // zero padding past the tensor: equal anyway
+        part.positions.push_back(e);
+        AppendValue<T>(part.values, t);
+        AppendValue<T>(part.old_values, o);
+      }
+    }
+    ++k;
+  }
+}
+
+}  // namespace
+
+// One pass over both versions, word by word: the changed elements and the digest-v2 delta of
+// the changed words together.
 absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_t> base,
                                              std::span<const uint8_t> target, int threads) {
   const int w = DTypeSize(dtype);
@@ -214,23 +276,23 @@ absl::StatusOr<TensorChanges> ChangesBetween(DType dtype, std::span<const uint8_
                      " (equal sizes, a multiple of ", w, " bytes, expected)"));
   }
   const uint64_t n = base.size() / w;
-  constexpr uint64_t kChunk = 1 << 16;
-  std::vector<BlockPart> parts((n + kChunk - 1) / kChunk);
+  const uint64_t words = (base.size() + 7) / 8;
+  constexpr uint64_t kChunkWords = 1 << 15;
+  std::vector<BlockPart> parts((words + kChunkWords - 1) / kChunkWords);
   ParallelFor(parts.size(), threads, 1, [&](size_t lo, size_t hi) {
     for (size_t b = lo; b < hi; ++b) {
-      BlockPart& part = parts[b];
-      const uint64_t end = std::min(n, (b + 1) * kChunk);
-      for (uint64_t e = b * kChunk; e < end; ++e) {
-        if (std::memcmp(base.data() + e * w, target.data() + e * w, w) == 0) continue;
-        part.positions.push_back(e);
-        part.values.insert(part.values.end(), target.data() + e * w, target.data() + (e + 1) * w);
-        part.old_values.insert(part.old_values.end(), base.data() + e * w, base.data() + (e + 1) * w);
+      const uint64_t first = b * kChunkWords, end = std::min(words, first + kChunkWords);
+      const uint8_t* bp = base.data();
+      const uint8_t* tp = target.data();
+      switch (w) {
+        case 1: CompareWords<uint8_t>(bp, tp, base.size(), first, end, parts[b]); break;
+        case 2: CompareWords<uint16_t>(bp, tp, base.size(), first, end, parts[b]); break;
+        case 4: CompareWords<uint32_t>(bp, tp, base.size(), first, end, parts[b]); break;
+        default: CompareWords<uint64_t>(bp, tp, base.size(), first, end, parts[b]); break;
       }
     }
   });
-  TensorChanges out = Join(dtype, n, parts);
-  REFIT_ASSIGN_OR_RETURN(out.digest_delta, DigestV2DeltaOf(base, target, threads));
-  return out;
+  return Join(dtype, n, parts);
 }
 
 absl::Status CheckChanges(const TensorChanges& c, DType dtype, uint64_t tensor_bytes) {
