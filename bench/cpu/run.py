@@ -17,7 +17,12 @@ version follows `refitctl resync` on the subscriber: a dense resync into the exi
 reported as subscriber CPU per byte too.
 
     bench/cpu/run.py --build build [--preset medium|500m] [--versions 6] [--slots 2,1]
-        [--relay] [--out bench/results/cpu-...jsonl] [--perf-dir DIR]
+        [--relay] [--publish-via control|trainer_api] [--out bench/results/cpu-...jsonl]
+        [--perf-dir DIR]
+
+--publish-via trainer_api publishes as a trainer does (bench/wan's wan_step: the tensors in one
+memfd registered with the publisher's TrainerApi, each version's bytes copied into it by
+wan_step before the publisher's CPU is read): the publisher's figure without the file read.
 
 With --relay, subscriber-0 serves peers (serve_peers, a data socket of its own: a relay) and a
 second subscriber (subscriber-1, the same example config) follows it. Both do the same subscriber
@@ -203,6 +208,31 @@ def stage_split(rows: list[dict], pub_log: str, sub_log: str) -> dict:
     }
 
 
+class TrainerStep:
+    """Publishes as a trainer does (bench/wan's wan_step --publish-via trainer_api): the tensors
+    registered once in one memfd with the publisher's TrainerApi; per version the file's bytes
+    are copied into it by wan_step (its own process: not the publisher's CPU), then Publish.
+    publish() returns once the subscriber holds the version."""
+
+    def __init__(self, build: str, pub_t: str, trainer_socket: str, sub_t: str):
+        self.proc = subprocess.Popen(
+            [os.path.join(build, "bench", "wan", "wan_step"), "--publisher", pub_t,
+             "--trainer-socket", trainer_socket, "--subscriber", sub_t,
+             "--publish-via", "trainer_api", "--timeout", "600"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def publish(self, version: int, path: str) -> None:
+        self.proc.stdin.write(f"{version} {path}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"wan_step ended at version {version} (exit {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def wait_installed_for_peers(build: str, relay_t: str, version: int) -> None:
     """Until the relay has installed `version` for its peers (adopted from the relayed patches
     or encoded again: its peer core's own work for the version, done after its commit)."""
@@ -261,7 +291,7 @@ def perf_record(pid: int, path: str) -> subprocess.Popen:
 def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
               read_s: float, model_bytes: int, out, perf_dir: str = "",
               perf_keyframe: bool = False, sub_fields: list[str] = (),
-              relay: bool = False) -> dict:
+              relay: bool = False, via: str = "control") -> dict:
     run_dir = tempfile.mkdtemp(prefix="refit-cpu-")
     os.makedirs(os.path.join(run_dir, "publish"))
     pub_cfg = config("publisher.loopback.yaml", run_dir)
@@ -288,6 +318,9 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
         wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
         peer_t = "unix:" + os.path.join(run_dir, "subscriber-1-control.sock")
+        step = None
+        if via == "trainer_api":  # a trainer: the tensors in a memfd, TrainerApi Publish
+            step = TrainerStep(build, pub_t, os.path.join(run_dir, "publisher.sock"), sub_t)
         if relay:  # a peer behind the relay (subscriber-0)
             peer = start(build, "subscriber", peer_cfg, peer_log)
             wait_socket(os.path.join(run_dir, "subscriber-1-control.sock"), peer, peer_log)
@@ -307,7 +340,11 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
             p0, s0 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
             q0 = cpu_seconds(peer.pid) if relay else 0.0
             t0 = time.perf_counter()
-            ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version", str(v))
+            if step is not None:
+                step.publish(v, local[(v - 1) % 2])
+            else:
+                ctl(build, pub_t, "publish", "--safetensors", local[(v - 1) % 2], "--version",
+                    str(v))
             ctl(build, sub_t, "wait", "--version", str(v), "--timeout", "600")
             wall = time.perf_counter() - t0
             if relay:
@@ -358,6 +395,8 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 time.sleep(0.1)
         split = stage_split(rows, pub_log, sub_log)
     finally:
+        if step is not None:
+            step.close()
         for p in (peer, sub, pub):
             if p is not None:
                 p.terminate()
@@ -391,6 +430,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         "resync_wall_s": rows[-1]["wall_s"],
         "keyframe_wall_s": rows[0]["wall_s"],
         "read_pass_s": round(read_s, 4),
+        "publish_via": via,
         **split,
     }
     if relay:
@@ -412,6 +452,9 @@ def main() -> int:
     ap.add_argument("--sub-field", action="append", default=[], metavar="KEY=VALUE",
                     help="a top-level subscriber config field (e.g. refresh_copy_density=1)")
     ap.add_argument("--label", default="", help="a label added to every JSON line")
+    ap.add_argument("--publish-via", default="control", choices=("control", "trainer_api"),
+                    help="control: refitctl publish of the file (the publisher reads it); "
+                         "trainer_api: as a trainer, from a memfd (bench/wan's wan_step)")
     ap.add_argument("--relay", action="store_true",
                     help="subscriber-0 serves peers (a relay) and a second subscriber follows "
                          "it: the relay's CPU beyond its peer's per forwarded byte")
@@ -436,7 +479,8 @@ def main() -> int:
 
     for slots in (int(s) for s in args.slots.split(",")):
         run_slots(args.build, slots, files, args.versions, read_s, model_bytes, Tee(),
-                  args.perf_dir, args.perf_keyframe, args.sub_field, args.relay)
+                  args.perf_dir, args.perf_keyframe, args.sub_field, args.relay,
+                  args.publish_via)
     return 0
 
 
