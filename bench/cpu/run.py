@@ -459,6 +459,8 @@ def main() -> int:
                     help="subscriber-0 serves peers (a relay) and a second subscriber follows "
                          "it: the relay's CPU beyond its peer's per forwarded byte")
     args = ap.parse_args()
+    if args.relay and any(int(n) < 2 for n in args.slots.split(",")):
+        ap.error("--relay needs slot counts of 2 or more (a relay serves peers from a second slot)")
     files = pair(args.build, args.preset)
     model_bytes = os.path.getsize(files[0])
     read_s = read_pass_seconds(args.build, *files)
