@@ -5,6 +5,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "daemon/common/status_matchers.h"
@@ -67,7 +68,8 @@ class RelayFeedTest : public ::testing::Test {
     ASSERT_THAT(peer_->Reset(up_->lineage()), IsOk());
     ASSERT_THAT(peer_->Publish(1, Inputs(v1_)), IsOk());
     peer_->SetLiveListener(
-        [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
+        [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(std::move(live)); },
+        [] {});
     ASSERT_THAT(up_->Publish(2, Inputs(v2_)), IsOk());
   }
 
@@ -285,7 +287,8 @@ TEST_F(RelayFeedTest, NotAtTheBaseTheVersionIsNotStreamedAndCannotBeAdopted) {
   peer_ = OpenCore();  // holds nothing
   ASSERT_THAT(peer_->Reset(up_->lineage()), IsOk());
   peer_->SetLiveListener(
-      [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(live); }, [] {});
+      [this](std::shared_ptr<const LiveVersion> live) { offered_.push_back(std::move(live)); },
+      [] {});
   RelayFeed feed(peer_.get(), 1 << 20);
   Feed(feed, DigestFormat::kV1);
   EXPECT_TRUE(offered_.empty());
