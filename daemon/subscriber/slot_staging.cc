@@ -52,7 +52,7 @@ absl::Status StagedTransfer::StageTensor(size_t i, bool in_place) {
       }
       std::span<const uint8_t> b = Base(i);
       if (b.size() != out.size()) return absl::InternalError("base size differs");
-      v2[i] = base_v2[i];  // a copy of the base
+      v2[i].reset();
       ++stats.tensors_copied;
       stats.bytes_copied += out.size();
       return mem.Copy(out, b);
@@ -73,8 +73,7 @@ absl::Status StagedTransfer::StageTensor(size_t i, bool in_place) {
         REFIT_ASSIGN_OR_RETURN(std::span<const uint8_t> patch,
                                assembler->Object(ti, static_cast<uint32_t>(p)));
         const bool from_base = p == 0 && !in_place;
-        // From the base's digest (unknown: the tensor is read in full at verify).
-        if (from_base) v2[i] = base_v2[i];
+        if (from_base) v2[i].reset();  // the base's digest is not tracked: full at verify
         absl::Status st =
             ApplyTracked(mem, patch, dtypes[i], from_base ? Base(i) : std::span<const uint8_t>(out),
                          out, &v2[i]);
@@ -192,18 +191,6 @@ void SubscriberCore::PlanStagingLocked(StagedTransfer& t) {
   t.staged.assign(n, false);
   t.caught_up.assign(n, false);
   t.v2.assign(n, std::nullopt);
-  t.base_v2.assign(n, std::nullopt);
-  if (t.format == sync::DigestFormat::kV2 && !t.new_generation) {
-    for (const auto& [slot, sd] : slot_digests_) {
-      if (slot == t.handle->slot || sd.version != t.header.base_version() || sd.version == 0) {
-        continue;
-      }
-      for (size_t i = 0; i < n; ++i) {
-        if (t.layout_index[i] < sd.digests.size()) t.base_v2[i] = sd.digests[t.layout_index[i]];
-      }
-      break;
-    }
-  }
   if (auto it = slot_digests_.find(t.handle->slot); it != slot_digests_.end()) {
     SlotDigests sd = std::move(it->second);
     slot_digests_.erase(it);

@@ -108,10 +108,6 @@ class StagedTransfer {
   // patches applied in place; nullopt where unknown (Verify then reads the tensor).
   sync::DigestFormat format = sync::DigestFormat::kV1;
   std::vector<std::optional<uint64_t>> v2;
-  // In v2, the base's verified digest of each tensor (header index) where a slot of this store
-  // holding the base has known digests: a tensor staged by the copy path (a copy of the base,
-  // or a patch applied from it) starts from it instead of being read in full at verify.
-  std::vector<std::optional<uint64_t>> base_v2;
   // Single-copy: the held version is updated in place at OnEnd (no staging handle); while
   // OnEnd waits for the consumers' pause Abort only marks the transfer cancelled.
   bool in_place = false;
