@@ -166,6 +166,24 @@ void CorruptApplied(SubscriberCore& core, const std::string& name, uint64_t offs
   ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
+// A byte flipped in the committed slot after its verification, then the next delta staged by the
+// copy path (the first after a keyframe: the other slot holds nothing yet) in a v2 session: the
+// copied tensors are read at verify, not trusted to carry the base's verified digest, so the
+// corruption is rejected (naming the tensor) instead of being carried into the next version.
+TEST_F(SubscriberCoreTest, TheCopyPathDoesNotCarryABaseCorruptedAfterItsVerification) {
+  PublishRun(1, 2);
+  pub_.set_format(sync::DigestFormat::kV2);
+  SubscriberCore core(opts_);
+  core.SetDigestFormat(sync::DigestFormat::kV2);
+  Sync(core, 1);
+  CorruptApplied(core, "b.weight", 1234);
+  v1::Ack ack = Feed(core, pub_.Transfer(1, core.applied_digest(), 2));
+  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED) << "a corrupted base became version 2";
+  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+  EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
+  EXPECT_EQ(core.applied_version(), 1u);
+}
+
 // Scrub repair (docs/ARCHITECTURE.md "Scrub and repair"): a byte flipped in the committed slot;
 // ExpectRepair; the publisher's REQUESTED transfer of the same version (keyframe of the bad
 // tensor, the rest UNCHANGED) is staged into another slot, verified and committed as the same
