@@ -233,6 +233,12 @@ class TrainerStep:
         self.proc.wait(60)
 
 
+def last_refit(build: str, target: str) -> dict:
+    """Status.last_refit of a subscriber (refitctl prints proto field names)."""
+    st = json.loads(ctl(build, target, "status", "--json"))
+    return st.get("lastRefit", st.get("last_refit", {}))
+
+
 def wait_installed_for_peers(build: str, relay_t: str, version: int) -> None:
     """Until the relay has installed `version` for its peers (adopted from the relayed patches
     or encoded again: its peer core's own work for the version, done after its commit)."""
@@ -252,8 +258,7 @@ def wait_installed_for_peers(build: str, relay_t: str, version: int) -> None:
 def add_relay_fields(row: dict, build: str, peer_t: str, peer_cpu_s: float) -> None:
     """The peer's CPU and wire bytes (what the relay forwarded to it) for the version, and the
     relay's CPU beyond the peer's (the same subscriber work plus serving) per forwarded byte."""
-    st = json.loads(ctl(build, peer_t, "status", "--json"))
-    lr = st.get("lastRefit", st.get("last_refit", {}))
+    lr = last_refit(build, peer_t)
     forwarded = int(lr.get("wireBytes", lr.get("wire_bytes", 0)))
     row["peer_cpu_s"] = round(peer_cpu_s, 4)
     row["forwarded_bytes"] = forwarded
@@ -297,7 +302,8 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
     pub_cfg = config("publisher.loopback.yaml", run_dir)
     sub_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields,
                      role="relay" if relay else "")
-    peer_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields, role="peer")
+    peer_cfg = config("subscriber.loopback.yaml", run_dir, slots, sub_fields,
+                      role="peer") if relay else ""
     pub_log, sub_log = os.path.join(run_dir, "pub.log"), os.path.join(run_dir, "sub.log")
     peer_log = os.path.join(run_dir, "peer.log")
     # The publisher reads only files under its publish_dirs.
@@ -307,7 +313,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         shutil.copyfile(f, dst)
         local.append(dst)
     pub = start(build, "publisher", pub_cfg, pub_log)
-    sub = peer = None
+    sub = peer = step = None
     rows = []
     split: dict = {}
     perfs: list[subprocess.Popen] = []
@@ -318,7 +324,6 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
         sub_t = "unix:" + os.path.join(run_dir, "subscriber-0-control.sock")
         wait_socket(os.path.join(run_dir, "subscriber-0-control.sock"), sub, sub_log)
         peer_t = "unix:" + os.path.join(run_dir, "subscriber-1-control.sock")
-        step = None
         if via == "trainer_api":  # a trainer: the tensors in a memfd, TrainerApi Publish
             step = TrainerStep(build, pub_t, os.path.join(run_dir, "publisher.sock"), sub_t)
         if relay:  # a peer behind the relay (subscriber-0)
@@ -352,8 +357,7 @@ def run_slots(build: str, slots: int, files: tuple[str, str], versions: int,
                 wait_installed_for_peers(build, sub_t, v)
             p1, s1 = cpu_seconds(pub.pid), cpu_seconds(sub.pid)
             q1 = cpu_seconds(peer.pid) if relay else 0.0
-            st = json.loads(ctl(build, sub_t, "status", "--json"))
-            lr = st.get("lastRefit", st.get("last_refit", {}))
+            lr = last_refit(build, sub_t)
             changed = int(lr.get("changedElements", lr.get("changed_elements", 0)))
             row = {
                 "bench": "cpu", "slots": slots, "version": v, "keyframe": v == 1,

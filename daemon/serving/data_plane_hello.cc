@@ -113,10 +113,12 @@ void ClassifyHello(const PublisherCore& core, const v1::Hello& hello, Session& s
   if (core.VersionDigestOf(v).ok()) session.verified = false;  // known, with another digest
 }
 
-// The session a Hello asks for: its id, peer, grants (stripes, pacing, digest format,
-// streaming) and how its held version relates to this publisher's history.
+// The session a Hello asks for: its id, peer, grants (stripes, pacing, streaming; the digest
+// format `digest_format`, chosen from the Hello by the caller) and how its held version relates
+// to this publisher's history.
 std::shared_ptr<Session> NewSession(const PublisherCore& core, const DataPlaneOptions& options,
                                     grpc::ServerContext* context, const v1::Hello& hello,
+                                    sync::DigestFormat digest_format,
                                     sync::TensorSelection selection) {
   auto session = std::make_shared<Session>();
   {
@@ -140,9 +142,7 @@ std::shared_ptr<Session> NewSession(const PublisherCore& core, const DataPlaneOp
   session->stripe_joined.assign(session->granted_stripes + 1, false);
   session->stream_bytes_sent.assign(session->granted_stripes + 1, 0);
   session->progress = hello.stream_progress() && options.stream_window_bytes > 0;
-  session->digest_format = sync::ChooseDigestFormat(
-      std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
-      options.digest_v2);
+  session->digest_format = digest_format;
   session->streamed = hello.streamed_transfers() && options.streamed_transfers;
   session->max_patch_format = MaxPatchFormat(hello);
   session->selection = std::move(selection);
@@ -227,14 +227,13 @@ grpc::Status DataPlaneService::Sync(
   }
   absl::StatusOr<sync::TensorSelection> selection = HelloSelection(*core_, options_.name, hello);
   if (!selection.ok()) return ToGrpcStatus(selection.status());
+  const sync::DigestFormat format = sync::ChooseDigestFormat(
+      std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
+      options_.digest_v2);
   // A session in v1: a core that leaves v1 digests pending (a relay's) computes them from now on.
-  if (sync::ChooseDigestFormat(
-          std::span<const uint32_t>(hello.digest_formats().data(), hello.digest_formats().size()),
-          options_.digest_v2) == sync::DigestFormat::kV1) {
-    core_->NeedV1Digests();
-  }
+  if (format == sync::DigestFormat::kV1) core_->NeedV1Digests();
   std::shared_ptr<Session> session =
-      NewSession(*core_, options_, context, hello, *std::move(selection));
+      NewSession(*core_, options_, context, hello, format, *std::move(selection));
   if (absl::Status st = RegisterSession(session); !st.ok()) return ToGrpcStatus(st);
   LogHello(*log_, *session, hello);
   grpc::Status status = RunSession(context, stream, session);

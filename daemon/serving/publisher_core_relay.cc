@@ -403,8 +403,6 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   InstallVersion(
       h.version(), [&] { AdoptBaselineBytes(adopted, options_.encode_threads, &next, &sum); }, next,
       no_gpu, std::move(counts), sum);
-  // A v1 session admitted while this adopt ran found nothing pending yet: complete it now.
-  if (!v1_wanted && v1_wanted_.load(std::memory_order_acquire)) CompletePendingV1Locked();
   sum.total_micros = MicrosSince(start);
   sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
@@ -424,27 +422,27 @@ size_t PublisherCore::pending_v1_digests() const {
 }
 
 void PublisherCore::CompletePendingV1Locked() {
-  std::vector<BaselineTensor> base;
+  // The baseline changes only under publish_mu_ (held): between the two locks it stays the
+  // newest version's, so its pending tensors are hashed outside mu_.
+  std::vector<size_t> pending;
+  std::vector<std::span<const uint8_t>> bytes;
   uint64_t version = 0;
   {
     absl::ReaderMutexLock lock(&mu_);
-    base = baseline_;
+    for (size_t k = 0; k < baseline_.size(); ++k) {
+      if (!baseline_[k].digest_pending) continue;
+      pending.push_back(k);
+      bytes.emplace_back(*baseline_[k].bytes);
+    }
     version = newest_version_;
   }
-  std::vector<std::span<const uint8_t>> pending;
-  for (const BaselineTensor& t : base) {
-    if (t.digest_pending) pending.emplace_back(*t.bytes);
-  }
   if (pending.empty()) return;
-  // The baseline buffers change only under publish_mu_ (held): these are the newest bytes.
-  const std::vector<uint64_t> computed = TensorDigests(pending, options_.digest_threads);
-  std::vector<uint64_t> digests;
-  size_t next = 0;
-  for (BaselineTensor& t : base) {
-    if (t.digest_pending) t.digest = computed[next++];
-    digests.push_back(t.digest);  // manifest order, as the history's record
-  }
+  const std::vector<uint64_t> computed = TensorDigests(bytes, options_.digest_threads);
   absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> digests;  // manifest order, as the history's record
+  digests.reserve(baseline_.size());
+  for (const BaselineTensor& t : baseline_) digests.push_back(t.digest);
+  for (size_t i = 0; i < pending.size(); ++i) digests[pending[i]] = computed[i];
   absl::StatusOr<uint64_t> vdigest = history_.CompleteV1Digests(version, digests);
   if (!vdigest.ok()) {
     // Cannot happen (the newest version is recorded with these tensors, its v1 pending).
@@ -453,8 +451,8 @@ void PublisherCore::CompletePendingV1Locked() {
     return;
   }
   newest_digest_ = *vdigest;
-  for (size_t k = 0; k < baseline_.size(); ++k) {
-    baseline_[k].digest = base[k].digest;
+  for (size_t k : pending) {
+    baseline_[k].digest = digests[k];
     baseline_[k].digest_pending = false;
   }
 }

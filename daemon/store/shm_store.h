@@ -79,7 +79,9 @@ class ShmStore final : public SlottedStore {
   std::string ProcPath() const;
   // Bytes of the object: num_slots() * layout().slot_bytes().
   uint64_t total_bytes() const { return total_bytes_; }
-  uint64_t SlotOffset(int slot) const { return static_cast<uint64_t>(slot) * layout().slot_bytes(); }
+  uint64_t SlotOffset(int slot) const {
+    return static_cast<uint64_t>(slot) * layout().slot_bytes();
+  }
   // Offset of tensor `index` of `slot` within the object.
   uint64_t TensorOffset(int slot, size_t index) const {
     return SlotOffset(slot) + layout().tensor(index).offset;

@@ -1,7 +1,6 @@
 #include "daemon/subscriber/relay_feed.h"
 
 #include <algorithm>
-#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -96,32 +95,31 @@ class RelayFeedTest : public ::testing::Test {
     return *t;
   }
 
+  // peer_ becomes a relay's peer core (lazy_v1_digests) at version 1 of the upstream.
+  void OpenLazyPeer() {
+    publisher::PublisherOptions lazy;
+    lazy.lazy_v1_digests = true;
+    auto core = PublisherCore::Open(lazy);
+    ASSERT_THAT(core, IsOk());
+    peer_ = *std::move(core);
+    ASSERT_THAT(peer_->Reset(up_->lineage()), IsOk());
+    ASSERT_THAT(peer_->Publish(1, Inputs(v1_)), IsOk());
+  }
+
+  // The upstream's version `v` (from v - 1, in v2) relayed to peer_ and adopted there with the
+  // bytes of `m`.
+  void RelayAndAdopt(uint64_t v, const Model& m) {
+    RelayFeed feed(peer_.get(), 1 << 20);
+    Feed(feed, DigestFormat::kV2, -1, v - 1);
+    std::shared_ptr<const LiveVersion> live = feed.Completed(v);
+    ASSERT_NE(live, nullptr) << feed.stats().last_error;
+    ASSERT_THAT(peer_->AdoptRelayed(*live, Inputs(m)), IsOk());
+  }
+
   Model v1_, v2_;
   std::unique_ptr<PublisherCore> up_, peer_;
   std::vector<std::shared_ptr<const LiveVersion>> offered_;
 };
-
-// A relay's peer core (lazy_v1_digests) at version 1 of the upstream, as the fixture's.
-std::unique_ptr<PublisherCore> OpenLazyPeer(const PublisherCore& up, const Model& v1) {
-  publisher::PublisherOptions lazy;
-  lazy.lazy_v1_digests = true;
-  auto core = PublisherCore::Open(lazy);
-  EXPECT_THAT(core, IsOk());
-  if (!core.ok()) return nullptr;
-  EXPECT_THAT((*core)->Reset(up.lineage()), IsOk());
-  EXPECT_THAT((*core)->Publish(1, Inputs(v1)), IsOk());
-  return *std::move(core);
-}
-
-// The upstream's version `v` (from v - 1, in v2) relayed to `peer` and adopted there.
-void RelayAndAdopt(PublisherCore& peer, uint64_t v, const Model& m,
-                   const std::function<void(RelayFeed&)>& feed_it) {
-  RelayFeed feed(&peer, 1 << 20);
-  feed_it(feed);
-  std::shared_ptr<const LiveVersion> live = feed.Completed(v);
-  ASSERT_NE(live, nullptr) << feed.stats().last_error;
-  ASSERT_THAT(peer.AdoptRelayed(*live, Inputs(m)), IsOk());
-}
 
 // A relay's peer core adopting versions from a v2 upstream reads nothing for v1 digests: the
 // versions have none (their v2 identity is the upstream's), unchanged tensors carry the pending
@@ -129,9 +127,8 @@ void RelayAndAdopt(PublisherCore& peer, uint64_t v, const Model& m,
 // from its bytes and equal the upstream's, older ones stay without, and later versions get
 // theirs as they are adopted.
 TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem) {
-  peer_ = OpenLazyPeer(*up_, v1_);
-  ASSERT_NE(peer_, nullptr);
-  RelayAndAdopt(*peer_, 2, v2_, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2); });
+  ASSERT_NO_FATAL_FAILURE(OpenLazyPeer());
+  ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(2, v2_));
   EXPECT_EQ(*peer_->VersionDigestOf(2, DigestFormat::kV2),
             *up_->VersionDigestOf(2, DigestFormat::kV2));
   EXPECT_THAT(peer_->VersionDigestOf(2, DigestFormat::kV1), Not(IsOk()));
@@ -140,7 +137,7 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
   Model v3 = v2_;
   sync::testing::Perturb(v3["a.weight"], 0.02, rng);  // c.norm, b.weight, d.bias unchanged
   ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
-  RelayAndAdopt(*peer_, 3, v3, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2, -1, 2); });
+  ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(3, v3));
   EXPECT_EQ(peer_->pending_v1_digests(), 3u) << "c.norm and d.bias carry theirs over";
   EXPECT_THAT(peer_->VersionDigestOf(3, DigestFormat::kV1), Not(IsOk()));
 
@@ -151,7 +148,7 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
   Model v4 = v3;
   sync::testing::Perturb(v4["b.weight"], 0.02, rng);
   ASSERT_THAT(up_->Publish(4, Inputs(v4)), IsOk());
-  RelayAndAdopt(*peer_, 4, v4, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2, -1, 3); });
+  ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(4, v4));
   EXPECT_EQ(*peer_->VersionDigestOf(4, DigestFormat::kV1), *up_->VersionDigestOf(4))
       << "computed as it is adopted once wanted";
   EXPECT_EQ(*peer_->VersionDigestOf(4, DigestFormat::kV2),
@@ -162,9 +159,8 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
 // base's pending v1 digests, so its own carry the right ones over: both formats equal the
 // upstream's.
 TEST_F(RelayFeedTest, ALazyPeerCoreEncodingAVersionItselfGetsItsV1DigestsRight) {
-  peer_ = OpenLazyPeer(*up_, v1_);
-  ASSERT_NE(peer_, nullptr);
-  RelayAndAdopt(*peer_, 2, v2_, [&](RelayFeed& f) { Feed(f, DigestFormat::kV2); });
+  ASSERT_NO_FATAL_FAILURE(OpenLazyPeer());
+  ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(2, v2_));
   ASSERT_GT(peer_->pending_v1_digests(), 0u);
   std::mt19937 rng(5);
   Model v3 = v2_;
