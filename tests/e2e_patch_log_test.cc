@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_matchers.h"
@@ -125,6 +127,60 @@ TEST_F(E2EPatchLogTest, SigkilledPublisherRestartsFromBaselineAndLogAndServesDel
     E2E_ASSERT_OK(WaitVersion(*sub, 5));
     ASSERT_NO_FATAL_FAILURE(ExpectDelta(*sub, 5, 4, models[5]));
   }
+}
+
+// The publisher leaves v1 digests pending while its subscribers verify v2: its log records
+// their v2 digests (record version 3) and a SIGKILL restart replays them. A v1 subscriber (as
+// an older build) joining afterwards makes it compute the v1 digests: it gets version 4
+// (keyframes), verified in v1, then both subscribers follow version 5 with deltas, bit-exact.
+TEST_F(E2EPatchLogTest, AV1SubscriberJoiningALazyPublisherAfterARestartFollowsItBitExact) {
+  REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(47));
+  DaemonProcess& pub = StartPublisher();
+  DaemonProcess& live = StartSubscriber(pub, "live");
+  std::vector<Model> models(1);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    if (v > 1) traj->Step();
+    models.push_back(ModelFromTrajectory(*traj));
+    E2E_ASSERT_OK(Publish(pub, models[v], v));
+    E2E_ASSERT_OK(WaitVersion(live, v));
+  }
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse before, WaitPersisted(pub, 4));
+  EXPECT_EQ(before.version_digest_v1(), 0u) << "no v1 session: left pending";
+  {
+    std::ifstream f(Path("persist") + "/patches.log", std::ios::binary);
+    const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_NE(log.find("RRE3"), std::string::npos) << "records of v2 digests";
+  }
+  E2E_ASSERT_OK(pub.Kill());
+  E2E_ASSERT_OK(pub.Start());
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse after, RpcStatus(pub.control_target()));
+  EXPECT_EQ(after.version(), 4u);
+  EXPECT_EQ(after.version_digest(), before.version_digest());
+  EXPECT_EQ(after.baseline().state(), v1::BASELINE_STATE_LOADED);
+
+  SubscriberSpec old_spec;
+  old_spec.name = "old";
+  old_spec.upstream = {pub.listen_target()};
+  old_spec.digest_v2 = false;
+  DaemonProcess& old = NewSubscriber(old_spec);
+  E2E_ASSERT_OK(old.Start());
+  E2E_ASSERT_OK(WaitVersion(old, 4));
+  E2E_ASSERT_OK(ExpectExportEquals(old, models[4]));
+  E2E_ASSERT_OK(ExpectVerified(old));
+  REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse old_st, StatusAfterRefit(old.control_target(), 4));
+  EXPECT_EQ(old_st.digest_format(), 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(after, RpcStatus(pub.control_target()));
+  EXPECT_NE(after.version_digest_v1(), 0u);
+  EXPECT_EQ(old_st.version_digest(), after.version_digest_v1());
+
+  traj->Step();
+  models.push_back(ModelFromTrajectory(*traj));
+  E2E_ASSERT_OK(Publish(pub, models[5], 5));
+  for (DaemonProcess* sub : {&live, &old}) {
+    E2E_ASSERT_OK(WaitVersion(*sub, 5));
+    ASSERT_NO_FATAL_FAILURE(ExpectDelta(*sub, 5, 4, models[5]));
+  }
+  E2E_EXPECT_OK(ExpectVerified(pub));
 }
 
 TEST_F(E2EPatchLogTest, VersionReachesSubscribersWhilePersistenceIsStalled) {

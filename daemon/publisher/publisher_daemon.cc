@@ -235,6 +235,9 @@ PublisherOptions CoreOptionsOf(const v1::PublisherConfig& config) {
   options.cut.parts = config.cut().parts();
   options.cut.rows.assign(config.cut().rows().begin(), config.cut().rows().end());
   options.cut.columns.assign(config.cut().columns().begin(), config.cut().columns().end());
+  // v1 digests only once a subscriber verifies v1 (this build's verify v2): the pass does not
+  // read the changed tensors a second time for digests nobody checks.
+  options.lazy_v1_digests = true;
   return options;
 }
 

@@ -239,7 +239,8 @@ LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t versio
     e.spec = t.spec;
     e.digest = t.digest;
     const BaselineTensor* p = Find(prev, t.spec);
-    if (p != nullptr && sync::SameSpec(p->spec, t.spec) && p->digest == t.digest) {
+    if (p != nullptr && sync::SameSpec(p->spec, t.spec) &&
+        sync::SameDigests(p->digests(), t.digests())) {
       e.kind = LogTensorKind::kUnchanged;  // as PatchHistory::Add decides
     } else if (k < patches.size() && patches[k] != nullptr) {
       e.kind = LogTensorKind::kPatch;
@@ -255,6 +256,14 @@ LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t versio
   return r;
 }
 
+void SetLogDigests(const std::vector<BaselineTensor>& next, LogRecord* record) {
+  record->digests_v2 = std::any_of(next.begin(), next.end(),
+                                   [](const BaselineTensor& t) { return t.digest_pending; });
+  for (size_t k = 0; k < next.size() && k < record->tensors.size(); ++k) {
+    record->tensors[k].digest = record->digests_v2 ? next[k].digest_v2 : next[k].digest;
+  }
+}
+
 // ---- ReplayLog --------------------------------------------------------------------------------
 
 namespace {
@@ -264,9 +273,19 @@ struct Staged {
   bool replaced = false;  // bytes not from the baseline: digest checked at the end
 };
 
+// Whether the unchanged tensor `p` has the digest `e` records (v2 in a digests_v2 record). A v1
+// digest `p` left pending (the previous record was version 3) is computed from its bytes.
+bool UnchangedMatches(const BaselineTensor& p, uint64_t recorded, bool digests_v2, int threads) {
+  if (digests_v2) return p.digest_v2 == recorded;
+  if (p.digest_pending) return TensorDigest(*p.bytes, threads) == recorded;
+  return p.digest == recorded;
+}
+
 // `cur` after `rec` (manifest order), or why `rec` does not apply. Each tensor's v2 digest follows
-// its bytes (the log records v1 only): carried when unchanged, brought forward by the patch's
-// delta (reading only the changed words), computed for dense bytes.
+// its bytes: carried when unchanged, brought forward by the patch's delta (reading only the
+// changed words), computed for dense bytes. A record of v1 digests is checked by its version
+// digest and, at the end of the replay, each replaced tensor's v1 digest; a record of v2 digests
+// (version 3) tensor by tensor against the v2 digests, leaving the v1 digests pending.
 absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
                                                 const LogRecord& rec, const std::string& where,
                                                 int threads) {
@@ -285,14 +304,19 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
     Staged s;
     s.tensor.spec = e.spec;
     s.tensor.dtype = dtype;
-    s.tensor.digest = e.digest;
+    s.tensor.digest = rec.digests_v2 ? 0 : e.digest;
+    s.tensor.digest_pending = rec.digests_v2;
     switch (e.kind) {
       case LogTensorKind::kUnchanged:
-        if (!same || p->tensor.digest != e.digest) {
+        if (!same || !UnchangedMatches(p->tensor, e.digest, rec.digests_v2, threads)) {
           return absl::DataLossError(absl::StrCat(
               what, ": unchanged, but the previous version has another spec or digest"));
         }
         s = *p;
+        if (!rec.digests_v2) {  // a pending v1 digest was just computed and matched
+          s.tensor.digest = e.digest;
+          s.tensor.digest_pending = false;
+        }
         break;
       case LogTensorKind::kPatch: {
         if (!same) {
@@ -316,13 +340,17 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
         s.replaced = true;
         break;
     }
+    if (rec.digests_v2 && s.tensor.digest_v2 != e.digest) {
+      return absl::DataLossError(absl::StrCat(what, ": digest v2 ", Hex64(s.tensor.digest_v2),
+                                              ", the log records ", Hex64(e.digest)));
+    }
     next.push_back(std::move(s));
   }
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
   for (const Staged& s : next) {
     manifest.push_back(s.tensor.spec);
-    digests.push_back(s.tensor.digest);
+    digests.push_back(rec.digests_v2 ? s.tensor.digest_v2 : s.tensor.digest);
   }
   REFIT_ASSIGN_OR_RETURN(const uint64_t vdigest, sync::VersionDigest(manifest, digests));
   if (vdigest != rec.version_digest) {
@@ -337,13 +365,15 @@ absl::StatusOr<std::vector<Staged>> ApplyRecord(const std::vector<Staged>& cur,
 ReplayedVersion VersionOf(const LogRecord& rec, const std::vector<Staged>& staged) {
   ReplayedVersion v;
   v.version = rec.version;
-  v.version_digest = rec.version_digest;
+  v.version_digest = rec.digests_v2 ? 0 : rec.version_digest;
+  v.version_digest_v2 = rec.digests_v2 ? rec.version_digest : 0;
   v.snapshot_unix_nanos = rec.snapshot_unix_nanos;
   for (size_t i = 0; i < rec.tensors.size(); ++i) {
     const LogTensor& e = rec.tensors[i];
     sync::TensorUpdate u;
     u.spec = e.spec;
-    u.digest = e.digest;
+    u.digest = staged[i].tensor.digest;
+    u.digest_pending = staged[i].tensor.digest_pending;
     u.digest_v2 = staged[i].tensor.digest_v2;
     if (e.kind == LogTensorKind::kPatch) u.patch = e.bytes;
     v.updates.push_back(std::move(u));
@@ -391,9 +421,10 @@ LogReplay ReplayLog(const std::vector<BaselineTensor>& base, uint64_t base_versi
     out.versions.push_back(VersionOf(rec, cur));
   }
   if (out.stopped.ok() && !log.corrupt.ok()) out.stopped = log.corrupt;
-  // Every tensor whose bytes came from the log: its digest at the last replayed version.
+  // Every tensor whose bytes came from the log: its digest at the last replayed version (one
+  // whose v1 digest is pending was checked by its v2 digest at each record).
   for (const Staged& s : cur) {
-    if (!s.replaced) continue;
+    if (!s.replaced || s.tensor.digest_pending) continue;
     const uint64_t d = TensorDigest(*s.tensor.bytes, threads);
     if (d != s.tensor.digest) {
       LogReplay refused;

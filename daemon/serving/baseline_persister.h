@@ -130,7 +130,8 @@ class BaselinePersister {
 // One replayed version, as PatchHistory::Add takes it.
 struct ReplayedVersion {
   uint64_t version = 0;
-  uint64_t version_digest = 0;
+  uint64_t version_digest = 0;     // v1; 0 when its v1 digests are pending (record version 3)
+  uint64_t version_digest_v2 = 0;  // as recorded by a record version 3, else 0 (not recorded)
   uint64_t snapshot_unix_nanos = 0;
   std::vector<sync::TensorUpdate> updates;
   std::vector<std::pair<TensorPlace, uint64_t>> changed;  // place order
@@ -160,6 +161,11 @@ LogRecord MakeLogRecord(uint64_t version, uint64_t base_version, uint64_t versio
                         const std::vector<BaselineTensor>& next,
                         const std::vector<sync::PatchBytes>& patches,
                         const std::vector<uint64_t>& changed);
+
+// The record's digests from the version's tensors `next` (manifest order, as the record's):
+// v2 digests (LogRecord::digests_v2, record version 3) when a tensor's v1 digest is pending,
+// else v1. The version digest is set with the lineage when the record is queued.
+void SetLogDigests(const std::vector<BaselineTensor>& next, LogRecord* record);
 
 }  // namespace refit::publisher
 

@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/codec/codec.h"
+#include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/sync/frames.h"
@@ -484,6 +485,64 @@ TEST(PublisherPersistenceTest, SlowDiskCoalescesIntoACompactionAtTheNewestVersio
   EXPECT_EQ(core->newest_version(), 6u);
   ExpectBaseline(*core, models[6]);
   fs::remove_all(dir);
+}
+
+// A record of v2 digests (record version 3, a publisher that left its v1 digests pending) is
+// checked tensor by tensor: right digests replay with the changed tensors' v1 digests pending
+// (the unchanged one keeps its known digest); a wrong one stops the replay naming the tensor.
+TEST(ReplayLogTest, ARecordOfV2DigestsIsCheckedTensorByTensor) {
+  const std::vector<Model> models = Models(2);
+  constexpr uint64_t kLineage = 0x5eed;
+  std::vector<BaselineTensor> base;
+  LogRecord rec;
+  rec.version = 2;
+  rec.base_version = 1;
+  rec.lineage = kLineage;
+  rec.digests_v2 = true;
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  for (const auto& [name, t] : models[1]) {
+    BaselineTensor b;
+    b.spec = t.spec;
+    b.digest = TensorDigest(t.bytes, 1);
+    b.digest_v2 = TensorDigestV2(t.bytes, 1);
+    b.bytes = std::make_shared<const std::vector<uint8_t>>(t.bytes);
+    base.push_back(b);
+    const std::vector<uint8_t>& target = models[2].at(name).bytes;
+    LogTensor e;
+    e.spec = t.spec;
+    e.digest = TensorDigestV2(target, 1);
+    if (target == t.bytes) {
+      e.kind = LogTensorKind::kUnchanged;
+    } else {
+      e.kind = LogTensorKind::kPatch;
+      REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, t.bytes, target));
+      e.bytes = std::make_shared<const std::vector<uint8_t>>(std::move(patch));
+    }
+    rec.tensors.push_back(e);
+    manifest.push_back(t.spec);
+    digests.push_back(e.digest);
+  }
+  REFIT_ASSERT_OK_AND_ASSIGN(rec.version_digest, sync::VersionDigest(manifest, digests));
+  LogReadResult log;
+  log.records = {rec};
+  log.offsets = {40};
+  LogReplay out = ReplayLog(base, 1, kLineage, log, "p.log", 1);
+  ASSERT_THAT(out.stopped, IsOk());
+  ASSERT_EQ(out.versions.size(), 1u);
+  EXPECT_EQ(out.versions[0].version_digest, 0u) << "v1 pending";
+  EXPECT_EQ(out.versions[0].version_digest_v2, rec.version_digest);
+  for (const BaselineTensor& t : out.tensors) {
+    EXPECT_TRUE(*t.bytes == models[2].at(t.spec.name()).bytes) << t.spec.name();
+    EXPECT_EQ(t.digest_pending, t.spec.name() != "c.frozen") << t.spec.name();
+  }
+  rec.tensors[1].digest ^= 1;  // b.bias
+  log.records = {rec};
+  out = ReplayLog(base, 1, kLineage, log, "p.log", 1);
+  EXPECT_EQ(out.stopped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(out.stopped.message()), HasSubstr("tensor 1 \"b.bias\": digest v2"))
+      << out.stopped;
+  EXPECT_TRUE(out.versions.empty());
 }
 
 }  // namespace

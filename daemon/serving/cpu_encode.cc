@@ -59,6 +59,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
     } else if (SameSpecAs(p, t.spec)) {  // no bytes: nothing can differ
       t.bytes = p->bytes;
       t.digest = p->digest;
+      t.digest_pending = p->digest_pending;
       t.digest_v2 = p->digest_v2;
       out->unchanged[k] = true;
     } else {
@@ -95,11 +96,13 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
     if (stats[j].changed_elements == 0) {  // bit patterns compared: the same bytes
       t.bytes = p->bytes;
       t.digest = p->digest;
+      t.digest_pending = p->digest_pending;
       t.digest_v2 = p->digest_v2;
       out->unchanged[k] = true;
       continue;
     }
     t.digest = defer_v1 ? 0 : digests[j];
+    t.digest_pending = defer_v1;
     // The scan's delta: the v2 digest is known before any byte of the baseline changes.
     t.digest_v2 = changes->DigestV2DeltaOf(j).ApplyTo(p->digest_v2, enc[j].target.size());
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
@@ -156,6 +159,7 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options,
         (in.data.empty() || std::memcmp(p->bytes->data(), in.data.data(), in.data.size()) == 0)) {
       t.bytes = p->bytes;
       t.digest = p->digest;
+      t.digest_pending = p->digest_pending;
       out->unchanged[k] = true;
       continue;
     }
@@ -311,10 +315,9 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
 }
 
 // StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
-// caller's bytes (valid until Publish returns), into enc->next and the log record. Returns every
+// caller's bytes (valid until Publish returns), into enc->next. Returns every
 // tensor's v1 digest in manifest order.
-std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<LogRecord>* record,
-                                     PublishSummary* sum) {
+std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, PublishSummary* sum) {
   const StageMark start = StageMark::Now();
   std::vector<size_t> ks;
   std::vector<std::span<const uint8_t>> targets;
@@ -325,7 +328,7 @@ std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<Lo
   const std::vector<uint64_t> d = TensorDigests(targets, threads);
   for (size_t i = 0; i < ks.size(); ++i) {
     enc->next[ks[i]].digest = d[i];
-    if (record->has_value()) (*record)->tensors[ks[i]].digest = d[i];
+    enc->next[ks[i]].digest_pending = false;
   }
   enc->v1_deferred = false;
   std::vector<uint64_t> all;

@@ -47,10 +47,9 @@ void CopySharedPending(Encoded* enc, PublishSummary* sum);
 // baseline buffers patched in place from the pass's change log, or copied (see the .cc).
 void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum);
 // StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
-// caller's bytes (valid until Publish returns), into enc->next and the log record. Returns every
-// tensor's v1 digest in manifest order.
-std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, std::optional<LogRecord>* record,
-                                     PublishSummary* sum);
+// caller's bytes (valid until Publish returns), into enc->next. Returns every tensor's v1 digest
+// in manifest order.
+std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, PublishSummary* sum);
 
 }  // namespace refit::publisher
 

@@ -70,6 +70,7 @@ bool HostInputUnchanged(DeviceTensorJob& job, size_t k, Encoded* out) {
   BaselineTensor& t = out->next[k];
   t.bytes = job.prev->bytes;
   t.digest = job.prev->digest;
+  t.digest_pending = job.prev->digest_pending;
   t.digest_v2 = job.prev->digest_v2;
   out->unchanged[k] = true;
   if (job.old_gpu != nullptr) out->gpu[TensorPlace::Of(t.spec)] = std::move(job.old_gpu);
@@ -155,6 +156,7 @@ absl::StatusOr<bool> EncodeFusedOnDevice(const PublisherOptions& options, Device
     // The encoder compares bit patterns: no changed element = the same bytes.
     t.bytes = job.prev->bytes;
     t.digest = job.prev->digest;
+    t.digest_pending = job.prev->digest_pending;
     out->unchanged[k] = true;
     return true;
   }

@@ -127,8 +127,10 @@ absl::Status SyncDir(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Record version 2 when a tensor of the record is a part, else 1 (patch_log.h).
+// Record version 3 for v2 digests, else 2 when a tensor of the record is a part, else 1
+// (patch_log.h).
 uint32_t RecordVersion(const LogRecord& r) {
+  if (r.digests_v2) return 3;
   for (const LogTensor& t : r.tensors) {
     if (sync::IsPart(t.spec)) return 2;
   }
@@ -282,8 +284,10 @@ std::vector<uint8_t> EncodeLogRecord(const LogRecord& record) {
   const std::vector<uint8_t> body = EncodeBody(record, record_version);
   std::vector<uint8_t> out;
   out.reserve(kPatchRecordFrameBytes + body.size());
-  PutBytes(out, record_version == 1 ? kPatchRecordMagic : kPatchRecordMagicV2,
-           sizeof(kPatchRecordMagic));
+  const char* magic = record_version == 1   ? kPatchRecordMagic
+                      : record_version == 2 ? kPatchRecordMagicV2
+                                            : kPatchRecordMagicV3;
+  PutBytes(out, magic, sizeof(kPatchRecordMagic));
   PutU64(out, body.size());
   PutU64(out, Hash64(body, kPatchRecordBodySeed));
   PutU64(out, Hash64(out, kPatchRecordFrameSeed));
@@ -293,11 +297,12 @@ std::vector<uint8_t> EncodeLogRecord(const LogRecord& record) {
 
 absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
                                               const std::string& where, uint32_t record_version) {
-  if (record_version != 1 && record_version != 2) {
+  if (record_version < 1 || record_version > 3) {
     return absl::DataLossError(absl::StrCat(where, ": unknown record version ", record_version));
   }
   Reader in(body);
   LogRecord r;
+  r.digests_v2 = record_version == 3;
   uint32_t count = 0;
   if (!in.U64(&r.version) || !in.U64(&r.base_version) || !in.U64(&r.version_digest) ||
       !in.U64(&r.lineage) || !in.U64(&r.snapshot_unix_nanos) || !in.U32(&count)) {
@@ -442,6 +447,7 @@ absl::StatusOr<Next> ReadFrame(int fd, uint64_t offset, uint64_t file_bytes,
   if (!full) return Next::kTorn;
   *record_version = std::memcmp(f, kPatchRecordMagic, sizeof(kPatchRecordMagic)) == 0       ? 1
                     : std::memcmp(f, kPatchRecordMagicV2, sizeof(kPatchRecordMagicV2)) == 0 ? 2
+                    : std::memcmp(f, kPatchRecordMagicV3, sizeof(kPatchRecordMagicV3)) == 0 ? 3
                                                                                             : 0;
   if (*record_version == 0 ||
       GetU64(f + 20) != Hash64(std::span<const uint8_t>(f, 20), kPatchRecordFrameSeed)) {

@@ -26,10 +26,13 @@ namespace refit::publisher {
 inline constexpr char kPatchLogFile[] = "patches.log";
 inline constexpr char kPatchLogMagic[8] = {'R', 'E', 'F', 'I', 'T', 'L', 'O', 'G'};
 // A record's frame magic is its record version: "RREC" version 1, "RRE2" version 2 (tensor
-// entries may be parts, TensorSpec.part). A record is written as version 1 unless it holds a part,
-// so a log without parts is byte for byte a version-1 log; readers take both in any mix.
+// entries may be parts, TensorSpec.part), "RRE3" version 3 (as version 2, but its digests are
+// digest v2: LogRecord::digests_v2). A record is written as version 1 unless it holds a part or
+// v2 digests, so a log without either is byte for byte a version-1 log; readers take every
+// version in any mix.
 inline constexpr char kPatchRecordMagic[4] = {'R', 'R', 'E', 'C'};
 inline constexpr char kPatchRecordMagicV2[4] = {'R', 'R', 'E', '2'};
+inline constexpr char kPatchRecordMagicV3[4] = {'R', 'R', 'E', '3'};
 inline constexpr uint32_t kPatchLogFormat = 1;
 inline constexpr uint64_t kPatchLogHeaderBytes = 40;
 inline constexpr uint64_t kPatchRecordFrameBytes = 28;
@@ -50,7 +53,7 @@ enum class LogTensorKind : uint8_t {
 struct LogTensor {
   v1::TensorSpec spec;  // name, dtype, shape, part
   LogTensorKind kind = LogTensorKind::kUnchanged;
-  uint64_t digest = 0;            // full-tensor digest at this version
+  uint64_t digest = 0;  // full-tensor digest at this version (v1, or v2 in a digests_v2 record)
   uint64_t changed_elements = 0;  // encoder's count (patch), every element (dense), 0 unchanged
   std::shared_ptr<const std::vector<uint8_t>> bytes;  // patch or dense bytes; null when unchanged
 };
@@ -59,10 +62,14 @@ struct LogTensor {
 struct LogRecord {
   uint64_t version = 0;
   uint64_t base_version = 0;  // the version published before it (the patches' base)
-  uint64_t version_digest = 0;
+  uint64_t version_digest = 0;  // over the tensors' digests (v1, or v2 with digests_v2)
   uint64_t lineage = 0;
   uint64_t snapshot_unix_nanos = 0;
   std::vector<LogTensor> tensors;  // the whole manifest, manifest order
+  // The digests are digest v2 (TensorDigestV2 and its version digest): written by a publisher
+  // that left the version's v1 digests pending (PublisherOptions::lazy_v1_digests); record
+  // version 3.
+  bool digests_v2 = false;
 
   // Bytes the record holds (patch + dense bytes), for queue bounds.
   uint64_t payload_bytes() const;
@@ -126,8 +133,8 @@ struct LogReadResult {
 // version-1 patch log header (nothing usable).
 absl::StatusOr<LogReadResult> ReadPatchLog(const std::string& path);
 
-// Decodes one record body (the bytes after the frame) of record version `record_version` (1 or
-// 2: the frame's magic). DataLoss naming `where` when malformed.
+// Decodes one record body (the bytes after the frame) of record version `record_version` (1, 2
+// or 3: the frame's magic). DataLoss naming `where` when malformed.
 absl::StatusOr<LogRecord> DecodeLogRecordBody(std::span<const uint8_t> body,
                                               const std::string& where,
                                               uint32_t record_version = 1);

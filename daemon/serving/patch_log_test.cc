@@ -116,6 +116,7 @@ void ExpectSameRecord(const LogRecord& got, const LogRecord& want) {
   EXPECT_EQ(got.version_digest, want.version_digest);
   EXPECT_EQ(got.lineage, want.lineage);
   EXPECT_EQ(got.snapshot_unix_nanos, want.snapshot_unix_nanos);
+  EXPECT_EQ(got.digests_v2, want.digests_v2);
   ASSERT_EQ(got.tensors.size(), want.tensors.size());
   for (size_t i = 0; i < want.tensors.size(); ++i) {
     const LogTensor& g = got.tensors[i];
@@ -360,6 +361,58 @@ TEST(PatchLogTest, GoldenFileWithPartsAlongTwoDimsIsFrozen) {
   EXPECT_EQ(read.records[2].tensors[2].spec.part().first_row(), 3u);
   EXPECT_EQ(ReadFile(fresh), ReadFile(golden))
       << "the patch log format changed: part flags are frozen (docs/ARCHITECTURE.md)";
+}
+
+// The golden content of record version 3: version 6 after version 5 of the golden log, its
+// digests v2 (a publisher that left the v1 digests pending), one tensor a part (version 3 carries
+// parts as version 2 does).
+LogRecord GoldenDigestsV2Record() {
+  LogRecord r = GoldenRecords()[1];
+  r.version = 6;
+  r.base_version = 5;
+  r.version_digest = 0x0706050403020109ull;
+  r.snapshot_unix_nanos += 3000;
+  r.digests_v2 = true;
+  r.tensors[0] = {.spec = Spec("a.weight", {2, 3}),
+                  .kind = LogTensorKind::kPatch,
+                  .digest = 0x2a1,
+                  .changed_elements = 1,
+                  .bytes = Bytes({0x11, 0x22})};
+  r.tensors[1].digest = 0x2b2;
+  r.tensors[2] = {.spec = ColumnPart(0, 3),
+                  .kind = LogTensorKind::kDense,
+                  .digest = 0x2c3,
+                  .changed_elements = 12,
+                  .bytes = Bytes(std::vector<uint8_t>(24, 5))};
+  return r;
+}
+
+// testdata/patch_log_v3_digests_v2.bin: the golden log followed by GoldenDigestsV2Record (an
+// "RRE3" record). Regenerate with REFIT_UPDATE_GOLDEN=1 only for a deliberate format change.
+TEST(PatchLogTest, GoldenFileWithARecordOfV2DigestsIsFrozen) {
+  const std::string golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/patch_log_v3_digests_v2.bin";
+  const std::string fresh = TempDir("golden_v3") + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(fresh));
+  const uint64_t v1_end = ReadFile(fresh).size();
+  {
+    REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::OpenForAppend(fresh, v1_end, false));
+    ASSERT_THAT(w->Append(GoldenDigestsV2Record()), IsOk());
+  }
+  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
+    std::filesystem::copy_file(fresh, golden, std::filesystem::copy_options::overwrite_existing);
+  }
+  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(golden));
+  EXPECT_THAT(read.corrupt, IsOk());
+  ASSERT_EQ(read.records.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read.records[i], GoldenRecords()[i]);
+  ExpectSameRecord(read.records[2], GoldenDigestsV2Record());
+  const std::vector<uint8_t> bytes = ReadFile(golden);
+  ASSERT_GT(bytes.size(), v1_end + 4);
+  EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(v1_end),
+                        bytes.begin() + static_cast<ptrdiff_t>(v1_end) + 4),
+            "RRE3");
+  EXPECT_EQ(ReadFile(fresh), bytes)
+      << "the patch log format changed: record version 3 is frozen (docs/ARCHITECTURE.md)";
 }
 
 TEST(PatchLogTest, TornTailIsTruncatedNotAnError) {

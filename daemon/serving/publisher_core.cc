@@ -40,10 +40,6 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::Open(
     return absl::InvalidArgumentError(
         absl::StrCat("PublisherOptions.patch_format ", options.patch_format, " is not 1 or 2"));
   }
-  if (options.lazy_v1_digests && !options.persist_dir.empty()) {
-    return absl::InvalidArgumentError(
-        "PublisherOptions.lazy_v1_digests is for a core without persist_dir (a relay's peers)");
-  }
   if (options.persist_dir.empty()) {
     std::unique_ptr<PublisherCore> core(new PublisherCore(options));
     absl::MutexLock lock(&core->mu_);

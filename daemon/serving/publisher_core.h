@@ -145,10 +145,15 @@ struct PublisherOptions {
   // v2 End is out: v2 sessions end without waiting for them, v1 sessions get their End after.
   // false: v1 in the pass, one End for both (what publish_bench compares against).
   bool v1_after_end = true;
-  // A relay's peer core: a relayed version adopted from a v2 upstream (AdoptRelayed) leaves the
-  // v1 digests it lacks pending instead of reading the changed tensors for them, until a v1
-  // session is first admitted (NeedV1Digests: the newest version's are computed then, and every
-  // later version's eagerly). Peers that verify v2 never need them. Needs no persist_dir.
+  // v1 digests only once a session verifies v1: until a v1 session is first admitted
+  // (NeedV1Digests: the newest version's are computed then, and every later version's eagerly)
+  // a published version's changed tensors (CPU one pass, streamed: StreamPass::defer_v1) and a
+  // relayed version adopted from a v2 upstream (AdoptRelayed) leave theirs pending instead of
+  // reading the changed tensors again; unchanged tensors carry their base's state, judged
+  // unchanged by digest v2 (sync::SameDigests). Subscribers that verify v2 never need them. With
+  // persist_dir such versions are logged with their v2 digests (patch log record version 3) and
+  // a compaction computes the v1 digests the baseline file records. The publisher daemon and a
+  // relay's peer core set it.
   bool lazy_v1_digests = false;
   // Test gate: called on the publishing thread before each batch of a streamed pass with the
   // manifest-order indices [first, end) of its tensors (it may block); an error fails the publish
@@ -216,6 +221,8 @@ struct BaselineTensor {
   // `digest` not computed yet (PublisherOptions::lazy_v1_digests; 0 meanwhile).
   bool digest_pending = false;
   std::shared_ptr<const std::vector<uint8_t>> bytes;
+
+  sync::DigestState digests() const { return {digest, digest_pending, digest_v2}; }
 };
 
 // Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
@@ -450,8 +457,7 @@ class PublisherCore {
   // With the v1 digests deferred: computes them (FillDeferredV1) and records them (RecordV1);
   // a failure is logged, the version installed regardless.
   void CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live, Encoded* enc,
-                          std::optional<LogRecord>* record, PublishSummary* sum)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                          PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
                       std::vector<BaselineTensor>& next, GpuBaselineMap& gpu, VersionCounts counts,
                       const PublishSummary& sum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_)

@@ -66,6 +66,11 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
         [&](const LogReplay& replay) { return core->RecordReplayed(base_version, replay); },
         &status);
     status.set_persisted_version(start.persisted_version);
+    // A log written by a core that left v1 digests pending, replayed by one that computes them.
+    if (core->v1_wanted_.load(std::memory_order_acquire)) {
+      absl::MutexLock lock(&core->publish_mu_);
+      core->CompletePendingV1Locked();
+    }
     state.numbered = core->newest_version();
     if (has_file && file.lineage == state.lineage) {
       state.numbered = std::max(state.numbered, file.numbered);
@@ -102,12 +107,17 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
 
 absl::Status PublisherCore::RecordReplayed(uint64_t base_version, const LogReplay& replay) {
   if (replay.versions.empty()) return absl::OkStatus();
-  // Every replayed version has v2 digests (the log records v1; ReplayLog brings v2 forward with
-  // the patches' deltas), so a v2 session at any of them gets a delta after the restart.
+  // Every replayed version has v2 digests (ReplayLog brings them forward with the patches'
+  // deltas, and checks them where the log records v2), so a v2 session at any of them gets a
+  // delta after the restart; a version logged with v2 digests has its v1 digests pending.
   for (const ReplayedVersion& v : replay.versions) {
     std::vector<sync::TensorUpdate> updates = v.updates;
     auto added = history_.Add(v.version, std::move(updates));
-    if (!added.ok() || *added != v.version_digest) {
+    const bool v2 = v.version_digest_v2 != 0;
+    if (added.ok() && v2) {
+      added = history_.VersionDigestOf(v.version, sync::DigestFormat::kV2);
+    }
+    if (!added.ok() || *added != (v2 ? v.version_digest_v2 : v.version_digest)) {
       // Not expected (ReplayLog checked what Add checks): back to the baseline alone.
       history_.Clear();
       const std::vector<BaselineTensor> base = Baseline();

@@ -89,9 +89,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const auto start = Clock::now();
   const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
-  // A relay's peer core encoding a version itself: its base's v1 digests first (they carry over
-  // to unchanged tensors).
-  if (options_.lazy_v1_digests) CompletePendingV1Locked();
+  // lazy_v1_digests: while no v1 session wants them, the base's pending v1 digests stay pending
+  // (unchanged tensors carry that state, changed ones are left pending after the End); once one
+  // does (NeedV1Digests completed the newest version's), nothing is pending here.
+  if (v1_wanted_.load(std::memory_order_acquire)) CompletePendingV1Locked();
   PublishSummary sum;
   sum.version = version;
   const std::string where = absl::StrCat("publish version ", version);
@@ -160,7 +161,17 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   std::move(fail_live).Cancel();
   const bool v1_pending = enc.v1_deferred && !enc.pending.empty();
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
-  if (v1_pending) CompleteDeferredV1(version, prev_version, live.get(), &enc, &record, &sum);
+  if (v1_pending) {
+    if (v1_wanted_.load(std::memory_order_acquire)) {
+      CompleteDeferredV1(version, prev_version, live.get(), &enc, &sum);
+    } else if (live != nullptr) {
+      // lazy_v1_digests without a v1 session: the changed tensors' v1 digests stay pending (a
+      // v1 session admitted later has NeedV1Digests compute them from the baseline).
+      live->CompleteV1(absl::FailedPreconditionError(
+          absl::StrCat(where, ": v1 digests left pending (no session verifies v1)")));
+    }
+  }
+  if (record.has_value()) SetLogDigests(enc.next, &*record);
   InstallVersion(
       version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
       std::move(counts), sum);
@@ -173,9 +184,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
 }
 
 void PublisherCore::CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live,
-                                       Encoded* enc, std::optional<LogRecord>* record,
-                                       PublishSummary* sum) {
-  const std::vector<uint64_t> v1 = FillDeferredV1(enc, options_.digest_threads, record, sum);
+                                       Encoded* enc, PublishSummary* sum) {
+  const std::vector<uint64_t> v1 = FillDeferredV1(enc, options_.digest_threads, sum);
   if (absl::Status st = RecordV1(version, prev_version, v1, live, sum); !st.ok()) {
     // The v2 End is out and subscribers may hold the version: it is installed regardless (the
     // core stays consistent with them); only v1 sessions cannot be sent it.

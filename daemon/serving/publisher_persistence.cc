@@ -4,21 +4,50 @@
 
 #include <chrono>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/codec/hash.h"
 #include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/serving/baseline_file.h"
 #include "daemon/serving/patch_log.h"
+#include "daemon/sync/version_digest.h"
 
 namespace refit::publisher {
 namespace {
 
 constexpr char kBaselineFile[] = "baseline.safetensors";
+
+// `s` with every v1 digest known, as the baseline file records them: the pending ones
+// (PublisherOptions::lazy_v1_digests) computed from the bytes, and the version digest over them.
+absl::StatusOr<BaselineSnapshot> WithV1Digests(BaselineSnapshot s, int threads) {
+  std::vector<size_t> pending;
+  std::vector<std::span<const uint8_t>> bytes;
+  for (size_t k = 0; k < s.tensors.size(); ++k) {
+    if (!s.tensors[k].digest_pending) continue;
+    pending.push_back(k);
+    bytes.emplace_back(*s.tensors[k].bytes);
+  }
+  if (pending.empty()) return s;
+  const std::vector<uint64_t> d = TensorDigests(bytes, threads);
+  for (size_t i = 0; i < pending.size(); ++i) {
+    s.tensors[pending[i]].digest = d[i];
+    s.tensors[pending[i]].digest_pending = false;
+  }
+  std::vector<v1::TensorSpec> manifest;
+  std::vector<uint64_t> digests;
+  for (const BaselineTensor& t : s.tensors) {
+    manifest.push_back(t.spec);
+    digests.push_back(t.digest);
+  }
+  REFIT_ASSIGN_OR_RETURN(s.version_digest, sync::VersionDigest(manifest, digests));
+  return s;
+}
 
 }  // namespace
 
@@ -138,7 +167,7 @@ void PublisherPersistence::Enqueue(LogRecord&& record, uint64_t lineage, Publish
   // After the commit, off this path: the persister's thread appends the record (or compacts);
   // Publish returns, and subscribers are woken, without waiting for the disk.
   const auto persist_start = std::chrono::steady_clock::now();
-  record.version_digest = sum->version_digest;
+  record.version_digest = record.digests_v2 ? sum->version_digest_v2 : sum->version_digest;
   record.lineage = lineage;
   persister_->Enqueue(std::move(record));
   sum->persist_micros = MicrosSince(persist_start);
@@ -165,10 +194,12 @@ v1::BaselineStatus PublisherPersistence::Status() const {
   return out;
 }
 
-absl::Status PublisherPersistence::Persist(const BaselineSnapshot& s) const {
-  absl::Status st = WriteBaselineFile(dir_->baseline_path(), s, options_.persist_fsync);
+absl::Status PublisherPersistence::Persist(const BaselineSnapshot& snapshot) const {
+  absl::StatusOr<BaselineSnapshot> s = WithV1Digests(snapshot, options_.digest_threads);
+  absl::Status st =
+      s.ok() ? WriteBaselineFile(dir_->baseline_path(), *s, options_.persist_fsync) : s.status();
   if (!st.ok()) {
-    return Annotate(st, "persisting the baseline of version ", s.version);
+    return Annotate(st, "persisting the baseline of version ", snapshot.version);
   }
   return absl::OkStatus();
 }

@@ -77,9 +77,9 @@ class PublisherPersistence {
   const std::vector<std::string>& removed_temp_files() const { return removed_temps_; }
 
  private:
-  // The persister's callbacks: writes baseline.safetensors at `s` (a compaction), and the
-  // outcome of persisting `version`.
-  absl::Status Persist(const BaselineSnapshot& s) const;
+  // The persister's callbacks: writes baseline.safetensors at `snapshot` (a compaction; v1
+  // digests left pending computed first), and the outcome of persisting `version`.
+  absl::Status Persist(const BaselineSnapshot& snapshot) const;
   void NotePersist(uint64_t version, const absl::Status& st);
 
   const PublisherOptions options_;

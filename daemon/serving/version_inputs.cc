@@ -97,7 +97,7 @@ void SummarizeVersion(Encoded& enc, const std::vector<BaselineTensor>& prev, Pub
     sync::TensorUpdate u;
     u.spec = t.spec;
     u.digest = t.digest;
-    u.digest_pending = enc.v1_deferred && enc.patches[k] != nullptr;
+    u.digest_pending = t.digest_pending;
     u.digest_v2 = t.digest_v2;
     u.patch = enc.patches[k];
     updates->push_back(std::move(u));

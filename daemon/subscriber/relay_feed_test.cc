@@ -155,18 +155,37 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
             *up_->VersionDigestOf(4, DigestFormat::kV2));
 }
 
-// A version the lazy peer core encodes itself (not relayable: Publish) first completes its
-// base's pending v1 digests, so its own carry the right ones over: both formats equal the
-// upstream's.
+// A version the lazy peer core encodes itself (not relayable: Publish) keeps its base's pending
+// v1 digests pending where tensors are unchanged (judged by digest v2) and, without a live
+// version, computes the changed ones' in its pass; once a v1 session needs them both formats
+// equal the upstream's.
 TEST_F(RelayFeedTest, ALazyPeerCoreEncodingAVersionItselfGetsItsV1DigestsRight) {
   ASSERT_NO_FATAL_FAILURE(OpenLazyPeer());
   ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(2, v2_));
-  ASSERT_GT(peer_->pending_v1_digests(), 0u);
+  const size_t pending = peer_->pending_v1_digests();
+  ASSERT_GT(pending, 0u);
   std::mt19937 rng(5);
   Model v3 = v2_;
   sync::testing::Perturb(v3["b.weight"], 0.02, rng);  // a.weight, c.norm, d.bias unchanged
   ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
-  ASSERT_THAT(peer_->Publish(3, Inputs(v3)), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(const publisher::PublishSummary sum, peer_->Publish(3, Inputs(v3)));
+  EXPECT_EQ(sum.unchanged_tensors, 3u);
+  EXPECT_EQ(sum.patched_tensors, 1u);
+  // The history judges them unchanged by digest v2: a v2 session at 2 is sent one patch.
+  publisher::TransferOptions v2;
+  v2.plan.digest_format = DigestFormat::kV2;
+  REFIT_ASSERT_OK_AND_ASSIGN(
+      auto t, peer_->MakeTransfer(2, *peer_->VersionDigestOf(2, DigestFormat::kV2), v2));
+  for (const auto& d : t->plan().tensors) {
+    EXPECT_EQ(d.plan.delivery(),
+              d.plan.spec().name() == "b.weight" ? v1::DELIVERY_PATCH : v1::DELIVERY_UNCHANGED)
+        << d.plan.spec().name();
+  }
+  EXPECT_EQ(*peer_->VersionDigestOf(3, DigestFormat::kV2),
+            *up_->VersionDigestOf(3, DigestFormat::kV2));
+  EXPECT_GT(peer_->pending_v1_digests(), 0u);
+  EXPECT_THAT(peer_->VersionDigestOf(3, DigestFormat::kV1), Not(IsOk()));
+  peer_->NeedV1Digests();
   EXPECT_EQ(peer_->pending_v1_digests(), 0u);
   for (DigestFormat f : {DigestFormat::kV1, DigestFormat::kV2}) {
     EXPECT_EQ(*peer_->VersionDigestOf(3, f), *up_->VersionDigestOf(3, f))

@@ -73,6 +73,11 @@ void PatchHistory::Evict() {
   bytes_ += front.bytes;
 }
 
+bool SameDigests(const DigestState& a, const DigestState& b) {
+  if (!a.v1_pending && !b.v1_pending) return a.v1 == b.v1;
+  return a.v2.has_value() && b.v2.has_value() && *a.v2 == *b.v2;
+}
+
 absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t version, size_t k,
                                                                    const Record* prev,
                                                                    TensorUpdate& u) {
@@ -86,7 +91,8 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
   const bool same = p != nullptr && SameSpec(p->spec, e.spec);
   const std::string where =
       absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
-  if (same && !e.digest_pending && !p->digest_pending && p->digest == e.digest) {
+  if (same && SameDigests({p->digest, p->digest_pending, p->digest_v2},
+                          {e.digest, e.digest_pending, e.digest_v2})) {
     e.kind = TensorEntry::kUnchanged;
     return e;
   }

@@ -29,8 +29,8 @@ struct TensorUpdate {
   v1::TensorSpec spec;
   uint64_t digest = 0;  // full-tensor digest (daemon/codec/hash.h TensorDigest)
   // The v1 digest is not known yet (`digest` ignored): the version has no v1 digests until
-  // PatchHistory::CompleteV1Digests gives them. Such a tensor is never judged unchanged by
-  // digest; it needs a patch or is a keyframe.
+  // PatchHistory::CompleteV1Digests gives them. Such a tensor is judged unchanged by its v2
+  // digest (SameDigests); with none, it needs a patch or is a keyframe.
   bool digest_pending = false;
   // Digest v2 of the same bytes (TensorDigestV2); unknown (nullopt) in any tensor makes the
   // version unknown in v2: a v2 session can then neither use it as a base nor be sent it.
@@ -41,6 +41,19 @@ struct TensorUpdate {
   // the previous version's (unchanged tensor).
   PatchBytes patch;
 };
+
+// A tensor's digests as the history and the publisher keep them: v1 (`v1_pending`: not known
+// yet) and v2 (nullopt: not known).
+struct DigestState {
+  uint64_t v1 = 0;
+  bool v1_pending = false;
+  std::optional<uint64_t> v2;
+};
+
+// Whether two tensors of the same spec hold the same bytes, judged by their digests: the v1
+// digests when both are known, else the v2 digests when both are known; false otherwise (then
+// they are treated as different: a patch or a keyframe, never wrongly unchanged).
+bool SameDigests(const DigestState& a, const DigestState& b);
 
 // Per-tensor delivery in a plan.
 struct TensorDelivery {

@@ -440,6 +440,51 @@ TEST(PatchHistory, PendingV1DigestsAreCompletedLater) {
   EXPECT_EQ(plan->End().SerializeAsString(), ref_plan->End().SerializeAsString());
 }
 
+// A tensor whose v1 digest is pending on both sides of a version (a lazy publisher's unchanged
+// tensor) is judged unchanged by its v2 digest: a v2 plan sends nothing for it, not a keyframe.
+// Pending on both sides with another v2 digest and no patch, it is a keyframe, never unchanged.
+TEST(PatchHistory, PendingV1DigestsJudgeUnchangedByDigestV2) {
+  std::mt19937 rng(12);
+  Model m;
+  m["a"] = RandomTensor(BF16("a", {4000}), rng);
+  m["b"] = RandomTensor(BF16("b", {3000}), rng);
+  auto lazy = [&](std::vector<TensorUpdate> u, const Model& model) {
+    size_t i = 0;
+    for (const auto& [name, t] : model) {
+      u[i].digest_v2 = TensorDigestV2(t.bytes, 1);
+      u[i].digest = 0;
+      u[i++].digest_pending = true;
+    }
+    return u;
+  };
+  PatchHistory h(1 << 20);
+  ASSERT_THAT(h.Add(1, lazy(Updates(nullptr, m), m)), IsOk());
+  Model prev = m;
+  Perturb(m["b"], 0.05, rng);
+  std::vector<TensorUpdate> v2 = lazy(Updates(&prev, m), m);
+  v2[0].patch = nullptr;  // "a" unchanged: no patch, same v2 digest
+  ASSERT_THAT(h.Add(2, v2), IsOk());
+  PlanOptions o;
+  o.digest_format = DigestFormat::kV2;
+  REFIT_ASSERT_OK_AND_ASSIGN(auto plan, h.Plan(1, *h.VersionDigestOf(1, DigestFormat::kV2), 2, o));
+  EXPECT_EQ(plan.tensors[0].plan.delivery(), v1::DELIVERY_UNCHANGED);
+  EXPECT_EQ(plan.tensors[1].plan.delivery(), v1::DELIVERY_PATCH);
+  // "a" changes without a patch: another v2 digest, so a keyframe.
+  prev = m;
+  Perturb(m["a"], 0.05, rng);
+  std::vector<TensorUpdate> v3 = lazy(Updates(&prev, m), m);
+  v3[0].patch = nullptr;
+  ASSERT_THAT(h.Add(3, v3), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(plan, h.Plan(2, *h.VersionDigestOf(2, DigestFormat::kV2), 3, o));
+  EXPECT_EQ(plan.tensors[0].plan.delivery(), v1::DELIVERY_KEYFRAME);
+  // The rule itself: v1 when both are known, else v2 when both are known.
+  EXPECT_TRUE(SameDigests({1, false, 5}, {1, false, 6}));
+  EXPECT_FALSE(SameDigests({1, false, 5}, {2, false, 5}));
+  EXPECT_TRUE(SameDigests({0, true, 5}, {1, false, 5}));
+  EXPECT_FALSE(SameDigests({0, true, 5}, {0, true, std::nullopt}));
+  EXPECT_FALSE(SameDigests({0, true, 5}, {0, true, 6}));
+}
+
 TEST(PatchHistory, ManyPartsOfANameAreRecordedInManifestOrder) {
   // 40 column parts of one tensor given last part first (a sort by name alone may leave them in
   // any order): the record's manifest, and so its version digest, is by first index.
