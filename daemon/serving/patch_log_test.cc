@@ -337,26 +337,37 @@ LogRecord GoldenPartsRecord() {
   return r;
 }
 
+// Writes the golden log followed by `extra` to a fresh file (*fresh), copies it over
+// testdata/`name` (*golden) when REFIT_UPDATE_GOLDEN is set, and reads the checked-in file into
+// *read: the golden records, then `extra`.
+void WriteAndReadGoldenWith(const LogRecord& extra, const std::string& name, std::string* golden,
+                            std::string* fresh, LogReadResult* read) {
+  *golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/" + name;
+  *fresh = TempDir(name) + "/patches.log";
+  ASSERT_NO_FATAL_FAILURE(WriteGolden(*fresh));
+  {
+    REFIT_ASSERT_OK_AND_ASSIGN(
+        auto w, PatchLogWriter::OpenForAppend(*fresh, ReadFile(*fresh).size(), false));
+    ASSERT_THAT(w->Append(extra), IsOk());
+  }
+  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
+    std::filesystem::copy_file(*fresh, *golden, std::filesystem::copy_options::overwrite_existing);
+  }
+  REFIT_ASSERT_OK_AND_ASSIGN(*read, ReadPatchLog(*golden));
+  EXPECT_THAT(read->corrupt, IsOk());
+  ASSERT_EQ(read->records.size(), 3u);
+  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read->records[i], GoldenRecords()[i]);
+  ExpectSameRecord(read->records[2], extra);
+}
+
 // testdata/patch_log_v2_parts.bin: the golden log followed by GoldenPartsRecord (an "RRE2" record
 // whose entries use part flags 0, 1 and 2). Regenerate with REFIT_UPDATE_GOLDEN=1 only for a
 // deliberate format change.
 TEST(PatchLogTest, GoldenFileWithPartsAlongTwoDimsIsFrozen) {
-  const std::string golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/patch_log_v2_parts.bin";
-  const std::string fresh = TempDir("golden_parts") + "/patches.log";
-  ASSERT_NO_FATAL_FAILURE(WriteGolden(fresh));
-  {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto w,
-                               PatchLogWriter::OpenForAppend(fresh, ReadFile(fresh).size(), false));
-    ASSERT_THAT(w->Append(GoldenPartsRecord()), IsOk());
-  }
-  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
-    std::filesystem::copy_file(fresh, golden, std::filesystem::copy_options::overwrite_existing);
-  }
-  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(golden));
-  EXPECT_THAT(read.corrupt, IsOk());
-  ASSERT_EQ(read.records.size(), 3u);
-  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read.records[i], GoldenRecords()[i]);
-  ExpectSameRecord(read.records[2], GoldenPartsRecord());
+  std::string golden, fresh;
+  LogReadResult read;
+  ASSERT_NO_FATAL_FAILURE(
+      WriteAndReadGoldenWith(GoldenPartsRecord(), "patch_log_v2_parts.bin", &golden, &fresh, &read));
   EXPECT_EQ(read.records[2].tensors[1].spec.part().dim(), 1u);
   EXPECT_EQ(read.records[2].tensors[2].spec.part().first_row(), 3u);
   EXPECT_EQ(ReadFile(fresh), ReadFile(golden))
@@ -390,26 +401,14 @@ LogRecord GoldenDigestsV2Record() {
 // testdata/patch_log_v3_digests_v2.bin: the golden log followed by GoldenDigestsV2Record (an
 // "RRE3" record). Regenerate with REFIT_UPDATE_GOLDEN=1 only for a deliberate format change.
 TEST(PatchLogTest, GoldenFileWithARecordOfV2DigestsIsFrozen) {
-  const std::string golden = std::string(REFIT_PATCH_LOG_TESTDATA) + "/patch_log_v3_digests_v2.bin";
-  const std::string fresh = TempDir("golden_v3") + "/patches.log";
-  ASSERT_NO_FATAL_FAILURE(WriteGolden(fresh));
-  const uint64_t v1_end = ReadFile(fresh).size();
-  {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto w, PatchLogWriter::OpenForAppend(fresh, v1_end, false));
-    ASSERT_THAT(w->Append(GoldenDigestsV2Record()), IsOk());
-  }
-  if (std::getenv("REFIT_UPDATE_GOLDEN") != nullptr) {
-    std::filesystem::copy_file(fresh, golden, std::filesystem::copy_options::overwrite_existing);
-  }
-  REFIT_ASSERT_OK_AND_ASSIGN(auto read, ReadPatchLog(golden));
-  EXPECT_THAT(read.corrupt, IsOk());
-  ASSERT_EQ(read.records.size(), 3u);
-  for (size_t i = 0; i < 2; ++i) ExpectSameRecord(read.records[i], GoldenRecords()[i]);
-  ExpectSameRecord(read.records[2], GoldenDigestsV2Record());
+  std::string golden, fresh;
+  LogReadResult read;
+  ASSERT_NO_FATAL_FAILURE(WriteAndReadGoldenWith(GoldenDigestsV2Record(),
+                                                 "patch_log_v3_digests_v2.bin", &golden, &fresh,
+                                                 &read));
   const std::vector<uint8_t> bytes = ReadFile(golden);
-  ASSERT_GT(bytes.size(), v1_end + 4);
-  EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(v1_end),
-                        bytes.begin() + static_cast<ptrdiff_t>(v1_end) + 4),
+  EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(read.offsets[2]),
+                        bytes.begin() + static_cast<ptrdiff_t>(read.offsets[2]) + 4),
             "RRE3");
   EXPECT_EQ(ReadFile(fresh), bytes)
       << "the patch log format changed: record version 3 is frozen (docs/ARCHITECTURE.md)";
