@@ -314,18 +314,29 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
   AddSince(start, &sum->digest_micros, &sum->digest_cpu_micros);
 }
 
-// StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
-// caller's bytes (valid until Publish returns), into enc->next. Returns every
-// tensor's v1 digest in manifest order.
+// After the v2 End is out: every v1 digest enc->next still lacks (digest_pending) into
+// enc->next: a changed tensor's from the caller's bytes (valid until Publish returns; its
+// baseline buffer is not updated yet), one carried over pending from its base
+// (lazy_v1_digests) from its own bytes. Returns every tensor's v1 digest in manifest order.
 std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, PublishSummary* sum) {
   const StageMark start = StageMark::Now();
+  std::vector<const std::span<const uint8_t>*> target_of(enc->next.size(), nullptr);
+  for (const Encoded::Pending& u : enc->pending) target_of[u.k] = &u.target;
   std::vector<size_t> ks;
-  std::vector<std::span<const uint8_t>> targets;
-  for (const Encoded::Pending& u : enc->pending) {
-    ks.push_back(u.k);
-    targets.push_back(u.target);
+  std::vector<std::span<const uint8_t>> bytes;
+  for (size_t k = 0; k < enc->next.size(); ++k) {
+    const BaselineTensor& t = enc->next[k];
+    if (!t.digest_pending) continue;
+    ks.push_back(k);
+    if (target_of[k] != nullptr) {
+      bytes.push_back(*target_of[k]);
+    } else if (t.bytes != nullptr) {
+      bytes.emplace_back(*t.bytes);
+    } else {
+      bytes.emplace_back();  // not reached: a tensor has bytes or a pending update
+    }
   }
-  const std::vector<uint64_t> d = TensorDigests(targets, threads);
+  const std::vector<uint64_t> d = TensorDigests(bytes, threads);
   for (size_t i = 0; i < ks.size(); ++i) {
     enc->next[ks[i]].digest = d[i];
     enc->next[ks[i]].digest_pending = false;

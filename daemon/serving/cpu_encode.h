@@ -46,9 +46,9 @@ void CopySharedPending(Encoded* enc, PublishSummary* sum);
 // CPU one pass, at the commit, with the core's mu_ held exclusively: the changed tensors'
 // baseline buffers patched in place from the pass's change log, or copied (see the .cc).
 void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum);
-// StreamPass::defer_v1, after the v2 End is out: the v1 digests the pass left pending, from the
-// caller's bytes (valid until Publish returns), into enc->next. Returns every tensor's v1 digest
-// in manifest order.
+// After the v2 End is out: every v1 digest the version still lacks (changed tensors the pass
+// deferred, and those carried over pending from the base) into enc->next. Returns every
+// tensor's v1 digest in manifest order.
 std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, PublishSummary* sum);
 
 }  // namespace refit::publisher

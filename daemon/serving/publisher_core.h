@@ -405,6 +405,9 @@ class PublisherCore {
   void NeedV1Digests();
   // Tensors of the newest version whose v1 digest is pending (lazy_v1_digests).
   size_t pending_v1_digests() const;
+  // Whether versions get v1 digests as they are installed (not lazy_v1_digests, or a v1 session
+  // was admitted: NeedV1Digests).
+  bool v1_digests_wanted() const { return v1_wanted_.load(std::memory_order_acquire); }
 
  private:
   explicit PublisherCore(const PublisherOptions& options);

@@ -5,6 +5,7 @@
 // baseline file records.
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -12,10 +13,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/codec/hash.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/publisher_core.h"
 #include "gmock/gmock.h"
@@ -167,6 +170,44 @@ TEST(LazyV1PublisherTest, ChangedTensorsKeepV1PendingThroughTheLogAndARestart) {
               *ref->VersionDigestOf(5, DigestFormat::kV2));
   }
   std::filesystem::remove_all(dir);
+}
+
+// A v1 session admitted while a lazy core publishes (NeedV1Digests waits for the Publish): the
+// version's v1 digests are computed after its End, those of its changed tensors from the
+// caller's bytes and those its unchanged tensors carried pending from the base from their
+// bytes, and equal an eager core's.
+TEST(LazyV1PublisherTest, AV1SessionArrivingDuringAPublishGetsEveryV1DigestRight) {
+  PublisherOptions po;
+  po.lazy_v1_digests = true;
+  po.stream_batch_bytes = 1;  // one tensor per batch
+  std::atomic<bool> armed{false};
+  PublisherCore* core_ptr = nullptr;
+  std::thread v1_hello;
+  po.stream_batch_hook = [&](size_t, size_t) {
+    if (!armed.exchange(false)) return absl::OkStatus();
+    v1_hello = std::thread([core_ptr] { core_ptr->NeedV1Digests(); });
+    while (!core_ptr->v1_digests_wanted()) std::this_thread::yield();
+    return absl::OkStatus();
+  };
+  REFIT_ASSERT_OK_AND_ASSIGN(auto ref, OpenStreaming(PublisherOptions{}));
+  REFIT_ASSERT_OK_AND_ASSIGN(auto core, OpenStreaming(po));
+  core_ptr = core.get();
+  for (uint64_t v = 1; v <= 3; ++v) {
+    SCOPED_TRACE(absl::StrCat("version ", v));
+    ASSERT_THAT(ref->Publish(v, Inputs(ModelAt(v))), IsOk());
+    armed = v == 3;  // "a" (changed in 2) carries its pending digest into 3, "b" changes
+    REFIT_ASSERT_OK_AND_ASSIGN(const PublishSummary sum, core->Publish(v, Inputs(ModelAt(v))));
+    if (v == 3) {
+      EXPECT_EQ(sum.version_digest, *ref->VersionDigestOf(3));
+    }
+  }
+  ASSERT_TRUE(v1_hello.joinable());
+  v1_hello.join();
+  EXPECT_EQ(core->pending_v1_digests(), 0u);
+  EXPECT_EQ(*core->VersionDigestOf(3, DigestFormat::kV1), *ref->VersionDigestOf(3));
+  for (const BaselineTensor& b : core->Baseline()) {
+    EXPECT_EQ(b.digest, TensorDigest(*b.bytes, 1)) << b.spec.name();
+  }
 }
 
 // A compaction of a version whose v1 digests are pending computes them: the baseline file

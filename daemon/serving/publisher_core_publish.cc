@@ -159,7 +159,10 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   // The streamed version's End goes out before the baseline update: a subscriber's refit does
   // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
-  const bool v1_pending = enc.v1_deferred && !enc.pending.empty();
+  // v1 digests the version lacks: changed tensors the pass deferred (StreamPass::defer_v1) and,
+  // on a lazy core, unchanged ones whose base's were pending.
+  const bool v1_pending = std::any_of(enc.next.begin(), enc.next.end(),
+                                      [](const BaselineTensor& t) { return t.digest_pending; });
   SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
   if (v1_pending) {
     if (v1_wanted_.load(std::memory_order_acquire)) {
