@@ -45,7 +45,7 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
                                                    const std::vector<size_t>& order,
                                                    const std::vector<v1::TensorSpec>& specs,
                                                    const std::vector<BaselineTensor>& prev,
-                                                   Encoded* out, PublishSummary* sum) {
+                                                   bool no_v1, Encoded* out, PublishSummary* sum) {
   std::vector<const BaselineTensor*> bases(order.size(), nullptr);
   const StageMark digest_start = StageMark::Now();
   for (size_t k = 0; k < order.size(); ++k) {
@@ -64,7 +64,11 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
       out->unchanged[k] = true;
     } else {
       t.bytes = OwnBytes(in.data, in.owned);
-      t.digest = TensorDigest(*t.bytes, options.digest_threads);
+      if (no_v1) {
+        t.digest_pending = true;
+      } else {
+        t.digest = TensorDigest(*t.bytes, options.digest_threads);
+      }
       t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
     }
   }
@@ -219,9 +223,9 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
                                 const std::vector<BaselineTensor>& prev, const std::string& where,
                                 const StreamPass& stream, Encoded* out, PublishSummary* sum) {
   ResizeEncoded(order.size(), out);
-  out->v1_deferred = stream.defer_v1;
+  out->v1_deferred = stream.defer_v1 || stream.no_v1;
   const std::vector<const BaselineTensor*> bases =
-      ClassifyForPass(options, inputs, order, specs, prev, out, sum);
+      ClassifyForPass(options, inputs, order, specs, prev, stream.no_v1, out, sum);
   std::vector<size_t> ks;
   for (size_t k = 0; k < order.size(); ++k) {
     if (bases[k] != nullptr) {
@@ -240,7 +244,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
     }
     const std::span<const size_t> batch(ks.data() + b, e - b);
     REFIT_RETURN_IF_ERROR(
-        EncodeBatch(options, inputs, order, bases, batch, where, stream.defer_v1, out));
+        EncodeBatch(options, inputs, order, bases, batch, where, out->v1_deferred, out));
     for (size_t k : batch) {
       if (stream.live == nullptr) break;
       stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);

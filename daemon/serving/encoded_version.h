@@ -60,6 +60,9 @@ struct StreamPass {
   const std::function<absl::Status(size_t, size_t)>* hook = nullptr;
   // The changed tensors' v1 digests are left to after the v2 End (Encoded::v1_deferred).
   bool defer_v1 = false;
+  // lazy_v1_digests without a v1 session: the pass computes no v1 digest at all (keyframe
+  // tensors included, streamed or not); those tensors' are left pending.
+  bool no_v1 = false;
 };
 
 }  // namespace refit::publisher

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/hash.h"
@@ -153,9 +154,20 @@ void PutPart(std::vector<uint8_t>& out, const v1::TensorSpec& spec) {
   for (uint64_t d : spec.part().whole_shape()) PutU64(out, d);
 }
 
-std::vector<uint8_t> EncodeBody(const LogRecord& r, uint32_t record_version) {
-  std::vector<uint8_t> out;
-  out.reserve(64 + r.payload_bytes() + 64 * r.tensors.size());
+// An upper bound of the body's bytes: its fixed fields, each entry's fixed fields (at most 64),
+// name, dims, part dims and bytes.
+uint64_t BodyBytesBound(const LogRecord& r) {
+  uint64_t n = 64 + r.payload_bytes();
+  for (const LogTensor& t : r.tensors) {
+    n += 64 + t.spec.name().size() + 8 * static_cast<uint64_t>(t.spec.shape_size()) +
+         8 * static_cast<uint64_t>(t.spec.part().whole_shape_size());
+  }
+  return n;
+}
+
+// Appends the record's body to `out` (reserved by the caller: the patch and dense bytes are
+// copied once, into their place in the record).
+void AppendBody(const LogRecord& r, uint32_t record_version, std::vector<uint8_t>& out) {
   PutU64(out, r.version);
   PutU64(out, r.base_version);
   PutU64(out, r.version_digest);
@@ -176,7 +188,6 @@ std::vector<uint8_t> EncodeBody(const LogRecord& r, uint32_t record_version) {
     PutU64(out, n);
     if (n > 0) PutBytes(out, t.bytes->data(), n);
   }
-  return out;
 }
 
 // A tensor entry's part (PutPart); false when truncated, the flag is not 0, 1 or 2, or flag 2
@@ -218,7 +229,7 @@ absl::Status CheckEntryOrder(const v1::TensorSpec& before, const v1::TensorSpec&
   return absl::OkStatus();
 }
 
-// One tensor entry of a record body (see EncodeBody).
+// One tensor entry of a record body (see AppendBody).
 absl::StatusOr<LogTensor> DecodeTensor(Reader& in, uint32_t index, const std::string& where,
                                        uint32_t record_version) {
   auto bad = [&](const std::string& why) {
@@ -281,17 +292,22 @@ std::vector<uint8_t> EncodeLogHeader(const LogHeader& header) {
 
 std::vector<uint8_t> EncodeLogRecord(const LogRecord& record) {
   const uint32_t record_version = RecordVersion(record);
-  const std::vector<uint8_t> body = EncodeBody(record, record_version);
+  // One buffer: the frame's room, then the body written behind it, then the frame.
   std::vector<uint8_t> out;
-  out.reserve(kPatchRecordFrameBytes + body.size());
+  out.reserve(kPatchRecordFrameBytes + BodyBytesBound(record));
+  out.resize(kPatchRecordFrameBytes);
+  AppendBody(record, record_version, out);
+  const std::span<const uint8_t> body(out.data() + kPatchRecordFrameBytes,
+                                      out.size() - kPatchRecordFrameBytes);
   const char* magic = record_version == 1   ? kPatchRecordMagic
                       : record_version == 2 ? kPatchRecordMagicV2
                                             : kPatchRecordMagicV3;
-  PutBytes(out, magic, sizeof(kPatchRecordMagic));
-  PutU64(out, body.size());
-  PutU64(out, Hash64(body, kPatchRecordBodySeed));
-  PutU64(out, Hash64(out, kPatchRecordFrameSeed));
-  out.insert(out.end(), body.begin(), body.end());
+  std::vector<uint8_t> frame;
+  PutBytes(frame, magic, sizeof(kPatchRecordMagic));
+  PutU64(frame, body.size());
+  PutU64(frame, Hash64(body, kPatchRecordBodySeed));
+  PutU64(frame, Hash64(frame, kPatchRecordFrameSeed));
+  std::memcpy(out.data(), frame.data(), kPatchRecordFrameBytes);
   return out;
 }
 

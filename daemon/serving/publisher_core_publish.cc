@@ -128,7 +128,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const bool defer_v1 = live != nullptr && options_.v1_after_end &&
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
   const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
-                          defer_v1};
+                          defer_v1,
+                          options_.lazy_v1_digests && !v1_wanted_.load(std::memory_order_acquire)};
   const std::optional<PublisherOptions> chosen =
       AutoFormatOptions(options_, chooser_.get(), version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;

@@ -132,13 +132,15 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
   EXPECT_EQ(*peer_->VersionDigestOf(2, DigestFormat::kV2),
             *up_->VersionDigestOf(2, DigestFormat::kV2));
   EXPECT_THAT(peer_->VersionDigestOf(2, DigestFormat::kV1), Not(IsOk()));
-  EXPECT_EQ(peer_->pending_v1_digests(), 3u) << "a.weight, c.norm patched, d.bias new";
+  EXPECT_EQ(peer_->pending_v1_digests(), 4u)
+      << "a.weight, c.norm patched, d.bias new, b.weight from its version-1 keyframe (the peer "
+         "core published version 1 without v1 digests too)";
   std::mt19937 rng(11);
   Model v3 = v2_;
   sync::testing::Perturb(v3["a.weight"], 0.02, rng);  // c.norm, b.weight, d.bias unchanged
   ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
   ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(3, v3));
-  EXPECT_EQ(peer_->pending_v1_digests(), 3u) << "c.norm and d.bias carry theirs over";
+  EXPECT_EQ(peer_->pending_v1_digests(), 4u) << "b.weight, c.norm and d.bias carry theirs over";
   EXPECT_THAT(peer_->VersionDigestOf(3, DigestFormat::kV1), Not(IsOk()));
 
   peer_->NeedV1Digests();
@@ -156,9 +158,8 @@ TEST_F(RelayFeedTest, ALazyPeerCoreComputesV1DigestsOnlyOnceAV1SessionNeedsThem)
 }
 
 // A version the lazy peer core encodes itself (not relayable: Publish) keeps its base's pending
-// v1 digests pending where tensors are unchanged (judged by digest v2) and, without a live
-// version, computes the changed ones' in its pass; once a v1 session needs them both formats
-// equal the upstream's.
+// v1 digests pending where tensors are unchanged (judged by digest v2) and leaves the changed
+// ones' pending too; once a v1 session needs them both formats equal the upstream's.
 TEST_F(RelayFeedTest, ALazyPeerCoreEncodingAVersionItselfGetsItsV1DigestsRight) {
   ASSERT_NO_FATAL_FAILURE(OpenLazyPeer());
   ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(2, v2_));
