@@ -366,8 +366,8 @@ void WriteAndReadGoldenWith(const LogRecord& extra, const std::string& name, std
 TEST(PatchLogTest, GoldenFileWithPartsAlongTwoDimsIsFrozen) {
   std::string golden, fresh;
   LogReadResult read;
-  ASSERT_NO_FATAL_FAILURE(
-      WriteAndReadGoldenWith(GoldenPartsRecord(), "patch_log_v2_parts.bin", &golden, &fresh, &read));
+  ASSERT_NO_FATAL_FAILURE(WriteAndReadGoldenWith(GoldenPartsRecord(), "patch_log_v2_parts.bin",
+                                                 &golden, &fresh, &read));
   EXPECT_EQ(read.records[2].tensors[1].spec.part().dim(), 1u);
   EXPECT_EQ(read.records[2].tensors[2].spec.part().first_row(), 3u);
   EXPECT_EQ(ReadFile(fresh), ReadFile(golden))
@@ -403,9 +403,8 @@ LogRecord GoldenDigestsV2Record() {
 TEST(PatchLogTest, GoldenFileWithARecordOfV2DigestsIsFrozen) {
   std::string golden, fresh;
   LogReadResult read;
-  ASSERT_NO_FATAL_FAILURE(WriteAndReadGoldenWith(GoldenDigestsV2Record(),
-                                                 "patch_log_v3_digests_v2.bin", &golden, &fresh,
-                                                 &read));
+  ASSERT_NO_FATAL_FAILURE(WriteAndReadGoldenWith(
+      GoldenDigestsV2Record(), "patch_log_v3_digests_v2.bin", &golden, &fresh, &read));
   const std::vector<uint8_t> bytes = ReadFile(golden);
   EXPECT_EQ(std::string(bytes.begin() + static_cast<ptrdiff_t>(read.offsets[2]),
                         bytes.begin() + static_cast<ptrdiff_t>(read.offsets[2]) + 4),
