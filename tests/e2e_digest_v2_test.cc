@@ -16,7 +16,24 @@ namespace {
 
 using ::refit::testing::IsOk;
 
-using E2EDigestV2 = E2ETest;
+class E2EDigestV2 : public E2ETest {
+ protected:
+  // `sub` holds version `v` = `m`, verified in digest format `format` (1 or 2), and, with
+  // `delta`, got it from v - 1 without keyframes; its Status after that refit in *st.
+  void ExpectRefit(const DaemonProcess& sub, uint64_t v, const Model& m, uint32_t format,
+                   bool delta, v1::StatusResponse* st) {
+    E2E_ASSERT_OK(WaitVersion(sub, v));
+    E2E_ASSERT_OK(ExpectExportEquals(sub, m));
+    E2E_ASSERT_OK(ExpectVerified(sub));  // recomputed in the session's format
+    REFIT_ASSERT_OK_AND_ASSIGN(*st, StatusAfterRefit(sub.control_target(), v));
+    EXPECT_EQ(st->digest_format(), format) << sub.name();
+    EXPECT_TRUE(st->last_refit().digests_verified()) << sub.name();
+    if (delta) {
+      EXPECT_EQ(st->last_refit().base_version(), v - 1) << sub.name();
+      EXPECT_EQ(st->last_refit().keyframe_tensors(), 0u) << sub.name();
+    }
+  }
+};
 
 TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
   REFIT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<model::Trajectory> traj, TinyTrajectory(17));
@@ -43,23 +60,15 @@ TEST_F(E2EDigestV2, V2AndV1SubscribersFollowTheSameTrajectoryBitExact) {
     E2E_ASSERT_OK(Publish(pub, m, v));
     absl::StatusOr<v1::StatusResponse> pst;
     for (DaemonProcess* sub : {&v2, &v1sub}) {
-      E2E_ASSERT_OK(WaitVersion(*sub, v));
-      E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
-      E2E_ASSERT_OK(ExpectVerified(*sub));  // recomputed in the session's format
-      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
+      const bool is_v2 = sub == &v2;
+      v1::StatusResponse st;
+      ASSERT_NO_FATAL_FAILURE(ExpectRefit(*sub, v, m, is_v2 ? 2u : 1u, v > 1, &st));
       pst = RpcStatus(pub.control_target());
       ASSERT_THAT(pst, IsOk());
       ASSERT_EQ(pst->version(), v);
-      const bool is_v2 = sub == &v2;
-      EXPECT_EQ(st.digest_format(), is_v2 ? 2u : 1u) << sub->name();
       EXPECT_EQ(pst->digest_format(), 2u);
       EXPECT_EQ(st.version_digest(), is_v2 ? pst->version_digest() : pst->version_digest_v1())
           << sub->name();
-      EXPECT_TRUE(st.last_refit().digests_verified()) << sub->name();
-      if (v > 1) {
-        EXPECT_EQ(st.last_refit().base_version(), v - 1) << sub->name();
-        EXPECT_EQ(st.last_refit().keyframe_tensors(), 0u) << sub->name();
-      }
     }
     for (const v1::SessionStatus& s : pst->sessions()) {
       EXPECT_EQ(s.digest_format(), s.name() == "sub-v2" ? 2u : 1u) << s.name();
@@ -104,17 +113,9 @@ TEST_F(E2EDigestV2, AV1PeerJoiningARelayLaterFollowsItBitExact) {
     std::vector<DaemonProcess*> subs = {&relay, &v2};
     if (v >= kJoin) subs.push_back(&v1peer);
     for (DaemonProcess* sub : subs) {
-      E2E_ASSERT_OK(WaitVersion(*sub, v));
-      E2E_ASSERT_OK(ExpectExportEquals(*sub, m));
-      E2E_ASSERT_OK(ExpectVerified(*sub));  // recomputed in the session's format
-      REFIT_ASSERT_OK_AND_ASSIGN(v1::StatusResponse st, StatusAfterRefit(sub->control_target(), v));
-      EXPECT_EQ(st.digest_format(), sub == &v1peer ? 1u : 2u) << sub->name();
-      EXPECT_TRUE(st.last_refit().digests_verified()) << sub->name();
       const bool deltas = sub == &v1peer ? v > kJoin : v > 1;
-      if (deltas) {
-        EXPECT_EQ(st.last_refit().base_version(), v - 1) << sub->name();
-        EXPECT_EQ(st.last_refit().keyframe_tensors(), 0u) << sub->name();
-      }
+      v1::StatusResponse st;
+      ASSERT_NO_FATAL_FAILURE(ExpectRefit(*sub, v, m, sub == &v1peer ? 1u : 2u, deltas, &st));
     }
   }
 }

@@ -223,7 +223,8 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
                                 const std::vector<BaselineTensor>& prev, const std::string& where,
                                 const StreamPass& stream, Encoded* out, PublishSummary* sum) {
   ResizeEncoded(order.size(), out);
-  out->v1_deferred = stream.defer_v1 || stream.no_v1;
+  // The changed tensors' v1 digests: after the End (FillDeferredV1), or not at all (no_v1).
+  const bool skip_v1 = stream.defer_v1 || stream.no_v1;
   const std::vector<const BaselineTensor*> bases =
       ClassifyForPass(options, inputs, order, specs, prev, stream.no_v1, out, sum);
   std::vector<size_t> ks;
@@ -243,8 +244,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
       REFIT_RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
     }
     const std::span<const size_t> batch(ks.data() + b, e - b);
-    REFIT_RETURN_IF_ERROR(
-        EncodeBatch(options, inputs, order, bases, batch, where, out->v1_deferred, out));
+    REFIT_RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, skip_v1, out));
     for (size_t k : batch) {
       if (stream.live == nullptr) break;
       stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);
@@ -324,28 +324,9 @@ void FillDigestsV2(const PublisherOptions& options, const std::vector<BaselineTe
 // (lazy_v1_digests) from its own bytes. Returns every tensor's v1 digest in manifest order.
 std::vector<uint64_t> FillDeferredV1(Encoded* enc, int threads, PublishSummary* sum) {
   const StageMark start = StageMark::Now();
-  std::vector<const std::span<const uint8_t>*> target_of(enc->next.size(), nullptr);
-  for (const Encoded::Pending& u : enc->pending) target_of[u.k] = &u.target;
-  std::vector<size_t> ks;
-  std::vector<std::span<const uint8_t>> bytes;
-  for (size_t k = 0; k < enc->next.size(); ++k) {
-    const BaselineTensor& t = enc->next[k];
-    if (!t.digest_pending) continue;
-    ks.push_back(k);
-    if (target_of[k] != nullptr) {
-      bytes.push_back(*target_of[k]);
-    } else if (t.bytes != nullptr) {
-      bytes.emplace_back(*t.bytes);
-    } else {
-      bytes.emplace_back();  // not reached: a tensor has bytes or a pending update
-    }
-  }
-  const std::vector<uint64_t> d = TensorDigests(bytes, threads);
-  for (size_t i = 0; i < ks.size(); ++i) {
-    enc->next[ks[i]].digest = d[i];
-    enc->next[ks[i]].digest_pending = false;
-  }
-  enc->v1_deferred = false;
+  std::vector<std::span<const uint8_t>> target_of(enc->next.size());
+  for (const Encoded::Pending& u : enc->pending) target_of[u.k] = u.target;
+  FillPendingV1(enc->next, threads, &target_of);
   std::vector<uint64_t> all;
   all.reserve(enc->next.size());
   for (const BaselineTensor& t : enc->next) all.push_back(t.digest);

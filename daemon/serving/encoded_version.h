@@ -26,9 +26,6 @@ struct Encoded {
   std::vector<bool> unchanged;            // same spec and bytes as the previous version
   std::vector<sync::PatchBytes> patches;  // null: unchanged or keyframe
   std::vector<uint64_t> changed;          // encoder's changed elements (patched tensors)
-  // StreamPass::defer_v1: the patched tensors' (`pending`) v1 digests are not computed yet
-  // (digest 0) until FillDeferredV1.
-  bool v1_deferred = false;
   // GPU encoding: the GPU baseline of `next` (every tensor that has one), by place.
   GpuBaselineMap gpu;
   // CPU one pass: changed tensors whose next[k].bytes is still null. Each becomes its previous
@@ -58,7 +55,8 @@ struct StreamPass {
   LiveVersion* live = nullptr;  // null: not streamed
   uint64_t batch_bytes = 0;     // 0: one batch
   const std::function<absl::Status(size_t, size_t)>* hook = nullptr;
-  // The changed tensors' v1 digests are left to after the v2 End (Encoded::v1_deferred).
+  // The changed tensors' v1 digests are left to after the v2 End (BaselineTensor::digest_pending
+  // until FillDeferredV1).
   bool defer_v1 = false;
   // lazy_v1_digests without a v1 session: the pass computes no v1 digest at all (keyframe
   // tensors included, streamed or not); those tensors' are left pending.

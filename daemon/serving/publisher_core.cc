@@ -1,7 +1,8 @@
 // PublisherCore's construction, state accessors and Reset. Its other members:
 // publisher_core_publish.cc (Publish), transfer.cc (MakeTransfer), publisher_core_live.cc (live
-// versions), publisher_core_relay.cc (relayed versions), publisher_core_persist.cc (restart; the
-// persistence itself is publisher_persistence.cc).
+// versions), publisher_core_relay.cc (relayed versions), publisher_core_v1.cc (v1 digests left
+// pending), publisher_core_persist.cc (restart; the persistence itself is
+// publisher_persistence.cc).
 #include "daemon/serving/publisher_core.h"
 
 #include <algorithm>

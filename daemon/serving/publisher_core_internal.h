@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,20 @@ inline bool SameSpecAs(const BaselineTensor* p, const v1::TensorSpec& spec) {
 
 // The references to a baseline buffer when only the core's baseline and Encoded::Pending hold it.
 constexpr long kSoleBaselineOwners = 2;
+
+// The tensors of a version whose v1 digest is pending (lazy_v1_digests): their indices and the
+// bytes to hash for each (publisher_core_v1.cc).
+struct PendingV1 {
+  std::vector<size_t> at;
+  std::vector<std::span<const uint8_t>> bytes;
+};
+// Each pending tensor's bytes: `(*bytes_of)[k]` where that is not empty (a changed tensor whose
+// baseline buffer is not updated yet: the caller's bytes), else its own.
+PendingV1 PendingV1Of(const std::vector<BaselineTensor>& tensors,
+                      const std::vector<std::span<const uint8_t>>* bytes_of = nullptr);
+// Computes the pending v1 digests of `tensors` (PendingV1Of) and fills them in.
+void FillPendingV1(std::vector<BaselineTensor>& tensors, int threads,
+                   const std::vector<std::span<const uint8_t>>* bytes_of = nullptr);
 
 // Forgets the counts of versions `history` no longer holds.
 inline void PruneCounts(const sync::PatchHistory& history, std::vector<VersionCounts>* counts) {

@@ -2,20 +2,20 @@
 // lineage file's numbering and the baseline status.
 #include "daemon/serving/publisher_persistence.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <span>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/codec/hash.h"
 #include "daemon/common/durations.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/unix_time.h"
 #include "daemon/serving/baseline_file.h"
 #include "daemon/serving/patch_log.h"
+#include "daemon/serving/publisher_core_internal.h"
 #include "daemon/sync/version_digest.h"
 
 namespace refit::publisher {
@@ -26,19 +26,11 @@ constexpr char kBaselineFile[] = "baseline.safetensors";
 // `s` with every v1 digest known, as the baseline file records them: the pending ones
 // (PublisherOptions::lazy_v1_digests) computed from the bytes, and the version digest over them.
 absl::StatusOr<BaselineSnapshot> WithV1Digests(BaselineSnapshot s, int threads) {
-  std::vector<size_t> pending;
-  std::vector<std::span<const uint8_t>> bytes;
-  for (size_t k = 0; k < s.tensors.size(); ++k) {
-    if (!s.tensors[k].digest_pending) continue;
-    pending.push_back(k);
-    bytes.emplace_back(*s.tensors[k].bytes);
+  if (std::none_of(s.tensors.begin(), s.tensors.end(),
+                   [](const BaselineTensor& t) { return t.digest_pending; })) {
+    return s;
   }
-  if (pending.empty()) return s;
-  const std::vector<uint64_t> d = TensorDigests(bytes, threads);
-  for (size_t i = 0; i < pending.size(); ++i) {
-    s.tensors[pending[i]].digest = d[i];
-    s.tensors[pending[i]].digest_pending = false;
-  }
+  FillPendingV1(s.tensors, threads);
   std::vector<v1::TensorSpec> manifest;
   std::vector<uint64_t> digests;
   for (const BaselineTensor& t : s.tensors) {

@@ -91,8 +91,7 @@ absl::StatusOr<PatchHistory::TensorEntry> PatchHistory::MakeEntry(uint64_t versi
   const bool same = p != nullptr && SameSpec(p->spec, e.spec);
   const std::string where =
       absl::StrCat("version ", version, " ", DescribeTensor(static_cast<uint32_t>(k), e.spec.name()));
-  if (same && SameDigests({p->digest, p->digest_pending, p->digest_v2},
-                          {e.digest, e.digest_pending, e.digest_v2})) {
+  if (same && SameDigests(p->digests(), e.digests())) {
     e.kind = TensorEntry::kUnchanged;
     return e;
   }

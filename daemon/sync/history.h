@@ -160,6 +160,8 @@ class PatchHistory {
     enum Kind { kUnchanged, kPatch, kKeyframe } kind = kKeyframe;
     PatchBytes patch;
     uint8_t patch_format = 0;  // kPatch: the patch's format version (its header's)
+
+    DigestState digests() const { return {digest, digest_pending, digest_v2}; }
   };
   struct Record {
     uint64_t version = 0;
