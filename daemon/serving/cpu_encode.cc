@@ -7,6 +7,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/hash.h"
 #include "daemon/common/cpu_time.h"
@@ -38,16 +39,14 @@ std::shared_ptr<const std::vector<uint8_t>> OwnBytes(
 }
 
 // CPU one pass, step 1: what each tensor needs. Same spec as before: encoded against its
-// baseline (returned, in `order` positions); empty: unchanged; new or reshaped: a keyframe,
-// copied and digested here.
-std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& options,
-                                                   std::span<const TensorInput> inputs,
+// baseline (returned, in `order` positions); no bytes: unchanged; otherwise (new or reshaped)
+// a keyframe (null base, not unchanged), copied and digested by CopyKeyframes.
+std::vector<const BaselineTensor*> ClassifyForPass(std::span<const TensorInput> inputs,
                                                    const std::vector<size_t>& order,
                                                    const std::vector<v1::TensorSpec>& specs,
                                                    const std::vector<BaselineTensor>& prev,
-                                                   bool no_v1, Encoded* out, PublishSummary* sum) {
+                                                   Encoded* out) {
   std::vector<const BaselineTensor*> bases(order.size(), nullptr);
-  const StageMark digest_start = StageMark::Now();
   for (size_t k = 0; k < order.size(); ++k) {
     const TensorInput& in = inputs[order[k]];
     BaselineTensor& t = out->next[k];
@@ -62,18 +61,30 @@ std::vector<const BaselineTensor*> ClassifyForPass(const PublisherOptions& optio
       t.digest_pending = p->digest_pending;
       t.digest_v2 = p->digest_v2;
       out->unchanged[k] = true;
-    } else {
-      t.bytes = OwnBytes(in.data, in.owned);
-      if (no_v1) {
-        t.digest_pending = true;
-      } else {
-        t.digest = TensorDigest(*t.bytes, options.digest_threads);
-      }
-      t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
     }
   }
-  AddSince(digest_start, &sum->digest_micros, &sum->digest_cpu_micros);
   return bases;
+}
+
+// CPU one pass, one batch of keyframe tensors `ks` (manifest-order indices): each copied into
+// the core's own buffer (never the caller's bytes: they are sent after Publish returns) and
+// digested (v1 unless `no_v1`: then left pending).
+void CopyKeyframes(const PublisherOptions& options, std::span<const TensorInput> inputs,
+                   const std::vector<size_t>& order, std::span<const size_t> ks, bool no_v1,
+                   Encoded* out, PublishSummary* sum) {
+  const StageMark start = StageMark::Now();
+  for (size_t k : ks) {
+    const TensorInput& in = inputs[order[k]];
+    BaselineTensor& t = out->next[k];
+    t.bytes = OwnBytes(in.data, in.owned);
+    if (no_v1) {
+      t.digest_pending = true;
+    } else {
+      t.digest = TensorDigest(*t.bytes, options.digest_threads);
+    }
+    t.digest_v2 = TensorDigestV2(*t.bytes, options.digest_threads);
+  }
+  AddSince(start, &sum->digest_micros, &sum->digest_cpu_micros);
 }
 
 // CPU one pass, one batch: the tensors `ks` (manifest-order indices, each with a base) compared,
@@ -212,10 +223,26 @@ absl::Status EncodeOnCpuCopying(const PublisherOptions& options,
   return absl::OkStatus();
 }
 
+// The batches of `ks` (BatchEnd), each run by `run` after the stream's test hook.
+absl::Status ForEachBatch(const StreamPass& stream, std::span<const TensorInput> inputs,
+                          const std::vector<size_t>& order, const std::vector<size_t>& ks,
+                          absl::FunctionRef<absl::Status(std::span<const size_t>)> run) {
+  for (size_t b = 0; b < ks.size();) {
+    const size_t e = BatchEnd(stream, inputs, order, ks, b);
+    if (stream.live != nullptr && stream.hook != nullptr && *stream.hook) {
+      REFIT_RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
+    }
+    REFIT_RETURN_IF_ERROR(run(std::span<const size_t>(ks.data() + b, e - b)));
+    b = e;
+  }
+  return absl::OkStatus();
+}
+
 // CPU one pass (PublisherCore's class comment): every tensor with a base compared, encoded and
 // digested by EncodePatchesWithDigests over (baseline, caller's bytes); no snapshot copy. When
-// streamed, in batches, each tensor's object handed to the live version as its batch completes
-// (keyframes and byte-less unchanged tensors before the pass).
+// streamed, in batches, each tensor's object handed to the live version as its batch completes:
+// byte-less unchanged tensors first, then the keyframes (copied and digested batch by batch,
+// so that a first version's frames leave while the rest is copied), then the patches.
 absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
                                 std::span<const TensorInput> inputs,
                                 const std::vector<size_t>& order,
@@ -226,31 +253,40 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   // The changed tensors' v1 digests: after the End (FillDeferredV1), or not at all (no_v1).
   const bool skip_v1 = stream.defer_v1 || stream.no_v1;
   const std::vector<const BaselineTensor*> bases =
-      ClassifyForPass(options, inputs, order, specs, prev, stream.no_v1, out, sum);
+      ClassifyForPass(inputs, order, specs, prev, out);
+  // A batch's objects to the live version: keyframes' own bytes, patches (none: unchanged).
+  auto ready = [&](std::span<const size_t> batch, bool keyframes) {
+    if (stream.live == nullptr) return;
+    for (size_t k : batch) {
+      stream.live->Ready(static_cast<uint32_t>(k),
+                         keyframes ? out->next[k].bytes
+                                   : (out->unchanged[k] ? nullptr : out->patches[k]));
+    }
+  };
   std::vector<size_t> ks;
+  std::vector<size_t> keyframes;
   for (size_t k = 0; k < order.size(); ++k) {
     if (bases[k] != nullptr) {
       ks.push_back(k);
-    } else if (stream.live != nullptr) {
-      stream.live->Ready(static_cast<uint32_t>(k),
-                         out->unchanged[k] ? nullptr : out->next[k].bytes);
+    } else if (out->unchanged[k]) {
+      if (stream.live != nullptr) stream.live->Ready(static_cast<uint32_t>(k), nullptr);
+    } else {
+      keyframes.push_back(k);
     }
   }
+  REFIT_RETURN_IF_ERROR(
+      ForEachBatch(stream, inputs, order, keyframes, [&](std::span<const size_t> batch) {
+        CopyKeyframes(options, inputs, order, batch, stream.no_v1, out, sum);
+        ready(batch, /*keyframes=*/true);
+        return absl::OkStatus();
+      }));
   if (ks.empty()) return absl::OkStatus();
   const StageMark pass_start = StageMark::Now();
-  for (size_t b = 0; b < ks.size();) {
-    const size_t e = BatchEnd(stream, inputs, order, ks, b);
-    if (stream.live != nullptr && stream.hook != nullptr && *stream.hook) {
-      REFIT_RETURN_IF_ERROR((*stream.hook)(ks[b], ks[e - 1] + 1));
-    }
-    const std::span<const size_t> batch(ks.data() + b, e - b);
+  REFIT_RETURN_IF_ERROR(ForEachBatch(stream, inputs, order, ks, [&](std::span<const size_t> batch) {
     REFIT_RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, skip_v1, out));
-    for (size_t k : batch) {
-      if (stream.live == nullptr) break;
-      stream.live->Ready(static_cast<uint32_t>(k), out->unchanged[k] ? nullptr : out->patches[k]);
-    }
-    b = e;
-  }
+    ready(batch, /*keyframes=*/false);
+    return absl::OkStatus();
+  }));
   AddSince(pass_start, &sum->pass_micros, &sum->pass_cpu_micros);
   sum->encode_micros = sum->pass_micros;
   return absl::OkStatus();

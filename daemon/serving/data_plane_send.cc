@@ -214,7 +214,7 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
   // format-2 patches; plans keyframe those tensors for it).
   if (!session.streamed || !session.selection.all() || loop.rejections > 0 ||
       session.max_patch_format < format::kVersion2 || topts.plan.all_keyframes ||
-      !topts.plan.keyframe_tensors.empty() || base_version == 0) {
+      !topts.plan.keyframe_tensors.empty()) {
     return nullptr;
   }
   // A committed live version streams too while the core does not hold it yet: a relayed
@@ -227,8 +227,12 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
       live_ != nullptr &&
       (live_->state() == LiveVersion::State::kEncoding ||
        (live_->state() == LiveVersion::State::kCommitted && newest < live_->version()));
-  if (!open || live_->base_version() != base_version ||
-      live_->base_version_digest(session.digest_format) != base_digest || base_digest == 0) {
+  if (!open || live_->base_version() != base_version) return nullptr;
+  // A session that holds no version (0, digest 0) streams a first version; any other needs the
+  // live version's base digest in its format.
+  const bool first = base_version == 0 && base_digest == 0;
+  if (!first &&
+      (live_->base_version_digest(session.digest_format) != base_digest || base_digest == 0)) {
     return nullptr;
   }
   return live_;

@@ -147,8 +147,8 @@ TEST(PublisherCoreCutTest, StreamedAndCopyingPathsCarryEveryPart) {
       EXPECT_TRUE(opened.empty());  // only the one pass streams
       continue;
     }
-    ASSERT_EQ(opened.size(), 1u);
-    const LiveVersion& live = *opened[0];
+    ASSERT_EQ(opened.size(), 2u) << "versions 1 (keyframes) and 2";
+    const LiveVersion& live = *opened[1];
     ASSERT_EQ(live.state(), LiveVersion::State::kCommitted);
     ASSERT_EQ(live.header().tensors_size(), 7);
     for (int i = 0; i < 7; ++i) {

@@ -5,6 +5,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/serving/publisher_core.h"
 #include "daemon/serving/publisher_core_internal.h"
+#include "daemon/sync/version_digest.h"
 
 namespace refit::publisher {
 
@@ -18,7 +19,7 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
                                                      const std::vector<v1::TensorSpec>& specs,
                                                      const std::vector<size_t>& order,
                                                      uint64_t snapshot_nanos) {
-  if (prev_version == 0 || options_.device != nullptr || !options_.cpu_one_pass) return nullptr;
+  if (options_.device != nullptr || !options_.cpu_one_pass) return nullptr;
   if (!live_listener_.listening()) return nullptr;
   v1::VersionHeader h;
   uint64_t expected = 0;
@@ -34,7 +35,9 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
   }
   h.set_version(version);
   h.set_base_version(prev_version);
-  h.set_reason(v1::TRANSFER_REASON_NEXT_VERSION);
+  // A first version (base 0) streams to sessions that hold none: every tensor a keyframe.
+  h.set_reason(prev_version == 0 ? v1::TRANSFER_REASON_BOOTSTRAP
+                                 : v1::TRANSFER_REASON_NEXT_VERSION);
   h.set_snapshot_unix_nanos(snapshot_nanos);
   for (size_t k = 0; k < order.size(); ++k) {
     v1::TensorPlan* tp = h.add_tensors();
@@ -47,6 +50,10 @@ std::shared_ptr<LiveVersion> PublisherCore::OpenLive(uint64_t version, uint64_t 
     } else {
       tp->set_delivery(v1::DELIVERY_KEYFRAME);
     }
+  }
+  // A first version: its objects are the tensors' bytes (the frame size and pacing estimate).
+  if (prev_version == 0) {
+    for (const v1::TensorSpec& spec : specs) expected += sync::TensorByteSize(spec).value_or(0);
   }
   auto live =
       std::make_shared<LiveVersion>(std::move(h), expected, [this] { live_listener_.Changed(); });
@@ -68,8 +75,12 @@ LiveEnds LiveEndsOf(const sync::PatchHistory& history, uint64_t prev_version, ui
 absl::StatusOr<v1::VersionEnd> LiveEndOf(const sync::PatchHistory& history, uint64_t prev_version,
                                          uint64_t version, const PublishSummary& sum,
                                          sync::DigestFormat format) {
-  // The same digests and version digest as the committed path's End (Transfer::End).
-  REFIT_ASSIGN_OR_RETURN(const uint64_t prev_digest, history.VersionDigestOf(prev_version, format));
+  // The same digests and version digest as the committed path's End (Transfer::End); from
+  // version 0, the bootstrap plan's.
+  uint64_t prev_digest = 0;
+  if (prev_version != 0) {
+    REFIT_ASSIGN_OR_RETURN(prev_digest, history.VersionDigestOf(prev_version, format));
+  }
   REFIT_RETURN_IF_ERROR(history.VersionDigestOf(version, format).status());
   sync::PlanOptions po;
   po.digest_format = format;

@@ -1043,7 +1043,10 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   m["b"] = RandomTensor(DType::kBF16, {1000}, rng);
   m["c"] = RandomTensor(DType::kBF16, {64}, rng);
   ASSERT_THAT(core->Publish(1, Inputs(m)), IsOk());
-  EXPECT_TRUE(opened.empty()) << "no base: nothing to stream";
+  ASSERT_EQ(opened.size(), 1u) << "a first version streams too (LiveVersionTest.AFirstVersion*)";
+  opened.clear();
+  batches.clear();
+  changes = 0;
   const Model base = m;
   Mutate(m["a"], 0.01, rng);                         // patched
   m["c"] = RandomTensor(DType::kF32, {32}, rng);     // re-typed: keyframe
@@ -1061,7 +1064,8 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   EXPECT_EQ(h.tensors(1).delivery(), v1::DELIVERY_PATCH);
   EXPECT_EQ(h.tensors(2).delivery(), v1::DELIVERY_KEYFRAME);
   EXPECT_EQ(h.tensors(3).delivery(), v1::DELIVERY_KEYFRAME);
-  EXPECT_EQ(batches.size(), 2u) << "a and b, one batch each";
+  EXPECT_EQ(batches, (std::vector<std::pair<size_t, size_t>>{{2, 3}, {3, 4}, {0, 1}, {1, 2}}))
+      << "the keyframes c and d, then a and b, one batch each";
   ASSERT_EQ(live.ready_objects(), 4u);
   EXPECT_EQ(changes, 6) << "four tensors ready, the commit in v2, then the v1 End";
   // The committed path's VersionEnd of 1 -> 2 has the same digests.
@@ -1106,8 +1110,72 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   EXPECT_EQ(objects[3], m["d"].bytes);
 }
 
-// A publish failing after its live version opened (here at the last batch) marks it failed;
-// nothing is committed and the next publish of the same number streams again.
+// A first version streams to sessions that hold none: a live version on base 0 (reason
+// BOOTSTRAP, every tensor a keyframe, expected bytes the tensors' own), each keyframe ready as its
+// batch is copied (before the next batch is), and the End of the committed path's bootstrap
+// plan in both digest formats; the frames reassemble into the caller's bytes.
+TEST(LiveVersionTest, AFirstVersionStreamsItsKeyframesBatchByBatch) {
+  PublisherOptions opts;
+  opts.stream_batch_bytes = 1;  // one tensor per batch
+  std::vector<size_t> ready_at_batch;
+  std::vector<std::shared_ptr<const LiveVersion>> opened;
+  opts.stream_batch_hook = [&](size_t, size_t) {
+    ready_at_batch.push_back(opened.empty() ? 0 : opened.back()->ready_objects());
+    return absl::OkStatus();
+  };
+  REFIT_ASSERT_OK_AND_ASSIGN(auto core, PublisherCore::Open(opts));
+  core->SetLiveListener([&](const std::shared_ptr<const LiveVersion>& l) { opened.push_back(l); },
+                        [] {});
+  std::mt19937_64 rng(13);
+  Model m;
+  m["a"] = RandomTensor(DType::kBF16, {300, 64}, rng);
+  m["b"] = RandomTensor(DType::kF32, {1000}, rng);
+  m["c"] = RandomTensor(DType::kBF16, {64}, rng);
+  ASSERT_THAT(core->Publish(1, Inputs(m)), IsOk());
+  ASSERT_EQ(opened.size(), 1u);
+  const LiveVersion& live = *opened[0];
+  ASSERT_EQ(live.state(), LiveVersion::State::kCommitted);
+  const v1::VersionHeader& h = live.header();
+  EXPECT_TRUE(h.streamed());
+  EXPECT_EQ(h.version(), 1u);
+  EXPECT_EQ(h.base_version(), 0u);
+  EXPECT_EQ(h.reason(), v1::TRANSFER_REASON_BOOTSTRAP);
+  ASSERT_EQ(h.tensors_size(), 3);
+  for (const v1::TensorPlan& tp : h.tensors()) EXPECT_EQ(tp.delivery(), v1::DELIVERY_KEYFRAME);
+  EXPECT_EQ(live.expected_object_bytes(), 300u * 64 * 2 + 1000 * 4 + 64 * 2);
+  EXPECT_EQ(live.base_version_digest(sync::DigestFormat::kV1), 0u);
+  EXPECT_EQ(live.base_version_digest(sync::DigestFormat::kV2), 0u);
+  EXPECT_EQ(ready_at_batch, (std::vector<size_t>{0, 1, 2})) << "one keyframe ready per batch";
+  // The committed path's bootstrap End, in both formats.
+  for (auto f : {sync::DigestFormat::kV1, sync::DigestFormat::kV2}) {
+    SCOPED_TRACE(sync::DigestFormatName(f));
+    TransferOptions to;
+    to.plan.digest_format = f;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto t, core->MakeTransfer(0, 0, to));
+    EXPECT_EQ(t->plan().reason, v1::TRANSFER_REASON_BOOTSTRAP);
+    const v1::VersionEnd want = t->End(0);
+    REFIT_ASSERT_OK_AND_ASSIGN(const v1::VersionEnd got, live.end(f));
+    EXPECT_EQ(got.version_digest(), want.version_digest());
+    EXPECT_EQ(got.version_digest(), *core->VersionDigestOf(1, f));
+    EXPECT_TRUE(std::equal(got.digests().begin(), got.digests().end(), want.digests().begin(),
+                           want.digests().end()));
+  }
+  StreamedTransfer st(opened[0], 4096, /*lz4=*/false);
+  ASSERT_THAT(st.Extend(), IsOk());
+  ASSERT_TRUE(st.all_ready());
+  std::map<uint32_t, std::vector<uint8_t>> objects;
+  for (uint64_t i = 0; i < st.available_frames(); ++i) {
+    REFIT_ASSERT_OK_AND_ASSIGN(auto f, st.Frame(i));
+    EXPECT_EQ(f.version(), 1u);
+    std::vector<uint8_t>& o = objects[f.tensor_index()];
+    o.insert(o.end(), f.payload().begin(), f.payload().end());
+  }
+  ASSERT_EQ(objects.size(), 3u);
+  EXPECT_EQ(objects[0], m["a"].bytes);
+  EXPECT_EQ(objects[1], m["b"].bytes);
+  EXPECT_EQ(objects[2], m["c"].bytes);
+}
+
 // v1 after the End (PublisherOptions::v1_after_end, the default): the live version is
 // committed in v2 while its v1 End is still unknown (v1 sessions not settled, the history
 // without v1 digests of the version, the baseline still the previous version), then the v1
@@ -1160,8 +1228,8 @@ TEST(LiveVersionTest, V2EndGoesOutBeforeTheV1DigestsAndBothMatchV1InThePass) {
     EXPECT_EQ(*(*late)->VersionDigestOf(v), *(*early)->VersionDigestOf(v));
     EXPECT_EQ(*(*late)->VersionDigestOf(v, sync::DigestFormat::kV2),
               *(*early)->VersionDigestOf(v, sync::DigestFormat::kV2));
+    ASSERT_EQ(opened.size(), v) << "a first version streams too";
     if (v == 1) continue;
-    ASSERT_EQ(opened.size(), v - 1);
     ASSERT_EQ(seen.size(), 2u) << "the v2 commit, then the v1 End";
     EXPECT_TRUE(seen[0].v2_settled);
     EXPECT_FALSE(seen[0].v1_settled);
@@ -1231,6 +1299,8 @@ TEST(LiveVersionTest, CommitV2FirstThenV1) {
   }
 }
 
+// A publish failing after its live version opened (here at the last batch) marks it failed;
+// nothing is committed and the next publish of the same number streams again.
 TEST(LiveVersionTest, FailureAfterFramesMarksTheLiveVersionFailed) {
   PublisherOptions opts;
   opts.stream_batch_bytes = 1;
@@ -1246,18 +1316,25 @@ TEST(LiveVersionTest, FailureAfterFramesMarksTheLiveVersionFailed) {
   Model m;
   m["a"] = RandomTensor(DType::kBF16, {4096}, rng);
   m["b"] = RandomTensor(DType::kBF16, {4096}, rng);
+  ASSERT_THAT(core->Publish(1, Inputs(m)), Not(IsOk())) << "a first version fails alike";
+  ASSERT_EQ(opened.size(), 1u);
+  EXPECT_EQ(opened[0]->state(), LiveVersion::State::kFailed);
+  EXPECT_EQ(opened[0]->ready_objects(), 1u) << "a's keyframe was ready before b failed";
+  EXPECT_EQ(core->newest_version(), 0u);
+  fail = false;
   ASSERT_THAT(core->Publish(1, Inputs(m)), IsOk());
+  fail = true;
   Mutate(m["a"], 0.05, rng);
   Mutate(m["b"], 0.05, rng);
   EXPECT_THAT(core->Publish(2, Inputs(m)), Not(IsOk()));
-  ASSERT_EQ(opened.size(), 1u);
-  EXPECT_EQ(opened[0]->state(), LiveVersion::State::kFailed);
-  EXPECT_EQ(opened[0]->ready_objects(), 1u) << "a was ready before b failed";
+  ASSERT_EQ(opened.size(), 3u);
+  EXPECT_EQ(opened[2]->state(), LiveVersion::State::kFailed);
+  EXPECT_EQ(opened[2]->ready_objects(), 1u) << "a was ready before b failed";
   EXPECT_EQ(core->newest_version(), 1u);
   fail = false;
   ASSERT_THAT(core->Publish(2, Inputs(m)), IsOk());
-  ASSERT_EQ(opened.size(), 2u);
-  EXPECT_EQ(opened[1]->state(), LiveVersion::State::kCommitted);
+  ASSERT_EQ(opened.size(), 4u);
+  EXPECT_EQ(opened[3]->state(), LiveVersion::State::kCommitted);
 }
 
 }  // namespace

@@ -925,6 +925,53 @@ TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
   EXPECT_EQ(gates_timed_out.load(), 0);
 }
 
+// A first version streams to a subscriber that waits for it (a session idle at version 0):
+// the copy of the last tensor waits until the publisher has written frames of the version
+// (without streaming nothing is written before the commit: the wait runs out), the version
+// arrives bit-exact, and the next one streams as a delta.
+TEST(StreamedTransferTest, AFirstVersionStreamsToASubscriberWaitingForIt) {
+  std::atomic<publisher::DataPlaneService*> service{nullptr};
+  std::atomic<size_t> last{0};
+  std::atomic<int> gates_passed{0};
+  std::atomic<int> gates_timed_out{0};
+  auto pub = Publisher::Start(
+      1ull << 30, 64 * 1024, 0, 32u << 20,
+      [&](publisher::PublisherOptions& o, publisher::DataPlaneOptions&) {
+        o.stream_batch_bytes = 1;  // one tensor per batch
+        o.stream_batch_hook = [&](size_t, size_t end) {
+          publisher::DataPlaneService* s = service.load();
+          if (s == nullptr || end != last.load() + 1) return absl::OkStatus();
+          ++(PollUntil([&] { return s->bytes_sent() > 0; }) ? gates_passed : gates_timed_out);
+          return absl::OkStatus();
+        };
+      });
+  std::mt19937 rng(17);
+  Model m = MakeModel(rng);
+  last = m.size() - 1;
+  auto sub = StartSubscriber("s1", pub->address, true);
+  ASSERT_TRUE(PollUntil([&] {
+    for (const v1::SessionStatus& s : pub->service->Sessions()) {
+      if (s.acked_version() == 0 && s.state() == v1::SESSION_STATE_IDLE) return true;
+    }
+    return false;
+  }));
+  service = pub->service.get();
+  ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
+  ASSERT_TRUE(sub->WaitVersion(1));
+  ExpectEqual(*sub, m, "version 1");
+  EXPECT_EQ(gates_passed.load(), 1);
+  EXPECT_EQ(gates_timed_out.load(), 0);
+  EXPECT_EQ(pub->service->streamed_transfers(), 1u);
+  service = nullptr;
+  Step(m, rng);
+  ASSERT_THAT(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)), IsOk());
+  ASSERT_THAT(PublishModel(*pub, 2, m), IsOk());
+  ASSERT_TRUE(sub->WaitVersion(2));
+  ExpectEqual(*sub, m, "version 2");
+  EXPECT_EQ(pub->service->streamed_transfers(), 2u);
+  EXPECT_EQ(pub->service->streamed_aborts(), 0u);
+}
+
 // A publish that fails after frames left: VersionAbort, the subscriber keeps its version, the
 // next version is applied.
 TEST(StreamedTransferTest, FailedPublishAbortsAndTheNextVersionApplies) {
