@@ -12,6 +12,8 @@
 //   inspect        InspectPatch: checksums and bitstream decode without the base
 //   apply          ApplyPatch in place
 //   apply_digest   ApplyPatchDigestV2 in place (what a subscriber slot does)
+//   apply_lines    ApplyPatchDigestV2 in place marking the changed 64-byte lines (ChangedLines:
+//                  what a subscriber slot does for its standby refresh, refresh_copy_lines)
 // The arena is checked against the version it should hold after every stage (byte for byte, and
 // the tracked digest v2 against a recomputed one); a mismatch prints FAIL and exits 1.
 #include <sys/mman.h>
@@ -252,10 +254,10 @@ struct Bench {
     Report("inspect", sum);
   }
 
-  // apply (digest false) or apply_digest, in place; the arena is checked after the first round
-  // and the last, and the tracked digests against version A's.
-  void Apply(bool digest) const {
-    const char* stage = digest ? "apply_digest" : "apply";
+  // apply (digest false) or apply_digest (with `lines`: apply_lines), in place; the arena is
+  // checked after the first round and the last, and the tracked digests against version A's.
+  void Apply(bool digest, bool lines = false) const {
+    const char* stage = lines ? "apply_lines" : digest ? "apply_digest" : "apply";
     std::vector<uint64_t> tracked;
     for (const Tensor& t : m.tensors) tracked.push_back(t.digest_a);
     const Timing sum = Rounds(
@@ -269,7 +271,9 @@ struct Bench {
               if (!st.ok()) Fail(t.name + ": ApplyPatch: " + st.ToString());
               continue;
             }
-            auto d = ApplyPatchDigestV2(patch, t.dtype, slot, slot, o.threads);
+            ChangedLines marked(lines ? t.bytes : 0);
+            auto d = ApplyPatchDigestV2(patch, t.dtype, slot, slot, o.threads, nullptr,
+                                        lines ? &marked : nullptr);
             if (!d.ok()) Fail(t.name + ": ApplyPatchDigestV2: " + d.status().ToString());
             tracked[k] = d->ApplyTo(tracked[k], t.bytes);
           }
@@ -300,6 +304,7 @@ int Main(int argc, char** argv) {
   bench.Inspect();
   bench.Apply(/*digest=*/false);
   bench.Apply(/*digest=*/true);
+  bench.Apply(/*digest=*/true, /*lines=*/true);
   return 0;
 }
 

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/codec/changed_lines.h"
 #include "daemon/codec/context_block.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
@@ -179,10 +180,15 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype,
 // old value is read from `base` before anything of its block is written, so in place
 // (out == base) works; unchanged blocks cost nothing beyond ApplyPatch's copy (out of place).
 // Blocks run on up to `threads` threads; their deltas merge in any order to the same value.
+// With `lines` (sized for the tensor: ChangedLines(out.size()); INVALID_ARGUMENT otherwise),
+// every 64-byte line holding a word that changes is marked in it, nothing else (out of place,
+// the lines of unchanged blocks are copied but not marked): copying the marked lines from
+// `out` onto another copy of the base gives the target.
 absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base,
                                                  std::span<uint8_t> out, int threads = 0,
-                                                 const ChangeRecord* prev = nullptr);
+                                                 const ChangeRecord* prev = nullptr,
+                                                 ChangedLines* lines = nullptr);
 
 // The delta ApplyPatchDigestV2 would return, from decoding `patch` against `base` (fully
 // validated, as by ApplyPatch) without writing anything: the publisher's way to get the new

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/codec/bitstream.h"
+#include "daemon/codec/changed_lines.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/codec_internal.h"
 #include "daemon/codec/decode_error.h"
@@ -410,8 +411,28 @@ void ResolveDeltaWrite(Scratch& s, uint32_t count, std::optional<ValueCoding> co
       for (uint32_t k = first; k < j; ++k) ot[pos[k]] = static_cast<T>(val[k]);
     }
   }
-  sum.AddWords(index, old_words, new_words, batched);
+  if (batched != 0) sum.AddWords(index, old_words, new_words, batched);
   delta.Merge(sum);
+}
+
+// The lines of a block's `count` changed elements (s.pos, increasing, block-relative; the block
+// at byte `first_byte` of the tensor) marked in `lines`: the bits of each bitmap word gathered,
+// then one atomic OR per word.
+template <typename T>
+void MarkChangedLines(const Scratch& s, uint32_t count, uint64_t first_byte, ChangedLines& lines) {
+  const uint32_t* pos = s.pos.data();
+  uint64_t word = ~uint64_t{0};
+  uint64_t bits = 0;
+  for (uint32_t j = 0; j < count; ++j) {
+    const uint64_t line = (first_byte + uint64_t{pos[j]} * sizeof(T)) / ChangedLines::kLineBytes;
+    if (line / 64 != word) {
+      if (bits != 0) lines.MarkWord(word, bits);
+      word = line / 64;
+      bits = 0;
+    }
+    bits |= uint64_t{1} << (line % 64);
+  }
+  if (bits != 0) lines.MarkWord(word, bits);
 }
 
 // A SPARSE or CONTEXT block decoded for ResolveDeltaWrite: a SPARSE block with coded differences
@@ -430,11 +451,12 @@ absl::StatusOr<std::optional<ValueCoding>> DecodeForWordPass(const uint8_t* payl
   return std::nullopt;
 }
 
-// ApplyBlock that also adds the block's delta; writes nothing when `out` is null.
+// ApplyBlock that also adds the block's delta; writes nothing when `out` is null. With
+// `lines`, the lines of the words that change are marked.
 template <typename T>
 absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d, uint64_t i,
                              ValueCoding coding, std::span<const uint8_t> base, uint8_t* out,
-                             Scratch& s, DigestV2Delta& delta) {
+                             Scratch& s, DigestV2Delta& delta, ChangedLines* lines) {
   const uint64_t first_byte = d.first_element * sizeof(T);
   const size_t bytes = static_cast<size_t>(d.num_elements) * sizeof(T);
   const uint8_t* bb = base.data() + first_byte;
@@ -447,6 +469,7 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
       const uint8_t* payload = patch.data() + d.payload_offset;
       delta.AddRange({bb, bytes}, {payload, bytes}, first_byte / 8);
       if (ob != nullptr) std::memcpy(ob, payload, bytes);
+      if (lines != nullptr && out != nullptr) lines->Mark(first_byte, first_byte + bytes);
       return absl::OkStatus();
     }
     default: break;
@@ -456,6 +479,7 @@ absl::Status ApplyBlockDelta(std::span<const uint8_t> patch, const BlockDesc& d,
                                               reinterpret_cast<const T*>(bb), s));
   if (ob != nullptr && ob != bb) std::memcpy(ob, bb, bytes);
   ResolveDeltaWrite<T>(s, d.count, unresolved, base.data(), first_byte, base.size(), out, delta);
+  if (lines != nullptr && out != nullptr) MarkChangedLines<T>(s, d.count, first_byte, *lines);
   return absl::OkStatus();
 }
 
@@ -465,7 +489,8 @@ template <typename T>
 absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
                                               const PatchLayout& layout,
                                               std::span<const uint8_t> base, uint8_t* out,
-                                              int threads, const ChangeRecord* prev) {
+                                              int threads, const ChangeRecord* prev,
+                                              ChangedLines* lines) {
   const ValueCoding coding = DTypeValueCoding(layout.dtype);
   REFIT_RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   absl::Mutex mu;
@@ -478,7 +503,7 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
     DigestV2Delta delta;
     absl::Status st;
     for (size_t i = lo; i < hi && st.ok(); ++i) {
-      st = ApplyBlockDelta<T>(patch, layout.blocks[i], i, coding, base, out, s, delta);
+      st = ApplyBlockDelta<T>(patch, layout.blocks[i], i, coding, base, out, s, delta, lines);
     }
     absl::MutexLock lock(&mu);
     if (!st.ok() && first_error.ok()) first_error = std::move(st);
@@ -491,12 +516,13 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
 absl::StatusOr<DigestV2Delta> ApplyDeltaForWidth(std::span<const uint8_t> patch,
                                                  const PatchLayout& layout,
                                                  std::span<const uint8_t> base, uint8_t* out,
-                                                 int threads, const ChangeRecord* prev) {
+                                                 int threads, const ChangeRecord* prev,
+                                                 ChangedLines* lines = nullptr) {
   switch (DTypeSize(layout.dtype)) {
-    case 1: return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads, prev);
-    case 2: return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads, prev);
-    case 4: return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads, prev);
-    default: return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads, prev);
+    case 1: return ApplyTypedDelta<uint8_t>(patch, layout, base, out, threads, prev, lines);
+    case 2: return ApplyTypedDelta<uint16_t>(patch, layout, base, out, threads, prev, lines);
+    case 4: return ApplyTypedDelta<uint32_t>(patch, layout, base, out, threads, prev, lines);
+    default: return ApplyTypedDelta<uint64_t>(patch, layout, base, out, threads, prev, lines);
   }
 }
 
@@ -581,10 +607,15 @@ absl::Status ApplyPatch(std::span<const uint8_t> patch, DType dtype, std::span<c
 absl::StatusOr<DigestV2Delta> ApplyPatchDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                  std::span<const uint8_t> base,
                                                  std::span<uint8_t> out, int threads,
-                                                 const ChangeRecord* prev) {
+                                                 const ChangeRecord* prev, ChangedLines* lines) {
   REFIT_ASSIGN_OR_RETURN(Prepared prep,
                          Prepare("ApplyPatchDigestV2", patch, dtype, base, out, prev));
-  return ApplyDeltaForWidth(patch, prep.layout, base, out.data(), threads, prep.record);
+  if (lines != nullptr && lines->tensor_bytes() != out.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ApplyPatchDigestV2: changed lines of ",
+                                                   lines->tensor_bytes(), " bytes for a tensor of ",
+                                                   out.size()));
+  }
+  return ApplyDeltaForWidth(patch, prep.layout, base, out.data(), threads, prep.record, lines);
 }
 
 absl::StatusOr<DigestV2Delta> DigestV2DeltaOfPatch(std::span<const uint8_t> patch, DType dtype,

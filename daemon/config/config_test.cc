@@ -115,6 +115,7 @@ TEST(ConfigTest, MinimalSubscriberGetsDefaults) {
   EXPECT_TRUE(c.refresh_standby());
   EXPECT_EQ(c.refresh_wait_ms(), 10000u);
   EXPECT_EQ(c.refresh_copy_density(), 0.01);
+  EXPECT_TRUE(c.refresh_copy_lines());
   EXPECT_EQ(c.background_nice(), 10u);
 }
 

@@ -252,15 +252,14 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   ResizeEncoded(order.size(), out);
   // The changed tensors' v1 digests: after the End (FillDeferredV1), or not at all (no_v1).
   const bool skip_v1 = stream.defer_v1 || stream.no_v1;
-  const std::vector<const BaselineTensor*> bases =
-      ClassifyForPass(inputs, order, specs, prev, out);
+  const std::vector<const BaselineTensor*> bases = ClassifyForPass(inputs, order, specs, prev, out);
   // A batch's objects to the live version: keyframes' own bytes, patches (none: unchanged).
   auto ready = [&](std::span<const size_t> batch, bool keyframes) {
     if (stream.live == nullptr) return;
     for (size_t k : batch) {
-      stream.live->Ready(static_cast<uint32_t>(k),
-                         keyframes ? out->next[k].bytes
-                                   : (out->unchanged[k] ? nullptr : out->patches[k]));
+      stream.live->Ready(
+          static_cast<uint32_t>(k),
+          keyframes ? out->next[k].bytes : (out->unchanged[k] ? nullptr : out->patches[k]));
     }
   };
   std::vector<size_t> ks;

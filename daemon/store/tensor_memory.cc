@@ -10,6 +10,19 @@
 #include "daemon/common/stream_copy.h"
 
 namespace refit::store {
+namespace {
+
+absl::Status CheckLineSpans(std::span<uint8_t> dst, std::span<const uint8_t> src,
+                            const ChangedLines& lines) {
+  if (dst.size() != lines.tensor_bytes() || src.size() != lines.tensor_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyLines: lines of a ", lines.tensor_bytes(),
+                                                   "-byte tensor between spans of ", src.size(),
+                                                   " and ", dst.size(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status CheckSameSize(size_t dst, size_t src, const char* what) {
   if (dst == src) return absl::OkStatus();
@@ -57,6 +70,44 @@ absl::StatusOr<DigestV2Delta> HostMemory::ApplyDigestV2(std::span<const uint8_t>
                                                         std::span<const uint8_t> base,
                                                         std::span<uint8_t> out) {
   return ApplyPatchDigestV2(patch, dtype, base, out, threads_);
+}
+
+absl::StatusOr<DigestV2Delta> HostMemory::ApplyMarkingLines(std::span<const uint8_t> patch,
+                                                            DType dtype,
+                                                            std::span<const uint8_t> base,
+                                                            std::span<uint8_t> out,
+                                                            ChangedLines* lines) {
+  *lines = ChangedLines(out.size());
+  absl::StatusOr<DigestV2Delta> d =
+      ApplyPatchDigestV2(patch, dtype, base, out, threads_, /*prev=*/nullptr, lines);
+  if (!d.ok()) *lines = ChangedLines();
+  return d;
+}
+
+absl::Status HostMemory::CopyLines(std::span<uint8_t> dst, std::span<const uint8_t> src,
+                                   const ChangedLines& lines) {
+  REFIT_RETURN_IF_ERROR(CheckLineSpans(dst, src, lines));
+  CopyChangedLines(lines, dst.data(), src.data());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DigestV2Delta> TensorMemory::ApplyMarkingLines(std::span<const uint8_t> patch,
+                                                              DType dtype,
+                                                              std::span<const uint8_t> base,
+                                                              std::span<uint8_t> out,
+                                                              ChangedLines* lines) {
+  *lines = ChangedLines();
+  return ApplyDigestV2(patch, dtype, base, out);
+}
+
+absl::Status TensorMemory::CopyLines(std::span<uint8_t> dst, std::span<const uint8_t> src,
+                                     const ChangedLines& lines) {
+  REFIT_RETURN_IF_ERROR(CheckLineSpans(dst, src, lines));
+  absl::Status st;
+  lines.ForEachRun([&](uint64_t first, uint64_t end) {
+    if (st.ok()) st = Copy(dst.subspan(first, end - first), src.subspan(first, end - first));
+  });
+  return st;
 }
 
 absl::Status HostMemory::WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) {

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/codec/change_set.h"
+#include "daemon/codec/changed_lines.h"
 #include "daemon/codec/digest_v2.h"
 #include "daemon/codec/dtype.h"
 
@@ -51,6 +52,18 @@ class TensorMemory {
   virtual absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                                       std::span<const uint8_t> base,
                                                       std::span<uint8_t> out) = 0;
+  // ApplyDigestV2 that also marks the 64-byte lines it changes in *lines (refit::ChangedLines,
+  // reset to out.size() first), so that CopyLines can bring another copy of the base forward.
+  // Default: ApplyDigestV2 with nothing marked (*lines = ChangedLines(): tensor_bytes 0).
+  virtual absl::StatusOr<DigestV2Delta> ApplyMarkingLines(std::span<const uint8_t> patch,
+                                                          DType dtype,
+                                                          std::span<const uint8_t> base,
+                                                          std::span<uint8_t> out,
+                                                          ChangedLines* lines);
+  // The lines `lines` marks copied from `src` to `dst` (store spans of lines.tensor_bytes()).
+  // Default: one Copy per run of lines.
+  virtual absl::Status CopyLines(std::span<uint8_t> dst, std::span<const uint8_t> src,
+                                 const ChangedLines& lines);
   // refit::WriteChanges into a store span in place (the single-copy store's update): the host
   // change set's new values written at its positions. Checked first (refit::CheckChanges):
   // nothing is written on error.
@@ -81,6 +94,12 @@ class HostMemory final : public TensorMemory {
   absl::StatusOr<DigestV2Delta> ApplyDigestV2(std::span<const uint8_t> patch, DType dtype,
                                               std::span<const uint8_t> base,
                                               std::span<uint8_t> out) override;
+  absl::StatusOr<DigestV2Delta> ApplyMarkingLines(std::span<const uint8_t> patch, DType dtype,
+                                                  std::span<const uint8_t> base,
+                                                  std::span<uint8_t> out,
+                                                  ChangedLines* lines) override;
+  absl::Status CopyLines(std::span<uint8_t> dst, std::span<const uint8_t> src,
+                         const ChangedLines& lines) override;
   absl::Status WriteChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
   absl::Status RevertChanges(std::span<uint8_t> data, const TensorChanges& changes) override;
   absl::Status WriteChangesOfTensors(std::span<const std::span<uint8_t>> data,

@@ -11,6 +11,29 @@ bool ChainKeeps(const std::vector<const RetainedTransfer*>& chain, size_t li) {
   return true;
 }
 
+std::optional<ChangedLines> ChainLines(const std::vector<const RetainedTransfer*>& chain,
+                                       size_t li) {
+  std::optional<ChangedLines> out;
+  for (const RetainedTransfer* r : chain) {
+    const RetainedTensor& t = r->tensors[li];
+    if (!t.kept || (!t.steps.empty() && t.lines.tensor_bytes() == 0)) return std::nullopt;
+    if (t.steps.empty()) continue;
+    if (!out.has_value()) {
+      out = t.lines;
+    } else if (out->tensor_bytes() != t.lines.tensor_bytes()) {
+      return std::nullopt;
+    } else {
+      out->Add(t.lines);
+    }
+  }
+  if (!out.has_value() && !chain.empty()) {
+    // Unchanged through the whole chain: nothing to copy (the size is not known here, and
+    // nothing needs it).
+    out = ChangedLines();
+  }
+  return out;
+}
+
 void RetainedPatches::Clear() {
   transfers_.clear();
   bytes_ = 0;

@@ -12,13 +12,18 @@
 #include <optional>
 #include <vector>
 
+#include "daemon/codec/changed_lines.h"
+
 namespace refit::subscriber {
 
 // A tensor of a retained transfer: `kept` when the transfer moved it by patches (`steps`, in
-// order) or left it UNCHANGED (no steps); a keyframe's bytes are not kept.
+// order) or left it UNCHANGED (no steps); a keyframe's bytes are not kept. `lines`: the 64-byte
+// lines its steps changed, when the staging marked them (tensor_bytes 0 otherwise; none needed
+// without steps).
 struct RetainedTensor {
   bool kept = false;
   std::vector<std::vector<uint8_t>> steps;
+  ChangedLines lines;
 };
 
 // An applied transfer base -> version, its tensors by layout index of the current store.
@@ -32,6 +37,12 @@ struct RetainedTransfer {
 // Whether every transfer of `chain` kept tensor `li` (by patches or unchanged, not as a
 // keyframe): only then do its patches bring the tensor forward in place.
 bool ChainKeeps(const std::vector<const RetainedTransfer*>& chain, size_t li);
+
+// The lines tensor `li` of a slot at the chain's first base must take from a copy at its last
+// version to equal it: the union of the transfers' marked lines (transfers without steps add
+// none). Nullopt when some transfer with steps has none marked, or did not keep the tensor.
+std::optional<ChangedLines> ChainLines(const std::vector<const RetainedTransfer*>& chain,
+                                       size_t li);
 
 class RetainedPatches {
  public:

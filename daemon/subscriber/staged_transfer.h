@@ -57,10 +57,12 @@ v1::Ack AppliedAck(uint64_t version, uint64_t version_digest, uint64_t wire_byte
                    const StageMark& verified, const StageMark& applied);
 
 // Applies `patch` (base -> out) and brings the tracked v2 digest forward by its delta, or, when
-// no digest is tracked, applies it plainly (the digest stays unknown).
+// no digest is tracked, applies it plainly (the digest stays unknown). With `lines`, the lines it
+// changes are added to *lines (TensorMemory::ApplyMarkingLines; a memory that marks none leaves
+// *lines as it was, tensor_bytes 0 when nothing was marked before).
 absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch, DType dtype,
                           std::span<const uint8_t> base, std::span<uint8_t> out,
-                          std::optional<uint64_t>* digest);
+                          std::optional<uint64_t>* digest, ChangedLines* lines = nullptr);
 
 // Tensor `li`'s patches of every transfer of `chain` (oldest first, ChainKeeps) applied in place
 // on `out`, each as ApplyTracked; *patches counts them. An error names the transfer.
@@ -108,6 +110,10 @@ class StagedTransfer {
   // patches applied in place; nullopt where unknown (Verify then reads the tensor).
   sync::DigestFormat format = sync::DigestFormat::kV1;
   std::vector<std::optional<uint64_t>> v2;
+  // The lines each PATCH tensor's steps changed (header index; tensor_bytes 0: not marked), for
+  // the retained transfer and the standby refresh, when `mark_lines`.
+  bool mark_lines = false;
+  std::vector<ChangedLines> lines;
   // Single-copy: the held version is updated in place at OnEnd (no staging handle); while
   // OnEnd waits for the consumers' pause Abort only marks the transfer cancelled.
   bool in_place = false;

@@ -43,9 +43,11 @@ bool CopyFromCurrent(const std::vector<const RetainedTransfer*>& chain, size_t l
          static_cast<double>(*changed) > copy_density * static_cast<double>(elements);
 }
 
-// Every tensor of the claimed slot to the applied version: the retained patches in place, or a
-// copy of the current version (CopyFromCurrent), with the current version's digest. Stops with
-// CANCELLED between tensors when cancelled.
+// Every tensor of the claimed slot to the applied version: the lines the chain's patches
+// changed copied from the current slot (SubscriberOptions::refresh_copy_lines, where the staging
+// marked them), the retained patches in place, or a copy of the current version
+// (CopyFromCurrent); a copied tensor (lines or whole) takes the current version's digest. Stops
+// with CANCELLED between tensors when cancelled.
 absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic<bool>& cancel,
                           const SubscriberOptions& options) {
   const store::Layout& layout = w.store->layout();
@@ -60,6 +62,19 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     std::optional<uint64_t> unknown;
     std::optional<uint64_t>& digest = li < w.digests.size() ? w.digests[li] : unknown;
     const uint64_t elements = out.size() / std::max<size_t>(1, DTypeSize(tensor.dtype));
+    std::optional<ChangedLines> lines;
+    if (options.refresh_copy_lines) lines = ChainLines(w.chain, li);
+    if (lines.has_value() && lines->tensor_bytes() != 0) {
+      ++stats.tensors_lines;
+      stats.line_bytes += lines->count() * ChangedLines::kLineBytes;
+      if (absl::Status st = mem.CopyLines(out, layout.UnitOf(w.handle.current, li), *lines);
+          !st.ok()) {
+        return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
+      }
+      digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
+      continue;
+    }
+    if (lines.has_value()) continue;  // unchanged through the chain
     if (CopyFromCurrent(w.chain, li, elements, options.refresh_copy_density)) {
       ++stats.tensors_copied;
       REFIT_RETURN_IF_ERROR(mem.Copy(out, layout.UnitOf(w.handle.current, li)));

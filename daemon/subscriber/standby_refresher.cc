@@ -71,20 +71,24 @@ void StandbyRefresher::Loop(int nice) {
 void StandbyRefresher::Record(Job& job, const absl::Status& st, absl::Duration took,
                               absl::Duration cpu) {
   if (st.ok()) {
-    LogEvent(*Logger("subscriber"), spdlog::level::info,
-             absl::StrCat("standby slot ", job.stats.slot, " refreshed from version ",
-                          job.stats.from_version, " to ", job.stats.to_version, ": ",
-                          job.stats.patches, " retained patches, ", job.stats.tensors_copied,
-                          " tensors copied, ", FormatMicros(WholeMicros(took)), " (cpu ",
-                          FormatMicros(WholeMicros(cpu)), ")"),
-             {{"event", std::string("refresh")},
-              {"slot", static_cast<int64_t>(job.stats.slot)},
-              {"from_version", job.stats.from_version},
-              {"version", job.stats.to_version},
-              {"patches", job.stats.patches},
-              {"tensors_copied", static_cast<uint64_t>(job.stats.tensors_copied)},
-              {"refresh_ms", static_cast<double>(WholeMicros(took)) / 1000.0},
-              {"refresh_cpu_ms", static_cast<double>(WholeMicros(cpu)) / 1000.0}});
+    LogEvent(
+        *Logger("subscriber"), spdlog::level::info,
+        absl::StrCat("standby slot ", job.stats.slot, " refreshed from version ",
+                     job.stats.from_version, " to ", job.stats.to_version, ": ", job.stats.patches,
+                     " retained patches, ", job.stats.tensors_lines, " tensors by ",
+                     job.stats.line_bytes, " bytes of changed lines, ", job.stats.tensors_copied,
+                     " tensors copied, ", FormatMicros(WholeMicros(took)), " (cpu ",
+                     FormatMicros(WholeMicros(cpu)), ")"),
+        {{"event", std::string("refresh")},
+         {"slot", static_cast<int64_t>(job.stats.slot)},
+         {"from_version", job.stats.from_version},
+         {"version", job.stats.to_version},
+         {"patches", job.stats.patches},
+         {"tensors_copied", static_cast<uint64_t>(job.stats.tensors_copied)},
+         {"tensors_lines", static_cast<uint64_t>(job.stats.tensors_lines)},
+         {"line_bytes", job.stats.line_bytes},
+         {"refresh_ms", static_cast<double>(WholeMicros(took)) / 1000.0},
+         {"refresh_cpu_ms", static_cast<double>(WholeMicros(cpu)) / 1000.0}});
   }
   absl::MutexLock lock(&mu_);
   const bool cancelled = absl::IsCancelled(st);

@@ -42,6 +42,10 @@ struct RefreshStats {
   // Tensors copied from the current slot: some retained transfer delivered them as a keyframe,
   // or their patches change more than SubscriberOptions::refresh_copy_density of them.
   uint32_t tensors_copied = 0;
+  // Tensors brought forward by copying the lines their patches changed (refresh_copy_lines), and
+  // the bytes of those lines.
+  uint32_t tensors_lines = 0;
+  uint64_t line_bytes = 0;
   uint64_t micros = 0;
   uint64_t cpu_micros = 0;  // the process's CPU time meanwhile (every thread)
   std::string error;        // of the last failed refresh

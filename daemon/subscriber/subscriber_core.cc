@@ -51,9 +51,22 @@ void SubscriberCore::SetDigestFormat(sync::DigestFormat format) {
 
 absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> patch, DType dtype,
                           std::span<const uint8_t> base, std::span<uint8_t> out,
-                          std::optional<uint64_t>* digest) {
-  if (!digest->has_value()) return mem.Apply(patch, dtype, base, out);
-  absl::StatusOr<DigestV2Delta> d = mem.ApplyDigestV2(patch, dtype, base, out);
+                          std::optional<uint64_t>* digest, ChangedLines* lines) {
+  if (!digest->has_value() && lines == nullptr) return mem.Apply(patch, dtype, base, out);
+  absl::StatusOr<DigestV2Delta> d;
+  if (lines == nullptr) {
+    d = mem.ApplyDigestV2(patch, dtype, base, out);
+  } else {
+    // A later step's lines join the earlier ones': what differs from the transfer's base.
+    ChangedLines step;
+    d = mem.ApplyMarkingLines(patch, dtype, base, out, &step);
+    if (lines->tensor_bytes() == 0) {
+      *lines = std::move(step);
+    } else if (step.tensor_bytes() != 0) {
+      lines->Add(step);
+    }
+  }
+  if (!digest->has_value()) return d.status();
   if (!d.ok()) {
     digest->reset();
     return d.status();
@@ -252,6 +265,11 @@ void SubscriberCore::RetainLocked(StagedTransfer& t) {
       if (patch.ok() && patch->empty() && t.header.streamed()) continue;
       if (patch.ok()) rt.steps.push_back(std::move(*patch));
       if (patch.ok() && options_.retained_patch_hook) options_.retained_patch_hook(rt.steps.back());
+    }
+    // The lines its steps changed (slot_staging.cc), for a refresh that copies them.
+    const size_t hi = static_cast<size_t>(i);
+    if (rt.kept && !rt.steps.empty() && hi < t.lines.size() && t.lines[hi].tensor_bytes() != 0) {
+      rt.lines = std::move(t.lines[hi]);
     }
   }
   uint64_t oldest_held = r.version;

@@ -101,6 +101,12 @@ struct SubscriberOptions {
   // copy is cheaper, and it is exact by construction (the current slot was verified). >= 1:
   // always the patches. Config subscriber.refresh_copy_density.
   double refresh_copy_density = 0.01;
+  // Staging marks the 64-byte lines each patch changes (refit::ChangedLines, a bit per line:
+  // 1/512 of the tensor, kept with the retained transfer), and the refresh copies just those
+  // lines from the current slot instead of decoding the patches again or copying whole tensors
+  // (host memory; a GPU store marks none and refreshes as before). Off: the refresh as before
+  // (benchmarks compare the two). Config subscriber.refresh_copy_lines.
+  bool refresh_copy_lines = true;
   // Nice increment of the refresh thread (common/thread_priority.h): on a shared host the
   // refits in flight are scheduled before the preparation of the next one. 0: unchanged.
   int background_nice = 0;

@@ -849,8 +849,10 @@ class SubscriberCoreRefreshTest : public SubscriberCoreInPlaceTest {
   SubscriberCoreRefreshTest() {
     opts_.refresh_standby = true;
     // Every tensor by its retained patches (the trajectory changes about 1% of each tensor,
-    // above the default copy density); DenselyChangedTensorsAreCopied covers the copy.
+    // above the default copy density); DenselyChangedTensorsAreCopied covers the copy,
+    // TheChangedLinesBringTheStandbySlotForward the copy of changed lines.
     opts_.refresh_copy_density = 1.0;
+    opts_.refresh_copy_lines = false;
   }
   // Refresh hook: while `block_` is set, the refresh thread waits before its first tensor until
   // `release_` or a cancel (deadline 20 s, so a broken test fails instead of hanging).
@@ -963,6 +965,58 @@ TEST_F(SubscriberCoreRefreshTest, DenselyChangedTensorsAreCopiedFromTheCurrentSl
         EXPECT_GT(rs.patches, 0u) << "v" << v;
       }
     }
+  }
+}
+
+// With refresh_copy_lines (the default) the staging marks the lines each patch changes and the
+// refresh copies just those from the current slot: no patch decoded again and no tensor copied
+// whole. Bit-exact against the dense copy and against refreshes by patches over a realistic
+// trajectory; each copied tensor takes the current version's verified digest, so the next delta
+// is verified without reading a tensor (v2); the lines copied are fewer than the bytes of the
+// model. A GPU store marks no lines (TensorMemory::ApplyMarkingLines' default) and refreshes by
+// patches.
+TEST_F(SubscriberCoreRefreshTest, TheChangedLinesBringTheStandbySlotForward) {
+  constexpr uint64_t kVersions = 7;
+  PublishTrajectory(kVersions);
+  pub_.set_format(sync::DigestFormat::kV2);
+  SubscriberOptions lines = opts_;
+  lines.refresh_copy_lines = true;
+  SubscriberOptions dense = opts_;
+  dense.retained_patch_bytes = 0;
+  SubscriberCore a(lines), b(opts_), c(dense);
+  for (SubscriberCore* core : {&a, &b, &c}) core->SetDigestFormat(sync::DigestFormat::kV2);
+  for (uint64_t v = 1; v <= kVersions; ++v) {
+    SCOPED_TRACE(absl::StrCat("v", v));
+    const StageStats sa = SyncStats(a, v);
+    SyncStats(b, v);
+    SyncStats(c, v);
+    EXPECT_EQ(Read(a), Read(c));
+    EXPECT_EQ(Read(b), Read(c));
+    ASSERT_TRUE(a.standby().WaitIdle(absl::Seconds(20)));
+    ASSERT_TRUE(b.standby().WaitIdle(absl::Seconds(20)));
+    if (v > 2) {
+      ExpectOwnStepsOnly(sa, v - 1);
+      EXPECT_EQ(sa.digests_full, 0u) << "the copied tensors' digests are the current version's";
+    }
+    if (v < 3) continue;  // the first refresh follows a full copy: no lines were marked
+    const RefreshStats ra = a.standby().stats();
+    const RefreshStats rb = b.standby().stats();
+    EXPECT_EQ(ra.to_version, v);
+    EXPECT_EQ(ra.failed, 0u);
+    EXPECT_EQ(rb.tensors_lines, 0u);
+    EXPECT_GT(rb.patches, 0u);
+    if (kDeviceStore) {
+      EXPECT_EQ(ra.tensors_lines, 0u);
+      EXPECT_EQ(ra.patches, rb.patches);
+      continue;
+    }
+    EXPECT_EQ(ra.patches, 0u) << "no patch decoded again";
+    EXPECT_EQ(ra.tensors_copied, 0u) << "no tensor copied whole";
+    EXPECT_EQ(ra.tensors_lines, rb.patches) << "every patched tensor by its lines";
+    uint64_t model_bytes = 0;
+    for (const auto& [name, t] : pub_.model(v)) model_bytes += t.bytes.size();
+    EXPECT_GT(ra.line_bytes, 0u);
+    EXPECT_LT(ra.line_bytes, model_bytes);
   }
 }
 

@@ -54,11 +54,12 @@ constexpr int64_t kPeerMaxReceiveBytes = (64 << 20) + (1 << 20);
 constexpr char kSelfConsumer[] = "refitd-subscriber";
 
 // Config of the in-place staging machinery: refresh_standby, refresh_wait_ms,
-// refresh_copy_density.
+// refresh_copy_density, refresh_copy_lines.
 void ApplyRefreshConfig(const v1::SubscriberConfig& c, SubscriberOptions& o) {
   o.refresh_standby = c.refresh_standby();
   o.refresh_wait = absl::Milliseconds(c.refresh_wait_ms());
   o.refresh_copy_density = c.refresh_copy_density();
+  o.refresh_copy_lines = c.refresh_copy_lines();
   o.background_nice = static_cast<int>(c.background_nice());
 }
 
