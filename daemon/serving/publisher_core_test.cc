@@ -1020,6 +1020,24 @@ TEST(PublisherCoreTest, OnePassPublishesWhatTheCopyingPathPublishes) {
 
 // ---- Streamed transfers (LiveVersion) ----------------------------------------------------------
 
+// A committed live version's objects by tensor index, reassembled from the frames of a
+// session's view (4 KiB frames, no LZ4), every frame of its version.
+std::map<uint32_t, std::vector<uint8_t>> ObjectsOf(const std::shared_ptr<const LiveVersion>& live) {
+  std::map<uint32_t, std::vector<uint8_t>> objects;
+  StreamedTransfer st(live, 4096, /*lz4=*/false);
+  EXPECT_THAT(st.Extend(), IsOk());
+  EXPECT_TRUE(st.all_ready());
+  for (uint64_t i = 0; i < st.available_frames(); ++i) {
+    absl::StatusOr<v1::DataFrame> f = st.Frame(i);
+    EXPECT_THAT(f, IsOk());
+    if (!f.ok()) break;
+    EXPECT_EQ(f->version(), live->version());
+    std::vector<uint8_t>& o = objects[f->tensor_index()];
+    o.insert(o.end(), f->payload().begin(), f->payload().end());
+  }
+  return objects;
+}
+
 // The live version of a publish: header before the pass (PATCH for same-spec tensors, KEYFRAME
 // for new / re-typed ones), every tensor ready exactly once (a zero-byte object when unchanged,
 // the patch otherwise), then the commit with the committed path's digests; the streamed frames
@@ -1091,16 +1109,7 @@ TEST(LiveVersionTest, PublishStreamsEveryTensorAndCommitsTheSameEnd) {
   EXPECT_EQ(live.base_version_digest(sync::DigestFormat::kV2),
             *core->VersionDigestOf(1, sync::DigestFormat::kV2));
   // Frames of a session's view reassemble into the objects; applied to the base they give m.
-  StreamedTransfer st(opened[0], 4096, /*lz4=*/false);
-  ASSERT_THAT(st.Extend(), IsOk());
-  ASSERT_TRUE(st.all_ready());
-  std::map<uint32_t, std::vector<uint8_t>> objects;
-  for (uint64_t i = 0; i < st.available_frames(); ++i) {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto f, st.Frame(i));
-    EXPECT_EQ(f.version(), 2u);
-    std::vector<uint8_t>& o = objects[f.tensor_index()];
-    o.insert(o.end(), f.payload().begin(), f.payload().end());
-  }
+  std::map<uint32_t, std::vector<uint8_t>> objects = ObjectsOf(opened[0]);
   ASSERT_EQ(objects.size(), 4u);
   EXPECT_TRUE(objects[1].empty()) << "unchanged: a zero-byte object";
   std::vector<uint8_t> a = base.at("a").bytes;
@@ -1160,16 +1169,7 @@ TEST(LiveVersionTest, AFirstVersionStreamsItsKeyframesBatchByBatch) {
     EXPECT_TRUE(std::equal(got.digests().begin(), got.digests().end(), want.digests().begin(),
                            want.digests().end()));
   }
-  StreamedTransfer st(opened[0], 4096, /*lz4=*/false);
-  ASSERT_THAT(st.Extend(), IsOk());
-  ASSERT_TRUE(st.all_ready());
-  std::map<uint32_t, std::vector<uint8_t>> objects;
-  for (uint64_t i = 0; i < st.available_frames(); ++i) {
-    REFIT_ASSERT_OK_AND_ASSIGN(auto f, st.Frame(i));
-    EXPECT_EQ(f.version(), 1u);
-    std::vector<uint8_t>& o = objects[f.tensor_index()];
-    o.insert(o.end(), f.payload().begin(), f.payload().end());
-  }
+  std::map<uint32_t, std::vector<uint8_t>> objects = ObjectsOf(opened[0]);
   ASSERT_EQ(objects.size(), 3u);
   EXPECT_EQ(objects[0], m["a"].bytes);
   EXPECT_EQ(objects[1], m["b"].bytes);

@@ -882,72 +882,66 @@ TEST(StreamedTransferTest, ManyVersionsBitExactAllStreamed) {
   EXPECT_EQ(pub->service->streamed_aborts(), 0u);
 }
 
-// Pipelining, structurally: the encode of the last tensor waits until the publisher has
-// written frames of this version. Without streaming nothing is written before the commit, so
-// the wait runs out and the test fails.
-TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
+// The publisher's last batch of a version (tensor `last`, one tensor per batch) waits until the
+// service has written more than `sent_before` bytes, while `service` is set; each wait counts
+// as passed or timed out. Without streaming nothing is written before the commit, so the wait
+// runs out.
+struct LastBatchGate {
   std::atomic<publisher::DataPlaneService*> service{nullptr};
   std::atomic<uint64_t> sent_before{0};
   std::atomic<size_t> last{0};
-  std::atomic<int> gates_passed{0};
-  std::atomic<int> gates_timed_out{0};
-  auto pub = Publisher::Start(
+  std::atomic<int> passed{0};
+  std::atomic<int> timed_out{0};
+};
+
+std::unique_ptr<Publisher> StartWithLastBatchGate(LastBatchGate& gate) {
+  return Publisher::Start(
       1ull << 30, 64 * 1024, 0, 32u << 20,
-      [&](publisher::PublisherOptions& o, publisher::DataPlaneOptions&) {
-        o.stream_batch_bytes = 1;
-        o.stream_batch_hook = [&](size_t, size_t end) {
-          publisher::DataPlaneService* s = service.load();
-          if (s == nullptr || end != last.load() + 1) return absl::OkStatus();
-          if (PollUntil([&] { return s->bytes_sent() > sent_before.load(); })) {
-            ++gates_passed;
-          } else {
-            ++gates_timed_out;
-          }
+      [&gate](publisher::PublisherOptions& o, publisher::DataPlaneOptions&) {
+        o.stream_batch_bytes = 1;  // one tensor per batch
+        o.stream_batch_hook = [&gate](size_t, size_t end) {
+          publisher::DataPlaneService* s = gate.service.load();
+          if (s == nullptr || end != gate.last.load() + 1) return absl::OkStatus();
+          const bool sent = PollUntil([&] { return s->bytes_sent() > gate.sent_before.load(); });
+          ++(sent ? gate.passed : gate.timed_out);
           return absl::OkStatus();
         };
       });
+}
+
+// Pipelining, structurally: the encode of the last tensor waits until the publisher has
+// written frames of this version (LastBatchGate).
+TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
+  LastBatchGate gate;
+  auto pub = StartWithLastBatchGate(gate);
   std::mt19937 rng(11);
   Model m = MakeModel(rng);
-  last = m.size() - 1;
+  gate.last = m.size() - 1;
   ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
   auto sub = StartSubscriber("s1", pub->address, true);
   ASSERT_TRUE(sub->WaitVersion(1));
-  service = pub->service.get();
+  gate.service = pub->service.get();
   for (uint64_t v = 2; v <= 4; ++v) {
     for (auto& [name, t] : m) sync::testing::Perturb(t, 0.02, rng);  // every tensor changes
     ASSERT_THAT(pub->service->WaitAllAcked(v - 1, absl::Now() + absl::Seconds(20)), IsOk());
-    sent_before = pub->service->bytes_sent();
+    gate.sent_before = pub->service->bytes_sent();
     ASSERT_THAT(PublishModel(*pub, v, m), IsOk());
     ASSERT_TRUE(sub->WaitVersion(v));
     ExpectEqual(*sub, m, absl::StrCat("version ", v));
   }
-  EXPECT_EQ(gates_passed.load(), 3);
-  EXPECT_EQ(gates_timed_out.load(), 0);
+  EXPECT_EQ(gate.passed.load(), 3);
+  EXPECT_EQ(gate.timed_out.load(), 0);
 }
 
 // A first version streams to a subscriber that waits for it (a session idle at version 0):
 // the copy of the last tensor waits until the publisher has written frames of the version
-// (without streaming nothing is written before the commit: the wait runs out), the version
-// arrives bit-exact, and the next one streams as a delta.
+// (LastBatchGate), the version arrives bit-exact, and the next one streams as a delta.
 TEST(StreamedTransferTest, AFirstVersionStreamsToASubscriberWaitingForIt) {
-  std::atomic<publisher::DataPlaneService*> service{nullptr};
-  std::atomic<size_t> last{0};
-  std::atomic<int> gates_passed{0};
-  std::atomic<int> gates_timed_out{0};
-  auto pub = Publisher::Start(
-      1ull << 30, 64 * 1024, 0, 32u << 20,
-      [&](publisher::PublisherOptions& o, publisher::DataPlaneOptions&) {
-        o.stream_batch_bytes = 1;  // one tensor per batch
-        o.stream_batch_hook = [&](size_t, size_t end) {
-          publisher::DataPlaneService* s = service.load();
-          if (s == nullptr || end != last.load() + 1) return absl::OkStatus();
-          ++(PollUntil([&] { return s->bytes_sent() > 0; }) ? gates_passed : gates_timed_out);
-          return absl::OkStatus();
-        };
-      });
+  LastBatchGate gate;
+  auto pub = StartWithLastBatchGate(gate);
   std::mt19937 rng(17);
   Model m = MakeModel(rng);
-  last = m.size() - 1;
+  gate.last = m.size() - 1;
   auto sub = StartSubscriber("s1", pub->address, true);
   ASSERT_TRUE(PollUntil([&] {
     for (const v1::SessionStatus& s : pub->service->Sessions()) {
@@ -955,14 +949,14 @@ TEST(StreamedTransferTest, AFirstVersionStreamsToASubscriberWaitingForIt) {
     }
     return false;
   }));
-  service = pub->service.get();
+  gate.service = pub->service.get();
   ASSERT_THAT(PublishModel(*pub, 1, m), IsOk());
   ASSERT_TRUE(sub->WaitVersion(1));
   ExpectEqual(*sub, m, "version 1");
-  EXPECT_EQ(gates_passed.load(), 1);
-  EXPECT_EQ(gates_timed_out.load(), 0);
+  EXPECT_EQ(gate.passed.load(), 1);
+  EXPECT_EQ(gate.timed_out.load(), 0);
   EXPECT_EQ(pub->service->streamed_transfers(), 1u);
-  service = nullptr;
+  gate.service = nullptr;
   Step(m, rng);
   ASSERT_THAT(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)), IsOk());
   ASSERT_THAT(PublishModel(*pub, 2, m), IsOk());
