@@ -227,12 +227,11 @@ std::shared_ptr<const LiveVersion> DataPlaneService::StreamableLive(const Sessio
       live_ != nullptr &&
       (live_->state() == LiveVersion::State::kEncoding ||
        (live_->state() == LiveVersion::State::kCommitted && newest < live_->version()));
-  if (!open || live_->base_version() != base_version) return nullptr;
-  // A session that holds no version (0, digest 0) streams a first version; any other needs the
-  // live version's base digest in its format.
-  const bool first = base_version == 0 && base_digest == 0;
-  if (!first &&
-      (live_->base_version_digest(session.digest_format) != base_digest || base_digest == 0)) {
+  // The session's base digest must be the live version's base digest in its format: 0 only for
+  // version 0 (a session holding no version streams a first version), otherwise unknown.
+  if (!open || live_->base_version() != base_version ||
+      live_->base_version_digest(session.digest_format) != base_digest ||
+      (base_digest == 0 && base_version != 0)) {
     return nullptr;
   }
   return live_;

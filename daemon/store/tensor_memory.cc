@@ -77,11 +77,8 @@ absl::StatusOr<DigestV2Delta> HostMemory::ApplyMarkingLines(std::span<const uint
                                                             std::span<const uint8_t> base,
                                                             std::span<uint8_t> out,
                                                             ChangedLines* lines) {
-  *lines = ChangedLines(out.size());
-  absl::StatusOr<DigestV2Delta> d =
-      ApplyPatchDigestV2(patch, dtype, base, out, threads_, /*prev=*/nullptr, lines);
-  if (!d.ok()) *lines = ChangedLines();
-  return d;
+  if (lines->tensor_bytes() == 0) *lines = ChangedLines(out.size());
+  return ApplyPatchDigestV2(patch, dtype, base, out, threads_, /*prev=*/nullptr, lines);
 }
 
 absl::Status HostMemory::CopyLines(std::span<uint8_t> dst, std::span<const uint8_t> src,
@@ -95,8 +92,7 @@ absl::StatusOr<DigestV2Delta> TensorMemory::ApplyMarkingLines(std::span<const ui
                                                               DType dtype,
                                                               std::span<const uint8_t> base,
                                                               std::span<uint8_t> out,
-                                                              ChangedLines* lines) {
-  *lines = ChangedLines();
+                                                              ChangedLines* /*lines*/) {
   return ApplyDigestV2(patch, dtype, base, out);
 }
 

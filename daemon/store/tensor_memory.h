@@ -53,8 +53,9 @@ class TensorMemory {
                                                       std::span<const uint8_t> base,
                                                       std::span<uint8_t> out) = 0;
   // ApplyDigestV2 that also marks the 64-byte lines it changes in *lines (refit::ChangedLines,
-  // reset to out.size() first), so that CopyLines can bring another copy of the base forward.
-  // Default: ApplyDigestV2 with nothing marked (*lines = ChangedLines(): tensor_bytes 0).
+  // sized to out.size() first when it has no size; marks of earlier steps stay), so that
+  // CopyLines can bring another copy of the base forward. Default: ApplyDigestV2, *lines left as
+  // it is (a memory that marks nothing leaves it without a size).
   virtual absl::StatusOr<DigestV2Delta> ApplyMarkingLines(std::span<const uint8_t> patch,
                                                           DType dtype,
                                                           std::span<const uint8_t> base,

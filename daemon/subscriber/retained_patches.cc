@@ -18,18 +18,11 @@ std::optional<ChangedLines> ChainLines(const std::vector<const RetainedTransfer*
     const RetainedTensor& t = r->tensors[li];
     if (!t.kept || (!t.steps.empty() && t.lines.tensor_bytes() == 0)) return std::nullopt;
     if (t.steps.empty()) continue;
-    if (!out.has_value()) {
-      out = t.lines;
-    } else if (out->tensor_bytes() != t.lines.tensor_bytes()) {
-      return std::nullopt;
-    } else {
+    if (out.has_value()) {
       out->Add(t.lines);
+    } else {
+      out = t.lines;
     }
-  }
-  if (!out.has_value() && !chain.empty()) {
-    // Unchanged through the whole chain: nothing to copy (the size is not known here, and
-    // nothing needs it).
-    out = ChangedLines();
   }
   return out;
 }

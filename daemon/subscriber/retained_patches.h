@@ -40,7 +40,8 @@ bool ChainKeeps(const std::vector<const RetainedTransfer*>& chain, size_t li);
 
 // The lines tensor `li` of a slot at the chain's first base must take from a copy at its last
 // version to equal it: the union of the transfers' marked lines (transfers without steps add
-// none). Nullopt when some transfer with steps has none marked, or did not keep the tensor.
+// none). Nullopt when some transfer did not keep the tensor or has steps but no lines marked,
+// and when no transfer has steps (unchanged: nothing to copy).
 std::optional<ChangedLines> ChainLines(const std::vector<const RetainedTransfer*>& chain,
                                        size_t li);
 

@@ -76,7 +76,7 @@ absl::Status StagedTransfer::StageTensor(size_t i, bool in_place) {
         if (from_base) v2[i].reset();  // the base's digest is not tracked: full at verify
         absl::Status st =
             ApplyTracked(mem, patch, dtypes[i], from_base ? Base(i) : std::span<const uint8_t>(out),
-                         out, &v2[i], mark_lines ? &lines[i] : nullptr);
+                         out, &v2[i], lines.empty() ? nullptr : &lines[i]);
         if (!st.ok()) {
           return Annotate(st, "patch step ", p, " (", tp.steps(p).base_version(), " -> ",
                           tp.steps(p).target_version(), ")");
@@ -187,12 +187,12 @@ void SubscriberCore::PlanStagingLocked(StagedTransfer& t) {
     t.chain = retained_.Chain(t.handle->previous_version, t.header.base_version());
   }
   t.stats.caught_up = t.chain.has_value();
-  // The lines each patch changes, for the refresh that follows the commit.
-  t.mark_lines =
-      options_.refresh_standby && options_.refresh_copy_lines && options_.retained_patch_bytes > 0;
   const size_t n = static_cast<size_t>(t.header.tensors_size());
   t.staged.assign(n, false);
-  t.lines.assign(t.mark_lines ? n : 0, ChangedLines());
+  // The lines each patch changes, for the refresh that follows the commit.
+  const bool mark_lines =
+      options_.refresh_standby && options_.refresh_copy_lines && options_.retained_patch_bytes > 0;
+  t.lines.assign(mark_lines ? n : 0, ChangedLines());
   t.caught_up.assign(n, false);
   t.v2.assign(n, std::nullopt);
   if (auto it = slot_digests_.find(t.handle->slot); it != slot_digests_.end()) {

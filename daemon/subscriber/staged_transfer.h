@@ -111,8 +111,7 @@ class StagedTransfer {
   sync::DigestFormat format = sync::DigestFormat::kV1;
   std::vector<std::optional<uint64_t>> v2;
   // The lines each PATCH tensor's steps changed (header index; tensor_bytes 0: not marked), for
-  // the retained transfer and the standby refresh, when `mark_lines`.
-  bool mark_lines = false;
+  // the retained transfer and the standby refresh; empty: none are marked.
   std::vector<ChangedLines> lines;
   // Single-copy: the held version is updated in place at OnEnd (no staging handle); while
   // OnEnd waits for the consumers' pause Abort only marks the transfer cancelled.

@@ -62,29 +62,24 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     std::optional<uint64_t> unknown;
     std::optional<uint64_t>& digest = li < w.digests.size() ? w.digests[li] : unknown;
     const uint64_t elements = out.size() / std::max<size_t>(1, DTypeSize(tensor.dtype));
-    std::optional<ChangedLines> lines;
-    if (options.refresh_copy_lines) lines = ChainLines(w.chain, li);
-    if (lines.has_value() && lines->tensor_bytes() != 0) {
+    const auto current = layout.UnitOf(w.handle.current, li);
+    const std::optional<uint64_t> current_digest =
+        li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
+    absl::Status st;
+    // Lines exist only where the staging marked them (refresh_copy_lines, host memory).
+    if (const std::optional<ChangedLines> lines = ChainLines(w.chain, li); lines.has_value()) {
       ++stats.tensors_lines;
-      stats.line_bytes += lines->count() * ChangedLines::kLineBytes;
-      if (absl::Status st = mem.CopyLines(out, layout.UnitOf(w.handle.current, li), *lines);
-          !st.ok()) {
-        return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
-      }
-      digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
-      continue;
-    }
-    if (lines.has_value()) continue;  // unchanged through the chain
-    if (CopyFromCurrent(w.chain, li, elements, options.refresh_copy_density)) {
+      stats.line_bytes += lines->bytes();
+      st = mem.CopyLines(out, current, *lines);
+      digest = current_digest;
+    } else if (CopyFromCurrent(w.chain, li, elements, options.refresh_copy_density)) {
       ++stats.tensors_copied;
-      REFIT_RETURN_IF_ERROR(mem.Copy(out, layout.UnitOf(w.handle.current, li)));
-      digest = li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
-      continue;
+      st = mem.Copy(out, current);
+      digest = current_digest;
+    } else {
+      st = ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
     }
-    if (absl::Status st = ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
-        !st.ok()) {
-      return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
-    }
+    if (!st.ok()) return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
   }
   return absl::OkStatus();
 }

@@ -53,19 +53,10 @@ absl::Status ApplyTracked(store::TensorMemory& mem, std::span<const uint8_t> pat
                           std::span<const uint8_t> base, std::span<uint8_t> out,
                           std::optional<uint64_t>* digest, ChangedLines* lines) {
   if (!digest->has_value() && lines == nullptr) return mem.Apply(patch, dtype, base, out);
-  absl::StatusOr<DigestV2Delta> d;
-  if (lines == nullptr) {
-    d = mem.ApplyDigestV2(patch, dtype, base, out);
-  } else {
-    // A later step's lines join the earlier ones': what differs from the transfer's base.
-    ChangedLines step;
-    d = mem.ApplyMarkingLines(patch, dtype, base, out, &step);
-    if (lines->tensor_bytes() == 0) {
-      *lines = std::move(step);
-    } else if (step.tensor_bytes() != 0) {
-      lines->Add(step);
-    }
-  }
+  // With lines, a later step's marks join the earlier ones': what differs from the base.
+  absl::StatusOr<DigestV2Delta> d = lines == nullptr
+                                        ? mem.ApplyDigestV2(patch, dtype, base, out)
+                                        : mem.ApplyMarkingLines(patch, dtype, base, out, lines);
   if (!digest->has_value()) return d.status();
   if (!d.ok()) {
     digest->reset();
