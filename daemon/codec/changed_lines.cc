@@ -19,8 +19,14 @@ uint64_t ChangedLines::count() const {
 }
 
 uint64_t ChangedLines::bytes() const {
-  uint64_t n = 0;
-  ForEachRun([&](uint64_t first, uint64_t end) { n += end - first; });
+  // Whole lines by popcount; a marked last line that the tensor's end cuts short counts only its
+  // bytes in the tensor.
+  uint64_t n = count() * kLineBytes;
+  const uint64_t tail = tensor_bytes_ % kLineBytes;
+  if (tail != 0) {
+    const uint64_t last = LineCount() - 1;
+    if (((words_[last / 64] >> (last % 64)) & 1) != 0) n -= kLineBytes - tail;
+  }
   return n;
 }
 
