@@ -118,7 +118,7 @@ struct Run {
 
 // Feeds one transfer (frames made beforehand) to `core`, timing OnHeader .. OnEnd.
 absl::StatusOr<Run> Feed(refit::subscriber::SubscriberCore& core,
-                         const refit::publisher::PublisherCore& pub,
+                         refit::publisher::PublisherCore& pub,
                          refit::sync::DigestFormat format = refit::sync::DigestFormat::kV1) {
   refit::publisher::TransferOptions to;
   to.lz4 = false;

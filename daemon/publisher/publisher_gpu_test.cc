@@ -197,7 +197,7 @@ std::unique_ptr<PublisherCore> OpenCore(cuda::Device* device, Kind baseline,
 }
 
 // Every frame of the transfer from `from` (digest `from_digest`) to the newest version.
-std::vector<std::string> Frames(const PublisherCore& core, uint64_t from, uint64_t from_digest) {
+std::vector<std::string> Frames(PublisherCore& core, uint64_t from, uint64_t from_digest) {
   auto t = core.MakeTransfer(from, from_digest);
   EXPECT_THAT(t, IsOk());
   std::vector<std::string> frames;

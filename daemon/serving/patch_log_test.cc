@@ -500,10 +500,10 @@ TEST(PatchLogTest, ReplayChecksLineageAndChain) {
   v2 = v1;
   v2[10] ^= 1;
   v2[33] ^= 2;
-  BaselineTensor base{.spec = Spec("w", {32}),
-                      .dtype = DType::kBF16,
-                      .digest = TensorDigest(v1),
-                      .bytes = Bytes(v1)};
+  BaselineTensor base;
+  base.spec = Spec("w", {32});
+  base.digest = TensorDigest(v1);
+  base.bytes = Bytes(v1);
   REFIT_ASSERT_OK_AND_ASSIGN(auto patch, EncodePatch(DType::kBF16, v1, v2));
   LogRecord r;
   r.version = 2;
@@ -577,11 +577,11 @@ TEST(PatchLogTest, ReplayGivesEveryVersionItsDigestV2) {
   b2 = b1;
   for (size_t i = 0; i < b2.size(); i += 97) b2[i] ^= 0x21;
   for (size_t i = 0; i < b3.size(); ++i) b3[i] = static_cast<uint8_t>(i * 5 + 9);
-  BaselineTensor base{.spec = Spec("w", {2048}),
-                      .dtype = DType::kBF16,
-                      .digest = TensorDigest(b1),
-                      .digest_v2 = TensorDigestV2(b1),
-                      .bytes = Bytes(b1)};
+  BaselineTensor base;
+  base.spec = Spec("w", {2048});
+  base.digest = TensorDigest(b1);
+  base.digest_v2 = TensorDigestV2(b1);
+  base.bytes = Bytes(b1);
   const std::vector<v1::TensorSpec> manifest = {base.spec};
   auto record = [&](uint64_t version, LogTensorKind kind, const std::vector<uint8_t>& target,
                     std::shared_ptr<const std::vector<uint8_t>> bytes) {

@@ -192,6 +192,9 @@ struct PublishSummary {
   uint64_t baseline_update_cpu_micros = 0;
   size_t baseline_in_place_tensors = 0;
   size_t baseline_copied_tensors = 0;
+  // AdoptRelayed: changed tensors whose received patches were kept for later instead of applied
+  // (BaselineTensor::deferred_patches).
+  size_t baseline_deferred_tensors = 0;
   // Where the patches were encoded: "" = the CPU codec; else the Describe() of every device that
   // encoded or digested a tensor ("; "-separated).
   std::string encode_device;
@@ -221,8 +224,18 @@ struct BaselineTensor {
   // `digest` not computed yet (PublisherOptions::lazy_v1_digests; 0 meanwhile).
   bool digest_pending = false;
   std::shared_ptr<const std::vector<uint8_t>> bytes;
+  // A relayed version adopted without applying its patches (PublisherCore::AdoptRelayed):
+  // `bytes` still hold an older version's (digest v2 `deferred_base_digest_v2`), and
+  // `deferred_patches`, applied in order, bring them to this version's. PublisherCore applies
+  // them (MaterializeBaselineLocked) before anything reads `bytes`. `deferred_failed`: they did
+  // not give this version's digest (`bytes` unusable until a version's bytes replace them).
+  std::vector<std::shared_ptr<const std::vector<uint8_t>>> deferred_patches;
+  uint64_t deferred_patch_bytes = 0;
+  uint64_t deferred_base_digest_v2 = 0;
+  bool deferred_failed = false;
 
   sync::DigestState digests() const { return {digest, digest_pending, digest_v2}; }
+  bool deferred() const { return !deferred_patches.empty() || deferred_failed; }
 };
 
 // Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
@@ -313,9 +326,11 @@ class PublisherCore {
   // The transfer of the newest version to a subscriber holding `subscriber_version` (0 = none)
   // with version digest `subscriber_version_digest`. FailedPrecondition when nothing is
   // published yet or the subscriber is ahead of the newest version.
+  // A transfer with keyframes first brings a relayed baseline's deferred patches forward
+  // (waits for a running Publish or adopt; DataLoss when they do not give the version's bytes).
   absl::StatusOr<std::shared_ptr<const Transfer>> MakeTransfer(
       uint64_t subscriber_version, uint64_t subscriber_version_digest,
-      const TransferOptions& options = {}) const;
+      const TransferOptions& options = {});
 
   uint64_t newest_version() const;  // 0 when nothing is published
   // The highest version ever numbered in this lineage (>= newest_version(): with persistence,
@@ -349,8 +364,12 @@ class PublisherCore {
   std::pair<uint64_t, uint64_t> NewestVersionAndDigest(sync::DigestFormat format) const;
   // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
   uint64_t newest_snapshot_unix_nanos() const;
-  // The newest version's tensors, manifest order.
+  // The newest version's tensors, manifest order. A relayed version's changed tensors may still
+  // be deferred (BaselineTensor::deferred): their `bytes` are an older version's.
   std::vector<BaselineTensor> Baseline() const;
+  // The same with every tensor's bytes the newest version's (deferred patches applied first;
+  // waits for a running Publish or adopt). DataLoss as MakeTransfer.
+  absl::StatusOr<std::vector<BaselineTensor>> BaselineBytes();
   // The degenerate-publish guard of Publish against the current baseline, for callers that want
   // to refuse early (TrainerApi); Publish checks again against the baseline it publishes on.
   absl::Status CheckPublishGuard(const std::vector<GuardTensor>& next, bool allow_degenerate,
@@ -387,8 +406,11 @@ class PublisherCore {
                                                            bool* streaming);
   // Installs the relayed version `live` (committed: every object ready, its End known in v1 or
   // v2) as the newest version without encoding: the history records its patches and digests
-  // (the missing digest format computed from `tensors`, changed tensors only), the baseline takes
-  // `tensors`' bytes (copied, or TensorInput::owned; unchanged tensors keep theirs). `tensors`:
+  // (the missing digest format computed from `tensors`, changed tensors only). The baseline
+  // keeps a patched tensor's previous bytes with the received patch deferred (applied when
+  // something reads the bytes: a keyframe transfer, a Publish, v1 digests; or replaced by
+  // `tensors`' bytes once its deferred patches reach 1/8 of its bytes); keyframes take
+  // `tensors`' bytes (copied, or TensorInput::owned); unchanged tensors keep theirs. `tensors`:
   // the version's verified bytes (the relay's committed store), any order, exactly the header's
   // tensors (InvalidArgument otherwise). FailedPrecondition when the newest version is not the
   // live version's base or another lineage's, when the core persists its baseline or encodes on
@@ -423,6 +445,20 @@ class PublisherCore {
   // The newest version's pending v1 digests computed from the baseline bytes and recorded
   // (history, baseline, newest digest); nothing when none is pending.
   void CompletePendingV1Locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
+  // The baseline tensors AdoptRelayed left with deferred patches brought to the newest version's
+  // bytes (in place when the core holds the buffer alone, else into a copy; the digest v2 of the
+  // result must be the version's). DataLoss naming the tensors that did not (marked
+  // deferred_failed: the next adopted version's bytes replace them).
+  absl::Status MaterializeBaselineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // MakeTransfer under mu_: the plan into `t`, and unless `needs_bytes` is set true (the plan has
+  // keyframes and a tensor is deferred: nothing else done) the baseline, the counts and the
+  // newest version's figures it needs. needs_bytes null: the baseline is taken as it is.
+  absl::Status PlanTransferLocked(uint64_t subscriber_version, uint64_t subscriber_version_digest,
+                                  const TransferOptions& options, Transfer* t,
+                                  std::vector<BaselineTensor>* baseline,
+                                  std::vector<VersionCounts>* counts, bool* needs_bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Publish: the lineage file records `version` before it becomes visible.
   void RecordNumbered(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_);
   // Publish: the live version of `version` on top of `prev` (null without a listener, a base or

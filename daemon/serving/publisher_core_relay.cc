@@ -72,17 +72,22 @@ absl::StatusOr<v1::VersionHeader> RelayedHeader(const v1::VersionHeader& up,
   return h;
 }
 
+// A changed tensor's deferred patches (BaselineTensor::deferred_patches) reaching this share of
+// its bytes make the adopt take the version's bytes whole instead (a copy costs about what
+// decoding 1/8 of a tensor's worth of patches would; it bounds the patches kept).
+constexpr uint64_t kDeferredPatchShare = 8;
+
 // One tensor of a relayed version being adopted: what the history records, the new baseline
 // tensor, and which digests still have to be computed from its bytes.
 struct AdoptedTensor {
   sync::TensorUpdate update;
   BaselineTensor tensor;          // tensor.bytes null until AdoptBaselineBytes for a changed tensor
   std::span<const uint8_t> data;  // the version's bytes (the caller's)
-  // A changed tensor's previous baseline buffer: brought forward in place by the received
-  // patch when the core holds it alone at the install (ApplyAdoptedInPlace), else a copy of
-  // `data` is made. base_digest_v2: its digest v2.
+  // A patched tensor's previous baseline buffer: it keeps the received patch deferred
+  // (`tensor`'s deferred fields), or, with `take_bytes`, is overwritten by `data` in place when
+  // the core holds it alone at the install (else `data` is copied into a new buffer).
   std::shared_ptr<const std::vector<uint8_t>> base;
-  uint64_t base_digest_v2 = 0;
+  bool take_bytes = false;
   bool unchanged = false;
   bool need_v1 = false;
   bool need_v2 = false;
@@ -131,7 +136,12 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     a.tensor.bytes = in.owned;
   } else if (patch) {
     a.base = prev->bytes;
-    a.base_digest_v2 = prev->digest_v2;
+    a.tensor.deferred_patches = prev->deferred_patches;
+    a.tensor.deferred_patch_bytes = prev->deferred_patch_bytes + object.size();
+    a.tensor.deferred_base_digest_v2 =
+        prev->deferred_patches.empty() ? prev->digest_v2 : prev->deferred_base_digest_v2;
+    a.take_bytes = prev->deferred_failed ||
+                   a.tensor.deferred_patch_bytes * kDeferredPatchShare >= in.data.size();
   } else {
     a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(in.data.begin(), in.data.end());
   }
@@ -143,6 +153,7 @@ absl::StatusOr<AdoptedTensor> AdoptTensor(const v1::TensorPlan& tp, size_t i,
     }
     a.changed = ps->changed_elements;
     a.update.patch = std::make_shared<const std::vector<uint8_t>>(object.begin(), object.end());
+    if (a.base != nullptr && !a.take_bytes) a.tensor.deferred_patches.push_back(a.update.patch);
   } else {
     a.changed = ElementsOf(tp.spec());
   }
@@ -248,34 +259,26 @@ absl::StatusOr<std::vector<AdoptedTensor>> AdoptTensors(
   }
   return out;
 }
-// A patched tensor's previous baseline buffer (held by the core alone) brought to the version's
-// bytes by its received patch, in place: only the changed words are written, and the digest v2
-// the apply computes on the way must be the version's. A patch that does not apply or disagrees
-// (it was verified on arrival, so a bug) is repaired by copying the version's bytes whole.
-// False after such a repair.
-bool ApplyAdoptedInPlace(const AdoptedTensor& a) {
-  std::span<uint8_t> buf(const_cast<uint8_t*>(a.base->data()), a.base->size());
-  absl::StatusOr<DigestV2Delta> delta =
-      ApplyPatchDigestV2(*a.update.patch, a.tensor.dtype, buf, buf, /*threads=*/1);
-  if (delta.ok() && delta->ApplyTo(a.base_digest_v2, buf.size()) == a.tensor.digest_v2) return true;
-  Logger("publisher")
-      ->error(
-          "adopting {}: its patch does not bring the previous bytes to the version's ({}); copied",
-          a.tensor.spec.name(), delta.ok() ? "digest v2 differs" : delta.status().ToString());
-  std::memcpy(buf.data(), a.data.data(), buf.size());
-  return false;
-}
-
-// The new baseline (manifest order; under the core's lock, as UpdateBaselineBytes): a changed
-// tensor's previous buffer is brought forward in place when nothing but the core's baseline and
-// `adopted` holds it (a transfer in flight may still read it: then a copy of the version's bytes).
+// The new baseline (manifest order; under the core's lock, as UpdateBaselineBytes). A patched
+// tensor keeps its previous buffer and the patch deferred; one whose deferred patches grew too
+// large (or failed) takes the version's bytes: in place when nothing but the core's baseline and
+// `adopted` holds the buffer (a transfer in flight may still read it: then a copy).
 void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
                         std::vector<BaselineTensor>* next, PublishSummary* sum) {
   const StageMark start = StageMark::Now();
   std::vector<AdoptedTensor*> in_place;
   for (AdoptedTensor& a : adopted) {
     if (a.tensor.bytes != nullptr || a.base == nullptr) continue;
-    if (a.base.use_count() > kSoleBaselineOwners) {
+    if (!a.take_bytes) {
+      a.tensor.bytes = std::move(a.base);
+      ++sum->baseline_deferred_tensors;
+      continue;
+    }
+    a.tensor.deferred_patches.clear();
+    a.tensor.deferred_patch_bytes = 0;
+    a.tensor.deferred_base_digest_v2 = 0;
+    a.tensor.deferred_failed = false;
+    if (a.base.use_count() > kSoleBaselineOwners || a.base->size() != a.data.size()) {
       a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(a.data.begin(), a.data.end());
       ++sum->baseline_copied_tensors;
     } else {
@@ -283,18 +286,42 @@ void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // as UpdateBaselineBytes
-  std::atomic<uint64_t> repaired{0};
   ParallelFor(in_place.size(), threads, 1, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) {
-      if (!ApplyAdoptedInPlace(*in_place[i])) repaired.fetch_add(1, std::memory_order_relaxed);
+      AdoptedTensor& a = *in_place[i];
+      std::memcpy(const_cast<uint8_t*>(a.base->data()), a.data.data(), a.data.size());
     }
   });
   for (AdoptedTensor* a : in_place) a->tensor.bytes = std::move(a->base);
-  sum->baseline_in_place_tensors += in_place.size() - repaired.load();
-  sum->baseline_copied_tensors += repaired.load();
+  sum->baseline_in_place_tensors += in_place.size();
   next->reserve(adopted.size());
   for (AdoptedTensor& a : adopted) next->push_back(std::move(a.tensor));
   AddSince(start, &sum->baseline_update_micros, &sum->baseline_update_cpu_micros);
+}
+
+// A deferred tensor's bytes brought forward by its patches into `buf` (its bytes already, or a
+// copy): the digest v2 the applies compute from the words they change must be the tensor's.
+absl::Status ApplyDeferred(const BaselineTensor& t, std::span<uint8_t> buf) {
+  const std::string what = absl::StrCat("the relayed baseline's tensor ", t.spec.name());
+  if (t.deferred_failed) {
+    return absl::DataLossError(absl::StrCat(what, ": its deferred patches failed before"));
+  }
+  uint64_t digest = t.deferred_base_digest_v2;
+  for (size_t s = 0; s < t.deferred_patches.size(); ++s) {
+    absl::StatusOr<DigestV2Delta> delta =
+        ApplyPatchDigestV2(*t.deferred_patches[s], t.dtype, buf, buf, /*threads=*/1);
+    if (!delta.ok()) {
+      return AnnotateAs(absl::StatusCode::kDataLoss, delta.status(), what, ": deferred patch ",
+                        s + 1, " of ", t.deferred_patches.size());
+    }
+    digest = delta->ApplyTo(digest, buf.size());
+  }
+  if (digest != t.digest_v2) {
+    return absl::DataLossError(absl::StrCat(what, ": its ", t.deferred_patches.size(),
+                                            " deferred patches give digest v2 ", Hex64(digest),
+                                            ", the version's is ", Hex64(t.digest_v2)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -406,6 +433,71 @@ absl::StatusOr<PublishSummary> PublisherCore::AdoptRelayed(const LiveVersion& li
   sum.total_micros = MicrosSince(start);
   sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
+}
+
+absl::Status PublisherCore::MaterializeBaselineLocked() {
+  // The baseline changes only under publish_mu_ (held): the deferred tensors are brought forward
+  // outside mu_. Anything else holding one of their buffers (a transfer of an older version, a
+  // Baseline() copy) gets a copy to read on: the apply writes in place only what mu_ shows the
+  // core holds alone.
+  std::vector<size_t> at;
+  std::vector<BaselineTensor> deferred;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (size_t k = 0; k < baseline_.size(); ++k) {
+      if (!baseline_[k].deferred()) continue;
+      at.push_back(k);
+      deferred.push_back(baseline_[k]);
+    }
+  }
+  if (at.empty()) return absl::OkStatus();
+  const StageMark start = StageMark::Now();
+  std::vector<absl::Status> results(at.size());
+  ParallelFor(at.size(), options_.encode_threads, 1, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      BaselineTensor& t = deferred[i];
+      if (t.deferred_failed) {
+        results[i] = ApplyDeferred(t, {});
+        continue;
+      }
+      // Held by baseline_ and `deferred` alone: nothing reads it but this apply.
+      if (t.bytes.use_count() > kSoleBaselineOwners) {
+        t.bytes = std::make_shared<const std::vector<uint8_t>>(*t.bytes);
+      }
+      results[i] = ApplyDeferred(
+          t, std::span<uint8_t>(const_cast<uint8_t*>(t.bytes->data()), t.bytes->size()));
+    }
+  });
+  absl::Status failed;
+  size_t applied = 0;
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < at.size(); ++i) {
+    BaselineTensor& t = baseline_[at[i]];
+    if (!results[i].ok()) {
+      Logger("publisher")->error("version {}: {}", newest_version_, results[i].ToString());
+      t.deferred_failed = true;
+      if (failed.ok()) failed = results[i];
+      continue;
+    }
+    t.bytes = std::move(deferred[i].bytes);
+    t.deferred_patches.clear();
+    t.deferred_patch_bytes = 0;
+    t.deferred_base_digest_v2 = 0;
+    ++applied;
+  }
+  uint64_t wall = 0, cpu = 0;
+  AddSince(start, &wall, &cpu);
+  Logger("publisher")
+      ->info("version {}: {} relayed tensors brought forward by their deferred patches in {} us",
+             newest_version_, applied, wall);
+  return failed;
+}
+
+absl::StatusOr<std::vector<BaselineTensor>> PublisherCore::BaselineBytes() {
+  absl::MutexLock publish_lock(&publish_mu_);
+  REFIT_RETURN_IF_ERROR(MaterializeBaselineLocked());
+  absl::ReaderMutexLock lock(&mu_);
+  return baseline_;
 }
 
 }  // namespace refit::publisher

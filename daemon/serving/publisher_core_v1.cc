@@ -55,6 +55,11 @@ size_t PublisherCore::pending_v1_digests() const {
 }
 
 void PublisherCore::CompletePendingV1Locked() {
+  if (absl::Status st = MaterializeBaselineLocked(); !st.ok()) {
+    // Logged by MaterializeBaselineLocked; the digests stay pending (v1 sessions get keyframes
+    // of a later version).
+    return;
+  }
   // The baseline changes only under publish_mu_ (held): between the two locks it stays the
   // newest version's, so its pending tensors are hashed outside mu_.
   PendingV1 pending;

@@ -106,6 +106,16 @@ uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
   return changed;
 }
 
+// Whether the plan sends keyframes while a tensor of the baseline is deferred.
+bool NeedsBaselineBytes(const sync::TransferPlan& plan, const std::vector<BaselineTensor>& baseline) {
+  const bool keyframes =
+      std::any_of(plan.tensors.begin(), plan.tensors.end(), [](const sync::TensorDelivery& d) {
+        return d.plan.delivery() == v1::DELIVERY_KEYFRAME;
+      });
+  return keyframes && std::any_of(baseline.begin(), baseline.end(),
+                                  [](const BaselineTensor& t) { return t.deferred(); });
+}
+
 }  // namespace
 
 absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
@@ -127,6 +137,11 @@ absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
     total_elements_ += elems;
     switch (d.plan.delivery()) {
       case v1::DELIVERY_KEYFRAME:
+        if (b->deferred()) {  // MakeTransfer brought them forward: cannot happen
+          return absl::InternalError(absl::StrCat("version ", plan.version, ": ",
+                                                  sync::DescribeTensor(index, d.plan.spec().name()),
+                                                  " of the baseline is deferred"));
+        }
         keep_.push_back(b->bytes);
         // LZ4 decided once per keyframe object (sync::Lz4Pays), not per frame.
         REFIT_RETURN_IF_ERROR(
@@ -145,31 +160,56 @@ absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
   return absl::OkStatus();
 }
 
+absl::Status PublisherCore::PlanTransferLocked(uint64_t subscriber_version,
+                                              uint64_t subscriber_version_digest,
+                                              const TransferOptions& options, Transfer* t,
+                                              std::vector<BaselineTensor>* baseline,
+                                              std::vector<VersionCounts>* counts,
+                                              bool* needs_bytes) const {
+  if (newest_version_ == 0) {
+    return absl::FailedPreconditionError("no version has been published yet");
+  }
+  REFIT_ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
+                                                 newest_version_, options.plan));
+  if (needs_bytes != nullptr) {
+    *needs_bytes = NeedsBaselineBytes(t->plan_, baseline_);
+    if (*needs_bytes) return absl::OkStatus();
+  }
+  *baseline = baseline_;
+  *counts = counts_;
+  t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
+  t->lineage_ = lineage_;
+  if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) {
+    t->encode_micros_ = encode_micros_;
+    t->pass_micros_ = pass_micros_;
+    t->baseline_update_micros_ = baseline_update_micros_;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     uint64_t subscriber_version, uint64_t subscriber_version_digest,
-    const TransferOptions& options) const {
+    const TransferOptions& options) {
   auto chunks_ok = sync::ChunkCount(0, options.frame_bytes);
   if (!chunks_ok.ok()) return chunks_ok.status();
 
   auto t = std::make_shared<Transfer>();
   std::vector<BaselineTensor> baseline;
   std::vector<VersionCounts> counts;
+  bool needs_bytes = false;
   {
     absl::ReaderMutexLock lock(&mu_);
-    if (newest_version_ == 0) {
-      return absl::FailedPreconditionError("no version has been published yet");
-    }
-    REFIT_ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
-                                                   newest_version_, options.plan));
-    baseline = baseline_;
-    counts = counts_;
-    t->snapshot_unix_nanos_ = snapshot_unix_nanos_;
-    t->lineage_ = lineage_;
-    if (t->plan_.reason == v1::TRANSFER_REASON_NEXT_VERSION) {
-      t->encode_micros_ = encode_micros_;
-      t->pass_micros_ = pass_micros_;
-      t->baseline_update_micros_ = baseline_update_micros_;
-    }
+    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest,
+                                             options, t.get(), &baseline, &counts, &needs_bytes));
+  }
+  if (needs_bytes) {
+    // Keyframes read the baseline's bytes: a relayed version's deferred patches are applied
+    // first, and no adopt runs until the transfer holds the buffers (publish_mu_).
+    absl::MutexLock publish_lock(&publish_mu_);
+    REFIT_RETURN_IF_ERROR(MaterializeBaselineLocked());
+    absl::ReaderMutexLock lock(&mu_);
+    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest,
+                                             options, t.get(), &baseline, &counts, nullptr));
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));

@@ -9,6 +9,7 @@
 
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/sync/frames.h"
 #include "daemon/sync/sync_testing.h"
 #include "daemon/sync/version_digest.h"
 #include "gmock/gmock.h"
@@ -21,6 +22,7 @@ using publisher::LiveVersion;
 using publisher::PublisherCore;
 using publisher::TensorInput;
 using ::refit::testing::IsOk;
+using ::refit::testing::StatusIs;
 using sync::DigestFormat;
 using sync::testing::Model;
 using ::testing::HasSubstr;
@@ -234,17 +236,13 @@ TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEnco
     }
 
     // Installed without encoding: the same version digests in both formats, the same patches.
-    // In v2 something still holds version 1's buffers (as a transfer in flight does): the changed
-    // tensors are copied and the holder keeps reading version 1; otherwise they are overwritten
-    // in place.
+    // The patched tensors keep version 1's buffers with their patches deferred.
     std::vector<publisher::BaselineTensor> held;
     if (format == DigestFormat::kV2) held = peer_->Baseline();
     REFIT_ASSERT_OK_AND_ASSIGN(auto adopted, peer_->AdoptRelayed(*live, Inputs(v2_)));
-    EXPECT_EQ(adopted.baseline_in_place_tensors, format == DigestFormat::kV2 ? 0u : 2u);
-    EXPECT_EQ(adopted.baseline_copied_tensors, format == DigestFormat::kV2 ? 2u : 0u);
-    for (const publisher::BaselineTensor& bt : held) {
-      EXPECT_EQ(*bt.bytes, v1_[bt.spec.name()].bytes) << bt.spec.name();
-    }
+    EXPECT_EQ(adopted.baseline_deferred_tensors, 2u);
+    EXPECT_EQ(adopted.baseline_in_place_tensors, 0u);
+    EXPECT_EQ(adopted.baseline_copied_tensors, 0u);
     EXPECT_EQ(adopted.encode_micros, 0u);
     EXPECT_EQ(adopted.patched_tensors, 2u);
     EXPECT_EQ(adopted.unchanged_tensors, 1u);
@@ -265,9 +263,17 @@ TEST_F(RelayFeedTest, PeersGetTheUpstreamsObjectsAndTheCoreAdoptsThemWithoutEnco
       ASSERT_EQ(a.patches.size(), b.patches.size());
       for (size_t k = 0; k < a.patches.size(); ++k) EXPECT_EQ(*a.patches[k], *b.patches[k]);
     }
-    // Its baseline is the version's bytes (a late joiner's keyframes).
+    // A late joiner's keyframes bring the deferred patches forward first: the baseline is the
+    // version's bytes. In v2 something still held version 1's buffers (as a transfer in flight
+    // does): it keeps reading version 1 (the patches went into copies); otherwise in place.
+    REFIT_ASSERT_OK_AND_ASSIGN(auto late, peer_->MakeTransfer(0, 0));
+    EXPECT_EQ(late->plan().base_version, 0u);
     for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+      EXPECT_FALSE(bt.deferred()) << bt.spec.name();
       EXPECT_EQ(*bt.bytes, v2_[bt.spec.name()].bytes) << bt.spec.name();
+    }
+    for (const publisher::BaselineTensor& bt : held) {
+      EXPECT_EQ(*bt.bytes, v1_[bt.spec.name()].bytes) << bt.spec.name();
     }
     const RelayStats s = feed.stats();
     EXPECT_EQ(s.transfers, 1u);
@@ -332,12 +338,13 @@ TEST_F(RelayFeedTest, AChainOfPatchesIsNotRelayed) {
   EXPECT_THAT(feed.stats().last_error, HasSubstr("chain of 2 patches"));
 }
 
-// In place the previous buffer is brought forward by the received patch, and the digest v2 the
-// apply computes from the words it changes must be the version's. A patch that misses (here: the
-// peer core's copy of version 1 has a flipped bit in a word the patch changes) is found and the
-// tensor replaced by a copy of the version's bytes. (A flip in a word no patch touches stays, as
-// in the publisher's own baseline, which its one pass also updates in place.)
-TEST_F(RelayFeedTest, AnInPlaceAdoptionThatMissesTheVersionsBytesCopiesThem) {
+// The deferred patches are applied when something reads the bytes, and the digest v2 the apply
+// computes from the words it changes must be the version's. Patches that miss (here: the peer
+// core's copy of version 1 has a flipped bit in a word the patch changes) are found: a keyframe
+// transfer, the bytes and a Publish fail with DataLoss naming the tensor, nothing is sent from
+// them, and the next adopted version's bytes replace the tensor. (A flip in a word no patch
+// touches stays, as in the publisher's own baseline, which its one pass updates in place.)
+TEST_F(RelayFeedTest, DeferredPatchesThatMissTheVersionsBytesAreFoundAndReplaced) {
   RelayFeed feed(peer_.get(), 1 << 20);
   Feed(feed, DigestFormat::kV2);
   auto live = feed.Completed(2);
@@ -351,14 +358,89 @@ TEST_F(RelayFeedTest, AnInPlaceAdoptionThatMissesTheVersionsBytesCopiesThem) {
   for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
     if (bt.spec.name() == "a.weight") flipped = const_cast<uint8_t*>(bt.bytes->data()) + changed;
   }
-  ASSERT_NE(flipped, nullptr);  // the Baseline() copies are gone: the core holds it alone
+  ASSERT_NE(flipped, nullptr);
   *flipped ^= 0x01;
   REFIT_ASSERT_OK_AND_ASSIGN(auto adopted, peer_->AdoptRelayed(*live, Inputs(v2_)));
-  EXPECT_EQ(adopted.baseline_in_place_tensors, 1u);  // c.norm
-  EXPECT_EQ(adopted.baseline_copied_tensors, 1u);    // a.weight
-  for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
-    EXPECT_EQ(*bt.bytes, v2_[bt.spec.name()].bytes) << bt.spec.name();
+  EXPECT_EQ(adopted.baseline_deferred_tensors, 2u);
+  EXPECT_THAT(peer_->MakeTransfer(0, 0).status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("a.weight")));
+  EXPECT_THAT(peer_->BaselineBytes().status(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("a.weight")));
+  std::mt19937 rng(3);
+  Model v3 = v2_;
+  sync::testing::Perturb(v3["a.weight"], 0.02, rng);
+  ASSERT_THAT(up_->Publish(3, Inputs(v3)), IsOk());
+  RelayFeed next(peer_.get(), 1 << 20);
+  Feed(next, DigestFormat::kV2, -1, 2);
+  ASSERT_NE(next.Completed(3), nullptr);
+  REFIT_ASSERT_OK_AND_ASSIGN(auto healed, peer_->AdoptRelayed(*next.Completed(3), Inputs(v3)));
+  EXPECT_EQ(healed.baseline_in_place_tensors + healed.baseline_copied_tensors, 1u);  // a.weight
+  REFIT_ASSERT_OK_AND_ASSIGN(auto bytes, peer_->BaselineBytes());
+  for (const publisher::BaselineTensor& bt : bytes) {
+    EXPECT_EQ(*bt.bytes, v3[bt.spec.name()].bytes) << bt.spec.name();
   }
+}
+
+// Over many versions the patched tensors stay deferred until their deferred patches reach 1/8
+// of their bytes; then the adopted version's bytes replace them (in place when the core holds
+// the buffer alone, a copy while a transfer still reads it). Whenever read, every tensor is the
+// version's bytes, and a keyframe transfer's objects are the version's bytes.
+TEST_F(RelayFeedTest, ADeferredBaselineFollowsManyVersionsBitExact) {
+  ASSERT_NO_FATAL_FAILURE(RelayAndAdopt(2, v2_));
+  std::mt19937 rng(13);
+  Model m = v2_;
+  size_t deferred = 0, in_place = 0, copied = 0;
+  std::shared_ptr<const publisher::Transfer> reading;  // a keyframe transfer in flight
+  for (uint64_t v = 3; v <= 24; ++v) {
+    sync::testing::Perturb(m["a.weight"], 0.03, rng);
+    sync::testing::Perturb(m["b.weight"], 0.005, rng);
+    ASSERT_THAT(up_->Publish(v, Inputs(m)), IsOk());
+    RelayFeed feed(peer_.get(), 1 << 20);
+    Feed(feed, DigestFormat::kV2, -1, v - 1);
+    std::shared_ptr<const LiveVersion> live = feed.Completed(v);
+    ASSERT_NE(live, nullptr) << feed.stats().last_error;
+    REFIT_ASSERT_OK_AND_ASSIGN(auto sum, peer_->AdoptRelayed(*live, Inputs(m)));
+    deferred += sum.baseline_deferred_tensors;
+    in_place += sum.baseline_in_place_tensors;
+    copied += sum.baseline_copied_tensors;
+    for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+      EXPECT_LT(bt.deferred_patch_bytes * 8, bt.bytes->size()) << bt.spec.name() << " at " << v;
+    }
+    if (v % 9 == 0) {  // a late joiner: keyframes of every tensor, read from the baseline
+      REFIT_ASSERT_OK_AND_ASSIGN(reading, peer_->MakeTransfer(0, 0));
+      sync::FrameAssembler frames(v, 4u << 20);
+      const auto& planned = reading->plan().tensors;
+      for (uint32_t k = 0; k < planned.size(); ++k) {
+        ASSERT_EQ(planned[k].plan.delivery(), v1::DELIVERY_KEYFRAME);
+        sync::ObjectSpec spec;
+        spec.tensor_index = k;
+        spec.tensor_name = planned[k].plan.spec().name();
+        spec.bytes = m[spec.tensor_name].bytes.size();
+        spec.exact_size = true;
+        spec.allow_lz4 = true;
+        ASSERT_THAT(frames.Expect(spec), IsOk());
+      }
+      for (uint64_t i = 0; i < reading->frame_count(); ++i) {
+        REFIT_ASSERT_OK_AND_ASSIGN(auto f, reading->Frame(i));
+        ASSERT_THAT(frames.Add(f), IsOk());
+      }
+      for (uint32_t k = 0; k < planned.size(); ++k) {
+        REFIT_ASSERT_OK_AND_ASSIGN(auto got, frames.Object(k, 0));
+        EXPECT_EQ(std::vector<uint8_t>(got.begin(), got.end()),
+                  m[planned[k].plan.spec().name()].bytes)
+            << planned[k].plan.spec().name() << " at " << v;
+      }
+    }
+  }
+  EXPECT_GT(deferred, 0u);
+  EXPECT_GT(in_place, 0u);
+  EXPECT_GT(copied, 0u) << "the transfer held from version 18 makes the next replacement copy";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto bytes, peer_->BaselineBytes());
+  for (const publisher::BaselineTensor& bt : bytes) {
+    EXPECT_EQ(*bt.bytes, m[bt.spec.name()].bytes) << bt.spec.name();
+  }
+  EXPECT_EQ(*peer_->VersionDigestOf(24, DigestFormat::kV2),
+            *up_->VersionDigestOf(24, DigestFormat::kV2));
 }
 
 TEST_F(RelayFeedTest, AdoptRefusesBytesThatAreNotTheVersions) {
