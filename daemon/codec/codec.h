@@ -234,6 +234,10 @@ absl::Status VisitPatchChanges(std::span<const uint8_t> patch, DType dtype,
 // stats.
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch);
 
+// The changed elements the patch's table declares (PatchStats::changed_elements) from ParsePatch
+// alone: no payload is read or checked (for a patch already applied and verified elsewhere).
+absl::StatusOr<uint64_t> PatchChangedElements(std::span<const uint8_t> patch);
+
 }  // namespace refit
 
 #endif  // REFIT_DAEMON_CODEC_CODEC_H_

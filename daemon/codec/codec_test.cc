@@ -54,6 +54,8 @@ void ExpectRoundTrip(DType t, const Bytes& a, const Bytes& b, int block_log2, in
   REFIT_ASSERT_OK_AND_ASSIGN(auto inspected, InspectPatch(patch));
   EXPECT_EQ(inspected.changed_elements, stats.changed_elements);
   EXPECT_EQ(inspected.patch_bytes, patch.size());
+  REFIT_ASSERT_OK_AND_ASSIGN(const uint64_t declared, PatchChangedElements(patch));
+  EXPECT_EQ(declared, stats.changed_elements);
   // Dense bound: never more than the raw size plus header and a few bytes per block.
   const size_t w = DTypeSize(t);
   const size_t blocks = ((a.size() / w) + (size_t{1} << block_log2) - 1) >> block_log2;

@@ -724,6 +724,19 @@ absl::StatusOr<ChangeRecord> ChangeRecordOfPatch(std::span<const uint8_t> patch,
   return rec;
 }
 
+absl::StatusOr<uint64_t> PatchChangedElements(std::span<const uint8_t> patch) {
+  REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
+  uint64_t changed = 0;
+  for (const BlockDesc& d : layout.blocks) {
+    if (d.mode == kDense) {
+      changed += d.num_elements;
+    } else if (d.mode != kUnchanged) {
+      changed += d.count;
+    }
+  }
+  return changed;
+}
+
 absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
   REFIT_ASSIGN_OR_RETURN(PatchLayout layout, ParsePatch(patch));
   PatchStats st;

@@ -116,6 +116,9 @@ TEST(PatchV2, RoundTripsEveryDtypeSizeAndRateWithAndWithoutTheRecord) {
           EXPECT_LE(p2.size(), v1_patch.size()) << what << ": the choice never costs bytes";
           auto info = InspectPatch(p2);
           ASSERT_THAT(info, IsOk()) << what << ": " << info.status();
+          auto declared = PatchChangedElements(p2);  // CONTEXT blocks' counts too
+          ASSERT_THAT(declared, IsOk()) << what;
+          EXPECT_EQ(*declared, info->changed_elements) << what;
           EXPECT_EQ(p2[4], info->blocks_context > 0 ? 2 : 1) << what;
           if (info->blocks_context == 0) {
             EXPECT_EQ(p2, v1_patch) << what;
