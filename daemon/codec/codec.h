@@ -86,6 +86,13 @@ struct EncodeInput {
   // Format 2: the base's previous-change record (the changes from the version before it), which
   // CONTEXT blocks are then coded given; null: not conditioned. Its element count must match.
   const ChangeRecord* prev = nullptr;
+  // EncodePatchesWithChanges only: writable memory holding `base` (update_base == base.data()).
+  // Each block is brought to the target right after it is encoded, while its bytes are in cache
+  // (its logged changes written, or the block copied whole), the values it overwrites kept for
+  // EncodedChanges::Undo: on return base == target, and EncodedChanges::ApplyTo has nothing left
+  // to do. Blocks are independent, so no later block's encoding reads what this writes. Null:
+  // `base` is only read.
+  uint8_t* update_base = nullptr;
 };
 
 // Encodes many tensors at once (one patch each, in order), spreading all their blocks over the
@@ -128,6 +135,10 @@ class EncodedChanges {
   // index). Writes nothing outside the changed blocks.
   absl::Status ApplyTo(size_t tensor, std::span<uint8_t> base,
                        std::span<const uint8_t> target) const;
+  // For a tensor encoded with EncodeInput::update_base: `base` (its memory, now the target) back
+  // to the bytes it held before the encode, from the values the scan saved as it overwrote them.
+  // FAILED_PRECONDITION for a tensor encoded without update_base, INVALID_ARGUMENT for a size.
+  absl::Status Undo(size_t tensor, std::span<uint8_t> base) const;
   uint64_t log_bytes() const;  // bytes the logs hold
 
   struct Impl;

@@ -110,9 +110,13 @@ struct EncodeScratch {
 struct ChangeLogBuf {
   ByteSink pos;
   ByteSink val;
+  // EncodeInput::update_base: the values the scan overwrote (a logged block's changed elements,
+  // element size each in log order; a block copied whole, all its bytes), for Undo.
+  ByteSink old;
   void Clear() {
     pos.clear();
     val.clear();
+    old.clear();
   }
 };
 
@@ -167,6 +171,7 @@ struct BlockLog {
   bool whole = false;
   uint64_t pos_off = 0;  // byte offsets into the part's ChangeLogBuf
   uint64_t val_off = 0;
+  uint64_t old_off = 0;  // into ChangeLogBuf::old (update_base)
   uint64_t v2_sum = 0;  // the block's digest-v2 delta
 };
 

@@ -585,6 +585,38 @@ TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDig
       ASSERT_THAT(changes.ApplyTo(t, b, targets[t]), IsOk());
       ASSERT_EQ(b, targets[t]) << "tensor " << t;
     }
+    // With update_base every base is the target on return, and everything else is the same (in
+    // both patch formats: format 2's CONTEXT blocks are coded given the base).
+    for (int format : {1, 2}) {
+      EncodeOptions fo = opt;
+      fo.format = format;
+      std::vector<uint64_t> want_digests;
+      EncodedChanges want_changes;
+      auto want_f = EncodePatchesWithChanges(inputs, fo, nullptr, &want_digests, &want_changes);
+      ASSERT_THAT(want_f, IsOk());
+      std::vector<Bytes> updated = bases;
+      std::vector<EncodeInput> in_place = inputs;
+      for (size_t t = 0; t < in_place.size(); ++t) {
+        in_place[t].base = updated[t];
+        in_place[t].update_base = updated[t].data();
+      }
+      std::vector<uint64_t> digests2;
+      EncodedChanges changes2;
+      auto got2 = EncodePatchesWithChanges(in_place, fo, nullptr, &digests2, &changes2);
+      ASSERT_THAT(got2, IsOk()) << got2.status();
+      for (size_t t = 0; t < inputs.size(); ++t) {
+        ASSERT_EQ((*got2)[t], (*want_f)[t]) << "format " << format << " tensor " << t;
+        ASSERT_EQ(digests2[t], want_digests[t]) << "tensor " << t;
+        EXPECT_EQ(
+            changes2.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1), bases[t].size()),
+            TensorDigestV2(targets[t], 1))
+            << "tensor " << t;
+        ASSERT_EQ(updated[t], targets[t]) << "format " << format << " tensor " << t;
+        // Undo: the bytes the base held before the encode.
+        ASSERT_THAT(changes2.Undo(t, updated[t]), IsOk());
+        ASSERT_EQ(updated[t], bases[t]) << "format " << format << " tensor " << t;
+      }
+    }
   });
 }
 
@@ -626,6 +658,15 @@ TEST(EncodePatchesWithChanges, BadArgumentsSayWhat) {
   EXPECT_NE(size.message().find("encoded with 16 bytes"), std::string::npos) << size;
   EXPECT_EQ(changes.ApplyTo(1, a, a).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(EncodedChanges().ApplyTo(0, a, a).code(), absl::StatusCode::kOutOfRange);
+  // update_base: the base's own memory, and only where the change logs are kept.
+  Bytes copy = a;
+  std::vector<EncodeInput> elsewhere = {{DType::kU8, a, a, nullptr, copy.data()}};
+  EXPECT_EQ(EncodePatchesWithChanges(elsewhere, {}, nullptr, nullptr, &changes).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<EncodeInput> unlogged = {{DType::kU8, a, a, nullptr, a.data()}};
+  EXPECT_EQ(EncodePatches(unlogged).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(changes.Undo(0, a).code(), absl::StatusCode::kFailedPrecondition)
+      << "encoded without update_base: nothing to undo";
 }
 
 }  // namespace

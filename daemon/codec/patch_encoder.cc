@@ -86,6 +86,72 @@ struct PayloadAt {
   uint64_t offset;
 };
 
+// Writes block change log entries into the block at `dst`, prefetching the lines it will write
+// (for ownership) far enough ahead that the store misses overlap.
+template <typename T>
+void ScatterLogged(uint8_t* dst, const uint8_t* pos, const uint8_t* val, uint32_t count) {
+  constexpr uint32_t kAhead = 64;
+  for (uint32_t j = 0; j < count; ++j) {
+    if (j + kAhead < count) {
+      uint32_t ahead;
+      std::memcpy(&ahead, pos + 4 * static_cast<size_t>(j + kAhead), 4);
+      __builtin_prefetch(dst + static_cast<uint64_t>(ahead) * sizeof(T), 1);
+    }
+    uint32_t p;
+    std::memcpy(&p, pos + 4 * static_cast<size_t>(j), 4);
+    std::memcpy(dst + static_cast<uint64_t>(p) * sizeof(T), val + j * sizeof(T), sizeof(T));
+  }
+}
+
+// The elements of `base` at the `count` logged positions `pos`, into `out` in log order.
+template <typename T>
+void GatherLogged(uint8_t* out, const uint8_t* base, const uint8_t* pos, uint32_t count) {
+  for (uint32_t j = 0; j < count; ++j) {
+    uint32_t p;
+    std::memcpy(&p, pos + 4 * static_cast<size_t>(j), 4);
+    std::memcpy(out + j * sizeof(T), base + static_cast<uint64_t>(p) * sizeof(T), sizeof(T));
+  }
+}
+
+// Saves into l.old what ApplyBlockLog is about to overwrite in `base` (the block's bytes).
+void SaveBlockOld(BlockLog& b, ChangeLogBuf& l, int w, const uint8_t* base, uint64_t len) {
+  b.old_off = l.old.size();
+  if (b.whole) {
+    l.old.resize(b.old_off + len);
+    std::memcpy(l.old.data() + b.old_off, base, len);
+    return;
+  }
+  if (b.count == 0) return;
+  l.old.resize(b.old_off + static_cast<uint64_t>(b.count) * w);
+  const uint8_t* pos = l.pos.data() + b.pos_off;
+  uint8_t* out = l.old.data() + b.old_off;
+  switch (w) {
+    case 1: GatherLogged<uint8_t>(out, base, pos, b.count); break;
+    case 2: GatherLogged<uint16_t>(out, base, pos, b.count); break;
+    case 4: GatherLogged<uint32_t>(out, base, pos, b.count); break;
+    default: GatherLogged<uint64_t>(out, base, pos, b.count); break;
+  }
+}
+
+// Block `g`'s logged changes (or the whole block, copied from `target`) written into `base`, both
+// the block's bytes: `len` bytes of elements of `w` bytes.
+void ApplyBlockLog(const BlockLog& b, const ChangeLogBuf& l, int w, uint8_t* base,
+                   const uint8_t* target, uint64_t len) {
+  if (b.whole) {
+    std::memcpy(base, target, len);
+    return;
+  }
+  if (b.count == 0) return;
+  const uint8_t* pos = l.pos.data() + b.pos_off;
+  const uint8_t* val = l.val.data() + b.val_off;
+  switch (w) {
+    case 1: ScatterLogged<uint8_t>(base, pos, val, b.count); break;
+    case 2: ScatterLogged<uint16_t>(base, pos, val, b.count); break;
+    case 4: ScatterLogged<uint32_t>(base, pos, val, b.count); break;
+    default: ScatterLogged<uint64_t>(base, pos, val, b.count); break;
+  }
+}
+
 // Points `sl` at the end of `buf` for block `block_index` of `in`, whose entry is `bl`.
 void BeginBlockLog(const EncodeInput& in, uint64_t block_index, int log2, ChangeLogBuf& buf,
                    ScanLog& sl, BlockLog& bl) {
@@ -148,6 +214,17 @@ void EncodeParts(std::span<const EncodeInput> inputs, const BlockGrid& grid, int
                                         out.block_logs != nullptr ? &sl : nullptr);
         if (out.block_logs != nullptr) {
           EndBlockLog(*(*out.logs)[p], (*out.block_logs)[g]);
+          if (inputs[t].update_base != nullptr) {
+            const uint64_t first = (g - first_block[t]) * grid.block_bytes[t];
+            const uint64_t len =
+                std::min<uint64_t>(grid.block_bytes[t], inputs[t].base.size() - first);
+            const int w = DTypeSize(inputs[t].dtype);
+            BlockLog& bl = (*out.block_logs)[g];
+            ChangeLogBuf& buf = *(*out.logs)[p];
+            SaveBlockOld(bl, buf, w, inputs[t].update_base + first, len);
+            ApplyBlockLog(bl, buf, w, inputs[t].update_base + first,
+                          inputs[t].target.data() + first, len);
+          }
         }
       }
     }
@@ -212,6 +289,10 @@ absl::Status CheckEncodeArgs(std::span<const EncodeInput> inputs, const EncodeOp
   }
   for (size_t t = 0; t < inputs.size(); ++t) {
     REFIT_RETURN_IF_ERROR(CheckEncodeInput(inputs[t], t, inputs.size()));
+    if (inputs[t].update_base != nullptr && inputs[t].update_base != inputs[t].base.data()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": input ", t, "'s update_base is not its base's memory"));
+    }
   }
   return absl::OkStatus();
 }
@@ -223,6 +304,7 @@ struct EncodedChanges::Impl {
   std::vector<uint64_t> first_block;  // tensor t's blocks: [first_block[t], first_block[t + 1])
   std::vector<int> width;             // element size per tensor
   std::vector<uint64_t> bytes;        // bytes per tensor
+  std::vector<bool> updated;          // EncodeInput::update_base given (Undo)
   std::vector<BlockLog> blocks;
   std::vector<std::unique_ptr<ChangeLogBuf>> logs;
   ~Impl() {
@@ -259,6 +341,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(std::span<const Enco
     for (const EncodeInput& in : inputs) {
       changes->width.push_back(DTypeSize(in.dtype));
       changes->bytes.push_back(in.base.size());
+      changes->updated.push_back(in.update_base != nullptr);
     }
     changes->blocks.assign(grid.total_blocks(), BlockLog{});
     changes->logs.resize(parts);
@@ -282,23 +365,6 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodeAll(std::span<const Enco
   return patches;
 }
 
-// Writes block change log entries into the block at `dst`, prefetching the lines it will write
-// (for ownership) far enough ahead that the store misses overlap.
-template <typename T>
-void ScatterLogged(uint8_t* dst, const uint8_t* pos, const uint8_t* val, uint32_t count) {
-  constexpr uint32_t kAhead = 64;
-  for (uint32_t j = 0; j < count; ++j) {
-    if (j + kAhead < count) {
-      uint32_t ahead;
-      std::memcpy(&ahead, pos + 4 * static_cast<size_t>(j + kAhead), 4);
-      __builtin_prefetch(dst + static_cast<uint64_t>(ahead) * sizeof(T), 1);
-    }
-    uint32_t p;
-    std::memcpy(&p, pos + 4 * static_cast<size_t>(j), 4);
-    std::memcpy(dst + static_cast<uint64_t>(p) * sizeof(T), val + j * sizeof(T), sizeof(T));
-  }
-}
-
 }  // namespace
 
 EncodedChanges::EncodedChanges() = default;
@@ -317,10 +383,45 @@ DigestV2Delta EncodedChanges::DigestV2DeltaOf(size_t tensor) const {
   return DigestV2Delta::FromSum(sum);
 }
 
+absl::Status EncodedChanges::Undo(size_t tensor, std::span<uint8_t> base) const {
+  if (impl_ == nullptr || tensor >= tensors() ||
+      (!impl_->updated[tensor] && impl_->bytes[tensor] != 0)) {  // nothing to undo in 0 bytes
+    return absl::FailedPreconditionError(absl::StrCat(
+        "EncodedChanges::Undo: tensor ", tensor, " of ", tensors(), " was not updated in place"));
+  }
+  const uint64_t bytes = impl_->bytes[tensor];
+  if (base.size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("EncodedChanges::Undo: tensor ", tensor,
+                                                   " was encoded with ", bytes, " bytes; base has ",
+                                                   base.size()));
+  }
+  const int w = impl_->width[tensor];
+  const uint64_t block_bytes = (uint64_t{1} << impl_->log2) * w;
+  for (uint64_t g = impl_->first_block[tensor]; g < impl_->first_block[tensor + 1]; ++g) {
+    const BlockLog& b = impl_->blocks[g];
+    const uint64_t first = (g - impl_->first_block[tensor]) * block_bytes;
+    const ChangeLogBuf& l = *impl_->logs[b.part];
+    const uint8_t* old = l.old.data() + b.old_off;
+    if (b.whole) {
+      std::memcpy(base.data() + first, old, std::min(block_bytes, bytes - first));
+      continue;
+    }
+    if (b.count == 0) continue;
+    const uint8_t* pos = l.pos.data() + b.pos_off;
+    switch (w) {
+      case 1: ScatterLogged<uint8_t>(base.data() + first, pos, old, b.count); break;
+      case 2: ScatterLogged<uint16_t>(base.data() + first, pos, old, b.count); break;
+      case 4: ScatterLogged<uint32_t>(base.data() + first, pos, old, b.count); break;
+      default: ScatterLogged<uint64_t>(base.data() + first, pos, old, b.count); break;
+    }
+  }
+  return absl::OkStatus();
+}
+
 uint64_t EncodedChanges::log_bytes() const {
   uint64_t n = 0;
   if (impl_ != nullptr) {
-    for (const auto& l : impl_->logs) n += l->pos.size() + l->val.size();
+    for (const auto& l : impl_->logs) n += l->pos.size() + l->val.size() + l->old.size();
   }
   return n;
 }
@@ -342,27 +443,31 @@ absl::Status EncodedChanges::ApplyTo(size_t tensor, std::span<uint8_t> base,
   for (uint64_t g = impl_->first_block[tensor]; g < impl_->first_block[tensor + 1]; ++g) {
     const BlockLog& b = impl_->blocks[g];
     const uint64_t first = (g - impl_->first_block[tensor]) * block_bytes;
-    if (b.whole) {
-      std::memcpy(base.data() + first, target.data() + first, std::min(block_bytes, bytes - first));
-      continue;
-    }
-    if (b.count == 0) continue;
-    const ChangeLogBuf& l = *impl_->logs[b.part];
-    const uint8_t* pos = l.pos.data() + b.pos_off;
-    const uint8_t* val = l.val.data() + b.val_off;
-    switch (w) {
-      case 1: ScatterLogged<uint8_t>(base.data() + first, pos, val, b.count); break;
-      case 2: ScatterLogged<uint16_t>(base.data() + first, pos, val, b.count); break;
-      case 4: ScatterLogged<uint32_t>(base.data() + first, pos, val, b.count); break;
-      default: ScatterLogged<uint64_t>(base.data() + first, pos, val, b.count); break;
+    ApplyBlockLog(b, *impl_->logs[b.part], w, base.data() + first, target.data() + first,
+                  std::min(block_bytes, bytes - first));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// update_base needs the change logs (EncodePatchesWithChanges).
+absl::Status CheckNoUpdateBase(std::span<const EncodeInput> inputs, const char* who) {
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    if (inputs[t].update_base != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": input ", t, " has update_base (EncodePatchesWithChanges only)"));
     }
   }
   return absl::OkStatus();
 }
 
+}  // namespace
+
 absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatches(std::span<const EncodeInput> inputs,
                                                                 const EncodeOptions& options,
                                                                 std::vector<PatchStats>* stats) {
+  REFIT_RETURN_IF_ERROR(CheckNoUpdateBase(inputs, "EncodePatches"));
   return EncodeAll(inputs, options, stats, nullptr, nullptr);
 }
 
@@ -372,6 +477,7 @@ absl::StatusOr<std::vector<std::vector<uint8_t>>> EncodePatchesWithDigests(
   if (digests == nullptr) {
     return absl::InvalidArgumentError("EncodePatchesWithDigests: no digests output given");
   }
+  REFIT_RETURN_IF_ERROR(CheckNoUpdateBase(inputs, "EncodePatchesWithDigests"));
   return EncodeAll(inputs, options, stats, digests, nullptr);
 }
 

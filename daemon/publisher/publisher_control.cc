@@ -36,28 +36,34 @@ absl::Time RpcDeadline(const grpc::ServerContext* context) {
   return absl::FromChrono(deadline);
 }
 
-uint64_t BaselineBytes(const std::vector<BaselineTensor>& baseline) {
+uint64_t ManifestBytes(const std::vector<v1::TensorSpec>& manifest) {
   uint64_t bytes = 0;
-  for (const BaselineTensor& t : baseline) bytes += t.bytes ? t.bytes->size() : 0;
+  for (const v1::TensorSpec& spec : manifest) bytes += sync::TensorByteSize(spec).value_or(0);
   return bytes;
 }
 
 // The newest version and its tensors, read consistently (a publish may run concurrently).
 // `version_digest` is v1 (the core's record); `version_digest_v2` is the version's identity in
 // every response of this service (Status.digest_format 2), from the core's history.
+// With `bytes` false only the manifest is read (Status does not wait for a running Publish).
 struct Snapshot {
   uint64_t version = 0;
   uint64_t version_digest = 0;
   uint64_t version_digest_v2 = 0;
   std::vector<BaselineTensor> tensors;
+  std::vector<v1::TensorSpec> manifest;
 };
-Snapshot ConsistentBaseline(const PublisherCore& core) {
+Snapshot ConsistentBaseline(const PublisherCore& core, bool bytes = true) {
   Snapshot s;
   for (;;) {
     s.version = core.newest_version();
     s.version_digest = core.newest_version_digest();
     s.version_digest_v2 = core.VersionDigestOf(s.version, sync::DigestFormat::kV2).value_or(0);
-    s.tensors = core.Baseline();
+    if (bytes) {
+      s.tensors = core.Baseline();
+    } else {
+      s.manifest = core.Manifest();
+    }
     if (core.newest_version() == s.version && core.newest_version_digest() == s.version_digest) {
       return s;
     }
@@ -85,13 +91,13 @@ v1::StatusResponse PublisherControl::GetStatus() const {
   r.set_build_version(kRefitVersion);
   r.set_metrics_address(options_.metrics_address);
   if (options_.trainer_status) *r.mutable_trainer_api() = options_.trainer_status();
-  const Snapshot baseline = ConsistentBaseline(*core_);
+  const Snapshot baseline = ConsistentBaseline(*core_, /*bytes=*/false);
   r.set_version(baseline.version);
   r.set_version_digest(baseline.version_digest_v2);
   r.set_digest_format(sync::DigestFormatToWire(kIdentityFormat));
   r.set_version_digest_v1(baseline.version_digest);
-  r.set_tensors(static_cast<uint32_t>(baseline.tensors.size()));
-  r.set_model_bytes(BaselineBytes(baseline.tensors));
+  r.set_tensors(static_cast<uint32_t>(baseline.manifest.size()));
+  r.set_model_bytes(ManifestBytes(baseline.manifest));
   if (data_plane_ != nullptr) {
     for (v1::SessionStatus& s : data_plane_->Sessions()) *r.add_sessions() = std::move(s);
     r.set_bytes_sent(data_plane_->bytes_sent());
@@ -220,6 +226,13 @@ absl::StatusOr<v1::ExportResponse> PublisherControl::DoExport(
                      " is not held: the publisher holds only its newest version ",
                      baseline.version));
   }
+  for (const BaselineTensor& t : baseline.tensors) {
+    if (t.deferred()) {
+      return absl::UnavailableError(absl::StrCat(
+          "export: the bytes of tensor ", Quoted(t.spec.name()), " of version ", baseline.version,
+          " are not held (lost by a failed publish): publish a new version"));
+    }
+  }
   // A cut version (publisher.cut) is exported as the model it was cut from: each name's parts
   // joined into the whole tensor (a shard publisher's part is written as it is).
   REFIT_ASSIGN_OR_RETURN(const std::vector<BaselineTensor> joined,
@@ -311,10 +324,11 @@ absl::StatusOr<v1::ResyncResponse> PublisherControl::DoResync(const v1::ResyncRe
   }
   std::vector<std::string> tensors(request.tensors().begin(), request.tensors().end());
   if (!tensors.empty()) {
-    const Snapshot baseline = ConsistentBaseline(*core_);
+    const Snapshot baseline = ConsistentBaseline(*core_, /*bytes=*/false);
     for (const std::string& name : tensors) {
-      const bool known = std::any_of(baseline.tensors.begin(), baseline.tensors.end(),
-                                     [&](const BaselineTensor& t) { return t.spec.name() == name; });
+      const bool known =
+          std::any_of(baseline.manifest.begin(), baseline.manifest.end(),
+                      [&](const v1::TensorSpec& spec) { return spec.name() == name; });
       if (!known) {
         return absl::NotFoundError(
             absl::StrCat("resync: tensor ", Quoted(name), " is not in version ", baseline.version));

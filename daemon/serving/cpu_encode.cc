@@ -89,13 +89,21 @@ void CopyKeyframes(const PublisherOptions& options, std::span<const TensorInput>
 
 // CPU one pass, one batch: the tensors `ks` (manifest-order indices, each with a base) compared,
 // encoded and digested by one EncodePatchesWithDigests.
+// `in_pass[k]`: tensor k's baseline buffer is brought to the new bytes by the scan itself.
 absl::Status EncodeBatch(const PublisherOptions& options, std::span<const TensorInput> inputs,
                          const std::vector<size_t>& order,
                          const std::vector<const BaselineTensor*>& bases,
-                         std::span<const size_t> ks, const std::string& where, bool defer_v1,
-                         Encoded* out) {
+                         const std::vector<bool>& in_pass, std::span<const size_t> ks,
+                         const std::string& where, bool defer_v1, Encoded* out) {
   std::vector<EncodeInput> enc;
-  for (size_t k : ks) enc.push_back({out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data});
+  for (size_t k : ks) {
+    EncodeInput e{out->next[k].dtype, *bases[k]->bytes, inputs[order[k]].data};
+    if (in_pass[k]) {
+      // Baseline buffers are non-const vectors (BaselineTensor); the core alone holds this one.
+      e.update_base = const_cast<uint8_t*>(bases[k]->bytes->data());
+    }
+    enc.push_back(e);
+  }
   std::vector<PatchStats> stats;
   std::vector<uint64_t> digests;
   auto changes = std::make_shared<EncodedChanges>();
@@ -123,7 +131,7 @@ absl::Status EncodeBatch(const PublisherOptions& options, std::span<const Tensor
     out->patches[k] = std::make_shared<const std::vector<uint8_t>>(std::move((*encoded)[j]));
     out->changed[k] = stats[j].changed_elements;
     const TensorInput& in = inputs[order[k]];
-    out->pending.push_back({k, p->bytes, in.data, in.owned, changes, j});
+    out->pending.push_back({k, p->bytes, in.data, in.owned, changes, j, in_pass[k]});
   }
   return absl::OkStatus();
 }
@@ -253,6 +261,12 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   // The changed tensors' v1 digests: after the End (FillDeferredV1), or not at all (no_v1).
   const bool skip_v1 = stream.defer_v1 || stream.no_v1;
   const std::vector<const BaselineTensor*> bases = ClassifyForPass(inputs, order, specs, prev, out);
+  std::vector<bool> in_pass(order.size(), false);
+  if (stream.update_base != nullptr && !stream.update_base->empty()) {
+    for (size_t k = 0; k < order.size(); ++k) {
+      if (bases[k] != nullptr) in_pass[k] = (*stream.update_base)[bases[k] - prev.data()];
+    }
+  }
   // A batch's objects to the live version: keyframes' own bytes, patches (none: unchanged).
   auto ready = [&](std::span<const size_t> batch, bool keyframes) {
     if (stream.live == nullptr) return;
@@ -282,7 +296,8 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
   if (ks.empty()) return absl::OkStatus();
   const StageMark pass_start = StageMark::Now();
   REFIT_RETURN_IF_ERROR(ForEachBatch(stream, inputs, order, ks, [&](std::span<const size_t> batch) {
-    REFIT_RETURN_IF_ERROR(EncodeBatch(options, inputs, order, bases, batch, where, skip_v1, out));
+    REFIT_RETURN_IF_ERROR(
+        EncodeBatch(options, inputs, order, bases, in_pass, batch, where, skip_v1, out));
     ready(batch, /*keyframes=*/false);
     return absl::OkStatus();
   }));
@@ -294,7 +309,7 @@ absl::Status EncodeOnCpuOnePass(const PublisherOptions& options,
 void CopySharedPending(Encoded* enc, PublishSummary* sum) {
   const StageMark start = StageMark::Now();
   for (Encoded::Pending& u : enc->pending) {
-    if (u.base.use_count() <= kSoleBaselineOwners) continue;
+    if (u.updated || u.base.use_count() <= kSoleBaselineOwners) continue;
     CopyPending(u, enc, sum);
   }
   AddSince(start, &sum->baseline_update_micros, &sum->baseline_update_cpu_micros);
@@ -310,7 +325,7 @@ void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
   std::vector<Encoded::Pending*> in_place;
   for (Encoded::Pending& u : enc->pending) {
     if (enc->next[u.k].bytes != nullptr) continue;  // copied before the lock
-    if (u.base.use_count() > kSoleBaselineOwners) {
+    if (!u.updated && u.base.use_count() > kSoleBaselineOwners) {
       CopyPending(u, enc, sum);
     } else {
       in_place.push_back(&u);
@@ -324,6 +339,7 @@ void UpdateBaselineBytes(Encoded* enc, int threads, PublishSummary* sum) {
       Encoded::Pending& u = *in_place[i];
       // Baseline buffers are non-const vectors (OwnBytes, the GPU download, LoadPersisted); only
       // their elements change, never their size.
+      if (u.updated) continue;  // by the pass
       std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
       if (!u.changes->ApplyTo(u.index, buf, u.target).ok()) {
         // The log is the pass's own and sized by it; should it not fit, the caller's bytes are

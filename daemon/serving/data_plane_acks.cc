@@ -78,7 +78,7 @@ absl::Status DataPlaneService::NoteKeyframeRequest(Session& session,
     return absl::InvalidArgumentError("KeyframeRequest names no tensor and all_tensors is false");
   }
   std::set<std::string> known;
-  for (const BaselineTensor& t : core_->Baseline()) known.insert(t.spec.name());
+  for (const v1::TensorSpec& spec : core_->Manifest()) known.insert(spec.name());
   for (const std::string& name : req.tensors()) {
     if (known.count(name) == 0) {
       return absl::InvalidArgumentError(absl::StrCat("KeyframeRequest names tensor ", Quoted(name),

@@ -173,11 +173,8 @@ absl::StatusOr<sync::TensorSelection> HelloSelection(const PublisherCore& core,
     return absl::InvalidArgumentError(
         absl::StrCat("Hello.slice_rank is ", hello.slice_rank(), " without slice_ranks"));
   }
-  const std::vector<BaselineTensor> newest = core.Baseline();
-  if (selection.all() || newest.empty()) return selection;
-  std::vector<v1::TensorSpec> manifest;
-  manifest.reserve(newest.size());
-  for (const BaselineTensor& t : newest) manifest.push_back(t.spec);
+  const std::vector<v1::TensorSpec> manifest = core.Manifest();
+  if (selection.all() || manifest.empty()) return selection;
   absl::Status st = selection.CheckCovered(
       manifest, absl::StrCat("version ", core.newest_version(), " of publisher ", publisher));
   if (!st.ok()) {

@@ -39,6 +39,8 @@ struct Encoded {
     // writes only the changed elements from it, without decoding the patch.
     std::shared_ptr<const EncodedChanges> changes;
     size_t index = 0;
+    // The pass brought `base` to `target` in place (StreamPass::update_base): nothing to write.
+    bool updated = false;
   };
   std::vector<Pending> pending;
 };
@@ -61,6 +63,9 @@ struct StreamPass {
   // lazy_v1_digests without a v1 session: the pass computes no v1 digest at all (keyframe
   // tensors included, streamed or not); those tensors' are left pending.
   bool no_v1 = false;
+  // By index into the pass's `prev`: the baseline buffers the pass brings to their new bytes in
+  // place (PublisherOptions::update_baseline_in_pass). Null or empty: none.
+  const std::vector<bool>* update_base = nullptr;
 };
 
 }  // namespace refit::publisher

@@ -112,8 +112,18 @@ uint64_t PublisherCore::newest_snapshot_unix_nanos() const {
 }
 
 std::vector<BaselineTensor> PublisherCore::Baseline() const {
+  mu_.ReaderLockWhen(absl::Condition(this, &PublisherCore::BaselineReadable));
+  std::vector<BaselineTensor> out = baseline_;
+  mu_.ReaderUnlock();
+  return out;
+}
+
+std::vector<v1::TensorSpec> PublisherCore::Manifest() const {
   absl::ReaderMutexLock lock(&mu_);
-  return baseline_;
+  std::vector<v1::TensorSpec> out;
+  out.reserve(baseline_.size());
+  for (const BaselineTensor& t : baseline_) out.push_back(t.spec);
+  return out;
 }
 
 absl::Status PublisherCore::CheckPublishGuard(const std::vector<GuardTensor>& next,

@@ -135,6 +135,10 @@ struct PublisherOptions {
   // CPU codec: the one pass per version (PublisherCore "CPU one pass"). false: the copying path
   // (memcmp, snapshot copy, digest, encode: four reads), kept for benchmarks (publish_bench).
   bool cpu_one_pass = true;
+  // CPU one pass: a changed tensor's baseline buffer that the core alone holds when the pass
+  // starts is brought to the new bytes by the encoder's scan, block by block while the block is
+  // in cache (EncodeInput::update_base), instead of at the commit. false: at the commit.
+  bool update_baseline_in_pass = true;
   // Streamed transfers (LiveVersion; only the CPU one pass streams): the pass encodes the tensors
   // in manifest order in batches of about this many target bytes and hands each batch's objects to
   // the live version as soon as the batch is done (0: one batch, i.e. nothing leaves before the
@@ -276,7 +280,13 @@ struct BaselineTensor {
 // gets its logged changes written in place (O(changed), no decode) when the baseline is its only
 // owner; when a transfer in flight (a keyframe for a late joiner), a Baseline() caller or the
 // persistence still holds it, the tensor gets a new buffer copied from the caller's bytes
-// (copy-on-write), so every holder keeps seeing the version it took.
+// (copy-on-write), so every holder keeps seeing the version it took. With
+// update_baseline_in_pass (the default) the buffers the core alone holds when the pass starts
+// are written by the pass itself, each block right after it is encoded; until the commit nothing
+// may read them: keyframe transfers (MakeTransfer), Baseline() and the persister's compaction
+// wait for the commit, and should the Publish fail after the pass wrote a tensor, that tensor is
+// marked failed (BaselineTensor::deferred_failed: nothing reads it; the next version sends it as
+// a keyframe).
 // Snapshots queued but not yet published (PublishQueue) add M each wherever they were taken.
 class PublisherPersistence;
 struct LogReplay;
@@ -364,9 +374,12 @@ class PublisherCore {
   std::pair<uint64_t, uint64_t> NewestVersionAndDigest(sync::DigestFormat format) const;
   // Wall clock (Unix epoch ns) when the newest version's snapshot was taken; 0 when none.
   uint64_t newest_snapshot_unix_nanos() const;
-  // The newest version's tensors, manifest order. A relayed version's changed tensors may still
-  // be deferred (BaselineTensor::deferred): their `bytes` are an older version's.
+  // The newest version's tensors, manifest order (waits while a Publish's pass writes baseline
+  // buffers in place). A relayed version's changed tensors may still be deferred
+  // (BaselineTensor::deferred): their `bytes` are an older version's.
   std::vector<BaselineTensor> Baseline() const;
+  // The newest version's tensor specs, manifest order, without waiting for a Publish.
+  std::vector<v1::TensorSpec> Manifest() const;
   // The same with every tensor's bytes the newest version's (deferred patches applied first;
   // waits for a running Publish or adopt). DataLoss as MakeTransfer.
   absl::StatusOr<std::vector<BaselineTensor>> BaselineBytes();
@@ -497,6 +510,17 @@ class PublisherCore {
   // a failure is logged, the version installed regardless.
   void CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live, Encoded* enc,
                           PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
+  // Publish, before the CPU one pass: which of `prev`'s buffers the pass may write in place (the
+  // core alone holds them: baseline_ and `prev`), with baseline_updating_ set when any. Empty
+  // when the pass writes none.
+  std::vector<bool> BeginPassUpdate(const std::vector<BaselineTensor>& prev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // A Publish that fails after its pass began: the buffers the pass wrote get their previous
+  // bytes back (EncodedChanges::Undo; one that cannot is marked failed), and baseline_updating_
+  // is cleared.
+  void AbortPassUpdate(const Encoded& enc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  bool BaselineReadable() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !baseline_updating_; }
   void InstallVersion(uint64_t version, absl::FunctionRef<void()> update_baseline,
                       std::vector<BaselineTensor>& next, GpuBaselineMap& gpu, VersionCounts counts,
                       const PublishSummary& sum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_)
@@ -516,6 +540,9 @@ class PublisherCore {
   uint64_t pass_micros_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t baseline_update_micros_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<BaselineTensor> baseline_ ABSL_GUARDED_BY(mu_);  // manifest order
+  // A Publish's pass is writing baseline buffers in place (update_baseline_in_pass): nothing may
+  // read baseline bytes until the commit (or the failure) clears it.
+  bool baseline_updating_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t lineage_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t numbered_ ABSL_GUARDED_BY(mu_) = 0;
   // Encoder changed-element counts per retained version and tensor (for VersionEnd).

@@ -95,12 +95,15 @@ absl::StatusOr<std::unique_ptr<PublisherCore>> PublisherCore::OpenPersisted(
   // The persister's compaction: the newest version, read together under the core's lock.
   PublisherCore* c = core.get();
   core->persistence_->Start(std::move(start), [c]() {
-    absl::ReaderMutexLock lock(&c->mu_);
-    return BaselineSnapshot{.version = c->newest_version_,
-                            .version_digest = c->newest_digest_,
-                            .snapshot_unix_nanos = c->snapshot_unix_nanos_,
-                            .lineage = c->lineage_,
-                            .tensors = c->baseline_};
+    // Not while a Publish's pass writes baseline buffers in place.
+    c->mu_.ReaderLockWhen(absl::Condition(c, &PublisherCore::BaselineReadable));
+    BaselineSnapshot s{.version = c->newest_version_,
+                       .version_digest = c->newest_digest_,
+                       .snapshot_unix_nanos = c->snapshot_unix_nanos_,
+                       .lineage = c->lineage_,
+                       .tensors = c->baseline_};
+    c->mu_.ReaderUnlock();
+    return s;
   });
   return core;
 }

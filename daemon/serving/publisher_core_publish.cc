@@ -90,9 +90,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
   // A relay's core: the adopted versions' deferred patches, before anything reads the baseline.
-  if (absl::Status st = MaterializeBaselineLocked(); !st.ok()) {
-    return Annotate(st, "publish version ", version);
-  }
+  // Tensors whose baseline bytes are lost (logged there) are sent as keyframes below.
+  (void)MaterializeBaselineLocked();
   // lazy_v1_digests: while no v1 session wants them, the base's pending v1 digests stay pending
   // (unchanged tensors carry that state, changed ones are left pending after the End); once one
   // does (NeedV1Digests completed the newest version's), nothing is pending here.
@@ -116,6 +115,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
     prev = baseline_;
     prev_version = newest_version_;
   }
+  // A tensor whose baseline bytes are lost (BaselineTensor::deferred_failed) has no base.
+  std::erase_if(prev, [](const BaselineTensor& t) { return t.deferred(); });
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
   REFIT_RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate,
@@ -131,13 +132,24 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   };
   const bool defer_v1 = live != nullptr && options_.v1_after_end &&
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
-  const StreamPass stream{live.get(), options_.stream_batch_bytes, &options_.stream_batch_hook,
+  // The CPU one pass brings the baseline buffers the core alone holds forward as it encodes.
+  const std::vector<bool> in_pass =
+      options_.update_baseline_in_pass && options_.device == nullptr && options_.cpu_one_pass
+          ? BeginPassUpdate(prev)
+          : std::vector<bool>();
+  const StreamPass stream{live.get(),
+                          options_.stream_batch_bytes,
+                          &options_.stream_batch_hook,
                           defer_v1,
-                          options_.lazy_v1_digests && !v1_wanted_.load(std::memory_order_acquire)};
+                          options_.lazy_v1_digests && !v1_wanted_.load(std::memory_order_acquire),
+                          &in_pass};
   const std::optional<PublisherOptions> chosen =
       AutoFormatOptions(options_, chooser_.get(), version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
+  absl::Cleanup abort_update = [&] {
+    if (!in_pass.empty()) AbortPassUpdate(enc);
+  };
   REFIT_RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs,
                                       prev, where, &gpu_baseline_, stream, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
@@ -183,6 +195,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   InstallVersion(
       version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
       std::move(counts), sum);
+  std::move(abort_update).Cancel();  // InstallVersion ended the pass's update
   if (inputs_read) inputs_read();  // the caller's bytes are not read any more
 
   if (record.has_value()) persistence_->Enqueue(*std::move(record), lineage, &sum);
@@ -268,6 +281,7 @@ void PublisherCore::InstallVersion(uint64_t version, absl::FunctionRef<void()> u
   update_baseline();
   SetNewestLocked(version, sum);
   baseline_ = std::move(next);
+  baseline_updating_ = false;
   if (options_.device != nullptr) gpu_baseline_ = std::move(gpu);
   counts_.push_back(std::move(counts));
   PruneCounts(history_, &counts_);
@@ -281,6 +295,38 @@ void PublisherCore::SetNewestLocked(uint64_t version, const PublishSummary& sum)
   pass_micros_ = sum.pass_micros;
   baseline_update_micros_ = sum.baseline_update_micros;
   newest_wire_bytes_ = sum.wire_bytes;
+}
+
+std::vector<bool> PublisherCore::BeginPassUpdate(const std::vector<BaselineTensor>& prev) {
+  std::vector<bool> in_pass(prev.size(), false);
+  bool any = false;
+  absl::MutexLock lock(&mu_);
+  for (size_t k = 0; k < prev.size(); ++k) {
+    // baseline_ and `prev` hold it: no transfer, Baseline() copy or compaction snapshot does,
+    // and none can take it to read until baseline_updating_ is cleared.
+    in_pass[k] = prev[k].bytes != nullptr && prev[k].bytes.use_count() <= kSoleBaselineOwners;
+    any = any || in_pass[k];
+  }
+  if (!any) return {};
+  baseline_updating_ = true;
+  return in_pass;
+}
+
+void PublisherCore::AbortPassUpdate(const Encoded& enc) {
+  absl::MutexLock lock(&mu_);
+  for (const Encoded::Pending& u : enc.pending) {
+    if (!u.updated) continue;
+    std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
+    if (absl::Status st = u.changes->Undo(u.index, buf); !st.ok()) {
+      // Cannot happen (the pass's own log); its bytes are not the version's any more.
+      Logger("publisher")->error("restoring the baseline of {}: {}", enc.next[u.k].spec.name(),
+                                 st.ToString());
+      for (BaselineTensor& t : baseline_) {
+        if (t.bytes == u.base) t.deferred_failed = true;
+      }
+    }
+  }
+  baseline_updating_ = false;
 }
 
 }  // namespace refit::publisher

@@ -106,14 +106,16 @@ uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
   return changed;
 }
 
-// Whether the plan sends keyframes while a tensor of the baseline is deferred.
-bool NeedsBaselineBytes(const sync::TransferPlan& plan, const std::vector<BaselineTensor>& baseline) {
+// Whether the plan sends keyframes while the baseline's bytes cannot be read as they are: a
+// Publish's pass is writing them (`updating`) or a tensor is deferred.
+bool NeedsBaselineBytes(const sync::TransferPlan& plan, const std::vector<BaselineTensor>& baseline,
+                        bool updating) {
   const bool keyframes =
       std::any_of(plan.tensors.begin(), plan.tensors.end(), [](const sync::TensorDelivery& d) {
         return d.plan.delivery() == v1::DELIVERY_KEYFRAME;
       });
-  return keyframes && std::any_of(baseline.begin(), baseline.end(),
-                                  [](const BaselineTensor& t) { return t.deferred(); });
+  return keyframes && (updating || std::any_of(baseline.begin(), baseline.end(),
+                                               [](const BaselineTensor& t) { return t.deferred(); }));
 }
 
 }  // namespace
@@ -172,7 +174,7 @@ absl::Status PublisherCore::PlanTransferLocked(uint64_t subscriber_version,
   REFIT_ASSIGN_OR_RETURN(t->plan_, history_.Plan(subscriber_version, subscriber_version_digest,
                                                  newest_version_, options.plan));
   if (needs_bytes != nullptr) {
-    *needs_bytes = NeedsBaselineBytes(t->plan_, baseline_);
+    *needs_bytes = NeedsBaselineBytes(t->plan_, baseline_, baseline_updating_);
     if (*needs_bytes) return absl::OkStatus();
   }
   *baseline = baseline_;
@@ -203,8 +205,9 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
                                              options, t.get(), &baseline, &counts, &needs_bytes));
   }
   if (needs_bytes) {
-    // Keyframes read the baseline's bytes: a relayed version's deferred patches are applied
-    // first, and no adopt runs until the transfer holds the buffers (publish_mu_).
+    // Keyframes read the baseline's bytes: after a running Publish (its pass may be writing
+    // them), with a relayed version's deferred patches applied first; no Publish or adopt runs
+    // until the transfer holds the buffers (publish_mu_).
     absl::MutexLock publish_lock(&publish_mu_);
     REFIT_RETURN_IF_ERROR(MaterializeBaselineLocked());
     absl::ReaderMutexLock lock(&mu_);

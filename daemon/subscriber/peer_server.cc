@@ -201,13 +201,6 @@ absl::StatusOr<publisher::PublishSummary> PeerServer::Install(
     log_->warn("serving peers: {}; encoding it instead", adopted.status().ToString());
   }
   reencoded_versions_.fetch_add(1, std::memory_order_relaxed);
-  absl::StatusOr<publisher::PublishSummary> published = peer_core_->Publish(version, inputs);
-  if (published.status().code() != absl::StatusCode::kDataLoss) return published;
-  // The peer core's baseline could not be brought forward (its deferred relayed patches did not
-  // give the version's digests): it starts afresh from these bytes, peers get keyframes.
-  log_->error("serving peers: {}; starting the peers' versions afresh from version {}",
-              published.status().ToString(), version);
-  REFIT_RETURN_IF_ERROR(peer_core_->Reset(peer_core_->lineage()));
   return peer_core_->Publish(version, inputs);
 }
 
