@@ -90,8 +90,11 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
   // A relay's core: the adopted versions' deferred patches, before anything reads the baseline.
-  // Tensors whose baseline bytes are lost (logged there) are sent as keyframes below.
-  (void)MaterializeBaselineLocked();
+  if (absl::Status st = MaterializeBaselineLocked(); !st.ok()) {
+    Logger("publisher")
+        ->warn("publish version {}: {}; such tensors are sent as keyframes", version,
+               st.ToString());
+  }
   // lazy_v1_digests: while no v1 session wants them, the base's pending v1 digests stay pending
   // (unchanged tensors carry that state, changed ones are left pending after the End); once one
   // does (NeedV1Digests completed the newest version's), nothing is pending here.
