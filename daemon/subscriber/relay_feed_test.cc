@@ -381,6 +381,36 @@ TEST_F(RelayFeedTest, DeferredPatchesThatMissTheVersionsBytesAreFoundAndReplaced
   }
 }
 
+// A version the peer core encodes itself (not relayable) after deferred patches that miss: the
+// tensor whose bytes are lost has no base, so it is sent as a keyframe; the others as patches.
+TEST_F(RelayFeedTest, AVersionEncodedAfterDeferredPatchesThatMissSendsTheLostTensorWhole) {
+  RelayFeed feed(peer_.get(), 1 << 20);
+  Feed(feed, DigestFormat::kV2);
+  auto live = feed.Completed(2);
+  ASSERT_NE(live, nullptr);
+  for (const publisher::BaselineTensor& bt : peer_->Baseline()) {
+    if (bt.spec.name() == "c.norm") {
+      const std::vector<uint8_t>& a = v1_["c.norm"].bytes;
+      const std::vector<uint8_t>& b = v2_["c.norm"].bytes;
+      const size_t at = std::mismatch(a.begin(), a.end(), b.begin()).first - a.begin();
+      ASSERT_LT(at, a.size());
+      const_cast<uint8_t*>(bt.bytes->data())[at] ^= 0x01;
+    }
+  }
+  ASSERT_THAT(peer_->AdoptRelayed(*live, Inputs(v2_)), IsOk());
+  std::mt19937 rng(21);
+  Model v3 = v2_;
+  sync::testing::Perturb(v3["a.weight"], 0.02, rng);
+  sync::testing::Perturb(v3["c.norm"], 0.02, rng);
+  REFIT_ASSERT_OK_AND_ASSIGN(const publisher::PublishSummary s, peer_->Publish(3, Inputs(v3)));
+  EXPECT_EQ(s.keyframe_tensors, 1u) << "c.norm";
+  EXPECT_EQ(s.patched_tensors, 1u) << "a.weight, brought forward first";
+  REFIT_ASSERT_OK_AND_ASSIGN(auto bytes, peer_->BaselineBytes());
+  for (const publisher::BaselineTensor& bt : bytes) {
+    EXPECT_EQ(*bt.bytes, v3[bt.spec.name()].bytes) << bt.spec.name();
+  }
+}
+
 // Over many versions the patched tensors stay deferred until their deferred patches reach 1/8
 // of their bytes; then the adopted version's bytes replace them (in place when the core holds
 // the buffer alone, a copy while a transfer still reads it). Whenever read, every tensor is the
