@@ -172,7 +172,7 @@ struct BlockLog {
   uint64_t pos_off = 0;  // byte offsets into the part's ChangeLogBuf
   uint64_t val_off = 0;
   uint64_t old_off = 0;  // into ChangeLogBuf::old (update_base)
-  uint64_t v2_sum = 0;  // the block's digest-v2 delta
+  uint64_t v2_sum = 0;   // the block's digest-v2 delta
 };
 
 struct ScanLog {

@@ -607,9 +607,8 @@ TEST(EncodePatchesWithChanges, ApplyToReachesTheTargetAndDeltasGiveTheTargetsDig
       for (size_t t = 0; t < inputs.size(); ++t) {
         ASSERT_EQ((*got2)[t], (*want_f)[t]) << "format " << format << " tensor " << t;
         ASSERT_EQ(digests2[t], want_digests[t]) << "tensor " << t;
-        EXPECT_EQ(
-            changes2.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1), bases[t].size()),
-            TensorDigestV2(targets[t], 1))
+        EXPECT_EQ(changes2.DigestV2DeltaOf(t).ApplyTo(TensorDigestV2(bases[t], 1), bases[t].size()),
+                  TensorDigestV2(targets[t], 1))
             << "tensor " << t;
         ASSERT_EQ(updated[t], targets[t]) << "format " << format << " tensor " << t;
         // Undo: the bytes the base held before the encode.

@@ -338,9 +338,9 @@ class PublisherCore {
   // published yet or the subscriber is ahead of the newest version.
   // A transfer with keyframes first brings a relayed baseline's deferred patches forward
   // (waits for a running Publish or adopt; DataLoss when they do not give the version's bytes).
-  absl::StatusOr<std::shared_ptr<const Transfer>> MakeTransfer(
-      uint64_t subscriber_version, uint64_t subscriber_version_digest,
-      const TransferOptions& options = {});
+  absl::StatusOr<std::shared_ptr<const Transfer>> MakeTransfer(uint64_t subscriber_version,
+                                                               uint64_t subscriber_version_digest,
+                                                               const TransferOptions& options = {});
 
   uint64_t newest_version() const;  // 0 when nothing is published
   // The highest version ever numbered in this lineage (>= newest_version(): with persistence,

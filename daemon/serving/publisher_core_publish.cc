@@ -199,7 +199,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
       version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
       std::move(counts), sum);
   std::move(abort_update).Cancel();  // InstallVersion ended the pass's update
-  if (inputs_read) inputs_read();  // the caller's bytes are not read any more
+  if (inputs_read) inputs_read();    // the caller's bytes are not read any more
 
   if (record.has_value()) persistence_->Enqueue(*std::move(record), lineage, &sum);
   sum.total_micros = MicrosSince(start);
@@ -322,8 +322,8 @@ void PublisherCore::AbortPassUpdate(const Encoded& enc) {
     std::span<uint8_t> buf(const_cast<uint8_t*>(u.base->data()), u.base->size());
     if (absl::Status st = u.changes->Undo(u.index, buf); !st.ok()) {
       // Cannot happen (the pass's own log); its bytes are not the version's any more.
-      Logger("publisher")->error("restoring the baseline of {}: {}", enc.next[u.k].spec.name(),
-                                 st.ToString());
+      Logger("publisher")
+          ->error("restoring the baseline of {}: {}", enc.next[u.k].spec.name(), st.ToString());
       for (BaselineTensor& t : baseline_) {
         if (t.bytes == u.base) t.deferred_failed = true;
       }

@@ -110,12 +110,12 @@ uint64_t ChainChangedElements(const std::vector<VersionCounts>& counts,
 // Publish's pass is writing them (`updating`) or a tensor is deferred.
 bool NeedsBaselineBytes(const sync::TransferPlan& plan, const std::vector<BaselineTensor>& baseline,
                         bool updating) {
-  const bool keyframes =
-      std::any_of(plan.tensors.begin(), plan.tensors.end(), [](const sync::TensorDelivery& d) {
-        return d.plan.delivery() == v1::DELIVERY_KEYFRAME;
-      });
-  return keyframes && (updating || std::any_of(baseline.begin(), baseline.end(),
-                                               [](const BaselineTensor& t) { return t.deferred(); }));
+  const bool keyframes = std::any_of(
+      plan.tensors.begin(), plan.tensors.end(),
+      [](const sync::TensorDelivery& d) { return d.plan.delivery() == v1::DELIVERY_KEYFRAME; });
+  return keyframes &&
+         (updating || std::any_of(baseline.begin(), baseline.end(),
+                                  [](const BaselineTensor& t) { return t.deferred(); }));
 }
 
 }  // namespace
@@ -163,11 +163,11 @@ absl::Status Transfer::AddObjects(const std::vector<BaselineTensor>& baseline,
 }
 
 absl::Status PublisherCore::PlanTransferLocked(uint64_t subscriber_version,
-                                              uint64_t subscriber_version_digest,
-                                              const TransferOptions& options, Transfer* t,
-                                              std::vector<BaselineTensor>* baseline,
-                                              std::vector<VersionCounts>* counts,
-                                              bool* needs_bytes) const {
+                                               uint64_t subscriber_version_digest,
+                                               const TransferOptions& options, Transfer* t,
+                                               std::vector<BaselineTensor>* baseline,
+                                               std::vector<VersionCounts>* counts,
+                                               bool* needs_bytes) const {
   if (newest_version_ == 0) {
     return absl::FailedPreconditionError("no version has been published yet");
   }
@@ -201,8 +201,8 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
   bool needs_bytes = false;
   {
     absl::ReaderMutexLock lock(&mu_);
-    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest,
-                                             options, t.get(), &baseline, &counts, &needs_bytes));
+    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest, options,
+                                             t.get(), &baseline, &counts, &needs_bytes));
   }
   if (needs_bytes) {
     // Keyframes read the baseline's bytes: after a running Publish (its pass may be writing
@@ -211,8 +211,8 @@ absl::StatusOr<std::shared_ptr<const Transfer>> PublisherCore::MakeTransfer(
     absl::MutexLock publish_lock(&publish_mu_);
     REFIT_RETURN_IF_ERROR(MaterializeBaselineLocked());
     absl::ReaderMutexLock lock(&mu_);
-    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest,
-                                             options, t.get(), &baseline, &counts, nullptr));
+    REFIT_RETURN_IF_ERROR(PlanTransferLocked(subscriber_version, subscriber_version_digest, options,
+                                             t.get(), &baseline, &counts, nullptr));
   }
   t->frame_bytes_ = options.frame_bytes;
   if (t->plan_.up_to_date) return std::shared_ptr<const Transfer>(std::move(t));
