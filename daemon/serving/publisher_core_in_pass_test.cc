@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
 #include "daemon/sync/frames.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -24,32 +25,11 @@ namespace {
 using ::refit::testing::IsOk;
 using ::testing::Not;
 
-// BF16 tensors of 4096 elements by name.
-using Model = std::map<std::string, std::vector<uint8_t>>;
+using Model = testing::Bf16Model;
+using testing::PatternBytes;
 
-std::vector<uint8_t> Bytes(uint8_t seed) {
-  std::vector<uint8_t> b(8192);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i * 31 + seed);
-  return b;
-}
-
-// Flips the low bit of every 811th byte from an offset `salt` picks.
-void Change(std::vector<uint8_t>& b, size_t salt) {
-  for (size_t i = salt % 97; i < b.size(); i += 811) b[i] ^= 1;
-}
-
-std::vector<TensorInput> Inputs(const Model& m) {
-  std::vector<TensorInput> in;
-  for (const auto& [name, bytes] : m) {
-    TensorInput t;
-    t.name = name;
-    t.dtype = DType::kBF16;
-    t.shape = {bytes.size() / 2};
-    t.data = bytes;
-    in.push_back(std::move(t));
-  }
-  return in;
-}
+void Change(std::vector<uint8_t>& b, size_t salt) { testing::FlipSomeBits(b, salt); }
+std::vector<TensorInput> Inputs(const Model& m) { return testing::InputsOf(m); }
 
 // The core's baseline bytes by name.
 Model BaselineOf(const PublisherCore& core) {
@@ -115,7 +95,7 @@ struct Fixture {
 // Baseline() copy still holds is copied at the commit, and the copy keeps the old version.
 TEST(BaselineInPassTest, ThePassWritesTheBuffersTheCoreAloneHolds) {
   Fixture f;
-  Model m = {{"a", Bytes(1)}, {"b", Bytes(2)}, {"c", Bytes(3)}};
+  Model m = {{"a", PatternBytes(1)}, {"b", PatternBytes(2)}, {"c", PatternBytes(3)}};
   ASSERT_THAT(f.core->Publish(1, Inputs(m)), IsOk());
   Change(m["a"], 2);
   Change(m["c"], 2);
@@ -140,7 +120,7 @@ TEST(BaselineInPassTest, ThePassWritesTheBuffersTheCoreAloneHolds) {
 // previous bytes back, nothing else changed, and the retry encodes both as patches again.
 TEST(BaselineInPassTest, AFailedPublishGivesTheWrittenTensorsTheirBytesBack) {
   Fixture f;
-  Model m = {{"a", Bytes(1)}, {"b", Bytes(2)}};
+  Model m = {{"a", PatternBytes(1)}, {"b", PatternBytes(2)}};
   ASSERT_THAT(f.core->Publish(1, Inputs(m)), IsOk());
   const Model v1 = m;
   Change(m["a"], 5);
@@ -162,7 +142,7 @@ TEST(BaselineInPassTest, AFailedPublishGivesTheWrittenTensorsTheirBytesBack) {
 // on other threads) wait for the commit and read the new version whole, never a mix.
 TEST(BaselineInPassTest, KeyframesAskedForDuringThePassWaitForTheCommit) {
   Fixture f;
-  Model m = {{"a", Bytes(1)}, {"b", Bytes(2)}, {"c", Bytes(3)}};
+  Model m = {{"a", PatternBytes(1)}, {"b", PatternBytes(2)}, {"c", PatternBytes(3)}};
   ASSERT_THAT(f.core->Publish(1, Inputs(m)), IsOk());
   Change(m["a"], 7);
   Change(m["b"], 7);
@@ -198,7 +178,7 @@ TEST(BaselineInPassTest, KeyframesAskedForDuringThePassWaitForTheCommit) {
 // update_baseline_in_pass false: the commit writes them, with the same bytes.
 TEST(BaselineInPassTest, OffTheCommitWritesThem) {
   Fixture f(/*in_pass=*/false);
-  Model m = {{"a", Bytes(1)}, {"b", Bytes(2)}};
+  Model m = {{"a", PatternBytes(1)}, {"b", PatternBytes(2)}};
   ASSERT_THAT(f.core->Publish(1, Inputs(m)), IsOk());
   Change(m["a"], 9);
   REFIT_ASSERT_OK_AND_ASSIGN(PublishSummary s, f.core->Publish(2, Inputs(m)));

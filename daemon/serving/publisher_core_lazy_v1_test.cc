@@ -21,6 +21,7 @@
 #include "daemon/codec/hash.h"
 #include "daemon/common/status_matchers.h"
 #include "daemon/serving/publisher_core.h"
+#include "daemon/serving/publisher_testing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -43,36 +44,15 @@ std::string FileText(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-// BF16 tensors of 4096 elements by name.
-using Model = std::map<std::string, std::vector<uint8_t>>;
+using Model = testing::Bf16Model;
+using testing::PatternBytes;
 
-std::vector<uint8_t> Bytes(uint8_t seed) {
-  std::vector<uint8_t> b(8192);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i * 31 + seed);
-  return b;
-}
-
-// Flips a few elements' low mantissa bits.
-void Change(std::vector<uint8_t>& b, size_t salt) {
-  for (size_t i = salt % 97; i < b.size(); i += 811) b[i] ^= 1;
-}
-
-std::vector<TensorInput> Inputs(const Model& m) {
-  std::vector<TensorInput> in;
-  for (const auto& [name, bytes] : m) {
-    TensorInput t;
-    t.name = name;
-    t.dtype = DType::kBF16;
-    t.shape = {bytes.size() / 2};
-    t.data = bytes;
-    in.push_back(std::move(t));
-  }
-  return in;
-}
+void Change(std::vector<uint8_t>& b, size_t salt) { testing::FlipSomeBits(b, salt); }
+std::vector<TensorInput> Inputs(const Model& m) { return testing::InputsOf(m); }
 
 // Versions 1..4: all new, then "a", "b", then "a" and "c" changed.
 Model ModelAt(uint64_t v) {
-  Model m = {{"a", Bytes(1)}, {"b", Bytes(2)}, {"c", Bytes(3)}};
+  Model m = {{"a", PatternBytes(1)}, {"b", PatternBytes(2)}, {"c", PatternBytes(3)}};
   if (v >= 2) Change(m["a"], 2);
   if (v >= 3) Change(m["b"], 3);
   if (v >= 4) {

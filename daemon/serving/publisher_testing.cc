@@ -32,6 +32,29 @@ std::vector<publisher::TensorInput> InputsOf(const std::vector<WholeTensor>& mod
   return in;
 }
 
+std::vector<uint8_t> PatternBytes(uint8_t seed) {
+  std::vector<uint8_t> b(8192);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i * 31 + seed);
+  return b;
+}
+
+void FlipSomeBits(std::vector<uint8_t>& bytes, size_t salt) {
+  for (size_t i = salt % 97; i < bytes.size(); i += 811) bytes[i] ^= 1;
+}
+
+std::vector<publisher::TensorInput> InputsOf(const Bf16Model& model) {
+  std::vector<publisher::TensorInput> in;
+  for (const auto& [name, bytes] : model) {
+    publisher::TensorInput t;
+    t.name = name;
+    t.dtype = DType::kBF16;
+    t.shape = {bytes.size() / 2};
+    t.data = bytes;
+    in.push_back(std::move(t));
+  }
+  return in;
+}
+
 ModelPublisher::ModelPublisher(const std::vector<v1::TensorSpec>& tensors, uint32_t seed,
                                double change)
     : rng_(seed), change_(change) {

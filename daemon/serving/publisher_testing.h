@@ -35,6 +35,15 @@ WholeTensor MakeWholeTensor(const std::string& name, DType dtype, std::vector<ui
 // The publish inputs of `model`, in its order.
 std::vector<publisher::TensorInput> InputsOf(const std::vector<WholeTensor>& model);
 
+// A small model of 1-D BF16 tensors by name (their bytes), for PublisherCore tests.
+using Bf16Model = std::map<std::string, std::vector<uint8_t>>;
+// 8192 bytes (4096 BF16 elements) whose byte i is (i * 31 + seed) mod 256.
+std::vector<uint8_t> PatternBytes(uint8_t seed);
+// Flips the low bit of every 811th byte from an offset `salt` picks (a few changed elements).
+void FlipSomeBits(std::vector<uint8_t>& bytes, size_t salt);
+// The publish inputs of `model` (1-D BF16 tensors), in name order.
+std::vector<publisher::TensorInput> InputsOf(const Bf16Model& model);
+
 // A PublisherCore (one encode and one digest thread) publishing versions of a random BF16 model:
 // the first as generated, each later one perturbed. Every published model is kept.
 class ModelPublisher {
