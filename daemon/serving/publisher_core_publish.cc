@@ -151,6 +151,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
   Encoded enc;
   absl::Cleanup abort_update = [&] {
+    publish_mu_.AssertHeld();  // runs before publish_lock's release (declared after it)
     if (!in_pass.empty()) AbortPassUpdate(enc);
   };
   REFIT_RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs,
