@@ -135,11 +135,17 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   };
   const bool defer_v1 = live != nullptr && options_.v1_after_end &&
                         live->base_version_digest(sync::DigestFormat::kV2) != 0;
-  // The CPU one pass brings the baseline buffers the core alone holds forward as it encodes.
+  // The CPU one pass brings the baseline buffers the core alone holds forward as it encodes;
+  // from here on a failure gives them back their bytes.
+  Encoded enc;
   const std::vector<bool> in_pass =
       options_.update_baseline_in_pass && options_.device == nullptr && options_.cpu_one_pass
           ? BeginPassUpdate(prev)
           : std::vector<bool>();
+  absl::Cleanup abort_update = [&] {
+    publish_mu_.AssertHeld();  // runs before publish_lock's release (declared after it)
+    if (!in_pass.empty()) AbortPassUpdate(enc);
+  };
   const StreamPass stream{live.get(),
                           options_.stream_batch_bytes,
                           &options_.stream_batch_hook,
@@ -149,11 +155,6 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const std::optional<PublisherOptions> chosen =
       AutoFormatOptions(options_, chooser_.get(), version, prev_version);
   sum.patch_format = chosen.has_value() ? chosen->patch_format : options_.patch_format;
-  Encoded enc;
-  absl::Cleanup abort_update = [&] {
-    publish_mu_.AssertHeld();  // runs before publish_lock's release (declared after it)
-    if (!in_pass.empty()) AbortPassUpdate(enc);
-  };
   REFIT_RETURN_IF_ERROR(EncodeVersion(chosen.has_value() ? *chosen : options_, given, order, specs,
                                       prev, where, &gpu_baseline_, stream, &enc, &sum));
   std::vector<sync::TensorUpdate> updates;
