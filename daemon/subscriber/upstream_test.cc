@@ -935,7 +935,9 @@ TEST(StreamedTransferTest, FirstFramesLeaveBeforeTheLastTensorIsEncoded) {
 
 // A first version streams to a subscriber that waits for it (a session idle at version 0):
 // the copy of the last tensor waits until the publisher has written frames of the version
-// (LastBatchGate), the version arrives bit-exact, and the next one streams as a delta.
+// (LastBatchGate), the version arrives bit-exact, and the next one streams as a delta (gated
+// too: without the gate a quick publish may commit before the session comes back idle, and the
+// committed path serves it).
 TEST(StreamedTransferTest, AFirstVersionStreamsToASubscriberWaitingForIt) {
   LastBatchGate gate;
   auto pub = StartWithLastBatchGate(gate);
@@ -956,12 +958,14 @@ TEST(StreamedTransferTest, AFirstVersionStreamsToASubscriberWaitingForIt) {
   EXPECT_EQ(gate.passed.load(), 1);
   EXPECT_EQ(gate.timed_out.load(), 0);
   EXPECT_EQ(pub->service->streamed_transfers(), 1u);
-  gate.service = nullptr;
   Step(m, rng);
   ASSERT_THAT(pub->service->WaitAllAcked(1, absl::Now() + absl::Seconds(20)), IsOk());
+  gate.sent_before = pub->service->bytes_sent();
   ASSERT_THAT(PublishModel(*pub, 2, m), IsOk());
   ASSERT_TRUE(sub->WaitVersion(2));
   ExpectEqual(*sub, m, "version 2");
+  EXPECT_EQ(gate.passed.load(), 2);
+  EXPECT_EQ(gate.timed_out.load(), 0);
   EXPECT_EQ(pub->service->streamed_transfers(), 2u);
   EXPECT_EQ(pub->service->streamed_aborts(), 0u);
 }
