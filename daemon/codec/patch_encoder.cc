@@ -133,23 +133,30 @@ void SaveBlockOld(BlockLog& b, ChangeLogBuf& l, int w, const uint8_t* base, uint
   }
 }
 
-// Block `g`'s logged changes (or the whole block, copied from `target`) written into `base`, both
-// the block's bytes: `len` bytes of elements of `w` bytes.
-void ApplyBlockLog(const BlockLog& b, const ChangeLogBuf& l, int w, uint8_t* base,
-                   const uint8_t* target, uint64_t len) {
+// Writes a block (`len` bytes of elements of `w` bytes at `base`): a block logged whole is
+// copied from `whole`, otherwise its logged positions get `values` (element size each, in log
+// order). ApplyTo passes the target's block and the logged target values, Undo the saved old
+// bytes for both.
+void WriteBlock(const BlockLog& b, const ChangeLogBuf& l, int w, uint8_t* base,
+                const uint8_t* whole, const uint8_t* values, uint64_t len) {
   if (b.whole) {
-    std::memcpy(base, target, len);
+    std::memcpy(base, whole, len);
     return;
   }
   if (b.count == 0) return;
   const uint8_t* pos = l.pos.data() + b.pos_off;
-  const uint8_t* val = l.val.data() + b.val_off;
   switch (w) {
-    case 1: ScatterLogged<uint8_t>(base, pos, val, b.count); break;
-    case 2: ScatterLogged<uint16_t>(base, pos, val, b.count); break;
-    case 4: ScatterLogged<uint32_t>(base, pos, val, b.count); break;
-    default: ScatterLogged<uint64_t>(base, pos, val, b.count); break;
+    case 1: ScatterLogged<uint8_t>(base, pos, values, b.count); break;
+    case 2: ScatterLogged<uint16_t>(base, pos, values, b.count); break;
+    case 4: ScatterLogged<uint32_t>(base, pos, values, b.count); break;
+    default: ScatterLogged<uint64_t>(base, pos, values, b.count); break;
   }
+}
+
+// Block `b`'s logged changes (or the whole block, copied from `target`) written into `base`.
+void ApplyBlockLog(const BlockLog& b, const ChangeLogBuf& l, int w, uint8_t* base,
+                   const uint8_t* target, uint64_t len) {
+  WriteBlock(b, l, w, base, target, l.val.data() + b.val_off, len);
 }
 
 // Points `sl` at the end of `buf` for block `block_index` of `in`, whose entry is `bl`.
@@ -402,18 +409,7 @@ absl::Status EncodedChanges::Undo(size_t tensor, std::span<uint8_t> base) const 
     const uint64_t first = (g - impl_->first_block[tensor]) * block_bytes;
     const ChangeLogBuf& l = *impl_->logs[b.part];
     const uint8_t* old = l.old.data() + b.old_off;
-    if (b.whole) {
-      std::memcpy(base.data() + first, old, std::min(block_bytes, bytes - first));
-      continue;
-    }
-    if (b.count == 0) continue;
-    const uint8_t* pos = l.pos.data() + b.pos_off;
-    switch (w) {
-      case 1: ScatterLogged<uint8_t>(base.data() + first, pos, old, b.count); break;
-      case 2: ScatterLogged<uint16_t>(base.data() + first, pos, old, b.count); break;
-      case 4: ScatterLogged<uint32_t>(base.data() + first, pos, old, b.count); break;
-      default: ScatterLogged<uint64_t>(base.data() + first, pos, old, b.count); break;
-    }
+    WriteBlock(b, l, w, base.data() + first, old, old, std::min(block_bytes, bytes - first));
   }
   return absl::OkStatus();
 }

@@ -240,6 +240,13 @@ struct BaselineTensor {
 
   sync::DigestState digests() const { return {digest, digest_pending, digest_v2}; }
   bool deferred() const { return !deferred_patches.empty() || deferred_failed; }
+  // `bytes` are this version's again.
+  void ClearDeferred() {
+    deferred_patches.clear();
+    deferred_patch_bytes = 0;
+    deferred_base_digest_v2 = 0;
+    deferred_failed = false;
+  }
 };
 
 // Thread-safe. Publish calls are serialised among themselves; Transfer and the accessors run
@@ -506,6 +513,15 @@ class PublisherCore {
   absl::Status RecordV1(uint64_t version, uint64_t prev_version,
                         const std::vector<uint64_t>& digests, LiveVersion* live,
                         PublishSummary* sum) ABSL_LOCKS_EXCLUDED(mu_);
+  // Publish's base: the baseline with a relay's deferred patches applied and the pending v1
+  // digests completed when wanted, less the tensors whose bytes are lost (sent as keyframes).
+  std::vector<BaselineTensor> PublishBase(uint64_t version, uint64_t* prev_version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(publish_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Publish, once the version is in the history: the live version's Ends go out (SettleLive)
+  // and the v1 digests the version lacks are computed (v1 wanted) or left pending.
+  void EndLive(uint64_t version, uint64_t prev_version, LiveVersion* live, LiveEnds ends,
+               const std::string& where, Encoded* enc, PublishSummary* sum)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // With the v1 digests deferred: computes them (FillDeferredV1) and records them (RecordV1);
   // a failure is logged, the version installed regardless.
   void CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live, Encoded* enc,

@@ -89,16 +89,6 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   const auto start = Clock::now();
   const absl::Duration cpu_start = ProcessCpuTime();
   absl::MutexLock publish_lock(&publish_mu_);
-  // A relay's core: the adopted versions' deferred patches, before anything reads the baseline.
-  if (absl::Status st = MaterializeBaselineLocked(); !st.ok()) {
-    Logger("publisher")
-        ->warn("publish version {}: {}; such tensors are sent as keyframes", version,
-               st.ToString());
-  }
-  // lazy_v1_digests: while no v1 session wants them, the base's pending v1 digests stay pending
-  // (unchanged tensors carry that state, changed ones are left pending after the End); once one
-  // does (NeedV1Digests completed the newest version's), nothing is pending here.
-  if (v1_wanted_.load(std::memory_order_acquire)) CompletePendingV1Locked();
   PublishSummary sum;
   sum.version = version;
   const std::string where = absl::StrCat("publish version ", version);
@@ -111,15 +101,8 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   }
   sum.tensors = given.size();
 
-  std::vector<BaselineTensor> prev;
   uint64_t prev_version = 0;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    prev = baseline_;
-    prev_version = newest_version_;
-  }
-  // A tensor whose baseline bytes are lost (BaselineTensor::deferred_failed) has no base.
-  std::erase_if(prev, [](const BaselineTensor& t) { return t.deferred(); });
+  std::vector<BaselineTensor> prev = PublishBase(version, &prev_version);
   std::vector<v1::TensorSpec> specs;
   std::vector<size_t> order;
   REFIT_RETURN_IF_ERROR(CheckPublishable(version, prev_version, given, prev, allow_degenerate,
@@ -181,21 +164,7 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   // The streamed version's End goes out before the baseline update: a subscriber's refit does
   // not wait for the publisher's own bookkeeping.
   std::move(fail_live).Cancel();
-  // v1 digests the version lacks: changed tensors the pass deferred (StreamPass::defer_v1) and,
-  // on a lazy core, unchanged ones whose base's were pending.
-  const bool v1_pending = std::any_of(enc.next.begin(), enc.next.end(),
-                                      [](const BaselineTensor& t) { return t.digest_pending; });
-  SettleLive(live.get(), std::move(live_ends.v1), std::move(live_ends.v2), v1_pending);
-  if (v1_pending) {
-    if (v1_wanted_.load(std::memory_order_acquire)) {
-      CompleteDeferredV1(version, prev_version, live.get(), &enc, &sum);
-    } else if (live != nullptr) {
-      // lazy_v1_digests without a v1 session: the changed tensors' v1 digests stay pending (a
-      // v1 session admitted later has NeedV1Digests compute them from the baseline).
-      live->CompleteV1(absl::FailedPreconditionError(
-          absl::StrCat(where, ": v1 digests left pending (no session verifies v1)")));
-    }
-  }
+  EndLive(version, prev_version, live.get(), std::move(live_ends), where, &enc, &sum);
   if (record.has_value()) SetLogDigests(enc.next, &*record);
   InstallVersion(
       version, [&] { UpdateBaselineBytes(&enc, options_.encode_threads, &sum); }, enc.next, enc.gpu,
@@ -207,6 +176,47 @@ absl::StatusOr<PublishSummary> PublisherCore::Publish(uint64_t version,
   sum.total_micros = MicrosSince(start);
   sum.cpu_micros = WholeMicros(ProcessCpuTime() - cpu_start);
   return sum;
+}
+
+std::vector<BaselineTensor> PublisherCore::PublishBase(uint64_t version, uint64_t* prev_version) {
+  // A relay's core: the adopted versions' deferred patches, before anything reads the baseline.
+  if (absl::Status st = MaterializeBaselineLocked(); !st.ok()) {
+    Logger("publisher")
+        ->warn("publish version {}: {}; such tensors are sent as keyframes", version,
+               st.ToString());
+  }
+  // lazy_v1_digests: while no v1 session wants them, the base's pending v1 digests stay pending
+  // (unchanged tensors carry that state, changed ones are left pending after the End); once one
+  // does (NeedV1Digests completed the newest version's), nothing is pending here.
+  if (v1_wanted_.load(std::memory_order_acquire)) CompletePendingV1Locked();
+  std::vector<BaselineTensor> prev;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    prev = baseline_;
+    *prev_version = newest_version_;
+  }
+  // A tensor whose baseline bytes are lost (BaselineTensor::deferred_failed) has no base.
+  std::erase_if(prev, [](const BaselineTensor& t) { return t.deferred(); });
+  return prev;
+}
+
+void PublisherCore::EndLive(uint64_t version, uint64_t prev_version, LiveVersion* live,
+                            LiveEnds ends, const std::string& where, Encoded* enc,
+                            PublishSummary* sum) {
+  // v1 digests the version lacks: changed tensors the pass deferred (StreamPass::defer_v1) and,
+  // on a lazy core, unchanged ones whose base's were pending.
+  const bool v1_pending = std::any_of(enc->next.begin(), enc->next.end(),
+                                      [](const BaselineTensor& t) { return t.digest_pending; });
+  SettleLive(live, std::move(ends.v1), std::move(ends.v2), v1_pending);
+  if (!v1_pending) return;
+  if (v1_wanted_.load(std::memory_order_acquire)) {
+    CompleteDeferredV1(version, prev_version, live, enc, sum);
+  } else if (live != nullptr) {
+    // lazy_v1_digests without a v1 session: the changed tensors' v1 digests stay pending (a v1
+    // session admitted later has NeedV1Digests compute them from the baseline).
+    live->CompleteV1(absl::FailedPreconditionError(
+        absl::StrCat(where, ": v1 digests left pending (no session verifies v1)")));
+  }
 }
 
 void PublisherCore::CompleteDeferredV1(uint64_t version, uint64_t prev_version, LiveVersion* live,

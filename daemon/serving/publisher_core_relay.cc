@@ -275,10 +275,7 @@ void AdoptBaselineBytes(std::vector<AdoptedTensor>& adopted, int threads,
       ++sum->baseline_deferred_tensors;
       continue;
     }
-    a.tensor.deferred_patches.clear();
-    a.tensor.deferred_patch_bytes = 0;
-    a.tensor.deferred_base_digest_v2 = 0;
-    a.tensor.deferred_failed = false;
+    a.tensor.ClearDeferred();
     if (a.base.use_count() > kSoleBaselineOwners || a.base->size() != a.data.size()) {
       a.tensor.bytes = std::make_shared<const std::vector<uint8_t>>(a.data.begin(), a.data.end());
       ++sum->baseline_copied_tensors;
@@ -481,9 +478,7 @@ absl::Status PublisherCore::MaterializeBaselineLocked() {
       continue;
     }
     t.bytes = std::move(deferred[i].bytes);
-    t.deferred_patches.clear();
-    t.deferred_patch_bytes = 0;
-    t.deferred_base_digest_v2 = 0;
+    t.ClearDeferred();
     ++applied;
   }
   uint64_t wall = 0, cpu = 0;
