@@ -249,6 +249,18 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch);
 // alone: no payload is read or checked (for a patch already applied and verified elsewhere).
 absl::StatusOr<uint64_t> PatchChangedElements(std::span<const uint8_t> patch);
 
+namespace testing {
+// The decoders split a patch over their threads only where the work (a unit per changed element,
+// per 64 bytes of a DENSE block, and out of place per 64 bytes of an UNCHANGED one: about 10 ns
+// each) gives every thread beyond the caller's `units` (default 65536: a worker's wake-up costs
+// about as much as a few thousand). Tests lower it to split small patches; 0 = the default.
+void SetDecodeUnitsPerThread(uint64_t units);
+// The threads ApplyPatch / ApplyPatchDigestV2 (`copies`: out of place) and VisitPatchChanges
+// (copies false) decode `patch` on when asked for `threads`.
+absl::StatusOr<int> DecodeThreadsForPatch(std::span<const uint8_t> patch, int threads,
+                                          bool copies);
+}  // namespace testing
+
 }  // namespace refit
 
 #endif  // REFIT_DAEMON_CODEC_CODEC_H_

@@ -22,6 +22,17 @@ using ::testing::Not;
 using Bytes = std::vector<uint8_t>;
 
 using testing::MutateElements;
+
+// Every test of this binary splits even small patches over the threads it asks for (the
+// decoders' multi-threaded paths, not only the calling thread's); DecodeThreads below checks
+// the default.
+class SplitSmallPatches : public ::testing::Environment {
+ public:
+  void SetUp() override { testing::SetDecodeUnitsPerThread(1); }
+  void TearDown() override { testing::SetDecodeUnitsPerThread(0); }
+};
+[[maybe_unused]] ::testing::Environment* const kSplitSmallPatches =
+    ::testing::AddGlobalTestEnvironment(new SplitSmallPatches);
 using testing::RandomBytes;
 
 Bytes Mutate(const Bytes& base, DType t, double p, std::mt19937_64& rng) {
@@ -96,6 +107,44 @@ TEST(ChooseEgK, MatchesTryingEveryK) {
     ASSERT_EQ(fast, trial) << xs.size() << " values, the first " << (xs.empty() ? 0 : xs[0]);
     ASSERT_EQ(fast_cost, trial_cost) << xs.size() << " values";
   }
+}
+
+// With the default work per thread, a patch at RL change rates over a typical tensor decodes on
+// the calling thread alone (waking a worker would cost more than it saves), while one with
+// enough changed elements, DENSE bytes or (out of place) bytes to copy splits over the threads
+// asked for.
+TEST(Codec, DecodeThreads) {
+  testing::SetDecodeUnitsPerThread(0);
+  std::mt19937_64 rng(7);
+  const Bytes a = RandomBytes(2 << 20, rng);  // 1 Mi BF16 elements, 4 blocks
+  EncodeOptions opt;
+  auto threads_for = [&](const Bytes& b, int threads, bool copies) {
+    absl::StatusOr<Bytes> patch = EncodePatch(DType::kBF16, a, b, opt);
+    EXPECT_THAT(patch, IsOk());
+    absl::StatusOr<int> n = testing::DecodeThreadsForPatch(*patch, threads, copies);
+    EXPECT_THAT(n, IsOk());
+    return n.value_or(-1);
+  };
+  const Bytes sparse = Mutate(a, DType::kBF16, 0.0165, rng);  // ~17K changes
+  EXPECT_EQ(threads_for(sparse, 4, false), 1);
+  EXPECT_EQ(threads_for(a, 4, true), 1) << "nothing changed: 2 MiB to copy";
+  const Bytes busy = Mutate(a, DType::kBF16, 0.3, rng);  // ~315K changes
+  EXPECT_EQ(threads_for(busy, 4, false), 4);
+  EXPECT_EQ(threads_for(busy, 2, false), 2);
+  EXPECT_EQ(threads_for(busy, 1, false), 1);
+  const Bytes dense = RandomBytes(a.size(), rng);  // every block DENSE: 2 MiB, 32 Ki units
+  EXPECT_EQ(threads_for(dense, 4, false), 1);
+  const Bytes big = RandomBytes(32 << 20, rng);  // 32 MiB: copying it out of place splits
+  const Bytes big_dense = RandomBytes(big.size(), rng);
+  auto big_threads = [&](const Bytes& b, bool copies) {
+    absl::StatusOr<Bytes> patch = EncodePatch(DType::kBF16, big, b, opt);
+    EXPECT_THAT(patch, IsOk());
+    return testing::DecodeThreadsForPatch(*patch, 4, copies).value_or(-1);
+  };
+  EXPECT_EQ(big_threads(big, false), 1) << "in place, nothing changed: nothing to do";
+  EXPECT_EQ(big_threads(big, true), 4) << "out of place: 32 MiB copied";
+  EXPECT_EQ(big_threads(big_dense, false), 4);
+  testing::SetDecodeUnitsPerThread(1);
 }
 
 TEST(Codec, RoundTripAllDTypesShapesAndRates) {

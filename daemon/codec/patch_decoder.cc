@@ -4,6 +4,7 @@
 // the visitor over a patch's changes that change sets are built from (VisitPatchChanges); and
 // InspectPatch, a patch's statistics from its table and decoded payloads.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -293,11 +294,44 @@ absl::Status ApplyBlock(std::span<const uint8_t> patch, const BlockDesc& d, uint
   return absl::OkStatus();
 }
 
+// Threads worth waking for work of `units` (about 10 ns of one core each): handing a part to a
+// worker costs both threads a wake-up, about as much CPU as a few thousand units, so each
+// thread beyond the caller's takes kUnitsPerThread at least (the delta of a typical tensor at RL
+// change rates then runs on the calling thread alone; a keyframe-sized one still splits).
+constexpr uint64_t kUnitsPerThread = uint64_t{1} << 16;
+std::atomic<uint64_t> g_units_per_thread{kUnitsPerThread};  // testing::SetDecodeUnitsPerThread
+int ThreadsForUnits(uint64_t units, int threads) {
+  const uint64_t worth =
+      std::max<uint64_t>(1, units / g_units_per_thread.load(std::memory_order_relaxed));
+  return static_cast<int>(std::min<uint64_t>(worth, static_cast<uint64_t>(ResolveThreads(threads))));
+}
+
+// A patch's decode and write in units: a changed element each (decoded, resolved, written), and
+// 64 bytes of a DENSE block's payload, or of an UNCHANGED block when `copies` (out of place).
+int ThreadsForPatch(const PatchLayout& layout, int threads, bool copies) {
+  const uint64_t width = static_cast<uint64_t>(DTypeSize(layout.dtype));
+  uint64_t units = 0;
+  for (const BlockDesc& d : layout.blocks) {
+    const uint64_t bytes = d.num_elements * width;
+    if (d.mode == kUnchanged) {
+      units += copies ? bytes / 64 : 0;
+    } else if (d.mode == kDense) {
+      units += bytes / 64;
+    } else {
+      units += d.count;
+    }
+  }
+  return ThreadsForUnits(units, threads);
+}
+
 // Every SPARSE and DENSE payload's checksum (the first mismatch found is the error).
 absl::Status VerifyPayloadChecksums(std::span<const uint8_t> patch, const PatchLayout& layout,
                                     int threads) {
   absl::Mutex mu;
   absl::Status first_error;
+  uint64_t payload_bytes = 0;
+  for (const BlockDesc& d : layout.blocks) payload_bytes += d.payload_bytes;
+  threads = ThreadsForUnits(payload_bytes / 64, threads);
   ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) {
       const BlockDesc& d = layout.blocks[i];
@@ -334,6 +368,7 @@ absl::Status ApplyTyped(std::span<const uint8_t> patch, const PatchLayout& layou
   // Phase 1: every payload's checksum, before anything is written.
   REFIT_RETURN_IF_ERROR(VerifyPayloadChecksums(patch, layout, threads));
   // Phase 2: decode and write, block by block.
+  threads = ThreadsForPatch(layout, threads, out.data() != base.data());
   ParallelFor(nb, threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
     s.dtype = layout.dtype;
@@ -496,6 +531,7 @@ absl::StatusOr<DigestV2Delta> ApplyTypedDelta(std::span<const uint8_t> patch,
   absl::Mutex mu;
   absl::Status first_error;
   DigestV2Delta total;
+  threads = ThreadsForPatch(layout, threads, out != nullptr && out != base.data());
   ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
     s.dtype = layout.dtype;
@@ -639,6 +675,7 @@ absl::Status VisitTyped(std::span<const uint8_t> patch, const PatchLayout& layou
   const T* b = reinterpret_cast<const T*>(base.data());
   absl::Mutex mu;
   absl::Status first_error;
+  threads = ThreadsForPatch(layout, threads, /*copies=*/false);
   ParallelFor(layout.blocks.size(), threads, 1, [&](size_t lo, size_t hi) {
     Scratch s;
     s.dtype = layout.dtype;
@@ -781,4 +818,17 @@ absl::StatusOr<PatchStats> InspectPatch(std::span<const uint8_t> patch) {
   return st;
 }
 
+namespace testing {
+
+void SetDecodeUnitsPerThread(uint64_t units) {
+  g_units_per_thread.store(units == 0 ? kUnitsPerThread : units, std::memory_order_relaxed);
+}
+
+absl::StatusOr<int> DecodeThreadsForPatch(std::span<const uint8_t> patch, int threads,
+                                          bool copies) {
+  REFIT_ASSIGN_OR_RETURN(const PatchLayout layout, ParsePatch(patch));
+  return ThreadsForPatch(layout, threads, copies);
+}
+
+}  // namespace testing
 }  // namespace refit
