@@ -434,25 +434,38 @@ absl::Status SlottedStore::Abort(const StagingHandle& handle) {
 
 absl::StatusOr<RefreshHandle> SlottedStore::BeginRefresh(uint64_t oldest_from) {
   absl::MutexLock lock(&mu_);
+  return OpenRefreshLocked(/*seed=*/false, oldest_from);
+}
+
+absl::StatusOr<RefreshHandle> SlottedStore::BeginSeed() {
+  absl::MutexLock lock(&mu_);
+  return OpenRefreshLocked(/*seed=*/true, 0);
+}
+
+absl::StatusOr<RefreshHandle> SlottedStore::OpenRefreshLocked(bool seed, uint64_t oldest_from) {
+  const char* what = seed ? "cannot seed" : "cannot refresh";
   if (const char* open = OpenOperationLocked(); open != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot refresh: ", open, " is open"));
+    return absl::FailedPreconditionError(absl::StrCat(what, ": ", open, " is open"));
   }
-  if (current_slot_ < 0) return absl::FailedPreconditionError("cannot refresh: nothing committed");
+  if (current_slot_ < 0) return absl::FailedPreconditionError(absl::StrCat(what, ": nothing committed"));
   ExpireLocked(clock_->Now());
   const int pick = PickStagingSlotLocked();
   if (pick < 0) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot refresh: no free slot (", DescribeSlotsLocked(), ")"));
+        absl::StrCat(what, ": no free slot (", DescribeSlotsLocked(), ")"));
   }
   const Slot& slot = slots_[pick];
-  if (slot.state != SlotStatus::State::kHeld || slot.stale || slot.version < oldest_from) {
+  const bool fits = seed ? slot.state == SlotStatus::State::kEmpty
+                         : slot.state == SlotStatus::State::kHeld && !slot.stale &&
+                               slot.version >= oldest_from;
+  if (!fits) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "cannot refresh: the next staging takes slot ", pick, " (", DescribeSlotsLocked(), ")"));
+        what, ": the next staging takes slot ", pick, " (", DescribeSlotsLocked(), ")"));
   }
   RefreshHandle h;
   h.refresh_id = next_stage_id_++;
   h.slot = pick;
-  h.from_version = slot.version;
+  h.from_version = seed ? 0 : slot.version;
   h.to_version = slots_[current_slot_].version;
   h.out = WriteSpans(pick);
   h.current = ReadSpans(current_slot_);

@@ -56,6 +56,7 @@ class SlottedStore : public TensorStore {
   absl::Status Commit(const StagingHandle& handle) override;
   absl::Status Abort(const StagingHandle& handle) override;
   absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) override;
+  absl::StatusOr<RefreshHandle> BeginSeed() override;
   absl::Status CompleteRefresh(const RefreshHandle& handle) override;
   absl::Status AbortRefresh(const RefreshHandle& handle) override;
   absl::StatusOr<UpdateHandle> BeginUpdate(uint64_t version) override;
@@ -90,6 +91,9 @@ class SlottedStore : public TensorStore {
   };
   // BeginStage / BeginRepair after their version checks.
   absl::StatusOr<StagingHandle> OpenStagingLocked(uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // BeginRefresh (a held slot at `oldest_from` or later) and BeginSeed (an empty slot).
+  absl::StatusOr<RefreshHandle> OpenRefreshLocked(bool seed, uint64_t oldest_from)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct LeaseRec {
     std::string consumer;

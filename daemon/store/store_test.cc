@@ -413,6 +413,43 @@ TEST(ShmStoreRefreshTest, RefreshedSlotIsNeverLeasableThenTheNextStagingTakesIt)
   ASSERT_THAT(store->Abort(h3), IsOk());
 }
 
+// A seed claims the empty slot the next staging would take and fills it with the current
+// version: refused while the next slot is not empty (or nothing is committed), leaseless while
+// it runs, standby at the current version when completed (the next staging takes it with that
+// previous version); abandoned, the slot is empty again.
+TEST(ShmStoreRefreshTest, AnEmptySlotIsSeededFromTheCurrentVersion) {
+  auto store = MakeStore(2);
+  EXPECT_EQ(store->BeginSeed().status().code(), absl::StatusCode::kFailedPrecondition);
+  const int s1 = StageAndCommit(*store, 1);
+  EXPECT_EQ(store->BeginRefresh(0).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "a refresh needs a held slot";
+  REFIT_ASSERT_OK_AND_ASSIGN(RefreshHandle seed, store->BeginSeed());
+  EXPECT_NE(seed.slot, s1);
+  EXPECT_EQ(seed.from_version, 0u);
+  EXPECT_EQ(seed.to_version, 1u);
+  EXPECT_TRUE(Uniform(seed.current, Stamp(1)));
+  EXPECT_EQ(store->Slots()[seed.slot].state, SlotStatus::State::kRefreshing);
+  EXPECT_EQ(store->BeginSeed().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->BeginStage(2).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_THAT(store->AbortRefresh(seed), IsOk());
+  EXPECT_EQ(store->Slots()[seed.slot].state, SlotStatus::State::kEmpty);
+  REFIT_ASSERT_OK_AND_ASSIGN(seed, store->BeginSeed());
+  for (std::span<uint8_t> t : seed.out) std::memset(t.data(), Stamp(1), t.size());
+  ASSERT_THAT(store->CompleteRefresh(seed), IsOk());
+  EXPECT_EQ(store->Slots()[seed.slot].state, SlotStatus::State::kStandby);
+  EXPECT_EQ(store->Slots()[seed.slot].version, 1u);
+  REFIT_ASSERT_OK_AND_ASSIGN(Lease l, store->AcquireLease("reader"));
+  EXPECT_EQ(l.slot, s1) << "the seeded slot is never leased";
+  ASSERT_THAT(store->ReleaseLease(l.lease_id), IsOk());
+  REFIT_ASSERT_OK_AND_ASSIGN(StagingHandle h2, store->BeginStage(2));
+  EXPECT_EQ(h2.slot, seed.slot);
+  EXPECT_EQ(h2.previous_version, 1u);
+  Fill(h2, Stamp(2));
+  ASSERT_THAT(store->Commit(h2), IsOk());
+  EXPECT_EQ(store->BeginSeed().status().code(), absl::StatusCode::kFailedPrecondition)
+      << "the next staging takes v1's held slot: refreshed, not seeded";
+}
+
 // BeginRepair: a second slot of the current version; the replaced slot keeps its lease, is never
 // leased again, never refreshed, and a staging into it sees unknown contents.
 TEST(ShmStoreRepairTest, RepairReplacesTheCurrentSlotAndLeasesKeepTheOldOne) {

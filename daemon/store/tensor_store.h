@@ -23,6 +23,8 @@
 //                     bytes; while refreshing and afterwards (standby) it holds no version a
 //                     lease can take. CompleteRefresh -> standby (the next BeginStage takes it,
 //                     previous_version = that version); AbortRefresh -> empty, contents unknown.
+//   BeginSeed()    -> as BeginRefresh, for an empty slot the next BeginStage would take: filled
+//                     with a copy of the current version (from version 0).
 #ifndef REFIT_DAEMON_STORE_TENSOR_STORE_H_
 #define REFIT_DAEMON_STORE_TENSOR_STORE_H_
 
@@ -282,6 +284,13 @@ class TensorStore {
   // `oldest_from` (nothing changes then); RESOURCE_EXHAUSTED when every non-current slot is
   // leased.
   virtual absl::StatusOr<RefreshHandle> BeginRefresh(uint64_t oldest_from) = 0;
+  // As BeginRefresh, for the slot the next BeginStage would pick when it is empty (never written,
+  // or its contents unknown after an abort): it is claimed to be filled with a copy of the
+  // current version (RefreshHandle.from_version 0), then completed or abandoned as a refresh.
+  // FAILED_PRECONDITION when a staging or a refresh is open, nothing is committed, or the next
+  // staging would take a slot that is not empty; RESOURCE_EXHAUSTED when every non-current slot
+  // is leased.
+  virtual absl::StatusOr<RefreshHandle> BeginSeed() = 0;
   // Every byte of the slot is now to_version's: the slot becomes standby (SlotStatus kStandby),
   // taken first by the next BeginStage with previous_version = to_version. NOT_FOUND if the
   // handle is not the open refresh.

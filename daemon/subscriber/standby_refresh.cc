@@ -26,6 +26,9 @@ namespace {
 struct RefreshWork {
   std::shared_ptr<store::SlottedStore> store;
   store::RefreshHandle handle;
+  // A seed (BeginSeed): the empty slot filled with a copy of the current version, each tensor
+  // checked against the current version's verified digest; `chain` is empty.
+  bool seed = false;
   std::vector<const RetainedTransfer*> chain;
   std::vector<std::optional<uint64_t>> digests;
   std::vector<std::optional<uint64_t>> current_digests;
@@ -41,6 +44,26 @@ bool CopyFromCurrent(const std::vector<const RetainedTransfer*>& chain, size_t l
   const std::optional<uint64_t> changed = ChainChangedElements(chain, li);
   return changed.has_value() &&
          static_cast<double>(*changed) > copy_density * static_cast<double>(elements);
+}
+
+// A seed's tensor `li`: copied from the current slot, then its digest (v2) read from the copy and
+// compared with the current version's verified one: the copy is the version's, or the current
+// slot changed after its verification (DataLoss; the seed is abandoned and the next staging
+// copies and verifies as before). Without a verified digest the tensor's stays unknown.
+absl::Status SeedTensor(store::TensorMemory& mem, std::span<uint8_t> out,
+                        std::span<const uint8_t> current, std::optional<uint64_t> verified,
+                        std::optional<uint64_t>& digest) {
+  REFIT_RETURN_IF_ERROR(mem.Copy(out, current));
+  digest.reset();
+  if (!verified.has_value()) return absl::OkStatus();
+  REFIT_ASSIGN_OR_RETURN(const uint64_t copied, StoreDigestOf(mem, sync::DigestFormat::kV2, out));
+  if (copied != *verified) {
+    return absl::DataLossError(absl::StrCat(
+        "the copy's digest ", absl::Hex(copied), " is not the current version's verified ",
+        absl::Hex(*verified), ": the current slot changed after its verification"));
+  }
+  digest = copied;
+  return absl::OkStatus();
 }
 
 // Every tensor of the claimed slot to the applied version: the lines the chain's patches
@@ -66,8 +89,11 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     const std::optional<uint64_t> current_digest =
         li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
     absl::Status st;
-    // Lines exist only where the staging marked them (refresh_copy_lines, host memory).
-    if (const std::optional<ChangedLines> lines = ChainLines(w.chain, li); lines.has_value()) {
+    if (w.seed) {
+      ++stats.tensors_copied;
+      st = SeedTensor(mem, out, current, current_digest, digest);
+    } else if (const std::optional<ChangedLines> lines = ChainLines(w.chain, li);
+               lines.has_value()) {  // marked by the staging (refresh_copy_lines, host memory)
       ++stats.tensors_lines;
       stats.line_bytes += lines->bytes();
       st = mem.CopyLines(out, current, *lines);
@@ -79,7 +105,10 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     } else {
       st = ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
     }
-    if (!st.ok()) return Annotate(st, "refresh of slot ", w.handle.slot, ", ", Quoted(tensor.name));
+    if (!st.ok()) {
+      return Annotate(st, w.seed ? "seed" : "refresh", " of slot ", w.handle.slot, ", ",
+                      Quoted(tensor.name));
+    }
   }
   return absl::OkStatus();
 }
@@ -87,30 +116,40 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
 }  // namespace
 
 // Claims the slot (store BeginRefresh) when the retained transfers lead from its version to the
-// applied one. Nullopt when there is nothing to do (no retention, an open transfer, the next
-// staging takes an empty or standby slot, every other slot leased).
+// applied one, or, when the next staging would take an empty slot and the applied version's
+// digests are verified (v2), seeds it (BeginSeed: a copy of the applied version, checked
+// against those digests), so that the next delta applies in place too (the first after a
+// keyframe, a restart or an aborted staging). Nullopt when there is nothing to do (an open
+// transfer, no retained chain to a held slot, a standby slot next, every other slot leased).
 std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
   std::shared_ptr<store::SlottedStore> current = generations_.current();
-  if (current == nullptr || retained_.empty() || transfer_ != nullptr) return std::nullopt;
-  auto handle = current->BeginRefresh(retained_.oldest().base);
+  if (current == nullptr || transfer_ != nullptr) return std::nullopt;
+  absl::StatusOr<store::RefreshHandle> handle =
+      retained_.empty() ? absl::FailedPreconditionError("no retained patches")
+                        : current->BeginRefresh(retained_.oldest().base);
+  const bool seed = !handle.ok() && VerifiedDigestsOfLocked(applied_version()) != nullptr;
+  if (seed) handle = current->BeginSeed();
   if (!handle.ok()) return std::nullopt;
-  auto chain = retained_.Chain(handle->from_version, handle->to_version);
-  if (!chain.has_value() || handle->to_version != applied_version()) {
+  std::optional<std::vector<const RetainedTransfer*>> chain;
+  if (!seed) chain = retained_.Chain(handle->from_version, handle->to_version);
+  if ((!seed && !chain.has_value()) || handle->to_version != applied_version()) {
     (void)current->AbortRefresh(*handle);  // not expected: retained_ ends at the applied version
     return std::nullopt;
   }
   auto w = std::make_shared<RefreshWork>();
   w->store = std::move(current);
   w->handle = std::move(*handle);
-  w->chain = std::move(*chain);
+  w->seed = seed;
+  if (chain.has_value()) w->chain = std::move(*chain);
   // The slot's digests travel with the job (nothing else may use them while it writes).
   if (auto it = slot_digests_.find(w->handle.slot); it != slot_digests_.end()) {
     if (it->second.version == w->handle.from_version) w->digests = std::move(it->second.digests);
     slot_digests_.erase(it);
   }
-  for (const auto& [slot, sd] : slot_digests_) {
-    if (sd.version == w->handle.to_version) w->current_digests = sd.digests;
+  if (const SlotDigests* sd = VerifiedDigestsOfLocked(w->handle.to_version); sd != nullptr) {
+    w->current_digests = sd->digests;
   }
+  if (seed) w->digests.assign(w->store->layout().units().size(), std::nullopt);
   StandbyRefresher::Job job;
   job.stats.from_version = w->handle.from_version;
   job.stats.to_version = w->handle.to_version;
@@ -128,6 +167,14 @@ std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
     }
   };
   return job;
+}
+
+const SubscriberCore::SlotDigests* SubscriberCore::VerifiedDigestsOfLocked(
+    uint64_t version) const {
+  for (const auto& [slot, sd] : slot_digests_) {
+    if (version != 0 && sd.version == version) return &sd;
+  }
+  return nullptr;
 }
 
 }  // namespace refit::subscriber

@@ -90,8 +90,18 @@ void StandbyRefresher::Record(Job& job, const absl::Status& st, absl::Duration t
          {"refresh_ms", static_cast<double>(WholeMicros(took)) / 1000.0},
          {"refresh_cpu_ms", static_cast<double>(WholeMicros(cpu)) / 1000.0}});
   }
-  absl::MutexLock lock(&mu_);
   const bool cancelled = absl::IsCancelled(st);
+  if (!st.ok() && !cancelled) {  // the slot is unknown: the next staging copies into it
+    LogEvent(*Logger("subscriber"), spdlog::level::warn,
+             absl::StrCat("standby slot ", job.stats.slot, ": bringing it from version ",
+                          job.stats.from_version, " to ", job.stats.to_version,
+                          " failed: ", st.message()),
+             {{"event", std::string("refresh_failed")},
+              {"slot", static_cast<int64_t>(job.stats.slot)},
+              {"from_version", job.stats.from_version},
+              {"version", job.stats.to_version}});
+  }
+  absl::MutexLock lock(&mu_);
   job.stats.micros = WholeMicros(took);
   job.stats.cpu_micros = WholeMicros(cpu);
   job.stats.started = stats_.started;

@@ -289,7 +289,7 @@ absl::Status SubscriberCore::CommitLocked(StagedTransfer& t, const VerifiedDiges
   if (t.repair) return absl::OkStatus();  // same version: records and retained chain stand
   change_log_.Clear();  // not written in place: no change set continues from here
   RetainLocked(t);
-  if (!retained_.empty()) refresher_->Request();
+  refresher_->Request();  // a refresh, or a seed of an empty slot (ClaimRefreshLocked)
   records_.Commit(t.Record(verified), t.header.lineage(), t.lineage_change);
   return absl::OkStatus();
 }

@@ -259,6 +259,9 @@ class SubscriberCore {
     uint64_t version = 0;
     std::vector<std::optional<uint64_t>> digests;
   };
+  // The verified digests of a slot holding `version` (v2 sessions), or null.
+  const SlotDigests* VerifiedDigestsOfLocked(uint64_t version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The refresh thread's claim (standby_refresh.cc): the standby slot and the retained chain
   // that brings it to the applied version, or nullopt.

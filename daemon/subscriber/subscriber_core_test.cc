@@ -1,6 +1,7 @@
 #include "daemon/subscriber/subscriber_core.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -36,6 +37,7 @@ namespace {
 
 using ::refit::testing::IsOk;
 using ::refit::testing::StatusIs;
+using ::testing::HasSubstr;
 using sync::PatchHistory;
 using sync::PlanOptions;
 using sync::TransferPlan;
@@ -166,22 +168,50 @@ void CorruptApplied(SubscriberCore& core, const std::string& name, uint64_t offs
   ASSERT_THAT(core.generations().ReleaseLease(lease.lease.lease_id), IsOk());
 }
 
-// A byte flipped in the committed slot after its verification, then the next delta staged by the
-// copy path (the first after a keyframe: the other slot holds nothing yet) in a v2 session: the
-// copied tensors are read at verify, not trusted to carry the base's verified digest, so the
-// corruption is rejected (naming the tensor) instead of being carried into the next version.
+// A byte flipped in the committed slot after its verification, the next delta staged into the
+// other slot (the first after a keyframe: it held nothing) in a v2 session. Flipped before the
+// empty slot is seeded: the seed's copy fails its digest check (the slot stays unknown) and the
+// staging's copy path reads the copied tensors at verify, so the corruption is rejected (naming
+// the tensor) instead of being carried into the next version. Flipped after the seed: the seeded
+// slot holds the verified bytes and the next version applies bit-exact from them.
 TEST_F(SubscriberCoreTest, TheCopyPathDoesNotCarryABaseCorruptedAfterItsVerification) {
   PublishRun(1, 2);
   pub_.set_format(sync::DigestFormat::kV2);
-  SubscriberCore core(opts_);
-  core.SetDigestFormat(sync::DigestFormat::kV2);
-  Sync(core, 1);
-  CorruptApplied(core, "b.weight", 1234);
-  v1::Ack ack = Feed(core, pub_.Transfer(1, core.applied_digest(), 2));
-  EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED) << "a corrupted base became version 2";
-  ASSERT_EQ(ack.mismatched_tensors_size(), 1);
-  EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
-  EXPECT_EQ(core.applied_version(), 1u);
+  for (const bool before_seed : {true, false}) {
+    SCOPED_TRACE(before_seed ? "flipped before the seed" : "flipped after the seed");
+    SubscriberOptions o = opts_;
+    SubscriberCore* self = nullptr;
+    std::atomic<bool> flipped{false};
+    if (before_seed) {
+      o.refresh_tensor_hook = [&](size_t, const std::atomic<bool>&) {
+        if (!flipped.exchange(true)) CorruptApplied(*self, "b.weight", 1234);
+      };
+    }
+    SubscriberCore core(o);
+    self = &core;
+    core.SetDigestFormat(sync::DigestFormat::kV2);
+    Sync(core, 1);
+    ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
+    const RefreshStats rs = core.standby().stats();
+    EXPECT_EQ(rs.from_version, 0u) << "the empty slot is seeded";
+    if (before_seed) {
+      EXPECT_EQ(rs.failed, 1u) << "the seed's copy failed its digest check";
+      EXPECT_THAT(rs.error, HasSubstr("b.weight"));
+    } else {
+      EXPECT_EQ(rs.completed, 1u);
+      CorruptApplied(core, "b.weight", 1234);
+    }
+    const v1::Ack ack = Feed(core, pub_.Transfer(1, core.applied_digest(), 2));
+    if (before_seed) {
+      EXPECT_EQ(ack.result(), v1::ACK_RESULT_REJECTED) << "a corrupted base became version 2";
+      ASSERT_EQ(ack.mismatched_tensors_size(), 1);
+      EXPECT_EQ(ack.mismatched_tensors(0), "b.weight");
+      EXPECT_EQ(core.applied_version(), 1u);
+    } else {
+      ASSERT_EQ(ack.result(), v1::ACK_RESULT_APPLIED) << ack.error();
+      ExpectHolds(core, pub_, 2);
+    }
+  }
 }
 
 // Scrub repair (docs/ARCHITECTURE.md "Scrub and repair"): a byte flipped in the committed slot;
@@ -1041,7 +1071,7 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
     } else if (v == 1) {
       EXPECT_EQ(s.digests_received, n) << "keyframes are summed as they land in the slot";
       EXPECT_EQ(s.digests_full, 0u) << "keyframes are not read again";
-    } else if (v > 2) {
+    } else {  // version 2 too: the keyframe's empty standby slot was seeded
       ExpectOwnStepsOnly(s, v - 1);
       EXPECT_EQ(s.digests_full, 0u) << "v" << v;
       EXPECT_EQ(s.digests_incremental, n) << "v" << v;
@@ -1088,6 +1118,50 @@ TEST_F(SubscriberCoreRefreshTest, DigestV2VerifiesInPlaceDeltasWithoutRereadingT
     EXPECT_EQ(s.digests_incremental, 0u);
     EXPECT_EQ(s.digests_full, static_cast<uint32_t>(pub_.model(v).size()));
     ASSERT_TRUE(v1core.standby().WaitIdle(absl::Seconds(30)));
+  }
+}
+
+// After a keyframe the other slot is empty: in a v2 session it is seeded with a copy of the
+// keyframe's version (every tensor copied and checked against its verified digest), so the
+// first delta applies in place and reads no tensor, bit-exact against the dense copy; with 3
+// slots each empty slot the next staging would take is seeded in turn. A v1 session has no
+// verified v2 digests to check a copy against: nothing is seeded, the first delta copies.
+TEST_F(SubscriberCoreRefreshTest, AKeyframesEmptyStandbySlotIsSeeded) {
+  PublishTrajectory(4);
+  for (int slots : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(slots, " slots"));
+    pub_.set_format(sync::DigestFormat::kV2);
+    SubscriberOptions o = opts_;
+    o.store.slots = slots;
+    SubscriberCore core(o);
+    core.SetDigestFormat(sync::DigestFormat::kV2);
+    SyncStats(core, 1);
+    ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
+    const uint32_t n = static_cast<uint32_t>(pub_.model(1).size());
+    RefreshStats rs = core.standby().stats();
+    EXPECT_EQ(rs.completed, 1u);
+    EXPECT_EQ(rs.from_version, 0u);
+    EXPECT_EQ(rs.to_version, 1u);
+    EXPECT_EQ(rs.tensors_copied, n);
+    EXPECT_EQ(SlotIn(core, store::SlotStatus::State::kStandby), rs.slot);
+    for (uint64_t v = 2; v <= 4; ++v) {
+      const StageStats s = SyncStats(core, v);
+      ExpectOwnStepsOnly(s, v - 1);
+      EXPECT_EQ(s.digests_full, 0u) << "v" << v;
+      ExpectHolds(core, pub_, v);
+      ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
+    }
+    rs = core.standby().stats();
+    EXPECT_EQ(rs.failed, 0u);
+    EXPECT_EQ(rs.started, 4u) << "one per commit: a seed of the empty slot next, else a refresh";
+
+    pub_.set_format(sync::DigestFormat::kV1);
+    SubscriberCore v1core(o);
+    SyncStats(v1core, 1);
+    ASSERT_TRUE(v1core.standby().WaitIdle(absl::Seconds(30)));
+    EXPECT_EQ(v1core.standby().stats().started, 0u);
+    const StageStats s = SyncStats(v1core, 2);
+    EXPECT_EQ(s.tensors_copied, n) << "the first delta copies";
   }
 }
 
