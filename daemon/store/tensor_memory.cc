@@ -1,5 +1,6 @@
 #include "daemon/store/tensor_memory.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,12 @@ absl::Status CheckLineSpans(std::span<uint8_t> dst, std::span<const uint8_t> src
 
 }  // namespace
 
+absl::StatusOr<uint64_t> TensorMemory::CopyDigestV2(std::span<uint8_t> dst,
+                                                    std::span<const uint8_t> src) {
+  REFIT_RETURN_IF_ERROR(Copy(dst, src));
+  return DigestV2(dst);
+}
+
 absl::Status CheckSameSize(size_t dst, size_t src, const char* what) {
   if (dst == src) return absl::OkStatus();
   return absl::InvalidArgumentError(
@@ -42,6 +49,23 @@ absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> s
     StreamCopy(dst.data(), src.data(), dst.size());
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> HostMemory::CopyDigestV2(std::span<uint8_t> dst,
+                                                  std::span<const uint8_t> src) {
+  if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
+  const bool overlap = !dst.empty() && dst.data() < src.data() + src.size() &&
+                       src.data() < dst.data() + dst.size();
+  if (overlap) return TensorMemory::CopyDigestV2(dst, src);
+  // Pieces that stay in L2 between the sum and the copy (a multiple of 8 bytes: word indices).
+  constexpr size_t kPiece = size_t{256} << 10;
+  uint64_t sum = 0;
+  for (size_t off = 0; off < src.size(); off += kPiece) {
+    const size_t n = std::min(kPiece, src.size() - off);
+    sum += DigestV2Sum(src.subspan(off, n), off / 8);
+    StreamCopy(dst.data() + off, src.data() + off, n);
+  }
+  return format::DigestV2Final(sum, src.size());
 }
 
 absl::Status HostMemory::Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) {

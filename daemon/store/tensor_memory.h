@@ -46,6 +46,10 @@ class TensorMemory {
                              std::span<const uint8_t> base, std::span<uint8_t> out) = 0;
   // refit::TensorDigest of a store span.
   virtual absl::StatusOr<uint64_t> Digest(std::span<const uint8_t> data) = 0;
+  // Copy that also returns refit::TensorDigestV2 of the bytes copied (the source read once where
+  // the memory allows). Default: Copy, then DigestV2 of the destination.
+  virtual absl::StatusOr<uint64_t> CopyDigestV2(std::span<uint8_t> dst,
+                                                std::span<const uint8_t> src);
   // refit::TensorDigestV2 of a store span, and Apply that also returns the digest-v2 delta of
   // what it writes (refit::ApplyPatchDigestV2: in place it reads only the changed words).
   virtual absl::StatusOr<uint64_t> DigestV2(std::span<const uint8_t> data) = 0;
@@ -86,6 +90,9 @@ class HostMemory final : public TensorMemory {
   std::string Describe() const override { return "host memory"; }
   bool host_accessible() const override { return true; }
   absl::Status Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) override;
+  // Piece by piece: each piece's digest sum while it is read, then its copy from the cache.
+  absl::StatusOr<uint64_t> CopyDigestV2(std::span<uint8_t> dst,
+                                        std::span<const uint8_t> src) override;
   absl::Status Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) override;
   absl::Status Download(std::span<uint8_t> host, std::span<const uint8_t> src) override;
   absl::Status Apply(std::span<const uint8_t> patch, DType dtype, std::span<const uint8_t> base,

@@ -46,17 +46,17 @@ bool CopyFromCurrent(const std::vector<const RetainedTransfer*>& chain, size_t l
          static_cast<double>(*changed) > copy_density * static_cast<double>(elements);
 }
 
-// A seed's tensor `li`: copied from the current slot, then its digest (v2) read from the copy and
-// compared with the current version's verified one: the copy is the version's, or the current
-// slot changed after its verification (DataLoss; the seed is abandoned and the next staging
-// copies and verifies as before). Without a verified digest the tensor's stays unknown.
+// A seed's tensor: copied from the current slot with the digest (v2) of the bytes copied
+// (TensorMemory::CopyDigestV2), compared with the current version's verified one: the copy is
+// the version's, or the current slot changed after its verification (DataLoss; the seed is
+// abandoned and the next staging copies and verifies as before). Without a verified digest the
+// tensor's stays unknown.
 absl::Status SeedTensor(store::TensorMemory& mem, std::span<uint8_t> out,
                         std::span<const uint8_t> current, std::optional<uint64_t> verified,
                         std::optional<uint64_t>& digest) {
-  REFIT_RETURN_IF_ERROR(mem.Copy(out, current));
   digest.reset();
+  REFIT_ASSIGN_OR_RETURN(const uint64_t copied, mem.CopyDigestV2(out, current));
   if (!verified.has_value()) return absl::OkStatus();
-  REFIT_ASSIGN_OR_RETURN(const uint64_t copied, StoreDigestOf(mem, sync::DigestFormat::kV2, out));
   if (copied != *verified) {
     return absl::DataLossError(absl::StrCat(
         "the copy's digest ", absl::Hex(copied), " is not the current version's verified ",
