@@ -254,11 +254,7 @@ void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, siz
     std::memcpy(log.buf->pos.data() + e.pos_off + 4 * j0, pos + j0, (j1 - j0) * 4);
     vals = log.buf->val.data() + e.val_off;
   }
-  // The changed words go to the digest in batches (AddWords: vectorised mixes).
-  constexpr size_t kBatch = 64;
-  uint64_t index[kBatch], old_words[kBatch], new_words[kBatch];
-  size_t batched = 0;
-  DigestV2Delta delta = DigestV2Delta::FromSum(e.v2_sum);
+  uint64_t sum = e.v2_sum;
   size_t j = j0;
   while (j < j1) {
     const uint64_t off = (static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7};
@@ -266,16 +262,11 @@ void LogChunkChanges(const T* a, const T* b, const uint32_t* pos, size_t j0, siz
       if (vals != nullptr) std::memcpy(vals + j * sizeof(T), b + pos[j], sizeof(T));
       ++j;
     } while (j < j1 && ((static_cast<uint64_t>(pos[j]) * sizeof(T)) & ~uint64_t{7}) == off);
-    index[batched] = log.first_word + off / 8;
-    old_words[batched] = WordAt(ab, off, log.block_bytes);
-    new_words[batched] = WordAt(bb, off, log.block_bytes);
-    if (++batched == kBatch) {
-      delta.AddWords(index, old_words, new_words, kBatch);
-      batched = 0;
-    }
+    const uint64_t word = log.first_word + off / 8;
+    sum += format::DigestV2Mix(word, WordAt(bb, off, log.block_bytes)) -
+           format::DigestV2Mix(word, WordAt(ab, off, log.block_bytes));
   }
-  if (batched != 0) delta.AddWords(index, old_words, new_words, batched);
-  e.v2_sum = delta.sum();
+  e.v2_sum = sum;
   e.count = static_cast<uint32_t>(j1);
 }
 
