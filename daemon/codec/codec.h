@@ -257,8 +257,7 @@ namespace testing {
 void SetDecodeUnitsPerThread(uint64_t units);
 // The threads ApplyPatch / ApplyPatchDigestV2 (`copies`: out of place) and VisitPatchChanges
 // (copies false) decode `patch` on when asked for `threads`.
-absl::StatusOr<int> DecodeThreadsForPatch(std::span<const uint8_t> patch, int threads,
-                                          bool copies);
+absl::StatusOr<int> DecodeThreadsForPatch(std::span<const uint8_t> patch, int threads, bool copies);
 }  // namespace testing
 
 }  // namespace refit

@@ -303,7 +303,8 @@ std::atomic<uint64_t> g_units_per_thread{kUnitsPerThread};  // testing::SetDecod
 int ThreadsForUnits(uint64_t units, int threads) {
   const uint64_t worth =
       std::max<uint64_t>(1, units / g_units_per_thread.load(std::memory_order_relaxed));
-  return static_cast<int>(std::min<uint64_t>(worth, static_cast<uint64_t>(ResolveThreads(threads))));
+  return static_cast<int>(
+      std::min<uint64_t>(worth, static_cast<uint64_t>(ResolveThreads(threads))));
 }
 
 // A patch's decode and write in units: a changed element each (decoded, resolved, written), and

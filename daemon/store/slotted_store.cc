@@ -447,7 +447,8 @@ absl::StatusOr<RefreshHandle> SlottedStore::OpenRefreshLocked(bool seed, uint64_
   if (const char* open = OpenOperationLocked(); open != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(what, ": ", open, " is open"));
   }
-  if (current_slot_ < 0) return absl::FailedPreconditionError(absl::StrCat(what, ": nothing committed"));
+  if (current_slot_ < 0)
+    return absl::FailedPreconditionError(absl::StrCat(what, ": nothing committed"));
   ExpireLocked(clock_->Now());
   const int pick = PickStagingSlotLocked();
   if (pick < 0) {
@@ -455,12 +456,12 @@ absl::StatusOr<RefreshHandle> SlottedStore::OpenRefreshLocked(bool seed, uint64_
         absl::StrCat(what, ": no free slot (", DescribeSlotsLocked(), ")"));
   }
   const Slot& slot = slots_[pick];
-  const bool fits = seed ? slot.state == SlotStatus::State::kEmpty
-                         : slot.state == SlotStatus::State::kHeld && !slot.stale &&
-                               slot.version >= oldest_from;
+  const bool fits =
+      seed ? slot.state == SlotStatus::State::kEmpty
+           : slot.state == SlotStatus::State::kHeld && !slot.stale && slot.version >= oldest_from;
   if (!fits) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": the next staging takes slot ", pick, " (", DescribeSlotsLocked(), ")"));
+    return absl::FailedPreconditionError(absl::StrCat(what, ": the next staging takes slot ", pick,
+                                                      " (", DescribeSlotsLocked(), ")"));
   }
   RefreshHandle h;
   h.refresh_id = next_stage_id_++;

@@ -54,8 +54,8 @@ absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> s
 absl::StatusOr<uint64_t> HostMemory::CopyDigestV2(std::span<uint8_t> dst,
                                                   std::span<const uint8_t> src) {
   if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
-  const bool overlap = !dst.empty() && dst.data() < src.data() + src.size() &&
-                       src.data() < dst.data() + dst.size();
+  const bool overlap =
+      !dst.empty() && dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
   if (overlap) return TensorMemory::CopyDigestV2(dst, src);
   // Pieces that stay in L2 between the sum and the copy (a multiple of 8 bytes: word indices).
   constexpr size_t kPiece = size_t{256} << 10;

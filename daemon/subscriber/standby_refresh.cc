@@ -169,8 +169,7 @@ std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
   return job;
 }
 
-const SubscriberCore::SlotDigests* SubscriberCore::VerifiedDigestsOfLocked(
-    uint64_t version) const {
+const SubscriberCore::SlotDigests* SubscriberCore::VerifiedDigestsOfLocked(uint64_t version) const {
   for (const auto& [slot, sd] : slot_digests_) {
     if (version != 0 && sd.version == version) return &sd;
   }

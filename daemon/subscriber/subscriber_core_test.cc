@@ -1,5 +1,6 @@
 #include "daemon/subscriber/subscriber_core.h"
 
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -11,7 +12,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include "cuda/device.h"
@@ -37,10 +37,10 @@ namespace {
 
 using ::refit::testing::IsOk;
 using ::refit::testing::StatusIs;
-using ::testing::HasSubstr;
 using sync::PatchHistory;
 using sync::PlanOptions;
 using sync::TransferPlan;
+using ::testing::HasSubstr;
 
 using sync::testing::BF16;
 using sync::testing::Model;
