@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "cuda/device.h"
 #include "daemon/codec/codec.h"
 #include "daemon/codec/digest_v2.h"
@@ -182,15 +183,19 @@ TEST_F(SubscriberCoreTest, TheCopyPathDoesNotCarryABaseCorruptedAfterItsVerifica
     SubscriberOptions o = opts_;
     SubscriberCore* self = nullptr;
     std::atomic<bool> flipped{false};
+    absl::Notification checked;  // version 1 checked (Sync): the seed may flip the byte now
     if (before_seed) {
       o.refresh_tensor_hook = [&](size_t, const std::atomic<bool>&) {
-        if (!flipped.exchange(true)) CorruptApplied(*self, "b.weight", 1234);
+        if (flipped.exchange(true)) return;
+        EXPECT_TRUE(checked.WaitForNotificationWithTimeout(absl::Seconds(20)));
+        CorruptApplied(*self, "b.weight", 1234);
       };
     }
     SubscriberCore core(o);
     self = &core;
     core.SetDigestFormat(sync::DigestFormat::kV2);
     Sync(core, 1);
+    checked.Notify();
     ASSERT_TRUE(core.standby().WaitIdle(absl::Seconds(30)));
     const RefreshStats rs = core.standby().stats();
     EXPECT_EQ(rs.from_version, 0u) << "the empty slot is seeded";
