@@ -23,6 +23,11 @@ absl::Status CheckLineSpans(std::span<uint8_t> dst, std::span<const uint8_t> src
   return absl::OkStatus();
 }
 
+bool Overlap(std::span<uint8_t> dst, std::span<const uint8_t> src) {
+  return !dst.empty() && dst.data() < src.data() + src.size() &&
+         src.data() < dst.data() + dst.size();
+}
+
 }  // namespace
 
 absl::StatusOr<uint64_t> TensorMemory::CopyDigestV2(std::span<uint8_t> dst,
@@ -40,8 +45,7 @@ absl::Status CheckSameSize(size_t dst, size_t src, const char* what) {
 absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) {
   if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
   if (dst.empty() || dst.data() == src.data()) return absl::OkStatus();
-  const bool overlap = dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
-  if (overlap) {
+  if (Overlap(dst, src)) {
     std::memmove(dst.data(), src.data(), dst.size());
   } else {
     // Slot to slot (a refresh, a base) or a received keyframe into its slot: not read again
@@ -54,11 +58,12 @@ absl::Status HostMemory::Copy(std::span<uint8_t> dst, std::span<const uint8_t> s
 absl::StatusOr<uint64_t> HostMemory::CopyDigestV2(std::span<uint8_t> dst,
                                                   std::span<const uint8_t> src) {
   if (absl::Status st = CheckSameSize(dst.size(), src.size(), "copy"); !st.ok()) return st;
-  const bool overlap =
-      !dst.empty() && dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
-  if (overlap) return TensorMemory::CopyDigestV2(dst, src);
-  // Pieces that stay in L2 between the sum and the copy (a multiple of 8 bytes: word indices).
-  constexpr size_t kPiece = size_t{256} << 10;
+  if (Overlap(dst, src)) return TensorMemory::CopyDigestV2(dst, src);
+  // Pieces that stay in L2 between the sum and the copy, and that Copy's stream stores take
+  // whole (smaller ones would be memcpy'd through the caches); a multiple of 8 bytes, so each
+  // piece starts on a digest word.
+  constexpr size_t kPiece = kStreamCopyMinBytes;
+  static_assert(kPiece % 8 == 0);
   uint64_t sum = 0;
   for (size_t off = 0; off < src.size(); off += kPiece) {
     const size_t n = std::min(kPiece, src.size() - off);

@@ -90,7 +90,8 @@ class HostMemory final : public TensorMemory {
   std::string Describe() const override { return "host memory"; }
   bool host_accessible() const override { return true; }
   absl::Status Copy(std::span<uint8_t> dst, std::span<const uint8_t> src) override;
-  // Piece by piece: each piece's digest sum while it is read, then its copy from the cache.
+  // Piece by piece (1 MiB): each piece's digest sum while it is read, then its copy from the
+  // cache.
   absl::StatusOr<uint64_t> CopyDigestV2(std::span<uint8_t> dst,
                                         std::span<const uint8_t> src) override;
   absl::Status Upload(std::span<uint8_t> dst, std::span<const uint8_t> host) override;

@@ -19,12 +19,12 @@ std::vector<uint8_t> RandomBytes(size_t n, std::mt19937_64& rng) {
 }
 
 // CopyDigestV2 copies exactly and returns TensorDigestV2 of what it copied, for sizes around its
-// pieces (256 KiB) and a partial last word; a copy onto itself or onto an overlapping span too.
+// pieces (1 MiB) and a partial last word; a copy onto itself or onto an overlapping span too.
 TEST(HostMemoryTest, CopyDigestV2IsTheCopyAndItsDigest) {
   HostMemory mem(1);
   std::mt19937_64 rng(11);
   for (size_t n : {size_t{0}, size_t{5}, size_t{8}, size_t{4099}, (size_t{256} << 10) - 8,
-                   (size_t{512} << 10) + 13, size_t{3} << 20}) {
+                   (size_t{512} << 10) + 13, size_t{3} << 20, (size_t{2} << 20) + 13}) {
     SCOPED_TRACE(n);
     const std::vector<uint8_t> src = RandomBytes(n, rng);
     std::vector<uint8_t> dst(n, 0xAB);

@@ -26,9 +26,9 @@ namespace {
 struct RefreshWork {
   std::shared_ptr<store::SlottedStore> store;
   store::RefreshHandle handle;
-  // A seed (BeginSeed): the empty slot filled with a copy of the current version, each tensor
-  // checked against the current version's verified digest; `chain` is empty.
-  bool seed = false;
+  // A seed (BeginSeed: from version 0): the empty slot filled with a copy of the current
+  // version, each tensor checked against the current version's verified digest; no chain.
+  bool seed() const { return handle.from_version == 0; }
   std::vector<const RetainedTransfer*> chain;
   std::vector<std::optional<uint64_t>> digests;
   std::vector<std::optional<uint64_t>> current_digests;
@@ -89,7 +89,7 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
     const std::optional<uint64_t> current_digest =
         li < w.current_digests.size() ? w.current_digests[li] : std::nullopt;
     absl::Status st;
-    if (w.seed) {
+    if (w.seed()) {
       ++stats.tensors_copied;
       st = SeedTensor(mem, out, current, current_digest, digest);
     } else if (const std::optional<ChangedLines> lines = ChainLines(w.chain, li);
@@ -106,7 +106,7 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
       st = ApplyChain(mem, w.chain, li, tensor.dtype, out, &digest, &stats.patches);
     }
     if (!st.ok()) {
-      return Annotate(st, w.seed ? "seed" : "refresh", " of slot ", w.handle.slot, ", ",
+      return Annotate(st, w.seed() ? "seed" : "refresh", " of slot ", w.handle.slot, ", ",
                       Quoted(tensor.name));
     }
   }
@@ -124,23 +124,35 @@ absl::Status ApplyRefresh(RefreshWork& w, RefreshStats& stats, const std::atomic
 std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
   std::shared_ptr<store::SlottedStore> current = generations_.current();
   if (current == nullptr || transfer_ != nullptr) return std::nullopt;
-  absl::StatusOr<store::RefreshHandle> handle =
-      retained_.empty() ? absl::FailedPreconditionError("no retained patches")
-                        : current->BeginRefresh(retained_.oldest().base);
-  const bool seed = !handle.ok() && VerifiedDigestsOfLocked(applied_version()) != nullptr;
-  if (seed) handle = current->BeginSeed();
+  if (!retained_.empty()) {
+    if (auto handle = current->BeginRefresh(retained_.oldest().base); handle.ok()) {
+      auto chain = retained_.Chain(handle->from_version, handle->to_version);
+      if (!chain.has_value() || handle->to_version != applied_version()) {
+        (void)current->AbortRefresh(*handle);  // not expected: retained_ ends at the applied one
+        return std::nullopt;
+      }
+      return RefreshJobLocked(std::move(current), std::move(*handle), std::move(*chain));
+    }
+  }
+  if (VerifiedDigestsOfLocked(applied_version()) == nullptr) return std::nullopt;
+  auto handle = current->BeginSeed();
   if (!handle.ok()) return std::nullopt;
-  std::optional<std::vector<const RetainedTransfer*>> chain;
-  if (!seed) chain = retained_.Chain(handle->from_version, handle->to_version);
-  if ((!seed && !chain.has_value()) || handle->to_version != applied_version()) {
-    (void)current->AbortRefresh(*handle);  // not expected: retained_ ends at the applied version
+  if (handle->to_version != applied_version()) {
+    (void)current->AbortRefresh(*handle);  // not expected: the current slot holds it
     return std::nullopt;
   }
+  return RefreshJobLocked(std::move(current), std::move(*handle), {});
+}
+
+// The job that brings the claimed slot to handle.to_version (the applied version): by `chain`,
+// or, for a seed, by verified copies.
+StandbyRefresher::Job SubscriberCore::RefreshJobLocked(std::shared_ptr<store::SlottedStore> store,
+                                                       store::RefreshHandle handle,
+                                                       std::vector<const RetainedTransfer*> chain) {
   auto w = std::make_shared<RefreshWork>();
-  w->store = std::move(current);
-  w->handle = std::move(*handle);
-  w->seed = seed;
-  if (chain.has_value()) w->chain = std::move(*chain);
+  w->store = std::move(store);
+  w->handle = std::move(handle);
+  w->chain = std::move(chain);
   // The slot's digests travel with the job (nothing else may use them while it writes).
   if (auto it = slot_digests_.find(w->handle.slot); it != slot_digests_.end()) {
     if (it->second.version == w->handle.from_version) w->digests = std::move(it->second.digests);
@@ -149,7 +161,7 @@ std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
   if (const SlotDigests* sd = VerifiedDigestsOfLocked(w->handle.to_version); sd != nullptr) {
     w->current_digests = sd->digests;
   }
-  if (seed) w->digests.assign(w->store->layout().units().size(), std::nullopt);
+  if (w->seed()) w->digests.assign(w->store->layout().units().size(), std::nullopt);
   StandbyRefresher::Job job;
   job.stats.from_version = w->handle.from_version;
   job.stats.to_version = w->handle.to_version;
@@ -170,8 +182,9 @@ std::optional<StandbyRefresher::Job> SubscriberCore::ClaimRefreshLocked() {
 }
 
 const SubscriberCore::SlotDigests* SubscriberCore::VerifiedDigestsOfLocked(uint64_t version) const {
+  if (version == 0) return nullptr;
   for (const auto& [slot, sd] : slot_digests_) {
-    if (version != 0 && sd.version == version) return &sd;
+    if (sd.version == version) return &sd;
   }
   return nullptr;
 }

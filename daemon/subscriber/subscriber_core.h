@@ -259,6 +259,11 @@ class SubscriberCore {
     uint64_t version = 0;
     std::vector<std::optional<uint64_t>> digests;
   };
+  // ClaimRefreshLocked's job for the slot it claimed (standby_refresh.cc).
+  StandbyRefresher::Job RefreshJobLocked(std::shared_ptr<store::SlottedStore> store,
+                                         store::RefreshHandle handle,
+                                         std::vector<const RetainedTransfer*> chain)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The verified digests of a slot holding `version` (v2 sessions), or null.
   const SlotDigests* VerifiedDigestsOfLocked(uint64_t version) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
